@@ -1,0 +1,244 @@
+//! The multi-budget decision: admit on every budget or on none.
+
+use std::time::Duration;
+
+use arrayvec::ArrayVec;
+
+use crate::rate::{self, BudgetStatus, Rate, Verdict};
+use crate::{BudgetKey, Timestamp};
+
+/// The most budgets one decision may touch. A request's class budget, its IP
+/// ceiling, a route bucket, a quota and a weighted budget fit with room to
+/// spare; more is refused with [`DecisionError::TooManyBudgets`].
+pub const MAX_BUDGETS: usize = 8;
+
+/// One budget a request wants to spend on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budget {
+    /// Which budget of which subject.
+    pub key: BudgetKey,
+    /// How it refills.
+    pub rate: Rate,
+    /// Units per window (or per period).
+    pub limit: u32,
+    /// Units this request spends (0 = only look).
+    pub cost: u32,
+}
+
+impl Budget {
+    /// A budget spending one unit of `limit` per fixed window of `seconds`.
+    pub fn per_window(key: BudgetKey, limit: u32, seconds: std::num::NonZeroU32) -> Self {
+        Budget {
+            key,
+            rate: Rate::FixedWindow { seconds },
+            limit,
+            cost: 1,
+        }
+    }
+
+    /// The same budget with another cost.
+    pub fn with_cost(mut self, cost: u32) -> Self {
+        self.cost = cost;
+        self
+    }
+}
+
+/// Whether a decision spends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Spend on every budget if all admit.
+    Spend,
+    /// Report what would happen; change nothing.
+    Peek,
+}
+
+/// Errors of a decision's input (never of the budgets' state).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecisionError {
+    /// More than [`MAX_BUDGETS`] budgets in one decision.
+    #[error("a decision may touch at most {MAX_BUDGETS} budgets, {given} were given")]
+    TooManyBudgets {
+        /// How many were given.
+        given: usize,
+    },
+}
+
+/// Where a budget's state is read and written during one decision.
+///
+/// A store implements this over whatever it has locked for the decision; the
+/// core calls [`Ledger::read`] for every cell first and [`Ledger::write`] only
+/// if the whole decision admits.
+pub trait Ledger {
+    /// The value of `cell` of `key`'s budget (`0` when absent).
+    fn read(&mut self, key: &BudgetKey, cell: u64) -> u64;
+    /// Stores `value` in `cell` of `key`'s budget.
+    fn write(&mut self, key: &BudgetKey, cell: u64, value: u64);
+}
+
+/// The outcome of one decision: admitted or not, and per budget what the
+/// client should be told.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    admitted: bool,
+    statuses: ArrayVec<BudgetStatus, MAX_BUDGETS>,
+}
+
+impl Decision {
+    /// True when every budget admitted (and, in [`Mode::Spend`], all were spent).
+    pub fn is_admitted(&self) -> bool {
+        self.admitted
+    }
+
+    /// Per budget, in the order given.
+    pub fn statuses(&self) -> &[BudgetStatus] {
+        &self.statuses
+    }
+
+    /// True when some budget can never admit this cost (cost above its limit).
+    pub fn is_never(&self) -> bool {
+        self.statuses.iter().any(|s| s.verdict == Verdict::Never)
+    }
+
+    /// The index of the budget that binds: when admitted, the one with the
+    /// fewest units left (the first of equals); when refused, the refusing
+    /// one with the longest wait (a never-fitting one first).
+    pub fn binding_index(&self) -> usize {
+        let mut best = 0;
+        for (i, s) in self.statuses.iter().enumerate() {
+            let b = &self.statuses[best];
+            let better = if self.admitted {
+                s.remaining < b.remaining
+            } else {
+                match (s.retry_after(), b.retry_after()) {
+                    (None, Some(_)) => true,
+                    (Some(x), Some(y)) => x > y,
+                    _ => false,
+                }
+            };
+            if better {
+                best = i;
+            }
+        }
+        best
+    }
+
+    /// The binding budget's status (see [`Decision::binding_index`]); `None`
+    /// only for a decision over no budgets.
+    pub fn binding(&self) -> Option<&BudgetStatus> {
+        self.statuses.get(self.binding_index())
+    }
+
+    /// When refused and a retry can succeed: how long until every budget has
+    /// room. `None` when admitted or when a budget can never fit.
+    pub fn retry_after(&self) -> Option<Duration> {
+        if self.admitted || self.is_never() {
+            return None;
+        }
+        self.statuses
+            .iter()
+            .filter_map(BudgetStatus::retry_after)
+            .max()
+    }
+}
+
+/// Decides `budgets` at `now` against `ledger`: all admit and (in
+/// [`Mode::Spend`]) all are spent, or nothing changes.
+///
+/// # Errors
+/// [`DecisionError::TooManyBudgets`] when given more than [`MAX_BUDGETS`].
+pub fn decide<L: Ledger>(
+    budgets: &[Budget],
+    ledger: &mut L,
+    now: Timestamp,
+    mode: Mode,
+) -> Result<Decision, DecisionError> {
+    if budgets.len() > MAX_BUDGETS {
+        return Err(DecisionError::TooManyBudgets {
+            given: budgets.len(),
+        });
+    }
+    // Tentative cell values, so two budgets sharing a cell see each other.
+    let mut pending: ArrayVec<(usize, u64, u64), { 2 * MAX_BUDGETS }> = ArrayVec::new();
+    let mut evals: ArrayVec<rate::Evaluation, MAX_BUDGETS> = ArrayVec::new();
+    let mut admitted = true;
+    for (i, b) in budgets.iter().enumerate() {
+        let keys = rate::cells(&b.rate, &b.key, now);
+        let mut values: ArrayVec<u64, 2> = ArrayVec::new();
+        for &cell in &keys {
+            let v = match pending
+                .iter()
+                .rev()
+                .find(|(j, c, _)| *c == cell && budgets[*j].key == b.key)
+            {
+                Some(&(_, _, v)) => v,
+                None => ledger.read(&b.key, cell),
+            };
+            values.push(v);
+        }
+        let e = rate::evaluate(&b.rate, &keys, &values, b.limit, b.cost, now);
+        admitted &= e.verdict == Verdict::Admitted;
+        for &(cell, v) in &e.writes {
+            pending.push((i, cell, v));
+        }
+        evals.push(e);
+    }
+    if admitted && mode == Mode::Spend {
+        for &(i, cell, v) in &pending {
+            ledger.write(&budgets[i].key, cell, v);
+        }
+    }
+    let spent = admitted && mode == Mode::Spend;
+    let statuses = budgets
+        .iter()
+        .zip(&evals)
+        .map(|(b, e)| BudgetStatus {
+            verdict: e.verdict,
+            limit: b.limit,
+            remaining: if spent {
+                e.remaining_after
+            } else {
+                e.remaining_before
+            },
+            reset: e.reset,
+        })
+        .collect();
+    Ok(Decision { admitted, statuses })
+}
+
+/// Charges (`delta > 0`) or refunds (`delta < 0`) `budget` after the fact, for
+/// costs known only when a call ends (SPEC Q2). `reserved_at` is when the
+/// original spend was decided.
+///
+/// The books never go below zero or above the limit. A refund for a window
+/// that no longer counts is dropped (refunding it into the current window
+/// would hand out units that were never spent there); a charge always lands
+/// in the current window.
+pub fn adjust<L: Ledger>(
+    budget: &Budget,
+    delta: i64,
+    reserved_at: Timestamp,
+    ledger: &mut L,
+    now: Timestamp,
+) -> BudgetStatus {
+    let keys = rate::cells(&budget.rate, &budget.key, now);
+    let values: ArrayVec<u64, 2> = keys.iter().map(|&c| ledger.read(&budget.key, c)).collect();
+    let a = rate::adjust(
+        &budget.rate,
+        &keys,
+        &values,
+        budget.limit,
+        delta,
+        reserved_at,
+        now,
+    );
+    for &(cell, v) in &a.writes {
+        ledger.write(&budget.key, cell, v);
+    }
+    BudgetStatus {
+        verdict: Verdict::Admitted,
+        limit: budget.limit,
+        remaining: a.remaining_after,
+        reset: a.reset,
+    }
+}

@@ -1,0 +1,431 @@
+//! How a budget refills: the algorithms, as pure functions of
+//! `(cells, now, limit, cost)`.
+//!
+//! A store keeps each budget's state in one or two 64-bit *cells*. The high 32
+//! bits of every non-empty cell hold the Unix second after which the cell no
+//! longer matters (see [`cell_is_stale`]); a store may drop such a cell at any
+//! time without changing any decision. An absent cell reads as `0`.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use arrayvec::ArrayVec;
+
+use crate::calendar::month_of;
+use crate::clock::duration_nanos;
+use crate::key::mix64;
+use crate::{BudgetKey, Timestamp};
+
+const NANOS_PER_SEC: u64 = 1_000_000_000;
+const SLIDING_SALT: [u64; 2] = [0x9e37_79b9_7f4a_7c15, 0xc2b2_ae3d_27d4_eb4f];
+
+/// True when `cell` can be dropped at `now` without changing any decision.
+#[inline]
+pub const fn cell_is_stale(cell: u64, now: Timestamp) -> bool {
+    (cell >> 32) < now.as_secs()
+}
+
+#[inline]
+const fn pack(until: u64, low: u32) -> u64 {
+    // Unix seconds fit 32 bits until 2106; saturate rather than wrap.
+    let until = if until > u32::MAX as u64 {
+        u32::MAX as u64
+    } else {
+        until
+    };
+    (until << 32) | low as u64
+}
+
+#[inline]
+const fn low(cell: u64) -> u32 {
+    cell as u32
+}
+
+/// How a budget refills.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Rate {
+    /// `limit` units per window of `seconds`, windows aligned to the Unix
+    /// epoch (every replica agrees where a window starts).
+    FixedWindow {
+        /// Window length in seconds.
+        seconds: NonZeroU32,
+    },
+    /// The sliding-window counter: the previous aligned window's count,
+    /// weighted by how much of it still overlaps the last `seconds`, plus the
+    /// current window's count. Smoother than a fixed window at the boundary;
+    /// never admits more than `limit` in any aligned window.
+    SlidingWindow {
+        /// Window length in seconds.
+        seconds: NonZeroU32,
+    },
+    /// `limit` units per calendar month (UTC); resets at the first instant of
+    /// the next month.
+    CalendarMonth,
+    /// The generic cell rate algorithm: `limit` units per `period`, evenly
+    /// spaced, with at most `burst` units at once. `burst = 1` spaces every
+    /// unit evenly (pacing).
+    Gcra {
+        /// The period over which `limit` units are allowed.
+        period: Duration,
+        /// How many units may go back to back.
+        burst: NonZeroU32,
+    },
+}
+
+/// What one budget says about one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The cost fits now.
+    Admitted,
+    /// The cost does not fit now; it will after `retry_after`.
+    NotYet {
+        /// How long until the cost fits, assuming nothing else spends.
+        retry_after: Duration,
+    },
+    /// The cost can never fit: it is larger than the budget's whole limit.
+    Never,
+}
+
+/// Where one budget stands, as the client is told (limit, remaining, reset).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BudgetStatus {
+    /// What this budget says about the request.
+    pub verdict: Verdict,
+    /// The budget's limit per window.
+    pub limit: u32,
+    /// Units left: after this request if it was admitted and spent, otherwise
+    /// as the books stand.
+    pub remaining: u32,
+    /// Unix second at which the current window ends (fixed, sliding, month)
+    /// or the budget is whole again (GCRA).
+    pub reset: u64,
+}
+
+impl BudgetStatus {
+    /// Seconds from `now` until `reset`, rounded up.
+    pub fn reset_after_secs(&self, now: Timestamp) -> u64 {
+        self.reset.saturating_sub(now.as_secs())
+    }
+
+    /// The time until the cost fits (`None` for [`Verdict::Never`], zero when admitted).
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self.verdict {
+            Verdict::Admitted => Some(Duration::ZERO),
+            Verdict::NotYet { retry_after } => Some(retry_after),
+            Verdict::Never => None,
+        }
+    }
+}
+
+/// One budget's evaluation: its status before and after spending, and the
+/// cells to write if every budget of the decision admits.
+#[derive(Clone, Debug)]
+pub(crate) struct Evaluation {
+    pub(crate) verdict: Verdict,
+    pub(crate) remaining_before: u32,
+    pub(crate) remaining_after: u32,
+    pub(crate) reset: u64,
+    pub(crate) writes: ArrayVec<(u64, u64), 2>,
+}
+
+/// The cell keys a budget uses at `now`.
+pub(crate) fn cells(rate: &Rate, key: &BudgetKey, now: Timestamp) -> ArrayVec<u64, 2> {
+    let fp = key.fingerprint();
+    let mut out = ArrayVec::new();
+    match rate {
+        Rate::SlidingWindow { seconds } => {
+            let w = now.as_secs() / u64::from(seconds.get());
+            out.push(mix64(fp ^ SLIDING_SALT[(w & 1) as usize]));
+            out.push(mix64(fp ^ SLIDING_SALT[((w + 1) & 1) as usize]));
+        }
+        _ => out.push(fp),
+    }
+    out
+}
+
+fn window_bounds(rate: &Rate, now: Timestamp) -> (u64, u64) {
+    match rate {
+        Rate::FixedWindow { seconds } | Rate::SlidingWindow { seconds } => {
+            let w = u64::from(seconds.get());
+            let start = now.as_secs() / w * w;
+            (start, start + w)
+        }
+        Rate::CalendarMonth => {
+            let m = month_of(now);
+            (m.start, m.end)
+        }
+        Rate::Gcra { .. } => (now.as_secs(), now.as_secs()),
+    }
+}
+
+fn verdict_for(fits: bool, never: bool, retry_after_nanos: u64) -> Verdict {
+    if never {
+        Verdict::Never
+    } else if fits {
+        Verdict::Admitted
+    } else {
+        Verdict::NotYet {
+            retry_after: Duration::from_nanos(retry_after_nanos),
+        }
+    }
+}
+
+/// Evaluates spending `cost` of `limit` at `now`, given the cells' values (in
+/// the order of [`cells`]).
+pub(crate) fn evaluate(
+    rate: &Rate,
+    cell_keys: &[u64],
+    values: &[u64],
+    limit: u32,
+    cost: u32,
+    now: Timestamp,
+) -> Evaluation {
+    let never = cost > limit;
+    let mut writes = ArrayVec::new();
+    match rate {
+        Rate::FixedWindow { .. } | Rate::CalendarMonth => {
+            let (_, end) = window_bounds(rate, now);
+            let spent = if values[0] >> 32 == end.min(u64::from(u32::MAX)) {
+                low(values[0])
+            } else {
+                0
+            };
+            let spent = spent.min(limit);
+            let fits = !never && spent.saturating_add(cost) <= limit;
+            let remaining_before = limit - spent;
+            let remaining_after = if fits {
+                remaining_before - cost
+            } else {
+                remaining_before
+            };
+            if fits && cost > 0 {
+                writes.push((cell_keys[0], pack(end, spent + cost)));
+            }
+            let retry = (end * NANOS_PER_SEC).saturating_sub(now.as_nanos());
+            Evaluation {
+                verdict: verdict_for(fits, never, retry),
+                remaining_before,
+                remaining_after,
+                reset: end,
+                writes,
+            }
+        }
+        Rate::SlidingWindow { seconds } => {
+            let w_secs = u64::from(seconds.get());
+            let (start, end) = window_bounds(rate, now);
+            let w = u128::from(w_secs * NANOS_PER_SEC);
+            // The current window's cell matters until the next one ends; the
+            // previous window's cell until this one ends.
+            let cur = if values[0] >> 32 == end + w_secs {
+                low(values[0])
+            } else {
+                0
+            };
+            let prev = if values[1] >> 32 == end {
+                low(values[1])
+            } else {
+                0
+            };
+            let elapsed = u128::from(now.as_nanos() - start * NANOS_PER_SEC);
+            let overlap = w - elapsed;
+            // estimate = prev * overlap / w + cur, compared exactly in w units.
+            let used = u128::from(prev) * overlap + u128::from(cur) * w;
+            let cap = u128::from(limit) * w;
+            let need = u128::from(cost) * w;
+            let fits = !never && used + need <= cap;
+            let remaining_before = (cap.saturating_sub(used) / w) as u32;
+            let remaining_after = if fits {
+                ((cap - used - need) / w) as u32
+            } else {
+                remaining_before
+            };
+            if fits && cost > 0 {
+                writes.push((cell_keys[0], pack(end + w_secs, cur + cost)));
+            }
+            let retry = if fits || never {
+                0
+            } else if u128::from(cur) + u128::from(cost) <= u128::from(limit) {
+                // Wait in this window until prev's weight has fallen enough:
+                // prev * (w - e) <= (limit - cur - cost) * w.
+                let room = (u128::from(limit) - u128::from(cur) - u128::from(cost)) * w;
+                let e_needed = w.saturating_sub(room / u128::from(prev.max(1)));
+                (e_needed.saturating_sub(elapsed)) as u64
+            } else {
+                // Wait for the next window, then for cur's weight to fall.
+                let to_end = (w - elapsed) as u64;
+                let room = u128::from(limit - cost) * w;
+                let e_needed = w - (room / u128::from(cur.max(1))).min(w);
+                to_end + e_needed as u64
+            };
+            Evaluation {
+                verdict: verdict_for(fits, never, retry),
+                remaining_before,
+                remaining_after,
+                reset: end,
+                writes,
+            }
+        }
+        Rate::Gcra { period, burst } => {
+            let t = (duration_nanos(*period) / u64::from(limit.max(1))).max(1);
+            let capacity = t.saturating_mul(u64::from(burst.get()));
+            let stored_tat =
+                (values[0] >> 32) * NANOS_PER_SEC + u64::from(low(values[0]) % 1_000_000_000);
+            let tat = stored_tat.max(now.as_nanos());
+            let debt = tat - now.as_nanos();
+            let spend = t.saturating_mul(u64::from(cost));
+            let never = never || u64::from(cost) > u64::from(burst.get());
+            let fits = !never && debt + spend <= capacity;
+            let remaining_before = (capacity.saturating_sub(debt) / t) as u32;
+            let remaining_after = if fits {
+                ((capacity - debt - spend) / t) as u32
+            } else {
+                remaining_before
+            };
+            let new_tat = tat + spend;
+            if fits && cost > 0 {
+                writes.push((
+                    cell_keys[0],
+                    pack(new_tat / NANOS_PER_SEC, (new_tat % NANOS_PER_SEC) as u32),
+                ));
+            }
+            let drained = if fits { new_tat } else { tat };
+            let retry = (debt + spend).saturating_sub(capacity);
+            Evaluation {
+                verdict: verdict_for(fits, never, retry),
+                remaining_before,
+                remaining_after,
+                reset: drained.div_ceil(NANOS_PER_SEC),
+                writes,
+            }
+        }
+    }
+}
+
+/// Charges or refunds `delta` units after the fact (see [`crate::adjust`]).
+pub(crate) fn adjust(
+    rate: &Rate,
+    cell_keys: &[u64],
+    values: &[u64],
+    limit: u32,
+    delta: i64,
+    reserved_at: Timestamp,
+    now: Timestamp,
+) -> Evaluation {
+    let clamp = |spent: u32| -> u32 {
+        let v = i64::from(spent).saturating_add(delta);
+        v.clamp(0, i64::from(limit)) as u32
+    };
+    let mut writes = ArrayVec::new();
+    let (_, end) = window_bounds(rate, now);
+    let (_, reserved_end) = window_bounds(rate, reserved_at);
+    match rate {
+        Rate::FixedWindow { .. } | Rate::CalendarMonth => {
+            let spent = if values[0] >> 32 == end.min(u64::from(u32::MAX)) {
+                low(values[0]).min(limit)
+            } else {
+                0
+            };
+            let new = if delta < 0 && reserved_end != end {
+                spent
+            } else {
+                clamp(spent)
+            };
+            if new != spent {
+                writes.push((cell_keys[0], pack(end, new)));
+            }
+            Evaluation {
+                verdict: Verdict::Admitted,
+                remaining_before: limit - spent,
+                remaining_after: limit - new,
+                reset: end,
+                writes,
+            }
+        }
+        Rate::SlidingWindow { seconds } => {
+            let w_secs = u64::from(seconds.get());
+            // Index 0 is the current window's cell (identity end + w), index 1
+            // the previous window's (identity end).
+            let target = if delta >= 0 || reserved_end == end {
+                Some((0, end + w_secs))
+            } else if reserved_end + w_secs == end {
+                Some((1, end))
+            } else {
+                None
+            };
+            if let Some((i, identity)) = target {
+                let spent = if values[i] >> 32 == identity {
+                    low(values[i]).min(limit)
+                } else {
+                    0
+                };
+                let mut new = clamp(spent);
+                if i == 0 && new > spent {
+                    // A charge may fill the estimate up to the limit, no further.
+                    let (start, _) = window_bounds(rate, now);
+                    let w = u128::from(w_secs * NANOS_PER_SEC);
+                    let prev = if values[1] >> 32 == end {
+                        low(values[1])
+                    } else {
+                        0
+                    };
+                    let overlap = w - u128::from(now.as_nanos() - start * NANOS_PER_SEC);
+                    let room =
+                        (u128::from(limit) * w).saturating_sub(u128::from(prev) * overlap) / w;
+                    new = new.min((room as u32).max(spent));
+                }
+                if new != spent {
+                    writes.push((cell_keys[i], pack(identity, new)));
+                }
+            }
+            let mut e = evaluate(
+                rate,
+                cell_keys,
+                &apply(values, cell_keys, &writes),
+                limit,
+                0,
+                now,
+            );
+            e.writes = writes;
+            e
+        }
+        Rate::Gcra { period, burst } => {
+            let t = (duration_nanos(*period) / u64::from(limit.max(1))).max(1);
+            let capacity = t.saturating_mul(u64::from(burst.get()));
+            let stored_tat =
+                (values[0] >> 32) * NANOS_PER_SEC + u64::from(low(values[0]) % 1_000_000_000);
+            let now_n = now.as_nanos();
+            let tat = stored_tat.max(now_n);
+            let shift = t.saturating_mul(delta.unsigned_abs());
+            let new_tat = if delta >= 0 {
+                tat.saturating_add(shift).min(now_n + capacity)
+            } else {
+                tat.saturating_sub(shift).max(now_n)
+            };
+            if new_tat != tat {
+                writes.push((
+                    cell_keys[0],
+                    pack(new_tat / NANOS_PER_SEC, (new_tat % NANOS_PER_SEC) as u32),
+                ));
+            }
+            Evaluation {
+                verdict: Verdict::Admitted,
+                remaining_before: (capacity.saturating_sub(tat - now_n) / t) as u32,
+                remaining_after: (capacity.saturating_sub(new_tat - now_n) / t) as u32,
+                reset: new_tat.div_ceil(NANOS_PER_SEC),
+                writes,
+            }
+        }
+    }
+}
+
+fn apply(values: &[u64], keys: &[u64], writes: &[(u64, u64)]) -> ArrayVec<u64, 2> {
+    keys.iter()
+        .zip(values)
+        .map(|(k, v)| {
+            writes
+                .iter()
+                .find(|(c, _)| c == k)
+                .map_or(*v, |&(_, nv)| nv)
+        })
+        .collect()
+}

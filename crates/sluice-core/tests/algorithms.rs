@@ -1,0 +1,278 @@
+//! Exact behaviour of each algorithm at known instants.
+
+mod support;
+
+use std::time::Duration;
+
+use sluice_core::{Budget, BudgetKey, Mode, Rate, Timestamp, Verdict, adjust, decide, month_of};
+use support::{MapLedger, secs};
+
+/// 2026-11-30T00:00:00Z, the start of a minute.
+const T0: u64 = 1_764_460_800;
+
+fn at(secs: u64, millis: u64) -> Timestamp {
+    Timestamp::from_nanos(secs * 1_000_000_000 + millis * 1_000_000)
+}
+
+#[test]
+fn e1_fixed_window_counts_to_the_limit_and_resets_at_the_aligned_boundary() {
+    let b = Budget::per_window(BudgetKey::new("expensive", b"k"), 30, secs(60));
+    let mut l = MapLedger::default();
+    for i in 0..30 {
+        let d = decide(&[b], &mut l, at(T0 + 10, 0), Mode::Spend).expect("decide");
+        assert!(d.is_admitted());
+        assert_eq!(d.statuses()[0].remaining, 29 - i);
+        assert_eq!(d.statuses()[0].reset, T0 + 60);
+    }
+    let d = decide(&[b], &mut l, at(T0 + 23, 500), Mode::Spend).expect("decide");
+    assert!(!d.is_admitted() && !d.is_never());
+    assert_eq!(d.retry_after(), Some(Duration::from_millis(36_500)));
+    assert_eq!(d.statuses()[0].remaining, 0);
+    // The next aligned window is whole again.
+    let d = decide(&[b], &mut l, at(T0 + 60, 0), Mode::Spend).expect("decide");
+    assert!(d.is_admitted());
+    assert_eq!(d.statuses()[0].remaining, 29);
+    assert_eq!(d.statuses()[0].reset, T0 + 120);
+}
+
+#[test]
+fn e1_classes_are_independent_budgets() {
+    let exp = Budget::per_window(BudgetKey::new("expensive", b"k"), 1, secs(60));
+    let read = Budget::per_window(BudgetKey::new("read", b"k"), 300, secs(60));
+    let mut l = MapLedger::default();
+    assert!(
+        decide(&[exp], &mut l, at(T0, 0), Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    assert!(
+        !decide(&[exp], &mut l, at(T0, 0), Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    let d = decide(&[read], &mut l, at(T0, 0), Mode::Spend).expect("d");
+    assert!(d.is_admitted());
+    assert_eq!(d.statuses()[0].remaining, 299);
+}
+
+#[test]
+fn weighted_cost_spends_several_units_and_never_fits_above_the_limit() {
+    let b = Budget::per_window(BudgetKey::new("warehouse_reads", b"u"), 10, secs(60));
+    let mut l = MapLedger::default();
+    let d = decide(&[b.with_cost(7)], &mut l, at(T0, 0), Mode::Spend).expect("d");
+    assert_eq!(d.statuses()[0].remaining, 3);
+    let d = decide(&[b.with_cost(4)], &mut l, at(T0, 0), Mode::Spend).expect("d");
+    assert!(!d.is_admitted());
+    assert_eq!(d.statuses()[0].remaining, 3, "a refusal spends nothing");
+    let d = decide(&[b.with_cost(11)], &mut l, at(T0 + 60, 0), Mode::Spend).expect("d");
+    assert_eq!(d.statuses()[0].verdict, Verdict::Never);
+    assert_eq!(d.retry_after(), None);
+    // A cached answer costs nothing and leaves no state behind.
+    let before = l.clone();
+    let d = decide(&[b.with_cost(0)], &mut l, at(T0 + 120, 0), Mode::Spend).expect("d");
+    assert!(d.is_admitted());
+    assert_eq!(l, before);
+}
+
+#[test]
+fn peek_reports_without_spending() {
+    let b = Budget::per_window(BudgetKey::new("read", b"k"), 2, secs(60));
+    let mut l = MapLedger::default();
+    decide(&[b], &mut l, at(T0, 0), Mode::Spend).expect("d");
+    let before = l.clone();
+    let p = decide(&[b], &mut l, at(T0, 0), Mode::Peek).expect("d");
+    assert!(p.is_admitted());
+    assert_eq!(
+        p.statuses()[0].remaining,
+        1,
+        "peek reports the books as they stand"
+    );
+    assert_eq!(l, before);
+}
+
+#[test]
+fn adjust_charges_refunds_and_clamps() {
+    let b = Budget::per_window(BudgetKey::new("warehouse_reads", b"u"), 10, secs(60));
+    let mut l = MapLedger::default();
+    let now = at(T0 + 5, 0);
+    decide(&[b], &mut l, now, Mode::Spend).expect("d");
+    // The upstream said the call spent 4 units: charge 3 more.
+    assert_eq!(adjust(&b, 3, now, &mut l, now).remaining, 6);
+    // Charging past the limit clamps at the limit.
+    assert_eq!(adjust(&b, 50, now, &mut l, now).remaining, 0);
+    // Refunds clamp at zero spent.
+    assert_eq!(adjust(&b, -100, now, &mut l, now).remaining, 10);
+    decide(&[b.with_cost(2)], &mut l, now, Mode::Spend).expect("d");
+    // A refund for a reservation made in an earlier window is dropped.
+    let later = at(T0 + 61, 0);
+    decide(&[b.with_cost(5)], &mut l, later, Mode::Spend).expect("d");
+    assert_eq!(adjust(&b, -2, now, &mut l, later).remaining, 5);
+    // A charge lands in the current window.
+    assert_eq!(adjust(&b, 1, now, &mut l, later).remaining, 4);
+}
+
+#[test]
+fn q1_calendar_month_quota_resets_at_the_next_month() {
+    let b = Budget {
+        key: BudgetKey::new("quota:messages", b"ws"),
+        rate: Rate::CalendarMonth,
+        limit: 2,
+        cost: 1,
+    };
+    let mut l = MapLedger::default();
+    // 2026-11-30T23:59:59.999999999Z: the last nanosecond of November.
+    let last = Timestamp::from_nanos(month_of(Timestamp::from_secs(T0)).end * 1_000_000_000 - 1);
+    assert!(
+        decide(&[b], &mut l, Timestamp::from_secs(T0), Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    let d = decide(&[b], &mut l, last, Mode::Spend).expect("d");
+    assert!(d.is_admitted());
+    assert_eq!(d.statuses()[0].reset, 1_764_547_200, "2026-12-01T00:00:00Z");
+    let d = decide(&[b], &mut l, last, Mode::Spend).expect("d");
+    assert_eq!(d.retry_after(), Some(Duration::from_nanos(1)));
+    let dec = Timestamp::from_secs(1_764_547_200);
+    let d = decide(&[b], &mut l, dec, Mode::Spend).expect("d");
+    assert!(d.is_admitted());
+    assert_eq!(d.statuses()[0].remaining, 1);
+    assert_eq!(d.statuses()[0].reset, 1_767_225_600, "2027-01-01T00:00:00Z");
+}
+
+#[test]
+fn sliding_window_weighs_the_previous_window() {
+    let b = Budget {
+        key: BudgetKey::new("read", b"k"),
+        rate: Rate::SlidingWindow { seconds: secs(60) },
+        limit: 10,
+        cost: 1,
+    };
+    let mut l = MapLedger::default();
+    for _ in 0..10 {
+        assert!(
+            decide(&[b], &mut l, at(T0 + 50, 0), Mode::Spend)
+                .expect("d")
+                .is_admitted()
+        );
+    }
+    // 15 s into the next window, 45/60 of the previous 10 still count: 7.5.
+    let d = decide(&[b], &mut l, at(T0 + 75, 0), Mode::Peek).expect("d");
+    assert_eq!(d.statuses()[0].remaining, 2);
+    assert!(
+        decide(&[b.with_cost(2)], &mut l, at(T0 + 75, 0), Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    let d = decide(&[b], &mut l, at(T0 + 75, 0), Mode::Spend).expect("d");
+    assert!(!d.is_admitted());
+    // 7.5 + 2 + 1 > 10 until the previous window weighs <= 7 units: 42 s left of it,
+    // i.e. at T0 + 78.
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(3)));
+    assert!(
+        decide(&[b], &mut l, at(T0 + 78, 0), Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    // Two windows later nothing of the first remains.
+    let d = decide(&[b], &mut l, at(T0 + 180, 0), Mode::Peek).expect("d");
+    assert_eq!(d.statuses()[0].remaining, 10);
+}
+
+#[test]
+fn c3_gcra_with_burst_one_spaces_requests_evenly() {
+    let b = Budget {
+        key: BudgetKey::new("rpm", b"openai"),
+        rate: Rate::Gcra {
+            period: Duration::from_secs(60),
+            burst: secs(1),
+        },
+        limit: 600,
+        cost: 1,
+    };
+    let mut l = MapLedger::default();
+    let t = at(T0, 0);
+    assert!(
+        decide(&[b], &mut l, t, Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    let d = decide(&[b], &mut l, t, Mode::Spend).expect("d");
+    assert_eq!(
+        d.retry_after(),
+        Some(Duration::from_millis(100)),
+        "600/min = one per 100 ms"
+    );
+    let t = t.saturating_add(Duration::from_millis(100));
+    assert!(
+        decide(&[b], &mut l, t, Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    assert!(
+        !decide(&[b], &mut l, t, Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+}
+
+#[test]
+fn gcra_burst_allows_that_many_back_to_back() {
+    let b = Budget {
+        key: BudgetKey::new("g", b"k"),
+        rate: Rate::Gcra {
+            period: Duration::from_secs(10),
+            burst: secs(5),
+        },
+        limit: 10,
+        cost: 1,
+    };
+    let mut l = MapLedger::default();
+    let t = at(T0, 0);
+    for i in 0..5 {
+        let d = decide(&[b], &mut l, t, Mode::Spend).expect("d");
+        assert!(d.is_admitted());
+        assert_eq!(d.statuses()[0].remaining, 4 - i);
+    }
+    let d = decide(&[b], &mut l, t, Mode::Spend).expect("d");
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(1)));
+    assert_eq!(d.statuses()[0].reset, T0 + 5);
+    assert_eq!(
+        decide(&[b.with_cost(6)], &mut l, t, Mode::Peek)
+            .expect("d")
+            .statuses()[0]
+            .verdict,
+        Verdict::Never
+    );
+    // A refund gives one unit back at once.
+    adjust(&b, -1, t, &mut l, t);
+    assert!(
+        decide(&[b], &mut l, t, Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+}
+
+#[test]
+fn binding_budget_is_the_tightest_or_the_refusing_one() {
+    let class = Budget::per_window(BudgetKey::new("read", b"k"), 300, secs(60));
+    let ip = Budget::per_window(BudgetKey::new("ip", b"1.2.3.4"), 2, secs(60));
+    let mut l = MapLedger::default();
+    let d = decide(&[class, ip], &mut l, at(T0, 0), Mode::Spend).expect("d");
+    assert_eq!(d.binding_index(), 1, "ip has 1 left, the class 299");
+    decide(&[class, ip], &mut l, at(T0, 0), Mode::Spend).expect("d");
+    let d = decide(&[class, ip], &mut l, at(T0, 0), Mode::Spend).expect("d");
+    assert!(!d.is_admitted());
+    assert_eq!(d.binding().expect("binding").limit, 2);
+    assert_eq!(
+        d.statuses()[0].remaining,
+        298,
+        "a refusal reports the books unchanged"
+    );
+}
+
+#[test]
+fn too_many_budgets_is_an_error_not_a_panic() {
+    let b = Budget::per_window(BudgetKey::new("x", b"k"), 1, secs(1));
+    let many = [b; 9];
+    assert!(decide(&many, &mut MapLedger::default(), at(T0, 0), Mode::Spend).is_err());
+}

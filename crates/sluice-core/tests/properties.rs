@@ -1,0 +1,133 @@
+//! Invariants of the multi-budget decision, for any arrival sequence.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use sluice_core::{Budget, BudgetKey, Mode, Rate, Timestamp, adjust, decide};
+use support::{MapLedger, secs};
+
+const T0: u64 = 1_764_460_800;
+
+/// Four budgets of different shapes; requests pick a subset and costs.
+fn budgets() -> Vec<Budget> {
+    vec![
+        Budget::per_window(BudgetKey::new("expensive", b"a"), 30, secs(60)),
+        Budget::per_window(BudgetKey::new("ip", b"ip"), 50, secs(10)),
+        Budget {
+            key: BudgetKey::new("sliding", b"a"),
+            rate: Rate::SlidingWindow { seconds: secs(20) },
+            limit: 25,
+            cost: 1,
+        },
+        Budget {
+            key: BudgetKey::new("quota", b"ws"),
+            rate: Rate::CalendarMonth,
+            limit: 400,
+            cost: 1,
+        },
+    ]
+}
+
+fn window_of(b: &Budget, t: Timestamp) -> u64 {
+    match b.rate {
+        Rate::FixedWindow { seconds } | Rate::SlidingWindow { seconds } => {
+            t.as_secs() / u64::from(seconds.get())
+        }
+        Rate::CalendarMonth => sluice_core::month_of(t).start,
+        Rate::Gcra { .. } => 0,
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Arrival {
+    gap_ms: u64,
+    picks: Vec<bool>,
+    costs: Vec<u32>,
+}
+
+fn arrivals() -> impl Strategy<Value = Vec<Arrival>> {
+    prop::collection::vec(
+        (
+            0u64..3_000,
+            prop::collection::vec(any::<bool>(), 4),
+            prop::collection::vec(0u32..12, 4),
+        )
+            .prop_map(|(gap_ms, picks, costs)| Arrival {
+                gap_ms,
+                picks,
+                costs,
+            }),
+        1..400,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Admitted units never exceed the limit in any aligned window of any
+    /// budget, and a refused decision changes no budget.
+    #[test]
+    fn admitted_never_exceeds_limit_and_refusal_spends_nothing(seq in arrivals()) {
+        let all = budgets();
+        let mut ledger = MapLedger::default();
+        let mut spent: HashMap<(usize, u64), u64> = HashMap::new();
+        let mut now = Timestamp::from_secs(T0 + 17);
+        for a in &seq {
+            now = now.saturating_add(Duration::from_millis(a.gap_ms));
+            let chosen: Vec<(usize, Budget)> = all
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| a.picks[*i])
+                .map(|(i, b)| (i, b.with_cost(a.costs[i])))
+                .collect();
+            let req: Vec<Budget> = chosen.iter().map(|(_, b)| *b).collect();
+            let before = ledger.clone();
+            let d = decide(&req, &mut ledger, now, Mode::Spend).expect("decide");
+            if d.is_admitted() {
+                for (i, b) in &chosen {
+                    *spent.entry((*i, window_of(b, now))).or_default() += u64::from(b.cost);
+                }
+            } else {
+                prop_assert_eq!(&ledger, &before, "a refusal changed the books");
+            }
+            for (s, (_, b)) in d.statuses().iter().zip(&chosen) {
+                prop_assert!(s.remaining <= b.limit);
+            }
+        }
+        for ((i, w), units) in spent {
+            prop_assert!(units <= u64::from(all[i].limit), "budget {} window {} spent {}", i, w, units);
+        }
+    }
+
+    /// Charges and refunds after the fact keep the books within [0, limit].
+    #[test]
+    fn adjust_keeps_books_between_zero_and_limit(
+        ops in prop::collection::vec((0u64..5_000, -40i64..40, any::<bool>(), 0usize..4), 1..300)
+    ) {
+        let all = budgets();
+        let mut ledger = MapLedger::default();
+        let mut now = Timestamp::from_secs(T0 + 3);
+        for (gap_ms, delta, is_decide, which) in ops {
+            let reserved_at = now;
+            now = now.saturating_add(Duration::from_millis(gap_ms));
+            let b = all[which];
+            let status = if is_decide {
+                let d = decide(&[b], &mut ledger, now, Mode::Spend).expect("decide");
+                d.statuses()[0]
+            } else {
+                adjust(&b, delta, reserved_at, &mut ledger, now)
+            };
+            prop_assert!(status.remaining <= b.limit);
+            let peek = decide(&[b.with_cost(0)], &mut ledger, now, Mode::Peek).expect("peek");
+            prop_assert!(peek.statuses()[0].remaining <= b.limit);
+            prop_assert_eq!(peek.statuses()[0].remaining, status.remaining);
+            // Spending exactly what is left must be admitted.
+            let left = peek.statuses()[0].remaining;
+            let fill = decide(&[b.with_cost(left)], &mut ledger.clone(), now, Mode::Peek).expect("fill");
+            prop_assert!(fill.is_admitted());
+        }
+    }
+}
