@@ -36,6 +36,19 @@ impl Budget {
         }
     }
 
+    /// The keys of the cells this budget reads and writes at `now` (one, or
+    /// two for a sliding window). A store locks or fetches these before a
+    /// decision.
+    pub fn cells(&self, now: Timestamp) -> ArrayVec<u64, 2> {
+        rate::cells(&self.rate, &self.key, now)
+    }
+
+    /// The same budget with another key (e.g. a shared overflow subject).
+    pub fn with_key(mut self, key: BudgetKey) -> Self {
+        self.key = key;
+        self
+    }
+
     /// The same budget with another cost.
     pub fn with_cost(mut self, cost: u32) -> Self {
         self.cost = cost;
@@ -70,10 +83,21 @@ pub enum DecisionError {
 /// core calls [`Ledger::read`] for every cell first and [`Ledger::write`] only
 /// if the whole decision admits.
 pub trait Ledger {
-    /// The value of `cell` of `key`'s budget (`0` when absent).
-    fn read(&mut self, key: &BudgetKey, cell: u64) -> u64;
-    /// Stores `value` in `cell` of `key`'s budget.
-    fn write(&mut self, key: &BudgetKey, cell: u64, value: u64);
+    /// The value of a cell (`0` when absent).
+    fn read(&mut self, at: CellRef<'_>) -> u64;
+    /// Stores `value` in a cell.
+    fn write(&mut self, at: CellRef<'_>, value: u64);
+}
+
+/// One cell of one budget, as a [`Ledger`] is asked for it.
+#[derive(Clone, Copy, Debug)]
+pub struct CellRef<'a> {
+    /// The budget the cell belongs to.
+    pub budget: &'a Budget,
+    /// Which of the budget's cells (see [`Budget::cells`]).
+    pub index: usize,
+    /// The cell's key.
+    pub cell: u64,
 }
 
 /// The outcome of one decision: admitted or not, and per budget what the
@@ -81,6 +105,7 @@ pub trait Ledger {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Decision {
     admitted: bool,
+    decided_at: Timestamp,
     statuses: ArrayVec<BudgetStatus, MAX_BUDGETS>,
 }
 
@@ -88,6 +113,12 @@ impl Decision {
     /// True when every budget admitted (and, in [`Mode::Spend`], all were spent).
     pub fn is_admitted(&self) -> bool {
         self.admitted
+    }
+
+    /// The instant the decision was made at (pass it to [`adjust`] as
+    /// `reserved_at`).
+    pub fn decided_at(&self) -> Timestamp {
+        self.decided_at
     }
 
     /// Per budget, in the order given.
@@ -159,33 +190,44 @@ pub fn decide<L: Ledger>(
         });
     }
     // Tentative cell values, so two budgets sharing a cell see each other.
-    let mut pending: ArrayVec<(usize, u64, u64), { 2 * MAX_BUDGETS }> = ArrayVec::new();
+    // (budget, cell index, cell, value)
+    let mut pending: ArrayVec<(usize, usize, u64, u64), { 2 * MAX_BUDGETS }> = ArrayVec::new();
     let mut evals: ArrayVec<rate::Evaluation, MAX_BUDGETS> = ArrayVec::new();
     let mut admitted = true;
     for (i, b) in budgets.iter().enumerate() {
         let keys = rate::cells(&b.rate, &b.key, now);
         let mut values: ArrayVec<u64, 2> = ArrayVec::new();
-        for &cell in &keys {
+        for (index, &cell) in keys.iter().enumerate() {
             let v = match pending
                 .iter()
                 .rev()
-                .find(|(j, c, _)| *c == cell && budgets[*j].key == b.key)
+                .find(|(j, _, c, _)| *c == cell && budgets[*j].key == b.key)
             {
-                Some(&(_, _, v)) => v,
-                None => ledger.read(&b.key, cell),
+                Some(&(_, _, _, v)) => v,
+                None => ledger.read(CellRef {
+                    budget: b,
+                    index,
+                    cell,
+                }),
             };
             values.push(v);
         }
         let e = rate::evaluate(&b.rate, &keys, &values, b.limit, b.cost, now);
         admitted &= e.verdict == Verdict::Admitted;
         for &(cell, v) in &e.writes {
-            pending.push((i, cell, v));
+            let index = keys.iter().position(|&k| k == cell).unwrap_or(0);
+            pending.push((i, index, cell, v));
         }
         evals.push(e);
     }
     if admitted && mode == Mode::Spend {
-        for &(i, cell, v) in &pending {
-            ledger.write(&budgets[i].key, cell, v);
+        for &(i, index, cell, v) in &pending {
+            let at = CellRef {
+                budget: &budgets[i],
+                index,
+                cell,
+            };
+            ledger.write(at, v);
         }
     }
     let spent = admitted && mode == Mode::Spend;
@@ -203,7 +245,11 @@ pub fn decide<L: Ledger>(
             reset: e.reset,
         })
         .collect();
-    Ok(Decision { admitted, statuses })
+    Ok(Decision {
+        admitted,
+        decided_at: now,
+        statuses,
+    })
 }
 
 /// Charges (`delta > 0`) or refunds (`delta < 0`) `budget` after the fact, for
@@ -222,7 +268,17 @@ pub fn adjust<L: Ledger>(
     now: Timestamp,
 ) -> BudgetStatus {
     let keys = rate::cells(&budget.rate, &budget.key, now);
-    let values: ArrayVec<u64, 2> = keys.iter().map(|&c| ledger.read(&budget.key, c)).collect();
+    let values: ArrayVec<u64, 2> = keys
+        .iter()
+        .enumerate()
+        .map(|(index, &cell)| {
+            ledger.read(CellRef {
+                budget,
+                index,
+                cell,
+            })
+        })
+        .collect();
     let a = rate::adjust(
         &budget.rate,
         &keys,
@@ -233,7 +289,15 @@ pub fn adjust<L: Ledger>(
         now,
     );
     for &(cell, v) in &a.writes {
-        ledger.write(&budget.key, cell, v);
+        let index = keys.iter().position(|&k| k == cell).unwrap_or(0);
+        ledger.write(
+            CellRef {
+                budget,
+                index,
+                cell,
+            },
+            v,
+        );
     }
     BudgetStatus {
         verdict: Verdict::Admitted,

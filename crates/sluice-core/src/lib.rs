@@ -8,13 +8,13 @@
 //! ```
 //! use std::num::NonZeroU32;
 //! use std::collections::HashMap;
-//! use sluice_core::{decide, Budget, BudgetKey, Ledger, Mode, Timestamp};
+//! use sluice_core::{decide, Budget, BudgetKey, CellRef, Ledger, Mode, Timestamp};
 //!
 //! #[derive(Default)]
 //! struct Cells(HashMap<u64, u64>);
 //! impl Ledger for Cells {
-//!     fn read(&mut self, _: &BudgetKey, cell: u64) -> u64 { self.0.get(&cell).copied().unwrap_or(0) }
-//!     fn write(&mut self, _: &BudgetKey, cell: u64, v: u64) { self.0.insert(cell, v); }
+//!     fn read(&mut self, at: CellRef<'_>) -> u64 { self.0.get(&at.cell).copied().unwrap_or(0) }
+//!     fn write(&mut self, at: CellRef<'_>, v: u64) { self.0.insert(at.cell, v); }
 //! }
 //!
 //! let minute = NonZeroU32::new(60).unwrap();
@@ -46,7 +46,9 @@ mod turns;
 
 pub use calendar::{MonthPeriod, month_of};
 pub use clock::{Clock, FakeClock, SystemClock, Timestamp};
-pub use decision::{Budget, Decision, DecisionError, Ledger, MAX_BUDGETS, Mode, adjust, decide};
+pub use decision::{
+    Budget, CellRef, Decision, DecisionError, Ledger, MAX_BUDGETS, Mode, adjust, decide,
+};
 pub use key::{BudgetKey, digest};
 pub use rate::{BudgetStatus, Rate, Verdict, cell_is_stale};
 pub use turns::{ContinueOrFinish, DEFAULT_PROFILE_TURNS, Tier, Turn, TurnBudget};

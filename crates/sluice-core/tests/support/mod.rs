@@ -4,18 +4,18 @@
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 
-use sluice_core::{BudgetKey, Ledger};
+use sluice_core::{CellRef, Ledger};
 
 /// A ledger over a plain map: what a store holds, without a store.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MapLedger(pub HashMap<u64, u64>);
 
 impl Ledger for MapLedger {
-    fn read(&mut self, _: &BudgetKey, cell: u64) -> u64 {
-        self.0.get(&cell).copied().unwrap_or(0)
+    fn read(&mut self, at: CellRef<'_>) -> u64 {
+        self.0.get(&at.cell).copied().unwrap_or(0)
     }
-    fn write(&mut self, _: &BudgetKey, cell: u64, value: u64) {
-        self.0.insert(cell, value);
+    fn write(&mut self, at: CellRef<'_>, value: u64) {
+        self.0.insert(at.cell, value);
     }
 }
 

@@ -1,0 +1,191 @@
+//! The memory backend: exactness under threads, bounded memory, reclamation.
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use sluice_core::{Budget, BudgetKey, FakeClock, Mode, Rate, Timestamp, decide};
+use sluice_store::{BudgetStore, MemoryConfig, MemoryStore};
+
+const T0: u64 = 1_764_460_800;
+
+fn minute() -> NonZeroU32 {
+    NonZeroU32::new(60).expect("non-zero")
+}
+
+fn store(max_keys: usize, shards: usize) -> MemoryStore<FakeClock> {
+    MemoryStore::with_clock(
+        MemoryConfig { max_keys, shards },
+        FakeClock::new(Timestamp::from_secs(T0 + 1)),
+    )
+}
+
+#[test]
+fn concurrent_attempts_on_one_key_admit_exactly_the_limit() {
+    let store = Arc::new(store(10_000, 64));
+    let budget = Budget::per_window(BudgetKey::new("expensive", b"hot"), 1_000, minute());
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                (0..10_000)
+                    .filter(|_| store.decide_now(&[budget]).expect("decide").is_admitted())
+                    .count()
+            })
+        })
+        .collect();
+    let admitted: usize = threads.into_iter().map(|t| t.join().expect("thread")).sum();
+    assert_eq!(admitted, 1_000);
+}
+
+#[test]
+fn concurrent_multi_budget_decisions_are_all_or_nothing_and_exact() {
+    // Every thread spends on a shared IP ceiling and its own caller budget;
+    // shards are locked in order, so this also shows there is no deadlock.
+    let store = Arc::new(store(10_000, 8));
+    let ceiling = Budget::per_window(BudgetKey::new("ip", b"203.0.113.9"), 300, minute());
+    let threads: Vec<_> = (0..4u8)
+        .map(|t| {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                let own = Budget::per_window(BudgetKey::new("read", &[t]), 100, minute());
+                (0..5_000)
+                    .filter(|_| {
+                        store
+                            .decide_now(&[own, ceiling])
+                            .expect("decide")
+                            .is_admitted()
+                    })
+                    .count()
+            })
+        })
+        .collect();
+    let per_thread: Vec<usize> = threads
+        .into_iter()
+        .map(|t| t.join().expect("thread"))
+        .collect();
+    assert_eq!(per_thread.iter().sum::<usize>(), 300);
+    assert!(per_thread.iter().all(|&n| n <= 100));
+    let left = store.peek_now(&[ceiling]).expect("peek");
+    assert_eq!(left.statuses()[0].remaining, 0);
+}
+
+#[test]
+fn a_million_new_keys_stay_under_the_cap_and_an_active_key_keeps_its_count() {
+    let store = store(100_000, 64);
+    let active = Budget::per_window(BudgetKey::new("standard", b"active caller"), 60, minute());
+    for _ in 0..45 {
+        assert!(store.decide_now(&[active]).expect("decide").is_admitted());
+    }
+    for i in 0u64..1_000_000 {
+        let b = Budget::per_window(
+            BudgetKey::from_digests(BudgetKey::new("standard", b"").scope(), i),
+            60,
+            minute(),
+        );
+        store.decide_now(&[b]).expect("decide");
+        if i % 100_000 == 0 {
+            assert!(store.len() <= store.capacity());
+        }
+    }
+    assert!(
+        store.capacity() <= 100_000 + 64,
+        "cap rounds up by at most one per shard"
+    );
+    assert!(store.len() <= store.capacity());
+    assert!(
+        store.overflowed() > 0,
+        "past the cap new subjects share the overflow budget"
+    );
+    let still = store.peek_now(&[active]).expect("peek");
+    assert_eq!(
+        still.statuses()[0].remaining,
+        15,
+        "the active caller kept its spent count"
+    );
+    // The overflow budget is shared and bounded: new subjects were refused
+    // once it ran out, rather than each getting a fresh 60.
+    let newcomer = Budget::per_window(
+        BudgetKey::from_digests(BudgetKey::new("standard", b"").scope(), u64::MAX),
+        60,
+        minute(),
+    );
+    assert!(!store.decide_now(&[newcomer]).expect("decide").is_admitted());
+}
+
+#[test]
+fn stale_cells_are_reclaimed_and_their_room_reused() {
+    let store = store(16, 1);
+    let scope = BudgetKey::new("read", b"").scope();
+    let b = |i: u64| Budget::per_window(BudgetKey::from_digests(scope, i), 5, minute());
+    for i in 0..16 {
+        store.decide_now(&[b(i)]).expect("decide");
+    }
+    assert_eq!(store.len(), 16);
+    // Full: the 17th subject goes to the overflow budget.
+    store.decide_now(&[b(100)]).expect("decide");
+    assert_eq!(store.overflowed(), 1);
+    // A minute later every cell is stale; a new subject gets its own cell.
+    store.clock().advance(Duration::from_secs(61));
+    let d = store.decide_now(&[b(101)]).expect("decide");
+    assert_eq!(d.statuses()[0].remaining, 4);
+    assert_eq!(store.overflowed(), 1);
+    assert_eq!(store.len(), 1, "the sweep dropped the 16 stale cells");
+    store.clock().advance(Duration::from_secs(120));
+    store.reclaim();
+    assert!(store.is_empty());
+}
+
+#[tokio::test]
+async fn the_store_trait_decides_peeks_and_adjusts() {
+    let store = store(1_000, 4);
+    let b = Budget::per_window(BudgetKey::new("warehouse_reads", b"user"), 10, minute());
+    let d = store.decide(&[b.with_cost(3)]).await.expect("decide");
+    assert_eq!(d.statuses()[0].remaining, 7);
+    let s = store.adjust(&b, -2, d.decided_at()).await.expect("adjust");
+    assert_eq!(s.remaining, 9);
+    let p = store.peek(&[b]).await.expect("peek");
+    assert_eq!(p.statuses()[0].remaining, 9);
+    let err = store.decide(&[b; 9]).await;
+    assert!(
+        err.is_err(),
+        "more than MAX_BUDGETS is an error, not a panic"
+    );
+}
+
+proptest! {
+    /// Below its cap the sharded store decides exactly as the pure model.
+    #[test]
+    fn memory_store_matches_the_pure_model(
+        ops in prop::collection::vec((0u64..4_000, 0usize..6, 0u32..5, any::<bool>()), 1..300)
+    ) {
+        let store = store(10_000, 4);
+        let clock = store.clock().clone();
+        let mut model = std::collections::HashMap::<u64, u64>::new();
+        struct Model<'a>(&'a mut std::collections::HashMap<u64, u64>);
+        impl sluice_core::Ledger for Model<'_> {
+            fn read(&mut self, at: sluice_core::CellRef<'_>) -> u64 { self.0.get(&at.cell).copied().unwrap_or(0) }
+            fn write(&mut self, at: sluice_core::CellRef<'_>, v: u64) { self.0.insert(at.cell, v); }
+        }
+        let budgets = [
+            Budget::per_window(BudgetKey::new("a", b"1"), 7, minute()),
+            Budget::per_window(BudgetKey::new("a", b"2"), 7, minute()),
+            Budget { key: BudgetKey::new("s", b"1"), rate: Rate::SlidingWindow { seconds: NonZeroU32::new(10).expect("nz") }, limit: 9, cost: 1 },
+            Budget { key: BudgetKey::new("q", b"1"), rate: Rate::CalendarMonth, limit: 50, cost: 1 },
+        ];
+        for (gap, which, cost, pair) in ops {
+            clock.advance(Duration::from_millis(gap));
+            let first = budgets[which % 4].with_cost(cost);
+            let req: Vec<Budget> = if pair { vec![first, budgets[(which + 1) % 4]] } else { vec![first] };
+            let got = store.decide_now(&req).expect("store");
+            let want = decide(&req, &mut Model(&mut model), clock_now(&clock), Mode::Spend).expect("model");
+            prop_assert_eq!(got, want);
+        }
+    }
+}
+
+fn clock_now(c: &FakeClock) -> Timestamp {
+    use sluice_core::Clock;
+    c.now()
+}
