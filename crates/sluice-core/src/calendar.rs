@@ -21,6 +21,7 @@ pub struct MonthPeriod {
 }
 
 /// The calendar month (UTC) that holds `t`.
+#[inline]
 pub fn month_of(t: Timestamp) -> MonthPeriod {
     let days = (t.as_secs() / SECS_PER_DAY) as i64;
     let (year, month, _) = civil_from_days(days);

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Nanoseconds since the Unix epoch (UTC).
 ///
@@ -22,21 +22,25 @@ impl Timestamp {
     pub const EPOCH: Timestamp = Timestamp(0);
 
     /// A timestamp from nanoseconds since the Unix epoch.
+    #[inline]
     pub const fn from_nanos(nanos: u64) -> Self {
         Timestamp(nanos)
     }
 
     /// A timestamp from whole seconds since the Unix epoch (saturating).
+    #[inline]
     pub const fn from_secs(secs: u64) -> Self {
         Timestamp(secs.saturating_mul(NANOS_PER_SEC))
     }
 
     /// Nanoseconds since the Unix epoch.
+    #[inline]
     pub const fn as_nanos(self) -> u64 {
         self.0
     }
 
     /// Whole seconds since the Unix epoch (rounded down).
+    #[inline]
     pub const fn as_secs(self) -> u64 {
         self.0 / NANOS_PER_SEC
     }
@@ -79,15 +83,17 @@ impl<C: Clock + ?Sized> Clock for &C {
 }
 
 /// The real clock: the wall-clock time read once at construction, advanced by
-/// the monotonic clock.
+/// the monotonic clock (the CPU's invariant TSC where the platform has one,
+/// via `quanta`, else the OS monotonic clock).
 ///
 /// Durations between two readings are monotonic (a wall-clock step does not
 /// make budgets refill or stall), while readings stay on the Unix time line
 /// so that window boundaries and reset times are in real Unix seconds.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct SystemClock {
     anchor_wall: u64,
-    anchor_mono: Instant,
+    mono: quanta::Clock,
+    anchor_mono: quanta::Instant,
 }
 
 impl SystemClock {
@@ -97,9 +103,12 @@ impl SystemClock {
             .duration_since(UNIX_EPOCH)
             .map(duration_nanos)
             .unwrap_or(0);
+        let mono = quanta::Clock::new();
+        let anchor_mono = mono.now();
         SystemClock {
             anchor_wall,
-            anchor_mono: Instant::now(),
+            mono,
+            anchor_mono,
         }
     }
 }
@@ -113,10 +122,9 @@ impl Default for SystemClock {
 impl Clock for SystemClock {
     #[inline]
     fn now(&self) -> Timestamp {
-        Timestamp(
-            self.anchor_wall
-                .saturating_add(duration_nanos(self.anchor_mono.elapsed())),
-        )
+        Timestamp(self.anchor_wall.saturating_add(duration_nanos(
+            self.mono.now().saturating_duration_since(self.anchor_mono),
+        )))
     }
 }
 

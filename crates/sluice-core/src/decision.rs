@@ -39,6 +39,7 @@ impl Budget {
     /// The keys of the cells this budget reads and writes at `now` (one, or
     /// two for a sliding window). A store locks or fetches these before a
     /// decision.
+    #[inline]
     pub fn cells(&self, now: Timestamp) -> ArrayVec<u64, 2> {
         rate::cells(&self.rate, &self.key, now)
     }
@@ -178,6 +179,7 @@ impl Decision {
 ///
 /// # Errors
 /// [`DecisionError::TooManyBudgets`] when given more than [`MAX_BUDGETS`].
+#[inline]
 pub fn decide<L: Ledger>(
     budgets: &[Budget],
     ledger: &mut L,
@@ -189,16 +191,65 @@ pub fn decide<L: Ledger>(
             given: budgets.len(),
         });
     }
-    // Tentative cell values, so two budgets sharing a cell see each other.
-    // (budget, cell index, cell, value)
+    Ok(decide_within_bounds(budgets, ledger, now, mode))
+}
+
+/// Decides one budget whose state is one cell (every [`Rate`] but the
+/// sliding window, see [`Budget::cells`]), updating `cell` in place: a
+/// store's hot path. A two-cell budget is decided on its first cell only, so
+/// callers check `budget.cells(now).len() == 1` first.
+#[inline]
+pub fn decide_cell(budget: &Budget, cell: &mut u64, now: Timestamp, mode: Mode) -> Decision {
+    let e = rate::evaluate(&budget.rate, &[0], &[*cell], budget.limit, budget.cost, now);
+    let admitted = e.verdict == Verdict::Admitted;
+    let spent = admitted && mode == Mode::Spend;
+    if spent && let Some(&(_, v)) = e.writes.first() {
+        *cell = v;
+    }
+    let mut decision = Decision {
+        admitted,
+        decided_at: now,
+        statuses: ArrayVec::new(),
+    };
+    decision.statuses.push(BudgetStatus {
+        verdict: e.verdict,
+        limit: budget.limit,
+        remaining: if spent {
+            e.remaining_after
+        } else {
+            e.remaining_before
+        },
+        reset: e.reset,
+    });
+    decision
+}
+
+/// [`decide`] for callers that already hold at most [`MAX_BUDGETS`] budgets
+/// (a store's one-budget fast path). Budgets past [`MAX_BUDGETS`] are
+/// ignored, never a panic.
+#[inline]
+pub fn decide_within_bounds<L: Ledger>(
+    budgets: &[Budget],
+    ledger: &mut L,
+    now: Timestamp,
+    mode: Mode,
+) -> Decision {
+    let budgets = &budgets[..budgets.len().min(MAX_BUDGETS)];
+    // Tentative cell values, so two budgets sharing a cell see each other:
+    // (budget, cell index, cell, value).
     let mut pending: ArrayVec<(usize, usize, u64, u64), { 2 * MAX_BUDGETS }> = ArrayVec::new();
-    let mut evals: ArrayVec<rate::Evaluation, MAX_BUDGETS> = ArrayVec::new();
-    let mut admitted = true;
+    // Built in place: a decision is a few hundred bytes, not worth moving.
+    let mut decision = Decision {
+        admitted: true,
+        decided_at: now,
+        statuses: ArrayVec::new(),
+    };
+    let mut remaining_before = [0u32; MAX_BUDGETS];
     for (i, b) in budgets.iter().enumerate() {
         let keys = rate::cells(&b.rate, &b.key, now);
-        let mut values: ArrayVec<u64, 2> = ArrayVec::new();
+        let mut values = [0u64; 2];
         for (index, &cell) in keys.iter().enumerate() {
-            let v = match pending
+            values[index] = match pending
                 .iter()
                 .rev()
                 .find(|(j, _, c, _)| *c == cell && budgets[*j].key == b.key)
@@ -210,17 +261,22 @@ pub fn decide<L: Ledger>(
                     cell,
                 }),
             };
-            values.push(v);
         }
-        let e = rate::evaluate(&b.rate, &keys, &values, b.limit, b.cost, now);
-        admitted &= e.verdict == Verdict::Admitted;
+        let e = rate::evaluate(&b.rate, &keys, &values[..keys.len()], b.limit, b.cost, now);
+        decision.admitted &= e.verdict == Verdict::Admitted;
         for &(cell, v) in &e.writes {
             let index = keys.iter().position(|&k| k == cell).unwrap_or(0);
             pending.push((i, index, cell, v));
         }
-        evals.push(e);
+        remaining_before[i] = e.remaining_before;
+        decision.statuses.push(BudgetStatus {
+            verdict: e.verdict,
+            limit: b.limit,
+            remaining: e.remaining_after,
+            reset: e.reset,
+        });
     }
-    if admitted && mode == Mode::Spend {
+    if decision.admitted && mode == Mode::Spend {
         for &(i, index, cell, v) in &pending {
             let at = CellRef {
                 budget: &budgets[i],
@@ -229,27 +285,13 @@ pub fn decide<L: Ledger>(
             };
             ledger.write(at, v);
         }
+    } else {
+        // Nothing was spent: report the books as they stand.
+        for (s, before) in decision.statuses.iter_mut().zip(remaining_before) {
+            s.remaining = before;
+        }
     }
-    let spent = admitted && mode == Mode::Spend;
-    let statuses = budgets
-        .iter()
-        .zip(&evals)
-        .map(|(b, e)| BudgetStatus {
-            verdict: e.verdict,
-            limit: b.limit,
-            remaining: if spent {
-                e.remaining_after
-            } else {
-                e.remaining_before
-            },
-            reset: e.reset,
-        })
-        .collect();
-    Ok(Decision {
-        admitted,
-        decided_at: now,
-        statuses,
-    })
+    decision
 }
 
 /// Charges (`delta > 0`) or refunds (`delta < 0`) `budget` after the fact, for

@@ -32,16 +32,19 @@ impl BudgetKey {
 
     /// A key from digests computed elsewhere (e.g. a subject hashed once per
     /// request and reused for several scopes).
+    #[inline]
     pub const fn from_digests(scope: u64, subject: u64) -> Self {
         BudgetKey { scope, subject }
     }
 
     /// The scope digest.
+    #[inline]
     pub const fn scope(&self) -> u64 {
         self.scope
     }
 
     /// The subject digest.
+    #[inline]
     pub const fn subject(&self) -> u64 {
         self.subject
     }

@@ -129,6 +129,7 @@ pub(crate) struct Evaluation {
 }
 
 /// The cell keys a budget uses at `now`.
+#[inline]
 pub(crate) fn cells(rate: &Rate, key: &BudgetKey, now: Timestamp) -> ArrayVec<u64, 2> {
     let fp = key.fingerprint();
     let mut out = ArrayVec::new();
@@ -143,6 +144,7 @@ pub(crate) fn cells(rate: &Rate, key: &BudgetKey, now: Timestamp) -> ArrayVec<u6
     out
 }
 
+#[inline]
 fn window_bounds(rate: &Rate, now: Timestamp) -> (u64, u64) {
     match rate {
         Rate::FixedWindow { seconds } | Rate::SlidingWindow { seconds } => {
@@ -170,6 +172,7 @@ fn verdict_for(fits: bool, never: bool, retry_after_nanos: u64) -> Verdict {
     }
 }
 
+#[inline]
 /// Evaluates spending `cost` of `limit` at `now`, given the cells' values (in
 /// the order of [`cells`]).
 pub(crate) fn evaluate(

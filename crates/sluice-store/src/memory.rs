@@ -26,7 +26,7 @@ use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard};
 use sluice_core::{
     Budget, BudgetKey, BudgetStatus, CellRef, Clock, Decision, Ledger, MAX_BUDGETS, Mode,
-    SystemClock, Timestamp, adjust, cell_is_stale, decide,
+    SystemClock, Timestamp, adjust, cell_is_stale, decide_cell, decide_within_bounds,
 };
 
 use crate::{BudgetStore, StoreError};
@@ -68,8 +68,12 @@ struct Shard {
 }
 
 impl Shard {
-    fn get(&self, hash: u64, cell: u64) -> Option<u64> {
-        self.cells.find(hash, |e| e.0 == cell).map(|e| e.1)
+    /// Adds a cell that is not in the table.
+    fn insert(&mut self, hash: u64, cell: u64, value: u64, hasher: &foldhash::fast::RandomState) {
+        use std::hash::BuildHasher;
+        self.cells
+            .insert_unique(hash, (cell, value), |e| hasher.hash_one(e.0));
+        self.next_sweep = self.next_sweep.min((value >> 32) + 1);
     }
 
     /// Drops stale cells if any can be stale by now.
@@ -179,48 +183,106 @@ impl<C: Clock> MemoryStore<C> {
         }
     }
 
-    /// Decides (or adjusts) under the locks of every shard involved.
-    fn with_cells<R>(
-        &self,
-        budgets: &[Budget],
-        f: impl FnOnce(&mut Cells<'_, C>, Timestamp) -> R,
-    ) -> Result<R, StoreError> {
+    /// A [`Ledger`] holding the locks of every shard the budgets' cells fall
+    /// in at `now` (at most [`MAX_BUDGETS`] budgets: callers check).
+    fn lock_cells(&self, budgets: &[Budget], now: Timestamp) -> Cells<'_, C> {
+        let mut slots: ArrayVec<Slot, { 2 * MAX_BUDGETS }> = ArrayVec::new();
+        let mut shard_ids: ArrayVec<usize, { 2 * MAX_BUDGETS }> = ArrayVec::new();
+        for b in budgets {
+            for cell in b.cells(now) {
+                if slots.iter().any(|s| s.cell == cell) {
+                    continue;
+                }
+                let hash = self.hash(cell);
+                let shard = self.shard_of(hash);
+                slots.push(Slot {
+                    cell,
+                    hash,
+                    guard: shard,
+                    place: Place::Unresolved,
+                    value: 0,
+                    dirty: false,
+                });
+                if !shard_ids.contains(&shard) {
+                    shard_ids.push(shard);
+                }
+            }
+        }
+        // Ascending order: two decisions never wait on each other in a cycle.
+        shard_ids.sort_unstable();
+        for slot in &mut slots {
+            slot.guard = shard_ids
+                .iter()
+                .position(|&id| id == slot.guard)
+                .unwrap_or(0);
+        }
+        let guards = shard_ids.iter().map(|&id| self.shards[id].lock()).collect();
+        Cells {
+            store: self,
+            now,
+            guards,
+            slots,
+        }
+    }
+
+    fn check_len(budgets: &[Budget]) -> Result<(), StoreError> {
         if budgets.len() > MAX_BUDGETS {
             return Err(sluice_core::DecisionError::TooManyBudgets {
                 given: budgets.len(),
             }
             .into());
         }
-        let now = self.clock.now();
-        let mut shard_ids: ArrayVec<usize, { 2 * MAX_BUDGETS }> = ArrayVec::new();
-        for b in budgets {
-            for cell in b.cells(now) {
-                shard_ids.push(self.shard_of(self.hash(cell)));
-            }
-        }
-        if shard_ids.len() > 1 {
-            shard_ids.sort_unstable();
-        }
-        let mut guards: ArrayVec<(usize, MutexGuard<'_, Shard>), { 2 * MAX_BUDGETS }> =
-            ArrayVec::new();
-        for id in shard_ids {
-            if guards.last().is_none_or(|(last, _)| *last != id) {
-                guards.push((id, self.shards[id].lock()));
-            }
-        }
-        let mut cells = Cells {
-            store: self,
-            now,
-            guards,
-            overflow: None,
-            targets: ArrayVec::new(),
-        };
-        Ok(f(&mut cells, now))
+        Ok(())
     }
 
+    #[inline]
     fn decide_mode(&self, budgets: &[Budget], mode: Mode) -> Result<Decision, StoreError> {
-        self.with_cells(budgets, |cells, now| decide(budgets, cells, now, mode))?
-            .map_err(StoreError::from)
+        if let [one] = budgets {
+            return self.decide_one(one, mode);
+        }
+        self.decide_locked(budgets, mode)
+    }
+
+    /// The general path: every shard involved locked, cells read through [`Cells`].
+    fn decide_locked(&self, budgets: &[Budget], mode: Mode) -> Result<Decision, StoreError> {
+        Self::check_len(budgets)?;
+        let now = self.clock.now();
+        let mut cells = self.lock_cells(budgets, now);
+        let decision = decide_within_bounds(budgets, &mut cells, now, mode);
+        cells.commit();
+        drop(cells);
+        Ok(decision)
+    }
+
+    /// The hot path: a budget kept in one cell is decided in place under one
+    /// shard lock. Two-cell budgets and new subjects arriving at a full shard
+    /// take the general path.
+    #[inline]
+    fn decide_one(&self, budget: &Budget, mode: Mode) -> Result<Decision, StoreError> {
+        let now = self.clock.now();
+        let cells = budget.cells(now);
+        let [cell] = cells.as_slice() else {
+            return self.decide_locked(std::slice::from_ref(budget), mode);
+        };
+        let (cell, hash) = (*cell, self.hash(*cell));
+        let one = std::slice::from_ref(budget);
+        let mut shard = self.shards[self.shard_of(hash)].lock();
+        if let Some(entry) = shard.cells.find_mut(hash, |e| e.0 == cell) {
+            return Ok(decide_cell(budget, &mut entry.1, now, mode));
+        }
+        if shard.cells.len() >= self.shard_cap {
+            shard.sweep(now);
+            if shard.cells.len() >= self.shard_cap {
+                drop(shard);
+                return self.decide_locked(one, mode);
+            }
+        }
+        let mut value = 0;
+        let decision = decide_cell(budget, &mut value, now, mode);
+        if value != 0 {
+            shard.insert(hash, cell, value, &self.hasher);
+        }
+        Ok(decision)
     }
 
     /// [`BudgetStore::decide`] without the future: the memory store never waits.
@@ -241,116 +303,128 @@ impl<C: Clock> MemoryStore<C> {
 
     /// [`BudgetStore::adjust`] without the future.
     pub fn adjust_now(&self, budget: &Budget, delta: i64, reserved_at: Timestamp) -> BudgetStatus {
-        let one = std::slice::from_ref(budget);
-        match self.with_cells(one, |cells, now| {
-            adjust(budget, delta, reserved_at, cells, now)
-        }) {
-            Ok(status) => status,
-            // One budget is always within MAX_BUDGETS.
-            Err(_) => unreachable!("a single budget never exceeds MAX_BUDGETS"),
-        }
+        let now = self.clock.now();
+        let mut cells = self.lock_cells(std::slice::from_ref(budget), now);
+        let status = adjust(budget, delta, reserved_at, &mut cells, now);
+        cells.commit();
+        status
     }
 }
 
-/// Where a cell read during a decision lives.
+/// Where a cell of a decision lives.
 #[derive(Clone, Copy)]
-enum Target {
-    /// In shard `guard` (an index into the locked guards), under `hash`.
-    Shard { guard: usize, hash: u64 },
-    /// In the overflow table, under this cell key.
+enum Place {
+    /// Not looked up yet.
+    Unresolved,
+    /// In its shard's table at this bucket.
+    Bucket(usize),
+    /// Not in its shard, which has room for it.
+    New,
+    /// Folded into the overflow table under this key.
     Overflow(u64),
 }
 
-/// The [`Ledger`] over the shards one decision holds locked.
+/// One cell a decision touches, hashed and placed once.
+#[derive(Clone, Copy)]
+struct Slot {
+    cell: u64,
+    hash: u64,
+    /// Index into the decision's guards.
+    guard: usize,
+    place: Place,
+    value: u64,
+    dirty: bool,
+}
+
+/// The [`Ledger`] over the shards one decision holds locked. Writes are
+/// buffered and applied by [`Cells::commit`], updates before inserts, so a
+/// table growing never moves a bucket another write still points at.
 struct Cells<'a, C: Clock> {
     store: &'a MemoryStore<C>,
     now: Timestamp,
-    guards: ArrayVec<(usize, MutexGuard<'a, Shard>), { 2 * MAX_BUDGETS }>,
-    overflow: Option<MutexGuard<'a, std::collections::HashMap<u64, u64>>>,
-    /// Where each cell read so far lives, so its write goes to the same place.
-    targets: ArrayVec<(u64, Target), { 2 * MAX_BUDGETS }>,
+    guards: ArrayVec<MutexGuard<'a, Shard>, { 2 * MAX_BUDGETS }>,
+    slots: ArrayVec<Slot, { 2 * MAX_BUDGETS }>,
 }
 
 impl<C: Clock> Cells<'_, C> {
-    fn guard_index(&self, hash: u64) -> usize {
-        let id = self.store.shard_of(hash);
-        self.guards
-            .iter()
-            .position(|(g, _)| *g == id)
-            .unwrap_or_default()
+    fn slot(&mut self, cell: u64) -> Option<usize> {
+        self.slots.iter().position(|s| s.cell == cell)
     }
 
-    fn overflow_table(&mut self) -> &mut std::collections::HashMap<u64, u64> {
-        self.overflow
-            .get_or_insert_with(|| self.store.overflow.lock())
+    /// Finds where `at`'s cell lives and its value.
+    fn resolve(&mut self, i: usize, at: CellRef<'_>) {
+        let Slot {
+            cell, hash, guard, ..
+        } = self.slots[i];
+        let shard = &mut self.guards[guard];
+        let (place, value) = if let Some(b) = shard.cells.find_bucket_index(hash, |e| e.0 == cell) {
+            let value = shard.cells.get_bucket(b).map_or(0, |e| e.1);
+            (Place::Bucket(b), value)
+        } else {
+            if shard.cells.len() >= self.store.shard_cap {
+                shard.sweep(self.now);
+            }
+            if shard.cells.len() < self.store.shard_cap {
+                (Place::New, 0)
+            } else {
+                // Full of live cells: this new subject shares its scope's overflow budget.
+                self.store.overflowed.fetch_add(1, Ordering::Relaxed);
+                let shared = at.budget.with_key(BudgetKey::from_digests(
+                    at.budget.key.scope(),
+                    OVERFLOW_SUBJECT,
+                ));
+                let key = shared.cells(self.now)[at.index.min(1)];
+                let value = self.store.overflow.lock().get(&key).copied().unwrap_or(0);
+                (Place::Overflow(key), value)
+            }
+        };
+        self.slots[i].place = place;
+        self.slots[i].value = value;
     }
 
-    fn locate(&mut self, at: CellRef<'_>) -> (Target, u64) {
-        if let Some(&(_, t)) = self.targets.iter().find(|(c, _)| *c == at.cell) {
-            let v = match t {
-                Target::Shard { guard, hash } => {
-                    self.guards[guard].1.get(hash, at.cell).unwrap_or(0)
+    /// Applies the buffered writes.
+    fn commit(&mut self) {
+        let hasher = &self.store.hasher;
+        for pass_inserts in [false, true] {
+            for s in self.slots.iter().filter(|s| s.dirty) {
+                match (s.place, pass_inserts) {
+                    (Place::Bucket(b), false) => {
+                        if let Some(e) = self.guards[s.guard].cells.get_bucket_mut(b) {
+                            e.1 = s.value;
+                        }
+                    }
+                    (Place::New, true) => {
+                        self.guards[s.guard].insert(s.hash, s.cell, s.value, hasher)
+                    }
+                    (Place::Overflow(key), true) => {
+                        // Taken after every shard lock this decision holds.
+                        self.store.overflow.lock().insert(key, s.value);
+                    }
+                    _ => {}
                 }
-                Target::Overflow(key) => self.overflow_table().get(&key).copied().unwrap_or(0),
-            };
-            return (t, v);
+            }
         }
-        let hash = self.store.hash(at.cell);
-        let guard = self.guard_index(hash);
-        let shard = &mut self.guards[guard].1;
-        if let Some(v) = shard.get(hash, at.cell) {
-            return (Target::Shard { guard, hash }, v);
-        }
-        if shard.cells.len() >= self.store.shard_cap {
-            shard.sweep(self.now);
-        }
-        if shard.cells.len() < self.store.shard_cap {
-            return (Target::Shard { guard, hash }, 0);
-        }
-        // Full of live cells: fold this new subject into its scope's overflow budget.
-        self.store.overflowed.fetch_add(1, Ordering::Relaxed);
-        let shared = at.budget.with_key(BudgetKey::from_digests(
-            at.budget.key.scope(),
-            OVERFLOW_SUBJECT,
-        ));
-        let key = shared.cells(self.now)[at.index.min(1)];
-        let v = self.overflow_table().get(&key).copied().unwrap_or(0);
-        (Target::Overflow(key), v)
     }
 }
 
 impl<C: Clock> Ledger for Cells<'_, C> {
     fn read(&mut self, at: CellRef<'_>) -> u64 {
-        let (target, value) = self.locate(at);
-        if !self.targets.iter().any(|(c, _)| *c == at.cell) {
-            self.targets.push((at.cell, target));
+        let Some(i) = self.slot(at.cell) else {
+            return 0;
+        };
+        if matches!(self.slots[i].place, Place::Unresolved) {
+            self.resolve(i, at);
         }
-        value
+        self.slots[i].value
     }
 
     fn write(&mut self, at: CellRef<'_>, value: u64) {
-        let target = match self.targets.iter().find(|(c, _)| *c == at.cell) {
-            Some(&(_, t)) => t,
-            None => self.locate(at).0,
-        };
-        match target {
-            Target::Shard { guard, hash } => {
-                let shard = &mut self.guards[guard].1;
-                match shard.cells.find_mut(hash, |e| e.0 == at.cell) {
-                    Some(e) => e.1 = value,
-                    None => {
-                        let hasher = &self.store.hasher;
-                        shard.cells.insert_unique(hash, (at.cell, value), |e| {
-                            use std::hash::BuildHasher;
-                            hasher.hash_one(e.0)
-                        });
-                        shard.next_sweep = shard.next_sweep.min((value >> 32) + 1);
-                    }
-                }
+        if let Some(i) = self.slot(at.cell) {
+            if matches!(self.slots[i].place, Place::Unresolved) {
+                self.resolve(i, at);
             }
-            Target::Overflow(key) => {
-                self.overflow_table().insert(key, value);
-            }
+            self.slots[i].value = value;
+            self.slots[i].dirty = true;
         }
     }
 }
