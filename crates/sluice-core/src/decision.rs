@@ -200,6 +200,8 @@ pub fn decide<L: Ledger>(
 /// callers check `budget.cells(now).len() == 1` first.
 #[inline]
 pub fn decide_cell(budget: &Budget, cell: &mut u64, now: Timestamp, mode: Mode) -> Decision {
+    // Built directly rather than through `InPlaceDecision`: on the hottest
+    // path, moving a finished decision out of a builder costs a copy.
     let e = rate::evaluate(&budget.rate, &[0], &[*cell], budget.limit, budget.cost, now);
     let admitted = e.verdict == Verdict::Admitted;
     let spent = admitted && mode == Mode::Spend;
@@ -222,6 +224,78 @@ pub fn decide_cell(budget: &Budget, cell: &mut u64, now: Timestamp, mode: Mode) 
         reset: e.reset,
     });
     decision
+}
+
+/// An all-or-nothing decision over one-cell budgets whose cells a store holds
+/// in place (under its locks), one budget at a time.
+///
+/// [`InPlaceDecision::step`] writes a cell only while every budget so far has
+/// admitted; when a later budget refuses, the store restores the cells that
+/// were written (it holds the locks, so nobody saw them). Every budget is
+/// still evaluated, so the refusal reports the longest wait.
+#[derive(Debug)]
+pub struct InPlaceDecision {
+    decision: Decision,
+    remaining_before: [u32; MAX_BUDGETS],
+    mode: Mode,
+}
+
+impl InPlaceDecision {
+    /// An empty decision at `now`.
+    #[inline]
+    pub fn new(now: Timestamp, mode: Mode) -> Self {
+        InPlaceDecision {
+            decision: Decision {
+                admitted: true,
+                decided_at: now,
+                statuses: ArrayVec::new(),
+            },
+            remaining_before: [0; MAX_BUDGETS],
+            mode,
+        }
+    }
+
+    /// Evaluates `budget` against its (first) cell's value. Returns `true`
+    /// when it wrote `cell`, i.e. when the store must restore it should the
+    /// decision end refused. Budgets past [`MAX_BUDGETS`] are ignored.
+    #[inline]
+    pub fn step(&mut self, budget: &Budget, cell: &mut u64) -> bool {
+        let i = self.decision.statuses.len();
+        if i == MAX_BUDGETS {
+            return false;
+        }
+        let now = self.decision.decided_at;
+        let e = rate::evaluate(&budget.rate, &[0], &[*cell], budget.limit, budget.cost, now);
+        self.decision.admitted &= e.verdict == Verdict::Admitted;
+        let mut wrote = false;
+        if self.decision.admitted
+            && self.mode == Mode::Spend
+            && let Some(&(_, v)) = e.writes.first()
+        {
+            *cell = v;
+            wrote = true;
+        }
+        self.remaining_before[i] = e.remaining_before;
+        self.decision.statuses.push(BudgetStatus {
+            verdict: e.verdict,
+            limit: budget.limit,
+            remaining: e.remaining_after,
+            reset: e.reset,
+        });
+        wrote
+    }
+
+    /// The decision. When it is not admitted (or only peeked), the statuses
+    /// report the books as they stood.
+    #[inline]
+    pub fn finish(mut self) -> Decision {
+        if !(self.decision.admitted && self.mode == Mode::Spend) {
+            for (s, before) in self.decision.statuses.iter_mut().zip(self.remaining_before) {
+                s.remaining = before;
+            }
+        }
+        self.decision
+    }
 }
 
 /// [`decide`] for callers that already hold at most [`MAX_BUDGETS`] budgets

@@ -47,8 +47,8 @@ mod turns;
 pub use calendar::{MonthPeriod, month_of};
 pub use clock::{Clock, FakeClock, SystemClock, Timestamp};
 pub use decision::{
-    Budget, CellRef, Decision, DecisionError, Ledger, MAX_BUDGETS, Mode, adjust, decide,
-    decide_cell, decide_within_bounds,
+    Budget, CellRef, Decision, DecisionError, InPlaceDecision, Ledger, MAX_BUDGETS, Mode, adjust,
+    decide, decide_cell, decide_within_bounds,
 };
 pub use key::{BudgetKey, digest};
 pub use rate::{BudgetStatus, Rate, Verdict, cell_is_stale};

@@ -25,8 +25,9 @@ use crossbeam_utils::CachePadded;
 use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard};
 use sluice_core::{
-    Budget, BudgetKey, BudgetStatus, CellRef, Clock, Decision, Ledger, MAX_BUDGETS, Mode,
-    SystemClock, Timestamp, adjust, cell_is_stale, decide_cell, decide_within_bounds,
+    Budget, BudgetKey, BudgetStatus, CellRef, Clock, Decision, InPlaceDecision, Ledger,
+    MAX_BUDGETS, Mode, SystemClock, Timestamp, adjust, cell_is_stale, decide_cell,
+    decide_within_bounds,
 };
 
 use crate::{BudgetStore, StoreError};
@@ -174,12 +175,16 @@ impl<C: Clock> MemoryStore<C> {
         self.hasher.hash_one(cell)
     }
 
+    /// The shard holding every cell of `key`'s subject: all budgets of one
+    /// caller (or one IP) sit behind one lock, so a request locks one shard
+    /// per subject rather than one per budget. The subject is rehashed with
+    /// this process's random seed, so nobody can aim keys at one shard.
     #[inline]
-    fn shard_of(&self, hash: u64) -> usize {
+    fn shard_of(&self, key: &BudgetKey) -> usize {
         if self.shard_bits == 0 {
             0
         } else {
-            (hash >> (64 - self.shard_bits)) as usize
+            (self.hash(key.subject()) >> (64 - self.shard_bits)) as usize
         }
     }
 
@@ -189,12 +194,12 @@ impl<C: Clock> MemoryStore<C> {
         let mut slots: ArrayVec<Slot, { 2 * MAX_BUDGETS }> = ArrayVec::new();
         let mut shard_ids: ArrayVec<usize, { 2 * MAX_BUDGETS }> = ArrayVec::new();
         for b in budgets {
+            let shard = self.shard_of(&b.key);
             for cell in b.cells(now) {
                 if slots.iter().any(|s| s.cell == cell) {
                     continue;
                 }
                 let hash = self.hash(cell);
-                let shard = self.shard_of(hash);
                 slots.push(Slot {
                     cell,
                     hash,
@@ -237,44 +242,42 @@ impl<C: Clock> MemoryStore<C> {
 
     #[inline]
     fn decide_mode(&self, budgets: &[Budget], mode: Mode) -> Result<Decision, StoreError> {
-        if let [one] = budgets {
-            return self.decide_one(one, mode);
+        Self::check_len(budgets)?;
+        match budgets {
+            [one] => Ok(self.decide_one(one, mode)),
+            _ => Ok(self.decide_in_place(budgets, mode)),
         }
-        self.decide_locked(budgets, mode)
     }
 
     /// The general path: every shard involved locked, cells read through [`Cells`].
-    fn decide_locked(&self, budgets: &[Budget], mode: Mode) -> Result<Decision, StoreError> {
-        Self::check_len(budgets)?;
+    fn decide_locked(&self, budgets: &[Budget], mode: Mode) -> Decision {
         let now = self.clock.now();
         let mut cells = self.lock_cells(budgets, now);
         let decision = decide_within_bounds(budgets, &mut cells, now, mode);
         cells.commit();
-        drop(cells);
-        Ok(decision)
+        decision
     }
 
-    /// The hot path: a budget kept in one cell is decided in place under one
-    /// shard lock. Two-cell budgets and new subjects arriving at a full shard
-    /// take the general path.
+    /// The hottest path: one budget kept in one cell, decided in place under
+    /// one shard lock (see [`MemoryStore::decide_in_place`] for when the
+    /// general path decides instead).
     #[inline]
-    fn decide_one(&self, budget: &Budget, mode: Mode) -> Result<Decision, StoreError> {
+    fn decide_one(&self, budget: &Budget, mode: Mode) -> Decision {
         let now = self.clock.now();
         let cells = budget.cells(now);
-        let [cell] = cells.as_slice() else {
+        let &[cell] = cells.as_slice() else {
             return self.decide_locked(std::slice::from_ref(budget), mode);
         };
-        let (cell, hash) = (*cell, self.hash(*cell));
-        let one = std::slice::from_ref(budget);
-        let mut shard = self.shards[self.shard_of(hash)].lock();
+        let hash = self.hash(cell);
+        let mut shard = self.shards[self.shard_of(&budget.key)].lock();
         if let Some(entry) = shard.cells.find_mut(hash, |e| e.0 == cell) {
-            return Ok(decide_cell(budget, &mut entry.1, now, mode));
+            return decide_cell(budget, &mut entry.1, now, mode);
         }
         if shard.cells.len() >= self.shard_cap {
             shard.sweep(now);
             if shard.cells.len() >= self.shard_cap {
                 drop(shard);
-                return self.decide_locked(one, mode);
+                return self.decide_locked(std::slice::from_ref(budget), mode);
             }
         }
         let mut value = 0;
@@ -282,7 +285,81 @@ impl<C: Clock> MemoryStore<C> {
         if value != 0 {
             shard.insert(hash, cell, value, &self.hasher);
         }
-        Ok(decision)
+        decision
+    }
+
+    /// The hot path, for budgets kept in one cell each (all but sliding
+    /// windows): lock each subject's shard (ascending), decide every budget
+    /// in place, and restore the written cells if one refuses — under the
+    /// locks, so nobody sees the tentative spend. The general path decides
+    /// instead (after this changed nothing) when a budget needs it: a sliding
+    /// window, or a new subject arriving at a full shard.
+    #[inline]
+    fn decide_in_place(&self, budgets: &[Budget], mode: Mode) -> Decision {
+        let now = self.clock.now();
+        // (cell, hash, shard) per budget.
+        let mut places: ArrayVec<(u64, u64, usize), MAX_BUDGETS> = ArrayVec::new();
+        let mut shard_ids: ArrayVec<usize, MAX_BUDGETS> = ArrayVec::new();
+        for b in budgets {
+            let cells = b.cells(now);
+            let &[cell] = cells.as_slice() else {
+                return self.decide_locked(budgets, mode);
+            };
+            let shard = self.shard_of(&b.key);
+            places.push((cell, self.hash(cell), shard));
+            if !shard_ids.contains(&shard) {
+                shard_ids.push(shard);
+            }
+        }
+        shard_ids.sort_unstable();
+        let mut guards: ArrayVec<MutexGuard<'_, Shard>, MAX_BUDGETS> =
+            shard_ids.iter().map(|&id| self.shards[id].lock()).collect();
+        let guard_of = |shard: usize| shard_ids.iter().position(|&id| id == shard).unwrap_or(0);
+        // (guard, hash, cell, old value, inserted)
+        let mut undo: ArrayVec<(usize, u64, u64, u64, bool), MAX_BUDGETS> = ArrayVec::new();
+        let mut d = InPlaceDecision::new(now, mode);
+        let mut fell_back = false;
+        for (b, &(cell, hash, shard)) in budgets.iter().zip(&places) {
+            let g = guard_of(shard);
+            let table = &mut guards[g];
+            if let Some(entry) = table.cells.find_mut(hash, |e| e.0 == cell) {
+                let old = entry.1;
+                if d.step(b, &mut entry.1) {
+                    undo.push((g, hash, cell, old, false));
+                }
+                continue;
+            }
+            if table.cells.len() >= self.shard_cap {
+                table.sweep(now);
+                if table.cells.len() >= self.shard_cap {
+                    fell_back = true;
+                    break;
+                }
+            }
+            let mut value = 0;
+            if d.step(b, &mut value) {
+                table.insert(hash, cell, value, &self.hasher);
+                undo.push((g, hash, cell, 0, true));
+            }
+        }
+        let decision = d.finish();
+        if fell_back || !(decision.is_admitted() || undo.is_empty()) {
+            for &(g, hash, cell, old, inserted) in undo.iter().rev() {
+                let table = &mut guards[g].cells;
+                if inserted {
+                    if let Ok(e) = table.find_entry(hash, |e| e.0 == cell) {
+                        e.remove();
+                    }
+                } else if let Some(e) = table.find_mut(hash, |e| e.0 == cell) {
+                    e.1 = old;
+                }
+            }
+        }
+        if fell_back {
+            drop(guards);
+            return self.decide_locked(budgets, mode);
+        }
+        decision
     }
 
     /// [`BudgetStore::decide`] without the future: the memory store never waits.
@@ -304,6 +381,7 @@ impl<C: Clock> MemoryStore<C> {
     /// [`BudgetStore::adjust`] without the future.
     pub fn adjust_now(&self, budget: &Budget, delta: i64, reserved_at: Timestamp) -> BudgetStatus {
         let now = self.clock.now();
+        // One budget is within MAX_BUDGETS, so the locked path applies as is.
         let mut cells = self.lock_cells(std::slice::from_ref(budget), now);
         let status = adjust(budget, delta, reserved_at, &mut cells, now);
         cells.commit();

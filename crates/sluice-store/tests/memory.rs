@@ -189,3 +189,45 @@ fn clock_now(c: &FakeClock) -> Timestamp {
     use sluice_core::Clock;
     c.now()
 }
+
+#[test]
+fn a_request_falling_back_to_the_overflow_budget_spends_each_budget_once() {
+    let store = store(16, 1);
+    let scope = BudgetKey::new("read", b"").scope();
+    let b = |i: u64| Budget::per_window(BudgetKey::from_digests(scope, i), 5, minute());
+    for i in 0..16 {
+        store.decide_now(&[b(i)]).expect("decide");
+    }
+    // Budget 0 exists; subject 999 is new and its shard is full: the in-place
+    // path backs out and the general path folds 999 into the overflow budget.
+    let d = store.decide_now(&[b(0), b(999)]).expect("decide");
+    assert!(d.is_admitted());
+    assert_eq!(d.statuses()[0].remaining, 3, "spent exactly once");
+    assert_eq!(d.statuses()[1].remaining, 4);
+    assert_eq!(store.overflowed(), 1);
+    assert_eq!(
+        store.peek_now(&[b(0)]).expect("peek").statuses()[0].remaining,
+        3
+    );
+}
+
+#[test]
+fn a_refused_multi_budget_request_restores_every_cell_it_touched() {
+    let store = store(1_000, 2);
+    let caller = Budget::per_window(BudgetKey::new("expensive", b"k"), 30, minute());
+    let fresh = Budget::per_window(BudgetKey::new("route", b"ip"), 5, minute());
+    let ceiling = Budget::per_window(BudgetKey::new("ip", b"ip"), 1, minute());
+    assert!(store.decide_now(&[ceiling]).expect("decide").is_admitted());
+    let before = store.len();
+    let d = store.decide_now(&[caller, fresh, ceiling]).expect("decide");
+    assert!(!d.is_admitted());
+    assert_eq!(d.binding().expect("binding").limit, 1);
+    assert_eq!(
+        store.len(),
+        before,
+        "cells inserted for the refused request were removed"
+    );
+    let p = store.peek_now(&[caller, fresh]).expect("peek");
+    assert_eq!(p.statuses()[0].remaining, 30);
+    assert_eq!(p.statuses()[1].remaining, 5);
+}
