@@ -3,6 +3,8 @@
 //! Civil-date arithmetic after Howard Hinnant's `days_from_civil` /
 //! `civil_from_days`, valid for every date the [`Timestamp`] range holds.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::Timestamp;
 
 const SECS_PER_DAY: u64 = 86_400;
@@ -38,6 +40,29 @@ pub fn month_of(t: Timestamp) -> MonthPeriod {
         start: start as u64 * SECS_PER_DAY,
         end: end as u64 * SECS_PER_DAY,
     }
+}
+
+/// The last month [`month_bounds`] computed, packed as `start << 32 | end`
+/// (Unix seconds; 0 = none yet). Month boundaries change twelve times a
+/// year, so almost every call is answered from here.
+static LAST_MONTH: AtomicU64 = AtomicU64::new(0);
+
+/// `[start, end)` in Unix seconds of the calendar month (UTC) holding `t`:
+/// [`month_of`] without the date fields, cached.
+#[inline]
+pub(crate) fn month_bounds(t: Timestamp) -> (u64, u64) {
+    let secs = t.as_secs();
+    let cached = LAST_MONTH.load(Ordering::Relaxed);
+    let (start, end) = (cached >> 32, cached & 0xffff_ffff);
+    if start <= secs && secs < end {
+        return (start, end);
+    }
+    let m = month_of(t);
+    // Months past 2106 do not fit the packed form: computed every time.
+    if m.end <= u64::from(u32::MAX) {
+        LAST_MONTH.store((m.start << 32) | m.end, Ordering::Relaxed);
+    }
+    (m.start, m.end)
 }
 
 /// Days since 1970-01-01 of the proleptic Gregorian date `y-m-d`.
@@ -115,6 +140,16 @@ mod tests {
         assert_eq!(last.end, end / 1_000_000_000);
         let first = month_of(Timestamp::from_nanos(end));
         assert_eq!((first.year, first.month), (2026, 12));
+    }
+
+    #[test]
+    fn cached_bounds_follow_the_clock_both_ways() {
+        let nov = ts("2026-11-15T00:00:00Z");
+        let dec = ts("2026-12-15T00:00:00Z");
+        for t in [nov, dec, nov, ts("1999-02-01T00:00:00Z"), dec] {
+            let m = month_of(t);
+            assert_eq!(month_bounds(t), (m.start, m.end));
+        }
     }
 
     proptest! {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use arrayvec::ArrayVec;
 
-use crate::calendar::month_of;
+use crate::calendar::month_bounds;
 use crate::clock::duration_nanos;
 use crate::key::mix64;
 use crate::{BudgetKey, Timestamp};
@@ -152,10 +152,7 @@ fn window_bounds(rate: &Rate, now: Timestamp) -> (u64, u64) {
             let start = now.as_secs() / w * w;
             (start, start + w)
         }
-        Rate::CalendarMonth => {
-            let m = month_of(now);
-            (m.start, m.end)
-        }
+        Rate::CalendarMonth => month_bounds(now),
         Rate::Gcra { .. } => (now.as_secs(), now.as_secs()),
     }
 }

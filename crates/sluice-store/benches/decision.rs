@@ -2,7 +2,8 @@
 //! `DefaultKeyedRateLimiter::check_key`, in one run.
 //!
 //! Rows: one hot key, 100,000 keys round-robin, each on 1 and 2 threads;
-//! and a 4-budget all-or-nothing decision against one governor check.
+//! and a 4-budget all-or-nothing decision against one governor check (and,
+//! for context, four independent ones).
 //! Limits are high enough that every call is admitted on both sides.
 //! Multi-thread rows report wall time divided by the decisions made by all
 //! threads (time per decision at aggregate throughput).
@@ -136,6 +137,21 @@ fn four_budgets(c: &mut Criterion) {
         b.iter(|| {
             i = (i + 1) % KEYS;
             black_box(gov.check_key(&i).is_ok())
+        })
+    });
+    // Context, not the goal's anchor: four independent governor checks on the
+    // same key pattern (not all-or-nothing: a refusal on the last would not
+    // give back the first three).
+    let govs = [governor(), governor(), governor(), governor()];
+    g.bench_function("governor_4_checks", |b| {
+        let mut i = 0u64;
+        b.iter(|| {
+            i = (i + 1) % KEYS;
+            let ok = govs[0].check_key(&i).is_ok()
+                & govs[1].check_key(&(i / 10)).is_ok()
+                & govs[2].check_key(&(i / 10)).is_ok()
+                & govs[3].check_key(&(i / 100)).is_ok();
+            black_box(ok)
         })
     });
     g.finish();
