@@ -1,0 +1,92 @@
+//! The built-in default policy: SPEC's table, the platform's documented
+//! numbers. `examples/policy.yaml` is the same policy with comments; a test
+//! proves the two are equal.
+
+use std::path::Path;
+
+use crate::model::Policy;
+use crate::validate::{PolicyError, parse_str};
+
+/// The default policy as YAML (compact; the commented copy is `examples/policy.yaml`).
+pub const DEFAULT_POLICY_YAML: &str = r#"
+profile: production
+window_seconds: 60
+profiles:
+  production:
+    classes: { protocol: 600, read: 300, standard: 60, expensive: 30 }
+    ip_ceilings: { work: 300, protocol_only: 1200 }
+  local:
+    classes: { protocol: 3000, read: 1500, standard: 500, expensive: 150 }
+    ip_ceilings: { work: 2000, protocol_only: 6000 }
+identity:
+  credentials: [x_api_key, bearer, session_cookie]
+  session_cookie: session
+  trusted_proxies: []
+  ipv6_prefix: 64
+  keys: []
+buckets:
+  oauth_register: { limit: 5, window_seconds: 60, per: ip }
+  export:
+    limit: 5
+    window_seconds: 60
+    per: user
+    refusal: envelope
+    message: "Export rate-limited. Try again in {retry_after} seconds."
+routes:
+  - { method: GET, path: /mcp, class: protocol }
+  - { method: DELETE, path: /mcp, class: protocol }
+  - { method: POST, path: /mcp, jsonrpc: true }
+  - { method: POST, path: /chats, class: expensive }
+  - { method: POST, path: "/routines/{id}/run", class: expensive }
+  - { method: POST, path: /messages/optimize, class: expensive }
+  - { method: POST, path: /messages/optimize/batch, class: expensive }
+  - { method: GET, path: "/messages/optimize/batches/{id}", class: read }
+  - { method: POST, path: /search/query, class: read }
+  - { method: GET, path: /search/fields, class: read }
+  - { method: POST, path: /evals, class: standard }
+  - { method: GET, path: "/evals/{id}/export", class: read, buckets: [export] }
+  - { method: POST, path: /oauth/register, class: standard, buckets: [oauth_register] }
+  - { path: "/oauth/*", class: standard }
+  - { path: "/api/mcp/api-keys/*", class: standard }
+  - { method: GET, class: read }
+default_class: standard
+jsonrpc:
+  methods:
+    protocol:
+      - initialize
+      - ping
+      - notifications/*
+      - tools/list
+      - resources/list
+      - resources/templates/list
+      - prompts/list
+      - logging/setLevel
+  tools:
+    optimize_message: { class: expensive }
+    optimize_message_batch: { class: expensive }
+    start_chat: { class: expensive }
+    run_routine: { class: expensive }
+    search_query: { class: read }
+    search_fields: { class: read }
+    get_batch: { class: read }
+  retired:
+    messages:
+      optimize: optimize_message
+      optimize_batch: optimize_message_batch
+  default_class: standard
+headers:
+  ietf_draft: false
+limits:
+  max_body_bytes: 1048576
+  max_json_depth: 64
+  max_batch_items: 1000
+"#;
+
+/// The built-in default policy.
+///
+/// # Errors
+/// Never in a released build (a test parses it); the error type is the
+/// loader's.
+pub fn default_policy() -> Result<Policy, PolicyError> {
+    parse_str(DEFAULT_POLICY_YAML, Path::new("<built-in default policy>"))
+}

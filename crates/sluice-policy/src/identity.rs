@@ -1,0 +1,229 @@
+//! Who a request is from (SPEC E2, E4): the caller's credential (hashed at
+//! once, never kept or logged raw) and the client IP.
+
+use std::net::{IpAddr, Ipv6Addr};
+
+use http::HeaderMap;
+use http::header::{AUTHORIZATION, COOKIE, HeaderName};
+use sha2::{Digest, Sha256};
+use sluice_core::digest;
+
+use crate::model::{CredentialSource, Identity, Principal};
+
+const X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// How a caller was recognised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallerKind {
+    /// By a credential the request sent.
+    Credential,
+    /// By its client IP (no credential).
+    Ip,
+}
+
+/// The caller of one request, as budgets see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// How it was recognised.
+    pub kind: CallerKind,
+    /// Digest of the credential's SHA-256 (or of the client IP): the subject
+    /// of the per-caller class budgets.
+    pub subject: u64,
+    /// Digest of the workspace (the principal's, else the caller's own).
+    pub workspace: u64,
+    /// Digest of the user (the principal's, else the caller's own).
+    pub user: u64,
+    /// A label safe to log and show: `key:<first 12 hex of the SHA-256>` or
+    /// `ip:<address or prefix>`.
+    pub label: String,
+    /// The principal, when the credential is in the key table or a trusted
+    /// auth layer named one.
+    pub principal: Option<Principal>,
+}
+
+/// The client IP and its subject for IP budgets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientIp {
+    /// The address believed to be the client's.
+    pub addr: IpAddr,
+    /// Digest of the address (IPv6: of its configured prefix).
+    pub subject: u64,
+    /// The address or prefix, for logs.
+    pub label: String,
+}
+
+impl Identity {
+    /// The client IP: the socket peer, unless the peer is a trusted proxy;
+    /// then the right-most `X-Forwarded-For` hop that is not a trusted proxy.
+    /// Headers from untrusted peers change nothing (SPEC E4).
+    pub fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> ClientIp {
+        let addr = if self.is_trusted(peer) {
+            self.forwarded_client(peer, headers)
+        } else {
+            peer
+        };
+        self.ip_subject(addr)
+    }
+
+    fn is_trusted(&self, ip: IpAddr) -> bool {
+        let ip = canonical(ip);
+        self.trusted_proxies.iter().any(|net| net.contains(&ip))
+    }
+
+    fn forwarded_client(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
+        let hops: Vec<&str> = headers
+            .get_all(X_FORWARDED_FOR)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .collect();
+        let mut client = peer;
+        for hop in hops.iter().rev() {
+            match parse_hop(hop) {
+                Some(ip) => {
+                    client = ip;
+                    if !self.is_trusted(ip) {
+                        return ip;
+                    }
+                }
+                // Garbage in the chain: believe nothing left of it.
+                None => return client,
+            }
+        }
+        client
+    }
+
+    /// The subject of IP budgets for `addr` (IPv6 grouped by prefix).
+    pub fn ip_subject(&self, addr: IpAddr) -> ClientIp {
+        let addr = canonical(addr);
+        let (bytes, label) = match addr {
+            IpAddr::V4(v4) => (v4.octets().to_vec(), v4.to_string()),
+            IpAddr::V6(v6) => {
+                let bits = u128::from(v6);
+                let prefix = u32::from(self.ipv6_prefix.clamp(1, 128));
+                let masked = bits & (u128::MAX << (128 - prefix));
+                let net = Ipv6Addr::from(masked);
+                (net.octets().to_vec(), format!("{net}/{prefix}"))
+            }
+        };
+        let mut keyed = b"ip:".to_vec();
+        keyed.extend_from_slice(&bytes);
+        ClientIp {
+            addr,
+            subject: digest(&keyed),
+            label,
+        }
+    }
+
+    /// The caller: the first credential found (in the configured order),
+    /// else the client IP (SPEC E2).
+    pub fn caller(&self, headers: &HeaderMap, client: &ClientIp, peer_trusted: bool) -> Caller {
+        let from_auth_layer = if peer_trusted {
+            self.principal_headers.as_ref().and_then(|(w, u)| {
+                let w = headers.get(w)?.to_str().ok()?;
+                let u = headers.get(u)?.to_str().ok()?;
+                Some(Principal {
+                    workspace: w.to_owned(),
+                    user: u.to_owned(),
+                })
+            })
+        } else {
+            None
+        };
+        match self.credential(headers) {
+            Some(secret) => {
+                let sha: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
+                let mut keyed = b"cred:".to_vec();
+                keyed.extend_from_slice(&sha);
+                let subject = digest(&keyed);
+                let principal = from_auth_layer.or_else(|| self.keys.get(&sha).cloned());
+                let (workspace, user) = principal_digests(principal.as_ref(), subject);
+                Caller {
+                    kind: CallerKind::Credential,
+                    subject,
+                    workspace,
+                    user,
+                    label: format!("key:{}", &hex::encode(sha)[..12]),
+                    principal,
+                }
+            }
+            None => {
+                let (workspace, user) = principal_digests(from_auth_layer.as_ref(), client.subject);
+                Caller {
+                    kind: CallerKind::Ip,
+                    subject: client.subject,
+                    workspace,
+                    user,
+                    label: format!("ip:{}", client.label),
+                    principal: from_auth_layer,
+                }
+            }
+        }
+    }
+
+    /// True when `peer` is a trusted proxy.
+    pub fn trusts(&self, peer: IpAddr) -> bool {
+        self.is_trusted(peer)
+    }
+
+    fn credential<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
+        self.credentials.iter().find_map(|source| match source {
+            CredentialSource::ApiKeyHeader => headers
+                .get(X_API_KEY)
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+                .filter(|s| !s.is_empty()),
+            CredentialSource::Bearer => headers
+                .get(AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| {
+                    let (scheme, token) = v.trim().split_once(' ')?;
+                    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+                })
+                .filter(|s| !s.is_empty()),
+            CredentialSource::SessionCookie => headers
+                .get_all(COOKIE)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(';'))
+                .find_map(|pair| {
+                    let (name, value) = pair.trim().split_once('=')?;
+                    (name == self.session_cookie).then_some(value.trim())
+                })
+                .filter(|s| !s.is_empty()),
+        })
+    }
+}
+
+fn principal_digests(principal: Option<&Principal>, own: u64) -> (u64, u64) {
+    match principal {
+        Some(p) => (
+            digest(format!("ws:{}", p.workspace).as_bytes()),
+            digest(format!("user:{}", p.user).as_bytes()),
+        ),
+        None => (own, own),
+    }
+}
+
+/// IPv4-mapped IPv6 addresses are their IPv4 selves.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// One `X-Forwarded-For` hop: an address, possibly `[v6]:port` or `v4:port`.
+fn parse_hop(hop: &str) -> Option<IpAddr> {
+    if let Ok(ip) = hop.parse::<IpAddr>() {
+        return Some(ip);
+    }
+    if let Some(rest) = hop.strip_prefix('[') {
+        return rest.split_once(']')?.0.parse().ok();
+    }
+    let (host, port) = hop.rsplit_once(':')?;
+    port.parse::<u16>().ok()?;
+    host.parse::<std::net::Ipv4Addr>().ok().map(IpAddr::V4)
+}

@@ -1,0 +1,39 @@
+//! sluice's policy: a YAML file → [`RawPolicy`] (serde) → [`validate`] →
+//! [`Policy`] (typed, checked), and the classification of requests against
+//! it: routes, JSON-RPC bodies, callers and client IPs.
+//!
+//! ```
+//! use http::Method;
+//! use sluice_policy::{default_policy, Class, RouteClass};
+//!
+//! let policy = default_policy().unwrap();
+//! assert_eq!(policy.profile.limit(Class::Expensive).get(), 30);
+//! let route = policy.route(&Method::POST, "/chats").unwrap();
+//! assert_eq!(route.class, RouteClass::Fixed(Class::Expensive));
+//! let body = br#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"start_chat"}},
+//!                 {"jsonrpc":"2.0","id":2,"method":"ping"}]"#;
+//! let items = policy.jsonrpc.classify(body, &policy.bounds);
+//! assert_eq!((items.count(Class::Expensive), items.count(Class::Protocol)), (1, 1));
+//! ```
+
+mod default;
+mod identity;
+mod jsonrpc;
+mod model;
+mod pattern;
+pub mod raw;
+mod validate;
+
+pub use default::{DEFAULT_POLICY_YAML, default_policy};
+pub use identity::{Caller, CallerKind, ClientIp};
+pub use jsonrpc::Items;
+pub use model::{
+    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Per, Policy, Principal, Profile,
+    Refusal, Route, RouteClass,
+};
+pub use pattern::PathPattern;
+pub use raw::RawPolicy;
+pub use validate::{
+    DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, PolicyError, Problem,
+    load_file, parse_str, validate,
+};

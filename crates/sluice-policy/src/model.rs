@@ -1,0 +1,268 @@
+//! The typed, checked policy that the rest of sluice uses.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::num::NonZeroU32;
+
+use http::Method;
+use ipnet::IpNet;
+
+use crate::pattern::PathPattern;
+
+/// A cost class: every request is counted against its caller's budget of
+/// its class (SPEC E1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Class {
+    /// Session traffic: initialize, ping, listings, the event stream.
+    Protocol,
+    /// Reads.
+    Read,
+    /// Everything not named otherwise.
+    Standard,
+    /// Costly calls.
+    Expensive,
+}
+
+impl Class {
+    /// All four, in order.
+    pub const ALL: [Class; 4] = [
+        Class::Protocol,
+        Class::Read,
+        Class::Standard,
+        Class::Expensive,
+    ];
+
+    /// The name used in files, headers and metrics.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Class::Protocol => "protocol",
+            Class::Read => "read",
+            Class::Standard => "standard",
+            Class::Expensive => "expensive",
+        }
+    }
+
+    /// Parses a class name.
+    pub fn from_name(name: &str) -> Option<Class> {
+        Class::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    /// Index into per-class arrays.
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for Class {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One profile's numbers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Profile {
+    /// Per-caller limit per window, indexed by [`Class::index`].
+    pub classes: [NonZeroU32; 4],
+    /// Requests holding any read, standard or expensive call, per IP per window.
+    pub ceiling_work: NonZeroU32,
+    /// Requests holding only protocol calls, per IP per window.
+    pub ceiling_protocol_only: NonZeroU32,
+}
+
+impl Profile {
+    /// The limit of `class`.
+    pub fn limit(&self, class: Class) -> NonZeroU32 {
+        self.classes[class.index()]
+    }
+}
+
+/// Where a credential is read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CredentialSource {
+    /// `X-API-Key: <key>`.
+    ApiKeyHeader,
+    /// `Authorization: Bearer <token>`.
+    Bearer,
+    /// The console session cookie.
+    SessionCookie,
+}
+
+/// Who a known credential belongs to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Principal {
+    /// The workspace.
+    pub workspace: String,
+    /// The user.
+    pub user: String,
+}
+
+/// Identity settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// Credential sources, in order.
+    pub credentials: Vec<CredentialSource>,
+    /// The session cookie's name.
+    pub session_cookie: String,
+    /// Proxies whose `X-Forwarded-For` is believed.
+    pub trusted_proxies: Vec<IpNet>,
+    /// IPv6 callers are grouped by this prefix for IP budgets.
+    pub ipv6_prefix: u8,
+    /// SHA-256 of a credential → its principal.
+    pub keys: HashMap<[u8; 32], Principal>,
+    /// Headers a trusted auth layer sets: (workspace, user).
+    pub principal_headers: Option<(http::HeaderName, http::HeaderName)>,
+}
+
+/// Whose an extra bucket is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Per {
+    /// The client IP (IPv6 by prefix).
+    Ip,
+    /// The credential (or the IP when there is none).
+    Caller,
+    /// The principal's user.
+    User,
+    /// The principal's workspace.
+    Workspace,
+}
+
+/// How a refusal by a budget looks to the client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The edge limiter's plain-text 429 (SPEC H2).
+    Edge,
+    /// The JSON envelope with `retry_at` and `retry_after_seconds` (SPEC H3);
+    /// `{retry_after}` in the message is replaced by the seconds.
+    Envelope {
+        /// The message template.
+        message: String,
+    },
+}
+
+/// An extra named bucket (SPEC E7, H3).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    /// Its name (used in keys and headers).
+    pub name: String,
+    /// Requests per window.
+    pub limit: NonZeroU32,
+    /// Window length in seconds.
+    pub window: NonZeroU32,
+    /// Whose bucket.
+    pub per: Per,
+    /// How a refusal looks.
+    pub refusal: Refusal,
+}
+
+/// Where a route's class comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RouteClass {
+    /// A fixed class.
+    Fixed(Class),
+    /// The JSON-RPC body, item by item.
+    JsonRpc,
+}
+
+/// One route of the table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// The method; `None` = any.
+    pub method: Option<Method>,
+    /// The path; `None` = any.
+    pub path: Option<PathPattern>,
+    /// Its class.
+    pub class: RouteClass,
+    /// Indices into [`Policy::buckets`] this route also spends.
+    pub buckets: Vec<usize>,
+}
+
+impl Route {
+    /// True when the route matches.
+    pub fn matches(&self, method: &Method, path: &str) -> bool {
+        self.method.as_ref().is_none_or(|m| m == method)
+            && self.path.as_ref().is_none_or(|p| p.matches(path))
+    }
+}
+
+/// JSON-RPC classification rules (SPEC E5).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JsonRpc {
+    /// Exact method → class.
+    pub methods: HashMap<String, Class>,
+    /// Method prefix (from `name/*`) → class.
+    pub method_prefixes: Vec<(String, Class)>,
+    /// Tool → class.
+    pub tools: HashMap<String, Class>,
+    /// Retired tool → action → current tool.
+    pub retired: HashMap<String, HashMap<String, String>>,
+    /// The class of anything not named.
+    pub default_class: Class,
+}
+
+/// Bounds on what a request may make sluice read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bounds {
+    /// Largest body read for classification (bytes); past it: 413.
+    pub max_body_bytes: usize,
+    /// Deepest JSON nesting accepted; deeper bodies count as standard.
+    pub max_json_depth: usize,
+    /// Most items in one JSON-RPC batch; larger batches count as standard.
+    pub max_batch_items: usize,
+}
+
+/// The checked policy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// The active profile's name.
+    pub profile_name: String,
+    /// Every profile, by name.
+    pub profiles: Vec<(String, Profile)>,
+    /// The active profile's numbers.
+    pub profile: Profile,
+    /// Window of the class budgets and IP ceilings.
+    pub window: NonZeroU32,
+    /// Identity settings.
+    pub identity: Identity,
+    /// Extra buckets.
+    pub buckets: Vec<Bucket>,
+    /// The route table, first match wins.
+    pub routes: Vec<Route>,
+    /// The class of a request no route matches.
+    pub default_class: Class,
+    /// JSON-RPC rules.
+    pub jsonrpc: JsonRpc,
+    /// Send the IETF draft fields too.
+    pub ietf_headers: bool,
+    /// Bounds.
+    pub bounds: Bounds,
+}
+
+impl Policy {
+    /// The same policy with another profile's numbers active.
+    ///
+    /// # Errors
+    /// The names of the profiles there are, when `name` is not one of them.
+    pub fn with_profile(mut self, name: &str) -> Result<Policy, String> {
+        match self.profiles.iter().find(|(n, _)| n == name) {
+            Some((_, p)) => {
+                self.profile = p.clone();
+                self.profile_name = name.to_owned();
+                Ok(self)
+            }
+            None => Err(format!(
+                "no profile {name:?}; the policy has {}",
+                self.profiles
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+        }
+    }
+
+    /// The first route matching, if any.
+    pub fn route(&self, method: &Method, path: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.matches(method, path))
+    }
+}

@@ -1,0 +1,196 @@
+//! The policy file as written: serde structs that mirror the YAML one to one.
+//! Nothing here is checked beyond its shape; [`crate::validate`] turns a
+//! [`RawPolicy`] into a typed [`crate::Policy`].
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// The whole policy file.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPolicy {
+    /// Which profile's numbers apply.
+    pub profile: Option<String>,
+    /// Named sets of limits (`production`, `local`, …).
+    #[serde(default)]
+    pub profiles: BTreeMap<String, RawProfile>,
+    /// Window of the class budgets and IP ceilings, in seconds.
+    pub window_seconds: Option<u32>,
+    /// Who a request is from.
+    #[serde(default)]
+    pub identity: RawIdentity,
+    /// Extra named buckets that routes refer to.
+    #[serde(default)]
+    pub buckets: BTreeMap<String, RawBucket>,
+    /// The route table, first match wins.
+    #[serde(default)]
+    pub routes: Vec<RawRoute>,
+    /// The class of a request no route matches.
+    pub default_class: Option<String>,
+    /// JSON-RPC classification.
+    #[serde(default)]
+    pub jsonrpc: RawJsonRpc,
+    /// What the client is told.
+    #[serde(default)]
+    pub headers: RawHeaders,
+    /// Bounds on what a request may make sluice read.
+    #[serde(default)]
+    pub limits: RawLimits,
+}
+
+/// One profile's numbers.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawProfile {
+    /// Per-caller limit of each class per window.
+    pub classes: RawClasses,
+    /// Per-IP ceilings per window.
+    pub ip_ceilings: RawCeilings,
+}
+
+/// The four classes' limits.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawClasses {
+    /// Session traffic (initialize, ping, listing).
+    pub protocol: u32,
+    /// Reads.
+    pub read: u32,
+    /// Everything else.
+    pub standard: u32,
+    /// Costly calls.
+    pub expensive: u32,
+}
+
+/// The per-IP ceilings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCeilings {
+    /// Requests holding any read, standard or expensive call.
+    pub work: u32,
+    /// Requests holding only protocol calls.
+    pub protocol_only: u32,
+}
+
+/// Identity settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawIdentity {
+    /// Credential sources in order: `x_api_key`, `bearer`, `session_cookie`.
+    pub credentials: Option<Vec<String>>,
+    /// The console session cookie's name.
+    pub session_cookie: Option<String>,
+    /// CIDRs of proxies whose `X-Forwarded-For` is believed.
+    #[serde(default)]
+    pub trusted_proxies: Vec<String>,
+    /// IPv6 callers are grouped by this prefix length for IP budgets.
+    pub ipv6_prefix: Option<u8>,
+    /// Known credentials: sha256 of the secret → workspace and user.
+    #[serde(default)]
+    pub keys: Vec<RawKey>,
+    /// Headers an auth layer in front sets (believed only from trusted proxies).
+    pub principal_headers: Option<RawPrincipalHeaders>,
+}
+
+/// One known credential.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKey {
+    /// Lower-case hex SHA-256 of the secret (the secret itself never appears).
+    pub sha256: String,
+    /// The workspace it belongs to.
+    pub workspace: String,
+    /// The user it belongs to.
+    pub user: String,
+}
+
+/// Header names set by a trusted auth layer.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPrincipalHeaders {
+    /// Header carrying the workspace id.
+    pub workspace: String,
+    /// Header carrying the user id.
+    pub user: String,
+}
+
+/// An extra bucket.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBucket {
+    /// Requests per window.
+    pub limit: u32,
+    /// Window length in seconds.
+    pub window_seconds: u32,
+    /// Whose bucket: `ip`, `caller`, `user` or `workspace`.
+    pub per: String,
+    /// How a refusal looks: `edge` (the plain-text 429) or `envelope` (JSON).
+    pub refusal: Option<String>,
+    /// The envelope's message; `{retry_after}` is replaced by the seconds.
+    pub message: Option<String>,
+}
+
+/// One route.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    /// HTTP method; absent = any.
+    pub method: Option<String>,
+    /// Path pattern (`/a/{id}/b`, trailing `*` = the rest); absent = any.
+    pub path: Option<String>,
+    /// Cost class; absent only on JSON-RPC routes.
+    pub class: Option<String>,
+    /// True: the class comes from the JSON-RPC body.
+    #[serde(default)]
+    pub jsonrpc: bool,
+    /// Extra buckets this route also spends.
+    #[serde(default)]
+    pub buckets: Vec<String>,
+}
+
+/// JSON-RPC classification rules.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawJsonRpc {
+    /// Class → methods (a trailing `*` matches a prefix).
+    #[serde(default)]
+    pub methods: BTreeMap<String, Vec<String>>,
+    /// Tool name → its rule (for `tools/call`).
+    #[serde(default)]
+    pub tools: BTreeMap<String, RawTool>,
+    /// Retired tool name → `arguments.action` → the tool it now is.
+    #[serde(default)]
+    pub retired: BTreeMap<String, BTreeMap<String, String>>,
+    /// The class of anything the rules do not name.
+    pub default_class: Option<String>,
+}
+
+/// One tool's rule.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTool {
+    /// Its cost class.
+    pub class: String,
+}
+
+/// Header options.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHeaders {
+    /// Also send the IETF draft-10 `RateLimit` and `RateLimit-Policy` fields.
+    #[serde(default)]
+    pub ietf_draft: bool,
+}
+
+/// Bounds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimits {
+    /// Largest body read for classification (bytes).
+    pub max_body_bytes: Option<usize>,
+    /// Deepest JSON nesting accepted in a classified body.
+    pub max_json_depth: Option<usize>,
+    /// Most items in one JSON-RPC batch.
+    pub max_batch_items: Option<usize>,
+}

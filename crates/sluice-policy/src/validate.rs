@@ -1,0 +1,496 @@
+//! `RawPolicy` → `Policy`: every check in one place, every problem reported
+//! with the key path it is at.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+
+use http::{HeaderName, Method};
+use ipnet::IpNet;
+
+use crate::model::{
+    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Per, Policy, Principal, Profile,
+    Refusal, Route, RouteClass,
+};
+use crate::pattern::PathPattern;
+use crate::raw::{RawPolicy, RawProfile};
+
+/// Default largest body read for classification: 1 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+/// Default deepest JSON nesting: 64.
+pub const DEFAULT_MAX_JSON_DEPTH: usize = 64;
+/// Default most items in one JSON-RPC batch: 1,000.
+pub const DEFAULT_MAX_BATCH_ITEMS: usize = 1_000;
+
+/// One thing wrong with a policy, at a key path such as `routes[3].class`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// Where in the file.
+    pub path: String,
+    /// What was expected.
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// Why a policy was not accepted.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PolicyError {
+    /// The file could not be read.
+    #[error("{file}: {source}")]
+    Read {
+        /// The file.
+        file: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The YAML does not have the policy's shape (the message has the line).
+    #[error("{file}: {message}")]
+    Parse {
+        /// The file (or `<built-in>`).
+        file: PathBuf,
+        /// The parser's message, with line, column and the offending lines.
+        message: String,
+    },
+    /// The YAML has the right shape but wrong values.
+    #[error("{file}: {} problem(s):\n{}", problems.len(), problems.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        /// The file (or `<built-in>`).
+        file: PathBuf,
+        /// Every problem found.
+        problems: Vec<Problem>,
+    },
+}
+
+impl PolicyError {
+    /// The problems, when the policy parsed but did not validate.
+    pub fn problems(&self) -> &[Problem] {
+        match self {
+            PolicyError::Invalid { problems, .. } => problems,
+            _ => &[],
+        }
+    }
+}
+
+/// Reads, parses and validates a policy file.
+///
+/// # Errors
+/// [`PolicyError`] naming the file and what is wrong.
+pub fn load_file(file: &Path) -> Result<Policy, PolicyError> {
+    let text = std::fs::read_to_string(file).map_err(|source| PolicyError::Read {
+        file: file.to_owned(),
+        source,
+    })?;
+    parse_str(&text, file)
+}
+
+/// Parses and validates policy YAML; `file` names it in errors.
+///
+/// # Errors
+/// [`PolicyError::Parse`] or [`PolicyError::Invalid`].
+pub fn parse_str(text: &str, file: &Path) -> Result<Policy, PolicyError> {
+    let raw: RawPolicy = serde_saphyr::from_str(text).map_err(|e| PolicyError::Parse {
+        file: file.to_owned(),
+        message: e.to_string(),
+    })?;
+    validate(&raw).map_err(|problems| PolicyError::Invalid {
+        file: file.to_owned(),
+        problems,
+    })
+}
+
+/// Checks a raw policy and builds the typed one.
+///
+/// # Errors
+/// Every problem found, each with its key path.
+pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
+    let mut v = Checker::default();
+    let profiles: Vec<(String, Profile)> = raw
+        .profiles
+        .iter()
+        .filter_map(|(name, p)| {
+            v.profile(&format!("profiles.{name}"), p)
+                .map(|p| (name.clone(), p))
+        })
+        .collect();
+    if raw.profiles.is_empty() {
+        v.problem(
+            "profiles",
+            "at least one profile (e.g. `production`) is required",
+        );
+    }
+    let profile_name = raw
+        .profile
+        .clone()
+        .unwrap_or_else(|| "production".to_owned());
+    let profile = profiles
+        .iter()
+        .find(|(n, _)| *n == profile_name)
+        .map(|(_, p)| p.clone());
+    if profile.is_none() && !raw.profiles.is_empty() {
+        v.problem(
+            "profile",
+            format!(
+                "names no profile: {profile_name:?}; defined are {}",
+                raw.profiles.keys().cloned().collect::<Vec<_>>().join(", ")
+            ),
+        );
+    }
+    let window = v.nonzero("window_seconds", raw.window_seconds.unwrap_or(60));
+    let identity = v.identity(raw);
+    let mut bucket_index = HashMap::new();
+    let mut buckets = Vec::new();
+    for (name, b) in &raw.buckets {
+        let at = format!("buckets.{name}");
+        let per = match b.per.as_str() {
+            "ip" => Some(Per::Ip),
+            "caller" => Some(Per::Caller),
+            "user" => Some(Per::User),
+            "workspace" => Some(Per::Workspace),
+            other => {
+                v.problem(
+                    format!("{at}.per"),
+                    format!("expected ip, caller, user or workspace, got {other:?}"),
+                );
+                None
+            }
+        };
+        let refusal = match (b.refusal.as_deref(), &b.message) {
+            (None | Some("edge"), None) => Some(Refusal::Edge),
+            (None | Some("edge"), Some(_)) => {
+                v.problem(
+                    format!("{at}.message"),
+                    "a message needs `refusal: envelope`",
+                );
+                None
+            }
+            (Some("envelope"), m) => Some(Refusal::Envelope {
+                message: m.clone().unwrap_or_else(|| {
+                    "Rate limited. Try again in {retry_after} seconds.".to_owned()
+                }),
+            }),
+            (Some(other), _) => {
+                v.problem(
+                    format!("{at}.refusal"),
+                    format!("expected edge or envelope, got {other:?}"),
+                );
+                None
+            }
+        };
+        let limit = v.nonzero(&format!("{at}.limit"), b.limit);
+        let w = v.nonzero(&format!("{at}.window_seconds"), b.window_seconds);
+        if let (Some(per), Some(refusal), Some(limit), Some(window)) = (per, refusal, limit, w) {
+            bucket_index.insert(name.clone(), buckets.len());
+            buckets.push(Bucket {
+                name: name.clone(),
+                limit,
+                window,
+                per,
+                refusal,
+            });
+        }
+    }
+    let mut routes = Vec::new();
+    for (i, r) in raw.routes.iter().enumerate() {
+        let at = format!("routes[{i}]");
+        let method = r.method.as_deref().and_then(|m| {
+            match Method::from_bytes(m.to_ascii_uppercase().as_bytes()) {
+                Ok(m) => Some(m),
+                Err(_) => {
+                    v.problem(format!("{at}.method"), format!("not an HTTP method: {m:?}"));
+                    None
+                }
+            }
+        });
+        let path = r.path.as_deref().and_then(|p| match PathPattern::parse(p) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                v.problem(format!("{at}.path"), e);
+                None
+            }
+        });
+        let class = match (r.jsonrpc, r.class.as_deref()) {
+            (true, None) => Some(RouteClass::JsonRpc),
+            (true, Some(_)) => {
+                v.problem(
+                    format!("{at}.class"),
+                    "a JSON-RPC route takes its class from the body; remove `class`",
+                );
+                None
+            }
+            (false, Some(c)) => v.class(&format!("{at}.class"), c).map(RouteClass::Fixed),
+            (false, None) => {
+                v.problem(format!("{at}.class"), "required (or `jsonrpc: true`)");
+                None
+            }
+        };
+        let mut refs = Vec::new();
+        for (j, name) in r.buckets.iter().enumerate() {
+            match bucket_index.get(name) {
+                Some(&k) => refs.push(k),
+                None => v.problem(
+                    format!("{at}.buckets[{j}]"),
+                    format!("no bucket named {name:?} under `buckets`"),
+                ),
+            }
+        }
+        if let Some(class) = class {
+            routes.push(Route {
+                method,
+                path,
+                class,
+                buckets: refs,
+            });
+        }
+    }
+    let default_class = v.class(
+        "default_class",
+        raw.default_class.as_deref().unwrap_or("standard"),
+    );
+    let jsonrpc = v.jsonrpc(raw);
+    let bounds = Bounds {
+        max_body_bytes: raw.limits.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
+        max_json_depth: raw.limits.max_json_depth.unwrap_or(DEFAULT_MAX_JSON_DEPTH),
+        max_batch_items: raw
+            .limits
+            .max_batch_items
+            .unwrap_or(DEFAULT_MAX_BATCH_ITEMS),
+    };
+    if bounds.max_body_bytes == 0 || bounds.max_json_depth == 0 || bounds.max_batch_items == 0 {
+        v.problem("limits", "every bound must be above zero");
+    }
+    match (
+        v.problems.is_empty(),
+        profile,
+        window,
+        identity,
+        default_class,
+        jsonrpc,
+    ) {
+        (true, Some(profile), Some(window), Some(identity), Some(default_class), Some(jsonrpc)) => {
+            Ok(Policy {
+                profile_name,
+                profiles,
+                profile,
+                window,
+                identity,
+                buckets,
+                routes,
+                default_class,
+                jsonrpc,
+                ietf_headers: raw.headers.ietf_draft,
+                bounds,
+            })
+        }
+        _ => Err(v.problems),
+    }
+}
+
+#[derive(Default)]
+struct Checker {
+    problems: Vec<Problem>,
+}
+
+impl Checker {
+    fn problem(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.problems.push(Problem {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+
+    fn nonzero(&mut self, path: &str, n: u32) -> Option<NonZeroU32> {
+        let nz = NonZeroU32::new(n);
+        if nz.is_none() {
+            self.problem(
+                path,
+                "must be at least 1 (a limit of 0 would refuse everything)",
+            );
+        }
+        nz
+    }
+
+    fn class(&mut self, path: &str, name: &str) -> Option<Class> {
+        let c = Class::from_name(name);
+        if c.is_none() {
+            self.problem(
+                path,
+                format!("unknown class {name:?}; expected protocol, read, standard or expensive"),
+            );
+        }
+        c
+    }
+
+    fn profile(&mut self, at: &str, p: &RawProfile) -> Option<Profile> {
+        let c = &p.classes;
+        let classes = [
+            self.nonzero(&format!("{at}.classes.protocol"), c.protocol),
+            self.nonzero(&format!("{at}.classes.read"), c.read),
+            self.nonzero(&format!("{at}.classes.standard"), c.standard),
+            self.nonzero(&format!("{at}.classes.expensive"), c.expensive),
+        ];
+        let work = self.nonzero(&format!("{at}.ip_ceilings.work"), p.ip_ceilings.work);
+        let proto = self.nonzero(
+            &format!("{at}.ip_ceilings.protocol_only"),
+            p.ip_ceilings.protocol_only,
+        );
+        match (classes, work, proto) {
+            ([Some(a), Some(b), Some(c), Some(d)], Some(work), Some(proto)) => Some(Profile {
+                classes: [a, b, c, d],
+                ceiling_work: work,
+                ceiling_protocol_only: proto,
+            }),
+            _ => None,
+        }
+    }
+
+    fn identity(&mut self, raw: &RawPolicy) -> Option<Identity> {
+        let id = &raw.identity;
+        let sources = id
+            .credentials
+            .clone()
+            .unwrap_or_else(|| vec!["x_api_key".into(), "bearer".into(), "session_cookie".into()]);
+        let mut credentials = Vec::new();
+        for (i, s) in sources.iter().enumerate() {
+            match s.as_str() {
+                "x_api_key" => credentials.push(CredentialSource::ApiKeyHeader),
+                "bearer" => credentials.push(CredentialSource::Bearer),
+                "session_cookie" => credentials.push(CredentialSource::SessionCookie),
+                other => self.problem(
+                    format!("identity.credentials[{i}]"),
+                    format!("expected x_api_key, bearer or session_cookie, got {other:?}"),
+                ),
+            }
+        }
+        let mut trusted_proxies = Vec::new();
+        for (i, c) in id.trusted_proxies.iter().enumerate() {
+            let parsed = c
+                .parse::<IpNet>()
+                .or_else(|_| c.parse::<std::net::IpAddr>().map(IpNet::from));
+            match parsed {
+                Ok(net) => trusted_proxies.push(net),
+                Err(_) => self.problem(
+                    format!("identity.trusted_proxies[{i}]"),
+                    format!("expected an IP address or CIDR such as 10.0.0.0/8, got {c:?}"),
+                ),
+            }
+        }
+        let ipv6_prefix = id.ipv6_prefix.unwrap_or(64);
+        if ipv6_prefix == 0 || ipv6_prefix > 128 {
+            self.problem(
+                "identity.ipv6_prefix",
+                format!("expected 1..=128, got {ipv6_prefix}"),
+            );
+        }
+        let mut keys = HashMap::new();
+        for (i, k) in id.keys.iter().enumerate() {
+            let mut digest = [0u8; 32];
+            match hex::decode_to_slice(&k.sha256, &mut digest) {
+                Ok(()) => {
+                    if keys
+                        .insert(
+                            digest,
+                            Principal {
+                                workspace: k.workspace.clone(),
+                                user: k.user.clone(),
+                            },
+                        )
+                        .is_some()
+                    {
+                        self.problem(format!("identity.keys[{i}].sha256"), "listed twice");
+                    }
+                }
+                Err(_) => self.problem(
+                    format!("identity.keys[{i}].sha256"),
+                    "expected 64 hex digits: the SHA-256 of the credential (e.g. `printf %s KEY | sha256sum`)",
+                ),
+            }
+        }
+        let principal_headers = id.principal_headers.as_ref().and_then(|h| {
+            match (
+                HeaderName::try_from(h.workspace.as_str()),
+                HeaderName::try_from(h.user.as_str()),
+            ) {
+                (Ok(w), Ok(u)) => Some((w, u)),
+                _ => {
+                    self.problem("identity.principal_headers", "expected valid header names");
+                    None
+                }
+            }
+        });
+        if principal_headers.is_some() && trusted_proxies.is_empty() {
+            self.problem(
+                "identity.principal_headers",
+                "believed only from trusted proxies: list them under identity.trusted_proxies",
+            );
+        }
+        Some(Identity {
+            credentials,
+            session_cookie: id
+                .session_cookie
+                .clone()
+                .unwrap_or_else(|| "session".to_owned()),
+            trusted_proxies,
+            ipv6_prefix,
+            keys,
+            principal_headers,
+        })
+    }
+
+    fn jsonrpc(&mut self, raw: &RawPolicy) -> Option<JsonRpc> {
+        let j = &raw.jsonrpc;
+        let mut methods = HashMap::new();
+        let mut method_prefixes = Vec::new();
+        for (class_name, list) in &j.methods {
+            let Some(class) = self.class(&format!("jsonrpc.methods.{class_name}"), class_name)
+            else {
+                continue;
+            };
+            for m in list {
+                match m.strip_suffix('*') {
+                    Some(prefix) => method_prefixes.push((prefix.to_owned(), class)),
+                    None => {
+                        methods.insert(m.clone(), class);
+                    }
+                }
+            }
+        }
+        let mut tools = HashMap::new();
+        for (name, t) in &j.tools {
+            if let Some(c) = self.class(&format!("jsonrpc.tools.{name}.class"), &t.class) {
+                tools.insert(name.clone(), c);
+            }
+        }
+        let mut retired = HashMap::new();
+        for (name, actions) in &j.retired {
+            let mut map = HashMap::new();
+            for (action, tool) in actions {
+                if !tools.contains_key(tool) {
+                    self.problem(
+                        format!("jsonrpc.retired.{name}.{action}"),
+                        format!("names no tool under jsonrpc.tools: {tool:?}"),
+                    );
+                }
+                map.insert(action.clone(), tool.clone());
+            }
+            retired.insert(name.clone(), map);
+        }
+        let default_class = self.class(
+            "jsonrpc.default_class",
+            j.default_class.as_deref().unwrap_or("standard"),
+        )?;
+        Some(JsonRpc {
+            methods,
+            method_prefixes,
+            tools,
+            retired,
+            default_class,
+        })
+    }
+}

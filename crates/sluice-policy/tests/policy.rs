@@ -1,0 +1,327 @@
+//! The policy: loading, validation errors, the default table, classification.
+
+use std::net::IpAddr;
+use std::path::Path;
+
+use http::{HeaderMap, HeaderValue, Method};
+use sluice_policy::{
+    CallerKind, Class, PolicyError, RouteClass, default_policy, load_file, parse_str,
+};
+
+fn example_path() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/policy.yaml")
+}
+
+#[test]
+fn the_commented_example_is_the_built_in_default() {
+    let example = load_file(&example_path()).expect("examples/policy.yaml loads");
+    assert_eq!(example, default_policy().expect("default"));
+}
+
+#[test]
+fn e1_profiles_carry_the_seed_numbers() {
+    let p = default_policy().expect("default");
+    let limits: Vec<u32> = Class::ALL
+        .iter()
+        .map(|&c| p.profile.limit(c).get())
+        .collect();
+    assert_eq!(limits, [600, 300, 60, 30]);
+    assert_eq!(
+        (
+            p.profile.ceiling_work.get(),
+            p.profile.ceiling_protocol_only.get()
+        ),
+        (300, 1200)
+    );
+    let local = p.with_profile("local").expect("local");
+    let limits: Vec<u32> = Class::ALL
+        .iter()
+        .map(|&c| local.profile.limit(c).get())
+        .collect();
+    assert_eq!(limits, [3000, 1500, 500, 150]);
+    assert_eq!(
+        (
+            local.profile.ceiling_work.get(),
+            local.profile.ceiling_protocol_only.get()
+        ),
+        (2000, 6000)
+    );
+    assert!(
+        default_policy()
+            .expect("default")
+            .with_profile("staging")
+            .is_err()
+    );
+}
+
+#[test]
+fn routes_follow_the_default_table() {
+    let p = default_policy().expect("default");
+    let class = |m: Method, path: &str| p.route(&m, path).map(|r| r.class.clone());
+    let fixed = |c| Some(RouteClass::Fixed(c));
+    assert_eq!(class(Method::GET, "/anything/else"), fixed(Class::Read));
+    assert_eq!(class(Method::POST, "/chats"), fixed(Class::Expensive));
+    assert_eq!(
+        class(Method::POST, "/routines/7/run"),
+        fixed(Class::Expensive)
+    );
+    assert_eq!(
+        class(Method::POST, "/messages/optimize"),
+        fixed(Class::Expensive)
+    );
+    assert_eq!(
+        class(Method::GET, "/messages/optimize/batches/b1"),
+        fixed(Class::Read)
+    );
+    assert_eq!(class(Method::POST, "/search/query"), fixed(Class::Read));
+    assert_eq!(class(Method::POST, "/evals"), fixed(Class::Standard));
+    assert_eq!(
+        class(Method::GET, "/oauth/authorize"),
+        fixed(Class::Standard)
+    );
+    assert_eq!(
+        class(Method::GET, "/api/mcp/api-keys"),
+        fixed(Class::Standard)
+    );
+    assert_eq!(
+        class(Method::DELETE, "/api/mcp/api-keys/k1"),
+        fixed(Class::Standard)
+    );
+    assert_eq!(class(Method::GET, "/mcp"), fixed(Class::Protocol));
+    assert_eq!(class(Method::DELETE, "/mcp"), fixed(Class::Protocol));
+    assert_eq!(class(Method::POST, "/mcp"), Some(RouteClass::JsonRpc));
+    assert_eq!(
+        class(Method::PUT, "/unlisted"),
+        None,
+        "falls to default_class"
+    );
+    assert_eq!(p.default_class, Class::Standard);
+    let export = p.route(&Method::GET, "/evals/e1/export").expect("export");
+    assert_eq!(p.buckets[export.buckets[0]].name, "export");
+    let register = p.route(&Method::POST, "/oauth/register").expect("register");
+    assert_eq!(p.buckets[register.buckets[0]].limit.get(), 5);
+}
+
+#[test]
+fn e5_jsonrpc_items_are_classed_by_method_tool_and_retired_action() {
+    let p = default_policy().expect("default");
+    let class = |body: &str| {
+        let items = p.jsonrpc.classify(body.as_bytes(), &p.bounds);
+        Class::ALL
+            .into_iter()
+            .find(|&c| items.count(c) == 1)
+            .expect("one item")
+    };
+    let call = |name: &str, args: &str| {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"{name}","arguments":{args}}}}}"#
+        )
+    };
+    assert_eq!(
+        class(r#"{"jsonrpc":"2.0","id":1,"method":"initialize"}"#),
+        Class::Protocol
+    );
+    assert_eq!(
+        class(r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#),
+        Class::Protocol
+    );
+    assert_eq!(
+        class(r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#),
+        Class::Protocol
+    );
+    assert_eq!(class(&call("start_chat", "{}")), Class::Expensive);
+    assert_eq!(class(&call("search_query", "{}")), Class::Read);
+    assert_eq!(
+        class(&call("messages", r#"{"action":"optimize"}"#)),
+        Class::Expensive
+    );
+    assert_eq!(
+        class(&call("messages", r#"{"action":"optimize_batch"}"#)),
+        Class::Expensive
+    );
+    // Unknown tool, retired name with an unknown action, not JSON-RPC: standard.
+    assert_eq!(class(&call("no_such_tool", "{}")), Class::Standard);
+    assert_eq!(
+        class(&call("messages", r#"{"action":"shred"}"#)),
+        Class::Standard
+    );
+    assert_eq!(class(&call("messages", "{}")), Class::Standard);
+    assert_eq!(class("this is not json"), Class::Standard);
+    assert_eq!(class(r#"{"hello":"world"}"#), Class::Standard);
+    assert_eq!(class("[]"), Class::Standard);
+    assert_eq!(
+        p.jsonrpc
+            .classify(&[0xff, 0xfe, b'{'], &p.bounds)
+            .count(Class::Standard),
+        1,
+        "invalid UTF-8 is standard, never a panic"
+    );
+    let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
+    assert_eq!(
+        p.jsonrpc
+            .classify(deep.as_bytes(), &p.bounds)
+            .count(Class::Standard),
+        1
+    );
+}
+
+#[test]
+fn e5_a_batch_counts_each_item_in_its_class() {
+    let p = default_policy().expect("default");
+    let items: Vec<String> = (0..31)
+        .map(|i| format!(r#"{{"jsonrpc":"2.0","id":{i},"method":"tools/call","params":{{"name":"optimize_message"}}}}"#))
+        .chain(std::iter::once(r#"{"jsonrpc":"2.0","id":99,"method":"ping"}"#.to_owned()))
+        .collect();
+    let body = format!("[{}]", items.join(","));
+    let counted = p.jsonrpc.classify(body.as_bytes(), &p.bounds);
+    assert_eq!(counted.count(Class::Expensive), 31);
+    assert_eq!(counted.count(Class::Protocol), 1);
+    assert!(!counted.protocol_only());
+}
+
+fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (k, v) in pairs {
+        h.append(
+            http::HeaderName::from_bytes(k.as_bytes()).expect("name"),
+            HeaderValue::from_str(v).expect("value"),
+        );
+    }
+    h
+}
+
+#[test]
+fn e2_credentials_in_order_hashed_and_ip_without_one() {
+    let p = default_policy().expect("default");
+    let id = &p.identity;
+    let ip: IpAddr = "198.51.100.7".parse().expect("ip");
+    let client = id.client_ip(ip, &HeaderMap::new());
+    let by_key = id.caller(&headers(&[("x-api-key", "sk-secret")]), &client, false);
+    let by_bearer = id.caller(
+        &headers(&[("authorization", "Bearer sk-secret")]),
+        &client,
+        false,
+    );
+    let by_cookie = id.caller(
+        &headers(&[("cookie", "theme=dark; session=sk-secret")]),
+        &client,
+        false,
+    );
+    assert_eq!(by_key.kind, CallerKind::Credential);
+    assert_eq!(
+        by_key.subject, by_bearer.subject,
+        "same credential, same budgets"
+    );
+    assert_eq!(by_key.subject, by_cookie.subject);
+    assert!(
+        !by_key.label.contains("sk-secret"),
+        "never the raw credential"
+    );
+    let other = id.caller(&headers(&[("x-api-key", "sk-other")]), &client, false);
+    assert_ne!(other.subject, by_key.subject, "two credentials, two sets");
+    // X-API-Key wins over Bearer.
+    let both = id.caller(
+        &headers(&[
+            ("authorization", "Bearer sk-other"),
+            ("x-api-key", "sk-secret"),
+        ]),
+        &client,
+        false,
+    );
+    assert_eq!(both.subject, by_key.subject);
+    let anonymous = id.caller(&HeaderMap::new(), &client, false);
+    assert_eq!(anonymous.kind, CallerKind::Ip);
+    assert_eq!(anonymous.subject, client.subject);
+    assert_ne!(anonymous.subject, by_key.subject);
+}
+
+#[test]
+fn e4_forwarded_for_is_believed_only_from_trusted_proxies() {
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.replace(
+        "trusted_proxies: []",
+        "trusted_proxies: [10.0.0.0/8, \"192.0.2.1\"]",
+    );
+    let p = parse_str(&yaml, Path::new("t.yaml")).expect("policy");
+    let id = &p.identity;
+    let spoof = headers(&[("x-forwarded-for", "203.0.113.66")]);
+    let untrusted: IpAddr = "198.51.100.7".parse().expect("ip");
+    assert_eq!(id.client_ip(untrusted, &spoof).addr, untrusted);
+    let proxy: IpAddr = "10.1.2.3".parse().expect("ip");
+    let chain = headers(&[("x-forwarded-for", "1.1.1.1, 203.0.113.5, 10.9.9.9")]);
+    assert_eq!(
+        id.client_ip(proxy, &chain).addr,
+        "203.0.113.5".parse::<IpAddr>().expect("ip"),
+        "the right-most untrusted hop"
+    );
+    let garbage = headers(&[("x-forwarded-for", "203.0.113.5, not-an-ip")]);
+    assert_eq!(
+        id.client_ip(proxy, &garbage).addr,
+        proxy,
+        "nothing left of garbage is believed"
+    );
+}
+
+#[test]
+fn ipv6_callers_share_ip_budgets_by_64_prefix() {
+    let p = default_policy().expect("default");
+    let a = p
+        .identity
+        .ip_subject("2001:db8:1:2::1".parse().expect("ip"));
+    let b = p
+        .identity
+        .ip_subject("2001:db8:1:2:ffff::9".parse().expect("ip"));
+    let c = p
+        .identity
+        .ip_subject("2001:db8:1:3::1".parse().expect("ip"));
+    assert_eq!(a.subject, b.subject);
+    assert_ne!(a.subject, c.subject);
+    let mapped = p
+        .identity
+        .ip_subject("::ffff:198.51.100.7".parse().expect("ip"));
+    let v4 = p.identity.ip_subject("198.51.100.7".parse().expect("ip"));
+    assert_eq!(mapped.subject, v4.subject);
+}
+
+#[test]
+fn unknown_keys_are_errors_with_the_line() {
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML
+        .replace("window_seconds: 60\nprofiles", "window_secs: 60\nprofiles");
+    let err = parse_str(&yaml, Path::new("policy.yaml")).expect_err("typo");
+    let text = err.to_string();
+    assert!(matches!(err, PolicyError::Parse { .. }));
+    assert!(text.starts_with("policy.yaml: "), "{text}");
+    assert!(
+        text.contains("window_secs") && text.contains("line 3"),
+        "{text}"
+    );
+}
+
+#[test]
+fn invalid_values_are_reported_with_their_key_paths() {
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML
+        .replace("expensive: 30 }", "expensive: 0 }")
+        .replace(
+            "{ method: POST, path: /chats, class: expensive }",
+            "{ method: POST, path: chats, class: expnsive }",
+        )
+        .replace("buckets: [export]", "buckets: [exprot]")
+        .replace("trusted_proxies: []", "trusted_proxies: [\"10.0.0.0/33\"]");
+    let err = parse_str(&yaml, Path::new("policy.yaml")).expect_err("invalid");
+    let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
+    for want in [
+        "profiles.production.classes.expensive",
+        "routes[3].path",
+        "routes[3].class",
+        "routes[11].buckets[0]",
+        "identity.trusted_proxies[0]",
+    ] {
+        assert!(paths.contains(&want), "missing {want} in {paths:?}");
+    }
+    assert!(err.to_string().contains("expnsive"));
+}
+
+#[test]
+fn a_missing_file_is_an_error_naming_it() {
+    let err = load_file(Path::new("/nonexistent/policy.yaml")).expect_err("missing");
+    assert!(err.to_string().contains("/nonexistent/policy.yaml"));
+}
