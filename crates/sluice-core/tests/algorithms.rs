@@ -7,7 +7,7 @@ use std::time::Duration;
 use sluice_core::{Budget, BudgetKey, Mode, Rate, Timestamp, Verdict, adjust, decide, month_of};
 use support::{MapLedger, secs};
 
-/// 2026-11-30T00:00:00Z, the start of a minute.
+/// 2025-11-30T00:00:00Z, the start of a minute.
 const T0: u64 = 1_764_460_800;
 
 fn at(secs: u64, millis: u64) -> Timestamp {
@@ -120,7 +120,7 @@ fn q1_calendar_month_quota_resets_at_the_next_month() {
         cost: 1,
     };
     let mut l = MapLedger::default();
-    // 2026-11-30T23:59:59.999999999Z: the last nanosecond of November.
+    // 2025-11-30T23:59:59.999999999Z: the last nanosecond of November.
     let last = Timestamp::from_nanos(month_of(Timestamp::from_secs(T0)).end * 1_000_000_000 - 1);
     assert!(
         decide(&[b], &mut l, Timestamp::from_secs(T0), Mode::Spend)
@@ -129,14 +129,14 @@ fn q1_calendar_month_quota_resets_at_the_next_month() {
     );
     let d = decide(&[b], &mut l, last, Mode::Spend).expect("d");
     assert!(d.is_admitted());
-    assert_eq!(d.statuses()[0].reset, 1_764_547_200, "2026-12-01T00:00:00Z");
+    assert_eq!(d.statuses()[0].reset, 1_764_547_200, "2025-12-01T00:00:00Z");
     let d = decide(&[b], &mut l, last, Mode::Spend).expect("d");
     assert_eq!(d.retry_after(), Some(Duration::from_nanos(1)));
     let dec = Timestamp::from_secs(1_764_547_200);
     let d = decide(&[b], &mut l, dec, Mode::Spend).expect("d");
     assert!(d.is_admitted());
     assert_eq!(d.statuses()[0].remaining, 1);
-    assert_eq!(d.statuses()[0].reset, 1_767_225_600, "2027-01-01T00:00:00Z");
+    assert_eq!(d.statuses()[0].reset, 1_767_225_600, "2026-01-01T00:00:00Z");
 }
 
 #[test]

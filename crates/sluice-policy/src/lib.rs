@@ -34,6 +34,6 @@ pub use model::{
 pub use pattern::PathPattern;
 pub use raw::RawPolicy;
 pub use validate::{
-    DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, PolicyError, Problem,
-    load_file, parse_str, validate,
+    DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_ROUTE_BUCKETS,
+    PolicyError, Problem, load_file, parse_str, validate,
 };

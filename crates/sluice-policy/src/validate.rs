@@ -23,6 +23,10 @@ pub const DEFAULT_MAX_JSON_DEPTH: usize = 64;
 /// Default most items in one JSON-RPC batch: 1,000.
 pub const DEFAULT_MAX_BATCH_ITEMS: usize = 1_000;
 
+/// The most buckets one route may spend: with up to four class budgets and
+/// one IP ceiling, a request stays within [`sluice_core::MAX_BUDGETS`].
+pub const MAX_ROUTE_BUCKETS: usize = sluice_core::MAX_BUDGETS - 5;
+
 /// One thing wrong with a policy, at a key path such as `routes[3].class`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Problem {
@@ -231,6 +235,12 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             }
         };
         let mut refs = Vec::new();
+        if r.buckets.len() > MAX_ROUTE_BUCKETS {
+            v.problem(
+                format!("{at}.buckets"),
+                format!("at most {MAX_ROUTE_BUCKETS} buckets per route (a decision touches at most {} budgets)", sluice_core::MAX_BUDGETS),
+            );
+        }
         for (j, name) in r.buckets.iter().enumerate() {
             match bucket_index.get(name) {
                 Some(&k) => refs.push(k),

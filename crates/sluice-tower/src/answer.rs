@@ -1,0 +1,160 @@
+//! What the client is told (SPEC H1–H3): `X-RateLimit-*` on every response,
+//! the IETF draft fields when enabled, and the refusals. Every HTTP answer
+//! sluice makes itself is built here.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
+use http::{HeaderMap, Response, StatusCode};
+use http_body_util::Full;
+use sluice_core::Decision;
+use sluice_policy::{Policy, Refusal};
+
+use crate::plan::Plan;
+
+/// `X-RateLimit-Limit`.
+pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+/// `X-RateLimit-Remaining`.
+pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+/// `X-RateLimit-Reset` (Unix seconds).
+pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+/// IETF draft-10 `RateLimit-Policy`.
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// IETF draft-10 `RateLimit`.
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// The edge limiter's 429 body (SPEC H2).
+pub const EDGE_BODY: &str = "Too many requests, please try again later.";
+
+/// Seconds, rounded up, never below 1: what `Retry-After` says.
+pub fn retry_after_secs(d: Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+/// The wait a refusal announces: until every budget has room, or — for a
+/// request that can never fit — until the refusing budget's window resets.
+pub fn refusal_wait(decision: &Decision) -> u64 {
+    match decision.retry_after() {
+        Some(d) => retry_after_secs(d),
+        None => decision
+            .binding()
+            .map_or(1, |b| b.reset_after_secs(decision.decided_at()).max(1)),
+    }
+}
+
+/// Adds the rate-limit headers of `decision` to `headers`.
+pub fn rate_limit_headers(
+    headers: &mut HeaderMap,
+    decision: &Decision,
+    plan: &Plan,
+    policy: &Policy,
+) {
+    let Some(binding) = decision.binding() else {
+        return;
+    };
+    headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(binding.limit));
+    headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(binding.remaining));
+    headers.insert(X_RATELIMIT_RESET, HeaderValue::from(binding.reset));
+    if policy.ietf_headers {
+        let now = decision.decided_at();
+        let mut quota_policy = String::new();
+        let mut state = String::new();
+        for (i, s) in decision.statuses().iter().enumerate() {
+            let name = plan.name(i, policy);
+            let sep = if i == 0 { "" } else { ", " };
+            let w = plan.windows.get(i).copied().unwrap_or(0);
+            let _ = write!(quota_policy, "{sep}\"{name}\";q={};w={w}", s.limit);
+            // Seconds until more quota: the window's reset (for every budget
+            // of a refused request this is <= Retry-After's wait).
+            let t = s.reset_after_secs(now);
+            let _ = write!(state, "{sep}\"{name}\";r={};t={t}", s.remaining);
+        }
+        if let Ok(v) = HeaderValue::from_str(&quota_policy) {
+            headers.insert(RATELIMIT_POLICY, v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&state) {
+            headers.insert(RATELIMIT, v);
+        }
+    }
+}
+
+/// The 429 for a refused decision: the edge form or the JSON envelope,
+/// depending on the refusing budget, always with `Retry-After`.
+pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Full<Bytes>> {
+    let wait = refusal_wait(decision);
+    let binding = decision.binding_index();
+    let mut response = match plan.refusal(binding, policy) {
+        Refusal::Edge => {
+            let mut r = Response::new(Full::new(Bytes::from_static(EDGE_BODY.as_bytes())));
+            r.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/html; charset=utf-8"),
+            );
+            r
+        }
+        Refusal::Envelope { message } => {
+            let at = decision.decided_at().as_secs().saturating_add(wait);
+            envelope_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                &message.replace("{retry_after}", &wait.to_string()),
+                serde_json::json!({
+                    "retry_at": rfc3339(at),
+                    "retry_after_seconds": wait,
+                }),
+            )
+        }
+    };
+    *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    response
+        .headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from(wait));
+    rate_limit_headers(response.headers_mut(), decision, plan, policy);
+    response
+}
+
+/// A response with the JSON envelope `{"error":{"code","message","details"}}` (SPEC H3).
+pub fn envelope_response(
+    status: StatusCode,
+    code: &str,
+    message: &str,
+    details: serde_json::Value,
+) -> Response<Full<Bytes>> {
+    let body = serde_json::json!({
+        "error": { "code": code, "message": message, "details": details }
+    });
+    let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// Unix seconds as RFC 3339 UTC (`2026-08-10T14:22:31Z`).
+pub fn rfc3339(unix_secs: u64) -> String {
+    i64::try_from(unix_secs)
+        .ok()
+        .and_then(|s| jiff::Timestamp::from_second(s).ok())
+        .map_or_else(|| "9999-12-31T23:59:59Z".to_owned(), |t| t.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_and_is_at_least_one_second() {
+        assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(36_500)), 37);
+        assert_eq!(retry_after_secs(Duration::from_secs(37)), 37);
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
+    }
+
+    #[test]
+    fn rfc3339_is_utc_with_seconds() {
+        assert_eq!(rfc3339(1_786_371_751), "2026-08-10T14:22:31Z");
+    }
+}

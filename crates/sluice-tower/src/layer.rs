@@ -1,0 +1,167 @@
+//! The tower `Layer` and `Service`: classify, decide, answer.
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use sluice_store::BudgetStore;
+use tower::{Layer, Service};
+
+use crate::answer::{envelope_response, rate_limit_headers, refusal};
+use crate::limiter::Limiter;
+
+/// The connection's peer address, as a request extension. Servers insert it
+/// per connection; without it every caller shares the IP `0.0.0.0`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerAddr(pub SocketAddr);
+
+/// The body sluice answers with: its own refusals, or the inner service's.
+pub type SluiceBody<B> = Either<Full<Bytes>, B>;
+
+/// Wraps a service with a [`Limiter`].
+pub struct SluiceLayer<S> {
+    limiter: Arc<Limiter<S>>,
+}
+
+impl<S> SluiceLayer<S> {
+    /// A layer deciding with `limiter`.
+    pub fn new(limiter: Arc<Limiter<S>>) -> Self {
+        SluiceLayer { limiter }
+    }
+}
+
+impl<S> Clone for SluiceLayer<S> {
+    fn clone(&self) -> Self {
+        SluiceLayer {
+            limiter: Arc::clone(&self.limiter),
+        }
+    }
+}
+
+impl<S, I> Layer<I> for SluiceLayer<S> {
+    type Service = SluiceService<S, I>;
+
+    fn layer(&self, inner: I) -> Self::Service {
+        SluiceService {
+            limiter: Arc::clone(&self.limiter),
+            inner,
+        }
+    }
+}
+
+/// The service [`SluiceLayer`] makes. It never waits in `poll_ready` beyond
+/// the inner service: a refusal is answered at once.
+pub struct SluiceService<S, I> {
+    limiter: Arc<Limiter<S>>,
+    inner: I,
+}
+
+impl<S, I: Clone> Clone for SluiceService<S, I> {
+    fn clone(&self) -> Self {
+        SluiceService {
+            limiter: Arc::clone(&self.limiter),
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, I, B, RB> Service<Request<B>> for SluiceService<S, I>
+where
+    S: BudgetStore + Send + Sync + 'static,
+    I: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
+    I::Future: Send + 'static,
+    B: Body + From<Bytes> + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Response = Response<SluiceBody<RB>>;
+    type Error = I::Error;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        // The clone is not ready; the one polled ready is taken for this call.
+        let ready = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, ready);
+        let limiter = Arc::clone(&self.limiter);
+        Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            let peer = parts
+                .extensions
+                .get::<PeerAddr>()
+                .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.0.ip());
+            let policy = limiter.policy();
+            let mut too_large = false;
+            let (body, plan) = if limiter.needs_body(&parts.method, parts.uri.path()) {
+                let max = policy.bounds.max_body_bytes;
+                match Limited::new(body, max).collect().await {
+                    Ok(collected) => {
+                        let bytes = collected.to_bytes();
+                        let plan = limiter.plan(&parts, peer, Some(&bytes));
+                        (B::from(bytes), plan)
+                    }
+                    Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                        too_large = true;
+                        (B::from(Bytes::new()), limiter.plan(&parts, peer, None))
+                    }
+                    Err(_) => {
+                        let r = envelope_response(
+                            StatusCode::BAD_REQUEST,
+                            "invalid_request",
+                            "The request body could not be read.",
+                            serde_json::json!({}),
+                        );
+                        return Ok(r.map(Either::Left));
+                    }
+                }
+            } else {
+                let plan = limiter.plan(&parts, peer, None);
+                (body, plan)
+            };
+            let decision = match limiter.decide(&plan).await {
+                Ok(d) => d,
+                Err(e) => {
+                    let mut r = envelope_response(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "limiter_unavailable",
+                        "The rate limiter's store did not answer; try again shortly.",
+                        serde_json::json!({ "reason": e.to_string() }),
+                    );
+                    r.headers_mut()
+                        .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+                    return Ok(r.map(Either::Left));
+                }
+            };
+            if !decision.is_admitted() {
+                return Ok(refusal(&decision, &plan, policy).map(Either::Left));
+            }
+            if too_large {
+                let mut r = envelope_response(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "payload_too_large",
+                    &format!(
+                        "The request body is larger than {} bytes.",
+                        policy.bounds.max_body_bytes
+                    ),
+                    serde_json::json!({ "max_bytes": policy.bounds.max_body_bytes }),
+                );
+                rate_limit_headers(r.headers_mut(), &decision, &plan, policy);
+                return Ok(r.map(Either::Left));
+            }
+            let mut response = inner.call(Request::from_parts(parts, body)).await?;
+            rate_limit_headers(response.headers_mut(), &decision, &plan, policy);
+            Ok(response.map(Either::Right))
+        })
+    }
+}

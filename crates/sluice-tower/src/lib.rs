@@ -1,0 +1,29 @@
+//! sluice as a tower layer: every request is classified by the policy,
+//! decided on all its budgets at once, and answered with exact
+//! `X-RateLimit-*` headers or a refusal. No axum here: any hyper or tower
+//! stack can wrap its service (see `examples/axum_app.rs`).
+//!
+//! ```
+//! use std::sync::Arc;
+//! use sluice_policy::default_policy;
+//! use sluice_store::{MemoryConfig, MemoryStore};
+//! use sluice_tower::{Limiter, SluiceLayer};
+//!
+//! let limiter = Limiter::new(default_policy().unwrap(), MemoryStore::new(MemoryConfig::default()));
+//! let layer = SluiceLayer::new(Arc::new(limiter));
+//! # let _ = layer;
+//! ```
+
+mod answer;
+mod layer;
+mod limiter;
+mod plan;
+
+pub use answer::{
+    EDGE_BODY, RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING,
+    X_RATELIMIT_RESET, envelope_response, rate_limit_headers, refusal, refusal_wait,
+    retry_after_secs, rfc3339,
+};
+pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService};
+pub use limiter::{Limiter, TOP_CALLERS_TRACKED};
+pub use plan::{BudgetKind, Plan, Scopes};

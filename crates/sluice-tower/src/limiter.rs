@@ -1,0 +1,170 @@
+//! The limiter: one policy, one store, and everything between a request's
+//! head and its decision.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::time::Instant;
+
+use http::Method;
+use http::request::Parts;
+use parking_lot::Mutex;
+use sluice_core::Decision;
+use sluice_policy::{Class, Items, Policy, RouteClass};
+use sluice_store::{BudgetStore, StoreError};
+
+use crate::plan::{Plan, Scopes, plan};
+
+/// The most callers the status page tracks per window; past it new callers
+/// are counted together as `others`.
+pub const TOP_CALLERS_TRACKED: usize = 4_096;
+
+/// A policy and a store: classifies requests and decides their budgets.
+pub struct Limiter<S> {
+    policy: Policy,
+    scopes: Scopes,
+    store: S,
+    top: Mutex<TopCallers>,
+}
+
+#[derive(Default)]
+struct TopCallers {
+    window: u64,
+    spend: HashMap<String, u64>,
+    others: u64,
+}
+
+impl<S: BudgetStore> Limiter<S> {
+    /// A limiter enforcing `policy` on `store`.
+    pub fn new(policy: Policy, store: S) -> Self {
+        Limiter {
+            scopes: Scopes::new(&policy),
+            policy,
+            store,
+            top: Mutex::default(),
+        }
+    }
+
+    /// The policy enforced.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The store decided on.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// True when the request's class comes from its body (a JSON-RPC route):
+    /// the body must be read (bounded) before deciding.
+    pub fn needs_body(&self, method: &Method, path: &str) -> bool {
+        matches!(
+            self.policy.route(method, path).map(|r| &r.class),
+            Some(RouteClass::JsonRpc)
+        )
+    }
+
+    /// The budgets of a request. `body` is the body of a JSON-RPC route
+    /// (`None` for a body that was too large: it counts as one item of the
+    /// default class).
+    pub fn plan(&self, parts: &Parts, peer: IpAddr, body: Option<&[u8]>) -> Plan {
+        let policy = &self.policy;
+        let identity = &policy.identity;
+        let client = identity.client_ip(peer, &parts.headers);
+        let caller = identity.caller(&parts.headers, &client, identity.trusts(peer));
+        let route = policy.route(&parts.method, parts.uri.path());
+        let items = match route.map(|r| &r.class) {
+            Some(RouteClass::Fixed(c)) => Items::one(*c),
+            Some(RouteClass::JsonRpc) => match body {
+                Some(b) => policy.jsonrpc.classify(b, &policy.bounds),
+                None => Items::one(policy.jsonrpc.default_class),
+            },
+            None => Items::one(policy.default_class),
+        };
+        let buckets = route.map_or(&[][..], |r| r.buckets.as_slice());
+        plan(policy, &self.scopes, &items, &caller, &client, buckets)
+    }
+
+    /// Decides every budget of `plan` at once, and records the outcome.
+    ///
+    /// # Errors
+    /// The store's, when it cannot answer.
+    pub async fn decide(&self, plan: &Plan) -> Result<Decision, StoreError> {
+        let started = Instant::now();
+        let decision = self.store.decide(&plan.budgets).await;
+        metrics::histogram!("sluice_decision_seconds").record(started.elapsed().as_secs_f64());
+        let class = plan.top_class.name();
+        match &decision {
+            Ok(d) if d.is_admitted() => {
+                metrics::counter!("sluice_decisions_total", "class" => class, "outcome" => "admitted")
+                    .increment(1);
+                let units: u64 = plan
+                    .budgets
+                    .iter()
+                    .zip(&plan.kinds)
+                    .filter(|(_, k)| matches!(k, crate::plan::BudgetKind::Class(_)))
+                    .map(|(b, _)| u64::from(b.cost))
+                    .sum();
+                let window = d.decided_at().as_secs() / u64::from(self.policy.window.get());
+                self.top.lock().record(window, &plan.caller_label, units);
+            }
+            Ok(d) => {
+                let reason = plan.name(d.binding_index(), &self.policy).to_owned();
+                metrics::counter!("sluice_decisions_total", "class" => class, "outcome" => "refused")
+                    .increment(1);
+                metrics::counter!("sluice_refusals_total", "reason" => reason).increment(1);
+            }
+            Err(_) => {
+                metrics::counter!("sluice_decisions_total", "class" => class, "outcome" => "error")
+                    .increment(1);
+            }
+        }
+        decision
+    }
+
+    /// A summary for `/status`: the policy's numbers and the callers that
+    /// spent most in the current window.
+    pub fn status(&self) -> serde_json::Value {
+        let p = &self.policy;
+        let classes: serde_json::Map<String, serde_json::Value> = Class::ALL
+            .iter()
+            .map(|&c| (c.name().to_owned(), p.profile.limit(c).get().into()))
+            .collect();
+        let top = self.top.lock();
+        let mut callers: Vec<(&String, &u64)> = top.spend.iter().collect();
+        callers.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        serde_json::json!({
+            "profile": p.profile_name,
+            "window_seconds": p.window.get(),
+            "classes": classes,
+            "ip_ceilings": {
+                "work": p.profile.ceiling_work.get(),
+                "protocol_only": p.profile.ceiling_protocol_only.get(),
+            },
+            "buckets": p.buckets.iter().map(|b| serde_json::json!({
+                "name": b.name, "limit": b.limit.get(), "window_seconds": b.window.get(),
+            })).collect::<Vec<_>>(),
+            "routes": p.routes.len(),
+            "top_callers": callers.iter().take(10).map(|(label, units)| serde_json::json!({
+                "caller": label, "units": units,
+            })).collect::<Vec<_>>(),
+            "other_callers_units": top.others,
+        })
+    }
+}
+
+impl TopCallers {
+    fn record(&mut self, window: u64, label: &str, units: u64) {
+        if window != self.window {
+            self.window = window;
+            self.spend.clear();
+            self.others = 0;
+        }
+        if let Some(n) = self.spend.get_mut(label) {
+            *n += units;
+        } else if self.spend.len() < TOP_CALLERS_TRACKED {
+            self.spend.insert(label.to_owned(), units);
+        } else {
+            self.others += units;
+        }
+    }
+}

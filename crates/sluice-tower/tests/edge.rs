@@ -1,0 +1,323 @@
+//! The edge end to end over loopback: an axum app behind the layer, real
+//! HTTP, the default policy, a fake clock (no test can straddle a window).
+
+mod support;
+
+use http::{Method, StatusCode};
+use sluice_tower::EDGE_BODY;
+use support::{T0, method, start, tool_call};
+
+const KEY: (&str, &str) = ("x-api-key", "sk-test-one");
+
+fn assert_edge_429(r: &support::Reply) {
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.header("content-type"), "text/html; charset=utf-8");
+    assert_eq!(r.body, EDGE_BODY);
+    assert_eq!(
+        r.header("retry-after"),
+        "59",
+        "the window ends at T0 + 60, now is T0 + 1"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e1_e6_h2_rest_and_tool_calls_share_the_expensive_budget() {
+    let edge = start(|y| y).await;
+    for i in 0..20 {
+        let r = edge.post("/chats", &[KEY], "{}").await;
+        assert_eq!(r.status, StatusCode::OK, "chat {i}");
+        assert_eq!(r.limit(), 30);
+        assert_eq!(r.remaining(), 29 - i);
+        assert_eq!(r.header("x-ratelimit-reset"), (T0 + 60).to_string());
+    }
+    for i in 0..10 {
+        let r = edge.rpc(&[KEY], &tool_call(i, "start_chat")).await;
+        assert_eq!(r.status, StatusCode::OK, "tool call {i}");
+        assert_eq!(r.remaining(), 9 - i);
+    }
+    let r = edge.post("/chats", &[KEY], "{}").await;
+    assert_edge_429(&r);
+    assert_eq!(r.limit(), 30);
+    assert_eq!(r.remaining(), 0);
+    // Classes are independent: reads still go through.
+    let r = edge.get("/search/fields", &[KEY]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.limit(), 300);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e5_a_batch_of_31_expensive_items_is_refused_whole_and_spends_nothing() {
+    let edge = start(|y| y).await;
+    let batch: Vec<String> = (0..31).map(|i| tool_call(i, "optimize_message")).collect();
+    let r = edge.rpc(&[KEY], &format!("[{}]", batch.join(","))).await;
+    assert_edge_429(&r);
+    assert_eq!(r.limit(), 30);
+    assert_eq!(r.remaining(), 30, "nothing was spent");
+    let batch: Vec<String> = (0..30).map(|i| tool_call(i, "optimize_message")).collect();
+    let r = edge.rpc(&[KEY], &format!("[{}]", batch.join(","))).await;
+    assert_eq!(r.status, StatusCode::OK, "30 fit exactly");
+    assert_eq!(r.remaining(), 0);
+    // A batch mixing classes counts each item in its own class.
+    let mixed = format!("[{},{}]", method(1, "ping"), tool_call(2, "search_fields"));
+    let r = edge.rpc(&[("x-api-key", "sk-other")], &mixed).await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e3_ten_keys_from_one_ip_hit_the_300_ceiling() {
+    let edge = start(|y| y).await;
+    let keys: Vec<String> = (0..10).map(|i| format!("sk-key-{i}")).collect();
+    for (i, key) in keys.iter().enumerate() {
+        for j in 0..30 {
+            let r = edge.get("/search/fields", &[("x-api-key", key)]).await;
+            assert_eq!(r.status, StatusCode::OK, "key {i} read {j}");
+        }
+    }
+    let r = edge
+        .get("/search/fields", &[("x-api-key", "sk-key-eleven")])
+        .await;
+    assert_edge_429(&r);
+    assert_eq!(
+        r.limit(),
+        300,
+        "the ceiling binds, and its 429 reads like a per-caller one"
+    );
+    // Protocol-only requests have their own ceiling.
+    let r = edge
+        .rpc(&[("x-api-key", "sk-key-eleven")], &method(1, "ping"))
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e3_protocol_only_traffic_counts_toward_1200_and_not_300() {
+    let edge = start(|y| y).await;
+    for i in 0..1200 {
+        let key = if i % 2 == 0 { "sk-a" } else { "sk-b" };
+        let r = edge.get("/mcp", &[("x-api-key", key)]).await;
+        assert_eq!(r.status, StatusCode::OK, "protocol request {i}");
+    }
+    let r = edge.get("/search/fields", &[("x-api-key", "sk-c")]).await;
+    assert_eq!(r.status, StatusCode::OK, "the 300 ceiling is untouched");
+    assert_eq!(r.limit(), 300);
+    assert_eq!(r.remaining(), 299);
+    let r = edge
+        .rpc(&[("x-api-key", "sk-c")], &method(1, "initialize"))
+        .await;
+    assert_edge_429(&r);
+    assert_eq!(r.limit(), 1200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h1_x_ratelimit_limit_reads_the_budget_the_request_was_counted_in() {
+    let edge = start(|y| y).await;
+    let limit = |r: support::Reply| (r.status, r.limit());
+    assert_eq!(
+        limit(edge.rpc(&[KEY], &method(1, "initialize")).await),
+        (StatusCode::OK, 600)
+    );
+    assert_eq!(
+        limit(edge.post("/search/query", &[KEY], "{}").await),
+        (StatusCode::OK, 300)
+    );
+    assert_eq!(
+        limit(edge.post("/evals", &[KEY], "{}").await),
+        (StatusCode::OK, 60)
+    );
+    assert_eq!(
+        limit(edge.post("/chats", &[KEY], "{}").await),
+        (StatusCode::OK, 30)
+    );
+    assert_eq!(
+        limit(edge.send(Method::PUT, "/unlisted", &[KEY], "").await),
+        (StatusCode::OK, 60)
+    );
+    // Every response carries the three headers, also 429s (see other tests).
+    let r = edge.get("/anything", &[]).await;
+    assert!(r.header("x-ratelimit-reset").parse::<u64>().is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2_one_credential_is_one_set_of_budgets_from_any_address() {
+    // Trust loopback as a proxy so X-Forwarded-For can stand for two addresses.
+    let edge = start(|y| y.replace("trusted_proxies: []", "trusted_proxies: [127.0.0.1]")).await;
+    let from = |ip: &'static str| ("x-forwarded-for", ip);
+    for i in 0..30 {
+        let ip = if i % 2 == 0 {
+            "203.0.113.1"
+        } else {
+            "203.0.113.2"
+        };
+        let r = edge.post("/chats", &[KEY, from(ip)], "{}").await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    let r = edge.post("/chats", &[KEY, from("203.0.113.3")], "{}").await;
+    assert_eq!(
+        r.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "same key, third address"
+    );
+    let r = edge
+        .post(
+            "/chats",
+            &[("authorization", "Bearer sk-test-two"), from("203.0.113.1")],
+            "{}",
+        )
+        .await;
+    assert_eq!(
+        r.status,
+        StatusCode::OK,
+        "another credential from the same address"
+    );
+    assert_eq!(r.remaining(), 29);
+    // No credential: the client IP is the caller.
+    for (ip, remaining) in [
+        ("198.51.100.1", 59),
+        ("198.51.100.1", 58),
+        ("198.51.100.2", 59),
+    ] {
+        let r = edge.post("/evals", &[from(ip)], "{}").await;
+        assert_eq!(r.remaining(), remaining, "{ip}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e4_a_spoofed_forwarded_for_from_an_untrusted_peer_changes_nothing() {
+    let edge = start(|y| y).await;
+    for i in 0..60 {
+        let spoof = format!("198.51.100.{i}");
+        let r = edge
+            .post("/evals", &[("x-forwarded-for", &spoof)], "{}")
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    let r = edge
+        .post("/evals", &[("x-forwarded-for", "192.0.2.200")], "{}")
+        .await;
+    assert_edge_429(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e5_unknown_tool_retired_unknown_action_and_non_jsonrpc_count_as_standard() {
+    let edge = start(|y| y).await;
+    let retired_unknown = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"messages","arguments":{"action":"shred"}}}"#;
+    let retired_known = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"messages","arguments":{"action":"optimize"}}}"#;
+    let cases = [
+        (tool_call(1, "no_such_tool"), 60, 59),
+        (retired_unknown.to_owned(), 60, 58),
+        ("certainly not json".to_owned(), 60, 57),
+        (r#"{"not":"jsonrpc"}"#.to_owned(), 60, 56),
+        (retired_known.to_owned(), 30, 29),
+    ];
+    for (body, limit, remaining) in cases {
+        let r = edge.rpc(&[KEY], &body).await;
+        assert_eq!(r.status, StatusCode::OK, "{body}");
+        assert_eq!((r.limit(), r.remaining()), (limit, remaining), "{body}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e7_oauth_registration_is_5_per_minute_per_ip() {
+    let edge = start(|y| y).await;
+    for i in 0..5 {
+        let key = format!("sk-reg-{i}");
+        let r = edge
+            .post("/oauth/register", &[("x-api-key", &key)], "{}")
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    let r = edge
+        .post("/oauth/register", &[("x-api-key", "sk-reg-9")], "{}")
+        .await;
+    assert_edge_429(&r);
+    assert_eq!(r.limit(), 5);
+    let r = edge
+        .get("/oauth/authorize", &[("x-api-key", "sk-reg-9")])
+        .await;
+    assert_eq!(
+        r.status,
+        StatusCode::OK,
+        "other OAuth routes are standard-class only"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h3_the_export_bucket_refuses_with_the_json_envelope_and_retry_at() {
+    let edge = start(|y| y).await;
+    for _ in 0..5 {
+        assert_eq!(
+            edge.get("/evals/e1/export", &[KEY]).await.status,
+            StatusCode::OK
+        );
+    }
+    let r = edge.get("/evals/e1/export", &[KEY]).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.header("content-type"), "application/json");
+    assert_eq!(r.header("retry-after"), "59");
+    assert_eq!(r.limit(), 5);
+    let body: serde_json::Value = serde_json::from_str(&r.body).expect("JSON envelope");
+    assert_eq!(body["error"]["code"], "rate_limited");
+    assert_eq!(
+        body["error"]["message"],
+        "Export rate-limited. Try again in 59 seconds."
+    );
+    assert_eq!(body["error"]["details"]["retry_after_seconds"], 59);
+    assert_eq!(body["error"]["details"]["retry_at"], "2025-11-30T00:01:00Z");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e1_profile_local_numbers() {
+    let edge = start(|y| y.replace("profile: production", "profile: local")).await;
+    assert_eq!(edge.rpc(&[KEY], &method(1, "ping")).await.limit(), 3000);
+    assert_eq!(edge.get("/search/fields", &[KEY]).await.limit(), 1500);
+    assert_eq!(edge.post("/evals", &[KEY], "{}").await.limit(), 500);
+    assert_eq!(edge.post("/chats", &[KEY], "{}").await.limit(), 150);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h1_ietf_draft_fields_list_every_budget_when_enabled() {
+    let edge = start(|y| y.replace("ietf_draft: false", "ietf_draft: true")).await;
+    let r = edge.post("/chats", &[KEY], "{}").await;
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        r#""expensive";q=30;w=60, "ip";q=300;w=60"#
+    );
+    assert_eq!(
+        r.header("ratelimit"),
+        r#""expensive";r=29;t=59, "ip";r=299;t=59"#
+    );
+    let plain = start(|y| y).await;
+    let r = plain.post("/chats", &[KEY], "{}").await;
+    assert!(r.headers.get("ratelimit").is_none(), "off by default");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_jsonrpc_bodies_get_413_and_count_as_standard() {
+    let edge = start(|y| y.replace("max_body_bytes: 1048576", "max_body_bytes: 1024")).await;
+    let big = format!(
+        r#"{{"jsonrpc":"2.0","id":1,"method":"ping","params":{{"pad":"{}"}}}}"#,
+        "x".repeat(2000)
+    );
+    let r = edge.rpc(&[KEY], &big).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    let body: serde_json::Value = serde_json::from_str(&r.body).expect("envelope");
+    assert_eq!(body["error"]["code"], "payload_too_large");
+    assert_eq!((r.limit(), r.remaining()), (60, 59));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budgets_refill_when_the_window_rolls() {
+    let edge = start(|y| y).await;
+    for _ in 0..30 {
+        edge.post("/chats", &[KEY], "{}").await;
+    }
+    assert_eq!(
+        edge.post("/chats", &[KEY], "{}").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    edge.clock.advance(std::time::Duration::from_secs(59));
+    let r = edge.post("/chats", &[KEY], "{}").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.remaining(), 29);
+    assert_eq!(r.header("x-ratelimit-reset"), (T0 + 120).to_string());
+}
