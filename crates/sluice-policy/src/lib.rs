@@ -17,6 +17,7 @@
 //! ```
 
 mod default;
+mod describe;
 mod identity;
 mod jsonrpc;
 mod model;

