@@ -4,9 +4,12 @@
 //! `sluice check` validates a policy file. `main` maps errors to exit codes:
 //! 0 success, 1 runtime failure, 2 bad input (flags, config).
 
+use std::fmt;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+
+pub mod serve;
 
 /// Rate limiting for both ends of an API.
 #[derive(Debug, Parser)]
@@ -19,39 +22,46 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the gateway: per-caller, per-class, per-IP budgets in front of an upstream.
-    Serve,
+    Serve(Box<serve::ServeArgs>),
     /// Run the client-side pacer: keep LLM calls inside TPM, RPM and RPD limits.
     Pace,
     /// Validate a policy or pacer config file and print what it resolves to.
     Check,
 }
 
-/// What `main` reports: a message and an exit code.
+/// An error caused by what the user asked for (flags, files, config), as opposed to a
+/// failure while running. `main` exits with code 2 for these, 1 for everything else.
 #[derive(Debug)]
-struct Failure {
-    message: String,
-    code: u8,
+pub struct BadInput(pub String);
+
+impl fmt::Display for BadInput {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
-fn run(cli: Cli) -> Result<(), Failure> {
+impl std::error::Error for BadInput {}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     let name = match cli.command {
-        Command::Serve => "serve",
+        Command::Serve(args) => return serve::run(*args),
         Command::Pace => "pace",
         Command::Check => "check",
     };
-    Err(Failure {
-        message: format!("`sluice {name}` is not yet built in this version"),
-        code: 2,
-    })
+    Err(BadInput(format!("`sluice {name}` is not yet built in this version")).into())
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(f) => {
-            eprintln!("sluice: {}", f.message);
-            ExitCode::from(f.code)
+        Err(error) => {
+            eprintln!("sluice: {error:#}");
+            if error.downcast_ref::<BadInput>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
         }
     }
 }

@@ -1,0 +1,309 @@
+//! The admin listener: `GET /metrics` (Prometheus text), `GET /status` (JSON) and
+//! `GET /` (a self-contained dashboard that polls both every 2 s).
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{Html, IntoResponse, Json, Response};
+use axum::routing::get;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use serde::Serialize;
+use tokio::net::TcpListener;
+
+use super::metered::RequestStats;
+use super::proxy::UPSTREAM_SECONDS_BUCKETS;
+
+/// How often histograms are drained and idle metrics expired between scrapes.
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the Prometheus recorder as the process's global `metrics` recorder, once,
+/// and returns the handle that renders it. If another recorder was installed first the
+/// handle still works but sees none of the `metrics` macros' output.
+pub fn install_metrics() -> &'static PrometheusHandle {
+    PROMETHEUS.get_or_init(|| {
+        let builder = PrometheusBuilder::new();
+        let builder = match builder.set_buckets_for_metric(
+            Matcher::Full("sluice_upstream_seconds".to_owned()),
+            UPSTREAM_SECONDS_BUCKETS,
+        ) {
+            Ok(builder) => builder,
+            Err(_) => PrometheusBuilder::new(),
+        };
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        if metrics::set_global_recorder(recorder).is_ok() {
+            describe_metrics();
+        }
+        handle
+    })
+}
+
+fn describe_metrics() {
+    metrics::describe_counter!(
+        "sluice_requests_total",
+        "Requests answered by the gateway, by HTTP status."
+    );
+    metrics::describe_gauge!(
+        "sluice_requests_in_flight",
+        "Requests received by the gateway and not yet answered."
+    );
+    metrics::describe_histogram!(
+        "sluice_upstream_seconds",
+        metrics::Unit::Seconds,
+        "Time from forwarding a request to the upstream's response headers, by outcome."
+    );
+}
+
+/// What `/status` reports about this process's wiring (fixed at start).
+#[derive(Clone, Debug, Serialize)]
+pub struct StatusInfo {
+    /// The gateway's URL.
+    pub listen: String,
+    /// The admin listener's URL.
+    pub admin: String,
+    /// The upstream's URL.
+    pub upstream: String,
+    /// `"demo"` for the built-in demo upstream, `"external"` otherwise.
+    pub upstream_kind: &'static str,
+    /// The rate-limit profile.
+    pub profile: &'static str,
+    /// The budget store.
+    pub store: String,
+}
+
+/// The `/status` document.
+#[derive(Clone, Debug, Serialize)]
+pub struct Status {
+    /// The binary's version.
+    pub version: &'static str,
+    /// Seconds since the process started serving.
+    pub uptime_seconds: u64,
+    /// Requests received by the gateway since start.
+    pub requests_total: u64,
+    /// Requests received and not yet answered.
+    pub requests_in_flight: u64,
+    /// Addresses and settings.
+    #[serde(flatten)]
+    pub info: StatusInfo,
+    /// The limiter's summary, `null` until a limiter is wired in.
+    pub limiter: serde_json::Value,
+}
+
+/// Produces the limiter's summary for `/status` on every request.
+pub type LimiterSummary = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+
+/// Shared state of the admin routes. Cheap to clone.
+#[derive(Clone)]
+pub struct AdminState {
+    inner: Arc<AdminInner>,
+}
+
+struct AdminInner {
+    info: StatusInfo,
+    started: Instant,
+    requests: RequestStats,
+    limiter: Option<LimiterSummary>,
+}
+
+impl std::fmt::Debug for AdminState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminState")
+            .field("info", &self.inner.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AdminState {
+    /// State for a gateway described by `info`, started at `started`.
+    pub fn new(info: StatusInfo, started: Instant, requests: RequestStats) -> Self {
+        AdminState {
+            inner: Arc::new(AdminInner {
+                info,
+                started,
+                requests,
+                limiter: None,
+            }),
+        }
+    }
+
+    /// The same state with `summary` filling `/status`'s `limiter` field.
+    #[must_use]
+    pub fn with_limiter_summary(self, summary: LimiterSummary) -> Self {
+        let inner = &self.inner;
+        AdminState {
+            inner: Arc::new(AdminInner {
+                info: inner.info.clone(),
+                started: inner.started,
+                requests: inner.requests.clone(),
+                limiter: Some(summary),
+            }),
+        }
+    }
+
+    /// The current `/status` document.
+    pub fn status(&self) -> Status {
+        let inner = &self.inner;
+        Status {
+            version: env!("CARGO_PKG_VERSION"),
+            uptime_seconds: inner.started.elapsed().as_secs(),
+            requests_total: inner.requests.total(),
+            requests_in_flight: inner.requests.in_flight(),
+            info: inner.info.clone(),
+            limiter: inner
+                .limiter
+                .as_ref()
+                .map_or(serde_json::Value::Null, |summary| summary()),
+        }
+    }
+}
+
+/// The admin routes.
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/", get(dashboard))
+        .route("/metrics", get(metrics_text))
+        .route("/status", get(status))
+        .with_state(state)
+}
+
+/// Serves `router` on `listener` until `stop` resolves, running the metrics upkeep
+/// alongside.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
+    let handle = install_metrics();
+    let upkeep = tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(UPKEEP_INTERVAL);
+        loop {
+            ticks.tick().await;
+            handle.run_upkeep();
+        }
+    });
+    if let Err(error) = axum::serve(listener, router)
+        .with_graceful_shutdown(stop)
+        .await
+    {
+        eprintln!("sluice: admin listener failed: {error}");
+    }
+    upkeep.abort();
+}
+
+async fn metrics_text() -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        install_metrics().render(),
+    )
+        .into_response()
+}
+
+async fn status(State(state): State<AdminState>) -> Json<Status> {
+    Json(state.status())
+}
+
+async fn dashboard() -> Html<&'static str> {
+    Html(DASHBOARD_HTML)
+}
+
+/// The dashboard page: no external assets, polls `/status` and `/metrics` every 2 s.
+const DASHBOARD_HTML: &str = r##"<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>sluice</title>
+<style>
+  body { font: 14px/1.4 system-ui, sans-serif; margin: 2rem; color: #1d2330; background: #f7f8fa; }
+  h1 { font-size: 1.4rem; margin: 0 0 .2rem; }
+  h2 { font-size: 1rem; margin: 1.5rem 0 .5rem; }
+  .muted { color: #667; }
+  table { border-collapse: collapse; background: #fff; min-width: 28rem; }
+  td, th { border: 1px solid #dde; padding: .3rem .6rem; text-align: left; vertical-align: top; }
+  th { background: #eef0f4; font-weight: 600; }
+  td.num { text-align: right; font-variant-numeric: tabular-nums; }
+  pre { background: #fff; border: 1px solid #dde; padding: .6rem; max-height: 24rem; overflow: auto; }
+  #state.bad { color: #b00020; }
+</style>
+</head>
+<body>
+<h1>sluice</h1>
+<div class="muted">rate limiting gateway &middot; <span id="state">loading…</span></div>
+
+<h2>Status</h2>
+<table id="status"><tbody></tbody></table>
+
+<h2>Gateway metrics</h2>
+<table id="metrics"><thead><tr><th>metric</th><th>labels</th><th>value</th></tr></thead><tbody></tbody></table>
+
+<h2>Limiter</h2>
+<pre id="limiter">–</pre>
+
+<h2>Raw /metrics</h2>
+<pre id="raw"></pre>
+
+<script>
+"use strict";
+function cell(row, text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (cls) td.className = cls;
+  row.appendChild(td);
+}
+function showStatus(s) {
+  const body = document.querySelector("#status tbody");
+  body.replaceChildren();
+  for (const [key, value] of Object.entries(s)) {
+    if (key === "limiter") continue;
+    const row = document.createElement("tr");
+    const th = document.createElement("th");
+    th.textContent = key;
+    row.appendChild(th);
+    cell(row, String(value));
+    body.appendChild(row);
+  }
+  document.getElementById("limiter").textContent =
+    s.limiter === null ? "no limiter wired in" : JSON.stringify(s.limiter, null, 2);
+}
+function showMetrics(text) {
+  document.getElementById("raw").textContent = text;
+  const body = document.querySelector("#metrics tbody");
+  body.replaceChildren();
+  for (const line of text.split("\n")) {
+    if (!line.startsWith("sluice_")) continue;
+    const m = line.match(/^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)/);
+    if (!m || m[1].endsWith("_bucket")) continue;
+    const row = document.createElement("tr");
+    cell(row, m[1]);
+    cell(row, m[2] || "");
+    cell(row, m[3], "num");
+    body.appendChild(row);
+  }
+}
+async function refresh() {
+  const state = document.getElementById("state");
+  try {
+    const [status, metrics] = await Promise.all([fetch("status"), fetch("metrics")]);
+    showStatus(await status.json());
+    showMetrics(await metrics.text());
+    state.textContent = "updated " + new Date().toLocaleTimeString();
+    state.className = "";
+  } catch (e) {
+    state.textContent = "unreachable: " + e;
+    state.className = "bad";
+  }
+}
+refresh();
+setInterval(refresh, 2000);
+</script>
+</body>
+</html>
+"##;

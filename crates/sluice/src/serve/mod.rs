@@ -1,0 +1,416 @@
+//! `sluice serve`: the gateway.
+//!
+//! One process runs three listeners:
+//! - the gateway (`--listen`), where every request goes through the service stack
+//!   `limiter layer → proxy` built in [`serve`] — the single wiring point;
+//! - the admin listener (`--admin`): `/metrics`, `/status`, `/` (see [`admin`]);
+//! - without `--upstream`, the built-in demo upstream on a loopback port (see [`demo`]).
+//!
+//! On start it prints exactly one line to stdout naming the bound addresses. SIGTERM or
+//! Ctrl-C stops accepting, lets in-flight requests finish for up to [`SHUTDOWN_GRACE`],
+//! then exits 0.
+
+pub mod admin;
+pub mod demo;
+mod gateway;
+pub mod metered;
+pub mod proxy;
+
+use std::io::Write as _;
+use std::net::{SocketAddr, ToSocketAddrs as _};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::{Args, ValueEnum};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tower::Layer as _;
+
+use crate::BadInput;
+use proxy::{Proxy, ProxyConfig, Upstream};
+
+/// How long in-flight requests may run on after SIGTERM / Ctrl-C before the process
+/// exits anyway.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// How long the admin listener and the demo upstream get to close once the gateway has
+/// drained (they only serve short requests and long-lived streams, which are cut).
+const BACKEND_GRACE: Duration = Duration::from_secs(2);
+
+/// Longest accepted `--upstream-timeout`.
+const MAX_UPSTREAM_TIMEOUT_SECS: f64 = 3600.0;
+
+/// The socket address of the connection a request arrived on, inserted as a request
+/// extension by the gateway for every request before it reaches the service stack.
+///
+/// `sluice_tower` reads its own `sluice_tower::PeerAddr` (same shape): when the limiter
+/// is wired in, replace this struct with `pub use sluice_tower::PeerAddr;` so both the
+/// limiter and the proxy read the one extension the gateway inserts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PeerAddr(pub SocketAddr);
+
+/// The request body the gateway's service stack receives: the connection's body,
+/// streamed, boxed. It is also `From<Bytes>`, so a layer that reads the body (the
+/// limiter reads JSON-RPC bodies to classify them) can put the bytes back.
+pub type GatewayBody = axum::body::Body;
+
+/// The rate-limit profile: which set of numbers the built-in default policy uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Profile {
+    /// The seed platform's production numbers (e.g. expensive 30/min).
+    Production,
+    /// Roomier numbers for local development (e.g. expensive 150/min).
+    Local,
+}
+
+impl Profile {
+    /// The profile's name as written on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Profile::Production => "production",
+            Profile::Local => "local",
+        }
+    }
+}
+
+/// Where budgets live, as given by `--store`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreSpec {
+    /// In this process's memory (one replica).
+    Memory,
+    /// A Redis server shared by replicas (not built yet).
+    Redis(String),
+}
+
+impl StoreSpec {
+    /// A description safe to show (a Redis URL loses its password).
+    pub fn describe(&self) -> String {
+        match self {
+            StoreSpec::Memory => "memory".to_owned(),
+            StoreSpec::Redis(url) => match url.split_once('@') {
+                Some((_, host)) => format!("redis://…@{host}"),
+                None => url.clone(),
+            },
+        }
+    }
+}
+
+/// Flags of `sluice serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Policy file (YAML). Without it the built-in default policy runs.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Address the gateway listens on (port 0 picks a free port).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080", value_parser = parse_addr)]
+    pub listen: SocketAddr,
+
+    /// Address of the admin listener: /metrics, /status and the dashboard at / (port 0
+    /// picks a free port).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090", value_parser = parse_addr)]
+    pub admin: SocketAddr,
+
+    /// Base URL of the upstream API (http://HOST:PORT[/PREFIX]). Without it a built-in
+    /// demo upstream runs on a free loopback port.
+    #[arg(long, value_name = "URL", value_parser = parse_upstream)]
+    pub upstream: Option<Upstream>,
+
+    /// Which numbers the built-in default policy uses.
+    #[arg(long, value_enum, default_value_t = Profile::Production)]
+    pub profile: Profile,
+
+    /// Where budgets live: `memory` (one process) or a `redis://…` URL (shared by
+    /// replicas).
+    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = parse_store)]
+    pub store: StoreSpec,
+
+    /// Directory of the embedded durable store (quotas, batch queue, results).
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+
+    /// Seconds to wait for the upstream's response headers before answering 504
+    /// (fractions allowed, e.g. 0.5). Streaming bodies are not cut by it.
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse_timeout)]
+    pub upstream_timeout: Duration,
+}
+
+/// Validated settings of `sluice serve` (what [`ServeArgs`] resolves to).
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    /// Policy file, checked to be readable.
+    pub config: Option<PathBuf>,
+    /// Gateway address to bind.
+    pub listen: SocketAddr,
+    /// Admin address to bind.
+    pub admin: SocketAddr,
+    /// External upstream, or `None` for the built-in demo.
+    pub upstream: Option<Upstream>,
+    /// Rate-limit profile.
+    pub profile: Profile,
+    /// Budget store.
+    pub store: StoreSpec,
+    /// Directory of the embedded durable store.
+    pub data_dir: Option<PathBuf>,
+    /// Time allowed for the upstream's response headers.
+    pub upstream_timeout: Duration,
+}
+
+impl ServeOptions {
+    /// Checks what clap cannot: the store is one that is built, the config is readable.
+    ///
+    /// # Errors
+    /// [`BadInput`] naming the flag and what was expected.
+    pub fn from_args(args: ServeArgs) -> Result<Self, BadInput> {
+        if let StoreSpec::Redis(_) = args.store {
+            return Err(BadInput(
+                "--store: redis store not built yet (use --store memory)".to_owned(),
+            ));
+        }
+        if let Some(path) = &args.config {
+            std::fs::metadata(path)
+                .map_err(|e| BadInput(format!("--config {}: {e}", path.display())))
+                .and_then(|meta| {
+                    if meta.is_file() {
+                        Ok(())
+                    } else {
+                        Err(BadInput(format!(
+                            "--config {}: not a regular file",
+                            path.display()
+                        )))
+                    }
+                })?;
+        }
+        if let Some(dir) = &args.data_dir
+            && dir.exists()
+            && !dir.is_dir()
+        {
+            return Err(BadInput(format!(
+                "--data-dir {}: exists and is not a directory",
+                dir.display()
+            )));
+        }
+        Ok(ServeOptions {
+            config: args.config,
+            listen: args.listen,
+            admin: args.admin,
+            upstream: args.upstream,
+            profile: args.profile,
+            store: args.store,
+            data_dir: args.data_dir,
+            upstream_timeout: args.upstream_timeout,
+        })
+    }
+}
+
+fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    let mut addrs = s
+        .to_socket_addrs()
+        .map_err(|e| format!("expected HOST:PORT such as 127.0.0.1:8080 ({e})"))?;
+    addrs
+        .next()
+        .ok_or_else(|| format!("`{s}` resolves to no address"))
+}
+
+fn parse_upstream(s: &str) -> Result<Upstream, String> {
+    Upstream::parse(s)
+}
+
+fn parse_store(s: &str) -> Result<StoreSpec, String> {
+    if s == "memory" {
+        Ok(StoreSpec::Memory)
+    } else if s.starts_with("redis://") || s.starts_with("rediss://") {
+        Ok(StoreSpec::Redis(s.to_owned()))
+    } else {
+        Err("expected `memory` or a redis://HOST:PORT URL".to_owned())
+    }
+}
+
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| "expected a number of seconds such as 30 or 0.5".to_owned())?;
+    if !(secs > 0.0 && secs <= MAX_UPSTREAM_TIMEOUT_SECS) {
+        return Err(format!(
+            "expected more than 0 and at most {MAX_UPSTREAM_TIMEOUT_SECS} seconds"
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Runs `sluice serve` until SIGTERM / Ctrl-C.
+///
+/// # Errors
+/// [`BadInput`] for flags that do not hold together; any other error (a port that
+/// cannot be bound, a runtime that cannot start) is a runtime failure.
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let options = ServeOptions::from_args(args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(serve(options));
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result
+}
+
+/// A one-shot stop signal that any number of tasks can wait on.
+#[derive(Clone, Debug)]
+pub struct Stop(watch::Receiver<bool>);
+
+impl Stop {
+    /// A stop signal and the function that fires it.
+    pub fn channel() -> (watch::Sender<bool>, Stop) {
+        let (tx, rx) = watch::channel(false);
+        (tx, Stop(rx))
+    }
+
+    /// Resolves once the signal fires (or its sender is gone).
+    pub async fn wait(mut self) {
+        let _ = self.0.wait_for(|stopped| *stopped).await;
+    }
+}
+
+/// Binds every listener, wires the service stack, prints the start line, serves until a
+/// termination signal, then drains.
+async fn serve(options: ServeOptions) -> anyhow::Result<()> {
+    let started = Instant::now();
+    admin::install_metrics();
+
+    // Signal handlers are installed before the start line is printed, so a SIGTERM
+    // sent by whoever reads that line is always handled gracefully.
+    let termination = termination_signal().context("installing signal handlers")?;
+
+    let gateway_listener = TcpListener::bind(options.listen)
+        .await
+        .with_context(|| format!("binding the gateway listener on {}", options.listen))?;
+    let admin_listener = TcpListener::bind(options.admin)
+        .await
+        .with_context(|| format!("binding the admin listener on {}", options.admin))?;
+    let gateway_addr = gateway_listener.local_addr()?;
+    let admin_addr = admin_listener.local_addr()?;
+
+    // The admin listener and the demo upstream stop only after the gateway has drained:
+    // in-flight requests still need the demo to answer them.
+    let (stop_backends, backends_stopped) = Stop::channel();
+    let (upstream, demo) = match options.upstream.clone() {
+        Some(upstream) => (upstream, None),
+        None => {
+            let demo = demo::start(backends_stopped.clone().wait())
+                .await
+                .context("starting the built-in demo upstream")?;
+            (Upstream::from_addr(demo.addr()), Some(demo))
+        }
+    };
+
+    let proxy = Proxy::new(ProxyConfig {
+        upstream: upstream.clone(),
+        header_timeout: options.upstream_timeout,
+    });
+    // LIMITER: the sluice-tower layer goes here
+    let limiter_layer = tower::layer::util::Identity::new();
+    let service = limiter_layer.layer(proxy);
+
+    let requests = metered::RequestStats::default();
+    let admin_state = admin::AdminState::new(
+        admin::StatusInfo {
+            listen: format!("http://{gateway_addr}"),
+            admin: format!("http://{admin_addr}"),
+            upstream: upstream.to_string(),
+            upstream_kind: if demo.is_some() { "demo" } else { "external" },
+            profile: options.profile.as_str(),
+            store: options.store.describe(),
+        },
+        started,
+        requests.clone(),
+    );
+    let admin_task = tokio::spawn(admin::serve(
+        admin_listener,
+        admin::router(admin_state),
+        backends_stopped.clone().wait(),
+    ));
+
+    let (stop_gateway, gateway_stopped) = Stop::channel();
+    let gateway_task = tokio::spawn(gateway::serve(
+        gateway_listener,
+        service,
+        requests,
+        gateway_stopped.wait(),
+        SHUTDOWN_GRACE,
+    ));
+
+    let upstream_line = match &demo {
+        Some(_) => format!("built-in demo at {upstream}"),
+        None => upstream.to_string(),
+    };
+    {
+        let mut stdout = std::io::stdout().lock();
+        writeln!(
+            stdout,
+            "sluice: listening on http://{gateway_addr} (admin http://{admin_addr}, upstream {upstream_line})"
+        )
+        .and_then(|()| stdout.flush())
+        .context("writing the start line to stdout")?;
+    }
+
+    let signal = termination.await;
+    eprintln!("sluice: {signal} received, finishing in-flight requests");
+    let _ = stop_gateway.send(true);
+    let drained = match gateway_task.await {
+        Ok(gateway::Drain::Complete) => true,
+        Ok(gateway::Drain::TimedOut { connections }) => {
+            eprintln!(
+                "sluice: grace period of {} s over ({connections} connection(s) were open), \
+                 closing the rest",
+                SHUTDOWN_GRACE.as_secs()
+            );
+            false
+        }
+        Err(e) => {
+            eprintln!("sluice: gateway task failed: {e}");
+            false
+        }
+    };
+
+    let _ = stop_backends.send(true);
+    if drained {
+        let backends = async {
+            let _ = admin_task.await;
+            if let Some(demo) = demo {
+                demo.join().await;
+            }
+        };
+        // Long-lived streams (the demo's GET /mcp) would hold these open: cut them.
+        let _ = tokio::time::timeout(BACKEND_GRACE, backends).await;
+    }
+    Ok(())
+}
+
+/// A future that resolves with the signal's name on SIGTERM or SIGINT (Ctrl-C).
+fn termination_signal() -> std::io::Result<impl Future<Output = &'static str>> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            }
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        Ok(async {
+            match tokio::signal::ctrl_c().await {
+                Ok(()) => "Ctrl-C",
+                Err(_) => std::future::pending().await,
+            }
+        })
+    }
+}

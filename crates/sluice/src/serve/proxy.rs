@@ -1,0 +1,451 @@
+//! The reverse proxy: a tower [`Service`] that forwards each request to the upstream.
+//!
+//! - one keep-alive connection pool to the upstream;
+//! - hop-by-hop headers dropped both ways (`Connection` and every header it names,
+//!   `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`);
+//! - `X-Forwarded-For` and `Forwarded` get the socket peer appended (from the
+//!   [`PeerAddr`] extension); `Host` becomes the upstream's;
+//! - bodies are streamed both ways, frame by frame, never buffered;
+//! - an upstream that cannot be reached answers 502 `bad_gateway`, one that sends no
+//!   response headers within the configured time 504 `gateway_timeout`, both as the JSON
+//!   envelope `{"error":{"code","message","details"}}`.
+//!
+//! The service takes `Request<B>` for any streaming body `B` and never fails: every
+//! error becomes a response here, in one place.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme, Uri};
+use http::{Request, Response, StatusCode, Version};
+use http_body_util::combinators::{BoxBody, UnsyncBoxBody};
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tower::Service;
+
+use super::PeerAddr;
+
+/// The error type of streamed bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body of every response the proxy produces: the upstream's body streamed through,
+/// or a small JSON envelope.
+pub type ProxyBody = BoxBody<Bytes, BoxError>;
+
+/// The body type sent to the upstream (any incoming body, boxed).
+type OutgoingBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// How long an idle pooled upstream connection is kept.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// At most this many idle connections are kept to the upstream.
+const POOL_MAX_IDLE: usize = 256;
+
+/// Histogram buckets (seconds) of `sluice_upstream_seconds`.
+pub const UPSTREAM_SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Where requests are forwarded: `http://authority[/base-path]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Upstream {
+    authority: Authority,
+    /// Empty, or starts with `/` and does not end with `/`.
+    base_path: String,
+    host: HeaderValue,
+}
+
+impl Upstream {
+    /// Parses `http://HOST[:PORT][/PREFIX]`. A request for `/a?b` goes to
+    /// `http://HOST:PORT/PREFIX/a?b`.
+    ///
+    /// # Errors
+    /// A message saying what was expected: an absolute `http://` URL with a host, no
+    /// query, no credentials.
+    pub fn parse(url: &str) -> Result<Self, String> {
+        let uri: Uri = url
+            .parse()
+            .map_err(|e| format!("expected a URL such as http://127.0.0.1:3000 ({e})"))?;
+        match uri.scheme() {
+            Some(s) if *s == Scheme::HTTP => {}
+            Some(s) if *s == Scheme::HTTPS => {
+                return Err("https upstreams are not supported yet: use an http:// URL".into());
+            }
+            _ => return Err("expected an http:// URL such as http://127.0.0.1:3000".into()),
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| "expected a host, as in http://127.0.0.1:3000".to_owned())?;
+        if authority.as_str().contains('@') {
+            return Err("credentials in the upstream URL are not supported".into());
+        }
+        if uri.query().is_some() {
+            return Err("the upstream URL cannot have a query string".into());
+        }
+        let base_path = uri.path().trim_end_matches('/').to_owned();
+        Self::new(authority, base_path)
+    }
+
+    /// The upstream at a socket address, no path prefix.
+    pub fn from_addr(addr: SocketAddr) -> Self {
+        let authority = Authority::try_from(addr.to_string().as_str());
+        match authority {
+            Ok(authority) => match Self::new(authority, String::new()) {
+                Ok(upstream) => upstream,
+                Err(_) => unreachable!("a socket address is a valid Host header"),
+            },
+            Err(_) => unreachable!("a socket address is a valid authority"),
+        }
+    }
+
+    fn new(authority: Authority, base_path: String) -> Result<Self, String> {
+        let host = HeaderValue::from_str(authority.as_str())
+            .map_err(|_| "the upstream host is not a valid Host header".to_owned())?;
+        Ok(Upstream {
+            authority,
+            base_path,
+            host,
+        })
+    }
+
+    /// The upstream URI for an incoming request's path and query.
+    fn uri_for(&self, path_and_query: Option<&PathAndQuery>) -> Result<Uri, http::Error> {
+        let tail = path_and_query.map_or("/", PathAndQuery::as_str);
+        let path = if self.base_path.is_empty() {
+            tail.to_owned()
+        } else {
+            format!("{}{tail}", self.base_path)
+        };
+        Uri::builder()
+            .scheme(Scheme::HTTP)
+            .authority(self.authority.clone())
+            .path_and_query(path)
+            .build()
+    }
+}
+
+impl fmt::Display for Upstream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "http://{}{}", self.authority, self.base_path)
+    }
+}
+
+/// Settings of a [`Proxy`].
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    /// Where requests go.
+    pub upstream: Upstream,
+    /// How long to wait for the upstream's response headers (connecting included) before
+    /// answering 504. The body that follows is not limited by it.
+    pub header_timeout: Duration,
+}
+
+/// The reverse proxy service. Cheap to clone: clones share one connection pool.
+#[derive(Clone)]
+pub struct Proxy {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client<HttpConnector, OutgoingBody>,
+    config: ProxyConfig,
+}
+
+impl fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Proxy")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Proxy {
+    /// A proxy with its own keep-alive connection pool to `config.upstream`.
+    pub fn new(config: ProxyConfig) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .pool_max_idle_per_host(POOL_MAX_IDLE)
+            .build(connector);
+        Proxy {
+            inner: Arc::new(Inner { client, config }),
+        }
+    }
+}
+
+/// The future of [`Proxy::call`].
+pub type ProxyFuture =
+    Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible>> + Send>>;
+
+impl<B> Service<Request<B>> for Proxy
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<ProxyBody>;
+    type Error = Infallible;
+    type Future = ProxyFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let inner = Arc::clone(&self.inner);
+        Box::pin(async move { Ok(inner.forward(request).await) })
+    }
+}
+
+impl Inner {
+    async fn forward<B>(&self, request: Request<B>) -> Response<ProxyBody>
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let peer = request.extensions().get::<PeerAddr>().map(|p| p.0.ip());
+        let (mut parts, body) = request.into_parts();
+        let upstream = &self.config.upstream;
+
+        let uri = match upstream.uri_for(parts.uri.path_and_query()) {
+            Ok(uri) => uri,
+            Err(_) => {
+                return error_response(
+                    StatusCode::BAD_REQUEST,
+                    "bad_request",
+                    "the request target cannot be forwarded",
+                );
+            }
+        };
+        let original_host = parts
+            .headers
+            .get(header::HOST)
+            .cloned()
+            .or_else(|| parts.uri.authority().and_then(|a| a.as_str().parse().ok()));
+
+        strip_hop_by_hop(&mut parts.headers);
+        if let Some(ip) = peer {
+            append_x_forwarded_for(&mut parts.headers, ip);
+            append_forwarded(&mut parts.headers, ip, original_host.as_ref());
+        }
+        parts.headers.insert(header::HOST, upstream.host.clone());
+        parts.uri = uri;
+        parts.version = Version::HTTP_11;
+        parts.extensions = http::Extensions::new();
+
+        let outgoing = Request::from_parts(parts, body.map_err(Into::into).boxed_unsync());
+        let started = Instant::now();
+        let result =
+            tokio::time::timeout(self.config.header_timeout, self.inner_request(outgoing)).await;
+        let elapsed = started.elapsed().as_secs_f64();
+
+        match result {
+            Ok(Ok(response)) => {
+                metrics::histogram!("sluice_upstream_seconds", "outcome" => "response")
+                    .record(elapsed);
+                let (mut parts, body) = response.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                Response::from_parts(parts, body.map_err(Into::into).boxed())
+            }
+            Ok(Err(error)) => {
+                metrics::histogram!("sluice_upstream_seconds", "outcome" => "error")
+                    .record(elapsed);
+                let message = if error.is_connect() {
+                    "the upstream could not be reached"
+                } else {
+                    "the upstream failed to answer"
+                };
+                error_response(StatusCode::BAD_GATEWAY, "bad_gateway", message)
+            }
+            Err(_elapsed) => {
+                metrics::histogram!("sluice_upstream_seconds", "outcome" => "timeout")
+                    .record(elapsed);
+                error_response(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "gateway_timeout",
+                    &format!(
+                        "the upstream sent no response within {} s",
+                        self.config.header_timeout.as_secs_f64()
+                    ),
+                )
+            }
+        }
+    }
+
+    fn inner_request(
+        &self,
+        request: Request<OutgoingBody>,
+    ) -> hyper_util::client::legacy::ResponseFuture {
+        self.client.request(request)
+    }
+}
+
+/// A JSON error envelope `{"error":{"code","message","details":{}}}` with the given
+/// status and `Content-Type: application/json`.
+pub fn error_response(status: StatusCode, code: &str, message: &str) -> Response<ProxyBody> {
+    let body = serde_json::json!({
+        "error": { "code": code, "message": message, "details": {} }
+    });
+    let bytes = Bytes::from(body.to_string());
+    let mut response = Response::new(Full::new(bytes).map_err(|never| match never {}).boxed());
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// Headers that describe one connection, not the message: never forwarded.
+const HOP_BY_HOP: [HeaderName; 6] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Removes hop-by-hop headers: the fixed list, every `Proxy-*` header and every header
+/// named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in &HOP_BY_HOP {
+        headers.remove(name);
+    }
+    let proxy_headers: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| name.as_str().starts_with("proxy-"))
+        .cloned()
+        .collect();
+    for name in proxy_headers {
+        headers.remove(name);
+    }
+}
+
+/// Joins every value of `name` with `, `, appends `element`, and stores it as one value.
+fn append_list(headers: &mut HeaderMap, name: HeaderName, element: &str) {
+    let mut joined: Vec<u8> = Vec::new();
+    for value in headers.get_all(&name) {
+        let bytes = value.as_bytes().trim_ascii();
+        if bytes.is_empty() {
+            continue;
+        }
+        joined.extend_from_slice(bytes);
+        joined.extend_from_slice(b", ");
+    }
+    joined.extend_from_slice(element.as_bytes());
+    // Every piece came from a valid header value or is plain ASCII.
+    if let Ok(value) = HeaderValue::from_bytes(&joined) {
+        headers.insert(name, value);
+    }
+}
+
+/// Appends the peer IP to `X-Forwarded-For`.
+fn append_x_forwarded_for(headers: &mut HeaderMap, ip: IpAddr) {
+    append_list(
+        headers,
+        HeaderName::from_static("x-forwarded-for"),
+        &ip.to_string(),
+    );
+}
+
+/// Appends an RFC 7239 element `for=…;host="…";proto=http` to `Forwarded`.
+fn append_forwarded(headers: &mut HeaderMap, ip: IpAddr, host: Option<&HeaderValue>) {
+    let mut element = match ip {
+        IpAddr::V4(v4) => format!("for={v4}"),
+        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+    };
+    if let Some(host) = host.and_then(|h| h.to_str().ok())
+        && !host.is_empty()
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
+    {
+        element.push_str(&format!(";host=\"{host}\""));
+    }
+    element.push_str(";proto=http");
+    append_list(headers, header::FORWARDED, &element);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_and_the_ones_connection_names_are_dropped() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, x-secret"),
+        );
+        headers.insert("x-secret", HeaderValue::from_static("1"));
+        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        headers.insert("proxy-authorization", HeaderValue::from_static("Basic x"));
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        headers.insert("x-kept", HeaderValue::from_static("yes"));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1, "{headers:?}");
+        assert_eq!(headers["x-kept"], "yes");
+    }
+
+    #[test]
+    fn forwarded_headers_are_appended_not_replaced() {
+        let mut headers = HeaderMap::new();
+        headers.append("x-forwarded-for", HeaderValue::from_static("203.0.113.7"));
+        headers.append("x-forwarded-for", HeaderValue::from_static("198.51.100.2"));
+        append_x_forwarded_for(&mut headers, "127.0.0.1".parse().expect("ip"));
+        assert_eq!(
+            headers["x-forwarded-for"],
+            "203.0.113.7, 198.51.100.2, 127.0.0.1"
+        );
+
+        let host = HeaderValue::from_static("api.example:8080");
+        append_forwarded(&mut headers, "::1".parse().expect("ip"), Some(&host));
+        assert_eq!(
+            headers[header::FORWARDED],
+            "for=\"[::1]\";host=\"api.example:8080\";proto=http"
+        );
+    }
+
+    #[test]
+    fn upstream_urls_are_checked_and_joined() {
+        let up = Upstream::parse("http://127.0.0.1:3000/api/").expect("valid");
+        assert_eq!(up.to_string(), "http://127.0.0.1:3000/api");
+        let pq = PathAndQuery::from_static("/v1/x?y=1");
+        assert_eq!(
+            up.uri_for(Some(&pq)).expect("uri").to_string(),
+            "http://127.0.0.1:3000/api/v1/x?y=1"
+        );
+        assert!(Upstream::parse("https://example.com").is_err());
+        assert!(Upstream::parse("ftp://example.com").is_err());
+        assert!(Upstream::parse("http://example.com/?q=1").is_err());
+        assert!(Upstream::parse("not a url").is_err());
+        assert_eq!(
+            Upstream::from_addr("127.0.0.1:9".parse().expect("addr")).to_string(),
+            "http://127.0.0.1:9"
+        );
+    }
+}

@@ -1,0 +1,402 @@
+//! `sluice serve` as a real process: the gateway's proxy, the built-in demo upstream, the
+//! admin listener, bad flags and graceful shutdown, over loopback HTTP on free ports.
+
+mod support;
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt as _, Full};
+use serde_json::{Value, json};
+use support::{Sluice, get, open, post_json, run_to_exit, send};
+
+/// Bound on every test's whole body.
+const TEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+async fn bounded<F: Future>(test: F) -> F::Output {
+    tokio::time::timeout(TEST_TIMEOUT, test)
+        .await
+        .expect("test timed out")
+}
+
+#[tokio::test]
+async fn demo_echo_through_the_proxy() {
+    let sluice = Sluice::spawn(&[]);
+    assert!(sluice.start.demo, "no --upstream runs the built-in demo");
+    bounded(async {
+        let sent = json!({ "hello": "world", "n": [1, 2, 3] });
+        let reply = post_json(&sluice.url("/things/42?x=1"), &sent).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(reply.header("content-type"), Some("application/json"));
+        let echo = reply.json();
+        assert_eq!(echo["ok"], true);
+        assert_eq!(echo["method"], "POST");
+        assert_eq!(echo["path"], "/things/42");
+        assert_eq!(echo["query"], "x=1");
+        assert_eq!(echo["body"], sent);
+
+        let reply = get(&sluice.url("/search/fields")).await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.json()["body"], Value::Null);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn forwarded_headers_appended_and_hop_by_hop_dropped() {
+    let sluice = Sluice::spawn(&[]);
+    bounded(async {
+        let request = Request::get(sluice.url("/headers"))
+            .header("x-forwarded-for", "203.0.113.7")
+            .header("forwarded", "for=198.51.100.1")
+            .header("connection", "x-drop-me")
+            .header("x-drop-me", "1")
+            .header("keep-alive", "timeout=5")
+            .header("proxy-authorization", "Basic Zm9vOmJhcg==")
+            .header("te", "trailers")
+            .header("x-kept", "yes")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let reply = send(request).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let headers = reply.json()["headers"].clone();
+
+        assert_eq!(headers["x-forwarded-for"], "203.0.113.7, 127.0.0.1");
+        let forwarded = headers["forwarded"].as_str().expect("forwarded");
+        assert!(
+            forwarded.starts_with("for=198.51.100.1, for=127.0.0.1;"),
+            "{forwarded}"
+        );
+        assert!(forwarded.ends_with(";proto=http"), "{forwarded}");
+        let upstream_host = sluice
+            .start
+            .upstream
+            .strip_prefix("http://")
+            .expect("http upstream");
+        assert_eq!(headers["host"], upstream_host, "Host is the upstream's");
+        assert_eq!(headers["x-kept"], "yes");
+        for dropped in [
+            "x-drop-me",
+            "keep-alive",
+            "proxy-authorization",
+            "te",
+            "connection",
+        ] {
+            assert!(
+                headers.get(dropped).is_none(),
+                "{dropped} reached the upstream: {headers}"
+            );
+        }
+    })
+    .await;
+}
+
+fn unix_ms() -> u64 {
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970");
+    u64::try_from(since.as_millis()).expect("ms fit u64")
+}
+
+#[tokio::test]
+async fn sse_events_stream_through_the_proxy_as_they_are_produced() {
+    let sluice = Sluice::spawn(&[]);
+    bounded(async {
+        let request = Request::get(sluice.url("/demo/sse?n=3&interval_ms=300"))
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let response = open(request).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(
+            response.headers()["content-type"],
+            "text/event-stream",
+            "SSE content type passes through"
+        );
+
+        // (seq, sent_unix_ms by the upstream, arrival_unix_ms here), in arrival order.
+        let mut events: Vec<(u64, u64, u64)> = Vec::new();
+        let mut buffer = String::new();
+        let mut body = response.into_body();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.expect("body frame");
+            let Some(data) = frame.data_ref() else {
+                continue;
+            };
+            let arrived = unix_ms();
+            buffer.push_str(std::str::from_utf8(data).expect("utf-8"));
+            while let Some(end) = buffer.find("\n\n") {
+                let event: String = buffer.drain(..end + 2).collect();
+                let data = event
+                    .lines()
+                    .find_map(|line| line.strip_prefix("data: "))
+                    .expect("data line");
+                let data: Value = serde_json::from_str(data).expect("JSON data");
+                events.push((
+                    data["seq"].as_u64().expect("seq"),
+                    data["sent_unix_ms"].as_u64().expect("sent_unix_ms"),
+                    arrived,
+                ));
+            }
+        }
+
+        let seqs: Vec<u64> = events.iter().map(|e| e.0).collect();
+        assert_eq!(seqs, [0, 1, 2], "every event, in order");
+        let (_, _, first_arrived) = events[0];
+        let (_, last_sent, _) = events[2];
+        assert!(
+            first_arrived < last_sent,
+            "the first event must reach the client before the upstream sends the last \
+             one (arrived {first_arrived}, last sent {last_sent}): the body was buffered"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn upstream_down_answers_502_envelope() {
+    // A port that was free a moment ago and now has no listener.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port");
+    let upstream = format!("http://{closed}");
+    let sluice = Sluice::spawn(&["--upstream", &upstream]);
+    assert!(!sluice.start.demo);
+    assert_eq!(sluice.start.upstream, upstream);
+    bounded(async {
+        let reply = get(&sluice.url("/anything")).await;
+        assert_eq!(reply.status, 502);
+        assert_eq!(reply.header("content-type"), Some("application/json"));
+        let body = reply.json();
+        assert_eq!(body["error"]["code"], "bad_gateway");
+        assert!(body["error"]["message"].is_string());
+        assert_eq!(body["error"]["details"], json!({}));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn slow_upstream_answers_504_envelope() {
+    let sluice = Sluice::spawn(&["--upstream-timeout", "0.3"]);
+    bounded(async {
+        let started = Instant::now();
+        let reply = get(&sluice.url("/demo/slow?ms=10000")).await;
+        let waited = started.elapsed();
+        assert_eq!(reply.status, 504, "{}", reply.text());
+        assert_eq!(reply.header("content-type"), Some("application/json"));
+        let body = reply.json();
+        assert_eq!(body["error"]["code"], "gateway_timeout");
+        assert_eq!(body["error"]["details"], json!({}));
+        assert!(
+            waited < Duration::from_secs(5),
+            "answered after {waited:?}, not at the 0.3 s timeout"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn admin_serves_metrics_status_and_dashboard() {
+    let sluice = Sluice::spawn(&[]);
+    bounded(async {
+        let reply = get(&sluice.url("/warm-up")).await;
+        assert_eq!(reply.status, 200);
+
+        let metrics = get(&sluice.admin_url("/metrics")).await;
+        assert_eq!(metrics.status, 200);
+        assert!(
+            metrics
+                .header("content-type")
+                .is_some_and(|t| t.starts_with("text/plain")),
+            "{:?}",
+            metrics.headers
+        );
+        let text = metrics.text();
+        assert!(
+            text.contains("sluice_requests_total{status=\"200\"}"),
+            "{text}"
+        );
+        assert!(text.contains("sluice_upstream_seconds"), "{text}");
+
+        let status = get(&sluice.admin_url("/status")).await;
+        assert_eq!(status.status, 200);
+        let status = status.json();
+        assert_eq!(status["version"], env!("CARGO_PKG_VERSION"));
+        assert_eq!(status["listen"], format!("http://{}", sluice.start.gateway));
+        assert_eq!(status["upstream"], sluice.start.upstream);
+        assert_eq!(status["upstream_kind"], "demo");
+        assert_eq!(status["profile"], "production");
+        assert!(status["uptime_seconds"].is_u64());
+        assert!(status["requests_total"].as_u64().is_some_and(|n| n >= 1));
+        assert_eq!(status["limiter"], Value::Null);
+
+        let page = get(&sluice.admin_url("/")).await;
+        assert_eq!(page.status, 200);
+        assert!(
+            page.header("content-type")
+                .is_some_and(|t| t.starts_with("text/html")),
+            "{:?}",
+            page.headers
+        );
+        let html = page.text();
+        assert!(html.contains("<html"));
+        assert!(html.contains("fetch(\"status\")") && html.contains("fetch(\"metrics\")"));
+        assert!(!html.contains("src=\"http"), "no external assets");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn mcp_json_rpc_through_the_proxy() {
+    let sluice = Sluice::spawn(&[]);
+    let mcp = sluice.url("/mcp");
+    bounded(async {
+        let reply = post_json(
+            &mcp,
+            &json!({"jsonrpc":"2.0","id":1,"method":"initialize","params":{
+                "protocolVersion":"2025-03-26","capabilities":{},
+                "clientInfo":{"name":"test","version":"0"}}}),
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert!(
+            reply
+                .header("mcp-session-id")
+                .is_some_and(|s| !s.is_empty())
+        );
+        let result = &reply.json()["result"];
+        assert_eq!(result["protocolVersion"], "2025-03-26");
+        assert_eq!(result["serverInfo"]["name"], "sluice-demo");
+        assert_eq!(result["capabilities"]["tools"], json!({}));
+
+        let reply = post_json(
+            &mcp,
+            &json!({"jsonrpc":"2.0","method":"notifications/initialized"}),
+        )
+        .await;
+        assert_eq!(reply.status, 202);
+        assert!(reply.body.is_empty());
+
+        let reply = post_json(&mcp, &json!({"jsonrpc":"2.0","id":2,"method":"tools/list"})).await;
+        let tools: Vec<String> = reply.json()["result"]["tools"]
+            .as_array()
+            .expect("tools")
+            .iter()
+            .map(|t| t["name"].as_str().expect("name").to_owned())
+            .collect();
+        for name in [
+            "optimize_message",
+            "optimize_message_batch",
+            "start_chat",
+            "run_routine",
+            "search_query",
+            "search_fields",
+            "get_batch",
+            "messages",
+        ] {
+            assert!(tools.iter().any(|t| t == name), "{name} missing: {tools:?}");
+        }
+
+        let batch = json!([
+            {"jsonrpc":"2.0","id":3,"method":"tools/call",
+             "params":{"name":"optimize_message","arguments":{"message":"hi"}}},
+            {"jsonrpc":"2.0","id":4,"method":"ping"},
+            {"jsonrpc":"2.0","id":5,"method":"no/such/method"},
+            {"jsonrpc":"2.0","method":"notifications/progress"}
+        ]);
+        let reply = post_json(&mcp, &batch).await;
+        assert_eq!(reply.status, 200);
+        let replies = reply.json();
+        let replies = replies.as_array().expect("batch reply");
+        assert_eq!(replies.len(), 3, "no reply to the notification");
+        assert_eq!(replies[0]["result"]["isError"], false);
+        assert_eq!(replies[0]["result"]["content"][0]["type"], "text");
+        assert_eq!(replies[1]["result"], json!({}));
+        assert_eq!(replies[2]["error"]["code"], -32601);
+
+        // GET /mcp opens an event stream whose first chunk is a comment.
+        let request = Request::get(&mcp)
+            .header("accept", "text/event-stream")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let response = open(request).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["content-type"], "text/event-stream");
+        let mut body = response.into_body();
+        let first = body
+            .frame()
+            .await
+            .expect("a first frame")
+            .expect("frame")
+            .into_data()
+            .expect("data frame");
+        assert!(first.starts_with(b":"), "{first:?}");
+        drop(body);
+
+        let reply = send(
+            Request::delete(&mcp)
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(reply.status, 200);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn sigterm_lets_an_in_flight_request_finish_then_exits_0() {
+    let mut sluice = Sluice::spawn(&[]);
+    let slow_url = sluice.url("/demo/slow?ms=1500");
+    let status_url = sluice.admin_url("/status");
+    let slow = tokio::spawn(async move { get(&slow_url).await });
+
+    bounded(async {
+        // Wait (bounded by the test timeout) until the gateway holds the request.
+        loop {
+            let status = get(&status_url).await.json();
+            if status["requests_in_flight"].as_u64().unwrap_or(0) >= 1 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+
+    sluice.terminate();
+    let reply = bounded(slow).await.expect("slow request task");
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["slept_ms"], 1500);
+
+    let status = sluice
+        .wait_exit(Duration::from_secs(20))
+        .expect("sluice exits after SIGTERM");
+    assert_eq!(status.code(), Some(0), "stderr: {}", sluice.stderr());
+}
+
+#[test]
+fn bad_flags_exit_2_with_a_clear_message() {
+    let limit = Duration::from_secs(30);
+
+    let run = run_to_exit(&["serve", "--store", "redis://127.0.0.1:6379"], limit);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(
+        run.stderr.contains("redis store not built yet"),
+        "{}",
+        run.stderr
+    );
+
+    for args in [
+        &["serve", "--upstream", "ftp://example.invalid"][..],
+        &["serve", "--upstream", "https://example.invalid"],
+        &["serve", "--listen", "not-an-address"],
+        &["serve", "--profile", "staging"],
+        &["serve", "--store", "sqlite"],
+        &["serve", "--upstream-timeout", "-1"],
+        &["serve", "--config", "/nonexistent/sluice.yaml"],
+    ] {
+        let run = run_to_exit(args, limit);
+        assert_eq!(run.status.code(), Some(2), "{args:?}: {}", run.stderr);
+        assert!(!run.stderr.contains("panicked"), "{args:?}: {}", run.stderr);
+    }
+}
