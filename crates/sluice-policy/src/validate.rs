@@ -137,7 +137,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
         .iter()
         .find(|(n, _)| *n == profile_name)
         .map(|(_, p)| p.clone());
-    if profile.is_none() && !raw.profiles.is_empty() {
+    if !raw.profiles.is_empty() && !raw.profiles.contains_key(&profile_name) {
         v.problem(
             "profile",
             format!(

@@ -25,8 +25,25 @@ enum Command {
     Serve(Box<serve::ServeArgs>),
     /// Run the client-side pacer: keep LLM calls inside TPM, RPM and RPD limits.
     Pace,
-    /// Validate a policy or pacer config file and print what it resolves to.
-    Check,
+    /// Validate a policy file and print what it resolves to (exit 2 with every problem
+    /// found when it is not valid).
+    Check(CheckArgs),
+}
+
+/// Flags of `sluice check`.
+#[derive(Debug, clap::Args)]
+struct CheckArgs {
+    /// The policy file (YAML) to check.
+    #[arg(value_name = "FILE")]
+    file: std::path::PathBuf,
+}
+
+/// `sluice check FILE`: the resolved policy on stdout, or the problems (exit 2).
+fn check(args: &CheckArgs) -> anyhow::Result<()> {
+    let policy = sluice_policy::load_file(&args.file).map_err(|e| BadInput(e.to_string()))?;
+    print!("{}", policy.describe());
+    println!("{}: ok", args.file.display());
+    Ok(())
 }
 
 /// An error caused by what the user asked for (flags, files, config), as opposed to a
@@ -46,7 +63,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let name = match cli.command {
         Command::Serve(args) => return serve::run(*args),
         Command::Pace => "pace",
-        Command::Check => "check",
+        Command::Check(args) => return check(&args),
     };
     Err(BadInput(format!("`sluice {name}` is not yet built in this version")).into())
 }

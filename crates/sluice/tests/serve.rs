@@ -228,7 +228,8 @@ async fn admin_serves_metrics_status_and_dashboard() {
         assert_eq!(status["profile"], "production");
         assert!(status["uptime_seconds"].is_u64());
         assert!(status["requests_total"].as_u64().is_some_and(|n| n >= 1));
-        assert_eq!(status["limiter"], Value::Null);
+        assert_eq!(status["limiter"]["profile"], "production");
+        assert_eq!(status["limiter"]["classes"]["read"], 300);
 
         let page = get(&sluice.admin_url("/")).await;
         assert_eq!(page.status, 200);

@@ -71,7 +71,7 @@ pub struct StatusInfo {
     /// `"demo"` for the built-in demo upstream, `"external"` otherwise.
     pub upstream_kind: &'static str,
     /// The rate-limit profile.
-    pub profile: &'static str,
+    pub profile: String,
     /// The budget store.
     pub store: String,
 }

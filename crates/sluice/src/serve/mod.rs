@@ -19,10 +19,14 @@ pub mod proxy;
 use std::io::Write as _;
 use std::net::{SocketAddr, ToSocketAddrs as _};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
+use sluice_policy::Policy;
+use sluice_store::{MemoryConfig, MemoryStore};
+use sluice_tower::{Limiter, SluiceLayer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tower::Layer as _;
@@ -42,13 +46,9 @@ const BACKEND_GRACE: Duration = Duration::from_secs(2);
 const MAX_UPSTREAM_TIMEOUT_SECS: f64 = 3600.0;
 
 /// The socket address of the connection a request arrived on, inserted as a request
-/// extension by the gateway for every request before it reaches the service stack.
-///
-/// `sluice_tower` reads its own `sluice_tower::PeerAddr` (same shape): when the limiter
-/// is wired in, replace this struct with `pub use sluice_tower::PeerAddr;` so both the
-/// limiter and the proxy read the one extension the gateway inserts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct PeerAddr(pub SocketAddr);
+/// extension by the gateway for every request; the limiter keys anonymous callers and
+/// IP ceilings on it, and the proxy appends it to X-Forwarded-For.
+pub use sluice_tower::PeerAddr;
 
 /// The request body the gateway's service stack receives: the connection's body,
 /// streamed, boxed. It is also `From<Bytes>`, so a layer that reads the body (the
@@ -117,9 +117,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "URL", value_parser = parse_upstream)]
     pub upstream: Option<Upstream>,
 
-    /// Which numbers the built-in default policy uses.
-    #[arg(long, value_enum, default_value_t = Profile::Production)]
-    pub profile: Profile,
+    /// Which profile's numbers apply (default: the policy's own `profile:`, which is
+    /// `production` in the built-in policy).
+    #[arg(long, value_enum)]
+    pub profile: Option<Profile>,
 
     /// Where budgets live: `memory` (one process) or a `redis://…` URL (shared by
     /// replicas).
@@ -139,16 +140,14 @@ pub struct ServeArgs {
 /// Validated settings of `sluice serve` (what [`ServeArgs`] resolves to).
 #[derive(Clone, Debug)]
 pub struct ServeOptions {
-    /// Policy file, checked to be readable.
-    pub config: Option<PathBuf>,
+    /// The policy: loaded from `--config` or built in, with `--profile` applied.
+    pub policy: Policy,
     /// Gateway address to bind.
     pub listen: SocketAddr,
     /// Admin address to bind.
     pub admin: SocketAddr,
     /// External upstream, or `None` for the built-in demo.
     pub upstream: Option<Upstream>,
-    /// Rate-limit profile.
-    pub profile: Profile,
     /// Budget store.
     pub store: StoreSpec,
     /// Directory of the embedded durable store.
@@ -168,20 +167,16 @@ impl ServeOptions {
                 "--store: redis store not built yet (use --store memory)".to_owned(),
             ));
         }
-        if let Some(path) = &args.config {
-            std::fs::metadata(path)
-                .map_err(|e| BadInput(format!("--config {}: {e}", path.display())))
-                .and_then(|meta| {
-                    if meta.is_file() {
-                        Ok(())
-                    } else {
-                        Err(BadInput(format!(
-                            "--config {}: not a regular file",
-                            path.display()
-                        )))
-                    }
-                })?;
-        }
+        let policy = match &args.config {
+            Some(path) => sluice_policy::load_file(path).map_err(|e| BadInput(e.to_string()))?,
+            None => sluice_policy::default_policy().map_err(|e| BadInput(e.to_string()))?,
+        };
+        let policy = match args.profile {
+            Some(profile) => policy
+                .with_profile(profile.as_str())
+                .map_err(|e| BadInput(format!("--profile: {e}")))?,
+            None => policy,
+        };
         if let Some(dir) = &args.data_dir
             && dir.exists()
             && !dir.is_dir()
@@ -192,11 +187,10 @@ impl ServeOptions {
             )));
         }
         Ok(ServeOptions {
-            config: args.config,
+            policy,
             listen: args.listen,
             admin: args.admin,
             upstream: args.upstream,
-            profile: args.profile,
             store: args.store,
             data_dir: args.data_dir,
             upstream_timeout: args.upstream_timeout,
@@ -311,9 +305,14 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         upstream: upstream.clone(),
         header_timeout: options.upstream_timeout,
     });
-    // LIMITER: the sluice-tower layer goes here
-    let limiter_layer = tower::layer::util::Identity::new();
-    let service = limiter_layer.layer(proxy);
+    let profile = options.policy.profile_name.clone();
+    let store = MemoryStore::new(MemoryConfig::default());
+    let limiter = Arc::new(Limiter::new(options.policy, store));
+    tokio::spawn(reclaim_stale_cells(
+        Arc::clone(&limiter),
+        backends_stopped.clone(),
+    ));
+    let service = SluiceLayer::new(Arc::clone(&limiter)).layer(proxy);
 
     let requests = metered::RequestStats::default();
     let admin_state = admin::AdminState::new(
@@ -322,12 +321,16 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
             admin: format!("http://{admin_addr}"),
             upstream: upstream.to_string(),
             upstream_kind: if demo.is_some() { "demo" } else { "external" },
-            profile: options.profile.as_str(),
+            profile,
             store: options.store.describe(),
         },
         started,
         requests.clone(),
-    );
+    )
+    .with_limiter_summary({
+        let limiter = Arc::clone(&limiter);
+        Arc::new(move || limiter.status())
+    });
     let admin_task = tokio::spawn(admin::serve(
         admin_listener,
         admin::router(admin_state),
@@ -412,5 +415,23 @@ fn termination_signal() -> std::io::Result<impl Future<Output = &'static str>> {
                 Err(_) => std::future::pending().await,
             }
         })
+    }
+}
+
+/// How often stale budget cells are dropped from the memory store (they are also
+/// dropped whenever a shard needs room).
+const RECLAIM_EVERY: Duration = Duration::from_secs(30);
+
+/// Drops budget cells whose window is over, until the stop signal.
+async fn reclaim_stale_cells(limiter: Arc<Limiter<MemoryStore>>, stop: Stop) {
+    let mut tick = tokio::time::interval(RECLAIM_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let stopped = stop.wait();
+    tokio::pin!(stopped);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => limiter.store().reclaim(),
+            () = &mut stopped => return,
+        }
     }
 }

@@ -1,0 +1,152 @@
+//! The limiter inside the real `sluice serve` process and `sluice check`.
+//!
+//! The process runs on the real clock, so these tests use the default policy
+//! with `window_seconds` set to the largest value (a window that started at
+//! the Unix epoch and ends in 2106): no run can straddle a window boundary.
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use support::{Sluice, get, run_to_exit, send};
+
+const FOREVER: &str = "window_seconds: 4294967295";
+
+fn policy_file(name: &str, edit: impl FnOnce(String) -> String) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("sluice-limits-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
+    let yaml = edit(sluice_policy::DEFAULT_POLICY_YAML.replace(
+        "window_seconds: 60\nprofiles",
+        &format!("{FOREVER}\nprofiles"),
+    ));
+    std::fs::write(&path, yaml).expect("write policy");
+    path
+}
+
+async fn post(sluice: &Sluice, path: &str, key: &str) -> support::Reply {
+    send(
+        Request::post(sluice.url(path))
+            .header("x-api-key", key)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request"),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn e1_h2_the_31st_expensive_call_through_the_gateway_is_refused() {
+    let policy = policy_file("forever.yaml", |y| y);
+    let sluice = Sluice::spawn(&["--config", policy.to_str().expect("utf-8 path")]);
+    for i in 0..30 {
+        let r = post(&sluice, "/chats", "sk-gateway").await;
+        assert_eq!(r.status, 200, "chat {i}: {}", r.text());
+        assert_eq!(r.header("x-ratelimit-limit"), Some("30"));
+        assert_eq!(
+            r.header("x-ratelimit-remaining"),
+            Some((29 - i).to_string().as_str())
+        );
+        assert_eq!(r.header("x-ratelimit-reset"), Some("4294967295"));
+    }
+    let r = post(&sluice, "/chats", "sk-gateway").await;
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("content-type"), Some("text/html; charset=utf-8"));
+    assert_eq!(r.text(), "Too many requests, please try again later.");
+    assert!(
+        r.header("retry-after")
+            .and_then(|v| v.parse::<u64>().ok())
+            .is_some_and(|s| s >= 1)
+    );
+    // The upstream never saw the refused call, and /status shows the caller's spend.
+    let status = get(&sluice.admin_url("/status")).await.json();
+    let limiter = &status["limiter"];
+    assert_eq!(limiter["classes"]["expensive"], 30);
+    assert_eq!(limiter["top_callers"][0]["units"], 30);
+    assert!(
+        limiter["top_callers"][0]["caller"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("key:"))
+    );
+    let metrics = get(&sluice.admin_url("/metrics")).await.text();
+    assert!(metrics.contains("sluice_decisions_total"), "{metrics}");
+    assert!(metrics.contains("sluice_refusals_total"), "{metrics}");
+    assert!(metrics.contains("sluice_decision_seconds"), "{metrics}");
+}
+
+#[tokio::test]
+async fn e1_profile_local_through_the_gateway() {
+    let policy = policy_file("local.yaml", |y| y);
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("utf-8 path"),
+        "--profile",
+        "local",
+    ]);
+    let r = post(&sluice, "/chats", "sk-local").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-limit"), Some("150"));
+    let r = get(&sluice.url("/search/fields")).await;
+    assert_eq!(r.header("x-ratelimit-limit"), Some("1500"));
+}
+
+#[test]
+fn check_prints_the_resolved_policy_or_every_problem_with_exit_2() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/policy.yaml");
+    let ok = run_to_exit(&["check", example], Duration::from_secs(30));
+    assert!(ok.status.success(), "{}", ok.stderr);
+    let bad = policy_file("bad.yaml", |y| {
+        y.replace("expensive: 30 }", "expensive: 0 }").replace(
+            "class: expensive }\n  - { method: POST, path: \"/routines",
+            "class: costly }\n  - { method: POST, path: \"/routines",
+        )
+    });
+    let failed = run_to_exit(
+        &["check", bad.to_str().expect("utf-8 path")],
+        Duration::from_secs(30),
+    );
+    assert_eq!(failed.status.code(), Some(2), "{}", failed.stderr);
+    assert!(
+        failed
+            .stderr
+            .contains("profiles.production.classes.expensive"),
+        "{}",
+        failed.stderr
+    );
+    assert!(
+        failed
+            .stderr
+            .contains("routes[3].class: unknown class \"costly\""),
+        "{}",
+        failed.stderr
+    );
+    let typo = policy_file("typo.yaml", |y| {
+        y.replace(
+            "default_class: standard\njsonrpc",
+            "default_klass: standard\njsonrpc",
+        )
+    });
+    let failed = run_to_exit(
+        &["check", typo.to_str().expect("utf-8 path")],
+        Duration::from_secs(30),
+    );
+    assert_eq!(failed.status.code(), Some(2));
+    assert!(
+        failed.stderr.contains("unknown field `default_klass`"),
+        "{}",
+        failed.stderr
+    );
+    assert!(failed.stderr.contains("line "), "{}", failed.stderr);
+    let serve_bad = run_to_exit(
+        &["serve", "--config", bad.to_str().expect("utf-8 path")],
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        serve_bad.status.code(),
+        Some(2),
+        "a bad policy stops serve before it listens"
+    );
+}
