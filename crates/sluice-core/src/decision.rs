@@ -111,6 +111,22 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// A decision made elsewhere, e.g. inside a shared store's server-side
+    /// script: admitted when every status admits. Statuses past
+    /// [`MAX_BUDGETS`] are dropped.
+    pub fn from_statuses(
+        decided_at: Timestamp,
+        statuses: impl IntoIterator<Item = BudgetStatus>,
+    ) -> Self {
+        let statuses: ArrayVec<BudgetStatus, MAX_BUDGETS> =
+            statuses.into_iter().take(MAX_BUDGETS).collect();
+        Decision {
+            admitted: statuses.iter().all(|s| s.verdict == Verdict::Admitted),
+            decided_at,
+            statuses,
+        }
+    }
+
     /// True when every budget admitted (and, in [`Mode::Spend`], all were spent).
     pub fn is_admitted(&self) -> bool {
         self.admitted

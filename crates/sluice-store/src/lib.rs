@@ -2,7 +2,7 @@
 //!
 //! One trait, [`BudgetStore`], many backends. A backend makes one decision
 //! over every budget of a request atomically: the memory backend under the
-//! locks of the shards involved, the Redis backend (a later step) in one
+//! locks of the shards involved, the Redis backend (feature `redis`) in one
 //! server-side script call — one round trip per decision.
 //!
 //! ```
@@ -28,8 +28,12 @@ use std::future::Future;
 use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
 
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 
 pub use memory::{MemoryConfig, MemoryStore};
+#[cfg(feature = "redis")]
+pub use redis::{RedisConfig, RedisStore};
 
 /// Why a store could not decide.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,182 @@
+-- sluice: one decision over every budget of a request, atomically, on the
+-- Redis server's clock (never a replica's). Mirrors sluice-core's algorithms.
+--
+-- KEYS[i]  one hash per budget: w (window id), c (count), p (previous count), t (GCRA TAT, us)
+-- ARGV[1]  'spend' | 'peek' | 'adjust'
+-- ARGV[2]  for 'adjust': delta, ARGV[3] reserved_at (Unix seconds); otherwise unused
+-- ARGV[4+5(i-1) .. ]  per budget: kind (f fixed, s sliding, m month, g gcra), limit, cost,
+--          window seconds (f, s) or period in microseconds (g), burst (g)
+-- Returns {now_s, now_us_fraction, then per budget: verdict (0 admitted, 1 not yet,
+--          2 never), remaining after spending, remaining before, reset (Unix s),
+--          retry_after (us)}. Nothing is written unless every budget admits
+--          ('spend') or the call is an 'adjust'.
+
+local mode = ARGV[1]
+local t = redis.call('TIME')
+local now_s = tonumber(t[1])
+local now_us = now_s * 1000000 + tonumber(t[2])
+
+local function floor_div(a, b) return math.floor(a / b) end
+
+-- Howard Hinnant's civil-date algorithms, as in sluice-core's calendar.rs.
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = floor_div(y, 400)
+  local yoe = y - era * 400
+  local mp = (m > 2) and (m - 3) or (m + 9)
+  local doy = floor_div(153 * mp + 2, 5) + d - 1
+  local doe = yoe * 365 + floor_div(yoe, 4) - floor_div(yoe, 100) + doy
+  return era * 146097 + doe - 719468
+end
+local function civil_from_days(z)
+  z = z + 719468
+  local era = floor_div(z, 146097)
+  local doe = z - era * 146097
+  local yoe = floor_div(doe - floor_div(doe, 1460) + floor_div(doe, 36524) - floor_div(doe, 146096), 365)
+  local y = yoe + era * 400
+  local doy = doe - (365 * yoe + floor_div(yoe, 4) - floor_div(yoe, 100))
+  local mp = floor_div(5 * doy + 2, 153)
+  local m = (mp < 10) and (mp + 3) or (mp - 9)
+  if m <= 2 then y = y + 1 end
+  return y, m
+end
+local function month_bounds(s)
+  local y, m = civil_from_days(floor_div(s, 86400))
+  local start = days_from_civil(y, m, 1) * 86400
+  local ny, nm = y, m + 1
+  if nm == 13 then ny, nm = y + 1, 1 end
+  return start, days_from_civil(ny, nm, 1) * 86400
+end
+
+-- Tentative state per key, so two budgets on one key see each other.
+local state = {}
+local function load(key)
+  if state[key] == nil then
+    local h = redis.call('HMGET', key, 'w', 'c', 'p', 't')
+    state[key] = { w = tonumber(h[1]) or -1, c = tonumber(h[2]) or 0, p = tonumber(h[3]) or 0,
+                   t = tonumber(h[4]) or 0, dirty = false, expire = 0 }
+  end
+  return state[key]
+end
+
+local out = { now_s, tonumber(t[2]) }
+local all_ok = true
+local n = (#ARGV - 3) / 5
+for i = 1, n do
+  local b = 3 + (i - 1) * 5
+  local kind, limit, cost = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
+  local w, burst = tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5])
+  local s = load(KEYS[i])
+  local never = cost > limit
+  local verdict, before, after, reset, retry = 0, 0, 0, 0, 0
+  local delta = tonumber(ARGV[2]) or 0
+  local reserved = tonumber(ARGV[3]) or now_s
+  if kind == 'f' or kind == 'm' then
+    local start, stop
+    if kind == 'f' then start = floor_div(now_s, w) * w; stop = start + w
+    else start, stop = month_bounds(now_s) end
+    local c = (s.w == start) and math.min(s.c, limit) or 0
+    if mode == 'adjust' then
+      local rstart = (kind == 'f') and (floor_div(reserved, w) * w) or month_bounds(reserved)
+      local nc = c
+      if not (delta < 0 and rstart ~= start) then nc = math.max(0, math.min(limit, c + delta)) end
+      if nc ~= c then s.w, s.c, s.dirty, s.expire = start, nc, true, stop + 1 end
+      before, after = limit - c, limit - nc
+    else
+      local fits = (not never) and (c + cost <= limit)
+      before = limit - c
+      after = fits and (before - cost) or before
+      if never then verdict = 2 elseif not fits then verdict = 1; retry = stop * 1000000 - now_us end
+      if fits and cost > 0 then s.w, s.c, s.dirty, s.expire = start, c + cost, true, stop + 1 end
+    end
+    reset = stop
+  elseif kind == 's' then
+    local idx = floor_div(now_s, w)
+    local start, stop = idx * w, idx * w + w
+    local cur, prev = 0, 0
+    if s.w == idx then cur, prev = s.c, s.p elseif s.w == idx - 1 then prev = s.c end
+    local wm = w * 1000
+    local elapsed = floor_div(now_us - start * 1000000, 1000)
+    local used = prev * (wm - elapsed) + cur * wm
+    local cap = limit * wm
+    if mode == 'adjust' then
+      if delta >= 0 or floor_div(reserved, w) == idx then
+        local room = math.max(cur, floor_div(cap - prev * (wm - elapsed), wm))
+        local nc = math.max(0, math.min(limit, room, cur + delta))
+        if delta < 0 then nc = math.max(0, cur + delta) end
+        if nc ~= cur then s.w, s.c, s.p, s.dirty, s.expire = idx, nc, prev, true, stop + w + 1 end
+        cur = nc
+      elseif floor_div(reserved, w) == idx - 1 then
+        local np = math.max(0, prev + delta)
+        if np ~= prev then s.w, s.c, s.p, s.dirty, s.expire = idx, cur, np, true, stop + w + 1 end
+        prev = np
+      end
+      used = prev * (wm - elapsed) + cur * wm
+      before = math.max(0, floor_div(cap - used, wm))
+      after = before
+    else
+      local need = cost * wm
+      local fits = (not never) and (used + need <= cap)
+      before = math.max(0, floor_div(cap - used, wm))
+      after = fits and floor_div(cap - used - need, wm) or before
+      if never then verdict = 2
+      elseif not fits then
+        verdict = 1
+        if cur + cost <= limit then
+          local room = (limit - cur - cost) * wm
+          local e_needed = math.max(0, wm - floor_div(room, math.max(prev, 1)))
+          retry = math.max(0, e_needed - elapsed) * 1000
+        else
+          local room = (limit - cost) * wm
+          local e_needed = wm - math.min(wm, floor_div(room, math.max(cur, 1)))
+          retry = ((wm - elapsed) + e_needed) * 1000
+        end
+      end
+      if fits and cost > 0 then s.w, s.c, s.p, s.dirty, s.expire = idx, cur + cost, prev, true, stop + w + 1 end
+    end
+    reset = stop
+  else -- 'g': GCRA, w = period in us
+    local T = math.max(1, floor_div(w, math.max(limit, 1)))
+    local capacity = T * burst
+    local tat = math.max(s.t, now_us)
+    local debt = tat - now_us
+    never = never or cost > burst
+    if mode == 'adjust' then
+      local nt = tat + T * delta
+      nt = math.max(now_us, math.min(now_us + capacity, nt))
+      if nt ~= tat then s.t, s.dirty, s.expire = nt, true, floor_div(nt, 1000000) + 2 end
+      before = floor_div(math.max(0, capacity - debt), T)
+      after = floor_div(math.max(0, capacity - (nt - now_us)), T)
+      tat = nt
+      reset = math.ceil(nt / 1000000)
+    else
+      local spend = T * cost
+      local fits = (not never) and (debt + spend <= capacity)
+      before = floor_div(math.max(0, capacity - debt), T)
+      after = fits and floor_div(capacity - debt - spend, T) or before
+      if never then verdict = 2 elseif not fits then verdict = 1; retry = debt + spend - capacity end
+      local drained = tat
+      if fits and cost > 0 then
+        s.t, s.dirty, s.expire = tat + spend, true, floor_div(tat + spend, 1000000) + 2
+        drained = tat + spend
+      end
+      reset = math.ceil(drained / 1000000)
+    end
+  end
+  if verdict ~= 0 then all_ok = false end
+  out[#out + 1] = verdict
+  out[#out + 1] = after
+  out[#out + 1] = before
+  out[#out + 1] = reset
+  out[#out + 1] = retry
+end
+
+if (mode == 'spend' and all_ok) or mode == 'adjust' then
+  for key, s in pairs(state) do
+    if s.dirty then
+      redis.call('HSET', key, 'w', s.w, 'c', s.c, 'p', s.p, 't', s.t)
+      redis.call('EXPIREAT', key, s.expire)
+    end
+  end
+end
+return out

@@ -1,0 +1,316 @@
+//! The Redis backend against a real `redis-server` (started per test on a
+//! Unix socket in a temporary directory: no ports to collide).
+#![cfg(feature = "redis")]
+
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sluice_core::{Budget, BudgetKey, Rate, Verdict};
+use sluice_store::{BudgetStore, RedisConfig, RedisStore, StoreError};
+
+/// A `redis-server` child on a Unix socket, killed on drop.
+struct Server {
+    child: Child,
+    dir: PathBuf,
+    socket: PathBuf,
+}
+
+impl Server {
+    fn start() -> Server {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("sluice-redis-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let socket = dir.join("redis.sock");
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                "0",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--unixsocket",
+            ])
+            .arg(&socket)
+            .arg("--dir")
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (scripts/test installs it)");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !socket.exists() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::yield_now();
+        }
+        Server { child, dir, socket }
+    }
+
+    fn url(&self) -> String {
+        format!("redis+unix://{}", self.socket.display())
+    }
+
+    fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .arg("-s")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    async fn store(&self) -> RedisStore {
+        let mut config = RedisConfig::new(self.url());
+        config.timeout = Duration::from_millis(500);
+        RedisStore::connect(config).await.expect("connect")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The longest window there is (it began at the epoch and ends in 2106): the
+/// tests run on Redis's real clock and must never straddle a window boundary.
+fn minute() -> NonZeroU32 {
+    NonZeroU32::MAX
+}
+
+fn budget(scope: &str, subject: &[u8], limit: u32) -> Budget {
+    Budget::per_window(BudgetKey::new(scope, subject), limit, minute())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d1_decides_exactly_and_reports_like_the_memory_store() {
+    let server = Server::start();
+    let store = server.store().await;
+    let b = budget("expensive", b"caller", 30);
+    for i in 0..30 {
+        let d = store.decide(&[b]).await.expect("decide");
+        assert!(d.is_admitted(), "call {i}");
+        assert_eq!(d.statuses()[0].remaining, 29 - i);
+        assert_eq!(
+            d.statuses()[0].reset,
+            u64::from(u32::MAX),
+            "windows are aligned to the epoch"
+        );
+    }
+    let d = store.decide(&[b]).await.expect("decide");
+    assert!(!d.is_admitted());
+    assert_eq!(d.statuses()[0].remaining, 0);
+    let wait = d.retry_after().expect("retry after");
+    assert!(wait > Duration::ZERO);
+    let never = store.decide(&[b.with_cost(31)]).await.expect("decide");
+    assert_eq!(never.statuses()[0].verdict, Verdict::Never);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d1_a_refused_multi_budget_decision_changes_nothing() {
+    let server = Server::start();
+    let store = server.store().await;
+    let class = budget("expensive", b"caller", 30);
+    let ceiling = budget("ip", b"203.0.113.9", 1);
+    assert!(
+        store
+            .decide(&[ceiling])
+            .await
+            .expect("decide")
+            .is_admitted()
+    );
+    let d = store.decide(&[class, ceiling]).await.expect("decide");
+    assert!(!d.is_admitted());
+    assert_eq!(d.binding().expect("binding").limit, 1);
+    let p = store.peek(&[class]).await.expect("peek");
+    assert_eq!(
+        p.statuses()[0].remaining,
+        30,
+        "the class budget was not spent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d2_concurrent_decisions_admit_exactly_the_limit() {
+    let server = Server::start();
+    let store = Arc::new(server.store().await);
+    let b = budget("expensive", b"hot", 30);
+    let tasks: Vec<_> = (0..200)
+        .map(|_| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move { store.decide(&[b]).await.expect("decide").is_admitted() })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += usize::from(t.await.expect("task"));
+    }
+    assert_eq!(admitted, 30);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d1_one_script_call_per_decision() {
+    let server = Server::start();
+    let store = server.store().await;
+    let calls = |server: &Server| -> u64 {
+        let stats = server.cli(&["INFO", "commandstats"]);
+        stats
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    };
+    let before = calls(&server);
+    let req = [
+        budget("expensive", b"k", 30),
+        budget("ip", b"1.2.3.4", 300),
+        budget("bucket", b"1.2.3.4", 5),
+    ];
+    for _ in 0..20 {
+        store.decide(&req).await.expect("decide");
+    }
+    assert_eq!(
+        calls(&server) - before,
+        20,
+        "one script call per 3-budget decision"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_has_a_ttl_and_no_raw_credential() {
+    let server = Server::start();
+    let store = server.store().await;
+    let secret = b"sk-very-secret";
+    let sliding = Budget {
+        rate: Rate::SlidingWindow { seconds: minute() },
+        ..budget("sliding", secret, 10)
+    };
+    let gcra = Budget {
+        rate: Rate::Gcra {
+            period: Duration::from_secs(60),
+            burst: NonZeroU32::new(2).expect("nz"),
+        },
+        ..budget("gcra", secret, 60)
+    };
+    let month = Budget {
+        rate: Rate::CalendarMonth,
+        ..budget("quota", secret, 1000)
+    };
+    store
+        .decide(&[budget("expensive", secret, 30), sliding, gcra, month])
+        .await
+        .expect("decide");
+    let keys = server.cli(&["KEYS", "*"]);
+    let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+    assert_eq!(keys.len(), 4, "{keys:?}");
+    for key in keys {
+        assert!(!key.contains("secret"), "{key}");
+        assert!(key.starts_with("sluice:{"), "hash-tagged by subject: {key}");
+        let ttl: i64 = server.cli(&["TTL", key]).trim().parse().expect("ttl");
+        assert!(ttl > 0, "{key} has no TTL");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adjust_gcra_sliding_and_month_budgets_decide_on_redis() {
+    let server = Server::start();
+    let store = server.store().await;
+    let b = budget("warehouse_reads", b"user", 10);
+    let d = store.decide(&[b.with_cost(3)]).await.expect("decide");
+    assert_eq!(d.statuses()[0].remaining, 7);
+    let s = store.adjust(&b, 4, d.decided_at()).await.expect("adjust");
+    assert_eq!(s.remaining, 3);
+    let s = store
+        .adjust(&b, -100, d.decided_at())
+        .await
+        .expect("adjust");
+    assert_eq!(s.remaining, 10, "clamped at zero spent");
+    let gcra = Budget {
+        rate: Rate::Gcra {
+            period: Duration::from_secs(3600),
+            burst: NonZeroU32::new(1).expect("nz"),
+        },
+        ..budget("rpm", b"provider", 60)
+    };
+    assert!(store.decide(&[gcra]).await.expect("decide").is_admitted());
+    let d = store.decide(&[gcra]).await.expect("decide");
+    let wait = d.retry_after().expect("not yet");
+    assert!(
+        wait > Duration::from_secs(59) && wait <= Duration::from_secs(60),
+        "{wait:?}"
+    );
+    let sliding = Budget {
+        rate: Rate::SlidingWindow { seconds: minute() },
+        ..budget("sliding", b"k", 2)
+    };
+    assert!(
+        store
+            .decide(&[sliding])
+            .await
+            .expect("decide")
+            .is_admitted()
+    );
+    assert!(
+        store
+            .decide(&[sliding])
+            .await
+            .expect("decide")
+            .is_admitted()
+    );
+    assert!(
+        !store
+            .decide(&[sliding])
+            .await
+            .expect("decide")
+            .is_admitted()
+    );
+    let month = Budget {
+        rate: Rate::CalendarMonth,
+        ..budget("quota", b"ws", 2)
+    };
+    let d = store.decide(&[month]).await.expect("decide");
+    let m = sluice_core::month_of(d.decided_at());
+    assert_eq!(
+        d.statuses()[0].reset,
+        m.end,
+        "resets at the next month, per the server's clock"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d1_the_script_is_reloaded_after_a_flush() {
+    let server = Server::start();
+    let store = server.store().await;
+    let b = budget("standard", b"k", 5);
+    store.decide(&[b]).await.expect("decide");
+    server.cli(&["SCRIPT", "FLUSH"]);
+    let d = store.decide(&[b]).await.expect("decide after NOSCRIPT");
+    assert_eq!(d.statuses()[0].remaining, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d3_an_unreachable_redis_fails_fast() {
+    let dir = std::env::temp_dir().join(format!("sluice-redis-none-{}", std::process::id()));
+    let started = Instant::now();
+    let mut config = RedisConfig::new(format!("redis+unix://{}/missing.sock", dir.display()));
+    config.timeout = Duration::from_millis(20);
+    let err = RedisStore::connect(config).await.expect_err("no server");
+    assert!(matches!(err, StoreError::Unavailable(_)));
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let malformed = RedisStore::connect(RedisConfig::new("not a url")).await;
+    assert!(malformed.is_err());
+}
