@@ -37,6 +37,7 @@
 //! assert_eq!(ok.binding().unwrap().reset, 1_764_460_860);
 //! ```
 
+mod breaker;
 mod calendar;
 mod clock;
 mod decision;
@@ -44,6 +45,7 @@ mod key;
 mod rate;
 mod turns;
 
+pub use breaker::{Breaker, BreakerConfig, BreakerState, Permit};
 pub use calendar::{MonthPeriod, month_of};
 pub use clock::{Clock, FakeClock, SystemClock, Timestamp};
 pub use decision::{

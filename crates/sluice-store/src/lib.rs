@@ -27,10 +27,12 @@ use std::future::Future;
 
 use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
 
+mod guarded;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
 
+pub use guarded::{Guarded, STORE_BREAKER};
 pub use memory::{MemoryConfig, MemoryStore};
 #[cfg(feature = "redis")]
 pub use redis::{RedisConfig, RedisStore};

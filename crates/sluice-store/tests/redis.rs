@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice_core::{Budget, BudgetKey, Rate, Verdict};
-use sluice_store::{BudgetStore, RedisConfig, RedisStore, StoreError};
+use sluice_store::{BudgetStore, Guarded, RedisConfig, RedisStore, StoreError};
 
 /// A `redis-server` child on a Unix socket, killed on drop.
 struct Server {
@@ -25,6 +25,23 @@ impl Server {
         let dir = std::env::temp_dir().join(format!("sluice-redis-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let socket = dir.join("redis.sock");
+        let child = Self::spawn(&dir, &socket);
+        Server { child, dir, socket }
+    }
+
+    /// Kills the server (as an outage would).
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+
+    /// Starts it again on the same socket.
+    fn restart(&mut self) {
+        self.child = Self::spawn(&self.dir, &self.socket);
+    }
+
+    fn spawn(dir: &std::path::Path, socket: &std::path::Path) -> Child {
         let child = Command::new("redis-server")
             .args([
                 "--port",
@@ -35,9 +52,9 @@ impl Server {
                 "no",
                 "--unixsocket",
             ])
-            .arg(&socket)
+            .arg(socket)
             .arg("--dir")
-            .arg(&dir)
+            .arg(dir)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -47,7 +64,7 @@ impl Server {
             assert!(Instant::now() < deadline, "redis-server did not start");
             std::thread::yield_now();
         }
-        Server { child, dir, socket }
+        child
     }
 
     fn url(&self) -> String {
@@ -313,4 +330,39 @@ async fn d3_an_unreachable_redis_fails_fast() {
     assert!(started.elapsed() < Duration::from_secs(3));
     let malformed = RedisStore::connect(RedisConfig::new("not a url")).await;
     assert!(malformed.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d3_an_open_breaker_fails_at_once_and_recovery_is_automatic() {
+    let mut server = Server::start();
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_millis(20);
+    let store = Guarded::new(RedisStore::connect(config).await.expect("connect"));
+    let b = budget("standard", b"k", 1_000_000);
+    assert!(store.decide(&[b]).await.expect("decide").is_admitted());
+    server.kill();
+    // The first failures may each wait up to the timeout; then the breaker opens.
+    let mut slow = 0;
+    for _ in 0..50 {
+        let started = Instant::now();
+        assert!(store.decide(&[b]).await.is_err(), "redis is down");
+        if started.elapsed() > Duration::from_millis(5) {
+            slow += 1;
+        }
+    }
+    assert!(slow <= 4, "{slow} decisions waited: the open breaker must answer at once");
+    assert!(!matches!(store.state(), sluice_core::BreakerState::Closed));
+    server.restart();
+    let restarted = Instant::now();
+    let deadline = restarted + Duration::from_secs(5);
+    loop {
+        if store.decide(&[b]).await.is_ok() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "shared mode did not resume");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = restarted.elapsed();
+    assert!(took < Duration::from_secs(1), "shared mode resumed after {took:?}");
+    assert_eq!(store.state(), sluice_core::BreakerState::Closed);
 }

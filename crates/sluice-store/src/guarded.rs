@@ -1,0 +1,103 @@
+//! A circuit breaker in front of a store (SPEC D3): once the store keeps
+//! failing, decisions fail at once instead of each waiting for its timeout;
+//! a probe now and then finds out when the store is back.
+
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use sluice_core::{
+    Breaker, BreakerConfig, BreakerState, Budget, BudgetStatus, Clock, Decision, Permit,
+    SystemClock, Timestamp,
+};
+
+use crate::{BudgetStore, StoreError};
+
+/// The breaker a shared store gets by default: three failures within a
+/// second open it for 250 ms, so recovery is noticed well within a second.
+pub const STORE_BREAKER: BreakerConfig = BreakerConfig {
+    failures: 3,
+    within: Duration::from_secs(1),
+    open_for: Duration::from_millis(250),
+};
+
+/// `S` behind a circuit breaker.
+pub struct Guarded<S, C: Clock = SystemClock> {
+    inner: S,
+    breaker: Mutex<Breaker>,
+    clock: C,
+}
+
+impl<S> Guarded<S> {
+    /// `inner` behind [`STORE_BREAKER`] on the real clock.
+    pub fn new(inner: S) -> Self {
+        Guarded::with_clock(inner, STORE_BREAKER, SystemClock::new())
+    }
+}
+
+impl<S, C: Clock> Guarded<S, C> {
+    /// `inner` behind a breaker configured by `config`, timed by `clock`.
+    pub fn with_clock(inner: S, config: BreakerConfig, clock: C) -> Self {
+        Guarded {
+            inner,
+            breaker: Mutex::new(Breaker::new(config)),
+            clock,
+        }
+    }
+
+    /// The guarded store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// Where the breaker stands: `Closed` while the store answers.
+    pub fn state(&self) -> BreakerState {
+        self.breaker.lock().state()
+    }
+
+    fn permit(&self) -> Result<Timestamp, StoreError> {
+        let now = self.clock.now();
+        match self.breaker.lock().permit(now) {
+            Permit::Call | Permit::Probe => Ok(now),
+            Permit::Refused { retry_after } => Err(StoreError::Unavailable(format!(
+                "the store's circuit breaker is open (next probe in {} ms)",
+                retry_after.as_millis()
+            ))),
+        }
+    }
+
+    fn record<T>(&self, result: &Result<T, StoreError>) {
+        match result {
+            Ok(_) => self.breaker.lock().success(),
+            Err(StoreError::Unavailable(_)) => self.breaker.lock().failure(self.clock.now()),
+            Err(_) => {}
+        }
+    }
+}
+
+impl<S: BudgetStore, C: Clock> BudgetStore for Guarded<S, C> {
+    async fn decide(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
+        self.permit()?;
+        let result = self.inner.decide(budgets).await;
+        self.record(&result);
+        result
+    }
+
+    async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
+        self.permit()?;
+        let result = self.inner.peek(budgets).await;
+        self.record(&result);
+        result
+    }
+
+    async fn adjust(
+        &self,
+        budget: &Budget,
+        delta: i64,
+        reserved_at: Timestamp,
+    ) -> Result<BudgetStatus, StoreError> {
+        self.permit()?;
+        let result = self.inner.adjust(budget, delta, reserved_at).await;
+        self.record(&result);
+        result
+    }
+}
