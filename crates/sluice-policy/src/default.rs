@@ -80,6 +80,10 @@ limits:
   max_body_bytes: 1048576
   max_json_depth: 64
   max_batch_items: 1000
+store:
+  timeout_ms: 20
+  replicas: 1
+  outage: { protocol: fail_open, read: fail_open, standard: fail_open, expensive: fail_open }
 "#;
 
 /// The built-in default policy.

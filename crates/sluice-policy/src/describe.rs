@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use crate::model::{Class, CredentialSource, Per, Policy, Refusal, RouteClass};
+use crate::model::{Class, CredentialSource, Outage, Per, Policy, Refusal, RouteClass};
 
 impl Policy {
     /// The resolved policy, one fact a line: what `sluice check` prints.
@@ -155,6 +155,23 @@ impl Policy {
             out,
             "bounds: body {} bytes, JSON depth {}, batch {} items",
             self.bounds.max_body_bytes, self.bounds.max_json_depth, self.bounds.max_batch_items
+        );
+        let outage: Vec<String> = Class::ALL
+            .iter()
+            .map(|&c| {
+                let o = match self.store.outage(c) {
+                    Outage::FailOpen => "fail_open",
+                    Outage::FailClosed => "fail_closed",
+                };
+                format!("{c} {o}")
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "shared store: timeout {} ms, {} replica(s); while down: {}",
+            self.store.timeout.as_millis(),
+            self.store.replicas,
+            outage.join(", ")
         );
         out
     }

@@ -29,12 +29,13 @@ pub use default::{DEFAULT_POLICY_YAML, default_policy};
 pub use identity::{Caller, CallerKind, ClientIp};
 pub use jsonrpc::Items;
 pub use model::{
-    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Per, Policy, Principal, Profile,
-    Refusal, Route, RouteClass,
+    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Outage, Per, Policy, Principal,
+    Profile, Refusal, Route, RouteClass, StorePolicy,
 };
 pub use pattern::PathPattern;
 pub use raw::RawPolicy;
 pub use validate::{
-    DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, MAX_ROUTE_BUCKETS,
-    PolicyError, Problem, load_file, parse_str, validate,
+    DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH,
+    DEFAULT_STORE_TIMEOUT_MS, MAX_ROUTE_BUCKETS, PolicyError, Problem, load_file, parse_str,
+    validate,
 };

@@ -211,6 +211,33 @@ pub struct Bounds {
     pub max_batch_items: usize,
 }
 
+/// What a class does while the shared store cannot be reached (SPEC D3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outage {
+    /// Decide locally with this replica's share of the limit.
+    FailOpen,
+    /// Refuse with 503 and `Retry-After`.
+    FailClosed,
+}
+
+/// How the shared store is used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StorePolicy {
+    /// The longest one decision may wait for the store.
+    pub timeout: std::time::Duration,
+    /// Replicas sharing the store (a fail-open class gets limit ÷ replicas locally).
+    pub replicas: NonZeroU32,
+    /// Per class, indexed by [`Class::index`].
+    pub outage: [Outage; 4],
+}
+
+impl StorePolicy {
+    /// What `class` does during an outage.
+    pub fn outage(&self, class: Class) -> Outage {
+        self.outage[class.index()]
+    }
+}
+
 /// The checked policy.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
@@ -236,6 +263,8 @@ pub struct Policy {
     pub ietf_headers: bool,
     /// Bounds.
     pub bounds: Bounds,
+    /// The shared store's settings.
+    pub store: StorePolicy,
 }
 
 impl Policy {

@@ -37,6 +37,23 @@ pub struct RawPolicy {
     /// Bounds on what a request may make sluice read.
     #[serde(default)]
     pub limits: RawLimits,
+    /// How the shared store is used, and what happens when it is down.
+    #[serde(default)]
+    pub store: RawStore,
+}
+
+/// The shared store's settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStore {
+    /// The longest one decision may wait for the store, in milliseconds.
+    pub timeout_ms: Option<u64>,
+    /// How many replicas share the store: while it is down, a fail-open class
+    /// is decided locally with limit ÷ replicas.
+    pub replicas: Option<u32>,
+    /// Per class: `fail_open` or `fail_closed`.
+    #[serde(default)]
+    pub outage: BTreeMap<String, String>,
 }
 
 /// One profile's numbers.

@@ -10,8 +10,8 @@ use http::{HeaderName, Method};
 use ipnet::IpNet;
 
 use crate::model::{
-    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Per, Policy, Principal, Profile,
-    Refusal, Route, RouteClass,
+    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Outage, Per, Policy, Principal,
+    Profile, Refusal, Route, RouteClass, StorePolicy,
 };
 use crate::pattern::PathPattern;
 use crate::raw::{RawPolicy, RawProfile};
@@ -22,6 +22,8 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 pub const DEFAULT_MAX_JSON_DEPTH: usize = 64;
 /// Default most items in one JSON-RPC batch: 1,000.
 pub const DEFAULT_MAX_BATCH_ITEMS: usize = 1_000;
+/// Default longest wait for the shared store per decision: 20 ms.
+pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 20;
 
 /// The most buckets one route may spend: with up to four class budgets and
 /// one IP ceiling, a request stays within [`sluice_core::MAX_BUDGETS`].
@@ -275,29 +277,33 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     if bounds.max_body_bytes == 0 || bounds.max_json_depth == 0 || bounds.max_batch_items == 0 {
         v.problem("limits", "every bound must be above zero");
     }
-    match (
-        v.problems.is_empty(),
-        profile,
-        window,
-        identity,
-        default_class,
-        jsonrpc,
-    ) {
-        (true, Some(profile), Some(window), Some(identity), Some(default_class), Some(jsonrpc)) => {
-            Ok(Policy {
-                profile_name,
-                profiles,
-                profile,
-                window,
-                identity,
-                buckets,
-                routes,
-                default_class,
-                jsonrpc,
-                ietf_headers: raw.headers.ietf_draft,
-                bounds,
-            })
-        }
+    let store = v.store(raw);
+    let parts = (profile, window, identity, default_class, jsonrpc, store);
+    if !v.problems.is_empty() {
+        return Err(v.problems);
+    }
+    match parts {
+        (
+            Some(profile),
+            Some(window),
+            Some(identity),
+            Some(default_class),
+            Some(jsonrpc),
+            Some(store),
+        ) => Ok(Policy {
+            profile_name,
+            profiles,
+            profile,
+            window,
+            identity,
+            buckets,
+            routes,
+            default_class,
+            jsonrpc,
+            ietf_headers: raw.headers.ietf_draft,
+            bounds,
+            store,
+        }),
         _ => Err(v.problems),
     }
 }
@@ -450,6 +456,40 @@ impl Checker {
             ipv6_prefix,
             keys,
             principal_headers,
+        })
+    }
+
+    fn store(&mut self, raw: &RawPolicy) -> Option<StorePolicy> {
+        let s = &raw.store;
+        let timeout_ms = s.timeout_ms.unwrap_or(DEFAULT_STORE_TIMEOUT_MS);
+        if timeout_ms == 0 || timeout_ms > 60_000 {
+            self.problem(
+                "store.timeout_ms",
+                format!("expected 1..=60000 milliseconds, got {timeout_ms}"),
+            );
+        }
+        let replicas = self.nonzero("store.replicas", s.replicas.unwrap_or(1));
+        let mut outage = [Outage::FailOpen; 4];
+        for (class_name, choice) in &s.outage {
+            let Some(class) = self.class(&format!("store.outage.{class_name}"), class_name) else {
+                continue;
+            };
+            outage[class.index()] = match choice.as_str() {
+                "fail_open" => Outage::FailOpen,
+                "fail_closed" => Outage::FailClosed,
+                other => {
+                    self.problem(
+                        format!("store.outage.{class_name}"),
+                        format!("expected fail_open or fail_closed, got {other:?}"),
+                    );
+                    continue;
+                }
+            };
+        }
+        Some(StorePolicy {
+            timeout: std::time::Duration::from_millis(timeout_ms),
+            replicas: replicas?,
+            outage,
         })
     }
 

@@ -347,3 +347,32 @@ fn describe_prints_every_resolved_number() {
         "{text}"
     );
 }
+
+#[test]
+fn d3_store_outage_choices_per_class_are_validated() {
+    let p = default_policy().expect("default");
+    assert_eq!(p.store.timeout, std::time::Duration::from_millis(20));
+    assert_eq!(
+        p.store.outage(Class::Expensive),
+        sluice_policy::Outage::FailOpen
+    );
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML
+        .replace("expensive: fail_open }", "expensive: fail_closed }")
+        .replace("replicas: 1", "replicas: 3");
+    let p = parse_str(&yaml, Path::new("p.yaml")).expect("policy");
+    assert_eq!(
+        p.store.outage(Class::Expensive),
+        sluice_policy::Outage::FailClosed
+    );
+    assert_eq!(p.store.outage(Class::Read), sluice_policy::Outage::FailOpen);
+    assert_eq!(p.store.replicas.get(), 3);
+    let bad = sluice_policy::DEFAULT_POLICY_YAML
+        .replace("expensive: fail_open }", "expensive: fail_shut }")
+        .replace("timeout_ms: 20", "timeout_ms: 0");
+    let err = parse_str(&bad, Path::new("p.yaml")).expect_err("invalid");
+    let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
+    assert!(
+        paths.contains(&"store.outage.expensive") && paths.contains(&"store.timeout_ms"),
+        "{paths:?}"
+    );
+}

@@ -3,28 +3,40 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use http::Method;
 use http::request::Parts;
 use parking_lot::Mutex;
 use sluice_core::Decision;
-use sluice_policy::{Class, Items, Policy, RouteClass};
-use sluice_store::{BudgetStore, StoreError};
+use sluice_policy::{Class, Items, Outage, Policy, RouteClass};
+use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, StoreError};
 
-use crate::plan::{Plan, Scopes, plan};
+use crate::plan::{BudgetKind, Plan, Scopes, plan};
 
 /// The most callers the status page tracks per window; past it new callers
 /// are counted together as `others`.
 pub const TOP_CALLERS_TRACKED: usize = 4_096;
 
 /// A policy and a store: classifies requests and decides their budgets.
+///
+/// When the store cannot answer (a shared store that is down), each request
+/// follows its classes' outage rule (SPEC D3): if every class it holds fails
+/// open, it is decided on this process's fallback store with the limits
+/// divided by the policy's replica count; otherwise the error stands and the
+/// layer answers 503.
 pub struct Limiter<S> {
     policy: Policy,
     scopes: Scopes,
     store: S,
+    fallback: MemoryStore,
+    degraded: AtomicBool,
     top: Mutex<TopCallers>,
 }
+
+/// Cells kept by the fallback store used while a shared store is down.
+pub const FALLBACK_MAX_KEYS: usize = 100_000;
 
 #[derive(Default)]
 struct TopCallers {
@@ -40,8 +52,57 @@ impl<S: BudgetStore> Limiter<S> {
             scopes: Scopes::new(&policy),
             policy,
             store,
+            fallback: MemoryStore::new(MemoryConfig {
+                max_keys: FALLBACK_MAX_KEYS,
+                ..MemoryConfig::default()
+            }),
+            degraded: AtomicBool::new(false),
             top: Mutex::default(),
         }
+    }
+
+    /// The same limiter with another fallback store (e.g. on a skewed test clock).
+    pub fn with_fallback(mut self, fallback: MemoryStore) -> Self {
+        self.fallback = fallback;
+        self
+    }
+
+    /// The store decided on while the main store is down.
+    pub fn fallback(&self) -> &MemoryStore {
+        &self.fallback
+    }
+
+    /// True while the main store is failing (the last decision it was asked for failed).
+    pub fn is_degraded(&self) -> bool {
+        self.degraded.load(Ordering::Relaxed)
+    }
+
+    fn set_degraded(&self, degraded: bool) {
+        if self.degraded.swap(degraded, Ordering::Relaxed) != degraded {
+            metrics::gauge!("sluice_store_degraded").set(if degraded { 1.0 } else { 0.0 });
+        }
+    }
+
+    /// True when every class the plan holds fails open.
+    fn fails_open(&self, plan: &Plan) -> bool {
+        plan.kinds.iter().all(|k| match k {
+            BudgetKind::Class(c) => self.policy.store.outage(*c) == Outage::FailOpen,
+            _ => true,
+        })
+    }
+
+    /// Decides `plan` on the fallback store with this replica's share of each limit.
+    fn decide_locally(&self, plan: &Plan) -> Result<Decision, StoreError> {
+        let replicas = self.policy.store.replicas.get();
+        let local: arrayvec::ArrayVec<sluice_core::Budget, { sluice_core::MAX_BUDGETS }> = plan
+            .budgets
+            .iter()
+            .map(|b| sluice_core::Budget {
+                limit: (b.limit / replicas).max(1),
+                ..*b
+            })
+            .collect();
+        self.fallback.decide_now(&local)
     }
 
     /// The policy enforced.
@@ -90,7 +151,22 @@ impl<S: BudgetStore> Limiter<S> {
     /// The store's, when it cannot answer.
     pub async fn decide(&self, plan: &Plan) -> Result<Decision, StoreError> {
         let started = Instant::now();
-        let decision = self.store.decide(&plan.budgets).await;
+        let decision = match self.store.decide(&plan.budgets).await {
+            Ok(d) => {
+                self.set_degraded(false);
+                Ok(d)
+            }
+            Err(StoreError::Unavailable(e)) => {
+                self.set_degraded(true);
+                if self.fails_open(plan) {
+                    metrics::counter!("sluice_local_decisions_total").increment(1);
+                    self.decide_locally(plan)
+                } else {
+                    Err(StoreError::Unavailable(e))
+                }
+            }
+            Err(e) => Err(e),
+        };
         metrics::histogram!("sluice_decision_seconds").record(started.elapsed().as_secs_f64());
         let class = plan.top_class.name();
         match &decision {
@@ -101,7 +177,7 @@ impl<S: BudgetStore> Limiter<S> {
                     .budgets
                     .iter()
                     .zip(&plan.kinds)
-                    .filter(|(_, k)| matches!(k, crate::plan::BudgetKind::Class(_)))
+                    .filter(|(_, k)| matches!(k, BudgetKind::Class(_)))
                     .map(|(b, _)| u64::from(b.cost))
                     .sum();
                 let window = d.decided_at().as_secs() / u64::from(self.policy.window.get());
@@ -148,6 +224,7 @@ impl<S: BudgetStore> Limiter<S> {
                 "caller": label, "units": units,
             })).collect::<Vec<_>>(),
             "other_callers_units": top.others,
+            "store_degraded": self.is_degraded(),
         })
     }
 }

@@ -74,7 +74,16 @@ pub async fn start(edit: impl FnOnce(String) -> String) -> Edge {
 pub async fn start_policy(policy: sluice_policy::Policy) -> Edge {
     let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
     let store = MemoryStore::with_clock(MemoryConfig::default(), clock.clone());
-    let limiter = Arc::new(Limiter::new(policy, store));
+    start_with(policy, store, clock).await
+}
+
+/// Starts `policy` deciding on `store`; the fallback store reads `clock`.
+pub async fn start_with<S>(policy: sluice_policy::Policy, store: S, clock: FakeClock) -> Edge
+where
+    S: sluice_store::BudgetStore + Send + Sync + 'static,
+{
+    let fallback = MemoryStore::new(MemoryConfig::default());
+    let limiter = Arc::new(Limiter::new(policy, store).with_fallback(fallback));
     let app = Router::new()
         .fallback(|method: Method, uri: http::Uri, body: Bytes| async move {
             format!(
