@@ -113,6 +113,24 @@ impl SystemClock {
     }
 }
 
+impl SystemClock {
+    /// A clock reading `offset_secs` seconds ahead of (or, negative, behind)
+    /// the wall clock: a replica with a skewed clock, for tests and drills.
+    pub fn with_offset(offset_secs: i64) -> Self {
+        let mut clock = SystemClock::new();
+        clock.anchor_wall = if offset_secs >= 0 {
+            clock
+                .anchor_wall
+                .saturating_add(offset_secs.unsigned_abs().saturating_mul(NANOS_PER_SEC))
+        } else {
+            clock
+                .anchor_wall
+                .saturating_sub(offset_secs.unsigned_abs().saturating_mul(NANOS_PER_SEC))
+        };
+        clock
+    }
+}
+
 impl Default for SystemClock {
     fn default() -> Self {
         Self::new()
@@ -174,6 +192,15 @@ mod tests {
         let shared = clock.clone();
         shared.set(Timestamp::from_secs(7));
         assert_eq!(clock.now(), Timestamp::from_secs(7));
+    }
+
+    #[test]
+    fn an_offset_clock_reads_ahead_or_behind() {
+        let ahead = SystemClock::with_offset(30).now().as_secs();
+        let plain = SystemClock::new().now().as_secs();
+        let behind = SystemClock::with_offset(-30).now().as_secs();
+        assert!((29..=31).contains(&(ahead - plain)));
+        assert!((29..=31).contains(&(plain - behind)));
     }
 
     #[test]

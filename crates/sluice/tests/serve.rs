@@ -379,13 +379,13 @@ async fn sigterm_lets_an_in_flight_request_finish_then_exits_0() {
 fn bad_flags_exit_2_with_a_clear_message() {
     let limit = Duration::from_secs(30);
 
-    let run = run_to_exit(&["serve", "--store", "redis://127.0.0.1:6379"], limit);
-    assert_eq!(run.status.code(), Some(2));
-    assert!(
-        run.stderr.contains("redis store not built yet"),
-        "{}",
-        run.stderr
+    // A store that cannot be reached at start is a runtime failure (exit 1), said clearly.
+    let run = run_to_exit(
+        &["serve", "--store", "redis+unix:///nonexistent/sluice-test.sock"],
+        limit,
     );
+    assert_eq!(run.status.code(), Some(1), "{}", run.stderr);
+    assert!(run.stderr.contains("connecting to the store"), "{}", run.stderr);
 
     for args in [
         &["serve", "--upstream", "ftp://example.invalid"][..],

@@ -28,8 +28,9 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-/// The MCP protocol version answered when the client does not ask for one.
-pub const LATEST_PROTOCOL_VERSION: &str = "2025-06-18";
+/// The MCP protocol versions the demo speaks, newest first. `initialize` answers
+/// with the client's version when it is one of these, else with the newest.
+pub const PROTOCOL_VERSIONS: [&str; 4] = ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"];
 
 /// Time between heartbeats on `GET /mcp`.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(15);
@@ -334,10 +335,11 @@ fn call_method(
     match method {
         "initialize" => {
             *new_session = true;
-            let version = params
-                .get("protocolVersion")
-                .and_then(Value::as_str)
-                .unwrap_or(LATEST_PROTOCOL_VERSION);
+            let asked = params.get("protocolVersion").and_then(Value::as_str);
+            let version = PROTOCOL_VERSIONS
+                .iter()
+                .find(|v| Some(**v) == asked)
+                .unwrap_or(&PROTOCOL_VERSIONS[0]);
             Ok(json!({
                 "protocolVersion": version,
                 "capabilities": { "tools": {} },
@@ -433,6 +435,15 @@ mod tests {
         assert!(session);
         assert_eq!(reply["result"]["protocolVersion"], "2025-03-26");
         assert_eq!(reply["result"]["serverInfo"]["name"], "sluice-demo");
+        let unknown = handle_message(
+            &json!({"jsonrpc":"2.0","id":2,"method":"initialize","params":{"protocolVersion":"1999-01-01"}}),
+            &mut session,
+        )
+        .expect("a reply");
+        assert_eq!(
+            unknown["result"]["protocolVersion"], PROTOCOL_VERSIONS[0],
+            "a version it speaks"
+        );
     }
 
     #[test]

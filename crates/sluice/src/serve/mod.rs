@@ -15,6 +15,7 @@ pub mod demo;
 mod gateway;
 pub mod metered;
 pub mod proxy;
+pub mod store;
 
 use std::io::Write as _;
 use std::net::{SocketAddr, ToSocketAddrs as _};
@@ -24,9 +25,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
+use sluice_core::SystemClock;
 use sluice_policy::Policy;
 use sluice_store::{MemoryConfig, MemoryStore};
 use sluice_tower::{Limiter, SluiceLayer};
+use store::AnyStore;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tower::Layer as _;
@@ -127,6 +130,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = parse_store)]
     pub store: StoreSpec,
 
+    /// Shift this replica's clock by SECS (negative: behind). A drill for clock skew:
+    /// with a Redis store every decision uses the Redis server's clock, so windows and
+    /// resets do not move.
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value_t = 0,
+        allow_hyphen_values = true
+    )]
+    pub clock_offset: i64,
+
     /// Directory of the embedded durable store (quotas, batch queue, results).
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
@@ -150,6 +164,8 @@ pub struct ServeOptions {
     pub upstream: Option<Upstream>,
     /// Budget store.
     pub store: StoreSpec,
+    /// Seconds this replica's clock is shifted by.
+    pub clock_offset: i64,
     /// Directory of the embedded durable store.
     pub data_dir: Option<PathBuf>,
     /// Time allowed for the upstream's response headers.
@@ -162,11 +178,6 @@ impl ServeOptions {
     /// # Errors
     /// [`BadInput`] naming the flag and what was expected.
     pub fn from_args(args: ServeArgs) -> Result<Self, BadInput> {
-        if let StoreSpec::Redis(_) = args.store {
-            return Err(BadInput(
-                "--store: redis store not built yet (use --store memory)".to_owned(),
-            ));
-        }
         let policy = match &args.config {
             Some(path) => sluice_policy::load_file(path).map_err(|e| BadInput(e.to_string()))?,
             None => sluice_policy::default_policy().map_err(|e| BadInput(e.to_string()))?,
@@ -192,6 +203,7 @@ impl ServeOptions {
             admin: args.admin,
             upstream: args.upstream,
             store: args.store,
+            clock_offset: args.clock_offset,
             data_dir: args.data_dir,
             upstream_timeout: args.upstream_timeout,
         })
@@ -217,10 +229,13 @@ fn parse_upstream(s: &str) -> Result<Upstream, String> {
 fn parse_store(s: &str) -> Result<StoreSpec, String> {
     if s == "memory" {
         Ok(StoreSpec::Memory)
-    } else if s.starts_with("redis://") || s.starts_with("rediss://") {
+    } else if ["redis://", "rediss://", "redis+unix://", "unix://"]
+        .iter()
+        .any(|scheme| s.starts_with(scheme))
+    {
         Ok(StoreSpec::Redis(s.to_owned()))
     } else {
-        Err("expected `memory` or a redis://HOST:PORT URL".to_owned())
+        Err("expected `memory`, a redis://HOST:PORT[/DB] URL or redis+unix:///PATH".to_owned())
     }
 }
 
@@ -306,8 +321,21 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         header_timeout: options.upstream_timeout,
     });
     let profile = options.policy.profile_name.clone();
-    let store = MemoryStore::new(MemoryConfig::default());
-    let limiter = Arc::new(Limiter::new(options.policy, store));
+    let clock = SystemClock::with_offset(options.clock_offset);
+    let store = match &options.store {
+        StoreSpec::Memory => AnyStore::memory(clock.clone()),
+        StoreSpec::Redis(url) => AnyStore::redis(url, options.policy.store.timeout)
+            .await
+            .with_context(|| format!("connecting to the store {}", options.store.describe()))?,
+    };
+    let fallback = MemoryStore::with_clock(
+        MemoryConfig {
+            max_keys: sluice_tower::FALLBACK_MAX_KEYS,
+            ..MemoryConfig::default()
+        },
+        clock,
+    );
+    let limiter = Arc::new(Limiter::new(options.policy, store).with_fallback(fallback));
     tokio::spawn(reclaim_stale_cells(
         Arc::clone(&limiter),
         backends_stopped.clone(),
@@ -329,7 +357,11 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
     )
     .with_limiter_summary({
         let limiter = Arc::clone(&limiter);
-        Arc::new(move || limiter.status())
+        Arc::new(move || {
+            let mut status = limiter.status();
+            status["store"] = limiter.store().describe_state();
+            status
+        })
     });
     let admin_task = tokio::spawn(admin::serve(
         admin_listener,
@@ -423,14 +455,17 @@ fn termination_signal() -> std::io::Result<impl Future<Output = &'static str>> {
 const RECLAIM_EVERY: Duration = Duration::from_secs(30);
 
 /// Drops budget cells whose window is over, until the stop signal.
-async fn reclaim_stale_cells(limiter: Arc<Limiter<MemoryStore>>, stop: Stop) {
+async fn reclaim_stale_cells(limiter: Arc<Limiter<AnyStore>>, stop: Stop) {
     let mut tick = tokio::time::interval(RECLAIM_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let stopped = stop.wait();
     tokio::pin!(stopped);
     loop {
         tokio::select! {
-            _ = tick.tick() => limiter.store().reclaim(),
+            _ = tick.tick() => {
+                limiter.store().reclaim();
+                limiter.fallback().reclaim();
+            }
             () = &mut stopped => return,
         }
     }
