@@ -350,7 +350,10 @@ async fn d3_an_open_breaker_fails_at_once_and_recovery_is_automatic() {
             slow += 1;
         }
     }
-    assert!(slow <= 4, "{slow} decisions waited: the open breaker must answer at once");
+    assert!(
+        slow <= 4,
+        "{slow} decisions waited: the open breaker must answer at once"
+    );
     assert!(!matches!(store.state(), sluice_core::BreakerState::Closed));
     server.restart();
     let restarted = Instant::now();
@@ -363,6 +366,9 @@ async fn d3_an_open_breaker_fails_at_once_and_recovery_is_automatic() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let took = restarted.elapsed();
-    assert!(took < Duration::from_secs(1), "shared mode resumed after {took:?}");
+    assert!(
+        took < Duration::from_secs(1),
+        "shared mode resumed after {took:?}"
+    );
     assert_eq!(store.state(), sluice_core::BreakerState::Closed);
 }

@@ -381,11 +381,19 @@ fn bad_flags_exit_2_with_a_clear_message() {
 
     // A store that cannot be reached at start is a runtime failure (exit 1), said clearly.
     let run = run_to_exit(
-        &["serve", "--store", "redis+unix:///nonexistent/sluice-test.sock"],
+        &[
+            "serve",
+            "--store",
+            "redis+unix:///nonexistent/sluice-test.sock",
+        ],
         limit,
     );
     assert_eq!(run.status.code(), Some(1), "{}", run.stderr);
-    assert!(run.stderr.contains("connecting to the store"), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("connecting to the store"),
+        "{}",
+        run.stderr
+    );
 
     for args in [
         &["serve", "--upstream", "ftp://example.invalid"][..],
