@@ -3,6 +3,8 @@
 //! it over loopback HTTP. Every wait is bounded.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod redis;
+
 use std::io::{BufRead as _, BufReader, Read as _};
 use std::net::SocketAddr;
 use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};

@@ -1,0 +1,201 @@
+//! Several `sluice serve` processes on one Redis (SPEC D1–D3, E8): a limit
+//! means the same on every replica, whatever their clocks say, and an outage
+//! follows the policy.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use support::redis::RedisServer;
+use support::{Sluice, get, send};
+
+/// The default policy with the longest window (no run can straddle one) and `edit`.
+fn policy(name: &str, window: &str, edit: impl FnOnce(String) -> String) -> String {
+    let dir = std::env::temp_dir().join(format!("sluice-replicas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.replace(
+        "window_seconds: 60\nprofiles",
+        &format!("window_seconds: {window}\nprofiles"),
+    );
+    std::fs::write(&path, edit(yaml)).expect("write policy");
+    path.to_str().expect("utf-8 path").to_owned()
+}
+
+fn replica(policy: &str, store: &str, extra: &[&str]) -> Sluice {
+    let mut args = vec!["--config", policy, "--store", store];
+    args.extend_from_slice(extra);
+    Sluice::spawn(&args)
+}
+
+async fn call(sluice: &Sluice, method: &str, path: &str, key: &str) -> support::Reply {
+    send(
+        Request::builder()
+            .method(method)
+            .uri(sluice.url(path))
+            .header("x-api-key", key)
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request"),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d2_e8_three_replicas_admit_exactly_the_limit_in_total() {
+    let redis = RedisServer::start("d2");
+    // Exactness is the shared store's: a decision that times out must not be
+    // decided again locally (fail_closed), and a debug build under 200 concurrent
+    // requests on two cores needs more than the default 20 ms.
+    let policy = policy("d2.yaml", "4294967295", |y| {
+        y.replace("expensive: fail_open }", "expensive: fail_closed }")
+            .replace("timeout_ms: 20", "timeout_ms: 2000")
+    });
+    let replicas: Vec<Sluice> = (0..3)
+        .map(|_| replica(&policy, &redis.url(), &[]))
+        .collect();
+    let calls_before = redis.script_calls();
+    let tasks: Vec<_> = (0..200)
+        .map(|i| {
+            let url = replicas[i % 3].url("/chats");
+            tokio::spawn(async move {
+                let r = send(
+                    Request::post(url)
+                        .header("x-api-key", "sk-shared")
+                        .body(Full::new(Bytes::from_static(b"{}")))
+                        .expect("request"),
+                )
+                .await;
+                r.status.as_u16()
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        let status = t.await.expect("task");
+        assert!(
+            status == 200 || status == 429,
+            "every request decided by Redis: {status}"
+        );
+        admitted += usize::from(status == 200);
+    }
+    assert_eq!(
+        admitted, 30,
+        "30 in total across three replicas, not 3 x 30"
+    );
+    assert!(
+        redis.script_calls() - calls_before <= 200,
+        "at most one round trip per decision"
+    );
+    // Remaining agrees: consecutive reads on different replicas count down the
+    // same budgets (here the IP ceiling binds: 300 - 30 chats - each read).
+    let mut last = None;
+    for i in 0..6 {
+        let r = call(&replicas[i % 3], "GET", "/search/fields", "sk-reader").await;
+        let remaining: u32 = r
+            .header("x-ratelimit-remaining")
+            .and_then(|v| v.parse().ok())
+            .expect("remaining");
+        if let Some(previous) = last {
+            assert_eq!(
+                remaining + 1,
+                previous,
+                "replica {} counts on the shared books",
+                i % 3
+            );
+        } else {
+            assert_eq!(
+                remaining, 269,
+                "the IP ceiling after 30 chats and this read"
+            );
+        }
+        last = Some(remaining);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d1_a_replica_with_a_skewed_clock_agrees_on_windows_and_resets() {
+    let redis = RedisServer::start("skew");
+    let policy = policy("skew.yaml", "60", |y| y);
+    let straight = replica(&policy, &redis.url(), &[]);
+    let skewed = replica(&policy, &redis.url(), &["--clock-offset", "30"]);
+    // Three calls A, B, A: if A's two resets match, no window boundary fell in
+    // between, and B's must match them too (bounded retries, no waiting).
+    for attempt in 0..5 {
+        let key = format!("sk-skew-{attempt}");
+        let a1 = call(&straight, "POST", "/chats", &key).await;
+        let b = call(&skewed, "POST", "/chats", &key).await;
+        let a2 = call(&straight, "POST", "/chats", &key).await;
+        let reset = |r: &support::Reply| r.header("x-ratelimit-reset").map(str::to_owned);
+        if reset(&a1) != reset(&a2) {
+            continue;
+        }
+        assert_eq!(
+            reset(&b),
+            reset(&a1),
+            "the skewed replica reports the same reset"
+        );
+        assert_eq!(b.header("x-ratelimit-remaining"), Some("28"));
+        assert_eq!(a2.header("x-ratelimit-remaining"), Some("27"));
+        return;
+    }
+    panic!("five attempts each straddled a minute boundary");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d3_redis_down_each_class_as_configured_then_shared_mode_resumes() {
+    let mut redis = RedisServer::start("outage");
+    let policy = policy("outage.yaml", "4294967295", |y| {
+        y.replace("expensive: fail_open }", "expensive: fail_closed }")
+            .replace("replicas: 1", "replicas: 3")
+    });
+    let sluice = replica(&policy, &redis.url(), &[]);
+    let r = call(&sluice, "GET", "/search/fields", "sk-o").await;
+    assert_eq!(r.header("x-ratelimit-limit"), Some("300"), "shared mode");
+    redis.kill();
+    for i in 0..30 {
+        let started = Instant::now();
+        let read = call(&sluice, "GET", "/search/fields", "sk-o").await;
+        assert_eq!(read.status, 200, "read fails open ({i})");
+        assert_eq!(
+            read.header("x-ratelimit-limit"),
+            Some("100"),
+            "300 / 3 replicas, locally"
+        );
+        let chat = call(&sluice, "POST", "/chats", "sk-o").await;
+        assert_eq!(chat.status, 503, "expensive fails closed ({i})");
+        assert_eq!(chat.json()["error"]["code"], "limiter_unavailable");
+        assert!(chat.header("retry-after").is_some());
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "no request hangs"
+        );
+    }
+    let status = get(&sluice.admin_url("/status")).await.json();
+    assert_eq!(status["limiter"]["store_degraded"], true);
+    assert_ne!(status["limiter"]["store"]["state"], "ok");
+    let metrics = get(&sluice.admin_url("/metrics")).await.text();
+    assert!(metrics.contains("sluice_store_degraded 1"), "{metrics}");
+    redis.restart();
+    let restarted = Instant::now();
+    loop {
+        let r = call(&sluice, "GET", "/search/fields", "sk-o").await;
+        if r.header("x-ratelimit-limit") == Some("300") {
+            break;
+        }
+        assert!(
+            restarted.elapsed() < Duration::from_secs(5),
+            "shared mode did not resume"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let took = restarted.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "shared mode resumed after {took:?}"
+    );
+    let chat = call(&sluice, "POST", "/chats", "sk-o").await;
+    assert_eq!(chat.status, 200, "expensive is served again");
+}
