@@ -42,7 +42,11 @@ async fn d3_fail_open_classes_decide_locally_and_fail_closed_ones_answer_503() {
         assert_eq!(r.status, StatusCode::OK, "standard call {i}");
     }
     let r = edge.post("/evals", &[key], "{}").await;
-    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "standard: 60 / 3 = 20 locally");
+    assert_eq!(
+        r.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "standard: 60 / 3 = 20 locally"
+    );
     // expensive is fail_closed: 503 with the JSON envelope and Retry-After.
     for r in [
         edge.post("/chats", &[key], "{}").await,
