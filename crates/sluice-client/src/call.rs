@@ -1,0 +1,234 @@
+//! One paced exchange with a provider, shared by every form (tower layer,
+//! reqwest-middleware, proxy): estimate and maybe shrink the body, reserve,
+//! send, learn from the answer, retry or deliver — and reconcile the
+//! reservation with the answer's usage when its body ends.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use sluice_core::Clock;
+use sluice_store::BudgetStore;
+
+use crate::backoff::{Backoff, RetryPolicy, Retryable, classify};
+use crate::error::PaceError;
+use crate::pacer::{Pacer, Permit};
+use crate::shrink::{PacedRequest, ShrinkReport};
+use crate::tokens::EstimateOptions;
+use crate::usage::{OnUsage, Usage};
+
+/// The largest error body read to find a retry hint.
+pub(crate) const MAX_ERROR_BODY: usize = 256 << 10;
+
+/// The header carrying a retried POST's idempotency key.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// What to do after an answer.
+pub(crate) enum After<S: BudgetStore + 'static, C: Clock + 'static> {
+    /// Send again after this long (the reservation is settled).
+    Retry(Duration),
+    /// Hand the answer over; with a permit when its usage should reconcile
+    /// the reservation as the body ends.
+    Deliver(Option<Permit<S, C>>),
+}
+
+/// One request on its way through the pacer.
+pub(crate) struct Call<S: BudgetStore + 'static, C: Clock + 'static> {
+    pacer: Pacer<S, C>,
+    provider: String,
+    pub(crate) method: Method,
+    pub(crate) headers: HeaderMap,
+    body: Bytes,
+    json: Option<PacedRequest>,
+    shrunk: Option<ShrinkReport>,
+    backoff: Backoff,
+}
+
+impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
+    /// A call of `method` to `path` (below the provider's base URL) with
+    /// these headers and body.
+    pub(crate) fn new(
+        pacer: &Pacer<S, C>,
+        provider: &str,
+        method: Method,
+        path: &str,
+        mut headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<Self, PaceError> {
+        let config = pacer.config();
+        let p = config
+            .provider(provider)
+            .ok_or_else(|| PaceError::UnknownProvider {
+                provider: provider.to_owned(),
+            })?;
+        let json = if body.is_empty() {
+            None
+        } else {
+            serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .filter(serde_json::Value::is_object)
+                .map(|v| {
+                    PacedRequest::new(
+                        p.style,
+                        path,
+                        v,
+                        EstimateOptions {
+                            encoding: p.encoding,
+                            default_max_tokens: p.default_max_tokens,
+                        },
+                    )
+                })
+        };
+        // The sender sets the length of the body it sends (maybe shrunk).
+        headers.remove(http::header::CONTENT_LENGTH);
+        let policy = RetryPolicy {
+            max_attempts: config.pacer.max_attempts,
+            ..RetryPolicy::default()
+        };
+        if method == Method::POST
+            && policy.max_attempts > 1
+            && !headers.contains_key(IDEMPOTENCY_KEY)
+        {
+            let key = format!(
+                "sluice-{:016x}{:016x}",
+                fastrand::u64(..),
+                fastrand::u64(..)
+            );
+            if let Ok(v) = HeaderValue::from_str(&key) {
+                headers.insert(IDEMPOTENCY_KEY, v);
+            }
+        }
+        Ok(Call {
+            pacer: pacer.clone(),
+            provider: provider.to_owned(),
+            method,
+            headers,
+            body,
+            json,
+            shrunk: None,
+            backoff: Backoff::new(policy),
+        })
+    }
+
+    /// The body to send (shrunk, if it was).
+    pub(crate) fn body(&self) -> Bytes {
+        self.body.clone()
+    }
+
+    /// What shrinking dropped, if it happened.
+    pub(crate) fn shrink_report(&self) -> Option<ShrinkReport> {
+        self.shrunk
+    }
+
+    /// Waits for room and reserves (shrinking the body if needed and
+    /// allowed).
+    pub(crate) async fn acquire(&mut self) -> Result<Permit<S, C>, PaceError> {
+        match &mut self.json {
+            Some(req) => {
+                let permit = self.pacer.acquire_demand(&self.provider, req).await?;
+                if req.shrink_report() != self.shrunk {
+                    self.shrunk = req.shrink_report();
+                    if let Ok(b) = serde_json::to_vec(req.body()) {
+                        self.body = Bytes::from(b);
+                    }
+                }
+                Ok(permit)
+            }
+            None => self.pacer.acquire(&self.provider, 0u32).await,
+        }
+    }
+
+    /// Whether the answer's body is needed to decide (a status that may be
+    /// retried: its body may hold a hint or `insufficient_quota`).
+    pub(crate) fn wants_body(status: StatusCode) -> bool {
+        matches!(
+            status.as_u16(),
+            408 | 409 | 429 | 500 | 502 | 503 | 504 | 529
+        )
+    }
+
+    /// Learns from an answer and says what comes next.
+    pub(crate) async fn after(
+        &mut self,
+        permit: Permit<S, C>,
+        status: StatusCode,
+        headers: &HeaderMap,
+        body: Option<&[u8]>,
+    ) -> After<S, C> {
+        // Learning is best effort: a store hiccup must not lose the answer.
+        let _ = self.pacer.observe(&self.provider, headers).await;
+        let is_429 = status == StatusCode::TOO_MANY_REQUESTS;
+        match classify(status, headers, body) {
+            Retryable::No if status.is_success() => After::Deliver(Some(permit)),
+            Retryable::No => {
+                if is_429 {
+                    self.pacer.count_429(&self.provider);
+                }
+                // Refused requests are not counted by the provider.
+                let _ = permit.cancel().await;
+                After::Deliver(None)
+            }
+            Retryable::Yes { hint } => {
+                if is_429 {
+                    // Refused without counting: give the tokens back.
+                    let _ = permit.cancel().await;
+                } else {
+                    // A 5xx may have been counted: keep the reservation.
+                    drop(permit);
+                }
+                match self.backoff.next_delay(hint) {
+                    Some(d) => {
+                        self.pacer.count_retry(&self.provider, is_429);
+                        if is_429 {
+                            // The provider is full for everyone on this key.
+                            self.pacer.hold(&self.provider, d);
+                        }
+                        After::Retry(d)
+                    }
+                    None => {
+                        if is_429 {
+                            self.pacer.count_429(&self.provider);
+                            if let Some(h) = hint {
+                                self.pacer.hold(&self.provider, h);
+                            }
+                        }
+                        After::Deliver(None)
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The callback a [`crate::UsageTap`] calls when the answer ends: reconcile
+/// the reservation with the usage seen (on the runtime the request ran on).
+/// Without usage the reservation stands.
+pub(crate) fn reconcile_on_end<S, C>(permit: Permit<S, C>) -> OnUsage
+where
+    S: BudgetStore + 'static,
+    C: Clock + 'static,
+{
+    let handle = tokio::runtime::Handle::try_current().ok();
+    Box::new(move |usage: Option<Usage>, _complete: bool| {
+        if let (Some(u), Some(h)) = (usage, handle) {
+            h.spawn(async move {
+                let _ = permit.reconcile(u.total()).await;
+            });
+        }
+    })
+}
+
+/// Headers that belong to one connection, not to the message.
+pub(crate) fn is_hop_by_hop(name: &http::HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+    )
+}

@@ -1,0 +1,774 @@
+//! The pace config (SPEC C1): YAML → [`RawConfig`] → [`validate`] →
+//! [`PaceConfig`], with `${ENV}` substitution, the seed's shipped defaults,
+//! the settings page's overrides file and hot reload ([`ConfigWatcher`]).
+//!
+//! ```yaml
+//! providers:
+//!   openai:
+//!     apiKey: ${OPENAI_API_KEY}
+//!     rateLimits: { tpm: 150000, rpm: 60, rpd: 0 }   # 0 = unlimited
+//!   anthropic:
+//!     apiKey: ${ANTHROPIC_API_KEY}                    # limits: shipped defaults
+//!   local:
+//!     baseUrl: http://127.0.0.1:8080/v1
+//!     rateLimits: { tpm: 0, rpm: 0, rpd: 0 }
+//!     shrink: true
+//!     maxWaitSeconds: 10
+//! ```
+
+mod env;
+pub mod raw;
+mod shipped;
+mod watch;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::HeaderName;
+
+pub use raw::{RawConfig, RawLimits, RawOverrides, RawProvider};
+pub use shipped::{SHIPPED_PROVIDERS, ShippedProvider, shipped};
+pub use watch::{ConfigWatcher, LimitsSource, StaticLimits, overrides_path};
+
+use crate::tokens::Encoding;
+
+/// Default longest wait for room before a request is shrunk or refused.
+pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(90);
+/// Default completion budget when a request sets no `max_tokens`.
+pub const DEFAULT_MAX_TOKENS: u32 = 4_096;
+/// Default allowance for the provider counting a request when it arrives.
+pub const DEFAULT_ARRIVAL_MARGIN: Duration = Duration::from_secs(1);
+/// Default attempts per request (the first included).
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+/// Default largest request body the proxy reads: 32 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
+
+/// A provider's limits; 0 on an axis means unlimited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct ProviderLimits {
+    /// Tokens per minute (rolling 60 s).
+    pub tpm: u32,
+    /// Requests per minute, spaced evenly.
+    pub rpm: u32,
+    /// Requests per day (rolling 24 h).
+    pub rpd: u32,
+}
+
+impl ProviderLimits {
+    /// No limit on any axis.
+    pub const UNLIMITED: ProviderLimits = ProviderLimits {
+        tpm: 0,
+        rpm: 0,
+        rpd: 0,
+    };
+}
+
+/// Where a provider's effective limits come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LimitsOrigin {
+    /// The seed's table ([`SHIPPED_PROVIDERS`]).
+    Shipped,
+    /// The config file's `rateLimits`.
+    Config,
+    /// The settings page (the overrides file).
+    Settings,
+}
+
+/// Request and response shapes of a provider's API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ApiStyle {
+    /// OpenAI-compatible: `messages` with system turns, `usage.prompt_tokens`,
+    /// `Authorization: Bearer`.
+    #[serde(rename = "openai")]
+    OpenAi,
+    /// Anthropic Messages: top-level `system`, `usage.input_tokens`,
+    /// `x-api-key`.
+    Anthropic,
+}
+
+impl ApiStyle {
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "openai" => Some(ApiStyle::OpenAi),
+            "anthropic" => Some(ApiStyle::Anthropic),
+            _ => None,
+        }
+    }
+
+    /// The header the key goes in by default.
+    pub fn default_auth_header(self) -> HeaderName {
+        match self {
+            ApiStyle::OpenAi => http::header::AUTHORIZATION,
+            ApiStyle::Anthropic => HeaderName::from_static("x-api-key"),
+        }
+    }
+}
+
+/// One provider, checked.
+#[derive(Clone, PartialEq)]
+pub struct ProviderConfig {
+    /// The config key; also the proxy's path prefix.
+    pub name: String,
+    /// The key sent upstream (none: the client's own credentials pass).
+    pub api_key: Option<String>,
+    /// Base URL without a trailing `/`.
+    pub base_url: String,
+    /// Request and response shapes.
+    pub style: ApiStyle,
+    /// The header the key goes in (`authorization` → `Bearer <key>`).
+    pub auth_header: HeaderName,
+    /// Effective limits.
+    pub limits: ProviderLimits,
+    /// Where [`ProviderConfig::limits`] come from.
+    pub origin: LimitsOrigin,
+    /// Drop old context when waiting would exceed `max_wait` (SPEC C4).
+    pub shrink: bool,
+    /// The longest a request waits for room (queue included).
+    pub max_wait: Duration,
+    /// Completion budget counted when a request sets no `max_tokens`.
+    pub default_max_tokens: u32,
+    /// Tokenizer used for estimates.
+    pub encoding: Encoding,
+    /// Replace the reservation with the answer's `usage` when it ends.
+    pub reconcile: bool,
+}
+
+impl fmt::Debug for ProviderConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProviderConfig")
+            .field("name", &self.name)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("base_url", &self.base_url)
+            .field("style", &self.style)
+            .field("auth_header", &self.auth_header)
+            .field("limits", &self.limits)
+            .field("origin", &self.origin)
+            .field("shrink", &self.shrink)
+            .field("max_wait", &self.max_wait)
+            .field("default_max_tokens", &self.default_max_tokens)
+            .field("encoding", &self.encoding)
+            .field("reconcile", &self.reconcile)
+            .finish()
+    }
+}
+
+impl ProviderConfig {
+    /// A provider at `base_url` with `limits` and every other setting at
+    /// its default (for tests and library users without a file).
+    pub fn new(name: &str, base_url: &str, limits: ProviderLimits) -> Self {
+        let style = shipped(name).map_or(ApiStyle::OpenAi, |s| s.style);
+        ProviderConfig {
+            name: name.to_owned(),
+            api_key: None,
+            base_url: base_url.trim_end_matches('/').to_owned(),
+            style,
+            auth_header: style.default_auth_header(),
+            limits,
+            origin: LimitsOrigin::Config,
+            shrink: false,
+            max_wait: DEFAULT_MAX_WAIT,
+            default_max_tokens: DEFAULT_MAX_TOKENS,
+            encoding: Encoding::O200kBase,
+            reconcile: true,
+        }
+    }
+
+    /// The same provider with `shrink` on and `max_wait`.
+    pub fn with_shrink(mut self, max_wait: Duration) -> Self {
+        self.shrink = true;
+        self.max_wait = max_wait;
+        self
+    }
+
+    /// The value of the auth header for `key`.
+    pub fn auth_value(&self, key: &str) -> String {
+        if self.auth_header == http::header::AUTHORIZATION {
+            format!("Bearer {key}")
+        } else {
+            key.to_owned()
+        }
+    }
+}
+
+/// Pacer-wide settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PacerSettings {
+    /// How much earlier than our send a provider may count a request's
+    /// neighbours: windows reach back `60 s + arrival_margin` (SPEC C2).
+    pub arrival_margin: Duration,
+    /// Attempts per request, the first included (SPEC C5).
+    pub max_attempts: u32,
+    /// The largest request body the proxy reads.
+    pub max_body_bytes: usize,
+}
+
+impl Default for PacerSettings {
+    fn default() -> Self {
+        PacerSettings {
+            arrival_margin: DEFAULT_ARRIVAL_MARGIN,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        }
+    }
+}
+
+/// A checked pace config.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PaceConfig {
+    /// Providers by name.
+    pub providers: BTreeMap<String, ProviderConfig>,
+    /// Pacer-wide settings.
+    pub pacer: PacerSettings,
+}
+
+impl PaceConfig {
+    /// A config of these providers with default pacer settings.
+    pub fn from_providers(providers: impl IntoIterator<Item = ProviderConfig>) -> Self {
+        PaceConfig {
+            providers: providers.into_iter().map(|p| (p.name.clone(), p)).collect(),
+            pacer: PacerSettings::default(),
+        }
+    }
+
+    /// The provider called `name`.
+    pub fn provider(&self, name: &str) -> Option<&ProviderConfig> {
+        self.providers.get(name)
+    }
+
+    /// The effective limits per provider, the wire format of `GET /limits`:
+    /// `{"providers": {"openai": {"tpm":150000,"rpm":60,"rpd":0,"source":"shipped", …}}}`.
+    pub fn limits_json(&self) -> serde_json::Value {
+        let providers: serde_json::Map<String, serde_json::Value> = self
+            .providers
+            .values()
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    serde_json::json!({
+                        "tpm": p.limits.tpm,
+                        "rpm": p.limits.rpm,
+                        "rpd": p.limits.rpd,
+                        "source": p.origin,
+                        "baseUrl": p.base_url,
+                        "style": p.style,
+                        "shrink": p.shrink,
+                        "maxWaitSeconds": p.max_wait.as_secs_f64(),
+                    }),
+                )
+            })
+            .collect();
+        serde_json::json!({ "providers": providers })
+    }
+}
+
+/// One thing wrong with a config, at a key path such as
+/// `providers.openai.apiKey`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// Where in the file.
+    pub path: String,
+    /// What was expected.
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// Why a config was not accepted (or not saved).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{file}: {source}")]
+    Read {
+        /// The file.
+        file: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The YAML does not have the config's shape (the message has the line
+    /// and column).
+    #[error("{file}: {message}")]
+    Parse {
+        /// The file.
+        file: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// The YAML has the right shape but wrong values.
+    #[error("{file}: {} problem(s):\n{}", problems.len(), problems.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        /// The file.
+        file: PathBuf,
+        /// Every problem found, each with its key path.
+        problems: Vec<Problem>,
+    },
+    /// The settings page's file could not be written.
+    #[error("{file}: cannot save: {source}")]
+    Write {
+        /// The file.
+        file: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+impl ConfigError {
+    /// The problems, when the config parsed but did not validate.
+    pub fn problems(&self) -> &[Problem] {
+        match self {
+            ConfigError::Invalid { problems, .. } => problems,
+            _ => &[],
+        }
+    }
+}
+
+/// Reads, parses and validates the config at `path`, then applies the
+/// settings page's overrides file next to it ([`overrides_path`]) if present.
+///
+/// # Errors
+/// [`ConfigError`] naming the file, the key path and (for YAML errors) the
+/// line.
+pub fn load(path: &Path) -> Result<PaceConfig, ConfigError> {
+    load_with_env(path, &|name| std::env::var(name).ok())
+}
+
+/// [`load`] with variables looked up by `env` instead of the process
+/// environment.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_with_env(
+    path: &Path,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<PaceConfig, ConfigError> {
+    let text = read(path)?;
+    let mut config = parse_str_with_env(&text, path, env)?;
+    let over = overrides_path(path);
+    match std::fs::read_to_string(&over) {
+        Ok(text) => apply_overrides(&mut config, &text, &over)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => return Err(ConfigError::Read { file: over, source }),
+    }
+    Ok(config)
+}
+
+fn read(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        file: path.to_owned(),
+        source,
+    })
+}
+
+/// Parses and validates config YAML (no overrides); `file` names it in
+/// errors.
+///
+/// # Errors
+/// [`ConfigError::Parse`] or [`ConfigError::Invalid`].
+pub fn parse_str(text: &str, file: &Path) -> Result<PaceConfig, ConfigError> {
+    parse_str_with_env(text, file, &|name| std::env::var(name).ok())
+}
+
+/// [`parse_str`] with variables looked up by `env`.
+///
+/// # Errors
+/// As [`parse_str`].
+pub fn parse_str_with_env(
+    text: &str,
+    file: &Path,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<PaceConfig, ConfigError> {
+    let raw: RawConfig = serde_saphyr::from_str(text).map_err(|e| ConfigError::Parse {
+        file: file.to_owned(),
+        message: e.to_string(),
+    })?;
+    validate(&raw, env).map_err(|problems| ConfigError::Invalid {
+        file: file.to_owned(),
+        problems,
+    })
+}
+
+fn apply_overrides(config: &mut PaceConfig, text: &str, file: &Path) -> Result<(), ConfigError> {
+    let raw: RawOverrides = serde_saphyr::from_str(text).map_err(|e| ConfigError::Parse {
+        file: file.to_owned(),
+        message: e.to_string(),
+    })?;
+    let mut problems = Vec::new();
+    for (name, o) in &raw.providers {
+        let path = format!("providers.{name}.rateLimits");
+        let Some(p) = config.providers.get_mut(name) else {
+            problems.push(Problem {
+                path: format!("providers.{name}"),
+                message: "not a provider of the config file".into(),
+            });
+            continue;
+        };
+        let limits = check_limits(&path, Some(&o.rate_limits), None, &mut problems);
+        if let Some(l) = limits {
+            p.limits = l;
+            p.origin = LimitsOrigin::Settings;
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid {
+            file: file.to_owned(),
+            problems,
+        })
+    }
+}
+
+fn check_limits(
+    path: &str,
+    raw: Option<&RawLimits>,
+    fallback: Option<ProviderLimits>,
+    problems: &mut Vec<Problem>,
+) -> Option<ProviderLimits> {
+    let mut ok = true;
+    let mut axis = |name: &str, v: Option<u64>, fb: Option<u32>| -> u32 {
+        match (v, fb) {
+            (Some(v), _) => u32::try_from(v).unwrap_or_else(|_| {
+                problems.push(Problem {
+                    path: format!("{path}.{name}"),
+                    message: format!("{v} is larger than {} (0 means unlimited)", u32::MAX),
+                });
+                ok = false;
+                0
+            }),
+            (None, Some(fb)) => fb,
+            (None, None) => {
+                problems.push(Problem {
+                    path: format!("{path}.{name}"),
+                    message: "required: this provider has no shipped default (0 means unlimited)"
+                        .into(),
+                });
+                ok = false;
+                0
+            }
+        }
+    };
+    let r = raw.copied().unwrap_or_default();
+    let limits = ProviderLimits {
+        tpm: axis("tpm", r.tpm, fallback.map(|f| f.tpm)),
+        rpm: axis("rpm", r.rpm, fallback.map(|f| f.rpm)),
+        rpd: axis("rpd", r.rpd, fallback.map(|f| f.rpd)),
+    };
+    ok.then_some(limits)
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+/// Checks a raw config and builds the typed one; `env` looks variables up.
+///
+/// # Errors
+/// Every problem found, each with its key path.
+pub fn validate(
+    raw: &RawConfig,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<PaceConfig, Vec<Problem>> {
+    let mut problems = Vec::new();
+    let mut providers = BTreeMap::new();
+    for (name, entry) in &raw.providers {
+        let base = format!("providers.{name}");
+        if !valid_name(name) {
+            problems.push(Problem {
+                path: base.clone(),
+                message: "a provider name is 1–64 of letters, digits, `-`, `_`, `.` (it is the proxy's path prefix)".into(),
+            });
+            continue;
+        }
+        let entry = entry.clone().unwrap_or_default();
+        if let Some(p) = check_provider(name, &base, &entry, env, &mut problems) {
+            providers.insert(name.clone(), p);
+        }
+    }
+    let pacer = check_pacer(raw.pacer.as_ref(), &mut problems);
+    if problems.is_empty() {
+        Ok(PaceConfig { providers, pacer })
+    } else {
+        Err(problems)
+    }
+}
+
+fn check_provider(
+    name: &str,
+    base: &str,
+    entry: &RawProvider,
+    env: &dyn Fn(&str) -> Option<String>,
+    problems: &mut Vec<Problem>,
+) -> Option<ProviderConfig> {
+    let before = problems.len();
+    let known = shipped(name);
+    let mut text = |key: &str, v: &Option<String>| -> Option<String> {
+        let v = v.as_ref()?;
+        match env::substitute(v, env) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                problems.push(Problem {
+                    path: format!("{base}.{key}"),
+                    message: e.message(),
+                });
+                None
+            }
+        }
+    };
+    let api_key = text("apiKey", &entry.api_key).filter(|k| !k.is_empty());
+    let base_url = text("baseUrl", &entry.base_url);
+    let style = match entry.style.as_deref() {
+        None => known.map_or(ApiStyle::OpenAi, |k| k.style),
+        Some(s) => ApiStyle::parse(s).unwrap_or_else(|| {
+            problems.push(Problem {
+                path: format!("{base}.style"),
+                message: format!("`{s}` is not a style (expected `openai` or `anthropic`)"),
+            });
+            ApiStyle::OpenAi
+        }),
+    };
+    let base_url = match (base_url, known) {
+        (Some(u), _) => u,
+        (None, Some(k)) => k.base_url.to_owned(),
+        (None, None) => {
+            problems.push(Problem {
+                path: format!("{base}.baseUrl"),
+                message: "required: this provider has no shipped base URL".into(),
+            });
+            String::new()
+        }
+    };
+    let base_url = base_url.trim_end_matches('/').to_owned();
+    if !base_url.is_empty()
+        && (!(base_url.starts_with("http://") || base_url.starts_with("https://"))
+            || base_url.parse::<http::Uri>().is_err())
+    {
+        problems.push(Problem {
+            path: format!("{base}.baseUrl"),
+            message: format!("`{base_url}` is not an http:// or https:// URL"),
+        });
+    }
+    let auth_header = match &entry.auth_header {
+        None => style.default_auth_header(),
+        Some(h) => HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()).unwrap_or_else(|_| {
+            problems.push(Problem {
+                path: format!("{base}.authHeader"),
+                message: format!("`{h}` is not a header name"),
+            });
+            style.default_auth_header()
+        }),
+    };
+    let (limits, origin) = match &entry.rate_limits {
+        None => match known {
+            Some(k) => (Some(k.limits), LimitsOrigin::Shipped),
+            None => {
+                problems.push(Problem {
+                    path: format!("{base}.rateLimits"),
+                    message: "required: this provider has no shipped defaults (write {tpm, rpm, rpd}; 0 = unlimited)".into(),
+                });
+                (None, LimitsOrigin::Config)
+            }
+        },
+        Some(r) => (
+            check_limits(
+                &format!("{base}.rateLimits"),
+                Some(r),
+                known.map(|k| k.limits),
+                problems,
+            ),
+            LimitsOrigin::Config,
+        ),
+    };
+    let max_wait = match entry.max_wait_seconds {
+        None => DEFAULT_MAX_WAIT,
+        Some(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => Duration::from_secs_f64(s),
+        Some(s) => {
+            problems.push(Problem {
+                path: format!("{base}.maxWaitSeconds"),
+                message: format!("{s} is not a number of seconds in (0, 86400]"),
+            });
+            DEFAULT_MAX_WAIT
+        }
+    };
+    let default_max_tokens = match entry.default_max_tokens {
+        None => DEFAULT_MAX_TOKENS,
+        Some(0) => {
+            problems.push(Problem {
+                path: format!("{base}.defaultMaxTokens"),
+                message: "must be at least 1".into(),
+            });
+            DEFAULT_MAX_TOKENS
+        }
+        Some(n) => n,
+    };
+    let encoding = match entry.encoding.as_deref() {
+        None => Encoding::O200kBase,
+        Some(e) => Encoding::parse(e).unwrap_or_else(|| {
+            problems.push(Problem {
+                path: format!("{base}.encoding"),
+                message: format!(
+                    "`{e}` is not an encoding (expected `o200k_base` or `cl100k_base`)"
+                ),
+            });
+            Encoding::O200kBase
+        }),
+    };
+    if problems.len() > before {
+        return None;
+    }
+    Some(ProviderConfig {
+        name: name.to_owned(),
+        api_key,
+        base_url,
+        style,
+        auth_header,
+        limits: limits?,
+        origin,
+        shrink: entry.shrink.unwrap_or(false),
+        max_wait,
+        default_max_tokens,
+        encoding,
+        reconcile: entry.reconcile.unwrap_or(true),
+    })
+}
+
+fn check_pacer(raw: Option<&raw::RawPacer>, problems: &mut Vec<Problem>) -> PacerSettings {
+    let mut s = PacerSettings::default();
+    let Some(raw) = raw else { return s };
+    if let Some(ms) = raw.arrival_margin_ms {
+        if ms > 60_000 {
+            problems.push(Problem {
+                path: "pacer.arrivalMarginMs".into(),
+                message: format!("{ms} is more than 60000"),
+            });
+        } else {
+            s.arrival_margin = Duration::from_millis(ms);
+        }
+    }
+    if let Some(n) = raw.max_attempts {
+        if (1..=10).contains(&n) {
+            s.max_attempts = n;
+        } else {
+            problems.push(Problem {
+                path: "pacer.maxAttempts".into(),
+                message: format!("{n} is not in 1..=10"),
+            });
+        }
+    }
+    if let Some(b) = raw.max_body_bytes {
+        match usize::try_from(b) {
+            Ok(b) if b >= 1024 => s.max_body_bytes = b,
+            _ => problems.push(Problem {
+                path: "pacer.maxBodyBytes".into(),
+                message: format!("{b} is not a size of at least 1024 bytes"),
+            }),
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn env(name: &str) -> Option<String> {
+        (name == "OPENAI_API_KEY").then(|| "sk-test".to_owned())
+    }
+
+    fn parse(text: &str) -> Result<PaceConfig, ConfigError> {
+        parse_str_with_env(text, Path::new("pace.yaml"), &env)
+    }
+
+    #[test]
+    fn c1_seed_config_shape_parses() {
+        let c = parse(
+            "providers:\n  openai:\n    apiKey: ${OPENAI_API_KEY}\n    rateLimits:\n      tpm: 150000\n      rpm: 60\n      rpd: 0\n",
+        )
+        .unwrap();
+        let o = c.provider("openai").unwrap();
+        assert_eq!(o.api_key.as_deref(), Some("sk-test"));
+        assert_eq!(o.base_url, "https://api.openai.com/v1");
+        assert_eq!(
+            o.limits,
+            ProviderLimits {
+                tpm: 150_000,
+                rpm: 60,
+                rpd: 0
+            }
+        );
+        assert_eq!(o.origin, LimitsOrigin::Config);
+        assert_eq!(o.auth_value("k"), "Bearer k");
+        assert!(!format!("{o:?}").contains("sk-test"));
+    }
+
+    #[test]
+    fn c1_shipped_defaults_fill_missing_limits() {
+        let c = parse("providers:\n  groq:\n  anthropic:\n    rateLimits: {tpm: 1000}\n").unwrap();
+        let g = c.provider("groq").unwrap();
+        assert_eq!(
+            g.limits,
+            ProviderLimits {
+                tpm: 30_000,
+                rpm: 30,
+                rpd: 14_400
+            }
+        );
+        assert_eq!(g.origin, LimitsOrigin::Shipped);
+        let a = c.provider("anthropic").unwrap();
+        assert_eq!(
+            a.limits,
+            ProviderLimits {
+                tpm: 1000,
+                rpm: 50,
+                rpd: 0
+            }
+        );
+        assert_eq!(a.style, ApiStyle::Anthropic);
+        assert_eq!(a.auth_header.as_str(), "x-api-key");
+        assert_eq!(a.auth_value("k"), "k");
+    }
+
+    #[test]
+    fn c1_missing_env_names_variable_and_key_path() {
+        let e = parse("providers:\n  anthropic:\n    apiKey: ${ANTHROPIC_API_KEY}\n").unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("pace.yaml"), "{text}");
+        assert!(text.contains("providers.anthropic.apiKey"), "{text}");
+        assert!(text.contains("ANTHROPIC_API_KEY"), "{text}");
+    }
+
+    #[test]
+    fn c1_unknown_fields_and_bad_values_are_refused_with_paths() {
+        let e = parse("providers:\n  openai:\n    rateLimit: {tpm: 1}\n").unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("rateLimit") && text.contains("line"),
+            "{text}"
+        );
+        let e = parse("providers:\n  mine:\n    rateLimits: {tpm: 1}\n").unwrap_err();
+        let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "providers.mine.baseUrl",
+                "providers.mine.rateLimits.rpm",
+                "providers.mine.rateLimits.rpd"
+            ]
+        );
+        let e = parse("providers:\n  x:\n    baseUrl: ftp://a\n    rateLimits: {tpm: 0, rpm: 0, rpd: 0}\n    style: grpc\n").unwrap_err();
+        let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(paths, ["providers.x.style", "providers.x.baseUrl"]);
+    }
+}

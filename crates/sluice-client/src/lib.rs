@@ -1,0 +1,77 @@
+//! sluice's client pacer (SPEC C1–C7): keeps calls to LLM providers inside
+//! their tokens-per-minute, requests-per-minute and requests-per-day limits.
+//!
+//! Before a request goes, its tokens are estimated with a real tokenizer
+//! ([`tokens`]) and reserved against a rolling 60 s window; if they do not
+//! fit, the request waits — first come, first served — exactly until they
+//! do ([`Pacer`]). Requests are spaced evenly under the RPM limit. When the
+//! answer arrives, its actual `usage` replaces the reservation, and its
+//! rate-limit headers correct the books ([`headers`]). 429s and 5xx are
+//! retried with the provider's `Retry-After` or a jittered backoff
+//! ([`backoff`]). A request larger than the whole TPM is refused at once;
+//! one that would wait too long can have its oldest context dropped
+//! ([`shrink`], opt-in).
+//!
+//! Forms: the [`Pacer`] API, a tower layer ([`PacerLayer`]), a
+//! reqwest-middleware ([`PacerMiddleware`]) and the `sluice pace` proxy
+//! ([`proxy::run_proxy`]). [`simulator`] is a provider that enforces strict
+//! windows, for tests and benchmarks.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use sluice_client::config::{PaceConfig, ProviderConfig, ProviderLimits, StaticLimits};
+//! use sluice_client::{Pacer, TokioClock, TEST_EPOCH, TokenEstimate};
+//! use sluice_store::{MemoryConfig, MemoryStore};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! let limits = ProviderLimits { tpm: 1_000, rpm: 0, rpd: 0 };
+//! let config = PaceConfig::from_providers([ProviderConfig::new("openai", "http://127.0.0.1:9", limits)]);
+//! let clock = TokioClock::at(TEST_EPOCH);
+//! let store = MemoryStore::with_clock(MemoryConfig::default(), clock);
+//! let pacer = Pacer::with_store(store, clock, Arc::new(StaticLimits::new(config)));
+//!
+//! // 800 tokens fit at once; the answer used only 500.
+//! let permit = pacer.acquire("openai", TokenEstimate { prompt: 300, completion: 500 }).await.unwrap();
+//! assert_eq!(permit.waited(), Duration::ZERO);
+//! permit.reconcile(500).await.unwrap();
+//!
+//! // 600 more do not fit until the first request's tokens leave the window:
+//! // 60 s + the 1 s arrival margin + the rest of its 250 ms slot.
+//! let permit = pacer.acquire("openai", 600u32).await.unwrap();
+//! assert_eq!(permit.waited(), Duration::from_millis(61_250));
+//!
+//! // More than the whole TPM never fits: an error at once, not a wait.
+//! assert!(pacer.acquire("openai", 1_001u32).await.is_err());
+//! # }
+//! ```
+
+pub mod backoff;
+mod call;
+mod clock;
+pub mod config;
+mod error;
+pub mod headers;
+mod layer;
+mod middleware;
+mod pacer;
+pub mod proxy;
+pub mod shrink;
+pub mod simulator;
+pub mod tokens;
+pub mod usage;
+mod window;
+
+pub use backoff::{Backoff, RetryPolicy};
+pub use call::IDEMPOTENCY_KEY;
+pub use clock::{TEST_EPOCH, TokioClock};
+pub use config::{PaceConfig, ProviderConfig, ProviderLimits};
+pub use error::PaceError;
+pub use headers::RateLimitHeaders;
+pub use layer::{BoxError, PacedBody, PacerLayer, PacerService};
+pub use middleware::{PaceProvider, PacerMiddleware};
+pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats};
+pub use shrink::{Demand, PacedRequest, SHRINK_HEADER, ShrinkReport};
+pub use tokens::{Encoding, TokenEstimate};
+pub use usage::{Usage, UsageTap};

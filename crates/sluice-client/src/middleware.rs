@@ -1,0 +1,160 @@
+//! The pacer as a [`reqwest_middleware::Middleware`]: a
+//! `reqwest_middleware::ClientWithMiddleware` whose requests to one provider
+//! are estimated, paced, retried with backoff and reconciled with their
+//! usage.
+//!
+//! Only requests whose body is in memory (`.body(bytes)` / `.json(..)`) are
+//! estimated; a streamed body is sent as is, counted as a request of no
+//! tokens. A different provider for one request can be named with a
+//! [`PaceProvider`] in the request's extensions.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::Extensions;
+use reqwest::ResponseBuilderExt;
+use reqwest_middleware::{Middleware, Next};
+use sluice_core::Clock;
+use sluice_store::BudgetStore;
+
+use crate::call::{After, Call, reconcile_on_end};
+use crate::pacer::Pacer;
+use crate::shrink::SHRINK_HEADER;
+use crate::usage::UsageTap;
+
+/// Names the provider of one request (in `reqwest_middleware`'s extensions).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PaceProvider(pub String);
+
+/// See the module docs.
+pub struct PacerMiddleware<S: BudgetStore + 'static, C: Clock + 'static> {
+    pacer: Pacer<S, C>,
+    provider: Arc<str>,
+}
+
+impl<S: BudgetStore + 'static, C: Clock + 'static> PacerMiddleware<S, C> {
+    /// Paces requests to `provider` (a name in the pacer's config).
+    pub fn new(pacer: Pacer<S, C>, provider: &str) -> Self {
+        PacerMiddleware {
+            pacer,
+            provider: provider.into(),
+        }
+    }
+}
+
+fn rebuild(
+    status: http::StatusCode,
+    version: http::Version,
+    url: reqwest::Url,
+    headers: http::HeaderMap,
+    body: reqwest::Body,
+) -> reqwest::Response {
+    let mut b = http::Response::builder()
+        .status(status)
+        .version(version)
+        .url(url);
+    if let Some(h) = b.headers_mut() {
+        *h = headers;
+    }
+    match b.body(body) {
+        Ok(r) => reqwest::Response::from(r),
+        // Status, version and headers came from a valid response.
+        Err(_) => reqwest::Response::from(http::Response::new(reqwest::Body::from(Bytes::new()))),
+    }
+}
+
+#[async_trait::async_trait]
+impl<S: BudgetStore + 'static, C: Clock + 'static> Middleware for PacerMiddleware<S, C> {
+    async fn handle(
+        &self,
+        req: reqwest::Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<reqwest::Response> {
+        let provider = extensions
+            .get::<PaceProvider>()
+            .map_or_else(|| self.provider.to_string(), |p| p.0.clone());
+        let body = req
+            .body()
+            .and_then(reqwest::Body::as_bytes)
+            .map(Bytes::copy_from_slice);
+        let streamed = req.body().is_some() && body.is_none();
+        if streamed {
+            // Cannot be read or sent twice: pace it as a request, no retry.
+            let permit = self
+                .pacer
+                .acquire(&provider, 0u32)
+                .await
+                .map_err(reqwest_middleware::Error::middleware)?;
+            let resp = next.run(req, extensions).await;
+            drop(permit);
+            return resp;
+        }
+        let url = req.url().clone();
+        let timeout = req.timeout().copied();
+        let version = req.version();
+        let mut call = Call::new(
+            &self.pacer,
+            &provider,
+            req.method().clone(),
+            url.path(),
+            req.headers().clone(),
+            body.unwrap_or_default(),
+        )
+        .map_err(reqwest_middleware::Error::middleware)?;
+        loop {
+            let permit = call
+                .acquire()
+                .await
+                .map_err(reqwest_middleware::Error::middleware)?;
+            let mut out = reqwest::Request::new(call.method.clone(), url.clone());
+            *out.headers_mut() = call.headers.clone();
+            *out.body_mut() = Some(reqwest::Body::from(call.body()));
+            *out.timeout_mut() = timeout;
+            *out.version_mut() = version;
+            let resp = next.clone().run(out, extensions).await?;
+            let status = resp.status();
+            let mut headers = resp.headers().clone();
+            let rurl = resp.url().clone();
+            let rversion = resp.version();
+            if Call::<S, C>::wants_body(status) {
+                let bytes = resp.bytes().await?;
+                match call.after(permit, status, &headers, Some(&bytes)).await {
+                    After::Retry(d) => {
+                        tokio::time::sleep(d).await;
+                        continue;
+                    }
+                    After::Deliver(_) => {
+                        return Ok(rebuild(status, rversion, rurl, headers, bytes.into()));
+                    }
+                }
+            }
+            let next_step = call.after(permit, status, &headers, None).await;
+            let After::Deliver(Some(permit)) = next_step else {
+                return Ok(resp);
+            };
+            if let Some(r) = call.shrink_report()
+                && let Ok(v) = http::HeaderValue::from_str(&r.header_value())
+            {
+                headers.insert(SHRINK_HEADER, v);
+            }
+            let ct = headers
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
+            let http_resp: http::Response<reqwest::Body> = resp.into();
+            let tapped = UsageTap::new(
+                http_resp.into_body(),
+                ct.as_deref(),
+                reconcile_on_end(permit),
+            );
+            return Ok(rebuild(
+                status,
+                rversion,
+                rurl,
+                headers,
+                reqwest::Body::wrap(tapped),
+            ));
+        }
+    }
+}

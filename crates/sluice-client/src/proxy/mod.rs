@@ -1,0 +1,226 @@
+//! `sluice pace`: a local proxy any OpenAI- or Anthropic-compatible SDK uses
+//! by changing its base URL. `/<provider>/<path>` is forwarded to that
+//! provider's `baseUrl` + `/<path>` with its key, paced; answers (also
+//! server-sent event streams) pass through unbuffered. A separate admin
+//! listener serves `GET /limits` (JSON), `PUT /limits/<provider>`,
+//! `GET /status` and the settings page at `/` (SPEC C1).
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), sluice_client::proxy::ProxyError> {
+//! use sluice_client::proxy::{ProxyOptions, ProxyServer};
+//! let options = ProxyOptions::new("pace.yaml", "127.0.0.1:8787".parse().unwrap())
+//!     .with_admin("127.0.0.1:8788".parse().unwrap());
+//! let server = ProxyServer::bind(options).await?;
+//! let bound = server.bound();
+//! println!("pacing on http://{}, settings on http://{}", bound.listen, bound.admin.unwrap());
+//! server.serve().await
+//! # }
+//! ```
+
+mod admin;
+mod forward;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use sluice_core::Clock;
+use sluice_store::BudgetStore;
+use tokio::net::TcpListener;
+
+use crate::config::{ConfigError, ConfigWatcher, LimitsSource};
+use crate::pacer::Pacer;
+
+/// How to run the proxy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyOptions {
+    /// The pace config file (watched: edits apply on the next request).
+    pub config: PathBuf,
+    /// Where SDKs connect (port 0: any free port, see [`Bound`]).
+    pub listen: SocketAddr,
+    /// Where the admin side listens, if anywhere.
+    pub admin: Option<SocketAddr>,
+}
+
+impl ProxyOptions {
+    /// The proxy of `config` on `listen`, without an admin listener.
+    pub fn new(config: impl Into<PathBuf>, listen: SocketAddr) -> Self {
+        ProxyOptions {
+            config: config.into(),
+            listen,
+            admin: None,
+        }
+    }
+
+    /// The same with an admin listener on `admin`.
+    pub fn with_admin(mut self, admin: SocketAddr) -> Self {
+        self.admin = Some(admin);
+        self
+    }
+}
+
+/// Where the proxy actually listens (after binding port 0, the real ports).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bound {
+    /// The proxy.
+    pub listen: SocketAddr,
+    /// The admin side.
+    pub admin: Option<SocketAddr>,
+}
+
+/// Why the proxy could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProxyError {
+    /// The config did not load.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The HTTP client could not be built.
+    #[error("cannot build the HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+    /// Serving failed.
+    #[error("serving failed: {0}")]
+    Serve(#[from] std::io::Error),
+}
+
+/// What the handlers share.
+pub(crate) struct App<S: BudgetStore + 'static, C: Clock + 'static> {
+    pub(crate) pacer: Pacer<S, C>,
+    pub(crate) client: reqwest::Client,
+    pub(crate) config_file: PathBuf,
+}
+
+/// A bound, not yet serving proxy.
+pub struct ProxyServer<
+    S: BudgetStore + 'static = sluice_store::MemoryStore<crate::TokioClock>,
+    C: Clock + 'static = crate::TokioClock,
+> {
+    app: Arc<App<S, C>>,
+    listener: TcpListener,
+    admin: Option<TcpListener>,
+    bound: Bound,
+}
+
+impl ProxyServer {
+    /// Loads the config, warms the tokenizers it uses and binds the
+    /// listeners (the books are in memory: one process).
+    ///
+    /// # Errors
+    /// [`ProxyError::Config`] (file, key path, line) or [`ProxyError::Bind`].
+    pub async fn bind(options: ProxyOptions) -> Result<Self, ProxyError> {
+        let watcher: Arc<dyn LimitsSource> = Arc::new(ConfigWatcher::open(&options.config)?);
+        let pacer = Pacer::new(watcher);
+        Self::with_pacer(options, pacer).await
+    }
+}
+
+impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
+    /// [`ProxyServer::bind`] with a pacer built by the caller (e.g. over a
+    /// shared store, so that several proxies share one budget, SPEC C7).
+    /// The pacer's config source should watch `options.config`.
+    ///
+    /// # Errors
+    /// [`ProxyError::Bind`] or [`ProxyError::Client`].
+    pub async fn with_pacer(options: ProxyOptions, pacer: Pacer<S, C>) -> Result<Self, ProxyError> {
+        for p in pacer.config().providers.values() {
+            p.encoding.warm();
+        }
+        let client = reqwest::Client::builder()
+            .pool_idle_timeout(std::time::Duration::from_secs(60))
+            .build()?;
+        let bind = |addr: SocketAddr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ProxyError::Bind { addr, source })
+        };
+        let listener = bind(options.listen).await?;
+        let admin = match options.admin {
+            Some(a) => Some(bind(a).await?),
+            None => None,
+        };
+        let bound = Bound {
+            listen: listener.local_addr()?,
+            admin: admin.as_ref().map(TcpListener::local_addr).transpose()?,
+        };
+        Ok(ProxyServer {
+            app: Arc::new(App {
+                pacer,
+                client,
+                config_file: options.config,
+            }),
+            listener,
+            admin,
+            bound,
+        })
+    }
+
+    /// Where it listens.
+    pub fn bound(&self) -> Bound {
+        self.bound
+    }
+
+    /// The pacer behind the proxy.
+    pub fn pacer(&self) -> &Pacer<S, C> {
+        &self.app.pacer
+    }
+
+    /// Serves until an error.
+    ///
+    /// # Errors
+    /// [`ProxyError::Serve`].
+    pub async fn serve(self) -> Result<(), ProxyError> {
+        self.serve_with_shutdown(std::future::pending()).await
+    }
+
+    /// Serves until `shutdown` completes, then finishes the requests in
+    /// flight.
+    ///
+    /// # Errors
+    /// [`ProxyError::Serve`].
+    pub async fn serve_with_shutdown(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ProxyError> {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|v| *v).await;
+        };
+        let proxy = axum::serve(self.listener, forward::router(self.app.clone()))
+            .with_graceful_shutdown(wait(rx.clone()));
+        let admin = self.admin.map(|l| {
+            axum::serve(l, admin::router(self.app.clone())).with_graceful_shutdown(wait(rx))
+        });
+        tokio::spawn(async move {
+            shutdown.await;
+            let _ = tx.send(true);
+        });
+        match admin {
+            Some(admin) => {
+                let (a, b) = tokio::join!(proxy.into_future(), admin.into_future());
+                a?;
+                b?;
+            }
+            None => proxy.await?,
+        }
+        Ok(())
+    }
+}
+
+/// Runs `sluice pace`: loads `options.config`, binds, and serves until an
+/// error. To learn the bound addresses first (port 0), use
+/// [`ProxyServer::bind`], [`ProxyServer::bound`], [`ProxyServer::serve`].
+///
+/// # Errors
+/// [`ProxyError`].
+pub async fn run_proxy(options: ProxyOptions) -> Result<(), ProxyError> {
+    ProxyServer::bind(options).await?.serve().await
+}

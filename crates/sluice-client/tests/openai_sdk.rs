@@ -1,0 +1,98 @@
+//! The official `openai` Python SDK (from PyPI, in a virtualenv this test
+//! creates under the target directory and reuses) pointed at `sluice pace`
+//! → the simulator: a chat and a streamed chat complete, an oversize
+//! request gets the proxy's 413.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use sluice_client::proxy::{ProxyOptions, ProxyServer};
+use sluice_client::simulator::{Simulator, SimulatorConfig};
+
+/// The SDK version this test pins (the current release when written).
+const OPENAI_SDK_VERSION: &str = "3.57.0";
+
+fn venv() -> PathBuf {
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    let python = venv.join("bin/python");
+    if !python.exists() {
+        let ok = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .unwrap();
+        assert!(ok.success(), "python3 -m venv failed");
+    }
+    let probe =
+        format!("import openai, sys; sys.exit(openai.__version__ != '{OPENAI_SDK_VERSION}')");
+    let has_sdk = Command::new(&python)
+        .args(["-c", &probe])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_sdk {
+        let ok = Command::new(venv.join("bin/pip"))
+            .args(["install", "-q", "--disable-pip-version-check"])
+            .arg(format!("openai=={OPENAI_SDK_VERSION}"))
+            .status()
+            .unwrap();
+        assert!(
+            ok.success(),
+            "pip install openai=={OPENAI_SDK_VERSION} failed"
+        );
+    }
+    python
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c1_c2_official_openai_python_sdk_through_pace() {
+    let python = tokio::task::spawn_blocking(venv).await.unwrap();
+    let sim = Simulator::start(SimulatorConfig {
+        tpm: 20_000,
+        rpm: 600,
+        ..SimulatorConfig::default()
+    })
+    .await
+    .unwrap();
+    let dir = support::temp_dir("sdk");
+    let file = dir.join("pace.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "providers:\n  sim:\n    baseUrl: {}\n    apiKey: sk-sim\n    rateLimits: {{ tpm: 20000, rpm: 600, rpd: 0 }}\n",
+            sim.base_url()
+        ),
+    )
+    .unwrap();
+    let server = ProxyServer::bind(ProxyOptions::new(&file, "127.0.0.1:0".parse().unwrap()))
+        .await
+        .unwrap();
+    let base = format!("http://{}/sim", server.bound().listen);
+    let serving = tokio::spawn(server.serve());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/openai_sdk.py");
+    let run =
+        tokio::task::spawn_blocking(move || Command::new(python).arg(script).arg(base).output());
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    for line in ["chat ok", "stream ok", "oversize ok"] {
+        assert!(stdout.contains(line), "{stdout}");
+    }
+    let stats = sim.stats();
+    assert_eq!(
+        (stats.admitted, stats.streamed, stats.violations),
+        (2, 1, 0),
+        "{stats:?}"
+    );
+    serving.abort();
+    let _ = std::fs::remove_dir_all(dir);
+}

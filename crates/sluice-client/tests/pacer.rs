@@ -1,0 +1,360 @@
+//! The pacer on paused tokio time: pre-flight waits, RPM spacing, oversize,
+//! shrink, reconciliation, header learning, hot reload, shared budgets.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use sluice_client::config::ApiStyle;
+use sluice_client::config::{ConfigWatcher, LimitsSource, StaticLimits, overrides_path};
+use sluice_client::tokens::EstimateOptions;
+use sluice_client::{
+    Demand, PaceError, PacedRequest, Pacer, ProviderConfig, TEST_EPOCH, TokenEstimate, TokioClock,
+};
+use sluice_core::Clock;
+use sluice_store::{MemoryConfig, MemoryStore};
+use support::*;
+
+#[tokio::test(start_paused = true)]
+async fn c2_preflight_wait_ends_exactly_when_the_window_has_room() {
+    let (pacer, clock) = pacer(limits(1_000, 0, 0));
+    let first = pacer
+        .acquire(
+            "p",
+            TokenEstimate {
+                prompt: 300,
+                completion: 500,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(first.waited(), Duration::ZERO);
+    // 800 in the window: 400 more fit only when the first leaves it, at the
+    // end of its 250 ms slot + 60 s + the 1 s arrival margin.
+    let p2 = pacer.clone();
+    let c2 = clock;
+    let waiter = tokio::spawn(async move {
+        let permit = p2.acquire("p", 400u32).await.unwrap();
+        (c2.now(), permit.waited())
+    });
+    tokio::task::yield_now().await;
+    tokio::time::advance(Duration::from_millis(61_249)).await;
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!waiter.is_finished(), "admitted before the window had room");
+    let (when, waited) = waiter.await.unwrap();
+    assert_eq!(when, at(61_250));
+    assert_eq!(waited, Duration::from_millis(61_250));
+    // A request that fits in what is left goes at once.
+    let now = clock.now();
+    let p = pacer.acquire("p", 200u32).await.unwrap();
+    assert_eq!(p.waited(), Duration::ZERO);
+    assert_eq!(clock.now(), now);
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 600);
+}
+
+#[tokio::test(start_paused = true)]
+async fn c2_fifo_among_waiting_requests() {
+    let (pacer, _clock) = pacer(limits(1_000, 0, 0));
+    pacer.acquire("p", 900u32).await.unwrap();
+    // A big request queues first; a small one behind it must not overtake.
+    let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (i, tokens) in [(0, 800u32), (1, 50u32)] {
+        let p = pacer.clone();
+        let o = order.clone();
+        tasks.push(tokio::spawn(async move {
+            p.acquire("p", tokens).await.unwrap();
+            o.lock().push(i);
+        }));
+        tokio::task::yield_now().await;
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(*order.lock(), vec![0, 1]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn c3_rpm_spacing_is_even_never_a_burst() {
+    let (pacer, clock) = pacer(limits(0, 60, 0));
+    // 8 requests fired at once at the top of a minute.
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let p = pacer.clone();
+        tasks.push(tokio::spawn(async move {
+            p.acquire("p", 0u32).await.unwrap();
+            p.clock().now()
+        }));
+    }
+    let mut times = Vec::new();
+    for t in tasks {
+        times.push(t.await.unwrap());
+    }
+    times.sort();
+    assert_eq!(times[0], TEST_EPOCH);
+    // One every (60 s + 1 s margin) / 60 = 1016.67 ms (timers tick in ms).
+    let interval = Duration::from_nanos(61_000_000_000 / 60);
+    for w in times.windows(2) {
+        let gap = w[1].saturating_since(w[0]);
+        assert!(
+            gap >= interval && gap <= interval + Duration::from_millis(1),
+            "gap {gap:?}"
+        );
+    }
+    assert!(clock.now().saturating_since(TEST_EPOCH) < Duration::from_secs(8));
+}
+
+#[tokio::test(start_paused = true)]
+async fn c3_rpd_rolls_over_a_day() {
+    let (pacer, clock) = pacer(limits(0, 0, 2));
+    pacer.acquire("p", 0u32).await.unwrap();
+    pacer.acquire("p", 0u32).await.unwrap();
+    // The third would wait a day: longer than the 90 s maximum wait.
+    let e = pacer.acquire("p", 0u32).await.unwrap_err();
+    assert!(matches!(e, PaceError::WouldWait { .. }), "{e}");
+    assert!(e.retry_after().unwrap() > Duration::from_secs(86_000));
+    tokio::time::advance(Duration::from_secs(86_400 + 61)).await;
+    pacer.acquire("p", 0u32).await.unwrap();
+    assert!(clock.now() > TEST_EPOCH);
+}
+
+#[tokio::test(start_paused = true)]
+async fn c4_oversize_is_an_error_at_once_never_a_wait() {
+    let (pacer, clock) = pacer(limits(1_000, 0, 0));
+    pacer.acquire("p", 1_000u32).await.unwrap();
+    // Someone is already waiting for room.
+    let p = pacer.clone();
+    let _waiter = tokio::spawn(async move { p.acquire("p", 500u32).await });
+    tokio::task::yield_now().await;
+    let e = pacer.acquire("p", 1_001u32).await.unwrap_err();
+    assert_eq!(clock.now(), TEST_EPOCH, "no time passed");
+    match &e {
+        PaceError::TooLarge {
+            estimated, limit, ..
+        } => assert_eq!((*estimated, *limit), (1_001, 1_000)),
+        other => panic!("{other}"),
+    }
+    assert_eq!(e.status(), http::StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(e.to_string().contains("can never be sent"));
+    assert_eq!(e.envelope()["error"]["details"]["tpm_limit"], 1_000);
+    assert_eq!(pacer.stats("p").too_large, 1);
+}
+
+fn conversation(turns: usize) -> serde_json::Value {
+    let mut messages = vec![json!({"role":"system","content":"You are a careful assistant."})];
+    for i in 0..turns {
+        messages.push(
+            json!({"role":"user","content":format!("question {i}: {}", "lorem ipsum ".repeat(40))}),
+        );
+        messages.push(json!({"role":"assistant","content":format!("answer {i}: {}", "dolor sit amet ".repeat(40))}));
+    }
+    messages.push(json!({"role":"user","content":"and the last question?"}));
+    json!({"model":"gpt-4o","messages":messages,"max_tokens":100})
+}
+
+#[tokio::test(start_paused = true)]
+async fn c4_shrink_keeps_system_and_last_user_turn() {
+    let shrinking = provider("p", limits(2_000, 0, 0)).with_shrink(Duration::from_secs(5));
+    let (pacer, clock) = pacer_with([shrinking]);
+    pacer.acquire("p", 1_200u32).await.unwrap();
+    let mut req = PacedRequest::new(
+        ApiStyle::OpenAi,
+        "/chat/completions",
+        conversation(6),
+        EstimateOptions::default(),
+    );
+    let before = req.tokens();
+    assert!(before > 800 && before < 2_000, "{before}");
+    // 800 left now; the window refills only after 61 s > 5 s: shrink.
+    let permit = pacer.acquire_demand("p", &mut req).await.unwrap();
+    assert_eq!(clock.now(), TEST_EPOCH, "sent at once after shrinking");
+    assert!(req.tokens() <= 800);
+    assert_eq!(permit.tokens(), req.tokens());
+    let report = req.shrink_report().unwrap();
+    assert_eq!(report.tokens_dropped, before - req.tokens());
+    assert!(report.messages_dropped >= 2);
+    let msgs = req.body()["messages"].as_array().unwrap();
+    assert_eq!(msgs[0]["role"], "system");
+    assert_eq!(msgs.last().unwrap()["content"], "and the last question?");
+    assert_eq!(msgs.len() as u32 + report.messages_dropped, 14);
+    assert_eq!(pacer.stats("p").shrunk, 1);
+
+    // Without shrink, the same request is refused as too long a wait.
+    let (pacer, _) = pacer_with([ProviderConfig {
+        max_wait: Duration::from_secs(5),
+        ..provider("p", limits(2_000, 0, 0))
+    }]);
+    pacer.acquire("p", 1_200u32).await.unwrap();
+    let mut req = PacedRequest::new(
+        ApiStyle::OpenAi,
+        "/chat/completions",
+        conversation(6),
+        EstimateOptions::default(),
+    );
+    let e = pacer.acquire_demand("p", &mut req).await.unwrap_err();
+    assert!(matches!(e, PaceError::WouldWait { .. }), "{e}");
+    assert!(req.shrink_report().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn c4_shrink_brings_an_oversize_request_under_the_whole_tpm() {
+    let shrinking = provider("p", limits(500, 0, 0)).with_shrink(Duration::from_secs(5));
+    let (pacer, _) = pacer_with([shrinking]);
+    let mut req = PacedRequest::new(
+        ApiStyle::OpenAi,
+        "/chat/completions",
+        conversation(6),
+        EstimateOptions::default(),
+    );
+    let permit = pacer.acquire_demand("p", &mut req).await.unwrap();
+    assert!(permit.tokens() <= 500);
+    assert!(req.shrink_report().unwrap().messages_dropped > 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn c6_usage_reconciliation_frees_reserved_tokens() {
+    let (pacer, clock) = pacer(limits(1_000, 0, 0));
+    let permit = pacer
+        .acquire(
+            "p",
+            TokenEstimate {
+                prompt: 100,
+                completion: 800,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 900);
+    tokio::time::advance(Duration::from_secs(3)).await;
+    // The answer used 100 + 150: 650 reserved tokens come back.
+    permit.reconcile(250).await.unwrap();
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 250);
+    let t = clock.now();
+    let p = pacer.acquire("p", 700u32).await.unwrap();
+    assert_eq!(p.waited(), Duration::ZERO);
+    assert_eq!(clock.now(), t);
+    // Using more than reserved charges the difference now.
+    p.reconcile(750).await.unwrap();
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 1_000);
+    assert_eq!(pacer.stats("p").reconciled, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn c6_headers_hold_and_foreign_usage_correct_the_window() {
+    let (pacer, clock) = pacer(limits(10_000, 0, 0));
+    pacer.acquire("p", 1_000u32).await.unwrap();
+    let mut h = http::HeaderMap::new();
+    h.insert("x-ratelimit-limit-tokens", "10000".parse().unwrap());
+    // The provider counts 4,000: 3,000 spent by another client on this key.
+    h.insert("x-ratelimit-remaining-tokens", "6000".parse().unwrap());
+    h.insert("x-ratelimit-remaining-requests", "0".parse().unwrap());
+    h.insert("x-ratelimit-reset-requests", "2s".parse().unwrap());
+    pacer.observe("p", &h).await.unwrap();
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 4_000);
+    // Requests at 0 until a reset 2 s away: the next request waits for it.
+    let p = pacer.acquire("p", 10u32).await.unwrap();
+    assert_eq!(p.waited(), Duration::from_secs(2));
+    assert_eq!(clock.now(), at(2_000));
+    // A provider reporting a smaller plan never lowers the configured one.
+    let mut h = http::HeaderMap::new();
+    h.insert("x-ratelimit-limit-tokens", "5000".parse().unwrap());
+    h.insert("x-ratelimit-remaining-tokens", "5000".parse().unwrap());
+    pacer.observe("p", &h).await.unwrap();
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 4_010);
+    let j = pacer.limits_json();
+    assert_eq!(j["providers"]["p"]["tpm"], 10_000);
+    assert_eq!(
+        j["providers"]["p"]["learned"]["headers"]["tokens"]["limit"],
+        5_000
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn c7_two_pacers_on_one_store_share_one_budget() {
+    let clock = TokioClock::at(TEST_EPOCH);
+    let store = SharedStore(Arc::new(MemoryStore::with_clock(
+        MemoryConfig::default(),
+        clock,
+    )));
+    let config = sluice_client::PaceConfig::from_providers([provider("p", limits(1_000, 0, 0))]);
+    let a = Pacer::with_store(
+        store.clone(),
+        clock,
+        Arc::new(StaticLimits::new(config.clone())),
+    );
+    let b = Pacer::with_store(store, clock, Arc::new(StaticLimits::new(config)));
+    a.acquire("p", 600u32).await.unwrap();
+    // Process B sees A's spend: 600 more must wait for the window.
+    let permit = b.acquire("p", 600u32).await.unwrap();
+    assert_eq!(permit.waited(), Duration::from_millis(61_250));
+    // And A sees B's.
+    assert_eq!(a.tokens_in_window("p").await.unwrap(), 600);
+    // A refund by B is seen by A.
+    permit.reconcile(100).await.unwrap();
+    let p = a.acquire("p", 900u32).await.unwrap();
+    assert_eq!(p.waited(), Duration::ZERO);
+}
+
+#[tokio::test(start_paused = true)]
+async fn c1_hot_reload_takes_effect_on_the_next_request() {
+    let dir = temp_dir("reload");
+    let file = dir.join("pace.yaml");
+    let write = |tpm: &str| {
+        std::fs::write(
+            &file,
+            format!("providers:\n  p:\n    baseUrl: http://127.0.0.1:9/v1\n    rateLimits: {{ tpm: {tpm}, rpm: 0, rpd: 0 }}\n"),
+        )
+        .unwrap();
+    };
+    write("1000");
+    let watcher = Arc::new(ConfigWatcher::open(&file).unwrap());
+    let clock = TokioClock::at(TEST_EPOCH);
+    let source: Arc<dyn LimitsSource> = watcher.clone();
+    let pacer = Pacer::with_store(
+        MemoryStore::with_clock(MemoryConfig::default(), clock),
+        clock,
+        source,
+    );
+    pacer.acquire("p", 900u32).await.unwrap();
+    assert!(matches!(
+        pacer.acquire("p", 1_500u32).await,
+        Err(PaceError::TooLarge { .. })
+    ));
+    // Edit the file: the very next request sees 50,000.
+    write("50000");
+    let p = pacer.acquire("p", 1_500u32).await.unwrap();
+    assert_eq!(p.waited(), Duration::ZERO);
+    assert_eq!(watcher.reloads(), 1);
+    // A broken edit keeps the last good config and says why.
+    std::fs::write(&file, "providers:\n  p:\n    rateLimitz: {}\n").unwrap();
+    assert_eq!(pacer.config().provider("p").unwrap().limits.tpm, 50_000);
+    assert!(watcher.last_error().unwrap().contains("rateLimitz"));
+    // The settings page's save persists next to the file and applies at once.
+    write("50000 ");
+    watcher.save_limits("p", limits(7, 8, 9)).unwrap();
+    assert_eq!(
+        pacer.config().provider("p").unwrap().limits,
+        limits(7, 8, 9)
+    );
+    let saved = std::fs::read_to_string(overrides_path(&file)).unwrap();
+    assert!(saved.contains("tpm: 7, rpm: 8, rpd: 9"), "{saved}");
+    let reopened = ConfigWatcher::open(&file).unwrap();
+    assert_eq!(
+        reopened.current().provider("p").unwrap().limits,
+        limits(7, 8, 9)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(start_paused = true)]
+async fn unknown_provider_is_refused() {
+    let (pacer, _) = pacer(limits(1, 1, 1));
+    let e = pacer.acquire("nope", 1u32).await.unwrap_err();
+    assert!(matches!(e, PaceError::UnknownProvider { .. }));
+    assert_eq!(e.status(), http::StatusCode::NOT_FOUND);
+}

@@ -1,0 +1,277 @@
+//! End to end over loopback: `sluice pace` (run_proxy) → the simulator, with
+//! real sockets (port 0) and real time: plain and streamed chat completions
+//! pass through, paced, with zero 429s; oversize → 413; shrink header; the
+//! admin side's `/limits`, settings page and saved edits.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sluice_client::SHRINK_HEADER;
+use sluice_client::proxy::{ProxyOptions, ProxyServer};
+use sluice_client::simulator::{Simulator, SimulatorConfig};
+
+fn chat(max_tokens: u32) -> Value {
+    json!({"model":"gpt-4o","messages":[
+        {"role":"system","content":"You are terse."},
+        {"role":"user","content":"Say hello."}],"max_tokens":max_tokens})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c1_c2_c3_end_to_end_proxy_to_simulator_paced_with_zero_429s() {
+    let sim = Simulator::start(SimulatorConfig {
+        tpm: 20_000,
+        rpm: 600,
+        latency: Duration::from_millis(20),
+        completion_tokens: 30,
+        stream_chunks: 5,
+        chunk_interval: Duration::from_millis(40),
+        ..SimulatorConfig::default()
+    })
+    .await
+    .unwrap();
+    let dir = support::temp_dir("e2e");
+    let file = dir.join("pace.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "providers:\n  sim:\n    baseUrl: {url}\n    apiKey: ${{SLUICE_E2E_UNSET_KEY:-sk-sim}}\n    rateLimits: {{ tpm: 20000, rpm: 600, rpd: 0 }}\n  small:\n    baseUrl: {url}\n    rateLimits: {{ tpm: 300, rpm: 0, rpd: 0 }}\n    shrink: true\n    maxWaitSeconds: 2\n",
+            url = sim.base_url()
+        ),
+    )
+    .unwrap();
+    let server = ProxyServer::bind(
+        ProxyOptions::new(&file, "127.0.0.1:0".parse().unwrap())
+            .with_admin("127.0.0.1:0".parse().unwrap()),
+    )
+    .await
+    .unwrap();
+    let bound = server.bound();
+    assert_ne!(bound.listen.port(), 0);
+    let admin = bound.admin.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.serve_with_shutdown(async move {
+        let _ = stopped.await;
+    }));
+    let base = format!("http://{}", bound.listen);
+    let client = reqwest::Client::new();
+
+    // A chat completion passes through with its usage.
+    let r = client
+        .post(format!("{base}/sim/chat/completions"))
+        .json(&chat(50))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().contains_key("x-ratelimit-remaining-tokens"));
+    assert!(r.headers().contains_key("x-sluice-waited-ms"));
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["object"], "chat.completion");
+    assert_eq!(j["usage"]["completion_tokens"], 30);
+
+    // A streamed one arrives chunk by chunk (not buffered), usage last.
+    let mut body = chat(50);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let started = Instant::now();
+    let mut r = client
+        .post(format!("{base}/sim/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let mut chunks = Vec::new();
+    while let Some(c) = r.chunk().await.unwrap() {
+        chunks.push((started.elapsed(), c));
+    }
+    let text: String = chunks
+        .iter()
+        .map(|(_, c)| String::from_utf8_lossy(c).into_owned())
+        .collect();
+    assert!(
+        text.contains("\"usage\"") && text.trim_end().ends_with("data: [DONE]"),
+        "{text}"
+    );
+    assert!(chunks.len() >= 3, "{} chunks", chunks.len());
+    let spread = chunks.last().unwrap().0 - chunks[0].0;
+    assert!(
+        spread >= Duration::from_millis(120),
+        "first chunk came {spread:?} before the last: buffered?"
+    );
+
+    // A burst of 12 is paced under RPM 600: ~101.7 ms apart, no 429.
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..12 {
+        let c = client.clone();
+        let url = format!("{base}/sim/chat/completions");
+        tasks.push(tokio::spawn(async move {
+            c.post(url).json(&chat(20)).send().await.unwrap().status()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert!(
+        t0.elapsed() >= Duration::from_millis(11 * 100),
+        "not paced: {:?}",
+        t0.elapsed()
+    );
+    let arrivals = sim.arrivals();
+    for w in arrivals.windows(2).skip(2) {
+        let gap = w[1].0.saturating_since(w[0].0);
+        assert!(gap >= Duration::from_millis(80), "arrivals {gap:?} apart");
+    }
+
+    // Larger than the whole TPM: 413 at once, nothing sent.
+    let before = sim.stats().requests;
+    let r = client
+        .post(format!("{base}/sim/chat/completions"))
+        .json(&chat(30_000))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["error"]["code"], "request_too_large");
+    assert_eq!(j["error"]["details"]["tpm_limit"], 20_000);
+    assert_eq!(sim.stats().requests, before);
+
+    // Shrink (opt-in on `small`): old turns dropped, the answer says so.
+    let long = json!({"model":"gpt-4o","max_tokens":20,"messages":[
+        {"role":"system","content":"You are terse."},
+        {"role":"user","content":"lorem ipsum ".repeat(120)},
+        {"role":"assistant","content":"dolor sit ".repeat(60)},
+        {"role":"user","content":"And now?"}]});
+    let r = client
+        .post(format!("{base}/small/chat/completions"))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let h = r.headers()[SHRINK_HEADER].to_str().unwrap();
+    assert!(h.contains("messages=2"), "{h}");
+
+    // Unknown provider.
+    let r = client
+        .post(format!("{base}/nope/chat/completions"))
+        .json(&chat(5))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+
+    // Admin: limits as JSON, the settings page, an edit that persists.
+    let j: Value = client
+        .get(format!("http://{admin}/limits"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(j["providers"]["sim"]["tpm"], 20_000);
+    assert_eq!(j["providers"]["sim"]["source"], "config");
+    assert!(j["providers"]["sim"]["stats"]["admitted"].as_u64().unwrap() >= 14);
+    let page = client
+        .get(format!("http://{admin}/"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("Settings → Providers") && page.contains("data-provider=\"sim\""));
+    let r = client
+        .put(format!("http://{admin}/limits/sim"))
+        .json(&json!({"rpm": 1200}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(
+        (j["rpm"].as_u64(), j["tpm"].as_u64(), j["source"].as_str()),
+        (Some(1200), Some(20_000), Some("settings"))
+    );
+    assert!(dir.join("pace.overrides.yaml").exists());
+    let r = client
+        .put(format!("http://{admin}/limits/sim"))
+        .json(&json!({"rpm": -1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+
+    let stats = sim.stats();
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert!(
+        stats.worst_window_tokens <= 20_000 && stats.worst_window_requests <= 600,
+        "{stats:?}"
+    );
+    let _ = stop.send(());
+    serving.await.unwrap().unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c6_reqwest_middleware_paces_and_reconciles() {
+    use sluice_client::config::{PaceConfig, ProviderConfig, ProviderLimits};
+    use sluice_client::{Pacer, PacerMiddleware};
+
+    let sim = Simulator::start(SimulatorConfig {
+        completion_tokens: 7,
+        latency: Duration::from_millis(5),
+        ..SimulatorConfig::default()
+    })
+    .await
+    .unwrap();
+    let pacer = Pacer::from_config(PaceConfig::from_providers([ProviderConfig::new(
+        "sim",
+        &sim.base_url(),
+        ProviderLimits {
+            tpm: 10_000,
+            rpm: 1_200,
+            rpd: 0,
+        },
+    )]));
+    let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(PacerMiddleware::new(pacer.clone(), "sim"))
+        .build();
+    let mut used = 0;
+    for _ in 0..3 {
+        let r = client
+            .post(format!("{}/chat/completions", sim.base_url()))
+            .body(chat(500).to_string())
+            .header("content-type", "application/json")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let j: Value = r.json().await.unwrap();
+        used += j["usage"]["total_tokens"].as_u64().unwrap();
+    }
+    // Reservations of ~520 each were replaced by the actual usage.
+    let mut in_window = 0;
+    for _ in 0..50 {
+        in_window = pacer.tokens_in_window("sim").await.unwrap();
+        if in_window == used {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(in_window, used);
+    assert_eq!(pacer.stats("sim").admitted, 3);
+    assert_eq!(sim.stats().violations, 0);
+}

@@ -1,0 +1,169 @@
+//! The simulator on paused time: strict rolling windows, provider-shaped
+//! answers and refusals, violation counters.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use serde_json::{Value, json};
+use sluice_client::backoff::{Retryable, classify};
+use sluice_client::simulator::{SimService, SimulatorConfig};
+use sluice_client::{RateLimitHeaders, TEST_EPOCH, TokioClock};
+use sluice_core::Clock;
+use tower::Service;
+
+fn post(path: &str, body: Value) -> Request<Full<Bytes>> {
+    Request::post(format!("http://sim{path}"))
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap()
+}
+
+async fn send(
+    sim: &mut SimService,
+    req: Request<Full<Bytes>>,
+) -> (StatusCode, http::HeaderMap, Bytes) {
+    let r = sim.call(req).await.unwrap();
+    let (parts, body) = r.into_parts();
+    (
+        parts.status,
+        parts.headers,
+        body.collect().await.unwrap().to_bytes(),
+    )
+}
+
+fn chat(max_tokens: u32) -> Value {
+    json!({"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"max_tokens":max_tokens})
+}
+
+#[tokio::test(start_paused = true)]
+async fn simulator_enforces_a_strict_rolling_token_window_like_openai() {
+    let clock = TokioClock::at(TEST_EPOCH);
+    let cfg = SimulatorConfig {
+        tpm: 100,
+        rpm: 0,
+        completion_tokens: 10,
+        latency: Duration::ZERO,
+        reconcile: false,
+        ..SimulatorConfig::default()
+    };
+    let mut sim = SimService::new(cfg, Arc::new(clock));
+    let (s, h, b) = send(&mut sim, post("/v1/chat/completions", chat(80))).await;
+    assert_eq!(s, StatusCode::OK);
+    let j: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(j["object"], "chat.completion");
+    assert_eq!(j["usage"]["completion_tokens"], 10);
+    let learned = RateLimitHeaders::parse(&h, clock.now());
+    assert_eq!(learned.tokens.limit, Some(100));
+    assert!(learned.tokens.remaining.unwrap() < 20);
+    tokio::time::advance(Duration::from_secs(20)).await;
+    let (s, h, b) = send(&mut sim, post("/v1/chat/completions", chat(80))).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+    let j: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(j["error"]["code"], "rate_limit_exceeded");
+    assert!(
+        j["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tokens per min (TPM): Limit 100")
+    );
+    // The 429 tells exactly when room comes back: 40 s later.
+    assert_eq!(
+        classify(s, &h, Some(&b)),
+        Retryable::Yes {
+            hint: Some(Duration::from_secs(40))
+        }
+    );
+    tokio::time::advance(Duration::from_millis(39_999)).await;
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(80)))
+            .await
+            .0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(80)))
+            .await
+            .0,
+        StatusCode::OK
+    );
+    let st = sim.stats();
+    assert_eq!(
+        (st.requests, st.admitted, st.violations, st.tpm_violations),
+        (4, 2, 2, 2)
+    );
+    assert!(st.worst_window_tokens <= 100);
+}
+
+#[tokio::test(start_paused = true)]
+async fn simulator_counts_rpm_and_reconciles_usage() {
+    let clock = TokioClock::at(TEST_EPOCH);
+    let cfg = SimulatorConfig {
+        tpm: 1_000,
+        rpm: 2,
+        completion_tokens: 5,
+        latency: Duration::from_millis(100),
+        ..SimulatorConfig::default()
+    };
+    let mut sim = SimService::new(cfg, Arc::new(clock));
+    // Reserved 900+ at arrival, only ~15 used: the window frees the rest.
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(900)))
+            .await
+            .0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(900)))
+            .await
+            .0,
+        StatusCode::OK
+    );
+    let (s, _, b) = send(&mut sim, post("/v1/chat/completions", chat(1))).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+    assert!(String::from_utf8_lossy(&b).contains("requests per min (RPM)"));
+    assert_eq!(sim.stats().rpm_violations, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn simulator_streams_with_usage_last_and_speaks_anthropic() {
+    let clock = TokioClock::at(TEST_EPOCH);
+    let mut sim = SimService::new(
+        SimulatorConfig {
+            completion_tokens: 12,
+            ..SimulatorConfig::default()
+        },
+        Arc::new(clock),
+    );
+    let mut body = chat(50);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (s, h, b) = send(&mut sim, post("/v1/chat/completions", body)).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(
+        h["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let text = String::from_utf8(b.to_vec()).unwrap();
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(*events.last().unwrap(), "data: [DONE]");
+    assert!(events[events.len() - 2].contains("\"completion_tokens\":12"));
+
+    let (s, h, b) = send(
+        &mut sim,
+        post("/v1/messages", json!({"model":"claude","max_tokens":30,"system":"s","messages":[{"role":"user","content":"hi"}]})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let j: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(j["type"], "message");
+    assert_eq!(j["usage"]["output_tokens"], 12);
+    let learned = RateLimitHeaders::parse(&h, clock.now());
+    assert_eq!(learned.requests.limit, Some(500));
+    assert!(learned.tokens.reset.is_some());
+}
