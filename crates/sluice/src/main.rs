@@ -9,6 +9,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+pub mod pace;
 pub mod serve;
 
 /// Rate limiting for both ends of an API.
@@ -24,24 +25,34 @@ enum Command {
     /// Run the gateway: per-caller, per-class, per-IP budgets in front of an upstream.
     Serve(Box<serve::ServeArgs>),
     /// Run the client-side pacer: keep LLM calls inside TPM, RPM and RPD limits.
-    Pace,
-    /// Validate a policy file and print what it resolves to (exit 2 with every problem
-    /// found when it is not valid).
+    Pace(pace::PaceArgs),
+    /// Validate a policy file or a pacer config (top-level `providers:`) and print what
+    /// it resolves to (exit 2 with every problem found when it is not valid).
     Check(CheckArgs),
 }
 
 /// Flags of `sluice check`.
 #[derive(Debug, clap::Args)]
 struct CheckArgs {
-    /// The policy file (YAML) to check.
+    /// The policy or pacer config (YAML) to check.
     #[arg(value_name = "FILE")]
     file: std::path::PathBuf,
 }
 
-/// `sluice check FILE`: the resolved policy on stdout, or the problems (exit 2).
+/// `sluice check FILE`: what a policy (or, for a file with top-level `providers:`, a
+/// pacer config) resolves to on stdout, or every problem found (exit 2).
 fn check(args: &CheckArgs) -> anyhow::Result<()> {
-    let policy = sluice_policy::load_file(&args.file).map_err(|e| BadInput(e.to_string()))?;
-    print!("{}", policy.describe());
+    let text = std::fs::read_to_string(&args.file)
+        .map_err(|e| BadInput(format!("{}: {e}", args.file.display())))?;
+    if text.lines().any(|l| l.starts_with("providers:")) {
+        let config =
+            sluice_client::config::load(&args.file).map_err(|e| BadInput(e.to_string()))?;
+        println!("{:#}", config.limits_json());
+    } else {
+        let policy =
+            sluice_policy::parse_str(&text, &args.file).map_err(|e| BadInput(e.to_string()))?;
+        print!("{}", policy.describe());
+    }
     println!("{}: ok", args.file.display());
     Ok(())
 }
@@ -60,12 +71,11 @@ impl fmt::Display for BadInput {
 impl std::error::Error for BadInput {}
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let name = match cli.command {
-        Command::Serve(args) => return serve::run(*args),
-        Command::Pace => "pace",
-        Command::Check(args) => return check(&args),
-    };
-    Err(BadInput(format!("`sluice {name}` is not yet built in this version")).into())
+    match cli.command {
+        Command::Serve(args) => serve::run(*args),
+        Command::Pace(args) => pace::run(args),
+        Command::Check(args) => check(&args),
+    }
 }
 
 fn main() -> ExitCode {

@@ -210,7 +210,7 @@ impl ServeOptions {
     }
 }
 
-fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+pub(crate) fn parse_addr(s: &str) -> Result<SocketAddr, String> {
     if let Ok(addr) = s.parse::<SocketAddr>() {
         return Ok(addr);
     }
@@ -426,7 +426,7 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
 }
 
 /// A future that resolves with the signal's name on SIGTERM or SIGINT (Ctrl-C).
-fn termination_signal() -> std::io::Result<impl Future<Output = &'static str>> {
+pub(crate) fn termination_signal() -> std::io::Result<impl Future<Output = &'static str>> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
