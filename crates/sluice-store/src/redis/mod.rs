@@ -8,6 +8,11 @@
 //! raw credential — hash-tagged by subject so a caller's budgets share a slot,
 //! and every key carries a TTL. Concurrent decisions share one multiplexed
 //! connection (pipelined); the connection manager reconnects by itself.
+//!
+//! On a Redis Cluster (`redis+cluster://host:port,host:port,…`) a decision
+//! sends one script per subject (one slot each) at once; when any refuses,
+//! the others' spends are refunded, so all or nothing still holds: a refusal
+//! may briefly hold units it then gives back, never the reverse.
 
 use std::time::Duration;
 
@@ -41,10 +46,28 @@ impl RedisConfig {
     }
 }
 
+/// A connection to one Redis or to a cluster.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// The node URLs of a `redis+cluster://h1:p1,h2:p2` store URL.
+fn cluster_nodes(url: &str) -> Option<Vec<String>> {
+    let rest = url.strip_prefix("redis+cluster://")?;
+    Some(
+        rest.split(',')
+            .filter(|n| !n.is_empty())
+            .map(|n| format!("redis://{n}"))
+            .collect(),
+    )
+}
+
 /// The budget store shared by replicas (see the module docs).
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Conn,
     script: redis::Script,
     prefix: String,
     timeout: Duration,
@@ -70,22 +93,39 @@ impl RedisStore {
     /// [`StoreError::Unavailable`] when the URL is malformed or Redis does not
     /// answer within the connection timeout (1 s).
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
-        let client = redis::Client::open(config.url.as_str()).map_err(unavailable)?;
-        let manager_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
-            .set_response_timeout(Some(config.timeout.max(Duration::from_millis(1))))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500));
-        let conn = tokio::time::timeout(
-            Duration::from_secs(2),
-            client.get_connection_manager_with_config(manager_config),
-        )
-        .await
-        .map_err(|_| unavailable("timed out connecting to redis"))?
-        .map_err(unavailable)?;
         let script = redis::Script::new(SCRIPT);
-        let mut c = conn.clone();
-        script.load_async(&mut c).await.map_err(unavailable)?;
+        let response_timeout = config.timeout.max(Duration::from_millis(1));
+        let conn = if let Some(nodes) = cluster_nodes(&config.url) {
+            let client = redis::cluster::ClusterClient::builder(nodes)
+                .connection_timeout(Duration::from_secs(1))
+                .response_timeout(response_timeout)
+                .retries(2)
+                .build()
+                .map_err(unavailable)?;
+            let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())
+                .await
+                .map_err(|_| unavailable("timed out connecting to the redis cluster"))?
+                .map_err(unavailable)?;
+            // Each node loads the script on its first NOSCRIPT.
+            Conn::Cluster(conn)
+        } else {
+            let client = redis::Client::open(config.url.as_str()).map_err(unavailable)?;
+            let manager_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(Duration::from_secs(1)))
+                .set_response_timeout(Some(response_timeout))
+                .set_number_of_retries(2)
+                .set_max_delay(Duration::from_millis(500));
+            let conn = tokio::time::timeout(
+                Duration::from_secs(2),
+                client.get_connection_manager_with_config(manager_config),
+            )
+            .await
+            .map_err(|_| unavailable("timed out connecting to redis"))?
+            .map_err(unavailable)?;
+            let mut c = conn.clone();
+            script.load_async(&mut c).await.map_err(unavailable)?;
+            Conn::Single(conn)
+        };
         Ok(RedisStore {
             conn,
             script,
@@ -117,6 +157,81 @@ impl RedisStore {
             }
             .into());
         }
+        match &self.conn {
+            Conn::Single(_) => self.invoke(mode, budgets, delta, reserved_at).await,
+            Conn::Cluster(_) => self.run_by_slot(mode, budgets, delta, reserved_at).await,
+        }
+    }
+
+    /// Cluster: one script per subject at once; refunds when any refuses.
+    async fn run_by_slot(
+        &self,
+        mode: &str,
+        budgets: &[Budget],
+        delta: i64,
+        reserved_at: u64,
+    ) -> Result<(Timestamp, Vec<Row>), StoreError> {
+        let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
+        for (i, b) in budgets.iter().enumerate() {
+            match groups.iter_mut().find(|(s, _)| *s == b.key.subject()) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((b.key.subject(), vec![i])),
+            }
+        }
+        let calls = groups.iter().map(|(_, members)| {
+            let part: Vec<Budget> = members.iter().map(|&i| budgets[i]).collect();
+            async move {
+                self.invoke(mode, &part, delta, reserved_at)
+                    .await
+                    .map(|r| (part, r))
+            }
+        });
+        let answers = futures_util::future::join_all(calls).await;
+        let mut rows: Vec<Option<Row>> = (0..budgets.len()).map(|_| None).collect();
+        let mut at = None;
+        let mut spent_groups = Vec::new();
+        let mut failure = None;
+        for ((_, members), answer) in groups.iter().zip(answers) {
+            match answer {
+                Ok((part, (t, group_rows))) => {
+                    at = Some(at.map_or(t, |a: Timestamp| a.max(t)));
+                    if mode == "spend" && group_rows.iter().all(|r| r.verdict == 0) {
+                        spent_groups.push((part, t));
+                    }
+                    for (&i, r) in members.iter().zip(group_rows) {
+                        rows[i] = Some(r);
+                    }
+                }
+                Err(e) => failure = Some(e),
+            }
+        }
+        let refused = failure.is_some() || rows.iter().flatten().any(|r| r.verdict != 0);
+        if mode == "spend" && refused {
+            // Give back what the admitting slots spent.
+            for (part, t) in &spent_groups {
+                for b in part.iter().filter(|b| b.cost > 0) {
+                    let back = -i64::from(b.cost);
+                    let _ = self
+                        .invoke("adjust", std::slice::from_ref(b), back, t.as_secs())
+                        .await;
+                }
+            }
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let rows = rows.into_iter().flatten().collect::<Vec<_>>();
+        Ok((at.unwrap_or_default(), rows))
+    }
+
+    /// One script call over budgets that share a slot (or any, on one Redis).
+    async fn invoke(
+        &self,
+        mode: &str,
+        budgets: &[Budget],
+        delta: i64,
+        reserved_at: u64,
+    ) -> Result<(Timestamp, Vec<Row>), StoreError> {
         let mut invocation = self.script.prepare_invoke();
         for b in budgets {
             invocation.key(self.key(b));
@@ -140,14 +255,16 @@ impl RedisStore {
                 .arg(window)
                 .arg(burst);
         }
-        let mut conn = self.conn.clone();
-        let reply: Vec<i64> =
-            tokio::time::timeout(self.timeout, invocation.invoke_async(&mut conn))
-                .await
-                .map_err(|_| {
-                    unavailable(format!("redis did not answer within {:?}", self.timeout))
-                })?
-                .map_err(unavailable)?;
+        let call = async {
+            match &self.conn {
+                Conn::Single(c) => invocation.invoke_async::<Vec<i64>>(&mut c.clone()).await,
+                Conn::Cluster(c) => invocation.invoke_async::<Vec<i64>>(&mut c.clone()).await,
+            }
+        };
+        let reply: Vec<i64> = tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| unavailable(format!("redis did not answer within {:?}", self.timeout)))?
+            .map_err(unavailable)?;
         parse_reply(&reply, budgets.len())
     }
 }

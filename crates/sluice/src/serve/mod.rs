@@ -125,8 +125,8 @@ pub struct ServeArgs {
     #[arg(long, value_enum)]
     pub profile: Option<Profile>,
 
-    /// Where budgets live: `memory` (one process) or a `redis://…` URL (shared by
-    /// replicas).
+    /// Where budgets live: `memory` (one process), or shared by replicas: `redis://…`,
+    /// `redis+unix:///PATH`, or a cluster `redis+cluster://HOST:PORT,HOST:PORT,…`.
     #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = parse_store)]
     pub store: StoreSpec,
 
@@ -229,13 +229,23 @@ fn parse_upstream(s: &str) -> Result<Upstream, String> {
 fn parse_store(s: &str) -> Result<StoreSpec, String> {
     if s == "memory" {
         Ok(StoreSpec::Memory)
-    } else if ["redis://", "rediss://", "redis+unix://", "unix://"]
-        .iter()
-        .any(|scheme| s.starts_with(scheme))
+    } else if [
+        "redis://",
+        "rediss://",
+        "redis+unix://",
+        "unix://",
+        "redis+cluster://",
+    ]
+    .iter()
+    .any(|scheme| s.starts_with(scheme))
     {
         Ok(StoreSpec::Redis(s.to_owned()))
     } else {
-        Err("expected `memory`, a redis://HOST:PORT[/DB] URL or redis+unix:///PATH".to_owned())
+        Err(
+            "expected `memory`, a redis://HOST:PORT[/DB] URL, redis+unix:///PATH or \
+             redis+cluster://HOST:PORT,HOST:PORT,…"
+                .to_owned(),
+        )
     }
 }
 

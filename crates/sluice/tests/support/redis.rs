@@ -1,5 +1,6 @@
 //! A real `redis-server` per test, on a Unix socket in a private directory.
 
+use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -103,6 +104,137 @@ fn wait_for(socket: &Path) {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Three cluster-enabled `redis-server`s, killed on drop.
+pub struct RedisCluster {
+    children: Vec<Child>,
+    dir: PathBuf,
+    ports: Vec<u16>,
+}
+
+/// A port free for a node and for its cluster bus (port + 10000).
+fn free_port(taken: &[u16]) -> u16 {
+    let seed = std::process::id() as u16;
+    for i in 0..2000u16 {
+        let p = 20_000 + (seed.wrapping_mul(7).wrapping_add(i.wrapping_mul(13))) % 19_000;
+        if taken.contains(&p) {
+            continue;
+        }
+        if TcpListener::bind(("127.0.0.1", p)).is_ok()
+            && TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok()
+        {
+            return p;
+        }
+    }
+    panic!("no free port pair for a cluster node");
+}
+
+impl RedisCluster {
+    /// Starts three nodes and joins them into one cluster (bounded waits).
+    pub fn start() -> RedisCluster {
+        let dir = std::env::temp_dir().join(format!("sluice-cluster-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut ports = Vec::new();
+        let mut children = Vec::new();
+        for _ in 0..3 {
+            let port = free_port(&ports);
+            let node_dir = dir.join(port.to_string());
+            std::fs::create_dir_all(&node_dir).expect("node dir");
+            let child = Command::new("redis-server")
+                .args([
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    &port.to_string(),
+                    "--cluster-enabled",
+                    "yes",
+                ])
+                .args([
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .arg("--dir")
+                .arg(&node_dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server must be installed (scripts/test installs it)");
+            children.push(child);
+            ports.push(port);
+        }
+        let cluster = RedisCluster {
+            children,
+            dir,
+            ports,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for &p in &cluster.ports {
+            while TcpStream::connect(("127.0.0.1", p)).is_err() {
+                assert!(Instant::now() < deadline, "node {p} did not start");
+                std::thread::yield_now();
+            }
+        }
+        let nodes: Vec<String> = cluster
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        let created = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&nodes)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            created.status.success(),
+            "{}",
+            String::from_utf8_lossy(&created.stdout)
+        );
+        while !cluster.ports.iter().all(|&p| {
+            cluster
+                .cli(p, &["CLUSTER", "INFO"])
+                .contains("cluster_state:ok")
+        }) {
+            assert!(Instant::now() < deadline, "the cluster did not converge");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        cluster
+    }
+
+    fn cli(&self, port: u16, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The store URL for `--store`.
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("redis+cluster://{}", nodes.join(","))
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
