@@ -266,20 +266,8 @@ impl PaceConfig {
 }
 
 /// One thing wrong with a config, at a key path such as
-/// `providers.openai.apiKey`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Problem {
-    /// Where in the file.
-    pub path: String,
-    /// What was expected.
-    pub message: String,
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.message)
-    }
-}
+/// `providers.openai.apiKey` (the same shape as a policy's problems).
+pub use sluice_policy::Problem;
 
 /// Why a config was not accepted (or not saved).
 #[derive(Debug, thiserror::Error)]
