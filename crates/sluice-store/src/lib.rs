@@ -35,7 +35,7 @@ mod redis;
 pub use guarded::{Guarded, STORE_BREAKER};
 pub use memory::{MemoryConfig, MemoryStore};
 #[cfg(feature = "redis")]
-pub use redis::{RedisConfig, RedisStore};
+pub use redis::{MAX_COALESCED, RedisConfig, RedisStore};
 
 /// Why a store could not decide.
 #[derive(Debug, thiserror::Error)]

@@ -176,22 +176,7 @@ async fn d2_concurrent_decisions_admit_exactly_the_limit() {
 async fn d1_one_script_call_per_decision() {
     let server = Server::start();
     let store = server.store().await;
-    let calls = |server: &Server| -> u64 {
-        let stats = server.cli(&["INFO", "commandstats"]);
-        stats
-            .lines()
-            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-            .filter_map(|l| {
-                l.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .sum()
-    };
-    let before = calls(&server);
+    let before = script_calls(&server);
     let req = [
         budget("expensive", b"k", 30),
         budget("ip", b"1.2.3.4", 300),
@@ -201,7 +186,7 @@ async fn d1_one_script_call_per_decision() {
         store.decide(&req).await.expect("decide");
     }
     assert_eq!(
-        calls(&server) - before,
+        script_calls(&server) - before,
         20,
         "one script call per 3-budget decision"
     );
@@ -371,4 +356,66 @@ async fn d3_an_open_breaker_fails_at_once_and_recovery_is_automatic() {
         "shared mode resumed after {took:?}"
     );
     assert_eq!(store.state(), sluice_core::BreakerState::Closed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d1_coalesced_decisions_are_each_all_or_nothing() {
+    let server = Server::start();
+    let store = Arc::new(server.store().await);
+    let full = budget("ip", b"198.51.100.7", 1);
+    assert!(store.decide(&[full]).await.expect("decide").is_admitted());
+    let calls_before = script_calls(&server);
+    let ready = Arc::new(tokio::sync::Barrier::new(100));
+    let tasks: Vec<_> = (0..100u32)
+        .map(|i| {
+            let (store, ready) = (Arc::clone(&store), Arc::clone(&ready));
+            tokio::spawn(async move {
+                let own = budget("read", &i.to_be_bytes(), 10);
+                let request = if i % 2 == 0 {
+                    vec![own, full]
+                } else {
+                    vec![own]
+                };
+                ready.wait().await;
+                (
+                    i,
+                    store.decide(&request).await.expect("decide").is_admitted(),
+                )
+            })
+        })
+        .collect();
+    for t in tasks {
+        let (i, admitted) = t.await.expect("task");
+        assert_eq!(admitted, i % 2 == 1, "request {i}");
+    }
+    let calls = script_calls(&server) - calls_before;
+    assert!(
+        calls < 100,
+        "{calls} script calls for 100 concurrent decisions: coalesced"
+    );
+    for i in 0..100u32 {
+        let own = budget("read", &i.to_be_bytes(), 10);
+        let left = store.peek(&[own]).await.expect("peek").statuses()[0].remaining;
+        assert_eq!(
+            left,
+            if i % 2 == 0 { 10 } else { 9 },
+            "request {i} spent all or nothing"
+        );
+    }
+}
+
+fn script_calls(server: &Server) -> u64 {
+    server
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
 }

@@ -1,15 +1,21 @@
 -- sluice: one decision over every budget of a request, atomically, on the
 -- Redis server's clock (never a replica's). Mirrors sluice-core's algorithms.
 --
--- KEYS[i]  one hash per budget: w (window id), c (count), p (previous count), t (GCRA TAT, us)
+-- One call may carry several requests (concurrent decisions coalesced by the
+-- client); they are decided in order, each all or nothing, and a later one
+-- sees what an earlier one spent — as if they had come one by one.
+--
+-- KEYS     one hash per budget, all requests' budgets in order: w (window id),
+--          c (count), p (previous count), t (GCRA TAT, us)
 -- ARGV[1]  'spend' | 'peek' | 'adjust'
 -- ARGV[2]  for 'adjust': delta, ARGV[3] reserved_at (Unix seconds); otherwise unused
--- ARGV[4+5(i-1) .. ]  per budget: kind (f fixed, s sliding, m month, g gcra), limit, cost,
+-- ARGV[4]  number of requests; then per request: its number of budgets n, then
+--          per budget: kind (f fixed, s sliding, m month, g gcra), limit, cost,
 --          window seconds (f, s) or period in microseconds (g), burst (g)
--- Returns {now_s, now_us_fraction, then per budget: verdict (0 admitted, 1 not yet,
---          2 never), remaining after spending, remaining before, reset (Unix s),
---          retry_after (us)}. Nothing is written unless every budget admits
---          ('spend') or the call is an 'adjust'.
+-- Returns {now_s, now_us_fraction, then per budget of every request: verdict
+--          (0 admitted, 1 not yet, 2 never), remaining after spending, remaining
+--          before, reset (Unix s), retry_after (us)}. A request writes only when
+--          all its budgets admit ('spend'), or always ('adjust').
 
 local mode = ARGV[1]
 local t = redis.call('TIME')
@@ -48,25 +54,42 @@ local function month_bounds(s)
   return start, days_from_civil(ny, nm, 1) * 86400
 end
 
--- Tentative state per key, so two budgets on one key see each other.
+-- Committed state per key (what earlier requests of this call spent).
 local state = {}
 local function load(key)
   if state[key] == nil then
     local h = redis.call('HMGET', key, 'w', 'c', 'p', 't')
-    state[key] = { w = tonumber(h[1]) or -1, c = tonumber(h[2]) or 0, p = tonumber(h[3]) or 0,
-                   t = tonumber(h[4]) or 0, dirty = false, expire = 0 }
+    local w, c, p, tat = tonumber(h[1]) or -1, tonumber(h[2]) or 0, tonumber(h[3]) or 0, tonumber(h[4]) or 0
+    -- w0 … t0: what is stored, so that only changed fields are written.
+    state[key] = { w = w, c = c, p = p, t = tat, w0 = w, c0 = c, p0 = p, t0 = tat,
+                   dirty = false, expire = 0 }
   end
   return state[key]
 end
+local function copy(s)
+  return { w = s.w, c = s.c, p = s.p, t = s.t, w0 = s.w0, c0 = s.c0, p0 = s.p0, t0 = s.t0,
+           dirty = s.dirty, expire = s.expire }
+end
 
 local out = { now_s, tonumber(t[2]) }
+local requests = tonumber(ARGV[4])
+local argi, keyi = 5, 1
+for _ = 1, requests do
+local n = tonumber(ARGV[argi])
+argi = argi + 1
+-- Tentative state of this request, so two budgets on one key see each other.
+local pending = {}
 local all_ok = true
-local n = (#ARGV - 3) / 5
 for i = 1, n do
-  local b = 3 + (i - 1) * 5
+  local b = argi - 1 + (i - 1) * 5
+  local key = KEYS[keyi + i - 1]
   local kind, limit, cost = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
   local w, burst = tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5])
-  local s = load(KEYS[i])
+  local s = pending[key]
+  if s == nil then
+    s = copy(load(key))
+    pending[key] = s
+  end
   local never = cost > limit
   local verdict, before, after, reset, retry = 0, 0, 0, 0, 0
   local delta = tonumber(ARGV[2]) or 0
@@ -172,11 +195,24 @@ for i = 1, n do
 end
 
 if (mode == 'spend' and all_ok) or mode == 'adjust' then
-  for key, s in pairs(state) do
-    if s.dirty then
-      redis.call('HSET', key, 'w', s.w, 'c', s.c, 'p', s.p, 't', s.t)
-      redis.call('EXPIREAT', key, s.expire)
-    end
+  for key, s in pairs(pending) do
+    state[key] = s
+  end
+end
+argi = argi + 5 * n
+keyi = keyi + n
+end
+
+-- Write what changed; the expiry only moves with a new window (or a new TAT).
+for key, s in pairs(state) do
+  if s.dirty then
+    local fields = {}
+    if s.w ~= s.w0 then fields[#fields + 1] = 'w'; fields[#fields + 1] = s.w end
+    if s.c ~= s.c0 then fields[#fields + 1] = 'c'; fields[#fields + 1] = s.c end
+    if s.p ~= s.p0 then fields[#fields + 1] = 'p'; fields[#fields + 1] = s.p end
+    if s.t ~= s.t0 then fields[#fields + 1] = 't'; fields[#fields + 1] = s.t end
+    if #fields > 0 then redis.call('HSET', key, unpack(fields)) end
+    if s.w ~= s.w0 or s.t ~= s.t0 then redis.call('EXPIREAT', key, s.expire) end
   end
 end
 return out
