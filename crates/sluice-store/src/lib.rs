@@ -3,7 +3,8 @@
 //! One trait, [`BudgetStore`], many backends. A backend makes one decision
 //! over every budget of a request atomically: the memory backend under the
 //! locks of the shards involved, the Redis backend (feature `redis`) in one
-//! server-side script call — one round trip per decision.
+//! server-side script call — at most one round trip per decision (concurrent
+//! decisions share one).
 //!
 //! ```
 //! use std::num::NonZeroU32;
