@@ -34,12 +34,34 @@ pub struct Caller {
     pub workspace: u64,
     /// Digest of the user (the principal's, else the caller's own).
     pub user: u64,
-    /// A label safe to log and show: `key:<first 12 hex of the SHA-256>` or
-    /// `ip:<address or prefix>`.
-    pub label: String,
+    /// Who it is, in a form safe to log and show (see [`Who`]'s `Display`).
+    pub who: Who,
     /// The principal, when the credential is in the key table or a trusted
     /// auth layer named one.
     pub principal: Option<Principal>,
+}
+
+/// A caller as logs and the status page show it, rendered only when shown:
+/// `key:<first 12 hex of the credential's SHA-256>` or `ip:<address or prefix>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Who {
+    /// A credential, by the first 6 bytes of its SHA-256.
+    Key([u8; 6]),
+    /// A client IP (IPv6: the prefix of this length).
+    Ip(IpAddr, Option<u8>),
+}
+
+impl std::fmt::Display for Who {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Who::Key(prefix) => {
+                f.write_str("key:")?;
+                prefix.iter().try_for_each(|b| write!(f, "{b:02x}"))
+            }
+            Who::Ip(addr, None) => write!(f, "ip:{addr}"),
+            Who::Ip(addr, Some(prefix)) => write!(f, "ip:{addr}/{prefix}"),
+        }
+    }
 }
 
 /// The client IP and its subject for IP budgets.
@@ -50,7 +72,7 @@ pub struct ClientIp {
     /// Digest of the address (IPv6: of its configured prefix).
     pub subject: u64,
     /// The address or prefix, for logs.
-    pub label: String,
+    pub who: Who,
 }
 
 impl Identity {
@@ -98,22 +120,27 @@ impl Identity {
     /// The subject of IP budgets for `addr` (IPv6 grouped by prefix).
     pub fn ip_subject(&self, addr: IpAddr) -> ClientIp {
         let addr = canonical(addr);
-        let (bytes, label) = match addr {
-            IpAddr::V4(v4) => (v4.octets().to_vec(), v4.to_string()),
+        // "ip:" and up to 16 address bytes, on the stack (this runs per request).
+        let mut keyed = [0u8; 19];
+        keyed[..3].copy_from_slice(b"ip:");
+        let (len, who) = match addr {
+            IpAddr::V4(v4) => {
+                keyed[3..7].copy_from_slice(&v4.octets());
+                (7, Who::Ip(addr, None))
+            }
             IpAddr::V6(v6) => {
                 let bits = u128::from(v6);
-                let prefix = u32::from(self.ipv6_prefix.clamp(1, 128));
-                let masked = bits & (u128::MAX << (128 - prefix));
+                let prefix = self.ipv6_prefix.clamp(1, 128);
+                let masked = bits & (u128::MAX << (128 - u32::from(prefix)));
                 let net = Ipv6Addr::from(masked);
-                (net.octets().to_vec(), format!("{net}/{prefix}"))
+                keyed[3..19].copy_from_slice(&net.octets());
+                (19, Who::Ip(IpAddr::V6(net), Some(prefix)))
             }
         };
-        let mut keyed = b"ip:".to_vec();
-        keyed.extend_from_slice(&bytes);
         ClientIp {
             addr,
-            subject: digest(&keyed),
-            label,
+            subject: digest(&keyed[..len]),
+            who,
         }
     }
 
@@ -135,9 +162,12 @@ impl Identity {
         match self.credential(headers) {
             Some(secret) => {
                 let sha: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
-                let mut keyed = b"cred:".to_vec();
-                keyed.extend_from_slice(&sha);
+                let mut keyed = [0u8; 37];
+                keyed[..5].copy_from_slice(b"cred:");
+                keyed[5..].copy_from_slice(&sha);
                 let subject = digest(&keyed);
+                let mut prefix = [0u8; 6];
+                prefix.copy_from_slice(&sha[..6]);
                 let principal = from_auth_layer.or_else(|| self.keys.get(&sha).cloned());
                 let (workspace, user) = principal_digests(principal.as_ref(), subject);
                 Caller {
@@ -145,7 +175,7 @@ impl Identity {
                     subject,
                     workspace,
                     user,
-                    label: format!("key:{}", &hex::encode(sha)[..12]),
+                    who: Who::Key(prefix),
                     principal,
                 }
             }
@@ -156,7 +186,7 @@ impl Identity {
                     subject: client.subject,
                     workspace,
                     user,
-                    label: format!("ip:{}", client.label),
+                    who: client.who,
                     principal: from_auth_layer,
                 }
             }

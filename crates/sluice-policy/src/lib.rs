@@ -26,7 +26,7 @@ pub mod raw;
 mod validate;
 
 pub use default::{DEFAULT_POLICY_YAML, default_policy};
-pub use identity::{Caller, CallerKind, ClientIp};
+pub use identity::{Caller, CallerKind, ClientIp, Who};
 pub use jsonrpc::Items;
 pub use model::{
     Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Outage, Per, Policy, Principal,

@@ -213,10 +213,10 @@ fn e2_credentials_in_order_hashed_and_ip_without_one() {
         "same credential, same budgets"
     );
     assert_eq!(by_key.subject, by_cookie.subject);
-    assert!(
-        !by_key.label.contains("sk-secret"),
-        "never the raw credential"
-    );
+    let shown = by_key.who.to_string();
+    assert!(shown.starts_with("key:") && shown.len() == 16, "{shown}");
+    assert!(!shown.contains("sk-secret"), "never the raw credential");
+    assert_eq!(anon_label(&p, ip), "ip:198.51.100.7");
     let other = id.caller(&headers(&[("x-api-key", "sk-other")]), &client, false);
     assert_ne!(other.subject, by_key.subject, "two credentials, two sets");
     // X-API-Key wins over Bearer.
@@ -374,5 +374,22 @@ fn d3_store_outage_choices_per_class_are_validated() {
     assert!(
         paths.contains(&"store.outage.expensive") && paths.contains(&"store.timeout_ms"),
         "{paths:?}"
+    );
+}
+
+fn anon_label(p: &sluice_policy::Policy, ip: IpAddr) -> String {
+    let client = p.identity.client_ip(ip, &HeaderMap::new());
+    p.identity
+        .caller(&HeaderMap::new(), &client, false)
+        .who
+        .to_string()
+}
+
+#[test]
+fn ipv6_callers_are_shown_by_prefix() {
+    let p = default_policy().expect("default");
+    assert_eq!(
+        anon_label(&p, "2001:db8:1:2::1".parse().expect("ip")),
+        "ip:2001:db8:1:2::/64"
     );
 }

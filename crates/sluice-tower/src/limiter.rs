@@ -10,7 +10,7 @@ use http::Method;
 use http::request::Parts;
 use parking_lot::Mutex;
 use sluice_core::Decision;
-use sluice_policy::{Class, Items, Outage, Policy, RouteClass};
+use sluice_policy::{Class, Items, Outage, Policy, RouteClass, Who};
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, StoreError};
 
 use crate::plan::{BudgetKind, Plan, Scopes, plan};
@@ -33,6 +33,32 @@ pub struct Limiter<S> {
     fallback: MemoryStore,
     degraded: AtomicBool,
     top: Mutex<TopCallers>,
+    metrics: Meters,
+}
+
+/// Metric handles, registered once (a lookup per request costs more than
+/// the decision).
+struct Meters {
+    /// `sluice_decisions_total{class, outcome}` by class index and outcome
+    /// (admitted, refused, error).
+    decisions: [[metrics::Counter; 3]; 4],
+    decision_seconds: metrics::Histogram,
+    local: metrics::Counter,
+}
+
+impl Meters {
+    fn register() -> Self {
+        let outcomes = ["admitted", "refused", "error"];
+        Meters {
+            decisions: Class::ALL.map(|c| {
+                outcomes.map(|o| {
+                    metrics::counter!("sluice_decisions_total", "class" => c.name(), "outcome" => o)
+                })
+            }),
+            decision_seconds: metrics::histogram!("sluice_decision_seconds"),
+            local: metrics::counter!("sluice_local_decisions_total"),
+        }
+    }
 }
 
 /// Cells kept by the fallback store used while a shared store is down.
@@ -41,7 +67,8 @@ pub const FALLBACK_MAX_KEYS: usize = 100_000;
 #[derive(Default)]
 struct TopCallers {
     window: u64,
-    spend: HashMap<String, u64>,
+    /// Caller subject → (who, units spent this window).
+    spend: HashMap<u64, (Who, u64)>,
     others: u64,
 }
 
@@ -58,6 +85,7 @@ impl<S: BudgetStore> Limiter<S> {
             }),
             degraded: AtomicBool::new(false),
             top: Mutex::default(),
+            metrics: Meters::register(),
         }
     }
 
@@ -159,7 +187,7 @@ impl<S: BudgetStore> Limiter<S> {
             Err(StoreError::Unavailable(e)) => {
                 self.set_degraded(true);
                 if self.fails_open(plan) {
-                    metrics::counter!("sluice_local_decisions_total").increment(1);
+                    self.metrics.local.increment(1);
                     self.decide_locally(plan)
                 } else {
                     Err(StoreError::Unavailable(e))
@@ -167,12 +195,13 @@ impl<S: BudgetStore> Limiter<S> {
             }
             Err(e) => Err(e),
         };
-        metrics::histogram!("sluice_decision_seconds").record(started.elapsed().as_secs_f64());
-        let class = plan.top_class.name();
+        self.metrics
+            .decision_seconds
+            .record(started.elapsed().as_secs_f64());
+        let counters = &self.metrics.decisions[plan.top_class.index()];
         match &decision {
             Ok(d) if d.is_admitted() => {
-                metrics::counter!("sluice_decisions_total", "class" => class, "outcome" => "admitted")
-                    .increment(1);
+                counters[0].increment(1);
                 let units: u64 = plan
                     .budgets
                     .iter()
@@ -181,17 +210,15 @@ impl<S: BudgetStore> Limiter<S> {
                     .map(|(b, _)| u64::from(b.cost))
                     .sum();
                 let window = d.decided_at().as_secs() / u64::from(self.policy.window.get());
-                self.top.lock().record(window, &plan.caller_label, units);
+                self.top.lock().record(window, plan.caller, plan.who, units);
             }
             Ok(d) => {
                 let reason = plan.name(d.binding_index(), &self.policy).to_owned();
-                metrics::counter!("sluice_decisions_total", "class" => class, "outcome" => "refused")
-                    .increment(1);
+                counters[1].increment(1);
                 metrics::counter!("sluice_refusals_total", "reason" => reason).increment(1);
             }
             Err(_) => {
-                metrics::counter!("sluice_decisions_total", "class" => class, "outcome" => "error")
-                    .increment(1);
+                counters[2].increment(1);
             }
         }
         decision
@@ -206,8 +233,12 @@ impl<S: BudgetStore> Limiter<S> {
             .map(|&c| (c.name().to_owned(), p.profile.limit(c).get().into()))
             .collect();
         let top = self.top.lock();
-        let mut callers: Vec<(&String, &u64)> = top.spend.iter().collect();
-        callers.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        let mut callers: Vec<(String, u64)> = top
+            .spend
+            .values()
+            .map(|(who, units)| (who.to_string(), *units))
+            .collect();
+        callers.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         serde_json::json!({
             "profile": p.profile_name,
             "window_seconds": p.window.get(),
@@ -230,16 +261,16 @@ impl<S: BudgetStore> Limiter<S> {
 }
 
 impl TopCallers {
-    fn record(&mut self, window: u64, label: &str, units: u64) {
+    fn record(&mut self, window: u64, caller: u64, who: Who, units: u64) {
         if window != self.window {
             self.window = window;
             self.spend.clear();
             self.others = 0;
         }
-        if let Some(n) = self.spend.get_mut(label) {
+        if let Some((_, n)) = self.spend.get_mut(&caller) {
             *n += units;
         } else if self.spend.len() < TOP_CALLERS_TRACKED {
-            self.spend.insert(label.to_owned(), units);
+            self.spend.insert(caller, (who, units));
         } else {
             self.others += units;
         }

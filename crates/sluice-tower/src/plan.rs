@@ -31,8 +31,10 @@ pub struct Plan {
     pub windows: ArrayVec<u32, MAX_BUDGETS>,
     /// The most costly class the request holds (for metrics).
     pub top_class: Class,
-    /// The caller's loggable label.
-    pub caller_label: String,
+    /// The caller's subject digest.
+    pub caller: u64,
+    /// The caller as logs and the status page show it.
+    pub who: sluice_policy::Who,
 }
 
 /// Digests of every scope name, computed once per policy.
@@ -79,7 +81,8 @@ pub(crate) fn plan(
             .rev()
             .find(|&c| items.count(c) > 0)
             .unwrap_or(policy.default_class),
-        caller_label: caller.label.clone(),
+        caller: caller.subject,
+        who: caller.who,
     };
     let window = policy.window;
     let fixed =

@@ -22,10 +22,33 @@ pub struct RequestStats {
     inner: Arc<Counters>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Counters {
     in_flight: AtomicU64,
     total: AtomicU64,
+    /// `sluice_requests_in_flight`, registered once.
+    in_flight_gauge: metrics::Gauge,
+    /// `sluice_requests_total{status}` for the common statuses, registered once.
+    by_status: Vec<(u16, metrics::Counter)>,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters {
+            in_flight: AtomicU64::new(0),
+            total: AtomicU64::new(0),
+            in_flight_gauge: metrics::gauge!("sluice_requests_in_flight"),
+            by_status: COMMON_STATUSES
+                .iter()
+                .map(|&(code, label)| {
+                    (
+                        code,
+                        metrics::counter!("sluice_requests_total", "status" => label),
+                    )
+                })
+                .collect(),
+        }
+    }
 }
 
 impl RequestStats {
@@ -47,7 +70,7 @@ impl InFlight {
     fn enter(stats: &RequestStats) -> Self {
         stats.inner.in_flight.fetch_add(1, Ordering::Relaxed);
         stats.inner.total.fetch_add(1, Ordering::Relaxed);
-        metrics::gauge!("sluice_requests_in_flight").increment(1.0);
+        stats.inner.in_flight_gauge.increment(1.0);
         InFlight(stats.clone())
     }
 }
@@ -55,7 +78,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.inner.in_flight.fetch_sub(1, Ordering::Relaxed);
-        metrics::gauge!("sluice_requests_in_flight").decrement(1.0);
+        self.0.inner.in_flight_gauge.decrement(1.0);
     }
 }
 
@@ -100,11 +123,14 @@ where
         let future = self.inner.call(request);
         Box::pin(async move {
             let result = future.await;
-            let status = match &result {
-                Ok(response) => status_label(response.status().as_u16()),
-                Err(_) => "error".into(),
-            };
-            metrics::counter!("sluice_requests_total", "status" => status).increment(1);
+            let code = result.as_ref().map(|r| r.status().as_u16()).ok();
+            match code.and_then(|c| guard.0.inner.by_status.iter().find(|(k, _)| *k == c)) {
+                Some((_, counter)) => counter.increment(1),
+                None => {
+                    let status = code.map_or_else(|| "error".into(), status_label);
+                    metrics::counter!("sluice_requests_total", "status" => status).increment(1);
+                }
+            }
             drop(guard);
             result
         })
@@ -112,23 +138,23 @@ where
 }
 
 /// A status code as a label value, without allocating for the common ones.
+/// Statuses whose counters are registered up front.
+const COMMON_STATUSES: [(u16, &str); 12] = [
+    (200, "200"),
+    (201, "201"),
+    (202, "202"),
+    (204, "204"),
+    (304, "304"),
+    (400, "400"),
+    (404, "404"),
+    (409, "409"),
+    (429, "429"),
+    (500, "500"),
+    (502, "502"),
+    (504, "504"),
+];
+
+/// The `status` label of a status code outside [`COMMON_STATUSES`].
 fn status_label(code: u16) -> metrics::SharedString {
-    const COMMON: [(u16, &str); 12] = [
-        (200, "200"),
-        (201, "201"),
-        (202, "202"),
-        (204, "204"),
-        (304, "304"),
-        (400, "400"),
-        (404, "404"),
-        (409, "409"),
-        (429, "429"),
-        (500, "500"),
-        (502, "502"),
-        (504, "504"),
-    ];
-    match COMMON.iter().find(|(c, _)| *c == code) {
-        Some((_, label)) => (*label).into(),
-        None => code.to_string().into(),
-    }
+    code.to_string().into()
 }

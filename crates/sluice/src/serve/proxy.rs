@@ -160,6 +160,9 @@ pub struct Proxy {
 struct Inner {
     client: Client<HttpConnector, OutgoingBody>,
     config: ProxyConfig,
+    /// `sluice_upstream_seconds{outcome}`: response, error, timeout
+    /// (registered once, not looked up per request).
+    upstream_seconds: [metrics::Histogram; 3],
 }
 
 impl fmt::Debug for Proxy {
@@ -181,7 +184,12 @@ impl Proxy {
             .pool_max_idle_per_host(POOL_MAX_IDLE)
             .build(connector);
         Proxy {
-            inner: Arc::new(Inner { client, config }),
+            inner: Arc::new(Inner {
+                client,
+                config,
+                upstream_seconds: ["response", "error", "timeout"]
+                    .map(|o| metrics::histogram!("sluice_upstream_seconds", "outcome" => o)),
+            }),
         }
     }
 }
@@ -253,15 +261,13 @@ impl Inner {
 
         match result {
             Ok(Ok(response)) => {
-                metrics::histogram!("sluice_upstream_seconds", "outcome" => "response")
-                    .record(elapsed);
+                self.upstream_seconds[0].record(elapsed);
                 let (mut parts, body) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
                 Response::from_parts(parts, body.map_err(Into::into).boxed())
             }
             Ok(Err(error)) => {
-                metrics::histogram!("sluice_upstream_seconds", "outcome" => "error")
-                    .record(elapsed);
+                self.upstream_seconds[1].record(elapsed);
                 let message = if error.is_connect() {
                     "the upstream could not be reached"
                 } else {
@@ -270,8 +276,7 @@ impl Inner {
                 error_response(StatusCode::BAD_GATEWAY, "bad_gateway", message)
             }
             Err(_elapsed) => {
-                metrics::histogram!("sluice_upstream_seconds", "outcome" => "timeout")
-                    .record(elapsed);
+                self.upstream_seconds[2].record(elapsed);
                 error_response(
                     StatusCode::GATEWAY_TIMEOUT,
                     "gateway_timeout",
