@@ -221,8 +221,11 @@ pub(crate) fn evaluate(
             } else {
                 0
             };
-            let prev = if values[1] >> 32 == end {
-                low(values[1])
+            // A caller that passed only the current cell (see `decide_cell`)
+            // gets a previous window of zero rather than a panic.
+            let prev_cell = values.get(1).copied().unwrap_or(0);
+            let prev = if prev_cell >> 32 == end {
+                low(prev_cell)
             } else {
                 0
             };
@@ -353,8 +356,9 @@ pub(crate) fn adjust(
                 None
             };
             if let Some((i, identity)) = target {
-                let spent = if values[i] >> 32 == identity {
-                    low(values[i]).min(limit)
+                let value = values.get(i).copied().unwrap_or(0);
+                let spent = if value >> 32 == identity {
+                    low(value).min(limit)
                 } else {
                     0
                 };
@@ -363,8 +367,9 @@ pub(crate) fn adjust(
                     // A charge may fill the estimate up to the limit, no further.
                     let (start, _) = window_bounds(rate, now);
                     let w = u128::from(w_secs * NANOS_PER_SEC);
-                    let prev = if values[1] >> 32 == end {
-                        low(values[1])
+                    let prev_cell = values.get(1).copied().unwrap_or(0);
+                    let prev = if prev_cell >> 32 == end {
+                        low(prev_cell)
                     } else {
                         0
                     };
@@ -373,8 +378,10 @@ pub(crate) fn adjust(
                         (u128::from(limit) * w).saturating_sub(u128::from(prev) * overlap) / w;
                     new = new.min((room as u32).max(spent));
                 }
-                if new != spent {
-                    writes.push((cell_keys[i], pack(identity, new)));
+                if new != spent
+                    && let Some(&key) = cell_keys.get(i)
+                {
+                    writes.push((key, pack(identity, new)));
                 }
             }
             let mut e = evaluate(

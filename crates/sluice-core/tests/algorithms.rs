@@ -276,3 +276,19 @@ fn too_many_budgets_is_an_error_not_a_panic() {
     let many = [b; 9];
     assert!(decide(&many, &mut MapLedger::default(), at(T0, 0), Mode::Spend).is_err());
 }
+
+#[test]
+fn deciding_a_two_cell_budget_on_one_cell_is_not_a_panic() {
+    // `decide_cell` is for one-cell budgets; misused on a sliding window it
+    // treats the missing previous window as empty.
+    let b = Budget {
+        key: BudgetKey::new("read", b"k"),
+        rate: Rate::SlidingWindow { seconds: secs(60) },
+        limit: 2,
+        cost: 1,
+    };
+    let mut cell = 0;
+    let d = sluice_core::decide_cell(&b, &mut cell, at(T0 + 5, 0), Mode::Spend);
+    assert!(d.is_admitted());
+    assert_eq!(d.statuses()[0].remaining, 1);
+}
