@@ -141,7 +141,8 @@ pub struct ServeArgs {
     )]
     pub clock_offset: i64,
 
-    /// Directory of the embedded durable store (quotas, batch queue, results).
+    /// Directory of the embedded durable store (quotas, batch queue, results); checked
+    /// now, used once those land.
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
 
