@@ -3,97 +3,22 @@
 #![cfg(feature = "redis")]
 
 use std::num::NonZeroU32;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice_core::{Budget, BudgetKey, Rate, Verdict};
 use sluice_store::{BudgetStore, Guarded, RedisConfig, RedisStore, StoreError};
 
-/// A `redis-server` child on a Unix socket, killed on drop.
-struct Server {
-    child: Child,
-    dir: PathBuf,
-    socket: PathBuf,
-}
+#[path = "../../../tests/support/redis_server.rs"]
+mod redis_server;
 
-impl Server {
-    fn start() -> Server {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let dir = std::env::temp_dir().join(format!("sluice-redis-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let socket = dir.join("redis.sock");
-        let child = Self::spawn(&dir, &socket);
-        Server { child, dir, socket }
-    }
+use redis_server::RedisServer as Server;
 
-    /// Kills the server (as an outage would).
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.socket);
-    }
-
-    /// Starts it again on the same socket.
-    fn restart(&mut self) {
-        self.child = Self::spawn(&self.dir, &self.socket);
-    }
-
-    fn spawn(dir: &std::path::Path, socket: &std::path::Path) -> Child {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                "0",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--unixsocket",
-            ])
-            .arg(socket)
-            .arg("--dir")
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed (scripts/test installs it)");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !socket.exists() {
-            assert!(Instant::now() < deadline, "redis-server did not start");
-            std::thread::yield_now();
-        }
-        child
-    }
-
-    fn url(&self) -> String {
-        format!("redis+unix://{}", self.socket.display())
-    }
-
-    fn cli(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
-            .arg("-s")
-            .arg(&self.socket)
-            .args(args)
-            .output()
-            .expect("redis-cli");
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    async fn store(&self) -> RedisStore {
-        let mut config = RedisConfig::new(self.url());
-        config.timeout = Duration::from_millis(500);
-        RedisStore::connect(config).await.expect("connect")
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// A store on `server`, waiting up to 500 ms per decision.
+async fn store_on(server: &Server) -> RedisStore {
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_millis(500);
+    RedisStore::connect(config).await.expect("connect")
 }
 
 /// The longest window there is (it began at the epoch and ends in 2106): the
@@ -108,8 +33,8 @@ fn budget(scope: &str, subject: &[u8], limit: u32) -> Budget {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d1_decides_exactly_and_reports_like_the_memory_store() {
-    let server = Server::start();
-    let store = server.store().await;
+    let server = Server::start("store");
+    let store = store_on(&server).await;
     let b = budget("expensive", b"caller", 30);
     for i in 0..30 {
         let d = store.decide(&[b]).await.expect("decide");
@@ -132,8 +57,8 @@ async fn d1_decides_exactly_and_reports_like_the_memory_store() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d1_a_refused_multi_budget_decision_changes_nothing() {
-    let server = Server::start();
-    let store = server.store().await;
+    let server = Server::start("store");
+    let store = store_on(&server).await;
     let class = budget("expensive", b"caller", 30);
     let ceiling = budget("ip", b"203.0.113.9", 1);
     assert!(
@@ -156,8 +81,8 @@ async fn d1_a_refused_multi_budget_decision_changes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d2_concurrent_decisions_admit_exactly_the_limit() {
-    let server = Server::start();
-    let store = Arc::new(server.store().await);
+    let server = Server::start("store");
+    let store = Arc::new(store_on(&server).await);
     let b = budget("expensive", b"hot", 30);
     let tasks: Vec<_> = (0..200)
         .map(|_| {
@@ -174,9 +99,9 @@ async fn d2_concurrent_decisions_admit_exactly_the_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d1_one_script_call_per_decision() {
-    let server = Server::start();
-    let store = server.store().await;
-    let before = script_calls(&server);
+    let server = Server::start("store");
+    let store = store_on(&server).await;
+    let before = server.script_calls();
     let req = [
         budget("expensive", b"k", 30),
         budget("ip", b"1.2.3.4", 300),
@@ -186,7 +111,7 @@ async fn d1_one_script_call_per_decision() {
         store.decide(&req).await.expect("decide");
     }
     assert_eq!(
-        script_calls(&server) - before,
+        server.script_calls() - before,
         20,
         "one script call per 3-budget decision"
     );
@@ -194,8 +119,8 @@ async fn d1_one_script_call_per_decision() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_key_has_a_ttl_and_no_raw_credential() {
-    let server = Server::start();
-    let store = server.store().await;
+    let server = Server::start("store");
+    let store = store_on(&server).await;
     let secret = b"sk-very-secret";
     let sliding = Budget {
         rate: Rate::SlidingWindow { seconds: minute() },
@@ -229,8 +154,8 @@ async fn every_key_has_a_ttl_and_no_raw_credential() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adjust_gcra_sliding_and_month_budgets_decide_on_redis() {
-    let server = Server::start();
-    let store = server.store().await;
+    let server = Server::start("store");
+    let store = store_on(&server).await;
     let b = budget("warehouse_reads", b"user", 10);
     let d = store.decide(&[b.with_cost(3)]).await.expect("decide");
     assert_eq!(d.statuses()[0].remaining, 7);
@@ -295,8 +220,8 @@ async fn adjust_gcra_sliding_and_month_budgets_decide_on_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d1_the_script_is_reloaded_after_a_flush() {
-    let server = Server::start();
-    let store = server.store().await;
+    let server = Server::start("store");
+    let store = store_on(&server).await;
     let b = budget("standard", b"k", 5);
     store.decide(&[b]).await.expect("decide");
     server.cli(&["SCRIPT", "FLUSH"]);
@@ -319,7 +244,7 @@ async fn d3_an_unreachable_redis_fails_fast() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d3_an_open_breaker_fails_at_once_and_recovery_is_automatic() {
-    let mut server = Server::start();
+    let mut server = Server::start("store");
     let mut config = RedisConfig::new(server.url());
     config.timeout = Duration::from_millis(20);
     let store = Guarded::new(RedisStore::connect(config).await.expect("connect"));
@@ -360,11 +285,11 @@ async fn d3_an_open_breaker_fails_at_once_and_recovery_is_automatic() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d1_coalesced_decisions_are_each_all_or_nothing() {
-    let server = Server::start();
-    let store = Arc::new(server.store().await);
+    let server = Server::start("store");
+    let store = Arc::new(store_on(&server).await);
     let full = budget("ip", b"198.51.100.7", 1);
     assert!(store.decide(&[full]).await.expect("decide").is_admitted());
-    let calls_before = script_calls(&server);
+    let calls_before = server.script_calls();
     let ready = Arc::new(tokio::sync::Barrier::new(100));
     let tasks: Vec<_> = (0..100u32)
         .map(|i| {
@@ -388,7 +313,7 @@ async fn d1_coalesced_decisions_are_each_all_or_nothing() {
         let (i, admitted) = t.await.expect("task");
         assert_eq!(admitted, i % 2 == 1, "request {i}");
     }
-    let calls = script_calls(&server) - calls_before;
+    let calls = server.script_calls() - calls_before;
     assert!(
         calls < 100,
         "{calls} script calls for 100 concurrent decisions: coalesced"
@@ -402,20 +327,4 @@ async fn d1_coalesced_decisions_are_each_all_or_nothing() {
             "request {i} spent all or nothing"
         );
     }
-}
-
-fn script_calls(server: &Server) -> u64 {
-    server
-        .cli(&["INFO", "commandstats"])
-        .lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
 }

@@ -3,6 +3,7 @@
 //! it over loopback HTTP. Every wait is bounded.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+#[path = "../../../../tests/support/redis_server.rs"]
 pub mod redis;
 
 use std::io::{BufRead as _, BufReader, Read as _};

@@ -1,4 +1,7 @@
-//! A real `redis-server` per test, on a Unix socket in a private directory.
+//! Real `redis-server` processes for tests: one per test on a Unix socket in a
+//! private directory, or a 3-master cluster on free loopback ports. Shared by
+//! the store's and the binary's tests (`#[path]`-included), std only.
+#![allow(dead_code, unreachable_pub, missing_docs)]
 
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -15,7 +18,9 @@ pub struct RedisServer {
 impl RedisServer {
     /// Starts one (bounded wait for its socket).
     pub fn start(name: &str) -> RedisServer {
-        let dir = std::env::temp_dir().join(format!("sluice-{name}-{}", std::process::id()));
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("sluice-{name}-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let socket = dir.join("redis.sock");
         let mut server = RedisServer {
