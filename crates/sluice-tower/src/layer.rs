@@ -103,17 +103,21 @@ where
                 .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.0.ip());
             let policy = limiter.policy();
             let mut too_large = false;
-            let (body, plan) = if limiter.needs_body(&parts.method, parts.uri.path()) {
+            let route = limiter.route(&parts);
+            let (body, plan) = if Limiter::<S>::needs_body(route) {
                 let max = policy.bounds.max_body_bytes;
                 match Limited::new(body, max).collect().await {
                     Ok(collected) => {
                         let bytes = collected.to_bytes();
-                        let plan = limiter.plan(&parts, peer, Some(&bytes));
+                        let plan = limiter.plan(&parts, peer, route, Some(&bytes));
                         (B::from(bytes), plan)
                     }
                     Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
                         too_large = true;
-                        (B::from(Bytes::new()), limiter.plan(&parts, peer, None))
+                        (
+                            B::from(Bytes::new()),
+                            limiter.plan(&parts, peer, route, None),
+                        )
                     }
                     Err(_) => {
                         let r = envelope_response(
@@ -126,7 +130,7 @@ where
                     }
                 }
             } else {
-                let plan = limiter.plan(&parts, peer, None);
+                let plan = limiter.plan(&parts, peer, route, None);
                 (body, plan)
             };
             let decision = match limiter.decide(&plan).await {

@@ -6,11 +6,10 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use http::Method;
 use http::request::Parts;
 use parking_lot::Mutex;
 use sluice_core::Decision;
-use sluice_policy::{Class, Items, Outage, Policy, RouteClass, Who};
+use sluice_policy::{Class, Items, Outage, Policy, Route, RouteClass, Who};
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, StoreError};
 
 use crate::plan::{BudgetKind, Plan, Scopes, plan};
@@ -143,24 +142,32 @@ impl<S: BudgetStore> Limiter<S> {
         &self.store
     }
 
-    /// True when the request's class comes from its body (a JSON-RPC route):
-    /// the body must be read (bounded) before deciding.
-    pub fn needs_body(&self, method: &Method, path: &str) -> bool {
-        matches!(
-            self.policy.route(method, path).map(|r| &r.class),
-            Some(RouteClass::JsonRpc)
-        )
+    /// The route a request matches (matched once per request and passed to
+    /// [`Limiter::plan`]).
+    pub fn route(&self, parts: &Parts) -> Option<&Route> {
+        self.policy.route(&parts.method, parts.uri.path())
     }
 
-    /// The budgets of a request. `body` is the body of a JSON-RPC route
-    /// (`None` for a body that was too large: it counts as one item of the
-    /// default class).
-    pub fn plan(&self, parts: &Parts, peer: IpAddr, body: Option<&[u8]>) -> Plan {
+    /// True when `route` takes its class from the body (a JSON-RPC route):
+    /// the body must be read (bounded) before deciding.
+    pub fn needs_body(route: Option<&Route>) -> bool {
+        matches!(route.map(|r| &r.class), Some(RouteClass::JsonRpc))
+    }
+
+    /// The budgets of a request on `route` (see [`Limiter::route`]). `body` is
+    /// the body of a JSON-RPC route (`None` for a body that was too large: it
+    /// counts as one item of the default class).
+    pub fn plan(
+        &self,
+        parts: &Parts,
+        peer: IpAddr,
+        route: Option<&Route>,
+        body: Option<&[u8]>,
+    ) -> Plan {
         let policy = &self.policy;
         let identity = &policy.identity;
         let client = identity.client_ip(peer, &parts.headers);
         let caller = identity.caller(&parts.headers, &client, identity.trusts(peer));
-        let route = policy.route(&parts.method, parts.uri.path());
         let items = match route.map(|r| &r.class) {
             Some(RouteClass::Fixed(c)) => Items::one(*c),
             Some(RouteClass::JsonRpc) => match body {
