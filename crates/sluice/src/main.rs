@@ -12,6 +12,13 @@ use clap::{Parser, Subcommand};
 pub mod pace;
 pub mod serve;
 
+/// mimalloc instead of the system allocator: the gateway allocates and frees small
+/// buffers (headers, futures, body frames) on every request, across threads, and
+/// mimalloc's thread-local free lists take a measured share of that cost off each
+/// request (see BENCHMARKS.md, the gateway row).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Rate limiting for both ends of an API.
 #[derive(Debug, Parser)]
 #[command(name = "sluice", version, about, long_about = None)]
