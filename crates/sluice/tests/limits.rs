@@ -38,6 +38,52 @@ async fn post(sluice: &Sluice, path: &str, key: &str) -> support::Reply {
     .await
 }
 
+/// Each connection is served by one of the gateway's worker threads (round robin);
+/// the budgets are one set for all of them: 40 concurrent calls on 40 connections
+/// spread over 3 workers admit exactly 30 and hand out every remaining count once.
+#[tokio::test]
+async fn e1_gateway_workers_share_one_set_of_budgets() {
+    let policy = policy_file("workers.yaml", |y| y);
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("utf-8 path"),
+        "--workers",
+        "3",
+    ]);
+    let calls: Vec<_> = (0..40)
+        .map(|_| {
+            let url = sluice.url("/chats");
+            tokio::spawn(async move {
+                send(
+                    Request::post(url)
+                        .header("x-api-key", "sk-workers")
+                        .header("content-type", "application/json")
+                        .body(Full::new(Bytes::from_static(b"{}")))
+                        .expect("request"),
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut remaining = Vec::new();
+    let mut refused = 0;
+    for call in calls {
+        let r = call.await.expect("call task");
+        match r.status.as_u16() {
+            200 => remaining.push(
+                r.header("x-ratelimit-remaining")
+                    .and_then(|v| v.parse::<u32>().ok())
+                    .expect("remaining header"),
+            ),
+            429 => refused += 1,
+            other => panic!("unexpected status {other}: {}", r.text()),
+        }
+    }
+    remaining.sort_unstable();
+    assert_eq!(remaining, (0..30).collect::<Vec<u32>>());
+    assert_eq!(refused, 10);
+}
+
 #[tokio::test]
 async fn e1_h2_the_31st_expensive_call_through_the_gateway_is_refused() {
     let policy = policy_file("forever.yaml", |y| y);

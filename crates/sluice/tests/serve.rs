@@ -402,6 +402,8 @@ fn bad_flags_exit_2_with_a_clear_message() {
         &["serve", "--profile", "staging"],
         &["serve", "--store", "sqlite"],
         &["serve", "--upstream-timeout", "-1"],
+        &["serve", "--workers", "0"],
+        &["serve", "--workers", "many"],
         &["serve", "--config", "/nonexistent/sluice.yaml"],
     ] {
         let run = run_to_exit(args, limit);

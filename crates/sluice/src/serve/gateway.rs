@@ -1,9 +1,19 @@
-//! The gateway's accept loop: one HTTP/1.1 or HTTP/2 connection per accepted socket,
-//! each driving a clone of the service stack (any `Service<Request<GatewayBody>>`
-//! answering any streaming body) wrapped in [`Metered`], and a graceful drain when told
-//! to stop.
+//! The gateway's accept loop and its workers.
+//!
+//! One acceptor task hands each accepted socket, round robin, to one of `workers`
+//! threads. Each worker thread runs its own single-threaded tokio runtime and its own
+//! service stack (so its own upstream connection pool): a connection, the upstream
+//! connections its requests use and every wake-up between them stay on one thread, as
+//! in nginx's worker processes, instead of hopping between the threads of a shared
+//! work-stealing runtime. The budgets themselves are shared by every worker (one
+//! limiter, one store).
+//!
+//! Each worker serves one HTTP/1.1 or HTTP/2 connection per socket, driving a clone
+//! of its service stack (any `Service<Request<GatewayBody>>` answering any streaming
+//! body) wrapped in [`Metered`], and drains gracefully when told to stop.
 
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -11,7 +21,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
 use tower::Service;
 
 use super::GatewayBody;
@@ -24,6 +35,10 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// Pause after a failed `accept` (e.g. out of file descriptors) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
+/// Accepted sockets waiting for their worker; past this the acceptor waits (and the
+/// kernel's listen backlog holds new clients).
+const HANDOFF_QUEUE: usize = 1024;
+
 /// How the drain ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Drain {
@@ -34,13 +49,125 @@ pub(super) enum Drain {
     TimedOut { connections: usize },
 }
 
-/// Serves `listener` with `service` until `stop` resolves, then stops accepting and
-/// waits up to `grace` for open connections to finish their in-flight requests.
-pub(super) async fn serve<S, B>(
+/// The gateway's worker threads, started and waiting for sockets.
+pub(super) struct Workers {
+    /// One hand-off queue per worker; closing them tells the workers to drain.
+    handoffs: Vec<mpsc::Sender<(std::net::TcpStream, SocketAddr)>>,
+    /// How each worker's drain ended.
+    drains: Vec<oneshot::Receiver<Drain>>,
+}
+
+impl Workers {
+    /// Starts `count` worker threads, each serving with the service `make_service`
+    /// builds for it and draining for up to `grace` once its queue closes.
+    ///
+    /// # Errors
+    /// A thread or its runtime that cannot be started.
+    pub(super) fn start<F, S, B>(
+        count: NonZeroUsize,
+        make_service: F,
+        stats: &RequestStats,
+        grace: Duration,
+    ) -> std::io::Result<Self>
+    where
+        F: Fn() -> S,
+        S: Service<Request<GatewayBody>, Response = Response<B>> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let mut workers = Workers {
+            handoffs: Vec::with_capacity(count.get()),
+            drains: Vec::with_capacity(count.get()),
+        };
+        for index in 0..count.get() {
+            let (handoff, sockets) = mpsc::channel(HANDOFF_QUEUE);
+            let (drained, drain) = oneshot::channel();
+            let service = make_service();
+            let stats = stats.clone();
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            std::thread::Builder::new()
+                .name(format!("sluice-gateway-{index}"))
+                .spawn(move || {
+                    let outcome = runtime.block_on(work(sockets, service, stats, grace));
+                    let _ = drained.send(outcome);
+                })?;
+            workers.handoffs.push(handoff);
+            workers.drains.push(drain);
+        }
+        Ok(workers)
+    }
+}
+
+/// Accepts connections on `listener` and hands them to `workers` round robin until
+/// `stop` resolves; then stops accepting and waits for every worker to drain.
+pub(super) async fn serve(
     listener: TcpListener,
+    workers: Workers,
+    stop: impl Future<Output = ()>,
+) -> Drain {
+    let Workers { handoffs, drains } = workers;
+    tokio::pin!(stop);
+    let mut next = 0;
+    loop {
+        let accepted: (TcpStream, SocketAddr) = tokio::select! {
+            biased;
+            () = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    eprintln!("sluice: accept failed: {error}");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+            },
+        };
+        let (stream, peer) = accepted;
+        // Deregistered here, registered again with the worker's own reactor.
+        let Ok(stream) = stream.into_std() else {
+            continue;
+        };
+        if handoffs[next].send((stream, peer)).await.is_err() {
+            eprintln!("sluice: gateway worker {next} stopped; connection from {peer} dropped");
+        }
+        next = (next + 1) % handoffs.len();
+    }
+
+    drop(listener);
+    drop(handoffs);
+    let mut outcome = Drain::Complete;
+    for drain in drains {
+        match drain.await {
+            Ok(Drain::Complete) => {}
+            Ok(Drain::TimedOut { connections }) => {
+                outcome = match outcome {
+                    Drain::Complete => Drain::TimedOut { connections },
+                    Drain::TimedOut { connections: c } => Drain::TimedOut {
+                        connections: c + connections,
+                    },
+                };
+            }
+            Err(_) => {
+                eprintln!("sluice: a gateway worker ended without draining");
+                if outcome == Drain::Complete {
+                    outcome = Drain::TimedOut { connections: 0 };
+                }
+            }
+        }
+    }
+    outcome
+}
+
+/// One worker: serves every socket handed to it until the hand-off queue closes, then
+/// waits up to `grace` for its connections to finish.
+async fn work<S, B>(
+    mut sockets: mpsc::Receiver<(std::net::TcpStream, SocketAddr)>,
     service: S,
     stats: RequestStats,
-    stop: impl Future<Output = ()>,
     grace: Duration,
 ) -> Drain
 where
@@ -57,20 +184,10 @@ where
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT);
     let graceful = GracefulShutdown::new();
-    tokio::pin!(stop);
 
-    loop {
-        let (stream, peer): (_, SocketAddr) = tokio::select! {
-            biased;
-            () = &mut stop => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    eprintln!("sluice: accept failed: {error}");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    continue;
-                }
-            },
+    while let Some((stream, peer)) = sockets.recv().await {
+        let Ok(stream) = TcpStream::from_std(stream) else {
+            continue;
         };
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(Metered::new(service.clone(), peer, stats.clone()));
@@ -84,7 +201,6 @@ where
         });
     }
 
-    drop(listener);
     let open = graceful.count();
     match tokio::time::timeout(grace, graceful.shutdown()).await {
         Ok(()) => Drain::Complete,

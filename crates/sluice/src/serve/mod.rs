@@ -19,6 +19,7 @@ pub mod store;
 
 use std::io::Write as _;
 use std::net::{SocketAddr, ToSocketAddrs as _};
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -150,6 +151,11 @@ pub struct ServeArgs {
     /// (fractions allowed, e.g. 0.5). Streaming bodies are not cut by it.
     #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse_timeout)]
     pub upstream_timeout: Duration,
+
+    /// Gateway worker threads, each serving its share of the connections with its own
+    /// upstream connection pool (default: one per CPU the process may use; at most 1024).
+    #[arg(long, value_name = "N", value_parser = parse_workers)]
+    pub workers: Option<NonZeroUsize>,
 }
 
 /// Validated settings of `sluice serve` (what [`ServeArgs`] resolves to).
@@ -171,6 +177,8 @@ pub struct ServeOptions {
     pub data_dir: Option<PathBuf>,
     /// Time allowed for the upstream's response headers.
     pub upstream_timeout: Duration,
+    /// Gateway worker threads.
+    pub workers: NonZeroUsize,
 }
 
 impl ServeOptions {
@@ -207,6 +215,9 @@ impl ServeOptions {
             clock_offset: args.clock_offset,
             data_dir: args.data_dir,
             upstream_timeout: args.upstream_timeout,
+            workers: args.workers.unwrap_or_else(|| {
+                std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN)
+            }),
         })
     }
 }
@@ -221,6 +232,16 @@ pub(crate) fn parse_addr(s: &str) -> Result<SocketAddr, String> {
     addrs
         .next()
         .ok_or_else(|| format!("`{s}` resolves to no address"))
+}
+
+/// Most gateway worker threads `--workers` accepts.
+const MAX_WORKERS: usize = 1024;
+
+fn parse_workers(s: &str) -> Result<NonZeroUsize, String> {
+    s.parse::<NonZeroUsize>()
+        .ok()
+        .filter(|n| n.get() <= MAX_WORKERS)
+        .ok_or_else(|| format!("expected a whole number from 1 to {MAX_WORKERS}"))
 }
 
 fn parse_upstream(s: &str) -> Result<Upstream, String> {
@@ -327,10 +348,10 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         }
     };
 
-    let proxy = Proxy::new(ProxyConfig {
+    let proxy_config = ProxyConfig {
         upstream: upstream.clone(),
         header_timeout: options.upstream_timeout,
-    });
+    };
     let profile = options.policy.profile_name.clone();
     let clock = SystemClock::with_offset(options.clock_offset);
     let store = match &options.store {
@@ -351,7 +372,12 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         Arc::clone(&limiter),
         backends_stopped.clone(),
     ));
-    let service = SluiceLayer::new(Arc::clone(&limiter)).layer(proxy);
+    // Each gateway worker gets its own stack over the one shared limiter: its own
+    // upstream connection pool, driven on its own thread.
+    let make_service = {
+        let limiter = Arc::clone(&limiter);
+        move || SluiceLayer::new(Arc::clone(&limiter)).layer(Proxy::new(proxy_config.clone()))
+    };
 
     let requests = metered::RequestStats::default();
     let admin_state = admin::AdminState::new(
@@ -380,13 +406,13 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         backends_stopped.clone().wait(),
     ));
 
+    let workers = gateway::Workers::start(options.workers, make_service, &requests, SHUTDOWN_GRACE)
+        .context("starting the gateway worker threads")?;
     let (stop_gateway, gateway_stopped) = Stop::channel();
     let gateway_task = tokio::spawn(gateway::serve(
         gateway_listener,
-        service,
-        requests,
+        workers,
         gateway_stopped.wait(),
-        SHUTDOWN_GRACE,
     ));
 
     let upstream_line = match &demo {
