@@ -195,7 +195,8 @@ pub async fn serve(
     upkeep.abort();
 }
 
-async fn metrics_text() -> Response {
+async fn metrics_text(State(state): State<AdminState>) -> Response {
+    state.inner.requests.publish();
     (
         [(
             header::CONTENT_TYPE,

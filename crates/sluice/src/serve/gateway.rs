@@ -86,7 +86,7 @@ impl Workers {
             let (handoff, sockets) = mpsc::channel(HANDOFF_QUEUE);
             let (drained, drain) = oneshot::channel();
             let service = make_service();
-            let stats = stats.clone();
+            let stats = stats.worker(index);
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;

@@ -4,62 +4,115 @@
 //! counted as well as proxied answers.
 
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use crossbeam_utils::CachePadded;
 use http::{Request, Response};
 use tower::Service;
 
 use super::proxy::BoxError;
 use super::{GatewayBody, PeerAddr};
 
-/// Request counters shared by the gateway's connections and read by `/status`.
-#[derive(Clone, Debug, Default)]
+/// Request counters of the gateway's connections, read by `/status` and `/metrics`.
+///
+/// Each worker thread counts in its own cache line ([`RequestStats::worker`]), so the
+/// workers never contend for one; readers add the lines up.
+#[derive(Clone, Debug)]
 pub struct RequestStats {
     inner: Arc<Counters>,
+    /// The line this handle counts in.
+    line: usize,
 }
 
 #[derive(Debug)]
 struct Counters {
-    in_flight: AtomicU64,
-    total: AtomicU64,
-    /// `sluice_requests_in_flight`, registered once.
+    lines: Box<[CachePadded<Line>]>,
+    /// `sluice_requests_in_flight`, registered once, set when metrics are rendered.
     in_flight_gauge: metrics::Gauge,
     /// `sluice_requests_total{status}` for the common statuses, registered once.
     by_status: Vec<(u16, metrics::Counter)>,
 }
 
-impl Default for Counters {
+/// One worker's counts.
+#[derive(Debug, Default)]
+struct Line {
+    /// Requests entered minus requests answered (may dip below zero on one line when
+    /// a request is answered on another thread than the one it entered on).
+    in_flight: AtomicI64,
+    total: AtomicU64,
+}
+
+impl Default for RequestStats {
     fn default() -> Self {
-        Counters {
-            in_flight: AtomicU64::new(0),
-            total: AtomicU64::new(0),
-            in_flight_gauge: metrics::gauge!("sluice_requests_in_flight"),
-            by_status: COMMON_STATUSES
-                .iter()
-                .map(|&(code, label)| {
-                    (
-                        code,
-                        metrics::counter!("sluice_requests_total", "status" => label),
-                    )
-                })
-                .collect(),
-        }
+        RequestStats::with_workers(NonZeroUsize::MIN)
     }
 }
 
 impl RequestStats {
+    /// Counters for `workers` worker threads.
+    pub fn with_workers(workers: NonZeroUsize) -> Self {
+        RequestStats {
+            inner: Arc::new(Counters {
+                lines: (0..workers.get())
+                    .map(|_| CachePadded::new(Line::default()))
+                    .collect(),
+                in_flight_gauge: metrics::gauge!("sluice_requests_in_flight"),
+                by_status: COMMON_STATUSES
+                    .iter()
+                    .map(|&(code, label)| {
+                        (
+                            code,
+                            metrics::counter!("sluice_requests_total", "status" => label),
+                        )
+                    })
+                    .collect(),
+            }),
+            line: 0,
+        }
+    }
+
+    /// The handle worker `index` counts with (indexes past the count share the last).
+    pub fn worker(&self, index: usize) -> Self {
+        RequestStats {
+            inner: Arc::clone(&self.inner),
+            line: index.min(self.inner.lines.len() - 1),
+        }
+    }
+
     /// Requests received whose response headers have not been produced yet.
     pub fn in_flight(&self) -> u64 {
-        self.inner.in_flight.load(Ordering::Relaxed)
+        let sum: i64 = self
+            .inner
+            .lines
+            .iter()
+            .map(|l| l.in_flight.load(Ordering::Relaxed))
+            .sum();
+        u64::try_from(sum).unwrap_or(0)
     }
 
     /// Requests received since start.
     pub fn total(&self) -> u64 {
-        self.inner.total.load(Ordering::Relaxed)
+        self.inner
+            .lines
+            .iter()
+            .map(|l| l.total.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Sets the `sluice_requests_in_flight` gauge from the counters (before a render).
+    pub fn publish(&self) {
+        // Precision: in-flight counts stay far below 2^53.
+        #[allow(clippy::cast_precision_loss)]
+        self.inner.in_flight_gauge.set(self.in_flight() as f64);
+    }
+
+    fn line(&self) -> &Line {
+        &self.inner.lines[self.line]
     }
 }
 
@@ -68,17 +121,16 @@ struct InFlight(RequestStats);
 
 impl InFlight {
     fn enter(stats: &RequestStats) -> Self {
-        stats.inner.in_flight.fetch_add(1, Ordering::Relaxed);
-        stats.inner.total.fetch_add(1, Ordering::Relaxed);
-        stats.inner.in_flight_gauge.increment(1.0);
+        let line = stats.line();
+        line.in_flight.fetch_add(1, Ordering::Relaxed);
+        line.total.fetch_add(1, Ordering::Relaxed);
         InFlight(stats.clone())
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.inner.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.0.inner.in_flight_gauge.decrement(1.0);
+        self.0.line().in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

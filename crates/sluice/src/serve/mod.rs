@@ -14,6 +14,7 @@ pub mod admin;
 pub mod demo;
 mod gateway;
 pub mod metered;
+mod pool;
 pub mod proxy;
 pub mod store;
 
@@ -379,7 +380,7 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         move || SluiceLayer::new(Arc::clone(&limiter)).layer(Proxy::new(proxy_config.clone()))
     };
 
-    let requests = metered::RequestStats::default();
+    let requests = metered::RequestStats::with_workers(options.workers);
     let admin_state = admin::AdminState::new(
         admin::StatusInfo {
             listen: format!("http://{gateway_addr}"),

@@ -1,6 +1,6 @@
 //! The reverse proxy: a tower [`Service`] that forwards each request to the upstream.
 //!
-//! - one keep-alive connection pool to the upstream;
+//! - keep-alive connections to the upstream from a per-worker [`UpstreamPool`];
 //! - hop-by-hop headers dropped both ways (`Connection` and every header it names,
 //!   `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`);
 //! - `X-Forwarded-For` and `Forwarded` get the socket peer appended (from the
@@ -26,14 +26,12 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme, Uri};
 use http::{Request, Response, StatusCode, Version};
-use http_body_util::combinators::{BoxBody, UnsyncBoxBody};
+use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt as _, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tower::Service;
 
 use super::PeerAddr;
+use super::pool::{SendError, UpstreamPool};
 
 /// The error type of streamed bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -42,13 +40,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// or a small JSON envelope.
 pub type ProxyBody = BoxBody<Bytes, BoxError>;
 
-/// The body type sent to the upstream (any incoming body, boxed).
-type OutgoingBody = UnsyncBoxBody<Bytes, BoxError>;
-
-/// How long an idle pooled upstream connection is kept.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// At most this many idle connections are kept to the upstream.
+/// At most this many keep-alive connections per worker wait for the next request.
 const POOL_MAX_IDLE: usize = 256;
 
 /// Histogram buckets (seconds) of `sluice_upstream_seconds`.
@@ -119,19 +111,26 @@ impl Upstream {
         })
     }
 
-    /// The upstream URI for an incoming request's path and query.
+    /// The request target (origin form, `/PREFIX/path?query`) sent upstream for an
+    /// incoming request's path and query.
     fn uri_for(&self, path_and_query: Option<&PathAndQuery>) -> Result<Uri, http::Error> {
-        let tail = path_and_query.map_or("/", PathAndQuery::as_str);
-        let path = if self.base_path.is_empty() {
-            tail.to_owned()
-        } else {
-            format!("{}{tail}", self.base_path)
+        let Some(tail) = path_and_query else {
+            return Ok(Uri::from_static("/"));
         };
-        Uri::builder()
-            .scheme(Scheme::HTTP)
-            .authority(self.authority.clone())
-            .path_and_query(path)
-            .build()
+        if self.base_path.is_empty() {
+            return Ok(Uri::from(tail.clone()));
+        }
+        let path = format!("{}{}", self.base_path, tail.as_str());
+        Ok(Uri::from(PathAndQuery::try_from(path)?))
+    }
+
+    /// `host:port` to connect to (port 80 when the URL names none).
+    fn connect_target(&self) -> String {
+        format!(
+            "{}:{}",
+            self.authority.host(),
+            self.authority.port_u16().unwrap_or(80)
+        )
     }
 }
 
@@ -158,7 +157,7 @@ pub struct Proxy {
 }
 
 struct Inner {
-    client: Client<HttpConnector, OutgoingBody>,
+    pool: UpstreamPool,
     config: ProxyConfig,
     /// `sluice_upstream_seconds{outcome}`: response, error, timeout
     /// (registered once, not looked up per request).
@@ -174,18 +173,13 @@ impl fmt::Debug for Proxy {
 }
 
 impl Proxy {
-    /// A proxy with its own keep-alive connection pool to `config.upstream`.
+    /// A proxy with its own keep-alive connection pool to `config.upstream`; its
+    /// connections are driven by tasks on the runtime that first uses them (each
+    /// gateway worker builds its own proxy).
     pub fn new(config: ProxyConfig) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .pool_max_idle_per_host(POOL_MAX_IDLE)
-            .build(connector);
         Proxy {
             inner: Arc::new(Inner {
-                client,
+                pool: UpstreamPool::new(config.upstream.connect_target(), POOL_MAX_IDLE),
                 config,
                 upstream_seconds: ["response", "error", "timeout"]
                     .map(|o| metrics::histogram!("sluice_upstream_seconds", "outcome" => o)),
@@ -256,7 +250,7 @@ impl Inner {
         let outgoing = Request::from_parts(parts, body.map_err(Into::into).boxed_unsync());
         let started = Instant::now();
         let result =
-            tokio::time::timeout(self.config.header_timeout, self.inner_request(outgoing)).await;
+            tokio::time::timeout(self.config.header_timeout, self.pool.send(outgoing)).await;
         let elapsed = started.elapsed().as_secs_f64();
 
         match result {
@@ -268,10 +262,9 @@ impl Inner {
             }
             Ok(Err(error)) => {
                 self.upstream_seconds[1].record(elapsed);
-                let message = if error.is_connect() {
-                    "the upstream could not be reached"
-                } else {
-                    "the upstream failed to answer"
+                let message = match error {
+                    SendError::Connect => "the upstream could not be reached",
+                    SendError::Upstream => "the upstream failed to answer",
                 };
                 error_response(StatusCode::BAD_GATEWAY, "bad_gateway", message)
             }
@@ -287,13 +280,6 @@ impl Inner {
                 )
             }
         }
-    }
-
-    fn inner_request(
-        &self,
-        request: Request<OutgoingBody>,
-    ) -> hyper_util::client::legacy::ResponseFuture {
-        self.client.request(request)
     }
 }
 
@@ -350,47 +336,86 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// Joins every value of `name` with `, `, appends `element`, and stores it as one value.
-fn append_list(headers: &mut HeaderMap, name: HeaderName, element: &str) {
-    let mut joined: Vec<u8> = Vec::new();
-    for value in headers.get_all(&name) {
-        let bytes = value.as_bytes().trim_ascii();
-        if bytes.is_empty() {
-            continue;
+fn append_list(headers: &mut HeaderMap, name: HeaderName, element: &[u8]) {
+    let value = if headers.contains_key(&name) {
+        let mut joined: Vec<u8> = Vec::new();
+        for value in headers.get_all(&name) {
+            let bytes = value.as_bytes().trim_ascii();
+            if bytes.is_empty() {
+                continue;
+            }
+            joined.extend_from_slice(bytes);
+            joined.extend_from_slice(b", ");
         }
-        joined.extend_from_slice(bytes);
-        joined.extend_from_slice(b", ");
-    }
-    joined.extend_from_slice(element.as_bytes());
+        joined.extend_from_slice(element);
+        HeaderValue::from_bytes(&joined)
+    } else {
+        HeaderValue::from_bytes(element)
+    };
     // Every piece came from a valid header value or is plain ASCII.
-    if let Ok(value) = HeaderValue::from_bytes(&joined) {
+    if let Ok(value) = value {
         headers.insert(name, value);
+    }
+}
+
+/// Writes `ip` in its usual text form: dotted decimal without the formatting
+/// machinery for IPv4 (every proxied request does this), `Display` for IPv6.
+fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b'.');
+                }
+                if octet >= 100 {
+                    out.push(b'0' + octet / 100);
+                }
+                if octet >= 10 {
+                    out.push(b'0' + octet / 10 % 10);
+                }
+                out.push(b'0' + octet % 10);
+            }
+        }
+        IpAddr::V6(v6) => {
+            use std::io::Write as _;
+            let _ = write!(out, "{v6}");
+        }
     }
 }
 
 /// Appends the peer IP to `X-Forwarded-For`.
 fn append_x_forwarded_for(headers: &mut HeaderMap, ip: IpAddr) {
+    let mut element = Vec::with_capacity(40);
+    push_ip(&mut element, ip);
     append_list(
         headers,
         HeaderName::from_static("x-forwarded-for"),
-        &ip.to_string(),
+        &element,
     );
 }
 
 /// Appends an RFC 7239 element `for=…;host="…";proto=http` to `Forwarded`.
 fn append_forwarded(headers: &mut HeaderMap, ip: IpAddr, host: Option<&HeaderValue>) {
-    let mut element = match ip {
-        IpAddr::V4(v4) => format!("for={v4}"),
-        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
-    };
-    if let Some(host) = host.and_then(|h| h.to_str().ok())
+    let mut element = Vec::with_capacity(96);
+    element.extend_from_slice(b"for=");
+    if ip.is_ipv6() {
+        element.extend_from_slice(b"\"[");
+        push_ip(&mut element, ip);
+        element.extend_from_slice(b"]\"");
+    } else {
+        push_ip(&mut element, ip);
+    }
+    if let Some(host) = host.map(HeaderValue::as_bytes)
         && !host.is_empty()
         && host
-            .bytes()
-            .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
+            .iter()
+            .all(|&b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
     {
-        element.push_str(&format!(";host=\"{host}\""));
+        element.extend_from_slice(b";host=\"");
+        element.extend_from_slice(host);
+        element.push(b'"');
     }
-    element.push_str(";proto=http");
+    element.extend_from_slice(b";proto=http");
     append_list(headers, header::FORWARDED, &element);
 }
 
@@ -436,13 +461,44 @@ mod tests {
     }
 
     #[test]
+    fn peer_addresses_are_written_as_usual() {
+        for ip in [
+            "0.0.0.0",
+            "9.10.99.100",
+            "127.0.0.1",
+            "255.255.255.255",
+            "::1",
+            "2001:db8::7",
+        ] {
+            let mut out = Vec::new();
+            push_ip(&mut out, ip.parse().expect("ip"));
+            assert_eq!(out, ip.as_bytes());
+        }
+        let mut headers = HeaderMap::new();
+        append_forwarded(&mut headers, "10.0.0.1".parse().expect("ip"), None);
+        assert_eq!(headers[header::FORWARDED], "for=10.0.0.1;proto=http");
+    }
+
+    #[test]
     fn upstream_urls_are_checked_and_joined() {
         let up = Upstream::parse("http://127.0.0.1:3000/api/").expect("valid");
         assert_eq!(up.to_string(), "http://127.0.0.1:3000/api");
         let pq = PathAndQuery::from_static("/v1/x?y=1");
         assert_eq!(
             up.uri_for(Some(&pq)).expect("uri").to_string(),
-            "http://127.0.0.1:3000/api/v1/x?y=1"
+            "/api/v1/x?y=1"
+        );
+        assert_eq!(up.connect_target(), "127.0.0.1:3000");
+        assert_eq!(
+            Upstream::parse("http://localhost")
+                .expect("valid")
+                .connect_target(),
+            "localhost:80"
+        );
+        let bare = Upstream::parse("http://127.0.0.1:3000").expect("valid");
+        assert_eq!(
+            bare.uri_for(Some(&pq)).expect("uri").to_string(),
+            "/v1/x?y=1"
         );
         assert!(Upstream::parse("https://example.com").is_err());
         assert!(Upstream::parse("ftp://example.com").is_err());

@@ -1,0 +1,292 @@
+//! Keep-alive HTTP/1.1 connections to the one upstream, one pool per gateway worker.
+//!
+//! The gateway talks to a single upstream, so the pool is a plain queue of
+//! connections: no per-host map, no key hashing, no lock contention (each worker
+//! thread has its own pool). A connection goes back into the queue as soon as its
+//! response headers arrive; it is handed out again only once hyper reports it ready,
+//! i.e. once that response's body has been read to the end. A connection found
+//! closed, or idle for longer than [`IDLE_TIMEOUT`], is dropped.
+//!
+//! A request a pooled connection never took (the upstream closed it in the meantime)
+//! is sent again on the next connection: nothing of it reached the upstream. A request
+//! that was taken and then failed is not retried.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::combinators::UnsyncBoxBody;
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use super::proxy::BoxError;
+
+/// The body type sent to the upstream (any incoming body, boxed).
+pub(super) type OutgoingBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// How long an idle connection is kept.
+pub(super) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Why a request got no response from the upstream.
+#[derive(Debug)]
+pub(super) enum SendError {
+    /// No connection could be opened.
+    Connect,
+    /// The connection failed before the response headers arrived.
+    Upstream,
+}
+
+/// One worker's connections to the upstream. Cheap to clone: clones share the queue.
+#[derive(Clone, Debug)]
+pub(super) struct UpstreamPool {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// `host:port` to connect to.
+    target: String,
+    /// At most this many connections wait in the queue.
+    max_idle: usize,
+    queue: Mutex<VecDeque<Pooled>>,
+}
+
+/// What the queue had to offer.
+enum Checkout {
+    /// A connection ready for a request.
+    Ready(SendRequest<OutgoingBody>),
+    /// Only connections still busy with a response.
+    Busy,
+    /// No open connection.
+    Empty,
+}
+
+#[derive(Debug)]
+struct Pooled {
+    sender: SendRequest<OutgoingBody>,
+    /// When it last went back into the queue.
+    since: Instant,
+}
+
+impl UpstreamPool {
+    /// A pool connecting to `target` (`host:port`), keeping at most `max_idle`
+    /// connections.
+    pub(super) fn new(target: String, max_idle: usize) -> Self {
+        UpstreamPool {
+            inner: Arc::new(Inner {
+                target,
+                max_idle,
+                queue: Mutex::new(VecDeque::new()),
+            }),
+        }
+    }
+
+    /// Sends `request` on a pooled connection, or on a new one when none is ready,
+    /// and returns the response with its body still streaming.
+    ///
+    /// # Errors
+    /// [`SendError::Connect`] when no connection could be opened,
+    /// [`SendError::Upstream`] when the upstream failed before answering.
+    pub(super) async fn send(
+        &self,
+        mut request: Request<OutgoingBody>,
+    ) -> Result<Response<Incoming>, SendError> {
+        let mut yielded = false;
+        loop {
+            match self.checkout() {
+                Checkout::Ready(mut sender) => match sender.try_send_request(request).await {
+                    Ok(response) => {
+                        self.checkin(sender);
+                        return Ok(response);
+                    }
+                    Err(mut failed) => match failed.take_message() {
+                        // Never written: the connection had closed. Try the next one.
+                        Some(unsent) => request = unsent,
+                        None => return Err(SendError::Upstream),
+                    },
+                },
+                // A connection whose body just ended turns ready once its task runs:
+                // let it run once before opening another connection.
+                Checkout::Busy if !yielded => {
+                    yielded = true;
+                    tokio::task::yield_now().await;
+                }
+                Checkout::Busy | Checkout::Empty => break,
+            }
+        }
+        let mut sender = self.connect().await?;
+        match sender.try_send_request(request).await {
+            Ok(response) => {
+                self.checkin(sender);
+                Ok(response)
+            }
+            Err(_) => Err(SendError::Upstream),
+        }
+    }
+
+    /// The oldest queued connection that is ready for a request; closed and expired
+    /// ones are dropped, busy ones (a body still streaming) stay queued.
+    fn checkout(&self) -> Checkout {
+        let mut queue = self.queue();
+        let mut busy = 0;
+        while busy < queue.len() {
+            let Some(pooled) = queue.pop_front() else {
+                break;
+            };
+            if pooled.sender.is_closed() || pooled.since.elapsed() > IDLE_TIMEOUT {
+                continue;
+            }
+            if pooled.sender.is_ready() {
+                return Checkout::Ready(pooled.sender);
+            }
+            queue.push_back(pooled);
+            busy += 1;
+        }
+        if busy > 0 {
+            Checkout::Busy
+        } else {
+            Checkout::Empty
+        }
+    }
+
+    /// Queues a connection for the next request (dropped when the queue is full:
+    /// hyper closes it once its response is done).
+    fn checkin(&self, sender: SendRequest<OutgoingBody>) {
+        let mut queue = self.queue();
+        if queue.len() < self.inner.max_idle {
+            queue.push_back(Pooled {
+                sender,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    async fn connect(&self) -> Result<SendRequest<OutgoingBody>, SendError> {
+        let stream = TcpStream::connect(self.inner.target.as_str())
+            .await
+            .map_err(|_| SendError::Connect)?;
+        let _ = stream.set_nodelay(true);
+        let (sender, connection) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|_| SendError::Upstream)?;
+        tokio::spawn(async move {
+            // An upstream connection error surfaces in the request that was using it.
+            let _ = connection.await;
+        });
+        Ok(sender)
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Pooled>> {
+        // The queue holds no invariant a panic could break half way.
+        self.inner
+            .queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt as _, Empty};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::TcpListener;
+
+    fn get(path: &str) -> Request<OutgoingBody> {
+        Request::get(path)
+            .header("host", "upstream")
+            .body(Empty::new().map_err(|never| match never {}).boxed_unsync())
+            .expect("request")
+    }
+
+    /// An upstream that answers one request per connection and then closes it
+    /// without saying so (no `Connection: close`): every pooled connection is dead
+    /// by the time it is reused.
+    async fn one_shot_upstream() -> (String, tokio::task::JoinHandle<usize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let task = tokio::spawn(async move {
+            let mut served = 0;
+            while served < 5 {
+                let Ok((mut socket, _)) = listener.accept().await else {
+                    break;
+                };
+                let mut buf = vec![0u8; 4096];
+                let mut read = 0;
+                while !buf[..read].windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buf[read..]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => read += n,
+                    }
+                }
+                let _ = socket
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+                drop(socket);
+                served += 1;
+            }
+            served
+        });
+        (addr, task)
+    }
+
+    #[tokio::test]
+    async fn connections_closed_by_the_upstream_are_never_a_failed_request() {
+        let (addr, upstream) = one_shot_upstream().await;
+        let pool = UpstreamPool::new(addr, 8);
+        for i in 0..5 {
+            let response = pool.send(get("/")).await.unwrap_or_else(|e| {
+                panic!("request {i}: {e:?}");
+            });
+            assert_eq!(response.status(), 200);
+            let body = response.into_body().collect().await.expect("body");
+            assert_eq!(body.to_bytes(), "ok");
+        }
+        assert_eq!(upstream.await.expect("upstream"), 5);
+    }
+
+    #[tokio::test]
+    async fn a_ready_connection_is_reused_and_an_unreachable_upstream_is_a_connect_error() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let accepted = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.expect("accept");
+            let mut answered = 0;
+            let mut pending = Vec::new();
+            let mut buf = [0u8; 4096];
+            while answered < 3 {
+                let n = socket.read(&mut buf).await.expect("read");
+                if n == 0 {
+                    break;
+                }
+                pending.extend_from_slice(&buf[..n]);
+                while let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+                    pending.drain(..end + 4);
+                    socket
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await
+                        .expect("write");
+                    answered += 1;
+                }
+            }
+            answered
+        });
+        let pool = UpstreamPool::new(addr.to_string(), 8);
+        for _ in 0..3 {
+            let response = pool.send(get("/")).await.expect("response");
+            response.into_body().collect().await.expect("body");
+        }
+        // All three went over the one connection the upstream accepted.
+        assert_eq!(accepted.await.expect("upstream"), 3);
+
+        let closed = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let gone = closed.local_addr().expect("addr").to_string();
+        drop(closed);
+        let pool = UpstreamPool::new(gone, 8);
+        assert!(matches!(pool.send(get("/")).await, Err(SendError::Connect)));
+    }
+}
