@@ -312,6 +312,14 @@ const HOP_BY_HOP: [HeaderName; 6] = [
 /// Removes hop-by-hop headers: the fixed list, every `Proxy-*` header and every header
 /// named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none: one pass over the names decides, without a lookup per
+    // listed header.
+    if !headers
+        .keys()
+        .any(|name| HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-"))
+    {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -439,6 +447,11 @@ mod tests {
         strip_hop_by_hop(&mut headers);
         assert_eq!(headers.len(), 1, "{headers:?}");
         assert_eq!(headers["x-kept"], "yes");
+
+        // Only a Proxy-* header: still found.
+        headers.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1, "{headers:?}");
     }
 
     #[test]
