@@ -131,7 +131,13 @@ pub(super) async fn serve(
         let Ok(stream) = stream.into_std() else {
             continue;
         };
-        if handoffs[next].send((stream, peer)).await.is_err() {
+        // A worker whose queue is full holds the acceptor back, but never the stop.
+        let handed = tokio::select! {
+            biased;
+            () = &mut stop => break,
+            handed = handoffs[next].send((stream, peer)) => handed,
+        };
+        if handed.is_err() {
             eprintln!("sluice: gateway worker {next} stopped; connection from {peer} dropped");
         }
         next = (next + 1) % handoffs.len();
