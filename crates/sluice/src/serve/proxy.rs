@@ -508,6 +508,12 @@ mod tests {
                 .connect_target(),
             "localhost:80"
         );
+        assert_eq!(
+            Upstream::parse("http://[::1]:3000")
+                .expect("valid")
+                .connect_target(),
+            "[::1]:3000"
+        );
         let bare = Upstream::parse("http://127.0.0.1:3000").expect("valid");
         assert_eq!(
             bare.uri_for(Some(&pq)).expect("uri").to_string(),
