@@ -312,33 +312,36 @@ const HOP_BY_HOP: [HeaderName; 6] = [
 /// Removes hop-by-hop headers: the fixed list, every `Proxy-*` header and every header
 /// named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages carry none: one pass over the names decides, without a lookup per
-    // listed header.
-    if !headers
-        .keys()
-        .any(|name| HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-"))
-    {
+    // One pass over the names finds what goes; most messages carry only `Connection`
+    // (or nothing) of it, so the common case is one removal and no allocation.
+    let mut doomed: Vec<HeaderName> = Vec::new();
+    for name in headers.keys() {
+        if HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-") {
+            doomed.push(name.clone());
+        }
+    }
+    if doomed.is_empty() {
         return;
     }
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+    for value in headers.get_all(header::CONNECTION) {
+        let Ok(value) = value.to_str() else {
+            continue;
+        };
+        for token in value.split(',').map(str::trim) {
+            // The connection options every keep-alive message carries name no header
+            // beyond the fixed list.
+            if token.eq_ignore_ascii_case("keep-alive")
+                || token.eq_ignore_ascii_case("close")
+                || token.is_empty()
+            {
+                continue;
+            }
+            if let Ok(name) = HeaderName::from_bytes(token.as_bytes()) {
+                doomed.push(name);
+            }
+        }
     }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
-    }
-    let proxy_headers: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| name.as_str().starts_with("proxy-"))
-        .cloned()
-        .collect();
-    for name in proxy_headers {
+    for name in doomed {
         headers.remove(name);
     }
 }
