@@ -60,6 +60,27 @@ impl Meters {
     }
 }
 
+/// Histogram buckets (seconds) of `sluice_decision_seconds`: a memory decision takes
+/// about a microsecond, a Redis one a loopback round trip or more.
+pub const DECISION_SECONDS_BUCKETS: &[f64] = &[
+    0.000_001,
+    0.000_002_5,
+    0.000_005,
+    0.000_01,
+    0.000_025,
+    0.000_05,
+    0.000_1,
+    0.000_25,
+    0.000_5,
+    0.001,
+    0.002_5,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+];
+
 /// Cells kept by the fallback store used while a shared store is down.
 pub const FALLBACK_MAX_KEYS: usize = 100_000;
 

@@ -26,14 +26,20 @@ static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
 /// handle still works but sees none of the `metrics` macros' output.
 pub fn install_metrics() -> &'static PrometheusHandle {
     PROMETHEUS.get_or_init(|| {
-        let builder = PrometheusBuilder::new();
-        let builder = match builder.set_buckets_for_metric(
-            Matcher::Full("sluice_upstream_seconds".to_owned()),
-            UPSTREAM_SECONDS_BUCKETS,
-        ) {
-            Ok(builder) => builder,
-            Err(_) => PrometheusBuilder::new(),
-        };
+        // Both latencies are histograms with fixed buckets (not summaries): they add
+        // up across replicas, and recording one costs a bucket search, not a sketch.
+        let builder = PrometheusBuilder::new()
+            .set_buckets_for_metric(
+                Matcher::Full("sluice_upstream_seconds".to_owned()),
+                UPSTREAM_SECONDS_BUCKETS,
+            )
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Full("sluice_decision_seconds".to_owned()),
+                    sluice_tower::DECISION_SECONDS_BUCKETS,
+                )
+            })
+            .unwrap_or_else(|_| PrometheusBuilder::new());
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
         if metrics::set_global_recorder(recorder).is_ok() {
