@@ -120,7 +120,10 @@ async fn e1_h2_the_31st_expensive_call_through_the_gateway_is_refused() {
     let metrics = get(&sluice.admin_url("/metrics")).await.text();
     assert!(metrics.contains("sluice_decisions_total"), "{metrics}");
     assert!(metrics.contains("sluice_refusals_total"), "{metrics}");
-    assert!(metrics.contains("sluice_decision_seconds_bucket{le="), "{metrics}");
+    assert!(
+        metrics.contains("sluice_decision_seconds_bucket{le="),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

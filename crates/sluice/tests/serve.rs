@@ -43,6 +43,65 @@ async fn demo_echo_through_the_proxy() {
     .await;
 }
 
+/// A client speaking HTTP/2 with prior knowledge (h2c) is served like an HTTP/1 one,
+/// rate-limit headers included; so is an HTTP/1 request whose first bytes arrive alone.
+#[tokio::test]
+async fn http2_prior_knowledge_and_split_http1_requests_are_served() {
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    let sluice = Sluice::spawn(&[]);
+    bounded(async {
+        let h2 = Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .build_http::<Full<Bytes>>();
+        let response = h2
+            .request(
+                Request::get(sluice.url("/search/fields"))
+                    .body(Full::new(Bytes::new()))
+                    .expect("request"),
+            )
+            .await
+            .expect("h2 request");
+        assert_eq!(response.version(), http::Version::HTTP_2);
+        assert_eq!(response.status(), 200);
+        assert_eq!(
+            response
+                .headers()
+                .get("x-ratelimit-limit")
+                .map(|v| v.as_bytes()),
+            Some(&b"300"[..])
+        );
+        let body = response.into_body().collect().await.expect("body");
+        assert_eq!(
+            serde_json::from_slice::<Value>(&body.to_bytes()).expect("json")["path"],
+            "/search/fields"
+        );
+
+        let addr = sluice.url("").trim_start_matches("http://").to_owned();
+        let mut socket = tokio::net::TcpStream::connect(addr.trim_end_matches('/'))
+            .await
+            .expect("connect");
+        socket.set_nodelay(true).expect("nodelay");
+        for piece in [
+            &b"P"[..],
+            b"OST /things/1 HTTP/1.1\r\n",
+            b"host: x\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+        ] {
+            socket.write_all(piece).await.expect("write");
+            socket.flush().await.expect("flush");
+            tokio::task::yield_now().await;
+        }
+        let mut answer = Vec::new();
+        socket.read_to_end(&mut answer).await.expect("read");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+        assert!(answer.contains("\"method\":\"POST\""), "{answer}");
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn forwarded_headers_appended_and_hop_by_hop_dropped() {
     let sluice = Sluice::spawn(&[]);
@@ -364,6 +423,15 @@ async fn sigterm_lets_an_in_flight_request_finish_then_exits_0() {
     })
     .await;
 
+    // A client that connected and never sent a byte does not hold up the drain.
+    let idle = std::net::TcpStream::connect(
+        sluice
+            .url("")
+            .trim_start_matches("http://")
+            .trim_end_matches('/'),
+    )
+    .expect("idle connection");
+
     sluice.terminate();
     let reply = bounded(slow).await.expect("slow request task");
     assert_eq!(reply.status, 200, "{}", reply.text());
@@ -373,6 +441,12 @@ async fn sigterm_lets_an_in_flight_request_finish_then_exits_0() {
         .wait_exit(Duration::from_secs(20))
         .expect("sluice exits after SIGTERM");
     assert_eq!(status.code(), Some(0), "stderr: {}", sluice.stderr());
+    assert!(
+        !sluice.stderr().contains("grace period"),
+        "stderr: {}",
+        sluice.stderr()
+    );
+    drop(idle);
 }
 
 #[test]

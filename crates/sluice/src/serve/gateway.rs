@@ -17,12 +17,12 @@ use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use http::{Request, Response};
+use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tower::Service;
 
 use super::GatewayBody;
@@ -184,12 +184,15 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+    let mut http1 = http1::Builder::new();
+    http1
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT);
+    let mut http2 = http2::Builder::new(TokioExecutor::new());
+    http2.timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
+    // Tells connections still waiting for their first bytes that the worker drains.
+    let (draining, drain_started) = watch::channel(false);
 
     while let Some((stream, peer)) = sockets.recv().await {
         let Ok(stream) = TcpStream::from_std(stream) else {
@@ -197,19 +200,126 @@ where
         };
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(Metered::new(service.clone(), peer, stats.clone()));
-        let connection = builder
-            .serve_connection(TokioIo::new(stream), service)
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let watcher = graceful.watcher();
+        let (http1, http2) = (http1.clone(), http2.clone());
+        let mut drain_started = drain_started.clone();
         tokio::spawn(async move {
+            let protocol = tokio::select! {
+                protocol = sniff(&stream) => protocol,
+                _ = drain_started.wait_for(|started| *started) => return,
+            };
             // A connection error (reset, malformed request) concerns that client only.
-            let _ = connection.await;
+            match protocol {
+                Some(Protocol::Http1) => {
+                    let _ = watcher
+                        .watch(http1.serve_connection(TokioIo::new(stream), service))
+                        .await;
+                }
+                Some(Protocol::Http2) => {
+                    let _ = watcher
+                        .watch(http2.serve_connection(TokioIo::new(stream), service))
+                        .await;
+                }
+                None => {}
+            }
         });
     }
 
+    let _ = draining.send(true);
     let open = graceful.count();
     match tokio::time::timeout(grace, graceful.shutdown()).await {
         Ok(()) => Drain::Complete,
         Err(_) => Drain::TimedOut { connections: open },
+    }
+}
+
+/// The protocol a client speaks, told by its first bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Protocol {
+    Http1,
+    /// HTTP/2 with prior knowledge (the connection preface `PRI * HTTP/2.0`).
+    Http2,
+}
+
+/// The start of the HTTP/2 connection preface; no HTTP/1 method is `PRI`.
+const H2_PREFACE_START: &[u8; 4] = b"PRI ";
+
+/// The protocol `first` bytes (at most four, at least one) tell, or `None` when they
+/// could still start either.
+fn classify(first: &[u8]) -> Option<Protocol> {
+    if !H2_PREFACE_START.starts_with(first) {
+        Some(Protocol::Http1)
+    } else if first.len() == H2_PREFACE_START.len() {
+        Some(Protocol::Http2)
+    } else {
+        None
+    }
+}
+
+/// Pause before peeking again when the first bytes could still start either protocol.
+const SNIFF_RETRY: Duration = Duration::from_millis(1);
+
+/// Peeks (without consuming) until the first bytes tell HTTP/1 from HTTP/2. `None`
+/// when the client closes or sends nothing within [`HEADER_READ_TIMEOUT`]. Deciding
+/// here, once per connection, lets each connection be served by the plain HTTP/1 or
+/// HTTP/2 server instead of one that replays the sniffed bytes on every read.
+async fn sniff(stream: &TcpStream) -> Option<Protocol> {
+    let mut first = [0u8; 4];
+    let sniffing = async {
+        loop {
+            let n = stream.peek(&mut first).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            if let Some(protocol) = classify(&first[..n]) {
+                return Some(protocol);
+            }
+            // "P", "PR" or "PRI" so far (POST, PUT, PATCH… or the preface): the
+            // peeked bytes stay readable, so wait a moment before looking again.
+            tokio::time::sleep(SNIFF_RETRY).await;
+        }
+    };
+    tokio::time::timeout(HEADER_READ_TIMEOUT, sniffing)
+        .await
+        .ok()
+        .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_bytes_tell_http1_from_http2_prior_knowledge() {
+        assert_eq!(classify(b"GET "), Some(Protocol::Http1));
+        assert_eq!(classify(b"PUT "), Some(Protocol::Http1));
+        assert_eq!(classify(b"PO"), Some(Protocol::Http1));
+        assert_eq!(classify(b"PRI "), Some(Protocol::Http2));
+        assert_eq!(classify(b"P"), None);
+        assert_eq!(classify(b"PRI"), None);
+    }
+
+    #[tokio::test]
+    async fn a_preface_arriving_in_pieces_is_still_http2() {
+        use tokio::io::AsyncWriteExt as _;
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let mut client = TcpStream::connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        let sniffed = tokio::spawn(async move { sniff(&server).await });
+        client.write_all(b"PR").await.expect("write");
+        client.flush().await.expect("flush");
+        tokio::task::yield_now().await;
+        client.write_all(b"I * HTTP/2.0\r\n").await.expect("write");
+        assert_eq!(sniffed.await.expect("sniff"), Some(Protocol::Http2));
+
+        // A client that closes before sending anything is no protocol at all.
+        let client = TcpStream::connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        drop(client);
+        assert_eq!(sniff(&server).await, None);
     }
 }
