@@ -29,7 +29,8 @@ use super::GatewayBody;
 use super::metered::{Metered, RequestStats};
 use super::proxy::BoxError;
 
-/// A client that has not sent complete request headers within this time is dropped.
+/// A client that has not sent complete request headers within this time is dropped
+/// (on a new connection, the wait for its first bytes counts once more on top).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Pause after a failed `accept` (e.g. out of file descriptors) before trying again.
@@ -131,16 +132,35 @@ pub(super) async fn serve(
         let Ok(stream) = stream.into_std() else {
             continue;
         };
-        // A worker whose queue is full holds the acceptor back, but never the stop.
-        let handed = tokio::select! {
-            biased;
-            () = &mut stop => break,
-            handed = handoffs[next].send((stream, peer)) => handed,
-        };
-        if handed.is_err() {
-            eprintln!("sluice: gateway worker {next} stopped; connection from {peer} dropped");
+        // Round robin, skipping a worker whose queue is full; only when every queue is
+        // full does the acceptor wait (and never past the stop).
+        let mut socket = Some((stream, peer));
+        for _ in 0..handoffs.len() {
+            let Some(handed) = socket.take() else {
+                break;
+            };
+            match handoffs[next].try_send(handed) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(back)) => socket = Some(back),
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    eprintln!(
+                        "sluice: gateway worker {next} stopped; connection from {peer} dropped"
+                    );
+                }
+            }
+            next = (next + 1) % handoffs.len();
         }
-        next = (next + 1) % handoffs.len();
+        if let Some(waiting) = socket {
+            let handed = tokio::select! {
+                biased;
+                () = &mut stop => break,
+                handed = handoffs[next].send(waiting) => handed,
+            };
+            if handed.is_err() {
+                eprintln!("sluice: gateway worker {next} stopped; connection from {peer} dropped");
+            }
+            next = (next + 1) % handoffs.len();
+        }
     }
 
     drop(listener);
@@ -204,7 +224,9 @@ where
         let (http1, http2) = (http1.clone(), http2.clone());
         let mut drain_started = drain_started.clone();
         tokio::spawn(async move {
+            // Bytes already there win over the drain: that request is answered.
             let protocol = tokio::select! {
+                biased;
                 protocol = sniff(&stream) => protocol,
                 _ = drain_started.wait_for(|started| *started) => return,
             };
@@ -256,8 +278,13 @@ fn classify(first: &[u8]) -> Option<Protocol> {
     }
 }
 
-/// Pause before peeking again when the first bytes could still start either protocol.
+/// First pause before peeking again when the first bytes could still start either
+/// protocol; it doubles up to [`SNIFF_RETRY_MAX`], so a client that stalls after one
+/// byte costs a handful of peeks, not one per millisecond.
 const SNIFF_RETRY: Duration = Duration::from_millis(1);
+
+/// Longest pause between two peeks.
+const SNIFF_RETRY_MAX: Duration = Duration::from_millis(100);
 
 /// Peeks (without consuming) until the first bytes tell HTTP/1 from HTTP/2. `None`
 /// when the client closes or sends nothing within [`HEADER_READ_TIMEOUT`]. Deciding
@@ -265,6 +292,7 @@ const SNIFF_RETRY: Duration = Duration::from_millis(1);
 /// HTTP/2 server instead of one that replays the sniffed bytes on every read.
 async fn sniff(stream: &TcpStream) -> Option<Protocol> {
     let mut first = [0u8; 4];
+    let mut pause = SNIFF_RETRY;
     let sniffing = async {
         loop {
             let n = stream.peek(&mut first).await.ok()?;
@@ -276,7 +304,8 @@ async fn sniff(stream: &TcpStream) -> Option<Protocol> {
             }
             // "P", "PR" or "PRI" so far (POST, PUT, PATCH… or the preface): the
             // peeked bytes stay readable, so wait a moment before looking again.
-            tokio::time::sleep(SNIFF_RETRY).await;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(SNIFF_RETRY_MAX);
         }
     };
     tokio::time::timeout(HEADER_READ_TIMEOUT, sniffing)

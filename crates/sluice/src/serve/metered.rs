@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -41,9 +41,8 @@ struct Counters {
 /// One worker's counts.
 #[derive(Debug, Default)]
 struct Line {
-    /// Requests entered minus requests answered (may dip below zero on one line when
-    /// a request is answered on another thread than the one it entered on).
-    in_flight: AtomicI64,
+    /// Requests entered minus requests answered on this worker.
+    in_flight: AtomicU64,
     total: AtomicU64,
 }
 
@@ -86,13 +85,11 @@ impl RequestStats {
 
     /// Requests received whose response headers have not been produced yet.
     pub fn in_flight(&self) -> u64 {
-        let sum: i64 = self
-            .inner
+        self.inner
             .lines
             .iter()
             .map(|l| l.in_flight.load(Ordering::Relaxed))
-            .sum();
-        u64::try_from(sum).unwrap_or(0)
+            .sum()
     }
 
     /// Requests received since start.

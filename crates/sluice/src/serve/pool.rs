@@ -4,16 +4,18 @@
 //! connections: no per-host map, no key hashing, no lock contention (each worker
 //! thread has its own pool). A connection goes back into the queue as soon as its
 //! response headers arrive; it is handed out again only once hyper reports it ready,
-//! i.e. once that response's body has been read to the end. A connection found
-//! closed, or idle for longer than [`IDLE_TIMEOUT`], is dropped.
+//! i.e. once that response's body has been read to the end, most recently queued
+//! first. A connection found closed, or queued for longer than [`IDLE_TIMEOUT`]
+//! (counted from its last response's headers), is dropped; a pruning task closes
+//! those on a quiet pool too.
 //!
 //! A request a pooled connection never took (the upstream closed it in the meantime)
 //! is sent again on the next connection: nothing of it reached the upstream. A request
 //! that was taken and then failed is not retried.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -22,14 +24,18 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use super::proxy::BoxError;
 
 /// The body type sent to the upstream (any incoming body, boxed).
 pub(super) type OutgoingBody = UnsyncBoxBody<Bytes, BoxError>;
 
-/// How long an idle connection is kept.
+/// How long a connection is kept queued (counted from its last response's headers).
 pub(super) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How often stale connections are closed.
+const PRUNE_EVERY: Duration = Duration::from_secs(10);
 
 /// Why a request got no response from the upstream.
 #[derive(Debug)]
@@ -68,21 +74,37 @@ enum Checkout {
 #[derive(Debug)]
 struct Pooled {
     sender: SendRequest<OutgoingBody>,
-    /// When it last went back into the queue.
+    /// When it last went back into the queue (when its last response's headers
+    /// arrived).
     since: Instant,
+}
+
+impl Pooled {
+    /// Closed, or queued for longer than [`IDLE_TIMEOUT`].
+    fn is_stale(&self) -> bool {
+        self.sender.is_closed() || self.since.elapsed() > IDLE_TIMEOUT
+    }
 }
 
 impl UpstreamPool {
     /// A pool connecting to `target` (`host:port`), keeping at most `max_idle`
     /// connections.
+    ///
+    /// Inside a tokio runtime, a task on it closes stale connections every
+    /// [`PRUNE_EVERY`] for as long as the pool exists, so a quiet pool does not hold
+    /// idle sockets open.
     pub(super) fn new(target: String, max_idle: usize) -> Self {
-        UpstreamPool {
+        let pool = UpstreamPool {
             inner: Arc::new(Inner {
                 target,
                 max_idle,
                 queue: Mutex::new(VecDeque::new()),
             }),
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(prune(Arc::downgrade(&pool.inner)));
         }
+        pool
     }
 
     /// Sends `request` on a pooled connection, or on a new one when none is ready,
@@ -128,28 +150,31 @@ impl UpstreamPool {
         }
     }
 
-    /// The oldest queued connection that is ready for a request; closed and expired
-    /// ones are dropped, busy ones (a body still streaming) stay queued.
+    /// The most recently queued connection that is ready for a request: the least
+    /// likely to have been closed by the upstream's keep-alive timeout, and it lets
+    /// the others idle out. Stale ones are dropped on the way; busy ones (a response
+    /// still streaming) stay queued.
     fn checkout(&self) -> Checkout {
         let mut queue = self.queue();
-        let mut busy = 0;
-        while busy < queue.len() {
-            let Some(pooled) = queue.pop_front() else {
-                break;
-            };
-            if pooled.sender.is_closed() || pooled.since.elapsed() > IDLE_TIMEOUT {
-                continue;
-            }
-            if pooled.sender.is_ready() {
+        // The front holds the longest-queued ones.
+        while queue.front().is_some_and(Pooled::is_stale) {
+            queue.pop_front();
+        }
+        let mut i = queue.len();
+        while i > 0 {
+            i -= 1;
+            if queue[i].sender.is_closed() {
+                queue.remove(i);
+            } else if queue[i].sender.is_ready()
+                && let Some(pooled) = queue.remove(i)
+            {
                 return Checkout::Ready(pooled.sender);
             }
-            queue.push_back(pooled);
-            busy += 1;
         }
-        if busy > 0 {
-            Checkout::Busy
-        } else {
+        if queue.is_empty() {
             Checkout::Empty
+        } else {
+            Checkout::Busy
         }
     }
 
@@ -180,12 +205,29 @@ impl UpstreamPool {
         Ok(sender)
     }
 
-    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Pooled>> {
+    fn queue(&self) -> MutexGuard<'_, VecDeque<Pooled>> {
+        self.inner.queue()
+    }
+}
+
+impl Inner {
+    fn queue(&self) -> MutexGuard<'_, VecDeque<Pooled>> {
         // The queue holds no invariant a panic could break half way.
-        self.inner
-            .queue
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Drops stale connections every [`PRUNE_EVERY`] until the pool is gone. Dropping a
+/// connection's sender closes it (once a response still streaming on it is done).
+async fn prune(pool: Weak<Inner>) {
+    let mut tick = tokio::time::interval(PRUNE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(pool) = pool.upgrade() else {
+            return;
+        };
+        pool.queue().retain(|pooled| !pooled.is_stale());
     }
 }
 
@@ -249,6 +291,32 @@ mod tests {
         assert_eq!(upstream.await.expect("upstream"), 5);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_quiet_pool_closes_its_idle_connections() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let upstream = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.expect("accept");
+            let mut buf = [0u8; 4096];
+            let n = socket.read(&mut buf).await.expect("read");
+            assert!(n > 0);
+            socket
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .expect("write");
+            // The next read ends only when the pool closes the connection.
+            socket.read(&mut buf).await.expect("read")
+        });
+        let pool = UpstreamPool::new(addr.to_string(), 8);
+        let response = pool.send(get("/")).await.expect("response");
+        response.into_body().collect().await.expect("body");
+        // Paused time: the timers run ahead as soon as nothing else can.
+        let closed = tokio::time::timeout(IDLE_TIMEOUT + PRUNE_EVERY * 2, upstream)
+            .await
+            .expect("the idle connection was closed by the pruning task");
+        assert_eq!(closed.expect("upstream"), 0, "closed, nothing sent");
+    }
+
     #[tokio::test]
     async fn a_ready_connection_is_reused_and_an_unreachable_upstream_is_a_connect_error() {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -276,10 +344,15 @@ mod tests {
             answered
         });
         let pool = UpstreamPool::new(addr.to_string(), 8);
-        for _ in 0..3 {
-            let response = pool.send(get("/")).await.expect("response");
-            response.into_body().collect().await.expect("body");
-        }
+        // A second connection would wait forever for an answer: bounded, it fails.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            for _ in 0..3 {
+                let response = pool.send(get("/")).await.expect("response");
+                response.into_body().collect().await.expect("body");
+            }
+        })
+        .await
+        .expect("every request went over the one accepted connection");
         // All three went over the one connection the upstream accepted.
         assert_eq!(accepted.await.expect("upstream"), 3);
 
