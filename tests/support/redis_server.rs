@@ -191,18 +191,34 @@ impl RedisCluster {
             .iter()
             .map(|p| format!("127.0.0.1:{p}"))
             .collect();
-        let created = Command::new("redis-cli")
-            .args(["--cluster", "create"])
-            .args(&nodes)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("redis-cli --cluster create");
-        assert!(
-            created.status.success(),
-            "{}",
-            String::from_utf8_lossy(&created.stdout)
-        );
+        // A node accepts connections a moment before it answers commands: wait for
+        // PONG from each, and try the creation again (bounded) if a node was still
+        // not ready for it.
+        for &p in &cluster.ports {
+            while !cluster.cli(p, &["PING"]).contains("PONG") {
+                assert!(Instant::now() < deadline, "node {p} does not answer PING");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        loop {
+            let created = Command::new("redis-cli")
+                .args(["--cluster", "create"])
+                .args(&nodes)
+                .args(["--cluster-replicas", "0", "--cluster-yes"])
+                .stdin(Stdio::null())
+                .output()
+                .expect("redis-cli --cluster create");
+            if created.status.success() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-cli --cluster create failed: {}{}",
+                String::from_utf8_lossy(&created.stdout),
+                String::from_utf8_lossy(&created.stderr)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
         while !cluster.ports.iter().all(|&p| {
             cluster
                 .cli(p, &["CLUSTER", "INFO"])
