@@ -2,12 +2,11 @@
 //!
 //! The gateway talks to a single upstream, so the pool is a plain queue of
 //! connections: no per-host map, no key hashing, no lock contention (each worker
-//! thread has its own pool). A connection goes back into the queue as soon as its
-//! response headers arrive; it is handed out again only once hyper reports it ready,
-//! i.e. once that response's body has been read to the end, most recently queued
-//! first. A connection found closed, or queued for longer than [`IDLE_TIMEOUT`]
-//! (counted from its last response's headers), is dropped; a pruning task closes
-//! those on a quiet pool too.
+//! thread has its own pool). A connection goes back into the queue once its
+//! response body has been read to the end ([`PooledBody`]) and is handed out again,
+//! most recently queued first, once hyper reports it ready. A connection found
+//! closed, or queued for longer than [`IDLE_TIMEOUT`], is dropped; a pruning task
+//! closes those on a quiet pool too.
 //!
 //! A request a pooled connection never took (the upstream closed it in the meantime)
 //! is sent again on the next connection: nothing of it reached the upstream. A request
@@ -17,8 +16,12 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use bytes::Bytes;
 use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
@@ -31,7 +34,7 @@ use super::proxy::BoxError;
 /// The body type sent to the upstream (any incoming body, boxed).
 pub(super) type OutgoingBody = UnsyncBoxBody<Bytes, BoxError>;
 
-/// How long a connection is kept queued (counted from its last response's headers).
+/// How long a connection is kept queued.
 pub(super) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How often stale connections are closed.
@@ -61,6 +64,61 @@ struct Inner {
     queue: Mutex<VecDeque<Pooled>>,
 }
 
+/// A response body from a pooled connection: when it has been read to the end, the
+/// connection goes back into the queue; dropped before that, the connection is
+/// dropped too (hyper closes it: the rest of that body is still on the wire).
+#[derive(Debug)]
+pub(super) struct PooledBody {
+    body: Incoming,
+    back: Option<(SendRequest<OutgoingBody>, UpstreamPool)>,
+}
+
+impl PooledBody {
+    fn give_back(&mut self) {
+        if let Some((sender, pool)) = self.back.take() {
+            pool.checkin(sender);
+        }
+    }
+}
+
+impl Body for PooledBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => this.give_back(),
+            // The server may stop polling once the length it announced is written.
+            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.give_back(),
+            Poll::Ready(Some(Err(_))) => this.back = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for PooledBody {
+    fn drop(&mut self) {
+        // An empty body (HEAD, 204, 304, length 0) may never be polled.
+        if self.body.is_end_stream() {
+            self.give_back();
+        }
+    }
+}
+
 /// What the queue had to offer.
 enum Checkout {
     /// A connection ready for a request.
@@ -74,8 +132,7 @@ enum Checkout {
 #[derive(Debug)]
 struct Pooled {
     sender: SendRequest<OutgoingBody>,
-    /// When it last went back into the queue (when its last response's headers
-    /// arrived).
+    /// When it went back into the queue.
     since: Instant,
 }
 
@@ -116,15 +173,12 @@ impl UpstreamPool {
     pub(super) async fn send(
         &self,
         mut request: Request<OutgoingBody>,
-    ) -> Result<Response<Incoming>, SendError> {
+    ) -> Result<Response<PooledBody>, SendError> {
         let mut yielded = false;
         loop {
             match self.checkout() {
                 Checkout::Ready(mut sender) => match sender.try_send_request(request).await {
-                    Ok(response) => {
-                        self.checkin(sender);
-                        return Ok(response);
-                    }
+                    Ok(response) => return Ok(self.returning(response, sender)),
                     Err(mut failed) => match failed.take_message() {
                         // Never written: the connection had closed. Try the next one.
                         Some(unsent) => request = unsent,
@@ -142,18 +196,15 @@ impl UpstreamPool {
         }
         let mut sender = self.connect().await?;
         match sender.try_send_request(request).await {
-            Ok(response) => {
-                self.checkin(sender);
-                Ok(response)
-            }
+            Ok(response) => Ok(self.returning(response, sender)),
             Err(_) => Err(SendError::Upstream),
         }
     }
 
     /// The most recently queued connection that is ready for a request: the least
     /// likely to have been closed by the upstream's keep-alive timeout, and it lets
-    /// the others idle out. Stale ones are dropped on the way; busy ones (a response
-    /// still streaming) stay queued.
+    /// the others idle out. Stale ones are dropped on the way; one not ready yet (its
+    /// task has not seen the end of the last response) stays queued.
     fn checkout(&self) -> Checkout {
         let mut queue = self.queue();
         // The front holds the longest-queued ones.
@@ -178,8 +229,21 @@ impl UpstreamPool {
         }
     }
 
+    /// `response` with a body that queues `sender` again once it has been read to the
+    /// end.
+    fn returning(
+        &self,
+        response: Response<Incoming>,
+        sender: SendRequest<OutgoingBody>,
+    ) -> Response<PooledBody> {
+        response.map(|body| PooledBody {
+            body,
+            back: Some((sender, self.clone())),
+        })
+    }
+
     /// Queues a connection for the next request (dropped when the queue is full:
-    /// hyper closes it once its response is done).
+    /// hyper closes it).
     fn checkin(&self, sender: SendRequest<OutgoingBody>) {
         let mut queue = self.queue();
         if queue.len() < self.inner.max_idle {
@@ -289,6 +353,40 @@ mod tests {
             assert_eq!(body.to_bytes(), "ok");
         }
         assert_eq!(upstream.await.expect("upstream"), 5);
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_half_read_never_hands_its_connection_out_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let upstream = tokio::spawn(async move {
+            // First connection: half a body, then silence. Second: a whole answer.
+            let (mut first, _) = listener.accept().await.expect("accept");
+            let mut buf = [0u8; 4096];
+            let _ = first.read(&mut buf).await.expect("read");
+            first
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nok")
+                .await
+                .expect("write");
+            let (mut second, _) = listener.accept().await.expect("accept");
+            let _ = second.read(&mut buf).await.expect("read");
+            second
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nwhole")
+                .await
+                .expect("write");
+            drop(first);
+        });
+        let pool = UpstreamPool::new(addr.to_string(), 8);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            let half = pool.send(get("/")).await.expect("first response");
+            drop(half);
+            let whole = pool.send(get("/")).await.expect("second response");
+            let body = whole.into_body().collect().await.expect("body");
+            assert_eq!(body.to_bytes(), "whol");
+        })
+        .await
+        .expect("the second request got its own connection");
+        upstream.await.expect("upstream");
     }
 
     #[tokio::test(start_paused = true)]
