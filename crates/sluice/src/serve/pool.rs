@@ -13,11 +13,10 @@
 //! that was taken and then failed is not retried.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
-use std::time::Duration;
-
 use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -123,7 +122,8 @@ impl Drop for PooledBody {
 enum Checkout {
     /// A connection ready for a request.
     Ready(SendRequest<OutgoingBody>),
-    /// Only connections still busy with a response.
+    /// Only connections not ready yet (their task has not seen their last response
+    /// end).
     Busy,
     /// No open connection.
     Empty,
