@@ -44,7 +44,10 @@ async fn demo_echo_through_the_proxy() {
 }
 
 /// A client speaking HTTP/2 with prior knowledge (h2c) is served like an HTTP/1 one,
-/// rate-limit headers included; so is an HTTP/1 request whose first bytes arrive alone.
+/// rate-limit headers included; so is an HTTP/1 request written in pieces starting
+/// with a lone `P`. Whether the pieces reach the gateway apart is up to the kernel;
+/// the wait for more bytes itself is covered deterministically by the gateway's unit
+/// test `a_preface_arriving_in_pieces_is_still_http2`.
 #[tokio::test]
 async fn http2_prior_knowledge_and_split_http1_requests_are_served() {
     use hyper_util::client::legacy::Client;

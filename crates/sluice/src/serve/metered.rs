@@ -46,12 +46,6 @@ struct Line {
     total: AtomicU64,
 }
 
-impl Default for RequestStats {
-    fn default() -> Self {
-        RequestStats::with_workers(NonZeroUsize::MIN)
-    }
-}
-
 impl RequestStats {
     /// Counters for `workers` worker threads.
     pub fn with_workers(workers: NonZeroUsize) -> Self {
