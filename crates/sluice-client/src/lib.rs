@@ -47,6 +47,8 @@
 //! # }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod backoff;
 mod call;
 mod clock;

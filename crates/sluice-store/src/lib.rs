@@ -30,6 +30,7 @@ use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
 
 mod guarded;
 mod memory;
+mod prefetch;
 #[cfg(feature = "redis")]
 mod redis;
 

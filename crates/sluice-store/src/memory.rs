@@ -5,7 +5,10 @@
 //! shard comes from a per-process randomly seeded hash of its key, so a
 //! decision locks only the one to few shards its cells fall in (in ascending
 //! order, so two decisions never deadlock). There is no global lock and no
-//! shared counter on the hot path.
+//! shared counter on the hot path. A decision over several budgets first
+//! prefetches each cell's slot (see the `prefetch` module), so the cache miss
+//! of a cold cell overlaps the locking rather than following it; a
+//! one-budget decision takes its one lock at once.
 //!
 //! # Bounds
 //! Each shard holds at most `max_keys / shards` cells (rounded up). A cell
@@ -30,6 +33,7 @@ use sluice_core::{
     decide_within_bounds,
 };
 
+use crate::prefetch::SlotHint;
 use crate::{BudgetStore, StoreError};
 
 /// The subject digest of every scope's shared overflow budget.
@@ -63,18 +67,32 @@ fn default_shards() -> usize {
 #[derive(Default)]
 struct Shard {
     cells: HashTable<(u64, u64)>,
+    /// The table's bucket count when its slots were last published.
+    published_buckets: usize,
     /// No cell becomes stale before this Unix second: a sweep before then
     /// would find nothing to drop.
     next_sweep: u64,
 }
 
 impl Shard {
-    /// Adds a cell that is not in the table.
-    fn insert(&mut self, hash: u64, cell: u64, value: u64, hasher: &foldhash::fast::RandomState) {
+    /// Adds a cell that is not in the table (and republishes where the
+    /// slots are when the table grew).
+    fn insert(
+        &mut self,
+        hash: u64,
+        cell: u64,
+        value: u64,
+        hasher: &foldhash::fast::RandomState,
+        hint: &SlotHint,
+    ) {
         use std::hash::BuildHasher;
         self.cells
             .insert_unique(hash, (cell, value), |e| hasher.hash_one(e.0));
         self.next_sweep = self.next_sweep.min((value >> 32) + 1);
+        if self.cells.num_buckets() != self.published_buckets {
+            self.published_buckets = self.cells.num_buckets();
+            hint.publish(&self.cells);
+        }
     }
 
     /// Drops stale cells if any can be stale by now.
@@ -94,11 +112,18 @@ impl Shard {
     }
 }
 
+/// One shard and the hint of where its slots are.
+#[derive(Default)]
+struct ShardSlot {
+    shard: Mutex<Shard>,
+    hint: SlotHint,
+}
+
 /// The in-process budget store (see the module docs for layout and bounds).
 pub struct MemoryStore<C: Clock = SystemClock> {
     clock: C,
     hasher: foldhash::fast::RandomState,
-    shards: Box<[CachePadded<Mutex<Shard>>]>,
+    shards: Box<[CachePadded<ShardSlot>]>,
     shard_bits: u32,
     shard_cap: usize,
     /// Cells of the shared overflow budgets (one or two per scope). Locked
@@ -123,7 +148,7 @@ impl<C: Clock> MemoryStore<C> {
             clock,
             hasher: foldhash::fast::RandomState::default(),
             shards: (0..shards)
-                .map(|_| CachePadded::new(Mutex::default()))
+                .map(|_| CachePadded::new(ShardSlot::default()))
                 .collect(),
             shard_bits: shards.trailing_zeros(),
             shard_cap,
@@ -139,7 +164,7 @@ impl<C: Clock> MemoryStore<C> {
 
     /// Cells held now (not counting the overflow budgets').
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().cells.len()).sum()
+        self.shards.iter().map(|s| s.shard.lock().cells.len()).sum()
     }
 
     /// True when no cell is held.
@@ -163,7 +188,7 @@ impl<C: Clock> MemoryStore<C> {
     pub fn reclaim(&self) {
         let now = self.clock.now();
         for s in self.shards.iter() {
-            let mut s = s.lock();
+            let mut s = s.shard.lock();
             s.next_sweep = 0;
             s.sweep(now);
         }
@@ -200,9 +225,11 @@ impl<C: Clock> MemoryStore<C> {
                     continue;
                 }
                 let hash = self.hash(cell);
+                self.shards[shard].hint.prefetch(hash);
                 slots.push(Slot {
                     cell,
                     hash,
+                    shard,
                     guard: shard,
                     place: Place::Unresolved,
                     value: 0,
@@ -221,7 +248,10 @@ impl<C: Clock> MemoryStore<C> {
                 .position(|&id| id == slot.guard)
                 .unwrap_or(0);
         }
-        let guards = shard_ids.iter().map(|&id| self.shards[id].lock()).collect();
+        let guards = shard_ids
+            .iter()
+            .map(|&id| self.shards[id].shard.lock())
+            .collect();
         Cells {
             store: self,
             now,
@@ -269,7 +299,8 @@ impl<C: Clock> MemoryStore<C> {
             return self.decide_locked(std::slice::from_ref(budget), mode);
         };
         let hash = self.hash(cell);
-        let mut shard = self.shards[self.shard_of(&budget.key)].lock();
+        let slot = &self.shards[self.shard_of(&budget.key)];
+        let mut shard = slot.shard.lock();
         if let Some(entry) = shard.cells.find_mut(hash, |e| e.0 == cell) {
             return decide_cell(budget, &mut entry.1, now, mode);
         }
@@ -283,7 +314,7 @@ impl<C: Clock> MemoryStore<C> {
         let mut value = 0;
         let decision = decide_cell(budget, &mut value, now, mode);
         if value != 0 {
-            shard.insert(hash, cell, value, &self.hasher);
+            shard.insert(hash, cell, value, &self.hasher, &slot.hint);
         }
         decision
     }
@@ -306,14 +337,18 @@ impl<C: Clock> MemoryStore<C> {
                 return self.decide_locked(budgets, mode);
             };
             let shard = self.shard_of(&b.key);
-            places.push((cell, self.hash(cell), shard));
+            let hash = self.hash(cell);
+            self.shards[shard].hint.prefetch(hash);
+            places.push((cell, hash, shard));
             if !shard_ids.contains(&shard) {
                 shard_ids.push(shard);
             }
         }
         shard_ids.sort_unstable();
-        let mut guards: ArrayVec<MutexGuard<'_, Shard>, MAX_BUDGETS> =
-            shard_ids.iter().map(|&id| self.shards[id].lock()).collect();
+        let mut guards: ArrayVec<MutexGuard<'_, Shard>, MAX_BUDGETS> = shard_ids
+            .iter()
+            .map(|&id| self.shards[id].shard.lock())
+            .collect();
         let guard_of = |shard: usize| shard_ids.iter().position(|&id| id == shard).unwrap_or(0);
         // (guard, hash, cell, old value, inserted)
         let mut undo: ArrayVec<(usize, u64, u64, u64, bool), MAX_BUDGETS> = ArrayVec::new();
@@ -338,7 +373,7 @@ impl<C: Clock> MemoryStore<C> {
             }
             let mut value = 0;
             if d.step(b, &mut value) {
-                table.insert(hash, cell, value, &self.hasher);
+                table.insert(hash, cell, value, &self.hasher, &self.shards[shard].hint);
                 undo.push((g, hash, cell, 0, true));
             }
         }
@@ -407,6 +442,8 @@ enum Place {
 struct Slot {
     cell: u64,
     hash: u64,
+    /// The store's shard holding the cell.
+    shard: usize,
     /// Index into the decision's guards.
     guard: usize,
     place: Place,
@@ -472,7 +509,8 @@ impl<C: Clock> Cells<'_, C> {
                         }
                     }
                     (Place::New, true) => {
-                        self.guards[s.guard].insert(s.hash, s.cell, s.value, hasher)
+                        let hint = &self.store.shards[s.shard].hint;
+                        self.guards[s.guard].insert(s.hash, s.cell, s.value, hasher, hint);
                     }
                     (Place::Overflow(key), true) => {
                         // Taken after every shard lock this decision holds.

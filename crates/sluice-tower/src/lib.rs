@@ -14,6 +14,8 @@
 //! # let _ = layer;
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod answer;
 mod layer;
 mod limiter;
