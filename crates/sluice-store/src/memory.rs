@@ -270,7 +270,7 @@ impl<C: Clock> MemoryStore<C> {
         Ok(())
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide_mode(&self, budgets: &[Budget], mode: Mode) -> Result<Decision, StoreError> {
         Self::check_len(budgets)?;
         match budgets {
@@ -325,7 +325,7 @@ impl<C: Clock> MemoryStore<C> {
     /// locks, so nobody sees the tentative spend. The general path decides
     /// instead (after this changed nothing) when a budget needs it: a sliding
     /// window, or a new subject arriving at a full shard.
-    #[inline]
+    #[inline(always)]
     fn decide_in_place(&self, budgets: &[Budget], mode: Mode) -> Decision {
         let now = self.clock.now();
         // (cell, hash, shard) per budget.

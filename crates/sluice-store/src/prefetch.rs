@@ -92,7 +92,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_hint_points_at_the_slot_a_lookup_starts_at() {
+    fn the_hint_knows_where_every_slot_is() {
         let hasher = foldhash::fast::RandomState::default();
         let mut table: HashTable<(u64, u64)> = HashTable::new();
         let hint = SlotHint::default();
