@@ -214,7 +214,7 @@ pub fn decide<L: Ledger>(
 /// sliding window, see [`Budget::cells`]), updating `cell` in place: a
 /// store's hot path. A two-cell budget is decided on its first cell only, so
 /// callers check `budget.cells(now).len() == 1` first.
-#[inline]
+#[inline(always)]
 pub fn decide_cell(budget: &Budget, cell: &mut u64, now: Timestamp, mode: Mode) -> Decision {
     // Built directly rather than through `InPlaceDecision`: on the hottest
     // path, moving a finished decision out of a builder costs a copy.

@@ -291,7 +291,7 @@ impl<C: Clock> MemoryStore<C> {
     /// The hottest path: one budget kept in one cell, decided in place under
     /// one shard lock (see [`MemoryStore::decide_in_place`] for when the
     /// general path decides instead).
-    #[inline]
+    #[inline(always)]
     fn decide_one(&self, budget: &Budget, mode: Mode) -> Decision {
         let now = self.clock.now();
         let cells = budget.cells(now);
