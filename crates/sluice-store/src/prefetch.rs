@@ -9,8 +9,11 @@
 //!
 //! The published address is a hint only: it is read without the lock, may
 //! be stale (the table has grown since) or torn, and is derived from two
-//! slots' addresses the table hands out, not from its private layout. A
-//! wrong hint costs one useless prefetch; nothing is ever read through it.
+//! slots' addresses the table hands out rather than from its private layout.
+//! The one thing assumed of the table is where a lookup starts: at slot
+//! `hash & (buckets - 1)`, as in swiss tables. Were any of it wrong, the
+//! prefetch would fetch a useless line, never change an answer: nothing is
+//! ever read through the hint.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
