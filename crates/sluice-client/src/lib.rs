@@ -47,8 +47,6 @@
 //! # }
 //! ```
 
-#![forbid(unsafe_code)]
-
 pub mod backoff;
 mod call;
 mod clock;

@@ -37,8 +37,6 @@
 //! assert_eq!(ok.binding().unwrap().reset, 1_764_460_860);
 //! ```
 
-#![forbid(unsafe_code)]
-
 mod breaker;
 mod calendar;
 mod clock;

@@ -16,8 +16,6 @@
 //! assert_eq!((items.count(Class::Expensive), items.count(Class::Protocol)), (1, 1));
 //! ```
 
-#![forbid(unsafe_code)]
-
 mod default;
 mod describe;
 mod identity;

@@ -6,9 +6,9 @@
 //! decision locks only the one to few shards its cells fall in (in ascending
 //! order, so two decisions never deadlock). There is no global lock and no
 //! shared counter on the hot path. A decision over several budgets first
-//! prefetches each cell's slot (see the `prefetch` module), so the cache miss
-//! of a cold cell overlaps the locking rather than following it; a
-//! one-budget decision takes its one lock at once.
+//! prefetches the slot each cell's lookup starts at (see the `prefetch`
+//! module), which can hide part of a cold cell's cache miss behind the
+//! locking; the one-cell, one-budget path takes its one lock at once.
 //!
 //! # Bounds
 //! Each shard holds at most `max_keys / shards` cells (rounded up). A cell

@@ -4,16 +4,22 @@
 //! cell up. The lookup of a cold cell misses the cache, and the lock
 //! instructions around it keep that miss from overlapping anything. So each
 //! shard publishes, outside its lock, where its table's slots are; a
-//! decision computes each cell's likely slot from its hash and prefetches
-//! that cache line first, and the miss overlaps the locking instead.
+//! decision computes from each cell's hash the slot its lookup starts at and
+//! prefetches that cache line first, which can hide part of the miss behind
+//! the locking. Only that line is fetched: the table's control bytes (read
+//! first by every lookup) are not, nor a slot a few places on where a
+//! displaced cell sits, and for a cell not yet in the table there is nothing
+//! to fetch.
 //!
 //! The published address is a hint only: it is read without the lock, may
-//! be stale (the table has grown since) or torn, and is derived from two
-//! slots' addresses the table hands out rather than from its private layout.
-//! The one thing assumed of the table is where a lookup starts: at slot
-//! `hash & (buckets - 1)`, as in swiss tables. Were any of it wrong, the
-//! prefetch would fetch a useless line, never change an answer: nothing is
-//! ever read through the hint.
+//! be stale (the table has grown since) or torn, and is derived from the
+//! addresses of slots the table hands out rather than from its private
+//! layout. What it assumes of the table: its slots form one evenly spaced
+//! array (checked on two of them at each publication), the array moves only
+//! when the bucket count changes (so publishing after every growth keeps the
+//! hint current), and a lookup starts at slot `hash & (buckets - 1)`, as in
+//! swiss tables. Were any of it wrong, the prefetch would fetch a useless
+//! line, never change an answer: nothing is ever read through the hint.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -39,19 +45,22 @@ impl SlotHint {
         let mut full = (0..buckets).filter_map(|i| {
             table
                 .get_bucket(i)
-                .map(|entry| (i, std::ptr::from_ref(entry) as usize))
+                .map(|entry| (i, std::ptr::from_ref(entry).addr()))
         });
+        // `j > i`: buckets are visited in increasing order.
         let (Some((i, a)), Some((j, b))) = (full.next(), full.next()) else {
+            self.base.store(0, Ordering::Relaxed);
             return;
         };
         let stride = (b.wrapping_sub(a) as isize) / (j - i) as isize;
         if stride.unsigned_abs() != size_of::<T>() || !buckets.is_power_of_two() {
-            // Not an array of slots as expected: publish nothing.
+            // Not an array of slots as expected: no hint.
             self.base.store(0, Ordering::Relaxed);
             return;
         }
         let base = a.wrapping_sub((i as isize).wrapping_mul(stride) as usize);
-        self.base.store(0, Ordering::Relaxed);
+        // Three relaxed stores: a reader may see them mixed with the last
+        // publication's, which only points a prefetch at a useless line.
         self.stride.store(stride as usize, Ordering::Relaxed);
         self.mask.store(buckets - 1, Ordering::Relaxed);
         self.base.store(base, Ordering::Relaxed);
@@ -70,21 +79,24 @@ impl SlotHint {
     }
 }
 
-/// Asks the CPU to bring the cache line at `address` closer. A no-op off
-/// x86-64.
+/// Asks the CPU to bring the cache line at `address` closer. A no-op
+/// without x86-64's SSE (every usual x86-64 target has it).
 #[inline]
 fn prefetch(address: usize) {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", target_feature = "sse"))]
     #[allow(unsafe_code)]
-    // SAFETY: PREFETCHT0 is a hint: it does not dereference the pointer
-    // architecturally, cannot fault, and writes nothing (Intel SDM vol. 2B,
-    // "PREFETCHh"; AMD APM vol. 3, "PREFETCHlevel"). No Rust reference or
-    // read is made from `address`, so a stale, dangling or unaligned value
-    // is sound.
+    // SAFETY: `_mm_prefetch`'s one precondition is the `sse` target feature,
+    // which the `cfg` above requires. The intrinsic lowers to LLVM's
+    // `llvm.prefetch`, which has no effect on the program's behaviour: it
+    // reads nothing through the pointer and cannot fault, so any address —
+    // stale, dangling, torn — is sound. The pointer is made without
+    // provenance; nothing dereferences it.
     unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(address as *const i8);
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+            std::ptr::without_provenance::<i8>(address),
+        );
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse")))]
     let _ = address;
 }
 

@@ -14,8 +14,6 @@
 //! # let _ = layer;
 //! ```
 
-#![forbid(unsafe_code)]
-
 mod answer;
 mod layer;
 mod limiter;

@@ -4,8 +4,6 @@
 //! `sluice check` validates a policy file. `main` maps errors to exit codes:
 //! 0 success, 1 runtime failure, 2 bad input (flags, config).
 
-#![forbid(unsafe_code)]
-
 use std::fmt;
 use std::process::ExitCode;
 
