@@ -407,6 +407,35 @@ async fn mcp_json_rpc_through_the_proxy() {
     .await;
 }
 
+/// Polls `/status` until it reports exactly `n` open client connections (bounded by
+/// the test timeout).
+async fn wait_for_connections(status_url: &str, n: u64) {
+    bounded(async {
+        while get(status_url).await.json()["connections_open"].as_u64() != Some(n) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn open_connections_are_counted_idle_or_not_until_they_close() {
+    let sluice = Sluice::spawn(&[]);
+    let status_url = sluice.admin_url("/status");
+    let addr = sluice.start.gateway;
+    wait_for_connections(&status_url, 0).await;
+    let first = std::net::TcpStream::connect(addr).expect("connect");
+    let second = std::net::TcpStream::connect(addr).expect("connect");
+    wait_for_connections(&status_url, 2).await;
+    drop(first);
+    // The worker notices the close while it waits for the first bytes.
+    wait_for_connections(&status_url, 1).await;
+    let metrics = get(&sluice.admin_url("/metrics")).await.text();
+    assert!(metrics.contains("sluice_connections_open 1"), "{metrics}");
+    drop(second);
+    wait_for_connections(&status_url, 0).await;
+}
+
 #[tokio::test]
 async fn sigterm_lets_an_in_flight_request_finish_then_exits_0() {
     let mut sluice = Sluice::spawn(&[]);
@@ -426,7 +455,9 @@ async fn sigterm_lets_an_in_flight_request_finish_then_exits_0() {
     })
     .await;
 
-    // A client that connected and never sent a byte does not hold up the drain.
+    // A client that connected and never sent a byte does not hold up the drain. Wait
+    // until a worker holds it (beside the slow request's connection), so the drain has
+    // it to close rather than leaving it in the listen queue.
     let idle = std::net::TcpStream::connect(
         sluice
             .url("")
@@ -434,6 +465,7 @@ async fn sigterm_lets_an_in_flight_request_finish_then_exits_0() {
             .trim_end_matches('/'),
     )
     .expect("idle connection");
+    wait_for_connections(&status_url, 2).await;
 
     sluice.terminate();
     let reply = bounded(slow).await.expect("slow request task");

@@ -58,6 +58,10 @@ fn describe_metrics() {
         "sluice_requests_in_flight",
         "Requests received by the gateway and not yet answered."
     );
+    metrics::describe_gauge!(
+        "sluice_connections_open",
+        "Client connections the gateway holds open, idle ones included."
+    );
     metrics::describe_histogram!(
         "sluice_upstream_seconds",
         metrics::Unit::Seconds,
@@ -93,6 +97,8 @@ pub struct Status {
     pub requests_total: u64,
     /// Requests received and not yet answered.
     pub requests_in_flight: u64,
+    /// Client connections held open, idle ones included.
+    pub connections_open: u64,
     /// Addresses and settings.
     #[serde(flatten)]
     pub info: StatusInfo,
@@ -159,6 +165,7 @@ impl AdminState {
             uptime_seconds: inner.started.elapsed().as_secs(),
             requests_total: inner.requests.total(),
             requests_in_flight: inner.requests.in_flight(),
+            connections_open: inner.requests.connections_open(),
             info: inner.info.clone(),
             limiter: inner
                 .limiter

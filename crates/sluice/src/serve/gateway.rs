@@ -223,7 +223,9 @@ where
         let watcher = graceful.watcher();
         let (http1, http2) = (http1.clone(), http2.clone());
         let mut drain_started = drain_started.clone();
+        let open = stats.open_connection();
         tokio::spawn(async move {
+            let _open = open;
             // Bytes already there win over the drain: that request is answered.
             let protocol = tokio::select! {
                 biased;

@@ -34,6 +34,8 @@ struct Counters {
     lines: Box<[CachePadded<Line>]>,
     /// `sluice_requests_in_flight`, registered once, set when metrics are rendered.
     in_flight_gauge: metrics::Gauge,
+    /// `sluice_connections_open`, likewise.
+    connections_gauge: metrics::Gauge,
     /// `sluice_requests_total{status}` for the common statuses, registered once.
     by_status: Vec<(u16, metrics::Counter)>,
 }
@@ -44,6 +46,8 @@ struct Line {
     /// Requests entered minus requests answered on this worker.
     in_flight: AtomicU64,
     total: AtomicU64,
+    /// Client connections this worker holds open (whether or not they sent a byte).
+    connections: AtomicU64,
 }
 
 impl RequestStats {
@@ -55,6 +59,7 @@ impl RequestStats {
                     .map(|_| CachePadded::new(Line::default()))
                     .collect(),
                 in_flight_gauge: metrics::gauge!("sluice_requests_in_flight"),
+                connections_gauge: metrics::gauge!("sluice_connections_open"),
                 by_status: COMMON_STATUSES
                     .iter()
                     .map(|&(code, label)| {
@@ -95,15 +100,47 @@ impl RequestStats {
             .sum()
     }
 
-    /// Sets the `sluice_requests_in_flight` gauge from the counters (before a render).
+    /// Client connections the gateway holds open now.
+    pub fn connections_open(&self) -> u64 {
+        self.inner
+            .lines
+            .iter()
+            .map(|l| l.connections.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Counts one client connection on this handle's worker until the returned guard
+    /// is dropped.
+    pub fn open_connection(&self) -> OpenConnection {
+        self.line().connections.fetch_add(1, Ordering::Relaxed);
+        OpenConnection(self.clone())
+    }
+
+    /// Sets the `sluice_requests_in_flight` and `sluice_connections_open` gauges from
+    /// the counters (before a render).
     pub fn publish(&self) {
-        // Precision: in-flight counts stay far below 2^53.
+        // Precision: both counts stay far below 2^53.
         #[allow(clippy::cast_precision_loss)]
-        self.inner.in_flight_gauge.set(self.in_flight() as f64);
+        {
+            self.inner.in_flight_gauge.set(self.in_flight() as f64);
+            self.inner
+                .connections_gauge
+                .set(self.connections_open() as f64);
+        }
     }
 
     fn line(&self) -> &Line {
         &self.inner.lines[self.line]
+    }
+}
+
+/// One open client connection, counted until dropped.
+#[derive(Debug)]
+pub struct OpenConnection(RequestStats);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.line().connections.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
