@@ -436,6 +436,59 @@ async fn open_connections_are_counted_idle_or_not_until_they_close() {
     wait_for_connections(&status_url, 0).await;
 }
 
+/// Reads one HTTP/1.1 response with a `content-length` from `stream`.
+async fn read_response(stream: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt as _;
+    let mut bytes = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length = text[..end]
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length: "))
+                .and_then(|n| n.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if bytes.len() >= end + 4 + length {
+                return text;
+            }
+        }
+        let n = stream.read(&mut chunk).await.expect("read");
+        assert!(n > 0, "connection closed mid-response: {bytes:?}");
+        bytes.extend_from_slice(&chunk[..n]);
+    }
+}
+
+#[tokio::test]
+async fn past_max_connections_a_client_waits_until_one_closes() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let sluice = Sluice::spawn(&["--max-connections", "1"]);
+    let status_url = sluice.admin_url("/status");
+    let addr = sluice.start.gateway;
+    let request = b"GET /search/fields HTTP/1.1\r\nhost: x\r\n\r\n";
+    bounded(async {
+        let mut first = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        wait_for_connections(&status_url, 1).await;
+        // The kernel completes the second client's handshake; sluice does not accept it.
+        let mut second = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        second.write_all(request).await.expect("write");
+        // The first connection is served meanwhile, and the second is still waiting.
+        first.write_all(request).await.expect("write");
+        let answer = read_response(&mut first).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let status = get(&status_url).await.json();
+        assert_eq!(status["connections_open"], 1, "{status}");
+        // Once the first closes, the second is accepted and answered.
+        drop(first);
+        let answer = read_response(&mut second).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let mut rest = [0u8; 1];
+        second.shutdown().await.expect("shutdown");
+        let _ = second.read(&mut rest).await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn sigterm_lets_an_in_flight_request_finish_then_exits_0() {
     let mut sluice = Sluice::spawn(&[]);

@@ -11,6 +11,10 @@
 //! Each worker serves one HTTP/1.1 or HTTP/2 connection per socket, driving a clone
 //! of its service stack (any `Service<Request<GatewayBody>>` answering any streaming
 //! body) wrapped in [`Metered`], and drains gracefully when told to stop.
+//!
+//! At most `max_connections` client connections are open at once: at the limit the
+//! acceptor stops accepting until one closes, and new clients wait in the kernel's
+//! listen backlog, as with nginx's `worker_connections`.
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
@@ -26,7 +30,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tower::Service;
 
 use super::GatewayBody;
-use super::metered::{Metered, RequestStats};
+use super::metered::{Metered, OpenConnection, RequestStats};
 use super::proxy::BoxError;
 
 /// A client that has not sent complete request headers within this time is dropped
@@ -50,10 +54,16 @@ pub(super) enum Drain {
     TimedOut { connections: usize },
 }
 
+/// An accepted socket on its way to a worker, counted as open from the moment it
+/// was accepted.
+type Handoff = (std::net::TcpStream, SocketAddr, OpenConnection);
+
 /// The gateway's worker threads, started and waiting for sockets.
 pub(super) struct Workers {
     /// One hand-off queue per worker; closing them tells the workers to drain.
-    handoffs: Vec<mpsc::Sender<(std::net::TcpStream, SocketAddr)>>,
+    handoffs: Vec<mpsc::Sender<Handoff>>,
+    /// The workers' counters (one line each).
+    stats: RequestStats,
     /// How each worker's drain ended.
     drains: Vec<oneshot::Receiver<Drain>>,
 }
@@ -81,6 +91,7 @@ impl Workers {
     {
         let mut workers = Workers {
             handoffs: Vec::with_capacity(count.get()),
+            stats: stats.clone(),
             drains: Vec::with_capacity(count.get()),
         };
         for index in 0..count.get() {
@@ -104,17 +115,28 @@ impl Workers {
     }
 }
 
-/// Accepts connections on `listener` and hands them to `workers` round robin until
-/// `stop` resolves; then stops accepting and waits for every worker to drain.
+/// Accepts connections on `listener` and hands them to `workers` round robin, at most
+/// `max_connections` open at once, until `stop` resolves; then stops accepting and
+/// waits for every worker to drain.
 pub(super) async fn serve(
     listener: TcpListener,
     workers: Workers,
+    max_connections: NonZeroUsize,
     stop: impl Future<Output = ()>,
 ) -> Drain {
-    let Workers { handoffs, drains } = workers;
+    let Workers {
+        handoffs,
+        stats,
+        drains,
+    } = workers;
     tokio::pin!(stop);
     let mut next = 0;
     loop {
+        tokio::select! {
+            biased;
+            () = &mut stop => break,
+            () = stats.room_for_connection(max_connections.get()) => {}
+        }
         let accepted: (TcpStream, SocketAddr) = tokio::select! {
             biased;
             () = &mut stop => break,
@@ -133,15 +155,19 @@ pub(super) async fn serve(
             continue;
         };
         // Round robin, skipping a worker whose queue is full; only when every queue is
-        // full does the acceptor wait (and never past the stop).
+        // full does the acceptor wait (and never past the stop). The socket counts on
+        // the line of the worker it is offered to.
         let mut socket = Some((stream, peer));
         for _ in 0..handoffs.len() {
-            let Some(handed) = socket.take() else {
+            let Some((stream, peer)) = socket.take() else {
                 break;
             };
-            match handoffs[next].try_send(handed) {
+            let open = stats.worker(next).open_connection();
+            match handoffs[next].try_send((stream, peer, open)) {
                 Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(back)) => socket = Some(back),
+                Err(mpsc::error::TrySendError::Full((stream, peer, _))) => {
+                    socket = Some((stream, peer));
+                }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
                     eprintln!(
                         "sluice: gateway worker {next} stopped; connection from {peer} dropped"
@@ -150,11 +176,12 @@ pub(super) async fn serve(
             }
             next = (next + 1) % handoffs.len();
         }
-        if let Some(waiting) = socket {
+        if let Some((stream, peer)) = socket {
+            let open = stats.worker(next).open_connection();
             let handed = tokio::select! {
                 biased;
                 () = &mut stop => break,
-                handed = handoffs[next].send(waiting) => handed,
+                handed = handoffs[next].send((stream, peer, open)) => handed,
             };
             if handed.is_err() {
                 eprintln!("sluice: gateway worker {next} stopped; connection from {peer} dropped");
@@ -191,7 +218,7 @@ pub(super) async fn serve(
 /// One worker: serves every socket handed to it until the hand-off queue closes, then
 /// waits up to `grace` for its connections to finish.
 async fn work<S, B>(
-    mut sockets: mpsc::Receiver<(std::net::TcpStream, SocketAddr)>,
+    mut sockets: mpsc::Receiver<Handoff>,
     service: S,
     stats: RequestStats,
     grace: Duration,
@@ -214,7 +241,7 @@ where
     // Tells connections still waiting for their first bytes that the worker drains.
     let (draining, drain_started) = watch::channel(false);
 
-    while let Some((stream, peer)) = sockets.recv().await {
+    while let Some((stream, peer, open)) = sockets.recv().await {
         let Ok(stream) = TcpStream::from_std(stream) else {
             continue;
         };
@@ -223,7 +250,6 @@ where
         let watcher = graceful.watcher();
         let (http1, http2) = (http1.clone(), http2.clone());
         let mut drain_started = drain_started.clone();
-        let open = stats.open_connection();
         tokio::spawn(async move {
             let _open = open;
             // Bytes already there win over the drain: that request is answered.

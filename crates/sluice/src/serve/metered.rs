@@ -36,6 +36,8 @@ struct Counters {
     in_flight_gauge: metrics::Gauge,
     /// `sluice_connections_open`, likewise.
     connections_gauge: metrics::Gauge,
+    /// Woken (one permit kept) when a client connection closes.
+    connection_closed: tokio::sync::Notify,
     /// `sluice_requests_total{status}` for the common statuses, registered once.
     by_status: Vec<(u16, metrics::Counter)>,
 }
@@ -60,6 +62,7 @@ impl RequestStats {
                     .collect(),
                 in_flight_gauge: metrics::gauge!("sluice_requests_in_flight"),
                 connections_gauge: metrics::gauge!("sluice_connections_open"),
+                connection_closed: tokio::sync::Notify::new(),
                 by_status: COMMON_STATUSES
                     .iter()
                     .map(|&(code, label)| {
@@ -116,6 +119,14 @@ impl RequestStats {
         OpenConnection(self.clone())
     }
 
+    /// Waits until fewer than `max` client connections are open.
+    pub async fn room_for_connection(&self, max: usize) {
+        // A close between the count and the wait leaves a permit: no wake-up is lost.
+        while self.connections_open() >= max as u64 {
+            self.inner.connection_closed.notified().await;
+        }
+    }
+
     /// Sets the `sluice_requests_in_flight` and `sluice_connections_open` gauges from
     /// the counters (before a render).
     pub fn publish(&self) {
@@ -141,6 +152,7 @@ pub struct OpenConnection(RequestStats);
 impl Drop for OpenConnection {
     fn drop(&mut self) {
         self.0.line().connections.fetch_sub(1, Ordering::Relaxed);
+        self.0.inner.connection_closed.notify_one();
     }
 }
 

@@ -157,6 +157,13 @@ pub struct ServeArgs {
     /// upstream connection pool (default: one per CPU the process may use; at most 1024).
     #[arg(long, value_name = "N", value_parser = parse_workers)]
     pub workers: Option<NonZeroUsize>,
+
+    /// Most client connections open at once, idle ones included; at the limit the
+    /// gateway stops accepting until one closes (new clients wait in the kernel's
+    /// listen backlog). Each may hold an upstream connection too: keep it under half
+    /// the process's file-descriptor limit.
+    #[arg(long, value_name = "N", default_value = "10000")]
+    pub max_connections: NonZeroUsize,
 }
 
 /// Validated settings of `sluice serve` (what [`ServeArgs`] resolves to).
@@ -180,6 +187,8 @@ pub struct ServeOptions {
     pub upstream_timeout: Duration,
     /// Gateway worker threads.
     pub workers: NonZeroUsize,
+    /// Most client connections open at once.
+    pub max_connections: NonZeroUsize,
 }
 
 impl ServeOptions {
@@ -219,6 +228,7 @@ impl ServeOptions {
             workers: args.workers.unwrap_or_else(|| {
                 std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN)
             }),
+            max_connections: args.max_connections,
         })
     }
 }
@@ -413,6 +423,7 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
     let gateway_task = tokio::spawn(gateway::serve(
         gateway_listener,
         workers,
+        options.max_connections,
         gateway_stopped.wait(),
     ));
 
