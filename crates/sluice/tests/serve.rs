@@ -460,6 +460,33 @@ async fn read_response(stream: &mut tokio::net::TcpStream) -> String {
 }
 
 #[tokio::test]
+async fn an_oversized_request_head_is_refused_with_431() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let sluice = Sluice::spawn(&[]);
+    let addr = sluice.start.gateway;
+    bounded(async {
+        for (header_bytes, status) in [(60_000, "200"), (200_000, "431")] {
+            let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            let head = format!(
+                "GET /search/fields HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-big: {}\r\n\r\n",
+                "a".repeat(header_bytes)
+            );
+            // The gateway may answer and close before it has read everything.
+            let _ = client.write_all(head.as_bytes()).await;
+            let mut answer = Vec::new();
+            let _ = client.read_to_end(&mut answer).await;
+            let answer = String::from_utf8_lossy(&answer);
+            assert!(
+                answer.starts_with(&format!("HTTP/1.1 {status}")),
+                "{header_bytes}-byte header: {}",
+                &answer[..answer.len().min(200)]
+            );
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn past_max_connections_a_client_waits_until_one_closes() {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let sluice = Sluice::spawn(&["--max-connections", "1"]);

@@ -37,6 +37,14 @@ use super::proxy::BoxError;
 /// (on a new connection, the wait for its first bytes counts once more on top).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The cap on a connection's read buffer, and so on a request head (request line and
+/// headers): an HTTP/1 head that does not fit is refused with 431 (hyper checks the
+/// cap between reads, so heads up to 64 KiB always pass and one that fills the
+/// buffer past it, at most about twice the cap, is refused); an HTTP/2 header list
+/// past it is refused by the h2 layer. With `--max-connections` it bounds the memory
+/// client connections can pin (about 10,000 × 128 KiB at the defaults).
+const MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
+
 /// Pause after a failed `accept` (e.g. out of file descriptors) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -234,9 +242,12 @@ where
     let mut http1 = http1::Builder::new();
     http1
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_REQUEST_HEAD_BYTES);
     let mut http2 = http2::Builder::new(TokioExecutor::new());
-    http2.timer(TokioTimer::new());
+    http2
+        .timer(TokioTimer::new())
+        .max_header_list_size(MAX_REQUEST_HEAD_BYTES as u32);
     let graceful = GracefulShutdown::new();
     // Tells connections still waiting for their first bytes that the worker drains.
     let (draining, drain_started) = watch::channel(false);
