@@ -44,6 +44,14 @@ impl Budget {
         rate::cells(&self.rate, &self.key, now)
     }
 
+    /// The key of the one cell this budget keeps its state in, or `None`
+    /// for a budget that needs two (see [`Rate::is_one_cell`]). Cheaper than
+    /// [`Budget::cells`] on a store's hot path.
+    #[inline(always)]
+    pub fn one_cell(&self) -> Option<u64> {
+        self.rate.is_one_cell().then(|| self.key.fingerprint())
+    }
+
     /// The same budget with another key (e.g. a shared overflow subject).
     pub fn with_key(mut self, key: BudgetKey) -> Self {
         self.key = key;
@@ -221,10 +229,10 @@ pub fn decide<L: Ledger>(
 pub fn decide_cell(budget: &Budget, cell: &mut u64, now: Timestamp, mode: Mode) -> Decision {
     // Built directly rather than through `InPlaceDecision`: on the hottest
     // path, moving a finished decision out of a builder costs a copy.
-    let e = rate::evaluate(&budget.rate, &[0], &[*cell], budget.limit, budget.cost, now);
+    let e = rate::evaluate_one(&budget.rate, *cell, budget.limit, budget.cost, now);
     let admitted = e.verdict == Verdict::Admitted;
     let spent = admitted && mode == Mode::Spend;
-    if spent && let Some(&(_, v)) = e.writes.first() {
+    if spent && let Some(v) = e.write {
         *cell = v;
     }
     let mut decision = Decision {
@@ -284,12 +292,12 @@ impl InPlaceDecision {
             return false;
         }
         let now = self.decision.decided_at;
-        let e = rate::evaluate(&budget.rate, &[0], &[*cell], budget.limit, budget.cost, now);
+        let e = rate::evaluate_one(&budget.rate, *cell, budget.limit, budget.cost, now);
         self.decision.admitted &= e.verdict == Verdict::Admitted;
         let mut wrote = false;
         if self.decision.admitted
             && self.mode == Mode::Spend
-            && let Some(&(_, v)) = e.writes.first()
+            && let Some(v) = e.write
         {
             *cell = v;
             wrote = true;

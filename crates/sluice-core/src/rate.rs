@@ -72,6 +72,15 @@ pub enum Rate {
     },
 }
 
+impl Rate {
+    /// True when a budget of this rate keeps its state in one cell: every
+    /// rate but the sliding window (which reads two).
+    #[inline(always)]
+    pub const fn is_one_cell(&self) -> bool {
+        !matches!(self, Rate::SlidingWindow { .. })
+    }
+}
+
 /// What one budget says about one request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verdict {
@@ -169,6 +178,105 @@ fn verdict_for(fits: bool, never: bool, retry_after_nanos: u64) -> Verdict {
     }
 }
 
+/// One one-cell budget's evaluation (every [`Rate`] but the sliding window):
+/// its status before and after spending, and the value to write if every
+/// budget of the decision admits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct OneCell {
+    pub(crate) verdict: Verdict,
+    pub(crate) remaining_before: u32,
+    pub(crate) remaining_after: u32,
+    pub(crate) reset: u64,
+    /// The cell's new value when the cost fits and is not zero.
+    pub(crate) write: Option<u64>,
+}
+
+/// Evaluates spending `cost` of `limit` at `now` on a one-cell budget whose
+/// cell holds `value`: the stores' hot path, always inlined. A sliding window
+/// is evaluated on its current window's cell alone (a previous window of
+/// zero); callers check [`Rate::is_one_cell`] first.
+#[inline(always)]
+pub(crate) fn evaluate_one(
+    rate: &Rate,
+    value: u64,
+    limit: u32,
+    cost: u32,
+    now: Timestamp,
+) -> OneCell {
+    let never = cost > limit;
+    match rate {
+        Rate::FixedWindow { .. } | Rate::CalendarMonth => {
+            let (_, end) = window_bounds(rate, now);
+            let spent = if value >> 32 == end.min(u64::from(u32::MAX)) {
+                low(value)
+            } else {
+                0
+            };
+            let spent = spent.min(limit);
+            let fits = !never && spent.saturating_add(cost) <= limit;
+            let remaining_before = limit - spent;
+            let remaining_after = if fits {
+                remaining_before - cost
+            } else {
+                remaining_before
+            };
+            let verdict = if fits {
+                Verdict::Admitted
+            } else {
+                verdict_for(
+                    false,
+                    never,
+                    (end * NANOS_PER_SEC).saturating_sub(now.as_nanos()),
+                )
+            };
+            OneCell {
+                verdict,
+                remaining_before,
+                remaining_after,
+                reset: end,
+                write: (fits && cost > 0).then(|| pack(end, spent + cost)),
+            }
+        }
+        Rate::Gcra { period, burst } => {
+            let t = (duration_nanos(*period) / u64::from(limit.max(1))).max(1);
+            let capacity = t.saturating_mul(u64::from(burst.get()));
+            let stored_tat = (value >> 32) * NANOS_PER_SEC + u64::from(low(value) % 1_000_000_000);
+            let tat = stored_tat.max(now.as_nanos());
+            let debt = tat - now.as_nanos();
+            let spend = t.saturating_mul(u64::from(cost));
+            let never = never || u64::from(cost) > u64::from(burst.get());
+            let fits = !never && debt + spend <= capacity;
+            let remaining_before = (capacity.saturating_sub(debt) / t) as u32;
+            let remaining_after = if fits {
+                ((capacity - debt - spend) / t) as u32
+            } else {
+                remaining_before
+            };
+            let new_tat = tat + spend;
+            let drained = if fits { new_tat } else { tat };
+            let retry = (debt + spend).saturating_sub(capacity);
+            OneCell {
+                verdict: verdict_for(fits, never, retry),
+                remaining_before,
+                remaining_after,
+                reset: drained.div_ceil(NANOS_PER_SEC),
+                write: (fits && cost > 0)
+                    .then(|| pack(new_tat / NANOS_PER_SEC, (new_tat % NANOS_PER_SEC) as u32)),
+            }
+        }
+        Rate::SlidingWindow { .. } => {
+            let e = evaluate(rate, &[0], &[value], limit, cost, now);
+            OneCell {
+                verdict: e.verdict,
+                remaining_before: e.remaining_before,
+                remaining_after: e.remaining_after,
+                reset: e.reset,
+                write: e.writes.first().map(|&(_, v)| v),
+            }
+        }
+    }
+}
+
 #[inline]
 /// Evaluates spending `cost` of `limit` at `now`, given the cells' values (in
 /// the order of [`cells`]).
@@ -183,33 +291,6 @@ pub(crate) fn evaluate(
     let never = cost > limit;
     let mut writes = ArrayVec::new();
     match rate {
-        Rate::FixedWindow { .. } | Rate::CalendarMonth => {
-            let (_, end) = window_bounds(rate, now);
-            let spent = if values[0] >> 32 == end.min(u64::from(u32::MAX)) {
-                low(values[0])
-            } else {
-                0
-            };
-            let spent = spent.min(limit);
-            let fits = !never && spent.saturating_add(cost) <= limit;
-            let remaining_before = limit - spent;
-            let remaining_after = if fits {
-                remaining_before - cost
-            } else {
-                remaining_before
-            };
-            if fits && cost > 0 {
-                writes.push((cell_keys[0], pack(end, spent + cost)));
-            }
-            let retry = (end * NANOS_PER_SEC).saturating_sub(now.as_nanos());
-            Evaluation {
-                verdict: verdict_for(fits, never, retry),
-                remaining_before,
-                remaining_after,
-                reset: end,
-                writes,
-            }
-        }
         Rate::SlidingWindow { seconds } => {
             let w_secs = u64::from(seconds.get());
             let (start, end) = window_bounds(rate, now);
@@ -268,36 +349,16 @@ pub(crate) fn evaluate(
                 writes,
             }
         }
-        Rate::Gcra { period, burst } => {
-            let t = (duration_nanos(*period) / u64::from(limit.max(1))).max(1);
-            let capacity = t.saturating_mul(u64::from(burst.get()));
-            let stored_tat =
-                (values[0] >> 32) * NANOS_PER_SEC + u64::from(low(values[0]) % 1_000_000_000);
-            let tat = stored_tat.max(now.as_nanos());
-            let debt = tat - now.as_nanos();
-            let spend = t.saturating_mul(u64::from(cost));
-            let never = never || u64::from(cost) > u64::from(burst.get());
-            let fits = !never && debt + spend <= capacity;
-            let remaining_before = (capacity.saturating_sub(debt) / t) as u32;
-            let remaining_after = if fits {
-                ((capacity - debt - spend) / t) as u32
-            } else {
-                remaining_before
-            };
-            let new_tat = tat + spend;
-            if fits && cost > 0 {
-                writes.push((
-                    cell_keys[0],
-                    pack(new_tat / NANOS_PER_SEC, (new_tat % NANOS_PER_SEC) as u32),
-                ));
+        _ => {
+            let e = evaluate_one(rate, values[0], limit, cost, now);
+            if let Some(v) = e.write {
+                writes.push((cell_keys[0], v));
             }
-            let drained = if fits { new_tat } else { tat };
-            let retry = (debt + spend).saturating_sub(capacity);
             Evaluation {
-                verdict: verdict_for(fits, never, retry),
-                remaining_before,
-                remaining_after,
-                reset: drained.div_ceil(NANOS_PER_SEC),
+                verdict: e.verdict,
+                remaining_before: e.remaining_before,
+                remaining_after: e.remaining_after,
+                reset: e.reset,
                 writes,
             }
         }
