@@ -46,7 +46,8 @@ pub struct MemoryConfig {
     /// two per sliding-window one). At 16 bytes a cell plus table overhead,
     /// the default of 1,000,000 stays under ~40 MB.
     pub max_keys: usize,
-    /// The number of shards, rounded up to a power of two (at least 1).
+    /// The number of shards, rounded up to a power of two, from 1 to
+    /// [`MAX_SHARDS`].
     pub shards: usize,
 }
 
@@ -59,9 +60,14 @@ impl Default for MemoryConfig {
     }
 }
 
+/// The most shards a store has: a multi-budget decision names the shards it
+/// locks with one 64-bit mask, so it orders its locks and finds each budget's
+/// lock without a data-dependent branch (those mispredict on random shards).
+pub const MAX_SHARDS: usize = 64;
+
 fn default_shards() -> usize {
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-    (cores * 16).next_power_of_two()
+    (cores * 16).next_power_of_two().min(MAX_SHARDS)
 }
 
 #[derive(Default)]
@@ -142,7 +148,7 @@ impl MemoryStore<SystemClock> {
 impl<C: Clock> MemoryStore<C> {
     /// A store reading time from `clock`.
     pub fn with_clock(config: MemoryConfig, clock: C) -> Self {
-        let shards = config.shards.max(1).next_power_of_two();
+        let shards = config.shards.clamp(1, MAX_SHARDS).next_power_of_two();
         let shard_cap = config.max_keys.div_ceil(shards).max(1);
         MemoryStore {
             clock,
@@ -293,11 +299,10 @@ impl<C: Clock> MemoryStore<C> {
     /// general path decides instead).
     #[inline(always)]
     fn decide_one(&self, budget: &Budget, mode: Mode) -> Decision {
-        let now = self.clock.now();
-        let cells = budget.cells(now);
-        let &[cell] = cells.as_slice() else {
+        let Some(cell) = budget.one_cell() else {
             return self.decide_locked(std::slice::from_ref(budget), mode);
         };
+        let now = self.clock.now();
         let hash = self.hash(cell);
         let slot = &self.shards[self.shard_of(&budget.key)];
         let mut shard = slot.shard.lock();
@@ -327,35 +332,41 @@ impl<C: Clock> MemoryStore<C> {
     /// window, or a new subject arriving at a full shard.
     #[inline(always)]
     fn decide_in_place(&self, budgets: &[Budget], mode: Mode) -> Decision {
+        let budgets = &budgets[..budgets.len().min(MAX_BUDGETS)];
         let now = self.clock.now();
-        // (cell, hash, shard) per budget.
-        let mut places: ArrayVec<(u64, u64, usize), MAX_BUDGETS> = ArrayVec::new();
-        let mut shard_ids: ArrayVec<usize, MAX_BUDGETS> = ArrayVec::new();
-        for b in budgets {
-            let cells = b.cells(now);
-            let &[cell] = cells.as_slice() else {
+        // Per budget: its cell, the cell's hash, its shard. Then the shards
+        // as one mask, locked in ascending order (two decisions never wait on
+        // each other in a cycle); no branch depends on which shards they are.
+        let mut cells = [0u64; MAX_BUDGETS];
+        let mut hashes = [0u64; MAX_BUDGETS];
+        let mut shards = [0usize; MAX_BUDGETS];
+        for (i, b) in budgets.iter().enumerate() {
+            let Some(cell) = b.one_cell() else {
                 return self.decide_locked(budgets, mode);
             };
             let shard = self.shard_of(&b.key);
             let hash = self.hash(cell);
             self.shards[shard].hint.prefetch(hash);
-            places.push((cell, hash, shard));
-            if !shard_ids.contains(&shard) {
-                shard_ids.push(shard);
-            }
+            (cells[i], hashes[i], shards[i]) = (cell, hash, shard);
         }
-        shard_ids.sort_unstable();
-        let mut guards: ArrayVec<MutexGuard<'_, Shard>, MAX_BUDGETS> = shard_ids
-            .iter()
-            .map(|&id| self.shards[id].shard.lock())
-            .collect();
-        let guard_of = |shard: usize| shard_ids.iter().position(|&id| id == shard).unwrap_or(0);
+        let mut locked = 0u64;
+        for &shard in &shards[..budgets.len()] {
+            locked |= 1 << shard;
+        }
+        let mut guards: ArrayVec<MutexGuard<'_, Shard>, MAX_BUDGETS> = ArrayVec::new();
+        let mut rest = locked;
+        while rest != 0 {
+            guards.push(self.shards[rest.trailing_zeros() as usize].shard.lock());
+            rest &= rest - 1;
+        }
         // (guard, hash, cell, old value, inserted)
         let mut undo: ArrayVec<(usize, u64, u64, u64, bool), MAX_BUDGETS> = ArrayVec::new();
         let mut d = InPlaceDecision::new(now, mode);
         let mut fell_back = false;
-        for (b, &(cell, hash, shard)) in budgets.iter().zip(&places) {
-            let g = guard_of(shard);
+        for (i, b) in budgets.iter().enumerate() {
+            let (cell, hash, shard) = (cells[i], hashes[i], shards[i]);
+            // The guard of `shard`: the locked shards below it, counted.
+            let g = (locked & ((1 << shard) - 1)).count_ones() as usize;
             let table = &mut guards[g];
             if let Some(entry) = table.cells.find_mut(hash, |e| e.0 == cell) {
                 let old = entry.1;

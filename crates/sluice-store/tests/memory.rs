@@ -72,6 +72,26 @@ fn concurrent_multi_budget_decisions_are_all_or_nothing_and_exact() {
 }
 
 #[test]
+fn a_decision_over_many_shards_spends_each_budget_in_its_own_shard() {
+    // Asked for more shards than a store has (clamped to MAX_SHARDS), eight
+    // subjects land on several shards; each budget's cell must be the one a
+    // single-budget decision (which finds its shard directly) reads back.
+    let store = store(10_000, 4 * sluice_store::MAX_SHARDS);
+    let mut budgets: Vec<Budget> = (0..8u8)
+        .map(|s| Budget::per_window(BudgetKey::new("read", &[s]), 5, minute()))
+        .collect();
+    budgets[7].limit = 2;
+    let admitted: Vec<bool> = (0..3)
+        .map(|_| store.decide_now(&budgets).expect("decide").is_admitted())
+        .collect();
+    assert_eq!(admitted, [true, true, false]);
+    for b in &budgets {
+        let alone = store.peek_now(std::slice::from_ref(b)).expect("peek");
+        assert_eq!(alone.statuses()[0].remaining, b.limit - 2, "{b:?}");
+    }
+}
+
+#[test]
 fn a_million_new_keys_stay_under_the_cap_and_an_active_key_keeps_its_count() {
     let store = store(100_000, 64);
     let active = Budget::per_window(BudgetKey::new("standard", b"active caller"), 60, minute());
