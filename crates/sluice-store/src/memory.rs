@@ -285,6 +285,14 @@ impl<C: Clock> MemoryStore<C> {
         }
     }
 
+    /// Which of a decision's guards holds `shard`, the shards it locked being
+    /// the bits of `locked`, in ascending order: the locked shards below
+    /// `shard`, counted.
+    #[inline(always)]
+    fn guard_of(locked: u64, shard: usize) -> usize {
+        (locked & ((1 << shard) - 1)).count_ones() as usize
+    }
+
     /// The general path: every shard involved locked, cells read through [`Cells`].
     fn decide_locked(&self, budgets: &[Budget], mode: Mode) -> Decision {
         let now = self.clock.now();
@@ -359,20 +367,18 @@ impl<C: Clock> MemoryStore<C> {
             guards.push(self.shards[rest.trailing_zeros() as usize].shard.lock());
             rest &= rest - 1;
         }
-        // (guard, hash, cell, old value, inserted)
-        let mut undo: ArrayVec<(usize, u64, u64, u64, bool), MAX_BUDGETS> = ArrayVec::new();
+        // Per budget (bit i): whether its cell was written, and whether it
+        // was inserted; the values the written cells held before.
+        let (mut wrote, mut inserted) = (0u32, 0u32);
+        let mut olds = [0u64; MAX_BUDGETS];
         let mut d = InPlaceDecision::new(now, mode);
         let mut fell_back = false;
         for (i, b) in budgets.iter().enumerate() {
             let (cell, hash, shard) = (cells[i], hashes[i], shards[i]);
-            // The guard of `shard`: the locked shards below it, counted.
-            let g = (locked & ((1 << shard) - 1)).count_ones() as usize;
-            let table = &mut guards[g];
+            let table = &mut guards[Self::guard_of(locked, shard)];
             if let Some(entry) = table.cells.find_mut(hash, |e| e.0 == cell) {
-                let old = entry.1;
-                if d.step(b, &mut entry.1) {
-                    undo.push((g, hash, cell, old, false));
-                }
+                olds[i] = entry.1;
+                wrote |= u32::from(d.step(b, &mut entry.1)) << i;
                 continue;
             }
             if table.cells.len() >= self.shard_cap {
@@ -385,19 +391,23 @@ impl<C: Clock> MemoryStore<C> {
             let mut value = 0;
             if d.step(b, &mut value) {
                 table.insert(hash, cell, value, &self.hasher, &self.shards[shard].hint);
-                undo.push((g, hash, cell, 0, true));
+                wrote |= 1 << i;
+                inserted |= 1 << i;
             }
         }
         let decision = d.finish();
-        if fell_back || !(decision.is_admitted() || undo.is_empty()) {
-            for &(g, hash, cell, old, inserted) in undo.iter().rev() {
-                let table = &mut guards[g].cells;
-                if inserted {
+        if fell_back || !(decision.is_admitted() || wrote == 0) {
+            // Last written first: a cell two budgets share gets back, step
+            // by step, the value it held before the first.
+            for i in (0..budgets.len()).rev().filter(|&i| wrote & (1 << i) != 0) {
+                let (cell, hash) = (cells[i], hashes[i]);
+                let table = &mut guards[Self::guard_of(locked, shards[i])].cells;
+                if inserted & (1 << i) != 0 {
                     if let Ok(e) = table.find_entry(hash, |e| e.0 == cell) {
                         e.remove();
                     }
                 } else if let Some(e) = table.find_mut(hash, |e| e.0 == cell) {
-                    e.1 = old;
+                    e.1 = olds[i];
                 }
             }
         }

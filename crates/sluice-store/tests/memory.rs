@@ -178,7 +178,7 @@ proptest! {
     /// Below its cap the sharded store decides exactly as the pure model.
     #[test]
     fn memory_store_matches_the_pure_model(
-        ops in prop::collection::vec((0u64..4_000, 0usize..6, 0u32..5, any::<bool>()), 1..300)
+        ops in prop::collection::vec((0u64..4_000, 0usize..6, 0u32..5, 0usize..4), 1..300)
     ) {
         let store = store(10_000, 4);
         let clock = store.clock().clone();
@@ -194,10 +194,18 @@ proptest! {
             Budget { key: BudgetKey::new("s", b"1"), rate: Rate::SlidingWindow { seconds: NonZeroU32::new(10).expect("nz") }, limit: 9, cost: 1 },
             Budget { key: BudgetKey::new("q", b"1"), rate: Rate::CalendarMonth, limit: 50, cost: 1 },
         ];
-        for (gap, which, cost, pair) in ops {
+        // `shape`: one budget; the same budget twice (one cell, two costs);
+        // two budgets; or the same budget twice and then another, which
+        // may refuse after both spends on the shared cell.
+        for (gap, which, cost, shape) in ops {
             clock.advance(Duration::from_millis(gap));
             let first = budgets[which % 4].with_cost(cost);
-            let req: Vec<Budget> = if pair { vec![first, budgets[(which + 1) % 4]] } else { vec![first] };
+            let req: Vec<Budget> = match shape {
+                0 => vec![first],
+                1 => vec![first, budgets[which % 4].with_cost(2)],
+                2 => vec![first, budgets[(which + 1) % 4]],
+                _ => vec![first, budgets[which % 4], budgets[(which + 1) % 4].with_cost(3)],
+            };
             let got = store.decide_now(&req).expect("store");
             let want = decide(&req, &mut Model(&mut model), clock_now(&clock), Mode::Spend).expect("model");
             prop_assert_eq!(got, want);
