@@ -51,12 +51,13 @@ impl BudgetKey {
 
     /// One 64-bit fingerprint of the pair, used as a cell key by stores.
     ///
-    /// For a fixed scope the map from subject to fingerprint is a bijection, so
-    /// two subjects of one scope never share a cell; a collision across scopes
-    /// needs a SipHash second preimage.
+    /// For a fixed scope the map from subject to fingerprint is a bijection
+    /// (an xor, then a bijective mix), so two subjects of one scope never
+    /// share a cell; a collision across scopes needs a subject digest equal
+    /// to another's xor both scope digests: a SipHash second preimage.
     #[inline]
     pub const fn fingerprint(&self) -> u64 {
-        mix64(self.subject ^ mix64(self.scope))
+        mix64(self.subject ^ self.scope)
     }
 }
 
