@@ -131,6 +131,8 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     hasher: foldhash::fast::RandomState,
     shards: Box<[CachePadded<ShardSlot>]>,
     shard_bits: u32,
+    /// Random and odd: see [`MemoryStore::shard_of`].
+    shard_multiplier: u64,
     shard_cap: usize,
     /// Cells of the shared overflow budgets (one or two per scope). Locked
     /// only after every shard lock a decision takes.
@@ -150,9 +152,15 @@ impl<C: Clock> MemoryStore<C> {
     pub fn with_clock(config: MemoryConfig, clock: C) -> Self {
         let shards = config.shards.clamp(1, MAX_SHARDS).next_power_of_two();
         let shard_cap = config.max_keys.div_ceil(shards).max(1);
+        let hasher = foldhash::fast::RandomState::default();
+        let shard_multiplier = {
+            use std::hash::BuildHasher;
+            hasher.hash_one(OVERFLOW_SUBJECT) | 1
+        };
         MemoryStore {
             clock,
-            hasher: foldhash::fast::RandomState::default(),
+            hasher,
+            shard_multiplier,
             shards: (0..shards)
                 .map(|_| CachePadded::new(ShardSlot::default()))
                 .collect(),
@@ -208,14 +216,16 @@ impl<C: Clock> MemoryStore<C> {
 
     /// The shard holding every cell of `key`'s subject: all budgets of one
     /// caller (or one IP) sit behind one lock, so a request locks one shard
-    /// per subject rather than one per budget. The subject is rehashed with
-    /// this process's random seed, so nobody can aim keys at one shard.
+    /// per subject rather than one per budget. The shard is the top bits of
+    /// the subject times this process's random odd multiplier
+    /// (multiply-shift, a universal family), so nobody can aim keys at one
+    /// shard.
     #[inline]
     fn shard_of(&self, key: &BudgetKey) -> usize {
         if self.shard_bits == 0 {
             0
         } else {
-            (self.hash(key.subject()) >> (64 - self.shard_bits)) as usize
+            (key.subject().wrapping_mul(self.shard_multiplier) >> (64 - self.shard_bits)) as usize
         }
     }
 
@@ -585,5 +595,31 @@ impl<C: Clock> BudgetStore for MemoryStore<C> {
         reserved_at: Timestamp,
     ) -> impl Future<Output = Result<BudgetStatus, StoreError>> + Send {
         std::future::ready(Ok(self.adjust_now(budget, delta, reserved_at)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subjects_spread_evenly_over_the_shards() {
+        // Sequential subjects (the worst case for a weak multiplier) and
+        // random ones: no shard gets more than 1.25x its fair share.
+        let store = MemoryStore::new(MemoryConfig {
+            max_keys: 1_000,
+            shards: 32,
+        });
+        let sequential = (0..64_000u64).map(|s| BudgetKey::from_digests(1, s));
+        let digested = (0..64_000u64).map(|s| BudgetKey::new("ip", &s.to_le_bytes()));
+        for keys in [sequential.collect::<Vec<_>>(), digested.collect::<Vec<_>>()] {
+            let mut per_shard = [0u32; 32];
+            for k in &keys {
+                per_shard[store.shard_of(k)] += 1;
+            }
+            let fair = keys.len() as u32 / 32;
+            let most = per_shard.iter().copied().max().unwrap_or(0);
+            assert!(most <= fair * 5 / 4, "{per_shard:?}");
+        }
     }
 }
