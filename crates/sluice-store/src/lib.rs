@@ -35,7 +35,7 @@ mod prefetch;
 mod redis;
 
 pub use guarded::{Guarded, STORE_BREAKER};
-pub use memory::{MAX_SHARDS, MemoryConfig, MemoryStore};
+pub use memory::{MAX_SHARDS, MemoryConfig, MemoryStore, TABLE_FILL, auto_shards};
 #[cfg(feature = "redis")]
 pub use redis::{MAX_COALESCED, RedisConfig, RedisStore};
 

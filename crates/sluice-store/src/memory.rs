@@ -2,7 +2,7 @@
 //!
 //! # Layout
 //! Cells live in `shards` hash tables, each behind its own mutex; a cell's
-//! shard comes from a per-process randomly seeded hash of its key, so a
+//! shard comes from a per-process randomly seeded hash of its subject, so a
 //! decision locks only the one to few shards its cells fall in (in ascending
 //! order, so two decisions never deadlock). There is no global lock and no
 //! shared counter on the hot path. A decision over several budgets first
@@ -11,7 +11,13 @@
 //! locking; the one-cell, one-budget path takes its one lock at once.
 //!
 //! # Bounds
-//! Each shard holds at most `max_keys / shards` cells (rounded up). A cell
+//! Each shard holds at most `max_keys / shards` cells (rounded up). Unless
+//! told otherwise, a store picks its shard count from its key cap so that a
+//! full shard's table is at most [`TABLE_FILL`] full (a swiss table grows at
+//! 7/8): at the cap a cell costs about 16 / 0.85 + 1.2 ≈ 20 bytes, where
+//! tables that had just doubled past the cap would cost up to 39. A
+//! count of cells that is the cap halved (or halved again) fills the tables
+//! as well. A cell
 //! whose window is over (see [`sluice_core::cell_is_stale`]) is dropped when
 //! its shard needs room or on [`MemoryStore::reclaim`]; dropping it changes no
 //! decision. When a shard is full of live cells, a *new* subject is folded
@@ -43,11 +49,12 @@ const OVERFLOW_SUBJECT: u64 = 0x6f76_6572_666c_6f77; // "overflow"
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryConfig {
     /// The most cells held at once (one per fixed-window budget of a subject,
-    /// two per sliding-window one). At 16 bytes a cell plus table overhead,
-    /// the default of 1,000,000 stays under ~40 MB.
+    /// two per sliding-window one). At about 20 bytes a cell at the cap (see
+    /// the module docs), the default of 1,000,000 takes about 20 MB.
     pub max_keys: usize,
-    /// The number of shards, rounded up to a power of two, from 1 to
-    /// [`MAX_SHARDS`].
+    /// The number of shards, from 1 to [`MAX_SHARDS`]; `0` (the default)
+    /// picks it from `max_keys` and the machine's parallelism (see
+    /// [`auto_shards`]).
     pub shards: usize,
 }
 
@@ -55,19 +62,37 @@ impl Default for MemoryConfig {
     fn default() -> Self {
         MemoryConfig {
             max_keys: 1_000_000,
-            shards: default_shards(),
+            shards: 0,
         }
     }
 }
+
+/// How full a shard's table is at the key cap when the store picks its
+/// shard count: under a swiss table's 7/8, with room for shards to differ.
+pub const TABLE_FILL: f64 = 0.85;
 
 /// The most shards a store has: a multi-budget decision names the shards it
 /// locks with one 64-bit mask, so it orders its locks and finds each budget's
 /// lock without a data-dependent branch (those mispredict on random shards).
 pub const MAX_SHARDS: usize = 64;
 
-fn default_shards() -> usize {
-    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-    (cores * 16).next_power_of_two().min(MAX_SHARDS)
+/// The shard count a store with `max_keys` picks: at least `floor` (16 per
+/// core, at most half of [`MAX_SHARDS`], so locks are seldom shared), at
+/// most twice that, and such that `max_keys / shards` cells fill a
+/// power-of-two table to at most [`TABLE_FILL`].
+pub fn auto_shards(max_keys: usize, cores: usize) -> usize {
+    let floor = (cores.max(1) * 16).next_power_of_two().min(MAX_SHARDS / 2);
+    // The largest table for which `floor` shards hold no more than the cap
+    // at TABLE_FILL; then as many such tables as the cap needs.
+    let per_shard = max_keys as f64 / floor as f64 / TABLE_FILL;
+    let buckets = if per_shard < 2.0 {
+        1.0
+    } else {
+        // A power of two at most `per_shard`.
+        f64::from(per_shard.log2().floor() as i32).exp2()
+    };
+    let shards = (max_keys as f64 / (buckets * TABLE_FILL)).ceil() as usize;
+    shards.clamp(floor, MAX_SHARDS)
 }
 
 #[derive(Default)]
@@ -130,7 +155,6 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     clock: C,
     hasher: foldhash::fast::RandomState,
     shards: Box<[CachePadded<ShardSlot>]>,
-    shard_bits: u32,
     /// Random and odd: see [`MemoryStore::shard_of`].
     shard_multiplier: u64,
     shard_cap: usize,
@@ -150,7 +174,12 @@ impl MemoryStore<SystemClock> {
 impl<C: Clock> MemoryStore<C> {
     /// A store reading time from `clock`.
     pub fn with_clock(config: MemoryConfig, clock: C) -> Self {
-        let shards = config.shards.clamp(1, MAX_SHARDS).next_power_of_two();
+        let shards = if config.shards == 0 {
+            let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+            auto_shards(config.max_keys, cores)
+        } else {
+            config.shards.min(MAX_SHARDS)
+        };
         let shard_cap = config.max_keys.div_ceil(shards).max(1);
         let hasher = foldhash::fast::RandomState::default();
         let shard_multiplier = {
@@ -164,7 +193,6 @@ impl<C: Clock> MemoryStore<C> {
             shards: (0..shards)
                 .map(|_| CachePadded::new(ShardSlot::default()))
                 .collect(),
-            shard_bits: shards.trailing_zeros(),
             shard_cap,
             overflow: Mutex::default(),
             overflowed: AtomicU64::new(0),
@@ -216,17 +244,14 @@ impl<C: Clock> MemoryStore<C> {
 
     /// The shard holding every cell of `key`'s subject: all budgets of one
     /// caller (or one IP) sit behind one lock, so a request locks one shard
-    /// per subject rather than one per budget. The shard is the top bits of
-    /// the subject times this process's random odd multiplier
-    /// (multiply-shift, a universal family), so nobody can aim keys at one
-    /// shard.
+    /// per subject rather than one per budget. The shard is the subject times
+    /// this process's random odd multiplier (multiply-shift, a universal
+    /// family), so nobody can aim keys at one shard, scaled to the shard
+    /// count by its high bits (no division, any count).
     #[inline]
     fn shard_of(&self, key: &BudgetKey) -> usize {
-        if self.shard_bits == 0 {
-            0
-        } else {
-            (key.subject().wrapping_mul(self.shard_multiplier) >> (64 - self.shard_bits)) as usize
-        }
+        let h = key.subject().wrapping_mul(self.shard_multiplier);
+        ((u128::from(h) * self.shards.len() as u128) >> 64) as usize
     }
 
     /// A [`Ledger`] holding the locks of every shard the budgets' cells fall
@@ -601,6 +626,29 @@ impl<C: Clock> BudgetStore for MemoryStore<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn at_the_key_cap_a_cell_costs_about_twenty_bytes() {
+        // A cell is 16 bytes plus one control byte; tables that had just
+        // doubled past the cap would make it up to ~39.
+        for cores in [1, 2, 8, 64] {
+            for max_keys in [10_000, 100_000, 1_000_000, 2_000_000, 3_000_000] {
+                let shards = auto_shards(max_keys, cores);
+                assert!((16..=MAX_SHARDS).contains(&shards), "{shards}");
+                let mut full = HashTable::new();
+                let shard_cap = max_keys.div_ceil(shards) as u64;
+                for k in 0..shard_cap {
+                    full.insert_unique(k, (k, k), |e| e.0);
+                }
+                let bytes = shards * full.num_buckets() * 17;
+                assert!(
+                    bytes as f64 / max_keys as f64 <= 21.0,
+                    "{cores} cores, cap {max_keys}: {shards} shards of {} buckets",
+                    full.num_buckets()
+                );
+            }
+        }
+    }
 
     #[test]
     fn subjects_spread_evenly_over_the_shards() {
