@@ -51,13 +51,15 @@ impl BudgetKey {
 
     /// One 64-bit fingerprint of the pair, used as a cell key by stores.
     ///
-    /// For a fixed scope the map from subject to fingerprint is a bijection
-    /// (an xor, then a bijective mix), so two subjects of one scope never
-    /// share a cell; a collision across scopes needs a subject digest equal
-    /// to another's xor both scope digests: a SipHash second preimage.
+    /// For a fixed scope the map from subject to fingerprint is a bijection, so
+    /// two subjects of one scope never share a cell; a collision across scopes
+    /// needs a SipHash second preimage. The scope is mixed before the xor:
+    /// scope and subject digests come from one public function, so a plain
+    /// `subject ^ scope` would collide for swapped pairs and for every key
+    /// whose subject equals its scope.
     #[inline]
     pub const fn fingerprint(&self) -> u64 {
-        mix64(self.subject ^ self.scope)
+        mix64(self.subject ^ mix64(self.scope))
     }
 }
 
@@ -96,5 +98,15 @@ mod tests {
             BudgetKey::new("expensive", b"key-1").fingerprint(),
             BudgetKey::new("expensive", b"key-2").fingerprint()
         );
+    }
+
+    #[test]
+    fn swapped_or_self_named_keys_do_not_share_a_fingerprint() {
+        // Scope and subject digests come from the same function: a symmetric
+        // fingerprint would put these pairs in one cell.
+        let swapped = [BudgetKey::new("a", b"b"), BudgetKey::new("b", b"a")];
+        assert_ne!(swapped[0].fingerprint(), swapped[1].fingerprint());
+        let self_named = [BudgetKey::new("x", b"x"), BudgetKey::new("y", b"y")];
+        assert_ne!(self_named[0].fingerprint(), self_named[1].fingerprint());
     }
 }
