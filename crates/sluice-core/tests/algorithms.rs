@@ -292,3 +292,43 @@ fn deciding_a_two_cell_budget_on_one_cell_is_not_a_panic() {
     assert!(d.is_admitted());
     assert_eq!(d.statuses()[0].remaining, 1);
 }
+
+#[test]
+fn a_cost_of_zero_only_looks_on_every_rate() {
+    // Each rate after one spend of 2: a cost of 0 is admitted, writes
+    // nothing, and reports the books as they stand.
+    let rates = [
+        (Rate::FixedWindow { seconds: secs(60) }, 3, T0 + 60),
+        (Rate::CalendarMonth, 3, 1_764_547_200),
+        (
+            Rate::Gcra {
+                period: Duration::from_secs(10),
+                burst: secs(5),
+            },
+            3,
+            // 2 units of 10 s / 5 each: whole again 4 s on.
+            T0 + 4,
+        ),
+    ];
+    for (rate, remaining, reset) in rates {
+        let b = Budget {
+            key: BudgetKey::new("zero", b"k"),
+            rate,
+            limit: 5,
+            cost: 2,
+        };
+        let mut l = MapLedger::default();
+        let t = at(T0, 0);
+        assert!(
+            decide(&[b], &mut l, t, Mode::Spend)
+                .expect("d")
+                .is_admitted()
+        );
+        let books = l.0.clone();
+        let d = decide(&[b.with_cost(0)], &mut l, t, Mode::Spend).expect("d");
+        assert!(d.is_admitted(), "{rate:?}");
+        assert_eq!(d.statuses()[0].remaining, remaining, "{rate:?}");
+        assert_eq!(d.statuses()[0].reset, reset, "{rate:?}");
+        assert_eq!(l.0, books, "{rate:?}: nothing written");
+    }
+}
