@@ -52,9 +52,9 @@ pub struct MemoryConfig {
     /// two per sliding-window one). At about 20 bytes a cell at the cap (see
     /// the module docs), the default of 1,000,000 takes about 20 MB.
     pub max_keys: usize,
-    /// The number of shards, from 1 to [`MAX_SHARDS`]; `0` (the default)
-    /// picks it from `max_keys` and the machine's parallelism (see
-    /// [`auto_shards`]).
+    /// The number of shards, from 1 to [`MAX_SHARDS`] (larger values are
+    /// taken as [`MAX_SHARDS`]); `0` (the default) picks it from `max_keys`
+    /// and the machine's parallelism (see [`auto_shards`]).
     pub shards: usize,
 }
 
@@ -77,16 +77,20 @@ pub const TABLE_FILL: f64 = 0.85;
 pub const MAX_SHARDS: usize = 64;
 
 /// The shard count a store with `max_keys` picks: at least `floor` (16 per
-/// core, at most half of [`MAX_SHARDS`], so locks are seldom shared), at
-/// most twice that, and such that `max_keys / shards` cells fill a
-/// power-of-two table to at most [`TABLE_FILL`].
+/// core, at most half of [`MAX_SHARDS`]), at most twice that, and such that
+/// `max_keys / shards` cells fill a power-of-two table of at least 8 slots
+/// to at most [`TABLE_FILL`].
 pub fn auto_shards(max_keys: usize, cores: usize) -> usize {
-    let floor = (cores.max(1) * 16).next_power_of_two().min(MAX_SHARDS / 2);
+    let floor = cores
+        .clamp(1, MAX_SHARDS)
+        .saturating_mul(16)
+        .next_power_of_two()
+        .min(MAX_SHARDS / 2);
     // The largest table for which `floor` shards hold no more than the cap
     // at TABLE_FILL; then as many such tables as the cap needs.
     let per_shard = max_keys as f64 / floor as f64 / TABLE_FILL;
-    let buckets = if per_shard < 2.0 {
-        1.0
+    let buckets = if per_shard < 8.0 {
+        8.0
     } else {
         // A power of two at most `per_shard`.
         f64::from(per_shard.log2().floor() as i32).exp2()
@@ -126,11 +130,21 @@ impl Shard {
         }
     }
 
-    /// Drops stale cells if any can be stale by now.
-    fn sweep(&mut self, now: Timestamp) {
+    /// Drops stale cells if any can be stale by now. With `compact` (the
+    /// store's hasher and the shard's hint), a sweep that dropped cells also
+    /// rebuilds the table: a dropped cell leaves a tombstone that gives no
+    /// room back, so a table kept near its sizing would otherwise double the
+    /// next time it fills. Without it, bucket indices stay valid (a decision
+    /// holding some sweeps this way).
+    fn sweep(
+        &mut self,
+        now: Timestamp,
+        compact: Option<(&foldhash::fast::RandomState, &SlotHint)>,
+    ) {
         if now.as_secs() < self.next_sweep {
             return;
         }
+        let before = self.cells.len();
         let mut next = u64::MAX;
         self.cells.retain(|e| {
             let keep = !cell_is_stale(e.1, now);
@@ -140,6 +154,19 @@ impl Shard {
             keep
         });
         self.next_sweep = next;
+        if let Some((hasher, hint)) = compact
+            && self.cells.len() < before
+        {
+            use std::hash::BuildHasher;
+            let kept = std::mem::take(&mut self.cells);
+            self.cells = HashTable::with_capacity(kept.len());
+            for e in kept {
+                self.cells
+                    .insert_unique(hasher.hash_one(e.0), e, |e| hasher.hash_one(e.0));
+            }
+            self.published_buckets = self.cells.num_buckets();
+            hint.publish(&self.cells);
+        }
     }
 }
 
@@ -155,8 +182,6 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     clock: C,
     hasher: foldhash::fast::RandomState,
     shards: Box<[CachePadded<ShardSlot>]>,
-    /// Random and odd: see [`MemoryStore::shard_of`].
-    shard_multiplier: u64,
     shard_cap: usize,
     /// Cells of the shared overflow budgets (one or two per scope). Locked
     /// only after every shard lock a decision takes.
@@ -181,15 +206,9 @@ impl<C: Clock> MemoryStore<C> {
             config.shards.min(MAX_SHARDS)
         };
         let shard_cap = config.max_keys.div_ceil(shards).max(1);
-        let hasher = foldhash::fast::RandomState::default();
-        let shard_multiplier = {
-            use std::hash::BuildHasher;
-            hasher.hash_one(OVERFLOW_SUBJECT) | 1
-        };
         MemoryStore {
             clock,
-            hasher,
-            shard_multiplier,
+            hasher: foldhash::fast::RandomState::default(),
             shards: (0..shards)
                 .map(|_| CachePadded::new(ShardSlot::default()))
                 .collect(),
@@ -229,10 +248,10 @@ impl<C: Clock> MemoryStore<C> {
     /// also sweep themselves when they need room).
     pub fn reclaim(&self) {
         let now = self.clock.now();
-        for s in self.shards.iter() {
-            let mut s = s.shard.lock();
+        for slot in self.shards.iter() {
+            let mut s = slot.shard.lock();
             s.next_sweep = 0;
-            s.sweep(now);
+            s.sweep(now, Some((&self.hasher, &slot.hint)));
         }
     }
 
@@ -244,13 +263,13 @@ impl<C: Clock> MemoryStore<C> {
 
     /// The shard holding every cell of `key`'s subject: all budgets of one
     /// caller (or one IP) sit behind one lock, so a request locks one shard
-    /// per subject rather than one per budget. The shard is the subject times
-    /// this process's random odd multiplier (multiply-shift, a universal
-    /// family), so nobody can aim keys at one shard, scaled to the shard
-    /// count by its high bits (no division, any count).
+    /// per subject rather than one per budget. The subject is rehashed with
+    /// this process's random seed, so nobody can aim keys at one shard, and
+    /// the hash scaled to the shard count by a multiply's high half (any
+    /// count, no division).
     #[inline]
     fn shard_of(&self, key: &BudgetKey) -> usize {
-        let h = key.subject().wrapping_mul(self.shard_multiplier);
+        let h = self.hash(key.subject());
         ((u128::from(h) * self.shards.len() as u128) >> 64) as usize
     }
 
@@ -345,7 +364,7 @@ impl<C: Clock> MemoryStore<C> {
             return decide_cell(budget, &mut entry.1, now, mode);
         }
         if shard.cells.len() >= self.shard_cap {
-            shard.sweep(now);
+            shard.sweep(now, Some((&self.hasher, &slot.hint)));
             if shard.cells.len() >= self.shard_cap {
                 drop(shard);
                 return self.decide_locked(std::slice::from_ref(budget), mode);
@@ -414,7 +433,7 @@ impl<C: Clock> MemoryStore<C> {
                 continue;
             }
             if table.cells.len() >= self.shard_cap {
-                table.sweep(now);
+                table.sweep(now, Some((&self.hasher, &self.shards[shard].hint)));
                 if table.cells.len() >= self.shard_cap {
                     fell_back = true;
                     break;
@@ -529,10 +548,20 @@ impl<C: Clock> Cells<'_, C> {
             let value = shard.cells.get_bucket(b).map_or(0, |e| e.1);
             (Place::Bucket(b), value)
         } else {
-            if shard.cells.len() >= self.store.shard_cap {
-                shard.sweep(self.now);
+            // New cells of this decision are inserted only at commit: count
+            // the ones already placed in this shard, or a decision could take
+            // the shard past its cap.
+            let pending = self
+                .slots
+                .iter()
+                .filter(|s| s.guard == guard && matches!(s.place, Place::New))
+                .count();
+            let shard = &mut self.guards[guard];
+            if shard.cells.len() + pending >= self.store.shard_cap {
+                // No compaction: other slots hold bucket indices into it.
+                shard.sweep(self.now, None);
             }
-            if shard.cells.len() < self.store.shard_cap {
+            if shard.cells.len() + pending < self.store.shard_cap {
                 (Place::New, 0)
             } else {
                 // Full of live cells: this new subject shares its scope's overflow budget.
@@ -648,6 +677,43 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_shard_refilled_after_sweeps_keeps_its_table_size() {
+        // One shard at its cap, 1,700 cells in 2,048 slots (83 %): half the
+        // cells live for a minute, half for an hour. Each round, the minute
+        // passes and new one-minute subjects fill the shard again; the sweep
+        // that makes room must not leave tombstones that force a doubling.
+        let clock = sluice_core::FakeClock::new(Timestamp::from_secs(1_764_460_800));
+        let store = MemoryStore::with_clock(
+            MemoryConfig {
+                max_keys: 1_700,
+                shards: 1,
+            },
+            clock.clone(),
+        );
+        let minute = std::num::NonZeroU32::new(60).expect("non-zero");
+        let hour = std::num::NonZeroU32::new(3_600).expect("non-zero");
+        let spend = |subject: u64, window| {
+            let b = Budget::per_window(BudgetKey::from_digests(7, subject), 10, window);
+            assert!(store.decide_now(&[b]).expect("decide").is_admitted());
+        };
+        for s in 0..1_700 {
+            spend(s, if s < 850 { hour } else { minute });
+        }
+        let buckets = store.shards[0].shard.lock().cells.num_buckets();
+        assert_eq!(buckets, 2_048);
+        let mut next = 1_000_000;
+        for _ in 0..6 {
+            clock.advance(std::time::Duration::from_secs(61));
+            for _ in 0..850 {
+                spend(next, minute);
+                next += 1;
+            }
+            assert_eq!(store.len(), 1_700, "no subject went to the overflow");
+        }
+        assert_eq!(store.shards[0].shard.lock().cells.num_buckets(), buckets);
     }
 
     #[test]

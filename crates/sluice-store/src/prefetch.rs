@@ -16,8 +16,8 @@
 //! addresses of slots the table hands out rather than from its private
 //! layout. What it assumes of the table: its slots form one evenly spaced
 //! array (checked on two of them at each publication), the array moves only
-//! when the bucket count changes (so publishing after every growth keeps the
-//! hint current), and a lookup starts at slot `hash & (buckets - 1)`, as in
+//! when the bucket count changes or a sweep rebuilds the table (the store
+//! publishes after both), and a lookup starts at slot `hash & (buckets - 1)`, as in
 //! swiss tables. Were any of it wrong, the prefetch would fetch a useless
 //! line, never change an answer: nothing is ever read through the hint.
 

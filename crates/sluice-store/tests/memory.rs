@@ -240,6 +240,35 @@ fn a_request_falling_back_to_the_overflow_budget_spends_each_budget_once() {
 }
 
 #[test]
+fn a_fall_back_after_inserting_and_sharing_a_cell_spends_it_once() {
+    let store = store(16, 1);
+    let scope = BudgetKey::new("read", b"").scope();
+    let b = |i: u64| Budget::per_window(BudgetKey::from_digests(scope, i), 5, minute());
+    for i in 0..14 {
+        store.decide_now(&[b(i)]).expect("decide");
+    }
+    // 100 is new (inserted), spent twice through one cell; 101 takes the
+    // last room; 102 finds the shard full, so the in-place path backs all
+    // of it out before the general path decides, which inserts new cells
+    // only at commit and must still count 100 and 101 against the cap.
+    let d = store
+        .decide_now(&[b(100), b(100).with_cost(2), b(101), b(102)])
+        .expect("decide");
+    assert!(d.is_admitted());
+    assert_eq!(d.statuses()[1].remaining, 2, "1 + 2 spent, each once");
+    assert_eq!(store.len(), 16, "the general path kept the cap");
+    assert_eq!(store.overflowed(), 1, "102 shares the overflow budget");
+    assert_eq!(
+        store.peek_now(&[b(100)]).expect("peek").statuses()[0].remaining,
+        2
+    );
+    assert_eq!(
+        store.peek_now(&[b(101)]).expect("peek").statuses()[0].remaining,
+        4
+    );
+}
+
+#[test]
 fn a_refused_multi_budget_request_restores_every_cell_it_touched() {
     let store = store(1_000, 2);
     let caller = Budget::per_window(BudgetKey::new("expensive", b"k"), 30, minute());
