@@ -288,3 +288,49 @@ fn a_refused_multi_budget_request_restores_every_cell_it_touched() {
     assert_eq!(p.statuses()[0].remaining, 30);
     assert_eq!(p.statuses()[1].remaining, 5);
 }
+
+#[test]
+fn under_churn_at_the_cap_no_budget_admits_past_its_limit_and_the_cap_holds() {
+    // Four threads decide a caller budget and an IP ceiling per request on
+    // a store far smaller than the callers, while one thread moves the clock
+    // a window on now and then: shards fill, sweep, rebuild their tables and
+    // fold new subjects into overflow budgets, all under contention.
+    let store = Arc::new(store(256, 4));
+    let clock = store.clock().clone();
+    let caller = |c: u64| Budget::per_window(BudgetKey::from_digests(1, c), 5, minute());
+    let ceiling = |c: u64| Budget::per_window(BudgetKey::from_digests(2, c / 50), 40, minute());
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let store = Arc::clone(&store);
+            let clock = clock.clone();
+            std::thread::spawn(move || {
+                let mut admitted = Vec::new();
+                for i in 0..5_000u64 {
+                    if t == 0 && i % 1_000 == 999 {
+                        clock.advance(Duration::from_secs(61));
+                    }
+                    let c = (t * 7_919 + i * 31) % 2_000;
+                    let d = store.decide_now(&[caller(c), ceiling(c)]).expect("decide");
+                    if d.is_admitted() {
+                        admitted.push((c, d.decided_at().as_secs() / 60));
+                    }
+                    assert!(store.len() <= 256, "cap held: {}", store.len());
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut per_caller = std::collections::HashMap::<(u64, u64), u32>::new();
+    let mut per_ip = std::collections::HashMap::<(u64, u64), u32>::new();
+    for t in threads {
+        for (c, window) in t.join().expect("thread") {
+            *per_caller.entry((c, window)).or_default() += 1;
+            *per_ip.entry((c / 50, window)).or_default() += 1;
+        }
+    }
+    assert!(!per_caller.is_empty());
+    assert!(store.overflowed() > 0, "the cap was reached");
+    assert!(per_caller.values().all(|&n| n <= 5), "a caller past 5");
+    assert!(per_ip.values().all(|&n| n <= 40), "an IP past 40");
+    assert!(store.len() <= 256);
+}
