@@ -243,11 +243,7 @@ where
     http1
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
-        .max_buf_size(MAX_REQUEST_HEAD_BYTES)
-        // Head and body copied into one buffer and written with one `write`:
-        // cheaper than queueing them for `writev` for the small answers an API
-        // mostly sends (a large body pays one extra copy).
-        .writev(false);
+        .max_buf_size(MAX_REQUEST_HEAD_BYTES);
     let mut http2 = http2::Builder::new(TokioExecutor::new());
     http2
         .timer(TokioTimer::new())

@@ -259,10 +259,7 @@ impl UpstreamPool {
             .await
             .map_err(|_| SendError::Connect)?;
         let _ = stream.set_nodelay(true);
-        // One buffer per write, as the gateway's server side (see `gateway::work`).
-        let (sender, connection) = http1::Builder::new()
-            .writev(false)
-            .handshake(TokioIo::new(stream))
+        let (sender, connection) = http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|_| SendError::Upstream)?;
         tokio::spawn(async move {
