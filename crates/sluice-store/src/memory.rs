@@ -16,8 +16,9 @@
 //! full shard's table is at most [`TABLE_FILL`] full (a swiss table grows at
 //! 7/8): at the cap a cell costs about 16 / 0.85 + 1.2 ≈ 20 bytes, where
 //! tables that had just doubled past the cap would cost up to 39. The table
-//! keeps that size through churn: a refused decision inserts no cell, and a
-//! sweep's tombstones are rebuilt away. A cell whose window is over (see
+//! keeps that size through churn: the tombstones that removed cells leave
+//! (a refused decision's new cells, a sweep's stale ones) are rebuilt away
+//! rather than let the table grow. A cell whose window is over (see
 //! [`sluice_core::cell_is_stale`]) is dropped when its shard needs room or on
 //! [`MemoryStore::reclaim`]; dropping it changes no decision. Decisions read
 //! the clock once they hold their locks, so on one cell they see time in the
@@ -115,7 +116,10 @@ struct Shard {
 
 impl Shard {
     /// Adds a cell that is not in the table (and republishes where the
-    /// slots are when the table grew).
+    /// slots are when the table grew). When the table has no room left but
+    /// tombstones hold some of it (cells removed after a refusal), it is
+    /// rebuilt at its size instead of growing: amortised over the removals
+    /// that left them, and the table keeps its sizing.
     fn insert(
         &mut self,
         hash: u64,
@@ -125,6 +129,12 @@ impl Shard {
         hint: &SlotHint,
     ) {
         use std::hash::BuildHasher;
+        if self.tombstones
+            && self.cells.len() == self.cells.capacity()
+            && self.cells.len() < Self::room(self.cells.num_buckets())
+        {
+            self.compact(hasher, hint);
+        }
         self.cells
             .insert_unique(hash, (cell, value), |e| hasher.hash_one(e.0));
         self.next_sweep = self.next_sweep.min((value >> 32) + 1);
@@ -154,6 +164,16 @@ impl Shard {
         self.tombstones |= self.cells.len() < before;
     }
 
+    /// The most cells a table of `buckets` holds (7/8, or one less than a
+    /// small table's count).
+    fn room(buckets: usize) -> usize {
+        if buckets < 8 {
+            buckets.saturating_sub(1)
+        } else {
+            buckets / 8 * 7
+        }
+    }
+
     /// Rebuilds the table at its bucket count when dropped cells left
     /// tombstones: a tombstone gives no room back, so a table kept near its
     /// sizing would otherwise double the next time it fills. Moves every
@@ -164,14 +184,7 @@ impl Shard {
         if !std::mem::take(&mut self.tombstones) {
             return;
         }
-        let buckets = self.cells.num_buckets();
-        // The most cells the same bucket count holds (7/8, or one less
-        // than a small table's count).
-        let capacity = if buckets < 8 {
-            buckets - 1
-        } else {
-            buckets / 8 * 7
-        };
+        let capacity = Self::room(self.cells.num_buckets());
         let kept = std::mem::take(&mut self.cells);
         self.cells = HashTable::with_capacity(capacity.max(kept.len()));
         for e in kept {
@@ -416,11 +429,9 @@ impl<C: Clock> MemoryStore<C> {
     /// The hot path, for budgets kept in one cell each (all but sliding
     /// windows): lock each subject's shard (ascending), decide every budget
     /// in place, and restore the written cells if one refuses — under the
-    /// locks, so nobody sees the tentative spend. Cells new to their shard
-    /// are inserted only once the decision admits, so a refusal leaves no
-    /// tombstone behind. The general path decides instead (after this
-    /// changed nothing) when a budget needs it: a sliding window, or a new
-    /// subject arriving at a full shard.
+    /// locks, so nobody sees the tentative spend. The general path decides
+    /// instead (after this changed nothing) when a budget needs it: a sliding
+    /// window, or a new subject arriving at a full shard.
     #[inline(always)]
     fn decide_in_place(&self, budgets: &[Budget], mode: Mode) -> Decision {
         let budgets = &budgets[..budgets.len().min(MAX_BUDGETS)];
@@ -456,12 +467,10 @@ impl<C: Clock> MemoryStore<C> {
         }
         // Read under the locks (see `lock_cells_now`).
         let now = self.clock.now();
-        // Per budget (bit i): whether its cell, already in its shard, was
-        // written, and the value it held before. Cells new to their shard:
-        // (budget index, value), inserted if the decision admits.
-        let mut wrote = 0u32;
+        // Per budget (bit i): whether its cell was written, and whether it
+        // was inserted; the values the written cells held before.
+        let (mut wrote, mut inserted) = (0u32, 0u32);
         let mut olds = [0u64; MAX_BUDGETS];
-        let mut fresh: ArrayVec<(usize, u64), MAX_BUDGETS> = ArrayVec::new();
         let mut d = InPlaceDecision::new(now, mode);
         let mut fell_back = false;
         for (i, b) in budgets.iter().enumerate() {
@@ -472,48 +481,42 @@ impl<C: Clock> MemoryStore<C> {
                 wrote |= u32::from(d.step(b, &mut entry.1)) << i;
                 continue;
             }
-            // A cell this decision already holds as new (one cell, two budgets).
-            if let Some(new) = fresh.iter_mut().find(|(j, _)| cells[*j] == cell) {
-                d.step(b, &mut new.1);
-                continue;
-            }
-            let pending = fresh.iter().filter(|(j, _)| shards[*j] == shard).count();
-            if table.cells.len() + pending >= self.shard_cap {
+            if table.cells.len() >= self.shard_cap {
                 table.sweep(now, &[]);
                 table.compact(&self.hasher, &self.shards[shard].hint);
-                if table.cells.len() + pending >= self.shard_cap {
+                if table.cells.len() >= self.shard_cap {
                     fell_back = true;
                     break;
                 }
             }
             let mut value = 0;
             if d.step(b, &mut value) {
-                fresh.push((i, value));
+                table.insert(hash, cell, value, &self.hasher, &self.shards[shard].hint);
+                wrote |= 1 << i;
+                inserted |= 1 << i;
             }
         }
         let decision = d.finish();
-        if fell_back || !decision.is_admitted() {
+        if fell_back || !(decision.is_admitted() || wrote == 0) {
             // Last written first: a cell two budgets share gets back, step
             // by step, the value it held before the first.
+            // (Removing an inserted cell leaves a tombstone: `Shard::insert`
+            // rebuilds the table rather than let tombstones make it grow.)
             for i in (0..budgets.len()).rev().filter(|&i| wrote & (1 << i) != 0) {
                 let (cell, hash) = (cells[i], hashes[i]);
                 let shard = &mut guards[usize::from(guard_of[shards[i]])];
-                if let Some(e) = shard.cells.find_mut(hash, |e| e.0 == cell) {
-                    e.1 = olds[i];
+                if inserted & (1 << i) != 0 {
+                    if let Ok(e) = shard.cells.find_entry(hash, |e| e.0 == cell) {
+                        e.remove();
+                        shard.tombstones = true;
+                    }
+                } else {
+                    if let Some(e) = shard.cells.find_mut(hash, |e| e.0 == cell) {
+                        e.1 = olds[i];
+                    }
+                    // A sweep since may have planned by the spent value.
+                    shard.next_sweep = shard.next_sweep.min((olds[i] >> 32) + 1);
                 }
-                // A sweep since may have planned by the spent value.
-                shard.next_sweep = shard.next_sweep.min((olds[i] >> 32) + 1);
-            }
-        } else {
-            for &(i, value) in &fresh {
-                let shard = shards[i];
-                guards[usize::from(guard_of[shard])].insert(
-                    hashes[i],
-                    cells[i],
-                    value,
-                    &self.hasher,
-                    &self.shards[shard].hint,
-                );
             }
         }
         if fell_back {
@@ -786,9 +789,9 @@ mod tests {
     #[test]
     fn refused_requests_from_new_callers_leave_no_tombstones() {
         // A flood of new callers from one IP over its ceiling: each decision
-        // finds a new caller cell, then the ceiling refuses. Were the new
-        // cell inserted and then removed, its tombstone would give no room
-        // back and the table, kept 83 % full, would double.
+        // inserts a new caller cell, then the ceiling refuses and it is
+        // removed. Each removal leaves a tombstone that gives no room back:
+        // unless they are rebuilt away, the table, kept 83 % full, doubles.
         let clock = sluice_core::FakeClock::new(Timestamp::from_secs(1_764_460_800));
         let store = MemoryStore::with_clock(
             MemoryConfig {
