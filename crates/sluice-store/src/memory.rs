@@ -118,8 +118,10 @@ impl Shard {
     /// Adds a cell that is not in the table (and republishes where the
     /// slots are when the table grew). When the table has no room left but
     /// tombstones hold some of it (cells removed after a refusal), it is
-    /// rebuilt at its size instead of growing: amortised over the removals
-    /// that left them, and the table keeps its sizing.
+    /// rebuilt at its size instead of growing, as long as that frees at
+    /// least 1/64 of its cells' count: each rebuild then costs at most 64
+    /// inserts per tombstone that forced it (a table kept fuller than that
+    /// grows instead, so no request pays a whole rebuild each time).
     fn insert(
         &mut self,
         hash: u64,
@@ -129,9 +131,10 @@ impl Shard {
         hint: &SlotHint,
     ) {
         use std::hash::BuildHasher;
+        let len = self.cells.len();
         if self.tombstones
-            && self.cells.len() == self.cells.capacity()
-            && self.cells.len() < Self::room(self.cells.num_buckets())
+            && len == self.cells.capacity()
+            && len + len / 64 < Self::room(self.cells.num_buckets())
         {
             self.compact(hasher, hint);
         }
