@@ -729,6 +729,18 @@ impl<C: Clock> BudgetStore for MemoryStore<C> {
 mod tests {
     use super::*;
 
+    /// A one-shard store of 1,700 cells (2,048 slots, 83 % full at its cap)
+    /// on `clock`.
+    fn one_shard(clock: sluice_core::FakeClock) -> MemoryStore<sluice_core::FakeClock> {
+        MemoryStore::with_clock(
+            MemoryConfig {
+                max_keys: 1_700,
+                shards: 1,
+            },
+            clock,
+        )
+    }
+
     #[test]
     fn at_the_key_cap_a_cell_costs_about_twenty_bytes() {
         // A cell is 16 bytes plus one control byte; tables that had just
@@ -759,13 +771,7 @@ mod tests {
         // passes and new one-minute subjects fill the shard again; the sweep
         // that makes room must not leave tombstones that force a doubling.
         let clock = sluice_core::FakeClock::new(Timestamp::from_secs(1_764_460_800));
-        let store = MemoryStore::with_clock(
-            MemoryConfig {
-                max_keys: 1_700,
-                shards: 1,
-            },
-            clock.clone(),
-        );
+        let store = one_shard(clock.clone());
         let minute = std::num::NonZeroU32::new(60).expect("non-zero");
         let hour = std::num::NonZeroU32::new(3_600).expect("non-zero");
         let spend = |subject: u64, window| {
@@ -795,14 +801,9 @@ mod tests {
         // inserts a new caller cell, then the ceiling refuses and it is
         // removed. Each removal leaves a tombstone that gives no room back:
         // unless they are rebuilt away, the table, kept 83 % full, doubles.
-        let clock = sluice_core::FakeClock::new(Timestamp::from_secs(1_764_460_800));
-        let store = MemoryStore::with_clock(
-            MemoryConfig {
-                max_keys: 1_700,
-                shards: 1,
-            },
-            clock,
-        );
+        let store = one_shard(sluice_core::FakeClock::new(Timestamp::from_secs(
+            1_764_460_800,
+        )));
         let minute = std::num::NonZeroU32::new(60).expect("non-zero");
         let caller = |s: u64| Budget::per_window(BudgetKey::from_digests(1, s), 10, minute);
         let ceiling = Budget::per_window(BudgetKey::from_digests(2, 0), 1, minute);
