@@ -193,6 +193,26 @@ impl Identity {
         }
     }
 
+    /// Every request header [`Identity::client_ip`] and [`Identity::caller`] may read.
+    /// A server that does not build a request's whole header map keeps just these and
+    /// gets the same client IP and caller.
+    pub fn read_headers(&self) -> Vec<HeaderName> {
+        let mut names = vec![X_FORWARDED_FOR];
+        for source in &self.credentials {
+            names.push(match source {
+                CredentialSource::ApiKeyHeader => X_API_KEY,
+                CredentialSource::Bearer => AUTHORIZATION,
+                CredentialSource::SessionCookie => COOKIE,
+            });
+        }
+        if let Some((workspace, user)) = &self.principal_headers {
+            names.extend([workspace.clone(), user.clone()]);
+        }
+        names.sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
+        names.dedup();
+        names
+    }
+
     /// True when `peer` is a trusted proxy.
     pub fn trusts(&self, peer: IpAddr) -> bool {
         self.is_trusted(peer)

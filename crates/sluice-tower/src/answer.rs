@@ -45,19 +45,37 @@ pub fn refusal_wait(decision: &Decision) -> u64 {
     }
 }
 
-/// Adds the rate-limit headers of `decision` to `headers`.
-pub fn rate_limit_headers(
-    headers: &mut HeaderMap,
+/// The value of one rate-limit header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RateLimitValue<'a> {
+    /// A number (`X-RateLimit-*`).
+    Number(u64),
+    /// A structured field (the IETF draft's `RateLimit` and `RateLimit-Policy`).
+    Text(&'a str),
+}
+
+/// Calls `emit` with each rate-limit header of `decision`, in order: the three
+/// `X-RateLimit-*` of the binding budget, then, when the policy enables them, the
+/// IETF draft-10 `RateLimit-Policy` and `RateLimit`. A server that writes its heads
+/// itself writes these; [`rate_limit_headers`] puts them in a header map.
+pub fn for_each_rate_limit_header(
     decision: &Decision,
     plan: &Plan,
     policy: &Policy,
+    mut emit: impl FnMut(&HeaderName, RateLimitValue<'_>),
 ) {
     let Some(binding) = decision.binding() else {
         return;
     };
-    headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(binding.limit));
-    headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(binding.remaining));
-    headers.insert(X_RATELIMIT_RESET, HeaderValue::from(binding.reset));
+    emit(
+        &X_RATELIMIT_LIMIT,
+        RateLimitValue::Number(binding.limit.into()),
+    );
+    emit(
+        &X_RATELIMIT_REMAINING,
+        RateLimitValue::Number(binding.remaining.into()),
+    );
+    emit(&X_RATELIMIT_RESET, RateLimitValue::Number(binding.reset));
     if policy.ietf_headers {
         let now = decision.decided_at();
         let mut quota_policy = String::new();
@@ -72,13 +90,28 @@ pub fn rate_limit_headers(
             let t = s.reset_after_secs(now);
             let _ = write!(state, "{sep}\"{name}\";r={};t={t}", s.remaining);
         }
-        if let Ok(v) = HeaderValue::from_str(&quota_policy) {
-            headers.insert(RATELIMIT_POLICY, v);
-        }
-        if let Ok(v) = HeaderValue::from_str(&state) {
-            headers.insert(RATELIMIT, v);
-        }
+        emit(&RATELIMIT_POLICY, RateLimitValue::Text(&quota_policy));
+        emit(&RATELIMIT, RateLimitValue::Text(&state));
     }
+}
+
+/// Adds the rate-limit headers of `decision` to `headers`.
+pub fn rate_limit_headers(
+    headers: &mut HeaderMap,
+    decision: &Decision,
+    plan: &Plan,
+    policy: &Policy,
+) {
+    for_each_rate_limit_header(decision, plan, policy, |name, value| match value {
+        RateLimitValue::Number(n) => {
+            headers.insert(name.clone(), HeaderValue::from(n));
+        }
+        RateLimitValue::Text(text) => {
+            if let Ok(v) = HeaderValue::from_str(text) {
+                headers.insert(name.clone(), v);
+            }
+        }
+    });
 }
 
 /// The 429 for a refused decision: the edge form or the JSON envelope,
@@ -114,6 +147,30 @@ pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Fu
         .insert(RETRY_AFTER, HeaderValue::from(wait));
     rate_limit_headers(response.headers_mut(), decision, plan, policy);
     response
+}
+
+/// The 503 for a decision the store could not make (SPEC D3: the request's classes
+/// fail closed), with `Retry-After: 1`.
+pub fn limiter_unavailable(error: &impl std::fmt::Display) -> Response<Full<Bytes>> {
+    let mut r = envelope_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "limiter_unavailable",
+        "The rate limiter's store did not answer; try again shortly.",
+        serde_json::json!({ "reason": error.to_string() }),
+    );
+    r.headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+    r
+}
+
+/// The 413 for a body larger than the policy reads to classify (`max_bytes`).
+pub fn payload_too_large(max_bytes: usize) -> Response<Full<Bytes>> {
+    envelope_response(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload_too_large",
+        &format!("The request body is larger than {max_bytes} bytes."),
+        serde_json::json!({ "max_bytes": max_bytes }),
+    )
 }
 
 /// A response with the JSON envelope `{"error":{"code","message","details"}}` (SPEC H3).

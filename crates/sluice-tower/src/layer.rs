@@ -7,13 +7,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use sluice_store::BudgetStore;
 use tower::{Layer, Service};
 
-use crate::answer::{envelope_response, rate_limit_headers, refusal};
+use crate::answer::{
+    envelope_response, limiter_unavailable, payload_too_large, rate_limit_headers, refusal,
+};
 use crate::limiter::Limiter;
 
 /// The connection's peer address, as a request extension. Servers insert it
@@ -135,31 +137,13 @@ where
             };
             let decision = match limiter.decide(&plan).await {
                 Ok(d) => d,
-                Err(e) => {
-                    let mut r = envelope_response(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "limiter_unavailable",
-                        "The rate limiter's store did not answer; try again shortly.",
-                        serde_json::json!({ "reason": e.to_string() }),
-                    );
-                    r.headers_mut()
-                        .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
-                    return Ok(r.map(Either::Left));
-                }
+                Err(e) => return Ok(limiter_unavailable(&e).map(Either::Left)),
             };
             if !decision.is_admitted() {
                 return Ok(refusal(&decision, &plan, policy).map(Either::Left));
             }
             if too_large {
-                let mut r = envelope_response(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "payload_too_large",
-                    &format!(
-                        "The request body is larger than {} bytes.",
-                        policy.bounds.max_body_bytes
-                    ),
-                    serde_json::json!({ "max_bytes": policy.bounds.max_body_bytes }),
-                );
+                let mut r = payload_too_large(policy.bounds.max_body_bytes);
                 rate_limit_headers(r.headers_mut(), &decision, &plan, policy);
                 return Ok(r.map(Either::Left));
             }

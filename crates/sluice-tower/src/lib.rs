@@ -20,8 +20,9 @@ mod limiter;
 mod plan;
 
 pub use answer::{
-    EDGE_BODY, RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING,
-    X_RATELIMIT_RESET, envelope_response, rate_limit_headers, refusal, refusal_wait,
+    EDGE_BODY, RATELIMIT, RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT,
+    X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, envelope_response, for_each_rate_limit_header,
+    limiter_unavailable, payload_too_large, rate_limit_headers, refusal, refusal_wait,
     retry_after_secs, rfc3339,
 };
 pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService};

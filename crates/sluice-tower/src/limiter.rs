@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use http::request::Parts;
+use http::{HeaderMap, Method};
 use parking_lot::Mutex;
 use sluice_core::Decision;
 use sluice_policy::{Class, Items, Outage, Policy, Route, RouteClass, Who};
@@ -166,7 +167,12 @@ impl<S: BudgetStore> Limiter<S> {
     /// The route a request matches (matched once per request and passed to
     /// [`Limiter::plan`]).
     pub fn route(&self, parts: &Parts) -> Option<&Route> {
-        self.policy.route(&parts.method, parts.uri.path())
+        self.route_for(&parts.method, parts.uri.path())
+    }
+
+    /// The route a request with this method and path (no query) matches.
+    pub fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
+        self.policy.route(method, path)
     }
 
     /// True when `route` takes its class from the body (a JSON-RPC route):
@@ -185,10 +191,23 @@ impl<S: BudgetStore> Limiter<S> {
         route: Option<&Route>,
         body: Option<&[u8]>,
     ) -> Plan {
+        self.plan_for(&parts.headers, peer, route, body)
+    }
+
+    /// [`Limiter::plan`] from the request's headers alone: the route carries what the
+    /// method and path decide, and of the headers only those
+    /// [`Identity::read_headers`](sluice_policy::Identity::read_headers) names are read.
+    pub fn plan_for(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+        route: Option<&Route>,
+        body: Option<&[u8]>,
+    ) -> Plan {
         let policy = &self.policy;
         let identity = &policy.identity;
-        let client = identity.client_ip(peer, &parts.headers);
-        let caller = identity.caller(&parts.headers, &client, identity.trusts(peer));
+        let client = identity.client_ip(peer, headers);
+        let caller = identity.caller(headers, &client, identity.trusts(peer));
         let items = match route.map(|r| &r.class) {
             Some(RouteClass::Fixed(c)) => Items::one(*c),
             Some(RouteClass::JsonRpc) => match body {
