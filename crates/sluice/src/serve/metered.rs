@@ -156,15 +156,38 @@ impl Drop for OpenConnection {
     }
 }
 
-/// Decrements the in-flight count when dropped (also when the request is cancelled).
-struct InFlight(RequestStats);
+/// One request, counted as received and in flight from [`RequestStats::request`]
+/// until [`InFlight::answered`] or until dropped (also when the request is cancelled).
+#[derive(Debug)]
+pub struct InFlight(RequestStats);
 
-impl InFlight {
-    fn enter(stats: &RequestStats) -> Self {
-        let line = stats.line();
+impl RequestStats {
+    /// Counts one request on this handle's worker: received, and in flight until the
+    /// returned guard is answered or dropped.
+    pub fn request(&self) -> InFlight {
+        let line = self.line();
         line.in_flight.fetch_add(1, Ordering::Relaxed);
         line.total.fetch_add(1, Ordering::Relaxed);
-        InFlight(stats.clone())
+        InFlight(self.clone())
+    }
+
+    /// Client connections this handle's worker holds open.
+    pub fn worker_connections(&self) -> u64 {
+        self.line().connections.load(Ordering::Relaxed)
+    }
+}
+
+impl InFlight {
+    /// Counts the answer in `sluice_requests_total{status}`: its status code, or
+    /// `error` for `None` (no response was produced).
+    pub fn answered(self, code: Option<u16>) {
+        match code.and_then(|c| self.0.inner.by_status.iter().find(|(k, _)| *k == c)) {
+            Some((_, counter)) => counter.increment(1),
+            None => {
+                let status = code.map_or_else(|| "error".into(), status_label);
+                metrics::counter!("sluice_requests_total", "status" => status).increment(1);
+            }
+        }
     }
 }
 
@@ -211,19 +234,11 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let mut request = request.map(GatewayBody::new);
         request.extensions_mut().insert(PeerAddr(self.peer));
-        let guard = InFlight::enter(&self.stats);
+        let guard = self.stats.request();
         let future = self.inner.call(request);
         Box::pin(async move {
             let result = future.await;
-            let code = result.as_ref().map(|r| r.status().as_u16()).ok();
-            match code.and_then(|c| guard.0.inner.by_status.iter().find(|(k, _)| *k == c)) {
-                Some((_, counter)) => counter.increment(1),
-                None => {
-                    let status = code.map_or_else(|| "error".into(), status_label);
-                    metrics::counter!("sluice_requests_total", "status" => status).increment(1);
-                }
-            }
-            drop(guard);
+            guard.answered(result.as_ref().map(|r| r.status().as_u16()).ok());
             result
         })
     }

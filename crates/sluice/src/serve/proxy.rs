@@ -124,8 +124,18 @@ impl Upstream {
         Ok(Uri::from(PathAndQuery::try_from(path)?))
     }
 
+    /// The `Host` header sent upstream.
+    pub(super) fn host(&self) -> &HeaderValue {
+        &self.host
+    }
+
+    /// The path prefix: empty, or starts with `/` and does not end with `/`.
+    pub(super) fn base_path(&self) -> &str {
+        &self.base_path
+    }
+
     /// `host:port` to connect to (port 80 when the URL names none).
-    fn connect_target(&self) -> String {
+    pub(super) fn connect_target(&self) -> String {
         format!(
             "{}:{}",
             self.authority.host(),
@@ -181,11 +191,16 @@ impl Proxy {
             inner: Arc::new(Inner {
                 pool: UpstreamPool::new(config.upstream.connect_target(), POOL_MAX_IDLE),
                 config,
-                upstream_seconds: ["response", "error", "timeout"]
-                    .map(|o| metrics::histogram!("sluice_upstream_seconds", "outcome" => o)),
+                upstream_seconds: upstream_seconds(),
             }),
         }
     }
+}
+
+/// `sluice_upstream_seconds{outcome}` for the outcomes response, error and timeout.
+pub(super) fn upstream_seconds() -> [metrics::Histogram; 3] {
+    ["response", "error", "timeout"]
+        .map(|o| metrics::histogram!("sluice_upstream_seconds", "outcome" => o))
 }
 
 /// The future of [`Proxy::call`].
@@ -262,24 +277,56 @@ impl Inner {
             }
             Ok(Err(error)) => {
                 self.upstream_seconds[1].record(elapsed);
-                let message = match error {
-                    SendError::Connect => "the upstream could not be reached",
-                    SendError::Upstream => "the upstream failed to answer",
-                };
-                error_response(StatusCode::BAD_GATEWAY, "bad_gateway", message)
+                upstream_failure(
+                    match error {
+                        SendError::Connect => Failure::Unreachable,
+                        SendError::Upstream => Failure::NoAnswer,
+                    },
+                    self.config.header_timeout,
+                )
             }
             Err(_elapsed) => {
                 self.upstream_seconds[2].record(elapsed);
-                error_response(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "gateway_timeout",
-                    &format!(
-                        "the upstream sent no response within {} s",
-                        self.config.header_timeout.as_secs_f64()
-                    ),
-                )
+                upstream_failure(Failure::Timeout, self.config.header_timeout)
             }
         }
+    }
+}
+
+/// Why the upstream gave no response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Failure {
+    /// No connection could be opened.
+    Unreachable,
+    /// The connection failed before a response head arrived, or sent one that cannot
+    /// be relayed.
+    NoAnswer,
+    /// No response head within the configured time.
+    Timeout,
+}
+
+/// The answer for an upstream `failure`: 502 `bad_gateway` or, past `timeout`, 504
+/// `gateway_timeout`, as the JSON envelope.
+pub(super) fn upstream_failure(failure: Failure, timeout: Duration) -> Response<ProxyBody> {
+    match failure {
+        Failure::Unreachable => error_response(
+            StatusCode::BAD_GATEWAY,
+            "bad_gateway",
+            "the upstream could not be reached",
+        ),
+        Failure::NoAnswer => error_response(
+            StatusCode::BAD_GATEWAY,
+            "bad_gateway",
+            "the upstream failed to answer",
+        ),
+        Failure::Timeout => error_response(
+            StatusCode::GATEWAY_TIMEOUT,
+            "gateway_timeout",
+            &format!(
+                "the upstream sent no response within {} s",
+                timeout.as_secs_f64()
+            ),
+        ),
     }
 }
 
@@ -299,24 +346,47 @@ pub fn error_response(status: StatusCode, code: &str, message: &str) -> Response
     response
 }
 
-/// Headers that describe one connection, not the message: never forwarded.
-const HOP_BY_HOP: [HeaderName; 6] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-];
+/// True for a header that describes one connection, not the message, and so is never
+/// forwarded: `Connection`, `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`,
+/// `Upgrade` and every `Proxy-*` (`name` in any case).
+pub(super) fn is_hop_by_hop(name: &[u8]) -> bool {
+    const FIXED: [&[u8]; 6] = [
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    ];
+    FIXED.iter().any(|f| f.eq_ignore_ascii_case(name))
+        || name
+            .get(..6)
+            .is_some_and(|p| p.eq_ignore_ascii_case(b"proxy-"))
+}
 
-/// Removes hop-by-hop headers: the fixed list, every `Proxy-*` header and every header
-/// named in `Connection`.
+/// Calls `named` with each header name a `Connection` value lists beyond the
+/// connection options `keep-alive` and `close` (which every keep-alive message
+/// carries and which name no header).
+pub(super) fn for_each_connection_named(value: &[u8], mut named: impl FnMut(&[u8])) {
+    for token in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+        if token.is_empty()
+            || token.eq_ignore_ascii_case(b"keep-alive")
+            || token.eq_ignore_ascii_case(b"close")
+        {
+            continue;
+        }
+        named(token);
+    }
+}
+
+/// Removes hop-by-hop headers: those [`is_hop_by_hop`] names and every header named
+/// in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // One pass over the names finds what goes; most messages carry only `Connection`
     // (or nothing) of it, so the common case is one removal and no allocation.
     let mut doomed: Vec<HeaderName> = Vec::new();
     for name in headers.keys() {
-        if HOP_BY_HOP.contains(name) || name.as_str().starts_with("proxy-") {
+        if is_hop_by_hop(name.as_str().as_bytes()) {
             doomed.push(name.clone());
         }
     }
@@ -324,22 +394,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         return;
     }
     for value in headers.get_all(header::CONNECTION) {
-        let Ok(value) = value.to_str() else {
-            continue;
-        };
-        for token in value.split(',').map(str::trim) {
-            // The connection options every keep-alive message carries name no header
-            // beyond the fixed list.
-            if token.eq_ignore_ascii_case("keep-alive")
-                || token.eq_ignore_ascii_case("close")
-                || token.is_empty()
-            {
-                continue;
-            }
-            if let Ok(name) = HeaderName::from_bytes(token.as_bytes()) {
+        for_each_connection_named(value.as_bytes(), |token| {
+            if let Ok(name) = HeaderName::from_bytes(token) {
                 doomed.push(name);
             }
-        }
+        });
     }
     for name in doomed {
         headers.remove(name);
@@ -371,7 +430,7 @@ fn append_list(headers: &mut HeaderMap, name: HeaderName, element: &[u8]) {
 
 /// Writes `ip` in its usual text form: dotted decimal without the formatting
 /// machinery for IPv4 (every proxied request does this), `Display` for IPv6.
-fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
+pub(super) fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
     match ip {
         IpAddr::V4(v4) => {
             for (i, octet) in v4.octets().into_iter().enumerate() {
@@ -408,26 +467,32 @@ fn append_x_forwarded_for(headers: &mut HeaderMap, ip: IpAddr) {
 /// Appends an RFC 7239 element `for=…;host="…";proto=http` to `Forwarded`.
 fn append_forwarded(headers: &mut HeaderMap, ip: IpAddr, host: Option<&HeaderValue>) {
     let mut element = Vec::with_capacity(96);
-    element.extend_from_slice(b"for=");
+    push_forwarded_element(&mut element, ip, host.map(HeaderValue::as_bytes));
+    append_list(headers, header::FORWARDED, &element);
+}
+
+/// Writes the RFC 7239 element `for=…;host="…";proto=http` for a request from `ip`
+/// that named `host` (left out when it is empty or would need escaping).
+pub(super) fn push_forwarded_element(out: &mut Vec<u8>, ip: IpAddr, host: Option<&[u8]>) {
+    out.extend_from_slice(b"for=");
     if ip.is_ipv6() {
-        element.extend_from_slice(b"\"[");
-        push_ip(&mut element, ip);
-        element.extend_from_slice(b"]\"");
+        out.extend_from_slice(b"\"[");
+        push_ip(out, ip);
+        out.extend_from_slice(b"]\"");
     } else {
-        push_ip(&mut element, ip);
+        push_ip(out, ip);
     }
-    if let Some(host) = host.map(HeaderValue::as_bytes)
+    if let Some(host) = host
         && !host.is_empty()
         && host
             .iter()
             .all(|&b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
     {
-        element.extend_from_slice(b";host=\"");
-        element.extend_from_slice(host);
-        element.push(b'"');
+        out.extend_from_slice(b";host=\"");
+        out.extend_from_slice(host);
+        out.push(b'"');
     }
-    element.extend_from_slice(b";proto=http");
-    append_list(headers, header::FORWARDED, &element);
+    out.extend_from_slice(b";proto=http");
 }
 
 #[cfg(test)]
