@@ -18,6 +18,7 @@
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -30,6 +31,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tower::Service;
 
 use super::GatewayBody;
+use super::h1::rewind::Rewind;
+use super::h1::{Ended, FastPath};
 use super::metered::{Metered, OpenConnection, RequestStats};
 use super::proxy::BoxError;
 
@@ -44,6 +47,9 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// past it is refused by the h2 layer. With `--max-connections` it bounds the memory
 /// client connections can pin (about 10,000 × 128 KiB at the defaults).
 const MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
+
+/// How often each worker closes upstream connections idle for too long.
+const PRUNE_EVERY: Duration = Duration::from_secs(10);
 
 /// Pause after a failed `accept` (e.g. out of file descriptors) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -77,14 +83,16 @@ pub(super) struct Workers {
 }
 
 impl Workers {
-    /// Starts `count` worker threads, each serving with the service `make_service`
-    /// builds for it and draining for up to `grace` once its queue closes.
+    /// Starts `count` worker threads, each serving HTTP/1.1 on the fast path
+    /// `make_fast` builds for it and everything else with the service `make_service`
+    /// builds for it, and draining for up to `grace` once its queue closes.
     ///
     /// # Errors
     /// A thread or its runtime that cannot be started.
     pub(super) fn start<F, S, B>(
         count: NonZeroUsize,
         make_service: F,
+        make_fast: impl Fn(RequestStats) -> FastPath,
         stats: &RequestStats,
         grace: Duration,
     ) -> std::io::Result<Self>
@@ -107,13 +115,14 @@ impl Workers {
             let (drained, drain) = oneshot::channel();
             let service = make_service();
             let stats = stats.worker(index);
+            let fast = make_fast(stats.clone());
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             std::thread::Builder::new()
                 .name(format!("sluice-gateway-{index}"))
                 .spawn(move || {
-                    let outcome = runtime.block_on(work(sockets, service, stats, grace));
+                    let outcome = runtime.block_on(work(sockets, service, fast, stats, grace));
                     let _ = drained.send(outcome);
                 })?;
             workers.handoffs.push(handoff);
@@ -228,6 +237,7 @@ pub(super) async fn serve(
 async fn work<S, B>(
     mut sockets: mpsc::Receiver<Handoff>,
     service: S,
+    fast: FastPath,
     stats: RequestStats,
     grace: Duration,
 ) -> Drain
@@ -251,6 +261,17 @@ where
     let graceful = GracefulShutdown::new();
     // Tells connections still waiting for their first bytes that the worker drains.
     let (draining, drain_started) = watch::channel(false);
+    let fast = Arc::new(fast);
+    tokio::spawn({
+        let fast = Arc::clone(&fast);
+        async move {
+            let mut every = tokio::time::interval(PRUNE_EVERY);
+            loop {
+                every.tick().await;
+                fast.prune();
+            }
+        }
+    });
 
     while let Some((stream, peer, open)) = sockets.recv().await {
         let Ok(stream) = TcpStream::from_std(stream) else {
@@ -261,6 +282,7 @@ where
         let watcher = graceful.watcher();
         let (http1, http2) = (http1.clone(), http2.clone());
         let mut drain_started = drain_started.clone();
+        let fast = Arc::clone(&fast);
         tokio::spawn(async move {
             let _open = open;
             // Bytes already there win over the drain: that request is answered.
@@ -272,6 +294,18 @@ where
             // A connection error (reset, malformed request) concerns that client only.
             match protocol {
                 Some(Protocol::Http1) => {
+                    let served = fast.serve(
+                        stream,
+                        peer,
+                        drain_started,
+                        HEADER_READ_TIMEOUT,
+                        MAX_REQUEST_HEAD_BYTES,
+                    );
+                    // Held meanwhile, the watcher counts the connection in the drain.
+                    let stream = match served.await {
+                        Ended::Closed => return,
+                        Ended::Elsewhere(stream, read) => Rewind::new(stream, read),
+                    };
                     let _ = watcher
                         .watch(http1.serve_connection(TokioIo::new(stream), service))
                         .await;

@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod demo;
 mod gateway;
+mod h1;
 pub mod metered;
 mod pool;
 pub mod proxy;
@@ -387,6 +388,7 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
     // upstream connection pool, driven on its own thread.
     let make_service = {
         let limiter = Arc::clone(&limiter);
+        let proxy_config = proxy_config.clone();
         move || SluiceLayer::new(Arc::clone(&limiter)).layer(Proxy::new(proxy_config.clone()))
     };
 
@@ -417,8 +419,18 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         backends_stopped.clone().wait(),
     ));
 
-    let workers = gateway::Workers::start(options.workers, make_service, &requests, SHUTDOWN_GRACE)
-        .context("starting the gateway worker threads")?;
+    let make_fast = {
+        let limiter = Arc::clone(&limiter);
+        move |stats| h1::FastPath::new(Arc::clone(&limiter), proxy_config.clone(), stats)
+    };
+    let workers = gateway::Workers::start(
+        options.workers,
+        make_service,
+        make_fast,
+        &requests,
+        SHUTDOWN_GRACE,
+    )
+    .context("starting the gateway worker threads")?;
     let (stop_gateway, gateway_stopped) = Stop::channel();
     let gateway_task = tokio::spawn(gateway::serve(
         gateway_listener,

@@ -1,0 +1,638 @@
+//! The gateway's HTTP/1.1 fast path: the requests almost every client sends, served
+//! without building them as `http` types.
+//!
+//! A request head is parsed in place (httparse); its route and the fields the limiter
+//! reads are all that is taken out of it; the head sent upstream is written straight
+//! from the client's bytes (hop-by-hop fields dropped, `Host` the upstream's,
+//! `X-Forwarded-For` and `Forwarded` appended); the upstream's response head is
+//! rewritten the same way with the rate-limit fields added, and both bodies are
+//! relayed as they come, their framing (`Content-Length`, chunked, or to the close)
+//! kept. The upstream connection is driven from the client connection's own task,
+//! from a per-worker pool of idle sockets. Decisions, metrics, answers and error
+//! envelopes are the limiter's and the proxy's own, so a request is answered as the
+//! service stack answers it.
+//!
+//! Anything else — HTTP/1.0, request bodies that are chunked or announced with
+//! `Expect`, upgrades, absolute-form targets, heads hyper would refuse, a JSON-RPC body
+//! past the policy's bound — is left to hyper and the service stack: the fast path
+//! hands the connection over, with the bytes it has read ([`Ended::Elsewhere`]), and
+//! hyper serves it from there on.
+
+mod chunked;
+mod request;
+mod response;
+pub(super) mod rewind;
+mod upstream;
+
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf as _, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, Method, Response};
+use http_body_util::BodyExt as _;
+use sluice_core::Decision;
+use sluice_tower::{Limiter, Plan, RateLimitValue};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use super::metered::RequestStats;
+use super::proxy::{Failure, ProxyConfig, Upstream, upstream_failure};
+use super::store::AnyStore;
+use chunked::ChunkedEnd;
+use response::Framing;
+
+/// Bytes reserved for each read from a socket.
+const READ_CHUNK: usize = 16 * 1024;
+
+/// At most this many idle upstream connections per worker.
+const POOL_MAX_IDLE: usize = 256;
+
+/// How a connection left the fast path.
+#[derive(Debug)]
+pub(super) enum Ended {
+    /// Closed: the client left, asked to close, or broke the protocol, or the
+    /// worker drains.
+    Closed,
+    /// A request the fast path leaves to hyper: serve the connection with hyper
+    /// from here, these bytes first.
+    Elsewhere(TcpStream, Bytes),
+}
+
+/// One worker's fast path: the shared limiter, this worker's upstream connections.
+pub(super) struct FastPath {
+    limiter: Arc<Limiter<AnyStore>>,
+    config: ProxyConfig,
+    pool: upstream::Pool,
+    /// The request fields the limiter reads.
+    identity_headers: Vec<HeaderName>,
+    stats: RequestStats,
+    /// `sluice_upstream_seconds{outcome}`: response, error, timeout.
+    upstream_seconds: [metrics::Histogram; 3],
+}
+
+/// The upstream's answer: its head (the client's form in the head buffer) and the
+/// connection its body comes on.
+struct Relay {
+    head: response::Head,
+    conn: TcpStream,
+}
+
+impl FastPath {
+    /// The fast path of one worker counting on `stats`.
+    pub(super) fn new(
+        limiter: Arc<Limiter<AnyStore>>,
+        config: ProxyConfig,
+        stats: RequestStats,
+    ) -> Self {
+        FastPath {
+            identity_headers: limiter.policy().identity.read_headers(),
+            pool: upstream::Pool::new(config.upstream.connect_target(), POOL_MAX_IDLE),
+            limiter,
+            config,
+            stats,
+            upstream_seconds: super::proxy::upstream_seconds(),
+        }
+    }
+
+    /// Closes upstream connections idle for too long; call it now and then.
+    pub(super) fn prune(&self) {
+        self.pool.prune();
+    }
+
+    /// Serves the connection `stream` from `peer` until it closes or a request is
+    /// left to hyper. Waiting for a request, it ends when `draining` turns true, or
+    /// when no complete head arrives within `head_timeout`.
+    pub(super) async fn serve(
+        &self,
+        mut stream: TcpStream,
+        peer: SocketAddr,
+        mut draining: watch::Receiver<bool>,
+        head_timeout: Duration,
+        max_head: usize,
+    ) -> Ended {
+        let mut conn = Connection {
+            fast: self,
+            peer: peer.ip(),
+            from_client: BytesMut::with_capacity(READ_CHUNK),
+            from_upstream: BytesMut::new(),
+            to_upstream: Vec::with_capacity(1024),
+            to_client: Vec::with_capacity(1024),
+            identity: HeaderMap::new(),
+        };
+        loop {
+            match conn
+                .one_request(&mut stream, &mut draining, head_timeout, max_head)
+                .await
+            {
+                Ok(Next::Request) if !*draining.borrow() => {}
+                Ok(Next::Request | Next::Close) | Err(_) => {
+                    let _ = stream.shutdown().await;
+                    return Ended::Closed;
+                }
+                Ok(Next::Elsewhere) => {
+                    return Ended::Elsewhere(stream, conn.from_client.freeze());
+                }
+            }
+        }
+    }
+}
+
+/// What follows a request.
+enum Next {
+    /// The next request on this connection.
+    Request,
+    /// Closing the connection.
+    Close,
+    /// Leaving the connection to hyper (nothing of the current request was answered).
+    Elsewhere,
+}
+
+/// One client connection's buffers.
+struct Connection<'f> {
+    fast: &'f FastPath,
+    peer: IpAddr,
+    /// Read from the client, not served yet.
+    from_client: BytesMut,
+    /// Read from the upstream, not relayed yet.
+    from_upstream: BytesMut,
+    /// The request head (and the first body bytes) for the upstream.
+    to_upstream: Vec<u8>,
+    /// The response head (and the first body bytes) for the client.
+    to_client: Vec<u8>,
+    /// The request fields the limiter reads.
+    identity: HeaderMap,
+}
+
+impl Connection<'_> {
+    /// Serves one request.
+    async fn one_request(
+        &mut self,
+        client: &mut TcpStream,
+        draining: &mut watch::Receiver<bool>,
+        head_timeout: Duration,
+        max_head: usize,
+    ) -> io::Result<Next> {
+        let fast = self.fast;
+        let limiter = &*fast.limiter;
+        let route = |method: &Method, path: &str| limiter.route_for(method, path);
+        let cx = request::Context {
+            upstream: &fast.config.upstream,
+            route: &route,
+            identity_headers: &fast.identity_headers,
+            peer: self.peer,
+        };
+
+        // A complete head.
+        let deadline = tokio::time::Instant::now() + head_timeout;
+        let head = loop {
+            if !self.from_client.is_empty() {
+                self.identity.clear();
+                match request::parse(
+                    &self.from_client,
+                    &cx,
+                    &mut self.to_upstream,
+                    &mut self.identity,
+                ) {
+                    request::Parsed::Ready(head) => break head,
+                    request::Parsed::Elsewhere => return Ok(Next::Elsewhere),
+                    // hyper refuses it (431).
+                    request::Parsed::Partial if self.from_client.len() >= max_head => {
+                        return Ok(Next::Elsewhere);
+                    }
+                    request::Parsed::Partial => {}
+                }
+            }
+            let idle = self.from_client.is_empty();
+            let read = tokio::time::timeout_at(deadline, read_more(client, &mut self.from_client));
+            let n = if idle {
+                // Between requests the drain wins: no request is cut.
+                tokio::select! {
+                    biased;
+                    n = read => n,
+                    _ = draining.wait_for(|d| *d) => return Ok(Next::Close),
+                }
+            } else {
+                read.await
+            };
+            match n {
+                Ok(Ok(0)) | Err(_) => return Ok(Next::Close),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(e),
+            }
+        };
+
+        // The body, when the route takes its class from it.
+        let policy = limiter.policy();
+        let needs_body = Limiter::<AnyStore>::needs_body(head.route);
+        if needs_body && head.body_len > policy.bounds.max_body_bytes as u64 {
+            // Refused with 413 (after a decision) by the service stack, as before.
+            return Ok(Next::Elsewhere);
+        }
+        let in_flight = fast.stats.request();
+        let body_len = usize::try_from(head.body_len).unwrap_or(usize::MAX);
+        let mut head_len = head.len;
+        if needs_body {
+            while self.from_client.len() - head_len < body_len {
+                if read_more(client, &mut self.from_client).await? == 0 {
+                    return Ok(Next::Close);
+                }
+            }
+        }
+        let plan = limiter.plan_for(
+            &self.identity,
+            self.peer,
+            head.route,
+            needs_body.then(|| &self.from_client[head_len..head_len + body_len]),
+        );
+
+        // The decision.
+        let head_request = head.method == Method::HEAD;
+        let decision = match limiter.decide(&plan).await {
+            Ok(decision) => decision,
+            Err(error) => {
+                let answer = sluice_tower::limiter_unavailable(&error);
+                let close = head.close || !self.skip_body(head_len, body_len);
+                return self
+                    .answer_own(client, own(answer).await, close, head_request, in_flight)
+                    .await;
+            }
+        };
+        if !decision.is_admitted() {
+            let answer = sluice_tower::refusal(&decision, &plan, policy);
+            let close = head.close || !self.skip_body(head_len, body_len);
+            return self
+                .answer_own(client, own(answer).await, close, head_request, in_flight)
+                .await;
+        }
+
+        // Forwarded: the head and what the client already sent of the body.
+        let sent = body_len.min(self.from_client.len() - head_len);
+        self.to_upstream
+            .extend_from_slice(&self.from_client[head_len..head_len + sent]);
+        head_len += sent;
+        self.from_client.advance(head_len);
+        let mut body_left = (body_len - sent) as u64;
+        // Sent again on a new connection when a kept-alive one fails before any
+        // answer: only a request with nothing left to stream that may be repeated.
+        let repeatable = body_left == 0 && head.method.is_idempotent();
+
+        let started = Instant::now();
+        let exchange = self.exchange(
+            client,
+            &mut body_left,
+            head_request,
+            head.close,
+            repeatable,
+            &decision,
+            &plan,
+        );
+        let answer = match tokio::time::timeout(fast.config.header_timeout, exchange).await {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(failure)) => Err(failure),
+            Err(_) => Err(Failure::Timeout),
+        };
+        let elapsed = started.elapsed().as_secs_f64();
+        let (head_sent, conn) = match answer {
+            Ok(Relay {
+                head: sent_head,
+                conn,
+            }) => {
+                fast.upstream_seconds[0].record(elapsed);
+                (sent_head, conn)
+            }
+            Err(failure) => {
+                fast.upstream_seconds[if failure == Failure::Timeout { 2 } else { 1 }]
+                    .record(elapsed);
+                let mut answer = upstream_failure(failure, fast.config.header_timeout);
+                sluice_tower::rate_limit_headers(answer.headers_mut(), &decision, &plan, policy);
+                let (parts, body) = answer.into_parts();
+                let body = body
+                    .collect()
+                    .await
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
+                // The rest of a body the upstream did not take is still on its way.
+                let close = head.close || body_left > 0;
+                let answer = Response::from_parts(parts, body);
+                return self
+                    .answer_own(client, answer, close, head_request, in_flight)
+                    .await;
+            }
+        };
+
+        // Counted once the head is there, as the service stack counts a response.
+        in_flight.answered(Some(head_sent.status));
+        let close = head.close || head_sent.framing == Framing::UntilClose;
+        let mut conn = conn;
+        if self.relay_body(client, head_sent, &mut conn).await? {
+            fast.pool.checkin(conn);
+        }
+        Ok(if close { Next::Close } else { Next::Request })
+    }
+
+    /// Drops the unread body of a request answered without the upstream: true when it
+    /// was all here (the connection can go on), false when some is still to come (the
+    /// connection closes after the answer).
+    fn skip_body(&mut self, head_len: usize, body_len: usize) -> bool {
+        let here = self.from_client.len() - head_len;
+        if here >= body_len {
+            self.from_client.advance(head_len + body_len);
+            true
+        } else {
+            self.from_client.clear();
+            false
+        }
+    }
+
+    /// Writes an answer of sluice's own (its body left out for a HEAD request).
+    async fn answer_own(
+        &mut self,
+        client: &mut TcpStream,
+        answer: Response<Bytes>,
+        close: bool,
+        head_request: bool,
+        in_flight: super::metered::InFlight,
+    ) -> io::Result<Next> {
+        let out = &mut self.to_client;
+        out.clear();
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(
+            itoa::Buffer::new()
+                .format(answer.status().as_u16())
+                .as_bytes(),
+        );
+        out.push(b' ');
+        out.extend_from_slice(answer.status().canonical_reason().unwrap_or("").as_bytes());
+        out.extend_from_slice(b"\r\n");
+        for (name, value) in answer.headers() {
+            push_field(out, name.as_str().as_bytes(), value.as_bytes());
+        }
+        push_field(
+            out,
+            b"content-length",
+            itoa::Buffer::new().format(answer.body().len()).as_bytes(),
+        );
+        if close {
+            out.extend_from_slice(b"connection: close\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        if !head_request {
+            out.extend_from_slice(answer.body());
+        }
+        client.write_all(out).await?;
+        in_flight.answered(Some(answer.status().as_u16()));
+        Ok(if close { Next::Close } else { Next::Request })
+    }
+
+    /// Sends the request (head in `to_upstream`, `body_left` more body bytes from the
+    /// client) and reads the response head, whose client form it leaves in
+    /// `to_client`.
+    #[allow(clippy::too_many_arguments)]
+    async fn exchange(
+        &mut self,
+        client: &mut TcpStream,
+        body_left: &mut u64,
+        head_request: bool,
+        close: bool,
+        repeatable: bool,
+        decision: &Decision,
+        plan: &Plan,
+    ) -> Result<Relay, Failure> {
+        let fast = self.fast;
+        let mut reused = fast.pool.checkout();
+        loop {
+            let was_reused = reused.is_some();
+            let mut conn = match reused.take() {
+                Some(conn) => conn,
+                None => fast
+                    .pool
+                    .connect()
+                    .await
+                    .map_err(|_| Failure::Unreachable)?,
+            };
+            self.from_upstream.clear();
+            match self
+                .send_and_read_head(
+                    &mut conn,
+                    client,
+                    body_left,
+                    head_request,
+                    close,
+                    decision,
+                    plan,
+                )
+                .await
+            {
+                Ok(head) => return Ok(Relay { head, conn }),
+                // Nothing came back on a connection that had served before: it may
+                // have been closed as the request was sent. Once more, on a new one.
+                Err(Exchange::NoAnswer) if was_reused && repeatable => {}
+                Err(_) => return Err(Failure::NoAnswer),
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn send_and_read_head(
+        &mut self,
+        conn: &mut TcpStream,
+        client: &mut TcpStream,
+        body_left: &mut u64,
+        head_request: bool,
+        close: bool,
+        decision: &Decision,
+        plan: &Plan,
+    ) -> Result<response::Head, Exchange> {
+        let policy = self.fast.limiter.policy();
+        conn.write_all(&self.to_upstream)
+            .await
+            .map_err(|_| Exchange::NoAnswer)?;
+        while *body_left > 0 {
+            self.from_client.reserve(READ_CHUNK);
+            let n = client
+                .read_buf(&mut self.from_client)
+                .await
+                .map_err(|_| Exchange::Broken)?;
+            if n == 0 {
+                return Err(Exchange::Broken);
+            }
+            let take = usize::try_from(*body_left)
+                .unwrap_or(usize::MAX)
+                .min(self.from_client.len());
+            conn.write_all(&self.from_client[..take])
+                .await
+                .map_err(|_| Exchange::Broken)?;
+            self.from_client.advance(take);
+            *body_left -= take as u64;
+        }
+        loop {
+            let n = read_more(conn, &mut self.from_upstream)
+                .await
+                .map_err(|_| Exchange::NoAnswer)?;
+            if n == 0 {
+                return Err(if self.from_upstream.is_empty() {
+                    Exchange::NoAnswer
+                } else {
+                    Exchange::Broken
+                });
+            }
+            loop {
+                let parsed = response::parse(
+                    &self.from_upstream,
+                    head_request,
+                    close,
+                    &mut self.to_client,
+                    |out| {
+                        push_rate_limit_fields(out, decision, plan, policy);
+                    },
+                )
+                .map_err(|_| Exchange::Broken)?;
+                match parsed {
+                    response::Parsed::Final(head) => {
+                        self.from_upstream.advance(head.len);
+                        return Ok(head);
+                    }
+                    response::Parsed::Interim { len } => self.from_upstream.advance(len),
+                    response::Parsed::Partial if self.from_upstream.len() >= MAX_RESPONSE_HEAD => {
+                        return Err(Exchange::Broken);
+                    }
+                    response::Parsed::Partial => break,
+                }
+            }
+        }
+    }
+
+    /// Writes the response head and relays the body; true when the upstream connection
+    /// can serve another request.
+    async fn relay_body(
+        &mut self,
+        client: &mut TcpStream,
+        head: response::Head,
+        conn: &mut TcpStream,
+    ) -> io::Result<bool> {
+        let upstream = &mut self.from_upstream;
+        let out = &mut self.to_client;
+        match head.framing {
+            Framing::Empty => {
+                client.write_all(out).await?;
+                Ok(head.reusable && upstream.is_empty())
+            }
+            Framing::Length(n) => {
+                let mut left = n;
+                let take = usize::try_from(left)
+                    .unwrap_or(usize::MAX)
+                    .min(upstream.len());
+                out.extend_from_slice(&upstream[..take]);
+                upstream.advance(take);
+                left -= take as u64;
+                client.write_all(out).await?;
+                while left > 0 {
+                    upstream.clear();
+                    if read_more(conn, upstream).await? == 0 {
+                        return Err(io::ErrorKind::UnexpectedEof.into());
+                    }
+                    let take = usize::try_from(left)
+                        .unwrap_or(usize::MAX)
+                        .min(upstream.len());
+                    client.write_all(&upstream[..take]).await?;
+                    upstream.advance(take);
+                    left -= take as u64;
+                }
+                Ok(head.reusable && upstream.is_empty())
+            }
+            Framing::Chunked => {
+                let mut end = ChunkedEnd::new();
+                let used = end
+                    .feed(upstream)
+                    .map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+                out.extend_from_slice(&upstream[..used]);
+                upstream.advance(used);
+                client.write_all(out).await?;
+                while !end.is_done() {
+                    upstream.clear();
+                    if read_more(conn, upstream).await? == 0 {
+                        return Err(io::ErrorKind::UnexpectedEof.into());
+                    }
+                    let used = end
+                        .feed(upstream)
+                        .map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+                    client.write_all(&upstream[..used]).await?;
+                    upstream.advance(used);
+                }
+                Ok(head.reusable && upstream.is_empty())
+            }
+            Framing::UntilClose => {
+                out.extend_from_slice(upstream);
+                upstream.clear();
+                client.write_all(out).await?;
+                loop {
+                    upstream.clear();
+                    if read_more(conn, upstream).await? == 0 {
+                        return Ok(false);
+                    }
+                    client.write_all(upstream).await?;
+                }
+            }
+        }
+    }
+}
+
+/// Why an exchange with the upstream failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Exchange {
+    /// Nothing of a response arrived (the connection closed or failed).
+    NoAnswer,
+    /// The exchange broke after it had started, or the response cannot be relayed.
+    Broken,
+}
+
+/// Longest upstream response head relayed, as for request heads.
+const MAX_RESPONSE_HEAD: usize = 64 * 1024;
+
+/// Reads what is there (at least one byte, or 0 at the end) into `buf`.
+async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+    buf.reserve(READ_CHUNK);
+    stream.read_buf(buf).await
+}
+
+/// `name: value\r\n`.
+fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// The rate-limit fields of `decision`, as the service stack adds them.
+fn push_rate_limit_fields(
+    out: &mut Vec<u8>,
+    decision: &Decision,
+    plan: &Plan,
+    policy: &sluice_policy::Policy,
+) {
+    sluice_tower::for_each_rate_limit_header(decision, plan, policy, |name, value| match value {
+        RateLimitValue::Number(n) => push_field(
+            out,
+            name.as_str().as_bytes(),
+            itoa::Buffer::new().format(n).as_bytes(),
+        ),
+        RateLimitValue::Text(text) => {
+            if http::HeaderValue::from_str(text).is_ok() {
+                push_field(out, name.as_str().as_bytes(), text.as_bytes());
+            }
+        }
+    });
+}
+
+/// An answer of sluice's own, its body collected.
+async fn own(answer: Response<http_body_util::Full<Bytes>>) -> Response<Bytes> {
+    let (parts, body) = answer.into_parts();
+    let body = match body.collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(never) => match never {},
+    };
+    Response::from_parts(parts, body)
+}

@@ -1,0 +1,307 @@
+//! A client's request head: parsed in place, checked to be one the fast path serves,
+//! and rewritten into the head sent upstream.
+
+use std::mem::MaybeUninit;
+use std::net::IpAddr;
+
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use sluice_policy::Route;
+
+use super::super::proxy::{
+    for_each_connection_named, is_hop_by_hop, push_forwarded_element, push_ip,
+};
+use super::Upstream;
+
+/// Most header fields in a request head, as hyper's server allows; a head with more
+/// is left to hyper, which refuses it.
+pub(super) const MAX_HEADERS: usize = 100;
+
+/// What a request head is, for the fast path.
+#[derive(Debug)]
+pub(super) enum Parsed<'l> {
+    /// The head is not complete yet.
+    Partial,
+    /// A head the fast path leaves to hyper: not HTTP/1.1, a request body that is not
+    /// one `Content-Length` (chunked, or lengths that disagree), `Expect`, `Upgrade`,
+    /// `CONNECT`, a target that is not a plain path, too many fields, or a head hyper
+    /// would refuse. hyper serves the connection from there on, so every such request
+    /// is answered exactly as before the fast path existed.
+    Elsewhere,
+    /// A head the fast path serves.
+    Ready(Head<'l>),
+}
+
+/// A request head the fast path serves; its rewritten form is in the `upstream` buffer
+/// [`parse`] was given.
+#[derive(Debug)]
+pub(super) struct Head<'l> {
+    /// Bytes of the head in the buffer.
+    pub(super) len: usize,
+    pub(super) method: Method,
+    /// The body's length (0 without `Content-Length`).
+    pub(super) body_len: u64,
+    /// The client asked to close the connection after this request.
+    pub(super) close: bool,
+    /// The route the method and path match.
+    pub(super) route: Option<&'l Route>,
+}
+
+/// What [`parse`] needs besides the bytes.
+pub(super) struct Context<'a, 'l> {
+    pub(super) upstream: &'a Upstream,
+    /// Routes requests.
+    pub(super) route: &'a (dyn Fn(&Method, &str) -> Option<&'l Route> + Sync),
+    /// Headers the limiter reads (lowercase); they are copied into `identity`.
+    pub(super) identity_headers: &'a [HeaderName],
+    /// The socket peer, appended to `X-Forwarded-For` and `Forwarded`.
+    pub(super) peer: IpAddr,
+}
+
+/// Parses the request head at the start of `buf`. When it is [`Parsed::Ready`], the
+/// head to send upstream (request line, the client's fields but the hop-by-hop ones,
+/// `Host` the upstream's, `X-Forwarded-For` and `Forwarded` with the peer appended) is
+/// written to `upstream`, and the fields the limiter reads are put in `identity`.
+pub(super) fn parse<'l>(
+    buf: &[u8],
+    cx: &Context<'_, 'l>,
+    upstream: &mut Vec<u8>,
+    identity: &mut HeaderMap,
+) -> Parsed<'l> {
+    let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut request = httparse::Request::new(&mut []);
+    let len = match request.parse_with_uninit_headers(buf, &mut fields) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Parsed::Partial,
+        Err(_) => return Parsed::Elsewhere,
+    };
+    let (Some(method), Some(target), Some(1)) = (request.method, request.path, request.version)
+    else {
+        return Parsed::Elsewhere;
+    };
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+        return Parsed::Elsewhere;
+    };
+    if method == Method::CONNECT || !target.starts_with('/') || target.contains('#') {
+        return Parsed::Elsewhere;
+    }
+    let path = target.split_once('?').map_or(target, |(path, _)| path);
+
+    // First pass: what frames the message and what `Connection` names.
+    let mut body_len = None;
+    let mut close = false;
+    let mut host: Option<&[u8]> = None;
+    let mut connection_names = false;
+    for field in request.headers.iter() {
+        let name = field.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"content-length") {
+            match (body_len, parse_length(field.value)) {
+                (None, Some(n)) => body_len = Some(n),
+                _ => return Parsed::Elsewhere,
+            }
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            for token in field.value.split(|&b| b == b',') {
+                if token.trim_ascii().eq_ignore_ascii_case(b"close") {
+                    close = true;
+                }
+            }
+            for_each_connection_named(field.value, |_| connection_names = true);
+        } else if name.eq_ignore_ascii_case(b"host") {
+            if host.is_some() {
+                return Parsed::Elsewhere;
+            }
+            host = Some(field.value);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding")
+            || name.eq_ignore_ascii_case(b"upgrade")
+            || name.eq_ignore_ascii_case(b"expect")
+        {
+            return Parsed::Elsewhere;
+        }
+    }
+
+    // Second pass: the head sent upstream.
+    upstream.clear();
+    upstream.extend_from_slice(method.as_str().as_bytes());
+    upstream.push(b' ');
+    upstream.extend_from_slice(cx.upstream.base_path().as_bytes());
+    upstream.extend_from_slice(target.as_bytes());
+    upstream.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    upstream.extend_from_slice(cx.upstream.host().as_bytes());
+    upstream.extend_from_slice(b"\r\n");
+    let mut forwarded_for = Vec::new();
+    let mut forwarded = Vec::new();
+    for field in request.headers.iter() {
+        let name = field.name.as_bytes();
+        if let Some(known) = cx
+            .identity_headers
+            .iter()
+            .find(|n| n.as_str().as_bytes().eq_ignore_ascii_case(name))
+            && let Ok(value) = HeaderValue::from_bytes(field.value)
+        {
+            identity.append(known.clone(), value);
+        }
+        if name.eq_ignore_ascii_case(b"host") || is_hop_by_hop(name) {
+            continue;
+        }
+        if name.eq_ignore_ascii_case(b"x-forwarded-for") {
+            push_list_element(&mut forwarded_for, field.value);
+            continue;
+        }
+        if name.eq_ignore_ascii_case(b"forwarded") {
+            push_list_element(&mut forwarded, field.value);
+            continue;
+        }
+        if connection_names && named_in_connection(&request, name) {
+            continue;
+        }
+        upstream.extend_from_slice(name);
+        upstream.extend_from_slice(b": ");
+        upstream.extend_from_slice(field.value);
+        upstream.extend_from_slice(b"\r\n");
+    }
+    upstream.extend_from_slice(b"x-forwarded-for: ");
+    upstream.extend_from_slice(&forwarded_for);
+    push_ip(upstream, cx.peer);
+    upstream.extend_from_slice(b"\r\nforwarded: ");
+    upstream.extend_from_slice(&forwarded);
+    push_forwarded_element(upstream, cx.peer, host);
+    upstream.extend_from_slice(b"\r\n\r\n");
+
+    Parsed::Ready(Head {
+        len,
+        route: (cx.route)(&method, path),
+        method,
+        body_len: body_len.unwrap_or(0),
+        close,
+    })
+}
+
+/// True when a `Connection` field of `request` names the header `name`.
+fn named_in_connection(request: &httparse::Request<'_, '_>, name: &[u8]) -> bool {
+    let mut named = false;
+    for field in request.headers.iter() {
+        if field.name.eq_ignore_ascii_case("connection") {
+            for_each_connection_named(field.value, |token| {
+                named |= token.eq_ignore_ascii_case(name);
+            });
+        }
+    }
+    named
+}
+
+/// Appends one field value of a list header (`X-Forwarded-For`, `Forwarded`) and the
+/// `", "` that joins it to the next; empty values are left out.
+fn push_list_element(list: &mut Vec<u8>, value: &[u8]) {
+    let value = value.trim_ascii();
+    if !value.is_empty() {
+        list.extend_from_slice(value);
+        list.extend_from_slice(b", ");
+    }
+}
+
+/// A `Content-Length` value: decimal digits only, as hyper accepts it (no list of
+/// equal values, no sign, no spaces inside).
+pub(super) fn parse_length(value: &[u8]) -> Option<u64> {
+    let digits = value.trim_ascii();
+    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &d| {
+        n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn upstream() -> Upstream {
+        Upstream::parse("http://10.0.0.9:3000/api").expect("upstream")
+    }
+
+    /// What [`parse`] made of a head, owned.
+    #[derive(Debug, PartialEq, Eq)]
+    enum Seen {
+        Partial,
+        Elsewhere,
+        /// Head length, body length, close.
+        Ready(usize, u64, bool),
+    }
+
+    /// Parses `head` from 192.0.2.1: what it is, the upstream head, the identity fields.
+    fn parse_one(head: &str) -> (Seen, String, HeaderMap) {
+        let up = upstream();
+        let route = |_: &Method, _: &str| None;
+        let names = [
+            HeaderName::from_static("x-api-key"),
+            HeaderName::from_static("x-forwarded-for"),
+        ];
+        let cx = Context {
+            upstream: &up,
+            route: &route,
+            identity_headers: &names,
+            peer: "192.0.2.1".parse().expect("ip"),
+        };
+        let mut out = Vec::new();
+        let mut identity = HeaderMap::new();
+        let seen = match parse(head.as_bytes(), &cx, &mut out, &mut identity) {
+            Parsed::Ready(h) => Seen::Ready(h.len, h.body_len, h.close),
+            Parsed::Partial => Seen::Partial,
+            Parsed::Elsewhere => Seen::Elsewhere,
+        };
+        (seen, String::from_utf8(out).expect("ascii"), identity)
+    }
+
+    #[test]
+    fn the_upstream_head_drops_hop_by_hop_fields_and_appends_the_peer() {
+        let head = "POST /v1/things?x=1 HTTP/1.1\r\nHost: api.example\r\nConnection: keep-alive, X-Secret\r\n\
+                    X-Secret: s\r\nKeep-Alive: timeout=5\r\nProxy-Authorization: Basic x\r\nTE: trailers\r\n\
+                    X-Forwarded-For: 203.0.113.7\r\nx-forwarded-for: 198.51.100.2\r\nForwarded: for=1.2.3.4\r\n\
+                    X-Api-Key: k1\r\nContent-Length: 2\r\nX-Kept: yes\r\n\r\n{}";
+        let (seen, out, identity) = parse_one(head);
+        assert_eq!(seen, Seen::Ready(head.len() - 2, 2, false));
+        assert_eq!(
+            out,
+            "POST /api/v1/things?x=1 HTTP/1.1\r\nhost: 10.0.0.9:3000\r\n\
+             X-Api-Key: k1\r\nContent-Length: 2\r\nX-Kept: yes\r\n\
+             x-forwarded-for: 203.0.113.7, 198.51.100.2, 192.0.2.1\r\n\
+             forwarded: for=1.2.3.4, for=192.0.2.1;host=\"api.example\";proto=http\r\n\r\n"
+        );
+        assert_eq!(identity["x-api-key"], "k1");
+        assert_eq!(identity.get_all("x-forwarded-for").iter().count(), 2);
+    }
+
+    #[test]
+    fn unusual_heads_are_left_to_hyper_and_partial_ones_wait() {
+        for head in [
+            "GET / HTTP/1.0\r\n\r\n",
+            "POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\ncontent-length: 1\r\ncontent-length: 1\r\n\r\n",
+            "POST / HTTP/1.1\r\ncontent-length: +1\r\n\r\n",
+            "POST / HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 1\r\n\r\n",
+            "GET / HTTP/1.1\r\nupgrade: websocket\r\n\r\n",
+            "GET http://x/ HTTP/1.1\r\n\r\n",
+            "CONNECT x:1 HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n",
+            "GET / HTTP/1.1\r\nbad header\r\n\r\n",
+        ] {
+            assert_eq!(parse_one(head).0, Seen::Elsewhere, "{head:?}");
+        }
+        assert_eq!(parse_one("GET / HTTP/1.1\r\nhost: a\r\n").0, Seen::Partial);
+        let close = "GET / HTTP/1.1\r\nconnection: Close\r\n\r\n";
+        assert_eq!(parse_one(close).0, Seen::Ready(close.len(), 0, true));
+    }
+
+    #[test]
+    fn content_lengths_are_plain_decimal() {
+        assert_eq!(parse_length(b"0"), Some(0));
+        assert_eq!(parse_length(b" 42 "), Some(42));
+        assert_eq!(parse_length(b"18446744073709551615"), None);
+        assert_eq!(
+            parse_length(b"9999999999999999999"),
+            Some(9_999_999_999_999_999_999)
+        );
+        for bad in [&b""[..], b"-1", b"1,1", b"0x1", b"1 1"] {
+            assert_eq!(parse_length(bad), None, "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! The upstream's response head: parsed in place, its body's framing found, and
+//! rewritten into the head the client gets.
+
+use std::mem::MaybeUninit;
+
+use super::super::proxy::{for_each_connection_named, is_hop_by_hop};
+use super::request::{MAX_HEADERS, parse_length};
+
+/// How the response body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Framing {
+    /// No body (a response to HEAD, 204, 304).
+    Empty,
+    /// `Content-Length` bytes.
+    Length(u64),
+    /// Chunked: relayed with its framing as it is.
+    Chunked,
+    /// Until the upstream closes the connection; the client's connection closes after.
+    UntilClose,
+}
+
+/// What an upstream response head is.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Parsed {
+    /// The head is not complete yet.
+    Partial,
+    /// An interim (1xx) response of `len` bytes: skipped, the real one follows.
+    Interim { len: usize },
+    /// A final response; its head for the client is in the buffer [`parse`] was given.
+    Final(Head),
+}
+
+/// A final response head.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Head {
+    /// Bytes of the head in the upstream's buffer.
+    pub(super) len: usize,
+    pub(super) status: u16,
+    pub(super) framing: Framing,
+    /// The upstream connection can serve another request once this body is read.
+    pub(super) reusable: bool,
+}
+
+/// The upstream's response cannot be relayed (answered 502).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct BadResponse;
+
+/// Parses the response head at the start of `buf`, the answer to a request that was
+/// (`head_request`) or was not a HEAD. For a final response the head the client gets
+/// is written to `client`: the status line as HTTP/1.1, the upstream's fields but the
+/// hop-by-hop ones, then what `extra` writes (the rate-limit fields), then the framing
+/// (`transfer-encoding: chunked` for a chunked body, `connection: close` when the
+/// body ends at the close or `close` is set), then the blank line.
+///
+/// # Errors
+/// [`BadResponse`] for a head that is malformed, too large a list of fields, a
+/// `101 Switching Protocols` (never asked for) or lengths that disagree.
+pub(super) fn parse(
+    buf: &[u8],
+    head_request: bool,
+    close: bool,
+    client: &mut Vec<u8>,
+    extra: impl FnOnce(&mut Vec<u8>),
+) -> Result<Parsed, BadResponse> {
+    let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut response,
+        buf,
+        &mut fields,
+    ) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(Parsed::Partial),
+        Err(_) => return Err(BadResponse),
+    };
+    let (Some(version), Some(status)) = (response.version, response.code) else {
+        return Err(BadResponse);
+    };
+    match status {
+        101 => return Err(BadResponse),
+        100..=199 => return Ok(Parsed::Interim { len }),
+        _ => {}
+    }
+
+    let mut length = None;
+    let mut chunked = None;
+    let mut upstream_closes = version == 0;
+    let mut connection_names = false;
+    for field in response.headers.iter() {
+        let name = field.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"content-length") {
+            let n = parse_length(field.value).ok_or(BadResponse)?;
+            if length.is_some_and(|m| m != n) {
+                return Err(BadResponse);
+            }
+            length = Some(n);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            // Chunked when the last coding is chunked; any other coding last means
+            // the body runs to the close.
+            let last = field.value.rsplit(|&b| b == b',').next().unwrap_or(b"");
+            chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            for token in field.value.split(|&b| b == b',') {
+                let token = token.trim_ascii();
+                if token.eq_ignore_ascii_case(b"close") {
+                    upstream_closes = true;
+                } else if version == 0 && token.eq_ignore_ascii_case(b"keep-alive") {
+                    upstream_closes = false;
+                }
+            }
+            for_each_connection_named(field.value, |_| connection_names = true);
+        }
+    }
+    let framing = if head_request || status == 204 || status == 304 {
+        Framing::Empty
+    } else {
+        match (chunked, length) {
+            (Some(true), _) => Framing::Chunked,
+            (Some(false), _) | (None, None) => Framing::UntilClose,
+            (None, Some(n)) => Framing::Length(n),
+        }
+    };
+
+    client.clear();
+    client.extend_from_slice(b"HTTP/1.1 ");
+    client.extend_from_slice(itoa::Buffer::new().format(status).as_bytes());
+    client.push(b' ');
+    client.extend_from_slice(response.reason.unwrap_or("").as_bytes());
+    client.extend_from_slice(b"\r\n");
+    for field in response.headers.iter() {
+        let name = field.name.as_bytes();
+        if is_hop_by_hop(name)
+            // A chunked body's length is its framing's, whatever a length field says.
+            || (framing == Framing::Chunked && name.eq_ignore_ascii_case(b"content-length"))
+            || (connection_names && named_in_connection(response.headers, name))
+        {
+            continue;
+        }
+        client.extend_from_slice(name);
+        client.extend_from_slice(b": ");
+        client.extend_from_slice(field.value);
+        client.extend_from_slice(b"\r\n");
+    }
+    extra(client);
+    if framing == Framing::Chunked {
+        client.extend_from_slice(b"transfer-encoding: chunked\r\n");
+    }
+    if close || framing == Framing::UntilClose {
+        client.extend_from_slice(b"connection: close\r\n");
+    }
+    client.extend_from_slice(b"\r\n");
+
+    Ok(Parsed::Final(Head {
+        len,
+        status,
+        framing,
+        reusable: !upstream_closes && framing != Framing::UntilClose,
+    }))
+}
+
+/// True when a `Connection` field among `fields` names the header `name`.
+fn named_in_connection(fields: &[httparse::Header<'_>], name: &[u8]) -> bool {
+    let mut named = false;
+    for field in fields {
+        if field.name.eq_ignore_ascii_case("connection") {
+            for_each_connection_named(field.value, |token| {
+                named |= token.eq_ignore_ascii_case(name);
+            });
+        }
+    }
+    named
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(raw: &str, head_request: bool, close: bool) -> (Result<Parsed, BadResponse>, String) {
+        let mut client = Vec::new();
+        let parsed = parse(raw.as_bytes(), head_request, close, &mut client, |c| {
+            c.extend_from_slice(b"x-ratelimit-limit: 300\r\n");
+        });
+        (parsed, String::from_utf8(client).expect("ascii"))
+    }
+
+    fn framing(raw: &str) -> (Framing, bool) {
+        match head(raw, false, false).0 {
+            Ok(Parsed::Final(h)) => (h.framing, h.reusable),
+            other => panic!("{raw:?}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_client_head_keeps_end_to_end_fields_and_adds_the_rate_limit_ones() {
+        let raw = "HTTP/1.1 201 Created\r\nServer: up\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\n\
+                   Keep-Alive: timeout=5\r\nContent-Length: 2\r\n\r\n{}";
+        let (parsed, client) = head(raw, false, false);
+        assert_eq!(
+            parsed,
+            Ok(Parsed::Final(Head {
+                len: raw.len() - 2,
+                status: 201,
+                framing: Framing::Length(2),
+                reusable: true,
+            }))
+        );
+        assert_eq!(
+            client,
+            "HTTP/1.1 201 Created\r\nServer: up\r\nContent-Length: 2\r\nx-ratelimit-limit: 300\r\n\r\n"
+        );
+        let (_, client) = head("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", false, true);
+        assert!(client.ends_with("connection: close\r\n\r\n"), "{client}");
+    }
+
+    #[test]
+    fn framing_follows_the_status_the_method_and_the_fields() {
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 5\r\n\r\n"),
+            (Framing::Chunked, true)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n"),
+            (Framing::UntilClose, false)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\n\r\n"),
+            (Framing::UntilClose, false)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 204 No Content\r\n\r\n"),
+            (Framing::Empty, true)
+        );
+        assert_eq!(
+            framing("HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\n"),
+            (Framing::Length(3), false)
+        );
+        assert_eq!(
+            framing("HTTP/1.0 200 OK\r\ncontent-length: 3\r\n\r\n"),
+            (Framing::Length(3), false)
+        );
+        assert_eq!(
+            framing("HTTP/1.0 200 OK\r\ncontent-length: 3\r\nconnection: keep-alive\r\n\r\n"),
+            (Framing::Length(3), true)
+        );
+        match head("HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\n", true, false).0 {
+            Ok(Parsed::Final(h)) => assert_eq!(h.framing, Framing::Empty),
+            other => panic!("{other:?}"),
+        }
+        let (chunked, client) = head(
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 5\r\n\r\n",
+            false,
+            false,
+        );
+        assert!(matches!(chunked, Ok(Parsed::Final(_))));
+        assert!(!client.contains("content-length"), "{client}");
+        assert!(
+            client.contains("transfer-encoding: chunked\r\n"),
+            "{client}"
+        );
+    }
+
+    #[test]
+    fn interim_partial_and_broken_heads() {
+        assert_eq!(
+            head(
+                "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n",
+                false,
+                false
+            )
+            .0,
+            Ok(Parsed::Interim { len: 25 })
+        );
+        assert_eq!(
+            head("HTTP/1.1 200 OK\r\n", false, false).0,
+            Ok(Parsed::Partial)
+        );
+        for bad in [
+            "HTTP/1.1 101 Switching Protocols\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",
+            "HTTP/1.1 2000 OK\r\n\r\n",
+            "SPDY/3 200 OK\r\n\r\n",
+        ] {
+            assert_eq!(head(bad, false, false).0, Err(BadResponse), "{bad:?}");
+        }
+    }
+}

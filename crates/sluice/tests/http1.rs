@@ -1,0 +1,384 @@
+//! The gateway's HTTP/1.1 path over raw loopback sockets: what the fast path serves
+//! (pipelining, bodies in pieces, every framing an upstream uses, kept-alive upstream
+//! connections) and what it leaves to hyper (HTTP/1.0, chunked request bodies,
+//! `Expect: 100-continue`), all on one `sluice serve` process.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde_json::Value;
+use support::Sluice;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Bound on every test's whole body.
+const TEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+async fn bounded<F: Future>(test: F) -> F::Output {
+    tokio::time::timeout(TEST_TIMEOUT, test)
+        .await
+        .expect("test timed out")
+}
+
+/// One response read off a raw connection: status, lower-cased head, body (chunked
+/// bodies decoded).
+#[derive(Debug)]
+struct Raw {
+    status: u16,
+    head: String,
+    body: Vec<u8>,
+}
+
+impl Raw {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
+    }
+}
+
+/// Reads one response (for a request that was or was not HEAD) from `stream`,
+/// leaving what follows in `pending`.
+async fn read_raw(stream: &mut TcpStream, pending: &mut Vec<u8>, head_request: bool) -> Raw {
+    async fn fill(stream: &mut TcpStream, pending: &mut Vec<u8>) -> bool {
+        let mut chunk = [0u8; 8192];
+        let n = stream.read(&mut chunk).await.expect("read");
+        pending.extend_from_slice(&chunk[..n]);
+        n > 0
+    }
+    let end = loop {
+        if let Some(at) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        assert!(fill(stream, pending).await, "closed mid-head: {pending:?}");
+    };
+    let head = String::from_utf8_lossy(&pending[..end]).to_ascii_lowercase();
+    pending.drain(..end);
+    let status = head[9..12].parse().expect("status");
+    let field = |name: &str| {
+        head.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+            .map(str::trim)
+            .map(str::to_owned)
+    };
+    let mut body = Vec::new();
+    if head_request || status == 204 || status == 304 || (100..200).contains(&status) {
+    } else if field("transfer-encoding").as_deref() == Some("chunked") {
+        loop {
+            let line_end = loop {
+                if let Some(at) = pending.windows(2).position(|w| w == b"\r\n") {
+                    break at;
+                }
+                assert!(fill(stream, pending).await, "closed mid-chunk");
+            };
+            let size_line = String::from_utf8_lossy(&pending[..line_end]).into_owned();
+            let size = usize::from_str_radix(size_line.split(';').next().expect("size"), 16)
+                .expect("hex size");
+            pending.drain(..line_end + 2);
+            if size == 0 {
+                // Trailer fields, then the empty line.
+                loop {
+                    let at = loop {
+                        if let Some(at) = pending.windows(2).position(|w| w == b"\r\n") {
+                            break at;
+                        }
+                        assert!(fill(stream, pending).await, "closed in trailers");
+                    };
+                    pending.drain(..at + 2);
+                    if at == 0 {
+                        break;
+                    }
+                }
+                break;
+            }
+            while pending.len() < size + 2 {
+                assert!(fill(stream, pending).await, "closed mid-chunk");
+            }
+            body.extend_from_slice(&pending[..size]);
+            pending.drain(..size + 2);
+        }
+    } else if let Some(length) = field("content-length") {
+        let length: usize = length.parse().expect("length");
+        while pending.len() < length {
+            assert!(fill(stream, pending).await, "closed mid-body");
+        }
+        body = pending.drain(..length).collect();
+    } else {
+        while fill(stream, pending).await {}
+        body = std::mem::take(pending);
+    }
+    Raw { status, head, body }
+}
+
+/// Sends `GET path` and reads its answer.
+async fn ask(stream: &mut TcpStream, pending: &mut Vec<u8>, path: &str) -> Raw {
+    let request = format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    read_raw(stream, pending, false).await
+}
+
+async fn connect(sluice: &Sluice) -> TcpStream {
+    let stream = TcpStream::connect(sluice.start.gateway)
+        .await
+        .expect("connect");
+    stream.set_nodelay(true).expect("nodelay");
+    stream
+}
+
+#[tokio::test]
+async fn pipelined_requests_and_split_bodies_are_answered_in_order() {
+    let sluice = Sluice::spawn(&[]);
+    bounded(async {
+        let mut stream = connect(&sluice).await;
+        // Two requests in one write, the second with a body.
+        stream
+            .write_all(
+                b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n\
+                  POST /things/b HTTP/1.1\r\nhost: x\r\ncontent-length: 9\r\n\r\n{\"n\":42}\n",
+            )
+            .await
+            .expect("write");
+        let mut pending = Vec::new();
+        let first = read_raw(&mut stream, &mut pending, false).await;
+        let second = read_raw(&mut stream, &mut pending, false).await;
+        assert_eq!((first.status, second.status), (200, 200));
+        assert_eq!(first.json()["path"], "/a");
+        assert_eq!(second.json()["path"], "/things/b");
+        assert_eq!(second.json()["body"]["n"], 42);
+        assert!(first.head.contains("x-ratelimit-limit: "), "{}", first.head);
+
+        // A body larger than any one read, sent in pieces after its head.
+        let big = format!("{{\"pad\":\"{}\"}}", "z".repeat(300_000));
+        let head = format!(
+            "PUT /things/c HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+            big.len()
+        );
+        stream.write_all(head.as_bytes()).await.expect("write");
+        for piece in big.as_bytes().chunks(70_000) {
+            stream.write_all(piece).await.expect("write");
+            tokio::task::yield_now().await;
+        }
+        let third = read_raw(&mut stream, &mut pending, false).await;
+        assert_eq!(third.status, 200);
+        assert_eq!(third.json()["body"]["pad"].as_str().map(str::len), Some(300_000));
+
+        // HEAD: the head only, then the connection goes on.
+        stream
+            .write_all(b"HEAD /d HTTP/1.1\r\nhost: x\r\n\r\nGET /e HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        let head_only = read_raw(&mut stream, &mut pending, true).await;
+        assert_eq!(head_only.status, 200);
+        assert!(head_only.body.is_empty());
+        let last = read_raw(&mut stream, &mut pending, false).await;
+        assert_eq!(last.json()["path"], "/e");
+        assert!(last.head.contains("connection: close"), "{}", last.head);
+        let mut rest = Vec::new();
+        stream.read_to_end(&mut rest).await.expect("closed");
+        assert!(rest.is_empty() && pending.is_empty(), "{rest:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn requests_left_to_hyper_are_answered_on_the_same_connection() {
+    let sluice = Sluice::spawn(&[]);
+    bounded(async {
+        let mut stream = connect(&sluice).await;
+        let mut pending = Vec::new();
+        // Served on the fast path first…
+        stream
+            .write_all(b"GET /one HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("write");
+        assert_eq!(read_raw(&mut stream, &mut pending, false).await.json()["path"], "/one");
+        // …then a chunked request body hands the connection to hyper…
+        stream
+            .write_all(
+                b"POST /things/two HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n\
+                  4\r\n{\"n\"\r\n4\r\n:7}\n\r\n0\r\n\r\n",
+            )
+            .await
+            .expect("write");
+        let two = read_raw(&mut stream, &mut pending, false).await;
+        assert_eq!(two.status, 200);
+        assert_eq!(two.json()["body"]["n"], 7);
+        assert!(two.head.contains("x-ratelimit-limit: "), "{}", two.head);
+        // …which serves what follows.
+        stream
+            .write_all(b"GET /three HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("write");
+        assert_eq!(read_raw(&mut stream, &mut pending, false).await.json()["path"], "/three");
+
+        // Expect: 100-continue gets its interim answer, then the real one.
+        let mut stream = connect(&sluice).await;
+        let mut pending = Vec::new();
+        stream
+            .write_all(b"POST /things/four HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 8\r\n\r\n")
+            .await
+            .expect("write");
+        assert_eq!(read_raw(&mut stream, &mut pending, false).await.status, 100);
+        stream.write_all(b"{\"n\":4}\n").await.expect("write");
+        let four = read_raw(&mut stream, &mut pending, false).await;
+        assert_eq!(four.json()["body"]["n"], 4);
+
+        // HTTP/1.0.
+        let mut stream = connect(&sluice).await;
+        stream
+            .write_all(b"GET /five HTTP/1.0\r\n\r\n")
+            .await
+            .expect("write");
+        let mut pending = Vec::new();
+        let five = read_raw(&mut stream, &mut pending, false).await;
+        assert!(five.head.starts_with("http/1.0 200"), "{}", five.head);
+        assert_eq!(five.json()["path"], "/five");
+    })
+    .await;
+}
+
+/// An upstream that answers its n-th request (counted over all connections) with
+/// `answers[n]`, then closes the connection when that answer has no length of its
+/// own; counts the connections it accepted.
+async fn scripted_upstream(answers: Vec<&'static str>) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let served = Arc::new(AtomicUsize::new(0));
+    let answers = Arc::new(answers);
+    let count = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            let (served, answers) = (Arc::clone(&served), Arc::clone(&answers));
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                loop {
+                    let end = loop {
+                        if let Some(at) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break at + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => pending.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    pending.drain(..end);
+                    let n = served.fetch_add(1, Ordering::SeqCst);
+                    let answer = answers
+                        .get(n)
+                        .copied()
+                        .unwrap_or("HTTP/1.1 500 x\r\ncontent-length: 0\r\n\r\n");
+                    if stream.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    if answer.contains("connection: close") || answer.contains("close-delimited") {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{addr}"), accepted)
+}
+
+#[tokio::test]
+async fn every_upstream_framing_is_relayed_and_kept_alive_connections_reused() {
+    let (upstream, accepted) = scripted_upstream(vec![
+        // Chunked, with a trailer field.
+        "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/plain\r\n\r\n\
+         5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\nx-digest: abc\r\n\r\n",
+        // A length, on the same upstream connection.
+        "HTTP/1.1 201 Created\r\ncontent-length: 3\r\nx-up: 1\r\n\r\nabc",
+        // To the close: the client's connection closes after it too.
+        "HTTP/1.1 200 OK\r\nx-kind: close-delimited\r\n\r\nuntil the end",
+        // A new upstream connection after that close.
+        "HTTP/1.1 204 No Content\r\n\r\n",
+    ])
+    .await;
+    let sluice = Sluice::spawn(&["--upstream", &upstream]);
+    bounded(async {
+        let mut stream = connect(&sluice).await;
+        let mut pending = Vec::new();
+        let chunked = ask(&mut stream, &mut pending, "/1").await;
+        assert_eq!(chunked.status, 200);
+        assert_eq!(chunked.body, b"hello, world");
+        assert!(
+            chunked.head.contains("x-ratelimit-remaining: "),
+            "{}",
+            chunked.head
+        );
+        let length = ask(&mut stream, &mut pending, "/2").await;
+        assert_eq!((length.status, length.body.as_slice()), (201, &b"abc"[..]));
+        assert!(length.head.contains("x-up: 1"), "{}", length.head);
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "the connection was reused"
+        );
+
+        let to_close = ask(&mut stream, &mut pending, "/3").await;
+        assert_eq!(to_close.body, b"until the end");
+        assert!(
+            to_close.head.contains("connection: close"),
+            "{}",
+            to_close.head
+        );
+
+        let mut stream = connect(&sluice).await;
+        let mut pending = Vec::new();
+        let empty = ask(&mut stream, &mut pending, "/4").await;
+        assert_eq!(empty.status, 204);
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_kept_alive_connection_the_upstream_closed_is_not_a_502() {
+    // Each answer says it keeps the connection, then the upstream closes it anyway.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let _ = stream
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+            });
+        }
+    });
+    let sluice = Sluice::spawn(&["--upstream", &format!("http://{addr}")]);
+    bounded(async {
+        for round in 1..=3 {
+            let mut stream = connect(&sluice).await;
+            let mut pending = Vec::new();
+            stream
+                .write_all(b"GET /again HTTP/1.1\r\nhost: x\r\n\r\n")
+                .await
+                .expect("write");
+            let reply = read_raw(&mut stream, &mut pending, false).await;
+            assert_eq!(
+                (reply.status, reply.body.as_slice()),
+                (200, &b"ok"[..]),
+                "round {round}"
+            );
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    })
+    .await;
+}
