@@ -382,3 +382,48 @@ async fn a_kept_alive_connection_the_upstream_closed_is_not_a_502() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_client_that_leaves_a_stream_releases_the_upstream_connection() {
+    // An upstream that sends one event of an endless stream, then waits for the
+    // gateway to close the connection.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (closed, mut upstream_closed) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("accept");
+        let mut chunk = [0u8; 4096];
+        let _ = stream.read(&mut chunk).await;
+        stream
+            .write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                  transfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n",
+            )
+            .await
+            .expect("write");
+        // Nothing more is sent; the read ends when the gateway lets go.
+        while matches!(stream.read(&mut chunk).await, Ok(n) if n > 0) {}
+        let _ = closed.send(()).await;
+    });
+    let sluice = Sluice::spawn(&["--upstream", &format!("http://{addr}")]);
+    bounded(async {
+        let mut stream = connect(&sluice).await;
+        stream
+            .write_all(b"GET /events HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let mut seen = Vec::new();
+        while !seen.windows(7).any(|w| w == b"data: 1") {
+            let mut chunk = [0u8; 4096];
+            let n = stream.read(&mut chunk).await.expect("read");
+            assert!(n > 0, "closed before the first event");
+            seen.extend_from_slice(&chunk[..n]);
+        }
+        drop(stream);
+        upstream_closed
+            .recv()
+            .await
+            .expect("the upstream connection was closed");
+    })
+    .await;
+}

@@ -515,6 +515,7 @@ impl Connection<'_> {
     ) -> io::Result<bool> {
         let upstream = &mut self.from_upstream;
         let out = &mut self.to_client;
+        let pipelined = &mut self.from_client;
         match head.framing {
             Framing::Empty => {
                 client.write_all(out).await?;
@@ -531,7 +532,7 @@ impl Connection<'_> {
                 client.write_all(out).await?;
                 while left > 0 {
                     upstream.clear();
-                    if read_more(conn, upstream).await? == 0 {
+                    if read_body(conn, upstream, client, pipelined).await? == 0 {
                         return Err(io::ErrorKind::UnexpectedEof.into());
                     }
                     let take = usize::try_from(left)
@@ -553,7 +554,7 @@ impl Connection<'_> {
                 client.write_all(out).await?;
                 while !end.is_done() {
                     upstream.clear();
-                    if read_more(conn, upstream).await? == 0 {
+                    if read_body(conn, upstream, client, pipelined).await? == 0 {
                         return Err(io::ErrorKind::UnexpectedEof.into());
                     }
                     let used = end
@@ -570,7 +571,7 @@ impl Connection<'_> {
                 client.write_all(out).await?;
                 loop {
                     upstream.clear();
-                    if read_more(conn, upstream).await? == 0 {
+                    if read_body(conn, upstream, client, pipelined).await? == 0 {
                         return Ok(false);
                     }
                     client.write_all(upstream).await?;
@@ -592,10 +593,42 @@ enum Exchange {
 /// Longest upstream response head relayed, as for request heads.
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 
+/// Most bytes kept of what a client sends while its response streams.
+const MAX_PIPELINED: usize = 64 * 1024;
+
 /// Reads what is there (at least one byte, or 0 at the end) into `buf`.
 async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
     buf.reserve(READ_CHUNK);
     stream.read_buf(buf).await
+}
+
+/// Reads more of a response body from the upstream into `buf`, as [`read_more`].
+/// Meanwhile the client's connection is watched: a client that has closed it ends
+/// the relay (an error), so that a stream nobody reads any more (server-sent events
+/// to a client that left) does not hold the upstream connection, or a drain, until
+/// its next event. Bytes the client sends meanwhile (pipelined requests) are kept in
+/// `pipelined`, up to a head's worth; past that the client is not watched.
+async fn read_body(
+    conn: &mut TcpStream,
+    buf: &mut BytesMut,
+    client: &TcpStream,
+    pipelined: &mut BytesMut,
+) -> io::Result<usize> {
+    loop {
+        tokio::select! {
+            biased;
+            n = read_more(conn, buf) => return n,
+            ready = client.readable(), if pipelined.len() < MAX_PIPELINED => {
+                ready?;
+                pipelined.reserve(READ_CHUNK);
+                match client.try_read_buf(pipelined) {
+                    Ok(0) => return Err(io::ErrorKind::ConnectionAborted.into()),
+                    Err(e) if e.kind() != io::ErrorKind::WouldBlock => return Err(e),
+                    _ => {}
+                }
+            }
+        }
+    }
 }
 
 /// `name: value\r\n`.
