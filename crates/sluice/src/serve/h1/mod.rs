@@ -187,8 +187,9 @@ impl Connection<'_> {
 
         // A complete head.
         let deadline = tokio::time::Instant::now() + head_timeout;
+        let mut checked = 0;
         let head = loop {
-            if !self.from_client.is_empty() {
+            if may_end_head(&self.from_client, checked) {
                 self.identity.clear();
                 match request::parse(
                     &self.from_client,
@@ -202,7 +203,7 @@ impl Connection<'_> {
                     request::Parsed::Partial if self.from_client.len() >= max_head => {
                         return Ok(Next::Elsewhere);
                     }
-                    request::Parsed::Partial => {}
+                    request::Parsed::Partial => checked = self.from_client.len(),
                 }
             }
             let idle = self.from_client.is_empty();
@@ -468,16 +469,19 @@ impl Connection<'_> {
             self.from_client.advance(take);
             *body_left -= take as u64;
         }
+        let mut checked = 0;
         loop {
-            let n = read_more(conn, &mut self.from_upstream)
-                .await
-                .map_err(|_| Exchange::NoAnswer)?;
-            if n == 0 {
+            let read = read_more(conn, &mut self.from_upstream).await;
+            if !matches!(read, Ok(n) if n > 0) {
                 return Err(if self.from_upstream.is_empty() {
                     Exchange::NoAnswer
                 } else {
                     Exchange::Broken
                 });
+            }
+            if !may_end_head(&self.from_upstream, checked) {
+                checked = self.from_upstream.len();
+                continue;
             }
             loop {
                 let parsed = response::parse(
@@ -499,7 +503,10 @@ impl Connection<'_> {
                     response::Parsed::Partial if self.from_upstream.len() >= MAX_RESPONSE_HEAD => {
                         return Err(Exchange::Broken);
                     }
-                    response::Parsed::Partial => break,
+                    response::Parsed::Partial => {
+                        checked = self.from_upstream.len();
+                        break;
+                    }
                 }
             }
         }
@@ -631,6 +638,18 @@ async fn read_body(
     }
 }
 
+/// True when `buf`, of which the first `checked` bytes were found to hold no complete
+/// head, may hold one now: when it is not empty and either nothing was checked yet
+/// or the bytes since hold the blank line that ends a head. Parsing again only then
+/// keeps a head that arrives a byte at a time from costing a parse per byte.
+fn may_end_head(buf: &[u8], checked: usize) -> bool {
+    if checked == 0 {
+        return !buf.is_empty();
+    }
+    let fresh = &buf[checked.saturating_sub(3).min(buf.len())..];
+    fresh.windows(2).any(|w| w == b"\n\n") || fresh.windows(3).any(|w| w == b"\n\r\n")
+}
+
 /// `name: value\r\n`.
 fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
@@ -668,4 +687,22 @@ async fn own(answer: Response<http_body_util::Full<Bytes>>) -> Response<Bytes> {
         Err(never) => match never {},
     };
     Response::from_parts(parts, body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_head_is_parsed_again_only_once_its_blank_line_may_have_come() {
+        assert!(!may_end_head(b"", 0));
+        assert!(may_end_head(b"G", 0), "a first look always parses");
+        let head = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n";
+        for end in 1..head.len() {
+            // Checked up to `end - 1`, then one more byte came.
+            let expect = end + 1 == head.len();
+            assert_eq!(may_end_head(&head[..=end], end), expect, "at {end}");
+        }
+        assert!(may_end_head(b"GET / HTTP/1.1\nhost: x\n\n", 20));
+    }
 }
