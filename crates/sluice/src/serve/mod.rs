@@ -1,8 +1,10 @@
 //! `sluice serve`: the gateway.
 //!
 //! One process runs three listeners:
-//! - the gateway (`--listen`), where every request goes through the service stack
-//!   `limiter layer → proxy` built in [`serve`] — the single wiring point;
+//! - the gateway (`--listen`): plain HTTP/1.1 requests take the fast path of [`h1`]
+//!   (the limiter and the proxy's rules applied to the bytes, no `http` types), every
+//!   other request the service stack `limiter layer → proxy`; both are wired in
+//!   [`serve`] over one limiter;
 //! - the admin listener (`--admin`): `/metrics`, `/status`, `/` (see [`admin`]);
 //! - without `--upstream`, the built-in demo upstream on a loopback port (see [`demo`]).
 //!
