@@ -427,3 +427,33 @@ async fn a_client_that_leaves_a_stream_releases_the_upstream_connection() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn an_upstream_head_past_the_bound_is_a_502() {
+    // Fields without end, never the blank line: the gateway stops reading at its bound.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("accept");
+        let mut chunk = [0u8; 4096];
+        let _ = stream.read(&mut chunk).await;
+        let _ = stream.write_all(b"HTTP/1.1 200 OK\r\n").await;
+        let field = b"x-filler: 0123456789012345678901234567890123456789\r\n";
+        for _ in 0..10_000 {
+            if stream.write_all(field).await.is_err() {
+                return;
+            }
+        }
+        // Held open: only the gateway's bound ends the exchange.
+        let _ = stream.read(&mut chunk).await;
+    });
+    let sluice = Sluice::spawn(&["--upstream", &format!("http://{addr}")]);
+    bounded(async {
+        let mut stream = connect(&sluice).await;
+        let mut pending = Vec::new();
+        let reply = ask(&mut stream, &mut pending, "/big-head").await;
+        assert_eq!(reply.status, 502, "{}", reply.head);
+        assert_eq!(reply.json()["error"]["code"], "bad_gateway");
+    })
+    .await;
+}

@@ -197,14 +197,16 @@ impl Connection<'_> {
                     &mut self.to_upstream,
                     &mut self.identity,
                 ) {
-                    request::Parsed::Ready(head) => break head,
-                    request::Parsed::Elsewhere => return Ok(Next::Elsewhere),
-                    // hyper refuses it (431).
-                    request::Parsed::Partial if self.from_client.len() >= max_head => {
+                    request::Parsed::Ready(head) if head.len <= max_head => break head,
+                    request::Parsed::Ready(_) | request::Parsed::Elsewhere => {
                         return Ok(Next::Elsewhere);
                     }
                     request::Parsed::Partial => checked = self.from_client.len(),
                 }
+            }
+            if self.from_client.len() >= max_head {
+                // No head within the bound: hyper refuses it (431).
+                return Ok(Next::Elsewhere);
             }
             let idle = self.from_client.is_empty();
             let read = tokio::time::timeout_at(deadline, read_more(client, &mut self.from_client));
@@ -480,6 +482,9 @@ impl Connection<'_> {
                 });
             }
             if !may_end_head(&self.from_upstream, checked) {
+                if self.from_upstream.len() >= MAX_RESPONSE_HEAD {
+                    return Err(Exchange::Broken);
+                }
                 checked = self.from_upstream.len();
                 continue;
             }
