@@ -19,6 +19,7 @@
 //! hyper serves it from there on.
 
 mod chunked;
+mod deadline;
 mod request;
 mod response;
 pub(super) mod rewind;
@@ -42,6 +43,7 @@ use super::metered::RequestStats;
 use super::proxy::{Failure, ProxyConfig, Upstream, upstream_failure};
 use super::store::AnyStore;
 use chunked::ChunkedEnd;
+use deadline::Deadline;
 use response::Framing;
 
 /// Bytes reserved for each read from a socket.
@@ -122,9 +124,15 @@ impl FastPath {
             to_client: Vec::with_capacity(1024),
             identity: HeaderMap::new(),
         };
+        let now = tokio::time::Instant::now();
+        let mut timers = Timers {
+            head: Deadline::new(now + head_timeout),
+            head_timeout,
+            upstream: Deadline::new(now + self.config.header_timeout),
+        };
         loop {
             match conn
-                .one_request(&mut stream, &mut draining, head_timeout, max_head)
+                .one_request(&mut stream, &mut draining, &mut timers, max_head)
                 .await
             {
                 Ok(Next::Request) if !*draining.borrow() => {}
@@ -138,6 +146,13 @@ impl FastPath {
             }
         }
     }
+}
+
+/// A connection's deadlines: for the next request head, for the upstream's answer.
+struct Timers {
+    head: Deadline,
+    head_timeout: Duration,
+    upstream: Deadline,
 }
 
 /// What follows a request.
@@ -172,7 +187,7 @@ impl Connection<'_> {
         &mut self,
         client: &mut TcpStream,
         draining: &mut watch::Receiver<bool>,
-        head_timeout: Duration,
+        timers: &mut Timers,
         max_head: usize,
     ) -> io::Result<Next> {
         let fast = self.fast;
@@ -186,7 +201,9 @@ impl Connection<'_> {
         };
 
         // A complete head.
-        let deadline = tokio::time::Instant::now() + head_timeout;
+        timers
+            .head
+            .set(tokio::time::Instant::now() + timers.head_timeout);
         let mut checked = 0;
         let head = loop {
             if may_end_head(&self.from_client, checked) {
@@ -208,22 +225,16 @@ impl Connection<'_> {
                 // No head within the bound: hyper refuses it (431).
                 return Ok(Next::Elsewhere);
             }
+            // Between requests the drain wins: no request is cut.
             let idle = self.from_client.is_empty();
-            let read = tokio::time::timeout_at(deadline, read_more(client, &mut self.from_client));
-            let n = if idle {
-                // Between requests the drain wins: no request is cut.
-                tokio::select! {
-                    biased;
-                    n = read => n,
-                    _ = draining.wait_for(|d| *d) => return Ok(Next::Close),
-                }
-            } else {
-                read.await
+            let n = tokio::select! {
+                biased;
+                n = read_more(client, &mut self.from_client) => n?,
+                () = timers.head.passed() => return Ok(Next::Close),
+                _ = draining.wait_for(|d| *d), if idle => return Ok(Next::Close),
             };
-            match n {
-                Ok(Ok(0)) | Err(_) => return Ok(Next::Close),
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => return Err(e),
+            if n == 0 {
+                return Ok(Next::Close);
             }
         };
 
@@ -283,6 +294,9 @@ impl Connection<'_> {
         let repeatable = body_left == 0 && head.method.is_idempotent();
 
         let started = Instant::now();
+        timers
+            .upstream
+            .set(tokio::time::Instant::from_std(started) + fast.config.header_timeout);
         let exchange = self.exchange(
             client,
             &mut body_left,
@@ -292,10 +306,10 @@ impl Connection<'_> {
             &decision,
             &plan,
         );
-        let answer = match tokio::time::timeout(fast.config.header_timeout, exchange).await {
-            Ok(Ok(answer)) => Ok(answer),
-            Ok(Err(failure)) => Err(failure),
-            Err(_) => Err(Failure::Timeout),
+        let answer = tokio::select! {
+            biased;
+            answer = exchange => answer,
+            () = timers.upstream.passed() => Err(Failure::Timeout),
         };
         let elapsed = started.elapsed().as_secs_f64();
         let (head_sent, conn) = match answer {
