@@ -291,8 +291,8 @@ async fn every_upstream_framing_is_relayed_and_kept_alive_connections_reused() {
         // Chunked, with a trailer field.
         "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/plain\r\n\r\n\
          5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\nx-digest: abc\r\n\r\n",
-        // A length, on the same upstream connection.
-        "HTTP/1.1 201 Created\r\ncontent-length: 3\r\nx-up: 1\r\n\r\nabc",
+        // A length, on the same upstream connection; its own rate-limit field is replaced.
+        "HTTP/1.1 201 Created\r\ncontent-length: 3\r\nx-up: 1\r\nX-RateLimit-Limit: 5\r\n\r\nabc",
         // To the close: the client's connection closes after it too.
         "HTTP/1.1 200 OK\r\nx-kind: close-delimited\r\n\r\nuntil the end",
         // A new upstream connection after that close.
@@ -314,6 +314,17 @@ async fn every_upstream_framing_is_relayed_and_kept_alive_connections_reused() {
         let length = ask(&mut stream, &mut pending, "/2").await;
         assert_eq!((length.status, length.body.as_slice()), (201, &b"abc"[..]));
         assert!(length.head.contains("x-up: 1"), "{}", length.head);
+        assert_eq!(
+            length.head.matches("x-ratelimit-limit: ").count(),
+            1,
+            "{}",
+            length.head
+        );
+        assert!(
+            !length.head.contains("x-ratelimit-limit: 5\r"),
+            "{}",
+            length.head
+        );
         assert_eq!(
             accepted.load(Ordering::SeqCst),
             1,
@@ -454,6 +465,49 @@ async fn an_upstream_head_past_the_bound_is_a_502() {
         let reply = ask(&mut stream, &mut pending, "/big-head").await;
         assert_eq!(reply.status, 502, "{}", reply.head);
         assert_eq!(reply.json()["error"]["code"], "bad_gateway");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_upstream_that_answers_before_the_whole_body_is_relayed() {
+    // Refuses an upload as soon as it has the head, and reads on without closing.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("accept");
+        let mut head = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let _ = stream
+            .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo big!")
+            .await;
+        while matches!(stream.read(&mut chunk).await, Ok(n) if n > 0) {}
+    });
+    let sluice = Sluice::spawn(&["--upstream", &format!("http://{addr}")]);
+    bounded(async {
+        let mut stream = connect(&sluice).await;
+        // A million bytes announced, ten sent: the answer must not wait for the rest.
+        stream
+            .write_all(
+                b"PUT /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n0123456789",
+            )
+            .await
+            .expect("write");
+        let mut pending = Vec::new();
+        let reply = read_raw(&mut stream, &mut pending, false).await;
+        assert_eq!(
+            (reply.status, reply.body.as_slice()),
+            (413, &b"too big!"[..])
+        );
+        assert!(reply.head.contains("connection: close"), "{}", reply.head);
+        assert!(reply.head.contains("x-ratelimit-limit: "), "{}", reply.head);
+        assert!(reply.head.contains("date: "), "{}", reply.head);
     })
     .await;
 }

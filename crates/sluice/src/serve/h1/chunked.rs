@@ -23,7 +23,9 @@ pub(super) struct BadChunk;
 enum State {
     /// Hex digits of a chunk size (`digits` so far).
     Size { size: u64, digits: u8, line: u32 },
-    /// After the size: extensions or whitespace up to CR.
+    /// Whitespace after the size.
+    SizeSpace { size: u64, line: u32 },
+    /// After the size: an extension (`;…`) up to CR.
     Extension { size: u64, line: u32 },
     /// After the CR that ends a size line.
     SizeLf { size: u64 },
@@ -96,9 +98,19 @@ impl ChunkedEnd {
                         None if digits == 0 => return Err(BadChunk),
                         None => match b {
                             b'\r' => State::SizeLf { size },
-                            b';' | b' ' | b'\t' => State::Extension { size, line },
+                            b';' => State::Extension { size, line },
+                            b' ' | b'\t' => State::SizeSpace { size, line },
                             _ => return Err(BadChunk),
                         },
+                    }
+                }
+                State::SizeSpace { size, line } => {
+                    let line = next_line_len(line, MAX_SIZE_LINE)?;
+                    match b {
+                        b' ' | b'\t' => State::SizeSpace { size, line },
+                        b';' => State::Extension { size, line },
+                        b'\r' => State::SizeLf { size },
+                        _ => return Err(BadChunk),
                     }
                 }
                 State::Extension { size, line } => {
@@ -218,7 +230,7 @@ mod tests {
 
     #[test]
     fn the_end_of_a_body_is_found_and_what_follows_is_left() {
-        let body = b"5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\nx-check: 1\r\n\r\nGET / HTTP/1.1";
+        let body = b"5\r\nhello\r\n6 ;ext=1\r\n world\r\n0\r\nx-check: 1\r\n\r\nGET / HTTP/1.1";
         let framed = body.len() - b"GET / HTTP/1.1".len();
         assert_eq!(feed_in_pieces(body, &[]), Ok(Some(framed)));
         assert_eq!(feed_in_pieces(b"0\r\n\r\n", &[1, 3]), Ok(Some(5)));
@@ -236,6 +248,7 @@ mod tests {
             b"0\r\nx\n",
             b"0\r\n\n",
             b"1000000000000000\r\n",
+            b"5 x\r\nhello\r\n",
         ] {
             assert_eq!(feed_in_pieces(bad, &[]), Err(BadChunk), "{bad:?}");
         }

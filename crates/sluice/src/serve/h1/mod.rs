@@ -288,24 +288,30 @@ impl Connection<'_> {
             .extend_from_slice(&self.from_client[head_len..head_len + sent]);
         head_len += sent;
         self.from_client.advance(head_len);
-        let mut body_left = (body_len - sent) as u64;
-        // Sent again on a new connection when a kept-alive one fails before any
-        // answer: only a request with nothing left to stream that may be repeated.
-        let repeatable = body_left == 0 && head.method.is_idempotent();
+        let mut body_left = head.body_len - sent as u64;
+        let replaced = match (decision.binding().is_some(), policy.ietf_headers) {
+            (false, _) => &RATE_LIMIT_FIELDS[..0],
+            (true, false) => &RATE_LIMIT_FIELDS[..3],
+            (true, true) => &RATE_LIMIT_FIELDS[..],
+        };
+        let request = Exchanged {
+            rewrite: response::Rewrite {
+                head_request,
+                close: head.close,
+                replaced,
+            },
+            // Sent again on a new connection when a kept-alive one fails before any
+            // answer: only a request with nothing left to stream that may be repeated.
+            repeatable: body_left == 0 && head.method.is_idempotent(),
+            decision: &decision,
+            plan: &plan,
+        };
 
         let started = Instant::now();
         timers
             .upstream
             .set(tokio::time::Instant::from_std(started) + fast.config.header_timeout);
-        let exchange = self.exchange(
-            client,
-            &mut body_left,
-            head_request,
-            head.close,
-            repeatable,
-            &decision,
-            &plan,
-        );
+        let exchange = self.exchange(client, &mut body_left, &request);
         let answer = tokio::select! {
             biased;
             answer = exchange => answer,
@@ -342,9 +348,12 @@ impl Connection<'_> {
 
         // Counted once the head is there, as the service stack counts a response.
         in_flight.answered(Some(head_sent.status));
-        let close = head.close || head_sent.framing == Framing::UntilClose;
+        // An upstream that answered before the whole body was sent: the rest of the
+        // body is neither sent nor read, and neither connection carries another request.
+        let unsent = body_left > 0;
+        let close = head.close || head_sent.framing == Framing::UntilClose || unsent;
         let mut conn = conn;
-        if self.relay_body(client, head_sent, &mut conn).await? {
+        if self.relay_body(client, head_sent, &mut conn).await? && !unsent {
             fast.pool.checkin(conn);
         }
         Ok(if close { Next::Close } else { Next::Request })
@@ -387,6 +396,7 @@ impl Connection<'_> {
         for (name, value) in answer.headers() {
             push_field(out, name.as_str().as_bytes(), value.as_bytes());
         }
+        push_date(out);
         push_field(
             out,
             b"content-length",
@@ -399,24 +409,20 @@ impl Connection<'_> {
         if !head_request {
             out.extend_from_slice(answer.body());
         }
-        client.write_all(out).await?;
         in_flight.answered(Some(answer.status().as_u16()));
+        client.write_all(out).await?;
         Ok(if close { Next::Close } else { Next::Request })
     }
 
     /// Sends the request (head in `to_upstream`, `body_left` more body bytes from the
     /// client) and reads the response head, whose client form it leaves in
-    /// `to_client`.
-    #[allow(clippy::too_many_arguments)]
+    /// `to_client`. A kept-alive connection that gives no answer at all is replaced by
+    /// a new one once, for a request that may be repeated.
     async fn exchange(
         &mut self,
         client: &mut TcpStream,
         body_left: &mut u64,
-        head_request: bool,
-        close: bool,
-        repeatable: bool,
-        decision: &Decision,
-        plan: &Plan,
+        request: &Exchanged<'_>,
     ) -> Result<Relay, Failure> {
         let fast = self.fast;
         let mut reused = fast.pool.checkout();
@@ -432,61 +438,99 @@ impl Connection<'_> {
             };
             self.from_upstream.clear();
             match self
-                .send_and_read_head(
-                    &mut conn,
-                    client,
-                    body_left,
-                    head_request,
-                    close,
-                    decision,
-                    plan,
-                )
+                .send_and_read_head(&mut conn, client, body_left, request)
                 .await
             {
                 Ok(head) => return Ok(Relay { head, conn }),
                 // Nothing came back on a connection that had served before: it may
                 // have been closed as the request was sent. Once more, on a new one.
-                Err(Exchange::NoAnswer) if was_reused && repeatable => {}
+                Err(Exchange::NoAnswer) if was_reused && request.repeatable => {}
                 Err(_) => return Err(Failure::NoAnswer),
             }
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn send_and_read_head(
         &mut self,
         conn: &mut TcpStream,
         client: &mut TcpStream,
         body_left: &mut u64,
-        head_request: bool,
-        close: bool,
-        decision: &Decision,
-        plan: &Plan,
+        request: &Exchanged<'_>,
     ) -> Result<response::Head, Exchange> {
         let policy = self.fast.limiter.policy();
         conn.write_all(&self.to_upstream)
             .await
             .map_err(|_| Exchange::NoAnswer)?;
         while *body_left > 0 {
-            self.from_client.reserve(READ_CHUNK);
-            let n = client
-                .read_buf(&mut self.from_client)
-                .await
-                .map_err(|_| Exchange::Broken)?;
-            if n == 0 {
-                return Err(Exchange::Broken);
+            // The upstream may answer before it has the whole body (a refusal, say):
+            // then the rest is not sent and its answer is relayed.
+            let step = tokio::select! {
+                biased;
+                ready = conn.readable() => Upload::UpstreamReadable(ready),
+                read = read_more(client, &mut self.from_client) => Upload::FromClient(read),
+            };
+            match step {
+                Upload::UpstreamReadable(ready) => {
+                    ready.map_err(|_| Exchange::Broken)?;
+                    match conn.try_read_buf(&mut self.from_upstream) {
+                        Ok(0) => return Err(Exchange::Broken),
+                        Ok(_) => break,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(_) => return Err(Exchange::Broken),
+                    }
+                }
+                Upload::FromClient(read) => {
+                    if !matches!(read, Ok(n) if n > 0) {
+                        return Err(Exchange::Broken);
+                    }
+                    let take = usize::try_from(*body_left)
+                        .unwrap_or(usize::MAX)
+                        .min(self.from_client.len());
+                    conn.write_all(&self.from_client[..take])
+                        .await
+                        .map_err(|_| Exchange::Broken)?;
+                    self.from_client.advance(take);
+                    *body_left -= take as u64;
+                }
             }
-            let take = usize::try_from(*body_left)
-                .unwrap_or(usize::MAX)
-                .min(self.from_client.len());
-            conn.write_all(&self.from_client[..take])
-                .await
-                .map_err(|_| Exchange::Broken)?;
-            self.from_client.advance(take);
-            *body_left -= take as u64;
         }
+        // Stopped early, the client's connection closes after the answer.
+        let rewrite = response::Rewrite {
+            close: request.rewrite.close || *body_left > 0,
+            ..request.rewrite
+        };
         let mut checked = 0;
         loop {
+            if may_end_head(&self.from_upstream, checked) {
+                loop {
+                    let parsed = response::parse(
+                        &self.from_upstream,
+                        &rewrite,
+                        &mut self.to_client,
+                        |out, dated| {
+                            push_rate_limit_fields(out, request.decision, request.plan, policy);
+                            if !dated {
+                                push_date(out);
+                            }
+                        },
+                    )
+                    .map_err(|_| Exchange::Broken)?;
+                    match parsed {
+                        response::Parsed::Final(head) => {
+                            self.from_upstream.advance(head.len);
+                            return Ok(head);
+                        }
+                        response::Parsed::Interim { len } => self.from_upstream.advance(len),
+                        response::Parsed::Partial => {
+                            checked = self.from_upstream.len();
+                            break;
+                        }
+                    }
+                }
+            }
+            if self.from_upstream.len() >= MAX_RESPONSE_HEAD {
+                return Err(Exchange::Broken);
+            }
             let read = read_more(conn, &mut self.from_upstream).await;
             if !matches!(read, Ok(n) if n > 0) {
                 return Err(if self.from_upstream.is_empty() {
@@ -494,39 +538,6 @@ impl Connection<'_> {
                 } else {
                     Exchange::Broken
                 });
-            }
-            if !may_end_head(&self.from_upstream, checked) {
-                if self.from_upstream.len() >= MAX_RESPONSE_HEAD {
-                    return Err(Exchange::Broken);
-                }
-                checked = self.from_upstream.len();
-                continue;
-            }
-            loop {
-                let parsed = response::parse(
-                    &self.from_upstream,
-                    head_request,
-                    close,
-                    &mut self.to_client,
-                    |out| {
-                        push_rate_limit_fields(out, decision, plan, policy);
-                    },
-                )
-                .map_err(|_| Exchange::Broken)?;
-                match parsed {
-                    response::Parsed::Final(head) => {
-                        self.from_upstream.advance(head.len);
-                        return Ok(head);
-                    }
-                    response::Parsed::Interim { len } => self.from_upstream.advance(len),
-                    response::Parsed::Partial if self.from_upstream.len() >= MAX_RESPONSE_HEAD => {
-                        return Err(Exchange::Broken);
-                    }
-                    response::Parsed::Partial => {
-                        checked = self.from_upstream.len();
-                        break;
-                    }
-                }
             }
         }
     }
@@ -607,6 +618,35 @@ impl Connection<'_> {
     }
 }
 
+/// What the exchange with the upstream needs of the request besides its bytes.
+struct Exchanged<'a> {
+    /// How the client's head is made from the upstream's.
+    rewrite: response::Rewrite<'a>,
+    /// The request may be sent again on a new connection.
+    repeatable: bool,
+    decision: &'a Decision,
+    plan: &'a Plan,
+}
+
+/// What happened first while a request body was being sent.
+enum Upload {
+    /// The upstream's socket became readable: an early answer, or its close.
+    UpstreamReadable(io::Result<()>),
+    /// More of the body came from the client (0: the client left).
+    FromClient(io::Result<usize>),
+}
+
+/// The rate-limit fields, in the order [`sluice_tower::for_each_rate_limit_header`]
+/// writes them: the legacy three, then the IETF draft's two. The upstream's own
+/// fields of these names are replaced, as the service stack's header map replaces them.
+const RATE_LIMIT_FIELDS: [HeaderName; 5] = [
+    sluice_tower::X_RATELIMIT_LIMIT,
+    sluice_tower::X_RATELIMIT_REMAINING,
+    sluice_tower::X_RATELIMIT_RESET,
+    sluice_tower::RATELIMIT_POLICY,
+    sluice_tower::RATELIMIT,
+];
+
 /// Why an exchange with the upstream failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Exchange {
@@ -667,6 +707,26 @@ fn may_end_head(buf: &[u8], checked: usize) -> bool {
     }
     let fresh = &buf[checked.saturating_sub(3).min(buf.len())..];
     fresh.windows(2).any(|w| w == b"\n\n") || fresh.windows(3).any(|w| w == b"\n\r\n")
+}
+
+/// Writes `date: <now as an HTTP date>\r\n`, as hyper's server adds to every
+/// response without one; the text is made at most once a second per worker thread.
+fn push_date(out: &mut Vec<u8>) {
+    thread_local! {
+        static DATE: std::cell::RefCell<(u64, String)> =
+            const { std::cell::RefCell::new((0, String::new())) };
+    }
+    let now = std::time::SystemTime::now();
+    let secs = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    DATE.with_borrow_mut(|(at, text)| {
+        if *at != secs || text.is_empty() {
+            *at = secs;
+            *text = httpdate::fmt_http_date(now);
+        }
+        push_field(out, b"date", text.as_bytes());
+    });
 }
 
 /// `name: value\r\n`.

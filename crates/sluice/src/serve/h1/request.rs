@@ -81,7 +81,13 @@ pub(super) fn parse<'l>(
     let Ok(method) = Method::from_bytes(method.as_bytes()) else {
         return Parsed::Elsewhere;
     };
-    if method == Method::CONNECT || !target.starts_with('/') || target.contains('#') {
+    // Only an origin-form target that `http` accepts as it is (hyper answers 400 to
+    // the ones it refuses).
+    if method == Method::CONNECT
+        || !target.starts_with('/')
+        || target.contains('#')
+        || http::uri::PathAndQuery::try_from(target).is_err()
+    {
         return Parsed::Elsewhere;
     }
     let path = target.split_once('?').map_or(target, |(path, _)| path);
@@ -142,15 +148,18 @@ pub(super) fn parse<'l>(
         if name.eq_ignore_ascii_case(b"host") || is_hop_by_hop(name) {
             continue;
         }
+        // `Connection` may name any field but the one that frames the body: the body
+        // forwarded is the length that field gave.
+        let content_length = name.eq_ignore_ascii_case(b"content-length");
+        if connection_names && !content_length && named_in_connection(&request, name) {
+            continue;
+        }
         if name.eq_ignore_ascii_case(b"x-forwarded-for") {
             push_list_element(&mut forwarded_for, field.value);
             continue;
         }
         if name.eq_ignore_ascii_case(b"forwarded") {
             push_list_element(&mut forwarded, field.value);
-            continue;
-        }
-        if connection_names && named_in_connection(&request, name) {
             continue;
         }
         upstream.extend_from_slice(name);
@@ -271,6 +280,16 @@ mod tests {
     }
 
     #[test]
+    fn connection_cannot_unframe_a_body_but_drops_a_forwarding_chain() {
+        let head = "POST /a HTTP/1.1\r\nhost: x\r\nconnection: content-length, x-forwarded-for\r\n\
+                    x-forwarded-for: 203.0.113.9\r\ncontent-length: 34\r\n\r\n";
+        let (seen, out, _) = parse_one(head);
+        assert_eq!(seen, Seen::Ready(head.len(), 34, false));
+        assert!(out.contains("\r\ncontent-length: 34\r\n"), "{out}");
+        assert!(out.contains("\r\nx-forwarded-for: 192.0.2.1\r\n"), "{out}");
+    }
+
+    #[test]
     fn unusual_heads_are_left_to_hyper_and_partial_ones_wait() {
         for head in [
             "GET / HTTP/1.0\r\n\r\n",
@@ -283,6 +302,8 @@ mod tests {
             "CONNECT x:1 HTTP/1.1\r\n\r\n",
             "GET / HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n",
             "GET / HTTP/1.1\r\nbad header\r\n\r\n",
+            "GET /s?q=\"x\" HTTP/1.1\r\n\r\n",
+            "GET /a<b HTTP/1.1\r\n\r\n",
         ] {
             assert_eq!(parse_one(head).0, Seen::Elsewhere, "{head:?}");
         }

@@ -45,23 +45,38 @@ pub(super) struct Head {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct BadResponse;
 
-/// Parses the response head at the start of `buf`, the answer to a request that was
-/// (`head_request`) or was not a HEAD. For a final response the head the client gets
-/// is written to `client`: the status line as HTTP/1.1, the upstream's fields but the
-/// hop-by-hop ones, then what `extra` writes (the rate-limit fields), then the framing
-/// (`transfer-encoding: chunked` for a chunked body, `connection: close` when the
-/// body ends at the close or `close` is set), then the blank line.
+/// How the client's head is made from the upstream's.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Rewrite<'a> {
+    /// The request was a HEAD (the response has no body, whatever its fields say).
+    pub(super) head_request: bool,
+    /// The client's connection closes after this response.
+    pub(super) close: bool,
+    /// Fields the gateway sets itself (the rate-limit ones): the upstream's are dropped.
+    pub(super) replaced: &'a [http::HeaderName],
+}
+
+/// Parses the response head at the start of `buf`. For a final response the head the
+/// client gets is written to `client`: the status line as HTTP/1.1, the upstream's
+/// fields but the hop-by-hop and the replaced ones, then what `extra` writes (the
+/// rate-limit fields, and a `Date` when it is told the upstream sent none), then the
+/// framing (`transfer-encoding: chunked` for a chunked body, `connection: close` when
+/// the body ends at the close or the client's connection closes), then the blank line.
 ///
 /// # Errors
-/// [`BadResponse`] for a head that is malformed, too large a list of fields, a
-/// `101 Switching Protocols` (never asked for) or lengths that disagree.
+/// [`BadResponse`] for a head that is malformed, too large a list of fields, a status
+/// under 100, a `101 Switching Protocols` (never asked for) or lengths that disagree.
 pub(super) fn parse(
     buf: &[u8],
-    head_request: bool,
-    close: bool,
+    rewrite: &Rewrite<'_>,
     client: &mut Vec<u8>,
-    extra: impl FnOnce(&mut Vec<u8>),
+    extra: impl FnOnce(&mut Vec<u8>, bool),
 ) -> Result<Parsed, BadResponse> {
+    let Rewrite {
+        head_request,
+        close,
+        replaced,
+    } = *rewrite;
     let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut response = httparse::Response::new(&mut []);
     let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
@@ -77,7 +92,7 @@ pub(super) fn parse(
         return Err(BadResponse);
     };
     match status {
-        101 => return Err(BadResponse),
+        0..=99 | 101 => return Err(BadResponse),
         100..=199 => return Ok(Parsed::Interim { len }),
         _ => {}
     }
@@ -86,9 +101,12 @@ pub(super) fn parse(
     let mut chunked = None;
     let mut upstream_closes = version == 0;
     let mut connection_names = false;
+    let mut dated = false;
     for field in response.headers.iter() {
         let name = field.name.as_bytes();
-        if name.eq_ignore_ascii_case(b"content-length") {
+        if name.eq_ignore_ascii_case(b"date") {
+            dated = true;
+        } else if name.eq_ignore_ascii_case(b"content-length") {
             let n = parse_length(field.value).ok_or(BadResponse)?;
             if length.is_some_and(|m| m != n) {
                 return Err(BadResponse);
@@ -129,10 +147,13 @@ pub(super) fn parse(
     client.extend_from_slice(b"\r\n");
     for field in response.headers.iter() {
         let name = field.name.as_bytes();
+        let content_length = name.eq_ignore_ascii_case(b"content-length");
         if is_hop_by_hop(name)
             // A chunked body's length is its framing's, whatever a length field says.
-            || (framing == Framing::Chunked && name.eq_ignore_ascii_case(b"content-length"))
-            || (connection_names && named_in_connection(response.headers, name))
+            || (framing == Framing::Chunked && content_length)
+            // `Connection` may name any field but the one that frames the body.
+            || (connection_names && !content_length && named_in_connection(response.headers, name))
+            || replaced.iter().any(|r| r.as_str().as_bytes().eq_ignore_ascii_case(name))
         {
             continue;
         }
@@ -141,7 +162,7 @@ pub(super) fn parse(
         client.extend_from_slice(field.value);
         client.extend_from_slice(b"\r\n");
     }
-    extra(client);
+    extra(client, dated);
     if framing == Framing::Chunked {
         client.extend_from_slice(b"transfer-encoding: chunked\r\n");
     }
@@ -177,8 +198,16 @@ mod tests {
 
     fn head(raw: &str, head_request: bool, close: bool) -> (Result<Parsed, BadResponse>, String) {
         let mut client = Vec::new();
-        let parsed = parse(raw.as_bytes(), head_request, close, &mut client, |c| {
+        let rewrite = Rewrite {
+            head_request,
+            close,
+            replaced: &[http::HeaderName::from_static("x-ratelimit-limit")],
+        };
+        let parsed = parse(raw.as_bytes(), &rewrite, &mut client, |c, dated| {
             c.extend_from_slice(b"x-ratelimit-limit: 300\r\n");
+            if !dated {
+                c.extend_from_slice(b"date: now\r\n");
+            }
         });
         (parsed, String::from_utf8(client).expect("ascii"))
     }
@@ -192,8 +221,9 @@ mod tests {
 
     #[test]
     fn the_client_head_keeps_end_to_end_fields_and_adds_the_rate_limit_ones() {
-        let raw = "HTTP/1.1 201 Created\r\nServer: up\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\n\
-                   Keep-Alive: timeout=5\r\nContent-Length: 2\r\n\r\n{}";
+        let raw = "HTTP/1.1 201 Created\r\nServer: up\r\nConnection: keep-alive, X-Hop, Content-Length\r\n\
+                   X-Hop: 1\r\nX-RateLimit-Limit: 5\r\nKeep-Alive: timeout=5\r\nDate: then\r\n\
+                   Content-Length: 2\r\n\r\n{}";
         let (parsed, client) = head(raw, false, false);
         assert_eq!(
             parsed,
@@ -206,10 +236,14 @@ mod tests {
         );
         assert_eq!(
             client,
-            "HTTP/1.1 201 Created\r\nServer: up\r\nContent-Length: 2\r\nx-ratelimit-limit: 300\r\n\r\n"
+            "HTTP/1.1 201 Created\r\nServer: up\r\nDate: then\r\nContent-Length: 2\r\n\
+             x-ratelimit-limit: 300\r\n\r\n"
         );
         let (_, client) = head("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", false, true);
-        assert!(client.ends_with("connection: close\r\n\r\n"), "{client}");
+        assert!(
+            client.ends_with("date: now\r\nconnection: close\r\n\r\n"),
+            "{client}"
+        );
     }
 
     #[test]
@@ -279,6 +313,7 @@ mod tests {
             "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
             "HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",
             "HTTP/1.1 2000 OK\r\n\r\n",
+            "HTTP/1.1 099 Low\r\n\r\n",
             "SPDY/3 200 OK\r\n\r\n",
         ] {
             assert_eq!(head(bad, false, false).0, Err(BadResponse), "{bad:?}");
