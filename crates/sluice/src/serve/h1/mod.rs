@@ -351,7 +351,7 @@ impl Connection<'_> {
         // An upstream that answered before the whole body was sent: the rest of the
         // body is neither sent nor read, and neither connection carries another request.
         let unsent = body_left > 0;
-        let close = head.close || head_sent.framing == Framing::UntilClose || unsent;
+        let close = head.close || unsent;
         let mut conn = conn;
         if self.relay_body(client, head_sent, &mut conn).await? && !unsent {
             fast.pool.checkin(conn);
@@ -603,15 +603,22 @@ impl Connection<'_> {
                 Ok(head.reusable && upstream.is_empty())
             }
             Framing::UntilClose => {
-                out.extend_from_slice(upstream);
+                // Each read goes out as one chunk, the close as the last chunk.
+                push_chunk(out, upstream);
                 upstream.clear();
                 client.write_all(out).await?;
                 loop {
                     upstream.clear();
-                    if read_body(conn, upstream, client, pipelined).await? == 0 {
+                    let n = read_body(conn, upstream, client, pipelined).await?;
+                    out.clear();
+                    push_chunk(out, upstream);
+                    if n == 0 {
+                        out.extend_from_slice(b"0\r\n\r\n");
+                    }
+                    client.write_all(out).await?;
+                    if n == 0 {
                         return Ok(false);
                     }
-                    client.write_all(upstream).await?;
                 }
             }
         }
@@ -729,6 +736,29 @@ fn push_date(out: &mut Vec<u8>) {
     });
 }
 
+/// Appends `data` as one chunk of a chunked body (nothing for no data: an empty
+/// chunk would end the body).
+fn push_chunk(out: &mut Vec<u8>, data: &[u8]) {
+    if data.is_empty() {
+        return;
+    }
+    let mut size = [0u8; 16];
+    let mut at = size.len();
+    let mut n = data.len();
+    loop {
+        at -= 1;
+        size[at] = b"0123456789abcdef"[n & 15];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&size[at..]);
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+}
+
 /// `name: value\r\n`.
 fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
@@ -771,6 +801,19 @@ async fn own(answer: Response<http_body_util::Full<Bytes>>) -> Response<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_body_to_the_close_goes_out_in_chunks() {
+        let mut out = Vec::new();
+        push_chunk(&mut out, b"");
+        push_chunk(&mut out, b"hello");
+        push_chunk(&mut out, &[b'x'; 300]);
+        let mut end = ChunkedEnd::new();
+        out.extend_from_slice(b"0\r\n\r\n");
+        assert_eq!(end.feed(&out), Ok(out.len()));
+        assert!(end.is_done());
+        assert!(out.starts_with(b"5\r\nhello\r\n12c\r\nxxx"), "{out:?}");
+    }
 
     #[test]
     fn a_head_is_parsed_again_only_once_its_blank_line_may_have_come() {

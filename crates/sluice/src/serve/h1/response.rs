@@ -15,7 +15,8 @@ pub(super) enum Framing {
     Length(u64),
     /// Chunked: relayed with its framing as it is.
     Chunked,
-    /// Until the upstream closes the connection; the client's connection closes after.
+    /// Until the upstream closes the connection; relayed to the client chunked (as
+    /// hyper's server does), so its connection goes on.
     UntilClose,
 }
 
@@ -60,8 +61,9 @@ pub(super) struct Rewrite<'a> {
 /// client gets is written to `client`: the status line as HTTP/1.1, the upstream's
 /// fields but the hop-by-hop and the replaced ones, then what `extra` writes (the
 /// rate-limit fields, and a `Date` when it is told the upstream sent none), then the
-/// framing (`transfer-encoding: chunked` for a chunked body, `connection: close` when
-/// the body ends at the close or the client's connection closes), then the blank line.
+/// framing (`transfer-encoding: chunked` for a chunked body and one that runs to the
+/// upstream's close, `connection: close` when the client's connection closes after),
+/// then the blank line.
 ///
 /// # Errors
 /// [`BadResponse`] for a head that is malformed, too large a list of fields, a status
@@ -163,10 +165,10 @@ pub(super) fn parse(
         client.extend_from_slice(b"\r\n");
     }
     extra(client, dated);
-    if framing == Framing::Chunked {
+    if matches!(framing, Framing::Chunked | Framing::UntilClose) {
         client.extend_from_slice(b"transfer-encoding: chunked\r\n");
     }
-    if close || framing == Framing::UntilClose {
+    if close {
         client.extend_from_slice(b"connection: close\r\n");
     }
     client.extend_from_slice(b"\r\n");
