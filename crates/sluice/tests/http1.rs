@@ -511,3 +511,92 @@ async fn an_upstream_that_answers_before_the_whole_body_is_relayed() {
     })
     .await;
 }
+
+/// An upstream that answers `early` (an interim or a final head) as soon as it has a
+/// request's head, then reads the whole body it announced, then sends `rest`.
+async fn answering_before_the_body(early: &'static str, rest: &'static str) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("accept");
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let end = loop {
+            if let Some(at) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("a length");
+        stream.write_all(early.as_bytes()).await.expect("write");
+        while got.len() < end + length {
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let _ = stream.write_all(rest.as_bytes()).await;
+    });
+    format!("http://{addr}")
+}
+
+/// Sends a 100,000-byte upload in pieces and reads the answer.
+async fn upload(sluice: &Sluice) -> Raw {
+    let mut stream = connect(sluice).await;
+    stream
+        .write_all(b"PUT /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n")
+        .await
+        .expect("write");
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+        stream.write_all(&[b'u'; 10_000]).await.expect("write");
+    }
+    let mut pending = Vec::new();
+    read_raw(&mut stream, &mut pending, false).await
+}
+
+#[tokio::test]
+async fn an_interim_answer_does_not_stop_the_upload() {
+    let upstream = answering_before_the_body(
+        "HTTP/1.1 103 Early Hints\r\nlink: </a.css>\r\n\r\n",
+        "HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nall read",
+    )
+    .await;
+    let sluice = Sluice::spawn(&["--upstream", &upstream]);
+    bounded(async {
+        let reply = upload(&sluice).await;
+        assert_eq!(
+            (reply.status, reply.body.as_slice()),
+            (200, &b"all read"[..])
+        );
+        assert!(!reply.head.contains("connection: close"), "{}", reply.head);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_upstream_that_accepts_early_still_gets_the_whole_body() {
+    // The head and the first chunk before the body is in, the last chunk after.
+    let upstream = answering_before_the_body(
+        "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nstart \r\n",
+        "8\r\nall read\r\n0\r\n\r\n",
+    )
+    .await;
+    let sluice = Sluice::spawn(&["--upstream", &upstream]);
+    bounded(async {
+        let reply = upload(&sluice).await;
+        assert_eq!(
+            (reply.status, reply.body.as_slice()),
+            (200, &b"start all read"[..])
+        );
+    })
+    .await;
+}

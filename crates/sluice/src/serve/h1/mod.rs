@@ -461,36 +461,65 @@ impl Connection<'_> {
         conn.write_all(&self.to_upstream)
             .await
             .map_err(|_| Exchange::NoAnswer)?;
+        // The body goes up as it comes from the client. Meanwhile the upstream may
+        // answer: interim answers are skipped; a final one that refuses (4xx, 5xx) or
+        // closes stops the upload and is relayed; one that accepts (an upstream that
+        // streams its answer as it reads) lets the upload go on.
+        let mut watching = true;
         while *body_left > 0 {
-            // The upstream may answer before it has the whole body (a refusal, say):
-            // then the rest is not sent and its answer is relayed.
-            let step = tokio::select! {
-                biased;
-                ready = conn.readable() => Upload::UpstreamReadable(ready),
-                read = read_more(client, &mut self.from_client) => Upload::FromClient(read),
+            let take = usize::try_from(*body_left)
+                .unwrap_or(usize::MAX)
+                .min(self.from_client.len());
+            let step = if take > 0 {
+                tokio::select! {
+                    biased;
+                    ready = conn.readable(), if watching => Upload::UpstreamReadable(ready),
+                    ready = conn.writable() => Upload::UpstreamWritable(ready),
+                }
+            } else {
+                tokio::select! {
+                    biased;
+                    ready = conn.readable(), if watching => Upload::UpstreamReadable(ready),
+                    read = read_more(client, &mut self.from_client) => Upload::FromClient(read),
+                }
             };
             match step {
                 Upload::UpstreamReadable(ready) => {
                     ready.map_err(|_| Exchange::Broken)?;
                     match conn.try_read_buf(&mut self.from_upstream) {
-                        Ok(0) => return Err(Exchange::Broken),
-                        Ok(_) => break,
+                        // Closed, or failed: what it answered is read below.
+                        Ok(0) => break,
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        Err(_) => return Err(Exchange::Broken),
+                        Err(_) => break,
+                        Ok(_) => match self.early_answer(&request.rewrite)? {
+                            Some(true) => break,
+                            Some(false) => watching = false,
+                            None if self.from_upstream.len() >= MAX_RESPONSE_HEAD => {
+                                return Err(Exchange::Broken);
+                            }
+                            None => {}
+                        },
+                    }
+                }
+                Upload::UpstreamWritable(ready) => {
+                    if ready.is_err() {
+                        break;
+                    }
+                    match conn.try_write(&self.from_client[..take]) {
+                        Ok(n) => {
+                            self.from_client.advance(n);
+                            *body_left -= n as u64;
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        // It stopped taking the body: an answer it sent first is
+                        // still read below.
+                        Err(_) => break,
                     }
                 }
                 Upload::FromClient(read) => {
                     if !matches!(read, Ok(n) if n > 0) {
                         return Err(Exchange::Broken);
                     }
-                    let take = usize::try_from(*body_left)
-                        .unwrap_or(usize::MAX)
-                        .min(self.from_client.len());
-                    conn.write_all(&self.from_client[..take])
-                        .await
-                        .map_err(|_| Exchange::Broken)?;
-                    self.from_client.advance(take);
-                    *body_left -= take as u64;
                 }
             }
         }
@@ -538,6 +567,23 @@ impl Connection<'_> {
                 } else {
                     Exchange::Broken
                 });
+            }
+        }
+    }
+
+    /// Looks at what the upstream has answered while the request body is still going
+    /// up: interim answers are dropped; `Some(stop)` for a complete final head, where
+    /// `stop` says whether the upload ends (the answer refuses, or the upstream closes
+    /// after it); `None` while no final head is complete.
+    fn early_answer(&mut self, rewrite: &response::Rewrite<'_>) -> Result<Option<bool>, Exchange> {
+        loop {
+            match response::parse(&self.from_upstream, rewrite, &mut self.to_client, |_, _| {}) {
+                Err(_) => return Err(Exchange::Broken),
+                Ok(response::Parsed::Interim { len }) => self.from_upstream.advance(len),
+                Ok(response::Parsed::Partial) => return Ok(None),
+                Ok(response::Parsed::Final(head)) => {
+                    return Ok(Some(head.status >= 400 || !head.reusable));
+                }
             }
         }
     }
@@ -639,6 +685,8 @@ struct Exchanged<'a> {
 enum Upload {
     /// The upstream's socket became readable: an early answer, or its close.
     UpstreamReadable(io::Result<()>),
+    /// The upstream's socket can take more of the body.
+    UpstreamWritable(io::Result<()>),
     /// More of the body came from the client (0: the client left).
     FromClient(io::Result<usize>),
 }

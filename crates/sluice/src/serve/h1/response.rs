@@ -106,9 +106,7 @@ pub(super) fn parse(
     let mut dated = false;
     for field in response.headers.iter() {
         let name = field.name.as_bytes();
-        if name.eq_ignore_ascii_case(b"date") {
-            dated = true;
-        } else if name.eq_ignore_ascii_case(b"content-length") {
+        if name.eq_ignore_ascii_case(b"content-length") {
             let n = parse_length(field.value).ok_or(BadResponse)?;
             if length.is_some_and(|m| m != n) {
                 return Err(BadResponse);
@@ -151,14 +149,16 @@ pub(super) fn parse(
         let name = field.name.as_bytes();
         let content_length = name.eq_ignore_ascii_case(b"content-length");
         if is_hop_by_hop(name)
-            // A chunked body's length is its framing's, whatever a length field says.
-            || (framing == Framing::Chunked && content_length)
+            // A body the client gets chunked has no length field, whatever the
+            // upstream said.
+            || (matches!(framing, Framing::Chunked | Framing::UntilClose) && content_length)
             // `Connection` may name any field but the one that frames the body.
             || (connection_names && !content_length && named_in_connection(response.headers, name))
             || replaced.iter().any(|r| r.as_str().as_bytes().eq_ignore_ascii_case(name))
         {
             continue;
         }
+        dated |= name.eq_ignore_ascii_case(b"date");
         client.extend_from_slice(name);
         client.extend_from_slice(b": ");
         client.extend_from_slice(field.value);
@@ -282,6 +282,20 @@ mod tests {
             Ok(Parsed::Final(h)) => assert_eq!(h.framing, Framing::Empty),
             other => panic!("{other:?}"),
         }
+        let (_, client) = head(
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\ncontent-length: 5\r\nconnection: date\r\ndate: x\r\n\r\n",
+            false,
+            false,
+        );
+        assert!(!client.contains("content-length"), "{client}");
+        assert!(
+            client.contains("transfer-encoding: chunked\r\n"),
+            "{client}"
+        );
+        assert!(
+            client.contains("date: now\r\n") && !client.contains("date: x"),
+            "{client}"
+        );
         let (chunked, client) = head(
             "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 5\r\n\r\n",
             false,
