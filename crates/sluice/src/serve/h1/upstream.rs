@@ -58,12 +58,12 @@ impl Pool {
                 idle.clear();
                 return None;
             }
-            // Readable while idle means the upstream closed it (or sent bytes no
-            // request asked for): either way it cannot carry a request. This looks at
-            // the readiness the reactor last saw; a close it has not seen yet shows
-            // as a failed exchange, which the caller may retry on a new connection.
-            let mut probe = [0u8; 1];
-            match stream.try_read(&mut probe) {
+            // Anything to read while idle means the upstream closed it or sent bytes no
+            // request asked for (which would be taken for the next request's answer):
+            // either way it cannot carry a request. A non-blocking peek asks the
+            // socket itself, not the readiness the reactor last saw.
+            let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+            match socket2::SockRef::from(&stream).peek(&mut probe) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(stream),
                 _ => {}
             }
@@ -111,40 +111,42 @@ mod tests {
     use super::*;
 
     #[tokio::test(start_paused = true)]
-    async fn closed_and_stale_connections_are_not_handed_out() {
+    async fn closed_stray_and_stale_connections_are_not_handed_out() {
+        use tokio::io::AsyncWriteExt as _;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let pool = Pool::new(listener.local_addr().expect("addr").to_string(), 2);
+        let pool = Pool::new(listener.local_addr().expect("addr").to_string(), 4);
         assert!(pool.checkout().is_none());
-
-        let first = pool.connect().await.expect("connect");
-        let (peer_of_first, _) = listener.accept().await.expect("accept");
-        let second = pool.connect().await.expect("connect");
-        let (_peer_of_second, _) = listener.accept().await.expect("accept");
-        let first_addr = first.local_addr().expect("addr");
-        let second_addr = second.local_addr().expect("addr");
-        pool.checkin(first);
-        pool.checkin(second);
+        let mut open = Vec::new();
+        let mut peers = Vec::new();
+        for _ in 0..3 {
+            let stream = pool.connect().await.expect("connect");
+            let (peer, _) = listener.accept().await.expect("accept");
+            open.push(stream.local_addr().expect("addr"));
+            peers.push(peer);
+            pool.checkin(stream);
+        }
 
         // Most recent first.
         let out = pool.checkout().expect("idle connection");
-        assert_eq!(out.local_addr().expect("addr"), second_addr);
+        assert_eq!(out.local_addr().expect("addr"), open[2]);
         pool.checkin(out);
 
-        // The upstream closes the second; once the reactor has seen it, it is skipped.
-        drop(_peer_of_second);
-        let out = pool.checkout().expect("idle connection");
-        out.readable().await.expect("readable");
-        pool.checkin(out);
-        let out = pool.checkout().expect("the first is still open");
-        assert_eq!(out.local_addr().expect("addr"), first_addr);
+        // The upstream closes the third, and sends the second bytes nobody asked for:
+        // both are passed over, the first is handed out.
+        peers.pop();
+        peers[1]
+            .write_all(b"HTTP/1.1 200 OK\r\n")
+            .await
+            .expect("write");
+        let out = pool.checkout().expect("the first is still fine");
+        assert_eq!(out.local_addr().expect("addr"), open[0]);
         pool.checkin(out);
 
         // Idle past the timeout: gone.
         tokio::time::advance(IDLE_TIMEOUT).await;
         pool.prune();
         assert!(pool.checkout().is_none());
-        drop(peer_of_first);
     }
 }
