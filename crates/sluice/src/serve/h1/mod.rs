@@ -5,18 +5,20 @@
 //! reads are all that is taken out of it; the head sent upstream is written straight
 //! from the client's bytes (hop-by-hop fields dropped, `Host` the upstream's,
 //! `X-Forwarded-For` and `Forwarded` appended); the upstream's response head is
-//! rewritten the same way with the rate-limit fields added, and both bodies are
-//! relayed as they come, their framing (`Content-Length`, chunked, or to the close)
-//! kept. The upstream connection is driven from the client connection's own task,
-//! from a per-worker pool of idle sockets. Decisions, metrics, answers and error
-//! envelopes are the limiter's and the proxy's own, so a request is answered as the
-//! service stack answers it.
+//! rewritten the same way with the rate-limit fields added (and `Date` when it has
+//! none), and both bodies are relayed as they come, their framing kept
+//! (`Content-Length`, chunked) or, for a body that runs to the upstream's close,
+//! re-chunked. An upstream may answer before it has the whole request body: a refusal
+//! ends the upload, an acceptance lets it go on. The upstream connection is driven
+//! from the client connection's own task, from a per-worker pool of idle sockets.
+//! Decisions, metrics, answers and error envelopes are the limiter's and the proxy's
+//! own, so a request is answered as the service stack answers it.
 //!
 //! Anything else — HTTP/1.0, request bodies that are chunked or announced with
-//! `Expect`, upgrades, absolute-form targets, heads hyper would refuse, a JSON-RPC body
-//! past the policy's bound — is left to hyper and the service stack: the fast path
-//! hands the connection over, with the bytes it has read ([`Ended::Elsewhere`]), and
-//! hyper serves it from there on.
+//! `Expect`, upgrades, targets that are not a path `http` accepts, heads past the bound
+//! or that hyper would refuse, a JSON-RPC body past the policy's bound — is left to
+//! hyper and the service stack: the fast path hands the connection over, with the
+//! bytes it has read ([`Ended::Elsewhere`]), and hyper serves it from there on.
 
 mod chunked;
 mod deadline;
