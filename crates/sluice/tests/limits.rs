@@ -199,3 +199,72 @@ fn check_prints_the_resolved_policy_or_every_problem_with_exit_2() {
         "a bad policy stops serve before it listens"
     );
 }
+
+/// Sends `request` on a new connection and reads the answer to its close: the status
+/// code, the fields (names lower-cased) and the body.
+async fn raw_exchange(
+    sluice: &Sluice,
+    request: &str,
+) -> (u16, std::collections::BTreeMap<String, String>, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(sluice.start.gateway)
+        .await
+        .expect("connect");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.expect("read");
+    let answer = String::from_utf8(answer).expect("utf-8 answer");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a head");
+    let mut lines = head.lines();
+    let status = lines.next().expect("status line")[9..12]
+        .parse()
+        .expect("status");
+    let fields = lines
+        .filter_map(|l| l.split_once(": "))
+        .map(|(n, v)| (n.to_ascii_lowercase(), v.to_owned()))
+        .collect();
+    (status, fields, body.to_owned())
+}
+
+/// The gateway answers plain HTTP/1.1 on its own fast path and hands HTTP/1.0 to hyper
+/// and the service stack: a refusal reads the same either way (H1, H2).
+#[tokio::test]
+async fn h1_h2_a_refusal_reads_the_same_on_both_http1_paths() {
+    let policy = policy_file("forever-parity.yaml", |y| y);
+    let sluice = Sluice::spawn(&["--config", policy.to_str().expect("utf-8 path")]);
+    for i in 0..30 {
+        let r = post(&sluice, "/chats", "sk-parity").await;
+        assert_eq!(r.status, 200, "chat {i}: {}", r.text());
+    }
+    let refused = |version: &str| {
+        format!(
+            "POST /chats {version}\r\nhost: x\r\nx-api-key: sk-parity\r\ncontent-type: application/json\r\n\
+             content-length: 2\r\nconnection: close\r\n\r\n{{}}"
+        )
+    };
+    let (fast_status, fast, fast_body) = raw_exchange(&sluice, &refused("HTTP/1.1")).await;
+    let (hyper_status, hyper, hyper_body) = raw_exchange(&sluice, &refused("HTTP/1.0")).await;
+    assert_eq!((fast_status, hyper_status), (429, 429));
+    assert_eq!(fast_body, hyper_body);
+    assert_eq!(fast_body, "Too many requests, please try again later.");
+    // The same fields (bar how each version says it closes), the same values but the
+    // clock's.
+    let names = |fields: &std::collections::BTreeMap<String, String>| {
+        fields
+            .keys()
+            .filter(|n| *n != "connection")
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(names(&fast), names(&hyper), "{fast:?} vs {hyper:?}");
+    for name in [
+        "content-type",
+        "content-length",
+        "x-ratelimit-limit",
+        "x-ratelimit-remaining",
+        "x-ratelimit-reset",
+    ] {
+        assert_eq!(fast.get(name), hyper.get(name), "{name}");
+    }
+    assert!(fast.contains_key("retry-after") && fast.contains_key("date"));
+}
