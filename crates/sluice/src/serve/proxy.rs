@@ -430,7 +430,7 @@ fn append_list(headers: &mut HeaderMap, name: HeaderName, element: &[u8]) {
 
 /// Writes `ip` in its usual text form: dotted decimal without the formatting
 /// machinery for IPv4 (every proxied request does this), `Display` for IPv6.
-pub(super) fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
+fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
     match ip {
         IpAddr::V4(v4) => {
             for (i, octet) in v4.octets().into_iter().enumerate() {
@@ -455,33 +455,60 @@ pub(super) fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
 
 /// Appends the peer IP to `X-Forwarded-For`.
 fn append_x_forwarded_for(headers: &mut HeaderMap, ip: IpAddr) {
-    let mut element = Vec::with_capacity(40);
-    push_ip(&mut element, ip);
     append_list(
         headers,
         HeaderName::from_static("x-forwarded-for"),
-        &element,
+        ForwardedPeer::new(ip).text(),
     );
 }
 
 /// Appends an RFC 7239 element `for=…;host="…";proto=http` to `Forwarded`.
 fn append_forwarded(headers: &mut HeaderMap, ip: IpAddr, host: Option<&HeaderValue>) {
     let mut element = Vec::with_capacity(96);
-    push_forwarded_element(&mut element, ip, host.map(HeaderValue::as_bytes));
+    ForwardedPeer::new(ip).push_forwarded_element(&mut element, host.map(HeaderValue::as_bytes));
     append_list(headers, header::FORWARDED, &element);
 }
 
-/// Writes the RFC 7239 element `for=…;host="…";proto=http` for a request from `ip`
-/// that named `host` (left out when it is empty or would need escaping).
-pub(super) fn push_forwarded_element(out: &mut Vec<u8>, ip: IpAddr, host: Option<&[u8]>) {
-    out.extend_from_slice(b"for=");
-    if ip.is_ipv6() {
-        out.extend_from_slice(b"\"[");
-        push_ip(out, ip);
-        out.extend_from_slice(b"]\"");
-    } else {
-        push_ip(out, ip);
+/// A connection's peer as forwarding headers write it, formatted once per connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct ForwardedPeer {
+    /// The address in its usual text form (what `X-Forwarded-For` gets).
+    text: Vec<u8>,
+    ipv6: bool,
+}
+
+impl ForwardedPeer {
+    pub(super) fn new(ip: IpAddr) -> Self {
+        let mut text = Vec::with_capacity(39);
+        push_ip(&mut text, ip);
+        ForwardedPeer {
+            text,
+            ipv6: ip.is_ipv6(),
+        }
     }
+
+    /// The address as `X-Forwarded-For` has it.
+    pub(super) fn text(&self) -> &[u8] {
+        &self.text
+    }
+
+    /// Writes the RFC 7239 element `for=…;host="…";proto=http` for a request from this
+    /// peer that named `host` (left out when it is empty or would need escaping).
+    pub(super) fn push_forwarded_element(&self, out: &mut Vec<u8>, host: Option<&[u8]>) {
+        out.extend_from_slice(b"for=");
+        if self.ipv6 {
+            out.extend_from_slice(b"\"[");
+            out.extend_from_slice(&self.text);
+            out.extend_from_slice(b"]\"");
+        } else {
+            out.extend_from_slice(&self.text);
+        }
+        push_forwarded_host(out, host);
+    }
+}
+
+/// The `;host="…";proto=http` end of a `Forwarded` element.
+fn push_forwarded_host(out: &mut Vec<u8>, host: Option<&[u8]>) {
     if let Some(host) = host
         && !host.is_empty()
         && host

@@ -42,7 +42,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use super::metered::RequestStats;
-use super::proxy::{Failure, ProxyConfig, Upstream, upstream_failure};
+use super::proxy::{Failure, ForwardedPeer, ProxyConfig, Upstream, upstream_failure};
 use super::store::AnyStore;
 use chunked::ChunkedEnd;
 use deadline::Deadline;
@@ -120,6 +120,7 @@ impl FastPath {
         let mut conn = Connection {
             fast: self,
             peer: peer.ip(),
+            forwarded_peer: ForwardedPeer::new(peer.ip()),
             from_client: BytesMut::with_capacity(READ_CHUNK),
             from_upstream: BytesMut::new(),
             to_upstream: Vec::with_capacity(1024),
@@ -171,6 +172,8 @@ enum Next {
 struct Connection<'f> {
     fast: &'f FastPath,
     peer: IpAddr,
+    /// The peer as the forwarding fields write it.
+    forwarded_peer: ForwardedPeer,
     /// Read from the client, not served yet.
     from_client: BytesMut,
     /// Read from the upstream, not relayed yet.
@@ -199,7 +202,7 @@ impl Connection<'_> {
             upstream: &fast.config.upstream,
             route: &route,
             identity_headers: &fast.identity_headers,
-            peer: self.peer,
+            peer: &self.forwarded_peer,
         };
 
         // A complete head.

@@ -2,14 +2,11 @@
 //! and rewritten into the head sent upstream.
 
 use std::mem::MaybeUninit;
-use std::net::IpAddr;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use sluice_policy::Route;
 
-use super::super::proxy::{
-    for_each_connection_named, is_hop_by_hop, push_forwarded_element, push_ip,
-};
+use super::super::proxy::{ForwardedPeer, for_each_connection_named, is_hop_by_hop};
 use super::Upstream;
 
 /// Most header fields in a request head, as hyper's server allows; a head with more
@@ -54,7 +51,7 @@ pub(super) struct Context<'a, 'l> {
     /// Headers the limiter reads (lowercase); they are copied into `identity`.
     pub(super) identity_headers: &'a [HeaderName],
     /// The socket peer, appended to `X-Forwarded-For` and `Forwarded`.
-    pub(super) peer: IpAddr,
+    pub(super) peer: &'a ForwardedPeer,
 }
 
 /// Parses the request head at the start of `buf`. When it is [`Parsed::Ready`], the
@@ -90,7 +87,10 @@ pub(super) fn parse<'l>(
     {
         return Parsed::Elsewhere;
     }
-    let path = target.split_once('?').map_or(target, |(path, _)| path);
+    let path = target
+        .bytes()
+        .position(|b| b == b'?')
+        .map_or(target, |at| &target[..at]);
 
     // First pass: what frames the message and what `Connection` names.
     let mut body_len = None;
@@ -169,10 +169,10 @@ pub(super) fn parse<'l>(
     }
     upstream.extend_from_slice(b"x-forwarded-for: ");
     upstream.extend_from_slice(&forwarded_for);
-    push_ip(upstream, cx.peer);
+    upstream.extend_from_slice(cx.peer.text());
     upstream.extend_from_slice(b"\r\nforwarded: ");
     upstream.extend_from_slice(&forwarded);
-    push_forwarded_element(upstream, cx.peer, host);
+    cx.peer.push_forwarded_element(upstream, host);
     upstream.extend_from_slice(b"\r\n\r\n");
 
     Parsed::Ready(Head {
@@ -248,7 +248,7 @@ mod tests {
             upstream: &up,
             route: &route,
             identity_headers: &names,
-            peer: "192.0.2.1".parse().expect("ip"),
+            peer: &ForwardedPeer::new("192.0.2.1".parse().expect("ip")),
         };
         let mut out = Vec::new();
         let mut identity = HeaderMap::new();
