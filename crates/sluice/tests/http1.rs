@@ -119,6 +119,21 @@ async fn ask(stream: &mut TcpStream, pending: &mut Vec<u8>, path: &str) -> Raw {
     read_raw(stream, pending, false).await
 }
 
+/// Reads from `stream` into `got` until it holds a whole request head (an upstream's
+/// side of the exchange): the head's length, or `None` when the stream ends first.
+async fn read_request_head(stream: &mut TcpStream, got: &mut Vec<u8>) -> Option<usize> {
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(at) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            return Some(at + 4);
+        }
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => got.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
 async fn connect(sluice: &Sluice) -> TcpStream {
     let stream = TcpStream::connect(sluice.start.gateway)
         .await
@@ -256,15 +271,8 @@ async fn scripted_upstream(answers: Vec<&'static str>) -> (String, Arc<AtomicUsi
             tokio::spawn(async move {
                 let mut pending = Vec::new();
                 loop {
-                    let end = loop {
-                        if let Some(at) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break at + 4;
-                        }
-                        let mut chunk = [0u8; 4096];
-                        match stream.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => pending.extend_from_slice(&chunk[..n]),
-                        }
+                    let Some(end) = read_request_head(&mut stream, &mut pending).await else {
+                        return;
                     };
                     pending.drain(..end);
                     let n = served.fetch_add(1, Ordering::SeqCst);
@@ -359,13 +367,11 @@ async fn a_kept_alive_connection_the_upstream_closed_is_not_a_502() {
         while let Ok((mut stream, _)) = listener.accept().await {
             count.fetch_add(1, Ordering::SeqCst);
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut chunk = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&chunk[..n]),
-                    }
+                if read_request_head(&mut stream, &mut Vec::new())
+                    .await
+                    .is_none()
+                {
+                    return;
                 }
                 let _ = stream
                     .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
@@ -476,14 +482,13 @@ async fn an_upstream_that_answers_before_the_whole_body_is_relayed() {
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.expect("accept");
-        let mut head = Vec::new();
-        let mut chunk = [0u8; 4096];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-            match stream.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => head.extend_from_slice(&chunk[..n]),
-            }
+        if read_request_head(&mut stream, &mut Vec::new())
+            .await
+            .is_none()
+        {
+            return;
         }
+        let mut chunk = [0u8; 4096];
         let _ = stream
             .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo big!")
             .await;
@@ -520,16 +525,10 @@ async fn answering_before_the_body(early: &'static str, rest: &'static str) -> S
     tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.expect("accept");
         let mut got = Vec::new();
-        let mut chunk = [0u8; 4096];
-        let end = loop {
-            if let Some(at) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-                break at + 4;
-            }
-            match stream.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => got.extend_from_slice(&chunk[..n]),
-            }
+        let Some(end) = read_request_head(&mut stream, &mut got).await else {
+            return;
         };
+        let mut chunk = [0u8; 4096];
         let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
         let length: usize = head
             .lines()

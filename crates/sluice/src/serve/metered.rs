@@ -170,11 +170,6 @@ impl RequestStats {
         line.total.fetch_add(1, Ordering::Relaxed);
         InFlight(self.clone())
     }
-
-    /// Client connections this handle's worker holds open.
-    pub fn worker_connections(&self) -> u64 {
-        self.line().connections.load(Ordering::Relaxed)
-    }
 }
 
 impl InFlight {

@@ -151,7 +151,7 @@ pub(super) fn parse<'l>(
         // `Connection` may name any field but the one that frames the body: the body
         // forwarded is the length that field gave.
         let content_length = name.eq_ignore_ascii_case(b"content-length");
-        if connection_names && !content_length && named_in_connection(&request, name) {
+        if connection_names && !content_length && named_in_connection(request.headers, name) {
             continue;
         }
         if name.eq_ignore_ascii_case(b"x-forwarded-for") {
@@ -184,10 +184,11 @@ pub(super) fn parse<'l>(
     })
 }
 
-/// True when a `Connection` field of `request` names the header `name`.
-fn named_in_connection(request: &httparse::Request<'_, '_>, name: &[u8]) -> bool {
+/// True when a `Connection` field among `fields` (a request's or a response's) names
+/// the header `name`.
+pub(super) fn named_in_connection(fields: &[httparse::Header<'_>], name: &[u8]) -> bool {
     let mut named = false;
-    for field in request.headers.iter() {
+    for field in fields {
         if field.name.eq_ignore_ascii_case("connection") {
             for_each_connection_named(field.value, |token| {
                 named |= token.eq_ignore_ascii_case(name);

@@ -4,7 +4,7 @@
 use std::mem::MaybeUninit;
 
 use super::super::proxy::{for_each_connection_named, is_hop_by_hop};
-use super::request::{MAX_HEADERS, parse_length};
+use super::request::{MAX_HEADERS, named_in_connection, parse_length};
 
 /// How the response body is delimited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,19 +179,6 @@ pub(super) fn parse(
         framing,
         reusable: !upstream_closes && framing != Framing::UntilClose,
     }))
-}
-
-/// True when a `Connection` field among `fields` names the header `name`.
-fn named_in_connection(fields: &[httparse::Header<'_>], name: &[u8]) -> bool {
-    let mut named = false;
-    for field in fields {
-        if field.name.eq_ignore_ascii_case("connection") {
-            for_each_connection_named(field.value, |token| {
-                named |= token.eq_ignore_ascii_case(name);
-            });
-        }
-    }
-    named
 }
 
 #[cfg(test)]
