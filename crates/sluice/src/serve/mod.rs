@@ -20,6 +20,7 @@ pub mod metered;
 mod pool;
 pub mod proxy;
 pub mod store;
+mod upload;
 
 use std::io::Write as _;
 use std::net::{SocketAddr, ToSocketAddrs as _};

@@ -5,7 +5,9 @@
 //!   `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`);
 //! - `X-Forwarded-For` and `Forwarded` get the socket peer appended (from the
 //!   [`PeerAddr`] extension); `Host` becomes the upstream's;
-//! - bodies are streamed both ways, frame by frame, never buffered;
+//! - bodies are streamed both ways, frame by frame, never buffered; an upstream that
+//!   refuses before it has the whole request body closes the client's connection
+//!   after its answer (which ends the upload);
 //! - an upstream that cannot be reached answers 502 `bad_gateway`, one that sends no
 //!   response headers within the configured time 504 `gateway_timeout`, both as the JSON
 //!   envelope `{"error":{"code","message","details"}}`.
@@ -32,6 +34,7 @@ use tower::Service;
 
 use super::PeerAddr;
 use super::pool::{SendError, UpstreamPool};
+use super::upload::{AbandonAfter, Upload};
 
 /// The error type of streamed bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -262,7 +265,8 @@ impl Inner {
         parts.version = Version::HTTP_11;
         parts.extensions = http::Extensions::new();
 
-        let outgoing = Request::from_parts(parts, body.map_err(Into::into).boxed_unsync());
+        let (upload, upload_handle) = Upload::new(body.map_err(Into::into).boxed_unsync());
+        let outgoing = Request::from_parts(parts, upload.boxed_unsync());
         let started = Instant::now();
         let result =
             tokio::time::timeout(self.config.header_timeout, self.pool.send(outgoing)).await;
@@ -273,6 +277,15 @@ impl Inner {
                 self.upstream_seconds[0].record(elapsed);
                 let (mut parts, body) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
+                // A refusal before the whole upload: the upload is abandoned once the
+                // refusal has been relayed, and the client's connection closes.
+                if parts.status.as_u16() >= 400 && !upload_handle.ended() {
+                    parts
+                        .headers
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    let body = AbandonAfter::new(body, upload_handle);
+                    return Response::from_parts(parts, body.map_err(Into::into).boxed());
+                }
                 Response::from_parts(parts, body.map_err(Into::into).boxed())
             }
             Ok(Err(error)) => {

@@ -1,0 +1,201 @@
+//! A request body that tells whether it has been sent in whole, and that can be
+//! abandoned.
+//!
+//! An upstream may answer before it has read the whole request body. When that answer
+//! refuses (4xx, 5xx), the rest of the upload is of no use, and a client that waits
+//! for its answer before it sends the rest would keep both connections open with
+//! nothing more to come. So once such an answer has gone to the client, the proxy
+//! abandons the upload: the client's body is dropped (hyper stops reading it and
+//! closes the client's connection after the answer) and the upstream's request ends
+//! in an error (its connection is not reused).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures_util::task::AtomicWaker;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::UnsyncBoxBody;
+
+use super::proxy::BoxError;
+
+/// A request body on its way upstream.
+pub(super) struct Upload {
+    /// `None` once abandoned.
+    body: Option<UnsyncBoxBody<Bytes, BoxError>>,
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    /// All of the body was taken.
+    ended: AtomicBool,
+    abandoned: AtomicBool,
+    /// The task sending the body, woken when it is abandoned.
+    sender: AtomicWaker,
+}
+
+/// What the proxy holds of an [`Upload`]: whether it ended, and a way to abandon it.
+#[derive(Clone, Debug)]
+pub(super) struct UploadHandle(Arc<Shared>);
+
+impl Upload {
+    /// Wraps `body`; the handle tells when it has ended.
+    pub(super) fn new(body: UnsyncBoxBody<Bytes, BoxError>) -> (Self, UploadHandle) {
+        let shared = Arc::new(Shared::default());
+        shared.ended.store(body.is_end_stream(), Ordering::Release);
+        let handle = UploadHandle(Arc::clone(&shared));
+        (
+            Upload {
+                body: Some(body),
+                shared,
+            },
+            handle,
+        )
+    }
+}
+
+impl UploadHandle {
+    /// True once the whole body was taken.
+    pub(super) fn ended(&self) -> bool {
+        self.0.ended.load(Ordering::Acquire)
+    }
+
+    /// Stops the upload: the client's body is dropped, and the body ends in an error
+    /// for the upstream. Nothing happens to an upload that has ended.
+    pub(super) fn abandon(&self) {
+        if !self.ended() {
+            self.0.abandoned.store(true, Ordering::Release);
+            self.0.sender.wake();
+        }
+    }
+}
+
+impl Body for Upload {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.shared.sender.register(cx.waker());
+        if self.shared.abandoned.load(Ordering::Acquire) {
+            self.body = None;
+            return Poll::Ready(Some(Err("the upload was abandoned".into())));
+        }
+        let Some(body) = self.body.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(&mut *body).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None)) || body.is_end_stream() {
+            self.shared.ended.store(true, Ordering::Release);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.as_ref().is_none_or(Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
+    }
+}
+
+/// A response body that abandons an upload once it has been relayed in whole, or
+/// dropped.
+pub(super) struct AbandonAfter<B> {
+    body: B,
+    upload: UploadHandle,
+}
+
+impl<B> AbandonAfter<B> {
+    /// Relays `body`, then abandons `upload`.
+    pub(super) fn new(body: B, upload: UploadHandle) -> Self {
+        AbandonAfter { body, upload }
+    }
+}
+
+impl<B: Body + Unpin> Body for AbandonAfter<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+            self.upload.abandon();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl<B> Drop for AbandonAfter<B> {
+    fn drop(&mut self) {
+        self.upload.abandon();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt as _, Full, StreamBody};
+
+    #[tokio::test]
+    async fn an_upload_ends_when_its_last_frame_is_taken() {
+        let frames = futures_util::stream::iter(vec![
+            Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"a"))),
+            Ok(Frame::data(Bytes::from_static(b"b"))),
+        ]);
+        let (mut upload, handle) = Upload::new(StreamBody::new(frames).boxed_unsync());
+        assert!(!handle.ended());
+        let first = upload.frame().await;
+        assert!(first.is_some());
+        assert!(!handle.ended(), "one frame is still to come");
+        assert!(upload.frame().await.is_some());
+        assert!(upload.frame().await.is_none());
+        assert!(handle.ended());
+        // Abandoning an upload that ended changes nothing.
+        handle.abandon();
+        assert!(upload.frame().await.is_none());
+
+        // A body known to be empty has ended from the start.
+        let (_, handle) = Upload::new(Full::new(Bytes::new()).map_err(Into::into).boxed_unsync());
+        assert!(handle.ended());
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_upload_wakes_its_sender_and_fails() {
+        // A body whose next frame never comes.
+        let (sender, receiver) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        let frames = futures_util::stream::unfold(receiver, |mut r| async move {
+            r.recv().await.map(|f| (f, r))
+        });
+        let (mut upload, handle) = Upload::new(StreamBody::new(frames).boxed_unsync());
+        let waiting = tokio::spawn(async move { upload.frame().await.map(|f| f.is_err()) });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+
+        // The answer was relayed in whole: the upload is abandoned.
+        let answer = AbandonAfter::new(Full::new(Bytes::from_static(b"refused")), handle);
+        let relayed = answer.collect().await.map(|c| c.to_bytes());
+        assert_eq!(relayed.ok(), Some(Bytes::from_static(b"refused")));
+        assert_eq!(waiting.await.ok(), Some(Some(true)), "the upload fails");
+        drop(sender);
+    }
+}
