@@ -475,46 +475,86 @@ async fn an_upstream_head_past_the_bound_is_a_502() {
     .await;
 }
 
-#[tokio::test]
-async fn an_upstream_that_answers_before_the_whole_body_is_relayed() {
-    // Refuses an upload as soon as it has the head, and reads on without closing.
+/// An upstream that refuses every upload with 413 as soon as it has its head; it
+/// then reads on without closing when `reads_on`, else closes unread.
+async fn refusing_on_the_head(reads_on: bool) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
-        let (mut stream, _) = listener.accept().await.expect("accept");
-        if read_request_head(&mut stream, &mut Vec::new())
-            .await
-            .is_none()
-        {
-            return;
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                if read_request_head(&mut stream, &mut Vec::new())
+                    .await
+                    .is_none()
+                {
+                    return;
+                }
+                let _ = stream
+                    .write_all(
+                        b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo big!",
+                    )
+                    .await;
+                let mut chunk = [0u8; 4096];
+                while reads_on && matches!(stream.read(&mut chunk).await, Ok(n) if n > 0) {}
+            });
         }
-        let mut chunk = [0u8; 4096];
-        let _ = stream
-            .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo big!")
-            .await;
-        while matches!(stream.read(&mut chunk).await, Ok(n) if n > 0) {}
     });
-    let sluice = Sluice::spawn(&["--upstream", &format!("http://{addr}")]);
-    bounded(async {
-        let mut stream = connect(&sluice).await;
-        // A million bytes announced, ten sent: the answer must not wait for the rest.
-        stream
-            .write_all(
-                b"PUT /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n0123456789",
-            )
-            .await
-            .expect("write");
-        let mut pending = Vec::new();
-        let reply = read_raw(&mut stream, &mut pending, false).await;
-        assert_eq!(
-            (reply.status, reply.body.as_slice()),
-            (413, &b"too big!"[..])
-        );
-        assert!(reply.head.contains("connection: close"), "{}", reply.head);
-        assert!(reply.head.contains("x-ratelimit-limit: "), "{}", reply.head);
-        assert!(reply.head.contains("date: "), "{}", reply.head);
-    })
-    .await;
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn an_upstream_that_answers_before_the_whole_body_is_relayed() {
+    for reads_on in [true, false] {
+        let sluice = Sluice::spawn(&["--upstream", &refusing_on_the_head(reads_on).await]);
+        bounded(async {
+            // A million bytes announced, ten sent: streamed (through hyper), the
+            // answer must not wait for the rest; the connection ends after it.
+            let mut stream = connect(&sluice).await;
+            stream
+                .write_all(
+                    b"PUT /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n0123456789",
+                )
+                .await
+                .expect("write");
+            let mut pending = Vec::new();
+            let reply = read_raw(&mut stream, &mut pending, false).await;
+            assert_eq!(
+                (reply.status, reply.body.as_slice()),
+                (413, &b"too big!"[..]),
+                "{}",
+                reply.head
+            );
+            assert!(reply.head.contains("x-ratelimit-limit: "), "{}", reply.head);
+            assert!(reply.head.contains("date: "), "{}", reply.head);
+            assert!(reply.head.contains("connection: close"), "{}", reply.head);
+            let mut rest = Vec::new();
+            let _ = stream.read_to_end(&mut rest).await;
+            assert!(rest.is_empty() && pending.is_empty(), "{rest:?}");
+
+            // A body the fast path takes in whole: sent in one write, the upstream's
+            // answer relayed whether or not it read the body.
+            let mut stream = connect(&sluice).await;
+            let body = vec![b'u'; 40_000];
+            let head = format!(
+                "PUT /upload HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+                body.len()
+            );
+            stream.write_all(head.as_bytes()).await.expect("write");
+            stream.write_all(&body).await.expect("write");
+            let reply = read_raw(&mut stream, &mut pending, false).await;
+            assert_eq!(
+                (reply.status, reply.body.as_slice()),
+                (413, &b"too big!"[..]),
+                "{}",
+                reply.head
+            );
+            assert!(reply.head.contains("x-ratelimit-limit: "), "{}", reply.head);
+        })
+        .await;
+    }
 }
 
 /// An upstream that answers `early` (an interim or a final head) as soon as it has a
@@ -523,40 +563,45 @@ async fn answering_before_the_body(early: &'static str, rest: &'static str) -> S
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
-        let (mut stream, _) = listener.accept().await.expect("accept");
-        let mut got = Vec::new();
-        let Some(end) = read_request_head(&mut stream, &mut got).await else {
-            return;
-        };
-        let mut chunk = [0u8; 4096];
-        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
-        let length: usize = head
-            .lines()
-            .find_map(|l| l.strip_prefix("content-length: "))
-            .and_then(|n| n.trim().parse().ok())
-            .expect("a length");
-        stream.write_all(early.as_bytes()).await.expect("write");
-        while got.len() < end + length {
-            match stream.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => got.extend_from_slice(&chunk[..n]),
-            }
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let Some(end) = read_request_head(&mut stream, &mut got).await else {
+                    return;
+                };
+                let mut chunk = [0u8; 4096];
+                let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length: "))
+                    .and_then(|n| n.trim().parse().ok())
+                    .expect("a length");
+                stream.write_all(early.as_bytes()).await.expect("write");
+                while got.len() < end + length {
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let _ = stream.write_all(rest.as_bytes()).await;
+            });
         }
-        let _ = stream.write_all(rest.as_bytes()).await;
     });
     format!("http://{addr}")
 }
 
-/// Sends a 100,000-byte upload in pieces and reads the answer.
-async fn upload(sluice: &Sluice) -> Raw {
+/// Upload sizes: one the fast path takes in whole before it forwards, one that streams
+/// through hyper.
+const UPLOADS: [usize; 2] = [30_000, 100_000];
+
+/// Sends an upload of `size` bytes in ten pieces and reads the answer.
+async fn upload(sluice: &Sluice, size: usize) -> Raw {
     let mut stream = connect(sluice).await;
-    stream
-        .write_all(b"PUT /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n")
-        .await
-        .expect("write");
-    for _ in 0..10 {
+    let head = format!("PUT /upload HTTP/1.1\r\nhost: x\r\ncontent-length: {size}\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.expect("write");
+    for piece in vec![b'u'; size].chunks(size / 10) {
         tokio::task::yield_now().await;
-        stream.write_all(&[b'u'; 10_000]).await.expect("write");
+        stream.write_all(piece).await.expect("write");
     }
     let mut pending = Vec::new();
     read_raw(&mut stream, &mut pending, false).await
@@ -571,12 +616,15 @@ async fn an_interim_answer_does_not_stop_the_upload() {
     .await;
     let sluice = Sluice::spawn(&["--upstream", &upstream]);
     bounded(async {
-        let reply = upload(&sluice).await;
-        assert_eq!(
-            (reply.status, reply.body.as_slice()),
-            (200, &b"all read"[..])
-        );
-        assert!(!reply.head.contains("connection: close"), "{}", reply.head);
+        for size in UPLOADS {
+            let reply = upload(&sluice, size).await;
+            assert_eq!(
+                (reply.status, reply.body.as_slice()),
+                (200, &b"all read"[..]),
+                "{size}"
+            );
+            assert!(!reply.head.contains("connection: close"), "{}", reply.head);
+        }
     })
     .await;
 }
@@ -591,11 +639,14 @@ async fn an_upstream_that_accepts_early_still_gets_the_whole_body() {
     .await;
     let sluice = Sluice::spawn(&["--upstream", &upstream]);
     bounded(async {
-        let reply = upload(&sluice).await;
-        assert_eq!(
-            (reply.status, reply.body.as_slice()),
-            (200, &b"start all read"[..])
-        );
+        for size in UPLOADS {
+            let reply = upload(&sluice, size).await;
+            assert_eq!(
+                (reply.status, reply.body.as_slice()),
+                (200, &b"start all read"[..]),
+                "{size}"
+            );
+        }
     })
     .await;
 }

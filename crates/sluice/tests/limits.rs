@@ -268,3 +268,42 @@ async fn h1_h2_a_refusal_reads_the_same_on_both_http1_paths() {
     }
     assert!(fast.contains_key("retry-after") && fast.contains_key("date"));
 }
+
+/// A refused request whose body arrives after its head: the body is read and dropped
+/// with the refusal, and the connection goes on to serve the next request (H2).
+#[tokio::test]
+async fn h2_a_refused_upload_leaves_its_connection_open() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let policy = policy_file("forever-kept.yaml", |y| y);
+    let sluice = Sluice::spawn(&["--config", policy.to_str().expect("utf-8 path")]);
+    for i in 0..30 {
+        let r = post(&sluice, "/chats", "sk-kept").await;
+        assert_eq!(r.status, 200, "chat {i}: {}", r.text());
+    }
+    let (first, rest) = ("{\"prompt\":", "\"a later piece\"}");
+    let mut stream = tokio::net::TcpStream::connect(sluice.start.gateway)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /chats HTTP/1.1\r\nhost: x\r\nx-api-key: sk-kept\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{first}",
+        first.len() + rest.len()
+    );
+    stream.write_all(head.as_bytes()).await.expect("write");
+    stream.flush().await.expect("flush");
+    tokio::task::yield_now().await;
+    let next = format!("{rest}GET /things/1 HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+    stream.write_all(next.as_bytes()).await.expect("write");
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.expect("read");
+    let answer = String::from_utf8(answer).expect("utf-8 answer");
+    let refused_at = answer.find("HTTP/1.1 429 ").expect("a refusal");
+    let served_at = answer
+        .find("HTTP/1.1 200 OK\r\n")
+        .expect("the next request served");
+    assert!(refused_at == 0 && served_at > refused_at, "{answer}");
+    assert!(
+        !answer[..served_at].contains("connection: close"),
+        "{answer}"
+    );
+}

@@ -6,16 +6,19 @@
 //! from the client's bytes (hop-by-hop fields dropped, `Host` the upstream's,
 //! `X-Forwarded-For` and `Forwarded` appended); the upstream's response head is
 //! rewritten the same way with the rate-limit fields added (and `Date` when it has
-//! none), and both bodies are relayed as they come, their framing kept
-//! (`Content-Length`, chunked) or, for a body that runs to the upstream's close,
-//! re-chunked. An upstream may answer before it has the whole request body: a refusal
-//! ends the upload, an acceptance lets it go on. The upstream connection is driven
+//! none). A request body is taken in whole before the request is decided and sent
+//! (up to [`MAX_BUFFERED_BODY`], or the policy's bound for a JSON-RPC body), each read
+//! within the head timeout, so a refusal leaves the connection usable and a stalled
+//! upload holds nothing past that timeout. The response body is relayed as it comes,
+//! its framing kept (`Content-Length`, chunked) or, for a body that runs to the
+//! upstream's close, re-chunked. The upstream connection is driven
 //! from the client connection's own task, from a per-worker pool of idle sockets.
 //! Decisions, metrics, answers and error envelopes are the limiter's and the proxy's
 //! own, so a request is answered as the service stack answers it.
 //!
-//! Anything else — HTTP/1.0, request bodies that are chunked or announced with
-//! `Expect`, upgrades, targets that are not a path `http` accepts, heads past the bound
+//! Anything else — HTTP/1.0, request bodies that are chunked, announced with
+//! `Expect` or longer than the fast path takes in whole (these stream, both ways at
+//! once), upgrades, targets that are not a path `http` accepts, heads past the bound
 //! or that hyper would refuse, a JSON-RPC body past the policy's bound — is left to
 //! hyper and the service stack: the fast path hands the connection over, with the
 //! bytes it has read ([`Ended::Elsewhere`]), and hyper serves it from there on.
@@ -30,7 +33,7 @@ mod upstream;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::{Buf as _, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, Method, Response};
@@ -50,6 +53,11 @@ use response::Framing;
 
 /// Bytes reserved for each read from a socket.
 const READ_CHUNK: usize = 16 * 1024;
+
+/// Longest request body (on a route that does not read it) the fast path takes in
+/// whole before it forwards the request, as a reverse proxy that buffers request
+/// bodies does; a longer one is left to hyper, which streams it.
+const MAX_BUFFERED_BODY: usize = 64 * 1024;
 
 /// At most this many idle upstream connections per worker.
 const POOL_MAX_IDLE: usize = 256;
@@ -82,6 +90,9 @@ pub(super) struct FastPath {
 struct Relay {
     head: response::Head,
     conn: TcpStream,
+    /// The upstream took the whole request. When it did not (it answered first and
+    /// stopped reading), neither connection carries another request.
+    whole: bool,
 }
 
 impl FastPath {
@@ -243,28 +254,44 @@ impl Connection<'_> {
             }
         };
 
-        // The body, when the route takes its class from it.
+        // The body, taken in whole before anything is decided or sent: bounded by the
+        // policy when the route takes its class from it, else by what the fast path
+        // holds; a longer one streams through hyper (both ways at once). Each read
+        // must come within the head timeout.
         let policy = limiter.policy();
         let needs_body = Limiter::<AnyStore>::needs_body(head.route);
-        if needs_body && head.body_len > policy.bounds.max_body_bytes as u64 {
-            // Refused with 413 (after a decision) by the service stack, as before.
+        let max_body = if needs_body {
+            // Past the policy's bound it is refused with 413, after a decision, by
+            // the service stack.
+            policy.bounds.max_body_bytes as u64
+        } else {
+            MAX_BUFFERED_BODY as u64
+        };
+        if head.body_len > max_body {
             return Ok(Next::Elsewhere);
         }
-        let in_flight = fast.stats.request();
         let body_len = usize::try_from(head.body_len).unwrap_or(usize::MAX);
-        let mut head_len = head.len;
-        if needs_body {
-            while self.from_client.len() - head_len < body_len {
-                if read_more(client, &mut self.from_client).await? == 0 {
-                    return Ok(Next::Close);
-                }
+        let head_len = head.len;
+        while self.from_client.len() - head_len < body_len {
+            let n = tokio::select! {
+                biased;
+                n = read_more(client, &mut self.from_client) => n?,
+                () = timers.head.passed() => return Ok(Next::Close),
+            };
+            if n == 0 {
+                return Ok(Next::Close);
             }
+            timers
+                .head
+                .set(tokio::time::Instant::now() + timers.head_timeout);
         }
+        let in_flight = fast.stats.request();
+        let body = head_len..head_len + body_len;
         let plan = limiter.plan_for(
             &self.identity,
             self.peer,
             head.route,
-            needs_body.then(|| &self.from_client[head_len..head_len + body_len]),
+            needs_body.then(|| &self.from_client[body.clone()]),
         );
 
         // The decision.
@@ -273,27 +300,36 @@ impl Connection<'_> {
             Ok(decision) => decision,
             Err(error) => {
                 let answer = sluice_tower::limiter_unavailable(&error);
-                let close = head.close || !self.skip_body(head_len, body_len);
+                self.from_client.advance(body.end);
                 return self
-                    .answer_own(client, own(answer).await, close, head_request, in_flight)
+                    .answer_own(
+                        client,
+                        own(answer).await,
+                        head.close,
+                        head_request,
+                        in_flight,
+                    )
                     .await;
             }
         };
         if !decision.is_admitted() {
             let answer = sluice_tower::refusal(&decision, &plan, policy);
-            let close = head.close || !self.skip_body(head_len, body_len);
+            self.from_client.advance(body.end);
             return self
-                .answer_own(client, own(answer).await, close, head_request, in_flight)
+                .answer_own(
+                    client,
+                    own(answer).await,
+                    head.close,
+                    head_request,
+                    in_flight,
+                )
                 .await;
         }
 
-        // Forwarded: the head and what the client already sent of the body.
-        let sent = body_len.min(self.from_client.len() - head_len);
+        // Forwarded: the head and the body, in one write.
         self.to_upstream
-            .extend_from_slice(&self.from_client[head_len..head_len + sent]);
-        head_len += sent;
-        self.from_client.advance(head_len);
-        let mut body_left = head.body_len - sent as u64;
+            .extend_from_slice(&self.from_client[body.clone()]);
+        self.from_client.advance(body.end);
         let replaced = match (decision.binding().is_some(), policy.ietf_headers) {
             (false, _) => &RATE_LIMIT_FIELDS[..0],
             (true, false) => &RATE_LIMIT_FIELDS[..3],
@@ -306,30 +342,30 @@ impl Connection<'_> {
                 replaced,
             },
             // Sent again on a new connection when a kept-alive one fails before any
-            // answer: only a request with nothing left to stream that may be repeated.
-            repeatable: body_left == 0 && head.method.is_idempotent(),
+            // answer: only a request that may be repeated.
+            repeatable: head.method.is_idempotent(),
             decision: &decision,
             plan: &plan,
         };
 
-        let started = Instant::now();
-        timers
-            .upstream
-            .set(tokio::time::Instant::from_std(started) + fast.config.header_timeout);
-        let exchange = self.exchange(client, &mut body_left, &request);
+        // On the runtime's clock, as the deadlines are.
+        let started = tokio::time::Instant::now();
+        timers.upstream.set(started + fast.config.header_timeout);
+        let exchange = self.exchange(&request);
         let answer = tokio::select! {
             biased;
             answer = exchange => answer,
             () = timers.upstream.passed() => Err(Failure::Timeout),
         };
         let elapsed = started.elapsed().as_secs_f64();
-        let (head_sent, conn) = match answer {
+        let (head_sent, conn, whole) = match answer {
             Ok(Relay {
                 head: sent_head,
                 conn,
+                whole,
             }) => {
                 fast.upstream_seconds[0].record(elapsed);
-                (sent_head, conn)
+                (sent_head, conn, whole)
             }
             Err(failure) => {
                 fast.upstream_seconds[if failure == Failure::Timeout { 2 } else { 1 }]
@@ -342,40 +378,24 @@ impl Connection<'_> {
                     .await
                     .map(|c| c.to_bytes())
                     .unwrap_or_default();
-                // The rest of a body the upstream did not take is still on its way.
-                let close = head.close || body_left > 0;
                 let answer = Response::from_parts(parts, body);
                 return self
-                    .answer_own(client, answer, close, head_request, in_flight)
+                    .answer_own(client, answer, head.close, head_request, in_flight)
                     .await;
             }
         };
 
         // Counted once the head is there, as the service stack counts a response.
         in_flight.answered(Some(head_sent.status));
-        // An upstream that answered before the whole body was sent: the rest of the
-        // body is neither sent nor read, and neither connection carries another request.
-        let unsent = body_left > 0;
-        let close = head.close || unsent;
         let mut conn = conn;
-        if self.relay_body(client, head_sent, &mut conn).await? && !unsent {
+        if self.relay_body(client, head_sent, &mut conn).await? && whole {
             fast.pool.checkin(conn);
         }
-        Ok(if close { Next::Close } else { Next::Request })
-    }
-
-    /// Drops the unread body of a request answered without the upstream: true when it
-    /// was all here (the connection can go on), false when some is still to come (the
-    /// connection closes after the answer).
-    fn skip_body(&mut self, head_len: usize, body_len: usize) -> bool {
-        let here = self.from_client.len() - head_len;
-        if here >= body_len {
-            self.from_client.advance(head_len + body_len);
-            true
+        Ok(if head.close || !whole {
+            Next::Close
         } else {
-            self.from_client.clear();
-            false
-        }
+            Next::Request
+        })
     }
 
     /// Writes an answer of sluice's own (its body left out for a HEAD request).
@@ -419,16 +439,11 @@ impl Connection<'_> {
         Ok(if close { Next::Close } else { Next::Request })
     }
 
-    /// Sends the request (head in `to_upstream`, `body_left` more body bytes from the
-    /// client) and reads the response head, whose client form it leaves in
-    /// `to_client`. A kept-alive connection that gives no answer at all is replaced by
-    /// a new one once, for a request that may be repeated.
-    async fn exchange(
-        &mut self,
-        client: &mut TcpStream,
-        body_left: &mut u64,
-        request: &Exchanged<'_>,
-    ) -> Result<Relay, Failure> {
+    /// Sends the request (head and body in `to_upstream`) and reads the response head,
+    /// whose client form it leaves in `to_client`. A kept-alive connection that gives
+    /// no answer at all is replaced by a new one once, for a request that may be
+    /// repeated.
+    async fn exchange(&mut self, request: &Exchanged<'_>) -> Result<Relay, Failure> {
         let fast = self.fast;
         let mut reused = fast.pool.checkout();
         loop {
@@ -442,11 +457,8 @@ impl Connection<'_> {
                     .map_err(|_| Failure::Unreachable)?,
             };
             self.from_upstream.clear();
-            match self
-                .send_and_read_head(&mut conn, client, body_left, request)
-                .await
-            {
-                Ok(head) => return Ok(Relay { head, conn }),
+            match self.send_and_read_head(&mut conn, request).await {
+                Ok((head, whole)) => return Ok(Relay { head, conn, whole }),
                 // Nothing came back on a connection that had served before: it may
                 // have been closed as the request was sent. Once more, on a new one.
                 Err(Exchange::NoAnswer) if was_reused && request.repeatable => {}
@@ -458,79 +470,15 @@ impl Connection<'_> {
     async fn send_and_read_head(
         &mut self,
         conn: &mut TcpStream,
-        client: &mut TcpStream,
-        body_left: &mut u64,
         request: &Exchanged<'_>,
-    ) -> Result<response::Head, Exchange> {
+    ) -> Result<(response::Head, bool), Exchange> {
         let policy = self.fast.limiter.policy();
-        conn.write_all(&self.to_upstream)
-            .await
-            .map_err(|_| Exchange::NoAnswer)?;
-        // The body goes up as it comes from the client. Meanwhile the upstream may
-        // answer: interim answers are skipped; a final one that refuses (4xx, 5xx) or
-        // closes stops the upload and is relayed; one that accepts (an upstream that
-        // streams its answer as it reads) lets the upload go on.
-        let mut watching = true;
-        while *body_left > 0 {
-            let take = usize::try_from(*body_left)
-                .unwrap_or(usize::MAX)
-                .min(self.from_client.len());
-            let step = if take > 0 {
-                tokio::select! {
-                    biased;
-                    ready = conn.readable(), if watching => Upload::UpstreamReadable(ready),
-                    ready = conn.writable() => Upload::UpstreamWritable(ready),
-                }
-            } else {
-                tokio::select! {
-                    biased;
-                    ready = conn.readable(), if watching => Upload::UpstreamReadable(ready),
-                    read = read_more(client, &mut self.from_client) => Upload::FromClient(read),
-                }
-            };
-            match step {
-                Upload::UpstreamReadable(ready) => {
-                    ready.map_err(|_| Exchange::Broken)?;
-                    match conn.try_read_buf(&mut self.from_upstream) {
-                        // Closed, or failed: what it answered is read below.
-                        Ok(0) => break,
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        Err(_) => break,
-                        Ok(_) => match self.early_answer(&request.rewrite)? {
-                            Some(true) => break,
-                            Some(false) => watching = false,
-                            None if self.from_upstream.len() >= MAX_RESPONSE_HEAD => {
-                                return Err(Exchange::Broken);
-                            }
-                            None => {}
-                        },
-                    }
-                }
-                Upload::UpstreamWritable(ready) => {
-                    if ready.is_err() {
-                        break;
-                    }
-                    match conn.try_write(&self.from_client[..take]) {
-                        Ok(n) => {
-                            self.from_client.advance(n);
-                            *body_left -= n as u64;
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        // It stopped taking the body: an answer it sent first is
-                        // still read below.
-                        Err(_) => break,
-                    }
-                }
-                Upload::FromClient(read) => {
-                    if !matches!(read, Ok(n) if n > 0) {
-                        return Err(Exchange::Broken);
-                    }
-                }
-            }
-        }
-        // Stopped early, the client's connection closes after the answer.
+        // An upstream that stops taking the request may have answered first (a 413,
+        // say): what it answered is still read, and the client's connection closes
+        // after it.
+        let sent = conn.write_all(&self.to_upstream).await.is_ok();
         let rewrite = response::Rewrite {
-            close: request.rewrite.close || *body_left > 0,
+            close: request.rewrite.close || !sent,
             ..request.rewrite
         };
         let mut checked = 0;
@@ -552,7 +500,7 @@ impl Connection<'_> {
                     match parsed {
                         response::Parsed::Final(head) => {
                             self.from_upstream.advance(head.len);
-                            return Ok(head);
+                            return Ok((head, sent));
                         }
                         response::Parsed::Interim { len } => self.from_upstream.advance(len),
                         response::Parsed::Partial => {
@@ -572,23 +520,6 @@ impl Connection<'_> {
                 } else {
                     Exchange::Broken
                 });
-            }
-        }
-    }
-
-    /// Looks at what the upstream has answered while the request body is still going
-    /// up: interim answers are dropped; `Some(stop)` for a complete final head, where
-    /// `stop` says whether the upload ends (the answer refuses, or the upstream closes
-    /// after it); `None` while no final head is complete.
-    fn early_answer(&mut self, rewrite: &response::Rewrite<'_>) -> Result<Option<bool>, Exchange> {
-        loop {
-            match response::parse(&self.from_upstream, rewrite, &mut self.to_client, |_, _| {}) {
-                Err(_) => return Err(Exchange::Broken),
-                Ok(response::Parsed::Interim { len }) => self.from_upstream.advance(len),
-                Ok(response::Parsed::Partial) => return Ok(None),
-                Ok(response::Parsed::Final(head)) => {
-                    return Ok(Some(head.status >= 400 || !head.reusable));
-                }
             }
         }
     }
@@ -684,16 +615,6 @@ struct Exchanged<'a> {
     repeatable: bool,
     decision: &'a Decision,
     plan: &'a Plan,
-}
-
-/// What happened first while a request body was being sent.
-enum Upload {
-    /// The upstream's socket became readable: an early answer, or its close.
-    UpstreamReadable(io::Result<()>),
-    /// The upstream's socket can take more of the body.
-    UpstreamWritable(io::Result<()>),
-    /// More of the body came from the client (0: the client left).
-    FromClient(io::Result<usize>),
 }
 
 /// The rate-limit fields, in the order [`sluice_tower::for_each_rate_limit_header`]
@@ -854,6 +775,135 @@ async fn own(answer: Response<http_body_util::Full<Bytes>>) -> Response<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::num::NonZeroUsize;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::net::TcpListener;
+
+    /// The head timeout of [`fast_path`].
+    const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// An upstream answering `200 ok` to each request once it has its whole body, and
+    /// counting its connections.
+    async fn counting_upstream() -> (SocketAddr, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut got = BytesMut::new();
+                    loop {
+                        let mut fields = [httparse::EMPTY_HEADER; 16];
+                        let mut request = httparse::Request::new(&mut fields);
+                        if let Ok(httparse::Status::Complete(end)) = request.parse(&got) {
+                            let length: usize = request
+                                .headers
+                                .iter()
+                                .find(|f| f.name.eq_ignore_ascii_case("content-length"))
+                                .and_then(|f| std::str::from_utf8(f.value).ok()?.parse().ok())
+                                .unwrap_or(0);
+                            if got.len() >= end + length {
+                                got.advance(end + length);
+                                let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                                if stream.write_all(ok).await.is_err() {
+                                    return;
+                                }
+                                continue;
+                            }
+                        }
+                        if !matches!(stream.read_buf(&mut got).await, Ok(n) if n > 0) {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    /// The fast path of the default policy in front of `upstream`, serving every
+    /// connection to the returned address.
+    async fn fast_path(upstream: SocketAddr) -> SocketAddr {
+        let policy = sluice_policy::default_policy().expect("the default policy");
+        let store = AnyStore::memory(sluice_core::SystemClock::new());
+        let config = ProxyConfig {
+            upstream: super::super::proxy::Upstream::from_addr(upstream),
+            header_timeout: Duration::from_secs(60),
+        };
+        let stats = RequestStats::with_workers(NonZeroUsize::MIN);
+        let fast = Arc::new(FastPath::new(
+            Arc::new(Limiter::new(policy, store)),
+            config,
+            stats.worker(0),
+        ));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (_draining, drain) = watch::channel(false);
+        tokio::spawn(async move {
+            let _draining = _draining;
+            while let Ok((stream, peer)) = listener.accept().await {
+                let (fast, drain) = (Arc::clone(&fast), drain.clone());
+                tokio::spawn(async move {
+                    fast.serve(stream, peer, drain, HEAD_TIMEOUT, 64 * 1024)
+                        .await
+                });
+            }
+        });
+        addr
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_stops_coming_ends_its_connection_at_the_head_timeout() {
+        let (upstream, accepted) = counting_upstream().await;
+        let sluice = fast_path(upstream).await;
+
+        // A hundred bytes announced, ten sent, then nothing.
+        let mut client = TcpStream::connect(sluice).await.expect("connect");
+        let started = tokio::time::Instant::now();
+        client
+            .write_all(b"POST /things HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n0123456789")
+            .await
+            .expect("write");
+        let mut rest = Vec::new();
+        let ended = tokio::time::timeout(HEAD_TIMEOUT * 3, client.read_to_end(&mut rest)).await;
+        let waited = started.elapsed();
+        assert!(ended.is_ok(), "still open after {waited:?}");
+        assert!(rest.is_empty(), "{rest:?}");
+        assert!(
+            (HEAD_TIMEOUT..HEAD_TIMEOUT + Duration::from_secs(1)).contains(&waited),
+            "closed after {waited:?}"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 0, "nothing went upstream");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_keeps_coming_is_served_however_long_it_takes() {
+        let (upstream, _) = counting_upstream().await;
+        let sluice = fast_path(upstream).await;
+
+        // Ten bytes every twenty seconds: each read within the timeout, the whole
+        // body well past it.
+        let mut client = TcpStream::connect(sluice).await.expect("connect");
+        client
+            .write_all(b"POST /things HTTP/1.1\r\nhost: x\r\ncontent-length: 40\r\n\r\n")
+            .await
+            .expect("write");
+        for _ in 0..4 {
+            tokio::time::sleep(HEAD_TIMEOUT * 2 / 3).await;
+            client.write_all(&[b'b'; 10]).await.expect("write");
+        }
+        // Eighty seconds in, the body is complete. The exchange with the upstream
+        // runs on real time: paused time would jump to the upstream's deadline while
+        // the loopback sockets are still at work.
+        tokio::time::resume();
+        let mut answer = vec![0u8; 256];
+        let n = client.read(&mut answer).await.expect("read");
+        let answer = String::from_utf8_lossy(&answer[..n]);
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        assert!(answer.ends_with("\r\n\r\nok"), "{answer}");
+    }
 
     #[test]
     fn a_body_to_the_close_goes_out_in_chunks() {
