@@ -59,6 +59,9 @@ const READ_CHUNK: usize = 16 * 1024;
 /// bodies does; a longer one is left to hyper, which streams it.
 const MAX_BUFFERED_BODY: usize = 64 * 1024;
 
+/// Largest buffer a connection keeps between requests.
+const KEPT_CAPACITY: usize = 2 * READ_CHUNK;
+
 /// At most this many idle upstream connections per worker.
 const POOL_MAX_IDLE: usize = 256;
 
@@ -128,16 +131,7 @@ impl FastPath {
         head_timeout: Duration,
         max_head: usize,
     ) -> Ended {
-        let mut conn = Connection {
-            fast: self,
-            peer: peer.ip(),
-            forwarded_peer: ForwardedPeer::new(peer.ip()),
-            from_client: BytesMut::with_capacity(READ_CHUNK),
-            from_upstream: BytesMut::new(),
-            to_upstream: Vec::with_capacity(1024),
-            to_client: Vec::with_capacity(1024),
-            identity: HeaderMap::new(),
-        };
+        let mut conn = Connection::new(self, peer.ip());
         let now = tokio::time::Instant::now();
         let mut timers = Timers {
             head: Deadline::new(now + head_timeout),
@@ -149,7 +143,7 @@ impl FastPath {
                 .one_request(&mut stream, &mut draining, &mut timers, max_head)
                 .await
             {
-                Ok(Next::Request) if !*draining.borrow() => {}
+                Ok(Next::Request) if !*draining.borrow() => conn.trim(),
                 Ok(Next::Request | Next::Close) | Err(_) => {
                     let _ = stream.shutdown().await;
                     return Ended::Closed;
@@ -197,7 +191,37 @@ struct Connection<'f> {
     identity: HeaderMap,
 }
 
-impl Connection<'_> {
+impl<'f> Connection<'f> {
+    fn new(fast: &'f FastPath, peer: IpAddr) -> Self {
+        Connection {
+            fast,
+            peer,
+            forwarded_peer: ForwardedPeer::new(peer),
+            from_client: BytesMut::with_capacity(READ_CHUNK),
+            from_upstream: BytesMut::new(),
+            to_upstream: Vec::with_capacity(1024),
+            to_client: Vec::with_capacity(1024),
+            identity: HeaderMap::new(),
+        }
+    }
+
+    /// Gives back what a large request or response made a buffer grow to, so that an
+    /// idle kept-alive connection holds at most a few of [`KEPT_CAPACITY`].
+    fn trim(&mut self) {
+        if self.from_client.capacity() > KEPT_CAPACITY && self.from_client.is_empty() {
+            self.from_client = BytesMut::with_capacity(READ_CHUNK);
+        }
+        if self.from_upstream.capacity() > KEPT_CAPACITY && self.from_upstream.is_empty() {
+            self.from_upstream = BytesMut::new();
+        }
+        for buf in [&mut self.to_upstream, &mut self.to_client] {
+            if buf.capacity() > KEPT_CAPACITY {
+                buf.clear();
+                buf.shrink_to(1024);
+            }
+        }
+    }
+
     /// Serves one request.
     async fn one_request(
         &mut self,
@@ -823,9 +847,8 @@ mod tests {
         (addr, accepted)
     }
 
-    /// The fast path of the default policy in front of `upstream`, serving every
-    /// connection to the returned address.
-    async fn fast_path(upstream: SocketAddr) -> SocketAddr {
+    /// The fast path of the default policy in front of `upstream`.
+    fn fast_path_to(upstream: SocketAddr) -> FastPath {
         let policy = sluice_policy::default_policy().expect("the default policy");
         let store = AnyStore::memory(sluice_core::SystemClock::new());
         let config = ProxyConfig {
@@ -833,11 +856,16 @@ mod tests {
             header_timeout: Duration::from_secs(60),
         };
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
-        let fast = Arc::new(FastPath::new(
+        FastPath::new(
             Arc::new(Limiter::new(policy, store)),
             config,
             stats.worker(0),
-        ));
+        )
+    }
+
+    /// [`fast_path_to`] `upstream`, serving every connection to the returned address.
+    async fn fast_path(upstream: SocketAddr) -> SocketAddr {
+        let fast = Arc::new(fast_path_to(upstream));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (_draining, drain) = watch::channel(false);
@@ -852,6 +880,40 @@ mod tests {
             }
         });
         addr
+    }
+
+    #[tokio::test]
+    async fn a_kept_alive_connection_gives_back_what_a_large_exchange_took() {
+        let fast = fast_path_to(SocketAddr::from(([127, 0, 0, 1], 9)));
+        let mut conn = Connection::new(&fast, IpAddr::from([127, 0, 0, 1]));
+        let small = |conn: &Connection<'_>| {
+            [
+                conn.from_client.capacity(),
+                conn.from_upstream.capacity(),
+                conn.to_upstream.capacity(),
+                conn.to_client.capacity(),
+            ]
+        };
+        let fresh = small(&conn);
+        conn.from_client.reserve(1 << 20);
+        conn.from_upstream.reserve(1 << 20);
+        conn.to_upstream.reserve(1 << 20);
+        conn.to_client.reserve(1 << 20);
+        conn.trim();
+        assert!(
+            small(&conn).iter().all(|&c| c <= KEPT_CAPACITY),
+            "{:?}",
+            small(&conn)
+        );
+
+        // Pipelined bytes are kept; buffers at their usual size are left as they are.
+        conn.from_client.reserve(1 << 20);
+        conn.from_client.extend_from_slice(b"GET / HTTP/1.1\r\n");
+        conn.trim();
+        assert_eq!(&conn.from_client[..], b"GET / HTTP/1.1\r\n");
+        let mut usual = Connection::new(&fast, IpAddr::from([127, 0, 0, 1]));
+        usual.trim();
+        assert_eq!(small(&usual), fresh);
     }
 
     #[tokio::test(start_paused = true)]
