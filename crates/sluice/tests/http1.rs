@@ -650,3 +650,50 @@ async fn an_upstream_that_accepts_early_still_gets_the_whole_body() {
     })
     .await;
 }
+
+/// A client that leaves in the middle of a streamed upload: its request is counted as
+/// a body that could not be read (400), not as an upstream failure (502).
+#[tokio::test]
+async fn a_client_that_leaves_mid_upload_is_not_an_upstream_failure() {
+    // An upstream that reads whatever comes and never answers.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut sink = Vec::new();
+                let _ = stream.read_to_end(&mut sink).await;
+            });
+        }
+    });
+    let sluice = Sluice::spawn(&["--upstream", &format!("http://{addr}")]);
+    bounded(async {
+        // Streamed through hyper (chunked), then the client stops sending.
+        let mut stream = connect(&sluice).await;
+        stream
+            .write_all(
+                b"PUT /upload HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+            )
+            .await
+            .expect("write");
+        stream.shutdown().await.expect("half-close");
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer).await;
+        // Counted once the proxy has given up on the upstream request.
+        let metrics = loop {
+            let text = support::get(&sluice.admin_url("/metrics")).await.text();
+            if text.contains("sluice_requests_total{status=\"400\"} 1") {
+                break text;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let counted = |status: &str| {
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("sluice_requests_total{{status=\"{status}\"}} ")))
+                .map(str::to_owned)
+        };
+        assert_eq!(counted("502").as_deref().unwrap_or("0"), "0", "{metrics}");
+    })
+    .await;
+}

@@ -278,7 +278,12 @@ where
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(Metered::new(service.clone(), peer, stats.clone()));
+        let service = TowerToHyperService::new(Metered::new(
+            service.clone(),
+            peer,
+            stats.clone(),
+            HEADER_READ_TIMEOUT,
+        ));
         let watcher = graceful.watcher();
         let (http1, http2) = (http1.clone(), http2.clone());
         let mut drain_started = drain_started.clone();

@@ -1,5 +1,6 @@
 //! The outermost per-connection service: tags each request with its [`PeerAddr`], hands
-//! its body on as a [`GatewayBody`], and counts it (`sluice_requests_total{status}`,
+//! its body on as a [`GatewayBody`] whose every part must come within the body timeout
+//! ([`ReadDeadline`]), and counts it (`sluice_requests_total{status}`,
 //! requests in flight) whatever the layers inside decide, so refusals by the limiter are
 //! counted as well as proxied answers.
 
@@ -9,6 +10,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use crossbeam_utils::CachePadded;
@@ -16,6 +18,7 @@ use http::{Request, Response};
 use tower::Service;
 
 use super::proxy::BoxError;
+use super::read_deadline::ReadDeadline;
 use super::{GatewayBody, PeerAddr};
 
 /// Request counters of the gateway's connections, read by `/status` and `/metrics`.
@@ -198,12 +201,19 @@ pub struct Metered<S> {
     inner: S,
     peer: SocketAddr,
     stats: RequestStats,
+    body_timeout: Duration,
 }
 
 impl<S> Metered<S> {
-    /// `inner` serving the connection from `peer`.
-    pub fn new(inner: S, peer: SocketAddr, stats: RequestStats) -> Self {
-        Metered { inner, peer, stats }
+    /// `inner` serving the connection from `peer`; each part of a request body must
+    /// come within `body_timeout`.
+    pub fn new(inner: S, peer: SocketAddr, stats: RequestStats, body_timeout: Duration) -> Self {
+        Metered {
+            inner,
+            peer,
+            stats,
+            body_timeout,
+        }
     }
 }
 
@@ -214,7 +224,7 @@ impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Metered<S>
 where
     S: Service<Request<GatewayBody>, Response = Response<ResBody>>,
     S::Future: Send + 'static,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: 'static,
 {
@@ -227,7 +237,9 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let mut request = request.map(GatewayBody::new);
+        let body_timeout = self.body_timeout;
+        let mut request =
+            request.map(|body| GatewayBody::new(ReadDeadline::new(body, body_timeout)));
         request.extensions_mut().insert(PeerAddr(self.peer));
         let guard = self.stats.request();
         let future = self.inner.call(request);

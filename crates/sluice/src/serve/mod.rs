@@ -19,6 +19,7 @@ mod h1;
 pub mod metered;
 mod pool;
 pub mod proxy;
+mod read_deadline;
 pub mod store;
 mod upload;
 

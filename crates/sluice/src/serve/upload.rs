@@ -1,5 +1,9 @@
-//! A request body that tells whether it has been sent in whole, and that can be
-//! abandoned.
+//! A request body that tells whether it has been sent in whole or failed on the
+//! client's side, and that can be abandoned.
+//!
+//! A client whose body fails (it left, or stopped sending within the body timeout)
+//! makes the upstream request fail too; the proxy answers that with 400, as the limiter
+//! answers a body it cannot read, not with the 502 of an upstream failure.
 //!
 //! An upstream may answer before it has read the whole request body. When that answer
 //! refuses (4xx, 5xx), the rest of the upload is of no use, and a client that waits
@@ -32,6 +36,8 @@ pub(super) struct Upload {
 struct Shared {
     /// All of the body was taken.
     ended: AtomicBool,
+    /// The client's body failed (it left, or stopped sending in time).
+    failed: AtomicBool,
     abandoned: AtomicBool,
     /// The task sending the body, woken when it is abandoned.
     sender: AtomicWaker,
@@ -63,6 +69,11 @@ impl UploadHandle {
         self.0.ended.load(Ordering::Acquire)
     }
 
+    /// True once the client's body failed.
+    pub(super) fn failed(&self) -> bool {
+        self.0.failed.load(Ordering::Acquire)
+    }
+
     /// Stops the upload: the client's body is dropped, and the body ends in an error
     /// for the upstream. Nothing happens to an upload that has ended.
     pub(super) fn abandon(&self) {
@@ -90,8 +101,11 @@ impl Body for Upload {
             return Poll::Ready(None);
         };
         let polled = Pin::new(&mut *body).poll_frame(cx);
-        if matches!(polled, Poll::Ready(None)) || body.is_end_stream() {
-            self.shared.ended.store(true, Ordering::Release);
+        match &polled {
+            Poll::Ready(Some(Err(_))) => self.shared.failed.store(true, Ordering::Release),
+            Poll::Ready(None) => self.shared.ended.store(true, Ordering::Release),
+            _ if body.is_end_stream() => self.shared.ended.store(true, Ordering::Release),
+            _ => {}
         }
         polled
     }
@@ -177,6 +191,19 @@ mod tests {
         // A body known to be empty has ended from the start.
         let (_, handle) = Upload::new(Full::new(Bytes::new()).map_err(Into::into).boxed_unsync());
         assert!(handle.ended());
+    }
+
+    #[tokio::test]
+    async fn a_client_body_that_fails_is_told_apart() {
+        let frames = futures_util::stream::iter(vec![
+            Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"a"))),
+            Err("the client left".into()),
+        ]);
+        let (mut upload, handle) = Upload::new(StreamBody::new(frames).boxed_unsync());
+        assert!(upload.frame().await.is_some_and(|f| f.is_ok()));
+        assert!(!handle.failed());
+        assert!(upload.frame().await.is_some_and(|f| f.is_err()));
+        assert!(handle.failed() && !handle.ended());
     }
 
     #[tokio::test]

@@ -1,0 +1,122 @@
+//! A request body whose every frame must come within a time.
+//!
+//! hyper bounds the wait for a request head, not for its body: a client that
+//! announces a body and stops sending it would hold its connection (and, on a route
+//! whose class is read off the body, a request in flight) until it leaves. Wrapped in
+//! [`ReadDeadline`], such a body fails once no frame has come for the timeout, as the
+//! fast path gives each of its body reads the head timeout.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use tokio::time::{Instant, Sleep};
+
+use super::proxy::BoxError;
+
+/// `body`, failing once a frame has been awaited for longer than `timeout`.
+pub(super) struct ReadDeadline<B> {
+    body: B,
+    timeout: Duration,
+    /// The wait for the next frame, armed when a poll finds none ready (no timer for a
+    /// body that is all there).
+    waiting: Option<Pin<Box<Sleep>>>,
+}
+
+impl<B> ReadDeadline<B> {
+    /// Wraps `body`: each of its frames must come within `timeout`.
+    pub(super) fn new(body: B, timeout: Duration) -> Self {
+        ReadDeadline {
+            body,
+            timeout,
+            waiting: None,
+        }
+    }
+}
+
+impl<B> Body for ReadDeadline<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                this.waiting = None;
+                Poll::Ready(frame.map(|f| f.map_err(Into::into)))
+            }
+            Poll::Pending => {
+                let timeout = this.timeout;
+                let waiting = this.waiting.get_or_insert_with(|| {
+                    Box::pin(tokio::time::sleep_until(Instant::now() + timeout))
+                });
+                match waiting.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(format!(
+                        "no part of the request body came for {} s",
+                        timeout.as_secs()
+                    )
+                    .into()))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt as _, StreamBody};
+
+    /// A body sending one frame after each of `gaps`, then ending.
+    fn paced(gaps: Vec<Duration>) -> impl Body<Data = Bytes, Error = BoxError> + Unpin {
+        let frames = futures_util::stream::unfold(gaps.into_iter(), |mut gaps| async move {
+            let gap = gaps.next()?;
+            tokio::time::sleep(gap).await;
+            Some((Ok(Frame::data(Bytes::from_static(b"part"))), gaps))
+        });
+        StreamBody::new(Box::pin(frames))
+    }
+
+    const TIMEOUT: Duration = Duration::from_secs(30);
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_whose_parts_keep_coming_is_read_however_long_it_takes() {
+        let started = Instant::now();
+        let body = ReadDeadline::new(paced(vec![Duration::from_secs(20); 4]), TIMEOUT);
+        let read = body.collect().await.map(|c| c.to_bytes().len());
+        assert_eq!(read.ok(), Some(16));
+        assert_eq!(started.elapsed(), Duration::from_secs(80));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_stops_coming_fails_after_the_timeout() {
+        let started = Instant::now();
+        let gaps = vec![Duration::from_secs(20), Duration::from_secs(3600)];
+        let body = ReadDeadline::new(paced(gaps), TIMEOUT);
+        let read = body.collect().await;
+        let error = read.err().map(|e| e.to_string());
+        assert_eq!(
+            error.as_deref(),
+            Some("no part of the request body came for 30 s")
+        );
+        assert_eq!(started.elapsed(), Duration::from_secs(50));
+    }
+}
