@@ -208,10 +208,10 @@ impl<'f> Connection<'f> {
     /// Gives back what a large request or response made a buffer grow to, so that an
     /// idle kept-alive connection holds at most a few of [`KEPT_CAPACITY`].
     fn trim(&mut self) {
-        if self.from_client.capacity() > KEPT_CAPACITY && self.from_client.is_empty() {
+        if self.from_client.is_empty() && holds_more_than_kept(&mut self.from_client) {
             self.from_client = BytesMut::with_capacity(READ_CHUNK);
         }
-        if self.from_upstream.capacity() > KEPT_CAPACITY && self.from_upstream.is_empty() {
+        if self.from_upstream.is_empty() && holds_more_than_kept(&mut self.from_upstream) {
             self.from_upstream = BytesMut::new();
         }
         for buf in [&mut self.to_upstream, &mut self.to_client] {
@@ -667,6 +667,13 @@ const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 /// Most bytes kept of what a client sends while its response streams.
 const MAX_PIPELINED: usize = 64 * 1024;
 
+/// True when the empty `buf` holds an allocation larger than [`KEPT_CAPACITY`]: its
+/// capacity counts only what lies after the bytes already consumed, so the space
+/// before them is taken back first (no copy: nothing is left to move).
+fn holds_more_than_kept(buf: &mut BytesMut) -> bool {
+    buf.capacity() > KEPT_CAPACITY || buf.try_reclaim(KEPT_CAPACITY + 1)
+}
+
 /// Reads what is there (at least one byte, or 0 at the end) into `buf`.
 async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
     buf.reserve(READ_CHUNK);
@@ -904,6 +911,21 @@ mod tests {
             small(&conn).iter().all(|&c| c <= KEPT_CAPACITY),
             "{:?}",
             small(&conn)
+        );
+
+        // A large body consumed to within a few bytes of its allocation's end: what
+        // is left after it is small, the allocation is not.
+        conn.from_client.reserve(1 << 20);
+        let whole = conn.from_client.capacity();
+        conn.from_client.resize(whole - 10, b'b');
+        conn.from_client.advance(whole - 10);
+        assert!(conn.from_client.capacity() <= KEPT_CAPACITY);
+        conn.trim();
+        conn.from_client.reserve(READ_CHUNK);
+        assert!(
+            conn.from_client.capacity() <= KEPT_CAPACITY,
+            "{}",
+            conn.from_client.capacity()
         );
 
         // Pipelined bytes are kept; buffers at their usual size are left as they are.
