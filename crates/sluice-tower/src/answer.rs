@@ -163,6 +163,17 @@ pub fn limiter_unavailable(error: &impl std::fmt::Display) -> Response<Full<Byte
     r
 }
 
+/// The 400 for a request body that could not be read: the client left, or stopped
+/// sending it.
+pub fn body_unreadable() -> Response<Full<Bytes>> {
+    envelope_response(
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+        "The request body could not be read.",
+        serde_json::json!({}),
+    )
+}
+
 /// The 413 for a body larger than the policy reads to classify (`max_bytes`).
 pub fn payload_too_large(max_bytes: usize) -> Response<Full<Bytes>> {
     envelope_response(

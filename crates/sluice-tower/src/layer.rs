@@ -7,14 +7,14 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use sluice_store::BudgetStore;
 use tower::{Layer, Service};
 
 use crate::answer::{
-    envelope_response, limiter_unavailable, payload_too_large, rate_limit_headers, refusal,
+    body_unreadable, limiter_unavailable, payload_too_large, rate_limit_headers, refusal,
 };
 use crate::limiter::Limiter;
 
@@ -121,15 +121,7 @@ where
                             limiter.plan(&parts, peer, route, None),
                         )
                     }
-                    Err(_) => {
-                        let r = envelope_response(
-                            StatusCode::BAD_REQUEST,
-                            "invalid_request",
-                            "The request body could not be read.",
-                            serde_json::json!({}),
-                        );
-                        return Ok(r.map(Either::Left));
-                    }
+                    Err(_) => return Ok(body_unreadable().map(Either::Left)),
                 }
             } else {
                 let plan = limiter.plan(&parts, peer, route, None);

@@ -21,9 +21,9 @@ mod plan;
 
 pub use answer::{
     EDGE_BODY, RATELIMIT, RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT,
-    X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, envelope_response, for_each_rate_limit_header,
-    limiter_unavailable, payload_too_large, rate_limit_headers, refusal, refusal_wait,
-    retry_after_secs, rfc3339,
+    X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, body_unreadable, envelope_response,
+    for_each_rate_limit_header, limiter_unavailable, payload_too_large, rate_limit_headers,
+    refusal, refusal_wait, retry_after_secs, rfc3339,
 };
 pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService};
 pub use limiter::{DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, TOP_CALLERS_TRACKED};

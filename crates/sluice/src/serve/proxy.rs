@@ -289,12 +289,10 @@ impl Inner {
                 Response::from_parts(parts, body.map_err(Into::into).boxed())
             }
             // The client's body failed (it left, or stopped sending): not the
-            // upstream's doing, answered as the limiter answers a body it cannot read.
-            Ok(Err(_)) if upload_handle.failed() => error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                "The request body could not be read.",
-            ),
+            // upstream's doing (no upstream sample), answered as the limiter answers
+            // a body it cannot read.
+            Ok(Err(_)) if upload_handle.failed() => sluice_tower::body_unreadable()
+                .map(|body| body.map_err(|never| match never {}).boxed()),
             Ok(Err(error)) => {
                 self.upstream_seconds[1].record(elapsed);
                 upstream_failure(

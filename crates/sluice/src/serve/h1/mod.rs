@@ -93,8 +93,8 @@ pub(super) struct FastPath {
 struct Relay {
     head: response::Head,
     conn: TcpStream,
-    /// The upstream took the whole request. When it did not (it answered first and
-    /// stopped reading), neither connection carries another request.
+    /// The upstream took the whole request. When it did not (it stopped taking it,
+    /// having answered first), neither connection carries another request.
     whole: bool,
 }
 
@@ -122,7 +122,8 @@ impl FastPath {
 
     /// Serves the connection `stream` from `peer` until it closes or a request is
     /// left to hyper. Waiting for a request, it ends when `draining` turns true, or
-    /// when no complete head arrives within `head_timeout`.
+    /// when no complete head arrives within `head_timeout`; a request body from which
+    /// nothing comes for `head_timeout` is answered 400 and ends it too.
     pub(super) async fn serve(
         &self,
         mut stream: TcpStream,
@@ -183,7 +184,7 @@ struct Connection<'f> {
     from_client: BytesMut,
     /// Read from the upstream, not relayed yet.
     from_upstream: BytesMut,
-    /// The request head (and the first body bytes) for the upstream.
+    /// The request head and body for the upstream.
     to_upstream: Vec<u8>,
     /// The response head (and the first body bytes) for the client.
     to_client: Vec<u8>,
@@ -220,6 +221,25 @@ impl<'f> Connection<'f> {
                 buf.shrink_to(1024);
             }
         }
+    }
+
+    /// Reads from the client until `from_client` holds `end` bytes, each read within
+    /// the head timeout: false when the bytes stop coming or the client leaves.
+    async fn read_to(&mut self, client: &mut TcpStream, timers: &mut Timers, end: usize) -> bool {
+        while self.from_client.len() < end {
+            timers
+                .head
+                .set(tokio::time::Instant::now() + timers.head_timeout);
+            let read = tokio::select! {
+                biased;
+                read = read_more(client, &mut self.from_client) => read,
+                () = timers.head.passed() => return false,
+            };
+            if !matches!(read, Ok(n) if n > 0) {
+                return false;
+            }
+        }
+        true
     }
 
     /// Serves one request.
@@ -280,8 +300,7 @@ impl<'f> Connection<'f> {
 
         // The body, taken in whole before anything is decided or sent: bounded by the
         // policy when the route takes its class from it, else by what the fast path
-        // holds; a longer one streams through hyper (both ways at once). Each read
-        // must come within the head timeout.
+        // holds; a longer one streams through hyper (both ways at once).
         let policy = limiter.policy();
         let needs_body = Limiter::<AnyStore>::needs_body(head.route);
         let max_body = if needs_body {
@@ -294,22 +313,19 @@ impl<'f> Connection<'f> {
         if head.body_len > max_body {
             return Ok(Next::Elsewhere);
         }
+        // Counted from its head, as the service stack counts a request.
+        let in_flight = fast.stats.request();
+        let head_request = head.method == Method::HEAD;
         let body_len = usize::try_from(head.body_len).unwrap_or(usize::MAX);
         let head_len = head.len;
-        while self.from_client.len() - head_len < body_len {
-            let n = tokio::select! {
-                biased;
-                n = read_more(client, &mut self.from_client) => n?,
-                () = timers.head.passed() => return Ok(Next::Close),
-            };
-            if n == 0 {
-                return Ok(Next::Close);
-            }
-            timers
-                .head
-                .set(tokio::time::Instant::now() + timers.head_timeout);
+        if !self.read_to(client, timers, head_len + body_len).await {
+            // It stopped coming, or the client left: answered (when it still can be)
+            // as the service stack answers a body it cannot read.
+            let answer = own(sluice_tower::body_unreadable()).await;
+            return self
+                .answer_own(client, answer, true, head_request, in_flight)
+                .await;
         }
-        let in_flight = fast.stats.request();
         let body = head_len..head_len + body_len;
         let plan = limiter.plan_for(
             &self.identity,
@@ -319,7 +335,6 @@ impl<'f> Connection<'f> {
         );
 
         // The decision.
-        let head_request = head.method == Method::HEAD;
         let decision = match limiter.decide(&plan).await {
             Ok(decision) => decision,
             Err(error) => {
@@ -939,7 +954,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_body_that_stops_coming_ends_its_connection_at_the_head_timeout() {
+    async fn a_body_that_stops_coming_is_a_400_at_the_head_timeout() {
         let (upstream, accepted) = counting_upstream().await;
         let sluice = fast_path(upstream).await;
 
@@ -950,11 +965,21 @@ mod tests {
             .write_all(b"POST /things HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n0123456789")
             .await
             .expect("write");
-        let mut rest = Vec::new();
-        let ended = tokio::time::timeout(HEAD_TIMEOUT * 3, client.read_to_end(&mut rest)).await;
+        let mut answer = Vec::new();
+        let ended = tokio::time::timeout(HEAD_TIMEOUT * 3, client.read_to_end(&mut answer)).await;
         let waited = started.elapsed();
         assert!(ended.is_ok(), "still open after {waited:?}");
-        assert!(rest.is_empty(), "{rest:?}");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.starts_with("HTTP/1.1 400 Bad Request\r\n"),
+            "{answer}"
+        );
+        assert!(answer.contains("connection: close\r\n"), "{answer}");
+        assert!(
+            answer.contains("\"code\":\"invalid_request\"")
+                && answer.contains("The request body could not be read."),
+            "{answer}"
+        );
         assert!(
             (HEAD_TIMEOUT..HEAD_TIMEOUT + Duration::from_secs(1)).contains(&waited),
             "closed after {waited:?}"
@@ -967,9 +992,10 @@ mod tests {
         let (upstream, _) = counting_upstream().await;
         let sluice = fast_path(upstream).await;
 
-        // Ten bytes every twenty seconds: each read within the timeout, the whole
-        // body well past it.
+        // The head near the end of its own timeout, then ten bytes of the body every
+        // twenty seconds: each read within the timeout, the whole body well past it.
         let mut client = TcpStream::connect(sluice).await.expect("connect");
+        tokio::time::sleep(HEAD_TIMEOUT * 5 / 6).await;
         client
             .write_all(b"POST /things HTTP/1.1\r\nhost: x\r\ncontent-length: 40\r\n\r\n")
             .await
@@ -978,7 +1004,7 @@ mod tests {
             tokio::time::sleep(HEAD_TIMEOUT * 2 / 3).await;
             client.write_all(&[b'b'; 10]).await.expect("write");
         }
-        // Eighty seconds in, the body is complete. The exchange with the upstream
+        // A hundred and five seconds in, the body is complete. The exchange with the upstream
         // runs on real time: paused time would jump to the upstream's deadline while
         // the loopback sockets are still at work.
         tokio::time::resume();
