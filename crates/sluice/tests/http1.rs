@@ -697,3 +697,73 @@ async fn a_client_that_leaves_mid_upload_is_not_an_upstream_failure() {
     })
     .await;
 }
+
+/// A JSON-RPC body too large for any socket buffers, to an upstream that answers 413
+/// as soon as it has the head and then neither reads nor closes: the answer is relayed
+/// at once (not a 504 once the write has waited out the upstream timeout).
+#[tokio::test]
+async fn an_upstream_that_refuses_and_stops_reading_is_relayed_while_the_body_goes_up() {
+    let socket =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    socket.set_recv_buffer_size(4096).expect("small buffer");
+    let addr: std::net::SocketAddr = "127.0.0.1:0".parse().expect("addr");
+    socket.bind(&addr.into()).expect("bind");
+    socket.listen(8).expect("listen");
+    socket.set_nonblocking(true).expect("nonblocking");
+    let listener = TcpListener::from_std(socket.into()).expect("listener");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            return;
+        };
+        if read_request_head(&mut stream, &mut Vec::new())
+            .await
+            .is_some()
+        {
+            let _ = stream
+                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo big!")
+                .await;
+        }
+        // Holds the connection open, reading nothing, until the test ends.
+        let _ = stopped.await;
+    });
+    // Bodies of up to 64 MiB read to classify: more than any socket buffers hold.
+    let policy = std::env::temp_dir().join(format!("sluice-http1-{}.yaml", std::process::id()));
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML
+        .replace("max_body_bytes: 1048576", "max_body_bytes: 67108864");
+    std::fs::write(&policy, yaml).expect("write policy");
+    let sluice = Sluice::spawn(&[
+        "--upstream",
+        &format!("http://{addr}"),
+        "--config",
+        policy.to_str().expect("utf-8 path"),
+    ]);
+    bounded(async {
+        let body = format!(
+            "{{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"tools/list\",\"params\":{{\"pad\":\"{}\"}}}}",
+            "z".repeat(32 << 20)
+        );
+        let head = format!(
+            "POST /mcp HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        let mut stream = connect(&sluice).await;
+        stream.write_all(head.as_bytes()).await.expect("write");
+        stream.write_all(body.as_bytes()).await.expect("write");
+        let mut pending = Vec::new();
+        let reply = read_raw(&mut stream, &mut pending, false).await;
+        assert_eq!(
+            (reply.status, reply.body.as_slice()),
+            (413, &b"too big!"[..]),
+            "{}",
+            reply.head
+        );
+        assert!(reply.head.contains("connection: close"), "{}", reply.head);
+        let mut rest = Vec::new();
+        let _ = stream.read_to_end(&mut rest).await;
+        assert!(rest.is_empty() && pending.is_empty(), "{rest:?}");
+    })
+    .await;
+    let _ = stop.send(());
+}

@@ -506,6 +506,44 @@ impl<'f> Connection<'f> {
         }
     }
 
+    /// Writes the request in `to_upstream` to `conn`: true once all of it is written;
+    /// false when the upstream stopped taking it: its connection failed or closed, or
+    /// it answered first (a final head: a refusal, from an upstream that reads no
+    /// further). What it answered is left in `from_upstream`, to be read as the head.
+    async fn send_request(&mut self, conn: &TcpStream) -> bool {
+        let mut at = 0;
+        while at < self.to_upstream.len() {
+            tokio::select! {
+                biased;
+                ready = conn.writable() => {
+                    if ready.is_err() {
+                        return false;
+                    }
+                    match conn.try_write(&self.to_upstream[at..]) {
+                        Ok(n) => at += n,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(_) => return false,
+                    }
+                }
+                ready = conn.readable() => {
+                    if ready.is_err() {
+                        return false;
+                    }
+                    self.from_upstream.reserve(READ_CHUNK);
+                    match conn.try_read_buf(&mut self.from_upstream) {
+                        Ok(0) => return false,
+                        Ok(_) if response::has_final_head(&self.from_upstream)
+                            || self.from_upstream.len() >= MAX_RESPONSE_HEAD => return false,
+                        Ok(_) => {}
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(_) => return false,
+                    }
+                }
+            }
+        }
+        true
+    }
+
     async fn send_and_read_head(
         &mut self,
         conn: &mut TcpStream,
@@ -515,7 +553,7 @@ impl<'f> Connection<'f> {
         // An upstream that stops taking the request may have answered first (a 413,
         // say): what it answered is still read, and the client's connection closes
         // after it.
-        let sent = conn.write_all(&self.to_upstream).await.is_ok();
+        let sent = self.send_request(conn).await;
         let rewrite = response::Rewrite {
             close: request.rewrite.close || !sent,
             ..request.rewrite

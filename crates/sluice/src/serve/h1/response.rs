@@ -57,6 +57,25 @@ pub(super) struct Rewrite<'a> {
     pub(super) replaced: &'a [http::HeaderName],
 }
 
+/// True when `buf` holds, after any interim (1xx) heads, a complete final head, or
+/// something that is no head at all (which [`parse`] refuses). Used while a request
+/// is still being written, to see whether the upstream has answered it already.
+pub(super) fn has_final_head(mut buf: &[u8]) -> bool {
+    loop {
+        let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut response = httparse::Response::new(&mut fields);
+        match response.parse(buf) {
+            Ok(httparse::Status::Complete(len))
+                if matches!(response.code, Some(100..=199)) && response.code != Some(101) =>
+            {
+                buf = &buf[len..];
+            }
+            Ok(httparse::Status::Partial) => return false,
+            Ok(httparse::Status::Complete(_)) | Err(_) => return true,
+        }
+    }
+}
+
 /// Parses the response head at the start of `buf`. For a final response the head the
 /// client gets is written to `client`: the status line as HTTP/1.1, the upstream's
 /// fields but the hop-by-hop and the replaced ones, then what `extra` writes (the
@@ -184,6 +203,30 @@ pub(super) fn parse(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_final_head_is_seen_past_interim_ones() {
+        assert!(!has_final_head(b""));
+        assert!(!has_final_head(b"HTTP/1.1 413 Payload Too La"));
+        assert!(!has_final_head(b"HTTP/1.1 100 Continue\r\n\r\n"));
+        assert!(!has_final_head(
+            b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 200 OK\r\n"
+        ));
+        assert!(has_final_head(
+            b"HTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 413 Payload Too Large\r\n\r\n"
+        ));
+        assert!(has_final_head(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+        ));
+        assert!(
+            has_final_head(b"HTTP/1.1 101 Switching\r\n\r\n"),
+            "refused later"
+        );
+        assert!(
+            has_final_head(b"not a response at all\r\n\r\n"),
+            "refused later"
+        );
+    }
 
     fn head(raw: &str, head_request: bool, close: bool) -> (Result<Parsed, BadResponse>, String) {
         let mut client = Vec::new();
