@@ -9,13 +9,14 @@
 //! refuses (4xx, 5xx), the rest of the upload is of no use, and a client that waits
 //! for its answer before it sends the rest would keep both connections open with
 //! nothing more to come. So once such an answer has gone to the client, the proxy
-//! abandons the upload: the client's body is dropped (hyper stops reading it and
-//! closes the client's connection after the answer) and the upstream's request ends
-//! in an error (its connection is not reused).
+//! abandons the upload: the client's body is dropped at once (hyper stops reading it
+//! and closes the client's connection after the answer) and the upstream's request
+//! ends in an error when hyper next asks for more of it (its connection is not
+//! reused).
 
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -27,13 +28,14 @@ use super::proxy::BoxError;
 
 /// A request body on its way upstream.
 pub(super) struct Upload {
-    /// `None` once abandoned.
-    body: Option<UnsyncBoxBody<Bytes, BoxError>>,
     shared: Arc<Shared>,
 }
 
-#[derive(Debug, Default)]
 struct Shared {
+    /// The client's body; `None` once abandoned. Held here, not in [`Upload`], so that
+    /// abandoning drops it at once, even while the upload is not being polled (hyper
+    /// polls it only when its write buffer has room).
+    body: Mutex<Option<UnsyncBoxBody<Bytes, BoxError>>>,
     /// All of the body was taken.
     ended: AtomicBool,
     /// The client's body failed (it left, or stopped sending in time).
@@ -44,22 +46,28 @@ struct Shared {
 }
 
 /// What the proxy holds of an [`Upload`]: whether it ended, and a way to abandon it.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub(super) struct UploadHandle(Arc<Shared>);
 
 impl Upload {
     /// Wraps `body`; the handle tells when it has ended.
     pub(super) fn new(body: UnsyncBoxBody<Bytes, BoxError>) -> (Self, UploadHandle) {
-        let shared = Arc::new(Shared::default());
-        shared.ended.store(body.is_end_stream(), Ordering::Release);
+        let shared = Arc::new(Shared {
+            ended: AtomicBool::new(body.is_end_stream()),
+            body: Mutex::new(Some(body)),
+            failed: AtomicBool::new(false),
+            abandoned: AtomicBool::new(false),
+            sender: AtomicWaker::new(),
+        });
         let handle = UploadHandle(Arc::clone(&shared));
-        (
-            Upload {
-                body: Some(body),
-                shared,
-            },
-            handle,
-        )
+        (Upload { shared }, handle)
+    }
+}
+
+impl Shared {
+    fn body(&self) -> MutexGuard<'_, Option<UnsyncBoxBody<Bytes, BoxError>>> {
+        // A panic while polling the body leaves nothing half-changed here.
+        self.body.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -74,11 +82,14 @@ impl UploadHandle {
         self.0.failed.load(Ordering::Acquire)
     }
 
-    /// Stops the upload: the client's body is dropped, and the body ends in an error
-    /// for the upstream. Nothing happens to an upload that has ended.
+    /// Stops the upload: the client's body is dropped now, and the upload ends in an
+    /// error for the upstream when it is next polled. Nothing happens to an upload
+    /// that has ended.
     pub(super) fn abandon(&self) {
         if !self.ended() {
             self.0.abandoned.store(true, Ordering::Release);
+            let body = self.0.body().take();
+            drop(body);
             self.0.sender.wake();
         }
     }
@@ -89,33 +100,35 @@ impl Body for Upload {
     type Error = BoxError;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.shared.sender.register(cx.waker());
-        if self.shared.abandoned.load(Ordering::Acquire) {
-            self.body = None;
+        let shared = &*self.shared;
+        shared.sender.register(cx.waker());
+        if shared.abandoned.load(Ordering::Acquire) {
             return Poll::Ready(Some(Err("the upload was abandoned".into())));
         }
-        let Some(body) = self.body.as_mut() else {
+        let mut guard = shared.body();
+        let Some(body) = guard.as_mut() else {
             return Poll::Ready(None);
         };
         let polled = Pin::new(&mut *body).poll_frame(cx);
         match &polled {
-            Poll::Ready(Some(Err(_))) => self.shared.failed.store(true, Ordering::Release),
-            Poll::Ready(None) => self.shared.ended.store(true, Ordering::Release),
-            _ if body.is_end_stream() => self.shared.ended.store(true, Ordering::Release),
+            Poll::Ready(Some(Err(_))) => shared.failed.store(true, Ordering::Release),
+            Poll::Ready(None) => shared.ended.store(true, Ordering::Release),
+            _ if body.is_end_stream() => shared.ended.store(true, Ordering::Release),
             _ => {}
         }
         polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.as_ref().is_none_or(Body::is_end_stream)
+        self.shared.body().as_ref().is_none_or(Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body
+        self.shared
+            .body()
             .as_ref()
             .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
     }
@@ -222,7 +235,18 @@ mod tests {
         let answer = AbandonAfter::new(Full::new(Bytes::from_static(b"refused")), handle);
         let relayed = answer.collect().await.map(|c| c.to_bytes());
         assert_eq!(relayed.ok(), Some(Bytes::from_static(b"refused")));
+        assert!(sender.is_closed(), "the client's body is dropped");
         assert_eq!(waiting.await.ok(), Some(Some(true)), "the upload fails");
-        drop(sender);
+    }
+
+    #[test]
+    fn an_upload_nobody_polls_drops_the_clients_body_when_abandoned() {
+        let (sender, receiver) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        let frames = futures_util::stream::unfold(receiver, |mut r| async move {
+            r.recv().await.map(|f| (f, r))
+        });
+        let (_upload, handle) = Upload::new(StreamBody::new(frames).boxed_unsync());
+        drop(AbandonAfter::new(Full::new(Bytes::new()), handle));
+        assert!(sender.is_closed());
     }
 }
