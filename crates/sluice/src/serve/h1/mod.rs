@@ -508,10 +508,14 @@ impl<'f> Connection<'f> {
 
     /// Writes the request in `to_upstream` to `conn`: true once all of it is written;
     /// false when the upstream stopped taking it: its connection failed or closed, or
-    /// it answered first (a final head: a refusal, from an upstream that reads no
-    /// further). What it answered is left in `from_upstream`, to be read as the head.
+    /// it refused first (a final head of 4xx or 5xx, or one that cannot be relayed,
+    /// from an upstream that may read no further). What it answered is left in
+    /// `from_upstream`, to be read as the head. An upstream that accepts early (it
+    /// streams its answer as it reads) gets the whole request; interim heads are
+    /// skipped.
     async fn send_request(&mut self, conn: &TcpStream) -> bool {
         let mut at = 0;
+        let mut watching = true;
         while at < self.to_upstream.len() {
             tokio::select! {
                 biased;
@@ -525,16 +529,23 @@ impl<'f> Connection<'f> {
                         Err(_) => return false,
                     }
                 }
-                ready = conn.readable() => {
+                ready = conn.readable(), if watching => {
                     if ready.is_err() {
                         return false;
                     }
                     self.from_upstream.reserve(READ_CHUNK);
                     match conn.try_read_buf(&mut self.from_upstream) {
                         Ok(0) => return false,
-                        Ok(_) if response::has_final_head(&self.from_upstream)
-                            || self.from_upstream.len() >= MAX_RESPONSE_HEAD => return false,
-                        Ok(_) => {}
+                        Ok(_) => match response::final_status(&self.from_upstream) {
+                            Some(status) if !(200..400).contains(&status) => return false,
+                            // Accepted: the rest of its answer waits until the request
+                            // is all written.
+                            Some(_) => watching = false,
+                            None if self.from_upstream.len() >= MAX_RESPONSE_HEAD => {
+                                return false;
+                            }
+                            None => {}
+                        },
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                         Err(_) => return false,
                     }

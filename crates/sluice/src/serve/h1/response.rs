@@ -57,21 +57,21 @@ pub(super) struct Rewrite<'a> {
     pub(super) replaced: &'a [http::HeaderName],
 }
 
-/// True when `buf` holds, after any interim (1xx) heads, a complete final head, or
-/// something that is no head at all (which [`parse`] refuses). Used while a request
-/// is still being written, to see whether the upstream has answered it already.
-pub(super) fn has_final_head(mut buf: &[u8]) -> bool {
+/// What `buf` holds after any interim (1xx) heads: `None` while no final head is
+/// complete; `Some(status)` for a complete final head, `Some(0)` for something that is
+/// no head at all (which [`parse`] refuses). Used while a request is still being
+/// written, to see whether the upstream has answered it already.
+pub(super) fn final_status(mut buf: &[u8]) -> Option<u16> {
     loop {
         let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut response = httparse::Response::new(&mut fields);
         match response.parse(buf) {
-            Ok(httparse::Status::Complete(len))
-                if matches!(response.code, Some(100..=199)) && response.code != Some(101) =>
-            {
-                buf = &buf[len..];
-            }
-            Ok(httparse::Status::Partial) => return false,
-            Ok(httparse::Status::Complete(_)) | Err(_) => return true,
+            Ok(httparse::Status::Complete(len)) => match response.code {
+                Some(code @ 100..=199) if code != 101 => buf = &buf[len..],
+                code => return Some(code.unwrap_or(0)),
+            },
+            Ok(httparse::Status::Partial) => return None,
+            Err(_) => return Some(0),
         }
     }
 }
@@ -206,26 +206,23 @@ mod tests {
 
     #[test]
     fn a_final_head_is_seen_past_interim_ones() {
-        assert!(!has_final_head(b""));
-        assert!(!has_final_head(b"HTTP/1.1 413 Payload Too La"));
-        assert!(!has_final_head(b"HTTP/1.1 100 Continue\r\n\r\n"));
-        assert!(!has_final_head(
-            b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 200 OK\r\n"
-        ));
-        assert!(has_final_head(
-            b"HTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 413 Payload Too Large\r\n\r\n"
-        ));
-        assert!(has_final_head(
-            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
-        ));
-        assert!(
-            has_final_head(b"HTTP/1.1 101 Switching\r\n\r\n"),
-            "refused later"
+        assert_eq!(final_status(b""), None);
+        assert_eq!(final_status(b"HTTP/1.1 413 Payload Too La"), None);
+        assert_eq!(final_status(b"HTTP/1.1 100 Continue\r\n\r\n"), None);
+        assert_eq!(
+            final_status(b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 200 OK\r\n"),
+            None
         );
-        assert!(
-            has_final_head(b"not a response at all\r\n\r\n"),
-            "refused later"
+        assert_eq!(
+            final_status(b"HTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 413 Payload Too Large\r\n\r\n"),
+            Some(413)
         );
+        assert_eq!(
+            final_status(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"),
+            Some(200)
+        );
+        assert_eq!(final_status(b"HTTP/1.1 101 Switching\r\n\r\n"), Some(101));
+        assert_eq!(final_status(b"not a response at all\r\n\r\n"), Some(0));
     }
 
     fn head(raw: &str, head_request: bool, close: bool) -> (Result<Parsed, BadResponse>, String) {
