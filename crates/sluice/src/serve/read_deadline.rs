@@ -20,9 +20,11 @@ use super::proxy::BoxError;
 pub(super) struct ReadDeadline<B> {
     body: B,
     timeout: Duration,
-    /// The wait for the next frame, armed when a poll finds none ready (no timer for a
-    /// body that is all there).
-    waiting: Option<Pin<Box<Sleep>>>,
+    /// The timer, made when a poll first finds no frame ready (none for a body that is
+    /// all there), then reset for each wait.
+    timer: Option<Pin<Box<Sleep>>>,
+    /// The timer runs for the wait now going on.
+    waiting: bool,
 }
 
 impl<B> ReadDeadline<B> {
@@ -31,7 +33,8 @@ impl<B> ReadDeadline<B> {
         ReadDeadline {
             body,
             timeout,
-            waiting: None,
+            timer: None,
+            waiting: false,
         }
     }
 }
@@ -51,15 +54,23 @@ where
         let this = &mut *self;
         match Pin::new(&mut this.body).poll_frame(cx) {
             Poll::Ready(frame) => {
-                this.waiting = None;
+                this.waiting = false;
                 Poll::Ready(frame.map(|f| f.map_err(Into::into)))
             }
             Poll::Pending => {
                 let timeout = this.timeout;
-                let waiting = this.waiting.get_or_insert_with(|| {
-                    Box::pin(tokio::time::sleep_until(Instant::now() + timeout))
-                });
-                match waiting.as_mut().poll(cx) {
+                if !this.waiting {
+                    let deadline = Instant::now() + timeout;
+                    match &mut this.timer {
+                        Some(timer) => timer.as_mut().reset(deadline),
+                        None => this.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
+                    }
+                    this.waiting = true;
+                }
+                let timer = this
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                match timer.as_mut().poll(cx) {
                     Poll::Ready(()) => Poll::Ready(Some(Err(format!(
                         "no part of the request body came for {} s",
                         timeout.as_secs()

@@ -105,12 +105,11 @@ impl Body for Upload {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let shared = &*self.shared;
         shared.sender.register(cx.waker());
-        if shared.abandoned.load(Ordering::Acquire) {
-            return Poll::Ready(Some(Err("the upload was abandoned".into())));
-        }
         let mut guard = shared.body();
+        // Gone only when abandoned: never an end, which would let the upstream take a
+        // cut request as whole.
         let Some(body) = guard.as_mut() else {
-            return Poll::Ready(None);
+            return Poll::Ready(Some(Err("the upload was abandoned".into())));
         };
         let polled = Pin::new(&mut *body).poll_frame(cx);
         match &polled {
@@ -123,7 +122,7 @@ impl Body for Upload {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.shared.body().as_ref().is_none_or(Body::is_end_stream)
+        self.shared.body().as_ref().is_some_and(Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
