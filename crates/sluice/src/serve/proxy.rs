@@ -10,7 +10,8 @@
 //!   after its answer (which ends the upload);
 //! - an upstream that cannot be reached answers 502 `bad_gateway`, one that sends no
 //!   response headers within the configured time 504 `gateway_timeout`, both as the JSON
-//!   envelope `{"error":{"code","message","details"}}`.
+//!   envelope `{"error":{"code","message","details"}}`; an exchange that failed because
+//!   the client's body did (it left, or stopped sending) is a 400 `invalid_request`.
 //!
 //! The service takes `Request<B>` for any streaming body `B` and never fails: every
 //! error becomes a response here, in one place.
