@@ -607,68 +607,59 @@ async fn upload(sluice: &Sluice, size: usize) -> Raw {
     read_raw(&mut stream, &mut pending, false).await
 }
 
+/// The answers to an upload of each of [`UPLOADS`], then of a [`BIG_JSONRPC`] body
+/// (which cannot be written in whole before the upstream answers), to an upstream
+/// that answers `early` on the head and `rest` once it has the whole body.
+async fn uploads_answered_early(early: &'static str, rest: &'static str) -> Vec<(usize, Raw)> {
+    let upstream = answering_before_the_body(early, rest).await;
+    let mut replies = Vec::new();
+    let sluice = Sluice::spawn(&["--upstream", &upstream]);
+    bounded(async {
+        for size in UPLOADS {
+            replies.push((size, upload(&sluice, size).await));
+        }
+    })
+    .await;
+    let sluice = sluice_for_big_bodies(&upstream);
+    let (reply, _) = bounded(big_jsonrpc_upload(&sluice)).await;
+    replies.push((BIG_JSONRPC, reply));
+    replies
+}
+
 #[tokio::test]
 async fn an_interim_answer_does_not_stop_the_upload() {
-    let upstream = answering_before_the_body(
+    let replies = uploads_answered_early(
         "HTTP/1.1 103 Early Hints\r\nlink: </a.css>\r\n\r\n",
         "HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nall read",
     )
     .await;
-    let sluice = Sluice::spawn(&["--upstream", &upstream]);
-    bounded(async {
-        for size in UPLOADS {
-            let reply = upload(&sluice, size).await;
-            assert_eq!(
-                (reply.status, reply.body.as_slice()),
-                (200, &b"all read"[..]),
-                "{size}"
-            );
-            assert!(!reply.head.contains("connection: close"), "{}", reply.head);
-        }
-    })
-    .await;
-    // A body that cannot be written in whole before the upstream answers.
-    let sluice = sluice_for_big_bodies(&upstream);
-    bounded(async {
-        let (reply, _) = big_jsonrpc_upload(&sluice).await;
+    for (size, reply) in replies {
         assert_eq!(
             (reply.status, reply.body.as_slice()),
-            (200, &b"all read"[..])
+            (200, &b"all read"[..]),
+            "{size}"
         );
-    })
-    .await;
+        if size != BIG_JSONRPC {
+            assert!(!reply.head.contains("connection: close"), "{}", reply.head);
+        }
+    }
 }
 
 #[tokio::test]
 async fn an_upstream_that_accepts_early_still_gets_the_whole_body() {
     // The head and the first chunk before the body is in, the last chunk after.
-    let upstream = answering_before_the_body(
+    let replies = uploads_answered_early(
         "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nstart \r\n",
         "8\r\nall read\r\n0\r\n\r\n",
     )
     .await;
-    let sluice = Sluice::spawn(&["--upstream", &upstream]);
-    bounded(async {
-        for size in UPLOADS {
-            let reply = upload(&sluice, size).await;
-            assert_eq!(
-                (reply.status, reply.body.as_slice()),
-                (200, &b"start all read"[..]),
-                "{size}"
-            );
-        }
-    })
-    .await;
-    // A body that cannot be written in whole before the upstream answers.
-    let sluice = sluice_for_big_bodies(&upstream);
-    bounded(async {
-        let (reply, _) = big_jsonrpc_upload(&sluice).await;
+    for (size, reply) in replies {
         assert_eq!(
             (reply.status, reply.body.as_slice()),
-            (200, &b"start all read"[..])
+            (200, &b"start all read"[..]),
+            "{size}"
         );
-    })
-    .await;
+    }
 }
 
 /// A client that leaves in the middle of a streamed upload: its request is counted as

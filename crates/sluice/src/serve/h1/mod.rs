@@ -334,36 +334,22 @@ impl<'f> Connection<'f> {
             needs_body.then(|| &self.from_client[body.clone()]),
         );
 
-        // The decision.
-        let decision = match limiter.decide(&plan).await {
+        // The decision; a refusal, or a limiter that cannot decide, is answered here.
+        let refused = match limiter.decide(&plan).await {
+            Ok(decision) if decision.is_admitted() => Ok(decision),
+            Ok(decision) => Err(sluice_tower::refusal(&decision, &plan, policy)),
+            Err(error) => Err(sluice_tower::limiter_unavailable(&error)),
+        };
+        let decision = match refused {
             Ok(decision) => decision,
-            Err(error) => {
-                let answer = sluice_tower::limiter_unavailable(&error);
+            Err(answer) => {
                 self.from_client.advance(body.end);
+                let answer = own(answer).await;
                 return self
-                    .answer_own(
-                        client,
-                        own(answer).await,
-                        head.close,
-                        head_request,
-                        in_flight,
-                    )
+                    .answer_own(client, answer, head.close, head_request, in_flight)
                     .await;
             }
         };
-        if !decision.is_admitted() {
-            let answer = sluice_tower::refusal(&decision, &plan, policy);
-            self.from_client.advance(body.end);
-            return self
-                .answer_own(
-                    client,
-                    own(answer).await,
-                    head.close,
-                    head_request,
-                    in_flight,
-                )
-                .await;
-        }
 
         // Forwarded: the head and the body, in one write.
         self.to_upstream
