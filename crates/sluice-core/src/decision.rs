@@ -7,10 +7,11 @@ use arrayvec::ArrayVec;
 use crate::rate::{self, BudgetStatus, Rate, Verdict};
 use crate::{BudgetKey, Timestamp};
 
-/// The most budgets one decision may touch. A request's class budget, its IP
-/// ceiling, a route bucket, a quota and a weighted budget fit with room to
-/// spare; more is refused with [`DecisionError::TooManyBudgets`].
-pub const MAX_BUDGETS: usize = 8;
+/// The most budgets one decision may touch. A JSON-RPC batch holding all four
+/// classes, its IP ceiling, route buckets, weighted budgets and a few monthly
+/// quotas fit; more is refused with [`DecisionError::TooManyBudgets`] (policies
+/// are checked to stay within it).
+pub const MAX_BUDGETS: usize = 12;
 
 /// One budget a request wants to spend on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -28,13 +28,21 @@ use std::future::Future;
 
 use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
 
+#[cfg(feature = "durable")]
+pub mod durable;
 mod guarded;
+#[cfg(feature = "durable")]
+mod local;
 mod memory;
 mod prefetch;
 #[cfg(feature = "redis")]
 mod redis;
 
+#[cfg(feature = "durable")]
+pub use durable::{DurableStore, OpenError, QuotaBook, QuotaBookConfig};
 pub use guarded::{Guarded, STORE_BREAKER};
+#[cfg(feature = "durable")]
+pub use local::LocalStore;
 pub use memory::{MAX_SHARDS, MemoryConfig, MemoryStore, TABLE_FILL, auto_shards};
 #[cfg(feature = "redis")]
 pub use redis::{MAX_COALESCED, RedisConfig, RedisStore};

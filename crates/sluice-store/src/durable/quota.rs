@@ -1,0 +1,417 @@
+//! Monthly quota counts (SPEC Q1), durable before the call they admit goes on.
+//!
+//! The counts live in memory, where decisions read and write them under one
+//! lock, and in the durable file, where one writer thread puts them. A decision
+//! that spends takes a sequence number; the caller then waits until a commit
+//! covers that number before it forwards the call. Every decision that arrives
+//! while a commit is on disk joins the next one: one disk flush serves all the
+//! calls of that moment (group commit), so durability does not cost a flush per
+//! request.
+//!
+//! Bounds: at most [`QuotaBookConfig::max_cells`] counts (one per workspace and
+//! family); past it, cells of past months are dropped, and a new workspace is
+//! refused (the store answers "unavailable", which quota routes turn into 503)
+//! rather than counted nowhere. A commit that fails (a full disk) fails the
+//! decisions waiting on it; their counts stay in memory and are written by the
+//! next commit that succeeds, so a failure can over-count, never under-count.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+use redb::{ReadableDatabase as _, ReadableTable as _, TableDefinition};
+use sluice_core::{
+    Budget, BudgetStatus, CellRef, Decision, Ledger, Mode, Timestamp, adjust, cell_is_stale, decide,
+};
+use tokio::sync::watch;
+
+use super::DurableStore;
+use crate::StoreError;
+
+/// Quota cells: the cell key (a budget's fingerprint) → its packed value.
+const QUOTA_CELLS: TableDefinition<'_, u64, u64> = TableDefinition::new("quota_cells");
+
+/// Default for [`QuotaBookConfig::max_cells`]: a million workspace-and-family
+/// counts, about 50 MB of memory.
+pub const DEFAULT_MAX_QUOTA_CELLS: usize = 1_000_000;
+
+/// The longest a decision waits for the commit that makes it durable; past it
+/// the call is refused (the store answers "unavailable").
+pub const COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// After a failed commit, the writer waits this long before it tries again.
+const RETRY_AFTER_FAILURE: Duration = Duration::from_millis(200);
+
+pub(super) fn create_tables(tx: &redb::WriteTransaction) -> Result<(), redb::TableError> {
+    tx.open_table(QUOTA_CELLS).map(drop)
+}
+
+/// How a [`QuotaBook`] is bounded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuotaBookConfig {
+    /// The most counts kept (one per workspace and family and month).
+    pub max_cells: usize,
+}
+
+impl Default for QuotaBookConfig {
+    fn default() -> Self {
+        QuotaBookConfig {
+            max_cells: DEFAULT_MAX_QUOTA_CELLS,
+        }
+    }
+}
+
+/// Quota counts kept durable with group commit (see the module docs).
+pub struct QuotaBook {
+    shared: Arc<Shared>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for QuotaBook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuotaBook")
+            .field("cells", &self.len())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Shared {
+    state: Mutex<Book>,
+    wake: Condvar,
+    committed: watch::Sender<Commit>,
+    store: DurableStore,
+    max_cells: usize,
+    /// Commits written, for metrics and for tests of group commit.
+    commits: std::sync::atomic::AtomicU64,
+}
+
+/// The counts in memory and what the writer has still to put on disk.
+#[derive(Default)]
+struct Book {
+    cells: HashMap<u64, u64, foldhash::fast::FixedState>,
+    /// Cells changed since the last commit took its snapshot.
+    dirty: HashSet<u64, foldhash::fast::FixedState>,
+    /// Cells dropped (past months) still to delete from the file.
+    dropped: Vec<u64>,
+    /// The last sequence number handed to a spending decision.
+    seq: u64,
+    closing: bool,
+}
+
+/// What the writer has done: every decision up to `durable` is on disk; the
+/// last failed commit would have covered decisions up to `failed`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Commit {
+    durable: u64,
+    failed: u64,
+}
+
+/// The [`Ledger`] over the book, recording which cells a decision wrote.
+struct BookLedger<'a> {
+    book: &'a mut Book,
+    wrote: bool,
+}
+
+impl Ledger for BookLedger<'_> {
+    fn read(&mut self, at: CellRef<'_>) -> u64 {
+        self.book.cells.get(&at.cell).copied().unwrap_or(0)
+    }
+
+    fn write(&mut self, at: CellRef<'_>, value: u64) {
+        self.book.cells.insert(at.cell, value);
+        self.book.dirty.insert(at.cell);
+        self.wrote = true;
+    }
+}
+
+impl QuotaBook {
+    /// Loads the counts of `store` (dropping those of past months as of `now`) and
+    /// starts the writer thread.
+    ///
+    /// # Errors
+    /// [`super::OpenError::Unusable`] when the file cannot be read.
+    pub fn open(
+        store: &DurableStore,
+        config: QuotaBookConfig,
+        now: Timestamp,
+    ) -> Result<Self, super::OpenError> {
+        let unusable = |e: &dyn std::fmt::Display| super::OpenError::Unusable {
+            path: store.path().to_owned(),
+            message: format!("cannot read the quota counts: {e}"),
+        };
+        let mut book = Book::default();
+        {
+            let tx = store.db().begin_read().map_err(|e| unusable(&e))?;
+            let table = tx.open_table(QUOTA_CELLS).map_err(|e| unusable(&e))?;
+            for row in table.iter().map_err(|e| unusable(&e))? {
+                let (k, v) = row.map_err(|e| unusable(&e))?;
+                let (cell, value) = (k.value(), v.value());
+                if cell_is_stale(value, now) {
+                    book.dropped.push(cell);
+                } else {
+                    book.cells.insert(cell, value);
+                }
+            }
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(book),
+            wake: Condvar::new(),
+            committed: watch::Sender::new(Commit::default()),
+            store: store.clone(),
+            max_cells: config.max_cells.max(1),
+            commits: std::sync::atomic::AtomicU64::new(0),
+        });
+        let writer = std::thread::Builder::new()
+            .name("sluice-quota-writer".to_owned())
+            .spawn({
+                let shared = Arc::clone(&shared);
+                move || shared.write_loop()
+            })
+            .map_err(|e| unusable(&e))?;
+        Ok(QuotaBook {
+            shared,
+            writer: Some(writer),
+        })
+    }
+
+    /// Counts kept in memory.
+    pub fn len(&self) -> usize {
+        self.shared.state.lock().cells.len()
+    }
+
+    /// Commits written to disk so far (each may hold many decisions).
+    pub fn commits(&self) -> u64 {
+        self.shared
+            .commits
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// True when no count is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Decides `quotas` (monthly budgets) and, only when they all admit, `others`
+    /// through `decide_others` — under the book's lock, so the decision over both is
+    /// all or nothing. Returns the statuses of both, and the sequence number to
+    /// [wait for](QuotaBook::durable) when the quotas were spent.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when the book is full; `decide_others`' error.
+    pub(crate) fn decide_with(
+        &self,
+        quotas: &[Budget],
+        now: Timestamp,
+        mode: Mode,
+        decide_others: impl FnOnce(Mode) -> Result<Decision, StoreError>,
+    ) -> Result<(Decision, Decision, Option<u64>), StoreError> {
+        let mut book = self.shared.state.lock();
+        if mode == Mode::Spend {
+            self.make_room(&mut book, quotas, now)?;
+        }
+        let mut ledger = BookLedger {
+            book: &mut book,
+            wrote: false,
+        };
+        let look = decide(quotas, &mut ledger, now, Mode::Peek)?;
+        if !look.is_admitted() || mode == Mode::Peek {
+            // Nothing is spent anywhere: the others only show where they stand.
+            let others = decide_others(Mode::Peek)?;
+            return Ok((look, others, None));
+        }
+        let others = decide_others(Mode::Spend)?;
+        if !others.is_admitted() {
+            return Ok((look, others, None));
+        }
+        let spent = decide(quotas, &mut ledger, now, Mode::Spend)?;
+        let seq = ledger.wrote.then(|| {
+            book.seq += 1;
+            book.seq
+        });
+        drop(book);
+        if seq.is_some() {
+            self.shared.wake.notify_one();
+        }
+        Ok((spent, others, seq))
+    }
+
+    /// Charges or refunds a monthly budget after the fact (e.g. an operator's
+    /// reset), durable when the returned sequence number is.
+    pub(crate) fn adjust(
+        &self,
+        budget: &Budget,
+        delta: i64,
+        reserved_at: Timestamp,
+        now: Timestamp,
+    ) -> (BudgetStatus, Option<u64>) {
+        let mut book = self.shared.state.lock();
+        let mut ledger = BookLedger {
+            book: &mut book,
+            wrote: false,
+        };
+        let status = adjust(budget, delta, reserved_at, &mut ledger, now);
+        let seq = ledger.wrote.then(|| {
+            book.seq += 1;
+            book.seq
+        });
+        drop(book);
+        if seq.is_some() {
+            self.shared.wake.notify_one();
+        }
+        (status, seq)
+    }
+
+    /// Waits until the decision numbered `seq` is on disk.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when the commit that should have covered it
+    /// failed, or none did within [`COMMIT_TIMEOUT`].
+    pub async fn durable(&self, seq: u64) -> Result<(), StoreError> {
+        let mut committed = self.shared.committed.subscribe();
+        let waited = tokio::time::timeout(
+            COMMIT_TIMEOUT,
+            committed.wait_for(|c| c.durable >= seq || c.failed >= seq),
+        )
+        .await;
+        match waited {
+            Ok(Ok(c)) if c.durable >= seq => Ok(()),
+            Ok(Ok(_)) => Err(StoreError::Unavailable(format!(
+                "the quota count could not be written to {}",
+                self.shared.store.path().display()
+            ))),
+            Ok(Err(_)) | Err(_) => Err(StoreError::Unavailable(format!(
+                "the quota count was not written to {} within {} s",
+                self.shared.store.path().display(),
+                COMMIT_TIMEOUT.as_secs()
+            ))),
+        }
+    }
+
+    /// Makes room for the cells `quotas` use that the book does not hold yet:
+    /// drops cells of past months first; refuses when that is not enough.
+    fn make_room(
+        &self,
+        book: &mut Book,
+        quotas: &[Budget],
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let new = quotas
+            .iter()
+            .filter(|b| b.cost > 0)
+            .flat_map(|b| b.cells(now))
+            .filter(|c| !book.cells.contains_key(c))
+            .count();
+        if book.cells.len() + new <= self.shared.max_cells {
+            return Ok(());
+        }
+        let mut stale = Vec::new();
+        book.cells.retain(|&cell, &mut value| {
+            let keep = !cell_is_stale(value, now);
+            if !keep {
+                stale.push(cell);
+            }
+            keep
+        });
+        for cell in &stale {
+            book.dirty.remove(cell);
+        }
+        book.dropped.extend(stale);
+        if book.cells.len() + new <= self.shared.max_cells {
+            return Ok(());
+        }
+        Err(StoreError::Unavailable(format!(
+            "the quota book holds its maximum of {} counts",
+            self.shared.max_cells
+        )))
+    }
+}
+
+impl Shared {
+    /// The writer thread: takes what changed, writes it in one transaction, tells
+    /// the waiting decisions; until the book closes and nothing is left to write.
+    fn write_loop(&self) {
+        let mut failing = false;
+        loop {
+            let (writes, dropped, target) = {
+                let mut book = self.state.lock();
+                while book.dirty.is_empty() && book.dropped.is_empty() && !book.closing {
+                    self.wake.wait(&mut book);
+                }
+                if book.dirty.is_empty() && book.dropped.is_empty() {
+                    return;
+                }
+                let dirty = std::mem::take(&mut book.dirty);
+                let writes: Vec<(u64, u64)> = dirty
+                    .into_iter()
+                    .map(|c| (c, book.cells.get(&c).copied().unwrap_or(0)))
+                    .collect();
+                (writes, std::mem::take(&mut book.dropped), book.seq)
+            };
+            match self.commit(&writes, &dropped) {
+                Ok(()) => {
+                    self.commits
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if failing {
+                        eprintln!(
+                            "sluice: quota counts are written to {} again",
+                            self.store.path().display()
+                        );
+                        failing = false;
+                    }
+                    self.committed
+                        .send_modify(|c| c.durable = c.durable.max(target));
+                }
+                Err(e) => {
+                    if !failing {
+                        eprintln!(
+                            "sluice: cannot write quota counts to {}: {e}; quota routes answer 503 until it works again",
+                            self.store.path().display()
+                        );
+                        failing = true;
+                    }
+                    let closing = {
+                        let mut book = self.state.lock();
+                        book.dirty.extend(writes.iter().map(|&(c, _)| c));
+                        book.dropped.extend(dropped);
+                        book.closing
+                    };
+                    self.committed
+                        .send_modify(|c| c.failed = c.failed.max(target));
+                    if closing {
+                        // Shutting down on a disk that takes nothing: what is lost
+                        // here was never confirmed to a waiting call.
+                        return;
+                    }
+                    std::thread::sleep(RETRY_AFTER_FAILURE);
+                }
+            }
+        }
+    }
+
+    fn commit(&self, writes: &[(u64, u64)], dropped: &[u64]) -> Result<(), redb::Error> {
+        let tx = self.store.db().begin_write()?;
+        {
+            let mut table = tx.open_table(QUOTA_CELLS)?;
+            for &(cell, value) in writes {
+                table.insert(cell, value)?;
+            }
+            for &cell in dropped {
+                table.remove(cell)?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+}
+
+impl Drop for QuotaBook {
+    /// Writes what is still in memory, then stops the writer.
+    fn drop(&mut self) {
+        self.shared.state.lock().closing = true;
+        self.shared.wake.notify_all();
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! One process's store: budgets in memory, monthly quotas in the embedded
+//! durable store when one is given.
+
+use sluice_core::{
+    Budget, BudgetStatus, Clock, Decision, MAX_BUDGETS, Mode, Rate, SystemClock, Timestamp,
+};
+
+use crate::durable::QuotaBook;
+use crate::{BudgetStore, MemoryStore, StoreError};
+
+/// Budgets in memory and, with a [`QuotaBook`], monthly quotas
+/// ([`Rate::CalendarMonth`] budgets) durable on disk.
+///
+/// A decision over both is all or nothing: the quotas are looked at first, the
+/// memory budgets decided only when the quotas fit, and the quotas spent only
+/// when the memory budgets admitted — all under the book's lock. A decision
+/// that spent a quota returns only once the count is on disk (see
+/// [`QuotaBook::durable`]).
+pub struct LocalStore<C: Clock = SystemClock> {
+    memory: MemoryStore<C>,
+    book: Option<QuotaBook>,
+}
+
+impl<C: Clock> std::fmt::Debug for LocalStore<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalStore")
+            .field("book", &self.book)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Clock> LocalStore<C> {
+    /// A store over `memory`, with quotas in `book` when given (else in memory).
+    pub fn new(memory: MemoryStore<C>, book: Option<QuotaBook>) -> Self {
+        LocalStore { memory, book }
+    }
+
+    /// The memory store.
+    pub fn memory(&self) -> &MemoryStore<C> {
+        &self.memory
+    }
+
+    /// The quota book, when quotas are durable.
+    pub fn book(&self) -> Option<&QuotaBook> {
+        self.book.as_ref()
+    }
+
+    async fn decide_mode(&self, budgets: &[Budget], mode: Mode) -> Result<Decision, StoreError> {
+        let Some(book) = &self.book else {
+            return self.memory_mode(budgets, mode);
+        };
+        if !budgets.iter().any(is_monthly) {
+            return self.memory_mode(budgets, mode);
+        }
+        if budgets.len() > MAX_BUDGETS {
+            return Err(sluice_core::DecisionError::TooManyBudgets {
+                given: budgets.len(),
+            }
+            .into());
+        }
+        let quotas: arrayvec::ArrayVec<Budget, MAX_BUDGETS> =
+            budgets.iter().filter(|b| is_monthly(b)).copied().collect();
+        let others: arrayvec::ArrayVec<Budget, MAX_BUDGETS> =
+            budgets.iter().filter(|b| !is_monthly(b)).copied().collect();
+        let now = self.memory.clock().now();
+        let (quota_decision, other_decision, seq) =
+            book.decide_with(&quotas, now, mode, |m| self.memory_mode(&others, m))?;
+        if let Some(seq) = seq {
+            book.durable(seq).await?;
+        }
+        // The statuses back in the order the budgets were given.
+        let (mut q, mut o) = (
+            quota_decision.statuses().iter(),
+            other_decision.statuses().iter(),
+        );
+        let statuses = budgets.iter().filter_map(|b| {
+            if is_monthly(b) {
+                q.next().copied()
+            } else {
+                o.next().copied()
+            }
+        });
+        let at = if others.is_empty() {
+            quota_decision.decided_at()
+        } else {
+            other_decision.decided_at()
+        };
+        Ok(Decision::from_statuses(at, statuses))
+    }
+
+    fn memory_mode(&self, budgets: &[Budget], mode: Mode) -> Result<Decision, StoreError> {
+        match mode {
+            Mode::Spend => self.memory.decide_now(budgets),
+            Mode::Peek => self.memory.peek_now(budgets),
+        }
+    }
+}
+
+fn is_monthly(b: &Budget) -> bool {
+    b.rate == Rate::CalendarMonth
+}
+
+impl<C: Clock> BudgetStore for LocalStore<C> {
+    async fn decide(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
+        self.decide_mode(budgets, Mode::Spend).await
+    }
+
+    async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
+        self.decide_mode(budgets, Mode::Peek).await
+    }
+
+    async fn adjust(
+        &self,
+        budget: &Budget,
+        delta: i64,
+        reserved_at: Timestamp,
+    ) -> Result<BudgetStatus, StoreError> {
+        match &self.book {
+            Some(book) if is_monthly(budget) => {
+                let now = self.memory.clock().now();
+                let (status, seq) = book.adjust(budget, delta, reserved_at, now);
+                if let Some(seq) = seq {
+                    book.durable(seq).await?;
+                }
+                Ok(status)
+            }
+            _ => Ok(self.memory.adjust_now(budget, delta, reserved_at)),
+        }
+    }
+}

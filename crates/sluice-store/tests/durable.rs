@@ -1,0 +1,295 @@
+//! The embedded durable store: quota counts that survive a restart, decided
+//! all or nothing with the memory budgets, one commit for many decisions.
+
+#![cfg(feature = "durable")]
+
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_core::{Budget, BudgetKey, FakeClock, Rate, Timestamp};
+use sluice_store::{
+    BudgetStore, DurableStore, LocalStore, MemoryConfig, MemoryStore, OpenError, QuotaBook,
+    QuotaBookConfig, StoreError,
+};
+
+/// 2026-11-30T12:00:00Z: half a day before the month turns.
+const T0: u64 = 1_796_040_000;
+/// 2026-12-01T00:00:00Z.
+const DECEMBER: u64 = 1_796_083_200;
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "sluice-durable-{name}-{}-{}",
+            std::process::id(),
+            fastrand::u64(..)
+        ));
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn quota(workspace: &str, limit: u32) -> Budget {
+    Budget {
+        key: BudgetKey::new("quota:messages", workspace.as_bytes()),
+        rate: Rate::CalendarMonth,
+        limit,
+        cost: 1,
+    }
+}
+
+fn class(caller: &str, limit: u32) -> Budget {
+    Budget::per_window(
+        BudgetKey::new("expensive", caller.as_bytes()),
+        limit,
+        NonZeroU32::new(60).expect("non-zero"),
+    )
+}
+
+fn local(dir: &TempDir, clock: &FakeClock, config: QuotaBookConfig) -> LocalStore<FakeClock> {
+    let durable = DurableStore::open(&dir.0).expect("open");
+    let book = QuotaBook::open(&durable, config, clock.now_ts()).expect("book");
+    LocalStore::new(
+        MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),
+        Some(book),
+    )
+}
+
+trait Now {
+    fn now_ts(&self) -> Timestamp;
+}
+
+impl Now for FakeClock {
+    fn now_ts(&self) -> Timestamp {
+        sluice_core::Clock::now(self)
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+#[test]
+fn q1_counts_survive_a_restart_on_the_same_data_dir() {
+    let dir = TempDir::new("restart");
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    {
+        let store = local(&dir, &clock, QuotaBookConfig::default());
+        for _ in 0..7 {
+            let d = rt.block_on(store.decide(&[class("k", 100), quota("acme", 10)]));
+            assert!(d.expect("decide").is_admitted());
+        }
+    }
+    let store = local(&dir, &clock, QuotaBookConfig::default());
+    let seen = rt
+        .block_on(store.peek(&[quota("acme", 10).with_cost(0)]))
+        .expect("peek");
+    assert_eq!(
+        seen.statuses()[0].remaining,
+        3,
+        "7 of 10 spent before the restart"
+    );
+    // Three more fit, the fourth is refused with Retry-After to the month's turn.
+    for _ in 0..3 {
+        assert!(
+            rt.block_on(store.decide(&[quota("acme", 10)]))
+                .expect("decide")
+                .is_admitted()
+        );
+    }
+    let refused = rt
+        .block_on(store.decide(&[quota("acme", 10)]))
+        .expect("decide");
+    assert!(!refused.is_admitted());
+    assert_eq!(refused.statuses()[0].reset, DECEMBER);
+    assert_eq!(
+        refused.retry_after(),
+        Some(Duration::from_secs(DECEMBER - T0))
+    );
+}
+
+#[test]
+fn q1_usage_resets_when_the_calendar_month_turns() {
+    let dir = TempDir::new("month");
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    let store = local(&dir, &clock, QuotaBookConfig::default());
+    for _ in 0..2 {
+        assert!(
+            rt.block_on(store.decide(&[quota("acme", 2)]))
+                .expect("decide")
+                .is_admitted()
+        );
+    }
+    assert!(
+        !rt.block_on(store.decide(&[quota("acme", 2)]))
+            .expect("decide")
+            .is_admitted()
+    );
+    clock.set(Timestamp::from_secs(DECEMBER - 1));
+    let last = rt
+        .block_on(store.decide(&[quota("acme", 2)]))
+        .expect("decide");
+    assert!(!last.is_admitted());
+    assert_eq!(last.retry_after(), Some(Duration::from_secs(1)));
+    clock.set(Timestamp::from_secs(DECEMBER));
+    let fresh = rt
+        .block_on(store.decide(&[quota("acme", 2)]))
+        .expect("decide");
+    assert!(fresh.is_admitted());
+    assert_eq!(fresh.statuses()[0].remaining, 1);
+    // The next reset is the first of January 2027.
+    assert_eq!(fresh.statuses()[0].reset, 1_798_761_600);
+}
+
+#[test]
+fn q1_a_refused_quota_spends_nothing_else_and_a_refused_call_spends_no_quota() {
+    let dir = TempDir::new("all-or-nothing");
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    let store = local(&dir, &clock, QuotaBookConfig::default());
+    // Quota of 1: the second call is refused by it and spends no class unit.
+    assert!(
+        rt.block_on(store.decide(&[class("a", 5), quota("one", 1)]))
+            .expect("d")
+            .is_admitted()
+    );
+    let refused = rt
+        .block_on(store.decide(&[class("a", 5), quota("one", 1)]))
+        .expect("d");
+    assert!(!refused.is_admitted());
+    assert_eq!(refused.binding_index(), 1, "the quota refused");
+    let class_left = rt
+        .block_on(store.peek(&[class("a", 5).with_cost(0)]))
+        .expect("p");
+    assert_eq!(
+        class_left.statuses()[0].remaining,
+        4,
+        "the refused call spent no class unit"
+    );
+    // A class budget of 1: the second call is refused by it and spends no quota.
+    assert!(
+        rt.block_on(store.decide(&[class("b", 1), quota("two", 10)]))
+            .expect("d")
+            .is_admitted()
+    );
+    let refused = rt
+        .block_on(store.decide(&[class("b", 1), quota("two", 10)]))
+        .expect("d");
+    assert!(!refused.is_admitted());
+    assert_eq!(refused.binding_index(), 0, "the class budget refused");
+    let quota_left = rt
+        .block_on(store.peek(&[quota("two", 10).with_cost(0)]))
+        .expect("p");
+    assert_eq!(
+        quota_left.statuses()[0].remaining,
+        9,
+        "the refused call spent no quota"
+    );
+}
+
+#[test]
+fn q1_concurrent_decisions_share_commits() {
+    let dir = TempDir::new("group");
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    let store = Arc::new(local(&dir, &clock, QuotaBookConfig::default()));
+    let admitted = rt.block_on(async {
+        let tasks: Vec<_> = (0..400)
+            .map(|i| {
+                let store = Arc::clone(&store);
+                tokio::spawn(async move {
+                    let ws = format!("ws{}", i % 8);
+                    store.decide(&[quota(&ws, 1_000)]).await
+                })
+            })
+            .collect();
+        let mut admitted = 0;
+        for t in tasks {
+            if t.await.expect("task").expect("decide").is_admitted() {
+                admitted += 1;
+            }
+        }
+        admitted
+    });
+    assert_eq!(admitted, 400);
+    let commits = store.book().expect("book").commits();
+    assert!(commits >= 1, "at least one commit");
+    assert!(
+        commits < 400,
+        "{commits} commits for 400 decisions: concurrent decisions must share commits"
+    );
+}
+
+#[test]
+fn q1_a_full_book_refuses_new_workspaces_and_keeps_counting_known_ones() {
+    let dir = TempDir::new("full");
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    let store = local(&dir, &clock, QuotaBookConfig { max_cells: 2 });
+    for ws in ["a", "b"] {
+        assert!(
+            rt.block_on(store.decide(&[quota(ws, 5)]))
+                .expect("d")
+                .is_admitted()
+        );
+    }
+    let full = rt.block_on(store.decide(&[quota("c", 5)]));
+    assert!(matches!(full, Err(StoreError::Unavailable(_))), "{full:?}");
+    assert!(
+        rt.block_on(store.decide(&[quota("a", 5)]))
+            .expect("d")
+            .is_admitted()
+    );
+    // Next month, last month's counts make room.
+    clock.set(Timestamp::from_secs(DECEMBER + 60));
+    assert!(
+        rt.block_on(store.decide(&[quota("c", 5)]))
+            .expect("d")
+            .is_admitted()
+    );
+}
+
+#[test]
+fn a_second_opener_of_one_data_dir_is_told_the_path() {
+    let dir = TempDir::new("locked");
+    let first = DurableStore::open(&dir.0).expect("open");
+    match DurableStore::open(&dir.0) {
+        Err(e @ OpenError::Locked { .. }) => {
+            assert!(e.to_string().contains(&*dir.0.to_string_lossy()), "{e}");
+        }
+        other => panic!("expected Locked, got {other:?}"),
+    }
+    drop(first);
+}
+
+#[test]
+fn a_corrupt_file_or_a_data_dir_that_is_a_file_is_an_error_naming_the_path() {
+    let dir = TempDir::new("corrupt");
+    std::fs::create_dir_all(&dir.0).expect("mkdir");
+    let file = dir.0.join(sluice_store::durable::DURABLE_FILE);
+    std::fs::write(&file, vec![0x5a; 64 * 1024]).expect("write");
+    let e = DurableStore::open(&dir.0).expect_err("corrupt");
+    assert!(matches!(e, OpenError::Unusable { .. }), "{e:?}");
+    assert!(e.to_string().contains(&*file.to_string_lossy()), "{e}");
+
+    let not_dir = dir.0.join("plain-file");
+    std::fs::write(&not_dir, b"x").expect("write");
+    let e = DurableStore::open(&not_dir).expect_err("a file");
+    assert!(matches!(e, OpenError::Directory { .. }), "{e:?}");
+    assert!(e.to_string().contains("plain-file"), "{e}");
+}
