@@ -32,18 +32,29 @@ buckets:
     per: user
     refusal: envelope
     message: "Export rate-limited. Try again in {retry_after} seconds."
+  warehouse_reads:
+    limit: 10
+    window_seconds: 60
+    per: user
+    weighted: true
+    refusal: envelope
+    message: "Rate limit exceeded. Maximum 10 queries per minute. Try again in {retry_after} seconds."
+quotas:
+  messages: { monthly: 1000 }
+  search: {}
+  evals: {}
 routes:
   - { method: GET, path: /mcp, class: protocol }
   - { method: DELETE, path: /mcp, class: protocol }
   - { method: POST, path: /mcp, jsonrpc: true }
   - { method: POST, path: /chats, class: expensive }
   - { method: POST, path: "/routines/{id}/run", class: expensive }
-  - { method: POST, path: /messages/optimize, class: expensive }
+  - { method: POST, path: /messages/optimize, class: expensive, quota: messages }
   - { method: POST, path: /messages/optimize/batch, class: expensive }
   - { method: GET, path: "/messages/optimize/batches/{id}", class: read }
-  - { method: POST, path: /search/query, class: read }
+  - { method: POST, path: /search/query, class: read, quota: search, buckets: [warehouse_reads] }
   - { method: GET, path: /search/fields, class: read }
-  - { method: POST, path: /evals, class: standard }
+  - { method: POST, path: /evals, class: standard, quota: evals }
   - { method: GET, path: "/evals/{id}/export", class: read, buckets: [export] }
   - { method: POST, path: /oauth/register, class: standard, buckets: [oauth_register] }
   - { path: "/oauth/*", class: standard }
@@ -62,11 +73,11 @@ jsonrpc:
       - prompts/list
       - logging/setLevel
   tools:
-    optimize_message: { class: expensive }
+    optimize_message: { class: expensive, quota: messages }
     optimize_message_batch: { class: expensive }
     start_chat: { class: expensive }
     run_routine: { class: expensive }
-    search_query: { class: read }
+    search_query: { class: read, quota: search, buckets: [warehouse_reads] }
     search_fields: { class: read }
     get_batch: { class: read }
   retired:

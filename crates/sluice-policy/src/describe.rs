@@ -2,7 +2,9 @@
 
 use std::fmt::Write as _;
 
-use crate::model::{Class, CredentialSource, Outage, Per, Policy, Refusal, RouteClass};
+use crate::model::{
+    Class, CredentialSource, OnExhausted, Outage, Per, Policy, Refusal, RouteClass, Spends,
+};
 
 impl Policy {
     /// The resolved policy, one fact a line: what `sluice check` prints.
@@ -70,11 +72,34 @@ impl Policy {
                 Refusal::Edge => "edge 429".to_owned(),
                 Refusal::Envelope { message } => format!("JSON envelope {message:?}"),
             };
+            let weighted = if b.weighted {
+                " (weighted: the upstream's X-Sluice-Cost says what a call spent)"
+            } else {
+                ""
+            };
+            let exhausted = match b.on_exhausted {
+                OnExhausted::Refuse => format!("refused with {refusal}"),
+                OnExhausted::Pass => "passed on to the upstream with X-Sluice-Exhausted".to_owned(),
+            };
             let _ = writeln!(
                 out,
-                "  {}: {} per {} s per {per}, refused with {refusal}",
+                "  {}: {} per {} s per {per}{weighted}, {exhausted}",
                 b.name, b.limit, b.window
             );
+        }
+        let _ = writeln!(out, "monthly quotas per workspace (calendar months, UTC):");
+        if self.quotas.is_empty() {
+            let _ = writeln!(out, "  (none)");
+        }
+        for q in &self.quotas {
+            match q.monthly {
+                Some(n) => {
+                    let _ = writeln!(out, "  {}: {n} a month", q.name);
+                }
+                None => {
+                    let _ = writeln!(out, "  {}: uncapped (counted)", q.name);
+                }
+            }
         }
         let _ = writeln!(out, "routes (first match wins):");
         for r in &self.routes {
@@ -84,16 +109,10 @@ impl Policy {
                 RouteClass::Fixed(c) => c.name().to_owned(),
                 RouteClass::JsonRpc => "per JSON-RPC item".to_owned(),
             };
-            let buckets: Vec<&str> = r
-                .buckets
-                .iter()
-                .filter_map(|&i| self.buckets.get(i).map(|b| b.name.as_str()))
-                .collect();
-            let also = if buckets.is_empty() {
-                String::new()
-            } else {
-                format!(" + {}", buckets.join(", "))
-            };
+            let also = self.describe_spends(&Spends {
+                buckets: r.buckets.clone(),
+                quota: r.quota,
+            });
             let _ = writeln!(out, "  {method:<7} {path:<36} {class}{also}");
         }
         let _ = writeln!(
@@ -118,7 +137,7 @@ impl Policy {
             .jsonrpc
             .tools
             .iter()
-            .map(|(t, c)| format!("{t}={c}"))
+            .map(|(t, tool)| format!("{t}={}{}", tool.class, self.describe_spends(&tool.spends)))
             .collect();
         tools.sort();
         let mut retired: Vec<String> = self
@@ -174,5 +193,19 @@ impl Policy {
             outage.join(", ")
         );
         out
+    }
+
+    /// ` + bucket, … + quota family` for what a route or tool spends besides its class.
+    fn describe_spends(&self, spends: &Spends) -> String {
+        let mut also = String::new();
+        for &i in &spends.buckets {
+            if let Some(b) = self.buckets.get(i) {
+                let _ = write!(also, " + {}", b.name);
+            }
+        }
+        if let Some(q) = spends.quota.and_then(|q| self.quotas.get(q)) {
+            let _ = write!(also, " + quota {}", q.name);
+        }
+        also
     }
 }

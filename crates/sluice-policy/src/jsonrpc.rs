@@ -2,13 +2,19 @@
 
 use serde_json::Value;
 
-use crate::model::{Bounds, Class, JsonRpc};
+use crate::model::{Bounds, Class, JsonRpc, MAX_BUCKETS, MAX_QUOTA_FAMILIES, Spends};
 
-/// What a JSON-RPC body holds, by class.
+/// What a request holds: items by class, and what its items spend besides
+/// (quota units by family, the buckets named).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Items {
     /// Items per class, indexed by [`Class::index`].
     pub counts: [u32; 4],
+    /// Units per quota family, indexed like [`crate::Policy::quotas`].
+    pub quotas: [u32; MAX_QUOTA_FAMILIES],
+    /// Units per bucket, indexed like [`crate::Policy::buckets`]: each item that
+    /// names a bucket spends one unit of it.
+    pub bucket_units: [u16; MAX_BUCKETS],
 }
 
 impl Items {
@@ -17,6 +23,29 @@ impl Items {
         let mut items = Items::default();
         items.counts[class.index()] = 1;
         items
+    }
+
+    /// Adds what one item spends besides its class.
+    pub fn add_spends(&mut self, spends: &Spends) {
+        for &b in &spends.buckets {
+            if let Some(units) = self.bucket_units.get_mut(b) {
+                *units = units.saturating_add(1);
+            }
+        }
+        if let Some(q) = spends.quota
+            && let Some(units) = self.quotas.get_mut(q)
+        {
+            *units = units.saturating_add(1);
+        }
+    }
+
+    /// The buckets named, with the units each spends, in index order.
+    pub fn named_buckets(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
+        self.bucket_units
+            .iter()
+            .enumerate()
+            .filter(|(_, units)| **units > 0)
+            .map(|(b, &units)| (b, u32::from(units)))
     }
 
     /// Items of `class`.
@@ -47,13 +76,44 @@ impl JsonRpc {
             Value::Array(batch) if !batch.is_empty() && batch.len() <= bounds.max_batch_items => {
                 let mut items = Items::default();
                 for item in batch {
-                    items.counts[self.item_class(item).index()] += 1;
+                    self.count_item(item, &mut items);
                 }
                 items
             }
-            Value::Object(_) => Items::one(self.item_class(&value)),
+            Value::Object(_) => {
+                let mut items = Items::default();
+                self.count_item(&value, &mut items);
+                items
+            }
             _ => Items::one(self.default_class),
         }
+    }
+
+    /// Counts one JSON-RPC message into `items`: its class, and for a tool call
+    /// what the tool spends besides.
+    fn count_item(&self, item: &Value, items: &mut Items) {
+        match self.item_tool(item) {
+            Some(tool) => {
+                items.counts[tool.class.index()] += 1;
+                items.add_spends(&tool.spends);
+            }
+            None => items.counts[self.item_class(item).index()] += 1,
+        }
+    }
+
+    /// The tool a `tools/call` message calls, when the policy names it (a retired
+    /// name by its `arguments.action`).
+    fn item_tool(&self, item: &Value) -> Option<&crate::model::Tool> {
+        if item.get("method").and_then(Value::as_str) != Some("tools/call") {
+            return None;
+        }
+        let params = item.get("params")?;
+        let name = params.get("name").and_then(Value::as_str)?;
+        let action = params
+            .get("arguments")
+            .and_then(|a| a.get("action"))
+            .and_then(Value::as_str);
+        self.tool(name, action)
     }
 
     /// The class of one JSON-RPC message.
@@ -62,13 +122,7 @@ impl JsonRpc {
             return self.default_class;
         };
         if method == "tools/call" {
-            let params = item.get("params");
-            let name = params.and_then(|p| p.get("name")).and_then(Value::as_str);
-            let action = params
-                .and_then(|p| p.get("arguments"))
-                .and_then(|a| a.get("action"))
-                .and_then(Value::as_str);
-            return name.map_or(self.default_class, |n| self.tool_class(n, action));
+            return self.item_tool(item).map_or(self.default_class, |t| t.class);
         }
         if let Some(&c) = self.methods.get(method) {
             return c;
@@ -82,15 +136,20 @@ impl JsonRpc {
     /// The class of a tool call: by name, or for a retired name by the tool
     /// its `arguments.action` now maps to.
     pub fn tool_class(&self, name: &str, action: Option<&str>) -> Class {
-        if let Some(&c) = self.tools.get(name) {
-            return c;
+        self.tool(name, action)
+            .map_or(self.default_class, |t| t.class)
+    }
+
+    /// The rule of a tool: by name, or for a retired name the rule of the tool
+    /// its `arguments.action` now maps to.
+    pub fn tool(&self, name: &str, action: Option<&str>) -> Option<&crate::model::Tool> {
+        if let Some(t) = self.tools.get(name) {
+            return Some(t);
         }
         self.retired
             .get(name)
             .and_then(|actions| actions.get(action?))
             .and_then(|tool| self.tools.get(tool))
-            .copied()
-            .unwrap_or(self.default_class)
     }
 }
 

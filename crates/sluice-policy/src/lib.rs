@@ -29,8 +29,9 @@ pub use default::{DEFAULT_POLICY_YAML, default_policy};
 pub use identity::{Caller, CallerKind, ClientIp, Who};
 pub use jsonrpc::Items;
 pub use model::{
-    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Outage, Per, Policy, Principal,
-    Profile, Refusal, Route, RouteClass, StorePolicy,
+    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, MAX_BUCKETS, MAX_QUOTA_FAMILIES,
+    OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass,
+    Spends, StorePolicy, Tool,
 };
 pub use pattern::PathPattern;
 pub use raw::RawPolicy;

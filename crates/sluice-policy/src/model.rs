@@ -140,12 +140,12 @@ pub enum Refusal {
     },
 }
 
-/// An extra named bucket (SPEC E7, H3).
+/// An extra named bucket (SPEC E7, H3), or a weighted budget (SPEC Q2).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bucket {
     /// Its name (used in keys and headers).
     pub name: String,
-    /// Requests per window.
+    /// Units per window.
     pub limit: NonZeroU32,
     /// Window length in seconds.
     pub window: NonZeroU32,
@@ -153,6 +153,63 @@ pub struct Bucket {
     pub per: Per,
     /// How a refusal looks.
     pub refusal: Refusal,
+    /// Weighted: admission needs one unit, and the upstream's cost header
+    /// (`X-Sluice-Cost`) then says what the call really spent (SPEC Q2). The
+    /// responses of a request holding it describe this budget in `X-RateLimit-*`.
+    pub weighted: bool,
+    /// What an exhausted budget does to a request.
+    pub on_exhausted: OnExhausted,
+}
+
+/// What an exhausted bucket does to a request (SPEC Q2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnExhausted {
+    /// Refuse it (429).
+    Refuse,
+    /// Forward it with `X-Sluice-Exhausted: <budget>; retry-after=<seconds>` and let
+    /// the upstream answer (the seed's "fuzzy lane").
+    Pass,
+}
+
+/// A monthly verb quota per workspace (SPEC Q1).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuotaFamily {
+    /// Its name (`search`, `evals`, `messages`, …).
+    pub name: String,
+    /// Calls per calendar month (UTC); `None` = uncapped (counted, never refused).
+    pub monthly: Option<NonZeroU32>,
+}
+
+impl QuotaFamily {
+    /// The limit a budget of this family counts against (`u32::MAX` when uncapped).
+    pub fn limit(&self) -> u32 {
+        self.monthly.map_or(u32::MAX, NonZeroU32::get)
+    }
+}
+
+/// The most quota families a policy may declare.
+pub const MAX_QUOTA_FAMILIES: usize = 8;
+
+/// The most buckets a policy may declare (a JSON-RPC body names the ones its
+/// tools spend in a bit set).
+pub const MAX_BUCKETS: usize = 32;
+
+/// What a call spends besides its class budget: route buckets and a quota family.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Spends {
+    /// Indices into [`Policy::buckets`].
+    pub buckets: Vec<usize>,
+    /// Index into [`Policy::quotas`].
+    pub quota: Option<usize>,
+}
+
+/// One JSON-RPC tool's rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tool {
+    /// Its class.
+    pub class: Class,
+    /// Buckets and quota a call of it spends.
+    pub spends: Spends,
 }
 
 /// Where a route's class comes from.
@@ -175,6 +232,8 @@ pub struct Route {
     pub class: RouteClass,
     /// Indices into [`Policy::buckets`] this route also spends.
     pub buckets: Vec<usize>,
+    /// Index into [`Policy::quotas`] this route counts against.
+    pub quota: Option<usize>,
 }
 
 impl Route {
@@ -192,8 +251,8 @@ pub struct JsonRpc {
     pub methods: HashMap<String, Class>,
     /// Method prefix (from `name/*`) → class.
     pub method_prefixes: Vec<(String, Class)>,
-    /// Tool → class.
-    pub tools: HashMap<String, Class>,
+    /// Tool → its class and what else it spends.
+    pub tools: HashMap<String, Tool>,
     /// Retired tool → action → current tool.
     pub retired: HashMap<String, HashMap<String, String>>,
     /// The class of anything not named.
@@ -253,6 +312,8 @@ pub struct Policy {
     pub identity: Identity,
     /// Extra buckets.
     pub buckets: Vec<Bucket>,
+    /// Monthly quota families.
+    pub quotas: Vec<QuotaFamily>,
     /// The route table, first match wins.
     pub routes: Vec<Route>,
     /// The class of a request no route matches.

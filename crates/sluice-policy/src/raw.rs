@@ -23,6 +23,9 @@ pub struct RawPolicy {
     /// Extra named buckets that routes refer to.
     #[serde(default)]
     pub buckets: BTreeMap<String, RawBucket>,
+    /// Monthly quota families per workspace, that routes and tools name.
+    #[serde(default)]
+    pub quotas: BTreeMap<String, RawQuota>,
     /// The route table, first match wins.
     #[serde(default)]
     pub routes: Vec<RawRoute>,
@@ -146,6 +149,19 @@ pub struct RawBucket {
     pub refusal: Option<String>,
     /// The envelope's message; `{retry_after}` is replaced by the seconds.
     pub message: Option<String>,
+    /// True: the upstream reports what a call spent (`X-Sluice-Cost`).
+    #[serde(default)]
+    pub weighted: bool,
+    /// `refuse` (default) or `pass`: forward with `X-Sluice-Exhausted`.
+    pub on_exhausted: Option<String>,
+}
+
+/// One monthly quota family.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawQuota {
+    /// Calls per calendar month (UTC) per workspace; absent = uncapped.
+    pub monthly: Option<u32>,
 }
 
 /// One route.
@@ -164,6 +180,8 @@ pub struct RawRoute {
     /// Extra buckets this route also spends.
     #[serde(default)]
     pub buckets: Vec<String>,
+    /// The monthly quota family this route counts against.
+    pub quota: Option<String>,
 }
 
 /// JSON-RPC classification rules.
@@ -189,6 +207,11 @@ pub struct RawJsonRpc {
 pub struct RawTool {
     /// Its cost class.
     pub class: String,
+    /// Extra buckets a call of it also spends.
+    #[serde(default)]
+    pub buckets: Vec<String>,
+    /// The monthly quota family a call of it counts against.
+    pub quota: Option<String>,
 }
 
 /// Header options.

@@ -10,8 +10,9 @@ use http::{HeaderName, Method};
 use ipnet::IpNet;
 
 use crate::model::{
-    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Outage, Per, Policy, Principal,
-    Profile, Refusal, Route, RouteClass, StorePolicy,
+    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, MAX_BUCKETS, MAX_QUOTA_FAMILIES,
+    OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass,
+    Spends, StorePolicy, Tool,
 };
 use crate::pattern::PathPattern;
 use crate::raw::{RawPolicy, RawProfile};
@@ -191,7 +192,27 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
         };
         let limit = v.nonzero(&format!("{at}.limit"), b.limit);
         let w = v.nonzero(&format!("{at}.window_seconds"), b.window_seconds);
-        if let (Some(per), Some(refusal), Some(limit), Some(window)) = (per, refusal, limit, w) {
+        let on_exhausted = match b.on_exhausted.as_deref() {
+            None | Some("refuse") => Some(OnExhausted::Refuse),
+            Some("pass") if b.weighted => Some(OnExhausted::Pass),
+            Some("pass") => {
+                v.problem(
+                    format!("{at}.on_exhausted"),
+                    "`pass` is for weighted budgets (`weighted: true`), whose upstream answers for them",
+                );
+                None
+            }
+            Some(other) => {
+                v.problem(
+                    format!("{at}.on_exhausted"),
+                    format!("expected refuse or pass, got {other:?}"),
+                );
+                None
+            }
+        };
+        if let (Some(per), Some(refusal), Some(limit), Some(window), Some(on_exhausted)) =
+            (per, refusal, limit, w, on_exhausted)
+        {
             bucket_index.insert(name.clone(), buckets.len());
             buckets.push(Bucket {
                 name: name.clone(),
@@ -199,8 +220,43 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
                 window,
                 per,
                 refusal,
+                weighted: b.weighted,
+                on_exhausted,
             });
         }
+    }
+    if raw.buckets.len() > MAX_BUCKETS {
+        v.problem("buckets", format!("at most {MAX_BUCKETS} buckets"));
+    }
+    let mut quota_index = HashMap::new();
+    let mut quotas = Vec::new();
+    for (name, q) in &raw.quotas {
+        let at = format!("quotas.{name}.monthly");
+        let monthly = match q.monthly {
+            None => None,
+            Some(n) => match v.nonzero(&at, n) {
+                Some(n) => Some(n),
+                None => continue,
+            },
+        };
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+            v.problem(
+                format!("quotas.{name}"),
+                "a family name is letters, digits and `_`",
+            );
+            continue;
+        }
+        quota_index.insert(name.clone(), quotas.len());
+        quotas.push(QuotaFamily {
+            name: name.clone(),
+            monthly,
+        });
+    }
+    if raw.quotas.len() > MAX_QUOTA_FAMILIES {
+        v.problem(
+            "quotas",
+            format!("at most {MAX_QUOTA_FAMILIES} quota families"),
+        );
     }
     let mut routes = Vec::new();
     for (i, r) in raw.routes.iter().enumerate() {
@@ -236,28 +292,26 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
                 None
             }
         };
-        let mut refs = Vec::new();
         if r.buckets.len() > MAX_ROUTE_BUCKETS {
             v.problem(
                 format!("{at}.buckets"),
                 format!("at most {MAX_ROUTE_BUCKETS} buckets per route (a decision touches at most {} budgets)", sluice_core::MAX_BUDGETS),
             );
         }
-        for (j, name) in r.buckets.iter().enumerate() {
-            match bucket_index.get(name) {
-                Some(&k) => refs.push(k),
-                None => v.problem(
-                    format!("{at}.buckets[{j}]"),
-                    format!("no bucket named {name:?} under `buckets`"),
-                ),
-            }
-        }
+        let spends = v.spends(
+            &at,
+            &r.buckets,
+            r.quota.as_deref(),
+            &bucket_index,
+            &quota_index,
+        );
         if let Some(class) = class {
             routes.push(Route {
                 method,
                 path,
                 class,
-                buckets: refs,
+                buckets: spends.buckets,
+                quota: spends.quota,
             });
         }
     }
@@ -265,7 +319,10 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
         "default_class",
         raw.default_class.as_deref().unwrap_or("standard"),
     );
-    let jsonrpc = v.jsonrpc(raw);
+    let jsonrpc = v.jsonrpc(raw, &bucket_index, &quota_index);
+    if let Some(j) = &jsonrpc {
+        v.budget_counts(&routes, j);
+    }
     let bounds = Bounds {
         max_body_bytes: raw.limits.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
         max_json_depth: raw.limits.max_json_depth.unwrap_or(DEFAULT_MAX_JSON_DEPTH),
@@ -297,6 +354,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             window,
             identity,
             buckets,
+            quotas,
             routes,
             default_class,
             jsonrpc,
@@ -493,7 +551,100 @@ impl Checker {
         })
     }
 
-    fn jsonrpc(&mut self, raw: &RawPolicy) -> Option<JsonRpc> {
+    /// The buckets and quota family named at `at`, each checked to exist.
+    fn spends(
+        &mut self,
+        at: &str,
+        buckets: &[String],
+        quota: Option<&str>,
+        bucket_index: &HashMap<String, usize>,
+        quota_index: &HashMap<String, usize>,
+    ) -> Spends {
+        let mut spends = Spends::default();
+        for (j, name) in buckets.iter().enumerate() {
+            match bucket_index.get(name) {
+                Some(&k) if !spends.buckets.contains(&k) => spends.buckets.push(k),
+                Some(_) => self.problem(format!("{at}.buckets[{j}]"), "listed twice"),
+                None => self.problem(
+                    format!("{at}.buckets[{j}]"),
+                    format!("no bucket named {name:?} under `buckets`"),
+                ),
+            }
+        }
+        if let Some(name) = quota {
+            match quota_index.get(name) {
+                Some(&k) => spends.quota = Some(k),
+                None => self.problem(
+                    format!("{at}.quota"),
+                    format!(
+                        "no quota family named {name:?} under `quotas` (declared: {})",
+                        {
+                            let mut names: Vec<&str> =
+                                quota_index.keys().map(String::as_str).collect();
+                            names.sort_unstable();
+                            if names.is_empty() {
+                                "none".to_owned()
+                            } else {
+                                names.join(", ")
+                            }
+                        }
+                    ),
+                ),
+            }
+        }
+        spends
+    }
+
+    /// Checks that no request any route admits can touch more budgets than one
+    /// decision holds: its classes, one IP ceiling, its buckets and quotas.
+    fn budget_counts(&mut self, routes: &[Route], jsonrpc: &JsonRpc) {
+        let mut tool_buckets: Vec<usize> = Vec::new();
+        let mut tool_quotas: Vec<usize> = Vec::new();
+        for tool in jsonrpc.tools.values() {
+            for &b in &tool.spends.buckets {
+                if !tool_buckets.contains(&b) {
+                    tool_buckets.push(b);
+                }
+            }
+            if let Some(q) = tool.spends.quota
+                && !tool_quotas.contains(&q)
+            {
+                tool_quotas.push(q);
+            }
+        }
+        for (i, r) in routes.iter().enumerate() {
+            let n = match r.class {
+                RouteClass::Fixed(_) => 2 + r.buckets.len() + usize::from(r.quota.is_some()),
+                RouteClass::JsonRpc => {
+                    let mut buckets = tool_buckets.clone();
+                    buckets.extend(r.buckets.iter().filter(|b| !tool_buckets.contains(b)));
+                    let mut quotas = tool_quotas.clone();
+                    if let Some(q) = r.quota
+                        && !quotas.contains(&q)
+                    {
+                        quotas.push(q);
+                    }
+                    Class::ALL.len() + 1 + buckets.len() + quotas.len()
+                }
+            };
+            if n > sluice_core::MAX_BUDGETS {
+                self.problem(
+                    format!("routes[{i}]"),
+                    format!(
+                        "a request here may touch {n} budgets (classes, the IP ceiling, buckets and quotas, with its tools'); one decision holds at most {}",
+                        sluice_core::MAX_BUDGETS
+                    ),
+                );
+            }
+        }
+    }
+
+    fn jsonrpc(
+        &mut self,
+        raw: &RawPolicy,
+        bucket_index: &HashMap<String, usize>,
+        quota_index: &HashMap<String, usize>,
+    ) -> Option<JsonRpc> {
         let j = &raw.jsonrpc;
         let mut methods = HashMap::new();
         let mut method_prefixes = Vec::new();
@@ -513,8 +664,16 @@ impl Checker {
         }
         let mut tools = HashMap::new();
         for (name, t) in &j.tools {
-            if let Some(c) = self.class(&format!("jsonrpc.tools.{name}.class"), &t.class) {
-                tools.insert(name.clone(), c);
+            let at = format!("jsonrpc.tools.{name}");
+            let spends = self.spends(
+                &at,
+                &t.buckets,
+                t.quota.as_deref(),
+                bucket_index,
+                quota_index,
+            );
+            if let Some(class) = self.class(&format!("{at}.class"), &t.class) {
+                tools.insert(name.clone(), Tool { class, spends });
             }
         }
         let mut retired = HashMap::new();
