@@ -273,7 +273,7 @@ fn binding_budget_is_the_tightest_or_the_refusing_one() {
 #[test]
 fn too_many_budgets_is_an_error_not_a_panic() {
     let b = Budget::per_window(BudgetKey::new("x", b"k"), 1, secs(1));
-    let many = [b; 9];
+    let many = [b; sluice_core::MAX_BUDGETS + 1];
     assert!(decide(&many, &mut MapLedger::default(), at(T0, 0), Mode::Spend).is_err());
 }
 

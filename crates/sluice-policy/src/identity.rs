@@ -39,6 +39,36 @@ pub struct Caller {
     /// The principal, when the credential is in the key table or a trusted
     /// auth layer named one.
     pub principal: Option<Principal>,
+    /// The SHA-256 of the credential, when there is one (never the credential).
+    pub credential_sha256: Option<[u8; 32]>,
+}
+
+impl Caller {
+    /// The workspace as the upstream is told it (`X-Sluice-Workspace`) and the
+    /// admin's `/quotas?workspace=` takes it: the principal's workspace, else
+    /// `key:<SHA-256 of the credential, hex>`, else `ip:<client address or prefix>`.
+    pub fn workspace_label(&self) -> String {
+        match &self.principal {
+            Some(p) => p.workspace.clone(),
+            None => self.own_label(),
+        }
+    }
+
+    /// The user as the upstream is told it (`X-Sluice-User`), labelled as
+    /// [`Caller::workspace_label`].
+    pub fn user_label(&self) -> String {
+        match &self.principal {
+            Some(p) => p.user.clone(),
+            None => self.own_label(),
+        }
+    }
+
+    fn own_label(&self) -> String {
+        match &self.credential_sha256 {
+            Some(sha) => format!("key:{}", hex::encode(sha)),
+            None => self.who.to_string(),
+        }
+    }
 }
 
 /// A caller as logs and the status page show it, rendered only when shown:
@@ -177,6 +207,7 @@ impl Identity {
                     user,
                     who: Who::Key(prefix),
                     principal,
+                    credential_sha256: Some(sha),
                 }
             }
             None => {
@@ -188,6 +219,7 @@ impl Identity {
                     user,
                     who: client.who,
                     principal: from_auth_layer,
+                    credential_sha256: None,
                 }
             }
         }
@@ -211,6 +243,35 @@ impl Identity {
         names.sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
         names.dedup();
         names
+    }
+
+    /// The subject digest of the workspace a label names (see
+    /// [`Caller::workspace_label`]): `key:<hex>` is an unknown credential's own
+    /// workspace, `ip:<address>` a caller without credential, anything else a
+    /// named workspace. `None` for a `key:`/`ip:` label that does not parse.
+    pub fn workspace_subject(&self, label: &str) -> Option<u64> {
+        if let Some(hex_sha) = label.strip_prefix("key:") {
+            let mut sha = [0u8; 32];
+            hex::decode_to_slice(hex_sha, &mut sha).ok()?;
+            let mut keyed = [0u8; 37];
+            keyed[..5].copy_from_slice(b"cred:");
+            keyed[5..].copy_from_slice(&sha);
+            return Some(digest(&keyed));
+        }
+        if let Some(addr) = label.strip_prefix("ip:") {
+            let addr = addr.split('/').next().unwrap_or(addr);
+            return Some(self.ip_subject(addr.parse().ok()?).subject);
+        }
+        Some(
+            principal_digests(
+                Some(&Principal {
+                    workspace: label.to_owned(),
+                    user: String::new(),
+                }),
+                0,
+            )
+            .0,
+        )
     }
 
     /// True when `peer` is a trusted proxy.

@@ -464,6 +464,18 @@ impl Checker {
         }
         let mut keys = HashMap::new();
         for (i, k) in id.keys.iter().enumerate() {
+            for (field, name) in [("workspace", &k.workspace), ("user", &k.user)] {
+                let printable = !name.is_empty()
+                    && name.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+                    && !name.starts_with(' ')
+                    && !name.ends_with(' ');
+                if !printable || name.starts_with("key:") || name.starts_with("ip:") {
+                    self.problem(
+                        format!("identity.keys[{i}].{field}"),
+                        format!("expected printable ASCII not starting with `key:` or `ip:` (it is sent upstream as a header), got {name:?}"),
+                    );
+                }
+            }
             let mut digest = [0u8; 32];
             match hex::decode_to_slice(&k.sha256, &mut digest) {
                 Ok(()) => {

@@ -167,7 +167,7 @@ async fn the_store_trait_decides_peeks_and_adjusts() {
     assert_eq!(s.remaining, 9);
     let p = store.peek(&[b]).await.expect("peek");
     assert_eq!(p.statuses()[0].remaining, 9);
-    let err = store.decide(&[b; 9]).await;
+    let err = store.decide(&[b; sluice_core::MAX_BUDGETS + 1]).await;
     assert!(
         err.is_err(),
         "more than MAX_BUDGETS is an error, not a panic"

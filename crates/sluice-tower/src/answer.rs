@@ -12,7 +12,81 @@ use http_body_util::Full;
 use sluice_core::Decision;
 use sluice_policy::{Policy, Refusal};
 
-use crate::plan::Plan;
+use crate::plan::{BudgetKind, Plan};
+
+/// `X-Sluice-Workspace`: the caller's workspace, sent to the upstream.
+pub const X_SLUICE_WORKSPACE: HeaderName = HeaderName::from_static("x-sluice-workspace");
+/// `X-Sluice-User`: the caller's user, sent to the upstream.
+pub const X_SLUICE_USER: HeaderName = HeaderName::from_static("x-sluice-user");
+/// `X-Sluice-Cost`: what a call spent of its weighted budget, from the upstream.
+pub const X_SLUICE_COST: HeaderName = HeaderName::from_static("x-sluice-cost");
+/// `X-Sluice-Exhausted`: a weighted budget passed on exhausted, to the upstream.
+pub const X_SLUICE_EXHAUSTED: HeaderName = HeaderName::from_static("x-sluice-exhausted");
+
+/// True for the headers that carry signals between sluice and its upstream
+/// (`X-Sluice-*`): a client's are removed before forwarding, an upstream's
+/// `X-Sluice-Cost` before answering.
+pub fn is_sluice_signal(name: &[u8]) -> bool {
+    name.len() >= 9 && name[..9].eq_ignore_ascii_case(b"x-sluice-")
+}
+
+/// Calls `emit` with each header sluice adds to a forwarded request:
+/// `X-Sluice-Workspace`, `X-Sluice-User`, and `X-Sluice-Exhausted` for a
+/// weighted budget passed on exhausted. A server that writes its heads itself
+/// writes these; [`upstream_headers`] puts them in a header map.
+pub fn for_each_upstream_header(
+    plan: &Plan,
+    policy: &Policy,
+    mut emit: impl FnMut(&HeaderName, &[u8]),
+) {
+    emit(&X_SLUICE_WORKSPACE, plan.from.workspace_label().as_bytes());
+    emit(&X_SLUICE_USER, plan.from.user_label().as_bytes());
+    if let Some(passed) = plan.passed {
+        let value = format!(
+            "{}; retry-after={}",
+            plan.name(passed.index, policy),
+            passed.retry_after
+        );
+        emit(&X_SLUICE_EXHAUSTED, value.as_bytes());
+    }
+}
+
+/// Replaces the client's `X-Sluice-*` headers with sluice's own (see
+/// [`for_each_upstream_header`]).
+pub fn upstream_headers(headers: &mut HeaderMap, plan: &Plan, policy: &Policy) {
+    let signals: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| is_sluice_signal(n.as_str().as_bytes()))
+        .cloned()
+        .collect();
+    for name in signals {
+        headers.remove(name);
+    }
+    for_each_upstream_header(plan, policy, |name, value| {
+        if let Ok(v) = HeaderValue::from_bytes(value) {
+            headers.insert(name.clone(), v);
+        }
+    });
+}
+
+/// Reads and removes the upstream's `X-Sluice-Cost`: `Some(cost)` to charge,
+/// `None` when absent (the unit spent at admission stands). A value that is not a
+/// number is charged as one unit, as absent.
+pub fn take_cost(headers: &mut HeaderMap) -> Option<u32> {
+    let value = headers.remove(X_SLUICE_COST)?;
+    parse_cost(value.as_bytes())
+}
+
+/// An `X-Sluice-Cost` value: a decimal count of units (saturating), or `None`.
+pub fn parse_cost(value: &[u8]) -> Option<u32> {
+    let digits = value.trim_ascii();
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(digits.iter().fold(0u32, |n, &d| {
+        n.saturating_mul(10).saturating_add(u32::from(d - b'0'))
+    }))
+}
 
 /// `X-RateLimit-Limit`.
 pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
@@ -64,7 +138,7 @@ pub fn for_each_rate_limit_header(
     policy: &Policy,
     mut emit: impl FnMut(&HeaderName, RateLimitValue<'_>),
 ) {
-    let Some(binding) = decision.binding() else {
+    let Some(binding) = decision.statuses().get(plan.shown_index(decision, policy)) else {
         return;
     };
     emit(
@@ -83,7 +157,7 @@ pub fn for_each_rate_limit_header(
         for (i, s) in decision.statuses().iter().enumerate() {
             let name = plan.name(i, policy);
             let sep = if i == 0 { "" } else { ", " };
-            let w = plan.windows.get(i).copied().unwrap_or(0);
+            let w = plan.window_secs(i, decision);
             let _ = write!(quota_policy, "{sep}\"{name}\";q={};w={w}", s.limit);
             // Seconds until more quota: the window's reset (for every budget
             // of a refused request this is <= Retry-After's wait).
@@ -114,11 +188,42 @@ pub fn rate_limit_headers(
     });
 }
 
-/// The 429 for a refused decision: the edge form or the JSON envelope,
-/// depending on the refusing budget, always with `Retry-After`.
+/// The 429 for a refused decision: the edge form, the JSON envelope, or for
+/// a monthly quota `quota_exceeded` — depending on the refusing budget, with
+/// `Retry-After`.
 pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Full<Bytes>> {
     let wait = refusal_wait(decision);
     let binding = decision.binding_index();
+    if let Some(BudgetKind::Quota(q)) = plan.kinds.get(binding)
+        && let (Some(family), Some(status)) =
+            (policy.quotas.get(*q), decision.statuses().get(binding))
+    {
+        let usage = status.limit - status.remaining;
+        let resets_at = rfc3339(status.reset);
+        let mut response = envelope_response(
+            StatusCode::TOO_MANY_REQUESTS,
+            "quota_exceeded",
+            &format!(
+                "Monthly {} quota exceeded: {usage} of {} used. It resets at {resets_at}.",
+                family.name, status.limit
+            ),
+            serde_json::json!({
+                "family": family.name,
+                "limit": status.limit,
+                "usage": usage,
+                "resets_at": resets_at,
+            }),
+        );
+        // A request larger than the whole monthly cap never fits: no Retry-After.
+        if !decision.is_never() {
+            response.headers_mut().insert(
+                RETRY_AFTER,
+                HeaderValue::from(status.reset_after_secs(decision.decided_at()).max(1)),
+            );
+        }
+        rate_limit_headers(response.headers_mut(), decision, plan, policy);
+        return response;
+    }
     let mut response = match plan.refusal(binding, policy) {
         Refusal::Edge => {
             let mut r = Response::new(Full::new(Bytes::from_static(EDGE_BODY.as_bytes())));
@@ -137,6 +242,8 @@ pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Fu
                 serde_json::json!({
                     "retry_at": rfc3339(at),
                     "retry_after_seconds": wait,
+                    "limit": decision.statuses().get(binding).map_or(0, |s| s.limit),
+                    "window_seconds": plan.window_secs(binding, decision),
                 }),
             )
         }

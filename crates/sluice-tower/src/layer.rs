@@ -15,6 +15,7 @@ use tower::{Layer, Service};
 
 use crate::answer::{
     body_unreadable, limiter_unavailable, payload_too_large, rate_limit_headers, refusal,
+    take_cost, upstream_headers,
 };
 use crate::limiter::Limiter;
 
@@ -80,6 +81,7 @@ where
     S: BudgetStore + Send + Sync + 'static,
     I: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
     I::Future: Send + 'static,
+    RB: Send,
     B: Body + From<Bytes> + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -98,7 +100,7 @@ where
         let mut inner = std::mem::replace(&mut self.inner, ready);
         let limiter = Arc::clone(&self.limiter);
         Box::pin(async move {
-            let (parts, body) = request.into_parts();
+            let (mut parts, body) = request.into_parts();
             let peer = parts
                 .extensions
                 .get::<PeerAddr>()
@@ -106,7 +108,7 @@ where
             let policy = limiter.policy();
             let mut too_large = false;
             let route = limiter.route(&parts);
-            let (body, plan) = if Limiter::<S>::needs_body(route) {
+            let (body, mut plan) = if Limiter::<S>::needs_body(route) {
                 let max = policy.bounds.max_body_bytes;
                 match Limited::new(body, max).collect().await {
                     Ok(collected) => {
@@ -127,7 +129,7 @@ where
                 let plan = limiter.plan(&parts, peer, route, None);
                 (body, plan)
             };
-            let decision = match limiter.decide(&plan).await {
+            let decision = match limiter.decide(&mut plan).await {
                 Ok(d) => d,
                 Err(e) => return Ok(limiter_unavailable(&e).map(Either::Left)),
             };
@@ -139,7 +141,10 @@ where
                 rate_limit_headers(r.headers_mut(), &decision, &plan, policy);
                 return Ok(r.map(Either::Left));
             }
+            upstream_headers(&mut parts.headers, &plan, policy);
             let mut response = inner.call(Request::from_parts(parts, body)).await?;
+            let cost = take_cost(response.headers_mut());
+            let decision = limiter.settle(&plan, decision, cost).await;
             rate_limit_headers(response.headers_mut(), &decision, &plan, policy);
             Ok(response.map(Either::Right))
         })

@@ -21,10 +21,15 @@ mod plan;
 
 pub use answer::{
     EDGE_BODY, RATELIMIT, RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT,
-    X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, body_unreadable, envelope_response,
-    for_each_rate_limit_header, limiter_unavailable, payload_too_large, rate_limit_headers,
-    refusal, refusal_wait, retry_after_secs, rfc3339,
+    X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, X_SLUICE_COST, X_SLUICE_EXHAUSTED, X_SLUICE_USER,
+    X_SLUICE_WORKSPACE, body_unreadable, envelope_response, for_each_rate_limit_header,
+    for_each_upstream_header, is_sluice_signal, limiter_unavailable, parse_cost, payload_too_large,
+    rate_limit_headers, refusal, refusal_wait, retry_after_secs, rfc3339, take_cost,
+    upstream_headers,
 };
 pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService};
-pub use limiter::{DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, TOP_CALLERS_TRACKED};
-pub use plan::{BudgetKind, Plan, Scopes};
+pub use limiter::{
+    DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage,
+    TOP_CALLERS_TRACKED,
+};
+pub use plan::{BudgetKind, Passed, Plan, Scopes};

@@ -10,10 +10,10 @@ use http::request::Parts;
 use http::{HeaderMap, Method};
 use parking_lot::Mutex;
 use sluice_core::Decision;
-use sluice_policy::{Class, Items, Outage, Policy, Route, RouteClass, Who};
+use sluice_policy::{Class, Items, Outage, Policy, Route, RouteClass, Spends, Who};
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, StoreError};
 
-use crate::plan::{BudgetKind, Plan, Scopes, plan};
+use crate::plan::{BudgetKind, Passed, Plan, Scopes, plan};
 
 /// The most callers the status page tracks per window; past it new callers
 /// are counted together as `others`.
@@ -44,10 +44,12 @@ struct Meters {
     decisions: [[metrics::Counter; 3]; 4],
     decision_seconds: metrics::Histogram,
     local: metrics::Counter,
+    /// `sluice_quota_units_total{family}` by family index.
+    quota_units: Vec<metrics::Counter>,
 }
 
 impl Meters {
-    fn register() -> Self {
+    fn register(policy: &Policy) -> Self {
         let outcomes = ["admitted", "refused", "error"];
         Meters {
             decisions: Class::ALL.map(|c| {
@@ -57,6 +59,11 @@ impl Meters {
             }),
             decision_seconds: metrics::histogram!("sluice_decision_seconds"),
             local: metrics::counter!("sluice_local_decisions_total"),
+            quota_units: policy
+                .quotas
+                .iter()
+                .map(|q| metrics::counter!("sluice_quota_units_total", "family" => q.name.clone()))
+                .collect(),
         }
     }
 }
@@ -82,6 +89,34 @@ pub const DECISION_SECONDS_BUCKETS: &[f64] = &[
     0.1,
 ];
 
+/// One workspace's standing on one monthly quota family (SPEC Q1).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuotaUsage {
+    /// The family.
+    pub family: String,
+    /// Calls a month, `None` when uncapped.
+    pub limit: Option<u32>,
+    /// Calls counted this month.
+    pub usage: u32,
+    /// When the month turns (Unix seconds).
+    pub resets_at: u64,
+}
+
+/// Why a quota could not be read or reset.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum QuotaQueryError {
+    /// A `key:` or `ip:` label that does not parse.
+    #[error("not a workspace: expected a workspace name, key:<64 hex digits> or ip:<address>")]
+    Workspace,
+    /// A family the policy does not declare.
+    #[error("no quota family named {0:?}")]
+    Family(String),
+    /// The store could not answer.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
 /// Cells kept by the fallback store used while a shared store is down.
 pub const FALLBACK_MAX_KEYS: usize = 100_000;
 
@@ -96,6 +131,7 @@ struct TopCallers {
 impl<S: BudgetStore> Limiter<S> {
     /// A limiter enforcing `policy` on `store`.
     pub fn new(policy: Policy, store: S) -> Self {
+        let metrics = Meters::register(&policy);
         Limiter {
             scopes: Scopes::new(&policy),
             policy,
@@ -106,7 +142,7 @@ impl<S: BudgetStore> Limiter<S> {
             }),
             degraded: AtomicBool::new(false),
             top: Mutex::default(),
-            metrics: Meters::register(),
+            metrics,
         }
     }
 
@@ -132,12 +168,14 @@ impl<S: BudgetStore> Limiter<S> {
         }
     }
 
-    /// True when every class the plan holds fails open.
+    /// True when every class the plan holds fails open and it holds no capped
+    /// monthly quota (a quota decided on one replica alone would not be one).
     fn fails_open(&self, plan: &Plan) -> bool {
-        plan.kinds.iter().all(|k| match k {
-            BudgetKind::Class(c) => self.policy.store.outage(*c) == Outage::FailOpen,
-            _ => true,
-        })
+        !plan.holds_capped_quota(&self.policy)
+            && plan.kinds.iter().all(|k| match k {
+                BudgetKind::Class(c) => self.policy.store.outage(*c) == Outage::FailOpen,
+                _ => true,
+            })
     }
 
     /// Decides `plan` on the fallback store with this replica's share of each limit.
@@ -208,7 +246,7 @@ impl<S: BudgetStore> Limiter<S> {
         let identity = &policy.identity;
         let client = identity.client_ip(peer, headers);
         let caller = identity.caller(headers, &client, identity.trusts(peer));
-        let items = match route.map(|r| &r.class) {
+        let mut items = match route.map(|r| &r.class) {
             Some(RouteClass::Fixed(c)) => Items::one(*c),
             Some(RouteClass::JsonRpc) => match body {
                 Some(b) => policy.jsonrpc.classify(b, &policy.bounds),
@@ -216,17 +254,118 @@ impl<S: BudgetStore> Limiter<S> {
             },
             None => Items::one(policy.default_class),
         };
-        let buckets = route.map_or(&[][..], |r| r.buckets.as_slice());
-        plan(policy, &self.scopes, &items, &caller, &client, buckets)
+        if let Some(route) = route {
+            items.add_spends(&Spends {
+                buckets: route.buckets.clone(),
+                quota: route.quota,
+            });
+        }
+        plan(policy, &self.scopes, &items, caller, &client)
     }
 
     /// Decides every budget of `plan` at once, and records the outcome.
     ///
+    /// A request refused only by weighted budgets that pass an exhausted request on
+    /// (`on_exhausted: pass`) is decided again without spending them and admitted;
+    /// [`Plan::passed`] then says which one, for `X-Sluice-Exhausted`.
+    ///
     /// # Errors
     /// The store's, when it cannot answer.
-    pub async fn decide(&self, plan: &Plan) -> Result<Decision, StoreError> {
+    pub async fn decide(&self, plan: &mut Plan) -> Result<Decision, StoreError> {
+        let mut decision = self.decide_budgets(plan, &plan.budgets).await;
+        if let Ok(refused) = &decision
+            && !refused.is_admitted()
+            && let Some(passed) = self.passable(plan, refused)
+        {
+            let mut budgets = plan.budgets.clone();
+            budgets[passed.index].cost = 0;
+            let again = self.decide_budgets(plan, &budgets).await;
+            if again.as_ref().is_ok_and(Decision::is_admitted) {
+                plan.passed = Some(passed);
+            }
+            decision = again;
+        }
+        self.record(plan, &decision);
+        decision
+    }
+
+    /// The pass-on budget that alone refused `refused`, if that is all that did.
+    fn passable(&self, plan: &Plan, refused: &Decision) -> Option<Passed> {
+        let mut passed = None;
+        for (i, s) in refused.statuses().iter().enumerate() {
+            if s.verdict == sluice_core::Verdict::Admitted {
+                continue;
+            }
+            if !plan.passes(i, &self.policy) || passed.is_some() {
+                return None;
+            }
+            let wait = s.retry_after().map_or_else(
+                || s.reset_after_secs(refused.decided_at()),
+                crate::answer::retry_after_secs,
+            );
+            passed = Some(Passed {
+                index: i,
+                retry_after: wait.max(1),
+            });
+        }
+        passed
+    }
+
+    /// Charges the weighted budgets of an admitted `plan` what the upstream said
+    /// the call cost (`cost`: `X-Sluice-Cost`, `None` = 1 per item, as admitted),
+    /// and returns the decision with their statuses after the charge (SPEC Q2). A
+    /// store that cannot answer leaves the decision as it was.
+    pub async fn settle(&self, plan: &Plan, decision: Decision, cost: Option<u32>) -> Decision {
+        let Some(cost) = cost else {
+            return decision;
+        };
+        let mut statuses: arrayvec::ArrayVec<
+            sluice_core::BudgetStatus,
+            { sluice_core::MAX_BUDGETS },
+        > = decision.statuses().iter().copied().collect();
+        let mut changed = false;
+        for i in plan.weighted(&self.policy) {
+            if plan.passed.is_some_and(|p| p.index == i) {
+                continue;
+            }
+            let Some(budget) = plan.budgets.get(i) else {
+                continue;
+            };
+            let delta = i64::from(cost) - i64::from(budget.cost);
+            if delta == 0 {
+                continue;
+            }
+            match self
+                .store
+                .adjust(budget, delta, decision.decided_at())
+                .await
+            {
+                Ok(status) => {
+                    if let Some(s) = statuses.get_mut(i) {
+                        *s = status;
+                        changed = true;
+                    }
+                }
+                Err(e) => {
+                    metrics::counter!("sluice_settle_failures_total").increment(1);
+                    let _ = e;
+                }
+            }
+        }
+        if changed {
+            Decision::from_statuses(decision.decided_at(), statuses)
+        } else {
+            decision
+        }
+    }
+
+    async fn decide_budgets(
+        &self,
+        plan: &Plan,
+        budgets: &[sluice_core::Budget],
+    ) -> Result<Decision, StoreError> {
         let started = Instant::now();
-        let decision = match self.store.decide(&plan.budgets).await {
+        let decision = match self.store.decide(budgets).await {
             Ok(d) => {
                 self.set_degraded(false);
                 Ok(d)
@@ -245,9 +384,21 @@ impl<S: BudgetStore> Limiter<S> {
         self.metrics
             .decision_seconds
             .record(started.elapsed().as_secs_f64());
+        decision
+    }
+
+    /// Counts a decision's outcome in the metrics and the status page.
+    fn record(&self, plan: &Plan, decision: &Result<Decision, StoreError>) {
         let counters = &self.metrics.decisions[plan.top_class.index()];
-        match &decision {
+        match decision {
             Ok(d) if d.is_admitted() => {
+                for (b, k) in plan.budgets.iter().zip(&plan.kinds) {
+                    if let BudgetKind::Quota(q) = k
+                        && let Some(meter) = self.metrics.quota_units.get(*q)
+                    {
+                        meter.increment(u64::from(b.cost));
+                    }
+                }
                 counters[0].increment(1);
                 let units: u64 = plan
                     .budgets
@@ -268,7 +419,82 @@ impl<S: BudgetStore> Limiter<S> {
                 counters[2].increment(1);
             }
         }
-        decision
+    }
+
+    /// Where a workspace stands on every monthly quota family (SPEC Q1), by its
+    /// label as the upstream is told it (`X-Sluice-Workspace`).
+    ///
+    /// # Errors
+    /// [`QuotaQueryError`]: a label that names no workspace, or a store that
+    /// cannot answer.
+    pub async fn quota_usage(&self, workspace: &str) -> Result<Vec<QuotaUsage>, QuotaQueryError> {
+        let (families, budgets) = self.quota_budgets(workspace, None)?;
+        let decision = self.store.peek(&budgets).await?;
+        Ok(self.usage_of(&families, &decision))
+    }
+
+    /// Sets a workspace's usage of one family (or of every family) back to zero
+    /// for the current month, and returns where it then stands.
+    ///
+    /// # Errors
+    /// As [`Limiter::quota_usage`], and an unknown family.
+    pub async fn reset_quota(
+        &self,
+        workspace: &str,
+        family: Option<&str>,
+    ) -> Result<Vec<QuotaUsage>, QuotaQueryError> {
+        let (families, budgets) = self.quota_budgets(workspace, family)?;
+        let now = self.store.peek(&budgets).await?.decided_at();
+        for b in &budgets {
+            self.store.adjust(b, -i64::from(b.limit), now).await?;
+        }
+        let decision = self.store.peek(&budgets).await?;
+        Ok(self.usage_of(&families, &decision))
+    }
+
+    /// The families asked for (indices) and their budgets for `workspace`, spending nothing.
+    fn quota_budgets(
+        &self,
+        workspace: &str,
+        family: Option<&str>,
+    ) -> Result<(Vec<usize>, Vec<sluice_core::Budget>), QuotaQueryError> {
+        let subject = self
+            .policy
+            .identity
+            .workspace_subject(workspace)
+            .ok_or(QuotaQueryError::Workspace)?;
+        if let Some(f) = family
+            && !self.policy.quotas.iter().any(|q| q.name == f)
+        {
+            return Err(QuotaQueryError::Family(f.to_owned()));
+        }
+        Ok(self
+            .policy
+            .quotas
+            .iter()
+            .enumerate()
+            .filter(|(_, q)| family.is_none_or(|f| q.name == f))
+            .filter_map(|(i, q)| {
+                let scope = *self.scopes.quota(i)?;
+                Some((i, crate::plan::quota_budget(scope, q, subject, 0)))
+            })
+            .unzip())
+    }
+
+    fn usage_of(&self, families: &[usize], decision: &Decision) -> Vec<QuotaUsage> {
+        families
+            .iter()
+            .zip(decision.statuses())
+            .filter_map(|(&i, s)| {
+                let q = self.policy.quotas.get(i)?;
+                Some(QuotaUsage {
+                    family: q.name.clone(),
+                    limit: q.monthly.map(std::num::NonZeroU32::get),
+                    usage: s.limit - s.remaining,
+                    resets_at: s.reset,
+                })
+            })
+            .collect()
     }
 
     /// A summary for `/status`: the policy's numbers and the callers that

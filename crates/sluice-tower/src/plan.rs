@@ -1,11 +1,12 @@
 //! From a classified request to the budgets it spends: its class budgets,
-//! one IP ceiling and any route buckets, decided together (SPEC E1–E7).
+//! one IP ceiling, any route buckets (weighted ones too) and monthly quotas,
+//! decided together (SPEC E1–E7, Q1, Q2).
 
 use std::num::NonZeroU32;
 
 use arrayvec::ArrayVec;
-use sluice_core::{Budget, BudgetKey, MAX_BUDGETS, Rate, digest};
-use sluice_policy::{Caller, Class, ClientIp, Items, Per, Policy, Refusal};
+use sluice_core::{Budget, BudgetKey, Decision, MAX_BUDGETS, Rate, digest, month_of};
+use sluice_policy::{Caller, Class, ClientIp, Items, OnExhausted, Per, Policy, Refusal};
 
 /// What a budget of a plan is, for headers, refusals and metrics.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -18,6 +19,18 @@ pub enum BudgetKind {
     IpProtocol,
     /// A route bucket (index into the policy's buckets).
     Bucket(usize),
+    /// A monthly quota (index into the policy's quota families).
+    Quota(usize),
+}
+
+/// A weighted budget that was exhausted and passed on to the upstream instead
+/// of refusing the request (`on_exhausted: pass`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Passed {
+    /// The budget's index in the plan.
+    pub index: usize,
+    /// Seconds until it has room again.
+    pub retry_after: u64,
 }
 
 /// The budgets of one request, with what each one is.
@@ -35,6 +48,10 @@ pub struct Plan {
     pub caller: u64,
     /// The caller as logs and the status page show it.
     pub who: sluice_policy::Who,
+    /// Who the request is from: its workspace and user for the upstream.
+    pub from: Caller,
+    /// A weighted budget passed on exhausted (set by the decision).
+    pub passed: Option<Passed>,
 }
 
 /// Digests of every scope name, computed once per policy.
@@ -44,6 +61,7 @@ pub struct Scopes {
     ip_work: u64,
     ip_protocol: u64,
     buckets: Vec<u64>,
+    quotas: Vec<u64>,
 }
 
 impl Scopes {
@@ -58,19 +76,45 @@ impl Scopes {
                 .iter()
                 .map(|b| digest(format!("bucket:{}", b.name).as_bytes()))
                 .collect(),
+            quotas: policy
+                .quotas
+                .iter()
+                .map(|q| digest(format!("quota:{}", q.name).as_bytes()))
+                .collect(),
         }
     }
 }
 
-/// Builds the plan of a request holding `items`, from `caller` at `client`,
-/// spending the route buckets `buckets`.
+impl Scopes {
+    /// The scope digest of quota family `i`.
+    pub(crate) fn quota(&self, i: usize) -> Option<&u64> {
+        self.quotas.get(i)
+    }
+}
+
+/// The monthly budget of family `q` (scope `scope`) of the workspace `workspace`.
+pub(crate) fn quota_budget(
+    scope: u64,
+    q: &sluice_policy::QuotaFamily,
+    workspace: u64,
+    cost: u32,
+) -> Budget {
+    Budget {
+        key: BudgetKey::from_digests(scope, workspace),
+        rate: Rate::CalendarMonth,
+        limit: q.limit(),
+        cost,
+    }
+}
+
+/// Builds the plan of a request holding `items` (with what they spend besides
+/// their classes), from `caller` at `client`.
 pub(crate) fn plan(
     policy: &Policy,
     scopes: &Scopes,
     items: &Items,
-    caller: &Caller,
+    caller: Caller,
     client: &ClientIp,
-    buckets: &[usize],
 ) -> Plan {
     let mut p = Plan {
         budgets: ArrayVec::new(),
@@ -83,7 +127,11 @@ pub(crate) fn plan(
             .unwrap_or(policy.default_class),
         caller: caller.subject,
         who: caller.who,
+        from: caller,
+        passed: None,
     };
+    let caller = &p.from;
+    let (subject, workspace, user) = (caller.subject, caller.workspace, caller.user);
     let window = policy.window;
     let fixed =
         |scope: u64, subject: u64, limit: NonZeroU32, window: NonZeroU32, cost: u32| Budget {
@@ -98,7 +146,7 @@ pub(crate) fn plan(
             p.push(
                 fixed(
                     scopes.classes[class.index()],
-                    caller.subject,
+                    subject,
                     policy.profile.limit(class),
                     window,
                     n,
@@ -123,30 +171,40 @@ pub(crate) fn plan(
             window,
         );
     }
-    for &i in buckets {
+    for (i, units) in items.named_buckets() {
         let (Some(b), Some(&scope)) = (policy.buckets.get(i), scopes.buckets.get(i)) else {
             continue;
         };
-        let subject = match b.per {
+        let of = match b.per {
             Per::Ip => client.subject,
-            Per::Caller => caller.subject,
-            Per::User => caller.user,
-            Per::Workspace => caller.workspace,
+            Per::Caller => subject,
+            Per::User => user,
+            Per::Workspace => workspace,
         };
         p.push(
-            fixed(scope, subject, b.limit, b.window, 1),
+            fixed(scope, of, b.limit, b.window, units),
             BudgetKind::Bucket(i),
             b.window,
         );
+    }
+    for (i, &units) in items.quotas.iter().enumerate() {
+        let (true, Some(q), Some(&scope)) = (units > 0, policy.quotas.get(i), scopes.quota(i))
+        else {
+            continue;
+        };
+        let budget = quota_budget(scope, q, workspace, units);
+        // A month's length is known only at decision time (see `Plan::window_secs`).
+        p.push(budget, BudgetKind::Quota(i), NonZeroU32::MIN);
     }
     p
 }
 
 impl Plan {
     fn push(&mut self, budget: Budget, kind: BudgetKind, window: NonZeroU32) {
-        // Four classes, one ceiling and the buckets: past MAX_BUDGETS the
-        // policy validator refuses routes with too many buckets.
+        // Classes, one ceiling, buckets and quotas: the policy validator refuses
+        // routes whose requests could touch more than MAX_BUDGETS.
         if self.budgets.is_full() {
+            debug_assert!(false, "a plan past MAX_BUDGETS: the policy check missed it");
             return;
         }
         self.budgets.push(budget);
@@ -163,8 +221,68 @@ impl Plan {
             Some(BudgetKind::Bucket(b)) => {
                 policy.buckets.get(*b).map_or("bucket", |b| b.name.as_str())
             }
+            Some(BudgetKind::Quota(q)) => {
+                policy.quotas.get(*q).map_or("quota", |q| q.name.as_str())
+            }
             None => "",
         }
+    }
+
+    /// The window of budget `i` in seconds as decided (a quota's is the length of
+    /// the month its reset ends).
+    pub fn window_secs(&self, i: usize, decision: &Decision) -> u64 {
+        match self.kinds.get(i) {
+            Some(BudgetKind::Quota(_)) => decision.statuses().get(i).map_or(0, |s| {
+                let month = month_of(sluice_core::Timestamp::from_secs(s.reset.saturating_sub(1)));
+                month.end - month.start
+            }),
+            _ => self.windows.get(i).copied().map_or(0, u64::from),
+        }
+    }
+
+    /// The index of the budget `X-RateLimit-*` describe: the refusing one when
+    /// refused; when admitted, a weighted budget the request holds (SPEC Q2), else
+    /// the one with the fewest units left among all but monthly quotas.
+    pub fn shown_index(&self, decision: &Decision, policy: &Policy) -> usize {
+        if !decision.is_admitted() {
+            return decision.binding_index();
+        }
+        if let Some(i) = self.weighted(policy).next() {
+            return i;
+        }
+        let statuses = decision.statuses();
+        let mut best: Option<usize> = None;
+        for (i, s) in statuses.iter().enumerate() {
+            if matches!(self.kinds.get(i), Some(BudgetKind::Quota(_))) {
+                continue;
+            }
+            if best.is_none_or(|b| s.remaining < statuses[b].remaining) {
+                best = Some(i);
+            }
+        }
+        best.unwrap_or_else(|| decision.binding_index())
+    }
+
+    /// Indices of the weighted budgets the plan holds (SPEC Q2).
+    pub fn weighted<'a>(&'a self, policy: &'a Policy) -> impl Iterator<Item = usize> + 'a {
+        self.kinds.iter().enumerate().filter_map(|(i, k)| match k {
+            BudgetKind::Bucket(b) if policy.buckets.get(*b).is_some_and(|b| b.weighted) => Some(i),
+            _ => None,
+        })
+    }
+
+    /// True when budget `i` passes an exhausted request on (`on_exhausted: pass`).
+    pub fn passes(&self, i: usize, policy: &Policy) -> bool {
+        matches!(self.kinds.get(i), Some(BudgetKind::Bucket(b))
+            if policy.buckets.get(*b).is_some_and(|b| b.on_exhausted == OnExhausted::Pass))
+    }
+
+    /// True when the plan holds a capped monthly quota (it must be counted in the
+    /// shared store, never decided locally).
+    pub fn holds_capped_quota(&self, policy: &Policy) -> bool {
+        self.kinds.iter().any(|k| {
+            matches!(k, BudgetKind::Quota(q) if policy.quotas.get(*q).is_some_and(|q| q.monthly.is_some()))
+        })
     }
 
     /// How a refusal by budget `i` looks.

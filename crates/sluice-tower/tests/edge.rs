@@ -117,8 +117,13 @@ async fn h1_x_ratelimit_limit_reads_the_budget_the_request_was_counted_in() {
         (StatusCode::OK, 600)
     );
     assert_eq!(
-        limit(edge.post("/search/query", &[KEY], "{}").await),
+        limit(edge.get("/search/fields", &[KEY]).await),
         (StatusCode::OK, 300)
+    );
+    // A route holding the weighted warehouse-read budget reports it (SPEC Q2).
+    assert_eq!(
+        limit(edge.post("/search/query", &[KEY], "{}").await),
+        (StatusCode::OK, 10)
     );
     assert_eq!(
         limit(edge.post("/evals", &[KEY], "{}").await),

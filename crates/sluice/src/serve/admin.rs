@@ -1,20 +1,24 @@
-//! The admin listener: `GET /metrics` (Prometheus text), `GET /status` (JSON) and
-//! `GET /` (a self-contained dashboard that polls both every 2 s).
+//! The admin listener: `GET /metrics` (Prometheus text), `GET /status` (JSON),
+//! `GET /` (a self-contained dashboard that polls both every 2 s), and the monthly
+//! quotas: `GET /quotas?workspace=W` and `POST /quotas/reset?workspace=W[&family=F]`
+//! (only here: the gateway never serves them).
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
 use axum::http::header;
 use axum::response::{Html, IntoResponse, Json, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde::Serialize;
 use tokio::net::TcpListener;
 
 use super::metered::RequestStats;
 use super::proxy::UPSTREAM_SECONDS_BUCKETS;
+use super::store::AnyStore;
 
 /// How often histograms are drained and idle metrics expired between scrapes.
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -61,6 +65,10 @@ fn describe_metrics() {
     metrics::describe_gauge!(
         "sluice_connections_open",
         "Client connections the gateway holds open, idle ones included."
+    );
+    metrics::describe_counter!(
+        "sluice_quota_units_total",
+        "Calls counted against monthly quotas, by family."
     );
     metrics::describe_histogram!(
         "sluice_upstream_seconds",
@@ -120,6 +128,7 @@ struct AdminInner {
     started: Instant,
     requests: RequestStats,
     limiter: Option<LimiterSummary>,
+    quotas: Option<Arc<sluice_tower::Limiter<AnyStore>>>,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -139,6 +148,7 @@ impl AdminState {
                 started,
                 requests,
                 limiter: None,
+                quotas: None,
             }),
         }
     }
@@ -153,6 +163,22 @@ impl AdminState {
                 started: inner.started,
                 requests: inner.requests.clone(),
                 limiter: Some(summary),
+                quotas: inner.quotas.clone(),
+            }),
+        }
+    }
+
+    /// The same state with `/quotas` answered from `limiter`'s store.
+    #[must_use]
+    pub fn with_quotas(self, limiter: Arc<sluice_tower::Limiter<AnyStore>>) -> Self {
+        let inner = &self.inner;
+        AdminState {
+            inner: Arc::new(AdminInner {
+                info: inner.info.clone(),
+                started: inner.started,
+                requests: inner.requests.clone(),
+                limiter: inner.limiter.clone(),
+                quotas: Some(limiter),
             }),
         }
     }
@@ -181,6 +207,8 @@ pub fn router(state: AdminState) -> Router {
         .route("/", get(dashboard))
         .route("/metrics", get(metrics_text))
         .route("/status", get(status))
+        .route("/quotas", get(quotas))
+        .route("/quotas/reset", post(reset_quotas))
         .with_state(state)
 }
 
@@ -222,6 +250,71 @@ async fn metrics_text(State(state): State<AdminState>) -> Response {
 
 async fn status(State(state): State<AdminState>) -> Json<Status> {
     Json(state.status())
+}
+
+/// The query of `/quotas` and `/quotas/reset`.
+#[derive(Debug, serde::Deserialize)]
+struct QuotaQuery {
+    workspace: Option<String>,
+    family: Option<String>,
+}
+
+async fn quotas(State(state): State<AdminState>, Query(q): Query<QuotaQuery>) -> Response {
+    quota_answer(&state, q, false).await
+}
+
+async fn reset_quotas(State(state): State<AdminState>, Query(q): Query<QuotaQuery>) -> Response {
+    quota_answer(&state, q, true).await
+}
+
+/// `{"workspace", "quotas": [{"family","limit","usage","resets_at"}]}`, or an error
+/// envelope: 400 for a missing or unknown workspace or family, 503 when the store
+/// cannot answer.
+async fn quota_answer(state: &AdminState, q: QuotaQuery, reset: bool) -> Response {
+    let error = |status: StatusCode, code: &str, message: String| {
+        (
+            status,
+            Json(serde_json::json!({"error": {"code": code, "message": message, "details": {}}})),
+        )
+            .into_response()
+    };
+    let Some(limiter) = &state.inner.quotas else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no quotas here".to_owned(),
+        );
+    };
+    let Some(workspace) = q.workspace.filter(|w| !w.is_empty()) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "`workspace` is required: /quotas?workspace=NAME (a workspace of the key table, key:<sha256 hex> or ip:<address>)".to_owned(),
+        );
+    };
+    let answer = if reset {
+        limiter.reset_quota(&workspace, q.family.as_deref()).await
+    } else {
+        limiter.quota_usage(&workspace).await
+    };
+    match answer {
+        Ok(usage) => Json(serde_json::json!({
+            "workspace": workspace,
+            "quotas": usage.iter().map(|u| serde_json::json!({
+                "family": u.family,
+                "limit": u.limit,
+                "usage": u.usage,
+                "resets_at": sluice_tower::rfc3339(u.resets_at),
+            })).collect::<Vec<_>>(),
+        }))
+        .into_response(),
+        Err(sluice_tower::QuotaQueryError::Store(e)) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            e.to_string(),
+        ),
+        Err(e) => error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
+    }
 }
 
 async fn dashboard() -> Html<&'static str> {

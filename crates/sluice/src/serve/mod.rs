@@ -148,8 +148,10 @@ pub struct ServeArgs {
     )]
     pub clock_offset: i64,
 
-    /// Directory of the embedded durable store (quotas, batch queue, results); checked
-    /// now, used once those land.
+    /// Directory of the embedded durable store: monthly quota counts (and later the
+    /// batch queue). Default: $XDG_STATE_HOME/sluice, else ~/.local/state/sluice, else
+    /// ./sluice-data. One process per directory. Not used with a Redis store (quotas
+    /// then live in Redis).
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
 
@@ -186,8 +188,8 @@ pub struct ServeOptions {
     pub store: StoreSpec,
     /// Seconds this replica's clock is shifted by.
     pub clock_offset: i64,
-    /// Directory of the embedded durable store.
-    pub data_dir: Option<PathBuf>,
+    /// Directory of the embedded durable store (`--data-dir`, or the default).
+    pub data_dir: PathBuf,
     /// Time allowed for the upstream's response headers.
     pub upstream_timeout: Duration,
     /// Gateway worker threads.
@@ -212,13 +214,11 @@ impl ServeOptions {
                 .map_err(|e| BadInput(format!("--profile: {e}")))?,
             None => policy,
         };
-        if let Some(dir) = &args.data_dir
-            && dir.exists()
-            && !dir.is_dir()
-        {
+        let data_dir = args.data_dir.unwrap_or_else(default_data_dir);
+        if data_dir.exists() && !data_dir.is_dir() {
             return Err(BadInput(format!(
                 "--data-dir {}: exists and is not a directory",
-                dir.display()
+                data_dir.display()
             )));
         }
         Ok(ServeOptions {
@@ -228,7 +228,7 @@ impl ServeOptions {
             upstream: args.upstream,
             store: args.store,
             clock_offset: args.clock_offset,
-            data_dir: args.data_dir,
+            data_dir,
             upstream_timeout: args.upstream_timeout,
             workers: args.workers.unwrap_or_else(|| {
                 std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN)
@@ -236,6 +236,19 @@ impl ServeOptions {
             max_connections: args.max_connections,
         })
     }
+}
+
+/// The data directory when `--data-dir` is not given: `$XDG_STATE_HOME/sluice`, else
+/// `$HOME/.local/state/sluice`, else `./sluice-data`.
+fn default_data_dir() -> PathBuf {
+    let non_empty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    if let Some(state) = non_empty("XDG_STATE_HOME") {
+        return PathBuf::from(state).join("sluice");
+    }
+    if let Some(home) = non_empty("HOME") {
+        return PathBuf::from(home).join(".local/state/sluice");
+    }
+    PathBuf::from("sluice-data")
 }
 
 pub(crate) fn parse_addr(s: &str) -> Result<SocketAddr, String> {
@@ -371,7 +384,15 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
     let profile = options.policy.profile_name.clone();
     let clock = SystemClock::with_offset(options.clock_offset);
     let store = match &options.store {
-        StoreSpec::Memory => AnyStore::memory(clock.clone()),
+        StoreSpec::Memory => {
+            let store = AnyStore::local(clock.clone(), &options.data_dir)
+                .map_err(|e| BadInput(format!("--data-dir: {e}")))?;
+            eprintln!(
+                "sluice: monthly quota counts are kept in {} (--data-dir to choose another)",
+                options.data_dir.display()
+            );
+            store
+        }
         StoreSpec::Redis(url) => AnyStore::redis(url, options.policy.store.timeout)
             .await
             .with_context(|| format!("connecting to the store {}", options.store.describe()))?,
@@ -417,6 +438,7 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
             status
         })
     });
+    let admin_state = admin_state.with_quotas(Arc::clone(&limiter));
     let admin_task = tokio::spawn(admin::serve(
         admin_listener,
         admin::router(admin_state),

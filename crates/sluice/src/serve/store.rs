@@ -1,22 +1,36 @@
 //! The store `sluice serve` decides on, chosen by `--store` at start.
 
-use sluice_core::{Budget, BudgetStatus, Decision, SystemClock, Timestamp};
+use std::path::Path;
+
+use sluice_core::{Budget, BudgetStatus, Clock as _, Decision, SystemClock, Timestamp};
 use sluice_store::{
-    BudgetStore, Guarded, MemoryConfig, MemoryStore, RedisConfig, RedisStore, StoreError,
+    BudgetStore, DurableStore, Guarded, LocalStore, MemoryConfig, MemoryStore, OpenError,
+    QuotaBook, QuotaBookConfig, RedisConfig, RedisStore, StoreError,
 };
 
-/// Memory (one process) or Redis behind a circuit breaker (replicas).
+/// This process (memory, with quotas in the embedded durable store) or Redis
+/// behind a circuit breaker (replicas; quotas in Redis too).
 pub enum AnyStore {
-    /// Budgets in this process.
-    Memory(MemoryStore),
+    /// Budgets in this process, monthly quotas durable under the data directory.
+    Local(LocalStore),
     /// Budgets shared by every replica on one Redis.
     Redis(Guarded<RedisStore>),
 }
 
 impl AnyStore {
-    /// The memory store on `clock`.
-    pub fn memory(clock: SystemClock) -> Self {
-        AnyStore::Memory(MemoryStore::with_clock(MemoryConfig::default(), clock))
+    /// The memory store on `clock`, with monthly quotas kept in the embedded durable
+    /// store in `data_dir`.
+    ///
+    /// # Errors
+    /// The data directory cannot be created, is in use by another process, or its
+    /// file is corrupt or cannot be written (each naming the path).
+    pub fn local(clock: SystemClock, data_dir: &Path) -> Result<Self, OpenError> {
+        let durable = DurableStore::open(data_dir)?;
+        let book = QuotaBook::open(&durable, QuotaBookConfig::default(), clock.now())?;
+        Ok(AnyStore::Local(LocalStore::new(
+            MemoryStore::with_clock(MemoryConfig::default(), clock),
+            Some(book),
+        )))
     }
 
     /// Connects to Redis at `url`, waiting at most `timeout` per decision.
@@ -31,17 +45,31 @@ impl AnyStore {
         )))
     }
 
+    /// The memory store on `clock` with monthly quotas in memory too (not durable):
+    /// for tests of what does not concern quotas.
+    pub fn memory(clock: SystemClock) -> Self {
+        AnyStore::Local(LocalStore::new(
+            MemoryStore::with_clock(MemoryConfig::default(), clock),
+            None,
+        ))
+    }
+
     /// Drops stale cells of an in-process store (Redis expires its own keys).
     pub fn reclaim(&self) {
-        if let AnyStore::Memory(m) = self {
-            m.reclaim();
+        if let AnyStore::Local(m) = self {
+            m.memory().reclaim();
         }
     }
 
     /// For `/status`: the kind of store and, for Redis, its breaker's state.
     pub fn describe_state(&self) -> serde_json::Value {
         match self {
-            AnyStore::Memory(m) => serde_json::json!({ "kind": "memory", "cells": m.len() }),
+            AnyStore::Local(m) => serde_json::json!({
+                "kind": "memory",
+                "cells": m.memory().len(),
+                "quota_counts": m.book().map_or(0, QuotaBook::len),
+                "quota_commits": m.book().map_or(0, QuotaBook::commits),
+            }),
             AnyStore::Redis(r) => {
                 let state = match r.state() {
                     sluice_core::BreakerState::Closed => "ok",
@@ -57,14 +85,14 @@ impl AnyStore {
 impl BudgetStore for AnyStore {
     async fn decide(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         match self {
-            AnyStore::Memory(m) => m.decide(budgets).await,
+            AnyStore::Local(m) => m.decide(budgets).await,
             AnyStore::Redis(r) => r.decide(budgets).await,
         }
     }
 
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         match self {
-            AnyStore::Memory(m) => m.peek(budgets).await,
+            AnyStore::Local(m) => m.peek(budgets).await,
             AnyStore::Redis(r) => r.peek(budgets).await,
         }
     }
@@ -76,7 +104,7 @@ impl BudgetStore for AnyStore {
         reserved_at: Timestamp,
     ) -> Result<BudgetStatus, StoreError> {
         match self {
-            AnyStore::Memory(m) => m.adjust(budget, delta, reserved_at).await,
+            AnyStore::Local(m) => m.adjust(budget, delta, reserved_at).await,
             AnyStore::Redis(r) => r.adjust(budget, delta, reserved_at).await,
         }
     }

@@ -60,6 +60,34 @@ pub struct Sluice {
     child: Child,
     pub start: StartLine,
     stderr: Arc<Mutex<String>>,
+    /// The data directory the helper made for it (removed on drop), when the test
+    /// gave none.
+    own_data_dir: Option<DataDir>,
+}
+
+/// A fresh directory under the system's temporary directory, removed on drop.
+pub struct DataDir(pub std::path::PathBuf);
+
+impl DataDir {
+    pub fn new() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        DataDir(std::env::temp_dir().join(format!(
+            "sluice-test-{}-{n}-{}",
+            std::process::id(),
+            fastrand::u32(..)
+        )))
+    }
+
+    pub fn arg(&self) -> &str {
+        self.0.to_str().expect("a UTF-8 temporary path")
+    }
+}
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn binary() -> &'static str {
@@ -106,10 +134,18 @@ fn read_first_line(stdout: ChildStdout) -> mpsc::Receiver<String> {
 impl Sluice {
     /// Runs `sluice serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 <extra>` and waits
     /// (bounded) for its start line.
+    /// Without `--data-dir` in `extra`, it gets a fresh one of its own.
     pub fn spawn(extra: &[&str]) -> Sluice {
+        let own_data_dir = (!extra.contains(&"--data-dir")).then(DataDir::new);
         let mut child = Command::new(binary())
             .args(["serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
             .args(extra)
+            .args(
+                own_data_dir
+                    .as_ref()
+                    .map(|d| vec!["--data-dir", d.arg()])
+                    .unwrap_or_default(),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -133,6 +169,7 @@ impl Sluice {
             child,
             start,
             stderr,
+            own_data_dir,
         }
     }
 
@@ -158,6 +195,12 @@ impl Sluice {
             .status()
             .expect("run kill");
         assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// Sends SIGKILL to the child and waits for it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Waits up to `timeout` for the child to exit.

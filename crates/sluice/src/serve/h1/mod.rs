@@ -327,7 +327,7 @@ impl<'f> Connection<'f> {
                 .await;
         }
         let body = head_len..head_len + body_len;
-        let plan = limiter.plan_for(
+        let mut plan = limiter.plan_for(
             &self.identity,
             self.peer,
             head.route,
@@ -335,7 +335,7 @@ impl<'f> Connection<'f> {
         );
 
         // The decision; a refusal, or a limiter that cannot decide, is answered here.
-        let refused = match limiter.decide(&plan).await {
+        let refused = match limiter.decide(&mut plan).await {
             Ok(decision) if decision.is_admitted() => Ok(decision),
             Ok(decision) => Err(sluice_tower::refusal(&decision, &plan, policy)),
             Err(error) => Err(sluice_tower::limiter_unavailable(&error)),
@@ -351,14 +351,19 @@ impl<'f> Connection<'f> {
             }
         };
 
-        // Forwarded: the head and the body, in one write.
+        // Forwarded: the head with who the request is from, and the body, in one write.
+        self.to_upstream.truncate(self.to_upstream.len() - 2);
+        sluice_tower::for_each_upstream_header(&plan, policy, |name, value| {
+            push_field(&mut self.to_upstream, name.as_str().as_bytes(), value);
+        });
+        self.to_upstream.extend_from_slice(b"\r\n");
         self.to_upstream
             .extend_from_slice(&self.from_client[body.clone()]);
         self.from_client.advance(body.end);
         let replaced = match (decision.binding().is_some(), policy.ietf_headers) {
-            (false, _) => &RATE_LIMIT_FIELDS[..0],
-            (true, false) => &RATE_LIMIT_FIELDS[..3],
-            (true, true) => &RATE_LIMIT_FIELDS[..],
+            (false, _) => &REPLACED_FIELDS[..1],
+            (true, false) => &REPLACED_FIELDS[..4],
+            (true, true) => &REPLACED_FIELDS[..],
         };
         let request = Exchanged {
             rewrite: response::Rewrite {
@@ -371,6 +376,7 @@ impl<'f> Connection<'f> {
             repeatable: head.method.is_idempotent(),
             decision: &decision,
             plan: &plan,
+            settles: plan.weighted(policy).next().is_some(),
         };
 
         // On the runtime's clock, as the deadlines are.
@@ -572,6 +578,35 @@ impl<'f> Connection<'f> {
                     )
                     .map_err(|_| Exchange::Broken)?;
                     match parsed {
+                        response::Parsed::Final(_) if request.settles => {
+                            // The weighted budgets are charged what the upstream says
+                            // the call cost, and the head is written again with their
+                            // standing after the charge.
+                            let cost = response::field(&self.from_upstream, b"x-sluice-cost")
+                                .and_then(sluice_tower::parse_cost);
+                            let settled = self
+                                .fast
+                                .limiter
+                                .settle(request.plan, request.decision.clone(), cost)
+                                .await;
+                            let again = response::parse(
+                                &self.from_upstream,
+                                &rewrite,
+                                &mut self.to_client,
+                                |out, dated| {
+                                    push_rate_limit_fields(out, &settled, request.plan, policy);
+                                    if !dated {
+                                        push_date(out);
+                                    }
+                                },
+                            )
+                            .map_err(|_| Exchange::Broken)?;
+                            let response::Parsed::Final(head) = again else {
+                                return Err(Exchange::Broken);
+                            };
+                            self.from_upstream.advance(head.len);
+                            return Ok((head, sent));
+                        }
                         response::Parsed::Final(head) => {
                             self.from_upstream.advance(head.len);
                             return Ok((head, sent));
@@ -689,12 +724,17 @@ struct Exchanged<'a> {
     repeatable: bool,
     decision: &'a Decision,
     plan: &'a Plan,
+    /// The plan holds weighted budgets, settled from the response head.
+    settles: bool,
 }
 
-/// The rate-limit fields, in the order [`sluice_tower::for_each_rate_limit_header`]
-/// writes them: the legacy three, then the IETF draft's two. The upstream's own
-/// fields of these names are replaced, as the service stack's header map replaces them.
-const RATE_LIMIT_FIELDS: [HeaderName; 5] = [
+/// The fields the gateway sets itself: the upstream's `X-Sluice-Cost` (a signal for
+/// sluice, never relayed), then the rate-limit fields in the order
+/// [`sluice_tower::for_each_rate_limit_header`] writes them: the legacy three, then the
+/// IETF draft's two. The upstream's own fields of these names are dropped, as the
+/// service stack drops or replaces them.
+const REPLACED_FIELDS: [HeaderName; 6] = [
+    sluice_tower::X_SLUICE_COST,
     sluice_tower::X_RATELIMIT_LIMIT,
     sluice_tower::X_RATELIMIT_REMAINING,
     sluice_tower::X_RATELIMIT_RESET,

@@ -145,7 +145,11 @@ pub(super) fn parse<'l>(
         {
             identity.append(known.clone(), value);
         }
-        if name.eq_ignore_ascii_case(b"host") || is_hop_by_hop(name) {
+        // `X-Sluice-*` are sluice's signals to the upstream: a client's never pass.
+        if name.eq_ignore_ascii_case(b"host")
+            || is_hop_by_hop(name)
+            || sluice_tower::is_sluice_signal(name)
+        {
             continue;
         }
         // `Connection` may name any field but the one that frames the body: the body

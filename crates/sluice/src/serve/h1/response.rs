@@ -76,6 +76,21 @@ pub(super) fn final_status(mut buf: &[u8]) -> Option<u16> {
     }
 }
 
+/// The value of the first field `name` (lowercase) of the complete final head at the
+/// start of `buf`, if it has one.
+pub(super) fn field<'b>(buf: &'b [u8], name: &[u8]) -> Option<&'b [u8]> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut fields);
+    match response.parse(buf) {
+        Ok(httparse::Status::Complete(_)) => response
+            .headers
+            .iter()
+            .find(|f| f.name.as_bytes().eq_ignore_ascii_case(name))
+            .map(|f| f.value),
+        _ => None,
+    }
+}
+
 /// Parses the response head at the start of `buf`. For a final response the head the
 /// client gets is written to `client`: the status line as HTTP/1.1, the upstream's
 /// fields but the hop-by-hop and the replaced ones, then what `extra` writes (the

@@ -8,7 +8,11 @@
 //!   `DELETE /mcp` → 200 (end of session).
 //! - `GET /demo/sse?n=3&interval_ms=50`: `n` events `interval_ms` apart.
 //! - `GET /demo/slow?ms=500`: answers after `ms` milliseconds.
+//! - `POST /search/query`: a warehouse that reports each query's cost in
+//!   `X-Sluice-Cost` (see [`warehouse`]).
 //! - anything else: 200 JSON echo of method, path, query, headers and JSON body.
+
+mod warehouse;
 
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher as _, Hasher as _};
@@ -21,7 +25,7 @@ use axum::body::Body;
 use axum::extract::Query;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Json, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -119,6 +123,7 @@ pub fn router() -> Router {
         .route("/mcp", get(mcp_stream).post(mcp_post).delete(mcp_delete))
         .route("/demo/sse", get(sse))
         .route("/demo/slow", get(slow))
+        .route("/search/query", post(warehouse::search_query))
         .fallback(echo)
 }
 
