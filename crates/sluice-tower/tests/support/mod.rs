@@ -77,6 +77,26 @@ pub async fn start_policy(policy: sluice_policy::Policy) -> Edge {
     start_with(policy, store, clock).await
 }
 
+/// Starts the default policy with `edit` applied, monthly quotas kept durable in
+/// `dir` (the embedded store), everything on one fake clock.
+pub async fn start_durable(edit: impl FnOnce(String) -> String, dir: &Path) -> Edge {
+    let yaml = edit(DEFAULT_POLICY_YAML.to_owned());
+    let policy = parse_str(&yaml, Path::new("test-policy.yaml")).expect("policy");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+    let durable = sluice_store::DurableStore::open(dir).expect("data dir");
+    let book = sluice_store::QuotaBook::open(
+        &durable,
+        sluice_store::QuotaBookConfig::default(),
+        Timestamp::from_secs(T0 + 1),
+    )
+    .expect("quota book");
+    let store = sluice_store::LocalStore::new(
+        MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),
+        Some(book),
+    );
+    start_with(policy, store, clock).await
+}
+
 /// Starts `policy` deciding on `store`; the fallback store reads `clock`.
 pub async fn start_with<S>(policy: sluice_policy::Policy, store: S, clock: FakeClock) -> Edge
 where
@@ -85,13 +105,42 @@ where
     let fallback = MemoryStore::new(MemoryConfig::default());
     let limiter = Arc::new(Limiter::new(policy, store).with_fallback(fallback));
     let app = Router::new()
-        .fallback(|method: Method, uri: http::Uri, body: Bytes| async move {
-            format!(
-                "{{\"ok\":true,\"method\":\"{method}\",\"path\":\"{}\",\"bytes\":{}}}",
-                uri.path(),
-                body.len()
-            )
-        })
+        .fallback(
+            |method: Method, uri: http::Uri, headers: HeaderMap, body: Bytes| async move {
+                // What sluice told the upstream, echoed; `x-test-cost: N` is answered
+                // with `X-Sluice-Cost: N` and `x-test-status` sets the status.
+                let seen = |name: &str| {
+                    headers
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("")
+                        .to_owned()
+                };
+                let body = serde_json::json!({
+                    "ok": true,
+                    "method": method.as_str(),
+                    "path": uri.path(),
+                    "bytes": body.len(),
+                    "workspace": seen("x-sluice-workspace"),
+                    "user": seen("x-sluice-user"),
+                    "exhausted": seen("x-sluice-exhausted"),
+                    "signals": headers.keys().filter(|k| k.as_str().starts_with("x-sluice-")).count(),
+                });
+                let mut response = axum::response::IntoResponse::into_response(body.to_string());
+                if let Some(cost) = headers.get("x-test-cost") {
+                    response.headers_mut().insert("x-sluice-cost", cost.clone());
+                }
+                if let Some(status) = headers
+                    .get("x-test-status")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u16>().ok())
+                    .and_then(|v| StatusCode::from_u16(v).ok())
+                {
+                    *response.status_mut() = status;
+                }
+                response
+            },
+        )
         .layer(SluiceLayer::new(limiter))
         .layer(axum::middleware::from_fn(peer_from_connect_info));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
