@@ -393,3 +393,118 @@ fn ipv6_callers_are_shown_by_prefix() {
         "ip:2001:db8:1:2::/64"
     );
 }
+
+fn problems_of(yaml: &str) -> Vec<String> {
+    match parse_str(yaml, Path::new("q.yaml")) {
+        Err(e) => match e.problems() {
+            [] => vec![e.to_string()],
+            problems => problems.iter().map(ToString::to_string).collect(),
+        },
+        Ok(_) => Vec::new(),
+    }
+}
+
+#[test]
+fn q1_q2_the_default_policy_names_its_quotas_and_the_warehouse_budget() {
+    let p = default_policy().expect("default");
+    let families: Vec<(&str, Option<u32>)> = p
+        .quotas
+        .iter()
+        .map(|q| (q.name.as_str(), q.monthly.map(std::num::NonZeroU32::get)))
+        .collect();
+    assert_eq!(
+        families,
+        [("evals", None), ("messages", Some(1000)), ("search", None)]
+    );
+    let route = p
+        .route(&Method::POST, "/search/query")
+        .expect("the search route");
+    let warehouse = &p.buckets[route.buckets[0]];
+    assert_eq!(
+        (
+            warehouse.name.as_str(),
+            warehouse.limit.get(),
+            warehouse.weighted
+        ),
+        ("warehouse_reads", 10, true)
+    );
+    assert_eq!(
+        route.quota.map(|q| p.quotas[q].name.as_str()),
+        Some("search")
+    );
+    let optimize = p
+        .route(&Method::POST, "/messages/optimize")
+        .expect("the optimize route");
+    assert_eq!(
+        optimize.quota.map(|q| p.quotas[q].name.as_str()),
+        Some("messages")
+    );
+    // The tools count as their routes do.
+    let body = br#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"search_query"}},
+                    {"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"messages","arguments":{"action":"optimize"}}}]"#;
+    let items = p.jsonrpc.classify(body, &p.bounds);
+    let search = p
+        .quotas
+        .iter()
+        .position(|q| q.name == "search")
+        .expect("search");
+    let messages = p
+        .quotas
+        .iter()
+        .position(|q| q.name == "messages")
+        .expect("messages");
+    assert_eq!((items.quotas[search], items.quotas[messages]), (1, 1));
+    assert_eq!(
+        items.named_buckets().collect::<Vec<_>>(),
+        [(route.buckets[0], 1)]
+    );
+}
+
+#[test]
+fn q1_unknown_families_and_quota_keys_are_errors_with_their_paths() {
+    let base = sluice_policy::DEFAULT_POLICY_YAML;
+    let typo_route = base.replace("quota: messages }", "quota: mesages }");
+    let problems = problems_of(&typo_route);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("routes[5].quota") && p.contains("mesages")),
+        "{problems:?}"
+    );
+    let typo_tool = base.replace(
+        "optimize_message: { class: expensive, quota: messages }",
+        "optimize_message: { class: expensive, quota: nope }",
+    );
+    let problems = problems_of(&typo_tool);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("jsonrpc.tools.optimize_message.quota")),
+        "{problems:?}"
+    );
+    let typo_key = base.replace("messages: { monthly: 1000 }", "messages: { montly: 1000 }");
+    let problems = problems_of(&typo_key);
+    assert!(
+        problems.iter().any(|p| p.contains("montly")),
+        "{problems:?}"
+    );
+    let zero = base.replace("messages: { monthly: 1000 }", "messages: { monthly: 0 }");
+    let problems = problems_of(&zero);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("quotas.messages.monthly")),
+        "{problems:?}"
+    );
+    let pass_unweighted = base.replace(
+        "oauth_register: { limit: 5, window_seconds: 60, per: ip }",
+        "oauth_register: { limit: 5, window_seconds: 60, per: ip, on_exhausted: pass }",
+    );
+    let problems = problems_of(&pass_unweighted);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("buckets.oauth_register.on_exhausted")),
+        "{problems:?}"
+    );
+}

@@ -199,3 +199,64 @@ async fn d3_redis_down_each_class_as_configured_then_shared_mode_resumes() {
     let chat = call(&sluice, "POST", "/chats", "sk-o").await;
     assert_eq!(chat.status, 200, "expensive is served again");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn q1_three_replicas_on_one_redis_admit_exactly_a_workspaces_monthly_cap() {
+    let redis = RedisServer::start("q1");
+    let policy = policy("q1.yaml", "4294967295", |y| {
+        y.replace("messages: { monthly: 1000 }", "messages: { monthly: 10 }")
+            .replace("timeout_ms: 20", "timeout_ms: 2000")
+    });
+    let replicas: Vec<Sluice> = (0..3)
+        .map(|_| replica(&policy, &redis.url(), &[]))
+        .collect();
+    let calls_before = redis.script_calls();
+    // 30 optimize calls of one workspace (one key, within its expensive class of 30),
+    // spread over the three replicas at once.
+    let tasks: Vec<_> = (0..30)
+        .map(|i| {
+            let url = replicas[i % 3].url("/messages/optimize");
+            tokio::spawn(async move {
+                let r = send(
+                    Request::post(url)
+                        .header("x-api-key", "sk-quota")
+                        .body(Full::new(Bytes::from_static(b"{}")))
+                        .expect("request"),
+                )
+                .await;
+                (r.status.as_u16(), r.text())
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        let (status, body) = t.await.expect("task");
+        match status {
+            200 => admitted += 1,
+            429 => assert!(body.contains("quota_exceeded"), "{body}"),
+            other => panic!("every call decided by Redis: {other} {body}"),
+        }
+    }
+    assert_eq!(
+        admitted, 10,
+        "the monthly cap in total across three replicas"
+    );
+    assert!(
+        redis.script_calls() - calls_before <= 30,
+        "the quota is in the same single script call as the other budgets"
+    );
+    // Every replica reads the same usage from Redis.
+    let sha = {
+        use sha2::Digest as _;
+        hex::encode(sha2::Sha256::digest(b"sk-quota"))
+    };
+    for r in &replicas {
+        let usage = get(&r.admin_url(&format!("/quotas?workspace=key:{sha}"))).await;
+        let messages = usage.json()["quotas"]
+            .as_array()
+            .and_then(|q| q.iter().find(|q| q["family"] == "messages").cloned())
+            .expect("messages");
+        assert_eq!(messages["usage"], 10);
+        assert_eq!(messages["limit"], 10);
+    }
+}
