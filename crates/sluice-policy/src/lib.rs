@@ -14,6 +14,8 @@
 //!                 {"jsonrpc":"2.0","id":2,"method":"ping"}]"#;
 //! let items = policy.jsonrpc.classify(body, &policy.bounds);
 //! assert_eq!((items.count(Class::Expensive), items.count(Class::Protocol)), (1, 1));
+//! // Paths are matched in their normal form.
+//! assert_eq!(policy.paths.normalize("//x/../%63hats").unwrap(), "/chats");
 //! ```
 
 mod default;
@@ -21,6 +23,7 @@ mod describe;
 mod identity;
 mod jsonrpc;
 mod model;
+mod path;
 mod pattern;
 pub mod raw;
 mod validate;
@@ -32,6 +35,7 @@ pub use model::{
     Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Outage, Per, Policy, Principal,
     Profile, Refusal, Route, RouteClass, StorePolicy,
 };
+pub use path::{PathError, Paths};
 pub use pattern::PathPattern;
 pub use raw::RawPolicy;
 pub use validate::{

@@ -7,6 +7,7 @@ use std::num::NonZeroU32;
 use http::Method;
 use ipnet::IpNet;
 
+use crate::path::Paths;
 use crate::pattern::PathPattern;
 
 /// A cost class: every request is counted against its caller's budget of
@@ -263,6 +264,8 @@ pub struct Policy {
     pub ietf_headers: bool,
     /// Bounds.
     pub bounds: Bounds,
+    /// How request paths are normalised before they are matched and forwarded.
+    pub paths: Paths,
     /// The shared store's settings.
     pub store: StorePolicy,
 }

@@ -13,6 +13,7 @@ use crate::model::{
     Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Outage, Per, Policy, Principal,
     Profile, Refusal, Route, RouteClass, StorePolicy,
 };
+use crate::path::Paths;
 use crate::pattern::PathPattern;
 use crate::raw::{RawPolicy, RawProfile};
 
@@ -277,6 +278,9 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     if bounds.max_body_bytes == 0 || bounds.max_json_depth == 0 || bounds.max_batch_items == 0 {
         v.problem("limits", "every bound must be above zero");
     }
+    let paths = Paths {
+        merge_slashes: raw.paths.merge_slashes.unwrap_or(true),
+    };
     let store = v.store(raw);
     let parts = (profile, window, identity, default_class, jsonrpc, store);
     if !v.problems.is_empty() {
@@ -302,6 +306,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             jsonrpc,
             ietf_headers: raw.headers.ietf_draft,
             bounds,
+            paths,
             store,
         }),
         _ => Err(v.problems),

@@ -393,3 +393,22 @@ fn ipv6_callers_are_shown_by_prefix() {
         "ip:2001:db8:1:2::/64"
     );
 }
+
+#[test]
+fn paths_merge_slashes_is_on_by_default_and_a_typo_is_an_error() {
+    let p = default_policy().expect("default");
+    assert!(p.paths.merge_slashes);
+    assert!(p.describe().contains("repeated slashes merged"));
+    let kept =
+        sluice_policy::DEFAULT_POLICY_YAML.replace("merge_slashes: true", "merge_slashes: false");
+    let kept = parse_str(&kept, Path::new("kept.yaml")).expect("valid");
+    assert!(!kept.paths.merge_slashes);
+    assert_eq!(kept.paths.normalize("//a").expect("normal"), "//a");
+    let absent = sluice_policy::DEFAULT_POLICY_YAML.replace("paths:\n  merge_slashes: true\n", "");
+    let absent = parse_str(&absent, Path::new("absent.yaml")).expect("valid");
+    assert!(absent.paths.merge_slashes, "on unless turned off");
+    let typo =
+        sluice_policy::DEFAULT_POLICY_YAML.replace("merge_slashes: true", "merge_slash: true");
+    let err = parse_str(&typo, Path::new("typo.yaml")).expect_err("unknown key");
+    assert!(err.to_string().contains("merge_slash"), "{err}");
+}
