@@ -206,9 +206,10 @@ pub struct JsonRpc {
 pub struct Bounds {
     /// Largest body read for classification (bytes); past it: 413.
     pub max_body_bytes: usize,
-    /// Deepest JSON nesting accepted; deeper bodies count as standard.
+    /// Deepest JSON nesting accepted (a value inside `n` arrays or objects is at
+    /// depth `n + 1`); a deeper body is refused with 400.
     pub max_json_depth: usize,
-    /// Most items in one JSON-RPC batch; larger batches count as standard.
+    /// Most items in one JSON-RPC batch; a larger batch is refused with 413.
     pub max_batch_items: usize,
 }
 

@@ -23,6 +23,9 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 pub const DEFAULT_MAX_JSON_DEPTH: usize = 64;
 /// Default most items in one JSON-RPC batch: 1,000.
 pub const DEFAULT_MAX_BATCH_ITEMS: usize = 1_000;
+/// The deepest `limits.max_json_depth` there can be: the JSON parser itself reads
+/// at most 127 nested arrays and objects.
+pub const MAX_JSON_DEPTH: usize = 127;
 /// Default longest wait for the shared store per decision: 20 ms.
 pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 20;
 
@@ -277,6 +280,15 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     };
     if bounds.max_body_bytes == 0 || bounds.max_json_depth == 0 || bounds.max_batch_items == 0 {
         v.problem("limits", "every bound must be above zero");
+    }
+    if bounds.max_json_depth > MAX_JSON_DEPTH {
+        v.problem(
+            "limits.max_json_depth",
+            format!(
+                "at most {MAX_JSON_DEPTH} (the JSON parser reads no deeper), got {}",
+                bounds.max_json_depth
+            ),
+        );
     }
     let paths = Paths {
         merge_slashes: raw.paths.merge_slashes.unwrap_or(true),

@@ -127,6 +127,11 @@ where
                 let plan = limiter.plan(&parts, peer, route, None);
                 (body, plan)
             };
+            // What cannot be counted is refused before anything is decided.
+            let plan = match plan {
+                Ok(plan) => plan,
+                Err(refused) => return Ok(refused.response().map(Either::Left)),
+            };
             let decision = match limiter.decide(&plan).await {
                 Ok(d) => d,
                 Err(e) => return Ok(limiter_unavailable(&e).map(Either::Left)),

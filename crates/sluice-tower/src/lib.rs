@@ -26,5 +26,7 @@ pub use answer::{
     refusal, refusal_wait, retry_after_secs, rfc3339,
 };
 pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService};
-pub use limiter::{DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, TOP_CALLERS_TRACKED};
+pub use limiter::{
+    DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, Refused, TOP_CALLERS_TRACKED,
+};
 pub use plan::{BudgetKind, Plan, Scopes};

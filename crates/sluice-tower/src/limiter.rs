@@ -6,14 +6,27 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use http::header::CONTENT_ENCODING;
 use http::request::Parts;
-use http::{HeaderMap, Method};
+use http::{HeaderMap, HeaderName, Method};
 use parking_lot::Mutex;
 use sluice_core::Decision;
-use sluice_policy::{Class, Items, Outage, Policy, Route, RouteClass, Who};
+use sluice_policy::{Class, Items, Outage, Policy, Route, RouteClass, Unclassifiable, Who};
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, StoreError};
 
 use crate::plan::{BudgetKind, Plan, Scopes, plan};
+
+/// A request the limiter refuses before anything is decided: sluice cannot count it
+/// as the upstream would read it, so it neither counts nor forwards it (nothing is
+/// spent, as for a malformed request). [`Refused::response`] is the answer, the same
+/// on every request path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refused {
+    /// The body of a JSON-RPC route cannot be classified.
+    #[error(transparent)]
+    Body(#[from] Unclassifiable),
+}
 
 /// The most callers the status page tracks per window; past it new callers
 /// are counted together as `others`.
@@ -181,43 +194,73 @@ impl<S: BudgetStore> Limiter<S> {
         matches!(route.map(|r| &r.class), Some(RouteClass::JsonRpc))
     }
 
+    /// The request fields [`Limiter::plan_for`] reads (lowercase): those
+    /// [`Identity::read_headers`](sluice_policy::Identity::read_headers) names, and
+    /// `Content-Encoding` (a JSON-RPC body must be readable as sent).
+    pub fn read_headers(&self) -> Vec<HeaderName> {
+        let mut names = self.policy.identity.read_headers();
+        if !names.contains(&CONTENT_ENCODING) {
+            names.push(CONTENT_ENCODING);
+        }
+        names
+    }
+
     /// The budgets of a request on `route` (see [`Limiter::route`]). `body` is
     /// the body of a JSON-RPC route (`None` for a body that was too large: it
-    /// counts as one item of the default class).
+    /// counts as one item of the default class, and is answered 413 once decided).
+    ///
+    /// # Errors
+    /// [`Refused`] for a request that cannot be counted as the upstream would read
+    /// it (nothing is decided or spent).
     pub fn plan(
         &self,
         parts: &Parts,
         peer: IpAddr,
         route: Option<&Route>,
         body: Option<&[u8]>,
-    ) -> Plan {
+    ) -> Result<Plan, Refused> {
         self.plan_for(&parts.headers, peer, route, body)
     }
 
     /// [`Limiter::plan`] from the request's headers alone: the route carries what the
     /// method and path decide, and of the headers only those
-    /// [`Identity::read_headers`](sluice_policy::Identity::read_headers) names are read.
+    /// [`Limiter::read_headers`] names are read.
+    ///
+    /// # Errors
+    /// [`Refused`] for a request on a JSON-RPC route whose body cannot be classified:
+    /// one sent with a `Content-Encoding` other than `identity`, or one
+    /// [`JsonRpc::classify`](sluice_policy::JsonRpc::classify) cannot count.
     pub fn plan_for(
         &self,
         headers: &HeaderMap,
         peer: IpAddr,
         route: Option<&Route>,
         body: Option<&[u8]>,
-    ) -> Plan {
+    ) -> Result<Plan, Refused> {
         let policy = &self.policy;
+        let items = match route.map(|r| &r.class) {
+            Some(RouteClass::Fixed(c)) => Items::one(*c),
+            Some(RouteClass::JsonRpc) => {
+                sluice_policy::check_content_encoding(headers)?;
+                match body {
+                    Some(b) => policy.jsonrpc.classify(b, &policy.bounds)?,
+                    None => Items::one(policy.jsonrpc.default_class),
+                }
+            }
+            None => Items::one(policy.default_class),
+        };
         let identity = &policy.identity;
         let client = identity.client_ip(peer, headers);
         let caller = identity.caller(headers, &client, identity.trusts(peer));
-        let items = match route.map(|r| &r.class) {
-            Some(RouteClass::Fixed(c)) => Items::one(*c),
-            Some(RouteClass::JsonRpc) => match body {
-                Some(b) => policy.jsonrpc.classify(b, &policy.bounds),
-                None => Items::one(policy.jsonrpc.default_class),
-            },
-            None => Items::one(policy.default_class),
-        };
         let buckets = route.map_or(&[][..], |r| r.buckets.as_slice());
-        plan(policy, &self.scopes, &items, &caller, &client, buckets)
+        Ok(plan(
+            policy,
+            &self.scopes,
+            &items,
+            &caller,
+            &client,
+            buckets,
+        ))
     }
 
     /// Decides every budget of `plan` at once, and records the outcome.

@@ -106,7 +106,7 @@ impl FastPath {
         stats: RequestStats,
     ) -> Self {
         FastPath {
-            identity_headers: limiter.policy().identity.read_headers(),
+            identity_headers: limiter.read_headers(),
             pool: upstream::Pool::new(config.upstream.connect_target(), POOL_MAX_IDLE),
             limiter,
             config,
@@ -334,14 +334,18 @@ impl<'f> Connection<'f> {
             needs_body.then(|| &self.from_client[body.clone()]),
         );
 
-        // The decision; a refusal, or a limiter that cannot decide, is answered here.
-        let refused = match limiter.decide(&plan).await {
-            Ok(decision) if decision.is_admitted() => Ok(decision),
-            Ok(decision) => Err(sluice_tower::refusal(&decision, &plan, policy)),
-            Err(error) => Err(sluice_tower::limiter_unavailable(&error)),
+        // The decision; a request that cannot be counted (refused before anything is
+        // decided), a refusal, or a limiter that cannot decide, is answered here.
+        let decided = match plan {
+            Err(refused) => Err(refused.response()),
+            Ok(plan) => match limiter.decide(&plan).await {
+                Ok(decision) if decision.is_admitted() => Ok((decision, plan)),
+                Ok(decision) => Err(sluice_tower::refusal(&decision, &plan, policy)),
+                Err(error) => Err(sluice_tower::limiter_unavailable(&error)),
+            },
         };
-        let decision = match refused {
-            Ok(decision) => decision,
+        let (decision, plan) = match decided {
+            Ok(decided) => decided,
             Err(answer) => {
                 self.from_client.advance(body.end);
                 let answer = own(answer).await;
