@@ -10,7 +10,7 @@ use http::header::{ACCEPT_ENCODING, CONTENT_TYPE, HeaderName, HeaderValue, RETRY
 use http::{HeaderMap, Response, StatusCode};
 use http_body_util::Full;
 use sluice_core::Decision;
-use sluice_policy::{Policy, Refusal, Unclassifiable};
+use sluice_policy::{PathError, Policy, Refusal, Unclassifiable};
 
 use crate::limiter::Refused;
 use crate::plan::Plan;
@@ -197,6 +197,7 @@ impl Refused {
     /// | JSON past `limits.max_json_depth` | 400 | `invalid_request` | `max_json_depth` |
     /// | an empty batch, not JSON-RPC, not UTF-8 JSON, a byte-order mark | 400 | `invalid_request` | `reason` |
     /// | a `Content-Encoding` but `identity` | 415 | `unsupported_media_type` | `content_encodings` |
+    /// | a path with `..` above the root, or a bad `%` | 400 | `invalid_request` | `reason` |
     pub fn response(&self) -> Response<Full<Bytes>> {
         let message = format!("Refused, nothing was counted or forwarded: {self}.");
         let invalid = |reason: &str| {
@@ -207,6 +208,9 @@ impl Refused {
             )
         };
         let (status, code, details) = match self {
+            Refused::Path(PathError::AboveRoot) => invalid("path_above_root"),
+            Refused::Path(PathError::BadPercentEncoding) => invalid("bad_percent_encoding"),
+            Refused::Path(_) | Refused::Target => invalid("bad_target"),
             Refused::Body(body) => match body {
                 Unclassifiable::TooManyItems { max_batch_items } => (
                     StatusCode::PAYLOAD_TOO_LARGE,

@@ -98,7 +98,12 @@ where
         let mut inner = std::mem::replace(&mut self.inner, ready);
         let limiter = Arc::clone(&self.limiter);
         Box::pin(async move {
-            let (parts, body) = request.into_parts();
+            let (mut parts, body) = request.into_parts();
+            // Routed and forwarded as the upstream will read the path; one that has
+            // no normal form is refused before anything is decided.
+            if let Err(refused) = limiter.normalize_target(&mut parts.uri) {
+                return Ok(refused.response().map(Either::Left));
+            }
             let peer = parts
                 .extensions
                 .get::<PeerAddr>()

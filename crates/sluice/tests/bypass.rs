@@ -118,13 +118,23 @@ fn policy_file(name: &str, edit: impl FnOnce(String) -> String) -> std::path::Pa
 
 /// `sluice serve` with the policy `name` (edited by `edit`) in front of a [`Recorder`].
 async fn gateway(name: &str, edit: impl FnOnce(String) -> String) -> (Sluice, Recorder) {
+    gateway_to(name, "", edit).await
+}
+
+/// [`gateway`], the upstream URL ending with `prefix` (`/api`: a request for `/a`
+/// goes to `/api/a`).
+async fn gateway_to(
+    name: &str,
+    prefix: &str,
+    edit: impl FnOnce(String) -> String,
+) -> (Sluice, Recorder) {
     let recorder = Recorder::start().await;
     let policy = policy_file(name, edit);
     let sluice = Sluice::spawn(&[
         "--config",
         policy.to_str().expect("utf-8 path"),
         "--upstream",
-        &recorder.url,
+        &format!("{}{prefix}", recorder.url),
     ]);
     (sluice, recorder)
 }
@@ -532,6 +542,194 @@ async fn e5_h2_an_oversized_batch_and_a_gzip_body_are_refused() {
             (415, &json!("unsupported_media_type"))
         );
         assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+    })
+    .await;
+}
+
+/// `POST /oauth/register` is 5 per minute per IP (SPEC E7). Other spellings of it,
+/// which an upstream that normalises paths serves as the registration, once skipped
+/// the bucket. Each now spends it, on either path, and the upstream gets the route's
+/// own spelling; the 6th is refused on both.
+#[tokio::test]
+async fn e7_other_spellings_of_oauth_register_spend_its_5_per_minute_bucket() {
+    let (sluice, upstream) = gateway("register.yaml", |y| y).await;
+    bounded(async {
+        let spellings = [
+            (Path::Fast, "//oauth/register"),
+            (Path::Hyper, "/oauth/%72egister"),
+            (Path::Fast, "/x/../oauth/register"),
+            (Path::Hyper, "/./oauth//register"),
+            (Path::Fast, "/oauth/%2E/register/"),
+        ];
+        for (i, (path, target)) in spellings.into_iter().enumerate() {
+            // A new credential each time: the bucket is the client IP's.
+            let key = format!("sk-register-{i}");
+            let fields = [("x-api-key", key.as_str())];
+            let r = exchange(&sluice, path, "POST", target, &fields, b"{}").await;
+            assert_eq!(r.status, 200, "{target} on {path:?}: {r:?}");
+            assert_eq!(
+                (
+                    r.fields.get("x-ratelimit-limit").map(String::as_str),
+                    r.fields.get("x-ratelimit-remaining").map(String::as_str),
+                ),
+                (Some("5"), Some((4 - i).to_string().as_str())),
+                "{target} on {path:?} spent the registration bucket"
+            );
+        }
+        for (path, target) in [
+            (Path::Fast, "//oauth/register"),
+            (Path::Hyper, "/oauth/register"),
+        ] {
+            let fields = [("x-api-key", "sk-register-6")];
+            let r = exchange(&sluice, path, "POST", target, &fields, b"{}").await;
+            assert_eq!(r.status, 429, "{target} on {path:?}: {r:?}");
+            assert_eq!(
+                r.fields.get("x-ratelimit-limit").map(String::as_str),
+                Some("5")
+            );
+        }
+        assert_eq!(
+            upstream.seen(),
+            vec!["POST /oauth/register".to_owned(); 4]
+                .into_iter()
+                .chain(["POST /oauth/register/".to_owned()])
+                .collect::<Vec<_>>()
+        );
+    })
+    .await;
+}
+
+/// A spelling of `/chats` is counted in its class (expensive, 30) on both paths, and
+/// forwarded in its normal form under the upstream's prefix, the query as it came
+/// (SPEC E6).
+#[tokio::test]
+async fn e6_other_spellings_of_a_route_are_counted_and_forwarded_as_the_route() {
+    let (sluice, upstream) = gateway_to("chats.yaml", "/api", |y| y).await;
+    bounded(async {
+        let cases = [
+            ("//chats", "/api/chats"),
+            ("/%63hats?next=/x/../y", "/api/chats?next=/x/../y"),
+            ("/x/../chats", "/api/chats"),
+            ("/./chats", "/api/chats"),
+            ("/a/%2e%2e/chats", "/api/chats"),
+            ("/files/a%2fb/%7euser", "/api/files/a%2Fb/~user"),
+        ];
+        let mut spent = 0;
+        for path in BOTH {
+            for (target, forwarded) in cases {
+                let fields = [("x-api-key", "sk-chats")];
+                let r = exchange(&sluice, path, "POST", target, &fields, b"{}").await;
+                assert_eq!(r.status, 200, "{target} on {path:?}: {r:?}");
+                let limit = r.fields.get("x-ratelimit-limit").map(String::as_str);
+                if forwarded.starts_with("/api/chats") {
+                    spent += 1;
+                    assert_eq!(limit, Some("30"), "{target} on {path:?} is expensive");
+                    assert_eq!(
+                        r.fields.get("x-ratelimit-remaining").map(String::as_str),
+                        Some((30 - spent).to_string().as_str()),
+                        "{target} on {path:?}"
+                    );
+                } else {
+                    assert_eq!(limit, Some("60"), "{target} on {path:?} is standard");
+                }
+                let seen = upstream.seen();
+                assert_eq!(
+                    seen.last().map(String::as_str),
+                    Some(format!("POST {forwarded}").as_str()),
+                    "{target} on {path:?}"
+                );
+            }
+        }
+    })
+    .await;
+}
+
+/// A path whose `..` climbs above the root was forwarded as `/prefix/../etc`, out of
+/// the upstream's prefix. It is refused with 400 on both paths and over HTTP/2, and
+/// nothing is forwarded; so is a `%` that encodes nothing.
+#[tokio::test]
+async fn e6_a_path_above_the_root_is_refused_not_forwarded_out_of_the_prefix() {
+    let (sluice, upstream) = gateway_to("root.yaml", "/api", |y| y).await;
+    bounded(async {
+        let cases = [
+            ("GET", "/../etc", "path_above_root"),
+            ("GET", "/a/../../etc/passwd", "path_above_root"),
+            ("POST", "/%2e%2e/chats", "path_above_root"),
+            ("GET", "//../etc?x=1", "path_above_root"),
+            ("POST", "/chats%zz", "bad_percent_encoding"),
+        ];
+        for (method, target, reason) in cases {
+            let mut answers = Vec::new();
+            for path in BOTH {
+                let r = exchange(&sluice, path, method, target, &[], b"").await;
+                assert_eq!(r.status, 400, "{target} on {path:?}: {r:?}");
+                assert_eq!(
+                    r.envelope(),
+                    ("invalid_request".to_owned(), json!({"reason": reason})),
+                    "{target} on {path:?}"
+                );
+                assert!(!r.fields.contains_key("x-ratelimit-limit"), "nothing decided");
+                answers.push(r);
+            }
+            assert_same_answer(&answers[0], &answers[1]);
+        }
+
+        // The connection goes on after the refusal (fast path, kept alive).
+        let mut stream = TcpStream::connect(sluice.start.gateway)
+            .await
+            .expect("connect");
+        stream
+            .write_all(
+                b"GET /../etc HTTP/1.1\r\nhost: x\r\n\r\nGET /ok HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+            )
+            .await
+            .expect("write");
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.expect("read");
+        let answer = String::from_utf8_lossy(&answer);
+        let refused = answer.find("HTTP/1.1 400 ").expect("a refusal");
+        let served = answer.find("HTTP/1.1 200 OK\r\n").expect("the next request");
+        assert!(refused == 0 && served > refused, "{answer}");
+
+        let h2 = hyper_util::client::legacy::Client::builder(
+            hyper_util::rt::TokioExecutor::new(),
+        )
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+        let response = h2
+            .request(
+                Request::get(sluice.url("/x/../../etc"))
+                    .body(Full::new(Bytes::new()))
+                    .expect("request"),
+            )
+            .await
+            .expect("h2 request");
+        assert_eq!(
+            (response.version(), response.status().as_u16()),
+            (http::Version::HTTP_2, 400)
+        );
+        let response = h2
+            .request(
+                Request::post(sluice.url("//oauth/register"))
+                    .body(Full::new(Bytes::from_static(b"{}")))
+                    .expect("request"),
+            )
+            .await
+            .expect("h2 request");
+        assert_eq!(
+            response
+                .headers()
+                .get("x-ratelimit-limit")
+                .map(|v| v.as_bytes()),
+            Some(&b"5"[..]),
+            "HTTP/2 routes the normal form too"
+        );
+
+        assert_eq!(
+            upstream.seen(),
+            ["GET /api/ok", "POST /api/oauth/register"],
+            "nothing above the root was forwarded"
+        );
     })
     .await;
 }
