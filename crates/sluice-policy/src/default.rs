@@ -91,6 +91,8 @@ limits:
   max_body_bytes: 1048576
   max_json_depth: 64
   max_batch_items: 1000
+paths:
+  merge_slashes: true
 store:
   timeout_ms: 20
   replicas: 1

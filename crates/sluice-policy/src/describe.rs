@@ -175,6 +175,15 @@ impl Policy {
             "bounds: body {} bytes, JSON depth {}, batch {} items",
             self.bounds.max_body_bytes, self.bounds.max_json_depth, self.bounds.max_batch_items
         );
+        let _ = writeln!(
+            out,
+            "paths: normalised (RFC 3986), repeated slashes {}",
+            if self.paths.merge_slashes {
+                "merged"
+            } else {
+                "kept"
+            }
+        );
         let outage: Vec<String> = Class::ALL
             .iter()
             .map(|&c| {

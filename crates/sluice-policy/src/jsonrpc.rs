@@ -1,5 +1,7 @@
 //! JSON-RPC bodies (SPEC E5): the class of every item of a request or batch.
 
+use http::HeaderMap;
+use http::header::CONTENT_ENCODING;
 use serde_json::Value;
 
 use crate::model::{Bounds, Class, JsonRpc, MAX_BUCKETS, MAX_QUOTA_FAMILIES, Spends};
@@ -61,31 +63,98 @@ impl Items {
     }
 }
 
+/// Why a JSON-RPC body cannot be counted as the upstream will read it. Such a body
+/// is refused, never counted as one item of a cheaper class: the upstream may run
+/// every call in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unclassifiable {
+    /// A batch of more items than the bound.
+    #[error("the batch holds more than {max_batch_items} items (limits.max_batch_items)")]
+    TooManyItems {
+        /// The bound.
+        max_batch_items: usize,
+    },
+    /// JSON nested deeper than the bound.
+    #[error("the JSON nests deeper than {max_json_depth} levels (limits.max_json_depth)")]
+    TooDeep {
+        /// The bound.
+        max_json_depth: usize,
+    },
+    /// An empty batch (`[]`).
+    #[error("the batch is empty")]
+    EmptyBatch,
+    /// A body that starts with a byte-order mark (UTF-8's, or UTF-16's).
+    #[error("the body starts with a byte-order mark: send UTF-8 JSON without one (RFC 8259 §8.1)")]
+    ByteOrderMark,
+    /// A body that is not UTF-8 (UTF-16 or UTF-32 among others).
+    #[error("the body is not UTF-8: send UTF-8 JSON (RFC 8259 §8.1)")]
+    NotUtf8,
+    /// A body that is not JSON.
+    #[error("the body is not JSON")]
+    NotJson,
+    /// JSON that is neither an object nor an array (a number, a string, `null`…).
+    #[error("the body is neither a JSON-RPC request object nor a batch of them")]
+    NotJsonRpc,
+    /// A body sent with a `Content-Encoding` (gzip, …): sluice does not decode
+    /// bodies, so it cannot read this one.
+    #[error(
+        "a JSON-RPC body with a Content-Encoding other than identity cannot be classified: send it uncompressed"
+    )]
+    Encoded,
+}
+
 impl JsonRpc {
-    /// Classifies a body. A body that is not JSON-RPC (not JSON, not UTF-8,
-    /// too deep, an empty or oversized batch) counts as one item of the
-    /// default class; it never fails.
-    pub fn classify(&self, body: &[u8], bounds: &Bounds) -> Items {
-        let Ok(value) = serde_json::from_slice::<Value>(body) else {
-            return Items::one(self.default_class);
-        };
-        if depth_exceeds(&value, bounds.max_json_depth) {
-            return Items::one(self.default_class);
+    /// Classifies a body: every item of a request or batch, in its class. A
+    /// well-formed message whose method or tool the rules do not name, a retired
+    /// tool with an unknown action, an object without a method and a batch item
+    /// that is not an object all count as the default class.
+    ///
+    /// # Errors
+    /// [`Unclassifiable`] for a body that cannot be counted: past a bound, not
+    /// UTF-8 JSON, or not a JSON-RPC object or batch.
+    pub fn classify(&self, body: &[u8], bounds: &Bounds) -> Result<Items, Unclassifiable> {
+        if [&b"\xEF\xBB\xBF"[..], b"\xFE\xFF", b"\xFF\xFE"]
+            .iter()
+            .any(|bom| body.starts_with(bom))
+        {
+            return Err(Unclassifiable::ByteOrderMark);
         }
+        // JSON holds no NUL byte; UTF-16 and UTF-32 text starts with one in its
+        // first four bytes (RFC 4627 §3).
+        let Ok(text) = std::str::from_utf8(body) else {
+            return Err(Unclassifiable::NotUtf8);
+        };
+        if body.iter().take(4).any(|&b| b == 0) {
+            return Err(Unclassifiable::NotUtf8);
+        }
+        // Checked before parsing: the parser never recurses past the bound.
+        if depth_exceeds(body, bounds.max_json_depth) {
+            return Err(Unclassifiable::TooDeep {
+                max_json_depth: bounds.max_json_depth,
+            });
+        }
+        let value = serde_json::from_str::<Value>(text).map_err(|_| Unclassifiable::NotJson)?;
         match &value {
-            Value::Array(batch) if !batch.is_empty() && batch.len() <= bounds.max_batch_items => {
+            Value::Array(batch) if batch.is_empty() => Err(Unclassifiable::EmptyBatch),
+            Value::Array(batch) if batch.len() > bounds.max_batch_items => {
+                Err(Unclassifiable::TooManyItems {
+                    max_batch_items: bounds.max_batch_items,
+                })
+            }
+            Value::Array(batch) => {
                 let mut items = Items::default();
                 for item in batch {
                     self.count_item(item, &mut items);
                 }
-                items
+                Ok(items)
             }
             Value::Object(_) => {
                 let mut items = Items::default();
                 self.count_item(&value, &mut items);
-                items
+                Ok(items)
             }
-            _ => Items::one(self.default_class),
+            _ => Err(Unclassifiable::NotJsonRpc),
         }
     }
 
@@ -153,18 +222,220 @@ impl JsonRpc {
     }
 }
 
-/// True when `value` nests deeper than `max` (iterative: no recursion on input).
-fn depth_exceeds(value: &Value, max: usize) -> bool {
-    let mut stack = vec![(value, 1usize)];
-    while let Some((v, d)) = stack.pop() {
-        if d > max {
-            return true;
+/// Checks the `Content-Encoding` of a JSON-RPC body: sluice reads bodies as sent,
+/// so any coding but `identity` (gzip, deflate, br, …) cannot be classified.
+///
+/// # Errors
+/// [`Unclassifiable::Encoded`] when a `Content-Encoding` field names any other coding.
+pub fn check_content_encoding(headers: &HeaderMap) -> Result<(), Unclassifiable> {
+    let readable = headers.get_all(CONTENT_ENCODING).iter().all(|value| {
+        value.as_bytes().split(|&b| b == b',').all(|coding| {
+            let coding = coding.trim_ascii();
+            coding.is_empty() || coding.eq_ignore_ascii_case(b"identity")
+        })
+    });
+    if readable {
+        Ok(())
+    } else {
+        Err(Unclassifiable::Encoded)
+    }
+}
+
+/// True when a value in `json` sits deeper than `max` (the top value is at depth 1,
+/// what an array or object holds one deeper). One pass over the bytes, before any
+/// parsing: strings are skipped, their escapes too; a body that is not JSON may
+/// pass or not, the parser refuses it next.
+fn depth_exceeds(json: &[u8], max: usize) -> bool {
+    // Arrays and objects open around the current position.
+    let mut open = 0usize;
+    let mut at = 0;
+    while at < json.len() {
+        match json[at] {
+            b'"' => {
+                if open + 1 > max {
+                    return true;
+                }
+                at += 1;
+                while at < json.len() && json[at] != b'"' {
+                    at += if json[at] == b'\\' { 2 } else { 1 };
+                }
+            }
+            b'[' | b'{' => {
+                open += 1;
+                if open > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => open = open.saturating_sub(1),
+            b' ' | b'\t' | b'\n' | b'\r' | b',' | b':' => {}
+            // A number, `true`, `false` or `null`.
+            _ => {
+                if open + 1 > max {
+                    return true;
+                }
+            }
         }
-        match v {
-            Value::Array(a) => stack.extend(a.iter().map(|x| (x, d + 1))),
-            Value::Object(o) => stack.extend(o.values().map(|x| (x, d + 1))),
-            _ => {}
-        }
+        at += 1;
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::default_policy;
+    use crate::model::Class;
+
+    fn classify(body: &[u8]) -> Result<Items, Unclassifiable> {
+        let p = default_policy().expect("default policy");
+        p.jsonrpc.classify(body, &p.bounds)
+    }
+
+    fn call(id: usize, tool: &str) -> String {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"{tool}"}}}}"#
+        )
+    }
+
+    #[test]
+    fn e5_a_batch_past_the_bound_is_unclassifiable_not_one_standard_item() {
+        let p = default_policy().expect("default policy");
+        let bounds = Bounds {
+            max_batch_items: 30,
+            ..p.bounds
+        };
+        let batch = |n: usize| {
+            let items: Vec<String> = (0..n).map(|i| call(i, "start_chat")).collect();
+            format!("[{}]", items.join(","))
+        };
+        assert_eq!(
+            p.jsonrpc.classify(batch(31).as_bytes(), &bounds),
+            Err(Unclassifiable::TooManyItems {
+                max_batch_items: 30
+            })
+        );
+        let items = p.jsonrpc.classify(batch(30).as_bytes(), &bounds);
+        assert_eq!(items.map(|i| i.count(Class::Expensive)), Ok(30));
+    }
+
+    #[test]
+    fn e5_depth_is_counted_as_the_values_nest() {
+        let p = default_policy().expect("default policy");
+        let bounds = |max_json_depth| Bounds {
+            max_json_depth,
+            ..p.bounds
+        };
+        let classify = |body: &str, max| p.jsonrpc.classify(body.as_bytes(), &bounds(max));
+        let too_deep = |max| {
+            Err(Unclassifiable::TooDeep {
+                max_json_depth: max,
+            })
+        };
+        // The method's value is at depth 2, a param's at 3.
+        let rpc = r#"{"jsonrpc":"2.0","method":"ping","params":{"a":1}}"#;
+        assert!(classify(rpc, 3).is_ok());
+        assert_eq!(classify(rpc, 2), too_deep(2));
+        let braces = r#"{"method":"ping","params":{"a":"[[[[{{{{\"]]]"}}"#;
+        assert!(
+            classify(braces, 3).is_ok(),
+            "brackets in strings do not nest"
+        );
+        assert!(classify(r#"{"method":"ping","params":{}}"#, 2).is_ok());
+        assert_eq!(
+            classify(r#"{"method":"ping","params":{"a":[]}}"#, 2),
+            too_deep(2)
+        );
+        let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
+        assert_eq!(classify(&deep, 64), too_deep(64));
+        // The parser's own limit is never reached.
+        let deepest = format!(
+            "{}{}",
+            "[".repeat(crate::MAX_JSON_DEPTH),
+            "]".repeat(crate::MAX_JSON_DEPTH)
+        );
+        assert!(classify(&deepest, crate::MAX_JSON_DEPTH).is_ok());
+        let past = format!("[{deepest}]");
+        assert_eq!(
+            classify(&past, crate::MAX_JSON_DEPTH),
+            too_deep(crate::MAX_JSON_DEPTH)
+        );
+    }
+
+    #[test]
+    fn e5_bodies_that_are_not_utf8_json_rpc_are_unclassifiable() {
+        let ping = br#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#;
+        assert!(classify(ping).is_ok());
+        let with_bom = [&b"\xEF\xBB\xBF"[..], ping].concat();
+        assert_eq!(classify(&with_bom), Err(Unclassifiable::ByteOrderMark));
+        let utf16: Vec<u8> = std::str::from_utf8(ping)
+            .expect("ascii")
+            .encode_utf16()
+            .flat_map(u16::to_le_bytes)
+            .collect();
+        assert_eq!(classify(&utf16), Err(Unclassifiable::NotUtf8));
+        let utf16_bom = [&b"\xFF\xFE"[..], &utf16].concat();
+        assert_eq!(classify(&utf16_bom), Err(Unclassifiable::ByteOrderMark));
+        assert_eq!(
+            classify(&[0xff, 0xfe, b'{']),
+            Err(Unclassifiable::ByteOrderMark)
+        );
+        assert_eq!(classify(&[b'{', 0xc3, b'}']), Err(Unclassifiable::NotUtf8));
+        assert_eq!(classify(b"this is not json"), Err(Unclassifiable::NotJson));
+        assert_eq!(classify(b""), Err(Unclassifiable::NotJson));
+        assert_eq!(
+            classify(br#"{"method":"ping""#),
+            Err(Unclassifiable::NotJson)
+        );
+        assert_eq!(classify(b"[]"), Err(Unclassifiable::EmptyBatch));
+        for not_rpc in [&b"42"[..], br#""tools/call""#, b"null", b"true"] {
+            assert_eq!(classify(not_rpc), Err(Unclassifiable::NotJsonRpc));
+        }
+    }
+
+    #[test]
+    fn e5_jsonrpc_that_names_nothing_known_still_counts_as_standard() {
+        let standard = |body: &str| classify(body.as_bytes()).map(|i| i.count(Class::Standard));
+        assert_eq!(standard(r#"{"hello":"world"}"#), Ok(1));
+        assert_eq!(standard(&call(1, "no_such_tool")), Ok(1));
+        assert_eq!(
+            standard(r#"{"jsonrpc":"2.0","id":1,"method":"no/such"}"#),
+            Ok(1)
+        );
+        assert_eq!(standard("[1]"), Ok(1), "a batch item that is not an object");
+    }
+
+    #[test]
+    fn only_identity_content_encoding_is_readable() {
+        let headers = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(
+                    CONTENT_ENCODING,
+                    http::HeaderValue::from_str(v).expect("value"),
+                );
+            }
+            h
+        };
+        for ok in [
+            &[][..],
+            &["identity"],
+            &["Identity"],
+            &["identity, identity"],
+            &[""],
+        ] {
+            assert_eq!(check_content_encoding(&headers(ok)), Ok(()), "{ok:?}");
+        }
+        for refused in [
+            &["gzip"][..],
+            &["identity", "br"],
+            &["identity, deflate"],
+            &["x-gzip"],
+        ] {
+            assert_eq!(
+                check_content_encoding(&headers(refused)),
+                Err(Unclassifiable::Encoded),
+                "{refused:?}"
+            );
+        }
+    }
 }

@@ -12,8 +12,12 @@
 //! assert_eq!(route.class, RouteClass::Fixed(Class::Expensive));
 //! let body = br#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"start_chat"}},
 //!                 {"jsonrpc":"2.0","id":2,"method":"ping"}]"#;
-//! let items = policy.jsonrpc.classify(body, &policy.bounds);
+//! let items = policy.jsonrpc.classify(body, &policy.bounds).unwrap();
 //! assert_eq!((items.count(Class::Expensive), items.count(Class::Protocol)), (1, 1));
+//! // What cannot be counted is refused, never counted as something cheaper.
+//! assert!(policy.jsonrpc.classify(b"[]", &policy.bounds).is_err());
+//! // Paths are matched in their normal form.
+//! assert_eq!(policy.paths.normalize("//x/../%63hats").unwrap(), "/chats");
 //! ```
 
 mod default;
@@ -21,22 +25,24 @@ mod describe;
 mod identity;
 mod jsonrpc;
 mod model;
+mod path;
 mod pattern;
 pub mod raw;
 mod validate;
 
 pub use default::{DEFAULT_POLICY_YAML, default_policy};
 pub use identity::{Caller, CallerKind, ClientIp, Who};
-pub use jsonrpc::Items;
+pub use jsonrpc::{Items, Unclassifiable, check_content_encoding};
 pub use model::{
     Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, MAX_BUCKETS, MAX_QUOTA_FAMILIES,
     OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass,
     Spends, StorePolicy, Tool,
 };
+pub use path::{PathError, Paths};
 pub use pattern::PathPattern;
 pub use raw::RawPolicy;
 pub use validate::{
     DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH,
-    DEFAULT_STORE_TIMEOUT_MS, MAX_ROUTE_BUCKETS, PolicyError, Problem, load_file, parse_str,
-    validate,
+    DEFAULT_STORE_TIMEOUT_MS, MAX_JSON_DEPTH, MAX_ROUTE_BUCKETS, PolicyError, Problem, load_file,
+    parse_str, validate,
 };

@@ -7,6 +7,7 @@ use std::num::NonZeroU32;
 use http::Method;
 use ipnet::IpNet;
 
+use crate::path::Paths;
 use crate::pattern::PathPattern;
 
 /// A cost class: every request is counted against its caller's budget of
@@ -264,9 +265,10 @@ pub struct JsonRpc {
 pub struct Bounds {
     /// Largest body read for classification (bytes); past it: 413.
     pub max_body_bytes: usize,
-    /// Deepest JSON nesting accepted; deeper bodies count as standard.
+    /// Deepest JSON nesting accepted (a value inside `n` arrays or objects is at
+    /// depth `n + 1`); a deeper body is refused with 400.
     pub max_json_depth: usize,
-    /// Most items in one JSON-RPC batch; larger batches count as standard.
+    /// Most items in one JSON-RPC batch; a larger batch is refused with 413.
     pub max_batch_items: usize,
 }
 
@@ -324,6 +326,8 @@ pub struct Policy {
     pub ietf_headers: bool,
     /// Bounds.
     pub bounds: Bounds,
+    /// How request paths are normalised before they are matched and forwarded.
+    pub paths: Paths,
     /// The shared store's settings.
     pub store: StorePolicy,
 }

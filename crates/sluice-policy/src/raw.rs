@@ -40,6 +40,9 @@ pub struct RawPolicy {
     /// Bounds on what a request may make sluice read.
     #[serde(default)]
     pub limits: RawLimits,
+    /// How request paths are normalised before they are matched and forwarded.
+    #[serde(default)]
+    pub paths: RawPaths,
     /// How the shared store is used, and what happens when it is down.
     #[serde(default)]
     pub store: RawStore,
@@ -221,6 +224,15 @@ pub struct RawHeaders {
     /// Also send the IETF draft-10 `RateLimit` and `RateLimit-Policy` fields.
     #[serde(default)]
     pub ietf_draft: bool,
+}
+
+/// Path normalisation.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPaths {
+    /// Merge repeated slashes (`//a` → `/a`) before matching and forwarding
+    /// (default true).
+    pub merge_slashes: Option<bool>,
 }
 
 /// Bounds.

@@ -14,6 +14,7 @@ use crate::model::{
     OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass,
     Spends, StorePolicy, Tool,
 };
+use crate::path::Paths;
 use crate::pattern::PathPattern;
 use crate::raw::{RawPolicy, RawProfile};
 
@@ -23,6 +24,9 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 pub const DEFAULT_MAX_JSON_DEPTH: usize = 64;
 /// Default most items in one JSON-RPC batch: 1,000.
 pub const DEFAULT_MAX_BATCH_ITEMS: usize = 1_000;
+/// The deepest `limits.max_json_depth` there can be: the JSON parser itself reads
+/// at most 127 nested arrays and objects.
+pub const MAX_JSON_DEPTH: usize = 127;
 /// Default longest wait for the shared store per decision: 20 ms.
 pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 20;
 
@@ -334,6 +338,18 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     if bounds.max_body_bytes == 0 || bounds.max_json_depth == 0 || bounds.max_batch_items == 0 {
         v.problem("limits", "every bound must be above zero");
     }
+    if bounds.max_json_depth > MAX_JSON_DEPTH {
+        v.problem(
+            "limits.max_json_depth",
+            format!(
+                "at most {MAX_JSON_DEPTH} (the JSON parser reads no deeper), got {}",
+                bounds.max_json_depth
+            ),
+        );
+    }
+    let paths = Paths {
+        merge_slashes: raw.paths.merge_slashes.unwrap_or(true),
+    };
     let store = v.store(raw);
     let parts = (profile, window, identity, default_class, jsonrpc, store);
     if !v.problems.is_empty() {
@@ -360,6 +376,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             jsonrpc,
             ietf_headers: raw.headers.ietf_draft,
             bounds,
+            paths,
             store,
         }),
         _ => Err(v.problems),

@@ -106,7 +106,10 @@ fn routes_follow_the_default_table() {
 fn e5_jsonrpc_items_are_classed_by_method_tool_and_retired_action() {
     let p = default_policy().expect("default");
     let class = |body: &str| {
-        let items = p.jsonrpc.classify(body.as_bytes(), &p.bounds);
+        let items = p
+            .jsonrpc
+            .classify(body.as_bytes(), &p.bounds)
+            .expect("JSON-RPC");
         Class::ALL
             .into_iter()
             .find(|&c| items.count(c) == 1)
@@ -146,23 +149,19 @@ fn e5_jsonrpc_items_are_classed_by_method_tool_and_retired_action() {
         Class::Standard
     );
     assert_eq!(class(&call("messages", "{}")), Class::Standard);
-    assert_eq!(class("this is not json"), Class::Standard);
+    // An object that is not JSON-RPC: standard. A body that cannot be counted at all
+    // is refused (never a panic, never one cheap item).
     assert_eq!(class(r#"{"hello":"world"}"#), Class::Standard);
-    assert_eq!(class("[]"), Class::Standard);
-    assert_eq!(
-        p.jsonrpc
-            .classify(&[0xff, 0xfe, b'{'], &p.bounds)
-            .count(Class::Standard),
-        1,
-        "invalid UTF-8 is standard, never a panic"
-    );
     let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
-    assert_eq!(
-        p.jsonrpc
-            .classify(deep.as_bytes(), &p.bounds)
-            .count(Class::Standard),
-        1
-    );
+    for body in [
+        &b"this is not json"[..],
+        b"[]",
+        b"7",
+        &[0xff, 0xfe, b'{'],
+        deep.as_bytes(),
+    ] {
+        assert!(p.jsonrpc.classify(body, &p.bounds).is_err(), "{body:?}");
+    }
 }
 
 #[test]
@@ -173,7 +172,10 @@ fn e5_a_batch_counts_each_item_in_its_class() {
         .chain(std::iter::once(r#"{"jsonrpc":"2.0","id":99,"method":"ping"}"#.to_owned()))
         .collect();
     let body = format!("[{}]", items.join(","));
-    let counted = p.jsonrpc.classify(body.as_bytes(), &p.bounds);
+    let counted = p
+        .jsonrpc
+        .classify(body.as_bytes(), &p.bounds)
+        .expect("a batch");
     assert_eq!(counted.count(Class::Expensive), 31);
     assert_eq!(counted.count(Class::Protocol), 1);
     assert!(!counted.protocol_only());
@@ -442,7 +444,7 @@ fn q1_q2_the_default_policy_names_its_quotas_and_the_warehouse_budget() {
     // The tools count as their routes do.
     let body = br#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"search_query"}},
                     {"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"messages","arguments":{"action":"optimize"}}}]"#;
-    let items = p.jsonrpc.classify(body, &p.bounds);
+    let items = p.jsonrpc.classify(body, &p.bounds).expect("JSON-RPC");
     let search = p
         .quotas
         .iter()
@@ -507,4 +509,32 @@ fn q1_unknown_families_and_quota_keys_are_errors_with_their_paths() {
             .any(|p| p.contains("buckets.oauth_register.on_exhausted")),
         "{problems:?}"
     );
+}
+
+#[test]
+fn paths_merge_slashes_is_on_by_default_and_a_typo_is_an_error() {
+    let p = default_policy().expect("default");
+    assert!(p.paths.merge_slashes);
+    assert!(p.describe().contains("repeated slashes merged"));
+    let kept =
+        sluice_policy::DEFAULT_POLICY_YAML.replace("merge_slashes: true", "merge_slashes: false");
+    let kept = parse_str(&kept, Path::new("kept.yaml")).expect("valid");
+    assert!(!kept.paths.merge_slashes);
+    assert_eq!(kept.paths.normalize("//a").expect("normal"), "//a");
+    let absent = sluice_policy::DEFAULT_POLICY_YAML.replace("paths:\n  merge_slashes: true\n", "");
+    let absent = parse_str(&absent, Path::new("absent.yaml")).expect("valid");
+    assert!(absent.paths.merge_slashes, "on unless turned off");
+    let typo =
+        sluice_policy::DEFAULT_POLICY_YAML.replace("merge_slashes: true", "merge_slash: true");
+    let err = parse_str(&typo, Path::new("typo.yaml")).expect_err("unknown key");
+    assert!(err.to_string().contains("merge_slash"), "{err}");
+}
+
+#[test]
+fn max_json_depth_is_bounded_by_what_the_parser_reads() {
+    let yaml =
+        sluice_policy::DEFAULT_POLICY_YAML.replace("max_json_depth: 64", "max_json_depth: 500");
+    let err = parse_str(&yaml, Path::new("deep.yaml")).expect_err("too deep");
+    let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
+    assert_eq!(paths, ["limits.max_json_depth"]);
 }

@@ -6,12 +6,13 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
+use http::header::{ACCEPT_ENCODING, CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 use http_body_util::Full;
 use sluice_core::Decision;
-use sluice_policy::{Policy, Refusal};
+use sluice_policy::{PathError, Policy, Refusal, Unclassifiable};
 
+use crate::limiter::Refused;
 use crate::plan::{BudgetKind, Plan};
 
 /// `X-Sluice-Workspace`: the caller's workspace, sent to the upstream.
@@ -289,6 +290,66 @@ pub fn payload_too_large(max_bytes: usize) -> Response<Full<Bytes>> {
         &format!("The request body is larger than {max_bytes} bytes."),
         serde_json::json!({ "max_bytes": max_bytes }),
     )
+}
+
+impl Refused {
+    /// The answer to a request refused before anything was decided: the JSON
+    /// envelope (SPEC H3), with an `error.code` per kind of refusal and `details`
+    /// naming the bound or the reason. No `Retry-After`: the same request is refused
+    /// again.
+    ///
+    /// | refusal | status | `error.code` | `details` |
+    /// |---|---|---|---|
+    /// | batch past `limits.max_batch_items` | 413 | `payload_too_large` | `max_batch_items` |
+    /// | JSON past `limits.max_json_depth` | 400 | `invalid_request` | `max_json_depth` |
+    /// | an empty batch, not JSON-RPC, not UTF-8 JSON, a byte-order mark | 400 | `invalid_request` | `reason` |
+    /// | a `Content-Encoding` but `identity` | 415 | `unsupported_media_type` | `content_encodings` |
+    /// | a path with `..` above the root, or a bad `%` | 400 | `invalid_request` | `reason` |
+    pub fn response(&self) -> Response<Full<Bytes>> {
+        let message = format!("Refused, nothing was counted or forwarded: {self}.");
+        let invalid = |reason: &str| {
+            (
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                serde_json::json!({ "reason": reason }),
+            )
+        };
+        let (status, code, details) = match self {
+            Refused::Path(PathError::AboveRoot) => invalid("path_above_root"),
+            Refused::Path(PathError::BadPercentEncoding) => invalid("bad_percent_encoding"),
+            Refused::Path(_) | Refused::Target => invalid("bad_target"),
+            Refused::Body(body) => match body {
+                Unclassifiable::TooManyItems { max_batch_items } => (
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "payload_too_large",
+                    serde_json::json!({ "max_batch_items": max_batch_items }),
+                ),
+                Unclassifiable::TooDeep { max_json_depth } => (
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    serde_json::json!({ "max_json_depth": max_json_depth }),
+                ),
+                Unclassifiable::Encoded => (
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported_media_type",
+                    serde_json::json!({ "content_encodings": ["identity"] }),
+                ),
+                Unclassifiable::EmptyBatch => invalid("empty_batch"),
+                Unclassifiable::ByteOrderMark => invalid("byte_order_mark"),
+                Unclassifiable::NotUtf8 => invalid("not_utf8"),
+                Unclassifiable::NotJsonRpc => invalid("not_jsonrpc"),
+                Unclassifiable::NotJson => invalid("not_json"),
+                _ => invalid("unclassifiable"),
+            },
+        };
+        let mut r = envelope_response(status, code, &message, details);
+        if status == StatusCode::UNSUPPORTED_MEDIA_TYPE {
+            // The codings the server accepts (RFC 7694 §3).
+            r.headers_mut()
+                .insert(ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        }
+        r
+    }
 }
 
 /// A response with the JSON envelope `{"error":{"code","message","details"}}` (SPEC H3).

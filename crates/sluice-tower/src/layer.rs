@@ -101,6 +101,11 @@ where
         let limiter = Arc::clone(&self.limiter);
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
+            // Routed and forwarded as the upstream will read the path; one that has
+            // no normal form is refused before anything is decided.
+            if let Err(refused) = limiter.normalize_target(&mut parts.uri) {
+                return Ok(refused.response().map(Either::Left));
+            }
             let peer = parts
                 .extensions
                 .get::<PeerAddr>()
@@ -108,7 +113,7 @@ where
             let policy = limiter.policy();
             let mut too_large = false;
             let route = limiter.route(&parts);
-            let (body, mut plan) = if Limiter::<S>::needs_body(route) {
+            let (body, plan) = if Limiter::<S>::needs_body(route) {
                 let max = policy.bounds.max_body_bytes;
                 match Limited::new(body, max).collect().await {
                     Ok(collected) => {
@@ -128,6 +133,11 @@ where
             } else {
                 let plan = limiter.plan(&parts, peer, route, None);
                 (body, plan)
+            };
+            // What cannot be counted is refused before anything is decided.
+            let mut plan = match plan {
+                Ok(plan) => plan,
+                Err(refused) => return Ok(refused.response().map(Either::Left)),
             };
             let decision = match limiter.decide(&mut plan).await {
                 Ok(d) => d,

@@ -29,7 +29,7 @@ pub use answer::{
 };
 pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService};
 pub use limiter::{
-    DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage,
+    DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage, Refused,
     TOP_CALLERS_TRACKED,
 };
 pub use plan::{BudgetKind, Passed, Plan, Scopes};

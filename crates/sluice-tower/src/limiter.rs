@@ -1,19 +1,42 @@
 //! The limiter: one policy, one store, and everything between a request's
 //! head and its decision.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use http::header::CONTENT_ENCODING;
 use http::request::Parts;
-use http::{HeaderMap, Method};
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderName, Method, Uri};
 use parking_lot::Mutex;
 use sluice_core::Decision;
-use sluice_policy::{Class, Items, Outage, Policy, Route, RouteClass, Spends, Who};
+use sluice_policy::{
+    Class, Items, Outage, PathError, Policy, Route, RouteClass, Spends, Unclassifiable, Who,
+};
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, StoreError};
 
 use crate::plan::{BudgetKind, Passed, Plan, Scopes, plan};
+
+/// A request the limiter refuses before anything is decided: sluice cannot count it
+/// as the upstream would read it, so it neither counts nor forwards it (nothing is
+/// spent, as for a malformed request). [`Refused::response`] is the answer, the same
+/// on every request path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refused {
+    /// The path has no normal form: it cannot be matched as the upstream reads it.
+    #[error(transparent)]
+    Path(#[from] PathError),
+    /// The normal form of the request target is not a target `http` accepts.
+    #[error("the normalised request target is not a valid request target")]
+    Target,
+    /// The body of a JSON-RPC route cannot be classified.
+    #[error(transparent)]
+    Body(#[from] Unclassifiable),
+}
 
 /// The most callers the status page tracks per window; past it new callers
 /// are counted together as `others`.
@@ -202,13 +225,46 @@ impl<S: BudgetStore> Limiter<S> {
         &self.store
     }
 
+    /// The normal form of a request's path (no query), as it is matched and
+    /// forwarded (see [`Paths`](sluice_policy::Paths)): borrowed when it is normal
+    /// already.
+    ///
+    /// # Errors
+    /// [`Refused::Path`] when it has none (a `..` above the root, a bad `%`).
+    pub fn normalize_path<'p>(&self, path: &'p str) -> Result<Cow<'p, str>, Refused> {
+        Ok(self.policy.paths.normalize(path)?)
+    }
+
+    /// Rewrites `uri` to its normal form (the path normalised, the query as it was),
+    /// so that the request is routed, and forwarded, as the upstream will read it.
+    /// Call it before [`Limiter::route`].
+    ///
+    /// # Errors
+    /// [`Refused`] when the path has no normal form; `uri` is then unchanged.
+    pub fn normalize_target(&self, uri: &mut Uri) -> Result<(), Refused> {
+        let Cow::Owned(mut target) = self.normalize_path(uri.path())? else {
+            return Ok(());
+        };
+        if let Some(query) = uri.query() {
+            target.push('?');
+            target.push_str(query);
+        }
+        let path_and_query = PathAndQuery::try_from(target).map_err(|_| Refused::Target)?;
+        let mut parts = uri.clone().into_parts();
+        parts.path_and_query = Some(path_and_query);
+        *uri = Uri::from_parts(parts).map_err(|_| Refused::Target)?;
+        Ok(())
+    }
+
     /// The route a request matches (matched once per request and passed to
-    /// [`Limiter::plan`]).
+    /// [`Limiter::plan`]), by its method and path: the normal form of the path once
+    /// [`Limiter::normalize_target`] has rewritten it.
     pub fn route(&self, parts: &Parts) -> Option<&Route> {
         self.route_for(&parts.method, parts.uri.path())
     }
 
-    /// The route a request with this method and path (no query) matches.
+    /// The route a request with this method and path (no query, in its normal form:
+    /// see [`Limiter::normalize_path`]) matches.
     pub fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
         self.policy.route(method, path)
     }
@@ -219,48 +275,71 @@ impl<S: BudgetStore> Limiter<S> {
         matches!(route.map(|r| &r.class), Some(RouteClass::JsonRpc))
     }
 
+    /// The request fields [`Limiter::plan_for`] reads (lowercase): those
+    /// [`Identity::read_headers`](sluice_policy::Identity::read_headers) names, and
+    /// `Content-Encoding` (a JSON-RPC body must be readable as sent).
+    pub fn read_headers(&self) -> Vec<HeaderName> {
+        let mut names = self.policy.identity.read_headers();
+        if !names.contains(&CONTENT_ENCODING) {
+            names.push(CONTENT_ENCODING);
+        }
+        names
+    }
+
     /// The budgets of a request on `route` (see [`Limiter::route`]). `body` is
     /// the body of a JSON-RPC route (`None` for a body that was too large: it
-    /// counts as one item of the default class).
+    /// counts as one item of the default class, and is answered 413 once decided).
+    ///
+    /// # Errors
+    /// [`Refused`] for a request that cannot be counted as the upstream would read
+    /// it (nothing is decided or spent).
     pub fn plan(
         &self,
         parts: &Parts,
         peer: IpAddr,
         route: Option<&Route>,
         body: Option<&[u8]>,
-    ) -> Plan {
+    ) -> Result<Plan, Refused> {
         self.plan_for(&parts.headers, peer, route, body)
     }
 
     /// [`Limiter::plan`] from the request's headers alone: the route carries what the
     /// method and path decide, and of the headers only those
-    /// [`Identity::read_headers`](sluice_policy::Identity::read_headers) names are read.
+    /// [`Limiter::read_headers`] names are read.
+    ///
+    /// # Errors
+    /// [`Refused`] for a request on a JSON-RPC route whose body cannot be classified:
+    /// one sent with a `Content-Encoding` other than `identity`, or one
+    /// [`JsonRpc::classify`](sluice_policy::JsonRpc::classify) cannot count.
     pub fn plan_for(
         &self,
         headers: &HeaderMap,
         peer: IpAddr,
         route: Option<&Route>,
         body: Option<&[u8]>,
-    ) -> Plan {
+    ) -> Result<Plan, Refused> {
         let policy = &self.policy;
+        let mut items = match route.map(|r| &r.class) {
+            Some(RouteClass::Fixed(c)) => Items::one(*c),
+            Some(RouteClass::JsonRpc) => {
+                sluice_policy::check_content_encoding(headers)?;
+                match body {
+                    Some(b) => policy.jsonrpc.classify(b, &policy.bounds)?,
+                    None => Items::one(policy.jsonrpc.default_class),
+                }
+            }
+            None => Items::one(policy.default_class),
+        };
         let identity = &policy.identity;
         let client = identity.client_ip(peer, headers);
         let caller = identity.caller(headers, &client, identity.trusts(peer));
-        let mut items = match route.map(|r| &r.class) {
-            Some(RouteClass::Fixed(c)) => Items::one(*c),
-            Some(RouteClass::JsonRpc) => match body {
-                Some(b) => policy.jsonrpc.classify(b, &policy.bounds),
-                None => Items::one(policy.jsonrpc.default_class),
-            },
-            None => Items::one(policy.default_class),
-        };
         if let Some(route) = route {
             items.add_spends(&Spends {
                 buckets: route.buckets.clone(),
                 quota: route.quota,
             });
         }
-        plan(policy, &self.scopes, &items, caller, &client)
+        Ok(plan(policy, &self.scopes, &items, caller, &client))
     }
 
     /// Decides every budget of `plan` at once, and records the outcome.
@@ -547,5 +626,56 @@ impl TopCallers {
         } else {
             self.others += units;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limiter() -> Limiter<MemoryStore> {
+        let policy = sluice_policy::default_policy().expect("default policy");
+        Limiter::new(policy, MemoryStore::new(MemoryConfig::default()))
+    }
+
+    #[test]
+    fn e6_a_target_is_rewritten_to_its_normal_form_the_query_kept() {
+        let limiter = limiter();
+        for (target, normal) in [
+            ("/chats?a=1", "/chats?a=1"),
+            ("//x/../%63hats?next=/../%2e", "/chats?next=/../%2e"),
+            ("http://h:1//oauth/%72egister", "http://h:1/oauth/register"),
+            ("/a%2fb", "/a%2Fb"),
+            ("*", "*"),
+        ] {
+            let mut uri: Uri = target.parse().expect("uri");
+            limiter.normalize_target(&mut uri).expect("normal form");
+            assert_eq!(uri.to_string(), normal, "{target}");
+        }
+        let mut uri: Uri = "/a/../../etc?x".parse().expect("uri");
+        assert_eq!(
+            limiter.normalize_target(&mut uri),
+            Err(Refused::Path(PathError::AboveRoot))
+        );
+        assert_eq!(uri, "/a/../../etc?x", "left as it was");
+    }
+
+    #[test]
+    fn e6_a_normal_path_is_matched_without_a_copy() {
+        let limiter = limiter();
+        assert!(matches!(
+            limiter.normalize_path("/oauth/register"),
+            Ok(Cow::Borrowed(_))
+        ));
+        let route = limiter.normalize_path("//oauth/%72egister").map(|p| {
+            limiter
+                .route_for(&Method::POST, &p)
+                .map(|r| r.buckets.len())
+        });
+        assert_eq!(
+            route,
+            Ok(Some(1)),
+            "the registration route, with its bucket"
+        );
     }
 }

@@ -203,15 +203,14 @@ async fn e4_a_spoofed_forwarded_for_from_an_untrusted_peer_changes_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn e5_unknown_tool_retired_unknown_action_and_non_jsonrpc_count_as_standard() {
+async fn e5_unknown_tool_retired_unknown_action_and_an_object_without_method_count_as_standard() {
     let edge = start(|y| y).await;
     let retired_unknown = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"messages","arguments":{"action":"shred"}}}"#;
     let retired_known = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"messages","arguments":{"action":"optimize"}}}"#;
     let cases = [
         (tool_call(1, "no_such_tool"), 60, 59),
         (retired_unknown.to_owned(), 60, 58),
-        ("certainly not json".to_owned(), 60, 57),
-        (r#"{"not":"jsonrpc"}"#.to_owned(), 60, 56),
+        (r#"{"not":"jsonrpc"}"#.to_owned(), 60, 57),
         (retired_known.to_owned(), 30, 29),
     ];
     for (body, limit, remaining) in cases {
@@ -219,6 +218,118 @@ async fn e5_unknown_tool_retired_unknown_action_and_non_jsonrpc_count_as_standar
         assert_eq!(r.status, StatusCode::OK, "{body}");
         assert_eq!((r.limit(), r.remaining()), (limit, remaining), "{body}");
     }
+}
+
+/// A body, the fields sent with it, and its refusal: status, `error.code`,
+/// `error.details`.
+type Case<'a> = (
+    &'a str,
+    &'a [(&'a str, &'a str)],
+    u16,
+    &'a str,
+    serde_json::Value,
+);
+
+/// A body the limiter cannot count as the upstream would read it is refused, with
+/// the bound or reason named, before anything is decided: nothing is spent and
+/// nothing reaches the app (SPEC E5, H3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e5_h3_bodies_that_cannot_be_counted_are_refused_and_spend_nothing() {
+    let edge = start(|y| y.replace("max_batch_items: 1000", "max_batch_items: 30")).await;
+    let batch = |n: u32| {
+        let items: Vec<String> = (0..n).map(|i| tool_call(i, "start_chat")).collect();
+        format!("[{}]", items.join(","))
+    };
+    let deep = format!("{}{}", "[".repeat(65), "]".repeat(65));
+    let with_bom = format!("\u{feff}{}", method(1, "ping"));
+    let cases: [Case<'_>; 7] = [
+        (
+            &batch(31),
+            &[],
+            413,
+            "payload_too_large",
+            serde_json::json!({"max_batch_items": 30}),
+        ),
+        (
+            &deep,
+            &[],
+            400,
+            "invalid_request",
+            serde_json::json!({"max_json_depth": 64}),
+        ),
+        (
+            "[]",
+            &[],
+            400,
+            "invalid_request",
+            serde_json::json!({"reason": "empty_batch"}),
+        ),
+        (
+            "certainly not json",
+            &[],
+            400,
+            "invalid_request",
+            serde_json::json!({"reason": "not_json"}),
+        ),
+        (
+            "42",
+            &[],
+            400,
+            "invalid_request",
+            serde_json::json!({"reason": "not_jsonrpc"}),
+        ),
+        (
+            &with_bom,
+            &[],
+            400,
+            "invalid_request",
+            serde_json::json!({"reason": "byte_order_mark"}),
+        ),
+        (
+            &tool_call(1, "start_chat"),
+            &[("content-encoding", "gzip")],
+            415,
+            "unsupported_media_type",
+            serde_json::json!({"content_encodings": ["identity"]}),
+        ),
+    ];
+    for (body, extra, status, code, details) in cases {
+        let mut headers = vec![KEY];
+        headers.extend_from_slice(extra);
+        let r = edge.rpc(&headers, body).await;
+        assert_eq!(r.status.as_u16(), status, "{body:.40}: {}", r.body);
+        let envelope: serde_json::Value = serde_json::from_str(&r.body).expect("envelope");
+        assert_eq!(envelope["error"]["code"], code, "{body:.40}");
+        assert_eq!(envelope["error"]["details"], details, "{body:.40}");
+        assert!(
+            envelope["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("nothing was counted")),
+            "{envelope}"
+        );
+        assert!(
+            r.headers.get("x-ratelimit-limit").is_none(),
+            "nothing decided"
+        );
+        assert!(
+            r.headers.get("retry-after").is_none(),
+            "a retry cannot succeed"
+        );
+    }
+    // Nothing was spent: the whole budget is left.
+    let r = edge.rpc(&[KEY], &batch(30)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!((r.limit(), r.remaining()), (30, 0));
+    let r = edge
+        .rpc(
+            &[KEY, ("content-encoding", "identity")],
+            &method(2, "no/such"),
+        )
+        .await;
+    assert_eq!(
+        (r.status, r.limit(), r.remaining()),
+        (StatusCode::OK, 60, 59)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -116,7 +116,8 @@ impl Upstream {
     }
 
     /// The request target (origin form, `/PREFIX/path?query`) sent upstream for an
-    /// incoming request's path and query.
+    /// incoming request's path and query: the limiter's layer has rewritten them to
+    /// their normal form (no dot segment: the prefix cannot be climbed out of).
     fn uri_for(&self, path_and_query: Option<&PathAndQuery>) -> Result<Uri, http::Error> {
         let Some(tail) = path_and_query else {
             return Ok(Uri::from_static("/"));
@@ -627,6 +628,20 @@ mod tests {
                 .expect("valid")
                 .connect_target(),
             "[::1]:3000"
+        );
+        // What the limiter's layer hands on is normal: it stays under the prefix.
+        let policy = sluice_policy::default_policy().expect("default policy");
+        let mut uri: Uri = "/x/../../etc".parse().expect("uri");
+        let limiter = sluice_tower::Limiter::new(
+            policy,
+            sluice_store::MemoryStore::new(sluice_store::MemoryConfig::default()),
+        );
+        assert!(limiter.normalize_target(&mut uri).is_err());
+        let mut uri: Uri = "//v1/../v1/%78?y=1".parse().expect("uri");
+        limiter.normalize_target(&mut uri).expect("normal form");
+        assert_eq!(
+            up.uri_for(uri.path_and_query()).expect("uri").to_string(),
+            "/api/v1/x?y=1"
         );
         let bare = Upstream::parse("http://127.0.0.1:3000").expect("valid");
         assert_eq!(

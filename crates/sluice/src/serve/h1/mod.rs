@@ -3,10 +3,11 @@
 //!
 //! A request head is parsed in place (httparse); its route and the fields the limiter
 //! reads are all that is taken out of it; the head sent upstream is written straight
-//! from the client's bytes (hop-by-hop fields dropped, `Host` the upstream's,
-//! `X-Forwarded-For` and `Forwarded` appended); the upstream's response head is
-//! rewritten the same way with the rate-limit fields added (and `Date` when it has
-//! none). A request body is taken in whole before the request is decided and sent
+//! from the client's bytes (the path in the normal form it was routed by, a path
+//! without one refused as the service stack refuses it; hop-by-hop fields dropped,
+//! `Host` the upstream's, `X-Forwarded-For` and `Forwarded` appended); the upstream's
+//! response head is rewritten the same way with the rate-limit fields added (and
+//! `Date` when it has none). A request body is taken in whole before the request is decided and sent
 //! (up to [`MAX_BUFFERED_BODY`], or the policy's bound for a JSON-RPC body), each read
 //! within the head timeout, so a refusal leaves the connection usable and a stalled
 //! upload holds nothing past that timeout. The response body is relayed as it comes,
@@ -106,7 +107,7 @@ impl FastPath {
         stats: RequestStats,
     ) -> Self {
         FastPath {
-            identity_headers: limiter.policy().identity.read_headers(),
+            identity_headers: limiter.read_headers(),
             pool: upstream::Pool::new(config.upstream.connect_target(), POOL_MAX_IDLE),
             limiter,
             config,
@@ -256,6 +257,7 @@ impl<'f> Connection<'f> {
         let cx = request::Context {
             upstream: &fast.config.upstream,
             route: &route,
+            paths: limiter.policy().paths,
             identity_headers: &fast.identity_headers,
             peer: &self.forwarded_peer,
         };
@@ -302,7 +304,11 @@ impl<'f> Connection<'f> {
         // policy when the route takes its class from it, else by what the fast path
         // holds; a longer one streams through hyper (both ways at once).
         let policy = limiter.policy();
-        let needs_body = Limiter::<AnyStore>::needs_body(head.route);
+        // A path with no normal form is refused once its body is read (the connection
+        // goes on), before anything is decided, as the service stack refuses it.
+        let target = head.route.map_err(sluice_tower::Refused::from);
+        let route = target.as_ref().ok().copied().flatten();
+        let needs_body = Limiter::<AnyStore>::needs_body(route);
         let max_body = if needs_body {
             // Past the policy's bound it is refused with 413, after a decision, by
             // the service stack.
@@ -327,21 +333,27 @@ impl<'f> Connection<'f> {
                 .await;
         }
         let body = head_len..head_len + body_len;
-        let mut plan = limiter.plan_for(
-            &self.identity,
-            self.peer,
-            head.route,
-            needs_body.then(|| &self.from_client[body.clone()]),
-        );
+        let plan = target.and_then(|route| {
+            limiter.plan_for(
+                &self.identity,
+                self.peer,
+                route,
+                needs_body.then(|| &self.from_client[body.clone()]),
+            )
+        });
 
-        // The decision; a refusal, or a limiter that cannot decide, is answered here.
-        let refused = match limiter.decide(&mut plan).await {
-            Ok(decision) if decision.is_admitted() => Ok(decision),
-            Ok(decision) => Err(sluice_tower::refusal(&decision, &plan, policy)),
-            Err(error) => Err(sluice_tower::limiter_unavailable(&error)),
+        // The decision; a request that cannot be counted (refused before anything is
+        // decided), a refusal, or a limiter that cannot decide, is answered here.
+        let decided = match plan {
+            Err(refused) => Err(refused.response()),
+            Ok(mut plan) => match limiter.decide(&mut plan).await {
+                Ok(decision) if decision.is_admitted() => Ok((decision, plan)),
+                Ok(decision) => Err(sluice_tower::refusal(&decision, &plan, policy)),
+                Err(error) => Err(sluice_tower::limiter_unavailable(&error)),
+            },
         };
-        let decision = match refused {
-            Ok(decision) => decision,
+        let (decision, plan) = match decided {
+            Ok(decided) => decided,
             Err(answer) => {
                 self.from_client.advance(body.end);
                 let answer = own(answer).await;

@@ -4,7 +4,7 @@
 use std::mem::MaybeUninit;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
-use sluice_policy::Route;
+use sluice_policy::{PathError, Paths, Route};
 
 use super::super::proxy::{ForwardedPeer, for_each_connection_named, is_hop_by_hop};
 use super::Upstream;
@@ -39,15 +39,18 @@ pub(super) struct Head<'l> {
     pub(super) body_len: u64,
     /// The client asked to close the connection after this request.
     pub(super) close: bool,
-    /// The route the method and path match.
-    pub(super) route: Option<&'l Route>,
+    /// The route the method and the normal form of the path match; the error when
+    /// the path has no normal form (the request is refused).
+    pub(super) route: Result<Option<&'l Route>, PathError>,
 }
 
 /// What [`parse`] needs besides the bytes.
 pub(super) struct Context<'a, 'l> {
     pub(super) upstream: &'a Upstream,
-    /// Routes requests.
+    /// Routes requests (by the normal form of their path).
     pub(super) route: &'a (dyn Fn(&Method, &str) -> Option<&'l Route> + Sync),
+    /// How paths are normalised before they are routed and forwarded.
+    pub(super) paths: Paths,
     /// Headers the limiter reads (lowercase); they are copied into `identity`.
     pub(super) identity_headers: &'a [HeaderName],
     /// The socket peer, appended to `X-Forwarded-For` and `Forwarded`.
@@ -55,7 +58,8 @@ pub(super) struct Context<'a, 'l> {
 }
 
 /// Parses the request head at the start of `buf`. When it is [`Parsed::Ready`], the
-/// head to send upstream (request line, the client's fields but the hop-by-hop ones,
+/// head to send upstream (request line with the path in its normal form and the query
+/// as it came, the client's fields but the hop-by-hop ones,
 /// `Host` the upstream's, `X-Forwarded-For` and `Forwarded` with the peer appended) is
 /// written to `upstream`, and the fields the limiter reads are put in `identity`.
 pub(super) fn parse<'l>(
@@ -87,10 +91,14 @@ pub(super) fn parse<'l>(
     {
         return Parsed::Elsewhere;
     }
-    let path = target
-        .bytes()
-        .position(|b| b == b'?')
-        .map_or(target, |at| &target[..at]);
+    let (path, query) = target.split_at(
+        target
+            .bytes()
+            .position(|b| b == b'?')
+            .unwrap_or(target.len()),
+    );
+    // Routed and forwarded as the upstream will read it.
+    let path = cx.paths.normalize(path);
 
     // First pass: what frames the message and what `Connection` names.
     let mut body_len = None;
@@ -129,7 +137,10 @@ pub(super) fn parse<'l>(
     upstream.extend_from_slice(method.as_str().as_bytes());
     upstream.push(b' ');
     upstream.extend_from_slice(cx.upstream.base_path().as_bytes());
-    upstream.extend_from_slice(target.as_bytes());
+    if let Ok(path) = &path {
+        upstream.extend_from_slice(path.as_bytes());
+        upstream.extend_from_slice(query.as_bytes());
+    }
     upstream.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     upstream.extend_from_slice(cx.upstream.host().as_bytes());
     upstream.extend_from_slice(b"\r\n");
@@ -181,7 +192,7 @@ pub(super) fn parse<'l>(
 
     Parsed::Ready(Head {
         len,
-        route: (cx.route)(&method, path),
+        route: path.map(|path| (cx.route)(&method, &path)),
         method,
         body_len: body_len.unwrap_or(0),
         close,
@@ -253,6 +264,7 @@ mod tests {
             upstream: &up,
             route: &route,
             identity_headers: &names,
+            paths: Paths::default(),
             peer: &ForwardedPeer::new("192.0.2.1".parse().expect("ip")),
         };
         let mut out = Vec::new();
@@ -282,6 +294,42 @@ mod tests {
         );
         assert_eq!(identity["x-api-key"], "k1");
         assert_eq!(identity.get_all("x-forwarded-for").iter().count(), 2);
+    }
+
+    #[test]
+    fn e6_the_upstream_head_has_the_normal_path_under_the_prefix_and_the_query_as_sent() {
+        let head = "GET //v1/./x/../%74hings?next=/../%2e HTTP/1.1\r\nhost: h\r\n\r\n";
+        let (seen, out, _) = parse_one(head);
+        assert_eq!(seen, Seen::Ready(head.len(), 0, false));
+        assert!(
+            out.starts_with("GET /api/v1/things?next=/../%2e HTTP/1.1\r\nhost: 10.0.0.9:3000\r\n"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn e6_a_path_above_the_root_is_ready_to_be_refused() {
+        let up = upstream();
+        let route = |_: &Method, _: &str| None;
+        let cx = Context {
+            upstream: &up,
+            route: &route,
+            identity_headers: &[],
+            paths: Paths::default(),
+            peer: &ForwardedPeer::new("192.0.2.1".parse().expect("ip")),
+        };
+        for (target, error) in [
+            ("/../etc", PathError::AboveRoot),
+            ("/a/%2e%2e/../etc", PathError::AboveRoot),
+            ("/a%g1", PathError::BadPercentEncoding),
+        ] {
+            let head = format!("GET {target} HTTP/1.1\r\nhost: h\r\n\r\n");
+            let mut out = Vec::new();
+            match parse(head.as_bytes(), &cx, &mut out, &mut HeaderMap::new()) {
+                Parsed::Ready(head) => assert_eq!(head.route.err(), Some(error), "{target}"),
+                other => panic!("{target}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,735 @@
+//! Requests written as an attacker writes them to spend more than a budget allows,
+//! over raw loopback sockets, on both HTTP/1.1 paths of one `sluice serve` (the fast
+//! path takes a `Content-Length` body; a chunked body is left to hyper and the service
+//! stack) and over HTTP/2, in front of an upstream that records every request it gets.
+//! What sluice forwards, it counted as the upstream will read it; what it cannot
+//! count, it refuses, saying why, and forwards nothing.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt as _, Full};
+use serde_json::{Value, json};
+use support::Sluice;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Bound on every test's whole body.
+const TEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+async fn bounded<F: Future>(test: F) -> F::Output {
+    tokio::time::timeout(TEST_TIMEOUT, test)
+        .await
+        .expect("test timed out")
+}
+
+/// An upstream that answers every request `200 {"ok":true}` once it has its whole
+/// body, and records its request line (`POST /chats`).
+struct Recorder {
+    url: String,
+    seen: Arc<Mutex<Vec<String>>>,
+}
+
+impl Recorder {
+    async fn start() -> Recorder {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let record = Arc::clone(&seen);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(serve_recorded(stream, Arc::clone(&record)));
+            }
+        });
+        Recorder { url, seen }
+    }
+
+    /// The request lines received so far.
+    fn seen(&self) -> Vec<String> {
+        self.seen.lock().expect("lock").clone()
+    }
+}
+
+async fn serve_recorded(mut stream: TcpStream, seen: Arc<Mutex<Vec<String>>>) {
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let mut fields = [httparse::EMPTY_HEADER; 64];
+        let mut request = httparse::Request::new(&mut fields);
+        if let Ok(httparse::Status::Complete(end)) = request.parse(&got) {
+            let field = |name: &str| {
+                request
+                    .headers
+                    .iter()
+                    .find(|f| f.name.eq_ignore_ascii_case(name))
+                    .map(|f| String::from_utf8_lossy(f.value).to_ascii_lowercase())
+            };
+            let whole = if field("transfer-encoding").is_some_and(|te| te.contains("chunked")) {
+                got[end..]
+                    .windows(5)
+                    .position(|w| w == b"0\r\n\r\n")
+                    .map(|at| end + at + 5)
+            } else {
+                let length: usize = field("content-length")
+                    .and_then(|l| l.trim().parse().ok())
+                    .unwrap_or(0);
+                (got.len() >= end + length).then_some(end + length)
+            };
+            if let Some(whole) = whole {
+                let line = format!(
+                    "{} {}",
+                    request.method.unwrap_or("?"),
+                    request.path.unwrap_or("?")
+                );
+                seen.lock().expect("lock").push(line);
+                got.drain(..whole);
+                let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\":true}";
+                if stream.write_all(ok.as_bytes()).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+        }
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => got.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// The default policy with a window that never rolls during a test (it started at the
+/// Unix epoch and ends in 2106), edited by `edit`, written to a file.
+fn policy_file(name: &str, edit: impl FnOnce(String) -> String) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("sluice-bypass-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.replace(
+        "window_seconds: 60\nprofiles",
+        "window_seconds: 4294967295\nprofiles",
+    );
+    std::fs::write(&path, edit(yaml)).expect("write policy");
+    path
+}
+
+/// `sluice serve` with the policy `name` (edited by `edit`) in front of a [`Recorder`].
+async fn gateway(name: &str, edit: impl FnOnce(String) -> String) -> (Sluice, Recorder) {
+    gateway_to(name, "", edit).await
+}
+
+/// [`gateway`], the upstream URL ending with `prefix` (`/api`: a request for `/a`
+/// goes to `/api/a`).
+async fn gateway_to(
+    name: &str,
+    prefix: &str,
+    edit: impl FnOnce(String) -> String,
+) -> (Sluice, Recorder) {
+    let recorder = Recorder::start().await;
+    let policy = policy_file(name, edit);
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("utf-8 path"),
+        "--upstream",
+        &format!("{}{prefix}", recorder.url),
+    ]);
+    (sluice, recorder)
+}
+
+/// Which of the gateway's HTTP/1.1 paths serves a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// The fast path: HTTP/1.1, the body (if any) framed by `Content-Length`.
+    Fast,
+    /// hyper and the service stack: the body is chunked, which the fast path leaves
+    /// to hyper.
+    Hyper,
+}
+
+const BOTH: [Path; 2] = [Path::Fast, Path::Hyper];
+
+/// An answer read off a raw connection.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    /// Field names lower case.
+    fields: BTreeMap<String, String>,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// `error.code` and `error.details` of the JSON envelope.
+    fn envelope(&self) -> (String, Value) {
+        let json = self.json();
+        let code = json["error"]["code"].as_str().unwrap_or("").to_owned();
+        (code, json["error"]["details"].clone())
+    }
+}
+
+/// Sends `method target` with `fields` and `body` on a new connection, on `path`,
+/// and reads the answer to the connection's close.
+async fn exchange(
+    sluice: &Sluice,
+    path: Path,
+    method: &str,
+    target: &str,
+    fields: &[(&str, &str)],
+    body: &[u8],
+) -> Answer {
+    let mut request = format!("{method} {target} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n");
+    for (name, value) in fields {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    let mut request = request.into_bytes();
+    match path {
+        Path::Fast => {
+            request.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
+            request.extend_from_slice(body);
+        }
+        Path::Hyper => {
+            request.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n");
+            if !body.is_empty() {
+                request.extend_from_slice(format!("{:x}\r\n", body.len()).as_bytes());
+                request.extend_from_slice(body);
+                request.extend_from_slice(b"\r\n");
+            }
+            request.extend_from_slice(b"0\r\n\r\n");
+        }
+    }
+    let mut stream = TcpStream::connect(sluice.start.gateway)
+        .await
+        .expect("connect");
+    stream.write_all(&request).await.expect("write");
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.expect("read");
+    let end = answer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no head: {}", String::from_utf8_lossy(&answer)));
+    let head = String::from_utf8_lossy(&answer[..end]).into_owned();
+    let mut lines = head.lines();
+    let status = lines.next().expect("status line")[9..12]
+        .parse()
+        .expect("status");
+    let fields: BTreeMap<String, String> = lines
+        .filter_map(|l| l.split_once(": "))
+        .map(|(n, v)| (n.to_ascii_lowercase(), v.to_owned()))
+        .collect();
+    let mut body = answer[end + 4..].to_vec();
+    if fields
+        .get("transfer-encoding")
+        .is_some_and(|te| te == "chunked")
+    {
+        body = dechunk(&body);
+    }
+    Answer {
+        status,
+        fields,
+        body,
+    }
+}
+
+/// A whole chunked body, decoded (no trailers).
+fn dechunk(mut chunked: &[u8]) -> Vec<u8> {
+    let mut body = Vec::new();
+    loop {
+        let at = chunked
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .expect("chunk size");
+        let size =
+            usize::from_str_radix(&String::from_utf8_lossy(&chunked[..at]), 16).expect("hex size");
+        if size == 0 {
+            return body;
+        }
+        body.extend_from_slice(&chunked[at + 2..at + 2 + size]);
+        chunked = &chunked[at + 2 + size + 2..];
+    }
+}
+
+/// A JSON-RPC `tools/call` of `tool`.
+fn tool_call(id: usize, tool: &str) -> String {
+    format!(
+        r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"{tool}","arguments":{{}}}}}}"#
+    )
+}
+
+/// A batch of `n` calls of the expensive `start_chat`.
+fn expensive_batch(n: usize) -> String {
+    let items: Vec<String> = (0..n).map(|i| tool_call(i, "start_chat")).collect();
+    format!("[{}]", items.join(","))
+}
+
+/// `{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"start_chat"}}`,
+/// gzip-compressed.
+const GZIPPED_CALL: &[u8] = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\x03\x0d\xc9\x4b\x0a\xc0\x20\x0c\x05\xc0\xbb\xbc\xb5\xf4\xb7\xf4\x32\x25\x58\xc1\x16\x35\x92\x64\x27\xde\xbd\xd9\x0d\xcc\xc4\xa7\xdc\x65\x24\x44\x5c\xdb\x81\x80\xf7\x41\x3c\x03\x5a\xb6\xc2\x4e\x18\x73\xd5\x3d\x51\xad\x9e\x83\x84\x9a\x22\x4e\x74\x6a\xd9\x57\x8d\xc4\xee\x54\xc8\xb0\xd6\x0f\xc1\x90\xd3\xf3\x4d\x00\x00\x00";
+
+/// The fields of a JSON-RPC POST by `key`.
+fn rpc_fields(key: &str) -> Vec<(&str, &str)> {
+    vec![("x-api-key", key), ("content-type", "application/json")]
+}
+
+/// Asserts that both paths gave the same answer (status, body, the fields that do not
+/// depend on the clock or the framing).
+fn assert_same_answer(fast: &Answer, hyper: &Answer) {
+    assert_eq!(fast.status, hyper.status);
+    assert_eq!(fast.body, hyper.body);
+    for name in [
+        "content-type",
+        "accept-encoding",
+        "retry-after",
+        "x-ratelimit-limit",
+        "x-ratelimit-remaining",
+    ] {
+        assert_eq!(fast.fields.get(name), hyper.fields.get(name), "{name}");
+    }
+}
+
+/// 31 expensive tool calls in one batch, above `max_batch_items: 30`: once they
+/// counted as one standard item while the upstream could run them all. Now: 413
+/// naming the bound, nothing forwarded, nothing spent (a batch of 30 then spends the
+/// whole expensive budget).
+#[tokio::test]
+async fn e5_oversized_batch_is_refused_not_counted_as_standard() {
+    let (sluice, upstream) = gateway("batch.yaml", |y| {
+        y.replace("max_batch_items: 1000", "max_batch_items: 30")
+    })
+    .await;
+    bounded(async {
+        let mut answers = Vec::new();
+        for path in BOTH {
+            let key = format!("sk-batch-{path:?}");
+            let fields = rpc_fields(&key);
+            let refused = exchange(
+                &sluice,
+                path,
+                "POST",
+                "/mcp",
+                &fields,
+                expensive_batch(31).as_bytes(),
+            )
+            .await;
+            assert_eq!(refused.status, 413, "{path:?}: {refused:?}");
+            assert_eq!(
+                refused.envelope(),
+                (
+                    "payload_too_large".to_owned(),
+                    json!({"max_batch_items": 30})
+                ),
+                "{path:?}"
+            );
+            let message = refused.json()["error"]["message"].to_string();
+            assert!(message.contains("max_batch_items"), "{message}");
+            assert!(!refused.fields.contains_key("x-ratelimit-remaining"));
+            assert_eq!(upstream.seen().len(), answers.len(), "nothing forwarded");
+
+            let whole = exchange(
+                &sluice,
+                path,
+                "POST",
+                "/mcp",
+                &fields,
+                expensive_batch(30).as_bytes(),
+            )
+            .await;
+            assert_eq!(whole.status, 200, "{path:?}: {whole:?}");
+            assert_eq!(
+                whole
+                    .fields
+                    .get("x-ratelimit-remaining")
+                    .map(String::as_str),
+                Some("0"),
+                "{path:?}: the refused batch spent nothing"
+            );
+            answers.push(refused);
+        }
+        assert_same_answer(&answers[0], &answers[1]);
+        assert_eq!(upstream.seen(), ["POST /mcp", "POST /mcp"]);
+    })
+    .await;
+}
+
+/// A body, what it is, the fields sent with it and the refusal it gets: status,
+/// `error.code`, `error.details`.
+type RefusedBody<'a> = (
+    &'a str,
+    &'a [u8],
+    &'a [(&'a str, &'a str)],
+    u16,
+    &'a str,
+    Value,
+);
+
+/// A JSON-RPC body sluice cannot read as sent (compressed) or that is not UTF-8 JSON
+/// (a byte-order mark, UTF-16) or nests past the bound: refused with the reason, on
+/// both paths alike; nothing reaches the upstream.
+#[tokio::test]
+async fn e5_encoded_bom_utf16_and_deep_bodies_are_refused_on_both_paths() {
+    let (sluice, upstream) = gateway("bodies.yaml", |y| y).await;
+    let call = tool_call(1, "start_chat");
+    let with_bom = [&b"\xEF\xBB\xBF"[..], call.as_bytes()].concat();
+    let utf16: Vec<u8> = [0xFF, 0xFE]
+        .into_iter()
+        .chain(call.encode_utf16().flat_map(u16::to_le_bytes))
+        .collect();
+    let utf16_bare: Vec<u8> = call.encode_utf16().flat_map(u16::to_le_bytes).collect();
+    let deep = format!(
+        r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"start_chat","arguments":{}1{}}}}}"#,
+        "[".repeat(70),
+        "]".repeat(70)
+    );
+    let cases: Vec<RefusedBody<'_>> = vec![
+        (
+            "gzip",
+            GZIPPED_CALL,
+            &[("content-encoding", "gzip")],
+            415,
+            "unsupported_media_type",
+            json!({"content_encodings": ["identity"]}),
+        ),
+        (
+            "identity then br",
+            call.as_bytes(),
+            &[("content-encoding", "identity"), ("content-encoding", "br")],
+            415,
+            "unsupported_media_type",
+            json!({"content_encodings": ["identity"]}),
+        ),
+        (
+            "UTF-8 BOM",
+            &with_bom,
+            &[],
+            400,
+            "invalid_request",
+            json!({"reason": "byte_order_mark"}),
+        ),
+        (
+            "UTF-16 with BOM",
+            &utf16,
+            &[],
+            400,
+            "invalid_request",
+            json!({"reason": "byte_order_mark"}),
+        ),
+        (
+            "UTF-16",
+            &utf16_bare,
+            &[],
+            400,
+            "invalid_request",
+            json!({"reason": "not_utf8"}),
+        ),
+        (
+            "deep",
+            deep.as_bytes(),
+            &[],
+            400,
+            "invalid_request",
+            json!({"max_json_depth": 64}),
+        ),
+        (
+            "empty batch",
+            b"[]",
+            &[],
+            400,
+            "invalid_request",
+            json!({"reason": "empty_batch"}),
+        ),
+        (
+            "a number",
+            b"30",
+            &[],
+            400,
+            "invalid_request",
+            json!({"reason": "not_jsonrpc"}),
+        ),
+    ];
+    bounded(async {
+        for (what, body, extra, status, code, details) in cases {
+            let mut answers = Vec::new();
+            for path in BOTH {
+                let mut fields = rpc_fields("sk-bodies");
+                fields.extend_from_slice(extra);
+                let answer = exchange(&sluice, path, "POST", "/mcp", &fields, body).await;
+                assert_eq!(answer.status, status, "{what} on {path:?}: {answer:?}");
+                assert_eq!(
+                    answer.envelope(),
+                    (code.to_owned(), details.clone()),
+                    "{what} on {path:?}"
+                );
+                answers.push(answer);
+            }
+            assert_same_answer(&answers[0], &answers[1]);
+            if status == 415 {
+                assert_eq!(
+                    answers[0].fields.get("accept-encoding").map(String::as_str),
+                    Some("identity")
+                );
+            }
+        }
+        assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+
+        // Nothing was spent: the caller's whole expensive budget is left.
+        let fields = rpc_fields("sk-bodies");
+        let r = exchange(
+            &sluice,
+            Path::Fast,
+            "POST",
+            "/mcp",
+            &fields,
+            call.as_bytes(),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert_eq!(
+            (
+                r.fields.get("x-ratelimit-limit").map(String::as_str),
+                r.fields.get("x-ratelimit-remaining").map(String::as_str)
+            ),
+            (Some("30"), Some("29"))
+        );
+    })
+    .await;
+}
+
+/// The same refusals over HTTP/2 (the service stack).
+#[tokio::test]
+async fn e5_h2_an_oversized_batch_and_a_gzip_body_are_refused() {
+    let (sluice, upstream) = gateway("h2.yaml", |y| {
+        y.replace("max_batch_items: 1000", "max_batch_items: 30")
+    })
+    .await;
+    bounded(async {
+        let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http::<Full<Bytes>>();
+        let send = |body: Bytes, encoding: Option<&'static str>| {
+            let mut request = Request::post(sluice.url("/mcp"))
+                .header("x-api-key", "sk-h2")
+                .header("content-type", "application/json");
+            if let Some(encoding) = encoding {
+                request = request.header("content-encoding", encoding);
+            }
+            let request = request.body(Full::new(body)).expect("request");
+            let h2 = h2.clone();
+            async move {
+                let response = h2.request(request).await.expect("h2 request");
+                assert_eq!(response.version(), http::Version::HTTP_2);
+                let status = response.status().as_u16();
+                let body = response.into_body().collect().await.expect("body");
+                (
+                    status,
+                    serde_json::from_slice::<Value>(&body.to_bytes()).expect("json"),
+                )
+            }
+        };
+        let (status, body) = send(Bytes::from(expensive_batch(31)), None).await;
+        assert_eq!(
+            (status, &body["error"]["code"]),
+            (413, &json!("payload_too_large"))
+        );
+        let (status, body) = send(Bytes::from_static(GZIPPED_CALL), Some("gzip")).await;
+        assert_eq!(
+            (status, &body["error"]["code"]),
+            (415, &json!("unsupported_media_type"))
+        );
+        assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+    })
+    .await;
+}
+
+/// `POST /oauth/register` is 5 per minute per IP (SPEC E7). Other spellings of it,
+/// which an upstream that normalises paths serves as the registration, once skipped
+/// the bucket. Each now spends it, on either path, and the upstream gets the route's
+/// own spelling; the 6th is refused on both.
+#[tokio::test]
+async fn e7_other_spellings_of_oauth_register_spend_its_5_per_minute_bucket() {
+    let (sluice, upstream) = gateway("register.yaml", |y| y).await;
+    bounded(async {
+        let spellings = [
+            (Path::Fast, "//oauth/register"),
+            (Path::Hyper, "/oauth/%72egister"),
+            (Path::Fast, "/x/../oauth/register"),
+            (Path::Hyper, "/./oauth//register"),
+            (Path::Fast, "/oauth/%2E/register/"),
+        ];
+        for (i, (path, target)) in spellings.into_iter().enumerate() {
+            // A new credential each time: the bucket is the client IP's.
+            let key = format!("sk-register-{i}");
+            let fields = [("x-api-key", key.as_str())];
+            let r = exchange(&sluice, path, "POST", target, &fields, b"{}").await;
+            assert_eq!(r.status, 200, "{target} on {path:?}: {r:?}");
+            assert_eq!(
+                (
+                    r.fields.get("x-ratelimit-limit").map(String::as_str),
+                    r.fields.get("x-ratelimit-remaining").map(String::as_str),
+                ),
+                (Some("5"), Some((4 - i).to_string().as_str())),
+                "{target} on {path:?} spent the registration bucket"
+            );
+        }
+        for (path, target) in [
+            (Path::Fast, "//oauth/register"),
+            (Path::Hyper, "/oauth/register"),
+        ] {
+            let fields = [("x-api-key", "sk-register-6")];
+            let r = exchange(&sluice, path, "POST", target, &fields, b"{}").await;
+            assert_eq!(r.status, 429, "{target} on {path:?}: {r:?}");
+            assert_eq!(
+                r.fields.get("x-ratelimit-limit").map(String::as_str),
+                Some("5")
+            );
+        }
+        assert_eq!(
+            upstream.seen(),
+            vec!["POST /oauth/register".to_owned(); 4]
+                .into_iter()
+                .chain(["POST /oauth/register/".to_owned()])
+                .collect::<Vec<_>>()
+        );
+    })
+    .await;
+}
+
+/// A spelling of `/chats` is counted in its class (expensive, 30) on both paths, and
+/// forwarded in its normal form under the upstream's prefix, the query as it came
+/// (SPEC E6).
+#[tokio::test]
+async fn e6_other_spellings_of_a_route_are_counted_and_forwarded_as_the_route() {
+    let (sluice, upstream) = gateway_to("chats.yaml", "/api", |y| y).await;
+    bounded(async {
+        let cases = [
+            ("//chats", "/api/chats"),
+            ("/%63hats?next=/x/../y", "/api/chats?next=/x/../y"),
+            ("/x/../chats", "/api/chats"),
+            ("/./chats", "/api/chats"),
+            ("/a/%2e%2e/chats", "/api/chats"),
+            ("/files/a%2fb/%7euser", "/api/files/a%2Fb/~user"),
+        ];
+        let mut spent = 0;
+        for path in BOTH {
+            for (target, forwarded) in cases {
+                let fields = [("x-api-key", "sk-chats")];
+                let r = exchange(&sluice, path, "POST", target, &fields, b"{}").await;
+                assert_eq!(r.status, 200, "{target} on {path:?}: {r:?}");
+                let limit = r.fields.get("x-ratelimit-limit").map(String::as_str);
+                if forwarded.starts_with("/api/chats") {
+                    spent += 1;
+                    assert_eq!(limit, Some("30"), "{target} on {path:?} is expensive");
+                    assert_eq!(
+                        r.fields.get("x-ratelimit-remaining").map(String::as_str),
+                        Some((30 - spent).to_string().as_str()),
+                        "{target} on {path:?}"
+                    );
+                } else {
+                    assert_eq!(limit, Some("60"), "{target} on {path:?} is standard");
+                }
+                let seen = upstream.seen();
+                assert_eq!(
+                    seen.last().map(String::as_str),
+                    Some(format!("POST {forwarded}").as_str()),
+                    "{target} on {path:?}"
+                );
+            }
+        }
+    })
+    .await;
+}
+
+/// A path whose `..` climbs above the root was forwarded as `/prefix/../etc`, out of
+/// the upstream's prefix. It is refused with 400 on both paths and over HTTP/2, and
+/// nothing is forwarded; so is a `%` that encodes nothing.
+#[tokio::test]
+async fn e6_a_path_above_the_root_is_refused_not_forwarded_out_of_the_prefix() {
+    let (sluice, upstream) = gateway_to("root.yaml", "/api", |y| y).await;
+    bounded(async {
+        let cases = [
+            ("GET", "/../etc", "path_above_root"),
+            ("GET", "/a/../../etc/passwd", "path_above_root"),
+            ("POST", "/%2e%2e/chats", "path_above_root"),
+            ("GET", "//../etc?x=1", "path_above_root"),
+            ("POST", "/chats%zz", "bad_percent_encoding"),
+        ];
+        for (method, target, reason) in cases {
+            let mut answers = Vec::new();
+            for path in BOTH {
+                let r = exchange(&sluice, path, method, target, &[], b"").await;
+                assert_eq!(r.status, 400, "{target} on {path:?}: {r:?}");
+                assert_eq!(
+                    r.envelope(),
+                    ("invalid_request".to_owned(), json!({"reason": reason})),
+                    "{target} on {path:?}"
+                );
+                assert!(!r.fields.contains_key("x-ratelimit-limit"), "nothing decided");
+                answers.push(r);
+            }
+            assert_same_answer(&answers[0], &answers[1]);
+        }
+
+        // The connection goes on after the refusal (fast path, kept alive).
+        let mut stream = TcpStream::connect(sluice.start.gateway)
+            .await
+            .expect("connect");
+        stream
+            .write_all(
+                b"GET /../etc HTTP/1.1\r\nhost: x\r\n\r\nGET /ok HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+            )
+            .await
+            .expect("write");
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.expect("read");
+        let answer = String::from_utf8_lossy(&answer);
+        let refused = answer.find("HTTP/1.1 400 ").expect("a refusal");
+        let served = answer.find("HTTP/1.1 200 OK\r\n").expect("the next request");
+        assert!(refused == 0 && served > refused, "{answer}");
+
+        let h2 = hyper_util::client::legacy::Client::builder(
+            hyper_util::rt::TokioExecutor::new(),
+        )
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+        let response = h2
+            .request(
+                Request::get(sluice.url("/x/../../etc"))
+                    .body(Full::new(Bytes::new()))
+                    .expect("request"),
+            )
+            .await
+            .expect("h2 request");
+        assert_eq!(
+            (response.version(), response.status().as_u16()),
+            (http::Version::HTTP_2, 400)
+        );
+        let response = h2
+            .request(
+                Request::post(sluice.url("//oauth/register"))
+                    .body(Full::new(Bytes::from_static(b"{}")))
+                    .expect("request"),
+            )
+            .await
+            .expect("h2 request");
+        assert_eq!(
+            response
+                .headers()
+                .get("x-ratelimit-limit")
+                .map(|v| v.as_bytes()),
+            Some(&b"5"[..]),
+            "HTTP/2 routes the normal form too"
+        );
+
+        assert_eq!(
+            upstream.seen(),
+            ["GET /api/ok", "POST /api/oauth/register"],
+            "nothing above the root was forwarded"
+        );
+    })
+    .await;
+}
