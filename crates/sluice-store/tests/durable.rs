@@ -293,3 +293,55 @@ fn a_corrupt_file_or_a_data_dir_that_is_a_file_is_an_error_naming_the_path() {
     assert!(matches!(e, OpenError::Directory { .. }), "{e:?}");
     assert!(e.to_string().contains("plain-file"), "{e}");
 }
+
+#[test]
+fn q1_a_full_disk_fails_quota_decisions_closed_and_recovers_by_itself() {
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    let (disk, full) = sluice_store::durable::FillableDisk::new();
+    let full = &full;
+    let durable = DurableStore::with_backend("rehearsal.redb", disk).expect("open");
+    let book = QuotaBook::open(&durable, QuotaBookConfig::default(), clock.now_ts()).expect("book");
+    let store = LocalStore::new(
+        MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),
+        Some(book),
+    );
+    assert!(
+        rt.block_on(store.decide(&[class("k", 100), quota("acme", 10)]))
+            .expect("d")
+            .is_admitted()
+    );
+    full.store(true, std::sync::atomic::Ordering::SeqCst);
+    // A call whose count cannot be made durable is not admitted.
+    let failed = rt.block_on(store.decide(&[class("k", 100), quota("acme", 10)]));
+    match failed {
+        Err(StoreError::Unavailable(why)) => {
+            assert!(why.contains("durable"), "{why}");
+            assert!(
+                !why.contains("rehearsal.redb"),
+                "no path for clients: {why}"
+            );
+        }
+        other => panic!("expected the store to be unavailable, got {other:?}"),
+    }
+    // Budgets without a quota keep working.
+    assert!(
+        rt.block_on(store.decide(&[class("k", 100)]))
+            .expect("d")
+            .is_admitted()
+    );
+    // Room again: the writer retries by itself and quota calls are admitted again.
+    full.store(false, std::sync::atomic::Ordering::SeqCst);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let recovered = loop {
+        match rt.block_on(store.decide(&[quota("acme", 10)])) {
+            Ok(d) => break d,
+            Err(_) if std::time::Instant::now() < deadline => {}
+            Err(e) => panic!("no recovery within 10 s: {e}"),
+        }
+    };
+    assert!(recovered.is_admitted());
+    // What failed may have been counted (never less than what was admitted).
+    let usage = 10 - recovered.statuses()[0].remaining;
+    assert!((2..=3).contains(&usage), "usage {usage}");
+}

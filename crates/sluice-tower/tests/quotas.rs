@@ -319,3 +319,49 @@ async fn q1_a_call_refused_by_another_budget_spends_no_quota_and_a_batch_counts_
     );
     assert_eq!(json(&r)["error"]["details"]["usage"], 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn q1_a_full_disk_answers_quota_routes_503_and_serves_the_others() {
+    let policy = sluice_policy::default_policy().expect("default");
+    let clock = sluice_core::FakeClock::new(sluice_core::Timestamp::from_secs(T0 + 1));
+    let (disk, full) = sluice_store::durable::FillableDisk::new();
+    let durable = sluice_store::DurableStore::with_backend("full.redb", disk).expect("store");
+    let book = sluice_store::QuotaBook::open(
+        &durable,
+        sluice_store::QuotaBookConfig::default(),
+        sluice_core::Timestamp::from_secs(T0 + 1),
+    )
+    .expect("book");
+    let store = sluice_store::LocalStore::new(
+        sluice_store::MemoryStore::with_clock(sluice_store::MemoryConfig::default(), clock.clone()),
+        Some(book),
+    );
+    let edge = support::start_with(policy, store, clock).await;
+    assert_eq!(
+        edge.post("/messages/optimize", &[KEY], "{}").await.status,
+        StatusCode::OK
+    );
+    full.store(true, std::sync::atomic::Ordering::SeqCst);
+    let r = edge.post("/messages/optimize", &[KEY], "{}").await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+    assert!(!r.header("retry-after").is_empty());
+    assert!(
+        r.body.contains("durable"),
+        "the answer says why: {}",
+        r.body
+    );
+    assert!(
+        !r.body.contains("full.redb"),
+        "but names no server path: {}",
+        r.body
+    );
+    // Routes without a quota keep working.
+    assert_eq!(
+        edge.post("/chats", &[KEY], "{}").await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        edge.get("/search/fields", &[KEY]).await.status,
+        StatusCode::OK
+    );
+}

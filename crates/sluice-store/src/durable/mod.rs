@@ -13,11 +13,13 @@
 //! # drop(store); let _ = std::fs::remove_dir_all(&dir);
 //! ```
 
+mod fillable;
 mod quota;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub use fillable::FillableDisk;
 pub use quota::{COMMIT_TIMEOUT, DEFAULT_MAX_QUOTA_CELLS, QuotaBook, QuotaBookConfig};
 
 /// The file the store keeps in its data directory.
@@ -56,14 +58,22 @@ pub enum OpenError {
 /// An open embedded durable store.
 #[derive(Clone)]
 pub struct DurableStore {
-    db: Arc<redb::Database>,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// `None` only while the storage is being opened anew.
+    db: parking_lot::RwLock<Option<Arc<redb::Database>>>,
     path: PathBuf,
+    /// Opens the storage again: redb refuses every transaction after a failed
+    /// write (a full disk) until the database is opened anew.
+    reopen: Box<dyn Fn() -> Result<redb::Database, redb::DatabaseError> + Send + Sync>,
 }
 
 impl std::fmt::Debug for DurableStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DurableStore")
-            .field("path", &self.path)
+            .field("path", &self.inner.path)
             .finish_non_exhaustive()
     }
 }
@@ -87,32 +97,87 @@ impl DurableStore {
                 message: other.to_string(),
             },
         })?;
-        let store = DurableStore {
-            db: Arc::new(db),
-            path,
-        };
+        let file = path.clone();
+        let store = DurableStore::new(db, path, move || redb::Database::create(&file));
         // A file opened read-only, or a full disk, shows at the first write: here,
         // at start, rather than at the first counted call.
         store.check_writable()?;
         Ok(store)
     }
 
-    /// The store's file.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// A store on `backend` instead of a file (`label` names it in errors and
+    /// logs): e.g. a [`FillableDisk`] to rehearse a full disk.
+    ///
+    /// # Errors
+    /// [`OpenError::Unusable`] when the storage cannot be read or written.
+    ///
+    /// The backend is cloned to open the storage again after a failed write, so a
+    /// clone must reach the same storage.
+    pub fn with_backend<B: redb::StorageBackend + Clone>(
+        label: impl Into<PathBuf>,
+        backend: B,
+    ) -> Result<Self, OpenError> {
+        let path = label.into();
+        let db = redb::Builder::new()
+            .create_with_backend(backend.clone())
+            .map_err(|e| OpenError::Unusable {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+        let store = DurableStore::new(db, path, move || {
+            redb::Builder::new().create_with_backend(backend.clone())
+        });
+        store.check_writable()?;
+        Ok(store)
     }
 
-    /// The open database, for the tables of this crate's modules.
-    pub(crate) fn db(&self) -> &Arc<redb::Database> {
-        &self.db
+    fn new(
+        db: redb::Database,
+        path: PathBuf,
+        reopen: impl Fn() -> Result<redb::Database, redb::DatabaseError> + Send + Sync + 'static,
+    ) -> Self {
+        DurableStore {
+            inner: Arc::new(Inner {
+                db: parking_lot::RwLock::new(Some(Arc::new(db))),
+                path,
+                reopen: Box::new(reopen),
+            }),
+        }
+    }
+
+    /// Opens the storage anew after a failed write (redb takes no transaction on
+    /// a database whose write failed until then).
+    ///
+    /// # Errors
+    /// The storage still cannot be opened (e.g. a transaction still holds the old
+    /// database); the caller tries again later.
+    pub(crate) fn reopen(&self) -> Result<(), redb::DatabaseError> {
+        let mut db = self.inner.db.write();
+        // The old handle must be gone before the file can be locked again.
+        drop(db.take());
+        let fresh = (self.inner.reopen)();
+        let opened = fresh.map(|fresh| *db = Some(Arc::new(fresh)));
+        opened
+    }
+
+    /// The store's file.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The open database, for the tables of this crate's modules; `None` while it
+    /// cannot be opened (after a failed write, until [`DurableStore::reopen`] works).
+    pub(crate) fn db(&self) -> Option<Arc<redb::Database>> {
+        self.inner.db.read().clone()
     }
 
     fn check_writable(&self) -> Result<(), OpenError> {
         let unusable = |e: &dyn std::fmt::Display| OpenError::Unusable {
-            path: self.path.clone(),
+            path: self.inner.path.clone(),
             message: format!("cannot be written: {e}"),
         };
-        let tx = self.db.begin_write().map_err(|e| unusable(&e))?;
+        let db = self.db().ok_or_else(|| unusable(&"not open"))?;
+        let tx = db.begin_write().map_err(|e| unusable(&e))?;
         quota::create_tables(&tx).map_err(|e| unusable(&e))?;
         tx.commit().map_err(|e| unusable(&e))
     }

@@ -142,7 +142,8 @@ impl QuotaBook {
         };
         let mut book = Book::default();
         {
-            let tx = store.db().begin_read().map_err(|e| unusable(&e))?;
+            let db = store.db().ok_or_else(|| unusable(&"not open"))?;
+            let tx = db.begin_read().map_err(|e| unusable(&e))?;
             let table = tx.open_table(QUOTA_CELLS).map_err(|e| unusable(&e))?;
             for row in table.iter().map_err(|e| unusable(&e))? {
                 let (k, v) = row.map_err(|e| unusable(&e))?;
@@ -276,13 +277,12 @@ impl QuotaBook {
         .await;
         match waited {
             Ok(Ok(c)) if c.durable >= seq => Ok(()),
-            Ok(Ok(_)) => Err(StoreError::Unavailable(format!(
-                "the quota count could not be written to {}",
-                self.shared.store.path().display()
-            ))),
+            // Clients may read these; the path and the cause go to the log.
+            Ok(Ok(_)) => Err(StoreError::Unavailable(
+                "the quota count could not be made durable".to_owned(),
+            )),
             Ok(Err(_)) | Err(_) => Err(StoreError::Unavailable(format!(
-                "the quota count was not written to {} within {} s",
-                self.shared.store.path().display(),
+                "the quota count was not made durable within {} s",
                 COMMIT_TIMEOUT.as_secs()
             ))),
         }
@@ -384,13 +384,20 @@ impl Shared {
                         return;
                     }
                     std::thread::sleep(RETRY_AFTER_FAILURE);
+                    // redb takes no transaction after a failed write until the
+                    // database is opened anew; the counts in memory are written again
+                    // by the next commit. A reopen that fails is tried at the next.
+                    let _ = self.store.reopen();
                 }
             }
         }
     }
 
     fn commit(&self, writes: &[(u64, u64)], dropped: &[u64]) -> Result<(), redb::Error> {
-        let tx = self.store.db().begin_write()?;
+        let db = self.store.db().ok_or_else(|| {
+            redb::Error::Io(std::io::Error::other("the store is being opened again"))
+        })?;
+        let tx = db.begin_write()?;
         {
             let mut table = tx.open_table(QUOTA_CELLS)?;
             for &(cell, value) in writes {

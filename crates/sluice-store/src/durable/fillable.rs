@@ -1,0 +1,63 @@
+//! A storage for rehearsing a full disk.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use redb::StorageBackend;
+use redb::backends::InMemoryBackend;
+
+/// In-memory storage whose writes fail, as on a full disk (`ENOSPC`), while
+/// [`FillableDisk::fill`] says so. Open a [`super::DurableStore`] on it with
+/// [`super::DurableStore::with_backend`] to see what sluice does when the disk
+/// fills and when it has room again.
+/// Clones reach the same storage.
+#[derive(Clone, Debug, Default)]
+pub struct FillableDisk {
+    inner: Arc<InMemoryBackend>,
+    full: Arc<AtomicBool>,
+}
+
+impl FillableDisk {
+    /// An empty disk with room, and the switch that fills it.
+    pub fn new() -> (Self, Arc<AtomicBool>) {
+        let disk = FillableDisk::default();
+        let full = Arc::clone(&disk.full);
+        (disk, full)
+    }
+
+    fn room(&self) -> std::io::Result<()> {
+        if self.full.load(Ordering::SeqCst) {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                "no space left on device",
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl StorageBackend for FillableDisk {
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        self.inner.read(offset, out)
+    }
+
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.room()?;
+        self.inner.set_len(len)
+    }
+
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.room()?;
+        self.inner.sync_data()
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.room()?;
+        self.inner.write(offset, data)
+    }
+}
