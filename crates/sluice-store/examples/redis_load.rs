@@ -19,6 +19,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let concurrency: usize = args.get(2).map_or(Ok(64), |s| s.parse())?;
     let seconds: u64 = args.get(3).map_or(Ok(5), |s| s.parse())?;
     let budgets: usize = args.get(4).map_or(Ok(1), |s| s.parse())?;
+    // With `quota` as the fifth argument, each decision also spends a monthly quota
+    // of one of 100 workspaces (SPEC Q1), in the same script call.
+    let quota = args.get(5).is_some_and(|s| s == "quota");
     let mut config = RedisConfig::new(url.clone());
     config.timeout = Duration::from_secs(2);
     let store = Arc::new(RedisStore::connect(config).await?);
@@ -35,7 +38,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let mut i = 0u64;
                 while Instant::now() < deadline {
                     let subject = (t as u64) * 1_000_000 + i % 1_000;
-                    let req: Vec<Budget> = (0..budgets as u64)
+                    let mut req: Vec<Budget> = (0..budgets as u64)
                         .map(|b| {
                             Budget::per_window(
                                 BudgetKey::from_digests(b, subject),
@@ -44,6 +47,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                             )
                         })
                         .collect();
+                    if quota {
+                        req.push(Budget {
+                            key: BudgetKey::from_digests(u64::MAX, subject % 100),
+                            rate: sluice_core::Rate::CalendarMonth,
+                            limit: u32::MAX,
+                            cost: 1,
+                        });
+                    }
                     match store.decide(&req).await {
                         Ok(_) => done.fetch_add(1, Ordering::Relaxed),
                         Err(_) => errors.fetch_add(1, Ordering::Relaxed),
@@ -59,9 +70,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let elapsed = started.elapsed().as_secs_f64();
     let n = done.load(Ordering::Relaxed);
     println!(
-        "{:.0} decisions/s ({n} decisions, {} errors, concurrency {concurrency}, {budgets} budget(s) each)",
+        "{:.0} decisions/s ({n} decisions, {} errors, concurrency {concurrency}, {budgets} budget(s) each{})",
         n as f64 / elapsed,
-        errors.load(Ordering::Relaxed)
+        errors.load(Ordering::Relaxed),
+        if quota { " and a monthly quota" } else { "" }
     );
     Ok(())
 }

@@ -300,7 +300,8 @@ fn q1_a_full_disk_fails_quota_decisions_closed_and_recovers_by_itself() {
     let rt = runtime();
     let (disk, full) = sluice_store::durable::FillableDisk::new();
     let full = &full;
-    let durable = DurableStore::with_backend("rehearsal.redb", disk).expect("open");
+    let durable =
+        DurableStore::with_backend("rehearsal.redb", disk.clone(), disk.log()).expect("open");
     let book = QuotaBook::open(&durable, QuotaBookConfig::default(), clock.now_ts()).expect("book");
     let store = LocalStore::new(
         MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),

@@ -325,7 +325,8 @@ async fn q1_a_full_disk_answers_quota_routes_503_and_serves_the_others() {
     let policy = sluice_policy::default_policy().expect("default");
     let clock = sluice_core::FakeClock::new(sluice_core::Timestamp::from_secs(T0 + 1));
     let (disk, full) = sluice_store::durable::FillableDisk::new();
-    let durable = sluice_store::DurableStore::with_backend("full.redb", disk).expect("store");
+    let durable = sluice_store::DurableStore::with_backend("full.redb", disk.clone(), disk.log())
+        .expect("store");
     let book = sluice_store::QuotaBook::open(
         &durable,
         sluice_store::QuotaBookConfig::default(),

@@ -333,11 +333,9 @@ async fn q1_usage_survives_a_graceful_restart_and_the_admin_can_reset_it() {
     assert!(r.text().contains("nope"), "{}", r.text());
 }
 
-#[test]
-fn a_data_dir_in_use_corrupt_or_not_a_directory_stops_the_start_with_exit_2() {
-    let dir = DataDir::new();
-    let first = Sluice::spawn(&["--data-dir", dir.arg()]);
-    let second = run_to_exit(
+/// Runs `sluice serve` on `dir`, expecting it to stop by itself.
+fn serve_to_exit(dir: &DataDir) -> support::Finished {
+    run_to_exit(
         &[
             "serve",
             "--listen",
@@ -348,7 +346,14 @@ fn a_data_dir_in_use_corrupt_or_not_a_directory_stops_the_start_with_exit_2() {
             dir.arg(),
         ],
         Duration::from_secs(30),
-    );
+    )
+}
+
+#[test]
+fn a_data_dir_in_use_corrupt_or_not_a_directory_stops_the_start_with_exit_2() {
+    let dir = DataDir::new();
+    let first = Sluice::spawn(&["--data-dir", dir.arg()]);
+    let second = serve_to_exit(&dir);
     assert_eq!(second.status.code(), Some(2), "{}", second.stderr);
     assert!(second.stderr.contains(dir.arg()), "{}", second.stderr);
     assert!(second.stderr.contains("in use"), "{}", second.stderr);
@@ -357,35 +362,13 @@ fn a_data_dir_in_use_corrupt_or_not_a_directory_stops_the_start_with_exit_2() {
     let corrupt = DataDir::new();
     std::fs::create_dir_all(&corrupt.0).expect("dir");
     std::fs::write(corrupt.0.join("sluice.redb"), vec![0x42; 8192]).expect("write");
-    let run = run_to_exit(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--data-dir",
-            corrupt.arg(),
-        ],
-        Duration::from_secs(30),
-    );
+    let run = serve_to_exit(&corrupt);
     assert_eq!(run.status.code(), Some(2), "{}", run.stderr);
     assert!(run.stderr.contains("sluice.redb"), "{}", run.stderr);
 
     let file = DataDir::new();
     std::fs::write(&file.0, b"not a directory").expect("write");
-    let run = run_to_exit(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--data-dir",
-            file.arg(),
-        ],
-        Duration::from_secs(30),
-    );
+    let run = serve_to_exit(&file);
     assert_eq!(run.status.code(), Some(2), "{}", run.stderr);
     assert!(run.stderr.contains(file.arg()), "{}", run.stderr);
 }

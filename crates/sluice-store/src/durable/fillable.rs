@@ -26,14 +26,55 @@ impl FillableDisk {
     }
 
     fn room(&self) -> std::io::Result<()> {
-        if self.full.load(Ordering::SeqCst) {
-            Err(std::io::Error::new(
-                std::io::ErrorKind::StorageFull,
-                "no space left on device",
-            ))
-        } else {
-            Ok(())
+        room(&self.full)
+    }
+
+    /// A quota journal on this disk: in memory, failing while the disk is full.
+    pub fn log(&self) -> FillableLog {
+        FillableLog {
+            bytes: Vec::new(),
+            full: Arc::clone(&self.full),
         }
+    }
+}
+
+fn room(full: &AtomicBool) -> std::io::Result<()> {
+    if full.load(Ordering::SeqCst) {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::StorageFull,
+            "no space left on device",
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// The quota journal of a [`FillableDisk`].
+#[derive(Debug)]
+pub struct FillableLog {
+    bytes: Vec<u8>,
+    full: Arc<AtomicBool>,
+}
+
+impl super::QuotaLog for FillableLog {
+    fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        room(&self.full)?;
+        self.bytes.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    fn read_all(&mut self) -> std::io::Result<Vec<u8>> {
+        Ok(self.bytes.clone())
+    }
+
+    fn reset(&mut self) -> std::io::Result<()> {
+        room(&self.full)?;
+        self.bytes.clear();
+        Ok(())
+    }
+
+    fn len(&self) -> u64 {
+        self.bytes.len() as u64
     }
 }
 

@@ -2,9 +2,10 @@
 //! single `sluice serve` — monthly quota counts now (see [`QuotaBook`]), the
 //! batch queue and its results later.
 //!
-//! One [redb](https://docs.rs/redb) file, `sluice.redb`, in a data directory.
-//! redb locks the file: a second process opening the same directory gets
-//! [`OpenError::Locked`] instead of two writers corrupting one file.
+//! One [redb](https://docs.rs/redb) file, `sluice.redb`, in a data directory,
+//! and in front of it the quota journal, `quota.journal` (group commit: see
+//! [`QuotaBook`]). redb locks its file: a second process opening the same
+//! directory gets [`OpenError::Locked`] instead of two writers corrupting one store.
 //!
 //! ```
 //! let dir = std::env::temp_dir().join(format!("sluice-doc-{}", std::process::id()));
@@ -14,16 +15,21 @@
 //! ```
 
 mod fillable;
+mod journal;
 mod quota;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use fillable::FillableDisk;
+pub use fillable::{FillableDisk, FillableLog};
+pub use journal::QuotaLog;
 pub use quota::{COMMIT_TIMEOUT, DEFAULT_MAX_QUOTA_CELLS, QuotaBook, QuotaBookConfig};
 
 /// The file the store keeps in its data directory.
 pub const DURABLE_FILE: &str = "sluice.redb";
+
+/// The quota journal's file in the data directory.
+pub const JOURNAL_FILE: &str = "quota.journal";
 
 /// Why the durable store could not be opened. Every variant names the path.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +74,8 @@ struct Inner {
     /// Opens the storage again: redb refuses every transaction after a failed
     /// write (a full disk) until the database is opened anew.
     reopen: Box<dyn Fn() -> Result<redb::Database, redb::DatabaseError> + Send + Sync>,
+    /// The quota journal, until a [`QuotaBook`] takes it.
+    log: parking_lot::Mutex<Option<Box<dyn QuotaLog>>>,
 }
 
 impl std::fmt::Debug for DurableStore {
@@ -97,16 +105,25 @@ impl DurableStore {
                 message: other.to_string(),
             },
         })?;
+        // Opened only once the redb file is locked: no other process writes it.
+        let journal = dir.join(JOURNAL_FILE);
+        let log = journal::FileLog::open(&journal).map_err(|e| OpenError::Unusable {
+            path: journal.clone(),
+            message: e.to_string(),
+        })?;
         let file = path.clone();
-        let store = DurableStore::new(db, path, move || redb::Database::create(&file));
+        let store = DurableStore::new(db, path, Box::new(log), move || {
+            redb::Database::create(&file)
+        });
         // A file opened read-only, or a full disk, shows at the first write: here,
         // at start, rather than at the first counted call.
         store.check_writable()?;
         Ok(store)
     }
 
-    /// A store on `backend` instead of a file (`label` names it in errors and
-    /// logs): e.g. a [`FillableDisk`] to rehearse a full disk.
+    /// A store on `backend` and the quota journal `log` instead of files (`label`
+    /// names it in errors and logs): e.g. a [`FillableDisk`] and its
+    /// [`FillableDisk::log`] to rehearse a full disk.
     ///
     /// # Errors
     /// [`OpenError::Unusable`] when the storage cannot be read or written.
@@ -116,6 +133,7 @@ impl DurableStore {
     pub fn with_backend<B: redb::StorageBackend + Clone>(
         label: impl Into<PathBuf>,
         backend: B,
+        log: impl QuotaLog,
     ) -> Result<Self, OpenError> {
         let path = label.into();
         let db = redb::Builder::new()
@@ -124,7 +142,7 @@ impl DurableStore {
                 path: path.clone(),
                 message: e.to_string(),
             })?;
-        let store = DurableStore::new(db, path, move || {
+        let store = DurableStore::new(db, path, Box::new(log), move || {
             redb::Builder::new().create_with_backend(backend.clone())
         });
         store.check_writable()?;
@@ -134,6 +152,7 @@ impl DurableStore {
     fn new(
         db: redb::Database,
         path: PathBuf,
+        log: Box<dyn QuotaLog>,
         reopen: impl Fn() -> Result<redb::Database, redb::DatabaseError> + Send + Sync + 'static,
     ) -> Self {
         DurableStore {
@@ -141,8 +160,14 @@ impl DurableStore {
                 db: parking_lot::RwLock::new(Some(Arc::new(db))),
                 path,
                 reopen: Box::new(reopen),
+                log: parking_lot::Mutex::new(Some(log)),
             }),
         }
+    }
+
+    /// The quota journal, for the one [`QuotaBook`] of this store.
+    pub(crate) fn take_log(&self) -> Option<Box<dyn QuotaLog>> {
+        self.inner.log.lock().take()
     }
 
     /// Opens the storage anew after a failed write (redb takes no transaction on
@@ -155,9 +180,8 @@ impl DurableStore {
         let mut db = self.inner.db.write();
         // The old handle must be gone before the file can be locked again.
         drop(db.take());
-        let fresh = (self.inner.reopen)();
-        let opened = fresh.map(|fresh| *db = Some(Arc::new(fresh)));
-        opened
+        *db = Some(Arc::new((self.inner.reopen)()?));
+        Ok(())
     }
 
     /// The store's file.

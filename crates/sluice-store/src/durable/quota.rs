@@ -1,12 +1,14 @@
 //! Monthly quota counts (SPEC Q1), durable before the call they admit goes on.
 //!
 //! The counts live in memory, where decisions read and write them under one
-//! lock, and in the durable file, where one writer thread puts them. A decision
-//! that spends takes a sequence number; the caller then waits until a commit
-//! covers that number before it forwards the call. Every decision that arrives
-//! while a commit is on disk joins the next one: one disk flush serves all the
-//! calls of that moment (group commit), so durability does not cost a flush per
-//! request.
+//! lock, and on disk, where one writer thread puts them. A decision that spends
+//! takes a sequence number; the caller then waits until a commit covers that
+//! number before it forwards the call. A commit appends the changed counts to the
+//! quota journal with one `fdatasync` (see [`super::journal`]); every decision
+//! that arrives while a commit is on disk joins the next one: one flush serves all
+//! the calls of that moment (group commit). From time to time, and at shutdown,
+//! the counts are written to the redb file (a snapshot naming the last journal
+//! record it covers) and the journal starts over.
 //!
 //! Bounds: at most [`QuotaBookConfig::max_cells`] counts (one per workspace and
 //! family); past it, cells of past months are dropped, and a new workspace is
@@ -27,10 +29,20 @@ use sluice_core::{
 use tokio::sync::watch;
 
 use super::DurableStore;
+use super::journal::QuotaLog;
 use crate::StoreError;
 
 /// Quota cells: the cell key (a budget's fingerprint) → its packed value.
 const QUOTA_CELLS: TableDefinition<'_, u64, u64> = TableDefinition::new("quota_cells");
+
+/// Facts about the snapshot: `journal_seq` = the last journal record it covers.
+const QUOTA_META: TableDefinition<'_, &str, u64> = TableDefinition::new("quota_meta");
+
+/// A snapshot is written when the journal holds this many bytes…
+const SNAPSHOT_BYTES: u64 = 4 << 20;
+
+/// …or when counts changed since the last one this long ago.
+const SNAPSHOT_EVERY: Duration = Duration::from_secs(30);
 
 /// Default for [`QuotaBookConfig::max_cells`]: a million workspace-and-family
 /// counts, about 50 MB of memory.
@@ -44,7 +56,8 @@ pub const COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
 const RETRY_AFTER_FAILURE: Duration = Duration::from_millis(200);
 
 pub(super) fn create_tables(tx: &redb::WriteTransaction) -> Result<(), redb::TableError> {
-    tx.open_table(QUOTA_CELLS).map(drop)
+    tx.open_table(QUOTA_CELLS).map(drop)?;
+    tx.open_table(QUOTA_META).map(drop)
 }
 
 /// How a [`QuotaBook`] is bounded.
@@ -81,6 +94,8 @@ struct Shared {
     wake: Condvar,
     committed: watch::Sender<Commit>,
     store: DurableStore,
+    /// The journal; only the writer thread (and `open`) use it.
+    log: Mutex<Box<dyn QuotaLog>>,
     max_cells: usize,
     /// Commits written, for metrics and for tests of group commit.
     commits: std::sync::atomic::AtomicU64,
@@ -94,6 +109,8 @@ struct Book {
     dirty: HashSet<u64, foldhash::fast::FixedState>,
     /// Cells dropped (past months) still to delete from the file.
     dropped: Vec<u64>,
+    /// Cells journaled since the last snapshot.
+    unsnapped: HashSet<u64, foldhash::fast::FixedState>,
     /// The last sequence number handed to a spending decision.
     seq: u64,
     closing: bool,
@@ -141,28 +158,55 @@ impl QuotaBook {
             message: format!("cannot read the quota counts: {e}"),
         };
         let mut book = Book::default();
+        let mut covered = 0;
         {
             let db = store.db().ok_or_else(|| unusable(&"not open"))?;
             let tx = db.begin_read().map_err(|e| unusable(&e))?;
             let table = tx.open_table(QUOTA_CELLS).map_err(|e| unusable(&e))?;
             for row in table.iter().map_err(|e| unusable(&e))? {
                 let (k, v) = row.map_err(|e| unusable(&e))?;
-                let (cell, value) = (k.value(), v.value());
-                if cell_is_stale(value, now) {
-                    book.dropped.push(cell);
-                } else {
-                    book.cells.insert(cell, value);
-                }
+                book.cells.insert(k.value(), v.value());
+            }
+            let meta = tx.open_table(QUOTA_META).map_err(|e| unusable(&e))?;
+            if let Some(seq) = meta.get("journal_seq").map_err(|e| unusable(&e))? {
+                covered = seq.value();
             }
         }
+        let mut log = store
+            .take_log()
+            .ok_or_else(|| unusable(&"the journal is in use"))?;
+        // The journal's records past the snapshot, in order: the last value wins.
+        let journal = log.read_all().map_err(|e| unusable(&e))?;
+        book.seq = covered;
+        for (seq, cell, value) in super::journal::decode(&journal) {
+            if seq > covered {
+                book.cells.insert(cell, value);
+                book.unsnapped.insert(cell);
+                book.seq = book.seq.max(seq);
+            }
+        }
+        book.cells.retain(|&cell, &mut value| {
+            let keep = !cell_is_stale(value, now);
+            if !keep {
+                book.dropped.push(cell);
+            }
+            keep
+        });
         let shared = Arc::new(Shared {
             state: Mutex::new(book),
             wake: Condvar::new(),
             committed: watch::Sender::new(Commit::default()),
             store: store.clone(),
+            log: Mutex::new(log),
             max_cells: config.max_cells.max(1),
             commits: std::sync::atomic::AtomicU64::new(0),
         });
+        {
+            let seq = shared.state.lock().seq;
+            shared.committed.send_modify(|c| c.durable = seq);
+        }
+        // What was replayed goes into a snapshot at once, and the journal starts over.
+        shared.snapshot().map_err(|e| unusable(&e))?;
         let writer = std::thread::Builder::new()
             .name("sluice-quota-writer".to_owned())
             .spawn({
@@ -226,15 +270,8 @@ impl QuotaBook {
             return Ok((look, others, None));
         }
         let spent = decide(quotas, &mut ledger, now, Mode::Spend)?;
-        let seq = ledger.wrote.then(|| {
-            book.seq += 1;
-            book.seq
-        });
-        drop(book);
-        if seq.is_some() {
-            self.shared.wake.notify_one();
-        }
-        Ok((spent, others, seq))
+        let wrote = ledger.wrote;
+        Ok((spent, others, self.sequence(book, wrote)))
     }
 
     /// Charges or refunds a monthly budget after the fact (e.g. an operator's
@@ -252,15 +289,22 @@ impl QuotaBook {
             wrote: false,
         };
         let status = adjust(budget, delta, reserved_at, &mut ledger, now);
-        let seq = ledger.wrote.then(|| {
-            book.seq += 1;
-            book.seq
-        });
-        drop(book);
-        if seq.is_some() {
-            self.shared.wake.notify_one();
-        }
+        let wrote = ledger.wrote;
+        let seq = self.sequence(book, wrote);
         (status, seq)
+    }
+
+    /// Numbers a change that wrote to the book (releasing its lock) and wakes the
+    /// writer; `None` when nothing was written.
+    fn sequence(&self, mut book: parking_lot::MutexGuard<'_, Book>, wrote: bool) -> Option<u64> {
+        if !wrote {
+            return None;
+        }
+        book.seq += 1;
+        let seq = book.seq;
+        drop(book);
+        self.shared.wake.notify_one();
+        Some(seq)
     }
 
     /// Waits until the decision numbered `seq` is on disk.
@@ -315,6 +359,7 @@ impl QuotaBook {
         });
         for cell in &stale {
             book.dirty.remove(cell);
+            book.unsnapped.remove(cell);
         }
         book.dropped.extend(stale);
         if book.cells.len() + new <= self.shared.max_cells {
@@ -328,84 +373,153 @@ impl QuotaBook {
 }
 
 impl Shared {
-    /// The writer thread: takes what changed, writes it in one transaction, tells
-    /// the waiting decisions; until the book closes and nothing is left to write.
+    /// The writer thread: takes what changed, appends it to the journal in one
+    /// durable write, tells the waiting decisions; writes snapshots now and then;
+    /// until the book closes and everything is in a snapshot.
     fn write_loop(&self) {
         let mut failing = false;
+        let mut last_snapshot = std::time::Instant::now();
         loop {
-            let (writes, dropped, target) = {
+            let (writes, target, closing) = {
                 let mut book = self.state.lock();
-                while book.dirty.is_empty() && book.dropped.is_empty() && !book.closing {
-                    self.wake.wait(&mut book);
-                }
-                if book.dirty.is_empty() && book.dropped.is_empty() {
-                    return;
+                while book.dirty.is_empty() && !book.closing {
+                    let due = !book.unsnapped.is_empty() || !book.dropped.is_empty();
+                    if due && last_snapshot.elapsed() >= SNAPSHOT_EVERY {
+                        break;
+                    }
+                    let _ = self.wake.wait_for(&mut book, SNAPSHOT_EVERY);
                 }
                 let dirty = std::mem::take(&mut book.dirty);
                 let writes: Vec<(u64, u64)> = dirty
                     .into_iter()
                     .map(|c| (c, book.cells.get(&c).copied().unwrap_or(0)))
                     .collect();
-                (writes, std::mem::take(&mut book.dropped), book.seq)
+                (writes, book.seq, book.closing)
             };
-            match self.commit(&writes, &dropped) {
-                Ok(()) => {
-                    self.commits
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if failing {
-                        eprintln!(
-                            "sluice: quota counts are written to {} again",
-                            self.store.path().display()
-                        );
-                        failing = false;
+            if !writes.is_empty() {
+                match self.append(&writes, target) {
+                    Ok(()) => {
+                        self.commits
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if failing {
+                            eprintln!(
+                                "sluice: quota counts are written to {} again",
+                                self.store.path().display()
+                            );
+                            failing = false;
+                        }
+                        self.committed
+                            .send_modify(|c| c.durable = c.durable.max(target));
                     }
-                    self.committed
-                        .send_modify(|c| c.durable = c.durable.max(target));
+                    Err(e) => {
+                        if !failing {
+                            eprintln!(
+                                "sluice: cannot write quota counts next to {}: {e}; quota routes answer 503 until it works again",
+                                self.store.path().display()
+                            );
+                            failing = true;
+                        }
+                        self.state
+                            .lock()
+                            .dirty
+                            .extend(writes.iter().map(|&(c, _)| c));
+                        self.committed
+                            .send_modify(|c| c.failed = c.failed.max(target));
+                        if closing {
+                            // Shutting down on a disk that takes nothing: what is lost
+                            // here was never confirmed to a waiting call.
+                            return;
+                        }
+                        std::thread::sleep(RETRY_AFTER_FAILURE);
+                        continue;
+                    }
                 }
-                Err(e) => {
-                    if !failing {
+            }
+            let journal_full = self.log.lock().len() >= SNAPSHOT_BYTES;
+            let due = {
+                let book = self.state.lock();
+                !book.unsnapped.is_empty() || !book.dropped.is_empty()
+            };
+            if closing || journal_full || (due && last_snapshot.elapsed() >= SNAPSHOT_EVERY) {
+                match self.snapshot() {
+                    Ok(()) => last_snapshot = std::time::Instant::now(),
+                    Err(e) => {
                         eprintln!(
-                            "sluice: cannot write quota counts to {}: {e}; quota routes answer 503 until it works again",
+                            "sluice: cannot write a snapshot of the quota counts to {}: {e}; the journal keeps them",
                             self.store.path().display()
                         );
-                        failing = true;
+                        // redb takes no transaction after a failed write until the
+                        // database is opened anew; a reopen that fails is tried again.
+                        let _ = self.store.reopen();
+                        last_snapshot = std::time::Instant::now();
                     }
-                    let closing = {
-                        let mut book = self.state.lock();
-                        book.dirty.extend(writes.iter().map(|&(c, _)| c));
-                        book.dropped.extend(dropped);
-                        book.closing
-                    };
-                    self.committed
-                        .send_modify(|c| c.failed = c.failed.max(target));
-                    if closing {
-                        // Shutting down on a disk that takes nothing: what is lost
-                        // here was never confirmed to a waiting call.
-                        return;
-                    }
-                    std::thread::sleep(RETRY_AFTER_FAILURE);
-                    // redb takes no transaction after a failed write until the
-                    // database is opened anew; the counts in memory are written again
-                    // by the next commit. A reopen that fails is tried at the next.
-                    let _ = self.store.reopen();
+                }
+                if closing && self.state.lock().dirty.is_empty() {
+                    return;
                 }
             }
         }
     }
 
-    fn commit(&self, writes: &[(u64, u64)], dropped: &[u64]) -> Result<(), redb::Error> {
+    /// Appends the changed counts as records numbered `seq`, durably.
+    fn append(&self, writes: &[(u64, u64)], seq: u64) -> std::io::Result<()> {
+        let mut bytes = Vec::with_capacity(writes.len() * super::journal::RECORD);
+        for &(cell, value) in writes {
+            super::journal::encode(&mut bytes, seq, cell, value);
+        }
+        self.log.lock().append(&bytes)?;
+        self.state
+            .lock()
+            .unsnapped
+            .extend(writes.iter().map(|&(c, _)| c));
+        Ok(())
+    }
+
+    /// Writes the counts journaled since the last snapshot to the redb file, names
+    /// the last journal record it covers, and starts the journal over.
+    fn snapshot(&self) -> Result<(), redb::Error> {
+        let covered = self.committed.borrow().durable;
+        let (cells, dropped) = {
+            let mut book = self.state.lock();
+            let unsnapped = std::mem::take(&mut book.unsnapped);
+            let cells: Vec<(u64, u64)> = unsnapped
+                .iter()
+                .filter_map(|c| book.cells.get(c).map(|&v| (*c, v)))
+                .collect();
+            (cells, std::mem::take(&mut book.dropped))
+        };
+        let written = self.write_snapshot(&cells, &dropped, covered);
+        if let Err(e) = written {
+            let mut book = self.state.lock();
+            book.unsnapped.extend(cells.iter().map(|&(c, _)| c));
+            book.dropped.extend(dropped);
+            return Err(e);
+        }
+        // Every record up to `covered` is in the snapshot. A crash before this reset
+        // replays none of them: they are not past `covered`.
+        self.log.lock().reset()?;
+        Ok(())
+    }
+
+    fn write_snapshot(
+        &self,
+        cells: &[(u64, u64)],
+        dropped: &[u64],
+        covered: u64,
+    ) -> Result<(), redb::Error> {
         let db = self.store.db().ok_or_else(|| {
             redb::Error::Io(std::io::Error::other("the store is being opened again"))
         })?;
         let tx = db.begin_write()?;
         {
             let mut table = tx.open_table(QUOTA_CELLS)?;
-            for &(cell, value) in writes {
+            for &(cell, value) in cells {
                 table.insert(cell, value)?;
             }
             for &cell in dropped {
                 table.remove(cell)?;
             }
+            tx.open_table(QUOTA_META)?.insert("journal_seq", covered)?;
         }
         tx.commit()?;
         Ok(())

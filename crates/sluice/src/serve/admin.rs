@@ -123,6 +123,7 @@ pub struct AdminState {
     inner: Arc<AdminInner>,
 }
 
+#[derive(Clone)]
 struct AdminInner {
     info: StatusInfo,
     started: Instant,
@@ -156,30 +157,20 @@ impl AdminState {
     /// The same state with `summary` filling `/status`'s `limiter` field.
     #[must_use]
     pub fn with_limiter_summary(self, summary: LimiterSummary) -> Self {
-        let inner = &self.inner;
-        AdminState {
-            inner: Arc::new(AdminInner {
-                info: inner.info.clone(),
-                started: inner.started,
-                requests: inner.requests.clone(),
-                limiter: Some(summary),
-                quotas: inner.quotas.clone(),
-            }),
-        }
+        self.changed(|inner| inner.limiter = Some(summary))
     }
 
     /// The same state with `/quotas` answered from `limiter`'s store.
     #[must_use]
     pub fn with_quotas(self, limiter: Arc<sluice_tower::Limiter<AnyStore>>) -> Self {
-        let inner = &self.inner;
+        self.changed(|inner| inner.quotas = Some(limiter))
+    }
+
+    fn changed(self, change: impl FnOnce(&mut AdminInner)) -> Self {
+        let mut inner = Arc::unwrap_or_clone(self.inner);
+        change(&mut inner);
         AdminState {
-            inner: Arc::new(AdminInner {
-                info: inner.info.clone(),
-                started: inner.started,
-                requests: inner.requests.clone(),
-                limiter: inner.limiter.clone(),
-                quotas: Some(limiter),
-            }),
+            inner: Arc::new(inner),
         }
     }
 
@@ -351,6 +342,11 @@ const DASHBOARD_HTML: &str = r##"<!doctype html>
 <h2>Gateway metrics</h2>
 <table id="metrics"><thead><tr><th>metric</th><th>labels</th><th>value</th></tr></thead><tbody></tbody></table>
 
+<h2>Monthly quotas</h2>
+<form id="quota-form"><label>workspace <input id="workspace" placeholder="acme, key:…, ip:…" size="40"></label>
+<button>show</button></form>
+<table id="quotas"><thead><tr><th>family</th><th>usage</th><th>limit</th><th>resets at</th></tr></thead><tbody></tbody></table>
+
 <h2>Limiter</h2>
 <pre id="limiter">–</pre>
 
@@ -395,12 +391,35 @@ function showMetrics(text) {
     body.appendChild(row);
   }
 }
+async function showQuotas() {
+  const workspace = document.getElementById("workspace").value.trim();
+  const body = document.querySelector("#quotas tbody");
+  if (!workspace) { body.replaceChildren(); return; }
+  const answer = await (await fetch("quotas?workspace=" + encodeURIComponent(workspace))).json();
+  body.replaceChildren();
+  if (answer.error) {
+    const row = document.createElement("tr");
+    cell(row, answer.error.message);
+    body.appendChild(row);
+    return;
+  }
+  for (const q of answer.quotas) {
+    const row = document.createElement("tr");
+    cell(row, q.family);
+    cell(row, String(q.usage), "num");
+    cell(row, q.limit === null ? "uncapped" : String(q.limit), "num");
+    cell(row, q.resets_at);
+    body.appendChild(row);
+  }
+}
+document.getElementById("quota-form").addEventListener("submit", (e) => { e.preventDefault(); showQuotas(); });
 async function refresh() {
   const state = document.getElementById("state");
   try {
     const [status, metrics] = await Promise.all([fetch("status"), fetch("metrics")]);
     showStatus(await status.json());
     showMetrics(await metrics.text());
+    await showQuotas();
     state.textContent = "updated " + new Date().toLocaleTimeString();
     state.className = "";
   } catch (e) {
