@@ -39,7 +39,7 @@ mod prefetch;
 mod redis;
 
 #[cfg(feature = "durable")]
-pub use durable::{DurableStore, OpenError, QuotaBook, QuotaBookConfig};
+pub use durable::{DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConfig};
 pub use guarded::{Guarded, STORE_BREAKER};
 #[cfg(feature = "durable")]
 pub use local::LocalStore;

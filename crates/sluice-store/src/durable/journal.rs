@@ -46,44 +46,84 @@ pub trait QuotaLog: Send + 'static {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// True when an append costs no more than a system call (it does not wait for
+    /// the disk): deciding threads then append themselves instead of handing the
+    /// append to the writer thread.
+    fn inline(&self) -> bool {
+        false
+    }
 }
 
-/// The journal in a file.
+/// Bytes of zeros a journal file is given up front: a record then overwrites
+/// blocks the file system has already allocated and initialised, and its
+/// `fdatasync` flushes data alone, with no file-size or extent change to commit.
+const PREALLOCATED: u64 = 2 * SNAPSHOT_HINT;
+
+/// The size past which the quota book writes a snapshot and starts over (the
+/// preallocation holds twice that).
+pub(crate) const SNAPSHOT_HINT: u64 = 4 << 20;
+
+/// How far a quota count is taken before the call it admits goes on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum JournalSync {
+    /// Flushed to the disk (`fdatasync`, one per group commit): no count is lost
+    /// when sluice or the machine crashes.
+    #[default]
+    Flush,
+    /// Written to the operating system (`write`), not flushed: no count is lost
+    /// when sluice crashes or is killed; a crash of the machine itself can lose the
+    /// counts of its last seconds. Snapshots are flushed either way.
+    Write,
+}
+
+/// The journal in a file, written in place from its start.
 #[derive(Debug)]
 pub(crate) struct FileLog {
     file: File,
-    len: u64,
+    sync: JournalSync,
+    /// Where the next record goes: the end of the valid records.
+    end: u64,
 }
 
 impl FileLog {
-    pub(crate) fn open(path: &Path) -> std::io::Result<Self> {
-        let file = std::fs::OpenOptions::new()
+    pub(crate) fn open(path: &Path, sync: JournalSync) -> std::io::Result<Self> {
+        let mut file = std::fs::OpenOptions::new()
             .read(true)
-            .append(true)
+            .write(true)
             .create(true)
+            .truncate(false)
             .open(path)?;
-        let len = file.metadata()?.len();
-        Ok(FileLog { file, len })
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)?;
+        let end = (decode(&bytes).count() * RECORD) as u64;
+        let size = bytes.len() as u64;
+        if size < PREALLOCATED {
+            file.seek(SeekFrom::Start(size))?;
+            let zeros = vec![0u8; 64 << 10];
+            let mut left = PREALLOCATED - size;
+            while left > 0 {
+                let n = left.min(zeros.len() as u64) as usize;
+                file.write_all(&zeros[..n])?;
+                left -= n as u64;
+            }
+            file.sync_all()?;
+        }
+        Ok(FileLog { file, sync, end })
     }
 }
 
 impl QuotaLog for FileLog {
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        let written = self
-            .file
-            .write_all(bytes)
-            .and_then(|()| self.file.sync_data());
-        match written {
-            Ok(()) => {
-                self.len += bytes.len() as u64;
-                Ok(())
-            }
-            Err(e) => {
-                // A partial append must not stay in front of the next one.
-                let _ = self.file.set_len(self.len);
-                Err(e)
-            }
+        use std::os::unix::fs::FileExt as _;
+        // A failed write leaves `end` where it was: the next append overwrites what
+        // it may have left, and replay stops at a record that fails its check.
+        self.file.write_all_at(bytes, self.end)?;
+        if self.sync == JournalSync::Flush {
+            self.file.sync_data()?;
         }
+        self.end += bytes.len() as u64;
+        Ok(())
     }
 
     fn read_all(&mut self) -> std::io::Result<Vec<u8>> {
@@ -94,14 +134,22 @@ impl QuotaLog for FileLog {
     }
 
     fn reset(&mut self) -> std::io::Result<()> {
-        self.file.set_len(0)?;
-        self.file.sync_all()?;
-        self.len = 0;
+        use std::os::unix::fs::FileExt as _;
+        // The first record slot zeroed ends any replay at the start; older records
+        // further on were all covered by an earlier snapshot (their numbers are at
+        // most its), so a replay that reached them would skip them anyway.
+        self.file.write_all_at(&[0u8; RECORD], 0)?;
+        self.file.sync_data()?;
+        self.end = 0;
         Ok(())
     }
 
     fn len(&self) -> u64 {
-        self.len
+        self.end
+    }
+
+    fn inline(&self) -> bool {
+        self.sync == JournalSync::Write
     }
 }
 

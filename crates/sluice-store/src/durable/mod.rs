@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use fillable::{FillableDisk, FillableLog};
-pub use journal::QuotaLog;
+pub use journal::{JournalSync, QuotaLog};
 pub use quota::{COMMIT_TIMEOUT, DEFAULT_MAX_QUOTA_CELLS, QuotaBook, QuotaBookConfig};
 
 /// The file the store keeps in its data directory.
@@ -93,6 +93,14 @@ impl DurableStore {
     /// [`OpenError`] naming the path: a directory that cannot be created, a file
     /// another process holds, a file that is corrupt or cannot be written.
     pub fn open(dir: &Path) -> Result<Self, OpenError> {
+        Self::open_with(dir, JournalSync::Flush)
+    }
+
+    /// [`DurableStore::open`] with the quota journal's `sync` chosen.
+    ///
+    /// # Errors
+    /// As [`DurableStore::open`].
+    pub fn open_with(dir: &Path, sync: JournalSync) -> Result<Self, OpenError> {
         std::fs::create_dir_all(dir).map_err(|source| OpenError::Directory {
             path: dir.to_owned(),
             source,
@@ -107,7 +115,7 @@ impl DurableStore {
         })?;
         // Opened only once the redb file is locked: no other process writes it.
         let journal = dir.join(JOURNAL_FILE);
-        let log = journal::FileLog::open(&journal).map_err(|e| OpenError::Unusable {
+        let log = journal::FileLog::open(&journal, sync).map_err(|e| OpenError::Unusable {
             path: journal.clone(),
             message: e.to_string(),
         })?;

@@ -39,7 +39,7 @@ const QUOTA_CELLS: TableDefinition<'_, u64, u64> = TableDefinition::new("quota_c
 const QUOTA_META: TableDefinition<'_, &str, u64> = TableDefinition::new("quota_meta");
 
 /// A snapshot is written when the journal holds this many bytes…
-const SNAPSHOT_BYTES: u64 = 4 << 20;
+const SNAPSHOT_BYTES: u64 = super::journal::SNAPSHOT_HINT;
 
 /// …or when counts changed since the last one this long ago.
 const SNAPSHOT_EVERY: Duration = Duration::from_secs(30);
@@ -94,8 +94,10 @@ struct Shared {
     wake: Condvar,
     committed: watch::Sender<Commit>,
     store: DurableStore,
-    /// The journal; only the writer thread (and `open`) use it.
+    /// The journal: the writer thread uses it, and decisions too when `inline`.
     log: Mutex<Box<dyn QuotaLog>>,
+    /// The journal's appends are cheap enough to make in the deciding thread.
+    inline: bool,
     max_cells: usize,
     /// Commits written, for metrics and for tests of group commit.
     commits: std::sync::atomic::AtomicU64,
@@ -197,6 +199,7 @@ impl QuotaBook {
             wake: Condvar::new(),
             committed: watch::Sender::new(Commit::default()),
             store: store.clone(),
+            inline: log.inline(),
             log: Mutex::new(log),
             max_cells: config.max_cells.max(1),
             commits: std::sync::atomic::AtomicU64::new(0),
@@ -302,6 +305,32 @@ impl QuotaBook {
         }
         book.seq += 1;
         let seq = book.seq;
+        if self.shared.inline {
+            // A journal that only writes to the operating system costs a `pwrite`:
+            // done here, under the book's lock, rather than handed to the writer
+            // thread and back (two thread wake-ups per call). A failure is left to
+            // the writer, which retries.
+            let writes: Vec<(u64, u64)> = std::mem::take(&mut book.dirty)
+                .into_iter()
+                .map(|c| (c, book.cells.get(&c).copied().unwrap_or(0)))
+                .collect();
+            let mut bytes = Vec::with_capacity(writes.len() * super::journal::RECORD);
+            for &(cell, value) in &writes {
+                super::journal::encode(&mut bytes, seq, cell, value);
+            }
+            if self.shared.log.lock().append(&bytes).is_ok() {
+                book.unsnapped.extend(writes.iter().map(|&(c, _)| c));
+                drop(book);
+                self.shared
+                    .commits
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.shared
+                    .committed
+                    .send_modify(|c| c.durable = c.durable.max(seq));
+                return Some(seq);
+            }
+            book.dirty.extend(writes.iter().map(|&(c, _)| c));
+        }
         drop(book);
         self.shared.wake.notify_one();
         Some(seq)
@@ -313,6 +342,9 @@ impl QuotaBook {
     /// [`StoreError::Unavailable`] when the commit that should have covered it
     /// failed, or none did within [`COMMIT_TIMEOUT`].
     pub async fn durable(&self, seq: u64) -> Result<(), StoreError> {
+        if self.shared.committed.borrow().durable >= seq {
+            return Ok(());
+        }
         let mut committed = self.shared.committed.subscribe();
         let waited = tokio::time::timeout(
             COMMIT_TIMEOUT,

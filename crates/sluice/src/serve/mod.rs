@@ -84,6 +84,24 @@ impl Profile {
     }
 }
 
+/// `--quota-sync`: how far a quota count is taken before its call goes on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum QuotaSync {
+    /// Flushed to the disk.
+    Flush,
+    /// Written to the operating system.
+    Write,
+}
+
+impl From<QuotaSync> for sluice_store::JournalSync {
+    fn from(sync: QuotaSync) -> Self {
+        match sync {
+            QuotaSync::Flush => sluice_store::JournalSync::Flush,
+            QuotaSync::Write => sluice_store::JournalSync::Write,
+        }
+    }
+}
+
 /// Where budgets live, as given by `--store`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StoreSpec {
@@ -155,6 +173,13 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
 
+    /// How far a monthly quota count is taken before the call it admits is forwarded:
+    /// `flush` (to the disk, one fdatasync per group commit: survives a crash of the
+    /// machine) or `write` (to the operating system: survives a crash or kill -9 of
+    /// sluice, not of the machine; faster).
+    #[arg(long, value_enum, value_name = "flush|write", default_value = "flush")]
+    pub quota_sync: QuotaSync,
+
     /// Seconds to wait for the upstream's response headers before answering 504
     /// (fractions allowed, e.g. 0.5). Streaming bodies are not cut by it.
     #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse_timeout)]
@@ -190,6 +215,8 @@ pub struct ServeOptions {
     pub clock_offset: i64,
     /// Directory of the embedded durable store (`--data-dir`, or the default).
     pub data_dir: PathBuf,
+    /// How far a quota count is taken before its call goes on.
+    pub quota_sync: QuotaSync,
     /// Time allowed for the upstream's response headers.
     pub upstream_timeout: Duration,
     /// Gateway worker threads.
@@ -229,6 +256,7 @@ impl ServeOptions {
             store: args.store,
             clock_offset: args.clock_offset,
             data_dir,
+            quota_sync: args.quota_sync,
             upstream_timeout: args.upstream_timeout,
             workers: args.workers.unwrap_or_else(|| {
                 std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN)
@@ -385,8 +413,9 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
     let clock = SystemClock::with_offset(options.clock_offset);
     let store = match &options.store {
         StoreSpec::Memory => {
-            let store = AnyStore::local(clock.clone(), &options.data_dir)
-                .map_err(|e| BadInput(format!("--data-dir: {e}")))?;
+            let store =
+                AnyStore::local(clock.clone(), &options.data_dir, options.quota_sync.into())
+                    .map_err(|e| BadInput(format!("--data-dir: {e}")))?;
             eprintln!(
                 "sluice: monthly quota counts are kept in {} (--data-dir to choose another)",
                 options.data_dir.display()

@@ -24,8 +24,12 @@ impl AnyStore {
     /// # Errors
     /// The data directory cannot be created, is in use by another process, or its
     /// file is corrupt or cannot be written (each naming the path).
-    pub fn local(clock: SystemClock, data_dir: &Path) -> Result<Self, OpenError> {
-        let durable = DurableStore::open(data_dir)?;
+    pub fn local(
+        clock: SystemClock,
+        data_dir: &Path,
+        sync: sluice_store::JournalSync,
+    ) -> Result<Self, OpenError> {
+        let durable = DurableStore::open_with(data_dir, sync)?;
         let book = QuotaBook::open(&durable, QuotaBookConfig::default(), clock.now())?;
         Ok(AnyStore::Local(LocalStore::new(
             MemoryStore::with_clock(MemoryConfig::default(), clock),
