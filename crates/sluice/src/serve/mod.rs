@@ -174,10 +174,10 @@ pub struct ServeArgs {
     pub data_dir: Option<PathBuf>,
 
     /// How far a monthly quota count is taken before the call it admits is forwarded:
-    /// `flush` (to the disk, one fdatasync per group commit: survives a crash of the
-    /// machine) or `write` (to the operating system: survives a crash or kill -9 of
-    /// sluice, not of the machine; faster).
-    #[arg(long, value_enum, value_name = "flush|write", default_value = "flush")]
+    /// `write` (to the operating system: survives a restart, a crash or kill -9 of
+    /// sluice, not a crash of the machine) or `flush` (to the disk, one fdatasync per
+    /// group commit: survives a crash of the machine too, at a cost in latency).
+    #[arg(long, value_enum, value_name = "write|flush", default_value = "write")]
     pub quota_sync: QuotaSync,
 
     /// Seconds to wait for the upstream's response headers before answering 504
