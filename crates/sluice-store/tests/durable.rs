@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_core::{Budget, BudgetKey, FakeClock, Rate, Timestamp};
+use sluice_store::durable::QuotaLog as _;
 use sluice_store::{
     BudgetStore, DurableStore, LocalStore, MemoryConfig, MemoryStore, OpenError, QuotaBook,
     QuotaBookConfig, StoreError,
@@ -345,4 +346,51 @@ fn q1_a_full_disk_fails_quota_decisions_closed_and_recovers_by_itself() {
     // What failed may have been counted (never less than what was admitted).
     let usage = 10 - recovered.statuses()[0].remaining;
     assert!((2..=3).contains(&usage), "usage {usage}");
+}
+
+#[test]
+fn q1_a_crash_replays_the_journal_past_the_last_snapshot() {
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    let (disk, _full) = sluice_store::durable::FillableDisk::new();
+    let open = || {
+        let durable =
+            DurableStore::with_backend("crash.redb", disk.clone(), disk.log()).expect("open");
+        let book =
+            QuotaBook::open(&durable, QuotaBookConfig::default(), clock.now_ts()).expect("book");
+        LocalStore::new(
+            MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),
+            Some(book),
+        )
+    };
+    let spend = |store: &LocalStore<FakeClock>, n: usize| {
+        for _ in 0..n {
+            let d = rt.block_on(store.decide(&[quota("acme", 100)]));
+            assert!(d.expect("decide").is_admitted());
+        }
+    };
+    let usage = |store: &LocalStore<FakeClock>| {
+        let d = rt.block_on(store.peek(&[quota("acme", 100).with_cost(0)]));
+        100 - d.expect("peek").statuses()[0].remaining
+    };
+    // A clean stop writes a snapshot and empties the journal.
+    let first = open();
+    spend(&first, 5);
+    drop(first);
+    assert_eq!(
+        disk.log().len(),
+        0,
+        "the journal starts over after a snapshot"
+    );
+    // A crash (no clean stop): only the journal holds the next counts.
+    let second = open();
+    spend(&second, 3);
+    assert!(disk.log().len() > 0);
+    std::mem::forget(second);
+    let third = open();
+    assert_eq!(usage(&third), 8, "the snapshot's 5 and the journal's 3");
+    spend(&third, 1);
+    std::mem::forget(third);
+    let fourth = open();
+    assert_eq!(usage(&fourth), 9);
 }

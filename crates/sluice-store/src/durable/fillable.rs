@@ -15,6 +15,7 @@ use redb::backends::InMemoryBackend;
 pub struct FillableDisk {
     inner: Arc<InMemoryBackend>,
     full: Arc<AtomicBool>,
+    journal: Arc<parking_lot::Mutex<Vec<u8>>>,
 }
 
 impl FillableDisk {
@@ -29,10 +30,12 @@ impl FillableDisk {
         room(&self.full)
     }
 
-    /// A quota journal on this disk: in memory, failing while the disk is full.
+    /// The quota journal on this disk: in memory, failing while the disk is full.
+    /// Every call returns the same journal, so a store opened again after a
+    /// simulated crash finds what the last one appended.
     pub fn log(&self) -> FillableLog {
         FillableLog {
-            bytes: Vec::new(),
+            bytes: Arc::clone(&self.journal),
             full: Arc::clone(&self.full),
         }
     }
@@ -52,29 +55,29 @@ fn room(full: &AtomicBool) -> std::io::Result<()> {
 /// The quota journal of a [`FillableDisk`].
 #[derive(Debug)]
 pub struct FillableLog {
-    bytes: Vec<u8>,
+    bytes: Arc<parking_lot::Mutex<Vec<u8>>>,
     full: Arc<AtomicBool>,
 }
 
 impl super::QuotaLog for FillableLog {
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         room(&self.full)?;
-        self.bytes.extend_from_slice(bytes);
+        self.bytes.lock().extend_from_slice(bytes);
         Ok(())
     }
 
     fn read_all(&mut self) -> std::io::Result<Vec<u8>> {
-        Ok(self.bytes.clone())
+        Ok(self.bytes.lock().clone())
     }
 
     fn reset(&mut self) -> std::io::Result<()> {
         room(&self.full)?;
-        self.bytes.clear();
+        self.bytes.lock().clear();
         Ok(())
     }
 
     fn len(&self) -> u64 {
-        self.bytes.len() as u64
+        self.bytes.lock().len() as u64
     }
 }
 

@@ -95,7 +95,8 @@ struct Shared {
     committed: watch::Sender<Commit>,
     store: DurableStore,
     /// The journal: the writer thread uses it, and decisions too when `inline`.
-    log: Mutex<Box<dyn QuotaLog>>,
+    /// Lock order: the book, then the journal.
+    log: Mutex<Journal>,
     /// The journal's appends are cheap enough to make in the deciding thread.
     inline: bool,
     max_cells: usize,
@@ -116,6 +117,28 @@ struct Book {
     /// The last sequence number handed to a spending decision.
     seq: u64,
     closing: bool,
+}
+
+/// The journal and the number of its last append. Records carry that number,
+/// assigned under the journal's lock, so they are numbered in the order they
+/// reach the log, and a snapshot names the last one it covers.
+struct Journal {
+    log: Box<dyn QuotaLog>,
+    seq: u64,
+}
+
+impl Journal {
+    /// Appends the counts `writes` as one numbered group.
+    fn append(&mut self, writes: &[(u64, u64)]) -> std::io::Result<()> {
+        let seq = self.seq + 1;
+        let mut bytes = Vec::with_capacity(writes.len() * super::journal::RECORD);
+        for &(cell, value) in writes {
+            super::journal::encode(&mut bytes, seq, cell, value);
+        }
+        self.log.append(&bytes)?;
+        self.seq = seq;
+        Ok(())
+    }
 }
 
 /// What the writer has done: every decision up to `durable` is on disk; the
@@ -179,12 +202,12 @@ impl QuotaBook {
             .ok_or_else(|| unusable(&"the journal is in use"))?;
         // The journal's records past the snapshot, in order: the last value wins.
         let journal = log.read_all().map_err(|e| unusable(&e))?;
-        book.seq = covered;
+        let mut journal_seq = covered;
         for (seq, cell, value) in super::journal::decode(&journal) {
             if seq > covered {
                 book.cells.insert(cell, value);
                 book.unsnapped.insert(cell);
-                book.seq = book.seq.max(seq);
+                journal_seq = journal_seq.max(seq);
             }
         }
         book.cells.retain(|&cell, &mut value| {
@@ -200,14 +223,13 @@ impl QuotaBook {
             committed: watch::Sender::new(Commit::default()),
             store: store.clone(),
             inline: log.inline(),
-            log: Mutex::new(log),
+            log: Mutex::new(Journal {
+                log,
+                seq: journal_seq,
+            }),
             max_cells: config.max_cells.max(1),
             commits: std::sync::atomic::AtomicU64::new(0),
         });
-        {
-            let seq = shared.state.lock().seq;
-            shared.committed.send_modify(|c| c.durable = seq);
-        }
         // What was replayed goes into a snapshot at once, and the journal starts over.
         shared.snapshot().map_err(|e| unusable(&e))?;
         let writer = std::thread::Builder::new()
@@ -314,11 +336,7 @@ impl QuotaBook {
                 .into_iter()
                 .map(|c| (c, book.cells.get(&c).copied().unwrap_or(0)))
                 .collect();
-            let mut bytes = Vec::with_capacity(writes.len() * super::journal::RECORD);
-            for &(cell, value) in &writes {
-                super::journal::encode(&mut bytes, seq, cell, value);
-            }
-            if self.shared.log.lock().append(&bytes).is_ok() {
+            if self.shared.log.lock().append(&writes).is_ok() {
                 book.unsnapped.extend(writes.iter().map(|&(c, _)| c));
                 drop(book);
                 self.shared
@@ -429,7 +447,7 @@ impl Shared {
                 (writes, book.seq, book.closing)
             };
             if !writes.is_empty() {
-                match self.append(&writes, target) {
+                match self.append(&writes) {
                     Ok(()) => {
                         self.commits
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -467,7 +485,7 @@ impl Shared {
                     }
                 }
             }
-            let journal_full = self.log.lock().len() >= SNAPSHOT_BYTES;
+            let journal_full = self.log.lock().log.len() >= SNAPSHOT_BYTES;
             let due = {
                 let book = self.state.lock();
                 !book.unsnapped.is_empty() || !book.dropped.is_empty()
@@ -493,13 +511,9 @@ impl Shared {
         }
     }
 
-    /// Appends the changed counts as records numbered `seq`, durably.
-    fn append(&self, writes: &[(u64, u64)], seq: u64) -> std::io::Result<()> {
-        let mut bytes = Vec::with_capacity(writes.len() * super::journal::RECORD);
-        for &(cell, value) in writes {
-            super::journal::encode(&mut bytes, seq, cell, value);
-        }
-        self.log.lock().append(&bytes)?;
+    /// Appends the changed counts, durably.
+    fn append(&self, writes: &[(u64, u64)]) -> std::io::Result<()> {
+        self.log.lock().append(writes)?;
         self.state
             .lock()
             .unsnapped
@@ -510,18 +524,21 @@ impl Shared {
     /// Writes the counts journaled since the last snapshot to the redb file, names
     /// the last journal record it covers, and starts the journal over.
     fn snapshot(&self) -> Result<(), redb::Error> {
-        let covered = self.committed.borrow().durable;
-        let (cells, dropped) = {
-            let mut book = self.state.lock();
-            let unsnapped = std::mem::take(&mut book.unsnapped);
-            let cells: Vec<(u64, u64)> = unsnapped
-                .iter()
-                .filter_map(|c| book.cells.get(c).map(|&v| (*c, v)))
-                .collect();
-            (cells, std::mem::take(&mut book.dropped))
-        };
-        let written = self.write_snapshot(&cells, &dropped, covered);
-        if let Err(e) = written {
+        let mut book = self.state.lock();
+        let unsnapped = std::mem::take(&mut book.unsnapped);
+        let cells: Vec<(u64, u64)> = unsnapped
+            .iter()
+            .filter_map(|c| book.cells.get(c).map(|&v| (*c, v)))
+            .collect();
+        let dropped = std::mem::take(&mut book.dropped);
+        // Held until the journal starts over: every record in it until then has its
+        // cell in `cells` (or in an earlier snapshot), and none is appended meanwhile
+        // (decisions that would append wait: a few milliseconds every 30 s).
+        let mut journal = self.log.lock();
+        drop(book);
+        let covered = journal.seq;
+        if let Err(e) = self.write_snapshot(&cells, &dropped, covered) {
+            drop(journal);
             let mut book = self.state.lock();
             book.unsnapped.extend(cells.iter().map(|&(c, _)| c));
             book.dropped.extend(dropped);
@@ -529,7 +546,7 @@ impl Shared {
         }
         // Every record up to `covered` is in the snapshot. A crash before this reset
         // replays none of them: they are not past `covered`.
-        self.log.lock().reset()?;
+        journal.log.reset()?;
         Ok(())
     }
 
