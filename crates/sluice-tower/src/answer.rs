@@ -282,6 +282,34 @@ pub fn body_unreadable() -> Response<Full<Bytes>> {
     )
 }
 
+/// The 408 for a request body taken in whole that did not arrive within
+/// [`crate::BODY_DEADLINE`], however steadily it came.
+pub fn body_too_slow() -> Response<Full<Bytes>> {
+    envelope_response(
+        StatusCode::REQUEST_TIMEOUT,
+        "request_timeout",
+        &format!(
+            "The request body did not arrive within {} s.",
+            crate::BODY_DEADLINE.as_secs()
+        ),
+        serde_json::json!({ "deadline_seconds": crate::BODY_DEADLINE.as_secs() }),
+    )
+}
+
+/// The 503 for a request whose body would pass the bound on the request bytes the
+/// gateway holds at once, with `Retry-After: 1`.
+pub fn buffers_full(max_bytes: usize) -> Response<Full<Bytes>> {
+    let mut r = envelope_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "busy",
+        "The gateway holds as many request bytes as it may; try again shortly.",
+        serde_json::json!({ "max_buffered_bytes": max_bytes }),
+    );
+    r.headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+    r
+}
+
 /// The 413 for a body larger than the policy reads to classify (`max_bytes`).
 pub fn payload_too_large(max_bytes: usize) -> Response<Full<Bytes>> {
     envelope_response(

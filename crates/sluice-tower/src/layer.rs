@@ -14,8 +14,8 @@ use sluice_store::BudgetStore;
 use tower::{Layer, Service};
 
 use crate::answer::{
-    body_unreadable, limiter_unavailable, payload_too_large, rate_limit_headers, refusal,
-    take_cost, upstream_headers,
+    body_too_slow, body_unreadable, buffers_full, limiter_unavailable, payload_too_large,
+    rate_limit_headers, refusal, take_cost, upstream_headers,
 };
 use crate::limiter::Limiter;
 
@@ -113,9 +113,30 @@ where
             let policy = limiter.policy();
             let mut too_large = false;
             let route = limiter.route(&parts);
+            let mut _lease = None;
             let (body, plan) = if Limiter::<S>::needs_body(route) {
                 let max = policy.bounds.max_body_bytes;
-                match Limited::new(body, max).collect().await {
+                // The body is held in memory: its size (or the bound, when it is not
+                // announced) is leased from the gateway's one bound first, and it must
+                // arrive whole within the body deadline.
+                let announced = body
+                    .size_hint()
+                    .exact()
+                    .and_then(|n| usize::try_from(n).ok());
+                let Some(lease) = limiter
+                    .buffers()
+                    .try_lease(announced.unwrap_or(max).min(max))
+                else {
+                    return Ok(buffers_full(limiter.buffers().max()).map(Either::Left));
+                };
+                _lease = Some(lease);
+                let collected =
+                    tokio::time::timeout(crate::BODY_DEADLINE, Limited::new(body, max).collect())
+                        .await;
+                let Ok(collected) = collected else {
+                    return Ok(body_too_slow().map(Either::Left));
+                };
+                match collected {
                     Ok(collected) => {
                         let bytes = collected.to_bytes();
                         let plan = limiter.plan(&parts, peer, route, Some(&bytes));

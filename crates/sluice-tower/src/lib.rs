@@ -15,6 +15,7 @@
 //! ```
 
 mod answer;
+mod buffers;
 mod layer;
 mod limiter;
 mod plan;
@@ -22,11 +23,12 @@ mod plan;
 pub use answer::{
     EDGE_BODY, RATELIMIT, RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT,
     X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, X_SLUICE_COST, X_SLUICE_EXHAUSTED, X_SLUICE_USER,
-    X_SLUICE_WORKSPACE, body_unreadable, envelope_response, for_each_rate_limit_header,
-    for_each_upstream_header, is_sluice_signal, limiter_unavailable, parse_cost, payload_too_large,
-    rate_limit_headers, refusal, refusal_wait, retry_after_secs, rfc3339, take_cost,
-    upstream_headers,
+    X_SLUICE_WORKSPACE, body_too_slow, body_unreadable, buffers_full, envelope_response,
+    for_each_rate_limit_header, for_each_upstream_header, is_sluice_signal, limiter_unavailable,
+    parse_cost, payload_too_large, rate_limit_headers, refusal, refusal_wait, retry_after_secs,
+    rfc3339, take_cost, upstream_headers,
 };
+pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED_BYTES};
 pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService};
 pub use limiter::{
     DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage, Refused,

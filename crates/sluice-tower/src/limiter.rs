@@ -54,6 +54,7 @@ pub struct Limiter<S> {
     scopes: Scopes,
     store: S,
     fallback: MemoryStore,
+    buffers: std::sync::Arc<crate::BufferBudget>,
     degraded: AtomicBool,
     top: Mutex<TopCallers>,
     metrics: Meters,
@@ -159,6 +160,7 @@ impl<S: BudgetStore> Limiter<S> {
             scopes: Scopes::new(&policy),
             policy,
             store,
+            buffers: crate::BufferBudget::new(crate::DEFAULT_MAX_BUFFERED_BYTES),
             fallback: MemoryStore::new(MemoryConfig {
                 max_keys: FALLBACK_MAX_KEYS,
                 ..MemoryConfig::default()
@@ -167,6 +169,19 @@ impl<S: BudgetStore> Limiter<S> {
             top: Mutex::default(),
             metrics,
         }
+    }
+
+    /// The same limiter with `max_bytes` as the bound on request bytes held in
+    /// memory at once (default [`crate::DEFAULT_MAX_BUFFERED_BYTES`]).
+    pub fn with_buffer_bound(mut self, max_bytes: usize) -> Self {
+        self.buffers = crate::BufferBudget::new(max_bytes);
+        self
+    }
+
+    /// The bound on request bytes held in memory at once, which every request path
+    /// that takes a body in whole leases from (see [`crate::BufferBudget`]).
+    pub fn buffers(&self) -> &std::sync::Arc<crate::BufferBudget> {
+        &self.buffers
     }
 
     /// The same limiter with another fallback store (e.g. on a skewed test clock).

@@ -437,3 +437,27 @@ async fn budgets_refill_when_the_window_rolls() {
     assert_eq!(r.remaining(), 29);
     assert_eq!(r.header("x-ratelimit-reset"), (T0 + 120).to_string());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jsonrpc_body_past_the_buffer_bound_is_a_503_and_spends_nothing() {
+    let policy = sluice_policy::default_policy().expect("default");
+    let clock = sluice_core::FakeClock::new(sluice_core::Timestamp::from_secs(support::T0 + 1));
+    let store =
+        sluice_store::MemoryStore::with_clock(sluice_store::MemoryConfig::default(), clock.clone());
+    let limiter = sluice_tower::Limiter::new(policy, store).with_buffer_bound(64);
+    let edge = support::start_limiter(limiter, clock).await;
+    let big = format!(
+        r#"{{"jsonrpc":"2.0","id":1,"method":"ping","params":{{"pad":"{}"}}}}"#,
+        "x".repeat(100)
+    );
+    let r = edge.rpc(&[KEY], &big).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+    assert_eq!(r.header("retry-after"), "1");
+    assert!(r.body.contains("\"busy\""), "{}", r.body);
+    // A body within the bound is served, and the refused one spent no protocol unit.
+    let r = edge.rpc(&[KEY], &method(1, "ping")).await;
+    assert_eq!(
+        (r.status, r.limit(), r.remaining()),
+        (StatusCode::OK, 600, 599)
+    );
+}

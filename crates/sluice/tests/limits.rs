@@ -307,3 +307,57 @@ async fn h2_a_refused_upload_leaves_its_connection_open() {
         "{answer}"
     );
 }
+
+/// Sends one GET on `stream` and reads until the end of the head; true for a 200.
+fn get_ok(stream: &mut std::net::TcpStream) -> bool {
+    use std::io::{Read as _, Write as _};
+    if stream
+        .write_all(b"GET /search/fields HTTP/1.1\r\nhost: x\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut buf = [0u8; 4096];
+    let mut seen = Vec::new();
+    while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+    }
+    seen.starts_with(b"HTTP/1.1 200 ")
+}
+
+#[test]
+fn one_address_holds_at_most_its_connections_and_a_closed_one_frees_a_place() {
+    use std::io::Read as _;
+    let sluice = Sluice::spawn(&["--max-connections-per-ip", "3"]);
+    let connect = || {
+        let s = std::net::TcpStream::connect(sluice.start.gateway).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        s
+    };
+    let mut held: Vec<_> = (0..3).map(|_| connect()).collect();
+    for s in &mut held {
+        assert!(get_ok(s), "the first three connections are served");
+    }
+    // The fourth is closed at once, before a request is read.
+    let mut fourth = connect();
+    let mut buf = [0u8; 64];
+    let n = fourth.read(&mut buf).unwrap_or(0);
+    assert_eq!(n, 0, "closed without an answer");
+    // The three still work; one closing frees a place (bounded retries: the slot is
+    // given back when the gateway sees the close).
+    assert!(get_ok(&mut held[0]));
+    drop(held.pop());
+    let served = (0..200).any(|_| {
+        let mut s = connect();
+        let ok = get_ok(&mut s);
+        if !ok {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        ok
+    });
+    assert!(served, "a place came free");
+}

@@ -103,7 +103,15 @@ where
     S: sluice_store::BudgetStore + Send + Sync + 'static,
 {
     let fallback = MemoryStore::new(MemoryConfig::default());
-    let limiter = Arc::new(Limiter::new(policy, store).with_fallback(fallback));
+    start_limiter(Limiter::new(policy, store).with_fallback(fallback), clock).await
+}
+
+/// Starts the app behind `limiter`; `clock` is what the test advances.
+pub async fn start_limiter<S>(limiter: Limiter<S>, clock: FakeClock) -> Edge
+where
+    S: sluice_store::BudgetStore + Send + Sync + 'static,
+{
+    let limiter = Arc::new(limiter);
     let app = Router::new()
         .fallback(
             |method: Method, uri: http::Uri, headers: HeaderMap, body: Bytes| async move {

@@ -12,7 +12,10 @@
 //! of its service stack (any `Service<Request<GatewayBody>>` answering any streaming
 //! body) wrapped in [`Metered`], and drains gracefully when told to stop.
 //!
-//! At most `max_connections` client connections are open at once: at the limit the
+//! At most `per_ip` client connections from one address are open at once (trusted
+//! proxies aside): past it a new one from that address is closed at once, so one
+//! client cannot take every connection slot. At most `max_connections` client
+//! connections are open at once: at the limit the
 //! acceptor stops accepting until one closes, and new clients wait in the kernel's
 //! listen backlog, as with nginx's `worker_connections`.
 
@@ -70,7 +73,76 @@ pub(super) enum Drain {
 
 /// An accepted socket on its way to a worker, counted as open from the moment it
 /// was accepted.
-type Handoff = (std::net::TcpStream, SocketAddr, OpenConnection);
+type Handoff = (
+    std::net::TcpStream,
+    SocketAddr,
+    (OpenConnection, Option<PeerSlot>),
+);
+
+/// Open client connections per peer address, bounded.
+pub(super) struct PerIp {
+    open: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+    max: usize,
+    /// Addresses the bound does not apply to (trusted proxies carry many clients).
+    exempt: Box<dyn Fn(std::net::IpAddr) -> bool + Send + Sync>,
+}
+
+/// One open connection of a peer address, counted until dropped.
+pub(super) struct PeerSlot {
+    table: Arc<PerIp>,
+    ip: std::net::IpAddr,
+}
+
+impl PerIp {
+    /// At most `max` connections per address, but for the `exempt` ones.
+    pub(super) fn new(
+        max: NonZeroUsize,
+        exempt: impl Fn(std::net::IpAddr) -> bool + Send + Sync + 'static,
+    ) -> Arc<Self> {
+        Arc::new(PerIp {
+            open: std::sync::Mutex::default(),
+            max: max.get(),
+            exempt: Box::new(exempt),
+        })
+    }
+
+    /// A slot for one more connection from `ip`: `Ok(None)` for an exempt address,
+    /// `Err(())` when `ip` holds its maximum.
+    fn admit(self: &Arc<Self>, ip: std::net::IpAddr) -> Result<Option<PeerSlot>, ()> {
+        if (self.exempt)(ip) {
+            return Ok(None);
+        }
+        let mut open = self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = open.entry(ip).or_insert(0);
+        if *n >= self.max {
+            return Err(());
+        }
+        *n += 1;
+        Ok(Some(PeerSlot {
+            table: Arc::clone(self),
+            ip,
+        }))
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut open = self
+            .table
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
 
 /// The gateway's worker threads, started and waiting for sockets.
 pub(super) struct Workers {
@@ -139,6 +211,7 @@ pub(super) async fn serve(
     listener: TcpListener,
     workers: Workers,
     max_connections: NonZeroUsize,
+    per_ip: Arc<PerIp>,
     stop: impl Future<Output = ()>,
 ) -> Drain {
     let Workers {
@@ -167,6 +240,15 @@ pub(super) async fn serve(
             },
         };
         let (stream, peer) = accepted;
+        let mut slot = match per_ip.admit(peer.ip()) {
+            Ok(slot) => slot,
+            Err(()) => {
+                metrics::counter!("sluice_connections_refused_total", "reason" => "per_ip")
+                    .increment(1);
+                drop(stream);
+                continue;
+            }
+        };
         // Deregistered here, registered again with the worker's own reactor.
         let Ok(stream) = stream.into_std() else {
             continue;
@@ -179,10 +261,11 @@ pub(super) async fn serve(
             let Some((stream, peer)) = socket.take() else {
                 break;
             };
-            let open = stats.worker(next).open_connection();
+            let open = (stats.worker(next).open_connection(), slot.take());
             match handoffs[next].try_send((stream, peer, open)) {
                 Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full((stream, peer, _))) => {
+                Err(mpsc::error::TrySendError::Full((stream, peer, (_, back)))) => {
+                    slot = back;
                     socket = Some((stream, peer));
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
@@ -194,7 +277,7 @@ pub(super) async fn serve(
             next = (next + 1) % handoffs.len();
         }
         if let Some((stream, peer)) = socket {
-            let open = stats.worker(next).open_connection();
+            let open = (stats.worker(next).open_connection(), slot.take());
             let handed = tokio::select! {
                 biased;
                 () = &mut stop => break,

@@ -196,6 +196,17 @@ pub struct ServeArgs {
     /// the process's file-descriptor limit.
     #[arg(long, value_name = "N", default_value = "10000")]
     pub max_connections: NonZeroUsize,
+
+    /// Most client connections open at once from one address (the policy's trusted
+    /// proxies aside); past it a new connection from that address is closed at once.
+    #[arg(long, value_name = "N", default_value = "256")]
+    pub max_connections_per_ip: NonZeroUsize,
+
+    /// Most request-body bytes the gateway holds in memory at once, over every
+    /// connection (bodies it takes in whole before deciding); past it a new request
+    /// with a body gets 503 with Retry-After. Default 256 MiB.
+    #[arg(long, value_name = "BYTES", default_value_t = sluice_tower::DEFAULT_MAX_BUFFERED_BYTES)]
+    pub max_buffered_bytes: usize,
 }
 
 /// Validated settings of `sluice serve` (what [`ServeArgs`] resolves to).
@@ -223,6 +234,10 @@ pub struct ServeOptions {
     pub workers: NonZeroUsize,
     /// Most client connections open at once.
     pub max_connections: NonZeroUsize,
+    /// Most client connections open at once from one address.
+    pub max_connections_per_ip: NonZeroUsize,
+    /// Most request-body bytes held in memory at once.
+    pub max_buffered_bytes: usize,
 }
 
 impl ServeOptions {
@@ -262,6 +277,8 @@ impl ServeOptions {
                 std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN)
             }),
             max_connections: args.max_connections,
+            max_connections_per_ip: args.max_connections_per_ip,
+            max_buffered_bytes: args.max_buffered_bytes,
         })
     }
 }
@@ -433,7 +450,17 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         },
         clock,
     );
-    let limiter = Arc::new(Limiter::new(options.policy, store).with_fallback(fallback));
+    let per_ip = {
+        let identity = options.policy.identity.clone();
+        gateway::PerIp::new(options.max_connections_per_ip, move |ip| {
+            identity.trusts(ip)
+        })
+    };
+    let limiter = Arc::new(
+        Limiter::new(options.policy, store)
+            .with_fallback(fallback)
+            .with_buffer_bound(options.max_buffered_bytes),
+    );
     tokio::spawn(reclaim_stale_cells(
         Arc::clone(&limiter),
         backends_stopped.clone(),
@@ -491,6 +518,7 @@ async fn serve(options: ServeOptions) -> anyhow::Result<()> {
         gateway_listener,
         workers,
         options.max_connections,
+        per_ip,
         gateway_stopped.wait(),
     ));
 

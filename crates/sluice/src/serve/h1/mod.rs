@@ -165,6 +165,16 @@ struct Timers {
     upstream: Deadline,
 }
 
+/// How reading a request body in whole ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyRead {
+    Whole,
+    /// Nothing came for the head timeout, or the client left.
+    Stalled,
+    /// It kept coming, but not all of it within the body deadline.
+    TooSlow,
+}
+
 /// What follows a request.
 enum Next {
     /// The next request on this connection.
@@ -225,22 +235,39 @@ impl<'f> Connection<'f> {
     }
 
     /// Reads from the client until `from_client` holds `end` bytes, each read within
-    /// the head timeout: false when the bytes stop coming or the client leaves.
-    async fn read_to(&mut self, client: &mut TcpStream, timers: &mut Timers, end: usize) -> bool {
+    /// the head timeout and all of them within [`sluice_tower::BODY_DEADLINE`]. The
+    /// buffer is grown once, to exactly `end` bytes (not to the next power of two).
+    async fn read_to(
+        &mut self,
+        client: &mut TcpStream,
+        timers: &mut Timers,
+        end: usize,
+    ) -> BodyRead {
+        if self.from_client.capacity() < end {
+            let mut exact = BytesMut::with_capacity(end);
+            exact.extend_from_slice(&self.from_client);
+            self.from_client = exact;
+        }
+        let whole_by = tokio::time::Instant::now() + sluice_tower::BODY_DEADLINE;
         while self.from_client.len() < end {
-            timers
-                .head
-                .set(tokio::time::Instant::now() + timers.head_timeout);
+            let now = tokio::time::Instant::now();
+            if now >= whole_by {
+                return BodyRead::TooSlow;
+            }
+            let stalled = (now + timers.head_timeout).min(whole_by);
+            timers.head.set(stalled);
             let read = tokio::select! {
                 biased;
-                read = read_more(client, &mut self.from_client) => read,
-                () = timers.head.passed() => return false,
+                read = client.read_buf(&mut self.from_client) => read,
+                () = timers.head.passed() => {
+                    return if stalled == whole_by { BodyRead::TooSlow } else { BodyRead::Stalled };
+                }
             };
             if !matches!(read, Ok(n) if n > 0) {
-                return false;
+                return BodyRead::Stalled;
             }
         }
-        true
+        BodyRead::Whole
     }
 
     /// Serves one request.
@@ -324,10 +351,32 @@ impl<'f> Connection<'f> {
         let head_request = head.method == Method::HEAD;
         let body_len = usize::try_from(head.body_len).unwrap_or(usize::MAX);
         let head_len = head.len;
-        if !self.read_to(client, timers, head_len + body_len).await {
-            // It stopped coming, or the client left: answered (when it still can be)
-            // as the service stack answers a body it cannot read.
-            let answer = own(sluice_tower::body_unreadable()).await;
+        // The body is held in memory until it is forwarded: its size is leased from
+        // the gateway's one bound first (a full bound answers 503 and closes: the body
+        // is not read).
+        let _lease = if body_len > 0 {
+            match limiter.buffers().try_lease(body_len) {
+                Some(lease) => Some(lease),
+                None => {
+                    let answer = own(sluice_tower::buffers_full(limiter.buffers().max())).await;
+                    return self
+                        .answer_own(client, answer, true, head_request, in_flight)
+                        .await;
+                }
+            }
+        } else {
+            None
+        };
+        let read = self.read_to(client, timers, head_len + body_len).await;
+        if read != BodyRead::Whole {
+            // It stopped coming, came too slowly, or the client left: answered (when it
+            // still can be) as the service stack answers such a body.
+            let answer = if read == BodyRead::TooSlow {
+                sluice_tower::body_too_slow()
+            } else {
+                sluice_tower::body_unreadable()
+            };
+            let answer = own(answer).await;
             return self
                 .answer_own(client, answer, true, head_request, in_flight)
                 .await;
@@ -1075,12 +1124,13 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_body_that_keeps_coming_is_served_however_long_it_takes() {
+    async fn a_body_that_keeps_coming_is_served_within_the_body_deadline() {
         let (upstream, _) = counting_upstream().await;
         let sluice = fast_path(upstream).await;
 
         // The head near the end of its own timeout, then ten bytes of the body every
-        // twenty seconds: each read within the timeout, the whole body well past it.
+        // twelve seconds: each read within the head timeout, the whole body past it
+        // but within the body deadline.
         let mut client = TcpStream::connect(sluice).await.expect("connect");
         tokio::time::sleep(HEAD_TIMEOUT * 5 / 6).await;
         client
@@ -1088,18 +1138,148 @@ mod tests {
             .await
             .expect("write");
         for _ in 0..4 {
-            tokio::time::sleep(HEAD_TIMEOUT * 2 / 3).await;
+            tokio::time::sleep(sluice_tower::BODY_DEADLINE / 5).await;
             client.write_all(&[b'b'; 10]).await.expect("write");
         }
-        // A hundred and five seconds in, the body is complete. The exchange with the upstream
-        // runs on real time: paused time would jump to the upstream's deadline while
-        // the loopback sockets are still at work.
+        // The exchange with the upstream runs on real time: paused time would jump to
+        // the upstream's deadline while the loopback sockets are still at work.
         tokio::time::resume();
         let mut answer = vec![0u8; 256];
         let n = client.read(&mut answer).await.expect("read");
         let answer = String::from_utf8_lossy(&answer[..n]);
         assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
         assert!(answer.ends_with("\r\n\r\nok"), "{answer}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_trickles_past_the_body_deadline_is_a_408_and_holds_nothing() {
+        let (upstream, accepted) = counting_upstream().await;
+        let fast = Arc::new(fast_path_to(upstream));
+        let buffers = Arc::clone(fast.limiter.buffers());
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let sluice = listener.local_addr().expect("addr");
+        let (_draining, drain) = watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((stream, peer)) = listener.accept().await {
+                let (fast, drain) = (Arc::clone(&fast), drain.clone());
+                tokio::spawn(async move {
+                    fast.serve(stream, peer, drain, HEAD_TIMEOUT, 64 * 1024)
+                        .await
+                });
+            }
+        });
+        // A byte every 20 s: each read within the head timeout, never the whole body.
+        let mut client = TcpStream::connect(sluice).await.expect("connect");
+        client
+            .write_all(b"POST /things HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n")
+            .await
+            .expect("write");
+        let started = tokio::time::Instant::now();
+        let mut answer = Vec::new();
+        let read = async {
+            loop {
+                tokio::select! {
+                    n = client.read_buf(&mut answer) => {
+                        if matches!(n, Ok(0) | Err(_)) { break; }
+                    }
+                    () = tokio::time::sleep(HEAD_TIMEOUT * 2 / 3) => {
+                        if buffers.used() > 0 {
+                            assert_eq!(buffers.used(), 1000, "the body's size is leased, exactly");
+                        }
+                        let _ = client.write_all(b"b").await;
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(sluice_tower::BODY_DEADLINE * 2, read)
+            .await
+            .expect("answered");
+        let waited = started.elapsed();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
+            "{answer}"
+        );
+        assert!(answer.contains("\"code\":\"request_timeout\""), "{answer}");
+        assert!(
+            (sluice_tower::BODY_DEADLINE..sluice_tower::BODY_DEADLINE + Duration::from_secs(1))
+                .contains(&waited),
+            "answered after {waited:?}"
+        );
+        assert_eq!(buffers.used(), 0, "the lease is given back");
+        assert_eq!(accepted.load(Ordering::SeqCst), 0, "nothing went upstream");
+    }
+
+    #[tokio::test]
+    async fn a_full_buffer_bound_answers_503_without_reading_the_body() {
+        let (upstream, accepted) = counting_upstream().await;
+        let policy = sluice_policy::default_policy().expect("the default policy");
+        let limiter = Limiter::new(policy, AnyStore::memory(sluice_core::SystemClock::new()))
+            .with_buffer_bound(1500);
+        let config = ProxyConfig {
+            upstream: super::super::proxy::Upstream::from_addr(upstream),
+            header_timeout: Duration::from_secs(60),
+        };
+        let stats = RequestStats::with_workers(NonZeroUsize::MIN);
+        let fast = Arc::new(FastPath::new(Arc::new(limiter), config, stats.worker(0)));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let sluice = listener.local_addr().expect("addr");
+        let (_draining, drain) = watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((stream, peer)) = listener.accept().await {
+                let (fast, drain) = (Arc::clone(&fast), drain.clone());
+                tokio::spawn(async move {
+                    fast.serve(stream, peer, drain, HEAD_TIMEOUT, 64 * 1024)
+                        .await
+                });
+            }
+        });
+        // One unfinished body of 1000 bytes holds its lease…
+        let mut first = TcpStream::connect(sluice).await.expect("connect");
+        first
+            .write_all(b"POST /things HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\nabc")
+            .await
+            .expect("write");
+        // …so a second of 1000 does not fit the bound of 1500: 503, connection closed.
+        let mut answer = Vec::new();
+        for _ in 0..100 {
+            let mut second = TcpStream::connect(sluice).await.expect("connect");
+            second
+                .write_all(b"POST /things HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n")
+                .await
+                .expect("write");
+            answer.clear();
+            let _ = tokio::time::timeout(HEAD_TIMEOUT, second.read_to_end(&mut answer)).await;
+            if !answer.is_empty() {
+                break;
+            }
+        }
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+            "{answer}"
+        );
+        assert!(answer.contains("retry-after: 1\r\n"), "{answer}");
+        assert!(answer.contains("connection: close\r\n"), "{answer}");
+        // A body that fits is still served.
+        let mut small = TcpStream::connect(sluice).await.expect("connect");
+        small
+            .write_all(b"POST /things HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 3\r\n\r\nabc")
+            .await
+            .expect("write");
+        let mut ok = Vec::new();
+        small.read_to_end(&mut ok).await.expect("read");
+        assert!(
+            ok.starts_with(b"HTTP/1.1 200 OK\r\n"),
+            "{}",
+            String::from_utf8_lossy(&ok)
+        );
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "only the small request went upstream"
+        );
+        drop(first);
     }
 
     #[test]
