@@ -1,6 +1,7 @@
 //! One bound on the request bytes the gateway holds in memory at once, across
 //! every connection and both request paths: a body taken in whole before a
-//! decision first leases its size here. Past the bound, a new request waits for
+//! decision leases what its buffer holds here (the fast path as the body arrives,
+//! the service stack its announced size or the policy's bound). Past the bound, a new request waits for
 //! nothing: it is answered 503 with `Retry-After`, and bodies already leased go on.
 
 use std::sync::Arc;
@@ -68,6 +69,26 @@ impl BufferBudget {
     }
 }
 
+impl BufferLease {
+    /// Leases `bytes` more, or returns false (leasing nothing) when that would pass
+    /// the bound: a buffer that grows as its body arrives leases as it grows.
+    pub fn try_grow(&mut self, bytes: usize) -> bool {
+        match self.budget.try_lease(bytes) {
+            Some(more) => {
+                self.bytes += more.bytes;
+                std::mem::forget(more);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Bytes this lease holds.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
 impl Drop for BufferLease {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
@@ -88,6 +109,11 @@ mod tests {
         drop(a);
         assert_eq!(budget.used(), 40);
         assert!(budget.try_lease(usize::MAX).is_none());
+        let mut c = budget.try_lease(0).expect("an empty lease");
+        assert!(c.try_grow(50) && c.try_grow(10));
+        assert!(!c.try_grow(1), "past the bound");
+        assert_eq!((c.bytes(), budget.used()), (60, 100));
+        drop(c);
         drop(b);
         assert_eq!(budget.used(), 0);
     }
