@@ -38,7 +38,7 @@ pub use model::{
     OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass,
     Spends, StorePolicy, Tool,
 };
-pub use path::{PathError, Paths};
+pub use path::{PathError, Paths, without_parameters};
 pub use pattern::PathPattern;
 pub use raw::RawPolicy;
 pub use validate::{
