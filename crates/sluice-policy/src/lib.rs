@@ -31,7 +31,7 @@ pub mod raw;
 mod validate;
 
 pub use default::{DEFAULT_POLICY_YAML, default_policy};
-pub use identity::{Caller, CallerKind, ClientIp, Who};
+pub use identity::{AmbiguousCredentials, Caller, CallerKind, ClientIp, Who};
 pub use jsonrpc::{Items, Unclassifiable, check_content_encoding};
 pub use model::{
     Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, MAX_BUCKETS, MAX_QUOTA_FAMILIES,

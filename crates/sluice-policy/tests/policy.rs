@@ -267,6 +267,67 @@ fn e2_credentials_in_order_hashed_and_ip_without_one() {
     assert_ne!(anonymous.subject, by_key.subject);
 }
 
+/// Two credentials of one kind: sluice would charge the first, the upstream may read
+/// the other. Refused, whatever the values (an empty first one too).
+#[test]
+fn e2_a_credential_sent_twice_is_ambiguous() {
+    let p = default_policy().expect("default");
+    let id = &p.identity;
+    let ambiguous = |fields: &[(&str, &str)]| {
+        id.check_credentials(&headers(fields))
+            .map_err(|e| (e.field(), e.count, e.to_string()))
+    };
+    assert_eq!(
+        ambiguous(&[("x-api-key", "k1"), ("x-api-key", "k2")]),
+        Err((
+            "x-api-key",
+            2,
+            "ambiguous credentials: 2 X-API-Key fields".to_owned()
+        ))
+    );
+    assert_eq!(
+        ambiguous(&[("x-api-key", ""), ("x-api-key", "k2"), ("x-api-key", "k2")]),
+        Err((
+            "x-api-key",
+            3,
+            "ambiguous credentials: 3 X-API-Key fields".to_owned()
+        ))
+    );
+    assert_eq!(
+        ambiguous(&[("authorization", "Bearer a"), ("authorization", "Bearer b")]),
+        Err((
+            "authorization",
+            2,
+            "ambiguous credentials: 2 Authorization fields".to_owned()
+        ))
+    );
+    for cookies in [
+        &[("cookie", "session=a; theme=dark; session=b")][..],
+        &[("cookie", "session=a"), ("cookie", "session=b")],
+    ] {
+        assert_eq!(
+            ambiguous(cookies),
+            Err((
+                "cookie",
+                2,
+                "ambiguous credentials: 2 session cookies".to_owned()
+            )),
+            "{cookies:?}"
+        );
+    }
+    for fine in [
+        &[][..],
+        &[("x-api-key", "k1"), ("authorization", "Bearer b")],
+        &[
+            ("cookie", "session=a"),
+            ("cookie", "theme=dark; sessionx=b"),
+        ],
+        &[("x-api-key", "k1, k2")],
+    ] {
+        assert_eq!(ambiguous(fine), Ok(()), "{fine:?}");
+    }
+}
+
 #[test]
 fn e4_forwarded_for_is_believed_only_from_trusted_proxies() {
     let yaml = sluice_policy::DEFAULT_POLICY_YAML.replace(
