@@ -600,3 +600,25 @@ fn bad_flags_exit_2_with_a_clear_message() {
         assert!(!run.stderr.contains("panicked"), "{args:?}: {}", run.stderr);
     }
 }
+
+/// `sluice check FILE | head`: the reader is gone before anything is written (its end of
+/// the pipe closed before the child starts), so every write fails with `EPIPE`. The
+/// command ends quietly with 0, as when the reader took all it wanted: no panic (exit
+/// 101), no message.
+#[test]
+fn check_into_a_closed_pipe_exits_quietly() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/policy.yaml");
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", example])
+        .stdin(std::process::Stdio::null())
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn sluice check");
+    let done = child.wait_with_output().expect("sluice check ends");
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert_eq!(done.status.code(), Some(0), "stderr: {stderr}");
+    assert!(stderr.is_empty(), "quiet: {stderr}");
+}
