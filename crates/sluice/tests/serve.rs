@@ -622,3 +622,64 @@ fn check_into_a_closed_pipe_exits_quietly() {
     assert_eq!(done.status.code(), Some(0), "stderr: {stderr}");
     assert!(stderr.is_empty(), "quiet: {stderr}");
 }
+
+/// Every `sluice_` family in `/metrics` has a `# HELP` line, after traffic that makes
+/// the limiter record admissions, refusals and decision times (four families once had
+/// none: `sluice_decisions_total`, `sluice_decision_seconds`,
+/// `sluice_local_decisions_total`, `sluice_refusals_total`).
+#[tokio::test]
+async fn metrics_describe_every_sluice_family() {
+    let sluice = Sluice::spawn(&[]);
+    bounded(async {
+        assert_eq!(get(&sluice.url("/warm-up")).await.status, 200);
+        // The registration bucket (5 per minute per IP) refuses the sixth.
+        let mut statuses = Vec::new();
+        for _ in 0..6 {
+            statuses.push(
+                post_json(&sluice.url("/oauth/register"), &json!({}))
+                    .await
+                    .status,
+            );
+        }
+        assert_eq!(
+            statuses.last().map(|s| s.as_u16()),
+            Some(429),
+            "{statuses:?}"
+        );
+
+        let text = get(&sluice.admin_url("/metrics")).await.text();
+        let mut families = std::collections::BTreeSet::new();
+        for line in text.lines() {
+            let name = match line.strip_prefix("# TYPE ") {
+                Some(typed) => typed.split(' ').next().unwrap_or(""),
+                None if line.starts_with('#') => continue,
+                None => {
+                    let name = line.split(['{', ' ']).next().unwrap_or("");
+                    ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .find_map(|suffix| name.strip_suffix(suffix))
+                        .filter(|family| text.contains(&format!("# TYPE {family} histogram")))
+                        .unwrap_or(name)
+                }
+            };
+            if name.starts_with("sluice_") {
+                families.insert(name.to_owned());
+            }
+        }
+        for family in [
+            "sluice_requests_total",
+            "sluice_decisions_total",
+            "sluice_decision_seconds",
+            "sluice_refusals_total",
+            "sluice_upstream_seconds",
+        ] {
+            assert!(families.contains(family), "{family} after traffic: {text}");
+        }
+        let undescribed: Vec<&String> = families
+            .iter()
+            .filter(|f| !text.contains(&format!("# HELP {f} ")))
+            .collect();
+        assert!(undescribed.is_empty(), "no # HELP: {undescribed:?}\n{text}");
+    })
+    .await;
+}
