@@ -94,6 +94,38 @@ impl std::fmt::Display for Who {
     }
 }
 
+/// A request that sends one kind of credential more than once (two `X-API-Key`
+/// fields, two `Authorization` fields, two session cookies): sluice would charge the
+/// first while the upstream may read another, so the request is refused (SPEC E2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("ambiguous credentials: {count} {}", self.what())]
+pub struct AmbiguousCredentials {
+    /// Where the credential is read from.
+    pub sent_in: CredentialSource,
+    /// How many the request sends (at least 2).
+    pub count: usize,
+}
+
+impl AmbiguousCredentials {
+    /// The fields (or cookies) counted, as the message names them.
+    fn what(&self) -> &'static str {
+        match self.sent_in {
+            CredentialSource::ApiKeyHeader => "X-API-Key fields",
+            CredentialSource::Bearer => "Authorization fields",
+            CredentialSource::SessionCookie => "session cookies",
+        }
+    }
+
+    /// The field (lower case) or, for the session cookie, `cookie`.
+    pub fn field(&self) -> &'static str {
+        match self.sent_in {
+            CredentialSource::ApiKeyHeader => "x-api-key",
+            CredentialSource::Bearer => "authorization",
+            CredentialSource::SessionCookie => "cookie",
+        }
+    }
+}
+
 /// The client IP and its subject for IP budgets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClientIp {
@@ -223,6 +255,40 @@ impl Identity {
                 }
             }
         }
+    }
+
+    /// Checks that the request sends each configured kind of credential at most once:
+    /// one `X-API-Key` field, one `Authorization` field, one cookie of the session's
+    /// name (over every `Cookie` field, as HTTP/2 splits them). Empty ones count: an
+    /// empty first field would have sluice charge the next source while the upstream
+    /// may read the second.
+    ///
+    /// # Errors
+    /// [`AmbiguousCredentials`] for the first kind (in the configured order) sent more
+    /// than once.
+    pub fn check_credentials(&self, headers: &HeaderMap) -> Result<(), AmbiguousCredentials> {
+        for &source in &self.credentials {
+            let count = match source {
+                CredentialSource::ApiKeyHeader => headers.get_all(X_API_KEY).iter().count(),
+                CredentialSource::Bearer => headers.get_all(AUTHORIZATION).iter().count(),
+                CredentialSource::SessionCookie => headers
+                    .get_all(COOKIE)
+                    .iter()
+                    .flat_map(|v| v.as_bytes().split(|&b| b == b';'))
+                    .filter(|pair| {
+                        let name = pair.split(|&b| b == b'=').next().unwrap_or(pair);
+                        name.trim_ascii() == self.session_cookie.as_bytes()
+                    })
+                    .count(),
+            };
+            if count > 1 {
+                return Err(AmbiguousCredentials {
+                    sent_in: source,
+                    count,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Every request header [`Identity::client_ip`] and [`Identity::caller`] may read.

@@ -1,5 +1,6 @@
 //! The typed, checked policy that the rest of sluice uses.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
 use std::num::NonZeroU32;
@@ -7,7 +8,7 @@ use std::num::NonZeroU32;
 use http::Method;
 use ipnet::IpNet;
 
-use crate::path::Paths;
+use crate::path::{PathError, Paths};
 use crate::pattern::PathPattern;
 
 /// A cost class: every request is counted against its caller's budget of
@@ -358,5 +359,33 @@ impl Policy {
     /// The first route matching, if any.
     pub fn route(&self, method: &Method, path: &str) -> Option<&Route> {
         self.routes.iter().find(|r| r.matches(method, path))
+    }
+
+    /// [`Policy::route`], for a path that may hold path parameters (`;…`): the route
+    /// must be the same whether the upstream keeps them as part of the segment (most
+    /// servers) or drops them (servlet containers), else sluice cannot know which
+    /// route the upstream runs.
+    ///
+    /// # Errors
+    /// [`PathError::ParametersChangeRoute`] when the two readings match different
+    /// routes (`POST /chats;x=1`, `POST /oauth;x/register`).
+    pub fn route_checked(&self, method: &Method, path: &str) -> Result<Option<&Route>, PathError> {
+        let route = self.route(method, path);
+        let bare = crate::path::without_parameters(path);
+        if let Cow::Owned(bare) = bare
+            && !same_route(route, self.route(method, &bare))
+        {
+            return Err(PathError::ParametersChangeRoute);
+        }
+        Ok(route)
+    }
+}
+
+/// True when both are no route, or the same route of the table.
+fn same_route(a: Option<&Route>, b: Option<&Route>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => std::ptr::eq(a, b),
+        _ => false,
     }
 }

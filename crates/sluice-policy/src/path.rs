@@ -7,8 +7,15 @@
 //! characters (`A-Z a-z 0-9 - . _ ~`) decoded, the hex digits of the others upper
 //! case (`%2f` → `%2F`: an encoded `/` stays encoded, it is not a separator), then
 //! dot segments removed (§5.2.4); and, when the policy says so, repeated slashes
-//! merged into one. A path whose `..` would climb above the root, or with a `%` not
-//! followed by two hex digits, has no normal form: it is refused.
+//! merged into one. A path whose `..` would climb above the root, with a `%` not
+//! followed by two hex digits, or with a raw `\` (which WHATWG URL parsers, and so
+//! many servers, read as `/`: `/oauth\register` is `/oauth/register` to them) has no
+//! normal form: it is refused.
+//!
+//! Path parameters (`;name=value` in a segment) are kept: most servers read `;` as
+//! a character of the segment, servlet containers drop the parameters. Where the two
+//! readings would match different routes, the request is refused (see
+//! [`without_parameters`] and [`Policy::route_checked`](crate::Policy::route_checked)).
 
 use std::borrow::Cow;
 
@@ -38,6 +45,13 @@ pub enum PathError {
     /// A `%` not followed by two hex digits.
     #[error("the path has a '%' that is not followed by two hex digits")]
     BadPercentEncoding,
+    /// A raw `\`, which many servers read as `/`.
+    #[error("the path has a '\\', which many servers read as '/'")]
+    Backslash,
+    /// Path parameters (`;…` in a segment) change the route the path matches: an
+    /// upstream that drops them (as servlet containers do) reads another route.
+    #[error("path parameters (';') change the route the path matches")]
+    ParametersChangeRoute,
 }
 
 impl Paths {
@@ -51,18 +65,22 @@ impl Paths {
         if !path.starts_with('/') || is_normal(path.as_bytes(), self.merge_slashes) {
             return Ok(Cow::Borrowed(path));
         }
+        if path.contains('\\') {
+            return Err(PathError::Backslash);
+        }
         let decoded = normalize_percent(path)?;
         remove_dot_segments(&decoded, self.merge_slashes).map(Cow::Owned)
     }
 }
 
-/// True when `path` (starting with `/`) needs no change: no `%`, no dot segment and,
-/// when merging, no empty segment but a final one. One pass, no allocation.
+/// True when `path` (starting with `/`) needs no change: no `%`, no `\\`, no dot
+/// segment and, when merging, no empty segment but a final one. One pass, no
+/// allocation.
 fn is_normal(path: &[u8], merge_slashes: bool) -> bool {
     let mut at = 0;
     while at < path.len() {
         match path[at] {
-            b'%' => return false,
+            b'%' | b'\\' => return false,
             b'/' => {
                 let next = path.get(at + 1).copied();
                 if next == Some(b'/') && merge_slashes {
@@ -84,6 +102,23 @@ fn is_normal(path: &[u8], merge_slashes: bool) -> bool {
         at += 1;
     }
     true
+}
+
+/// `path` with the parameters of each segment (from a `;` to the segment's end)
+/// removed, as servlet containers read it (`/oauth;x/register;y` → `/oauth/register`):
+/// borrowed when it has no `;`.
+pub fn without_parameters(path: &str) -> Cow<'_, str> {
+    if !path.contains(';') {
+        return Cow::Borrowed(path);
+    }
+    let mut out = String::with_capacity(path.len());
+    for (i, segment) in path.split('/').enumerate() {
+        if i > 0 {
+            out.push('/');
+        }
+        out.push_str(segment.split(';').next().unwrap_or(segment));
+    }
+    Cow::Owned(out)
 }
 
 /// RFC 3986 §2.3 unreserved characters.
@@ -272,6 +307,41 @@ mod tests {
                 Err(PathError::BadPercentEncoding),
                 "{path}"
             );
+        }
+    }
+
+    #[test]
+    fn e7_a_raw_backslash_has_no_normal_form() {
+        for path in [
+            "/oauth\\register",
+            "/\\oauth/register",
+            "/a/%41\\b",
+            "/a\\..\\b",
+        ] {
+            for paths in [MERGE, KEEP] {
+                assert_eq!(paths.normalize(path), Err(PathError::Backslash), "{path}");
+            }
+        }
+        assert_eq!(
+            normal(MERGE, "/a%5Cb"),
+            "/a%5Cb",
+            "an encoded one stays encoded"
+        );
+    }
+
+    #[test]
+    fn path_parameters_are_dropped_per_segment() {
+        assert!(matches!(
+            without_parameters("/chats"),
+            Cow::Borrowed("/chats")
+        ));
+        for (path, bare) in [
+            ("/chats;x=1", "/chats"),
+            ("/oauth;x/register;y=2", "/oauth/register"),
+            ("/a;b;c/;d/e", "/a//e"),
+            ("/;", "/"),
+        ] {
+            assert_eq!(without_parameters(path), bare, "{path}");
         }
     }
 

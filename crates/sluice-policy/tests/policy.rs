@@ -5,7 +5,7 @@ use std::path::Path;
 
 use http::{HeaderMap, HeaderValue, Method};
 use sluice_policy::{
-    CallerKind, Class, PolicyError, RouteClass, default_policy, load_file, parse_str,
+    CallerKind, Class, PathError, PolicyError, RouteClass, default_policy, load_file, parse_str,
 };
 
 fn example_path() -> std::path::PathBuf {
@@ -100,6 +100,36 @@ fn routes_follow_the_default_table() {
     assert_eq!(p.buckets[export.buckets[0]].name, "export");
     let register = p.route(&Method::POST, "/oauth/register").expect("register");
     assert_eq!(p.buckets[register.buckets[0]].limit.get(), 5);
+}
+
+/// `;` is a character of the segment to most servers and the start of parameters that
+/// servlet containers drop: where the two readings match different routes, sluice
+/// cannot know which the upstream runs, and refuses; elsewhere the path is routed as
+/// it is.
+#[test]
+fn e6_e7_path_parameters_that_change_the_route_are_refused() {
+    let p = default_policy().expect("default");
+    let routed = |m: Method, path: &str| p.route_checked(&m, path).map(|r| r.is_some());
+    for (method, path) in [
+        (Method::POST, "/chats;x=1"),
+        (Method::POST, "/oauth;x/register"),
+        (Method::POST, "/oauth/register;"),
+        (Method::POST, "/messages;a/optimize"),
+    ] {
+        assert_eq!(
+            routed(method, path),
+            Err(PathError::ParametersChangeRoute),
+            "{path}"
+        );
+    }
+    for (method, path, has_route) in [
+        (Method::POST, "/chats", true),
+        (Method::GET, "/chats;x=1", true),
+        (Method::POST, "/routines/7;v=2/run", true),
+        (Method::POST, "/other;x=1", false),
+    ] {
+        assert_eq!(routed(method, path), Ok(has_route), "{path}");
+    }
 }
 
 #[test]
@@ -235,6 +265,67 @@ fn e2_credentials_in_order_hashed_and_ip_without_one() {
     assert_eq!(anonymous.kind, CallerKind::Ip);
     assert_eq!(anonymous.subject, client.subject);
     assert_ne!(anonymous.subject, by_key.subject);
+}
+
+/// Two credentials of one kind: sluice would charge the first, the upstream may read
+/// the other. Refused, whatever the values (an empty first one too).
+#[test]
+fn e2_a_credential_sent_twice_is_ambiguous() {
+    let p = default_policy().expect("default");
+    let id = &p.identity;
+    let ambiguous = |fields: &[(&str, &str)]| {
+        id.check_credentials(&headers(fields))
+            .map_err(|e| (e.field(), e.count, e.to_string()))
+    };
+    assert_eq!(
+        ambiguous(&[("x-api-key", "k1"), ("x-api-key", "k2")]),
+        Err((
+            "x-api-key",
+            2,
+            "ambiguous credentials: 2 X-API-Key fields".to_owned()
+        ))
+    );
+    assert_eq!(
+        ambiguous(&[("x-api-key", ""), ("x-api-key", "k2"), ("x-api-key", "k2")]),
+        Err((
+            "x-api-key",
+            3,
+            "ambiguous credentials: 3 X-API-Key fields".to_owned()
+        ))
+    );
+    assert_eq!(
+        ambiguous(&[("authorization", "Bearer a"), ("authorization", "Bearer b")]),
+        Err((
+            "authorization",
+            2,
+            "ambiguous credentials: 2 Authorization fields".to_owned()
+        ))
+    );
+    for cookies in [
+        &[("cookie", "session=a; theme=dark; session=b")][..],
+        &[("cookie", "session=a"), ("cookie", "session=b")],
+    ] {
+        assert_eq!(
+            ambiguous(cookies),
+            Err((
+                "cookie",
+                2,
+                "ambiguous credentials: 2 session cookies".to_owned()
+            )),
+            "{cookies:?}"
+        );
+    }
+    for fine in [
+        &[][..],
+        &[("x-api-key", "k1"), ("authorization", "Bearer b")],
+        &[
+            ("cookie", "session=a"),
+            ("cookie", "theme=dark; sessionx=b"),
+        ],
+        &[("x-api-key", "k1, k2")],
+    ] {
+        assert_eq!(ambiguous(fine), Ok(()), "{fine:?}");
+    }
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{ACCEPT_ENCODING, CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
+use http::header::{ACCEPT_ENCODING, ALLOW, CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
 use http::{HeaderMap, Response, StatusCode};
 use http_body_util::Full;
 use sluice_core::Decision;
@@ -332,7 +332,10 @@ impl Refused {
     /// | JSON past `limits.max_json_depth` | 400 | `invalid_request` | `max_json_depth` |
     /// | an empty batch, not JSON-RPC, not UTF-8 JSON, a byte-order mark | 400 | `invalid_request` | `reason` |
     /// | a `Content-Encoding` but `identity` | 415 | `unsupported_media_type` | `content_encodings` |
-    /// | a path with `..` above the root, or a bad `%` | 400 | `invalid_request` | `reason` |
+    /// | a path with `..` above the root, a bad `%`, a `\\`, or `;` parameters that change the route | 400 | `invalid_request` | `reason` |
+    /// | one kind of credential sent more than once | 400 | `invalid_request` | `reason: "ambiguous_credentials"`, `field`, `count` |
+    /// | an HTTP/1.1 request without `Host`, several `Host` fields, a bad `Host` | 400 | `invalid_request` | `reason` |
+    /// | `CONNECT` | 405 | `method_not_allowed` | `method` (and an `Allow` field) |
     pub fn response(&self) -> Response<Full<Bytes>> {
         let message = format!("Refused, nothing was counted or forwarded: {self}.");
         let invalid = |reason: &str| {
@@ -345,7 +348,30 @@ impl Refused {
         let (status, code, details) = match self {
             Refused::Path(PathError::AboveRoot) => invalid("path_above_root"),
             Refused::Path(PathError::BadPercentEncoding) => invalid("bad_percent_encoding"),
+            Refused::Path(PathError::Backslash) => invalid("backslash_in_path"),
+            Refused::Path(PathError::ParametersChangeRoute) => invalid("path_parameters"),
             Refused::Path(_) | Refused::Target => invalid("bad_target"),
+            Refused::Credentials(ambiguous) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                serde_json::json!({
+                    "reason": "ambiguous_credentials",
+                    "field": ambiguous.field(),
+                    "count": ambiguous.count,
+                }),
+            ),
+            Refused::NoHost => invalid("missing_host"),
+            Refused::Hosts(count) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                serde_json::json!({ "reason": "several_hosts", "count": count }),
+            ),
+            Refused::BadHost => invalid("bad_host"),
+            Refused::Connect => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                serde_json::json!({ "method": "CONNECT" }),
+            ),
             Refused::Body(body) => match body {
                 Unclassifiable::TooManyItems { max_batch_items } => (
                     StatusCode::PAYLOAD_TOO_LARGE,
@@ -371,6 +397,14 @@ impl Refused {
             },
         };
         let mut r = envelope_response(status, code, &message, details);
+        if status == StatusCode::METHOD_NOT_ALLOWED {
+            // What the gateway forwards (RFC 9110 §15.5.6 asks for the field); the
+            // upstream may still refuse some of them.
+            r.headers_mut().insert(
+                ALLOW,
+                HeaderValue::from_static("GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),
+            );
+        }
         if status == StatusCode::UNSUPPORTED_MEDIA_TYPE {
             // The codings the server accepts (RFC 7694 §3).
             r.headers_mut()

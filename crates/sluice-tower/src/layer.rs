@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::header::{CONNECTION, HOST, HeaderValue};
+use http::{Request, Response, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use sluice_store::BudgetStore;
@@ -17,7 +18,7 @@ use crate::answer::{
     body_too_slow, body_unreadable, buffers_full, limiter_unavailable, payload_too_large,
     rate_limit_headers, refusal, take_cost, upstream_headers,
 };
-use crate::limiter::Limiter;
+use crate::limiter::{Limiter, Refused};
 
 /// The connection's peer address, as a request extension. Servers insert it
 /// per connection; without it every caller shares the IP `0.0.0.0`.
@@ -101,6 +102,19 @@ where
         let limiter = Arc::clone(&self.limiter);
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
+            // A head RFC 9112 refuses (no `Host`, several), or `CONNECT`, is refused
+            // before anything is read of it.
+            let hosts = parts.headers.get_all(HOST).iter().map(|v| v.as_bytes());
+            if let Err(refused) = crate::limiter::check_head(&parts.method, parts.version, hosts) {
+                let mut answer = refused.response();
+                if refused == Refused::Connect && parts.version <= Version::HTTP_11 {
+                    // What follows a CONNECT head may be a tunnel's bytes.
+                    answer
+                        .headers_mut()
+                        .insert(CONNECTION, HeaderValue::from_static("close"));
+                }
+                return Ok(answer.map(Either::Left));
+            }
             // Routed and forwarded as the upstream will read the path; one that has
             // no normal form is refused before anything is decided.
             if let Err(refused) = limiter.normalize_target(&mut parts.uri) {
@@ -112,7 +126,10 @@ where
                 .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.0.ip());
             let policy = limiter.policy();
             let mut too_large = false;
-            let route = limiter.route(&parts);
+            let route = match limiter.route(&parts) {
+                Ok(route) => route,
+                Err(refused) => return Ok(refused.response().map(Either::Left)),
+            };
             let mut _lease = None;
             let (body, plan) = if Limiter::<S>::needs_body(route) {
                 let max = policy.bounds.max_body_bytes;

@@ -32,6 +32,6 @@ pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED
 pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService};
 pub use limiter::{
     DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage, Refused,
-    TOP_CALLERS_TRACKED,
+    TOP_CALLERS_TRACKED, check_head,
 };
 pub use plan::{BudgetKind, Passed, Plan, Scopes};

@@ -10,11 +10,12 @@ use std::time::Instant;
 use http::header::CONTENT_ENCODING;
 use http::request::Parts;
 use http::uri::PathAndQuery;
-use http::{HeaderMap, HeaderName, Method, Uri};
+use http::{HeaderMap, HeaderName, Method, Uri, Version};
 use parking_lot::Mutex;
 use sluice_core::Decision;
 use sluice_policy::{
-    Class, Items, Outage, PathError, Policy, Route, RouteClass, Spends, Unclassifiable, Who,
+    AmbiguousCredentials, Class, Items, Outage, PathError, Policy, Route, RouteClass, Spends,
+    Unclassifiable, Who,
 };
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, StoreError};
 
@@ -36,6 +37,58 @@ pub enum Refused {
     /// The body of a JSON-RPC route cannot be classified.
     #[error(transparent)]
     Body(#[from] Unclassifiable),
+    /// One kind of credential sent more than once (SPEC E2).
+    #[error(transparent)]
+    Credentials(#[from] AmbiguousCredentials),
+    /// An HTTP/1.1 request without a `Host` field (RFC 9112 §3.2).
+    #[error("an HTTP/1.1 request must have a Host field")]
+    NoHost,
+    /// A request with several `Host` fields (RFC 9112 §3.2).
+    #[error("{0} Host fields")]
+    Hosts(usize),
+    /// A `Host` field that is not `host[:port]` (RFC 9112 §3.2).
+    #[error("the Host field is not host[:port]")]
+    BadHost,
+    /// `CONNECT`: sluice is not a tunnel (a reverse proxy has nothing to connect to).
+    #[error("CONNECT is not served: this is a gateway, not a tunnel")]
+    Connect,
+}
+
+/// Checks a request head before anything else is read of it: the method is not
+/// `CONNECT`, and the `Host` fields (`hosts`: their values, in order) are as RFC
+/// 9112 §3.2 asks — one, or none before HTTP/1.1 and in HTTP/2 (which has
+/// `:authority`), and a value that is empty or `host[:port]`. Both HTTP/1.1
+/// request paths call it, so both answer alike.
+///
+/// # Errors
+/// [`Refused::Connect`], [`Refused::NoHost`], [`Refused::Hosts`] or
+/// [`Refused::BadHost`].
+pub fn check_head<'h>(
+    method: &Method,
+    version: Version,
+    hosts: impl IntoIterator<Item = &'h [u8]>,
+) -> Result<(), Refused> {
+    if method == Method::CONNECT {
+        return Err(Refused::Connect);
+    }
+    let mut hosts = hosts.into_iter();
+    let Some(host) = hosts.next() else {
+        return if version == Version::HTTP_11 {
+            Err(Refused::NoHost)
+        } else {
+            Ok(())
+        };
+    };
+    let more = hosts.count();
+    if more > 0 {
+        return Err(Refused::Hosts(more + 1));
+    }
+    let host = host.trim_ascii();
+    // `uri-host [":" port]`: an authority without userinfo.
+    if !host.is_empty() && (host.contains(&b'@') || http::uri::Authority::try_from(host).is_err()) {
+        return Err(Refused::BadHost);
+    }
+    Ok(())
 }
 
 /// The most callers the status page tracks per window; past it new callers
@@ -274,14 +327,21 @@ impl<S: BudgetStore> Limiter<S> {
     /// The route a request matches (matched once per request and passed to
     /// [`Limiter::plan`]), by its method and path: the normal form of the path once
     /// [`Limiter::normalize_target`] has rewritten it.
-    pub fn route(&self, parts: &Parts) -> Option<&Route> {
+    ///
+    /// # Errors
+    /// As [`Limiter::route_for`].
+    pub fn route(&self, parts: &Parts) -> Result<Option<&Route>, Refused> {
         self.route_for(&parts.method, parts.uri.path())
     }
 
     /// The route a request with this method and path (no query, in its normal form:
     /// see [`Limiter::normalize_path`]) matches.
-    pub fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
-        self.policy.route(method, path)
+    ///
+    /// # Errors
+    /// [`Refused::Path`] when path parameters (`;…`) change the route matched (see
+    /// [`Policy::route_checked`]).
+    pub fn route_for(&self, method: &Method, path: &str) -> Result<Option<&Route>, Refused> {
+        Ok(self.policy.route_checked(method, path)?)
     }
 
     /// True when `route` takes its class from the body (a JSON-RPC route):
@@ -323,8 +383,10 @@ impl<S: BudgetStore> Limiter<S> {
     /// [`Limiter::read_headers`] names are read.
     ///
     /// # Errors
-    /// [`Refused`] for a request on a JSON-RPC route whose body cannot be classified:
-    /// one sent with a `Content-Encoding` other than `identity`, or one
+    /// [`Refused::Credentials`] for a request that sends one kind of credential more
+    /// than once (see [`Identity::check_credentials`](sluice_policy::Identity::check_credentials));
+    /// [`Refused::Body`] for a request on a JSON-RPC route whose body cannot be
+    /// classified: one sent with a `Content-Encoding` other than `identity`, or one
     /// [`JsonRpc::classify`](sluice_policy::JsonRpc::classify) cannot count.
     pub fn plan_for(
         &self,
@@ -334,6 +396,8 @@ impl<S: BudgetStore> Limiter<S> {
         body: Option<&[u8]>,
     ) -> Result<Plan, Refused> {
         let policy = &self.policy;
+        // Charged as the upstream reads the credential, or not at all.
+        policy.identity.check_credentials(headers)?;
         let mut items = match route.map(|r| &r.class) {
             Some(RouteClass::Fixed(c)) => Items::one(*c),
             Some(RouteClass::JsonRpc) => {
@@ -685,6 +749,8 @@ mod tests {
         let route = limiter.normalize_path("//oauth/%72egister").map(|p| {
             limiter
                 .route_for(&Method::POST, &p)
+                .ok()
+                .flatten()
                 .map(|r| r.buckets.len())
         });
         assert_eq!(

@@ -5,6 +5,7 @@
 //! 0 success, 1 runtime failure, 2 bad input (flags, config).
 
 use std::fmt;
+use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -48,20 +49,37 @@ struct CheckArgs {
 
 /// `sluice check FILE`: what a policy (or, for a file with top-level `providers:`, a
 /// pacer config) resolves to on stdout, or every problem found (exit 2).
+///
+/// Written with `write!`, not `print!` (which panics when stdout fails): a reader
+/// that stops early (`sluice check FILE | head`) ends the command quietly, see
+/// [`is_closed_pipe`].
 fn check(args: &CheckArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .map_err(|e| BadInput(format!("{}: {e}", args.file.display())))?;
+    let mut out = std::io::stdout().lock();
     if text.lines().any(|l| l.starts_with("providers:")) {
         let config =
             sluice_client::config::load(&args.file).map_err(|e| BadInput(e.to_string()))?;
-        println!("{:#}", config.limits_json());
+        writeln!(out, "{:#}", config.limits_json())?;
     } else {
         let policy =
             sluice_policy::parse_str(&text, &args.file).map_err(|e| BadInput(e.to_string()))?;
-        print!("{}", policy.describe());
+        write!(out, "{}", policy.describe())?;
     }
-    println!("{}: ok", args.file.display());
+    writeln!(out, "{}: ok", args.file.display())?;
+    out.flush()?;
     Ok(())
+}
+
+/// True when `error` comes from writing to a pipe whose reader has gone (`EPIPE`; Rust
+/// programs ignore `SIGPIPE`, so the write fails instead of ending the process): the
+/// reader took what it wanted, which is no failure to report.
+fn is_closed_pipe(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 /// An error caused by what the user asked for (flags, files, config), as opposed to a
@@ -89,6 +107,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        // Exits quietly, as `head` asked by closing the pipe.
+        Err(error) if is_closed_pipe(&error) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("sluice: {error:#}");
             if error.downcast_ref::<BadInput>().is_some() {

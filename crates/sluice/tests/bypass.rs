@@ -184,11 +184,18 @@ async fn exchange(
     fields: &[(&str, &str)],
     body: &[u8],
 ) -> Answer {
-    let mut request = format!("{method} {target} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n");
+    let mut head = format!("{method} {target} HTTP/1.1\r\nhost: x\r\n");
     for (name, value) in fields {
-        request.push_str(&format!("{name}: {value}\r\n"));
+        head.push_str(&format!("{name}: {value}\r\n"));
     }
-    let mut request = request.into_bytes();
+    exchange_raw(sluice, path, &head, body).await
+}
+
+/// Sends `head` (the request line and fields, each line ending with CRLF, without the
+/// framing of the body or the blank line) with `connection: close` and `body`, on
+/// `path`, on a new connection, and reads the answer to the connection's close.
+async fn exchange_raw(sluice: &Sluice, path: Path, head: &str, body: &[u8]) -> Answer {
+    let mut request = format!("{head}connection: close\r\n").into_bytes();
     match path {
         Path::Fast => {
             request.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
@@ -210,10 +217,15 @@ async fn exchange(
     stream.write_all(&request).await.expect("write");
     let mut answer = Vec::new();
     stream.read_to_end(&mut answer).await.expect("read");
+    parse_answer(&answer)
+}
+
+/// The first answer in `answer` (all the bytes read from a connection).
+fn parse_answer(answer: &[u8]) -> Answer {
     let end = answer
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no head: {}", String::from_utf8_lossy(&answer)));
+        .unwrap_or_else(|| panic!("no head: {}", String::from_utf8_lossy(answer)));
     let head = String::from_utf8_lossy(&answer[..end]).into_owned();
     let mut lines = head.lines();
     let status = lines.next().expect("status line")[9..12]
@@ -729,6 +741,298 @@ async fn e6_a_path_above_the_root_is_refused_not_forwarded_out_of_the_prefix() {
             upstream.seen(),
             ["GET /api/ok", "POST /api/oauth/register"],
             "nothing above the root was forwarded"
+        );
+    })
+    .await;
+}
+
+/// An expensive `POST /chats` by `key` on the fast path: what is left of the key's
+/// expensive budget afterwards (`X-RateLimit-Remaining`), to show what refusals spent.
+async fn expensive_left(sluice: &Sluice, key: &str) -> String {
+    let r = exchange(
+        sluice,
+        Path::Fast,
+        "POST",
+        "/chats",
+        &[("x-api-key", key)],
+        b"{}",
+    )
+    .await;
+    assert_eq!(r.status, 200, "{r:?}");
+    r.fields
+        .get("x-ratelimit-remaining")
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Asserts that `r` is sluice's 400 `invalid_request` with `details`, decided nothing.
+fn assert_invalid(r: &Answer, details: &Value, what: &str) {
+    assert_eq!(r.status, 400, "{what}: {r:?}");
+    assert_eq!(
+        r.envelope(),
+        ("invalid_request".to_owned(), details.clone()),
+        "{what}"
+    );
+    assert!(
+        !r.fields.contains_key("x-ratelimit-limit"),
+        "{what}: nothing decided"
+    );
+}
+
+/// RFC 9112 §3.2: an HTTP/1.1 request without `Host`, with two, or with one that is not
+/// `host[:port]` is answered 400 — it was forwarded (with the upstream's `Host`), so an
+/// upstream or a cache keyed by `Host` read something sluice did not. Both paths
+/// answer alike, nothing reaches the upstream, nothing is spent; HTTP/1.0 needs no
+/// `Host`.
+#[tokio::test]
+async fn rfc9112_a_request_without_one_host_is_refused_on_both_paths() {
+    let (sluice, upstream) = gateway("host.yaml", |y| y).await;
+    bounded(async {
+        let key = "sk-host";
+        let cases = [
+            (
+                "POST /chats HTTP/1.1\r\n".to_owned(),
+                json!({"reason": "missing_host"}),
+            ),
+            (
+                "POST /chats HTTP/1.1\r\nhost: a\r\nhost: b\r\n".to_owned(),
+                json!({"reason": "several_hosts", "count": 2}),
+            ),
+            (
+                "POST /chats HTTP/1.1\r\nhost: x\r\nHost: x\r\nhost: x\r\n".to_owned(),
+                json!({"reason": "several_hosts", "count": 3}),
+            ),
+            (
+                "POST /chats HTTP/1.1\r\nhost: evil@x\r\n".to_owned(),
+                json!({"reason": "bad_host"}),
+            ),
+            (
+                "POST http://x/chats HTTP/1.1\r\n".to_owned(),
+                json!({"reason": "missing_host"}),
+            ),
+        ];
+        for (head, details) in &cases {
+            let head = format!("{head}x-api-key: {key}\r\n");
+            let mut answers = Vec::new();
+            for path in BOTH {
+                let r = exchange_raw(&sluice, path, &head, b"{}").await;
+                assert_invalid(&r, details, &format!("{head:?} on {path:?}"));
+                answers.push(r);
+            }
+            assert_same_answer(&answers[0], &answers[1]);
+        }
+        assert_eq!(upstream.seen(), Vec::<String>::new(), "nothing forwarded");
+        assert_eq!(expensive_left(&sluice, key).await, "29", "nothing spent");
+
+        // HTTP/1.0 has no `Host` to require (hyper serves it).
+        let mut stream = TcpStream::connect(sluice.start.gateway)
+            .await
+            .expect("connect");
+        stream
+            .write_all(b"GET /fine HTTP/1.0\r\n\r\n")
+            .await
+            .expect("write");
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.expect("read");
+        assert_eq!(parse_answer(&answer).status, 200);
+        assert_eq!(upstream.seen(), ["POST /chats", "GET /fine"]);
+    })
+    .await;
+}
+
+/// SPEC E2: two credentials of one kind (two `X-API-Key`, an empty one then a real one,
+/// two `Authorization`, two session cookies) were forwarded while only the first was
+/// charged — or, after an empty first key, the caller's IP. Refused with 400 before
+/// anything is decided, alike on both paths and HTTP/2; nothing forwarded or spent.
+#[tokio::test]
+async fn e2_ambiguous_credentials_are_refused_before_anything_is_spent() {
+    let (sluice, upstream) = gateway("credentials.yaml", |y| y).await;
+    bounded(async {
+        let cases: [(&[(&str, &str)], Value); 5] = [
+            (
+                &[("x-api-key", "sk-a"), ("x-api-key", "sk-b")],
+                json!({"reason": "ambiguous_credentials", "field": "x-api-key", "count": 2}),
+            ),
+            (
+                &[("x-api-key", ""), ("x-api-key", "sk-a")],
+                json!({"reason": "ambiguous_credentials", "field": "x-api-key", "count": 2}),
+            ),
+            (
+                &[
+                    ("authorization", "Bearer sk-a"),
+                    ("authorization", "Bearer sk-b"),
+                ],
+                json!({"reason": "ambiguous_credentials", "field": "authorization", "count": 2}),
+            ),
+            (
+                &[("cookie", "session=sk-a; session=sk-b")],
+                json!({"reason": "ambiguous_credentials", "field": "cookie", "count": 2}),
+            ),
+            (
+                &[
+                    ("cookie", "session=sk-a"),
+                    ("cookie", "theme=x; session=sk-b"),
+                ],
+                json!({"reason": "ambiguous_credentials", "field": "cookie", "count": 2}),
+            ),
+        ];
+        for (fields, details) in &cases {
+            let mut answers = Vec::new();
+            for path in BOTH {
+                let r = exchange(&sluice, path, "POST", "/chats", fields, b"{}").await;
+                assert_invalid(&r, details, &format!("{fields:?} on {path:?}"));
+                let message = r.json()["error"]["message"].to_string();
+                assert!(message.contains("ambiguous credentials: "), "{message}");
+                answers.push(r);
+            }
+            assert_same_answer(&answers[0], &answers[1]);
+        }
+        let r = exchange(
+            &sluice,
+            Path::Fast,
+            "POST",
+            "/chats",
+            &[("x-api-key", "sk-a"), ("x-api-key", "sk-b")],
+            b"",
+        )
+        .await;
+        assert!(
+            r.json()["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("ambiguous credentials: 2 X-API-Key fields")),
+            "{r:?}"
+        );
+
+        // HTTP/2 goes through the same limiter.
+        let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http::<Full<Bytes>>();
+        let response = h2
+            .request(
+                Request::post(sluice.url("/chats"))
+                    .header("x-api-key", "sk-a")
+                    .header("x-api-key", "sk-b")
+                    .body(Full::new(Bytes::from_static(b"{}")))
+                    .expect("request"),
+            )
+            .await
+            .expect("h2 request");
+        assert_eq!(
+            (response.version(), response.status().as_u16()),
+            (http::Version::HTTP_2, 400)
+        );
+
+        assert_eq!(upstream.seen(), Vec::<String>::new(), "nothing forwarded");
+        assert_eq!(expensive_left(&sluice, "sk-a").await, "29", "nothing spent");
+        assert_eq!(expensive_left(&sluice, "sk-b").await, "29", "nothing spent");
+    })
+    .await;
+}
+
+/// `CONNECT` was forwarded mangled (as `CONNECT /`). Now 405 `method_not_allowed` with
+/// `Allow`, on both paths and HTTP/2, and the connection closes: the bytes after the
+/// head (a tunnel's, here a request smuggled as one) are never read as a request.
+#[tokio::test]
+async fn connect_is_refused_with_405_and_what_follows_is_not_served() {
+    let (sluice, upstream) = gateway("connect.yaml", |y| y).await;
+    bounded(async {
+        let smuggled = b"POST /chats HTTP/1.1\r\nhost: x\r\nx-api-key: sk-c\r\ncontent-length: 0\r\n\r\n";
+        let mut answers = Vec::new();
+        for head in [
+            // The fast path's.
+            "CONNECT internal:22 HTTP/1.1\r\nhost: internal:22\r\nx-api-key: sk-c\r\n\r\n",
+            // Left to hyper (a chunked body).
+            "CONNECT internal:22 HTTP/1.1\r\nhost: internal:22\r\nx-api-key: sk-c\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+        ] {
+            let mut stream = TcpStream::connect(sluice.start.gateway)
+                .await
+                .expect("connect");
+            let mut sent = head.as_bytes().to_vec();
+            sent.extend_from_slice(smuggled);
+            stream.write_all(&sent).await.expect("write");
+            let mut answer = Vec::new();
+            stream.read_to_end(&mut answer).await.expect("read (the connection closes)");
+            let text = String::from_utf8_lossy(&answer);
+            assert_eq!(text.matches("HTTP/1.1 ").count(), 1, "one answer: {text}");
+            let r = parse_answer(&answer);
+            assert_eq!(r.status, 405, "{head:?}: {r:?}");
+            assert_eq!(
+                r.envelope(),
+                ("method_not_allowed".to_owned(), json!({"method": "CONNECT"}))
+            );
+            assert!(r.fields.get("allow").is_some_and(|a| a.contains("GET")), "{r:?}");
+            assert!(!r.fields.get("allow").is_some_and(|a| a.contains("CONNECT")));
+            answers.push(r);
+        }
+        assert_same_answer(&answers[0], &answers[1]);
+
+        let h2 = hyper_util::client::legacy::Client::builder(
+            hyper_util::rt::TokioExecutor::new(),
+        )
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+        let response = h2
+            .request(
+                Request::connect(format!("http://{}", sluice.start.gateway))
+                    .body(Full::new(Bytes::new()))
+                    .expect("request"),
+            )
+            .await
+            .expect("h2 request");
+        assert_eq!(response.status().as_u16(), 405);
+
+        assert_eq!(upstream.seen(), Vec::<String>::new(), "nothing forwarded");
+        assert_eq!(expensive_left(&sluice, "sk-c").await, "29", "nothing spent");
+    })
+    .await;
+}
+
+/// A raw `\` reads as `/` to WHATWG URL parsers (and so to many upstreams):
+/// `/oauth\register` was counted as some other path while such an upstream ran the
+/// 5-per-minute registration. Refused with 400 on both paths. Path parameters that
+/// change the route (`/chats;x=1` is `/chats` to a servlet container, no route to
+/// sluice) are refused the same way; those that do not are forwarded as sent.
+#[tokio::test]
+async fn e7_a_backslash_or_parameters_that_change_the_route_are_refused() {
+    let (sluice, upstream) = gateway("backslash.yaml", |y| y).await;
+    bounded(async {
+        for (target, reason) in [
+            ("/oauth\\register", "backslash_in_path"),
+            ("/oauth/..\\register", "backslash_in_path"),
+            ("/%6fauth\\register", "backslash_in_path"),
+            ("/chats;x=1", "path_parameters"),
+            ("/oauth;x=1/register", "path_parameters"),
+        ] {
+            let mut answers = Vec::new();
+            for path in BOTH {
+                let r = exchange(
+                    &sluice,
+                    path,
+                    "POST",
+                    target,
+                    &[("x-api-key", "sk-p")],
+                    b"{}",
+                )
+                .await;
+                assert_invalid(
+                    &r,
+                    &json!({"reason": reason}),
+                    &format!("{target} on {path:?}"),
+                );
+                answers.push(r);
+            }
+            assert_same_answer(&answers[0], &answers[1]);
+        }
+        assert_eq!(upstream.seen(), Vec::<String>::new(), "nothing forwarded");
+        assert_eq!(expensive_left(&sluice, "sk-p").await, "29", "nothing spent");
+
+        for path in BOTH {
+            let r = exchange(&sluice, path, "GET", "/chats;x=1?q=\\", &[], b"").await;
+            assert_eq!(r.status, 200, "{path:?}: {r:?}");
+        }
+        assert_eq!(
+            upstream.seen(),
+            ["POST /chats", "GET /chats;x=1?q=\\", "GET /chats;x=1?q=\\"]
         );
     })
     .await;

@@ -53,6 +53,9 @@ pub fn install_metrics() -> &'static PrometheusHandle {
     })
 }
 
+/// `# HELP` (and the unit) of every metric family sluice records, here and in the
+/// limiter (`sluice_tower::Limiter`): a family missing here has no `# HELP` in
+/// `/metrics` (the test `metrics_describe_every_sluice_family` scrapes them all).
 fn describe_metrics() {
     metrics::describe_counter!(
         "sluice_requests_total",
@@ -74,6 +77,31 @@ fn describe_metrics() {
         "sluice_upstream_seconds",
         metrics::Unit::Seconds,
         "Time from forwarding a request to the upstream's response headers, by outcome."
+    );
+    metrics::describe_counter!(
+        "sluice_decisions_total",
+        "Limiter decisions, by the request's top class and outcome (admitted, refused, error)."
+    );
+    metrics::describe_histogram!(
+        "sluice_decision_seconds",
+        metrics::Unit::Seconds,
+        "Time the budget store took to decide all budgets of one request."
+    );
+    metrics::describe_counter!(
+        "sluice_local_decisions_total",
+        "Decisions made on this process's fallback store while the shared store was down (fail-open classes)."
+    );
+    metrics::describe_counter!(
+        "sluice_refusals_total",
+        "Requests refused with 429, by the budget that refused them."
+    );
+    metrics::describe_counter!(
+        "sluice_settle_failures_total",
+        "Weighted-budget charges (X-Sluice-Cost) the store could not apply after the upstream answered."
+    );
+    metrics::describe_gauge!(
+        "sluice_store_degraded",
+        "1 while the budget store is failing (its last decision failed), else 0."
     );
 }
 

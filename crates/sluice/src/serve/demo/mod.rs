@@ -11,6 +11,11 @@
 //! - `POST /search/query`: a warehouse that reports each query's cost in
 //!   `X-Sluice-Cost` (see [`warehouse`]).
 //! - anything else: 200 JSON echo of method, path, query, headers and JSON body.
+//!
+//! A request body past [`MAX_BODY_BYTES`] is answered 413, once all of it has been
+//! read (and dropped): answering first and closing with the rest unread makes the
+//! kernel reset the connection, and the reset can destroy the 413 before the gateway
+//! has read it — the client then got a 502 (nginx's lingering close, made simple).
 
 mod warehouse;
 
@@ -117,6 +122,9 @@ pub async fn start(stop: impl Future<Output = ()> + Send + 'static) -> std::io::
     Ok(Demo { addr, task })
 }
 
+/// Largest request body the demo takes (axum's default limit for a buffered body).
+pub const MAX_BODY_BYTES: usize = 2 * 1024 * 1024;
+
 /// The demo's routes.
 pub fn router() -> Router {
     Router::new()
@@ -125,6 +133,56 @@ pub fn router() -> Router {
         .route("/demo/slow", get(slow))
         .route("/search/query", post(warehouse::search_query))
         .fallback(echo)
+        // The bound is the middleware's: it has read every body it passes on.
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(axum::middleware::from_fn(read_whole_body))
+}
+
+/// Reads the whole request body before the route sees it: up to [`MAX_BODY_BYTES`]
+/// kept, past it the rest read and dropped and the request answered 413, so that the
+/// connection is never closed on unread bytes (see the module's documentation).
+async fn read_whole_body(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use http_body_util::BodyExt as _;
+    let (parts, mut body) = request.into_parts();
+    let mut kept = bytes::BytesMut::new();
+    let mut over = false;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            // The client left: no one to answer.
+            return StatusCode::BAD_REQUEST.into_response();
+        };
+        if let Ok(data) = frame.into_data()
+            && !over
+        {
+            if kept.len() + data.len() > MAX_BODY_BYTES {
+                over = true;
+                kept = bytes::BytesMut::new();
+            } else {
+                kept.extend_from_slice(&data);
+            }
+        }
+    }
+    if over {
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            Json(json!({
+                "error": {
+                    "code": "payload_too_large",
+                    "message": format!("The demo takes bodies of at most {MAX_BODY_BYTES} bytes."),
+                    "details": { "max_bytes": MAX_BODY_BYTES },
+                }
+            })),
+        )
+            .into_response();
+    }
+    next.run(axum::extract::Request::from_parts(
+        parts,
+        Body::from(kept.freeze()),
+    ))
+    .await
 }
 
 // ---------------------------------------------------------------------------------------

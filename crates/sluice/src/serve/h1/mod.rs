@@ -342,7 +342,7 @@ impl<'f> Connection<'f> {
         let policy = limiter.policy();
         // A path with no normal form is refused once its body is read (the connection
         // goes on), before anything is decided, as the service stack refuses it.
-        let target = head.route.map_err(sluice_tower::Refused::from);
+        let target = head.route;
         let route = target.as_ref().ok().copied().flatten();
         let needs_body = Limiter::<AnyStore>::needs_body(route);
         let max_body = if needs_body {

@@ -3,8 +3,9 @@
 
 use std::mem::MaybeUninit;
 
-use http::{HeaderMap, HeaderName, HeaderValue, Method};
-use sluice_policy::{PathError, Paths, Route};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Version};
+use sluice_policy::{Paths, Route};
+use sluice_tower::Refused;
 
 use super::super::proxy::{ForwardedPeer, for_each_connection_named, is_hop_by_hop};
 use super::Upstream;
@@ -20,8 +21,8 @@ pub(super) enum Parsed<'l> {
     Partial,
     /// A head the fast path leaves to hyper: not HTTP/1.1, a request body that is not
     /// one `Content-Length` (chunked, or lengths that disagree), `Expect`, `Upgrade`,
-    /// `CONNECT`, a target that is not a plain path, too many fields, or a head hyper
-    /// would refuse. hyper serves the connection from there on, so every such request
+    /// a target that is not a plain path, too many fields, or a head hyper would
+    /// refuse. hyper serves the connection from there on, so every such request
     /// is answered exactly as before the fast path existed.
     Elsewhere,
     /// A head the fast path serves.
@@ -37,18 +38,26 @@ pub(super) struct Head<'l> {
     pub(super) method: Method,
     /// The body's length (0 without `Content-Length`).
     pub(super) body_len: u64,
-    /// The client asked to close the connection after this request.
+    /// The client asked to close the connection after this request, or it is a
+    /// `CONNECT` (what follows its head may be a tunnel's bytes).
     pub(super) close: bool,
-    /// The route the method and the normal form of the path match; the error when
-    /// the path has no normal form (the request is refused).
-    pub(super) route: Result<Option<&'l Route>, PathError>,
+    /// The route the method and the normal form of the path match; the refusal when
+    /// the head is one the service stack refuses too (see
+    /// [`sluice_tower::check_head`]), the path has no normal form or its parameters change
+    /// the route.
+    pub(super) route: Result<Option<&'l Route>, Refused>,
 }
+
+/// The route a method and a path (in its normal form) match, or the refusal of a path
+/// whose parameters change the route (see [`sluice_tower::Limiter::route_for`]).
+pub(super) type Router<'a, 'l> =
+    dyn Fn(&Method, &str) -> Result<Option<&'l Route>, Refused> + Sync + 'a;
 
 /// What [`parse`] needs besides the bytes.
 pub(super) struct Context<'a, 'l> {
     pub(super) upstream: &'a Upstream,
     /// Routes requests (by the normal form of their path).
-    pub(super) route: &'a (dyn Fn(&Method, &str) -> Option<&'l Route> + Sync),
+    pub(super) route: &'a Router<'a, 'l>,
     /// How paths are normalised before they are routed and forwarded.
     pub(super) paths: Paths,
     /// Headers the limiter reads (lowercase); they are copied into `identity`.
@@ -82,12 +91,14 @@ pub(super) fn parse<'l>(
     let Ok(method) = Method::from_bytes(method.as_bytes()) else {
         return Parsed::Elsewhere;
     };
-    // Only an origin-form target that `http` accepts as it is (hyper answers 400 to
-    // the ones it refuses).
-    if method == Method::CONNECT
-        || !target.starts_with('/')
-        || target.contains('#')
-        || http::uri::PathAndQuery::try_from(target).is_err()
+    // `CONNECT` is refused (its authority-form target is never a path); otherwise only
+    // an origin-form target that `http` accepts as it is (hyper answers 400 to the
+    // ones it refuses).
+    let connect = method == Method::CONNECT;
+    if !connect
+        && (!target.starts_with('/')
+            || target.contains('#')
+            || http::uri::PathAndQuery::try_from(target).is_err())
     {
         return Parsed::Elsewhere;
     }
@@ -98,7 +109,7 @@ pub(super) fn parse<'l>(
             .unwrap_or(target.len()),
     );
     // Routed and forwarded as the upstream will read it.
-    let path = cx.paths.normalize(path);
+    let path = cx.paths.normalize(path).map_err(Refused::from);
 
     // First pass: what frames the message and what `Connection` names.
     let mut body_len = None;
@@ -120,10 +131,7 @@ pub(super) fn parse<'l>(
             }
             for_each_connection_named(field.value, |_| connection_names = true);
         } else if name.eq_ignore_ascii_case(b"host") {
-            if host.is_some() {
-                return Parsed::Elsewhere;
-            }
-            host = Some(field.value);
+            host = host.or(Some(field.value));
         } else if name.eq_ignore_ascii_case(b"transfer-encoding")
             || name.eq_ignore_ascii_case(b"upgrade")
             || name.eq_ignore_ascii_case(b"expect")
@@ -190,12 +198,21 @@ pub(super) fn parse<'l>(
     cx.peer.push_forwarded_element(upstream, host);
     upstream.extend_from_slice(b"\r\n\r\n");
 
+    // Refused as the service stack refuses it: the head first, then the path.
+    let hosts = request
+        .headers
+        .iter()
+        .filter(|f| f.name.eq_ignore_ascii_case("host"))
+        .map(|f| f.value);
+    let route = sluice_tower::check_head(&method, Version::HTTP_11, hosts)
+        .and(path)
+        .and_then(|path| (cx.route)(&method, &path));
     Parsed::Ready(Head {
         len,
-        route: path.map(|path| (cx.route)(&method, &path)),
+        route,
         method,
         body_len: body_len.unwrap_or(0),
-        close,
+        close: close || connect,
     })
 }
 
@@ -238,6 +255,7 @@ pub(super) fn parse_length(value: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sluice_policy::PathError;
 
     fn upstream() -> Upstream {
         Upstream::parse("http://10.0.0.9:3000/api").expect("upstream")
@@ -255,7 +273,7 @@ mod tests {
     /// Parses `head` from 192.0.2.1: what it is, the upstream head, the identity fields.
     fn parse_one(head: &str) -> (Seen, String, HeaderMap) {
         let up = upstream();
-        let route = |_: &Method, _: &str| None;
+        let route = |_: &Method, _: &str| Ok(None);
         let names = [
             HeaderName::from_static("x-api-key"),
             HeaderName::from_static("x-forwarded-for"),
@@ -308,9 +326,9 @@ mod tests {
     }
 
     #[test]
-    fn e6_a_path_above_the_root_is_ready_to_be_refused() {
+    fn e6_a_path_without_a_normal_form_is_ready_to_be_refused() {
         let up = upstream();
-        let route = |_: &Method, _: &str| None;
+        let route = |_: &Method, _: &str| Ok(None);
         let cx = Context {
             upstream: &up,
             route: &route,
@@ -322,11 +340,14 @@ mod tests {
             ("/../etc", PathError::AboveRoot),
             ("/a/%2e%2e/../etc", PathError::AboveRoot),
             ("/a%g1", PathError::BadPercentEncoding),
+            ("/oauth\\register", PathError::Backslash),
         ] {
             let head = format!("GET {target} HTTP/1.1\r\nhost: h\r\n\r\n");
             let mut out = Vec::new();
             match parse(head.as_bytes(), &cx, &mut out, &mut HeaderMap::new()) {
-                Parsed::Ready(head) => assert_eq!(head.route.err(), Some(error), "{target}"),
+                Parsed::Ready(head) => {
+                    assert_eq!(head.route.err(), Some(Refused::Path(error)), "{target}");
+                }
                 other => panic!("{target}: {other:?}"),
             }
         }
@@ -352,8 +373,6 @@ mod tests {
             "POST / HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 1\r\n\r\n",
             "GET / HTTP/1.1\r\nupgrade: websocket\r\n\r\n",
             "GET http://x/ HTTP/1.1\r\n\r\n",
-            "CONNECT x:1 HTTP/1.1\r\n\r\n",
-            "GET / HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n",
             "GET / HTTP/1.1\r\nbad header\r\n\r\n",
             "GET /s?q=\"x\" HTTP/1.1\r\n\r\n",
             "GET /a<b HTTP/1.1\r\n\r\n",
@@ -363,6 +382,64 @@ mod tests {
         assert_eq!(parse_one("GET / HTTP/1.1\r\nhost: a\r\n").0, Seen::Partial);
         let close = "GET / HTTP/1.1\r\nconnection: Close\r\n\r\n";
         assert_eq!(parse_one(close).0, Seen::Ready(close.len(), 0, true));
+    }
+
+    /// RFC 9112 §3.2 and `CONNECT`: answered by the fast path (after the body, as the
+    /// service stack answers), with the same refusal; a `CONNECT` closes the connection.
+    #[test]
+    fn heads_rfc_9112_refuses_and_connect_are_ready_to_be_refused() {
+        let up = upstream();
+        let route = |_: &Method, _: &str| Ok(None);
+        let cx = Context {
+            upstream: &up,
+            route: &route,
+            identity_headers: &[],
+            paths: Paths::default(),
+            peer: &ForwardedPeer::new("192.0.2.1".parse().expect("ip")),
+        };
+        for (head, refused, close) in [
+            ("GET / HTTP/1.1\r\n\r\n", Refused::NoHost, false),
+            ("GET /../x HTTP/1.1\r\n\r\n", Refused::NoHost, false),
+            (
+                "POST / HTTP/1.1\r\nhost: a\r\nHost: a\r\ncontent-length: 2\r\n\r\n",
+                Refused::Hosts(2),
+                false,
+            ),
+            (
+                "GET / HTTP/1.1\r\nhost: u@a\r\n\r\n",
+                Refused::BadHost,
+                false,
+            ),
+            (
+                "GET / HTTP/1.1\r\nhost: a b\r\n\r\n",
+                Refused::BadHost,
+                false,
+            ),
+            (
+                "CONNECT x:1 HTTP/1.1\r\nhost: x:1\r\n\r\n",
+                Refused::Connect,
+                true,
+            ),
+            ("CONNECT /a HTTP/1.1\r\n\r\n", Refused::Connect, true),
+        ] {
+            let mut out = Vec::new();
+            match parse(head.as_bytes(), &cx, &mut out, &mut HeaderMap::new()) {
+                Parsed::Ready(ready) => {
+                    assert_eq!(ready.route.err(), Some(refused), "{head:?}");
+                    assert_eq!(ready.close, close, "{head:?}");
+                }
+                other => panic!("{head:?}: {other:?}"),
+            }
+        }
+        for fine in [
+            "GET / HTTP/1.1\r\nhost:\r\n\r\n",
+            "GET / HTTP/1.1\r\nhost: [::1]:80\r\n\r\n",
+        ] {
+            match parse(fine.as_bytes(), &cx, &mut Vec::new(), &mut HeaderMap::new()) {
+                Parsed::Ready(ready) => assert_eq!(ready.route.err(), None, "{fine:?}"),
+                other => panic!("{fine:?}: {other:?}"),
+            }
+        }
     }
 
     #[test]
