@@ -361,3 +361,46 @@ fn one_address_holds_at_most_its_connections_and_a_closed_one_frees_a_place() {
     });
     assert!(served, "a place came free");
 }
+
+#[test]
+fn max_connections_past_the_open_file_limit_is_lowered_with_a_warning() {
+    use std::io::{BufRead as _, BufReader};
+    let dir = support::DataDir::new();
+    // A hard limit of 200 descriptors cannot hold 10,000 connections (two each).
+    let mut child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -n 200 && exec {} serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --data-dir {} --max-connections 10000",
+            env!("CARGO_BIN_EXE_sluice"),
+            dir.arg()
+        ))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let stderr = child.stderr.take().expect("stderr");
+    let stdout = child.stdout.take().expect("stdout");
+    // stderr is read to its end in the background: a closed pipe would stop sluice.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let started = BufReader::new(stdout).lines().next().and_then(Result::ok);
+    let warning = std::iter::from_fn(|| rx.recv_timeout(Duration::from_secs(10)).ok())
+        .take(20)
+        .find(|l| l.contains("--max-connections"));
+    let _ = child.kill();
+    let _ = child.wait();
+    let warning = warning.expect("a warning about the open-file limit");
+    assert!(
+        warning.contains("the limit is 200") && warning.contains("serving at most 36 connections"),
+        "{warning}"
+    );
+    assert!(
+        started.is_some_and(|l| l.starts_with("sluice: listening on")),
+        "it still starts"
+    );
+}

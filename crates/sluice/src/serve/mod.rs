@@ -192,8 +192,9 @@ pub struct ServeArgs {
 
     /// Most client connections open at once, idle ones included; at the limit the
     /// gateway stops accepting until one closes (new clients wait in the kernel's
-    /// listen backlog). Each may hold an upstream connection too: keep it under half
-    /// the process's file-descriptor limit.
+    /// listen backlog). Each may hold an upstream connection too: the soft open-file
+    /// limit is raised toward the hard one to hold two per connection; past the hard
+    /// one the cap is lowered, with a warning.
     #[arg(long, value_name = "N", default_value = "10000")]
     pub max_connections: NonZeroUsize,
 
@@ -276,11 +277,68 @@ impl ServeOptions {
             workers: args.workers.unwrap_or_else(|| {
                 std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN)
             }),
-            max_connections: args.max_connections,
+            max_connections: connections_within_fd_limit(args.max_connections)?,
             max_connections_per_ip: args.max_connections_per_ip,
             max_buffered_bytes: args.max_buffered_bytes,
         })
     }
+}
+
+/// File descriptors the process needs besides two per client connection (a client's
+/// and its upstream's): listeners, the admin side, the durable store, Redis, logs.
+const FDS_BESIDES_CONNECTIONS: u64 = 128;
+
+/// The `--max-connections` the open-file limit allows: the soft limit is raised
+/// toward the hard one when two descriptors per connection do not fit, and when even
+/// the hard one is too low the cap is lowered, with a warning, rather than `accept`
+/// failing in a loop once descriptors run out.
+///
+/// # Errors
+/// A limit too low for a single connection.
+fn connections_within_fd_limit(wanted: NonZeroUsize) -> Result<NonZeroUsize, BadInput> {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let needed = (wanted.get() as u64)
+        .saturating_mul(2)
+        .saturating_add(FDS_BESIDES_CONNECTIONS);
+    let limit = getrlimit(Resource::Nofile);
+    let Some(soft) = limit.current else {
+        return Ok(wanted);
+    };
+    if soft >= needed {
+        return Ok(wanted);
+    }
+    let hard = limit.maximum.unwrap_or(u64::MAX);
+    let raised = needed.min(hard);
+    let soft = if raised > soft
+        && setrlimit(
+            Resource::Nofile,
+            rustix::process::Rlimit {
+                current: Some(raised),
+                maximum: limit.maximum,
+            },
+        )
+        .is_ok()
+    {
+        raised
+    } else {
+        soft
+    };
+    if soft >= needed {
+        return Ok(wanted);
+    }
+    let fits = soft.saturating_sub(FDS_BESIDES_CONNECTIONS) / 2;
+    let fits = usize::try_from(fits)
+        .ok()
+        .and_then(NonZeroUsize::new)
+        .ok_or_else(|| {
+            BadInput(format!(
+                "the open-file limit is {soft} (hard {hard}): too low to serve a connection; raise it (ulimit -n)"
+            ))
+        })?;
+    eprintln!(
+        "sluice: --max-connections {wanted} needs {needed} open files and the limit is {soft} (hard {hard}): serving at most {fits} connections"
+    );
+    Ok(fits)
 }
 
 /// The data directory when `--data-dir` is not given: `$XDG_STATE_HOME/sluice`, else
