@@ -1025,7 +1025,11 @@ mod tests {
 
     /// [`fast_path_to`] `upstream`, serving every connection to the returned address.
     async fn fast_path(upstream: SocketAddr) -> SocketAddr {
-        let fast = Arc::new(fast_path_to(upstream));
+        serve_on_loopback(Arc::new(fast_path_to(upstream))).await
+    }
+
+    /// Serves every connection to the returned address with `fast`.
+    async fn serve_on_loopback(fast: Arc<FastPath>) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (_draining, drain) = watch::channel(false);
@@ -1158,18 +1162,7 @@ mod tests {
         let (upstream, accepted) = counting_upstream().await;
         let fast = Arc::new(fast_path_to(upstream));
         let buffers = Arc::clone(fast.limiter.buffers());
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let sluice = listener.local_addr().expect("addr");
-        let (_draining, drain) = watch::channel(false);
-        tokio::spawn(async move {
-            while let Ok((stream, peer)) = listener.accept().await {
-                let (fast, drain) = (Arc::clone(&fast), drain.clone());
-                tokio::spawn(async move {
-                    fast.serve(stream, peer, drain, HEAD_TIMEOUT, 64 * 1024)
-                        .await
-                });
-            }
-        });
+        let sluice = serve_on_loopback(fast).await;
         // A byte every 20 s: each read within the head timeout, never the whole body.
         let mut client = TcpStream::connect(sluice).await.expect("connect");
         client
@@ -1221,18 +1214,7 @@ mod tests {
         };
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
         let fast = Arc::new(FastPath::new(Arc::new(limiter), config, stats.worker(0)));
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let sluice = listener.local_addr().expect("addr");
-        let (_draining, drain) = watch::channel(false);
-        tokio::spawn(async move {
-            while let Ok((stream, peer)) = listener.accept().await {
-                let (fast, drain) = (Arc::clone(&fast), drain.clone());
-                tokio::spawn(async move {
-                    fast.serve(stream, peer, drain, HEAD_TIMEOUT, 64 * 1024)
-                        .await
-                });
-            }
-        });
+        let sluice = serve_on_loopback(fast).await;
         // A body that has sent 40 of its 60 KB holds a lease of what its buffer grew
         // to (what arrived, not what was announced)…
         let head = b"POST /things HTTP/1.1\r\nhost: x\r\ncontent-length: 60000\r\n\r\n";
