@@ -29,12 +29,18 @@ impl Items {
 
     /// Adds what one item spends besides its class.
     pub fn add_spends(&mut self, spends: &Spends) {
-        for &b in &spends.buckets {
+        self.spend(&spends.buckets, spends.quota);
+    }
+
+    /// Adds one unit of each bucket in `buckets` and of the quota family `quota`
+    /// (a route's, which keeps them apart rather than as [`Spends`]).
+    pub fn spend(&mut self, buckets: &[usize], quota: Option<usize>) {
+        for &b in buckets {
             if let Some(units) = self.bucket_units.get_mut(b) {
                 *units = units.saturating_add(1);
             }
         }
-        if let Some(q) = spends.quota
+        if let Some(q) = quota
             && let Some(units) = self.quotas.get_mut(q)
         {
             *units = units.saturating_add(1);
