@@ -63,12 +63,15 @@ const HANDOFF_QUEUE: usize = 1024;
 
 /// How the drain ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Drain {
+pub enum Drain {
     /// Every connection finished its in-flight requests and closed.
     Complete,
     /// The grace period ran out before every connection closed; `connections` were
     /// open when the drain began.
-    TimedOut { connections: usize },
+    TimedOut {
+        /// Connections open when the drain began.
+        connections: usize,
+    },
 }
 
 /// An accepted socket on its way to a worker, counted as open from the moment it

@@ -11,13 +11,13 @@ use tokio::net::TcpStream;
 
 /// `stream`, read from as if `prefix` had not been taken off it yet.
 #[derive(Debug)]
-pub(in crate::serve) struct Rewind {
+pub(crate) struct Rewind {
     prefix: Bytes,
     stream: TcpStream,
 }
 
 impl Rewind {
-    pub(in crate::serve) fn new(stream: TcpStream, prefix: Bytes) -> Self {
+    pub(crate) fn new(stream: TcpStream, prefix: Bytes) -> Self {
         Rewind { prefix, stream }
     }
 }

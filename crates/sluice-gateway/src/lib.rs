@@ -1,0 +1,431 @@
+//! The sluice gateway as a library: the accept loop and its workers, both HTTP/1.1
+//! request paths, the admin listener and the built-in demo upstream, over one
+//! [`Limiter`]. The `sluice` binary parses flags into a [`GatewayConfig`] and calls
+//! [`Gateway::start`]; anything else that wants a gateway in its own process can too.
+//!
+//! One gateway runs three listeners:
+//! - the gateway (`listen`): plain HTTP/1.1 requests take the fast path of [`h1`]
+//!   (the limiter and the proxy's rules applied to the bytes, no `http` types), every
+//!   other request the service stack `limiter layer → proxy`; both are wired in
+//!   [`Gateway::start`] over one limiter;
+//! - the admin listener (`admin`): `/metrics`, `/status`, `/` (see [`admin`]);
+//! - without an upstream, the built-in demo upstream on a loopback port (see [`demo`]).
+//!
+//! [`Gateway::shutdown`] stops accepting, lets in-flight requests finish for up to
+//! [`SHUTDOWN_GRACE`], then closes the rest.
+
+pub mod admin;
+pub mod demo;
+mod gateway;
+mod h1;
+pub mod metered;
+mod pool;
+pub mod proxy;
+mod read_deadline;
+pub mod store;
+mod upload;
+
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sluice_core::SystemClock;
+use sluice_policy::Policy;
+use sluice_store::{JournalSync, MemoryConfig, MemoryStore, OpenError, StoreError};
+use sluice_tower::{Limiter, SluiceLayer};
+use store::AnyStore;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tower::Layer as _;
+
+use proxy::{Proxy, ProxyConfig, Upstream};
+
+pub use gateway::Drain;
+
+/// How long in-flight requests may run on after [`Gateway::shutdown`] before the rest
+/// are closed.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// How long the admin listener and the demo upstream get to close once the gateway has
+/// drained (they only serve short requests and long-lived streams, which are cut).
+const BACKEND_GRACE: Duration = Duration::from_secs(2);
+
+/// The socket address of the connection a request arrived on, inserted as a request
+/// extension by the gateway for every request; the limiter keys anonymous callers and
+/// IP ceilings on it, and the proxy appends it to X-Forwarded-For.
+pub use sluice_tower::PeerAddr;
+
+/// The request body the gateway's service stack receives: the connection's body,
+/// streamed, boxed. It is also `From<Bytes>`, so a layer that reads the body (the
+/// limiter reads JSON-RPC bodies to classify them) can put the bytes back.
+pub type GatewayBody = axum::body::Body;
+
+/// Where budgets live, as given by `--store`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreSpec {
+    /// In this process's memory (one replica).
+    Memory,
+    /// A Redis server shared by replicas (not built yet).
+    Redis(String),
+}
+
+impl StoreSpec {
+    /// A description safe to show (a Redis URL loses its password).
+    pub fn describe(&self) -> String {
+        match self {
+            StoreSpec::Memory => "memory".to_owned(),
+            StoreSpec::Redis(url) => match url.split_once('@') {
+                Some((_, host)) => format!("redis://…@{host}"),
+                None => url.clone(),
+            },
+        }
+    }
+}
+
+/// What a gateway runs with. [`GatewayConfig::new`] gives the defaults the `sluice serve`
+/// flags document; change the fields that differ.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct GatewayConfig {
+    /// The policy (with its profile applied).
+    pub policy: Policy,
+    /// Gateway address to bind (port 0 picks a free port).
+    pub listen: SocketAddr,
+    /// Admin address to bind (port 0 picks a free port).
+    pub admin: SocketAddr,
+    /// External upstream, or `None` for the built-in demo.
+    pub upstream: Option<Upstream>,
+    /// Budget store.
+    pub store: StoreSpec,
+    /// Seconds this replica's clock is shifted by (a clock-skew drill).
+    pub clock_offset: i64,
+    /// Directory of the embedded durable store (monthly quota counts).
+    pub data_dir: PathBuf,
+    /// How far a quota count is taken before its call goes on.
+    pub quota_sync: JournalSync,
+    /// Time allowed for the upstream's response headers.
+    pub upstream_timeout: Duration,
+    /// Gateway worker threads, each with its own upstream connection pool.
+    pub workers: NonZeroUsize,
+    /// Most client connections open at once.
+    pub max_connections: NonZeroUsize,
+    /// Most client connections open at once from one address (trusted proxies aside).
+    pub max_connections_per_ip: NonZeroUsize,
+    /// Most request-body bytes held in memory at once.
+    pub max_buffered_bytes: usize,
+}
+
+/// Default for [`GatewayConfig::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: NonZeroUsize = NonZeroUsize::new(10_000).expect("not zero");
+
+/// Default for [`GatewayConfig::max_connections_per_ip`].
+pub const DEFAULT_MAX_CONNECTIONS_PER_IP: NonZeroUsize = NonZeroUsize::new(256).expect("not zero");
+
+/// Default for [`GatewayConfig::upstream_timeout`].
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl GatewayConfig {
+    /// A gateway for `policy` on loopback ports picked by the system, in front of the
+    /// built-in demo, with monthly quota counts in `data_dir`, one worker per CPU and
+    /// the other bounds at their defaults.
+    pub fn new(policy: Policy, data_dir: PathBuf) -> Self {
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        GatewayConfig {
+            policy,
+            listen: loopback,
+            admin: loopback,
+            upstream: None,
+            store: StoreSpec::Memory,
+            clock_offset: 0,
+            data_dir,
+            quota_sync: JournalSync::Write,
+            upstream_timeout: DEFAULT_UPSTREAM_TIMEOUT,
+            workers: std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
+            max_buffered_bytes: sluice_tower::DEFAULT_MAX_BUFFERED_BYTES,
+        }
+    }
+}
+
+/// Why a gateway could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// A listener could not be bound.
+    #[error("binding the {listener} listener on {addr}: {source}")]
+    Bind {
+        /// Which listener (`gateway` or `admin`).
+        listener: &'static str,
+        /// The address asked for.
+        addr: SocketAddr,
+        /// What the system said.
+        source: std::io::Error,
+    },
+    /// The data directory cannot hold the durable store.
+    #[error("data dir: {0}")]
+    DataDir(#[from] OpenError),
+    /// The shared store could not be reached.
+    #[error("connecting to the store {store}: {source}")]
+    Store {
+        /// The store, as [`StoreSpec::describe`] shows it.
+        store: String,
+        /// What went wrong.
+        source: StoreError,
+    },
+    /// The built-in demo upstream or the worker threads could not start.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being started.
+        what: &'static str,
+        /// What the system said.
+        source: std::io::Error,
+    },
+}
+
+/// A running gateway: its listeners are bound and serving.
+#[derive(Debug)]
+pub struct Gateway {
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    upstream: Upstream,
+    demo: Option<demo::Demo>,
+    stop_gateway: watch::Sender<bool>,
+    stop_backends: watch::Sender<bool>,
+    gateway_task: JoinHandle<Drain>,
+    admin_task: JoinHandle<()>,
+}
+
+/// A one-shot stop signal that any number of tasks can wait on.
+#[derive(Clone, Debug)]
+pub struct Stop(watch::Receiver<bool>);
+
+impl Stop {
+    /// A stop signal and the function that fires it.
+    pub fn channel() -> (watch::Sender<bool>, Stop) {
+        let (tx, rx) = watch::channel(false);
+        (tx, Stop(rx))
+    }
+
+    /// Resolves once the signal fires (or its sender is gone).
+    pub async fn wait(mut self) {
+        let _ = self.0.wait_for(|stopped| *stopped).await;
+    }
+}
+
+impl Gateway {
+    /// Binds every listener, wires the service stack over one limiter and starts
+    /// serving; the gateway runs until [`Gateway::shutdown`].
+    ///
+    /// # Errors
+    /// [`StartError`] names the listener, directory or store that could not be used.
+    pub async fn start(config: GatewayConfig) -> Result<Gateway, StartError> {
+        let started = Instant::now();
+        admin::install_metrics();
+
+        let bind = |listener: &'static str, addr: SocketAddr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind {
+                    listener,
+                    addr,
+                    source,
+                })
+        };
+        let gateway_listener = bind("gateway", config.listen).await?;
+        let admin_listener = bind("admin", config.admin).await?;
+        let io = |what| move |source| StartError::Io { what, source };
+        let addr = gateway_listener
+            .local_addr()
+            .map_err(io("reading the gateway address"))?;
+        let admin_addr = admin_listener
+            .local_addr()
+            .map_err(io("reading the admin address"))?;
+
+        // The admin listener and the demo upstream stop only after the gateway has
+        // drained: in-flight requests still need the demo to answer them.
+        let (stop_backends, backends_stopped) = Stop::channel();
+        let (upstream, demo) = match config.upstream.clone() {
+            Some(upstream) => (upstream, None),
+            None => {
+                let demo = demo::start(backends_stopped.clone().wait())
+                    .await
+                    .map_err(io("starting the built-in demo upstream"))?;
+                (Upstream::from_addr(demo.addr()), Some(demo))
+            }
+        };
+
+        let proxy_config = ProxyConfig {
+            upstream: upstream.clone(),
+            header_timeout: config.upstream_timeout,
+        };
+        let profile = config.policy.profile_name.clone();
+        let clock = SystemClock::with_offset(config.clock_offset);
+        let store = match &config.store {
+            StoreSpec::Memory => {
+                AnyStore::local(clock.clone(), &config.data_dir, config.quota_sync)?
+            }
+            StoreSpec::Redis(url) => AnyStore::redis(url, config.policy.store.timeout)
+                .await
+                .map_err(|source| StartError::Store {
+                    store: config.store.describe(),
+                    source,
+                })?,
+        };
+        let fallback = MemoryStore::with_clock(
+            MemoryConfig {
+                max_keys: sluice_tower::FALLBACK_MAX_KEYS,
+                ..MemoryConfig::default()
+            },
+            clock,
+        );
+        let per_ip = {
+            let identity = config.policy.identity.clone();
+            gateway::PerIp::new(config.max_connections_per_ip, move |ip| identity.trusts(ip))
+        };
+        let limiter = Arc::new(
+            Limiter::new(config.policy, store)
+                .with_fallback(fallback)
+                .with_buffer_bound(config.max_buffered_bytes),
+        );
+        tokio::spawn(reclaim_stale_cells(
+            Arc::clone(&limiter),
+            backends_stopped.clone(),
+        ));
+        // Each gateway worker gets its own stack over the one shared limiter: its own
+        // upstream connection pool, driven on its own thread.
+        let make_service = {
+            let limiter = Arc::clone(&limiter);
+            let proxy_config = proxy_config.clone();
+            move || SluiceLayer::new(Arc::clone(&limiter)).layer(Proxy::new(proxy_config.clone()))
+        };
+
+        let requests = metered::RequestStats::with_workers(config.workers);
+        let admin_state = admin::AdminState::new(
+            admin::StatusInfo {
+                listen: format!("http://{addr}"),
+                admin: format!("http://{admin_addr}"),
+                upstream: upstream.to_string(),
+                upstream_kind: if demo.is_some() { "demo" } else { "external" },
+                profile,
+                store: config.store.describe(),
+            },
+            started,
+            requests.clone(),
+        )
+        .with_limiter_summary({
+            let limiter = Arc::clone(&limiter);
+            Arc::new(move || {
+                let mut status = limiter.status();
+                status["store"] = limiter.store().describe_state();
+                status
+            })
+        });
+        let admin_state = admin_state.with_quotas(Arc::clone(&limiter));
+        let admin_task = tokio::spawn(admin::serve(
+            admin_listener,
+            admin::router(admin_state),
+            backends_stopped.clone().wait(),
+        ));
+
+        let make_fast = {
+            let limiter = Arc::clone(&limiter);
+            move |stats| h1::FastPath::new(Arc::clone(&limiter), proxy_config.clone(), stats)
+        };
+        let workers = gateway::Workers::start(
+            config.workers,
+            make_service,
+            make_fast,
+            &requests,
+            SHUTDOWN_GRACE,
+        )
+        .map_err(io("starting the gateway worker threads"))?;
+        let (stop_gateway, gateway_stopped) = Stop::channel();
+        let gateway_task = tokio::spawn(gateway::serve(
+            gateway_listener,
+            workers,
+            config.max_connections,
+            per_ip,
+            gateway_stopped.wait(),
+        ));
+        Ok(Gateway {
+            addr,
+            admin_addr,
+            upstream,
+            demo,
+            stop_gateway,
+            stop_backends,
+            gateway_task,
+            admin_task,
+        })
+    }
+
+    /// The address the gateway listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The address the admin listener listens on.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// The upstream requests go to.
+    pub fn upstream(&self) -> &Upstream {
+        &self.upstream
+    }
+
+    /// True when the upstream is the built-in demo.
+    pub fn runs_demo(&self) -> bool {
+        self.demo.is_some()
+    }
+
+    /// Stops accepting, lets in-flight requests finish for up to [`SHUTDOWN_GRACE`]
+    /// (the rest are closed), then stops the admin listener and the demo upstream.
+    /// Returns how the drain went.
+    pub async fn shutdown(self) -> Drain {
+        let _ = self.stop_gateway.send(true);
+        let drain = match self.gateway_task.await {
+            Ok(drain) => drain,
+            Err(_) => Drain::TimedOut { connections: 0 },
+        };
+        let _ = self.stop_backends.send(true);
+        if drain == Drain::Complete {
+            let demo = self.demo;
+            let admin_task = self.admin_task;
+            let backends = async {
+                let _ = admin_task.await;
+                if let Some(demo) = demo {
+                    demo.join().await;
+                }
+            };
+            // Long-lived streams (the demo's GET /mcp) would hold these open: cut them.
+            let _ = tokio::time::timeout(BACKEND_GRACE, backends).await;
+        }
+        drain
+    }
+}
+
+/// How often stale budget cells are dropped from the memory store (they are also
+/// dropped whenever a shard needs room).
+const RECLAIM_EVERY: Duration = Duration::from_secs(30);
+
+/// Drops budget cells whose window is over, until the stop signal.
+async fn reclaim_stale_cells(limiter: Arc<Limiter<AnyStore>>, stop: Stop) {
+    let mut tick = tokio::time::interval(RECLAIM_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let stopped = stop.wait();
+    tokio::pin!(stopped);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                limiter.store().reclaim();
+                limiter.fallback().reclaim();
+            }
+            () = &mut stopped => return,
+        }
+    }
+}

@@ -1,0 +1,405 @@
+//! `sluice serve`: flags, their checks, and the run of the gateway library
+//! ([`sluice_gateway`]) until SIGTERM or Ctrl-C.
+//!
+//! On start it prints exactly one line to stdout naming the bound addresses. SIGTERM or
+//! Ctrl-C stops accepting, lets in-flight requests finish for up to
+//! [`SHUTDOWN_GRACE`], then exits 0.
+
+use std::io::Write as _;
+use std::net::{SocketAddr, ToSocketAddrs as _};
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, ValueEnum};
+use sluice_gateway::proxy::Upstream;
+use sluice_gateway::{Drain, Gateway, GatewayConfig, SHUTDOWN_GRACE, StartError, StoreSpec};
+
+use crate::BadInput;
+
+/// Longest accepted `--upstream-timeout`.
+const MAX_UPSTREAM_TIMEOUT_SECS: f64 = 3600.0;
+
+/// The rate-limit profile: which set of numbers the built-in default policy uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Profile {
+    /// The seed platform's production numbers (e.g. expensive 30/min).
+    Production,
+    /// Roomier numbers for local development (e.g. expensive 150/min).
+    Local,
+}
+
+impl Profile {
+    /// The profile's name as written on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Profile::Production => "production",
+            Profile::Local => "local",
+        }
+    }
+}
+
+/// `--quota-sync`: how far a quota count is taken before its call goes on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum QuotaSync {
+    /// Flushed to the disk.
+    Flush,
+    /// Written to the operating system.
+    Write,
+}
+
+impl From<QuotaSync> for sluice_store::JournalSync {
+    fn from(sync: QuotaSync) -> Self {
+        match sync {
+            QuotaSync::Flush => sluice_store::JournalSync::Flush,
+            QuotaSync::Write => sluice_store::JournalSync::Write,
+        }
+    }
+}
+
+/// Flags of `sluice serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Policy file (YAML). Without it the built-in default policy runs.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Address the gateway listens on (port 0 picks a free port).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080", value_parser = parse_addr)]
+    pub listen: SocketAddr,
+
+    /// Address of the admin listener: /metrics, /status and the dashboard at / (port 0
+    /// picks a free port).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090", value_parser = parse_addr)]
+    pub admin: SocketAddr,
+
+    /// Base URL of the upstream API (http://HOST:PORT[/PREFIX]). Without it a built-in
+    /// demo upstream runs on a free loopback port.
+    #[arg(long, value_name = "URL", value_parser = parse_upstream)]
+    pub upstream: Option<Upstream>,
+
+    /// Which profile's numbers apply (default: the policy's own `profile:`, which is
+    /// `production` in the built-in policy).
+    #[arg(long, value_enum)]
+    pub profile: Option<Profile>,
+
+    /// Where budgets live: `memory` (one process), or shared by replicas: `redis://…`,
+    /// `redis+unix:///PATH`, or a cluster `redis+cluster://HOST:PORT,HOST:PORT,…`.
+    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = parse_store)]
+    pub store: StoreSpec,
+
+    /// Shift this replica's clock by SECS (negative: behind). A drill for clock skew:
+    /// with a Redis store every decision uses the Redis server's clock, so windows and
+    /// resets do not move.
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value_t = 0,
+        allow_hyphen_values = true
+    )]
+    pub clock_offset: i64,
+
+    /// Directory of the embedded durable store: monthly quota counts (and later the
+    /// batch queue). Default: $XDG_STATE_HOME/sluice, else ~/.local/state/sluice, else
+    /// ./sluice-data. One process per directory. Not used with a Redis store (quotas
+    /// then live in Redis).
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+
+    /// How far a monthly quota count is taken before the call it admits is forwarded:
+    /// `write` (to the operating system: survives a restart, a crash or kill -9 of
+    /// sluice, not a crash of the machine) or `flush` (to the disk, one fdatasync per
+    /// group commit: survives a crash of the machine too, at a cost in latency).
+    #[arg(long, value_enum, value_name = "write|flush", default_value = "write")]
+    pub quota_sync: QuotaSync,
+
+    /// Seconds to wait for the upstream's response headers before answering 504
+    /// (fractions allowed, e.g. 0.5). Streaming bodies are not cut by it.
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse_timeout)]
+    pub upstream_timeout: Duration,
+
+    /// Gateway worker threads, each serving its share of the connections with its own
+    /// upstream connection pool (default: one per CPU the process may use; at most 1024).
+    #[arg(long, value_name = "N", value_parser = parse_workers)]
+    pub workers: Option<NonZeroUsize>,
+
+    /// Most client connections open at once, idle ones included; at the limit the
+    /// gateway stops accepting until one closes (new clients wait in the kernel's
+    /// listen backlog). Each may hold an upstream connection too: the soft open-file
+    /// limit is raised toward the hard one to hold two per connection; past the hard
+    /// one the cap is lowered, with a warning.
+    #[arg(long, value_name = "N", default_value = "10000")]
+    pub max_connections: NonZeroUsize,
+
+    /// Most client connections open at once from one address (the policy's trusted
+    /// proxies aside); past it a new connection from that address is closed at once.
+    #[arg(long, value_name = "N", default_value = "256")]
+    pub max_connections_per_ip: NonZeroUsize,
+
+    /// Most request-body bytes the gateway holds in memory at once, over every
+    /// connection (bodies it takes in whole before deciding); past it a new request
+    /// with a body gets 503 with Retry-After. Default 256 MiB.
+    #[arg(long, value_name = "BYTES", default_value_t = sluice_tower::DEFAULT_MAX_BUFFERED_BYTES)]
+    pub max_buffered_bytes: usize,
+}
+
+/// Checks what clap cannot (the config is readable, the data dir is a directory, the
+/// open-file limit holds the connections) and resolves the flags into the gateway's
+/// configuration.
+///
+/// # Errors
+/// [`BadInput`] naming the flag and what was expected.
+pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
+    let policy = match &args.config {
+        Some(path) => sluice_policy::load_file(path).map_err(|e| BadInput(e.to_string()))?,
+        None => sluice_policy::default_policy().map_err(|e| BadInput(e.to_string()))?,
+    };
+    let policy = match args.profile {
+        Some(profile) => policy
+            .with_profile(profile.as_str())
+            .map_err(|e| BadInput(format!("--profile: {e}")))?,
+        None => policy,
+    };
+    let data_dir = args.data_dir.unwrap_or_else(default_data_dir);
+    if data_dir.exists() && !data_dir.is_dir() {
+        return Err(BadInput(format!(
+            "--data-dir {}: exists and is not a directory",
+            data_dir.display()
+        )));
+    }
+    let mut config = GatewayConfig::new(policy, data_dir);
+    config.listen = args.listen;
+    config.admin = args.admin;
+    config.upstream = args.upstream;
+    config.store = args.store;
+    config.clock_offset = args.clock_offset;
+    config.quota_sync = args.quota_sync.into();
+    config.upstream_timeout = args.upstream_timeout;
+    if let Some(workers) = args.workers {
+        config.workers = workers;
+    }
+    config.max_connections = connections_within_fd_limit(args.max_connections)?;
+    config.max_connections_per_ip = args.max_connections_per_ip;
+    config.max_buffered_bytes = args.max_buffered_bytes;
+    Ok(config)
+}
+
+/// File descriptors the process needs besides two per client connection (a client's
+/// and its upstream's): listeners, the admin side, the durable store, Redis, logs.
+const FDS_BESIDES_CONNECTIONS: u64 = 128;
+
+/// The `--max-connections` the open-file limit allows: the soft limit is raised
+/// toward the hard one when two descriptors per connection do not fit, and when even
+/// the hard one is too low the cap is lowered, with a warning, rather than `accept`
+/// failing in a loop once descriptors run out.
+///
+/// # Errors
+/// A limit too low for a single connection.
+fn connections_within_fd_limit(wanted: NonZeroUsize) -> Result<NonZeroUsize, BadInput> {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let needed = (wanted.get() as u64)
+        .saturating_mul(2)
+        .saturating_add(FDS_BESIDES_CONNECTIONS);
+    let limit = getrlimit(Resource::Nofile);
+    let Some(soft) = limit.current else {
+        return Ok(wanted);
+    };
+    if soft >= needed {
+        return Ok(wanted);
+    }
+    let hard = limit.maximum.unwrap_or(u64::MAX);
+    let raised = needed.min(hard);
+    let soft = if raised > soft
+        && setrlimit(
+            Resource::Nofile,
+            rustix::process::Rlimit {
+                current: Some(raised),
+                maximum: limit.maximum,
+            },
+        )
+        .is_ok()
+    {
+        raised
+    } else {
+        soft
+    };
+    if soft >= needed {
+        return Ok(wanted);
+    }
+    let fits = soft.saturating_sub(FDS_BESIDES_CONNECTIONS) / 2;
+    let fits = usize::try_from(fits)
+        .ok()
+        .and_then(NonZeroUsize::new)
+        .ok_or_else(|| {
+            BadInput(format!(
+                "the open-file limit is {soft} (hard {hard}): too low to serve a connection; raise it (ulimit -n)"
+            ))
+        })?;
+    eprintln!(
+        "sluice: --max-connections {wanted} needs {needed} open files and the limit is {soft} (hard {hard}): serving at most {fits} connections"
+    );
+    Ok(fits)
+}
+
+/// The data directory when `--data-dir` is not given: `$XDG_STATE_HOME/sluice`, else
+/// `$HOME/.local/state/sluice`, else `./sluice-data`.
+fn default_data_dir() -> PathBuf {
+    let non_empty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    if let Some(state) = non_empty("XDG_STATE_HOME") {
+        return PathBuf::from(state).join("sluice");
+    }
+    if let Some(home) = non_empty("HOME") {
+        return PathBuf::from(home).join(".local/state/sluice");
+    }
+    PathBuf::from("sluice-data")
+}
+
+pub(crate) fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    let mut addrs = s
+        .to_socket_addrs()
+        .map_err(|e| format!("expected HOST:PORT such as 127.0.0.1:8080 ({e})"))?;
+    addrs
+        .next()
+        .ok_or_else(|| format!("`{s}` resolves to no address"))
+}
+
+/// Most gateway worker threads `--workers` accepts.
+const MAX_WORKERS: usize = 1024;
+
+fn parse_workers(s: &str) -> Result<NonZeroUsize, String> {
+    s.parse::<NonZeroUsize>()
+        .ok()
+        .filter(|n| n.get() <= MAX_WORKERS)
+        .ok_or_else(|| format!("expected a whole number from 1 to {MAX_WORKERS}"))
+}
+
+fn parse_upstream(s: &str) -> Result<Upstream, String> {
+    Upstream::parse(s)
+}
+
+fn parse_store(s: &str) -> Result<StoreSpec, String> {
+    if s == "memory" {
+        Ok(StoreSpec::Memory)
+    } else if [
+        "redis://",
+        "rediss://",
+        "redis+unix://",
+        "unix://",
+        "redis+cluster://",
+    ]
+    .iter()
+    .any(|scheme| s.starts_with(scheme))
+    {
+        Ok(StoreSpec::Redis(s.to_owned()))
+    } else {
+        Err(
+            "expected `memory`, a redis://HOST:PORT[/DB] URL, redis+unix:///PATH or \
+             redis+cluster://HOST:PORT,HOST:PORT,…"
+                .to_owned(),
+        )
+    }
+}
+
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| "expected a number of seconds such as 30 or 0.5".to_owned())?;
+    if !(secs > 0.0 && secs <= MAX_UPSTREAM_TIMEOUT_SECS) {
+        return Err(format!(
+            "expected more than 0 and at most {MAX_UPSTREAM_TIMEOUT_SECS} seconds"
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Runs `sluice serve` until SIGTERM / Ctrl-C.
+///
+/// # Errors
+/// [`BadInput`] for flags that do not hold together or a data dir that cannot be
+/// used; any other error (a port that cannot be bound, a runtime that cannot start)
+/// is a runtime failure.
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = config_from_args(args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(serve(config));
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result
+}
+
+/// Starts the gateway, prints the start line, serves until a termination signal,
+/// then drains.
+async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
+    // Signal handlers are installed before the start line is printed, so a SIGTERM
+    // sent by whoever reads that line is always handled gracefully.
+    let termination = termination_signal().context("installing signal handlers")?;
+    let data_dir = (config.store == StoreSpec::Memory).then(|| config.data_dir.clone());
+    let gateway = Gateway::start(config).await.map_err(|e| match e {
+        StartError::DataDir(e) => anyhow::Error::new(BadInput(format!("--data-dir: {e}"))),
+        other => anyhow::Error::new(other),
+    })?;
+    if let Some(dir) = data_dir {
+        eprintln!(
+            "sluice: monthly quota counts are kept in {} (--data-dir to choose another)",
+            dir.display()
+        );
+    }
+    let upstream_line = if gateway.runs_demo() {
+        format!("built-in demo at {}", gateway.upstream())
+    } else {
+        gateway.upstream().to_string()
+    };
+    {
+        let mut stdout = std::io::stdout().lock();
+        writeln!(
+            stdout,
+            "sluice: listening on http://{} (admin http://{}, upstream {upstream_line})",
+            gateway.addr(),
+            gateway.admin_addr()
+        )
+        .and_then(|()| stdout.flush())
+        .context("writing the start line to stdout")?;
+    }
+
+    let signal = termination.await;
+    eprintln!("sluice: {signal} received, finishing in-flight requests");
+    if let Drain::TimedOut { connections } = gateway.shutdown().await {
+        eprintln!(
+            "sluice: grace period of {} s over ({connections} connection(s) were open), \
+             closing the rest",
+            SHUTDOWN_GRACE.as_secs()
+        );
+    }
+    Ok(())
+}
+
+/// A future that resolves with the signal's name on SIGTERM or SIGINT (Ctrl-C).
+pub(crate) fn termination_signal() -> std::io::Result<impl Future<Output = &'static str>> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            }
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        Ok(async {
+            match tokio::signal::ctrl_c().await {
+                Ok(()) => "Ctrl-C",
+                Err(_) => std::future::pending().await,
+            }
+        })
+    }
+}
