@@ -218,17 +218,9 @@ where
     })
 }
 
-/// Headers that belong to one connection, not to the message.
+/// Headers that belong to one connection, not to the message (the one list every
+/// part of sluice uses: `Connection`, `Keep-Alive`, `TE`, `Trailer`,
+/// `Transfer-Encoding`, `Upgrade` and every `Proxy-*`).
 pub(crate) fn is_hop_by_hop(name: &http::HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-    )
+    sluice_h1::fields::is_hop_by_hop(name.as_str().as_bytes())
 }

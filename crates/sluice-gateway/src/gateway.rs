@@ -34,10 +34,10 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tower::Service;
 
 use super::GatewayBody;
-use super::h1::rewind::Rewind;
 use super::h1::{Ended, FastPath};
 use super::metered::{Metered, OpenConnection, RequestStats};
 use super::proxy::BoxError;
+use sluice_h1::rewind::Rewind;
 
 /// A client that has not sent complete request headers within this time is dropped
 /// (on a new connection, the wait for its first bytes counts once more on top).
@@ -50,9 +50,6 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// past it is refused by the h2 layer. With `--max-connections` it bounds the memory
 /// client connections can pin (about 10,000 × 128 KiB at the defaults).
 const MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
-
-/// How often each worker closes upstream connections idle for too long.
-const PRUNE_EVERY: Duration = Duration::from_secs(10);
 
 /// Pause after a failed `accept` (e.g. out of file descriptors) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -351,7 +348,7 @@ where
     tokio::spawn({
         let fast = Arc::clone(&fast);
         async move {
-            let mut every = tokio::time::interval(PRUNE_EVERY);
+            let mut every = tokio::time::interval(super::pool::PRUNE_EVERY);
             loop {
                 every.tick().await;
                 fast.prune();

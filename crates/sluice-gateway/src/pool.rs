@@ -33,11 +33,14 @@ use super::proxy::BoxError;
 /// The body type sent to the upstream (any incoming body, boxed).
 pub(super) type OutgoingBody = UnsyncBoxBody<Bytes, BoxError>;
 
-/// How long a connection is kept queued.
+/// How long an idle upstream connection is kept (by both request paths' pools).
 pub(super) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// How often stale connections are closed.
-const PRUNE_EVERY: Duration = Duration::from_secs(10);
+/// How often stale upstream connections are closed (by both request paths' pools).
+pub(super) const PRUNE_EVERY: Duration = Duration::from_secs(10);
+
+/// At most this many idle upstream connections per worker and request path.
+pub(super) const POOL_MAX_IDLE: usize = 256;
 
 /// Why a request got no response from the upstream.
 #[derive(Debug)]

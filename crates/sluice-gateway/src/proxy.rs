@@ -30,11 +30,13 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme, Uri};
 use http::{Request, Response, StatusCode, Version};
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt as _, Full};
+use http_body_util::BodyExt as _;
 use tower::Service;
 
+use sluice_h1::fields::strip_hop_by_hop;
+
 use super::PeerAddr;
-use super::pool::{SendError, UpstreamPool};
+use super::pool::{POOL_MAX_IDLE, SendError, UpstreamPool};
 use super::upload::{AbandonAfter, Upload};
 
 /// The error type of streamed bodies.
@@ -43,9 +45,6 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The body of every response the proxy produces: the upstream's body streamed through,
 /// or a small JSON envelope.
 pub type ProxyBody = BoxBody<Bytes, BoxError>;
-
-/// At most this many keep-alive connections per worker wait for the next request.
-const POOL_MAX_IDLE: usize = 256;
 
 /// Histogram buckets (seconds) of `sluice_upstream_seconds`.
 pub const UPSTREAM_SECONDS_BUCKETS: &[f64] = &[
@@ -350,79 +349,11 @@ pub(super) fn upstream_failure(failure: Failure, timeout: Duration) -> Response<
     }
 }
 
-/// A JSON error envelope `{"error":{"code","message","details":{}}}` with the given
-/// status and `Content-Type: application/json`.
+/// sluice's JSON error envelope (the one definition, [`sluice_tower::envelope_response`])
+/// with empty `details`, as the proxy's body type.
 pub fn error_response(status: StatusCode, code: &str, message: &str) -> Response<ProxyBody> {
-    let body = serde_json::json!({
-        "error": { "code": code, "message": message, "details": {} }
-    });
-    let bytes = Bytes::from(body.to_string());
-    let mut response = Response::new(Full::new(bytes).map_err(|never| match never {}).boxed());
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
-}
-
-/// True for a header that describes one connection, not the message, and so is never
-/// forwarded: `Connection`, `Keep-Alive`, `TE`, `Trailer`, `Transfer-Encoding`,
-/// `Upgrade` and every `Proxy-*` (`name` in any case).
-pub(super) fn is_hop_by_hop(name: &[u8]) -> bool {
-    const FIXED: [&[u8]; 6] = [
-        b"connection",
-        b"keep-alive",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-    ];
-    FIXED.iter().any(|f| f.eq_ignore_ascii_case(name))
-        || name
-            .get(..6)
-            .is_some_and(|p| p.eq_ignore_ascii_case(b"proxy-"))
-}
-
-/// Calls `named` with each header name a `Connection` value lists beyond the
-/// connection options `keep-alive` and `close` (which every keep-alive message
-/// carries and which name no header).
-pub(super) fn for_each_connection_named(value: &[u8], mut named: impl FnMut(&[u8])) {
-    for token in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
-        if token.is_empty()
-            || token.eq_ignore_ascii_case(b"keep-alive")
-            || token.eq_ignore_ascii_case(b"close")
-        {
-            continue;
-        }
-        named(token);
-    }
-}
-
-/// Removes hop-by-hop headers: those [`is_hop_by_hop`] names and every header named
-/// in `Connection`.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // One pass over the names finds what goes; most messages carry only `Connection`
-    // (or nothing) of it, so the common case is one removal and no allocation.
-    let mut doomed: Vec<HeaderName> = Vec::new();
-    for name in headers.keys() {
-        if is_hop_by_hop(name.as_str().as_bytes()) {
-            doomed.push(name.clone());
-        }
-    }
-    if doomed.is_empty() {
-        return;
-    }
-    for value in headers.get_all(header::CONNECTION) {
-        for_each_connection_named(value.as_bytes(), |token| {
-            if let Ok(name) = HeaderName::from_bytes(token) {
-                doomed.push(name);
-            }
-        });
-    }
-    for name in doomed {
-        headers.remove(name);
-    }
+    sluice_tower::envelope_response(status, code, message, serde_json::json!({}))
+        .map(|body| body.map_err(|never| match never {}).boxed())
 }
 
 /// Joins every value of `name` with `, `, appends `element`, and stores it as one value.
@@ -545,29 +476,6 @@ fn push_forwarded_host(out: &mut Vec<u8>, host: Option<&[u8]>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_and_the_ones_connection_names_are_dropped() {
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::CONNECTION,
-            HeaderValue::from_static("close, x-secret"),
-        );
-        headers.insert("x-secret", HeaderValue::from_static("1"));
-        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        headers.insert("proxy-authorization", HeaderValue::from_static("Basic x"));
-        headers.insert(header::TE, HeaderValue::from_static("trailers"));
-        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        headers.insert("x-kept", HeaderValue::from_static("yes"));
-        strip_hop_by_hop(&mut headers);
-        assert_eq!(headers.len(), 1, "{headers:?}");
-        assert_eq!(headers["x-kept"], "yes");
-
-        // Only a Proxy-* header: still found.
-        headers.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
-        strip_hop_by_hop(&mut headers);
-        assert_eq!(headers.len(), 1, "{headers:?}");
-    }
 
     #[test]
     fn forwarded_headers_are_appended_not_replaced() {

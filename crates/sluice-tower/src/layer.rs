@@ -15,8 +15,8 @@ use sluice_store::BudgetStore;
 use tower::{Layer, Service};
 
 use crate::answer::{
-    body_too_slow, body_unreadable, buffers_full, limiter_unavailable, payload_too_large,
-    rate_limit_headers, refusal, take_cost, upstream_headers,
+    body_too_slow, body_unreadable, buffers_full, payload_too_large, rate_limit_headers, take_cost,
+    upstream_headers,
 };
 use crate::limiter::{Limiter, Refused};
 
@@ -173,17 +173,10 @@ where
                 (body, plan)
             };
             // What cannot be counted is refused before anything is decided.
-            let mut plan = match plan {
-                Ok(plan) => plan,
-                Err(refused) => return Ok(refused.response().map(Either::Left)),
+            let (decision, plan) = match limiter.admit(plan).await {
+                Ok(admitted) => admitted,
+                Err(answer) => return Ok(answer.map(Either::Left)),
             };
-            let decision = match limiter.decide(&mut plan).await {
-                Ok(d) => d,
-                Err(e) => return Ok(limiter_unavailable(&e).map(Either::Left)),
-            };
-            if !decision.is_admitted() {
-                return Ok(refusal(&decision, &plan, policy).map(Either::Left));
-            }
             if too_large {
                 let mut r = payload_too_large(policy.bounds.max_body_bytes);
                 rate_limit_headers(r.headers_mut(), &decision, &plan, policy);

@@ -109,9 +109,14 @@ pub struct Limiter<S> {
     fallback: MemoryStore,
     buffers: std::sync::Arc<crate::BufferBudget>,
     degraded: AtomicBool,
-    top: Mutex<TopCallers>,
+    /// Spend per caller this window, in shards by caller (no process-wide lock on
+    /// the hot path).
+    top: [crossbeam_utils::CachePadded<Mutex<TopCallers>>; TOP_SHARDS],
     metrics: Meters,
 }
+
+/// Shards of the top-callers table.
+const TOP_SHARDS: usize = 16;
 
 /// Metric handles, registered once (a lookup per request costs more than
 /// the decision).
@@ -123,6 +128,8 @@ struct Meters {
     local: metrics::Counter,
     /// `sluice_quota_units_total{family}` by family index.
     quota_units: Vec<metrics::Counter>,
+    /// `sluice_refusals_total{reason}` by every reason the policy can give.
+    refusals: HashMap<String, metrics::Counter>,
 }
 
 impl Meters {
@@ -140,6 +147,17 @@ impl Meters {
                 .quotas
                 .iter()
                 .map(|q| metrics::counter!("sluice_quota_units_total", "family" => q.name.clone()))
+                .collect(),
+            refusals: Class::ALL
+                .iter()
+                .map(|c| c.name().to_owned())
+                .chain(["ip".to_owned(), "ip_protocol".to_owned()])
+                .chain(policy.buckets.iter().map(|b| b.name.clone()))
+                .chain(policy.quotas.iter().map(|q| q.name.clone()))
+                .map(|reason| {
+                    let counter = metrics::counter!("sluice_refusals_total", "reason" => reason.clone());
+                    (reason, counter)
+                })
                 .collect(),
         }
     }
@@ -219,7 +237,7 @@ impl<S: BudgetStore> Limiter<S> {
                 ..MemoryConfig::default()
             }),
             degraded: AtomicBool::new(false),
-            top: Mutex::default(),
+            top: std::array::from_fn(|_| Default::default()),
             metrics,
         }
     }
@@ -445,6 +463,25 @@ impl<S: BudgetStore> Limiter<S> {
         decision
     }
 
+    /// The edge's one sequence after a request is planned, for every request path:
+    /// a request that cannot be counted, a refusal, or a store that cannot decide
+    /// becomes the answer to send (`Err`); an admitted request comes back with its
+    /// decision and plan, to be forwarded and annotated.
+    ///
+    /// # Errors
+    /// The answer to send instead of forwarding.
+    pub async fn admit(
+        &self,
+        plan: Result<Plan, Refused>,
+    ) -> Result<(Decision, Plan), http::Response<http_body_util::Full<bytes::Bytes>>> {
+        let mut plan = plan.map_err(|refused| refused.response())?;
+        match self.decide(&mut plan).await {
+            Ok(decision) if decision.is_admitted() => Ok((decision, plan)),
+            Ok(decision) => Err(crate::answer::refusal(&decision, &plan, &self.policy)),
+            Err(error) => Err(crate::answer::limiter_unavailable(&error)),
+        }
+    }
+
     /// The pass-on budget that alone refused `refused`, if that is all that did.
     fn passable(&self, plan: &Plan, refused: &Decision) -> Option<Passed> {
         let mut passed = None;
@@ -564,12 +601,18 @@ impl<S: BudgetStore> Limiter<S> {
                     .map(|(b, _)| u64::from(b.cost))
                     .sum();
                 let window = d.decided_at().as_secs() / u64::from(self.policy.window.get());
-                self.top.lock().record(window, plan.caller, plan.who, units);
+                self.top[top_shard(plan.caller)]
+                    .lock()
+                    .record(window, plan.caller, plan.who, units);
             }
             Ok(d) => {
-                let reason = plan.name(d.binding_index(), &self.policy).to_owned();
+                let reason = plan.name(d.binding_index(), &self.policy);
                 counters[1].increment(1);
-                metrics::counter!("sluice_refusals_total", "reason" => reason).increment(1);
+                match self.metrics.refusals.get(reason) {
+                    Some(counter) => counter.increment(1),
+                    None => metrics::counter!("sluice_refusals_total", "reason" => reason.to_owned())
+                        .increment(1),
+                }
             }
             Err(_) => {
                 counters[2].increment(1);
@@ -661,12 +704,16 @@ impl<S: BudgetStore> Limiter<S> {
             .iter()
             .map(|&c| (c.name().to_owned(), p.profile.limit(c).get().into()))
             .collect();
-        let top = self.top.lock();
-        let mut callers: Vec<(String, u64)> = top
-            .spend
-            .values()
+        // The latest window any shard has seen is the current one; a shard still on
+        // an older window has had no spend in this one.
+        let shards: Vec<_> = self.top.iter().map(|shard| shard.lock()).collect();
+        let window = shards.iter().map(|t| t.window).max().unwrap_or(0);
+        let current = || shards.iter().filter(|t| t.window == window);
+        let mut callers: Vec<(String, u64)> = current()
+            .flat_map(|t| t.spend.values())
             .map(|(who, units)| (who.to_string(), *units))
             .collect();
+        let others: u64 = current().map(|t| t.others).sum();
         callers.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         serde_json::json!({
             "profile": p.profile_name,
@@ -683,10 +730,15 @@ impl<S: BudgetStore> Limiter<S> {
             "top_callers": callers.iter().take(10).map(|(label, units)| serde_json::json!({
                 "caller": label, "units": units,
             })).collect::<Vec<_>>(),
-            "other_callers_units": top.others,
+            "other_callers_units": others,
             "store_degraded": self.is_degraded(),
         })
     }
+}
+
+/// The top-callers shard of `caller` (a hash already: its high bits pick).
+fn top_shard(caller: u64) -> usize {
+    (caller >> 60) as usize % TOP_SHARDS
 }
 
 impl TopCallers {
@@ -698,7 +750,7 @@ impl TopCallers {
         }
         if let Some((_, n)) = self.spend.get_mut(&caller) {
             *n += units;
-        } else if self.spend.len() < TOP_CALLERS_TRACKED {
+        } else if self.spend.len() < TOP_CALLERS_TRACKED / TOP_SHARDS {
             self.spend.insert(caller, (who, units));
         } else {
             self.others += units;

@@ -24,11 +24,7 @@
 //! hyper and the service stack: the fast path hands the connection over, with the
 //! bytes it has read ([`Ended::Elsewhere`]), and hyper serves it from there on.
 
-mod chunked;
-mod deadline;
 mod request;
-mod response;
-pub(super) mod rewind;
 mod upstream;
 
 use std::io;
@@ -48,9 +44,9 @@ use tokio::sync::watch;
 use super::metered::RequestStats;
 use super::proxy::{Failure, ForwardedPeer, ProxyConfig, Upstream, upstream_failure};
 use super::store::AnyStore;
-use chunked::ChunkedEnd;
-use deadline::Deadline;
-use response::Framing;
+use sluice_h1::chunked::ChunkedEnd;
+use sluice_h1::deadline::Deadline;
+use sluice_h1::response::{self, Framing};
 
 /// Bytes reserved for each read from a socket.
 const READ_CHUNK: usize = 16 * 1024;
@@ -62,9 +58,6 @@ const MAX_BUFFERED_BODY: usize = 64 * 1024;
 
 /// Largest buffer a connection keeps between requests.
 const KEPT_CAPACITY: usize = 2 * READ_CHUNK;
-
-/// At most this many idle upstream connections per worker.
-const POOL_MAX_IDLE: usize = 256;
 
 /// How a connection left the fast path.
 #[derive(Debug)]
@@ -108,7 +101,7 @@ impl FastPath {
     ) -> Self {
         FastPath {
             identity_headers: limiter.read_headers(),
-            pool: upstream::Pool::new(config.upstream.connect_target(), POOL_MAX_IDLE),
+            pool: upstream::Pool::new(config.upstream.connect_target(), super::pool::POOL_MAX_IDLE),
             limiter,
             config,
             stats,
@@ -395,15 +388,7 @@ impl<'f> Connection<'f> {
 
         // The decision; a request that cannot be counted (refused before anything is
         // decided), a refusal, or a limiter that cannot decide, is answered here.
-        let decided = match plan {
-            Err(refused) => Err(refused.response()),
-            Ok(mut plan) => match limiter.decide(&mut plan).await {
-                Ok(decision) if decision.is_admitted() => Ok((decision, plan)),
-                Ok(decision) => Err(sluice_tower::refusal(&decision, &plan, policy)),
-                Err(error) => Err(sluice_tower::limiter_unavailable(&error)),
-            },
-        };
-        let (decision, plan) = match decided {
+        let (decision, plan) = match limiter.admit(plan).await {
             Ok(decided) => decided,
             Err(answer) => {
                 self.from_client.advance(body.end);

@@ -7,12 +7,10 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Version};
 use sluice_policy::{Paths, Route};
 use sluice_tower::Refused;
 
-use super::super::proxy::{ForwardedPeer, for_each_connection_named, is_hop_by_hop};
-use super::Upstream;
+use sluice_h1::fields::{MAX_HEADERS, is_hop_by_hop, named_in_connection};
 
-/// Most header fields in a request head, as hyper's server allows; a head with more
-/// is left to hyper, which refuses it.
-pub(super) const MAX_HEADERS: usize = 100;
+use super::super::proxy::ForwardedPeer;
+use super::Upstream;
 
 /// What a request head is, for the fast path.
 #[derive(Debug)]
@@ -77,68 +75,17 @@ pub(super) fn parse<'l>(
     upstream: &mut Vec<u8>,
     identity: &mut HeaderMap,
 ) -> Parsed<'l> {
-    let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
-    let mut request = httparse::Request::new(&mut []);
-    let len = match request.parse_with_uninit_headers(buf, &mut fields) {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) => return Parsed::Partial,
-        Err(_) => return Parsed::Elsewhere,
+    let mut storage = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let head = match sluice_h1::request::parse(buf, &mut storage) {
+        sluice_h1::request::Parsed::Ready(head) => head,
+        sluice_h1::request::Parsed::Partial => return Parsed::Partial,
+        sluice_h1::request::Parsed::Unsupported => return Parsed::Elsewhere,
     };
-    let (Some(method), Some(target), Some(1)) = (request.method, request.path, request.version)
-    else {
-        return Parsed::Elsewhere;
-    };
-    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
-        return Parsed::Elsewhere;
-    };
-    // `CONNECT` is refused (its authority-form target is never a path); otherwise only
-    // an origin-form target that `http` accepts as it is (hyper answers 400 to the
-    // ones it refuses).
-    let connect = method == Method::CONNECT;
-    if !connect
-        && (!target.starts_with('/')
-            || target.contains('#')
-            || http::uri::PathAndQuery::try_from(target).is_err())
-    {
-        return Parsed::Elsewhere;
-    }
-    let (path, query) = target.split_at(
-        target
-            .bytes()
-            .position(|b| b == b'?')
-            .unwrap_or(target.len()),
-    );
+    let (path, query) = head.path_and_query();
     // Routed and forwarded as the upstream will read it.
     let path = cx.paths.normalize(path).map_err(Refused::from);
-
-    // First pass: what frames the message and what `Connection` names.
-    let mut body_len = None;
-    let mut close = false;
-    let mut host: Option<&[u8]> = None;
-    let mut connection_names = false;
-    for field in request.headers.iter() {
-        let name = field.name.as_bytes();
-        if name.eq_ignore_ascii_case(b"content-length") {
-            match (body_len, parse_length(field.value)) {
-                (None, Some(n)) => body_len = Some(n),
-                _ => return Parsed::Elsewhere,
-            }
-        } else if name.eq_ignore_ascii_case(b"connection") {
-            for token in field.value.split(|&b| b == b',') {
-                if token.trim_ascii().eq_ignore_ascii_case(b"close") {
-                    close = true;
-                }
-            }
-            for_each_connection_named(field.value, |_| connection_names = true);
-        } else if name.eq_ignore_ascii_case(b"host") {
-            host = host.or(Some(field.value));
-        } else if name.eq_ignore_ascii_case(b"transfer-encoding")
-            || name.eq_ignore_ascii_case(b"upgrade")
-            || name.eq_ignore_ascii_case(b"expect")
-        {
-            return Parsed::Elsewhere;
-        }
-    }
+    let method = head.method.clone();
+    let fields = head.fields;
 
     // Second pass: the head sent upstream.
     upstream.clear();
@@ -154,7 +101,7 @@ pub(super) fn parse<'l>(
     upstream.extend_from_slice(b"\r\n");
     let mut forwarded_for = Vec::new();
     let mut forwarded = Vec::new();
-    for field in request.headers.iter() {
+    for field in fields {
         let name = field.name.as_bytes();
         if let Some(known) = cx
             .identity_headers
@@ -174,7 +121,7 @@ pub(super) fn parse<'l>(
         // `Connection` may name any field but the one that frames the body: the body
         // forwarded is the length that field gave.
         let content_length = name.eq_ignore_ascii_case(b"content-length");
-        if connection_names && !content_length && named_in_connection(request.headers, name) {
+        if head.connection_names && !content_length && named_in_connection(fields, name) {
             continue;
         }
         if name.eq_ignore_ascii_case(b"x-forwarded-for") {
@@ -195,39 +142,20 @@ pub(super) fn parse<'l>(
     upstream.extend_from_slice(cx.peer.text());
     upstream.extend_from_slice(b"\r\nforwarded: ");
     upstream.extend_from_slice(&forwarded);
-    cx.peer.push_forwarded_element(upstream, host);
+    cx.peer.push_forwarded_element(upstream, head.host);
     upstream.extend_from_slice(b"\r\n\r\n");
 
     // Refused as the service stack refuses it: the head first, then the path.
-    let hosts = request
-        .headers
-        .iter()
-        .filter(|f| f.name.eq_ignore_ascii_case("host"))
-        .map(|f| f.value);
-    let route = sluice_tower::check_head(&method, Version::HTTP_11, hosts)
+    let route = sluice_tower::check_head(&method, Version::HTTP_11, head.hosts())
         .and(path)
         .and_then(|path| (cx.route)(&method, &path));
     Parsed::Ready(Head {
-        len,
+        len: head.len,
         route,
         method,
-        body_len: body_len.unwrap_or(0),
-        close: close || connect,
+        body_len: head.body_len,
+        close: head.close,
     })
-}
-
-/// True when a `Connection` field among `fields` (a request's or a response's) names
-/// the header `name`.
-pub(super) fn named_in_connection(fields: &[httparse::Header<'_>], name: &[u8]) -> bool {
-    let mut named = false;
-    for field in fields {
-        if field.name.eq_ignore_ascii_case("connection") {
-            for_each_connection_named(field.value, |token| {
-                named |= token.eq_ignore_ascii_case(name);
-            });
-        }
-    }
-    named
 }
 
 /// Appends one field value of a list header (`X-Forwarded-For`, `Forwarded`) and the
@@ -238,18 +166,6 @@ fn push_list_element(list: &mut Vec<u8>, value: &[u8]) {
         list.extend_from_slice(value);
         list.extend_from_slice(b", ");
     }
-}
-
-/// A `Content-Length` value: decimal digits only, as hyper accepts it (no list of
-/// equal values, no sign, no spaces inside).
-pub(super) fn parse_length(value: &[u8]) -> Option<u64> {
-    let digits = value.trim_ascii();
-    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    digits.iter().try_fold(0u64, |n, &d| {
-        n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
-    })
 }
 
 #[cfg(test)]
@@ -439,20 +355,6 @@ mod tests {
                 Parsed::Ready(ready) => assert_eq!(ready.route.err(), None, "{fine:?}"),
                 other => panic!("{fine:?}: {other:?}"),
             }
-        }
-    }
-
-    #[test]
-    fn content_lengths_are_plain_decimal() {
-        assert_eq!(parse_length(b"0"), Some(0));
-        assert_eq!(parse_length(b" 42 "), Some(42));
-        assert_eq!(parse_length(b"18446744073709551615"), None);
-        assert_eq!(
-            parse_length(b"9999999999999999999"),
-            Some(9_999_999_999_999_999_999)
-        );
-        for bad in [&b""[..], b"-1", b"1,1", b"0x1", b"1 1"] {
-            assert_eq!(parse_length(bad), None, "{bad:?}");
         }
     }
 }

@@ -16,7 +16,7 @@ use tokio::time::{Instant, Sleep};
 
 /// One connection's timer for one kind of deadline.
 #[derive(Debug)]
-pub(super) struct Deadline {
+pub struct Deadline {
     sleep: Pin<Box<Sleep>>,
     /// When the timer is armed to fire (never after `current`).
     armed: Instant,
@@ -26,7 +26,7 @@ pub(super) struct Deadline {
 
 impl Deadline {
     /// A timer for deadlines from `first` on.
-    pub(super) fn new(first: Instant) -> Self {
+    pub fn new(first: Instant) -> Self {
         Deadline {
             sleep: Box::pin(tokio::time::sleep_until(first)),
             armed: first,
@@ -36,7 +36,7 @@ impl Deadline {
 
     /// Makes `deadline` the one in force. A later one than armed waits until the armed
     /// time; an earlier one re-arms the timer at once.
-    pub(super) fn set(&mut self, deadline: Instant) {
+    pub fn set(&mut self, deadline: Instant) {
         self.current = deadline;
         if deadline < self.armed {
             self.rearm();
@@ -49,7 +49,7 @@ impl Deadline {
     }
 
     /// Completes when the deadline in force has passed.
-    pub(super) async fn passed(&mut self) {
+    pub async fn passed(&mut self) {
         loop {
             self.sleep.as_mut().await;
             if Instant::now() >= self.current {

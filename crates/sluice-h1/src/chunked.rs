@@ -16,7 +16,7 @@ const MAX_TRAILERS: u32 = 64 * 1024;
 
 /// The framing of a chunked body is broken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct BadChunk;
+pub struct BadChunk;
 
 /// Where in the chunked framing the bytes seen so far end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,13 +49,19 @@ enum State {
 
 /// Tracks a chunked body's framing across the reads that bring it.
 #[derive(Debug, Clone)]
-pub(super) struct ChunkedEnd {
+pub struct ChunkedEnd {
     state: State,
+}
+
+impl Default for ChunkedEnd {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl ChunkedEnd {
     /// At the start of a body.
-    pub(super) fn new() -> Self {
+    pub fn new() -> Self {
         ChunkedEnd {
             state: State::Size {
                 size: 0,
@@ -66,7 +72,7 @@ impl ChunkedEnd {
     }
 
     /// True once the final CRLF has been seen.
-    pub(super) fn is_done(&self) -> bool {
+    pub fn is_done(&self) -> bool {
         self.state == State::Done
     }
 
@@ -76,7 +82,7 @@ impl ChunkedEnd {
     ///
     /// # Errors
     /// [`BadChunk`] when the bytes break the chunked framing.
-    pub(super) fn feed(&mut self, bytes: &[u8]) -> Result<usize, BadChunk> {
+    pub fn feed(&mut self, bytes: &[u8]) -> Result<usize, BadChunk> {
         let mut i = 0;
         while i < bytes.len() {
             let b = bytes[i];

@@ -3,12 +3,13 @@
 
 use std::mem::MaybeUninit;
 
-use super::super::proxy::{for_each_connection_named, is_hop_by_hop};
-use super::request::{MAX_HEADERS, named_in_connection, parse_length};
+use crate::fields::{
+    MAX_HEADERS, for_each_connection_named, is_hop_by_hop, named_in_connection, parse_length,
+};
 
 /// How the response body is delimited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Framing {
+pub enum Framing {
     /// No body (a response to HEAD, 204, 304).
     Empty,
     /// `Content-Length` bytes.
@@ -22,46 +23,51 @@ pub(super) enum Framing {
 
 /// What an upstream response head is.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum Parsed {
+pub enum Parsed {
     /// The head is not complete yet.
     Partial,
     /// An interim (1xx) response of `len` bytes: skipped, the real one follows.
-    Interim { len: usize },
+    Interim {
+        /// Bytes of the interim head.
+        len: usize,
+    },
     /// A final response; its head for the client is in the buffer [`parse`] was given.
     Final(Head),
 }
 
 /// A final response head.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) struct Head {
+pub struct Head {
     /// Bytes of the head in the upstream's buffer.
-    pub(super) len: usize,
-    pub(super) status: u16,
-    pub(super) framing: Framing,
+    pub len: usize,
+    /// The status code.
+    pub status: u16,
+    /// How its body is delimited.
+    pub framing: Framing,
     /// The upstream connection can serve another request once this body is read.
-    pub(super) reusable: bool,
+    pub reusable: bool,
 }
 
 /// The upstream's response cannot be relayed (answered 502).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct BadResponse;
+pub struct BadResponse;
 
 /// How the client's head is made from the upstream's.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Rewrite<'a> {
+pub struct Rewrite<'a> {
     /// The request was a HEAD (the response has no body, whatever its fields say).
-    pub(super) head_request: bool,
+    pub head_request: bool,
     /// The client's connection closes after this response.
-    pub(super) close: bool,
+    pub close: bool,
     /// Fields the gateway sets itself (the rate-limit ones): the upstream's are dropped.
-    pub(super) replaced: &'a [http::HeaderName],
+    pub replaced: &'a [http::HeaderName],
 }
 
 /// What `buf` holds after any interim (1xx) heads: `None` while no final head is
 /// complete; `Some(status)` for a complete final head, `Some(0)` for something that is
 /// no head at all (which [`parse`] refuses). Used while a request is still being
 /// written, to see whether the upstream has answered it already.
-pub(super) fn final_status(mut buf: &[u8]) -> Option<u16> {
+pub fn final_status(mut buf: &[u8]) -> Option<u16> {
     loop {
         let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut response = httparse::Response::new(&mut fields);
@@ -78,7 +84,7 @@ pub(super) fn final_status(mut buf: &[u8]) -> Option<u16> {
 
 /// The value of the first field `name` (lowercase) of the complete final head at the
 /// start of `buf`, if it has one.
-pub(super) fn field<'b>(buf: &'b [u8], name: &[u8]) -> Option<&'b [u8]> {
+pub fn field<'b>(buf: &'b [u8], name: &[u8]) -> Option<&'b [u8]> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut response = httparse::Response::new(&mut fields);
     match response.parse(buf) {
@@ -102,7 +108,7 @@ pub(super) fn field<'b>(buf: &'b [u8], name: &[u8]) -> Option<&'b [u8]> {
 /// # Errors
 /// [`BadResponse`] for a head that is malformed, too large a list of fields, a status
 /// under 100, a `101 Switching Protocols` (never asked for) or lengths that disagree.
-pub(super) fn parse(
+pub fn parse(
     buf: &[u8],
     rewrite: &Rewrite<'_>,
     client: &mut Vec<u8>,

@@ -11,13 +11,14 @@ use tokio::net::TcpStream;
 
 /// `stream`, read from as if `prefix` had not been taken off it yet.
 #[derive(Debug)]
-pub(crate) struct Rewind {
+pub struct Rewind {
     prefix: Bytes,
     stream: TcpStream,
 }
 
 impl Rewind {
-    pub(crate) fn new(stream: TcpStream, prefix: Bytes) -> Self {
+    /// `stream`, with `prefix` read from it first.
+    pub fn new(stream: TcpStream, prefix: Bytes) -> Self {
         Rewind { prefix, stream }
     }
 }
