@@ -15,7 +15,8 @@ use sluice_client::proxy::{ProxyError, ProxyOptions, ProxyServer};
 use sluice_store::{Guarded, RedisConfig, RedisStore};
 
 use crate::BadInput;
-use crate::serve::{parse_addr, termination_signal};
+use crate::serve::{parse_addr, parse_store, termination_signal};
+use sluice_gateway::StoreSpec;
 
 /// Flags of `sluice pace`.
 #[derive(Debug, Args)]
@@ -36,8 +37,8 @@ pub struct PaceArgs {
 
     /// Where the budgets live: `memory` (this process) or a Redis URL
     /// (`redis://…`, `redis+unix:///…`) so every process on one key shares one budget.
-    #[arg(long, value_name = "memory|redis://…", default_value = "memory")]
-    pub store: String,
+    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = parse_store)]
+    pub store: StoreSpec,
 }
 
 /// Runs `sluice pace` until SIGTERM / Ctrl-C.
@@ -64,26 +65,9 @@ fn config_error(e: ProxyError) -> anyhow::Error {
 async fn pace(args: PaceArgs) -> anyhow::Result<()> {
     let termination = termination_signal().context("installing signal handlers")?;
     let options = ProxyOptions::new(args.config.clone(), args.listen).with_admin(args.admin);
-    let store_line;
-    let served = if args.store == "memory" {
-        store_line = "memory".to_owned();
+    let StoreSpec::Redis(url) = &args.store else {
         let server = ProxyServer::bind(options).await.map_err(config_error)?;
-        announce(server.bound(), &store_line)?;
-        server.serve_with_shutdown(async move {
-            termination.await;
-        })
-    } else {
-        store_line = "redis".to_owned();
-        let watcher: Arc<dyn LimitsSource> =
-            Arc::new(ConfigWatcher::open(&args.config).map_err(|e| BadInput(e.to_string()))?);
-        let redis = RedisStore::connect(RedisConfig::new(args.store.clone()))
-            .await
-            .context("connecting to the store")?;
-        let pacer = Pacer::with_store(Guarded::new(redis), TokioClock::system(), watcher);
-        let server = ProxyServer::with_pacer(options, pacer)
-            .await
-            .map_err(config_error)?;
-        announce(server.bound(), &store_line)?;
+        announce(server.bound(), "memory")?;
         return server
             .serve_with_shutdown(async move {
                 termination.await;
@@ -91,7 +75,22 @@ async fn pace(args: PaceArgs) -> anyhow::Result<()> {
             .await
             .context("serving");
     };
-    served.await.context("serving")
+    let watcher: Arc<dyn LimitsSource> =
+        Arc::new(ConfigWatcher::open(&args.config).map_err(|e| BadInput(e.to_string()))?);
+    let redis = RedisStore::connect(RedisConfig::new(url.clone()))
+        .await
+        .with_context(|| format!("connecting to the store {}", args.store.describe()))?;
+    let pacer = Pacer::with_store(Guarded::new(redis), TokioClock::system(), watcher);
+    let server = ProxyServer::with_pacer(options, pacer)
+        .await
+        .map_err(config_error)?;
+    announce(server.bound(), "redis")?;
+    server
+        .serve_with_shutdown(async move {
+            termination.await;
+        })
+        .await
+        .context("serving")
 }
 
 fn announce(bound: sluice_client::proxy::Bound, store: &str) -> anyhow::Result<()> {

@@ -281,7 +281,7 @@ fn parse_upstream(s: &str) -> Result<Upstream, String> {
     Upstream::parse(s)
 }
 
-fn parse_store(s: &str) -> Result<StoreSpec, String> {
+pub(crate) fn parse_store(s: &str) -> Result<StoreSpec, String> {
     if s == "memory" {
         Ok(StoreSpec::Memory)
     } else if [
