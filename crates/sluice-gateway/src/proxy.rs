@@ -29,8 +29,8 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme, Uri};
 use http::{Request, Response, StatusCode, Version};
-use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt as _;
+use http_body_util::combinators::BoxBody;
 use tower::Service;
 
 use sluice_h1::fields::strip_hop_by_hop;

@@ -1,5 +1,9 @@
 //! The policy: loading, validation errors, the default table, classification.
 
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
 use std::net::IpAddr;
 use std::path::Path;
 
@@ -330,7 +334,7 @@ fn e2_a_credential_sent_twice_is_ambiguous() {
 
 #[test]
 fn e4_forwarded_for_is_believed_only_from_trusted_proxies() {
-    let yaml = sluice_policy::DEFAULT_POLICY_YAML.replace(
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.edit(
         "trusted_proxies: []",
         "trusted_proxies: [10.0.0.0/8, \"192.0.2.1\"]",
     );
@@ -378,7 +382,7 @@ fn ipv6_callers_share_ip_budgets_by_64_prefix() {
 #[test]
 fn unknown_keys_are_errors_with_the_line() {
     let yaml = sluice_policy::DEFAULT_POLICY_YAML
-        .replace("window_seconds: 60\nprofiles", "window_secs: 60\nprofiles");
+        .edit("window_seconds: 60\nprofiles", "window_secs: 60\nprofiles");
     let err = parse_str(&yaml, Path::new("policy.yaml")).expect_err("typo");
     let text = err.to_string();
     assert!(matches!(err, PolicyError::Parse { .. }));
@@ -392,13 +396,13 @@ fn unknown_keys_are_errors_with_the_line() {
 #[test]
 fn invalid_values_are_reported_with_their_key_paths() {
     let yaml = sluice_policy::DEFAULT_POLICY_YAML
-        .replace("expensive: 30 }", "expensive: 0 }")
-        .replace(
+        .edit("expensive: 30 }", "expensive: 0 }")
+        .edit(
             "{ method: POST, path: /chats, class: expensive }",
             "{ method: POST, path: chats, class: expnsive }",
         )
-        .replace("buckets: [export]", "buckets: [exprot]")
-        .replace("trusted_proxies: []", "trusted_proxies: [\"10.0.0.0/33\"]");
+        .edit("buckets: [export]", "buckets: [exprot]")
+        .edit("trusted_proxies: []", "trusted_proxies: [\"10.0.0.0/33\"]");
     let err = parse_str(&yaml, Path::new("policy.yaml")).expect_err("invalid");
     let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
     for want in [
@@ -450,8 +454,8 @@ fn d3_store_outage_choices_per_class_are_validated() {
         sluice_policy::Outage::FailOpen
     );
     let yaml = sluice_policy::DEFAULT_POLICY_YAML
-        .replace("expensive: fail_open }", "expensive: fail_closed }")
-        .replace("replicas: 1", "replicas: 3");
+        .edit("expensive: fail_open }", "expensive: fail_closed }")
+        .edit("replicas: 1", "replicas: 3");
     let p = parse_str(&yaml, Path::new("p.yaml")).expect("policy");
     assert_eq!(
         p.store.outage(Class::Expensive),
@@ -460,8 +464,8 @@ fn d3_store_outage_choices_per_class_are_validated() {
     assert_eq!(p.store.outage(Class::Read), sluice_policy::Outage::FailOpen);
     assert_eq!(p.store.replicas.get(), 3);
     let bad = sluice_policy::DEFAULT_POLICY_YAML
-        .replace("expensive: fail_open }", "expensive: fail_shut }")
-        .replace("timeout_ms: 20", "timeout_ms: 0");
+        .edit("expensive: fail_open }", "expensive: fail_shut }")
+        .edit("timeout_ms: 20", "timeout_ms: 0");
     let err = parse_str(&bad, Path::new("p.yaml")).expect_err("invalid");
     let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
     assert!(
@@ -556,7 +560,7 @@ fn q1_q2_the_default_policy_names_its_quotas_and_the_warehouse_budget() {
 #[test]
 fn q1_unknown_families_and_quota_keys_are_errors_with_their_paths() {
     let base = sluice_policy::DEFAULT_POLICY_YAML;
-    let typo_route = base.replace("quota: messages }", "quota: mesages }");
+    let typo_route = base.edit("quota: messages }", "quota: mesages }");
     let problems = problems_of(&typo_route);
     assert!(
         problems
@@ -564,7 +568,7 @@ fn q1_unknown_families_and_quota_keys_are_errors_with_their_paths() {
             .any(|p| p.contains("routes[5].quota") && p.contains("mesages")),
         "{problems:?}"
     );
-    let typo_tool = base.replace(
+    let typo_tool = base.edit(
         "optimize_message: { class: expensive, quota: messages }",
         "optimize_message: { class: expensive, quota: nope }",
     );
@@ -575,13 +579,13 @@ fn q1_unknown_families_and_quota_keys_are_errors_with_their_paths() {
             .any(|p| p.contains("jsonrpc.tools.optimize_message.quota")),
         "{problems:?}"
     );
-    let typo_key = base.replace("messages: { monthly: 1000 }", "messages: { montly: 1000 }");
+    let typo_key = base.edit("messages: { monthly: 1000 }", "messages: { montly: 1000 }");
     let problems = problems_of(&typo_key);
     assert!(
         problems.iter().any(|p| p.contains("montly")),
         "{problems:?}"
     );
-    let zero = base.replace("messages: { monthly: 1000 }", "messages: { monthly: 0 }");
+    let zero = base.edit("messages: { monthly: 1000 }", "messages: { monthly: 0 }");
     let problems = problems_of(&zero);
     assert!(
         problems
@@ -589,7 +593,7 @@ fn q1_unknown_families_and_quota_keys_are_errors_with_their_paths() {
             .any(|p| p.contains("quotas.messages.monthly")),
         "{problems:?}"
     );
-    let pass_unweighted = base.replace(
+    let pass_unweighted = base.edit(
         "oauth_register: { limit: 5, window_seconds: 60, per: ip }",
         "oauth_register: { limit: 5, window_seconds: 60, per: ip, on_exhausted: pass }",
     );
@@ -608,23 +612,21 @@ fn paths_merge_slashes_is_on_by_default_and_a_typo_is_an_error() {
     assert!(p.paths.merge_slashes);
     assert!(p.describe().contains("repeated slashes merged"));
     let kept =
-        sluice_policy::DEFAULT_POLICY_YAML.replace("merge_slashes: true", "merge_slashes: false");
+        sluice_policy::DEFAULT_POLICY_YAML.edit("merge_slashes: true", "merge_slashes: false");
     let kept = parse_str(&kept, Path::new("kept.yaml")).expect("valid");
     assert!(!kept.paths.merge_slashes);
     assert_eq!(kept.paths.normalize("//a").expect("normal"), "//a");
-    let absent = sluice_policy::DEFAULT_POLICY_YAML.replace("paths:\n  merge_slashes: true\n", "");
+    let absent = sluice_policy::DEFAULT_POLICY_YAML.edit("paths:\n  merge_slashes: true\n", "");
     let absent = parse_str(&absent, Path::new("absent.yaml")).expect("valid");
     assert!(absent.paths.merge_slashes, "on unless turned off");
-    let typo =
-        sluice_policy::DEFAULT_POLICY_YAML.replace("merge_slashes: true", "merge_slash: true");
+    let typo = sluice_policy::DEFAULT_POLICY_YAML.edit("merge_slashes: true", "merge_slash: true");
     let err = parse_str(&typo, Path::new("typo.yaml")).expect_err("unknown key");
     assert!(err.to_string().contains("merge_slash"), "{err}");
 }
 
 #[test]
 fn max_json_depth_is_bounded_by_what_the_parser_reads() {
-    let yaml =
-        sluice_policy::DEFAULT_POLICY_YAML.replace("max_json_depth: 64", "max_json_depth: 500");
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.edit("max_json_depth: 64", "max_json_depth: 500");
     let err = parse_str(&yaml, Path::new("deep.yaml")).expect_err("too deep");
     let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
     assert_eq!(paths, ["limits.max_json_depth"]);

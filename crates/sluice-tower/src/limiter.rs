@@ -155,7 +155,8 @@ impl Meters {
                 .chain(policy.buckets.iter().map(|b| b.name.clone()))
                 .chain(policy.quotas.iter().map(|q| q.name.clone()))
                 .map(|reason| {
-                    let counter = metrics::counter!("sluice_refusals_total", "reason" => reason.clone());
+                    let counter =
+                        metrics::counter!("sluice_refusals_total", "reason" => reason.clone());
                     (reason, counter)
                 })
                 .collect(),
@@ -601,17 +602,22 @@ impl<S: BudgetStore> Limiter<S> {
                     .map(|(b, _)| u64::from(b.cost))
                     .sum();
                 let window = d.decided_at().as_secs() / u64::from(self.policy.window.get());
-                self.top[top_shard(plan.caller)]
-                    .lock()
-                    .record(window, plan.caller, plan.who, units);
+                self.top[top_shard(plan.caller)].lock().record(
+                    window,
+                    plan.caller,
+                    plan.who,
+                    units,
+                );
             }
             Ok(d) => {
                 let reason = plan.name(d.binding_index(), &self.policy);
                 counters[1].increment(1);
                 match self.metrics.refusals.get(reason) {
                     Some(counter) => counter.increment(1),
-                    None => metrics::counter!("sluice_refusals_total", "reason" => reason.to_owned())
-                        .increment(1),
+                    None => {
+                        metrics::counter!("sluice_refusals_total", "reason" => reason.to_owned())
+                            .increment(1)
+                    }
                 }
             }
             Err(_) => {

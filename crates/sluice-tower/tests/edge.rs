@@ -1,6 +1,10 @@
 //! The edge end to end over loopback: an axum app behind the layer, real
 //! HTTP, the default policy, a fake clock (no test can straddle a window).
 
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
 mod support;
 
 use http::{Method, StatusCode};
@@ -145,7 +149,7 @@ async fn h1_x_ratelimit_limit_reads_the_budget_the_request_was_counted_in() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2_one_credential_is_one_set_of_budgets_from_any_address() {
     // Trust loopback as a proxy so X-Forwarded-For can stand for two addresses.
-    let edge = start(|y| y.replace("trusted_proxies: []", "trusted_proxies: [127.0.0.1]")).await;
+    let edge = start(|y| y.edit("trusted_proxies: []", "trusted_proxies: [127.0.0.1]")).await;
     let from = |ip: &'static str| ("x-forwarded-for", ip);
     for i in 0..30 {
         let ip = if i % 2 == 0 {
@@ -235,7 +239,7 @@ type Case<'a> = (
 /// nothing reaches the app (SPEC E5, H3).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e5_h3_bodies_that_cannot_be_counted_are_refused_and_spend_nothing() {
-    let edge = start(|y| y.replace("max_batch_items: 1000", "max_batch_items: 30")).await;
+    let edge = start(|y| y.edit("max_batch_items: 1000", "max_batch_items: 30")).await;
     let batch = |n: u32| {
         let items: Vec<String> = (0..n).map(|i| tool_call(i, "start_chat")).collect();
         format!("[{}]", items.join(","))
@@ -383,7 +387,7 @@ async fn h3_the_export_bucket_refuses_with_the_json_envelope_and_retry_at() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e1_profile_local_numbers() {
-    let edge = start(|y| y.replace("profile: production", "profile: local")).await;
+    let edge = start(|y| y.edit("profile: production", "profile: local")).await;
     assert_eq!(edge.rpc(&[KEY], &method(1, "ping")).await.limit(), 3000);
     assert_eq!(edge.get("/search/fields", &[KEY]).await.limit(), 1500);
     assert_eq!(edge.post("/evals", &[KEY], "{}").await.limit(), 500);
@@ -392,7 +396,7 @@ async fn e1_profile_local_numbers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h1_ietf_draft_fields_list_every_budget_when_enabled() {
-    let edge = start(|y| y.replace("ietf_draft: false", "ietf_draft: true")).await;
+    let edge = start(|y| y.edit("ietf_draft: false", "ietf_draft: true")).await;
     let r = edge.post("/chats", &[KEY], "{}").await;
     assert_eq!(
         r.header("ratelimit-policy"),
@@ -409,7 +413,7 @@ async fn h1_ietf_draft_fields_list_every_budget_when_enabled() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_jsonrpc_bodies_get_413_and_count_as_standard() {
-    let edge = start(|y| y.replace("max_body_bytes: 1048576", "max_body_bytes: 1024")).await;
+    let edge = start(|y| y.edit("max_body_bytes: 1048576", "max_body_bytes: 1024")).await;
     let big = format!(
         r#"{{"jsonrpc":"2.0","id":1,"method":"ping","params":{{"pad":"{}"}}}}"#,
         "x".repeat(2000)

@@ -1,6 +1,10 @@
 //! D3 at the layer: while the store cannot answer, each class follows its
 //! outage rule — decided locally with this replica's share, or 503.
 
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
 mod support;
 
 use std::path::Path;
@@ -28,8 +32,8 @@ impl BudgetStore for Down {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d3_fail_open_classes_decide_locally_and_fail_closed_ones_answer_503() {
     let yaml = sluice_policy::DEFAULT_POLICY_YAML
-        .replace("expensive: fail_open }", "expensive: fail_closed }")
-        .replace("replicas: 1", "replicas: 3");
+        .edit("expensive: fail_open }", "expensive: fail_closed }")
+        .edit("replicas: 1", "replicas: 3");
     let policy = sluice_policy::parse_str(&yaml, Path::new("outage.yaml")).expect("policy");
     let edge = start_with(policy, Down, FakeClock::new(Timestamp::from_secs(T0 + 1))).await;
     let key = ("x-api-key", "sk-outage");

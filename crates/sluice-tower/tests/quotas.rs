@@ -1,6 +1,10 @@
 //! Monthly quotas (SPEC Q1) and the weighted warehouse-read budget (SPEC Q2)
 //! through the tower layer, on the built-in policy and a fake clock.
 
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
 mod support;
 
 use http::StatusCode;
@@ -147,7 +151,7 @@ async fn q2_the_search_query_tool_spends_the_same_budget_as_the_route() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn q2_an_exhausted_budget_that_passes_is_forwarded_with_x_sluice_exhausted() {
     let edge = start(|y| {
-        y.replace(
+        y.edit(
             "    weighted: true\n",
             "    weighted: true\n    on_exhausted: pass\n",
         )
@@ -168,7 +172,7 @@ async fn upstream_is_told_the_workspace_and_user_and_never_a_clients_own() {
     // The key table names sk-acme's owner.
     let digest = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"sk-acme"));
     let edge = start(|y| {
-        y.replace(
+        y.edit(
             "  keys: []",
             &format!("  keys:\n    - {{ sha256: {digest}, workspace: acme, user: ada }}"),
         )
@@ -213,7 +217,7 @@ async fn upstream_is_told_the_workspace_and_user_and_never_a_clients_own() {
 
 fn capped(monthly: u32) -> impl FnOnce(String) -> String {
     move |y| {
-        y.replace(
+        y.edit(
             "messages: { monthly: 1000 }",
             &format!("messages: {{ monthly: {monthly} }}"),
         )

@@ -2,6 +2,10 @@
 //! with `redis-cli --cluster create`): one script per slot at once, refunds
 //! when any slot refuses (SPEC D1, D2).
 
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
 mod support;
 
 use std::num::NonZeroU32;
@@ -50,12 +54,12 @@ async fn d2_three_replicas_on_a_cluster_admit_exactly_the_limit_and_refusals_ref
     std::fs::create_dir_all(&dir).expect("temp dir");
     let policy = dir.join("cluster.yaml");
     let yaml = sluice_policy::DEFAULT_POLICY_YAML
-        .replace(
+        .edit(
             "window_seconds: 60\nprofiles",
             "window_seconds: 4294967295\nprofiles",
         )
-        .replace("expensive: fail_open }", "expensive: fail_closed }")
-        .replace("timeout_ms: 20", "timeout_ms: 2000");
+        .edit("expensive: fail_open }", "expensive: fail_closed }")
+        .edit("timeout_ms: 20", "timeout_ms: 2000");
     std::fs::write(&policy, yaml).expect("write policy");
     let policy = policy.to_str().expect("utf-8 path").to_owned();
     let url = cluster.url();

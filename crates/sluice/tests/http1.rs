@@ -3,6 +3,10 @@
 //! connections) and what it leaves to hyper (HTTP/1.0, chunked request bodies,
 //! `Expect: 100-continue`), all on one `sluice serve` process.
 
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
 mod support;
 
 use std::sync::Arc;
@@ -731,7 +735,7 @@ const BIG_JSONRPC: usize = 32 << 20;
 fn sluice_for_big_bodies(upstream: &str) -> Sluice {
     let policy = std::env::temp_dir().join(format!("sluice-http1-{}.yaml", std::process::id()));
     let yaml = sluice_policy::DEFAULT_POLICY_YAML
-        .replace("max_body_bytes: 1048576", "max_body_bytes: 67108864");
+        .edit("max_body_bytes: 1048576", "max_body_bytes: 67108864");
     std::fs::write(&policy, yaml).expect("write policy");
     Sluice::spawn(&[
         "--upstream",

@@ -2,6 +2,10 @@
 //! means the same on every replica, whatever their clocks say, and an outage
 //! follows the policy.
 
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
 mod support;
 
 use std::time::{Duration, Instant};
@@ -17,7 +21,7 @@ fn policy(name: &str, window: &str, edit: impl FnOnce(String) -> String) -> Stri
     let dir = std::env::temp_dir().join(format!("sluice-replicas-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(name);
-    let yaml = sluice_policy::DEFAULT_POLICY_YAML.replace(
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.edit(
         "window_seconds: 60\nprofiles",
         &format!("window_seconds: {window}\nprofiles"),
     );
@@ -50,8 +54,8 @@ async fn d2_e8_three_replicas_admit_exactly_the_limit_in_total() {
     // decided again locally (fail_closed), and a debug build under 200 concurrent
     // requests on two cores needs more than the default 20 ms.
     let policy = policy("d2.yaml", "4294967295", |y| {
-        y.replace("expensive: fail_open }", "expensive: fail_closed }")
-            .replace("timeout_ms: 20", "timeout_ms: 2000")
+        y.edit("expensive: fail_open }", "expensive: fail_closed }")
+            .edit("timeout_ms: 20", "timeout_ms: 2000")
     });
     let replicas: Vec<Sluice> = (0..3)
         .map(|_| replica(&policy, &redis.url(), &[]))
@@ -148,8 +152,8 @@ async fn d1_a_replica_with_a_skewed_clock_agrees_on_windows_and_resets() {
 async fn d3_redis_down_each_class_as_configured_then_shared_mode_resumes() {
     let mut redis = RedisServer::start("outage");
     let policy = policy("outage.yaml", "4294967295", |y| {
-        y.replace("expensive: fail_open }", "expensive: fail_closed }")
-            .replace("replicas: 1", "replicas: 3")
+        y.edit("expensive: fail_open }", "expensive: fail_closed }")
+            .edit("replicas: 1", "replicas: 3")
     });
     let sluice = replica(&policy, &redis.url(), &[]);
     let r = call(&sluice, "GET", "/search/fields", "sk-o").await;
@@ -204,8 +208,8 @@ async fn d3_redis_down_each_class_as_configured_then_shared_mode_resumes() {
 async fn q1_three_replicas_on_one_redis_admit_exactly_a_workspaces_monthly_cap() {
     let redis = RedisServer::start("q1");
     let policy = policy("q1.yaml", "4294967295", |y| {
-        y.replace("messages: { monthly: 1000 }", "messages: { monthly: 10 }")
-            .replace("timeout_ms: 20", "timeout_ms: 2000")
+        y.edit("messages: { monthly: 1000 }", "messages: { monthly: 10 }")
+            .edit("timeout_ms: 20", "timeout_ms: 2000")
     });
     let replicas: Vec<Sluice> = (0..3)
         .map(|_| replica(&policy, &redis.url(), &[]))

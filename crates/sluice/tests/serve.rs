@@ -595,7 +595,13 @@ fn bad_flags_exit_2_with_a_clear_message() {
         &["serve", "--workers", "many"],
         &["serve", "--config", "/nonexistent/sluice.yaml"],
         // `sluice pace` checks its store as `serve` does, before reading its config.
-        &["pace", "--config", "/nonexistent/pace.yaml", "--store", "memroy"],
+        &[
+            "pace",
+            "--config",
+            "/nonexistent/pace.yaml",
+            "--store",
+            "memroy",
+        ],
     ] {
         let run = run_to_exit(args, limit);
         assert_eq!(run.status.code(), Some(2), "{args:?}: {}", run.stderr);

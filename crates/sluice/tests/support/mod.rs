@@ -163,8 +163,12 @@ impl Sluice {
                 panic!("sluice printed no start line within {START_TIMEOUT:?}; stderr: {err}");
             }
         };
-        let start =
-            parse_start_line(&line).unwrap_or_else(|| panic!("unexpected start line: {line:?}"));
+        let Some(start) = parse_start_line(&line) else {
+            let _ = child.kill();
+            let status = child.wait();
+            let err = stderr.lock().map(|s| s.clone()).unwrap_or_default();
+            panic!("unexpected start line: {line:?} (exit: {status:?}); stderr: {err}");
+        };
         Sluice {
             child,
             start,
