@@ -194,26 +194,46 @@ fn parse_reset(v: &str, now: Timestamp) -> Option<Duration> {
 }
 
 /// `RateLimit-Policy: "default";q=100;w=60, "tokens";q=1000;w=60` → names and
-/// quotas.
+/// quotas. Parsed as an IETF structured-field list (RFC 9651), so a quoted name may
+/// hold `,` or `;`; a value that is no such list says nothing.
 fn parse_policies(v: &str) -> Vec<(String, u64)> {
-    v.split(',')
-        .filter_map(|item| {
-            let mut parts = item.split(';');
-            let name = unquote(parts.next()?.trim());
-            let q = parts.find_map(|p| {
-                let (k, val) = p.trim().split_once('=')?;
-                (k == "q").then(|| val.trim().parse().ok()).flatten()
-            })?;
-            Some((name, q))
+    sf_list(v)
+        .iter()
+        .filter_map(|(name, params)| Some((name.clone(), param(params, "q")?)))
+        .collect()
+}
+
+/// Each member of a structured-field list that is an item named by a string or a
+/// token, with its parameters (members of any other shape are skipped).
+fn sf_list(v: &str) -> Vec<(String, sfv::Parameters)> {
+    let Ok(list) = sfv::Parser::new(v).parse::<sfv::List>() else {
+        return Vec::new();
+    };
+    list.into_iter()
+        .filter_map(|entry| match entry {
+            sfv::ListEntry::Item(item) => {
+                let name = match &item.bare_item {
+                    sfv::BareItem::String(s) => s.as_str().to_owned(),
+                    sfv::BareItem::Token(t) => t.as_str().to_owned(),
+                    _ => return None,
+                };
+                Some((name, item.params))
+            }
+            sfv::ListEntry::InnerList(_) => None,
         })
         .collect()
 }
 
-fn unquote(s: &str) -> String {
-    s.trim_matches('"').to_owned()
+/// A non-negative integer parameter.
+fn param(params: &sfv::Parameters, key: &str) -> Option<u64> {
+    params
+        .iter()
+        .find(|(k, _)| k.as_str() == key)
+        .and_then(|(_, v)| v.as_integer())
+        .and_then(|n| u64::try_from(n).ok())
 }
 
-/// `RateLimit: "default";r=50;t=30` (draft-10) or the older
+/// `RateLimit: "default";r=50;t=30` (draft-10, a structured-field list) or the older
 /// `RateLimit: limit=100, remaining=50, reset=30`.
 fn parse_ratelimit(v: &str, policies: &[(String, u64)]) -> Vec<(String, Axis)> {
     let mut out = Vec::new();
@@ -238,26 +258,13 @@ fn parse_ratelimit(v: &str, policies: &[(String, u64)]) -> Vec<(String, Axis)> {
         out.push(("default".to_owned(), a));
         return out;
     }
-    for item in v.split(',') {
-        let mut parts = item.split(';');
-        let Some(name) = parts.next().map(|n| unquote(n.trim())) else {
-            continue;
-        };
-        let mut a = Axis {
+    for (name, params) in sf_list(v) {
+        let axis = Axis {
             limit: policies.iter().find(|(n, _)| *n == name).map(|(_, q)| *q),
-            ..Axis::default()
+            remaining: param(&params, "r"),
+            reset: param(&params, "t").map(Duration::from_secs),
         };
-        for p in parts {
-            if let Some((k, val)) = p.trim().split_once('=') {
-                let n = val.trim().parse::<u64>().ok();
-                match k.trim() {
-                    "r" => a.remaining = n,
-                    "t" => a.reset = n.map(Duration::from_secs),
-                    _ => {}
-                }
-            }
-        }
-        out.push((name, a));
+        out.push((name, axis));
     }
     out
 }
@@ -337,6 +344,37 @@ mod tests {
         assert_eq!(h.tokens.reset, Some(Duration::from_millis(1500)));
         assert_eq!(h.tokens.used(), Some(20_000));
         assert_eq!(h.input_tokens.limit, Some(80_000));
+    }
+
+    #[test]
+    fn c6_ietf_names_are_structured_strings_not_split_on_separators() {
+        // A quoted name may hold `,` and `;`: splitting on them would read
+        // "r=0" as the name of a second policy and lose the tokens axis.
+        let h = RateLimitHeaders::parse(
+            &headers(&[
+                (
+                    "ratelimit-policy",
+                    "\"req, per; min\";q=30;w=60, \"tokens\";q=1000;w=60",
+                ),
+                (
+                    "ratelimit",
+                    "\"req, per; min\";r=4;t=37, \"tokens\";r=900;t=5",
+                ),
+            ]),
+            NOW,
+        );
+        assert_eq!(
+            h.requests,
+            Axis {
+                limit: Some(30),
+                remaining: Some(4),
+                reset: Some(Duration::from_secs(37))
+            }
+        );
+        assert_eq!(h.tokens.remaining, Some(900));
+        // A value that is no structured list says nothing (it is not guessed at).
+        let h = RateLimitHeaders::parse(&headers(&[("ratelimit", "\"open;r=1")]), NOW);
+        assert!(h.is_empty(), "{h:?}");
     }
 
     #[test]
