@@ -5,6 +5,11 @@
 //! whose class is read off the body, a request in flight) until it leaves. Wrapped in
 //! [`ReadDeadline`], such a body fails once no frame has come for the timeout, as the
 //! fast path gives each of its body reads the head timeout.
+//!
+//! tower-http's `TimeoutBody` has the same rule, but makes and polls a new timer
+//! for every frame, also one that is ready at once (and answers a ready frame with a
+//! timeout when the timer ran out meanwhile); this one arms its timer only when a
+//! frame is not ready, so a body that is all there never touches the timer wheel.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
