@@ -68,7 +68,7 @@ pub type GatewayBody = axum::body::Body;
 pub enum StoreSpec {
     /// In this process's memory (one replica).
     Memory,
-    /// A Redis server shared by replicas (not built yet).
+    /// A Redis server (or cluster) shared by replicas, by its URL.
     Redis(String),
 }
 
