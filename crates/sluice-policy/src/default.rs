@@ -43,13 +43,25 @@ quotas:
   messages: { monthly: 1000 }
   search: {}
   evals: {}
+lanes:
+  optimizer:
+    workspace_in_flight: 3
+    workspace_starts: 12
+    starts_window_seconds: 60
+    global_in_flight: 20
+    batch_reserve: 5
+    wait_seconds: 15
+    jsonrpc_wait_seconds: 120
+    max_waiting: 1000
+    timeout_seconds: 180
+    breaker: { failures: 5, within_seconds: 60, open_seconds: 30 }
 routes:
   - { method: GET, path: /mcp, class: protocol }
   - { method: DELETE, path: /mcp, class: protocol }
   - { method: POST, path: /mcp, jsonrpc: true }
   - { method: POST, path: /chats, class: expensive }
   - { method: POST, path: "/routines/{id}/run", class: expensive }
-  - { method: POST, path: /messages/optimize, class: expensive, quota: messages }
+  - { method: POST, path: /messages/optimize, class: expensive, quota: messages, lane: optimizer }
   - { method: POST, path: /messages/optimize/batch, class: expensive }
   - { method: GET, path: "/messages/optimize/batches/{id}", class: read }
   - { method: POST, path: /search/query, class: read, quota: search, buckets: [warehouse_reads] }
@@ -73,7 +85,7 @@ jsonrpc:
       - prompts/list
       - logging/setLevel
   tools:
-    optimize_message: { class: expensive, quota: messages }
+    optimize_message: { class: expensive, quota: messages, lane: optimizer }
     optimize_message_batch: { class: expensive }
     start_chat: { class: expensive }
     run_routine: { class: expensive }

@@ -101,6 +101,25 @@ impl Policy {
                 }
             }
         }
+        for l in &self.lanes {
+            let _ = writeln!(
+                out,
+                "lane {}: per workspace {} running, {} started per {} s; {} running in all ({} kept from batches); waits {} s (JSON-RPC {} s, at most {} in line); calls cut after {} s; breaker opens after {} failures within {} s, for {} s",
+                l.name,
+                l.workspace_in_flight,
+                l.workspace_starts,
+                l.starts_window.as_secs(),
+                l.global_in_flight,
+                l.batch_reserve,
+                l.wait.as_secs(),
+                l.jsonrpc_wait.as_secs(),
+                l.max_waiting,
+                l.timeout.as_secs(),
+                l.breaker_failures,
+                l.breaker_within.as_secs(),
+                l.breaker_open.as_secs(),
+            );
+        }
         let _ = writeln!(out, "routes (first match wins):");
         for r in &self.routes {
             let method = r.method.as_ref().map_or("*", |m| m.as_str());
@@ -112,6 +131,7 @@ impl Policy {
             let also = self.describe_spends(&Spends {
                 buckets: r.buckets.clone(),
                 quota: r.quota,
+                lane: r.lane,
             });
             let _ = writeln!(out, "  {method:<7} {path:<36} {class}{also}");
         }
@@ -214,6 +234,9 @@ impl Policy {
         }
         if let Some(q) = spends.quota.and_then(|q| self.quotas.get(q)) {
             let _ = write!(also, " + quota {}", q.name);
+        }
+        if let Some(l) = spends.lane.and_then(|l| self.lanes.get(l)) {
+            let _ = write!(also, " in lane {}", l.name);
         }
         also
     }

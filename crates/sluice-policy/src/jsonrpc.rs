@@ -4,7 +4,7 @@ use http::HeaderMap;
 use http::header::CONTENT_ENCODING;
 use serde_json::Value;
 
-use crate::model::{Bounds, Class, JsonRpc, MAX_BUCKETS, MAX_QUOTA_FAMILIES, Spends};
+use crate::model::{Bounds, Class, JsonRpc, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, Spends};
 
 /// What a request holds: items by class, and what its items spend besides
 /// (quota units by family, the buckets named).
@@ -17,6 +17,9 @@ pub struct Items {
     /// Units per bucket, indexed like [`crate::Policy::buckets`]: each item that
     /// names a bucket spends one unit of it.
     pub bucket_units: [u16; MAX_BUCKETS],
+    /// Calls per lane, indexed like [`crate::Policy::lanes`]: each item that a
+    /// lane guards is one call through it.
+    pub lane_calls: [u16; MAX_LANES],
 }
 
 impl Items {
@@ -30,6 +33,25 @@ impl Items {
     /// Adds what one item spends besides its class.
     pub fn add_spends(&mut self, spends: &Spends) {
         self.spend(&spends.buckets, spends.quota);
+        self.call_lane(spends.lane);
+    }
+
+    /// Adds one call through `lane` (a route's or a tool's).
+    pub fn call_lane(&mut self, lane: Option<usize>) {
+        if let Some(l) = lane
+            && let Some(calls) = self.lane_calls.get_mut(l)
+        {
+            *calls = calls.saturating_add(1);
+        }
+    }
+
+    /// The lanes called, with how many calls each, in index order.
+    pub fn lanes_called(&self) -> impl Iterator<Item = (usize, u16)> + '_ {
+        self.lane_calls
+            .iter()
+            .enumerate()
+            .filter(|(_, calls)| **calls > 0)
+            .map(|(l, &calls)| (l, calls))
     }
 
     /// Adds one unit of each bucket in `buckets` and of the quota family `quota`

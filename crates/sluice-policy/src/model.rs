@@ -4,6 +4,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
 use std::num::NonZeroU32;
+use std::time::Duration;
 
 use http::Method;
 use ipnet::IpNet;
@@ -203,6 +204,45 @@ pub struct Spends {
     pub buckets: Vec<usize>,
     /// Index into [`Policy::quotas`].
     pub quota: Option<usize>,
+    /// Index into [`Policy::lanes`]: the lane that guards the call.
+    pub lane: Option<usize>,
+}
+
+/// Most lanes a policy declares.
+pub const MAX_LANES: usize = 4;
+
+/// A guarded lane in front of an expensive upstream: the routes and tools that
+/// name it run at most so many calls at once per workspace and in all, start at
+/// most so many per workspace in a rolling window, wait in line for a bounded
+/// time, and stop while the upstream keeps failing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lane {
+    /// Its name (`optimizer` in the built-in policy).
+    pub name: String,
+    /// Calls of one workspace running at once.
+    pub workspace_in_flight: NonZeroU32,
+    /// Calls of one workspace started in any `starts_window`.
+    pub workspace_starts: NonZeroU32,
+    /// The rolling window of `workspace_starts`.
+    pub starts_window: Duration,
+    /// Calls running at once over every workspace.
+    pub global_in_flight: NonZeroU32,
+    /// Places of `global_in_flight` never given to batch items (less than it).
+    pub batch_reserve: u32,
+    /// Longest wait in line of a REST call.
+    pub wait: Duration,
+    /// Longest wait in line of a JSON-RPC tool call.
+    pub jsonrpc_wait: Duration,
+    /// Calls waiting in line at once; past it a call is refused at once.
+    pub max_waiting: NonZeroU32,
+    /// Longest upstream call; past it the call is cut and counts as a failure.
+    pub timeout: Duration,
+    /// Failures in a row that open the breaker.
+    pub breaker_failures: NonZeroU32,
+    /// Those failures fall within this span.
+    pub breaker_within: Duration,
+    /// How long the breaker stays open before one probe decides.
+    pub breaker_open: Duration,
 }
 
 /// One JSON-RPC tool's rule.
@@ -236,6 +276,8 @@ pub struct Route {
     pub buckets: Vec<usize>,
     /// Index into [`Policy::quotas`] this route counts against.
     pub quota: Option<usize>,
+    /// Index into [`Policy::lanes`]: the lane that guards this route's calls.
+    pub lane: Option<usize>,
 }
 
 impl Route {
@@ -317,6 +359,8 @@ pub struct Policy {
     pub buckets: Vec<Bucket>,
     /// Monthly quota families.
     pub quotas: Vec<QuotaFamily>,
+    /// Guarded lanes.
+    pub lanes: Vec<Lane>,
     /// The route table, first match wins.
     pub routes: Vec<Route>,
     /// The class of a request no route matches.

@@ -26,6 +26,9 @@ pub struct RawPolicy {
     /// Monthly quota families per workspace, that routes and tools name.
     #[serde(default)]
     pub quotas: BTreeMap<String, RawQuota>,
+    /// Guarded lanes by name.
+    #[serde(default)]
+    pub lanes: BTreeMap<String, RawLane>,
     /// The route table, first match wins.
     #[serde(default)]
     pub routes: Vec<RawRoute>,
@@ -185,6 +188,50 @@ pub struct RawRoute {
     pub buckets: Vec<String>,
     /// The monthly quota family this route counts against.
     pub quota: Option<String>,
+    /// The lane that guards this route's upstream calls.
+    pub lane: Option<String>,
+}
+
+/// A guarded lane in front of an expensive upstream: how many of its calls may run
+/// and start, how long a call waits in line, and when its breaker opens. Every field
+/// is optional; the defaults are the built-in policy's.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLane {
+    /// Calls of one workspace running at once (3).
+    pub workspace_in_flight: Option<u32>,
+    /// Calls of one workspace started in any `starts_window_seconds` (12).
+    pub workspace_starts: Option<u32>,
+    /// The rolling window of `workspace_starts`, in seconds (60).
+    pub starts_window_seconds: Option<u32>,
+    /// Calls running at once over every workspace (20).
+    pub global_in_flight: Option<u32>,
+    /// Places of `global_in_flight` never given to batch items (5).
+    pub batch_reserve: Option<u32>,
+    /// Longest wait in line of a REST call, in seconds (15).
+    pub wait_seconds: Option<u32>,
+    /// Longest wait in line of a JSON-RPC tool call, in seconds (120).
+    pub jsonrpc_wait_seconds: Option<u32>,
+    /// Calls waiting in line at once, past which a call is refused at once (1000).
+    pub max_waiting: Option<u32>,
+    /// How long a call may take upstream before it is cut and counted a failure, in
+    /// seconds (180).
+    pub timeout_seconds: Option<u32>,
+    /// The breaker.
+    #[serde(default)]
+    pub breaker: RawBreaker,
+}
+
+/// A lane's circuit breaker.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBreaker {
+    /// Failures in a row that open it (5).
+    pub failures: Option<u32>,
+    /// Those failures fall within this many seconds (60).
+    pub within_seconds: Option<u32>,
+    /// Seconds it stays open before one probe decides (30).
+    pub open_seconds: Option<u32>,
 }
 
 /// JSON-RPC classification rules.
@@ -215,6 +262,8 @@ pub struct RawTool {
     pub buckets: Vec<String>,
     /// The monthly quota family a call of it counts against.
     pub quota: Option<String>,
+    /// The lane that guards a call of it.
+    pub lane: Option<String>,
 }
 
 /// Header options.

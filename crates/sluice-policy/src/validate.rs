@@ -5,18 +5,19 @@ use std::collections::HashMap;
 use std::fmt;
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use http::{HeaderName, Method};
 use ipnet::IpNet;
 
 use crate::model::{
-    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, MAX_BUCKETS, MAX_QUOTA_FAMILIES,
-    OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass,
-    Spends, StorePolicy, Tool,
+    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Lane, MAX_BUCKETS, MAX_LANES,
+    MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal,
+    Route, RouteClass, Spends, StorePolicy, Tool,
 };
 use crate::path::Paths;
 use crate::pattern::PathPattern;
-use crate::raw::{RawPolicy, RawProfile};
+use crate::raw::{RawLane, RawPolicy, RawProfile};
 
 /// Default largest body read for classification: 1 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
@@ -262,6 +263,24 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             format!("at most {MAX_QUOTA_FAMILIES} quota families"),
         );
     }
+    let mut lane_index = HashMap::new();
+    let mut lanes = Vec::new();
+    for (name, raw_lane) in &raw.lanes {
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+            v.problem(
+                format!("lanes.{name}"),
+                "a lane name is letters, digits and `_`",
+            );
+            continue;
+        }
+        if let Some(lane) = v.lane(name, raw_lane) {
+            lane_index.insert(name.clone(), lanes.len());
+            lanes.push(lane);
+        }
+    }
+    if raw.lanes.len() > MAX_LANES {
+        v.problem("lanes", format!("at most {MAX_LANES} lanes"));
+    }
     let mut routes = Vec::new();
     for (i, r) in raw.routes.iter().enumerate() {
         let at = format!("routes[{i}]");
@@ -304,10 +323,10 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
         }
         let spends = v.spends(
             &at,
-            &r.buckets,
-            r.quota.as_deref(),
+            (&r.buckets, r.quota.as_deref(), r.lane.as_deref()),
             &bucket_index,
             &quota_index,
+            &lane_index,
         );
         if let Some(class) = class {
             routes.push(Route {
@@ -316,6 +335,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
                 class,
                 buckets: spends.buckets,
                 quota: spends.quota,
+                lane: spends.lane,
             });
         }
     }
@@ -323,7 +343,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
         "default_class",
         raw.default_class.as_deref().unwrap_or("standard"),
     );
-    let jsonrpc = v.jsonrpc(raw, &bucket_index, &quota_index);
+    let jsonrpc = v.jsonrpc(raw, &bucket_index, &quota_index, &lane_index);
     if let Some(j) = &jsonrpc {
         v.budget_counts(&routes, j);
     }
@@ -371,6 +391,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             identity,
             buckets,
             quotas,
+            lanes,
             routes,
             default_class,
             jsonrpc,
@@ -580,14 +601,14 @@ impl Checker {
         })
     }
 
-    /// The buckets and quota family named at `at`, each checked to exist.
+    /// The buckets, quota family and lane named at `at`, each checked to exist.
     fn spends(
         &mut self,
         at: &str,
-        buckets: &[String],
-        quota: Option<&str>,
+        (buckets, quota, lane): (&[String], Option<&str>, Option<&str>),
         bucket_index: &HashMap<String, usize>,
         quota_index: &HashMap<String, usize>,
+        lane_index: &HashMap<String, usize>,
     ) -> Spends {
         let mut spends = Spends::default();
         for (j, name) in buckets.iter().enumerate() {
@@ -621,7 +642,66 @@ impl Checker {
                 ),
             }
         }
+        if let Some(name) = lane {
+            match lane_index.get(name) {
+                Some(&k) => spends.lane = Some(k),
+                None => self.problem(
+                    format!("{at}.lane"),
+                    format!("no lane named {name:?} under `lanes`"),
+                ),
+            }
+        }
         spends
+    }
+
+    /// A lane's settings, each checked, with the built-in defaults for what is
+    /// left out.
+    fn lane(&mut self, name: &str, raw: &RawLane) -> Option<Lane> {
+        let at = |field: &str| format!("lanes.{name}.{field}");
+        let count = |v: &mut Self, field: &str, value: Option<u32>, default: u32| {
+            v.nonzero(&at(field), value.unwrap_or(default))
+        };
+        let workspace_in_flight = count(self, "workspace_in_flight", raw.workspace_in_flight, 3);
+        let workspace_starts = count(self, "workspace_starts", raw.workspace_starts, 12);
+        let starts_window = count(self, "starts_window_seconds", raw.starts_window_seconds, 60);
+        let global_in_flight = count(self, "global_in_flight", raw.global_in_flight, 20);
+        let wait = count(self, "wait_seconds", raw.wait_seconds, 15);
+        let jsonrpc_wait = count(self, "jsonrpc_wait_seconds", raw.jsonrpc_wait_seconds, 120);
+        let max_waiting = count(self, "max_waiting", raw.max_waiting, 1000);
+        let timeout = count(self, "timeout_seconds", raw.timeout_seconds, 180);
+        let failures = count(self, "breaker.failures", raw.breaker.failures, 5);
+        let within = count(
+            self,
+            "breaker.within_seconds",
+            raw.breaker.within_seconds,
+            60,
+        );
+        let open = count(self, "breaker.open_seconds", raw.breaker.open_seconds, 30);
+        let batch_reserve = raw.batch_reserve.unwrap_or(5);
+        let global = global_in_flight?;
+        if batch_reserve >= global.get() {
+            self.problem(
+                at("batch_reserve"),
+                format!("must be less than global_in_flight ({global}): batch items need a place"),
+            );
+            return None;
+        }
+        let secs = |n: NonZeroU32| Duration::from_secs(u64::from(n.get()));
+        Some(Lane {
+            name: name.to_owned(),
+            workspace_in_flight: workspace_in_flight?,
+            workspace_starts: workspace_starts?,
+            starts_window: secs(starts_window?),
+            global_in_flight: global,
+            batch_reserve,
+            wait: secs(wait?),
+            jsonrpc_wait: secs(jsonrpc_wait?),
+            max_waiting: max_waiting?,
+            timeout: secs(timeout?),
+            breaker_failures: failures?,
+            breaker_within: secs(within?),
+            breaker_open: secs(open?),
+        })
     }
 
     /// Checks that no request any route admits can touch more budgets than one
@@ -673,6 +753,7 @@ impl Checker {
         raw: &RawPolicy,
         bucket_index: &HashMap<String, usize>,
         quota_index: &HashMap<String, usize>,
+        lane_index: &HashMap<String, usize>,
     ) -> Option<JsonRpc> {
         let j = &raw.jsonrpc;
         let mut methods = HashMap::new();
@@ -696,10 +777,10 @@ impl Checker {
             let at = format!("jsonrpc.tools.{name}");
             let spends = self.spends(
                 &at,
-                &t.buckets,
-                t.quota.as_deref(),
+                (&t.buckets, t.quota.as_deref(), t.lane.as_deref()),
                 bucket_index,
                 quota_index,
+                lane_index,
             );
             if let Some(class) = self.class(&format!("{at}.class"), &t.class) {
                 tools.insert(name.clone(), Tool { class, spends });

@@ -558,9 +558,92 @@ fn q1_q2_the_default_policy_names_its_quotas_and_the_warehouse_budget() {
 }
 
 #[test]
+fn l1_the_default_policy_guards_the_optimizer_with_the_seed_numbers() {
+    let policy = default_policy().expect("default policy");
+    assert_eq!(policy.lanes.len(), 1);
+    let lane = &policy.lanes[0];
+    assert_eq!(lane.name, "optimizer");
+    assert_eq!(lane.workspace_in_flight.get(), 3);
+    assert_eq!(lane.workspace_starts.get(), 12);
+    assert_eq!(lane.starts_window.as_secs(), 60);
+    assert_eq!(lane.global_in_flight.get(), 20);
+    assert_eq!(lane.batch_reserve, 5);
+    assert_eq!(lane.wait.as_secs(), 15);
+    assert_eq!(lane.jsonrpc_wait.as_secs(), 120);
+    assert_eq!(
+        (
+            lane.breaker_failures.get(),
+            lane.breaker_within.as_secs(),
+            lane.breaker_open.as_secs()
+        ),
+        (5, 60, 30)
+    );
+    let route = policy
+        .route(&Method::POST, "/messages/optimize")
+        .expect("the optimize route");
+    assert_eq!(route.lane, Some(0));
+    let batch = policy
+        .route(&Method::POST, "/messages/optimize/batch")
+        .expect("the batch route");
+    assert_eq!(batch.lane, None, "a batch submit does not wait in the lane");
+    let tool = &policy.jsonrpc.tools["optimize_message"];
+    assert_eq!(tool.spends.lane, Some(0));
+
+    // Two calls of the tool in one JSON-RPC batch are two calls through the lane.
+    let body = br#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"optimize_message","arguments":{}}},
+                   {"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"optimize_message","arguments":{}}},
+                   {"jsonrpc":"2.0","id":3,"method":"tools/list"}]"#;
+    let items = policy
+        .jsonrpc
+        .classify(body, &policy.bounds)
+        .expect("classified");
+    assert_eq!(items.lanes_called().collect::<Vec<_>>(), [(0, 2)]);
+
+    // A lane left at its defaults is the seed's too.
+    let minimal = sluice_policy::DEFAULT_POLICY_YAML.edit("    workspace_in_flight: 3\n", "");
+    let minimal = parse_str(&minimal, Path::new("minimal.yaml")).expect("parses");
+    assert_eq!(minimal.lanes, policy.lanes);
+}
+
+#[test]
+fn l1_lanes_that_cannot_work_are_errors_with_their_paths() {
+    let base = sluice_policy::DEFAULT_POLICY_YAML;
+    for (from, to, expected) in [
+        ("lane: optimizer }", "lane: optimiser }", "routes[5].lane"),
+        (
+            "batch_reserve: 5",
+            "batch_reserve: 20",
+            "lanes.optimizer.batch_reserve",
+        ),
+        (
+            "workspace_in_flight: 3",
+            "workspace_in_flight: 0",
+            "lanes.optimizer.workspace_in_flight",
+        ),
+        (
+            "wait_seconds: 15",
+            "wait_seconds: 0",
+            "lanes.optimizer.wait_seconds",
+        ),
+        ("max_waiting: 1000", "max_waitng: 1000", "max_waitng"),
+        (
+            "breaker: { failures: 5,",
+            "breaker: { failures: 0,",
+            "lanes.optimizer.breaker.failures",
+        ),
+    ] {
+        let problems = problems_of(&base.edit(from, to));
+        assert!(
+            problems.iter().any(|p| p.contains(expected)),
+            "{to}: {problems:?}"
+        );
+    }
+}
+
+#[test]
 fn q1_unknown_families_and_quota_keys_are_errors_with_their_paths() {
     let base = sluice_policy::DEFAULT_POLICY_YAML;
-    let typo_route = base.edit("quota: messages }", "quota: mesages }");
+    let typo_route = base.edit("quota: messages, lane", "quota: mesages, lane");
     let problems = problems_of(&typo_route);
     assert!(
         problems
@@ -569,8 +652,8 @@ fn q1_unknown_families_and_quota_keys_are_errors_with_their_paths() {
         "{problems:?}"
     );
     let typo_tool = base.edit(
-        "optimize_message: { class: expensive, quota: messages }",
-        "optimize_message: { class: expensive, quota: nope }",
+        "optimize_message: { class: expensive, quota: messages,",
+        "optimize_message: { class: expensive, quota: nope,",
     );
     let problems = problems_of(&typo_tool);
     assert!(
