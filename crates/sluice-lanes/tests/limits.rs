@@ -348,3 +348,44 @@ async fn l1_a_newcomer_does_not_overtake_its_workspace_line() {
     assert!(first.is_finished() && !second.is_finished());
     second.abort();
 }
+
+#[tokio::test(start_paused = true)]
+async fn l1_the_snapshot_shows_running_waiting_starts_batch_and_breaker() {
+    let lane = lane();
+    let three = take_n(&lane, "acme", 3).await;
+    let item = lane.try_acquire_batch("acme").expect("a batch place");
+    let fourth = spawn_wait(&lane, "acme", REST);
+    settle().await;
+    drop(three);
+    let _beta = take(&lane, "beta").await;
+    settle().await;
+    let snap = lane.snapshot();
+    assert_eq!(snap.lane, "optimizer");
+    assert_eq!((snap.global_cap, snap.batch_cap), (20, 15));
+    assert_eq!((snap.running, snap.waiting, snap.batch_running), (3, 0, 1));
+    assert_eq!(snap.breaker, sluice_lanes::BreakerStatus::Closed);
+    assert_eq!(snap.breaker.as_str(), "closed");
+    let acme = &snap.workspaces[0];
+    assert_eq!(acme.workspace, "acme");
+    assert_eq!(
+        (
+            acme.running,
+            acme.waiting,
+            acme.started_in_window,
+            acme.batch_running
+        ),
+        (1, 0, 4, 1),
+        "the 4th started when the first three went; batch items are not starts"
+    );
+    assert_eq!(snap.workspaces[1].workspace, "beta");
+    drop(item);
+    drop(fourth.await.expect("task").0.expect("started"));
+    advance(60 * SEC).await;
+    assert!(
+        lane.snapshot()
+            .workspaces
+            .iter()
+            .all(|w| w.workspace == "beta"),
+        "idle workspaces leave the snapshot once their starts leave the window"
+    );
+}
