@@ -68,11 +68,17 @@
 
 mod config;
 mod lane;
+pub mod ledger;
+#[cfg(feature = "redis")]
+mod redis;
 mod refusal;
 mod snapshot;
 
 pub use config::{ConfigError, LaneConfig};
 pub use lane::{BatchPermit, Lane, LanePermit};
+pub use ledger::{Lease, LeaseKind, Ledger, LedgerCounts, LedgerError, MemoryLedger, Taken};
+#[cfg(feature = "redis")]
+pub use redis::{RedisLedger, RedisLedgerConfig};
 pub use refusal::{LaneRefusal, Outcome, RefusalReason};
 pub use sluice_core::BreakerConfig;
 pub use snapshot::{BreakerStatus, LaneSnapshot, WorkspaceSnapshot};
