@@ -10,6 +10,12 @@
 //! is renewed while its call runs; a replica that crashes stops renewing, so
 //! its places come back within one TTL.
 //!
+//! The lane does not take leases itself yet: a replica takes one right after
+//! its lane's permit ([`Ledger::take`]), renews it every third of
+//! [`Ledger::ttl`] while the call runs, and releases it with the permit. A
+//! refused lease means another replica holds the place: drop the permit and
+//! ask again until the call's wait is over.
+//!
 //! How far fairness holds across replicas: the counts and the limits are
 //! shared exactly; the waiting line is not. Each replica keeps its own line
 //! and hands its freed places out fewest-running-first over its own waiters;
