@@ -126,6 +126,16 @@ impl Breaker {
         }
     }
 
+    /// The half-open probe went away without an outcome (the call was
+    /// cancelled before the upstream answered): it proves nothing, so the
+    /// next call at or after `now` may probe at once instead of waiting out
+    /// another `open_for`. Does nothing unless the breaker is half-open.
+    pub fn probe_abandoned(&mut self, now: Timestamp) {
+        if let BreakerState::HalfOpen { .. } = self.state {
+            self.state = BreakerState::Open { until: now };
+        }
+    }
+
     fn open(&mut self, now: Timestamp) {
         self.streak = 0;
         self.state = BreakerState::Open {
@@ -205,6 +215,21 @@ mod tests {
             BreakerState::Closed,
             "5 failures over 80 s are not in a row within a minute"
         );
+    }
+
+    #[test]
+    fn an_abandoned_probe_lets_the_next_call_probe_at_once() {
+        let mut b = Breaker::new(L3);
+        for i in 0..5 {
+            b.failure(at(i));
+        }
+        assert_eq!(b.permit(at(40)), Permit::Probe);
+        b.probe_abandoned(at(41));
+        assert_eq!(b.permit(at(41)), Permit::Probe);
+        assert!(matches!(b.permit(at(41)), Permit::Refused { .. }));
+        let mut closed = Breaker::new(L3);
+        closed.probe_abandoned(at(1));
+        assert_eq!(closed.permit(at(1)), Permit::Call, "closed stays closed");
     }
 
     #[test]

@@ -1,0 +1,950 @@
+//! The lane: admission, the waiting line, fair hand-off, the breaker and
+//! batch capacity, all under one lock that is never held across an `.await`.
+//!
+//! A freed place is handed to the next waiter directly (counted on its behalf
+//! under the lock, then sent through the waiter's channel), so a newcomer can
+//! never overtake a waiter that a place was freed for, and a waiter that goes
+//! away after its place was handed over gives it straight back.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use sluice_core::{Breaker, BreakerState, Permit, Timestamp};
+use tokio::sync::{Notify, oneshot};
+use tokio::time::{Instant, sleep_until};
+
+use crate::config::{ConfigError, LaneConfig};
+use crate::refusal::{LaneRefusal, Outcome, RefusalReason};
+use crate::snapshot::{BreakerStatus, LaneSnapshot, WorkspaceSnapshot};
+
+/// The weight of the newest finished call in the moving average of call
+/// durations (an exponentially weighted mean).
+const DURATION_WEIGHT: f64 = 0.2;
+
+/// The longest wait a lane counts with (about 31 years): a larger `max_wait`
+/// is treated as this, so deadlines never overflow.
+const LONGEST_WAIT: Duration = Duration::from_secs(1 << 30);
+
+/// One guarded upstream: its limits, waiting line, breaker and batch capacity.
+///
+/// Cheap to clone: clones share one lane. See the crate docs for an example.
+#[derive(Clone)]
+pub struct Lane {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane")
+            .field("name", &self.shared.name)
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Shared {
+    name: Arc<str>,
+    config: LaneConfig,
+    state: Mutex<State>,
+    /// Woken whenever batch capacity may have appeared.
+    batch_capacity: Notify,
+}
+
+/// Everything the lock guards.
+struct State {
+    config: LaneConfig,
+    /// Where the breaker's clock starts.
+    origin: Instant,
+    workspaces: HashMap<Arc<str>, Workspace>,
+    /// Waiting single calls by arrival order (the key is a ticket number).
+    line: BTreeMap<u64, Waiter>,
+    /// Every call holding a place, single or batch, by ticket number.
+    running: BTreeMap<u64, Running>,
+    batch_running: u32,
+    next_ticket: u64,
+    breaker: Breaker,
+    /// The ticket of the half-open probe that is out, if any.
+    probe: Option<u64>,
+    /// The moving average of finished calls' durations, once one finished.
+    mean_duration: Option<Duration>,
+    /// Sweep idle workspaces once the map holds this many.
+    sweep_at: usize,
+}
+
+#[derive(Default)]
+struct Workspace {
+    running: u32,
+    batch_running: u32,
+    waiting: u32,
+    /// Starts of single calls, oldest first, pruned past the window.
+    starts: VecDeque<Instant>,
+}
+
+struct Waiter {
+    workspace: Arc<str>,
+    tx: oneshot::Sender<Result<Grant, LaneRefusal>>,
+}
+
+struct Running {
+    workspace: Arc<str>,
+    started: Instant,
+    batch: bool,
+}
+
+/// A place handed to a waiter.
+struct Grant {
+    ticket: u64,
+    probe: bool,
+}
+
+enum Arrival {
+    Started(Grant),
+    Queued(u64, oneshot::Receiver<Result<Grant, LaneRefusal>>),
+}
+
+impl Lane {
+    /// A lane called `name` (e.g. `optimizer`) with `config`.
+    ///
+    /// # Errors
+    /// [`ConfigError`] when the configuration cannot work (see
+    /// [`LaneConfig::validate`]).
+    pub fn new(name: impl Into<Arc<str>>, config: LaneConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let state = State {
+            origin: Instant::now(),
+            workspaces: HashMap::new(),
+            line: BTreeMap::new(),
+            running: BTreeMap::new(),
+            batch_running: 0,
+            next_ticket: 0,
+            breaker: Breaker::new(config.breaker),
+            probe: None,
+            mean_duration: None,
+            sweep_at: 1024,
+            config: config.clone(),
+        };
+        Ok(Lane {
+            shared: Arc::new(Shared {
+                name: name.into(),
+                config,
+                state: Mutex::new(state),
+                batch_capacity: Notify::new(),
+            }),
+        })
+    }
+
+    /// The lane's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The lane's configuration.
+    pub fn config(&self) -> &LaneConfig {
+        &self.shared.config
+    }
+
+    /// The longest the upstream may take for one call: cut it there and
+    /// report [`Outcome::Failure`].
+    pub fn upstream_timeout(&self) -> Duration {
+        self.shared.config.upstream_timeout
+    }
+
+    /// Takes a place for one single call of `workspace`, waiting in line up
+    /// to `max_wait` when a limit holds it.
+    ///
+    /// A call starts at once when its workspace is under both of its limits,
+    /// none of its workspace's calls waits before it and the global cap has a
+    /// free place. Otherwise it waits; when the global cap frees a place, the
+    /// waiting workspace with the fewest calls running gets it (ties: the one
+    /// whose call has waited longest); within a workspace calls go in order.
+    ///
+    /// Refused at once, without waiting: while the breaker is open or its
+    /// probe is out ([`RefusalReason::OptimizerUnavailable`], retry-after =
+    /// the time it stays open); when the line (or the workspace's share of
+    /// it) is full; when `max_wait` is zero; and when the workspace's start
+    /// limit would hold the call longer than `max_wait` (its exact start slot
+    /// is known, so holding it only to refuse it later would waste its wait).
+    ///
+    /// Dropping the returned future leaves the line at once; a place handed
+    /// to it in the meantime goes to the next waiter.
+    ///
+    /// # Errors
+    /// [`LaneRefusal`] with the limit that held the call and when a retry may
+    /// succeed.
+    pub async fn acquire(
+        &self,
+        workspace: &str,
+        max_wait: Duration,
+    ) -> Result<LanePermit, LaneRefusal> {
+        let max_wait = max_wait.min(LONGEST_WAIT);
+        let arrived = Instant::now();
+        let deadline = arrived + max_wait;
+        let arrival = self
+            .shared
+            .state
+            .lock()
+            .arrive(workspace, arrived, max_wait);
+        let (ticket, rx) = match arrival {
+            Ok(Arrival::Started(grant)) => return Ok(self.permit(workspace, grant)),
+            Ok(Arrival::Queued(ticket, rx)) => (ticket, rx),
+            Err(refusal) => {
+                self.shared.batch_capacity.notify_waiters();
+                return Err(refusal);
+            }
+        };
+        let mut wait = WaitGuard {
+            lane: self,
+            ticket,
+            rx,
+            done: false,
+        };
+        loop {
+            let wake = self.shared.state.lock().wake_at(ticket, deadline);
+            tokio::select! {
+                biased;
+                answer = &mut wait.rx => {
+                    wait.done = true;
+                    return match answer {
+                        Ok(Ok(grant)) => Ok(self.permit(workspace, grant)),
+                        Ok(Err(refusal)) => Err(refusal),
+                        // The lane never drops a waiter's sender without answering.
+                        Err(_) => Err(self.shared.state.lock().refusal(workspace, 0, Instant::now())),
+                    };
+                }
+                () = sleep_until(wake) => {
+                    let now = Instant::now();
+                    let mut state = self.shared.state.lock();
+                    state.dispatch(now);
+                    if now >= deadline && state.line.contains_key(&ticket) {
+                        let ahead = state.ahead_of(ticket, workspace);
+                        state.leave_line(ticket);
+                        let refusal = state.refusal(workspace, ahead, now);
+                        state.forget_if_idle(workspace, now);
+                        wait.done = true;
+                        drop(state);
+                        self.shared.batch_capacity.notify_waiters();
+                        return Err(refusal);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes a place for one batch item of `workspace` if there is one now.
+    ///
+    /// A batch item runs only on capacity single calls are not using: never
+    /// while a single call waits for a place of the global cap, never beyond
+    /// `global_cap - batch_reserve` batch items at once, and never while the
+    /// breaker is open or its probe is out (when the breaker's time is up and
+    /// no single call comes, a batch item may be the probe). Batch items count
+    /// toward the global cap only, not toward the workspace's limits.
+    pub fn try_acquire_batch(&self, workspace: &str) -> Option<BatchPermit> {
+        let now = Instant::now();
+        let grant = self.shared.state.lock().start_batch(workspace, now)?;
+        Some(BatchPermit {
+            slot: self.slot(workspace, grant),
+        })
+    }
+
+    /// Among `candidates` (workspaces with batch items queued, in the order
+    /// the caller prefers for ties, e.g. oldest queued item first), the one
+    /// with the fewest batch items running: whose turn it is.
+    pub fn next_batch_workspace<'a>(&self, candidates: &[&'a str]) -> Option<&'a str> {
+        let state = self.shared.state.lock();
+        candidates
+            .iter()
+            .enumerate()
+            .min_by_key(|(i, w)| {
+                let running = state.workspaces.get(**w).map_or(0, |ws| ws.batch_running);
+                (running, *i)
+            })
+            .map(|(_, w)| *w)
+    }
+
+    /// Picks whose turn it is among `candidates` (see
+    /// [`Lane::next_batch_workspace`]) and takes a place for one of its batch
+    /// items, in one step. Returns the index of the chosen candidate.
+    pub fn try_acquire_next_batch(&self, candidates: &[&str]) -> Option<(usize, BatchPermit)> {
+        let now = Instant::now();
+        let mut state = self.shared.state.lock();
+        let (index, workspace) = candidates.iter().enumerate().min_by_key(|(i, w)| {
+            let running = state.workspaces.get(**w).map_or(0, |ws| ws.batch_running);
+            (running, *i)
+        })?;
+        let grant = state.start_batch(workspace, now)?;
+        drop(state);
+        Some((
+            index,
+            BatchPermit {
+                slot: self.slot(workspace, grant),
+            },
+        ))
+    }
+
+    /// Resolves when a batch item might find a place: at once if one is free
+    /// now, else when a place is released, a single call leaves the line or
+    /// the breaker's open time is up. Another taker may be quicker, so follow
+    /// it with [`Lane::try_acquire_batch`] and wait again if that fails.
+    pub async fn batch_capacity(&self) {
+        loop {
+            let notified = self.shared.batch_capacity.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let now = Instant::now();
+            let breaker_until = {
+                let state = self.shared.state.lock();
+                if state.batch_place_free(now) {
+                    return;
+                }
+                state.breaker_open_until(now)
+            };
+            match breaker_until {
+                Some(until) => {
+                    tokio::select! {
+                        () = &mut notified => {}
+                        () = sleep_until(until) => {}
+                    }
+                }
+                None => notified.await,
+            }
+        }
+    }
+
+    /// What the lane holds now: for `/status`, `/metrics` and dashboards.
+    pub fn snapshot(&self) -> LaneSnapshot {
+        let now = Instant::now();
+        let mut state = self.shared.state.lock();
+        state.snapshot(&self.shared.name, now)
+    }
+
+    fn permit(&self, workspace: &str, grant: Grant) -> LanePermit {
+        LanePermit {
+            slot: self.slot(workspace, grant),
+        }
+    }
+
+    fn slot(&self, workspace: &str, grant: Grant) -> Slot {
+        Slot {
+            shared: Some(Arc::clone(&self.shared)),
+            ticket: grant.ticket,
+            probe: grant.probe,
+            workspace: workspace.into(),
+            started: Instant::now(),
+        }
+    }
+}
+
+/// Leaves the line when an `acquire` future is dropped while waiting.
+struct WaitGuard<'a> {
+    lane: &'a Lane,
+    ticket: u64,
+    rx: oneshot::Receiver<Result<Grant, LaneRefusal>>,
+    done: bool,
+}
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let now = Instant::now();
+        let mut state = self.lane.shared.state.lock();
+        if let Some(waiter) = state.leave_line(self.ticket) {
+            state.forget_if_idle(&waiter.workspace, now);
+        } else if let Ok(Ok(grant)) = self.rx.try_recv() {
+            // A place was handed over just before the waiter went away.
+            state.release(grant.ticket, None, now);
+        }
+        drop(state);
+        self.lane.shared.batch_capacity.notify_waiters();
+    }
+}
+
+impl State {
+    fn timestamp(&self, now: Instant) -> Timestamp {
+        let nanos = now.saturating_duration_since(self.origin).as_nanos();
+        Timestamp::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
+    }
+
+    fn instant(&self, t: Timestamp) -> Instant {
+        self.origin + Duration::from_nanos(t.as_nanos())
+    }
+
+    /// A new single call: start it, queue it or refuse it.
+    fn arrive(
+        &mut self,
+        workspace: &str,
+        now: Instant,
+        max_wait: Duration,
+    ) -> Result<Arrival, LaneRefusal> {
+        self.dispatch(now);
+        self.sweep(now);
+        if let Some(refusal) = self.breaker_refusal(now) {
+            return Err(refusal);
+        }
+        let key = self.key(workspace);
+        let (ahead, free_here) = {
+            let config = &self.config;
+            let ws = self.workspaces.entry(Arc::clone(&key)).or_default();
+            prune(&mut ws.starts, now, config.start_window);
+            (ws.waiting, ws.waiting == 0 && ws_has_room(ws, config, now))
+        };
+        if free_here && self.global_has_room() {
+            let probe = match self.breaker.permit(self.timestamp(now)) {
+                Permit::Call => false,
+                Permit::Probe => true,
+                Permit::Refused { retry_after } => {
+                    self.forget_if_idle(workspace, now);
+                    return Err(unavailable(retry_after));
+                }
+            };
+            let ticket = self.start(&key, now, false, probe);
+            return Ok(Arrival::Started(Grant { ticket, probe }));
+        }
+        let line_full = self.line.len() >= self.config.max_waiting
+            || usize::try_from(ahead).unwrap_or(usize::MAX)
+                >= self.config.max_waiting_per_workspace;
+        let slot_too_late = self
+            .rate_slot(workspace, ahead, now)
+            .is_some_and(|slot| slot.saturating_duration_since(now) > max_wait);
+        if max_wait.is_zero() || line_full || slot_too_late {
+            let refusal = self.refusal(workspace, ahead, now);
+            self.forget_if_idle(workspace, now);
+            return Err(refusal);
+        }
+        let ticket = self.ticket();
+        let (tx, rx) = oneshot::channel();
+        self.line.insert(
+            ticket,
+            Waiter {
+                workspace: Arc::clone(&key),
+                tx,
+            },
+        );
+        if let Some(ws) = self.workspaces.get_mut(workspace) {
+            ws.waiting += 1;
+        }
+        Ok(Arrival::Queued(ticket, rx))
+    }
+
+    /// The workspace's key, shared with its entry if it has one.
+    fn key(&self, workspace: &str) -> Arc<str> {
+        self.workspaces
+            .get_key_value(workspace)
+            .map_or_else(|| Arc::from(workspace), |(k, _)| Arc::clone(k))
+    }
+
+    fn ticket(&mut self) -> u64 {
+        let t = self.next_ticket;
+        self.next_ticket += 1;
+        t
+    }
+
+    fn global_has_room(&self) -> bool {
+        self.running.len() < usize::try_from(self.config.global_cap).unwrap_or(usize::MAX)
+    }
+
+    /// Counts a call as started and running; returns its ticket.
+    fn start(&mut self, key: &Arc<str>, now: Instant, batch: bool, probe: bool) -> u64 {
+        let ticket = self.ticket();
+        self.running.insert(
+            ticket,
+            Running {
+                workspace: Arc::clone(key),
+                started: now,
+                batch,
+            },
+        );
+        let ws = self.workspaces.entry(Arc::clone(key)).or_default();
+        if batch {
+            ws.batch_running += 1;
+            self.batch_running += 1;
+        } else {
+            ws.running += 1;
+            ws.starts.push_back(now);
+        }
+        if probe {
+            self.probe = Some(ticket);
+        }
+        ticket
+    }
+
+    /// Gives a place back. A ticket that holds no place (already released)
+    /// changes nothing, so a place is never released twice.
+    fn release(&mut self, ticket: u64, outcome: Option<Outcome>, now: Instant) {
+        let Some(run) = self.running.remove(&ticket) else {
+            return;
+        };
+        if let Some(ws) = self.workspaces.get_mut(&run.workspace) {
+            if run.batch {
+                ws.batch_running = ws.batch_running.saturating_sub(1);
+            } else {
+                ws.running = ws.running.saturating_sub(1);
+            }
+        }
+        if run.batch {
+            self.batch_running = self.batch_running.saturating_sub(1);
+        }
+        let was_probe = self.probe == Some(ticket);
+        if was_probe {
+            self.probe = None;
+        }
+        let ts = self.timestamp(now);
+        match outcome {
+            Some(outcome) => {
+                self.observe(now.saturating_duration_since(run.started));
+                // Only the probe speaks while the breaker is not closed: the
+                // late answer of a call sent before it opened decides nothing.
+                if was_probe || self.breaker.state() == BreakerState::Closed {
+                    match outcome {
+                        Outcome::Success => self.breaker.success(),
+                        Outcome::Failure => self.breaker.failure(ts),
+                    }
+                }
+            }
+            None if was_probe => self.breaker.probe_abandoned(ts),
+            None => {}
+        }
+        if let Some(refusal) = self.breaker_refusal(now) {
+            // Nothing will be sent while it is open: tell the line now
+            // rather than at the end of its wait.
+            self.refuse_line(refusal);
+        }
+        self.dispatch(now);
+        self.forget_if_idle(&run.workspace, now);
+    }
+
+    fn observe(&mut self, took: Duration) {
+        self.mean_duration = Some(match self.mean_duration {
+            None => took,
+            Some(mean) => mean.mul_f64(1.0 - DURATION_WEIGHT) + took.mul_f64(DURATION_WEIGHT),
+        });
+    }
+
+    /// Hands free places of the global cap to waiters: the workspace with the
+    /// fewest single calls running first, ties by the longest wait; in order
+    /// within a workspace.
+    fn dispatch(&mut self, now: Instant) {
+        while !self.line.is_empty() && self.global_has_room() {
+            let Some(ticket) = self.next_waiter(now) else {
+                return;
+            };
+            let probe = match self.breaker.permit(self.timestamp(now)) {
+                Permit::Call => false,
+                Permit::Probe => true,
+                Permit::Refused { retry_after } => {
+                    self.refuse_line(unavailable(retry_after));
+                    return;
+                }
+            };
+            let Some(waiter) = self.leave_line(ticket) else {
+                return;
+            };
+            let started = self.start(&waiter.workspace, now, false, probe);
+            if waiter
+                .tx
+                .send(Ok(Grant {
+                    ticket: started,
+                    probe,
+                }))
+                .is_err()
+            {
+                // Cannot happen (a waiter leaves the line before its receiver
+                // goes), but a place must never leak.
+                self.release(started, None, now);
+            }
+        }
+    }
+
+    /// The waiter a free global place goes to, if any may start.
+    fn next_waiter(&self, now: Instant) -> Option<u64> {
+        let mut seen: Vec<&str> = Vec::new();
+        let mut best: Option<(u32, u64)> = None;
+        for (ticket, waiter) in &self.line {
+            let name: &str = &waiter.workspace;
+            if seen.contains(&name) {
+                continue;
+            }
+            seen.push(name);
+            let Some(ws) = self.workspaces.get(name) else {
+                continue;
+            };
+            if !ws_has_room(ws, &self.config, now) {
+                continue;
+            }
+            if best.is_none_or(|(running, _)| ws.running < running) {
+                best = Some((ws.running, *ticket));
+            }
+        }
+        best.map(|(_, ticket)| ticket)
+    }
+
+    /// Whether some single call waits only for a place of the global cap.
+    fn single_waits_for_global(&self, now: Instant) -> bool {
+        self.line.values().any(|w| {
+            self.workspaces
+                .get(&w.workspace)
+                .is_some_and(|ws| ws_has_room(ws, &self.config, now))
+        })
+    }
+
+    fn leave_line(&mut self, ticket: u64) -> Option<Waiter> {
+        let waiter = self.line.remove(&ticket)?;
+        if let Some(ws) = self.workspaces.get_mut(&waiter.workspace) {
+            ws.waiting = ws.waiting.saturating_sub(1);
+        }
+        Some(waiter)
+    }
+
+    fn refuse_line(&mut self, refusal: LaneRefusal) {
+        let line = std::mem::take(&mut self.line);
+        for waiter in line.into_values() {
+            if let Some(ws) = self.workspaces.get_mut(&waiter.workspace) {
+                ws.waiting = ws.waiting.saturating_sub(1);
+            }
+            // A receiver already gone has nothing to undo.
+            let _ = waiter.tx.send(Err(refusal));
+        }
+    }
+
+    /// Waiters of `workspace` that arrived before `ticket`.
+    fn ahead_of(&self, ticket: u64, workspace: &str) -> u32 {
+        let n = self
+            .line
+            .range(..ticket)
+            .filter(|(_, w)| &*w.workspace == workspace)
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// When the waiter `ticket` should look again: its deadline, or earlier
+    /// when its workspace's oldest start leaves the window.
+    fn wake_at(&self, ticket: u64, deadline: Instant) -> Instant {
+        let Some(waiter) = self.line.get(&ticket) else {
+            return deadline;
+        };
+        let window = self.config.start_window;
+        let limit = self.config.workspace_starts as usize;
+        let now = Instant::now();
+        self.workspaces
+            .get(&waiter.workspace)
+            .and_then(|ws| {
+                let live: Vec<&Instant> = ws.starts.iter().filter(|s| **s + window > now).collect();
+                (live.len() >= limit).then(|| live.first().map(|s| **s + window))?
+            })
+            .map_or(deadline, |slot| slot.min(deadline))
+    }
+
+    /// When a call of `workspace` with `ahead` of its workspace's calls before
+    /// it gets a start slot, if the start limit holds it.
+    fn rate_slot(&self, workspace: &str, ahead: u32, now: Instant) -> Option<Instant> {
+        let window = self.config.start_window;
+        let limit = self.config.workspace_starts as usize;
+        let ws = self.workspaces.get(workspace)?;
+        let live: Vec<Instant> = ws
+            .starts
+            .iter()
+            .copied()
+            .filter(|s| *s + window > now)
+            .collect();
+        let need = live.len() + ahead as usize;
+        if need < limit {
+            return None;
+        }
+        // The call starts once `need - limit + 1` of the live starts have
+        // left; later ones are not known yet, so count a whole window.
+        Some(live.get(need - limit).map_or(now + window, |s| *s + window))
+    }
+
+    /// Why a call of `workspace` (with `ahead` of its workspace's calls before
+    /// it) cannot start now, and when a retry may succeed: the limit that
+    /// holds it longest.
+    fn refusal(&self, workspace: &str, ahead: u32, now: Instant) -> LaneRefusal {
+        let mut worst: Option<LaneRefusal> = None;
+        let mut consider = |reason, retry_after| {
+            if worst.is_none_or(|w: LaneRefusal| retry_after > w.retry_after) {
+                worst = Some(LaneRefusal {
+                    reason,
+                    retry_after,
+                });
+            }
+        };
+        if let Some(slot) = self.rate_slot(workspace, ahead, now) {
+            consider(
+                RefusalReason::WorkspaceRateLimit,
+                slot.saturating_duration_since(now),
+            );
+        }
+        let running_here = self.workspaces.get(workspace).map_or(0, |ws| ws.running);
+        if running_here.saturating_add(ahead) >= self.config.workspace_in_flight {
+            consider(
+                RefusalReason::WorkspaceInFlightLimit,
+                self.estimate(Some(workspace), now),
+            );
+        }
+        if !self.global_has_room() {
+            consider(RefusalReason::OptimizerBusy, self.estimate(None, now));
+        }
+        worst.unwrap_or(LaneRefusal {
+            reason: RefusalReason::OptimizerBusy,
+            retry_after: self.estimate(None, now),
+        })
+    }
+
+    /// The estimated time until the earliest running call (of `workspace`'s
+    /// single calls, or of all calls) finishes, from the moving average of
+    /// finished calls' durations, within the configured bounds.
+    fn estimate(&self, workspace: Option<&str>, now: Instant) -> Duration {
+        let mean = self.mean_duration.unwrap_or(self.config.expected_duration);
+        let earliest = self
+            .running
+            .values()
+            .filter(|r| workspace.is_none_or(|w| !r.batch && &*r.workspace == w))
+            .map(|r| r.started)
+            .min();
+        let left = earliest.map_or(Duration::ZERO, |started| {
+            (started + mean).saturating_duration_since(now)
+        });
+        left.clamp(
+            self.config.min_retry_estimate,
+            self.config.max_retry_estimate,
+        )
+    }
+
+    /// The refusal for any call while the breaker refuses calls, without
+    /// changing the breaker.
+    fn breaker_refusal(&self, now: Instant) -> Option<LaneRefusal> {
+        match self.breaker.clone().permit(self.timestamp(now)) {
+            Permit::Refused { retry_after } => Some(unavailable(retry_after)),
+            Permit::Call | Permit::Probe => None,
+        }
+    }
+
+    /// When an open breaker lets a probe through, if it is open now.
+    fn breaker_open_until(&self, now: Instant) -> Option<Instant> {
+        self.breaker_refusal(now)
+            .map(|refusal| now + refusal.retry_after)
+    }
+
+    fn batch_place_free(&self, now: Instant) -> bool {
+        self.global_has_room()
+            && self.batch_running < self.config.batch_cap()
+            && !self.single_waits_for_global(now)
+            && self.breaker_refusal(now).is_none()
+    }
+
+    fn start_batch(&mut self, workspace: &str, now: Instant) -> Option<Grant> {
+        self.dispatch(now);
+        if !self.batch_place_free(now) {
+            return None;
+        }
+        let probe = match self.breaker.permit(self.timestamp(now)) {
+            Permit::Call => false,
+            Permit::Probe => true,
+            Permit::Refused { .. } => return None,
+        };
+        let key = self.key(workspace);
+        let ticket = self.start(&key, now, true, probe);
+        Some(Grant { ticket, probe })
+    }
+
+    /// Drops the entry of a workspace that holds nothing any more.
+    fn forget_if_idle(&mut self, workspace: &str, now: Instant) {
+        let window = self.config.start_window;
+        if let Some(ws) = self.workspaces.get_mut(workspace) {
+            prune(&mut ws.starts, now, window);
+            if is_idle(ws) {
+                self.workspaces.remove(workspace);
+            }
+        }
+    }
+
+    /// Drops idle workspaces once the map has grown: entries kept only for
+    /// their recent starts go once those leave the window.
+    fn sweep(&mut self, now: Instant) {
+        if self.workspaces.len() < self.sweep_at {
+            return;
+        }
+        let window = self.config.start_window;
+        self.workspaces.retain(|_, ws| {
+            prune(&mut ws.starts, now, window);
+            !is_idle(ws)
+        });
+        self.sweep_at = (self.workspaces.len() * 2).max(1024);
+    }
+
+    fn snapshot(&mut self, name: &str, now: Instant) -> LaneSnapshot {
+        let window = self.config.start_window;
+        let mut workspaces: Vec<WorkspaceSnapshot> = self
+            .workspaces
+            .iter_mut()
+            .map(|(key, ws)| {
+                prune(&mut ws.starts, now, window);
+                WorkspaceSnapshot {
+                    workspace: key.to_string(),
+                    running: ws.running,
+                    waiting: ws.waiting,
+                    started_in_window: u32::try_from(ws.starts.len()).unwrap_or(u32::MAX),
+                    batch_running: ws.batch_running,
+                }
+            })
+            .filter(|w| w.running + w.waiting + w.started_in_window + w.batch_running > 0)
+            .collect();
+        workspaces.sort_by(|a, b| a.workspace.cmp(&b.workspace));
+        let breaker = match self.breaker.state() {
+            BreakerState::Closed => BreakerStatus::Closed,
+            BreakerState::Open { until } if self.instant(until) > now => BreakerStatus::Open {
+                retry_after: self.instant(until).saturating_duration_since(now),
+            },
+            BreakerState::Open { .. } => BreakerStatus::HalfOpen { probe_out: false },
+            BreakerState::HalfOpen { .. } => BreakerStatus::HalfOpen {
+                probe_out: self.probe.is_some(),
+            },
+        };
+        LaneSnapshot {
+            lane: name.to_owned(),
+            global_cap: self.config.global_cap,
+            batch_cap: self.config.batch_cap(),
+            running: u32::try_from(self.running.len()).unwrap_or(u32::MAX),
+            waiting: u32::try_from(self.line.len()).unwrap_or(u32::MAX),
+            batch_running: self.batch_running,
+            breaker,
+            expected_duration: self.mean_duration.unwrap_or(self.config.expected_duration),
+            workspaces,
+        }
+    }
+}
+
+fn unavailable(retry_after: Duration) -> LaneRefusal {
+    LaneRefusal {
+        reason: RefusalReason::OptimizerUnavailable,
+        retry_after,
+    }
+}
+
+fn prune(starts: &mut VecDeque<Instant>, now: Instant, window: Duration) {
+    while starts.front().is_some_and(|s| *s + window <= now) {
+        starts.pop_front();
+    }
+}
+
+fn ws_has_room(ws: &Workspace, config: &LaneConfig, now: Instant) -> bool {
+    let window = config.start_window;
+    let live = ws.starts.iter().filter(|s| **s + window > now).count();
+    ws.running < config.workspace_in_flight && live < config.workspace_starts as usize
+}
+
+fn is_idle(ws: &Workspace) -> bool {
+    ws.running == 0 && ws.batch_running == 0 && ws.waiting == 0 && ws.starts.is_empty()
+}
+
+/// A place held by one call; gives it back exactly once.
+struct Slot {
+    shared: Option<Arc<Shared>>,
+    ticket: u64,
+    probe: bool,
+    workspace: Box<str>,
+    started: Instant,
+}
+
+impl Slot {
+    fn give_back(&mut self, outcome: Option<Outcome>) {
+        if let Some(shared) = self.shared.take() {
+            shared
+                .state
+                .lock()
+                .release(self.ticket, outcome, Instant::now());
+            shared.batch_capacity.notify_waiters();
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.give_back(None);
+    }
+}
+
+/// A place for one single call. Report how the call ended with
+/// [`LanePermit::finish`]; dropping the permit instead (client gone, task
+/// cancelled, panic) gives the place back and tells the breaker nothing.
+#[must_use = "the place is given back when the permit is dropped"]
+pub struct LanePermit {
+    slot: Slot,
+}
+
+impl std::fmt::Debug for LanePermit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LanePermit")
+            .field("workspace", &self.slot.workspace)
+            .field("probe", &self.slot.probe)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LanePermit {
+    /// The call ended: give the place back, feed the breaker (an upstream 5xx,
+    /// refused connection or timeout is [`Outcome::Failure`]) and the estimate
+    /// of call durations.
+    pub fn finish(mut self, outcome: Outcome) {
+        self.slot.give_back(Some(outcome));
+    }
+
+    /// The workspace the place counts for.
+    pub fn workspace(&self) -> &str {
+        &self.slot.workspace
+    }
+
+    /// Whether this call is the breaker's half-open probe: its outcome closes
+    /// or re-opens the breaker.
+    pub fn is_probe(&self) -> bool {
+        self.slot.probe
+    }
+
+    /// When the call got its place.
+    pub fn started_at(&self) -> Instant {
+        self.slot.started
+    }
+}
+
+/// A place for one batch item (counted toward the global cap only). Like
+/// [`LanePermit`]: [`BatchPermit::finish`] reports the outcome, a drop gives
+/// the place back without one.
+#[must_use = "the place is given back when the permit is dropped"]
+pub struct BatchPermit {
+    slot: Slot,
+}
+
+impl std::fmt::Debug for BatchPermit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchPermit")
+            .field("workspace", &self.slot.workspace)
+            .field("probe", &self.slot.probe)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BatchPermit {
+    /// The item ended: give the place back and feed the breaker and the
+    /// estimate of call durations.
+    pub fn finish(mut self, outcome: Outcome) {
+        self.slot.give_back(Some(outcome));
+    }
+
+    /// The workspace whose batch the item belongs to.
+    pub fn workspace(&self) -> &str {
+        &self.slot.workspace
+    }
+
+    /// Whether this item is the breaker's half-open probe.
+    pub fn is_probe(&self) -> bool {
+        self.slot.probe
+    }
+
+    /// When the item got its place.
+    pub fn started_at(&self) -> Instant {
+        self.slot.started
+    }
+}

@@ -1,0 +1,220 @@
+//! The lease ledger on Redis, shared by every replica (feature `redis`).
+//!
+//! One script call per operation, on the Redis server's clock: expired leases
+//! and starts that left the window are dropped, the limits are checked and
+//! the lease recorded, all at once. Keys are
+//! `<prefix>{<lane>}:global|batch|ws:<workspace>:run|ws:<workspace>:starts`,
+//! hash-tagged by lane so one script touches one slot, and every key expires
+//! shortly after its last lease or start. The script is loaded once and
+//! called by its hash (reloaded on `NOSCRIPT` by the client).
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use crate::config::LaneConfig;
+use crate::ledger::{Lease, LeaseIds, LeaseKind, Ledger, LedgerCounts, LedgerError, Taken};
+use crate::refusal::RefusalReason;
+
+const SCRIPT: &str = include_str!("lanes.lua");
+
+/// How to reach the shared ledger.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedisLedgerConfig {
+    /// `redis://host:port/db`, `rediss://…` or `redis+unix:///path`.
+    pub url: String,
+    /// Prefix of every key (default `sluice:lane:`).
+    pub prefix: String,
+    /// How long a lease lives without renewal (default 10 s): a crashed
+    /// replica's places come back within it. Renew well inside it.
+    pub lease_ttl: Duration,
+    /// The longest one call to Redis may take (default 200 ms).
+    pub timeout: Duration,
+}
+
+impl RedisLedgerConfig {
+    /// Defaults for `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        RedisLedgerConfig {
+            url: url.into(),
+            prefix: "sluice:lane:".to_owned(),
+            lease_ttl: Duration::from_secs(10),
+            timeout: Duration::from_millis(200),
+        }
+    }
+}
+
+/// A lane's leases on Redis (see the module docs). Cheap to clone.
+#[derive(Clone)]
+pub struct RedisLedger {
+    conn: ConnectionManager,
+    script: redis::Script,
+    limits: LaneConfig,
+    prefix: String,
+    lane: String,
+    ttl: Duration,
+    ids: std::sync::Arc<LeaseIds>,
+}
+
+impl std::fmt::Debug for RedisLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisLedger")
+            .field("lane", &self.lane)
+            .field("prefix", &self.prefix)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unavailable(e: impl std::fmt::Display) -> LedgerError {
+    LedgerError::Unavailable(e.to_string())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl RedisLedger {
+    /// Connects for the lane `lane` enforcing `limits`, and loads the script.
+    ///
+    /// # Errors
+    /// [`LedgerError::Unavailable`] when the URL is malformed or Redis does
+    /// not answer within 2 s.
+    pub async fn connect(
+        config: RedisLedgerConfig,
+        lane: &str,
+        limits: LaneConfig,
+    ) -> Result<Self, LedgerError> {
+        let client = redis::Client::open(config.url.as_str()).map_err(unavailable)?;
+        let manager = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(1)))
+            .set_response_timeout(Some(config.timeout.max(Duration::from_millis(1))))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(500));
+        let conn = tokio::time::timeout(
+            Duration::from_secs(2),
+            client.get_connection_manager_with_config(manager),
+        )
+        .await
+        .map_err(|_| unavailable("timed out connecting to redis"))?
+        .map_err(unavailable)?;
+        let script = redis::Script::new(SCRIPT);
+        let mut c = conn.clone();
+        script.load_async(&mut c).await.map_err(unavailable)?;
+        Ok(RedisLedger {
+            conn,
+            script,
+            limits,
+            prefix: config.prefix,
+            lane: lane.to_owned(),
+            ttl: config.lease_ttl,
+            ids: std::sync::Arc::new(LeaseIds::new()),
+        })
+    }
+
+    fn keys(&self, workspace: &str) -> [String; 4] {
+        let base = format!("{}{{{}}}:", self.prefix, self.lane);
+        [
+            format!("{base}global"),
+            format!("{base}batch"),
+            format!("{base}ws:{workspace}:run"),
+            format!("{base}ws:{workspace}:starts"),
+        ]
+    }
+
+    async fn call<T: redis::FromRedisValue>(
+        &self,
+        op: &str,
+        workspace: &str,
+        id: &str,
+    ) -> Result<T, LedgerError> {
+        let mut invocation = self.script.prepare_invoke();
+        for key in self.keys(workspace) {
+            invocation.key(key);
+        }
+        invocation
+            .arg(op)
+            .arg(id)
+            .arg(millis(self.ttl))
+            .arg(self.limits.workspace_in_flight)
+            .arg(self.limits.workspace_starts)
+            .arg(millis(self.limits.start_window))
+            .arg(self.limits.global_cap)
+            .arg(self.limits.batch_cap());
+        let mut conn = self.conn.clone();
+        invocation
+            .invoke_async(&mut conn)
+            .await
+            .map_err(unavailable)
+    }
+}
+
+impl Ledger for RedisLedger {
+    async fn take(&self, workspace: &str, kind: LeaseKind) -> Result<Taken, LedgerError> {
+        let lease = self.ids.lease(workspace, kind);
+        let op = match kind {
+            LeaseKind::Single => "take_single",
+            LeaseKind::Batch => "take_batch",
+        };
+        let answer: Vec<redis::Value> = self.call(op, workspace, lease.id()).await?;
+        let ok: i64 = answer
+            .first()
+            .map(redis::from_redis_value_ref)
+            .transpose()
+            .map_err(unavailable)?
+            .ok_or_else(|| unavailable("empty script answer"))?;
+        if ok == 1 {
+            return Ok(Taken::Leased(lease));
+        }
+        let reason: String = answer
+            .get(1)
+            .map(redis::from_redis_value_ref)
+            .transpose()
+            .map_err(unavailable)?
+            .unwrap_or_default();
+        let retry_ms: i64 = answer
+            .get(2)
+            .map(redis::from_redis_value_ref)
+            .transpose()
+            .map_err(unavailable)?
+            .unwrap_or(0);
+        let reason = match reason.as_str() {
+            "workspace_in_flight_limit" => RefusalReason::WorkspaceInFlightLimit,
+            "workspace_rate_limit" => RefusalReason::WorkspaceRateLimit,
+            "optimizer_busy" => RefusalReason::OptimizerBusy,
+            other => return Err(unavailable(format!("unknown refusal {other:?}"))),
+        };
+        let retry_after = (reason == RefusalReason::WorkspaceRateLimit)
+            .then(|| Duration::from_millis(u64::try_from(retry_ms).unwrap_or(0)));
+        Ok(Taken::Refused {
+            reason,
+            retry_after,
+        })
+    }
+
+    async fn renew(&self, lease: &Lease) -> Result<bool, LedgerError> {
+        let held: i64 = self.call("renew", lease.workspace(), lease.id()).await?;
+        Ok(held > 0)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), LedgerError> {
+        let _: i64 = self.call("release", lease.workspace(), lease.id()).await?;
+        Ok(())
+    }
+
+    async fn counts(&self, workspace: &str) -> Result<LedgerCounts, LedgerError> {
+        let c: Vec<u32> = self.call("counts", workspace, "").await?;
+        let at = |i: usize| c.get(i).copied().unwrap_or(0);
+        Ok(LedgerCounts {
+            global: at(0),
+            batch: at(1),
+            workspace_running: at(2),
+            workspace_starts: at(3),
+        })
+    }
+
+    fn ttl(&self) -> Duration {
+        self.ttl
+    }
+}

@@ -1,0 +1,183 @@
+//! The lease ledger against a real `redis-server` (one per test, on a Unix
+//! socket in a temporary directory). Two ledgers on one server stand for two
+//! replicas. Leases here live on Redis's real clock, so the TTL tests wait a
+//! few hundred real milliseconds.
+#![cfg(feature = "redis")]
+
+use std::time::Duration;
+
+use sluice_lanes::{
+    LaneConfig, Lease, LeaseKind, Ledger, RedisLedger, RedisLedgerConfig, RefusalReason, Taken,
+};
+
+#[path = "../../../tests/support/redis_server.rs"]
+mod redis_server;
+
+use redis_server::RedisServer;
+
+async fn replica(server: &RedisServer, ttl: Duration) -> RedisLedger {
+    let mut config = RedisLedgerConfig::new(server.url());
+    config.lease_ttl = ttl;
+    config.timeout = Duration::from_millis(500);
+    RedisLedger::connect(config, "optimizer", LaneConfig::default())
+        .await
+        .expect("connect")
+}
+
+async fn lease(ledger: &RedisLedger, workspace: &str, kind: LeaseKind) -> Lease {
+    match ledger.take(workspace, kind).await.expect("ledger") {
+        Taken::Leased(lease) => lease,
+        refused => panic!("{workspace}: expected a lease, got {refused:?}"),
+    }
+}
+
+async fn refused(
+    ledger: &RedisLedger,
+    workspace: &str,
+    kind: LeaseKind,
+) -> (RefusalReason, Option<Duration>) {
+    match ledger.take(workspace, kind).await.expect("ledger") {
+        Taken::Refused {
+            reason,
+            retry_after,
+        } => (reason, retry_after),
+        Taken::Leased(l) => panic!("{workspace}: expected a refusal, got {l:?}"),
+    }
+}
+
+const LONG: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l1_workspace_and_global_limits_hold_across_replicas() {
+    let server = RedisServer::start("lanes");
+    let (a, b) = (replica(&server, LONG).await, replica(&server, LONG).await);
+    let first = lease(&a, "acme", LeaseKind::Single).await;
+    let _second = lease(&a, "acme", LeaseKind::Single).await;
+    let _third = lease(&b, "acme", LeaseKind::Single).await;
+    assert_eq!(
+        refused(&b, "acme", LeaseKind::Single).await,
+        (RefusalReason::WorkspaceInFlightLimit, None),
+        "3 running across both replicas"
+    );
+    a.release(&first).await.expect("release");
+    a.release(&first)
+        .await
+        .expect("a second release changes nothing");
+    let _fourth = lease(&b, "acme", LeaseKind::Single).await;
+    assert_eq!(b.counts("acme").await.expect("counts").workspace_running, 3);
+
+    // The global cap of 20 across replicas: 17 more from other workspaces.
+    for i in 0..17 {
+        let r = if i % 2 == 0 { &a } else { &b };
+        lease(r, &format!("w{}", i / 3), LeaseKind::Single).await;
+    }
+    let c = a.counts("other").await.expect("counts");
+    assert_eq!(c.global, 20);
+    assert_eq!(
+        refused(&a, "other", LeaseKind::Single).await.0,
+        RefusalReason::OptimizerBusy
+    );
+    assert_eq!(
+        refused(&b, "other", LeaseKind::Batch).await.0,
+        RefusalReason::OptimizerBusy
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l1_the_start_limit_holds_across_replicas_with_an_exact_retry_after() {
+    let server = RedisServer::start("lanes");
+    let (a, b) = (replica(&server, LONG).await, replica(&server, LONG).await);
+    for i in 0..12 {
+        let r = if i % 2 == 0 { &a } else { &b };
+        let l = lease(r, "acme", LeaseKind::Single).await;
+        r.release(&l).await.expect("release");
+    }
+    let (reason, retry) = refused(&a, "acme", LeaseKind::Single).await;
+    assert_eq!(reason, RefusalReason::WorkspaceRateLimit);
+    let retry = retry.expect("exact");
+    assert!(
+        retry <= Duration::from_secs(60) && retry > Duration::from_secs(55),
+        "the first start leaves the 60 s window in {retry:?}"
+    );
+    assert_eq!(b.counts("acme").await.expect("counts").workspace_starts, 12);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_batch_items_stay_within_cap_minus_reserve_across_replicas() {
+    let server = RedisServer::start("lanes");
+    let (a, b) = (replica(&server, LONG).await, replica(&server, LONG).await);
+    for i in 0..15 {
+        let r = if i % 2 == 0 { &a } else { &b };
+        lease(r, "bulk", LeaseKind::Batch).await;
+    }
+    assert_eq!(
+        refused(&a, "bulk", LeaseKind::Batch).await.0,
+        RefusalReason::OptimizerBusy
+    );
+    // Batch items spend neither the workspace's places nor its starts.
+    for _ in 0..3 {
+        lease(&b, "bulk", LeaseKind::Single).await;
+    }
+    let c = a.counts("bulk").await.expect("counts");
+    assert_eq!(
+        (c.global, c.batch, c.workspace_running, c.workspace_starts),
+        (18, 15, 3, 3)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l1_a_crashed_replicas_places_come_back_within_the_lease_ttl() {
+    let server = RedisServer::start("lanes");
+    let ttl = Duration::from_millis(400);
+    let survivor = replica(&server, ttl).await;
+    {
+        let crashed = replica(&server, ttl).await;
+        for _ in 0..3 {
+            lease(&crashed, "acme", LeaseKind::Single).await;
+        }
+        // It dies without releasing anything.
+    }
+    assert_eq!(
+        refused(&survivor, "acme", LeaseKind::Single).await.0,
+        RefusalReason::WorkspaceInFlightLimit
+    );
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    assert_eq!(
+        survivor
+            .counts("acme")
+            .await
+            .expect("counts")
+            .workspace_running,
+        0
+    );
+    lease(&survivor, "acme", LeaseKind::Single).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l1_a_renewed_lease_outlives_its_ttl_and_an_expired_one_says_so() {
+    let server = RedisServer::start("lanes");
+    let ttl = Duration::from_millis(300);
+    let (a, b) = (replica(&server, ttl).await, replica(&server, ttl).await);
+    let held: Vec<Lease> = [
+        lease(&a, "acme", LeaseKind::Single).await,
+        lease(&a, "acme", LeaseKind::Single).await,
+        lease(&a, "acme", LeaseKind::Single).await,
+    ]
+    .into();
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for l in &held {
+            assert!(a.renew(l).await.expect("renew"), "still held");
+        }
+    }
+    assert_eq!(
+        refused(&b, "acme", LeaseKind::Single).await.0,
+        RefusalReason::WorkspaceInFlightLimit,
+        "600 ms after taking, renewed leases still hold"
+    );
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    assert!(
+        !a.renew(&held[0]).await.expect("renew"),
+        "expired: the place is gone"
+    );
+}
