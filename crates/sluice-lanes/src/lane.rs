@@ -474,6 +474,12 @@ impl State {
     /// Gives a place back. A ticket that holds no place (already released)
     /// changes nothing, so a place is never released twice.
     fn release(&mut self, ticket: u64, outcome: Option<Outcome>, now: Instant) {
+        self.release_as(ticket, outcome, now, false);
+    }
+
+    /// [`State::release`]; with `unstart`, the call was never sent, so its start
+    /// leaves the rolling window too.
+    fn release_as(&mut self, ticket: u64, outcome: Option<Outcome>, now: Instant, unstart: bool) {
         let Some(run) = self.running.remove(&ticket) else {
             return;
         };
@@ -482,6 +488,9 @@ impl State {
                 ws.batch_running = ws.batch_running.saturating_sub(1);
             } else {
                 ws.running = ws.running.saturating_sub(1);
+                if unstart && let Some(at) = ws.starts.iter().rposition(|&s| s == run.started) {
+                    ws.starts.remove(at);
+                }
             }
         }
         if run.batch {
@@ -851,11 +860,15 @@ struct Slot {
 
 impl Slot {
     fn give_back(&mut self, outcome: Option<Outcome>) {
+        self.give_back_as(outcome, false);
+    }
+
+    fn give_back_as(&mut self, outcome: Option<Outcome>, unstart: bool) {
         if let Some(shared) = self.shared.take() {
             shared
                 .state
                 .lock()
-                .release(self.ticket, outcome, Instant::now());
+                .release_as(self.ticket, outcome, Instant::now(), unstart);
             shared.batch_capacity.notify_waiters();
         }
     }
@@ -890,6 +903,13 @@ impl LanePermit {
     /// of call durations.
     pub fn finish(mut self, outcome: Outcome) {
         self.slot.give_back(Some(outcome));
+    }
+
+    /// The call was never sent (another limit refused it after it got its
+    /// place): the place goes back and its start leaves the rolling window, as
+    /// if it had never been taken. The breaker hears nothing.
+    pub fn cancel(mut self) {
+        self.slot.give_back_as(None, true);
     }
 
     /// The workspace the place counts for.

@@ -389,3 +389,31 @@ async fn l1_the_snapshot_shows_running_waiting_starts_batch_and_breaker() {
         "idle workspaces leave the snapshot once their starts leave the window"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn l1_a_cancelled_call_gives_back_its_place_and_its_start() {
+    let lane = lane();
+    // Twelve starts, each refused by another limit after it got its place: none
+    // of them was a call, so none counts toward the 12 a minute.
+    for _ in 0..12 {
+        take(&lane, "acme").await.cancel();
+    }
+    assert_eq!(running(&lane, "acme"), 0);
+    assert_eq!(
+        lane.snapshot()
+            .workspaces
+            .iter()
+            .map(|w| w.started_in_window)
+            .sum::<u32>(),
+        0
+    );
+    // Twelve real starts still fit.
+    for _ in 0..12 {
+        take(&lane, "acme").await.finish(Outcome::Success);
+    }
+    let refused = lane
+        .acquire("acme", Duration::ZERO)
+        .await
+        .expect_err("the 13th real start");
+    assert_eq!(refused.reason, RefusalReason::WorkspaceRateLimit);
+}
