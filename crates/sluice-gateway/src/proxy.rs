@@ -264,13 +264,17 @@ impl Inner {
         parts.headers.insert(header::HOST, upstream.host.clone());
         parts.uri = uri;
         parts.version = Version::HTTP_11;
+        // A call through a guarded lane may take the lane's time.
+        let header_timeout = parts
+            .extensions
+            .get::<sluice_tower::UpstreamTimeout>()
+            .map_or(self.config.header_timeout, |t| t.0);
         parts.extensions = http::Extensions::new();
 
         let (upload, upload_handle) = Upload::new(body.map_err(Into::into).boxed_unsync());
         let outgoing = Request::from_parts(parts, upload.boxed_unsync());
         let started = Instant::now();
-        let result =
-            tokio::time::timeout(self.config.header_timeout, self.pool.send(outgoing)).await;
+        let result = tokio::time::timeout(header_timeout, self.pool.send(outgoing)).await;
         let elapsed = started.elapsed().as_secs_f64();
 
         match result {
@@ -301,12 +305,12 @@ impl Inner {
                         SendError::Connect => Failure::Unreachable,
                         SendError::Upstream => Failure::NoAnswer,
                     },
-                    self.config.header_timeout,
+                    header_timeout,
                 )
             }
             Err(_elapsed) => {
                 self.upstream_seconds[2].record(elapsed);
-                upstream_failure(Failure::Timeout, self.config.header_timeout)
+                upstream_failure(Failure::Timeout, header_timeout)
             }
         }
     }

@@ -310,6 +310,20 @@ pub fn buffers_full(max_bytes: usize) -> Response<Full<Bytes>> {
     r
 }
 
+/// The 504 for a call through a guarded lane that took longer than the lane's
+/// `timeout` (it was cut, and counts as a failure for the lane's breaker).
+pub fn upstream_timed_out(timeout: Duration) -> Response<Full<Bytes>> {
+    envelope_response(
+        StatusCode::GATEWAY_TIMEOUT,
+        "upstream_timeout",
+        &format!(
+            "The upstream did not answer within {} s.",
+            timeout.as_secs_f64()
+        ),
+        serde_json::json!({ "timeout_seconds": timeout.as_secs_f64() }),
+    )
+}
+
 /// The 413 for a body larger than the policy reads to classify (`max_bytes`).
 pub fn payload_too_large(max_bytes: usize) -> Response<Full<Bytes>> {
     envelope_response(
@@ -336,6 +350,7 @@ impl Refused {
     /// | one kind of credential sent more than once | 400 | `invalid_request` | `reason: "ambiguous_credentials"`, `field`, `count` |
     /// | an HTTP/1.1 request without `Host`, several `Host` fields, a bad `Host` | 400 | `invalid_request` | `reason` |
     /// | `CONNECT` | 405 | `method_not_allowed` | `method` (and an `Allow` field) |
+    /// | more calls through a guarded lane in one request than a workspace runs at once | 400 | `invalid_request` | `reason: "too_many_lane_calls"`, `calls`, `max` |
     pub fn response(&self) -> Response<Full<Bytes>> {
         let message = format!("Refused, nothing was counted or forwarded: {self}.");
         let invalid = |reason: &str| {
@@ -367,6 +382,11 @@ impl Refused {
                 serde_json::json!({ "reason": "several_hosts", "count": count }),
             ),
             Refused::BadHost => invalid("bad_host"),
+            Refused::LaneCalls { calls, max } => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                serde_json::json!({ "reason": "too_many_lane_calls", "calls": calls, "max": max }),
+            ),
             Refused::Connect => (
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",

@@ -16,7 +16,7 @@ use tower::{Layer, Service};
 
 use crate::answer::{
     body_too_slow, body_unreadable, buffers_full, payload_too_large, rate_limit_headers, take_cost,
-    upstream_headers,
+    upstream_headers, upstream_timed_out,
 };
 use crate::limiter::{Limiter, Refused};
 
@@ -58,6 +58,12 @@ impl<S, I> Layer<I> for SluiceLayer<S> {
         }
     }
 }
+
+/// A request extension the layer sets on a call through a guarded lane: how long
+/// the upstream may take to answer it (the lane's timeout), for a service that
+/// forwards the request and has a shorter timeout of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UpstreamTimeout(pub std::time::Duration);
 
 /// The service [`SluiceLayer`] makes. It never waits in `poll_ready` beyond
 /// the inner service: a refusal is answered at once.
@@ -173,7 +179,11 @@ where
                 (body, plan)
             };
             // What cannot be counted is refused before anything is decided.
-            let (decision, plan) = match limiter.admit(plan).await {
+            let crate::Admitted {
+                decision,
+                plan,
+                lane,
+            } = match limiter.admit(plan).await {
                 Ok(admitted) => admitted,
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };
@@ -183,7 +193,33 @@ where
                 return Ok(r.map(Either::Left));
             }
             upstream_headers(&mut parts.headers, &plan, policy);
-            let mut response = inner.call(Request::from_parts(parts, body)).await?;
+            let mut response = match lane {
+                None => inner.call(Request::from_parts(parts, body)).await?,
+                Some(place) => {
+                    // A call through a lane may take as long as the lane allows
+                    // (an upstream that forwards reads it from the extension);
+                    // past it, it is cut and counts as a failure.
+                    let timeout = place.timeout();
+                    parts.extensions.insert(UpstreamTimeout(timeout));
+                    let call = inner.call(Request::from_parts(parts, body));
+                    match tokio::time::timeout(timeout, call).await {
+                        Ok(Ok(response)) => {
+                            place.finish(Some(response.status().as_u16()));
+                            response
+                        }
+                        Ok(Err(error)) => {
+                            place.finish(None);
+                            return Err(error);
+                        }
+                        Err(_) => {
+                            place.finish(None);
+                            let mut r = upstream_timed_out(timeout);
+                            rate_limit_headers(r.headers_mut(), &decision, &plan, policy);
+                            return Ok(r.map(Either::Left));
+                        }
+                    }
+                }
+            };
             let cost = take_cost(response.headers_mut());
             let decision = limiter.settle(&plan, decision, cost).await;
             rate_limit_headers(response.headers_mut(), &decision, &plan, policy);

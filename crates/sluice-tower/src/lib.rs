@@ -16,6 +16,7 @@
 
 mod answer;
 mod buffers;
+mod lanes;
 mod layer;
 mod limiter;
 mod plan;
@@ -26,12 +27,13 @@ pub use answer::{
     X_SLUICE_WORKSPACE, body_too_slow, body_unreadable, buffers_full, envelope_response,
     for_each_rate_limit_header, for_each_upstream_header, is_sluice_signal, limiter_unavailable,
     parse_cost, payload_too_large, rate_limit_headers, refusal, refusal_wait, retry_after_secs,
-    rfc3339, take_cost, upstream_headers,
+    rfc3339, take_cost, upstream_headers, upstream_timed_out,
 };
 pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED_BYTES};
-pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService};
+pub use lanes::{LaneCall, LanePlace, lane_refusal};
+pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
 pub use limiter::{
-    DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage, Refused,
-    TOP_CALLERS_TRACKED, check_head,
+    Admitted, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage,
+    Refused, TOP_CALLERS_TRACKED, check_head,
 };
 pub use plan::{BudgetKind, Passed, Plan, Scopes};

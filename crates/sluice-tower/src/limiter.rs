@@ -52,6 +52,18 @@ pub enum Refused {
     /// `CONNECT`: sluice is not a tunnel (a reverse proxy has nothing to connect to).
     #[error("CONNECT is not served: this is a gateway, not a tunnel")]
     Connect,
+    /// A request (a JSON-RPC batch) holding more calls through a guarded lane than
+    /// a workspace may run at once: it can never be admitted whole (send the calls
+    /// apart, or through the batch lane).
+    #[error(
+        "the request holds {calls} calls through a guarded lane; a workspace runs at most {max} at once"
+    )]
+    LaneCalls {
+        /// The calls through the lane the request holds.
+        calls: u32,
+        /// Calls a workspace may run at once.
+        max: u32,
+    },
 }
 
 /// Checks a request head before anything else is read of it: the method is not
@@ -113,6 +125,19 @@ pub struct Limiter<S> {
     /// the hot path).
     top: [crossbeam_utils::CachePadded<Mutex<TopCallers>>; TOP_SHARDS],
     metrics: Meters,
+    /// The policy's guarded lanes, in its order.
+    lanes: Vec<sluice_lanes::Lane>,
+}
+
+/// An admitted request (see [`Limiter::admit`]).
+#[derive(Debug)]
+pub struct Admitted {
+    /// Its decision.
+    pub decision: Decision,
+    /// Its plan.
+    pub plan: Plan,
+    /// Its place in a guarded lane, held until its upstream call ends.
+    pub lane: Option<crate::LanePlace>,
 }
 
 /// Shards of the top-callers table.
@@ -228,6 +253,7 @@ impl<S: BudgetStore> Limiter<S> {
     /// A limiter enforcing `policy` on `store`.
     pub fn new(policy: Policy, store: S) -> Self {
         let metrics = Meters::register(&policy);
+        let lanes = crate::lanes::lanes_of(&policy);
         Limiter {
             scopes: Scopes::new(&policy),
             policy,
@@ -239,6 +265,7 @@ impl<S: BudgetStore> Limiter<S> {
             }),
             degraded: AtomicBool::new(false),
             top: std::array::from_fn(|_| Default::default()),
+            lanes,
             metrics,
         }
     }
@@ -434,8 +461,19 @@ impl<S: BudgetStore> Limiter<S> {
         if let Some(route) = route {
             // No allocation per request: the route's own slice.
             items.spend(&route.buckets, route.quota);
+            items.call_lane(route.lane);
         }
-        Ok(plan(policy, &self.scopes, &items, caller, &client))
+        let lane = items
+            .lanes_called()
+            .next()
+            .map(|(lane, _)| crate::LaneCall {
+                lane,
+                jsonrpc: matches!(route.map(|r| &r.class), Some(RouteClass::JsonRpc)),
+                calls: items.lanes_called().map(|(_, n)| u32::from(n)).sum(),
+            });
+        let mut plan = plan(policy, &self.scopes, &items, caller, &client);
+        plan.lane = lane;
+        Ok(plan)
     }
 
     /// Decides every budget of `plan` at once, and records the outcome.
@@ -465,22 +503,96 @@ impl<S: BudgetStore> Limiter<S> {
     }
 
     /// The edge's one sequence after a request is planned, for every request path:
-    /// a request that cannot be counted, a refusal, or a store that cannot decide
-    /// becomes the answer to send (`Err`); an admitted request comes back with its
-    /// decision and plan, to be forwarded and annotated.
+    /// a request that cannot be counted, a call its lane refuses, a refusal, or a
+    /// store that cannot decide becomes the answer to send (`Err`); an admitted
+    /// request comes back with its decision, its plan and its place in a lane, to be
+    /// forwarded and annotated.
+    ///
+    /// A call through a lane waits for its place first (up to the lane's wait), then
+    /// its budgets are decided; when they refuse it, the place and its start go
+    /// back, so a refused call spends nothing anywhere.
     ///
     /// # Errors
     /// The answer to send instead of forwarding.
     pub async fn admit(
         &self,
         plan: Result<Plan, Refused>,
-    ) -> Result<(Decision, Plan), http::Response<http_body_util::Full<bytes::Bytes>>> {
+    ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
         let mut plan = plan.map_err(|refused| refused.response())?;
-        match self.decide(&mut plan).await {
-            Ok(decision) if decision.is_admitted() => Ok((decision, plan)),
-            Ok(decision) => Err(crate::answer::refusal(&decision, &plan, &self.policy)),
-            Err(error) => Err(crate::answer::limiter_unavailable(&error)),
+        let place = match plan.lane {
+            None => None,
+            Some(call) => Some(self.take_lane_places(&plan, call).await?),
+        };
+        let decided = self.decide(&mut plan).await;
+        let answer = match decided {
+            Ok(decision) if decision.is_admitted() => {
+                return Ok(Admitted {
+                    decision,
+                    plan,
+                    lane: place,
+                });
+            }
+            Ok(decision) => crate::answer::refusal(&decision, &plan, &self.policy),
+            Err(error) => crate::answer::limiter_unavailable(&error),
+        };
+        if let Some(place) = place {
+            place.cancel();
         }
+        Err(answer)
+    }
+
+    /// The places in its lane a request's calls need, each waited for within the
+    /// lane's one wait (they all go back when one cannot be had). A request with more
+    /// calls than a workspace may run at once is refused at once: as its budgets
+    /// refuse it when they do (nothing is spent either way), else as
+    /// [`Refused::LaneCalls`].
+    async fn take_lane_places(
+        &self,
+        plan: &Plan,
+        call: crate::LaneCall,
+    ) -> Result<crate::LanePlace, http::Response<http_body_util::Full<bytes::Bytes>>> {
+        let (Some(lane), Some(rule)) =
+            (self.lanes.get(call.lane), self.policy.lanes.get(call.lane))
+        else {
+            return Err(crate::answer::limiter_unavailable(&"no such lane"));
+        };
+        if call.calls > rule.workspace_in_flight.get() {
+            return Err(match self.store.peek(&plan.budgets).await {
+                Ok(peeked) if !peeked.is_admitted() => {
+                    crate::answer::refusal(&peeked, plan, &self.policy)
+                }
+                _ => Refused::LaneCalls {
+                    calls: call.calls,
+                    max: rule.workspace_in_flight.get(),
+                }
+                .response(),
+            });
+        }
+        let workspace = plan.from.workspace_label();
+        let until = tokio::time::Instant::now() + crate::lanes::max_wait(rule, call);
+        let mut permits = Vec::with_capacity(call.calls as usize);
+        for _ in 0..call.calls {
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            match lane.acquire(&workspace, left).await {
+                Ok(permit) => permits.push(permit),
+                Err(refusal) => {
+                    crate::LanePlace::new(permits, rule.timeout).cancel();
+                    metrics::counter!(
+                        "sluice_lane_refusals_total",
+                        "lane" => rule.name.clone(),
+                        "reason" => refusal.reason.as_str()
+                    )
+                    .increment(1);
+                    return Err(crate::lane_refusal(&rule.name, &refusal));
+                }
+            }
+        }
+        Ok(crate::LanePlace::new(permits, rule.timeout))
+    }
+
+    /// The guarded lanes, in the policy's order (for status pages).
+    pub fn lanes(&self) -> &[sluice_lanes::Lane] {
+        &self.lanes
     }
 
     /// The pass-on budget that alone refused `refused`, if that is all that did.

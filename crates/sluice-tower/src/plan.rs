@@ -52,6 +52,8 @@ pub struct Plan {
     pub from: Caller,
     /// A weighted budget passed on exhausted (set by the decision).
     pub passed: Option<Passed>,
+    /// The call through a guarded lane the request makes, if it makes one.
+    pub lane: Option<crate::LaneCall>,
 }
 
 /// Digests of every scope name, computed once per policy.
@@ -128,6 +130,7 @@ pub(crate) fn plan(
         caller: caller.subject,
         who: caller.who,
         from: caller,
+        lane: None,
         passed: None,
     };
     let caller = &p.from;

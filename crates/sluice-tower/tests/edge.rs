@@ -57,7 +57,13 @@ async fn e5_a_batch_of_31_expensive_items_is_refused_whole_and_spends_nothing() 
     assert_edge_429(&r);
     assert_eq!(r.limit(), 30);
     assert_eq!(r.remaining(), 30, "nothing was spent");
+    // 30 fit the class budget exactly, but not the optimizer's lane (a workspace
+    // runs 3 at once): refused as such, and nothing is spent.
     let batch: Vec<String> = (0..30).map(|i| tool_call(i, "optimize_message")).collect();
+    let r = edge.rpc(&[KEY], &format!("[{}]", batch.join(","))).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+    assert!(r.body.contains("too_many_lane_calls"), "{}", r.body);
+    let batch: Vec<String> = (0..30).map(|i| tool_call(i, "start_chat")).collect();
     let r = edge.rpc(&[KEY], &format!("[{}]", batch.join(","))).await;
     assert_eq!(r.status, StatusCode::OK, "30 fit exactly");
     assert_eq!(r.remaining(), 0);

@@ -388,8 +388,12 @@ impl<'f> Connection<'f> {
 
         // The decision; a request that cannot be counted (refused before anything is
         // decided), a refusal, or a limiter that cannot decide, is answered here.
-        let (decision, plan) = match limiter.admit(plan).await {
-            Ok(decided) => decided,
+        let sluice_tower::Admitted {
+            decision,
+            plan,
+            lane,
+        } = match limiter.admit(plan).await {
+            Ok(admitted) => admitted,
             Err(answer) => {
                 self.from_client.advance(body.end);
                 let answer = own(answer).await;
@@ -429,7 +433,11 @@ impl<'f> Connection<'f> {
 
         // On the runtime's clock, as the deadlines are.
         let started = tokio::time::Instant::now();
-        timers.upstream.set(started + fast.config.header_timeout);
+        // A call through a guarded lane may take the lane's time.
+        let header_timeout = lane
+            .as_ref()
+            .map_or(fast.config.header_timeout, sluice_tower::LanePlace::timeout);
+        timers.upstream.set(started + header_timeout);
         let exchange = self.exchange(&request);
         let answer = tokio::select! {
             biased;
@@ -444,12 +452,18 @@ impl<'f> Connection<'f> {
                 whole,
             }) => {
                 fast.upstream_seconds[0].record(elapsed);
+                if let Some(place) = lane {
+                    place.finish(Some(sent_head.status));
+                }
                 (sent_head, conn, whole)
             }
             Err(failure) => {
                 fast.upstream_seconds[if failure == Failure::Timeout { 2 } else { 1 }]
                     .record(elapsed);
-                let mut answer = upstream_failure(failure, fast.config.header_timeout);
+                if let Some(place) = lane {
+                    place.finish(None);
+                }
+                let mut answer = upstream_failure(failure, header_timeout);
                 sluice_tower::rate_limit_headers(answer.headers_mut(), &decision, &plan, policy);
                 let (parts, body) = answer.into_parts();
                 let body = body

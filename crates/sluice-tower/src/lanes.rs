@@ -1,0 +1,138 @@
+//! Guarded lanes at the edge: a request whose route or tool names a lane waits for a
+//! place in it before its budgets are decided, and gives the place back when its
+//! upstream call ends (see the `sluice-lanes` crate for the lane itself).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, RETRY_AFTER};
+use http::{Response, StatusCode};
+use http_body_util::Full;
+use sluice_core::BreakerConfig;
+use sluice_lanes::{Lane, LaneConfig, LanePermit, LaneRefusal, Outcome};
+use sluice_policy::Policy;
+
+use crate::answer::envelope_response;
+
+/// A call through a lane that a request makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaneCall {
+    /// The lane (index into the policy's lanes).
+    pub lane: usize,
+    /// It is a JSON-RPC tool call (it may wait longer in line than a REST call).
+    pub jsonrpc: bool,
+    /// Calls through the lane the request holds (a JSON-RPC batch may hold several:
+    /// each takes a place; more than a workspace may run at once is refused, see
+    /// [`Refused::LaneCalls`](crate::Refused::LaneCalls)).
+    pub calls: u32,
+}
+
+/// The settings of `lane` as the lane engine takes them.
+pub(crate) fn lane_config(lane: &sluice_policy::Lane) -> LaneConfig {
+    let mut config = LaneConfig::default();
+    config.workspace_in_flight = lane.workspace_in_flight.get();
+    config.workspace_starts = lane.workspace_starts.get();
+    config.start_window = lane.starts_window;
+    config.global_cap = lane.global_in_flight.get();
+    config.batch_reserve = lane.batch_reserve;
+    config.max_waiting = usize::try_from(lane.max_waiting.get()).unwrap_or(usize::MAX);
+    config.breaker = BreakerConfig {
+        failures: lane.breaker_failures.get(),
+        within: lane.breaker_within,
+        open_for: lane.breaker_open,
+    };
+    config.upstream_timeout = lane.timeout;
+    config
+}
+
+/// The lanes of `policy`, in its order.
+pub(crate) fn lanes_of(policy: &Policy) -> Vec<Lane> {
+    policy
+        .lanes
+        .iter()
+        .filter_map(|l| Lane::new(l.name.as_str(), lane_config(l)).ok())
+        .collect()
+}
+
+/// How long a call of `lane` may wait in line.
+pub(crate) fn max_wait(lane: &sluice_policy::Lane, call: LaneCall) -> Duration {
+    if call.jsonrpc {
+        lane.jsonrpc_wait
+    } else {
+        lane.wait
+    }
+}
+
+/// The 429 of a call the lane refuses: the JSON envelope with `error.code:
+/// "rate_limited"`, `details.reason` (`workspace_in_flight_limit`,
+/// `workspace_rate_limit`, `optimizer_busy` or `optimizer_unavailable`) and
+/// `details.retry_after_seconds`, and `Retry-After` with the same seconds.
+pub fn lane_refusal(lane: &str, refusal: &LaneRefusal) -> Response<Full<Bytes>> {
+    let seconds = refusal.retry_after_secs();
+    let reason = refusal.reason.as_str();
+    let message = match reason {
+        "workspace_in_flight_limit" => format!(
+            "Your workspace has as many {lane} calls running as it may. Try again in {seconds} seconds."
+        ),
+        "workspace_rate_limit" => format!(
+            "Your workspace has started as many {lane} calls this minute as it may. Try again in {seconds} seconds."
+        ),
+        "optimizer_unavailable" => format!(
+            "The {lane} upstream is failing; no calls are sent to it for now. Try again in {seconds} seconds."
+        ),
+        _ => format!("The {lane} upstream is busy. Try again in {seconds} seconds."),
+    };
+    let mut r = envelope_response(
+        StatusCode::TOO_MANY_REQUESTS,
+        "rate_limited",
+        &message,
+        serde_json::json!({
+            "reason": reason,
+            "retry_after_seconds": seconds,
+            "lane": lane,
+        }),
+    );
+    r.headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from(seconds));
+    r
+}
+
+/// The places in a lane held by an admitted request (one per call through the lane
+/// it holds) until its upstream call ends.
+#[derive(Debug)]
+pub struct LanePlace {
+    permits: Vec<LanePermit>,
+    timeout: Duration,
+}
+
+impl LanePlace {
+    pub(crate) fn new(permits: Vec<LanePermit>, timeout: Duration) -> Self {
+        LanePlace { permits, timeout }
+    }
+
+    /// How long the upstream call may take: past it, it is cut and counts as a
+    /// failure.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The call ended with the upstream's `status`, or with none (it could not be
+    /// reached, gave no answer, or timed out): a 5xx or no answer is a failure for
+    /// the lane's breaker.
+    pub fn finish(self, status: Option<u16>) {
+        let outcome = match status {
+            Some(s) if s < 500 => Outcome::Success,
+            _ => Outcome::Failure,
+        };
+        for permit in self.permits {
+            permit.finish(outcome);
+        }
+    }
+
+    /// The call was never sent: the places and their starts go back.
+    pub(crate) fn cancel(self) {
+        for permit in self.permits {
+            permit.cancel();
+        }
+    }
+}
