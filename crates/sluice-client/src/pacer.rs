@@ -108,6 +108,10 @@ struct Learned {
 /// it learned from headers.
 struct ProviderState {
     gate: tokio::sync::Mutex<()>,
+    /// Rung when this process gives tokens or requests back, so that the
+    /// request waiting at the head of the queue looks again at once instead
+    /// of at its next planned instant.
+    room: tokio::sync::Notify,
     tokens: parking_lot::Mutex<SlotCache>,
     days: parking_lot::Mutex<SlotCache>,
     learned: parking_lot::Mutex<Learned>,
@@ -236,6 +240,7 @@ where
             .or_insert_with(|| {
                 Arc::new(ProviderState {
                     gate: tokio::sync::Mutex::new(()),
+                    room: tokio::sync::Notify::new(),
                     tokens: parking_lot::Mutex::new(SlotCache::default()),
                     days: parking_lot::Mutex::new(SlotCache::default()),
                     learned: parking_lot::Mutex::new(Learned::default()),
@@ -344,7 +349,12 @@ where
             }
             let sleep = plan.ready_at.saturating_since(now).min(MAX_SLEEP);
             slept = true;
-            tokio::time::sleep(sleep).await;
+            // Room given back by an answer's usage (or a refusal) may come
+            // before the planned instant: look again as soon as it does.
+            tokio::select! {
+                () = tokio::time::sleep(sleep) => {}
+                () = state.room.notified() => {}
+            }
         }
     }
 
@@ -776,6 +786,11 @@ where
             let cell = inner.rpd.cell(self.subject, slot, u32::MAX, 0);
             inner.store.adjust(&cell, -1, self.decided_at).await?;
             self.state.days.lock().refund(self.subject, slot, 1);
+        }
+        if actual < self.tokens || give_back_request {
+            // A waiting request may fit now (a stored wake-up when none
+            // waits costs one extra look later).
+            self.state.room.notify_one();
         }
         Ok(())
     }

@@ -245,6 +245,38 @@ async fn c6_usage_reconciliation_frees_reserved_tokens() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn c2_a_waiting_request_goes_the_moment_a_reconcile_frees_room() {
+    let (pacer, clock) = pacer(limits(1_000, 0, 0));
+    let first = pacer
+        .acquire(
+            "p",
+            TokenEstimate {
+                prompt: 100,
+                completion: 800,
+            },
+        )
+        .await
+        .unwrap();
+    // 500 more do not fit: the waiter plans for the first request's slot to
+    // leave the window, a minute away, and looks again within a second.
+    let p2 = pacer.clone();
+    let waiter = tokio::spawn(async move {
+        let permit = p2.acquire("p", 500u32).await.unwrap();
+        (clock.now(), permit.waited())
+    });
+    tokio::task::yield_now().await;
+    tokio::time::advance(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished());
+    // The answer used 300 of its 900: the waiter goes now, not at its next
+    // look.
+    first.reconcile(300).await.unwrap();
+    let (when, waited) = waiter.await.unwrap();
+    assert_eq!(when, at(300));
+    assert_eq!(waited, Duration::from_millis(300));
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 800);
+}
+
+#[tokio::test(start_paused = true)]
 async fn c6_headers_hold_and_foreign_usage_correct_the_window() {
     let (pacer, clock) = pacer(limits(10_000, 0, 0));
     pacer.acquire("p", 1_000u32).await.unwrap();
