@@ -505,6 +505,7 @@ where
             token_slot,
             day_slot,
             decided_at,
+            window_at_decision: plan.tokens.as_ref().map(|h| h.total() + u64::from(tokens)),
             waited: Duration::ZERO,
             reconcile: p.reconcile,
         }))
@@ -519,17 +520,35 @@ where
         l.hold_until = Some(l.hold_until.map_or(until, |h| h.max(until)));
     }
 
-    /// Learns from a provider's rate-limit headers (SPEC C6): requests left
+    /// Learns from a provider's rate-limit headers: requests left
     /// at zero hold the provider until the reset it names; tokens the
     /// provider counts beyond what this pacer's books hold (another client
     /// on the same key) are charged to the window. Nothing here lowers the
     /// configured limits: the pacer never limits below the plan.
     ///
+    /// The headers are taken to describe the provider's books now and are
+    /// compared with this pacer's books as they stand now. For the answer
+    /// to a request this pacer let through, [`Permit::observe`] is exact
+    /// even when the answer took long.
+    ///
     /// # Errors
     /// [`PaceError::Store`].
     pub async fn observe(&self, provider: &str, headers: &HeaderMap) -> Result<(), PaceError> {
         let now = self.inner.clock.now();
-        let h = RateLimitHeaders::parse(headers, now);
+        self.learn(provider, headers, now, None).await
+    }
+
+    /// Learns from `headers` describing the provider's books at `at`, when
+    /// this pacer's window held `ours_at` tokens (read now when unknown).
+    async fn learn(
+        &self,
+        provider: &str,
+        headers: &HeaderMap,
+        at: Timestamp,
+        ours_at: Option<u64>,
+    ) -> Result<(), PaceError> {
+        let now = self.inner.clock.now();
+        let h = RateLimitHeaders::parse(headers, at);
         if h.is_empty() {
             return Ok(());
         }
@@ -546,7 +565,8 @@ where
         if h.requests.remaining == Some(0)
             && let Some(reset) = h.requests.reset
         {
-            self.hold(provider, reset);
+            // The reset counts from when the provider wrote it.
+            self.hold(provider, at.saturating_add(reset).saturating_since(now));
         }
         if p.limits.tpm > 0
             && let Some(used) = h.tokens.used()
@@ -558,7 +578,7 @@ where
                 .tpm
                 .read(&self.inner.store, subject, &state.tokens, now, margin)
                 .await?;
-            let ours = hist.total();
+            let ours = ours_at.unwrap_or_else(|| hist.total());
             if used > ours {
                 let foreign = (used - ours).min(u64::from(p.limits.tpm));
                 let cell = self.inner.tpm.cell(subject, hist.current(), u32::MAX, 0);
@@ -690,6 +710,8 @@ where
     token_slot: Option<u64>,
     day_slot: Option<u64>,
     decided_at: Timestamp,
+    /// Tokens in this pacer's window just after the reservation.
+    window_at_decision: Option<u64>,
     waited: Duration,
     reconcile: bool,
 }
@@ -737,6 +759,27 @@ where
     /// When the reservation was made.
     pub fn decided_at(&self) -> Timestamp {
         self.decided_at
+    }
+
+    /// Learns from the rate-limit headers of the answer to this request, as
+    /// [`Pacer::observe`] does, knowing that they describe the provider's
+    /// books when the request arrived: they are compared with this pacer's
+    /// books as they stood when it let the request go, so tokens that left
+    /// the window or were given back while the answer was on its way are
+    /// not taken for another client's, and a reset is counted from the
+    /// request's arrival.
+    ///
+    /// # Errors
+    /// [`PaceError::Store`].
+    pub async fn observe(&self, headers: &HeaderMap) -> Result<(), PaceError> {
+        self.pacer
+            .learn(
+                &self.provider,
+                headers,
+                self.decided_at,
+                self.window_at_decision,
+            )
+            .await
     }
 
     /// Replaces the reservation by what the answer actually used: unused
