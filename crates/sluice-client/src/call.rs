@@ -156,7 +156,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
         body: Option<&[u8]>,
     ) -> After<S, C> {
         // Learning is best effort: a store hiccup must not lose the answer.
-        let _ = self.pacer.observe(&self.provider, headers).await;
+        let _ = permit.observe(headers).await;
         let is_429 = status == StatusCode::TOO_MANY_REQUESTS;
         match classify(status, headers, body) {
             Retryable::No if status.is_success() => After::Deliver(Some(permit)),

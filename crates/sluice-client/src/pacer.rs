@@ -108,6 +108,10 @@ struct Learned {
 /// it learned from headers.
 struct ProviderState {
     gate: tokio::sync::Mutex<()>,
+    /// Rung when this process gives tokens or requests back, so that the
+    /// request waiting at the head of the queue looks again at once instead
+    /// of at its next planned instant.
+    room: tokio::sync::Notify,
     tokens: parking_lot::Mutex<SlotCache>,
     days: parking_lot::Mutex<SlotCache>,
     learned: parking_lot::Mutex<Learned>,
@@ -236,6 +240,7 @@ where
             .or_insert_with(|| {
                 Arc::new(ProviderState {
                     gate: tokio::sync::Mutex::new(()),
+                    room: tokio::sync::Notify::new(),
                     tokens: parking_lot::Mutex::new(SlotCache::default()),
                     days: parking_lot::Mutex::new(SlotCache::default()),
                     learned: parking_lot::Mutex::new(Learned::default()),
@@ -344,7 +349,12 @@ where
             }
             let sleep = plan.ready_at.saturating_since(now).min(MAX_SLEEP);
             slept = true;
-            tokio::time::sleep(sleep).await;
+            // Room given back by an answer's usage (or a refusal) may come
+            // before the planned instant: look again as soon as it does.
+            tokio::select! {
+                () = tokio::time::sleep(sleep) => {}
+                () = state.room.notified() => {}
+            }
         }
     }
 
@@ -495,6 +505,7 @@ where
             token_slot,
             day_slot,
             decided_at,
+            window_at_decision: plan.tokens.as_ref().map(|h| h.total() + u64::from(tokens)),
             waited: Duration::ZERO,
             reconcile: p.reconcile,
         }))
@@ -509,17 +520,35 @@ where
         l.hold_until = Some(l.hold_until.map_or(until, |h| h.max(until)));
     }
 
-    /// Learns from a provider's rate-limit headers (SPEC C6): requests left
+    /// Learns from a provider's rate-limit headers: requests left
     /// at zero hold the provider until the reset it names; tokens the
     /// provider counts beyond what this pacer's books hold (another client
     /// on the same key) are charged to the window. Nothing here lowers the
     /// configured limits: the pacer never limits below the plan.
     ///
+    /// The headers are taken to describe the provider's books now and are
+    /// compared with this pacer's books as they stand now. For the answer
+    /// to a request this pacer let through, [`Permit::observe`] is exact
+    /// even when the answer took long.
+    ///
     /// # Errors
     /// [`PaceError::Store`].
     pub async fn observe(&self, provider: &str, headers: &HeaderMap) -> Result<(), PaceError> {
         let now = self.inner.clock.now();
-        let h = RateLimitHeaders::parse(headers, now);
+        self.learn(provider, headers, now, None).await
+    }
+
+    /// Learns from `headers` describing the provider's books at `at`, when
+    /// this pacer's window held `ours_at` tokens (read now when unknown).
+    async fn learn(
+        &self,
+        provider: &str,
+        headers: &HeaderMap,
+        at: Timestamp,
+        ours_at: Option<u64>,
+    ) -> Result<(), PaceError> {
+        let now = self.inner.clock.now();
+        let h = RateLimitHeaders::parse(headers, at);
         if h.is_empty() {
             return Ok(());
         }
@@ -536,7 +565,8 @@ where
         if h.requests.remaining == Some(0)
             && let Some(reset) = h.requests.reset
         {
-            self.hold(provider, reset);
+            // The reset counts from when the provider wrote it.
+            self.hold(provider, at.saturating_add(reset).saturating_since(now));
         }
         if p.limits.tpm > 0
             && let Some(used) = h.tokens.used()
@@ -548,7 +578,7 @@ where
                 .tpm
                 .read(&self.inner.store, subject, &state.tokens, now, margin)
                 .await?;
-            let ours = hist.total();
+            let ours = ours_at.unwrap_or_else(|| hist.total());
             if used > ours {
                 let foreign = (used - ours).min(u64::from(p.limits.tpm));
                 let cell = self.inner.tpm.cell(subject, hist.current(), u32::MAX, 0);
@@ -680,6 +710,8 @@ where
     token_slot: Option<u64>,
     day_slot: Option<u64>,
     decided_at: Timestamp,
+    /// Tokens in this pacer's window just after the reservation.
+    window_at_decision: Option<u64>,
     waited: Duration,
     reconcile: bool,
 }
@@ -729,6 +761,27 @@ where
         self.decided_at
     }
 
+    /// Learns from the rate-limit headers of the answer to this request, as
+    /// [`Pacer::observe`] does, knowing that they describe the provider's
+    /// books when the request arrived: they are compared with this pacer's
+    /// books as they stood when it let the request go, so tokens that left
+    /// the window or were given back while the answer was on its way are
+    /// not taken for another client's, and a reset is counted from the
+    /// request's arrival.
+    ///
+    /// # Errors
+    /// [`PaceError::Store`].
+    pub async fn observe(&self, headers: &HeaderMap) -> Result<(), PaceError> {
+        self.pacer
+            .learn(
+                &self.provider,
+                headers,
+                self.decided_at,
+                self.window_at_decision,
+            )
+            .await
+    }
+
     /// Replaces the reservation by what the answer actually used: unused
     /// tokens go back to the window they were reserved in; extra tokens are
     /// charged now.
@@ -776,6 +829,11 @@ where
             let cell = inner.rpd.cell(self.subject, slot, u32::MAX, 0);
             inner.store.adjust(&cell, -1, self.decided_at).await?;
             self.state.days.lock().refund(self.subject, slot, 1);
+        }
+        if actual < self.tokens || give_back_request {
+            // A waiting request may fit now (a stored wake-up when none
+            // waits costs one extra look later).
+            self.state.room.notify_one();
         }
         Ok(())
     }

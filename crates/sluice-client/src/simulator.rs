@@ -16,6 +16,9 @@
 //! ("… Please try again in 1.5s …", `code: rate_limit_exceeded`) and
 //! `x-ratelimit-*` headers (Anthropic's shapes on `/messages`).
 //!
+//! A request may carry `x-simulator-latency-ms: N` to take `N` ms instead of
+//! [`SimulatorConfig::latency`] (benchmarks with varied answer times).
+//!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
@@ -48,6 +51,8 @@ use crate::config::ApiStyle;
 use crate::tokens::{Encoding, EstimateOptions, estimate};
 
 const MINUTE: Duration = Duration::from_secs(60);
+/// A request header setting that request's latency, in milliseconds.
+pub const LATENCY_HEADER: &str = "x-simulator-latency-ms";
 const DAY: Duration = Duration::from_secs(86_400);
 
 /// How the simulated provider behaves.
@@ -226,11 +231,12 @@ where
         Box::pin(async move {
             let method = req.method().clone();
             let path = req.uri().path().to_owned();
+            let latency = latency_of(req.headers());
             let body = match Limited::new(req.into_body(), 32 << 20).collect().await {
                 Ok(c) => c.to_bytes(),
                 Err(_) => Bytes::new(),
             };
-            Ok(answer(shared, method, path, body).await)
+            Ok(answer(shared, method, path, latency, body).await)
         })
     }
 }
@@ -516,8 +522,9 @@ fn words(n: u32) -> String {
 async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<SimBody> {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
+    let latency = latency_of(req.headers());
     match Limited::new(req.into_body(), 32 << 20).collect().await {
-        Ok(c) => answer(shared, method, path, c.to_bytes()).await,
+        Ok(c) => answer(shared, method, path, latency, c.to_bytes()).await,
         Err(_) => full(
             StatusCode::PAYLOAD_TOO_LARGE,
             &json!({"error":{"message":"body too large"}}),
@@ -525,13 +532,26 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<SimBody
     }
 }
 
+/// The latency a request asks for ([`LATENCY_HEADER`]), if any.
+fn latency_of(headers: &http::HeaderMap) -> Option<Duration> {
+    headers
+        .get(LATENCY_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_millis)
+}
+
 async fn answer(
     shared: Arc<Shared>,
     method: Method,
     path: String,
+    latency: Option<Duration>,
     body: Bytes,
 ) -> Response<SimBody> {
-    let cfg = *shared.config.lock();
+    let mut cfg = *shared.config.lock();
+    if let Some(l) = latency {
+        cfg.latency = l;
+    }
     let style = if path.ends_with("/messages") {
         ApiStyle::Anthropic
     } else {

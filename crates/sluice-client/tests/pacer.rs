@@ -245,6 +245,38 @@ async fn c6_usage_reconciliation_frees_reserved_tokens() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn c2_a_waiting_request_goes_the_moment_a_reconcile_frees_room() {
+    let (pacer, clock) = pacer(limits(1_000, 0, 0));
+    let first = pacer
+        .acquire(
+            "p",
+            TokenEstimate {
+                prompt: 100,
+                completion: 800,
+            },
+        )
+        .await
+        .unwrap();
+    // 500 more do not fit: the waiter plans for the first request's slot to
+    // leave the window, a minute away, and looks again within a second.
+    let p2 = pacer.clone();
+    let waiter = tokio::spawn(async move {
+        let permit = p2.acquire("p", 500u32).await.unwrap();
+        (clock.now(), permit.waited())
+    });
+    tokio::task::yield_now().await;
+    tokio::time::advance(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished());
+    // The answer used 300 of its 900: the waiter goes now, not at its next
+    // look.
+    first.reconcile(300).await.unwrap();
+    let (when, waited) = waiter.await.unwrap();
+    assert_eq!(when, at(300));
+    assert_eq!(waited, Duration::from_millis(300));
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 800);
+}
+
+#[tokio::test(start_paused = true)]
 async fn c6_headers_hold_and_foreign_usage_correct_the_window() {
     let (pacer, clock) = pacer(limits(10_000, 0, 0));
     pacer.acquire("p", 1_000u32).await.unwrap();
@@ -272,6 +304,40 @@ async fn c6_headers_hold_and_foreign_usage_correct_the_window() {
         j["providers"]["p"]["learned"]["headers"]["tokens"]["limit"],
         5_000
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn c6_a_slow_answer_s_headers_are_read_as_of_its_arrival() {
+    let (pacer, clock) = pacer(limits(10_000, 0, 0));
+    pacer.acquire("p", 5_000u32).await.unwrap();
+    tokio::time::advance(Duration::from_secs(30)).await;
+    let slow = pacer.acquire("p", 1_000u32).await.unwrap();
+    // On arrival the provider counted our 6,000 (and said so); the answer
+    // comes back 35 s later, when the first 5,000 have left our window.
+    let mut h = http::HeaderMap::new();
+    h.insert("x-ratelimit-limit-tokens", "10000".parse().unwrap());
+    h.insert("x-ratelimit-remaining-tokens", "4000".parse().unwrap());
+    tokio::time::advance(Duration::from_secs(35)).await;
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 1_000);
+    slow.observe(&h).await.unwrap();
+    // Nobody else spent: nothing is charged.
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 1_000);
+    // Had the provider counted 7,000, another client spent 1,000.
+    h.insert("x-ratelimit-remaining-tokens", "3000".parse().unwrap());
+    slow.observe(&h).await.unwrap();
+    assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 2_000);
+
+    // Requests at zero until a reset 2 s after the arrival: an answer read
+    // 1.5 s after it holds the provider 0.5 s more, not 2 s.
+    let sent = clock.now();
+    let last = pacer.acquire("p", 10u32).await.unwrap();
+    let mut h = http::HeaderMap::new();
+    h.insert("x-ratelimit-remaining-requests", "0".parse().unwrap());
+    h.insert("x-ratelimit-reset-requests", "2s".parse().unwrap());
+    tokio::time::advance(Duration::from_millis(1_500)).await;
+    last.observe(&h).await.unwrap();
+    pacer.acquire("p", 10u32).await.unwrap();
+    assert_eq!(clock.now().saturating_since(sent), Duration::from_secs(2));
 }
 
 #[tokio::test(start_paused = true)]

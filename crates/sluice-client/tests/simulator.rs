@@ -167,3 +167,30 @@ async fn simulator_streams_with_usage_last_and_speaks_anthropic() {
     assert_eq!(learned.requests.limit, Some(500));
     assert!(learned.tokens.reset.is_some());
 }
+
+#[tokio::test(start_paused = true)]
+async fn simulator_takes_a_request_s_own_latency_from_its_header() {
+    let clock = TokioClock::at(TEST_EPOCH);
+    let cfg = SimulatorConfig {
+        latency: Duration::from_millis(100),
+        ..SimulatorConfig::default()
+    };
+    let mut sim = SimService::new(cfg, Arc::new(clock));
+    let (s, _, _) = send(&mut sim, post("/v1/chat/completions", chat(20))).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        clock.now(),
+        TEST_EPOCH.saturating_add(Duration::from_millis(100))
+    );
+    let mut req = post("/v1/chat/completions", chat(20));
+    req.headers_mut().insert(
+        sluice_client::simulator::LATENCY_HEADER,
+        http::HeaderValue::from_static("2500"),
+    );
+    let (s, _, _) = send(&mut sim, req).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        clock.now(),
+        TEST_EPOCH.saturating_add(Duration::from_millis(2_600))
+    );
+}
