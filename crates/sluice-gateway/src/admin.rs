@@ -100,6 +100,26 @@ fn describe_metrics() {
         "Weighted-budget charges (X-Sluice-Cost) the store could not apply after the upstream answered."
     );
     metrics::describe_gauge!(
+        "sluice_lane_running",
+        "Calls running through a guarded lane (single calls and batch items), by lane."
+    );
+    metrics::describe_gauge!(
+        "sluice_lane_waiting",
+        "Calls waiting in line for a guarded lane, by lane."
+    );
+    metrics::describe_gauge!(
+        "sluice_lane_batch_running",
+        "Batch items running through a guarded lane, by lane."
+    );
+    metrics::describe_gauge!(
+        "sluice_lane_breaker_open",
+        "1 while a guarded lane's breaker is open (calls refused at once), else 0."
+    );
+    metrics::describe_counter!(
+        "sluice_lane_refusals_total",
+        "Calls a guarded lane refused, by lane and reason."
+    );
+    metrics::describe_gauge!(
         "sluice_store_degraded",
         "1 while the budget store is failing (its last decision failed), else 0."
     );
@@ -257,6 +277,11 @@ pub async fn serve(
 
 async fn metrics_text(State(state): State<AdminState>) -> Response {
     state.inner.requests.publish();
+    if let Some(limiter) = &state.inner.quotas {
+        for lane in limiter.lanes() {
+            sluice_tower::publish_lane_gauges(lane);
+        }
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -370,6 +395,9 @@ const DASHBOARD_HTML: &str = r##"<!doctype html>
 <h2>Gateway metrics</h2>
 <table id="metrics"><thead><tr><th>metric</th><th>labels</th><th>value</th></tr></thead><tbody></tbody></table>
 
+<h2>Guarded lanes</h2>
+<div id="lanes" class="muted">no lanes in the policy</div>
+
 <h2>Monthly quotas</h2>
 <form id="quota-form"><label>workspace <input id="workspace" placeholder="acme, key:…, ip:…" size="40"></label>
 <button>show</button></form>
@@ -403,6 +431,42 @@ function showStatus(s) {
   }
   document.getElementById("limiter").textContent =
     s.limiter === null ? "no limiter wired in" : JSON.stringify(s.limiter, null, 2);
+  showLanes((s.limiter && s.limiter.lanes) || []);
+}
+function showLanes(lanes) {
+  const box = document.getElementById("lanes");
+  if (lanes.length === 0) return;
+  box.replaceChildren();
+  box.className = "";
+  for (const l of lanes) {
+    const head = document.createElement("div");
+    const breaker = l.breaker === "open"
+      ? "breaker OPEN (" + Math.ceil(l.breaker_open_seconds_left) + " s left)"
+      : "breaker " + l.breaker.replace("_", "-");
+    head.textContent = l.lane + ": " + l.running + " of " + l.global_cap + " running (" +
+      l.batch_running + " batch items, at most " + l.batch_cap + "), " + l.waiting +
+      " waiting, " + breaker + ", calls take ~" + Math.round(l.expected_call_seconds) + " s";
+    if (l.breaker === "open") head.style.color = "#b00020";
+    box.appendChild(head);
+    const table = document.createElement("table");
+    const header = document.createElement("tr");
+    for (const h of ["workspace", "running", "waiting", "started this window", "batch items"]) {
+      const th = document.createElement("th");
+      th.textContent = h;
+      header.appendChild(th);
+    }
+    table.appendChild(header);
+    for (const w of l.workspaces) {
+      const row = document.createElement("tr");
+      cell(row, w.workspace);
+      cell(row, String(w.running), "num");
+      cell(row, String(w.waiting), "num");
+      cell(row, String(w.started_in_window), "num");
+      cell(row, String(w.batch_running), "num");
+      table.appendChild(row);
+    }
+    box.appendChild(table);
+  }
 }
 function showMetrics(text) {
   document.getElementById("raw").textContent = text;

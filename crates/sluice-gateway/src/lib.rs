@@ -116,6 +116,8 @@ pub struct GatewayConfig {
     pub max_connections_per_ip: NonZeroUsize,
     /// Most request-body bytes held in memory at once.
     pub max_buffered_bytes: usize,
+    /// How long a call of the demo upstream's message optimizer takes.
+    pub demo_optimize_time: Duration,
 }
 
 /// Default for [`GatewayConfig::max_connections`].
@@ -147,6 +149,7 @@ impl GatewayConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
             max_buffered_bytes: sluice_tower::DEFAULT_MAX_BUFFERED_BYTES,
+            demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
         }
     }
 }
@@ -251,7 +254,8 @@ impl Gateway {
         let (upstream, demo) = match config.upstream.clone() {
             Some(upstream) => (upstream, None),
             None => {
-                let demo = demo::start(backends_stopped.clone().wait())
+                let optimizer = demo::optimizer::Optimizer::new(config.demo_optimize_time);
+                let demo = demo::start(optimizer, backends_stopped.clone().wait())
                     .await
                     .map_err(io("starting the built-in demo upstream"))?;
                 (Upstream::from_addr(demo.addr()), Some(demo))

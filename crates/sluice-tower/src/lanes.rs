@@ -136,3 +136,46 @@ impl LanePlace {
         }
     }
 }
+
+/// A lane as `/status` shows it: running and waiting calls in all and per
+/// workspace, starts in the rolling window, batch items, the breaker and the
+/// expected call duration.
+pub fn lane_status(lane: &Lane) -> serde_json::Value {
+    let s = lane.snapshot();
+    let breaker_left = match s.breaker {
+        sluice_lanes::BreakerStatus::Open { retry_after } => retry_after.as_secs_f64(),
+        _ => 0.0,
+    };
+    serde_json::json!({
+        "lane": s.lane,
+        "global_cap": s.global_cap,
+        "batch_cap": s.batch_cap,
+        "running": s.running,
+        "waiting": s.waiting,
+        "batch_running": s.batch_running,
+        "breaker": s.breaker.as_str(),
+        "breaker_open_seconds_left": breaker_left,
+        "expected_call_seconds": s.expected_duration.as_secs_f64(),
+        "workspaces": s.workspaces.iter().map(|w| serde_json::json!({
+            "workspace": w.workspace,
+            "running": w.running,
+            "waiting": w.waiting,
+            "started_in_window": w.started_in_window,
+            "batch_running": w.batch_running,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// Sets the lane gauges (`sluice_lane_running`, `sluice_lane_waiting`,
+/// `sluice_lane_batch_running`, `sluice_lane_breaker_open`, by lane) to what
+/// `lane` holds now.
+pub fn publish_lane_gauges(lane: &Lane) {
+    let s = lane.snapshot();
+    let name = s.lane.clone();
+    metrics::gauge!("sluice_lane_running", "lane" => name.clone()).set(f64::from(s.running));
+    metrics::gauge!("sluice_lane_waiting", "lane" => name.clone()).set(f64::from(s.waiting));
+    metrics::gauge!("sluice_lane_batch_running", "lane" => name.clone())
+        .set(f64::from(s.batch_running));
+    let open = matches!(s.breaker, sluice_lanes::BreakerStatus::Open { .. });
+    metrics::gauge!("sluice_lane_breaker_open", "lane" => name).set(if open { 1.0 } else { 0.0 });
+}

@@ -850,6 +850,7 @@ impl<S: BudgetStore> Limiter<S> {
             })).collect::<Vec<_>>(),
             "other_callers_units": others,
             "store_degraded": self.is_degraded(),
+            "lanes": self.lanes.iter().map(crate::lane_status).collect::<Vec<_>>(),
         })
     }
 }

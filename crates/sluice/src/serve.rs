@@ -142,6 +142,13 @@ pub struct ServeArgs {
     /// with a body gets 503 with Retry-After. Default 256 MiB.
     #[arg(long, value_name = "BYTES", default_value_t = sluice_tower::DEFAULT_MAX_BUFFERED_BYTES)]
     pub max_buffered_bytes: usize,
+
+    /// Seconds a call of the built-in demo upstream's message optimizer takes
+    /// (`POST /messages/optimize`, the `optimize_message` tool), so its lane's waits,
+    /// refusals and breaker can be watched (fractions allowed; 0 to 600). Ignored
+    /// with --upstream.
+    #[arg(long, value_name = "SECS", default_value = "3", value_parser = parse_demo_seconds)]
+    pub demo_optimize_seconds: Duration,
 }
 
 /// Checks what clap cannot (the config is readable, the data dir is a directory, the
@@ -182,6 +189,7 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     config.max_connections = connections_within_fd_limit(args.max_connections)?;
     config.max_connections_per_ip = args.max_connections_per_ip;
     config.max_buffered_bytes = args.max_buffered_bytes;
+    config.demo_optimize_time = args.demo_optimize_seconds;
     Ok(config)
 }
 
@@ -302,6 +310,19 @@ pub(crate) fn parse_store(s: &str) -> Result<StoreSpec, String> {
                 .to_owned(),
         )
     }
+}
+
+fn parse_demo_seconds(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| "expected a number of seconds such as 3 or 0.5".to_owned())?;
+    if !(0.0..=sluice_gateway::demo::optimizer::MAX_CALL_SECONDS).contains(&secs) {
+        return Err(format!(
+            "expected 0 to {} seconds",
+            sluice_gateway::demo::optimizer::MAX_CALL_SECONDS
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 fn parse_timeout(s: &str) -> Result<Duration, String> {

@@ -8,6 +8,8 @@
 //!   `DELETE /mcp` → 200 (end of session).
 //! - `GET /demo/sse?n=3&interval_ms=50`: `n` events `interval_ms` apart.
 //! - `GET /demo/slow?ms=500`: answers after `ms` milliseconds.
+//! - `POST /messages/optimize` (and the `optimize_message` tool): a slow optimizer
+//!   that can be told to fail, for the lane in front of it (see [`optimizer`]).
 //! - `POST /search/query`: a warehouse that reports each query's cost in
 //!   `X-Sluice-Cost` (see [`warehouse`]).
 //! - anything else: 200 JSON echo of method, path, query, headers and JSON body.
@@ -17,11 +19,13 @@
 //! kernel reset the connection, and the reset can destroy the 413 before the gateway
 //! has read it — the client then got a 502 (nginx's lingering close, made simple).
 
+pub mod optimizer;
 mod warehouse;
 
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher as _, Hasher as _};
 use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -108,11 +112,14 @@ impl Demo {
 ///
 /// # Errors
 /// The loopback listener cannot be bound.
-pub async fn start(stop: impl Future<Output = ()> + Send + 'static) -> std::io::Result<Demo> {
+pub async fn start(
+    optimizer: Arc<optimizer::Optimizer>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<Demo> {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
     let addr = listener.local_addr()?;
     let task = tokio::spawn(async move {
-        if let Err(error) = axum::serve(listener, router())
+        if let Err(error) = axum::serve(listener, router(optimizer))
             .with_graceful_shutdown(stop)
             .await
         {
@@ -126,13 +133,19 @@ pub async fn start(stop: impl Future<Output = ()> + Send + 'static) -> std::io::
 pub const MAX_BODY_BYTES: usize = 2 * 1024 * 1024;
 
 /// The demo's routes.
-pub fn router() -> Router {
+pub fn router(optimizer: Arc<optimizer::Optimizer>) -> Router {
     Router::new()
         .route("/mcp", get(mcp_stream).post(mcp_post).delete(mcp_delete))
+        .route("/messages/optimize", post(optimizer::optimize))
+        .route(
+            "/demo/optimizer",
+            get(optimizer::stats).post(optimizer::settings),
+        )
         .route("/demo/sse", get(sse))
         .route("/demo/slow", get(slow))
         .route("/search/query", post(warehouse::search_query))
         .fallback(echo)
+        .with_state(optimizer)
         // The bound is the middleware's: it has read every body it passes on.
         .layer(axum::extract::DefaultBodyLimit::disable())
         .layer(axum::middleware::from_fn(read_whole_body))
@@ -299,7 +312,11 @@ async fn mcp_delete() -> StatusCode {
     StatusCode::OK
 }
 
-async fn mcp_post(body: Bytes) -> Response {
+async fn mcp_post(
+    axum::extract::State(optimizer): axum::extract::State<Arc<optimizer::Optimizer>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let message: Value = match serde_json::from_slice(&body) {
         Ok(message) => message,
         Err(_) => {
@@ -310,6 +327,22 @@ async fn mcp_post(body: Bytes) -> Response {
                 .into_response();
         }
     };
+    // The optimizer's tool calls take the optimizer's time (all of a batch's at once).
+    let optimize_calls = match &message {
+        Value::Array(items) => items.iter().filter(|m| is_optimize_call(m)).count(),
+        single => usize::from(is_optimize_call(single)),
+    };
+    if optimize_calls > 0
+        && optimizer
+            .run(
+                &optimizer::workspace_of(&headers),
+                u32::try_from(optimize_calls).unwrap_or(u32::MAX),
+            )
+            .await
+            .is_err()
+    {
+        return optimizer::unavailable();
+    }
     let mut new_session = false;
     let reply = match message {
         Value::Array(items) if items.is_empty() => Some(rpc_error(
@@ -334,6 +367,26 @@ async fn mcp_post(body: Bytes) -> Response {
         response.headers_mut().insert("mcp-session-id", id);
     }
     response
+}
+
+/// True for a `tools/call` of `optimize_message` (or the retired `messages` tool's
+/// `optimize` action).
+fn is_optimize_call(message: &Value) -> bool {
+    if message.get("method").and_then(Value::as_str) != Some("tools/call") {
+        return false;
+    }
+    let params = message.get("params");
+    match params.and_then(|p| p.get("name")).and_then(Value::as_str) {
+        Some("optimize_message") => true,
+        Some("messages") => {
+            params
+                .and_then(|p| p.get("arguments"))
+                .and_then(|a| a.get("action"))
+                .and_then(Value::as_str)
+                == Some("optimize")
+        }
+        _ => false,
+    }
 }
 
 /// A fresh, hard-to-guess session id (128 bits, hex).
