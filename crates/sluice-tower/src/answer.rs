@@ -100,6 +100,10 @@ pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-poli
 /// IETF draft-10 `RateLimit`.
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
+/// `details.reason` of a refusal whose cost exceeds a budget's whole limit: it can
+/// never be admitted, so it comes without `Retry-After`.
+pub const COST_EXCEEDS_LIMIT: &str = "cost_exceeds_limit";
+
 /// The edge limiter's 429 body (SPEC H2).
 pub const EDGE_BODY: &str = "Too many requests, please try again later.";
 
@@ -201,6 +205,15 @@ pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Fu
     {
         let usage = status.limit - status.remaining;
         let resets_at = rfc3339(status.reset);
+        let mut details = serde_json::json!({
+            "family": family.name,
+            "limit": status.limit,
+            "usage": usage,
+            "resets_at": resets_at,
+        });
+        if decision.is_never() {
+            details["reason"] = COST_EXCEEDS_LIMIT.into();
+        }
         let mut response = envelope_response(
             StatusCode::TOO_MANY_REQUESTS,
             "quota_exceeded",
@@ -208,12 +221,7 @@ pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Fu
                 "Monthly {} quota exceeded: {usage} of {} used. It resets at {resets_at}.",
                 family.name, status.limit
             ),
-            serde_json::json!({
-                "family": family.name,
-                "limit": status.limit,
-                "usage": usage,
-                "resets_at": resets_at,
-            }),
+            details,
         );
         // A request larger than the whole monthly cap never fits: no Retry-After.
         if !decision.is_never() {
@@ -234,6 +242,21 @@ pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Fu
             );
             r
         }
+        Refusal::Envelope { .. } if decision.is_never() => {
+            let limit = decision.statuses().get(binding).map_or(0, |s| s.limit);
+            envelope_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                &format!(
+                    "The request costs more than the whole limit of {limit}: it can never be admitted. Send less at once."
+                ),
+                serde_json::json!({
+                    "reason": COST_EXCEEDS_LIMIT,
+                    "limit": limit,
+                    "window_seconds": plan.window_secs(binding, decision),
+                }),
+            )
+        }
         Refusal::Envelope { message } => {
             let at = decision.decided_at().as_secs().saturating_add(wait);
             envelope_response(
@@ -250,9 +273,13 @@ pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Fu
         }
     };
     *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
-    response
-        .headers_mut()
-        .insert(RETRY_AFTER, HeaderValue::from(wait));
+    // A request that can never fit is told so by the absence of `Retry-After`: a
+    // client that honours it would retry in vain.
+    if !decision.is_never() {
+        response
+            .headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(wait));
+    }
     rate_limit_headers(response.headers_mut(), decision, plan, policy);
     response
 }

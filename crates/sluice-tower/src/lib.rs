@@ -22,7 +22,7 @@ mod limiter;
 mod plan;
 
 pub use answer::{
-    EDGE_BODY, RATELIMIT, RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT,
+    COST_EXCEEDS_LIMIT, EDGE_BODY, RATELIMIT, RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT,
     X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, X_SLUICE_COST, X_SLUICE_EXHAUSTED, X_SLUICE_USER,
     X_SLUICE_WORKSPACE, body_too_slow, body_unreadable, buffers_full, envelope_response,
     for_each_rate_limit_header, for_each_upstream_header, is_sluice_signal, limiter_unavailable,

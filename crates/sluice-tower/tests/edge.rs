@@ -54,7 +54,13 @@ async fn e5_a_batch_of_31_expensive_items_is_refused_whole_and_spends_nothing() 
     let edge = start(|y| y).await;
     let batch: Vec<String> = (0..31).map(|i| tool_call(i, "optimize_message")).collect();
     let r = edge.rpc(&[KEY], &format!("[{}]", batch.join(","))).await;
-    assert_edge_429(&r);
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.body, EDGE_BODY);
+    assert_eq!(
+        r.headers.get("retry-after"),
+        None,
+        "31 never fit in 30: waiting would not help, so no Retry-After"
+    );
     assert_eq!(r.limit(), 30);
     assert_eq!(r.remaining(), 30, "nothing was spent");
     // 30 fit the class budget exactly, but not the optimizer's lane (a workspace
@@ -470,4 +476,37 @@ async fn a_jsonrpc_body_past_the_buffer_bound_is_a_503_and_spends_nothing() {
         (r.status, r.limit(), r.remaining()),
         (StatusCode::OK, 600, 599)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_a_request_that_can_never_fit_says_so_and_comes_without_retry_after() {
+    // The export bucket (5 a minute, refused with the envelope) on a tool too: a
+    // batch of 6 of its calls can never fit.
+    let edge = start(|y| {
+        y.edit(
+            "search_fields: { class: read }",
+            "search_fields: { class: read, buckets: [export] }",
+        )
+    })
+    .await;
+    let batch: Vec<String> = (0..6).map(|i| tool_call(i, "search_fields")).collect();
+    let r = edge.rpc(&[KEY], &format!("[{}]", batch.join(","))).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{}", r.body);
+    assert_eq!(r.headers.get("retry-after"), None, "waiting would not help");
+    let body: serde_json::Value = serde_json::from_str(&r.body).expect("envelope");
+    assert_eq!(body["error"]["code"], "rate_limited");
+    assert_eq!(body["error"]["details"]["reason"], "cost_exceeds_limit");
+    assert_eq!(body["error"]["details"]["limit"], 5);
+    assert!(
+        body["error"]["details"]
+            .get("retry_after_seconds")
+            .is_none()
+    );
+    // Five fit, and the sixth alone is a refusal that only has to wait.
+    let batch: Vec<String> = (0..5).map(|i| tool_call(i, "search_fields")).collect();
+    let r = edge.rpc(&[KEY], &format!("[{}]", batch.join(","))).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = edge.rpc(&[KEY], &tool_call(9, "search_fields")).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.header("retry-after"), "59");
 }
