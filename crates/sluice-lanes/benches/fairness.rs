@@ -50,7 +50,7 @@ async fn run(demands: &[u32]) -> Vec<u64> {
             let lane = lane.clone();
             let done = Arc::clone(&done[w]);
             let workspace = format!("ws{w}");
-            let mut seed = 0x9E37_79B9_7F4A_7C15 ^ ((w as u64) << 32 | u64::from(c) + 1);
+            let mut seed = 0x9E37_79B9_7F4A_7C15 ^ (((w as u64) << 32) | (u64::from(c) + 1));
             clients.push(tokio::spawn(async move {
                 while tokio::time::Instant::now() < end {
                     match lane.acquire(&workspace, Duration::from_secs(15)).await {

@@ -640,8 +640,12 @@ impl State {
         self.workspaces
             .get(&waiter.workspace)
             .and_then(|ws| {
-                let live: Vec<&Instant> = ws.starts.iter().filter(|s| **s + window > now).collect();
-                (live.len() >= limit).then(|| live.first().map(|s| **s + window))?
+                let live = live_count(&ws.starts, now, window);
+                (live >= limit).then(|| {
+                    live_starts(&ws.starts, now, window)
+                        .next()
+                        .map(|s| *s + window)
+                })?
             })
             .map_or(deadline, |slot| slot.min(deadline))
     }
@@ -652,19 +656,17 @@ impl State {
         let window = self.config.start_window;
         let limit = self.config.workspace_starts as usize;
         let ws = self.workspaces.get(workspace)?;
-        let live: Vec<Instant> = ws
-            .starts
-            .iter()
-            .copied()
-            .filter(|s| *s + window > now)
-            .collect();
-        let need = live.len() + ahead as usize;
+        let need = live_count(&ws.starts, now, window) + ahead as usize;
         if need < limit {
             return None;
         }
         // The call starts once `need - limit + 1` of the live starts have
         // left; later ones are not known yet, so count a whole window.
-        Some(live.get(need - limit).map_or(now + window, |s| *s + window))
+        Some(
+            live_starts(&ws.starts, now, window)
+                .nth(need - limit)
+                .map_or(now + window, |s| *s + window),
+        )
     }
 
     /// Why a call of `workspace` (with `ahead` of its workspace's calls before
@@ -839,9 +841,24 @@ fn prune(starts: &mut VecDeque<Instant>, now: Instant, window: Duration) {
     }
 }
 
+/// The starts of `starts` (oldest first) still in the window at `now`: the
+/// window's first live start is found by binary search, so a check costs
+/// O(log n) however many starts the window holds.
+fn live_starts(
+    starts: &VecDeque<Instant>,
+    now: Instant,
+    window: Duration,
+) -> impl Iterator<Item = &Instant> {
+    let first = starts.partition_point(|s| *s + window <= now);
+    starts.range(first..)
+}
+
+fn live_count(starts: &VecDeque<Instant>, now: Instant, window: Duration) -> usize {
+    starts.len() - starts.partition_point(|s| *s + window <= now)
+}
+
 fn ws_has_room(ws: &Workspace, config: &LaneConfig, now: Instant) -> bool {
-    let window = config.start_window;
-    let live = ws.starts.iter().filter(|s| **s + window > now).count();
+    let live = live_count(&ws.starts, now, config.start_window);
     ws.running < config.workspace_in_flight && live < config.workspace_starts as usize
 }
 

@@ -43,6 +43,6 @@ pub use pattern::PathPattern;
 pub use raw::RawPolicy;
 pub use validate::{
     DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH,
-    DEFAULT_STORE_TIMEOUT_MS, MAX_JSON_DEPTH, MAX_ROUTE_BUCKETS, PolicyError, Problem, load_file,
-    parse_str, validate,
+    DEFAULT_STORE_TIMEOUT_MS, MAX_JSON_DEPTH, MAX_LANE_STARTS, MAX_ROUTE_BUCKETS, PolicyError,
+    Problem, load_file, parse_str, validate,
 };

@@ -21,6 +21,9 @@ use crate::raw::{RawLane, RawPolicy, RawProfile};
 
 /// Default largest body read for classification: 1 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+
+/// Most `workspace_starts` a lane allows per window.
+pub const MAX_LANE_STARTS: u32 = 100_000;
 /// Default deepest JSON nesting: 64.
 pub const DEFAULT_MAX_JSON_DEPTH: usize = 64;
 /// Default most items in one JSON-RPC batch: 1,000.
@@ -678,6 +681,15 @@ impl Checker {
         );
         let open = count(self, "breaker.open_seconds", raw.breaker.open_seconds, 30);
         let batch_reserve = raw.batch_reserve.unwrap_or(5);
+        // A lane remembers each start of a workspace for its window.
+        if let Some(starts) = workspace_starts
+            && starts.get() > MAX_LANE_STARTS
+        {
+            self.problem(
+                at("workspace_starts"),
+                format!("at most {MAX_LANE_STARTS} (each start is remembered for its window)"),
+            );
+        }
         let global = global_in_flight?;
         if batch_reserve >= global.get() {
             self.problem(
