@@ -328,3 +328,42 @@ async fn d1_coalesced_decisions_are_each_all_or_nothing() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_with_an_injected_clock_decides_at_its_time() {
+    // Ahead of the real clock, which Redis still expires keys by.
+    let start = sluice_core::Timestamp::from_nanos(3_900_000_005_123_456_000);
+    let clock = sluice_core::FakeClock::new(start);
+    let server = Server::start("store");
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_millis(500);
+    let store = RedisStore::connect_with_clock(config, clock.clone())
+        .await
+        .expect("connect");
+    let b = Budget::per_window(
+        BudgetKey::new("standard", b"k"),
+        2,
+        NonZeroU32::MIN.saturating_add(9),
+    );
+    let d = store.decide(&[b]).await.expect("decide");
+    assert_eq!(d.decided_at(), start);
+    assert_eq!(d.statuses()[0].reset, 3_900_000_010);
+    store.decide(&[b]).await.expect("decide");
+    let d = store.decide(&[b]).await.expect("decide");
+    assert_eq!(
+        d.retry_after(),
+        Some(Duration::from_nanos(4_876_544_000)),
+        "until the window's end, to the microsecond"
+    );
+    clock.advance(Duration::from_secs(5));
+    let d = store.decide(&[b]).await.expect("decide");
+    assert_eq!(d.decided_at(), start.saturating_add(Duration::from_secs(5)));
+    assert_eq!(
+        d.statuses()[0].remaining,
+        1,
+        "a new window, by the injected clock"
+    );
+    // An adjustment's reservation instant travels to the microsecond too.
+    let s = store.adjust(&b, -1, d.decided_at()).await.expect("adjust");
+    assert_eq!(s.remaining, 2);
+}

@@ -8,19 +8,32 @@
 -- KEYS     one hash per budget, all requests' budgets in order: w (window id),
 --          c (count), p (previous count), t (GCRA TAT, us)
 -- ARGV[1]  'spend' | 'peek' | 'adjust'
--- ARGV[2]  for 'adjust': delta, ARGV[3] reserved_at (Unix seconds); otherwise unused
+-- ARGV[2]  for 'adjust': delta, ARGV[3] reserved_at (Unix microseconds); otherwise unused
 -- ARGV[4]  number of requests; then per request: its number of budgets n, then
 --          per budget: kind (f fixed, s sliding, m month, g gcra), limit, cost,
 --          window seconds (f, s) or period in microseconds (g), burst (g)
+-- then, optionally, the time to decide at (Unix microseconds): sent only by a
+--          store built with an injected clock (tests); otherwise the server's TIME.
 -- Returns {now_s, now_us_fraction, then per budget of every request: verdict
 --          (0 admitted, 1 not yet, 2 never), remaining after spending, remaining
 --          before, reset (Unix s), retry_after (us)}. A request writes only when
 --          all its budgets admit ('spend'), or always ('adjust').
 
 local mode = ARGV[1]
-local t = redis.call('TIME')
-local now_s = tonumber(t[1])
-local now_us = now_s * 1000000 + tonumber(t[2])
+local requests = tonumber(ARGV[4])
+local now_s, now_frac
+local injected = ARGV[5 + requests + 5 * #KEYS]
+if injected then
+  local us = tonumber(injected)
+  now_s = math.floor(us / 1000000)
+  now_frac = us - now_s * 1000000
+else
+  local t = redis.call('TIME')
+  now_s, now_frac = tonumber(t[1]), tonumber(t[2])
+end
+local now_us = now_s * 1000000 + now_frac
+local delta = tonumber(ARGV[2]) or 0
+local reserved = math.floor((tonumber(ARGV[3]) or now_us) / 1000000)
 
 local function floor_div(a, b) return math.floor(a / b) end
 
@@ -71,8 +84,7 @@ local function copy(s)
            dirty = s.dirty, expire = s.expire }
 end
 
-local out = { now_s, tonumber(t[2]) }
-local requests = tonumber(ARGV[4])
+local out = { now_s, now_frac }
 local argi, keyi = 5, 1
 for _ = 1, requests do
 local n = tonumber(ARGV[argi])
@@ -92,8 +104,6 @@ for i = 1, n do
   end
   local never = cost > limit
   local verdict, before, after, reset, retry = 0, 0, 0, 0, 0
-  local delta = tonumber(ARGV[2]) or 0
-  local reserved = tonumber(ARGV[3]) or now_s
   if kind == 'f' or kind == 'm' then
     local start, stop
     if kind == 'f' then start = floor_div(now_s, w) * w; stop = start + w
