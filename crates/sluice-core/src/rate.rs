@@ -17,6 +17,7 @@ use crate::key::mix64;
 use crate::{BudgetKey, Timestamp};
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
+const NANOS_PER_MICRO: u64 = 1_000;
 const SLIDING_SALT: [u64; 2] = [0x9e37_79b9_7f4a_7c15, 0xc2b2_ae3d_27d4_eb4f];
 
 /// True when `cell` can be dropped at `now` without changing any decision.
@@ -63,7 +64,9 @@ pub enum Rate {
     CalendarMonth,
     /// The generic cell rate algorithm: `limit` units per `period`, evenly
     /// spaced, with at most `burst` units at once. `burst = 1` spaces every
-    /// unit evenly (pacing).
+    /// unit evenly (pacing). The interval between units, `period / limit`,
+    /// is rounded down to a whole microsecond (at least one): every store,
+    /// the shared one included, spaces units alike.
     Gcra {
         /// The period over which `limit` units are allowed.
         period: Duration,
@@ -166,6 +169,15 @@ fn window_bounds(rate: &Rate, now: Timestamp) -> (u64, u64) {
     }
 }
 
+/// GCRA's emission interval, `period / limit`, in nanoseconds but rounded
+/// down to a whole microsecond (at least one): the resolution of a shared
+/// store's clock, so that every store spaces units alike.
+#[inline]
+fn gcra_interval(period: Duration, limit: u32) -> u64 {
+    let micros = duration_nanos(period) / NANOS_PER_MICRO;
+    (micros / u64::from(limit.max(1))).max(1) * NANOS_PER_MICRO
+}
+
 fn verdict_for(fits: bool, never: bool, retry_after_nanos: u64) -> Verdict {
     if never {
         Verdict::Never
@@ -238,7 +250,7 @@ pub(crate) fn evaluate_one(
             }
         }
         Rate::Gcra { period, burst } => {
-            let t = (duration_nanos(*period) / u64::from(limit.max(1))).max(1);
+            let t = gcra_interval(*period, limit);
             let capacity = t.saturating_mul(u64::from(burst.get()));
             let stored_tat = (value >> 32) * NANOS_PER_SEC + u64::from(low(value) % 1_000_000_000);
             let tat = stored_tat.max(now.as_nanos());
@@ -457,7 +469,7 @@ pub(crate) fn adjust(
             e
         }
         Rate::Gcra { period, burst } => {
-            let t = (duration_nanos(*period) / u64::from(limit.max(1))).max(1);
+            let t = gcra_interval(*period, limit);
             let capacity = t.saturating_mul(u64::from(burst.get()));
             let stored_tat =
                 (values[0] >> 32) * NANOS_PER_SEC + u64::from(low(values[0]) % 1_000_000_000);

@@ -332,3 +332,44 @@ fn a_cost_of_zero_only_looks_on_every_rate() {
         assert_eq!(l.0, books, "{rate:?}: nothing written");
     }
 }
+
+#[test]
+fn gcra_interval_is_a_whole_microsecond() {
+    // 7 per minute: 8.571428571… s between units, counted as 8.571428 s
+    // (the shared store's clock resolution), so every store spaces alike.
+    let b = Budget {
+        key: BudgetKey::new("g", b"us"),
+        rate: Rate::Gcra {
+            period: Duration::from_secs(60),
+            burst: secs(1),
+        },
+        limit: 7,
+        cost: 1,
+    };
+    let mut l = MapLedger::default();
+    let t = at(T0, 0);
+    assert!(
+        decide(&[b], &mut l, t, Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    let d = decide(&[b], &mut l, t, Mode::Spend).expect("d");
+    assert_eq!(d.retry_after(), Some(Duration::from_micros(8_571_428)));
+    // A limit above one per microsecond is spaced one microsecond apart.
+    let fast = Budget {
+        rate: Rate::Gcra {
+            period: Duration::from_millis(1),
+            burst: secs(1),
+        },
+        limit: 5_000,
+        key: BudgetKey::new("g", b"fast"),
+        ..b
+    };
+    assert!(
+        decide(&[fast], &mut l, t, Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    let d = decide(&[fast], &mut l, t, Mode::Spend).expect("d");
+    assert_eq!(d.retry_after(), Some(Duration::from_micros(1)));
+}
