@@ -54,7 +54,8 @@ pub enum Rate {
     /// The sliding-window counter: the previous aligned window's count,
     /// weighted by how much of it still overlaps the last `seconds`, plus the
     /// current window's count. Smoother than a fixed window at the boundary;
-    /// never admits more than `limit` in any aligned window.
+    /// never admits more than `limit` in any aligned window. A refusal's wait
+    /// ends on the first whole microsecond at which the cost fits.
     SlidingWindow {
         /// Window length in seconds.
         seconds: NonZeroU32,
@@ -338,19 +339,24 @@ pub(crate) fn evaluate(
             if fits && cost > 0 {
                 writes.push((cell_keys[0], pack(end + w_secs, cur + cost)));
             }
+            // A wait ends on the first whole microsecond at which the cost
+            // fits (windows start on whole seconds): the resolution of a
+            // shared store's clock, so that every store tells the same wait.
+            let w_us = u128::from(w_secs) * u128::from(NANOS_PER_SEC / NANOS_PER_MICRO);
+            let micro = u128::from(NANOS_PER_MICRO);
             let retry = if fits || never {
                 0
             } else if u128::from(cur) + u128::from(cost) <= u128::from(limit) {
                 // Wait in this window until prev's weight has fallen enough:
                 // prev * (w - e) <= (limit - cur - cost) * w.
-                let room = (u128::from(limit) - u128::from(cur) - u128::from(cost)) * w;
-                let e_needed = w.saturating_sub(room / u128::from(prev.max(1)));
+                let room = (u128::from(limit) - u128::from(cur) - u128::from(cost)) * w_us;
+                let e_needed = w_us.saturating_sub(room / u128::from(prev.max(1))) * micro;
                 (e_needed.saturating_sub(elapsed)) as u64
             } else {
                 // Wait for the next window, then for cur's weight to fall.
                 let to_end = (w - elapsed) as u64;
-                let room = u128::from(limit - cost) * w;
-                let e_needed = w - (room / u128::from(cur.max(1))).min(w);
+                let room = u128::from(limit - cost) * w_us;
+                let e_needed = (w_us - (room / u128::from(cur.max(1))).min(w_us)) * micro;
                 to_end + e_needed as u64
             };
             Evaluation {

@@ -373,3 +373,36 @@ fn gcra_interval_is_a_whole_microsecond() {
     let d = decide(&[fast], &mut l, t, Mode::Spend).expect("d");
     assert_eq!(d.retry_after(), Some(Duration::from_micros(1)));
 }
+
+#[test]
+fn a_sliding_window_wait_ends_on_a_whole_microsecond() {
+    // 3 in the previous 5 s window, 6 of 9 in this one: one more fits once
+    // 3 * (5 s - e) / 5 s <= 2, i.e. e >= 1.666666666… s; the wait ends at
+    // the first whole microsecond past it, as on the shared store's clock.
+    let b = Budget {
+        key: BudgetKey::new("s", b"us"),
+        rate: Rate::SlidingWindow { seconds: secs(5) },
+        limit: 9,
+        cost: 3,
+    };
+    let mut l = MapLedger::default();
+    let start = T0 / 5 * 5;
+    let spend = |l: &mut MapLedger, b: Budget, t| decide(&[b], l, t, Mode::Spend).expect("d");
+    assert!(spend(&mut l, b, at(start - 1, 0)).is_admitted());
+    assert!(spend(&mut l, b.with_cost(6), at(start, 500)).is_admitted());
+    let one = b.with_cost(1);
+    let d = decide(&[one], &mut l, at(start, 500), Mode::Peek).expect("d");
+    assert_eq!(d.retry_after(), Some(Duration::from_micros(1_166_667)));
+    let ready = Timestamp::from_nanos(at(start, 0).as_nanos() + 1_666_667_000);
+    assert!(
+        decide(&[one], &mut l, ready, Mode::Peek)
+            .expect("d")
+            .is_admitted()
+    );
+    let early = Timestamp::from_nanos(ready.as_nanos() - 1_000);
+    assert!(
+        !decide(&[one], &mut l, early, Mode::Peek)
+            .expect("d")
+            .is_admitted()
+    );
+}

@@ -1,5 +1,7 @@
 -- sluice: one decision over every budget of a request, atomically, on the
--- Redis server's clock (never a replica's). Mirrors sluice-core's algorithms.
+-- Redis server's clock (never a replica's). Mirrors sluice-core's algorithms
+-- at the server clock's resolution, the microsecond: at any instant in whole
+-- microseconds both decide alike (tests/parity.rs holds them to it).
 --
 -- One call may carry several requests (concurrent decisions coalesced by the
 -- client); they are decided in order, each all or nothing, and a later one
@@ -35,7 +37,13 @@ local now_us = now_s * 1000000 + now_frac
 local delta = tonumber(ARGV[2]) or 0
 local reserved = math.floor((tonumber(ARGV[3]) or now_us) / 1000000)
 
-local function floor_div(a, b) return math.floor(a / b) end
+-- Integers are doubles here: exact below 2^53. A quotient is rounded, so
+-- its floor is corrected by one where the rounding crossed an integer.
+local function floor_div(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
+  return q
+end
 
 -- Howard Hinnant's civil-date algorithms, as in sluice-core's calendar.rs.
 local function days_from_civil(y, m, d)
@@ -128,8 +136,9 @@ for i = 1, n do
     local start, stop = idx * w, idx * w + w
     local cur, prev = 0, 0
     if s.w == idx then cur, prev = s.c, s.p elseif s.w == idx - 1 then prev = s.c end
-    local wm = w * 1000
-    local elapsed = floor_div(now_us - start * 1000000, 1000)
+    -- In microseconds, as sluice-core weighs (exact while limit x w < 4.5e9).
+    local wm = w * 1000000
+    local elapsed = now_us - start * 1000000
     local used = prev * (wm - elapsed) + cur * wm
     local cap = limit * wm
     if mode == 'adjust' then
@@ -158,11 +167,11 @@ for i = 1, n do
         if cur + cost <= limit then
           local room = (limit - cur - cost) * wm
           local e_needed = math.max(0, wm - floor_div(room, math.max(prev, 1)))
-          retry = math.max(0, e_needed - elapsed) * 1000
+          retry = math.max(0, e_needed - elapsed)
         else
           local room = (limit - cost) * wm
           local e_needed = wm - math.min(wm, floor_div(room, math.max(cur, 1)))
-          retry = ((wm - elapsed) + e_needed) * 1000
+          retry = (wm - elapsed) + e_needed
         end
       end
       if fits and cost > 0 then s.w, s.c, s.p, s.dirty, s.expire = idx, cur + cost, prev, true, stop + w + 1 end
