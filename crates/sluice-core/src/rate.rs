@@ -14,6 +14,7 @@ use arrayvec::ArrayVec;
 use crate::calendar::month_bounds;
 use crate::clock::duration_nanos;
 use crate::key::mix64;
+use crate::rolling::{self, Rolling};
 use crate::{BudgetKey, Timestamp};
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
@@ -74,14 +75,38 @@ pub enum Rate {
         /// How many units may go back to back.
         burst: NonZeroU32,
     },
+    /// An exact rolling window: at every instant, at most `limit` units
+    /// spent in the last `millis` milliseconds. Time is cut into
+    /// epoch-aligned slots of `slot_millis`; a unit counts from when it is
+    /// spent until `millis` after the end of its slot, so the window is
+    /// exact to the slot (it may hold a unit up to one slot longer, never
+    /// shorter), and a refusal's wait is exact: until enough of the oldest
+    /// slots have left.
+    ///
+    /// State: one cell per slot that holds units, so a decision reads up to
+    /// `millis / slot_millis + 2` cells; a window of more than
+    /// [`MAX_ROLLING_SLOTS`](crate::MAX_ROLLING_SLOTS) slots uses
+    /// proportionally wider ones. The slot width must stay the same for a
+    /// budget; its length may change (a lengthened window may or may not
+    /// count slots that had already left the shorter one).
+    RollingWindow {
+        /// Window length in milliseconds.
+        millis: NonZeroU32,
+        /// Slot length in milliseconds.
+        slot_millis: NonZeroU32,
+    },
 }
 
 impl Rate {
     /// True when a budget of this rate keeps its state in one cell: every
-    /// rate but the sliding window (which reads two).
+    /// rate but the sliding window (which reads two) and the rolling window
+    /// (one per slot).
     #[inline(always)]
     pub const fn is_one_cell(&self) -> bool {
-        !matches!(self, Rate::SlidingWindow { .. })
+        !matches!(
+            self,
+            Rate::SlidingWindow { .. } | Rate::RollingWindow { .. }
+        )
     }
 }
 
@@ -152,6 +177,13 @@ pub(crate) fn cells(rate: &Rate, key: &BudgetKey, now: Timestamp) -> ArrayVec<u6
             out.push(mix64(fp ^ SLIDING_SALT[(w & 1) as usize]));
             out.push(mix64(fp ^ SLIDING_SALT[((w + 1) & 1) as usize]));
         }
+        Rate::RollingWindow {
+            millis,
+            slot_millis,
+        } => out.push(Rolling::cell(
+            fp,
+            Rolling::new(*millis, *slot_millis).current(now),
+        )),
         _ => out.push(fp),
     }
     out
@@ -166,7 +198,7 @@ fn window_bounds(rate: &Rate, now: Timestamp) -> (u64, u64) {
             (start, start + w)
         }
         Rate::CalendarMonth => month_bounds(now),
-        Rate::Gcra { .. } => (now.as_secs(), now.as_secs()),
+        Rate::Gcra { .. } | Rate::RollingWindow { .. } => (now.as_secs(), now.as_secs()),
     }
 }
 
@@ -275,6 +307,23 @@ pub(crate) fn evaluate_one(
                 reset: drained.div_ceil(NANOS_PER_SEC),
                 write: (fits && cost > 0)
                     .then(|| pack(new_tat / NANOS_PER_SEC, (new_tat % NANOS_PER_SEC) as u32)),
+            }
+        }
+        Rate::RollingWindow {
+            millis,
+            slot_millis,
+        } => {
+            // The current slot alone (callers check `is_one_cell` first).
+            let g = Rolling::new(*millis, *slot_millis);
+            let current = g.current(now);
+            let count = Rolling::count(value, now);
+            let e = rolling::evaluate(&g, current, &[count], limit, cost, now);
+            OneCell {
+                verdict: e.verdict,
+                remaining_before: e.remaining_before,
+                remaining_after: e.remaining_after,
+                reset: e.reset,
+                write: e.write.map(|(j, c)| g.value(j, c)),
             }
         }
         Rate::SlidingWindow { .. } => {
@@ -473,6 +522,26 @@ pub(crate) fn adjust(
             );
             e.writes = writes;
             e
+        }
+        Rate::RollingWindow {
+            millis,
+            slot_millis,
+        } => {
+            // The current slot alone: `decision::adjust` reads them all.
+            let g = Rolling::new(*millis, *slot_millis);
+            let current = g.current(now);
+            let counts = [Rolling::count(values[0], now)];
+            let e = rolling::adjust(&g, current, &counts, limit, delta, reserved_at, now);
+            if let Some((j, c)) = e.write {
+                writes.push((cell_keys[0], g.value(j, c)));
+            }
+            Evaluation {
+                verdict: Verdict::Admitted,
+                remaining_before: e.remaining_before,
+                remaining_after: e.remaining_after,
+                reset: e.reset,
+                writes,
+            }
         }
         Rate::Gcra { period, burst } => {
             let t = gcra_interval(*period, limit);

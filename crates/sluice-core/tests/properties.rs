@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use sluice_core::{Budget, BudgetKey, Mode, Rate, Timestamp, adjust, decide};
-use support::{MapLedger, secs};
+use support::{MapLedger, nz, secs};
 
 const T0: u64 = 1_764_460_800;
 
@@ -17,7 +17,11 @@ const GCRA_PERIOD: Duration = Duration::from_secs(3);
 const GCRA_LIMIT: u32 = 7;
 const GCRA_BURST: u32 = 4;
 
-/// Five budgets of different shapes, one of every rate; requests pick a
+/// The rolling window of [`budgets`]: 20 units in any 4 s, in 250 ms slots.
+const ROLLING_MILLIS: u32 = 4_000;
+const ROLLING_LIMIT: u32 = 20;
+
+/// Six budgets of different shapes, one of every rate; requests pick a
 /// subset and costs.
 fn budgets() -> Vec<Budget> {
     vec![
@@ -44,6 +48,15 @@ fn budgets() -> Vec<Budget> {
             limit: GCRA_LIMIT,
             cost: 1,
         },
+        Budget {
+            key: BudgetKey::new("tpm", b"a"),
+            rate: Rate::RollingWindow {
+                millis: nz(ROLLING_MILLIS),
+                slot_millis: nz(250),
+            },
+            limit: ROLLING_LIMIT,
+            cost: 1,
+        },
     ]
 }
 
@@ -62,7 +75,7 @@ fn window_of(b: &Budget, t: Timestamp) -> u64 {
             t.as_secs() / u64::from(seconds.get())
         }
         Rate::CalendarMonth => sluice_core::month_of(t).start,
-        Rate::Gcra { .. } => 0,
+        Rate::Gcra { .. } | Rate::RollingWindow { .. } => 0,
     }
 }
 
@@ -77,8 +90,8 @@ fn arrivals() -> impl Strategy<Value = Vec<Arrival>> {
     prop::collection::vec(
         (
             0u64..3_000,
-            prop::collection::vec(any::<bool>(), 5),
-            prop::collection::vec(0u32..12, 5),
+            prop::collection::vec(any::<bool>(), 6),
+            prop::collection::vec(0u32..12, 6),
         )
             .prop_map(|(gap_ms, picks, costs)| Arrival {
                 gap_ms,
@@ -99,8 +112,9 @@ proptest! {
         let all = budgets();
         let mut ledger = MapLedger::default();
         let mut spent: HashMap<(usize, u64), u64> = HashMap::new();
-        // GCRA admissions: (when, units).
+        // GCRA and rolling-window admissions: (when, units).
         let mut paced: Vec<(Timestamp, u64)> = Vec::new();
+        let mut rolled: Vec<(Timestamp, u64)> = Vec::new();
         let mut now = Timestamp::from_secs(T0 + 17);
         for a in &seq {
             now = now.saturating_add(Duration::from_millis(a.gap_ms));
@@ -117,6 +131,8 @@ proptest! {
                 for (i, b) in &chosen {
                     if let Rate::Gcra { .. } = b.rate {
                         paced.push((now, u64::from(b.cost)));
+                    } else if let Rate::RollingWindow { .. } = b.rate {
+                        rolled.push((now, u64::from(b.cost)));
                     } else {
                         *spent.entry((*i, window_of(b, now))).or_default() += u64::from(b.cost);
                     }
@@ -141,20 +157,32 @@ proptest! {
                 prop_assert!(units <= bound, "{} units in {:?}, at most {}", units, at.saturating_since(start), bound);
             }
         }
+        // Rolling window: no interval of its length holds more than the limit.
+        let span = Duration::from_millis(u64::from(ROLLING_MILLIS));
+        for (a, &(start, _)) in rolled.iter().enumerate() {
+            let units: u64 = rolled[a..]
+                .iter()
+                .take_while(|(at, _)| at.saturating_since(start) <= span)
+                .map(|&(_, cost)| cost)
+                .sum();
+            prop_assert!(units <= u64::from(ROLLING_LIMIT), "{} units within {:?} of {:?}", units, span, start);
+        }
     }
 
-    /// GCRA spaces what it admits: a caller that asks again exactly when told
-    /// is admitted, never earlier, and the waits it is told add up to the
-    /// rate.
+    /// GCRA and the rolling window tell exact waits: a caller that asks
+    /// again exactly when told is admitted, and one that asks any earlier
+    /// is not.
     #[test]
-    fn gcra_admits_exactly_when_it_said(
-        costs in prop::collection::vec(1u32..=GCRA_BURST, 1..60),
+    fn gcra_and_rolling_admit_exactly_when_they_said(
+        rolling in any::<bool>(),
+        steps in prop::collection::vec((1u32..=GCRA_BURST, 0u64..2_000_000_000), 1..60),
         early_ns in 1u64..1_000_000,
     ) {
-        let b = budgets()[4];
+        let b = budgets()[if rolling { 5 } else { 4 }];
         let mut ledger = MapLedger::default();
         let mut now = Timestamp::from_secs(T0 + 5);
-        for cost in costs {
+        for (cost, gap_ns) in steps {
+            now = Timestamp::from_nanos(now.as_nanos() + gap_ns);
             let b = b.with_cost(cost);
             let d = decide(&[b], &mut ledger, now, Mode::Spend).expect("decide");
             if d.is_admitted() {

@@ -36,7 +36,8 @@ fn nz(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).expect("non-zero")
 }
 
-/// Budget shapes, one or two of every rate; limits stay fixed per budget.
+/// Budget shapes, one or two of every rate; limits stay fixed per budget
+/// (a rolling window's length too).
 fn shapes() -> Vec<(Rate, u32)> {
     vec![
         (Rate::FixedWindow { seconds: nz(10) }, 12),
@@ -59,6 +60,21 @@ fn shapes() -> Vec<(Rate, u32)> {
             7,
         ),
         (Rate::CalendarMonth, 10),
+        (
+            Rate::RollingWindow {
+                millis: nz(3_000),
+                slot_millis: nz(250),
+            },
+            10,
+        ),
+        // 10,000 slots of 1 ms would be too many: 3,334 slots of 3 ms.
+        (
+            Rate::RollingWindow {
+                millis: nz(10_000),
+                slot_millis: nz(1),
+            },
+            8,
+        ),
     ]
 }
 

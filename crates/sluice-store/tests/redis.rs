@@ -137,13 +137,26 @@ async fn every_key_has_a_ttl_and_no_raw_credential() {
         rate: Rate::CalendarMonth,
         ..budget("quota", secret, 1000)
     };
+    let rolling = Budget {
+        rate: Rate::RollingWindow {
+            millis: NonZeroU32::new(61_000).expect("nz"),
+            slot_millis: NonZeroU32::new(250).expect("nz"),
+        },
+        ..budget("tpm", secret, 1000)
+    };
     store
-        .decide(&[budget("expensive", secret, 30), sliding, gcra, month])
+        .decide(&[
+            budget("expensive", secret, 30),
+            sliding,
+            gcra,
+            month,
+            rolling,
+        ])
         .await
         .expect("decide");
     let keys = server.cli(&["KEYS", "*"]);
     let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
-    assert_eq!(keys.len(), 4, "{keys:?}");
+    assert_eq!(keys.len(), 5, "{keys:?}");
     for key in keys {
         assert!(!key.contains("secret"), "{key}");
         assert!(key.starts_with("sluice:{"), "hash-tagged by subject: {key}");

@@ -334,6 +334,10 @@ impl RedisStore {
                     Rate::FixedWindow { seconds } => ("f", u64::from(seconds.get()), 0),
                     Rate::SlidingWindow { seconds } => ("s", u64::from(seconds.get()), 0),
                     Rate::CalendarMonth => ("m", 0, 0),
+                    Rate::RollingWindow {
+                        millis,
+                        slot_millis,
+                    } => ("r", u64::from(millis.get()), slot_millis.get()),
                     Rate::Gcra { period, burst } => (
                         "g",
                         u64::try_from(period.as_micros()).unwrap_or(u64::MAX),
