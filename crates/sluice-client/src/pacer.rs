@@ -24,7 +24,7 @@ use crate::config::{LimitsSource, PaceConfig, ProviderConfig, StaticLimits};
 use crate::error::PaceError;
 use crate::headers::RateLimitHeaders;
 use crate::shrink::Demand;
-use crate::window::{History, SlotCache, SlotWindow};
+use crate::window::{History, SlotCache, SlotWindow, TokenReading, TokenWindow};
 
 /// The longest single sleep: a waiting request re-reads the config (and the
 /// shared books) at least this often.
@@ -122,7 +122,7 @@ struct Inner<S, C> {
     store: S,
     clock: C,
     source: Arc<dyn LimitsSource>,
-    tpm: SlotWindow,
+    tpm: TokenWindow,
     rpd: SlotWindow,
     rpm_scope: u64,
     providers: parking_lot::Mutex<HashMap<String, Arc<ProviderState>>>,
@@ -178,7 +178,7 @@ struct Plan {
     ready_at: Timestamp,
     tokens_late: bool,
     room_by_deadline: u32,
-    tokens: Option<History>,
+    tokens: Option<TokenReading>,
     days: Option<History>,
 }
 
@@ -206,7 +206,7 @@ where
                 store,
                 clock,
                 source,
-                tpm: SlotWindow::new("tpm", Duration::from_secs(60), options.token_slot),
+                tpm: TokenWindow::new("tpm", Duration::from_secs(60), options.token_slot),
                 rpd: SlotWindow::new("rpd", Duration::from_secs(86_400), options.request_slot),
                 rpm_scope: sluice_core::digest(b"sluice-pace/rpm"),
                 providers: parking_lot::Mutex::new(HashMap::new()),
@@ -417,12 +417,18 @@ where
             let h = self
                 .inner
                 .tpm
-                .read(&self.inner.store, subject, &state.tokens, now, margin)
+                .plan(
+                    &self.inner.store,
+                    subject,
+                    now,
+                    margin,
+                    l.tpm,
+                    tokens,
+                    deadline,
+                )
                 .await?;
-            tokens_at = h
-                .room_at(l.tpm, tokens, now)
-                .unwrap_or(Timestamp::from_nanos(u64::MAX));
-            room_by_deadline = h.room_by(l.tpm, deadline);
+            tokens_at = h.ready_at().unwrap_or(Timestamp::from_nanos(u64::MAX));
+            room_by_deadline = h.room_by_deadline();
             tokens_history = Some(h);
         }
         let mut days = None;
@@ -473,9 +479,7 @@ where
         let mut token_slot = None;
         let mut day_slot = None;
         if let Some(h) = &plan.tokens {
-            let older = h.total() - u64::from(h.current_value());
-            let limit = u32::try_from(u64::from(l.tpm).saturating_sub(older)).unwrap_or(0);
-            budgets.push(self.inner.tpm.cell(subject, h.current(), limit, tokens));
+            budgets.push(self.inner.tpm.budget(subject, margin, l.tpm, tokens));
             token_slot = Some(h.current());
         }
         if l.rpm > 0 {

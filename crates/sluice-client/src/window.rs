@@ -1,11 +1,15 @@
-//! An exact rolling window (60 s of tokens, 24 h of requests) kept in a
+//! Exact rolling windows (60 s of tokens, 24 h of requests) kept in a
 //! [`BudgetStore`], so that every process on one key reads and spends the
 //! same books (SPEC C7).
 //!
-//! The core offers fixed, sliding-counter and GCRA budgets, none of which
-//! bounds *every* rolling window with variable costs: the pacer needs "the
-//! tokens sent in the last 60 s". It is built here from one counter cell per
-//! time slot (250 ms for tokens, 60 s for requests):
+//! The token window ([`TokenWindow`]) is one [`Rate::RollingWindow`] budget
+//! per provider key, in 250 ms slots: the store decides it whole, so reading
+//! it, or reserving on it together with the request budgets, is one store
+//! call (one Redis round trip), and a wait comes back exact from the store.
+//!
+//! The day window ([`SlotWindow`], 1,441 slots of 60 s) keeps the older
+//! design, which reads each settled slot once and keeps it: one counter cell
+//! per time slot,
 //!
 //! * a send spends on the cell of the slot it falls in, through
 //!   [`BudgetStore::decide`] with the budget's limit set to *what the other
@@ -20,16 +24,13 @@
 //! Each slot's counter is a [`Rate::FixedWindow`] of `W` seconds chosen so
 //! that the epoch-aligned window `[W, 2W)` covers exactly the slot's life
 //! (`W = ⌈end / 2⌉ ≤ start`): the cell lives as long as the slot matters and
-//! is dropped by the store afterwards. What core could add to make this
-//! direct: a `Rate::Counter { until: Timestamp }` (a counter cell with an
-//! explicit expiry) and a decision "sum of these cells + cost ≤ limit";
-//! with them a Redis script would decide a rolling window in one call.
+//! is dropped by the store afterwards.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::time::Duration;
 
-use sluice_core::{Budget, BudgetKey, MAX_BUDGETS, Rate, Timestamp};
+use sluice_core::{Budget, BudgetKey, Decision, MAX_BUDGETS, Rate, Timestamp, Verdict};
 use sluice_store::{BudgetStore, StoreError};
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
@@ -44,6 +45,184 @@ const SLOT_MIX: u64 = 0x9e37_79b9_7f4a_7c15;
 
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The pacer's token window: at most the TPM in any `span + margin`, one
+/// [`Rate::RollingWindow`] budget per provider key in the store.
+///
+/// Its methods mirror [`SlotWindow`]'s where the pacer uses both alike:
+/// [`TokenWindow::read`] and [`TokenWindow::cell`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TokenWindow {
+    scope: u64,
+    span: Duration,
+    slot: NonZeroU32,
+}
+
+/// Whole milliseconds, rounded up (a window never counts shorter than asked).
+fn millis_up(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+}
+
+fn nonzero_millis(ms: u64) -> NonZeroU32 {
+    NonZeroU32::new(u32::try_from(ms).unwrap_or(u32::MAX)).unwrap_or(NonZeroU32::MIN)
+}
+
+impl TokenWindow {
+    /// A window named `axis` (its key's scope) of `span` (+ the margin
+    /// given per call) in slots of `slot` (whole milliseconds, at least one).
+    pub(crate) fn new(axis: &str, span: Duration, slot: Duration) -> Self {
+        TokenWindow {
+            scope: sluice_core::digest(format!("sluice-pace/{axis}").as_bytes()),
+            span,
+            slot: nonzero_millis(u64::try_from(slot.as_millis()).unwrap_or(u64::MAX)),
+        }
+    }
+
+    /// The window's length with `margin`, in milliseconds.
+    fn span_millis(&self, margin: Duration) -> u64 {
+        millis_up(self.span.saturating_add(margin))
+    }
+
+    fn of_millis(&self, subject: u64, millis: u64, limit: u32, cost: u32) -> Budget {
+        Budget {
+            key: BudgetKey::from_digests(self.scope, subject),
+            rate: Rate::RollingWindow {
+                millis: nonzero_millis(millis),
+                slot_millis: self.slot,
+            },
+            limit,
+            cost,
+        }
+    }
+
+    /// The budget that reserves `cost` tokens of `limit` in the window
+    /// reaching back `span + margin`.
+    pub(crate) fn budget(&self, subject: u64, margin: Duration, limit: u32, cost: u32) -> Budget {
+        self.of_millis(subject, self.span_millis(margin), limit, cost)
+    }
+
+    /// The slot holding `t` (what a permit remembers of its reservation).
+    pub(crate) fn slot_of(&self, t: Timestamp) -> u64 {
+        t.as_nanos() / (u64::from(self.slot.get()) * 1_000_000)
+    }
+
+    /// The budget through which tokens reserved in slot `slot` are given
+    /// back, or tokens charged now: the store places a refund in the slot
+    /// its reservation instant fell in and a charge in the current slot, so
+    /// `slot` only says which the caller means. It reaches back as far as
+    /// the largest arrival margin, so a refund lands whatever the margin
+    /// (one into a slot that already left the window changes no decision).
+    pub(crate) fn cell(&self, subject: u64, _slot: u64, limit: u32, cost: u32) -> Budget {
+        self.budget(subject, MAX_MARGIN, limit, cost)
+    }
+
+    /// The window as it stands at `now`, in one store call. (`_kept` is the
+    /// slotted window's cache: this window is read whole and keeps nothing.)
+    ///
+    /// # Errors
+    /// The store's.
+    pub(crate) async fn read<S: BudgetStore>(
+        &self,
+        store: &S,
+        subject: u64,
+        _kept: &parking_lot::Mutex<SlotCache>,
+        now: Timestamp,
+        margin: Duration,
+    ) -> Result<TokenReading, StoreError> {
+        let d = store
+            .peek(&[self.budget(subject, margin, u32::MAX, 0)])
+            .await?;
+        Ok(TokenReading {
+            total: used_of(&d, 0),
+            current: self.slot_of(now),
+            ready_at: Some(now),
+            room_by_deadline: u32::MAX,
+        })
+    }
+
+    /// The window at `now` and what `cost` more tokens under `limit` would
+    /// meet, in one store call: when they fit (if nothing else is spent)
+    /// and how many tokens fit by `deadline`.
+    ///
+    /// # Errors
+    /// The store's.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn plan<S: BudgetStore>(
+        &self,
+        store: &S,
+        subject: u64,
+        now: Timestamp,
+        margin: Duration,
+        limit: u32,
+        cost: u32,
+        deadline: Timestamp,
+    ) -> Result<TokenReading, StoreError> {
+        let span = self.span_millis(margin);
+        // What still counts at the deadline is what counts now in a window
+        // shorter by the time until then (rounded down: never less).
+        let ahead = u64::try_from(deadline.saturating_since(now).as_millis()).unwrap_or(u64::MAX);
+        let shortened = span.checked_sub(ahead).filter(|&ms| ms > 0);
+        let mut probes = vec![self.of_millis(subject, span, u32::MAX, 0)];
+        if let Some(ms) = shortened {
+            probes.push(self.of_millis(subject, ms, limit, 0));
+        }
+        // Last: a probe's tentative spend is seen by later probes of the key.
+        probes.push(self.of_millis(subject, span, limit, cost));
+        let d = store.peek(&probes).await?;
+        let last = d.statuses().last().map(|s| s.verdict);
+        Ok(TokenReading {
+            total: used_of(&d, 0),
+            current: self.slot_of(now),
+            ready_at: match last {
+                Some(Verdict::Admitted) => Some(now),
+                Some(Verdict::NotYet { retry_after }) => Some(now.saturating_add(retry_after)),
+                Some(Verdict::Never) | None => None,
+            },
+            room_by_deadline: match shortened {
+                Some(_) => d.statuses().get(1).map_or(0, |s| s.remaining),
+                None => limit,
+            },
+        })
+    }
+}
+
+/// Units a probe of limit `u32::MAX` found spent.
+fn used_of(d: &Decision, i: usize) -> u64 {
+    d.statuses()
+        .get(i)
+        .map_or(0, |s| u64::from(u32::MAX - s.remaining))
+}
+
+/// The token window as one store call found it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TokenReading {
+    total: u64,
+    current: u64,
+    ready_at: Option<Timestamp>,
+    room_by_deadline: u32,
+}
+
+impl TokenReading {
+    /// Tokens in the window.
+    pub(crate) fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// The slot the reading was made in.
+    pub(crate) fn current(&self) -> u64 {
+        self.current
+    }
+
+    /// When the planned tokens fit (`None`: never, more than the limit).
+    pub(crate) fn ready_at(&self) -> Option<Timestamp> {
+        self.ready_at
+    }
+
+    /// Tokens that fit under the planned limit by the planned deadline.
+    pub(crate) fn room_by_deadline(&self) -> u32 {
+        self.room_by_deadline
+    }
 }
 
 /// A rolling window of `span` counted in slots of `slot`.
@@ -235,18 +414,6 @@ impl History {
         }
         Some(now)
     }
-
-    /// Units free under `limit` at `t` (≥ now) if nothing else is spent.
-    pub(crate) fn room_by(&self, limit: u32, t: Timestamp) -> u32 {
-        let still: u64 = self
-            .values
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| self.window.leaves_at(self.first + *i as u64, self.margin) > t)
-            .map(|(_, &v)| u64::from(v))
-            .sum();
-        u32::try_from(u64::from(limit).saturating_sub(still)).unwrap_or(0)
-    }
 }
 
 #[cfg(test)]
@@ -296,7 +463,6 @@ mod tests {
         assert_eq!(at, TEST_EPOCH.saturating_add(Duration::from_secs(61)));
         assert_eq!(h.room_at(100, 30, clock.now()), Some(clock.now()));
         assert_eq!(h.room_at(100, 101, clock.now()), None);
-        assert_eq!(h.room_by(100, at), 100);
         // The settled slot is kept: a refund in the store is not re-read...
         clock.advance(Duration::from_secs(40));
         let h = w.read(&store, 1, &kept, clock.now(), margin).await.unwrap();
@@ -305,5 +471,88 @@ mod tests {
         clock.advance(Duration::from_secs(11));
         let h = w.read(&store, 1, &kept, clock.now(), margin).await.unwrap();
         assert_eq!(h.total(), 0);
+    }
+
+    /// Counts the calls that reach the store.
+    struct Counting<S> {
+        inner: S,
+        calls: std::sync::atomic::AtomicU32,
+    }
+
+    impl<S: BudgetStore> BudgetStore for Counting<S> {
+        async fn decide(&self, b: &[Budget]) -> Result<Decision, StoreError> {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.inner.decide(b).await
+        }
+        async fn peek(&self, b: &[Budget]) -> Result<Decision, StoreError> {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.inner.peek(b).await
+        }
+        async fn adjust(
+            &self,
+            b: &Budget,
+            delta: i64,
+            at: Timestamp,
+        ) -> Result<sluice_core::BudgetStatus, StoreError> {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.inner.adjust(b, delta, at).await
+        }
+    }
+
+    #[tokio::test]
+    async fn c2_the_token_window_is_planned_in_one_store_call_and_exactly() {
+        let clock = FakeClock::new(TEST_EPOCH);
+        let store = Counting {
+            inner: MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),
+            calls: Default::default(),
+        };
+        let calls = || store.calls.load(std::sync::atomic::Ordering::SeqCst);
+        let w = TokenWindow::new("tpm", Duration::from_secs(60), Duration::from_millis(250));
+        let margin = Duration::from_secs(1);
+        // 300 tokens in each of four slots, 10 s apart.
+        for _ in 0..4 {
+            let d = store
+                .decide(&[w.budget(1, margin, 1_000, 300)])
+                .await
+                .unwrap();
+            assert!(d.is_admitted() || calls() == 4);
+            clock.advance(Duration::from_secs(10));
+        }
+        assert_eq!(calls(), 4, "three admitted, the fourth refused");
+        let now = clock.now();
+        let before = calls();
+        let deadline = now.saturating_add(Duration::from_secs(25));
+        let p = w
+            .plan(&store, 1, now, margin, 1_000, 500, deadline)
+            .await
+            .unwrap();
+        assert_eq!(calls() - before, 1, "one store call");
+        assert_eq!(p.total(), 900);
+        // 500 more fit once two slots have left: the second, spent at
+        // +10 s, leaves at its slot's end + 61 s = +71.25 s.
+        let second = TEST_EPOCH.saturating_add(Duration::from_millis(71_250));
+        assert_eq!(p.ready_at(), Some(second));
+        // By the deadline (+65 s) the first slot (leaving at +61.25 s) has
+        // left: 1,000 - 600 fit.
+        assert_eq!(p.room_by_deadline(), 400);
+        let p = w
+            .plan(&store, 1, now, margin, 1_000, 1_001, deadline)
+            .await
+            .unwrap();
+        assert_eq!(p.ready_at(), None, "more than the limit never fits");
+        // A refund through the slot's cell lands in the slot of its instant.
+        store
+            .adjust(
+                &w.cell(1, w.slot_of(TEST_EPOCH), u32::MAX, 0),
+                -300,
+                TEST_EPOCH,
+            )
+            .await
+            .unwrap();
+        let r = w
+            .read(&store, 1, &Default::default(), now, margin)
+            .await
+            .unwrap();
+        assert_eq!(r.total(), 600);
     }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 use arrayvec::ArrayVec;
 
 use crate::rate::{self, BudgetStatus, Rate, Verdict};
+use crate::rolling::{self, Rolling, RollingEval};
 use crate::{BudgetKey, Timestamp};
 
 /// The most budgets one decision may touch. A JSON-RPC batch holding all four
@@ -37,12 +38,31 @@ impl Budget {
         }
     }
 
-    /// The keys of the cells this budget reads and writes at `now` (one, or
-    /// two for a sliding window). A store locks or fetches these before a
-    /// decision.
+    /// The keys of the cells this budget writes at `now`, which are also
+    /// the ones it reads but for a rolling window: one, or two for a sliding
+    /// window. A store locks or fetches these before a decision. A rolling
+    /// window's is its current slot; its older slots, read too, live where
+    /// the current one does (see [`Budget::cell_at`]).
     #[inline]
     pub fn cells(&self, now: Timestamp) -> ArrayVec<u64, 2> {
         rate::cells(&self.rate, &self.key, now)
+    }
+
+    /// The key of the cell a [`Ledger`] is asked for as `index` at `now`:
+    /// [`Budget::cells`]`[index]`, and for a rolling window the slot `index`
+    /// slots before the current one. `None` past the budget's cells.
+    pub fn cell_at(&self, index: usize, now: Timestamp) -> Option<u64> {
+        match self.rate {
+            Rate::RollingWindow {
+                millis,
+                slot_millis,
+            } => {
+                let g = Rolling::new(millis, slot_millis);
+                let j = g.current(now).checked_sub(index as u64)?;
+                (j >= g.first(now)).then(|| Rolling::cell(self.key.fingerprint(), j))
+            }
+            _ => self.cells(now).get(index).copied(),
+        }
     }
 
     /// The key of the one cell this budget keeps its state in, or `None`
@@ -348,6 +368,30 @@ pub fn decide_within_bounds<L: Ledger>(
     };
     let mut remaining_before = [0u32; MAX_BUDGETS];
     for (i, b) in budgets.iter().enumerate() {
+        if let Rate::RollingWindow {
+            millis,
+            slot_millis,
+        } = b.rate
+        {
+            let g = Rolling::new(millis, slot_millis);
+            let (first, counts) = read_slots(b, &g, ledger, now, |cell| {
+                pending
+                    .iter()
+                    .rev()
+                    .find(|(j, _, c, _)| *c == cell && budgets[*j].key == b.key)
+                    .map(|&(_, _, _, v)| v)
+            });
+            let e = rolling::evaluate(&g, first, &counts, b.limit, b.cost, now);
+            decision.admitted &= e.verdict == Verdict::Admitted;
+            if let Some((j, count)) = e.write {
+                // The current slot: index 0.
+                let cell = Rolling::cell(b.key.fingerprint(), j);
+                pending.push((i, 0, cell, g.value(j, count)));
+            }
+            remaining_before[i] = e.remaining_before;
+            decision.statuses.push(rolling_status(b, &e));
+            continue;
+        }
         let keys = rate::cells(&b.rate, &b.key, now);
         let mut values = [0u64; 2];
         for (index, &cell) in keys.iter().enumerate() {
@@ -396,6 +440,44 @@ pub fn decide_within_bounds<L: Ledger>(
     decision
 }
 
+/// A rolling window's slot counts at `now`, oldest (`first`) to current,
+/// read through `ledger` unless `pending` holds a tentative value. The
+/// current slot is read first (index 0): a store finds where the budget
+/// lives by it.
+fn read_slots<L: Ledger>(
+    b: &Budget,
+    g: &Rolling,
+    ledger: &mut L,
+    now: Timestamp,
+    pending: impl Fn(u64) -> Option<u64>,
+) -> (u64, Vec<u32>) {
+    let (first, current) = (g.first(now), g.current(now));
+    let fp = b.key.fingerprint();
+    let len = usize::try_from(current - first + 1).unwrap_or(0);
+    let mut counts = vec![0u32; len];
+    for (index, slot) in counts.iter_mut().rev().enumerate() {
+        let cell = Rolling::cell(fp, current - index as u64);
+        let value = pending(cell).unwrap_or_else(|| {
+            ledger.read(CellRef {
+                budget: b,
+                index,
+                cell,
+            })
+        });
+        *slot = Rolling::count(value, now);
+    }
+    (first, counts)
+}
+
+fn rolling_status(b: &Budget, e: &RollingEval) -> BudgetStatus {
+    BudgetStatus {
+        verdict: e.verdict,
+        limit: b.limit,
+        remaining: e.remaining_after,
+        reset: e.reset,
+    }
+}
+
 /// Charges (`delta > 0`) or refunds (`delta < 0`) `budget` after the fact, for
 /// costs known only when a call ends (SPEC Q2). `reserved_at` is when the
 /// original spend was decided.
@@ -411,6 +493,28 @@ pub fn adjust<L: Ledger>(
     ledger: &mut L,
     now: Timestamp,
 ) -> BudgetStatus {
+    if let Rate::RollingWindow {
+        millis,
+        slot_millis,
+    } = budget.rate
+    {
+        let g = Rolling::new(millis, slot_millis);
+        let (first, counts) = read_slots(budget, &g, ledger, now, |_| None);
+        let e = rolling::adjust(&g, first, &counts, budget.limit, delta, reserved_at, now);
+        if let Some((j, count)) = e.write {
+            let index = (g.current(now) - j) as usize;
+            let cell = Rolling::cell(budget.key.fingerprint(), j);
+            ledger.write(
+                CellRef {
+                    budget,
+                    index,
+                    cell,
+                },
+                g.value(j, count),
+            );
+        }
+        return rolling_status(budget, &e);
+    }
     let keys = rate::cells(&budget.rate, &budget.key, now);
     let values: ArrayVec<u64, 2> = keys
         .iter()

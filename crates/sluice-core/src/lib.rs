@@ -43,6 +43,7 @@ mod clock;
 mod decision;
 mod key;
 mod rate;
+mod rolling;
 mod turns;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerState, Permit};
@@ -54,4 +55,5 @@ pub use decision::{
 };
 pub use key::{BudgetKey, digest};
 pub use rate::{BudgetStatus, Rate, Verdict, cell_is_stale};
+pub use rolling::MAX_ROLLING_SLOTS;
 pub use turns::{ContinueOrFinish, DEFAULT_PROFILE_TURNS, Tier, Turn, TurnBudget};

@@ -14,9 +14,11 @@ use arrayvec::ArrayVec;
 use crate::calendar::month_bounds;
 use crate::clock::duration_nanos;
 use crate::key::mix64;
+use crate::rolling::{self, Rolling};
 use crate::{BudgetKey, Timestamp};
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
+const NANOS_PER_MICRO: u64 = 1_000;
 const SLIDING_SALT: [u64; 2] = [0x9e37_79b9_7f4a_7c15, 0xc2b2_ae3d_27d4_eb4f];
 
 /// True when `cell` can be dropped at `now` without changing any decision.
@@ -53,7 +55,8 @@ pub enum Rate {
     /// The sliding-window counter: the previous aligned window's count,
     /// weighted by how much of it still overlaps the last `seconds`, plus the
     /// current window's count. Smoother than a fixed window at the boundary;
-    /// never admits more than `limit` in any aligned window.
+    /// never admits more than `limit` in any aligned window. A refusal's wait
+    /// ends on the first whole microsecond at which the cost fits.
     SlidingWindow {
         /// Window length in seconds.
         seconds: NonZeroU32,
@@ -63,21 +66,47 @@ pub enum Rate {
     CalendarMonth,
     /// The generic cell rate algorithm: `limit` units per `period`, evenly
     /// spaced, with at most `burst` units at once. `burst = 1` spaces every
-    /// unit evenly (pacing).
+    /// unit evenly (pacing). The interval between units, `period / limit`,
+    /// is rounded down to a whole microsecond (at least one): every store,
+    /// the shared one included, spaces units alike.
     Gcra {
         /// The period over which `limit` units are allowed.
         period: Duration,
         /// How many units may go back to back.
         burst: NonZeroU32,
     },
+    /// An exact rolling window: at every instant, at most `limit` units
+    /// spent in the last `millis` milliseconds. Time is cut into
+    /// epoch-aligned slots of `slot_millis`; a unit counts from when it is
+    /// spent until `millis` after the end of its slot, so the window is
+    /// exact to the slot (it may hold a unit up to one slot longer, never
+    /// shorter), and a refusal's wait is exact: until enough of the oldest
+    /// slots have left.
+    ///
+    /// State: one cell per slot that holds units, so a decision reads up to
+    /// `millis / slot_millis + 2` cells; a window of more than
+    /// [`MAX_ROLLING_SLOTS`](crate::MAX_ROLLING_SLOTS) slots uses
+    /// proportionally wider ones. The slot width must stay the same for a
+    /// budget; its length may change (a lengthened window may or may not
+    /// count slots that had already left the shorter one).
+    RollingWindow {
+        /// Window length in milliseconds.
+        millis: NonZeroU32,
+        /// Slot length in milliseconds.
+        slot_millis: NonZeroU32,
+    },
 }
 
 impl Rate {
     /// True when a budget of this rate keeps its state in one cell: every
-    /// rate but the sliding window (which reads two).
+    /// rate but the sliding window (which reads two) and the rolling window
+    /// (one per slot).
     #[inline(always)]
     pub const fn is_one_cell(&self) -> bool {
-        !matches!(self, Rate::SlidingWindow { .. })
+        !matches!(
+            self,
+            Rate::SlidingWindow { .. } | Rate::RollingWindow { .. }
+        )
     }
 }
 
@@ -148,6 +177,13 @@ pub(crate) fn cells(rate: &Rate, key: &BudgetKey, now: Timestamp) -> ArrayVec<u6
             out.push(mix64(fp ^ SLIDING_SALT[(w & 1) as usize]));
             out.push(mix64(fp ^ SLIDING_SALT[((w + 1) & 1) as usize]));
         }
+        Rate::RollingWindow {
+            millis,
+            slot_millis,
+        } => out.push(Rolling::cell(
+            fp,
+            Rolling::new(*millis, *slot_millis).current(now),
+        )),
         _ => out.push(fp),
     }
     out
@@ -162,8 +198,17 @@ fn window_bounds(rate: &Rate, now: Timestamp) -> (u64, u64) {
             (start, start + w)
         }
         Rate::CalendarMonth => month_bounds(now),
-        Rate::Gcra { .. } => (now.as_secs(), now.as_secs()),
+        Rate::Gcra { .. } | Rate::RollingWindow { .. } => (now.as_secs(), now.as_secs()),
     }
+}
+
+/// GCRA's emission interval, `period / limit`, in nanoseconds but rounded
+/// down to a whole microsecond (at least one): the resolution of a shared
+/// store's clock, so that every store spaces units alike.
+#[inline]
+fn gcra_interval(period: Duration, limit: u32) -> u64 {
+    let micros = duration_nanos(period) / NANOS_PER_MICRO;
+    (micros / u64::from(limit.max(1))).max(1) * NANOS_PER_MICRO
 }
 
 fn verdict_for(fits: bool, never: bool, retry_after_nanos: u64) -> Verdict {
@@ -238,7 +283,7 @@ pub(crate) fn evaluate_one(
             }
         }
         Rate::Gcra { period, burst } => {
-            let t = (duration_nanos(*period) / u64::from(limit.max(1))).max(1);
+            let t = gcra_interval(*period, limit);
             let capacity = t.saturating_mul(u64::from(burst.get()));
             let stored_tat = (value >> 32) * NANOS_PER_SEC + u64::from(low(value) % 1_000_000_000);
             let tat = stored_tat.max(now.as_nanos());
@@ -262,6 +307,23 @@ pub(crate) fn evaluate_one(
                 reset: drained.div_ceil(NANOS_PER_SEC),
                 write: (fits && cost > 0)
                     .then(|| pack(new_tat / NANOS_PER_SEC, (new_tat % NANOS_PER_SEC) as u32)),
+            }
+        }
+        Rate::RollingWindow {
+            millis,
+            slot_millis,
+        } => {
+            // The current slot alone (callers check `is_one_cell` first).
+            let g = Rolling::new(*millis, *slot_millis);
+            let current = g.current(now);
+            let count = Rolling::count(value, now);
+            let e = rolling::evaluate(&g, current, &[count], limit, cost, now);
+            OneCell {
+                verdict: e.verdict,
+                remaining_before: e.remaining_before,
+                remaining_after: e.remaining_after,
+                reset: e.reset,
+                write: e.write.map(|(j, c)| g.value(j, c)),
             }
         }
         Rate::SlidingWindow { .. } => {
@@ -326,19 +388,24 @@ pub(crate) fn evaluate(
             if fits && cost > 0 {
                 writes.push((cell_keys[0], pack(end + w_secs, cur + cost)));
             }
+            // A wait ends on the first whole microsecond at which the cost
+            // fits (windows start on whole seconds): the resolution of a
+            // shared store's clock, so that every store tells the same wait.
+            let w_us = u128::from(w_secs) * u128::from(NANOS_PER_SEC / NANOS_PER_MICRO);
+            let micro = u128::from(NANOS_PER_MICRO);
             let retry = if fits || never {
                 0
             } else if u128::from(cur) + u128::from(cost) <= u128::from(limit) {
                 // Wait in this window until prev's weight has fallen enough:
                 // prev * (w - e) <= (limit - cur - cost) * w.
-                let room = (u128::from(limit) - u128::from(cur) - u128::from(cost)) * w;
-                let e_needed = w.saturating_sub(room / u128::from(prev.max(1)));
+                let room = (u128::from(limit) - u128::from(cur) - u128::from(cost)) * w_us;
+                let e_needed = w_us.saturating_sub(room / u128::from(prev.max(1))) * micro;
                 (e_needed.saturating_sub(elapsed)) as u64
             } else {
                 // Wait for the next window, then for cur's weight to fall.
                 let to_end = (w - elapsed) as u64;
-                let room = u128::from(limit - cost) * w;
-                let e_needed = w - (room / u128::from(cur.max(1))).min(w);
+                let room = u128::from(limit - cost) * w_us;
+                let e_needed = (w_us - (room / u128::from(cur.max(1))).min(w_us)) * micro;
                 to_end + e_needed as u64
             };
             Evaluation {
@@ -456,8 +523,28 @@ pub(crate) fn adjust(
             e.writes = writes;
             e
         }
+        Rate::RollingWindow {
+            millis,
+            slot_millis,
+        } => {
+            // The current slot alone: `decision::adjust` reads them all.
+            let g = Rolling::new(*millis, *slot_millis);
+            let current = g.current(now);
+            let counts = [Rolling::count(values[0], now)];
+            let e = rolling::adjust(&g, current, &counts, limit, delta, reserved_at, now);
+            if let Some((j, c)) = e.write {
+                writes.push((cell_keys[0], g.value(j, c)));
+            }
+            Evaluation {
+                verdict: Verdict::Admitted,
+                remaining_before: e.remaining_before,
+                remaining_after: e.remaining_after,
+                reset: e.reset,
+                writes,
+            }
+        }
         Rate::Gcra { period, burst } => {
-            let t = (duration_nanos(*period) / u64::from(limit.max(1))).max(1);
+            let t = gcra_interval(*period, limit);
             let capacity = t.saturating_mul(u64::from(burst.get()));
             let stored_tat =
                 (values[0] >> 32) * NANOS_PER_SEC + u64::from(low(values[0]) % 1_000_000_000);

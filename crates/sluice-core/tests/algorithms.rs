@@ -332,3 +332,174 @@ fn a_cost_of_zero_only_looks_on_every_rate() {
         assert_eq!(l.0, books, "{rate:?}: nothing written");
     }
 }
+
+#[test]
+fn gcra_interval_is_a_whole_microsecond() {
+    // 7 per minute: 8.571428571… s between units, counted as 8.571428 s
+    // (the shared store's clock resolution), so every store spaces alike.
+    let b = Budget {
+        key: BudgetKey::new("g", b"us"),
+        rate: Rate::Gcra {
+            period: Duration::from_secs(60),
+            burst: secs(1),
+        },
+        limit: 7,
+        cost: 1,
+    };
+    let mut l = MapLedger::default();
+    let t = at(T0, 0);
+    assert!(
+        decide(&[b], &mut l, t, Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    let d = decide(&[b], &mut l, t, Mode::Spend).expect("d");
+    assert_eq!(d.retry_after(), Some(Duration::from_micros(8_571_428)));
+    // A limit above one per microsecond is spaced one microsecond apart.
+    let fast = Budget {
+        rate: Rate::Gcra {
+            period: Duration::from_millis(1),
+            burst: secs(1),
+        },
+        limit: 5_000,
+        key: BudgetKey::new("g", b"fast"),
+        ..b
+    };
+    assert!(
+        decide(&[fast], &mut l, t, Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    let d = decide(&[fast], &mut l, t, Mode::Spend).expect("d");
+    assert_eq!(d.retry_after(), Some(Duration::from_micros(1)));
+}
+
+#[test]
+fn a_sliding_window_wait_ends_on_a_whole_microsecond() {
+    // 3 in the previous 5 s window, 6 of 9 in this one: one more fits once
+    // 3 * (5 s - e) / 5 s <= 2, i.e. e >= 1.666666666… s; the wait ends at
+    // the first whole microsecond past it, as on the shared store's clock.
+    let b = Budget {
+        key: BudgetKey::new("s", b"us"),
+        rate: Rate::SlidingWindow { seconds: secs(5) },
+        limit: 9,
+        cost: 3,
+    };
+    let mut l = MapLedger::default();
+    let start = T0 / 5 * 5;
+    let spend = |l: &mut MapLedger, b: Budget, t| decide(&[b], l, t, Mode::Spend).expect("d");
+    assert!(spend(&mut l, b, at(start - 1, 0)).is_admitted());
+    assert!(spend(&mut l, b.with_cost(6), at(start, 500)).is_admitted());
+    let one = b.with_cost(1);
+    let d = decide(&[one], &mut l, at(start, 500), Mode::Peek).expect("d");
+    assert_eq!(d.retry_after(), Some(Duration::from_micros(1_166_667)));
+    let ready = Timestamp::from_nanos(at(start, 0).as_nanos() + 1_666_667_000);
+    assert!(
+        decide(&[one], &mut l, ready, Mode::Peek)
+            .expect("d")
+            .is_admitted()
+    );
+    let early = Timestamp::from_nanos(ready.as_nanos() - 1_000);
+    assert!(
+        !decide(&[one], &mut l, early, Mode::Peek)
+            .expect("d")
+            .is_admitted()
+    );
+}
+
+fn rolling(limit: u32, millis: u32, slot_millis: u32) -> Budget {
+    Budget {
+        key: BudgetKey::new("tpm", b"openai"),
+        rate: Rate::RollingWindow {
+            millis: support::nz(millis),
+            slot_millis: support::nz(slot_millis),
+        },
+        limit,
+        cost: 1,
+    }
+}
+
+#[test]
+fn c2_a_rolling_window_waits_exactly_until_its_oldest_slots_leave() {
+    // 1,000 tokens per 61 s (60 s + a 1 s arrival margin), 250 ms slots.
+    let b = rolling(1_000, 61_000, 250);
+    let mut l = MapLedger::default();
+    let t0 = at(T0, 0);
+    let d = decide(&[b.with_cost(800)], &mut l, t0, Mode::Spend).expect("d");
+    assert!(d.is_admitted());
+    assert_eq!(d.statuses()[0].remaining, 200);
+    assert_eq!(d.statuses()[0].reset, T0 + 62, "61.25 s, rounded up");
+    // The answer used 500: 300 go back to the slot they were spent in.
+    let s = adjust(&b, -300, t0, &mut l, at(T0 + 1, 0));
+    assert_eq!(s.remaining, 500);
+    let d = decide(&[b.with_cost(600)], &mut l, at(T0 + 1, 0), Mode::Spend).expect("d");
+    assert_eq!(
+        d.retry_after(),
+        Some(Duration::from_millis(60_250)),
+        "until the first slot leaves: its end + 61 s"
+    );
+    assert!(!d.is_admitted());
+    let left = at(T0 + 61, 250);
+    let early = Timestamp::from_nanos(left.as_nanos() - 1);
+    assert!(
+        !decide(&[b.with_cost(600)], &mut l, early, Mode::Peek)
+            .expect("d")
+            .is_admitted()
+    );
+    let d = decide(&[b.with_cost(600)], &mut l, left, Mode::Spend).expect("d");
+    assert!(d.is_admitted());
+    // More than the whole limit never fits.
+    let d = decide(&[b.with_cost(1_001)], &mut l, left, Mode::Peek).expect("d");
+    assert!(d.is_never());
+}
+
+#[test]
+fn a_rolling_window_counts_every_slot_and_refunds_only_while_they_count() {
+    let b = rolling(10, 1_000, 100);
+    let mut l = MapLedger::default();
+    for ms in [0, 100, 250, 900] {
+        assert!(
+            decide(&[b.with_cost(2)], &mut l, at(T0, ms), Mode::Spend)
+                .expect("d")
+                .is_admitted()
+        );
+    }
+    // 8 in the window; at 1.05 s the first slot ([0, 100 ms)) has just left.
+    let d = decide(&[b.with_cost(0)], &mut l, at(T0 + 1, 50), Mode::Peek).expect("d");
+    assert_eq!(d.statuses()[0].remaining, 2);
+    let d = decide(&[b.with_cost(0)], &mut l, at(T0 + 1, 100), Mode::Peek).expect("d");
+    assert_eq!(d.statuses()[0].remaining, 4);
+    // A refund for the slot that left is dropped; one for a counted slot lands.
+    let s = adjust(&b, -2, at(T0, 0), &mut l, at(T0 + 1, 100));
+    assert_eq!(s.remaining, 4);
+    let s = adjust(&b, -1, at(T0, 250), &mut l, at(T0 + 1, 100));
+    assert_eq!(s.remaining, 5);
+    // A charge fills the window up to its limit, no further.
+    let s = adjust(&b, 50, at(T0 + 1, 100), &mut l, at(T0 + 1, 100));
+    assert_eq!(s.remaining, 0);
+    let d = decide(&[b.with_cost(1)], &mut l, at(T0 + 1, 100), Mode::Peek).expect("d");
+    assert_eq!(
+        d.retry_after(),
+        Some(Duration::from_millis(100)),
+        "the oldest counted slot, [100, 200) ms, leaves at 1.2 s"
+    );
+}
+
+#[test]
+fn a_long_rolling_window_is_cut_into_at_most_max_rolling_slots() {
+    // A day in 1 ms slots would be 86.4 million cells: it is cut into
+    // 4,096 slots of 21,094 ms (86,400,000 / 4,096 = 21,093.75, rounded up).
+    let b = rolling(5, 86_400_000, 1);
+    let mut l = MapLedger::default();
+    assert!(
+        decide(&[b.with_cost(5)], &mut l, at(T0, 0), Mode::Spend)
+            .expect("d")
+            .is_admitted()
+    );
+    let d = decide(&[b], &mut l, at(T0, 0), Mode::Peek).expect("d");
+    // The units leave a day after the end of their slot.
+    let slot_end = (T0 * 1_000 / 21_094 + 1) * 21_094;
+    let wait = slot_end - T0 * 1_000 + 86_400_000;
+    assert_eq!(d.retry_after(), Some(Duration::from_millis(wait)));
+    assert_eq!(sluice_core::MAX_ROLLING_SLOTS, 4_096);
+}

@@ -7,11 +7,22 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use sluice_core::{Budget, BudgetKey, Mode, Rate, Timestamp, adjust, decide};
-use support::{MapLedger, secs};
+use support::{MapLedger, nz, secs};
 
 const T0: u64 = 1_764_460_800;
 
-/// Four budgets of different shapes; requests pick a subset and costs.
+/// The GCRA budget of [`budgets`]: 7 units per 3 s (an interval of
+/// 428.57 ms, not a whole microsecond), at most 4 back to back.
+const GCRA_PERIOD: Duration = Duration::from_secs(3);
+const GCRA_LIMIT: u32 = 7;
+const GCRA_BURST: u32 = 4;
+
+/// The rolling window of [`budgets`]: 20 units in any 4 s, in 250 ms slots.
+const ROLLING_MILLIS: u32 = 4_000;
+const ROLLING_LIMIT: u32 = 20;
+
+/// Six budgets of different shapes, one of every rate; requests pick a
+/// subset and costs.
 fn budgets() -> Vec<Budget> {
     vec![
         Budget::per_window(BudgetKey::new("expensive", b"a"), 30, secs(60)),
@@ -28,7 +39,34 @@ fn budgets() -> Vec<Budget> {
             limit: 400,
             cost: 1,
         },
+        Budget {
+            key: BudgetKey::new("rpm", b"a"),
+            rate: Rate::Gcra {
+                period: GCRA_PERIOD,
+                burst: secs(GCRA_BURST),
+            },
+            limit: GCRA_LIMIT,
+            cost: 1,
+        },
+        Budget {
+            key: BudgetKey::new("tpm", b"a"),
+            rate: Rate::RollingWindow {
+                millis: nz(ROLLING_MILLIS),
+                slot_millis: nz(250),
+            },
+            limit: ROLLING_LIMIT,
+            cost: 1,
+        },
     ]
+}
+
+/// The most units a GCRA of `limit` per `period` with `burst` may admit at
+/// instants within `span` of each other: the burst, plus one unit per
+/// emission interval (the interval rounded down to a whole microsecond, as
+/// the algorithm does).
+fn gcra_bound(period: Duration, limit: u32, burst: u32, span: Duration) -> u64 {
+    let t = period.as_micros() / u128::from(limit) * 1_000;
+    u64::from(burst) + (span.as_nanos() / t) as u64
 }
 
 fn window_of(b: &Budget, t: Timestamp) -> u64 {
@@ -37,7 +75,7 @@ fn window_of(b: &Budget, t: Timestamp) -> u64 {
             t.as_secs() / u64::from(seconds.get())
         }
         Rate::CalendarMonth => sluice_core::month_of(t).start,
-        Rate::Gcra { .. } => 0,
+        Rate::Gcra { .. } | Rate::RollingWindow { .. } => 0,
     }
 }
 
@@ -52,8 +90,8 @@ fn arrivals() -> impl Strategy<Value = Vec<Arrival>> {
     prop::collection::vec(
         (
             0u64..3_000,
-            prop::collection::vec(any::<bool>(), 4),
-            prop::collection::vec(0u32..12, 4),
+            prop::collection::vec(any::<bool>(), 6),
+            prop::collection::vec(0u32..12, 6),
         )
             .prop_map(|(gap_ms, picks, costs)| Arrival {
                 gap_ms,
@@ -74,6 +112,9 @@ proptest! {
         let all = budgets();
         let mut ledger = MapLedger::default();
         let mut spent: HashMap<(usize, u64), u64> = HashMap::new();
+        // GCRA and rolling-window admissions: (when, units).
+        let mut paced: Vec<(Timestamp, u64)> = Vec::new();
+        let mut rolled: Vec<(Timestamp, u64)> = Vec::new();
         let mut now = Timestamp::from_secs(T0 + 17);
         for a in &seq {
             now = now.saturating_add(Duration::from_millis(a.gap_ms));
@@ -88,7 +129,13 @@ proptest! {
             let d = decide(&req, &mut ledger, now, Mode::Spend).expect("decide");
             if d.is_admitted() {
                 for (i, b) in &chosen {
-                    *spent.entry((*i, window_of(b, now))).or_default() += u64::from(b.cost);
+                    if let Rate::Gcra { .. } = b.rate {
+                        paced.push((now, u64::from(b.cost)));
+                    } else if let Rate::RollingWindow { .. } = b.rate {
+                        rolled.push((now, u64::from(b.cost)));
+                    } else {
+                        *spent.entry((*i, window_of(b, now))).or_default() += u64::from(b.cost);
+                    }
                 }
             } else {
                 prop_assert_eq!(&ledger, &before, "a refusal changed the books");
@@ -100,12 +147,64 @@ proptest! {
         for ((i, w), units) in spent {
             prop_assert!(units <= u64::from(all[i].limit), "budget {} window {} spent {}", i, w, units);
         }
+        // GCRA: between any two admissions, at most the burst plus one unit
+        // per interval elapsed.
+        for (a, &(start, _)) in paced.iter().enumerate() {
+            let mut units = 0;
+            for &(at, cost) in &paced[a..] {
+                units += cost;
+                let bound = gcra_bound(GCRA_PERIOD, GCRA_LIMIT, GCRA_BURST, at.saturating_since(start));
+                prop_assert!(units <= bound, "{} units in {:?}, at most {}", units, at.saturating_since(start), bound);
+            }
+        }
+        // Rolling window: no interval of its length holds more than the limit.
+        let span = Duration::from_millis(u64::from(ROLLING_MILLIS));
+        for (a, &(start, _)) in rolled.iter().enumerate() {
+            let units: u64 = rolled[a..]
+                .iter()
+                .take_while(|(at, _)| at.saturating_since(start) <= span)
+                .map(|&(_, cost)| cost)
+                .sum();
+            prop_assert!(units <= u64::from(ROLLING_LIMIT), "{} units within {:?} of {:?}", units, span, start);
+        }
+    }
+
+    /// GCRA and the rolling window tell exact waits: a caller that asks
+    /// again exactly when told is admitted, and one that asks any earlier
+    /// is not.
+    #[test]
+    fn gcra_and_rolling_admit_exactly_when_they_said(
+        rolling in any::<bool>(),
+        steps in prop::collection::vec((1u32..=GCRA_BURST, 0u64..2_000_000_000), 1..60),
+        early_ns in 1u64..1_000_000,
+    ) {
+        let b = budgets()[if rolling { 5 } else { 4 }];
+        let mut ledger = MapLedger::default();
+        let mut now = Timestamp::from_secs(T0 + 5);
+        for (cost, gap_ns) in steps {
+            now = Timestamp::from_nanos(now.as_nanos() + gap_ns);
+            let b = b.with_cost(cost);
+            let d = decide(&[b], &mut ledger, now, Mode::Spend).expect("decide");
+            if d.is_admitted() {
+                continue;
+            }
+            let wait = d.retry_after().expect("a cost within the burst can wait");
+            prop_assert!(wait > Duration::ZERO);
+            if wait.as_nanos() > u128::from(early_ns) {
+                let early = now.saturating_add(wait - Duration::from_nanos(early_ns));
+                let d = decide(&[b], &mut ledger.clone(), early, Mode::Peek).expect("peek");
+                prop_assert!(!d.is_admitted(), "admitted {:?} early", Duration::from_nanos(early_ns));
+            }
+            now = now.saturating_add(wait);
+            let d = decide(&[b], &mut ledger, now, Mode::Spend).expect("decide");
+            prop_assert!(d.is_admitted(), "refused when told to come back");
+        }
     }
 
     /// Charges and refunds after the fact keep the books within [0, limit].
     #[test]
     fn adjust_keeps_books_between_zero_and_limit(
-        ops in prop::collection::vec((0u64..5_000, -40i64..40, any::<bool>(), 0usize..4), 1..300)
+        ops in prop::collection::vec((0u64..5_000, -40i64..40, any::<bool>(), 0usize..5), 1..300)
     ) {
         let all = budgets();
         let mut ledger = MapLedger::default();

@@ -51,7 +51,8 @@ const OVERFLOW_SUBJECT: u64 = 0x6f76_6572_666c_6f77; // "overflow"
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryConfig {
     /// The most cells held at once (one per fixed-window budget of a subject,
-    /// two per sliding-window one). At about 20 bytes a cell at the cap (see
+    /// two per sliding-window one, one per slot holding units of a rolling
+    /// window). At about 20 bytes a cell at the cap (see
     /// the module docs), the default of 1,000,000 takes about 20 MB.
     pub max_keys: usize,
     /// The number of shards, from 1 to [`MAX_SHARDS`] (larger values are
@@ -637,7 +638,7 @@ impl<C: Clock> Cells<'_, C> {
                     at.budget.key.scope(),
                     OVERFLOW_SUBJECT,
                 ));
-                let key = shared.cells(self.now)[at.index.min(1)];
+                let key = shared.cell_at(at.index, self.now).unwrap_or(0);
                 let value = self.store.overflow.lock().get(&key).copied().unwrap_or(0);
                 (Place::Overflow(key), value)
             }
@@ -678,10 +679,67 @@ impl<C: Clock> Cells<'_, C> {
     }
 }
 
+impl<C: Clock> Cells<'_, C> {
+    /// Where a cell the decision did not list up front lives (a rolling
+    /// window's older slots): in the table of its subject's shard, which the
+    /// decision holds (it listed the budget's current slot there) — or, when
+    /// that current slot was folded into the overflow, in the overflow under
+    /// the shared budget's key for the same slot. `None`: not held.
+    fn unlisted(&self, at: CellRef<'_>) -> Option<Result<usize, u64>> {
+        let current = at.budget.cell_at(0, self.now)?;
+        let listed = self.slots.iter().find(|s| s.cell == current)?;
+        match listed.place {
+            Place::Overflow(_) => {
+                let shared = at.budget.with_key(BudgetKey::from_digests(
+                    at.budget.key.scope(),
+                    OVERFLOW_SUBJECT,
+                ));
+                shared.cell_at(at.index, self.now).map(Err)
+            }
+            _ => Some(Ok(listed.guard)),
+        }
+    }
+
+    fn read_unlisted(&mut self, at: CellRef<'_>) -> u64 {
+        match self.unlisted(at) {
+            Some(Ok(guard)) => {
+                let hash = self.store.hash(at.cell);
+                self.guards[guard]
+                    .cells
+                    .find(hash, |e| e.0 == at.cell)
+                    .map_or(0, |e| e.1)
+            }
+            Some(Err(key)) => self.store.overflow.lock().get(&key).copied().unwrap_or(0),
+            None => 0,
+        }
+    }
+
+    /// Writes a cell the decision did not list, at once: a refund into a
+    /// rolling window's older slot, which only ever lowers a cell that is
+    /// there (no bucket index is held for it, and nothing is inserted).
+    fn write_unlisted(&mut self, at: CellRef<'_>, value: u64) {
+        match self.unlisted(at) {
+            Some(Ok(guard)) => {
+                let hash = self.store.hash(at.cell);
+                let shard = &mut self.guards[guard];
+                if let Some(e) = shard.cells.find_mut(hash, |e| e.0 == at.cell) {
+                    e.1 = value;
+                }
+            }
+            Some(Err(key)) => {
+                if let Some(v) = self.store.overflow.lock().get_mut(&key) {
+                    *v = value;
+                }
+            }
+            None => {}
+        }
+    }
+}
+
 impl<C: Clock> Ledger for Cells<'_, C> {
     fn read(&mut self, at: CellRef<'_>) -> u64 {
         let Some(i) = self.slot(at.cell) else {
-            return 0;
+            return self.read_unlisted(at);
         };
         if matches!(self.slots[i].place, Place::Unresolved) {
             self.resolve(i, at);
@@ -696,6 +754,8 @@ impl<C: Clock> Ledger for Cells<'_, C> {
             }
             self.slots[i].value = value;
             self.slots[i].dirty = true;
+        } else {
+            self.write_unlisted(at, value);
         }
     }
 }

@@ -137,13 +137,26 @@ async fn every_key_has_a_ttl_and_no_raw_credential() {
         rate: Rate::CalendarMonth,
         ..budget("quota", secret, 1000)
     };
+    let rolling = Budget {
+        rate: Rate::RollingWindow {
+            millis: NonZeroU32::new(61_000).expect("nz"),
+            slot_millis: NonZeroU32::new(250).expect("nz"),
+        },
+        ..budget("tpm", secret, 1000)
+    };
     store
-        .decide(&[budget("expensive", secret, 30), sliding, gcra, month])
+        .decide(&[
+            budget("expensive", secret, 30),
+            sliding,
+            gcra,
+            month,
+            rolling,
+        ])
         .await
         .expect("decide");
     let keys = server.cli(&["KEYS", "*"]);
     let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
-    assert_eq!(keys.len(), 4, "{keys:?}");
+    assert_eq!(keys.len(), 5, "{keys:?}");
     for key in keys {
         assert!(!key.contains("secret"), "{key}");
         assert!(key.starts_with("sluice:{"), "hash-tagged by subject: {key}");
@@ -327,4 +340,43 @@ async fn d1_coalesced_decisions_are_each_all_or_nothing() {
             "request {i} spent all or nothing"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_with_an_injected_clock_decides_at_its_time() {
+    // Ahead of the real clock, which Redis still expires keys by.
+    let start = sluice_core::Timestamp::from_nanos(3_900_000_005_123_456_000);
+    let clock = sluice_core::FakeClock::new(start);
+    let server = Server::start("store");
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_millis(500);
+    let store = RedisStore::connect_with_clock(config, clock.clone())
+        .await
+        .expect("connect");
+    let b = Budget::per_window(
+        BudgetKey::new("standard", b"k"),
+        2,
+        NonZeroU32::MIN.saturating_add(9),
+    );
+    let d = store.decide(&[b]).await.expect("decide");
+    assert_eq!(d.decided_at(), start);
+    assert_eq!(d.statuses()[0].reset, 3_900_000_010);
+    store.decide(&[b]).await.expect("decide");
+    let d = store.decide(&[b]).await.expect("decide");
+    assert_eq!(
+        d.retry_after(),
+        Some(Duration::from_nanos(4_876_544_000)),
+        "until the window's end, to the microsecond"
+    );
+    clock.advance(Duration::from_secs(5));
+    let d = store.decide(&[b]).await.expect("decide");
+    assert_eq!(d.decided_at(), start.saturating_add(Duration::from_secs(5)));
+    assert_eq!(
+        d.statuses()[0].remaining,
+        1,
+        "a new window, by the injected clock"
+    );
+    // An adjustment's reservation instant travels to the microsecond too.
+    let s = store.adjust(&b, -1, d.decided_at()).await.expect("adjust");
+    assert_eq!(s.remaining, 2);
 }

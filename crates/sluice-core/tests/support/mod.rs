@@ -23,3 +23,8 @@ impl Ledger for MapLedger {
 pub fn secs(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).expect("non-zero")
 }
+
+/// A non-zero count (milliseconds, units).
+pub fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).expect("non-zero")
+}

@@ -1,28 +1,53 @@
 -- sluice: one decision over every budget of a request, atomically, on the
--- Redis server's clock (never a replica's). Mirrors sluice-core's algorithms.
+-- Redis server's clock (never a replica's). Mirrors sluice-core's algorithms
+-- at the server clock's resolution, the microsecond: at any instant in whole
+-- microseconds both decide alike (tests/parity.rs holds them to it).
 --
 -- One call may carry several requests (concurrent decisions coalesced by the
 -- client); they are decided in order, each all or nothing, and a later one
 -- sees what an earlier one spent — as if they had come one by one.
 --
 -- KEYS     one hash per budget, all requests' budgets in order: w (window id),
---          c (count), p (previous count), t (GCRA TAT, us)
+--          c (count), p (previous count), t (GCRA TAT, us); for a rolling
+--          window, one field per slot holding units: slot number -> count
 -- ARGV[1]  'spend' | 'peek' | 'adjust'
--- ARGV[2]  for 'adjust': delta, ARGV[3] reserved_at (Unix seconds); otherwise unused
+-- ARGV[2]  for 'adjust': delta, ARGV[3] reserved_at (Unix microseconds); otherwise unused
 -- ARGV[4]  number of requests; then per request: its number of budgets n, then
---          per budget: kind (f fixed, s sliding, m month, g gcra), limit, cost,
---          window seconds (f, s) or period in microseconds (g), burst (g)
+--          per budget: kind (f fixed, s sliding, m month, g gcra, r rolling),
+--          limit, cost, window seconds (f, s), period in microseconds (g) or
+--          window milliseconds (r), burst (g) or slot milliseconds (r)
+-- then, optionally, the time to decide at (Unix microseconds): sent only by a
+--          store built with an injected clock (tests); otherwise the server's TIME.
 -- Returns {now_s, now_us_fraction, then per budget of every request: verdict
 --          (0 admitted, 1 not yet, 2 never), remaining after spending, remaining
 --          before, reset (Unix s), retry_after (us)}. A request writes only when
 --          all its budgets admit ('spend'), or always ('adjust').
 
 local mode = ARGV[1]
-local t = redis.call('TIME')
-local now_s = tonumber(t[1])
-local now_us = now_s * 1000000 + tonumber(t[2])
+local requests = tonumber(ARGV[4])
+local now_s, now_frac
+local injected = ARGV[5 + requests + 5 * #KEYS]
+if injected then
+  local us = tonumber(injected)
+  now_s = math.floor(us / 1000000)
+  now_frac = us - now_s * 1000000
+else
+  local t = redis.call('TIME')
+  now_s, now_frac = tonumber(t[1]), tonumber(t[2])
+end
+local now_us = now_s * 1000000 + now_frac
+local delta = tonumber(ARGV[2]) or 0
+local reserved_us = tonumber(ARGV[3]) or now_us
+local reserved = math.floor(reserved_us / 1000000)
 
-local function floor_div(a, b) return math.floor(a / b) end
+-- Integers are doubles here: exact below 2^53. A quotient is rounded, so
+-- its floor is corrected by one where the rounding crossed an integer.
+local function floor_div(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
+  return q
+end
+local function ceil_div(a, b) return -floor_div(-a, b) end
 
 -- Howard Hinnant's civil-date algorithms, as in sluice-core's calendar.rs.
 local function days_from_civil(y, m, d)
@@ -70,9 +95,36 @@ local function copy(s)
   return { w = s.w, c = s.c, p = s.p, t = s.t, w0 = s.w0, c0 = s.c0, p0 = s.p0, t0 = s.t0,
            dirty = s.dirty, expire = s.expire }
 end
+-- A rolling window's slots: r (slot -> count), r0 (what is stored).
+local function load_slots(key)
+  if state[key] == nil then
+    local h = redis.call('HGETALL', key)
+    local r, r0 = {}, {}
+    for i = 1, #h, 2 do
+      local j, c = tonumber(h[i]), tonumber(h[i + 1])
+      if j and c then r[j] = c; r0[j] = c end
+    end
+    state[key] = { rolling = true, r = r, r0 = r0, dirty = false, expire = 0, moved = false }
+  end
+  return state[key]
+end
+local function copy_slots(s)
+  local r = {}
+  for j, c in pairs(s.r) do r[j] = c end
+  return { rolling = true, r = r, r0 = s.r0, dirty = s.dirty, expire = s.expire, moved = s.moved }
+end
+-- The counted slots of a rolling window (first..current, holding units),
+-- oldest first, and the units they hold.
+local function counted(r, first, current)
+  local js, used = {}, 0
+  for j, c in pairs(r) do
+    if j >= first and j <= current and c > 0 then js[#js + 1] = j; used = used + c end
+  end
+  table.sort(js)
+  return js, used
+end
 
-local out = { now_s, tonumber(t[2]) }
-local requests = tonumber(ARGV[4])
+local out = { now_s, now_frac }
 local argi, keyi = 5, 1
 for _ = 1, requests do
 local n = tonumber(ARGV[argi])
@@ -87,13 +139,11 @@ for i = 1, n do
   local w, burst = tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5])
   local s = pending[key]
   if s == nil then
-    s = copy(load(key))
+    if kind == 'r' then s = copy_slots(load_slots(key)) else s = copy(load(key)) end
     pending[key] = s
   end
   local never = cost > limit
   local verdict, before, after, reset, retry = 0, 0, 0, 0, 0
-  local delta = tonumber(ARGV[2]) or 0
-  local reserved = tonumber(ARGV[3]) or now_s
   if kind == 'f' or kind == 'm' then
     local start, stop
     if kind == 'f' then start = floor_div(now_s, w) * w; stop = start + w
@@ -118,8 +168,9 @@ for i = 1, n do
     local start, stop = idx * w, idx * w + w
     local cur, prev = 0, 0
     if s.w == idx then cur, prev = s.c, s.p elseif s.w == idx - 1 then prev = s.c end
-    local wm = w * 1000
-    local elapsed = floor_div(now_us - start * 1000000, 1000)
+    -- In microseconds, as sluice-core weighs (exact while limit x w < 4.5e9).
+    local wm = w * 1000000
+    local elapsed = now_us - start * 1000000
     local used = prev * (wm - elapsed) + cur * wm
     local cap = limit * wm
     if mode == 'adjust' then
@@ -148,16 +199,68 @@ for i = 1, n do
         if cur + cost <= limit then
           local room = (limit - cur - cost) * wm
           local e_needed = math.max(0, wm - floor_div(room, math.max(prev, 1)))
-          retry = math.max(0, e_needed - elapsed) * 1000
+          retry = math.max(0, e_needed - elapsed)
         else
           local room = (limit - cost) * wm
           local e_needed = wm - math.min(wm, floor_div(room, math.max(cur, 1)))
-          retry = ((wm - elapsed) + e_needed) * 1000
+          retry = (wm - elapsed) + e_needed
         end
       end
       if fits and cost > 0 then s.w, s.c, s.p, s.dirty, s.expire = idx, cur + cost, prev, true, stop + w + 1 end
     end
     reset = stop
+  elseif kind == 'r' then
+    -- Rolling: w = window ms, burst = slot ms, widened to at most 4096
+    -- slots per window (sluice-core's MAX_ROLLING_SLOTS). A unit counts
+    -- until its slot's end + the window.
+    local slot = math.max(burst, ceil_div(w, 4096)) * 1000
+    local span = w * 1000
+    local current = floor_div(now_us, slot)
+    local first = floor_div(math.max(0, now_us - span), slot)
+    local js, used = counted(s.r, first, current)
+    local target, add = nil, 0
+    before = math.max(0, limit - used)
+    if mode == 'adjust' then
+      if delta < 0 then
+        local jr = floor_div(reserved_us, slot)
+        if jr >= first and jr <= current then target = jr end
+      else
+        target = current
+      end
+      if target then
+        local old = s.r[target] or 0
+        if delta < 0 then add = math.max(0, old + delta) - old
+        else add = math.min(delta, before) end
+      end
+      after = math.max(0, limit - used - add)
+    else
+      local fits = (not never) and (used + cost <= limit)
+      after = fits and (before - cost) or before
+      if never then verdict = 2
+      elseif not fits then
+        verdict = 1
+        local left, at = used, now_us
+        for _, j in ipairs(js) do
+          left = left - s.r[j]
+          if left <= limit - cost then at = (j + 1) * slot + span; break end
+        end
+        retry = at - now_us
+      end
+      if fits and cost > 0 then target, add = current, cost end
+    end
+    if add ~= 0 then
+      s.r[target] = (s.r[target] or 0) + add
+      for j in pairs(s.r) do
+        if j < first then s.r[j] = nil end
+      end
+      s.dirty = true
+      if target == current then
+        s.moved, s.expire = true, ceil_div((current + 1) * slot + span, 1000000) + 1
+      end
+      js = counted(s.r, first, current)
+    end
+    if #js > 0 then reset = ceil_div((js[#js] + 1) * slot + span, 1000000)
+    else reset = ceil_div(now_us, 1000000) end
   else -- 'g': GCRA, w = period in us
     local T = math.max(1, floor_div(w, math.max(limit, 1)))
     local capacity = T * burst
@@ -205,7 +308,18 @@ end
 
 -- Write what changed; the expiry only moves with a new window (or a new TAT).
 for key, s in pairs(state) do
-  if s.dirty then
+  if s.dirty and s.rolling then
+    local fields, gone = {}, {}
+    for j, c in pairs(s.r) do
+      if c ~= s.r0[j] then fields[#fields + 1] = string.format('%d', j); fields[#fields + 1] = c end
+    end
+    for j in pairs(s.r0) do
+      if s.r[j] == nil then gone[#gone + 1] = string.format('%d', j) end
+    end
+    if #fields > 0 then redis.call('HSET', key, unpack(fields)) end
+    if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
+    if s.moved then redis.call('EXPIREAT', key, s.expire) end
+  elseif s.dirty then
     local fields = {}
     if s.w ~= s.w0 then fields[#fields + 1] = 'w'; fields[#fields + 1] = s.w end
     if s.c ~= s.c0 then fields[#fields + 1] = 'c'; fields[#fields + 1] = s.c end

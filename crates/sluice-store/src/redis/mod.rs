@@ -17,7 +17,7 @@
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use sluice_core::{Budget, BudgetStatus, Decision, MAX_BUDGETS, Rate, Timestamp, Verdict};
+use sluice_core::{Budget, BudgetStatus, Clock, Decision, MAX_BUDGETS, Rate, Timestamp, Verdict};
 use std::sync::Arc;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -94,6 +94,8 @@ pub struct RedisStore {
     script: redis::Script,
     prefix: String,
     timeout: Duration,
+    /// Decides at this clock's time instead of the Redis server's (tests).
+    clock: Option<Arc<dyn Clock>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -116,6 +118,29 @@ impl RedisStore {
     /// [`StoreError::Unavailable`] when the URL is malformed or Redis does not
     /// answer within the connection timeout (1 s).
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
+        Self::connect_inner(config, None).await
+    }
+
+    /// [`RedisStore::connect`], but every decision is made at `clock`'s time
+    /// (sent with the script call, to the microsecond) rather than on the
+    /// Redis server's clock: for tests that drive the script and the memory
+    /// store with one fake clock. Keys still expire on the server's clock,
+    /// so the fake time must not be behind it.
+    ///
+    /// # Errors
+    /// As [`RedisStore::connect`].
+    #[doc(hidden)]
+    pub async fn connect_with_clock(
+        config: RedisConfig,
+        clock: impl Clock + 'static,
+    ) -> Result<Self, StoreError> {
+        Self::connect_inner(config, Some(Arc::new(clock))).await
+    }
+
+    async fn connect_inner(
+        config: RedisConfig,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Result<Self, StoreError> {
         let script = redis::Script::new(SCRIPT);
         let response_timeout = config.timeout.max(Duration::from_millis(1));
         let conn = if let Some(nodes) = cluster_nodes(&config.url) {
@@ -155,6 +180,7 @@ impl RedisStore {
             script,
             prefix: config.prefix,
             timeout: config.timeout,
+            clock,
         };
         if let Conn::Single(_) = store.conn {
             store.coalescer = Some(coalesce(store.clone()));
@@ -177,7 +203,7 @@ impl RedisStore {
         mode: &str,
         budgets: &[Budget],
         delta: i64,
-        reserved_at: u64,
+        reserved_us: u64,
     ) -> Result<(Timestamp, Vec<Row>), StoreError> {
         if budgets.len() > MAX_BUDGETS {
             return Err(sluice_core::DecisionError::TooManyBudgets {
@@ -201,11 +227,11 @@ impl RedisStore {
                         })?
                         .map_err(|_| unavailable("the coalescer stopped"))?,
                     // Backlog full (or the runtime is going away): go direct.
-                    Err(_) => self.invoke(mode, budgets, delta, reserved_at).await,
+                    Err(_) => self.invoke(mode, budgets, delta, reserved_us).await,
                 }
             }
-            (Conn::Single(_), _, _) => self.invoke(mode, budgets, delta, reserved_at).await,
-            (Conn::Cluster(_), _, _) => self.run_by_slot(mode, budgets, delta, reserved_at).await,
+            (Conn::Single(_), _, _) => self.invoke(mode, budgets, delta, reserved_us).await,
+            (Conn::Cluster(_), _, _) => self.run_by_slot(mode, budgets, delta, reserved_us).await,
         }
     }
 
@@ -215,7 +241,7 @@ impl RedisStore {
         mode: &str,
         budgets: &[Budget],
         delta: i64,
-        reserved_at: u64,
+        reserved_us: u64,
     ) -> Result<(Timestamp, Vec<Row>), StoreError> {
         let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
         for (i, b) in budgets.iter().enumerate() {
@@ -227,7 +253,7 @@ impl RedisStore {
         let calls = groups.iter().map(|(_, members)| {
             let part: Vec<Budget> = members.iter().map(|&i| budgets[i]).collect();
             async move {
-                self.invoke(mode, &part, delta, reserved_at)
+                self.invoke(mode, &part, delta, reserved_us)
                     .await
                     .map(|r| (part, r))
             }
@@ -258,7 +284,7 @@ impl RedisStore {
                 for b in part.iter().filter(|b| b.cost > 0) {
                     let back = -i64::from(b.cost);
                     let _ = self
-                        .invoke("adjust", std::slice::from_ref(b), back, t.as_secs())
+                        .invoke("adjust", std::slice::from_ref(b), back, micros(*t))
                         .await;
                 }
             }
@@ -276,10 +302,10 @@ impl RedisStore {
         mode: &str,
         budgets: &[Budget],
         delta: i64,
-        reserved_at: u64,
+        reserved_us: u64,
     ) -> Result<(Timestamp, Vec<Row>), StoreError> {
         let (at, mut answers) = self
-            .invoke_many(mode, &[budgets], delta, reserved_at)
+            .invoke_many(mode, &[budgets], delta, reserved_us)
             .await?;
         Ok((at, answers.pop().unwrap_or_default()))
     }
@@ -290,7 +316,7 @@ impl RedisStore {
         mode: &str,
         requests: &[&[Budget]],
         delta: i64,
-        reserved_at: u64,
+        reserved_us: u64,
     ) -> Result<(Timestamp, Vec<Vec<Row>>), StoreError> {
         let mut invocation = self.script.prepare_invoke();
         for b in requests.iter().flat_map(|r| r.iter()) {
@@ -299,7 +325,7 @@ impl RedisStore {
         invocation
             .arg(mode)
             .arg(delta)
-            .arg(reserved_at)
+            .arg(reserved_us)
             .arg(requests.len());
         for request in requests {
             invocation.arg(request.len());
@@ -308,6 +334,10 @@ impl RedisStore {
                     Rate::FixedWindow { seconds } => ("f", u64::from(seconds.get()), 0),
                     Rate::SlidingWindow { seconds } => ("s", u64::from(seconds.get()), 0),
                     Rate::CalendarMonth => ("m", 0, 0),
+                    Rate::RollingWindow {
+                        millis,
+                        slot_millis,
+                    } => ("r", u64::from(millis.get()), slot_millis.get()),
                     Rate::Gcra { period, burst } => (
                         "g",
                         u64::try_from(period.as_micros()).unwrap_or(u64::MAX),
@@ -321,6 +351,9 @@ impl RedisStore {
                     .arg(window)
                     .arg(burst);
             }
+        }
+        if let Some(clock) = &self.clock {
+            invocation.arg(micros(clock.now()));
         }
         let call = async {
             match &self.conn {
@@ -432,6 +465,11 @@ fn parse_reply(reply: &[i64], budgets: usize) -> Result<(Timestamp, Vec<Row>), S
     Ok((at, rows))
 }
 
+/// Unix microseconds: the script's unit of time.
+fn micros(t: Timestamp) -> u64 {
+    t.as_nanos() / 1_000
+}
+
 fn to_u32(v: i64) -> u32 {
     u32::try_from(v.max(0)).unwrap_or(u32::MAX)
 }
@@ -473,9 +511,7 @@ impl BudgetStore for RedisStore {
         reserved_at: Timestamp,
     ) -> Result<BudgetStatus, StoreError> {
         let one = std::slice::from_ref(budget);
-        let (at, rows) = self
-            .run("adjust", one, delta, reserved_at.as_secs())
-            .await?;
+        let (at, rows) = self.run("adjust", one, delta, micros(reserved_at)).await?;
         let d = decision(at, &rows, one, true);
         d.statuses()
             .first()
