@@ -55,6 +55,13 @@ lanes:
     max_waiting: 1000
     timeout_seconds: 180
     breaker: { failures: 5, within_seconds: 60, open_seconds: 30 }
+    batch:
+      route: /messages/optimize
+      max_items: 1000
+      backlog: 5000
+      keep_hours: 168
+      submit_tool: optimize_message_batch
+      status_tool: get_batch
 routes:
   - { method: GET, path: /mcp, class: protocol }
   - { method: DELETE, path: /mcp, class: protocol }

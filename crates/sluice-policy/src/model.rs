@@ -243,6 +243,42 @@ pub struct Lane {
     pub breaker_within: Duration,
     /// How long the breaker stays open before one probe decides.
     pub breaker_open: Duration,
+    /// The lane's batch lane, if it runs one.
+    pub batch: Option<LaneBatch>,
+}
+
+/// A lane's batch lane: lists of single calls, queued durably and run on the
+/// capacity single calls leave.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaneBatch {
+    /// The single-call route (`/messages/optimize`): submit `POST <route>/batch`,
+    /// status `GET <route>/batches/{id}`, each item `POST <route>` upstream.
+    pub route: String,
+    /// Most items in one batch.
+    pub max_items: NonZeroU32,
+    /// Most unfinished items one workspace may have queued.
+    pub backlog: NonZeroU32,
+    /// How long a finished batch is kept for status reads.
+    pub keep: Duration,
+    /// The JSON-RPC tool that submits a batch.
+    pub submit_tool: Option<String>,
+    /// The JSON-RPC tool that reads a batch.
+    pub status_tool: Option<String>,
+}
+
+impl LaneBatch {
+    /// The submit path, `<route>/batch`.
+    pub fn submit_path(&self) -> String {
+        format!("{}/batch", self.route)
+    }
+
+    /// The batch id a status path (`<route>/batches/{id}`) names, if `path` is one.
+    pub fn status_id<'p>(&self, path: &'p str) -> Option<&'p str> {
+        let id = path
+            .strip_prefix(self.route.as_str())?
+            .strip_prefix("/batches/")?;
+        (!id.is_empty() && !id.contains('/')).then_some(id)
+    }
 }
 
 /// One JSON-RPC tool's rule.

@@ -220,6 +220,28 @@ pub struct RawLane {
     /// The breaker.
     #[serde(default)]
     pub breaker: RawBreaker,
+    /// The batch lane: lists of calls run on the capacity single calls leave.
+    pub batch: Option<RawLaneBatch>,
+}
+
+/// A lane's batch lane.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLaneBatch {
+    /// The single-call route, e.g. `/messages/optimize`: batches are submitted with
+    /// `POST <route>/batch`, read with `GET <route>/batches/{id}`, and each item goes
+    /// upstream as `POST <route>`.
+    pub route: String,
+    /// Most items in one batch (1000).
+    pub max_items: Option<u32>,
+    /// Most unfinished items one workspace may have queued (5000).
+    pub backlog: Option<u32>,
+    /// Hours a finished batch is kept for status reads (168).
+    pub keep_hours: Option<u32>,
+    /// The JSON-RPC tool that submits a batch (`arguments: {items, idempotency_key}`).
+    pub submit_tool: Option<String>,
+    /// The JSON-RPC tool that reads a batch (`arguments: {batch_id}`).
+    pub status_tool: Option<String>,
 }
 
 /// A lane's circuit breaker.

@@ -11,13 +11,13 @@ use http::{HeaderName, Method};
 use ipnet::IpNet;
 
 use crate::model::{
-    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Lane, MAX_BUCKETS, MAX_LANES,
-    MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal,
-    Route, RouteClass, Spends, StorePolicy, Tool,
+    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Lane, LaneBatch, MAX_BUCKETS,
+    MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy, Principal, Profile,
+    QuotaFamily, Refusal, Route, RouteClass, Spends, StorePolicy, Tool,
 };
 use crate::path::Paths;
 use crate::pattern::PathPattern;
-use crate::raw::{RawLane, RawPolicy, RawProfile};
+use crate::raw::{RawLane, RawLaneBatch, RawPolicy, RawProfile};
 
 /// Default largest body read for classification: 1 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
@@ -347,6 +347,22 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
         raw.default_class.as_deref().unwrap_or("standard"),
     );
     let jsonrpc = v.jsonrpc(raw, &bucket_index, &quota_index, &lane_index);
+    for lane in &lanes {
+        let Some(batch) = &lane.batch else { continue };
+        for (field, tool) in [
+            ("submit_tool", &batch.submit_tool),
+            ("status_tool", &batch.status_tool),
+        ] {
+            if let Some(tool) = tool
+                && !raw.jsonrpc.tools.contains_key(tool)
+            {
+                v.problem(
+                    format!("lanes.{}.batch.{field}", lane.name),
+                    format!("no tool named {tool:?} under `jsonrpc.tools`"),
+                );
+            }
+        }
+    }
     if let Some(j) = &jsonrpc {
         v.budget_counts(&routes, j);
     }
@@ -657,6 +673,44 @@ impl Checker {
         spends
     }
 
+    /// A lane's batch lane, checked, with the built-in defaults for what is left out.
+    fn lane_batch(&mut self, lane: &str, raw: &RawLaneBatch) -> Option<LaneBatch> {
+        let at = |field: &str| format!("lanes.{lane}.batch.{field}");
+        let route_ok = raw.route.starts_with('/')
+            && raw.route.len() > 1
+            && !raw.route.ends_with('/')
+            && raw
+                .route
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"/-_.~".contains(&b));
+        if !route_ok {
+            self.problem(
+                at("route"),
+                "a plain path such as /messages/optimize (no parameters, no trailing /)",
+            );
+        }
+        let max_items = self.nonzero(&at("max_items"), raw.max_items.unwrap_or(1000));
+        let backlog = self.nonzero(&at("backlog"), raw.backlog.unwrap_or(5000));
+        let keep = self.nonzero(&at("keep_hours"), raw.keep_hours.unwrap_or(168));
+        if let (Some(items), Some(backlog)) = (max_items, backlog)
+            && items > backlog
+        {
+            self.problem(
+                at("max_items"),
+                format!("more than the backlog ({backlog}): such a batch could never be queued"),
+            );
+        }
+        Some(LaneBatch {
+            route: raw.route.clone(),
+            max_items: max_items?,
+            backlog: backlog?,
+            keep: Duration::from_secs(u64::from(keep?.get()) * 3600),
+            submit_tool: raw.submit_tool.clone(),
+            status_tool: raw.status_tool.clone(),
+        })
+        .filter(|_| route_ok)
+    }
+
     /// A lane's settings, each checked, with the built-in defaults for what is
     /// left out.
     fn lane(&mut self, name: &str, raw: &RawLane) -> Option<Lane> {
@@ -713,6 +767,10 @@ impl Checker {
             breaker_failures: failures?,
             breaker_within: secs(within?),
             breaker_open: secs(open?),
+            batch: match &raw.batch {
+                None => None,
+                Some(b) => Some(self.lane_batch(name, b)?),
+            },
         })
     }
 

@@ -599,6 +599,19 @@ fn l1_the_default_policy_guards_the_optimizer_with_the_seed_numbers() {
         .expect("classified");
     assert_eq!(items.lanes_called().collect::<Vec<_>>(), [(0, 2)]);
 
+    // The batch lane of the optimizer, at its documented paths.
+    let batch = lane.batch.as_ref().expect("a batch lane");
+    assert_eq!(batch.submit_path(), "/messages/optimize/batch");
+    assert_eq!(
+        batch.status_id("/messages/optimize/batches/bat_1"),
+        Some("bat_1")
+    );
+    assert_eq!(batch.status_id("/messages/optimize/batches/"), None);
+    assert_eq!(batch.status_id("/messages/optimize/batches/a/b"), None);
+    assert_eq!((batch.max_items.get(), batch.backlog.get()), (1000, 5000));
+    assert_eq!(batch.keep.as_secs(), 7 * 24 * 3600);
+    assert_eq!(batch.submit_tool.as_deref(), Some("optimize_message_batch"));
+
     // A lane left at its defaults is the seed's too.
     let minimal = sluice_policy::DEFAULT_POLICY_YAML.edit("    workspace_in_flight: 3\n", "");
     let minimal = parse_str(&minimal, Path::new("minimal.yaml")).expect("parses");
@@ -630,6 +643,26 @@ fn l1_lanes_that_cannot_work_are_errors_with_their_paths() {
             "breaker: { failures: 5,",
             "breaker: { failures: 0,",
             "lanes.optimizer.breaker.failures",
+        ),
+        (
+            "workspace_starts: 12",
+            "workspace_starts: 100001",
+            "lanes.optimizer.workspace_starts",
+        ),
+        (
+            "route: /messages/optimize\n",
+            "route: /messages/{id}\n",
+            "lanes.optimizer.batch.route",
+        ),
+        (
+            "      max_items: 1000\n",
+            "      max_items: 6000\n",
+            "lanes.optimizer.batch.max_items",
+        ),
+        (
+            "status_tool: get_batch",
+            "status_tool: get_batches",
+            "lanes.optimizer.batch.status_tool",
         ),
     ] {
         let problems = problems_of(&base.edit(from, to));
