@@ -29,6 +29,8 @@ use std::future::Future;
 use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
 
 #[cfg(feature = "durable")]
+pub mod batch;
+#[cfg(feature = "durable")]
 pub mod durable;
 mod guarded;
 #[cfg(feature = "durable")]
@@ -39,7 +41,12 @@ mod prefetch;
 mod redis;
 
 #[cfg(feature = "durable")]
-pub use durable::{DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConfig};
+pub use batch::{
+    BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
+    ItemState, ItemStatus, Maintenance, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
+};
+#[cfg(feature = "durable")]
+pub use durable::{BatchBook, DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConfig};
 pub use guarded::{Guarded, STORE_BREAKER};
 #[cfg(feature = "durable")]
 pub use local::LocalStore;
