@@ -28,7 +28,7 @@ use std::future::Future;
 
 use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
 
-#[cfg(feature = "durable")]
+#[cfg(any(feature = "durable", feature = "redis"))]
 pub mod batch;
 #[cfg(feature = "durable")]
 pub mod durable;
@@ -40,7 +40,7 @@ mod prefetch;
 #[cfg(feature = "redis")]
 mod redis;
 
-#[cfg(feature = "durable")]
+#[cfg(any(feature = "durable", feature = "redis"))]
 pub use batch::{
     BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
     ItemState, ItemStatus, Maintenance, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
@@ -52,7 +52,7 @@ pub use guarded::{Guarded, STORE_BREAKER};
 pub use local::LocalStore;
 pub use memory::{MAX_SHARDS, MemoryConfig, MemoryStore, TABLE_FILL, auto_shards};
 #[cfg(feature = "redis")]
-pub use redis::{MAX_COALESCED, RedisConfig, RedisStore};
+pub use redis::{MAX_COALESCED, RedisBatches, RedisConfig, RedisStore};
 
 /// Why a store could not decide.
 #[derive(Debug, thiserror::Error)]

@@ -1,5 +1,6 @@
 //! The batch queue (SPEC L4): submit, claim, record, status, idempotency,
-//! bounds, restarts and retention — on the embedded durable store.
+//! bounds, restarts and retention — on the embedded durable store, and the
+//! same suite on Redis (feature `redis`, against a real `redis-server`).
 //!
 //! Time is injected: every operation takes `now`, nothing sleeps.
 
@@ -920,4 +921,174 @@ fn l4_kill_9_loses_no_queued_item_and_no_result() {
         );
         assert_eq!(c.idempotency_key(), format!("{id}/2"));
     });
+}
+
+#[cfg(feature = "redis")]
+#[path = "../../../tests/support/redis_server.rs"]
+mod redis_server;
+
+#[cfg(feature = "redis")]
+mod on_redis {
+    use super::*;
+    use sluice_store::{RedisBatches, RedisConfig};
+
+    use super::redis_server::RedisServer as Server;
+
+    async fn batches(server: &Server, config: BatchConfig) -> RedisBatches {
+        let mut c = RedisConfig::new(server.url());
+        c.timeout = Duration::from_millis(2_000);
+        RedisBatches::connect(&c, config).await.expect("connect")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_submit_claim_complete_and_status() {
+        let server = Server::start("batch");
+        suite::submit_claim_complete_status(&batches(&server, BatchConfig::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_same_key_and_body_is_the_same_batch_another_body_conflicts() {
+        let server = Server::start("batch");
+        suite::idempotency(&batches(&server, BatchConfig::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_backlog_limit_per_workspace() {
+        let server = Server::start("batch");
+        suite::backlog_limit(&batches(&server, small(10)).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_empty_and_oversized_batches_are_refused() {
+        let server = Server::start("batch");
+        let config = BatchConfig {
+            max_items: 20,
+            ..BatchConfig::default()
+        };
+        suite::bad_batches(&batches(&server, config).await, 20).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_another_workspaces_batch_is_invisible() {
+        let server = Server::start("batch");
+        suite::invisible_to_other_workspaces(&batches(&server, BatchConfig::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_an_item_completed_twice_is_recorded_once() {
+        let server = Server::start("batch");
+        suite::completed_twice_is_recorded_once(&batches(&server, BatchConfig::default()).await)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_an_expired_lease_puts_the_item_back_with_the_same_key() {
+        let server = Server::start("batch");
+        suite::leases(&batches(&server, BatchConfig::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_workspaces_take_turns() {
+        let server = Server::start("batch");
+        suite::workspaces_take_turns(&batches(&server, BatchConfig::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_fewest_batch_items_running_goes_next() {
+        let server = Server::start("batch");
+        suite::fewest_running_goes_next(&batches(&server, BatchConfig::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_finished_batches_are_purged_after_seven_days() {
+        let server = Server::start("batch");
+        suite::retention(&batches(&server, BatchConfig::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_a_full_store_refuses_new_batches() {
+        let server = Server::start("batch");
+        let config = BatchConfig {
+            max_stored_items: 5,
+            ..BatchConfig::default()
+        };
+        suite::store_bound(&batches(&server, config).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_any_replica_runs_items_and_reads_status() {
+        let server = Server::start("batch");
+        let one = batches(&server, BatchConfig::default()).await;
+        let two = batches(&server, BatchConfig::default()).await;
+        let s = one
+            .submit("acme", items(2), Some("k"), b"x", at(0))
+            .await
+            .expect("submit");
+        let again = two
+            .submit("acme", items(2), Some("k"), b"x", at(1))
+            .await
+            .expect("repeat");
+        assert_eq!(
+            (again.batch_id.as_str(), again.created),
+            (s.batch_id.as_str(), false)
+        );
+        let a = two
+            .claim_next("acme", at(2))
+            .await
+            .expect("claim")
+            .expect("item");
+        let b = one
+            .claim_next("acme", at(2))
+            .await
+            .expect("claim")
+            .expect("item");
+        assert_eq!((a.index, b.index), (0, 1), "each item goes to one replica");
+        one.complete(&s.batch_id, 0, ok("{}"), at(3))
+            .await
+            .expect("complete");
+        assert_eq!(
+            two.complete(&s.batch_id, 0, ok("{}"), at(3)).await,
+            Ok(Finish::AlreadyFinished)
+        );
+        let st = two
+            .status("acme", &s.batch_id, at(4))
+            .await
+            .expect("status")
+            .expect("batch");
+        assert_eq!((st.done, st.running), (1, 1));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_a_crashed_replicas_items_come_back_after_the_lease() {
+        let server = Server::start("batch");
+        let s = {
+            let crashed = batches(&server, BatchConfig::default()).await;
+            let s = crashed
+                .submit("acme", items(2), None, b"x", at(0))
+                .await
+                .expect("submit");
+            crashed
+                .claim_next("acme", at(1))
+                .await
+                .expect("claim")
+                .expect("item");
+            s
+        };
+        let survivor = batches(&server, BatchConfig::default()).await;
+        assert_eq!(
+            survivor.maintain(at(600)).await.expect("maintain").requeued,
+            0
+        );
+        assert_eq!(
+            survivor.maintain(at(601)).await.expect("maintain").requeued,
+            1
+        );
+        let c = survivor
+            .claim_next("acme", at(602))
+            .await
+            .expect("claim")
+            .expect("item");
+        assert_eq!((c.index, c.attempt), (0, 2));
+        assert_eq!(c.idempotency_key(), format!("{}/0", s.batch_id));
+    }
 }

@@ -24,6 +24,10 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::{BudgetStore, StoreError};
 
+mod batch;
+
+pub use batch::RedisBatches;
+
 const SCRIPT: &str = include_str!("budgets.lua");
 
 /// How to reach Redis and how long to wait for it.
