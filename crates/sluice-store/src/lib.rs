@@ -28,6 +28,8 @@ use std::future::Future;
 
 use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
 
+#[cfg(any(feature = "durable", feature = "redis"))]
+pub mod batch;
 #[cfg(feature = "durable")]
 pub mod durable;
 mod guarded;
@@ -38,14 +40,19 @@ mod prefetch;
 #[cfg(feature = "redis")]
 mod redis;
 
+#[cfg(any(feature = "durable", feature = "redis"))]
+pub use batch::{
+    BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
+    ItemState, ItemStatus, Maintenance, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
+};
 #[cfg(feature = "durable")]
-pub use durable::{DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConfig};
+pub use durable::{BatchBook, DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConfig};
 pub use guarded::{Guarded, STORE_BREAKER};
 #[cfg(feature = "durable")]
 pub use local::LocalStore;
 pub use memory::{MAX_SHARDS, MemoryConfig, MemoryStore, TABLE_FILL, auto_shards};
 #[cfg(feature = "redis")]
-pub use redis::{MAX_COALESCED, RedisConfig, RedisStore};
+pub use redis::{MAX_COALESCED, RedisBatches, RedisConfig, RedisStore};
 
 /// Why a store could not decide.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,6 @@
 //! The embedded durable store: what must survive a restart or a crash of a
-//! single `sluice serve` — monthly quota counts now (see [`QuotaBook`]), the
-//! batch queue and its results later.
+//! single `sluice serve` — monthly quota counts (see [`QuotaBook`]) and the
+//! batch queue with its results (see [`BatchBook`]).
 //!
 //! One [redb](https://docs.rs/redb) file, `sluice.redb`, in a data directory,
 //! and in front of it the quota journal, `quota.journal` (group commit: see
@@ -14,6 +14,7 @@
 //! # drop(store); let _ = std::fs::remove_dir_all(&dir);
 //! ```
 
+mod batch;
 mod fillable;
 mod journal;
 mod quota;
@@ -21,6 +22,7 @@ mod quota;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub use batch::BatchBook;
 pub use fillable::{FillableDisk, FillableLog};
 pub use journal::{JournalSync, QuotaLog};
 pub use quota::{COMMIT_TIMEOUT, DEFAULT_MAX_QUOTA_CELLS, QuotaBook, QuotaBookConfig};

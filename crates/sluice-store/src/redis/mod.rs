@@ -24,6 +24,10 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::{BudgetStore, StoreError};
 
+mod batch;
+
+pub use batch::RedisBatches;
+
 const SCRIPT: &str = include_str!("budgets.lua");
 
 /// How to reach Redis and how long to wait for it.
@@ -54,6 +58,41 @@ impl RedisConfig {
 enum Conn {
     Single(ConnectionManager),
     Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl Conn {
+    /// Connects to `url` (one Redis, or a cluster), waiting up to
+    /// `response_timeout` for each answer.
+    async fn open(url: &str, response_timeout: Duration) -> Result<Self, StoreError> {
+        let response_timeout = response_timeout.max(Duration::from_millis(1));
+        if let Some(nodes) = cluster_nodes(url) {
+            let client = redis::cluster::ClusterClient::builder(nodes)
+                .connection_timeout(Duration::from_secs(1))
+                .response_timeout(response_timeout)
+                .retries(2)
+                .build()
+                .map_err(unavailable)?;
+            let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())
+                .await
+                .map_err(|_| unavailable("timed out connecting to the redis cluster"))?
+                .map_err(unavailable)?;
+            return Ok(Conn::Cluster(conn));
+        }
+        let client = redis::Client::open(url).map_err(unavailable)?;
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(1)))
+            .set_response_timeout(Some(response_timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(500));
+        let conn = tokio::time::timeout(
+            Duration::from_secs(2),
+            client.get_connection_manager_with_config(manager_config),
+        )
+        .await
+        .map_err(|_| unavailable("timed out connecting to redis"))?
+        .map_err(unavailable)?;
+        Ok(Conn::Single(conn))
+    }
 }
 
 /// The node URLs of a `redis+cluster://h1:p1,h2:p2` store URL.
@@ -142,38 +181,14 @@ impl RedisStore {
         clock: Option<Arc<dyn Clock>>,
     ) -> Result<Self, StoreError> {
         let script = redis::Script::new(SCRIPT);
-        let response_timeout = config.timeout.max(Duration::from_millis(1));
-        let conn = if let Some(nodes) = cluster_nodes(&config.url) {
-            let client = redis::cluster::ClusterClient::builder(nodes)
-                .connection_timeout(Duration::from_secs(1))
-                .response_timeout(response_timeout)
-                .retries(2)
-                .build()
-                .map_err(unavailable)?;
-            let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())
+        let conn = Conn::open(&config.url, config.timeout).await?;
+        if let Conn::Single(c) = &conn {
+            // A cluster's nodes load the script on their first NOSCRIPT.
+            script
+                .load_async(&mut c.clone())
                 .await
-                .map_err(|_| unavailable("timed out connecting to the redis cluster"))?
                 .map_err(unavailable)?;
-            // Each node loads the script on its first NOSCRIPT.
-            Conn::Cluster(conn)
-        } else {
-            let client = redis::Client::open(config.url.as_str()).map_err(unavailable)?;
-            let manager_config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(Duration::from_secs(1)))
-                .set_response_timeout(Some(response_timeout))
-                .set_number_of_retries(2)
-                .set_max_delay(Duration::from_millis(500));
-            let conn = tokio::time::timeout(
-                Duration::from_secs(2),
-                client.get_connection_manager_with_config(manager_config),
-            )
-            .await
-            .map_err(|_| unavailable("timed out connecting to redis"))?
-            .map_err(unavailable)?;
-            let mut c = conn.clone();
-            script.load_async(&mut c).await.map_err(unavailable)?;
-            Conn::Single(conn)
-        };
+        }
         let mut store = RedisStore {
             conn,
             coalescer: None,
