@@ -264,6 +264,9 @@ pub struct LaneBatch {
     pub submit_tool: Option<String>,
     /// The JSON-RPC tool that reads a batch.
     pub status_tool: Option<String>,
+    /// The quota family the single-call route counts against: each item of a batch
+    /// counts one unit of it at submit (index into [`Policy::quotas`]).
+    pub quota: Option<usize>,
 }
 
 impl LaneBatch {
@@ -314,6 +317,17 @@ pub struct Route {
     pub quota: Option<usize>,
     /// Index into [`Policy::lanes`]: the lane that guards this route's calls.
     pub lane: Option<usize>,
+    /// The batch lane endpoint this route is, if it is one (sluice answers it).
+    pub batch: Option<BatchEndpoint>,
+}
+
+/// A route that is a batch lane's endpoint: answered by sluice, never forwarded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchEndpoint {
+    /// `POST <route>/batch` of the lane (index into [`Policy::lanes`]).
+    Submit(usize),
+    /// `GET <route>/batches/{id}` of the lane.
+    Status(usize),
 }
 
 impl Route {

@@ -11,9 +11,9 @@ use http::{HeaderName, Method};
 use ipnet::IpNet;
 
 use crate::model::{
-    Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Lane, LaneBatch, MAX_BUCKETS,
-    MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy, Principal, Profile,
-    QuotaFamily, Refusal, Route, RouteClass, Spends, StorePolicy, Tool,
+    BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Lane, LaneBatch,
+    MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy, Principal,
+    Profile, QuotaFamily, Refusal, Route, RouteClass, Spends, StorePolicy, Tool,
 };
 use crate::path::Paths;
 use crate::pattern::PathPattern;
@@ -339,6 +339,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
                 buckets: spends.buckets,
                 quota: spends.quota,
                 lane: spends.lane,
+                batch: None,
             });
         }
     }
@@ -347,6 +348,49 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
         raw.default_class.as_deref().unwrap_or("standard"),
     );
     let jsonrpc = v.jsonrpc(raw, &bucket_index, &quota_index, &lane_index);
+    // Each batch lane's endpoints are routes of the table (their classes are what a
+    // submit and a status read cost), marked so that sluice answers them; items
+    // count against the single-call route's quota.
+    for (l, lane) in lanes.iter_mut().enumerate() {
+        let Some(batch) = &mut lane.batch else {
+            continue;
+        };
+        fn find(routes: &[Route], method: &Method, path: &str) -> Option<usize> {
+            routes.iter().position(|r| r.matches(method, path))
+        }
+        let single = find(&routes, &Method::POST, &batch.route);
+        batch.quota = single.and_then(|i| routes[i].quota);
+        let submit = batch.submit_path();
+        let status = format!("{}/batches/{{id}}", batch.route);
+        for (method, path, endpoint) in [
+            (Method::POST, submit.clone(), BatchEndpoint::Submit(l)),
+            (
+                Method::GET,
+                format!("{}/batches/x", batch.route),
+                BatchEndpoint::Status(l),
+            ),
+        ] {
+            let wanted = if matches!(endpoint, BatchEndpoint::Submit(_)) {
+                &submit
+            } else {
+                &status
+            };
+            match find(&routes, &method, &path) {
+                Some(i)
+                    if routes[i]
+                        .path
+                        .as_ref()
+                        .is_some_and(|p| p.as_str().split('{').next() == wanted.split('{').next()) =>
+                {
+                    routes[i].batch = Some(endpoint);
+                }
+                _ => v.problem(
+                    format!("lanes.{}.batch.route", lane.name),
+                    format!("the routes need `{{ method: {method}, path: \"{wanted}\", class: … }}` before any route that matches it (its class is what the call costs)"),
+                ),
+            }
+        }
+    }
     for lane in &lanes {
         let Some(batch) = &lane.batch else { continue };
         for (field, tool) in [
@@ -707,6 +751,7 @@ impl Checker {
             keep: Duration::from_secs(u64::from(keep?.get()) * 3600),
             submit_tool: raw.submit_tool.clone(),
             status_tool: raw.status_tool.clone(),
+            quota: None,
         })
         .filter(|_| route_ok)
     }

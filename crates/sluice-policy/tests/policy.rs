@@ -611,6 +611,20 @@ fn l1_the_default_policy_guards_the_optimizer_with_the_seed_numbers() {
     assert_eq!((batch.max_items.get(), batch.backlog.get()), (1000, 5000));
     assert_eq!(batch.keep.as_secs(), 7 * 24 * 3600);
     assert_eq!(batch.submit_tool.as_deref(), Some("optimize_message_batch"));
+    let messages = policy.quotas.iter().position(|q| q.name == "messages");
+    assert_eq!(
+        batch.quota, messages,
+        "items count against the single call's quota"
+    );
+    let submit = policy
+        .route(&Method::POST, "/messages/optimize/batch")
+        .expect("the submit route");
+    assert_eq!(submit.batch, Some(sluice_policy::BatchEndpoint::Submit(0)));
+    let status = policy
+        .route(&Method::GET, "/messages/optimize/batches/bat_1")
+        .expect("the status route");
+    assert_eq!(status.batch, Some(sluice_policy::BatchEndpoint::Status(0)));
+    assert_eq!(route.batch, None);
 
     // A lane left at its defaults is the seed's too.
     let minimal = sluice_policy::DEFAULT_POLICY_YAML.edit("    workspace_in_flight: 3\n", "");
