@@ -15,6 +15,7 @@
 //! [`SHUTDOWN_GRACE`], then closes the rest.
 
 pub mod admin;
+pub mod batch;
 pub mod demo;
 mod gateway;
 mod h1;
@@ -268,16 +269,52 @@ impl Gateway {
         };
         let profile = config.policy.profile_name.clone();
         let clock = SystemClock::with_offset(config.clock_offset);
-        let store = match &config.store {
+        let clock_for_batches = clock.clone();
+        // One batch queue for the lanes that run a batch lane, in the same store.
+        let batch_config = config
+            .policy
+            .lanes
+            .iter()
+            .find_map(|l| l.batch.as_ref())
+            .map(|b| sluice_store::BatchConfig {
+                max_items: b.max_items.get() as usize,
+                max_backlog: u64::from(b.backlog.get()),
+                retention: b.keep,
+                ..sluice_store::BatchConfig::default()
+            });
+        let (store, batches) = match &config.store {
             StoreSpec::Memory => {
-                AnyStore::local(clock.clone(), &config.data_dir, config.quota_sync)?
+                let (store, book) = AnyStore::local_with_batches(
+                    clock.clone(),
+                    &config.data_dir,
+                    config.quota_sync,
+                    batch_config,
+                )?;
+                (store, book.map(batch::Batches::Local))
             }
-            StoreSpec::Redis(url) => AnyStore::redis(url, config.policy.store.timeout)
-                .await
-                .map_err(|source| StartError::Store {
-                    store: config.store.describe(),
-                    source,
-                })?,
+            StoreSpec::Redis(url) => {
+                let store = AnyStore::redis(url, config.policy.store.timeout)
+                    .await
+                    .map_err(|source| StartError::Store {
+                        store: config.store.describe(),
+                        source,
+                    })?;
+                let batches = match batch_config {
+                    Some(c) => Some(batch::Batches::Redis(
+                        sluice_store::RedisBatches::connect(
+                            &sluice_store::RedisConfig::new(url),
+                            c,
+                        )
+                        .await
+                        .map_err(|e| StartError::Store {
+                            store: config.store.describe(),
+                            source: sluice_store::StoreError::Unavailable(e.to_string()),
+                        })?,
+                    )),
+                    None => None,
+                };
+                (store, batches)
+            }
         };
         let fallback = MemoryStore::with_clock(
             MemoryConfig {
@@ -301,10 +338,26 @@ impl Gateway {
         ));
         // Each gateway worker gets its own stack over the one shared limiter: its own
         // upstream connection pool, driven on its own thread.
+        let batch_lanes = Arc::new(match batches {
+            Some(queue) => {
+                let queue = Arc::new(queue);
+                batch::BatchLane::all(&limiter, &queue, &upstream, &clock_for_batches)
+            }
+            None => Vec::new(),
+        });
+        for lane in batch_lanes.iter() {
+            tokio::spawn(Arc::clone(lane).run(backends_stopped.clone()));
+        }
         let make_service = {
             let limiter = Arc::clone(&limiter);
             let proxy_config = proxy_config.clone();
-            move || SluiceLayer::new(Arc::clone(&limiter)).layer(Proxy::new(proxy_config.clone()))
+            let batch_lanes = Arc::clone(&batch_lanes);
+            move || {
+                SluiceLayer::new(Arc::clone(&limiter)).layer(batch::BatchEndpoints::new(
+                    Proxy::new(proxy_config.clone()),
+                    Arc::clone(&batch_lanes),
+                ))
+            }
         };
 
         let requests = metered::RequestStats::with_workers(config.workers);

@@ -4,8 +4,8 @@ use std::path::Path;
 
 use sluice_core::{Budget, BudgetStatus, Clock as _, Decision, SystemClock, Timestamp};
 use sluice_store::{
-    BudgetStore, DurableStore, Guarded, LocalStore, MemoryConfig, MemoryStore, OpenError,
-    QuotaBook, QuotaBookConfig, RedisConfig, RedisStore, StoreError,
+    BatchBook, BatchConfig, BudgetStore, DurableStore, Guarded, LocalStore, MemoryConfig,
+    MemoryStore, OpenError, QuotaBook, QuotaBookConfig, RedisConfig, RedisStore, StoreError,
 };
 
 /// This process (memory, with quotas in the embedded durable store) or Redis
@@ -29,12 +29,33 @@ impl AnyStore {
         data_dir: &Path,
         sync: sluice_store::JournalSync,
     ) -> Result<Self, OpenError> {
+        Ok(Self::local_with_batches(clock, data_dir, sync, None)?.0)
+    }
+
+    /// [`AnyStore::local`], and the batch queue in the same durable store when
+    /// `batches` is given.
+    ///
+    /// # Errors
+    /// As [`AnyStore::local`].
+    pub fn local_with_batches(
+        clock: SystemClock,
+        data_dir: &Path,
+        sync: sluice_store::JournalSync,
+        batches: Option<BatchConfig>,
+    ) -> Result<(Self, Option<BatchBook>), OpenError> {
         let durable = DurableStore::open_with(data_dir, sync)?;
         let book = QuotaBook::open(&durable, QuotaBookConfig::default(), clock.now())?;
-        Ok(AnyStore::Local(LocalStore::new(
-            MemoryStore::with_clock(MemoryConfig::default(), clock),
-            Some(book),
-        )))
+        let batches = match batches {
+            Some(config) => Some(BatchBook::open(&durable, config)?),
+            None => None,
+        };
+        Ok((
+            AnyStore::Local(LocalStore::new(
+                MemoryStore::with_clock(MemoryConfig::default(), clock),
+                Some(book),
+            )),
+            batches,
+        ))
     }
 
     /// Connects to Redis at `url`, waiting at most `timeout` per decision.

@@ -414,6 +414,11 @@ impl Refused {
                 "invalid_request",
                 serde_json::json!({ "reason": "too_many_lane_calls", "calls": calls, "max": max }),
             ),
+            Refused::Batch(bad) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                serde_json::json!({ "reason": bad.reason }),
+            ),
             Refused::Connect => (
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",

@@ -15,6 +15,7 @@
 //! ```
 
 mod answer;
+mod batch;
 mod buffers;
 mod lanes;
 mod layer;
@@ -29,6 +30,7 @@ pub use answer::{
     parse_cost, payload_too_large, rate_limit_headers, refusal, refusal_wait, retry_after_secs,
     rfc3339, take_cost, upstream_headers, upstream_timed_out,
 };
+pub use batch::{BadBatch, BatchSubmit, MAX_IDEMPOTENCY_KEY, parse_batch};
 pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED_BYTES};
 pub use lanes::{LaneCall, LanePlace, lane_refusal, lane_status, publish_lane_gauges};
 pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};

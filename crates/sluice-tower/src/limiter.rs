@@ -49,6 +49,9 @@ pub enum Refused {
     /// A `Host` field that is not `host[:port]` (RFC 9112 §3.2).
     #[error("the Host field is not host[:port]")]
     BadHost,
+    /// A batch submit whose body cannot be queued.
+    #[error(transparent)]
+    Batch(#[from] crate::BadBatch),
     /// `CONNECT`: sluice is not a tunnel (a reverse proxy has nothing to connect to).
     #[error("CONNECT is not served: this is a gateway, not a tunnel")]
     Connect,
@@ -393,7 +396,10 @@ impl<S: BudgetStore> Limiter<S> {
     /// True when `route` takes its class from the body (a JSON-RPC route):
     /// the body must be read (bounded) before deciding.
     pub fn needs_body(route: Option<&Route>) -> bool {
-        matches!(route.map(|r| &r.class), Some(RouteClass::JsonRpc))
+        route.is_some_and(|r| {
+            r.class == RouteClass::JsonRpc
+                || matches!(r.batch, Some(sluice_policy::BatchEndpoint::Submit(_)))
+        })
     }
 
     /// The request fields [`Limiter::plan_for`] reads (lowercase): those
@@ -462,6 +468,19 @@ impl<S: BudgetStore> Limiter<S> {
             // No allocation per request: the route's own slice.
             items.spend(&route.buckets, route.quota);
             items.call_lane(route.lane);
+            // A batch submit: its items count against the single call's quota now,
+            // and a body that cannot be queued is refused before anything is decided.
+            if let Some(sluice_policy::BatchEndpoint::Submit(l)) = route.batch
+                && let Some(batch) = policy.lanes.get(l).and_then(|l| l.batch.as_ref())
+            {
+                let submit = crate::parse_batch(body.unwrap_or_default(), batch.max_items.get())?;
+                if let Some(q) = batch.quota
+                    && let Some(units) = items.quotas.get_mut(q)
+                {
+                    let n = u32::try_from(submit.items.len()).unwrap_or(u32::MAX);
+                    *units = units.saturating_add(n);
+                }
+            }
         }
         let lane = items
             .lanes_called()
@@ -767,6 +786,30 @@ impl<S: BudgetStore> Limiter<S> {
         }
         let decision = self.store.peek(&budgets).await?;
         Ok(self.usage_of(&families, &decision))
+    }
+
+    /// Gives `units` of quota family `family` (an index into the policy's quotas) back
+    /// to `workspace` (its label as the upstream is told it): for calls counted at
+    /// admission that were then not made (a batch the queue refused, or one it already
+    /// held under the same idempotency key).
+    ///
+    /// # Errors
+    /// As [`Limiter::quota_usage`].
+    pub async fn refund_quota(
+        &self,
+        workspace: &str,
+        family: usize,
+        units: u32,
+    ) -> Result<(), QuotaQueryError> {
+        let Some(name) = self.policy.quotas.get(family).map(|q| q.name.clone()) else {
+            return Err(QuotaQueryError::Family(family.to_string()));
+        };
+        let (_, budgets) = self.quota_budgets(workspace, Some(&name))?;
+        let now = self.store.peek(&budgets).await?.decided_at();
+        for b in &budgets {
+            self.store.adjust(b, -i64::from(units), now).await?;
+        }
+        Ok(())
     }
 
     /// The families asked for (indices) and their budgets for `workspace`, spending nothing.

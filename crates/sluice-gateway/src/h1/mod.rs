@@ -337,6 +337,10 @@ impl<'f> Connection<'f> {
         // goes on), before anything is decided, as the service stack refuses it.
         let target = head.route;
         let route = target.as_ref().ok().copied().flatten();
+        // A batch lane's endpoints are answered by the service stack's batch lanes.
+        if route.is_some_and(|r| r.batch.is_some()) {
+            return Ok(Next::Elsewhere);
+        }
         let needs_body = Limiter::<AnyStore>::needs_body(route);
         let max_body = if needs_body {
             // Past the policy's bound it is refused with 413, after a decision, by

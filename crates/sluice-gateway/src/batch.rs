@@ -1,0 +1,608 @@
+//! The batch lane: `POST <route>/batch` queues a list of single calls durably and
+//! answers 202 at once; a runner sends the items upstream on the capacity single
+//! calls leave (the lane decides which workspace goes next); `GET
+//! <route>/batches/{id}` reads progress and results.
+//!
+//! The submit and the status read are decided by the limiter like any request (the
+//! submit's class, and one unit of the single call's quota per item, at once);
+//! sluice then answers them itself, never forwarding them. Each item goes upstream
+//! as `POST <route>` with the item as its JSON body, the submitter's credential
+//! fields, `X-Sluice-Workspace` / `X-Sluice-User`, and `Idempotency-Key:
+//! <batch_id>/<index>`, so an item sent twice (after a crash) is recognisable.
+//!
+//! The queue keeps each item with the credential fields it is sent with, until the
+//! batch is purged (finished batches are kept for the lane's `keep_hours`).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt as _, Full, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+use sha2::{Digest as _, Sha256};
+use sluice_core::{Clock as _, SystemClock, Timestamp};
+use sluice_policy::{BatchEndpoint, LaneBatch};
+use sluice_store::{
+    BatchBook, BatchError, BatchQueue, BatchStatus, Claimed, Finish, ItemResult, Maintenance,
+    RedisBatches, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
+};
+use sluice_tower::Limiter;
+use tower::Service;
+
+use crate::Stop;
+use crate::proxy::{BoxError, ProxyBody, Upstream};
+use crate::store::AnyStore;
+
+/// The queue of a gateway's batch lanes: the embedded store, or Redis when
+/// replicas share one (so any replica runs items and answers status reads).
+pub enum Batches {
+    /// In the embedded durable store.
+    Local(BatchBook),
+    /// In Redis.
+    Redis(RedisBatches),
+}
+
+macro_rules! delegate {
+    ($self:ident, $q:ident => $call:expr) => {
+        match $self {
+            Batches::Local($q) => $call.await,
+            Batches::Redis($q) => $call.await,
+        }
+    };
+}
+
+impl Batches {
+    async fn submit(
+        &self,
+        workspace: &str,
+        items: Vec<Vec<u8>>,
+        key: Option<&str>,
+        digest: &[u8],
+        now: Timestamp,
+    ) -> Result<Submitted, SubmitError> {
+        delegate!(self, q => q.submit(workspace, items, key, digest, now))
+    }
+
+    async fn claim_next(
+        &self,
+        workspace: &str,
+        now: Timestamp,
+    ) -> Result<Option<Claimed>, BatchError> {
+        delegate!(self, q => q.claim_next(workspace, now))
+    }
+
+    async fn release(&self, batch: &str, index: u32, now: Timestamp) -> Result<bool, BatchError> {
+        delegate!(self, q => q.release(batch, index, now))
+    }
+
+    async fn complete(
+        &self,
+        batch: &str,
+        index: u32,
+        result: ItemResult,
+        now: Timestamp,
+    ) -> Result<Finish, BatchError> {
+        delegate!(self, q => q.complete(batch, index, result, now))
+    }
+
+    async fn fail(
+        &self,
+        batch: &str,
+        index: u32,
+        result: ItemResult,
+        now: Timestamp,
+    ) -> Result<Finish, BatchError> {
+        delegate!(self, q => q.fail(batch, index, result, now))
+    }
+
+    async fn status(
+        &self,
+        workspace: &str,
+        batch: &str,
+        now: Timestamp,
+    ) -> Result<Option<BatchStatus>, BatchError> {
+        delegate!(self, q => q.status(workspace, batch, now))
+    }
+
+    async fn backlogs(&self) -> Result<Vec<WorkspaceBacklog>, BatchError> {
+        delegate!(self, q => q.backlogs())
+    }
+
+    async fn maintain(&self, now: Timestamp) -> Result<Maintenance, BatchError> {
+        delegate!(self, q => q.maintain(now))
+    }
+}
+
+/// One lane's batch lane, shared by the intercepting service and the runner.
+pub struct BatchLane {
+    lane: sluice_lanes::Lane,
+    lane_index: usize,
+    batch: LaneBatch,
+    timeout: Duration,
+    queue: Arc<Batches>,
+    limiter: Arc<Limiter<AnyStore>>,
+    upstream: Upstream,
+    client: Client<HttpConnector, Full<Bytes>>,
+    clock: SystemClock,
+    /// The request fields the limiter reads (credentials): kept with each item.
+    credential_fields: Vec<http::HeaderName>,
+    /// Wakes the runner when a batch was queued.
+    queued: tokio::sync::Notify,
+}
+
+/// Most bytes of an upstream answer kept as an item's result.
+pub const MAX_RESULT_BYTES: usize = 256 * 1024;
+
+/// Attempts an item gets when the upstream fails (5xx, no answer) before it is
+/// recorded as failed.
+pub const MAX_ATTEMPTS: u32 = 3;
+
+/// How often the runner looks for work besides being woken (and how long it
+/// waits after the queue could not be read).
+const RUNNER_TICK: Duration = Duration::from_secs(1);
+
+/// How often expired claims go back to the queue and old batches are purged.
+const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
+
+impl BatchLane {
+    /// The batch lanes of `limiter`'s policy over `queue`.
+    pub fn all(
+        limiter: &Arc<Limiter<AnyStore>>,
+        queue: &Arc<Batches>,
+        upstream: &Upstream,
+        clock: &SystemClock,
+    ) -> Vec<Arc<BatchLane>> {
+        let policy = limiter.policy();
+        let mut client = Client::builder(TokioExecutor::new());
+        client.pool_idle_timeout(Duration::from_secs(60));
+        let client = client.build(HttpConnector::new());
+        let credential_fields: Vec<http::HeaderName> = limiter
+            .read_headers()
+            .into_iter()
+            .filter(|n| n != header::CONTENT_ENCODING)
+            .collect();
+        policy
+            .lanes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, rule)| {
+                let batch = rule.batch.clone()?;
+                let lane = limiter.lanes().get(i)?.clone();
+                Some(Arc::new(BatchLane {
+                    lane,
+                    lane_index: i,
+                    batch,
+                    timeout: rule.timeout,
+                    queue: Arc::clone(queue),
+                    limiter: Arc::clone(limiter),
+                    upstream: upstream.clone(),
+                    client: client.clone(),
+                    clock: clock.clone(),
+                    credential_fields: credential_fields.clone(),
+                    queued: tokio::sync::Notify::new(),
+                }))
+            })
+            .collect()
+    }
+
+    /// Queues the batch `body` (already checked and counted by the limiter) for the
+    /// request `parts`, and answers 202, or why it was not queued.
+    async fn submit(&self, parts: &http::request::Parts, body: Bytes) -> Response<ProxyBody> {
+        let submit = match sluice_tower::parse_batch(&body, self.batch.max_items.get()) {
+            Ok(submit) => submit,
+            Err(refused) => return boxed(refused.response()),
+        };
+        let workspace = header_text(parts, "x-sluice-workspace");
+        let user = header_text(parts, "x-sluice-user");
+        let fields: serde_json::Map<String, Value> = self
+            .credential_fields
+            .iter()
+            .flat_map(|name| parts.headers.get_all(name).iter().map(move |v| (name, v)))
+            .filter_map(|(name, v)| Some((name.as_str().to_owned(), Value::from(v.to_str().ok()?))))
+            .collect();
+        let n = u32::try_from(submit.items.len()).unwrap_or(u32::MAX);
+        let items: Vec<Vec<u8>> = submit
+            .items
+            .into_iter()
+            .map(|item| {
+                let body: Value = serde_json::from_slice(&item).unwrap_or(Value::Null);
+                json!({ "fields": fields, "workspace": workspace, "user": user, "body": body })
+                    .to_string()
+                    .into_bytes()
+            })
+            .collect();
+        let digest = Sha256::digest(&body);
+        let now = self.clock.now();
+        let queued = self
+            .queue
+            .submit(
+                &workspace,
+                items,
+                submit.idempotency_key.as_deref(),
+                &digest,
+                now,
+            )
+            .await;
+        // Calls counted at admission but not queued now give their quota back.
+        let refund = !matches!(queued, Ok(Submitted { created: true, .. }));
+        if refund
+            && let Some(family) = self.batch.quota
+            && let Err(e) = self.limiter.refund_quota(&workspace, family, n).await
+        {
+            eprintln!("sluice: could not give back {n} quota units to {workspace}: {e}");
+        }
+        match queued {
+            Ok(done) => {
+                self.queued.notify_one();
+                let status_url = format!("{}/batches/{}", self.batch.route, done.batch_id);
+                let mut r = json_response(
+                    StatusCode::ACCEPTED,
+                    &json!({ "batch_id": done.batch_id, "items": done.items, "status_url": status_url }),
+                );
+                if let Ok(location) = HeaderValue::from_str(&status_url) {
+                    r.headers_mut().insert(header::LOCATION, location);
+                }
+                r
+            }
+            Err(SubmitError::Conflict { batch_id }) => envelope(
+                StatusCode::CONFLICT,
+                "conflict",
+                "This idempotency_key was used for a different batch body.",
+                json!({ "batch_id": batch_id }),
+            ),
+            Err(SubmitError::Backlog { queued, limit }) => envelope(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                &format!(
+                    "Your workspace has {queued} batch items waiting; at most {limit} may wait. Submit more once some have run."
+                ),
+                json!({ "reason": "batch_backlog_limit", "queued": queued, "limit": limit }),
+            ),
+            Err(SubmitError::TooMany { given, limit }) => envelope(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                &format!("A batch holds at most {limit} items; this one has {given}."),
+                json!({ "reason": "too_many_items", "limit": limit }),
+            ),
+            Err(SubmitError::Empty) => envelope(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "A batch needs at least one item.",
+                json!({ "reason": "empty_batch" }),
+            ),
+            Err(e) => {
+                let mut r = envelope(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    &format!("The batch could not be queued: {e}"),
+                    json!({}),
+                );
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+                r
+            }
+        }
+    }
+
+    /// Answers a status read of batch `id` for the request `parts`.
+    async fn status(&self, parts: &http::request::Parts, id: &str) -> Response<ProxyBody> {
+        let workspace = header_text(parts, "x-sluice-workspace");
+        match self.queue.status(&workspace, id, self.clock.now()).await {
+            Ok(Some(status)) => json_response(StatusCode::OK, &status_json(&status)),
+            Ok(None) => envelope(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "No such batch.",
+                json!({ "batch_id": id }),
+            ),
+            Err(e) => {
+                let mut r = envelope(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    &format!("The batch could not be read: {e}"),
+                    json!({}),
+                );
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+                r
+            }
+        }
+    }
+
+    /// Runs items on the capacity single calls leave, until `stop`.
+    pub async fn run(self: Arc<Self>, stop: Stop) {
+        let stopped = stop.wait();
+        tokio::pin!(stopped);
+        let mut maintain = tokio::time::interval(MAINTAIN_EVERY);
+        maintain.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            self.start_items().await;
+            tokio::select! {
+                () = &mut stopped => return,
+                () = self.lane.batch_capacity() => {}
+                () = self.queued.notified() => {}
+                () = tokio::time::sleep(RUNNER_TICK) => {}
+                _ = maintain.tick() => {
+                    if let Err(e) = self.queue.maintain(self.clock.now()).await {
+                        eprintln!("sluice: batch queue upkeep failed: {e}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Starts as many queued items as the lane has places for now.
+    async fn start_items(self: &Arc<Self>) {
+        loop {
+            let backlogs = match self.queue.backlogs().await {
+                Ok(b) => b,
+                Err(_) => return,
+            };
+            let waiting: Vec<&str> = backlogs
+                .iter()
+                .filter(|b| b.queued > 0)
+                .map(|b| b.workspace.as_str())
+                .collect();
+            if waiting.is_empty() {
+                return;
+            }
+            let Some((i, permit)) = self.lane.try_acquire_next_batch(&waiting) else {
+                return;
+            };
+            let claimed = match self.queue.claim_next(waiting[i], self.clock.now()).await {
+                Ok(Some(claimed)) => claimed,
+                // Claimed by another replica meanwhile, or the queue is down.
+                Ok(None) | Err(_) => {
+                    drop(permit);
+                    return;
+                }
+            };
+            let this = Arc::clone(self);
+            tokio::spawn(async move { this.run_item(claimed, permit).await });
+        }
+    }
+
+    /// Sends one item upstream and records its answer.
+    async fn run_item(&self, claimed: Claimed, permit: sluice_lanes::BatchPermit) {
+        let answer = tokio::time::timeout(self.timeout, self.send(&claimed)).await;
+        let now = self.clock.now();
+        let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
+        let recorded = match answer {
+            Ok(Some((status, body, is_json))) if status < 500 => {
+                permit.finish(sluice_lanes::Outcome::Success);
+                let result = ItemResult {
+                    status,
+                    body: ResultBody::new(body, is_json),
+                };
+                if status < 400 {
+                    self.queue.complete(batch, index, result, now).await
+                } else {
+                    self.queue.fail(batch, index, result, now).await
+                }
+            }
+            failed => {
+                permit.finish(sluice_lanes::Outcome::Failure);
+                if claimed.attempt < MAX_ATTEMPTS {
+                    // Back to the queue: it runs again once the upstream recovers.
+                    self.queue
+                        .release(batch, index, now)
+                        .await
+                        .map(|_| Finish::Recorded)
+                } else {
+                    let result = match failed {
+                        Ok(Some((status, body, is_json))) => ItemResult {
+                            status,
+                            body: ResultBody::new(body, is_json),
+                        },
+                        Ok(None) => ItemResult {
+                            status: 502,
+                            body: ResultBody::Text("the upstream could not be reached".into()),
+                        },
+                        Err(_) => ItemResult {
+                            status: 504,
+                            body: ResultBody::Text(format!(
+                                "the upstream did not answer within {} s",
+                                self.timeout.as_secs()
+                            )),
+                        },
+                    };
+                    self.queue.fail(batch, index, result, now).await
+                }
+            }
+        };
+        if let Err(e) = recorded {
+            eprintln!("sluice: batch {batch} item {index}: could not record its answer: {e}");
+        }
+    }
+
+    /// One item's upstream call: its status, body (at most [`MAX_RESULT_BYTES`])
+    /// and whether the body is JSON; `None` when no answer came.
+    async fn send(&self, claimed: &Claimed) -> Option<(u16, Vec<u8>, bool)> {
+        let item: Value = serde_json::from_slice(&claimed.item).ok()?;
+        let uri = format!("{}{}", self.upstream, self.batch.route);
+        let mut request = Request::post(uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("idempotency-key", claimed.idempotency_key());
+        if let Some(fields) = item["fields"].as_object() {
+            for (name, value) in fields {
+                if let Some(value) = value.as_str() {
+                    request = request.header(name.as_str(), value);
+                }
+            }
+        }
+        for (name, key) in [
+            ("x-sluice-workspace", "workspace"),
+            ("x-sluice-user", "user"),
+        ] {
+            if let Some(value) = item[key].as_str() {
+                request = request.header(name, value);
+            }
+        }
+        let body = Bytes::from(item["body"].to_string());
+        let request = request.body(Full::new(body)).ok()?;
+        let response = self.client.request(request).await.ok()?;
+        let status = response.status().as_u16();
+        let is_json = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/json"));
+        let body = Limited::new(response.into_body(), MAX_RESULT_BYTES)
+            .collect()
+            .await
+            .map(|c| c.to_bytes().to_vec())
+            .unwrap_or_default();
+        let is_json = is_json && serde_json::from_slice::<Value>(&body).is_ok();
+        Some((status, body, is_json))
+    }
+
+    /// This lane's runner's share of `/status`.
+    pub fn lane_index(&self) -> usize {
+        self.lane_index
+    }
+}
+
+/// The batch status as `GET <route>/batches/{id}` shows it.
+fn status_json(s: &BatchStatus) -> Value {
+    let at = |t: Timestamp| sluice_tower::rfc3339(t.as_secs());
+    json!({
+        "batch_id": s.batch_id,
+        "state": s.state.as_str(),
+        "total": s.total,
+        "done": s.done,
+        "failed": s.failed,
+        "queued": s.queued,
+        "running": s.running,
+        "created_at": at(s.created_at),
+        "estimated_finish_at": s.estimated_finish_at.map(at),
+        "items": s.items.iter().map(|i| json!({
+            "index": i.index,
+            "state": i.state.as_str(),
+            "attempts": i.attempts,
+            "status": i.result.as_ref().map(|r| r.status),
+            "result": i.result.as_ref().map(|r| match &r.body {
+                ResultBody::Json(b) => serde_json::from_slice(b).unwrap_or(Value::Null),
+                ResultBody::Text(t) => Value::from(t.as_str()),
+            }),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn header_text(parts: &http::request::Parts, name: &str) -> String {
+    parts
+        .headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-")
+        .to_owned()
+}
+
+fn boxed(r: Response<Full<Bytes>>) -> Response<ProxyBody> {
+    r.map(|b| b.map_err(|never| match never {}).boxed())
+}
+
+fn json_response(status: StatusCode, body: &Value) -> Response<ProxyBody> {
+    let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    boxed(r)
+}
+
+fn envelope(status: StatusCode, code: &str, message: &str, details: Value) -> Response<ProxyBody> {
+    boxed(sluice_tower::envelope_response(
+        status, code, message, details,
+    ))
+}
+
+/// The service in front of the proxy that answers the batch lanes' endpoints (the
+/// limiter has admitted the request) and forwards everything else.
+#[derive(Clone)]
+pub struct BatchEndpoints<S> {
+    inner: S,
+    lanes: Arc<Vec<Arc<BatchLane>>>,
+}
+
+impl<S> BatchEndpoints<S> {
+    /// `inner`, with `lanes` answered in front of it.
+    pub fn new(inner: S, lanes: Arc<Vec<Arc<BatchLane>>>) -> Self {
+        BatchEndpoints { inner, lanes }
+    }
+
+    fn lane(&self, index: usize) -> Option<Arc<BatchLane>> {
+        self.lanes.iter().find(|l| l.lane_index == index).cloned()
+    }
+}
+
+impl<S, B> Service<Request<B>> for BatchEndpoints<S>
+where
+    S: Service<Request<B>, Response = Response<ProxyBody>, Error = Infallible>,
+    S::Future: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<ProxyBody>;
+    type Error = Infallible;
+    type Future =
+        std::pin::Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let endpoint = if self.lanes.is_empty() {
+            None
+        } else {
+            self.lanes.first().and_then(|l| {
+                l.limiter
+                    .route_for(request.method(), request.uri().path())
+                    .ok()
+                    .flatten()
+                    .and_then(|r| r.batch)
+            })
+        };
+        let lane = endpoint.and_then(|e| match e {
+            BatchEndpoint::Submit(i) | BatchEndpoint::Status(i) => self.lane(i),
+        });
+        let (Some(endpoint), Some(lane)) = (endpoint, lane) else {
+            let call = self.inner.call(request);
+            return Box::pin(call);
+        };
+        Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            Ok(match endpoint {
+                BatchEndpoint::Submit(_) if parts.method == Method::POST => {
+                    let body = match body.collect().await {
+                        Ok(c) => c.to_bytes(),
+                        Err(_) => return Ok(boxed(sluice_tower::body_unreadable())),
+                    };
+                    lane.submit(&parts, body).await
+                }
+                BatchEndpoint::Status(_) => match lane.batch.status_id(parts.uri.path()) {
+                    Some(id) => lane.status(&parts, id).await,
+                    None => envelope(
+                        StatusCode::NOT_FOUND,
+                        "not_found",
+                        "No such batch.",
+                        json!({}),
+                    ),
+                },
+                BatchEndpoint::Submit(_) => envelope(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "method_not_allowed",
+                    "Submit a batch with POST.",
+                    json!({}),
+                ),
+            })
+        })
+    }
+}

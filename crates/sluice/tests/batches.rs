@@ -1,0 +1,249 @@
+//! L4 through a real `sluice serve` in front of its demo optimizer: batches are
+//! queued durably and answered 202, run on the lane's spare capacity with
+//! `Idempotency-Key: <batch_id>/<index>`, read back with progress and results,
+//! refused only for what the contract names, and survive `kill -9`.
+
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::Full;
+use serde_json::{Value, json};
+use support::{DataDir, Sluice, send};
+
+fn submit(sluice: &Sluice, key: &str, body: &Value) -> Request<Full<Bytes>> {
+    Request::post(sluice.url("/messages/optimize/batch"))
+        .header("x-api-key", key)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("request")
+}
+
+fn status(sluice: &Sluice, key: &str, id: &str) -> Request<Full<Bytes>> {
+    Request::get(sluice.url(&format!("/messages/optimize/batches/{id}")))
+        .header("x-api-key", key)
+        .body(Full::new(Bytes::new()))
+        .expect("request")
+}
+
+fn items(n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|i| json!({ "message": format!("draft {i}") }))
+        .collect()
+}
+
+/// Reads the batch until it is done (bounded), returning its last status.
+async fn until_done(sluice: &Sluice, key: &str, id: &str) -> Value {
+    let started = Instant::now();
+    loop {
+        let reply = send(status(sluice, key, id)).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        let body = reply.json();
+        if body["state"] == "done" || started.elapsed() > Duration::from_secs(60) {
+            return body;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_a_batch_is_queued_at_once_runs_and_reports_each_result() {
+    let sluice = Sluice::spawn(&["--demo-optimize-seconds", "0.2"]);
+    let reply = send(submit(&sluice, "sk-acme", &json!({ "items": items(8) }))).await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+    let body = reply.json();
+    let id = body["batch_id"].as_str().expect("batch_id").to_owned();
+    assert_eq!(body["items"], 8);
+    let status_url = format!("/messages/optimize/batches/{id}");
+    assert_eq!(body["status_url"], status_url);
+    assert_eq!(reply.header("location"), Some(status_url.as_str()));
+
+    let done = until_done(&sluice, "sk-acme", &id).await;
+    assert_eq!(done["state"], "done", "{done}");
+    assert_eq!(
+        (done["total"].as_u64(), done["done"].as_u64()),
+        (Some(8), Some(8))
+    );
+    let results = done["items"].as_array().expect("items");
+    assert_eq!(results.len(), 8);
+    for (i, item) in results.iter().enumerate() {
+        assert_eq!(item["index"], i);
+        assert_eq!(item["state"], "done", "{item}");
+        assert_eq!(item["status"], 200);
+        assert_eq!(item["result"]["optimized"], format!("draft {i}"), "{item}");
+        // Each item went upstream with its own key.
+        assert_eq!(item["result"]["idempotency_key"], format!("{id}/{i}"));
+    }
+    // Batch items count only toward the global cap, never a workspace's 3 at once.
+    let demo = send(
+        Request::get(sluice.url("/demo/optimizer"))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await
+    .json();
+    assert_eq!(demo["calls"], 8, "{demo}");
+    assert!(
+        demo["most_at_once"].as_u64() <= Some(15),
+        "cap minus reserve: {demo}"
+    );
+
+    // Another workspace's batch, and an unknown one, are not found.
+    assert_eq!(
+        send(status(&sluice, "sk-globex", &id)).await.status,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        send(status(&sluice, "sk-acme", "bat_0000")).await.status,
+        StatusCode::NOT_FOUND
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_bad_bodies_conflicts_and_idempotent_repeats() {
+    let sluice = Sluice::spawn(&["--demo-optimize-seconds", "0"]);
+    for (body, reason) in [
+        (json!([1]), "not_an_object"),
+        (json!({ "items": [] }), "empty_batch"),
+        (json!({ "items": [1, 2] }), "item_not_an_object"),
+        (json!({ "items": [{}], "priority": 1 }), "unknown_field"),
+        (json!({ "drafts": [{}] }), "unknown_field"),
+    ] {
+        let reply = send(submit(&sluice, "sk-acme", &body)).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::BAD_REQUEST,
+            "{body}: {}",
+            reply.text()
+        );
+        assert_eq!(reply.json()["error"]["details"]["reason"], reason, "{body}");
+    }
+    let first = json!({ "items": items(2), "idempotency_key": "k-1" });
+    let a = send(submit(&sluice, "sk-acme", &first)).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.text());
+    let b = send(submit(&sluice, "sk-acme", &first)).await;
+    assert_eq!(b.status, StatusCode::ACCEPTED);
+    assert_eq!(
+        a.json()["batch_id"],
+        b.json()["batch_id"],
+        "same key and body, same batch"
+    );
+    let other = json!({ "items": items(3), "idempotency_key": "k-1" });
+    let c = send(submit(&sluice, "sk-acme", &other)).await;
+    assert_eq!(c.status, StatusCode::CONFLICT, "{}", c.text());
+    assert_eq!(c.json()["error"]["code"], "conflict");
+    // The repeat and the conflict gave their quota units back: 2 counted in all.
+    let usage = send(
+        Request::get(sluice.admin_url(&format!("/quotas?workspace=key:{}", sha256_hex("sk-acme"))))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await
+    .json();
+    let messages = usage["quotas"]
+        .as_array()
+        .and_then(|q| q.iter().find(|f| f["family"] == "messages"))
+        .cloned()
+        .expect("messages");
+    assert_eq!(messages["usage"], 2, "{usage}");
+}
+
+fn sha256_hex(text: &str) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(text.as_bytes()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_q1_a_batch_larger_than_the_quota_left_is_refused_and_the_backlog_is_bounded() {
+    let dir = DataDir::new();
+    std::fs::create_dir_all(&dir.0).expect("dir");
+    let policy = dir.0.join("policy.yaml");
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML
+        .edit("messages: { monthly: 1000 }", "messages: { monthly: 15 }")
+        .edit("      backlog: 5000\n", "      backlog: 12\n")
+        .edit("      max_items: 1000\n", "      max_items: 10\n");
+    std::fs::write(&policy, yaml).expect("policy");
+    let data = dir.0.join("data");
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("path"),
+        "--data-dir",
+        data.to_str().expect("path"),
+        // Slow enough that nothing finishes during the test.
+        "--demo-optimize-seconds",
+        "600",
+    ]);
+    let ok = send(submit(&sluice, "sk-acme", &json!({ "items": items(10) }))).await;
+    assert_eq!(ok.status, StatusCode::ACCEPTED, "{}", ok.text());
+    // 10 queued (some running); 3 more would pass the backlog of 12.
+    let backlog = send(submit(&sluice, "sk-acme", &json!({ "items": items(3) }))).await;
+    assert_eq!(
+        backlog.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{}",
+        backlog.text()
+    );
+    let body = backlog.json();
+    assert_eq!(body["error"]["code"], "rate_limited");
+    assert_eq!(body["error"]["details"]["reason"], "batch_backlog_limit");
+    assert_eq!(backlog.header("retry-after"), None, "no Retry-After");
+    // Another workspace: 10 of its 15 a month, then 10 more would pass its quota
+    // (its items count at submit): quota_exceeded, before the backlog is asked.
+    let globex_ok = send(submit(&sluice, "sk-globex", &json!({ "items": items(10) }))).await;
+    assert_eq!(globex_ok.status, StatusCode::ACCEPTED);
+    let over = send(submit(&sluice, "sk-globex", &json!({ "items": items(10) }))).await;
+    assert_eq!(
+        over.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{}",
+        over.text()
+    );
+    assert_eq!(over.json()["error"]["code"], "quota_exceeded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_kill_9_during_a_batch_loses_no_item_and_no_result() {
+    let data = DataDir::new();
+    let mut sluice = Sluice::spawn(&["--data-dir", data.arg(), "--demo-optimize-seconds", "0.5"]);
+    let reply = send(submit(&sluice, "sk-acme", &json!({ "items": items(40) }))).await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+    let id = reply.json()["batch_id"].as_str().expect("id").to_owned();
+    // Once some have finished (and others run or wait), kill -9.
+    let started = Instant::now();
+    let before = loop {
+        let now = send(status(&sluice, "sk-acme", &id)).await.json();
+        if now["done"].as_u64().unwrap_or(0) > 0 || started.elapsed() > Duration::from_secs(30) {
+            break now;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    sluice.kill();
+    drop(sluice);
+    let sluice = Sluice::spawn(&["--data-dir", data.arg(), "--demo-optimize-seconds", "0.1"]);
+    let done = until_done(&sluice, "sk-acme", &id).await;
+    assert_eq!(done["state"], "done", "{done}");
+    assert_eq!(done["done"], 40, "every item ended once: {done}");
+    let finished_before = before["done"].as_u64().unwrap_or(0);
+    assert!(
+        finished_before > 0,
+        "some finished before the kill: {before}"
+    );
+    for (i, item) in done["items"].as_array().expect("items").iter().enumerate() {
+        assert_eq!(
+            item["result"]["idempotency_key"],
+            format!("{id}/{i}"),
+            "{item}"
+        );
+        // Results recorded before the kill are still there, unchanged.
+        if before["items"][i]["state"] == "done" {
+            assert_eq!(item["result"], before["items"][i]["result"]);
+            assert_eq!(item["attempts"], before["items"][i]["attempts"]);
+        }
+    }
+}
