@@ -6,7 +6,7 @@
 -- KEYS[4] the workspace's starts            (zset: lease id -> start time)
 -- All keys share the lane's hash tag, so one script touches one slot.
 --
--- ARGV[1] op: take_single | take_batch | renew | release | counts
+-- ARGV[1] op: take_single | take_batch | renew | release | cancel | counts
 -- ARGV[2] lease id
 -- ARGV[3] lease ttl (ms)
 -- ARGV[4] workspace in-flight limit
@@ -18,6 +18,7 @@
 -- take_*  -> {1, now} | {0, reason, retry_after_ms}
 -- renew   -> number of lease entries still held (0: the lease expired)
 -- release -> number of lease entries removed
+-- cancel  -> as release, and the lease's start leaves the window (never sent)
 -- counts  -> {global, batch, workspace running, workspace starts}
 
 local t = redis.call('TIME')
@@ -78,6 +79,13 @@ elseif op == 'renew' then
 elseif op == 'release' then
   local removed = 0
   for i = 1, 3 do removed = removed + redis.call('ZREM', KEYS[i], id) end
+  return removed
+elseif op == 'cancel' then
+  local removed = 0
+  for i = 1, 3 do removed = removed + redis.call('ZREM', KEYS[i], id) end
+  -- Only a lease still held takes its start back: an expired one may have
+  -- been counted against by another call already.
+  if removed > 0 then redis.call('ZREM', KEYS[4], id) end
   return removed
 elseif op == 'counts' then
   return {

@@ -203,6 +203,11 @@ impl Ledger for RedisLedger {
         Ok(())
     }
 
+    async fn cancel(&self, lease: &Lease) -> Result<(), LedgerError> {
+        let _: i64 = self.call("cancel", lease.workspace(), lease.id()).await?;
+        Ok(())
+    }
+
     async fn counts(&self, workspace: &str) -> Result<LedgerCounts, LedgerError> {
         let c: Vec<u32> = self.call("counts", workspace, "").await?;
         let at = |i: usize| c.get(i).copied().unwrap_or(0);
