@@ -677,6 +677,7 @@ impl Checker {
             60,
         );
         let open = count(self, "breaker.open_seconds", raw.breaker.open_seconds, 30);
+        let lease_ttl = count(self, "lease_ttl_seconds", raw.lease_ttl_seconds, 10);
         let batch_reserve = raw.batch_reserve.unwrap_or(5);
         let global = global_in_flight?;
         if batch_reserve >= global.get() {
@@ -701,6 +702,7 @@ impl Checker {
             breaker_failures: failures?,
             breaker_within: secs(within?),
             breaker_open: secs(open?),
+            lease_ttl: secs(lease_ttl?),
         })
     }
 
