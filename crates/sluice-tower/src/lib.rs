@@ -30,7 +30,7 @@ pub use answer::{
     rfc3339, take_cost, upstream_headers, upstream_timed_out,
 };
 pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED_BYTES};
-pub use lanes::{LaneCall, LanePlace, lane_refusal};
+pub use lanes::{LaneCall, LanePlace, lane_config, lane_refusal, ledger_outage};
 pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
 pub use limiter::{
     Admitted, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage,
