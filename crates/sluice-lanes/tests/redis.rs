@@ -15,7 +15,7 @@ use sluice_lanes::{
 #[path = "../../../tests/support/redis_server.rs"]
 mod redis_server;
 
-use redis_server::RedisServer;
+use redis_server::{RedisCluster, RedisServer};
 
 async fn replica(server: &RedisServer, ttl: Duration) -> RedisLedger {
     let mut config = RedisLedgerConfig::new(server.url());
@@ -279,4 +279,27 @@ async fn l1_a_cancelled_lease_gives_its_start_back_a_released_one_does_not() {
         (0, 0, 1),
         "only the call that was sent keeps its start"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l1_a_lane_ledger_on_a_redis_cluster_holds_its_limits_on_one_slot() {
+    let cluster = RedisCluster::start();
+    let connect = || async {
+        let mut config = RedisLedgerConfig::new(cluster.url());
+        config.timeout = Duration::from_secs(2);
+        RedisLedger::connect(config, "optimizer", LaneConfig::default())
+            .await
+            .expect("connect to the cluster")
+    };
+    let (a, b) = (connect().await, connect().await);
+    let first = lease(&a, "acme", LeaseKind::Single).await;
+    lease(&b, "acme", LeaseKind::Single).await;
+    lease(&a, "acme", LeaseKind::Single).await;
+    assert_eq!(
+        refused(&b, "acme", LeaseKind::Single).await.0,
+        RefusalReason::WorkspaceInFlightLimit
+    );
+    a.cancel(&first).await.expect("cancel");
+    let c = b.counts("acme").await.expect("counts");
+    assert_eq!((c.workspace_running, c.workspace_starts), (2, 2));
 }
