@@ -117,8 +117,11 @@ struct State {
 #[derive(Clone, Copy, Debug)]
 struct Hold {
     reason: RefusalReason,
-    /// When to ask again: exact for the start limit.
+    /// When to ask again.
     until: Instant,
+    /// For the start limit: exactly when the oldest counted start leaves the
+    /// window.
+    retry_at: Instant,
 }
 
 #[derive(Default)]
@@ -416,13 +419,16 @@ impl Lane {
             Asked::Refused {
                 reason,
                 retry_after,
+                may_free,
             } => {
                 let mut state = self.shared.state.lock();
                 let retry = self.shared.config.lease_retry;
-                state.held_elsewhere(workspace, reason, retry_after, retry, now);
+                state.held_elsewhere(workspace, reason, retry_after, may_free, retry, now);
                 slot.shared = None;
                 state.release_as(slot.ticket, None, now, true);
+                // Refused at once only when no start counted may still be given back.
                 let slot_too_late = reason == RefusalReason::WorkspaceRateLimit
+                    && !may_free
                     && retry_after.is_some_and(|r| now + r > deadline);
                 let answer = if now >= deadline || slot_too_late {
                     let ahead = state.ahead_of(line_ticket, workspace);
@@ -761,27 +767,35 @@ impl State {
 
     /// The shared ledger refused a call of `workspace` for `reason`: hold
     /// its scope until the next time to ask (exactly when a start frees, for
-    /// the start limit; `retry` later otherwise).
+    /// the start limit, or sooner when a start counted `may_free`; `retry`
+    /// later otherwise).
     fn held_elsewhere(
         &mut self,
         workspace: &str,
         reason: RefusalReason,
         retry_after: Option<Duration>,
+        may_free: bool,
         retry: Duration,
         now: Instant,
     ) {
         match reason {
             RefusalReason::WorkspaceInFlightLimit | RefusalReason::WorkspaceRateLimit => {
-                let wait = match (reason, retry_after) {
+                let exact = match (reason, retry_after) {
                     (RefusalReason::WorkspaceRateLimit, Some(exact)) => {
-                        exact.max(Duration::from_millis(1))
+                        Some(exact.max(Duration::from_millis(1)))
                     }
-                    _ => retry,
+                    _ => None,
+                };
+                let wait = match exact {
+                    Some(exact) if may_free => exact.min(retry),
+                    Some(exact) => exact,
+                    None => retry,
                 };
                 let key = self.key(workspace);
                 self.workspaces.entry(key).or_default().remote = Some(Hold {
                     reason,
                     until: now + wait,
+                    retry_at: now + exact.unwrap_or(wait),
                 });
             }
             _ => self.remote_busy = Some(now + retry),
@@ -1061,10 +1075,11 @@ impl State {
         match self.workspaces.get(workspace).and_then(|ws| ws.remote) {
             Some(Hold {
                 reason: RefusalReason::WorkspaceRateLimit,
-                until,
+                retry_at,
+                ..
             }) => consider(
                 RefusalReason::WorkspaceRateLimit,
-                until.saturating_duration_since(now),
+                retry_at.saturating_duration_since(now),
             ),
             Some(Hold { reason, .. }) => consider(reason, self.estimate(Some(workspace), now)),
             None => {}

@@ -29,6 +29,7 @@ pub(crate) enum Asked {
     Refused {
         reason: RefusalReason,
         retry_after: Option<Duration>,
+        may_free: bool,
     },
     /// The shared ledger cannot be asked and the lane fails closed.
     Unavailable,
@@ -97,11 +98,13 @@ impl Leases {
                 Taken::Refused {
                     reason,
                     retry_after,
+                    may_free,
                 },
                 _,
             )) => Asked::Refused {
                 reason,
                 retry_after,
+                may_free,
             },
             None => Asked::Unavailable,
         }

@@ -93,6 +93,11 @@ pub enum Taken {
         /// start leaves the window); `None` for the others, which a lane
         /// estimates from its running calls.
         retry_after: Option<Duration>,
+        /// For the start limit: some of the starts counted belong to calls
+        /// still holding their place, which may yet give their start back
+        /// (cancelled before being sent), so a start may free before
+        /// `retry_after`. A lane then keeps asking instead of refusing at once.
+        may_free: bool,
     },
 }
 
@@ -334,6 +339,7 @@ impl Ledger for MemoryLedger {
             Ok(Taken::Refused {
                 reason,
                 retry_after,
+                may_free: false,
             })
         };
         if kind == LeaseKind::Single {
@@ -344,7 +350,14 @@ impl Ledger for MemoryLedger {
                 let oldest = state.starts.get(workspace).and_then(|s| s.front().copied());
                 let retry =
                     oldest.map(|s| (s + config.start_window).saturating_duration_since(now));
-                return refused(RefusalReason::WorkspaceRateLimit, retry);
+                let may_free = state.leases.values().any(|(ws, k, _, taken)| {
+                    ws == workspace && *k == LeaseKind::Single && *taken + config.start_window > now
+                });
+                return Ok(Taken::Refused {
+                    reason: RefusalReason::WorkspaceRateLimit,
+                    retry_after: retry,
+                    may_free,
+                });
             }
         }
         if c.global >= config.global_cap

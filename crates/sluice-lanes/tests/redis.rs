@@ -42,6 +42,7 @@ async fn refused(
         Taken::Refused {
             reason,
             retry_after,
+            ..
         } => (reason, retry_after),
         Taken::Leased(l) => panic!("{workspace}: expected a refusal, got {l:?}"),
     }

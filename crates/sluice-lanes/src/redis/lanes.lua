@@ -15,7 +15,7 @@
 -- ARGV[7] global cap
 -- ARGV[8] batch cap
 --
--- take_*  -> {1, now} | {0, reason, retry_after_ms}
+-- take_*  -> {1, now} | {0, reason, retry_after_ms[, may_free]}
 -- renew   -> number of lease entries still held (0: the lease expired)
 -- release -> number of lease entries removed
 -- cancel  -> as release, and the lease's start leaves the window (never sent)
@@ -47,7 +47,12 @@ if op == 'take_single' then
   end
   if redis.call('ZCARD', KEYS[4]) >= starts_limit then
     local oldest = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
-    return {0, 'workspace_rate_limit', tonumber(oldest[2]) + window - now}
+    -- A start of a call still holding its place may yet be given back.
+    local may_free = 0
+    for _, lease in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+      if redis.call('ZSCORE', KEYS[4], lease) then may_free = 1 break end
+    end
+    return {0, 'workspace_rate_limit', tonumber(oldest[2]) + window - now, may_free}
   end
   if redis.call('ZCARD', KEYS[1]) >= cap then
     return {0, 'optimizer_busy', 0}

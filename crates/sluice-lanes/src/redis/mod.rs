@@ -222,11 +222,18 @@ impl Ledger for RedisLedger {
             "optimizer_busy" => RefusalReason::OptimizerBusy,
             other => return Err(unavailable(format!("unknown refusal {other:?}"))),
         };
+        let may_free: i64 = answer
+            .get(3)
+            .map(redis::from_redis_value_ref)
+            .transpose()
+            .map_err(unavailable)?
+            .unwrap_or(0);
         let retry_after = (reason == RefusalReason::WorkspaceRateLimit)
             .then(|| Duration::from_millis(u64::try_from(retry_ms).unwrap_or(0)));
         Ok(Taken::Refused {
             reason,
             retry_after,
+            may_free: may_free == 1,
         })
     }
 
