@@ -352,7 +352,7 @@ impl BatchLane {
             if waiting.is_empty() {
                 return;
             }
-            let Some((i, permit)) = self.lane.try_acquire_next_batch(&waiting) else {
+            let Some((i, permit)) = self.lane.acquire_next_batch(&waiting).await else {
                 return;
             };
             let claimed = match self.queue.claim_next(waiting[i], self.clock.now()).await {

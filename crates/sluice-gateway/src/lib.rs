@@ -180,6 +180,15 @@ pub enum StartError {
         /// What went wrong.
         source: StoreError,
     },
+    /// A guarded lane's ledger could not be set up in the shared store: a lane's
+    /// limits must hold across every replica, or the gateway does not start.
+    #[error("lane {lane}: {reason}")]
+    Lanes {
+        /// The lane.
+        lane: String,
+        /// Why.
+        reason: String,
+    },
     /// The built-in demo upstream or the worker threads could not start.
     #[error("{what}: {source}")]
     Io {
@@ -316,6 +325,11 @@ impl Gateway {
                 (store, batches)
             }
         };
+        // With Redis, each lane's limits hold across every replica on it.
+        let shared_lanes = match &config.store {
+            StoreSpec::Redis(url) => Some(shared_lanes(&config.policy, url).await?),
+            StoreSpec::Memory => None,
+        };
         let fallback = MemoryStore::with_clock(
             MemoryConfig {
                 max_keys: sluice_tower::FALLBACK_MAX_KEYS,
@@ -327,11 +341,13 @@ impl Gateway {
             let identity = config.policy.identity.clone();
             gateway::PerIp::new(config.max_connections_per_ip, move |ip| identity.trusts(ip))
         };
-        let limiter = Arc::new(
-            Limiter::new(config.policy, store)
-                .with_fallback(fallback)
-                .with_buffer_bound(config.max_buffered_bytes),
-        );
+        let mut limiter = Limiter::new(config.policy, store)
+            .with_fallback(fallback)
+            .with_buffer_bound(config.max_buffered_bytes);
+        if let Some(lanes) = shared_lanes {
+            limiter = limiter.with_lanes(lanes);
+        }
+        let limiter = Arc::new(limiter);
         tokio::spawn(reclaim_stale_cells(
             Arc::clone(&limiter),
             backends_stopped.clone(),
@@ -485,4 +501,37 @@ async fn reclaim_stale_cells(limiter: Arc<Limiter<AnyStore>>, stop: Stop) {
             () = &mut stopped => return,
         }
     }
+}
+
+/// The policy's lanes on a lease ledger in the Redis at `url`, shared by every
+/// replica on it: their limits hold across all of them (see
+/// [`sluice_lanes::Lane::with_ledger`]). A lease lives `lease_ttl_seconds` without
+/// renewal, and one call to Redis waits at most the store's timeout; while Redis
+/// cannot be asked, each lane follows [`sluice_tower::ledger_outage`]. On a Redis
+/// Cluster (`redis+cluster://`) each lane's keys live on one node (one hash tag per
+/// lane), so a lane's limits hold there too.
+async fn shared_lanes(policy: &Policy, url: &str) -> Result<Vec<sluice_lanes::Lane>, StartError> {
+    let mut lanes = Vec::with_capacity(policy.lanes.len());
+    for (i, rule) in policy.lanes.iter().enumerate() {
+        let failed = |reason: String| StartError::Lanes {
+            lane: rule.name.clone(),
+            reason,
+        };
+        let limits = sluice_tower::lane_config(rule);
+        let mut ledger = sluice_lanes::RedisLedgerConfig::new(url);
+        ledger.lease_ttl = rule.lease_ttl;
+        ledger.timeout = policy.store.timeout;
+        let ledger = sluice_lanes::RedisLedger::connect(ledger, &rule.name, limits.clone())
+            .await
+            .map_err(|e| failed(format!("connecting its lease ledger: {e}")))?;
+        let lane = sluice_lanes::Lane::with_ledger(
+            rule.name.as_str(),
+            limits,
+            ledger,
+            sluice_tower::ledger_outage(policy, i),
+        )
+        .map_err(|e| failed(e.to_string()))?;
+        lanes.push(lane);
+    }
+    Ok(lanes)
 }

@@ -71,6 +71,11 @@ pub struct LaneConfig {
     pub min_retry_estimate: Duration,
     /// The longest estimated retry-after (default 75 s).
     pub max_retry_estimate: Duration,
+    /// On a lane with a shared ledger: how long after the ledger refused a
+    /// place (another replica holds it) the lane asks again (default
+    /// 250 ms). A place freed on another replica is seen at most this late;
+    /// the ledger is asked at most about `global_cap` times per interval.
+    pub lease_retry: Duration,
 }
 
 impl Default for LaneConfig {
@@ -92,6 +97,7 @@ impl Default for LaneConfig {
             expected_duration: Duration::from_secs(90),
             min_retry_estimate: Duration::from_secs(5),
             max_retry_estimate: Duration::from_secs(75),
+            lease_retry: Duration::from_millis(250),
         }
     }
 }
@@ -169,6 +175,13 @@ impl LaneConfig {
         self
     }
 
+    /// Sets [`lease_retry`](LaneConfig::lease_retry).
+    #[must_use]
+    pub fn with_lease_retry(mut self, every: Duration) -> Self {
+        self.lease_retry = every;
+        self
+    }
+
     /// Batch items that may run at once: `global_cap - batch_reserve`.
     pub fn batch_cap(&self) -> u32 {
         self.global_cap.saturating_sub(self.batch_reserve)
@@ -194,6 +207,7 @@ impl LaneConfig {
             ("start_window", self.start_window),
             ("upstream_timeout", self.upstream_timeout),
             ("breaker.open_for", self.breaker.open_for),
+            ("lease_retry", self.lease_retry),
         ];
         for (field, d) in durations {
             if d.is_zero() {

@@ -5,9 +5,17 @@
 //! under the lock, then sent through the waiter's channel), so a newcomer can
 //! never overtake a waiter that a place was freed for, and a waiter that goes
 //! away after its place was handed over gives it straight back.
+//!
+//! On a lane with a shared ledger, a place this lane's own count lets start
+//! is confirmed by a lease before its permit is handed out. A refused lease
+//! gives the local place (and its start) back, puts the call back in line
+//! where it stood, and remembers what the ledger said as a *hold* (the whole
+//! lane when the global cap is full elsewhere, one workspace for its limits)
+//! until the next time to ask: nobody of that scope starts or asks before
+//! then, so the ledger is asked a bounded number of times per interval.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -16,6 +24,8 @@ use tokio::sync::{Notify, oneshot};
 use tokio::time::{Instant, sleep_until};
 
 use crate::config::{ConfigError, LaneConfig};
+use crate::leases::{Asked, Leases, OnEnd};
+use crate::ledger::{Lease, LeaseKind, Ledger, LedgerOutage};
 use crate::refusal::{LaneRefusal, Outcome, RefusalReason};
 use crate::snapshot::{BreakerStatus, LaneSnapshot, WorkspaceSnapshot};
 
@@ -50,6 +60,31 @@ struct Shared {
     state: Mutex<State>,
     /// Woken whenever batch capacity may have appeared.
     batch_capacity: Notify,
+    /// The ledger shared with other replicas, on a lane built with one.
+    leases: Option<Leases>,
+}
+
+impl Shared {
+    /// The keeper gave a lease back: its scope may have room again.
+    fn lease_ended(&self, lease: &Lease, cancelled: bool) {
+        let now = Instant::now();
+        {
+            let mut state = self.state.lock();
+            state.remote_busy = None;
+            if lease.kind() == LeaseKind::Batch {
+                state.remote_batch_busy = None;
+            }
+            if let Some(ws) = state.workspaces.get_mut(lease.workspace())
+                && ws
+                    .remote
+                    .is_some_and(|h| cancelled || h.reason != RefusalReason::WorkspaceRateLimit)
+            {
+                ws.remote = None;
+            }
+            state.dispatch(now);
+        }
+        self.batch_capacity.notify_waiters();
+    }
 }
 
 /// Everything the lock guards.
@@ -71,6 +106,22 @@ struct State {
     mean_duration: Option<Duration>,
     /// Sweep idle workspaces once the map holds this many.
     sweep_at: usize,
+    /// The shared ledger found the global cap full: no single call starts or
+    /// asks before then. Kept (for the refusal reason) until a lease is had.
+    remote_busy: Option<Instant>,
+    /// The same for batch items (the global or the batch cap).
+    remote_batch_busy: Option<Instant>,
+}
+
+/// What the shared ledger said when it last refused a workspace's call.
+#[derive(Clone, Copy, Debug)]
+struct Hold {
+    reason: RefusalReason,
+    /// When to ask again.
+    until: Instant,
+    /// For the start limit: exactly when the oldest counted start leaves the
+    /// window.
+    retry_at: Instant,
 }
 
 #[derive(Default)]
@@ -80,6 +131,8 @@ struct Workspace {
     waiting: u32,
     /// Starts of single calls, oldest first, pruned past the window.
     starts: VecDeque<Instant>,
+    /// The shared ledger's last refusal of this workspace, until a lease is had.
+    remote: Option<Hold>,
 }
 
 struct Waiter {
@@ -94,6 +147,7 @@ struct Running {
 }
 
 /// A place handed to a waiter.
+#[derive(Clone, Copy)]
 struct Grant {
     ticket: u64,
     probe: bool,
@@ -104,6 +158,13 @@ enum Arrival {
     Queued(u64, oneshot::Receiver<Result<Grant, LaneRefusal>>),
 }
 
+/// A place the lane's own count gave, after asking the shared ledger.
+enum Confirmed {
+    Permit(LanePermit),
+    /// Held elsewhere: back in line at its ticket.
+    Requeued(u64, oneshot::Receiver<Result<Grant, LaneRefusal>>),
+}
+
 impl Lane {
     /// A lane called `name` (e.g. `optimizer`) with `config`.
     ///
@@ -111,6 +172,55 @@ impl Lane {
     /// [`ConfigError`] when the configuration cannot work (see
     /// [`LaneConfig::validate`]).
     pub fn new(name: impl Into<Arc<str>>, config: LaneConfig) -> Result<Self, ConfigError> {
+        Self::build(name.into(), config, None)
+    }
+
+    /// A lane whose limits hold across every replica sharing `ledger` (e.g. a
+    /// `RedisLedger` on one Redis, or clones of one
+    /// [`MemoryLedger`](crate::MemoryLedger) in tests), built with the same
+    /// `config` on each.
+    ///
+    /// Each place, single or batch, is first counted by this lane as on one
+    /// process, then confirmed by a lease in the ledger before its permit is
+    /// handed out. A refused lease means another replica holds the place:
+    /// the call gives its local place back and keeps its place in line,
+    /// and the ledger is asked again [`LaneConfig::lease_retry`] later (or
+    /// as soon as this lane gives a lease back, or exactly when the start
+    /// limit frees a start) until the call's wait is over; then it is
+    /// refused with the ledger's reason. Live leases are renewed by one task
+    /// per lane each third of the ledger's TTL, and given back by it when
+    /// their permit is finished, cancelled (its start goes back too) or
+    /// dropped. While the ledger cannot be asked, `outage` decides (see
+    /// [`LedgerOutage`]); a call dropped while its lease is being asked
+    /// leaves that lease to expire within the TTL.
+    ///
+    /// The breaker, the waiting line and the estimates stay per replica:
+    /// each replica learns from its own calls.
+    ///
+    /// The task starts with the first call, so the lane may be built outside
+    /// a runtime; its calls must run inside one.
+    ///
+    /// # Errors
+    /// [`ConfigError`] when the configuration cannot work, or the ledger's
+    /// TTL is zero.
+    pub fn with_ledger(
+        name: impl Into<Arc<str>>,
+        config: LaneConfig,
+        ledger: impl Ledger + 'static,
+        outage: LedgerOutage,
+    ) -> Result<Self, ConfigError> {
+        if ledger.ttl().is_zero() {
+            return Err(ConfigError::Zero("lease ttl"));
+        }
+        let leases = Leases::new(Arc::new(ledger), &config, outage);
+        Self::build(name.into(), config, Some(leases))
+    }
+
+    fn build(
+        name: Arc<str>,
+        config: LaneConfig,
+        leases: Option<Leases>,
+    ) -> Result<Self, ConfigError> {
         config.validate()?;
         let state = State {
             origin: Instant::now(),
@@ -123,16 +233,30 @@ impl Lane {
             probe: None,
             mean_duration: None,
             sweep_at: 1024,
+            remote_busy: None,
+            remote_batch_busy: None,
             config: config.clone(),
         };
         Ok(Lane {
             shared: Arc::new(Shared {
-                name: name.into(),
+                name,
                 config,
                 state: Mutex::new(state),
                 batch_capacity: Notify::new(),
+                leases,
             }),
         })
+    }
+
+    /// Whether the lane's limits hold across replicas (it was built with a
+    /// ledger).
+    pub fn is_shared(&self) -> bool {
+        self.shared.leases.is_some()
+    }
+
+    /// Leases this lane holds in its shared ledger now (0 without one).
+    pub fn leases_held(&self) -> usize {
+        self.shared.leases.as_ref().map_or(0, Leases::held)
     }
 
     /// The lane's name.
@@ -186,14 +310,42 @@ impl Lane {
             .state
             .lock()
             .arrive(workspace, arrived, max_wait);
-        let (ticket, rx) = match arrival {
-            Ok(Arrival::Started(grant)) => return Ok(self.permit(workspace, grant)),
+        let (mut ticket, mut rx) = match arrival {
+            // A call that started at once stands in line, if it must, by the
+            // ticket it got on arrival.
+            Ok(Arrival::Started(grant)) => {
+                match self
+                    .confirm(workspace, grant, grant.ticket, deadline)
+                    .await?
+                {
+                    Confirmed::Permit(permit) => return Ok(permit),
+                    Confirmed::Requeued(ticket, rx) => (ticket, rx),
+                }
+            }
             Ok(Arrival::Queued(ticket, rx)) => (ticket, rx),
             Err(refusal) => {
                 self.shared.batch_capacity.notify_waiters();
                 return Err(refusal);
             }
         };
+        loop {
+            let grant = self.wait_in_line(workspace, ticket, rx, deadline).await?;
+            match self.confirm(workspace, grant, ticket, deadline).await? {
+                Confirmed::Permit(permit) => return Ok(permit),
+                Confirmed::Requeued(t, r) => (ticket, rx) = (t, r),
+            }
+        }
+    }
+
+    /// Waits in line as `ticket` until a place is handed over or the wait
+    /// is over.
+    async fn wait_in_line(
+        &self,
+        workspace: &str,
+        ticket: u64,
+        rx: oneshot::Receiver<Result<Grant, LaneRefusal>>,
+        deadline: Instant,
+    ) -> Result<Grant, LaneRefusal> {
         let mut wait = WaitGuard {
             lane: self,
             ticket,
@@ -207,8 +359,7 @@ impl Lane {
                 answer = &mut wait.rx => {
                     wait.done = true;
                     return match answer {
-                        Ok(Ok(grant)) => Ok(self.permit(workspace, grant)),
-                        Ok(Err(refusal)) => Err(refusal),
+                        Ok(answer) => answer,
                         // The lane never drops a waiter's sender without answering.
                         Err(_) => Err(self.shared.state.lock().refusal(workspace, 0, Instant::now())),
                     };
@@ -232,6 +383,82 @@ impl Lane {
         }
     }
 
+    /// Turns a place this lane's count gave into a permit: at once without a
+    /// ledger, else once the ledger leases it. Held elsewhere, the call goes
+    /// back in line as `line_ticket` (or is refused when its wait is over).
+    async fn confirm(
+        &self,
+        workspace: &str,
+        grant: Grant,
+        line_ticket: u64,
+        deadline: Instant,
+    ) -> Result<Confirmed, LaneRefusal> {
+        let mut slot = self.slot(workspace, grant);
+        let Some(leases) = &self.shared.leases else {
+            return Ok(Confirmed::Permit(LanePermit { slot }));
+        };
+        self.start_keeper(leases);
+        // Until the lease is had, a drop gives the place and its start back.
+        slot.unsent = true;
+        let asked = leases.take(workspace, LeaseKind::Single).await;
+        let now = Instant::now();
+        match asked {
+            Asked::Leased(held) => {
+                leases.hold(slot.ticket, held);
+                slot.unsent = false;
+                self.shared.state.lock().leased(workspace, false);
+                Ok(Confirmed::Permit(LanePermit { slot }))
+            }
+            Asked::Unavailable => {
+                slot.give_back_as(None, true);
+                Err(LaneRefusal {
+                    reason: RefusalReason::LedgerUnavailable,
+                    retry_after: Duration::from_secs(1),
+                })
+            }
+            Asked::Refused {
+                reason,
+                retry_after,
+                may_free,
+            } => {
+                let mut state = self.shared.state.lock();
+                let retry = self.shared.config.lease_retry;
+                state.held_elsewhere(workspace, reason, retry_after, may_free, retry, now);
+                slot.shared = None;
+                state.release_as(slot.ticket, None, now, true);
+                // Refused at once only when no start counted may still be given back.
+                let slot_too_late = reason == RefusalReason::WorkspaceRateLimit
+                    && !may_free
+                    && retry_after.is_some_and(|r| now + r > deadline);
+                let answer = if now >= deadline || slot_too_late {
+                    let ahead = state.ahead_of(line_ticket, workspace);
+                    let refusal = state.refusal(workspace, ahead, now);
+                    state.forget_if_idle(workspace, now);
+                    Err(refusal)
+                } else {
+                    let rx = state.requeue(line_ticket, workspace);
+                    Ok(Confirmed::Requeued(line_ticket, rx))
+                };
+                drop(state);
+                self.shared.batch_capacity.notify_waiters();
+                answer
+            }
+        }
+    }
+
+    /// Starts the task that renews and gives back this lane's leases.
+    fn start_keeper(&self, leases: &Leases) {
+        leases.start_keeper(|| {
+            let lane: Weak<Shared> = Arc::downgrade(&self.shared);
+            let on_end: OnEnd = Box::new(move |lease, cancelled| {
+                if let Some(shared) = lane.upgrade() {
+                    shared.lease_ended(lease, cancelled);
+                }
+            });
+            on_end
+        });
+    }
+
     /// Takes a place for one batch item of `workspace` if there is one now.
     ///
     /// A batch item runs only on capacity single calls are not using: never
@@ -240,7 +467,14 @@ impl Lane {
     /// breaker is open or its probe is out (when the breaker's time is up and
     /// no single call comes, a batch item may be the probe). Batch items count
     /// toward the global cap only, not toward the workspace's limits.
+    ///
+    /// On a lane with a shared ledger this always answers `None` (a lease
+    /// cannot be had without waiting for the ledger): use
+    /// [`Lane::acquire_batch`].
     pub fn try_acquire_batch(&self, workspace: &str) -> Option<BatchPermit> {
+        if self.shared.leases.is_some() {
+            return None;
+        }
         let now = Instant::now();
         let grant = self.shared.state.lock().start_batch(workspace, now)?;
         Some(BatchPermit {
@@ -266,7 +500,13 @@ impl Lane {
     /// Picks whose turn it is among `candidates` (see
     /// [`Lane::next_batch_workspace`]) and takes a place for one of its batch
     /// items, in one step. Returns the index of the chosen candidate.
+    ///
+    /// On a lane with a shared ledger this always answers `None`: use
+    /// [`Lane::acquire_next_batch`].
     pub fn try_acquire_next_batch(&self, candidates: &[&str]) -> Option<(usize, BatchPermit)> {
+        if self.shared.leases.is_some() {
+            return None;
+        }
         let now = Instant::now();
         let mut state = self.shared.state.lock();
         let (index, workspace) = candidates.iter().enumerate().min_by_key(|(i, w)| {
@@ -281,6 +521,58 @@ impl Lane {
                 slot: self.slot(workspace, grant),
             },
         ))
+    }
+
+    /// [`Lane::try_acquire_batch`] on any lane: on a lane with a shared
+    /// ledger, the place is also leased there (a lease refused because
+    /// other replicas fill the caps answers `None`, and batch items wait
+    /// [`LaneConfig::lease_retry`] before asking again; so does an
+    /// unreachable ledger unless the lane fails open).
+    pub async fn acquire_batch(&self, workspace: &str) -> Option<BatchPermit> {
+        let now = Instant::now();
+        let grant = self.shared.state.lock().start_batch(workspace, now)?;
+        self.confirm_batch(workspace, grant).await
+    }
+
+    /// [`Lane::try_acquire_next_batch`] on any lane, leasing the place as
+    /// [`Lane::acquire_batch`] does.
+    pub async fn acquire_next_batch(&self, candidates: &[&str]) -> Option<(usize, BatchPermit)> {
+        let now = Instant::now();
+        let (index, workspace, grant) = {
+            let mut state = self.shared.state.lock();
+            let (index, workspace) = candidates.iter().enumerate().min_by_key(|(i, w)| {
+                let running = state.workspaces.get(**w).map_or(0, |ws| ws.batch_running);
+                (running, *i)
+            })?;
+            (index, *workspace, state.start_batch(workspace, now)?)
+        };
+        let permit = self.confirm_batch(workspace, grant).await?;
+        Some((index, permit))
+    }
+
+    async fn confirm_batch(&self, workspace: &str, grant: Grant) -> Option<BatchPermit> {
+        let mut slot = self.slot(workspace, grant);
+        let Some(leases) = &self.shared.leases else {
+            return Some(BatchPermit { slot });
+        };
+        self.start_keeper(leases);
+        slot.unsent = true;
+        let asked = leases.take(workspace, LeaseKind::Batch).await;
+        match asked {
+            Asked::Leased(held) => {
+                leases.hold(slot.ticket, held);
+                slot.unsent = false;
+                self.shared.state.lock().leased(workspace, true);
+                Some(BatchPermit { slot })
+            }
+            Asked::Refused { .. } | Asked::Unavailable => {
+                let now = Instant::now();
+                self.shared.state.lock().remote_batch_busy =
+                    Some(now + self.shared.config.lease_retry);
+                slot.give_back_as(None, true);
+                None
+            }
+        }
     }
 
     /// Resolves when a batch item might find a place: at once if one is free
@@ -298,7 +590,15 @@ impl Lane {
                 if state.batch_place_free(now) {
                     return;
                 }
-                state.breaker_open_until(now)
+                let remote = [state.remote_busy, state.remote_batch_busy]
+                    .into_iter()
+                    .flatten()
+                    .filter(|until| *until > now)
+                    .max();
+                match (state.breaker_open_until(now), remote) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    (a, b) => a.or(b),
+                }
             };
             match breaker_until {
                 Some(until) => {
@@ -319,12 +619,6 @@ impl Lane {
         state.snapshot(&self.shared.name, now)
     }
 
-    fn permit(&self, workspace: &str, grant: Grant) -> LanePermit {
-        LanePermit {
-            slot: self.slot(workspace, grant),
-        }
-    }
-
     fn slot(&self, workspace: &str, grant: Grant) -> Slot {
         Slot {
             shared: Some(Arc::clone(&self.shared)),
@@ -332,6 +626,7 @@ impl Lane {
             probe: grant.probe,
             workspace: workspace.into(),
             started: Instant::now(),
+            unsent: false,
         }
     }
 }
@@ -391,7 +686,7 @@ impl State {
             prune(&mut ws.starts, now, config.start_window);
             (ws.waiting, ws.waiting == 0 && ws_has_room(ws, config, now))
         };
-        if free_here && self.global_has_room() {
+        if free_here && self.global_open(now) {
             let probe = match self.breaker.permit(self.timestamp(now)) {
                 Permit::Call => false,
                 Permit::Probe => true,
@@ -406,9 +701,16 @@ impl State {
         let line_full = self.line.len() >= self.config.max_waiting
             || usize::try_from(ahead).unwrap_or(usize::MAX)
                 >= self.config.max_waiting_per_workspace;
+        let held_until = self.workspaces.get(workspace).and_then(|ws| {
+            ws.remote
+                .filter(|h| h.reason == RefusalReason::WorkspaceRateLimit)
+                .map(|h| h.until)
+        });
         let slot_too_late = self
             .rate_slot(workspace, ahead, now)
-            .is_some_and(|slot| slot.saturating_duration_since(now) > max_wait);
+            .into_iter()
+            .chain(held_until)
+            .any(|slot| slot.saturating_duration_since(now) > max_wait);
         if max_wait.is_zero() || line_full || slot_too_late {
             let refusal = self.refusal(workspace, ahead, now);
             self.forget_if_idle(workspace, now);
@@ -444,6 +746,74 @@ impl State {
 
     fn global_has_room(&self) -> bool {
         self.running.len() < usize::try_from(self.config.global_cap).unwrap_or(usize::MAX)
+    }
+
+    /// Room in this lane's global cap, and the shared ledger not known full.
+    fn global_open(&self, now: Instant) -> bool {
+        self.global_has_room() && self.remote_busy.is_none_or(|until| until <= now)
+    }
+
+    /// A lease was had: what the ledger said before no longer holds.
+    fn leased(&mut self, workspace: &str, batch: bool) {
+        if batch {
+            self.remote_batch_busy = None;
+        } else {
+            self.remote_busy = None;
+            if let Some(ws) = self.workspaces.get_mut(workspace) {
+                ws.remote = None;
+            }
+        }
+    }
+
+    /// The shared ledger refused a call of `workspace` for `reason`: hold
+    /// its scope until the next time to ask (exactly when a start frees, for
+    /// the start limit, or sooner when a start counted `may_free`; `retry`
+    /// later otherwise).
+    fn held_elsewhere(
+        &mut self,
+        workspace: &str,
+        reason: RefusalReason,
+        retry_after: Option<Duration>,
+        may_free: bool,
+        retry: Duration,
+        now: Instant,
+    ) {
+        match reason {
+            RefusalReason::WorkspaceInFlightLimit | RefusalReason::WorkspaceRateLimit => {
+                let exact = match (reason, retry_after) {
+                    (RefusalReason::WorkspaceRateLimit, Some(exact)) => {
+                        Some(exact.max(Duration::from_millis(1)))
+                    }
+                    _ => None,
+                };
+                let wait = match exact {
+                    Some(exact) if may_free => exact.min(retry),
+                    Some(exact) => exact,
+                    None => retry,
+                };
+                let key = self.key(workspace);
+                self.workspaces.entry(key).or_default().remote = Some(Hold {
+                    reason,
+                    until: now + wait,
+                    retry_at: now + exact.unwrap_or(wait),
+                });
+            }
+            _ => self.remote_busy = Some(now + retry),
+        }
+    }
+
+    /// Puts a call back in line as `ticket` (where it stood), after the
+    /// ledger refused the place it was given.
+    fn requeue(
+        &mut self,
+        ticket: u64,
+        workspace: &str,
+    ) -> oneshot::Receiver<Result<Grant, LaneRefusal>> {
+        let key = self.key(workspace);
+        let (tx, rx) = oneshot::channel();
+        self.workspaces.entry(Arc::clone(&key)).or_default().waiting += 1;
+        self.line.insert(ticket, Waiter { workspace: key, tx });
+        rx
     }
 
     /// Counts a call as started and running; returns its ticket.
@@ -536,7 +906,7 @@ impl State {
     /// fewest single calls running first, ties by the longest wait; in order
     /// within a workspace.
     fn dispatch(&mut self, now: Instant) {
-        while !self.line.is_empty() && self.global_has_room() {
+        while !self.line.is_empty() && self.global_open(now) {
             let Some(ticket) = self.next_waiter(now) else {
                 return;
             };
@@ -637,17 +1007,22 @@ impl State {
         let window = self.config.start_window;
         let limit = self.config.workspace_starts as usize;
         let now = Instant::now();
-        self.workspaces
-            .get(&waiter.workspace)
-            .and_then(|ws| {
-                let live = live_count(&ws.starts, now, window);
-                (live >= limit).then(|| {
-                    live_starts(&ws.starts, now, window)
-                        .next()
-                        .map(|s| *s + window)
-                })?
-            })
-            .map_or(deadline, |slot| slot.min(deadline))
+        let ws = self.workspaces.get(&waiter.workspace);
+        let slot = ws.and_then(|ws| {
+            let live = live_count(&ws.starts, now, window);
+            (live >= limit).then(|| {
+                live_starts(&ws.starts, now, window)
+                    .next()
+                    .map(|s| *s + window)
+            })?
+        });
+        // When a hold of the shared ledger ends: time to ask again.
+        let held = ws.and_then(|ws| ws.remote.map(|h| h.until));
+        [slot, held, self.remote_busy]
+            .into_iter()
+            .flatten()
+            .filter(|at| *at > now)
+            .fold(deadline, Instant::min)
     }
 
     /// When a call of `workspace` with `ahead` of its workspace's calls before
@@ -695,8 +1070,21 @@ impl State {
                 self.estimate(Some(workspace), now),
             );
         }
-        if !self.global_has_room() {
+        if !self.global_has_room() || self.remote_busy.is_some() {
             consider(RefusalReason::OptimizerBusy, self.estimate(None, now));
+        }
+        // What the shared ledger said last.
+        match self.workspaces.get(workspace).and_then(|ws| ws.remote) {
+            Some(Hold {
+                reason: RefusalReason::WorkspaceRateLimit,
+                retry_at,
+                ..
+            }) => consider(
+                RefusalReason::WorkspaceRateLimit,
+                retry_at.saturating_duration_since(now),
+            ),
+            Some(Hold { reason, .. }) => consider(reason, self.estimate(Some(workspace), now)),
+            None => {}
         }
         worst.unwrap_or(LaneRefusal {
             reason: RefusalReason::OptimizerBusy,
@@ -740,7 +1128,8 @@ impl State {
     }
 
     fn batch_place_free(&self, now: Instant) -> bool {
-        self.global_has_room()
+        self.global_open(now)
+            && self.remote_batch_busy.is_none_or(|until| until <= now)
             && self.batch_running < self.config.batch_cap()
             && !self.single_waits_for_global(now)
             && self.breaker_refusal(now).is_none()
@@ -766,7 +1155,7 @@ impl State {
         let window = self.config.start_window;
         if let Some(ws) = self.workspaces.get_mut(workspace) {
             prune(&mut ws.starts, now, window);
-            if is_idle(ws) {
+            if is_idle(ws, now) {
                 self.workspaces.remove(workspace);
             }
         }
@@ -781,7 +1170,7 @@ impl State {
         let window = self.config.start_window;
         self.workspaces.retain(|_, ws| {
             prune(&mut ws.starts, now, window);
-            !is_idle(ws)
+            !is_idle(ws, now)
         });
         self.sweep_at = (self.workspaces.len() * 2).max(1024);
     }
@@ -859,11 +1248,18 @@ fn live_count(starts: &VecDeque<Instant>, now: Instant, window: Duration) -> usi
 
 fn ws_has_room(ws: &Workspace, config: &LaneConfig, now: Instant) -> bool {
     let live = live_count(&ws.starts, now, config.start_window);
-    ws.running < config.workspace_in_flight && live < config.workspace_starts as usize
+    ws.running < config.workspace_in_flight
+        && live < config.workspace_starts as usize
+        && ws.remote.is_none_or(|h| h.until <= now)
 }
 
-fn is_idle(ws: &Workspace) -> bool {
-    ws.running == 0 && ws.batch_running == 0 && ws.waiting == 0 && ws.starts.is_empty()
+/// Holds nothing, and no hold of the shared ledger's is still in force.
+fn is_idle(ws: &Workspace, now: Instant) -> bool {
+    ws.running == 0
+        && ws.batch_running == 0
+        && ws.waiting == 0
+        && ws.starts.is_empty()
+        && ws.remote.is_none_or(|h| h.until <= now)
 }
 
 /// A place held by one call; gives it back exactly once.
@@ -873,6 +1269,8 @@ struct Slot {
     probe: bool,
     workspace: Box<str>,
     started: Instant,
+    /// Its lease is not had yet: given back, its start goes too.
+    unsent: bool,
 }
 
 impl Slot {
@@ -886,6 +1284,9 @@ impl Slot {
                 .state
                 .lock()
                 .release_as(self.ticket, outcome, Instant::now(), unstart);
+            if let Some(leases) = &shared.leases {
+                leases.end(self.ticket, unstart);
+            }
             shared.batch_capacity.notify_waiters();
         }
     }
@@ -893,7 +1294,7 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.give_back(None);
+        self.give_back_as(None, self.unsent);
     }
 }
 

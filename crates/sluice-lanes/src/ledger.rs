@@ -10,19 +10,23 @@
 //! is renewed while its call runs; a replica that crashes stops renewing, so
 //! its places come back within one TTL.
 //!
-//! The lane does not take leases itself yet: a replica takes one right after
-//! its lane's permit ([`Ledger::take`]), renews it every third of
-//! [`Ledger::ttl`] while the call runs, and releases it with the permit. A
-//! refused lease means another replica holds the place: drop the permit and
-//! ask again until the call's wait is over.
+//! A lane built with [`Lane::with_ledger`](crate::Lane::with_ledger) takes
+//! a lease for every place it hands out (see there): right after its own
+//! count lets a call start, it asks the ledger ([`Ledger::take`]); one task
+//! per lane renews every live lease each third of [`Ledger::ttl`] and gives
+//! back the leases of finished, cancelled and dropped permits. A refused
+//! lease means another replica holds the place: the call gives its local
+//! place back and waits on, asking again after a short interval, until its
+//! wait is over.
 //!
 //! How far fairness holds across replicas: the counts and the limits are
 //! shared exactly; the waiting line is not. Each replica keeps its own line
 //! and hands its freed places out fewest-running-first over its own waiters;
 //! a place freed by another replica is seen when a waiter next asks the
-//! ledger (a release is not pushed to other replicas). So one replica never
-//! lets a workspace overtake another of its own waiters, while between
-//! replicas whoever asks first after a place frees gets it.
+//! ledger (a release is not pushed to other replicas), at most
+//! [`LaneConfig::lease_retry`] later. So one replica never lets a workspace
+//! overtake another of its own waiters, while between replicas whoever asks
+//! first after a place frees gets it.
 //!
 //! [`MemoryLedger`] keeps the same leases in one process: the reference
 //! behaviour, and a ledger for tests.
@@ -30,6 +34,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
+use std::num::NonZeroU32;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -87,6 +93,11 @@ pub enum Taken {
         /// start leaves the window); `None` for the others, which a lane
         /// estimates from its running calls.
         retry_after: Option<Duration>,
+        /// For the start limit: some of the starts counted belong to calls
+        /// still holding their place, which may yet give their start back
+        /// (cancelled before being sent), so a start may free before
+        /// `retry_after`. A lane then keeps asking instead of refusing at once.
+        may_free: bool,
     },
 }
 
@@ -140,6 +151,18 @@ pub trait Ledger: Send + Sync {
     /// expires within its TTL).
     fn release(&self, lease: &Lease) -> impl Future<Output = Result<(), LedgerError>> + Send;
 
+    /// Gives the place back as if it had never been taken: the call was
+    /// never sent, so its start leaves the rolling window too. Cancelling
+    /// twice, or after a release, changes nothing more. The default only
+    /// releases (the start then counts until it leaves the window).
+    ///
+    /// # Errors
+    /// [`LedgerError`] when the ledger cannot be asked (the lease then
+    /// expires within its TTL; the start stays for its window).
+    fn cancel(&self, lease: &Lease) -> impl Future<Output = Result<(), LedgerError>> + Send {
+        self.release(lease)
+    }
+
     /// The counts of `workspace` and of the lane now.
     ///
     /// # Errors
@@ -151,6 +174,61 @@ pub trait Ledger: Send + Sync {
 
     /// How long a lease lives without renewal.
     fn ttl(&self) -> Duration;
+}
+
+/// What a lane with a ledger does while its ledger cannot be asked (the
+/// store is down or too slow).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LedgerOutage {
+    /// Refuse each call at once with
+    /// [`RefusalReason::LedgerUnavailable`] (retry after 1 s); batch items
+    /// wait. Nothing is counted that the other replicas cannot see.
+    FailClosed,
+    /// Count on this replica alone, with each limit (in flight per
+    /// workspace, starts per workspace, the global cap, the batch reserve)
+    /// divided by `replicas` (at least 1 each), so that the replicas together
+    /// stay near the limits. Calls admitted this way are not in the shared
+    /// ledger: when it answers again, new calls are counted there while
+    /// these run to their end.
+    FailOpen {
+        /// Replicas sharing the ledger.
+        replicas: NonZeroU32,
+    },
+}
+
+/// A boxed ledger answer (the object-safe form of [`Ledger`]).
+pub(crate) type Answer<'a, T> = Pin<Box<dyn Future<Output = Result<T, LedgerError>> + Send + 'a>>;
+
+/// [`Ledger`] behind a pointer: what a lane holds.
+pub(crate) trait DynLedger: Send + Sync {
+    fn take_boxed<'a>(&'a self, workspace: &'a str, kind: LeaseKind) -> Answer<'a, Taken>;
+    fn renew_boxed<'a>(&'a self, lease: &'a Lease) -> Answer<'a, bool>;
+    fn release_boxed<'a>(&'a self, lease: &'a Lease) -> Answer<'a, ()>;
+    fn cancel_boxed<'a>(&'a self, lease: &'a Lease) -> Answer<'a, ()>;
+    fn lease_ttl(&self) -> Duration;
+}
+
+impl<L: Ledger> DynLedger for L {
+    fn take_boxed<'a>(&'a self, workspace: &'a str, kind: LeaseKind) -> Answer<'a, Taken> {
+        Box::pin(self.take(workspace, kind))
+    }
+
+    fn renew_boxed<'a>(&'a self, lease: &'a Lease) -> Answer<'a, bool> {
+        Box::pin(self.renew(lease))
+    }
+
+    fn release_boxed<'a>(&'a self, lease: &'a Lease) -> Answer<'a, ()> {
+        Box::pin(self.release(lease))
+    }
+
+    fn cancel_boxed<'a>(&'a self, lease: &'a Lease) -> Answer<'a, ()> {
+        Box::pin(self.cancel(lease))
+    }
+
+    fn lease_ttl(&self) -> Duration {
+        self.ttl()
+    }
 }
 
 /// Unique lease ids: a random replica tag and a counter.
@@ -202,8 +280,8 @@ struct MemoryInner {
 
 #[derive(Debug, Default)]
 struct MemoryState {
-    /// Lease id → (workspace, kind, expiry).
-    leases: HashMap<String, (String, LeaseKind, Instant)>,
+    /// Lease id → (workspace, kind, expiry, taken at).
+    leases: HashMap<String, (String, LeaseKind, Instant, Instant)>,
     starts: HashMap<String, VecDeque<Instant>>,
 }
 
@@ -223,7 +301,7 @@ impl MemoryLedger {
 
 impl MemoryState {
     fn prune(&mut self, now: Instant, window: Duration) {
-        self.leases.retain(|_, (_, _, expiry)| *expiry > now);
+        self.leases.retain(|_, (_, _, expiry, _)| *expiry > now);
         self.starts.retain(|_, starts| {
             while starts.front().is_some_and(|s| *s + window <= now) {
                 starts.pop_front();
@@ -234,7 +312,7 @@ impl MemoryState {
 
     fn count(&self, workspace: &str) -> LedgerCounts {
         let mut c = LedgerCounts::default();
-        for (ws, kind, _) in self.leases.values() {
+        for (ws, kind, _, _) in self.leases.values() {
             c.global += 1;
             match kind {
                 LeaseKind::Batch => c.batch += 1,
@@ -261,6 +339,7 @@ impl Ledger for MemoryLedger {
             Ok(Taken::Refused {
                 reason,
                 retry_after,
+                may_free: false,
             })
         };
         if kind == LeaseKind::Single {
@@ -271,7 +350,14 @@ impl Ledger for MemoryLedger {
                 let oldest = state.starts.get(workspace).and_then(|s| s.front().copied());
                 let retry =
                     oldest.map(|s| (s + config.start_window).saturating_duration_since(now));
-                return refused(RefusalReason::WorkspaceRateLimit, retry);
+                let may_free = state.leases.values().any(|(ws, k, _, taken)| {
+                    ws == workspace && *k == LeaseKind::Single && *taken + config.start_window > now
+                });
+                return Ok(Taken::Refused {
+                    reason: RefusalReason::WorkspaceRateLimit,
+                    retry_after: retry,
+                    may_free,
+                });
             }
         }
         if c.global >= config.global_cap
@@ -282,7 +368,7 @@ impl Ledger for MemoryLedger {
         let lease = self.inner.ids.lease(workspace, kind);
         state.leases.insert(
             lease.id.clone(),
-            (workspace.to_owned(), kind, now + self.inner.ttl),
+            (workspace.to_owned(), kind, now + self.inner.ttl, now),
         );
         if kind == LeaseKind::Single {
             state
@@ -299,7 +385,7 @@ impl Ledger for MemoryLedger {
         let mut state = self.inner.state.lock();
         state.prune(now, self.inner.config.start_window);
         Ok(match state.leases.get_mut(&lease.id) {
-            Some((_, _, expiry)) => {
+            Some((_, _, expiry, _)) => {
                 *expiry = now + self.inner.ttl;
                 true
             }
@@ -309,6 +395,20 @@ impl Ledger for MemoryLedger {
 
     async fn release(&self, lease: &Lease) -> Result<(), LedgerError> {
         self.inner.state.lock().leases.remove(&lease.id);
+        Ok(())
+    }
+
+    async fn cancel(&self, lease: &Lease) -> Result<(), LedgerError> {
+        let mut state = self.inner.state.lock();
+        let Some((workspace, kind, _, taken)) = state.leases.remove(&lease.id) else {
+            return Ok(());
+        };
+        if kind == LeaseKind::Single
+            && let Some(starts) = state.starts.get_mut(&workspace)
+            && let Some(at) = starts.iter().rposition(|s| *s == taken)
+        {
+            starts.remove(at);
+        }
         Ok(())
     }
 

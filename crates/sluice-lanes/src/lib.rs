@@ -65,9 +65,20 @@
 //! * Batch items never start while a single call waits for a global place,
 //!   never beyond `global_cap - batch_reserve` at once, and never while the
 //!   breaker is open.
+//!
+//! # Replicas
+//!
+//! [`Lane::new`] counts in this process. [`Lane::with_ledger`] makes the
+//! limits hold across every replica sharing a [`Ledger`] (a `RedisLedger`
+//! with the feature `redis`): each place is leased there before its permit is
+//! handed out, leases are renewed while their calls run and come back within
+//! the ledger's TTL when a replica dies. See the [`ledger`] module for how far
+//! fairness holds across replicas, and [`LedgerOutage`] for what happens while
+//! the ledger cannot be asked.
 
 mod config;
 mod lane;
+mod leases;
 pub mod ledger;
 #[cfg(feature = "redis")]
 mod redis;
@@ -76,7 +87,9 @@ mod snapshot;
 
 pub use config::{ConfigError, LaneConfig};
 pub use lane::{BatchPermit, Lane, LanePermit};
-pub use ledger::{Lease, LeaseKind, Ledger, LedgerCounts, LedgerError, MemoryLedger, Taken};
+pub use ledger::{
+    Lease, LeaseKind, Ledger, LedgerCounts, LedgerError, LedgerOutage, MemoryLedger, Taken,
+};
 #[cfg(feature = "redis")]
 pub use redis::{RedisLedger, RedisLedgerConfig};
 pub use refusal::{LaneRefusal, Outcome, RefusalReason};

@@ -17,17 +17,23 @@ pub enum RefusalReason {
     OptimizerBusy,
     /// The breaker is open (or its one probe is out): no call is sent now.
     OptimizerUnavailable,
+    /// The ledger shared by the replicas could not be asked, and the lane
+    /// fails closed (see [`LedgerOutage`](crate::LedgerOutage)): retry after
+    /// 1 s. Not a limit of the upstream's: a gateway answers it as its store
+    /// being unavailable.
+    LedgerUnavailable,
 }
 
 impl RefusalReason {
     /// The reason string: `workspace_in_flight_limit`, `workspace_rate_limit`,
-    /// `optimizer_busy` or `optimizer_unavailable`.
+    /// `optimizer_busy`, `optimizer_unavailable` or `ledger_unavailable`.
     pub const fn as_str(self) -> &'static str {
         match self {
             RefusalReason::WorkspaceInFlightLimit => "workspace_in_flight_limit",
             RefusalReason::WorkspaceRateLimit => "workspace_rate_limit",
             RefusalReason::OptimizerBusy => "optimizer_busy",
             RefusalReason::OptimizerUnavailable => "optimizer_unavailable",
+            RefusalReason::LedgerUnavailable => "ledger_unavailable",
         }
     }
 

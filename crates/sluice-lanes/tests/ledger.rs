@@ -21,7 +21,8 @@ async fn l1_memory_ledger_limits_starts_and_lease_expiry() {
         b.take("acme", LeaseKind::Single).await.expect("ledger"),
         Taken::Refused {
             reason: RefusalReason::WorkspaceInFlightLimit,
-            retry_after: None
+            retry_after: None,
+            may_free: false,
         }
     );
     // Renewed leases hold; the replica that stops renewing loses them.
@@ -44,7 +45,8 @@ async fn l1_memory_ledger_limits_starts_and_lease_expiry() {
         a.take("acme", LeaseKind::Single).await.expect("ledger"),
         Taken::Refused {
             reason: RefusalReason::WorkspaceRateLimit,
-            retry_after: Some(Duration::from_secs(49))
+            retry_after: Some(Duration::from_secs(49)),
+            may_free: true,
         },
         "the first start (t = 0) leaves the window at 60 s; it is 11 s now"
     );

@@ -243,6 +243,9 @@ pub struct Lane {
     pub breaker_within: Duration,
     /// How long the breaker stays open before one probe decides.
     pub breaker_open: Duration,
+    /// With a shared store: how long a replica's lease on a place lives without
+    /// renewal (a crashed replica's places come back within it).
+    pub lease_ttl: Duration,
     /// The lane's batch lane, if it runs one.
     pub batch: Option<LaneBatch>,
 }

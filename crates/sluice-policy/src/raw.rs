@@ -217,6 +217,10 @@ pub struct RawLane {
     /// How long a call may take upstream before it is cut and counted a failure, in
     /// seconds (180).
     pub timeout_seconds: Option<u32>,
+    /// With a shared store: how long a replica's hold on a place lives without being
+    /// renewed, in seconds (10). A running call renews it every third of this; a
+    /// replica that dies gives its places back within it.
+    pub lease_ttl_seconds: Option<u32>,
     /// The breaker.
     #[serde(default)]
     pub breaker: RawBreaker,

@@ -779,6 +779,7 @@ impl Checker {
             60,
         );
         let open = count(self, "breaker.open_seconds", raw.breaker.open_seconds, 30);
+        let lease_ttl = count(self, "lease_ttl_seconds", raw.lease_ttl_seconds, 10);
         let batch_reserve = raw.batch_reserve.unwrap_or(5);
         // A lane remembers each start of a workspace for its window.
         if let Some(starts) = workspace_starts
@@ -812,6 +813,7 @@ impl Checker {
             breaker_failures: failures?,
             breaker_within: secs(within?),
             breaker_open: secs(open?),
+            lease_ttl: secs(lease_ttl?),
             batch: match &raw.batch {
                 None => None,
                 Some(b) => Some(self.lane_batch(name, b)?),

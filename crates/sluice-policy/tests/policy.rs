@@ -578,6 +578,16 @@ fn l1_the_default_policy_guards_the_optimizer_with_the_seed_numbers() {
         ),
         (5, 60, 30)
     );
+    assert_eq!(lane.lease_ttl.as_secs(), 10, "leases across replicas");
+    let set = parse_str(
+        &sluice_policy::DEFAULT_POLICY_YAML.edit(
+            "timeout_seconds: 180",
+            "timeout_seconds: 180\n    lease_ttl_seconds: 2",
+        ),
+        Path::new("ttl.yaml"),
+    )
+    .expect("a lease TTL");
+    assert_eq!(set.lanes[0].lease_ttl.as_secs(), 2);
     let route = policy
         .route(&Method::POST, "/messages/optimize")
         .expect("the optimize route");
@@ -653,6 +663,11 @@ fn l1_lanes_that_cannot_work_are_errors_with_their_paths() {
             "lanes.optimizer.wait_seconds",
         ),
         ("max_waiting: 1000", "max_waitng: 1000", "max_waitng"),
+        (
+            "timeout_seconds: 180",
+            "timeout_seconds: 180\n    lease_ttl_seconds: 0",
+            "lanes.optimizer.lease_ttl_seconds",
+        ),
         (
             "breaker: { failures: 5,",
             "breaker: { failures: 0,",

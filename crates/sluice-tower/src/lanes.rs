@@ -9,8 +9,8 @@ use http::header::{HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::Full;
 use sluice_core::BreakerConfig;
-use sluice_lanes::{Lane, LaneConfig, LanePermit, LaneRefusal, Outcome};
-use sluice_policy::Policy;
+use sluice_lanes::{Lane, LaneConfig, LanePermit, LaneRefusal, LedgerOutage, Outcome};
+use sluice_policy::{Outage, Policy, RouteClass};
 
 use crate::answer::envelope_response;
 
@@ -27,8 +27,8 @@ pub struct LaneCall {
     pub calls: u32,
 }
 
-/// The settings of `lane` as the lane engine takes them.
-pub(crate) fn lane_config(lane: &sluice_policy::Lane) -> LaneConfig {
+/// The settings of the policy's `lane` as the lane engine takes them.
+pub fn lane_config(lane: &sluice_policy::Lane) -> LaneConfig {
     let mut config = LaneConfig::default();
     config.workspace_in_flight = lane.workspace_in_flight.get();
     config.workspace_starts = lane.workspace_starts.get();
@@ -52,6 +52,45 @@ pub(crate) fn lanes_of(policy: &Policy) -> Vec<Lane> {
         .iter()
         .filter_map(|l| Lane::new(l.name.as_str(), lane_config(l)).ok())
         .collect()
+}
+
+/// What the policy's lane number `lane` does while the ledger its replicas share
+/// cannot be asked, by the store's outage rule: it fails open (each replica counts
+/// its share, every limit divided by `store.replicas`) only when every route and
+/// tool that names it would be decided locally too — each of their classes fails
+/// open and none counts toward a capped monthly quota; otherwise it fails closed
+/// and its calls are answered as a store that cannot decide (503
+/// `limiter_unavailable`, `Retry-After: 1`).
+pub fn ledger_outage(policy: &Policy, lane: usize) -> LedgerOutage {
+    let capped = |quota: Option<usize>| {
+        quota
+            .and_then(|q| policy.quotas.get(q))
+            .is_some_and(|q| q.monthly.is_some())
+    };
+    let opens = |class, quota| policy.store.outage(class) == Outage::FailOpen && !capped(quota);
+    let routes = policy
+        .routes
+        .iter()
+        .filter(|r| r.lane == Some(lane))
+        .map(|r| match r.class {
+            RouteClass::Fixed(class) => opens(class, r.quota),
+            // A JSON-RPC route's calls through a lane are its tools'.
+            RouteClass::JsonRpc => true,
+        });
+    let tools = policy
+        .jsonrpc
+        .tools
+        .values()
+        .filter(|t| t.spends.lane == Some(lane))
+        .map(|t| opens(t.class, t.spends.quota));
+    let mut named = routes.chain(tools).peekable();
+    if named.peek().is_some() && named.all(|open| open) {
+        LedgerOutage::FailOpen {
+            replicas: policy.store.replicas,
+        }
+    } else {
+        LedgerOutage::FailClosed
+    }
 }
 
 /// How long a call of `lane` may wait in line.

@@ -32,7 +32,9 @@ pub use answer::{
 };
 pub use batch::{BadBatch, BatchSubmit, MAX_IDEMPOTENCY_KEY, parse_batch};
 pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED_BYTES};
-pub use lanes::{LaneCall, LanePlace, lane_refusal, lane_status, publish_lane_gauges};
+pub use lanes::{
+    LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,
+};
 pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
 pub use limiter::{
     Admitted, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage,

@@ -273,6 +273,15 @@ impl<S: BudgetStore> Limiter<S> {
         }
     }
 
+    /// The same limiter with `lanes` as its guarded lanes, one per lane of the policy
+    /// and in its order (built elsewhere, e.g. on a ledger shared by replicas: see
+    /// `sluice_lanes::Lane::with_ledger`) instead of lanes counting in this process.
+    /// A call through a lane with no counterpart here is answered 503.
+    pub fn with_lanes(mut self, lanes: Vec<sluice_lanes::Lane>) -> Self {
+        self.lanes = lanes;
+        self
+    }
+
     /// The same limiter with `max_bytes` as the bound on request bytes held in
     /// memory at once (default [`crate::DEFAULT_MAX_BUFFERED_BYTES`]).
     pub fn with_buffer_bound(mut self, max_bytes: usize) -> Self {
@@ -596,6 +605,14 @@ impl<S: BudgetStore> Limiter<S> {
                 Ok(permit) => permits.push(permit),
                 Err(refusal) => {
                     crate::LanePlace::new(permits, rule.timeout).cancel();
+                    if refusal.reason == sluice_lanes::RefusalReason::LedgerUnavailable {
+                        // The lane fails closed while its shared ledger is down: as
+                        // a store that cannot decide (see `lanes::ledger_outage`).
+                        return Err(crate::answer::limiter_unavailable(&format!(
+                            "the ledger of lane {} did not answer",
+                            rule.name
+                        )));
+                    }
                     metrics::counter!(
                         "sluice_lane_refusals_total",
                         "lane" => rule.name.clone(),

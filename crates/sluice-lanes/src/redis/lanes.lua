@@ -6,7 +6,7 @@
 -- KEYS[4] the workspace's starts            (zset: lease id -> start time)
 -- All keys share the lane's hash tag, so one script touches one slot.
 --
--- ARGV[1] op: take_single | take_batch | renew | release | counts
+-- ARGV[1] op: take_single | take_batch | renew | release | cancel | counts
 -- ARGV[2] lease id
 -- ARGV[3] lease ttl (ms)
 -- ARGV[4] workspace in-flight limit
@@ -15,9 +15,10 @@
 -- ARGV[7] global cap
 -- ARGV[8] batch cap
 --
--- take_*  -> {1, now} | {0, reason, retry_after_ms}
+-- take_*  -> {1, now} | {0, reason, retry_after_ms[, may_free]}
 -- renew   -> number of lease entries still held (0: the lease expired)
 -- release -> number of lease entries removed
+-- cancel  -> as release, and the lease's start leaves the window (never sent)
 -- counts  -> {global, batch, workspace running, workspace starts}
 
 local t = redis.call('TIME')
@@ -46,7 +47,12 @@ if op == 'take_single' then
   end
   if redis.call('ZCARD', KEYS[4]) >= starts_limit then
     local oldest = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
-    return {0, 'workspace_rate_limit', tonumber(oldest[2]) + window - now}
+    -- A start of a call still holding its place may yet be given back.
+    local may_free = 0
+    for _, lease in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+      if redis.call('ZSCORE', KEYS[4], lease) then may_free = 1 break end
+    end
+    return {0, 'workspace_rate_limit', tonumber(oldest[2]) + window - now, may_free}
   end
   if redis.call('ZCARD', KEYS[1]) >= cap then
     return {0, 'optimizer_busy', 0}
@@ -78,6 +84,13 @@ elseif op == 'renew' then
 elseif op == 'release' then
   local removed = 0
   for i = 1, 3 do removed = removed + redis.call('ZREM', KEYS[i], id) end
+  return removed
+elseif op == 'cancel' then
+  local removed = 0
+  for i = 1, 3 do removed = removed + redis.call('ZREM', KEYS[i], id) end
+  -- Only a lease still held takes its start back: an expired one may have
+  -- been counted against by another call already.
+  if removed > 0 then redis.call('ZREM', KEYS[4], id) end
   return removed
 elseif op == 'counts' then
   return {

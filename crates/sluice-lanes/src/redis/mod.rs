@@ -4,9 +4,11 @@
 //! and starts that left the window are dropped, the limits are checked and
 //! the lease recorded, all at once. Keys are
 //! `<prefix>{<lane>}:global|batch|ws:<workspace>:run|ws:<workspace>:starts`,
-//! hash-tagged by lane so one script touches one slot, and every key expires
-//! shortly after its last lease or start. The script is loaded once and
-//! called by its hash (reloaded on `NOSCRIPT` by the client).
+//! hash-tagged by lane so one script touches one slot (so a lane works on a
+//! Redis Cluster too, `redis+cluster://h1:p1,h2:p2`, its keys on one node),
+//! and every key expires shortly after its last lease or start. The script is
+//! loaded once and called by its hash (reloaded on `NOSCRIPT` by the client;
+//! on a cluster each node loads it on its first `NOSCRIPT`).
 
 use std::time::Duration;
 
@@ -22,7 +24,8 @@ const SCRIPT: &str = include_str!("lanes.lua");
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisLedgerConfig {
-    /// `redis://host:port/db`, `rediss://…` or `redis+unix:///path`.
+    /// `redis://host:port/db`, `rediss://…`, `redis+unix:///path` or
+    /// `redis+cluster://host:port,host:port,…`.
     pub url: String,
     /// Prefix of every key (default `sluice:lane:`).
     pub prefix: String,
@@ -45,10 +48,28 @@ impl RedisLedgerConfig {
     }
 }
 
+/// A connection to one Redis or to a cluster.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// The node URLs of a `redis+cluster://h1:p1,h2:p2` URL.
+fn cluster_nodes(url: &str) -> Option<Vec<String>> {
+    let rest = url.strip_prefix("redis+cluster://")?;
+    Some(
+        rest.split(',')
+            .filter(|n| !n.is_empty())
+            .map(|n| format!("redis://{n}"))
+            .collect(),
+    )
+}
+
 /// A lane's leases on Redis (see the module docs). Cheap to clone.
 #[derive(Clone)]
 pub struct RedisLedger {
-    conn: ConnectionManager,
+    conn: Conn,
     script: redis::Script,
     limits: LaneConfig,
     prefix: String,
@@ -86,22 +107,38 @@ impl RedisLedger {
         lane: &str,
         limits: LaneConfig,
     ) -> Result<Self, LedgerError> {
-        let client = redis::Client::open(config.url.as_str()).map_err(unavailable)?;
-        let manager = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
-            .set_response_timeout(Some(config.timeout.max(Duration::from_millis(1))))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500));
-        let conn = tokio::time::timeout(
-            Duration::from_secs(2),
-            client.get_connection_manager_with_config(manager),
-        )
-        .await
-        .map_err(|_| unavailable("timed out connecting to redis"))?
-        .map_err(unavailable)?;
         let script = redis::Script::new(SCRIPT);
-        let mut c = conn.clone();
-        script.load_async(&mut c).await.map_err(unavailable)?;
+        let response_timeout = config.timeout.max(Duration::from_millis(1));
+        let conn = if let Some(nodes) = cluster_nodes(&config.url) {
+            let client = redis::cluster::ClusterClient::builder(nodes)
+                .connection_timeout(Duration::from_secs(1))
+                .response_timeout(response_timeout)
+                .retries(2)
+                .build()
+                .map_err(unavailable)?;
+            let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())
+                .await
+                .map_err(|_| unavailable("timed out connecting to the redis cluster"))?
+                .map_err(unavailable)?;
+            Conn::Cluster(conn)
+        } else {
+            let client = redis::Client::open(config.url.as_str()).map_err(unavailable)?;
+            let manager = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(Duration::from_secs(1)))
+                .set_response_timeout(Some(response_timeout))
+                .set_number_of_retries(2)
+                .set_max_delay(Duration::from_millis(500));
+            let conn = tokio::time::timeout(
+                Duration::from_secs(2),
+                client.get_connection_manager_with_config(manager),
+            )
+            .await
+            .map_err(|_| unavailable("timed out connecting to redis"))?
+            .map_err(unavailable)?;
+            let mut c = conn.clone();
+            script.load_async(&mut c).await.map_err(unavailable)?;
+            Conn::Single(conn)
+        };
         Ok(RedisLedger {
             conn,
             script,
@@ -142,11 +179,11 @@ impl RedisLedger {
             .arg(millis(self.limits.start_window))
             .arg(self.limits.global_cap)
             .arg(self.limits.batch_cap());
-        let mut conn = self.conn.clone();
-        invocation
-            .invoke_async(&mut conn)
-            .await
-            .map_err(unavailable)
+        match &self.conn {
+            Conn::Single(conn) => invocation.invoke_async(&mut conn.clone()).await,
+            Conn::Cluster(conn) => invocation.invoke_async(&mut conn.clone()).await,
+        }
+        .map_err(unavailable)
     }
 }
 
@@ -185,11 +222,18 @@ impl Ledger for RedisLedger {
             "optimizer_busy" => RefusalReason::OptimizerBusy,
             other => return Err(unavailable(format!("unknown refusal {other:?}"))),
         };
+        let may_free: i64 = answer
+            .get(3)
+            .map(redis::from_redis_value_ref)
+            .transpose()
+            .map_err(unavailable)?
+            .unwrap_or(0);
         let retry_after = (reason == RefusalReason::WorkspaceRateLimit)
             .then(|| Duration::from_millis(u64::try_from(retry_ms).unwrap_or(0)));
         Ok(Taken::Refused {
             reason,
             retry_after,
+            may_free: may_free == 1,
         })
     }
 
@@ -200,6 +244,11 @@ impl Ledger for RedisLedger {
 
     async fn release(&self, lease: &Lease) -> Result<(), LedgerError> {
         let _: i64 = self.call("release", lease.workspace(), lease.id()).await?;
+        Ok(())
+    }
+
+    async fn cancel(&self, lease: &Lease) -> Result<(), LedgerError> {
+        let _: i64 = self.call("cancel", lease.workspace(), lease.id()).await?;
         Ok(())
     }
 
