@@ -542,11 +542,92 @@ impl<S> BatchEndpoints<S> {
     }
 }
 
+/// An answer of the batch lane (`answer`, as the REST endpoint gives it) to the
+/// JSON-RPC call `id`: a success is the tool's result (its JSON as text and as
+/// `structuredContent`), with HTTP 200; a refusal is a JSON-RPC error with the same
+/// HTTP status, `error.data` holding the envelope's `code` and `details`
+/// (`-32029` for a 429, `-32602` for a 400 or 404, `-32000` otherwise).
+async fn jsonrpc_answer(id: Value, answer: Response<ProxyBody>) -> Response<ProxyBody> {
+    let (parts, body) = answer.into_parts();
+    let bytes = body
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
+    let json: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let body = if parts.status.is_success() {
+        json!({
+            "jsonrpc": "2.0",
+            "id": id,
+            "result": {
+                "content": [{ "type": "text", "text": json.to_string() }],
+                "structuredContent": json,
+                "isError": false,
+            },
+        })
+    } else {
+        let code = match parts.status.as_u16() {
+            429 => -32029,
+            400 | 404 => -32602,
+            _ => -32000,
+        };
+        let error = &json["error"];
+        let mut data = error["details"].clone();
+        if let Value::Object(map) = &mut data {
+            map.insert("code".into(), error["code"].clone());
+        }
+        json!({
+            "jsonrpc": "2.0",
+            "id": id,
+            "error": { "code": code, "message": error["message"], "data": data },
+        })
+    };
+    let status = if parts.status.is_success() {
+        StatusCode::OK
+    } else {
+        parts.status
+    };
+    let mut r = json_response(status, &body);
+    if let Some(retry) = parts.headers.get(header::RETRY_AFTER) {
+        r.headers_mut().insert(header::RETRY_AFTER, retry.clone());
+    }
+    r
+}
+
+impl BatchLane {
+    /// Answers a call of this lane's submit or status tool.
+    async fn tool(
+        &self,
+        parts: &http::request::Parts,
+        call: sluice_tower::BatchToolCall,
+    ) -> Response<ProxyBody> {
+        let answer = match call.tool {
+            sluice_tower::BatchTool::Submit(_) => {
+                let args = Bytes::from(call.arguments.to_string());
+                self.submit(parts, args).await
+            }
+            sluice_tower::BatchTool::Status(_) => match call.arguments["batch_id"].as_str() {
+                Some(id) => self.status(parts, id).await,
+                None => envelope(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    "`batch_id` is required.",
+                    json!({ "reason": "no_batch_id" }),
+                ),
+            },
+        };
+        jsonrpc_answer(call.id, answer).await
+    }
+}
+
 impl<S, B> Service<Request<B>> for BatchEndpoints<S>
 where
-    S: Service<Request<B>, Response = Response<ProxyBody>, Error = Infallible>,
+    S: Service<Request<B>, Response = Response<ProxyBody>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B: http_body::Body<Data = Bytes> + From<Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
     type Response = Response<ProxyBody>;
@@ -573,7 +654,47 @@ where
         let lane = endpoint.and_then(|e| match e {
             BatchEndpoint::Submit(i) | BatchEndpoint::Status(i) => self.lane(i),
         });
+        let jsonrpc = self.lanes.first().is_some_and(|l| {
+            let policy = l.limiter.policy();
+            policy.lanes.iter().any(|lane| {
+                lane.batch
+                    .as_ref()
+                    .is_some_and(|b| b.submit_tool.is_some() || b.status_tool.is_some())
+            }) && l
+                .limiter
+                .route_for(request.method(), request.uri().path())
+                .ok()
+                .flatten()
+                .is_some_and(|r| r.class == sluice_policy::RouteClass::JsonRpc)
+        });
         let (Some(endpoint), Some(lane)) = (endpoint, lane) else {
+            if jsonrpc {
+                // A JSON-RPC body (the limiter read it whole): a batch tool call is
+                // answered here, anything else goes on.
+                let lanes = Arc::clone(&self.lanes);
+                let mut inner = self.inner.clone();
+                return Box::pin(async move {
+                    let (parts, body) = request.into_parts();
+                    let bytes = match body.collect().await {
+                        Ok(c) => c.to_bytes(),
+                        Err(_) => return Ok(boxed(sluice_tower::body_unreadable())),
+                    };
+                    let call = lanes.first().and_then(|l| {
+                        sluice_tower::batch_tool_call(l.limiter.policy(), &bytes)
+                            .ok()
+                            .flatten()
+                    });
+                    let lane = call.as_ref().and_then(|c| match c.tool {
+                        sluice_tower::BatchTool::Submit(i) | sluice_tower::BatchTool::Status(i) => {
+                            lanes.iter().find(|l| l.lane_index == i).cloned()
+                        }
+                    });
+                    match (call, lane) {
+                        (Some(call), Some(lane)) => Ok(lane.tool(&parts, call).await),
+                        _ => inner.call(Request::from_parts(parts, B::from(bytes))).await,
+                    }
+                });
+            }
             let call = self.inner.call(request);
             return Box::pin(call);
         };

@@ -189,6 +189,14 @@ impl InFlight {
     }
 }
 
+impl InFlight {
+    /// The request was not served here after all (handed to the other request path,
+    /// which counts it): it leaves the counts.
+    pub fn handed_over(self) {
+        self.0.line().total.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.line().in_flight.fetch_sub(1, Ordering::Relaxed);

@@ -43,6 +43,9 @@ impl std::fmt::Display for BadBatch {
             "no_items" => f.write_str("`items` must be an array of request bodies"),
             "empty_batch" => f.write_str("`items` is empty: a batch needs at least one item"),
             "too_many_items" => write!(f, "a batch holds at most {n} items"),
+            "batch_tool_in_batch" => f.write_str(
+                "a batch tool call must be sent on its own, not inside a JSON-RPC batch",
+            ),
             "item_not_an_object" => write!(
                 f,
                 "items[{n}] is not a JSON object (each item is the body of one call)"
@@ -140,5 +143,95 @@ mod tests {
                 other => panic!("{}: {other:?}", String::from_utf8_lossy(body)),
             }
         }
+    }
+}
+
+/// Which batch lane tool a JSON-RPC call is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchTool {
+    /// The lane's submit tool (`arguments: {items, idempotency_key}`).
+    Submit(usize),
+    /// The lane's status tool (`arguments: {batch_id}`).
+    Status(usize),
+}
+
+/// A JSON-RPC `tools/call` of a batch lane's tool: the tool, the call's id and
+/// its arguments.
+#[derive(Clone, Debug)]
+pub struct BatchToolCall {
+    /// Which tool of which lane (index into the policy's lanes).
+    pub tool: BatchTool,
+    /// The request id.
+    pub id: Value,
+    /// The call's arguments (`null` when absent).
+    pub arguments: Value,
+}
+
+/// True when `body` may hold a call of a batch lane's tool (a cheap look for the
+/// tool names, before anything is parsed).
+pub fn may_call_batch_tool(policy: &sluice_policy::Policy, body: &[u8]) -> bool {
+    batch_tools(policy).any(|(_, name)| {
+        let quoted = format!("\"{name}\"");
+        body.windows(quoted.len()).any(|w| w == quoted.as_bytes())
+    })
+}
+
+fn batch_tools(policy: &sluice_policy::Policy) -> impl Iterator<Item = (BatchTool, &str)> {
+    policy.lanes.iter().enumerate().flat_map(|(i, lane)| {
+        let batch = lane.batch.as_ref();
+        [
+            batch
+                .and_then(|b| b.submit_tool.as_deref())
+                .map(|t| (BatchTool::Submit(i), t)),
+            batch
+                .and_then(|b| b.status_tool.as_deref())
+                .map(|t| (BatchTool::Status(i), t)),
+        ]
+        .into_iter()
+        .flatten()
+    })
+}
+
+/// The batch lane tool call `body` holds, if it is one: a single JSON-RPC
+/// `tools/call` naming a lane's submit or status tool.
+///
+/// # Errors
+/// [`Refused::Batch`] (`batch_tool_in_batch`) for a JSON-RPC batch holding such a
+/// call: sluice answers those calls itself, one per request.
+pub fn batch_tool_call(
+    policy: &sluice_policy::Policy,
+    body: &[u8],
+) -> Result<Option<BatchToolCall>, Refused> {
+    if !may_call_batch_tool(policy, body) {
+        return Ok(None);
+    }
+    let Ok(value) = serde_json::from_slice::<Value>(body) else {
+        return Ok(None);
+    };
+    let tool_of = |message: &Value| -> Option<BatchTool> {
+        if message.get("method").and_then(Value::as_str) != Some("tools/call") {
+            return None;
+        }
+        let name = message.get("params")?.get("name")?.as_str()?;
+        batch_tools(policy)
+            .find(|(_, t)| *t == name)
+            .map(|(tool, _)| tool)
+    };
+    match &value {
+        Value::Array(items) => {
+            if items.iter().any(|m| tool_of(m).is_some()) {
+                return Err(bad("batch_tool_in_batch", 0));
+            }
+            Ok(None)
+        }
+        message => Ok(tool_of(message).map(|tool| BatchToolCall {
+            tool,
+            id: message.get("id").cloned().unwrap_or(Value::Null),
+            arguments: message
+                .get("params")
+                .and_then(|p| p.get("arguments"))
+                .cloned()
+                .unwrap_or(Value::Null),
+        })),
     }
 }

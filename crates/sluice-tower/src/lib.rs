@@ -30,7 +30,10 @@ pub use answer::{
     parse_cost, payload_too_large, rate_limit_headers, refusal, refusal_wait, retry_after_secs,
     rfc3339, take_cost, upstream_headers, upstream_timed_out,
 };
-pub use batch::{BadBatch, BatchSubmit, MAX_IDEMPOTENCY_KEY, parse_batch};
+pub use batch::{
+    BadBatch, BatchSubmit, BatchTool, BatchToolCall, MAX_IDEMPOTENCY_KEY, batch_tool_call,
+    may_call_batch_tool, parse_batch,
+};
 pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED_BYTES};
 pub use lanes::{
     LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,

@@ -464,7 +464,25 @@ impl<S: BudgetStore> Limiter<S> {
             Some(RouteClass::JsonRpc) => {
                 sluice_policy::check_content_encoding(headers)?;
                 match body {
-                    Some(b) => policy.jsonrpc.classify(b, &policy.bounds)?,
+                    Some(b) => {
+                        let mut items = policy.jsonrpc.classify(b, &policy.bounds)?;
+                        // A batch submit tool: its items count against the single
+                        // call's quota now, as a REST submit's do.
+                        if let Some(call) = crate::batch_tool_call(policy, b)?
+                            && let crate::BatchTool::Submit(l) = call.tool
+                            && let Some(batch) = policy.lanes.get(l).and_then(|l| l.batch.as_ref())
+                        {
+                            let args = serde_json::to_vec(&call.arguments).unwrap_or_default();
+                            let submit = crate::parse_batch(&args, batch.max_items.get())?;
+                            if let Some(q) = batch.quota
+                                && let Some(units) = items.quotas.get_mut(q)
+                            {
+                                let n = u32::try_from(submit.items.len()).unwrap_or(u32::MAX);
+                                *units = units.saturating_add(n);
+                            }
+                        }
+                        items
+                    }
                     None => Items::one(policy.jsonrpc.default_class),
                 }
             }

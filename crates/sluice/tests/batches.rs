@@ -247,3 +247,82 @@ async fn l4_kill_9_during_a_batch_loses_no_item_and_no_result() {
         }
     }
 }
+
+fn rpc(sluice: &Sluice, key: &str, body: &Value) -> Request<Full<Bytes>> {
+    Request::post(sluice.url("/mcp"))
+        .header("x-api-key", key)
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("request")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_the_batch_tools_run_the_batch_lane_over_jsonrpc() {
+    let sluice = Sluice::spawn(&["--demo-optimize-seconds", "0"]);
+    let call = |id: u32, name: &str, arguments: Value| {
+        json!({ "jsonrpc": "2.0", "id": id, "method": "tools/call",
+                "params": { "name": name, "arguments": arguments } })
+    };
+    let reply = send(rpc(
+        &sluice,
+        "sk-acme",
+        &call(
+            1,
+            "optimize_message_batch",
+            json!({ "items": items(3), "idempotency_key": "t-1" }),
+        ),
+    ))
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let body = reply.json();
+    assert_eq!(body["id"], 1);
+    let id = body["result"]["structuredContent"]["batch_id"]
+        .as_str()
+        .expect("batch_id")
+        .to_owned();
+    assert_eq!(body["result"]["structuredContent"]["items"], 3);
+
+    // Read it back with get_batch until it is done.
+    let started = Instant::now();
+    let status = loop {
+        let reply = send(rpc(
+            &sluice,
+            "sk-acme",
+            &call(2, "get_batch", json!({ "batch_id": id })),
+        ))
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        let status = reply.json()["result"]["structuredContent"].clone();
+        if status["state"] == "done" || started.elapsed() > Duration::from_secs(30) {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status["done"], 3, "{status}");
+    // The REST status route shows the same batch.
+    let rest = send(self::status(&sluice, "sk-acme", &id)).await.json();
+    assert_eq!(rest["batch_id"], id.as_str());
+
+    // Another workspace gets a JSON-RPC error, not its batch.
+    let other = send(rpc(
+        &sluice,
+        "sk-globex",
+        &call(3, "get_batch", json!({ "batch_id": id })),
+    ))
+    .await;
+    assert_eq!(other.status, StatusCode::NOT_FOUND);
+    assert_eq!(other.json()["error"]["data"]["code"], "not_found");
+
+    // Inside a JSON-RPC batch the tool is refused: sluice answers it only alone.
+    let mixed = json!([
+        call(4, "get_batch", json!({ "batch_id": id })),
+        call(5, "search_fields", json!({}))
+    ]);
+    let reply = send(rpc(&sluice, "sk-acme", &mixed)).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(
+        reply.json()["error"]["details"]["reason"],
+        "batch_tool_in_batch"
+    );
+}

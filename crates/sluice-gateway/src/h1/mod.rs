@@ -381,6 +381,15 @@ impl<'f> Connection<'f> {
                 .await;
         }
         let body = head_len..head_len + body_len;
+        // A batch lane's tool call is answered by the service stack's batch lanes:
+        // the request goes there whole (nothing of it was answered or decided).
+        if needs_body
+            && route.is_some_and(|r| r.batch.is_none())
+            && sluice_tower::may_call_batch_tool(policy, &self.from_client[body.clone()])
+        {
+            in_flight.handed_over();
+            return Ok(Next::Elsewhere);
+        }
         let plan = target.and_then(|route| {
             limiter.plan_for(
                 &self.identity,
