@@ -326,3 +326,18 @@ async fn l4_the_batch_tools_run_the_batch_lane_over_jsonrpc() {
         "batch_tool_in_batch"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_replicas_on_one_redis_share_the_queue() {
+    let redis = support::redis::RedisServer::start("batches");
+    let url = redis.url();
+    let a = Sluice::spawn(&["--store", &url, "--demo-optimize-seconds", "0"]);
+    let b = Sluice::spawn(&["--store", &url, "--demo-optimize-seconds", "0"]);
+    let reply = send(submit(&a, "sk-acme", &json!({ "items": items(6) }))).await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+    let id = reply.json()["batch_id"].as_str().expect("id").to_owned();
+    // The other replica reads it (and either may run its items).
+    let done = until_done(&b, "sk-acme", &id).await;
+    assert_eq!(done["done"], 6, "{done}");
+    assert_eq!(send(status(&a, "sk-acme", &id)).await.json()["done"], 6);
+}
