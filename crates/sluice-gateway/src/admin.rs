@@ -115,6 +115,14 @@ fn describe_metrics() {
         "sluice_lane_breaker_open",
         "1 while a guarded lane's breaker is open (calls refused at once), else 0."
     );
+    metrics::describe_gauge!(
+        "sluice_batch_queued",
+        "Batch items waiting in a lane's batch queue (as its runner last saw it), by lane."
+    );
+    metrics::describe_counter!(
+        "sluice_batch_items_total",
+        "Batch items this process finished, by lane and outcome (done, failed, requeued)."
+    );
     metrics::describe_counter!(
         "sluice_lane_refusals_total",
         "Calls a guarded lane refused, by lane and reason."
@@ -398,6 +406,9 @@ const DASHBOARD_HTML: &str = r##"<!doctype html>
 <h2>Guarded lanes</h2>
 <div id="lanes" class="muted">no lanes in the policy</div>
 
+<h2>Batch lanes</h2>
+<div id="batches" class="muted">no batch lanes in the policy</div>
+
 <h2>Monthly quotas</h2>
 <form id="quota-form"><label>workspace <input id="workspace" placeholder="acme, key:…, ip:…" size="40"></label>
 <button>show</button></form>
@@ -432,6 +443,36 @@ function showStatus(s) {
   document.getElementById("limiter").textContent =
     s.limiter === null ? "no limiter wired in" : JSON.stringify(s.limiter, null, 2);
   showLanes((s.limiter && s.limiter.lanes) || []);
+  showBatches((s.limiter && s.limiter.batches) || []);
+}
+function showBatches(batches) {
+  const box = document.getElementById("batches");
+  if (batches.length === 0) return;
+  box.replaceChildren();
+  box.className = "";
+  for (const b of batches) {
+    const head = document.createElement("div");
+    head.textContent = b.lane + " batch lane: " + b.queued + " items queued, " + b.running +
+      " running; here " + b.done_here + " done, " + b.failed_here + " failed, " +
+      b.requeued_here + " sent back to the queue";
+    box.appendChild(head);
+    const table = document.createElement("table");
+    const header = document.createElement("tr");
+    for (const h of ["workspace", "queued", "running"]) {
+      const th = document.createElement("th");
+      th.textContent = h;
+      header.appendChild(th);
+    }
+    table.appendChild(header);
+    for (const w of b.workspaces) {
+      const row = document.createElement("tr");
+      cell(row, w.workspace);
+      cell(row, String(w.queued), "num");
+      cell(row, String(w.running), "num");
+      table.appendChild(row);
+    }
+    box.appendChild(table);
+  }
 }
 function showLanes(lanes) {
   const box = document.getElementById("lanes");

@@ -134,6 +134,10 @@ pub struct BatchLane {
     credential_fields: Vec<http::HeaderName>,
     /// Wakes the runner when a batch was queued.
     queued: tokio::sync::Notify,
+    /// What the queue held when the runner last looked, for `/status`.
+    last_backlog: parking_lot::Mutex<Vec<WorkspaceBacklog>>,
+    /// Items finished here: done, failed, and sent back to the queue.
+    outcomes: [std::sync::atomic::AtomicU64; 3],
 }
 
 /// Most bytes of an upstream answer kept as an item's result.
@@ -186,6 +190,8 @@ impl BatchLane {
                     clock: clock.clone(),
                     credential_fields: credential_fields.clone(),
                     queued: tokio::sync::Notify::new(),
+                    last_backlog: parking_lot::Mutex::default(),
+                    outcomes: Default::default(),
                 }))
             })
             .collect()
@@ -344,6 +350,7 @@ impl BatchLane {
                 Ok(b) => b,
                 Err(_) => return,
             };
+            self.last_backlog.lock().clone_from(&backlogs);
             let waiting: Vec<&str> = backlogs
                 .iter()
                 .filter(|b| b.queued > 0)
@@ -381,8 +388,10 @@ impl BatchLane {
                     body: ResultBody::new(body, is_json),
                 };
                 if status < 400 {
+                    self.count(0);
                     self.queue.complete(batch, index, result, now).await
                 } else {
+                    self.count(1);
                     self.queue.fail(batch, index, result, now).await
                 }
             }
@@ -390,6 +399,7 @@ impl BatchLane {
                 permit.finish(sluice_lanes::Outcome::Failure);
                 if claimed.attempt < MAX_ATTEMPTS {
                     // Back to the queue: it runs again once the upstream recovers.
+                    self.count(2);
                     self.queue
                         .release(batch, index, now)
                         .await
@@ -412,6 +422,7 @@ impl BatchLane {
                             )),
                         },
                     };
+                    self.count(1);
                     self.queue.fail(batch, index, result, now).await
                 }
             }
@@ -462,9 +473,37 @@ impl BatchLane {
         Some((status, body, is_json))
     }
 
-    /// This lane's runner's share of `/status`.
+    fn count(&self, outcome: usize) {
+        self.outcomes[outcome].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let label = ["done", "failed", "requeued"][outcome];
+        metrics::counter!("sluice_batch_items_total", "lane" => self.lane.name().to_owned(), "outcome" => label)
+            .increment(1);
+    }
+
+    /// The lane (index into the policy's lanes) this batch lane runs on.
     pub fn lane_index(&self) -> usize {
         self.lane_index
+    }
+
+    /// This batch lane's share of `/status`: per workspace, items queued and
+    /// running (as the runner last saw the queue), and items finished here.
+    pub fn summary(&self) -> Value {
+        let backlog = self.last_backlog.lock();
+        let n = |i: usize| self.outcomes[i].load(std::sync::atomic::Ordering::Relaxed);
+        let queued: u64 = backlog.iter().map(|b| b.queued).sum();
+        metrics::gauge!("sluice_batch_queued", "lane" => self.lane.name().to_owned())
+            .set(queued as f64);
+        json!({
+            "lane": self.lane.name(),
+            "queued": queued,
+            "running": backlog.iter().map(|b| b.running).sum::<u64>(),
+            "done_here": n(0),
+            "failed_here": n(1),
+            "requeued_here": n(2),
+            "workspaces": backlog.iter().map(|b| json!({
+                "workspace": b.workspace, "queued": b.queued, "running": b.running,
+            })).collect::<Vec<_>>(),
+        })
     }
 }
 

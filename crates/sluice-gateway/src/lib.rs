@@ -391,9 +391,11 @@ impl Gateway {
         )
         .with_limiter_summary({
             let limiter = Arc::clone(&limiter);
+            let batch_lanes = Arc::clone(&batch_lanes);
             Arc::new(move || {
                 let mut status = limiter.status();
                 status["store"] = limiter.store().describe_state();
+                status["batches"] = batch_lanes.iter().map(|b| b.summary()).collect();
                 status
             })
         });

@@ -89,6 +89,17 @@ async fn l4_a_batch_is_queued_at_once_runs_and_reports_each_result() {
     .await
     .json();
     assert_eq!(demo["calls"], 8, "{demo}");
+    // /status shows the batch lane: nothing left queued, 8 done here.
+    let admin = send(
+        Request::get(sluice.admin_url("/status"))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await
+    .json();
+    let batches = &admin["limiter"]["batches"][0];
+    assert_eq!(batches["lane"], "optimizer", "{admin}");
+    assert_eq!(batches["done_here"], 8, "{batches}");
     assert!(
         demo["most_at_once"].as_u64() <= Some(15),
         "cap minus reserve: {demo}"
