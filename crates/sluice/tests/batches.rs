@@ -352,3 +352,85 @@ async fn l4_replicas_on_one_redis_share_the_queue() {
     assert_eq!(done["done"], 6, "{done}");
     assert_eq!(send(status(&a, "sk-acme", &id)).await.json()["done"], 6);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_a_single_call_starts_within_a_second_while_5000_batch_items_run() {
+    let dir = DataDir::new();
+    std::fs::create_dir_all(&dir.0).expect("dir");
+    let policy = dir.0.join("policy.yaml");
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML
+        .edit("messages: { monthly: 1000 }", "messages: { monthly: 100000 }");
+    std::fs::write(&policy, yaml).expect("policy");
+    let data = dir.0.join("data");
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("path"),
+        "--data-dir",
+        data.to_str().expect("path"),
+        "--demo-optimize-seconds",
+        "0.5",
+    ]);
+    // 5,000 items (five batches of the most one may hold), from two workspaces.
+    for i in 0..5 {
+        let key = if i % 2 == 0 { "sk-bulk-a" } else { "sk-bulk-b" };
+        let reply = send(submit(&sluice, key, &json!({ "items": items(1000) }))).await;
+        assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+    }
+    // The batch lane fills what it may: wait until items run.
+    let started = Instant::now();
+    loop {
+        let demo = send(
+            Request::get(sluice.url("/demo/optimizer"))
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await
+        .json();
+        if demo["running"].as_u64() >= Some(10) || started.elapsed() > Duration::from_secs(30) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Single calls still start at once: the reserve is theirs.
+    for i in 0..3 {
+        let asked = Instant::now();
+        let reply = send(
+            Request::post(sluice.url("/messages/optimize"))
+                .header("x-api-key", format!("sk-single-{i}"))
+                .body(Full::new(Bytes::from_static(b"{\"message\":\"now\"}")))
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        // 0.5 s is the call itself.
+        assert!(
+            asked.elapsed() < Duration::from_millis(1500),
+            "a single call waited {:?} beside the batch",
+            asked.elapsed()
+        );
+    }
+    let demo = send(
+        Request::get(sluice.url("/demo/optimizer"))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await
+    .json();
+    assert!(demo["most_at_once"].as_u64() <= Some(20), "the global cap: {demo}");
+    let bulk_most: u64 = ["sk-bulk-a", "sk-bulk-b"]
+        .iter()
+        .filter_map(|k| {
+            demo["workspaces"][format!("key:{}", sha256_hex(k))]["most_at_once"].as_u64()
+        })
+        .sum();
+    assert!(bulk_most <= 15 + 15, "{demo}");
+    let admin = send(
+        Request::get(sluice.admin_url("/status"))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await
+    .json();
+    let lane = &admin["limiter"]["lanes"][0];
+    assert!(lane["batch_running"].as_u64() <= Some(15), "cap minus reserve: {lane}");
+}
