@@ -21,6 +21,7 @@ mod gateway;
 mod h1;
 pub mod metered;
 mod pool;
+pub mod process;
 pub mod proxy;
 mod read_deadline;
 pub mod store;
@@ -82,6 +83,35 @@ impl StoreSpec {
                 Some((_, host)) => format!("redis://…@{host}"),
                 None => url.clone(),
             },
+        }
+    }
+}
+
+impl std::str::FromStr for StoreSpec {
+    type Err = String;
+
+    /// `memory`, or a Redis URL (`redis://`, `rediss://`, `redis+unix://`, `unix://`,
+    /// `redis+cluster://`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "memory" {
+            Ok(StoreSpec::Memory)
+        } else if [
+            "redis://",
+            "rediss://",
+            "redis+unix://",
+            "unix://",
+            "redis+cluster://",
+        ]
+        .iter()
+        .any(|scheme| s.starts_with(scheme))
+        {
+            Ok(StoreSpec::Redis(s.to_owned()))
+        } else {
+            Err(
+                "expected `memory`, a redis://HOST:PORT[/DB] URL, redis+unix:///PATH or \
+             redis+cluster://HOST:PORT,HOST:PORT,…"
+                    .to_owned(),
+            )
         }
     }
 }

@@ -15,8 +15,9 @@ use sluice_client::proxy::{ProxyError, ProxyOptions, ProxyServer};
 use sluice_store::{Guarded, RedisConfig, RedisStore};
 
 use crate::BadInput;
-use crate::serve::{parse_addr, parse_store, termination_signal};
+use crate::serve::{parse_addr, parse_store};
 use sluice_gateway::StoreSpec;
+use sluice_gateway::process::termination_signal;
 
 /// Flags of `sluice pace`.
 #[derive(Debug, Args)]

@@ -168,7 +168,9 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
             .map_err(|e| BadInput(format!("--profile: {e}")))?,
         None => policy,
     };
-    let data_dir = args.data_dir.unwrap_or_else(default_data_dir);
+    let data_dir = args
+        .data_dir
+        .unwrap_or_else(sluice_gateway::process::default_data_dir);
     if data_dir.exists() && !data_dir.is_dir() {
         return Err(BadInput(format!(
             "--data-dir {}: exists and is not a directory",
@@ -186,81 +188,19 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     if let Some(workers) = args.workers {
         config.workers = workers;
     }
-    config.max_connections = connections_within_fd_limit(args.max_connections)?;
+    config.max_connections = {
+        let (fits, warning) =
+            sluice_gateway::process::connections_within_fd_limit(args.max_connections)
+                .map_err(BadInput)?;
+        if let Some(warning) = warning {
+            eprintln!("sluice: {warning}");
+        }
+        fits
+    };
     config.max_connections_per_ip = args.max_connections_per_ip;
     config.max_buffered_bytes = args.max_buffered_bytes;
     config.demo_optimize_time = args.demo_optimize_seconds;
     Ok(config)
-}
-
-/// File descriptors the process needs besides two per client connection (a client's
-/// and its upstream's): listeners, the admin side, the durable store, Redis, logs.
-const FDS_BESIDES_CONNECTIONS: u64 = 128;
-
-/// The `--max-connections` the open-file limit allows: the soft limit is raised
-/// toward the hard one when two descriptors per connection do not fit, and when even
-/// the hard one is too low the cap is lowered, with a warning, rather than `accept`
-/// failing in a loop once descriptors run out.
-///
-/// # Errors
-/// A limit too low for a single connection.
-fn connections_within_fd_limit(wanted: NonZeroUsize) -> Result<NonZeroUsize, BadInput> {
-    use rustix::process::{Resource, getrlimit, setrlimit};
-    let needed = (wanted.get() as u64)
-        .saturating_mul(2)
-        .saturating_add(FDS_BESIDES_CONNECTIONS);
-    let limit = getrlimit(Resource::Nofile);
-    let Some(soft) = limit.current else {
-        return Ok(wanted);
-    };
-    if soft >= needed {
-        return Ok(wanted);
-    }
-    let hard = limit.maximum.unwrap_or(u64::MAX);
-    let raised = needed.min(hard);
-    let soft = if raised > soft
-        && setrlimit(
-            Resource::Nofile,
-            rustix::process::Rlimit {
-                current: Some(raised),
-                maximum: limit.maximum,
-            },
-        )
-        .is_ok()
-    {
-        raised
-    } else {
-        soft
-    };
-    if soft >= needed {
-        return Ok(wanted);
-    }
-    let fits = soft.saturating_sub(FDS_BESIDES_CONNECTIONS) / 2;
-    let fits = usize::try_from(fits)
-        .ok()
-        .and_then(NonZeroUsize::new)
-        .ok_or_else(|| {
-            BadInput(format!(
-                "the open-file limit is {soft} (hard {hard}): too low to serve a connection; raise it (ulimit -n)"
-            ))
-        })?;
-    eprintln!(
-        "sluice: --max-connections {wanted} needs {needed} open files and the limit is {soft} (hard {hard}): serving at most {fits} connections"
-    );
-    Ok(fits)
-}
-
-/// The data directory when `--data-dir` is not given: `$XDG_STATE_HOME/sluice`, else
-/// `$HOME/.local/state/sluice`, else `./sluice-data`.
-fn default_data_dir() -> PathBuf {
-    let non_empty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
-    if let Some(state) = non_empty("XDG_STATE_HOME") {
-        return PathBuf::from(state).join("sluice");
-    }
-    if let Some(home) = non_empty("HOME") {
-        return PathBuf::from(home).join(".local/state/sluice");
-    }
-    PathBuf::from("sluice-data")
 }
 
 pub(crate) fn parse_addr(s: &str) -> Result<SocketAddr, String> {
@@ -290,26 +230,7 @@ fn parse_upstream(s: &str) -> Result<Upstream, String> {
 }
 
 pub(crate) fn parse_store(s: &str) -> Result<StoreSpec, String> {
-    if s == "memory" {
-        Ok(StoreSpec::Memory)
-    } else if [
-        "redis://",
-        "rediss://",
-        "redis+unix://",
-        "unix://",
-        "redis+cluster://",
-    ]
-    .iter()
-    .any(|scheme| s.starts_with(scheme))
-    {
-        Ok(StoreSpec::Redis(s.to_owned()))
-    } else {
-        Err(
-            "expected `memory`, a redis://HOST:PORT[/DB] URL, redis+unix:///PATH or \
-             redis+cluster://HOST:PORT,HOST:PORT,…"
-                .to_owned(),
-        )
-    }
+    s.parse()
 }
 
 fn parse_demo_seconds(s: &str) -> Result<Duration, String> {
@@ -359,7 +280,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     // Signal handlers are installed before the start line is printed, so a SIGTERM
     // sent by whoever reads that line is always handled gracefully.
-    let termination = termination_signal().context("installing signal handlers")?;
+    let termination =
+        sluice_gateway::process::termination_signal().context("installing signal handlers")?;
     let data_dir = (config.store == StoreSpec::Memory).then(|| config.data_dir.clone());
     let gateway = Gateway::start(config).await.map_err(|e| match e {
         StartError::DataDir(e) => anyhow::Error::new(BadInput(format!("--data-dir: {e}"))),
@@ -398,29 +320,4 @@ async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// A future that resolves with the signal's name on SIGTERM or SIGINT (Ctrl-C).
-pub(crate) fn termination_signal() -> std::io::Result<impl Future<Output = &'static str>> {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        Ok(async move {
-            tokio::select! {
-                _ = term.recv() => "SIGTERM",
-                _ = int.recv() => "SIGINT",
-            }
-        })
-    }
-    #[cfg(not(unix))]
-    {
-        Ok(async {
-            match tokio::signal::ctrl_c().await {
-                Ok(()) => "Ctrl-C",
-                Err(_) => std::future::pending().await,
-            }
-        })
-    }
 }

@@ -358,8 +358,10 @@ async fn l4_a_single_call_starts_within_a_second_while_5000_batch_items_run() {
     let dir = DataDir::new();
     std::fs::create_dir_all(&dir.0).expect("dir");
     let policy = dir.0.join("policy.yaml");
-    let yaml = sluice_policy::DEFAULT_POLICY_YAML
-        .edit("messages: { monthly: 1000 }", "messages: { monthly: 100000 }");
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.edit(
+        "messages: { monthly: 1000 }",
+        "messages: { monthly: 100000 }",
+    );
     std::fs::write(&policy, yaml).expect("policy");
     let data = dir.0.join("data");
     let sluice = Sluice::spawn(&[
@@ -416,7 +418,10 @@ async fn l4_a_single_call_starts_within_a_second_while_5000_batch_items_run() {
     )
     .await
     .json();
-    assert!(demo["most_at_once"].as_u64() <= Some(20), "the global cap: {demo}");
+    assert!(
+        demo["most_at_once"].as_u64() <= Some(20),
+        "the global cap: {demo}"
+    );
     let bulk_most: u64 = ["sk-bulk-a", "sk-bulk-b"]
         .iter()
         .filter_map(|k| {
@@ -432,5 +437,8 @@ async fn l4_a_single_call_starts_within_a_second_while_5000_batch_items_run() {
     .await
     .json();
     let lane = &admin["limiter"]["lanes"][0];
-    assert!(lane["batch_running"].as_u64() <= Some(15), "cap minus reserve: {lane}");
+    assert!(
+        lane["batch_running"].as_u64() <= Some(15),
+        "cap minus reserve: {lane}"
+    );
 }

@@ -1,0 +1,105 @@
+//! What a process that runs a gateway needs from its surroundings: the default
+//! data directory, an open-file limit that holds its connections, and the
+//! termination signals.
+
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+
+/// File descriptors the process needs besides two per client connection (a client's
+/// and its upstream's): listeners, the admin side, the durable store, Redis, logs.
+const FDS_BESIDES_CONNECTIONS: u64 = 128;
+
+/// The `--max-connections` the open-file limit allows: the soft limit is raised
+/// toward the hard one when two descriptors per connection do not fit, and when even
+/// the hard one is too low the cap is lowered, with a warning, rather than `accept`
+/// failing in a loop once descriptors run out.
+///
+/// Returns the cap, and a warning to show when it was lowered.
+///
+/// # Errors
+/// A limit too low for a single connection (the message says so).
+pub fn connections_within_fd_limit(
+    wanted: NonZeroUsize,
+) -> Result<(NonZeroUsize, Option<String>), String> {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let needed = (wanted.get() as u64)
+        .saturating_mul(2)
+        .saturating_add(FDS_BESIDES_CONNECTIONS);
+    let limit = getrlimit(Resource::Nofile);
+    let Some(soft) = limit.current else {
+        return Ok((wanted, None));
+    };
+    if soft >= needed {
+        return Ok((wanted, None));
+    }
+    let hard = limit.maximum.unwrap_or(u64::MAX);
+    let raised = needed.min(hard);
+    let soft = if raised > soft
+        && setrlimit(
+            Resource::Nofile,
+            rustix::process::Rlimit {
+                current: Some(raised),
+                maximum: limit.maximum,
+            },
+        )
+        .is_ok()
+    {
+        raised
+    } else {
+        soft
+    };
+    if soft >= needed {
+        return Ok((wanted, None));
+    }
+    let fits = soft.saturating_sub(FDS_BESIDES_CONNECTIONS) / 2;
+    let fits = usize::try_from(fits)
+        .ok()
+        .and_then(NonZeroUsize::new)
+        .ok_or_else(|| {
+            format!(
+                "the open-file limit is {soft} (hard {hard}): too low to serve a connection; raise it (ulimit -n)"
+            )
+        })?;
+    let warning = format!(
+        "--max-connections {wanted} needs {needed} open files and the limit is {soft} (hard {hard}): serving at most {fits} connections"
+    );
+    Ok((fits, Some(warning)))
+}
+
+/// The data directory when `--data-dir` is not given: `$XDG_STATE_HOME/sluice`, else
+/// `$HOME/.local/state/sluice`, else `./sluice-data`.
+pub fn default_data_dir() -> PathBuf {
+    let non_empty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    if let Some(state) = non_empty("XDG_STATE_HOME") {
+        return PathBuf::from(state).join("sluice");
+    }
+    if let Some(home) = non_empty("HOME") {
+        return PathBuf::from(home).join(".local/state/sluice");
+    }
+    PathBuf::from("sluice-data")
+}
+
+/// A future that resolves with the signal's name on SIGTERM or SIGINT (Ctrl-C).
+pub fn termination_signal() -> std::io::Result<impl Future<Output = &'static str>> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            }
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        Ok(async {
+            match tokio::signal::ctrl_c().await {
+                Ok(()) => "Ctrl-C",
+                Err(_) => std::future::pending().await,
+            }
+        })
+    }
+}
