@@ -104,6 +104,7 @@ jsonrpc:
       optimize: optimize_message
       optimize_batch: optimize_message_batch
   default_class: standard
+  refusal: jsonrpc_error
 headers:
   ietf_draft: false
 limits:

@@ -34,9 +34,9 @@ pub use default::{DEFAULT_POLICY_YAML, default_policy};
 pub use identity::{AmbiguousCredentials, Caller, CallerKind, ClientIp, Who};
 pub use jsonrpc::{Items, Unclassifiable, check_content_encoding};
 pub use model::{
-    BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Lane, LaneBatch,
-    MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy, Principal,
-    Profile, QuotaFamily, Refusal, Route, RouteClass, Spends, StorePolicy, Tool,
+    BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, JsonRpcRefusal,
+    Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy,
+    Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, Spends, StorePolicy, Tool,
 };
 pub use path::{PathError, Paths, without_parameters};
 pub use pattern::PathPattern;

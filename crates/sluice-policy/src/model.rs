@@ -354,6 +354,20 @@ pub struct JsonRpc {
     pub retired: HashMap<String, HashMap<String, String>>,
     /// The class of anything not named.
     pub default_class: Class,
+    /// How a refused JSON-RPC request is answered.
+    pub refusal: JsonRpcRefusal,
+}
+
+/// How a refused JSON-RPC request is answered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum JsonRpcRefusal {
+    /// As any request: the edge's 429 or the JSON envelope.
+    #[default]
+    Edge,
+    /// As JSON-RPC: HTTP 429 with a JSON-RPC error (code -32029) per request id,
+    /// whose `data` says why and when to retry — so an agent whose SDK hides the
+    /// HTTP status can still read the wait.
+    JsonRpcError,
 }
 
 /// Bounds on what a request may make sluice read.

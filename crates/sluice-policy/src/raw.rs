@@ -275,6 +275,9 @@ pub struct RawJsonRpc {
     pub retired: BTreeMap<String, BTreeMap<String, String>>,
     /// The class of anything the rules do not name.
     pub default_class: Option<String>,
+    /// How a refused JSON-RPC request is answered: `edge` (the same 429 as any
+    /// request) or `jsonrpc_error` (a JSON-RPC error per request id).
+    pub refusal: Option<String>,
 }
 
 /// One tool's rule.

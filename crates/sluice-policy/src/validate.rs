@@ -11,9 +11,9 @@ use http::{HeaderName, Method};
 use ipnet::IpNet;
 
 use crate::model::{
-    BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, Lane, LaneBatch,
-    MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy, Principal,
-    Profile, QuotaFamily, Refusal, Route, RouteClass, Spends, StorePolicy, Tool,
+    BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, JsonRpcRefusal,
+    Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy,
+    Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, Spends, StorePolicy, Tool,
 };
 use crate::path::Paths;
 use crate::pattern::PathPattern;
@@ -921,12 +921,24 @@ impl Checker {
             "jsonrpc.default_class",
             j.default_class.as_deref().unwrap_or("standard"),
         )?;
+        let refusal = match j.refusal.as_deref() {
+            None | Some("edge") => JsonRpcRefusal::Edge,
+            Some("jsonrpc_error") => JsonRpcRefusal::JsonRpcError,
+            Some(other) => {
+                self.problem(
+                    "jsonrpc.refusal",
+                    format!("expected `edge` or `jsonrpc_error`, not {other:?}"),
+                );
+                JsonRpcRefusal::Edge
+            }
+        };
         Some(JsonRpc {
             methods,
             method_prefixes,
             tools,
             retired,
             default_class,
+            refusal,
         })
     }
 }

@@ -491,6 +491,103 @@ pub fn rfc3339(unix_secs: u64) -> String {
         .map_or_else(|| "9999-12-31T23:59:59Z".to_owned(), |t| t.to_string())
 }
 
+/// The JSON-RPC error code of a refusal answered as JSON-RPC.
+pub const JSONRPC_RATE_LIMITED: i64 = -32029;
+
+/// A 429 `refusal` of the JSON-RPC request `body`, answered as JSON-RPC (policy
+/// option `jsonrpc.refusal: jsonrpc_error`): HTTP 429, `application/json`, the
+/// refusal's `Retry-After` and `X-RateLimit-*` kept, and for each request id of
+/// `body` (an array for a batch) `{"jsonrpc":"2.0","id","error":{"code":-32029,
+/// "message","data":{"reason","retry_after_seconds","limit","class"}}}`.
+/// `data.reason` is the envelope's `details.reason` when it has one (a lane's
+/// reason, `cost_exceeds_limit`, `batch_backlog_limit`), else its `error.code`
+/// (`quota_exceeded`, `rate_limited`); `retry_after_seconds` is `null` for a request
+/// that can never be admitted. Any other answer is returned as it is.
+pub fn jsonrpc_refusal(
+    refusal: Response<Full<Bytes>>,
+    body: &[u8],
+    class: &str,
+) -> Response<Full<Bytes>> {
+    if refusal.status() != StatusCode::TOO_MANY_REQUESTS {
+        return refusal;
+    }
+    let (mut parts, answer) = refusal.into_parts();
+    let answer = futures_body(answer);
+    let envelope: serde_json::Value = serde_json::from_slice(&answer).unwrap_or_default();
+    let details = &envelope["error"]["details"];
+    let retry: Option<u64> = parts
+        .headers
+        .get(RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
+    // A 429 without Retry-After is one no wait would admit.
+    let reason = details["reason"]
+        .as_str()
+        .or_else(|| retry.is_none().then_some(COST_EXCEEDS_LIMIT))
+        .or_else(|| envelope["error"]["code"].as_str())
+        .unwrap_or("rate_limited");
+    let limit = parts
+        .headers
+        .get(X_RATELIMIT_LIMIT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(serde_json::Value::from)
+        .unwrap_or_else(|| details["limit"].clone());
+    let message = match retry {
+        Some(n) => format!("Rate limited: retry in {n} s"),
+        None => "Rate limited: this request can never be admitted as it is".to_owned(),
+    };
+    let error = |id: serde_json::Value| {
+        serde_json::json!({
+            "jsonrpc": "2.0",
+            "id": id,
+            "error": {
+                "code": JSONRPC_RATE_LIMITED,
+                "message": message,
+                "data": {
+                    "reason": reason,
+                    "retry_after_seconds": retry,
+                    "limit": limit,
+                    "class": class,
+                },
+            },
+        })
+    };
+    let request: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    let reply = match &request {
+        serde_json::Value::Array(items) => {
+            let errors: Vec<serde_json::Value> = items
+                .iter()
+                .filter_map(|m| m.get("id").cloned())
+                .map(error)
+                .collect();
+            if errors.is_empty() {
+                error(serde_json::Value::Null)
+            } else {
+                serde_json::Value::Array(errors)
+            }
+        }
+        message => error(message.get("id").cloned().unwrap_or_default()),
+    };
+    parts
+        .headers
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, Full::new(Bytes::from(reply.to_string())))
+}
+
+/// The bytes of a `Full` body (it is whole already: polling it once yields them).
+fn futures_body(body: Full<Bytes>) -> Bytes {
+    use http_body::Body as _;
+    let mut body = std::pin::pin!(body);
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    match body.as_mut().poll_frame(&mut cx) {
+        std::task::Poll::Ready(Some(Ok(frame))) => frame.into_data().unwrap_or_default(),
+        _ => Bytes::new(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,6 +19,7 @@ use crate::answer::{
     upstream_headers, upstream_timed_out,
 };
 use crate::limiter::{Limiter, Refused};
+use sluice_policy::RouteClass;
 
 /// The connection's peer address, as a request extension. Servers insert it
 /// per connection; without it every caller shares the IP `0.0.0.0`.
@@ -137,6 +138,7 @@ where
                 Err(refused) => return Ok(refused.response().map(Either::Left)),
             };
             let mut _lease = None;
+            let mut jsonrpc_body: Option<Bytes> = None;
             let (body, plan) = if Limiter::<S>::needs_body(route) {
                 let max = policy.bounds.max_body_bytes;
                 // The body is held in memory: its size (or the bound, when it is not
@@ -163,6 +165,9 @@ where
                     Ok(collected) => {
                         let bytes = collected.to_bytes();
                         let plan = limiter.plan(&parts, peer, route, Some(&bytes));
+                        if route.is_some_and(|r| r.class == RouteClass::JsonRpc) {
+                            jsonrpc_body = Some(bytes.clone());
+                        }
                         (B::from(bytes), plan)
                     }
                     Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
@@ -183,7 +188,7 @@ where
                 decision,
                 plan,
                 lane,
-            } = match limiter.admit(plan).await {
+            } = match limiter.admit(plan, jsonrpc_body.as_deref()).await {
                 Ok(admitted) => admitted,
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };

@@ -548,7 +548,11 @@ impl<S: BudgetStore> Limiter<S> {
         decision
     }
 
-    /// The edge's one sequence after a request is planned, for every request path:
+    /// The edge's one sequence after a request is planned, for every request path.
+    /// `jsonrpc_body` is the body of a request on a JSON-RPC route: with the
+    /// policy's `jsonrpc.refusal: jsonrpc_error`, its 429s are answered as JSON-RPC
+    /// errors (see [`crate::jsonrpc_refusal`]).
+    ///
     /// a request that cannot be counted, a call its lane refuses, a refusal, or a
     /// store that cannot decide becomes the answer to send (`Err`); an admitted
     /// request comes back with its decision, its plan and its place in a lane, to be
@@ -561,6 +565,24 @@ impl<S: BudgetStore> Limiter<S> {
     /// # Errors
     /// The answer to send instead of forwarding.
     pub async fn admit(
+        &self,
+        plan: Result<Plan, Refused>,
+        jsonrpc_body: Option<&[u8]>,
+    ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
+        let class = plan.as_ref().map_or("", |p| p.top_class.name());
+        let answered = self.admit_plan(plan).await;
+        match (answered, jsonrpc_body) {
+            (Err(refusal), Some(body))
+                if self.policy.jsonrpc.refusal == sluice_policy::JsonRpcRefusal::JsonRpcError =>
+            {
+                Err(crate::answer::jsonrpc_refusal(refusal, body, class))
+            }
+            (answered, _) => answered,
+        }
+    }
+
+    /// [`Limiter::admit`] but for the JSON-RPC form of a refusal.
+    async fn admit_plan(
         &self,
         plan: Result<Plan, Refused>,
     ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {

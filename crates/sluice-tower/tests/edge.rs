@@ -13,6 +13,13 @@ use support::{T0, method, start, tool_call};
 
 const KEY: (&str, &str) = ("x-api-key", "sk-test-one");
 
+/// The policy with `/mcp` refusals answered as any request's (the edge 429 or the
+/// envelope), as the seed describes them; the built-in policy answers them as
+/// JSON-RPC errors (see `h2_jsonrpc_refusals_carry_the_wait_per_request_id`).
+fn edge_refusals(yaml: &str) -> String {
+    yaml.edit("  refusal: jsonrpc_error\n", "  refusal: edge\n")
+}
+
 fn assert_edge_429(r: &support::Reply) {
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(r.header("content-type"), "text/html; charset=utf-8");
@@ -51,7 +58,7 @@ async fn e1_e6_h2_rest_and_tool_calls_share_the_expensive_budget() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e5_a_batch_of_31_expensive_items_is_refused_whole_and_spends_nothing() {
-    let edge = start(|y| y).await;
+    let edge = start(|y| edge_refusals(&y)).await;
     let batch: Vec<String> = (0..31).map(|i| tool_call(i, "optimize_message")).collect();
     let r = edge.rpc(&[KEY], &format!("[{}]", batch.join(","))).await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
@@ -107,7 +114,7 @@ async fn e3_ten_keys_from_one_ip_hit_the_300_ceiling() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e3_protocol_only_traffic_counts_toward_1200_and_not_300() {
-    let edge = start(|y| y).await;
+    let edge = start(|y| edge_refusals(&y)).await;
     for i in 0..1200 {
         let key = if i % 2 == 0 { "sk-a" } else { "sk-b" };
         let r = edge.get("/mcp", &[("x-api-key", key)]).await;
@@ -483,7 +490,7 @@ async fn h2_a_request_that_can_never_fit_says_so_and_comes_without_retry_after()
     // The export bucket (5 a minute, refused with the envelope) on a tool too: a
     // batch of 6 of its calls can never fit.
     let edge = start(|y| {
-        y.edit(
+        edge_refusals(&y).edit(
             "search_fields: { class: read }",
             "search_fields: { class: read, buckets: [export] }",
         )
@@ -509,4 +516,44 @@ async fn h2_a_request_that_can_never_fit_says_so_and_comes_without_retry_after()
     let r = edge.rpc(&[KEY], &tool_call(9, "search_fields")).await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(r.header("retry-after"), "59");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_jsonrpc_refusals_carry_the_wait_per_request_id() {
+    // The built-in policy: /mcp refusals are JSON-RPC errors an agent's SDK keeps.
+    let edge = start(|y| y).await;
+    let batch: Vec<String> = (0..31).map(|i| tool_call(i, "start_chat")).collect();
+    let never = edge.rpc(&[KEY], &format!("[{}]", batch.join(","))).await;
+    assert_eq!(never.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(never.header("content-type"), "application/json");
+    assert_eq!(never.headers.get("retry-after"), None);
+    let errors: serde_json::Value = serde_json::from_str(&never.body).expect("JSON-RPC");
+    let errors = errors.as_array().expect("an array for a batch");
+    assert_eq!(errors.len(), 31, "one error per request id");
+    assert_eq!(errors[7]["id"], 7);
+    assert_eq!(errors[7]["error"]["code"], -32029);
+    assert_eq!(errors[7]["error"]["data"]["reason"], "cost_exceeds_limit");
+    assert_eq!(
+        errors[7]["error"]["data"]["retry_after_seconds"],
+        serde_json::Value::Null
+    );
+    assert_eq!(errors[7]["error"]["data"]["limit"], 30);
+    assert_eq!(errors[7]["error"]["data"]["class"], "expensive");
+
+    // Spend the class, then a single call must wait: the wait is in the error.
+    let thirty: Vec<String> = (0..30).map(|i| tool_call(i, "start_chat")).collect();
+    let r = edge.rpc(&[KEY], &format!("[{}]", thirty.join(","))).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let wait = edge.rpc(&[KEY], &tool_call(42, "start_chat")).await;
+    assert_eq!(wait.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(wait.header("retry-after"), "59");
+    assert_eq!(wait.header("x-ratelimit-limit"), "30");
+    let error: serde_json::Value = serde_json::from_str(&wait.body).expect("JSON-RPC");
+    assert_eq!(error["id"], 42);
+    assert_eq!(error["error"]["message"], "Rate limited: retry in 59 s");
+    assert_eq!(error["error"]["data"]["retry_after_seconds"], 59);
+    assert_eq!(error["error"]["data"]["reason"], "rate_limited");
+    // REST routes keep the seed's text/html answer.
+    let rest = edge.post("/chats", &[KEY], "{}").await;
+    assert_edge_429(&rest);
 }

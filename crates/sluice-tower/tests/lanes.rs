@@ -253,7 +253,14 @@ async fn l2_a_jsonrpc_tool_call_waits_up_to_two_minutes() {
     let asked = Instant::now();
     let fourth = edge.optimize_tool("sk-acme").await;
     assert_eq!(asked.elapsed(), 120 * SEC, "a tool call waits 2 min");
-    assert_lane_refusal(&fourth, "workspace_in_flight_limit");
+    // On /mcp the refusal is a JSON-RPC error whose data an agent can read.
+    assert_eq!(fourth.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(fourth.body["id"], 1);
+    assert_eq!(fourth.body["error"]["code"], -32029);
+    let data = &fourth.body["error"]["data"];
+    assert_eq!(data["reason"], "workspace_in_flight_limit", "{data}");
+    assert_eq!(data["class"], "expensive");
+    assert_eq!(data["retry_after_seconds"].as_u64(), fourth.retry_after);
 }
 
 #[tokio::test(start_paused = true)]

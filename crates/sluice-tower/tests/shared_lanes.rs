@@ -47,7 +47,7 @@ async fn optimize(
         .route_for(&Method::POST, "/messages/optimize")
         .expect("route");
     let plan = limiter.plan_for(&headers, IpAddr::V4(Ipv4Addr::LOCALHOST), route, None);
-    limiter.admit(plan).await
+    limiter.admit(plan, None).await
 }
 
 async fn json(r: http::Response<http_body_util::Full<bytes::Bytes>>) -> serde_json::Value {

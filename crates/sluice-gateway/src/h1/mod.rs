@@ -405,7 +405,15 @@ impl<'f> Connection<'f> {
             decision,
             plan,
             lane,
-        } = match limiter.admit(plan).await {
+        } = match limiter
+            .admit(
+                plan,
+                route
+                    .is_some_and(|r| r.class == sluice_policy::RouteClass::JsonRpc)
+                    .then(|| &self.from_client[body.clone()]),
+            )
+            .await
+        {
             Ok(admitted) => admitted,
             Err(answer) => {
                 self.from_client.advance(body.end);
