@@ -248,6 +248,43 @@ async def run(mode: str, url: str, checks: Checks, recorder: Recorder) -> None:
                 if mode == "normal":
                     result = await session.call_tool("search_fields", {})
                     check_tool_result(checks, result, "tools/call search_fields {} succeeds with text content")
+                elif mode == "jsonrpc":
+                    first = await session.call_tool("search_fields", {})
+                    check_tool_result(checks, first, "first tools/call search_fields {} succeeds (read budget 1)")
+                    refused = None
+                    try:
+                        await session.call_tool("search_fields", {})
+                    except Exception as exc:  # what the SDK raises is the point of the check
+                        refused = exc
+                    answer = (recorder.posts("tools/call") or [None])[-1]
+                    checks.check(
+                        answer is not None and answer.status == REFUSAL_STATUS,
+                        "the refused tools/call is answered with HTTP 429",
+                        answer.describe() if answer else "no tools/call recorded",
+                    )
+                    checks.check(
+                        isinstance(refused, MCPError) and refused.code == -32029,
+                        "the SDK raises mcp.MCPError with the gateway's code -32029",
+                        f"{type(refused).__name__}: code={getattr(refused, 'code', None)} "
+                        f"message={getattr(refused, 'message', refused)!r}",
+                    )
+                    data = getattr(refused, "data", None) or {}
+                    wait = data.get("retry_after_seconds") if isinstance(data, dict) else None
+                    checks.check(
+                        isinstance(data, dict)
+                        and data.get("reason") == "rate_limited"
+                        and isinstance(wait, int)
+                        and wait >= 1
+                        and data.get("class") == "read",
+                        "the agent reads why and when from the error's data (reason, retry_after_seconds, class)",
+                        f"data={data!r}",
+                    )
+                    header = answer.response_headers.get("retry-after") if answer else None
+                    checks.check(
+                        header is not None and wait is not None and header == str(wait),
+                        "Retry-After says the same wait as the data",
+                        f"Retry-After={header!r}, data.retry_after_seconds={wait!r}",
+                    )
                 else:
                     first = await session.call_tool("search_fields", {})
                     check_tool_result(checks, first, "first tools/call search_fields {} succeeds (read budget 1)")
@@ -311,7 +348,7 @@ async def run(mode: str, url: str, checks: Checks, recorder: Recorder) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("normal", "refused"))
+    parser.add_argument("mode", choices=("normal", "refused", "jsonrpc"))
     parser.add_argument("url", help="the gateway's MCP endpoint, e.g. http://127.0.0.1:PORT/mcp")
     args = parser.parse_args()
 
