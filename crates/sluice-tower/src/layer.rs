@@ -1,7 +1,7 @@
 //! The tower `Layer` and `Service`: classify, decide, answer.
 
 use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -21,10 +21,52 @@ use crate::answer::{
 use crate::limiter::{Limiter, Refused};
 use sluice_policy::RouteClass;
 
-/// The connection's peer address, as a request extension. Servers insert it
-/// per connection; without it every caller shares the IP `0.0.0.0`.
+/// The connection's peer address, as a request extension. A server inserts it per
+/// connection (sluice's gateway does); the layer also reads axum's
+/// `ConnectInfo<SocketAddr>` (feature `axum`, on by default) and a function given
+/// with [`SluiceLayer::with_peer`]. A request with no address at all is refused (500)
+/// rather than counted as one caller with every other anonymous one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PeerAddr(pub SocketAddr);
+
+/// A function that finds a request's client address (e.g. from a header set by a
+/// trusted load balancer, or an extension of the server's).
+pub type PeerFn = Arc<dyn Fn(&http::request::Parts) -> Option<IpAddr> + Send + Sync>;
+
+/// The client address of `parts`: [`PeerAddr`], then axum's `ConnectInfo`, then `peer_fn`.
+fn peer_of(parts: &http::request::Parts, peer_fn: Option<&PeerFn>) -> Option<IpAddr> {
+    if let Some(p) = parts.extensions.get::<PeerAddr>() {
+        return Some(p.0.ip());
+    }
+    #[cfg(feature = "axum")]
+    if let Some(axum::extract::ConnectInfo(addr)) = parts
+        .extensions
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+    {
+        return Some(addr.ip());
+    }
+    peer_fn.and_then(|f| f(parts))
+}
+
+/// The answer to a request whose client address the layer cannot find, said once
+/// on stderr too: counting every such caller as one would give the whole internet
+/// one budget.
+fn no_peer_address() -> Response<Full<Bytes>> {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!(
+            "sluice: a request reached SluiceLayer with no client address: insert sluice_tower::PeerAddr, \
+             serve with axum's into_make_service_with_connect_info::<SocketAddr>(), or give \
+             SluiceLayer::with_peer a function; such requests are refused (500)"
+        );
+    }
+    crate::answer::envelope_response(
+        http::StatusCode::INTERNAL_SERVER_ERROR,
+        "no_client_address",
+        "The rate limiter could not find the client's address, so it cannot count this request.",
+        serde_json::json!({}),
+    )
+}
 
 /// The body sluice answers with: its own refusals, or the inner service's.
 pub type SluiceBody<B> = Either<Full<Bytes>, B>;
@@ -32,12 +74,27 @@ pub type SluiceBody<B> = Either<Full<Bytes>, B>;
 /// Wraps a service with a [`Limiter`].
 pub struct SluiceLayer<S> {
     limiter: Arc<Limiter<S>>,
+    peer_fn: Option<PeerFn>,
 }
 
 impl<S> SluiceLayer<S> {
     /// A layer deciding with `limiter`.
     pub fn new(limiter: Arc<Limiter<S>>) -> Self {
-        SluiceLayer { limiter }
+        SluiceLayer {
+            limiter,
+            peer_fn: None,
+        }
+    }
+
+    /// The same layer finding a request's client address with `peer` when it has
+    /// neither a [`PeerAddr`] nor axum's `ConnectInfo`.
+    #[must_use]
+    pub fn with_peer(
+        mut self,
+        peer: impl Fn(&http::request::Parts) -> Option<IpAddr> + Send + Sync + 'static,
+    ) -> Self {
+        self.peer_fn = Some(Arc::new(peer));
+        self
     }
 }
 
@@ -45,6 +102,7 @@ impl<S> Clone for SluiceLayer<S> {
     fn clone(&self) -> Self {
         SluiceLayer {
             limiter: Arc::clone(&self.limiter),
+            peer_fn: self.peer_fn.clone(),
         }
     }
 }
@@ -56,6 +114,7 @@ impl<S, I> Layer<I> for SluiceLayer<S> {
         SluiceService {
             limiter: Arc::clone(&self.limiter),
             inner,
+            peer_fn: self.peer_fn.clone(),
         }
     }
 }
@@ -71,6 +130,7 @@ pub struct UpstreamTimeout(pub std::time::Duration);
 pub struct SluiceService<S, I> {
     limiter: Arc<Limiter<S>>,
     inner: I,
+    peer_fn: Option<PeerFn>,
 }
 
 impl<S, I: Clone> Clone for SluiceService<S, I> {
@@ -78,6 +138,7 @@ impl<S, I: Clone> Clone for SluiceService<S, I> {
         SluiceService {
             limiter: Arc::clone(&self.limiter),
             inner: self.inner.clone(),
+            peer_fn: self.peer_fn.clone(),
         }
     }
 }
@@ -107,6 +168,7 @@ where
         let ready = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, ready);
         let limiter = Arc::clone(&self.limiter);
+        let peer_fn = self.peer_fn.clone();
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
             // A head RFC 9112 refuses (no `Host`, several), or `CONNECT`, is refused
@@ -127,10 +189,9 @@ where
             if let Err(refused) = limiter.normalize_target(&mut parts.uri) {
                 return Ok(refused.response().map(Either::Left));
             }
-            let peer = parts
-                .extensions
-                .get::<PeerAddr>()
-                .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.0.ip());
+            let Some(peer) = peer_of(&parts, peer_fn.as_ref()) else {
+                return Ok(no_peer_address().map(Either::Left));
+            };
             let policy = limiter.policy();
             let mut too_large = false;
             let route = match limiter.route(&parts) {

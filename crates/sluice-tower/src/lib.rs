@@ -39,7 +39,7 @@ pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED
 pub use lanes::{
     LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,
 };
-pub use layer::{PeerAddr, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
+pub use layer::{PeerAddr, PeerFn, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
 pub use limiter::{
     Admitted, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage,
     Refused, TOP_CALLERS_TRACKED, check_head,

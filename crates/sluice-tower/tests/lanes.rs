@@ -101,7 +101,10 @@ impl Edge {
         }
     }
 
-    async fn send(&self, request: Request<Full<Bytes>>) -> Reply {
+    async fn send(&self, mut request: Request<Full<Bytes>>) -> Reply {
+        request
+            .extensions_mut()
+            .insert(sluice_tower::PeerAddr(([203, 0, 113, 9], 5000).into()));
         let service = SluiceLayer::new(Arc::clone(&self.limiter)).layer(self.upstream.clone());
         let response = service.oneshot(request).await.expect("infallible");
         let status = response.status();

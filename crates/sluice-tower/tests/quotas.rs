@@ -321,7 +321,11 @@ async fn q1_a_call_refused_by_another_budget_spends_no_quota_and_a_batch_counts_
         "",
         "4 calls never fit a quota of 3"
     );
-    assert_eq!(json(&r)["error"]["details"]["usage"], 0);
+    // On /mcp, as JSON-RPC errors (one per call) that say it can never fit.
+    let errors = json(&r);
+    assert_eq!(errors.as_array().map(Vec::len), Some(4));
+    assert_eq!(errors[0]["error"]["data"]["reason"], "cost_exceeds_limit");
+    assert_eq!(errors[0]["error"]["data"]["limit"], 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
