@@ -185,7 +185,7 @@ struct AdminInner {
     started: Instant,
     requests: RequestStats,
     limiter: Option<LimiterSummary>,
-    quotas: Option<Arc<sluice_tower::Limiter<AnyStore>>>,
+    quotas: Option<sluice_tower::SharedLimiter<AnyStore>>,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -216,9 +216,9 @@ impl AdminState {
         self.changed(|inner| inner.limiter = Some(summary))
     }
 
-    /// The same state with `/quotas` answered from `limiter`'s store.
+    /// The same state with `/quotas` answered from the current limiter's store.
     #[must_use]
-    pub fn with_quotas(self, limiter: Arc<sluice_tower::Limiter<AnyStore>>) -> Self {
+    pub fn with_quotas(self, limiter: sluice_tower::SharedLimiter<AnyStore>) -> Self {
         self.changed(|inner| inner.quotas = Some(limiter))
     }
 
@@ -278,7 +278,7 @@ pub async fn serve(
         .with_graceful_shutdown(stop)
         .await
     {
-        eprintln!("sluice: admin listener failed: {error}");
+        tracing::error!("admin listener failed: {error}");
     }
     upkeep.abort();
 }
@@ -286,7 +286,7 @@ pub async fn serve(
 async fn metrics_text(State(state): State<AdminState>) -> Response {
     state.inner.requests.publish();
     if let Some(limiter) = &state.inner.quotas {
-        for lane in limiter.lanes() {
+        for lane in limiter.load().lanes() {
             sluice_tower::publish_lane_gauges(lane);
         }
     }
@@ -330,7 +330,7 @@ async fn quota_answer(state: &AdminState, q: QuotaQuery, reset: bool) -> Respons
         )
             .into_response()
     };
-    let Some(limiter) = &state.inner.quotas else {
+    let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
         return error(
             StatusCode::NOT_FOUND,
             "not_found",
