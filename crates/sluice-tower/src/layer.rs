@@ -77,7 +77,8 @@ pub type SluiceBody<B> = Either<Full<Bytes>, B>;
 /// it to its end.
 pub type SharedLimiter<S> = Arc<ArcSwap<Limiter<S>>>;
 
-/// Wraps a service with a [`Limiter`].
+/// Wraps a service with a [`Limiter`]. A request carrying a [`RequestId`](crate::RequestId)
+/// extension has its refusal logged under that id (see [`Limiter::admit_as`]).
 pub struct SluiceLayer<S> {
     limiter: SharedLimiter<S>,
     peer_fn: Option<PeerFn>,
