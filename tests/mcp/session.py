@@ -4,6 +4,10 @@ Python SDK (PyPI `mcp`, 2.x; see requirements.txt).
 
     session.py normal  http://127.0.0.1:PORT/mcp   # default policy
     session.py refused http://127.0.0.1:PORT/mcp   # tests/mcp/tiny-policy.yaml
+    session.py jsonrpc http://127.0.0.1:PORT/mcp   # the same, refusals as JSON-RPC
+    session.py agent   http://127.0.0.1:PORT/mcp   # 2 s windows, refusals as JSON-RPC:
+                                                   # call until refused, sleep the
+                                                   # error's retry_after_seconds, go on
 
 Client API (mcp 2.x): `mcp.client.streamable_http.streamable_http_client(url,
 http_client=...)` yields the (read, write) stream pair of the Streamable HTTP
@@ -50,6 +54,11 @@ REQUIRED_TOOLS = ("optimize_message", "search_fields")
 
 # Bounds: no request, and no whole session, can hang the run.
 REQUEST_TIMEOUT_SECONDS = 20
+
+# agent mode: most tools/call the loop makes before it must have been refused, and
+# the longest wait it accepts (the short-window policy's window is 2 s).
+AGENT_MAX_CALLS = 20
+AGENT_MAX_WAIT_SECONDS = 3
 SESSION_TIMEOUT_SECONDS = 90
 
 
@@ -206,6 +215,50 @@ def check_refusal_answer(checks: Checks, exchange: Exchange | None) -> None:
 
 
 
+async def agent_loop(checks: Checks, session: ClientSession) -> None:
+    """An agent's loop: call tools until refused, read the wait from the SDK's
+    error data, sleep it, and carry on (a policy whose windows last 2 s)."""
+    made = 0
+    refused: MCPError | None = None
+    for _ in range(AGENT_MAX_CALLS):
+        try:
+            result = await session.call_tool("search_fields", {})
+        except MCPError as exc:
+            refused = exc
+            break
+        check_tool_result(checks, result, f"agent call {made + 1} succeeds")
+        made += 1
+    checks.check(
+        refused is not None and refused.code == -32029,
+        "the agent's loop is refused with mcp.MCPError -32029 once the budget is spent",
+        f"after {made} calls: {type(refused).__name__}: "
+        f"code={getattr(refused, 'code', None)} message={getattr(refused, 'message', None)!r}",
+    )
+    if refused is None:
+        return
+    data = refused.data if isinstance(refused.data, dict) else {}
+    wait = data.get("retry_after_seconds")
+    checks.check(
+        isinstance(wait, int) and 1 <= wait <= AGENT_MAX_WAIT_SECONDS,
+        "the agent reads retry_after_seconds from the error's data",
+        f"data={refused.data!r}",
+    )
+    if not isinstance(wait, int):
+        return
+    started = time.monotonic()
+    await anyio.sleep(wait)
+    try:
+        result = await session.call_tool("search_fields", {})
+    except MCPError as exc:
+        checks.check(False, "after sleeping retry_after_seconds the call succeeds", f"{exc!r} data={exc.data!r}")
+        return
+    check_tool_result(
+        checks,
+        result,
+        f"after sleeping retry_after_seconds ({wait} s, {time.monotonic() - started:.2f} s in all) the call succeeds",
+    )
+
+
 async def run(mode: str, url: str, checks: Checks, recorder: Recorder) -> None:
     http_client = httpx2.AsyncClient(
         timeout=httpx2.Timeout(REQUEST_TIMEOUT_SECONDS, read=60.0),
@@ -285,6 +338,8 @@ async def run(mode: str, url: str, checks: Checks, recorder: Recorder) -> None:
                         "Retry-After says the same wait as the data",
                         f"Retry-After={header!r}, data.retry_after_seconds={wait!r}",
                     )
+                elif mode == "agent":
+                    await agent_loop(checks, session)
                 else:
                     first = await session.call_tool("search_fields", {})
                     check_tool_result(checks, first, "first tools/call search_fields {} succeeds (read budget 1)")
@@ -348,7 +403,7 @@ async def run(mode: str, url: str, checks: Checks, recorder: Recorder) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("normal", "refused", "jsonrpc"))
+    parser.add_argument("mode", choices=("normal", "refused", "jsonrpc", "agent"))
     parser.add_argument("url", help="the gateway's MCP endpoint, e.g. http://127.0.0.1:PORT/mcp")
     args = parser.parse_args()
 

@@ -193,7 +193,7 @@ struct AdminInner {
     started: Instant,
     requests: RequestStats,
     limiter: Option<LimiterSummary>,
-    quotas: Option<Arc<sluice_tower::Limiter<AnyStore>>>,
+    quotas: Option<sluice_tower::SharedLimiter<AnyStore>>,
     history: Arc<Mutex<History>>,
     /// The dashboard's quota table and when it was read (see [`QUOTAS_MAX_AGE`]).
     quota_table: Arc<Mutex<Option<(Instant, serde_json::Value)>>>,
@@ -340,9 +340,9 @@ impl AdminState {
         self.changed(|inner| inner.limiter = Some(summary))
     }
 
-    /// The same state with `/quotas` answered from `limiter`'s store.
+    /// The same state with `/quotas` answered from the current limiter's store.
     #[must_use]
-    pub fn with_quotas(self, limiter: Arc<sluice_tower::Limiter<AnyStore>>) -> Self {
+    pub fn with_quotas(self, limiter: sluice_tower::SharedLimiter<AnyStore>) -> Self {
         self.changed(|inner| inner.quotas = Some(limiter))
     }
 
@@ -360,6 +360,7 @@ impl AdminState {
         let Some(limiter) = &self.inner.quotas else {
             return;
         };
+        let limiter = limiter.load();
         let now = unix_now();
         let tally = limiter.tally(now);
         self.inner.history.lock().push(
@@ -436,7 +437,7 @@ pub async fn serve(
         .with_graceful_shutdown(stop)
         .await
     {
-        eprintln!("sluice: admin listener failed: {error}");
+        tracing::error!("admin listener failed: {error}");
     }
     upkeep.abort();
 }
@@ -444,7 +445,7 @@ pub async fn serve(
 async fn metrics_text(State(state): State<AdminState>) -> Response {
     state.inner.requests.publish();
     if let Some(limiter) = &state.inner.quotas {
-        for lane in limiter.lanes() {
+        for lane in limiter.load().lanes() {
             sluice_tower::publish_lane_gauges(lane);
         }
     }
@@ -488,7 +489,7 @@ async fn quota_answer(state: &AdminState, q: QuotaQuery, reset: bool) -> Respons
         )
             .into_response()
     };
-    let Some(limiter) = &state.inner.quotas else {
+    let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
         return error(
             StatusCode::NOT_FOUND,
             "not_found",
@@ -569,7 +570,7 @@ async fn dashboard_json(
         .inner
         .quotas
         .as_ref()
-        .map(|limiter| tally_json(&limiter.tally(unix_now())));
+        .map(|limiter| tally_json(&limiter.load().tally(unix_now())));
     let quotas = quota_table(&state, &status.limiter).await;
     (
         [(header::CACHE_CONTROL, "no-store")],
@@ -614,6 +615,7 @@ async fn quota_table(state: &AdminState, summary: &serde_json::Value) -> serde_j
     let Some(limiter) = &state.inner.quotas else {
         return serde_json::Value::Null;
     };
+    let limiter = limiter.load_full();
     if limiter.policy().quotas.is_empty() {
         return serde_json::Value::Null;
     }
@@ -677,7 +679,9 @@ mod tests {
     fn state() -> AdminState {
         let policy = sluice_policy::default_policy().expect("default policy");
         let store = AnyStore::memory(sluice_core::SystemClock::default());
-        let limiter = Arc::new(sluice_tower::Limiter::new(policy, store));
+        let limiter = Arc::new(sluice_tower::arc_swap::ArcSwap::from_pointee(
+            sluice_tower::Limiter::new(policy, store),
+        ));
         let info = StatusInfo {
             listen: String::new(),
             admin: String::new(),
@@ -721,7 +725,7 @@ mod tests {
     async fn e1_a_sample_counts_the_decisions_of_its_interval_per_class() {
         let state = state();
         state.sample();
-        let Some(limiter) = state.inner.quotas.clone() else {
+        let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
             panic!("a limiter");
         };
         let request = http::Request::post("/chats")

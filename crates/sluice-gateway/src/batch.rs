@@ -32,7 +32,7 @@ use sluice_store::{
     BatchBook, BatchError, BatchQueue, BatchStatus, Claimed, Finish, ItemResult, Maintenance,
     RedisBatches, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
 };
-use sluice_tower::Limiter;
+use sluice_tower::SharedLimiter;
 use tower::Service;
 
 use crate::Stop;
@@ -126,7 +126,7 @@ pub struct BatchLane {
     batch: LaneBatch,
     timeout: Duration,
     queue: Arc<Batches>,
-    limiter: Arc<Limiter<AnyStore>>,
+    limiter: SharedLimiter<AnyStore>,
     upstream: Upstream,
     client: Client<HttpConnector, Full<Bytes>>,
     clock: SystemClock,
@@ -155,13 +155,16 @@ const RUNNER_TICK: Duration = Duration::from_secs(1);
 const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
 
 impl BatchLane {
-    /// The batch lanes of `limiter`'s policy over `queue`.
+    /// The batch lanes of `limiter`'s policy over `queue`. A reload keeps the
+    /// lanes as they are (see [`Limiter::reloaded`]); the submit and status
+    /// requests are decided by whichever limiter is current.
     pub fn all(
-        limiter: &Arc<Limiter<AnyStore>>,
+        shared: &SharedLimiter<AnyStore>,
         queue: &Arc<Batches>,
         upstream: &Upstream,
         clock: &SystemClock,
     ) -> Vec<Arc<BatchLane>> {
+        let limiter = shared.load();
         let policy = limiter.policy();
         let mut client = Client::builder(TokioExecutor::new());
         client.pool_idle_timeout(Duration::from_secs(60));
@@ -184,7 +187,7 @@ impl BatchLane {
                     batch,
                     timeout: rule.timeout,
                     queue: Arc::clone(queue),
-                    limiter: Arc::clone(limiter),
+                    limiter: Arc::clone(shared),
                     upstream: upstream.clone(),
                     client: client.clone(),
                     clock: clock.clone(),
@@ -239,9 +242,13 @@ impl BatchLane {
         let refund = !matches!(queued, Ok(Submitted { created: true, .. }));
         if refund
             && let Some(family) = self.batch.quota
-            && let Err(e) = self.limiter.refund_quota(&workspace, family, n).await
+            && let Err(e) = self
+                .limiter
+                .load_full()
+                .refund_quota(&workspace, family, n)
+                .await
         {
-            eprintln!("sluice: could not give back {n} quota units to {workspace}: {e}");
+            tracing::warn!("could not give back {n} quota units to {workspace}: {e}");
         }
         match queued {
             Ok(done) => {
@@ -336,7 +343,7 @@ impl BatchLane {
                 () = tokio::time::sleep(RUNNER_TICK) => {}
                 _ = maintain.tick() => {
                     if let Err(e) = self.queue.maintain(self.clock.now()).await {
-                        eprintln!("sluice: batch queue upkeep failed: {e}");
+                        tracing::warn!("batch queue upkeep failed: {e}");
                     }
                 }
             }
@@ -428,7 +435,7 @@ impl BatchLane {
             }
         };
         if let Err(e) = recorded {
-            eprintln!("sluice: batch {batch} item {index}: could not record its answer: {e}");
+            tracing::warn!("batch {batch} item {index}: could not record its answer: {e}");
         }
     }
 
@@ -684,6 +691,7 @@ where
         } else {
             self.lanes.first().and_then(|l| {
                 l.limiter
+                    .load()
                     .route_for(request.method(), request.uri().path())
                     .ok()
                     .flatten()
@@ -694,13 +702,12 @@ where
             BatchEndpoint::Submit(i) | BatchEndpoint::Status(i) => self.lane(i),
         });
         let jsonrpc = self.lanes.first().is_some_and(|l| {
-            let policy = l.limiter.policy();
-            policy.lanes.iter().any(|lane| {
+            let limiter = l.limiter.load();
+            limiter.policy().lanes.iter().any(|lane| {
                 lane.batch
                     .as_ref()
                     .is_some_and(|b| b.submit_tool.is_some() || b.status_tool.is_some())
-            }) && l
-                .limiter
+            }) && limiter
                 .route_for(request.method(), request.uri().path())
                 .ok()
                 .flatten()
@@ -719,7 +726,7 @@ where
                         Err(_) => return Ok(boxed(sluice_tower::body_unreadable())),
                     };
                     let call = lanes.first().and_then(|l| {
-                        sluice_tower::batch_tool_call(l.limiter.policy(), &bytes)
+                        sluice_tower::batch_tool_call(l.limiter.load().policy(), &bytes)
                             .ok()
                             .flatten()
                     });

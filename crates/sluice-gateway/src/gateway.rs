@@ -233,7 +233,7 @@ pub(super) async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
-                    eprintln!("sluice: accept failed: {error}");
+                    tracing::warn!("accept failed: {error}");
                     tokio::time::sleep(ACCEPT_BACKOFF).await;
                     continue;
                 }
@@ -269,9 +269,7 @@ pub(super) async fn serve(
                     socket = Some((stream, peer));
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
-                    eprintln!(
-                        "sluice: gateway worker {next} stopped; connection from {peer} dropped"
-                    );
+                    tracing::warn!("gateway worker {next} stopped; connection from {peer} dropped");
                 }
             }
             next = (next + 1) % handoffs.len();
@@ -284,7 +282,7 @@ pub(super) async fn serve(
                 handed = handoffs[next].send((stream, peer, open)) => handed,
             };
             if handed.is_err() {
-                eprintln!("sluice: gateway worker {next} stopped; connection from {peer} dropped");
+                tracing::warn!("gateway worker {next} stopped; connection from {peer} dropped");
             }
             next = (next + 1) % handoffs.len();
         }
@@ -305,7 +303,7 @@ pub(super) async fn serve(
                 };
             }
             Err(_) => {
-                eprintln!("sluice: a gateway worker ended without draining");
+                tracing::warn!("a gateway worker ended without draining");
                 if outcome == Drain::Complete {
                     outcome = Drain::TimedOut { connections: 0 };
                 }

@@ -14,6 +14,7 @@
 //! [`Gateway::shutdown`] stops accepting, lets in-flight requests finish for up to
 //! [`SHUTDOWN_GRACE`], then closes the rest.
 
+pub mod access;
 pub mod admin;
 pub mod batch;
 pub mod demo;
@@ -24,6 +25,7 @@ mod pool;
 pub mod process;
 pub mod proxy;
 mod read_deadline;
+pub mod reload;
 pub mod store;
 mod upload;
 
@@ -36,7 +38,8 @@ use std::time::{Duration, Instant};
 use sluice_core::SystemClock;
 use sluice_policy::Policy;
 use sluice_store::{JournalSync, MemoryConfig, MemoryStore, OpenError, StoreError};
-use sluice_tower::{Limiter, SluiceLayer};
+use sluice_tower::arc_swap::ArcSwap;
+use sluice_tower::{Limiter, SharedLimiter, SluiceLayer};
 use store::AnyStore;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -46,6 +49,7 @@ use tower::Layer as _;
 use proxy::{Proxy, ProxyConfig, Upstream};
 
 pub use gateway::Drain;
+pub use reload::{PolicyFile, Reloader};
 
 /// How long in-flight requests may run on after [`Gateway::shutdown`] before the rest
 /// are closed.
@@ -149,6 +153,11 @@ pub struct GatewayConfig {
     pub max_buffered_bytes: usize,
     /// How long a call of the demo upstream's message optimizer takes.
     pub demo_optimize_time: Duration,
+    /// The file the policy was read from, read again on SIGHUP and when it changes
+    /// (`None`: the policy was given without a file and is never reloaded).
+    pub policy_file: Option<PolicyFile>,
+    /// One `sluice::access` log line per request.
+    pub access_log: bool,
 }
 
 /// Default for [`GatewayConfig::max_connections`].
@@ -181,6 +190,8 @@ impl GatewayConfig {
             max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
             max_buffered_bytes: sluice_tower::DEFAULT_MAX_BUFFERED_BYTES,
             demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
+            policy_file: None,
+            access_log: false,
         }
     }
 }
@@ -240,6 +251,7 @@ pub struct Gateway {
     stop_backends: watch::Sender<bool>,
     gateway_task: JoinHandle<Drain>,
     admin_task: JoinHandle<()>,
+    reloader: Arc<Reloader>,
 }
 
 /// A one-shot stop signal that any number of tasks can wait on.
@@ -367,17 +379,42 @@ impl Gateway {
             },
             clock,
         );
-        let per_ip = {
-            let identity = config.policy.identity.clone();
-            gateway::PerIp::new(config.max_connections_per_ip, move |ip| identity.trusts(ip))
+        // Without a file, the version is the policy's own digest.
+        let version = match &config.policy_file {
+            Some(file) => file.version.clone(),
+            None => reload::policy_version(format!("{:?}", config.policy).as_bytes()),
         };
+        let shared_store = matches!(config.store, StoreSpec::Redis(_));
         let mut limiter = Limiter::new(config.policy, store)
             .with_fallback(fallback)
             .with_buffer_bound(config.max_buffered_bytes);
         if let Some(lanes) = shared_lanes {
             limiter = limiter.with_lanes(lanes);
         }
-        let limiter = Arc::new(limiter);
+        // Every request path takes the limiter from here, so a reload reaches them all.
+        let limiter: SharedLimiter<AnyStore> = Arc::new(ArcSwap::from_pointee(limiter));
+        let per_ip = {
+            let limiter = Arc::clone(&limiter);
+            gateway::PerIp::new(config.max_connections_per_ip, move |ip| {
+                limiter.load().policy().identity.trusts(ip)
+            })
+        };
+        let reloader = Arc::new(Reloader::new(
+            Arc::clone(&limiter),
+            config.policy_file.clone(),
+            version,
+            shared_store,
+        ));
+        // Installed before anything is served: SIGHUP would otherwise end the process.
+        #[cfg(unix)]
+        {
+            let hangups = reload::hangups().map_err(io("installing the SIGHUP handler"))?;
+            tokio::spawn(reload::watch(
+                Arc::clone(&reloader),
+                hangups,
+                backends_stopped.clone(),
+            ));
+        }
         tokio::spawn(reclaim_stale_cells(
             Arc::clone(&limiter),
             backends_stopped.clone(),
@@ -398,11 +435,17 @@ impl Gateway {
             let limiter = Arc::clone(&limiter);
             let proxy_config = proxy_config.clone();
             let batch_lanes = Arc::clone(&batch_lanes);
+            let access_log = config.access_log;
             move || {
-                SluiceLayer::new(Arc::clone(&limiter)).layer(batch::BatchEndpoints::new(
-                    Proxy::new(proxy_config.clone()),
-                    Arc::clone(&batch_lanes),
-                ))
+                access::RequestIds::new(
+                    SluiceLayer::reloadable(Arc::clone(&limiter)).layer(
+                        batch::BatchEndpoints::new(
+                            Proxy::new(proxy_config.clone()),
+                            Arc::clone(&batch_lanes),
+                        ),
+                    ),
+                    access_log,
+                )
             }
         };
 
@@ -422,10 +465,13 @@ impl Gateway {
         .with_limiter_summary({
             let limiter = Arc::clone(&limiter);
             let batch_lanes = Arc::clone(&batch_lanes);
+            let reloader = Arc::clone(&reloader);
             Arc::new(move || {
+                let limiter = limiter.load();
                 let mut status = limiter.status();
                 status["store"] = limiter.store().describe_state();
                 status["batches"] = batch_lanes.iter().map(|b| b.summary()).collect();
+                status["policy"] = reloader.status();
                 status
             })
         });
@@ -443,7 +489,15 @@ impl Gateway {
 
         let make_fast = {
             let limiter = Arc::clone(&limiter);
-            move |stats| h1::FastPath::new(Arc::clone(&limiter), proxy_config.clone(), stats)
+            let access_log = config.access_log;
+            move |stats| {
+                h1::FastPath::new(
+                    Arc::clone(&limiter),
+                    proxy_config.clone(),
+                    stats,
+                    access_log,
+                )
+            }
         };
         let workers = gateway::Workers::start(
             config.workers,
@@ -470,7 +524,14 @@ impl Gateway {
             stop_backends,
             gateway_task,
             admin_task,
+            reloader,
         })
+    }
+
+    /// What reloads the policy (SIGHUP and file changes do it by themselves; this is
+    /// for callers that want to ask, and for the policy's version).
+    pub fn reloader(&self) -> &Arc<Reloader> {
+        &self.reloader
     }
 
     /// The address the gateway listens on.
@@ -524,7 +585,7 @@ impl Gateway {
 const RECLAIM_EVERY: Duration = Duration::from_secs(30);
 
 /// Drops budget cells whose window is over, until the stop signal.
-async fn reclaim_stale_cells(limiter: Arc<Limiter<AnyStore>>, stop: Stop) {
+async fn reclaim_stale_cells(limiter: SharedLimiter<AnyStore>, stop: Stop) {
     let mut tick = tokio::time::interval(RECLAIM_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let stopped = stop.wait();
@@ -532,6 +593,7 @@ async fn reclaim_stale_cells(limiter: Arc<Limiter<AnyStore>>, stop: Stop) {
     loop {
         tokio::select! {
             _ = tick.tick() => {
+                let limiter = limiter.load();
                 limiter.store().reclaim();
                 limiter.fallback().reclaim();
             }

@@ -6,6 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{CONNECTION, HOST, HeaderValue};
 use http::{Request, Response, Version};
@@ -71,15 +72,28 @@ fn no_peer_address() -> Response<Full<Bytes>> {
 /// The body sluice answers with: its own refusals, or the inner service's.
 pub type SluiceBody<B> = Either<Full<Bytes>, B>;
 
-/// Wraps a service with a [`Limiter`].
+/// A limiter that can be replaced while requests run (a policy reload): each request
+/// takes the one current when it arrives ([`ArcSwap::load_full`], no lock) and keeps
+/// it to its end.
+pub type SharedLimiter<S> = Arc<ArcSwap<Limiter<S>>>;
+
+/// Wraps a service with a [`Limiter`]. A request carrying a [`RequestId`](crate::RequestId)
+/// extension has its refusal logged under that id (see [`Limiter::admit_as`]).
 pub struct SluiceLayer<S> {
-    limiter: Arc<Limiter<S>>,
+    limiter: SharedLimiter<S>,
     peer_fn: Option<PeerFn>,
 }
 
 impl<S> SluiceLayer<S> {
     /// A layer deciding with `limiter`.
     pub fn new(limiter: Arc<Limiter<S>>) -> Self {
+        Self::reloadable(Arc::new(ArcSwap::new(limiter)))
+    }
+
+    /// A layer deciding with whichever limiter `limiter` holds when a request
+    /// arrives: store another in it (see [`Limiter::reloaded`]) and the next
+    /// requests are decided by it.
+    pub fn reloadable(limiter: SharedLimiter<S>) -> Self {
         SluiceLayer {
             limiter,
             peer_fn: None,
@@ -128,7 +142,7 @@ pub struct UpstreamTimeout(pub std::time::Duration);
 /// The service [`SluiceLayer`] makes. It never waits in `poll_ready` beyond
 /// the inner service: a refusal is answered at once.
 pub struct SluiceService<S, I> {
-    limiter: Arc<Limiter<S>>,
+    limiter: SharedLimiter<S>,
     inner: I,
     peer_fn: Option<PeerFn>,
 }
@@ -167,7 +181,7 @@ where
         // The clone is not ready; the one polled ready is taken for this call.
         let ready = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, ready);
-        let limiter = Arc::clone(&self.limiter);
+        let limiter = self.limiter.load_full();
         let peer_fn = self.peer_fn.clone();
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
@@ -249,7 +263,14 @@ where
                 decision,
                 plan,
                 lane,
-            } = match limiter.admit(plan, jsonrpc_body.as_deref()).await {
+            } = match limiter
+                .admit_as(
+                    plan,
+                    jsonrpc_body.as_deref(),
+                    parts.extensions.get::<crate::RequestId>(),
+                )
+                .await
+            {
                 Ok(admitted) => admitted,
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };

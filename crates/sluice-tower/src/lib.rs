@@ -21,6 +21,7 @@ mod lanes;
 mod layer;
 mod limiter;
 mod plan;
+mod request_id;
 
 pub use answer::{
     COST_EXCEEDS_LIMIT, EDGE_BODY, JSONRPC_RATE_LIMITED, RATELIMIT, RATELIMIT_POLICY,
@@ -39,9 +40,15 @@ pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED
 pub use lanes::{
     LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,
 };
-pub use layer::{PeerAddr, PeerFn, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
+pub use layer::{
+    PeerAddr, PeerFn, SharedLimiter, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout,
+};
 pub use limiter::{
     Admitted, ClassTally, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError,
-    QuotaUsage, Refused, TOP_CALLERS_TRACKED, Tally, check_head,
+    QuotaUsage, Refused, ReloadRefused, TOP_CALLERS_TRACKED, Tally, check_head,
 };
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
+pub use request_id::{MAX_REQUEST_ID_LEN, RequestId, X_REQUEST_ID};
+
+/// arc-swap, whose [`ArcSwap`](arc_swap::ArcSwap) holds a [`SharedLimiter`].
+pub use arc_swap;

@@ -4,6 +4,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -117,21 +118,42 @@ pub const TOP_CALLERS_TRACKED: usize = 4_096;
 /// open, it is decided on this process's fallback store with the limits
 /// divided by the policy's replica count; otherwise the error stands and the
 /// layer answers 503.
+///
+/// A limiter can be [reloaded](Limiter::reloaded) with a new policy: the new one
+/// shares this one's store, fallback, buffer bound, top callers and lanes, so
+/// budgets in flight keep their counts (a budget's cell is keyed by its scope and
+/// subject, never by its limit).
 pub struct Limiter<S> {
     policy: Policy,
     scopes: Scopes,
-    store: S,
-    fallback: MemoryStore,
-    buffers: std::sync::Arc<crate::BufferBudget>,
-    degraded: AtomicBool,
+    store: Arc<S>,
+    fallback: Arc<MemoryStore>,
+    buffers: Arc<crate::BufferBudget>,
+    degraded: Arc<AtomicBool>,
     /// Spend per caller this window, in shards by caller (no process-wide lock on
     /// the hot path).
-    top: [crossbeam_utils::CachePadded<Mutex<TopCallers>>; TOP_SHARDS],
+    top: Arc<[crossbeam_utils::CachePadded<Mutex<TopCallers>>; TOP_SHARDS]>,
     metrics: Meters,
     /// Counts since start, for the dashboard (see [`Limiter::tally`]).
-    counts: Counts,
+    counts: Arc<Counts>,
     /// The policy's guarded lanes, in its order.
     lanes: Vec<sluice_lanes::Lane>,
+    /// The request fields [`Limiter::plan_for`] reads (see [`Limiter::read_headers`]).
+    read_headers: Vec<HeaderName>,
+}
+
+/// Why a new policy cannot replace a running one without a restart (see
+/// [`Limiter::reloaded`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReloadRefused {
+    /// The guarded lanes differ: a lane counts the calls running through it, which a
+    /// new engine would not know of, and its batch lane's queue was opened with its
+    /// settings.
+    #[error(
+        "lanes: the guarded lanes changed ({0}); a lane's running calls and batch queue live in its engine: restart sluice to apply"
+    )]
+    Lanes(String),
 }
 
 /// What the dashboard is told of the limiter's decisions since the process started
@@ -181,7 +203,8 @@ pub struct ClassTally {
 /// class, so the request path takes no lock for them.
 struct Counts {
     classes: [crossbeam_utils::CachePadded<ClassCounts>; 4],
-    /// Refusals by every reason the policy can give (fixed at start).
+    /// Refusals by every reason the policy can give (fixed at start, kept across
+    /// reloads).
     refusals: HashMap<String, AtomicU64>,
     /// Refusals by a reason not known at start (none expected).
     other_refusals: AtomicU64,
@@ -359,23 +382,84 @@ impl<S: BudgetStore> Limiter<S> {
     /// A limiter enforcing `policy` on `store`.
     pub fn new(policy: Policy, store: S) -> Self {
         let metrics = Meters::register(&policy);
-        let counts = Counts::new(&policy);
+        let counts = Arc::new(Counts::new(&policy));
         let lanes = crate::lanes::lanes_of(&policy);
         Limiter {
             scopes: Scopes::new(&policy),
+            read_headers: read_headers_of(&policy),
             policy,
-            store,
+            store: Arc::new(store),
             buffers: crate::BufferBudget::new(crate::DEFAULT_MAX_BUFFERED_BYTES),
-            fallback: MemoryStore::new(MemoryConfig {
+            fallback: Arc::new(MemoryStore::new(MemoryConfig {
                 max_keys: FALLBACK_MAX_KEYS,
                 ..MemoryConfig::default()
-            }),
-            degraded: AtomicBool::new(false),
-            top: std::array::from_fn(|_| Default::default()),
+            })),
+            degraded: Arc::new(AtomicBool::new(false)),
+            top: Arc::new(std::array::from_fn(|_| Default::default())),
             lanes,
             counts,
             metrics,
         }
+    }
+
+    /// A limiter enforcing `policy` in this one's place, on the same store, fallback,
+    /// buffer bound and top-callers table: a budget in flight keeps its count (cells
+    /// are keyed by scope and subject, so a changed limit applies to the count
+    /// already spent; a changed window starts afresh when the new window does).
+    /// The guarded lanes are kept, engines and all, so they must be the same.
+    ///
+    /// # Errors
+    /// [`ReloadRefused`] when `policy` changes what only a restart can change.
+    pub fn reloaded(&self, policy: Policy) -> Result<Limiter<S>, ReloadRefused> {
+        if policy.lanes != self.policy.lanes {
+            let names = |p: &Policy| {
+                p.lanes
+                    .iter()
+                    .map(|l| l.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let what = if names(&policy) == names(&self.policy) {
+                let changed: Vec<&str> = policy
+                    .lanes
+                    .iter()
+                    .zip(&self.policy.lanes)
+                    .filter(|(new, old)| new != old)
+                    .map(|(new, _)| new.name.as_str())
+                    .collect();
+                format!("settings of {}", changed.join(", "))
+            } else {
+                format!("[{}] became [{}]", names(&self.policy), names(&policy))
+            };
+            return Err(ReloadRefused::Lanes(what));
+        }
+        // A lane shared through a ledger was built with its outage rule, which the
+        // routes and tools that name it decide.
+        for (i, lane) in self.lanes.iter().enumerate() {
+            if lane.is_shared()
+                && crate::ledger_outage(&policy, i) != crate::ledger_outage(&self.policy, i)
+            {
+                return Err(ReloadRefused::Lanes(format!(
+                    "what lane {} does while its shared ledger is down",
+                    lane.name()
+                )));
+            }
+        }
+        Ok(Limiter {
+            scopes: Scopes::new(&policy),
+            read_headers: read_headers_of(&policy),
+            metrics: Meters::register(&policy),
+            policy,
+            store: Arc::clone(&self.store),
+            fallback: Arc::clone(&self.fallback),
+            buffers: Arc::clone(&self.buffers),
+            degraded: Arc::clone(&self.degraded),
+            top: Arc::clone(&self.top),
+            // The dashboard's totals go on; a refusal reason the new policy adds is
+            // counted with the reasons not known at start.
+            counts: Arc::clone(&self.counts),
+            lanes: self.lanes.clone(),
+        })
     }
 
     /// The same limiter with `lanes` as its guarded lanes, one per lane of the policy
@@ -402,7 +486,7 @@ impl<S: BudgetStore> Limiter<S> {
 
     /// The same limiter with another fallback store (e.g. on a skewed test clock).
     pub fn with_fallback(mut self, fallback: MemoryStore) -> Self {
-        self.fallback = fallback;
+        self.fallback = Arc::new(fallback);
         self
     }
 
@@ -520,11 +604,12 @@ impl<S: BudgetStore> Limiter<S> {
     /// [`Identity::read_headers`](sluice_policy::Identity::read_headers) names, and
     /// `Content-Encoding` (a JSON-RPC body must be readable as sent).
     pub fn read_headers(&self) -> Vec<HeaderName> {
-        let mut names = self.policy.identity.read_headers();
-        if !names.contains(&CONTENT_ENCODING) {
-            names.push(CONTENT_ENCODING);
-        }
-        names
+        self.read_headers.clone()
+    }
+
+    /// [`Limiter::read_headers`], borrowed.
+    pub fn read_header_names(&self) -> &[HeaderName] {
+        &self.read_headers
     }
 
     /// The budgets of a request on `route` (see [`Limiter::route`]). `body` is
@@ -674,8 +759,23 @@ impl<S: BudgetStore> Limiter<S> {
         plan: Result<Plan, Refused>,
         jsonrpc_body: Option<&[u8]>,
     ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
+        self.admit_as(plan, jsonrpc_body, None).await
+    }
+
+    /// [`Limiter::admit`] for the request with id `request_id`: a refusal is logged
+    /// (target `sluice::refusal`, one line) with the id, its reason, the budget or
+    /// lane, the class and the caller's digest — never a credential.
+    ///
+    /// # Errors
+    /// As [`Limiter::admit`].
+    pub async fn admit_as(
+        &self,
+        plan: Result<Plan, Refused>,
+        jsonrpc_body: Option<&[u8]>,
+        request_id: Option<&crate::RequestId>,
+    ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
         let class = plan.as_ref().map_or("", |p| p.top_class.name());
-        let answered = self.admit_plan(plan).await;
+        let answered = self.admit_plan(plan, request_id).await;
         match (answered, jsonrpc_body) {
             (Err(refusal), Some(body))
                 if self.policy.jsonrpc.refusal == sluice_policy::JsonRpcRefusal::JsonRpcError =>
@@ -690,11 +790,22 @@ impl<S: BudgetStore> Limiter<S> {
     async fn admit_plan(
         &self,
         plan: Result<Plan, Refused>,
+        request_id: Option<&crate::RequestId>,
     ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
-        let mut plan = plan.map_err(|refused| refused.response())?;
+        let id = request_id.map_or("-", crate::RequestId::as_str);
+        let mut plan = plan.map_err(|refused| {
+            tracing::info!(
+                target: "sluice::refusal",
+                request_id = id,
+                reason = "invalid_request",
+                error = %refused,
+                "refused before deciding"
+            );
+            refused.response()
+        })?;
         let place = match plan.lane {
             None => None,
-            Some(call) => Some(self.take_lane_places(&plan, call).await?),
+            Some(call) => Some(self.take_lane_places(&plan, call, id).await?),
         };
         let decided = self.decide(&mut plan).await;
         let answer = match decided {
@@ -705,8 +816,41 @@ impl<S: BudgetStore> Limiter<S> {
                     lane: place,
                 });
             }
-            Ok(decision) => crate::answer::refusal(&decision, &plan, &self.policy),
-            Err(error) => crate::answer::limiter_unavailable(&error),
+            Ok(decision) => {
+                let binding = decision.binding_index();
+                let reason = if decision.is_never() {
+                    crate::COST_EXCEEDS_LIMIT
+                } else if matches!(plan.kinds.get(binding), Some(BudgetKind::Quota(_))) {
+                    "quota_exceeded"
+                } else {
+                    "rate_limited"
+                };
+                tracing::info!(
+                    target: "sluice::refusal",
+                    request_id = id,
+                    reason,
+                    budget = plan.name(binding, &self.policy),
+                    limit = decision.binding().map_or(0, |b| b.limit),
+                    retry_after = (!decision.is_never())
+                        .then(|| crate::answer::refusal_wait(&decision)),
+                    class = plan.top_class.name(),
+                    caller = %format_args!("{:016x}", plan.caller),
+                    "refused"
+                );
+                crate::answer::refusal(&decision, &plan, &self.policy)
+            }
+            Err(error) => {
+                tracing::warn!(
+                    target: "sluice::refusal",
+                    request_id = id,
+                    reason = "limiter_unavailable",
+                    class = plan.top_class.name(),
+                    caller = %format_args!("{:016x}", plan.caller),
+                    error = %error,
+                    "the store could not decide"
+                );
+                crate::answer::limiter_unavailable(&error)
+            }
         };
         if let Some(place) = place {
             place.cancel();
@@ -723,22 +867,39 @@ impl<S: BudgetStore> Limiter<S> {
         &self,
         plan: &Plan,
         call: crate::LaneCall,
+        id: &str,
     ) -> Result<crate::LanePlace, http::Response<http_body_util::Full<bytes::Bytes>>> {
+        let log = |reason: &str| {
+            tracing::info!(
+                target: "sluice::refusal",
+                request_id = id,
+                reason,
+                lane = self.policy.lanes.get(call.lane).map_or("", |l| l.name.as_str()),
+                class = plan.top_class.name(),
+                caller = %format_args!("{:016x}", plan.caller),
+                "lane refused"
+            );
+        };
         let (Some(lane), Some(rule)) =
             (self.lanes.get(call.lane), self.policy.lanes.get(call.lane))
         else {
+            log("limiter_unavailable");
             return Err(crate::answer::limiter_unavailable(&"no such lane"));
         };
         if call.calls > rule.workspace_in_flight.get() {
             return Err(match self.store.peek(&plan.budgets).await {
                 Ok(peeked) if !peeked.is_admitted() => {
+                    log(plan.name(peeked.binding_index(), &self.policy));
                     crate::answer::refusal(&peeked, plan, &self.policy)
                 }
-                _ => Refused::LaneCalls {
-                    calls: call.calls,
-                    max: rule.workspace_in_flight.get(),
+                _ => {
+                    log("too_many_lane_calls");
+                    Refused::LaneCalls {
+                        calls: call.calls,
+                        max: rule.workspace_in_flight.get(),
+                    }
+                    .response()
                 }
-                .response(),
             });
         }
         let workspace = plan.from.workspace_label();
@@ -750,6 +911,7 @@ impl<S: BudgetStore> Limiter<S> {
                 Ok(permit) => permits.push(permit),
                 Err(refusal) => {
                     crate::LanePlace::new(permits, rule.timeout).cancel();
+                    log(refusal.reason.as_str());
                     if refusal.reason == sluice_lanes::RefusalReason::LedgerUnavailable {
                         // The lane fails closed while its shared ledger is down: as
                         // a store that cannot decide (see `lanes::ledger_outage`).
@@ -1134,6 +1296,15 @@ impl<S: BudgetStore> Limiter<S> {
             "lanes": self.lanes.iter().map(crate::lane_status).collect::<Vec<_>>(),
         })
     }
+}
+
+/// The request fields a limiter on `policy` reads (see [`Limiter::read_headers`]).
+fn read_headers_of(policy: &Policy) -> Vec<HeaderName> {
+    let mut names = policy.identity.read_headers();
+    if !names.contains(&CONTENT_ENCODING) {
+        names.push(CONTENT_ENCODING);
+    }
+    names
 }
 
 /// The top-callers shard of `caller` (a hash already: its high bits pick).

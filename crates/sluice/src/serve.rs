@@ -58,10 +58,37 @@ impl From<QuotaSync> for sluice_store::JournalSync {
     }
 }
 
+/// `--log-format`: how log lines (on stderr) are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event: time, level, target, message, fields.
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and the
+    /// event's fields (e.g. `request_id`, `reason`, `budget`, `caller`).
+    Json,
+}
+
+/// `--log-level`: the least severe log lines written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogLevel {
+    /// Failures only.
+    Error,
+    /// Failures and warnings.
+    Warn,
+    /// Also reloads, refusals and (with --access-log) requests.
+    Info,
+    /// Everything.
+    Debug,
+}
+
 /// Flags of `sluice serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Policy file (YAML). Without it the built-in default policy runs.
+    /// Policy file (YAML). Without it the built-in default policy runs. The file is
+    /// read again on SIGHUP and when its content changes (checked every 250 ms): a
+    /// new policy that passes `sluice check` (and changes no lanes) replaces the
+    /// running one without a restart; one that does not is logged and the running
+    /// policy stays.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 
@@ -149,6 +176,23 @@ pub struct ServeArgs {
     /// with --upstream.
     #[arg(long, value_name = "SECS", default_value = "3", value_parser = parse_demo_seconds)]
     pub demo_optimize_seconds: Duration,
+
+    /// How log lines on stderr are written: `text` (one readable line per event) or
+    /// `json` (one JSON object per line). Each refusal is one line (target
+    /// `sluice::refusal`) with its request id, reason, budget or lane, class and the
+    /// caller's digest (never a credential).
+    #[arg(long, value_enum, value_name = "text|json", default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// The least severe log lines written (refusals, reloads and access lines are
+    /// `info`).
+    #[arg(long, value_enum, value_name = "LEVEL", default_value = "info")]
+    pub log_level: LogLevel,
+
+    /// Write one access line per request (target `sluice::access`: request id,
+    /// method, path without the query, status, duration, peer). Off by default.
+    #[arg(long)]
+    pub access_log: bool,
 }
 
 /// Checks what clap cannot (the config is readable, the data dir is a directory, the
@@ -158,9 +202,28 @@ pub struct ServeArgs {
 /// # Errors
 /// [`BadInput`] naming the flag and what was expected.
 pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
-    let policy = match &args.config {
-        Some(path) => sluice_policy::load_file(path).map_err(|e| BadInput(e.to_string()))?,
-        None => sluice_policy::default_policy().map_err(|e| BadInput(e.to_string()))?,
+    let (policy, version) = match &args.config {
+        Some(path) => match std::fs::read(path) {
+            // Parsed from the bytes its version is taken of, as `sluice check` parses it.
+            Ok(bytes) => {
+                let text = std::str::from_utf8(&bytes)
+                    .map_err(|e| BadInput(format!("{}: not UTF-8: {e}", path.display())))?;
+                let policy =
+                    sluice_policy::parse_str(text, path).map_err(|e| BadInput(e.to_string()))?;
+                (policy, Some(sluice_gateway::reload::policy_version(&bytes)))
+            }
+            Err(_) => {
+                let e = sluice_policy::load_file(path).err();
+                return Err(BadInput(e.map_or_else(
+                    || format!("{}: cannot be read", path.display()),
+                    |e| e.to_string(),
+                )));
+            }
+        },
+        None => (
+            sluice_policy::default_policy().map_err(|e| BadInput(e.to_string()))?,
+            None,
+        ),
     };
     let policy = match args.profile {
         Some(profile) => policy
@@ -178,6 +241,15 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
         )));
     }
     let mut config = GatewayConfig::new(policy, data_dir);
+    config.policy_file = match (&args.config, version) {
+        (Some(path), Some(version)) => Some(sluice_gateway::PolicyFile {
+            path: path.clone(),
+            profile: args.profile.map(|p| p.as_str().to_owned()),
+            version,
+        }),
+        _ => None,
+    };
+    config.access_log = args.access_log;
     config.listen = args.listen;
     config.admin = args.admin;
     config.upstream = args.upstream;
@@ -193,7 +265,7 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
             sluice_gateway::process::connections_within_fd_limit(args.max_connections)
                 .map_err(BadInput)?;
         if let Some(warning) = warning {
-            eprintln!("sluice: {warning}");
+            tracing::warn!("{warning}");
         }
         fits
     };
@@ -265,6 +337,7 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
 /// used; any other error (a port that cannot be bound, a runtime that cannot start)
 /// is a runtime failure.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    init_logs(args.log_format, args.log_level);
     let config = config_from_args(args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -273,6 +346,32 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let result = runtime.block_on(serve(config));
     runtime.shutdown_timeout(Duration::from_secs(1));
     result
+}
+
+/// Installs the log subscriber: lines on stderr in `format`, from `level` up.
+pub fn init_logs(format: LogFormat, level: LogLevel) {
+    use std::io::IsTerminal as _;
+    let level = match level {
+        LogLevel::Error => tracing::Level::ERROR,
+        LogLevel::Warn => tracing::Level::WARN,
+        LogLevel::Info => tracing::Level::INFO,
+        LogLevel::Debug => tracing::Level::DEBUG,
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(level)
+        .with_target(true);
+    // A second subscriber (tests calling this twice) is refused: the first stays.
+    let _ = match format {
+        LogFormat::Text => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init(),
+    };
 }
 
 /// Starts the gateway, prints the start line, serves until a termination signal,
@@ -288,11 +387,16 @@ async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         other => anyhow::Error::new(other),
     })?;
     if let Some(dir) = data_dir {
-        eprintln!(
-            "sluice: monthly quota counts are kept in {} (--data-dir to choose another)",
+        tracing::info!(
+            "monthly quota counts are kept in {} (--data-dir to choose another)",
             dir.display()
         );
     }
+    tracing::info!(
+        target: "sluice::reload",
+        version = gateway.reloader().version(),
+        "policy loaded"
+    );
     let upstream_line = if gateway.runs_demo() {
         format!("built-in demo at {}", gateway.upstream())
     } else {
@@ -311,10 +415,10 @@ async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     }
 
     let signal = termination.await;
-    eprintln!("sluice: {signal} received, finishing in-flight requests");
+    tracing::info!("{signal} received, finishing in-flight requests");
     if let Drain::TimedOut { connections } = gateway.shutdown().await {
-        eprintln!(
-            "sluice: grace period of {} s over ({connections} connection(s) were open), \
+        tracing::warn!(
+            "grace period of {} s over ({connections} connection(s) were open), \
              closing the rest",
             SHUTDOWN_GRACE.as_secs()
         );

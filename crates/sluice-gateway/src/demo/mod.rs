@@ -123,7 +123,7 @@ pub async fn start(
             .with_graceful_shutdown(stop)
             .await
         {
-            eprintln!("sluice: demo upstream failed: {error}");
+            tracing::warn!("demo upstream failed: {error}");
         }
     });
     Ok(Demo { addr, task })

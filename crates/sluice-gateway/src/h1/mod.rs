@@ -29,14 +29,13 @@ mod upstream;
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf as _, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, Method, Response};
 use http_body_util::BodyExt as _;
 use sluice_core::Decision;
-use sluice_tower::{Limiter, Plan, RateLimitValue};
+use sluice_tower::{Limiter, Plan, RateLimitValue, RequestId, SharedLimiter};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -72,12 +71,13 @@ pub(super) enum Ended {
 
 /// One worker's fast path: the shared limiter, this worker's upstream connections.
 pub(super) struct FastPath {
-    limiter: Arc<Limiter<AnyStore>>,
+    /// The current limiter; each request takes the one current when its head is read.
+    limiter: SharedLimiter<AnyStore>,
     config: ProxyConfig,
     pool: upstream::Pool,
-    /// The request fields the limiter reads.
-    identity_headers: Vec<HeaderName>,
     stats: RequestStats,
+    /// One `sluice::access` line per request.
+    access_log: bool,
     /// `sluice_upstream_seconds{outcome}`: response, error, timeout.
     upstream_seconds: [metrics::Histogram; 3],
 }
@@ -95,12 +95,13 @@ struct Relay {
 impl FastPath {
     /// The fast path of one worker counting on `stats`.
     pub(super) fn new(
-        limiter: Arc<Limiter<AnyStore>>,
+        limiter: SharedLimiter<AnyStore>,
         config: ProxyConfig,
         stats: RequestStats,
+        access_log: bool,
     ) -> Self {
         FastPath {
-            identity_headers: limiter.read_headers(),
+            access_log,
             pool: upstream::Pool::new(config.upstream.connect_target(), super::pool::POOL_MAX_IDLE),
             limiter,
             config,
@@ -281,13 +282,15 @@ impl<'f> Connection<'f> {
         max_head: usize,
     ) -> io::Result<Next> {
         let fast = self.fast;
-        let limiter = &*fast.limiter;
+        // The policy of this request, whatever a reload does meanwhile.
+        let current = fast.limiter.load_full();
+        let limiter = &*current;
         let route = |method: &Method, path: &str| limiter.route_for(method, path);
         let cx = request::Context {
             upstream: &fast.config.upstream,
             route: &route,
             paths: limiter.policy().paths,
-            identity_headers: &fast.identity_headers,
+            identity_headers: limiter.read_header_names(),
             peer: &self.forwarded_peer,
         };
 
@@ -329,6 +332,11 @@ impl<'f> Connection<'f> {
             }
         };
 
+        let id = head.request_id;
+        // What the access line says of the request (copied only when it is kept).
+        let access = fast
+            .access_log
+            .then(|| Access::new(&head.method, &self.from_client, self.peer));
         // The body, taken in whole before anything is decided or sent: bounded by the
         // policy when the route takes its class from it, else by what the fast path
         // holds; a longer one streams through hyper (both ways at once).
@@ -377,7 +385,7 @@ impl<'f> Connection<'f> {
             };
             let answer = own(answer).await;
             return self
-                .answer_own(client, answer, true, head_request, in_flight)
+                .answer_own(client, answer, true, head_request, in_flight, &id, access)
                 .await;
         }
         let body = head_len..head_len + body_len;
@@ -406,11 +414,12 @@ impl<'f> Connection<'f> {
             plan,
             lane,
         } = match limiter
-            .admit(
+            .admit_as(
                 plan,
                 route
                     .is_some_and(|r| r.class == sluice_policy::RouteClass::JsonRpc)
                     .then(|| &self.from_client[body.clone()]),
+                Some(&id),
             )
             .await
         {
@@ -419,7 +428,15 @@ impl<'f> Connection<'f> {
                 self.from_client.advance(body.end);
                 let answer = own(answer).await;
                 return self
-                    .answer_own(client, answer, head.close, head_request, in_flight)
+                    .answer_own(
+                        client,
+                        answer,
+                        head.close,
+                        head_request,
+                        in_flight,
+                        &id,
+                        access,
+                    )
                     .await;
             }
         };
@@ -429,13 +446,14 @@ impl<'f> Connection<'f> {
         sluice_tower::for_each_upstream_header(&plan, policy, |name, value| {
             push_field(&mut self.to_upstream, name.as_str().as_bytes(), value);
         });
+        push_field(&mut self.to_upstream, b"x-request-id", id.as_bytes());
         self.to_upstream.extend_from_slice(b"\r\n");
         self.to_upstream
             .extend_from_slice(&self.from_client[body.clone()]);
         self.from_client.advance(body.end);
         let replaced = match (decision.binding().is_some(), policy.ietf_headers) {
-            (false, _) => &REPLACED_FIELDS[..1],
-            (true, false) => &REPLACED_FIELDS[..4],
+            (false, _) => &REPLACED_FIELDS[..2],
+            (true, false) => &REPLACED_FIELDS[..5],
             (true, true) => &REPLACED_FIELDS[..],
         };
         let request = Exchanged {
@@ -450,6 +468,8 @@ impl<'f> Connection<'f> {
             decision: &decision,
             plan: &plan,
             settles: plan.weighted(policy).next().is_some(),
+            limiter,
+            request_id: &id,
         };
 
         // On the runtime's clock, as the deadlines are.
@@ -494,7 +514,15 @@ impl<'f> Connection<'f> {
                     .unwrap_or_default();
                 let answer = Response::from_parts(parts, body);
                 return self
-                    .answer_own(client, answer, head.close, head_request, in_flight)
+                    .answer_own(
+                        client,
+                        answer,
+                        head.close,
+                        head_request,
+                        in_flight,
+                        &id,
+                        access,
+                    )
                     .await;
             }
         };
@@ -502,7 +530,12 @@ impl<'f> Connection<'f> {
         // Counted once the head is there, as the service stack counts a response.
         in_flight.answered(Some(head_sent.status));
         let mut conn = conn;
-        if self.relay_body(client, head_sent, &mut conn).await? && whole {
+        let status = head_sent.status;
+        let relayed = self.relay_body(client, head_sent, &mut conn).await;
+        if let Some(access) = access {
+            access.log(&id, status, relayed.is_ok());
+        }
+        if relayed? && whole {
             fast.pool.checkin(conn);
         }
         Ok(if head.close || !whole {
@@ -512,7 +545,9 @@ impl<'f> Connection<'f> {
         })
     }
 
-    /// Writes an answer of sluice's own (its body left out for a HEAD request).
+    /// Writes an answer of sluice's own (its body left out for a HEAD request), with
+    /// the request's id.
+    #[allow(clippy::too_many_arguments)]
     async fn answer_own(
         &mut self,
         client: &mut TcpStream,
@@ -520,6 +555,8 @@ impl<'f> Connection<'f> {
         close: bool,
         head_request: bool,
         in_flight: super::metered::InFlight,
+        id: &RequestId,
+        access: Option<Access>,
     ) -> io::Result<Next> {
         let out = &mut self.to_client;
         out.clear();
@@ -535,6 +572,7 @@ impl<'f> Connection<'f> {
         for (name, value) in answer.headers() {
             push_field(out, name.as_str().as_bytes(), value.as_bytes());
         }
+        push_field(out, b"x-request-id", id.as_bytes());
         push_date(out);
         push_field(
             out,
@@ -549,7 +587,11 @@ impl<'f> Connection<'f> {
             out.extend_from_slice(answer.body());
         }
         in_flight.answered(Some(answer.status().as_u16()));
-        client.write_all(out).await?;
+        let written = client.write_all(out).await;
+        if let Some(access) = access {
+            access.log(id, answer.status().as_u16(), written.is_ok());
+        }
+        written?;
         Ok(if close { Next::Close } else { Next::Request })
     }
 
@@ -635,7 +677,7 @@ impl<'f> Connection<'f> {
         conn: &mut TcpStream,
         request: &Exchanged<'_>,
     ) -> Result<(response::Head, bool), Exchange> {
-        let policy = self.fast.limiter.policy();
+        let policy = request.limiter.policy();
         // An upstream that stops taking the request may have answered first (a 413,
         // say): what it answered is still read, and the client's connection closes
         // after it.
@@ -654,6 +696,7 @@ impl<'f> Connection<'f> {
                         &mut self.to_client,
                         |out, dated| {
                             push_rate_limit_fields(out, request.decision, request.plan, policy);
+                            push_field(out, b"x-request-id", request.request_id.as_bytes());
                             if !dated {
                                 push_date(out);
                             }
@@ -667,8 +710,7 @@ impl<'f> Connection<'f> {
                             // standing after the charge.
                             let cost = response::field(&self.from_upstream, b"x-sluice-cost")
                                 .and_then(sluice_tower::parse_cost);
-                            let settled = self
-                                .fast
+                            let settled = request
                                 .limiter
                                 .settle(request.plan, request.decision.clone(), cost)
                                 .await;
@@ -678,6 +720,7 @@ impl<'f> Connection<'f> {
                                 &mut self.to_client,
                                 |out, dated| {
                                     push_rate_limit_fields(out, &settled, request.plan, policy);
+                                    push_field(out, b"x-request-id", request.request_id.as_bytes());
                                     if !dated {
                                         push_date(out);
                                     }
@@ -809,15 +852,21 @@ struct Exchanged<'a> {
     plan: &'a Plan,
     /// The plan holds weighted budgets, settled from the response head.
     settles: bool,
+    /// The limiter that decided the request (it settles it too).
+    limiter: &'a Limiter<AnyStore>,
+    /// The request's id, returned to the client.
+    request_id: &'a RequestId,
 }
 
 /// The fields the gateway sets itself: the upstream's `X-Sluice-Cost` (a signal for
-/// sluice, never relayed), then the rate-limit fields in the order
+/// sluice, never relayed), `X-Request-Id` (the request's own is returned), then the
+/// rate-limit fields in the order
 /// [`sluice_tower::for_each_rate_limit_header`] writes them: the legacy three, then the
 /// IETF draft's two. The upstream's own fields of these names are dropped, as the
 /// service stack drops or replaces them.
-const REPLACED_FIELDS: [HeaderName; 6] = [
+const REPLACED_FIELDS: [HeaderName; 7] = [
     sluice_tower::X_SLUICE_COST,
+    sluice_tower::X_REQUEST_ID,
     sluice_tower::X_RATELIMIT_LIMIT,
     sluice_tower::X_RATELIMIT_REMAINING,
     sluice_tower::X_RATELIMIT_RESET,
@@ -966,6 +1015,48 @@ fn push_rate_limit_fields(
     });
 }
 
+/// What an access line says of a request on the fast path (kept only while the
+/// access log is on).
+pub(super) struct Access {
+    method: Method,
+    /// The path, without the query (which may hold a credential).
+    path: String,
+    peer: IpAddr,
+    began: std::time::Instant,
+}
+
+impl Access {
+    /// The request whose head starts `buf`.
+    fn new(method: &Method, buf: &[u8], peer: IpAddr) -> Access {
+        let target = buf
+            .split(|&b| b == b' ')
+            .nth(1)
+            .unwrap_or_default()
+            .split(|&b| b == b'?')
+            .next()
+            .unwrap_or_default();
+        Access {
+            method: method.clone(),
+            path: String::from_utf8_lossy(target).into_owned(),
+            peer,
+            began: std::time::Instant::now(),
+        }
+    }
+
+    /// The line, once the answer is sent (`whole`: all of it reached the client).
+    fn log(self, id: &RequestId, status: u16, whole: bool) {
+        super::access::log(
+            id,
+            self.method.as_str(),
+            &self.path,
+            status,
+            self.began.elapsed(),
+            self.peer,
+            whole,
+        );
+    }
+}
+
 /// An answer of sluice's own, its body collected.
 async fn own(answer: Response<http_body_util::Full<Bytes>>) -> Response<Bytes> {
     let (parts, body) = answer.into_parts();
@@ -980,6 +1071,7 @@ async fn own(answer: Response<http_body_util::Full<Bytes>>) -> Response<Bytes> {
 mod tests {
     use super::*;
     use std::num::NonZeroUsize;
+    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::net::TcpListener;
 
@@ -1037,9 +1129,12 @@ mod tests {
         };
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
         FastPath::new(
-            Arc::new(Limiter::new(policy, store)),
+            Arc::new(sluice_tower::arc_swap::ArcSwap::from_pointee(Limiter::new(
+                policy, store,
+            ))),
             config,
             stats.worker(0),
+            false,
         )
     }
 
@@ -1181,7 +1276,7 @@ mod tests {
     async fn a_body_that_trickles_past_the_body_deadline_is_a_408_and_holds_nothing() {
         let (upstream, accepted) = counting_upstream().await;
         let fast = Arc::new(fast_path_to(upstream));
-        let buffers = Arc::clone(fast.limiter.buffers());
+        let buffers = Arc::clone(fast.limiter.load().buffers());
         let sluice = serve_on_loopback(fast).await;
         // A byte every 20 s: each read within the head timeout, never the whole body.
         let mut client = TcpStream::connect(sluice).await.expect("connect");
@@ -1233,7 +1328,8 @@ mod tests {
             header_timeout: Duration::from_secs(60),
         };
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
-        let fast = Arc::new(FastPath::new(Arc::new(limiter), config, stats.worker(0)));
+        let limiter = Arc::new(sluice_tower::arc_swap::ArcSwap::from_pointee(limiter));
+        let fast = Arc::new(FastPath::new(limiter, config, stats.worker(0), false));
         let sluice = serve_on_loopback(fast).await;
         // A body that has sent 40 of its 60 KB holds a lease of what its buffer grew
         // to (what arrived, not what was announced)…

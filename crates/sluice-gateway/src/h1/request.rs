@@ -5,7 +5,7 @@ use std::mem::MaybeUninit;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Version};
 use sluice_policy::{Paths, Route};
-use sluice_tower::Refused;
+use sluice_tower::{Refused, RequestId};
 
 use sluice_h1::fields::{MAX_HEADERS, is_hop_by_hop, named_in_connection};
 
@@ -44,6 +44,9 @@ pub(super) struct Head<'l> {
     /// [`sluice_tower::check_head`]), the path has no normal form or its parameters change
     /// the route.
     pub(super) route: Result<Option<&'l Route>, Refused>,
+    /// The request's id: the client's `X-Request-Id` when it sent one sane one,
+    /// else a new one (see [`RequestId::pick`]).
+    pub(super) request_id: RequestId,
 }
 
 /// The route a method and a path (in its normal form) match, or the refusal of a path
@@ -101,8 +104,19 @@ pub(super) fn parse<'l>(
     upstream.extend_from_slice(b"\r\n");
     let mut forwarded_for = Vec::new();
     let mut forwarded = Vec::new();
+    // The client's ids, at most two looked at (two are as bad as more).
+    let mut client_ids: [Option<&[u8]>; 2] = [None, None];
     for field in fields {
         let name = field.name.as_bytes();
+        // Sent upstream as the id picked, after the decision.
+        if name.eq_ignore_ascii_case(b"x-request-id") {
+            if let Some(slot) = client_ids.iter_mut().find(|s| s.is_none()) {
+                *slot = Some(field.value);
+            } else {
+                client_ids[1] = Some(field.value);
+            }
+            continue;
+        }
         if let Some(known) = cx
             .identity_headers
             .iter()
@@ -152,6 +166,7 @@ pub(super) fn parse<'l>(
     Parsed::Ready(Head {
         len: head.len,
         route,
+        request_id: RequestId::pick(client_ids.into_iter().flatten()),
         method,
         body_len: head.body_len,
         close: head.close,

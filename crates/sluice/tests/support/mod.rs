@@ -192,6 +192,15 @@ impl Sluice {
         self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
+    /// Sends the signal `name` (`HUP`, `TERM`, …) to the child.
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} failed");
+    }
+
     /// Sends SIGTERM to the child.
     pub fn terminate(&self) {
         let status = Command::new("kill")
