@@ -25,7 +25,6 @@
 //! bytes it has read ([`Ended::Elsewhere`]), and hyper serves it from there on.
 
 mod request;
-mod upstream;
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -42,6 +41,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use super::metered::RequestStats;
+use super::pool::Connections;
 use super::proxy::{Failure, ForwardedPeer, ProxyConfig, Upstream, upstream_failure};
 use super::store::AnyStore;
 use sluice_h1::chunked::ChunkedEnd;
@@ -74,7 +74,8 @@ pub(super) enum Ended {
 pub(super) struct FastPath {
     limiter: Arc<Limiter<AnyStore>>,
     config: ProxyConfig,
-    pool: upstream::Pool,
+    /// This worker's upstream connections, shared with its hyper path.
+    pool: Arc<Connections>,
     /// The request fields the limiter reads.
     identity_headers: Vec<HeaderName>,
     stats: RequestStats,
@@ -97,11 +98,12 @@ impl FastPath {
     pub(super) fn new(
         limiter: Arc<Limiter<AnyStore>>,
         config: ProxyConfig,
+        pool: Arc<Connections>,
         stats: RequestStats,
     ) -> Self {
         FastPath {
             identity_headers: limiter.read_headers(),
-            pool: upstream::Pool::new(config.upstream.connect_target(), super::pool::POOL_MAX_IDLE),
+            pool,
             limiter,
             config,
             stats,
@@ -1036,9 +1038,11 @@ mod tests {
             header_timeout: Duration::from_secs(60),
         };
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
+        let pool = Arc::new(Connections::new(config.upstream.connect_target()));
         FastPath::new(
             Arc::new(Limiter::new(policy, store)),
             config,
+            pool,
             stats.worker(0),
         )
     }
@@ -1233,7 +1237,13 @@ mod tests {
             header_timeout: Duration::from_secs(60),
         };
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
-        let fast = Arc::new(FastPath::new(Arc::new(limiter), config, stats.worker(0)));
+        let pool = Arc::new(Connections::new(config.upstream.connect_target()));
+        let fast = Arc::new(FastPath::new(
+            Arc::new(limiter),
+            config,
+            pool,
+            stats.worker(0),
+        ));
         let sluice = serve_on_loopback(fast).await;
         // A body that has sent 40 of its 60 KB holds a lease of what its buffer grew
         // to (what arrived, not what was announced)…
