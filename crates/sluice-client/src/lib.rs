@@ -72,7 +72,7 @@ pub use error::PaceError;
 pub use headers::RateLimitHeaders;
 pub use layer::{BoxError, PacedBody, PacerLayer, PacerService};
 pub use middleware::{PaceProvider, PacerMiddleware};
-pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats};
+pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats, WindowReading};
 pub use shrink::{Demand, PacedRequest, SHRINK_HEADER, ShrinkReport};
 pub use tokens::{Encoding, TokenEstimate};
 pub use usage::{Usage, UsageTap};

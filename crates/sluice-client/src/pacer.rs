@@ -128,6 +128,58 @@ struct ProviderState {
     days: parking_lot::Mutex<SlotCache>,
     learned: parking_lot::Mutex<Learned>,
     counters: Counters,
+    recent: parking_lot::Mutex<RecentRequests>,
+}
+
+/// Requests this process let through, per second of the last minute: what the
+/// admin page shows against the RPM (the RPM itself is paced by spacing, which
+/// keeps no count).
+#[derive(Debug)]
+struct RecentRequests {
+    /// (Unix second, requests in it), by second modulo 60.
+    seconds: [(u64, u32); 60],
+}
+
+impl Default for RecentRequests {
+    fn default() -> Self {
+        RecentRequests {
+            seconds: [(0, 0); 60],
+        }
+    }
+}
+
+impl RecentRequests {
+    fn add(&mut self, second: u64) {
+        let slot = &mut self.seconds[(second % 60) as usize];
+        if slot.0 != second {
+            *slot = (second, 0);
+        }
+        slot.1 = slot.1.saturating_add(1);
+    }
+
+    /// Requests in the 60 seconds that end with `now`.
+    fn last_minute(&self, now: u64) -> u64 {
+        self.seconds
+            .iter()
+            .filter(|(second, _)| *second <= now && second + 60 > now)
+            .map(|(_, n)| u64::from(*n))
+            .sum()
+    }
+}
+
+/// Where a provider's windows stand now ([`Pacer::reading`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+#[non_exhaustive]
+pub struct WindowReading {
+    /// Tokens in the rolling 60 s window (+ arrival margin), as the books stand
+    /// (shared by every process on the key); 0 while the TPM is unlimited.
+    pub tokens: u64,
+    /// Requests this process let through in the last 60 s.
+    pub requests_last_minute: u64,
+    /// Requests in the rolling day as the books stand, `None` while the RPD is
+    /// unlimited (no day is counted then).
+    pub requests_today: Option<u64>,
 }
 
 struct Inner<S, C> {
@@ -297,6 +349,7 @@ where
                     days: parking_lot::Mutex::new(SlotCache::default()),
                     learned: parking_lot::Mutex::new(Learned::default()),
                     counters: Counters::default(),
+                    recent: parking_lot::Mutex::new(RecentRequests::default()),
                 })
             })
             .clone()
@@ -434,6 +487,7 @@ where
         let waited = now.saturating_since(arrived);
         let c = &state.counters;
         c.add(ADMITTED, 1);
+        state.recent.lock().add(now.as_secs());
         if !waited.is_zero() {
             c.add(WAITED, 1);
             c.add(
@@ -820,6 +874,49 @@ where
             )
             .await?;
         Ok(h.total())
+    }
+
+    /// Where `provider`'s windows stand now: tokens in the 60 s window, requests
+    /// in the last minute and in the rolling day (see [`WindowReading`]).
+    ///
+    /// # Errors
+    /// [`PaceError::UnknownProvider`], [`PaceError::Store`].
+    pub async fn reading(&self, provider: &str) -> Result<WindowReading, PaceError> {
+        let config = self.config();
+        let p = config
+            .provider(provider)
+            .ok_or_else(|| PaceError::UnknownProvider {
+                provider: provider.to_owned(),
+            })?;
+        let tokens = if p.limits.tpm > 0 {
+            self.tokens_in_window(provider).await?
+        } else {
+            0
+        };
+        let state = self.state(provider);
+        let now = self.inner.clock.now();
+        let requests_today = if p.limits.rpd > 0 {
+            let h = self
+                .inner
+                .rpd
+                .read(
+                    &self.inner.store,
+                    subject_of(p),
+                    &state.days,
+                    now,
+                    config.pacer.arrival_margin,
+                )
+                .await?;
+            Some(h.total())
+        } else {
+            None
+        };
+        let requests_last_minute = state.recent.lock().last_minute(now.as_secs());
+        Ok(WindowReading {
+            tokens,
+            requests_last_minute,
+            requests_today,
+        })
     }
 
     /// The effective limits per provider as JSON (`GET /limits`): the

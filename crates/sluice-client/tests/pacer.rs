@@ -459,3 +459,29 @@ async fn unknown_provider_is_refused() {
     assert!(matches!(e, PaceError::UnknownProvider { .. }));
     assert_eq!(e.status(), http::StatusCode::NOT_FOUND);
 }
+
+#[tokio::test(start_paused = true)]
+async fn c1_the_admin_reading_counts_tokens_and_requests_in_their_windows() {
+    let (pacer, _clock) = pacer(limits(1_000, 600, 100));
+    for _ in 0..3 {
+        pacer.acquire("p", 100u32).await.unwrap();
+    }
+    let r = pacer.reading("p").await.unwrap();
+    assert_eq!(r.tokens, 300);
+    assert_eq!(r.requests_last_minute, 3);
+    assert_eq!(r.requests_today, Some(3));
+    // A minute and a half later the token window and the last minute are empty;
+    // the day still holds all three.
+    tokio::time::advance(Duration::from_secs(90)).await;
+    let r = pacer.reading("p").await.unwrap();
+    assert_eq!((r.tokens, r.requests_last_minute), (0, 0));
+    assert_eq!(r.requests_today, Some(3));
+    // Without an RPD no day is counted.
+    let (unlimited, _) = support::pacer(limits(0, 0, 0));
+    unlimited.acquire("p", 10u32).await.unwrap();
+    let r = unlimited.reading("p").await.unwrap();
+    assert_eq!(
+        (r.tokens, r.requests_last_minute, r.requests_today),
+        (0, 1, None)
+    );
+}

@@ -198,6 +198,23 @@ async fn c1_c2_c3_end_to_end_proxy_to_simulator_paced_with_zero_429s() {
         .await
         .unwrap();
     assert!(page.contains("Settings → Providers") && page.contains("data-provider=\"sim\""));
+    assert!(
+        page.contains("fetch(\"dashboard.json\""),
+        "the page is live"
+    );
+    let live: Value = client
+        .get(format!("http://{admin}/dashboard.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let sim_live = &live["providers"]["sim"];
+    assert_eq!(sim_live["tpm"], 20_000);
+    assert!(sim_live["window"]["tokens"].as_u64().unwrap() > 0, "{live}");
+    assert!(sim_live["window"]["requestsLastMinute"].as_u64().unwrap() >= 14);
+    assert!(live["configFile"].is_string());
     let r = client
         .put(format!("http://{admin}/limits/sim"))
         .json(&json!({"rpm": 1200}))

@@ -1,10 +1,18 @@
 //! The admin listener: `GET /metrics` (Prometheus text), `GET /status` (JSON),
-//! `GET /` (a self-contained dashboard that polls both every 2 s), and the monthly
-//! quotas: `GET /quotas?workspace=W` and `POST /quotas/reset?workspace=W[&family=F]`
-//! (only here: the gateway never serves them).
+//! `GET /` (a self-contained dashboard that polls `GET /dashboard.json` every
+//! second), and the monthly quotas: `GET /quotas?workspace=W` and
+//! `POST /quotas/reset?workspace=W[&family=F]` (only here: the gateway never serves
+//! them).
+//!
+//! The dashboard's charts read a history the admin side keeps itself: one
+//! [`Sample`] every [`SAMPLE_INTERVAL`], the last [`HISTORY_SAMPLES`] of them (ten
+//! minutes) in a ring, so its memory is bounded whatever the traffic.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
 
 use axum::Router;
 use axum::extract::{Query, State};
@@ -186,6 +194,120 @@ struct AdminInner {
     requests: RequestStats,
     limiter: Option<LimiterSummary>,
     quotas: Option<Arc<sluice_tower::Limiter<AnyStore>>>,
+    history: Arc<Mutex<History>>,
+    /// The dashboard's quota table and when it was read (see [`QUOTAS_MAX_AGE`]).
+    quota_table: Arc<Mutex<Option<(Instant, serde_json::Value)>>>,
+}
+
+/// How often the dashboard's history takes a sample.
+pub const SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Samples the dashboard's history keeps: ten minutes at one a second. A sample is
+/// about a hundred bytes, so the ring holds about 60 KB at most.
+pub const HISTORY_SAMPLES: usize = 600;
+
+/// Most workspaces the dashboard's quota table shows (the key table's first, then
+/// the top callers'), and how long one reading of it is served again: every open
+/// dashboard asks every second, the store is asked at most this often.
+pub const QUOTA_WORKSPACES: usize = 12;
+const QUOTAS_MAX_AGE: Duration = Duration::from_secs(2);
+
+/// One class in one [`Sample`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ClassSample {
+    /// Requests admitted in the interval.
+    pub admitted: u64,
+    /// Requests refused in the interval.
+    pub refused: u64,
+    /// Units of the class spent in the interval.
+    pub units: u64,
+    /// The fullest budget of the class a caller had at the sample, in thousandths
+    /// of its limit (see [`sluice_tower::ClassTally::fill_permille`]).
+    pub fill_permille: u16,
+}
+
+/// What happened in one [`SAMPLE_INTERVAL`] (counts are of the interval that ends
+/// at `at`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Sample {
+    /// Its number: samples are numbered from 1 in the order taken.
+    pub seq: u64,
+    /// When it was taken (Unix seconds).
+    pub at: u64,
+    /// Requests the gateway received.
+    pub requests: u64,
+    /// Per class, in the order of `sluice_policy::Class::ALL`.
+    pub classes: [ClassSample; 4],
+    /// Decisions made on the fallback store (the shared store down, fail-open).
+    pub local_decisions: u64,
+    /// The store was failing when the sample was taken.
+    pub degraded: bool,
+    /// Requests in flight when the sample was taken.
+    pub in_flight: u64,
+}
+
+/// The dashboard's ring of samples, and the totals the next one counts from.
+#[derive(Debug, Default)]
+struct History {
+    samples: VecDeque<Sample>,
+    last_seq: u64,
+    last: Option<(u64, sluice_tower::Tally)>,
+}
+
+impl History {
+    /// Adds a sample from the totals `requests` and `tally` read at `at`.
+    fn push(
+        &mut self,
+        at: u64,
+        requests: u64,
+        tally: sluice_tower::Tally,
+        degraded: bool,
+        in_flight: u64,
+    ) {
+        let mut classes = [ClassSample::default(); 4];
+        for (i, (sample, now)) in classes.iter_mut().zip(&tally.classes).enumerate() {
+            let before = self.last.as_ref().and_then(|(_, t)| t.classes.get(i));
+            let delta = |f: fn(&sluice_tower::ClassTally) -> u64| {
+                f(now).saturating_sub(before.map_or(0, f))
+            };
+            *sample = ClassSample {
+                admitted: delta(|c| c.admitted),
+                refused: delta(|c| c.refused),
+                units: delta(|c| c.units),
+                fill_permille: now.fill_permille,
+            };
+        }
+        let (requests_before, local_before) = self
+            .last
+            .as_ref()
+            .map_or((0, 0), |(r, t)| (*r, t.local_decisions));
+        self.last_seq += 1;
+        if self.samples.len() == HISTORY_SAMPLES {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(Sample {
+            seq: self.last_seq,
+            at,
+            requests: requests.saturating_sub(requests_before),
+            classes,
+            local_decisions: tally.local_decisions.saturating_sub(local_before),
+            degraded,
+            in_flight,
+        });
+        self.last = Some((requests, tally));
+    }
+
+    /// The samples after `since`, oldest first.
+    fn since(&self, since: u64) -> Vec<Sample> {
+        let first = self.samples.partition_point(|s| s.seq <= since);
+        self.samples.range(first..).cloned().collect()
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 impl std::fmt::Debug for AdminState {
@@ -206,6 +328,8 @@ impl AdminState {
                 requests,
                 limiter: None,
                 quotas: None,
+                history: Arc::default(),
+                quota_table: Arc::default(),
             }),
         }
     }
@@ -227,6 +351,39 @@ impl AdminState {
         change(&mut inner);
         AdminState {
             inner: Arc::new(inner),
+        }
+    }
+
+    /// Takes one sample of the dashboard's history now (the sampler calls it every
+    /// [`SAMPLE_INTERVAL`]; a state without a limiter keeps no history).
+    pub fn sample(&self) {
+        let Some(limiter) = &self.inner.quotas else {
+            return;
+        };
+        let now = unix_now();
+        let tally = limiter.tally(now);
+        self.inner.history.lock().push(
+            now,
+            self.inner.requests.total(),
+            tally,
+            limiter.is_degraded(),
+            self.inner.requests.in_flight(),
+        );
+    }
+
+    /// Samples the history every [`SAMPLE_INTERVAL`] until `stop` resolves.
+    pub async fn keep_history(self, stop: impl Future<Output = ()>) {
+        let mut ticks = tokio::time::interval(SAMPLE_INTERVAL);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let sampling = async {
+            loop {
+                ticks.tick().await;
+                self.sample();
+            }
+        };
+        tokio::select! {
+            () = sampling => {}
+            () = stop => {}
         }
     }
 
@@ -254,6 +411,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/", get(dashboard))
         .route("/metrics", get(metrics_text))
         .route("/status", get(status))
+        .route("/dashboard.json", get(dashboard_json))
         .route("/quotas", get(quotas))
         .route("/quotas/reset", post(reset_quotas))
         .with_state(state)
@@ -369,200 +527,222 @@ async fn quota_answer(state: &AdminState, q: QuotaQuery, reset: bool) -> Respons
     }
 }
 
-async fn dashboard() -> Html<&'static str> {
-    Html(DASHBOARD_HTML)
+async fn dashboard() -> Response {
+    (
+        [
+            (header::CACHE_CONTROL, "no-store"),
+            // Everything the page needs is inline; it may fetch only its own origin.
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                 connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'",
+            ),
+        ],
+        Html(DASHBOARD_HTML),
+    )
+        .into_response()
 }
 
-/// The dashboard page: no external assets, polls `/status` and `/metrics` every 2 s.
-const DASHBOARD_HTML: &str = r##"<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>sluice</title>
-<style>
-  body { font: 14px/1.4 system-ui, sans-serif; margin: 2rem; color: #1d2330; background: #f7f8fa; }
-  h1 { font-size: 1.4rem; margin: 0 0 .2rem; }
-  h2 { font-size: 1rem; margin: 1.5rem 0 .5rem; }
-  .muted { color: #667; }
-  table { border-collapse: collapse; background: #fff; min-width: 28rem; }
-  td, th { border: 1px solid #dde; padding: .3rem .6rem; text-align: left; vertical-align: top; }
-  th { background: #eef0f4; font-weight: 600; }
-  td.num { text-align: right; font-variant-numeric: tabular-nums; }
-  pre { background: #fff; border: 1px solid #dde; padding: .6rem; max-height: 24rem; overflow: auto; }
-  #state.bad { color: #b00020; }
-</style>
-</head>
-<body>
-<h1>sluice</h1>
-<div class="muted">rate limiting gateway &middot; <span id="state">loading…</span></div>
-
-<h2>Status</h2>
-<table id="status"><tbody></tbody></table>
-
-<h2>Gateway metrics</h2>
-<table id="metrics"><thead><tr><th>metric</th><th>labels</th><th>value</th></tr></thead><tbody></tbody></table>
-
-<h2>Guarded lanes</h2>
-<div id="lanes" class="muted">no lanes in the policy</div>
-
-<h2>Batch lanes</h2>
-<div id="batches" class="muted">no batch lanes in the policy</div>
-
-<h2>Monthly quotas</h2>
-<form id="quota-form"><label>workspace <input id="workspace" placeholder="acme, key:…, ip:…" size="40"></label>
-<button>show</button></form>
-<table id="quotas"><thead><tr><th>family</th><th>usage</th><th>limit</th><th>resets at</th></tr></thead><tbody></tbody></table>
-
-<h2>Limiter</h2>
-<pre id="limiter">–</pre>
-
-<h2>Raw /metrics</h2>
-<pre id="raw"></pre>
-
-<script>
-"use strict";
-function cell(row, text, cls) {
-  const td = document.createElement("td");
-  td.textContent = text;
-  if (cls) td.className = cls;
-  row.appendChild(td);
+/// The query of `/dashboard.json`.
+#[derive(Debug, serde::Deserialize)]
+struct DashboardQuery {
+    /// Only samples after this one (`seq` of the last sample the page has).
+    since: Option<u64>,
 }
-function showStatus(s) {
-  const body = document.querySelector("#status tbody");
-  body.replaceChildren();
-  for (const [key, value] of Object.entries(s)) {
-    if (key === "limiter") continue;
-    const row = document.createElement("tr");
-    const th = document.createElement("th");
-    th.textContent = key;
-    row.appendChild(th);
-    cell(row, String(value));
-    body.appendChild(row);
-  }
-  document.getElementById("limiter").textContent =
-    s.limiter === null ? "no limiter wired in" : JSON.stringify(s.limiter, null, 2);
-  showLanes((s.limiter && s.limiter.lanes) || []);
-  showBatches((s.limiter && s.limiter.batches) || []);
+
+/// `GET /dashboard.json[?since=SEQ]`: what the dashboard shows, in one answer —
+/// `status` (the `/status` document), `samples` (the history after `since`, see
+/// [`Sample`]; `last_seq` is the newest sample's number, lower than `since` after
+/// a restart), `tally` (counts since start: classes, refusals by reason, lane
+/// refusals, fail-open decisions) and `quotas` (per workspace, `null` when the
+/// policy has no quota families).
+async fn dashboard_json(
+    State(state): State<AdminState>,
+    Query(q): Query<DashboardQuery>,
+) -> Response {
+    let status = state.status();
+    let (samples, last_seq) = {
+        let history = state.inner.history.lock();
+        (history.since(q.since.unwrap_or(0)), history.last_seq)
+    };
+    let tally = state
+        .inner
+        .quotas
+        .as_ref()
+        .map(|limiter| tally_json(&limiter.tally(unix_now())));
+    let quotas = quota_table(&state, &status.limiter).await;
+    (
+        [(header::CACHE_CONTROL, "no-store")],
+        Json(serde_json::json!({
+            "sample_interval_seconds": SAMPLE_INTERVAL.as_secs(),
+            "history_samples": HISTORY_SAMPLES,
+            "last_seq": last_seq,
+            "status": status,
+            "samples": samples,
+            "tally": tally,
+            "quotas": quotas,
+        })),
+    )
+        .into_response()
 }
-function showBatches(batches) {
-  const box = document.getElementById("batches");
-  if (batches.length === 0) return;
-  box.replaceChildren();
-  box.className = "";
-  for (const b of batches) {
-    const head = document.createElement("div");
-    head.textContent = b.lane + " batch lane: " + b.queued + " items queued, " + b.running +
-      " running; here " + b.done_here + " done, " + b.failed_here + " failed, " +
-      b.requeued_here + " sent back to the queue";
-    box.appendChild(head);
-    const table = document.createElement("table");
-    const header = document.createElement("tr");
-    for (const h of ["workspace", "queued", "running"]) {
-      const th = document.createElement("th");
-      th.textContent = h;
-      header.appendChild(th);
+
+fn tally_json(t: &sluice_tower::Tally) -> serde_json::Value {
+    serde_json::json!({
+        "classes": t.classes.iter().map(|c| serde_json::json!({
+            "class": c.class.name(),
+            "limit": c.limit,
+            "admitted": c.admitted,
+            "refused": c.refused,
+            "errors": c.errors,
+            "units": c.units,
+            "fill_permille": c.fill_permille,
+        })).collect::<Vec<_>>(),
+        "refusals": t.refusals.iter().map(|(reason, count)| serde_json::json!({
+            "reason": reason, "count": count,
+        })).collect::<Vec<_>>(),
+        "lane_refusals": t.lane_refusals.iter().map(|(lane, reason, count)| serde_json::json!({
+            "lane": lane, "reason": reason, "count": count,
+        })).collect::<Vec<_>>(),
+        "local_decisions": t.local_decisions,
+    })
+}
+
+/// Quota usage of the key table's workspaces and the top callers' (at most
+/// [`QUOTA_WORKSPACES`]), read at most every [`QUOTAS_MAX_AGE`]; `null` without
+/// quota families.
+async fn quota_table(state: &AdminState, summary: &serde_json::Value) -> serde_json::Value {
+    let Some(limiter) = &state.inner.quotas else {
+        return serde_json::Value::Null;
+    };
+    if limiter.policy().quotas.is_empty() {
+        return serde_json::Value::Null;
     }
-    table.appendChild(header);
-    for (const w of b.workspaces) {
-      const row = document.createElement("tr");
-      cell(row, w.workspace);
-      cell(row, String(w.queued), "num");
-      cell(row, String(w.running), "num");
-      table.appendChild(row);
+    if let Some((read_at, table)) = &*state.inner.quota_table.lock()
+        && read_at.elapsed() < QUOTAS_MAX_AGE
+    {
+        return table.clone();
     }
-    box.appendChild(table);
-  }
-}
-function showLanes(lanes) {
-  const box = document.getElementById("lanes");
-  if (lanes.length === 0) return;
-  box.replaceChildren();
-  box.className = "";
-  for (const l of lanes) {
-    const head = document.createElement("div");
-    const breaker = l.breaker === "open"
-      ? "breaker OPEN (" + Math.ceil(l.breaker_open_seconds_left) + " s left)"
-      : "breaker " + l.breaker.replace("_", "-");
-    head.textContent = l.lane + ": " + l.running + " of " + l.global_cap + " running (" +
-      l.batch_running + " batch items, at most " + l.batch_cap + "), " + l.waiting +
-      " waiting, " + breaker + ", calls take ~" + Math.round(l.expected_call_seconds) + " s";
-    if (l.breaker === "open") head.style.color = "#b00020";
-    box.appendChild(head);
-    const table = document.createElement("table");
-    const header = document.createElement("tr");
-    for (const h of ["workspace", "running", "waiting", "started this window", "batch items"]) {
-      const th = document.createElement("th");
-      th.textContent = h;
-      header.appendChild(th);
+    let mut known: Vec<&str> = limiter
+        .policy()
+        .identity
+        .keys
+        .values()
+        .map(|p| p.workspace.as_str())
+        .collect();
+    known.sort_unstable();
+    let callers = summary["top_callers"].as_array().into_iter().flatten();
+    let mut workspaces: Vec<String> = Vec::new();
+    for w in known
+        .into_iter()
+        .chain(callers.filter_map(|c| c["workspace"].as_str()))
+    {
+        if workspaces.len() == QUOTA_WORKSPACES {
+            break;
+        }
+        if !workspaces.iter().any(|seen| seen == w) {
+            workspaces.push(w.to_owned());
+        }
     }
-    table.appendChild(header);
-    for (const w of l.workspaces) {
-      const row = document.createElement("tr");
-      cell(row, w.workspace);
-      cell(row, String(w.running), "num");
-      cell(row, String(w.waiting), "num");
-      cell(row, String(w.started_in_window), "num");
-      cell(row, String(w.batch_running), "num");
-      table.appendChild(row);
+    let mut table = Vec::with_capacity(workspaces.len());
+    for workspace in workspaces {
+        let row = match limiter.quota_usage(&workspace).await {
+            Ok(usage) => serde_json::json!({
+                "workspace": workspace,
+                "quotas": usage.iter().map(|u| serde_json::json!({
+                    "family": u.family,
+                    "limit": u.limit,
+                    "usage": u.usage,
+                    "resets_at": sluice_tower::rfc3339(u.resets_at),
+                })).collect::<Vec<_>>(),
+            }),
+            Err(e) => serde_json::json!({"workspace": workspace, "error": e.to_string()}),
+        };
+        table.push(row);
     }
-    box.appendChild(table);
-  }
+    let table = serde_json::Value::Array(table);
+    *state.inner.quota_table.lock() = Some((Instant::now(), table.clone()));
+    table
 }
-function showMetrics(text) {
-  document.getElementById("raw").textContent = text;
-  const body = document.querySelector("#metrics tbody");
-  body.replaceChildren();
-  for (const line of text.split("\n")) {
-    if (!line.startsWith("sluice_")) continue;
-    const m = line.match(/^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)/);
-    if (!m || m[1].endsWith("_bucket")) continue;
-    const row = document.createElement("tr");
-    cell(row, m[1]);
-    cell(row, m[2] || "");
-    cell(row, m[3], "num");
-    body.appendChild(row);
-  }
+
+/// The dashboard page: one file, no external assets (inline CSS, JS and SVG); it
+/// polls `dashboard.json` every second.
+const DASHBOARD_HTML: &str = include_str!("dashboard.html");
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroUsize;
+
+    use super::*;
+
+    fn state() -> AdminState {
+        let policy = sluice_policy::default_policy().expect("default policy");
+        let store = AnyStore::memory(sluice_core::SystemClock::default());
+        let limiter = Arc::new(sluice_tower::Limiter::new(policy, store));
+        let info = StatusInfo {
+            listen: String::new(),
+            admin: String::new(),
+            upstream: String::new(),
+            upstream_kind: "external",
+            profile: "production".to_owned(),
+            store: "memory".to_owned(),
+        };
+        AdminState::new(
+            info,
+            Instant::now(),
+            RequestStats::with_workers(NonZeroUsize::MIN),
+        )
+        .with_quotas(limiter)
+    }
+
+    #[test]
+    fn the_dashboard_history_is_a_bounded_ring_read_from_a_sequence_number() {
+        let state = state();
+        for _ in 0..HISTORY_SAMPLES + 50 {
+            state.sample();
+        }
+        let history = state.inner.history.lock();
+        assert_eq!(history.samples.len(), HISTORY_SAMPLES, "bounded");
+        assert_eq!(history.last_seq, (HISTORY_SAMPLES + 50) as u64);
+        assert_eq!(
+            history.since(0).first().map(|s| s.seq),
+            Some(51),
+            "oldest dropped"
+        );
+        let newest: Vec<u64> = history
+            .since(history.last_seq - 2)
+            .iter()
+            .map(|s| s.seq)
+            .collect();
+        assert_eq!(newest, [history.last_seq - 1, history.last_seq]);
+        assert!(history.since(history.last_seq).is_empty());
+    }
+
+    #[tokio::test]
+    async fn e1_a_sample_counts_the_decisions_of_its_interval_per_class() {
+        let state = state();
+        state.sample();
+        let Some(limiter) = state.inner.quotas.clone() else {
+            panic!("a limiter");
+        };
+        let request = http::Request::post("/chats")
+            .header("x-api-key", "k")
+            .body(())
+            .expect("request");
+        let (parts, ()) = request.into_parts();
+        let peer: std::net::IpAddr = [127, 0, 0, 1].into();
+        let route = limiter.route(&parts).expect("a route");
+        for _ in 0..31 {
+            let plan = limiter.plan(&parts, peer, route, None);
+            let _ = limiter.admit(plan, None).await;
+        }
+        state.sample();
+        let history = state.inner.history.lock();
+        let last = history.samples.back().expect("a sample");
+        let expensive = last.classes[sluice_policy::Class::Expensive.index()];
+        assert_eq!((expensive.admitted, expensive.refused), (30, 1));
+        assert_eq!(expensive.units, 30);
+        assert_eq!(expensive.fill_permille, 1000, "one caller spent all 30");
+        let read = last.classes[sluice_policy::Class::Read.index()];
+        assert_eq!(read, ClassSample::default());
+    }
 }
-async function showQuotas() {
-  const workspace = document.getElementById("workspace").value.trim();
-  const body = document.querySelector("#quotas tbody");
-  if (!workspace) { body.replaceChildren(); return; }
-  const answer = await (await fetch("quotas?workspace=" + encodeURIComponent(workspace))).json();
-  body.replaceChildren();
-  if (answer.error) {
-    const row = document.createElement("tr");
-    cell(row, answer.error.message);
-    body.appendChild(row);
-    return;
-  }
-  for (const q of answer.quotas) {
-    const row = document.createElement("tr");
-    cell(row, q.family);
-    cell(row, String(q.usage), "num");
-    cell(row, q.limit === null ? "uncapped" : String(q.limit), "num");
-    cell(row, q.resets_at);
-    body.appendChild(row);
-  }
-}
-document.getElementById("quota-form").addEventListener("submit", (e) => { e.preventDefault(); showQuotas(); });
-async function refresh() {
-  const state = document.getElementById("state");
-  try {
-    const [status, metrics] = await Promise.all([fetch("status"), fetch("metrics")]);
-    showStatus(await status.json());
-    showMetrics(await metrics.text());
-    await showQuotas();
-    state.textContent = "updated " + new Date().toLocaleTimeString();
-    state.className = "";
-  } catch (e) {
-    state.textContent = "unreachable: " + e;
-    state.className = "bad";
-  }
-}
-refresh();
-setInterval(refresh, 2000);
-</script>
-</body>
-</html>
-"##;

@@ -441,6 +441,11 @@ impl Gateway {
             })
         });
         let admin_state = admin_state.with_quotas(Arc::clone(&limiter));
+        tokio::spawn(
+            admin_state
+                .clone()
+                .keep_history(backends_stopped.clone().wait()),
+        );
         let admin_task = tokio::spawn(admin::serve(
             admin_listener,
             admin::router(admin_state),

@@ -41,7 +41,7 @@ pub use lanes::{
 };
 pub use layer::{PeerAddr, PeerFn, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
 pub use limiter::{
-    Admitted, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError, QuotaUsage,
-    Refused, TOP_CALLERS_TRACKED, check_head,
+    Admitted, ClassTally, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError,
+    QuotaUsage, Refused, TOP_CALLERS_TRACKED, Tally, check_head,
 };
 pub use plan::{BudgetKind, Passed, Plan, Scopes};

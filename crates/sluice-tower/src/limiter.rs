@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use http::header::CONTENT_ENCODING;
@@ -128,8 +128,116 @@ pub struct Limiter<S> {
     /// the hot path).
     top: [crossbeam_utils::CachePadded<Mutex<TopCallers>>; TOP_SHARDS],
     metrics: Meters,
+    /// Counts since start, for the dashboard (see [`Limiter::tally`]).
+    counts: Counts,
     /// The policy's guarded lanes, in its order.
     lanes: Vec<sluice_lanes::Lane>,
+}
+
+/// What the dashboard is told of the limiter's decisions since the process started
+/// (see [`Limiter::tally`]). The same events as the `sluice_decisions_total`,
+/// `sluice_refusals_total`, `sluice_lane_refusals_total` and
+/// `sluice_local_decisions_total` metrics, readable without parsing their text.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Tally {
+    /// One per class, in [`Class::ALL`]'s order.
+    pub classes: Vec<ClassTally>,
+    /// Refusals by the budget that refused them (`sluice_refusals_total`'s
+    /// `reason`: a class, `ip`, `ip_protocol`, a bucket or a quota family), most
+    /// first; reasons with none left out.
+    pub refusals: Vec<(String, u64)>,
+    /// Calls the guarded lanes refused: (lane, reason, count), by lane then reason.
+    pub lane_refusals: Vec<(String, &'static str, u64)>,
+    /// Decisions made on this process's fallback store while the shared store
+    /// was down (fail-open classes).
+    pub local_decisions: u64,
+}
+
+/// One class's part of a [`Tally`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClassTally {
+    /// The class.
+    pub class: Class,
+    /// A caller's budget of it per window.
+    pub limit: u32,
+    /// Requests admitted whose top class it is.
+    pub admitted: u64,
+    /// Requests refused whose top class it is.
+    pub refused: u64,
+    /// Requests whose top class it is that the store could not decide.
+    pub errors: u64,
+    /// Units of this class's budgets spent by admitted requests (a JSON-RPC batch
+    /// spends one per item of the class).
+    pub units: u64,
+    /// The fullest budget of this class any caller was seen to have in the
+    /// current window, in thousandths of its limit (0 when no decision touched
+    /// the class in this window).
+    pub fill_permille: u16,
+}
+
+/// The counters behind [`Limiter::tally`]: relaxed atomics, one cache line per
+/// class, so the request path takes no lock for them.
+struct Counts {
+    classes: [crossbeam_utils::CachePadded<ClassCounts>; 4],
+    /// Refusals by every reason the policy can give (fixed at start).
+    refusals: HashMap<String, AtomicU64>,
+    /// Refusals by a reason not known at start (none expected).
+    other_refusals: AtomicU64,
+    local: AtomicU64,
+    /// Lane refusals by (lane index, reason): rare, a lock is fine.
+    lane_refusals: Mutex<HashMap<(usize, &'static str), u64>>,
+}
+
+#[derive(Default)]
+struct ClassCounts {
+    admitted: AtomicU64,
+    refused: AtomicU64,
+    errors: AtomicU64,
+    units: AtomicU64,
+    /// `reset << 16 | permille` of the fullest budget seen: a later window (a later
+    /// reset) always wins, and within one window the fullest does.
+    fill: AtomicU64,
+}
+
+impl Counts {
+    fn new(policy: &Policy) -> Self {
+        Counts {
+            classes: std::array::from_fn(|_| Default::default()),
+            refusals: refusal_reasons(policy)
+                .map(|r| (r, AtomicU64::new(0)))
+                .collect(),
+            other_refusals: AtomicU64::new(0),
+            local: AtomicU64::new(0),
+            lane_refusals: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Notes the fill of every class budget a decision reports.
+    fn fill(&self, plan: &Plan, decision: &Decision) {
+        for (k, s) in plan.kinds.iter().zip(decision.statuses()) {
+            let BudgetKind::Class(c) = k else { continue };
+            let counts = &self.classes[c.index()];
+            let used = u64::from(s.limit.saturating_sub(s.remaining));
+            let permille = (used * 1000 / u64::from(s.limit.max(1))).min(1000);
+            let packed = (s.reset << 16) | permille;
+            // Most decisions change nothing: read before writing.
+            if counts.fill.load(Ordering::Relaxed) < packed {
+                counts.fill.fetch_max(packed, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Every reason a refusal by a budget of `policy` can name (`sluice_refusals_total`).
+fn refusal_reasons(policy: &Policy) -> impl Iterator<Item = String> + '_ {
+    Class::ALL
+        .iter()
+        .map(|c| c.name().to_owned())
+        .chain(["ip".to_owned(), "ip_protocol".to_owned()])
+        .chain(policy.buckets.iter().map(|b| b.name.clone()))
+        .chain(policy.quotas.iter().map(|q| q.name.clone()))
 }
 
 /// An admitted request (see [`Limiter::admit`]).
@@ -176,12 +284,7 @@ impl Meters {
                 .iter()
                 .map(|q| metrics::counter!("sluice_quota_units_total", "family" => q.name.clone()))
                 .collect(),
-            refusals: Class::ALL
-                .iter()
-                .map(|c| c.name().to_owned())
-                .chain(["ip".to_owned(), "ip_protocol".to_owned()])
-                .chain(policy.buckets.iter().map(|b| b.name.clone()))
-                .chain(policy.quotas.iter().map(|q| q.name.clone()))
+            refusals: refusal_reasons(policy)
                 .map(|reason| {
                     let counter =
                         metrics::counter!("sluice_refusals_total", "reason" => reason.clone());
@@ -247,8 +350,8 @@ pub const FALLBACK_MAX_KEYS: usize = 100_000;
 #[derive(Default)]
 struct TopCallers {
     window: u64,
-    /// Caller subject → (who, units spent this window).
-    spend: HashMap<u64, (Who, u64)>,
+    /// Caller subject → (who, its workspace label, units spent this window).
+    spend: HashMap<u64, (Who, String, u64)>,
     others: u64,
 }
 
@@ -256,6 +359,7 @@ impl<S: BudgetStore> Limiter<S> {
     /// A limiter enforcing `policy` on `store`.
     pub fn new(policy: Policy, store: S) -> Self {
         let metrics = Meters::register(&policy);
+        let counts = Counts::new(&policy);
         let lanes = crate::lanes::lanes_of(&policy);
         Limiter {
             scopes: Scopes::new(&policy),
@@ -269,6 +373,7 @@ impl<S: BudgetStore> Limiter<S> {
             degraded: AtomicBool::new(false),
             top: std::array::from_fn(|_| Default::default()),
             lanes,
+            counts,
             metrics,
         }
     }
@@ -659,6 +764,12 @@ impl<S: BudgetStore> Limiter<S> {
                         "reason" => refusal.reason.as_str()
                     )
                     .increment(1);
+                    *self
+                        .counts
+                        .lane_refusals
+                        .lock()
+                        .entry((call.lane, refusal.reason.as_str()))
+                        .or_default() += 1;
                     return Err(crate::lane_refusal(&rule.name, &refusal));
                 }
             }
@@ -756,6 +867,7 @@ impl<S: BudgetStore> Limiter<S> {
                 self.set_degraded(true);
                 if self.fails_open(plan) {
                     self.metrics.local.increment(1);
+                    self.counts.local.fetch_add(1, Ordering::Relaxed);
                     self.decide_locally(plan)
                 } else {
                     Err(StoreError::Unavailable(e))
@@ -772,34 +884,43 @@ impl<S: BudgetStore> Limiter<S> {
     /// Counts a decision's outcome in the metrics and the status page.
     fn record(&self, plan: &Plan, decision: &Result<Decision, StoreError>) {
         let counters = &self.metrics.decisions[plan.top_class.index()];
+        let counts = &self.counts.classes[plan.top_class.index()];
         match decision {
             Ok(d) if d.is_admitted() => {
+                let mut units = 0;
                 for (b, k) in plan.budgets.iter().zip(&plan.kinds) {
-                    if let BudgetKind::Quota(q) = k
-                        && let Some(meter) = self.metrics.quota_units.get(*q)
-                    {
-                        meter.increment(u64::from(b.cost));
+                    match k {
+                        BudgetKind::Quota(q) => {
+                            if let Some(meter) = self.metrics.quota_units.get(*q) {
+                                meter.increment(u64::from(b.cost));
+                            }
+                        }
+                        BudgetKind::Class(c) => {
+                            units += u64::from(b.cost);
+                            self.counts.classes[c.index()]
+                                .units
+                                .fetch_add(u64::from(b.cost), Ordering::Relaxed);
+                        }
+                        _ => {}
                     }
                 }
                 counters[0].increment(1);
-                let units: u64 = plan
-                    .budgets
-                    .iter()
-                    .zip(&plan.kinds)
-                    .filter(|(_, k)| matches!(k, BudgetKind::Class(_)))
-                    .map(|(b, _)| u64::from(b.cost))
-                    .sum();
+                counts.admitted.fetch_add(1, Ordering::Relaxed);
+                self.counts.fill(plan, d);
                 let window = d.decided_at().as_secs() / u64::from(self.policy.window.get());
                 self.top[top_shard(plan.caller)].lock().record(
                     window,
                     plan.caller,
                     plan.who,
+                    || plan.from.workspace_label(),
                     units,
                 );
             }
             Ok(d) => {
                 let reason = plan.name(d.binding_index(), &self.policy);
                 counters[1].increment(1);
+                counts.refused.fetch_add(1, Ordering::Relaxed);
+                self.counts.fill(plan, d);
                 match self.metrics.refusals.get(reason) {
                     Some(counter) => counter.increment(1),
                     None => {
@@ -807,10 +928,70 @@ impl<S: BudgetStore> Limiter<S> {
                             .increment(1)
                     }
                 }
+                match self.counts.refusals.get(reason) {
+                    Some(n) => n.fetch_add(1, Ordering::Relaxed),
+                    None => self.counts.other_refusals.fetch_add(1, Ordering::Relaxed),
+                };
             }
             Err(_) => {
                 counters[2].increment(1);
+                counts.errors.fetch_add(1, Ordering::Relaxed);
             }
+        }
+    }
+
+    /// The counts since start that the dashboard shows (see [`Tally`]); the
+    /// class fills are as of `now_secs` (Unix seconds).
+    pub fn tally(&self, now_secs: u64) -> Tally {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let classes = Class::ALL
+            .iter()
+            .map(|&class| {
+                let c = &self.counts.classes[class.index()];
+                let fill = load(&c.fill);
+                ClassTally {
+                    class,
+                    limit: self.policy.profile.limit(class).get(),
+                    admitted: load(&c.admitted),
+                    refused: load(&c.refused),
+                    errors: load(&c.errors),
+                    units: load(&c.units),
+                    // The fill stands until its window's reset.
+                    fill_permille: if fill >> 16 > now_secs {
+                        u16::try_from(fill & 0xffff).unwrap_or(1000)
+                    } else {
+                        0
+                    },
+                }
+            })
+            .collect();
+        let mut refusals: Vec<(String, u64)> = self
+            .counts
+            .refusals
+            .iter()
+            .map(|(r, n)| (r.clone(), load(n)))
+            .chain(std::iter::once((
+                "other".to_owned(),
+                load(&self.counts.other_refusals),
+            )))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        refusals.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let mut lane_refusals: Vec<(String, &'static str, u64)> = self
+            .counts
+            .lane_refusals
+            .lock()
+            .iter()
+            .filter_map(|(&(lane, reason), &n)| {
+                Some((self.policy.lanes.get(lane)?.name.clone(), reason, n))
+            })
+            .collect();
+        lane_refusals.sort();
+        Tally {
+            classes,
+            refusals,
+            lane_refusals,
+            local_decisions: load(&self.counts.local),
         }
     }
 
@@ -927,12 +1108,12 @@ impl<S: BudgetStore> Limiter<S> {
         let shards: Vec<_> = self.top.iter().map(|shard| shard.lock()).collect();
         let window = shards.iter().map(|t| t.window).max().unwrap_or(0);
         let current = || shards.iter().filter(|t| t.window == window);
-        let mut callers: Vec<(String, u64)> = current()
+        let mut callers: Vec<(String, &str, u64)> = current()
             .flat_map(|t| t.spend.values())
-            .map(|(who, units)| (who.to_string(), *units))
+            .map(|(who, workspace, units)| (who.to_string(), workspace.as_str(), *units))
             .collect();
         let others: u64 = current().map(|t| t.others).sum();
-        callers.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        callers.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)));
         serde_json::json!({
             "profile": p.profile_name,
             "window_seconds": p.window.get(),
@@ -945,8 +1126,8 @@ impl<S: BudgetStore> Limiter<S> {
                 "name": b.name, "limit": b.limit.get(), "window_seconds": b.window.get(),
             })).collect::<Vec<_>>(),
             "routes": p.routes.len(),
-            "top_callers": callers.iter().take(10).map(|(label, units)| serde_json::json!({
-                "caller": label, "units": units,
+            "top_callers": callers.iter().take(10).map(|(label, workspace, units)| serde_json::json!({
+                "caller": label, "workspace": workspace, "units": units,
             })).collect::<Vec<_>>(),
             "other_callers_units": others,
             "store_degraded": self.is_degraded(),
@@ -961,16 +1142,25 @@ fn top_shard(caller: u64) -> usize {
 }
 
 impl TopCallers {
-    fn record(&mut self, window: u64, caller: u64, who: Who, units: u64) {
+    /// Adds `units` to `caller`'s spend in `window`; `workspace` (its label) is
+    /// asked for only when the caller is new in the window.
+    fn record(
+        &mut self,
+        window: u64,
+        caller: u64,
+        who: Who,
+        workspace: impl FnOnce() -> String,
+        units: u64,
+    ) {
         if window != self.window {
             self.window = window;
             self.spend.clear();
             self.others = 0;
         }
-        if let Some((_, n)) = self.spend.get_mut(&caller) {
+        if let Some((_, _, n)) = self.spend.get_mut(&caller) {
             *n += units;
         } else if self.spend.len() < TOP_CALLERS_TRACKED / TOP_SHARDS {
-            self.spend.insert(caller, (who, units));
+            self.spend.insert(caller, (who, workspace(), units));
         } else {
             self.others += units;
         }

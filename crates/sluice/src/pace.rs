@@ -32,7 +32,8 @@ pub struct PaceArgs {
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8088", value_parser = parse_addr)]
     pub listen: std::net::SocketAddr,
 
-    /// Address of the admin listener: `GET /limits` (JSON) and the settings page at `/`.
+    /// Address of the admin listener: `GET /limits` (JSON), the live settings page at
+    /// `/` and the JSON it reads, `GET /dashboard.json`.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9091", value_parser = parse_addr)]
     pub admin: std::net::SocketAddr,
 

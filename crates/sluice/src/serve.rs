@@ -69,8 +69,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080", value_parser = parse_addr)]
     pub listen: SocketAddr,
 
-    /// Address of the admin listener: /metrics, /status and the dashboard at / (port 0
-    /// picks a free port).
+    /// Address of the admin listener: /metrics, /status, the live dashboard at / and
+    /// the JSON it reads, /dashboard.json (port 0 picks a free port).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090", value_parser = parse_addr)]
     pub admin: SocketAddr,
 

@@ -303,8 +303,28 @@ async fn admin_serves_metrics_status_and_dashboard() {
         );
         let html = page.text();
         assert!(html.contains("<html"));
-        assert!(html.contains("fetch(\"status\")") && html.contains("fetch(\"metrics\")"));
+        assert!(
+            html.contains("fetch(\"dashboard.json?since=\""),
+            "polls its JSON"
+        );
         assert!(!html.contains("src=\"http"), "no external assets");
+        assert!(
+            page.header("content-security-policy")
+                .is_some_and(|csp| csp.contains("default-src 'none'")),
+            "the page may load nothing from elsewhere: {:?}",
+            page.headers
+        );
+
+        let dash = get(&sluice.admin_url("/dashboard.json?since=0")).await;
+        assert_eq!(dash.status, 200);
+        let dash = dash.json();
+        assert_eq!(dash["sample_interval_seconds"], 1);
+        assert_eq!(dash["history_samples"], 600);
+        assert_eq!(dash["status"]["limiter"]["profile"], "production");
+        assert_eq!(dash["tally"]["classes"][3]["class"], "expensive");
+        assert_eq!(dash["tally"]["classes"][3]["limit"], 30);
+        assert!(dash["samples"].is_array() && dash["last_seq"].is_u64());
+        assert!(dash["quotas"].is_array(), "the default policy has quotas");
     })
     .await;
 }

@@ -1,7 +1,10 @@
 //! The admin side of `sluice pace` (SPEC C1): `GET /limits` (the effective
 //! limits as JSON), `PUT /limits/<provider>` (edit and persist one
-//! provider's limits), `GET /status` (counters) and the settings page at
-//! `/` that shows and edits each provider's limits.
+//! provider's limits), `GET /status` (counters), `GET /dashboard.json` (limits,
+//! windows and counters in one answer) and the settings page at `/`: per
+//! provider, tokens and requests in the current windows against the limits,
+//! waits, 429s avoided, and a form that edits the limits — live (it polls
+//! `dashboard.json` every second), with no external assets.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -29,6 +32,7 @@ pub(super) fn router<S: BudgetStore + 'static, C: Clock + 'static>(
             get(one::<S, C>).put(save::<S, C>).post(save::<S, C>),
         )
         .route("/status", get(status::<S, C>))
+        .route("/dashboard.json", get(dashboard_json::<S, C>))
         .with_state(app)
 }
 
@@ -130,6 +134,33 @@ async fn status<S: BudgetStore + 'static, C: Clock + 'static>(
     }))
 }
 
+/// `GET /dashboard.json`: `/limits` plus, per provider, `window` (see
+/// [`crate::WindowReading`]: `tokens`, `requestsLastMinute`, `requestsToday`; or
+/// `{"error"}` when the books cannot be read) and `configFile`.
+async fn dashboard_json<S: BudgetStore + 'static, C: Clock + 'static>(
+    State(app): State<Arc<App<S, C>>>,
+) -> Response {
+    let mut v = app.pacer.limits_json();
+    if let Some(map) = v.get_mut("providers").and_then(|m| m.as_object_mut()) {
+        for (name, entry) in map.iter_mut() {
+            let window = match app.pacer.reading(name).await {
+                Ok(r) => serde_json::json!(r),
+                Err(e) => serde_json::json!({ "error": e.to_string() }),
+            };
+            if let Some(obj) = entry.as_object_mut() {
+                obj.insert("window".into(), window);
+            }
+        }
+    }
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert(
+            "configFile".into(),
+            app.config_file.display().to_string().into(),
+        );
+    }
+    ([(http::header::CACHE_CONTROL, "no-store")], Json(v)).into_response()
+}
+
 fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
@@ -147,27 +178,55 @@ fn escape(s: &str) -> String {
 
 async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
     State(app): State<Arc<App<S, C>>>,
-) -> Html<String> {
+) -> Response {
     let config = app.pacer.config();
-    let mut rows = String::new();
+    let mut cards = String::new();
     for p in config.providers.values() {
         let n = escape(&p.name);
-        let s = app.pacer.stats(&p.name);
+        let meter = |axis: &str, label: &str| {
+            format!(
+                "<div class=meter data-axis={axis}><div class=mtop><span>{label}</span>\
+                 <span class=v>–</span></div><div class=bar><span></span></div></div>"
+            )
+        };
+        let stat = |key: &str, label: &str| {
+            format!("<div class=stat data-stat={key}><b>–</b><span>{label}</span></div>")
+        };
+        let input = |axis: &str, label: &str, value: u32| {
+            format!(
+                "<label>{label}<input name={axis} type=number min=0 step=1 inputmode=numeric \
+                 value=\"{value}\" aria-label=\"{n} {label}\"></label>"
+            )
+        };
         let _ = writeln!(
-            rows,
-            "<tr data-provider=\"{n}\"><th scope=row>{n}</th><td class=url>{url}</td>\
-             <td><input name=tpm type=number min=0 value=\"{tpm}\" aria-label=\"{n} TPM\"></td>\
-             <td><input name=rpm type=number min=0 value=\"{rpm}\" aria-label=\"{n} RPM\"></td>\
-             <td><input name=rpd type=number min=0 value=\"{rpd}\" aria-label=\"{n} RPD\"></td>\
-             <td class=src>{src:?}</td><td class=num>{adm}</td><td class=num>{w}</td>\
-             <td><button type=button onclick=\"save(this)\">Save</button></td></tr>",
+            cards,
+            "<section class=card data-provider=\"{n}\">\
+             <div class=head><h2>{n}</h2><span class=\"badge src\">{src}</span>\
+             <span class=\"badge hold\" hidden></span></div>\
+             <div class=url>{url}</div>\
+             <div class=meters>{m1}{m2}{m3}</div>\
+             <div class=stats>{s1}{s2}{s3}{s4}{s5}</div>\
+             <form class=settings><div class=inputs>{i1}{i2}{i3}</div>\
+             <button>Save</button><p class=msg role=status></p></form></section>",
             url = escape(&p.base_url),
-            tpm = p.limits.tpm,
-            rpm = p.limits.rpm,
-            rpd = p.limits.rpd,
-            src = p.origin,
-            adm = s.admitted,
-            w = s.waited,
+            src = escape(
+                serde_json::to_value(p.origin)
+                    .ok()
+                    .as_ref()
+                    .and_then(serde_json::Value::as_str)
+                    .unwrap_or("")
+            ),
+            m1 = meter("tpm", "Tokens, last 60 s"),
+            m2 = meter("rpm", "Requests, last 60 s"),
+            m3 = meter("rpd", "Requests, last 24 h"),
+            s1 = stat("admitted", "sent"),
+            s2 = stat("avoided", "429s avoided"),
+            s3 = stat("wait", "average wait"),
+            s4 = stat("upstream429", "429s from the provider"),
+            s5 = stat("retries", "retries"),
+            i1 = input("tpm", "TPM", p.limits.tpm),
+            i2 = input("rpm", "RPM", p.limits.rpm),
+            i3 = input("rpd", "RPD", p.limits.rpd),
         );
     }
     let error = app
@@ -176,46 +235,24 @@ async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
         .last_error()
         .map(|e| format!("<p class=err>The config file has an error; the last good config is in force:<br><code>{}</code></p>", escape(&e)))
         .unwrap_or_default();
-    Html(
-        PAGE.replace("{{rows}}", &rows)
-            .replace("{{error}}", &error)
-            .replace("{{file}}", &escape(&app.config_file.display().to_string())),
+    let html = PAGE
+        .replace("{{cards}}", &cards)
+        .replace("{{error}}", &error)
+        .replace("{{file}}", &escape(&app.config_file.display().to_string()));
+    (
+        [
+            (http::header::CACHE_CONTROL, "no-store"),
+            (
+                http::header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                 connect-src 'self'; base-uri 'none'; form-action 'none'",
+            ),
+        ],
+        Html(html),
     )
+        .into_response()
 }
 
-const PAGE: &str = r#"<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>sluice pace · Providers</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<style>
-body{font:15px/1.45 system-ui,sans-serif;margin:2rem auto;max-width:68rem;padding:0 1rem;color:#1d2330}
-h1{font-size:1.4rem;margin:0 0 .3rem} p.lead{color:#555;margin:.2rem 0 1.2rem}
-table{border-collapse:collapse;width:100%} th,td{padding:.45rem .5rem;border-bottom:1px solid #e3e6ec;text-align:left}
-thead th{font-size:.8rem;text-transform:uppercase;letter-spacing:.04em;color:#667}
-td.url{font-family:ui-monospace,monospace;font-size:.85rem;color:#456} td.num{text-align:right}
-input{width:7.5rem;padding:.25rem .35rem;font:inherit} button{padding:.3rem .8rem;font:inherit;cursor:pointer}
-.err{color:#a11;background:#fdecec;padding:.6rem;border-radius:4px} #msg{min-height:1.4em}
-.ok{color:#176d2c} .bad{color:#a11}
-</style></head><body>
-<h1>Settings → Providers</h1>
-<p class="lead">Rate limits per provider: tokens per minute, requests per minute, requests per day (0 = unlimited).
-Changes apply to the next request, without a restart, and are saved next to <code>{{file}}</code>.</p>
-{{error}}
-<table><thead><tr><th>Provider</th><th>Base URL</th><th>TPM</th><th>RPM</th><th>RPD</th><th>Source</th><th>Sent</th><th>Waited</th><th></th></tr></thead>
-<tbody>
-{{rows}}</tbody></table>
-<p id="msg" role="status"></p>
-<script>
-async function save(button) {
-  const row = button.closest('tr');
-  const name = row.dataset.provider;
-  const body = {};
-  for (const k of ['tpm', 'rpm', 'rpd']) body[k] = Number(row.querySelector(`input[name=${k}]`).value);
-  const msg = document.getElementById('msg');
-  const r = await fetch('limits/' + encodeURIComponent(name), {method: 'PUT', headers: {'content-type': 'application/json'}, body: JSON.stringify(body)});
-  const j = await r.json();
-  if (r.ok) { msg.className = 'ok'; msg.textContent = `${name}: saved (TPM ${j.tpm}, RPM ${j.rpm}, RPD ${j.rpd}).`; row.querySelector('.src').textContent = 'Settings'; }
-  else { msg.className = 'bad'; msg.textContent = `${name}: ${j.error ? j.error.message : r.status}`; }
-}
-</script>
-</body></html>
-"#;
+/// The settings page (see the module's docs); `{{cards}}`, `{{error}}` and
+/// `{{file}}` are filled in, escaped, when it is served.
+const PAGE: &str = include_str!("settings.html");

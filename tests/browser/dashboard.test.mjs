@@ -1,0 +1,111 @@
+// The admin dashboard of `sluice serve` (issue 17, item 1) in a real headless
+// Chromium: live numbers after traffic, caller-chosen text shown as text, and a
+// phone-width layout. Screenshots: target/browser-screenshots/serve-dashboard-*.png.
+import assert from "node:assert/strict";
+import fs from "node:fs";
+import path from "node:path";
+import { after, before, test } from "node:test";
+import {
+  DESKTOP, PHONE, ROOT, browser, openPage, overflowsSideways, screenshot, startSluice, tempDir,
+} from "./support.mjs";
+
+// A workspace name as an auth layer in front may pass it on: whatever a caller
+// chose. The page must show it as text and never run it.
+const HOSTILE = `<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">`;
+
+let sluice;
+let chrome;
+let work;
+let gateway;
+let admin;
+
+/** The built-in policy with loopback trusted as an auth layer naming workspaces. */
+function policyFile(dir) {
+  const edit = (text, from, to) => {
+    assert.ok(text.includes(from), `examples/policy.yaml no longer holds ${JSON.stringify(from)}`);
+    return text.replace(from, to);
+  };
+  let text = fs.readFileSync(path.join(ROOT, "examples/policy.yaml"), "utf8");
+  text = edit(text, "  trusted_proxies: []", "  trusted_proxies: [127.0.0.1]\n  principal_headers: { workspace: X-Workspace, user: X-User }");
+  const file = path.join(dir, "policy.yaml");
+  fs.writeFileSync(file, text);
+  return file;
+}
+
+before(async () => {
+  work = tempDir("sluice-dash-");
+  sluice = await startSluice([
+    "serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
+    "--data-dir", path.join(work, "data"), "--config", policyFile(work),
+    "--demo-optimize-seconds", "6",
+  ], /listening on http:\/\/(\S+) \(admin http:\/\/(\S+),/);
+  gateway = "http://" + sluice.match[1];
+  admin = "http://" + sluice.match[2];
+  chrome = await browser();
+});
+
+after(async () => {
+  await chrome?.close();
+  await sluice?.stop();
+  if (work) fs.rmSync(work, { recursive: true, force: true });
+});
+
+async function send(method, route, headers = {}, body) {
+  const r = await fetch(gateway + route, { method, headers, body });
+  await r.arrayBuffer();
+  return r.status;
+}
+
+const text = (page, selector) => page.locator(selector).first().innerText();
+
+test("the dashboard shows traffic as it happens, refusals by reason, and caller text as text", { timeout: 60_000 }, async () => {
+  const errors = [];
+  const page = await openPage(chrome.context, errors);
+  await page.setViewportSize(DESKTOP);
+  await page.goto(admin + "/");
+  await page.locator("#live.on").waitFor({ timeout: 10_000 });
+  assert.equal(await text(page, "#kpi-refused .value"), "0");
+  assert.match(await text(page, "#refusals-body"), /nothing refused/);
+
+  // SPEC E1: 30 expensive calls a minute per caller; 35 from one key → 5 refused.
+  const statuses = [];
+  for (let i = 0; i < 35; i++) statuses.push(await send("POST", "/chats", { "x-api-key": "dash-one" }));
+  assert.equal(statuses.filter((s) => s === 429).length, 5, String(statuses));
+  for (let i = 0; i < 12; i++) await send("GET", "/search/fields", { "x-api-key": "dash-two" });
+  // A lane call that runs for 6 s, from a workspace with a hostile name.
+  const laneCall = fetch(gateway + "/messages/optimize", {
+    method: "POST",
+    headers: { "content-type": "application/json", "x-api-key": "dash-three", "x-workspace": HOSTILE, "x-user": HOSTILE },
+    body: JSON.stringify({ text: "hello" }),
+  });
+
+  // The numbers change without a reload.
+  await page.locator("#kpi-refused .value", { hasText: /^5$/ }).waitFor({ timeout: 10_000 });
+  await page.locator('.chart[data-class="expensive"] .fill', { hasText: "100%" }).waitFor({ timeout: 10_000 });
+  await page.locator('#refusals-body [data-reason="expensive"] .count', { hasText: /^5$/ }).waitFor({ timeout: 10_000 });
+  await page.locator("#callers-body tr", { hasText: "30" }).first().waitFor({ timeout: 10_000 });
+  assert.match(await text(page, '.chart[data-class="read"] .meta'), /300 per caller \/ 60 s/);
+  // The running lane call: its workspace, as text, in the lanes, the callers and the quotas.
+  const laneRow = page.locator('#lanes-body tr').filter({ hasText: "window.__pwned" });
+  await laneRow.first().waitFor({ timeout: 10_000 });
+  assert.ok((await laneRow.first().innerText()).includes("<script>window.__pwned = 1</script>"));
+  assert.ok((await text(page, "#callers-body")).includes(HOSTILE));
+  await page.locator("#quotas-body", { hasText: "<img src=x" }).waitFor({ timeout: 10_000 });
+  assert.equal(await page.evaluate(() => window.__pwned), undefined, "caller text ran as script");
+  assert.equal(await page.locator("main img, main script").count(), 0, "caller text became markup");
+  assert.match(await text(page, '#lanes-body [data-lane="optimizer"]'), /1 of 20 running/);
+  assert.match(await text(page, "#store-body"), /healthy/);
+  await screenshot(page, "serve-dashboard-desktop", true);
+
+  await page.setViewportSize(PHONE);
+  await page.waitForTimeout(300);
+  assert.equal(await overflowsSideways(page), false, "the page scrolls sideways at 390 px");
+  assert.ok(await page.locator("#kpi-refused").isVisible());
+  await screenshot(page, "serve-dashboard-phone");
+  await page.locator("#classes").scrollIntoViewIfNeeded();
+  await screenshot(page, "serve-dashboard-phone-charts");
+
+  assert.equal((await laneCall).status, 200);
+  assert.deepEqual(errors, []);
+  await page.close();
+});
