@@ -3,7 +3,8 @@
 //!
 //! Before a request goes, its tokens are estimated with a real tokenizer
 //! ([`tokens`]) and reserved against a rolling 60 s window; if they do not
-//! fit, the request waits — first come, first served — exactly until they
+//! fit, the request waits — first come, first served, though a smaller one
+//! may go ahead of it where that delays it not at all — exactly until they
 //! do ([`Pacer`]). Requests are spaced evenly under the RPM limit. When the
 //! answer arrives, its actual `usage` replaces the reservation, and its
 //! rate-limit headers correct the books ([`headers`]). 429s and 5xx are

@@ -4,7 +4,9 @@
 //! the store share the budgets.
 //!
 //! A request *reserves* its estimate before it is sent (waiting, first come
-//! first served, exactly until the windows have room) and *reconciles* with
+//! first served, exactly until the windows have room; a smaller request may
+//! go ahead of a waiting one only where that delays it not at all) and
+//! *reconciles* with
 //! the answer's actual `usage` afterwards ([`Permit::reconcile`]). The
 //! provider counts a request when it arrives, not when it was sent, so every
 //! window reaches back `60 s + arrival margin`.
@@ -112,6 +114,16 @@ struct ProviderState {
     /// request waiting at the head of the queue looks again at once instead
     /// of at its next planned instant.
     room: tokio::sync::Notify,
+    /// The request at the head of the queue while it waits: when it goes and
+    /// what it takes. Requests behind it may go first when that changes
+    /// neither (see [`Pacer::try_ahead`]).
+    head: parking_lot::Mutex<Option<Head>>,
+    /// Rung when the head's plan changes or room is given back, for the
+    /// requests behind the head.
+    behind: tokio::sync::Notify,
+    /// One request at a time checks whether it may go ahead of the head and
+    /// reserves, so that two together never delay it.
+    ahead: tokio::sync::Mutex<()>,
     tokens: parking_lot::Mutex<SlotCache>,
     days: parking_lot::Mutex<SlotCache>,
     learned: parking_lot::Mutex<Learned>,
@@ -226,6 +238,43 @@ fn subject_of(p: &ProviderConfig) -> u64 {
     sluice_core::digest(&s)
 }
 
+/// What the request at the head of a provider's queue waits for.
+#[derive(Clone, Copy, Debug)]
+struct Head {
+    /// When it goes.
+    ready_at: Timestamp,
+    /// The tokens it reserves then.
+    tokens: u32,
+}
+
+/// Clears the head's plan when the head leaves the queue (admitted, refused
+/// or cancelled).
+struct HeadGuard<'s>(&'s ProviderState);
+
+impl HeadGuard<'_> {
+    fn publish(&self, head: Head) {
+        *self.0.head.lock() = Some(head);
+        self.0.behind.notify_waiters();
+    }
+}
+
+impl Drop for HeadGuard<'_> {
+    fn drop(&mut self) {
+        *self.0.head.lock() = None;
+        self.0.behind.notify_waiters();
+    }
+}
+
+/// What [`Pacer::try_ahead`] found.
+enum Ahead<S: BudgetStore + 'static, C: Clock + 'static> {
+    /// Reserved ahead of the head.
+    Went(Permit<S, C>),
+    /// Not now; perhaps at this instant.
+    LookAt(Timestamp),
+    /// Not now.
+    No,
+}
+
 struct Plan {
     ready_at: Timestamp,
     tokens_late: bool,
@@ -293,6 +342,9 @@ where
                 Arc::new(ProviderState {
                     gate: tokio::sync::Mutex::new(()),
                     room: tokio::sync::Notify::new(),
+                    head: parking_lot::Mutex::new(None),
+                    behind: tokio::sync::Notify::new(),
+                    ahead: tokio::sync::Mutex::new(()),
                     tokens: parking_lot::Mutex::new(SlotCache::default()),
                     days: parking_lot::Mutex::new(SlotCache::default()),
                     learned: parking_lot::Mutex::new(Learned::default()),
@@ -315,7 +367,8 @@ where
         }
     }
 
-    /// Waits (first come, first served) until `estimate` tokens and one
+    /// Waits (first come, first served; a request goes ahead of a waiting
+    /// one only when that delays it not at all) until `estimate` tokens and one
     /// request fit every window of `provider`, and reserves them.
     ///
     /// # Errors
@@ -349,10 +402,28 @@ where
         }
         let state = self.state(provider);
         let mut shrink_tried = false;
-        let mut slept = false;
         // Refuse a request that can never fit before it queues.
         self.check_size(provider, &state, demand, &mut shrink_tried)?;
-        let _turn = state.gate.lock().await;
+        // First come, first served: the gate is fair. While its turn has not
+        // come, a request goes ahead of the one waiting at the head when it
+        // fits now and the head still goes when it planned to.
+        let turn = state.gate.lock();
+        tokio::pin!(turn);
+        let _turn = loop {
+            let look_again = match self.try_ahead(provider, &state, demand, arrived).await? {
+                Ahead::Went(permit) => return Ok(permit),
+                Ahead::LookAt(t) => t.saturating_since(self.inner.clock.now()).min(MAX_SLEEP),
+                Ahead::No => MAX_SLEEP,
+            };
+            let behind = state.behind.notified();
+            tokio::select! {
+                biased;
+                turn = &mut turn => break turn,
+                () = behind => {}
+                () = tokio::time::sleep(look_again) => {}
+            }
+        };
+        let head = HeadGuard(&state);
         loop {
             let p = self.check_size(provider, &state, demand, &mut shrink_tried)?;
             let config = self.config();
@@ -369,18 +440,7 @@ where
                     .try_reserve(provider, &state, &p, subject, margin, tokens, &plan)
                     .await?
                 {
-                    let waited = now.saturating_since(arrived);
-                    let c = &state.counters;
-                    c.add(ADMITTED, 1);
-                    state.recent.lock().add(now.as_secs());
-                    if slept {
-                        c.add(WAITED, 1);
-                        c.add(
-                            WAIT_MS,
-                            u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
-                        );
-                    }
-                    return Ok(permit.with_waited(waited));
+                    return Ok(self.admitted(&state, permit, arrived, now));
                 }
                 // Another process spent first: look again shortly.
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -401,8 +461,11 @@ where
                     max_wait: p.max_wait,
                 });
             }
+            head.publish(Head {
+                ready_at: plan.ready_at,
+                tokens,
+            });
             let sleep = plan.ready_at.saturating_since(now).min(MAX_SLEEP);
-            slept = true;
             // Room given back by an answer's usage (or a refusal) may come
             // before the planned instant: look again as soon as it does.
             tokio::select! {
@@ -410,6 +473,113 @@ where
                 () = state.room.notified() => {}
             }
         }
+    }
+
+    /// Counts `permit`, reserved at `now` for a request that arrived at
+    /// `arrived`, and gives it its wait.
+    fn admitted(
+        &self,
+        state: &ProviderState,
+        permit: Permit<S, C>,
+        arrived: Timestamp,
+        now: Timestamp,
+    ) -> Permit<S, C> {
+        let waited = now.saturating_since(arrived);
+        let c = &state.counters;
+        c.add(ADMITTED, 1);
+        state.recent.lock().add(now.as_secs());
+        if !waited.is_zero() {
+            c.add(WAITED, 1);
+            c.add(
+                WAIT_MS,
+                u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+            );
+        }
+        permit.with_waited(waited)
+    }
+
+    /// Reserves for a request behind the head of `provider`'s queue when it
+    /// fits now and leaves the head's plan as it is: the tokens of both fit
+    /// by the head's instant, the request spacing still lets the head go
+    /// then, and the day has room for both. A large request waiting for room
+    /// no longer leaves the room that builds up before it unused (smaller
+    /// ones behind it take it), and is never delayed by them. Within this
+    /// process: other processes sharing the books do not see the head.
+    ///
+    /// # Errors
+    /// As [`Pacer::acquire`].
+    async fn try_ahead(
+        &self,
+        provider: &str,
+        state: &Arc<ProviderState>,
+        demand: &mut dyn Demand,
+        arrived: Timestamp,
+    ) -> Result<Ahead<S, C>, PaceError> {
+        let Some(head) = *state.head.lock() else {
+            return Ok(Ahead::No);
+        };
+        let Ok(_one) = state.ahead.try_lock() else {
+            return Ok(Ahead::No);
+        };
+        let config = self.config();
+        let Some(p) = config.provider(provider) else {
+            return Ok(Ahead::No);
+        };
+        let l = p.limits;
+        let tokens = demand.tokens();
+        let now = self.inner.clock.now();
+        let margin = config.pacer.arrival_margin;
+        if l.tpm == 0 || tokens == 0 || head.ready_at <= now || tokens > l.tpm {
+            return Ok(Ahead::No);
+        }
+        if l.rpm > 0 {
+            let spacing = (Duration::from_secs(60) + margin) / l.rpm;
+            if now.saturating_add(spacing) > head.ready_at {
+                return Ok(Ahead::No);
+            }
+        }
+        let subject = subject_of(p);
+        let deadline = arrived.saturating_add(p.max_wait);
+        let plan = self
+            .plan(state, p, subject, margin, tokens, now, deadline)
+            .await?;
+        if plan.ready_at > now {
+            return Ok(if plan.ready_at < head.ready_at {
+                Ahead::LookAt(plan.ready_at)
+            } else {
+                Ahead::No
+            });
+        }
+        if let Some(days) = &plan.days
+            && days.room_at(l.rpd, 2, now).is_none_or(|t| t > now)
+        {
+            return Ok(Ahead::No);
+        }
+        let both = self
+            .inner
+            .tpm
+            .plan(
+                &self.inner.store,
+                subject,
+                now,
+                margin,
+                l.tpm,
+                head.tokens.saturating_add(tokens),
+                head.ready_at,
+            )
+            .await?;
+        if both.ready_at().is_none_or(|t| t > head.ready_at) {
+            return Ok(Ahead::No);
+        }
+        Ok(
+            match self
+                .try_reserve(provider, state, p, subject, margin, tokens, &plan)
+                .await?
+            {
+                Some(permit) => Ahead::Went(self.admitted(state, permit, arrived, now)),
+                None => Ahead::No,
+            },
+        )
     }
 
     fn check_size(
@@ -935,6 +1105,7 @@ where
             // A waiting request may fit now (a stored wake-up when none
             // waits costs one extra look later).
             self.state.room.notify_one();
+            self.state.behind.notify_waiters();
         }
         Ok(())
     }

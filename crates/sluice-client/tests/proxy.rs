@@ -127,11 +127,16 @@ async fn c1_c2_c3_end_to_end_proxy_to_simulator_paced_with_zero_429s() {
         "not paced: {:?}",
         t0.elapsed()
     );
+    // Spaced, not bunched: the pacer lets one through every ~101.7 ms. Where
+    // they arrive, one request held up on a busy machine shortens the gap
+    // before the next, so the spacing is read over the burst, not per gap.
     let arrivals = sim.arrivals();
-    for w in arrivals.windows(2).skip(2) {
-        let gap = w[1].0.saturating_since(w[0].0);
-        assert!(gap >= Duration::from_millis(80), "arrivals {gap:?} apart");
-    }
+    let burst = &arrivals[arrivals.len() - 12..];
+    let span = burst[11].0.saturating_since(burst[2].0);
+    assert!(
+        span >= Duration::from_millis(9 * 90),
+        "the last 10 of the burst arrived within {span:?}"
+    );
 
     // Larger than the whole TPM: 413 at once, nothing sent.
     let before = sim.stats().requests;

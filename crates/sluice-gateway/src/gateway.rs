@@ -155,21 +155,21 @@ pub(super) struct Workers {
 }
 
 impl Workers {
-    /// Starts `count` worker threads, each serving HTTP/1.1 on the fast path
-    /// `make_fast` builds for it and everything else with the service `make_service`
-    /// builds for it, and draining for up to `grace` once its queue closes.
+    /// Starts `count` worker threads, each serving HTTP/1.1 on the fast path and
+    /// everything else with the service that `make_worker` builds for it (the two
+    /// share the worker's upstream connections), and draining for up to `grace` once
+    /// its queue closes.
     ///
     /// # Errors
     /// A thread or its runtime that cannot be started.
     pub(super) fn start<F, S, B>(
         count: NonZeroUsize,
-        make_service: F,
-        make_fast: impl Fn(RequestStats) -> FastPath,
+        make_worker: F,
         stats: &RequestStats,
         grace: Duration,
     ) -> std::io::Result<Self>
     where
-        F: Fn() -> S,
+        F: Fn(RequestStats) -> (S, FastPath),
         S: Service<Request<GatewayBody>, Response = Response<B>> + Clone + Send + 'static,
         S::Future: Send + 'static,
         S::Error: Into<BoxError>,
@@ -185,9 +185,8 @@ impl Workers {
         for index in 0..count.get() {
             let (handoff, sockets) = mpsc::channel(HANDOFF_QUEUE);
             let (drained, drain) = oneshot::channel();
-            let service = make_service();
             let stats = stats.worker(index);
-            let fast = make_fast(stats.clone());
+            let (service, fast) = make_worker(stats.clone());
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;

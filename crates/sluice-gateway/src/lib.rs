@@ -431,21 +431,32 @@ impl Gateway {
         for lane in batch_lanes.iter() {
             tokio::spawn(Arc::clone(lane).run(backends_stopped.clone()));
         }
-        let make_service = {
+        // Both request paths of a worker send over its one pool of upstream connections.
+        let make_worker = {
             let limiter = Arc::clone(&limiter);
-            let proxy_config = proxy_config.clone();
             let batch_lanes = Arc::clone(&batch_lanes);
             let access_log = config.access_log;
-            move || {
-                access::RequestIds::new(
+            move |stats| {
+                let connections = Arc::new(pool::Connections::new(
+                    proxy_config.upstream.connect_target(),
+                ));
+                let service = access::RequestIds::new(
                     SluiceLayer::reloadable(Arc::clone(&limiter)).layer(
                         batch::BatchEndpoints::new(
-                            Proxy::new(proxy_config.clone()),
+                            Proxy::over(proxy_config.clone(), Arc::clone(&connections)),
                             Arc::clone(&batch_lanes),
                         ),
                     ),
                     access_log,
-                )
+                );
+                let fast = h1::FastPath::new(
+                    Arc::clone(&limiter),
+                    proxy_config.clone(),
+                    connections,
+                    stats,
+                    access_log,
+                );
+                (service, fast)
             }
         };
 
@@ -487,26 +498,9 @@ impl Gateway {
             backends_stopped.clone().wait(),
         ));
 
-        let make_fast = {
-            let limiter = Arc::clone(&limiter);
-            let access_log = config.access_log;
-            move |stats| {
-                h1::FastPath::new(
-                    Arc::clone(&limiter),
-                    proxy_config.clone(),
-                    stats,
-                    access_log,
-                )
-            }
-        };
-        let workers = gateway::Workers::start(
-            config.workers,
-            make_service,
-            make_fast,
-            &requests,
-            SHUTDOWN_GRACE,
-        )
-        .map_err(io("starting the gateway worker threads"))?;
+        let workers =
+            gateway::Workers::start(config.workers, make_worker, &requests, SHUTDOWN_GRACE)
+                .map_err(io("starting the gateway worker threads"))?;
         let (stop_gateway, gateway_stopped) = Stop::channel();
         let gateway_task = tokio::spawn(gateway::serve(
             gateway_listener,

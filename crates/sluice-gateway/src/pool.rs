@@ -1,12 +1,18 @@
-//! Keep-alive HTTP/1.1 connections to the one upstream, one pool per gateway worker.
+//! Keep-alive HTTP/1.1 connections to the one upstream: one pool per gateway worker,
+//! serving both of its request paths.
 //!
-//! The gateway talks to a single upstream, so the pool is a plain queue of
-//! connections: no per-host map, no key hashing, no lock contention (each worker
-//! thread has its own pool). A connection goes back into the queue once its
-//! response body has been read to the end ([`PooledBody`]) and is handed out again,
-//! most recently queued first, once hyper reports it ready. A connection found
-//! closed, or queued for longer than [`IDLE_TIMEOUT`], is dropped; a pruning task
-//! closes those on a quiet pool too.
+//! The gateway talks to a single upstream, so the pool is a plain stack of idle
+//! sockets ([`Connections`]): no per-host map, no key hashing, no lock contention (each
+//! worker thread has its own). A socket in the stack is one whose last response was
+//! read to its end; the most recently used is handed out first (its peer is the least
+//! likely to have closed it), and one found closed, or idle for longer than
+//! [`IDLE_TIMEOUT`], is dropped.
+//!
+//! The fast path drives a socket from the client connection's own task. The hyper
+//! path ([`UpstreamPool`]) lends a socket to a hyper client connection for one
+//! exchange and takes it back once the response body has been read to the end and
+//! hyper reports the connection ready for another request (so `Connection: close`,
+//! HTTP/1.0 and a request body the upstream did not take all keep it out).
 //!
 //! A request a pooled connection never took (the upstream closed it in the meantime)
 //! is sent again on the next connection: nothing of it reached the upstream. A request
@@ -14,7 +20,8 @@
 
 use std::collections::VecDeque;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -26,6 +33,7 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::proxy::BoxError;
@@ -33,13 +41,13 @@ use super::proxy::BoxError;
 /// The body type sent to the upstream (any incoming body, boxed).
 pub(super) type OutgoingBody = UnsyncBoxBody<Bytes, BoxError>;
 
-/// How long an idle upstream connection is kept (by both request paths' pools).
+/// How long an idle upstream connection is kept.
 pub(super) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// How often stale upstream connections are closed (by both request paths' pools).
+/// How often stale upstream connections are closed.
 pub(super) const PRUNE_EVERY: Duration = Duration::from_secs(10);
 
-/// At most this many idle upstream connections per worker and request path.
+/// At most this many idle upstream connections per worker.
 pub(super) const POOL_MAX_IDLE: usize = 256;
 
 /// Why a request got no response from the upstream.
@@ -51,34 +59,188 @@ pub(super) enum SendError {
     Upstream,
 }
 
-/// One worker's connections to the upstream. Cheap to clone: clones share the queue.
-#[derive(Clone, Debug)]
-pub(super) struct UpstreamPool {
-    inner: Arc<Inner>,
+/// One worker's idle connections to the upstream.
+#[derive(Debug)]
+pub(super) struct Connections {
+    /// `host:port` to connect to.
+    target: String,
+    /// At most this many connections wait idle.
+    max_idle: usize,
+    /// Oldest first.
+    idle: Mutex<VecDeque<Idle>>,
+    /// Connections of the hyper path whose response has ended, on their way back
+    /// (their task has yet to see hyper report them ready).
+    returning: AtomicUsize,
 }
 
 #[derive(Debug)]
-struct Inner {
-    /// `host:port` to connect to.
-    target: String,
-    /// At most this many connections wait in the queue.
-    max_idle: usize,
-    queue: Mutex<VecDeque<Pooled>>,
+struct Idle {
+    stream: TcpStream,
+    since: Instant,
+}
+
+impl Connections {
+    /// An empty pool of connections to `target` (`host:port`), keeping at most
+    /// [`POOL_MAX_IDLE`] idle.
+    pub(super) fn new(target: String) -> Self {
+        Self::with_max_idle(target, POOL_MAX_IDLE)
+    }
+
+    fn with_max_idle(target: String, max_idle: usize) -> Self {
+        Connections {
+            target,
+            max_idle,
+            idle: Mutex::new(VecDeque::new()),
+            returning: AtomicUsize::new(0),
+        }
+    }
+
+    fn idle(&self) -> MutexGuard<'_, VecDeque<Idle>> {
+        // The queue is left consistent at every point a panic could occur.
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The most recently used idle connection that is still open, if any.
+    pub(super) fn checkout(&self) -> Option<TcpStream> {
+        let now = Instant::now();
+        let mut idle = self.idle();
+        while let Some(Idle { stream, since }) = idle.pop_back() {
+            if now.saturating_duration_since(since) >= IDLE_TIMEOUT {
+                // Everything older is older still.
+                idle.clear();
+                return None;
+            }
+            // Anything to read while idle means the upstream closed it or sent bytes no
+            // request asked for (which would be taken for the next request's answer):
+            // either way it cannot carry a request. A non-blocking peek asks the
+            // socket itself, not the readiness the reactor last saw.
+            let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+            match socket2::SockRef::from(&stream).peek(&mut probe) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(stream),
+                _ => {}
+            }
+        }
+        None
+    }
+
+    /// Puts a connection whose last response was read to its end back.
+    pub(super) fn checkin(&self, stream: TcpStream) {
+        let mut idle = self.idle();
+        if idle.len() >= self.max_idle {
+            idle.pop_front();
+        }
+        idle.push_back(Idle {
+            stream,
+            since: Instant::now(),
+        });
+    }
+
+    /// Closes the connections idle for longer than [`IDLE_TIMEOUT`]; the worker calls
+    /// it every [`PRUNE_EVERY`], so a quiet pool does not hold idle sockets open.
+    pub(super) fn prune(&self) {
+        let now = Instant::now();
+        let mut idle = self.idle();
+        while idle
+            .front()
+            .is_some_and(|i| now.saturating_duration_since(i.since) >= IDLE_TIMEOUT)
+        {
+            idle.pop_front();
+        }
+    }
+
+    /// A new connection.
+    ///
+    /// # Errors
+    /// The connect's.
+    pub(super) async fn connect(&self) -> std::io::Result<TcpStream> {
+        let stream = TcpStream::connect(&self.target).await?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    }
+}
+
+/// Closes `connections`' stale sockets every [`PRUNE_EVERY`] until the pool is gone,
+/// on a task of the current runtime (when there is one). For a pool no gateway worker
+/// prunes, such as a [`Proxy`](super::proxy::Proxy) of its own.
+pub(super) fn keep_pruned(connections: &Arc<Connections>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let connections = Arc::downgrade(connections);
+    runtime.spawn(async move {
+        let mut tick = tokio::time::interval(PRUNE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(connections) = connections.upgrade() else {
+                return;
+            };
+            connections.prune();
+        }
+    });
+}
+
+/// The hyper path's side of a worker's [`Connections`]: sends a request on a pooled
+/// socket, or on a new one when none is idle. Cheap to clone: clones share the pool.
+#[derive(Clone, Debug)]
+pub(super) struct UpstreamPool {
+    connections: Arc<Connections>,
 }
 
 /// A response body from a pooled connection: when it has been read to the end, the
-/// connection goes back into the queue; dropped before that, the connection is
-/// dropped too (hyper closes it: the rest of that body is still on the wire).
+/// connection's sender goes back to the task driving it, which returns the socket to
+/// the pool once hyper reports it ready for another request. Dropped before that, the
+/// connection is dropped too (the rest of that body is still on the wire).
 #[derive(Debug)]
 pub(super) struct PooledBody {
     body: Incoming,
-    back: Option<(SendRequest<OutgoingBody>, UpstreamPool)>,
+    back: Option<Back>,
+}
+
+/// What a [`PooledBody`] gives back at its end, and where to.
+#[derive(Debug)]
+struct Back {
+    sender: SendRequest<OutgoingBody>,
+    connections: Arc<Connections>,
+    to: oneshot::Sender<Returning>,
+}
+
+/// A connection on its way back to the pool, counted in [`Connections::returning`]
+/// for as long as it exists.
+#[derive(Debug)]
+struct Returning {
+    sender: Option<SendRequest<OutgoingBody>>,
+    connections: Arc<Connections>,
+}
+
+impl Returning {
+    fn new(sender: SendRequest<OutgoingBody>, connections: Arc<Connections>) -> Self {
+        connections.returning.fetch_add(1, Ordering::Relaxed);
+        Returning {
+            sender: Some(sender),
+            connections,
+        }
+    }
+}
+
+impl Drop for Returning {
+    fn drop(&mut self) {
+        self.connections.returning.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl PooledBody {
     fn give_back(&mut self) {
-        if let Some((sender, pool)) = self.back.take() {
-            pool.checkin(sender);
+        if let Some(Back {
+            sender,
+            connections,
+            to,
+        }) = self.back.take()
+        {
+            // Counted from here, so that a request looking for a connection right
+            // after this one ended waits for it. Refused when the connection has
+            // ended already: then it is dropped (and uncounted) here.
+            let _ = to.send(Returning::new(sender, connections));
         }
     }
 }
@@ -121,54 +283,22 @@ impl Drop for PooledBody {
     }
 }
 
-/// What the queue had to offer.
-enum Checkout {
-    /// A connection ready for a request.
-    Ready(SendRequest<OutgoingBody>),
-    /// Only connections not ready yet (their task has not seen their last response
-    /// end).
-    Busy,
-    /// No open connection.
-    Empty,
-}
-
-#[derive(Debug)]
-struct Pooled {
-    sender: SendRequest<OutgoingBody>,
-    /// When it went back into the queue.
-    since: Instant,
-}
-
-impl Pooled {
-    /// Closed, or queued for longer than [`IDLE_TIMEOUT`].
-    fn is_stale(&self) -> bool {
-        self.sender.is_closed() || self.since.elapsed() > IDLE_TIMEOUT
-    }
+/// What became of a request on one connection.
+enum Attempt {
+    Answered(Response<PooledBody>),
+    /// The connection closed before it took any of the request: here it is back.
+    Untaken(Request<OutgoingBody>),
+    Failed,
 }
 
 impl UpstreamPool {
-    /// A pool connecting to `target` (`host:port`), keeping at most `max_idle`
-    /// connections.
-    ///
-    /// Inside a tokio runtime, a task on it closes stale connections every
-    /// [`PRUNE_EVERY`] for as long as the pool exists, so a quiet pool does not hold
-    /// idle sockets open.
-    pub(super) fn new(target: String, max_idle: usize) -> Self {
-        let pool = UpstreamPool {
-            inner: Arc::new(Inner {
-                target,
-                max_idle,
-                queue: Mutex::new(VecDeque::new()),
-            }),
-        };
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(prune(Arc::downgrade(&pool.inner)));
-        }
-        pool
+    /// The hyper path over `connections`.
+    pub(super) fn new(connections: Arc<Connections>) -> Self {
+        UpstreamPool { connections }
     }
 
-    /// Sends `request` on a pooled connection, or on a new one when none is ready,
-    /// and returns the response with its body still streaming.
+    /// Sends `request` on a pooled connection, or on a new one when none is idle, and
+    /// returns the response with its body still streaming.
     ///
     /// # Errors
     /// [`SendError::Connect`] when no connection could be opened,
@@ -179,123 +309,98 @@ impl UpstreamPool {
     ) -> Result<Response<PooledBody>, SendError> {
         let mut yielded = false;
         loop {
-            match self.checkout() {
-                Checkout::Ready(mut sender) => match sender.try_send_request(request).await {
-                    Ok(response) => return Ok(self.returning(response, sender)),
-                    Err(mut failed) => match failed.take_message() {
-                        // Never written: the connection had closed. Try the next one.
-                        Some(unsent) => request = unsent,
-                        None => return Err(SendError::Upstream),
-                    },
-                },
-                // A connection whose body just ended turns ready once its task runs:
+            let Some(stream) = self.connections.checkout() else {
+                // A connection whose response just ended is back once its task runs:
                 // let it run once before opening another connection.
-                Checkout::Busy if !yielded => {
+                if !yielded && self.connections.returning.load(Ordering::Relaxed) > 0 {
                     yielded = true;
                     tokio::task::yield_now().await;
+                    continue;
                 }
-                Checkout::Busy | Checkout::Empty => break,
+                break;
+            };
+            match self.attempt(stream, request).await {
+                Attempt::Answered(response) => return Ok(response),
+                // Never written: the connection had closed. Try the next one.
+                Attempt::Untaken(unsent) => request = unsent,
+                Attempt::Failed => return Err(SendError::Upstream),
             }
         }
-        let mut sender = self.connect().await?;
-        match sender.try_send_request(request).await {
-            Ok(response) => Ok(self.returning(response, sender)),
-            Err(_) => Err(SendError::Upstream),
-        }
-    }
-
-    /// The most recently queued connection that is ready for a request: the least
-    /// likely to have been closed by the upstream's keep-alive timeout, and it lets
-    /// the others idle out. Stale ones are dropped on the way; one not ready yet (its
-    /// task has not seen the end of the last response) stays queued.
-    fn checkout(&self) -> Checkout {
-        let mut queue = self.queue();
-        // The front holds the longest-queued ones.
-        while queue.front().is_some_and(Pooled::is_stale) {
-            queue.pop_front();
-        }
-        let mut i = queue.len();
-        while i > 0 {
-            i -= 1;
-            if queue[i].sender.is_closed() {
-                queue.remove(i);
-            } else if queue[i].sender.is_ready()
-                && let Some(pooled) = queue.remove(i)
-            {
-                return Checkout::Ready(pooled.sender);
-            }
-        }
-        if queue.is_empty() {
-            Checkout::Empty
-        } else {
-            Checkout::Busy
-        }
-    }
-
-    /// `response` with a body that queues `sender` again once it has been read to the
-    /// end.
-    fn returning(
-        &self,
-        response: Response<Incoming>,
-        sender: SendRequest<OutgoingBody>,
-    ) -> Response<PooledBody> {
-        response.map(|body| PooledBody {
-            body,
-            back: Some((sender, self.clone())),
-        })
-    }
-
-    /// Queues a connection for the next request (dropped when the queue is full:
-    /// hyper closes it).
-    fn checkin(&self, sender: SendRequest<OutgoingBody>) {
-        let mut queue = self.queue();
-        if queue.len() < self.inner.max_idle {
-            queue.push_back(Pooled {
-                sender,
-                since: Instant::now(),
-            });
-        }
-    }
-
-    async fn connect(&self) -> Result<SendRequest<OutgoingBody>, SendError> {
-        let stream = TcpStream::connect(self.inner.target.as_str())
+        let stream = self
+            .connections
+            .connect()
             .await
             .map_err(|_| SendError::Connect)?;
-        let _ = stream.set_nodelay(true);
-        let (sender, connection) = http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|_| SendError::Upstream)?;
-        tokio::spawn(async move {
-            // An upstream connection error surfaces in the request that was using it.
-            let _ = connection.await;
-        });
-        Ok(sender)
+        match self.attempt(stream, request).await {
+            Attempt::Answered(response) => Ok(response),
+            Attempt::Untaken(_) | Attempt::Failed => Err(SendError::Upstream),
+        }
     }
 
-    fn queue(&self) -> MutexGuard<'_, VecDeque<Pooled>> {
-        self.inner.queue()
-    }
-}
-
-impl Inner {
-    fn queue(&self) -> MutexGuard<'_, VecDeque<Pooled>> {
-        // The queue holds no invariant a panic could break half way.
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-/// Drops stale connections every [`PRUNE_EVERY`] until the pool is gone. Dropping a
-/// connection's sender closes it (once a response still streaming on it is done).
-async fn prune(pool: Weak<Inner>) {
-    let mut tick = tokio::time::interval(PRUNE_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let Some(pool) = pool.upgrade() else {
-            return;
+    /// Sends `request` over `stream`, driven by a hyper client connection on a task of
+    /// its own that gives the socket back to the pool when the exchange ends cleanly.
+    async fn attempt(&self, stream: TcpStream, request: Request<OutgoingBody>) -> Attempt {
+        let Ok((mut sender, connection)) = http1::handshake(TokioIo::new(stream)).await else {
+            return Attempt::Failed;
         };
-        pool.queue().retain(|pooled| !pooled.is_stale());
+        let (back, returned) = oneshot::channel();
+        tokio::spawn(drive(connection, returned, Arc::clone(&self.connections)));
+        match sender.try_send_request(request).await {
+            Ok(response) => Attempt::Answered(response.map(|body| PooledBody {
+                body,
+                back: Some(Back {
+                    sender,
+                    connections: Arc::clone(&self.connections),
+                    to: back,
+                }),
+            })),
+            Err(mut failed) => match failed.take_message() {
+                Some(unsent) => Attempt::Untaken(unsent),
+                None => Attempt::Failed,
+            },
+        }
     }
+}
+
+/// Drives one exchange's hyper client connection; once the response body has been
+/// read to the end (its sender comes back on `returned`) and hyper reports the
+/// connection ready for another request, puts the socket back into `connections`.
+async fn drive(
+    connection: http1::Connection<TokioIo<TcpStream>, OutgoingBody>,
+    returned: oneshot::Receiver<Returning>,
+    connections: Arc<Connections>,
+) {
+    let connection = connection.without_shutdown();
+    tokio::pin!(connection);
+    // An upstream connection error surfaces in the request that was using it.
+    let mut returning = tokio::select! {
+        biased;
+        returning = returned => match returning {
+            Ok(returning) => returning,
+            // The body was dropped half read: hyper closes the connection.
+            Err(_) => {
+                let _ = connection.await;
+                return;
+            }
+        },
+        _ = &mut connection => return,
+    };
+    let Some(mut sender) = returning.sender.take() else {
+        return;
+    };
+    let reusable = tokio::select! {
+        ready = sender.ready() => ready.is_ok(),
+        _ = &mut connection => false,
+    };
+    // With its sender gone, an idle connection ends and hands back its socket.
+    drop(sender);
+    if reusable
+        && let Ok(parts) = connection.await
+        && parts.read_buf.is_empty()
+    {
+        connections.checkin(parts.io.into_inner());
+    }
+    drop(returning);
 }
 
 #[cfg(test)]
@@ -304,6 +409,12 @@ mod tests {
     use http_body_util::{BodyExt as _, Empty};
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::net::TcpListener;
+
+    fn pool_to(target: String) -> UpstreamPool {
+        let connections = Arc::new(Connections::with_max_idle(target, 8));
+        keep_pruned(&connections);
+        UpstreamPool::new(connections)
+    }
 
     fn get(path: &str) -> Request<OutgoingBody> {
         Request::get(path)
@@ -346,7 +457,7 @@ mod tests {
     #[tokio::test]
     async fn connections_closed_by_the_upstream_are_never_a_failed_request() {
         let (addr, upstream) = one_shot_upstream().await;
-        let pool = UpstreamPool::new(addr, 8);
+        let pool = pool_to(addr);
         for i in 0..5 {
             let response = pool.send(get("/")).await.unwrap_or_else(|e| {
                 panic!("request {i}: {e:?}");
@@ -379,7 +490,7 @@ mod tests {
                 .expect("write");
             drop(first);
         });
-        let pool = UpstreamPool::new(addr.to_string(), 8);
+        let pool = pool_to(addr.to_string());
         tokio::time::timeout(Duration::from_secs(10), async {
             let half = pool.send(get("/")).await.expect("first response");
             drop(half);
@@ -408,7 +519,7 @@ mod tests {
             // The next read ends only when the pool closes the connection.
             socket.read(&mut buf).await.expect("read")
         });
-        let pool = UpstreamPool::new(addr.to_string(), 8);
+        let pool = pool_to(addr.to_string());
         let response = pool.send(get("/")).await.expect("response");
         response.into_body().collect().await.expect("body");
         // Paused time: the timers run ahead as soon as nothing else can.
@@ -444,7 +555,7 @@ mod tests {
             }
             answered
         });
-        let pool = UpstreamPool::new(addr.to_string(), 8);
+        let pool = pool_to(addr.to_string());
         // A second connection would wait forever for an answer: bounded, it fails.
         tokio::time::timeout(Duration::from_secs(10), async {
             for _ in 0..3 {
@@ -460,7 +571,147 @@ mod tests {
         let closed = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let gone = closed.local_addr().expect("addr").to_string();
         drop(closed);
-        let pool = UpstreamPool::new(gone, 8);
+        let pool = pool_to(gone);
         assert!(matches!(pool.send(get("/")).await, Err(SendError::Connect)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn closed_stray_and_stale_connections_are_not_handed_out() {
+        use tokio::io::AsyncWriteExt as _;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let pool = Connections::with_max_idle(listener.local_addr().expect("addr").to_string(), 4);
+        assert!(pool.checkout().is_none());
+        let mut open = Vec::new();
+        let mut peers = Vec::new();
+        for _ in 0..3 {
+            let stream = pool.connect().await.expect("connect");
+            let (peer, _) = listener.accept().await.expect("accept");
+            open.push(stream.local_addr().expect("addr"));
+            peers.push(peer);
+            pool.checkin(stream);
+        }
+
+        // Most recent first.
+        let out = pool.checkout().expect("idle connection");
+        assert_eq!(out.local_addr().expect("addr"), open[2]);
+        pool.checkin(out);
+
+        // The upstream closes the third, and sends the second bytes nobody asked for:
+        // both are passed over, the first is handed out.
+        peers.pop();
+        peers[1]
+            .write_all(b"HTTP/1.1 200 OK\r\n")
+            .await
+            .expect("write");
+        let out = pool.checkout().expect("the first is still fine");
+        assert_eq!(out.local_addr().expect("addr"), open[0]);
+        pool.checkin(out);
+
+        // Idle past the timeout: gone.
+        tokio::time::advance(IDLE_TIMEOUT).await;
+        pool.prune();
+        assert!(pool.checkout().is_none());
+    }
+
+    /// An upstream that answers each request on each connection with `answer`, until
+    /// `requests` have been answered; returns how many connections it accepted.
+    async fn answering(
+        answer: &'static [u8],
+        requests: usize,
+    ) -> (String, tokio::task::JoinHandle<usize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let task = tokio::spawn(async move {
+            let (done, mut answered) = tokio::sync::mpsc::unbounded_channel::<()>();
+            let mut accepted = 0;
+            let mut count = 0;
+            while count < requests {
+                tokio::select! {
+                    Ok((mut socket, _)) = listener.accept() => {
+                        accepted += 1;
+                        let done = done.clone();
+                        tokio::spawn(async move {
+                            let mut pending = Vec::new();
+                            let mut buf = [0u8; 4096];
+                            while let Ok(n) = socket.read(&mut buf).await {
+                                if n == 0 {
+                                    break;
+                                }
+                                pending.extend_from_slice(&buf[..n]);
+                                while let Some(end) =
+                                    pending.windows(4).position(|w| w == b"\r\n\r\n")
+                                {
+                                    pending.drain(..end + 4);
+                                    let _ = socket.write_all(answer).await;
+                                    let _ = done.send(());
+                                }
+                            }
+                        });
+                    }
+                    Some(()) = answered.recv() => count += 1,
+                }
+            }
+            accepted
+        });
+        (addr, task)
+    }
+
+    #[tokio::test]
+    async fn the_hyper_path_hands_its_socket_back_to_the_shared_pool() {
+        let (addr, upstream) =
+            answering(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", 2).await;
+        let connections = Arc::new(Connections::with_max_idle(addr, 8));
+        let hyper_path = UpstreamPool::new(Arc::clone(&connections));
+        let response = hyper_path.send(get("/")).await.expect("response");
+        response.into_body().collect().await.expect("body");
+        // The fast path takes the same socket for its next request.
+        let socket = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let Some(socket) = connections.checkout() {
+                    return socket;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the socket came back");
+        socket.writable().await.expect("writable");
+        socket
+            .try_write(b"GET / HTTP/1.1\r\nhost: upstream\r\n\r\n")
+            .expect("write");
+        let mut answer = [0u8; 64];
+        socket.readable().await.expect("readable");
+        let n = socket.try_read(&mut answer).expect("read");
+        assert!(answer[..n].starts_with(b"HTTP/1.1 200 OK"));
+        assert_eq!(
+            upstream.await.expect("upstream"),
+            1,
+            "one connection for both"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_upstream_closes_after_its_answer_is_not_pooled() {
+        let (addr, upstream) = answering(
+            b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
+            2,
+        )
+        .await;
+        let connections = Arc::new(Connections::with_max_idle(addr, 8));
+        let hyper_path = UpstreamPool::new(Arc::clone(&connections));
+        for _ in 0..2 {
+            let response = hyper_path.send(get("/")).await.expect("response");
+            response.into_body().collect().await.expect("body");
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+            assert!(
+                connections.checkout().is_none(),
+                "not kept: it was to close"
+            );
+        }
+        assert_eq!(upstream.await.expect("upstream"), 2);
     }
 }

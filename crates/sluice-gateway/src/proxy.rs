@@ -36,7 +36,7 @@ use tower::Service;
 use sluice_h1::fields::strip_hop_by_hop;
 
 use super::PeerAddr;
-use super::pool::{POOL_MAX_IDLE, SendError, UpstreamPool};
+use super::pool::{Connections, SendError, UpstreamPool};
 use super::upload::{AbandonAfter, Upload};
 
 /// The error type of streamed bodies.
@@ -188,12 +188,20 @@ impl fmt::Debug for Proxy {
 
 impl Proxy {
     /// A proxy with its own keep-alive connection pool to `config.upstream`; its
-    /// connections are driven by tasks on the runtime that first uses them (each
-    /// gateway worker builds its own proxy).
+    /// connections are driven by tasks on the runtime that uses them, and a task on the
+    /// current runtime (when there is one) closes those idle for too long.
     pub fn new(config: ProxyConfig) -> Self {
+        let connections = Arc::new(Connections::new(config.upstream.connect_target()));
+        super::pool::keep_pruned(&connections);
+        Self::over(config, connections)
+    }
+
+    /// A proxy sending over `connections`, a gateway worker's pool shared with its
+    /// fast path (the worker prunes it).
+    pub(super) fn over(config: ProxyConfig, connections: Arc<Connections>) -> Self {
         Proxy {
             inner: Arc::new(Inner {
-                pool: UpstreamPool::new(config.upstream.connect_target(), POOL_MAX_IDLE),
+                pool: UpstreamPool::new(connections),
                 config,
                 upstream_seconds: upstream_seconds(),
             }),

@@ -25,10 +25,10 @@
 //! bytes it has read ([`Ended::Elsewhere`]), and hyper serves it from there on.
 
 mod request;
-mod upstream;
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf as _, Bytes, BytesMut};
@@ -41,6 +41,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use super::metered::RequestStats;
+use super::pool::Connections;
 use super::proxy::{Failure, ForwardedPeer, ProxyConfig, Upstream, upstream_failure};
 use super::store::AnyStore;
 use sluice_h1::chunked::ChunkedEnd;
@@ -74,7 +75,8 @@ pub(super) struct FastPath {
     /// The current limiter; each request takes the one current when its head is read.
     limiter: SharedLimiter<AnyStore>,
     config: ProxyConfig,
-    pool: upstream::Pool,
+    /// This worker's upstream connections, shared with its hyper path.
+    pool: Arc<Connections>,
     stats: RequestStats,
     /// One `sluice::access` line per request.
     access_log: bool,
@@ -97,12 +99,13 @@ impl FastPath {
     pub(super) fn new(
         limiter: SharedLimiter<AnyStore>,
         config: ProxyConfig,
+        pool: Arc<Connections>,
         stats: RequestStats,
         access_log: bool,
     ) -> Self {
         FastPath {
             access_log,
-            pool: upstream::Pool::new(config.upstream.connect_target(), super::pool::POOL_MAX_IDLE),
+            pool,
             limiter,
             config,
             stats,
@@ -1128,11 +1131,13 @@ mod tests {
             header_timeout: Duration::from_secs(60),
         };
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
+        let pool = Arc::new(Connections::new(config.upstream.connect_target()));
         FastPath::new(
             Arc::new(sluice_tower::arc_swap::ArcSwap::from_pointee(Limiter::new(
                 policy, store,
             ))),
             config,
+            pool,
             stats.worker(0),
             false,
         )
@@ -1329,7 +1334,8 @@ mod tests {
         };
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
         let limiter = Arc::new(sluice_tower::arc_swap::ArcSwap::from_pointee(limiter));
-        let fast = Arc::new(FastPath::new(limiter, config, stats.worker(0), false));
+        let pool = Arc::new(Connections::new(config.upstream.connect_target()));
+        let fast = Arc::new(FastPath::new(limiter, config, pool, stats.worker(0), false));
         let sluice = serve_on_loopback(fast).await;
         // A body that has sent 40 of its 60 KB holds a lease of what its buffer grew
         // to (what arrived, not what was announced)…
