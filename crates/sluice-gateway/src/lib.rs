@@ -509,6 +509,13 @@ impl Gateway {
             per_ip,
             gateway_stopped.wait(),
         ));
+        if config.store == StoreSpec::Memory {
+            tracing::info!(
+                "monthly quota counts are kept in {} (--data-dir to choose another)",
+                config.data_dir.display()
+            );
+        }
+        tracing::info!(target: "sluice::reload", version = reloader.version(), "policy loaded");
         Ok(Gateway {
             addr,
             admin_addr,
@@ -546,6 +553,21 @@ impl Gateway {
     /// True when the upstream is the built-in demo.
     pub fn runs_demo(&self) -> bool {
         self.demo.is_some()
+    }
+
+    /// The one line `sluice serve` prints on start, naming the bound addresses:
+    /// `sluice: listening on http://ADDR (admin http://ADDR, upstream …)`.
+    pub fn start_line(&self) -> String {
+        let upstream = if self.runs_demo() {
+            format!("built-in demo at {}", self.upstream())
+        } else {
+            self.upstream().to_string()
+        };
+        format!(
+            "sluice: listening on http://{} (admin http://{}, upstream {upstream})",
+            self.addr(),
+            self.admin_addr()
+        )
     }
 
     /// Stops accepting, lets in-flight requests finish for up to [`SHUTDOWN_GRACE`]

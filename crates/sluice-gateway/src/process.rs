@@ -1,6 +1,6 @@
 //! What a process that runs a gateway needs from its surroundings: the default
-//! data directory, an open-file limit that holds its connections, and the
-//! termination signals.
+//! data directory, an open-file limit that holds its connections, the termination
+//! signals, and where its log lines go.
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
@@ -102,4 +102,27 @@ pub fn termination_signal() -> std::io::Result<impl Future<Output = &'static str
             }
         })
     }
+}
+
+/// Installs the process's log subscriber: lines on stderr, one JSON object each when
+/// `json` (`timestamp`, `level`, `target`, `message` and the event's fields, e.g.
+/// `request_id`, `reason`, `budget`, `caller`), else one readable line each; from
+/// `level` up. A second call changes nothing: the first subscriber stays.
+pub fn init_logs(json: bool, level: tracing::Level) {
+    use std::io::IsTerminal as _;
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(level)
+        .with_target(true);
+    let _ = if json {
+        builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init()
+    } else {
+        builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init()
+    };
 }

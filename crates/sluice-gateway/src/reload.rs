@@ -255,6 +255,46 @@ impl Reloader {
     }
 }
 
+impl PolicyFile {
+    /// Reads the policy file at `path` for a gateway to start with: the policy, with
+    /// `profile` applied when given, checked as `sluice check` checks it (the same
+    /// messages), and the file to read again on a reload.
+    ///
+    /// # Errors
+    /// What is wrong with the file, as `sluice check` would say it.
+    pub fn load(path: PathBuf, profile: Option<String>) -> Result<(Policy, PolicyFile), String> {
+        let read = std::fs::File::open(&path).and_then(|f| {
+            let mut text = Vec::new();
+            std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_POLICY_BYTES + 1), &mut text)
+                .map(|_| text)
+        });
+        let text = match read {
+            Ok(text) if text.len() as u64 > MAX_POLICY_BYTES => {
+                return Err(format!(
+                    "{}: larger than {MAX_POLICY_BYTES} bytes, not read",
+                    path.display()
+                ));
+            }
+            Ok(text) => text,
+            // The error `sluice check` gives for a file it cannot read.
+            Err(_) => {
+                return Err(sluice_policy::load_file(&path).err().map_or_else(
+                    || format!("{}: cannot be read", path.display()),
+                    |e| e.to_string(),
+                ));
+            }
+        };
+        let mut file = PolicyFile {
+            path,
+            profile,
+            version: String::new(),
+        };
+        let policy = parse(&file, &text)?;
+        file.version = policy_version(&text);
+        Ok((policy, file))
+    }
+}
+
 /// The policy in `text`, checked as `sluice check` checks it (same messages), with
 /// the `--profile` the gateway was started with.
 fn parse(file: &PolicyFile, text: &[u8]) -> Result<Policy, String> {

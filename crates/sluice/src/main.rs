@@ -4,7 +4,6 @@
 //! `sluice check` validates a policy file. `main` maps errors to exit codes:
 //! 0 success, 1 runtime failure, 2 bad input (flags, config).
 
-use std::fmt;
 use std::io::Write as _;
 use std::process::ExitCode;
 
@@ -84,16 +83,20 @@ fn is_closed_pipe(error: &anyhow::Error) -> bool {
 
 /// An error caused by what the user asked for (flags, files, config), as opposed to a
 /// failure while running. `main` exits with code 2 for these, 1 for everything else.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
 pub struct BadInput(pub String);
 
-impl fmt::Display for BadInput {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
+/// Runs `work` on a multi-threaded runtime, giving its tasks a second to end after.
+fn block_on(work: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| anyhow::anyhow!("starting the async runtime: {e}"))?;
+    let result = runtime.block_on(work);
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
 }
-
-impl std::error::Error for BadInput {}
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {

@@ -4,7 +4,6 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Args;
@@ -15,7 +14,7 @@ use sluice_client::proxy::{ProxyError, ProxyOptions, ProxyServer};
 use sluice_store::{Guarded, RedisConfig, RedisStore};
 
 use crate::BadInput;
-use crate::serve::{parse_addr, parse_store};
+use crate::serve::parse_addr;
 use sluice_gateway::StoreSpec;
 use sluice_gateway::process::termination_signal;
 
@@ -39,7 +38,7 @@ pub struct PaceArgs {
 
     /// Where the budgets live: `memory` (this process) or a Redis URL
     /// (`redis://…`, `redis+unix:///…`) so every process on one key shares one budget.
-    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = parse_store)]
+    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = |s: &str| s.parse::<StoreSpec>())]
     pub store: StoreSpec,
 }
 
@@ -48,13 +47,7 @@ pub struct PaceArgs {
 /// # Errors
 /// [`BadInput`] for a config that does not load; anything else is a runtime failure.
 pub fn run(args: PaceArgs) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let result = runtime.block_on(pace(args));
-    runtime.shutdown_timeout(Duration::from_secs(1));
-    result
+    crate::block_on(pace(args))
 }
 
 fn config_error(e: ProxyError) -> anyhow::Error {

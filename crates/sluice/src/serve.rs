@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Args, ValueEnum};
+use clap::Args;
 use sluice_gateway::proxy::Upstream;
 use sluice_gateway::{Drain, Gateway, GatewayConfig, SHUTDOWN_GRACE, StartError, StoreSpec};
 
@@ -20,66 +20,6 @@ use crate::BadInput;
 
 /// Longest accepted `--upstream-timeout`.
 const MAX_UPSTREAM_TIMEOUT_SECS: f64 = 3600.0;
-
-/// The rate-limit profile: which set of numbers the built-in default policy uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Profile {
-    /// The seed platform's production numbers (e.g. expensive 30/min).
-    Production,
-    /// Roomier numbers for local development (e.g. expensive 150/min).
-    Local,
-}
-
-impl Profile {
-    /// The profile's name as written on the command line.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Profile::Production => "production",
-            Profile::Local => "local",
-        }
-    }
-}
-
-/// `--quota-sync`: how far a quota count is taken before its call goes on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum QuotaSync {
-    /// Flushed to the disk.
-    Flush,
-    /// Written to the operating system.
-    Write,
-}
-
-impl From<QuotaSync> for sluice_store::JournalSync {
-    fn from(sync: QuotaSync) -> Self {
-        match sync {
-            QuotaSync::Flush => sluice_store::JournalSync::Flush,
-            QuotaSync::Write => sluice_store::JournalSync::Write,
-        }
-    }
-}
-
-/// `--log-format`: how log lines (on stderr) are written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    /// One human-readable line per event: time, level, target, message, fields.
-    Text,
-    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and the
-    /// event's fields (e.g. `request_id`, `reason`, `budget`, `caller`).
-    Json,
-}
-
-/// `--log-level`: the least severe log lines written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LogLevel {
-    /// Failures only.
-    Error,
-    /// Failures and warnings.
-    Warn,
-    /// Also reloads, refusals and (with --access-log) requests.
-    Info,
-    /// Everything.
-    Debug,
-}
 
 /// Flags of `sluice serve`.
 #[derive(Debug, Args)]
@@ -103,17 +43,18 @@ pub struct ServeArgs {
 
     /// Base URL of the upstream API (http://HOST:PORT[/PREFIX]). Without it a built-in
     /// demo upstream runs on a free loopback port.
-    #[arg(long, value_name = "URL", value_parser = parse_upstream)]
+    #[arg(long, value_name = "URL", value_parser = Upstream::parse)]
     pub upstream: Option<Upstream>,
 
-    /// Which profile's numbers apply (default: the policy's own `profile:`, which is
-    /// `production` in the built-in policy).
-    #[arg(long, value_enum)]
-    pub profile: Option<Profile>,
+    /// Which profile's numbers apply: `production` (the production numbers, e.g.
+    /// expensive 30/min) or `local` (roomier, e.g. expensive 150/min). Default: the
+    /// policy's own `profile:`, which is `production` in the built-in policy.
+    #[arg(long, value_parser = ["production", "local"])]
+    pub profile: Option<String>,
 
     /// Where budgets live: `memory` (one process), or shared by replicas: `redis://…`,
     /// `redis+unix:///PATH`, or a cluster `redis+cluster://HOST:PORT,HOST:PORT,…`.
-    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = parse_store)]
+    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = |s: &str| s.parse::<StoreSpec>())]
     pub store: StoreSpec,
 
     /// Shift this replica's clock by SECS (negative: behind). A drill for clock skew:
@@ -138,12 +79,12 @@ pub struct ServeArgs {
     /// `write` (to the operating system: survives a restart, a crash or kill -9 of
     /// sluice, not a crash of the machine) or `flush` (to the disk, one fdatasync per
     /// group commit: survives a crash of the machine too, at a cost in latency).
-    #[arg(long, value_enum, value_name = "write|flush", default_value = "write")]
-    pub quota_sync: QuotaSync,
+    #[arg(long, value_name = "write|flush", default_value = "write", value_parser = ["write", "flush"])]
+    pub quota_sync: String,
 
     /// Seconds to wait for the upstream's response headers before answering 504
     /// (fractions allowed, e.g. 0.5). Streaming bodies are not cut by it.
-    #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse_timeout)]
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = |s: &str| parse_seconds(s, false, MAX_UPSTREAM_TIMEOUT_SECS))]
     pub upstream_timeout: Duration,
 
     /// Gateway worker threads, each serving its share of the connections with its own
@@ -174,20 +115,21 @@ pub struct ServeArgs {
     /// (`POST /messages/optimize`, the `optimize_message` tool), so its lane's waits,
     /// refusals and breaker can be watched (fractions allowed; 0 to 600). Ignored
     /// with --upstream.
-    #[arg(long, value_name = "SECS", default_value = "3", value_parser = parse_demo_seconds)]
+    #[arg(long, value_name = "SECS", default_value = "3", value_parser = |s: &str| parse_seconds(s, true, sluice_gateway::demo::optimizer::MAX_CALL_SECONDS))]
     pub demo_optimize_seconds: Duration,
 
     /// How log lines on stderr are written: `text` (one readable line per event) or
     /// `json` (one JSON object per line). Each refusal is one line (target
     /// `sluice::refusal`) with its request id, reason, budget or lane, class and the
     /// caller's digest (never a credential).
-    #[arg(long, value_enum, value_name = "text|json", default_value = "text")]
-    pub log_format: LogFormat,
+    #[arg(long, value_name = "text|json", default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
 
     /// The least severe log lines written (refusals, reloads and access lines are
     /// `info`).
-    #[arg(long, value_enum, value_name = "LEVEL", default_value = "info")]
-    pub log_level: LogLevel,
+    #[arg(long, value_name = "LEVEL", default_value = "info",
+          value_parser = ["error", "warn", "info", "debug"])]
+    pub log_level: String,
 
     /// Write one access line per request (target `sluice::access`: request id,
     /// method, path without the query, status, duration, peer). Off by default.
@@ -202,34 +144,23 @@ pub struct ServeArgs {
 /// # Errors
 /// [`BadInput`] naming the flag and what was expected.
 pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
-    let (policy, version) = match &args.config {
-        Some(path) => match std::fs::read(path) {
-            // Parsed from the bytes its version is taken of, as `sluice check` parses it.
-            Ok(bytes) => {
-                let text = std::str::from_utf8(&bytes)
-                    .map_err(|e| BadInput(format!("{}: not UTF-8: {e}", path.display())))?;
-                let policy =
-                    sluice_policy::parse_str(text, path).map_err(|e| BadInput(e.to_string()))?;
-                (policy, Some(sluice_gateway::reload::policy_version(&bytes)))
-            }
-            Err(_) => {
-                let e = sluice_policy::load_file(path).err();
-                return Err(BadInput(e.map_or_else(
-                    || format!("{}: cannot be read", path.display()),
-                    |e| e.to_string(),
-                )));
-            }
-        },
-        None => (
-            sluice_policy::default_policy().map_err(|e| BadInput(e.to_string()))?,
-            None,
-        ),
-    };
-    let policy = match args.profile {
-        Some(profile) => policy
-            .with_profile(profile.as_str())
-            .map_err(|e| BadInput(format!("--profile: {e}")))?,
-        None => policy,
+    let (policy, policy_file) = match &args.config {
+        Some(path) => {
+            let (policy, file) =
+                sluice_gateway::PolicyFile::load(path.clone(), args.profile.clone())
+                    .map_err(BadInput)?;
+            (policy, Some(file))
+        }
+        None => {
+            let policy = sluice_policy::default_policy().map_err(|e| BadInput(e.to_string()))?;
+            let policy = match &args.profile {
+                Some(profile) => policy
+                    .with_profile(profile)
+                    .map_err(|e| BadInput(format!("--profile: {e}")))?,
+                None => policy,
+            };
+            (policy, None)
+        }
     };
     let data_dir = args
         .data_dir
@@ -241,21 +172,17 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
         )));
     }
     let mut config = GatewayConfig::new(policy, data_dir);
-    config.policy_file = match (&args.config, version) {
-        (Some(path), Some(version)) => Some(sluice_gateway::PolicyFile {
-            path: path.clone(),
-            profile: args.profile.map(|p| p.as_str().to_owned()),
-            version,
-        }),
-        _ => None,
-    };
+    config.policy_file = policy_file;
     config.access_log = args.access_log;
     config.listen = args.listen;
     config.admin = args.admin;
     config.upstream = args.upstream;
     config.store = args.store;
     config.clock_offset = args.clock_offset;
-    config.quota_sync = args.quota_sync.into();
+    config.quota_sync = match args.quota_sync.as_str() {
+        "flush" => sluice_store::JournalSync::Flush,
+        _ => sluice_store::JournalSync::Write,
+    };
     config.upstream_timeout = args.upstream_timeout;
     if let Some(workers) = args.workers {
         config.workers = workers;
@@ -297,35 +224,19 @@ fn parse_workers(s: &str) -> Result<NonZeroUsize, String> {
         .ok_or_else(|| format!("expected a whole number from 1 to {MAX_WORKERS}"))
 }
 
-fn parse_upstream(s: &str) -> Result<Upstream, String> {
-    Upstream::parse(s)
-}
-
-pub(crate) fn parse_store(s: &str) -> Result<StoreSpec, String> {
-    s.parse()
-}
-
-fn parse_demo_seconds(s: &str) -> Result<Duration, String> {
-    let secs: f64 = s
-        .parse()
-        .map_err(|_| "expected a number of seconds such as 3 or 0.5".to_owned())?;
-    if !(0.0..=sluice_gateway::demo::optimizer::MAX_CALL_SECONDS).contains(&secs) {
-        return Err(format!(
-            "expected 0 to {} seconds",
-            sluice_gateway::demo::optimizer::MAX_CALL_SECONDS
-        ));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-fn parse_timeout(s: &str) -> Result<Duration, String> {
+/// A number of seconds (fractions allowed) above 0, or 0 itself when `zero_ok`, up to
+/// `max`.
+fn parse_seconds(s: &str, zero_ok: bool, max: f64) -> Result<Duration, String> {
     let secs: f64 = s
         .parse()
         .map_err(|_| "expected a number of seconds such as 30 or 0.5".to_owned())?;
-    if !(secs > 0.0 && secs <= MAX_UPSTREAM_TIMEOUT_SECS) {
-        return Err(format!(
-            "expected more than 0 and at most {MAX_UPSTREAM_TIMEOUT_SECS} seconds"
-        ));
+    if !(secs > 0.0 || zero_ok && secs == 0.0) || secs > max {
+        let low = if zero_ok {
+            "0 to"
+        } else {
+            "more than 0 and at most"
+        };
+        return Err(format!("expected {low} {max} seconds"));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -337,41 +248,11 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
 /// used; any other error (a port that cannot be bound, a runtime that cannot start)
 /// is a runtime failure.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    init_logs(args.log_format, args.log_level);
+    // Both are one of clap's possible values.
+    let level = args.log_level.parse().unwrap_or(tracing::Level::INFO);
+    sluice_gateway::process::init_logs(args.log_format == "json", level);
     let config = config_from_args(args)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let result = runtime.block_on(serve(config));
-    runtime.shutdown_timeout(Duration::from_secs(1));
-    result
-}
-
-/// Installs the log subscriber: lines on stderr in `format`, from `level` up.
-pub fn init_logs(format: LogFormat, level: LogLevel) {
-    use std::io::IsTerminal as _;
-    let level = match level {
-        LogLevel::Error => tracing::Level::ERROR,
-        LogLevel::Warn => tracing::Level::WARN,
-        LogLevel::Info => tracing::Level::INFO,
-        LogLevel::Debug => tracing::Level::DEBUG,
-    };
-    let builder = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_max_level(level)
-        .with_target(true);
-    // A second subscriber (tests calling this twice) is refused: the first stays.
-    let _ = match format {
-        LogFormat::Text => builder
-            .with_ansi(std::io::stderr().is_terminal())
-            .try_init(),
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .try_init(),
-    };
+    crate::block_on(serve(config))
 }
 
 /// Starts the gateway, prints the start line, serves until a termination signal,
@@ -381,38 +262,15 @@ async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     // sent by whoever reads that line is always handled gracefully.
     let termination =
         sluice_gateway::process::termination_signal().context("installing signal handlers")?;
-    let data_dir = (config.store == StoreSpec::Memory).then(|| config.data_dir.clone());
     let gateway = Gateway::start(config).await.map_err(|e| match e {
         StartError::DataDir(e) => anyhow::Error::new(BadInput(format!("--data-dir: {e}"))),
         other => anyhow::Error::new(other),
     })?;
-    if let Some(dir) = data_dir {
-        tracing::info!(
-            "monthly quota counts are kept in {} (--data-dir to choose another)",
-            dir.display()
-        );
-    }
-    tracing::info!(
-        target: "sluice::reload",
-        version = gateway.reloader().version(),
-        "policy loaded"
-    );
-    let upstream_line = if gateway.runs_demo() {
-        format!("built-in demo at {}", gateway.upstream())
-    } else {
-        gateway.upstream().to_string()
-    };
-    {
-        let mut stdout = std::io::stdout().lock();
-        writeln!(
-            stdout,
-            "sluice: listening on http://{} (admin http://{}, upstream {upstream_line})",
-            gateway.addr(),
-            gateway.admin_addr()
-        )
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{}", gateway.start_line())
         .and_then(|()| stdout.flush())
         .context("writing the start line to stdout")?;
-    }
+    drop(stdout);
 
     let signal = termination.await;
     tracing::info!("{signal} received, finishing in-flight requests");
