@@ -97,6 +97,7 @@ impl AnyStore {
                 "overflowed": m.memory().overflowed(),
                 "overflow_network_cells": m.memory().overflow_len().0,
                 "quota_counts": m.book().map_or(0, QuotaBook::len),
+                "quota_untracked": m.book().map_or(0, QuotaBook::untracked),
                 "quota_commits": m.book().map_or(0, QuotaBook::commits),
             }),
             AnyStore::Redis(r) => {
