@@ -4,7 +4,7 @@ local nets = tonumber(os.getenv("NETS") or "1000")
 math.randomseed(os.time() + tonumber(tostring({}):sub(8), 16) % 1000)
 request = function()
   local n = math.random(0, nets - 1)
-  local addr = string.format("10.%d.%d.%d", n // 256 % 256, n % 256, math.random(1, 254))
+  local addr = string.format("10.%d.%d.%d", math.floor(n / 256) % 256, n % 256, math.random(1, 254))
   return wrk.format("GET", "/search/fields", {
     ["X-API-Key"] = "flood-" .. math.random(1, 2000000000) .. "-" .. math.random(1, 2000000000),
     ["X-Forwarded-For"] = addr,
