@@ -244,7 +244,7 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     /// Cells of the shared overflow budgets: per scope and client network
     /// (at most `overflow_cap`), and per scope. Locked only after every
     /// shard lock a decision takes, and held until it commits.
-    overflow: CachePadded<Mutex<Overflow>>,
+    overflow: Box<CachePadded<Mutex<Overflow>>>,
     overflow_cap: usize,
     /// The last second any overflow cell written is live to: until then a
     /// new cell starts from its overflow budget's count (see [`Cells::carried`]).
@@ -276,7 +276,7 @@ impl<C: Clock> MemoryStore<C> {
                 .map(|_| CachePadded::new(ShardSlot::default()))
                 .collect(),
             shard_cap,
-            overflow: CachePadded::new(Mutex::default()),
+            overflow: Box::new(CachePadded::new(Mutex::default())),
             overflow_cap: (config.max_keys / 8).max(64),
             overflow_until: AtomicU64::new(0),
             overflowed: AtomicU64::new(0),
