@@ -151,6 +151,8 @@ pub struct GatewayConfig {
     pub max_connections_per_ip: NonZeroUsize,
     /// Most request-body bytes held in memory at once.
     pub max_buffered_bytes: usize,
+    /// Most budget cells the memory store holds (see [`MemoryConfig::max_keys`]).
+    pub max_keys: usize,
     /// How long a call of the demo upstream's message optimizer takes.
     pub demo_optimize_time: Duration,
     /// The file the policy was read from, read again on SIGHUP and when it changes
@@ -189,6 +191,7 @@ impl GatewayConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
             max_buffered_bytes: sluice_tower::DEFAULT_MAX_BUFFERED_BYTES,
+            max_keys: MemoryConfig::default().max_keys,
             demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
             policy_file: None,
             access_log: false,
@@ -340,6 +343,10 @@ impl Gateway {
                     &config.data_dir,
                     config.quota_sync,
                     batch_config,
+                    MemoryConfig {
+                        max_keys: config.max_keys,
+                        ..MemoryConfig::default()
+                    },
                 )?;
                 (store, book.map(batch::Batches::Local))
             }

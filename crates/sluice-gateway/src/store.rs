@@ -29,11 +29,11 @@ impl AnyStore {
         data_dir: &Path,
         sync: sluice_store::JournalSync,
     ) -> Result<Self, OpenError> {
-        Ok(Self::local_with_batches(clock, data_dir, sync, None)?.0)
+        Ok(Self::local_with_batches(clock, data_dir, sync, None, MemoryConfig::default())?.0)
     }
 
-    /// [`AnyStore::local`], and the batch queue in the same durable store when
-    /// `batches` is given.
+    /// [`AnyStore::local`] with the memory store sized by `memory`, and the batch
+    /// queue in the same durable store when `batches` is given.
     ///
     /// # Errors
     /// As [`AnyStore::local`].
@@ -42,6 +42,7 @@ impl AnyStore {
         data_dir: &Path,
         sync: sluice_store::JournalSync,
         batches: Option<BatchConfig>,
+        memory: MemoryConfig,
     ) -> Result<(Self, Option<BatchBook>), OpenError> {
         let durable = DurableStore::open_with(data_dir, sync)?;
         let book = QuotaBook::open(&durable, QuotaBookConfig::default(), clock.now())?;
@@ -51,7 +52,7 @@ impl AnyStore {
         };
         Ok((
             AnyStore::Local(LocalStore::new(
-                MemoryStore::with_clock(MemoryConfig::default(), clock),
+                MemoryStore::with_clock(memory, clock),
                 Some(book),
             )),
             batches,
@@ -92,7 +93,11 @@ impl AnyStore {
             AnyStore::Local(m) => serde_json::json!({
                 "kind": "memory",
                 "cells": m.memory().len(),
+                "max_cells": m.memory().capacity(),
+                "overflowed": m.memory().overflowed(),
+                "overflow_network_cells": m.memory().overflow_len().0,
                 "quota_counts": m.book().map_or(0, QuotaBook::len),
+                "quota_untracked": m.book().map_or(0, QuotaBook::untracked),
                 "quota_commits": m.book().map_or(0, QuotaBook::commits),
             }),
             AnyStore::Redis(r) => {
@@ -130,6 +135,33 @@ impl BudgetStore for AnyStore {
     ) -> Result<BudgetStatus, StoreError> {
         match self {
             AnyStore::Local(m) => m.adjust(budget, delta, reserved_at).await,
+            AnyStore::Redis(r) => r.adjust(budget, delta, reserved_at).await,
+        }
+    }
+
+    async fn decide_from(&self, budgets: &[Budget], network: u64) -> Result<Decision, StoreError> {
+        match self {
+            AnyStore::Local(m) => m.decide_from(budgets, network).await,
+            AnyStore::Redis(r) => r.decide(budgets).await,
+        }
+    }
+
+    async fn peek_from(&self, budgets: &[Budget], network: u64) -> Result<Decision, StoreError> {
+        match self {
+            AnyStore::Local(m) => m.peek_from(budgets, network).await,
+            AnyStore::Redis(r) => r.peek(budgets).await,
+        }
+    }
+
+    async fn adjust_from(
+        &self,
+        budget: &Budget,
+        delta: i64,
+        reserved_at: Timestamp,
+        network: u64,
+    ) -> Result<BudgetStatus, StoreError> {
+        match self {
+            AnyStore::Local(m) => m.adjust_from(budget, delta, reserved_at, network).await,
             AnyStore::Redis(r) => r.adjust(budget, delta, reserved_at).await,
         }
     }

@@ -135,7 +135,19 @@ pub struct ClientIp {
     pub subject: u64,
     /// The address or prefix, for logs.
     pub who: Who,
+    /// Digest of the client's network (the /24 of an IPv4 address, the /56 of an
+    /// IPv6 one): new callers that find the memory store full share overflow
+    /// budgets per network, so a flood of new keys from some networks leaves
+    /// callers from others a budget.
+    pub network: u64,
 }
+
+/// The prefix length of an IPv4 client's network (see [`ClientIp::network`]).
+pub const NETWORK_PREFIX_V4: u8 = 24;
+
+/// The prefix length of an IPv6 client's network (see [`ClientIp::network`]): a
+/// site's usual allocation, so one site's /64s are one network.
+pub const NETWORK_PREFIX_V6: u8 = 56;
 
 impl Identity {
     /// The client IP: the socket peer, unless the peer is a trusted proxy;
@@ -199,10 +211,27 @@ impl Identity {
                 (19, Who::Ip(IpAddr::V6(net), Some(prefix)))
             }
         };
+        // "net:" and the network's address bytes.
+        let mut net = [0u8; 20];
+        net[..4].copy_from_slice(b"net:");
+        let net_len = match addr {
+            IpAddr::V4(v4) => {
+                let masked = u32::from(v4) & (u32::MAX << (32 - u32::from(NETWORK_PREFIX_V4)));
+                net[4..8].copy_from_slice(&masked.to_be_bytes());
+                8
+            }
+            IpAddr::V6(v6) => {
+                let masked = u128::from(v6) & (u128::MAX << (128 - u32::from(NETWORK_PREFIX_V6)));
+                net[4..20].copy_from_slice(&masked.to_be_bytes());
+                20
+            }
+        };
         ClientIp {
             addr,
             subject: digest(&keyed[..len]),
             who,
+            // Never 0, which a store reads as "no network".
+            network: digest(&net[..net_len]).max(1),
         }
     }
 

@@ -31,7 +31,9 @@ pub mod raw;
 mod validate;
 
 pub use default::{DEFAULT_POLICY_YAML, default_policy};
-pub use identity::{AmbiguousCredentials, Caller, CallerKind, ClientIp, Who};
+pub use identity::{
+    AmbiguousCredentials, Caller, CallerKind, ClientIp, NETWORK_PREFIX_V4, NETWORK_PREFIX_V6, Who,
+};
 pub use jsonrpc::{Items, Unclassifiable, check_content_encoding};
 pub use model::{
     BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, JsonRpcRefusal,

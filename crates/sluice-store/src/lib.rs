@@ -50,7 +50,7 @@ pub use durable::{BatchBook, DurableStore, JournalSync, OpenError, QuotaBook, Qu
 pub use guarded::{Guarded, STORE_BREAKER};
 #[cfg(feature = "durable")]
 pub use local::LocalStore;
-pub use memory::{MAX_SHARDS, MemoryConfig, MemoryStore, TABLE_FILL, auto_shards};
+pub use memory::{MAX_SHARDS, MemoryConfig, MemoryStore, NO_NETWORK, TABLE_FILL, auto_shards};
 #[cfg(feature = "redis")]
 pub use redis::{MAX_COALESCED, RedisBatches, RedisConfig, RedisStore};
 
@@ -101,4 +101,53 @@ pub trait BudgetStore: Send + Sync {
         delta: i64,
         reserved_at: Timestamp,
     ) -> impl Future<Output = Result<BudgetStatus, StoreError>> + Send;
+
+    /// [`BudgetStore::decide`] for a request from client network `network` (a
+    /// digest of the client's /24 or /56, [`NO_NETWORK`] for none). A store that
+    /// folds new subjects into shared overflow budgets when it is full (the
+    /// memory store) folds them into that network's, so a flood of new keys
+    /// from some networks leaves new callers from others a budget; the others
+    /// ignore it (the default).
+    ///
+    /// # Errors
+    /// As [`BudgetStore::decide`].
+    fn decide_from(
+        &self,
+        budgets: &[Budget],
+        network: u64,
+    ) -> impl Future<Output = Result<Decision, StoreError>> + Send {
+        let _ = network;
+        self.decide(budgets)
+    }
+
+    /// [`BudgetStore::peek`] for a request from client network `network` (see
+    /// [`BudgetStore::decide_from`]).
+    ///
+    /// # Errors
+    /// As [`BudgetStore::decide`].
+    fn peek_from(
+        &self,
+        budgets: &[Budget],
+        network: u64,
+    ) -> impl Future<Output = Result<Decision, StoreError>> + Send {
+        let _ = network;
+        self.peek(budgets)
+    }
+
+    /// [`BudgetStore::adjust`] for a request from client network `network` (see
+    /// [`BudgetStore::decide_from`]): a budget folded into that network's
+    /// overflow budget is adjusted there.
+    ///
+    /// # Errors
+    /// As [`BudgetStore::adjust`].
+    fn adjust_from(
+        &self,
+        budget: &Budget,
+        delta: i64,
+        reserved_at: Timestamp,
+        network: u64,
+    ) -> impl Future<Output = Result<BudgetStatus, StoreError>> + Send {
+        let _ = network;
+        self.adjust(budget, delta, reserved_at)
+    }
 }

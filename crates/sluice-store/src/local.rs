@@ -45,12 +45,17 @@ impl<C: Clock> LocalStore<C> {
         self.book.as_ref()
     }
 
-    async fn decide_mode(&self, budgets: &[Budget], mode: Mode) -> Result<Decision, StoreError> {
+    async fn decide_mode(
+        &self,
+        budgets: &[Budget],
+        mode: Mode,
+        network: u64,
+    ) -> Result<Decision, StoreError> {
         let Some(book) = &self.book else {
-            return self.memory_mode(budgets, mode);
+            return self.memory_mode(budgets, mode, network);
         };
         if !budgets.iter().any(is_monthly) {
-            return self.memory_mode(budgets, mode);
+            return self.memory_mode(budgets, mode, network);
         }
         if budgets.len() > MAX_BUDGETS {
             return Err(sluice_core::DecisionError::TooManyBudgets {
@@ -63,8 +68,9 @@ impl<C: Clock> LocalStore<C> {
         let others: arrayvec::ArrayVec<Budget, MAX_BUDGETS> =
             budgets.iter().filter(|b| !is_monthly(b)).copied().collect();
         let now = self.memory.clock().now();
-        let (quota_decision, other_decision, seq) =
-            book.decide_with(&quotas, now, mode, |m| self.memory_mode(&others, m))?;
+        let (quota_decision, other_decision, seq) = book.decide_with(&quotas, now, mode, |m| {
+            self.memory_mode(&others, m, network)
+        })?;
         if let Some(seq) = seq {
             book.durable(seq).await?;
         }
@@ -88,10 +94,15 @@ impl<C: Clock> LocalStore<C> {
         Ok(Decision::from_statuses(at, statuses))
     }
 
-    fn memory_mode(&self, budgets: &[Budget], mode: Mode) -> Result<Decision, StoreError> {
+    fn memory_mode(
+        &self,
+        budgets: &[Budget],
+        mode: Mode,
+        network: u64,
+    ) -> Result<Decision, StoreError> {
         match mode {
-            Mode::Spend => self.memory.decide_now(budgets),
-            Mode::Peek => self.memory.peek_now(budgets),
+            Mode::Spend => self.memory.decide_now_from(budgets, network),
+            Mode::Peek => self.memory.peek_now_from(budgets, network),
         }
     }
 }
@@ -102,11 +113,13 @@ fn is_monthly(b: &Budget) -> bool {
 
 impl<C: Clock> BudgetStore for LocalStore<C> {
     async fn decide(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
-        self.decide_mode(budgets, Mode::Spend).await
+        self.decide_mode(budgets, Mode::Spend, crate::NO_NETWORK)
+            .await
     }
 
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
-        self.decide_mode(budgets, Mode::Peek).await
+        self.decide_mode(budgets, Mode::Peek, crate::NO_NETWORK)
+            .await
     }
 
     async fn adjust(
@@ -114,6 +127,25 @@ impl<C: Clock> BudgetStore for LocalStore<C> {
         budget: &Budget,
         delta: i64,
         reserved_at: Timestamp,
+    ) -> Result<BudgetStatus, StoreError> {
+        self.adjust_from(budget, delta, reserved_at, crate::NO_NETWORK)
+            .await
+    }
+
+    async fn decide_from(&self, budgets: &[Budget], network: u64) -> Result<Decision, StoreError> {
+        self.decide_mode(budgets, Mode::Spend, network).await
+    }
+
+    async fn peek_from(&self, budgets: &[Budget], network: u64) -> Result<Decision, StoreError> {
+        self.decide_mode(budgets, Mode::Peek, network).await
+    }
+
+    async fn adjust_from(
+        &self,
+        budget: &Budget,
+        delta: i64,
+        reserved_at: Timestamp,
+        network: u64,
     ) -> Result<BudgetStatus, StoreError> {
         match &self.book {
             Some(book) if is_monthly(budget) => {
@@ -124,7 +156,9 @@ impl<C: Clock> BudgetStore for LocalStore<C> {
                 }
                 Ok(status)
             }
-            _ => Ok(self.memory.adjust_now(budget, delta, reserved_at)),
+            _ => Ok(self
+                .memory
+                .adjust_now_from(budget, delta, reserved_at, network)),
         }
     }
 }

@@ -22,11 +22,25 @@
 //! [`sluice_core::cell_is_stale`]) is dropped when its shard needs room or on
 //! [`MemoryStore::reclaim`]; dropping it changes no decision. Decisions read
 //! the clock once they hold their locks, so on one cell they see time in the
-//! order they lock it. When a shard is full of live cells, a *new* subject is folded
-//! into a shared overflow budget of the same scope and limit (one per scope,
-//! outside the cap): new callers during a key flood share one budget, and a
-//! caller that already has a cell keeps it and its spent count. An active
-//! caller is never handed a fresh budget.
+//! order they lock it. A GCRA cell back at full capacity is stale too (its
+//! theoretical arrival time is past), so a caller who spent nothing recently
+//! holds no cell.
+//!
+//! # A flood of new subjects
+//! When a shard is full of live cells, a *new* subject is folded into a shared
+//! overflow budget of the same scope and limit; a caller that already has a
+//! cell keeps it and its spent count, so an active caller is never handed a
+//! fresh budget, and memory stays bounded. The overflow budget is the one of
+//! the request's *client network* (see [`MemoryStore::decide_now_from`]; the
+//! gateway passes the /24 of an IPv4 client, the /56 of an IPv6 one): a flood
+//! spends the overflow budgets of the networks it comes from, and a new caller
+//! from another network still gets a budget of its own network's. These
+//! network budgets live in a table of their own, bounded at
+//! [`MemoryStore::overflow_capacity`] cells (an eighth of `max_keys`, at least
+//! 64), whose stale cells are dropped when it needs room. Only when that table
+//! too is full of live cells — a flood from more networks, in one window, than
+//! it holds — or when the request names no network, does a new subject share
+//! its scope's one global overflow budget (one per scope, outside the caps).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,6 +60,20 @@ use crate::{BudgetStore, StoreError};
 
 /// The subject digest of every scope's shared overflow budget.
 const OVERFLOW_SUBJECT: u64 = 0x6f76_6572_666c_6f77; // "overflow"
+
+/// No client network: new subjects at a full shard share their scope's
+/// global overflow budget (see [`MemoryStore::decide_now_from`]).
+pub const NO_NETWORK: u64 = 0;
+
+/// The overflow budgets (see the module docs): per scope and client network,
+/// bounded, and per scope.
+#[derive(Default)]
+struct Overflow {
+    networks: Shard,
+    networks_hint: SlotHint,
+    global: Shard,
+    global_hint: SlotHint,
+}
 
 /// Sizing of a [`MemoryStore`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -213,9 +241,14 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     hasher: foldhash::fast::RandomState,
     shards: Box<[CachePadded<ShardSlot>]>,
     shard_cap: usize,
-    /// Cells of the shared overflow budgets (one or two per scope). Locked
-    /// only after every shard lock a decision takes.
-    overflow: Mutex<std::collections::HashMap<u64, u64>>,
+    /// Cells of the shared overflow budgets: per scope and client network
+    /// (at most `overflow_cap`), and per scope. Locked only after every
+    /// shard lock a decision takes, and held until it commits.
+    overflow: Box<CachePadded<Mutex<Overflow>>>,
+    overflow_cap: usize,
+    /// The last second any overflow cell written is live to: until then a
+    /// new cell starts from its overflow budget's count (see [`Cells::carried`]).
+    overflow_until: AtomicU64,
     overflowed: AtomicU64,
 }
 
@@ -243,7 +276,9 @@ impl<C: Clock> MemoryStore<C> {
                 .map(|_| CachePadded::new(ShardSlot::default()))
                 .collect(),
             shard_cap,
-            overflow: Mutex::default(),
+            overflow: Box::new(CachePadded::new(Mutex::default())),
+            overflow_cap: (config.max_keys / 8).max(64),
+            overflow_until: AtomicU64::new(0),
             overflowed: AtomicU64::new(0),
         }
     }
@@ -274,6 +309,18 @@ impl<C: Clock> MemoryStore<C> {
         self.overflowed.load(Ordering::Relaxed)
     }
 
+    /// The most cells of per-network overflow budgets held at once (an
+    /// eighth of `max_keys`, at least 64; outside [`MemoryStore::capacity`]).
+    pub fn overflow_capacity(&self) -> usize {
+        self.overflow_cap
+    }
+
+    /// Cells of overflow budgets held now: (per network, per scope).
+    pub fn overflow_len(&self) -> (usize, usize) {
+        let o = self.overflow.lock();
+        (o.networks.cells.len(), o.global.cells.len())
+    }
+
     /// Drops every stale cell now (a server runs this now and then; shards
     /// also sweep themselves when they need room).
     pub fn reclaim(&self) {
@@ -284,6 +331,23 @@ impl<C: Clock> MemoryStore<C> {
             s.sweep(now, &[]);
             s.compact(&self.hasher, &slot.hint);
         }
+        let mut o = self.overflow.lock();
+        let o = &mut *o;
+        for (table, hint) in [
+            (&mut o.networks, &o.networks_hint),
+            (&mut o.global, &o.global_hint),
+        ] {
+            table.next_sweep = 0;
+            table.sweep(now, &[]);
+            table.compact(&self.hasher, hint);
+        }
+    }
+
+    /// True while some overflow cell is live: a new cell must then be placed
+    /// by the general path, which starts it from its overflow budget's count.
+    #[inline(always)]
+    fn overflow_live(&self, now: Timestamp) -> bool {
+        self.overflow_until.load(Ordering::Relaxed) >= now.as_secs()
     }
 
     #[inline]
@@ -306,7 +370,7 @@ impl<C: Clock> MemoryStore<C> {
 
     /// A [`Ledger`] holding the locks of every shard the budgets' cells fall
     /// in at `now` (at most [`MAX_BUDGETS`] budgets: callers check).
-    fn lock_cells(&self, budgets: &[Budget], now: Timestamp) -> Cells<'_, C> {
+    fn lock_cells(&self, budgets: &[Budget], now: Timestamp, network: u64) -> Cells<'_, C> {
         let mut slots: ArrayVec<Slot, { 2 * MAX_BUDGETS }> = ArrayVec::new();
         let mut shard_ids: ArrayVec<usize, { 2 * MAX_BUDGETS }> = ArrayVec::new();
         for b in budgets {
@@ -346,7 +410,9 @@ impl<C: Clock> MemoryStore<C> {
         Cells {
             store: self,
             now,
+            network,
             guards,
+            overflow: None,
             slots,
         }
     }
@@ -362,17 +428,22 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     #[inline(always)]
-    fn decide_mode(&self, budgets: &[Budget], mode: Mode) -> Result<Decision, StoreError> {
+    fn decide_mode(
+        &self,
+        budgets: &[Budget],
+        mode: Mode,
+        network: u64,
+    ) -> Result<Decision, StoreError> {
         Self::check_len(budgets)?;
         match budgets {
-            [one] => Ok(self.decide_one(one, mode)),
-            _ => Ok(self.decide_in_place(budgets, mode)),
+            [one] => Ok(self.decide_one(one, mode, network)),
+            _ => Ok(self.decide_in_place(budgets, mode, network)),
         }
     }
 
     /// The general path: every shard involved locked, cells read through [`Cells`].
-    fn decide_locked(&self, budgets: &[Budget], mode: Mode) -> Decision {
-        let (mut cells, now) = self.lock_cells_now(budgets);
+    fn decide_locked(&self, budgets: &[Budget], mode: Mode, network: u64) -> Decision {
+        let (mut cells, now) = self.lock_cells_now(budgets, network);
         let decision = decide_within_bounds(budgets, &mut cells, now, mode);
         cells.commit();
         decision
@@ -384,10 +455,10 @@ impl<C: Clock> MemoryStore<C> {
     /// otherwise write an older window over a newer one). Which cells a
     /// sliding window uses depends on the time: when they changed while
     /// locking, it locks again.
-    fn lock_cells_now(&self, budgets: &[Budget]) -> (Cells<'_, C>, Timestamp) {
+    fn lock_cells_now(&self, budgets: &[Budget], network: u64) -> (Cells<'_, C>, Timestamp) {
         let mut now = self.clock.now();
         loop {
-            let mut cells = self.lock_cells(budgets, now);
+            let mut cells = self.lock_cells(budgets, now, network);
             let locked_at = self.clock.now();
             if budgets.iter().all(|b| b.cells(locked_at) == b.cells(now)) {
                 cells.now = locked_at;
@@ -402,9 +473,9 @@ impl<C: Clock> MemoryStore<C> {
     /// one shard lock (see [`MemoryStore::decide_in_place`] for when the
     /// general path decides instead).
     #[inline(always)]
-    fn decide_one(&self, budget: &Budget, mode: Mode) -> Decision {
+    fn decide_one(&self, budget: &Budget, mode: Mode, network: u64) -> Decision {
         let Some(cell) = budget.one_cell() else {
-            return self.decide_locked(std::slice::from_ref(budget), mode);
+            return self.decide_locked(std::slice::from_ref(budget), mode, network);
         };
         let hash = self.hash(cell);
         let slot = &self.shards[self.shard_of(&budget.key)];
@@ -414,12 +485,12 @@ impl<C: Clock> MemoryStore<C> {
         if let Some(entry) = shard.cells.find_mut(hash, |e| e.0 == cell) {
             return decide_cell(budget, &mut entry.1, now, mode);
         }
-        if shard.cells.len() >= self.shard_cap {
+        if shard.cells.len() >= self.shard_cap || self.overflow_live(now) {
             shard.sweep(now, &[]);
             shard.compact(&self.hasher, &slot.hint);
-            if shard.cells.len() >= self.shard_cap {
+            if shard.cells.len() >= self.shard_cap || self.overflow_live(now) {
                 drop(shard);
-                return self.decide_locked(std::slice::from_ref(budget), mode);
+                return self.decide_locked(std::slice::from_ref(budget), mode, network);
             }
         }
         let mut value = 0;
@@ -437,7 +508,7 @@ impl<C: Clock> MemoryStore<C> {
     /// instead (after this changed nothing) when a budget needs it: a sliding
     /// window, or a new subject arriving at a full shard.
     #[inline(always)]
-    fn decide_in_place(&self, budgets: &[Budget], mode: Mode) -> Decision {
+    fn decide_in_place(&self, budgets: &[Budget], mode: Mode, network: u64) -> Decision {
         let budgets = &budgets[..budgets.len().min(MAX_BUDGETS)];
         // Per budget: its cell, the cell's hash, its shard. Then the shards
         // as one mask, locked in ascending order (two decisions never wait on
@@ -447,7 +518,7 @@ impl<C: Clock> MemoryStore<C> {
         let mut shards = [0usize; MAX_BUDGETS];
         for (i, b) in budgets.iter().enumerate() {
             let Some(cell) = b.one_cell() else {
-                return self.decide_locked(budgets, mode);
+                return self.decide_locked(budgets, mode, network);
             };
             let shard = self.shard_of(&b.key);
             let hash = self.hash(cell);
@@ -485,10 +556,10 @@ impl<C: Clock> MemoryStore<C> {
                 wrote |= u32::from(d.step(b, &mut entry.1)) << i;
                 continue;
             }
-            if table.cells.len() >= self.shard_cap {
+            if table.cells.len() >= self.shard_cap || self.overflow_live(now) {
                 table.sweep(now, &[]);
                 table.compact(&self.hasher, &self.shards[shard].hint);
-                if table.cells.len() >= self.shard_cap {
+                if table.cells.len() >= self.shard_cap || self.overflow_live(now) {
                     fell_back = true;
                     break;
                 }
@@ -525,7 +596,7 @@ impl<C: Clock> MemoryStore<C> {
         }
         if fell_back {
             drop(guards);
-            return self.decide_locked(budgets, mode);
+            return self.decide_locked(budgets, mode, network);
         }
         decision
     }
@@ -535,7 +606,22 @@ impl<C: Clock> MemoryStore<C> {
     /// # Errors
     /// [`StoreError::Decision`] when given more than [`MAX_BUDGETS`] budgets.
     pub fn decide_now(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
-        self.decide_mode(budgets, Mode::Spend)
+        self.decide_mode(budgets, Mode::Spend, NO_NETWORK)
+    }
+
+    /// [`MemoryStore::decide_now`] for a request from client network
+    /// `network` (a digest; [`NO_NETWORK`] for none): a new subject arriving
+    /// at a full shard shares that network's overflow budget of its scope
+    /// (see the module docs).
+    ///
+    /// # Errors
+    /// As [`MemoryStore::decide_now`].
+    pub fn decide_now_from(
+        &self,
+        budgets: &[Budget],
+        network: u64,
+    ) -> Result<Decision, StoreError> {
+        self.decide_mode(budgets, Mode::Spend, network)
     }
 
     /// [`BudgetStore::peek`] without the future.
@@ -543,13 +629,34 @@ impl<C: Clock> MemoryStore<C> {
     /// # Errors
     /// As [`MemoryStore::decide_now`].
     pub fn peek_now(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
-        self.decide_mode(budgets, Mode::Peek)
+        self.decide_mode(budgets, Mode::Peek, NO_NETWORK)
+    }
+
+    /// [`MemoryStore::peek_now`] for a request from client network `network`.
+    ///
+    /// # Errors
+    /// As [`MemoryStore::decide_now`].
+    pub fn peek_now_from(&self, budgets: &[Budget], network: u64) -> Result<Decision, StoreError> {
+        self.decide_mode(budgets, Mode::Peek, network)
     }
 
     /// [`BudgetStore::adjust`] without the future.
     pub fn adjust_now(&self, budget: &Budget, delta: i64, reserved_at: Timestamp) -> BudgetStatus {
+        self.adjust_now_from(budget, delta, reserved_at, NO_NETWORK)
+    }
+
+    /// [`MemoryStore::adjust_now`] for a request from client network
+    /// `network`: a budget that was folded into that network's overflow
+    /// budget is adjusted there.
+    pub fn adjust_now_from(
+        &self,
+        budget: &Budget,
+        delta: i64,
+        reserved_at: Timestamp,
+        network: u64,
+    ) -> BudgetStatus {
         // One budget is within MAX_BUDGETS, so the locked path applies as is.
-        let (mut cells, now) = self.lock_cells_now(std::slice::from_ref(budget));
+        let (mut cells, now) = self.lock_cells_now(std::slice::from_ref(budget), network);
         let status = adjust(budget, delta, reserved_at, &mut cells, now);
         cells.commit();
         status
@@ -565,8 +672,11 @@ enum Place {
     Bucket(usize),
     /// Not in its shard, which has room for it.
     New,
-    /// Folded into the overflow table under this key.
-    Overflow(u64),
+    /// Folded into its client network's overflow budget: the cell under
+    /// this key in the per-network table.
+    Network(u64),
+    /// Folded into its scope's global overflow budget, under this key.
+    Global(u64),
 }
 
 /// One cell a decision touches, hashed and placed once.
@@ -589,13 +699,103 @@ struct Slot {
 struct Cells<'a, C: Clock> {
     store: &'a MemoryStore<C>,
     now: Timestamp,
+    /// The request's client network ([`NO_NETWORK`]: none).
+    network: u64,
     guards: ArrayVec<MutexGuard<'a, Shard>, { 2 * MAX_BUDGETS }>,
+    /// The overflow tables, locked at the first cell folded into them (after
+    /// every shard lock) and held until the decision is over, so two
+    /// decisions never both spend the same overflow count.
+    overflow: Option<MutexGuard<'a, Overflow>>,
     slots: ArrayVec<Slot, { 2 * MAX_BUDGETS }>,
 }
 
-impl<C: Clock> Cells<'_, C> {
+impl<'a, C: Clock> Cells<'a, C> {
     fn slot(&mut self, cell: u64) -> Option<usize> {
         self.slots.iter().position(|s| s.cell == cell)
+    }
+
+    fn overflow(&mut self) -> &mut Overflow {
+        let store = self.store;
+        self.overflow.get_or_insert_with(|| store.overflow.lock())
+    }
+
+    /// The count a new cell `at` starts from while overflow budgets are live:
+    /// its network's overflow budget's (else its scope's global one's). A
+    /// caller that spent in an overflow budget this window and then finds
+    /// room in its shard (cells of shorter windows went stale) keeps what it
+    /// spent there; a new caller from a network that overflowed shares what
+    /// its network spent, until the window ends.
+    fn carried(&mut self, at: CellRef<'_>) -> u64 {
+        let (now, network, scope) = (self.now, self.network, at.budget.key.scope());
+        let hasher = &self.store.hasher;
+        let find = |table: &Shard, subject: u64| {
+            use std::hash::BuildHasher;
+            let key = at
+                .budget
+                .with_key(BudgetKey::from_digests(scope, subject))
+                .cell_at(at.index, now)?;
+            let hash = hasher.hash_one(key);
+            table
+                .cells
+                .find(hash, |e| e.0 == key)
+                .map(|e| e.1)
+                .filter(|&v| !sluice_core::cell_is_stale(v, now))
+        };
+        let overflow = self.overflow();
+        let from_network = (network != NO_NETWORK)
+            .then(|| find(&overflow.networks, network))
+            .flatten();
+        from_network
+            .or_else(|| find(&overflow.global, OVERFLOW_SUBJECT))
+            .unwrap_or(0)
+    }
+
+    /// Where a new subject's cell `at` goes when its shard is full of live
+    /// cells: its network's overflow budget while the per-network table has
+    /// room for it, else its scope's global one.
+    fn fold(&mut self, at: CellRef<'_>) -> (Place, u64) {
+        self.store.overflowed.fetch_add(1, Ordering::Relaxed);
+        let (now, network, scope) = (self.now, self.network, at.budget.key.scope());
+        let cap = self.store.overflow_cap;
+        let pending = self
+            .slots
+            .iter()
+            .filter(|s| matches!(s.place, Place::Network(_)))
+            .count();
+        let hasher = &self.store.hasher;
+        let overflow = self.overflow();
+        if network != NO_NETWORK {
+            let shared = at.budget.with_key(BudgetKey::from_digests(scope, network));
+            let key = shared.cell_at(at.index, now).unwrap_or(0);
+            let hash = {
+                use std::hash::BuildHasher;
+                hasher.hash_one(key)
+            };
+            let table = &mut overflow.networks;
+            if let Some(e) = table.cells.find(hash, |e| e.0 == key) {
+                return (Place::Network(key), e.1);
+            }
+            if table.cells.len() + pending >= cap {
+                table.sweep(now, &[]);
+            }
+            if table.cells.len() + pending < cap {
+                return (Place::Network(key), 0);
+            }
+        }
+        let shared = at
+            .budget
+            .with_key(BudgetKey::from_digests(scope, OVERFLOW_SUBJECT));
+        let key = shared.cell_at(at.index, now).unwrap_or(0);
+        let hash = {
+            use std::hash::BuildHasher;
+            hasher.hash_one(key)
+        };
+        let value = overflow
+            .global
+            .cells
+            .find(hash, |e| e.0 == key)
+            .map_or(0, |e| e.1);
+        (Place::Global(key), value)
     }
 
     /// Finds where `at`'s cell lives and its value.
@@ -630,17 +830,15 @@ impl<C: Clock> Cells<'_, C> {
                 shard.sweep(self.now, &pinned);
             }
             if shard.cells.len() + pending < self.store.shard_cap {
-                (Place::New, 0)
+                let value = if self.store.overflow_live(self.now) {
+                    self.carried(at)
+                } else {
+                    0
+                };
+                (Place::New, value)
             } else {
-                // Full of live cells: this new subject shares its scope's overflow budget.
-                self.store.overflowed.fetch_add(1, Ordering::Relaxed);
-                let shared = at.budget.with_key(BudgetKey::from_digests(
-                    at.budget.key.scope(),
-                    OVERFLOW_SUBJECT,
-                ));
-                let key = shared.cell_at(at.index, self.now).unwrap_or(0);
-                let value = self.store.overflow.lock().get(&key).copied().unwrap_or(0);
-                (Place::Overflow(key), value)
+                // Full of live cells: this new subject shares an overflow budget.
+                self.fold(at)
             }
         };
         self.slots[i].place = place;
@@ -662,13 +860,27 @@ impl<C: Clock> Cells<'_, C> {
                         let hint = &self.store.shards[s.shard].hint;
                         self.guards[s.guard].insert(s.hash, s.cell, s.value, hasher, hint);
                     }
-                    (Place::Overflow(key), true) => {
-                        // Taken after every shard lock this decision holds.
-                        self.store.overflow.lock().insert(key, s.value);
+                    (Place::Network(key) | Place::Global(key), true) => {
+                        if let Some(o) = self.overflow.as_mut() {
+                            let o = &mut **o;
+                            let (table, hint) = match s.place {
+                                Place::Network(_) => (&mut o.networks, &o.networks_hint),
+                                _ => (&mut o.global, &o.global_hint),
+                            };
+                            put(table, hint, hasher, key, s.value);
+                            self.store
+                                .overflow_until
+                                .fetch_max(s.value >> 32, Ordering::Relaxed);
+                        }
                     }
                     _ => {}
                 }
             }
+        }
+        if let Some(o) = self.overflow.as_mut() {
+            let o = &mut **o;
+            o.networks.compact(hasher, &o.networks_hint);
+            o.global.compact(hasher, &o.global_hint);
         }
         // No bucket index is needed any more: rebuild what sweeps left
         // tombstones in.
@@ -679,37 +891,83 @@ impl<C: Clock> Cells<'_, C> {
     }
 }
 
+/// Sets `key` to `value` in an overflow table, inserting it when absent.
+fn put(
+    table: &mut Shard,
+    hint: &SlotHint,
+    hasher: &foldhash::fast::RandomState,
+    key: u64,
+    value: u64,
+) {
+    use std::hash::BuildHasher;
+    let hash = hasher.hash_one(key);
+    match table.cells.find_mut(hash, |e| e.0 == key) {
+        Some(e) => e.1 = value,
+        None => table.insert(hash, key, value, hasher, hint),
+    }
+}
+
+/// Where a cell a decision did not list lives.
+enum Unlisted {
+    /// In the shard behind this guard.
+    Shard(usize),
+    /// In the per-network overflow table, under this key.
+    Network(u64),
+    /// In the global overflow table, under this key.
+    Global(u64),
+}
+
 impl<C: Clock> Cells<'_, C> {
     /// Where a cell the decision did not list up front lives (a rolling
     /// window's older slots): in the table of its subject's shard, which the
     /// decision holds (it listed the budget's current slot there) — or, when
-    /// that current slot was folded into the overflow, in the overflow under
-    /// the shared budget's key for the same slot. `None`: not held.
-    fn unlisted(&self, at: CellRef<'_>) -> Option<Result<usize, u64>> {
+    /// that current slot was folded into an overflow budget, in that overflow
+    /// table under the shared budget's key for the same slot. `None`: not held.
+    fn unlisted(&self, at: CellRef<'_>) -> Option<Unlisted> {
         let current = at.budget.cell_at(0, self.now)?;
         let listed = self.slots.iter().find(|s| s.cell == current)?;
+        let scope = at.budget.key.scope();
         match listed.place {
-            Place::Overflow(_) => {
-                let shared = at.budget.with_key(BudgetKey::from_digests(
-                    at.budget.key.scope(),
-                    OVERFLOW_SUBJECT,
-                ));
-                shared.cell_at(at.index, self.now).map(Err)
-            }
-            _ => Some(Ok(listed.guard)),
+            Place::Network(_) => at
+                .budget
+                .with_key(BudgetKey::from_digests(scope, self.network))
+                .cell_at(at.index, self.now)
+                .map(Unlisted::Network),
+            Place::Global(_) => at
+                .budget
+                .with_key(BudgetKey::from_digests(scope, OVERFLOW_SUBJECT))
+                .cell_at(at.index, self.now)
+                .map(Unlisted::Global),
+            _ => Some(Unlisted::Shard(listed.guard)),
         }
     }
 
     fn read_unlisted(&mut self, at: CellRef<'_>) -> u64 {
+        let hash = |key| self.store.hash(key);
         match self.unlisted(at) {
-            Some(Ok(guard)) => {
-                let hash = self.store.hash(at.cell);
+            Some(Unlisted::Shard(guard)) => {
+                let h = hash(at.cell);
                 self.guards[guard]
                     .cells
-                    .find(hash, |e| e.0 == at.cell)
+                    .find(h, |e| e.0 == at.cell)
                     .map_or(0, |e| e.1)
             }
-            Some(Err(key)) => self.store.overflow.lock().get(&key).copied().unwrap_or(0),
+            Some(Unlisted::Network(key)) => {
+                let h = hash(key);
+                self.overflow()
+                    .networks
+                    .cells
+                    .find(h, |e| e.0 == key)
+                    .map_or(0, |e| e.1)
+            }
+            Some(Unlisted::Global(key)) => {
+                let h = hash(key);
+                self.overflow()
+                    .global
+                    .cells
+                    .find(h, |e| e.0 == key)
+                    .map_or(0, |e| e.1)
+            }
             None => 0,
         }
     }
@@ -718,20 +976,28 @@ impl<C: Clock> Cells<'_, C> {
     /// rolling window's older slot, which only ever lowers a cell that is
     /// there (no bucket index is held for it, and nothing is inserted).
     fn write_unlisted(&mut self, at: CellRef<'_>, value: u64) {
-        match self.unlisted(at) {
-            Some(Ok(guard)) => {
+        let (key, network) = match self.unlisted(at) {
+            Some(Unlisted::Shard(guard)) => {
                 let hash = self.store.hash(at.cell);
                 let shard = &mut self.guards[guard];
                 if let Some(e) = shard.cells.find_mut(hash, |e| e.0 == at.cell) {
                     e.1 = value;
                 }
+                return;
             }
-            Some(Err(key)) => {
-                if let Some(v) = self.store.overflow.lock().get_mut(&key) {
-                    *v = value;
-                }
-            }
-            None => {}
+            Some(Unlisted::Network(key)) => (key, true),
+            Some(Unlisted::Global(key)) => (key, false),
+            None => return,
+        };
+        let hash = self.store.hash(key);
+        let o = self.overflow();
+        let table = if network {
+            &mut o.networks
+        } else {
+            &mut o.global
+        };
+        if let Some(e) = table.cells.find_mut(hash, |e| e.0 == key) {
+            e.1 = value;
         }
     }
 }
@@ -782,6 +1048,37 @@ impl<C: Clock> BudgetStore for MemoryStore<C> {
         reserved_at: Timestamp,
     ) -> impl Future<Output = Result<BudgetStatus, StoreError>> + Send {
         std::future::ready(Ok(self.adjust_now(budget, delta, reserved_at)))
+    }
+
+    fn decide_from(
+        &self,
+        budgets: &[Budget],
+        network: u64,
+    ) -> impl Future<Output = Result<Decision, StoreError>> + Send {
+        std::future::ready(self.decide_now_from(budgets, network))
+    }
+
+    fn peek_from(
+        &self,
+        budgets: &[Budget],
+        network: u64,
+    ) -> impl Future<Output = Result<Decision, StoreError>> + Send {
+        std::future::ready(self.peek_now_from(budgets, network))
+    }
+
+    fn adjust_from(
+        &self,
+        budget: &Budget,
+        delta: i64,
+        reserved_at: Timestamp,
+        network: u64,
+    ) -> impl Future<Output = Result<BudgetStatus, StoreError>> + Send {
+        std::future::ready(Ok(self.adjust_now_from(
+            budget,
+            delta,
+            reserved_at,
+            network,
+        )))
     }
 }
 

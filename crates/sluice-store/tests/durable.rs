@@ -241,7 +241,14 @@ fn q1_a_full_book_refuses_new_workspaces_and_keeps_counting_known_ones() {
     let dir = TempDir::new("full");
     let clock = FakeClock::new(Timestamp::from_secs(T0));
     let rt = runtime();
-    let store = local(&dir, &clock, QuotaBookConfig { max_cells: 2 });
+    let store = local(
+        &dir,
+        &clock,
+        QuotaBookConfig {
+            max_cells: 2,
+            ..QuotaBookConfig::default()
+        },
+    );
     for ws in ["a", "b"] {
         assert!(
             rt.block_on(store.decide(&[quota(ws, 5)]))
@@ -263,6 +270,56 @@ fn q1_a_full_book_refuses_new_workspaces_and_keeps_counting_known_ones() {
             .expect("d")
             .is_admitted()
     );
+}
+
+#[test]
+fn q1_uncapped_counts_of_a_flood_of_new_workspaces_stay_within_their_bound() {
+    // Uncapped families are counted only to show usage: a flood of new workspaces
+    // on one is admitted, but past `max_uncapped_cells` counts in the book its
+    // new counts are not kept, and capped counts of new workspaces still fit.
+    let dir = TempDir::new("uncapped");
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    let store = local(
+        &dir,
+        &clock,
+        QuotaBookConfig {
+            max_cells: 10,
+            max_uncapped_cells: 4,
+        },
+    );
+    let uncapped = |ws: &str| Budget {
+        key: BudgetKey::new("quota:evals", ws.as_bytes()),
+        ..quota(ws, u32::MAX)
+    };
+    for i in 0..100 {
+        let d = rt
+            .block_on(store.decide(&[uncapped(&format!("flood-{i}"))]))
+            .expect("decide");
+        assert!(
+            d.is_admitted(),
+            "an uncapped call is never refused for room"
+        );
+    }
+    let book = store.book().expect("book");
+    assert_eq!(book.len(), 4);
+    assert_eq!(book.untracked(), 96);
+    // A workspace already counted keeps counting.
+    let d = rt
+        .block_on(store.decide(&[uncapped("flood-0")]))
+        .expect("decide");
+    assert!(d.is_admitted());
+    assert_eq!(book.untracked(), 96);
+    // Capped counts of new workspaces have the rest of the book.
+    for ws in ["a", "b", "c", "d", "e", "f"] {
+        let d = rt.block_on(store.decide(&[quota(ws, 5)])).expect("decide");
+        assert!(d.is_admitted(), "{ws}");
+    }
+    assert_eq!(book.len(), 10);
+    let usage = rt
+        .block_on(store.peek(&[uncapped("flood-0").with_cost(0)]))
+        .expect("peek");
+    assert_eq!(usage.statuses()[0].remaining, u32::MAX - 2);
 }
 
 #[test]

@@ -527,7 +527,7 @@ impl<S: BudgetStore> Limiter<S> {
                 ..*b
             })
             .collect();
-        self.fallback.decide_now(&local)
+        self.fallback.decide_now_from(&local, plan.network)
     }
 
     /// The policy enforced.
@@ -887,20 +887,22 @@ impl<S: BudgetStore> Limiter<S> {
             return Err(crate::answer::limiter_unavailable(&"no such lane"));
         };
         if call.calls > rule.workspace_in_flight.get() {
-            return Err(match self.store.peek(&plan.budgets).await {
-                Ok(peeked) if !peeked.is_admitted() => {
-                    log(plan.name(peeked.binding_index(), &self.policy));
-                    crate::answer::refusal(&peeked, plan, &self.policy)
-                }
-                _ => {
-                    log("too_many_lane_calls");
-                    Refused::LaneCalls {
-                        calls: call.calls,
-                        max: rule.workspace_in_flight.get(),
+            return Err(
+                match self.store.peek_from(&plan.budgets, plan.network).await {
+                    Ok(peeked) if !peeked.is_admitted() => {
+                        log(plan.name(peeked.binding_index(), &self.policy));
+                        crate::answer::refusal(&peeked, plan, &self.policy)
                     }
-                    .response()
-                }
-            });
+                    _ => {
+                        log("too_many_lane_calls");
+                        Refused::LaneCalls {
+                            calls: call.calls,
+                            max: rule.workspace_in_flight.get(),
+                        }
+                        .response()
+                    }
+                },
+            );
         }
         let workspace = plan.from.workspace_label();
         let until = tokio::time::Instant::now() + crate::lanes::max_wait(rule, call);
@@ -992,7 +994,7 @@ impl<S: BudgetStore> Limiter<S> {
             }
             match self
                 .store
-                .adjust(budget, delta, decision.decided_at())
+                .adjust_from(budget, delta, decision.decided_at(), plan.network)
                 .await
             {
                 Ok(status) => {
@@ -1020,7 +1022,7 @@ impl<S: BudgetStore> Limiter<S> {
         budgets: &[sluice_core::Budget],
     ) -> Result<Decision, StoreError> {
         let started = Instant::now();
-        let decision = match self.store.decide(budgets).await {
+        let decision = match self.store.decide_from(budgets, plan.network).await {
             Ok(d) => {
                 self.set_degraded(false);
                 Ok(d)

@@ -46,6 +46,9 @@ pub struct Plan {
     pub top_class: Class,
     /// The caller's subject digest.
     pub caller: u64,
+    /// The client's network digest (see [`sluice_policy::ClientIp::network`]),
+    /// for the store's overflow budgets.
+    pub network: u64,
     /// The caller as logs and the status page show it.
     pub who: sluice_policy::Who,
     /// Who the request is from: its workspace and user for the upstream.
@@ -128,6 +131,7 @@ pub(crate) fn plan(
             .find(|&c| items.count(c) > 0)
             .unwrap_or(policy.default_class),
         caller: caller.subject,
+        network: client.network,
         who: caller.who,
         from: caller,
         lane: None,

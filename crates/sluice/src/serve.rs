@@ -111,6 +111,14 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BYTES", default_value_t = sluice_tower::DEFAULT_MAX_BUFFERED_BYTES)]
     pub max_buffered_bytes: usize,
 
+    /// Most budget cells the in-process store holds (one per caller and budget in a
+    /// window; about 20 bytes each). Past it, a new caller shares an overflow
+    /// budget with the other new callers of its network (the /24 of an IPv4
+    /// client, the /56 of an IPv6 one), in a table of max-keys/8 cells; callers
+    /// that hold a cell keep it. Not used with a Redis store.
+    #[arg(long, value_name = "N", default_value = "1000000", value_parser = parse_max_keys)]
+    pub max_keys: usize,
+
     /// Seconds a call of the built-in demo upstream's message optimizer takes
     /// (`POST /messages/optimize`, the `optimize_message` tool), so its lane's waits,
     /// refusals and breaker can be watched (fractions allowed; 0 to 600). Ignored
@@ -198,8 +206,16 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     };
     config.max_connections_per_ip = args.max_connections_per_ip;
     config.max_buffered_bytes = args.max_buffered_bytes;
+    config.max_keys = args.max_keys;
     config.demo_optimize_time = args.demo_optimize_seconds;
     Ok(config)
+}
+
+fn parse_max_keys(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (64..=1 << 32).contains(&n) => Ok(n),
+        _ => Err("expected a whole number of cells from 64 to 4294967296".into()),
+    }
 }
 
 pub(crate) fn parse_addr(s: &str) -> Result<SocketAddr, String> {

@@ -25,7 +25,9 @@ use std::sync::Arc;
 pub use batch::BatchBook;
 pub use fillable::{FillableDisk, FillableLog};
 pub use journal::{JournalSync, QuotaLog};
-pub use quota::{COMMIT_TIMEOUT, DEFAULT_MAX_QUOTA_CELLS, QuotaBook, QuotaBookConfig};
+pub use quota::{
+    COMMIT_TIMEOUT, DEFAULT_MAX_QUOTA_CELLS, DEFAULT_MAX_UNCAPPED_CELLS, QuotaBook, QuotaBookConfig,
+};
 
 /// The file the store keeps in its data directory.
 pub const DURABLE_FILE: &str = "sluice.redb";

@@ -13,7 +13,12 @@
 //! Bounds: at most [`QuotaBookConfig::max_cells`] counts (one per workspace and
 //! family); past it, cells of past months are dropped, and a new workspace is
 //! refused (the store answers "unavailable", which quota routes turn into 503)
-//! rather than counted nowhere. A commit that fails (a full disk) fails the
+//! rather than counted nowhere. Counts of *uncapped* families (kept only to show
+//! usage) take no part in that: a new one is kept only while the book holds fewer
+//! than [`QuotaBookConfig::max_uncapped_cells`] counts in all; past it the call is
+//! admitted and its usage not counted (see [`QuotaBook::untracked`]), so a flood of
+//! new workspaces on an uncapped route can neither grow the book past that bound
+//! nor take the room of capped counts. A commit that fails (a full disk) fails the
 //! decisions waiting on it; their counts stay in memory and are written by the
 //! next commit that succeeds, so a failure can over-count, never under-count.
 
@@ -48,6 +53,9 @@ const SNAPSHOT_EVERY: Duration = Duration::from_secs(30);
 /// counts, about 50 MB of memory.
 pub const DEFAULT_MAX_QUOTA_CELLS: usize = 1_000_000;
 
+/// Default for [`QuotaBookConfig::max_uncapped_cells`]: about 5 MB of memory.
+pub const DEFAULT_MAX_UNCAPPED_CELLS: usize = 100_000;
+
 /// The longest a decision waits for the commit that makes it durable; past it
 /// the call is refused (the store answers "unavailable").
 pub const COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -65,12 +73,16 @@ pub(super) fn create_tables(tx: &redb::WriteTransaction) -> Result<(), redb::Tab
 pub struct QuotaBookConfig {
     /// The most counts kept (one per workspace and family and month).
     pub max_cells: usize,
+    /// A new count of an uncapped family (a budget whose limit is `u32::MAX`) is
+    /// kept only while the book holds fewer counts than this in all.
+    pub max_uncapped_cells: usize,
 }
 
 impl Default for QuotaBookConfig {
     fn default() -> Self {
         QuotaBookConfig {
             max_cells: DEFAULT_MAX_QUOTA_CELLS,
+            max_uncapped_cells: DEFAULT_MAX_UNCAPPED_CELLS,
         }
     }
 }
@@ -100,6 +112,9 @@ struct Shared {
     /// The journal's appends are cheap enough to make in the deciding thread.
     inline: bool,
     max_cells: usize,
+    max_uncapped_cells: usize,
+    /// Uncapped spends not counted because the book was past `max_uncapped_cells`.
+    untracked: std::sync::atomic::AtomicU64,
     /// Commits written, for metrics and for tests of group commit.
     commits: std::sync::atomic::AtomicU64,
 }
@@ -228,6 +243,8 @@ impl QuotaBook {
                 seq: journal_seq,
             }),
             max_cells: config.max_cells.max(1),
+            max_uncapped_cells: config.max_uncapped_cells,
+            untracked: std::sync::atomic::AtomicU64::new(0),
             commits: std::sync::atomic::AtomicU64::new(0),
         });
         // What was replayed goes into a snapshot at once, and the journal starts over.
@@ -262,6 +279,14 @@ impl QuotaBook {
         self.len() == 0
     }
 
+    /// Spends of uncapped families that were admitted without a count because the
+    /// book held [`QuotaBookConfig::max_uncapped_cells`] counts or more.
+    pub fn untracked(&self) -> u64 {
+        self.shared
+            .untracked
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Decides `quotas` (monthly budgets) and, only when they all admit, `others`
     /// through `decide_others` — under the book's lock, so the decision over both is
     /// all or nothing. Returns the statuses of both, and the sequence number to
@@ -277,6 +302,26 @@ impl QuotaBook {
         decide_others: impl FnOnce(Mode) -> Result<Decision, StoreError>,
     ) -> Result<(Decision, Decision, Option<u64>), StoreError> {
         let mut book = self.shared.state.lock();
+        // A new count of an uncapped family past its bound: admitted, not counted.
+        let quotas: arrayvec::ArrayVec<Budget, { sluice_core::MAX_BUDGETS }> = quotas
+            .iter()
+            .map(|b| {
+                let untracked = mode == Mode::Spend
+                    && b.limit == u32::MAX
+                    && b.cost > 0
+                    && book.cells.len() >= self.shared.max_uncapped_cells
+                    && b.cells(now).iter().any(|c| !book.cells.contains_key(c));
+                if untracked {
+                    self.shared
+                        .untracked
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    b.with_cost(0)
+                } else {
+                    *b
+                }
+            })
+            .collect();
+        let quotas = &quotas[..];
         if mode == Mode::Spend {
             self.make_room(&mut book, quotas, now)?;
         }
