@@ -5,6 +5,10 @@
 //! What sluice forwards, it counted as the upstream will read it; what it cannot
 //! count, it refuses, saying why, and forwards nothing.
 
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
 mod support;
 
 use std::collections::BTreeMap;
@@ -108,7 +112,7 @@ fn policy_file(name: &str, edit: impl FnOnce(String) -> String) -> std::path::Pa
     let dir = std::env::temp_dir().join(format!("sluice-bypass-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(name);
-    let yaml = sluice_policy::DEFAULT_POLICY_YAML.replace(
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.edit(
         "window_seconds: 60\nprofiles",
         "window_seconds: 4294967295\nprofiles",
     );
@@ -312,7 +316,7 @@ fn assert_same_answer(fast: &Answer, hyper: &Answer) {
 #[tokio::test]
 async fn e5_oversized_batch_is_refused_not_counted_as_standard() {
     let (sluice, upstream) = gateway("batch.yaml", |y| {
-        y.replace("max_batch_items: 1000", "max_batch_items: 30")
+        y.edit("max_batch_items: 1000", "max_batch_items: 30")
     })
     .await;
     bounded(async {
@@ -516,7 +520,7 @@ async fn e5_encoded_bom_utf16_and_deep_bodies_are_refused_on_both_paths() {
 #[tokio::test]
 async fn e5_h2_an_oversized_batch_and_a_gzip_body_are_refused() {
     let (sluice, upstream) = gateway("h2.yaml", |y| {
-        y.replace("max_batch_items: 1000", "max_batch_items: 30")
+        y.edit("max_batch_items: 1000", "max_batch_items: 30")
     })
     .await;
     bounded(async {

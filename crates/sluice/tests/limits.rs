@@ -4,6 +4,10 @@
 //! with `window_seconds` set to the largest value (a window that started at
 //! the Unix epoch and ends in 2106): no run can straddle a window boundary.
 
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
 mod support;
 
 use std::time::Duration;
@@ -19,7 +23,7 @@ fn policy_file(name: &str, edit: impl FnOnce(String) -> String) -> std::path::Pa
     let dir = std::env::temp_dir().join(format!("sluice-limits-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(name);
-    let yaml = edit(sluice_policy::DEFAULT_POLICY_YAML.replace(
+    let yaml = edit(sluice_policy::DEFAULT_POLICY_YAML.edit(
         "window_seconds: 60\nprofiles",
         &format!("{FOREVER}\nprofiles"),
     ));
@@ -148,7 +152,7 @@ fn check_prints_the_resolved_policy_or_every_problem_with_exit_2() {
     let ok = run_to_exit(&["check", example], Duration::from_secs(30));
     assert!(ok.status.success(), "{}", ok.stderr);
     let bad = policy_file("bad.yaml", |y| {
-        y.replace("expensive: 30 }", "expensive: 0 }").replace(
+        y.edit("expensive: 30 }", "expensive: 0 }").edit(
             "class: expensive }\n  - { method: POST, path: \"/routines",
             "class: costly }\n  - { method: POST, path: \"/routines",
         )
@@ -173,7 +177,7 @@ fn check_prints_the_resolved_policy_or_every_problem_with_exit_2() {
         failed.stderr
     );
     let typo = policy_file("typo.yaml", |y| {
-        y.replace(
+        y.edit(
             "default_class: standard\njsonrpc",
             "default_klass: standard\njsonrpc",
         )

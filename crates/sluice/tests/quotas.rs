@@ -2,6 +2,10 @@
 //! survive `kill -9`, the warehouse budget on the HTTP/1.1 fast path against the
 //! demo upstream, and clear errors for a data directory that cannot be used.
 
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
 mod support;
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
@@ -22,15 +26,15 @@ fn policy_file(dir: &DataDir, edit: impl FnOnce(String) -> String) -> String {
     std::fs::create_dir_all(&dir.0).expect("dir");
     let sha = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"sk-crash"));
     let yaml = sluice_policy::DEFAULT_POLICY_YAML
-        .replace(
+        .edit(
             "classes: { protocol: 600, read: 300, standard: 60, expensive: 30 }",
             "classes: { protocol: 600, read: 300, standard: 10000000, expensive: 30 }",
         )
-        .replace(
+        .edit(
             "ip_ceilings: { work: 300, protocol_only: 1200 }",
             "ip_ceilings: { work: 10000000, protocol_only: 1200 }",
         )
-        .replace(
+        .edit(
             "  keys: []",
             &format!("  keys:\n    - {{ sha256: {sha}, workspace: acme, user: ada }}"),
         );
@@ -296,7 +300,7 @@ fn q2_the_demo_warehouse_on_the_fast_path_runs_the_seeds_example() {
 async fn q1_usage_survives_a_graceful_restart_and_the_admin_can_reset_it() {
     let dir = DataDir::new();
     let policy = policy_file(&dir, |y| {
-        y.replace("messages: { monthly: 1000 }", "messages: { monthly: 2 }")
+        y.edit("messages: { monthly: 1000 }", "messages: { monthly: 2 }")
     });
     let args = ["--config", policy.as_str(), "--data-dir", dir.arg()];
     let first = Sluice::spawn(&args);
