@@ -1,4 +1,4 @@
-//! Backoff on 429 and retryable 5xx (SPEC C5): the provider's own hint when
+//! Backoff on 429 and retryable 5xx: the provider's own hint when
 //! it gives one — `retry-after-ms`, `Retry-After` (seconds or an HTTP date),
 //! an OpenAI-style message ("Please try again in 16.062s"),
 //! `error.details.retry_after_seconds` — otherwise exponential backoff with

@@ -1,4 +1,4 @@
-//! The pacer (SPEC C2, C3, C4, C6, C7): per provider a rolling 60 s token
+//! The pacer: per provider a rolling 60 s token
 //! window, requests spaced evenly (GCRA with a burst of one) and a rolling
 //! day of requests, all kept in a [`BudgetStore`] so that processes sharing
 //! the store share the budgets.
@@ -57,9 +57,10 @@ impl Default for PacerOptions {
 pub struct ProviderStats {
     /// Requests let through.
     pub admitted: u64,
-    /// Of those, requests that had to wait.
+    /// Of those, requests admitted later than they arrived: those that
+    /// slept for room and those queued behind them.
     pub waited: u64,
-    /// Total time spent waiting, in milliseconds.
+    /// Total time those requests spent waiting, in milliseconds.
     pub wait_ms: u64,
     /// Refused: larger than the whole TPM.
     pub too_large: u64,
@@ -330,7 +331,7 @@ where
         self.acquire_demand(provider, &mut estimate).await
     }
 
-    /// [`Pacer::acquire`] for a request that may be shrunk (SPEC C4) when
+    /// [`Pacer::acquire`] for a request that may be shrunk when
     /// the provider opts in: when it does not fit within its maximum wait
     /// (or at all), its oldest context is dropped until it does.
     ///
@@ -373,7 +374,9 @@ where
                     let c = &state.counters;
                     c.add(ADMITTED, 1);
                     state.recent.lock().add(now.as_secs());
-                    if slept {
+                    // Queued behind another waiter counts as waiting too,
+                    // though only the head of the line sleeps.
+                    if slept || !waited.is_zero() {
                         c.add(WAITED, 1);
                         c.add(
                             WAIT_MS,

@@ -1,4 +1,4 @@
-//! Token estimates before sending (SPEC C2): a real tokenizer (OpenAI's BPE
+//! Token estimates before sending: a real tokenizer (OpenAI's BPE
 //! encodings, compiled into the binary, loaded once on first use and shared)
 //! over the parts of a request a provider counts, plus the completion budget
 //! it reserves (`max_tokens` / `max_completion_tokens`).

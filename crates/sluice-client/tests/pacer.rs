@@ -80,6 +80,32 @@ async fn c2_fifo_among_waiting_requests() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn c2_stats_count_every_request_that_waited_queued_ones_too() {
+    let (pacer, _clock) = pacer(limits(1_000, 0, 0));
+    pacer.acquire("p", 900u32).await.unwrap();
+    // The first waiter sleeps for room; the second queues behind it and
+    // never sleeps itself, yet it waited just as long.
+    let mut tasks = Vec::new();
+    for tokens in [800u32, 50u32] {
+        let p = pacer.clone();
+        tasks.push(tokio::spawn(async move {
+            p.acquire("p", tokens).await.unwrap().waited()
+        }));
+        tokio::task::yield_now().await;
+    }
+    let mut waits = Vec::new();
+    for t in tasks {
+        waits.push(t.await.unwrap());
+    }
+    assert!(waits.iter().all(|w| *w > Duration::ZERO), "{waits:?}");
+    let stats = pacer.stats("p");
+    assert_eq!(stats.admitted, 3);
+    assert_eq!(stats.waited, 2, "the queued request waited too");
+    let total: u128 = waits.iter().map(Duration::as_millis).sum();
+    assert_eq!(u128::from(stats.wait_ms), total);
+}
+
+#[tokio::test(start_paused = true)]
 async fn c3_rpm_spacing_is_even_never_a_burst() {
     let (pacer, clock) = pacer(limits(0, 60, 0));
     // 8 requests fired at once at the top of a minute.

@@ -1,8 +1,4 @@
-//! A circuit breaker as a pure state machine: after `failures` failures in a
-//! row (all within `within`), calls are refused for `open_for`; then one
-//! probe is let through (half-open) and its outcome closes or re-opens the
-//! breaker. Used in front of a shared store (SPEC D3) and of the guarded
-//! upstream (SPEC L3: 5 in a row within a minute, open 30 s).
+//! Documented on [`Breaker`].
 
 use std::time::Duration;
 
@@ -52,7 +48,11 @@ pub enum Permit {
     },
 }
 
-/// A circuit breaker (see the module docs).
+/// A circuit breaker as a pure state machine: after `failures` failures in a
+/// row (all within `within`), calls are refused for `open_for`; then one
+/// probe is let through (half-open) and its outcome closes or re-opens the
+/// breaker. Used in front of a shared store and of the guarded
+/// upstream (5 in a row within a minute, open 30 s).
 #[derive(Clone, Debug)]
 pub struct Breaker {
     config: BreakerConfig,

@@ -1,4 +1,4 @@
-//! The built-in default policy: SPEC's table, the platform's documented
+//! The built-in default policy: the example platform's documented
 //! numbers. `examples/policy.yaml` is the same policy with comments; a test
 //! proves the two are equal.
 

@@ -1,4 +1,4 @@
-//! A circuit breaker in front of a store (SPEC D3): once the store keeps
+//! A circuit breaker in front of a store: once the store keeps
 //! failing, decisions fail at once instead of each waiting for its timeout;
 //! a probe now and then finds out when the store is back.
 

@@ -53,7 +53,7 @@ pub struct MemoryConfig {
     /// The most cells held at once (one per fixed-window budget of a subject,
     /// two per sliding-window one, one per slot holding units of a rolling
     /// window). At about 20 bytes a cell at the cap (see
-    /// the module docs), the default of 1,000,000 takes about 20 MB.
+    /// [`MemoryStore`]), the default of 1,000,000 takes about 20 MB.
     pub max_keys: usize,
     /// The number of shards, from 1 to [`MAX_SHARDS`] (larger values are
     /// taken as [`MAX_SHARDS`]); `0` (the default) picks it from `max_keys`
@@ -207,7 +207,14 @@ struct ShardSlot {
     hint: SlotHint,
 }
 
-/// The in-process budget store (see the module docs for layout and bounds).
+/// The in-process budget store: sharded (a decision locks only the shards
+/// its callers' cells are in; no global lock) and bounded by
+/// [`MemoryConfig::max_keys`] cells, about 20 bytes each at the cap. A cell
+/// whose window is over is dropped when its shard needs room or on
+/// [`MemoryStore::reclaim`], which changes no decision. When a shard is full
+/// of live cells, a new caller shares its budget's overflow budget (one per
+/// scope) while callers that already have a cell keep theirs: an active
+/// caller is never handed a fresh budget.
 pub struct MemoryStore<C: Clock = SystemClock> {
     clock: C,
     hasher: foldhash::fast::RandomState,

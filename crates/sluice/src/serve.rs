@@ -24,7 +24,7 @@ const MAX_UPSTREAM_TIMEOUT_SECS: f64 = 3600.0;
 /// The rate-limit profile: which set of numbers the built-in default policy uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Profile {
-    /// The seed platform's production numbers (e.g. expensive 30/min).
+    /// The platform's production numbers (e.g. expensive 30/min).
     Production,
     /// Roomier numbers for local development (e.g. expensive 150/min).
     Local,

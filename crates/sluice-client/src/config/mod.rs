@@ -1,5 +1,5 @@
-//! The pace config (SPEC C1): YAML → [`RawConfig`] → [`validate`] →
-//! [`PaceConfig`], with `${ENV}` substitution, the seed's shipped defaults,
+//! The pace config: YAML → [`RawConfig`] → [`validate`] →
+//! [`PaceConfig`], with `${ENV}` substitution, the shipped provider defaults,
 //! the settings page's overrides file and hot reload ([`ConfigWatcher`]).
 //!
 //! ```yaml
@@ -69,7 +69,7 @@ impl ProviderLimits {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LimitsOrigin {
-    /// The seed's table ([`SHIPPED_PROVIDERS`]).
+    /// The shipped table ([`SHIPPED_PROVIDERS`]).
     Shipped,
     /// The config file's `rateLimits`.
     Config,
@@ -125,7 +125,7 @@ pub struct ProviderConfig {
     pub limits: ProviderLimits,
     /// Where [`ProviderConfig::limits`] come from.
     pub origin: LimitsOrigin,
-    /// Drop old context when waiting would exceed `max_wait` (SPEC C4).
+    /// Drop old context when waiting would exceed `max_wait`.
     pub shrink: bool,
     /// The longest a request waits for room (queue included).
     pub max_wait: Duration,
@@ -198,9 +198,9 @@ impl ProviderConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PacerSettings {
     /// How much earlier than our send a provider may count a request's
-    /// neighbours: windows reach back `60 s + arrival_margin` (SPEC C2).
+    /// neighbours: windows reach back `60 s + arrival_margin`.
     pub arrival_margin: Duration,
-    /// Attempts per request, the first included (SPEC C5).
+    /// Attempts per request, the first included.
     pub max_attempts: u32,
     /// The largest request body the proxy reads.
     pub max_body_bytes: usize,

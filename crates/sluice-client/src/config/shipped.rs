@@ -1,4 +1,4 @@
-//! The providers the seed lists, with its suggested limits and their public
+//! The providers sluice knows, with suggested limits and their public
 //! OpenAI-compatible (or native) base URLs: used when a config entry leaves
 //! them out.
 
@@ -9,13 +9,13 @@ use super::{ApiStyle, ProviderLimits};
 pub struct ShippedProvider {
     /// The config key (`providers.<name>`).
     pub name: &'static str,
-    /// What the seed calls it.
+    /// The provider's name in a pace config (`openai`, `anthropic`, …).
     pub title: &'static str,
     /// Where its API lives.
     pub base_url: &'static str,
     /// Its request and response shapes.
     pub style: ApiStyle,
-    /// "Conservative mid-tier defaults" (seed table); 0 = unlimited.
+    /// Conservative mid-tier defaults; 0 = unlimited.
     pub limits: ProviderLimits,
 }
 
@@ -39,7 +39,7 @@ const fn p(
 
 use ApiStyle::{Anthropic, OpenAi};
 
-/// The seed's table of suggested defaults, in its order.
+/// The shipped providers and their suggested defaults.
 #[rustfmt::skip]
 pub const SHIPPED_PROVIDERS: [ShippedProvider; 14] = [
     p("openai", "OpenAI (GPT-4o tier)", "https://api.openai.com/v1", OpenAi, 150_000, 60, 0),
@@ -58,7 +58,7 @@ pub const SHIPPED_PROVIDERS: [ShippedProvider; 14] = [
     p("lmstudio", "LM Studio (local)", "http://localhost:1234/v1", OpenAi, 0, 0, 0),
 ];
 
-/// The shipped entry for `name`, if the seed lists it.
+/// The shipped entry for `name`, if sluice ships one.
 pub fn shipped(name: &str) -> Option<&'static ShippedProvider> {
     SHIPPED_PROVIDERS.iter().find(|p| p.name == name)
 }

@@ -1,21 +1,4 @@
-//! Monthly quota counts (SPEC Q1), durable before the call they admit goes on.
-//!
-//! The counts live in memory, where decisions read and write them under one
-//! lock, and on disk, where one writer thread puts them. A decision that spends
-//! takes a sequence number; the caller then waits until a commit covers that
-//! number before it forwards the call. A commit appends the changed counts to the
-//! quota journal with one `fdatasync` (see [`super::journal`]); every decision
-//! that arrives while a commit is on disk joins the next one: one flush serves all
-//! the calls of that moment (group commit). From time to time, and at shutdown,
-//! the counts are written to the redb file (a snapshot naming the last journal
-//! record it covers) and the journal starts over.
-//!
-//! Bounds: at most [`QuotaBookConfig::max_cells`] counts (one per workspace and
-//! family); past it, cells of past months are dropped, and a new workspace is
-//! refused (the store answers "unavailable", which quota routes turn into 503)
-//! rather than counted nowhere. A commit that fails (a full disk) fails the
-//! decisions waiting on it; their counts stay in memory and are written by the
-//! next commit that succeeds, so a failure can over-count, never under-count.
+//! Documented on [`QuotaBook`].
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -75,7 +58,26 @@ impl Default for QuotaBookConfig {
     }
 }
 
-/// Quota counts kept durable with group commit (see the module docs).
+/// Quota counts kept durable with group commit.
+///
+/// Monthly quota counts, durable before the call they admit goes on.
+///
+/// The counts live in memory, where decisions read and write them under one
+/// lock, and on disk, where one writer thread puts them. A decision that spends
+/// takes a sequence number; the caller then waits until a commit covers that
+/// number before it forwards the call. A commit appends the changed counts to the
+/// quota journal ([`QuotaLog`](super::QuotaLog)) with one `fdatasync`; every decision
+/// that arrives while a commit is on disk joins the next one: one flush serves all
+/// the calls of that moment (group commit). From time to time, and at shutdown,
+/// the counts are written to the redb file (a snapshot naming the last journal
+/// record it covers) and the journal starts over.
+///
+/// Bounds: at most [`QuotaBookConfig::max_cells`] counts (one per workspace and
+/// family); past it, cells of past months are dropped, and a new workspace is
+/// refused (the store answers "unavailable", which quota routes turn into 503)
+/// rather than counted nowhere. A commit that fails (a full disk) fails the
+/// decisions waiting on it; their counts stay in memory and are written by the
+/// next commit that succeeds, so a failure can over-count, never under-count.
 pub struct QuotaBook {
     shared: Arc<Shared>,
     writer: Option<std::thread::JoinHandle<()>>,
