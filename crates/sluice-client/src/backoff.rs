@@ -120,8 +120,10 @@ pub fn message_hint(message: &str) -> Option<Duration> {
     Duration::try_from_secs_f64(n * scale).ok()
 }
 
-/// How many times and how long to back off.
+/// How many times and how long to back off: [`RetryPolicy::default`], then
+/// set the fields to change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RetryPolicy {
     /// Attempts per request, the first included.
     pub max_attempts: u32,

@@ -41,12 +41,13 @@ pub type PacedBody = UnsyncBoxBody<Bytes, BoxError>;
 /// ```
 /// use bytes::Bytes;
 /// use http_body_util::{BodyExt, Full};
-/// use sluice_client::{PaceConfig, Pacer, PacerLayer, ProviderConfig, ProviderLimits};
+/// use sluice_client::config::{PaceConfig, ProviderConfig, ProviderLimits};
+/// use sluice_client::{Pacer, PacerLayer};
 /// use tower::{ServiceBuilder, ServiceExt};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-/// let limits = ProviderLimits { tpm: 30_000, rpm: 0, rpd: 0 };
+/// let limits = ProviderLimits::new(30_000, 0, 0);
 /// let config = PaceConfig::from_providers([ProviderConfig::new("openai", "http://127.0.0.1:9", limits)]);
 /// let pacer = Pacer::from_config(config);
 /// // Any `Service<http::Request<_>>` that calls the provider; here, a stand-in.

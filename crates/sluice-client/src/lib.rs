@@ -19,11 +19,13 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use sluice_client::{PaceConfig, Pacer, ProviderConfig, ProviderLimits, TokenEstimate};
+//! use sluice_client::Pacer;
+//! use sluice_client::config::{PaceConfig, ProviderConfig, ProviderLimits};
+//! use sluice_client::tokens::TokenEstimate;
 //!
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
-//! let limits = ProviderLimits { tpm: 1_000, rpm: 0, rpd: 0 };
+//! let limits = ProviderLimits::new(1_000, 0, 0);
 //! let config = PaceConfig::from_providers([ProviderConfig::new("openai", "https://api.openai.com/v1", limits)]);
 //! let pacer = Pacer::from_config(config);
 //!
@@ -63,15 +65,26 @@ pub mod tokens;
 pub mod usage;
 mod window;
 
-pub use backoff::{Backoff, RetryPolicy};
 pub use call::IDEMPOTENCY_KEY;
-pub use clock::{TEST_EPOCH, TokioClock};
-pub use config::{PaceConfig, ProviderConfig, ProviderLimits};
+pub use clock::TokioClock;
 pub use error::PaceError;
-pub use headers::RateLimitHeaders;
 pub use layer::{BoxError, PacedBody, PacerLayer, PacerService};
 pub use middleware::{PaceProvider, PacerMiddleware};
 pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats, WindowReading};
+
+// Each of these is documented in its module (one path per type); the root
+// names stay, hidden, for code written against them.
+#[doc(hidden)]
+pub use backoff::{Backoff, RetryPolicy};
+#[doc(hidden)]
+pub use clock::TEST_EPOCH;
+#[doc(hidden)]
+pub use config::{PaceConfig, ProviderConfig, ProviderLimits};
+#[doc(hidden)]
+pub use headers::RateLimitHeaders;
+#[doc(hidden)]
 pub use shrink::{Demand, PacedRequest, SHRINK_HEADER, ShrinkReport};
+#[doc(hidden)]
 pub use tokens::{Encoding, TokenEstimate};
+#[doc(hidden)]
 pub use usage::{Usage, UsageTap};

@@ -35,7 +35,8 @@ pub struct PaceProvider(pub String);
 ///
 /// ```
 /// use serde_json::{Value, json};
-/// use sluice_client::{PaceConfig, Pacer, PacerMiddleware, ProviderConfig, ProviderLimits};
+/// use sluice_client::config::{PaceConfig, ProviderConfig, ProviderLimits};
+/// use sluice_client::{Pacer, PacerMiddleware};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -50,7 +51,7 @@ pub struct PaceProvider(pub String);
 /// #     let head = format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
 /// #     conn.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
 /// # });
-/// let limits = ProviderLimits { tpm: 30_000, rpm: 500, rpd: 0 };
+/// let limits = ProviderLimits::new(30_000, 500, 0);
 /// let config = PaceConfig::from_providers([ProviderConfig::new("openai", &base_url, limits)]);
 /// let pacer = Pacer::from_config(config);
 /// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())

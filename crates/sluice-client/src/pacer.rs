@@ -32,8 +32,10 @@ const MAX_SLEEP: Duration = Duration::from_secs(1);
 /// The longest hold a provider's headers may impose.
 const MAX_HOLD: Duration = Duration::from_secs(24 * 3600);
 
-/// Slot sizes of the pacer's windows.
+/// Slot sizes of the pacer's windows: [`PacerOptions::default`], then set
+/// the fields to change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PacerOptions {
     /// Slot of the 60 s token window: a reservation counts until its slot's
     /// end + 60 s + margin (default 250 ms).

@@ -84,8 +84,10 @@ impl TokenEstimate {
     }
 }
 
-/// How to estimate.
+/// How to estimate: [`EstimateOptions::default`], then set the fields to
+/// change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EstimateOptions {
     /// Tokenizer.
     pub encoding: Encoding,

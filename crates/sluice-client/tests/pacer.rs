@@ -12,7 +12,7 @@ use sluice_client::config::ApiStyle;
 use sluice_client::config::{ConfigWatcher, LimitsSource, StaticLimits, overrides_path};
 use sluice_client::tokens::EstimateOptions;
 use sluice_client::{
-    Demand, PaceError, PacedRequest, Pacer, ProviderConfig, TEST_EPOCH, TokenEstimate, TokioClock,
+    Demand, PaceError, PacedRequest, Pacer, TEST_EPOCH, TokenEstimate, TokioClock,
 };
 use sluice_core::Clock;
 use sluice_store::{MemoryConfig, MemoryStore};
@@ -211,10 +211,9 @@ async fn c4_shrink_keeps_system_and_last_user_turn() {
     assert_eq!(pacer.stats("p").shrunk, 1);
 
     // Without shrink, the same request is refused as too long a wait.
-    let (pacer, _) = pacer_with([ProviderConfig {
-        max_wait: Duration::from_secs(5),
-        ..provider("p", limits(2_000, 0, 0))
-    }]);
+    let mut p = provider("p", limits(2_000, 0, 0));
+    p.max_wait = Duration::from_secs(5);
+    let (pacer, _) = pacer_with([p]);
     pacer.acquire("p", 1_200u32).await.unwrap();
     let mut req = PacedRequest::new(
         ApiStyle::OpenAi,

@@ -5,7 +5,16 @@ use std::time::Duration;
 use crate::Timestamp;
 
 /// When a breaker opens and for how long.
+///
+/// ```
+/// use std::time::Duration;
+/// use sluice_core::BreakerConfig;
+///
+/// let config = BreakerConfig::new(5, Duration::from_secs(60), Duration::from_secs(30));
+/// assert_eq!(config.failures, 5);
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BreakerConfig {
     /// Consecutive failures that open it.
     pub failures: u32,
@@ -13,6 +22,17 @@ pub struct BreakerConfig {
     pub within: Duration,
     /// How long it stays open before letting a probe through.
     pub open_for: Duration,
+}
+
+impl BreakerConfig {
+    /// Opens after `failures` failures in a row within `within`, for `open_for`.
+    pub const fn new(failures: u32, within: Duration, open_for: Duration) -> Self {
+        BreakerConfig {
+            failures,
+            within,
+            open_for,
+        }
+    }
 }
 
 /// Where a breaker stands.

@@ -361,10 +361,7 @@ impl Gateway {
             StoreSpec::Memory => None,
         };
         let fallback = MemoryStore::with_clock(
-            MemoryConfig {
-                max_keys: sluice_tower::FALLBACK_MAX_KEYS,
-                ..MemoryConfig::default()
-            },
+            MemoryConfig::with_max_keys(sluice_tower::FALLBACK_MAX_KEYS),
             clock,
         );
         let per_ip = {

@@ -60,20 +60,31 @@ mod prefetch;
 #[cfg(feature = "redis")]
 mod redis;
 
+// Documented in their modules (`batch`, `durable`); kept at the root, hidden,
+// for the crates of this workspace.
 #[cfg(any(feature = "durable", feature = "redis"))]
+#[doc(hidden)]
 pub use batch::{
     BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
     ItemState, ItemStatus, Maintenance, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
 };
 #[cfg(feature = "durable")]
+#[doc(hidden)]
 pub use durable::{BatchBook, DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConfig};
-pub use guarded::{Guarded, STORE_BREAKER};
+pub use guarded::Guarded;
+#[doc(hidden)]
+pub use guarded::STORE_BREAKER;
 pub use keyed::{InsufficientCapacity, KeyedLimiter, NotUntil, Quota};
 #[cfg(feature = "durable")]
 pub use local::LocalStore;
-pub use memory::{MAX_SHARDS, MemoryConfig, MemoryStore, TABLE_FILL, auto_shards};
+#[doc(hidden)]
+pub use memory::{MAX_SHARDS, TABLE_FILL, auto_shards};
+pub use memory::{MemoryConfig, MemoryStore};
 #[cfg(feature = "redis")]
-pub use redis::{MAX_COALESCED, RedisBatches, RedisConfig, RedisStore};
+#[doc(hidden)]
+pub use redis::MAX_COALESCED;
+#[cfg(feature = "redis")]
+pub use redis::{RedisBatches, RedisConfig, RedisStore};
 
 /// Why a store could not decide.
 #[derive(Debug, thiserror::Error)]

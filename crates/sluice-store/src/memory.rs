@@ -47,8 +47,10 @@ use crate::{BudgetStore, StoreError};
 /// The subject digest of every scope's shared overflow budget.
 const OVERFLOW_SUBJECT: u64 = 0x6f76_6572_666c_6f77; // "overflow"
 
-/// Sizing of a [`MemoryStore`].
+/// Sizing of a [`MemoryStore`]: [`MemoryConfig::default`], or
+/// [`MemoryConfig::with_max_keys`] and its `with_*` methods.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MemoryConfig {
     /// The most cells held at once (one per fixed-window budget of a subject,
     /// two per sliding-window one, one per slot holding units of a rolling
@@ -67,6 +69,23 @@ impl Default for MemoryConfig {
             max_keys: 1_000_000,
             shards: 0,
         }
+    }
+}
+
+impl MemoryConfig {
+    /// The default sizing holding at most `max_keys` cells.
+    pub const fn with_max_keys(max_keys: usize) -> Self {
+        MemoryConfig {
+            max_keys,
+            shards: 0,
+        }
+    }
+
+    /// The same sizing on `shards` shards (`0`: picked from `max_keys`).
+    #[must_use]
+    pub const fn with_shards(mut self, shards: usize) -> Self {
+        self.shards = shards;
+        self
     }
 }
 

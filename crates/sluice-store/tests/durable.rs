@@ -241,7 +241,7 @@ fn q1_a_full_book_refuses_new_workspaces_and_keeps_counting_known_ones() {
     let dir = TempDir::new("full");
     let clock = FakeClock::new(Timestamp::from_secs(T0));
     let rt = runtime();
-    let store = local(&dir, &clock, QuotaBookConfig { max_cells: 2 });
+    let store = local(&dir, &clock, QuotaBookConfig::with_max_cells(2));
     for ws in ["a", "b"] {
         assert!(
             rt.block_on(store.decide(&[quota(ws, 5)]))

@@ -53,6 +53,9 @@ mod layer;
 mod limiter;
 mod plan;
 
+// What the gateway (sluice-gateway) builds on: its answers, batches, body
+// buffers and lanes. Not for users of the layer; hidden from the docs.
+#[doc(hidden)]
 pub use answer::{
     COST_EXCEEDS_LIMIT, EDGE_BODY, JSONRPC_RATE_LIMITED, RATELIMIT, RATELIMIT_POLICY,
     RateLimitValue, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, X_SLUICE_COST,
@@ -62,17 +65,19 @@ pub use answer::{
     rate_limit_headers, refusal, refusal_wait, retry_after_secs, rfc3339, take_cost,
     upstream_headers, upstream_timed_out,
 };
+#[doc(hidden)]
 pub use batch::{
     BadBatch, BatchSubmit, BatchTool, BatchToolCall, MAX_IDEMPOTENCY_KEY, batch_tool_call,
     may_call_batch_tool, parse_batch,
 };
+#[doc(hidden)]
 pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED_BYTES};
+#[doc(hidden)]
 pub use lanes::{
     LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,
 };
 pub use layer::{PeerAddr, PeerFn, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
-pub use limiter::{
-    Admitted, ClassTally, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError,
-    QuotaUsage, Refused, TOP_CALLERS_TRACKED, Tally, check_head,
-};
+pub use limiter::{Admitted, ClassTally, Limiter, QuotaQueryError, QuotaUsage, Refused, Tally};
+#[doc(hidden)]
+pub use limiter::{DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, TOP_CALLERS_TRACKED, check_head};
 pub use plan::{BudgetKind, Passed, Plan, Scopes};

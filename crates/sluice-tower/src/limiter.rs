@@ -366,10 +366,7 @@ impl<S: BudgetStore> Limiter<S> {
             policy,
             store,
             buffers: crate::BufferBudget::new(crate::DEFAULT_MAX_BUFFERED_BYTES),
-            fallback: MemoryStore::new(MemoryConfig {
-                max_keys: FALLBACK_MAX_KEYS,
-                ..MemoryConfig::default()
-            }),
+            fallback: MemoryStore::new(MemoryConfig::with_max_keys(FALLBACK_MAX_KEYS)),
             degraded: AtomicBool::new(false),
             top: std::array::from_fn(|_| Default::default()),
             lanes,

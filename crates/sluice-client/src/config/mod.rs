@@ -46,7 +46,15 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
 
 /// A provider's limits; 0 on an axis means unlimited.
+///
+/// ```
+/// use sluice_client::config::ProviderLimits;
+///
+/// let limits = ProviderLimits::new(30_000, 500, 0); // TPM, RPM, no daily cap
+/// assert_eq!((limits.tpm, limits.rpm, limits.rpd), (30_000, 500, 0));
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize)]
+#[non_exhaustive]
 pub struct ProviderLimits {
     /// Tokens per minute (rolling 60 s).
     pub tpm: u32,
@@ -57,6 +65,12 @@ pub struct ProviderLimits {
 }
 
 impl ProviderLimits {
+    /// `tpm` tokens a minute, `rpm` requests a minute and `rpd` requests a
+    /// day; 0 on an axis means unlimited.
+    pub const fn new(tpm: u32, rpm: u32, rpd: u32) -> Self {
+        ProviderLimits { tpm, rpm, rpd }
+    }
+
     /// No limit on any axis.
     pub const UNLIMITED: ProviderLimits = ProviderLimits {
         tpm: 0,
@@ -108,8 +122,10 @@ impl ApiStyle {
     }
 }
 
-/// One provider, checked.
+/// One provider, checked: [`ProviderConfig::new`], then set the fields to
+/// change.
 #[derive(Clone, PartialEq)]
+#[non_exhaustive]
 pub struct ProviderConfig {
     /// The config key; also the proxy's path prefix.
     pub name: String,
@@ -216,8 +232,10 @@ impl Default for PacerSettings {
     }
 }
 
-/// A checked pace config.
+/// A checked pace config: from YAML ([`validate`]) or in code
+/// ([`PaceConfig::from_providers`]).
 #[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct PaceConfig {
     /// Providers by name.
     pub providers: BTreeMap<String, ProviderConfig>,

@@ -45,9 +45,17 @@ pub(super) fn create_tables(tx: &redb::WriteTransaction) -> Result<(), redb::Tab
 
 /// How a [`QuotaBook`] is bounded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct QuotaBookConfig {
     /// The most counts kept (one per workspace and family and month).
     pub max_cells: usize,
+}
+
+impl QuotaBookConfig {
+    /// A book keeping at most `max_cells` counts.
+    pub const fn with_max_cells(max_cells: usize) -> Self {
+        QuotaBookConfig { max_cells }
+    }
 }
 
 impl Default for QuotaBookConfig {

@@ -16,8 +16,10 @@ pub use batch::RedisBatches;
 
 const SCRIPT: &str = include_str!("budgets.lua");
 
-/// How to reach Redis and how long to wait for it.
+/// How to reach Redis and how long to wait for it: [`RedisConfig::new`],
+/// then set the fields to change.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RedisConfig {
     /// `redis://host:port/db`, `rediss://…` or `redis+unix:///path`.
     pub url: String,
