@@ -13,9 +13,20 @@
 //! ([`shrink`], opt-in).
 //!
 //! Forms: the [`Pacer`] API, a tower layer ([`PacerLayer`]), a
-//! reqwest-middleware ([`PacerMiddleware`]) and the `sluice pace` proxy
-//! ([`proxy::run_proxy`]). [`simulator`] is a provider that enforces strict
-//! windows, for tests and benchmarks.
+//! reqwest-middleware (`PacerMiddleware`) and the `sluice pace` proxy
+//! (`proxy::run_proxy`).
+//!
+//! # Features
+//!
+//! | feature | default | what it adds | what it costs |
+//! | --- | --- | --- | --- |
+//! | `tokenizer` | on | OpenAI's BPE encodings for estimates (without it: one token per 3 bytes, rounded up) | `bpe-openai`; the vocabularies are compiled in (~10 MB of binary), loaded once on first use |
+//! | `reqwest` | on | `PacerMiddleware` for `reqwest-middleware` clients | `reqwest` (rustls), `reqwest-middleware` |
+//! | `proxy` | off | the `sluice pace` proxy (`proxy` module) | `axum` and a hyper server, plus `reqwest` |
+//! | `simulator` | off | a provider that enforces strict windows (`simulator` module), for tests and benchmarks | a hyper server |
+//!
+//! With no features the crate is the [`Pacer`] and the tower layer; the
+//! dependency counts per feature set are in the repository's README.
 //!
 //! ```
 //! use std::time::Duration;
@@ -56,10 +67,13 @@ pub mod config;
 mod error;
 pub mod headers;
 mod layer;
+#[cfg(feature = "reqwest")]
 mod middleware;
 mod pacer;
+#[cfg(feature = "proxy")]
 pub mod proxy;
 pub mod shrink;
+#[cfg(feature = "simulator")]
 pub mod simulator;
 pub mod tokens;
 pub mod usage;
@@ -69,6 +83,7 @@ pub use call::IDEMPOTENCY_KEY;
 pub use clock::TokioClock;
 pub use error::PaceError;
 pub use layer::{BoxError, PacedBody, PacerLayer, PacerService};
+#[cfg(feature = "reqwest")]
 pub use middleware::{PaceProvider, PacerMiddleware};
 pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats, WindowReading};
 
