@@ -20,7 +20,7 @@
 //!
 //! | feature | default | what it adds | what it costs |
 //! | --- | --- | --- | --- |
-//! | `tokenizer` | on | OpenAI's BPE encodings for estimates (without it: one token per 3 bytes, rounded up) | `bpe-openai`; the vocabularies are compiled in (~10 MB of binary), loaded once on first use |
+//! | `tokenizer` | on | OpenAI's BPE encodings for estimates (without it: one token per 3 bytes, rounded up) | `bpe-openai`; the vocabularies are compiled in, loaded once on first use |
 //! | `reqwest` | on | `PacerMiddleware` for `reqwest-middleware` clients | `reqwest` (rustls), `reqwest-middleware` |
 //! | `proxy` | off | the `sluice pace` proxy (`proxy` module) | `axum` and a hyper server, plus `reqwest` |
 //! | `simulator` | off | a provider that enforces strict windows (`simulator` module), for tests and benchmarks | a hyper server |

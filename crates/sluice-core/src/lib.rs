@@ -68,8 +68,8 @@ pub use rolling::MAX_ROLLING_SLOTS;
 /// For those who write a store: the pure decision over cells a store holds.
 ///
 /// A store keeps each budget's state in one or two 64-bit cells (more for a
-/// rolling window), hands them to [`decide`](store_impl::decide) through a
-/// [`Ledger`](store_impl::Ledger), and writes back what it says. Users of a
+/// rolling window), hands them to [`decide`] through a
+/// [`Ledger`], and writes back what it says. Users of a
 /// store need none of this.
 ///
 /// ```

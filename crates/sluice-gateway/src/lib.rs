@@ -4,7 +4,7 @@
 //! [`Gateway::start`]; anything else that wants a gateway in its own process can too.
 //!
 //! One gateway runs three listeners:
-//! - the gateway (`listen`): plain HTTP/1.1 requests take the fast path of [`h1`]
+//! - the gateway (`listen`): plain HTTP/1.1 requests take the fast path of `h1`
 //!   (the limiter and the proxy's rules applied to the bytes, no `http` types), every
 //!   other request the service stack `limiter layer → proxy`; both are wired in
 //!   [`Gateway::start`] over one limiter;
