@@ -60,6 +60,11 @@
 //! tokio, so the minute's wait takes no real time here. In a program it is a
 //! real wait.)
 
+/// The side-by-side snippets of `docs/`, run as doc tests.
+#[cfg(all(doctest, feature = "reqwest"))]
+#[doc = include_str!("../../../docs/vs-reqwest-retry.md")]
+struct VsReqwestRetry;
+
 pub mod backoff;
 mod call;
 mod clock;

@@ -45,6 +45,11 @@
 
 use std::future::Future;
 
+/// The side-by-side snippets of `docs/`, run as doc tests (one uses Redis).
+#[cfg(all(doctest, feature = "redis"))]
+#[doc = include_str!("../../../docs/vs-governor.md")]
+struct VsGovernor;
+
 use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
 
 #[cfg(any(feature = "durable", feature = "redis"))]

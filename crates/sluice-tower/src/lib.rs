@@ -45,6 +45,11 @@
 //! # }
 //! ```
 
+/// The side-by-side snippets of `docs/`, run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/vs-tower-governor.md")]
+struct VsTowerGovernor;
+
 mod answer;
 mod batch;
 mod buffers;

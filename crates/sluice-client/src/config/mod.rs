@@ -193,6 +193,34 @@ impl ProviderConfig {
         }
     }
 
+    /// A provider sluice ships: its base URL, API style and conservative
+    /// mid-tier limits (see [`SHIPPED_PROVIDERS`]); `None` for a name it
+    /// does not know.
+    ///
+    /// ```
+    /// use sluice_client::config::{ProviderConfig, ProviderLimits};
+    ///
+    /// let openai = ProviderConfig::shipped("openai").unwrap();
+    /// assert_eq!(openai.base_url, "https://api.openai.com/v1");
+    /// let mine = openai.with_limits(ProviderLimits::new(30_000, 500, 0));
+    /// assert_eq!(mine.limits.tpm, 30_000);
+    /// assert!(ProviderConfig::shipped("nobody").is_none());
+    /// ```
+    pub fn shipped(name: &str) -> Option<Self> {
+        let s = shipped(name)?;
+        let mut p = ProviderConfig::new(s.name, s.base_url, s.limits);
+        p.origin = LimitsOrigin::Shipped;
+        Some(p)
+    }
+
+    /// The same provider with other limits.
+    #[must_use]
+    pub fn with_limits(mut self, limits: ProviderLimits) -> Self {
+        self.limits = limits;
+        self.origin = LimitsOrigin::Config;
+        self
+    }
+
     /// The same provider with `shrink` on and `max_wait`.
     pub fn with_shrink(mut self, max_wait: Duration) -> Self {
         self.shrink = true;
