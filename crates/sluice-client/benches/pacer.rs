@@ -144,11 +144,7 @@ async fn run_paced(
     let mut p = ProviderConfig::new(
         "sim",
         "http://sim.local/v1",
-        ProviderLimits {
-            tpm: cfg.tpm,
-            rpm: cfg.rpm,
-            rpd: cfg.rpd,
-        },
+        ProviderLimits::new(cfg.tpm, cfg.rpm, cfg.rpd),
     );
     // A backlog of hundreds of requests waits its turn rather than fail.
     p.max_wait = Duration::from_secs(24 * 3600);
@@ -522,10 +518,9 @@ struct Item {
 }
 
 fn items(jobs: &[Job], cfg: &SimulatorConfig) -> Vec<Item> {
-    let opts = EstimateOptions {
-        encoding: cfg.encoding,
-        default_max_tokens: cfg.default_max_tokens,
-    };
+    let mut opts = EstimateOptions::default();
+    opts.encoding = cfg.encoding;
+    opts.default_max_tokens = cfg.default_max_tokens;
     jobs.iter()
         .map(|j| {
             let v: serde_json::Value = serde_json::from_slice(&body(j)).unwrap();

@@ -1,4 +1,4 @@
-//! Backoff on 429 and retryable 5xx (SPEC C5): the provider's own hint when
+//! Backoff on 429 and retryable 5xx: the provider's own hint when
 //! it gives one — `retry-after-ms`, `Retry-After` (seconds or an HTTP date),
 //! an OpenAI-style message ("Please try again in 16.062s"),
 //! `error.details.retry_after_seconds` — otherwise exponential backoff with
@@ -120,8 +120,10 @@ pub fn message_hint(message: &str) -> Option<Duration> {
     Duration::try_from_secs_f64(n * scale).ok()
 }
 
-/// How many times and how long to back off.
+/// How many times and how long to back off: [`RetryPolicy::default`], then
+/// set the fields to change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RetryPolicy {
     /// Attempts per request, the first included.
     pub max_attempts: u32,

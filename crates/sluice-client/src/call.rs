@@ -221,6 +221,7 @@ where
 /// Headers that belong to one connection, not to the message (the one list every
 /// part of sluice uses: `Connection`, `Keep-Alive`, `TE`, `Trailer`,
 /// `Transfer-Encoding`, `Upgrade` and every `Proxy-*`).
+#[cfg(feature = "proxy")]
 pub(crate) fn is_hop_by_hop(name: &http::HeaderName) -> bool {
     sluice_h1::fields::is_hop_by_hop(name.as_str().as_bytes())
 }

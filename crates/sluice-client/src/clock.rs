@@ -24,7 +24,7 @@ pub struct TokioClock {
 }
 
 impl TokioClock {
-    /// A clock reading `unix` now (tests: [`TEST_EPOCH`]).
+    /// A clock reading `unix` now (tests start at a fixed instant).
     ///
     /// # Panics
     /// Outside a tokio runtime when tokio's `test-util` pause is in use, as

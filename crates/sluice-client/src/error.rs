@@ -16,7 +16,7 @@ pub enum PaceError {
         provider: String,
     },
     /// The request alone is larger than the provider's whole TPM: no wait
-    /// would ever let it through (SPEC C4).
+    /// would ever let it through.
     #[error(
         "request needs ~{estimated} tokens but {provider} allows {limit} per minute: it can never be sent (shorten it{})",
         if *.shrink { "; shrinking could not bring it under" } else { ", or enable shrink for this provider" }

@@ -1,4 +1,4 @@
-//! What providers say about their limits (SPEC C6): OpenAI's
+//! What providers say about their limits: OpenAI's
 //! `x-ratelimit-*` (resets as durations such as `6m0s`, `20ms`), Anthropic's
 //! `anthropic-ratelimit-*` (resets as RFC 3339 instants), the generic
 //! `X-RateLimit-*` and `RateLimit-*` fields, and the IETF draft's structured

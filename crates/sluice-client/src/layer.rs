@@ -1,11 +1,4 @@
-//! The pacer as a tower layer, for a client stack of
-//! `Service<http::Request<…>>` talking to one provider.
-//!
-//! The request body is read (to estimate it), the request waits for room,
-//! the inner service is called (again, after a backoff, on 429 and
-//! retryable 5xx), and the answer's body streams back through a
-//! [`UsageTap`] that reconciles the reservation when it ends. Pacing errors
-//! come back as a boxed [`PaceError`].
+//! The pacer as a tower layer (documented on [`PacerLayer`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -32,7 +25,50 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The answer body of a [`PacerService`].
 pub type PacedBody = UnsyncBoxBody<Bytes, BoxError>;
 
-/// Paces requests to one provider ([`PacerService`]).
+/// The pacer as a tower layer, for a client stack of
+/// `Service<http::Request<…>>` talking to one provider.
+///
+/// The request body is read (to estimate it), the request waits for room,
+/// the inner service is called (again, after a backoff, on 429 and
+/// retryable 5xx), and the answer's body streams back through a
+/// [`UsageTap`] that reconciles the reservation when it ends. Pacing errors
+/// come back as a boxed [`PaceError`](crate::PaceError).
+///
+/// **Read each answer's body to its end**: the usage it reports replaces
+/// the request's estimate only then. A body dropped unread leaves the
+/// estimate counted until it leaves the window.
+///
+/// ```
+/// use bytes::Bytes;
+/// use http_body_util::{BodyExt, Full};
+/// use sluice_client::config::{PaceConfig, ProviderConfig, ProviderLimits};
+/// use sluice_client::{Pacer, PacerLayer};
+/// use tower::{ServiceBuilder, ServiceExt};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let limits = ProviderLimits::new(30_000, 0, 0);
+/// let config = PaceConfig::from_providers([ProviderConfig::new("openai", "http://127.0.0.1:9", limits)]);
+/// let pacer = Pacer::from_config(config);
+/// // Any `Service<http::Request<_>>` that calls the provider; here, a stand-in.
+/// let provider = tower::service_fn(|_req: http::Request<_>| async {
+///     let body = r#"{"usage":{"total_tokens":42}}"#;
+///     Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::from(body))))
+/// });
+/// let client = ServiceBuilder::new()
+///     .layer(PacerLayer::new(pacer.clone(), "openai"))
+///     .service(provider);
+///
+/// let request = http::Request::post("http://127.0.0.1:9/v1/chat/completions")
+///     .body(Full::new(Bytes::from(r#"{"messages":[{"role":"user","content":"hi"}]}"#)))?;
+/// let answer = client.oneshot(request).await?;
+/// let body = answer.into_body().collect().await?.to_bytes(); // to the end
+/// assert!(body.starts_with(b"{\"usage\""));
+/// # for _ in 0..10 { tokio::task::yield_now().await; }
+/// assert_eq!(pacer.tokens_in_window("openai").await?, 42);
+/// # Ok(())
+/// # }
+/// ```
 pub struct PacerLayer<S: BudgetStore + 'static, C: Clock + 'static> {
     pacer: Pacer<S, C>,
     provider: Arc<str>,

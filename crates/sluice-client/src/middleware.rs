@@ -1,12 +1,4 @@
-//! The pacer as a [`reqwest_middleware::Middleware`]: a
-//! `reqwest_middleware::ClientWithMiddleware` whose requests to one provider
-//! are estimated, paced, retried with backoff and reconciled with their
-//! usage.
-//!
-//! Only requests whose body is in memory (`.body(bytes)` / `.json(..)`) are
-//! estimated; a streamed body is sent as is, counted as a request of no
-//! tokens. A different provider for one request can be named with a
-//! [`PaceProvider`] in the request's extensions.
+//! The pacer as a reqwest middleware (documented on [`PacerMiddleware`]).
 
 use std::sync::Arc;
 
@@ -26,7 +18,62 @@ use crate::usage::UsageTap;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PaceProvider(pub String);
 
-/// See the module docs.
+/// The pacer as a [`reqwest_middleware::Middleware`]: the requests of a
+/// `reqwest_middleware::ClientWithMiddleware` to one provider are estimated,
+/// paced, retried with backoff and reconciled with their usage.
+///
+/// Only requests whose body is in memory (`.body(bytes)` / `.json(..)`) are
+/// estimated; a streamed body is sent as is, counted as a request of no
+/// tokens. A different provider for one request can be named with a
+/// [`PaceProvider`] in the request's extensions.
+///
+/// **Read each answer to its end** (`.json()`, `.text()`, `.bytes()` or the
+/// whole stream): the answer's `usage` replaces the request's estimate only
+/// when its body ends. An answer dropped unread leaves the estimate (prompt
+/// plus the most it may complete) counted in the window: never too little,
+/// but the room it did not use comes back only when it leaves the window.
+///
+/// ```
+/// use serde_json::{Value, json};
+/// use sluice_client::config::{PaceConfig, ProviderConfig, ProviderLimits};
+/// use sluice_client::{Pacer, PacerMiddleware};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// # let provider = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+/// # let base_url = format!("http://{}/v1", provider.local_addr()?);
+/// # tokio::spawn(async move {
+/// #     let (mut conn, _) = provider.accept().await.unwrap();
+/// #     let mut buf = vec![0; 4096];
+/// #     let _ = conn.read(&mut buf).await;
+/// #     let body = r#"{"usage":{"prompt_tokens":9,"completion_tokens":33,"total_tokens":42}}"#;
+/// #     let head = format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
+/// #     conn.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+/// # });
+/// let limits = ProviderLimits::new(30_000, 500, 0);
+/// let config = PaceConfig::from_providers([ProviderConfig::new("openai", &base_url, limits)]);
+/// let pacer = Pacer::from_config(config);
+/// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+///     .with(PacerMiddleware::new(pacer.clone(), "openai"))
+///     .build();
+///
+/// let chat = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]});
+/// let answer: Value = client
+///     .post(format!("{base_url}/chat/completions"))
+///     .body(chat.to_string())
+///     .header("content-type", "application/json")
+///     .send()
+///     .await?
+///     .json() // read to the end: its usage replaces the estimate
+///     .await?;
+/// assert_eq!(answer["usage"]["total_tokens"], 42);
+/// # for _ in 0..10 { tokio::task::yield_now().await; }
+/// assert_eq!(pacer.stats("openai").admitted, 1);
+/// assert_eq!(pacer.tokens_in_window("openai").await?, 42);
+/// # Ok(())
+/// # }
+/// ```
 pub struct PacerMiddleware<S: BudgetStore + 'static, C: Clock + 'static> {
     pacer: Pacer<S, C>,
     provider: Arc<str>,

@@ -1,4 +1,4 @@
-//! The pacer (SPEC C2, C3, C4, C6, C7): per provider a rolling 60 s token
+//! The pacer: per provider a rolling 60 s token
 //! window, requests spaced evenly (GCRA with a burst of one) and a rolling
 //! day of requests, all kept in a [`BudgetStore`] so that processes sharing
 //! the store share the budgets.
@@ -34,8 +34,10 @@ const MAX_SLEEP: Duration = Duration::from_secs(1);
 /// The longest hold a provider's headers may impose.
 const MAX_HOLD: Duration = Duration::from_secs(24 * 3600);
 
-/// Slot sizes of the pacer's windows.
+/// Slot sizes of the pacer's windows: [`PacerOptions::default`], then set
+/// the fields to change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PacerOptions {
     /// Slot of the 60 s token window: a reservation counts until its slot's
     /// end + 60 s + margin (default 250 ms).
@@ -59,9 +61,10 @@ impl Default for PacerOptions {
 pub struct ProviderStats {
     /// Requests let through.
     pub admitted: u64,
-    /// Of those, requests that had to wait.
+    /// Of those, requests admitted later than they arrived: those that
+    /// slept for room and those queued behind them.
     pub waited: u64,
-    /// Total time spent waiting, in milliseconds.
+    /// Total time those requests spent waiting, in milliseconds.
     pub wait_ms: u64,
     /// Refused: larger than the whole TPM.
     pub too_large: u64,
@@ -383,7 +386,7 @@ where
         self.acquire_demand(provider, &mut estimate).await
     }
 
-    /// [`Pacer::acquire`] for a request that may be shrunk (SPEC C4) when
+    /// [`Pacer::acquire`] for a request that may be shrunk when
     /// the provider opts in: when it does not fit within its maximum wait
     /// (or at all), its oldest context is dropped until it does.
     ///

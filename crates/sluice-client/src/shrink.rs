@@ -1,4 +1,4 @@
-//! Auto-shrink (SPEC C4, opt-in per provider): when a request will not fit
+//! Auto-shrink (opt-in per provider): when a request will not fit
 //! within its maximum wait, drop the lowest-priority context until it does —
 //! the oldest conversation turns first; never a system (or developer)
 //! message, never the last user turn or anything after it. A turn goes as a

@@ -1,5 +1,6 @@
-//! Token estimates before sending (SPEC C2): a real tokenizer (OpenAI's BPE
-//! encodings, compiled into the binary, loaded once on first use and shared)
+//! Token estimates before sending: a real tokenizer (OpenAI's BPE
+//! encodings, compiled into the binary, loaded once on first use and shared;
+//! feature `tokenizer`, on by default)
 //! over the parts of a request a provider counts, plus the completion budget
 //! it reserves (`max_tokens` / `max_completion_tokens`).
 //!
@@ -45,6 +46,7 @@ impl Encoding {
 
     /// The shared tokenizer (built on first use, then reused by every
     /// thread).
+    #[cfg(feature = "tokenizer")]
     fn tokenizer(self) -> &'static bpe_openai::Tokenizer {
         match self {
             Encoding::O200kBase => bpe_openai::o200k_base(),
@@ -52,17 +54,26 @@ impl Encoding {
         }
     }
 
-    /// Tokens in `text`.
+    /// Tokens in `text`: counted with the encoding (feature `tokenizer`, on
+    /// by default), else estimated as one token per 3 bytes of UTF-8,
+    /// rounded up — more than the encodings give for English text, so the
+    /// pacer reserves too much rather than too little until the answer's
+    /// usage corrects it.
     pub fn count(self, text: &str) -> u32 {
         if text.is_empty() {
             return 0;
         }
-        u32::try_from(self.tokenizer().count(text)).unwrap_or(u32::MAX)
+        #[cfg(feature = "tokenizer")]
+        let n = self.tokenizer().count(text);
+        #[cfg(not(feature = "tokenizer"))]
+        let n = text.len().div_ceil(3);
+        u32::try_from(n).unwrap_or(u32::MAX)
     }
 
     /// Builds the tokenizer now (a server warms it at start so the first
-    /// request does not pay for it).
+    /// request does not pay for it); nothing without feature `tokenizer`.
     pub fn warm(self) {
+        #[cfg(feature = "tokenizer")]
         let _ = self.tokenizer();
     }
 }
@@ -84,8 +95,10 @@ impl TokenEstimate {
     }
 }
 
-/// How to estimate.
+/// How to estimate: [`EstimateOptions::default`], then set the fields to
+/// change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EstimateOptions {
     /// Tokenizer.
     pub encoding: Encoding,

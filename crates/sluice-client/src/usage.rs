@@ -1,4 +1,4 @@
-//! The tokens an answer actually used (SPEC C6): `usage` in a JSON answer,
+//! The tokens an answer actually used: `usage` in a JSON answer,
 //! or in the events of a streamed one (OpenAI's last chunk, Anthropic's
 //! `message_start` / `message_delta`), read as the body passes through
 //! unchanged ([`UsageTap`]).

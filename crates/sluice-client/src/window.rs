@@ -1,6 +1,6 @@
 //! Exact rolling windows (60 s of tokens, 24 h of requests) kept in a
 //! [`BudgetStore`], so that every process on one key reads and spends the
-//! same books (SPEC C7).
+//! same books.
 //!
 //! The token window ([`TokenWindow`]) is one [`Rate::RollingWindow`] budget
 //! per provider key, in 250 ms slots: the store decides it whole, so reading

@@ -12,7 +12,7 @@ use sluice_client::config::ApiStyle;
 use sluice_client::config::{ConfigWatcher, LimitsSource, StaticLimits, overrides_path};
 use sluice_client::tokens::EstimateOptions;
 use sluice_client::{
-    Demand, PaceError, PacedRequest, Pacer, ProviderConfig, TEST_EPOCH, TokenEstimate, TokioClock,
+    Demand, PaceError, PacedRequest, Pacer, TEST_EPOCH, TokenEstimate, TokioClock,
 };
 use sluice_core::Clock;
 use sluice_store::{MemoryConfig, MemoryStore};
@@ -112,6 +112,32 @@ async fn c2_a_small_request_goes_ahead_of_a_waiting_large_one_that_still_goes_on
     assert_eq!(*order.lock(), vec![(1, at(0)), (0, at(61_250))]);
     // The 900 and the 50, both reserved at 0, have left the window.
     assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 800);
+}
+
+#[tokio::test(start_paused = true)]
+async fn c2_stats_count_every_request_that_waited_queued_ones_too() {
+    let (pacer, _clock) = pacer(limits(1_000, 0, 0));
+    pacer.acquire("p", 900u32).await.unwrap();
+    // The first waiter sleeps for room; the second queues behind it and
+    // never sleeps itself, yet it waited just as long.
+    let mut tasks = Vec::new();
+    for tokens in [800u32, 50u32] {
+        let p = pacer.clone();
+        tasks.push(tokio::spawn(async move {
+            p.acquire("p", tokens).await.unwrap().waited()
+        }));
+        tokio::task::yield_now().await;
+    }
+    let mut waits = Vec::new();
+    for t in tasks {
+        waits.push(t.await.unwrap());
+    }
+    assert!(waits.iter().all(|w| *w > Duration::ZERO), "{waits:?}");
+    let stats = pacer.stats("p");
+    assert_eq!(stats.admitted, 3);
+    assert_eq!(stats.waited, 2, "the queued request waited too");
+    let total: u128 = waits.iter().map(Duration::as_millis).sum();
+    assert_eq!(u128::from(stats.wait_ms), total);
 }
 
 #[tokio::test(start_paused = true)]
@@ -220,10 +246,9 @@ async fn c4_shrink_keeps_system_and_last_user_turn() {
     assert_eq!(pacer.stats("p").shrunk, 1);
 
     // Without shrink, the same request is refused as too long a wait.
-    let (pacer, _) = pacer_with([ProviderConfig {
-        max_wait: Duration::from_secs(5),
-        ..provider("p", limits(2_000, 0, 0))
-    }]);
+    let mut p = provider("p", limits(2_000, 0, 0));
+    p.max_wait = Duration::from_secs(5);
+    let (pacer, _) = pacer_with([p]);
     pacer.acquire("p", 1_200u32).await.unwrap();
     let mut req = PacedRequest::new(
         ApiStyle::OpenAi,

@@ -262,11 +262,7 @@ async fn c6_reqwest_middleware_paces_and_reconciles() {
     let pacer = Pacer::from_config(PaceConfig::from_providers([ProviderConfig::new(
         "sim",
         &sim.base_url(),
-        ProviderLimits {
-            tpm: 10_000,
-            rpm: 1_200,
-            rpd: 0,
-        },
+        ProviderLimits::new(10_000, 1_200, 0),
     )]));
     let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
         .with(PacerMiddleware::new(pacer.clone(), "sim"))

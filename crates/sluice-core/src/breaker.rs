@@ -1,15 +1,20 @@
-//! A circuit breaker as a pure state machine: after `failures` failures in a
-//! row (all within `within`), calls are refused for `open_for`; then one
-//! probe is let through (half-open) and its outcome closes or re-opens the
-//! breaker. Used in front of a shared store (SPEC D3) and of the guarded
-//! upstream (SPEC L3: 5 in a row within a minute, open 30 s).
+//! Documented on [`Breaker`].
 
 use std::time::Duration;
 
 use crate::Timestamp;
 
 /// When a breaker opens and for how long.
+///
+/// ```
+/// use std::time::Duration;
+/// use sluice_core::BreakerConfig;
+///
+/// let config = BreakerConfig::new(5, Duration::from_secs(60), Duration::from_secs(30));
+/// assert_eq!(config.failures, 5);
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BreakerConfig {
     /// Consecutive failures that open it.
     pub failures: u32,
@@ -17,6 +22,17 @@ pub struct BreakerConfig {
     pub within: Duration,
     /// How long it stays open before letting a probe through.
     pub open_for: Duration,
+}
+
+impl BreakerConfig {
+    /// Opens after `failures` failures in a row within `within`, for `open_for`.
+    pub const fn new(failures: u32, within: Duration, open_for: Duration) -> Self {
+        BreakerConfig {
+            failures,
+            within,
+            open_for,
+        }
+    }
 }
 
 /// Where a breaker stands.
@@ -52,7 +68,11 @@ pub enum Permit {
     },
 }
 
-/// A circuit breaker (see the module docs).
+/// A circuit breaker as a pure state machine: after `failures` failures in a
+/// row (all within `within`), calls are refused for `open_for`; then one
+/// probe is let through (half-open) and its outcome closes or re-opens the
+/// breaker. Used in front of a shared store and of the guarded
+/// upstream (5 in a row within a minute, open 30 s).
 #[derive(Clone, Debug)]
 pub struct Breaker {
     config: BreakerConfig,

@@ -1,4 +1,4 @@
-//! Calendar months in UTC, for monthly quotas (SPEC Q1).
+//! Calendar months in UTC, for monthly quotas.
 //!
 //! Civil-date arithmetic after Howard Hinnant's `days_from_civil` /
 //! `civil_from_days`, valid for every date the [`Timestamp`] range holds.

@@ -479,7 +479,7 @@ fn rolling_status(b: &Budget, e: &RollingEval) -> BudgetStatus {
 }
 
 /// Charges (`delta > 0`) or refunds (`delta < 0`) `budget` after the fact, for
-/// costs known only when a call ends (SPEC Q2). `reserved_at` is when the
+/// costs known only when a call ends. `reserved_at` is when the
 /// original spend was decided.
 ///
 /// The books never go below zero or above the limit. A refund for a window

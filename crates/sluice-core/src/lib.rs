@@ -3,12 +3,15 @@
 //!
 //! No I/O, no async runtime, no reading of the time: a [`Clock`] is injected
 //! and `now` is passed in. Stores (memory, embedded, Redis) keep the state and
-//! call [`decide`] and [`adjust`] over a [`Ledger`] of what they hold.
+//! call [`store_impl::decide`] over a [`store_impl::Ledger`] of what they
+//! hold. To limit calls per key in a program, `sluice-store`'s `KeyedLimiter`
+//! is the short way; this crate is what it is made of.
 //!
 //! ```
 //! use std::num::NonZeroU32;
 //! use std::collections::HashMap;
-//! use sluice_core::{decide, Budget, BudgetKey, CellRef, Ledger, Mode, Timestamp};
+//! use sluice_core::{Budget, BudgetKey, Timestamp};
+//! use sluice_core::store_impl::{decide, CellRef, Ledger, Mode};
 //!
 //! #[derive(Default)]
 //! struct Cells(HashMap<u64, u64>);
@@ -49,11 +52,51 @@ mod turns;
 pub use breaker::{Breaker, BreakerConfig, BreakerState, Permit};
 pub use calendar::{MonthPeriod, month_of};
 pub use clock::{Clock, FakeClock, SystemClock, Timestamp};
+pub use decision::{Budget, Decision, DecisionError, MAX_BUDGETS};
+// The store implementers' items, documented under `store_impl`; kept at the
+// root (hidden) for the stores of this workspace.
+#[doc(hidden)]
 pub use decision::{
-    Budget, CellRef, Decision, DecisionError, InPlaceDecision, Ledger, MAX_BUDGETS, Mode, adjust,
-    decide, decide_cell, decide_within_bounds,
+    CellRef, InPlaceDecision, Ledger, Mode, adjust, decide, decide_cell, decide_within_bounds,
 };
 pub use key::{BudgetKey, digest};
-pub use rate::{BudgetStatus, Rate, Verdict, cell_is_stale};
+#[doc(hidden)]
+pub use rate::cell_is_stale;
+pub use rate::{BudgetStatus, Rate, Verdict};
 pub use rolling::MAX_ROLLING_SLOTS;
+
+/// For those who write a store: the pure decision over cells a store holds.
+///
+/// A store keeps each budget's state in one or two 64-bit cells (more for a
+/// rolling window), hands them to [`decide`] through a
+/// [`Ledger`], and writes back what it says. Users of a
+/// store need none of this.
+///
+/// ```
+/// use std::num::NonZeroU32;
+/// use std::collections::HashMap;
+/// use sluice_core::{Budget, BudgetKey, Timestamp};
+/// use sluice_core::store_impl::{decide, CellRef, Ledger, Mode};
+///
+/// #[derive(Default)]
+/// struct Cells(HashMap<u64, u64>);
+/// impl Ledger for Cells {
+///     fn read(&mut self, at: CellRef<'_>) -> u64 { self.0.get(&at.cell).copied().unwrap_or(0) }
+///     fn write(&mut self, at: CellRef<'_>, v: u64) { self.0.insert(at.cell, v); }
+/// }
+///
+/// let minute = NonZeroU32::new(60).unwrap();
+/// let budget = Budget::per_window(BudgetKey::new("standard", b"caller"), 1, minute);
+/// let mut cells = Cells::default();
+/// let now = Timestamp::from_secs(1_764_460_800);
+/// assert!(decide(&[budget], &mut cells, now, Mode::Spend).unwrap().is_admitted());
+/// assert!(!decide(&[budget], &mut cells, now, Mode::Spend).unwrap().is_admitted());
+/// assert_eq!(cells.0.len(), 1);
+/// ```
+pub mod store_impl {
+    pub use crate::decision::{
+        CellRef, InPlaceDecision, Ledger, Mode, adjust, decide, decide_cell, decide_within_bounds,
+    };
+    pub use crate::rate::cell_is_stale;
+}
 pub use turns::{ContinueOrFinish, DEFAULT_PROFILE_TURNS, Tier, Turn, TurnBudget};

@@ -1,4 +1,4 @@
-//! Turn budgets for agent runs (SPEC Q3): a run may take a number of turns
+//! Turn budgets for agent runs: a run may take a number of turns
 //! set by its depth tier; when they are spent it pauses with a
 //! `continue_or_finish` question, and the caller grants more or finishes.
 

@@ -4,7 +4,7 @@
 //! [`Gateway::start`]; anything else that wants a gateway in its own process can too.
 //!
 //! One gateway runs three listeners:
-//! - the gateway (`listen`): plain HTTP/1.1 requests take the fast path of [`h1`]
+//! - the gateway (`listen`): plain HTTP/1.1 requests take the fast path of `h1`
 //!   (the limiter and the proxy's rules applied to the bytes, no `http` types), every
 //!   other request the service stack `limiter layer → proxy`; both are wired in
 //!   [`Gateway::start`] over one limiter;
@@ -343,10 +343,7 @@ impl Gateway {
                     &config.data_dir,
                     config.quota_sync,
                     batch_config,
-                    MemoryConfig {
-                        max_keys: config.max_keys,
-                        ..MemoryConfig::default()
-                    },
+                    MemoryConfig::with_max_keys(config.max_keys),
                 )?;
                 (store, book.map(batch::Batches::Local))
             }
@@ -380,10 +377,7 @@ impl Gateway {
             StoreSpec::Memory => None,
         };
         let fallback = MemoryStore::with_clock(
-            MemoryConfig {
-                max_keys: sluice_tower::FALLBACK_MAX_KEYS,
-                ..MemoryConfig::default()
-            },
+            MemoryConfig::with_max_keys(sluice_tower::FALLBACK_MAX_KEYS),
             clock,
         );
         // Without a file, the version is the policy's own digest.

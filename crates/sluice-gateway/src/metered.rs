@@ -1,6 +1,6 @@
 //! The outermost per-connection service: tags each request with its [`PeerAddr`], hands
 //! its body on as a [`GatewayBody`] whose every part must come within the body timeout
-//! ([`ReadDeadline`]), and counts it (`sluice_requests_total{status}`,
+//! (`ReadDeadline`), and counts it (`sluice_requests_total{status}`,
 //! requests in flight) whatever the layers inside decide, so refusals by the limiter are
 //! counted as well as proxied answers.
 

@@ -1,6 +1,6 @@
 //! The reverse proxy: a tower [`Service`] that forwards each request to the upstream.
 //!
-//! - keep-alive connections to the upstream from a per-worker [`UpstreamPool`];
+//! - keep-alive connections to the upstream from a per-worker `UpstreamPool`;
 //! - hop-by-hop headers dropped both ways (`Connection` and every header it names,
 //!   `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`);
 //! - `X-Forwarded-For` and `Forwarded` get the socket peer appended (from the

@@ -88,11 +88,7 @@ impl Default for LaneConfig {
             batch_reserve: 5,
             max_waiting: 256,
             max_waiting_per_workspace: 32,
-            breaker: BreakerConfig {
-                failures: 5,
-                within: Duration::from_secs(60),
-                open_for: Duration::from_secs(30),
-            },
+            breaker: BreakerConfig::new(5, Duration::from_secs(60), Duration::from_secs(30)),
             upstream_timeout: Duration::from_secs(180),
             expected_duration: Duration::from_secs(90),
             min_retry_estimate: Duration::from_secs(5),

@@ -1,10 +1,13 @@
-//! The built-in default policy: SPEC's table, the platform's documented
+//! The built-in default policy: the example platform's documented
 //! numbers. `examples/policy.yaml` is the same policy with comments; a test
 //! proves the two are equal.
 
+#[cfg(feature = "yaml")]
 use std::path::Path;
 
+#[cfg(feature = "yaml")]
 use crate::model::Policy;
+#[cfg(feature = "yaml")]
 use crate::validate::{PolicyError, parse_str};
 
 /// The default policy as YAML (compact; the commented copy is `examples/policy.yaml`).
@@ -119,11 +122,12 @@ store:
   outage: { protocol: fail_open, read: fail_open, standard: fail_open, expensive: fail_open }
 "#;
 
-/// The built-in default policy.
+/// The built-in default policy (feature `yaml`).
 ///
 /// # Errors
 /// Never in a released build (a test parses it); the error type is the
 /// loader's.
+#[cfg(feature = "yaml")]
 pub fn default_policy() -> Result<Policy, PolicyError> {
     parse_str(DEFAULT_POLICY_YAML, Path::new("<built-in default policy>"))
 }

@@ -1,4 +1,4 @@
-//! Who a request is from (SPEC E2, E4): the caller's credential (hashed at
+//! Who a request is from: the caller's credential (hashed at
 //! once, never kept or logged raw) and the client IP.
 
 use std::net::{IpAddr, Ipv6Addr};
@@ -96,7 +96,7 @@ impl std::fmt::Display for Who {
 
 /// A request that sends one kind of credential more than once (two `X-API-Key`
 /// fields, two `Authorization` fields, two session cookies): sluice would charge the
-/// first while the upstream may read another, so the request is refused (SPEC E2).
+/// first while the upstream may read another, so the request is refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("ambiguous credentials: {count} {}", self.what())]
 pub struct AmbiguousCredentials {
@@ -152,7 +152,7 @@ pub const NETWORK_PREFIX_V6: u8 = 56;
 impl Identity {
     /// The client IP: the socket peer, unless the peer is a trusted proxy;
     /// then the right-most `X-Forwarded-For` hop that is not a trusted proxy.
-    /// Headers from untrusted peers change nothing (SPEC E4).
+    /// Headers from untrusted peers change nothing.
     pub fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> ClientIp {
         let addr = if self.is_trusted(peer) {
             self.forwarded_client(peer, headers)
@@ -236,7 +236,7 @@ impl Identity {
     }
 
     /// The caller: the first credential found (in the configured order),
-    /// else the client IP (SPEC E2).
+    /// else the client IP.
     pub fn caller(&self, headers: &HeaderMap, client: &ClientIp, peer_trusted: bool) -> Caller {
         let from_auth_layer = if peer_trusted {
             self.principal_headers.as_ref().and_then(|(w, u)| {

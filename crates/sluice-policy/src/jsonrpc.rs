@@ -1,4 +1,4 @@
-//! JSON-RPC bodies (SPEC E5): the class of every item of a request or batch.
+//! JSON-RPC bodies: the class of every item of a request or batch.
 
 use http::HeaderMap;
 use http::header::CONTENT_ENCODING;

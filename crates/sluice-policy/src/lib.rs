@@ -30,7 +30,9 @@ mod pattern;
 pub mod raw;
 mod validate;
 
-pub use default::{DEFAULT_POLICY_YAML, default_policy};
+pub use default::DEFAULT_POLICY_YAML;
+#[cfg(feature = "yaml")]
+pub use default::default_policy;
 pub use identity::{
     AmbiguousCredentials, Caller, CallerKind, ClientIp, NETWORK_PREFIX_V4, NETWORK_PREFIX_V6, Who,
 };
@@ -46,5 +48,7 @@ pub use raw::RawPolicy;
 pub use validate::{
     DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH,
     DEFAULT_STORE_TIMEOUT_MS, MAX_JSON_DEPTH, MAX_LANE_STARTS, MAX_ROUTE_BUCKETS, PolicyError,
-    Problem, load_file, parse_str, validate,
+    Problem, validate,
 };
+#[cfg(feature = "yaml")]
+pub use validate::{load_file, parse_str};

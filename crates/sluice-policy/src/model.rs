@@ -13,7 +13,7 @@ use crate::path::{PathError, Paths};
 use crate::pattern::PathPattern;
 
 /// A cost class: every request is counted against its caller's budget of
-/// its class (SPEC E1).
+/// its class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Class {
     /// Session traffic: initialize, ping, listings, the event stream.
@@ -133,9 +133,9 @@ pub enum Per {
 /// How a refusal by a budget looks to the client.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Refusal {
-    /// The edge limiter's plain-text 429 (SPEC H2).
+    /// The edge limiter's plain-text 429.
     Edge,
-    /// The JSON envelope with `retry_at` and `retry_after_seconds` (SPEC H3);
+    /// The JSON envelope with `retry_at` and `retry_after_seconds`;
     /// `{retry_after}` in the message is replaced by the seconds.
     Envelope {
         /// The message template.
@@ -143,7 +143,7 @@ pub enum Refusal {
     },
 }
 
-/// An extra named bucket (SPEC E7, H3), or a weighted budget (SPEC Q2).
+/// An extra named bucket, or a weighted budget.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bucket {
     /// Its name (used in keys and headers).
@@ -157,24 +157,24 @@ pub struct Bucket {
     /// How a refusal looks.
     pub refusal: Refusal,
     /// Weighted: admission needs one unit, and the upstream's cost header
-    /// (`X-Sluice-Cost`) then says what the call really spent (SPEC Q2). The
+    /// (`X-Sluice-Cost`) then says what the call really spent. The
     /// responses of a request holding it describe this budget in `X-RateLimit-*`.
     pub weighted: bool,
     /// What an exhausted budget does to a request.
     pub on_exhausted: OnExhausted,
 }
 
-/// What an exhausted bucket does to a request (SPEC Q2).
+/// What an exhausted bucket does to a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnExhausted {
     /// Refuse it (429).
     Refuse,
     /// Forward it with `X-Sluice-Exhausted: <budget>; retry-after=<seconds>` and let
-    /// the upstream answer (the seed's "fuzzy lane").
+    /// the upstream answer (a "fuzzy lane").
     Pass,
 }
 
-/// A monthly verb quota per workspace (SPEC Q1).
+/// A monthly verb quota per workspace.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct QuotaFamily {
     /// Its name (`search`, `evals`, `messages`, …).
@@ -341,7 +341,7 @@ impl Route {
     }
 }
 
-/// JSON-RPC classification rules (SPEC E5).
+/// JSON-RPC classification rules.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JsonRpc {
     /// Exact method → class.
@@ -382,7 +382,7 @@ pub struct Bounds {
     pub max_batch_items: usize,
 }
 
-/// What a class does while the shared store cannot be reached (SPEC D3).
+/// What a class does while the shared store cannot be reached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outage {
     /// Decide locally with this replica's share of the limit.

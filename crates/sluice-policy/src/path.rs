@@ -1,4 +1,4 @@
-//! Request paths as the upstream reads them (SPEC E6, E7): the path is matched and
+//! Request paths as the upstream reads them: the path is matched and
 //! forwarded in its normal form, so that a route cannot be reached under another
 //! spelling (`//chats`, `/%63hats`, `/x/../chats`) that the upstream would still read
 //! as the route, while sluice counted it as something cheaper.

@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::num::NonZeroU32;
-use std::path::{Path, PathBuf};
+#[cfg(feature = "yaml")]
+use std::path::Path;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use http::{HeaderName, Method};
@@ -93,10 +95,11 @@ impl PolicyError {
     }
 }
 
-/// Reads, parses and validates a policy file.
+/// Reads, parses and validates a policy file (feature `yaml`).
 ///
 /// # Errors
 /// [`PolicyError`] naming the file and what is wrong.
+#[cfg(feature = "yaml")]
 pub fn load_file(file: &Path) -> Result<Policy, PolicyError> {
     let text = std::fs::read_to_string(file).map_err(|source| PolicyError::Read {
         file: file.to_owned(),
@@ -105,10 +108,11 @@ pub fn load_file(file: &Path) -> Result<Policy, PolicyError> {
     parse_str(&text, file)
 }
 
-/// Parses and validates policy YAML; `file` names it in errors.
+/// Parses and validates policy YAML (feature `yaml`); `file` names it in errors.
 ///
 /// # Errors
 /// [`PolicyError::Parse`] or [`PolicyError::Invalid`].
+#[cfg(feature = "yaml")]
 pub fn parse_str(text: &str, file: &Path) -> Result<Policy, PolicyError> {
     let raw: RawPolicy = serde_saphyr::from_str(text).map_err(|e| PolicyError::Parse {
         file: file.to_owned(),

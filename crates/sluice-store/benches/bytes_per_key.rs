@@ -29,10 +29,7 @@ fn measure(side: &str) -> f64 {
     let after;
     match side {
         "sluice" => {
-            let store = MemoryStore::new(MemoryConfig {
-                max_keys: 2 * KEYS as usize,
-                ..MemoryConfig::default()
-            });
+            let store = MemoryStore::new(MemoryConfig::with_max_keys(2 * KEYS as usize));
             let scope = BudgetKey::new("standard", b"").scope();
             let minute = NonZeroU32::new(60).expect("non-zero");
             before = rss_bytes();

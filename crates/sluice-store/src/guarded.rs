@@ -1,4 +1,4 @@
-//! A circuit breaker in front of a store (SPEC D3): once the store keeps
+//! A circuit breaker in front of a store: once the store keeps
 //! failing, decisions fail at once instead of each waiting for its timeout;
 //! a probe now and then finds out when the store is back.
 
@@ -14,11 +14,8 @@ use crate::{BudgetStore, StoreError};
 
 /// The breaker a shared store gets by default: three failures within a
 /// second open it for 250 ms, so recovery is noticed well within a second.
-pub const STORE_BREAKER: BreakerConfig = BreakerConfig {
-    failures: 3,
-    within: Duration::from_secs(1),
-    open_for: Duration::from_millis(250),
-};
+pub const STORE_BREAKER: BreakerConfig =
+    BreakerConfig::new(3, Duration::from_secs(1), Duration::from_millis(250));
 
 /// `S` behind a circuit breaker.
 pub struct Guarded<S, C: Clock = SystemClock> {

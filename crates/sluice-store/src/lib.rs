@@ -1,10 +1,27 @@
-//! Where sluice's budgets live.
+//! Where sluice's budgets live, and a keyed rate limiter over them.
 //!
-//! One trait, [`BudgetStore`], many backends. A backend makes one decision
-//! over every budget of a request atomically: the memory backend under the
-//! locks of the shards involved, the Redis backend (feature `redis`) in one
-//! server-side script call — at most one round trip per decision (concurrent
-//! decisions share one).
+//! "10 requests a second per user" is [`KeyedLimiter`]: one budget per key
+//! (any `Hash` type), refilled evenly, in this process or in a Redis shared
+//! by every replica (feature `redis`).
+//!
+//! ```
+//! use std::num::NonZeroU32;
+//! use sluice_store::KeyedLimiter;
+//!
+//! let limiter = KeyedLimiter::per_second(NonZeroU32::new(2).unwrap());
+//! assert!(limiter.check_key(&"alice").is_ok());
+//! assert!(limiter.check_key(&"alice").is_ok());
+//! let refused = limiter.check_key(&"alice").unwrap_err();
+//! assert!(refused.wait_time().as_millis() <= 500); // a unit comes back every 500 ms
+//! assert!(limiter.check_key(&"bob").is_ok()); // every key has its own budget
+//! ```
+//!
+//! Underneath is one trait, [`BudgetStore`], and its backends. A backend
+//! makes one decision over every budget of a request atomically: the memory
+//! backend under the locks of the shards involved, the Redis backend
+//! (feature `redis`) in one server-side script call — at most one round trip
+//! per decision (concurrent decisions share one). Several budgets (a class,
+//! an IP ceiling, a monthly quota) are charged all together or not at all:
 //!
 //! ```
 //! use std::num::NonZeroU32;
@@ -15,16 +32,23 @@
 //! let clock = FakeClock::new(Timestamp::from_secs(1_764_460_800));
 //! let store = MemoryStore::with_clock(MemoryConfig::default(), clock);
 //! let minute = NonZeroU32::new(60).unwrap();
-//! let budget = Budget::per_window(BudgetKey::new("standard", b"caller"), 2, minute);
-//! assert!(store.decide(&[budget]).await.unwrap().is_admitted());
-//! assert!(store.decide(&[budget]).await.unwrap().is_admitted());
-//! let third = store.decide(&[budget]).await.unwrap();
+//! let caller = Budget::per_window(BudgetKey::new("standard", b"caller"), 2, minute);
+//! let ip = Budget::per_window(BudgetKey::new("ip", b"203.0.113.7"), 100, minute);
+//! assert!(store.decide(&[caller, ip]).await.unwrap().is_admitted());
+//! assert!(store.decide(&[caller, ip]).await.unwrap().is_admitted());
+//! let third = store.decide(&[caller, ip]).await.unwrap();
 //! assert!(!third.is_admitted());
 //! assert_eq!(third.retry_after().unwrap().as_secs(), 60);
+//! assert_eq!(store.peek(&[ip]).await.unwrap().statuses()[0].remaining, 98); // the refusal spent nothing
 //! # });
 //! ```
 
 use std::future::Future;
+
+/// The side-by-side snippets of `docs/`, run as doc tests (one uses Redis).
+#[cfg(all(doctest, feature = "redis"))]
+#[doc = include_str!("../../../docs/vs-governor.md")]
+struct VsGovernor;
 
 use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
 
@@ -33,6 +57,7 @@ pub mod batch;
 #[cfg(feature = "durable")]
 pub mod durable;
 mod guarded;
+mod keyed;
 #[cfg(feature = "durable")]
 mod local;
 mod memory;
@@ -40,19 +65,31 @@ mod prefetch;
 #[cfg(feature = "redis")]
 mod redis;
 
+// Documented in their modules (`batch`, `durable`); kept at the root, hidden,
+// for the crates of this workspace.
 #[cfg(any(feature = "durable", feature = "redis"))]
+#[doc(hidden)]
 pub use batch::{
     BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
     ItemState, ItemStatus, Maintenance, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
 };
 #[cfg(feature = "durable")]
+#[doc(hidden)]
 pub use durable::{BatchBook, DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConfig};
-pub use guarded::{Guarded, STORE_BREAKER};
+pub use guarded::Guarded;
+#[doc(hidden)]
+pub use guarded::STORE_BREAKER;
+pub use keyed::{InsufficientCapacity, KeyedLimiter, NotUntil, Quota};
 #[cfg(feature = "durable")]
 pub use local::LocalStore;
-pub use memory::{MAX_SHARDS, MemoryConfig, MemoryStore, NO_NETWORK, TABLE_FILL, auto_shards};
+#[doc(hidden)]
+pub use memory::{MAX_SHARDS, TABLE_FILL, auto_shards};
+pub use memory::{MemoryConfig, MemoryStore, NO_NETWORK};
 #[cfg(feature = "redis")]
-pub use redis::{MAX_COALESCED, RedisBatches, RedisConfig, RedisStore};
+#[doc(hidden)]
+pub use redis::MAX_COALESCED;
+#[cfg(feature = "redis")]
+pub use redis::{RedisBatches, RedisConfig, RedisStore};
 
 /// Why a store could not decide.
 #[derive(Debug, thiserror::Error)]

@@ -75,13 +75,15 @@ struct Overflow {
     global_hint: SlotHint,
 }
 
-/// Sizing of a [`MemoryStore`].
+/// Sizing of a [`MemoryStore`]: [`MemoryConfig::default`], or
+/// [`MemoryConfig::with_max_keys`] and its `with_*` methods.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MemoryConfig {
     /// The most cells held at once (one per fixed-window budget of a subject,
     /// two per sliding-window one, one per slot holding units of a rolling
     /// window). At about 20 bytes a cell at the cap (see
-    /// the module docs), the default of 1,000,000 takes about 20 MB.
+    /// [`MemoryStore`]), the default of 1,000,000 takes about 20 MB.
     pub max_keys: usize,
     /// The number of shards, from 1 to [`MAX_SHARDS`] (larger values are
     /// taken as [`MAX_SHARDS`]); `0` (the default) picks it from `max_keys`
@@ -95,6 +97,23 @@ impl Default for MemoryConfig {
             max_keys: 1_000_000,
             shards: 0,
         }
+    }
+}
+
+impl MemoryConfig {
+    /// The default sizing holding at most `max_keys` cells.
+    pub const fn with_max_keys(max_keys: usize) -> Self {
+        MemoryConfig {
+            max_keys,
+            shards: 0,
+        }
+    }
+
+    /// The same sizing on `shards` shards (`0`: picked from `max_keys`).
+    #[must_use]
+    pub const fn with_shards(mut self, shards: usize) -> Self {
+        self.shards = shards;
+        self
     }
 }
 
@@ -235,7 +254,14 @@ struct ShardSlot {
     hint: SlotHint,
 }
 
-/// The in-process budget store (see the module docs for layout and bounds).
+/// The in-process budget store: sharded (a decision locks only the shards
+/// its callers' cells are in; no global lock) and bounded by
+/// [`MemoryConfig::max_keys`] cells, about 20 bytes each at the cap. A cell
+/// whose window is over is dropped when its shard needs room or on
+/// [`MemoryStore::reclaim`], which changes no decision. When a shard is full
+/// of live cells, a new caller shares its budget's overflow budget (one per
+/// scope) while callers that already have a cell keep theirs: an active
+/// caller is never handed a fresh budget.
 pub struct MemoryStore<C: Clock = SystemClock> {
     clock: C,
     hasher: foldhash::fast::RandomState,

@@ -241,14 +241,7 @@ fn q1_a_full_book_refuses_new_workspaces_and_keeps_counting_known_ones() {
     let dir = TempDir::new("full");
     let clock = FakeClock::new(Timestamp::from_secs(T0));
     let rt = runtime();
-    let store = local(
-        &dir,
-        &clock,
-        QuotaBookConfig {
-            max_cells: 2,
-            ..QuotaBookConfig::default()
-        },
-    );
+    let store = local(&dir, &clock, QuotaBookConfig::with_max_cells(2));
     for ws in ["a", "b"] {
         assert!(
             rt.block_on(store.decide(&[quota(ws, 5)]))
@@ -283,10 +276,7 @@ fn q1_uncapped_counts_of_a_flood_of_new_workspaces_stay_within_their_bound() {
     let store = local(
         &dir,
         &clock,
-        QuotaBookConfig {
-            max_cells: 10,
-            max_uncapped_cells: 4,
-        },
+        QuotaBookConfig::with_max_cells(10).with_max_uncapped_cells(4),
     );
     let uncapped = |ws: &str| Budget {
         key: BudgetKey::new("quota:evals", ws.as_bytes()),

@@ -16,7 +16,7 @@ fn minute() -> NonZeroU32 {
 
 fn store(max_keys: usize, shards: usize) -> MemoryStore<FakeClock> {
     MemoryStore::with_clock(
-        MemoryConfig { max_keys, shards },
+        MemoryConfig::with_max_keys(max_keys).with_shards(shards),
         FakeClock::new(Timestamp::from_secs(T0 + 1)),
     )
 }

@@ -313,10 +313,7 @@ fn d1_core_memory_store_and_redis_script_decide_alike() {
             clock: clock.clone(),
             ledger: MapLedger::default(),
             memory: MemoryStore::with_clock(
-                MemoryConfig {
-                    max_keys: 10_000,
-                    shards: 4,
-                },
+                MemoryConfig::with_max_keys(10_000).with_shards(4),
                 clock.clone(),
             ),
             redis: &store,

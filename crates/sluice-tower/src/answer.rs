@@ -1,4 +1,4 @@
-//! What the client is told (SPEC H1–H3): `X-RateLimit-*` on every response,
+//! What the client is told: `X-RateLimit-*` on every response,
 //! the IETF draft fields when enabled, and the refusals. Every HTTP answer
 //! sluice makes itself is built here.
 
@@ -104,7 +104,7 @@ pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 /// never be admitted, so it comes without `Retry-After`.
 pub const COST_EXCEEDS_LIMIT: &str = "cost_exceeds_limit";
 
-/// The edge limiter's 429 body (SPEC H2).
+/// The edge limiter's 429 body.
 pub const EDGE_BODY: &str = "Too many requests, please try again later.";
 
 /// Seconds, rounded up, never below 1: what `Retry-After` says.
@@ -284,7 +284,7 @@ pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Fu
     response
 }
 
-/// The 503 for a decision the store could not make (SPEC D3: the request's classes
+/// The 503 for a decision the store could not make (the request's classes
 /// fail closed), with `Retry-After: 1`.
 pub fn limiter_unavailable(error: &impl std::fmt::Display) -> Response<Full<Bytes>> {
     let mut r = envelope_response(
@@ -363,7 +363,7 @@ pub fn payload_too_large(max_bytes: usize) -> Response<Full<Bytes>> {
 
 impl Refused {
     /// The answer to a request refused before anything was decided: the JSON
-    /// envelope (SPEC H3), with an `error.code` per kind of refusal and `details`
+    /// envelope, with an `error.code` per kind of refusal and `details`
     /// naming the bound or the reason. No `Retry-After`: the same request is refused
     /// again.
     ///
@@ -466,7 +466,7 @@ impl Refused {
     }
 }
 
-/// A response with the JSON envelope `{"error":{"code","message","details"}}` (SPEC H3).
+/// A response with the JSON envelope `{"error":{"code","message","details"}}`.
 pub fn envelope_response(
     status: StatusCode,
     code: &str,

@@ -36,11 +36,11 @@ pub fn lane_config(lane: &sluice_policy::Lane) -> LaneConfig {
     config.global_cap = lane.global_in_flight.get();
     config.batch_reserve = lane.batch_reserve;
     config.max_waiting = usize::try_from(lane.max_waiting.get()).unwrap_or(usize::MAX);
-    config.breaker = BreakerConfig {
-        failures: lane.breaker_failures.get(),
-        within: lane.breaker_within,
-        open_for: lane.breaker_open,
-    };
+    config.breaker = BreakerConfig::new(
+        lane.breaker_failures.get(),
+        lane.breaker_within,
+        lane.breaker_open,
+    );
     config.upstream_timeout = lane.timeout;
     config
 }

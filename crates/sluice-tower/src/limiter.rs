@@ -38,7 +38,7 @@ pub enum Refused {
     /// The body of a JSON-RPC route cannot be classified.
     #[error(transparent)]
     Body(#[from] Unclassifiable),
-    /// One kind of credential sent more than once (SPEC E2).
+    /// One kind of credential sent more than once.
     #[error(transparent)]
     Credentials(#[from] AmbiguousCredentials),
     /// An HTTP/1.1 request without a `Host` field (RFC 9112 §3.2).
@@ -114,7 +114,7 @@ pub const TOP_CALLERS_TRACKED: usize = 4_096;
 /// A policy and a store: classifies requests and decides their budgets.
 ///
 /// When the store cannot answer (a shared store that is down), each request
-/// follows its classes' outage rule (SPEC D3): if every class it holds fails
+/// follows its classes' outage rule: if every class it holds fails
 /// open, it is decided on this process's fallback store with the limits
 /// divided by the policy's replica count; otherwise the error stands and the
 /// layer answers 503.
@@ -339,7 +339,7 @@ pub const DECISION_SECONDS_BUCKETS: &[f64] = &[
     0.1,
 ];
 
-/// One workspace's standing on one monthly quota family (SPEC Q1).
+/// One workspace's standing on one monthly quota family.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct QuotaUsage {
     /// The family.
@@ -390,10 +390,9 @@ impl<S: BudgetStore> Limiter<S> {
             policy,
             store: Arc::new(store),
             buffers: crate::BufferBudget::new(crate::DEFAULT_MAX_BUFFERED_BYTES),
-            fallback: Arc::new(MemoryStore::new(MemoryConfig {
-                max_keys: FALLBACK_MAX_KEYS,
-                ..MemoryConfig::default()
-            })),
+            fallback: Arc::new(MemoryStore::new(MemoryConfig::with_max_keys(
+                FALLBACK_MAX_KEYS,
+            ))),
             degraded: Arc::new(AtomicBool::new(false)),
             top: Arc::new(std::array::from_fn(|_| Default::default())),
             lanes,
@@ -970,7 +969,7 @@ impl<S: BudgetStore> Limiter<S> {
 
     /// Charges the weighted budgets of an admitted `plan` what the upstream said
     /// the call cost (`cost`: `X-Sluice-Cost`, `None` = 1 per item, as admitted),
-    /// and returns the decision with their statuses after the charge (SPEC Q2). A
+    /// and returns the decision with their statuses after the charge. A
     /// store that cannot answer leaves the decision as it was.
     pub async fn settle(&self, plan: &Plan, decision: Decision, cost: Option<u32>) -> Decision {
         let Some(cost) = cost else {
@@ -1159,7 +1158,7 @@ impl<S: BudgetStore> Limiter<S> {
         }
     }
 
-    /// Where a workspace stands on every monthly quota family (SPEC Q1), by its
+    /// Where a workspace stands on every monthly quota family, by its
     /// label as the upstream is told it (`X-Sluice-Workspace`).
     ///
     /// # Errors

@@ -1,6 +1,6 @@
 //! From a classified request to the budgets it spends: its class budgets,
 //! one IP ceiling, any route buckets (weighted ones too) and monthly quotas,
-//! decided together (SPEC E1–E7, Q1, Q2).
+//! decided together.
 
 use std::num::NonZeroU32;
 
@@ -248,7 +248,7 @@ impl Plan {
     }
 
     /// The index of the budget `X-RateLimit-*` describe: the refusing one when
-    /// refused; when admitted, a weighted budget the request holds (SPEC Q2), else
+    /// refused; when admitted, a weighted budget the request holds, else
     /// the one with the fewest units left among all but monthly quotas.
     pub fn shown_index(&self, decision: &Decision, policy: &Policy) -> usize {
         if !decision.is_admitted() {
@@ -270,7 +270,7 @@ impl Plan {
         best.unwrap_or_else(|| decision.binding_index())
     }
 
-    /// Indices of the weighted budgets the plan holds (SPEC Q2).
+    /// Indices of the weighted budgets the plan holds.
     pub fn weighted<'a>(&'a self, policy: &'a Policy) -> impl Iterator<Item = usize> + 'a {
         self.kinds.iter().enumerate().filter_map(|(i, k)| match k {
             BudgetKind::Bucket(b) if policy.buckets.get(*b).is_some_and(|b| b.weighted) => Some(i),

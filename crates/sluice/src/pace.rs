@@ -1,4 +1,4 @@
-//! `sluice pace`: the client-side pacing proxy (SPEC C1–C7). `/<provider>/<path>`
+//! `sluice pace`: the client-side pacing proxy. `/<provider>/<path>`
 //! is forwarded to that provider's `baseUrl` + `/<path>` with its key, paced to
 //! its TPM, RPM and RPD.
 

@@ -1,5 +1,5 @@
-//! The pace config (SPEC C1): YAML → [`RawConfig`] → [`validate`] →
-//! [`PaceConfig`], with `${ENV}` substitution, the seed's shipped defaults,
+//! The pace config: YAML → [`RawConfig`] → [`validate`] →
+//! [`PaceConfig`], with `${ENV}` substitution, the shipped provider defaults,
 //! the settings page's overrides file and hot reload ([`ConfigWatcher`]).
 //!
 //! ```yaml
@@ -46,7 +46,15 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
 
 /// A provider's limits; 0 on an axis means unlimited.
+///
+/// ```
+/// use sluice_client::config::ProviderLimits;
+///
+/// let limits = ProviderLimits::new(30_000, 500, 0); // TPM, RPM, no daily cap
+/// assert_eq!((limits.tpm, limits.rpm, limits.rpd), (30_000, 500, 0));
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize)]
+#[non_exhaustive]
 pub struct ProviderLimits {
     /// Tokens per minute (rolling 60 s).
     pub tpm: u32,
@@ -57,6 +65,12 @@ pub struct ProviderLimits {
 }
 
 impl ProviderLimits {
+    /// `tpm` tokens a minute, `rpm` requests a minute and `rpd` requests a
+    /// day; 0 on an axis means unlimited.
+    pub const fn new(tpm: u32, rpm: u32, rpd: u32) -> Self {
+        ProviderLimits { tpm, rpm, rpd }
+    }
+
     /// No limit on any axis.
     pub const UNLIMITED: ProviderLimits = ProviderLimits {
         tpm: 0,
@@ -69,7 +83,7 @@ impl ProviderLimits {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LimitsOrigin {
-    /// The seed's table ([`SHIPPED_PROVIDERS`]).
+    /// The shipped table ([`SHIPPED_PROVIDERS`]).
     Shipped,
     /// The config file's `rateLimits`.
     Config,
@@ -108,8 +122,10 @@ impl ApiStyle {
     }
 }
 
-/// One provider, checked.
+/// One provider, checked: [`ProviderConfig::new`], then set the fields to
+/// change.
 #[derive(Clone, PartialEq)]
+#[non_exhaustive]
 pub struct ProviderConfig {
     /// The config key; also the proxy's path prefix.
     pub name: String,
@@ -125,7 +141,7 @@ pub struct ProviderConfig {
     pub limits: ProviderLimits,
     /// Where [`ProviderConfig::limits`] come from.
     pub origin: LimitsOrigin,
-    /// Drop old context when waiting would exceed `max_wait` (SPEC C4).
+    /// Drop old context when waiting would exceed `max_wait`.
     pub shrink: bool,
     /// The longest a request waits for room (queue included).
     pub max_wait: Duration,
@@ -177,6 +193,34 @@ impl ProviderConfig {
         }
     }
 
+    /// A provider sluice ships: its base URL, API style and conservative
+    /// mid-tier limits (see [`SHIPPED_PROVIDERS`]); `None` for a name it
+    /// does not know.
+    ///
+    /// ```
+    /// use sluice_client::config::{ProviderConfig, ProviderLimits};
+    ///
+    /// let openai = ProviderConfig::shipped("openai").unwrap();
+    /// assert_eq!(openai.base_url, "https://api.openai.com/v1");
+    /// let mine = openai.with_limits(ProviderLimits::new(30_000, 500, 0));
+    /// assert_eq!(mine.limits.tpm, 30_000);
+    /// assert!(ProviderConfig::shipped("nobody").is_none());
+    /// ```
+    pub fn shipped(name: &str) -> Option<Self> {
+        let s = shipped(name)?;
+        let mut p = ProviderConfig::new(s.name, s.base_url, s.limits);
+        p.origin = LimitsOrigin::Shipped;
+        Some(p)
+    }
+
+    /// The same provider with other limits.
+    #[must_use]
+    pub fn with_limits(mut self, limits: ProviderLimits) -> Self {
+        self.limits = limits;
+        self.origin = LimitsOrigin::Config;
+        self
+    }
+
     /// The same provider with `shrink` on and `max_wait`.
     pub fn with_shrink(mut self, max_wait: Duration) -> Self {
         self.shrink = true;
@@ -198,9 +242,9 @@ impl ProviderConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PacerSettings {
     /// How much earlier than our send a provider may count a request's
-    /// neighbours: windows reach back `60 s + arrival_margin` (SPEC C2).
+    /// neighbours: windows reach back `60 s + arrival_margin`.
     pub arrival_margin: Duration,
-    /// Attempts per request, the first included (SPEC C5).
+    /// Attempts per request, the first included.
     pub max_attempts: u32,
     /// The largest request body the proxy reads.
     pub max_body_bytes: usize,
@@ -216,8 +260,10 @@ impl Default for PacerSettings {
     }
 }
 
-/// A checked pace config.
+/// A checked pace config: from YAML ([`validate`]) or in code
+/// ([`PaceConfig::from_providers`]).
 #[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct PaceConfig {
     /// Providers by name.
     pub providers: BTreeMap<String, ProviderConfig>,
@@ -267,7 +313,21 @@ impl PaceConfig {
 
 /// One thing wrong with a config, at a key path such as
 /// `providers.openai.apiKey` (the same shape as a policy's problems).
-pub use sluice_policy::Problem;
+/// One thing wrong with a pace config, at a key path such as
+/// `providers.openai.rateLimits.tpm`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// Where in the file.
+    pub path: String,
+    /// What was expected.
+    pub message: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
 
 /// Why a config was not accepted (or not saved).
 #[derive(Debug, thiserror::Error)]

@@ -1,4 +1,4 @@
-//! The providers the seed lists, with its suggested limits and their public
+//! The providers sluice knows, with suggested limits and their public
 //! OpenAI-compatible (or native) base URLs: used when a config entry leaves
 //! them out.
 
@@ -9,13 +9,13 @@ use super::{ApiStyle, ProviderLimits};
 pub struct ShippedProvider {
     /// The config key (`providers.<name>`).
     pub name: &'static str,
-    /// What the seed calls it.
+    /// The provider's name in a pace config (`openai`, `anthropic`, …).
     pub title: &'static str,
     /// Where its API lives.
     pub base_url: &'static str,
     /// Its request and response shapes.
     pub style: ApiStyle,
-    /// "Conservative mid-tier defaults" (seed table); 0 = unlimited.
+    /// Conservative mid-tier defaults; 0 = unlimited.
     pub limits: ProviderLimits,
 }
 
@@ -39,7 +39,7 @@ const fn p(
 
 use ApiStyle::{Anthropic, OpenAi};
 
-/// The seed's table of suggested defaults, in its order.
+/// The shipped providers and their suggested defaults.
 #[rustfmt::skip]
 pub const SHIPPED_PROVIDERS: [ShippedProvider; 14] = [
     p("openai", "OpenAI (GPT-4o tier)", "https://api.openai.com/v1", OpenAi, 150_000, 60, 0),
@@ -58,7 +58,7 @@ pub const SHIPPED_PROVIDERS: [ShippedProvider; 14] = [
     p("lmstudio", "LM Studio (local)", "http://localhost:1234/v1", OpenAi, 0, 0, 0),
 ];
 
-/// The shipped entry for `name`, if the seed lists it.
+/// The shipped entry for `name`, if sluice ships one.
 pub fn shipped(name: &str) -> Option<&'static ShippedProvider> {
     SHIPPED_PROVIDERS.iter().find(|p| p.name == name)
 }
@@ -71,102 +71,18 @@ mod tests {
     #[test]
     fn c1_seed_table_of_defaults() {
         let l = |n: &str| shipped(n).map(|p| p.limits);
-        assert_eq!(
-            l("openai"),
-            Some(ProviderLimits {
-                tpm: 150_000,
-                rpm: 60,
-                rpd: 0
-            })
-        );
-        assert_eq!(
-            l("anthropic"),
-            Some(ProviderLimits {
-                tpm: 120_000,
-                rpm: 50,
-                rpd: 0
-            })
-        );
-        assert_eq!(
-            l("google"),
-            Some(ProviderLimits {
-                tpm: 250_000,
-                rpm: 100,
-                rpd: 0
-            })
-        );
-        assert_eq!(
-            l("groq"),
-            Some(ProviderLimits {
-                tpm: 30_000,
-                rpm: 30,
-                rpd: 14_400
-            })
-        );
-        assert_eq!(
-            l("deepseek"),
-            Some(ProviderLimits {
-                tpm: 60_000,
-                rpm: 60,
-                rpd: 0
-            })
-        );
-        assert_eq!(
-            l("openrouter"),
-            Some(ProviderLimits {
-                tpm: 200_000,
-                rpm: 200,
-                rpd: 0
-            })
-        );
-        assert_eq!(
-            l("mistral"),
-            Some(ProviderLimits {
-                tpm: 150_000,
-                rpm: 50,
-                rpd: 0
-            })
-        );
-        assert_eq!(
-            l("cohere"),
-            Some(ProviderLimits {
-                tpm: 100_000,
-                rpm: 100,
-                rpd: 0
-            })
-        );
-        assert_eq!(
-            l("together"),
-            Some(ProviderLimits {
-                tpm: 80_000,
-                rpm: 60,
-                rpd: 0
-            })
-        );
-        assert_eq!(
-            l("fireworks"),
-            Some(ProviderLimits {
-                tpm: 80_000,
-                rpm: 60,
-                rpd: 0
-            })
-        );
-        assert_eq!(
-            l("perplexity"),
-            Some(ProviderLimits {
-                tpm: 50_000,
-                rpm: 50,
-                rpd: 0
-            })
-        );
-        assert_eq!(
-            l("ai21"),
-            Some(ProviderLimits {
-                tpm: 60_000,
-                rpm: 50,
-                rpd: 0
-            })
-        );
+        assert_eq!(l("openai"), Some(ProviderLimits::new(150_000, 60, 0)));
+        assert_eq!(l("anthropic"), Some(ProviderLimits::new(120_000, 50, 0)));
+        assert_eq!(l("google"), Some(ProviderLimits::new(250_000, 100, 0)));
+        assert_eq!(l("groq"), Some(ProviderLimits::new(30_000, 30, 14_400)));
+        assert_eq!(l("deepseek"), Some(ProviderLimits::new(60_000, 60, 0)));
+        assert_eq!(l("openrouter"), Some(ProviderLimits::new(200_000, 200, 0)));
+        assert_eq!(l("mistral"), Some(ProviderLimits::new(150_000, 50, 0)));
+        assert_eq!(l("cohere"), Some(ProviderLimits::new(100_000, 100, 0)));
+        assert_eq!(l("together"), Some(ProviderLimits::new(80_000, 60, 0)));
+        assert_eq!(l("fireworks"), Some(ProviderLimits::new(80_000, 60, 0)));
+        assert_eq!(l("perplexity"), Some(ProviderLimits::new(50_000, 50, 0)));
+        assert_eq!(l("ai21"), Some(ProviderLimits::new(60_000, 50, 0)));
         assert_eq!(l("ollama"), Some(ProviderLimits::UNLIMITED));
         assert_eq!(l("lmstudio"), Some(ProviderLimits::UNLIMITED));
         assert_eq!(shipped("nope"), None);

@@ -1,4 +1,4 @@
-//! Hot reload (SPEC C1): the config in force is re-read when its file (or
+//! Hot reload: the config in force is re-read when its file (or
 //! the settings page's overrides file) changes, checked on every request; a
 //! broken edit keeps the last good config and is reported.
 

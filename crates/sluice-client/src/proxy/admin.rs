@@ -1,4 +1,4 @@
-//! The admin side of `sluice pace` (SPEC C1): `GET /limits` (the effective
+//! The admin side of `sluice pace`: `GET /limits` (the effective
 //! limits as JSON), `PUT /limits/<provider>` (edit and persist one
 //! provider's limits), `GET /status` (counters), `GET /dashboard.json` (limits,
 //! windows and counters in one answer) and the settings page at `/`: per

@@ -3,7 +3,7 @@
 //! provider's `baseUrl` + `/<path>` with its key, paced; answers (also
 //! server-sent event streams) pass through unbuffered. A separate admin
 //! listener serves `GET /limits` (JSON), `PUT /limits/<provider>`,
-//! `GET /status` and the settings page at `/` (SPEC C1).
+//! `GET /status` and the settings page at `/`.
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), sluice_client::proxy::ProxyError> {
@@ -125,7 +125,7 @@ impl ProxyServer {
 
 impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
     /// [`ProxyServer::bind`] with a pacer built by the caller (e.g. over a
-    /// shared store, so that several proxies share one budget, SPEC C7).
+    /// shared store, so that several proxies share one budget).
     /// The pacer's config source should watch `options.config`.
     ///
     /// # Errors

@@ -16,7 +16,7 @@ use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, StoreError};
 pub type TestPacer = Pacer<MemoryStore<TokioClock>, TokioClock>;
 
 pub fn limits(tpm: u32, rpm: u32, rpd: u32) -> ProviderLimits {
-    ProviderLimits { tpm, rpm, rpd }
+    ProviderLimits::new(tpm, rpm, rpd)
 }
 
 pub fn provider(name: &str, l: ProviderLimits) -> ProviderConfig {

@@ -11,7 +11,7 @@
 //! - `POST /messages/optimize` (and the `optimize_message` tool): a slow optimizer
 //!   that can be told to fail, for the lane in front of it (see [`optimizer`]).
 //! - `POST /search/query`: a warehouse that reports each query's cost in
-//!   `X-Sluice-Cost` (see [`warehouse`]).
+//!   `X-Sluice-Cost` (see `warehouse`).
 //! - anything else: 200 JSON echo of method, path, query, headers and JSON body.
 //!
 //! A request body past [`MAX_BODY_BYTES`] is answered 413, once all of it has been

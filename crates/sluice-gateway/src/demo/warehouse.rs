@@ -1,5 +1,5 @@
-//! The demo's warehouse: `POST /search/query` answering the way the seed's
-//! warehouse does, so a newcomer sees the weighted budget (SPEC Q2) work.
+//! The demo's warehouse: `POST /search/query` answering the way a data
+//! warehouse's API does, so a newcomer sees the weighted budget work.
 //!
 //! - The body is `{"sql": "…"}`. A query's cost in warehouse reads is one, plus one
 //!   per `JOIN` (at most 5); the answer says it in `X-Sluice-Cost`.
@@ -7,7 +7,7 @@
 //! - SQL the gate refuses (missing, or holding `DROP`, `DELETE`, `UPDATE` or
 //!   `INSERT`) is 400 `invalid_sql`, and still costs one read.
 //! - A request sluice passed on with `X-Sluice-Exhausted` (a route with
-//!   `on_exhausted: pass`) gets the seed's fuzzy-lane answer: 200 with
+//!   `on_exhausted: pass`) gets the fuzzy-lane answer: 200 with
 //!   `success: true` and `detail.internal.status: "failed"`, cost 0.
 
 use std::collections::HashMap;

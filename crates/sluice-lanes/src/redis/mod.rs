@@ -1,14 +1,4 @@
-//! The lease ledger on Redis, shared by every replica (feature `redis`).
-//!
-//! One script call per operation, on the Redis server's clock: expired leases
-//! and starts that left the window are dropped, the limits are checked and
-//! the lease recorded, all at once. Keys are
-//! `<prefix>{<lane>}:global|batch|ws:<workspace>:run|ws:<workspace>:starts`,
-//! hash-tagged by lane so one script touches one slot (so a lane works on a
-//! Redis Cluster too, `redis+cluster://h1:p1,h2:p2`, its keys on one node),
-//! and every key expires shortly after its last lease or start. The script is
-//! loaded once and called by its hash (reloaded on `NOSCRIPT` by the client;
-//! on a cluster each node loads it on its first `NOSCRIPT`).
+//! Documented on [`RedisLedger`].
 
 use std::time::Duration;
 
@@ -66,7 +56,19 @@ fn cluster_nodes(url: &str) -> Option<Vec<String>> {
     )
 }
 
-/// A lane's leases on Redis (see the module docs). Cheap to clone.
+/// A lane's leases on Redis. Cheap to clone.
+///
+/// The lease ledger on Redis, shared by every replica (feature `redis`).
+///
+/// One script call per operation, on the Redis server's clock: expired leases
+/// and starts that left the window are dropped, the limits are checked and
+/// the lease recorded, all at once. Keys are
+/// `<prefix>{<lane>}:global|batch|ws:<workspace>:run|ws:<workspace>:starts`,
+/// hash-tagged by lane so one script touches one slot (so a lane works on a
+/// Redis Cluster too, `redis+cluster://h1:p1,h2:p2`, its keys on one node),
+/// and every key expires shortly after its last lease or start. The script is
+/// loaded once and called by its hash (reloaded on `NOSCRIPT` by the client;
+/// on a cluster each node loads it on its first `NOSCRIPT`).
 #[derive(Clone)]
 pub struct RedisLedger {
     conn: Conn,

@@ -1,23 +1,4 @@
-//! The batch queue in the embedded durable store (see [`crate::batch`]).
-//!
-//! Tables in the store's one redb file, every change one write transaction
-//! committed with redb's default `Immediate` durability (an `fsync`) before
-//! the call returns; a submit writes its whole batch in one. Opening the book
-//! puts every item left running by the last process back in its queue: no
-//! process of this data directory runs it any more (redb locks the file).
-//!
-//! | table | key | value |
-//! | --- | --- | --- |
-//! | `batch_meta` | batch id | the batch's record (workspace, counts, times, key, digest) |
-//! | `batch_items` | (batch id, index) | the item's record (state, attempt, queue place, times, status) |
-//! | `batch_bodies` | (batch id, index) | the item's body, until it finishes |
-//! | `batch_results` | (batch id, index) | the item's result |
-//! | `batch_queue` | (workspace, place) | (batch id, index) of a queued item |
-//! | `batch_running` | (batch id, index) | the claim's lease end |
-//! | `batch_workspaces` | workspace | (queued, running, last claim) |
-//! | `batch_keys` | (workspace, idempotency key) | batch id |
-//! | `batch_finished` | (finish time, batch id) | — |
-//! | `batch_stats` | name | `next_place`, `stored_items`, `mean_item_ns` |
+//! Documented on [`BatchBook`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -256,7 +237,28 @@ fn ns(t: Timestamp) -> u64 {
     t.as_nanos().max(1)
 }
 
-/// Batches in the embedded durable store (see the module docs).
+/// Batches in the embedded durable store.
+///
+/// The batch queue in the embedded durable store (see [`crate::batch`]).
+///
+/// Tables in the store's one redb file, every change one write transaction
+/// committed with redb's default `Immediate` durability (an `fsync`) before
+/// the call returns; a submit writes its whole batch in one. Opening the book
+/// puts every item left running by the last process back in its queue: no
+/// process of this data directory runs it any more (redb locks the file).
+///
+/// | table | key | value |
+/// | --- | --- | --- |
+/// | `batch_meta` | batch id | the batch's record (workspace, counts, times, key, digest) |
+/// | `batch_items` | (batch id, index) | the item's record (state, attempt, queue place, times, status) |
+/// | `batch_bodies` | (batch id, index) | the item's body, until it finishes |
+/// | `batch_results` | (batch id, index) | the item's result |
+/// | `batch_queue` | (workspace, place) | (batch id, index) of a queued item |
+/// | `batch_running` | (batch id, index) | the claim's lease end |
+/// | `batch_workspaces` | workspace | (queued, running, last claim) |
+/// | `batch_keys` | (workspace, idempotency key) | batch id |
+/// | `batch_finished` | (finish time, batch id) | — |
+/// | `batch_stats` | name | `next_place`, `stored_items`, `mean_item_ns` |
 ///
 /// Cheap to clone; every clone is the same book. Open one per
 /// [`DurableStore`]. The [`BatchQueue`] methods run their transaction on

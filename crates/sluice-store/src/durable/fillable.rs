@@ -7,7 +7,7 @@ use redb::StorageBackend;
 use redb::backends::InMemoryBackend;
 
 /// In-memory storage whose writes fail, as on a full disk (`ENOSPC`), while
-/// [`FillableDisk::fill`] says so. Open a [`super::DurableStore`] on it with
+/// the switch [`FillableDisk::new`] returns is on. Open a [`super::DurableStore`] on it with
 /// [`super::DurableStore::with_backend`] to see what sluice does when the disk
 /// fills and when it has room again.
 /// Clones reach the same storage.

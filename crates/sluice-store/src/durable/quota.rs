@@ -1,26 +1,4 @@
-//! Monthly quota counts (SPEC Q1), durable before the call they admit goes on.
-//!
-//! The counts live in memory, where decisions read and write them under one
-//! lock, and on disk, where one writer thread puts them. A decision that spends
-//! takes a sequence number; the caller then waits until a commit covers that
-//! number before it forwards the call. A commit appends the changed counts to the
-//! quota journal with one `fdatasync` (see [`super::journal`]); every decision
-//! that arrives while a commit is on disk joins the next one: one flush serves all
-//! the calls of that moment (group commit). From time to time, and at shutdown,
-//! the counts are written to the redb file (a snapshot naming the last journal
-//! record it covers) and the journal starts over.
-//!
-//! Bounds: at most [`QuotaBookConfig::max_cells`] counts (one per workspace and
-//! family); past it, cells of past months are dropped, and a new workspace is
-//! refused (the store answers "unavailable", which quota routes turn into 503)
-//! rather than counted nowhere. Counts of *uncapped* families (kept only to show
-//! usage) take no part in that: a new one is kept only while the book holds fewer
-//! than [`QuotaBookConfig::max_uncapped_cells`] counts in all; past it the call is
-//! admitted and its usage not counted (see [`QuotaBook::untracked`]), so a flood of
-//! new workspaces on an uncapped route can neither grow the book past that bound
-//! nor take the room of capped counts. A commit that fails (a full disk) fails the
-//! decisions waiting on it; their counts stay in memory and are written by the
-//! next commit that succeeds, so a failure can over-count, never under-count.
+//! Documented on [`QuotaBook`].
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -70,12 +48,31 @@ pub(super) fn create_tables(tx: &redb::WriteTransaction) -> Result<(), redb::Tab
 
 /// How a [`QuotaBook`] is bounded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct QuotaBookConfig {
     /// The most counts kept (one per workspace and family and month).
     pub max_cells: usize,
     /// A new count of an uncapped family (a budget whose limit is `u32::MAX`) is
     /// kept only while the book holds fewer counts than this in all.
     pub max_uncapped_cells: usize,
+}
+
+impl QuotaBookConfig {
+    /// A book keeping at most `max_cells` counts (and new uncapped counts only while
+    /// it holds fewer than [`DEFAULT_MAX_UNCAPPED_CELLS`]).
+    pub const fn with_max_cells(max_cells: usize) -> Self {
+        QuotaBookConfig {
+            max_cells,
+            max_uncapped_cells: DEFAULT_MAX_UNCAPPED_CELLS,
+        }
+    }
+
+    /// The same bounds, keeping a new uncapped count only while the book holds fewer
+    /// than `max_uncapped_cells` counts in all.
+    pub const fn with_max_uncapped_cells(mut self, max_uncapped_cells: usize) -> Self {
+        self.max_uncapped_cells = max_uncapped_cells;
+        self
+    }
 }
 
 impl Default for QuotaBookConfig {
@@ -87,7 +84,29 @@ impl Default for QuotaBookConfig {
     }
 }
 
-/// Quota counts kept durable with group commit (see the module docs).
+/// Monthly quota counts, durable before the call they admit goes on.
+///
+/// The counts live in memory, where decisions read and write them under one
+/// lock, and on disk, where one writer thread puts them. A decision that spends
+/// takes a sequence number; the caller then waits until a commit covers that
+/// number before it forwards the call. A commit appends the changed counts to the
+/// quota journal ([`QuotaLog`](super::QuotaLog)) with one `fdatasync`; every decision
+/// that arrives while a commit is on disk joins the next one: one flush serves all
+/// the calls of that moment (group commit). From time to time, and at shutdown,
+/// the counts are written to the redb file (a snapshot naming the last journal
+/// record it covers) and the journal starts over.
+///
+/// Bounds: at most [`QuotaBookConfig::max_cells`] counts (one per workspace and
+/// family); past it, cells of past months are dropped, and a new workspace is
+/// refused (the store answers "unavailable", which quota routes turn into 503)
+/// rather than counted nowhere. Counts of *uncapped* families (kept only to show
+/// usage) take no part in that: a new one is kept only while the book holds fewer
+/// than [`QuotaBookConfig::max_uncapped_cells`] counts in all; past it the call is
+/// admitted and its usage not counted (see [`QuotaBook::untracked`]), so a flood of
+/// new workspaces on an uncapped route can neither grow the book past that bound
+/// nor take the room of capped counts. A commit that fails (a full disk) fails the
+/// decisions waiting on it; their counts stay in memory and are written by the
+/// next commit that succeeds, so a failure can over-count, never under-count.
 pub struct QuotaBook {
     shared: Arc<Shared>,
     writer: Option<std::thread::JoinHandle<()>>,

@@ -1,18 +1,4 @@
-//! The batch queue in Redis (see [`crate::batch`]), for replicas that share
-//! one store: any replica submits, claims and runs items, and answers status
-//! reads.
-//!
-//! Every operation is one call of one server-side script (`batch.lua`), so
-//! each is atomic across replicas. All keys share one hash tag
-//! (`<prefix>batch:{q}:…`), hence one slot on a cluster. Times are the callers'
-//! (`now`), kept in milliseconds. A running item's lease is what brings it back
-//! when its replica dies: [`BatchQueue::maintain`], called by any replica, puts
-//! back the items whose lease ran out.
-//!
-//! Durability is Redis's: with `appendonly yes` (and `appendfsync always` for
-//! no loss at all, `everysec` for at most a second) a restart of Redis loses no
-//! queued item and no result; with persistence off, a Redis restart loses the
-//! queue.
+//! Documented on [`RedisBatches`].
 
 use std::time::Duration;
 
@@ -36,7 +22,23 @@ const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
 /// Batches purged per script call.
 const PURGE_CHUNK: u64 = 64;
 
-/// The batch queue in Redis (see the module docs). Cheap to clone.
+/// The batch queue in Redis. Cheap to clone.
+///
+/// The batch queue in Redis (see [`crate::batch`]), for replicas that share
+/// one store: any replica submits, claims and runs items, and answers status
+/// reads.
+///
+/// Every operation is one call of one server-side script (`batch.lua`), so
+/// each is atomic across replicas. All keys share one hash tag
+/// (`<prefix>batch:{q}:…`), hence one slot on a cluster. Times are the callers'
+/// (`now`), kept in milliseconds. A running item's lease is what brings it back
+/// when its replica dies: [`BatchQueue::maintain`], called by any replica, puts
+/// back the items whose lease ran out.
+///
+/// Durability is Redis's: with `appendonly yes` (and `appendfsync always` for
+/// no loss at all, `everysec` for at most a second) a restart of Redis loses no
+/// queued item and no result; with persistence off, a Redis restart loses the
+/// queue.
 #[derive(Clone)]
 pub struct RedisBatches {
     conn: Conn,

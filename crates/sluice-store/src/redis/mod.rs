@@ -1,18 +1,4 @@
-//! The Redis backend: every replica on one Redis admits the configured limit
-//! in total (SPEC D1, D2).
-//!
-//! One decision is one round trip: a server-side script (loaded once, called
-//! by its hash, reloaded on `NOSCRIPT`) reads every budget of the request,
-//! decides all or nothing on the Redis server's clock, and writes only when
-//! all admit. Keys are `<prefix>{<subject>}:<scope>` in hex digests — never a
-//! raw credential — hash-tagged by subject so a caller's budgets share a slot,
-//! and every key carries a TTL. Concurrent decisions share one multiplexed
-//! connection (pipelined); the connection manager reconnects by itself.
-//!
-//! On a Redis Cluster (`redis+cluster://host:port,host:port,…`) a decision
-//! sends one script per subject (one slot each) at once; when any refuses,
-//! the others' spends are refunded, so all or nothing still holds: a refusal
-//! may briefly hold units it then gives back, never the reverse.
+//! Documented on [`RedisStore`].
 
 use std::time::Duration;
 
@@ -30,8 +16,10 @@ pub use batch::RedisBatches;
 
 const SCRIPT: &str = include_str!("budgets.lua");
 
-/// How to reach Redis and how long to wait for it.
+/// How to reach Redis and how long to wait for it: [`RedisConfig::new`],
+/// then set the fields to change.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RedisConfig {
     /// `redis://host:port/db`, `rediss://…` or `redis+unix:///path`.
     pub url: String,
@@ -120,7 +108,23 @@ struct Job {
     reply: oneshot::Sender<Result<(Timestamp, Vec<Row>), StoreError>>,
 }
 
-/// The budget store shared by replicas (see the module docs).
+/// The budget store shared by replicas.
+///
+/// The Redis backend: every replica on one Redis admits the configured limit
+/// in total.
+///
+/// One decision is one round trip: a server-side script (loaded once, called
+/// by its hash, reloaded on `NOSCRIPT`) reads every budget of the request,
+/// decides all or nothing on the Redis server's clock, and writes only when
+/// all admit. Keys are `<prefix>{<subject>}:<scope>` in hex digests — never a
+/// raw credential — hash-tagged by subject so a caller's budgets share a slot,
+/// and every key carries a TTL. Concurrent decisions share one multiplexed
+/// connection (pipelined); the connection manager reconnects by itself.
+///
+/// On a Redis Cluster (`redis+cluster://host:port,host:port,…`) a decision
+/// sends one script per subject (one slot each) at once; when any refuses,
+/// the others' spends are refunded, so all or nothing still holds: a refusal
+/// may briefly hold units it then gives back, never the reverse.
 ///
 /// On one Redis, decisions that arrive while others are on their way are
 /// coalesced: one script call decides up to [`MAX_COALESCED`] of them in

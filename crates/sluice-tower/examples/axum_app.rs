@@ -1,5 +1,5 @@
 //! An axum app behind sluice: every route gets the default policy's budgets,
-//! exact `X-RateLimit-*` headers and the seed's 429s.
+//! exact `X-RateLimit-*` headers and sluice's 429s.
 //!
 //! Run with `cargo run -p sluice-tower --example axum_app`, then
 //! `curl -i -X POST -H 'X-API-Key: k' http://127.0.0.1:3000/chats` 31 times.
