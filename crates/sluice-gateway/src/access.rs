@@ -1,5 +1,5 @@
 //! Request ids and the access log on the hyper path (the fast path does the same in
-//! [`crate::h1`]): every request gets an id (`X-Request-Id`: the client's own when it
+//! `h1`): every request gets an id (`X-Request-Id`: the client's own when it
 //! sent one sane one, see [`RequestId::pick`]), which is passed to the upstream,
 //! returned to the client and named by the request's log lines; with the access log
 //! on, one `sluice::access` line per request.

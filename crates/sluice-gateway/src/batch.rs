@@ -156,7 +156,7 @@ const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
 
 impl BatchLane {
     /// The batch lanes of `limiter`'s policy over `queue`. A reload keeps the
-    /// lanes as they are (see [`Limiter::reloaded`]); the submit and status
+    /// lanes as they are (see [`sluice_tower::Limiter::reloaded`]); the submit and status
     /// requests are decided by whichever limiter is current.
     pub fn all(
         shared: &SharedLimiter<AnyStore>,
