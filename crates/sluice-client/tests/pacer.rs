@@ -118,10 +118,11 @@ async fn c2_a_small_request_goes_ahead_of_a_waiting_large_one_that_still_goes_on
 async fn c2_stats_count_every_request_that_waited_queued_ones_too() {
     let (pacer, _clock) = pacer(limits(1_000, 0, 0));
     pacer.acquire("p", 900u32).await.unwrap();
-    // The first waiter sleeps for room; the second queues behind it and
-    // never sleeps itself, yet it waited just as long.
+    // The first waiter sleeps for room; the second (too large to go ahead of
+    // it: it does not fit now) queues behind it and never sleeps itself, yet
+    // it waited just as long.
     let mut tasks = Vec::new();
-    for tokens in [800u32, 50u32] {
+    for tokens in [800u32, 150u32] {
         let p = pacer.clone();
         tasks.push(tokio::spawn(async move {
             p.acquire("p", tokens).await.unwrap().waited()
