@@ -251,26 +251,7 @@ impl Identity {
             None
         };
         match self.credential(headers) {
-            Some(secret) => {
-                let sha: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
-                let mut keyed = [0u8; 37];
-                keyed[..5].copy_from_slice(b"cred:");
-                keyed[5..].copy_from_slice(&sha);
-                let subject = digest(&keyed);
-                let mut prefix = [0u8; 6];
-                prefix.copy_from_slice(&sha[..6]);
-                let principal = from_auth_layer.or_else(|| self.keys.get(&sha).cloned());
-                let (workspace, user) = principal_digests(principal.as_ref(), subject);
-                Caller {
-                    kind: CallerKind::Credential,
-                    subject,
-                    workspace,
-                    user,
-                    who: Who::Key(prefix),
-                    principal,
-                    credential_sha256: Some(sha),
-                }
-            }
+            Some(secret) => self.credential_caller(secret.as_bytes(), from_auth_layer),
             None => {
                 let (workspace, user) = principal_digests(from_auth_layer.as_ref(), client.subject);
                 Caller {
@@ -284,6 +265,37 @@ impl Identity {
                 }
             }
         }
+    }
+
+    /// The caller that sent `credential`: budgets keyed by its SHA-256, its principal
+    /// the one a trusted auth layer named, else the key table's for it, else its own.
+    fn credential_caller(&self, credential: &[u8], from_auth_layer: Option<Principal>) -> Caller {
+        let sha: [u8; 32] = Sha256::digest(credential).into();
+        let mut keyed = [0u8; 37];
+        keyed[..5].copy_from_slice(b"cred:");
+        keyed[5..].copy_from_slice(&sha);
+        let subject = digest(&keyed);
+        let mut prefix = [0u8; 6];
+        prefix.copy_from_slice(&sha[..6]);
+        let principal = from_auth_layer.or_else(|| self.keys.get(&sha).cloned());
+        let (workspace, user) = principal_digests(principal.as_ref(), subject);
+        Caller {
+            kind: CallerKind::Credential,
+            subject,
+            workspace,
+            user,
+            who: Who::Key(prefix),
+            principal,
+            credential_sha256: Some(sha),
+        }
+    }
+
+    /// The caller a key of the application's own choosing names (a user id, a tenant,
+    /// an API key read from where the policy does not look), counted as a credential
+    /// is: budgets keyed by its SHA-256 (the same as the same credential's), its
+    /// principal from the key table when the table holds it.
+    pub fn keyed_caller(&self, key: &[u8]) -> Caller {
+        self.credential_caller(key, None)
     }
 
     /// Checks that the request sends each configured kind of credential at most once:

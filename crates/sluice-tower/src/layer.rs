@@ -34,6 +34,12 @@ pub struct PeerAddr(pub SocketAddr);
 /// trusted load balancer, or an extension of the server's).
 pub type PeerFn = Arc<dyn Fn(&http::request::Parts) -> Option<IpAddr> + Send + Sync>;
 
+/// A function that names a request's caller by a key of the application's choosing
+/// (a user id, a tenant, a key from where the policy does not look; see
+/// [`SluiceLayer::with_key`]). `None` leaves the caller to the policy's credential
+/// sources and the client address.
+pub type KeyFn = Arc<dyn Fn(&http::request::Parts) -> Option<Vec<u8>> + Send + Sync>;
+
 /// The client address of `parts`: [`PeerAddr`], then axum's `ConnectInfo`, then `peer_fn`.
 fn peer_of(parts: &http::request::Parts, peer_fn: Option<&PeerFn>) -> Option<IpAddr> {
     if let Some(p) = parts.extensions.get::<PeerAddr>() {
@@ -82,6 +88,7 @@ pub type SharedLimiter<S> = Arc<ArcSwap<Limiter<S>>>;
 pub struct SluiceLayer<S> {
     limiter: SharedLimiter<S>,
     peer_fn: Option<PeerFn>,
+    key_fn: Option<KeyFn>,
 }
 
 impl<S> SluiceLayer<S> {
@@ -97,6 +104,7 @@ impl<S> SluiceLayer<S> {
         SluiceLayer {
             limiter,
             peer_fn: None,
+            key_fn: None,
         }
     }
 
@@ -110,6 +118,36 @@ impl<S> SluiceLayer<S> {
         self.peer_fn = Some(Arc::new(peer));
         self
     }
+
+    /// The same layer naming each request's caller by the key `key` returns for it
+    /// (tower-governor's key extractor): the caller's class budgets, buckets and
+    /// quotas are that key's, counted as a credential with those bytes would be
+    /// (its principal from the policy's key table when the table holds it). Where
+    /// `key` returns `None`, the policy's credential sources and the client address
+    /// name the caller as usual. Per-IP ceilings still apply to the client address.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use sluice_store::{MemoryConfig, MemoryStore};
+    /// use sluice_tower::{Limiter, SluiceLayer};
+    ///
+    /// let policy = sluice_policy::default_policy().expect("the built-in policy");
+    /// let store = MemoryStore::new(MemoryConfig::default());
+    /// let limiter = Arc::new(Limiter::new(policy, store));
+    /// // Budgets per user id, from a header an authenticating layer in front sets.
+    /// let layer = SluiceLayer::new(limiter).with_key(|parts| {
+    ///     parts.headers.get("x-user-id").map(|v| v.as_bytes().to_vec())
+    /// });
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn with_key(
+        mut self,
+        key: impl Fn(&http::request::Parts) -> Option<Vec<u8>> + Send + Sync + 'static,
+    ) -> Self {
+        self.key_fn = Some(Arc::new(key));
+        self
+    }
 }
 
 impl<S> Clone for SluiceLayer<S> {
@@ -117,6 +155,7 @@ impl<S> Clone for SluiceLayer<S> {
         SluiceLayer {
             limiter: Arc::clone(&self.limiter),
             peer_fn: self.peer_fn.clone(),
+            key_fn: self.key_fn.clone(),
         }
     }
 }
@@ -129,6 +168,7 @@ impl<S, I> Layer<I> for SluiceLayer<S> {
             limiter: Arc::clone(&self.limiter),
             inner,
             peer_fn: self.peer_fn.clone(),
+            key_fn: self.key_fn.clone(),
         }
     }
 }
@@ -145,6 +185,7 @@ pub struct SluiceService<S, I> {
     limiter: SharedLimiter<S>,
     inner: I,
     peer_fn: Option<PeerFn>,
+    key_fn: Option<KeyFn>,
 }
 
 impl<S, I: Clone> Clone for SluiceService<S, I> {
@@ -153,6 +194,7 @@ impl<S, I: Clone> Clone for SluiceService<S, I> {
             limiter: Arc::clone(&self.limiter),
             inner: self.inner.clone(),
             peer_fn: self.peer_fn.clone(),
+            key_fn: self.key_fn.clone(),
         }
     }
 }
@@ -183,6 +225,7 @@ where
         let mut inner = std::mem::replace(&mut self.inner, ready);
         let limiter = self.limiter.load_full();
         let peer_fn = self.peer_fn.clone();
+        let key_fn = self.key_fn.clone();
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
             // A head RFC 9112 refuses (no `Host`, several), or `CONNECT`, is refused
@@ -206,6 +249,7 @@ where
             let Some(peer) = peer_of(&parts, peer_fn.as_ref()) else {
                 return Ok(no_peer_address().map(Either::Left));
             };
+            let key = key_fn.as_ref().and_then(|f| f(&parts));
             let policy = limiter.policy();
             let mut too_large = false;
             let route = match limiter.route(&parts) {
@@ -239,7 +283,13 @@ where
                 match collected {
                     Ok(collected) => {
                         let bytes = collected.to_bytes();
-                        let plan = limiter.plan(&parts, peer, route, Some(&bytes));
+                        let plan = limiter.plan_keyed(
+                            &parts.headers,
+                            peer,
+                            route,
+                            Some(&bytes),
+                            key.as_deref(),
+                        );
                         if route.is_some_and(|r| r.class == RouteClass::JsonRpc) {
                             jsonrpc_body = Some(bytes.clone());
                         }
@@ -249,13 +299,13 @@ where
                         too_large = true;
                         (
                             B::from(Bytes::new()),
-                            limiter.plan(&parts, peer, route, None),
+                            limiter.plan_keyed(&parts.headers, peer, route, None, key.as_deref()),
                         )
                     }
                     Err(_) => return Ok(body_unreadable().map(Either::Left)),
                 }
             } else {
-                let plan = limiter.plan(&parts, peer, route, None);
+                let plan = limiter.plan_keyed(&parts.headers, peer, route, None, key.as_deref());
                 (body, plan)
             };
             // What cannot be counted is refused before anything is decided.

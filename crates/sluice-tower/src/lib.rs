@@ -83,7 +83,7 @@ pub use lanes::{
     LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,
 };
 pub use layer::{
-    PeerAddr, PeerFn, SharedLimiter, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout,
+    KeyFn, PeerAddr, PeerFn, SharedLimiter, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout,
 };
 pub use limiter::{
     Admitted, ClassTally, Limiter, QuotaQueryError, QuotaUsage, Refused, ReloadRefused, Tally,

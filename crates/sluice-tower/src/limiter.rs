@@ -645,6 +645,24 @@ impl<S: BudgetStore> Limiter<S> {
         route: Option<&Route>,
         body: Option<&[u8]>,
     ) -> Result<Plan, Refused> {
+        self.plan_keyed(headers, peer, route, body, None)
+    }
+
+    /// [`Limiter::plan_for`] with the caller named by `key` when there is one (see
+    /// [`Identity::keyed_caller`](sluice_policy::Identity::keyed_caller)) instead of
+    /// the credential or address the policy reads; per-IP ceilings still apply to
+    /// the client address.
+    ///
+    /// # Errors
+    /// As [`Limiter::plan_for`].
+    pub fn plan_keyed(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+        route: Option<&Route>,
+        body: Option<&[u8]>,
+        key: Option<&[u8]>,
+    ) -> Result<Plan, Refused> {
         let policy = &self.policy;
         // Charged as the upstream reads the credential, or not at all.
         policy.identity.check_credentials(headers)?;
@@ -679,7 +697,10 @@ impl<S: BudgetStore> Limiter<S> {
         };
         let identity = &policy.identity;
         let client = identity.client_ip(peer, headers);
-        let caller = identity.caller(headers, &client, identity.trusts(peer));
+        let caller = match key {
+            Some(key) => identity.keyed_caller(key),
+            None => identity.caller(headers, &client, identity.trusts(peer)),
+        };
         if let Some(route) = route {
             // No allocation per request: the route's own slice.
             items.spend(&route.buckets, route.quota);

@@ -73,3 +73,77 @@ async fn e4_the_layer_reads_connect_info_a_peer_function_or_refuses() {
         .expect("infallible");
     assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
 }
+
+/// A read from `ip` with header `x-user-id: user` (when given) and `x-api-key: key`
+/// (when given), through `layer`; returns the read budget left.
+async fn remaining(
+    layer: &SluiceLayer<MemoryStore>,
+    ip: [u8; 4],
+    user: Option<&str>,
+    key: Option<&str>,
+) -> String {
+    let mut request = read(|e| {
+        e.insert(sluice_tower::PeerAddr((ip, 4000).into()));
+    });
+    if let Some(user) = user {
+        request
+            .headers_mut()
+            .insert("x-user-id", user.parse().expect("value"));
+    }
+    if let Some(key) = key {
+        request
+            .headers_mut()
+            .insert("x-api-key", key.parse().expect("value"));
+    }
+    let r = layer
+        .layer(service_fn(ok))
+        .oneshot(request)
+        .await
+        .expect("infallible");
+    assert_eq!(r.status(), StatusCode::OK);
+    r.headers()["x-ratelimit-remaining"]
+        .to_str()
+        .expect("text")
+        .to_owned()
+}
+
+#[tokio::test]
+async fn e2_a_key_function_names_the_caller_and_otherwise_the_policy_does() {
+    let limiter = Arc::new(Limiter::new(
+        default_policy().expect("policy"),
+        MemoryStore::new(MemoryConfig::default()),
+    ));
+    let layer = SluiceLayer::new(limiter).with_key(|parts| {
+        parts
+            .headers
+            .get("x-user-id")
+            .map(|v| v.as_bytes().to_vec())
+    });
+    // Every request from an address of its own, so that the per-IP ceiling (300)
+    // never binds before the read budget does.
+    // One user from two addresses, with two different API keys: one budget.
+    assert_eq!(
+        remaining(&layer, [198, 51, 100, 1], Some("ada"), Some("k1")).await,
+        "299"
+    );
+    assert_eq!(
+        remaining(&layer, [198, 51, 100, 2], Some("ada"), Some("k2")).await,
+        "298"
+    );
+    // Another user: a budget of its own.
+    assert_eq!(
+        remaining(&layer, [198, 51, 100, 3], Some("bob"), None).await,
+        "299"
+    );
+    // No key: the policy's credential names the caller, as without the function...
+    assert_eq!(
+        remaining(&layer, [198, 51, 100, 4], None, Some("k1")).await,
+        "299"
+    );
+    assert_eq!(
+        remaining(&layer, [198, 51, 100, 5], None, Some("k1")).await,
+        "298"
+    );
+    // ...and with no credential either, the address does.
+    assert_eq!(remaining(&layer, [203, 0, 113, 9], None, None).await, "299");
+}
