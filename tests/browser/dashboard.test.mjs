@@ -65,6 +65,9 @@ test("the dashboard shows traffic as it happens, refusals by reason, and caller 
   await page.goto(admin + "/");
   await page.locator("#live.on").waitFor({ timeout: 10_000 });
   assert.equal(await text(page, "#kpi-refused .value"), "0");
+  // The running policy's version (the file's), as /status gives it.
+  const status = await (await fetch(admin + "/status")).json();
+  assert.match(await text(page, "#policy-badge"), new RegExp("^policy " + status.limiter.policy.version.slice(0, 8) + "$"));
   assert.match(await text(page, "#refusals-body"), /nothing refused/);
 
   // SPEC E1: 30 expensive calls a minute per caller; 35 from one key → 5 refused.
