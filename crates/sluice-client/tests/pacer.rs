@@ -57,18 +57,16 @@ async fn c2_preflight_wait_ends_exactly_when_the_window_has_room() {
     assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 600);
 }
 
-#[tokio::test(start_paused = true)]
-async fn c2_waiting_requests_keep_their_order_when_going_ahead_would_delay_the_head() {
-    let (pacer, clock) = pacer(limits(1_000, 0, 0));
-    pacer.acquire("p", 500u32).await.unwrap();
-    tokio::time::advance(Duration::from_secs(30)).await;
-    pacer.acquire("p", 400u32).await.unwrap();
-    // 600 fit when the first 500 leave the window (61.25 s). 50 more fit now,
-    // but with them in the window the 600 would have to wait for the 400 too:
-    // the small request stays behind.
+/// Acquires `tokens` on `pacer`, one request each, queued in that order; returns
+/// (index, when admitted) in the order they were admitted.
+async fn admitted_in_order<const N: usize>(
+    pacer: &TestPacer,
+    clock: TokioClock,
+    tokens: [u32; N],
+) -> Vec<(usize, sluice_core::Timestamp)> {
     let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
-    for (i, tokens) in [(0, 600u32), (1, 50u32)] {
+    for (i, tokens) in tokens.into_iter().enumerate() {
         let p = pacer.clone();
         let o = order.clone();
         tasks.push(tokio::spawn(async move {
@@ -80,7 +78,20 @@ async fn c2_waiting_requests_keep_their_order_when_going_ahead_would_delay_the_h
     for t in tasks {
         t.await.unwrap();
     }
-    let order = order.lock();
+    let order = order.lock().clone();
+    order
+}
+
+#[tokio::test(start_paused = true)]
+async fn c2_waiting_requests_keep_their_order_when_going_ahead_would_delay_the_head() {
+    let (pacer, clock) = pacer(limits(1_000, 0, 0));
+    pacer.acquire("p", 500u32).await.unwrap();
+    tokio::time::advance(Duration::from_secs(30)).await;
+    pacer.acquire("p", 400u32).await.unwrap();
+    // 600 fit when the first 500 leave the window (61.25 s). 50 more fit now,
+    // but with them in the window the 600 would have to wait for the 400 too:
+    // the small request stays behind.
+    let order = admitted_in_order(&pacer, clock, [600, 50]).await;
     assert_eq!(
         order[0],
         (0, at(61_250)),
@@ -95,21 +106,8 @@ async fn c2_a_small_request_goes_ahead_of_a_waiting_large_one_that_still_goes_on
     pacer.acquire("p", 900u32).await.unwrap();
     // 800 wait for the 900 to leave the window (61.25 s); 50 fit now, and
     // 800 + 50 still fit then: the small one need not wait behind the large one.
-    let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
-    let mut tasks = Vec::new();
-    for (i, tokens) in [(0, 800u32), (1, 50u32)] {
-        let p = pacer.clone();
-        let o = order.clone();
-        tasks.push(tokio::spawn(async move {
-            p.acquire("p", tokens).await.unwrap();
-            o.lock().push((i, clock.now()));
-        }));
-        tokio::task::yield_now().await;
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    assert_eq!(*order.lock(), vec![(1, at(0)), (0, at(61_250))]);
+    let order = admitted_in_order(&pacer, clock, [800, 50]).await;
+    assert_eq!(order, vec![(1, at(0)), (0, at(61_250))]);
     // The 900 and the 50, both reserved at 0, have left the window.
     assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 800);
 }
