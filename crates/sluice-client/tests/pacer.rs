@@ -78,8 +78,7 @@ async fn admitted_in_order<const N: usize>(
     for t in tasks {
         t.await.unwrap();
     }
-    let order = order.lock().clone();
-    order
+    order.lock().clone()
 }
 
 #[tokio::test(start_paused = true)]
