@@ -509,16 +509,7 @@ async fn quota_answer(state: &AdminState, q: QuotaQuery, reset: bool) -> Respons
         limiter.quota_usage(&workspace).await
     };
     match answer {
-        Ok(usage) => Json(serde_json::json!({
-            "workspace": workspace,
-            "quotas": usage.iter().map(|u| serde_json::json!({
-                "family": u.family,
-                "limit": u.limit,
-                "usage": u.usage,
-                "resets_at": sluice_tower::rfc3339(u.resets_at),
-            })).collect::<Vec<_>>(),
-        }))
-        .into_response(),
+        Ok(usage) => Json(usage_json(&workspace, &usage)).into_response(),
         Err(sluice_tower::QuotaQueryError::Store(e)) => error(
             StatusCode::SERVICE_UNAVAILABLE,
             "store_unavailable",
@@ -608,6 +599,19 @@ fn tally_json(t: &sluice_tower::Tally) -> serde_json::Value {
     })
 }
 
+/// A workspace's quota usage as `/quotas` and the dashboard show it.
+fn usage_json(workspace: &str, usage: &[sluice_tower::QuotaUsage]) -> serde_json::Value {
+    serde_json::json!({
+        "workspace": workspace,
+        "quotas": usage.iter().map(|u| serde_json::json!({
+            "family": u.family,
+            "limit": u.limit,
+            "usage": u.usage,
+            "resets_at": sluice_tower::rfc3339(u.resets_at),
+        })).collect::<Vec<_>>(),
+    })
+}
+
 /// Quota usage of the key table's workspaces and the top callers' (at most
 /// [`QUOTA_WORKSPACES`]), read at most every [`QUOTAS_MAX_AGE`]; `null` without
 /// quota families.
@@ -648,15 +652,7 @@ async fn quota_table(state: &AdminState, summary: &serde_json::Value) -> serde_j
     let mut table = Vec::with_capacity(workspaces.len());
     for workspace in workspaces {
         let row = match limiter.quota_usage(&workspace).await {
-            Ok(usage) => serde_json::json!({
-                "workspace": workspace,
-                "quotas": usage.iter().map(|u| serde_json::json!({
-                    "family": u.family,
-                    "limit": u.limit,
-                    "usage": u.usage,
-                    "resets_at": sluice_tower::rfc3339(u.resets_at),
-                })).collect::<Vec<_>>(),
-            }),
+            Ok(usage) => usage_json(&workspace, &usage),
             Err(e) => serde_json::json!({"workspace": workspace, "error": e.to_string()}),
         };
         table.push(row);
