@@ -343,7 +343,7 @@ impl Gateway {
                     &config.data_dir,
                     config.quota_sync,
                     batch_config,
-                    MemoryConfig::with_max_keys(config.max_keys),
+                    MemoryConfig::with_max_keys(config.max_keys).preallocated(),
                 )?;
                 (store, book.map(batch::Batches::Local))
             }

@@ -15,8 +15,10 @@
 //! told otherwise, a store picks its shard count from its key cap so that a
 //! full shard's table is at most [`TABLE_FILL`] full (a swiss table grows at
 //! 7/8): at the cap a cell costs about 16 / 0.85 + 1.2 ≈ 20 bytes, where
-//! tables that had just doubled past the cap would cost up to 39. The table
-//! keeps that size through churn: the tombstones that removed cells leave
+//! tables that had just doubled past the cap would cost up to 39. Tables grow
+//! as cells arrive, or are allocated at that size at once with
+//! [`MemoryConfig::preallocated`] (a fixed-size zone: memory that does not
+//! move with the number of callers). A table keeps its size through churn: the tombstones that removed cells leave
 //! (a refused decision's new cells, a sweep's stale ones) are rebuilt away
 //! rather than let the table grow. A cell whose window is over (see
 //! [`sluice_core::cell_is_stale`]) is dropped when its shard needs room or on
@@ -89,6 +91,14 @@ pub struct MemoryConfig {
     /// taken as [`MAX_SHARDS`]); `0` (the default) picks it from `max_keys`
     /// and the machine's parallelism (see [`auto_shards`]).
     pub shards: usize,
+    /// Allocate every shard's table for its share of `max_keys` at once (as a
+    /// fixed-size zone), rather than let tables grow as cells arrive. The
+    /// memory then stays what it was after the first seconds of traffic,
+    /// whatever the number of callers does later: no table doubles under
+    /// load, and a flood cannot make the process's footprint jump. Costs the
+    /// whole bound's memory (about 20 bytes a cell) once traffic has touched
+    /// the tables; off by default.
+    pub preallocate: bool,
 }
 
 impl Default for MemoryConfig {
@@ -96,6 +106,7 @@ impl Default for MemoryConfig {
         MemoryConfig {
             max_keys: 1_000_000,
             shards: 0,
+            preallocate: false,
         }
     }
 }
@@ -106,7 +117,16 @@ impl MemoryConfig {
         MemoryConfig {
             max_keys,
             shards: 0,
+            preallocate: false,
         }
+    }
+
+    /// The same sizing with every shard's table allocated up front (see
+    /// [`MemoryConfig::preallocate`]).
+    #[must_use]
+    pub const fn preallocated(mut self) -> Self {
+        self.preallocate = true;
+        self
     }
 
     /// The same sizing on `shards` shards (`0`: picked from `max_keys`).
@@ -225,19 +245,25 @@ impl Shard {
         }
     }
 
-    /// Rebuilds the table at its bucket count when dropped cells left
+    /// Rebuilds the table in its own allocation when dropped cells left
     /// tombstones: a tombstone gives no room back, so a table kept near its
-    /// sizing would otherwise double the next time it fills. Moves every
-    /// cell (and republishes the hint): call only where no bucket index is
-    /// held.
+    /// sizing would otherwise double the next time it fills. The live cells
+    /// are set aside, the table cleared (keeping its buckets) and the cells
+    /// put back, so the only memory a rebuild takes for a moment is the live
+    /// cells' 16 bytes each, never a second table. Moves every cell (and
+    /// republishes the hint): call only where no bucket index is held.
     fn compact(&mut self, hasher: &foldhash::fast::RandomState, hint: &SlotHint) {
         use std::hash::BuildHasher;
         if !std::mem::take(&mut self.tombstones) {
             return;
         }
-        let capacity = Self::room(self.cells.num_buckets());
-        let kept = std::mem::take(&mut self.cells);
-        self.cells = HashTable::with_capacity(capacity.max(kept.len()));
+        let kept: Vec<(u64, u64)> = self.cells.iter().copied().collect();
+        if kept.is_empty() && self.cells.allocation_size() > 0 {
+            // `clear` skips a table with no cells, tombstones and all: give
+            // it one (in place: an empty table rehashes rather than grows).
+            self.cells.insert_unique(0, (0, 0), |_| 0);
+        }
+        self.cells.clear();
         for e in kept {
             self.cells
                 .insert_unique(hasher.hash_one(e.0), e, |e| hasher.hash_one(e.0));
@@ -295,12 +321,20 @@ impl<C: Clock> MemoryStore<C> {
             config.shards.min(MAX_SHARDS)
         };
         let shard_cap = config.max_keys.div_ceil(shards).max(1);
+        let shard = || {
+            let slot = ShardSlot::default();
+            if config.preallocate {
+                let mut guard = slot.shard.lock();
+                guard.cells = HashTable::with_capacity(shard_cap);
+                guard.published_buckets = guard.cells.num_buckets();
+                slot.hint.publish(&guard.cells);
+            }
+            CachePadded::new(slot)
+        };
         MemoryStore {
             clock,
             hasher: foldhash::fast::RandomState::default(),
-            shards: (0..shards)
-                .map(|_| CachePadded::new(ShardSlot::default()))
-                .collect(),
+            shards: (0..shards).map(|_| shard()).collect(),
             shard_cap,
             overflow: Box::new(CachePadded::new(Mutex::default())),
             overflow_cap: (config.max_keys / 8).max(64),
@@ -1115,13 +1149,46 @@ mod tests {
     /// A one-shard store of 1,700 cells (2,048 slots, 83 % full at its cap)
     /// on `clock`.
     fn one_shard(clock: sluice_core::FakeClock) -> MemoryStore<sluice_core::FakeClock> {
-        MemoryStore::with_clock(
-            MemoryConfig {
-                max_keys: 1_700,
-                shards: 1,
-            },
-            clock,
-        )
+        MemoryStore::with_clock(MemoryConfig::with_max_keys(1_700).with_shards(1), clock)
+    }
+
+    #[test]
+    fn a_preallocated_store_has_its_tables_at_full_size_before_any_cell_and_keeps_them() {
+        // As a fixed-size zone: the table a shard needs at its cap exists
+        // before the first caller, and churn over windows (sweeps, rebuilds
+        // of the tombstones they leave, reclaims) keeps that one table.
+        let clock = sluice_core::FakeClock::new(Timestamp::from_secs(1_764_460_800));
+        let store = MemoryStore::with_clock(
+            MemoryConfig::with_max_keys(1_700)
+                .with_shards(1)
+                .preallocated(),
+            clock.clone(),
+        );
+        let grown = one_shard(clock.clone());
+        assert!(grown.shards[0].shard.lock().cells.allocation_size() == 0);
+        let size = |s: &MemoryStore<_>| {
+            let shard = s.shards[0].shard.lock();
+            (shard.cells.num_buckets(), shard.cells.allocation_size())
+        };
+        let at_start = size(&store);
+        assert_eq!(at_start.0, 2_048);
+        let minute = std::num::NonZeroU32::new(60).expect("non-zero");
+        let mut next = 0;
+        for round in 0..5 {
+            for _ in 0..1_700 {
+                let b = Budget::per_window(BudgetKey::from_digests(7, next), 10, minute);
+                assert!(store.decide_now(&[b]).expect("decide").is_admitted());
+                next += 1;
+            }
+            assert_eq!(store.len(), 1_700, "round {round}: every caller has a cell");
+            assert_eq!(size(&store), at_start, "round {round}");
+            clock.advance(std::time::Duration::from_secs(61));
+            if round % 2 == 0 {
+                store.reclaim();
+                assert_eq!(store.len(), 0);
+                assert_eq!(size(&store), at_start, "round {round}: reclaimed");
+            }
+        }
     }
 
     #[test]
@@ -1214,10 +1281,7 @@ mod tests {
         // Subjects as a store sees them: digests of credentials or addresses.
         // (Sequential raw subjects, as benches use, spread less evenly for
         // a few of the per-process seeds; no caller can pick its digest.)
-        let store = MemoryStore::new(MemoryConfig {
-            max_keys: 1_000,
-            shards: 32,
-        });
+        let store = MemoryStore::new(MemoryConfig::with_max_keys(1_000).with_shards(32));
         let keys: Vec<BudgetKey> = (0..64_000u64)
             .map(|s| BudgetKey::new("ip", &s.to_le_bytes()))
             .collect();

@@ -112,7 +112,10 @@ pub struct ServeArgs {
     pub max_buffered_bytes: usize,
 
     /// Most budget cells the in-process store holds (one per caller and budget in a
-    /// window; about 20 bytes each). Past it, a new caller shares an overflow
+    /// window; about 20 bytes each). Its tables are allocated for all of them at
+    /// start (as a fixed-size zone), so the store's memory is set by this flag
+    /// and does not move with traffic: the default takes about 20 MB once
+    /// traffic has touched it. Past it, a new caller shares an overflow
     /// budget with the other new callers of its network (the /24 of an IPv4
     /// client, the /56 of an IPv6 one), in a table of max-keys/8 cells; callers
     /// that hold a cell keep it. Not used with a Redis store.
