@@ -60,9 +60,9 @@ pub use decision::{
     CellRef, InPlaceDecision, Ledger, Mode, adjust, decide, decide_cell, decide_within_bounds,
 };
 pub use key::{BudgetKey, digest};
-#[doc(hidden)]
-pub use rate::cell_is_stale;
 pub use rate::{BudgetStatus, Rate, Verdict};
+#[doc(hidden)]
+pub use rate::{GcraStep, cell_is_stale};
 pub use rolling::MAX_ROLLING_SLOTS;
 
 /// For those who write a store: the pure decision over cells a store holds.
@@ -97,6 +97,6 @@ pub mod store_impl {
     pub use crate::decision::{
         CellRef, InPlaceDecision, Ledger, Mode, adjust, decide, decide_cell, decide_within_bounds,
     };
-    pub use crate::rate::cell_is_stale;
+    pub use crate::rate::{GcraStep, cell_is_stale};
 }
 pub use turns::{ContinueOrFinish, DEFAULT_PROFILE_TURNS, Tier, Turn, TurnBudget};

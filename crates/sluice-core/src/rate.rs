@@ -223,6 +223,64 @@ fn verdict_for(fits: bool, never: bool, retry_after_nanos: u64) -> Verdict {
     }
 }
 
+/// A GCRA budget's spacing worked out once, for a caller that decides the
+/// same budget over and over (a keyed limiter): each call is then a compare
+/// and an add on the cell, with no division and no [`crate::Decision`] built.
+/// It decides exactly as [`Rate::Gcra`] does through the general decision
+/// (a property test holds the two together), and writes the same cell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GcraStep {
+    /// Nanoseconds between two units (see [`gcra_interval`]).
+    interval: u64,
+    /// `interval × burst`: how far ahead of now the theoretical arrival time may run.
+    capacity: u64,
+    /// The largest cost that can ever fit: the smaller of limit and burst.
+    max_cost: u32,
+}
+
+impl GcraStep {
+    /// The step of `Rate::Gcra { period, burst }` with `limit` units per period.
+    pub fn new(period: Duration, limit: u32, burst: NonZeroU32) -> Self {
+        let interval = gcra_interval(period, limit);
+        GcraStep {
+            interval,
+            capacity: interval.saturating_mul(u64::from(burst.get())),
+            max_cost: limit.min(burst.get()),
+        }
+    }
+
+    /// Spends `cost` units from a cell holding `cell` at `now`: `Ok` with the
+    /// cell's new value (`cell` itself for a cost of 0), or `Err` with the
+    /// nanoseconds until the cost fits (`u64::MAX`: it never will, the cost
+    /// is above the limit or the burst).
+    ///
+    /// # Errors
+    /// As above: the cost does not fit now.
+    #[inline(always)]
+    pub fn spend(&self, cell: u64, cost: u32, now: Timestamp) -> Result<u64, u64> {
+        if cost > self.max_cost {
+            return Err(u64::MAX);
+        }
+        let now = now.as_nanos();
+        let stored_tat = (cell >> 32) * NANOS_PER_SEC + u64::from(low(cell) % 1_000_000_000);
+        let tat = stored_tat.max(now);
+        let spend = self.interval.saturating_mul(u64::from(cost));
+        let after = (tat - now).saturating_add(spend);
+        if after <= self.capacity {
+            if cost == 0 {
+                return Ok(cell);
+            }
+            let new_tat = tat.saturating_add(spend);
+            Ok(pack(
+                new_tat / NANOS_PER_SEC,
+                (new_tat % NANOS_PER_SEC) as u32,
+            ))
+        } else {
+            Err(after - self.capacity)
+        }
+    }
+}
+
 /// One one-cell budget's evaluation (every [`Rate`] but the sliding window):
 /// its status before and after spending, and the value to write if every
 /// budget of the decision admits.
@@ -290,7 +348,7 @@ pub(crate) fn evaluate_one(
             let debt = tat - now.as_nanos();
             let spend = t.saturating_mul(u64::from(cost));
             let never = never || u64::from(cost) > u64::from(burst.get());
-            let fits = !never && debt + spend <= capacity;
+            let fits = !never && debt.saturating_add(spend) <= capacity;
             let remaining_before = (capacity.saturating_sub(debt) / t) as u32;
             // `spend` is `cost` whole intervals, so when it fits
             // `(capacity - debt - spend) / t` is `remaining_before - cost`:
@@ -300,9 +358,9 @@ pub(crate) fn evaluate_one(
             } else {
                 remaining_before
             };
-            let new_tat = tat + spend;
+            let new_tat = tat.saturating_add(spend);
             let drained = if fits { new_tat } else { tat };
-            let retry = (debt + spend).saturating_sub(capacity);
+            let retry = debt.saturating_add(spend).saturating_sub(capacity);
             OneCell {
                 verdict: verdict_for(fits, never, retry),
                 remaining_before,

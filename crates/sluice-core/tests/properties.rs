@@ -230,3 +230,47 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+    /// The precomputed GCRA step (a keyed limiter's hot path) decides as the
+    /// general decision does, on any cell, cost and quota: the same verdict,
+    /// the same cell written, the same wait to the nanosecond.
+    #[test]
+    fn the_gcra_step_decides_as_the_general_decision(
+        period_ms in prop_oneof![1u64..2_000, 1_000u64..100_000_000, Just(u64::MAX / 2_000_000)],
+        limit in prop_oneof![1u32..100, Just(u32::MAX), any::<u32>().prop_map(|n| n.max(1))],
+        burst in prop_oneof![1u32..100, Just(u32::MAX), any::<u32>().prop_map(|n| n.max(1))],
+        cost in prop_oneof![0u32..8, any::<u32>()],
+        cell in prop_oneof![Just(0u64), any::<u64>(), (T0 - 5..T0 + 5, 0u32..1_000_000_000).prop_map(|(s, n)| (s << 32) | u64::from(n))],
+        now_nanos in 0u64..20_000_000_000,
+    ) {
+        let period = Duration::from_millis(period_ms);
+        let budget = Budget {
+            key: BudgetKey::new("keyed", b"k"),
+            rate: Rate::Gcra { period, burst: nz(burst) },
+            limit,
+            cost,
+        };
+        let now = Timestamp::from_nanos(T0 * 1_000_000_000 - 10_000_000_000 + now_nanos);
+        let mut general = cell;
+        let d = sluice_core::decide_cell(&budget, &mut general, now, Mode::Spend);
+        let step = sluice_core::GcraStep::new(period, limit, nz(burst)).spend(cell, cost, now);
+        match step {
+            Ok(written) => {
+                prop_assert!(d.is_admitted());
+                prop_assert_eq!(written, general);
+            }
+            Err(u64::MAX) => {
+                prop_assert!(d.is_never());
+                prop_assert_eq!(general, cell);
+            }
+            Err(wait) => {
+                prop_assert!(!d.is_admitted() && !d.is_never());
+                prop_assert_eq!(d.retry_after(), Some(Duration::from_nanos(wait)));
+                prop_assert_eq!(general, cell);
+            }
+        }
+    }
+}

@@ -13,7 +13,9 @@ use std::marker::PhantomData;
 use std::num::NonZeroU32;
 use std::time::Duration;
 
-use sluice_core::{Budget, BudgetKey, Clock, Decision, Rate, SystemClock, Timestamp, digest};
+use sluice_core::{
+    Budget, BudgetKey, Clock, Decision, GcraStep, Rate, SystemClock, Timestamp, digest,
+};
 
 use crate::{MemoryConfig, MemoryStore};
 
@@ -87,6 +89,10 @@ impl Quota {
     pub fn interval(&self) -> Duration {
         let micros = self.period.as_micros() / u128::from(self.limit.get());
         Duration::from_micros(u64::try_from(micros).unwrap_or(u64::MAX).max(1))
+    }
+
+    fn step(&self) -> GcraStep {
+        GcraStep::new(self.period, self.limit.get(), self.burst)
     }
 
     fn budget(&self, key: BudgetKey, cost: u32) -> Budget {
@@ -222,6 +228,8 @@ impl Hasher for FixedHasher {
 pub struct KeyedLimiter<K: ?Sized, S = MemoryStore> {
     store: S,
     quota: Quota,
+    /// The quota's GCRA spacing, worked out once.
+    step: GcraStep,
     scope: u64,
     hasher: KeyHasher,
     _keys: PhantomData<fn(&K)>,
@@ -290,6 +298,7 @@ impl<K: Hash + ?Sized, C: Clock> KeyedLimiter<K, MemoryStore<C>> {
         KeyedLimiter {
             store,
             quota,
+            step: quota.step(),
             scope: digest(DEFAULT_SCOPE.as_bytes()),
             hasher: KeyHasher::Random(foldhash::fast::RandomState::default()),
             _keys: PhantomData,
@@ -304,13 +313,11 @@ impl<K: Hash + ?Sized, C: Clock> KeyedLimiter<K, MemoryStore<C>> {
     #[inline]
     pub fn check_key(&self, key: &K) -> Result<(), NotUntil> {
         let budget = self.budget(key, 1);
-        match self.store.decide_now(std::slice::from_ref(&budget)) {
-            Ok(d) if d.is_admitted() => Ok(()),
-            Ok(d) => Err(NotUntil::from_decision(&d)),
-            // One budget is always within the store's bound.
-            Err(_) => Err(NotUntil {
-                decided_at: self.store.clock().now(),
-                wait: self.quota.interval(),
+        match self.store.spend_gcra(&budget, &self.step) {
+            (_, Ok(())) => Ok(()),
+            (decided_at, Err(wait)) => Err(NotUntil {
+                decided_at,
+                wait: Duration::from_nanos(wait),
             }),
         }
     }
@@ -390,6 +397,7 @@ mod shared {
             KeyedLimiter {
                 store,
                 quota,
+                step: quota.step(),
                 scope: digest(DEFAULT_SCOPE.as_bytes()),
                 hasher: KeyHasher::Fixed,
                 _keys: PhantomData,
@@ -514,6 +522,43 @@ mod tests {
         );
         clock.advance(Duration::from_millis(250));
         assert!(lim.check_key("k").is_ok());
+    }
+
+    #[test]
+    fn past_the_store_cap_keys_that_have_a_budget_keep_it_and_new_keys_share_one() {
+        // A store of 64 cells on one shard, each key holding one: the 65th
+        // key goes the general way (its shard is full of live cells) into
+        // the shared overflow budget, and says so with a refusal and a wait.
+        let clock = FakeClock::new(Timestamp::from_secs(1_764_460_800));
+        let store = MemoryStore::with_clock(
+            MemoryConfig::with_max_keys(64).with_shards(1),
+            clock.clone(),
+        );
+        let lim: KeyedLimiter<u64, _> = KeyedLimiter::with_memory(Quota::per_minute(nz(2)), store);
+        for k in 0..64 {
+            assert!(lim.check_key(&k).is_ok(), "key {k}");
+        }
+        assert!(
+            lim.check_key(&1_000).is_ok(),
+            "the overflow budget's first unit"
+        );
+        assert!(
+            lim.check_key(&1_001).is_ok(),
+            "and its second, by another new key"
+        );
+        let shared = lim
+            .check_key(&1_002)
+            .expect_err("the overflow budget is spent");
+        assert_eq!(shared.wait_time(), Duration::from_secs(30));
+        assert!(
+            lim.check_key(&5).is_ok(),
+            "key 5 kept its own budget: one unit left"
+        );
+        assert_eq!(
+            lim.check_key(&5).expect_err("spent").wait_time(),
+            Duration::from_secs(30)
+        );
+        assert_eq!(lim.store().len(), 64);
     }
 
     #[test]

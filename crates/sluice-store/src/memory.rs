@@ -52,7 +52,7 @@ use crossbeam_utils::CachePadded;
 use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard};
 use sluice_core::{
-    Budget, BudgetKey, BudgetStatus, CellRef, Clock, Decision, InPlaceDecision, Ledger,
+    Budget, BudgetKey, BudgetStatus, CellRef, Clock, Decision, GcraStep, InPlaceDecision, Ledger,
     MAX_BUDGETS, Mode, SystemClock, Timestamp, adjust, cell_is_stale, decide_cell,
     decide_within_bounds,
 };
@@ -559,6 +559,46 @@ impl<C: Clock> MemoryStore<C> {
             shard.insert(hash, cell, value, &self.hasher, &slot.hint);
         }
         decision
+    }
+
+    /// One GCRA budget with its step worked out once (the keyed limiter's
+    /// path): as [`MemoryStore::decide_one`], without a [`Decision`] built.
+    /// Returns the instant decided at and the step's answer: `Ok` admitted
+    /// (and spent), `Err` the nanoseconds to wait (`u64::MAX`: never).
+    #[inline(always)]
+    pub(crate) fn spend_gcra(
+        &self,
+        budget: &Budget,
+        step: &GcraStep,
+    ) -> (Timestamp, Result<(), u64>) {
+        debug_assert!(matches!(budget.rate, sluice_core::Rate::Gcra { .. }));
+        let cell = budget.key.fingerprint();
+        let hash = self.hash(cell);
+        let slot = &self.shards[self.shard_of(&budget.key)];
+        let mut shard = slot.shard.lock();
+        // Read under the lock (see `lock_cells_now`).
+        let now = self.clock.now();
+        if let Some(entry) = shard.cells.find_mut(hash, |e| e.0 == cell) {
+            let spent = step.spend(entry.1, budget.cost, now).map(|v| entry.1 = v);
+            return (now, spent);
+        }
+        if shard.cells.len() >= self.shard_cap || self.overflow_live(now) {
+            // A new key at a full shard: the general path sweeps or overflows.
+            drop(shard);
+            let d = self.decide_one(budget, Mode::Spend, NO_NETWORK);
+            let answer = match d.retry_after() {
+                _ if d.is_admitted() => Ok(()),
+                _ if d.is_never() => Err(u64::MAX),
+                wait => Err(wait.map_or(0, |w| u64::try_from(w.as_nanos()).unwrap_or(u64::MAX))),
+            };
+            return (d.decided_at(), answer);
+        }
+        let spent = step.spend(0, budget.cost, now).map(|v| {
+            if v != 0 {
+                shard.insert(hash, cell, v, &self.hasher, &slot.hint);
+            }
+        });
+        (now, spent)
     }
 
     /// The hot path, for budgets kept in one cell each (all but sliding
