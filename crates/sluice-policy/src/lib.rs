@@ -20,6 +20,7 @@
 //! assert_eq!(policy.paths.normalize("//x/../%63hats").unwrap(), "/chats");
 //! ```
 
+mod builder;
 mod default;
 mod describe;
 mod identity;
@@ -30,6 +31,7 @@ mod pattern;
 pub mod raw;
 mod validate;
 
+pub use builder::PolicyBuilder;
 pub use default::DEFAULT_POLICY_YAML;
 #[cfg(feature = "yaml")]
 pub use default::default_policy;

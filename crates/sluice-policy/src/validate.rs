@@ -83,13 +83,19 @@ pub enum PolicyError {
         /// Every problem found.
         problems: Vec<Problem>,
     },
+    /// A policy built in code (see [`crate::PolicyBuilder`]) has wrong values.
+    #[error("the policy built in code: {} problem(s):\n{}", problems.len(), problems.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
+    Built {
+        /// Every problem found, each named by the key a policy file would have.
+        problems: Vec<Problem>,
+    },
 }
 
 impl PolicyError {
     /// The problems, when the policy parsed but did not validate.
     pub fn problems(&self) -> &[Problem] {
         match self {
-            PolicyError::Invalid { problems, .. } => problems,
+            PolicyError::Invalid { problems, .. } | PolicyError::Built { problems } => problems,
             _ => &[],
         }
     }

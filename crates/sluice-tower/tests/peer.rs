@@ -147,3 +147,50 @@ async fn e2_a_key_function_names_the_caller_and_otherwise_the_policy_does() {
     // ...and with no credential either, the address does.
     assert_eq!(remaining(&layer, [203, 0, 113, 9], None, None).await, "299");
 }
+
+#[tokio::test]
+async fn e1_a_policy_built_in_code_limits_through_the_layer() {
+    use sluice_policy::{Class, Policy};
+    // Two reads a minute per user, keyed by the user's own header; no route but
+    // `/search/*`, which costs a read.
+    let policy = Policy::builder()
+        .limit(Class::Read, 2)
+        .route_any_method("/search/*", Class::Read)
+        .build()
+        .expect("valid");
+    let limiter = Arc::new(Limiter::new(
+        policy,
+        MemoryStore::new(MemoryConfig::default()),
+    ));
+    let layer = SluiceLayer::new(limiter).with_key(|parts| {
+        parts
+            .headers
+            .get("x-user-id")
+            .map(|v| v.as_bytes().to_vec())
+    });
+    assert_eq!(
+        remaining(&layer, [198, 51, 100, 1], Some("ada"), None).await,
+        "1"
+    );
+    assert_eq!(
+        remaining(&layer, [198, 51, 100, 2], Some("ada"), None).await,
+        "0"
+    );
+    let refused = layer
+        .layer(service_fn(ok))
+        .oneshot({
+            let mut r = read(|e| {
+                e.insert(sluice_tower::PeerAddr(([198, 51, 100, 3], 4000).into()));
+            });
+            r.headers_mut()
+                .insert("x-user-id", http::HeaderValue::from_static("ada"));
+            r
+        })
+        .await
+        .expect("infallible");
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        remaining(&layer, [198, 51, 100, 4], Some("bob"), None).await,
+        "1"
+    );
+}

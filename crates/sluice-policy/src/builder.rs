@@ -1,0 +1,415 @@
+//! A policy built in code: [`Policy::builder`] fills the same [`RawPolicy`] a
+//! file is read into, and [`PolicyBuilder::build`] checks it exactly as a file
+//! is checked, so a policy built either way means the same.
+
+use http::Method;
+
+use crate::raw::{
+    RawBucket, RawCeilings, RawClasses, RawKey, RawProfile, RawQuota, RawRoute, RawTool,
+};
+use crate::{Class, CredentialSource, Per, Policy, PolicyError, Problem, RawPolicy, validate};
+
+/// The profile a built policy defines and uses.
+const PROFILE: &str = "production";
+
+/// Builds a [`Policy`] in code (see [`Policy::builder`]).
+///
+/// It starts from the built-in policy's numbers per caller and window of 60 s
+/// (protocol 600, read 300, standard 60, expensive 30; per client IP, 300
+/// requests holding work and 1,200 holding only protocol calls), credentials
+/// from `X-API-Key`, a bearer token and the `session` cookie, and no route,
+/// bucket, quota or lane: every request is then of the `standard` class.
+/// Each method changes one thing; [`PolicyBuilder::build`] reports every
+/// problem at once, each named by the key a policy file would have.
+///
+/// ```
+/// use http::Method;
+/// use sluice_policy::{Class, Per, Policy, RouteClass};
+///
+/// let policy = Policy::builder()
+///     .window_seconds(60)
+///     .limit(Class::Expensive, 10)
+///     .route(Method::POST, "/chats", Class::Expensive)
+///     .route_any_method("/search/*", Class::Read)
+///     .bucket("register", 5, 60, Per::Ip)
+///     .route(Method::POST, "/oauth/register", Class::Standard)
+///     .spends("register")
+///     .jsonrpc_route("/mcp")
+///     .tool("start_chat", Class::Expensive)
+///     .build()?;
+/// assert_eq!(policy.profile.limit(Class::Expensive).get(), 10);
+/// let chats = policy.route(&Method::POST, "/chats").unwrap();
+/// assert_eq!(chats.class, RouteClass::Fixed(Class::Expensive));
+/// // Checked as a file is: a route naming no bucket of the policy is refused.
+/// let wrong = Policy::builder().route(Method::GET, "/", Class::Read).spends("nope").build();
+/// assert!(wrong.unwrap_err().to_string().contains("routes[0].buckets"));
+/// # Ok::<(), sluice_policy::PolicyError>(())
+/// ```
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct PolicyBuilder {
+    raw: RawPolicy,
+    /// Misuses of the builder itself, reported by `build` beside the policy's.
+    misuses: Vec<Problem>,
+}
+
+impl Policy {
+    /// A [`PolicyBuilder`] on the built-in policy's numbers, with no routes.
+    pub fn builder() -> PolicyBuilder {
+        PolicyBuilder::new()
+    }
+}
+
+impl Default for PolicyBuilder {
+    fn default() -> Self {
+        PolicyBuilder::new()
+    }
+}
+
+impl PolicyBuilder {
+    /// The built-in policy's numbers, no routes (see [`PolicyBuilder`]).
+    pub fn new() -> Self {
+        let mut raw = RawPolicy {
+            profile: Some(PROFILE.to_owned()),
+            window_seconds: Some(60),
+            ..RawPolicy::default()
+        };
+        raw.profiles.insert(
+            PROFILE.to_owned(),
+            RawProfile {
+                classes: RawClasses {
+                    protocol: 600,
+                    read: 300,
+                    standard: 60,
+                    expensive: 30,
+                },
+                ip_ceilings: RawCeilings {
+                    work: 300,
+                    protocol_only: 1_200,
+                },
+            },
+        );
+        PolicyBuilder {
+            raw,
+            misuses: Vec::new(),
+        }
+    }
+
+    /// A builder over a raw policy (one read from a file, say), to change it
+    /// in code before it is checked.
+    pub fn from_raw(raw: RawPolicy) -> Self {
+        PolicyBuilder {
+            raw,
+            misuses: Vec::new(),
+        }
+    }
+
+    /// The raw policy built so far: what a policy file would hold (serialise
+    /// it to write one).
+    pub fn into_raw(self) -> RawPolicy {
+        self.raw
+    }
+
+    fn profile(&mut self) -> &mut RawProfile {
+        let name = self
+            .raw
+            .profile
+            .clone()
+            .unwrap_or_else(|| PROFILE.to_owned());
+        self.raw.profiles.entry(name).or_default()
+    }
+
+    /// The window of the class budgets and the IP ceilings, in seconds
+    /// (aligned to the Unix epoch, so every replica agrees where one starts).
+    pub fn window_seconds(mut self, seconds: u32) -> Self {
+        self.raw.window_seconds = Some(seconds);
+        self
+    }
+
+    /// Each caller may spend `per_window` calls of `class` per window.
+    pub fn limit(mut self, class: Class, per_window: u32) -> Self {
+        let classes = &mut self.profile().classes;
+        match class {
+            Class::Protocol => classes.protocol = per_window,
+            Class::Read => classes.read = per_window,
+            Class::Standard => classes.standard = per_window,
+            Class::Expensive => classes.expensive = per_window,
+        }
+        self
+    }
+
+    /// Per client IP and window, whatever the credential: at most `work`
+    /// requests holding any read, standard or expensive call, and at most
+    /// `protocol_only` holding only protocol calls.
+    pub fn ip_ceilings(mut self, work: u32, protocol_only: u32) -> Self {
+        self.profile().ip_ceilings = RawCeilings {
+            work,
+            protocol_only,
+        };
+        self
+    }
+
+    /// No ceiling per client IP (callers are still limited each on its own).
+    pub fn without_ip_ceilings(self) -> Self {
+        self.ip_ceilings(u32::MAX, u32::MAX)
+    }
+
+    /// Requests to `method` and `path` cost one `class` call. Routes are
+    /// matched in the order they were added, first match wins; `path` is a
+    /// pattern (`/chats/{id}`, a trailing `*` for the rest).
+    pub fn route(self, method: Method, path: &str, class: Class) -> Self {
+        self.push_route(Some(method.as_str().to_owned()), path, Some(class), false)
+    }
+
+    /// Requests to `path` with any method cost one `class` call.
+    pub fn route_any_method(self, path: &str, class: Class) -> Self {
+        self.push_route(None, path, Some(class), false)
+    }
+
+    /// `POST` requests to `path` are JSON-RPC (MCP): their body is read and
+    /// each call in it counted in its own class (see [`PolicyBuilder::tool`]).
+    pub fn jsonrpc_route(self, path: &str) -> Self {
+        self.push_route(Some("POST".to_owned()), path, None, true)
+    }
+
+    fn push_route(
+        mut self,
+        method: Option<String>,
+        path: &str,
+        class: Option<Class>,
+        jsonrpc: bool,
+    ) -> Self {
+        self.raw.routes.push(RawRoute {
+            method,
+            path: Some(path.to_owned()),
+            class: class.map(|c| c.name().to_owned()),
+            jsonrpc,
+            ..RawRoute::default()
+        });
+        self
+    }
+
+    /// The route added last also spends bucket `name` (see
+    /// [`PolicyBuilder::bucket`]). Before any route, it is reported by
+    /// [`PolicyBuilder::build`].
+    pub fn spends(mut self, name: &str) -> Self {
+        match self.raw.routes.last_mut() {
+            Some(route) => route.buckets.push(name.to_owned()),
+            None => self.misuse(
+                "routes",
+                format!("`spends({name:?})` needs a route before it"),
+            ),
+        }
+        self
+    }
+
+    /// The route added last counts against monthly quota family `family`
+    /// (see [`PolicyBuilder::quota`]).
+    pub fn counts(mut self, family: &str) -> Self {
+        match self.raw.routes.last_mut() {
+            Some(route) => route.quota = Some(family.to_owned()),
+            None => self.misuse(
+                "routes",
+                format!("`counts({family:?})` needs a route before it"),
+            ),
+        }
+        self
+    }
+
+    fn misuse(&mut self, path: &str, message: String) {
+        self.misuses.push(Problem {
+            path: path.to_owned(),
+            message,
+        });
+    }
+
+    /// A bucket that routes may spend beside their class: `limit` per
+    /// `window_seconds`, per `per`.
+    pub fn bucket(mut self, name: &str, limit: u32, window_seconds: u32, per: Per) -> Self {
+        let per = match per {
+            Per::Ip => "ip",
+            Per::Caller => "caller",
+            Per::User => "user",
+            Per::Workspace => "workspace",
+        };
+        self.raw.buckets.insert(
+            name.to_owned(),
+            RawBucket {
+                limit,
+                window_seconds,
+                per: per.to_owned(),
+                ..RawBucket::default()
+            },
+        );
+        self
+    }
+
+    /// A monthly quota family per workspace: at most `monthly` calls a
+    /// calendar month (UTC), or counted and never refused when `None`.
+    pub fn quota(mut self, family: &str, monthly: Option<u32>) -> Self {
+        self.raw
+            .quotas
+            .insert(family.to_owned(), RawQuota { monthly });
+        self
+    }
+
+    /// A JSON-RPC `tools/call` of tool `name` costs one `class` call.
+    pub fn tool(mut self, name: &str, class: Class) -> Self {
+        self.raw.jsonrpc.tools.insert(
+            name.to_owned(),
+            RawTool {
+                class: class.name().to_owned(),
+                ..RawTool::default()
+            },
+        );
+        self
+    }
+
+    /// The class of a request no route matches (`standard` unless told).
+    pub fn default_class(mut self, class: Class) -> Self {
+        self.raw.default_class = Some(class.name().to_owned());
+        self
+    }
+
+    /// Where a caller's credential is read from, first found wins.
+    pub fn credentials(mut self, sources: &[CredentialSource]) -> Self {
+        let names = sources
+            .iter()
+            .map(|s| {
+                match s {
+                    CredentialSource::ApiKeyHeader => "x_api_key",
+                    CredentialSource::Bearer => "bearer",
+                    CredentialSource::SessionCookie => "session_cookie",
+                }
+                .to_owned()
+            })
+            .collect();
+        self.raw.identity.credentials = Some(names);
+        self
+    }
+
+    /// A proxy (an IP or a CIDR) whose `X-Forwarded-For` is believed.
+    pub fn trusted_proxy(mut self, cidr: &str) -> Self {
+        self.raw.identity.trusted_proxies.push(cidr.to_owned());
+        self
+    }
+
+    /// A known credential: the lower-case hex SHA-256 of the secret (never
+    /// the secret), and the workspace and user it belongs to.
+    pub fn key(mut self, sha256: &str, workspace: &str, user: &str) -> Self {
+        self.raw.identity.keys.push(RawKey {
+            sha256: sha256.to_owned(),
+            workspace: workspace.to_owned(),
+            user: user.to_owned(),
+        });
+        self
+    }
+
+    /// Checks the policy as a file is checked and builds it.
+    ///
+    /// # Errors
+    /// [`PolicyError::Built`] with every problem found, each named by the key
+    /// a policy file would have (`routes[2].buckets`, …).
+    pub fn build(self) -> Result<Policy, PolicyError> {
+        let mut problems = self.misuses;
+        match validate(&self.raw) {
+            Ok(policy) if problems.is_empty() => Ok(policy),
+            Ok(_) => Err(PolicyError::Built { problems }),
+            Err(more) => {
+                problems.extend(more);
+                Err(PolicyError::Built { problems })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(feature = "yaml")]
+    #[test]
+    fn a_policy_built_in_code_is_the_one_its_file_would_be() {
+        let yaml = r#"
+profile: production
+window_seconds: 30
+profiles:
+  production:
+    classes: { protocol: 600, read: 300, standard: 60, expensive: 5 }
+    ip_ceilings: { work: 100, protocol_only: 1200 }
+identity:
+  credentials: [bearer]
+  trusted_proxies: [10.0.0.0/8]
+  keys:
+    - { sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08, workspace: acme, user: ada }
+buckets:
+  register: { limit: 5, window_seconds: 60, per: ip }
+quotas:
+  messages: { monthly: 1000 }
+routes:
+  - { method: POST, path: /oauth/register, class: standard, buckets: [register] }
+  - { method: POST, path: /messages, class: expensive, quota: messages }
+  - { path: "/search/*", class: read }
+  - { method: POST, path: /mcp, jsonrpc: true }
+jsonrpc:
+  tools:
+    start_chat: { class: expensive }
+default_class: read
+"#;
+        let from_file: RawPolicy = serde_saphyr::from_str(yaml).expect("the file reads");
+        let built = Policy::builder()
+            .window_seconds(30)
+            .limit(Class::Expensive, 5)
+            .ip_ceilings(100, 1_200)
+            .credentials(&[CredentialSource::Bearer])
+            .trusted_proxy("10.0.0.0/8")
+            .key(
+                "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+                "acme",
+                "ada",
+            )
+            .bucket("register", 5, 60, Per::Ip)
+            .quota("messages", Some(1_000))
+            .route(Method::POST, "/oauth/register", Class::Standard)
+            .spends("register")
+            .route(Method::POST, "/messages", Class::Expensive)
+            .counts("messages")
+            .route_any_method("/search/*", Class::Read)
+            .jsonrpc_route("/mcp")
+            .tool("start_chat", Class::Expensive)
+            .default_class(Class::Read);
+        assert_eq!(built.clone().into_raw(), from_file);
+        let (built, from_file) = (
+            built.build().expect("valid"),
+            validate(&from_file).expect("valid"),
+        );
+        assert_eq!(built.describe(), from_file.describe());
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once_by_the_key_a_file_would_have() {
+        let err = Policy::builder()
+            .spends("early")
+            .limit(Class::Read, 0)
+            .route(Method::GET, "/x", Class::Read)
+            .counts("nowhere")
+            .build()
+            .expect_err("three problems");
+        let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
+        assert!(paths.contains(&"routes"), "{err}");
+        assert!(paths.contains(&"profiles.production.classes.read"), "{err}");
+        assert!(
+            paths.iter().any(|p| p.starts_with("routes[0].quota")),
+            "{err}"
+        );
+        assert!(err.to_string().starts_with("the policy built in code: "));
+    }
+
+    #[test]
+    fn without_routes_every_request_is_standard_at_the_built_in_numbers() {
+        let policy = Policy::builder().build().expect("valid");
+        assert_eq!(policy.profile.limit(Class::Standard).get(), 60);
+        assert!(policy.route(&Method::GET, "/anything").is_none());
+        assert_eq!(policy.default_class, Class::Standard);
+    }
+}
