@@ -317,10 +317,8 @@ impl Gateway {
             }
         };
 
-        let proxy_config = ProxyConfig {
-            upstream: upstream.clone(),
-            header_timeout: config.upstream_timeout,
-        };
+        let proxy_config =
+            ProxyConfig::new(upstream.clone()).with_header_timeout(config.upstream_timeout);
         let profile = config.policy.profile_name.clone();
         let clock = SystemClock::with_offset(config.clock_offset);
         let clock_for_batches = clock.clone();
@@ -330,11 +328,11 @@ impl Gateway {
             .lanes
             .iter()
             .find_map(|l| l.batch.as_ref())
-            .map(|b| sluice_store::BatchConfig {
-                max_items: b.max_items.get() as usize,
-                max_backlog: u64::from(b.backlog.get()),
-                retention: b.keep,
-                ..sluice_store::BatchConfig::default()
+            .map(|b| {
+                sluice_store::BatchConfig::default()
+                    .with_max_items(b.max_items.get() as usize)
+                    .with_max_backlog(u64::from(b.backlog.get()))
+                    .with_retention(b.keep)
             });
         let (store, batches) = match &config.store {
             StoreSpec::Memory => {

@@ -154,14 +154,33 @@ impl fmt::Display for Upstream {
     }
 }
 
-/// Settings of a [`Proxy`].
+/// Settings of a [`Proxy`]: [`ProxyConfig::new`] and its `with_*` methods.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ProxyConfig {
     /// Where requests go.
     pub upstream: Upstream,
     /// How long to wait for the upstream's response headers (connecting included) before
     /// answering 504. The body that follows is not limited by it.
     pub header_timeout: Duration,
+}
+
+impl ProxyConfig {
+    /// Requests go to `upstream`; its response headers are awaited
+    /// [`crate::DEFAULT_UPSTREAM_TIMEOUT`] at most.
+    pub fn new(upstream: Upstream) -> Self {
+        ProxyConfig {
+            upstream,
+            header_timeout: crate::DEFAULT_UPSTREAM_TIMEOUT,
+        }
+    }
+
+    /// The same settings awaiting the upstream's response headers `timeout` at most.
+    #[must_use]
+    pub fn with_header_timeout(mut self, timeout: Duration) -> Self {
+        self.header_timeout = timeout;
+        self
+    }
 }
 
 /// The reverse proxy service. Cheap to clone: clones share one connection pool.

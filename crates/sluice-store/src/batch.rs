@@ -54,8 +54,10 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(600);
 /// The prefix of every batch id.
 pub const BATCH_ID_PREFIX: &str = "bat_";
 
-/// How a batch queue is bounded.
+/// How a batch queue is bounded: [`BatchConfig::default`] and its `with_*`
+/// methods.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BatchConfig {
     /// The most items one batch may hold (default 1,000).
     pub max_items: usize,
@@ -82,6 +84,43 @@ impl Default for BatchConfig {
             retention: DEFAULT_RETENTION,
             lease: DEFAULT_LEASE,
         }
+    }
+}
+
+impl BatchConfig {
+    /// The same bounds with at most `max_items` items in one batch.
+    #[must_use]
+    pub const fn with_max_items(mut self, max_items: usize) -> Self {
+        self.max_items = max_items;
+        self
+    }
+
+    /// The same bounds with at most `max_backlog` unfinished items per workspace.
+    #[must_use]
+    pub const fn with_max_backlog(mut self, max_backlog: u64) -> Self {
+        self.max_backlog = max_backlog;
+        self
+    }
+
+    /// The same bounds with at most `max_stored_items` items stored in all.
+    #[must_use]
+    pub const fn with_max_stored_items(mut self, max_stored_items: u64) -> Self {
+        self.max_stored_items = max_stored_items;
+        self
+    }
+
+    /// The same bounds keeping a finished batch for `retention`.
+    #[must_use]
+    pub const fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The same bounds with claims holding an item for `lease`.
+    #[must_use]
+    pub const fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
     }
 }
 

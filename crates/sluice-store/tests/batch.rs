@@ -66,10 +66,7 @@ fn upstream_error() -> ItemResult {
 }
 
 fn small(max_backlog: u64) -> BatchConfig {
-    BatchConfig {
-        max_backlog,
-        ..BatchConfig::default()
-    }
+    BatchConfig::default().with_max_backlog(max_backlog)
 }
 
 /// The behaviour both backends share, written once.
@@ -648,10 +645,7 @@ async fn l4_backlog_limit_is_5000_items_by_default() {
 #[tokio::test]
 async fn l4_empty_and_oversized_batches_are_refused() {
     let dir = TempDir::new("bad");
-    let config = BatchConfig {
-        max_items: 20,
-        ..BatchConfig::default()
-    };
+    let config = BatchConfig::default().with_max_items(20);
     suite::bad_batches(&book(&dir, config), 20).await;
 }
 
@@ -694,10 +688,7 @@ async fn l4_finished_batches_are_purged_after_seven_days() {
 #[tokio::test]
 async fn l4_a_full_store_refuses_new_batches() {
     let dir = TempDir::new("full");
-    let config = BatchConfig {
-        max_stored_items: 5,
-        ..BatchConfig::default()
-    };
+    let config = BatchConfig::default().with_max_stored_items(5);
     suite::store_bound(&book(&dir, config)).await;
 }
 
@@ -961,10 +952,7 @@ mod on_redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn l4_redis_empty_and_oversized_batches_are_refused() {
         let server = Server::start("batch");
-        let config = BatchConfig {
-            max_items: 20,
-            ..BatchConfig::default()
-        };
+        let config = BatchConfig::default().with_max_items(20);
         suite::bad_batches(&batches(&server, config).await, 20).await;
     }
 
@@ -1008,10 +996,7 @@ mod on_redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn l4_redis_a_full_store_refuses_new_batches() {
         let server = Server::start("batch");
-        let config = BatchConfig {
-            max_stored_items: 5,
-            ..BatchConfig::default()
-        };
+        let config = BatchConfig::default().with_max_stored_items(5);
         suite::store_bound(&batches(&server, config).await).await;
     }
 
