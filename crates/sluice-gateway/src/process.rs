@@ -66,6 +66,41 @@ pub fn connections_within_fd_limit(
     Ok((fits, Some(warning)))
 }
 
+/// Checks that a memory store of `max_keys` cells, whose tables are allocated at
+/// start (see [`sluice_store::MemoryConfig::preallocated`]), fits in half of this
+/// machine's memory (read from `/proc/meminfo`; where it cannot be read, any size
+/// passes).
+///
+/// # Errors
+/// The message names the memory the store would take and the machine's.
+pub fn keys_within_memory(max_keys: usize) -> Result<(), String> {
+    keys_within(max_keys, physical_memory())
+}
+
+fn keys_within(max_keys: usize, memory: Option<u64>) -> Result<(), String> {
+    let needed = sluice_store::MemoryConfig::with_max_keys(max_keys).bytes_at_cap();
+    let Some(total) = memory else {
+        return Ok(());
+    };
+    if needed <= total / 2 {
+        return Ok(());
+    }
+    const MIB: u64 = 1 << 20;
+    Err(format!(
+        "--max-keys {max_keys} takes about {} MiB for the budget store's tables, more than half of this machine's {} MiB; lower --max-keys (each cell is about 20 bytes)",
+        needed.div_ceil(MIB),
+        total / MIB
+    ))
+}
+
+/// The machine's memory in bytes (`MemTotal` of `/proc/meminfo`), where it can be read.
+fn physical_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// The data directory when `--data-dir` is not given: `$XDG_STATE_HOME/sluice`, else
 /// `$HOME/.local/state/sluice`, else `./sluice-data`.
 pub fn default_data_dir() -> PathBuf {
@@ -125,4 +160,27 @@ pub fn init_logs(json: bool, level: tracing::Level) {
             .with_ansi(std::io::stderr().is_terminal())
             .try_init()
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_larger_than_half_the_memory_is_refused_with_both_figures() {
+        const GIB: u64 = 1 << 30;
+        // The default million cells: about 20 MB, anywhere.
+        assert!(keys_within(1_000_000, Some(GIB)).is_ok());
+        assert!(
+            keys_within(1 << 32, None).is_ok(),
+            "memory unknown: no check"
+        );
+        // 2^32 cells: about 80 GiB, on a 24 GiB machine.
+        let err = keys_within(1 << 32, Some(24 * GIB)).expect_err("too large");
+        assert!(
+            err.contains("81920 MiB") && err.contains("24576 MiB"),
+            "{err}"
+        );
+        assert!(keys_within(1 << 32, Some(200 * GIB)).is_ok());
+    }
 }

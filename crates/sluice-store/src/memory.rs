@@ -121,6 +121,14 @@ impl MemoryConfig {
         }
     }
 
+    /// About how many bytes the store's tables take with every cell in use
+    /// (what [`MemoryConfig::preallocated`] asks for once traffic has touched
+    /// them): 16 bytes a cell and a control byte per slot, at the fill the
+    /// shard count is picked for.
+    pub fn bytes_at_cap(&self) -> u64 {
+        ((self.max_keys as f64) * 17.0 / TABLE_FILL).ceil() as u64
+    }
+
     /// The same sizing with every shard's table allocated up front (see
     /// [`MemoryConfig::preallocate`]).
     #[must_use]
@@ -325,9 +333,14 @@ impl<C: Clock> MemoryStore<C> {
             let slot = ShardSlot::default();
             if config.preallocate {
                 let mut guard = slot.shard.lock();
-                guard.cells = HashTable::with_capacity(shard_cap);
-                guard.published_buckets = guard.cells.num_buckets();
-                slot.hint.publish(&guard.cells);
+                // Fallible: where the memory cannot be had, the table grows
+                // as cells arrive instead of the process aborting.
+                let mut cells = HashTable::new();
+                if cells.try_reserve(shard_cap, |e: &(u64, u64)| e.0).is_ok() {
+                    guard.cells = cells;
+                    guard.published_buckets = guard.cells.num_buckets();
+                    slot.hint.publish(&guard.cells);
+                }
             }
             CachePadded::new(slot)
         };

@@ -115,7 +115,8 @@ pub struct ServeArgs {
     /// window; about 20 bytes each). Its tables are allocated for all of them at
     /// start (as a fixed-size zone), so the store's memory is set by this flag
     /// and does not move with traffic: the default takes about 20 MB once
-    /// traffic has touched it. Past it, a new caller shares an overflow
+    /// traffic has touched it (a cap needing more than half the machine's memory
+    /// is refused at start). Past it, a new caller shares an overflow
     /// budget with the other new callers of its network (the /24 of an IPv4
     /// client, the /56 of an IPv6 one), in a table of max-keys/8 cells; callers
     /// that hold a cell keep it. Not used with a Redis store.
@@ -209,6 +210,9 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     };
     config.max_connections_per_ip = args.max_connections_per_ip;
     config.max_buffered_bytes = args.max_buffered_bytes;
+    if matches!(config.store, StoreSpec::Memory) {
+        sluice_gateway::process::keys_within_memory(args.max_keys).map_err(BadInput)?;
+    }
     config.max_keys = args.max_keys;
     config.demo_optimize_time = args.demo_optimize_seconds;
     Ok(config)
