@@ -102,8 +102,26 @@ pub async fn start_with<S>(policy: sluice_policy::Policy, store: S, clock: FakeC
 where
     S: sluice_store::BudgetStore + Send + Sync + 'static,
 {
-    let fallback = MemoryStore::new(MemoryConfig::default());
-    start_limiter(Limiter::new(policy, store).with_fallback(fallback), clock).await
+    start_limiter(
+        Limiter::new(policy, store).with_fallback(mid_window_fallback()),
+        clock,
+    )
+    .await
+}
+
+/// A fallback store (it reads the real clock) shifted to 30 s into a minute and
+/// 1,830 s into an hour: a test's local decisions, on windows of a minute or an
+/// hour, cannot straddle two windows unless the test runs for half a minute.
+fn mid_window_fallback() -> MemoryStore {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_secs() as i64;
+    let offset = 1_830 - now.rem_euclid(3_600);
+    MemoryStore::with_clock(
+        MemoryConfig::default(),
+        sluice_core::SystemClock::with_offset(offset),
+    )
 }
 
 /// Starts the app behind `limiter`; `clock` is what the test advances.
