@@ -62,7 +62,7 @@ const BACKEND_GRACE: Duration = Duration::from_secs(2);
 /// The socket address of the connection a request arrived on, inserted as a request
 /// extension by the gateway for every request; the limiter keys anonymous callers and
 /// IP ceilings on it, and the proxy appends it to X-Forwarded-For.
-pub use sluice_tower::PeerAddr;
+pub use sluice_tower::{DEFAULT_REFUSAL_LOG_PER_SECOND, PeerAddr};
 
 /// The request body the gateway's service stack receives: the connection's body,
 /// streamed, boxed. It is also `From<Bytes>`, so a layer that reads the body (the
@@ -160,6 +160,9 @@ pub struct GatewayConfig {
     pub policy_file: Option<PolicyFile>,
     /// One `sluice::access` log line per request.
     pub access_log: bool,
+    /// Most refusal log lines a second (0: every refusal; see
+    /// [`Limiter::with_refusal_log`]).
+    pub refusal_log_per_second: u32,
 }
 
 /// Default for [`GatewayConfig::max_connections`].
@@ -195,6 +198,7 @@ impl GatewayConfig {
             demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
             policy_file: None,
             access_log: false,
+            refusal_log_per_second: sluice_tower::DEFAULT_REFUSAL_LOG_PER_SECOND,
         }
     }
 }
@@ -386,7 +390,8 @@ impl Gateway {
         let shared_store = matches!(config.store, StoreSpec::Redis(_));
         let mut limiter = Limiter::new(config.policy, store)
             .with_fallback(fallback)
-            .with_buffer_bound(config.max_buffered_bytes);
+            .with_buffer_bound(config.max_buffered_bytes)
+            .with_refusal_log(config.refusal_log_per_second);
         if let Some(lanes) = shared_lanes {
             limiter = limiter.with_lanes(lanes);
         }

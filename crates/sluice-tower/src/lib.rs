@@ -57,6 +57,7 @@ mod lanes;
 mod layer;
 mod limiter;
 mod plan;
+mod refusal_log;
 mod request_id;
 
 // What the gateway (sluice-gateway) builds on: its answers, batches, body
@@ -91,6 +92,7 @@ pub use limiter::{
 #[doc(hidden)]
 pub use limiter::{DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, TOP_CALLERS_TRACKED, check_head};
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
+pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};
 pub use request_id::{MAX_REQUEST_ID_LEN, RequestId, X_REQUEST_ID};
 
 /// arc-swap, whose [`ArcSwap`](arc_swap::ArcSwap) holds a [`SharedLimiter`].

@@ -140,6 +140,8 @@ pub struct Limiter<S> {
     lanes: Vec<sluice_lanes::Lane>,
     /// The request fields [`Limiter::plan_for`] reads (see [`Limiter::read_headers`]).
     read_headers: Vec<HeaderName>,
+    /// The bound on refusal log lines a second.
+    refusal_log: Arc<crate::RefusalLog>,
 }
 
 /// Why a new policy cannot replace a running one without a restart (see
@@ -398,6 +400,7 @@ impl<S: BudgetStore> Limiter<S> {
             lanes,
             counts,
             metrics,
+            refusal_log: Arc::default(),
         }
     }
 
@@ -458,6 +461,7 @@ impl<S: BudgetStore> Limiter<S> {
             // counted with the reasons not known at start.
             counts: Arc::clone(&self.counts),
             lanes: self.lanes.clone(),
+            refusal_log: Arc::clone(&self.refusal_log),
         })
     }
 
@@ -481,6 +485,19 @@ impl<S: BudgetStore> Limiter<S> {
     /// that takes a body in whole leases from (see [`crate::BufferBudget`]).
     pub fn buffers(&self) -> &std::sync::Arc<crate::BufferBudget> {
         &self.buffers
+    }
+
+    /// The same limiter writing at most `per_second` refusal log lines a second
+    /// (default [`crate::DEFAULT_REFUSAL_LOG_PER_SECOND`]; 0 writes every one). The
+    /// refusals past it are counted, and the next line written says how many.
+    pub fn with_refusal_log(mut self, per_second: u32) -> Self {
+        self.refusal_log = Arc::new(crate::RefusalLog::new(per_second));
+        self
+    }
+
+    /// The bound on refusal log lines (see [`Limiter::with_refusal_log`]).
+    pub fn refusal_log(&self) -> &crate::RefusalLog {
+        &self.refusal_log
     }
 
     /// The same limiter with another fallback store (e.g. on a skewed test clock).
@@ -784,7 +801,8 @@ impl<S: BudgetStore> Limiter<S> {
 
     /// [`Limiter::admit`] for the request with id `request_id`: a refusal is logged
     /// (target `sluice::refusal`, one line) with the id, its reason, the budget or
-    /// lane, the class and the caller's digest — never a credential.
+    /// lane, the class and the caller's digest — never a credential — within the
+    /// bound of [`Limiter::with_refusal_log`].
     ///
     /// # Errors
     /// As [`Limiter::admit`].
@@ -814,13 +832,15 @@ impl<S: BudgetStore> Limiter<S> {
     ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
         let id = request_id.map_or("-", crate::RequestId::as_str);
         let mut plan = plan.map_err(|refused| {
-            tracing::info!(
-                target: "sluice::refusal",
-                request_id = id,
-                reason = "invalid_request",
-                error = %refused,
-                "refused before deciding"
-            );
+            crate::refusal_log::refusal_line(&self.refusal_log, || {
+                tracing::info!(
+                    target: "sluice::refusal",
+                    request_id = id,
+                    reason = "invalid_request",
+                    error = %refused,
+                    "refused before deciding"
+                );
+            });
             refused.response()
         })?;
         let place = match plan.lane {
@@ -845,30 +865,34 @@ impl<S: BudgetStore> Limiter<S> {
                 } else {
                     "rate_limited"
                 };
-                tracing::info!(
-                    target: "sluice::refusal",
-                    request_id = id,
-                    reason,
-                    budget = plan.name(binding, &self.policy),
-                    limit = decision.binding().map_or(0, |b| b.limit),
-                    retry_after = (!decision.is_never())
-                        .then(|| crate::answer::refusal_wait(&decision)),
-                    class = plan.top_class.name(),
-                    caller = %format_args!("{:016x}", plan.caller),
-                    "refused"
-                );
+                crate::refusal_log::refusal_line(&self.refusal_log, || {
+                    tracing::info!(
+                        target: "sluice::refusal",
+                        request_id = id,
+                        reason,
+                        budget = plan.name(binding, &self.policy),
+                        limit = decision.binding().map_or(0, |b| b.limit),
+                        retry_after = (!decision.is_never())
+                            .then(|| crate::answer::refusal_wait(&decision)),
+                        class = plan.top_class.name(),
+                        caller = %format_args!("{:016x}", plan.caller),
+                        "refused"
+                    );
+                });
                 crate::answer::refusal(&decision, &plan, &self.policy)
             }
             Err(error) => {
-                tracing::warn!(
-                    target: "sluice::refusal",
-                    request_id = id,
-                    reason = "limiter_unavailable",
-                    class = plan.top_class.name(),
-                    caller = %format_args!("{:016x}", plan.caller),
-                    error = %error,
-                    "the store could not decide"
-                );
+                crate::refusal_log::refusal_line(&self.refusal_log, || {
+                    tracing::warn!(
+                        target: "sluice::refusal",
+                        request_id = id,
+                        reason = "limiter_unavailable",
+                        class = plan.top_class.name(),
+                        caller = %format_args!("{:016x}", plan.caller),
+                        error = %error,
+                        "the store could not decide"
+                    );
+                });
                 crate::answer::limiter_unavailable(&error)
             }
         };
@@ -890,15 +914,17 @@ impl<S: BudgetStore> Limiter<S> {
         id: &str,
     ) -> Result<crate::LanePlace, http::Response<http_body_util::Full<bytes::Bytes>>> {
         let log = |reason: &str| {
-            tracing::info!(
-                target: "sluice::refusal",
-                request_id = id,
-                reason,
-                lane = self.policy.lanes.get(call.lane).map_or("", |l| l.name.as_str()),
-                class = plan.top_class.name(),
-                caller = %format_args!("{:016x}", plan.caller),
-                "lane refused"
-            );
+            crate::refusal_log::refusal_line(&self.refusal_log, || {
+                tracing::info!(
+                    target: "sluice::refusal",
+                    request_id = id,
+                    reason,
+                    lane = self.policy.lanes.get(call.lane).map_or("", |l| l.name.as_str()),
+                    class = plan.top_class.name(),
+                    caller = %format_args!("{:016x}", plan.caller),
+                    "lane refused"
+                );
+            });
         };
         let (Some(lane), Some(rule)) =
             (self.lanes.get(call.lane), self.policy.lanes.get(call.lane))

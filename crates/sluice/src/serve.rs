@@ -147,6 +147,13 @@ pub struct ServeArgs {
     /// method, path without the query, status, duration, peer). Off by default.
     #[arg(long)]
     pub access_log: bool,
+
+    /// Most refusal lines written a second, so that a flood of refused requests is
+    /// not also a flood of log writes; past it refusals are only counted (as always,
+    /// in /metrics), and the next line written says how many lines were left out.
+    /// 0 writes every refusal.
+    #[arg(long, value_name = "N", default_value_t = sluice_gateway::DEFAULT_REFUSAL_LOG_PER_SECOND)]
+    pub refusal_log_per_second: u32,
 }
 
 /// Checks what clap cannot (the config is readable, the data dir is a directory, the
@@ -215,6 +222,7 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     }
     config.max_keys = args.max_keys;
     config.demo_optimize_time = args.demo_optimize_seconds;
+    config.refusal_log_per_second = args.refusal_log_per_second;
     Ok(config)
 }
 

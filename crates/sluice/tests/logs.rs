@@ -134,6 +134,55 @@ async fn e2_a_refusal_is_one_json_line_with_reason_budget_and_caller_digest_neve
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_refusals_writes_at_most_the_bound_of_lines_a_second_and_counts_every_one() {
+    let dir = DataDir::new();
+    let file = policy_file(&dir);
+    let sluice = Sluice::spawn(&[
+        "--config",
+        &file,
+        "--log-format",
+        "json",
+        "--access-log",
+        "--refusal-log-per-second",
+        "3",
+    ]);
+    assert_eq!(post_chat(&sluice, None).await.status, 200);
+    let unix = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs()
+    };
+    let from = unix();
+    for i in 0..40 {
+        let id = format!("flood-{i}");
+        assert_eq!(post_chat(&sluice, Some(&id)).await.status, 429);
+    }
+    let seconds = unix() - from + 1;
+    // A refusal's line is written before its answer, and its access line after:
+    // once the last access line is in, every refusal line written is too.
+    logged(&sluice, |l| {
+        l["target"] == "sluice::access" && l["request_id"] == "flood-39"
+    })
+    .await;
+    let lines = json_lines(&sluice)
+        .iter()
+        .filter(|l| l["target"] == "sluice::refusal" && l["reason"] == "rate_limited")
+        .count() as u64;
+    assert!(
+        (3..=3 * seconds).contains(&lines),
+        "{lines} refusal lines in {seconds} s at 3 a second"
+    );
+    let metrics = support::get(&sluice.admin_url("/metrics")).await.text();
+    let refused: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("sluice_refusals_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(refused, 40.0, "every refusal is counted: {metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_access_lines_unless_asked_and_text_logs_by_default() {
     let dir = DataDir::new();
     let file = policy_file(&dir);
