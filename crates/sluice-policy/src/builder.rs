@@ -405,6 +405,15 @@ default_class: read
         assert!(err.to_string().starts_with("the policy built in code: "));
     }
 
+    #[cfg(feature = "yaml")]
+    #[test]
+    fn a_builder_starts_from_the_built_in_policys_numbers() {
+        let built = Policy::builder().build().expect("valid");
+        let default = crate::default_policy().expect("the built-in policy");
+        assert_eq!(built.profile, default.profile);
+        assert_eq!(built.window, default.window);
+    }
+
     #[test]
     fn without_routes_every_request_is_standard_at_the_built_in_numbers() {
         let policy = Policy::builder().build().expect("valid");

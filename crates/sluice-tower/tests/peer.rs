@@ -107,18 +107,23 @@ async fn remaining(
         .to_owned()
 }
 
+/// The layer over `limiter`, its caller named by the `x-user-id` header where sent.
+fn keyed_by_user_id(limiter: Arc<Limiter<MemoryStore>>) -> SluiceLayer<MemoryStore> {
+    SluiceLayer::new(limiter).with_key(|parts| {
+        parts
+            .headers
+            .get("x-user-id")
+            .map(|v| v.as_bytes().to_vec())
+    })
+}
+
 #[tokio::test]
 async fn e2_a_key_function_names_the_caller_and_otherwise_the_policy_does() {
     let limiter = Arc::new(Limiter::new(
         default_policy().expect("policy"),
         MemoryStore::new(MemoryConfig::default()),
     ));
-    let layer = SluiceLayer::new(limiter).with_key(|parts| {
-        parts
-            .headers
-            .get("x-user-id")
-            .map(|v| v.as_bytes().to_vec())
-    });
+    let layer = keyed_by_user_id(limiter);
     // Every request from an address of its own, so that the per-IP ceiling (300)
     // never binds before the read budget does.
     // One user from two addresses, with two different API keys: one budget.
@@ -162,12 +167,7 @@ async fn e1_a_policy_built_in_code_limits_through_the_layer() {
         policy,
         MemoryStore::new(MemoryConfig::default()),
     ));
-    let layer = SluiceLayer::new(limiter).with_key(|parts| {
-        parts
-            .headers
-            .get("x-user-id")
-            .map(|v| v.as_bytes().to_vec())
-    });
+    let layer = keyed_by_user_id(limiter);
     assert_eq!(
         remaining(&layer, [198, 51, 100, 1], Some("ada"), None).await,
         "1"
