@@ -142,6 +142,9 @@ pub struct Limiter<S> {
     read_headers: Vec<HeaderName>,
     /// The bound on refusal log lines a second.
     refusal_log: Arc<crate::RefusalLog>,
+    /// The same bound, apart, for the lines saying the store could not decide: a
+    /// flood of ordinary refusals does not hide an outage.
+    outage_log: Arc<crate::RefusalLog>,
 }
 
 /// Why a new policy cannot replace a running one without a restart (see
@@ -401,6 +404,7 @@ impl<S: BudgetStore> Limiter<S> {
             counts,
             metrics,
             refusal_log: Arc::default(),
+            outage_log: Arc::default(),
         }
     }
 
@@ -462,6 +466,7 @@ impl<S: BudgetStore> Limiter<S> {
             counts: Arc::clone(&self.counts),
             lanes: self.lanes.clone(),
             refusal_log: Arc::clone(&self.refusal_log),
+            outage_log: Arc::clone(&self.outage_log),
         })
     }
 
@@ -490,8 +495,10 @@ impl<S: BudgetStore> Limiter<S> {
     /// The same limiter writing at most `per_second` refusal log lines a second
     /// (default [`crate::DEFAULT_REFUSAL_LOG_PER_SECOND`]; 0 writes every one). The
     /// refusals past it are counted, and the next line written says how many.
+    /// Lines saying the store could not decide have a bound of their own, the same.
     pub fn with_refusal_log(mut self, per_second: u32) -> Self {
         self.refusal_log = Arc::new(crate::RefusalLog::new(per_second));
+        self.outage_log = Arc::new(crate::RefusalLog::new(per_second));
         self
     }
 
@@ -882,7 +889,7 @@ impl<S: BudgetStore> Limiter<S> {
                 crate::answer::refusal(&decision, &plan, &self.policy)
             }
             Err(error) => {
-                crate::refusal_log::refusal_line(&self.refusal_log, || {
+                crate::refusal_log::refusal_line(&self.outage_log, || {
                     tracing::warn!(
                         target: "sluice::refusal",
                         request_id = id,

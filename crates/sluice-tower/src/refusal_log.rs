@@ -4,21 +4,28 @@
 //! `per_second` refusal lines are written in a second; the rest are counted, and
 //! the first line written after a second that dropped some says how many.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 /// Default for [`RefusalLog::new`]: refusal lines written per second at most.
 pub const DEFAULT_REFUSAL_LOG_PER_SECOND: u32 = 100;
+
+/// Bits of [`RefusalLog::state`] holding the lines written in its second.
+const COUNT_BITS: u32 = 24;
+const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
 
 /// How many refusal lines may still be written this second (see the module docs).
 /// Shared by a limiter and the limiters that replace it on a reload.
 #[derive(Debug)]
 pub struct RefusalLog {
-    /// Lines per second; 0: every refusal is written.
+    /// Lines per second (at most 2^24 - 1); 0: every refusal is written.
     per_second: u32,
-    /// The Unix second `written` counts in.
-    second: AtomicU64,
-    written: AtomicU32,
+    /// Seconds are counted on the monotonic clock from here, so a step of the
+    /// wall clock neither stalls nor resets the bound.
+    started: Instant,
+    /// The second (since `started`) in the high bits, the lines written in it
+    /// in the low [`COUNT_BITS`]: one atomic, so the bound is exact.
+    state: AtomicU64,
     /// Lines not written since the last report.
     dropped: AtomicU64,
 }
@@ -35,12 +42,13 @@ pub(crate) enum Line {
 }
 
 impl RefusalLog {
-    /// At most `per_second` refusal lines a second (0: no bound).
+    /// At most `per_second` refusal lines a second (0: no bound; a bound above
+    /// 2^24 - 1 is taken as that).
     pub fn new(per_second: u32) -> Self {
         RefusalLog {
-            per_second,
-            second: AtomicU64::new(0),
-            written: AtomicU32::new(0),
+            per_second: per_second.min(COUNT_MASK as u32),
+            started: Instant::now(),
+            state: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
         }
     }
@@ -60,36 +68,39 @@ impl RefusalLog {
         if self.per_second == 0 {
             return Line::Write;
         }
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        self.take_at(now)
+        self.take_at(self.started.elapsed().as_secs())
     }
 
-    /// Takes a line in Unix second `now`. Races between threads at a second's turn
-    /// can let a few more lines through than the bound; no line is lost from the
-    /// count of dropped ones.
+    /// Takes a line in second `now` (counted from the log's start; seconds only
+    /// go forward). At most the bound of lines is written in any one second.
     pub(crate) fn take_at(&self, now: u64) -> Line {
         if self.per_second == 0 {
             return Line::Write;
         }
-        let second = self.second.load(Ordering::Relaxed);
-        if now > second
-            && self
-                .second
-                .compare_exchange(second, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            self.written.store(0, Ordering::Relaxed);
-        }
-        if self.written.fetch_add(1, Ordering::Relaxed) < self.per_second {
-            match self.dropped.swap(0, Ordering::Relaxed) {
-                0 => Line::Write,
-                dropped => Line::WriteAfterDropping(dropped),
+        let mut state = self.state.load(Ordering::Relaxed);
+        loop {
+            let (second, written) = (state >> COUNT_BITS, state & COUNT_MASK);
+            let next = if now > second {
+                (now << COUNT_BITS) | 1
+            } else if written < u64::from(self.per_second) {
+                state + 1
+            } else {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                return Line::Drop;
+            };
+            match self.state.compare_exchange_weak(
+                state,
+                next,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(current) => state = current,
             }
-        } else {
-            self.dropped.fetch_add(1, Ordering::Relaxed);
-            Line::Drop
+        }
+        match self.dropped.swap(0, Ordering::Relaxed) {
+            0 => Line::Write,
+            dropped => Line::WriteAfterDropping(dropped),
         }
     }
 }
@@ -173,7 +184,7 @@ mod tests {
             }
         });
         let written = written.load(Ordering::Relaxed);
-        assert_eq!(written, 50);
+        assert_eq!(written, 50, "exactly the bound in one second");
         assert_eq!(written + log.dropped(), 4_000);
     }
 }
