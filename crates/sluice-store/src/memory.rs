@@ -124,9 +124,11 @@ impl MemoryConfig {
     /// About how many bytes the store's tables take with every cell in use
     /// (what [`MemoryConfig::preallocated`] asks for once traffic has touched
     /// them): 16 bytes a cell and a control byte per slot, at the fill the
-    /// shard count is picked for.
+    /// automatic shard count is picked for (a shard count of your own may
+    /// round the tables up to twice that), plus the per-network overflow table
+    /// (an eighth as many cells) once a flood fills it.
     pub fn bytes_at_cap(&self) -> u64 {
-        ((self.max_keys as f64) * 17.0 / TABLE_FILL).ceil() as u64
+        ((self.max_keys as f64) * 1.125 * 17.0 / TABLE_FILL).ceil() as u64
     }
 
     /// The same sizing with every shard's table allocated up front (see
@@ -180,7 +182,8 @@ pub fn auto_shards(max_keys: usize, cores: usize) -> usize {
 #[derive(Default)]
 struct Shard {
     cells: HashTable<(u64, u64)>,
-    /// The table's bucket count when its slots were last published.
+    /// The table's bucket count when its slots were last published (0 while
+    /// no hint could be: a table of fewer than two cells gives none).
     published_buckets: usize,
     /// No cell becomes stale before this Unix second: a sweep before then
     /// would find nothing to drop.
@@ -218,8 +221,7 @@ impl Shard {
             .insert_unique(hash, (cell, value), |e| hasher.hash_one(e.0));
         self.next_sweep = self.next_sweep.min((value >> 32) + 1);
         if self.cells.num_buckets() != self.published_buckets {
-            self.published_buckets = self.cells.num_buckets();
-            hint.publish(&self.cells);
+            self.publish(hint);
         }
     }
 
@@ -258,8 +260,8 @@ impl Shard {
     /// sizing would otherwise double the next time it fills. The live cells
     /// are set aside, the table cleared (keeping its buckets) and the cells
     /// put back, so the only memory a rebuild takes for a moment is the live
-    /// cells' 16 bytes each, never a second table. Moves every cell (and
-    /// republishes the hint): call only where no bucket index is held.
+    /// cells' 16 bytes each, never a second table. Moves every cell within
+    /// the table: call only where no bucket index is held.
     fn compact(&mut self, hasher: &foldhash::fast::RandomState, hint: &SlotHint) {
         use std::hash::BuildHasher;
         if !std::mem::take(&mut self.tombstones) {
@@ -276,8 +278,21 @@ impl Shard {
             self.cells
                 .insert_unique(hasher.hash_one(e.0), e, |e| hasher.hash_one(e.0));
         }
-        self.published_buckets = self.cells.num_buckets();
-        hint.publish(&self.cells);
+        // The slots are where they were: the published hint still holds, unless
+        // none could be published yet.
+        if self.published_buckets == 0 {
+            self.publish(hint);
+        }
+    }
+
+    /// Publishes where the table's slots are, and remembers the bucket count it
+    /// did so for (none yet: the next insert tries again).
+    fn publish(&mut self, hint: &SlotHint) {
+        self.published_buckets = if hint.publish(&self.cells) {
+            self.cells.num_buckets()
+        } else {
+            0
+        };
     }
 }
 
@@ -333,13 +348,13 @@ impl<C: Clock> MemoryStore<C> {
             let slot = ShardSlot::default();
             if config.preallocate {
                 let mut guard = slot.shard.lock();
-                // Fallible: where the memory cannot be had, the table grows
-                // as cells arrive instead of the process aborting.
+                // Fallible: where the allocator refuses the memory, the table
+                // grows as cells arrive instead of the process aborting (with
+                // overcommit, pages are only committed as cells touch them).
                 let mut cells = HashTable::new();
                 if cells.try_reserve(shard_cap, |e: &(u64, u64)| e.0).is_ok() {
+                    // No hint before two cells: the inserts publish one.
                     guard.cells = cells;
-                    guard.published_buckets = guard.cells.num_buckets();
-                    slot.hint.publish(&guard.cells);
                 }
             }
             CachePadded::new(slot)
@@ -1235,11 +1250,18 @@ mod tests {
             }
             assert_eq!(store.len(), 1_700, "round {round}: every caller has a cell");
             assert_eq!(size(&store), at_start, "round {round}");
+            assert!(
+                store.shards[0].hint.is_published(),
+                "round {round}: the prefetch hint"
+            );
             clock.advance(std::time::Duration::from_secs(61));
             if round % 2 == 0 {
                 store.reclaim();
                 assert_eq!(store.len(), 0);
                 assert_eq!(size(&store), at_start, "round {round}: reclaimed");
+                // No tombstone left: all the room is free again.
+                let shard = store.shards[0].shard.lock();
+                assert_eq!(shard.cells.capacity(), Shard::room(at_start.0));
             }
         }
     }

@@ -38,8 +38,9 @@ pub(crate) struct SlotHint {
 
 impl SlotHint {
     /// Publishes where `table`'s slots are now. Call under the shard's lock
-    /// after the table may have moved (grown, or been rebuilt).
-    pub(crate) fn publish<T>(&self, table: &HashTable<T>) {
+    /// after the table may have moved (grown, or been rebuilt). Returns whether
+    /// a hint was published: it takes two cells in the table to find the slots.
+    pub(crate) fn publish<T>(&self, table: &HashTable<T>) -> bool {
         let buckets = table.num_buckets();
         // Two full slots give the spacing and where slot 0 sits.
         let mut full = (0..buckets).filter_map(|i| {
@@ -50,13 +51,13 @@ impl SlotHint {
         // `j > i`: buckets are visited in increasing order.
         let (Some((i, a)), Some((j, b))) = (full.next(), full.next()) else {
             self.base.store(0, Ordering::Relaxed);
-            return;
+            return false;
         };
         let stride = (b.wrapping_sub(a) as isize) / (j - i) as isize;
         if stride.unsigned_abs() != size_of::<T>() || !buckets.is_power_of_two() {
             // Not an array of slots as expected: no hint.
             self.base.store(0, Ordering::Relaxed);
-            return;
+            return false;
         }
         let base = a.wrapping_sub((i as isize).wrapping_mul(stride) as usize);
         // Three relaxed stores: a reader may see them mixed with the last
@@ -64,6 +65,13 @@ impl SlotHint {
         self.stride.store(stride as usize, Ordering::Relaxed);
         self.mask.store(buckets - 1, Ordering::Relaxed);
         self.base.store(base, Ordering::Relaxed);
+        true
+    }
+
+    /// True when a hint is published.
+    #[cfg(test)]
+    pub(crate) fn is_published(&self) -> bool {
+        self.base.load(Ordering::Relaxed) != 0
     }
 
     /// Prefetches the slot a lookup of `hash` starts at.
@@ -111,12 +119,12 @@ mod tests {
         let hasher = foldhash::fast::RandomState::default();
         let mut table: HashTable<(u64, u64)> = HashTable::new();
         let hint = SlotHint::default();
-        hint.publish(&table);
+        assert!(!hint.publish(&table));
         assert_eq!(hint.base.load(Ordering::Relaxed), 0, "no slots, no hint");
         for k in 0..1000u64 {
             table.insert_unique(hasher.hash_one(k), (k, k), |e| hasher.hash_one(e.0));
         }
-        hint.publish(&table);
+        assert!(hint.publish(&table));
         let base = hint.base.load(Ordering::Relaxed);
         let stride = hint.stride.load(Ordering::Relaxed);
         let mask = hint.mask.load(Ordering::Relaxed);
