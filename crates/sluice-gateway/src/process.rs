@@ -67,9 +67,9 @@ pub fn connections_within_fd_limit(
 }
 
 /// Checks that a memory store of `max_keys` cells, whose tables are allocated at
-/// start (see [`sluice_store::MemoryConfig::preallocated`]), fits in half of this
-/// machine's memory (read from `/proc/meminfo`; where it cannot be read, any size
-/// passes).
+/// start (see [`sluice_store::MemoryConfig::preallocated`]), fits in half of the
+/// memory this process may use (the machine's from `/proc/meminfo`, or its control
+/// group's limit where lower; where neither can be read, any size passes).
 ///
 /// # Errors
 /// The message names the memory the store would take and the machine's.
@@ -93,12 +93,30 @@ fn keys_within(max_keys: usize, memory: Option<u64>) -> Result<(), String> {
     ))
 }
 
-/// The machine's memory in bytes (`MemTotal` of `/proc/meminfo`), where it can be read.
+/// The memory this process may use, in bytes: the machine's (`MemTotal` of
+/// `/proc/meminfo`), or its control group's limit where that is lower (cgroup v2
+/// `memory.max`, v1 `memory.limit_in_bytes`), where they can be read.
 fn physical_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|meminfo| {
+            let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            kib.checked_mul(1024)
+        });
+    let group = [
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ]
+    .iter()
+    .filter_map(|f| std::fs::read_to_string(f).ok())
+    // `max` (v2) or a huge number (v1) mean no limit.
+    .filter_map(|limit| limit.trim().parse::<u64>().ok())
+    .min();
+    match (total, group) {
+        (Some(total), Some(group)) => Some(total.min(group)),
+        (total, group) => total.or(group),
+    }
 }
 
 /// The data directory when `--data-dir` is not given: `$XDG_STATE_HOME/sluice`, else
@@ -166,6 +184,7 @@ pub fn init_logs(json: bool, level: tracing::Level) {
 mod tests {
     use super::*;
 
+    #[cfg(target_pointer_width = "64")]
     #[test]
     fn a_store_larger_than_half_the_memory_is_refused_with_both_figures() {
         const GIB: u64 = 1 << 30;
@@ -175,10 +194,10 @@ mod tests {
             keys_within(1 << 32, None).is_ok(),
             "memory unknown: no check"
         );
-        // 2^32 cells: about 80 GiB, on a 24 GiB machine.
+        // 2^32 cells: about 90 GiB, on a 24 GiB machine.
         let err = keys_within(1 << 32, Some(24 * GIB)).expect_err("too large");
         assert!(
-            err.contains("81920 MiB") && err.contains("24576 MiB"),
+            err.contains("92160 MiB") && err.contains("24576 MiB"),
             "{err}"
         );
         assert!(keys_within(1 << 32, Some(200 * GIB)).is_ok());
