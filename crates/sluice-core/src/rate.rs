@@ -613,7 +613,8 @@ pub(crate) fn adjust(
             let tat = stored_tat.max(now_n);
             let shift = t.saturating_mul(delta.unsigned_abs());
             let new_tat = if delta >= 0 {
-                tat.saturating_add(shift).min(now_n + capacity)
+                tat.saturating_add(shift)
+                    .min(now_n.saturating_add(capacity))
             } else {
                 tat.saturating_sub(shift).max(now_n)
             };
