@@ -232,36 +232,56 @@ impl PolicyBuilder {
             Per::User => "user",
             Per::Workspace => "workspace",
         };
-        self.raw.buckets.insert(
-            name.to_owned(),
-            RawBucket {
-                limit,
-                window_seconds,
-                per: per.to_owned(),
-                ..RawBucket::default()
-            },
-        );
+        let bucket = RawBucket {
+            limit,
+            window_seconds,
+            per: per.to_owned(),
+            ..RawBucket::default()
+        };
+        if self.raw.buckets.insert(name.to_owned(), bucket).is_some() {
+            self.misuse(
+                &format!("buckets.{name}"),
+                "defined twice (a file could not hold both)".to_owned(),
+            );
+        }
         self
     }
 
     /// A monthly quota family per workspace: at most `monthly` calls a
     /// calendar month (UTC), or counted and never refused when `None`.
     pub fn quota(mut self, family: &str, monthly: Option<u32>) -> Self {
-        self.raw
+        if self
+            .raw
             .quotas
-            .insert(family.to_owned(), RawQuota { monthly });
+            .insert(family.to_owned(), RawQuota { monthly })
+            .is_some()
+        {
+            self.misuse(
+                &format!("quotas.{family}"),
+                "defined twice (a file could not hold both)".to_owned(),
+            );
+        }
         self
     }
 
     /// A JSON-RPC `tools/call` of tool `name` costs one `class` call.
     pub fn tool(mut self, name: &str, class: Class) -> Self {
-        self.raw.jsonrpc.tools.insert(
-            name.to_owned(),
-            RawTool {
-                class: class.name().to_owned(),
-                ..RawTool::default()
-            },
-        );
+        let tool = RawTool {
+            class: class.name().to_owned(),
+            ..RawTool::default()
+        };
+        if self
+            .raw
+            .jsonrpc
+            .tools
+            .insert(name.to_owned(), tool)
+            .is_some()
+        {
+            self.misuse(
+                &format!("jsonrpc.tools.{name}"),
+                "defined twice (a file could not hold both)".to_owned(),
+            );
+        }
         self
     }
 
@@ -389,12 +409,16 @@ default_class: read
     #[test]
     fn every_problem_is_reported_at_once_by_the_key_a_file_would_have() {
         let err = Policy::builder()
+            .bucket("twice", 1, 60, Per::Ip)
+            .bucket("twice", 2, 60, Per::Ip)
+            .tool("t", Class::Read)
+            .tool("t", Class::Expensive)
             .spends("early")
             .limit(Class::Read, 0)
             .route(Method::GET, "/x", Class::Read)
             .counts("nowhere")
             .build()
-            .expect_err("three problems");
+            .expect_err("five problems");
         let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
         assert!(paths.contains(&"routes"), "{err}");
         assert!(paths.contains(&"profiles.production.classes.read"), "{err}");
@@ -402,6 +426,8 @@ default_class: read
             paths.iter().any(|p| p.starts_with("routes[0].quota")),
             "{err}"
         );
+        assert!(paths.contains(&"buckets.twice"), "{err}");
+        assert!(paths.contains(&"jsonrpc.tools.t"), "{err}");
         assert!(err.to_string().starts_with("the policy built in code: "));
     }
 

@@ -313,6 +313,8 @@ impl<K: Hash + ?Sized, C: Clock> KeyedLimiter<K, MemoryStore<C>> {
     #[inline]
     pub fn check_key(&self, key: &K) -> Result<(), NotUntil> {
         let budget = self.budget(key, 1);
+        // One unit always fits a quota (limit and burst are at least 1), so the
+        // step never answers "never" (`u64::MAX`) here.
         match self.store.spend_gcra(&budget, &self.step) {
             (_, Ok(())) => Ok(()),
             (decided_at, Err(wait)) => Err(NotUntil {
