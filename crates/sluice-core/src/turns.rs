@@ -111,7 +111,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tiers_allow_the_seed_numbers() {
+    fn q3_tiers_quick_deep_and_standard_allow_10_75_and_the_profiles_turns() {
         assert_eq!(Tier::Quick.turns(DEFAULT_PROFILE_TURNS), 10);
         assert_eq!(Tier::Deep.turns(DEFAULT_PROFILE_TURNS), 75);
         assert_eq!(Tier::Standard.turns(DEFAULT_PROFILE_TURNS), 50);
