@@ -18,9 +18,10 @@
 //! tables that had just doubled past the cap would cost up to 39. Tables grow
 //! as cells arrive, or are allocated at that size at once with
 //! [`MemoryConfig::preallocated`] (a fixed-size zone: memory that does not
-//! move with the number of callers). A table keeps its size through churn: the tombstones that removed cells leave
-//! (a refused decision's new cells, a sweep's stale ones) are rebuilt away
-//! rather than let the table grow. A cell whose window is over (see
+//! move with the number of callers). A table keeps its size through churn:
+//! the tombstones that removed cells leave (a refused decision's new cells, a
+//! sweep's stale ones) are rebuilt away, in place, rather than let the table
+//! grow. A cell whose window is over (see
 //! [`sluice_core::cell_is_stale`]) is dropped when its shard needs room or on
 //! [`MemoryStore::reclaim`]; dropping it changes no decision. Decisions read
 //! the clock once they hold their locks, so on one cell they see time in the
