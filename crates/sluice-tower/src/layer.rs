@@ -358,7 +358,7 @@ where
                 }
             };
             let cost = take_cost(response.headers_mut());
-            let decision = limiter.settle(&plan, decision, cost).await;
+            let decision = limiter.settle(&plan, *decision, cost).await;
             rate_limit_headers(response.headers_mut(), &decision, &plan, policy);
             Ok(response.map(Either::Right))
         })

@@ -271,10 +271,11 @@ fn refusal_reasons(policy: &Policy) -> impl Iterator<Item = String> + '_ {
 /// An admitted request (see [`Limiter::admit`]).
 #[derive(Debug)]
 pub struct Admitted {
-    /// Its decision.
-    pub decision: Decision,
-    /// Its plan.
-    pub plan: Plan,
+    /// Its decision (boxed, as the plan).
+    pub decision: Box<Decision>,
+    /// Its plan (boxed: a plan is about a kilobyte, and an admitted request goes
+    /// by value through every layer of the request path).
+    pub plan: Box<Plan>,
     /// Its place in a guarded lane, held until its upstream call ends.
     pub lane: Option<crate::LanePlace>,
 }
@@ -648,7 +649,7 @@ impl<S: BudgetStore> Limiter<S> {
         peer: IpAddr,
         route: Option<&Route>,
         body: Option<&[u8]>,
-    ) -> Result<Plan, Refused> {
+    ) -> Result<Box<Plan>, Refused> {
         self.plan_for(&parts.headers, peer, route, body)
     }
 
@@ -668,7 +669,7 @@ impl<S: BudgetStore> Limiter<S> {
         peer: IpAddr,
         route: Option<&Route>,
         body: Option<&[u8]>,
-    ) -> Result<Plan, Refused> {
+    ) -> Result<Box<Plan>, Refused> {
         self.plan_keyed(headers, peer, route, body, None)
     }
 
@@ -686,7 +687,7 @@ impl<S: BudgetStore> Limiter<S> {
         route: Option<&Route>,
         body: Option<&[u8]>,
         key: Option<&[u8]>,
-    ) -> Result<Plan, Refused> {
+    ) -> Result<Box<Plan>, Refused> {
         let policy = &self.policy;
         // Charged as the upstream reads the credential, or not at all.
         policy.identity.check_credentials(headers)?;
@@ -751,7 +752,7 @@ impl<S: BudgetStore> Limiter<S> {
                 jsonrpc: matches!(route.map(|r| &r.class), Some(RouteClass::JsonRpc)),
                 calls: items.lanes_called().map(|(_, n)| u32::from(n)).sum(),
             });
-        let mut plan = plan(policy, &self.scopes, &items, caller, &client);
+        let mut plan = Box::new(plan(policy, &self.scopes, &items, caller, &client));
         plan.lane = lane;
         Ok(plan)
     }
@@ -800,7 +801,7 @@ impl<S: BudgetStore> Limiter<S> {
     /// The answer to send instead of forwarding.
     pub async fn admit(
         &self,
-        plan: Result<Plan, Refused>,
+        plan: Result<Box<Plan>, Refused>,
         jsonrpc_body: Option<&[u8]>,
     ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
         self.admit_as(plan, jsonrpc_body, None).await
@@ -815,7 +816,7 @@ impl<S: BudgetStore> Limiter<S> {
     /// As [`Limiter::admit`].
     pub async fn admit_as(
         &self,
-        plan: Result<Plan, Refused>,
+        plan: Result<Box<Plan>, Refused>,
         jsonrpc_body: Option<&[u8]>,
         request_id: Option<&crate::RequestId>,
     ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
@@ -834,7 +835,7 @@ impl<S: BudgetStore> Limiter<S> {
     /// [`Limiter::admit`] but for the JSON-RPC form of a refusal.
     async fn admit_plan(
         &self,
-        plan: Result<Plan, Refused>,
+        plan: Result<Box<Plan>, Refused>,
         request_id: Option<&crate::RequestId>,
     ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
         let id = request_id.map_or("-", crate::RequestId::as_str);
@@ -858,7 +859,7 @@ impl<S: BudgetStore> Limiter<S> {
         let answer = match decided {
             Ok(decision) if decision.is_admitted() => {
                 return Ok(Admitted {
-                    decision,
+                    decision: Box::new(decision),
                     plan,
                     lane: place,
                 });
