@@ -10,8 +10,10 @@
 
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::sync::Barrier;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod support;
+use support::threaded;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
@@ -34,29 +36,6 @@ fn budget(scope: u64, subject: u64) -> Budget {
         u32::MAX,
         NonZeroU32::new(60).expect("non-zero"),
     )
-}
-
-/// Runs `op(thread, i)` `iters` times on each of `threads` threads; returns
-/// wall time divided by the number of threads.
-fn threaded(threads: u64, iters: u64, op: &(dyn Fn(u64, u64) + Sync)) -> Duration {
-    let barrier = Barrier::new(threads as usize + 1);
-    std::thread::scope(|s| {
-        for t in 0..threads {
-            let barrier = &barrier;
-            s.spawn(move || {
-                barrier.wait();
-                for i in 0..iters {
-                    op(t, i);
-                }
-            });
-        }
-        barrier.wait();
-        let start = Instant::now();
-        // The scope joins every thread before returning.
-        start
-    })
-    .elapsed()
-        / threads as u32
 }
 
 fn single_budget(c: &mut Criterion) {

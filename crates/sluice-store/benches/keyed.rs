@@ -9,35 +9,16 @@
 use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
-use std::sync::Barrier;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod support;
+use support::threaded;
 
 use criterion::Criterion;
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use sluice_store::KeyedLimiter;
 
 const KEYS: u64 = 100_000;
-
-/// Runs `op(thread, i)` `iters` times on each of `threads` threads; returns
-/// wall time divided by the number of threads.
-fn threaded(threads: u64, iters: u64, op: &(dyn Fn(u64, u64) + Sync)) -> Duration {
-    let barrier = Barrier::new(threads as usize + 1);
-    std::thread::scope(|s| {
-        for t in 0..threads {
-            let barrier = &barrier;
-            s.spawn(move || {
-                barrier.wait();
-                for i in 0..iters {
-                    op(t, i);
-                }
-            });
-        }
-        barrier.wait();
-        Instant::now()
-    })
-    .elapsed()
-        / threads as u32
-}
 
 const GROUPS: [&str; 4] = [
     "keyed_hot_key_1_thread",
