@@ -70,9 +70,10 @@ pub fn digest(bytes: &[u8]) -> u64 {
     h.finish()
 }
 
-/// The SplitMix64 finaliser: a bijection on `u64` with full avalanche.
+/// The SplitMix64 finaliser: a bijection on `u64` with full avalanche (every
+/// input bit flips each output bit with probability about one half).
 #[inline]
-pub(crate) const fn mix64(mut z: u64) -> u64 {
+pub const fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)

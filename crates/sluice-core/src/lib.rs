@@ -59,6 +59,8 @@ pub use decision::{Budget, Decision, DecisionError, MAX_BUDGETS};
 pub use decision::{
     CellRef, InPlaceDecision, Ledger, Mode, adjust, decide, decide_cell, decide_within_bounds,
 };
+#[doc(hidden)]
+pub use key::mix64;
 pub use key::{BudgetKey, digest};
 pub use rate::{BudgetStatus, Rate, Verdict};
 #[doc(hidden)]
@@ -97,6 +99,7 @@ pub mod store_impl {
     pub use crate::decision::{
         CellRef, InPlaceDecision, Ledger, Mode, adjust, decide, decide_cell, decide_within_bounds,
     };
+    pub use crate::key::mix64;
     pub use crate::rate::{GcraStep, cell_is_stale};
 }
 pub use turns::{ContinueOrFinish, DEFAULT_PROFILE_TURNS, Tier, Turn, TurnBudget};

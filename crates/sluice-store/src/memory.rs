@@ -55,11 +55,14 @@ use parking_lot::{Mutex, MutexGuard};
 use sluice_core::{
     Budget, BudgetKey, BudgetStatus, CellRef, Clock, Decision, GcraStep, InPlaceDecision, Ledger,
     MAX_BUDGETS, Mode, SystemClock, Timestamp, adjust, cell_is_stale, decide_cell,
-    decide_within_bounds,
+    decide_within_bounds, mix64,
 };
 
 use crate::prefetch::SlotHint;
 use crate::{BudgetStore, StoreError};
+
+/// Hashed with a store's random state to make its shard seed.
+const SHARD_SEED_INPUT: u64 = 0x7368_6172_6473; // "shards"
 
 /// The subject digest of every scope's shared overflow budget.
 const OVERFLOW_SUBJECT: u64 = 0x6f76_6572_666c_6f77; // "overflow"
@@ -315,6 +318,8 @@ struct ShardSlot {
 pub struct MemoryStore<C: Clock = SystemClock> {
     clock: C,
     hasher: foldhash::fast::RandomState,
+    /// Mixed into every subject before its shard is chosen.
+    shard_seed: u64,
     shards: Box<[CachePadded<ShardSlot>]>,
     shard_cap: usize,
     /// Cells of the shared overflow budgets: per scope and client network
@@ -360,9 +365,15 @@ impl<C: Clock> MemoryStore<C> {
             }
             CachePadded::new(slot)
         };
+        let hasher = foldhash::fast::RandomState::default();
+        let shard_seed = {
+            use std::hash::BuildHasher;
+            hasher.hash_one(SHARD_SEED_INPUT)
+        };
         MemoryStore {
             clock,
-            hasher: foldhash::fast::RandomState::default(),
+            hasher,
+            shard_seed,
             shards: (0..shards).map(|_| shard()).collect(),
             shard_cap,
             overflow: Box::new(CachePadded::new(Mutex::default())),
@@ -447,13 +458,15 @@ impl<C: Clock> MemoryStore<C> {
 
     /// The shard holding every cell of `key`'s subject: all budgets of one
     /// caller (or one IP) sit behind one lock, so a request locks one shard
-    /// per subject rather than one per budget. The subject is rehashed with
-    /// this process's random seed, so nobody can aim keys at one shard, and
-    /// the hash scaled to the shard count by a multiply's high half (any
-    /// count, no division).
+    /// per subject rather than one per budget. The subject is mixed with this
+    /// store's random seed, so nobody can aim keys at one shard, through a
+    /// full-avalanche finaliser, so that subjects a user numbers 0, 1, 2, …
+    /// spread too (`foldhash::fast` alone, with an unlucky process seed,
+    /// put such subjects in a quarter of the shards); the hash is scaled to
+    /// the shard count by a multiply's high half (any count, no division).
     #[inline]
     fn shard_of(&self, key: &BudgetKey) -> usize {
-        let h = self.hash(key.subject());
+        let h = mix64(key.subject() ^ self.shard_seed);
         ((u128::from(h) * self.shards.len() as u128) >> 64) as usize
     }
 

@@ -162,7 +162,17 @@ fn e2_a_network_overflow_budget_admits_exactly_its_limit_under_threads() {
     // network's budget: the overflow tables stay locked from the first read to
     // the commit, so no two decisions spend the same count.
     let store = Arc::new(store(64, 16));
-    flood(&store, 0, 64, 64);
+    // Ten times the key cap of callers on a budget nobody exhausts: every
+    // shard is full whatever the hasher's seed (a shard left with room would
+    // give a newcomer a cell of its own), while the per-network table stays
+    // empty for network 9,999 (a full one would fold it into the scope's
+    // global budget).
+    let fill = BudgetKey::new("fill", b"").scope();
+    for i in 0..640 {
+        let budget = Budget::per_window(BudgetKey::from_digests(fill, i), 1_000_000, minute());
+        assert!(store.decide_now(&[budget]).expect("decide").is_admitted());
+    }
+    assert_eq!(store.len(), store.capacity(), "every shard is full");
     let admitted: usize = (0..4u64)
         .map(|t| {
             let store = Arc::clone(&store);
@@ -255,4 +265,24 @@ proptest! {
             prop_assert_eq!(d.statuses()[0].remaining, 60 - spent_in_window.min(60));
         }
     }
+}
+
+#[test]
+fn tmp_hash() {
+    use std::hash::BuildHasher;
+    let mut worst = 16;
+    let mut worst_low = 16;
+    for _ in 0..2000 {
+        let h = foldhash::fast::RandomState::default();
+        let mut seen = [0u32; 16];
+        let mut seen_low = [0u32; 16];
+        for i in 0..640u64 {
+            let x = h.hash_one(i);
+            seen[((u128::from(x) * 16) >> 64) as usize] += 1;
+            seen_low[(x & 15) as usize] += 1;
+        }
+        worst = worst.min(seen.iter().filter(|&&c| c >= 4).count());
+        worst_low = worst_low.min(seen_low.iter().filter(|&&c| c >= 4).count());
+    }
+    println!("worst top {worst} low {worst_low}");
 }
