@@ -112,12 +112,14 @@ impl Connections {
             }
             // Anything to read while idle means the upstream closed it or sent bytes no
             // request asked for (which would be taken for the next request's answer):
-            // either way it cannot carry a request. A non-blocking peek asks the
-            // socket itself, not the readiness the reactor last saw.
-            let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
-            match socket2::SockRef::from(&stream).peek(&mut probe) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(stream),
-                _ => {}
+            // either way it cannot carry a request. The reactor's readiness says so
+            // without a system call (as nginx's close handler on idle upstream
+            // connections does): [`Connections::checkin`] cleared it, so readiness
+            // now is an event that arrived since. An event still in flight is the
+            // race every pool has; a request a closed connection never took is
+            // sent again.
+            if !readable_since_checkin(&stream) {
+                return Some(stream);
             }
         }
         None
@@ -125,6 +127,7 @@ impl Connections {
 
     /// Puts a connection whose last response was read to its end back.
     pub(super) fn checkin(&self, stream: TcpStream) {
+        forget_read_readiness(&stream);
         let mut idle = self.idle();
         if idle.len() >= self.max_idle {
             idle.pop_front();
@@ -281,6 +284,31 @@ impl Drop for PooledBody {
             self.give_back();
         }
     }
+}
+
+/// Clears the reactor's read readiness of `stream`, without a system call: its
+/// last response was read to its end and nothing after it (the reader checked), so
+/// whatever readiness is left is that of bytes already taken. An event the reactor
+/// has not processed yet sets it again when it does.
+fn forget_read_readiness(stream: &TcpStream) {
+    // The closure runs only while the stream is marked readable; its `WouldBlock`
+    // clears that mark (for the readiness it saw, not for a later event).
+    let _ = stream.try_io(tokio::io::Interest::READABLE, || {
+        Err::<(), _>(std::io::ErrorKind::WouldBlock.into())
+    });
+}
+
+/// True when the reactor has seen `stream` become readable (bytes, end of stream or
+/// an error) since [`forget_read_readiness`], as of its last turn. Reads the mark
+/// alone: no system call, no waker, and no task budget (a poll of readiness could
+/// answer "not ready" only because the task spent its budget).
+fn readable_since_checkin(stream: &TcpStream) -> bool {
+    let mut readable = false;
+    let _ = stream.try_io(tokio::io::Interest::READABLE, || {
+        readable = true;
+        Err::<(), _>(std::io::ErrorKind::WouldBlock.into())
+    });
+    readable
 }
 
 /// What became of a request on one connection.
@@ -599,12 +627,14 @@ mod tests {
         pool.checkin(out);
 
         // The upstream closes the third, and sends the second bytes nobody asked for:
-        // both are passed over, the first is handed out.
+        // both are passed over, the first is handed out (once the reactor has had a
+        // turn to see the events, as a worker's reactor has between requests).
         peers.pop();
         peers[1]
             .write_all(b"HTTP/1.1 200 OK\r\n")
             .await
             .expect("write");
+        tokio::task::yield_now().await;
         let out = pool.checkout().expect("the first is still fine");
         assert_eq!(out.local_addr().expect("addr"), open[0]);
         pool.checkin(out);
@@ -613,6 +643,35 @@ mod tests {
         tokio::time::advance(IDLE_TIMEOUT).await;
         pool.prune();
         assert!(pool.checkout().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_connection_whose_answer_was_read_to_its_end_is_handed_out_again() {
+        use tokio::io::AsyncWriteExt as _;
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let pool = Connections::with_max_idle(listener.local_addr().expect("addr").to_string(), 4);
+        let stream = pool.connect().await.expect("connect");
+        let (mut peer, _) = listener.accept().await.expect("accept");
+        // An answer read to its end as a reader does, by its length: the last read
+        // takes its last byte and sees no `WouldBlock`, so the reactor still marks
+        // the stream readable.
+        let answer = b"HTTP/1.1 204 No Content\r\n\r\n";
+        peer.write_all(answer).await.expect("write");
+        let mut got = Vec::new();
+        while got.len() < answer.len() {
+            stream.readable().await.expect("readable");
+            let mut buf = [0u8; 64];
+            match stream.try_read(&mut buf[..answer.len() - got.len()]) {
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("read: {e}"),
+            }
+        }
+        let local = stream.local_addr().expect("addr");
+        pool.checkin(stream);
+        tokio::task::yield_now().await;
+        let out = pool.checkout().expect("the connection is handed out again");
+        assert_eq!(out.local_addr().expect("addr"), local);
     }
 
     /// An upstream that answers each request on each connection with `answer`, until
