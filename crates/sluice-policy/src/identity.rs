@@ -50,7 +50,7 @@ impl Caller {
     pub fn workspace_label(&self) -> String {
         match &self.principal {
             Some(p) => p.workspace.clone(),
-            None => self.own_label(),
+            None => self.own_label().as_str().to_owned(),
         }
     }
 
@@ -59,15 +59,93 @@ impl Caller {
     pub fn user_label(&self) -> String {
         match &self.principal {
             Some(p) => p.user.clone(),
-            None => self.own_label(),
+            None => self.own_label().as_str().to_owned(),
         }
     }
 
-    fn own_label(&self) -> String {
+    /// The label of a caller without a principal, its workspace and user both:
+    /// `key:<SHA-256 of the credential, hex>`, else `ip:<address or prefix>`.
+    /// Written on the stack, for the request path (no allocation).
+    pub fn own_label(&self) -> Label {
+        let mut label = Label::default();
         match &self.credential_sha256 {
-            Some(sha) => format!("key:{}", hex::encode(sha)),
-            None => self.who.to_string(),
+            Some(sha) => {
+                label.push(b"key:");
+                sha.iter().for_each(|&b| label.push_hex(b));
+            }
+            None => self.who.write_to(&mut label),
         }
+        label
+    }
+}
+
+/// A caller's label (see [`Caller::own_label`]), held on the stack: at most
+/// `key:` and 64 hex digits, or `ip:`, an IPv6 address and a prefix length.
+#[derive(Clone, Copy)]
+pub struct Label {
+    bytes: [u8; Label::CAPACITY],
+    len: u8,
+}
+
+impl Label {
+    const CAPACITY: usize = 72;
+
+    /// The label.
+    pub fn as_str(&self) -> &str {
+        // Only ASCII is ever pushed (see `push` and `fmt::Write::write_str`).
+        std::str::from_utf8(&self.bytes[..usize::from(self.len)]).unwrap_or_default()
+    }
+
+    /// Appends ASCII `bytes` (past the capacity, the rest is left out: no label
+    /// is that long).
+    fn push(&mut self, bytes: &[u8]) {
+        let at = usize::from(self.len);
+        let n = bytes.len().min(Self::CAPACITY - at);
+        self.bytes[at..at + n].copy_from_slice(&bytes[..n]);
+        self.len += n as u8;
+    }
+
+    fn push_hex(&mut self, b: u8) {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        self.push(&[HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]]);
+    }
+
+    /// Appends `n` in decimal.
+    fn push_decimal(&mut self, n: u8) {
+        let digits = [b'0' + n / 100, b'0' + n / 10 % 10, b'0' + n % 10];
+        let skip = if n >= 100 {
+            0
+        } else if n >= 10 {
+            1
+        } else {
+            2
+        };
+        self.push(&digits[skip..]);
+    }
+}
+
+impl Default for Label {
+    fn default() -> Self {
+        Label {
+            bytes: [0; Label::CAPACITY],
+            len: 0,
+        }
+    }
+}
+
+impl std::fmt::Write for Label {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        if !s.is_ascii() || s.len() > Self::CAPACITY - usize::from(self.len) {
+            return Err(std::fmt::Error);
+        }
+        self.push(s.as_bytes());
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Label {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.as_str(), f)
     }
 }
 
@@ -81,16 +159,46 @@ pub enum Who {
     Ip(IpAddr, Option<u8>),
 }
 
-impl std::fmt::Display for Who {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl Who {
+    /// Writes the label into `label`: IPv4 addresses digit by digit (the
+    /// request path writes one per forwarded request; `core::fmt`'s address
+    /// formatting costs over a thousand instructions), IPv6 through `core::fmt`.
+    fn write_to(&self, label: &mut Label) {
         match self {
             Who::Key(prefix) => {
-                f.write_str("key:")?;
-                prefix.iter().try_for_each(|b| write!(f, "{b:02x}"))
+                label.push(b"key:");
+                prefix.iter().for_each(|&b| label.push_hex(b));
             }
-            Who::Ip(addr, None) => write!(f, "ip:{addr}"),
-            Who::Ip(addr, Some(prefix)) => write!(f, "ip:{addr}/{prefix}"),
+            Who::Ip(addr, prefix) => {
+                label.push(b"ip:");
+                match addr {
+                    IpAddr::V4(v4) => {
+                        for (i, octet) in v4.octets().into_iter().enumerate() {
+                            if i > 0 {
+                                label.push(b".");
+                            }
+                            label.push_decimal(octet);
+                        }
+                    }
+                    // At most 39 characters: always fits.
+                    IpAddr::V6(v6) => {
+                        let _ = std::fmt::Write::write_fmt(label, format_args!("{v6}"));
+                    }
+                }
+                if let Some(prefix) = prefix {
+                    label.push(b"/");
+                    label.push_decimal(*prefix);
+                }
+            }
         }
+    }
+}
+
+impl std::fmt::Display for Who {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut label = Label::default();
+        self.write_to(&mut label);
+        f.write_str(label.as_str())
     }
 }
 
@@ -444,4 +552,60 @@ fn parse_hop(hop: &str) -> Option<IpAddr> {
     let (host, port) = hop.rsplit_once(':')?;
     port.parse::<u16>().ok()?;
     host.parse::<std::net::Ipv4Addr>().ok().map(IpAddr::V4)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+    use proptest::prelude::*;
+
+    use super::Who;
+
+    /// The label as `core::fmt` writes it.
+    fn formatted(who: &Who) -> String {
+        match who {
+            Who::Key(prefix) => format!("key:{}", hex::encode(prefix)),
+            Who::Ip(addr, None) => format!("ip:{addr}"),
+            Who::Ip(addr, Some(prefix)) => format!("ip:{addr}/{prefix}"),
+        }
+    }
+
+    #[test]
+    fn labels_at_the_edges_read_as_core_fmt_writes_them() {
+        let v4 = |a, b, c, d| IpAddr::V4(Ipv4Addr::new(a, b, c, d));
+        for who in [
+            Who::Ip(v4(0, 9, 10, 99), None),
+            Who::Ip(v4(100, 199, 200, 255), None),
+            Who::Ip(v4(255, 255, 255, 255), Some(32)),
+            Who::Ip(IpAddr::V6(Ipv6Addr::UNSPECIFIED), Some(0)),
+            Who::Ip(
+                IpAddr::V6(Ipv6Addr::new(
+                    0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff,
+                )),
+                Some(128),
+            ),
+            Who::Key([0, 0x0f, 0xf0, 0xff, 0x5a, 0xa5]),
+        ] {
+            assert_eq!(who.to_string(), formatted(&who));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn every_label_reads_as_core_fmt_writes_it(
+            v4 in any::<[u8; 4]>(),
+            v6 in any::<[u16; 8]>(),
+            prefix in proptest::option::of(0u8..=128),
+            key in any::<[u8; 6]>(),
+        ) {
+            for who in [
+                Who::Ip(IpAddr::V4(Ipv4Addr::from(v4)), prefix),
+                Who::Ip(IpAddr::V6(Ipv6Addr::from(v6)), prefix),
+                Who::Key(key),
+            ] {
+                prop_assert_eq!(who.to_string(), formatted(&who));
+            }
+        }
+    }
 }

@@ -36,7 +36,8 @@ pub use default::DEFAULT_POLICY_YAML;
 #[cfg(feature = "yaml")]
 pub use default::default_policy;
 pub use identity::{
-    AmbiguousCredentials, Caller, CallerKind, ClientIp, NETWORK_PREFIX_V4, NETWORK_PREFIX_V6, Who,
+    AmbiguousCredentials, Caller, CallerKind, ClientIp, Label, NETWORK_PREFIX_V4,
+    NETWORK_PREFIX_V6, Who,
 };
 pub use jsonrpc::{Items, Unclassifiable, check_content_encoding};
 pub use model::{

@@ -40,8 +40,16 @@ pub fn for_each_upstream_header(
     policy: &Policy,
     mut emit: impl FnMut(&HeaderName, &[u8]),
 ) {
-    emit(&X_SLUICE_WORKSPACE, plan.from.workspace_label().as_bytes());
-    emit(&X_SLUICE_USER, plan.from.user_label().as_bytes());
+    let own;
+    let (workspace, user) = match &plan.from.principal {
+        Some(p) => (p.workspace.as_str(), p.user.as_str()),
+        None => {
+            own = plan.from.own_label();
+            (own.as_str(), own.as_str())
+        }
+    };
+    emit(&X_SLUICE_WORKSPACE, workspace.as_bytes());
+    emit(&X_SLUICE_USER, user.as_bytes());
     if let Some(passed) = plan.passed {
         let value = format!(
             "{}; retry-after={}",
