@@ -93,16 +93,24 @@ impl Label {
     /// The label.
     pub fn as_str(&self) -> &str {
         // Only ASCII is ever pushed (see `push` and `fmt::Write::write_str`).
-        std::str::from_utf8(&self.bytes[..usize::from(self.len)]).unwrap_or_default()
+        std::str::from_utf8(self.as_bytes()).unwrap_or_default()
+    }
+
+    /// The label's bytes (ASCII).
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
     }
 
     /// Appends ASCII `bytes` (past the capacity, the rest is left out: no label
-    /// is that long).
+    /// is that long). Byte by byte: the pieces are a few bytes long, shorter
+    /// than a call to `memcpy`.
     fn push(&mut self, bytes: &[u8]) {
-        let at = usize::from(self.len);
-        let n = bytes.len().min(Self::CAPACITY - at);
-        self.bytes[at..at + n].copy_from_slice(&bytes[..n]);
-        self.len += n as u8;
+        for &b in bytes {
+            if let Some(slot) = self.bytes.get_mut(usize::from(self.len)) {
+                *slot = b;
+                self.len += 1;
+            }
+        }
     }
 
     fn push_hex(&mut self, b: u8) {

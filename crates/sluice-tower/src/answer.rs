@@ -42,14 +42,14 @@ pub fn for_each_upstream_header(
 ) {
     let own;
     let (workspace, user) = match &plan.from.principal {
-        Some(p) => (p.workspace.as_str(), p.user.as_str()),
+        Some(p) => (p.workspace.as_bytes(), p.user.as_bytes()),
         None => {
             own = plan.from.own_label();
-            (own.as_str(), own.as_str())
+            (own.as_bytes(), own.as_bytes())
         }
     };
-    emit(&X_SLUICE_WORKSPACE, workspace.as_bytes());
-    emit(&X_SLUICE_USER, user.as_bytes());
+    emit(&X_SLUICE_WORKSPACE, workspace);
+    emit(&X_SLUICE_USER, user);
     if let Some(passed) = plan.passed {
         let value = format!(
             "{}; retry-after={}",
@@ -208,8 +208,10 @@ pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Fu
     let wait = refusal_wait(decision);
     let binding = decision.binding_index();
     if let Some(BudgetKind::Quota(q)) = plan.kinds.get(binding)
-        && let (Some(family), Some(status)) =
-            (policy.quotas.get(*q), decision.statuses().get(binding))
+        && let (Some(family), Some(status)) = (
+            policy.quotas.get(crate::plan::policy_index(*q)),
+            decision.statuses().get(binding),
+        )
     {
         let usage = status.limit - status.remaining;
         let resets_at = rfc3339(status.reset);

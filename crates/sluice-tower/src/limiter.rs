@@ -1109,7 +1109,9 @@ impl<S: BudgetStore> Limiter<S> {
                 for (b, k) in plan.budgets.iter().zip(&plan.kinds) {
                     match k {
                         BudgetKind::Quota(q) => {
-                            if let Some(meter) = self.metrics.quota_units.get(*q) {
+                            if let Some(meter) =
+                                self.metrics.quota_units.get(crate::plan::policy_index(*q))
+                            {
                                 meter.increment(u64::from(b.cost));
                             }
                         }
