@@ -26,3 +26,4 @@ pub mod fields;
 pub mod request;
 pub mod response;
 pub mod rewind;
+pub mod target;

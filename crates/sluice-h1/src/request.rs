@@ -90,9 +90,7 @@ pub fn parse<'h, 'b>(
     // origin-form target that `http` accepts as it is.
     let connect = method == Method::CONNECT;
     if !connect
-        && (!target.starts_with('/')
-            || target.contains('#')
-            || http::uri::PathAndQuery::try_from(target).is_err())
+        && (!target.starts_with('/') || target.contains('#') || !crate::target::accepted(target))
     {
         return Parsed::Unsupported;
     }
