@@ -100,11 +100,34 @@ pub fn check_head<'h>(
         return Err(Refused::Hosts(more + 1));
     }
     let host = host.trim_ascii();
-    // `uri-host [":" port]`: an authority without userinfo.
-    if !host.is_empty() && (host.contains(&b'@') || http::uri::Authority::try_from(host).is_err()) {
+    if !host.is_empty() && !host_is_valid(host) {
         return Err(Refused::BadHost);
     }
     Ok(())
+}
+
+/// True when `host` (not empty) is `uri-host [":" port]`: an authority without
+/// userinfo, as `http` reads one. `http` copies the bytes before it checks them;
+/// a keep-alive connection sends the same `Host` with every request, so the last
+/// host this thread found valid is kept and a repeat is known at once.
+fn host_is_valid(host: &[u8]) -> bool {
+    /// The longest host kept (longer ones are checked each time).
+    const KEPT: usize = 64;
+    thread_local! {
+        static LAST_VALID: std::cell::RefCell<arrayvec::ArrayVec<u8, KEPT>> =
+            const { std::cell::RefCell::new(arrayvec::ArrayVec::new_const()) };
+    }
+    if LAST_VALID.with_borrow(|last| !last.is_empty() && last.as_slice() == host) {
+        return true;
+    }
+    let valid = !host.contains(&b'@') && http::uri::Authority::try_from(host).is_ok();
+    if valid && host.len() <= KEPT {
+        LAST_VALID.with_borrow_mut(|last| {
+            last.clear();
+            let _ = last.try_extend_from_slice(host);
+        });
+    }
+    valid
 }
 
 /// The most callers the status page tracks per window; past it new callers
@@ -1403,6 +1426,40 @@ mod tests {
     fn limiter() -> Limiter<MemoryStore> {
         let policy = sluice_policy::default_policy().expect("default policy");
         Limiter::new(policy, MemoryStore::new(MemoryConfig::default()))
+    }
+
+    #[test]
+    fn a_host_is_judged_alike_whatever_host_came_before_it_on_the_thread() {
+        let check = |host: &str| check_head(&Method::GET, Version::HTTP_11, [host.as_bytes()]);
+        let long = format!("{}.example", "a".repeat(80));
+        let hosts = [
+            "api.example:8080",
+            "api.example:8080",
+            "u@api.example:8080",
+            "api.example:8080",
+            "api example",
+            "[::1]:443",
+            "[::1",
+            "api.example:8080/x",
+            long.as_str(),
+            "api.example:8080",
+        ];
+        let mut refused = 0;
+        for _ in 0..2 {
+            for host in hosts {
+                // As `http` reads an authority, with no userinfo.
+                let valid = !host.contains('@') && http::uri::Authority::try_from(host).is_ok();
+                match check(host) {
+                    Ok(()) => assert!(valid, "{host}"),
+                    Err(Refused::BadHost) => {
+                        assert!(!valid, "{host}");
+                        refused += 1;
+                    }
+                    Err(other) => panic!("{host}: {other:?}"),
+                }
+            }
+        }
+        assert_eq!(refused, 8, "four refused hosts, twice each");
     }
 
     #[test]
