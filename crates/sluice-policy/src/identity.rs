@@ -104,31 +104,36 @@ impl Label {
     /// Appends ASCII `bytes` (past the capacity, the rest is left out: no label
     /// is that long). Byte by byte: the pieces are a few bytes long, shorter
     /// than a call to `memcpy`.
+    #[inline]
     fn push(&mut self, bytes: &[u8]) {
         for &b in bytes {
-            if let Some(slot) = self.bytes.get_mut(usize::from(self.len)) {
-                *slot = b;
-                self.len += 1;
-            }
+            self.push_byte(b);
+        }
+    }
+
+    #[inline]
+    fn push_byte(&mut self, b: u8) {
+        if let Some(slot) = self.bytes.get_mut(usize::from(self.len)) {
+            *slot = b;
+            self.len += 1;
         }
     }
 
     fn push_hex(&mut self, b: u8) {
         const HEX: &[u8; 16] = b"0123456789abcdef";
-        self.push(&[HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]]);
+        self.push_byte(HEX[usize::from(b >> 4)]);
+        self.push_byte(HEX[usize::from(b & 15)]);
     }
 
     /// Appends `n` in decimal.
     fn push_decimal(&mut self, n: u8) {
-        let digits = [b'0' + n / 100, b'0' + n / 10 % 10, b'0' + n % 10];
-        let skip = if n >= 100 {
-            0
-        } else if n >= 10 {
-            1
-        } else {
-            2
-        };
-        self.push(&digits[skip..]);
+        if n >= 100 {
+            self.push_byte(b'0' + n / 100);
+        }
+        if n >= 10 {
+            self.push_byte(b'0' + n / 10 % 10);
+        }
+        self.push_byte(b'0' + n % 10);
     }
 }
 
