@@ -789,6 +789,13 @@ impl<S: BudgetStore> Limiter<S> {
     /// # Errors
     /// The store's, when it cannot answer.
     pub async fn decide(&self, plan: &mut Plan) -> Result<Decision, StoreError> {
+        self.decide_boxed(plan).await.map(|d| *d)
+    }
+
+    /// [`Limiter::decide`] with the decision boxed as the store gives it: a
+    /// decision is 400 bytes, and the request path moves it through several
+    /// async layers.
+    async fn decide_boxed(&self, plan: &mut Plan) -> Result<Box<Decision>, StoreError> {
         let mut decision = self.decide_budgets(plan, &plan.budgets).await;
         if let Ok(refused) = &decision
             && !refused.is_admitted()
@@ -797,7 +804,7 @@ impl<S: BudgetStore> Limiter<S> {
             let mut budgets = plan.budgets.clone();
             budgets[passed.index].cost = 0;
             let again = self.decide_budgets(plan, &budgets).await;
-            if again.as_ref().is_ok_and(Decision::is_admitted) {
+            if again.as_ref().is_ok_and(|d| d.is_admitted()) {
                 plan.passed = Some(passed);
             }
             decision = again;
@@ -878,11 +885,11 @@ impl<S: BudgetStore> Limiter<S> {
             None => None,
             Some(call) => Some(self.take_lane_places(&plan, call, id).await?),
         };
-        let decided = self.decide(&mut plan).await;
+        let decided = self.decide_boxed(&mut plan).await;
         let answer = match decided {
             Ok(decision) if decision.is_admitted() => {
                 return Ok(Admitted {
-                    decision: Box::new(decision),
+                    decision,
                     plan,
                     lane: place,
                 });
@@ -1097,19 +1104,19 @@ impl<S: BudgetStore> Limiter<S> {
         &self,
         plan: &Plan,
         budgets: &[sluice_core::Budget],
-    ) -> Result<Decision, StoreError> {
+    ) -> Result<Box<Decision>, StoreError> {
         let started = Instant::now();
         let decision = match self.store.decide_from(budgets, plan.network).await {
             Ok(d) => {
                 self.set_degraded(false);
-                Ok(d)
+                Ok(Box::new(d))
             }
             Err(StoreError::Unavailable(e)) => {
                 self.set_degraded(true);
                 if self.fails_open(plan) {
                     self.metrics.local.increment(1);
                     self.counts.local.fetch_add(1, Ordering::Relaxed);
-                    self.decide_locally(plan)
+                    self.decide_locally(plan).map(Box::new)
                 } else {
                     Err(StoreError::Unavailable(e))
                 }
@@ -1123,7 +1130,7 @@ impl<S: BudgetStore> Limiter<S> {
     }
 
     /// Counts a decision's outcome in the metrics and the status page.
-    fn record(&self, plan: &Plan, decision: &Result<Decision, StoreError>) {
+    fn record(&self, plan: &Plan, decision: &Result<Box<Decision>, StoreError>) {
         let counters = &self.metrics.decisions[plan.top_class.index()];
         let counts = &self.counts.classes[plan.top_class.index()];
         match decision {
