@@ -482,11 +482,15 @@ impl<'f> Connection<'f> {
             .as_ref()
             .map_or(fast.config.header_timeout, sluice_tower::LanePlace::timeout);
         timers.upstream.set(started + header_timeout);
-        let exchange = self.exchange(&request);
-        let answer = tokio::select! {
-            biased;
-            answer = exchange => answer,
-            () = timers.upstream.passed() => Err(Failure::Timeout),
+        // Pinned where it is made: `select!` then holds a pointer to it rather than
+        // a copy of the whole exchange (a few hundred bytes of state each request).
+        let answer = {
+            let mut exchange = std::pin::pin!(self.exchange(&request));
+            tokio::select! {
+                biased;
+                answer = &mut exchange => answer,
+                () = timers.upstream.passed() => Err(Failure::Timeout),
+            }
         };
         let elapsed = started.elapsed().as_secs_f64();
         let (head_sent, conn, whole) = match answer {
@@ -609,9 +613,10 @@ impl<'f> Connection<'f> {
             let was_reused = reused.is_some();
             let mut conn = match reused.take() {
                 Some(conn) => conn,
-                None => fast
-                    .pool
-                    .connect()
+                // Boxed: the connect future is large and rarely needed, and the
+                // exchange's future, moved into the deadline's `select!` each
+                // request, would otherwise carry its size.
+                None => Box::pin(fast.pool.connect())
                     .await
                     .map_err(|_| Failure::Unreachable)?,
             };
@@ -866,8 +871,9 @@ struct Exchanged<'a> {
 /// rate-limit fields in the order
 /// [`sluice_tower::for_each_rate_limit_header`] writes them: the legacy three, then the
 /// IETF draft's two. The upstream's own fields of these names are dropped, as the
-/// service stack drops or replaces them.
-const REPLACED_FIELDS: [HeaderName; 7] = [
+/// service stack drops or replaces them. A `static`: a `const` array of names would
+/// be built and dropped at each use, once a request.
+static REPLACED_FIELDS: [HeaderName; 7] = [
     sluice_tower::X_SLUICE_COST,
     sluice_tower::X_REQUEST_ID,
     sluice_tower::X_RATELIMIT_LIMIT,
