@@ -112,13 +112,8 @@ impl Connections {
             }
             // Anything to read while idle means the upstream closed it or sent bytes no
             // request asked for (which would be taken for the next request's answer):
-            // either way it cannot carry a request. The reactor's readiness says so
-            // without a system call (as nginx's close handler on idle upstream
-            // connections does): [`Connections::checkin`] cleared it, so readiness
-            // now is an event that arrived since. An event still in flight is the
-            // race every pool has; a request a closed connection never took is
-            // sent again.
-            if !readable_since_checkin(&stream) {
+            // either way it cannot carry a request.
+            if quiet(&stream, now.saturating_duration_since(since)) {
                 return Some(stream);
             }
         }
@@ -127,7 +122,6 @@ impl Connections {
 
     /// Puts a connection whose last response was read to its end back.
     pub(super) fn checkin(&self, stream: TcpStream) {
-        forget_read_readiness(&stream);
         let mut idle = self.idle();
         if idle.len() >= self.max_idle {
             idle.pop_front();
@@ -286,29 +280,44 @@ impl Drop for PooledBody {
     }
 }
 
-/// Clears the reactor's read readiness of `stream`, without a system call: its
-/// last response was read to its end and nothing after it (the reader checked), so
-/// whatever readiness is left is that of bytes already taken. An event the reactor
-/// has not processed yet sets it again when it does.
-fn forget_read_readiness(stream: &TcpStream) {
-    // The closure runs only while the stream is marked readable; its `WouldBlock`
-    // clears that mark (for the readiness it saw, not for a later event).
-    let _ = stream.try_io(tokio::io::Interest::READABLE, || {
-        Err::<(), _>(std::io::ErrorKind::WouldBlock.into())
-    });
-}
+/// An idle connection at least this old is asked the kernel directly whether it is
+/// still quiet: past it an upstream's idle timeout may have closed it just now (every
+/// common server waits a second or more), a close the worker's reactor may not have
+/// processed yet. Connections reused sooner, as under load, are judged by the
+/// reactor's mark alone.
+const ASK_THE_KERNEL_AFTER: Duration = Duration::from_millis(500);
 
-/// True when the reactor has seen `stream` become readable (bytes, end of stream or
-/// an error) since [`forget_read_readiness`], as of its last turn. Reads the mark
-/// alone: no system call, no waker, and no task budget (a poll of readiness could
-/// answer "not ready" only because the task spent its budget).
-fn readable_since_checkin(stream: &TcpStream) -> bool {
-    let mut readable = false;
-    let _ = stream.try_io(tokio::io::Interest::READABLE, || {
-        readable = true;
-        Err::<(), _>(std::io::ErrorKind::WouldBlock.into())
+/// True when `stream`, idle for `idle`, has nothing to read: no bytes, no end of
+/// stream, no error.
+///
+/// The reactor's read mark says it without a system call. A read that took fewer
+/// bytes than it had room for (every read of a response's end but one that filled its
+/// buffer exactly) drained the socket and cleared the mark, so a mark found now is an
+/// event since — or, after a read that filled its buffer, bytes that may still wait.
+/// A marked stream is therefore asked the kernel (a non-blocking peek), and so is one
+/// idle past [`ASK_THE_KERNEL_AFTER`]; a peek that finds nothing clears a stale mark.
+/// The mark is read through `try_io`: no waker, and no task budget (a poll of
+/// readiness could answer "not ready" only because the task spent its budget).
+fn quiet(stream: &TcpStream, idle: Duration) -> bool {
+    let peek = || {
+        let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        socket2::SockRef::from(stream).peek(&mut probe)
+    };
+    let would_block = |r: std::io::Result<usize>| matches!(r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    let mut marked = false;
+    // The closure runs only while the stream is marked; its `WouldBlock` clears the
+    // mark it saw (not a later event's).
+    let peeked = stream.try_io(tokio::io::Interest::READABLE, || {
+        marked = true;
+        peek()
     });
-    readable
+    if marked {
+        would_block(peeked)
+    } else if idle >= ASK_THE_KERNEL_AFTER {
+        would_block(peek())
+    } else {
+        true
+    }
 }
 
 /// What became of a request on one connection.
@@ -645,6 +654,24 @@ mod tests {
         assert!(pool.checkout().is_none());
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_closed_while_long_idle_is_passed_over_before_the_reactor_sees_it() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let pool = Connections::with_max_idle(listener.local_addr().expect("addr").to_string(), 4);
+        let stream = pool.connect().await.expect("connect");
+        let (peer, _) = listener.accept().await.expect("accept");
+        pool.checkin(stream);
+        tokio::time::advance(ASK_THE_KERNEL_AFTER).await;
+        // Closed with no await after it, so the reactor (on this thread) has not taken
+        // in the close; through loopback the kernel has. A connection idle this long
+        // is asked the kernel.
+        drop(peer);
+        assert!(
+            pool.checkout().is_none(),
+            "the closed connection is not handed out"
+        );
+    }
+
     #[tokio::test]
     async fn a_connection_whose_answer_was_read_to_its_end_is_handed_out_again() {
         use tokio::io::AsyncWriteExt as _;
@@ -652,9 +679,9 @@ mod tests {
         let pool = Connections::with_max_idle(listener.local_addr().expect("addr").to_string(), 4);
         let stream = pool.connect().await.expect("connect");
         let (mut peer, _) = listener.accept().await.expect("accept");
-        // An answer read to its end as a reader does, by its length: the last read
-        // takes its last byte and sees no `WouldBlock`, so the reactor still marks
-        // the stream readable.
+        // An answer read to its end by its length, the last read filling its buffer:
+        // it sees no `WouldBlock` and is not short, so the reactor still marks the
+        // stream readable; the kernel, asked, finds it quiet.
         let answer = b"HTTP/1.1 204 No Content\r\n\r\n";
         peer.write_all(answer).await.expect("write");
         let mut got = Vec::new();
@@ -672,6 +699,22 @@ mod tests {
         tokio::task::yield_now().await;
         let out = pool.checkout().expect("the connection is handed out again");
         assert_eq!(out.local_addr().expect("addr"), local);
+
+        // Bytes left behind a read that filled its buffer raise no new event: the
+        // mark that stayed, and the kernel asked, pass the connection over.
+        peer.write_all(b"HTTP/1.1 200 OK\r\n").await.expect("write");
+        let mut buf = [0u8; 4];
+        out.readable().await.expect("readable");
+        assert_eq!(
+            out.try_read(&mut buf).expect("read"),
+            4,
+            "a read that fills its buffer"
+        );
+        pool.checkin(out);
+        assert!(
+            pool.checkout().is_none(),
+            "bytes past a full read are never a next answer"
+        );
     }
 
     /// An upstream that answers each request on each connection with `answer`, until

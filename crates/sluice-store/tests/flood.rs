@@ -266,23 +266,3 @@ proptest! {
         }
     }
 }
-
-#[test]
-fn tmp_hash() {
-    use std::hash::BuildHasher;
-    let mut worst = 16;
-    let mut worst_low = 16;
-    for _ in 0..2000 {
-        let h = foldhash::fast::RandomState::default();
-        let mut seen = [0u32; 16];
-        let mut seen_low = [0u32; 16];
-        for i in 0..640u64 {
-            let x = h.hash_one(i);
-            seen[((u128::from(x) * 16) >> 64) as usize] += 1;
-            seen_low[(x & 15) as usize] += 1;
-        }
-        worst = worst.min(seen.iter().filter(|&&c| c >= 4).count());
-        worst_low = worst_low.min(seen_low.iter().filter(|&&c| c >= 4).count());
-    }
-    println!("worst top {worst} low {worst_low}");
-}
