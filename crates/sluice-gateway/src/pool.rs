@@ -657,15 +657,31 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_connection_closed_while_long_idle_is_passed_over_before_the_reactor_sees_it() {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let pool = Connections::with_max_idle(listener.local_addr().expect("addr").to_string(), 4);
-        let stream = pool.connect().await.expect("connect");
+        let addr = listener.local_addr().expect("addr");
+        let pool = Connections::with_max_idle(addr.to_string(), 4);
+        // A second handle on the pooled socket, to see what the kernel holds.
+        let std_stream = std::net::TcpStream::connect(addr).expect("connect");
+        let kernel_view = std_stream.try_clone().expect("clone");
+        std_stream.set_nonblocking(true).expect("non-blocking");
+        let stream = TcpStream::from_std(std_stream).expect("register");
         let (peer, _) = listener.accept().await.expect("accept");
         pool.checkin(stream);
         tokio::time::advance(ASK_THE_KERNEL_AFTER).await;
         // Closed with no await after it, so the reactor (on this thread) has not taken
-        // in the close; through loopback the kernel has. A connection idle this long
-        // is asked the kernel.
+        // in the close; wait, on this thread, until the kernel has (no reactor turn).
         drop(peer);
+        let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        let waiting_since = std::time::Instant::now();
+        while socket2::SockRef::from(&kernel_view)
+            .peek(&mut probe)
+            .is_err()
+        {
+            assert!(
+                waiting_since.elapsed() < Duration::from_secs(10),
+                "no FIN came"
+            );
+            std::thread::yield_now();
+        }
         assert!(
             pool.checkout().is_none(),
             "the closed connection is not handed out"

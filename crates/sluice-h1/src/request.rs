@@ -89,9 +89,7 @@ pub fn parse<'h, 'b>(
     // `CONNECT`'s authority-form target is never a path; otherwise only an
     // origin-form target that `http` accepts as it is.
     let connect = method == Method::CONNECT;
-    if !connect
-        && (!target.starts_with('/') || target.contains('#') || !crate::target::accepted(target))
-    {
+    if !connect && !crate::target::accepted(target) {
         return Parsed::Unsupported;
     }
 

@@ -3,8 +3,9 @@
 //! the target into a fresh allocation to check it, once per request.
 //!
 //! `http` decides byte by byte from two classes: the bytes allowed before the
-//! first `?` and those allowed after it (a `#` ends the target; the callers
-//! refuse it first). The classes are read from `http` itself, once, by asking it
+//! first `?` and those allowed after it (a `#` ends the target there, and
+//! `http` drops the rest; here a `#` is refused: no client sends a fragment,
+//! and the part dropped is not what was counted). The classes are read from `http` itself, once, by asking it
 //! about each byte, so the check here accepts what the linked `http` accepts
 //! (the tests hold the two to each other over arbitrary targets).
 
@@ -54,7 +55,7 @@ static CLASSES: LazyLock<Classes> = LazyLock::new(|| {
     classes
 });
 
-/// True when `target` (starting with `/`, without `#`) is a path and query the
+/// True when `target` starts with `/`, holds no `#`, and is a path and query the
 /// `http` crate accepts.
 pub fn accepted(target: &str) -> bool {
     if target.len() > MAX_TARGET || !target.starts_with('/') {
@@ -78,6 +79,13 @@ mod tests {
 
     fn http_accepts(target: &str) -> bool {
         PathAndQuery::try_from(target).is_ok()
+    }
+
+    #[test]
+    fn a_target_with_a_fragment_or_without_a_leading_slash_is_refused() {
+        for target in ["/a#b", "/?a#", "#", "a", "", "*", "?a"] {
+            assert!(!accepted(target), "{target:?}");
+        }
     }
 
     #[test]
