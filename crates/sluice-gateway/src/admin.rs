@@ -433,7 +433,8 @@ pub async fn serve(
             handle.run_upkeep();
         }
     });
-    if let Err(error) = axum::serve(listener, router)
+    let service = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
+    if let Err(error) = axum::serve(listener, service)
         .with_graceful_shutdown(stop)
         .await
     {
@@ -474,8 +475,39 @@ async fn quotas(State(state): State<AdminState>, Query(q): Query<QuotaQuery>) ->
     quota_answer(&state, q, false).await
 }
 
-async fn reset_quotas(State(state): State<AdminState>, Query(q): Query<QuotaQuery>) -> Response {
-    quota_answer(&state, q, true).await
+async fn reset_quotas(
+    State(state): State<AdminState>,
+    entrant: Option<axum::Extension<sluice_door::Entrant>>,
+    Query(q): Query<QuotaQuery>,
+) -> Response {
+    let who = entrant.map_or_else(|| "unknown".to_owned(), |e| e.0.to_string());
+    let workspace = q.workspace.clone();
+    let family = q.family.clone();
+    let before = match (&state.inner.quotas, &workspace) {
+        (Some(limiter), Some(w)) => limiter.load().quota_usage(w).await.ok(),
+        _ => None,
+    };
+    let answer = quota_answer(&state, q, true).await;
+    if answer.status().is_success() {
+        let usage = |u: &[sluice_tower::QuotaUsage]| {
+            u.iter()
+                .filter(|q| family.as_deref().is_none_or(|f| f == q.family))
+                .map(|q| format!("{}={}", q.family, q.usage))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        tracing::info!(
+            target: "sluice::audit",
+            who = %who,
+            what = "quota reset",
+            workspace = workspace.as_deref().unwrap_or(""),
+            family = family.as_deref().unwrap_or("*"),
+            before = %before.as_deref().map_or_else(String::new, usage),
+            after = "0",
+            "admin change"
+        );
+    }
+    answer
 }
 
 /// `{"workspace", "quotas": [{"family","limit","usage","resets_at"}]}`, or an error

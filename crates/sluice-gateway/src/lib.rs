@@ -163,6 +163,10 @@ pub struct GatewayConfig {
     /// Most refusal log lines a second (0: every refusal; see
     /// [`Limiter::with_refusal_log`]).
     pub refusal_log_per_second: u32,
+    /// Who the admin listener lets in: `Host` names beyond its addresses, the token
+    /// (required beyond loopback: [`Gateway::start`] refuses to start without one),
+    /// paths open without it (see [`sluice_door`]).
+    pub admin_door: sluice_door::DoorConfig,
 }
 
 /// Default for [`GatewayConfig::max_connections`].
@@ -198,6 +202,7 @@ impl GatewayConfig {
             demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
             policy_file: None,
             access_log: false,
+            admin_door: sluice_door::DoorConfig::default(),
             refusal_log_per_second: sluice_tower::DEFAULT_REFUSAL_LOG_PER_SECOND,
         }
     }
@@ -237,6 +242,12 @@ pub enum StartError {
         /// Why.
         reason: String,
     },
+    /// The admin listener would answer beyond loopback with no token.
+    #[error(
+        "the admin listener on {0} is reachable beyond loopback and needs a token: \
+         --admin-token-file FILE or SLUICE_ADMIN_TOKEN"
+    )]
+    AdminWithoutToken(SocketAddr),
     /// The built-in demo upstream or the worker threads could not start.
     #[error("{what}: {source}")]
     Io {
@@ -286,6 +297,9 @@ impl Gateway {
     /// [`StartError`] names the listener, directory or store that could not be used.
     pub async fn start(config: GatewayConfig) -> Result<Gateway, StartError> {
         let started = Instant::now();
+        if sluice_door::needs_token(config.admin) && config.admin_door.token.is_none() {
+            return Err(StartError::AdminWithoutToken(config.admin));
+        }
         admin::install_metrics();
 
         let bind = |listener: &'static str, addr: SocketAddr| async move {
@@ -496,9 +510,16 @@ impl Gateway {
                 .clone()
                 .keep_history(backends_stopped.clone().wait()),
         );
+        let door = Arc::new(sluice_door::Door::new(
+            admin_addr,
+            config.admin_door.clone(),
+        ));
         let admin_task = tokio::spawn(admin::serve(
             admin_listener,
-            admin::router(admin_state),
+            admin::router(admin_state).layer(axum::middleware::from_fn_with_state(
+                door,
+                sluice_door::guard,
+            )),
             backends_stopped.clone().wait(),
         ));
 

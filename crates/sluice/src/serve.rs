@@ -41,6 +41,15 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090", value_parser = parse_addr)]
     pub admin: SocketAddr,
 
+    /// Who the admin listener lets in (`--admin-host`, `--admin-token-file`).
+    #[command(flatten)]
+    pub door: crate::door::DoorArgs,
+
+    /// Serve the admin listener's /metrics without the admin token, for a Prometheus
+    /// that scrapes without one (its `Host` is still checked).
+    #[arg(long)]
+    pub metrics_open: bool,
+
     /// Base URL of the upstream API (http://HOST:PORT[/PREFIX]). Without it a built-in
     /// demo upstream runs on a free loopback port.
     #[arg(long, value_name = "URL", value_parser = Upstream::parse)]
@@ -190,7 +199,14 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
             data_dir.display()
         )));
     }
+    let open = if args.metrics_open {
+        vec!["/metrics".to_owned()]
+    } else {
+        Vec::new()
+    };
+    let admin_door = args.door.door(args.admin, open)?;
     let mut config = GatewayConfig::new(policy, data_dir);
+    config.admin_door = admin_door;
     config.policy_file = policy_file;
     config.access_log = args.access_log;
     config.listen = args.listen;
@@ -295,6 +311,7 @@ async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         sluice_gateway::process::termination_signal().context("installing signal handlers")?;
     let gateway = Gateway::start(config).await.map_err(|e| match e {
         StartError::DataDir(e) => anyhow::Error::new(BadInput(format!("--data-dir: {e}"))),
+        e @ StartError::AdminWithoutToken(_) => anyhow::Error::new(BadInput(e.to_string())),
         other => anyhow::Error::new(other),
     })?;
     let mut stdout = std::io::stdout().lock();

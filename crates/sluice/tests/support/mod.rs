@@ -132,13 +132,21 @@ fn read_first_line(stdout: ChildStdout) -> mpsc::Receiver<String> {
 }
 
 impl Sluice {
-    /// Runs `sluice serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 <extra>` and waits
+    /// Runs `sluice serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 <extra>` (`extra`'s
+    /// own `--admin` in place of that one) and waits
     /// (bounded) for its start line.
     /// Without `--data-dir` in `extra`, it gets a fresh one of its own.
     pub fn spawn(extra: &[&str]) -> Sluice {
         let own_data_dir = (!extra.contains(&"--data-dir")).then(DataDir::new);
+        // An `--admin` in `extra` replaces the loopback default.
+        let admin: &[&str] = if extra.contains(&"--admin") {
+            &[]
+        } else {
+            &["--admin", "127.0.0.1:0"]
+        };
         let mut child = Command::new(binary())
-            .args(["serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(admin)
             .args(extra)
             .args(
                 own_data_dir
