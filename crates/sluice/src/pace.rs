@@ -36,6 +36,10 @@ pub struct PaceArgs {
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9091", value_parser = parse_addr)]
     pub admin: std::net::SocketAddr,
 
+    /// Who the admin listener lets in (`--admin-host`, `--admin-token-file`).
+    #[command(flatten)]
+    pub door: crate::door::DoorArgs,
+
     /// Where the budgets live: `memory` (this process) or a Redis URL
     /// (`redis://…`, `redis+unix:///…`) so every process on one key shares one budget.
     #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = |s: &str| s.parse::<StoreSpec>())]
@@ -53,13 +57,17 @@ pub fn run(args: PaceArgs) -> anyhow::Result<()> {
 fn config_error(e: ProxyError) -> anyhow::Error {
     match e {
         ProxyError::Config(c) => BadInput(c.to_string()).into(),
+        e @ ProxyError::AdminWithoutToken(_) => BadInput(e.to_string()).into(),
         other => anyhow::Error::new(other),
     }
 }
 
 async fn pace(args: PaceArgs) -> anyhow::Result<()> {
     let termination = termination_signal().context("installing signal handlers")?;
-    let options = ProxyOptions::new(args.config.clone(), args.listen).with_admin(args.admin);
+    let door = args.door.door(args.admin, Vec::new())?;
+    let options = ProxyOptions::new(args.config.clone(), args.listen)
+        .with_admin(args.admin)
+        .with_admin_door(door);
     let StoreSpec::Redis(url) = &args.store else {
         let server = ProxyServer::bind(options).await.map_err(config_error)?;
         announce(server.bound(), "memory")?;

@@ -175,3 +175,149 @@ async fn c7_two_pace_processes_on_one_redis_share_one_budget() {
     let stats = sim.stats();
     assert_eq!((stats.admitted, stats.violations), (1, 0), "{stats:?}");
 }
+
+/// A chat sent with extra `fields`, to `path` on the proxy.
+async fn chat_with(pace: &Pace, path: &str, fields: &[(&str, &str)]) -> support::Reply {
+    let body = serde_json::json!({
+        "model": "gpt-4o-mini",
+        "max_tokens": 20,
+        "messages": [{"role": "user", "content": "Say hello."}],
+    });
+    let mut r = Request::post(format!("http://{}{path}", pace.listen));
+    for (k, v) in fields {
+        r = r.header(*k, *v);
+    }
+    send(
+        r.body(Full::new(Bytes::from(body.to_string())))
+            .expect("request"),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_pace_forwards_nothing_a_web_page_sent() {
+    let sim = Simulator::start(SimulatorConfig::default())
+        .await
+        .expect("simulator");
+    let file = config(
+        "doors.yaml",
+        &sim.base_url(),
+        "{ tpm: 60000, rpm: 500, rpd: 0 }",
+        "pacer:\n  allowedOrigins: [\"http://localhost:3000\"]\n",
+    );
+    let pace = Pace::spawn(&file, "memory");
+    let path = "/sim/chat/completions";
+    for (fields, status) in [
+        (
+            &[
+                ("origin", "http://evil.example"),
+                ("content-type", "text/plain"),
+            ][..],
+            403,
+        ),
+        (&[("origin", "null")], 403),
+        (
+            &[
+                ("host", "evil.example:8088"),
+                ("content-type", "application/json"),
+            ],
+            421,
+        ),
+    ] {
+        let r = chat_with(&pace, path, fields).await;
+        assert_eq!(r.status, status, "{fields:?}: {}", r.text());
+    }
+    assert_eq!(sim.stats().requests, 0, "nothing was forwarded");
+    let listed = chat_with(
+        &pace,
+        path,
+        &[
+            ("origin", "http://localhost:3000"),
+            ("content-type", "application/json"),
+        ],
+    )
+    .await;
+    assert_eq!(listed.status, 200, "{}", listed.text());
+    // Both spellings of a baseUrl that ends in /v1 (the simulator's does).
+    for path in ["/sim/chat/completions", "/sim/v1/chat/completions"] {
+        let r = chat_with(&pace, path, &[("content-type", "application/json")]).await;
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+    }
+    assert_eq!(sim.stats().requests, 3);
+
+    // The settings: a page elsewhere cannot change a limit, a rebinding page cannot read.
+    let admin = |p: &str| format!("http://{}{p}", pace.admin);
+    let r = send(
+        Request::post(admin("/limits/sim"))
+            .header("origin", "http://evil.example")
+            .header("content-type", "text/plain")
+            .body(Full::new(Bytes::from_static(b"{\"tpm\":1}")))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(r.status, 403, "{}", r.text());
+    let r = send(
+        Request::put(admin("/limits/sim"))
+            .header("content-type", "text/plain")
+            .body(Full::new(Bytes::from_static(b"{\"tpm\":1}")))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(r.status, 415, "{}", r.text());
+    let r = send(
+        Request::get(admin("/limits"))
+            .header("host", "evil.example")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(r.status, 421);
+    assert_eq!(
+        get(&admin("/limits")).await.json()["providers"]["sim"]["tpm"],
+        60000
+    );
+    let r = send(
+        Request::put(admin("/limits/sim"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{\"tpm\":50000}")))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        get(&admin("/limits")).await.json()["providers"]["sim"]["tpm"],
+        50000
+    );
+    let _ = std::fs::remove_file(sluice_client::config::overrides_path(&file));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_pace_with_client_keys_forwards_only_their_callers() {
+    use sha2::Digest as _;
+    let sim = Simulator::start(SimulatorConfig::default())
+        .await
+        .expect("simulator");
+    let digest = hex::encode(sha2::Sha256::digest(b"team-key"));
+    let file = config(
+        "keys.yaml",
+        &sim.base_url(),
+        "{ tpm: 60000, rpm: 500, rpd: 0 }",
+        &format!("pacer:\n  clientKeys: [\"sha256:{digest}\"]\n"),
+    );
+    let pace = Pace::spawn(&file, "memory");
+    let path = "/sim/v1/chat/completions";
+    let json = ("content-type", "application/json");
+    assert_eq!(chat_with(&pace, path, &[json]).await.status, 401);
+    assert_eq!(
+        chat_with(&pace, path, &[json, ("authorization", "Bearer guess")])
+            .await
+            .status,
+        401
+    );
+    assert_eq!(sim.stats().requests, 0);
+    let r = chat_with(&pace, path, &[json, ("authorization", "Bearer team-key")]).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = chat_with(&pace, path, &[json, ("x-api-key", "team-key")]).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(sim.stats().requests, 2);
+}

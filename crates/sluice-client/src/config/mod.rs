@@ -239,7 +239,7 @@ impl ProviderConfig {
 }
 
 /// Pacer-wide settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PacerSettings {
     /// How much earlier than our send a provider may count a request's
     /// neighbours: windows reach back `60 s + arrival_margin`.
@@ -248,6 +248,15 @@ pub struct PacerSettings {
     pub max_attempts: u32,
     /// The largest request body the proxy reads.
     pub max_body_bytes: usize,
+    /// Origins of web pages whose requests the proxy forwards
+    /// (`pacer.allowedOrigins`; a request with another `Origin` is 403).
+    pub allowed_origins: Vec<String>,
+    /// Names `Host` may carry besides `localhost` and the proxy's own addresses
+    /// (`pacer.allowedHosts`, e.g. `host.docker.internal`; others are 421).
+    pub allowed_hosts: Vec<String>,
+    /// SHA-256 digests (64 lowercase hex digits) of keys a caller must present one of
+    /// (`pacer.clientKeys`; empty: none required).
+    pub client_keys: Vec<String>,
 }
 
 impl Default for PacerSettings {
@@ -256,6 +265,9 @@ impl Default for PacerSettings {
             arrival_margin: DEFAULT_ARRIVAL_MARGIN,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            allowed_origins: Vec::new(),
+            allowed_hosts: Vec::new(),
+            client_keys: Vec::new(),
         }
     }
 }
@@ -721,6 +733,43 @@ fn check_pacer(raw: Option<&raw::RawPacer>, problems: &mut Vec<Problem>) -> Pace
                 path: "pacer.maxBodyBytes".into(),
                 message: format!("{b} is not a size of at least 1024 bytes"),
             }),
+        }
+    }
+    for (i, origin) in raw.allowed_origins.iter().flatten().enumerate() {
+        let ok = origin.split_once("://").is_some_and(|(scheme, rest)| {
+            matches!(scheme, "http" | "https") && !rest.is_empty() && !rest.contains('/')
+        });
+        if ok {
+            s.allowed_origins.push(origin.to_ascii_lowercase());
+        } else {
+            problems.push(Problem {
+                path: format!("pacer.allowedOrigins[{i}]"),
+                message: format!(
+                    "{origin:?} is not an origin such as http://localhost:3000 (scheme, host, port; no path)"
+                ),
+            });
+        }
+    }
+    for (i, host) in raw.allowed_hosts.iter().flatten().enumerate() {
+        if host.is_empty() || host.contains(['/', ':', '@', ' ']) {
+            problems.push(Problem {
+                path: format!("pacer.allowedHosts[{i}]"),
+                message: format!("{host:?} is not a host name such as host.docker.internal"),
+            });
+        } else {
+            s.allowed_hosts.push(host.to_ascii_lowercase());
+        }
+    }
+    for (i, key) in raw.client_keys.iter().flatten().enumerate() {
+        let hex = key.trim();
+        let hex = hex.strip_prefix("sha256:").unwrap_or(hex);
+        if hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            s.client_keys.push(hex.to_ascii_lowercase());
+        } else {
+            problems.push(Problem {
+                path: format!("pacer.clientKeys[{i}]"),
+                message: "expected a key's SHA-256 digest, 64 hex digits (printf %s \"$KEY\" | sha256sum), never the key itself".to_owned(),
+            });
         }
     }
     s

@@ -67,6 +67,13 @@ pub struct RawPacer {
     pub max_attempts: Option<u32>,
     /// The largest request body the proxy reads, in bytes.
     pub max_body_bytes: Option<u64>,
+    /// Origins of web pages whose requests the proxy forwards (a request with any
+    /// other `Origin` is refused).
+    pub allowed_origins: Option<Vec<String>>,
+    /// Names `Host` may carry besides `localhost` and the proxy's addresses.
+    pub allowed_hosts: Option<Vec<String>>,
+    /// SHA-256 digests (hex, `sha256:` optional) of keys a caller must present.
+    pub client_keys: Option<Vec<String>>,
 }
 
 /// The settings page's file next to the config: only limits.

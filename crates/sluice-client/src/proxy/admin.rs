@@ -73,6 +73,7 @@ fn bad_request(message: String) -> Response {
 
 async fn save<S: BudgetStore + 'static, C: Clock + 'static>(
     State(app): State<Arc<App<S, C>>>,
+    entrant: Option<axum::Extension<sluice_door::Entrant>>,
     Path(provider): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
@@ -115,6 +116,16 @@ async fn save<S: BudgetStore + 'static, C: Clock + 'static>(
             None,
         );
     }
+    let show = |l: ProviderLimits| format!("tpm={} rpm={} rpd={}", l.tpm, l.rpm, l.rpd);
+    tracing::info!(
+        target: "sluice::audit",
+        who = %entrant.map_or_else(|| "unknown".to_owned(), |e| e.0.to_string()),
+        what = "pace limits",
+        provider = %provider,
+        before = %show(current),
+        after = %show(limits),
+        "admin change"
+    );
     one(State(app), Path(provider)).await
 }
 

@@ -65,23 +65,26 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
     State(app): State<Arc<App<S, C>>>,
     req: Request,
 ) -> Response {
-    let path = req.uri().path().to_owned();
-    let query = req.uri().query().map(str::to_owned);
+    let (parts, body) = req.into_parts();
+    let config = app.pacer.config();
+    if let Err(refusal) = admit(&app, &config.pacer, &parts) {
+        return sluice_door::refused(&refusal);
+    }
+    let path = parts.uri.path();
     let trimmed = path.trim_start_matches('/');
     let (provider, rest) = match trimmed.split_once('/') {
         Some((p, r)) => (p.to_owned(), format!("/{r}")),
         None => (trimmed.to_owned(), String::new()),
     };
-    let config = app.pacer.config();
     let Some(p) = config.provider(&provider) else {
         return pace_error(&PaceError::UnknownProvider { provider });
     };
+    let rest = without_repeated_segment(&p.base_url, rest);
     let mut url = format!("{}{}", p.base_url, rest);
-    if let Some(q) = query {
+    if let Some(q) = parts.uri.query() {
         url.push('?');
-        url.push_str(&q);
+        url.push_str(q);
     }
-    let (parts, body) = req.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, config.pacer.max_body_bytes).await else {
         return simple_error(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -104,9 +107,14 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
         }
         headers.append(k.clone(), v.clone());
     }
+    if !config.pacer.client_keys.is_empty() {
+        // The caller's key is for this proxy, never for the provider.
+        headers.remove(header::AUTHORIZATION);
+        headers.remove(sluice_door::X_API_KEY);
+    }
     if let Some(key) = &p.api_key {
         headers.remove(header::AUTHORIZATION);
-        headers.remove("x-api-key");
+        headers.remove(sluice_door::X_API_KEY);
         if let Ok(v) = HeaderValue::from_str(&p.auth_value(key)) {
             headers.insert(p.auth_header.clone(), v);
         }
@@ -183,6 +191,87 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
             _ => Body::new(upstream.into_body()),
         };
         return respond(status, rheaders, body);
+    }
+}
+
+/// The proxy's door (SPEC S4): it adds the provider's key, so it forwards nothing a
+/// web page sent (an `Origin` not in `pacer.allowedOrigins`), nothing sent under a
+/// foreign `Host` (DNS rebinding), and, with `pacer.clientKeys`, nothing from a caller
+/// without one of them.
+fn admit<S: BudgetStore + 'static, C: Clock + 'static>(
+    app: &App<S, C>,
+    settings: &crate::config::PacerSettings,
+    parts: &http::request::Parts,
+) -> Result<(), sluice_door::Refusal> {
+    let hosts = sluice_door::HostRule::new(app.listen, &settings.allowed_hosts);
+    let keys: Vec<sluice_door::ClientKey> = settings
+        .client_keys
+        .iter()
+        .filter_map(|k| sluice_door::ClientKey::parse(k))
+        .collect();
+    let gate = sluice_door::ProxyGate {
+        hosts: &hosts,
+        allowed_origins: &settings.allowed_origins,
+        client_keys: &keys,
+    };
+    gate.check(&parts.headers, sluice_door::authority(parts).as_deref())
+}
+
+/// `rest` without its first segment when that segment is the one `base_url` ends in:
+/// an SDK pointed at `http://proxy/openai/v1` (the habit of OpenAI-compatible
+/// proxies) sends `/v1/chat/completions` for a `baseUrl` that already ends in `/v1`.
+fn without_repeated_segment(base_url: &str, rest: String) -> String {
+    let base_path = base_url
+        .split_once("://")
+        .map_or(base_url, |(_, r)| r)
+        .split_once('/')
+        .map_or("", |(_, p)| p);
+    let Some(last) = base_path
+        .trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .filter(|s| !s.is_empty())
+    else {
+        return rest;
+    };
+    let Some(after) = rest.strip_prefix('/').and_then(|r| r.strip_prefix(last)) else {
+        return rest;
+    };
+    if after.is_empty() || after.starts_with('/') {
+        after.to_owned()
+    } else {
+        rest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_repeated_segment;
+
+    #[test]
+    fn c1_a_base_url_ending_in_v1_takes_both_spellings() {
+        let base = "https://api.openai.com/v1";
+        for (sent, forwarded) in [
+            ("/chat/completions", "/chat/completions"),
+            ("/v1/chat/completions", "/chat/completions"),
+            ("/v1", ""),
+            ("/v10/x", "/v10/x"),
+            ("/v1x", "/v1x"),
+        ] {
+            assert_eq!(
+                without_repeated_segment(base, sent.to_owned()),
+                forwarded,
+                "{sent}"
+            );
+        }
+        assert_eq!(
+            without_repeated_segment("https://api.anthropic.com", "/v1/messages".to_owned()),
+            "/v1/messages"
+        );
+        assert_eq!(
+            without_repeated_segment("http://127.0.0.1:9/v1/", "/v1/models".to_owned()),
+            "/models"
+        );
     }
 }
 

@@ -41,6 +41,9 @@ pub struct ProxyOptions {
     pub listen: SocketAddr,
     /// Where the admin side listens, if anywhere.
     pub admin: Option<SocketAddr>,
+    /// Who the admin side lets in (`Host` names, the token; see [`sluice_door`]).
+    /// [`ProxyServer::bind`] refuses an admin address beyond loopback without a token.
+    pub admin_door: sluice_door::DoorConfig,
 }
 
 impl ProxyOptions {
@@ -50,12 +53,19 @@ impl ProxyOptions {
             config: config.into(),
             listen,
             admin: None,
+            admin_door: sluice_door::DoorConfig::default(),
         }
     }
 
     /// The same with an admin listener on `admin`.
     pub fn with_admin(mut self, admin: SocketAddr) -> Self {
         self.admin = Some(admin);
+        self
+    }
+
+    /// The same with `door` at the admin listener.
+    pub fn with_admin_door(mut self, door: sluice_door::DoorConfig) -> Self {
+        self.admin_door = door;
         self
     }
 }
@@ -90,6 +100,12 @@ pub enum ProxyError {
     /// Serving failed.
     #[error("serving failed: {0}")]
     Serve(#[from] std::io::Error),
+    /// The admin listener would answer beyond loopback with no token.
+    #[error(
+        "the admin listener on {0} is reachable beyond loopback and needs a token: \
+         --admin-token-file FILE or SLUICE_ADMIN_TOKEN"
+    )]
+    AdminWithoutToken(SocketAddr),
 }
 
 /// What the handlers share.
@@ -97,6 +113,8 @@ pub(crate) struct App<S: BudgetStore + 'static, C: Clock + 'static> {
     pub(crate) pacer: Pacer<S, C>,
     pub(crate) client: reqwest::Client,
     pub(crate) config_file: PathBuf,
+    /// Where the proxy listens: `Host` must name it (or a listed name).
+    pub(crate) listen: SocketAddr,
 }
 
 /// A bound, not yet serving proxy.
@@ -107,6 +125,7 @@ pub struct ProxyServer<
     app: Arc<App<S, C>>,
     listener: TcpListener,
     admin: Option<TcpListener>,
+    admin_door: Option<Arc<sluice_door::Door>>,
     bound: Bound,
 }
 
@@ -142,6 +161,12 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
                 .await
                 .map_err(|source| ProxyError::Bind { addr, source })
         };
+        if let Some(admin) = options.admin
+            && sluice_door::needs_token(admin)
+            && options.admin_door.token.is_none()
+        {
+            return Err(ProxyError::AdminWithoutToken(admin));
+        }
         let listener = bind(options.listen).await?;
         let admin = match options.admin {
             Some(a) => Some(bind(a).await?),
@@ -151,14 +176,19 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
             listen: listener.local_addr()?,
             admin: admin.as_ref().map(TcpListener::local_addr).transpose()?,
         };
+        let admin_door = bound
+            .admin
+            .map(|a| Arc::new(sluice_door::Door::new(a, options.admin_door.clone())));
         Ok(ProxyServer {
             app: Arc::new(App {
                 pacer,
                 client,
                 config_file: options.config,
+                listen: bound.listen,
             }),
             listener,
             admin,
+            admin_door,
             bound,
         })
     }
@@ -194,10 +224,20 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
         let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|v| *v).await;
         };
-        let proxy = axum::serve(self.listener, forward::router(self.app.clone()))
-            .with_graceful_shutdown(wait(rx.clone()));
-        let admin = self.admin.map(|l| {
-            axum::serve(l, admin::router(self.app.clone())).with_graceful_shutdown(wait(rx))
+        let proxy = axum::serve(
+            self.listener,
+            forward::router(self.app.clone()).into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(wait(rx.clone()));
+        let admin = self.admin.zip(self.admin_door).map(|(l, door)| {
+            let router = admin::router(self.app.clone()).layer(
+                axum::middleware::from_fn_with_state(door, sluice_door::guard),
+            );
+            axum::serve(
+                l,
+                router.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .with_graceful_shutdown(wait(rx))
         });
         tokio::spawn(async move {
             shutdown.await;
