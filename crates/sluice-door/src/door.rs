@@ -72,7 +72,8 @@ pub enum Refusal {
     },
     /// 429: too many wrong tokens from this address; retry after this long.
     TooManyAttempts(Duration),
-    /// 403: an origin the pacer proxy does not list (`pacer.allowedOrigins`).
+    /// 403: a page's request whose origin the pacer proxy does not list
+    /// (`pacer.allowedOrigins`), naming what the request said.
     UnlistedOrigin(String),
 }
 
@@ -113,7 +114,7 @@ impl Refusal {
             ),
             Refusal::UnlistedOrigin(origin) => format!(
                 "requests from web pages are not forwarded unless their origin is listed \
-                 in pacer.allowedOrigins (Origin: {origin})"
+                 in pacer.allowedOrigins ({origin})"
             ),
             Refusal::NotJson => {
                 "a change needs Content-Type: application/json (or no body at all)".to_owned()

@@ -9,7 +9,7 @@ use sha2::{Digest as _, Sha256};
 
 use crate::door::{Refusal, bearer};
 use crate::host::HostRule;
-use crate::origin::origin_listed;
+use crate::origin::{SEC_FETCH_SITE, origin_listed};
 
 /// A key a caller of the proxy may present, kept as its SHA-256 digest (configs list
 /// `sha256:<hex>` or the bare 64 hex digits: `printf %s "$KEY" | sha256sum`).
@@ -73,10 +73,23 @@ impl ProxyGate<'_> {
         if !self.hosts.allows(host) {
             return Err(Refusal::MisdirectedHost(host.chars().take(200).collect()));
         }
+        let mut listed = false;
         for origin in headers.get_all(ORIGIN) {
             let text = origin.to_str().unwrap_or("");
             if !origin_listed(text, self.allowed_origins) {
-                return Err(Refusal::UnlistedOrigin(text.chars().take(200).collect()));
+                return Err(Refusal::UnlistedOrigin(format!(
+                    "Origin: {}",
+                    text.chars().take(200).collect::<String>()
+                )));
+            }
+            listed = true;
+        }
+        // A page's image or link GET carries no Origin, but the browser says where it
+        // comes from.
+        if !listed && let Some(site) = headers.get(SEC_FETCH_SITE) {
+            let site = site.to_str().unwrap_or("");
+            if !site.eq_ignore_ascii_case("same-origin") && !site.eq_ignore_ascii_case("none") {
+                return Err(Refusal::UnlistedOrigin(format!("Sec-Fetch-Site: {site}")));
             }
         }
         if self.client_keys.is_empty() {
