@@ -45,7 +45,7 @@ impl HostRule {
                     && same_family(ip, self.listener));
         }
         let name = normal_name(host);
-        name == "localhost" || self.names.iter().any(|n| *n == name)
+        name == "localhost" || self.names.contains(&name)
     }
 }
 

@@ -15,6 +15,9 @@ use support::{DataDir, Reply, Sluice, run_to_exit, send};
 
 const KEY: &str = "door-test-key";
 
+/// Header fields of a raw request.
+type Fields<'a> = &'a [(&'a str, &'a str)];
+
 fn workspace() -> String {
     use sha2::Digest as _;
     format!("key:{}", hex::encode(sha2::Sha256::digest(KEY.as_bytes())))
@@ -77,7 +80,7 @@ async fn s2_the_admin_listener_takes_no_orders_from_a_web_page() {
     spend_evals(&s, 2).await;
     assert_eq!(evals_usage(&s, None).await, 2);
     let own = format!("http://{}", s.start.admin);
-    let pages: [(&[(&str, &str)], &[u8], u16); 6] = [
+    let pages: [(Fields, &[u8], u16); 6] = [
         // A form or a no-cors fetch from another site.
         (
             &[

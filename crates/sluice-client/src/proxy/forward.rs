@@ -244,6 +244,24 @@ fn without_repeated_segment(base_url: &str, rest: String) -> String {
     }
 }
 
+fn respond(status: StatusCode, headers: HeaderMap, body: Body) -> Response {
+    let mut r = Response::new(body);
+    *r.status_mut() = status;
+    *r.headers_mut() = headers;
+    r
+}
+
+async fn read_limited(mut resp: reqwest::Response, limit: usize) -> Bytes {
+    let mut out = Vec::new();
+    while let Ok(Some(chunk)) = resp.chunk().await {
+        if out.len() + chunk.len() > limit {
+            break;
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Bytes::from(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::without_repeated_segment;
@@ -273,22 +291,4 @@ mod tests {
             "/models"
         );
     }
-}
-
-fn respond(status: StatusCode, headers: HeaderMap, body: Body) -> Response {
-    let mut r = Response::new(body);
-    *r.status_mut() = status;
-    *r.headers_mut() = headers;
-    r
-}
-
-async fn read_limited(mut resp: reqwest::Response, limit: usize) -> Bytes {
-    let mut out = Vec::new();
-    while let Ok(Some(chunk)) = resp.chunk().await {
-        if out.len() + chunk.len() > limit {
-            break;
-        }
-        out.extend_from_slice(&chunk);
-    }
-    Bytes::from(out)
 }
