@@ -3,8 +3,8 @@
 
 use std::net::{IpAddr, Ipv6Addr};
 
-use http::HeaderMap;
 use http::header::{AUTHORIZATION, COOKIE, HeaderName};
+use http::{HeaderMap, HeaderValue};
 use sha2::{Digest, Sha256};
 use sluice_core::digest;
 
@@ -215,35 +215,70 @@ impl std::fmt::Display for Who {
     }
 }
 
-/// A request that sends one kind of credential more than once (two `X-API-Key`
-/// fields, two `Authorization` fields, two session cookies): sluice would charge the
-/// first while the upstream may read another, so the request is refused.
+/// A request whose credential sluice cannot count as the upstream reads it: one kind
+/// sent more than once (two `X-API-Key` fields, two `Authorization` fields, two
+/// session cookies), or two kinds at once (an `X-API-Key` and a Bearer) when the policy
+/// names no `identity.counted_credential`. sluice would charge one while the upstream
+/// may read another, so the request is refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("ambiguous credentials: {count} {}", self.what())]
+#[error("{}", self.describe())]
 pub struct AmbiguousCredentials {
-    /// Where the credential is read from.
+    /// Where the (first) credential is read from.
     pub sent_in: CredentialSource,
     /// How many the request sends (at least 2).
     pub count: usize,
+    /// The other kind sent beside it, when two kinds came in one request.
+    pub also: Option<CredentialSource>,
+}
+
+fn source_name(source: CredentialSource, plural: bool) -> &'static str {
+    match (source, plural) {
+        (CredentialSource::ApiKeyHeader, true) => "X-API-Key fields",
+        (CredentialSource::Bearer, true) => "Authorization fields",
+        (CredentialSource::SessionCookie, true) => "session cookies",
+        (CredentialSource::ApiKeyHeader, false) => "an X-API-Key",
+        (CredentialSource::Bearer, false) => "an Authorization",
+        (CredentialSource::SessionCookie, false) => "a session cookie",
+    }
+}
+
+fn source_field(source: CredentialSource) -> &'static str {
+    match source {
+        CredentialSource::ApiKeyHeader => "x-api-key",
+        CredentialSource::Bearer => "authorization",
+        CredentialSource::SessionCookie => "cookie",
+    }
 }
 
 impl AmbiguousCredentials {
-    /// The fields (or cookies) counted, as the message names them.
-    fn what(&self) -> &'static str {
-        match self.sent_in {
-            CredentialSource::ApiKeyHeader => "X-API-Key fields",
-            CredentialSource::Bearer => "Authorization fields",
-            CredentialSource::SessionCookie => "session cookies",
+    fn describe(&self) -> String {
+        match self.also {
+            Some(other) => format!(
+                "ambiguous credentials: {} and {} in one request (send one, or name the \
+                 counted one with identity.counted_credential)",
+                source_name(self.sent_in, false),
+                source_name(other, false)
+            ),
+            None => format!(
+                "ambiguous credentials: {} {}",
+                self.count,
+                source_name(self.sent_in, true)
+            ),
         }
     }
 
     /// The field (lower case) or, for the session cookie, `cookie`.
     pub fn field(&self) -> &'static str {
-        match self.sent_in {
-            CredentialSource::ApiKeyHeader => "x-api-key",
-            CredentialSource::Bearer => "authorization",
-            CredentialSource::SessionCookie => "cookie",
-        }
+        source_field(self.sent_in)
+    }
+
+    /// Every field the refusal names: [`AmbiguousCredentials::field`], and the other
+    /// kind's when two kinds came.
+    pub fn fields(&self) -> Vec<&'static str> {
+        std::iter::once(self.sent_in)
+            .chain(self.also)
+            .map(source_field)
+            .collect()
     }
 }
 
@@ -447,10 +482,117 @@ impl Identity {
                 return Err(AmbiguousCredentials {
                     sent_in: source,
                     count,
+                    also: None,
                 });
             }
         }
-        Ok(())
+        let mut present = self
+            .credentials
+            .iter()
+            .copied()
+            .filter(|&source| self.sends(source, header_pairs(headers)));
+        let (Some(first), Some(second)) = (present.next(), present.next()) else {
+            return Ok(());
+        };
+        match self.counted {
+            Some(counted) if self.sends(counted, header_pairs(headers)) => Ok(()),
+            _ => Err(AmbiguousCredentials {
+                sent_in: first,
+                count: 2 + present.count(),
+                also: Some(second),
+            }),
+        }
+    }
+
+    /// Whether a request with these fields sends a credential of `source`: the field
+    /// (`X-API-Key`, `Authorization`, whatever it holds) or a cookie of the session's
+    /// name.
+    fn sends<'a>(
+        &self,
+        source: CredentialSource,
+        mut fields: impl Iterator<Item = (&'a [u8], &'a [u8])>,
+    ) -> bool {
+        match source {
+            CredentialSource::ApiKeyHeader => {
+                fields.any(|(n, _)| n.eq_ignore_ascii_case(b"x-api-key"))
+            }
+            CredentialSource::Bearer => {
+                fields.any(|(n, _)| n.eq_ignore_ascii_case(b"authorization"))
+            }
+            CredentialSource::SessionCookie => fields.any(|(n, v)| {
+                n.eq_ignore_ascii_case(b"cookie")
+                    && v.split(|&b| b == b';')
+                        .any(|pair| self.is_session_pair(pair))
+            }),
+        }
+    }
+
+    fn is_session_pair(&self, pair: &[u8]) -> bool {
+        let name = pair.split(|&b| b == b'=').next().unwrap_or(pair);
+        name.trim_ascii() == self.session_cookie.as_bytes()
+    }
+
+    /// Whether a request with these fields (name, value) sends more than one kind of
+    /// credential: with `identity.counted_credential`, the others are stripped before
+    /// it is forwarded (see [`Identity::strip_uncounted`]), so a server that writes
+    /// the upstream head itself must leave such a request to one that can.
+    pub fn sends_several_kinds<'a>(
+        &self,
+        fields: impl Iterator<Item = (&'a [u8], &'a [u8])> + Clone,
+    ) -> bool {
+        self.credentials
+            .iter()
+            .filter(|&&source| self.sends(source, fields.clone()))
+            .nth(1)
+            .is_some()
+    }
+
+    /// Removes from a request that is forwarded the credentials that were not counted:
+    /// with `identity.counted_credential` set and sent, every other kind (the
+    /// `X-API-Key` or `Authorization` field, the session cookie out of `Cookie`), so
+    /// the upstream reads only the credential sluice charged.
+    pub fn strip_uncounted(&self, headers: &mut HeaderMap) {
+        let Some(counted) = self.counted else {
+            return;
+        };
+        if !self.sends(counted, header_pairs(headers)) {
+            return;
+        }
+        for &source in &self.credentials {
+            if source == counted {
+                continue;
+            }
+            match source {
+                CredentialSource::ApiKeyHeader => {
+                    headers.remove(X_API_KEY);
+                }
+                CredentialSource::Bearer => {
+                    headers.remove(AUTHORIZATION);
+                }
+                CredentialSource::SessionCookie => {
+                    let kept: Vec<HeaderValue> = headers
+                        .get_all(COOKIE)
+                        .iter()
+                        .filter_map(|v| {
+                            let rest: Vec<&[u8]> = v
+                                .as_bytes()
+                                .split(|&b| b == b';')
+                                .filter(|pair| !self.is_session_pair(pair))
+                                .map(<[u8]>::trim_ascii)
+                                .filter(|pair| !pair.is_empty())
+                                .collect();
+                            (!rest.is_empty())
+                                .then(|| HeaderValue::from_bytes(&rest.join(&b"; "[..])).ok())
+                                .flatten()
+                        })
+                        .collect();
+                    headers.remove(COOKIE);
+                    for v in kept {
+                        headers.append(COOKIE, v);
+                    }
+                }
+            }
+        }
     }
 
     /// Every request header [`Identity::client_ip`] and [`Identity::caller`] may read.
@@ -508,7 +650,22 @@ impl Identity {
     }
 
     fn credential<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
-        self.credentials.iter().find_map(|source| match source {
+        if let Some(counted) = self.counted
+            && self.sends(counted, header_pairs(headers))
+        {
+            return self.read_credential(counted, headers);
+        }
+        self.credentials
+            .iter()
+            .find_map(|&source| self.read_credential(source, headers))
+    }
+
+    fn read_credential<'h>(
+        &self,
+        source: CredentialSource,
+        headers: &'h HeaderMap,
+    ) -> Option<&'h str> {
+        match source {
             CredentialSource::ApiKeyHeader => headers
                 .get(X_API_KEY)
                 .and_then(|v| v.to_str().ok())
@@ -518,7 +675,9 @@ impl Identity {
                 .get(AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| {
-                    let (scheme, token) = v.trim().split_once(' ')?;
+                    // `Bearer <token>`; a tab after the scheme is read as the
+                    // upstream's lenient parsers read it, never left uncounted.
+                    let (scheme, token) = v.trim().split_once([' ', '\t'])?;
                     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
                 })
                 .filter(|s| !s.is_empty()),
@@ -532,8 +691,15 @@ impl Identity {
                     (name == self.session_cookie).then_some(value.trim())
                 })
                 .filter(|s| !s.is_empty()),
-        })
+        }
     }
+}
+
+/// A header map's fields as (name, value) bytes.
+fn header_pairs(headers: &HeaderMap) -> impl Iterator<Item = (&[u8], &[u8])> {
+    headers
+        .iter()
+        .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()))
 }
 
 fn principal_digests(principal: Option<&Principal>, own: u64) -> (u64, u64) {

@@ -105,6 +105,9 @@ pub struct Principal {
 pub struct Identity {
     /// Credential sources, in order.
     pub credentials: Vec<CredentialSource>,
+    /// The source counted when a request sends several kinds of credential (the
+    /// others are stripped before forwarding); `None`: such a request is refused.
+    pub counted: Option<CredentialSource>,
     /// The session cookie's name.
     pub session_cookie: String,
     /// Proxies whose `X-Forwarded-For` is believed.

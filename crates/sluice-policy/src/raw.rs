@@ -105,6 +105,10 @@ pub struct RawCeilings {
 pub struct RawIdentity {
     /// Credential sources in order: `x_api_key`, `bearer`, `session_cookie`.
     pub credentials: Option<Vec<String>>,
+    /// The one source counted when a request sends several kinds (one of
+    /// `credentials`); the others are stripped before forwarding. Unset: such a
+    /// request is refused as ambiguous.
+    pub counted_credential: Option<String>,
     /// The console session cookie's name.
     pub session_cookie: Option<String>,
     /// CIDRs of proxies whose `X-Forwarded-For` is believed.

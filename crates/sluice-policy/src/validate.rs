@@ -553,6 +553,27 @@ impl Checker {
                 ),
             }
         }
+        let counted = match id.counted_credential.as_deref() {
+            None => None,
+            Some(name) => {
+                let source = match name {
+                    "x_api_key" => Some(CredentialSource::ApiKeyHeader),
+                    "bearer" => Some(CredentialSource::Bearer),
+                    "session_cookie" => Some(CredentialSource::SessionCookie),
+                    _ => None,
+                };
+                match source {
+                    Some(s) if credentials.contains(&s) => Some(s),
+                    _ => {
+                        self.problem(
+                            "identity.counted_credential".to_owned(),
+                            format!("expected one of identity.credentials, got {name:?}"),
+                        );
+                        None
+                    }
+                }
+            }
+        };
         let mut trusted_proxies = Vec::new();
         for (i, c) in id.trusted_proxies.iter().enumerate() {
             let parsed = c
@@ -629,6 +650,7 @@ impl Checker {
         }
         Some(Identity {
             credentials,
+            counted,
             session_cookie: id
                 .session_cookie
                 .clone()

@@ -319,9 +319,24 @@ fn e2_a_credential_sent_twice_is_ambiguous() {
             "{cookies:?}"
         );
     }
+    // Two kinds in one request: the caller would pick which one is counted.
+    assert_eq!(
+        ambiguous(&[("x-api-key", "k1"), ("authorization", "Bearer b")]),
+        Err((
+            "x-api-key",
+            2,
+            "ambiguous credentials: an X-API-Key and an Authorization in one request \
+             (send one, or name the counted one with identity.counted_credential)"
+                .to_owned()
+        ))
+    );
+    assert_eq!(
+        ambiguous(&[("cookie", "session=a"), ("authorization", "Bearer b")]).map_err(|e| e.1),
+        Err(2)
+    );
     for fine in [
         &[][..],
-        &[("x-api-key", "k1"), ("authorization", "Bearer b")],
+        &[("x-api-key", "k1"), ("cookie", "theme=dark")],
         &[
             ("cookie", "session=a"),
             ("cookie", "theme=dark; sessionx=b"),
@@ -330,6 +345,48 @@ fn e2_a_credential_sent_twice_is_ambiguous() {
     ] {
         assert_eq!(ambiguous(fine), Ok(()), "{fine:?}");
     }
+}
+
+/// With `identity.counted_credential`, two kinds in one request are counted by that
+/// one, and the others are what [`Identity::strip_uncounted`] removes.
+#[test]
+fn e2_the_counted_credential_decides_and_the_others_are_stripped() {
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.edit(
+        "  session_cookie: session\n",
+        "  session_cookie: session\n  counted_credential: bearer\n",
+    );
+    let p = sluice_policy::parse_str(&yaml, Path::new("counted.yaml")).expect("valid");
+    let id = &p.identity;
+    let mut mixed = headers(&[
+        ("x-api-key", "sk-random"),
+        ("authorization", "Bearer realbob"),
+        ("cookie", "theme=x; session=s-1"),
+    ]);
+    assert_eq!(id.check_credentials(&mixed), Ok(()));
+    let client = id.ip_subject("198.51.100.7".parse().expect("ip"));
+    let caller = id.caller(&mixed, &client, false);
+    let bob = id.caller(&headers(&[("x-api-key", "realbob")]), &client, false);
+    assert_eq!(caller.subject, bob.subject, "counted as the Bearer");
+    id.strip_uncounted(&mut mixed);
+    assert_eq!(mixed.get("x-api-key"), None);
+    assert_eq!(
+        mixed.get("authorization").map(|v| v.as_bytes()),
+        Some(&b"Bearer realbob"[..])
+    );
+    assert_eq!(
+        mixed.get("cookie").map(|v| v.as_bytes()),
+        Some(&b"theme=x"[..])
+    );
+    // Two kinds neither of which is counted: still ambiguous.
+    let other = headers(&[("x-api-key", "k"), ("cookie", "session=s")]);
+    assert!(id.check_credentials(&other).is_err());
+    // A counted source the policy does not read from is a policy error.
+    let bad = sluice_policy::DEFAULT_POLICY_YAML.edit(
+        "  session_cookie: session\n",
+        "  session_cookie: session\n  counted_credential: cookie\n",
+    );
+    let e = sluice_policy::parse_str(&bad, Path::new("bad.yaml")).expect_err("invalid");
+    assert!(e.to_string().contains("identity.counted_credential"), "{e}");
 }
 
 #[test]

@@ -61,8 +61,10 @@ pub fn for_each_upstream_header(
 }
 
 /// Replaces the client's `X-Sluice-*` headers with sluice's own (see
-/// [`for_each_upstream_header`]).
+/// [`for_each_upstream_header`]), and removes the credentials that were not counted
+/// (see [`sluice_policy::Identity::strip_uncounted`]).
 pub fn upstream_headers(headers: &mut HeaderMap, plan: &Plan, policy: &Policy) {
+    policy.identity.strip_uncounted(headers);
     let signals: Vec<HeaderName> = headers
         .keys()
         .filter(|n| is_sluice_signal(n.as_str().as_bytes()))
@@ -384,7 +386,7 @@ impl Refused {
     /// | an empty batch, not JSON-RPC, not UTF-8 JSON, a byte-order mark | 400 | `invalid_request` | `reason` |
     /// | a `Content-Encoding` but `identity` | 415 | `unsupported_media_type` | `content_encodings` |
     /// | a path with `..` above the root, a bad `%`, a `\\`, or `;` parameters that change the route | 400 | `invalid_request` | `reason` |
-    /// | one kind of credential sent more than once | 400 | `invalid_request` | `reason: "ambiguous_credentials"`, `field`, `count` |
+    /// | one kind of credential sent more than once, or two kinds without `identity.counted_credential` | 400 | `invalid_request` | `reason: "ambiguous_credentials"`, `field`, `fields`, `count` |
     /// | an HTTP/1.1 request without `Host`, several `Host` fields, a bad `Host` | 400 | `invalid_request` | `reason` |
     /// | `CONNECT` | 405 | `method_not_allowed` | `method` (and an `Allow` field) |
     /// | more calls through a guarded lane in one request than a workspace runs at once | 400 | `invalid_request` | `reason: "too_many_lane_calls"`, `calls`, `max` |
@@ -409,6 +411,7 @@ impl Refused {
                 serde_json::json!({
                     "reason": "ambiguous_credentials",
                     "field": ambiguous.field(),
+                    "fields": ambiguous.fields(),
                     "count": ambiguous.count,
                 }),
             ),

@@ -37,6 +37,7 @@ async fn bounded<F: Future>(test: F) -> F::Output {
 struct Recorder {
     url: String,
     seen: Arc<Mutex<Vec<String>>>,
+    credentials: Arc<Mutex<Vec<String>>>,
 }
 
 impl Recorder {
@@ -44,13 +45,29 @@ impl Recorder {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let url = format!("http://{}", listener.local_addr().expect("addr"));
         let seen = Arc::new(Mutex::new(Vec::new()));
+        let credentials = Arc::new(Mutex::new(Vec::new()));
         let record = Arc::clone(&seen);
+        let record_credentials = Arc::clone(&credentials);
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
-                tokio::spawn(serve_recorded(stream, Arc::clone(&record)));
+                tokio::spawn(serve_recorded(
+                    stream,
+                    Arc::clone(&record),
+                    Arc::clone(&record_credentials),
+                ));
             }
         });
-        Recorder { url, seen }
+        Recorder {
+            url,
+            seen,
+            credentials,
+        }
+    }
+
+    /// The credential fields of each request received so far, as
+    /// `name=value` joined by `, ` (`x-api-key`, `authorization`, `cookie`).
+    fn credentials(&self) -> Vec<String> {
+        self.credentials.lock().expect("lock").clone()
     }
 
     /// The request lines received so far.
@@ -59,7 +76,11 @@ impl Recorder {
     }
 }
 
-async fn serve_recorded(mut stream: TcpStream, seen: Arc<Mutex<Vec<String>>>) {
+async fn serve_recorded(
+    mut stream: TcpStream,
+    seen: Arc<Mutex<Vec<String>>>,
+    credentials: Arc<Mutex<Vec<String>>>,
+) {
     let mut got = Vec::new();
     let mut chunk = [0u8; 8192];
     loop {
@@ -91,6 +112,23 @@ async fn serve_recorded(mut stream: TcpStream, seen: Arc<Mutex<Vec<String>>>) {
                     request.path.unwrap_or("?")
                 );
                 seen.lock().expect("lock").push(line);
+                let sent: Vec<String> = request
+                    .headers
+                    .iter()
+                    .filter(|f| {
+                        ["x-api-key", "authorization", "cookie"]
+                            .iter()
+                            .any(|n| f.name.eq_ignore_ascii_case(n))
+                    })
+                    .map(|f| {
+                        format!(
+                            "{}={}",
+                            f.name.to_ascii_lowercase(),
+                            String::from_utf8_lossy(f.value)
+                        )
+                    })
+                    .collect();
+                credentials.lock().expect("lock").push(sent.join(", "));
                 got.drain(..whole);
                 let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\":true}";
                 if stream.write_all(ok.as_bytes()).await.is_err() {
@@ -855,29 +893,29 @@ async fn e2_ambiguous_credentials_are_refused_before_anything_is_spent() {
         let cases: [(&[(&str, &str)], Value); 5] = [
             (
                 &[("x-api-key", "sk-a"), ("x-api-key", "sk-b")],
-                json!({"reason": "ambiguous_credentials", "field": "x-api-key", "count": 2}),
+                json!({"reason": "ambiguous_credentials", "field": "x-api-key", "fields": ["x-api-key"], "count": 2}),
             ),
             (
                 &[("x-api-key", ""), ("x-api-key", "sk-a")],
-                json!({"reason": "ambiguous_credentials", "field": "x-api-key", "count": 2}),
+                json!({"reason": "ambiguous_credentials", "field": "x-api-key", "fields": ["x-api-key"], "count": 2}),
             ),
             (
                 &[
                     ("authorization", "Bearer sk-a"),
                     ("authorization", "Bearer sk-b"),
                 ],
-                json!({"reason": "ambiguous_credentials", "field": "authorization", "count": 2}),
+                json!({"reason": "ambiguous_credentials", "field": "authorization", "fields": ["authorization"], "count": 2}),
             ),
             (
                 &[("cookie", "session=sk-a; session=sk-b")],
-                json!({"reason": "ambiguous_credentials", "field": "cookie", "count": 2}),
+                json!({"reason": "ambiguous_credentials", "field": "cookie", "fields": ["cookie"], "count": 2}),
             ),
             (
                 &[
                     ("cookie", "session=sk-a"),
                     ("cookie", "theme=x; session=sk-b"),
                 ],
-                json!({"reason": "ambiguous_credentials", "field": "cookie", "count": 2}),
+                json!({"reason": "ambiguous_credentials", "field": "cookie", "fields": ["cookie"], "count": 2}),
             ),
         ];
         for (fields, details) in &cases {
@@ -929,6 +967,112 @@ async fn e2_ambiguous_credentials_are_refused_before_anything_is_spent() {
         assert_eq!(upstream.seen(), Vec::<String>::new(), "nothing forwarded");
         assert_eq!(expensive_left(&sluice, "sk-a").await, "29", "nothing spent");
         assert_eq!(expensive_left(&sluice, "sk-b").await, "29", "nothing spent");
+    })
+    .await;
+}
+
+/// Issue "one tenant cannot hurt the others" (5): `X-API-Key: <random>` beside
+/// `Authorization: Bearer realbob` let the caller pick the credential that was counted
+/// (35 of 35 expensive calls admitted, both forwarded). Two kinds in one request are
+/// now 400 `ambiguous_credentials` on both paths, nothing spent or forwarded; a
+/// `Bearer<TAB>token` is read as the credential it is.
+#[tokio::test]
+async fn e2_two_kinds_of_credential_in_one_request_are_refused() {
+    let (sluice, upstream) = gateway("mixed-credentials.yaml", |y| y).await;
+    bounded(async {
+        let cases: [(&[(&str, &str)], Value); 3] = [
+            (
+                &[("x-api-key", "sk-random"), ("authorization", "Bearer realbob")],
+                json!({"reason": "ambiguous_credentials", "field": "x-api-key", "fields": ["x-api-key", "authorization"], "count": 2}),
+            ),
+            (
+                &[("authorization", "Bearer realbob"), ("cookie", "theme=x; session=s-1")],
+                json!({"reason": "ambiguous_credentials", "field": "authorization", "fields": ["authorization", "cookie"], "count": 2}),
+            ),
+            // A malformed Authorization is still an Authorization the upstream may read.
+            (
+                &[("x-api-key", "sk-random"), ("authorization", "Bearer")],
+                json!({"reason": "ambiguous_credentials", "field": "x-api-key", "fields": ["x-api-key", "authorization"], "count": 2}),
+            ),
+        ];
+        for (fields, details) in &cases {
+            for path in BOTH {
+                let r = exchange(&sluice, path, "POST", "/chats", fields, b"{}").await;
+                assert_invalid(&r, details, &format!("{fields:?} on {path:?}"));
+                assert!(r.json()["error"]["message"].as_str().is_some_and(|m| m.contains("counted_credential")), "{r:?}");
+            }
+        }
+        assert_eq!(upstream.seen(), Vec::<String>::new(), "nothing forwarded");
+        assert_eq!(expensive_left(&sluice, "realbob").await, "29", "nothing spent");
+        // `Bearer<TAB>token`: the credential `token`, counted as its X-API-Key twin is.
+        for path in BOTH {
+            let r = exchange(&sluice, path, "POST", "/chats", &[("authorization", "Bearer\ttabbed")], b"{}").await;
+            assert_eq!(r.status, 200, "{r:?}");
+        }
+        assert_eq!(expensive_left(&sluice, "tabbed").await, "27");
+    })
+    .await;
+}
+
+/// With `identity.counted_credential`, a request sending several kinds is counted by
+/// that one, and the others are stripped before it is forwarded (the session cookie
+/// out of `Cookie`, the rest kept): 35 `POST /chats` with a fresh `X-API-Key` each
+/// beside one Bearer are 30 admitted, on both paths together.
+#[tokio::test]
+async fn e2_the_counted_credential_is_the_only_one_forwarded() {
+    let (sluice, upstream) = gateway("counted-credential.yaml", |y| {
+        y.edit(
+            "  credentials: [x_api_key, bearer, session_cookie]\n",
+            "  credentials: [x_api_key, bearer, session_cookie]\n  counted_credential: bearer\n",
+        )
+    })
+    .await;
+    bounded(async {
+        let mut statuses = Vec::new();
+        for i in 0..35 {
+            let path = BOTH[i % 2];
+            let key = format!("sk-random-{i}");
+            let fields = [
+                ("x-api-key", key.as_str()),
+                ("authorization", "Bearer realbob"),
+                ("cookie", "theme=x; session=s-1"),
+            ];
+            let r = exchange(&sluice, path, "POST", "/chats", &fields, b"{}").await;
+            statuses.push(r.status);
+        }
+        assert_eq!(
+            statuses.iter().filter(|&&s| s == 200).count(),
+            30,
+            "{statuses:?}"
+        );
+        assert_eq!(
+            statuses.iter().filter(|&&s| s == 429).count(),
+            5,
+            "{statuses:?}"
+        );
+        let sent = upstream.credentials();
+        assert_eq!(sent.len(), 30);
+        for credentials in &sent {
+            assert_eq!(
+                credentials, "authorization=Bearer realbob, cookie=theme=x",
+                "{sent:?}"
+            );
+        }
+        // A request of one kind only is counted by it, as always.
+        let r = exchange(
+            &sluice,
+            Path::Hyper,
+            "POST",
+            "/chats",
+            &[("x-api-key", "sk-alone")],
+            b"{}",
+        )
+        .await;
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(
+            upstream.credentials().last().map(String::as_str),
+            Some("x-api-key=sk-alone")
+        );
     })
     .await;
 }

@@ -295,6 +295,11 @@ impl<'f> Connection<'f> {
             paths: limiter.policy().paths,
             identity_headers: limiter.read_header_names(),
             peer: &self.forwarded_peer,
+            counted_credential: limiter
+                .policy()
+                .identity
+                .counted
+                .map(|_| &limiter.policy().identity),
         };
 
         // A complete head.

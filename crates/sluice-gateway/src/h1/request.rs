@@ -65,6 +65,9 @@ pub(super) struct Context<'a, 'l> {
     pub(super) identity_headers: &'a [HeaderName],
     /// The socket peer, appended to `X-Forwarded-For` and `Forwarded`.
     pub(super) peer: &'a ForwardedPeer,
+    /// The policy's identity when it names a counted credential: a request sending
+    /// several kinds is then left to hyper, whose path strips the uncounted ones.
+    pub(super) counted_credential: Option<&'a sluice_policy::Identity>,
 }
 
 /// Parses the request head at the start of `buf`. When it is [`Parsed::Ready`], the
@@ -89,6 +92,11 @@ pub(super) fn parse<'l>(
     let path = cx.paths.normalize(path).map_err(Refused::from);
     let method = head.method.clone();
     let fields = head.fields;
+    if let Some(identity) = cx.counted_credential
+        && identity.sends_several_kinds(fields.iter().map(|f| (f.name.as_bytes(), f.value)))
+    {
+        return Parsed::Elsewhere;
+    }
 
     // Second pass: the head sent upstream.
     upstream.clear();
@@ -215,6 +223,7 @@ mod tests {
             identity_headers: &names,
             paths: Paths::default(),
             peer: &ForwardedPeer::new("192.0.2.1".parse().expect("ip")),
+            counted_credential: None,
         };
         let mut out = Vec::new();
         let mut identity = HeaderMap::new();
@@ -266,6 +275,7 @@ mod tests {
             identity_headers: &[],
             paths: Paths::default(),
             peer: &ForwardedPeer::new("192.0.2.1".parse().expect("ip")),
+            counted_credential: None,
         };
         for (target, error) in [
             ("/../etc", PathError::AboveRoot),
@@ -327,6 +337,7 @@ mod tests {
             identity_headers: &[],
             paths: Paths::default(),
             peer: &ForwardedPeer::new("192.0.2.1".parse().expect("ip")),
+            counted_credential: None,
         };
         for (head, refused, close) in [
             ("GET / HTTP/1.1\r\n\r\n", Refused::NoHost, false),
