@@ -18,6 +18,7 @@ pub mod access;
 pub mod admin;
 pub mod batch;
 pub mod demo;
+pub mod file_watch;
 mod gateway;
 mod h1;
 pub mod metered;
@@ -427,11 +428,9 @@ impl Gateway {
         #[cfg(unix)]
         {
             let hangups = reload::hangups().map_err(io("installing the SIGHUP handler"))?;
-            tokio::spawn(reload::watch(
-                Arc::clone(&reloader),
-                hangups,
-                backends_stopped.clone(),
-            ));
+            tokio::spawn(
+                reload::watcher(Arc::clone(&reloader), hangups, backends_stopped.clone()).await,
+            );
         }
         tokio::spawn(reclaim_stale_cells(
             Arc::clone(&limiter),

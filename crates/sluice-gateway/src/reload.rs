@@ -1,6 +1,10 @@
-//! Reloading the policy without a restart: on SIGHUP, and when the policy file's
-//! content changes (read every [`POLL_EVERY`]; a change is applied once two reads in a
-//! row agree, so a file caught half-written is not taken).
+//! Reloading the policy without a restart: on SIGHUP, and when the policy file
+//! changes — once its writer has closed it or it was moved into place (inotify, see
+//! [`crate::file_watch`]), or where the kernel cannot say so, once its size and
+//! modification time have held still for [`SETTLE`]. A file caught half-written is
+//! not taken; the habit that is safe everywhere is to write a new file beside it and
+//! rename it into place. Its metadata is read first: a file larger than
+//! [`MAX_POLICY_BYTES`] is rejected unread, and at most that many bytes are read.
 //!
 //! A new policy is checked first, exactly as `sluice check` checks it (the same
 //! messages); one that does not pass, or that changes what only a restart can change,
@@ -22,7 +26,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use sha2::{Digest as _, Sha256};
@@ -32,8 +36,8 @@ use sluice_tower::SharedLimiter;
 use crate::Stop;
 use crate::store::AnyStore;
 
-/// How often the policy file is read to see whether it changed.
-pub const POLL_EVERY: Duration = Duration::from_millis(250);
+use crate::file_watch::{Cue, FileWatch, Stamp};
+pub use crate::file_watch::{POLL_EVERY, SETTLE};
 
 /// The largest policy file read (a larger one is rejected).
 pub const MAX_POLICY_BYTES: u64 = 4 * 1024 * 1024;
@@ -309,14 +313,24 @@ fn parse(file: &PolicyFile, text: &[u8]) -> Result<Policy, String> {
     }
 }
 
-/// The file's bytes, at most [`MAX_POLICY_BYTES`].
+/// The file's bytes: its metadata first (a file larger than [`MAX_POLICY_BYTES`] is
+/// rejected unread), then at most that many bytes, into a buffer of the size the
+/// metadata gave, so memory stays flat whatever is put in place.
 async fn read_bounded(file: &PolicyFile) -> Result<Vec<u8>, String> {
     use tokio::io::AsyncReadExt as _;
     let shown = file.path.display();
+    let stamp = Stamp::of(&file.path).map_err(|e| format!("{shown}: {e}"))?;
+    if stamp.len > MAX_POLICY_BYTES {
+        return Err(format!(
+            "{shown}: larger than {MAX_POLICY_BYTES} bytes ({} bytes), not read",
+            stamp.len
+        ));
+    }
     let opened = tokio::fs::File::open(&file.path)
         .await
         .map_err(|e| format!("{shown}: {e}"))?;
-    let mut text = Vec::new();
+    let expected = usize::try_from(stamp.len).unwrap_or(0);
+    let mut text = Vec::with_capacity(expected.saturating_add(1));
     opened
         .take(MAX_POLICY_BYTES + 1)
         .read_to_end(&mut text)
@@ -339,49 +353,99 @@ pub(crate) fn hangups() -> std::io::Result<tokio::signal::unix::Signal> {
     tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
 }
 
-/// Reloads on SIGHUP and when the file changes, until `stop`.
+/// Starts watching the policy file (before the gateway says it listens, so no change
+/// after that is missed), takes whatever changed since it was loaded, and returns the
+/// task that reloads on SIGHUP and when the file changes, until `stop`.
 #[cfg(unix)]
-pub(crate) async fn watch(
+pub(crate) async fn watcher(
+    reloader: Arc<Reloader>,
+    hangups: tokio::signal::unix::Signal,
+    stop: Stop,
+) -> impl Future<Output = ()> + Send + 'static {
+    let cues = reloader.file.as_ref().map(|f| FileWatch::new(&f.path));
+    let mut given_up = None;
+    if let Some(file) = &reloader.file {
+        given_up = take(&reloader, file).await;
+    }
+    watch(reloader, hangups, stop, cues, given_up)
+}
+
+/// Reads the file whole and applies it; the key of what was rejected, if it was.
+async fn take(reloader: &Reloader, file: &PolicyFile) -> Option<String> {
+    let read = read_bounded(file).await;
+    let key = match &read {
+        Ok(text) => policy_version(text),
+        Err(error) => format!("unreadable: {error}"),
+    };
+    let outcome = match read {
+        Ok(text) => reloader.apply(Trigger::FileChanged, &text),
+        Err(error) => Err(reloader.rejected(Trigger::FileChanged, "-", error)),
+    };
+    outcome.is_err().then_some(key)
+}
+
+#[cfg(unix)]
+async fn watch(
     reloader: Arc<Reloader>,
     mut hangups: tokio::signal::unix::Signal,
     stop: Stop,
+    mut cues: Option<FileWatch>,
+    mut given_up: Option<String>,
 ) {
     let stopped = stop.wait();
     tokio::pin!(stopped);
-    let mut tick = tokio::time::interval(POLL_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The last content read, and the last one rejected or unreadable (not tried
-    // again until it changes, so a bad file is reported once).
-    let mut seen: Option<String> = None;
-    let mut given_up: Option<String> = None;
+    // The file as a poll last saw it, and as last read for a poll (a poll reads the
+    // file once its stamp settles on a new value).
+    let mut polled: Option<Result<Stamp, String>> = None;
+    let mut read_at: Option<Result<Stamp, String>> = None;
+    // `given_up`: the last content rejected or unreadable, not tried again until it
+    // changes, so a bad file is reported once.
     loop {
-        tokio::select! {
+        let cue = tokio::select! {
             _ = hangups.recv() => {
-                // What the signal read is not tried again by the poll when it failed.
-                given_up = match reloader.reload(Trigger::Signal).await {
-                    Ok(_) => None,
-                    Err(_) => seen.clone(),
-                };
+                given_up = reloader.reload(Trigger::Signal).await.err();
+                continue;
             }
-            _ = tick.tick(), if reloader.file.is_some() => {
-                let Some(file) = &reloader.file else { continue };
-                let read = read_bounded(file).await;
-                let key = match &read {
-                    Ok(text) => policy_version(text),
-                    Err(error) => format!("unreadable: {error}"),
-                };
-                let settled = seen.as_deref() == Some(key.as_str());
-                seen = Some(key.clone());
-                if !settled || given_up.as_deref() == Some(key.as_str()) {
-                    continue;
-                }
-                let outcome = match read {
-                    Ok(text) => reloader.apply(Trigger::FileChanged, &text),
-                    Err(error) => Err(reloader.rejected(Trigger::FileChanged, "-", error)),
-                };
-                given_up = outcome.is_err().then_some(key);
-            }
+            cue = next_cue(&mut cues) => cue,
             () = &mut stopped => return,
+        };
+        let Some(file) = &reloader.file else { continue };
+        if cue == Cue::Poll {
+            // Metadata only, until it has settled on something new (a stamp may miss
+            // a rewrite of the same size within the file system's clock tick:
+            // SIGHUP takes the file whatever its stamp).
+            let stamp = Stamp::of(&file.path).map_err(|e| e.to_string());
+            let still = polled.as_ref() == Some(&stamp);
+            polled = Some(stamp.clone());
+            let settled = stamp
+                .as_ref()
+                .map_or(true, |s| s.settled(SystemTime::now()));
+            if !still || !settled || read_at.as_ref() == Some(&stamp) {
+                continue;
+            }
+            read_at = Some(stamp);
         }
+        // A writer finished (or a poll saw the file settle): read it whole and take
+        // it unless it is what was rejected last.
+        let read = read_bounded(file).await;
+        let key = match &read {
+            Ok(text) => policy_version(text),
+            Err(error) => format!("unreadable: {error}"),
+        };
+        if given_up.as_deref() == Some(key.as_str()) {
+            continue;
+        }
+        let outcome = match read {
+            Ok(text) => reloader.apply(Trigger::FileChanged, &text),
+            Err(error) => Err(reloader.rejected(Trigger::FileChanged, "-", error)),
+        };
+        given_up = outcome.is_err().then_some(key);
+    }
+}
+
+async fn next_cue(cues: &mut Option<FileWatch>) -> Cue {
+    match cues {
+        Some(c) => c.next().await,
+        None => std::future::pending().await,
     }
 }

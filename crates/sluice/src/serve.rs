@@ -25,10 +25,10 @@ const MAX_UPSTREAM_TIMEOUT_SECS: f64 = 3600.0;
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// Policy file (YAML). Without it the built-in default policy runs. The file is
-    /// read again on SIGHUP and when its content changes (checked every 250 ms): a
-    /// new policy that passes `sluice check` (and changes no lanes) replaces the
-    /// running one without a restart; one that does not is logged and the running
-    /// policy stays.
+    /// read again on SIGHUP and when it changes (once its writer closes it or it is
+    /// renamed into place; never half-written): a new policy that passes `sluice
+    /// check` (and changes no lanes) replaces the running one without a restart; one
+    /// that does not is logged and the running policy stays. At most 4 MiB.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
 

@@ -322,7 +322,11 @@ async fn reload_on_sighup_and_sighup_without_a_file_leaves_sluice_running() {
             "--log-format",
             "json",
         ]);
-        write(&file, &policy(12));
+        // Written and held open (its writer has not closed it): the watcher waits
+        // for the close, SIGHUP takes the file as it is now.
+        let mut held = std::fs::File::create(&file).expect("open the policy file");
+        std::io::Write::write_all(&mut held, policy(12).as_bytes()).expect("write");
+        std::io::Write::flush(&mut held).expect("flush");
         sluice.signal("HUP");
         until(APPLIES_WITHIN, "the SIGHUP reload", || {
             let sluice = &sluice;
@@ -339,6 +343,7 @@ async fn reload_on_sighup_and_sighup_without_a_file_leaves_sluice_running() {
         assert_eq!(reloaded[0]["trigger"], "SIGHUP");
         assert_eq!(reloaded[0]["target"], "sluice::reload");
         assert_eq!(reloaded[0]["level"], "INFO");
+        drop(held);
 
         // The built-in policy: nothing to read, and SIGHUP does not end sluice.
         let plain = Sluice::spawn(&[]);
@@ -357,6 +362,102 @@ async fn reload_on_sighup_and_sighup_without_a_file_leaves_sluice_running() {
             status(&plain).await["limiter"]["policy"]["source"],
             "built-in"
         );
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Issue "one tenant cannot hurt the others" (4): a writer that paused in the middle of
+/// the file (right after `get_batch: { class: read }`) had its prefix loaded — a policy
+/// that passes `sluice check` but drops `jsonrpc.retired`. A file is now taken when its
+/// writer closes it (or it is renamed into place), never half-written, however long
+/// the writer pauses; the pause here is four times what the old watcher needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_a_file_is_taken_whole_never_while_its_writer_pauses() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let dir = DataDir::new();
+        std::fs::create_dir_all(&dir.0).expect("dir");
+        let file = dir.0.join("policy.yaml");
+        write(&file, &policy(7));
+        let sluice = Sluice::spawn(&["--config", file.to_str().expect("path")]);
+        let running = status(&sluice).await["limiter"]["policy"]["version"].clone();
+
+        let whole = policy(8);
+        let cut = whole.find("get_batch: { class: read }\n").expect("the cut") + 27;
+        let (prefix, rest) = whole.split_at(cut);
+        sluice_policy::parse_str(prefix, std::path::Path::new("prefix.yaml"))
+            .expect("the prefix alone passes `sluice check`: the trap is real");
+        let mut writer = std::fs::File::create(&file).expect("open");
+        std::io::Write::write_all(&mut writer, prefix.as_bytes()).expect("write");
+        std::io::Write::flush(&mut writer).expect("flush");
+        // The writer pauses (a scenario, not a wait for sluice).
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let s = status(&sluice).await;
+        assert_eq!(
+            s["limiter"]["policy"]["version"], running,
+            "the prefix was not taken"
+        );
+        assert_eq!(s["limiter"]["policy"]["reloads"], 0);
+        assert_eq!(chat(&sluice, "k").await.1, 7);
+        std::io::Write::write_all(&mut writer, rest.as_bytes()).expect("write");
+        drop(writer);
+        until(APPLIES_WITHIN, "the whole file", || {
+            let sluice = &sluice;
+            async move { (chat(sluice, "k").await.1 == 8).then_some(()) }
+        })
+        .await;
+        let s = status(&sluice).await;
+        assert_eq!(s["limiter"]["policy"]["reloads"], 1, "{s}");
+        assert_eq!(s["limiter"]["policy"]["rejected"], 0, "{s}");
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Issue "one tenant cannot hurt the others" (3): a 200 MB file moved into place was
+/// rejected, yet memory grew by hundreds of MB and was not given back. Its size is now
+/// read first: rejected unread, reported once, memory flat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_an_oversized_file_is_rejected_unread_with_memory_flat() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let dir = DataDir::new();
+        std::fs::create_dir_all(&dir.0).expect("dir");
+        let file = dir.0.join("policy.yaml");
+        write(&file, &policy(7));
+        let sluice = Sluice::spawn(&["--config", file.to_str().expect("path")]);
+        let _ = status(&sluice).await;
+        let before = sluice.rss_kib();
+        // 200 MB, sparse (no disk used), renamed into place as the habit says.
+        let big = dir.0.join("policy.yaml.new");
+        std::fs::File::create(&big)
+            .and_then(|f| f.set_len(200 << 20))
+            .expect("a sparse file");
+        std::fs::rename(&big, &file).expect("rename");
+        let rejected = until(Duration::from_secs(10), "the rejection", || {
+            let sluice = &sluice;
+            async move {
+                let s = status(sluice).await;
+                (s["limiter"]["policy"]["rejected"] == 1).then_some(s)
+            }
+        })
+        .await;
+        let error = rejected["limiter"]["policy"]["last_rejected"]["error"]
+            .as_str()
+            .unwrap_or("");
+        assert!(
+            error.contains("larger than 4194304 bytes (209715200 bytes), not read"),
+            "{error}"
+        );
+        // A while later, the file still in place: still rejected once, memory flat.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let s = status(&sluice).await;
+        assert_eq!(s["limiter"]["policy"]["rejected"], 1, "reported once");
+        let grown = sluice.rss_kib().saturating_sub(before);
+        assert!(
+            grown < 8 * 1024,
+            "RSS grew by {grown} KiB with an oversized file in place"
+        );
+        assert_eq!(chat(&sluice, "k").await.1, 7, "the old policy runs");
     })
     .await
     .expect("test timed out");

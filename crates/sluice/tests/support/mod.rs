@@ -200,6 +200,23 @@ impl Sluice {
         self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
+    /// The child's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The child's resident memory in KiB (`VmRSS` of /proc/PID/status).
+    pub fn rss_kib(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            })
+            .expect("VmRSS of the child")
+    }
+
     /// Sends the signal `name` (`HUP`, `TERM`, …) to the child.
     pub fn signal(&self, name: &str) {
         let status = Command::new("kill")
