@@ -321,3 +321,86 @@ async fn s4_pace_with_client_keys_forwards_only_their_callers() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(sim.stats().requests, 2);
 }
+
+#[test]
+fn s3_pace_settings_beyond_loopback_need_a_token() {
+    let file = config(
+        "door-token.yaml",
+        "http://127.0.0.1:9/v1",
+        "{ tpm: 0, rpm: 0, rpd: 0 }",
+        "",
+    );
+    let config = file.to_str().expect("UTF-8");
+    let args = [
+        "pace",
+        "--config",
+        config,
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "0.0.0.0:0",
+    ];
+    let f = support::run_to_exit(&args, Duration::from_secs(30));
+    assert_eq!(f.status.code(), Some(2), "{}", f.stderr);
+    assert!(f.stderr.contains("--admin-token-file"), "{}", f.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_pace_settings_with_a_token_need_it() {
+    let file = config(
+        "door-token2.yaml",
+        "http://127.0.0.1:9/v1",
+        "{ tpm: 0, rpm: 0, rpd: 0 }",
+        "",
+    );
+    let token = file.with_extension("token");
+    std::fs::write(&token, "pace-token\n").expect("token");
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args([
+            "pace",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "0.0.0.0:0",
+            "--admin-token-file",
+        ])
+        .arg(&token)
+        .arg("--config")
+        .arg(&file)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn sluice pace");
+    let stdout = child.stdout.take().expect("stdout");
+    let line = {
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("start line");
+        line
+    };
+    let admin = line
+        .split("admin http://")
+        .nth(1)
+        .and_then(|s| s.split([',', ' ']).next())
+        .expect("admin address")
+        .to_owned();
+    let url = format!("http://{admin}/limits");
+    let without = get(&url).await;
+    assert_eq!(without.status, 401);
+    let with = send(
+        Request::get(&url)
+            .header("authorization", "Bearer pace-token")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(with.status, 200, "{}", with.text());
+    let _ = child.kill();
+    let _ = child.wait();
+}
