@@ -11,7 +11,7 @@ import fs from "node:fs";
 import http from "node:http";
 import path from "node:path";
 import { after, before, test } from "node:test";
-import { DESKTOP, browser, openPage, screenshot, startSluice, tempDir } from "./support.mjs";
+import { DESKTOP, browser, fakeProvider, openPage, screenshot, startSluice, tempDir } from "./support.mjs";
 
 const KEY = "door-browser-key";
 const WORKSPACE = "key:" + crypto.createHash("sha256").update(KEY).digest("hex");
@@ -30,22 +30,6 @@ let forwarded = 0;
 
 function listen(server, host) {
   return new Promise((resolve) => server.listen(0, host, () => resolve(server)));
-}
-
-/** A provider that counts what reaches it. */
-function fakeProvider() {
-  return listen(http.createServer((req, res) => {
-    forwarded += 1;
-    req.resume();
-    req.on("end", () => {
-      res.writeHead(200, { "content-type": "application/json" });
-      res.end(JSON.stringify({
-        id: "x", object: "chat.completion", created: 0, model: "fake",
-        choices: [{ index: 0, finish_reason: "stop", message: { role: "assistant", content: "ok" } }],
-        usage: { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 },
-      }));
-    });
-  }), "127.0.0.1");
 }
 
 /** The hostile page, on 127.0.0.2: every simple request a page may send. */
@@ -106,7 +90,7 @@ function curlPost(url) {
 
 before(async () => {
   work = tempDir("sluice-doors-");
-  provider = await fakeProvider();
+  provider = await fakeProvider(() => { forwarded += 1; return forwarded; });
   serve = await startSluice([
     "serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--data-dir", path.join(work, "data"),
   ], /listening on http:\/\/(\S+) \(admin http:\/\/(\S+),/);

@@ -3,11 +3,10 @@
 // the next request uses. Screenshots: target/browser-screenshots/pace-settings-*.png.
 import assert from "node:assert/strict";
 import fs from "node:fs";
-import http from "node:http";
 import path from "node:path";
 import { after, before, test } from "node:test";
 import {
-  DESKTOP, PHONE, browser, openPage, overflowsSideways, screenshot, startSluice, tempDir,
+  DESKTOP, PHONE, browser, fakeProvider, openPage, overflowsSideways, screenshot, startSluice, tempDir,
 } from "./support.mjs";
 
 let provider;
@@ -18,27 +17,9 @@ let proxy;
 let admin;
 let seen = 0;
 
-/** A provider that answers every chat completion with its usage, on a free port. */
-function fakeProvider() {
-  const server = http.createServer((req, res) => {
-    let body = "";
-    req.on("data", (d) => { body += d; });
-    req.on("end", () => {
-      seen += 1;
-      res.writeHead(200, { "content-type": "application/json" });
-      res.end(JSON.stringify({
-        id: "chatcmpl-" + seen, object: "chat.completion", created: 0, model: "fake",
-        choices: [{ index: 0, finish_reason: "stop", message: { role: "assistant", content: "ok" } }],
-        usage: { prompt_tokens: 12, completion_tokens: 8, total_tokens: 20 },
-      }));
-    });
-  });
-  return new Promise((resolve) => server.listen(0, "127.0.0.1", () => resolve(server)));
-}
-
 before(async () => {
   work = tempDir("sluice-pace-");
-  provider = await fakeProvider();
+  provider = await fakeProvider(() => { seen += 1; return seen; });
   const config = path.join(work, "pace.yaml");
   fs.writeFileSync(config, [
     "providers:",

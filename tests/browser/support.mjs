@@ -1,6 +1,7 @@
 // Shared by the browser tests: the sluice binary as a child process, the system
 // Chromium driven by playwright-core, screenshots under target/browser-screenshots/.
 import { spawn } from "node:child_process";
+import http from "node:http";
 import fs from "node:fs";
 import os from "node:os";
 import path from "node:path";
@@ -100,4 +101,24 @@ export async function screenshot(page, name, fullPage = false) {
 /** True when the page scrolls sideways (something wider than the viewport). */
 export async function overflowsSideways(page) {
   return page.evaluate(() => document.scrollingElement.scrollWidth > window.innerWidth + 1);
+}
+
+/**
+ * A provider on a free loopback port that answers every chat completion with its
+ * usage, calling `onRequest()` for each request it gets.
+ */
+export function fakeProvider(onRequest) {
+  const server = http.createServer((req, res) => {
+    req.resume();
+    req.on("end", () => {
+      const n = onRequest();
+      res.writeHead(200, { "content-type": "application/json" });
+      res.end(JSON.stringify({
+        id: "chatcmpl-" + n, object: "chat.completion", created: 0, model: "fake",
+        choices: [{ index: 0, finish_reason: "stop", message: { role: "assistant", content: "ok" } }],
+        usage: { prompt_tokens: 12, completion_tokens: 8, total_tokens: 20 },
+      }));
+    });
+  });
+  return new Promise((resolve) => server.listen(0, "127.0.0.1", () => resolve(server)));
 }

@@ -46,6 +46,16 @@ pub use origin::{ForeignOrigin, SEC_FETCH_SITE, json_or_empty, origin_listed, sa
 pub use proxy::{ClientKey, ProxyGate, X_API_KEY};
 pub use token::{ATTEMPT_WINDOW, AdminToken, Attempts, MAX_BAD_ATTEMPTS, TOKEN_ENV, TokenError};
 
+/// A header map of `fields`, for the tests.
+#[cfg(test)]
+pub(crate) fn test_headers(fields: &[(&'static str, &'static str)]) -> http::HeaderMap {
+    let mut h = http::HeaderMap::new();
+    for (k, v) in fields {
+        h.append(*k, http::HeaderValue::from_static(v));
+    }
+    h
+}
+
 /// Whether an admin listener on `addr` needs a token: every address but loopback.
 pub fn needs_token(addr: std::net::SocketAddr) -> bool {
     !addr.ip().is_loopback()

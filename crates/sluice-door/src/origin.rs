@@ -99,15 +99,7 @@ pub fn json_or_empty(headers: &HeaderMap) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
-
-    fn headers(fields: &[(&'static str, &'static str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in fields {
-            h.append(*k, HeaderValue::from_static(v));
-        }
-        h
-    }
+    use crate::test_headers as headers;
 
     #[test]
     fn s2_only_the_listeners_own_origin_may_change_state() {

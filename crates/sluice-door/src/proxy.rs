@@ -122,15 +122,7 @@ impl ProxyGate<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
-
-    fn headers(fields: &[(&'static str, &'static str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in fields {
-            h.append(*k, HeaderValue::from_static(v));
-        }
-        h
-    }
+    use crate::test_headers as headers;
 
     #[test]
     fn s4_the_proxy_forwards_nothing_a_page_sent() {

@@ -90,16 +90,11 @@ fn config(name: &str, base_url: &str, limits: &str, extra: &str) -> std::path::P
 }
 
 async fn chat(pace: &Pace, max_tokens: u32) -> support::Reply {
-    let body = serde_json::json!({
-        "model": "gpt-4o-mini",
-        "max_tokens": max_tokens,
-        "messages": [{"role": "user", "content": "Say hello."}],
-    });
-    send(
-        Request::post(format!("http://{}/sim/v1/chat/completions", pace.listen))
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))
-            .expect("request"),
+    chat_as(
+        pace,
+        "/sim/v1/chat/completions",
+        max_tokens,
+        &[("content-type", "application/json")],
     )
     .await
 }
@@ -178,9 +173,19 @@ async fn c7_two_pace_processes_on_one_redis_share_one_budget() {
 
 /// A chat sent with extra `fields`, to `path` on the proxy.
 async fn chat_with(pace: &Pace, path: &str, fields: &[(&str, &str)]) -> support::Reply {
+    chat_as(pace, path, 20, fields).await
+}
+
+/// A chat asking for `max_tokens`, to `path`, with `fields`.
+async fn chat_as(
+    pace: &Pace,
+    path: &str,
+    max_tokens: u32,
+    fields: &[(&str, &str)],
+) -> support::Reply {
     let body = serde_json::json!({
         "model": "gpt-4o-mini",
-        "max_tokens": 20,
+        "max_tokens": max_tokens,
         "messages": [{"role": "user", "content": "Say hello."}],
     });
     let mut r = Request::post(format!("http://{}{path}", pace.listen));

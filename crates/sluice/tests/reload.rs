@@ -49,6 +49,16 @@ fn write(path: &std::path::Path, text: &str) {
     std::fs::write(path, text).expect("write the policy file");
 }
 
+/// `sluice serve --config DIR/policy.yaml` with [`policy`]`(expensive)` in the file.
+fn serving(expensive: u32) -> (DataDir, std::path::PathBuf, Sluice) {
+    let dir = DataDir::new();
+    std::fs::create_dir_all(&dir.0).expect("dir");
+    let file = dir.0.join("policy.yaml");
+    write(&file, &policy(expensive));
+    let sluice = Sluice::spawn(&["--config", file.to_str().expect("path")]);
+    (dir, file, sluice)
+}
+
 /// `POST /chats` (expensive) as `key` on the fast path: status, X-RateLimit-Limit,
 /// X-RateLimit-Remaining, X-RateLimit-Reset.
 async fn chat(sluice: &Sluice, key: &str) -> (u16, u64, u64, u64) {
@@ -234,11 +244,7 @@ async fn reload_e1_a_changed_class_limit_applies_within_a_second_under_load_and_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_a_broken_file_or_a_lane_change_changes_nothing_and_is_reported() {
     tokio::time::timeout(TEST_TIMEOUT, async {
-        let dir = DataDir::new();
-        std::fs::create_dir_all(&dir.0).expect("dir");
-        let file = dir.0.join("policy.yaml");
-        write(&file, &policy(7));
-        let sluice = Sluice::spawn(&["--config", file.to_str().expect("path")]);
+        let (_dir, file, sluice) = serving(7);
         let version = status(&sluice).await["limiter"]["policy"]["version"].clone();
 
         // A typo: `sluice check` refuses it, so does the reload, with its words.
@@ -375,11 +381,7 @@ async fn reload_on_sighup_and_sighup_without_a_file_leaves_sluice_running() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_a_file_is_taken_whole_never_while_its_writer_pauses() {
     tokio::time::timeout(TEST_TIMEOUT, async {
-        let dir = DataDir::new();
-        std::fs::create_dir_all(&dir.0).expect("dir");
-        let file = dir.0.join("policy.yaml");
-        write(&file, &policy(7));
-        let sluice = Sluice::spawn(&["--config", file.to_str().expect("path")]);
+        let (_dir, file, sluice) = serving(7);
         let running = status(&sluice).await["limiter"]["policy"]["version"].clone();
 
         let whole = policy(8);
@@ -420,11 +422,7 @@ async fn reload_a_file_is_taken_whole_never_while_its_writer_pauses() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_an_oversized_file_is_rejected_unread_with_memory_flat() {
     tokio::time::timeout(TEST_TIMEOUT, async {
-        let dir = DataDir::new();
-        std::fs::create_dir_all(&dir.0).expect("dir");
-        let file = dir.0.join("policy.yaml");
-        write(&file, &policy(7));
-        let sluice = Sluice::spawn(&["--config", file.to_str().expect("path")]);
+        let (dir, file, sluice) = serving(7);
         let _ = status(&sluice).await;
         let before = sluice.rss_kib();
         // 200 MB, sparse (no disk used), renamed into place as the habit says.
