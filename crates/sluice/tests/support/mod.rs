@@ -187,6 +187,11 @@ impl Sluice {
         format!("http://{}{path_and_query}", self.start.admin)
     }
 
+    /// The child's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// What the child wrote to stderr so far.
     pub fn stderr(&self) -> String {
         self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
