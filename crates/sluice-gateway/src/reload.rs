@@ -1,6 +1,8 @@
 //! Reloading the policy without a restart: on SIGHUP, and when the policy file's
-//! content changes (read every [`POLL_EVERY`]; a change is applied once two reads in a
-//! row agree, so a file caught half-written is not taken).
+//! content changes (looked at every [`POLL_EVERY`]; a change is applied once two reads
+//! in a row agree, so a file caught half-written is not taken). At rest a look is one
+//! `stat`: the file is read again only once its metadata changed, or while its last
+//! change is too recent for the metadata to tell.
 //!
 //! A new policy is checked first, exactly as `sluice check` checks it (the same
 //! messages); one that does not pass, or that changes what only a restart can change,
@@ -32,8 +34,14 @@ use sluice_tower::SharedLimiter;
 use crate::Stop;
 use crate::store::AnyStore;
 
-/// How often the policy file is read to see whether it changed.
+/// How often the policy file is looked at to see whether it changed.
 pub const POLL_EVERY: Duration = Duration::from_millis(250);
+
+/// How old a file's last change must be before its metadata is trusted to show
+/// the next one: file times tick coarsely (a few milliseconds), so a second write
+/// of the same length soon after a read could leave them as they were.
+#[cfg(unix)]
+const TRUST_METADATA_AFTER: Duration = Duration::from_secs(1);
 
 /// The largest policy file read (a larger one is rejected).
 pub const MAX_POLICY_BYTES: u64 = 4 * 1024 * 1024;
@@ -309,6 +317,45 @@ fn parse(file: &PolicyFile, text: &[u8]) -> Result<Policy, String> {
     }
 }
 
+/// What `stat` says of the policy file: which file it is, its length, and when
+/// its content and its inode last changed. Equal looks, the later one taken more
+/// than [`TRUST_METADATA_AFTER`] after the change, mean equal content (as git
+/// trusts its index only for files not changed within its own timestamp's tick).
+#[cfg(unix)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileLook {
+    device: u64,
+    inode: u64,
+    len: u64,
+    modified: (i64, i64),
+    changed: (i64, i64),
+}
+
+#[cfg(unix)]
+impl FileLook {
+    /// The look of `path` (following symbolic links, as a read does); `None` when
+    /// it cannot be had, or when the file changed too recently for it to tell.
+    async fn trusted(path: &std::path::Path) -> Option<FileLook> {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = tokio::fs::metadata(path).await.ok()?;
+        let changed = UNIX_EPOCH
+            + Duration::new(
+                u64::try_from(meta.ctime()).ok()?,
+                u32::try_from(meta.ctime_nsec()).ok()?,
+            );
+        let settled = SystemTime::now()
+            .duration_since(changed)
+            .is_ok_and(|age| age > TRUST_METADATA_AFTER);
+        settled.then_some(FileLook {
+            device: meta.dev(),
+            inode: meta.ino(),
+            len: meta.len(),
+            modified: (meta.mtime(), meta.mtime_nsec()),
+            changed: (meta.ctime(), meta.ctime_nsec()),
+        })
+    }
+}
+
 /// The file's bytes, at most [`MAX_POLICY_BYTES`].
 async fn read_bounded(file: &PolicyFile) -> Result<Vec<u8>, String> {
     use tokio::io::AsyncReadExt as _;
@@ -354,6 +401,9 @@ pub(crate) async fn watch(
     // again until it changes, so a bad file is reported once).
     let mut seen: Option<String> = None;
     let mut given_up: Option<String> = None;
+    // The look of the file when its content was last read and handled: while the
+    // file looks the same, a tick is one `stat` and nothing more.
+    let mut handled: Option<FileLook> = None;
     loop {
         tokio::select! {
             _ = hangups.recv() => {
@@ -365,6 +415,10 @@ pub(crate) async fn watch(
             }
             _ = tick.tick(), if reloader.file.is_some() => {
                 let Some(file) = &reloader.file else { continue };
+                let look = FileLook::trusted(&file.path).await;
+                if look.is_some() && look == handled {
+                    continue;
+                }
                 let read = read_bounded(file).await;
                 let key = match &read {
                     Ok(text) => policy_version(text),
@@ -372,7 +426,14 @@ pub(crate) async fn watch(
                 };
                 let settled = seen.as_deref() == Some(key.as_str());
                 seen = Some(key.clone());
-                if !settled || given_up.as_deref() == Some(key.as_str()) {
+                if !settled {
+                    handled = None;
+                    continue;
+                }
+                // Two reads agree: this content is handled below (applied, found
+                // running already, or given up on) for as long as the file looks so.
+                handled = look;
+                if given_up.as_deref() == Some(key.as_str()) {
                     continue;
                 }
                 let outcome = match read {
