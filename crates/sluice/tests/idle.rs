@@ -1,7 +1,8 @@
 //! S1, at rest a process costs nothing: the real binary, started as a user would
 //! and then left alone. `sluice serve` (built-in policy) on the embedded store and
-//! on Redis, `sluice pace` on memory and on Redis, side by side, each Redis of its
-//! own on a private Unix socket. Over one measured window each may use under 1 % of
+//! on Redis, `sluice serve --config` (the shipped example, its file watched), `sluice
+//! pace` on memory and on Redis, side by side, each Redis of its own on a private
+//! Unix socket. Over one measured window each may use under 1 % of
 //! a core (utime + stime in `/proc/PID/stat`) and send its Redis under one command
 //! a second (`INFO commandstats`, the commands scripts call included).
 
@@ -136,6 +137,8 @@ fn s1_at_rest_serve_and_pace_cost_nothing() {
     let config = pace_config(&dir);
     let serve_on_memory = Sluice::spawn(&[]);
     let serve_on_redis = Sluice::spawn(&["--store", &serve_redis.url()]);
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/policy.yaml");
+    let serve_watching = Sluice::spawn(&["--config", example]);
     let pace_on_memory = Pace::spawn(&config, "memory");
     let pace_on_redis = Pace::spawn(&config, &pace_redis.url());
     let watched = [
@@ -148,6 +151,11 @@ fn s1_at_rest_serve_and_pace_cost_nothing() {
             name: "sluice serve --store redis",
             pid: serve_on_redis.pid(),
             redis: Some(&serve_redis),
+        },
+        Watched {
+            name: "sluice serve --config examples/policy.yaml",
+            pid: serve_watching.pid(),
+            redis: None,
         },
         Watched {
             name: "sluice pace",
