@@ -81,6 +81,23 @@ impl RedisServer {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Commands served so far (`INFO commandstats`), those scripts called
+    /// included, the `INFO` calls that read them left out.
+    pub fn commands(&self) -> u64 {
+        self.cli(&["INFO", "commandstats"])
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    }
+
     /// Script calls served so far (`INFO commandstats`).
     pub fn script_calls(&self) -> u64 {
         self.cli(&["INFO", "commandstats"])

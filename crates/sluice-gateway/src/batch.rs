@@ -147,12 +147,29 @@ pub const MAX_RESULT_BYTES: usize = 256 * 1024;
 /// recorded as failed.
 pub const MAX_ATTEMPTS: u32 = 3;
 
-/// How often the runner looks for work besides being woken (and how long it
-/// waits after the queue could not be read).
-const RUNNER_TICK: Duration = Duration::from_secs(1);
+/// How often a runner with nothing to start looks at the queue without being
+/// woken: for items another replica queued on a shared queue (this replica's own
+/// submissions wake it at once). On Redis one look is one script call (three
+/// commands), so an idle replica's looks cost Redis well under a command a second.
+const IDLE_LOOK_EVERY: Duration = Duration::from_secs(10);
+
+/// How long the runner waits before looking again after the queue could not be
+/// read, or the item it chose was claimed elsewhere first.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// How often expired claims go back to the queue and old batches are purged.
 const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
+
+/// What a runner's look at the queue left it waiting for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Look {
+    /// Nothing is queued.
+    Empty,
+    /// Items are queued and the lane has no place for one now.
+    NoPlace,
+    /// The queue could not be read, or the chosen item went to another replica.
+    Later,
+}
 
 impl BatchLane {
     /// The batch lanes of `limiter`'s policy over `queue`. A reload keeps the
@@ -329,18 +346,28 @@ impl BatchLane {
     }
 
     /// Runs items on the capacity single calls leave, until `stop`.
+    ///
+    /// The runner waits on events and slow timers only, never on a condition that
+    /// holds at rest: a batch queued here, a place freed on the lane (only while
+    /// items wait for one), the lane's breaker or the shared ledger's hold running
+    /// out, the queue's upkeep, and a look every [`IDLE_LOOK_EVERY`] for what other
+    /// replicas queued.
     pub async fn run(self: Arc<Self>, stop: Stop) {
         let stopped = stop.wait();
         tokio::pin!(stopped);
         let mut maintain = tokio::time::interval(MAINTAIN_EVERY);
         maintain.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            self.start_items().await;
+            let look = self.start_items().await;
+            let look_again = match look {
+                Look::Empty | Look::NoPlace => IDLE_LOOK_EVERY,
+                Look::Later => RETRY_AFTER,
+            };
             tokio::select! {
                 () = &mut stopped => return,
-                () = self.lane.batch_capacity() => {}
+                () = self.lane.batch_capacity(), if look == Look::NoPlace => {}
                 () = self.queued.notified() => {}
-                () = tokio::time::sleep(RUNNER_TICK) => {}
+                () = tokio::time::sleep(look_again) => {}
                 _ = maintain.tick() => {
                     if let Err(e) = self.queue.maintain(self.clock.now()).await {
                         tracing::warn!("batch queue upkeep failed: {e}");
@@ -350,12 +377,13 @@ impl BatchLane {
         }
     }
 
-    /// Starts as many queued items as the lane has places for now.
-    async fn start_items(self: &Arc<Self>) {
+    /// Starts as many queued items as the lane has places for now, and says what
+    /// is left to wait for.
+    async fn start_items(self: &Arc<Self>) -> Look {
         loop {
             let backlogs = match self.queue.backlogs().await {
                 Ok(b) => b,
-                Err(_) => return,
+                Err(_) => return Look::Later,
             };
             self.last_backlog.lock().clone_from(&backlogs);
             let waiting: Vec<&str> = backlogs
@@ -364,17 +392,19 @@ impl BatchLane {
                 .map(|b| b.workspace.as_str())
                 .collect();
             if waiting.is_empty() {
-                return;
+                return Look::Empty;
             }
+            // No place (or the shared ledger refused one, which the lane holds
+            // until it is worth asking again): wait for the lane to have one.
             let Some((i, permit)) = self.lane.acquire_next_batch(&waiting).await else {
-                return;
+                return Look::NoPlace;
             };
             let claimed = match self.queue.claim_next(waiting[i], self.clock.now()).await {
                 Ok(Some(claimed)) => claimed,
                 // Claimed by another replica meanwhile, or the queue is down.
                 Ok(None) | Err(_) => {
                     drop(permit);
-                    return;
+                    return Look::Later;
                 }
             };
             let this = Arc::clone(self);

@@ -373,3 +373,45 @@ async fn d3_failing_open_a_replica_counts_its_share_of_each_limit() {
     let _back = lane.acquire("acme", REST).await.expect("shared again");
     assert_eq!(lane.leases_held(), 1);
 }
+
+/// Resolves `lane.batch_capacity()` on a task and reports when it resolved: it must
+/// stay pending for `held` (the lane asks the ledger no sooner), and resolve then.
+async fn capacity_held_for(lane: &Lane, held: Duration) {
+    let waiter = {
+        let lane = lane.clone();
+        tokio::spawn(async move { lane.batch_capacity().await })
+    };
+    settle().await;
+    advance(held - Duration::from_millis(1)).await;
+    settle().await;
+    assert!(
+        !waiter.is_finished(),
+        "batch capacity looked free before the retry: a runner would ask in a loop"
+    );
+    advance(Duration::from_millis(1)).await;
+    settle().await;
+    assert!(waiter.is_finished(), "woken when it is time to ask again");
+}
+
+/// S1: a batch lease refused (other replicas fill the batch share) or not asked
+/// for (the ledger is down) does not make batch capacity look free: a batch runner
+/// waiting on it asks the ledger again after `lease_retry`, not in a loop.
+#[tokio::test(start_paused = true)]
+async fn s1_a_refused_or_unasked_batch_lease_holds_batch_capacity_until_the_retry() {
+    let retry = LaneConfig::default().lease_retry;
+    let (a, b, _ledger) = replicas();
+    let mut items = Vec::new();
+    for _ in 0..15 {
+        items.push(a.acquire_batch("bulk").await.expect("a batch place"));
+    }
+    assert!(b.acquire_batch("bulk").await.is_none(), "the share is full");
+    capacity_held_for(&b, retry).await;
+
+    let (lane, down) = flaky(LedgerOutage::FailClosed);
+    down.store(true, Ordering::SeqCst);
+    assert!(lane.acquire_batch("bulk").await.is_none(), "ledger down");
+    capacity_held_for(&lane, retry).await;
+    down.store(false, Ordering::SeqCst);
+    assert!(lane.acquire_batch("bulk").await.is_some(), "served again");
+    drop(items);
+}

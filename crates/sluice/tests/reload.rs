@@ -460,3 +460,45 @@ async fn reload_an_oversized_file_is_rejected_unread_with_memory_flat() {
     .await
     .expect("test timed out");
 }
+
+/// S1: at rest the file costs nothing (the kernel says when it changed); edits that
+/// leave the length as it was, made within a moment of the last one or with the
+/// modification time set back, are still noticed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_s1_edits_of_the_same_length_apply_however_soon_or_dated_back() {
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let (_dir, file, sluice) = serving(21);
+        let limit_is = |n: u64| {
+            let sluice = &sluice;
+            move || async move { (chat(sluice, "k").await.1 == n).then_some(()) }
+        };
+        // At once after the previous edit, the same length.
+        write(&file, &policy(22));
+        until(APPLIES_WITHIN * 2, "the first edit", limit_is(22)).await;
+        write(&file, &policy(23));
+        until(APPLIES_WITHIN * 2, "an edit right after it", limit_is(23)).await;
+        // Long after, at rest: the same length, the modification time set back to
+        // what it was (as `cp -p` or an archive would leave it).
+        let modified = std::fs::metadata(&file)
+            .and_then(|m| m.modified())
+            .expect("mtime");
+        until(Duration::from_secs(5), "the file at rest", || async {
+            let age = std::fs::metadata(&file)
+                .and_then(|m| m.modified())
+                .ok()?
+                .elapsed()
+                .ok()?;
+            (age > Duration::from_millis(1500)).then_some(())
+        })
+        .await;
+        write(&file, &policy(24));
+        std::fs::File::options()
+            .write(true)
+            .open(&file)
+            .and_then(|f| f.set_modified(modified))
+            .expect("set the modification time back");
+        until(APPLIES_WITHIN * 2, "an edit dated back", limit_is(24)).await;
+    })
+    .await
+    .expect("test timed out");
+}

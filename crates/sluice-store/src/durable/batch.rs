@@ -377,6 +377,17 @@ impl BatchBook {
         outcome.map_err(|e| self.failed(e))
     }
 
+    /// As [`BatchBook::write`] for `f` answering how many things it changed:
+    /// committed only when that is more than none, so upkeep that finds nothing
+    /// to do writes nothing to the disk.
+    fn write_when_changed(
+        &self,
+        f: impl FnOnce(&WriteTransaction) -> Result<u64, TxError>,
+    ) -> Result<u64, BatchError> {
+        self.write_if(|tx| f(tx).map(|n| if n > 0 { Ok(n) } else { Err(()) }))
+            .map(|changed| changed.unwrap_or(0))
+    }
+
     fn read<T>(
         &self,
         f: impl FnOnce(&redb::ReadTransaction) -> Result<T, TxError>,
@@ -793,7 +804,7 @@ impl BatchBook {
     }
 
     fn maintain_blocking(&self, now: Timestamp) -> Result<Maintenance, BatchError> {
-        let requeued = self.write(|tx| {
+        let requeued = self.write_when_changed(|tx| {
             let expired: Vec<(String, u32)> = {
                 let table = tx.open_table(RUNNING)?;
                 let mut all = Vec::new();
@@ -819,9 +830,9 @@ impl BatchBook {
             u64::try_from(self.inner.config.retention.as_nanos()).unwrap_or(u64::MAX),
         );
         loop {
-            let purged = self.write(|tx| purge_some(tx, cutoff))?;
-            done.purged += purged as u64;
-            if purged < PURGE_CHUNK {
+            let purged = self.write_when_changed(|tx| purge_some(tx, cutoff).map(|n| n as u64))?;
+            done.purged += purged;
+            if purged < PURGE_CHUNK as u64 {
                 return Ok(done);
             }
         }

@@ -195,14 +195,14 @@ impl Sluice {
         format!("http://{}{path_and_query}", self.start.admin)
     }
 
-    /// What the child wrote to stderr so far.
-    pub fn stderr(&self) -> String {
-        self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
-    }
-
     /// The child's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// What the child wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
     /// The child's resident memory in KiB (`VmRSS` of /proc/PID/status).
