@@ -188,7 +188,12 @@ mod linux {
                         match reader.next() {
                             Ok(event) => {
                                 let flags = event.events();
-                                if flags.intersects(ReadFlags::CLOSE_WRITE | ReadFlags::MOVED_TO) {
+                                // A full queue lost events: look, as for a close.
+                                if flags.intersects(
+                                    ReadFlags::CLOSE_WRITE
+                                        | ReadFlags::MOVED_TO
+                                        | ReadFlags::QUEUE_OVERFLOW,
+                                ) {
                                     cue = true;
                                 }
                                 if flags.intersects(

@@ -182,7 +182,13 @@ async fn crash_round(round: usize, sync: &str) -> (usize, u64) {
             std::thread::spawn(move || hammer(gateway, &stop))
         })
         .collect();
-    // A random moment of the load: what is killed is whatever is in flight then.
+    // The load under way first (a loaded machine may take a while to serve the
+    // first call), then a random moment of it: what is killed is whatever is in
+    // flight then.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while upstream.received.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let moment = Duration::from_millis(150 + fastrand::u64(..500) + 37 * round as u64 % 100);
     tokio::time::sleep(moment).await;
     sluice.kill();
@@ -308,6 +314,8 @@ async fn q1_usage_survives_a_graceful_restart_and_the_admin_can_reset_it() {
         support::send(
             http::Request::post(url)
                 .header("x-api-key", "sk-crash")
+                // The admin takes a change with a body only as JSON (SPEC S2).
+                .header("content-type", "application/json")
                 .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
                 .expect("request"),
         )
