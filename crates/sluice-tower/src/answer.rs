@@ -347,6 +347,32 @@ pub fn buffers_full(max_bytes: usize) -> Response<Full<Bytes>> {
     r
 }
 
+/// The 503 for a request whose body would pass the bound on buffered bytes
+/// ([`crate::BufferFull::Bound`]: as [`buffers_full`]) or its client's share of it
+/// ([`crate::BufferFull::Share`]: the same answer, `details` naming the share and
+/// `reason: "client_share"`), with `Retry-After: 1`.
+pub fn buffers_refusal(
+    full: crate::BufferFull,
+    budget: &crate::BufferBudget,
+) -> Response<Full<Bytes>> {
+    if full == crate::BufferFull::Bound {
+        return buffers_full(budget.max());
+    }
+    let mut r = envelope_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "busy",
+        "The gateway holds as many request bytes of this client as it may; try again shortly.",
+        serde_json::json!({
+            "reason": "client_share",
+            "max_buffered_bytes": budget.max(),
+            "max_client_buffered_bytes": budget.share(),
+        }),
+    );
+    r.headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+    r
+}
+
 /// The 504 for a call through a guarded lane that took longer than the lane's
 /// `timeout` (it was cut, and counts as a failure for the lane's breaker).
 pub fn upstream_timed_out(timeout: Duration) -> Response<Full<Bytes>> {

@@ -510,6 +510,22 @@ impl<S: BudgetStore> Limiter<S> {
         self
     }
 
+    /// The same limiter with `share` (a fraction of the bound, see
+    /// [`crate::BufferBudget::with_share`]) as what one client may hold of the bound on
+    /// buffered request bytes (default [`crate::DEFAULT_BUFFERED_SHARE`]). Call it
+    /// after [`Limiter::with_buffer_bound`], which sets the default share again.
+    pub fn with_buffer_share(mut self, share: f64) -> Self {
+        self.buffers = crate::BufferBudget::with_share(self.buffers.max(), share);
+        self
+    }
+
+    /// Who the buffered bytes of a request from `peer` with `headers` are charged to:
+    /// the client address the policy believes (behind a trusted proxy, the client it
+    /// names), as per-IP budgets count it.
+    pub fn buffer_holder(&self, peer: IpAddr, headers: &HeaderMap) -> crate::Holder {
+        crate::Holder::of(&self.policy.identity.client_ip(peer, headers))
+    }
+
     /// The bound on request bytes held in memory at once, which every request path
     /// that takes a body in whole leases from (see [`crate::BufferBudget`]).
     pub fn buffers(&self) -> &std::sync::Arc<crate::BufferBudget> {
