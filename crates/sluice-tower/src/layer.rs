@@ -327,7 +327,12 @@ where
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };
             if too_large {
-                let mut r = payload_too_large(policy.bounds.max_body_bytes);
+                let max = policy.bounds.max_body_bytes;
+                let mut r = if route.is_some_and(|r| r.class == RouteClass::JsonRpc) {
+                    crate::answer::jsonrpc_payload_too_large(max)
+                } else {
+                    payload_too_large(max)
+                };
                 rate_limit_headers(r.headers_mut(), &decision, &plan, policy);
                 return Ok(r.map(Either::Left));
             }
