@@ -260,17 +260,19 @@ where
             let mut jsonrpc_body: Option<Bytes> = None;
             let (body, plan) = if Limiter::<S>::needs_body(route) {
                 let max = policy.bounds.max_body_bytes;
-                // The body is held in memory, in one buffer of its size (or of the
-                // bound, when it is not announced): that capacity is leased from the
-                // gateway's one bound first, charged to the client, and the body must
-                // arrive whole within the body deadline.
+                // The body is held in memory, in pieces within its size (or the
+                // bound, when it is not announced): that, and the server's read
+                // buffer meanwhile, is leased from the gateway's one bound first,
+                // charged to the client, and the body must arrive whole within the
+                // body deadline.
                 let announced = body
                     .size_hint()
                     .exact()
                     .and_then(|n| usize::try_from(n).ok());
                 let capacity = announced.unwrap_or(max).min(max);
                 let holder = limiter.buffer_holder(peer, &parts.headers);
-                let lease = match limiter.buffers().try_lease_for(holder, capacity) {
+                let leased = capacity.saturating_add(crate::READ_BUFFER_ALLOWANCE);
+                let lease = match limiter.buffers().try_lease_for(holder, leased) {
                     Ok(lease) => lease,
                     Err(full) => {
                         return Ok(buffers_refusal(full, limiter.buffers()).map(Either::Left));

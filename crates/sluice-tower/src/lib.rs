@@ -80,7 +80,7 @@ pub use batch::{
 #[doc(hidden)]
 pub use buffers::{
     BODY_DEADLINE, BufferBudget, BufferFull, BufferLease, DEFAULT_BUFFERED_SHARE,
-    DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES,
+    DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES, READ_BUFFER_ALLOWANCE,
 };
 #[doc(hidden)]
 pub use lanes::{
