@@ -2,7 +2,8 @@
 //! every connection and both request paths, and a share of it per client: a body
 //! taken in whole before a decision leases what its buffers hold here (the fast path
 //! as the body arrives, in pieces each allocated once; the service stack its announced
-//! size or the policy's bound, in one buffer of that capacity). Past the bound, or
+//! size or the policy's bound, which its pieces stay within, and the server's read
+//! buffer: [`READ_BUFFER_ALLOWANCE`]). Past the bound, or
 //! past its client's share, a new request waits for nothing: it is answered 503 with
 //! `Retry-After`, and bodies already leased go on.
 //!
