@@ -39,9 +39,10 @@ pub const MAX_HOLDERS: usize = 65_536;
 pub const PIECE_BYTES: usize = 64 * 1024;
 
 /// What a body read through the service stack holds besides itself while it arrives,
-/// leased with it: the server's read buffer (hyper's, up to the gateway's 64 KiB
-/// bound on it) and one it has replaced and not yet given back. Uncounted, 64 held
-/// 1 MiB bodies took 1.23x to 1.29x the bound there.
+/// leased with it when it may be longer than one piece ([`PIECE_BYTES`], the gateway's
+/// bound on hyper's read buffer too): that read buffer, and one it has replaced and
+/// not yet given back. A shorter body arrives through a buffer its own size or less.
+/// Uncounted, 64 held 1 MiB bodies took 1.23x to 1.29x the bound there.
 pub const READ_BUFFER_ALLOWANCE: usize = 128 * 1024;
 
 /// The longest a request body taken in whole may take to arrive, however steadily

@@ -271,7 +271,13 @@ where
                     .and_then(|n| usize::try_from(n).ok());
                 let capacity = announced.unwrap_or(max).min(max);
                 let holder = limiter.buffer_holder(peer, &parts.headers);
-                let leased = capacity.saturating_add(crate::READ_BUFFER_ALLOWANCE);
+                // A body longer than one read buffer also leases that buffer's room.
+                let allowance = if capacity > crate::PIECE_BYTES {
+                    crate::READ_BUFFER_ALLOWANCE
+                } else {
+                    0
+                };
+                let leased = capacity.saturating_add(allowance);
                 let lease = match limiter.buffers().try_lease_for(holder, leased) {
                     Ok(lease) => lease,
                     Err(full) => {
