@@ -152,6 +152,9 @@ pub struct GatewayConfig {
     pub max_connections_per_ip: NonZeroUsize,
     /// Most request-body bytes held in memory at once.
     pub max_buffered_bytes: usize,
+    /// The share of `max_buffered_bytes` one client address may hold (a fraction; see
+    /// [`sluice_tower::BufferBudget::with_share`]).
+    pub max_buffered_share: f64,
     /// Most budget cells the memory store holds (see [`MemoryConfig::max_keys`]).
     pub max_keys: usize,
     /// How long a call of the demo upstream's message optimizer takes.
@@ -199,6 +202,7 @@ impl GatewayConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
             max_buffered_bytes: sluice_tower::DEFAULT_MAX_BUFFERED_BYTES,
+            max_buffered_share: sluice_tower::DEFAULT_BUFFERED_SHARE,
             max_keys: MemoryConfig::default().max_keys,
             demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
             policy_file: None,
@@ -271,6 +275,7 @@ pub struct Gateway {
     gateway_task: JoinHandle<Drain>,
     admin_task: JoinHandle<()>,
     reloader: Arc<Reloader>,
+    buffers: Arc<sluice_tower::BufferBudget>,
 }
 
 /// A one-shot stop signal that any number of tasks can wait on.
@@ -406,12 +411,14 @@ impl Gateway {
         let mut limiter = Limiter::new(config.policy, store)
             .with_fallback(fallback)
             .with_buffer_bound(config.max_buffered_bytes)
+            .with_buffer_share(config.max_buffered_share)
             .with_refusal_log(config.refusal_log_per_second);
         if let Some(lanes) = shared_lanes {
             limiter = limiter.with_lanes(lanes);
         }
         // Every request path takes the limiter from here, so a reload reaches them all.
         let limiter: SharedLimiter<AnyStore> = Arc::new(ArcSwap::from_pointee(limiter));
+        let buffers = Arc::clone(limiter.load().buffers());
         let per_ip = {
             let limiter = Arc::clone(&limiter);
             gateway::PerIp::new(config.max_connections_per_ip, move |ip| {
@@ -550,7 +557,14 @@ impl Gateway {
             gateway_task,
             admin_task,
             reloader,
+            buffers,
         })
+    }
+
+    /// The bound on request-body bytes held in memory, with what is leased of it now
+    /// and by which client (every request path leases from it; a reload keeps it).
+    pub fn buffers(&self) -> &Arc<sluice_tower::BufferBudget> {
+        &self.buffers
     }
 
     /// What reloads the policy (SIGHUP and file changes do it by themselves; this is

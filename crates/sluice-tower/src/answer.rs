@@ -349,6 +349,32 @@ pub fn buffers_full(max_bytes: usize) -> Response<Full<Bytes>> {
     r
 }
 
+/// The 503 for a request whose body would pass the bound on buffered bytes
+/// ([`crate::BufferFull::Bound`]: as [`buffers_full`]) or its client's share of it
+/// ([`crate::BufferFull::Share`]: the same answer, `details` naming the share and
+/// `reason: "client_share"`), with `Retry-After: 1`.
+pub fn buffers_refusal(
+    full: crate::BufferFull,
+    budget: &crate::BufferBudget,
+) -> Response<Full<Bytes>> {
+    if full == crate::BufferFull::Bound {
+        return buffers_full(budget.max());
+    }
+    let mut r = envelope_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "busy",
+        "The gateway holds as many request bytes of this client as it may; try again shortly.",
+        serde_json::json!({
+            "reason": "client_share",
+            "max_buffered_bytes": budget.max(),
+            "max_client_buffered_bytes": budget.share(),
+        }),
+    );
+    r.headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+    r
+}
+
 /// The 504 for a call through a guarded lane that took longer than the lane's
 /// `timeout` (it was cut, and counts as a failure for the lane's breaker).
 pub fn upstream_timed_out(timeout: Duration) -> Response<Full<Bytes>> {
@@ -477,6 +503,87 @@ impl Refused {
         }
         r
     }
+}
+
+/// The JSON-RPC error code of a body refused before it is classified (JSON-RPC 2.0's
+/// parse error): not JSON, not UTF-8, a byte-order mark, compressed, past a size or
+/// depth bound (SPEC E5).
+pub const JSONRPC_PARSE_ERROR: i64 = -32700;
+
+impl Refused {
+    /// The answer to a request refused before anything was decided, on a route that
+    /// answers as JSON-RPC (its class comes from a JSON-RPC body): for a body the
+    /// classifier cannot read ([`Refused::Body`]), the status and fields of
+    /// [`Refused::response`] with a JSON-RPC error in place of the envelope,
+    /// `{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message","data":{"reason",…}}}`
+    /// (`data` also names the bound passed); any other refusal as
+    /// [`Refused::response`].
+    ///
+    /// | body | status | `data` |
+    /// |---|---|---|
+    /// | not JSON | 400 | `reason: "not_json"` |
+    /// | not UTF-8 (UTF-16, UTF-32) | 400 | `reason: "not_utf8"` |
+    /// | a byte-order mark | 400 | `reason: "byte_order_mark"` |
+    /// | JSON that is not a request object or a batch | 400 | `reason: "not_jsonrpc"` |
+    /// | an empty batch | 400 | `reason: "empty_batch"` |
+    /// | past `limits.max_json_depth` | 400 | `reason: "too_deep"`, `max_json_depth` |
+    /// | past `limits.max_batch_items` | 413 | `reason: "too_many_items"`, `max_batch_items` |
+    /// | a `Content-Encoding` but `identity` | 415 | `reason: "content_encoding"`, `content_encodings` |
+    pub fn jsonrpc_response(&self) -> Response<Full<Bytes>> {
+        let Refused::Body(body) = self else {
+            return self.response();
+        };
+        let data = match body {
+            Unclassifiable::TooManyItems { max_batch_items } => serde_json::json!({
+                "reason": "too_many_items", "max_batch_items": max_batch_items,
+            }),
+            Unclassifiable::TooDeep { max_json_depth } => serde_json::json!({
+                "reason": "too_deep", "max_json_depth": max_json_depth,
+            }),
+            Unclassifiable::Encoded => serde_json::json!({
+                "reason": "content_encoding", "content_encodings": ["identity"],
+            }),
+            Unclassifiable::EmptyBatch => serde_json::json!({ "reason": "empty_batch" }),
+            Unclassifiable::ByteOrderMark => serde_json::json!({ "reason": "byte_order_mark" }),
+            Unclassifiable::NotUtf8 => serde_json::json!({ "reason": "not_utf8" }),
+            Unclassifiable::NotJsonRpc => serde_json::json!({ "reason": "not_jsonrpc" }),
+            Unclassifiable::NotJson => serde_json::json!({ "reason": "not_json" }),
+            _ => serde_json::json!({ "reason": "unclassifiable" }),
+        };
+        let message = format!("Parse error: {self}; nothing was counted or forwarded.");
+        jsonrpc_error_answer(self.response(), &message, data)
+    }
+}
+
+/// The 413 for a JSON-RPC body larger than the policy reads to classify
+/// (`max_bytes`), on a route that answers as JSON-RPC: the status and fields of
+/// [`payload_too_large`], with `{"jsonrpc":"2.0","id":null,"error":{"code":-32700,
+/// "message","data":{"reason":"payload_too_large","max_bytes"}}}`.
+pub fn jsonrpc_payload_too_large(max_bytes: usize) -> Response<Full<Bytes>> {
+    jsonrpc_error_answer(
+        payload_too_large(max_bytes),
+        &format!("Parse error: the request body is larger than {max_bytes} bytes."),
+        serde_json::json!({ "reason": "payload_too_large", "max_bytes": max_bytes }),
+    )
+}
+
+/// `answer` (status and fields kept) with a JSON-RPC parse error for its body.
+fn jsonrpc_error_answer(
+    answer: Response<Full<Bytes>>,
+    message: &str,
+    data: serde_json::Value,
+) -> Response<Full<Bytes>> {
+    let body = serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": null,
+        "error": { "code": JSONRPC_PARSE_ERROR, "message": message, "data": data },
+    });
+    let (mut parts, _) = answer.into_parts();
+    parts
+        .headers
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, Full::new(Bytes::from(body.to_string())))
 }
 
 /// A response with the JSON envelope `{"error":{"code","message","details"}}`.

@@ -7,17 +7,17 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use arc_swap::ArcSwap;
-use bytes::Bytes;
+use bytes::{Buf as _, Bytes, BytesMut};
 use http::header::{CONNECTION, HOST, HeaderValue};
 use http::{Request, Response, Version};
 use http_body::Body;
-use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Either, Full};
 use sluice_store::BudgetStore;
 use tower::{Layer, Service};
 
 use crate::answer::{
-    body_too_slow, body_unreadable, buffers_full, payload_too_large, rate_limit_headers, take_cost,
-    upstream_headers, upstream_timed_out,
+    body_too_slow, body_unreadable, buffers_refusal, payload_too_large, rate_limit_headers,
+    take_cost, upstream_headers, upstream_timed_out,
 };
 use crate::limiter::{Limiter, Refused};
 use sluice_policy::RouteClass;
@@ -260,29 +260,39 @@ where
             let mut jsonrpc_body: Option<Bytes> = None;
             let (body, plan) = if Limiter::<S>::needs_body(route) {
                 let max = policy.bounds.max_body_bytes;
-                // The body is held in memory: its size (or the bound, when it is not
-                // announced) is leased from the gateway's one bound first, and it must
-                // arrive whole within the body deadline.
+                // The body is held in memory, in pieces within its size (or the
+                // bound, when it is not announced): that, and the server's read
+                // buffer meanwhile, is leased from the gateway's one bound first,
+                // charged to the client, and the body must arrive whole within the
+                // body deadline.
                 let announced = body
                     .size_hint()
                     .exact()
                     .and_then(|n| usize::try_from(n).ok());
-                let Some(lease) = limiter
-                    .buffers()
-                    .try_lease(announced.unwrap_or(max).min(max))
-                else {
-                    return Ok(buffers_full(limiter.buffers().max()).map(Either::Left));
+                let capacity = announced.unwrap_or(max).min(max);
+                let holder = limiter.buffer_holder(peer, &parts.headers);
+                // A body longer than one read buffer also leases that buffer's room.
+                let allowance = if capacity > crate::PIECE_BYTES {
+                    crate::READ_BUFFER_ALLOWANCE
+                } else {
+                    0
+                };
+                let leased = capacity.saturating_add(allowance);
+                let lease = match limiter.buffers().try_lease_for(holder, leased) {
+                    Ok(lease) => lease,
+                    Err(full) => {
+                        return Ok(buffers_refusal(full, limiter.buffers()).map(Either::Left));
+                    }
                 };
                 _lease = Some(lease);
-                let collected =
-                    tokio::time::timeout(crate::BODY_DEADLINE, Limited::new(body, max).collect())
+                let taken =
+                    tokio::time::timeout(crate::BODY_DEADLINE, take_whole(body, capacity, max))
                         .await;
-                let Ok(collected) = collected else {
+                let Ok(taken) = taken else {
                     return Ok(body_too_slow().map(Either::Left));
                 };
-                match collected {
-                    Ok(collected) => {
-                        let bytes = collected.to_bytes();
+                match taken {
+                    Ok(bytes) => {
                         let plan = limiter.plan_keyed(
                             &parts.headers,
                             peer,
@@ -295,14 +305,14 @@ where
                         }
                         (B::from(bytes), plan)
                     }
-                    Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                    Err(Whole::TooLarge) => {
                         too_large = true;
                         (
                             B::from(Bytes::new()),
                             limiter.plan_keyed(&parts.headers, peer, route, None, key.as_deref()),
                         )
                     }
-                    Err(_) => return Ok(body_unreadable().map(Either::Left)),
+                    Err(Whole::Unreadable) => return Ok(body_unreadable().map(Either::Left)),
                 }
             } else {
                 let plan = limiter.plan_keyed(&parts.headers, peer, route, None, key.as_deref());
@@ -325,7 +335,12 @@ where
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };
             if too_large {
-                let mut r = payload_too_large(policy.bounds.max_body_bytes);
+                let max = policy.bounds.max_body_bytes;
+                let mut r = if route.is_some_and(|r| r.class == RouteClass::JsonRpc) {
+                    crate::answer::jsonrpc_payload_too_large(max)
+                } else {
+                    payload_too_large(max)
+                };
                 rate_limit_headers(r.headers_mut(), &decision, &plan, policy);
                 return Ok(r.map(Either::Left));
             }
@@ -363,4 +378,66 @@ where
             Ok(response.map(Either::Right))
         })
     }
+}
+
+/// Why a body could not be taken whole.
+enum Whole {
+    /// It is longer than the policy's bound.
+    TooLarge,
+    /// It failed, or is longer than it announced.
+    Unreadable,
+}
+
+/// Takes `body` whole, frame by frame, each frame copied and let go as it comes,
+/// within `capacity` bytes (what was leased for it): into pieces of
+/// [`crate::PIECE_BYTES`] allocated as they are needed (never grown, never past the
+/// lease), then once whole into one buffer of its length, the pieces freed at once.
+/// Nothing else holds the body while it arrives. A body past `max` is
+/// [`Whole::TooLarge`] once that is known.
+async fn take_whole<B>(body: B, capacity: usize, max: usize) -> Result<Bytes, Whole>
+where
+    B: Body,
+{
+    let mut body = std::pin::pin!(body);
+    let mut pieces: Vec<BytesMut> = Vec::new();
+    let mut len = 0usize;
+    while let Some(frame) = body.as_mut().frame().await {
+        let Ok(frame) = frame else {
+            return Err(Whole::Unreadable);
+        };
+        let Ok(mut data) = frame.into_data() else {
+            continue;
+        };
+        let grown = len.saturating_add(data.remaining());
+        if grown > max {
+            return Err(Whole::TooLarge);
+        }
+        if grown > capacity {
+            return Err(Whole::Unreadable);
+        }
+        while data.has_remaining() {
+            let piece = match pieces.last_mut() {
+                Some(piece) if piece.len() < piece.capacity() => piece,
+                _ => {
+                    let size = crate::PIECE_BYTES.min(capacity - len);
+                    pieces.push(BytesMut::with_capacity(size));
+                    pieces.last_mut().ok_or(Whole::Unreadable)?
+                }
+            };
+            let room = piece.capacity() - piece.len();
+            let chunk = data.chunk();
+            let n = chunk.len().min(room);
+            piece.extend_from_slice(&chunk[..n]);
+            data.advance(n);
+            len += n;
+        }
+    }
+    if pieces.len() == 1 {
+        return Ok(pieces.pop().unwrap_or_default().freeze());
+    }
+    let mut whole = BytesMut::with_capacity(len);
+    for piece in pieces {
+        whole.extend_from_slice(&piece);
+    }
+    Ok(whole.freeze())
 }

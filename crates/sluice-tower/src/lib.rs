@@ -64,13 +64,13 @@ mod request_id;
 // buffers and lanes. Not for users of the layer; hidden from the docs.
 #[doc(hidden)]
 pub use answer::{
-    COST_EXCEEDS_LIMIT, EDGE_BODY, JSONRPC_RATE_LIMITED, RATELIMIT, RATELIMIT_POLICY,
-    RateLimitValue, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, X_SLUICE_COST,
-    X_SLUICE_EXHAUSTED, X_SLUICE_USER, X_SLUICE_WORKSPACE, body_too_slow, body_unreadable,
-    buffers_full, envelope_response, for_each_rate_limit_header, for_each_upstream_header,
-    is_sluice_signal, jsonrpc_refusal, limiter_unavailable, parse_cost, payload_too_large,
-    rate_limit_headers, refusal, refusal_wait, retry_after_secs, rfc3339, take_cost,
-    upstream_headers, upstream_timed_out,
+    COST_EXCEEDS_LIMIT, EDGE_BODY, JSONRPC_PARSE_ERROR, JSONRPC_RATE_LIMITED, RATELIMIT,
+    RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET,
+    X_SLUICE_COST, X_SLUICE_EXHAUSTED, X_SLUICE_USER, X_SLUICE_WORKSPACE, body_too_slow,
+    body_unreadable, buffers_full, buffers_refusal, envelope_response, for_each_rate_limit_header,
+    for_each_upstream_header, is_sluice_signal, jsonrpc_payload_too_large, jsonrpc_refusal,
+    limiter_unavailable, parse_cost, payload_too_large, rate_limit_headers, refusal, refusal_wait,
+    retry_after_secs, rfc3339, take_cost, upstream_headers, upstream_timed_out,
 };
 #[doc(hidden)]
 pub use batch::{
@@ -78,7 +78,10 @@ pub use batch::{
     may_call_batch_tool, parse_batch,
 };
 #[doc(hidden)]
-pub use buffers::{BODY_DEADLINE, BufferBudget, BufferLease, DEFAULT_MAX_BUFFERED_BYTES};
+pub use buffers::{
+    BODY_DEADLINE, BufferBudget, BufferFull, BufferLease, DEFAULT_BUFFERED_SHARE,
+    DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES, READ_BUFFER_ALLOWANCE,
+};
 #[doc(hidden)]
 pub use lanes::{
     LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,

@@ -510,6 +510,22 @@ impl<S: BudgetStore> Limiter<S> {
         self
     }
 
+    /// The same limiter with `share` (a fraction of the bound, see
+    /// [`crate::BufferBudget::with_share`]) as what one client may hold of the bound on
+    /// buffered request bytes (default [`crate::DEFAULT_BUFFERED_SHARE`]). Call it
+    /// after [`Limiter::with_buffer_bound`], which sets the default share again.
+    pub fn with_buffer_share(mut self, share: f64) -> Self {
+        self.buffers = crate::BufferBudget::with_share(self.buffers.max(), share);
+        self
+    }
+
+    /// Who the buffered bytes of a request from `peer` with `headers` are charged to:
+    /// the client address the policy believes (behind a trusted proxy, the client it
+    /// names), as per-IP budgets count it.
+    pub fn buffer_holder(&self, peer: IpAddr, headers: &HeaderMap) -> crate::Holder {
+        crate::Holder::of(&self.policy.identity.client_ip(peer, headers))
+    }
+
     /// The bound on request bytes held in memory at once, which every request path
     /// that takes a body in whole leases from (see [`crate::BufferBudget`]).
     pub fn buffers(&self) -> &std::sync::Arc<crate::BufferBudget> {
@@ -816,7 +832,9 @@ impl<S: BudgetStore> Limiter<S> {
     /// The edge's one sequence after a request is planned, for every request path.
     /// `jsonrpc_body` is the body of a request on a JSON-RPC route: with the
     /// policy's `jsonrpc.refusal: jsonrpc_error`, its 429s are answered as JSON-RPC
-    /// errors (see [`crate::jsonrpc_refusal`]).
+    /// errors (see [`crate::jsonrpc_refusal`]); whatever that option, a body such a
+    /// route cannot classify is refused with a JSON-RPC parse error (-32700, `id:
+    /// null`: see [`Refused::jsonrpc_response`]), with the status it has elsewhere.
     ///
     /// a request that cannot be counted, a call its lane refuses, a refusal, or a
     /// store that cannot decide becomes the answer to send (`Err`); an admitted
@@ -851,7 +869,9 @@ impl<S: BudgetStore> Limiter<S> {
         request_id: Option<&crate::RequestId>,
     ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
         let class = plan.as_ref().map_or("", |p| p.top_class.name());
-        let answered = self.admit_plan(plan, request_id).await;
+        let answered = self
+            .admit_plan(plan, request_id, jsonrpc_body.is_some())
+            .await;
         match (answered, jsonrpc_body) {
             (Err(refusal), Some(body))
                 if self.policy.jsonrpc.refusal == sluice_policy::JsonRpcRefusal::JsonRpcError =>
@@ -862,11 +882,14 @@ impl<S: BudgetStore> Limiter<S> {
         }
     }
 
-    /// [`Limiter::admit`] but for the JSON-RPC form of a refusal.
+    /// [`Limiter::admit`] but for the JSON-RPC form of a 429. On a route that answers
+    /// as JSON-RPC (`jsonrpc`), a body the classifier cannot read is refused with a
+    /// JSON-RPC parse error (see [`Refused::jsonrpc_response`]).
     async fn admit_plan(
         &self,
         plan: Result<Box<Plan>, Refused>,
         request_id: Option<&crate::RequestId>,
+        jsonrpc: bool,
     ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
         let id = request_id.map_or("-", crate::RequestId::as_str);
         let mut plan = plan.map_err(|refused| {
@@ -879,7 +902,11 @@ impl<S: BudgetStore> Limiter<S> {
                     "refused before deciding"
                 );
             });
-            refused.response()
+            if jsonrpc {
+                refused.jsonrpc_response()
+            } else {
+                refused.response()
+            }
         })?;
         let place = match plan.lane {
             None => None,

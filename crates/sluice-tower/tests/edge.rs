@@ -316,14 +316,28 @@ async fn e5_h3_bodies_that_cannot_be_counted_are_refused_and_spend_nothing() {
             serde_json::json!({"content_encodings": ["identity"]}),
         ),
     ];
-    for (body, extra, status, code, details) in cases {
+    // `/mcp` answers as JSON-RPC: each is a parse error (-32700, `id: null`) whose
+    // `data` holds what the envelope's `details` hold elsewhere (issue 23, item 6).
+    for (body, extra, status, _envelope_code, details) in cases {
         let mut headers = vec![KEY];
         headers.extend_from_slice(extra);
         let r = edge.rpc(&headers, body).await;
         assert_eq!(r.status.as_u16(), status, "{body:.40}: {}", r.body);
-        let envelope: serde_json::Value = serde_json::from_str(&r.body).expect("envelope");
-        assert_eq!(envelope["error"]["code"], code, "{body:.40}");
-        assert_eq!(envelope["error"]["details"], details, "{body:.40}");
+        let envelope: serde_json::Value = serde_json::from_str(&r.body).expect("json");
+        assert_eq!(
+            (
+                &envelope["jsonrpc"],
+                &envelope["id"],
+                &envelope["error"]["code"]
+            ),
+            (&"2.0".into(), &serde_json::Value::Null, &(-32700).into()),
+            "{body:.40}"
+        );
+        let data = &envelope["error"]["data"];
+        assert!(data["reason"].is_string(), "{data}");
+        for (key, value) in details.as_object().expect("details") {
+            assert_eq!(&data[key], value, "{body:.40}: {key}");
+        }
         assert!(
             envelope["error"]["message"]
                 .as_str()
@@ -439,8 +453,11 @@ async fn oversized_jsonrpc_bodies_get_413_and_count_as_standard() {
     );
     let r = edge.rpc(&[KEY], &big).await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
-    let body: serde_json::Value = serde_json::from_str(&r.body).expect("envelope");
-    assert_eq!(body["error"]["code"], "payload_too_large");
+    // Answered as the JSON-RPC route answers (issue 23, item 6).
+    let body: serde_json::Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(body["error"]["code"], -32700);
+    assert_eq!(body["error"]["data"]["reason"], "payload_too_large");
+    assert_eq!(body["id"], serde_json::Value::Null);
     assert_eq!((r.limit(), r.remaining()), (60, 59));
 }
 

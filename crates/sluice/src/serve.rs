@@ -120,6 +120,15 @@ pub struct ServeArgs {
     #[arg(long, value_name = "BYTES", default_value_t = sluice_tower::DEFAULT_MAX_BUFFERED_BYTES)]
     pub max_buffered_bytes: usize,
 
+    /// The share of --max-buffered-bytes one client address may hold, a fraction
+    /// above 0 and at most 1 (1: no share but the bound): past it, that address's new
+    /// request with a body gets the same 503 with Retry-After while others are served.
+    /// A client holding nothing may always start one body. The address is the one
+    /// sluice believes: behind the policy's trusted proxies, the client they name in
+    /// X-Forwarded-For (IPv6 grouped by the policy's prefix), not the proxy.
+    #[arg(long, value_name = "FRACTION", default_value = "0.125", value_parser = parse_share)]
+    pub max_buffered_share: f64,
+
     /// Most budget cells the in-process store holds (one per caller and budget in a
     /// window; about 20 bytes each). Its tables are allocated for all of them at
     /// start (as a fixed-size zone), so the store's memory is set by this flag
@@ -233,6 +242,7 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     };
     config.max_connections_per_ip = args.max_connections_per_ip;
     config.max_buffered_bytes = args.max_buffered_bytes;
+    config.max_buffered_share = args.max_buffered_share;
     if matches!(config.store, StoreSpec::Memory) {
         sluice_gateway::process::keys_within_memory(args.max_keys).map_err(BadInput)?;
     }
@@ -240,6 +250,13 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     config.demo_optimize_time = args.demo_optimize_seconds;
     config.refusal_log_per_second = args.refusal_log_per_second;
     Ok(config)
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err("expected a fraction above 0 and at most 1, such as 0.125".into()),
+    }
 }
 
 fn parse_max_keys(s: &str) -> Result<usize, String> {

@@ -294,6 +294,21 @@ async fn l4_the_batch_tools_run_the_batch_lane_over_jsonrpc() {
         .to_owned();
     assert_eq!(body["result"]["structuredContent"]["items"], 3);
 
+    // A call longer than a connection's read buffer (the fast path holds its body in
+    // pieces, then hands it whole to the batch lanes) is queued the same (issue 23).
+    let long: Vec<Value> = (0..40)
+        .map(|i| json!({ "message": format!("draft {i} {}", "x".repeat(1000)) }))
+        .collect();
+    let request = call(
+        6,
+        "optimize_message_batch",
+        json!({ "items": long, "idempotency_key": "t-long" }),
+    );
+    assert!(request.to_string().len() > 32 << 10);
+    let reply = send(rpc(&sluice, "sk-acme", &request)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(reply.json()["result"]["structuredContent"]["items"], 40);
+
     // Read it back with get_batch until it is done.
     let started = Instant::now();
     let status = loop {

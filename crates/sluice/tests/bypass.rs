@@ -208,6 +208,18 @@ impl Answer {
             .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
     }
 
+    /// `error.code` and `error.data` of a JSON-RPC error answering no request
+    /// (`id: null`), as a route answering as JSON-RPC refuses a body it cannot read
+    /// (SPEC E5).
+    fn jsonrpc_error(&self) -> (i64, Value) {
+        let json = self.json();
+        assert_eq!(json["jsonrpc"], "2.0", "{json}");
+        assert_eq!(json["id"], Value::Null, "{json}");
+        assert!(json.get("result").is_none(), "{json}");
+        let code = json["error"]["code"].as_i64().unwrap_or(0);
+        (code, json["error"]["data"].clone())
+    }
+
     /// `error.code` and `error.details` of the JSON envelope.
     fn envelope(&self) -> (String, Value) {
         let json = self.json();
@@ -373,10 +385,10 @@ async fn e5_oversized_batch_is_refused_not_counted_as_standard() {
             .await;
             assert_eq!(refused.status, 413, "{path:?}: {refused:?}");
             assert_eq!(
-                refused.envelope(),
+                refused.jsonrpc_error(),
                 (
-                    "payload_too_large".to_owned(),
-                    json!({"max_batch_items": 30})
+                    -32700,
+                    json!({"reason": "too_many_items", "max_batch_items": 30})
                 ),
                 "{path:?}"
             );
@@ -411,20 +423,15 @@ async fn e5_oversized_batch_is_refused_not_counted_as_standard() {
     .await;
 }
 
-/// A body, what it is, the fields sent with it and the refusal it gets: status,
-/// `error.code`, `error.details`.
-type RefusedBody<'a> = (
-    &'a str,
-    &'a [u8],
-    &'a [(&'a str, &'a str)],
-    u16,
-    &'a str,
-    Value,
-);
+/// A body, what it is, the fields sent with it and the refusal it gets: status and
+/// the JSON-RPC error's `data` (its code is -32700, its id null).
+type RefusedBody<'a> = (&'a str, &'a [u8], &'a [(&'a str, &'a str)], u16, Value);
 
 /// A JSON-RPC body sluice cannot read as sent (compressed) or that is not UTF-8 JSON
 /// (a byte-order mark, UTF-16) or nests past the bound: refused with the reason, on
-/// both paths alike; nothing reaches the upstream.
+/// both paths alike, as the route answers: a JSON-RPC parse error (-32700, `id:
+/// null`) with the status it has elsewhere (issue 23, item 6); nothing reaches the
+/// upstream and nothing is spent.
 #[tokio::test]
 async fn e5_encoded_bom_utf16_and_deep_bodies_are_refused_on_both_paths() {
     let (sluice, upstream) = gateway("bodies.yaml", |y| y).await;
@@ -446,23 +453,20 @@ async fn e5_encoded_bom_utf16_and_deep_bodies_are_refused_on_both_paths() {
             GZIPPED_CALL,
             &[("content-encoding", "gzip")],
             415,
-            "unsupported_media_type",
-            json!({"content_encodings": ["identity"]}),
+            json!({"reason": "content_encoding", "content_encodings": ["identity"]}),
         ),
         (
             "identity then br",
             call.as_bytes(),
             &[("content-encoding", "identity"), ("content-encoding", "br")],
             415,
-            "unsupported_media_type",
-            json!({"content_encodings": ["identity"]}),
+            json!({"reason": "content_encoding", "content_encodings": ["identity"]}),
         ),
         (
             "UTF-8 BOM",
             &with_bom,
             &[],
             400,
-            "invalid_request",
             json!({"reason": "byte_order_mark"}),
         ),
         (
@@ -470,7 +474,6 @@ async fn e5_encoded_bom_utf16_and_deep_bodies_are_refused_on_both_paths() {
             &utf16,
             &[],
             400,
-            "invalid_request",
             json!({"reason": "byte_order_mark"}),
         ),
         (
@@ -478,7 +481,6 @@ async fn e5_encoded_bom_utf16_and_deep_bodies_are_refused_on_both_paths() {
             &utf16_bare,
             &[],
             400,
-            "invalid_request",
             json!({"reason": "not_utf8"}),
         ),
         (
@@ -486,15 +488,13 @@ async fn e5_encoded_bom_utf16_and_deep_bodies_are_refused_on_both_paths() {
             deep.as_bytes(),
             &[],
             400,
-            "invalid_request",
-            json!({"max_json_depth": 64}),
+            json!({"reason": "too_deep", "max_json_depth": 64}),
         ),
         (
             "empty batch",
             b"[]",
             &[],
             400,
-            "invalid_request",
             json!({"reason": "empty_batch"}),
         ),
         (
@@ -502,12 +502,18 @@ async fn e5_encoded_bom_utf16_and_deep_bodies_are_refused_on_both_paths() {
             b"30",
             &[],
             400,
-            "invalid_request",
             json!({"reason": "not_jsonrpc"}),
+        ),
+        (
+            "not JSON",
+            b"certainly not json",
+            &[],
+            400,
+            json!({"reason": "not_json"}),
         ),
     ];
     bounded(async {
-        for (what, body, extra, status, code, details) in cases {
+        for (what, body, extra, status, data) in cases {
             let mut answers = Vec::new();
             for path in BOTH {
                 let mut fields = rpc_fields("sk-bodies");
@@ -515,9 +521,17 @@ async fn e5_encoded_bom_utf16_and_deep_bodies_are_refused_on_both_paths() {
                 let answer = exchange(&sluice, path, "POST", "/mcp", &fields, body).await;
                 assert_eq!(answer.status, status, "{what} on {path:?}: {answer:?}");
                 assert_eq!(
-                    answer.envelope(),
-                    (code.to_owned(), details.clone()),
+                    answer.jsonrpc_error(),
+                    (-32700, data.clone()),
                     "{what} on {path:?}"
+                );
+                assert_eq!(
+                    answer.fields.get("content-type").map(String::as_str),
+                    Some("application/json")
+                );
+                assert!(
+                    !answer.fields.contains_key("x-ratelimit-limit"),
+                    "nothing decided"
                 );
                 answers.push(answer);
             }
@@ -550,6 +564,45 @@ async fn e5_encoded_bom_utf16_and_deep_bodies_are_refused_on_both_paths() {
             ),
             (Some("30"), Some("29"))
         );
+    })
+    .await;
+}
+
+/// A JSON-RPC body past `limits.max_body_bytes` is answered 413 as JSON-RPC on both
+/// paths (a parse error, `id: null`, naming the bound), and is not forwarded; a REST
+/// route's refusals keep the JSON envelope (issue 23, item 6).
+#[tokio::test]
+async fn e5_a_jsonrpc_body_past_the_size_bound_is_a_jsonrpc_parse_error_on_both_paths() {
+    let (sluice, upstream) = gateway("size.yaml", |y| {
+        y.edit("max_body_bytes: 1048576", "max_body_bytes: 1024")
+    })
+    .await;
+    bounded(async {
+        let big = format!(
+            r#"{{"jsonrpc":"2.0","id":7,"method":"ping","params":{{"pad":"{}"}}}}"#,
+            "x".repeat(2000)
+        );
+        let mut answers = Vec::new();
+        for path in BOTH {
+            let fields = rpc_fields("sk-size");
+            let r = exchange(&sluice, path, "POST", "/mcp", &fields, big.as_bytes()).await;
+            assert_eq!(r.status, 413, "{path:?}: {r:?}");
+            assert_eq!(
+                r.jsonrpc_error(),
+                (
+                    -32700,
+                    json!({"reason": "payload_too_large", "max_bytes": 1024})
+                ),
+                "{path:?}"
+            );
+            answers.push(r);
+        }
+        assert_eq!(answers[0].status, answers[1].status);
+        assert_eq!(answers[0].body, answers[1].body);
+        assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+        // A REST route answers with the envelope, as before.
+        let r = exchange(&sluice, Path::Fast, "GET", "/../etc", &[], b"").await;
+        assert_eq!(r.envelope().0, "invalid_request");
     })
     .await;
 }
@@ -587,13 +640,25 @@ async fn e5_h2_an_oversized_batch_and_a_gzip_body_are_refused() {
         };
         let (status, body) = send(Bytes::from(expensive_batch(31)), None).await;
         assert_eq!(
-            (status, &body["error"]["code"]),
-            (413, &json!("payload_too_large"))
+            (
+                status,
+                &body["error"]["code"],
+                &body["error"]["data"]["reason"]
+            ),
+            (413, &json!(-32700), &json!("too_many_items"))
         );
         let (status, body) = send(Bytes::from_static(GZIPPED_CALL), Some("gzip")).await;
         assert_eq!(
-            (status, &body["error"]["code"]),
-            (415, &json!("unsupported_media_type"))
+            (
+                status,
+                &body["error"]["code"],
+                &body["error"]["data"]["reason"]
+            ),
+            (415, &json!(-32700), &json!("content_encoding"))
+        );
+        assert_eq!(
+            (&body["jsonrpc"], &body["id"]),
+            (&json!("2.0"), &Value::Null)
         );
         assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
     })

@@ -24,6 +24,7 @@
 //! hyper and the service stack: the fast path hands the connection over, with the
 //! bytes it has read ([`Ended::Elsewhere`]), and hyper serves it from there on.
 
+mod body;
 mod request;
 
 use std::io;
@@ -162,16 +163,16 @@ struct Timers {
     upstream: Deadline,
 }
 
-/// How reading a request body in whole ended.
+/// Why a request body was not taken in whole.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BodyRead {
-    Whole,
     /// Nothing came for the head timeout, or the client left.
     Stalled,
     /// It kept coming, but not all of it within the body deadline.
     TooSlow,
-    /// Holding more of it would pass the gateway's bound on buffered bytes.
-    Busy,
+    /// Holding more of it would pass the gateway's bound on buffered bytes, or its
+    /// client's share of it.
+    Busy(sluice_tower::BufferFull),
 }
 
 /// What follows a request.
@@ -233,47 +234,42 @@ impl<'f> Connection<'f> {
         }
     }
 
-    /// Reads from the client until `from_client` holds `end` bytes, each read within
-    /// the head timeout and all of them within [`sluice_tower::BODY_DEADLINE`]. The
-    /// buffer grows with what arrives (by a quarter, never past `end`, never by
-    /// doubling), and `lease` grows with it: a full bound ends the read.
-    async fn read_to(
+    /// Reads the body of the request whose head is the first `head_len` bytes of
+    /// `from_client`, until `end` bytes are there with the head, each read within the
+    /// head timeout and all of them within [`sluice_tower::BODY_DEADLINE`]. A request
+    /// that fits the connection's buffer is read into it (`Ok(None)`: nothing leased,
+    /// the buffer is the connection's own); a longer body fills that buffer, then the
+    /// rest is read in [`body::Pieces`], each leased from `lease` before it is allocated, and comes back whole in a
+    /// buffer of its length (`Ok(Some)`), the head alone left in `from_client`.
+    async fn read_body(
         &mut self,
         client: &mut TcpStream,
         timers: &mut Timers,
-        end: usize,
-        lease: &mut sluice_tower::BufferLease,
-    ) -> BodyRead {
+        (head_len, end): (usize, usize),
+        lease: Option<&mut sluice_tower::BufferLease>,
+    ) -> Result<Option<BytesMut>, BodyRead> {
         let whole_by = tokio::time::Instant::now() + sluice_tower::BODY_DEADLINE;
-        while self.from_client.len() < end {
-            let (len, capacity) = (self.from_client.len(), self.from_client.capacity());
-            if capacity == len {
-                let grown = (len + READ_CHUNK).max(len + len / 4).min(end);
-                if !lease.try_grow(grown - len) {
-                    return BodyRead::Busy;
-                }
-                let mut bigger = BytesMut::with_capacity(grown);
-                bigger.extend_from_slice(&self.from_client);
-                self.from_client = bigger;
+        let Some(lease) = lease.filter(|_| end > self.from_client.capacity()) else {
+            while self.from_client.len() < end {
+                read_within(client, timers, whole_by, &mut self.from_client).await?;
             }
-            let now = tokio::time::Instant::now();
-            if now >= whole_by {
-                return BodyRead::TooSlow;
-            }
-            let stalled = (now + timers.head_timeout).min(whole_by);
-            timers.head.set(stalled);
-            let read = tokio::select! {
-                biased;
-                read = client.read_buf(&mut self.from_client) => read,
-                () = timers.head.passed() => {
-                    return if stalled == whole_by { BodyRead::TooSlow } else { BodyRead::Stalled };
-                }
-            };
-            if !matches!(read, Ok(n) if n > 0) {
-                return BodyRead::Stalled;
-            }
+            return Ok(None);
+        };
+        // The connection's own buffer first: a client that stalls before filling it
+        // holds nothing more.
+        while self.from_client.len() < self.from_client.capacity() {
+            read_within(client, timers, whole_by, &mut self.from_client).await?;
         }
-        BodyRead::Whole
+        let start = self.from_client.len() - head_len;
+        let mut pieces = body::Pieces::new(start, end - head_len, lease).map_err(BodyRead::Busy)?;
+        while !pieces.is_whole() {
+            let room = pieces.room(lease).map_err(BodyRead::Busy)?;
+            let n = read_within(client, timers, whole_by, room).await?;
+            pieces.filled(n);
+        }
+        let whole = pieces.into_whole(&self.from_client[head_len..], lease);
+        self.from_client.truncate(head_len);
+        Ok(Some(whole))
     }
 
     /// Serves one request.
@@ -373,37 +369,63 @@ impl<'f> Connection<'f> {
         let head_request = head.method == Method::HEAD;
         let body_len = usize::try_from(head.body_len).unwrap_or(usize::MAX);
         let head_len = head.len;
-        // The body is held in memory until it is forwarded: what its buffer grows to
-        // is leased from the gateway's one bound (past it: 503, and the connection
-        // closes with the rest of the body unread).
-        let mut lease = limiter
-            .buffers()
-            .try_lease(0)
-            .ok_or_else(|| io::Error::other("an empty lease always fits"))?;
-        let read = self
-            .read_to(client, timers, head_len + body_len, &mut lease)
-            .await;
-        if read != BodyRead::Whole {
-            // It stopped coming, came too slowly, the client left, or the bound is
-            // full: answered (when it still can be) as the service stack answers.
-            let answer = match read {
-                BodyRead::TooSlow => sluice_tower::body_too_slow(),
-                BodyRead::Busy => sluice_tower::buffers_full(limiter.buffers().max()),
-                _ => sluice_tower::body_unreadable(),
-            };
-            let answer = own(answer).await;
-            return self
-                .answer_own(client, answer, true, head_request, in_flight, &id, access)
-                .await;
-        }
-        let body = head_len..head_len + body_len;
+        // The body is held in memory until it is forwarded: one longer than the
+        // connection's buffer holds is leased from the gateway's one bound as its
+        // pieces are allocated, charged to the client address the policy believes
+        // (past the bound or the client's share: 503, and the connection closes with
+        // the rest of the body unread).
+        let end = head_len + body_len;
+        let mut lease = if end > self.from_client.capacity() {
+            let holder = limiter.buffer_holder(self.peer, &self.identity);
+            Some(
+                limiter
+                    .buffers()
+                    .try_lease_for(holder, 0)
+                    .map_err(|_| io::Error::other("an empty lease always fits"))?,
+            )
+        } else {
+            None
+        };
+        let held = match self
+            .read_body(client, timers, (head_len, end), lease.as_mut())
+            .await
+        {
+            Ok(held) => held,
+            Err(read) => {
+                // It stopped coming, came too slowly, the client left, or the bound
+                // (or the client's share) is full: answered (when it still can be) as
+                // the service stack answers.
+                let answer = match read {
+                    BodyRead::TooSlow => sluice_tower::body_too_slow(),
+                    BodyRead::Busy(full) => sluice_tower::buffers_refusal(full, limiter.buffers()),
+                    BodyRead::Stalled => sluice_tower::body_unreadable(),
+                };
+                let answer = own(answer).await;
+                return self
+                    .answer_own(client, answer, true, head_request, in_flight, &id, access)
+                    .await;
+            }
+        };
+        // The body: in place after the head, or whole in its own buffer.
+        let (body, consumed) = match &held {
+            None => (head_len..end, end),
+            Some(whole) => (0..whole.len(), head_len),
+        };
+        let held = held.unwrap_or_default();
+        let body_bytes: &[u8] = if held.is_empty() {
+            &self.from_client[body.clone()]
+        } else {
+            &held
+        };
         // A batch lane's tool call is answered by the service stack's batch lanes:
         // the request goes there whole (nothing of it was answered or decided).
         if needs_body
             && route.is_some_and(|r| r.batch.is_none())
-            && sluice_tower::may_call_batch_tool(policy, &self.from_client[body.clone()])
+            && sluice_tower::may_call_batch_tool(policy, body_bytes)
         {
             in_flight.handed_over();
+            // hyper reads the request again from the bytes read: the head, then this.
+            self.from_client.extend_from_slice(&held);
             return Ok(Next::Elsewhere);
         }
         let plan = target.and_then(|route| {
@@ -411,7 +433,7 @@ impl<'f> Connection<'f> {
                 &self.identity,
                 self.peer,
                 route,
-                needs_body.then(|| &self.from_client[body.clone()]),
+                needs_body.then_some(body_bytes),
             )
         });
 
@@ -426,14 +448,14 @@ impl<'f> Connection<'f> {
                 plan,
                 route
                     .is_some_and(|r| r.class == sluice_policy::RouteClass::JsonRpc)
-                    .then(|| &self.from_client[body.clone()]),
+                    .then_some(body_bytes),
                 Some(&id),
             )
             .await
         {
             Ok(admitted) => admitted,
             Err(answer) => {
-                self.from_client.advance(body.end);
+                self.from_client.advance(consumed);
                 let answer = own(answer).await;
                 return self
                     .answer_own(
@@ -449,16 +471,19 @@ impl<'f> Connection<'f> {
             }
         };
 
-        // Forwarded: the head with who the request is from, and the body, in one write.
+        // Forwarded: the head with who the request is from, and the body, in one
+        // write: a body in the connection's buffer is copied after the head, one held
+        // whole in its own buffer is written from there (never a second copy of it).
         self.to_upstream.truncate(self.to_upstream.len() - 2);
         sluice_tower::for_each_upstream_header(&plan, policy, |name, value| {
             push_field(&mut self.to_upstream, name.as_str().as_bytes(), value);
         });
         push_field(&mut self.to_upstream, b"x-request-id", id.as_bytes());
         self.to_upstream.extend_from_slice(b"\r\n");
-        self.to_upstream
-            .extend_from_slice(&self.from_client[body.clone()]);
-        self.from_client.advance(body.end);
+        if held.is_empty() {
+            self.to_upstream.extend_from_slice(body_bytes);
+        }
+        self.from_client.advance(consumed);
         let replaced = match (decision.binding().is_some(), policy.ietf_headers) {
             (false, _) => &REPLACED_FIELDS[..2],
             (true, false) => &REPLACED_FIELDS[..5],
@@ -478,6 +503,7 @@ impl<'f> Connection<'f> {
             settles: plan.weighted(policy).next().is_some(),
             limiter,
             request_id: &id,
+            body: &held,
         };
 
         // On the runtime's clock, as the deadlines are.
@@ -636,24 +662,31 @@ impl<'f> Connection<'f> {
         }
     }
 
-    /// Writes the request in `to_upstream` to `conn`: true once all of it is written;
-    /// false when the upstream stopped taking it: its connection failed or closed, or
+    /// Writes the request in `to_upstream` (and `body` after it) to `conn`: true once
+    /// all of it is written; false when the upstream stopped taking it: its connection failed or closed, or
     /// it refused first (a final head of 4xx or 5xx, or one that cannot be relayed,
     /// from an upstream that may read no further). What it answered is left in
     /// `from_upstream`, to be read as the head. An upstream that accepts early (it
     /// streams its answer as it reads) gets the whole request; interim heads are
     /// skipped.
-    async fn send_request(&mut self, conn: &TcpStream) -> bool {
+    async fn send_request(&mut self, conn: &TcpStream, body: &[u8]) -> bool {
         let mut at = 0;
         let mut watching = true;
-        while at < self.to_upstream.len() {
+        let head = self.to_upstream.len();
+        while at < head + body.len() {
             tokio::select! {
                 biased;
                 ready = conn.writable() => {
                     if ready.is_err() {
                         return false;
                     }
-                    match conn.try_write(&self.to_upstream[at..]) {
+                    let written = if at < head {
+                        let parts = [io::IoSlice::new(&self.to_upstream[at..]), io::IoSlice::new(body)];
+                        conn.try_write_vectored(&parts)
+                    } else {
+                        conn.try_write(&body[at - head..])
+                    };
+                    match written {
                         Ok(n) => at += n,
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                         Err(_) => return false,
@@ -694,7 +727,7 @@ impl<'f> Connection<'f> {
         // An upstream that stops taking the request may have answered first (a 413,
         // say): what it answered is still read, and the client's connection closes
         // after it.
-        let sent = self.send_request(conn).await;
+        let sent = self.send_request(conn, request.body).await;
         let rewrite = response::Rewrite {
             close: request.rewrite.close || !sent,
             ..request.rewrite
@@ -869,6 +902,8 @@ struct Exchanged<'a> {
     limiter: &'a Limiter<AnyStore>,
     /// The request's id, returned to the client.
     request_id: &'a RequestId,
+    /// The request body, written after `to_upstream` (empty when it is in there).
+    body: &'a [u8],
 }
 
 /// The fields the gateway sets itself: the upstream's `X-Sluice-Cost` (a signal for
@@ -908,6 +943,33 @@ const MAX_PIPELINED: usize = 64 * 1024;
 /// before them is taken back first (no copy: nothing is left to move).
 fn holds_more_than_kept(buf: &mut BytesMut) -> bool {
     buf.capacity() > KEPT_CAPACITY || buf.try_reclaim(KEPT_CAPACITY + 1)
+}
+
+/// Reads some of a request body into the spare room of `buf` (which has some): within
+/// the head timeout, and before `whole_by`. The bytes read (at least one).
+async fn read_within(
+    client: &mut TcpStream,
+    timers: &mut Timers,
+    whole_by: tokio::time::Instant,
+    buf: &mut BytesMut,
+) -> Result<usize, BodyRead> {
+    let now = tokio::time::Instant::now();
+    if now >= whole_by {
+        return Err(BodyRead::TooSlow);
+    }
+    let stalled = (now + timers.head_timeout).min(whole_by);
+    timers.head.set(stalled);
+    let read = tokio::select! {
+        biased;
+        read = client.read_buf(buf) => read,
+        () = timers.head.passed() => {
+            return Err(if stalled == whole_by { BodyRead::TooSlow } else { BodyRead::Stalled });
+        }
+    };
+    match read {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(BodyRead::Stalled),
+    }
 }
 
 /// Reads what is there (at least one byte, or 0 at the end) into `buf`.
