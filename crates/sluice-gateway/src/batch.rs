@@ -151,7 +151,7 @@ pub const MAX_ATTEMPTS: u32 = 3;
 /// woken: for items another replica queued on a shared queue (this replica's own
 /// submissions wake it at once). On Redis one look is one script call (three
 /// commands), so an idle replica's looks cost Redis well under a command a second.
-const IDLE_LOOK_EVERY: Duration = Duration::from_secs(10);
+pub const IDLE_LOOK_EVERY: Duration = Duration::from_secs(10);
 
 /// How long the runner waits before looking again after the queue could not be
 /// read, or the item it chose was claimed elsewhere first.
