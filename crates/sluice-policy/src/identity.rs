@@ -490,12 +490,12 @@ impl Identity {
             .credentials
             .iter()
             .copied()
-            .filter(|&source| self.sends(source, header_pairs(headers)));
+            .filter(|&source| self.sends_in(source, headers));
         let (Some(first), Some(second)) = (present.next(), present.next()) else {
             return Ok(());
         };
         match self.counted {
-            Some(counted) if self.sends(counted, header_pairs(headers)) => Ok(()),
+            Some(counted) if self.sends_in(counted, headers) => Ok(()),
             _ => Err(AmbiguousCredentials {
                 sent_in: first,
                 count: 2 + present.count(),
@@ -523,6 +523,19 @@ impl Identity {
                 n.eq_ignore_ascii_case(b"cookie")
                     && v.split(|&b| b == b';')
                         .any(|pair| self.is_session_pair(pair))
+            }),
+        }
+    }
+
+    /// [`Identity::sends`] over a header map, by lookup (this runs per request).
+    fn sends_in(&self, source: CredentialSource, headers: &HeaderMap) -> bool {
+        match source {
+            CredentialSource::ApiKeyHeader => headers.contains_key(X_API_KEY),
+            CredentialSource::Bearer => headers.contains_key(AUTHORIZATION),
+            CredentialSource::SessionCookie => headers.get_all(COOKIE).iter().any(|v| {
+                v.as_bytes()
+                    .split(|&b| b == b';')
+                    .any(|pair| self.is_session_pair(pair))
             }),
         }
     }
@@ -555,7 +568,7 @@ impl Identity {
         let Some(counted) = self.counted else {
             return;
         };
-        if !self.sends(counted, header_pairs(headers)) {
+        if !self.sends_in(counted, headers) {
             return;
         }
         for &source in &self.credentials {
@@ -651,7 +664,7 @@ impl Identity {
 
     fn credential<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
         if let Some(counted) = self.counted
-            && self.sends(counted, header_pairs(headers))
+            && self.sends_in(counted, headers)
         {
             return self.read_credential(counted, headers);
         }
@@ -693,13 +706,6 @@ impl Identity {
                 .filter(|s| !s.is_empty()),
         }
     }
-}
-
-/// A header map's fields as (name, value) bytes.
-fn header_pairs(headers: &HeaderMap) -> impl Iterator<Item = (&[u8], &[u8])> {
-    headers
-        .iter()
-        .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()))
 }
 
 fn principal_digests(principal: Option<&Principal>, own: u64) -> (u64, u64) {
