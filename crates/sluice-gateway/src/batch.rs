@@ -8,7 +8,11 @@
 //! sluice then answers them itself, never forwarding them. Each item goes upstream
 //! as `POST <route>` with the item as its JSON body, the submitter's credential
 //! fields, `X-Sluice-Workspace` / `X-Sluice-User`, and `Idempotency-Key:
-//! <batch_id>/<index>`, so an item sent twice (after a crash) is recognisable.
+//! <batch_id>/<index>`, so an item sent twice (after a crash) is recognisable, and
+//! `X-Request-Id: <batch_id>/<index>` (the same on every attempt), so the
+//! upstream's logs name the item. An `idempotency_key` is matched against a
+//! digest of the body's canonical JSON (keys sorted, no whitespace): the same
+//! JSON in another key order or spacing is the same batch.
 //!
 //! The queue keeps each item with the credential fields it is sent with, until the
 //! batch is purged (finished batches are kept for the lane's `keep_hours`).
@@ -77,10 +81,6 @@ impl Batches {
         delegate!(self, q => q.claim_next(workspace, now))
     }
 
-    async fn release(&self, batch: &str, index: u32, now: Timestamp) -> Result<bool, BatchError> {
-        delegate!(self, q => q.release(batch, index, now))
-    }
-
     async fn complete(
         &self,
         batch: &str,
@@ -134,11 +134,20 @@ pub struct BatchLane {
     credential_fields: Vec<http::HeaderName>,
     /// Wakes the runner when a batch was queued.
     queued: tokio::sync::Notify,
+    /// The prefix of this lane's workspace names in the shared queue (see
+    /// [`BatchLane::all`]); empty for the policy's first batch lane.
+    tag: String,
     /// What the queue held when the runner last looked, for `/status`.
     last_backlog: parking_lot::Mutex<Vec<WorkspaceBacklog>>,
-    /// Items finished here: done, failed, and sent back to the queue.
+    /// Items finished here: done, failed, and attempts sent again after a failure
+    /// (`requeued` in `/status` and the metric).
     outcomes: [std::sync::atomic::AtomicU64; 3],
 }
+
+/// Between a batch lane's name and a workspace's in the queue (see
+/// [`BatchLane::all`]): a character no workspace name holds (an HTTP field value
+/// cannot carry it).
+const LANE_SEPARATOR: char = '\u{1f}';
 
 /// Most bytes of an upstream answer kept as an item's result.
 pub const MAX_RESULT_BYTES: usize = 256 * 1024;
@@ -146,6 +155,16 @@ pub const MAX_RESULT_BYTES: usize = 256 * 1024;
 /// Attempts an item gets when the upstream fails (5xx, no answer) before it is
 /// recorded as failed.
 pub const MAX_ATTEMPTS: u32 = 3;
+
+/// Longest wait before an item the upstream failed is sent again.
+pub const MAX_ITEM_BACKOFF: Duration = Duration::from_secs(30);
+
+/// How long an item waits after its `attempt`-th attempt failed: 1 s, doubling
+/// with each attempt, at most [`MAX_ITEM_BACKOFF`].
+pub fn item_backoff(attempt: u32) -> Duration {
+    let doublings = attempt.saturating_sub(1).min(16);
+    Duration::from_secs(1u64 << doublings).min(MAX_ITEM_BACKOFF)
+}
 
 /// How often a runner with nothing to start looks at the queue without being
 /// woken: for items another replica queued on a shared queue (this replica's own
@@ -175,6 +194,14 @@ impl BatchLane {
     /// The batch lanes of `limiter`'s policy over `queue`. A reload keeps the
     /// lanes as they are (see [`sluice_tower::Limiter::reloaded`]); the submit and status
     /// requests are decided by whichever limiter is current.
+    ///
+    /// The lanes share one queue, each in its own part of it: the policy's first
+    /// batch lane queues under the workspace's name (as before there were
+    /// several), every other one under `<lane name>` U+001F `<workspace>`. A
+    /// lane's runner claims only its own part, and a status read finds only
+    /// batches submitted through the same lane. Items queued through a lane keep
+    /// its name: renaming a lane, or putting another batch lane first, leaves the
+    /// items queued under the old name unclaimed until it is restored.
     pub fn all(
         shared: &SharedLimiter<AnyStore>,
         queue: &Arc<Batches>,
@@ -191,6 +218,7 @@ impl BatchLane {
             .into_iter()
             .filter(|n| n != header::CONTENT_ENCODING)
             .collect();
+        let first_batch_lane = policy.lanes.iter().position(|rule| rule.batch.is_some());
         policy
             .lanes
             .iter()
@@ -198,6 +226,11 @@ impl BatchLane {
             .filter_map(|(i, rule)| {
                 let batch = rule.batch.clone()?;
                 let lane = limiter.lanes().get(i)?.clone();
+                let tag = if Some(i) == first_batch_lane {
+                    String::new()
+                } else {
+                    format!("{}{LANE_SEPARATOR}", lane.name())
+                };
                 Some(Arc::new(BatchLane {
                     lane,
                     lane_index: i,
@@ -210,6 +243,7 @@ impl BatchLane {
                     clock: clock.clone(),
                     credential_fields: credential_fields.clone(),
                     queued: tokio::sync::Notify::new(),
+                    tag,
                     last_backlog: parking_lot::Mutex::default(),
                     outcomes: Default::default(),
                 }))
@@ -243,12 +277,20 @@ impl BatchLane {
                     .into_bytes()
             })
             .collect();
-        let digest = Sha256::digest(&body);
+        // The same JSON in another key order or spacing is the same batch.
+        let digest = match serde_json::from_slice::<Value>(&body) {
+            Ok(value) => {
+                let mut canonical = Vec::with_capacity(body.len());
+                write_canonical(&value, &mut canonical);
+                Sha256::digest(&canonical)
+            }
+            Err(_) => Sha256::digest(&body),
+        };
         let now = self.clock.now();
         let queued = self
             .queue
             .submit(
-                &workspace,
+                &self.queue_name(&workspace),
                 items,
                 submit.idempotency_key.as_deref(),
                 &digest,
@@ -323,7 +365,11 @@ impl BatchLane {
     /// Answers a status read of batch `id` for the request `parts`.
     async fn status(&self, parts: &http::request::Parts, id: &str) -> Response<ProxyBody> {
         let workspace = header_text(parts, "x-sluice-workspace");
-        match self.queue.status(&workspace, id, self.clock.now()).await {
+        match self
+            .queue
+            .status(&self.queue_name(&workspace), id, self.clock.now())
+            .await
+        {
             Ok(Some(status)) => json_response(StatusCode::OK, &status_json(&status)),
             Ok(None) => envelope(
                 StatusCode::NOT_FOUND,
@@ -385,6 +431,14 @@ impl BatchLane {
                 Ok(b) => b,
                 Err(_) => return Look::Later,
             };
+            // This lane's part of the queue, under the workspaces' own names.
+            let backlogs: Vec<WorkspaceBacklog> = backlogs
+                .into_iter()
+                .filter_map(|b| {
+                    let workspace = self.own_workspace(&b.workspace)?.to_owned();
+                    Some(WorkspaceBacklog { workspace, ..b })
+                })
+                .collect();
             self.last_backlog.lock().clone_from(&backlogs);
             let waiting: Vec<&str> = backlogs
                 .iter()
@@ -399,8 +453,15 @@ impl BatchLane {
             let Some((i, permit)) = self.lane.acquire_next_batch(&waiting).await else {
                 return Look::NoPlace;
             };
-            let claimed = match self.queue.claim_next(waiting[i], self.clock.now()).await {
-                Ok(Some(claimed)) => claimed,
+            let claimed = match self
+                .queue
+                .claim_next(&self.queue_name(waiting[i]), self.clock.now())
+                .await
+            {
+                Ok(Some(mut claimed)) => {
+                    claimed.workspace = waiting[i].to_owned();
+                    claimed
+                }
                 // Claimed by another replica meanwhile, or the queue is down.
                 Ok(None) | Err(_) => {
                     drop(permit);
@@ -413,54 +474,72 @@ impl BatchLane {
     }
 
     /// Sends one item upstream and records its answer.
+    ///
+    /// An attempt the upstream fails (a 5xx, no answer, a timeout) is sent again
+    /// by this task, holding its claim but no place on the lane meanwhile, after
+    /// [`item_backoff`] (1 s, then 2 s): an item backs off on its own, and its
+    /// failures never feed the lane's breaker (see
+    /// [`sluice_lanes::Lane::acquire_batch`]), so a workspace's poison items
+    /// cannot shut the lane for the others. After [`MAX_ATTEMPTS`] attempts
+    /// (counting claims before this one, e.g. by a replica that crashed) the
+    /// item is recorded `failed` with the last answer, or with why there was
+    /// none, as its result.
     async fn run_item(&self, claimed: Claimed, permit: sluice_lanes::BatchPermit) {
-        let answer = tokio::time::timeout(self.timeout, self.send(&claimed)).await;
-        let now = self.clock.now();
         let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
-        let recorded = match answer {
-            Ok(Some((status, body, is_json))) if status < 500 => {
-                permit.finish(sluice_lanes::Outcome::Success);
-                let result = ItemResult {
-                    status,
-                    body: ResultBody::new(body, is_json),
-                };
-                if status < 400 {
-                    self.count(0);
-                    self.queue.complete(batch, index, result, now).await
-                } else {
-                    self.count(1);
-                    self.queue.fail(batch, index, result, now).await
-                }
-            }
-            failed => {
-                permit.finish(sluice_lanes::Outcome::Failure);
-                if claimed.attempt < MAX_ATTEMPTS {
-                    // Back to the queue: it runs again once the upstream recovers.
-                    self.count(2);
-                    self.queue
-                        .release(batch, index, now)
-                        .await
-                        .map(|_| Finish::Recorded)
-                } else {
-                    let result = match failed {
-                        Ok(Some((status, body, is_json))) => ItemResult {
-                            status,
-                            body: ResultBody::new(body, is_json),
-                        },
-                        Ok(None) => ItemResult {
-                            status: 502,
-                            body: ResultBody::Text("the upstream could not be reached".into()),
-                        },
-                        Err(_) => ItemResult {
-                            status: 504,
-                            body: ResultBody::Text(format!(
-                                "the upstream did not answer within {} s",
-                                self.timeout.as_secs()
-                            )),
-                        },
+        let mut attempt = claimed.attempt;
+        let mut permit = permit;
+        let recorded = loop {
+            let answer = tokio::time::timeout(self.timeout, self.send(&claimed)).await;
+            let now = self.clock.now();
+            match answer {
+                Ok(Some((status, body, is_json))) if status < 500 => {
+                    permit.finish(sluice_lanes::Outcome::Success);
+                    let result = ItemResult {
+                        status,
+                        body: ResultBody::new(body, is_json),
                     };
-                    self.count(1);
-                    self.queue.fail(batch, index, result, now).await
+                    break if status < 400 {
+                        self.count(0);
+                        self.queue.complete(batch, index, result, now).await
+                    } else {
+                        self.count(1);
+                        self.queue.fail(batch, index, result, now).await
+                    };
+                }
+                failed => {
+                    permit.finish(sluice_lanes::Outcome::Failure);
+                    if attempt >= MAX_ATTEMPTS {
+                        let result = match failed {
+                            Ok(Some((status, body, is_json))) => ItemResult {
+                                status,
+                                body: ResultBody::new(body, is_json),
+                            },
+                            Ok(None) => ItemResult {
+                                status: 502,
+                                body: ResultBody::Text(format!(
+                                    "the upstream could not be reached ({attempt} attempts)"
+                                )),
+                            },
+                            Err(_) => ItemResult {
+                                status: 504,
+                                body: ResultBody::Text(format!(
+                                    "the upstream did not answer within {} s ({attempt} attempts)",
+                                    self.timeout.as_secs()
+                                )),
+                            },
+                        };
+                        self.count(1);
+                        break self.queue.fail(batch, index, result, now).await;
+                    }
+                    self.count(2);
+                    tokio::time::sleep(item_backoff(attempt)).await;
+                    attempt += 1;
+                    permit = loop {
+                        if let Some(p) = self.lane.acquire_batch(&claimed.workspace).await {
+                            break p;
+                        }
+                        self.lane.batch_capacity().await;
+                    };
                 }
             }
         };
@@ -476,7 +555,8 @@ impl BatchLane {
         let uri = format!("{}{}", self.upstream, self.batch.route);
         let mut request = Request::post(uri)
             .header(header::CONTENT_TYPE, "application/json")
-            .header("idempotency-key", claimed.idempotency_key());
+            .header("idempotency-key", claimed.idempotency_key())
+            .header("x-request-id", claimed.idempotency_key());
         if let Some(fields) = item["fields"].as_object() {
             for (name, value) in fields {
                 if let Some(value) = value.as_str() {
@@ -508,6 +588,21 @@ impl BatchLane {
             .unwrap_or_default();
         let is_json = is_json && serde_json::from_slice::<Value>(&body).is_ok();
         Some((status, body, is_json))
+    }
+
+    /// `workspace`'s name in this lane's part of the queue.
+    fn queue_name(&self, workspace: &str) -> String {
+        format!("{}{workspace}", self.tag)
+    }
+
+    /// The workspace a name in the queue stands for, when it is in this lane's
+    /// part of the queue.
+    fn own_workspace<'a>(&self, queued: &'a str) -> Option<&'a str> {
+        if self.tag.is_empty() {
+            (!queued.contains(LANE_SEPARATOR)).then_some(queued)
+        } else {
+            queued.strip_prefix(self.tag.as_str())
+        }
     }
 
     fn count(&self, outcome: usize) {
@@ -568,6 +663,43 @@ fn status_json(s: &BatchStatus) -> Value {
             }),
         })).collect::<Vec<_>>(),
     })
+}
+
+/// `value` as canonical JSON: object keys sorted (by their UTF-8 bytes), no
+/// whitespace, strings and numbers as serde_json writes them. The digest of a
+/// batch body is taken over this form, so a resend that only reorders keys or
+/// changes spacing matches its first submit. Written here rather than relying
+/// on `Value`'s map order, which a crate feature (`preserve_order`) can change.
+fn write_canonical(value: &Value, out: &mut Vec<u8>) {
+    match value {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort_unstable();
+            out.push(b'{');
+            for (i, key) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(Value::from(key.as_str()).to_string().as_bytes());
+                out.push(b':');
+                if let Some(v) = map.get(key) {
+                    write_canonical(v, out);
+                }
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(v, out);
+            }
+            out.push(b']');
+        }
+        scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
+    }
 }
 
 fn header_text(parts: &http::request::Parts, name: &str) -> String {
