@@ -65,12 +65,13 @@ impl Batches {
     async fn submit(
         &self,
         workspace: &str,
+        origin: &str,
         items: Vec<Vec<u8>>,
         key: Option<&str>,
         digest: &[u8],
         now: Timestamp,
     ) -> Result<Submitted, SubmitError> {
-        delegate!(self, q => q.submit(workspace, items, key, digest, now))
+        delegate!(self, q => q.submit_from(workspace, origin, items, key, digest, now))
     }
 
     async fn claim_next(
@@ -155,6 +156,10 @@ pub const MAX_RESULT_BYTES: usize = 256 * 1024;
 /// Attempts an item gets when the upstream fails (5xx, no answer) before it is
 /// recorded as failed.
 pub const MAX_ATTEMPTS: u32 = 3;
+
+/// The `Retry-After` of a submit refused because the queue is full: the
+/// queue's upkeep period, in which items finish and old batches are purged.
+pub const QUEUE_FULL_RETRY: Duration = Duration::from_secs(30);
 
 /// Longest wait before an item the upstream failed is sent again.
 pub const MAX_ITEM_BACKOFF: Duration = Duration::from_secs(30);
@@ -287,10 +292,25 @@ impl BatchLane {
             Err(_) => Sha256::digest(&body),
         };
         let now = self.clock.now();
+        // The client address (through trusted proxies, an IPv6 client by its
+        // prefix), whose share of the queue's global bounds this batch takes.
+        let origin = parts
+            .extensions
+            .get::<sluice_tower::PeerAddr>()
+            .map(|peer| {
+                let limiter = self.limiter.load();
+                let client = limiter
+                    .policy()
+                    .identity
+                    .client_ip(peer.0.ip(), &parts.headers);
+                client.who.to_string()
+            })
+            .unwrap_or_default();
         let queued = self
             .queue
             .submit(
                 &self.queue_name(&workspace),
+                &origin,
                 items,
                 submit.idempotency_key.as_deref(),
                 &digest,
@@ -336,6 +356,28 @@ impl BatchLane {
                 ),
                 json!({ "reason": "batch_backlog_limit", "queued": queued, "limit": limit }),
             ),
+            Err(SubmitError::QueueFull { bound, used, limit }) => {
+                let mut r = envelope(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    &format!(
+                        "The batch queue is full ({}: {used} of {limit}); nothing was queued. Try again later.",
+                        bound.as_str()
+                    ),
+                    json!({
+                        "reason": "batch_queue_full",
+                        "bound": bound.as_str(),
+                        "used": used,
+                        "limit": limit,
+                        "retry_after_seconds": QUEUE_FULL_RETRY.as_secs(),
+                    }),
+                );
+                r.headers_mut().insert(
+                    header::RETRY_AFTER,
+                    HeaderValue::from(QUEUE_FULL_RETRY.as_secs()),
+                );
+                r
+            }
             Err(SubmitError::TooMany { given, limit }) => envelope(
                 StatusCode::BAD_REQUEST,
                 "invalid_request",

@@ -139,13 +139,19 @@ async fn l4_l3_no_batch_item_starts_while_the_breaker_is_open_and_single_calls_p
     // The open time is up: the probe is for a single call first, for as long
     // again.
     assert!(!waiter.is_finished());
-    assert!(lane.try_acquire_batch("bulk").is_none(), "single calls first");
+    assert!(
+        lane.try_acquire_batch("bulk").is_none(),
+        "single calls first"
+    );
     advance(29 * SEC).await;
     settle().await;
     assert!(!waiter.is_finished());
     advance(SEC).await;
     settle().await;
-    assert!(waiter.is_finished(), "woken when no single call took the probe");
+    assert!(
+        waiter.is_finished(),
+        "woken when no single call took the probe"
+    );
     // With no single call around, a batch item may be the one probe.
     let probe = lane.try_acquire_batch("bulk").expect("the probe");
     assert!(probe.is_probe());
