@@ -766,3 +766,53 @@ async fn l4_oversized_and_deep_bodies_are_refused_as_on_mcp_and_key_order_is_not
     .await;
     assert_eq!(c.status, StatusCode::CONFLICT, "{}", c.text());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_past_the_queues_global_bound_or_the_addresss_share_a_submit_is_503_with_retry_after() {
+    let sluice = Sluice::spawn(&[
+        "--demo-optimize-seconds",
+        "600",
+        "--batch-max-queued-items",
+        "16",
+        "--batch-address-share",
+        "2",
+    ]);
+    // Each unknown key is a workspace of its own, all from one address: the
+    // address holds at most 8 unfinished items however many keys it uses.
+    let reply = send(submit(&sluice, "sk-flood-1", &json!({ "items": items(8) }))).await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+    let reply = send(submit(&sluice, "sk-flood-2", &json!({ "items": items(1) }))).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.text()
+    );
+    assert_eq!(reply.header("retry-after"), Some("30"));
+    let body = reply.json();
+    assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    let details = &body["error"]["details"];
+    assert_eq!(details["reason"], "batch_queue_full", "{body}");
+    assert_eq!(details["bound"], "address_queued_items", "{body}");
+    assert_eq!(
+        (details["used"].as_u64(), details["limit"].as_u64()),
+        (Some(8), Some(8))
+    );
+    // The refused batch's quota units were given back.
+    let usage = send(
+        Request::get(sluice.admin_url(&format!(
+            "/quotas?workspace=key:{}",
+            sha256_hex("sk-flood-2")
+        )))
+        .body(Full::new(Bytes::new()))
+        .expect("request"),
+    )
+    .await
+    .json();
+    let messages = usage["quotas"]
+        .as_array()
+        .and_then(|q| q.iter().find(|f| f["family"] == "messages"))
+        .cloned()
+        .expect("messages");
+    assert_eq!(messages["usage"], 0, "{usage}");
+}
