@@ -138,6 +138,9 @@ pub struct BatchLane {
     /// The prefix of this lane's workspace names in the shared queue (see
     /// [`BatchLane::all`]); empty for the policy's first batch lane.
     tag: String,
+    /// Per workspace whose batch attempts failed lately: how many in a row, and
+    /// until when its items are held (see [`BatchLane::run_item`]).
+    holds: parking_lot::Mutex<std::collections::HashMap<String, Hold>>,
     /// What the queue held when the runner last looked, for `/status`.
     last_backlog: parking_lot::Mutex<Vec<WorkspaceBacklog>>,
     /// Items finished here: done, failed, and attempts sent again after a failure
@@ -156,6 +159,18 @@ pub const MAX_RESULT_BYTES: usize = 256 * 1024;
 /// Attempts an item gets when the upstream fails (5xx, no answer) before it is
 /// recorded as failed.
 pub const MAX_ATTEMPTS: u32 = 3;
+
+/// Most workspaces whose batch failures are remembered at once (one entry
+/// each, dropped on their next success or once their hold is over).
+const MAX_HOLDS: usize = 10_000;
+
+/// A workspace's batch failures: attempts failed in a row, and the end of its
+/// hold.
+#[derive(Clone, Copy, Debug, Default)]
+struct Hold {
+    failed_in_row: u32,
+    until: Option<tokio::time::Instant>,
+}
 
 /// The `Retry-After` of a submit refused because the queue is full: the
 /// queue's upkeep period, in which items finish and old batches are purged.
@@ -193,6 +208,8 @@ enum Look {
     NoPlace,
     /// The queue could not be read, or the chosen item went to another replica.
     Later,
+    /// Items are queued only for workspaces whose hold has not ended.
+    Held,
 }
 
 impl BatchLane {
@@ -249,6 +266,7 @@ impl BatchLane {
                     credential_fields: credential_fields.clone(),
                     queued: tokio::sync::Notify::new(),
                     tag,
+                    holds: parking_lot::Mutex::default(),
                     last_backlog: parking_lot::Mutex::default(),
                     outcomes: Default::default(),
                 }))
@@ -450,6 +468,12 @@ impl BatchLane {
             let look_again = match look {
                 Look::Empty | Look::NoPlace => IDLE_LOOK_EVERY,
                 Look::Later => RETRY_AFTER,
+                // Look again when the first hold ends (or as usual).
+                Look::Held => self.first_hold_end().map_or(IDLE_LOOK_EVERY, |until| {
+                    until
+                        .saturating_duration_since(tokio::time::Instant::now())
+                        .min(IDLE_LOOK_EVERY)
+                }),
             };
             tokio::select! {
                 () = &mut stopped => return,
@@ -484,11 +508,15 @@ impl BatchLane {
             self.last_backlog.lock().clone_from(&backlogs);
             let waiting: Vec<&str> = backlogs
                 .iter()
-                .filter(|b| b.queued > 0)
+                .filter(|b| b.queued > 0 && self.held_until(&b.workspace).is_none())
                 .map(|b| b.workspace.as_str())
                 .collect();
             if waiting.is_empty() {
-                return Look::Empty;
+                return if backlogs.iter().any(|b| b.queued > 0) {
+                    Look::Held
+                } else {
+                    Look::Empty
+                };
             }
             // No place (or the shared ledger refused one, which the lane holds
             // until it is worth asking again): wait for the lane to have one.
@@ -536,6 +564,7 @@ impl BatchLane {
             match answer {
                 Ok(Some((status, body, is_json))) if status < 500 => {
                     permit.finish(sluice_lanes::Outcome::Success);
+                    self.holds.lock().remove(&claimed.workspace);
                     let result = ItemResult {
                         status,
                         body: ResultBody::new(body, is_json),
@@ -550,6 +579,7 @@ impl BatchLane {
                 }
                 failed => {
                     permit.finish(sluice_lanes::Outcome::Failure);
+                    self.failed_attempt(&claimed.workspace);
                     if attempt >= MAX_ATTEMPTS {
                         let result = match failed {
                             Ok(Some((status, body, is_json))) => ItemResult {
@@ -575,6 +605,10 @@ impl BatchLane {
                     }
                     self.count(2);
                     tokio::time::sleep(item_backoff(attempt)).await;
+                    // The workspace's hold, if its items kept failing.
+                    if let Some(until) = self.held_until(&claimed.workspace) {
+                        tokio::time::sleep_until(until).await;
+                    }
                     attempt += 1;
                     permit = loop {
                         if let Some(p) = self.lane.acquire_batch(&claimed.workspace).await {
@@ -632,6 +666,51 @@ impl BatchLane {
         Some((status, body, is_json))
     }
 
+    /// Counts a failed attempt of one of `workspace`'s items: after as many in a
+    /// row as open the lane's breaker, its items are held for the breaker's open
+    /// time (and again after each further failure while they keep failing).
+    /// This is the batch side's breaker, per workspace: one workspace's poison
+    /// items pause only that workspace's items, and an upstream down for
+    /// everyone pauses every workspace's items instead of failing them all.
+    fn failed_attempt(&self, workspace: &str) {
+        let config = self.lane.config();
+        let (threshold, open_for) = (config.breaker.failures.max(1), config.breaker.open_for);
+        let now = tokio::time::Instant::now();
+        let mut holds = self.holds.lock();
+        if holds.len() >= MAX_HOLDS && !holds.contains_key(workspace) {
+            holds.retain(|_, h| h.until.is_some_and(|until| until > now));
+            if holds.len() >= MAX_HOLDS {
+                return;
+            }
+        }
+        let hold = holds.entry(workspace.to_owned()).or_default();
+        hold.failed_in_row = hold.failed_in_row.saturating_add(1);
+        if hold.failed_in_row >= threshold {
+            hold.until = Some(now + open_for);
+        }
+    }
+
+    /// Until when `workspace`'s batch items are held, if they are now.
+    fn held_until(&self, workspace: &str) -> Option<tokio::time::Instant> {
+        let now = tokio::time::Instant::now();
+        self.holds
+            .lock()
+            .get(workspace)
+            .and_then(|h| h.until)
+            .filter(|until| *until > now)
+    }
+
+    /// When the first hold that has not ended ends.
+    fn first_hold_end(&self) -> Option<tokio::time::Instant> {
+        let now = tokio::time::Instant::now();
+        self.holds
+            .lock()
+            .values()
+            .filter_map(|h| h.until)
+            .filter(|until| *until > now)
+            .min()
+    }
+
     /// `workspace`'s name in this lane's part of the queue.
     fn queue_name(&self, workspace: &str) -> String {
         format!("{}{workspace}", self.tag)
@@ -674,8 +753,12 @@ impl BatchLane {
             "done_here": n(0),
             "failed_here": n(1),
             "requeued_here": n(2),
+            "held": backlog.iter().filter(|b| self.held_until(&b.workspace).is_some()).count(),
             "workspaces": backlog.iter().map(|b| json!({
                 "workspace": b.workspace, "queued": b.queued, "running": b.running,
+                "held_seconds": self.held_until(&b.workspace).map_or(0.0, |until| {
+                    until.saturating_duration_since(tokio::time::Instant::now()).as_secs_f64()
+                }),
             })).collect::<Vec<_>>(),
         })
     }
@@ -975,5 +1058,35 @@ where
                 ),
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn l4_item_backoff_doubles_and_is_bounded() {
+        let secs: Vec<u64> = (1..=8).map(|a| item_backoff(a).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(item_backoff(u32::MAX), MAX_ITEM_BACKOFF);
+    }
+
+    #[test]
+    fn l4_canonical_json_ignores_key_order_and_spacing() {
+        let canonical = |text: &str| {
+            let mut out = Vec::new();
+            write_canonical(&serde_json::from_str(text).expect("json"), &mut out);
+            String::from_utf8(out).expect("utf-8")
+        };
+        let a = canonical(r#"{"items":[{"b":1,"a":"x"}],"idempotency_key":"k"}"#);
+        let b =
+            canonical("{ \"idempotency_key\": \"k\",\n \"items\": [ {\"a\": \"x\", \"b\": 1} ] }");
+        assert_eq!(a, b);
+        assert_eq!(a, r#"{"idempotency_key":"k","items":[{"a":"x","b":1}]}"#);
+        assert_ne!(
+            a,
+            canonical(r#"{"items":[{"b":2,"a":"x"}],"idempotency_key":"k"}"#)
+        );
     }
 }

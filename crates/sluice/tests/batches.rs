@@ -522,7 +522,19 @@ impl TestUpstream {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn l4_l3_a_poison_batch_fails_on_its_own_while_other_workspaces_single_calls_are_served() {
     let upstream = TestUpstream::start().await;
-    let sluice = Sluice::spawn(&["--upstream", &upstream.url]);
+    // A short open time: the poison workspace's own hold (5 failed attempts in
+    // a row hold its items for the breaker's open time) is over in seconds.
+    let dir = DataDir::new();
+    std::fs::create_dir_all(&dir.0).expect("dir");
+    let policy = dir.0.join("policy.yaml");
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.edit("open_seconds: 30", "open_seconds: 2");
+    std::fs::write(&policy, yaml).expect("policy");
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("path"),
+        "--upstream",
+        &upstream.url,
+    ]);
     let poison: Vec<Value> = (0..10)
         .map(|i| json!({ "message": format!("poison {i}") }))
         .collect();
