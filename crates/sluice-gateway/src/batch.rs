@@ -8,7 +8,11 @@
 //! sluice then answers them itself, never forwarding them. Each item goes upstream
 //! as `POST <route>` with the item as its JSON body, the submitter's credential
 //! fields, `X-Sluice-Workspace` / `X-Sluice-User`, and `Idempotency-Key:
-//! <batch_id>/<index>`, so an item sent twice (after a crash) is recognisable.
+//! <batch_id>/<index>`, so an item sent twice (after a crash) is recognisable, and
+//! `X-Request-Id: <batch_id>/<index>` (the same on every attempt), so the
+//! upstream's logs name the item. An `idempotency_key` is matched against a
+//! digest of the body's canonical JSON (keys sorted, no whitespace): the same
+//! JSON in another key order or spacing is the same batch.
 //!
 //! The queue keeps each item with the credential fields it is sent with, until the
 //! batch is purged (finished batches are kept for the lane's `keep_hours`).
@@ -61,12 +65,13 @@ impl Batches {
     async fn submit(
         &self,
         workspace: &str,
+        origin: &str,
         items: Vec<Vec<u8>>,
         key: Option<&str>,
         digest: &[u8],
         now: Timestamp,
     ) -> Result<Submitted, SubmitError> {
-        delegate!(self, q => q.submit(workspace, items, key, digest, now))
+        delegate!(self, q => q.submit_from(workspace, origin, items, key, digest, now))
     }
 
     async fn claim_next(
@@ -75,10 +80,6 @@ impl Batches {
         now: Timestamp,
     ) -> Result<Option<Claimed>, BatchError> {
         delegate!(self, q => q.claim_next(workspace, now))
-    }
-
-    async fn release(&self, batch: &str, index: u32, now: Timestamp) -> Result<bool, BatchError> {
-        delegate!(self, q => q.release(batch, index, now))
     }
 
     async fn complete(
@@ -134,11 +135,23 @@ pub struct BatchLane {
     credential_fields: Vec<http::HeaderName>,
     /// Wakes the runner when a batch was queued.
     queued: tokio::sync::Notify,
+    /// The prefix of this lane's workspace names in the shared queue (see
+    /// [`BatchLane::all`]); empty for the policy's first batch lane.
+    tag: String,
+    /// Per workspace whose batch attempts failed lately: how many in a row, and
+    /// until when its items are held (see [`BatchLane::run_item`]).
+    holds: parking_lot::Mutex<std::collections::HashMap<String, Hold>>,
     /// What the queue held when the runner last looked, for `/status`.
     last_backlog: parking_lot::Mutex<Vec<WorkspaceBacklog>>,
-    /// Items finished here: done, failed, and sent back to the queue.
+    /// Items finished here: done, failed, and attempts sent again after a failure
+    /// (`requeued` in `/status` and the metric).
     outcomes: [std::sync::atomic::AtomicU64; 3],
 }
+
+/// Between a batch lane's name and a workspace's in the queue (see
+/// [`BatchLane::all`]): a character no workspace name holds (an HTTP field value
+/// cannot carry it).
+const LANE_SEPARATOR: char = '\u{1f}';
 
 /// Most bytes of an upstream answer kept as an item's result.
 pub const MAX_RESULT_BYTES: usize = 256 * 1024;
@@ -146,6 +159,32 @@ pub const MAX_RESULT_BYTES: usize = 256 * 1024;
 /// Attempts an item gets when the upstream fails (5xx, no answer) before it is
 /// recorded as failed.
 pub const MAX_ATTEMPTS: u32 = 3;
+
+/// Most workspaces whose batch failures are remembered at once (one entry
+/// each, dropped on their next success or once their hold is over).
+const MAX_HOLDS: usize = 10_000;
+
+/// A workspace's batch failures: attempts failed in a row, and the end of its
+/// hold.
+#[derive(Clone, Copy, Debug, Default)]
+struct Hold {
+    failed_in_row: u32,
+    until: Option<tokio::time::Instant>,
+}
+
+/// The `Retry-After` of a submit refused because the queue is full: the
+/// queue's upkeep period, in which items finish and old batches are purged.
+pub const QUEUE_FULL_RETRY: Duration = Duration::from_secs(30);
+
+/// Longest wait before an item the upstream failed is sent again.
+pub const MAX_ITEM_BACKOFF: Duration = Duration::from_secs(30);
+
+/// How long an item waits after its `attempt`-th attempt failed: 1 s, doubling
+/// with each attempt, at most [`MAX_ITEM_BACKOFF`].
+pub fn item_backoff(attempt: u32) -> Duration {
+    let doublings = attempt.saturating_sub(1).min(16);
+    Duration::from_secs(1u64 << doublings).min(MAX_ITEM_BACKOFF)
+}
 
 /// How often a runner with nothing to start looks at the queue without being
 /// woken: for items another replica queued on a shared queue (this replica's own
@@ -169,12 +208,22 @@ enum Look {
     NoPlace,
     /// The queue could not be read, or the chosen item went to another replica.
     Later,
+    /// Items are queued only for workspaces whose hold has not ended.
+    Held,
 }
 
 impl BatchLane {
     /// The batch lanes of `limiter`'s policy over `queue`. A reload keeps the
     /// lanes as they are (see [`sluice_tower::Limiter::reloaded`]); the submit and status
     /// requests are decided by whichever limiter is current.
+    ///
+    /// The lanes share one queue, each in its own part of it: the policy's first
+    /// batch lane queues under the workspace's name (as before there were
+    /// several), every other one under `<lane name>` U+001F `<workspace>`. A
+    /// lane's runner claims only its own part, and a status read finds only
+    /// batches submitted through the same lane. Items queued through a lane keep
+    /// its name: renaming a lane, or putting another batch lane first, leaves the
+    /// items queued under the old name unclaimed until it is restored.
     pub fn all(
         shared: &SharedLimiter<AnyStore>,
         queue: &Arc<Batches>,
@@ -191,6 +240,7 @@ impl BatchLane {
             .into_iter()
             .filter(|n| n != header::CONTENT_ENCODING)
             .collect();
+        let first_batch_lane = policy.lanes.iter().position(|rule| rule.batch.is_some());
         policy
             .lanes
             .iter()
@@ -198,6 +248,11 @@ impl BatchLane {
             .filter_map(|(i, rule)| {
                 let batch = rule.batch.clone()?;
                 let lane = limiter.lanes().get(i)?.clone();
+                let tag = if Some(i) == first_batch_lane {
+                    String::new()
+                } else {
+                    format!("{}{LANE_SEPARATOR}", lane.name())
+                };
                 Some(Arc::new(BatchLane {
                     lane,
                     lane_index: i,
@@ -210,6 +265,8 @@ impl BatchLane {
                     clock: clock.clone(),
                     credential_fields: credential_fields.clone(),
                     queued: tokio::sync::Notify::new(),
+                    tag,
+                    holds: parking_lot::Mutex::default(),
                     last_backlog: parking_lot::Mutex::default(),
                     outcomes: Default::default(),
                 }))
@@ -243,12 +300,35 @@ impl BatchLane {
                     .into_bytes()
             })
             .collect();
-        let digest = Sha256::digest(&body);
+        // The same JSON in another key order or spacing is the same batch.
+        let digest = match serde_json::from_slice::<Value>(&body) {
+            Ok(value) => {
+                let mut canonical = Vec::with_capacity(body.len());
+                write_canonical(&value, &mut canonical);
+                Sha256::digest(&canonical)
+            }
+            Err(_) => Sha256::digest(&body),
+        };
         let now = self.clock.now();
+        // The client address (through trusted proxies, an IPv6 client by its
+        // prefix), whose share of the queue's global bounds this batch takes.
+        let origin = parts
+            .extensions
+            .get::<sluice_tower::PeerAddr>()
+            .map(|peer| {
+                let limiter = self.limiter.load();
+                let client = limiter
+                    .policy()
+                    .identity
+                    .client_ip(peer.0.ip(), &parts.headers);
+                client.who.to_string()
+            })
+            .unwrap_or_default();
         let queued = self
             .queue
             .submit(
-                &workspace,
+                &self.queue_name(&workspace),
+                &origin,
                 items,
                 submit.idempotency_key.as_deref(),
                 &digest,
@@ -294,6 +374,28 @@ impl BatchLane {
                 ),
                 json!({ "reason": "batch_backlog_limit", "queued": queued, "limit": limit }),
             ),
+            Err(SubmitError::QueueFull { bound, used, limit }) => {
+                let mut r = envelope(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    &format!(
+                        "The batch queue is full ({}: {used} of {limit}); nothing was queued. Try again later.",
+                        bound.as_str()
+                    ),
+                    json!({
+                        "reason": "batch_queue_full",
+                        "bound": bound.as_str(),
+                        "used": used,
+                        "limit": limit,
+                        "retry_after_seconds": QUEUE_FULL_RETRY.as_secs(),
+                    }),
+                );
+                r.headers_mut().insert(
+                    header::RETRY_AFTER,
+                    HeaderValue::from(QUEUE_FULL_RETRY.as_secs()),
+                );
+                r
+            }
             Err(SubmitError::TooMany { given, limit }) => envelope(
                 StatusCode::BAD_REQUEST,
                 "invalid_request",
@@ -323,7 +425,11 @@ impl BatchLane {
     /// Answers a status read of batch `id` for the request `parts`.
     async fn status(&self, parts: &http::request::Parts, id: &str) -> Response<ProxyBody> {
         let workspace = header_text(parts, "x-sluice-workspace");
-        match self.queue.status(&workspace, id, self.clock.now()).await {
+        match self
+            .queue
+            .status(&self.queue_name(&workspace), id, self.clock.now())
+            .await
+        {
             Ok(Some(status)) => json_response(StatusCode::OK, &status_json(&status)),
             Ok(None) => envelope(
                 StatusCode::NOT_FOUND,
@@ -362,6 +468,12 @@ impl BatchLane {
             let look_again = match look {
                 Look::Empty | Look::NoPlace => IDLE_LOOK_EVERY,
                 Look::Later => RETRY_AFTER,
+                // Look again when the first hold ends (or as usual).
+                Look::Held => self.first_hold_end().map_or(IDLE_LOOK_EVERY, |until| {
+                    until
+                        .saturating_duration_since(tokio::time::Instant::now())
+                        .min(IDLE_LOOK_EVERY)
+                }),
             };
             tokio::select! {
                 () = &mut stopped => return,
@@ -385,22 +497,41 @@ impl BatchLane {
                 Ok(b) => b,
                 Err(_) => return Look::Later,
             };
+            // This lane's part of the queue, under the workspaces' own names.
+            let backlogs: Vec<WorkspaceBacklog> = backlogs
+                .into_iter()
+                .filter_map(|b| {
+                    let workspace = self.own_workspace(&b.workspace)?.to_owned();
+                    Some(WorkspaceBacklog { workspace, ..b })
+                })
+                .collect();
             self.last_backlog.lock().clone_from(&backlogs);
             let waiting: Vec<&str> = backlogs
                 .iter()
-                .filter(|b| b.queued > 0)
+                .filter(|b| b.queued > 0 && self.held_until(&b.workspace).is_none())
                 .map(|b| b.workspace.as_str())
                 .collect();
             if waiting.is_empty() {
-                return Look::Empty;
+                return if backlogs.iter().any(|b| b.queued > 0) {
+                    Look::Held
+                } else {
+                    Look::Empty
+                };
             }
             // No place (or the shared ledger refused one, which the lane holds
             // until it is worth asking again): wait for the lane to have one.
             let Some((i, permit)) = self.lane.acquire_next_batch(&waiting).await else {
                 return Look::NoPlace;
             };
-            let claimed = match self.queue.claim_next(waiting[i], self.clock.now()).await {
-                Ok(Some(claimed)) => claimed,
+            let claimed = match self
+                .queue
+                .claim_next(&self.queue_name(waiting[i]), self.clock.now())
+                .await
+            {
+                Ok(Some(mut claimed)) => {
+                    claimed.workspace = waiting[i].to_owned();
+                    claimed
+                }
                 // Claimed by another replica meanwhile, or the queue is down.
                 Ok(None) | Err(_) => {
                     drop(permit);
@@ -413,54 +544,78 @@ impl BatchLane {
     }
 
     /// Sends one item upstream and records its answer.
+    ///
+    /// An attempt the upstream fails (a 5xx, no answer, a timeout) is sent again
+    /// by this task, holding its claim but no place on the lane meanwhile, after
+    /// [`item_backoff`] (1 s, then 2 s): an item backs off on its own, and its
+    /// failures never feed the lane's breaker (see
+    /// [`sluice_lanes::Lane::acquire_batch`]), so a workspace's poison items
+    /// cannot shut the lane for the others. After [`MAX_ATTEMPTS`] attempts
+    /// (counting claims before this one, e.g. by a replica that crashed) the
+    /// item is recorded `failed` with the last answer, or with why there was
+    /// none, as its result.
     async fn run_item(&self, claimed: Claimed, permit: sluice_lanes::BatchPermit) {
-        let answer = tokio::time::timeout(self.timeout, self.send(&claimed)).await;
-        let now = self.clock.now();
         let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
-        let recorded = match answer {
-            Ok(Some((status, body, is_json))) if status < 500 => {
-                permit.finish(sluice_lanes::Outcome::Success);
-                let result = ItemResult {
-                    status,
-                    body: ResultBody::new(body, is_json),
-                };
-                if status < 400 {
-                    self.count(0);
-                    self.queue.complete(batch, index, result, now).await
-                } else {
-                    self.count(1);
-                    self.queue.fail(batch, index, result, now).await
-                }
-            }
-            failed => {
-                permit.finish(sluice_lanes::Outcome::Failure);
-                if claimed.attempt < MAX_ATTEMPTS {
-                    // Back to the queue: it runs again once the upstream recovers.
-                    self.count(2);
-                    self.queue
-                        .release(batch, index, now)
-                        .await
-                        .map(|_| Finish::Recorded)
-                } else {
-                    let result = match failed {
-                        Ok(Some((status, body, is_json))) => ItemResult {
-                            status,
-                            body: ResultBody::new(body, is_json),
-                        },
-                        Ok(None) => ItemResult {
-                            status: 502,
-                            body: ResultBody::Text("the upstream could not be reached".into()),
-                        },
-                        Err(_) => ItemResult {
-                            status: 504,
-                            body: ResultBody::Text(format!(
-                                "the upstream did not answer within {} s",
-                                self.timeout.as_secs()
-                            )),
-                        },
+        let mut attempt = claimed.attempt;
+        let mut permit = permit;
+        let recorded = loop {
+            let answer = tokio::time::timeout(self.timeout, self.send(&claimed)).await;
+            let now = self.clock.now();
+            match answer {
+                Ok(Some((status, body, is_json))) if status < 500 => {
+                    permit.finish(sluice_lanes::Outcome::Success);
+                    self.holds.lock().remove(&claimed.workspace);
+                    let result = ItemResult {
+                        status,
+                        body: ResultBody::new(body, is_json),
                     };
-                    self.count(1);
-                    self.queue.fail(batch, index, result, now).await
+                    break if status < 400 {
+                        self.count(0);
+                        self.queue.complete(batch, index, result, now).await
+                    } else {
+                        self.count(1);
+                        self.queue.fail(batch, index, result, now).await
+                    };
+                }
+                failed => {
+                    permit.finish(sluice_lanes::Outcome::Failure);
+                    self.failed_attempt(&claimed.workspace);
+                    if attempt >= MAX_ATTEMPTS {
+                        let result = match failed {
+                            Ok(Some((status, body, is_json))) => ItemResult {
+                                status,
+                                body: ResultBody::new(body, is_json),
+                            },
+                            Ok(None) => ItemResult {
+                                status: 502,
+                                body: ResultBody::Text(format!(
+                                    "the upstream could not be reached ({attempt} attempts)"
+                                )),
+                            },
+                            Err(_) => ItemResult {
+                                status: 504,
+                                body: ResultBody::Text(format!(
+                                    "the upstream did not answer within {} s ({attempt} attempts)",
+                                    self.timeout.as_secs()
+                                )),
+                            },
+                        };
+                        self.count(1);
+                        break self.queue.fail(batch, index, result, now).await;
+                    }
+                    self.count(2);
+                    tokio::time::sleep(item_backoff(attempt)).await;
+                    // The workspace's hold, if its items kept failing.
+                    if let Some(until) = self.held_until(&claimed.workspace) {
+                        tokio::time::sleep_until(until).await;
+                    }
+                    attempt += 1;
+                    permit = loop {
+                        if let Some(p) = self.lane.acquire_batch(&claimed.workspace).await {
+                            break p;
+                        }
+                        self.lane.batch_capacity().await;
+                    };
                 }
             }
         };
@@ -476,7 +631,8 @@ impl BatchLane {
         let uri = format!("{}{}", self.upstream, self.batch.route);
         let mut request = Request::post(uri)
             .header(header::CONTENT_TYPE, "application/json")
-            .header("idempotency-key", claimed.idempotency_key());
+            .header("idempotency-key", claimed.idempotency_key())
+            .header("x-request-id", claimed.idempotency_key());
         if let Some(fields) = item["fields"].as_object() {
             for (name, value) in fields {
                 if let Some(value) = value.as_str() {
@@ -510,6 +666,66 @@ impl BatchLane {
         Some((status, body, is_json))
     }
 
+    /// Counts a failed attempt of one of `workspace`'s items: after as many in a
+    /// row as open the lane's breaker, its items are held for the breaker's open
+    /// time (and again after each further failure while they keep failing).
+    /// This is the batch side's breaker, per workspace: one workspace's poison
+    /// items pause only that workspace's items, and an upstream down for
+    /// everyone pauses every workspace's items instead of failing them all.
+    fn failed_attempt(&self, workspace: &str) {
+        let config = self.lane.config();
+        let (threshold, open_for) = (config.breaker.failures.max(1), config.breaker.open_for);
+        let now = tokio::time::Instant::now();
+        let mut holds = self.holds.lock();
+        if holds.len() >= MAX_HOLDS && !holds.contains_key(workspace) {
+            holds.retain(|_, h| h.until.is_some_and(|until| until > now));
+            if holds.len() >= MAX_HOLDS {
+                return;
+            }
+        }
+        let hold = holds.entry(workspace.to_owned()).or_default();
+        hold.failed_in_row = hold.failed_in_row.saturating_add(1);
+        if hold.failed_in_row >= threshold {
+            hold.until = Some(now + open_for);
+        }
+    }
+
+    /// Until when `workspace`'s batch items are held, if they are now.
+    fn held_until(&self, workspace: &str) -> Option<tokio::time::Instant> {
+        let now = tokio::time::Instant::now();
+        self.holds
+            .lock()
+            .get(workspace)
+            .and_then(|h| h.until)
+            .filter(|until| *until > now)
+    }
+
+    /// When the first hold that has not ended ends.
+    fn first_hold_end(&self) -> Option<tokio::time::Instant> {
+        let now = tokio::time::Instant::now();
+        self.holds
+            .lock()
+            .values()
+            .filter_map(|h| h.until)
+            .filter(|until| *until > now)
+            .min()
+    }
+
+    /// `workspace`'s name in this lane's part of the queue.
+    fn queue_name(&self, workspace: &str) -> String {
+        format!("{}{workspace}", self.tag)
+    }
+
+    /// The workspace a name in the queue stands for, when it is in this lane's
+    /// part of the queue.
+    fn own_workspace<'a>(&self, queued: &'a str) -> Option<&'a str> {
+        if self.tag.is_empty() {
+            (!queued.contains(LANE_SEPARATOR)).then_some(queued)
+        } else {
+            queued.strip_prefix(self.tag.as_str())
+        }
+    }
+
     fn count(&self, outcome: usize) {
         self.outcomes[outcome].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let label = ["done", "failed", "requeued"][outcome];
@@ -537,8 +753,12 @@ impl BatchLane {
             "done_here": n(0),
             "failed_here": n(1),
             "requeued_here": n(2),
+            "held": backlog.iter().filter(|b| self.held_until(&b.workspace).is_some()).count(),
             "workspaces": backlog.iter().map(|b| json!({
                 "workspace": b.workspace, "queued": b.queued, "running": b.running,
+                "held_seconds": self.held_until(&b.workspace).map_or(0.0, |until| {
+                    until.saturating_duration_since(tokio::time::Instant::now()).as_secs_f64()
+                }),
             })).collect::<Vec<_>>(),
         })
     }
@@ -568,6 +788,43 @@ fn status_json(s: &BatchStatus) -> Value {
             }),
         })).collect::<Vec<_>>(),
     })
+}
+
+/// `value` as canonical JSON: object keys sorted (by their UTF-8 bytes), no
+/// whitespace, strings and numbers as serde_json writes them. The digest of a
+/// batch body is taken over this form, so a resend that only reorders keys or
+/// changes spacing matches its first submit. Written here rather than relying
+/// on `Value`'s map order, which a crate feature (`preserve_order`) can change.
+fn write_canonical(value: &Value, out: &mut Vec<u8>) {
+    match value {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort_unstable();
+            out.push(b'{');
+            for (i, key) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(Value::from(key.as_str()).to_string().as_bytes());
+                out.push(b':');
+                if let Some(v) = map.get(key) {
+                    write_canonical(v, out);
+                }
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(v, out);
+            }
+            out.push(b']');
+        }
+        scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
+    }
 }
 
 fn header_text(parts: &http::request::Parts, name: &str) -> String {
@@ -801,5 +1058,35 @@ where
                 ),
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn l4_item_backoff_doubles_and_is_bounded() {
+        let secs: Vec<u64> = (1..=8).map(|a| item_backoff(a).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(item_backoff(u32::MAX), MAX_ITEM_BACKOFF);
+    }
+
+    #[test]
+    fn l4_canonical_json_ignores_key_order_and_spacing() {
+        let canonical = |text: &str| {
+            let mut out = Vec::new();
+            write_canonical(&serde_json::from_str(text).expect("json"), &mut out);
+            String::from_utf8(out).expect("utf-8")
+        };
+        let a = canonical(r#"{"items":[{"b":1,"a":"x"}],"idempotency_key":"k"}"#);
+        let b =
+            canonical("{ \"idempotency_key\": \"k\",\n \"items\": [ {\"a\": \"x\", \"b\": 1} ] }");
+        assert_eq!(a, b);
+        assert_eq!(a, r#"{"idempotency_key":"k","items":[{"a":"x","b":1}]}"#);
+        assert_ne!(
+            a,
+            canonical(r#"{"items":[{"b":2,"a":"x"}],"idempotency_key":"k"}"#)
+        );
     }
 }

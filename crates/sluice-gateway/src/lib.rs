@@ -159,6 +159,12 @@ pub struct GatewayConfig {
     pub max_keys: usize,
     /// How long a call of the demo upstream's message optimizer takes.
     pub demo_optimize_time: Duration,
+    /// The batch queue's global bounds: unfinished items and stored bytes in
+    /// all, and the share one client address may hold
+    /// ([`sluice_store::BatchConfig::max_queued_items`],
+    /// [`max_stored_bytes`](sluice_store::BatchConfig::max_stored_bytes),
+    /// [`origin_share`](sluice_store::BatchConfig::origin_share)).
+    pub batch_bounds: BatchBounds,
     /// The file the policy was read from, read again on SIGHUP and when it changes
     /// (`None`: the policy was given without a file and is never reloaded).
     pub policy_file: Option<PolicyFile>,
@@ -171,6 +177,29 @@ pub struct GatewayConfig {
     /// (required beyond loopback: [`Gateway::start`] refuses to start without one),
     /// paths open without it (see [`sluice_door`]).
     pub admin_door: sluice_door::DoorConfig,
+}
+
+/// The batch queue's global bounds (see [`GatewayConfig::batch_bounds`]); the
+/// per-batch and per-workspace ones come from the policy's `batch:` settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchBounds {
+    /// Most unfinished items of all workspaces together.
+    pub max_queued_items: u64,
+    /// Most bytes of item bodies and results stored, finished batches included
+    /// until purged.
+    pub max_stored_bytes: u64,
+    /// One client address holds at most 1/`address_share` of each.
+    pub address_share: u32,
+}
+
+impl Default for BatchBounds {
+    fn default() -> Self {
+        BatchBounds {
+            max_queued_items: sluice_store::DEFAULT_MAX_QUEUED_ITEMS,
+            max_stored_bytes: sluice_store::DEFAULT_MAX_STORED_BYTES,
+            address_share: sluice_store::DEFAULT_ORIGIN_SHARE,
+        }
+    }
 }
 
 /// Default for [`GatewayConfig::max_connections`].
@@ -205,6 +234,7 @@ impl GatewayConfig {
             max_buffered_share: sluice_tower::DEFAULT_BUFFERED_SHARE,
             max_keys: MemoryConfig::default().max_keys,
             demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
+            batch_bounds: BatchBounds::default(),
             policy_file: None,
             access_log: false,
             admin_door: sluice_door::DoorConfig::default(),
@@ -357,6 +387,9 @@ impl Gateway {
                     .with_max_items(b.max_items.get() as usize)
                     .with_max_backlog(u64::from(b.backlog.get()))
                     .with_retention(b.keep)
+                    .with_max_queued_items(config.batch_bounds.max_queued_items)
+                    .with_max_stored_bytes(config.batch_bounds.max_stored_bytes)
+                    .with_origin_share(config.batch_bounds.address_share)
             });
         let (store, batches) = match &config.store {
             StoreSpec::Memory => {

@@ -464,9 +464,14 @@ impl Lane {
     /// A batch item runs only on capacity single calls are not using: never
     /// while a single call waits for a place of the global cap, never beyond
     /// `global_cap - batch_reserve` batch items at once, and never while the
-    /// breaker is open or its probe is out (when the breaker's time is up and
-    /// no single call comes, a batch item may be the probe). Batch items count
-    /// toward the global cap only, not toward the workspace's limits.
+    /// breaker is open or its probe is out. Single calls probe first: a batch
+    /// item may be the probe only when the breaker's time has been up for a
+    /// further `open_for` with no single call taking the probe. A batch item's
+    /// outcome never counts toward the breaker's failure streak (one
+    /// workspace's poison items cannot shut the lane for the others); as the
+    /// probe, its success closes the breaker and its failure hands the probe
+    /// back. Batch items count toward the global cap only, not toward the
+    /// workspace's limits.
     ///
     /// On a lane with a shared ledger this always answers `None` (a lease
     /// cannot be had without waiting for the ledger): use
@@ -595,7 +600,7 @@ impl Lane {
                     .flatten()
                     .filter(|until| *until > now)
                     .max();
-                match (state.breaker_open_until(now), remote) {
+                match (state.batch_breaker_wait(now), remote) {
                     (Some(a), Some(b)) => Some(a.max(b)),
                     (a, b) => a.or(b),
                 }
@@ -874,9 +879,22 @@ impl State {
         match outcome {
             Some(outcome) => {
                 self.observe(now.saturating_duration_since(run.started));
-                // Only the probe speaks while the breaker is not closed: the
-                // late answer of a call sent before it opened decides nothing.
-                if was_probe || self.breaker.state() == BreakerState::Closed {
+                if run.batch {
+                    // A batch item never counts toward the failure streak, so
+                    // one workspace's poison items cannot shut the lane for
+                    // the others (they back off on their own). As the probe,
+                    // its success closes the breaker; its failure hands the
+                    // probe back (open, time up): the next single call probes
+                    // at once, the next batch item only after `open_for`.
+                    if was_probe {
+                        match outcome {
+                            Outcome::Success => self.breaker.success(),
+                            Outcome::Failure => self.breaker.probe_abandoned(ts),
+                        }
+                    }
+                } else if was_probe || self.breaker.state() == BreakerState::Closed {
+                    // Only the probe speaks while the breaker is not closed: the
+                    // late answer of a call sent before it opened decides nothing.
                     match outcome {
                         Outcome::Success => self.breaker.success(),
                         Outcome::Failure => self.breaker.failure(ts),
@@ -1121,18 +1139,36 @@ impl State {
         }
     }
 
-    /// When an open breaker lets a probe through, if it is open now.
-    fn breaker_open_until(&self, now: Instant) -> Option<Instant> {
-        self.breaker_refusal(now)
-            .map(|refusal| now + refusal.retry_after)
-    }
-
     fn batch_place_free(&self, now: Instant) -> bool {
         self.global_open(now)
             && self.remote_batch_busy.is_none_or(|until| until <= now)
             && self.batch_running < self.config.batch_cap()
             && !self.single_waits_for_global(now)
-            && self.breaker_refusal(now).is_none()
+            && self.batch_breaker_wait(now).is_none()
+    }
+
+    /// Until when the breaker keeps batch items back (`None`: they may go).
+    ///
+    /// Single calls probe first: once the open time is up, the next single
+    /// call is the probe. A batch item may be the probe only when no single
+    /// call took it within a further `open_for` (no single call is arriving),
+    /// and never while a probe is out (until that probe is stale for single
+    /// calls too, and another `open_for` has passed).
+    fn batch_breaker_wait(&self, now: Instant) -> Option<Instant> {
+        let ts = self.timestamp(now);
+        let grace = self.config.breaker.open_for;
+        let from = match self.breaker.state() {
+            BreakerState::Closed => return None,
+            BreakerState::Open { until } => until.saturating_add(grace),
+            BreakerState::HalfOpen { since } => since.saturating_add(grace).saturating_add(grace),
+        };
+        let left = from.saturating_since(ts);
+        if left.is_zero() && self.breaker_refusal(now).is_none() {
+            None
+        } else {
+            // At least a moment: a probe still out may report meanwhile.
+            Some(now + left.max(Duration::from_millis(1)))
+        }
     }
 
     fn start_batch(&mut self, workspace: &str, now: Instant) -> Option<Grant> {

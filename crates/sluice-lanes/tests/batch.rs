@@ -123,7 +123,7 @@ async fn l4_workspaces_take_turns_by_fewest_batch_items_running() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn l4_no_batch_item_starts_while_the_breaker_is_open() {
+async fn l4_l3_no_batch_item_starts_while_the_breaker_is_open_and_single_calls_probe_first() {
     let lane = lane();
     for _ in 0..5 {
         take(&lane, "acme").await.finish(Outcome::Failure);
@@ -134,13 +134,24 @@ async fn l4_no_batch_item_starts_while_the_breaker_is_open() {
         tokio::spawn(async move { lane.batch_capacity().await })
     };
     settle().await;
+    advance(30 * SEC).await;
+    settle().await;
+    // The open time is up: the probe is for a single call first, for as long
+    // again.
+    assert!(!waiter.is_finished());
+    assert!(
+        lane.try_acquire_batch("bulk").is_none(),
+        "single calls first"
+    );
     advance(29 * SEC).await;
     settle().await;
     assert!(!waiter.is_finished());
-    assert!(lane.try_acquire_batch("bulk").is_none());
     advance(SEC).await;
     settle().await;
-    assert!(waiter.is_finished(), "woken when the open time is up");
+    assert!(
+        waiter.is_finished(),
+        "woken when no single call took the probe"
+    );
     // With no single call around, a batch item may be the one probe.
     let probe = lane.try_acquire_batch("bulk").expect("the probe");
     assert!(probe.is_probe());
@@ -149,6 +160,57 @@ async fn l4_no_batch_item_starts_while_the_breaker_is_open() {
     assert_eq!(refused.reason, RefusalReason::OptimizerUnavailable);
     probe.finish(Outcome::Success);
     assert!(lane.try_acquire_batch("bulk").is_some());
+}
+
+#[tokio::test(start_paused = true)]
+async fn l4_l3_a_single_call_is_the_probe_as_soon_as_the_open_time_is_up() {
+    let lane = lane();
+    for _ in 0..5 {
+        take(&lane, "acme").await.finish(Outcome::Failure);
+    }
+    advance(30 * SEC).await;
+    assert!(lane.try_acquire_batch("bulk").is_none());
+    let probe = lane.acquire("globex", REST).await.expect("the probe");
+    assert!(probe.is_probe());
+    probe.finish(Outcome::Success);
+    assert!(lane.try_acquire_batch("bulk").is_some(), "closed again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn l4_l3_batch_item_failures_never_open_the_breaker_for_other_workspaces() {
+    let lane = lane();
+    // One workspace's poison items fail, far more than 5 in a row.
+    for _ in 0..50 {
+        lane.try_acquire_batch("poison")
+            .expect("a place")
+            .finish(Outcome::Failure);
+    }
+    let call = lane.acquire("globex", REST).await.expect("still served");
+    assert!(!call.is_probe());
+    call.finish(Outcome::Success);
+    // Single calls' own failures still open it.
+    for _ in 0..5 {
+        take(&lane, "acme").await.finish(Outcome::Failure);
+    }
+    let refused = lane.acquire("globex", REST).await.expect_err("open");
+    assert_eq!(refused.reason, RefusalReason::OptimizerUnavailable);
+}
+
+#[tokio::test(start_paused = true)]
+async fn l4_l3_a_failed_batch_probe_hands_the_probe_back_to_single_calls() {
+    let lane = lane();
+    for _ in 0..5 {
+        take(&lane, "acme").await.finish(Outcome::Failure);
+    }
+    advance(60 * SEC).await;
+    let probe = lane.try_acquire_batch("poison").expect("the probe");
+    assert!(probe.is_probe());
+    probe.finish(Outcome::Failure);
+    // Not open for another 30 s: the next single call probes at once.
+    let call = lane.acquire("globex", REST).await.expect("the probe");
+    assert!(call.is_probe());
+    call.finish(Outcome::Success);
+    assert!(lane.try_acquire_batch("poison").is_some());
 }
 
 #[tokio::test(start_paused = true)]

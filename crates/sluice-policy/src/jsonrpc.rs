@@ -273,7 +273,7 @@ pub fn check_content_encoding(headers: &HeaderMap) -> Result<(), Unclassifiable>
 /// what an array or object holds one deeper). One pass over the bytes, before any
 /// parsing: strings are skipped, their escapes too; a body that is not JSON may
 /// pass or not, the parser refuses it next.
-fn depth_exceeds(json: &[u8], max: usize) -> bool {
+pub fn depth_exceeds(json: &[u8], max: usize) -> bool {
     // Arrays and objects open around the current position.
     let mut open = 0usize;
     let mut at = 0;

@@ -39,7 +39,7 @@ pub use identity::{
     AmbiguousCredentials, Caller, CallerKind, ClientIp, Label, NETWORK_PREFIX_V4,
     NETWORK_PREFIX_V6, Who,
 };
-pub use jsonrpc::{Items, Unclassifiable, check_content_encoding};
+pub use jsonrpc::{Items, Unclassifiable, check_content_encoding, depth_exceeds};
 pub use model::{
     BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, JsonRpcRefusal,
     Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy,

@@ -32,6 +32,19 @@
 //! ([`BatchConfig::retention`], default 7 days; [`BatchQueue::maintain`] drops
 //! older ones).
 //!
+//! Whatever the workspaces (every unknown credential is one of its own), the
+//! whole queue holds at most [`BatchConfig::max_queued_items`] unfinished items
+//! (default 100,000) and [`BatchConfig::max_stored_bytes`] bytes of item bodies
+//! and results (default 256 MiB); one origin (the client address a submit came
+//! from, see [`BatchQueue::submit_from`]) holds at most
+//! 1/[`BatchConfig::origin_share`] of each (default 1/8), so one address cannot
+//! take the whole queue. Past either a submit is refused with
+//! [`SubmitError::QueueFull`], nothing stored. A finished batch's bytes (its
+//! results) count until it is purged after its retention: results stay
+//! readable for as long as promised, and the bound is what sizes the disk.
+//! The counts live with the queue (the redb file, or Redis), so every replica
+//! sharing a queue keeps the same bound.
+//!
 //! Time is a parameter: every operation takes `now`, so the caller's clock (a
 //! fake one in tests) decides leases, durations and retention.
 
@@ -46,6 +59,13 @@ pub const DEFAULT_MAX_BATCH_ITEMS: usize = 1_000;
 pub const DEFAULT_MAX_BACKLOG: u64 = 5_000;
 /// Default for [`BatchConfig::max_stored_items`].
 pub const DEFAULT_MAX_STORED_ITEMS: u64 = 1_000_000;
+/// Default for [`BatchConfig::max_queued_items`].
+pub const DEFAULT_MAX_QUEUED_ITEMS: u64 = 100_000;
+/// Default for [`BatchConfig::max_stored_bytes`]: 256 MiB.
+pub const DEFAULT_MAX_STORED_BYTES: u64 = 256 * 1024 * 1024;
+/// Default for [`BatchConfig::origin_share`]: one origin holds at most 1/8 of
+/// each bound.
+pub const DEFAULT_ORIGIN_SHARE: u32 = 8;
 /// Default for [`BatchConfig::retention`]: 7 days.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Default for [`BatchConfig::lease`]: 10 minutes.
@@ -67,6 +87,16 @@ pub struct BatchConfig {
     /// The most items stored in all, finished ones included until they are
     /// purged (default 1,000,000).
     pub max_stored_items: u64,
+    /// The most unfinished (queued or running) items of all workspaces
+    /// together (default 100,000).
+    pub max_queued_items: u64,
+    /// The most bytes of item bodies and results stored in all, finished
+    /// batches included until purged (default 256 MiB).
+    pub max_stored_bytes: u64,
+    /// One origin may hold at most 1/`origin_share` of
+    /// [`BatchConfig::max_queued_items`] and of
+    /// [`BatchConfig::max_stored_bytes`] (default 8; 1: no share of its own).
+    pub origin_share: u32,
     /// How long a finished batch is kept after its last item finished
     /// (default 7 days).
     pub retention: Duration,
@@ -81,6 +111,9 @@ impl Default for BatchConfig {
             max_items: DEFAULT_MAX_BATCH_ITEMS,
             max_backlog: DEFAULT_MAX_BACKLOG,
             max_stored_items: DEFAULT_MAX_STORED_ITEMS,
+            max_queued_items: DEFAULT_MAX_QUEUED_ITEMS,
+            max_stored_bytes: DEFAULT_MAX_STORED_BYTES,
+            origin_share: DEFAULT_ORIGIN_SHARE,
             retention: DEFAULT_RETENTION,
             lease: DEFAULT_LEASE,
         }
@@ -109,6 +142,73 @@ impl BatchConfig {
         self
     }
 
+    /// The same bounds with at most `max_queued_items` unfinished items in all.
+    #[must_use]
+    pub const fn with_max_queued_items(mut self, max_queued_items: u64) -> Self {
+        self.max_queued_items = max_queued_items;
+        self
+    }
+
+    /// The same bounds with at most `max_stored_bytes` bytes stored in all.
+    #[must_use]
+    pub const fn with_max_stored_bytes(mut self, max_stored_bytes: u64) -> Self {
+        self.max_stored_bytes = max_stored_bytes;
+        self
+    }
+
+    /// The same bounds with one origin holding at most 1/`share` of each
+    /// (0 is taken as 1).
+    #[must_use]
+    pub const fn with_origin_share(mut self, share: u32) -> Self {
+        self.origin_share = if share == 0 { 1 } else { share };
+        self
+    }
+
+    /// One origin's part of the queued-items bound.
+    pub fn origin_queued_items(&self) -> u64 {
+        self.max_queued_items / u64::from(self.origin_share.max(1))
+    }
+
+    /// One origin's part of the stored-bytes bound.
+    pub fn origin_stored_bytes(&self) -> u64 {
+        self.max_stored_bytes / u64::from(self.origin_share.max(1))
+    }
+
+    /// Which bound, if any, a submit of `items` items and `bytes` bytes passes,
+    /// given what the queue holds (`queued`, `stored`) and what its origin
+    /// holds (`origin`: `None` when the submit names none).
+    pub fn queue_bound(
+        &self,
+        items: u64,
+        bytes: u64,
+        queued: u64,
+        stored: u64,
+        origin: Option<(u64, u64)>,
+    ) -> Option<(QueueBound, u64, u64)> {
+        if queued.saturating_add(items) > self.max_queued_items {
+            return Some((QueueBound::QueuedItems, queued, self.max_queued_items));
+        }
+        if stored.saturating_add(bytes) > self.max_stored_bytes {
+            return Some((QueueBound::StoredBytes, stored, self.max_stored_bytes));
+        }
+        let (o_items, o_bytes) = origin?;
+        if o_items.saturating_add(items) > self.origin_queued_items() {
+            return Some((
+                QueueBound::OriginQueuedItems,
+                o_items,
+                self.origin_queued_items(),
+            ));
+        }
+        if o_bytes.saturating_add(bytes) > self.origin_stored_bytes() {
+            return Some((
+                QueueBound::OriginStoredBytes,
+                o_bytes,
+                self.origin_stored_bytes(),
+            ));
+        }
+        None
+    }
+
     /// The same bounds keeping a finished batch for `retention`.
     #[must_use]
     pub const fn with_retention(mut self, retention: Duration) -> Self {
@@ -134,6 +234,44 @@ pub struct Submitted {
     /// False when an earlier submit with the same idempotency key and body
     /// made this batch.
     pub created: bool,
+}
+
+/// Which of the queue's global bounds a submit would pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QueueBound {
+    /// [`BatchConfig::max_queued_items`].
+    QueuedItems,
+    /// [`BatchConfig::max_stored_bytes`].
+    StoredBytes,
+    /// The origin's part of [`BatchConfig::max_queued_items`].
+    OriginQueuedItems,
+    /// The origin's part of [`BatchConfig::max_stored_bytes`].
+    OriginStoredBytes,
+}
+
+impl QueueBound {
+    /// `queued_items`, `stored_bytes`, `address_queued_items` or
+    /// `address_stored_bytes`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueBound::QueuedItems => "queued_items",
+            QueueBound::StoredBytes => "stored_bytes",
+            QueueBound::OriginQueuedItems => "address_queued_items",
+            QueueBound::OriginStoredBytes => "address_stored_bytes",
+        }
+    }
+
+    /// The bound the Redis script names by number (0 to 3, in this order).
+    #[cfg(feature = "redis")]
+    pub(crate) fn from_code(code: i64) -> Self {
+        match code {
+            0 => QueueBound::QueuedItems,
+            1 => QueueBound::StoredBytes,
+            2 => QueueBound::OriginQueuedItems,
+            _ => QueueBound::OriginStoredBytes,
+        }
+    }
 }
 
 /// Why a batch was not accepted.
@@ -171,6 +309,16 @@ pub enum SubmitError {
         /// Items stored now.
         stored: u64,
         /// [`BatchConfig::max_stored_items`].
+        limit: u64,
+    },
+    /// The whole queue, or the origin's part of it, would pass a bound.
+    #[error("the batch queue is full ({}: {used} of {limit})", bound.as_str())]
+    QueueFull {
+        /// Which bound.
+        bound: QueueBound,
+        /// What it holds now (items, or bytes).
+        used: u64,
+        /// The bound.
         limit: u64,
     },
     /// The backend could not be reached or could not write.
@@ -435,6 +583,27 @@ pub trait BatchQueue: Send + Sync {
     fn submit(
         &self,
         workspace: &str,
+        items: Vec<Vec<u8>>,
+        idempotency_key: Option<&str>,
+        body_digest: &[u8],
+        now: Timestamp,
+    ) -> impl Future<Output = Result<Submitted, SubmitError>> + Send {
+        self.submit_from(workspace, "", items, idempotency_key, body_digest, now)
+    }
+
+    /// [`BatchQueue::submit`] from `origin` (the client address, as the caller
+    /// names it; `""`: none), which may hold at most
+    /// 1/[`BatchConfig::origin_share`] of the queue's global bounds.
+    ///
+    /// # Errors
+    /// As [`BatchQueue::submit`], and [`SubmitError::QueueFull`] when the
+    /// queue, or `origin`'s part of it, would pass
+    /// [`BatchConfig::max_queued_items`] or [`BatchConfig::max_stored_bytes`]
+    /// (checked after the idempotency key: a repeat is never refused as full).
+    fn submit_from(
+        &self,
+        workspace: &str,
+        origin: &str,
         items: Vec<Vec<u8>>,
         idempotency_key: Option<&str>,
         body_digest: &[u8],

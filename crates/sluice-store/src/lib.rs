@@ -70,8 +70,10 @@ mod redis;
 #[cfg(any(feature = "durable", feature = "redis"))]
 #[doc(hidden)]
 pub use batch::{
-    BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
-    ItemState, ItemStatus, Maintenance, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
+    BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed,
+    DEFAULT_MAX_QUEUED_ITEMS, DEFAULT_MAX_STORED_BYTES, DEFAULT_ORIGIN_SHARE, Finish, ItemResult,
+    ItemState, ItemStatus, Maintenance, QueueBound, ResultBody, SubmitError, Submitted,
+    WorkspaceBacklog,
 };
 #[cfg(feature = "durable")]
 #[doc(hidden)]

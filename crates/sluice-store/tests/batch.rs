@@ -12,7 +12,7 @@ use std::time::Duration;
 use sluice_core::Timestamp;
 use sluice_store::{
     BatchBook, BatchConfig, BatchQueue, BatchState, DurableStore, Finish, ItemResult, ItemState,
-    Maintenance, ResultBody, SubmitError,
+    Maintenance, QueueBound, ResultBody, SubmitError,
 };
 
 /// 2026-11-30T12:00:00Z.
@@ -548,6 +548,130 @@ mod suite {
         assert!(fresh.expect("the key is free again").created);
     }
 
+    /// The bounds of [`global`]: 10 unfinished items and 1,000 bytes in all, one
+    /// origin half of each.
+    pub(super) fn global() -> BatchConfig {
+        BatchConfig::default()
+            .with_max_queued_items(10)
+            .with_max_stored_bytes(1_000)
+            .with_origin_share(2)
+    }
+
+    fn full(bound: QueueBound, used: u64, limit: u64) -> Result<(), SubmitError> {
+        Err(SubmitError::QueueFull { bound, used, limit })
+    }
+
+    /// `q` keeps [`global`]'s bounds, whatever the workspaces.
+    pub(super) async fn global_bounds<Q: BatchQueue>(q: &Q) {
+        let from = |ws: &'static str, origin: &'static str, items: Vec<Vec<u8>>, key| async move {
+            q.submit_from(ws, origin, items, key, b"d", at(0)).await
+        };
+        // Each item of items() is 21 bytes.
+        let first = from("w1", "192.0.2.1", items(5), Some("k"))
+            .await
+            .expect("first");
+        // Another workspace of the same address: past the address's 5 items.
+        assert_eq!(
+            from("w2", "192.0.2.1", items(1), None).await.map(drop),
+            full(QueueBound::OriginQueuedItems, 5, 5)
+        );
+        // A repeat is the same batch, never refused as full.
+        let again = from("w1", "192.0.2.1", items(5), Some("k"))
+            .await
+            .expect("repeat");
+        assert_eq!(
+            (again.batch_id, again.created),
+            (first.batch_id.clone(), false)
+        );
+        from("w3", "198.51.100.1", items(5), None)
+            .await
+            .expect("another address");
+        // The whole queue: 10 unfinished items.
+        let refused = from("w4", "203.0.113.1", items(1), None).await;
+        assert_eq!(
+            refused.clone().map(drop),
+            full(QueueBound::QueuedItems, 10, 10)
+        );
+        assert!(
+            refused
+                .expect_err("full")
+                .to_string()
+                .contains("queued_items")
+        );
+        // A finished item frees its place in the item bound.
+        let c = q
+            .claim_next("w1", at(1))
+            .await
+            .expect("claim")
+            .expect("item");
+        q.complete(&c.batch_id, c.index, ok("{}"), at(1))
+            .await
+            .expect("complete");
+        from("w4", "203.0.113.1", items(1), None)
+            .await
+            .expect("room for one");
+        // Bytes: 210 + 21 stored; an address may hold 500, the queue 1,000.
+        let big = |n: usize| vec![vec![b'x'; n]];
+        let q2 = q;
+        let refused = q2
+            .submit_from("w5", "203.0.113.1", big(480), None, b"e", at(2))
+            .await;
+        assert_eq!(
+            refused.map(drop),
+            full(QueueBound::QueuedItems, 10, 10),
+            "items first"
+        );
+    }
+
+    /// `q` keeps [`global`]'s byte bounds, and gives bytes back when a batch is
+    /// purged.
+    pub(super) async fn byte_bounds<Q: BatchQueue>(q: &Q) {
+        let big = |n: usize| vec![vec![b'x'; n]];
+        let a = q
+            .submit_from("w1", "192.0.2.1", big(400), None, b"a", at(0))
+            .await
+            .expect("a");
+        assert_eq!(
+            q.submit_from("w2", "192.0.2.1", big(101), None, b"b", at(0))
+                .await
+                .map(drop),
+            full(QueueBound::OriginStoredBytes, 400, 500)
+        );
+        q.submit_from("w3", "198.51.100.1", big(450), None, b"c", at(0))
+            .await
+            .expect("c");
+        // No origin named: only the global bounds hold it.
+        assert_eq!(
+            q.submit_from("w4", "", big(151), None, b"d", at(0))
+                .await
+                .map(drop),
+            full(QueueBound::StoredBytes, 850, 1_000)
+        );
+        // The body goes when its item finishes, the result stays until purged.
+        let c = q
+            .claim_next("w1", at(1))
+            .await
+            .expect("claim")
+            .expect("item");
+        q.complete(&c.batch_id, c.index, ok("{}"), at(1))
+            .await
+            .expect("complete");
+        q.submit_from("w2", "192.0.2.1", big(400), None, b"b", at(2))
+            .await
+            .expect("room again");
+        let week = 7 * 24 * 3600;
+        assert_eq!(q.maintain(at(1 + week)).await.expect("maintain").purged, 1);
+        assert_eq!(
+            q.status("w1", &a.batch_id, at(1 + week))
+                .await
+                .expect("status"),
+            None
+        );
+        q.submit_from("w5", "192.0.2.1", big(90), None, b"e", at(2 + week))
+            .await
+            .expect("the purged batch's bytes are free");
+    }
+
     /// `q` stores at most 5 items.
     pub(super) async fn store_bound<Q: BatchQueue>(q: &Q) {
         let s = q.submit("a", items(3), None, b"a", at(0)).await.expect("a");
@@ -683,6 +807,18 @@ async fn l4_fewest_batch_items_running_goes_next() {
 async fn l4_finished_batches_are_purged_after_seven_days() {
     let dir = TempDir::new("retention");
     suite::retention(&book(&dir, BatchConfig::default())).await;
+}
+
+#[tokio::test]
+async fn l4_the_whole_queue_and_each_address_are_bounded_in_items() {
+    let dir = TempDir::new("global");
+    suite::global_bounds(&book(&dir, suite::global())).await;
+}
+
+#[tokio::test]
+async fn l4_the_whole_queue_and_each_address_are_bounded_in_bytes() {
+    let dir = TempDir::new("bytes");
+    suite::byte_bounds(&book(&dir, suite::global())).await;
 }
 
 #[tokio::test]
@@ -991,6 +1127,18 @@ mod on_redis {
     async fn l4_redis_finished_batches_are_purged_after_seven_days() {
         let server = Server::start("batch");
         suite::retention(&batches(&server, BatchConfig::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_the_whole_queue_and_each_address_are_bounded_in_items() {
+        let server = Server::start("batch");
+        suite::global_bounds(&batches(&server, suite::global()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_the_whole_queue_and_each_address_are_bounded_in_bytes() {
+        let server = Server::start("batch");
+        suite::byte_bounds(&batches(&server, suite::global()).await).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -774,12 +774,24 @@ impl<S: BudgetStore> Limiter<S> {
             if let Some(sluice_policy::BatchEndpoint::Submit(l)) = route.batch
                 && let Some(batch) = policy.lanes.get(l).and_then(|l| l.batch.as_ref())
             {
-                let submit = crate::parse_batch(body.unwrap_or_default(), batch.max_items.get())?;
-                if let Some(q) = batch.quota
-                    && let Some(units) = items.quotas.get_mut(q)
-                {
-                    let n = u32::try_from(submit.items.len()).unwrap_or(u32::MAX);
-                    *units = units.saturating_add(n);
+                // No body: it was larger than `limits.max_body_bytes`, and the
+                // layer answers 413 `payload_too_large` (as on a JSON-RPC route)
+                // once the submit's own class is decided; nothing is queued.
+                if let Some(body) = body {
+                    // Checked before parsing, as a JSON-RPC body is: the parser
+                    // never recurses past the bound.
+                    if sluice_policy::depth_exceeds(body, policy.bounds.max_json_depth) {
+                        return Err(Refused::Body(sluice_policy::Unclassifiable::TooDeep {
+                            max_json_depth: policy.bounds.max_json_depth,
+                        }));
+                    }
+                    let submit = crate::parse_batch(body, batch.max_items.get())?;
+                    if let Some(q) = batch.quota
+                        && let Some(units) = items.quotas.get_mut(q)
+                    {
+                        let n = u32::try_from(submit.items.len()).unwrap_or(u32::MAX);
+                        *units = units.saturating_add(n);
+                    }
                 }
             }
         }

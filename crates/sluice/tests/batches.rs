@@ -457,3 +457,389 @@ async fn l4_a_single_call_starts_within_a_second_while_5000_batch_items_run() {
         "cap minus reserve: {lane}"
     );
 }
+
+/// A test upstream on a port of its own: `POST <path>` answers 500 (after a
+/// moment) when the body holds `"poison"`, else 200 with the path, the
+/// `X-Request-Id` and the `Idempotency-Key` it was sent. It counts the calls it
+/// failed.
+struct TestUpstream {
+    url: String,
+    failed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl TestUpstream {
+    async fn start() -> TestUpstream {
+        use hyper::service::service_fn;
+        use hyper_util::rt::TokioIo;
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let failed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counter = std::sync::Arc::clone(&failed);
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let counter = std::sync::Arc::clone(&counter);
+                tokio::spawn(async move {
+                    let service = service_fn(move |request: Request<hyper::body::Incoming>| {
+                        let counter = std::sync::Arc::clone(&counter);
+                        async move {
+                            use http_body_util::BodyExt as _;
+                            let (parts, body) = request.into_parts();
+                            let body = body
+                                .collect()
+                                .await
+                                .map(|c| c.to_bytes())
+                                .unwrap_or_default();
+                            let header = |name: &str| {
+                                parts
+                                    .headers
+                                    .get(name)
+                                    .and_then(|v| v.to_str().ok())
+                                    .map(str::to_owned)
+                            };
+                            let poison = String::from_utf8_lossy(&body).contains("poison");
+                            let (status, answer) = if poison {
+                                counter.fetch_add(1, Ordering::Relaxed);
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                                (500, json!({ "error": "this item always fails" }))
+                            } else {
+                                (
+                                    200,
+                                    json!({
+                                        "path": parts.uri.path(),
+                                        "request_id": header("x-request-id"),
+                                        "idempotency_key": header("idempotency-key"),
+                                    }),
+                                )
+                            };
+                            let mut response =
+                                http::Response::new(Full::new(Bytes::from(answer.to_string())));
+                            *response.status_mut() = StatusCode::from_u16(status).expect("status");
+                            response.headers_mut().insert(
+                                http::header::CONTENT_TYPE,
+                                http::HeaderValue::from_static("application/json"),
+                            );
+                            Ok::<_, std::convert::Infallible>(response)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(socket), service)
+                        .await;
+                });
+            }
+        });
+        TestUpstream { url, failed }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_l3_a_poison_batch_fails_on_its_own_while_other_workspaces_single_calls_are_served() {
+    let upstream = TestUpstream::start().await;
+    // A short open time: the poison workspace's own hold (5 failed attempts in
+    // a row hold its items for the breaker's open time) is over in seconds.
+    let dir = DataDir::new();
+    std::fs::create_dir_all(&dir.0).expect("dir");
+    let policy = dir.0.join("policy.yaml");
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.edit("open_seconds: 30", "open_seconds: 2");
+    std::fs::write(&policy, yaml).expect("policy");
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("path"),
+        "--upstream",
+        &upstream.url,
+    ]);
+    let poison: Vec<Value> = (0..10)
+        .map(|i| json!({ "message": format!("poison {i}") }))
+        .collect();
+    let reply = send(submit(&sluice, "sk-poison", &json!({ "items": poison }))).await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+    let id = reply.json()["batch_id"].as_str().expect("id").to_owned();
+    // Beside it, single calls of other workspaces: every one is served, before
+    // and after the batch's items have failed often enough to open a breaker
+    // they counted toward (5 in a row).
+    let started = Instant::now();
+    let mut singles = 0;
+    let done = loop {
+        let reply = send(
+            Request::post(sluice.url("/messages/optimize"))
+                .header("x-api-key", format!("sk-single-{singles}"))
+                .body(Full::new(Bytes::from_static(b"{\"message\":\"fine\"}")))
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "single call {singles} after {} poison attempts: {}",
+            upstream.failed.load(std::sync::atomic::Ordering::Relaxed),
+            reply.text()
+        );
+        singles += 1;
+        let status = send(status(&sluice, "sk-poison", &id)).await.json();
+        if status["state"] == "done" {
+            break status;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "{status}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        upstream.failed.load(std::sync::atomic::Ordering::Relaxed) >= 10 * 3,
+        "each poison item was tried 3 times"
+    );
+    assert!(
+        singles >= 5,
+        "the single calls ran beside the batch: {singles}"
+    );
+    assert_eq!(
+        (done["failed"].as_u64(), done["done"].as_u64()),
+        (Some(10), Some(0)),
+        "{done}"
+    );
+    for item in done["items"].as_array().expect("items") {
+        assert_eq!(item["state"], "failed", "{item}");
+        assert_eq!(item["status"], 500, "{item}");
+        assert_eq!(item["result"]["error"], "this item always fails", "{item}");
+    }
+    // The lane's breaker never opened.
+    let admin = send(
+        Request::get(sluice.admin_url("/status"))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await
+    .json();
+    let lane = &admin["limiter"]["lanes"][0];
+    assert_eq!(lane["breaker"], "closed", "{lane}");
+    // A good batch meanwhile: each item names itself upstream.
+    let reply = send(submit(&sluice, "sk-good", &json!({ "items": items(2) }))).await;
+    let id = reply.json()["batch_id"].as_str().expect("id").to_owned();
+    let done = until_done(&sluice, "sk-good", &id).await;
+    for (i, item) in done["items"].as_array().expect("items").iter().enumerate() {
+        assert_eq!(item["result"]["request_id"], format!("{id}/{i}"), "{item}");
+        assert_eq!(
+            item["result"]["idempotency_key"],
+            format!("{id}/{i}"),
+            "{item}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_two_batch_lanes_each_run_only_their_own_items_on_their_own_route() {
+    let upstream = TestUpstream::start().await;
+    let dir = DataDir::new();
+    std::fs::create_dir_all(&dir.0).expect("dir");
+    let policy = dir.0.join("policy.yaml");
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.edit(
+        "routes:\n",
+        "  summarizer:
+    workspace_in_flight: 3
+    workspace_starts: 12
+    starts_window_seconds: 60
+    global_in_flight: 20
+    batch_reserve: 5
+    wait_seconds: 15
+    jsonrpc_wait_seconds: 120
+    max_waiting: 1000
+    timeout_seconds: 180
+    breaker: { failures: 5, within_seconds: 60, open_seconds: 30 }
+    batch:
+      route: /messages/summarize
+      max_items: 1000
+      backlog: 5000
+      keep_hours: 168
+routes:
+  - { method: POST, path: /messages/summarize, class: expensive, lane: summarizer }
+  - { method: POST, path: /messages/summarize/batch, class: expensive }
+  - { method: GET, path: \"/messages/summarize/batches/{id}\", class: read }
+",
+    );
+    std::fs::write(&policy, yaml).expect("policy");
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("path"),
+        "--upstream",
+        &upstream.url,
+    ]);
+    let mut batches = Vec::new();
+    for route in [
+        "/messages/optimize",
+        "/messages/summarize",
+        "/messages/optimize",
+        "/messages/summarize",
+    ] {
+        let reply = send(
+            Request::post(sluice.url(&format!("{route}/batch")))
+                .header("x-api-key", "sk-acme")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(
+                    json!({ "items": items(5) }).to_string(),
+                )))
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::ACCEPTED,
+            "{route}: {}",
+            reply.text()
+        );
+        batches.push((
+            route,
+            reply.json()["batch_id"].as_str().expect("id").to_owned(),
+        ));
+    }
+    for (route, id) in &batches {
+        let started = Instant::now();
+        let done = loop {
+            let reply = send(
+                Request::get(sluice.url(&format!("{route}/batches/{id}")))
+                    .header("x-api-key", "sk-acme")
+                    .body(Full::new(Bytes::new()))
+                    .expect("request"),
+            )
+            .await;
+            assert_eq!(reply.status, StatusCode::OK, "{route}: {}", reply.text());
+            let body = reply.json();
+            if body["state"] == "done" || started.elapsed() > Duration::from_secs(30) {
+                break body;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(done["done"], 5, "{route}: {done}");
+        for item in done["items"].as_array().expect("items") {
+            assert_eq!(item["result"]["path"], *route, "{route}: {item}");
+        }
+        // The other lane does not know it.
+        let other = if *route == "/messages/optimize" {
+            "/messages/summarize"
+        } else {
+            "/messages/optimize"
+        };
+        let reply = send(
+            Request::get(sluice.url(&format!("{other}/batches/{id}")))
+                .header("x-api-key", "sk-acme")
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::NOT_FOUND,
+            "{other}: {}",
+            reply.text()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_oversized_and_deep_bodies_are_refused_as_on_mcp_and_key_order_is_not_a_new_body() {
+    let sluice = Sluice::spawn(&["--demo-optimize-seconds", "0"]);
+    // Over 1 MiB: 413, as a JSON-RPC body that large is.
+    let big = json!({ "items": [{ "message": "x".repeat(1024 * 1024 + 16) }] });
+    let reply = send(submit(&sluice, "sk-acme", &big)).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "{}",
+        reply.text()
+    );
+    assert_eq!(reply.json()["error"]["code"], "payload_too_large");
+    // Nested 200 deep: 400 naming the depth bound.
+    let deep = format!(
+        "{{\"items\":[{{\"message\":{}1{}}}]}}",
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    let reply = send(
+        Request::post(sluice.url("/messages/optimize/batch"))
+            .header("x-api-key", "sk-acme")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(deep)))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(
+        reply.json()["error"]["details"]["max_json_depth"],
+        64,
+        "{}",
+        reply.text()
+    );
+    // The same JSON, keys in another order and spaced out: the same batch.
+    let raw = |text: &'static str| {
+        Request::post(sluice.url("/messages/optimize/batch"))
+            .header("x-api-key", "sk-acme")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(text.as_bytes())))
+            .expect("request")
+    };
+    let a = send(raw(
+        r#"{"items":[{"message":"a","tone":"dry"}],"idempotency_key":"k-order"}"#,
+    ))
+    .await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.text());
+    let b = send(raw(
+        "{ \"idempotency_key\" : \"k-order\",\n  \"items\" : [ { \"tone\" : \"dry\", \"message\" : \"a\" } ] }",
+    ))
+    .await;
+    assert_eq!(b.status, StatusCode::ACCEPTED, "{}", b.text());
+    assert_eq!(a.json()["batch_id"], b.json()["batch_id"]);
+    let c = send(raw(
+        r#"{"items":[{"message":"b","tone":"dry"}],"idempotency_key":"k-order"}"#,
+    ))
+    .await;
+    assert_eq!(c.status, StatusCode::CONFLICT, "{}", c.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_past_the_queues_global_bound_or_the_addresss_share_a_submit_is_503_with_retry_after() {
+    let sluice = Sluice::spawn(&[
+        "--demo-optimize-seconds",
+        "600",
+        "--batch-max-queued-items",
+        "16",
+        "--batch-address-share",
+        "2",
+    ]);
+    // Each unknown key is a workspace of its own, all from one address: the
+    // address holds at most 8 unfinished items however many keys it uses.
+    let reply = send(submit(&sluice, "sk-flood-1", &json!({ "items": items(8) }))).await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.text());
+    let reply = send(submit(&sluice, "sk-flood-2", &json!({ "items": items(1) }))).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.text()
+    );
+    assert_eq!(reply.header("retry-after"), Some("30"));
+    let body = reply.json();
+    assert_eq!(body["error"]["code"], "unavailable", "{body}");
+    let details = &body["error"]["details"];
+    assert_eq!(details["reason"], "batch_queue_full", "{body}");
+    assert_eq!(details["bound"], "address_queued_items", "{body}");
+    assert_eq!(
+        (details["used"].as_u64(), details["limit"].as_u64()),
+        (Some(8), Some(8))
+    );
+    // The refused batch's quota units were given back.
+    let usage = send(
+        Request::get(sluice.admin_url(&format!(
+            "/quotas?workspace=key:{}",
+            sha256_hex("sk-flood-2")
+        )))
+        .body(Full::new(Bytes::new()))
+        .expect("request"),
+    )
+    .await
+    .json();
+    let messages = usage["quotas"]
+        .as_array()
+        .and_then(|q| q.iter().find(|f| f["family"] == "messages"))
+        .cloned()
+        .expect("messages");
+    assert_eq!(messages["usage"], 0, "{usage}");
+}

@@ -26,6 +26,8 @@ const WORKSPACES: TableDefinition<'_, &str, (u64, u64, u64)> =
 const KEYS: TableDefinition<'_, (&str, &str), &str> = TableDefinition::new("batch_keys");
 const FINISHED: TableDefinition<'_, (u64, &str), ()> = TableDefinition::new("batch_finished");
 const STATS: TableDefinition<'_, &str, u64> = TableDefinition::new("batch_stats");
+/// Per origin: (unfinished items, stored bytes).
+const ORIGINS: TableDefinition<'_, &str, (u64, u64)> = TableDefinition::new("batch_origins");
 
 /// Batches dropped per transaction by a purge.
 const PURGE_CHUNK: usize = 64;
@@ -40,6 +42,7 @@ fn create_tables(tx: &WriteTransaction) -> Result<(), redb::TableError> {
     tx.open_table(WORKSPACES).map(drop)?;
     tx.open_table(KEYS).map(drop)?;
     tx.open_table(FINISHED).map(drop)?;
+    tx.open_table(ORIGINS).map(drop)?;
     tx.open_table(STATS).map(drop)
 }
 
@@ -59,13 +62,20 @@ struct BatchRecord {
     first_claim_at: u64,
     /// 0: not finished.
     finished_at: u64,
+    /// The origin it came from (`""`: none, or a record of version 1).
+    origin: String,
+    /// Bytes of its bodies and results stored now.
+    bytes: u64,
 }
 
-const RECORD_VERSION: u8 = 1;
+/// Version 2 added the origin and the bytes; a version 1 record reads as
+/// having neither (its batch is not counted against the byte bound).
+const RECORD_VERSION: u8 = 2;
 
 impl BatchRecord {
     fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(64 + self.workspace.len() + self.digest.len());
+        let mut out =
+            Vec::with_capacity(80 + self.workspace.len() + self.digest.len() + self.origin.len());
         out.push(RECORD_VERSION);
         for n in [
             self.total,
@@ -90,12 +100,17 @@ impl BatchRecord {
             out.extend_from_slice(&len.to_le_bytes());
             out.extend_from_slice(bytes);
         }
+        out.extend_from_slice(&self.bytes.to_le_bytes());
+        let len = u32::try_from(self.origin.len()).unwrap_or(u32::MAX);
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(self.origin.as_bytes());
         out
     }
 
     fn decode(bytes: &[u8]) -> Option<Self> {
         let mut r = Reader(bytes);
-        if r.take(1)? != [RECORD_VERSION] {
+        let version = r.take(1)?[0];
+        if version != 1 && version != RECORD_VERSION {
             return None;
         }
         let mut rec = BatchRecord {
@@ -114,6 +129,10 @@ impl BatchRecord {
         let key = String::from_utf8(r.bytes()?.to_vec()).ok()?;
         rec.key = has_key.then_some(key);
         rec.digest = r.bytes()?.to_vec();
+        if version >= 2 {
+            rec.bytes = r.u64()?;
+            rec.origin = String::from_utf8(r.bytes()?.to_vec()).ok()?;
+        }
         Some(rec)
     }
 
@@ -258,7 +277,8 @@ fn ns(t: Timestamp) -> u64 {
 /// | `batch_workspaces` | workspace | (queued, running, last claim) |
 /// | `batch_keys` | (workspace, idempotency key) | batch id |
 /// | `batch_finished` | (finish time, batch id) | — |
-/// | `batch_stats` | name | `next_place`, `stored_items`, `mean_item_ns` |
+/// | `batch_origins` | origin (client address) | (unfinished items, stored bytes) |
+/// | `batch_stats` | name | `next_place`, `stored_items`, `unfinished_items`, `stored_bytes`, `mean_item_ns` |
 ///
 /// Cheap to clone; every clone is the same book. Open one per
 /// [`DurableStore`]. The [`BatchQueue`] methods run their transaction on
@@ -435,9 +455,11 @@ impl BatchBook {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn submit_blocking(
         &self,
         workspace: &str,
+        origin: &str,
         items: Vec<Vec<u8>>,
         idempotency_key: Option<&str>,
         body_digest: &[u8],
@@ -498,6 +520,26 @@ impl BatchBook {
                     limit: config.max_stored_items,
                 })));
             }
+            let bytes: u64 = items.iter().map(|b| b.len() as u64).sum();
+            let queued_all = stats.get("unfinished_items")?.map_or(0, |v| v.value());
+            let bytes_all = stats.get("stored_bytes")?.map_or(0, |v| v.value());
+            let mut origins = tx.open_table(ORIGINS)?;
+            let held = if origin.is_empty() {
+                None
+            } else {
+                Some(origins.get(origin)?.map_or((0, 0), |v| v.value()))
+            };
+            if let Some((bound, used, limit)) =
+                config.queue_bound(u64::from(total), bytes, queued_all, bytes_all, held)
+            {
+                return Ok(Err(Err(SubmitError::QueueFull { bound, used, limit })));
+            }
+            if let Some((o_items, o_bytes)) = held {
+                origins.insert(origin, (o_items + u64::from(total), o_bytes + bytes))?;
+            }
+            drop(origins);
+            stats.insert("unfinished_items", queued_all + u64::from(total))?;
+            stats.insert("stored_bytes", bytes_all + bytes)?;
             let first_place = stats.get("next_place")?.map_or(0, |v| v.value());
             stats.insert("next_place", first_place + u64::from(total))?;
             stats.insert("stored_items", stored + u64::from(total))?;
@@ -509,6 +551,8 @@ impl BatchBook {
                 total,
                 queued: total,
                 created_at: ns(now),
+                origin: origin.to_owned(),
+                bytes,
                 ..BatchRecord::default()
             };
             tx.open_table(META)?
@@ -680,9 +724,36 @@ impl BatchBook {
             item.state = state.code();
             item.finished_at = ns(now);
             items.insert(key, item.encode().as_slice())?;
-            tx.open_table(BODIES)?.remove(key)?;
-            tx.open_table(RESULTS)?
-                .insert(key, encode_result(result).as_slice())?;
+            let body_len = tx
+                .open_table(BODIES)?
+                .remove(key)?
+                .map_or(0, |b| b.value().len() as u64);
+            let encoded = encode_result(result);
+            let result_len = encoded.len() as u64;
+            tx.open_table(RESULTS)?.insert(key, encoded.as_slice())?;
+            // The body goes, the result stays: the bytes held move by the
+            // difference; one item fewer is unfinished.
+            rec.bytes = (rec.bytes + result_len).saturating_sub(body_len);
+            {
+                let mut stats = tx.open_table(STATS)?;
+                let all = stats.get("stored_bytes")?.map_or(0, |v| v.value());
+                stats.insert("stored_bytes", (all + result_len).saturating_sub(body_len))?;
+                let unfinished = stats.get("unfinished_items")?.map_or(0, |v| v.value());
+                stats.insert("unfinished_items", unfinished.saturating_sub(1))?;
+            }
+            if !rec.origin.is_empty() {
+                let mut origins = tx.open_table(ORIGINS)?;
+                let (o_items, o_bytes) = origins
+                    .get(rec.origin.as_str())?
+                    .map_or((0, 0), |v| v.value());
+                origins.insert(
+                    rec.origin.as_str(),
+                    (
+                        o_items.saturating_sub(1),
+                        (o_bytes + result_len).saturating_sub(body_len),
+                    ),
+                )?;
+            }
             let (dq, dr) = match was {
                 ItemState::Running => {
                     tx.open_table(RUNNING)?.remove(key)?;
@@ -927,6 +998,7 @@ fn purge_some(tx: &WriteTransaction, cutoff: u64) -> Result<usize, TxError> {
         all
     };
     let mut freed = 0u64;
+    let mut freed_bytes = 0u64;
     for (at, id) in &old {
         let id = id.as_str();
         tx.open_table(FINISHED)?.remove((*at, id))?;
@@ -945,6 +1017,19 @@ fn purge_some(tx: &WriteTransaction, cutoff: u64) -> Result<usize, TxError> {
                 keys.remove((rec.workspace.as_str(), key))?;
             }
         }
+        freed_bytes += rec.bytes;
+        if !rec.origin.is_empty() {
+            let mut origins = tx.open_table(ORIGINS)?;
+            let held = origins
+                .get(rec.origin.as_str())?
+                .map_or((0, 0), |v| v.value());
+            let left = (held.0, held.1.saturating_sub(rec.bytes));
+            if left == (0, 0) {
+                origins.remove(rec.origin.as_str())?;
+            } else {
+                origins.insert(rec.origin.as_str(), left)?;
+            }
+        }
         let range = (id, 0)..=(id, u32::MAX);
         tx.open_table(ITEMS)?
             .retain_in(range.clone(), |_, _| false)?;
@@ -957,6 +1042,8 @@ fn purge_some(tx: &WriteTransaction, cutoff: u64) -> Result<usize, TxError> {
         let mut stats = tx.open_table(STATS)?;
         let stored = stats.get("stored_items")?.map_or(0, |v| v.value());
         stats.insert("stored_items", stored.saturating_sub(freed))?;
+        let bytes = stats.get("stored_bytes")?.map_or(0, |v| v.value());
+        stats.insert("stored_bytes", bytes.saturating_sub(freed_bytes))?;
     }
     Ok(old.len())
 }
@@ -990,21 +1077,25 @@ fn status_of(
 }
 
 impl BatchQueue for BatchBook {
-    async fn submit(
+    async fn submit_from(
         &self,
         workspace: &str,
+        origin: &str,
         items: Vec<Vec<u8>>,
         idempotency_key: Option<&str>,
         body_digest: &[u8],
         now: Timestamp,
     ) -> Result<Submitted, SubmitError> {
-        let (workspace, key, digest) = (
+        let (workspace, origin, key, digest) = (
             workspace.to_owned(),
+            origin.to_owned(),
             idempotency_key.map(str::to_owned),
             body_digest.to_vec(),
         );
-        self.blocking(move |b| b.submit_blocking(&workspace, items, key.as_deref(), &digest, now))
-            .await?
+        self.blocking(move |b| {
+            b.submit_blocking(&workspace, &origin, items, key.as_deref(), &digest, now)
+        })
+        .await?
     }
 
     async fn claim_next(
@@ -1100,6 +1191,8 @@ mod tests {
             created_at: 7,
             first_claim_at: 8,
             finished_at: 0,
+            origin: "203.0.113.7".to_owned(),
+            bytes: 1234,
         };
         assert_eq!(BatchRecord::decode(&rec.encode()), Some(rec.clone()));
         let no_key = BatchRecord { key: None, ..rec };

@@ -90,6 +90,17 @@ impl std::fmt::Debug for DurableStore {
     }
 }
 
+/// The most memory redb's page cache may take (its default is 1 GiB): the
+/// queue's contents live on disk, and a process that queued a few hundred
+/// megabytes of batch items must not keep them all in memory too.
+pub const CACHE_BYTES: usize = 32 * 1024 * 1024;
+
+fn builder() -> redb::Builder {
+    let mut builder = redb::Builder::new();
+    builder.set_cache_size(CACHE_BYTES);
+    builder
+}
+
 impl DurableStore {
     /// Opens (creating when needed) the store in `dir`.
     ///
@@ -110,7 +121,7 @@ impl DurableStore {
             source,
         })?;
         let path = dir.join(DURABLE_FILE);
-        let db = redb::Database::create(&path).map_err(|e| match e {
+        let db = builder().create(&path).map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => OpenError::Locked { path: path.clone() },
             other => OpenError::Unusable {
                 path: path.clone(),
@@ -124,9 +135,7 @@ impl DurableStore {
             message: e.to_string(),
         })?;
         let file = path.clone();
-        let store = DurableStore::new(db, path, Box::new(log), move || {
-            redb::Database::create(&file)
-        });
+        let store = DurableStore::new(db, path, Box::new(log), move || builder().create(&file));
         // A file opened read-only, or a full disk, shows at the first write: here,
         // at start, rather than at the first counted call.
         store.check_writable()?;
@@ -148,14 +157,14 @@ impl DurableStore {
         log: impl QuotaLog,
     ) -> Result<Self, OpenError> {
         let path = label.into();
-        let db = redb::Builder::new()
+        let db = builder()
             .create_with_backend(backend.clone())
             .map_err(|e| OpenError::Unusable {
                 path: path.clone(),
                 message: e.to_string(),
             })?;
         let store = DurableStore::new(db, path, Box::new(log), move || {
-            redb::Builder::new().create_with_backend(backend.clone())
+            builder().create_with_backend(backend.clone())
         });
         store.check_writable()?;
         Ok(store)

@@ -4,7 +4,8 @@
 --         cluster slot); ARGV[1] the operation; times are Unix milliseconds.
 --
 -- P..'b:'..id   hash  the batch: ws, hk (has key), key, digest, total, done,
---                     failed, queued, running, created, first, finished
+--                     failed, queued, running, created, first, finished,
+--                     origin, bytes (of its bodies and results stored now)
 -- P..'i:'..id   hash  its items: s:<i> state (0 queued, 1 running, 2 done,
 --                     3 failed), a:<i> attempt, p:<i> queue place, c:<i> claimed,
 --                     b:<i> body (until finished), r:<i> result
@@ -13,7 +14,9 @@
 -- P..'wq', P..'wr', P..'wl'  hashes  per workspace: queued, running, last claim
 -- P..'keys'     hash  "<#ws>:<ws><key>" -> batch id
 -- P..'fin'      zset  finished batches by finish time
--- P..'stats'    hash  seq (next queue place), stored (items), mean (ms)
+-- P..'ou', P..'ob'  hashes  per origin: unfinished items, stored bytes
+-- P..'stats'    hash  seq (next queue place), stored (items), mean (ms),
+--                     unfinished (items), bytes (stored)
 
 local P = KEYS[1]
 local op = ARGV[1]
@@ -63,9 +66,13 @@ local function forget_workspace_if_idle(ws)
 end
 
 if op == 'submit' then
-  -- ws, has_key, key, digest, id, now, max_backlog, max_stored, n, bodies...
+  -- ws, has_key, key, digest, id, now, max_backlog, max_stored, n, origin,
+  -- max_queued, max_bytes, origin_share, bodies...
   local ws, has_key, key, digest, id = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
   local now, max_backlog, max_stored, n = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+  local origin, max_queued, max_bytes = ARGV[11], tonumber(ARGV[12]), tonumber(ARGV[13])
+  local share = math.max(tonumber(ARGV[14]), 1)
+  local first_body = 15
   if has_key == '1' then
     local existing = redis.call('HGET', P .. 'keys', keyfield(ws, key))
     if existing then
@@ -84,19 +91,48 @@ if op == 'submit' then
   if stored + n > max_stored then
     return {4, stored, max_stored}
   end
+  -- The global bounds, then the origin's share of each (as BatchConfig::queue_bound).
+  local bytes = 0
+  for i = 0, n - 1 do
+    bytes = bytes + string.len(ARGV[first_body + i])
+  end
+  local queued_all = num(redis.call('HGET', P .. 'stats', 'unfinished'))
+  local bytes_all = num(redis.call('HGET', P .. 'stats', 'bytes'))
+  if queued_all + n > max_queued then
+    return {5, 0, queued_all, max_queued}
+  end
+  if bytes_all + bytes > max_bytes then
+    return {5, 1, bytes_all, max_bytes}
+  end
+  if origin ~= '' then
+    local o_items = num(redis.call('HGET', P .. 'ou', origin))
+    local o_bytes = num(redis.call('HGET', P .. 'ob', origin))
+    local o_max_items = math.floor(max_queued / share)
+    local o_max_bytes = math.floor(max_bytes / share)
+    if o_items + n > o_max_items then
+      return {5, 2, o_items, o_max_items}
+    end
+    if o_bytes + bytes > o_max_bytes then
+      return {5, 3, o_bytes, o_max_bytes}
+    end
+    redis.call('HINCRBY', P .. 'ou', origin, n)
+    redis.call('HINCRBY', P .. 'ob', origin, bytes)
+  end
+  redis.call('HINCRBY', P .. 'stats', 'unfinished', n)
+  redis.call('HINCRBY', P .. 'stats', 'bytes', bytes)
   local first = redis.call('HINCRBY', P .. 'stats', 'seq', n) - n
   redis.call('HINCRBY', P .. 'stats', 'stored', n)
   redis.call('HINCRBY', P .. 'wq', ws, n)
   redis.call('HSET', P .. 'b:' .. id, 'ws', ws, 'hk', has_key, 'key', key, 'digest', digest,
     'total', n, 'done', 0, 'failed', 0, 'queued', n, 'running', 0, 'created', now,
-    'first', 0, 'finished', 0)
+    'first', 0, 'finished', 0, 'origin', origin, 'bytes', bytes)
   if has_key == '1' then
     redis.call('HSET', P .. 'keys', keyfield(ws, key), id)
   end
   local items = P .. 'i:' .. id
   local queue = P .. 'q:' .. ws
   for i = 0, n - 1 do
-    redis.call('HSET', items, 's:' .. i, '0', 'a:' .. i, 0, 'p:' .. i, first + i, 'b:' .. i, ARGV[11 + i])
+    redis.call('HSET', items, 's:' .. i, '0', 'a:' .. i, 0, 'p:' .. i, first + i, 'b:' .. i, ARGV[first_body + i])
     redis.call('ZADD', queue, first + i, member(id, i))
   end
   return {0, id, n}
@@ -173,8 +209,18 @@ elseif op == 'finish' then
   local batch = P .. 'b:' .. id
   local ws = redis.call('HGET', batch, 'ws')
   local m = member(id, i)
+  -- The body goes, the result stays: the bytes held move by the difference.
+  local delta = string.len(result) - string.len(redis.call('HGET', items, 'b:' .. i) or '')
   redis.call('HSET', items, 's:' .. i, state, 'r:' .. i, result)
   redis.call('HDEL', items, 'b:' .. i)
+  redis.call('HINCRBY', batch, 'bytes', delta)
+  redis.call('HINCRBY', P .. 'stats', 'bytes', delta)
+  redis.call('HINCRBY', P .. 'stats', 'unfinished', -1)
+  local origin = redis.call('HGET', batch, 'origin') or ''
+  if origin ~= '' then
+    redis.call('HINCRBY', P .. 'ou', origin, -1)
+    redis.call('HINCRBY', P .. 'ob', origin, delta)
+  end
   if was == '1' then
     redis.call('ZREM', P .. 'run', m)
     redis.call('HINCRBY', batch, 'running', -1)
@@ -260,7 +306,7 @@ elseif op == 'maintain' then
   local freed = 0
   for _, id in ipairs(old) do
     local batch = P .. 'b:' .. id
-    local b = redis.call('HMGET', batch, 'ws', 'hk', 'key', 'total')
+    local b = redis.call('HMGET', batch, 'ws', 'hk', 'key', 'total', 'origin', 'bytes')
     if b[2] == '1' then
       local field = keyfield(b[1], b[3])
       if redis.call('HGET', P .. 'keys', field) == id then
@@ -268,6 +314,15 @@ elseif op == 'maintain' then
       end
     end
     freed = freed + num(b[4])
+    redis.call('HINCRBY', P .. 'stats', 'bytes', -num(b[6]))
+    local origin = b[5] or ''
+    if origin ~= '' then
+      local left = redis.call('HINCRBY', P .. 'ob', origin, -num(b[6]))
+      if left <= 0 and num(redis.call('HGET', P .. 'ou', origin)) <= 0 then
+        redis.call('HDEL', P .. 'ob', origin)
+        redis.call('HDEL', P .. 'ou', origin)
+      end
+    end
     redis.call('DEL', batch, P .. 'i:' .. id)
     redis.call('ZREM', P .. 'fin', id)
   end

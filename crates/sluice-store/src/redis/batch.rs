@@ -8,7 +8,7 @@ use sluice_core::Timestamp;
 use super::Conn;
 use crate::batch::{
     BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
-    ItemState, ItemStatus, Maintenance, Progress, ResultBody, SubmitError, Submitted,
+    ItemState, ItemStatus, Maintenance, Progress, QueueBound, ResultBody, SubmitError, Submitted,
     WorkspaceBacklog, estimate_finish, new_batch_id,
 };
 use crate::{RedisConfig, StoreError};
@@ -222,9 +222,10 @@ impl RedisBatches {
 }
 
 impl BatchQueue for RedisBatches {
-    async fn submit(
+    async fn submit_from(
         &self,
         workspace: &str,
+        origin: &str,
         items: Vec<Vec<u8>>,
         idempotency_key: Option<&str>,
         body_digest: &[u8],
@@ -250,7 +251,11 @@ impl BatchQueue for RedisBatches {
                     .arg(ms(now))
                     .arg(self.config.max_backlog)
                     .arg(self.config.max_stored_items)
-                    .arg(items.len());
+                    .arg(items.len())
+                    .arg(origin)
+                    .arg(self.config.max_queued_items)
+                    .arg(self.config.max_stored_bytes)
+                    .arg(self.config.origin_share.max(1));
                 for item in &items {
                     i.arg(item.as_slice());
                 }
@@ -270,6 +275,11 @@ impl BatchQueue for RedisBatches {
             3 => Err(SubmitError::Backlog {
                 queued: u64::try_from(int(reply.get(1))?).unwrap_or(0),
                 limit: self.config.max_backlog,
+            }),
+            5 => Err(SubmitError::QueueFull {
+                bound: QueueBound::from_code(int(reply.get(1))?),
+                used: u64::try_from(int(reply.get(2))?).unwrap_or(0),
+                limit: u64::try_from(int(reply.get(3))?).unwrap_or(0),
             }),
             _ => Err(SubmitError::Full {
                 stored: u64::try_from(int(reply.get(1))?).unwrap_or(0),
