@@ -23,17 +23,15 @@ struct Pace {
 
 impl Pace {
     fn spawn(config: &std::path::Path, store: &str) -> Pace {
+        Self::spawn_with(config, &["--admin", "127.0.0.1:0", "--store", store])
+    }
+
+    /// `sluice pace --listen 127.0.0.1:0 <args> --config CONFIG`.
+    fn spawn_with(config: &std::path::Path, args: &[&str]) -> Pace {
         let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args([
-                "pace",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin",
-                "127.0.0.1:0",
-                "--store",
-                store,
-                "--config",
-            ])
+            .args(["pace", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .arg("--config")
             .arg(config)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -364,37 +362,12 @@ async fn s3_pace_settings_with_a_token_need_it() {
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).expect("chmod");
     }
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args([
-            "pace",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin",
-            "0.0.0.0:0",
-            "--admin-token-file",
-        ])
-        .arg(&token)
-        .arg("--config")
-        .arg(&file)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn sluice pace");
-    let stdout = child.stdout.take().expect("stdout");
-    let line = {
-        let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("start line");
-        line
-    };
-    let admin = line
-        .split("admin http://")
-        .nth(1)
-        .and_then(|s| s.split([',', ' ']).next())
-        .expect("admin address")
-        .to_owned();
+    let token = token.to_str().expect("UTF-8");
+    let pace = Pace::spawn_with(
+        &file,
+        &["--admin", "0.0.0.0:0", "--admin-token-file", token],
+    );
+    let admin = &pace.admin;
     let url = format!("http://{admin}/limits");
     let without = get(&url).await;
     assert_eq!(without.status, 401);
@@ -406,6 +379,4 @@ async fn s3_pace_settings_with_a_token_need_it() {
     )
     .await;
     assert_eq!(with.status, 200, "{}", with.text());
-    let _ = child.kill();
-    let _ = child.wait();
 }
