@@ -219,13 +219,16 @@ impl std::fmt::Display for Who {
 /// sent more than once (two `X-API-Key` fields, two `Authorization` fields, two
 /// session cookies), or two kinds at once (an `X-API-Key` and a Bearer) when the policy
 /// names no `identity.counted_credential`. sluice would charge one while the upstream
-/// may read another, so the request is refused.
+/// may read another, so the request is refused. With `count` 1, one field sluice
+/// cannot read as the credential it is (an `Authorization: Bearer` without a single
+/// token, an `X-API-Key` or Bearer that is not visible ASCII): uncounted, it must not
+/// be forwarded either (see [`AmbiguousCredentials::is_malformed`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{}", self.describe())]
 pub struct AmbiguousCredentials {
     /// Where the (first) credential is read from.
     pub sent_in: CredentialSource,
-    /// How many the request sends (at least 2).
+    /// How many the request sends (at least 2; 1 for a malformed one).
     pub count: usize,
     /// The other kind sent beside it, when two kinds came in one request.
     pub also: Option<CredentialSource>,
@@ -251,7 +254,20 @@ fn source_field(source: CredentialSource) -> &'static str {
 }
 
 impl AmbiguousCredentials {
+    /// Whether this is one field that is not a readable credential, rather than
+    /// several.
+    pub fn is_malformed(&self) -> bool {
+        self.count == 1 && self.also.is_none()
+    }
+
     fn describe(&self) -> String {
+        if self.is_malformed() {
+            return format!(
+                "malformed credential: {} that is not a readable credential (`Bearer \
+                 <token>`, one token of visible ASCII)",
+                source_name(self.sent_in, false)
+            );
+        }
         match self.also {
             Some(other) => format!(
                 "ambiguous credentials: {} and {} in one request (send one, or name the \
@@ -486,6 +502,15 @@ impl Identity {
                 });
             }
         }
+        for &source in &self.credentials {
+            if self.malformed(source, headers) {
+                return Err(AmbiguousCredentials {
+                    sent_in: source,
+                    count: 1,
+                    also: None,
+                });
+            }
+        }
         let mut present = self
             .credentials
             .iter()
@@ -524,6 +549,31 @@ impl Identity {
                     && v.split(|&b| b == b';')
                         .any(|pair| self.is_session_pair(pair))
             }),
+        }
+    }
+
+    /// Whether the request's field of `source` is one sluice cannot read as the
+    /// credential the upstream may take it for: not visible ASCII, or a Bearer
+    /// without exactly one token. Other `Authorization` schemes (`Basic …`) are not
+    /// sluice's credentials and pass.
+    fn malformed(&self, source: CredentialSource, headers: &HeaderMap) -> bool {
+        let field = match source {
+            CredentialSource::ApiKeyHeader => headers.get(X_API_KEY),
+            CredentialSource::Bearer => headers.get(AUTHORIZATION),
+            CredentialSource::SessionCookie => return false,
+        };
+        let Some(value) = field else { return false };
+        let Ok(text) = value.to_str() else {
+            return true;
+        };
+        if source == CredentialSource::ApiKeyHeader {
+            return false;
+        }
+        let text = text.trim();
+        let (scheme, token) = text.split_once([' ', '\t']).unwrap_or((text, ""));
+        scheme.eq_ignore_ascii_case("bearer") && {
+            let token = token.trim();
+            token.is_empty() || token.contains([' ', '\t'])
         }
     }
 

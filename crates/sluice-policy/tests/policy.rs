@@ -319,6 +319,30 @@ fn e2_a_credential_sent_twice_is_ambiguous() {
             "{cookies:?}"
         );
     }
+    // A credential field sluice cannot read is refused, not left uncounted.
+    for bad in [
+        &[("authorization", "Bearer")][..],
+        &[("authorization", "bearer  a b")],
+        &[("authorization", "Bearer ")],
+    ] {
+        assert_eq!(
+            ambiguous(bad).map_err(|e| (e.0, e.1)),
+            Err(("authorization", 1)),
+            "{bad:?}"
+        );
+    }
+    let mut raw = HeaderMap::new();
+    raw.insert(
+        "x-api-key",
+        HeaderValue::from_bytes(b"k\xffey").expect("obs-text"),
+    );
+    let e = id.check_credentials(&raw).expect_err("not visible ASCII");
+    assert!(e.is_malformed() && e.field() == "x-api-key", "{e}");
+    assert_eq!(
+        ambiguous(&[("authorization", "Basic dXNlcg==")]),
+        Ok(()),
+        "another scheme passes"
+    );
     // Two kinds in one request: the caller would pick which one is counted.
     assert_eq!(
         ambiguous(&[("x-api-key", "k1"), ("authorization", "Bearer b")]),

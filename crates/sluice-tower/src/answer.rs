@@ -413,6 +413,7 @@ impl Refused {
     /// | a `Content-Encoding` but `identity` | 415 | `unsupported_media_type` | `content_encodings` |
     /// | a path with `..` above the root, a bad `%`, a `\\`, or `;` parameters that change the route | 400 | `invalid_request` | `reason` |
     /// | one kind of credential sent more than once, or two kinds without `identity.counted_credential` | 400 | `invalid_request` | `reason: "ambiguous_credentials"`, `field`, `fields`, `count` |
+    /// | a credential field sluice cannot read (a Bearer without one token, not visible ASCII) | 400 | `invalid_request` | `reason: "malformed_credential"`, `field`, `fields`, `count: 1` |
     /// | an HTTP/1.1 request without `Host`, several `Host` fields, a bad `Host` | 400 | `invalid_request` | `reason` |
     /// | `CONNECT` | 405 | `method_not_allowed` | `method` (and an `Allow` field) |
     /// | more calls through a guarded lane in one request than a workspace runs at once | 400 | `invalid_request` | `reason: "too_many_lane_calls"`, `calls`, `max` |
@@ -435,7 +436,7 @@ impl Refused {
                 StatusCode::BAD_REQUEST,
                 "invalid_request",
                 serde_json::json!({
-                    "reason": "ambiguous_credentials",
+                    "reason": if ambiguous.is_malformed() { "malformed_credential" } else { "ambiguous_credentials" },
                     "field": ambiguous.field(),
                     "fields": ambiguous.fields(),
                     "count": ambiguous.count,
