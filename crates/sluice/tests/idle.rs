@@ -8,9 +8,8 @@
 
 mod support;
 
-use std::io::{BufRead as _, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -18,7 +17,7 @@ use http::{Request, StatusCode};
 use http_body_util::Full;
 use serde_json::{Value, json};
 use support::redis::RedisServer;
-use support::{DataDir, START_TIMEOUT, Sluice, send};
+use support::{DataDir, Pace, Sluice, send};
 
 /// How long the processes are watched at rest.
 const WINDOW: Duration = Duration::from_secs(10);
@@ -32,50 +31,6 @@ const MOST_COMMANDS_PER_SECOND: f64 = 1.0;
 /// Longest a process may take after its start line to stop using CPU (start-up
 /// work, such as loading the tokenizer, may go on briefly after it).
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A `sluice pace` child; killed on drop.
-struct Pace {
-    child: Child,
-}
-
-impl Pace {
-    fn spawn(config: &Path, store: &str) -> Pace {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args(["pace", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
-            .args(["--store", store, "--config"])
-            .arg(config)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn sluice pace");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut reader = BufReader::new(stdout);
-            let mut line = String::new();
-            let _ = reader.read_line(&mut line);
-            let _ = tx.send(line);
-            let mut rest = String::new();
-            while matches!(reader.read_line(&mut rest), Ok(n) if n > 0) {
-                rest.clear();
-            }
-        });
-        let line = rx.recv_timeout(START_TIMEOUT).expect("pace start line");
-        assert!(
-            line.contains("listening on"),
-            "unexpected start line {line:?}"
-        );
-        Pace { child }
-    }
-}
-
-impl Drop for Pace {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// A pace config with one provider that is never called.
 fn pace_config(dir: &DataDir) -> PathBuf {
@@ -163,12 +118,12 @@ fn s1_at_rest_serve_and_pace_cost_nothing() {
         },
         Watched {
             name: "sluice pace",
-            pid: pace_on_memory.child.id(),
+            pid: pace_on_memory.pid(),
             redis: None,
         },
         Watched {
             name: "sluice pace --store redis",
-            pid: pace_on_redis.child.id(),
+            pid: pace_on_redis.pid(),
             redis: Some(&pace_redis),
         },
     ];

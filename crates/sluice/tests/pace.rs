@@ -3,8 +3,6 @@
 
 mod support;
 
-use std::io::{BufRead as _, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,68 +10,7 @@ use http::Request;
 use http_body_util::Full;
 use sluice_client::simulator::{Simulator, SimulatorConfig};
 use support::redis::RedisServer;
-use support::{get, send};
-
-/// A `sluice pace` child; killed on drop.
-struct Pace {
-    child: Child,
-    listen: String,
-    admin: String,
-}
-
-impl Pace {
-    fn spawn(config: &std::path::Path, store: &str) -> Pace {
-        Self::spawn_with(config, &["--admin", "127.0.0.1:0", "--store", store])
-    }
-
-    /// `sluice pace --listen 127.0.0.1:0 <args> --config CONFIG`.
-    fn spawn_with(config: &std::path::Path, args: &[&str]) -> Pace {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args(["pace", "--listen", "127.0.0.1:0"])
-            .args(args)
-            .arg("--config")
-            .arg(config)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn sluice pace");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("start line");
-        // "sluice pace: listening on http://A, admin http://B, store S"
-        let addrs: Vec<String> = line
-            .split("http://")
-            .skip(1)
-            .map(|s| {
-                s.split([',', ' ', '\n'])
-                    .next()
-                    .unwrap_or_default()
-                    .to_owned()
-            })
-            .collect();
-        assert_eq!(addrs.len(), 2, "unexpected start line {line:?}");
-        Pace {
-            child,
-            listen: addrs[0].clone(),
-            admin: addrs[1].clone(),
-        }
-    }
-}
-
-impl Drop for Pace {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use support::{Pace, get, send};
 
 fn config(name: &str, base_url: &str, limits: &str, extra: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("sluice-pace-{}", std::process::id()));

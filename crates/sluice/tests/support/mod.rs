@@ -310,6 +310,70 @@ pub fn run_to_exit(args: &[&str], timeout: Duration) -> Finished {
     }
 }
 
+/// A running `sluice pace`, where it listens as its start line says; killed on drop.
+pub struct Pace {
+    child: Child,
+    /// The proxy's address.
+    pub listen: String,
+    /// The admin listener's address.
+    pub admin: String,
+}
+
+impl Pace {
+    /// `sluice pace --listen 127.0.0.1:0 --admin 127.0.0.1:0 --store STORE --config CONFIG`.
+    pub fn spawn(config: &std::path::Path, store: &str) -> Pace {
+        Self::spawn_with(config, &["--admin", "127.0.0.1:0", "--store", store])
+    }
+
+    /// `sluice pace --listen 127.0.0.1:0 <args> --config CONFIG`, once it has printed
+    /// its start line (bounded wait).
+    pub fn spawn_with(config: &std::path::Path, args: &[&str]) -> Pace {
+        let mut child = Command::new(binary())
+            .args(["pace", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .arg("--config")
+            .arg(config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn sluice pace");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let line = read_first_line(stdout)
+            .recv_timeout(START_TIMEOUT)
+            .expect("pace start line");
+        // "sluice pace: listening on http://A, admin http://B, store S"
+        let addrs: Vec<String> = line
+            .split("http://")
+            .skip(1)
+            .map(|s| {
+                s.split([',', ' ', '\n'])
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect();
+        assert_eq!(addrs.len(), 2, "unexpected start line {line:?}");
+        Pace {
+            child,
+            listen: addrs[0].clone(),
+            admin: addrs[1].clone(),
+        }
+    }
+
+    /// The child's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Pace {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A plain HTTP/1.1 client for the tests.
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build(HttpConnector::new())
