@@ -10,7 +10,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use http::{Request, Response};
-use sluice_tower::{PeerAddr, RequestId, X_REQUEST_ID};
+use sluice_edge::{RequestId, X_REQUEST_ID};
+use sluice_tower::PeerAddr;
 use tower::Service;
 
 /// Writes one access line (target `sluice::access`). The path is logged without its

@@ -48,7 +48,7 @@ pub fn install_metrics() -> &'static PrometheusHandle {
             .and_then(|b| {
                 b.set_buckets_for_metric(
                     Matcher::Full("sluice_decision_seconds".to_owned()),
-                    sluice_tower::DECISION_SECONDS_BUCKETS,
+                    sluice_edge::DECISION_SECONDS_BUCKETS,
                 )
             })
             .unwrap_or_else(|_| PrometheusBuilder::new());
@@ -62,7 +62,7 @@ pub fn install_metrics() -> &'static PrometheusHandle {
 }
 
 /// `# HELP` (and the unit) of every metric family sluice records, here and in the
-/// limiter (`sluice_tower::Limiter`): a family missing here has no `# HELP` in
+/// limiter (`sluice_edge::Limiter`): a family missing here has no `# HELP` in
 /// `/metrics` (the test `metrics_describe_every_sluice_family` scrapes them all).
 fn describe_metrics() {
     metrics::describe_counter!(
@@ -193,7 +193,7 @@ struct AdminInner {
     started: Instant,
     requests: RequestStats,
     limiter: Option<LimiterSummary>,
-    quotas: Option<sluice_tower::SharedLimiter<AnyStore>>,
+    quotas: Option<sluice_edge::SharedLimiter<AnyStore>>,
     history: Arc<Mutex<History>>,
     /// The dashboard's quota table and when it was read (see [`QUOTAS_MAX_AGE`]).
     quota_table: Arc<Mutex<Option<(Instant, serde_json::Value)>>>,
@@ -222,7 +222,7 @@ pub struct ClassSample {
     /// Units of the class spent in the interval.
     pub units: u64,
     /// The fullest budget of the class a caller had at the sample, in thousandths
-    /// of its limit (see [`sluice_tower::ClassTally::fill_permille`]).
+    /// of its limit (see [`sluice_edge::ClassTally::fill_permille`]).
     pub fill_permille: u16,
 }
 
@@ -251,7 +251,7 @@ pub struct Sample {
 struct History {
     samples: VecDeque<Sample>,
     last_seq: u64,
-    last: Option<(u64, sluice_tower::Tally)>,
+    last: Option<(u64, sluice_edge::Tally)>,
 }
 
 impl History {
@@ -260,16 +260,15 @@ impl History {
         &mut self,
         at: u64,
         requests: u64,
-        tally: sluice_tower::Tally,
+        tally: sluice_edge::Tally,
         degraded: bool,
         in_flight: u64,
     ) {
         let mut classes = [ClassSample::default(); 4];
         for (i, (sample, now)) in classes.iter_mut().zip(&tally.classes).enumerate() {
             let before = self.last.as_ref().and_then(|(_, t)| t.classes.get(i));
-            let delta = |f: fn(&sluice_tower::ClassTally) -> u64| {
-                f(now).saturating_sub(before.map_or(0, f))
-            };
+            let delta =
+                |f: fn(&sluice_edge::ClassTally) -> u64| f(now).saturating_sub(before.map_or(0, f));
             *sample = ClassSample {
                 admitted: delta(|c| c.admitted),
                 refused: delta(|c| c.refused),
@@ -342,7 +341,7 @@ impl AdminState {
 
     /// The same state with `/quotas` answered from the current limiter's store.
     #[must_use]
-    pub fn with_quotas(self, limiter: sluice_tower::SharedLimiter<AnyStore>) -> Self {
+    pub fn with_quotas(self, limiter: sluice_edge::SharedLimiter<AnyStore>) -> Self {
         self.changed(|inner| inner.quotas = Some(limiter))
     }
 
@@ -447,7 +446,7 @@ async fn metrics_text(State(state): State<AdminState>) -> Response {
     state.inner.requests.publish();
     if let Some(limiter) = &state.inner.quotas {
         for lane in limiter.load().lanes() {
-            sluice_tower::publish_lane_gauges(lane);
+            sluice_edge::publish_lane_gauges(lane);
         }
     }
     (
@@ -489,7 +488,7 @@ async fn reset_quotas(
     };
     let answer = quota_answer(&state, q, true).await;
     if answer.status().is_success() {
-        let usage = |u: &[sluice_tower::QuotaUsage]| {
+        let usage = |u: &[sluice_edge::QuotaUsage]| {
             u.iter()
                 .filter(|q| family.as_deref().is_none_or(|f| f == q.family))
                 .map(|q| format!("{}={}", q.family, q.usage))
@@ -542,7 +541,7 @@ async fn quota_answer(state: &AdminState, q: QuotaQuery, reset: bool) -> Respons
     };
     match answer {
         Ok(usage) => Json(usage_json(&workspace, &usage)).into_response(),
-        Err(sluice_tower::QuotaQueryError::Store(e)) => error(
+        Err(sluice_edge::QuotaQueryError::Store(e)) => error(
             StatusCode::SERVICE_UNAVAILABLE,
             "store_unavailable",
             e.to_string(),
@@ -610,7 +609,7 @@ async fn dashboard_json(
         .into_response()
 }
 
-fn tally_json(t: &sluice_tower::Tally) -> serde_json::Value {
+fn tally_json(t: &sluice_edge::Tally) -> serde_json::Value {
     serde_json::json!({
         "classes": t.classes.iter().map(|c| serde_json::json!({
             "class": c.class.name(),
@@ -632,14 +631,14 @@ fn tally_json(t: &sluice_tower::Tally) -> serde_json::Value {
 }
 
 /// A workspace's quota usage as `/quotas` and the dashboard show it.
-fn usage_json(workspace: &str, usage: &[sluice_tower::QuotaUsage]) -> serde_json::Value {
+fn usage_json(workspace: &str, usage: &[sluice_edge::QuotaUsage]) -> serde_json::Value {
     serde_json::json!({
         "workspace": workspace,
         "quotas": usage.iter().map(|u| serde_json::json!({
             "family": u.family,
             "limit": u.limit,
             "usage": u.usage,
-            "resets_at": sluice_tower::rfc3339(u.resets_at),
+            "resets_at": sluice_edge::rfc3339(u.resets_at),
         })).collect::<Vec<_>>(),
     })
 }
@@ -707,8 +706,8 @@ mod tests {
     fn state() -> AdminState {
         let policy = sluice_policy::default_policy().expect("default policy");
         let store = AnyStore::memory(sluice_core::SystemClock::default());
-        let limiter = Arc::new(sluice_tower::arc_swap::ArcSwap::from_pointee(
-            sluice_tower::Limiter::new(policy, store),
+        let limiter = Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(
+            sluice_edge::Limiter::new(policy, store),
         ));
         let info = StatusInfo {
             listen: String::new(),

@@ -31,12 +31,12 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 use sluice_core::{Clock as _, SystemClock, Timestamp};
+use sluice_edge::SharedLimiter;
 use sluice_policy::{BatchEndpoint, LaneBatch};
 use sluice_store::{
     BatchBook, BatchError, BatchQueue, BatchStatus, Claimed, Finish, ItemResult, Maintenance,
     RedisBatches, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
 };
-use sluice_tower::SharedLimiter;
 use tower::Service;
 
 use crate::Stop;
@@ -214,7 +214,7 @@ enum Look {
 
 impl BatchLane {
     /// The batch lanes of `limiter`'s policy over `queue`. A reload keeps the
-    /// lanes as they are (see [`sluice_tower::Limiter::reloaded`]); the submit and status
+    /// lanes as they are (see [`sluice_edge::Limiter::reloaded`]); the submit and status
     /// requests are decided by whichever limiter is current.
     ///
     /// The lanes share one queue, each in its own part of it: the policy's first
@@ -277,7 +277,7 @@ impl BatchLane {
     /// Queues the batch `body` (already checked and counted by the limiter) for the
     /// request `parts`, and answers 202, or why it was not queued.
     async fn submit(&self, parts: &http::request::Parts, body: Bytes) -> Response<ProxyBody> {
-        let submit = match sluice_tower::parse_batch(&body, self.batch.max_items.get()) {
+        let submit = match sluice_edge::parse_batch(&body, self.batch.max_items.get()) {
             Ok(submit) => submit,
             Err(refused) => return boxed(refused.response()),
         };
@@ -766,7 +766,7 @@ impl BatchLane {
 
 /// The batch status as `GET <route>/batches/{id}` shows it.
 fn status_json(s: &BatchStatus) -> Value {
-    let at = |t: Timestamp| sluice_tower::rfc3339(t.as_secs());
+    let at = |t: Timestamp| sluice_edge::rfc3339(t.as_secs());
     json!({
         "batch_id": s.batch_id,
         "state": s.state.as_str(),
@@ -851,7 +851,7 @@ fn json_response(status: StatusCode, body: &Value) -> Response<ProxyBody> {
 }
 
 fn envelope(status: StatusCode, code: &str, message: &str, details: Value) -> Response<ProxyBody> {
-    boxed(sluice_tower::envelope_response(
+    boxed(sluice_edge::envelope_response(
         status, code, message, details,
     ))
 }
@@ -932,14 +932,14 @@ impl BatchLane {
     async fn tool(
         &self,
         parts: &http::request::Parts,
-        call: sluice_tower::BatchToolCall,
+        call: sluice_edge::BatchToolCall,
     ) -> Response<ProxyBody> {
         let answer = match call.tool {
-            sluice_tower::BatchTool::Submit(_) => {
+            sluice_edge::BatchTool::Submit(_) => {
                 let args = Bytes::from(call.arguments.to_string());
                 self.submit(parts, args).await
             }
-            sluice_tower::BatchTool::Status(_) => match call.arguments["batch_id"].as_str() {
+            sluice_edge::BatchTool::Status(_) => match call.arguments["batch_id"].as_str() {
                 Some(id) => self.status(parts, id).await,
                 None => envelope(
                     StatusCode::BAD_REQUEST,
@@ -1010,15 +1010,15 @@ where
                     let (parts, body) = request.into_parts();
                     let bytes = match body.collect().await {
                         Ok(c) => c.to_bytes(),
-                        Err(_) => return Ok(boxed(sluice_tower::body_unreadable())),
+                        Err(_) => return Ok(boxed(sluice_edge::body_unreadable())),
                     };
                     let call = lanes.first().and_then(|l| {
-                        sluice_tower::batch_tool_call(l.limiter.load().policy(), &bytes)
+                        sluice_edge::batch_tool_call(l.limiter.load().policy(), &bytes)
                             .ok()
                             .flatten()
                     });
                     let lane = call.as_ref().and_then(|c| match c.tool {
-                        sluice_tower::BatchTool::Submit(i) | sluice_tower::BatchTool::Status(i) => {
+                        sluice_edge::BatchTool::Submit(i) | sluice_edge::BatchTool::Status(i) => {
                             lanes.iter().find(|l| l.lane_index == i).cloned()
                         }
                     });
@@ -1037,7 +1037,7 @@ where
                 BatchEndpoint::Submit(_) if parts.method == Method::POST => {
                     let body = match body.collect().await {
                         Ok(c) => c.to_bytes(),
-                        Err(_) => return Ok(boxed(sluice_tower::body_unreadable())),
+                        Err(_) => return Ok(boxed(sluice_edge::body_unreadable())),
                     };
                     lane.submit(&parts, body).await
                 }

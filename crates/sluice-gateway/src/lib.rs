@@ -37,10 +37,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice_core::SystemClock;
+use sluice_edge::arc_swap::ArcSwap;
+use sluice_edge::{Limiter, SharedLimiter};
 use sluice_policy::Policy;
 use sluice_store::{JournalSync, MemoryConfig, MemoryStore, OpenError, StoreError};
-use sluice_tower::arc_swap::ArcSwap;
-use sluice_tower::{Limiter, SharedLimiter, SluiceLayer};
+use sluice_tower::SluiceLayer;
 use store::AnyStore;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -63,7 +64,8 @@ const BACKEND_GRACE: Duration = Duration::from_secs(2);
 /// The socket address of the connection a request arrived on, inserted as a request
 /// extension by the gateway for every request; the limiter keys anonymous callers and
 /// IP ceilings on it, and the proxy appends it to X-Forwarded-For.
-pub use sluice_tower::{DEFAULT_REFUSAL_LOG_PER_SECOND, PeerAddr};
+pub use sluice_edge::DEFAULT_REFUSAL_LOG_PER_SECOND;
+pub use sluice_tower::PeerAddr;
 
 /// The request body the gateway's service stack receives: the connection's body,
 /// streamed, boxed. It is also `From<Bytes>`, so a layer that reads the body (the
@@ -153,7 +155,7 @@ pub struct GatewayConfig {
     /// Most request-body bytes held in memory at once.
     pub max_buffered_bytes: usize,
     /// The share of `max_buffered_bytes` one client address may hold (a fraction; see
-    /// [`sluice_tower::BufferBudget::with_share`]).
+    /// [`sluice_edge::BufferBudget::with_share`]).
     pub max_buffered_share: f64,
     /// Most budget cells the memory store holds (see [`MemoryConfig::max_keys`]).
     pub max_keys: usize,
@@ -230,15 +232,15 @@ impl GatewayConfig {
             workers: std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN),
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
-            max_buffered_bytes: sluice_tower::DEFAULT_MAX_BUFFERED_BYTES,
-            max_buffered_share: sluice_tower::DEFAULT_BUFFERED_SHARE,
+            max_buffered_bytes: sluice_edge::DEFAULT_MAX_BUFFERED_BYTES,
+            max_buffered_share: sluice_edge::DEFAULT_BUFFERED_SHARE,
             max_keys: MemoryConfig::default().max_keys,
             demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
             batch_bounds: BatchBounds::default(),
             policy_file: None,
             access_log: false,
             admin_door: sluice_door::DoorConfig::default(),
-            refusal_log_per_second: sluice_tower::DEFAULT_REFUSAL_LOG_PER_SECOND,
+            refusal_log_per_second: sluice_edge::DEFAULT_REFUSAL_LOG_PER_SECOND,
         }
     }
 }
@@ -305,7 +307,7 @@ pub struct Gateway {
     gateway_task: JoinHandle<Drain>,
     admin_task: JoinHandle<()>,
     reloader: Arc<Reloader>,
-    buffers: Arc<sluice_tower::BufferBudget>,
+    buffers: Arc<sluice_edge::BufferBudget>,
 }
 
 /// A one-shot stop signal that any number of tasks can wait on.
@@ -432,7 +434,7 @@ impl Gateway {
             StoreSpec::Memory => None,
         };
         let fallback = MemoryStore::with_clock(
-            MemoryConfig::with_max_keys(sluice_tower::FALLBACK_MAX_KEYS),
+            MemoryConfig::with_max_keys(sluice_edge::FALLBACK_MAX_KEYS),
             clock,
         );
         // Without a file, the version is the policy's own digest.
@@ -596,7 +598,7 @@ impl Gateway {
 
     /// The bound on request-body bytes held in memory, with what is leased of it now
     /// and by which client (every request path leases from it; a reload keeps it).
-    pub fn buffers(&self) -> &Arc<sluice_tower::BufferBudget> {
+    pub fn buffers(&self) -> &Arc<sluice_edge::BufferBudget> {
         &self.buffers
     }
 
@@ -693,7 +695,7 @@ async fn reclaim_stale_cells(limiter: SharedLimiter<AnyStore>, stop: Stop) {
 /// replica on it: their limits hold across all of them (see
 /// [`sluice_lanes::Lane::with_ledger`]). A lease lives `lease_ttl_seconds` without
 /// renewal, and one call to Redis waits at most the store's timeout; while Redis
-/// cannot be asked, each lane follows [`sluice_tower::ledger_outage`]. On a Redis
+/// cannot be asked, each lane follows [`sluice_edge::ledger_outage`]. On a Redis
 /// Cluster (`redis+cluster://`) each lane's keys live on one node (one hash tag per
 /// lane), so a lane's limits hold there too.
 async fn shared_lanes(policy: &Policy, url: &str) -> Result<Vec<sluice_lanes::Lane>, StartError> {
@@ -703,7 +705,7 @@ async fn shared_lanes(policy: &Policy, url: &str) -> Result<Vec<sluice_lanes::La
             lane: rule.name.clone(),
             reason,
         };
-        let limits = sluice_tower::lane_config(rule);
+        let limits = sluice_edge::lane_config(rule);
         let mut ledger = sluice_lanes::RedisLedgerConfig::new(url);
         ledger.lease_ttl = rule.lease_ttl;
         ledger.timeout = policy.store.timeout;
@@ -714,7 +716,7 @@ async fn shared_lanes(policy: &Policy, url: &str) -> Result<Vec<sluice_lanes::La
             rule.name.as_str(),
             limits,
             ledger,
-            sluice_tower::ledger_outage(policy, i),
+            sluice_edge::ledger_outage(policy, i),
         )
         .map_err(|e| failed(e.to_string()))?;
         lanes.push(lane);

@@ -323,7 +323,7 @@ impl Inner {
             // The client's body failed (it left, or stopped sending): not the
             // upstream's doing (no upstream sample), answered as the limiter answers
             // a body it cannot read.
-            Ok(Err(_)) if upload_handle.failed() => sluice_tower::body_unreadable()
+            Ok(Err(_)) if upload_handle.failed() => sluice_edge::body_unreadable()
                 .map(|body| body.map_err(|never| match never {}).boxed()),
             Ok(Err(error)) => {
                 self.upstream_seconds[1].record(elapsed);
@@ -380,10 +380,10 @@ pub(super) fn upstream_failure(failure: Failure, timeout: Duration) -> Response<
     }
 }
 
-/// sluice's JSON error envelope (the one definition, [`sluice_tower::envelope_response`])
+/// sluice's JSON error envelope (the one definition, [`sluice_edge::envelope_response`])
 /// with empty `details`, as the proxy's body type.
 pub fn error_response(status: StatusCode, code: &str, message: &str) -> Response<ProxyBody> {
-    sluice_tower::envelope_response(status, code, message, serde_json::json!({}))
+    sluice_edge::envelope_response(status, code, message, serde_json::json!({}))
         .map(|body| body.map_err(|never| match never {}).boxed())
 }
 
@@ -571,7 +571,7 @@ mod tests {
         // What the limiter's layer hands on is normal: it stays under the prefix.
         let policy = sluice_policy::default_policy().expect("default policy");
         let mut uri: Uri = "/x/../../etc".parse().expect("uri");
-        let limiter = sluice_tower::Limiter::new(
+        let limiter = sluice_edge::Limiter::new(
             policy,
             sluice_store::MemoryStore::new(sluice_store::MemoryConfig::default()),
         );

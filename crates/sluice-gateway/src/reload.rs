@@ -10,9 +10,9 @@
 //! messages); one that does not pass, or that changes what only a restart can change,
 //! is logged and rejected, and the running policy stays. An accepted one replaces the
 //! limiter both request paths take each request from (see
-//! [`sluice_tower::SharedLimiter`]): requests already admitted finish under the old
+//! [`sluice_edge::SharedLimiter`]): requests already admitted finish under the old
 //! policy, the next ones are decided by the new one, and budgets keep their counts
-//! (the store is shared; see [`sluice_tower::Limiter::reloaded`]).
+//! (the store is shared; see [`sluice_edge::Limiter::reloaded`]).
 //!
 //! What a reload cannot change (it is refused, the old policy keeps running):
 //! - `lanes:` — a lane's engine counts the calls running through it and its batch
@@ -30,8 +30,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use sha2::{Digest as _, Sha256};
+use sluice_edge::SharedLimiter;
 use sluice_policy::Policy;
-use sluice_tower::SharedLimiter;
 
 use crate::Stop;
 use crate::store::AnyStore;
@@ -147,7 +147,7 @@ impl Reloader {
         let state = self.state.lock();
         serde_json::json!({
             "version": state.version,
-            "loaded_at": sluice_tower::rfc3339(state.loaded_at),
+            "loaded_at": sluice_edge::rfc3339(state.loaded_at),
             "source": self.file.as_ref().map_or_else(
                 || "built-in".to_owned(),
                 |f| f.path.display().to_string(),
@@ -156,7 +156,7 @@ impl Reloader {
             "rejected": state.rejected,
             "last_rejected": state.last_rejected.as_ref().map(|(at, version, error)| {
                 serde_json::json!({
-                    "at": sluice_tower::rfc3339(*at),
+                    "at": sluice_edge::rfc3339(*at),
                     "version": version,
                     "error": error,
                 })

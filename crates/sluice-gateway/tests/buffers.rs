@@ -9,8 +9,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use sluice_edge::{BufferBudget, Holder};
 use sluice_gateway::{Gateway, GatewayConfig};
-use sluice_tower::{BufferBudget, Holder};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpSocket, TcpStream};
 
@@ -196,7 +196,7 @@ async fn e5_buffered_bodies_hold_at_most_their_bound_on_both_paths() {
                     // The bound, and hyper's read buffer, counted at once.
                     Path::Hyper => assert_eq!(
                         used,
-                        MAX_BODY + sluice_tower::READ_BUFFER_ALLOWANCE,
+                        MAX_BODY + sluice_edge::READ_BUFFER_ALLOWANCE,
                         "{path:?}"
                     ),
                 }

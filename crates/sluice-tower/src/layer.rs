@@ -15,11 +15,10 @@ use http_body_util::{BodyExt, Either, Full};
 use sluice_store::BudgetStore;
 use tower::{Layer, Service};
 
-use crate::answer::{
-    body_too_slow, body_unreadable, buffers_refusal, payload_too_large, rate_limit_headers,
-    take_cost, upstream_headers, upstream_timed_out,
+use sluice_edge::{
+    Limiter, Refused, SharedLimiter, body_too_slow, body_unreadable, buffers_refusal,
+    payload_too_large, rate_limit_headers, take_cost, upstream_headers, upstream_timed_out,
 };
-use crate::limiter::{Limiter, Refused};
 use sluice_policy::RouteClass;
 
 /// The connection's peer address, as a request extension. A server inserts it per
@@ -67,7 +66,7 @@ fn no_peer_address() -> Response<Full<Bytes>> {
              SluiceLayer::with_peer a function; such requests are refused (500)"
         );
     }
-    crate::answer::envelope_response(
+    sluice_edge::envelope_response(
         http::StatusCode::INTERNAL_SERVER_ERROR,
         "no_client_address",
         "The rate limiter could not find the client's address, so it cannot count this request.",
@@ -78,12 +77,7 @@ fn no_peer_address() -> Response<Full<Bytes>> {
 /// The body sluice answers with: its own refusals, or the inner service's.
 pub type SluiceBody<B> = Either<Full<Bytes>, B>;
 
-/// A limiter that can be replaced while requests run (a policy reload): each request
-/// takes the one current when it arrives ([`ArcSwap::load_full`], no lock) and keeps
-/// it to its end.
-pub type SharedLimiter<S> = Arc<ArcSwap<Limiter<S>>>;
-
-/// Wraps a service with a [`Limiter`]. A request carrying a [`RequestId`](crate::RequestId)
+/// Wraps a service with a [`Limiter`]. A request carrying a [`RequestId`](sluice_edge::RequestId)
 /// extension has its refusal logged under that id (see [`Limiter::admit_as`]).
 pub struct SluiceLayer<S> {
     limiter: SharedLimiter<S>,
@@ -231,7 +225,7 @@ where
             // A head RFC 9112 refuses (no `Host`, several), or `CONNECT`, is refused
             // before anything is read of it.
             let hosts = parts.headers.get_all(HOST).iter().map(|v| v.as_bytes());
-            if let Err(refused) = crate::limiter::check_head(&parts.method, parts.version, hosts) {
+            if let Err(refused) = sluice_edge::check_head(&parts.method, parts.version, hosts) {
                 let mut answer = refused.response();
                 if refused == Refused::Connect && parts.version <= Version::HTTP_11 {
                     // What follows a CONNECT head may be a tunnel's bytes.
@@ -272,8 +266,8 @@ where
                 let capacity = announced.unwrap_or(max).min(max);
                 let holder = limiter.buffer_holder(peer, &parts.headers);
                 // A body longer than one read buffer also leases that buffer's room.
-                let allowance = if capacity > crate::PIECE_BYTES {
-                    crate::READ_BUFFER_ALLOWANCE
+                let allowance = if capacity > sluice_edge::PIECE_BYTES {
+                    sluice_edge::READ_BUFFER_ALLOWANCE
                 } else {
                     0
                 };
@@ -285,9 +279,11 @@ where
                     }
                 };
                 _lease = Some(lease);
-                let taken =
-                    tokio::time::timeout(crate::BODY_DEADLINE, take_whole(body, capacity, max))
-                        .await;
+                let taken = tokio::time::timeout(
+                    sluice_edge::BODY_DEADLINE,
+                    take_whole(body, capacity, max),
+                )
+                .await;
                 let Ok(taken) = taken else {
                     return Ok(body_too_slow().map(Either::Left));
                 };
@@ -319,7 +315,7 @@ where
                 (body, plan)
             };
             // What cannot be counted is refused before anything is decided.
-            let crate::Admitted {
+            let sluice_edge::Admitted {
                 decision,
                 plan,
                 lane,
@@ -327,7 +323,7 @@ where
                 .admit_as(
                     plan,
                     jsonrpc_body.as_deref(),
-                    parts.extensions.get::<crate::RequestId>(),
+                    parts.extensions.get::<sluice_edge::RequestId>(),
                 )
                 .await
             {
@@ -337,7 +333,7 @@ where
             if too_large {
                 let max = policy.bounds.max_body_bytes;
                 let mut r = if route.is_some_and(|r| r.class == RouteClass::JsonRpc) {
-                    crate::answer::jsonrpc_payload_too_large(max)
+                    sluice_edge::jsonrpc_payload_too_large(max)
                 } else {
                     payload_too_large(max)
                 };
@@ -390,7 +386,7 @@ enum Whole {
 
 /// Takes `body` whole, frame by frame, each frame copied and let go as it comes,
 /// within `capacity` bytes (what was leased for it): into pieces of
-/// [`crate::PIECE_BYTES`] allocated as they are needed (never grown, never past the
+/// [`sluice_edge::PIECE_BYTES`] allocated as they are needed (never grown, never past the
 /// lease), then once whole into one buffer of its length, the pieces freed at once.
 /// Nothing else holds the body while it arrives. A body past `max` is
 /// [`Whole::TooLarge`] once that is known.
@@ -419,7 +415,7 @@ where
             let piece = match pieces.last_mut() {
                 Some(piece) if piece.len() < piece.capacity() => piece,
                 _ => {
-                    let size = crate::PIECE_BYTES.min(capacity - len);
+                    let size = sluice_edge::PIECE_BYTES.min(capacity - len);
                     pieces.push(BytesMut::with_capacity(size));
                     pieces.last_mut().ok_or(Whole::Unreadable)?
                 }

@@ -50,53 +50,13 @@
 #[doc = include_str!("../../../docs/vs-tower-governor.md")]
 struct VsTowerGovernor;
 
-mod answer;
-mod batch;
-mod buffers;
-mod lanes;
 mod layer;
-mod limiter;
-mod plan;
-mod refusal_log;
-mod request_id;
 
-// What the gateway (sluice-gateway) builds on: its answers, batches, body
-// buffers and lanes. Not for users of the layer; hidden from the docs.
-#[doc(hidden)]
-pub use answer::{
-    COST_EXCEEDS_LIMIT, EDGE_BODY, JSONRPC_PARSE_ERROR, JSONRPC_RATE_LIMITED, RATELIMIT,
-    RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET,
-    X_SLUICE_COST, X_SLUICE_EXHAUSTED, X_SLUICE_USER, X_SLUICE_WORKSPACE, body_too_slow,
-    body_unreadable, buffers_full, buffers_refusal, envelope_response, for_each_rate_limit_header,
-    for_each_upstream_header, is_sluice_signal, jsonrpc_payload_too_large, jsonrpc_refusal,
-    limiter_unavailable, parse_cost, payload_too_large, rate_limit_headers, refusal, refusal_wait,
-    retry_after_secs, rfc3339, take_cost, upstream_headers, upstream_timed_out,
+pub use layer::{KeyFn, PeerAddr, PeerFn, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
+/// The edge engine the layer runs: its limiter, plans, decisions and answers.
+pub use sluice_edge::{
+    self as edge, Admitted, Limiter, Plan, Refused, ReloadRefused, RequestId, SharedLimiter,
 };
-#[doc(hidden)]
-pub use batch::{
-    BadBatch, BatchSubmit, BatchTool, BatchToolCall, MAX_IDEMPOTENCY_KEY, batch_tool_call,
-    may_call_batch_tool, parse_batch,
-};
-#[doc(hidden)]
-pub use buffers::{
-    BODY_DEADLINE, BufferBudget, BufferFull, BufferLease, DEFAULT_BUFFERED_SHARE,
-    DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES, READ_BUFFER_ALLOWANCE,
-};
-#[doc(hidden)]
-pub use lanes::{
-    LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,
-};
-pub use layer::{
-    KeyFn, PeerAddr, PeerFn, SharedLimiter, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout,
-};
-pub use limiter::{
-    Admitted, ClassTally, Limiter, QuotaQueryError, QuotaUsage, Refused, ReloadRefused, Tally,
-};
-#[doc(hidden)]
-pub use limiter::{DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, TOP_CALLERS_TRACKED, check_head};
-pub use plan::{BudgetKind, Passed, Plan, Scopes};
-pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};
-pub use request_id::{MAX_REQUEST_ID_LEN, RequestId, X_REQUEST_ID};
 
 /// arc-swap, whose [`ArcSwap`](arc_swap::ArcSwap) holds a [`SharedLimiter`].
-pub use arc_swap;
+pub use sluice_edge::arc_swap;

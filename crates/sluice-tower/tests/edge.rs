@@ -8,7 +8,7 @@ use edit::Edit as _;
 mod support;
 
 use http::{Method, StatusCode};
-use sluice_tower::EDGE_BODY;
+use sluice_edge::EDGE_BODY;
 use support::{T0, method, start, tool_call};
 
 const KEY: (&str, &str) = ("x-api-key", "sk-test-one");

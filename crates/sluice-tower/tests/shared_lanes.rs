@@ -12,12 +12,12 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt as _;
+use sluice_edge::{Admitted, Limiter, lane_config, ledger_outage};
 use sluice_lanes::{
     Lane, Lease, LeaseKind, Ledger, LedgerCounts, LedgerError, LedgerOutage, MemoryLedger, Taken,
 };
 use sluice_policy::{DEFAULT_POLICY_YAML, Policy, parse_str};
 use sluice_store::{MemoryConfig, MemoryStore};
-use sluice_tower::{Admitted, Limiter, lane_config, ledger_outage};
 use tokio::time::Instant;
 
 fn policy(yaml: &str) -> Policy {

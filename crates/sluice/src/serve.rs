@@ -117,7 +117,7 @@ pub struct ServeArgs {
     /// Most request-body bytes the gateway holds in memory at once, over every
     /// connection (bodies it takes in whole before deciding); past it a new request
     /// with a body gets 503 with Retry-After. Default 256 MiB.
-    #[arg(long, value_name = "BYTES", default_value_t = sluice_tower::DEFAULT_MAX_BUFFERED_BYTES)]
+    #[arg(long, value_name = "BYTES", default_value_t = sluice_edge::DEFAULT_MAX_BUFFERED_BYTES)]
     pub max_buffered_bytes: usize,
 
     /// The share of --max-buffered-bytes one client address may hold, a fraction

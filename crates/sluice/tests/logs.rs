@@ -225,7 +225,7 @@ fn header_of(head: &str, name: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sane_request_id_is_kept_and_passed_upstream_an_insane_one_replaced_on_both_paths() {
     let sluice = Sluice::spawn(&[]);
-    let too_long = "a".repeat(sluice_tower::MAX_REQUEST_ID_LEN + 1);
+    let too_long = "a".repeat(sluice_edge::MAX_REQUEST_ID_LEN + 1);
     for (sent, kept) in [
         ("abc-123.XYZ_~", true),
         ("has space", false),
@@ -247,7 +247,7 @@ async fn a_sane_request_id_is_kept_and_passed_upstream_an_insane_one_replaced_on
             "the upstream got the id returned"
         );
         assert_eq!(returned == sent, kept, "{sent:?} → {returned:?}");
-        assert!(returned.len() <= sluice_tower::MAX_REQUEST_ID_LEN);
+        assert!(returned.len() <= sluice_edge::MAX_REQUEST_ID_LEN);
         // The hyper path.
         let (head, body) = get_on_hyper_path(&sluice, sent).await;
         let returned = header_of(&head, "x-request-id").expect("id on the hyper path");

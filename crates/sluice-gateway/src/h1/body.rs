@@ -3,14 +3,14 @@
 //! the size it is filled to ([`PIECE`], or what is left of the body) and leased
 //! before it is allocated, so nothing is reallocated, copied or freed while the body
 //! arrives and what the bound counts is what is held (one size for every piece:
-//! see [`sluice_tower::PIECE_BYTES`]). Once whole, it is copied once into a buffer of
+//! see [`sluice_edge::PIECE_BYTES`]). Once whole, it is copied once into a buffer of
 //! its exact length and the pieces are freed at once; the lease then is that length.
 
 use bytes::{Buf as _, BytesMut};
-use sluice_tower::{BufferFull, BufferLease};
+use sluice_edge::{BufferFull, BufferLease};
 
 /// Bytes of each piece: what a client that stalls holds beyond what it sent, at most.
-const PIECE: usize = sluice_tower::PIECE_BYTES;
+const PIECE: usize = sluice_edge::PIECE_BYTES;
 
 /// The pieces of a body that is arriving.
 #[derive(Debug, Default)]

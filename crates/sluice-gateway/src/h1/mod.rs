@@ -36,7 +36,7 @@ use bytes::{Buf as _, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, Method, Response};
 use http_body_util::BodyExt as _;
 use sluice_core::Decision;
-use sluice_tower::{Limiter, Plan, RateLimitValue, RequestId, SharedLimiter};
+use sluice_edge::{Limiter, Plan, RateLimitValue, RequestId, SharedLimiter};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -172,7 +172,7 @@ enum BodyRead {
     TooSlow,
     /// Holding more of it would pass the gateway's bound on buffered bytes, or its
     /// client's share of it.
-    Busy(sluice_tower::BufferFull),
+    Busy(sluice_edge::BufferFull),
 }
 
 /// What follows a request.
@@ -236,7 +236,7 @@ impl<'f> Connection<'f> {
 
     /// Reads the body of the request whose head is the first `head_len` bytes of
     /// `from_client`, until `end` bytes are there with the head, each read within the
-    /// head timeout and all of them within [`sluice_tower::BODY_DEADLINE`]. A request
+    /// head timeout and all of them within [`sluice_edge::BODY_DEADLINE`]. A request
     /// that fits the connection's buffer is read into it (`Ok(None)`: nothing leased,
     /// the buffer is the connection's own); a longer body fills that buffer, then the
     /// rest is read in [`body::Pieces`], each leased from `lease` before it is allocated, and comes back whole in a
@@ -246,9 +246,9 @@ impl<'f> Connection<'f> {
         client: &mut TcpStream,
         timers: &mut Timers,
         (head_len, end): (usize, usize),
-        lease: Option<&mut sluice_tower::BufferLease>,
+        lease: Option<&mut sluice_edge::BufferLease>,
     ) -> Result<Option<BytesMut>, BodyRead> {
-        let whole_by = tokio::time::Instant::now() + sluice_tower::BODY_DEADLINE;
+        let whole_by = tokio::time::Instant::now() + sluice_edge::BODY_DEADLINE;
         let Some(lease) = lease.filter(|_| end > self.from_client.capacity()) else {
             while self.from_client.len() < end {
                 read_within(client, timers, whole_by, &mut self.from_client).await?;
@@ -396,9 +396,9 @@ impl<'f> Connection<'f> {
                 // (or the client's share) is full: answered (when it still can be) as
                 // the service stack answers.
                 let answer = match read {
-                    BodyRead::TooSlow => sluice_tower::body_too_slow(),
-                    BodyRead::Busy(full) => sluice_tower::buffers_refusal(full, limiter.buffers()),
-                    BodyRead::Stalled => sluice_tower::body_unreadable(),
+                    BodyRead::TooSlow => sluice_edge::body_too_slow(),
+                    BodyRead::Busy(full) => sluice_edge::buffers_refusal(full, limiter.buffers()),
+                    BodyRead::Stalled => sluice_edge::body_unreadable(),
                 };
                 let answer = own(answer).await;
                 return self
@@ -421,7 +421,7 @@ impl<'f> Connection<'f> {
         // the request goes there whole (nothing of it was answered or decided).
         if needs_body
             && route.is_some_and(|r| r.batch.is_none())
-            && sluice_tower::may_call_batch_tool(policy, body_bytes)
+            && sluice_edge::may_call_batch_tool(policy, body_bytes)
         {
             in_flight.handed_over();
             // hyper reads the request again from the bytes read: the head, then this.
@@ -439,7 +439,7 @@ impl<'f> Connection<'f> {
 
         // The decision; a request that cannot be counted (refused before anything is
         // decided), a refusal, or a limiter that cannot decide, is answered here.
-        let sluice_tower::Admitted {
+        let sluice_edge::Admitted {
             decision,
             plan,
             lane,
@@ -475,7 +475,7 @@ impl<'f> Connection<'f> {
         // write: a body in the connection's buffer is copied after the head, one held
         // whole in its own buffer is written from there (never a second copy of it).
         self.to_upstream.truncate(self.to_upstream.len() - 2);
-        sluice_tower::for_each_upstream_header(&plan, policy, |name, value| {
+        sluice_edge::for_each_upstream_header(&plan, policy, |name, value| {
             push_field(&mut self.to_upstream, name.as_str().as_bytes(), value);
         });
         push_field(&mut self.to_upstream, b"x-request-id", id.as_bytes());
@@ -511,7 +511,7 @@ impl<'f> Connection<'f> {
         // A call through a guarded lane may take the lane's time.
         let header_timeout = lane
             .as_ref()
-            .map_or(fast.config.header_timeout, sluice_tower::LanePlace::timeout);
+            .map_or(fast.config.header_timeout, sluice_edge::LanePlace::timeout);
         timers.upstream.set(started + header_timeout);
         // Pinned where it is made: `select!` then holds a pointer to it rather than
         // a copy of the whole exchange (a few hundred bytes of state each request).
@@ -543,7 +543,7 @@ impl<'f> Connection<'f> {
                     place.finish(None);
                 }
                 let mut answer = upstream_failure(failure, header_timeout);
-                sluice_tower::rate_limit_headers(answer.headers_mut(), &decision, &plan, policy);
+                sluice_edge::rate_limit_headers(answer.headers_mut(), &decision, &plan, policy);
                 let (parts, body) = answer.into_parts();
                 let body = body
                     .collect()
@@ -755,7 +755,7 @@ impl<'f> Connection<'f> {
                             // the call cost, and the head is written again with their
                             // standing after the charge.
                             let cost = response::field(&self.from_upstream, b"x-sluice-cost")
-                                .and_then(sluice_tower::parse_cost);
+                                .and_then(sluice_edge::parse_cost);
                             let settled = request
                                 .limiter
                                 .settle(request.plan, request.decision.clone(), cost)
@@ -909,18 +909,18 @@ struct Exchanged<'a> {
 /// The fields the gateway sets itself: the upstream's `X-Sluice-Cost` (a signal for
 /// sluice, never relayed), `X-Request-Id` (the request's own is returned), then the
 /// rate-limit fields in the order
-/// [`sluice_tower::for_each_rate_limit_header`] writes them: the legacy three, then the
+/// [`sluice_edge::for_each_rate_limit_header`] writes them: the legacy three, then the
 /// IETF draft's two. The upstream's own fields of these names are dropped, as the
 /// service stack drops or replaces them. A `static`: a `const` array of names would
 /// be built and dropped at each use, once a request.
 static REPLACED_FIELDS: [HeaderName; 7] = [
-    sluice_tower::X_SLUICE_COST,
-    sluice_tower::X_REQUEST_ID,
-    sluice_tower::X_RATELIMIT_LIMIT,
-    sluice_tower::X_RATELIMIT_REMAINING,
-    sluice_tower::X_RATELIMIT_RESET,
-    sluice_tower::RATELIMIT_POLICY,
-    sluice_tower::RATELIMIT,
+    sluice_edge::X_SLUICE_COST,
+    sluice_edge::X_REQUEST_ID,
+    sluice_edge::X_RATELIMIT_LIMIT,
+    sluice_edge::X_RATELIMIT_REMAINING,
+    sluice_edge::X_RATELIMIT_RESET,
+    sluice_edge::RATELIMIT_POLICY,
+    sluice_edge::RATELIMIT,
 ];
 
 /// Why an exchange with the upstream failed.
@@ -1077,7 +1077,7 @@ fn push_rate_limit_fields(
     plan: &Plan,
     policy: &sluice_policy::Policy,
 ) {
-    sluice_tower::for_each_rate_limit_header(decision, plan, policy, |name, value| match value {
+    sluice_edge::for_each_rate_limit_header(decision, plan, policy, |name, value| match value {
         RateLimitValue::Number(n) => push_field(
             out,
             name.as_str().as_bytes(),
@@ -1206,7 +1206,7 @@ mod tests {
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
         let pool = Arc::new(Connections::new(config.upstream.connect_target()));
         FastPath::new(
-            Arc::new(sluice_tower::arc_swap::ArcSwap::from_pointee(Limiter::new(
+            Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(Limiter::new(
                 policy, store,
             ))),
             config,
@@ -1337,7 +1337,7 @@ mod tests {
             .await
             .expect("write");
         for _ in 0..4 {
-            tokio::time::sleep(sluice_tower::BODY_DEADLINE / 5).await;
+            tokio::time::sleep(sluice_edge::BODY_DEADLINE / 5).await;
             client.write_all(&[b'b'; 10]).await.expect("write");
         }
         // The exchange with the upstream runs on real time: paused time would jump to
@@ -1376,7 +1376,7 @@ mod tests {
                 }
             }
         };
-        tokio::time::timeout(sluice_tower::BODY_DEADLINE * 2, read)
+        tokio::time::timeout(sluice_edge::BODY_DEADLINE * 2, read)
             .await
             .expect("answered");
         let waited = started.elapsed();
@@ -1387,7 +1387,7 @@ mod tests {
         );
         assert!(answer.contains("\"code\":\"request_timeout\""), "{answer}");
         assert!(
-            (sluice_tower::BODY_DEADLINE..sluice_tower::BODY_DEADLINE + Duration::from_secs(1))
+            (sluice_edge::BODY_DEADLINE..sluice_edge::BODY_DEADLINE + Duration::from_secs(1))
                 .contains(&waited),
             "answered after {waited:?}"
         );
@@ -1406,7 +1406,7 @@ mod tests {
             header_timeout: Duration::from_secs(60),
         };
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
-        let limiter = Arc::new(sluice_tower::arc_swap::ArcSwap::from_pointee(limiter));
+        let limiter = Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(limiter));
         let pool = Arc::new(Connections::new(config.upstream.connect_target()));
         let fast = Arc::new(FastPath::new(limiter, config, pool, stats.worker(0), false));
         let sluice = serve_on_loopback(fast).await;

@@ -4,8 +4,8 @@
 use std::mem::MaybeUninit;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Version};
+use sluice_edge::{Refused, RequestId};
 use sluice_policy::{Paths, Route};
-use sluice_tower::{Refused, RequestId};
 
 use sluice_h1::fields::{MAX_HEADERS, is_hop_by_hop, named_in_connection};
 
@@ -41,7 +41,7 @@ pub(super) struct Head<'l> {
     pub(super) close: bool,
     /// The route the method and the normal form of the path match; the refusal when
     /// the head is one the service stack refuses too (see
-    /// [`sluice_tower::check_head`]), the path has no normal form or its parameters change
+    /// [`sluice_edge::check_head`]), the path has no normal form or its parameters change
     /// the route.
     pub(super) route: Result<Option<&'l Route>, Refused>,
     /// The request's id: the client's `X-Request-Id` when it sent one sane one,
@@ -50,7 +50,7 @@ pub(super) struct Head<'l> {
 }
 
 /// The route a method and a path (in its normal form) match, or the refusal of a path
-/// whose parameters change the route (see [`sluice_tower::Limiter::route_for`]).
+/// whose parameters change the route (see [`sluice_edge::Limiter::route_for`]).
 pub(super) type Router<'a, 'l> =
     dyn Fn(&Method, &str) -> Result<Option<&'l Route>, Refused> + Sync + 'a;
 
@@ -136,7 +136,7 @@ pub(super) fn parse<'l>(
         // `X-Sluice-*` are sluice's signals to the upstream: a client's never pass.
         if name.eq_ignore_ascii_case(b"host")
             || is_hop_by_hop(name)
-            || sluice_tower::is_sluice_signal(name)
+            || sluice_edge::is_sluice_signal(name)
         {
             continue;
         }
@@ -168,7 +168,7 @@ pub(super) fn parse<'l>(
     upstream.extend_from_slice(b"\r\n\r\n");
 
     // Refused as the service stack refuses it: the head first, then the path.
-    let route = sluice_tower::check_head(&method, Version::HTTP_11, head.hosts())
+    let route = sluice_edge::check_head(&method, Version::HTTP_11, head.hosts())
         .and(path)
         .and_then(|path| (cx.route)(&method, &path));
     Parsed::Ready(Head {

@@ -291,6 +291,11 @@ fn refusal_reasons(policy: &Policy) -> impl Iterator<Item = String> + '_ {
         .chain(policy.quotas.iter().map(|q| q.name.clone()))
 }
 
+/// A limiter that can be replaced while requests run (a policy reload): each request
+/// takes the one current when it arrives ([`ArcSwap::load_full`](arc_swap::ArcSwap::load_full), no lock) and keeps
+/// it to its end.
+pub type SharedLimiter<S> = Arc<arc_swap::ArcSwap<Limiter<S>>>;
+
 /// An admitted request (see [`Limiter::admit`]).
 #[derive(Debug)]
 pub struct Admitted {

@@ -1,0 +1,94 @@
+//! sluice's edge engine, free of any transport: everything between a request's
+//! head and the answer a rate limiter gives it, for any server that can hand it
+//! a method, a path, headers, a peer address and (for a JSON-RPC route) a body.
+//!
+//! One [`Limiter`] holds a validated [`Policy`](sluice_policy::Policy) and a
+//! [`BudgetStore`](sluice_store::BudgetStore). A request goes through it in
+//! phases, the same for every transport (sluice's HTTP/1.1 fast path, its hyper
+//! path, the tower layer of `sluice-tower`):
+//!
+//! 1. **head checked**: [`check_head`] (method, `Host` fields), then
+//!    [`Limiter::normalize_target`] and [`Limiter::route`];
+//! 2. **body read**, only when [`Limiter::needs_body`] says the route takes its
+//!    class from it (JSON-RPC, batch submits), within
+//!    [`Bounds`](sluice_policy::Bounds) and the [`BufferBudget`];
+//! 3. **planned**: [`Limiter::plan`] names every budget the request touches (its
+//!    class, per-IP ceilings, buckets, monthly quotas, its lane);
+//! 4. **admitted**: [`Limiter::admit`] waits for a lane place where one is needed,
+//!    then decides every budget at once — all or nothing, a refusal spends
+//!    nothing — and returns an [`Admitted`] or the answer to send instead;
+//! 5. **upstream head** and **response head**: [`Limiter::settle`] charges what a
+//!    weighted call reported ([`take_cost`]), and [`rate_limit_headers`] writes
+//!    `X-RateLimit-*` for the budget the request was counted in;
+//! 6. **logged**: refusals are logged once each ([`RefusalLog`]), and every
+//!    decision is counted for `/metrics` and [`Limiter::tally`].
+//!
+//! Every refusal is rendered to a response in one place ([`answer`]'s functions,
+//! through [`Refused::response`] and [`Limiter::admit`]), so every transport
+//! answers alike.
+//!
+//! ```
+//! use std::net::IpAddr;
+//! use sluice_edge::Limiter;
+//! use sluice_policy::default_policy;
+//! use sluice_store::{MemoryConfig, MemoryStore};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let limiter = Limiter::new(default_policy().unwrap(), MemoryStore::new(MemoryConfig::default()));
+//! let peer: IpAddr = [203, 0, 113, 7].into();
+//! let request = http::Request::post("/chats").header("x-api-key", "k").body(()).unwrap();
+//! let (parts, ()) = request.into_parts();
+//!
+//! // The default policy's `expensive` class: 30 calls a minute per API key.
+//! for remaining in (0..30).rev() {
+//!     let route = limiter.route(&parts).unwrap();
+//!     let admitted = limiter.admit(limiter.plan(&parts, peer, route, None), None).await.unwrap();
+//!     assert_eq!(admitted.decision.binding().map(|b| b.remaining), Some(remaining));
+//! }
+//! let route = limiter.route(&parts).unwrap();
+//! let refused = limiter.admit(limiter.plan(&parts, peer, route, None), None).await.unwrap_err();
+//! assert_eq!(refused.status(), 429);
+//! assert!(refused.headers().contains_key("retry-after"));
+//! # }
+//! ```
+
+pub mod answer;
+mod batch;
+mod buffers;
+mod lanes;
+mod limiter;
+mod plan;
+mod refusal_log;
+mod request_id;
+
+pub use answer::{
+    COST_EXCEEDS_LIMIT, EDGE_BODY, JSONRPC_PARSE_ERROR, JSONRPC_RATE_LIMITED, RATELIMIT,
+    RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET,
+    X_SLUICE_COST, X_SLUICE_EXHAUSTED, X_SLUICE_USER, X_SLUICE_WORKSPACE, body_too_slow,
+    body_unreadable, buffers_full, buffers_refusal, envelope_response, for_each_rate_limit_header,
+    for_each_upstream_header, is_sluice_signal, jsonrpc_payload_too_large, jsonrpc_refusal,
+    limiter_unavailable, parse_cost, payload_too_large, rate_limit_headers, refusal, refusal_wait,
+    retry_after_secs, rfc3339, take_cost, upstream_headers, upstream_timed_out,
+};
+pub use batch::{
+    BadBatch, BatchSubmit, BatchTool, BatchToolCall, MAX_IDEMPOTENCY_KEY, batch_tool_call,
+    may_call_batch_tool, parse_batch,
+};
+pub use buffers::{
+    BODY_DEADLINE, BufferBudget, BufferFull, BufferLease, DEFAULT_BUFFERED_SHARE,
+    DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES, READ_BUFFER_ALLOWANCE,
+};
+pub use lanes::{
+    LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,
+};
+pub use limiter::{
+    Admitted, ClassTally, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError,
+    QuotaUsage, Refused, ReloadRefused, SharedLimiter, TOP_CALLERS_TRACKED, Tally, check_head,
+};
+pub use plan::{BudgetKind, Passed, Plan, Scopes};
+pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};
+pub use request_id::{MAX_REQUEST_ID_LEN, RequestId, X_REQUEST_ID};
+
+/// arc-swap, whose [`ArcSwap`](arc_swap::ArcSwap) holds a [`SharedLimiter`].
+pub use arc_swap;
