@@ -1,0 +1,380 @@
+//! Admission: a planned request's lane place and budgets decided at once, a
+//! weighted call settled after its answer, and why a request was refused.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use sluice_core::Decision;
+use sluice_store::{BudgetStore, StoreError};
+
+use super::{Limiter, Refused};
+use crate::plan::{BudgetKind, Passed, Plan};
+
+/// An admitted request (see [`Limiter::admit`]).
+#[derive(Debug)]
+pub struct Admitted {
+    /// Its decision (boxed, as the plan).
+    pub decision: Box<Decision>,
+    /// Its plan (boxed: a plan is about a kilobyte, and an admitted request goes
+    /// by value through every layer of the request path).
+    pub plan: Box<Plan>,
+    /// Its place in a guarded lane, held until its upstream call ends.
+    pub lane: Option<crate::LanePlace>,
+}
+
+impl<S: BudgetStore> Limiter<S> {
+    /// Decides every budget of `plan` at once, and records the outcome.
+    ///
+    /// A request refused only by weighted budgets that pass an exhausted request on
+    /// (`on_exhausted: pass`) is decided again without spending them and admitted;
+    /// [`Plan::passed`] then says which one, for `X-Sluice-Exhausted`.
+    ///
+    /// # Errors
+    /// The store's, when it cannot answer.
+    pub async fn decide(&self, plan: &mut Plan) -> Result<Decision, StoreError> {
+        self.decide_boxed(plan).await.map(|d| *d)
+    }
+
+    /// [`Limiter::decide`] with the decision boxed as the store gives it: a
+    /// decision is 400 bytes, and the request path moves it through several
+    /// async layers.
+    async fn decide_boxed(&self, plan: &mut Plan) -> Result<Box<Decision>, StoreError> {
+        let mut decision = self.decide_budgets(plan, &plan.budgets).await;
+        if let Ok(refused) = &decision
+            && !refused.is_admitted()
+            && let Some(passed) = self.passable(plan, refused)
+        {
+            let mut budgets = plan.budgets.clone();
+            budgets[passed.index].cost = 0;
+            let again = self.decide_budgets(plan, &budgets).await;
+            if again.as_ref().is_ok_and(|d| d.is_admitted()) {
+                plan.passed = Some(passed);
+            }
+            decision = again;
+        }
+        self.record(plan, &decision);
+        decision
+    }
+
+    /// The edge's one sequence after a request is planned, for every request path.
+    /// `jsonrpc_body` is the body of a request on a JSON-RPC route: with the
+    /// policy's `jsonrpc.refusal: jsonrpc_error`, its 429s are answered as JSON-RPC
+    /// errors (see [`crate::jsonrpc_refusal`]); whatever that option, a body such a
+    /// route cannot classify is refused with a JSON-RPC parse error (-32700, `id:
+    /// null`: see [`Refused::jsonrpc_response`]), with the status it has elsewhere.
+    ///
+    /// a request that cannot be counted, a call its lane refuses, a refusal, or a
+    /// store that cannot decide becomes the answer to send (`Err`); an admitted
+    /// request comes back with its decision, its plan and its place in a lane, to be
+    /// forwarded and annotated.
+    ///
+    /// A call through a lane waits for its place first (up to the lane's wait), then
+    /// its budgets are decided; when they refuse it, the place and its start go
+    /// back, so a refused call spends nothing anywhere.
+    ///
+    /// # Errors
+    /// The answer to send instead of forwarding.
+    pub async fn admit(
+        &self,
+        plan: Result<Box<Plan>, Refused>,
+        jsonrpc_body: Option<&[u8]>,
+    ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
+        self.admit_as(plan, jsonrpc_body, None).await
+    }
+
+    /// [`Limiter::admit`] for the request with id `request_id`: a refusal is logged
+    /// (target `sluice::refusal`, one line) with the id, its reason, the budget or
+    /// lane, the class and the caller's digest — never a credential — within the
+    /// bound of [`Limiter::with_refusal_log`].
+    ///
+    /// # Errors
+    /// As [`Limiter::admit`].
+    pub async fn admit_as(
+        &self,
+        plan: Result<Box<Plan>, Refused>,
+        jsonrpc_body: Option<&[u8]>,
+        request_id: Option<&crate::RequestId>,
+    ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
+        let class = plan.as_ref().map_or("", |p| p.top_class.name());
+        let answered = self
+            .admit_plan(plan, request_id, jsonrpc_body.is_some())
+            .await;
+        match (answered, jsonrpc_body) {
+            (Err(refusal), Some(body))
+                if self.policy.jsonrpc.refusal == sluice_policy::JsonRpcRefusal::JsonRpcError =>
+            {
+                Err(crate::answer::jsonrpc_refusal(refusal, body, class))
+            }
+            (answered, _) => answered,
+        }
+    }
+
+    /// [`Limiter::admit`] but for the JSON-RPC form of a 429. On a route that answers
+    /// as JSON-RPC (`jsonrpc`), a body the classifier cannot read is refused with a
+    /// JSON-RPC parse error (see [`Refused::jsonrpc_response`]).
+    async fn admit_plan(
+        &self,
+        plan: Result<Box<Plan>, Refused>,
+        request_id: Option<&crate::RequestId>,
+        jsonrpc: bool,
+    ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
+        let id = request_id.map_or("-", crate::RequestId::as_str);
+        let mut plan = plan.map_err(|refused| {
+            crate::refusal_log::refusal_line(&self.refusal_log, || {
+                tracing::info!(
+                    target: "sluice::refusal",
+                    request_id = id,
+                    reason = "invalid_request",
+                    error = %refused,
+                    "refused before deciding"
+                );
+            });
+            if jsonrpc {
+                refused.jsonrpc_response()
+            } else {
+                refused.response()
+            }
+        })?;
+        let place = match plan.lane {
+            None => None,
+            Some(call) => Some(self.take_lane_places(&plan, call, id).await?),
+        };
+        let decided = self.decide_boxed(&mut plan).await;
+        let answer = match decided {
+            Ok(decision) if decision.is_admitted() => {
+                return Ok(Admitted {
+                    decision,
+                    plan,
+                    lane: place,
+                });
+            }
+            Ok(decision) => {
+                let binding = decision.binding_index();
+                let reason = if decision.is_never() {
+                    crate::COST_EXCEEDS_LIMIT
+                } else if matches!(plan.kinds.get(binding), Some(BudgetKind::Quota(_))) {
+                    "quota_exceeded"
+                } else {
+                    "rate_limited"
+                };
+                crate::refusal_log::refusal_line(&self.refusal_log, || {
+                    tracing::info!(
+                        target: "sluice::refusal",
+                        request_id = id,
+                        reason,
+                        budget = plan.name(binding, &self.policy),
+                        limit = decision.binding().map_or(0, |b| b.limit),
+                        retry_after = (!decision.is_never())
+                            .then(|| crate::answer::refusal_wait(&decision)),
+                        class = plan.top_class.name(),
+                        caller = %format_args!("{:016x}", plan.caller),
+                        "refused"
+                    );
+                });
+                crate::answer::refusal(&decision, &plan, &self.policy)
+            }
+            Err(error) => {
+                crate::refusal_log::refusal_line(&self.outage_log, || {
+                    tracing::warn!(
+                        target: "sluice::refusal",
+                        request_id = id,
+                        reason = "limiter_unavailable",
+                        class = plan.top_class.name(),
+                        caller = %format_args!("{:016x}", plan.caller),
+                        error = %error,
+                        "the store could not decide"
+                    );
+                });
+                crate::answer::limiter_unavailable(&error)
+            }
+        };
+        if let Some(place) = place {
+            place.cancel();
+        }
+        Err(answer)
+    }
+
+    /// The places in its lane a request's calls need, each waited for within the
+    /// lane's one wait (they all go back when one cannot be had). A request with more
+    /// calls than a workspace may run at once is refused at once: as its budgets
+    /// refuse it when they do (nothing is spent either way), else as
+    /// [`Refused::LaneCalls`].
+    async fn take_lane_places(
+        &self,
+        plan: &Plan,
+        call: crate::LaneCall,
+        id: &str,
+    ) -> Result<crate::LanePlace, http::Response<http_body_util::Full<bytes::Bytes>>> {
+        let log = |reason: &str| {
+            crate::refusal_log::refusal_line(&self.refusal_log, || {
+                tracing::info!(
+                    target: "sluice::refusal",
+                    request_id = id,
+                    reason,
+                    lane = self.policy.lanes.get(call.lane).map_or("", |l| l.name.as_str()),
+                    class = plan.top_class.name(),
+                    caller = %format_args!("{:016x}", plan.caller),
+                    "lane refused"
+                );
+            });
+        };
+        let (Some(lane), Some(rule)) =
+            (self.lanes.get(call.lane), self.policy.lanes.get(call.lane))
+        else {
+            log("limiter_unavailable");
+            return Err(crate::answer::limiter_unavailable(&"no such lane"));
+        };
+        if call.calls > rule.workspace_in_flight.get() {
+            return Err(
+                match self.store.peek_from(&plan.budgets, plan.network).await {
+                    Ok(peeked) if !peeked.is_admitted() => {
+                        log(plan.name(peeked.binding_index(), &self.policy));
+                        crate::answer::refusal(&peeked, plan, &self.policy)
+                    }
+                    _ => {
+                        log("too_many_lane_calls");
+                        Refused::LaneCalls {
+                            calls: call.calls,
+                            max: rule.workspace_in_flight.get(),
+                        }
+                        .response()
+                    }
+                },
+            );
+        }
+        let workspace = plan.from.workspace_label();
+        let until = tokio::time::Instant::now() + crate::lanes::max_wait(rule, call);
+        let mut permits = Vec::with_capacity(call.calls as usize);
+        for _ in 0..call.calls {
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            match lane.acquire(&workspace, left).await {
+                Ok(permit) => permits.push(permit),
+                Err(refusal) => {
+                    crate::LanePlace::new(permits, rule.timeout).cancel();
+                    log(refusal.reason.as_str());
+                    if refusal.reason == sluice_lanes::RefusalReason::LedgerUnavailable {
+                        // The lane fails closed while its shared ledger is down: as
+                        // a store that cannot decide (see `lanes::ledger_outage`).
+                        return Err(crate::answer::limiter_unavailable(&format!(
+                            "the ledger of lane {} did not answer",
+                            rule.name
+                        )));
+                    }
+                    metrics::counter!(
+                        "sluice_lane_refusals_total",
+                        "lane" => rule.name.clone(),
+                        "reason" => refusal.reason.as_str()
+                    )
+                    .increment(1);
+                    *self
+                        .counts
+                        .lane_refusals
+                        .lock()
+                        .entry((call.lane, refusal.reason.as_str()))
+                        .or_default() += 1;
+                    return Err(crate::lane_refusal(&rule.name, &refusal));
+                }
+            }
+        }
+        Ok(crate::LanePlace::new(permits, rule.timeout))
+    }
+
+    /// The pass-on budget that alone refused `refused`, if that is all that did.
+    pub(super) fn passable(&self, plan: &Plan, refused: &Decision) -> Option<Passed> {
+        let mut passed = None;
+        for (i, s) in refused.statuses().iter().enumerate() {
+            if s.verdict == sluice_core::Verdict::Admitted {
+                continue;
+            }
+            if !plan.passes(i, &self.policy) || passed.is_some() {
+                return None;
+            }
+            let wait = s.retry_after().map_or_else(
+                || s.reset_after_secs(refused.decided_at()),
+                crate::answer::retry_after_secs,
+            );
+            passed = Some(Passed {
+                index: i,
+                retry_after: wait.max(1),
+            });
+        }
+        passed
+    }
+
+    /// Charges the weighted budgets of an admitted `plan` what the upstream said
+    /// the call cost (`cost`: `X-Sluice-Cost`, `None` = 1 per item, as admitted),
+    /// and returns the decision with their statuses after the charge. A
+    /// store that cannot answer leaves the decision as it was.
+    pub async fn settle(&self, plan: &Plan, decision: Decision, cost: Option<u32>) -> Decision {
+        let Some(cost) = cost else {
+            return decision;
+        };
+        let mut statuses: arrayvec::ArrayVec<
+            sluice_core::BudgetStatus,
+            { sluice_core::MAX_BUDGETS },
+        > = decision.statuses().iter().copied().collect();
+        let mut changed = false;
+        for i in plan.weighted(&self.policy) {
+            if plan.passed.is_some_and(|p| p.index == i) {
+                continue;
+            }
+            let Some(budget) = plan.budgets.get(i) else {
+                continue;
+            };
+            let delta = i64::from(cost) - i64::from(budget.cost);
+            if delta == 0 {
+                continue;
+            }
+            match self
+                .store
+                .adjust_from(budget, delta, decision.decided_at(), plan.network)
+                .await
+            {
+                Ok(status) => {
+                    if let Some(s) = statuses.get_mut(i) {
+                        *s = status;
+                        changed = true;
+                    }
+                }
+                Err(_) => {
+                    // The charge is lost, the call was already admitted: counted.
+                    metrics::counter!("sluice_settle_failures_total").increment(1);
+                }
+            }
+        }
+        if changed {
+            Decision::from_statuses(decision.decided_at(), statuses)
+        } else {
+            decision
+        }
+    }
+
+    async fn decide_budgets(
+        &self,
+        plan: &Plan,
+        budgets: &[sluice_core::Budget],
+    ) -> Result<Box<Decision>, StoreError> {
+        let started = Instant::now();
+        let decision = match self.store.decide_from(budgets, plan.network).await {
+            Ok(d) => {
+                self.set_degraded(false);
+                Ok(Box::new(d))
+            }
+            Err(StoreError::Unavailable(e)) => {
+                self.set_degraded(true);
+                if self.fails_open(plan) {
+                    self.metrics.local.increment(1);
+                    self.counts.local.fetch_add(1, Ordering::Relaxed);
+                    self.decide_locally(plan).map(Box::new)
+                } else {
+                    Err(StoreError::Unavailable(e))
+                }
+            }
+            Err(e) => Err(e),
+        };
+        self.metrics
+            .decision_seconds
+            .record(started.elapsed().as_secs_f64());
+        decision
+    }
+}

@@ -1,0 +1,112 @@
+//! Head checks: what is refused before anything of a request but its head is read.
+
+use http::{Method, Version};
+use sluice_policy::{AmbiguousCredentials, PathError, Unclassifiable};
+
+/// A request the limiter refuses before anything is decided: sluice cannot count it
+/// as the upstream would read it, so it neither counts nor forwards it (nothing is
+/// spent, as for a malformed request). [`Refused::response`] is the answer, the same
+/// on every request path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refused {
+    /// The path has no normal form: it cannot be matched as the upstream reads it.
+    #[error(transparent)]
+    Path(#[from] PathError),
+    /// The normal form of the request target is not a target `http` accepts.
+    #[error("the normalised request target is not a valid request target")]
+    Target,
+    /// The body of a JSON-RPC route cannot be classified.
+    #[error(transparent)]
+    Body(#[from] Unclassifiable),
+    /// One kind of credential sent more than once.
+    #[error(transparent)]
+    Credentials(#[from] AmbiguousCredentials),
+    /// An HTTP/1.1 request without a `Host` field (RFC 9112 §3.2).
+    #[error("an HTTP/1.1 request must have a Host field")]
+    NoHost,
+    /// A request with several `Host` fields (RFC 9112 §3.2).
+    #[error("{0} Host fields")]
+    Hosts(usize),
+    /// A `Host` field that is not `host[:port]` (RFC 9112 §3.2).
+    #[error("the Host field is not host[:port]")]
+    BadHost,
+    /// A batch submit whose body cannot be queued.
+    #[error(transparent)]
+    Batch(#[from] crate::BadBatch),
+    /// `CONNECT`: sluice is not a tunnel (a reverse proxy has nothing to connect to).
+    #[error("CONNECT is not served: this is a gateway, not a tunnel")]
+    Connect,
+    /// A request (a JSON-RPC batch) holding more calls through a guarded lane than
+    /// a workspace may run at once: it can never be admitted whole (send the calls
+    /// apart, or through the batch lane).
+    #[error(
+        "the request holds {calls} calls through a guarded lane; a workspace runs at most {max} at once"
+    )]
+    LaneCalls {
+        /// The calls through the lane the request holds.
+        calls: u32,
+        /// Calls a workspace may run at once.
+        max: u32,
+    },
+}
+
+/// Checks a request head before anything else is read of it: the method is not
+/// `CONNECT`, and the `Host` fields (`hosts`: their values, in order) are as RFC
+/// 9112 §3.2 asks — one, or none before HTTP/1.1 and in HTTP/2 (which has
+/// `:authority`), and a value that is empty or `host[:port]`. Both HTTP/1.1
+/// request paths call it, so both answer alike.
+///
+/// # Errors
+/// [`Refused::Connect`], [`Refused::NoHost`], [`Refused::Hosts`] or
+/// [`Refused::BadHost`].
+pub fn check_head<'h>(
+    method: &Method,
+    version: Version,
+    hosts: impl IntoIterator<Item = &'h [u8]>,
+) -> Result<(), Refused> {
+    if method == Method::CONNECT {
+        return Err(Refused::Connect);
+    }
+    let mut hosts = hosts.into_iter();
+    let Some(host) = hosts.next() else {
+        return if version == Version::HTTP_11 {
+            Err(Refused::NoHost)
+        } else {
+            Ok(())
+        };
+    };
+    let more = hosts.count();
+    if more > 0 {
+        return Err(Refused::Hosts(more + 1));
+    }
+    let host = host.trim_ascii();
+    if !host.is_empty() && !host_is_valid(host) {
+        return Err(Refused::BadHost);
+    }
+    Ok(())
+}
+
+/// True when `host` (not empty) is `uri-host [":" port]`: an authority without
+/// userinfo, as `http` reads one. `http` copies the bytes before it checks them;
+/// a keep-alive connection sends the same `Host` with every request, so the last
+/// host this thread found valid is kept and a repeat is known at once.
+pub(super) fn host_is_valid(host: &[u8]) -> bool {
+    /// The longest host kept (longer ones are checked each time).
+    const KEPT: usize = 64;
+    thread_local! {
+        static LAST_VALID: std::cell::RefCell<arrayvec::ArrayVec<u8, KEPT>> =
+            const { std::cell::RefCell::new(arrayvec::ArrayVec::new_const()) };
+    }
+    if LAST_VALID.with_borrow(|last| !last.is_empty() && last.as_slice() == host) {
+        return true;
+    }
+    let valid = !host.contains(&b'@') && http::uri::Authority::try_from(host).is_ok();
+    if valid && host.len() <= KEPT {
+        LAST_VALID.with_borrow_mut(|last| {
+            last.clear();
+            let _ = last.try_extend_from_slice(host);
+        });
+    }
+    valid
+}

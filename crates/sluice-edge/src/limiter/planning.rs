@@ -1,0 +1,151 @@
+//! Planning: every budget a routed request touches.
+
+use std::net::IpAddr;
+
+use http::HeaderMap;
+use http::request::Parts;
+use sluice_policy::{Items, LaneBatch, Route, RouteClass};
+use sluice_store::BudgetStore;
+
+use super::{Limiter, Refused};
+use crate::plan::{Plan, plan};
+
+impl<S: BudgetStore> Limiter<S> {
+    /// The budgets of a request on `route` (see [`Limiter::route`]). `body` is
+    /// the body of a JSON-RPC route (`None` for a body that was too large: it
+    /// counts as one item of the default class, and is answered 413 once decided).
+    ///
+    /// # Errors
+    /// [`Refused`] for a request that cannot be counted as the upstream would read
+    /// it (nothing is decided or spent).
+    pub fn plan(
+        &self,
+        parts: &Parts,
+        peer: IpAddr,
+        route: Option<&Route>,
+        body: Option<&[u8]>,
+    ) -> Result<Box<Plan>, Refused> {
+        self.plan_for(&parts.headers, peer, route, body)
+    }
+
+    /// [`Limiter::plan`] from the request's headers alone: the route carries what the
+    /// method and path decide, and of the headers only those
+    /// [`Limiter::read_headers`] names are read.
+    ///
+    /// # Errors
+    /// [`Refused::Credentials`] for a request that sends one kind of credential more
+    /// than once (see [`Identity::check_credentials`](sluice_policy::Identity::check_credentials));
+    /// [`Refused::Body`] for a request on a JSON-RPC route whose body cannot be
+    /// classified: one sent with a `Content-Encoding` other than `identity`, or one
+    /// [`JsonRpc::classify`](sluice_policy::JsonRpc::classify) cannot count.
+    pub fn plan_for(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+        route: Option<&Route>,
+        body: Option<&[u8]>,
+    ) -> Result<Box<Plan>, Refused> {
+        self.plan_keyed(headers, peer, route, body, None)
+    }
+
+    /// [`Limiter::plan_for`] with the caller named by `key` when there is one (see
+    /// [`Identity::keyed_caller`](sluice_policy::Identity::keyed_caller)) instead of
+    /// the credential or address the policy reads; per-IP ceilings still apply to
+    /// the client address.
+    ///
+    /// # Errors
+    /// As [`Limiter::plan_for`].
+    pub fn plan_keyed(
+        &self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+        route: Option<&Route>,
+        body: Option<&[u8]>,
+        key: Option<&[u8]>,
+    ) -> Result<Box<Plan>, Refused> {
+        let policy = &self.policy;
+        // Charged as the upstream reads the credential, or not at all.
+        policy.identity.check_credentials(headers)?;
+        let mut items = match route.map(|r| &r.class) {
+            Some(RouteClass::Fixed(c)) => Items::one(*c),
+            Some(RouteClass::JsonRpc) => {
+                sluice_policy::check_content_encoding(headers)?;
+                match body {
+                    Some(b) => {
+                        let mut items = policy.jsonrpc.classify(b, &policy.bounds)?;
+                        // A batch submit tool: its items count against the single
+                        // call's quota now, as a REST submit's do.
+                        if let Some(call) = crate::batch_tool_call(policy, b)?
+                            && let crate::BatchTool::Submit(l) = call.tool
+                            && let Some(batch) = policy.lanes.get(l).and_then(|l| l.batch.as_ref())
+                        {
+                            let args = serde_json::to_vec(&call.arguments).unwrap_or_default();
+                            count_batch_items(&mut items, batch, &args)?;
+                        }
+                        items
+                    }
+                    None => Items::one(policy.jsonrpc.default_class),
+                }
+            }
+            None => Items::one(policy.default_class),
+        };
+        let identity = &policy.identity;
+        let client = identity.client_ip(peer, headers);
+        let caller = match key {
+            Some(key) => identity.keyed_caller(key),
+            None => identity.caller(headers, &client, identity.trusts(peer)),
+        };
+        if let Some(route) = route {
+            // No allocation per request: the route's own slice.
+            items.spend(&route.buckets, route.quota);
+            items.call_lane(route.lane);
+            // A batch submit: its items count against the single call's quota now,
+            // and a body that cannot be queued is refused before anything is decided.
+            if let Some(sluice_policy::BatchEndpoint::Submit(l)) = route.batch
+                && let Some(batch) = policy.lanes.get(l).and_then(|l| l.batch.as_ref())
+            {
+                // No body: it was larger than `limits.max_body_bytes`, and the
+                // layer answers 413 `payload_too_large` (as on a JSON-RPC route)
+                // once the submit's own class is decided; nothing is queued.
+                if let Some(body) = body {
+                    // Checked before parsing, as a JSON-RPC body is: the parser
+                    // never recurses past the bound.
+                    if sluice_policy::depth_exceeds(body, policy.bounds.max_json_depth) {
+                        return Err(Refused::Body(sluice_policy::Unclassifiable::TooDeep {
+                            max_json_depth: policy.bounds.max_json_depth,
+                        }));
+                    }
+                    count_batch_items(&mut items, batch, body)?;
+                }
+            }
+        }
+        let lane = items
+            .lanes_called()
+            .next()
+            .map(|(lane, _)| crate::LaneCall {
+                lane,
+                jsonrpc: matches!(route.map(|r| &r.class), Some(RouteClass::JsonRpc)),
+                calls: items.lanes_called().map(|(_, n)| u32::from(n)).sum(),
+            });
+        let mut plan = Box::new(plan(policy, &self.scopes, &items, caller, &client));
+        plan.lane = lane;
+        Ok(plan)
+    }
+}
+
+/// Counts a batch submit's items (`body`: the submit's JSON, `{"items": [...]}`)
+/// against its single call's monthly quota now, as they are admitted, REST submit
+/// or batch tool alike; nothing is queued yet.
+///
+/// # Errors
+/// [`Refused::Batch`] for a body that cannot be queued.
+fn count_batch_items(items: &mut Items, batch: &LaneBatch, body: &[u8]) -> Result<(), Refused> {
+    let submit = crate::parse_batch(body, batch.max_items.get())?;
+    if let Some(q) = batch.quota
+        && let Some(units) = items.quotas.get_mut(q)
+    {
+        let n = u32::try_from(submit.items.len()).unwrap_or(u32::MAX);
+        *units = units.saturating_add(n);
+    }
+    Ok(())
+}

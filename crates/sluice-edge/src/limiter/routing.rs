@@ -1,0 +1,95 @@
+//! Routing: a request's target in its normal form, and the route it matches.
+
+use std::borrow::Cow;
+
+use http::header::CONTENT_ENCODING;
+use http::request::Parts;
+use http::uri::PathAndQuery;
+use http::{HeaderName, Method, Uri};
+use sluice_policy::{Policy, Route, RouteClass};
+use sluice_store::BudgetStore;
+
+use super::{Limiter, Refused};
+
+impl<S: BudgetStore> Limiter<S> {
+    /// The normal form of a request's path (no query), as it is matched and
+    /// forwarded (see [`Paths`](sluice_policy::Paths)): borrowed when it is normal
+    /// already.
+    ///
+    /// # Errors
+    /// [`Refused::Path`] when it has none (a `..` above the root, a bad `%`).
+    pub fn normalize_path<'p>(&self, path: &'p str) -> Result<Cow<'p, str>, Refused> {
+        Ok(self.policy.paths.normalize(path)?)
+    }
+
+    /// Rewrites `uri` to its normal form (the path normalised, the query as it was),
+    /// so that the request is routed, and forwarded, as the upstream will read it.
+    /// Call it before [`Limiter::route`].
+    ///
+    /// # Errors
+    /// [`Refused`] when the path has no normal form; `uri` is then unchanged.
+    pub fn normalize_target(&self, uri: &mut Uri) -> Result<(), Refused> {
+        let Cow::Owned(mut target) = self.normalize_path(uri.path())? else {
+            return Ok(());
+        };
+        if let Some(query) = uri.query() {
+            target.push('?');
+            target.push_str(query);
+        }
+        let path_and_query = PathAndQuery::try_from(target).map_err(|_| Refused::Target)?;
+        let mut parts = uri.clone().into_parts();
+        parts.path_and_query = Some(path_and_query);
+        *uri = Uri::from_parts(parts).map_err(|_| Refused::Target)?;
+        Ok(())
+    }
+
+    /// The route a request matches (matched once per request and passed to
+    /// [`Limiter::plan`]), by its method and path: the normal form of the path once
+    /// [`Limiter::normalize_target`] has rewritten it.
+    ///
+    /// # Errors
+    /// As [`Limiter::route_for`].
+    pub fn route(&self, parts: &Parts) -> Result<Option<&Route>, Refused> {
+        self.route_for(&parts.method, parts.uri.path())
+    }
+
+    /// The route a request with this method and path (no query, in its normal form:
+    /// see [`Limiter::normalize_path`]) matches.
+    ///
+    /// # Errors
+    /// [`Refused::Path`] when path parameters (`;…`) change the route matched (see
+    /// [`Policy::route_checked`]).
+    pub fn route_for(&self, method: &Method, path: &str) -> Result<Option<&Route>, Refused> {
+        Ok(self.policy.route_checked(method, path)?)
+    }
+
+    /// True when `route` takes its class from the body (a JSON-RPC route):
+    /// the body must be read (bounded) before deciding.
+    pub fn needs_body(route: Option<&Route>) -> bool {
+        route.is_some_and(|r| {
+            r.class == RouteClass::JsonRpc
+                || matches!(r.batch, Some(sluice_policy::BatchEndpoint::Submit(_)))
+        })
+    }
+
+    /// The request fields [`Limiter::plan_for`] reads (lowercase): those
+    /// [`Identity::read_headers`](sluice_policy::Identity::read_headers) names, and
+    /// `Content-Encoding` (a JSON-RPC body must be readable as sent).
+    pub fn read_headers(&self) -> Vec<HeaderName> {
+        self.read_headers.clone()
+    }
+
+    /// [`Limiter::read_headers`], borrowed.
+    pub fn read_header_names(&self) -> &[HeaderName] {
+        &self.read_headers
+    }
+}
+
+/// The request fields a limiter on `policy` reads (see [`Limiter::read_headers`]).
+pub(super) fn read_headers_of(policy: &Policy) -> Vec<HeaderName> {
+    let mut names = policy.identity.read_headers();
+    if !names.contains(&CONTENT_ENCODING) {
+        names.push(CONTENT_ENCODING);
+    }
+    names
+}

@@ -1,0 +1,386 @@
+//! What the limiter tells of its decisions: metrics, the dashboard's tally, the top
+//! callers and `/status`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use sluice_core::Decision;
+use sluice_policy::{Class, Policy, Who};
+use sluice_store::{BudgetStore, StoreError};
+
+use super::Limiter;
+use crate::plan::{BudgetKind, Plan};
+
+/// The most callers the status page tracks per window; past it new callers
+/// are counted together as `others`.
+pub const TOP_CALLERS_TRACKED: usize = 4_096;
+
+/// What the dashboard is told of the limiter's decisions since the process started
+/// (see [`Limiter::tally`]). The same events as the `sluice_decisions_total`,
+/// `sluice_refusals_total`, `sluice_lane_refusals_total` and
+/// `sluice_local_decisions_total` metrics, readable without parsing their text.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Tally {
+    /// One per class, in [`Class::ALL`]'s order.
+    pub classes: Vec<ClassTally>,
+    /// Refusals by the budget that refused them (`sluice_refusals_total`'s
+    /// `reason`: a class, `ip`, `ip_protocol`, a bucket or a quota family), most
+    /// first; reasons with none left out.
+    pub refusals: Vec<(String, u64)>,
+    /// Calls the guarded lanes refused: (lane, reason, count), by lane then reason.
+    pub lane_refusals: Vec<(String, &'static str, u64)>,
+    /// Decisions made on this process's fallback store while the shared store
+    /// was down (fail-open classes).
+    pub local_decisions: u64,
+}
+
+/// One class's part of a [`Tally`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClassTally {
+    /// The class.
+    pub class: Class,
+    /// A caller's budget of it per window.
+    pub limit: u32,
+    /// Requests admitted whose top class it is.
+    pub admitted: u64,
+    /// Requests refused whose top class it is.
+    pub refused: u64,
+    /// Requests whose top class it is that the store could not decide.
+    pub errors: u64,
+    /// Units of this class's budgets spent by admitted requests (a JSON-RPC batch
+    /// spends one per item of the class).
+    pub units: u64,
+    /// The fullest budget of this class any caller was seen to have in the
+    /// current window, in thousandths of its limit (0 when no decision touched
+    /// the class in this window).
+    pub fill_permille: u16,
+}
+
+/// The counters behind [`Limiter::tally`]: relaxed atomics, one cache line per
+/// class, so the request path takes no lock for them.
+pub(super) struct Counts {
+    pub(super) classes: [crossbeam_utils::CachePadded<ClassCounts>; 4],
+    /// Refusals by every reason the policy can give (fixed at start, kept across
+    /// reloads).
+    pub(super) refusals: HashMap<String, AtomicU64>,
+    /// Refusals by a reason not known at start (none expected).
+    pub(super) other_refusals: AtomicU64,
+    pub(super) local: AtomicU64,
+    /// Lane refusals by (lane index, reason): rare, a lock is fine.
+    pub(super) lane_refusals: Mutex<HashMap<(usize, &'static str), u64>>,
+}
+
+#[derive(Default)]
+pub(super) struct ClassCounts {
+    admitted: AtomicU64,
+    refused: AtomicU64,
+    errors: AtomicU64,
+    units: AtomicU64,
+    /// `reset << 16 | permille` of the fullest budget seen: a later window (a later
+    /// reset) always wins, and within one window the fullest does.
+    fill: AtomicU64,
+}
+
+impl Counts {
+    pub(super) fn new(policy: &Policy) -> Self {
+        Counts {
+            classes: std::array::from_fn(|_| Default::default()),
+            refusals: refusal_reasons(policy)
+                .map(|r| (r, AtomicU64::new(0)))
+                .collect(),
+            other_refusals: AtomicU64::new(0),
+            local: AtomicU64::new(0),
+            lane_refusals: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Notes the fill of every class budget a decision reports.
+    pub(super) fn fill(&self, plan: &Plan, decision: &Decision) {
+        for (k, s) in plan.kinds.iter().zip(decision.statuses()) {
+            let BudgetKind::Class(c) = k else { continue };
+            let counts = &self.classes[c.index()];
+            let used = u64::from(s.limit.saturating_sub(s.remaining));
+            let permille = (used * 1000 / u64::from(s.limit.max(1))).min(1000);
+            let packed = (s.reset << 16) | permille;
+            // Most decisions change nothing: read before writing.
+            if counts.fill.load(Ordering::Relaxed) < packed {
+                counts.fill.fetch_max(packed, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Every reason a refusal by a budget of `policy` can name (`sluice_refusals_total`).
+pub(super) fn refusal_reasons(policy: &Policy) -> impl Iterator<Item = String> + '_ {
+    Class::ALL
+        .iter()
+        .map(|c| c.name().to_owned())
+        .chain(["ip".to_owned(), "ip_protocol".to_owned()])
+        .chain(policy.buckets.iter().map(|b| b.name.clone()))
+        .chain(policy.quotas.iter().map(|q| q.name.clone()))
+}
+
+/// Shards of the top-callers table.
+pub(super) const TOP_SHARDS: usize = 16;
+
+/// Metric handles, registered once (a lookup per request costs more than
+/// the decision).
+pub(super) struct Meters {
+    /// `sluice_decisions_total{class, outcome}` by class index and outcome
+    /// (admitted, refused, error).
+    pub(super) decisions: [[metrics::Counter; 3]; 4],
+    pub(super) decision_seconds: metrics::Histogram,
+    pub(super) local: metrics::Counter,
+    /// `sluice_quota_units_total{family}` by family index.
+    pub(super) quota_units: Vec<metrics::Counter>,
+    /// `sluice_refusals_total{reason}` by every reason the policy can give.
+    pub(super) refusals: HashMap<String, metrics::Counter>,
+}
+
+impl Meters {
+    pub(super) fn register(policy: &Policy) -> Self {
+        let outcomes = ["admitted", "refused", "error"];
+        Meters {
+            decisions: Class::ALL.map(|c| {
+                outcomes.map(|o| {
+                    metrics::counter!("sluice_decisions_total", "class" => c.name(), "outcome" => o)
+                })
+            }),
+            decision_seconds: metrics::histogram!("sluice_decision_seconds"),
+            local: metrics::counter!("sluice_local_decisions_total"),
+            quota_units: policy
+                .quotas
+                .iter()
+                .map(|q| metrics::counter!("sluice_quota_units_total", "family" => q.name.clone()))
+                .collect(),
+            refusals: refusal_reasons(policy)
+                .map(|reason| {
+                    let counter =
+                        metrics::counter!("sluice_refusals_total", "reason" => reason.clone());
+                    (reason, counter)
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Histogram buckets (seconds) of `sluice_decision_seconds`: a memory decision takes
+/// about a microsecond, a Redis one a loopback round trip or more.
+pub const DECISION_SECONDS_BUCKETS: &[f64] = &[
+    0.000_001,
+    0.000_002_5,
+    0.000_005,
+    0.000_01,
+    0.000_025,
+    0.000_05,
+    0.000_1,
+    0.000_25,
+    0.000_5,
+    0.001,
+    0.002_5,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+];
+
+#[derive(Default)]
+pub(super) struct TopCallers {
+    window: u64,
+    /// Caller subject → (who, its workspace label, units spent this window).
+    spend: HashMap<u64, (Who, String, u64)>,
+    others: u64,
+}
+
+impl<S: BudgetStore> Limiter<S> {
+    /// Counts a decision's outcome in the metrics and the status page.
+    pub(super) fn record(&self, plan: &Plan, decision: &Result<Box<Decision>, StoreError>) {
+        let counters = &self.metrics.decisions[plan.top_class.index()];
+        let counts = &self.counts.classes[plan.top_class.index()];
+        match decision {
+            Ok(d) if d.is_admitted() => {
+                let mut units = 0;
+                for (b, k) in plan.budgets.iter().zip(&plan.kinds) {
+                    match k {
+                        BudgetKind::Quota(q) => {
+                            if let Some(meter) =
+                                self.metrics.quota_units.get(crate::plan::policy_index(*q))
+                            {
+                                meter.increment(u64::from(b.cost));
+                            }
+                        }
+                        BudgetKind::Class(c) => {
+                            units += u64::from(b.cost);
+                            self.counts.classes[c.index()]
+                                .units
+                                .fetch_add(u64::from(b.cost), Ordering::Relaxed);
+                        }
+                        _ => {}
+                    }
+                }
+                counters[0].increment(1);
+                counts.admitted.fetch_add(1, Ordering::Relaxed);
+                self.counts.fill(plan, d);
+                let window = d.decided_at().as_secs() / u64::from(self.policy.window.get());
+                self.top[top_shard(plan.caller)].lock().record(
+                    window,
+                    plan.caller,
+                    plan.who,
+                    || plan.from.workspace_label(),
+                    units,
+                );
+            }
+            Ok(d) => {
+                let reason = plan.name(d.binding_index(), &self.policy);
+                counters[1].increment(1);
+                counts.refused.fetch_add(1, Ordering::Relaxed);
+                self.counts.fill(plan, d);
+                match self.metrics.refusals.get(reason) {
+                    Some(counter) => counter.increment(1),
+                    None => {
+                        metrics::counter!("sluice_refusals_total", "reason" => reason.to_owned())
+                            .increment(1)
+                    }
+                }
+                match self.counts.refusals.get(reason) {
+                    Some(n) => n.fetch_add(1, Ordering::Relaxed),
+                    None => self.counts.other_refusals.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+            Err(_) => {
+                counters[2].increment(1);
+                counts.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The counts since start that the dashboard shows (see [`Tally`]); the
+    /// class fills are as of `now_secs` (Unix seconds).
+    pub fn tally(&self, now_secs: u64) -> Tally {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let classes = Class::ALL
+            .iter()
+            .map(|&class| {
+                let c = &self.counts.classes[class.index()];
+                let fill = load(&c.fill);
+                ClassTally {
+                    class,
+                    limit: self.policy.profile.limit(class).get(),
+                    admitted: load(&c.admitted),
+                    refused: load(&c.refused),
+                    errors: load(&c.errors),
+                    units: load(&c.units),
+                    // The fill stands until its window's reset.
+                    fill_permille: if fill >> 16 > now_secs {
+                        u16::try_from(fill & 0xffff).unwrap_or(1000)
+                    } else {
+                        0
+                    },
+                }
+            })
+            .collect();
+        let mut refusals: Vec<(String, u64)> = self
+            .counts
+            .refusals
+            .iter()
+            .map(|(r, n)| (r.clone(), load(n)))
+            .chain(std::iter::once((
+                "other".to_owned(),
+                load(&self.counts.other_refusals),
+            )))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        refusals.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let mut lane_refusals: Vec<(String, &'static str, u64)> = self
+            .counts
+            .lane_refusals
+            .lock()
+            .iter()
+            .filter_map(|(&(lane, reason), &n)| {
+                Some((self.policy.lanes.get(lane)?.name.clone(), reason, n))
+            })
+            .collect();
+        lane_refusals.sort();
+        Tally {
+            classes,
+            refusals,
+            lane_refusals,
+            local_decisions: load(&self.counts.local),
+        }
+    }
+
+    /// A summary for `/status`: the policy's numbers and the callers that
+    /// spent most in the current window.
+    pub fn status(&self) -> serde_json::Value {
+        let p = &self.policy;
+        let classes: serde_json::Map<String, serde_json::Value> = Class::ALL
+            .iter()
+            .map(|&c| (c.name().to_owned(), p.profile.limit(c).get().into()))
+            .collect();
+        // The latest window any shard has seen is the current one; a shard still on
+        // an older window has had no spend in this one.
+        let shards: Vec<_> = self.top.iter().map(|shard| shard.lock()).collect();
+        let window = shards.iter().map(|t| t.window).max().unwrap_or(0);
+        let current = || shards.iter().filter(|t| t.window == window);
+        let mut callers: Vec<(String, &str, u64)> = current()
+            .flat_map(|t| t.spend.values())
+            .map(|(who, workspace, units)| (who.to_string(), workspace.as_str(), *units))
+            .collect();
+        let others: u64 = current().map(|t| t.others).sum();
+        callers.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)));
+        serde_json::json!({
+            "profile": p.profile_name,
+            "window_seconds": p.window.get(),
+            "classes": classes,
+            "ip_ceilings": {
+                "work": p.profile.ceiling_work.get(),
+                "protocol_only": p.profile.ceiling_protocol_only.get(),
+            },
+            "buckets": p.buckets.iter().map(|b| serde_json::json!({
+                "name": b.name, "limit": b.limit.get(), "window_seconds": b.window.get(),
+            })).collect::<Vec<_>>(),
+            "routes": p.routes.len(),
+            "top_callers": callers.iter().take(10).map(|(label, workspace, units)| serde_json::json!({
+                "caller": label, "workspace": workspace, "units": units,
+            })).collect::<Vec<_>>(),
+            "other_callers_units": others,
+            "store_degraded": self.is_degraded(),
+            "lanes": self.lanes.iter().map(crate::lane_status).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// The top-callers shard of `caller` (a hash already: its high bits pick).
+pub(super) fn top_shard(caller: u64) -> usize {
+    (caller >> 60) as usize % TOP_SHARDS
+}
+
+impl TopCallers {
+    /// Adds `units` to `caller`'s spend in `window`; `workspace` (its label) is
+    /// asked for only when the caller is new in the window.
+    pub(super) fn record(
+        &mut self,
+        window: u64,
+        caller: u64,
+        who: Who,
+        workspace: impl FnOnce() -> String,
+        units: u64,
+    ) {
+        if window != self.window {
+            self.window = window;
+            self.spend.clear();
+            self.others = 0;
+        }
+        if let Some((_, _, n)) = self.spend.get_mut(&caller) {
+            *n += units;
+        } else if self.spend.len() < TOP_CALLERS_TRACKED / TOP_SHARDS {
+            self.spend.insert(caller, (who, workspace(), units));
+        } else {
+            self.others += units;
+        }
+    }
+}
