@@ -84,7 +84,8 @@ pub use lanes::{
 };
 pub use limiter::{
     Admitted, ClassTally, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError,
-    QuotaUsage, Refused, ReloadRefused, SharedLimiter, TOP_CALLERS_TRACKED, Tally, check_head,
+    QuotaUsage, Reason, Refusal, Refused, ReloadRefused, SharedLimiter, TOP_CALLERS_TRACKED, Tally,
+    check_head,
 };
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
 pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};

@@ -22,6 +22,41 @@ pub struct Admitted {
     pub lane: Option<crate::LanePlace>,
 }
 
+/// Why the edge refused a request, as a value (see [`Limiter::decide_request`]):
+/// what a transport that does not answer in HTTP reads, and what
+/// [`Limiter::answer`] renders for those that do.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Refusal {
+    /// Why.
+    pub reason: Reason,
+    /// The plan it was decided on: which budgets, whose, what class. `None` for a
+    /// request that could not be planned ([`Reason::Invalid`] before planning).
+    pub plan: Option<Box<Plan>>,
+}
+
+/// Why a request was refused (see [`Refusal`]). Nothing was spent for any of them.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Reason {
+    /// It cannot be counted as the upstream would read it, or can never be admitted
+    /// as sent (more lane calls than a workspace may run at once): nothing was
+    /// decided.
+    Invalid(Refused),
+    /// A budget refused it: the decision names the binding one, and whether a retry
+    /// can succeed ([`Decision::is_never`]) and when.
+    Budget(Box<Decision>),
+    /// Its guarded lane refused it (the lane's index in the policy, and why).
+    Lane {
+        /// The lane's index in the policy's lanes.
+        lane: usize,
+        /// Why, and when a retry may succeed.
+        refusal: sluice_lanes::LaneRefusal,
+    },
+    /// The store, or a lane's shared ledger, could not decide.
+    Unavailable(String),
+}
+
 impl<S: BudgetStore> Limiter<S> {
     /// Decides every budget of `plan` at once, and records the outcome.
     ///
@@ -66,7 +101,8 @@ impl<S: BudgetStore> Limiter<S> {
     /// a request that cannot be counted, a call its lane refuses, a refusal, or a
     /// store that cannot decide becomes the answer to send (`Err`); an admitted
     /// request comes back with its decision, its plan and its place in a lane, to be
-    /// forwarded and annotated.
+    /// forwarded and annotated. [`Limiter::decide_request`] is the same decision
+    /// with the refusal as a value, for a transport that does not answer in HTTP.
     ///
     /// A call through a lane waits for its place first (up to the lane's wait), then
     /// its budgets are decided; when they refuse it, the place and its start go
@@ -95,29 +131,21 @@ impl<S: BudgetStore> Limiter<S> {
         jsonrpc_body: Option<&[u8]>,
         request_id: Option<&crate::RequestId>,
     ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
-        let class = plan.as_ref().map_or("", |p| p.top_class.name());
-        let answered = self
-            .admit_plan(plan, request_id, jsonrpc_body.is_some())
-            .await;
-        match (answered, jsonrpc_body) {
-            (Err(refusal), Some(body))
-                if self.policy.jsonrpc.refusal == sluice_policy::JsonRpcRefusal::JsonRpcError =>
-            {
-                Err(crate::answer::jsonrpc_refusal(refusal, body, class))
-            }
-            (answered, _) => answered,
-        }
+        self.decide_request(plan, request_id)
+            .await
+            .map_err(|refusal| self.answer(&refusal, jsonrpc_body))
     }
 
-    /// [`Limiter::admit`] but for the JSON-RPC form of a 429. On a route that answers
-    /// as JSON-RPC (`jsonrpc`), a body the classifier cannot read is refused with a
-    /// JSON-RPC parse error (see [`Refused::jsonrpc_response`]).
-    async fn admit_plan(
+    /// [`Limiter::admit_as`] with the refusal as a value: why, and the plan it was
+    /// decided on (see [`Refusal`]). [`Limiter::answer`] renders it as HTTP.
+    ///
+    /// # Errors
+    /// The [`Refusal`]; it has been logged and counted, and spent nothing.
+    pub async fn decide_request(
         &self,
         plan: Result<Box<Plan>, Refused>,
         request_id: Option<&crate::RequestId>,
-        jsonrpc: bool,
-    ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
+    ) -> Result<Admitted, Refusal> {
         let id = request_id.map_or("-", crate::RequestId::as_str);
         let mut plan = plan.map_err(|refused| {
             crate::refusal_log::refusal_line(&self.refusal_log, || {
@@ -129,18 +157,25 @@ impl<S: BudgetStore> Limiter<S> {
                     "refused before deciding"
                 );
             });
-            if jsonrpc {
-                refused.jsonrpc_response()
-            } else {
-                refused.response()
+            Refusal {
+                reason: Reason::Invalid(refused),
+                plan: None,
             }
         })?;
         let place = match plan.lane {
             None => None,
-            Some(call) => Some(self.take_lane_places(&plan, call, id).await?),
+            Some(call) => match self.take_lane_places(&plan, call, id).await {
+                Ok(place) => Some(place),
+                Err(reason) => {
+                    return Err(Refusal {
+                        reason,
+                        plan: Some(plan),
+                    });
+                }
+            },
         };
         let decided = self.decide_boxed(&mut plan).await;
-        let answer = match decided {
+        let reason = match decided {
             Ok(decision) if decision.is_admitted() => {
                 return Ok(Admitted {
                     decision,
@@ -171,7 +206,7 @@ impl<S: BudgetStore> Limiter<S> {
                         "refused"
                     );
                 });
-                crate::answer::refusal(&decision, &plan, &self.policy)
+                Reason::Budget(decision)
             }
             Err(error) => {
                 crate::refusal_log::refusal_line(&self.outage_log, || {
@@ -185,13 +220,47 @@ impl<S: BudgetStore> Limiter<S> {
                         "the store could not decide"
                     );
                 });
-                crate::answer::limiter_unavailable(&error)
+                Reason::Unavailable(error.to_string())
             }
         };
         if let Some(place) = place {
             place.cancel();
         }
-        Err(answer)
+        Err(Refusal {
+            reason,
+            plan: Some(plan),
+        })
+    }
+
+    /// The HTTP answer to a refusal, for every transport that answers in HTTP: the
+    /// one place a [`Refusal`] becomes a response. `jsonrpc_body` is the body of a
+    /// request on a JSON-RPC route (see [`Limiter::admit`]).
+    pub fn answer(
+        &self,
+        refusal: &Refusal,
+        jsonrpc_body: Option<&[u8]>,
+    ) -> http::Response<http_body_util::Full<bytes::Bytes>> {
+        let policy = &self.policy;
+        let answer = match (&refusal.reason, refusal.plan.as_deref()) {
+            (Reason::Invalid(refused), _) if jsonrpc_body.is_some() => refused.jsonrpc_response(),
+            (Reason::Invalid(refused), _) => refused.response(),
+            (Reason::Budget(decision), Some(plan)) => {
+                crate::answer::refusal(decision, plan, policy)
+            }
+            (Reason::Lane { lane, refusal }, _) => {
+                let name = policy.lanes.get(*lane).map_or("", |l| l.name.as_str());
+                crate::lane_refusal(name, refusal)
+            }
+            (Reason::Unavailable(error), _) => crate::answer::limiter_unavailable(error),
+            (Reason::Budget(_), None) => crate::answer::limiter_unavailable(&"no plan"),
+        };
+        match jsonrpc_body {
+            Some(body) if policy.jsonrpc.refusal == sluice_policy::JsonRpcRefusal::JsonRpcError => {
+                let class = refusal.plan.as_ref().map_or("", |p| p.top_class.name());
+                crate::answer::jsonrpc_refusal(answer, body, class)
+            }
+            _ => answer,
+        }
     }
 
     /// The places in its lane a request's calls need, each waited for within the
@@ -204,7 +273,7 @@ impl<S: BudgetStore> Limiter<S> {
         plan: &Plan,
         call: crate::LaneCall,
         id: &str,
-    ) -> Result<crate::LanePlace, http::Response<http_body_util::Full<bytes::Bytes>>> {
+    ) -> Result<crate::LanePlace, Reason> {
         let log = |reason: &str| {
             crate::refusal_log::refusal_line(&self.refusal_log, || {
                 tracing::info!(
@@ -222,22 +291,21 @@ impl<S: BudgetStore> Limiter<S> {
             (self.lanes.get(call.lane), self.policy.lanes.get(call.lane))
         else {
             log("limiter_unavailable");
-            return Err(crate::answer::limiter_unavailable(&"no such lane"));
+            return Err(Reason::Unavailable("no such lane".to_owned()));
         };
         if call.calls > rule.workspace_in_flight.get() {
             return Err(
                 match self.store.peek_from(&plan.budgets, plan.network).await {
                     Ok(peeked) if !peeked.is_admitted() => {
                         log(plan.name(peeked.binding_index(), &self.policy));
-                        crate::answer::refusal(&peeked, plan, &self.policy)
+                        Reason::Budget(Box::new(peeked))
                     }
                     _ => {
                         log("too_many_lane_calls");
-                        Refused::LaneCalls {
+                        Reason::Invalid(Refused::LaneCalls {
                             calls: call.calls,
                             max: rule.workspace_in_flight.get(),
-                        }
-                        .response()
+                        })
                     }
                 },
             );
@@ -255,7 +323,7 @@ impl<S: BudgetStore> Limiter<S> {
                     if refusal.reason == sluice_lanes::RefusalReason::LedgerUnavailable {
                         // The lane fails closed while its shared ledger is down: as
                         // a store that cannot decide (see `lanes::ledger_outage`).
-                        return Err(crate::answer::limiter_unavailable(&format!(
+                        return Err(Reason::Unavailable(format!(
                             "the ledger of lane {} did not answer",
                             rule.name
                         )));
@@ -272,7 +340,10 @@ impl<S: BudgetStore> Limiter<S> {
                         .lock()
                         .entry((call.lane, refusal.reason.as_str()))
                         .or_default() += 1;
-                    return Err(crate::lane_refusal(&rule.name, &refusal));
+                    return Err(Reason::Lane {
+                        lane: call.lane,
+                        refusal,
+                    });
                 }
             }
         }

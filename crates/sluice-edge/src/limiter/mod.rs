@@ -20,7 +20,7 @@ mod quota_admin;
 mod routing;
 mod telemetry;
 
-pub use admission::Admitted;
+pub use admission::{Admitted, Reason, Refusal};
 pub use head::{Refused, check_head};
 pub use outage::FALLBACK_MAX_KEYS;
 pub use quota_admin::{QuotaQueryError, QuotaUsage};
