@@ -56,6 +56,7 @@
 pub mod answer;
 mod batch;
 mod buffers;
+pub mod exchange;
 mod lanes;
 mod limiter;
 mod plan;
@@ -79,6 +80,7 @@ pub use buffers::{
     BODY_DEADLINE, BufferBudget, BufferFull, BufferLease, DEFAULT_BUFFERED_SHARE,
     DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES, READ_BUFFER_ALLOWANCE,
 };
+pub use exchange::{BodyRead, Forward, Planned};
 pub use lanes::{
     LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,
 };

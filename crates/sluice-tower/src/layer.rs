@@ -16,10 +16,9 @@ use sluice_store::BudgetStore;
 use tower::{Layer, Service};
 
 use sluice_edge::{
-    Limiter, Refused, SharedLimiter, body_too_slow, body_unreadable, buffers_refusal,
-    payload_too_large, rate_limit_headers, take_cost, upstream_headers, upstream_timed_out,
+    BodyRead, Limiter, Refused, SharedLimiter, body_too_slow, body_unreadable, buffers_refusal,
+    upstream_timed_out,
 };
-use sluice_policy::RouteClass;
 
 /// The connection's peer address, as a request extension. A server inserts it per
 /// connection (sluice's gateway does); the layer also reads axum's
@@ -244,133 +243,97 @@ where
                 return Ok(no_peer_address().map(Either::Left));
             };
             let key = key_fn.as_ref().and_then(|f| f(&parts));
-            let policy = limiter.policy();
-            let mut too_large = false;
             let route = match limiter.route(&parts) {
                 Ok(route) => route,
                 Err(refused) => return Ok(refused.response().map(Either::Left)),
             };
+            // Phase 2: the body, in whole, when the route takes its class from it.
             let mut _lease = None;
-            let mut jsonrpc_body: Option<Bytes> = None;
-            let (body, plan) = if Limiter::<S>::needs_body(route) {
-                let max = policy.bounds.max_body_bytes;
-                // The body is held in memory, in pieces within its size (or the
-                // bound, when it is not announced): that, and the server's read
-                // buffer meanwhile, is leased from the gateway's one bound first,
-                // charged to the client, and the body must arrive whole within the
-                // body deadline.
-                let announced = body
-                    .size_hint()
-                    .exact()
-                    .and_then(|n| usize::try_from(n).ok());
-                let capacity = announced.unwrap_or(max).min(max);
-                let holder = limiter.buffer_holder(peer, &parts.headers);
-                // A body longer than one read buffer also leases that buffer's room.
-                let allowance = if capacity > sluice_edge::PIECE_BYTES {
-                    sluice_edge::READ_BUFFER_ALLOWANCE
-                } else {
-                    0
-                };
-                let leased = capacity.saturating_add(allowance);
-                let lease = match limiter.buffers().try_lease_for(holder, leased) {
-                    Ok(lease) => lease,
-                    Err(full) => {
-                        return Ok(buffers_refusal(full, limiter.buffers()).map(Either::Left));
-                    }
-                };
-                _lease = Some(lease);
-                let taken = tokio::time::timeout(
-                    sluice_edge::BODY_DEADLINE,
-                    take_whole(body, capacity, max),
-                )
-                .await;
-                let Ok(taken) = taken else {
-                    return Ok(body_too_slow().map(Either::Left));
-                };
-                match taken {
-                    Ok(bytes) => {
-                        let plan = limiter.plan_keyed(
-                            &parts.headers,
-                            peer,
-                            route,
-                            Some(&bytes),
-                            key.as_deref(),
-                        );
-                        if route.is_some_and(|r| r.class == RouteClass::JsonRpc) {
-                            jsonrpc_body = Some(bytes.clone());
+            let (body, taken) = match limiter.body_bound(route) {
+                None => (body, None),
+                Some(max) => {
+                    // The body is held in memory, in pieces within its size (or the
+                    // bound, when it is not announced): that, and the server's read
+                    // buffer meanwhile, is leased from the gateway's one bound first,
+                    // charged to the client, and the body must arrive whole within the
+                    // body deadline.
+                    let announced = body
+                        .size_hint()
+                        .exact()
+                        .and_then(|n| usize::try_from(n).ok());
+                    let capacity = announced.unwrap_or(max).min(max);
+                    let holder = limiter.buffer_holder(peer, &parts.headers);
+                    // A body longer than one read buffer also leases that buffer's room.
+                    let allowance = if capacity > sluice_edge::PIECE_BYTES {
+                        sluice_edge::READ_BUFFER_ALLOWANCE
+                    } else {
+                        0
+                    };
+                    let leased = capacity.saturating_add(allowance);
+                    let lease = match limiter.buffers().try_lease_for(holder, leased) {
+                        Ok(lease) => lease,
+                        Err(full) => {
+                            return Ok(buffers_refusal(full, limiter.buffers()).map(Either::Left));
                         }
-                        (B::from(bytes), plan)
+                    };
+                    _lease = Some(lease);
+                    let taken = tokio::time::timeout(
+                        sluice_edge::BODY_DEADLINE,
+                        take_whole(body, capacity, max),
+                    )
+                    .await;
+                    let Ok(taken) = taken else {
+                        return Ok(body_too_slow().map(Either::Left));
+                    };
+                    match taken {
+                        Ok(bytes) => (B::from(bytes.clone()), Some(Ok(bytes))),
+                        Err(Whole::TooLarge) => (B::from(Bytes::new()), Some(Err(()))),
+                        Err(Whole::Unreadable) => return Ok(body_unreadable().map(Either::Left)),
                     }
-                    Err(Whole::TooLarge) => {
-                        too_large = true;
-                        (
-                            B::from(Bytes::new()),
-                            limiter.plan_keyed(&parts.headers, peer, route, None, key.as_deref()),
-                        )
-                    }
-                    Err(Whole::Unreadable) => return Ok(body_unreadable().map(Either::Left)),
                 }
-            } else {
-                let plan = limiter.plan_keyed(&parts.headers, peer, route, None, key.as_deref());
-                (body, plan)
             };
-            // What cannot be counted is refused before anything is decided.
-            let sluice_edge::Admitted {
-                decision,
-                plan,
-                lane,
-            } = match limiter
-                .admit_as(
-                    plan,
-                    jsonrpc_body.as_deref(),
-                    parts.extensions.get::<sluice_edge::RequestId>(),
-                )
+            let read = match &taken {
+                None => BodyRead::NotNeeded,
+                Some(Ok(bytes)) => BodyRead::Whole(bytes),
+                Some(Err(())) => BodyRead::TooLarge,
+            };
+            // Phases 3 and 4: planned and admitted; what cannot be counted is
+            // refused before anything is decided.
+            let planned = limiter.planned(&parts.headers, peer, Ok(route), read, key.as_deref());
+            let mut forward = match planned
+                .admit(parts.extensions.get::<sluice_edge::RequestId>())
                 .await
             {
-                Ok(admitted) => admitted,
+                Ok(forward) => forward,
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };
-            if too_large {
-                let max = policy.bounds.max_body_bytes;
-                let mut r = if route.is_some_and(|r| r.class == RouteClass::JsonRpc) {
-                    sluice_edge::jsonrpc_payload_too_large(max)
-                } else {
-                    payload_too_large(max)
-                };
-                rate_limit_headers(r.headers_mut(), &decision, &plan, policy);
-                return Ok(r.map(Either::Left));
-            }
-            upstream_headers(&mut parts.headers, &plan, policy);
-            let mut response = match lane {
-                None => inner.call(Request::from_parts(parts, body)).await?,
-                Some(place) => {
-                    // A call through a lane may take as long as the lane allows
-                    // (an upstream that forwards reads it from the extension);
-                    // past it, it is cut and counts as a failure.
-                    let timeout = place.timeout();
-                    parts.extensions.insert(UpstreamTimeout(timeout));
-                    let call = inner.call(Request::from_parts(parts, body));
-                    match tokio::time::timeout(timeout, call).await {
-                        Ok(Ok(response)) => {
-                            place.finish(Some(response.status().as_u16()));
-                            response
-                        }
-                        Ok(Err(error)) => {
-                            place.finish(None);
-                            return Err(error);
-                        }
-                        Err(_) => {
-                            place.finish(None);
-                            let mut r = upstream_timed_out(timeout);
-                            rate_limit_headers(r.headers_mut(), &decision, &plan, policy);
-                            return Ok(r.map(Either::Left));
-                        }
+            // Phase 5: the upstream head.
+            forward.upstream_headers(&mut parts.headers);
+            let mut response = if forward.in_lane() {
+                // A call through a lane may take as long as the lane allows (an
+                // upstream that forwards reads it from the extension); past it, it is
+                // cut and counts as a failure.
+                let timeout = forward.upstream_timeout(std::time::Duration::MAX);
+                parts.extensions.insert(UpstreamTimeout(timeout));
+                let call = inner.call(Request::from_parts(parts, body));
+                match tokio::time::timeout(timeout, call).await {
+                    Ok(Ok(response)) => response,
+                    Ok(Err(error)) => {
+                        forward.finish(None);
+                        return Err(error);
+                    }
+                    Err(_) => {
+                        let mut r = upstream_timed_out(timeout);
+                        forward.upstream_failed(r.headers_mut());
+                        return Ok(r.map(Either::Left));
                     }
                 }
+            } else {
+                inner.call(Request::from_parts(parts, body)).await?
             };
-            let cost = take_cost(response.headers_mut());
-            let decision = limiter.settle(&plan, *decision, cost).await;
-            rate_limit_headers(response.headers_mut(), &decision, &plan, policy);
+            // Phase 6: the response head.
+            let status = response.status().as_u16();
+            forward.response_head(status, response.headers_mut()).await;
             Ok(response.map(Either::Right))
         })
     }

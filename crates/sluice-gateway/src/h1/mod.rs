@@ -36,7 +36,7 @@ use bytes::{Buf as _, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, Method, Response};
 use http_body_util::BodyExt as _;
 use sluice_core::Decision;
-use sluice_edge::{Limiter, Plan, RateLimitValue, RequestId, SharedLimiter};
+use sluice_edge::{Forward, Limiter, Plan, RateLimitValue, RequestId, SharedLimiter};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -353,14 +353,12 @@ impl<'f> Connection<'f> {
         if route.is_some_and(|r| r.batch.is_some()) {
             return Ok(Next::Elsewhere);
         }
-        let needs_body = Limiter::<AnyStore>::needs_body(route);
-        let max_body = if needs_body {
-            // Past the policy's bound it is refused with 413, after a decision, by
-            // the service stack.
-            policy.bounds.max_body_bytes as u64
-        } else {
-            MAX_BUFFERED_BODY as u64
-        };
+        // Phase 2 (see `sluice_edge::exchange`): past the policy's bound a body the
+        // route is classified by is refused with 413, after a decision, by the
+        // service stack.
+        let body_bound = limiter.body_bound(route);
+        let needs_body = body_bound.is_some();
+        let max_body = body_bound.unwrap_or(MAX_BUFFERED_BODY) as u64;
         if head.body_len > max_body {
             return Ok(Next::Elsewhere);
         }
@@ -428,32 +426,17 @@ impl<'f> Connection<'f> {
             self.from_client.extend_from_slice(&held);
             return Ok(Next::Elsewhere);
         }
-        let plan = target.and_then(|route| {
-            limiter.plan_for(
-                &self.identity,
-                self.peer,
-                route,
-                needs_body.then_some(body_bytes),
-            )
-        });
-
-        // The decision; a request that cannot be counted (refused before anything is
-        // decided), a refusal, or a limiter that cannot decide, is answered here.
-        let sluice_edge::Admitted {
-            decision,
-            plan,
-            lane,
-        } = match limiter
-            .admit_as(
-                plan,
-                route
-                    .is_some_and(|r| r.class == sluice_policy::RouteClass::JsonRpc)
-                    .then_some(body_bytes),
-                Some(&id),
-            )
-            .await
-        {
-            Ok(admitted) => admitted,
+        // Phases 3 and 4: planned and admitted; a request that cannot be counted
+        // (refused before anything is decided), a refusal, or a limiter that cannot
+        // decide, is answered here.
+        let read = if needs_body {
+            sluice_edge::BodyRead::Whole(body_bytes)
+        } else {
+            sluice_edge::BodyRead::NotNeeded
+        };
+        let planned = limiter.planned(&self.identity, self.peer, target, read, None);
+        let mut forward = match planned.admit(Some(&id)).await {
+            Ok(forward) => forward,
             Err(answer) => {
                 self.from_client.advance(consumed);
                 let answer = own(answer).await;
@@ -475,7 +458,8 @@ impl<'f> Connection<'f> {
         // write: a body in the connection's buffer is copied after the head, one held
         // whole in its own buffer is written from there (never a second copy of it).
         self.to_upstream.truncate(self.to_upstream.len() - 2);
-        sluice_edge::for_each_upstream_header(&plan, policy, |name, value| {
+        // Phase 5: the upstream head.
+        forward.for_each_upstream_header(|name, value| {
             push_field(&mut self.to_upstream, name.as_str().as_bytes(), value);
         });
         push_field(&mut self.to_upstream, b"x-request-id", id.as_bytes());
@@ -484,7 +468,7 @@ impl<'f> Connection<'f> {
             self.to_upstream.extend_from_slice(body_bytes);
         }
         self.from_client.advance(consumed);
-        let replaced = match (decision.binding().is_some(), policy.ietf_headers) {
+        let replaced = match (forward.decision().binding().is_some(), policy.ietf_headers) {
             (false, _) => &REPLACED_FIELDS[..2],
             (true, false) => &REPLACED_FIELDS[..5],
             (true, true) => &REPLACED_FIELDS[..],
@@ -498,9 +482,7 @@ impl<'f> Connection<'f> {
             // Sent again on a new connection when a kept-alive one fails before any
             // answer: only a request that may be repeated.
             repeatable: head.method.is_idempotent(),
-            decision: &decision,
-            plan: &plan,
-            settles: plan.weighted(policy).next().is_some(),
+            forward: &forward,
             limiter,
             request_id: &id,
             body: &held,
@@ -509,9 +491,7 @@ impl<'f> Connection<'f> {
         // On the runtime's clock, as the deadlines are.
         let started = tokio::time::Instant::now();
         // A call through a guarded lane may take the lane's time.
-        let header_timeout = lane
-            .as_ref()
-            .map_or(fast.config.header_timeout, sluice_edge::LanePlace::timeout);
+        let header_timeout = forward.upstream_timeout(fast.config.header_timeout);
         timers.upstream.set(started + header_timeout);
         // Pinned where it is made: `select!` then holds a pointer to it rather than
         // a copy of the whole exchange (a few hundred bytes of state each request).
@@ -531,19 +511,15 @@ impl<'f> Connection<'f> {
                 whole,
             }) => {
                 fast.upstream_seconds[0].record(elapsed);
-                if let Some(place) = lane {
-                    place.finish(Some(sent_head.status));
-                }
+                // Phase 6: settled as the head was read (see `send_and_read_head`).
+                forward.finish(Some(sent_head.status));
                 (sent_head, conn, whole)
             }
             Err(failure) => {
                 fast.upstream_seconds[if failure == Failure::Timeout { 2 } else { 1 }]
                     .record(elapsed);
-                if let Some(place) = lane {
-                    place.finish(None);
-                }
                 let mut answer = upstream_failure(failure, header_timeout);
-                sluice_edge::rate_limit_headers(answer.headers_mut(), &decision, &plan, policy);
+                forward.upstream_failed(answer.headers_mut());
                 let (parts, body) = answer.into_parts();
                 let body = body
                     .collect()
@@ -741,7 +717,12 @@ impl<'f> Connection<'f> {
                         &rewrite,
                         &mut self.to_client,
                         |out, dated| {
-                            push_rate_limit_fields(out, request.decision, request.plan, policy);
+                            push_rate_limit_fields(
+                                out,
+                                request.forward.decision(),
+                                request.forward.plan(),
+                                policy,
+                            );
                             push_field(out, b"x-request-id", request.request_id.as_bytes());
                             if !dated {
                                 push_date(out);
@@ -750,22 +731,24 @@ impl<'f> Connection<'f> {
                     )
                     .map_err(|_| Exchange::Broken)?;
                     match parsed {
-                        response::Parsed::Final(_) if request.settles => {
+                        response::Parsed::Final(_) if request.forward.settles() => {
                             // The weighted budgets are charged what the upstream says
                             // the call cost, and the head is written again with their
                             // standing after the charge.
                             let cost = response::field(&self.from_upstream, b"x-sluice-cost")
                                 .and_then(sluice_edge::parse_cost);
-                            let settled = request
-                                .limiter
-                                .settle(request.plan, request.decision.clone(), cost)
-                                .await;
+                            let settled = request.forward.settle(cost).await;
                             let again = response::parse(
                                 &self.from_upstream,
                                 &rewrite,
                                 &mut self.to_client,
                                 |out, dated| {
-                                    push_rate_limit_fields(out, &settled, request.plan, policy);
+                                    push_rate_limit_fields(
+                                        out,
+                                        &settled,
+                                        request.forward.plan(),
+                                        policy,
+                                    );
                                     push_field(out, b"x-request-id", request.request_id.as_bytes());
                                     if !dated {
                                         push_date(out);
@@ -894,11 +877,10 @@ struct Exchanged<'a> {
     rewrite: response::Rewrite<'a>,
     /// The request may be sent again on a new connection.
     repeatable: bool,
-    decision: &'a Decision,
-    plan: &'a Plan,
-    /// The plan holds weighted budgets, settled from the response head.
-    settles: bool,
-    /// The limiter that decided the request (it settles it too).
+    /// The admitted request: its decision, its plan, and the weighted budgets it
+    /// settles from the response head.
+    forward: &'a Forward<'a, AnyStore>,
+    /// The limiter that decided the request.
     limiter: &'a Limiter<AnyStore>,
     /// The request's id, returned to the client.
     request_id: &'a RequestId,

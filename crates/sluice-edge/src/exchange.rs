@@ -1,0 +1,231 @@
+//! The phase contract every transport follows, after pingora's `ProxyHttp` phases:
+//! **head checked → body read → planned → admitted → upstream head → response head
+//! → logged**. A transport does only its own I/O around these calls (parsing,
+//! reading, writing, connecting); what is decided, in what order, and what the
+//! client is told is the edge's, the same for each.
+//!
+//! 1. *Head checked*: [`check_head`](crate::check_head), the path in its normal form
+//!    ([`Limiter::normalize_target`] or [`Limiter::normalize_path`]), then
+//!    [`Limiter::route_for`]. The outcome, route or refusal, goes on: a refused head
+//!    is answered in phase 4, once its body is read, so the connection can go on.
+//! 2. *Body read*: [`Limiter::body_bound`] says whether the route takes its class
+//!    from the body and how much of it may be held; the transport reads it (leasing
+//!    from [`Limiter::buffers`]) and says what it got as a [`BodyRead`].
+//! 3. *Planned*: [`Limiter::planned`] names every budget of the request.
+//! 4. *Admitted*: [`Planned::admit`] waits for a lane place where one is needed,
+//!    decides every budget at once, and hands back a [`Forward`] or the answer to
+//!    send instead (every refusal is rendered by [`Limiter::answer`]).
+//! 5. *Upstream head*: [`Forward::for_each_upstream_header`] (or
+//!    [`Forward::upstream_headers`]) says who the request is from, and
+//!    [`Forward::upstream_timeout`] how long the upstream may take.
+//! 6. *Response head*: [`Forward::response_head`] (or, for a transport that writes
+//!    the head itself, [`Forward::settle`] and [`Forward::finish`]) charges what a
+//!    weighted call reported, ends the lane place with the call's outcome, and
+//!    writes `X-RateLimit-*`; [`Forward::upstream_failed`] when no head came.
+//! 7. *Logged*: refusals were logged in phase 4 ([`Limiter::admit_as`]); the
+//!    access line is the transport's, with the status it sent.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, Response};
+use http_body_util::Full;
+use sluice_core::Decision;
+use sluice_policy::{Route, RouteClass};
+use sluice_store::BudgetStore;
+
+use crate::{LanePlace, Limiter, Plan, Refused, RequestId};
+
+/// What a transport read of a request's body (phase 2; see [`Limiter::body_bound`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyRead<'b> {
+    /// The route does not take its class from the body: it is not read here (it
+    /// streams to the upstream, or was read for the transport's own reasons).
+    NotNeeded,
+    /// The whole body, within the bound.
+    Whole(&'b [u8]),
+    /// Longer than the policy's `limits.max_body_bytes`: decided as one call of the
+    /// route's default class, then answered 413 (see [`Planned::admit`]).
+    TooLarge,
+}
+
+impl<S: BudgetStore> Limiter<S> {
+    /// Phase 2: the most body bytes a request on `route` must be read in whole
+    /// before it can be planned (the policy's `limits.max_body_bytes`), or `None`
+    /// when its route does not take its class from the body.
+    pub fn body_bound(&self, route: Option<&Route>) -> Option<usize> {
+        Self::needs_body(route).then_some(self.policy().bounds.max_body_bytes)
+    }
+
+    /// Phase 3: the budgets of a request with `headers` from `peer`, on the route (or
+    /// the head's refusal) of phase 1, with the body of phase 2; `key` names the
+    /// caller instead of its credential (see [`Limiter::plan_keyed`]).
+    pub fn planned<'l, 'b>(
+        &'l self,
+        headers: &HeaderMap,
+        peer: IpAddr,
+        route: Result<Option<&Route>, Refused>,
+        body: BodyRead<'b>,
+        key: Option<&[u8]>,
+    ) -> Planned<'l, 'b, S> {
+        let jsonrpc = route
+            .as_ref()
+            .is_ok_and(|r| r.is_some_and(|r| r.class == RouteClass::JsonRpc));
+        let bytes = match body {
+            BodyRead::Whole(bytes) => Some(bytes),
+            BodyRead::NotNeeded | BodyRead::TooLarge => None,
+        };
+        let plan = route.and_then(|route| self.plan_keyed(headers, peer, route, bytes, key));
+        Planned {
+            limiter: self,
+            plan,
+            jsonrpc_body: bytes.filter(|_| jsonrpc),
+            too_large: (body == BodyRead::TooLarge).then_some(jsonrpc),
+        }
+    }
+}
+
+/// A planned request (phase 3), to be admitted.
+pub struct Planned<'l, 'b, S> {
+    limiter: &'l Limiter<S>,
+    plan: Result<Box<Plan>, Refused>,
+    /// The body of a request on a JSON-RPC route: its refusals answer as JSON-RPC.
+    jsonrpc_body: Option<&'b [u8]>,
+    /// `Some(jsonrpc)` when the body was past the bound: answered 413 once decided.
+    too_large: Option<bool>,
+}
+
+impl<'l, S: BudgetStore> Planned<'l, '_, S> {
+    /// The plan, or why the request cannot be counted.
+    pub fn plan(&self) -> Result<&Plan, &Refused> {
+        self.plan.as_deref()
+    }
+
+    /// Phase 4: waits for the request's lane place where it needs one, decides every
+    /// budget at once, and logs a refusal under `request_id` (see
+    /// [`Limiter::admit_as`]). A body that was past the bound is then answered 413,
+    /// with `X-RateLimit-*` of the decision.
+    ///
+    /// # Errors
+    /// The answer to send instead of forwarding.
+    pub async fn admit(
+        self,
+        request_id: Option<&RequestId>,
+    ) -> Result<Forward<'l, S>, Response<Full<Bytes>>> {
+        let limiter = self.limiter;
+        let admitted = limiter
+            .admit_as(self.plan, self.jsonrpc_body, request_id)
+            .await?;
+        let forward = Forward {
+            limiter,
+            decision: admitted.decision,
+            plan: admitted.plan,
+            lane: admitted.lane,
+        };
+        match self.too_large {
+            None => Ok(forward),
+            Some(jsonrpc) => {
+                let max = limiter.policy().bounds.max_body_bytes;
+                let mut answer = if jsonrpc {
+                    crate::jsonrpc_payload_too_large(max)
+                } else {
+                    crate::payload_too_large(max)
+                };
+                forward.write_rate_limit_headers(answer.headers_mut(), &forward.decision);
+                Err(answer)
+            }
+        }
+    }
+}
+
+/// An admitted request (phase 4), to be forwarded: its decision, its plan and its
+/// place in a guarded lane, which goes back when this is dropped unfinished.
+pub struct Forward<'l, S> {
+    limiter: &'l Limiter<S>,
+    decision: Box<Decision>,
+    plan: Box<Plan>,
+    lane: Option<LanePlace>,
+}
+
+impl<S: BudgetStore> Forward<'_, S> {
+    /// The decision admitting it.
+    pub fn decision(&self) -> &Decision {
+        &self.decision
+    }
+
+    /// Its plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Phase 5: each header the upstream is told (who the request is from, and a
+    /// weighted budget passed on exhausted), for a transport that writes the head
+    /// itself.
+    pub fn for_each_upstream_header(&self, f: impl FnMut(&HeaderName, &[u8])) {
+        crate::for_each_upstream_header(&self.plan, self.limiter.policy(), f);
+    }
+
+    /// Phase 5: [`Forward::for_each_upstream_header`] into `headers`, after removing
+    /// any of those fields the client sent.
+    pub fn upstream_headers(&self, headers: &mut HeaderMap) {
+        crate::upstream_headers(headers, &self.plan, self.limiter.policy());
+    }
+
+    /// Phase 5: how long the upstream may take to answer: a guarded lane's own
+    /// timeout, else `default`.
+    pub fn upstream_timeout(&self, default: Duration) -> Duration {
+        self.lane.as_ref().map_or(default, LanePlace::timeout)
+    }
+
+    /// True when the call goes through a guarded lane (its place is held until
+    /// [`Forward::finish`]).
+    pub fn in_lane(&self) -> bool {
+        self.lane.is_some()
+    }
+
+    /// True when the plan holds weighted budgets, settled from the response head
+    /// ([`Forward::settle`]).
+    pub fn settles(&self) -> bool {
+        self.plan.weighted(self.limiter.policy()).next().is_some()
+    }
+
+    /// Phase 6: charges the weighted budgets what the upstream said the call cost
+    /// (`X-Sluice-Cost`, see [`Limiter::settle`]) and returns the decision after
+    /// the charge, to describe in `X-RateLimit-*`.
+    pub async fn settle(&self, cost: Option<u32>) -> Decision {
+        self.limiter
+            .settle(&self.plan, (*self.decision).clone(), cost)
+            .await
+    }
+
+    /// Phase 6: ends the call's lane place with the upstream's status (`None`: no
+    /// answer, a failure for the breaker). Nothing when it holds none.
+    pub fn finish(&mut self, status: Option<u16>) {
+        if let Some(place) = self.lane.take() {
+            place.finish(status);
+        }
+    }
+
+    /// Phase 6 for a transport with the response head as a [`HeaderMap`]: ends the
+    /// lane place with `status`, takes `X-Sluice-Cost` out of `headers`, settles the
+    /// weighted budgets with it and writes `X-RateLimit-*` of the decision after it.
+    pub async fn response_head(mut self, status: u16, headers: &mut HeaderMap) {
+        self.finish(Some(status));
+        let cost = crate::take_cost(headers);
+        let decision = self.settle(cost).await;
+        self.write_rate_limit_headers(headers, &decision);
+    }
+
+    /// Phase 6 when the upstream gave no head (`answer`: the gateway's own 502 or
+    /// 504): ends the lane place as a failure and writes `X-RateLimit-*` of the
+    /// decision into `headers`.
+    pub fn upstream_failed(mut self, headers: &mut HeaderMap) {
+        self.finish(None);
+        self.write_rate_limit_headers(headers, &self.decision);
+    }
+
+    fn write_rate_limit_headers(&self, headers: &mut HeaderMap, decision: &Decision) {
+        crate::rate_limit_headers(headers, decision, &self.plan, self.limiter.policy());
+    }
+}
