@@ -1,0 +1,455 @@
+//! One client connection on the fast path: its buffers, its deadlines, and each
+//! request on it through the edge's phases (see `sluice_edge::exchange`): head,
+//! body, plan, admission, then the exchange with the upstream.
+
+use std::io;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use bytes::{Buf as _, Bytes, BytesMut};
+use http::{HeaderMap, Method, Response};
+use http_body_util::BodyExt as _;
+use sluice_edge::RequestId;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::proxy::{Failure, ForwardedPeer, upstream_failure};
+use sluice_h1::deadline::Deadline;
+use sluice_h1::response;
+
+use super::access::Access;
+use super::body::BodyRead;
+use super::encode::{own, push_date, push_field};
+use super::exchange::{Exchanged, REPLACED_FIELDS, Relay};
+use super::request;
+use super::{FastPath, KEPT_CAPACITY, MAX_BUFFERED_BODY, READ_CHUNK};
+
+/// A connection's deadlines: for the next request head, for the upstream's answer.
+pub(super) struct Timers {
+    pub(super) head: Deadline,
+    pub(super) head_timeout: Duration,
+    pub(super) upstream: Deadline,
+}
+
+/// What follows a request.
+pub(super) enum Next {
+    /// The next request on this connection.
+    Request,
+    /// Closing the connection.
+    Close,
+    /// Leaving the connection to hyper (nothing of the current request was answered).
+    Elsewhere,
+}
+
+/// One client connection's buffers.
+pub(super) struct Connection<'f> {
+    pub(super) fast: &'f FastPath,
+    pub(super) peer: IpAddr,
+    /// The peer as the forwarding fields write it.
+    pub(super) forwarded_peer: ForwardedPeer,
+    /// Read from the client, not served yet.
+    pub(super) from_client: BytesMut,
+    /// Read from the upstream, not relayed yet.
+    pub(super) from_upstream: BytesMut,
+    /// The request head and body for the upstream.
+    pub(super) to_upstream: Vec<u8>,
+    /// The response head (and the first body bytes) for the client.
+    pub(super) to_client: Vec<u8>,
+    /// The request fields the limiter reads.
+    pub(super) identity: HeaderMap,
+}
+
+/// True when the empty `buf` holds an allocation larger than [`KEPT_CAPACITY`]: its
+/// capacity counts only what lies after the bytes already consumed, so the space
+/// before them is taken back first (no copy: nothing is left to move).
+pub(super) fn holds_more_than_kept(buf: &mut BytesMut) -> bool {
+    buf.capacity() > KEPT_CAPACITY || buf.try_reclaim(KEPT_CAPACITY + 1)
+}
+
+/// Reads what is there (at least one byte, or 0 at the end) into `buf`.
+pub(super) async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+    buf.reserve(READ_CHUNK);
+    stream.read_buf(buf).await
+}
+
+/// True when `buf`, of which the first `checked` bytes were found to hold no complete
+/// head, may hold one now: when it is not empty and either nothing was checked yet
+/// or the bytes since hold the blank line that ends a head. Parsing again only then
+/// keeps a head that arrives a byte at a time from costing a parse per byte.
+pub(super) fn may_end_head(buf: &[u8], checked: usize) -> bool {
+    if checked == 0 {
+        return !buf.is_empty();
+    }
+    let fresh = &buf[checked.saturating_sub(3).min(buf.len())..];
+    fresh.windows(2).any(|w| w == b"\n\n") || fresh.windows(3).any(|w| w == b"\n\r\n")
+}
+
+impl<'f> Connection<'f> {
+    pub(super) fn new(fast: &'f FastPath, peer: IpAddr) -> Self {
+        Connection {
+            fast,
+            peer,
+            forwarded_peer: ForwardedPeer::new(peer),
+            from_client: BytesMut::with_capacity(READ_CHUNK),
+            from_upstream: BytesMut::new(),
+            to_upstream: Vec::with_capacity(1024),
+            to_client: Vec::with_capacity(1024),
+            identity: HeaderMap::new(),
+        }
+    }
+
+    /// Gives back what a large request or response made a buffer grow to, so that an
+    /// idle kept-alive connection holds at most a few of [`KEPT_CAPACITY`].
+    pub(super) fn trim(&mut self) {
+        if self.from_client.is_empty() && holds_more_than_kept(&mut self.from_client) {
+            self.from_client = BytesMut::with_capacity(READ_CHUNK);
+        }
+        if self.from_upstream.is_empty() && holds_more_than_kept(&mut self.from_upstream) {
+            self.from_upstream = BytesMut::new();
+        }
+        for buf in [&mut self.to_upstream, &mut self.to_client] {
+            if buf.capacity() > KEPT_CAPACITY {
+                buf.clear();
+                buf.shrink_to(1024);
+            }
+        }
+    }
+
+    /// Serves one request.
+    pub(super) async fn one_request(
+        &mut self,
+        client: &mut TcpStream,
+        draining: &mut watch::Receiver<bool>,
+        timers: &mut Timers,
+        max_head: usize,
+    ) -> io::Result<Next> {
+        let fast = self.fast;
+        // The policy of this request, whatever a reload does meanwhile.
+        let current = fast.limiter.load_full();
+        let limiter = &*current;
+        let route = |method: &Method, path: &str| limiter.route_for(method, path);
+        let cx = request::Context {
+            upstream: &fast.config.upstream,
+            route: &route,
+            paths: limiter.policy().paths,
+            identity_headers: limiter.read_header_names(),
+            peer: &self.forwarded_peer,
+            counted_credential: limiter
+                .policy()
+                .identity
+                .counted
+                .map(|_| &limiter.policy().identity),
+        };
+
+        // A complete head.
+        timers
+            .head
+            .set(tokio::time::Instant::now() + timers.head_timeout);
+        let mut checked = 0;
+        let head = loop {
+            if may_end_head(&self.from_client, checked) {
+                self.identity.clear();
+                match request::parse(
+                    &self.from_client,
+                    &cx,
+                    &mut self.to_upstream,
+                    &mut self.identity,
+                ) {
+                    request::Parsed::Ready(head) if head.len <= max_head => break head,
+                    request::Parsed::Ready(_) | request::Parsed::Elsewhere => {
+                        return Ok(Next::Elsewhere);
+                    }
+                    request::Parsed::Partial => checked = self.from_client.len(),
+                }
+            }
+            if self.from_client.len() >= max_head {
+                // No head within the bound: hyper refuses it (431).
+                return Ok(Next::Elsewhere);
+            }
+            // Between requests the drain wins: no request is cut.
+            let idle = self.from_client.is_empty();
+            let n = tokio::select! {
+                biased;
+                n = read_more(client, &mut self.from_client) => n?,
+                () = timers.head.passed() => return Ok(Next::Close),
+                _ = draining.wait_for(|d| *d), if idle => return Ok(Next::Close),
+            };
+            if n == 0 {
+                return Ok(Next::Close);
+            }
+        };
+
+        let id = head.request_id;
+        // What the access line says of the request (copied only when it is kept).
+        let access = fast
+            .access_log
+            .then(|| Access::new(&head.method, &self.from_client, self.peer));
+        // The body, taken in whole before anything is decided or sent: bounded by the
+        // policy when the route takes its class from it, else by what the fast path
+        // holds; a longer one streams through hyper (both ways at once).
+        let policy = limiter.policy();
+        // A path with no normal form is refused once its body is read (the connection
+        // goes on), before anything is decided, as the service stack refuses it.
+        let target = head.route;
+        let route = target.as_ref().ok().copied().flatten();
+        // A batch lane's endpoints are answered by the service stack's batch lanes.
+        if route.is_some_and(|r| r.batch.is_some()) {
+            return Ok(Next::Elsewhere);
+        }
+        // Phase 2 (see `sluice_edge::exchange`): past the policy's bound a body the
+        // route is classified by is refused with 413, after a decision, by the
+        // service stack.
+        let body_bound = limiter.body_bound(route);
+        let needs_body = body_bound.is_some();
+        let max_body = body_bound.unwrap_or(MAX_BUFFERED_BODY) as u64;
+        if head.body_len > max_body {
+            return Ok(Next::Elsewhere);
+        }
+        // Counted from its head, as the service stack counts a request.
+        let in_flight = fast.stats.request();
+        let head_request = head.method == Method::HEAD;
+        let body_len = usize::try_from(head.body_len).unwrap_or(usize::MAX);
+        let head_len = head.len;
+        // The body is held in memory until it is forwarded: one longer than the
+        // connection's buffer holds is leased from the gateway's one bound as its
+        // pieces are allocated, charged to the client address the policy believes
+        // (past the bound or the client's share: 503, and the connection closes with
+        // the rest of the body unread).
+        let end = head_len + body_len;
+        let mut lease = if end > self.from_client.capacity() {
+            let holder = limiter.buffer_holder(self.peer, &self.identity);
+            Some(
+                limiter
+                    .buffers()
+                    .try_lease_for(holder, 0)
+                    .map_err(|_| io::Error::other("an empty lease always fits"))?,
+            )
+        } else {
+            None
+        };
+        let held = match self
+            .read_body(client, timers, (head_len, end), lease.as_mut())
+            .await
+        {
+            Ok(held) => held,
+            Err(read) => {
+                // It stopped coming, came too slowly, the client left, or the bound
+                // (or the client's share) is full: answered (when it still can be) as
+                // the service stack answers.
+                let answer = match read {
+                    BodyRead::TooSlow => sluice_edge::body_too_slow(),
+                    BodyRead::Busy(full) => sluice_edge::buffers_refusal(full, limiter.buffers()),
+                    BodyRead::Stalled => sluice_edge::body_unreadable(),
+                };
+                let answer = own(answer).await;
+                return self
+                    .answer_own(client, answer, true, head_request, in_flight, &id, access)
+                    .await;
+            }
+        };
+        // The body: in place after the head, or whole in its own buffer.
+        let (body, consumed) = match &held {
+            None => (head_len..end, end),
+            Some(whole) => (0..whole.len(), head_len),
+        };
+        let held = held.unwrap_or_default();
+        let body_bytes: &[u8] = if held.is_empty() {
+            &self.from_client[body.clone()]
+        } else {
+            &held
+        };
+        // A batch lane's tool call is answered by the service stack's batch lanes:
+        // the request goes there whole (nothing of it was answered or decided).
+        if needs_body
+            && route.is_some_and(|r| r.batch.is_none())
+            && sluice_edge::may_call_batch_tool(policy, body_bytes)
+        {
+            in_flight.handed_over();
+            // hyper reads the request again from the bytes read: the head, then this.
+            self.from_client.extend_from_slice(&held);
+            return Ok(Next::Elsewhere);
+        }
+        // Phases 3 and 4: planned and admitted; a request that cannot be counted
+        // (refused before anything is decided), a refusal, or a limiter that cannot
+        // decide, is answered here.
+        let read = if needs_body {
+            sluice_edge::BodyRead::Whole(body_bytes)
+        } else {
+            sluice_edge::BodyRead::NotNeeded
+        };
+        let planned = limiter.planned(&self.identity, self.peer, target, read, None);
+        let mut forward = match planned.admit(Some(&id)).await {
+            Ok(forward) => forward,
+            Err(answer) => {
+                self.from_client.advance(consumed);
+                let answer = own(answer).await;
+                return self
+                    .answer_own(
+                        client,
+                        answer,
+                        head.close,
+                        head_request,
+                        in_flight,
+                        &id,
+                        access,
+                    )
+                    .await;
+            }
+        };
+
+        // Forwarded: the head with who the request is from, and the body, in one
+        // write: a body in the connection's buffer is copied after the head, one held
+        // whole in its own buffer is written from there (never a second copy of it).
+        self.to_upstream.truncate(self.to_upstream.len() - 2);
+        // Phase 5: the upstream head.
+        forward.for_each_upstream_header(|name, value| {
+            push_field(&mut self.to_upstream, name.as_str().as_bytes(), value);
+        });
+        push_field(&mut self.to_upstream, b"x-request-id", id.as_bytes());
+        self.to_upstream.extend_from_slice(b"\r\n");
+        if held.is_empty() {
+            self.to_upstream.extend_from_slice(body_bytes);
+        }
+        self.from_client.advance(consumed);
+        let replaced = match (forward.decision().binding().is_some(), policy.ietf_headers) {
+            (false, _) => &REPLACED_FIELDS[..2],
+            (true, false) => &REPLACED_FIELDS[..5],
+            (true, true) => &REPLACED_FIELDS[..],
+        };
+        let request = Exchanged {
+            rewrite: response::Rewrite {
+                head_request,
+                close: head.close,
+                replaced,
+            },
+            // Sent again on a new connection when a kept-alive one fails before any
+            // answer: only a request that may be repeated.
+            repeatable: head.method.is_idempotent(),
+            forward: &forward,
+            limiter,
+            request_id: &id,
+            body: &held,
+        };
+
+        // On the runtime's clock, as the deadlines are.
+        let started = tokio::time::Instant::now();
+        // A call through a guarded lane may take the lane's time.
+        let header_timeout = forward.upstream_timeout(fast.config.header_timeout);
+        timers.upstream.set(started + header_timeout);
+        // Pinned where it is made: `select!` then holds a pointer to it rather than
+        // a copy of the whole exchange (a few hundred bytes of state each request).
+        let answer = {
+            let mut exchange = std::pin::pin!(self.exchange(&request));
+            tokio::select! {
+                biased;
+                answer = &mut exchange => answer,
+                () = timers.upstream.passed() => Err(Failure::Timeout),
+            }
+        };
+        let elapsed = started.elapsed().as_secs_f64();
+        let (head_sent, conn, whole) = match answer {
+            Ok(Relay {
+                head: sent_head,
+                conn,
+                whole,
+            }) => {
+                fast.upstream_seconds[0].record(elapsed);
+                // Phase 6: settled as the head was read (see `send_and_read_head`).
+                forward.finish(Some(sent_head.status));
+                (sent_head, conn, whole)
+            }
+            Err(failure) => {
+                fast.upstream_seconds[if failure == Failure::Timeout { 2 } else { 1 }]
+                    .record(elapsed);
+                let mut answer = upstream_failure(failure, header_timeout);
+                forward.upstream_failed(answer.headers_mut());
+                let (parts, body) = answer.into_parts();
+                let body = body
+                    .collect()
+                    .await
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
+                let answer = Response::from_parts(parts, body);
+                return self
+                    .answer_own(
+                        client,
+                        answer,
+                        head.close,
+                        head_request,
+                        in_flight,
+                        &id,
+                        access,
+                    )
+                    .await;
+            }
+        };
+
+        // Counted once the head is there, as the service stack counts a response.
+        in_flight.answered(Some(head_sent.status));
+        let mut conn = conn;
+        let status = head_sent.status;
+        let relayed = self.relay_body(client, head_sent, &mut conn).await;
+        if let Some(access) = access {
+            access.log(&id, status, relayed.is_ok());
+        }
+        if relayed? && whole {
+            fast.pool.checkin(conn);
+        }
+        Ok(if head.close || !whole {
+            Next::Close
+        } else {
+            Next::Request
+        })
+    }
+
+    /// Writes an answer of sluice's own (its body left out for a HEAD request), with
+    /// the request's id.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn answer_own(
+        &mut self,
+        client: &mut TcpStream,
+        answer: Response<Bytes>,
+        close: bool,
+        head_request: bool,
+        in_flight: crate::metered::InFlight,
+        id: &RequestId,
+        access: Option<Access>,
+    ) -> io::Result<Next> {
+        let out = &mut self.to_client;
+        out.clear();
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(
+            itoa::Buffer::new()
+                .format(answer.status().as_u16())
+                .as_bytes(),
+        );
+        out.push(b' ');
+        out.extend_from_slice(answer.status().canonical_reason().unwrap_or("").as_bytes());
+        out.extend_from_slice(b"\r\n");
+        for (name, value) in answer.headers() {
+            push_field(out, name.as_str().as_bytes(), value.as_bytes());
+        }
+        push_field(out, b"x-request-id", id.as_bytes());
+        push_date(out);
+        push_field(
+            out,
+            b"content-length",
+            itoa::Buffer::new().format(answer.body().len()).as_bytes(),
+        );
+        if close {
+            out.extend_from_slice(b"connection: close\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        if !head_request {
+            out.extend_from_slice(answer.body());
+        }
+        in_flight.answered(Some(answer.status().as_u16()));
+        let written = client.write_all(out).await;
+        if let Some(access) = access {
+            access.log(id, answer.status().as_u16(), written.is_ok());
+        }
+        written?;
+        Ok(if close { Next::Close } else { Next::Request })
+    }
+}
