@@ -30,12 +30,12 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
-use sluice_core::{Clock as _, SystemClock, Timestamp};
-use sluice_policy::{BatchEndpoint, LaneBatch};
-use sluice_store::{
+use sluice_batch::{
     BatchBook, BatchError, BatchQueue, BatchStatus, Claimed, Finish, ItemResult, Maintenance,
     RedisBatches, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
 };
+use sluice_core::{Clock as _, SystemClock, Timestamp};
+use sluice_policy::{BatchEndpoint, LaneBatch};
 use sluice_tower::SharedLimiter;
 use tower::Service;
 

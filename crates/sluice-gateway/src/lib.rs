@@ -161,9 +161,9 @@ pub struct GatewayConfig {
     pub demo_optimize_time: Duration,
     /// The batch queue's global bounds: unfinished items and stored bytes in
     /// all, and the share one client address may hold
-    /// ([`sluice_store::BatchConfig::max_queued_items`],
-    /// [`max_stored_bytes`](sluice_store::BatchConfig::max_stored_bytes),
-    /// [`origin_share`](sluice_store::BatchConfig::origin_share)).
+    /// ([`sluice_batch::BatchConfig::max_queued_items`],
+    /// [`max_stored_bytes`](sluice_batch::BatchConfig::max_stored_bytes),
+    /// [`origin_share`](sluice_batch::BatchConfig::origin_share)).
     pub batch_bounds: BatchBounds,
     /// The file the policy was read from, read again on SIGHUP and when it changes
     /// (`None`: the policy was given without a file and is never reloaded).
@@ -195,9 +195,9 @@ pub struct BatchBounds {
 impl Default for BatchBounds {
     fn default() -> Self {
         BatchBounds {
-            max_queued_items: sluice_store::DEFAULT_MAX_QUEUED_ITEMS,
-            max_stored_bytes: sluice_store::DEFAULT_MAX_STORED_BYTES,
-            address_share: sluice_store::DEFAULT_ORIGIN_SHARE,
+            max_queued_items: sluice_batch::DEFAULT_MAX_QUEUED_ITEMS,
+            max_stored_bytes: sluice_batch::DEFAULT_MAX_STORED_BYTES,
+            address_share: sluice_batch::DEFAULT_ORIGIN_SHARE,
         }
     }
 }
@@ -383,7 +383,7 @@ impl Gateway {
             .iter()
             .find_map(|l| l.batch.as_ref())
             .map(|b| {
-                sluice_store::BatchConfig::default()
+                sluice_batch::BatchConfig::default()
                     .with_max_items(b.max_items.get() as usize)
                     .with_max_backlog(u64::from(b.backlog.get()))
                     .with_retention(b.keep)
@@ -411,7 +411,7 @@ impl Gateway {
                     })?;
                 let batches = match batch_config {
                     Some(c) => Some(batch::Batches::Redis(
-                        sluice_store::RedisBatches::connect(
+                        sluice_batch::RedisBatches::connect(
                             &sluice_store::RedisConfig::new(url),
                             c,
                         )

@@ -2,10 +2,11 @@
 
 use std::path::Path;
 
+use sluice_batch::{BatchBook, BatchConfig};
 use sluice_core::{Budget, BudgetStatus, Clock as _, Decision, SystemClock, Timestamp};
 use sluice_store::{
-    BatchBook, BatchConfig, BudgetStore, DurableStore, Guarded, LocalStore, MemoryConfig,
-    MemoryStore, OpenError, QuotaBook, QuotaBookConfig, RedisConfig, RedisStore, StoreError,
+    BudgetStore, DurableStore, Guarded, LocalStore, MemoryConfig, MemoryStore, OpenError,
+    QuotaBook, QuotaBookConfig, RedisConfig, RedisStore, StoreError,
 };
 
 /// This process (memory, with quotas in the embedded durable store) or Redis

@@ -1,4 +1,4 @@
-//! Documented on [`BatchBook`].
+//! The batch queue in the embedded durable store: documented on [`BatchBook`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -6,8 +6,9 @@ use std::time::Duration;
 use redb::{ReadableDatabase as _, ReadableTable as _, TableDefinition, WriteTransaction};
 use sluice_core::Timestamp;
 
-use super::DurableStore;
-use crate::batch::{
+use sluice_store::{DurableStore, OpenError};
+
+use crate::queue::{
     BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
     ItemState, ItemStatus, Maintenance, Progress, ResultBody, SubmitError, Submitted,
     WorkspaceBacklog, estimate_finish, new_batch_id, next_mean,
@@ -258,7 +259,7 @@ fn ns(t: Timestamp) -> u64 {
 
 /// Batches in the embedded durable store.
 ///
-/// The batch queue in the embedded durable store (see [`crate::batch`]).
+/// The batch queue in the embedded durable store (see [the crate's docs](crate)).
 ///
 /// Tables in the store's one redb file, every change one write transaction
 /// committed with redb's default `Immediate` durability (an `fsync`) before
@@ -286,7 +287,8 @@ fn ns(t: Timestamp) -> u64 {
 ///
 /// ```
 /// use sluice_core::Timestamp;
-/// use sluice_store::{BatchBook, BatchConfig, BatchQueue, DurableStore, Finish, ItemResult, ResultBody};
+/// use sluice_batch::{BatchBook, BatchConfig, BatchQueue, Finish, ItemResult, ResultBody};
+/// use sluice_store::DurableStore;
 ///
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 /// # let dir = std::env::temp_dir().join(format!("sluice-batch-doc-{}", std::process::id()));
@@ -330,15 +332,15 @@ impl BatchBook {
     /// back at the head of its workspace's queue.
     ///
     /// # Errors
-    /// [`super::OpenError::Unusable`] when the file cannot be read or written.
-    pub fn open(store: &DurableStore, config: BatchConfig) -> Result<Self, super::OpenError> {
+    /// [`OpenError::Unusable`] when the file cannot be read or written.
+    pub fn open(store: &DurableStore, config: BatchConfig) -> Result<Self, OpenError> {
         let book = BatchBook {
             inner: Arc::new(BookInner {
                 store: store.clone(),
                 config,
             }),
         };
-        let unusable = |e: &dyn std::fmt::Display| super::OpenError::Unusable {
+        let unusable = |e: &dyn std::fmt::Display| OpenError::Unusable {
             path: store.path().to_owned(),
             message: format!("cannot open the batch queue: {e}"),
         };

@@ -1,17 +1,17 @@
-//! Documented on [`RedisBatches`].
+//! The batch queue in Redis: documented on [`RedisBatches`].
 
 use std::time::Duration;
 
 use redis::Value;
 use sluice_core::Timestamp;
 
-use super::Conn;
-use crate::batch::{
+use sluice_store::{RedisConfig, RedisConnection as Conn, StoreError};
+
+use crate::queue::{
     BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
     ItemState, ItemStatus, Maintenance, Progress, QueueBound, ResultBody, SubmitError, Submitted,
     WorkspaceBacklog, estimate_finish, new_batch_id,
 };
-use crate::{RedisConfig, StoreError};
 
 const SCRIPT: &str = include_str!("batch.lua");
 
@@ -24,7 +24,7 @@ const PURGE_CHUNK: u64 = 64;
 
 /// The batch queue in Redis. Cheap to clone.
 ///
-/// The batch queue in Redis (see [`crate::batch`]), for replicas that share
+/// The batch queue in Redis (see [the crate's docs](crate)), for replicas that share
 /// one store: any replica submits, claims and runs items, and answers status
 /// reads.
 ///

@@ -1,52 +1,5 @@
-//! The batch queue: long lists of calls to an expensive upstream, kept durably
-//! until each has run once and its answer is recorded.
-//!
-//! A batch is a list of items (each an opaque request body, e.g. the JSON body
-//! of one upstream call) submitted by one workspace. Its items wait, in order,
-//! in the workspace's queue; a runner [claims](BatchQueue::claim_next) the
-//! next one, sends it, and records the answer with [`BatchQueue::complete`] or
-//! [`BatchQueue::fail`]. Anyone of the same workspace can read the batch's
-//! [status](BatchQueue::status) meanwhile.
-//!
-//! Two backends implement [`BatchQueue`]: `BatchBook` in the embedded
-//! durable store (feature `durable`) for one process, and `RedisBatches`
-//! (feature `redis`) when several
-//! replicas share the queue. Both keep every state change durable before the
-//! call that made it returns (Redis: as durable as its persistence settings).
-//!
-//! # An item's life
-//! `queued` → (claimed) `running` → `done` or `failed`. A running item holds
-//! a lease ([`BatchConfig::lease`]; [`BatchQueue::renew`] extends it). An item
-//! whose runner went away — a crash, a replica killed, a lease that ran out —
-//! goes back to `queued` (at the head of its workspace's queue) and is
-//! claimed again with its `attempt` one higher: the runner sends it with the
-//! same [`Claimed::idempotency_key`], so the upstream can tell a repeat. The
-//! first answer recorded for an item is its result; a later one is ignored
-//! and reported as [`Finish::AlreadyFinished`].
-//!
-//! # Bounds
-//! Items per batch ([`BatchConfig::max_items`], default 1,000), unfinished
-//! items per workspace ([`BatchConfig::max_backlog`], default 5,000), items
-//! stored in all ([`BatchConfig::max_stored_items`], default 1,000,000, finished
-//! ones included until purged), and how long a finished batch is kept
-//! ([`BatchConfig::retention`], default 7 days; [`BatchQueue::maintain`] drops
-//! older ones).
-//!
-//! Whatever the workspaces (every unknown credential is one of its own), the
-//! whole queue holds at most [`BatchConfig::max_queued_items`] unfinished items
-//! (default 100,000) and [`BatchConfig::max_stored_bytes`] bytes of item bodies
-//! and results (default 256 MiB); one origin (the client address a submit came
-//! from, see [`BatchQueue::submit_from`]) holds at most
-//! 1/[`BatchConfig::origin_share`] of each (default 1/8), so one address cannot
-//! take the whole queue. Past either a submit is refused with
-//! [`SubmitError::QueueFull`], nothing stored. A finished batch's bytes (its
-//! results) count until it is purged after its retention: results stay
-//! readable for as long as promised, and the bound is what sizes the disk.
-//! The counts live with the queue (the redb file, or Redis), so every replica
-//! sharing a queue keeps the same bound.
-//!
-//! Time is a parameter: every operation takes `now`, so the caller's clock (a
-//! fake one in tests) decides leases, durations and retention.
+//! The queue's types and its trait, [`BatchQueue`]: what every backend
+//! stores, answers and refuses (see the crate's docs).
 
 use std::future::Future;
 use std::time::Duration;
@@ -399,6 +352,7 @@ impl ResultBody {
         }
     }
 
+    #[cfg(any(feature = "durable", feature = "redis"))]
     pub(crate) fn encode(&self) -> Vec<u8> {
         let (tag, bytes) = match self {
             ResultBody::Json(b) => (b'j', b.as_slice()),
@@ -410,6 +364,7 @@ impl ResultBody {
         out
     }
 
+    #[cfg(any(feature = "durable", feature = "redis"))]
     pub(crate) fn decode(bytes: &[u8]) -> Self {
         match bytes.split_first() {
             Some((b'j', rest)) => ResultBody::Json(rest.to_vec()),
@@ -454,6 +409,7 @@ impl ItemState {
         }
     }
 
+    #[cfg(any(feature = "durable", feature = "redis"))]
     pub(crate) fn code(self) -> u8 {
         match self {
             ItemState::Queued => 0,
@@ -463,6 +419,7 @@ impl ItemState {
         }
     }
 
+    #[cfg(any(feature = "durable", feature = "redis"))]
     pub(crate) fn from_code(code: u8) -> Self {
         match code {
             0 => ItemState::Queued,
@@ -713,6 +670,7 @@ pub trait BatchQueue: Send + Sync {
     ) -> impl Future<Output = Result<Maintenance, BatchError>> + Send;
 }
 
+#[cfg(any(feature = "durable", feature = "redis"))]
 /// A new batch id: [`BATCH_ID_PREFIX`] and 128 bits from the operating
 /// system's random source, in hex.
 pub(crate) fn new_batch_id() -> Result<String, BatchError> {
@@ -728,6 +686,7 @@ pub(crate) fn new_batch_id() -> Result<String, BatchError> {
     Ok(id)
 }
 
+#[cfg(any(feature = "durable", feature = "redis"))]
 /// The counts behind an estimate.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Progress {
@@ -743,6 +702,7 @@ pub(crate) struct Progress {
     pub(crate) mean_item: Option<Duration>,
 }
 
+#[cfg(any(feature = "durable", feature = "redis"))]
 /// When a batch should finish: its finish time when finished; else from the
 /// pace of this batch (time since its first claim per finished item) for the
 /// items left; else from recent items' mean duration, the running items'
@@ -773,7 +733,7 @@ pub(crate) fn next_mean(mean: Option<Duration>, took: Duration) -> Duration {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, any(feature = "durable", feature = "redis")))]
 mod tests {
     use super::*;
 
