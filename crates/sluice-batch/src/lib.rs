@@ -107,8 +107,8 @@ pub use queue::{
     BATCH_ID_PREFIX, BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed,
     DEFAULT_LEASE, DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_QUEUED_ITEMS,
     DEFAULT_MAX_STORED_BYTES, DEFAULT_MAX_STORED_ITEMS, DEFAULT_ORIGIN_SHARE, DEFAULT_RETENTION,
-    Finish, ItemResult, ItemState, ItemStatus, Maintenance, QueueBound, ResultBody, SubmitError,
-    Submitted, WorkspaceBacklog,
+    Finish, ItemResult, ItemState, ItemStatus, Maintenance, QueueBound, QueueFuture, ResultBody,
+    SubmitError, Submitted, WorkspaceBacklog,
 };
 #[cfg(feature = "redis")]
 pub use redis::RedisBatches;

@@ -2,6 +2,7 @@
 //! stores, answers and refuses (see the crate's docs).
 
 use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use sluice_core::Timestamp;
@@ -23,6 +24,13 @@ pub const DEFAULT_ORIGIN_SHARE: u32 = 8;
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Default for [`BatchConfig::lease`]: 10 minutes.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(600);
+
+/// What the methods of [`BatchQueue`] return: a boxed future, sendable, that
+/// may borrow the queue and the arguments for `'a`.
+pub type QueueFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+// A gateway holds `Arc<dyn BatchQueue>`: the trait must stay dyn-compatible.
+const _: Option<&dyn BatchQueue> = None;
 
 /// The prefix of every batch id.
 pub const BATCH_ID_PREFIX: &str = "bat_";
@@ -517,11 +525,16 @@ pub struct Maintenance {
     pub purged: u64,
 }
 
-/// A durable batch queue (see the module docs).
+/// A durable batch queue (see [the crate's docs](crate)).
 ///
 /// Every method is async: the embedded backend runs its transaction (one
 /// `fsync`) on tokio's blocking pool, the Redis backend sends one script call.
 /// A method returns once its change is durable.
+///
+/// The methods return a boxed future ([`QueueFuture`]) so that the trait is
+/// dyn-compatible: a gateway that picks its backend at start holds an
+/// `Arc<dyn BatchQueue>`. One allocation per operation is nothing next to
+/// the `fsync` or the round trip each one costs.
 pub trait BatchQueue: Send + Sync {
     /// Stores a new batch of `items` for `workspace`, all queued.
     ///
@@ -537,14 +550,14 @@ pub trait BatchQueue: Send + Sync {
     /// [`SubmitError::Conflict`], [`SubmitError::Backlog`] when the
     /// workspace's unfinished items would exceed [`BatchConfig::max_backlog`],
     /// [`SubmitError::Full`], [`SubmitError::Unavailable`].
-    fn submit(
-        &self,
-        workspace: &str,
+    fn submit<'a>(
+        &'a self,
+        workspace: &'a str,
         items: Vec<Vec<u8>>,
-        idempotency_key: Option<&str>,
-        body_digest: &[u8],
+        idempotency_key: Option<&'a str>,
+        body_digest: &'a [u8],
         now: Timestamp,
-    ) -> impl Future<Output = Result<Submitted, SubmitError>> + Send {
+    ) -> QueueFuture<'a, Result<Submitted, SubmitError>> {
         self.submit_from(workspace, "", items, idempotency_key, body_digest, now)
     }
 
@@ -557,15 +570,15 @@ pub trait BatchQueue: Send + Sync {
     /// queue, or `origin`'s part of it, would pass
     /// [`BatchConfig::max_queued_items`] or [`BatchConfig::max_stored_bytes`]
     /// (checked after the idempotency key: a repeat is never refused as full).
-    fn submit_from(
-        &self,
-        workspace: &str,
-        origin: &str,
+    fn submit_from<'a>(
+        &'a self,
+        workspace: &'a str,
+        origin: &'a str,
         items: Vec<Vec<u8>>,
-        idempotency_key: Option<&str>,
-        body_digest: &[u8],
+        idempotency_key: Option<&'a str>,
+        body_digest: &'a [u8],
         now: Timestamp,
-    ) -> impl Future<Output = Result<Submitted, SubmitError>> + Send;
+    ) -> QueueFuture<'a, Result<Submitted, SubmitError>>;
 
     /// Claims the next queued item of `workspace` (the oldest, or one that
     /// went back to the queue), marking it running with a lease until
@@ -573,11 +586,11 @@ pub trait BatchQueue: Send + Sync {
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn claim_next(
-        &self,
-        workspace: &str,
+    fn claim_next<'a>(
+        &'a self,
+        workspace: &'a str,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Option<Claimed>, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>>;
 
     /// Claims the next queued item of the workspace with the fewest items
     /// running (ties: the one whose last claim is oldest, so workspaces take
@@ -585,78 +598,78 @@ pub trait BatchQueue: Send + Sync {
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn claim_fairest(
-        &self,
+    fn claim_fairest<'a>(
+        &'a self,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Option<Claimed>, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>>;
 
     /// Extends a running item's lease to `now` + [`BatchConfig::lease`];
     /// false when the item is not running (finished, or put back).
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn renew(
-        &self,
-        batch_id: &str,
+    fn renew<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         now: Timestamp,
-    ) -> impl Future<Output = Result<bool, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<bool, BatchError>>;
 
     /// Puts a running item back at the head of its workspace's queue without
     /// a result (e.g. it could not be sent); false when it was not running.
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn release(
-        &self,
-        batch_id: &str,
+    fn release<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         now: Timestamp,
-    ) -> impl Future<Output = Result<bool, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<bool, BatchError>>;
 
     /// Records `result` as the item's answer, state `done` — unless it has one
     /// already. An item still queued (its claim expired) is finished too.
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn complete(
-        &self,
-        batch_id: &str,
+    fn complete<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         result: ItemResult,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Finish, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<Finish, BatchError>>;
 
     /// As [`BatchQueue::complete`], state `failed` (e.g. the upstream failed,
     /// or gave no answer).
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn fail(
-        &self,
-        batch_id: &str,
+    fn fail<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         result: ItemResult,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Finish, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<Finish, BatchError>>;
 
     /// The batch's progress and results as of `now`; `None` when there is no
     /// such batch or it belongs to another workspace.
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn status(
-        &self,
-        workspace: &str,
-        batch_id: &str,
+    fn status<'a>(
+        &'a self,
+        workspace: &'a str,
+        batch_id: &'a str,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Option<BatchStatus>, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<Option<BatchStatus>, BatchError>>;
 
     /// The workspaces with unfinished items, with their counts.
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn backlogs(&self) -> impl Future<Output = Result<Vec<WorkspaceBacklog>, BatchError>> + Send;
+    fn backlogs<'a>(&'a self) -> QueueFuture<'a, Result<Vec<WorkspaceBacklog>, BatchError>>;
 
     /// Puts back running items whose lease ran out before `now`, and drops
     /// batches finished more than [`BatchConfig::retention`] before `now` (their
@@ -664,10 +677,7 @@ pub trait BatchQueue: Send + Sync {
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn maintain(
-        &self,
-        now: Timestamp,
-    ) -> impl Future<Output = Result<Maintenance, BatchError>> + Send;
+    fn maintain<'a>(&'a self, now: Timestamp) -> QueueFuture<'a, Result<Maintenance, BatchError>>;
 }
 
 #[cfg(any(feature = "durable", feature = "redis"))]

@@ -400,7 +400,10 @@ impl Gateway {
                     batch_config,
                     MemoryConfig::with_max_keys(config.max_keys).preallocated(),
                 )?;
-                (store, book.map(batch::Batches::Local))
+                (
+                    store,
+                    book.map(|b| Arc::new(b) as Arc<dyn sluice_batch::BatchQueue>),
+                )
             }
             StoreSpec::Redis(url) => {
                 let store = AnyStore::redis(url, config.policy.store.timeout)
@@ -410,7 +413,7 @@ impl Gateway {
                         source,
                     })?;
                 let batches = match batch_config {
-                    Some(c) => Some(batch::Batches::Redis(
+                    Some(c) => Some(Arc::new(
                         sluice_batch::RedisBatches::connect(
                             &sluice_store::RedisConfig::new(url),
                             c,
@@ -420,7 +423,7 @@ impl Gateway {
                             store: config.store.describe(),
                             source: sluice_store::StoreError::Unavailable(e.to_string()),
                         })?,
-                    )),
+                    ) as Arc<dyn sluice_batch::BatchQueue>),
                     None => None,
                 };
                 (store, batches)
@@ -479,10 +482,7 @@ impl Gateway {
         // Each gateway worker gets its own stack over the one shared limiter: its own
         // upstream connection pool, driven on its own thread.
         let batch_lanes = Arc::new(match batches {
-            Some(queue) => {
-                let queue = Arc::new(queue);
-                batch::BatchLane::all(&limiter, &queue, &upstream, &clock_for_batches)
-            }
+            Some(queue) => batch::BatchLane::all(&limiter, &queue, &upstream, &clock_for_batches),
             None => Vec::new(),
         });
         for lane in batch_lanes.iter() {

@@ -19,7 +19,7 @@ use sluice_store::{DurableStore, OpenError};
 
 use crate::queue::{
     BatchConfig, BatchError, BatchQueue, BatchStatus, Claimed, Finish, ItemResult, ItemState,
-    Maintenance, SubmitError, Submitted, WorkspaceBacklog,
+    Maintenance, QueueFuture, SubmitError, Submitted, WorkspaceBacklog,
 };
 use ops::requeue;
 use schema::{RUNNING, create_tables};
@@ -255,98 +255,120 @@ impl BatchBook {
 }
 
 impl BatchQueue for BatchBook {
-    async fn submit_from(
-        &self,
-        workspace: &str,
-        origin: &str,
+    fn submit_from<'a>(
+        &'a self,
+        workspace: &'a str,
+        origin: &'a str,
         items: Vec<Vec<u8>>,
-        idempotency_key: Option<&str>,
-        body_digest: &[u8],
+        idempotency_key: Option<&'a str>,
+        body_digest: &'a [u8],
         now: Timestamp,
-    ) -> Result<Submitted, SubmitError> {
-        let (workspace, origin, key, digest) = (
-            workspace.to_owned(),
-            origin.to_owned(),
-            idempotency_key.map(str::to_owned),
-            body_digest.to_vec(),
-        );
-        self.blocking(move |b| {
-            b.submit_blocking(&workspace, &origin, items, key.as_deref(), &digest, now)
+    ) -> QueueFuture<'a, Result<Submitted, SubmitError>> {
+        Box::pin(async move {
+            let (workspace, origin, key, digest) = (
+                workspace.to_owned(),
+                origin.to_owned(),
+                idempotency_key.map(str::to_owned),
+                body_digest.to_vec(),
+            );
+            self.blocking(move |b| {
+                b.submit_blocking(&workspace, &origin, items, key.as_deref(), &digest, now)
+            })
+            .await?
         })
-        .await?
     }
 
-    async fn claim_next(
-        &self,
-        workspace: &str,
+    fn claim_next<'a>(
+        &'a self,
+        workspace: &'a str,
         now: Timestamp,
-    ) -> Result<Option<Claimed>, BatchError> {
-        let workspace = workspace.to_owned();
-        self.blocking(move |b| b.claim_blocking(Some(&workspace), now))
-            .await?
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>> {
+        Box::pin(async move {
+            let workspace = workspace.to_owned();
+            self.blocking(move |b| b.claim_blocking(Some(&workspace), now))
+                .await?
+        })
     }
 
-    async fn claim_fairest(&self, now: Timestamp) -> Result<Option<Claimed>, BatchError> {
-        self.blocking(move |b| b.claim_blocking(None, now)).await?
+    fn claim_fairest<'a>(
+        &'a self,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>> {
+        Box::pin(async move { self.blocking(move |b| b.claim_blocking(None, now)).await? })
     }
 
-    async fn renew(&self, batch_id: &str, index: u32, now: Timestamp) -> Result<bool, BatchError> {
-        let id = batch_id.to_owned();
-        self.blocking(move |b| b.renew_blocking(&id, index, now))
-            .await?
+    fn renew<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<bool, BatchError>> {
+        Box::pin(async move {
+            let id = batch_id.to_owned();
+            self.blocking(move |b| b.renew_blocking(&id, index, now))
+                .await?
+        })
     }
 
-    async fn release(
-        &self,
-        batch_id: &str,
+    fn release<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         _now: Timestamp,
-    ) -> Result<bool, BatchError> {
-        let id = batch_id.to_owned();
-        self.blocking(move |b| b.release_blocking(&id, index))
-            .await?
+    ) -> QueueFuture<'a, Result<bool, BatchError>> {
+        Box::pin(async move {
+            let id = batch_id.to_owned();
+            self.blocking(move |b| b.release_blocking(&id, index))
+                .await?
+        })
     }
 
-    async fn complete(
-        &self,
-        batch_id: &str,
+    fn complete<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         result: ItemResult,
         now: Timestamp,
-    ) -> Result<Finish, BatchError> {
-        let id = batch_id.to_owned();
-        self.blocking(move |b| b.finish_blocking(&id, index, ItemState::Done, &result, now))
-            .await?
+    ) -> QueueFuture<'a, Result<Finish, BatchError>> {
+        Box::pin(async move {
+            let id = batch_id.to_owned();
+            self.blocking(move |b| b.finish_blocking(&id, index, ItemState::Done, &result, now))
+                .await?
+        })
     }
 
-    async fn fail(
-        &self,
-        batch_id: &str,
+    fn fail<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         result: ItemResult,
         now: Timestamp,
-    ) -> Result<Finish, BatchError> {
-        let id = batch_id.to_owned();
-        self.blocking(move |b| b.finish_blocking(&id, index, ItemState::Failed, &result, now))
-            .await?
+    ) -> QueueFuture<'a, Result<Finish, BatchError>> {
+        Box::pin(async move {
+            let id = batch_id.to_owned();
+            self.blocking(move |b| b.finish_blocking(&id, index, ItemState::Failed, &result, now))
+                .await?
+        })
     }
 
-    async fn status(
-        &self,
-        workspace: &str,
-        batch_id: &str,
+    fn status<'a>(
+        &'a self,
+        workspace: &'a str,
+        batch_id: &'a str,
         now: Timestamp,
-    ) -> Result<Option<BatchStatus>, BatchError> {
-        let (workspace, id) = (workspace.to_owned(), batch_id.to_owned());
-        self.blocking(move |b| b.status_blocking(&workspace, &id, now))
-            .await?
+    ) -> QueueFuture<'a, Result<Option<BatchStatus>, BatchError>> {
+        Box::pin(async move {
+            let (workspace, id) = (workspace.to_owned(), batch_id.to_owned());
+            self.blocking(move |b| b.status_blocking(&workspace, &id, now))
+                .await?
+        })
     }
 
-    async fn backlogs(&self) -> Result<Vec<WorkspaceBacklog>, BatchError> {
-        self.blocking(BatchBook::backlogs_blocking).await?
+    fn backlogs<'a>(&'a self) -> QueueFuture<'a, Result<Vec<WorkspaceBacklog>, BatchError>> {
+        Box::pin(async move { self.blocking(BatchBook::backlogs_blocking).await? })
     }
 
-    async fn maintain(&self, now: Timestamp) -> Result<Maintenance, BatchError> {
-        self.blocking(move |b| b.maintain_blocking(now)).await?
+    fn maintain<'a>(&'a self, now: Timestamp) -> QueueFuture<'a, Result<Maintenance, BatchError>> {
+        Box::pin(async move { self.blocking(move |b| b.maintain_blocking(now)).await? })
     }
 }

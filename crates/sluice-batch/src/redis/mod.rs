@@ -9,8 +9,8 @@ use sluice_store::{RedisConfig, RedisConnection as Conn, StoreError};
 
 use crate::queue::{
     BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
-    ItemState, ItemStatus, Maintenance, Progress, QueueBound, ResultBody, SubmitError, Submitted,
-    WorkspaceBacklog, estimate_finish, new_batch_id,
+    ItemState, ItemStatus, Maintenance, Progress, QueueBound, QueueFuture, ResultBody, SubmitError,
+    Submitted, WorkspaceBacklog, estimate_finish, new_batch_id,
 };
 
 const SCRIPT: &str = include_str!("batch.lua");
@@ -222,237 +222,263 @@ impl RedisBatches {
 }
 
 impl BatchQueue for RedisBatches {
-    async fn submit_from(
-        &self,
-        workspace: &str,
-        origin: &str,
+    fn submit_from<'a>(
+        &'a self,
+        workspace: &'a str,
+        origin: &'a str,
         items: Vec<Vec<u8>>,
-        idempotency_key: Option<&str>,
-        body_digest: &[u8],
+        idempotency_key: Option<&'a str>,
+        body_digest: &'a [u8],
         now: Timestamp,
-    ) -> Result<Submitted, SubmitError> {
-        if items.is_empty() {
-            return Err(SubmitError::Empty);
-        }
-        if items.len() > self.config.max_items {
-            return Err(SubmitError::TooMany {
-                given: items.len(),
-                limit: self.config.max_items,
-            });
-        }
-        let id = new_batch_id()?;
-        let reply = array(
-            self.call("submit", |i| {
-                i.arg(workspace)
-                    .arg(if idempotency_key.is_some() { "1" } else { "0" })
-                    .arg(idempotency_key.unwrap_or(""))
-                    .arg(body_digest)
-                    .arg(id.as_str())
-                    .arg(ms(now))
-                    .arg(self.config.max_backlog)
-                    .arg(self.config.max_stored_items)
-                    .arg(items.len())
-                    .arg(origin)
-                    .arg(self.config.max_queued_items)
-                    .arg(self.config.max_stored_bytes)
-                    .arg(self.config.origin_share.max(1));
-                for item in &items {
-                    i.arg(item.as_slice());
-                }
-            })
-            .await?,
-        )?;
-        let code = int(reply.first())?;
-        match code {
-            0 | 1 => Ok(Submitted {
-                batch_id: text(reply.get(1))?,
-                items: u32_of(int(reply.get(2))?),
-                created: code == 0,
-            }),
-            2 => Err(SubmitError::Conflict {
-                batch_id: text(reply.get(1))?,
-            }),
-            3 => Err(SubmitError::Backlog {
-                queued: u64::try_from(int(reply.get(1))?).unwrap_or(0),
-                limit: self.config.max_backlog,
-            }),
-            5 => Err(SubmitError::QueueFull {
-                bound: QueueBound::from_code(int(reply.get(1))?),
-                used: u64::try_from(int(reply.get(2))?).unwrap_or(0),
-                limit: u64::try_from(int(reply.get(3))?).unwrap_or(0),
-            }),
-            _ => Err(SubmitError::Full {
-                stored: u64::try_from(int(reply.get(1))?).unwrap_or(0),
-                limit: self.config.max_stored_items,
-            }),
-        }
-    }
-
-    async fn claim_next(
-        &self,
-        workspace: &str,
-        now: Timestamp,
-    ) -> Result<Option<Claimed>, BatchError> {
-        if workspace.is_empty() {
-            // The script reads "" as "the fairest"; no workspace has that name.
-            return Ok(None);
-        }
-        self.claim(workspace, now).await
-    }
-
-    async fn claim_fairest(&self, now: Timestamp) -> Result<Option<Claimed>, BatchError> {
-        self.claim("", now).await
-    }
-
-    async fn renew(&self, batch_id: &str, index: u32, now: Timestamp) -> Result<bool, BatchError> {
-        let lease = duration_ms(self.config.lease);
-        let reply = self
-            .call("renew", |i| {
-                i.arg(batch_id).arg(index).arg(ms(now)).arg(lease);
-            })
-            .await?;
-        Ok(int(Some(&reply))? == 1)
-    }
-
-    async fn release(
-        &self,
-        batch_id: &str,
-        index: u32,
-        _now: Timestamp,
-    ) -> Result<bool, BatchError> {
-        let reply = self
-            .call("release", |i| {
-                i.arg(batch_id).arg(index);
-            })
-            .await?;
-        Ok(int(Some(&reply))? == 1)
-    }
-
-    async fn complete(
-        &self,
-        batch_id: &str,
-        index: u32,
-        result: ItemResult,
-        now: Timestamp,
-    ) -> Result<Finish, BatchError> {
-        self.finish(batch_id, index, ItemState::Done, &result, now)
-            .await
-    }
-
-    async fn fail(
-        &self,
-        batch_id: &str,
-        index: u32,
-        result: ItemResult,
-        now: Timestamp,
-    ) -> Result<Finish, BatchError> {
-        self.finish(batch_id, index, ItemState::Failed, &result, now)
-            .await
-    }
-
-    async fn status(
-        &self,
-        workspace: &str,
-        batch_id: &str,
-        now: Timestamp,
-    ) -> Result<Option<BatchStatus>, BatchError> {
-        let reply = array(
-            self.call("status", |i| {
-                i.arg(workspace).arg(batch_id);
-            })
-            .await?,
-        )?;
-        if reply.is_empty() {
-            return Ok(None);
-        }
-        let n = |k: usize| int(reply.get(k));
-        let (total, done, failed, queued, running) = (
-            u32_of(n(0)?),
-            u32_of(n(1)?),
-            u32_of(n(2)?),
-            u32_of(n(3)?),
-            u32_of(n(4)?),
-        );
-        let (created, first, finished, mean) = (n(5)?, n(6)?, n(7)?, n(8)?);
-        let mut items = Vec::with_capacity(reply.len().saturating_sub(9) / 3);
-        for (index, item) in (0u32..).zip(reply.get(9..).unwrap_or_default().chunks_exact(3)) {
-            let state = ItemState::from_code(u8::try_from(int(item.first())?).unwrap_or(0));
-            let result = if state.is_finished() {
-                decode_result(&bytes(item.get(2))?)
-            } else {
-                None
-            };
-            items.push(ItemStatus {
-                index,
-                state,
-                attempts: u32_of(int(item.get(1))?),
-                result,
-            });
-        }
-        let progress = Progress {
-            queued,
-            running,
-            finished: done + failed,
-            first_claim_at: (first > 0).then(|| from_ms(first)),
-            finished_at: (finished > 0).then(|| from_ms(finished)),
-            mean_item: u64::try_from(mean).ok().map(Duration::from_millis),
-        };
-        let state = if queued == 0 && running == 0 {
-            BatchState::Done
-        } else if first == 0 {
-            BatchState::Queued
-        } else {
-            BatchState::Running
-        };
-        Ok(Some(BatchStatus {
-            batch_id: batch_id.to_owned(),
-            state,
-            total,
-            done,
-            failed,
-            queued,
-            running,
-            created_at: from_ms(created),
-            estimated_finish_at: estimate_finish(now, progress),
-            items,
-        }))
-    }
-
-    async fn backlogs(&self) -> Result<Vec<WorkspaceBacklog>, BatchError> {
-        let reply = array(self.call("backlogs", |_| {}).await?)?;
-        let mut out = Vec::with_capacity(reply.len() / 3);
-        for row in reply.chunks_exact(3) {
-            let (queued, running) = (int(row.get(1))?, int(row.get(2))?);
-            if queued <= 0 && running <= 0 {
-                continue;
+    ) -> QueueFuture<'a, Result<Submitted, SubmitError>> {
+        Box::pin(async move {
+            if items.is_empty() {
+                return Err(SubmitError::Empty);
             }
-            out.push(WorkspaceBacklog {
-                workspace: text(row.first())?,
-                queued: u64::try_from(queued).unwrap_or(0),
-                running: u64::try_from(running).unwrap_or(0),
-            });
-        }
-        Ok(out)
-    }
-
-    async fn maintain(&self, now: Timestamp) -> Result<Maintenance, BatchError> {
-        let cutoff = ms(now).saturating_sub(duration_ms(self.config.retention));
-        let mut done = Maintenance::default();
-        loop {
+            if items.len() > self.config.max_items {
+                return Err(SubmitError::TooMany {
+                    given: items.len(),
+                    limit: self.config.max_items,
+                });
+            }
+            let id = new_batch_id()?;
             let reply = array(
-                self.call("maintain", |i| {
-                    i.arg(ms(now)).arg(cutoff).arg(PURGE_CHUNK);
+                self.call("submit", |i| {
+                    i.arg(workspace)
+                        .arg(if idempotency_key.is_some() { "1" } else { "0" })
+                        .arg(idempotency_key.unwrap_or(""))
+                        .arg(body_digest)
+                        .arg(id.as_str())
+                        .arg(ms(now))
+                        .arg(self.config.max_backlog)
+                        .arg(self.config.max_stored_items)
+                        .arg(items.len())
+                        .arg(origin)
+                        .arg(self.config.max_queued_items)
+                        .arg(self.config.max_stored_bytes)
+                        .arg(self.config.origin_share.max(1));
+                    for item in &items {
+                        i.arg(item.as_slice());
+                    }
                 })
                 .await?,
             )?;
-            let requeued = u64::try_from(int(reply.first())?).unwrap_or(0);
-            let purged = u64::try_from(int(reply.get(1))?).unwrap_or(0);
-            done.requeued += requeued;
-            done.purged += purged;
-            if purged < PURGE_CHUNK {
-                return Ok(done);
+            let code = int(reply.first())?;
+            match code {
+                0 | 1 => Ok(Submitted {
+                    batch_id: text(reply.get(1))?,
+                    items: u32_of(int(reply.get(2))?),
+                    created: code == 0,
+                }),
+                2 => Err(SubmitError::Conflict {
+                    batch_id: text(reply.get(1))?,
+                }),
+                3 => Err(SubmitError::Backlog {
+                    queued: u64::try_from(int(reply.get(1))?).unwrap_or(0),
+                    limit: self.config.max_backlog,
+                }),
+                5 => Err(SubmitError::QueueFull {
+                    bound: QueueBound::from_code(int(reply.get(1))?),
+                    used: u64::try_from(int(reply.get(2))?).unwrap_or(0),
+                    limit: u64::try_from(int(reply.get(3))?).unwrap_or(0),
+                }),
+                _ => Err(SubmitError::Full {
+                    stored: u64::try_from(int(reply.get(1))?).unwrap_or(0),
+                    limit: self.config.max_stored_items,
+                }),
             }
-        }
+        })
+    }
+
+    fn claim_next<'a>(
+        &'a self,
+        workspace: &'a str,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>> {
+        Box::pin(async move {
+            if workspace.is_empty() {
+                // The script reads "" as "the fairest"; no workspace has that name.
+                return Ok(None);
+            }
+            self.claim(workspace, now).await
+        })
+    }
+
+    fn claim_fairest<'a>(
+        &'a self,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>> {
+        Box::pin(async move { self.claim("", now).await })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<bool, BatchError>> {
+        Box::pin(async move {
+            let lease = duration_ms(self.config.lease);
+            let reply = self
+                .call("renew", |i| {
+                    i.arg(batch_id).arg(index).arg(ms(now)).arg(lease);
+                })
+                .await?;
+            Ok(int(Some(&reply))? == 1)
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        _now: Timestamp,
+    ) -> QueueFuture<'a, Result<bool, BatchError>> {
+        Box::pin(async move {
+            let reply = self
+                .call("release", |i| {
+                    i.arg(batch_id).arg(index);
+                })
+                .await?;
+            Ok(int(Some(&reply))? == 1)
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        result: ItemResult,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Finish, BatchError>> {
+        Box::pin(async move {
+            self.finish(batch_id, index, ItemState::Done, &result, now)
+                .await
+        })
+    }
+
+    fn fail<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        result: ItemResult,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Finish, BatchError>> {
+        Box::pin(async move {
+            self.finish(batch_id, index, ItemState::Failed, &result, now)
+                .await
+        })
+    }
+
+    fn status<'a>(
+        &'a self,
+        workspace: &'a str,
+        batch_id: &'a str,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Option<BatchStatus>, BatchError>> {
+        Box::pin(async move {
+            let reply = array(
+                self.call("status", |i| {
+                    i.arg(workspace).arg(batch_id);
+                })
+                .await?,
+            )?;
+            if reply.is_empty() {
+                return Ok(None);
+            }
+            let n = |k: usize| int(reply.get(k));
+            let (total, done, failed, queued, running) = (
+                u32_of(n(0)?),
+                u32_of(n(1)?),
+                u32_of(n(2)?),
+                u32_of(n(3)?),
+                u32_of(n(4)?),
+            );
+            let (created, first, finished, mean) = (n(5)?, n(6)?, n(7)?, n(8)?);
+            let mut items = Vec::with_capacity(reply.len().saturating_sub(9) / 3);
+            for (index, item) in (0u32..).zip(reply.get(9..).unwrap_or_default().chunks_exact(3)) {
+                let state = ItemState::from_code(u8::try_from(int(item.first())?).unwrap_or(0));
+                let result = if state.is_finished() {
+                    decode_result(&bytes(item.get(2))?)
+                } else {
+                    None
+                };
+                items.push(ItemStatus {
+                    index,
+                    state,
+                    attempts: u32_of(int(item.get(1))?),
+                    result,
+                });
+            }
+            let progress = Progress {
+                queued,
+                running,
+                finished: done + failed,
+                first_claim_at: (first > 0).then(|| from_ms(first)),
+                finished_at: (finished > 0).then(|| from_ms(finished)),
+                mean_item: u64::try_from(mean).ok().map(Duration::from_millis),
+            };
+            let state = if queued == 0 && running == 0 {
+                BatchState::Done
+            } else if first == 0 {
+                BatchState::Queued
+            } else {
+                BatchState::Running
+            };
+            Ok(Some(BatchStatus {
+                batch_id: batch_id.to_owned(),
+                state,
+                total,
+                done,
+                failed,
+                queued,
+                running,
+                created_at: from_ms(created),
+                estimated_finish_at: estimate_finish(now, progress),
+                items,
+            }))
+        })
+    }
+
+    fn backlogs<'a>(&'a self) -> QueueFuture<'a, Result<Vec<WorkspaceBacklog>, BatchError>> {
+        Box::pin(async move {
+            let reply = array(self.call("backlogs", |_| {}).await?)?;
+            let mut out = Vec::with_capacity(reply.len() / 3);
+            for row in reply.chunks_exact(3) {
+                let (queued, running) = (int(row.get(1))?, int(row.get(2))?);
+                if queued <= 0 && running <= 0 {
+                    continue;
+                }
+                out.push(WorkspaceBacklog {
+                    workspace: text(row.first())?,
+                    queued: u64::try_from(queued).unwrap_or(0),
+                    running: u64::try_from(running).unwrap_or(0),
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    fn maintain<'a>(&'a self, now: Timestamp) -> QueueFuture<'a, Result<Maintenance, BatchError>> {
+        Box::pin(async move {
+            let cutoff = ms(now).saturating_sub(duration_ms(self.config.retention));
+            let mut done = Maintenance::default();
+            loop {
+                let reply = array(
+                    self.call("maintain", |i| {
+                        i.arg(ms(now)).arg(cutoff).arg(PURGE_CHUNK);
+                    })
+                    .await?,
+                )?;
+                let requeued = u64::try_from(int(reply.first())?).unwrap_or(0);
+                let purged = u64::try_from(int(reply.get(1))?).unwrap_or(0);
+                done.requeued += requeued;
+                done.purged += purged;
+                if purged < PURGE_CHUNK {
+                    return Ok(done);
+                }
+            }
+        })
     }
 }
 
