@@ -34,7 +34,8 @@ impl AnyStore {
     }
 
     /// [`AnyStore::local`] with the memory store sized by `memory`, and the batch
-    /// queue in the same durable store when `batches` is given.
+    /// queue (sluice-batch's [`BatchBook`]) in the same durable store when
+    /// `batches` is given.
     ///
     /// # Errors
     /// As [`AnyStore::local`].
