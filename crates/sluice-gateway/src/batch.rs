@@ -30,95 +30,18 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
+use sluice_batch::{
+    BatchQueue, BatchStatus, Claimed, ItemResult, ResultBody, SubmitError, Submitted,
+    WorkspaceBacklog,
+};
 use sluice_core::{Clock as _, SystemClock, Timestamp};
 use sluice_edge::SharedLimiter;
 use sluice_policy::{BatchEndpoint, LaneBatch};
-use sluice_store::{
-    BatchBook, BatchError, BatchQueue, BatchStatus, Claimed, Finish, ItemResult, Maintenance,
-    RedisBatches, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
-};
 use tower::Service;
 
 use crate::Stop;
 use crate::proxy::{BoxError, ProxyBody, Upstream};
 use crate::store::AnyStore;
-
-/// The queue of a gateway's batch lanes: the embedded store, or Redis when
-/// replicas share one (so any replica runs items and answers status reads).
-pub enum Batches {
-    /// In the embedded durable store.
-    Local(BatchBook),
-    /// In Redis.
-    Redis(RedisBatches),
-}
-
-macro_rules! delegate {
-    ($self:ident, $q:ident => $call:expr) => {
-        match $self {
-            Batches::Local($q) => $call.await,
-            Batches::Redis($q) => $call.await,
-        }
-    };
-}
-
-impl Batches {
-    async fn submit(
-        &self,
-        workspace: &str,
-        origin: &str,
-        items: Vec<Vec<u8>>,
-        key: Option<&str>,
-        digest: &[u8],
-        now: Timestamp,
-    ) -> Result<Submitted, SubmitError> {
-        delegate!(self, q => q.submit_from(workspace, origin, items, key, digest, now))
-    }
-
-    async fn claim_next(
-        &self,
-        workspace: &str,
-        now: Timestamp,
-    ) -> Result<Option<Claimed>, BatchError> {
-        delegate!(self, q => q.claim_next(workspace, now))
-    }
-
-    async fn complete(
-        &self,
-        batch: &str,
-        index: u32,
-        result: ItemResult,
-        now: Timestamp,
-    ) -> Result<Finish, BatchError> {
-        delegate!(self, q => q.complete(batch, index, result, now))
-    }
-
-    async fn fail(
-        &self,
-        batch: &str,
-        index: u32,
-        result: ItemResult,
-        now: Timestamp,
-    ) -> Result<Finish, BatchError> {
-        delegate!(self, q => q.fail(batch, index, result, now))
-    }
-
-    async fn status(
-        &self,
-        workspace: &str,
-        batch: &str,
-        now: Timestamp,
-    ) -> Result<Option<BatchStatus>, BatchError> {
-        delegate!(self, q => q.status(workspace, batch, now))
-    }
-
-    async fn backlogs(&self) -> Result<Vec<WorkspaceBacklog>, BatchError> {
-        delegate!(self, q => q.backlogs())
-    }
-
-    async fn maintain(&self, now: Timestamp) -> Result<Maintenance, BatchError> {
-        delegate!(self, q => q.maintain(now))
-    }
-}
 
 /// One lane's batch lane, shared by the intercepting service and the runner.
 pub struct BatchLane {
@@ -126,7 +49,9 @@ pub struct BatchLane {
     lane_index: usize,
     batch: LaneBatch,
     timeout: Duration,
-    queue: Arc<Batches>,
+    /// The queue of every batch lane: the embedded durable store, or Redis when
+    /// replicas share one (so any replica runs items and answers status reads).
+    queue: Arc<dyn BatchQueue>,
     limiter: SharedLimiter<AnyStore>,
     upstream: Upstream,
     client: Client<HttpConnector, Full<Bytes>>,
@@ -226,7 +151,7 @@ impl BatchLane {
     /// items queued under the old name unclaimed until it is restored.
     pub fn all(
         shared: &SharedLimiter<AnyStore>,
-        queue: &Arc<Batches>,
+        queue: &Arc<dyn BatchQueue>,
         upstream: &Upstream,
         clock: &SystemClock,
     ) -> Vec<Arc<BatchLane>> {
@@ -326,7 +251,7 @@ impl BatchLane {
             .unwrap_or_default();
         let queued = self
             .queue
-            .submit(
+            .submit_from(
                 &self.queue_name(&workspace),
                 &origin,
                 items,

@@ -163,9 +163,9 @@ pub struct GatewayConfig {
     pub demo_optimize_time: Duration,
     /// The batch queue's global bounds: unfinished items and stored bytes in
     /// all, and the share one client address may hold
-    /// ([`sluice_store::BatchConfig::max_queued_items`],
-    /// [`max_stored_bytes`](sluice_store::BatchConfig::max_stored_bytes),
-    /// [`origin_share`](sluice_store::BatchConfig::origin_share)).
+    /// ([`sluice_batch::BatchConfig::max_queued_items`],
+    /// [`max_stored_bytes`](sluice_batch::BatchConfig::max_stored_bytes),
+    /// [`origin_share`](sluice_batch::BatchConfig::origin_share)).
     pub batch_bounds: BatchBounds,
     /// The file the policy was read from, read again on SIGHUP and when it changes
     /// (`None`: the policy was given without a file and is never reloaded).
@@ -197,9 +197,9 @@ pub struct BatchBounds {
 impl Default for BatchBounds {
     fn default() -> Self {
         BatchBounds {
-            max_queued_items: sluice_store::DEFAULT_MAX_QUEUED_ITEMS,
-            max_stored_bytes: sluice_store::DEFAULT_MAX_STORED_BYTES,
-            address_share: sluice_store::DEFAULT_ORIGIN_SHARE,
+            max_queued_items: sluice_batch::DEFAULT_MAX_QUEUED_ITEMS,
+            max_stored_bytes: sluice_batch::DEFAULT_MAX_STORED_BYTES,
+            address_share: sluice_batch::DEFAULT_ORIGIN_SHARE,
         }
     }
 }
@@ -385,7 +385,7 @@ impl Gateway {
             .iter()
             .find_map(|l| l.batch.as_ref())
             .map(|b| {
-                sluice_store::BatchConfig::default()
+                sluice_batch::BatchConfig::default()
                     .with_max_items(b.max_items.get() as usize)
                     .with_max_backlog(u64::from(b.backlog.get()))
                     .with_retention(b.keep)
@@ -402,7 +402,10 @@ impl Gateway {
                     batch_config,
                     MemoryConfig::with_max_keys(config.max_keys).preallocated(),
                 )?;
-                (store, book.map(batch::Batches::Local))
+                (
+                    store,
+                    book.map(|b| Arc::new(b) as Arc<dyn sluice_batch::BatchQueue>),
+                )
             }
             StoreSpec::Redis(url) => {
                 let store = AnyStore::redis(url, config.policy.store.timeout)
@@ -412,8 +415,8 @@ impl Gateway {
                         source,
                     })?;
                 let batches = match batch_config {
-                    Some(c) => Some(batch::Batches::Redis(
-                        sluice_store::RedisBatches::connect(
+                    Some(c) => Some(Arc::new(
+                        sluice_batch::RedisBatches::connect(
                             &sluice_store::RedisConfig::new(url),
                             c,
                         )
@@ -422,7 +425,7 @@ impl Gateway {
                             store: config.store.describe(),
                             source: sluice_store::StoreError::Unavailable(e.to_string()),
                         })?,
-                    )),
+                    ) as Arc<dyn sluice_batch::BatchQueue>),
                     None => None,
                 };
                 (store, batches)
@@ -481,10 +484,7 @@ impl Gateway {
         // Each gateway worker gets its own stack over the one shared limiter: its own
         // upstream connection pool, driven on its own thread.
         let batch_lanes = Arc::new(match batches {
-            Some(queue) => {
-                let queue = Arc::new(queue);
-                batch::BatchLane::all(&limiter, &queue, &upstream, &clock_for_batches)
-            }
+            Some(queue) => batch::BatchLane::all(&limiter, &queue, &upstream, &clock_for_batches),
             None => Vec::new(),
         });
         for lane in batch_lanes.iter() {

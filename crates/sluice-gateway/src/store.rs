@@ -2,10 +2,11 @@
 
 use std::path::Path;
 
+use sluice_batch::{BatchBook, BatchConfig};
 use sluice_core::{Budget, BudgetStatus, Clock as _, Decision, SystemClock, Timestamp};
 use sluice_store::{
-    BatchBook, BatchConfig, BudgetStore, DurableStore, Guarded, LocalStore, MemoryConfig,
-    MemoryStore, OpenError, QuotaBook, QuotaBookConfig, RedisConfig, RedisStore, StoreError,
+    BudgetStore, DurableStore, Guarded, LocalStore, MemoryConfig, MemoryStore, OpenError,
+    QuotaBook, QuotaBookConfig, RedisConfig, RedisStore, StoreError,
 };
 
 /// This process (memory, with quotas in the embedded durable store) or Redis
@@ -33,7 +34,8 @@ impl AnyStore {
     }
 
     /// [`AnyStore::local`] with the memory store sized by `memory`, and the batch
-    /// queue in the same durable store when `batches` is given.
+    /// queue (sluice-batch's [`BatchBook`]) in the same durable store when
+    /// `batches` is given.
     ///
     /// # Errors
     /// As [`AnyStore::local`].

@@ -52,8 +52,6 @@ struct VsGovernor;
 
 use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
 
-#[cfg(any(feature = "durable", feature = "redis"))]
-pub mod batch;
 #[cfg(feature = "durable")]
 pub mod durable;
 mod guarded;
@@ -65,19 +63,11 @@ mod prefetch;
 #[cfg(feature = "redis")]
 mod redis;
 
-// Documented in their modules (`batch`, `durable`); kept at the root, hidden,
-// for the crates of this workspace.
-#[cfg(any(feature = "durable", feature = "redis"))]
-#[doc(hidden)]
-pub use batch::{
-    BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed,
-    DEFAULT_MAX_QUEUED_ITEMS, DEFAULT_MAX_STORED_BYTES, DEFAULT_ORIGIN_SHARE, Finish, ItemResult,
-    ItemState, ItemStatus, Maintenance, QueueBound, ResultBody, SubmitError, Submitted,
-    WorkspaceBacklog,
-};
+// Documented in their module (`durable`); kept at the root, hidden, for the
+// crates of this workspace.
 #[cfg(feature = "durable")]
 #[doc(hidden)]
-pub use durable::{BatchBook, DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConfig};
+pub use durable::{DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConfig};
 pub use guarded::Guarded;
 #[doc(hidden)]
 pub use guarded::STORE_BREAKER;
@@ -91,7 +81,7 @@ pub use memory::{MemoryConfig, MemoryStore, NO_NETWORK};
 #[doc(hidden)]
 pub use redis::MAX_COALESCED;
 #[cfg(feature = "redis")]
-pub use redis::{RedisBatches, RedisConfig, RedisStore};
+pub use redis::{RedisConfig, RedisConnection, RedisStore};
 
 /// Why a store could not decide.
 #[derive(Debug, thiserror::Error)]

@@ -145,20 +145,20 @@ pub struct ServeArgs {
     /// together, whatever their own backlogs: past it a submit is refused with
     /// 503 and Retry-After, nothing queued. One client address may hold
     /// 1/--batch-address-share of it.
-    #[arg(long, value_name = "N", default_value_t = sluice_store::DEFAULT_MAX_QUEUED_ITEMS, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = sluice_batch::DEFAULT_MAX_QUEUED_ITEMS, value_parser = clap::value_parser!(u64).range(1..))]
     pub batch_max_queued_items: u64,
 
     /// Most MiB of batch item bodies and results the queue stores (finished
     /// batches count until purged after their `keep_hours`): past it a submit
     /// is refused with 503 and Retry-After. One client address may hold
     /// 1/--batch-address-share of it.
-    #[arg(long, value_name = "MIB", default_value_t = sluice_store::DEFAULT_MAX_STORED_BYTES / (1024 * 1024), value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
+    #[arg(long, value_name = "MIB", default_value_t = sluice_batch::DEFAULT_MAX_STORED_BYTES / (1024 * 1024), value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
     pub batch_max_stored_mib: u64,
 
     /// One client address (through trusted proxies; an IPv6 client by its
     /// prefix) may hold at most 1/N of the batch queue's item and byte bounds
     /// (1: no share of its own).
-    #[arg(long, value_name = "N", default_value_t = sluice_store::DEFAULT_ORIGIN_SHARE, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[arg(long, value_name = "N", default_value_t = sluice_batch::DEFAULT_ORIGIN_SHARE, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub batch_address_share: u32,
 
     /// Seconds a call of the built-in demo upstream's message optimizer takes

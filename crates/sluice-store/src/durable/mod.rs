@@ -1,6 +1,7 @@
 //! The embedded durable store: what must survive a restart or a crash of a
-//! single `sluice serve` — monthly quota counts (see [`QuotaBook`]) and the
-//! batch queue with its results (see [`BatchBook`]).
+//! single `sluice serve` — monthly quota counts (see [`QuotaBook`]) and, in
+//! the same file, the batch queue with its results (the `sluice-batch`
+//! crate's `BatchBook`, which opens its tables through [`DurableStore::db`]).
 //!
 //! One [redb](https://docs.rs/redb) file, `sluice.redb`, in a data directory,
 //! and in front of it the quota journal, `quota.journal` (group commit: see
@@ -14,7 +15,6 @@
 //! # drop(store); let _ = std::fs::remove_dir_all(&dir);
 //! ```
 
-mod batch;
 mod fillable;
 mod journal;
 mod quota;
@@ -22,7 +22,6 @@ mod quota;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use batch::BatchBook;
 pub use fillable::{FillableDisk, FillableLog};
 pub use journal::{JournalSync, QuotaLog};
 pub use quota::{
@@ -192,12 +191,13 @@ impl DurableStore {
     }
 
     /// Opens the storage anew after a failed write (redb takes no transaction on
-    /// a database whose write failed until then).
+    /// a database whose write failed until then). For the books kept in this
+    /// store: this crate's [`QuotaBook`], and the batch queue of `sluice-batch`.
     ///
     /// # Errors
     /// The storage still cannot be opened (e.g. a transaction still holds the old
     /// database); the caller tries again later.
-    pub(crate) fn reopen(&self) -> Result<(), redb::DatabaseError> {
+    pub fn reopen(&self) -> Result<(), redb::DatabaseError> {
         let mut db = self.inner.db.write();
         // The old handle must be gone before the file can be locked again.
         drop(db.take());
@@ -210,9 +210,11 @@ impl DurableStore {
         &self.inner.path
     }
 
-    /// The open database, for the tables of this crate's modules; `None` while it
-    /// cannot be opened (after a failed write, until [`DurableStore::reopen`] works).
-    pub(crate) fn db(&self) -> Option<Arc<redb::Database>> {
+    /// The open database, for the tables of the books kept in it (this crate's
+    /// [`QuotaBook`]; the batch queue of `sluice-batch`, whose tables are all
+    /// named `batch_*`); `None` while it cannot be opened (after a failed write,
+    /// until [`DurableStore::reopen`] works).
+    pub fn db(&self) -> Option<Arc<redb::Database>> {
         self.inner.db.read().clone()
     }
 

@@ -10,10 +10,6 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::{BudgetStore, StoreError};
 
-mod batch;
-
-pub use batch::RedisBatches;
-
 const SCRIPT: &str = include_str!("budgets.lua");
 
 /// How to reach Redis and how long to wait for it: [`RedisConfig::new`],
@@ -41,17 +37,37 @@ impl RedisConfig {
     }
 }
 
-/// A connection to one Redis or to a cluster.
+/// A connection to one Redis or to a cluster, opened as the budget store opens
+/// its own: for the other books kept in the same Redis (the batch queue of
+/// `sluice-batch`).
 #[derive(Clone)]
-enum Conn {
+pub enum Conn {
+    /// One Redis, through a connection manager that reconnects by itself.
     Single(ConnectionManager),
+    /// A Redis Cluster (`redis+cluster://host:port,host:port,…`).
     Cluster(redis::cluster_async::ClusterConnection),
 }
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Conn::Single(_) => "RedisConnection::Single",
+            Conn::Cluster(_) => "RedisConnection::Cluster",
+        })
+    }
+}
+
+// The name it has at the crate's root.
+pub use Conn as RedisConnection;
 
 impl Conn {
     /// Connects to `url` (one Redis, or a cluster), waiting up to
     /// `response_timeout` for each answer.
-    async fn open(url: &str, response_timeout: Duration) -> Result<Self, StoreError> {
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when the URL is malformed or Redis does not
+    /// answer in time.
+    pub async fn open(url: &str, response_timeout: Duration) -> Result<Self, StoreError> {
         let response_timeout = response_timeout.max(Duration::from_millis(1));
         if let Some(nodes) = cluster_nodes(url) {
             let client = redis::cluster::ClusterClient::builder(nodes)

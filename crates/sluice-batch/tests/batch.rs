@@ -9,11 +9,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use sluice_core::Timestamp;
-use sluice_store::{
-    BatchBook, BatchConfig, BatchQueue, BatchState, DurableStore, Finish, ItemResult, ItemState,
-    Maintenance, QueueBound, ResultBody, SubmitError,
+use sluice_batch::{
+    BatchBook, BatchConfig, BatchQueue, BatchState, Finish, ItemResult, ItemState, Maintenance,
+    QueueBound, ResultBody, SubmitError,
 };
+use sluice_core::Timestamp;
+use sluice_store::DurableStore;
 
 /// 2026-11-30T12:00:00Z.
 const T0: u64 = 1_796_040_000;
@@ -1057,7 +1058,8 @@ mod redis_server;
 #[cfg(feature = "redis")]
 mod on_redis {
     use super::*;
-    use sluice_store::{RedisBatches, RedisConfig};
+    use sluice_batch::RedisBatches;
+    use sluice_store::RedisConfig;
 
     use super::redis_server::RedisServer as Server;
 

@@ -1,54 +1,8 @@
-//! The batch queue: long lists of calls to an expensive upstream, kept durably
-//! until each has run once and its answer is recorded.
-//!
-//! A batch is a list of items (each an opaque request body, e.g. the JSON body
-//! of one upstream call) submitted by one workspace. Its items wait, in order,
-//! in the workspace's queue; a runner [claims](BatchQueue::claim_next) the
-//! next one, sends it, and records the answer with [`BatchQueue::complete`] or
-//! [`BatchQueue::fail`]. Anyone of the same workspace can read the batch's
-//! [status](BatchQueue::status) meanwhile.
-//!
-//! Two backends implement [`BatchQueue`]: `BatchBook` in the embedded
-//! durable store (feature `durable`) for one process, and `RedisBatches`
-//! (feature `redis`) when several
-//! replicas share the queue. Both keep every state change durable before the
-//! call that made it returns (Redis: as durable as its persistence settings).
-//!
-//! # An item's life
-//! `queued` → (claimed) `running` → `done` or `failed`. A running item holds
-//! a lease ([`BatchConfig::lease`]; [`BatchQueue::renew`] extends it). An item
-//! whose runner went away — a crash, a replica killed, a lease that ran out —
-//! goes back to `queued` (at the head of its workspace's queue) and is
-//! claimed again with its `attempt` one higher: the runner sends it with the
-//! same [`Claimed::idempotency_key`], so the upstream can tell a repeat. The
-//! first answer recorded for an item is its result; a later one is ignored
-//! and reported as [`Finish::AlreadyFinished`].
-//!
-//! # Bounds
-//! Items per batch ([`BatchConfig::max_items`], default 1,000), unfinished
-//! items per workspace ([`BatchConfig::max_backlog`], default 5,000), items
-//! stored in all ([`BatchConfig::max_stored_items`], default 1,000,000, finished
-//! ones included until purged), and how long a finished batch is kept
-//! ([`BatchConfig::retention`], default 7 days; [`BatchQueue::maintain`] drops
-//! older ones).
-//!
-//! Whatever the workspaces (every unknown credential is one of its own), the
-//! whole queue holds at most [`BatchConfig::max_queued_items`] unfinished items
-//! (default 100,000) and [`BatchConfig::max_stored_bytes`] bytes of item bodies
-//! and results (default 256 MiB); one origin (the client address a submit came
-//! from, see [`BatchQueue::submit_from`]) holds at most
-//! 1/[`BatchConfig::origin_share`] of each (default 1/8), so one address cannot
-//! take the whole queue. Past either a submit is refused with
-//! [`SubmitError::QueueFull`], nothing stored. A finished batch's bytes (its
-//! results) count until it is purged after its retention: results stay
-//! readable for as long as promised, and the bound is what sizes the disk.
-//! The counts live with the queue (the redb file, or Redis), so every replica
-//! sharing a queue keeps the same bound.
-//!
-//! Time is a parameter: every operation takes `now`, so the caller's clock (a
-//! fake one in tests) decides leases, durations and retention.
+//! The queue's types and its trait, [`BatchQueue`]: what every backend
+//! stores, answers and refuses (see the crate's docs).
 
 use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use sluice_core::Timestamp;
@@ -70,6 +24,13 @@ pub const DEFAULT_ORIGIN_SHARE: u32 = 8;
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Default for [`BatchConfig::lease`]: 10 minutes.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(600);
+
+/// What the methods of [`BatchQueue`] return: a boxed future, sendable, that
+/// may borrow the queue and the arguments for `'a`.
+pub type QueueFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+// A gateway holds `Arc<dyn BatchQueue>`: the trait must stay dyn-compatible.
+const _: Option<&dyn BatchQueue> = None;
 
 /// The prefix of every batch id.
 pub const BATCH_ID_PREFIX: &str = "bat_";
@@ -399,6 +360,7 @@ impl ResultBody {
         }
     }
 
+    #[cfg(any(feature = "durable", feature = "redis"))]
     pub(crate) fn encode(&self) -> Vec<u8> {
         let (tag, bytes) = match self {
             ResultBody::Json(b) => (b'j', b.as_slice()),
@@ -410,6 +372,7 @@ impl ResultBody {
         out
     }
 
+    #[cfg(any(feature = "durable", feature = "redis"))]
     pub(crate) fn decode(bytes: &[u8]) -> Self {
         match bytes.split_first() {
             Some((b'j', rest)) => ResultBody::Json(rest.to_vec()),
@@ -454,6 +417,7 @@ impl ItemState {
         }
     }
 
+    #[cfg(any(feature = "durable", feature = "redis"))]
     pub(crate) fn code(self) -> u8 {
         match self {
             ItemState::Queued => 0,
@@ -463,6 +427,7 @@ impl ItemState {
         }
     }
 
+    #[cfg(any(feature = "durable", feature = "redis"))]
     pub(crate) fn from_code(code: u8) -> Self {
         match code {
             0 => ItemState::Queued,
@@ -560,11 +525,16 @@ pub struct Maintenance {
     pub purged: u64,
 }
 
-/// A durable batch queue (see the module docs).
+/// A durable batch queue (see [the crate's docs](crate)).
 ///
 /// Every method is async: the embedded backend runs its transaction (one
 /// `fsync`) on tokio's blocking pool, the Redis backend sends one script call.
 /// A method returns once its change is durable.
+///
+/// The methods return a boxed future ([`QueueFuture`]) so that the trait is
+/// dyn-compatible: a gateway that picks its backend at start holds an
+/// `Arc<dyn BatchQueue>`. One allocation per operation is nothing next to
+/// the `fsync` or the round trip each one costs.
 pub trait BatchQueue: Send + Sync {
     /// Stores a new batch of `items` for `workspace`, all queued.
     ///
@@ -580,14 +550,14 @@ pub trait BatchQueue: Send + Sync {
     /// [`SubmitError::Conflict`], [`SubmitError::Backlog`] when the
     /// workspace's unfinished items would exceed [`BatchConfig::max_backlog`],
     /// [`SubmitError::Full`], [`SubmitError::Unavailable`].
-    fn submit(
-        &self,
-        workspace: &str,
+    fn submit<'a>(
+        &'a self,
+        workspace: &'a str,
         items: Vec<Vec<u8>>,
-        idempotency_key: Option<&str>,
-        body_digest: &[u8],
+        idempotency_key: Option<&'a str>,
+        body_digest: &'a [u8],
         now: Timestamp,
-    ) -> impl Future<Output = Result<Submitted, SubmitError>> + Send {
+    ) -> QueueFuture<'a, Result<Submitted, SubmitError>> {
         self.submit_from(workspace, "", items, idempotency_key, body_digest, now)
     }
 
@@ -600,15 +570,15 @@ pub trait BatchQueue: Send + Sync {
     /// queue, or `origin`'s part of it, would pass
     /// [`BatchConfig::max_queued_items`] or [`BatchConfig::max_stored_bytes`]
     /// (checked after the idempotency key: a repeat is never refused as full).
-    fn submit_from(
-        &self,
-        workspace: &str,
-        origin: &str,
+    fn submit_from<'a>(
+        &'a self,
+        workspace: &'a str,
+        origin: &'a str,
         items: Vec<Vec<u8>>,
-        idempotency_key: Option<&str>,
-        body_digest: &[u8],
+        idempotency_key: Option<&'a str>,
+        body_digest: &'a [u8],
         now: Timestamp,
-    ) -> impl Future<Output = Result<Submitted, SubmitError>> + Send;
+    ) -> QueueFuture<'a, Result<Submitted, SubmitError>>;
 
     /// Claims the next queued item of `workspace` (the oldest, or one that
     /// went back to the queue), marking it running with a lease until
@@ -616,11 +586,11 @@ pub trait BatchQueue: Send + Sync {
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn claim_next(
-        &self,
-        workspace: &str,
+    fn claim_next<'a>(
+        &'a self,
+        workspace: &'a str,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Option<Claimed>, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>>;
 
     /// Claims the next queued item of the workspace with the fewest items
     /// running (ties: the one whose last claim is oldest, so workspaces take
@@ -628,78 +598,78 @@ pub trait BatchQueue: Send + Sync {
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn claim_fairest(
-        &self,
+    fn claim_fairest<'a>(
+        &'a self,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Option<Claimed>, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>>;
 
     /// Extends a running item's lease to `now` + [`BatchConfig::lease`];
     /// false when the item is not running (finished, or put back).
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn renew(
-        &self,
-        batch_id: &str,
+    fn renew<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         now: Timestamp,
-    ) -> impl Future<Output = Result<bool, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<bool, BatchError>>;
 
     /// Puts a running item back at the head of its workspace's queue without
     /// a result (e.g. it could not be sent); false when it was not running.
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn release(
-        &self,
-        batch_id: &str,
+    fn release<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         now: Timestamp,
-    ) -> impl Future<Output = Result<bool, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<bool, BatchError>>;
 
     /// Records `result` as the item's answer, state `done` — unless it has one
     /// already. An item still queued (its claim expired) is finished too.
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn complete(
-        &self,
-        batch_id: &str,
+    fn complete<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         result: ItemResult,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Finish, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<Finish, BatchError>>;
 
     /// As [`BatchQueue::complete`], state `failed` (e.g. the upstream failed,
     /// or gave no answer).
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn fail(
-        &self,
-        batch_id: &str,
+    fn fail<'a>(
+        &'a self,
+        batch_id: &'a str,
         index: u32,
         result: ItemResult,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Finish, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<Finish, BatchError>>;
 
     /// The batch's progress and results as of `now`; `None` when there is no
     /// such batch or it belongs to another workspace.
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn status(
-        &self,
-        workspace: &str,
-        batch_id: &str,
+    fn status<'a>(
+        &'a self,
+        workspace: &'a str,
+        batch_id: &'a str,
         now: Timestamp,
-    ) -> impl Future<Output = Result<Option<BatchStatus>, BatchError>> + Send;
+    ) -> QueueFuture<'a, Result<Option<BatchStatus>, BatchError>>;
 
     /// The workspaces with unfinished items, with their counts.
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn backlogs(&self) -> impl Future<Output = Result<Vec<WorkspaceBacklog>, BatchError>> + Send;
+    fn backlogs<'a>(&'a self) -> QueueFuture<'a, Result<Vec<WorkspaceBacklog>, BatchError>>;
 
     /// Puts back running items whose lease ran out before `now`, and drops
     /// batches finished more than [`BatchConfig::retention`] before `now` (their
@@ -707,12 +677,10 @@ pub trait BatchQueue: Send + Sync {
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
-    fn maintain(
-        &self,
-        now: Timestamp,
-    ) -> impl Future<Output = Result<Maintenance, BatchError>> + Send;
+    fn maintain<'a>(&'a self, now: Timestamp) -> QueueFuture<'a, Result<Maintenance, BatchError>>;
 }
 
+#[cfg(any(feature = "durable", feature = "redis"))]
 /// A new batch id: [`BATCH_ID_PREFIX`] and 128 bits from the operating
 /// system's random source, in hex.
 pub(crate) fn new_batch_id() -> Result<String, BatchError> {
@@ -728,6 +696,7 @@ pub(crate) fn new_batch_id() -> Result<String, BatchError> {
     Ok(id)
 }
 
+#[cfg(any(feature = "durable", feature = "redis"))]
 /// The counts behind an estimate.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Progress {
@@ -743,6 +712,7 @@ pub(crate) struct Progress {
     pub(crate) mean_item: Option<Duration>,
 }
 
+#[cfg(any(feature = "durable", feature = "redis"))]
 /// When a batch should finish: its finish time when finished; else from the
 /// pace of this batch (time since its first claim per finished item) for the
 /// items left; else from recent items' mean duration, the running items'
@@ -773,7 +743,7 @@ pub(crate) fn next_mean(mean: Option<Duration>, took: Duration) -> Duration {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, any(feature = "durable", feature = "redis")))]
 mod tests {
     use super::*;
 

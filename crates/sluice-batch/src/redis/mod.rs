@@ -1,0 +1,504 @@
+//! The batch queue in Redis: documented on [`RedisBatches`].
+
+use std::time::Duration;
+
+use redis::Value;
+use sluice_core::Timestamp;
+
+use sluice_store::{RedisConfig, RedisConnection as Conn, StoreError};
+
+use crate::queue::{
+    BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
+    ItemState, ItemStatus, Maintenance, Progress, QueueBound, QueueFuture, ResultBody, SubmitError,
+    Submitted, WorkspaceBacklog, estimate_finish, new_batch_id,
+};
+
+const SCRIPT: &str = include_str!("batch.lua");
+
+/// The longest a batch operation waits for Redis: a submit carries up to
+/// [`BatchConfig::max_items`] bodies, a status read as many results.
+const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Batches purged per script call.
+const PURGE_CHUNK: u64 = 64;
+
+/// The batch queue in Redis. Cheap to clone.
+///
+/// The batch queue in Redis (see [the crate's docs](crate)), for replicas that share
+/// one store: any replica submits, claims and runs items, and answers status
+/// reads.
+///
+/// Every operation is one call of one server-side script (`batch.lua`), so
+/// each is atomic across replicas. All keys share one hash tag
+/// (`<prefix>batch:{q}:…`), hence one slot on a cluster. Times are the callers'
+/// (`now`), kept in milliseconds. A running item's lease is what brings it back
+/// when its replica dies: [`BatchQueue::maintain`], called by any replica, puts
+/// back the items whose lease ran out.
+///
+/// Durability is Redis's: with `appendonly yes` (and `appendfsync always` for
+/// no loss at all, `everysec` for at most a second) a restart of Redis loses no
+/// queued item and no result; with persistence off, a Redis restart loses the
+/// queue.
+#[derive(Clone)]
+pub struct RedisBatches {
+    conn: Conn,
+    script: redis::Script,
+    /// `<prefix>batch:{q}:`.
+    keys: String,
+    config: BatchConfig,
+}
+
+impl std::fmt::Debug for RedisBatches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBatches")
+            .field("keys", &self.keys)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unavailable(e: impl std::fmt::Display) -> BatchError {
+    BatchError::Unavailable(e.to_string())
+}
+
+fn ms(t: Timestamp) -> u64 {
+    t.as_nanos() / 1_000_000
+}
+
+fn from_ms(ms: i64) -> Timestamp {
+    Timestamp::from_nanos(u64::try_from(ms).unwrap_or(0).saturating_mul(1_000_000))
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn int(v: Option<&Value>) -> Result<i64, BatchError> {
+    match v {
+        Some(Value::Int(n)) => Ok(*n),
+        Some(Value::BulkString(b)) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| unavailable("unexpected reply from the batch script")),
+        _ => Err(unavailable("unexpected reply from the batch script")),
+    }
+}
+
+fn bytes(v: Option<&Value>) -> Result<Vec<u8>, BatchError> {
+    match v {
+        Some(Value::BulkString(b)) => Ok(b.clone()),
+        Some(Value::Int(n)) => Ok(n.to_string().into_bytes()),
+        Some(Value::Nil) => Ok(Vec::new()),
+        _ => Err(unavailable("unexpected reply from the batch script")),
+    }
+}
+
+fn text(v: Option<&Value>) -> Result<String, BatchError> {
+    String::from_utf8(bytes(v)?).map_err(unavailable)
+}
+
+fn u32_of(n: i64) -> u32 {
+    u32::try_from(n.max(0)).unwrap_or(u32::MAX)
+}
+
+fn array(v: Value) -> Result<Vec<Value>, BatchError> {
+    match v {
+        Value::Array(a) => Ok(a),
+        Value::Nil => Ok(Vec::new()),
+        _ => Err(unavailable("unexpected reply from the batch script")),
+    }
+}
+
+/// A result's stored form: `<status>:` then [`ResultBody::encode`].
+fn encode_result(result: &ItemResult) -> Vec<u8> {
+    let mut out = format!("{}:", result.status).into_bytes();
+    out.extend_from_slice(&result.body.encode());
+    out
+}
+
+fn decode_result(bytes: &[u8]) -> Option<ItemResult> {
+    let colon = bytes.iter().position(|&b| b == b':')?;
+    let status = std::str::from_utf8(&bytes[..colon]).ok()?.parse().ok()?;
+    Some(ItemResult {
+        status,
+        body: ResultBody::decode(&bytes[colon + 1..]),
+    })
+}
+
+impl RedisBatches {
+    /// Connects to the Redis of `redis` (its URL and key prefix; a batch
+    /// operation waits up to 2 s, whatever `redis.timeout` says) for batches
+    /// bounded by `config`.
+    ///
+    /// # Errors
+    /// [`BatchError::Unavailable`] when the URL is malformed or Redis does not
+    /// answer.
+    pub async fn connect(redis: &RedisConfig, config: BatchConfig) -> Result<Self, BatchError> {
+        let conn = Conn::open(&redis.url, BATCH_TIMEOUT.max(redis.timeout))
+            .await
+            .map_err(|e| match e {
+                StoreError::Unavailable(m) => BatchError::Unavailable(m),
+                other => unavailable(other),
+            })?;
+        Ok(RedisBatches {
+            conn,
+            script: redis::Script::new(SCRIPT),
+            keys: format!("{}batch:{{q}}:", redis.prefix),
+            config,
+        })
+    }
+
+    /// The bounds it keeps.
+    pub fn config(&self) -> BatchConfig {
+        self.config
+    }
+
+    /// One script call: `op`, then `args`.
+    async fn call(
+        &self,
+        op: &str,
+        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+    ) -> Result<Value, BatchError> {
+        let mut invocation = self.script.prepare_invoke();
+        invocation.key(self.keys.as_str()).arg(op);
+        args(&mut invocation);
+        let call = async {
+            match &self.conn {
+                Conn::Single(c) => invocation.invoke_async::<Value>(&mut c.clone()).await,
+                Conn::Cluster(c) => invocation.invoke_async::<Value>(&mut c.clone()).await,
+            }
+        };
+        tokio::time::timeout(BATCH_TIMEOUT, call)
+            .await
+            .map_err(|_| unavailable(format!("redis did not answer within {BATCH_TIMEOUT:?}")))?
+            .map_err(unavailable)
+    }
+
+    async fn claim(&self, workspace: &str, now: Timestamp) -> Result<Option<Claimed>, BatchError> {
+        let lease = duration_ms(self.config.lease);
+        let reply = array(
+            self.call("claim", |i| {
+                i.arg(workspace).arg(ms(now)).arg(lease);
+            })
+            .await?,
+        )?;
+        if reply.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Claimed {
+            batch_id: text(reply.first())?,
+            index: u32_of(int(reply.get(1))?),
+            workspace: text(reply.get(2))?,
+            item: bytes(reply.get(3))?,
+            attempt: u32_of(int(reply.get(4))?),
+            lease_until: from_ms(int(reply.get(5))?),
+        }))
+    }
+
+    async fn finish(
+        &self,
+        batch_id: &str,
+        index: u32,
+        state: ItemState,
+        result: &ItemResult,
+        now: Timestamp,
+    ) -> Result<Finish, BatchError> {
+        let encoded = encode_result(result);
+        let reply = self
+            .call("finish", |i| {
+                i.arg(batch_id)
+                    .arg(index)
+                    .arg(state.code())
+                    .arg(encoded.as_slice())
+                    .arg(ms(now));
+            })
+            .await?;
+        Ok(match int(Some(&reply))? {
+            0 => Finish::Recorded,
+            1 => Finish::AlreadyFinished,
+            _ => Finish::Unknown,
+        })
+    }
+}
+
+impl BatchQueue for RedisBatches {
+    fn submit_from<'a>(
+        &'a self,
+        workspace: &'a str,
+        origin: &'a str,
+        items: Vec<Vec<u8>>,
+        idempotency_key: Option<&'a str>,
+        body_digest: &'a [u8],
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Submitted, SubmitError>> {
+        Box::pin(async move {
+            if items.is_empty() {
+                return Err(SubmitError::Empty);
+            }
+            if items.len() > self.config.max_items {
+                return Err(SubmitError::TooMany {
+                    given: items.len(),
+                    limit: self.config.max_items,
+                });
+            }
+            let id = new_batch_id()?;
+            let reply = array(
+                self.call("submit", |i| {
+                    i.arg(workspace)
+                        .arg(if idempotency_key.is_some() { "1" } else { "0" })
+                        .arg(idempotency_key.unwrap_or(""))
+                        .arg(body_digest)
+                        .arg(id.as_str())
+                        .arg(ms(now))
+                        .arg(self.config.max_backlog)
+                        .arg(self.config.max_stored_items)
+                        .arg(items.len())
+                        .arg(origin)
+                        .arg(self.config.max_queued_items)
+                        .arg(self.config.max_stored_bytes)
+                        .arg(self.config.origin_share.max(1));
+                    for item in &items {
+                        i.arg(item.as_slice());
+                    }
+                })
+                .await?,
+            )?;
+            let code = int(reply.first())?;
+            match code {
+                0 | 1 => Ok(Submitted {
+                    batch_id: text(reply.get(1))?,
+                    items: u32_of(int(reply.get(2))?),
+                    created: code == 0,
+                }),
+                2 => Err(SubmitError::Conflict {
+                    batch_id: text(reply.get(1))?,
+                }),
+                3 => Err(SubmitError::Backlog {
+                    queued: u64::try_from(int(reply.get(1))?).unwrap_or(0),
+                    limit: self.config.max_backlog,
+                }),
+                5 => Err(SubmitError::QueueFull {
+                    bound: QueueBound::from_code(int(reply.get(1))?),
+                    used: u64::try_from(int(reply.get(2))?).unwrap_or(0),
+                    limit: u64::try_from(int(reply.get(3))?).unwrap_or(0),
+                }),
+                _ => Err(SubmitError::Full {
+                    stored: u64::try_from(int(reply.get(1))?).unwrap_or(0),
+                    limit: self.config.max_stored_items,
+                }),
+            }
+        })
+    }
+
+    fn claim_next<'a>(
+        &'a self,
+        workspace: &'a str,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>> {
+        Box::pin(async move {
+            if workspace.is_empty() {
+                // The script reads "" as "the fairest"; no workspace has that name.
+                return Ok(None);
+            }
+            self.claim(workspace, now).await
+        })
+    }
+
+    fn claim_fairest<'a>(
+        &'a self,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>> {
+        Box::pin(async move { self.claim("", now).await })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<bool, BatchError>> {
+        Box::pin(async move {
+            let lease = duration_ms(self.config.lease);
+            let reply = self
+                .call("renew", |i| {
+                    i.arg(batch_id).arg(index).arg(ms(now)).arg(lease);
+                })
+                .await?;
+            Ok(int(Some(&reply))? == 1)
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        _now: Timestamp,
+    ) -> QueueFuture<'a, Result<bool, BatchError>> {
+        Box::pin(async move {
+            let reply = self
+                .call("release", |i| {
+                    i.arg(batch_id).arg(index);
+                })
+                .await?;
+            Ok(int(Some(&reply))? == 1)
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        result: ItemResult,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Finish, BatchError>> {
+        Box::pin(async move {
+            self.finish(batch_id, index, ItemState::Done, &result, now)
+                .await
+        })
+    }
+
+    fn fail<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        result: ItemResult,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Finish, BatchError>> {
+        Box::pin(async move {
+            self.finish(batch_id, index, ItemState::Failed, &result, now)
+                .await
+        })
+    }
+
+    fn status<'a>(
+        &'a self,
+        workspace: &'a str,
+        batch_id: &'a str,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Option<BatchStatus>, BatchError>> {
+        Box::pin(async move {
+            let reply = array(
+                self.call("status", |i| {
+                    i.arg(workspace).arg(batch_id);
+                })
+                .await?,
+            )?;
+            if reply.is_empty() {
+                return Ok(None);
+            }
+            let n = |k: usize| int(reply.get(k));
+            let (total, done, failed, queued, running) = (
+                u32_of(n(0)?),
+                u32_of(n(1)?),
+                u32_of(n(2)?),
+                u32_of(n(3)?),
+                u32_of(n(4)?),
+            );
+            let (created, first, finished, mean) = (n(5)?, n(6)?, n(7)?, n(8)?);
+            let mut items = Vec::with_capacity(reply.len().saturating_sub(9) / 3);
+            for (index, item) in (0u32..).zip(reply.get(9..).unwrap_or_default().chunks_exact(3)) {
+                let state = ItemState::from_code(u8::try_from(int(item.first())?).unwrap_or(0));
+                let result = if state.is_finished() {
+                    decode_result(&bytes(item.get(2))?)
+                } else {
+                    None
+                };
+                items.push(ItemStatus {
+                    index,
+                    state,
+                    attempts: u32_of(int(item.get(1))?),
+                    result,
+                });
+            }
+            let progress = Progress {
+                queued,
+                running,
+                finished: done + failed,
+                first_claim_at: (first > 0).then(|| from_ms(first)),
+                finished_at: (finished > 0).then(|| from_ms(finished)),
+                mean_item: u64::try_from(mean).ok().map(Duration::from_millis),
+            };
+            let state = if queued == 0 && running == 0 {
+                BatchState::Done
+            } else if first == 0 {
+                BatchState::Queued
+            } else {
+                BatchState::Running
+            };
+            Ok(Some(BatchStatus {
+                batch_id: batch_id.to_owned(),
+                state,
+                total,
+                done,
+                failed,
+                queued,
+                running,
+                created_at: from_ms(created),
+                estimated_finish_at: estimate_finish(now, progress),
+                items,
+            }))
+        })
+    }
+
+    fn backlogs<'a>(&'a self) -> QueueFuture<'a, Result<Vec<WorkspaceBacklog>, BatchError>> {
+        Box::pin(async move {
+            let reply = array(self.call("backlogs", |_| {}).await?)?;
+            let mut out = Vec::with_capacity(reply.len() / 3);
+            for row in reply.chunks_exact(3) {
+                let (queued, running) = (int(row.get(1))?, int(row.get(2))?);
+                if queued <= 0 && running <= 0 {
+                    continue;
+                }
+                out.push(WorkspaceBacklog {
+                    workspace: text(row.first())?,
+                    queued: u64::try_from(queued).unwrap_or(0),
+                    running: u64::try_from(running).unwrap_or(0),
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    fn maintain<'a>(&'a self, now: Timestamp) -> QueueFuture<'a, Result<Maintenance, BatchError>> {
+        Box::pin(async move {
+            let cutoff = ms(now).saturating_sub(duration_ms(self.config.retention));
+            let mut done = Maintenance::default();
+            loop {
+                let reply = array(
+                    self.call("maintain", |i| {
+                        i.arg(ms(now)).arg(cutoff).arg(PURGE_CHUNK);
+                    })
+                    .await?,
+                )?;
+                let requeued = u64::try_from(int(reply.first())?).unwrap_or(0);
+                let purged = u64::try_from(int(reply.get(1))?).unwrap_or(0);
+                done.requeued += requeued;
+                done.purged += purged;
+                if purged < PURGE_CHUNK {
+                    return Ok(done);
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn l4_redis_results_round_trip() {
+        for r in [
+            ItemResult {
+                status: 200,
+                body: ResultBody::Json(br#"{"a":"b:c"}"#.to_vec()),
+            },
+            ItemResult {
+                status: 504,
+                body: ResultBody::Text("timed out: after 180 s".to_owned()),
+            },
+        ] {
+            assert_eq!(decode_result(&encode_result(&r)), Some(r));
+        }
+    }
+}
