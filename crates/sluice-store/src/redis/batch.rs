@@ -6,12 +6,12 @@ use redis::Value;
 use sluice_core::Timestamp;
 
 use super::Conn;
+use crate::RedisConfig;
 use crate::batch::{
     BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
     ItemState, ItemStatus, Maintenance, Progress, QueueBound, ResultBody, SubmitError, Submitted,
     WorkspaceBacklog, estimate_finish, new_batch_id,
 };
-use crate::{RedisConfig, StoreError};
 
 const SCRIPT: &str = include_str!("batch.lua");
 
@@ -136,10 +136,7 @@ impl RedisBatches {
     pub async fn connect(redis: &RedisConfig, config: BatchConfig) -> Result<Self, BatchError> {
         let conn = Conn::open(&redis.url, BATCH_TIMEOUT.max(redis.timeout))
             .await
-            .map_err(|e| match e {
-                StoreError::Unavailable(m) => BatchError::Unavailable(m),
-                other => unavailable(other),
-            })?;
+            .map_err(unavailable)?;
         Ok(RedisBatches {
             conn,
             script: redis::Script::new(SCRIPT),
