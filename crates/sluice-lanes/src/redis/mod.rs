@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use sluice_redis::Connection;
 
 use crate::config::LaneConfig;
 use crate::ledger::{Lease, LeaseIds, LeaseKind, Ledger, LedgerCounts, LedgerError, Taken};
@@ -14,8 +14,9 @@ const SCRIPT: &str = include_str!("lanes.lua");
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisLedgerConfig {
-    /// `redis://host:port/db`, `rediss://…`, `redis+unix:///path` or
-    /// `redis+cluster://host:port,host:port,…`.
+    /// `redis://host:port/db`, `redis+unix:///path` or
+    /// `redis+cluster://host:port,host:port,…` (read as a
+    /// [`sluice_redis::RedisUrl`] by [`RedisLedger::connect`]).
     pub url: String,
     /// Prefix of every key (default `sluice:lane:`).
     pub prefix: String,
@@ -38,24 +39,6 @@ impl RedisLedgerConfig {
     }
 }
 
-/// A connection to one Redis or to a cluster.
-#[derive(Clone)]
-enum Conn {
-    Single(ConnectionManager),
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
-/// The node URLs of a `redis+cluster://h1:p1,h2:p2` URL.
-fn cluster_nodes(url: &str) -> Option<Vec<String>> {
-    let rest = url.strip_prefix("redis+cluster://")?;
-    Some(
-        rest.split(',')
-            .filter(|n| !n.is_empty())
-            .map(|n| format!("redis://{n}"))
-            .collect(),
-    )
-}
-
 /// A lane's leases on Redis. Cheap to clone.
 ///
 /// The lease ledger on Redis, shared by every replica (feature `redis`).
@@ -71,7 +54,7 @@ fn cluster_nodes(url: &str) -> Option<Vec<String>> {
 /// on a cluster each node loads it on its first `NOSCRIPT`).
 #[derive(Clone)]
 pub struct RedisLedger {
-    conn: Conn,
+    conn: Connection,
     script: redis::Script,
     limits: LaneConfig,
     prefix: String,
@@ -110,37 +93,11 @@ impl RedisLedger {
         limits: LaneConfig,
     ) -> Result<Self, LedgerError> {
         let script = redis::Script::new(SCRIPT);
-        let response_timeout = config.timeout.max(Duration::from_millis(1));
-        let conn = if let Some(nodes) = cluster_nodes(&config.url) {
-            let client = redis::cluster::ClusterClient::builder(nodes)
-                .connection_timeout(Duration::from_secs(1))
-                .response_timeout(response_timeout)
-                .retries(2)
-                .build()
-                .map_err(unavailable)?;
-            let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())
-                .await
-                .map_err(|_| unavailable("timed out connecting to the redis cluster"))?
-                .map_err(unavailable)?;
-            Conn::Cluster(conn)
-        } else {
-            let client = redis::Client::open(config.url.as_str()).map_err(unavailable)?;
-            let manager = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(Duration::from_secs(1)))
-                .set_response_timeout(Some(response_timeout))
-                .set_number_of_retries(2)
-                .set_max_delay(Duration::from_millis(500));
-            let conn = tokio::time::timeout(
-                Duration::from_secs(2),
-                client.get_connection_manager_with_config(manager),
-            )
+        let conn = Connection::open(&config.url, config.timeout)
             .await
-            .map_err(|_| unavailable("timed out connecting to redis"))?
             .map_err(unavailable)?;
-            let mut c = conn.clone();
-            script.load_async(&mut c).await.map_err(unavailable)?;
-            Conn::Single(conn)
-        };
+        // A cluster's nodes load the script on their first NOSCRIPT.
+        conn.load_script(&script).await.map_err(unavailable)?;
         Ok(RedisLedger {
             conn,
             script,
@@ -181,11 +138,7 @@ impl RedisLedger {
             .arg(millis(self.limits.start_window))
             .arg(self.limits.global_cap)
             .arg(self.limits.batch_cap());
-        match &self.conn {
-            Conn::Single(conn) => invocation.invoke_async(&mut conn.clone()).await,
-            Conn::Cluster(conn) => invocation.invoke_async(&mut conn.clone()).await,
-        }
-        .map_err(unavailable)
+        self.conn.invoke(&invocation).await.map_err(unavailable)
     }
 }
 
