@@ -1,7 +1,9 @@
 //! Documented on [`RedisLedger`].
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use sluice_core::Clock;
 use sluice_redis::Connection;
 
 use crate::config::LaneConfig;
@@ -60,7 +62,9 @@ pub struct RedisLedger {
     prefix: String,
     lane: String,
     ttl: Duration,
-    ids: std::sync::Arc<LeaseIds>,
+    ids: Arc<LeaseIds>,
+    /// Decides at this clock's time instead of the Redis server's (tests).
+    clock: Option<Arc<dyn Clock>>,
 }
 
 impl std::fmt::Debug for RedisLedger {
@@ -92,6 +96,34 @@ impl RedisLedger {
         lane: &str,
         limits: LaneConfig,
     ) -> Result<Self, LedgerError> {
+        Self::connect_inner(config, lane, limits, None).await
+    }
+
+    /// [`RedisLedger::connect`], but every operation happens at `clock`'s
+    /// time (sent with the script call, to the millisecond) rather than on
+    /// the Redis server's clock: for tests that drive the script and the
+    /// [`MemoryLedger`](crate::MemoryLedger) on one fake clock. Keys still
+    /// expire on the server's clock (a few seconds after the longer of the
+    /// lease TTL and the start window), so a test must not let that much
+    /// real time pass without touching a lane.
+    ///
+    /// # Errors
+    /// As [`RedisLedger::connect`].
+    pub async fn connect_with_clock(
+        config: RedisLedgerConfig,
+        lane: &str,
+        limits: LaneConfig,
+        clock: impl Clock + 'static,
+    ) -> Result<Self, LedgerError> {
+        Self::connect_inner(config, lane, limits, Some(Arc::new(clock))).await
+    }
+
+    async fn connect_inner(
+        config: RedisLedgerConfig,
+        lane: &str,
+        limits: LaneConfig,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Result<Self, LedgerError> {
         let script = redis::Script::new(SCRIPT);
         let conn = Connection::open(&config.url, config.timeout)
             .await
@@ -105,7 +137,8 @@ impl RedisLedger {
             prefix: config.prefix,
             lane: lane.to_owned(),
             ttl: config.lease_ttl,
-            ids: std::sync::Arc::new(LeaseIds::new()),
+            ids: Arc::new(LeaseIds::new()),
+            clock,
         })
     }
 
@@ -138,6 +171,9 @@ impl RedisLedger {
             .arg(millis(self.limits.start_window))
             .arg(self.limits.global_cap)
             .arg(self.limits.batch_cap());
+        if let Some(clock) = &self.clock {
+            invocation.arg(clock.now().as_nanos() / 1_000_000);
+        }
         self.conn.invoke(&invocation).await.map_err(unavailable)
     }
 }
