@@ -400,6 +400,11 @@ impl Ledger for MemoryLedger {
 
     async fn cancel(&self, lease: &Lease) -> Result<(), LedgerError> {
         let mut state = self.inner.state.lock();
+        // Only a lease still held takes its start back: an expired one's
+        // place may have gone to a call that counted that start (as in the
+        // Redis script). Without this prune an expired lease no other
+        // operation had dropped yet gave its start back.
+        state.prune(Instant::now(), self.inner.config.start_window);
         let Some((workspace, kind, _, taken)) = state.leases.remove(&lease.id) else {
             return Ok(());
         };
