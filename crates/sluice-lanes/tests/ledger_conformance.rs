@@ -461,8 +461,7 @@ fn l1_memory_ledger_and_redis_script_answer_alike_for_any_sequence() {
             // A lease is named by its number modulo the leases taken so far.
             for op in &ops {
                 let op = match *op {
-                    Op::Renew(n) | Op::Release(n) | Op::Cancel(n) if p.leases.is_empty() => {
-                        let _ = n;
+                    Op::Renew(_) | Op::Release(_) | Op::Cancel(_) if p.leases.is_empty() => {
                         continue;
                     }
                     Op::Renew(n) => Op::Renew(n % p.leases.len()),
