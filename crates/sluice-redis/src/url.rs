@@ -131,9 +131,16 @@ impl RedisUrl {
 
 /// The Redis client's reading of `text`.
 fn info(text: &str, node: Option<usize>) -> Result<ConnectionInfo, UrlError> {
-    text.into_connection_info().map_err(|e| UrlError::Invalid {
-        node,
-        reason: e.detail().map_or_else(|| e.to_string(), str::to_owned),
+    text.into_connection_info().map_err(|e| {
+        // The client's message is `description - Kind[: detail]`; the kind
+        // says nothing more here.
+        let message = e.to_string();
+        let reason = match (message.split_once(" - "), e.detail()) {
+            (Some((description, _)), Some(detail)) => format!("{description}: {detail}"),
+            (Some((description, _)), None) => description.to_owned(),
+            (None, _) => message,
+        };
+        UrlError::Invalid { node, reason }
     })
 }
 
@@ -281,7 +288,7 @@ mod tests {
         let message = RedisUrl::parse("redis://:hush@localhost/x")
             .expect_err("db is not a number")
             .to_string();
-        assert!(message.starts_with("malformed Redis URL: "), "{message}");
+        assert_eq!(message, "malformed Redis URL: Invalid database number");
         assert!(!message.contains("hush"), "{message}");
     }
 
