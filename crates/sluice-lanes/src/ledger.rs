@@ -153,8 +153,10 @@ pub trait Ledger: Send + Sync {
 
     /// Gives the place back as if it had never been taken: the call was
     /// never sent, so its start leaves the rolling window too. Cancelling
-    /// twice, or after a release, changes nothing more. The default only
-    /// releases (the start then counts until it leaves the window).
+    /// twice, after a release, or once the lease has expired (its place may
+    /// have gone to a call that counted that start) changes nothing more.
+    /// The default only releases (the start then counts until it leaves the
+    /// window).
     ///
     /// # Errors
     /// [`LedgerError`] when the ledger cannot be asked (the lease then
