@@ -8,8 +8,14 @@
 //! call (one Redis round trip), and a wait comes back exact from the store.
 //!
 //! The day window ([`SlotWindow`], 1,441 slots of 60 s) keeps the older
-//! design, which reads each settled slot once and keeps it: one counter cell
-//! per time slot,
+//! design, which reads each settled slot once and keeps it. It is not a
+//! [`Rate::RollingWindow`] because that budget is decided whole by the
+//! store, reading every slot of the window on every call (1,441 cells for a
+//! day of minutes); here a process reads a slot once after it settles, and a
+//! send reads the last few. What it counts is the same: the slot arithmetic
+//! (slot of an instant, oldest slot counted, when a slot leaves, when a cost
+//! fits) is sluice-core's [`RollingSlots`], over one counter cell per time
+//! slot,
 //!
 //! * a send spends on the cell of the slot it falls in, through
 //!   [`BudgetStore::decide`] with the budget's limit set to *what the other
@@ -30,7 +36,9 @@ use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::time::Duration;
 
-use sluice_core::{Budget, BudgetKey, Decision, MAX_BUDGETS, Rate, Timestamp, Verdict};
+use sluice_core::{
+    Budget, BudgetKey, Decision, MAX_BUDGETS, Rate, RollingSlots, Timestamp, Verdict,
+};
 use sluice_store::{BudgetStore, StoreError};
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
@@ -104,7 +112,7 @@ impl TokenWindow {
 
     /// The slot holding `t` (what a permit remembers of its reservation).
     pub(crate) fn slot_of(&self, t: Timestamp) -> u64 {
-        t.as_nanos() / (u64::from(self.slot.get()) * 1_000_000)
+        RollingSlots::new(self.span, Duration::from_millis(u64::from(self.slot.get()))).current(t)
     }
 
     /// The budget through which tokens reserved in slot `slot` are given
@@ -225,44 +233,42 @@ impl TokenReading {
     }
 }
 
-/// A rolling window of `span` counted in slots of `slot`.
+/// A rolling window of `span` counted in slots of `slot`: sluice-core's
+/// [`RollingSlots`] of `span + margin` (the margin given per call), its
+/// slots kept as one store cell each (see the module docs for why not a
+/// [`Rate::RollingWindow`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SlotWindow {
     scope: u64,
     span: Duration,
+    slot: Duration,
     slot_ns: u64,
 }
 
 impl SlotWindow {
     /// A window named `axis` (part of every cell's key).
     pub(crate) fn new(axis: &str, span: Duration, slot: Duration) -> Self {
+        let slot = slot.max(Duration::from_millis(1));
         SlotWindow {
             scope: sluice_core::digest(format!("sluice-pace/{axis}").as_bytes()),
             span,
-            slot_ns: nanos(slot).max(1_000_000),
+            slot,
+            slot_ns: nanos(slot),
         }
     }
 
-    pub(crate) fn slot_of(&self, t: Timestamp) -> u64 {
-        t.as_nanos() / self.slot_ns
+    /// The slot geometry reaching back `span + margin`.
+    fn slots(&self, margin: Duration) -> RollingSlots {
+        RollingSlots::new(self.span.saturating_add(margin), self.slot)
     }
 
-    fn reach_ns(&self, margin: Duration) -> u64 {
-        nanos(self.span).saturating_add(nanos(margin))
+    pub(crate) fn slot_of(&self, t: Timestamp) -> u64 {
+        self.slots(Duration::ZERO).current(t)
     }
 
     /// The oldest slot still in the window at `t`.
     fn first(&self, t: Timestamp, margin: Duration) -> u64 {
-        t.as_nanos().saturating_sub(self.reach_ns(margin)) / self.slot_ns
-    }
-
-    /// When slot `j` stops counting.
-    pub(crate) fn leaves_at(&self, j: u64, margin: Duration) -> Timestamp {
-        Timestamp::from_nanos(
-            (j + 1)
-                .saturating_mul(self.slot_ns)
-                .saturating_add(self.reach_ns(margin)),
-        )
+        self.slots(margin).first(t)
     }
 
     /// The budget of slot `j`'s counter cell.
@@ -397,22 +403,9 @@ impl History {
     /// The earliest instant (≥ `now`) at which `cost` more units fit under
     /// `limit` if nothing else is spent; `None` when `cost > limit`.
     pub(crate) fn room_at(&self, limit: u32, cost: u32, now: Timestamp) -> Option<Timestamp> {
-        if cost > limit {
-            return None;
-        }
-        let need = u64::from(limit) - u64::from(cost);
-        let mut left = self.total();
-        if left <= need {
-            return Some(now);
-        }
-        for (i, &v) in self.values.iter().enumerate() {
-            left -= u64::from(v);
-            if left <= need {
-                let at = self.window.leaves_at(self.first + i as u64, self.margin);
-                return Some(at.max(now));
-            }
-        }
-        Some(now)
+        self.window
+            .slots(self.margin)
+            .ready_at(self.first, &self.values, limit, cost, now)
     }
 }
 

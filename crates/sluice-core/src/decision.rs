@@ -5,7 +5,7 @@ use std::time::Duration;
 use arrayvec::ArrayVec;
 
 use crate::rate::{self, BudgetStatus, Rate, Verdict};
-use crate::rolling::{self, Rolling, RollingEval};
+use crate::rolling::{self, RollingEval, RollingSlots};
 use crate::{BudgetKey, Timestamp};
 
 /// The most budgets one decision may touch. A JSON-RPC batch holding all four
@@ -57,9 +57,9 @@ impl Budget {
                 millis,
                 slot_millis,
             } => {
-                let g = Rolling::new(millis, slot_millis);
+                let g = RollingSlots::of_rate(millis, slot_millis);
                 let j = g.current(now).checked_sub(index as u64)?;
-                (j >= g.first(now)).then(|| Rolling::cell(self.key.fingerprint(), j))
+                (j >= g.first(now)).then(|| RollingSlots::cell(self.key.fingerprint(), j))
             }
             _ => self.cells(now).get(index).copied(),
         }
@@ -373,7 +373,7 @@ pub fn decide_within_bounds<L: Ledger>(
             slot_millis,
         } = b.rate
         {
-            let g = Rolling::new(millis, slot_millis);
+            let g = RollingSlots::of_rate(millis, slot_millis);
             let (first, counts) = read_slots(b, &g, ledger, now, |cell| {
                 pending
                     .iter()
@@ -385,7 +385,7 @@ pub fn decide_within_bounds<L: Ledger>(
             decision.admitted &= e.verdict == Verdict::Admitted;
             if let Some((j, count)) = e.write {
                 // The current slot: index 0.
-                let cell = Rolling::cell(b.key.fingerprint(), j);
+                let cell = RollingSlots::cell(b.key.fingerprint(), j);
                 pending.push((i, 0, cell, g.value(j, count)));
             }
             remaining_before[i] = e.remaining_before;
@@ -446,7 +446,7 @@ pub fn decide_within_bounds<L: Ledger>(
 /// lives by it.
 fn read_slots<L: Ledger>(
     b: &Budget,
-    g: &Rolling,
+    g: &RollingSlots,
     ledger: &mut L,
     now: Timestamp,
     pending: impl Fn(u64) -> Option<u64>,
@@ -456,7 +456,7 @@ fn read_slots<L: Ledger>(
     let len = usize::try_from(current - first + 1).unwrap_or(0);
     let mut counts = vec![0u32; len];
     for (index, slot) in counts.iter_mut().rev().enumerate() {
-        let cell = Rolling::cell(fp, current - index as u64);
+        let cell = RollingSlots::cell(fp, current - index as u64);
         let value = pending(cell).unwrap_or_else(|| {
             ledger.read(CellRef {
                 budget: b,
@@ -464,7 +464,7 @@ fn read_slots<L: Ledger>(
                 cell,
             })
         });
-        *slot = Rolling::count(value, now);
+        *slot = RollingSlots::count(value, now);
     }
     (first, counts)
 }
@@ -498,12 +498,12 @@ pub fn adjust<L: Ledger>(
         slot_millis,
     } = budget.rate
     {
-        let g = Rolling::new(millis, slot_millis);
+        let g = RollingSlots::of_rate(millis, slot_millis);
         let (first, counts) = read_slots(budget, &g, ledger, now, |_| None);
         let e = rolling::adjust(&g, first, &counts, budget.limit, delta, reserved_at, now);
         if let Some((j, count)) = e.write {
             let index = (g.current(now) - j) as usize;
-            let cell = Rolling::cell(budget.key.fingerprint(), j);
+            let cell = RollingSlots::cell(budget.key.fingerprint(), j);
             ledger.write(
                 CellRef {
                     budget,

@@ -65,7 +65,7 @@ pub use key::{BudgetKey, digest};
 pub use rate::{BudgetStatus, Rate, Verdict};
 #[doc(hidden)]
 pub use rate::{GcraStep, cell_is_stale};
-pub use rolling::MAX_ROLLING_SLOTS;
+pub use rolling::{MAX_ROLLING_SLOTS, RollingSlots};
 
 /// For those who write a store: the pure decision over cells a store holds.
 ///

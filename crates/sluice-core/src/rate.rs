@@ -14,7 +14,7 @@ use arrayvec::ArrayVec;
 use crate::calendar::month_bounds;
 use crate::clock::duration_nanos;
 use crate::key::mix64;
-use crate::rolling::{self, Rolling};
+use crate::rolling::{self, RollingSlots};
 use crate::{BudgetKey, Timestamp};
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
@@ -180,9 +180,9 @@ pub(crate) fn cells(rate: &Rate, key: &BudgetKey, now: Timestamp) -> ArrayVec<u6
         Rate::RollingWindow {
             millis,
             slot_millis,
-        } => out.push(Rolling::cell(
+        } => out.push(RollingSlots::cell(
             fp,
-            Rolling::new(*millis, *slot_millis).current(now),
+            RollingSlots::of_rate(*millis, *slot_millis).current(now),
         )),
         _ => out.push(fp),
     }
@@ -375,9 +375,9 @@ pub(crate) fn evaluate_one(
             slot_millis,
         } => {
             // The current slot alone (callers check `is_one_cell` first).
-            let g = Rolling::new(*millis, *slot_millis);
+            let g = RollingSlots::of_rate(*millis, *slot_millis);
             let current = g.current(now);
-            let count = Rolling::count(value, now);
+            let count = RollingSlots::count(value, now);
             let e = rolling::evaluate(&g, current, &[count], limit, cost, now);
             OneCell {
                 verdict: e.verdict,
@@ -589,9 +589,9 @@ pub(crate) fn adjust(
             slot_millis,
         } => {
             // The current slot alone: `decision::adjust` reads them all.
-            let g = Rolling::new(*millis, *slot_millis);
+            let g = RollingSlots::of_rate(*millis, *slot_millis);
             let current = g.current(now);
-            let counts = [Rolling::count(values[0], now)];
+            let counts = [RollingSlots::count(values[0], now)];
             let e = rolling::adjust(&g, current, &counts, limit, delta, reserved_at, now);
             if let Some((j, c)) = e.write {
                 writes.push((cell_keys[0], g.value(j, c)));

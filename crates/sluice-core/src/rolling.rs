@@ -27,22 +27,63 @@ const ROLLING_SALT: u64 = 0x5f52_4f4c_4c49_4e47; // "_ROLLING"
 /// most this many cells (plus two).
 pub const MAX_ROLLING_SLOTS: u32 = 4_096;
 
-/// A rolling window's geometry in nanoseconds.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Rolling {
+/// The slot arithmetic of a rolling window: which epoch-aligned slot an
+/// instant falls in, which slots still count, when a slot leaves, and when
+/// a cost fits again. [`Rate::RollingWindow`](crate::Rate) decides with it,
+/// and so can a caller that keeps a window's slots its own way (sluice's
+/// pacer keeps its day window as one store cell per slot, read once per
+/// process when settled).
+///
+/// A unit spent at `t` falls in slot `j = t / slot` and counts until
+/// [`leaves_at(j)`](RollingSlots::leaves_at) `= (j + 1) * slot + span`.
+///
+/// ```
+/// use std::time::Duration;
+/// use sluice_core::{RollingSlots, Timestamp};
+///
+/// let w = RollingSlots::new(Duration::from_secs(60), Duration::from_secs(1));
+/// let now = Timestamp::from_secs(1_000);
+/// assert_eq!(w.current(now), 1_000);
+/// assert_eq!(w.first(now), 940);
+/// assert_eq!(w.leaves_at(940), Timestamp::from_secs(1_001));
+/// // Slots 940..=1000 hold 70 and 30 units (the rest none): 40 more of 100
+/// // fit once slot 940 has left.
+/// let mut counts = vec![0; 61];
+/// counts[0] = 70;
+/// counts[60] = 30;
+/// assert_eq!(w.ready_at(940, &counts, 100, 40, now), Some(Timestamp::from_secs(1_001)));
+/// assert_eq!(w.ready_at(940, &counts, 100, 0, now), Some(now));
+/// assert_eq!(w.ready_at(940, &counts, 100, 101, now), None);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RollingSlots {
+    /// The window's length in nanoseconds.
     span: u64,
+    /// A slot's length in nanoseconds (at least 1).
     slot: u64,
 }
 
-impl Rolling {
-    /// The geometry of a window of `millis` in slots of `slot_millis`
-    /// (widened to at most [`MAX_ROLLING_SLOTS`] slots per window).
+impl RollingSlots {
+    /// A window of `span` in slots of `slot` (at least a nanosecond), as
+    /// given: not widened.
     #[inline]
-    pub(crate) fn new(millis: NonZeroU32, slot_millis: NonZeroU32) -> Self {
+    pub fn new(span: Duration, slot: Duration) -> Self {
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        RollingSlots {
+            span: nanos(span),
+            slot: nanos(slot).max(1),
+        }
+    }
+
+    /// The geometry of a [`Rate::RollingWindow`](crate::Rate) of `millis` in
+    /// slots of `slot_millis` (widened to at most [`MAX_ROLLING_SLOTS`]
+    /// slots per window).
+    #[inline]
+    pub fn of_rate(millis: NonZeroU32, slot_millis: NonZeroU32) -> Self {
         let slot = slot_millis
             .get()
             .max(millis.get().div_ceil(MAX_ROLLING_SLOTS));
-        Rolling {
+        RollingSlots {
             span: u64::from(millis.get()) * NANOS_PER_MILLI,
             slot: u64::from(slot) * NANOS_PER_MILLI,
         }
@@ -50,20 +91,52 @@ impl Rolling {
 
     /// The slot holding `now`.
     #[inline]
-    pub(crate) fn current(&self, now: Timestamp) -> u64 {
+    pub fn current(&self, now: Timestamp) -> u64 {
         now.as_nanos() / self.slot
     }
 
     /// The oldest slot still counted at `now`.
     #[inline]
-    pub(crate) fn first(&self, now: Timestamp) -> u64 {
+    pub fn first(&self, now: Timestamp) -> u64 {
         now.as_nanos().saturating_sub(self.span) / self.slot
+    }
+
+    /// When slot `j`'s units stop counting.
+    #[inline]
+    pub fn leaves_at(&self, j: u64) -> Timestamp {
+        Timestamp::from_nanos(self.leaves(j))
     }
 
     /// When slot `j`'s units stop counting (nanoseconds since the epoch).
     #[inline]
     pub(crate) fn leaves(&self, j: u64) -> u64 {
         (j + 1).saturating_mul(self.slot).saturating_add(self.span)
+    }
+
+    /// The earliest instant (at or after `now`) at which `cost` more units
+    /// fit under `limit` if nothing else is spent, the slots from `first`
+    /// on holding `counts` (oldest first, up to the current slot): the oldest
+    /// slots leave first. `None` when `cost > limit`: never.
+    pub fn ready_at(
+        &self,
+        first: u64,
+        counts: &[u32],
+        limit: u32,
+        cost: u32,
+        now: Timestamp,
+    ) -> Option<Timestamp> {
+        let room = u64::from(limit.checked_sub(cost)?);
+        let mut left: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+        if left <= room {
+            return Some(now);
+        }
+        for (i, &c) in counts.iter().enumerate() {
+            left -= u64::from(c);
+            if left <= room {
+                return Some(self.leaves_at(first + i as u64).max(now));
+            }
+        }
+        Some(now)
     }
 
     /// The cell key of slot `j` of the budget with fingerprint `fp`: the same
@@ -109,7 +182,7 @@ fn remaining(limit: u32, used: u64) -> u32 {
 
 /// The Unix second (rounded up) at which every counted unit has left, or
 /// `now` when none is counted.
-fn reset_of(g: &Rolling, first: u64, counts: &[u32], now: Timestamp) -> u64 {
+fn reset_of(g: &RollingSlots, first: u64, counts: &[u32], now: Timestamp) -> u64 {
     let last = counts.iter().rposition(|&c| c > 0);
     let at = last.map_or(now.as_nanos(), |i| g.leaves(first + i as u64));
     at.div_ceil(NANOS_PER_SEC)
@@ -118,7 +191,7 @@ fn reset_of(g: &Rolling, first: u64, counts: &[u32], now: Timestamp) -> u64 {
 /// Evaluates spending `cost` of `limit` at `now` on the window whose slots
 /// `first..` hold `counts` (the last one being the current slot).
 pub(crate) fn evaluate(
-    g: &Rolling,
+    g: &RollingSlots,
     first: u64,
     counts: &[u32],
     limit: u32,
@@ -136,19 +209,9 @@ pub(crate) fn evaluate(
     } else if fits {
         Verdict::Admitted
     } else {
-        // The oldest slots leave first: wait until enough of them have.
-        let room = u64::from(limit - cost);
-        let mut left = used;
-        let mut at = now.as_nanos();
-        for (i, &c) in counts.iter().enumerate() {
-            left -= u64::from(c);
-            if left <= room {
-                at = g.leaves(first + i as u64);
-                break;
-            }
-        }
+        let at = g.ready_at(first, counts, limit, cost, now).unwrap_or(now);
         Verdict::NotYet {
-            retry_after: Duration::from_nanos(at.saturating_sub(now.as_nanos())),
+            retry_after: at.saturating_since(now),
         }
     };
     let cur = counts.last().copied().unwrap_or(0);
@@ -169,7 +232,7 @@ pub(crate) fn evaluate(
 /// (`delta < 0`, from the slot `reserved_at` fell in, if it still counts;
 /// never below zero) after the fact.
 pub(crate) fn adjust(
-    g: &Rolling,
+    g: &RollingSlots,
     first: u64,
     counts: &[u32],
     limit: u32,
@@ -231,5 +294,71 @@ pub(crate) fn adjust(
         remaining_after: remaining(limit, after_used),
         reset,
         write,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nz(n: u32) -> NonZeroU32 {
+        NonZeroU32::new(n).expect("non-zero")
+    }
+
+    #[test]
+    fn a_rate_geometry_is_the_window_given_until_it_needs_wider_slots() {
+        assert_eq!(
+            RollingSlots::of_rate(nz(60_000), nz(250)),
+            RollingSlots::new(Duration::from_secs(60), Duration::from_millis(250))
+        );
+        // A day in 1 ms slots would be 86.4 M slots: widened to 4,096 at most.
+        let day = RollingSlots::of_rate(nz(86_400_000), nz(1));
+        let at = Timestamp::from_secs(1_764_547_200);
+        assert!(day.current(at) - day.first(at) <= u64::from(MAX_ROLLING_SLOTS) + 1);
+        // A zero slot is a nanosecond, not a division by zero.
+        let tiny = RollingSlots::new(Duration::from_secs(1), Duration::ZERO);
+        assert_eq!(tiny.current(Timestamp::from_nanos(7)), 7);
+    }
+
+    #[test]
+    fn a_slot_counts_until_its_end_plus_the_span() {
+        let w = RollingSlots::new(Duration::from_secs(60), Duration::from_secs(1));
+        let j = w.current(Timestamp::from_nanos(10_500 * NANOS_PER_MILLI));
+        assert_eq!(j, 10);
+        assert_eq!(w.leaves_at(j), Timestamp::from_secs(71));
+        // Just before it leaves, slot 10 is the oldest counted; at it, 11 is.
+        assert_eq!(w.first(Timestamp::from_nanos(70_999 * NANOS_PER_MILLI)), 10);
+        assert_eq!(w.first(Timestamp::from_secs(71)), 11);
+    }
+
+    #[test]
+    fn ready_at_is_the_retry_evaluate_answers() {
+        let w = RollingSlots::of_rate(nz(10_000), nz(1_000));
+        let now = Timestamp::from_secs(100);
+        let first = w.first(now);
+        let counts = [3, 0, 4, 0, 0, 2, 0, 0, 0, 0, 1];
+        assert_eq!(counts.len() as u64, w.current(now) - first + 1);
+        for cost in 0..=12 {
+            let e = evaluate(&w, first, &counts, 10, cost, now);
+            let ready = w.ready_at(first, &counts, 10, cost, now);
+            match e.verdict {
+                Verdict::Admitted => assert_eq!(ready, Some(now), "cost {cost}"),
+                Verdict::NotYet { retry_after } => {
+                    assert_eq!(ready, Some(now.saturating_add(retry_after)), "cost {cost}");
+                    assert!(retry_after > Duration::ZERO);
+                }
+                Verdict::Never => assert_eq!(ready, None, "cost {cost}"),
+            }
+        }
+        // 10 used: 2 more fit once the oldest slot (3) has left, 4 more
+        // once the one holding 4 has too.
+        assert_eq!(
+            w.ready_at(first, &counts, 10, 2, now),
+            Some(w.leaves_at(first))
+        );
+        assert_eq!(
+            w.ready_at(first, &counts, 10, 4, now),
+            Some(w.leaves_at(first + 2))
+        );
     }
 }

@@ -77,18 +77,19 @@ pub type GatewayBody = axum::body::Body;
 pub enum StoreSpec {
     /// In this process's memory (one replica).
     Memory,
-    /// A Redis server (or cluster) shared by replicas, by its URL.
+    /// A Redis server (or cluster) shared by replicas, by its URL (one that
+    /// [`sluice_redis::RedisUrl`] reads, when parsed from a flag).
     Redis(String),
 }
 
 impl StoreSpec {
-    /// A description safe to show (a Redis URL loses its password).
+    /// A description safe to show (a Redis URL loses its passwords).
     pub fn describe(&self) -> String {
         match self {
             StoreSpec::Memory => "memory".to_owned(),
-            StoreSpec::Redis(url) => match url.split_once('@') {
-                Some((_, host)) => format!("redis://…@{host}"),
-                None => url.clone(),
+            StoreSpec::Redis(url) => match url.parse::<sluice_redis::RedisUrl>() {
+                Ok(url) => url.to_string(),
+                Err(_) => "redis (a URL that does not read)".to_owned(),
             },
         }
     }
@@ -97,28 +98,20 @@ impl StoreSpec {
 impl std::str::FromStr for StoreSpec {
     type Err = String;
 
-    /// `memory`, or a Redis URL (`redis://`, `rediss://`, `redis+unix://`, `unix://`,
-    /// `redis+cluster://`).
+    /// `memory`, or a Redis URL as [`sluice_redis::RedisUrl`] reads it
+    /// (`redis://`, `redis+unix://`, `unix://`, `redis+cluster://`).
     fn from_str(s: &str) -> Result<Self, String> {
         if s == "memory" {
-            Ok(StoreSpec::Memory)
-        } else if [
-            "redis://",
-            "rediss://",
-            "redis+unix://",
-            "unix://",
-            "redis+cluster://",
-        ]
-        .iter()
-        .any(|scheme| s.starts_with(scheme))
-        {
-            Ok(StoreSpec::Redis(s.to_owned()))
-        } else {
-            Err(
+            return Ok(StoreSpec::Memory);
+        }
+        match sluice_redis::RedisUrl::parse(s) {
+            Ok(_) => Ok(StoreSpec::Redis(s.to_owned())),
+            Err(sluice_redis::UrlError::UnknownScheme) => Err(
                 "expected `memory`, a redis://HOST:PORT[/DB] URL, redis+unix:///PATH or \
-             redis+cluster://HOST:PORT,HOST:PORT,…"
+                 redis+cluster://HOST:PORT,HOST:PORT,…"
                     .to_owned(),
-            )
+            ),
+            Err(e) => Err(e.to_string()),
         }
     }
 }

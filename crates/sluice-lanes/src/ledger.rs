@@ -153,8 +153,10 @@ pub trait Ledger: Send + Sync {
 
     /// Gives the place back as if it had never been taken: the call was
     /// never sent, so its start leaves the rolling window too. Cancelling
-    /// twice, or after a release, changes nothing more. The default only
-    /// releases (the start then counts until it leaves the window).
+    /// twice, after a release, or once the lease has expired (its place may
+    /// have gone to a call that counted that start) changes nothing more.
+    /// The default only releases (the start then counts until it leaves the
+    /// window).
     ///
     /// # Errors
     /// [`LedgerError`] when the ledger cannot be asked (the lease then
@@ -400,6 +402,11 @@ impl Ledger for MemoryLedger {
 
     async fn cancel(&self, lease: &Lease) -> Result<(), LedgerError> {
         let mut state = self.inner.state.lock();
+        // Only a lease still held takes its start back: an expired one's
+        // place may have gone to a call that counted that start (as in the
+        // Redis script). Without this prune an expired lease no other
+        // operation had dropped yet gave its start back.
+        state.prune(Instant::now(), self.inner.config.start_window);
         let Some((workspace, kind, _, taken)) = state.leases.remove(&lease.id) else {
             return Ok(());
         };

@@ -81,7 +81,7 @@ pub use memory::{MemoryConfig, MemoryStore, NO_NETWORK};
 #[doc(hidden)]
 pub use redis::MAX_COALESCED;
 #[cfg(feature = "redis")]
-pub use redis::{RedisConfig, RedisConnection, RedisStore};
+pub use redis::{RedisConfig, RedisStore};
 
 /// Why a store could not decide.
 #[derive(Debug, thiserror::Error)]

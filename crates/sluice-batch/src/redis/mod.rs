@@ -5,7 +5,8 @@ use std::time::Duration;
 use redis::Value;
 use sluice_core::Timestamp;
 
-use sluice_store::{RedisConfig, RedisConnection as Conn, StoreError};
+use sluice_redis::Connection as Conn;
+use sluice_store::RedisConfig;
 
 use crate::queue::{
     BatchConfig, BatchError, BatchQueue, BatchState, BatchStatus, Claimed, Finish, ItemResult,
@@ -136,10 +137,7 @@ impl RedisBatches {
     pub async fn connect(redis: &RedisConfig, config: BatchConfig) -> Result<Self, BatchError> {
         let conn = Conn::open(&redis.url, BATCH_TIMEOUT.max(redis.timeout))
             .await
-            .map_err(|e| match e {
-                StoreError::Unavailable(m) => BatchError::Unavailable(m),
-                other => unavailable(other),
-            })?;
+            .map_err(unavailable)?;
         Ok(RedisBatches {
             conn,
             script: redis::Script::new(SCRIPT),

@@ -14,6 +14,9 @@
 -- ARGV[6] start window (ms)
 -- ARGV[7] global cap
 -- ARGV[8] batch cap
+-- ARGV[9] now (ms, optional): decide at this time instead of the server's
+--         clock (tests driving the memory ledger and this script on one
+--         fake clock; keys still expire on the server's clock)
 --
 -- take_*  -> {1, now} | {0, reason, retry_after_ms[, may_free]}
 -- renew   -> number of lease entries still held (0: the lease expired)
@@ -21,8 +24,11 @@
 -- cancel  -> as release, and the lease's start leaves the window (never sent)
 -- counts  -> {global, batch, workspace running, workspace starts}
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = tonumber(ARGV[9])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local op = ARGV[1]
 local id = ARGV[2]
 local ttl = tonumber(ARGV[3])

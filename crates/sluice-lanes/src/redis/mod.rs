@@ -1,8 +1,10 @@
 //! Documented on [`RedisLedger`].
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use sluice_core::Clock;
+use sluice_redis::Connection;
 
 use crate::config::LaneConfig;
 use crate::ledger::{Lease, LeaseIds, LeaseKind, Ledger, LedgerCounts, LedgerError, Taken};
@@ -14,8 +16,9 @@ const SCRIPT: &str = include_str!("lanes.lua");
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisLedgerConfig {
-    /// `redis://host:port/db`, `rediss://…`, `redis+unix:///path` or
-    /// `redis+cluster://host:port,host:port,…`.
+    /// `redis://host:port/db`, `redis+unix:///path` or
+    /// `redis+cluster://host:port,host:port,…` (read as a
+    /// [`sluice_redis::RedisUrl`] by [`RedisLedger::connect`]).
     pub url: String,
     /// Prefix of every key (default `sluice:lane:`).
     pub prefix: String,
@@ -38,24 +41,6 @@ impl RedisLedgerConfig {
     }
 }
 
-/// A connection to one Redis or to a cluster.
-#[derive(Clone)]
-enum Conn {
-    Single(ConnectionManager),
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
-/// The node URLs of a `redis+cluster://h1:p1,h2:p2` URL.
-fn cluster_nodes(url: &str) -> Option<Vec<String>> {
-    let rest = url.strip_prefix("redis+cluster://")?;
-    Some(
-        rest.split(',')
-            .filter(|n| !n.is_empty())
-            .map(|n| format!("redis://{n}"))
-            .collect(),
-    )
-}
-
 /// A lane's leases on Redis. Cheap to clone.
 ///
 /// The lease ledger on Redis, shared by every replica (feature `redis`).
@@ -71,13 +56,15 @@ fn cluster_nodes(url: &str) -> Option<Vec<String>> {
 /// on a cluster each node loads it on its first `NOSCRIPT`).
 #[derive(Clone)]
 pub struct RedisLedger {
-    conn: Conn,
+    conn: Connection,
     script: redis::Script,
     limits: LaneConfig,
     prefix: String,
     lane: String,
     ttl: Duration,
-    ids: std::sync::Arc<LeaseIds>,
+    ids: Arc<LeaseIds>,
+    /// Decides at this clock's time instead of the Redis server's (tests).
+    clock: Option<Arc<dyn Clock>>,
 }
 
 impl std::fmt::Debug for RedisLedger {
@@ -109,38 +96,40 @@ impl RedisLedger {
         lane: &str,
         limits: LaneConfig,
     ) -> Result<Self, LedgerError> {
+        Self::connect_inner(config, lane, limits, None).await
+    }
+
+    /// [`RedisLedger::connect`], but every operation happens at `clock`'s
+    /// time (sent with the script call, to the millisecond) rather than on
+    /// the Redis server's clock: for tests that drive the script and the
+    /// [`MemoryLedger`](crate::MemoryLedger) on one fake clock. Keys still
+    /// expire on the server's clock (a few seconds after the longer of the
+    /// lease TTL and the start window), so a test must not let that much
+    /// real time pass without touching a lane.
+    ///
+    /// # Errors
+    /// As [`RedisLedger::connect`].
+    pub async fn connect_with_clock(
+        config: RedisLedgerConfig,
+        lane: &str,
+        limits: LaneConfig,
+        clock: impl Clock + 'static,
+    ) -> Result<Self, LedgerError> {
+        Self::connect_inner(config, lane, limits, Some(Arc::new(clock))).await
+    }
+
+    async fn connect_inner(
+        config: RedisLedgerConfig,
+        lane: &str,
+        limits: LaneConfig,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Result<Self, LedgerError> {
         let script = redis::Script::new(SCRIPT);
-        let response_timeout = config.timeout.max(Duration::from_millis(1));
-        let conn = if let Some(nodes) = cluster_nodes(&config.url) {
-            let client = redis::cluster::ClusterClient::builder(nodes)
-                .connection_timeout(Duration::from_secs(1))
-                .response_timeout(response_timeout)
-                .retries(2)
-                .build()
-                .map_err(unavailable)?;
-            let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())
-                .await
-                .map_err(|_| unavailable("timed out connecting to the redis cluster"))?
-                .map_err(unavailable)?;
-            Conn::Cluster(conn)
-        } else {
-            let client = redis::Client::open(config.url.as_str()).map_err(unavailable)?;
-            let manager = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(Duration::from_secs(1)))
-                .set_response_timeout(Some(response_timeout))
-                .set_number_of_retries(2)
-                .set_max_delay(Duration::from_millis(500));
-            let conn = tokio::time::timeout(
-                Duration::from_secs(2),
-                client.get_connection_manager_with_config(manager),
-            )
+        let conn = Connection::open(&config.url, config.timeout)
             .await
-            .map_err(|_| unavailable("timed out connecting to redis"))?
             .map_err(unavailable)?;
-            let mut c = conn.clone();
-            script.load_async(&mut c).await.map_err(unavailable)?;
-            Conn::Single(conn)
-        };
+        // A cluster's nodes load the script on their first NOSCRIPT.
+        conn.load_script(&script).await.map_err(unavailable)?;
         Ok(RedisLedger {
             conn,
             script,
@@ -148,7 +137,8 @@ impl RedisLedger {
             prefix: config.prefix,
             lane: lane.to_owned(),
             ttl: config.lease_ttl,
-            ids: std::sync::Arc::new(LeaseIds::new()),
+            ids: Arc::new(LeaseIds::new()),
+            clock,
         })
     }
 
@@ -181,11 +171,10 @@ impl RedisLedger {
             .arg(millis(self.limits.start_window))
             .arg(self.limits.global_cap)
             .arg(self.limits.batch_cap());
-        match &self.conn {
-            Conn::Single(conn) => invocation.invoke_async(&mut conn.clone()).await,
-            Conn::Cluster(conn) => invocation.invoke_async(&mut conn.clone()).await,
+        if let Some(clock) = &self.clock {
+            invocation.arg(clock.now().as_nanos() / 1_000_000);
         }
-        .map_err(unavailable)
+        self.conn.invoke(&invocation).await.map_err(unavailable)
     }
 }
 

@@ -1,11 +1,10 @@
 //! Documented on [`RedisStore`].
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use sluice_core::{Budget, BudgetStatus, Clock, Decision, MAX_BUDGETS, Rate, Timestamp, Verdict};
-use std::sync::Arc;
-
+use sluice_redis::Connection as Conn;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::{BudgetStore, StoreError};
@@ -17,7 +16,9 @@ const SCRIPT: &str = include_str!("budgets.lua");
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisConfig {
-    /// `redis://host:port/db`, `rediss://…` or `redis+unix:///path`.
+    /// `redis://host:port/db`, `redis+unix:///path` or
+    /// `redis+cluster://host:port,host:port,…` (read as a
+    /// [`sluice_redis::RedisUrl`] by [`RedisStore::connect`]).
     pub url: String,
     /// The longest one decision may wait for Redis (default 20 ms); past it
     /// the decision fails with [`StoreError::Unavailable`].
@@ -35,79 +36,6 @@ impl RedisConfig {
             prefix: "sluice:".to_owned(),
         }
     }
-}
-
-/// A connection to one Redis or to a cluster, opened as the budget store opens
-/// its own: for the other books kept in the same Redis (the batch queue of
-/// `sluice-batch`).
-#[derive(Clone)]
-pub enum Conn {
-    /// One Redis, through a connection manager that reconnects by itself.
-    Single(ConnectionManager),
-    /// A Redis Cluster (`redis+cluster://host:port,host:port,…`).
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
-impl std::fmt::Debug for Conn {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Conn::Single(_) => "RedisConnection::Single",
-            Conn::Cluster(_) => "RedisConnection::Cluster",
-        })
-    }
-}
-
-// The name it has at the crate's root.
-pub use Conn as RedisConnection;
-
-impl Conn {
-    /// Connects to `url` (one Redis, or a cluster), waiting up to
-    /// `response_timeout` for each answer.
-    ///
-    /// # Errors
-    /// [`StoreError::Unavailable`] when the URL is malformed or Redis does not
-    /// answer in time.
-    pub async fn open(url: &str, response_timeout: Duration) -> Result<Self, StoreError> {
-        let response_timeout = response_timeout.max(Duration::from_millis(1));
-        if let Some(nodes) = cluster_nodes(url) {
-            let client = redis::cluster::ClusterClient::builder(nodes)
-                .connection_timeout(Duration::from_secs(1))
-                .response_timeout(response_timeout)
-                .retries(2)
-                .build()
-                .map_err(unavailable)?;
-            let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())
-                .await
-                .map_err(|_| unavailable("timed out connecting to the redis cluster"))?
-                .map_err(unavailable)?;
-            return Ok(Conn::Cluster(conn));
-        }
-        let client = redis::Client::open(url).map_err(unavailable)?;
-        let manager_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
-            .set_response_timeout(Some(response_timeout))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500));
-        let conn = tokio::time::timeout(
-            Duration::from_secs(2),
-            client.get_connection_manager_with_config(manager_config),
-        )
-        .await
-        .map_err(|_| unavailable("timed out connecting to redis"))?
-        .map_err(unavailable)?;
-        Ok(Conn::Single(conn))
-    }
-}
-
-/// The node URLs of a `redis+cluster://h1:p1,h2:p2` store URL.
-fn cluster_nodes(url: &str) -> Option<Vec<String>> {
-    let rest = url.strip_prefix("redis+cluster://")?;
-    Some(
-        rest.split(',')
-            .filter(|n| !n.is_empty())
-            .map(|n| format!("redis://{n}"))
-            .collect(),
-    )
 }
 
 /// The most decisions one script call carries when concurrent decisions
@@ -175,7 +103,7 @@ impl RedisStore {
     ///
     /// # Errors
     /// [`StoreError::Unavailable`] when the URL is malformed or Redis does not
-    /// answer within the connection timeout (1 s).
+    /// answer within the connection timeout ([`sluice_redis::CONNECT_TIMEOUT`], 1 s).
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
         Self::connect_inner(config, None).await
     }
@@ -201,14 +129,11 @@ impl RedisStore {
         clock: Option<Arc<dyn Clock>>,
     ) -> Result<Self, StoreError> {
         let script = redis::Script::new(SCRIPT);
-        let conn = Conn::open(&config.url, config.timeout).await?;
-        if let Conn::Single(c) = &conn {
-            // A cluster's nodes load the script on their first NOSCRIPT.
-            script
-                .load_async(&mut c.clone())
-                .await
-                .map_err(unavailable)?;
-        }
+        let conn = Conn::open(&config.url, config.timeout)
+            .await
+            .map_err(unavailable)?;
+        // A cluster's nodes load the script on their first NOSCRIPT.
+        conn.load_script(&script).await.map_err(unavailable)?;
         let mut store = RedisStore {
             conn,
             coalescer: None,
@@ -390,13 +315,7 @@ impl RedisStore {
         if let Some(clock) = &self.clock {
             invocation.arg(micros(clock.now()));
         }
-        let call = async {
-            match &self.conn {
-                Conn::Single(c) => invocation.invoke_async::<Vec<i64>>(&mut c.clone()).await,
-                Conn::Cluster(c) => invocation.invoke_async::<Vec<i64>>(&mut c.clone()).await,
-            }
-        };
-        let reply: Vec<i64> = tokio::time::timeout(self.timeout, call)
+        let reply: Vec<i64> = tokio::time::timeout(self.timeout, self.conn.invoke(&invocation))
             .await
             .map_err(|_| unavailable(format!("redis did not answer within {:?}", self.timeout)))?
             .map_err(unavailable)?;
