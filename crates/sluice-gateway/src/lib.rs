@@ -13,6 +13,8 @@
 //!
 //! [`Gateway::shutdown`] stops accepting, lets in-flight requests finish for up to
 //! [`SHUTDOWN_GRACE`], then closes the rest.
+//!
+//! [`Limiter`]: sluice_edge::Limiter
 
 pub mod access;
 pub mod admin;
@@ -27,6 +29,7 @@ pub mod process;
 pub mod proxy;
 mod read_deadline;
 pub mod reload;
+mod start;
 pub mod store;
 mod upload;
 
@@ -37,18 +40,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice_core::SystemClock;
-use sluice_edge::arc_swap::ArcSwap;
-use sluice_edge::{Limiter, SharedLimiter};
 use sluice_policy::Policy;
-use sluice_store::{JournalSync, MemoryConfig, MemoryStore, OpenError, StoreError};
-use sluice_tower::SluiceLayer;
-use store::AnyStore;
-use tokio::net::TcpListener;
+use sluice_store::{JournalSync, MemoryConfig, OpenError, StoreError};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tower::Layer as _;
 
-use proxy::{Proxy, ProxyConfig, Upstream};
+use proxy::Upstream;
 
 pub use gateway::Drain;
 pub use reload::{PolicyFile, Reloader};
@@ -166,7 +163,7 @@ pub struct GatewayConfig {
     /// One `sluice::access` log line per request.
     pub access_log: bool,
     /// Most refusal log lines a second (0: every refusal; see
-    /// [`Limiter::with_refusal_log`]).
+    /// [`Limiter::with_refusal_log`](sluice_edge::Limiter::with_refusal_log)).
     pub refusal_log_per_second: u32,
     /// Who the admin listener lets in: `Host` names beyond its addresses, the token
     /// (required beyond loopback: [`Gateway::start`] refuses to start without one),
@@ -328,253 +325,66 @@ impl Gateway {
     /// [`StartError`] names the listener, directory or store that could not be used.
     pub async fn start(config: GatewayConfig) -> Result<Gateway, StartError> {
         let started = Instant::now();
-        if sluice_door::needs_token(config.admin) && config.admin_door.token.is_none() {
-            return Err(StartError::AdminWithoutToken(config.admin));
-        }
+        start::check_admin_door(&config)?;
         admin::install_metrics();
-
-        let bind = |listener: &'static str, addr: SocketAddr| async move {
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| StartError::Bind {
-                    listener,
-                    addr,
-                    source,
-                })
-        };
-        let gateway_listener = bind("gateway", config.listen).await?;
-        let admin_listener = bind("admin", config.admin).await?;
-        let io = |what| move |source| StartError::Io { what, source };
-        let addr = gateway_listener
-            .local_addr()
-            .map_err(io("reading the gateway address"))?;
-        let admin_addr = admin_listener
-            .local_addr()
-            .map_err(io("reading the admin address"))?;
-
+        let listeners = start::Listeners::bind(&config).await?;
+        let (addr, admin_addr) = (listeners.gateway.addr, listeners.admin.addr);
         // The admin listener and the demo upstream stop only after the gateway has
         // drained: in-flight requests still need the demo to answer them.
         let (stop_backends, backends_stopped) = Stop::channel();
-        let (upstream, demo) = match config.upstream.clone() {
-            Some(upstream) => (upstream, None),
-            None => {
-                let optimizer = demo::optimizer::Optimizer::new(config.demo_optimize_time);
-                let demo = demo::start(optimizer, backends_stopped.clone().wait())
-                    .await
-                    .map_err(io("starting the built-in demo upstream"))?;
-                (Upstream::from_addr(demo.addr()), Some(demo))
-            }
-        };
+        let (upstream, demo) = start::upstream(&config, &backends_stopped).await?;
+        let status = start::status_info(&config, &listeners, &upstream, demo.is_some());
 
-        let proxy_config =
-            ProxyConfig::new(upstream.clone()).with_header_timeout(config.upstream_timeout);
-        let profile = config.policy.profile_name.clone();
         let clock = SystemClock::with_offset(config.clock_offset);
-        let clock_for_batches = clock.clone();
-        // One batch queue for the lanes that run a batch lane, in the same store.
-        let batch_config = config
-            .policy
-            .lanes
-            .iter()
-            .find_map(|l| l.batch.as_ref())
-            .map(|b| {
-                sluice_batch::BatchConfig::default()
-                    .with_max_items(b.max_items.get() as usize)
-                    .with_max_backlog(u64::from(b.backlog.get()))
-                    .with_retention(b.keep)
-                    .with_max_queued_items(config.batch_bounds.max_queued_items)
-                    .with_max_stored_bytes(config.batch_bounds.max_stored_bytes)
-                    .with_origin_share(config.batch_bounds.address_share)
-            });
-        let (store, batches) = match &config.store {
-            StoreSpec::Memory => {
-                let (store, book) = AnyStore::local_with_batches(
-                    clock.clone(),
-                    &config.data_dir,
-                    config.quota_sync,
-                    batch_config,
-                    MemoryConfig::with_max_keys(config.max_keys).preallocated(),
-                )?;
-                (
-                    store,
-                    book.map(|b| Arc::new(b) as Arc<dyn sluice_batch::BatchQueue>),
-                )
-            }
-            StoreSpec::Redis(url) => {
-                let store = AnyStore::redis(url, config.policy.store.timeout)
-                    .await
-                    .map_err(|source| StartError::Store {
-                        store: config.store.describe(),
-                        source,
-                    })?;
-                let batches = match batch_config {
-                    Some(c) => Some(Arc::new(
-                        sluice_batch::RedisBatches::connect(
-                            &sluice_store::RedisConfig::new(url),
-                            c,
-                        )
-                        .await
-                        .map_err(|e| StartError::Store {
-                            store: config.store.describe(),
-                            source: sluice_store::StoreError::Unavailable(e.to_string()),
-                        })?,
-                    ) as Arc<dyn sluice_batch::BatchQueue>),
-                    None => None,
-                };
-                (store, batches)
-            }
-        };
-        // With Redis, each lane's limits hold across every replica on it.
-        let shared_lanes = match &config.store {
-            StoreSpec::Redis(url) => Some(shared_lanes(&config.policy, url).await?),
-            StoreSpec::Memory => None,
-        };
-        let fallback = MemoryStore::with_clock(
-            MemoryConfig::with_max_keys(sluice_edge::FALLBACK_MAX_KEYS),
-            clock,
-        );
-        // Without a file, the version is the policy's own digest.
-        let version = match &config.policy_file {
-            Some(file) => file.version.clone(),
-            None => reload::policy_version(format!("{:?}", config.policy).as_bytes()),
-        };
+        let (stores, batches) = start::Stores::open(&config, &clock).await?;
+        let version = start::policy_version(&config);
         let shared_store = matches!(config.store, StoreSpec::Redis(_));
-        let mut limiter = Limiter::new(config.policy, store)
-            .with_fallback(fallback)
-            .with_buffer_bound(config.max_buffered_bytes)
-            .with_buffer_share(config.max_buffered_share)
-            .with_refusal_log(config.refusal_log_per_second);
-        if let Some(lanes) = shared_lanes {
-            limiter = limiter.with_lanes(lanes);
-        }
-        // Every request path takes the limiter from here, so a reload reaches them all.
-        let limiter: SharedLimiter<AnyStore> = Arc::new(ArcSwap::from_pointee(limiter));
+        let bounds = start::LimiterBounds::of(&config);
+        let limiter = stores.limiter(config.policy, bounds);
         let buffers = Arc::clone(limiter.load().buffers());
-        let per_ip = {
-            let limiter = Arc::clone(&limiter);
-            gateway::PerIp::new(config.max_connections_per_ip, move |ip| {
-                limiter.load().policy().identity.trusts(ip)
-            })
-        };
+        let per_ip = start::per_ip(&limiter, config.max_connections_per_ip);
         let reloader = Arc::new(Reloader::new(
             Arc::clone(&limiter),
             config.policy_file.clone(),
             version,
             shared_store,
         ));
-        // Installed before anything is served: SIGHUP would otherwise end the process.
-        #[cfg(unix)]
-        {
-            let hangups = reload::hangups().map_err(io("installing the SIGHUP handler"))?;
-            tokio::spawn(
-                reload::watcher(Arc::clone(&reloader), hangups, backends_stopped.clone()).await,
-            );
-        }
-        tokio::spawn(reclaim_stale_cells(
-            Arc::clone(&limiter),
-            backends_stopped.clone(),
-        ));
-        // Each gateway worker gets its own stack over the one shared limiter: its own
-        // upstream connection pool, driven on its own thread.
-        let batch_lanes = Arc::new(match batches {
-            Some(queue) => batch::BatchLane::all(&limiter, &queue, &upstream, &clock_for_batches),
-            None => Vec::new(),
-        });
-        for lane in batch_lanes.iter() {
-            tokio::spawn(Arc::clone(lane).run(backends_stopped.clone()));
-        }
-        // Both request paths of a worker send over its one pool of upstream connections.
-        let make_worker = {
-            let limiter = Arc::clone(&limiter);
-            let batch_lanes = Arc::clone(&batch_lanes);
-            let access_log = config.access_log;
-            move |stats| {
-                let connections = Arc::new(pool::Connections::new(
-                    proxy_config.upstream.connect_target(),
-                ));
-                let service = access::RequestIds::new(
-                    SluiceLayer::reloadable(Arc::clone(&limiter)).layer(
-                        batch::BatchEndpoints::new(
-                            Proxy::over(proxy_config.clone(), Arc::clone(&connections)),
-                            Arc::clone(&batch_lanes),
-                        ),
-                    ),
-                    access_log,
-                );
-                let fast = h1::FastPath::new(
-                    Arc::clone(&limiter),
-                    proxy_config.clone(),
-                    connections,
-                    stats,
-                    access_log,
-                );
-                (service, fast)
-            }
+
+        start::spawn_upkeep(&limiter, &reloader, &backends_stopped).await?;
+        let batch_lanes =
+            start::batch_lanes(batches, &limiter, &upstream, &clock, &backends_stopped);
+        let core = start::Core {
+            limiter,
+            reloader,
+            batch_lanes,
         };
+        let stack = core.worker_stack(&upstream, config.upstream_timeout, config.access_log);
 
         let requests = metered::RequestStats::with_workers(config.workers);
-        let admin_state = admin::AdminState::new(
-            admin::StatusInfo {
-                listen: format!("http://{addr}"),
-                admin: format!("http://{admin_addr}"),
-                upstream: upstream.to_string(),
-                upstream_kind: if demo.is_some() { "demo" } else { "external" },
-                profile,
-                store: config.store.describe(),
-            },
-            started,
-            requests.clone(),
-        )
-        .with_limiter_summary({
-            let limiter = Arc::clone(&limiter);
-            let batch_lanes = Arc::clone(&batch_lanes);
-            let reloader = Arc::clone(&reloader);
-            Arc::new(move || {
-                let limiter = limiter.load();
-                let mut status = limiter.status();
-                status["store"] = limiter.store().describe_state();
-                status["batches"] = batch_lanes.iter().map(|b| b.summary()).collect();
-                status["policy"] = reloader.status();
-                status
-            })
-        });
-        let admin_state = admin_state.with_quotas(Arc::clone(&limiter));
-        tokio::spawn(
-            admin_state
-                .clone()
-                .keep_history(backends_stopped.clone().wait()),
-        );
-        let door = Arc::new(sluice_door::Door::new(
-            admin_addr,
+        let admin_state = admin::AdminState::new(status, started, requests.clone());
+        let admin_task = core.serve_admin(
+            listeners.admin,
+            admin_state,
             config.admin_door.clone(),
-        ));
-        let admin_task = tokio::spawn(admin::serve(
-            admin_listener,
-            admin::router(admin_state).layer(axum::middleware::from_fn_with_state(
-                door,
-                sluice_door::guard,
-            )),
-            backends_stopped.clone().wait(),
-        ));
+            &backends_stopped,
+        );
 
-        let workers =
-            gateway::Workers::start(config.workers, make_worker, &requests, SHUTDOWN_GRACE)
-                .map_err(io("starting the gateway worker threads"))?;
+        let workers = gateway::Workers::start(
+            config.workers,
+            move |stats| stack.build(stats),
+            &requests,
+            SHUTDOWN_GRACE,
+        )
+        .map_err(start::io("starting the gateway worker threads"))?;
         let (stop_gateway, gateway_stopped) = Stop::channel();
         let gateway_task = tokio::spawn(gateway::serve(
-            gateway_listener,
+            listeners.gateway.listener,
             workers,
             config.max_connections,
             per_ip,
             gateway_stopped.wait(),
         ));
-        if config.store == StoreSpec::Memory {
-            tracing::info!(
-                "monthly quota counts are kept in {} (--data-dir to choose another)",
-                config.data_dir.display()
-            );
-        }
-        tracing::info!(target: "sluice::reload", version = reloader.version(), "policy loaded");
+        start::log_started(&config.store, &config.data_dir, &core.reloader);
         Ok(Gateway {
             addr,
             admin_addr,
@@ -584,7 +394,7 @@ impl Gateway {
             stop_backends,
             gateway_task,
             admin_task,
-            reloader,
+            reloader: core.reloader,
             buffers,
         })
     }
@@ -660,59 +470,4 @@ impl Gateway {
         }
         drain
     }
-}
-
-/// How often stale budget cells are dropped from the memory store (they are also
-/// dropped whenever a shard needs room).
-const RECLAIM_EVERY: Duration = Duration::from_secs(30);
-
-/// Drops budget cells whose window is over, until the stop signal.
-async fn reclaim_stale_cells(limiter: SharedLimiter<AnyStore>, stop: Stop) {
-    let mut tick = tokio::time::interval(RECLAIM_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let stopped = stop.wait();
-    tokio::pin!(stopped);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {
-                let limiter = limiter.load();
-                limiter.store().reclaim();
-                limiter.fallback().reclaim();
-            }
-            () = &mut stopped => return,
-        }
-    }
-}
-
-/// The policy's lanes on a lease ledger in the Redis at `url`, shared by every
-/// replica on it: their limits hold across all of them (see
-/// [`sluice_lanes::Lane::with_ledger`]). A lease lives `lease_ttl_seconds` without
-/// renewal, and one call to Redis waits at most the store's timeout; while Redis
-/// cannot be asked, each lane follows [`sluice_edge::ledger_outage`]. On a Redis
-/// Cluster (`redis+cluster://`) each lane's keys live on one node (one hash tag per
-/// lane), so a lane's limits hold there too.
-async fn shared_lanes(policy: &Policy, url: &str) -> Result<Vec<sluice_lanes::Lane>, StartError> {
-    let mut lanes = Vec::with_capacity(policy.lanes.len());
-    for (i, rule) in policy.lanes.iter().enumerate() {
-        let failed = |reason: String| StartError::Lanes {
-            lane: rule.name.clone(),
-            reason,
-        };
-        let limits = sluice_edge::lane_config(rule);
-        let mut ledger = sluice_lanes::RedisLedgerConfig::new(url);
-        ledger.lease_ttl = rule.lease_ttl;
-        ledger.timeout = policy.store.timeout;
-        let ledger = sluice_lanes::RedisLedger::connect(ledger, &rule.name, limits.clone())
-            .await
-            .map_err(|e| failed(format!("connecting its lease ledger: {e}")))?;
-        let lane = sluice_lanes::Lane::with_ledger(
-            rule.name.as_str(),
-            limits,
-            ledger,
-            sluice_edge::ledger_outage(policy, i),
-        )
-        .map_err(|e| failed(e.to_string()))?;
-        lanes.push(lane);
-    }
-    Ok(lanes)
 }

@@ -1,0 +1,535 @@
+//! The steps of [`Gateway::start`](crate::Gateway::start), each with one job, in the
+//! order `start` takes them: bind the listeners, find the upstream (or start the
+//! built-in demo), open the stores, build the one limiter, start the background
+//! tasks and the batch lanes, then serve the admin listener and the gateway's workers.
+//!
+//! Nothing here is public: the steps exist so that `start` reads as the sequence it is.
+
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_batch::BatchQueue;
+use sluice_core::SystemClock;
+use sluice_edge::arc_swap::ArcSwap;
+use sluice_edge::{Limiter, SharedLimiter};
+use sluice_policy::Policy;
+use sluice_store::{MemoryConfig, MemoryStore};
+use sluice_tower::{SluiceLayer, SluiceService};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tower::Layer as _;
+
+use crate::batch::{BatchEndpoints, BatchLane};
+use crate::metered::RequestStats;
+use crate::proxy::{Proxy, ProxyConfig, Upstream};
+use crate::store::AnyStore;
+use crate::{
+    BatchBounds, GatewayConfig, Reloader, StartError, Stop, StoreSpec, access, admin, demo,
+    gateway, h1, pool, reload,
+};
+
+/// The error for `what` failing with an I/O error.
+pub(super) fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> StartError {
+    move |source| StartError::Io { what, source }
+}
+
+/// Refuses an admin listener that would answer beyond loopback with no token.
+///
+/// # Errors
+/// [`StartError::AdminWithoutToken`].
+pub(super) fn check_admin_door(config: &GatewayConfig) -> Result<(), StartError> {
+    if sluice_door::needs_token(config.admin) && config.admin_door.token.is_none() {
+        return Err(StartError::AdminWithoutToken(config.admin));
+    }
+    Ok(())
+}
+
+/// A listener, bound, with the address the system gave it.
+pub(super) struct Bound {
+    /// The listening socket.
+    pub(super) listener: TcpListener,
+    /// Its address (the port chosen when port 0 was asked for).
+    pub(super) addr: SocketAddr,
+}
+
+/// The gateway's and the admin listener's sockets.
+pub(super) struct Listeners {
+    /// The gateway's (`listen`).
+    pub(super) gateway: Bound,
+    /// The admin listener's (`admin`).
+    pub(super) admin: Bound,
+}
+
+impl Listeners {
+    /// Binds the gateway's address, then the admin's, then reads what each got.
+    ///
+    /// # Errors
+    /// [`StartError::Bind`] names the listener whose address cannot be bound;
+    /// [`StartError::Io`] when a bound address cannot be read.
+    pub(super) async fn bind(config: &GatewayConfig) -> Result<Listeners, StartError> {
+        let gateway = bind("gateway", config.listen).await?;
+        let admin = bind("admin", config.admin).await?;
+        let addr = gateway
+            .local_addr()
+            .map_err(io("reading the gateway address"))?;
+        let admin_addr = admin
+            .local_addr()
+            .map_err(io("reading the admin address"))?;
+        Ok(Listeners {
+            gateway: Bound {
+                listener: gateway,
+                addr,
+            },
+            admin: Bound {
+                listener: admin,
+                addr: admin_addr,
+            },
+        })
+    }
+}
+
+/// Binds `addr` for `listener` (`gateway` or `admin`, as the error names it).
+///
+/// # Errors
+/// [`StartError::Bind`].
+async fn bind(listener: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind {
+            listener,
+            addr,
+            source,
+        })
+}
+
+/// The upstream requests go to: the configured one, or else the built-in demo,
+/// started on a loopback port and stopped by `stop`.
+///
+/// # Errors
+/// [`StartError::Io`] when the demo cannot start.
+pub(super) async fn upstream(
+    config: &GatewayConfig,
+    stop: &Stop,
+) -> Result<(Upstream, Option<demo::Demo>), StartError> {
+    Ok(match config.upstream.clone() {
+        Some(upstream) => (upstream, None),
+        None => {
+            let optimizer = demo::optimizer::Optimizer::new(config.demo_optimize_time);
+            let demo = demo::start(optimizer, stop.clone().wait())
+                .await
+                .map_err(io("starting the built-in demo upstream"))?;
+            (Upstream::from_addr(demo.addr()), Some(demo))
+        }
+    })
+}
+
+/// What `/status` says of how this gateway is wired: its addresses, its upstream
+/// (`demo` when it runs the built-in one), the profile and the store.
+pub(super) fn status_info(
+    config: &GatewayConfig,
+    listeners: &Listeners,
+    upstream: &Upstream,
+    runs_demo: bool,
+) -> admin::StatusInfo {
+    admin::StatusInfo {
+        listen: format!("http://{}", listeners.gateway.addr),
+        admin: format!("http://{}", listeners.admin.addr),
+        upstream: upstream.to_string(),
+        upstream_kind: if runs_demo { "demo" } else { "external" },
+        profile: config.policy.profile_name.clone(),
+        store: config.store.describe(),
+    }
+}
+
+/// Where the limiter's budgets live, opened.
+pub(super) struct Stores {
+    /// The budget store `--store` names.
+    budgets: AnyStore,
+    /// The store decisions fall back on while `budgets` cannot be reached.
+    fallback: MemoryStore,
+    /// With Redis, the policy's lanes on a lease ledger shared by every replica.
+    lanes: Option<Vec<sluice_lanes::Lane>>,
+}
+
+impl Stores {
+    /// Opens the store `config.store` names and, in the same place, the batch queue
+    /// of the lanes that run a batch lane (`None` when none does): in memory with the
+    /// monthly quota counts and the queue in the durable file under `data_dir`, or in
+    /// Redis, which then holds the lanes' leases too.
+    ///
+    /// # Errors
+    /// [`StartError::DataDir`] when the durable file cannot be opened,
+    /// [`StartError::Store`] when Redis cannot be reached, [`StartError::Lanes`] when
+    /// a lane's ledger cannot be set up in it.
+    pub(super) async fn open(
+        config: &GatewayConfig,
+        clock: &SystemClock,
+    ) -> Result<(Stores, Option<Arc<dyn BatchQueue>>), StartError> {
+        let batch_config = batch_config(&config.policy, config.batch_bounds);
+        let (budgets, batches) = match &config.store {
+            StoreSpec::Memory => open_local(config, clock, batch_config)?,
+            StoreSpec::Redis(url) => open_redis(config, url, batch_config).await?,
+        };
+        // With Redis, each lane's limits hold across every replica on it.
+        let lanes = match &config.store {
+            StoreSpec::Redis(url) => Some(shared_lanes(&config.policy, url).await?),
+            StoreSpec::Memory => None,
+        };
+        let fallback = MemoryStore::with_clock(
+            MemoryConfig::with_max_keys(sluice_edge::FALLBACK_MAX_KEYS),
+            clock.clone(),
+        );
+        let stores = Stores {
+            budgets,
+            fallback,
+            lanes,
+        };
+        Ok((stores, batches))
+    }
+
+    /// The one limiter every request path decides with: `policy` over these stores,
+    /// with the bounds of `bounds`; shared behind an [`ArcSwap`] so that a reload
+    /// reaches every path.
+    pub(super) fn limiter(self, policy: Policy, bounds: LimiterBounds) -> SharedLimiter<AnyStore> {
+        let mut limiter = Limiter::new(policy, self.budgets)
+            .with_fallback(self.fallback)
+            .with_buffer_bound(bounds.max_buffered_bytes)
+            .with_buffer_share(bounds.max_buffered_share)
+            .with_refusal_log(bounds.refusal_log_per_second);
+        if let Some(lanes) = self.lanes {
+            limiter = limiter.with_lanes(lanes);
+        }
+        // Every request path takes the limiter from here, so a reload reaches them all.
+        Arc::new(ArcSwap::from_pointee(limiter))
+    }
+}
+
+/// The batch queue's settings: one queue for the lanes that run a batch lane, in the
+/// same store, with the first such lane's per-batch bounds and the global `bounds`
+/// (`None` when no lane runs a batch lane).
+fn batch_config(policy: &Policy, bounds: BatchBounds) -> Option<sluice_batch::BatchConfig> {
+    policy.lanes.iter().find_map(|l| l.batch.as_ref()).map(|b| {
+        sluice_batch::BatchConfig::default()
+            .with_max_items(b.max_items.get() as usize)
+            .with_max_backlog(u64::from(b.backlog.get()))
+            .with_retention(b.keep)
+            .with_max_queued_items(bounds.max_queued_items)
+            .with_max_stored_bytes(bounds.max_stored_bytes)
+            .with_origin_share(bounds.address_share)
+    })
+}
+
+/// The memory store on `clock`, with the monthly quota counts (and the batch queue)
+/// in the durable file under `config.data_dir`.
+///
+/// # Errors
+/// [`StartError::DataDir`].
+fn open_local(
+    config: &GatewayConfig,
+    clock: &SystemClock,
+    batch_config: Option<sluice_batch::BatchConfig>,
+) -> Result<(AnyStore, Option<Arc<dyn BatchQueue>>), StartError> {
+    let (store, book) = AnyStore::local_with_batches(
+        clock.clone(),
+        &config.data_dir,
+        config.quota_sync,
+        batch_config,
+        MemoryConfig::with_max_keys(config.max_keys).preallocated(),
+    )?;
+    Ok((store, book.map(|b| Arc::new(b) as Arc<dyn BatchQueue>)))
+}
+
+/// The Redis at `url` for the budgets, and for the batch queue when there is one.
+///
+/// # Errors
+/// [`StartError::Store`] when Redis cannot be reached.
+async fn open_redis(
+    config: &GatewayConfig,
+    url: &str,
+    batch_config: Option<sluice_batch::BatchConfig>,
+) -> Result<(AnyStore, Option<Arc<dyn BatchQueue>>), StartError> {
+    let store = AnyStore::redis(url, config.policy.store.timeout)
+        .await
+        .map_err(|source| StartError::Store {
+            store: config.store.describe(),
+            source,
+        })?;
+    let batches = match batch_config {
+        Some(c) => Some(Arc::new(
+            sluice_batch::RedisBatches::connect(&sluice_store::RedisConfig::new(url), c)
+                .await
+                .map_err(|e| StartError::Store {
+                    store: config.store.describe(),
+                    source: sluice_store::StoreError::Unavailable(e.to_string()),
+                })?,
+        ) as Arc<dyn BatchQueue>),
+        None => None,
+    };
+    Ok((store, batches))
+}
+
+/// The policy's lanes on a lease ledger in the Redis at `url`, shared by every
+/// replica on it: their limits hold across all of them (see
+/// [`sluice_lanes::Lane::with_ledger`]). A lease lives `lease_ttl_seconds` without
+/// renewal, and one call to Redis waits at most the store's timeout; while Redis
+/// cannot be asked, each lane follows [`sluice_edge::ledger_outage`]. On a Redis
+/// Cluster (`redis+cluster://`) each lane's keys live on one node (one hash tag per
+/// lane), so a lane's limits hold there too.
+///
+/// # Errors
+/// [`StartError::Lanes`] names the lane whose ledger cannot be set up.
+async fn shared_lanes(policy: &Policy, url: &str) -> Result<Vec<sluice_lanes::Lane>, StartError> {
+    let mut lanes = Vec::with_capacity(policy.lanes.len());
+    for (i, rule) in policy.lanes.iter().enumerate() {
+        let failed = |reason: String| StartError::Lanes {
+            lane: rule.name.clone(),
+            reason,
+        };
+        let limits = sluice_edge::lane_config(rule);
+        let mut ledger = sluice_lanes::RedisLedgerConfig::new(url);
+        ledger.lease_ttl = rule.lease_ttl;
+        ledger.timeout = policy.store.timeout;
+        let ledger = sluice_lanes::RedisLedger::connect(ledger, &rule.name, limits.clone())
+            .await
+            .map_err(|e| failed(format!("connecting its lease ledger: {e}")))?;
+        let lane = sluice_lanes::Lane::with_ledger(
+            rule.name.as_str(),
+            limits,
+            ledger,
+            sluice_edge::ledger_outage(policy, i),
+        )
+        .map_err(|e| failed(e.to_string()))?;
+        lanes.push(lane);
+    }
+    Ok(lanes)
+}
+
+/// What the limiter takes from the configuration besides the policy: read before the
+/// policy is moved into it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LimiterBounds {
+    /// [`GatewayConfig::max_buffered_bytes`].
+    max_buffered_bytes: usize,
+    /// [`GatewayConfig::max_buffered_share`].
+    max_buffered_share: f64,
+    /// [`GatewayConfig::refusal_log_per_second`].
+    refusal_log_per_second: u32,
+}
+
+impl LimiterBounds {
+    /// The limiter's bounds in `config`.
+    pub(super) fn of(config: &GatewayConfig) -> LimiterBounds {
+        LimiterBounds {
+            max_buffered_bytes: config.max_buffered_bytes,
+            max_buffered_share: config.max_buffered_share,
+            refusal_log_per_second: config.refusal_log_per_second,
+        }
+    }
+}
+
+/// The running policy's version: the file's, or without a file the policy's own
+/// digest.
+pub(super) fn policy_version(config: &GatewayConfig) -> String {
+    match &config.policy_file {
+        Some(file) => file.version.clone(),
+        None => reload::policy_version(format!("{:?}", config.policy).as_bytes()),
+    }
+}
+
+/// The bound on connections from one address, trusting (and so not bounding) the
+/// proxies the current policy trusts.
+pub(super) fn per_ip(
+    limiter: &SharedLimiter<AnyStore>,
+    max_per_ip: NonZeroUsize,
+) -> Arc<gateway::PerIp> {
+    let limiter = Arc::clone(limiter);
+    gateway::PerIp::new(max_per_ip, move |ip| {
+        limiter.load().policy().identity.trusts(ip)
+    })
+}
+
+/// Starts the upkeep tasks, which run until `stop`: the reload watch (SIGHUP and
+/// changes to the policy file) and the reclaim of stale budget cells.
+///
+/// # Errors
+/// [`StartError::Io`] when the SIGHUP handler cannot be installed.
+pub(super) async fn spawn_upkeep(
+    limiter: &SharedLimiter<AnyStore>,
+    reloader: &Arc<Reloader>,
+    stop: &Stop,
+) -> Result<(), StartError> {
+    // Installed before anything is served: SIGHUP would otherwise end the process.
+    #[cfg(unix)]
+    {
+        let hangups = reload::hangups().map_err(io("installing the SIGHUP handler"))?;
+        tokio::spawn(reload::watcher(Arc::clone(reloader), hangups, stop.clone()).await);
+    }
+    tokio::spawn(reclaim_stale_cells(Arc::clone(limiter), stop.clone()));
+    Ok(())
+}
+
+/// How often stale budget cells are dropped from the memory store (they are also
+/// dropped whenever a shard needs room).
+const RECLAIM_EVERY: Duration = Duration::from_secs(30);
+
+/// Drops budget cells whose window is over, until the stop signal.
+async fn reclaim_stale_cells(limiter: SharedLimiter<AnyStore>, stop: Stop) {
+    let mut tick = tokio::time::interval(RECLAIM_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let stopped = stop.wait();
+    tokio::pin!(stopped);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                let limiter = limiter.load();
+                limiter.store().reclaim();
+                limiter.fallback().reclaim();
+            }
+            () = &mut stopped => return,
+        }
+    }
+}
+
+/// The batch lanes over the batch queue (none without one), sending to `upstream`,
+/// each with its runner started until `stop`.
+pub(super) fn batch_lanes(
+    batches: Option<Arc<dyn BatchQueue>>,
+    limiter: &SharedLimiter<AnyStore>,
+    upstream: &Upstream,
+    clock: &SystemClock,
+    stop: &Stop,
+) -> Arc<Vec<Arc<BatchLane>>> {
+    let batch_lanes = Arc::new(match batches {
+        Some(queue) => BatchLane::all(limiter, &queue, upstream, clock),
+        None => Vec::new(),
+    });
+    for lane in batch_lanes.iter() {
+        tokio::spawn(Arc::clone(lane).run(stop.clone()));
+    }
+    batch_lanes
+}
+
+/// What a gateway serves from once it is built: the one limiter, what reloads it,
+/// and the batch lanes. Both request paths of every worker and the admin listener
+/// hold them.
+pub(super) struct Core {
+    /// The one limiter.
+    pub(super) limiter: SharedLimiter<AnyStore>,
+    /// What reloads it.
+    pub(super) reloader: Arc<Reloader>,
+    /// The batch lanes (none without a batch queue).
+    pub(super) batch_lanes: Arc<Vec<Arc<BatchLane>>>,
+}
+
+impl Core {
+    /// What each gateway worker builds its request paths from, sending to
+    /// `upstream` (waiting `upstream_timeout` at most for its response headers),
+    /// with access lines when `access_log`.
+    pub(super) fn worker_stack(
+        &self,
+        upstream: &Upstream,
+        upstream_timeout: Duration,
+        access_log: bool,
+    ) -> WorkerStack {
+        WorkerStack {
+            limiter: Arc::clone(&self.limiter),
+            batch_lanes: Arc::clone(&self.batch_lanes),
+            proxy: ProxyConfig::new(upstream.clone()).with_header_timeout(upstream_timeout),
+            access_log,
+        }
+    }
+
+    /// Serves the admin listener `admin` until `stop`, behind the door `door`
+    /// describes: `state` with `/status` showing the limiter's, the batch lanes' and
+    /// the policy's state as they are when asked, `/quotas` from the limiter, and the
+    /// dashboard's history sampled until `stop`.
+    pub(super) fn serve_admin(
+        &self,
+        admin: Bound,
+        state: admin::AdminState,
+        door: sluice_door::DoorConfig,
+        stop: &Stop,
+    ) -> JoinHandle<()> {
+        let state = state
+            .with_limiter_summary({
+                let limiter = Arc::clone(&self.limiter);
+                let batch_lanes = Arc::clone(&self.batch_lanes);
+                let reloader = Arc::clone(&self.reloader);
+                Arc::new(move || {
+                    let limiter = limiter.load();
+                    let mut status = limiter.status();
+                    status["store"] = limiter.store().describe_state();
+                    status["batches"] = batch_lanes.iter().map(|b| b.summary()).collect();
+                    status["policy"] = reloader.status();
+                    status
+                })
+            })
+            .with_quotas(Arc::clone(&self.limiter));
+        tokio::spawn(state.clone().keep_history(stop.clone().wait()));
+        let door = Arc::new(sluice_door::Door::new(admin.addr, door));
+        tokio::spawn(admin::serve(
+            admin.listener,
+            admin::router(state).layer(axum::middleware::from_fn_with_state(
+                door,
+                sluice_door::guard,
+            )),
+            stop.clone().wait(),
+        ))
+    }
+}
+
+/// The hyper path's service stack: request ids and access lines, the limiter layer,
+/// the batch endpoints, then the proxy.
+pub(super) type WorkerService = access::RequestIds<SluiceService<AnyStore, BatchEndpoints<Proxy>>>;
+
+/// What each gateway worker builds its two request paths from: its own stack over
+/// the one shared limiter, with its own upstream connection pool, driven on its own
+/// thread.
+pub(super) struct WorkerStack {
+    /// The one limiter.
+    limiter: SharedLimiter<AnyStore>,
+    /// The batch lanes.
+    batch_lanes: Arc<Vec<Arc<BatchLane>>>,
+    /// The proxy's settings.
+    proxy: ProxyConfig,
+    /// One access line per request.
+    access_log: bool,
+}
+
+impl WorkerStack {
+    /// One worker's request paths, counting on `stats`: the service stack for the
+    /// hyper path and the fast path. Both send over the worker's one pool of
+    /// upstream connections.
+    pub(super) fn build(&self, stats: RequestStats) -> (WorkerService, h1::FastPath) {
+        let connections = Arc::new(pool::Connections::new(self.proxy.upstream.connect_target()));
+        let service = access::RequestIds::new(
+            SluiceLayer::reloadable(Arc::clone(&self.limiter)).layer(BatchEndpoints::new(
+                Proxy::over(self.proxy.clone(), Arc::clone(&connections)),
+                Arc::clone(&self.batch_lanes),
+            )),
+            self.access_log,
+        );
+        let fast = h1::FastPath::new(
+            Arc::clone(&self.limiter),
+            self.proxy.clone(),
+            connections,
+            stats,
+            self.access_log,
+        );
+        (service, fast)
+    }
+}
+
+/// Says where the monthly quota counts are kept (with the memory store, in
+/// `data_dir`) and which policy version `reloader` loaded.
+pub(super) fn log_started(store: &StoreSpec, data_dir: &std::path::Path, reloader: &Reloader) {
+    if *store == StoreSpec::Memory {
+        tracing::info!(
+            "monthly quota counts are kept in {} (--data-dir to choose another)",
+            data_dir.display()
+        );
+    }
+    tracing::info!(target: "sluice::reload", version = reloader.version(), "policy loaded");
+}
