@@ -8,6 +8,7 @@ use bytes::Bytes;
 use http::header::{HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::Full;
+use serde::Serialize;
 use sluice_core::BreakerConfig;
 use sluice_lanes::{Lane, LaneConfig, LanePermit, LaneRefusal, LedgerOutage, Outcome};
 use sluice_policy::{Outage, Policy, RouteClass};
@@ -176,33 +177,79 @@ impl LanePlace {
     }
 }
 
+/// One lane as `/status` shows it (see [`lane_status`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct LaneStatus {
+    /// The lane's name.
+    pub lane: String,
+    /// Calls that may run at once across every workspace.
+    pub global_cap: u32,
+    /// Of those, the places batch items may take.
+    pub batch_cap: u32,
+    /// Calls running.
+    pub running: u32,
+    /// Calls waiting for a place.
+    pub waiting: u32,
+    /// Batch items running.
+    pub batch_running: u32,
+    /// The breaker: `closed`, `open` or `half_open`.
+    pub breaker: &'static str,
+    /// Seconds until an open breaker lets a call through (0 when it is not open).
+    pub breaker_open_seconds_left: f64,
+    /// How long a call is expected to take (the estimate behind retry-after).
+    pub expected_call_seconds: f64,
+    /// Each workspace with a call running or waiting.
+    pub workspaces: Vec<LaneWorkspace>,
+}
+
+/// A workspace's standing in a [`LaneStatus`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct LaneWorkspace {
+    /// Its label.
+    pub workspace: String,
+    /// Calls running.
+    pub running: u32,
+    /// Calls waiting.
+    pub waiting: u32,
+    /// Calls started in the rolling window.
+    pub started_in_window: u32,
+    /// Batch items running.
+    pub batch_running: u32,
+}
+
 /// A lane as `/status` shows it: running and waiting calls in all and per
 /// workspace, starts in the rolling window, batch items, the breaker and the
 /// expected call duration.
-pub fn lane_status(lane: &Lane) -> serde_json::Value {
+pub fn lane_status(lane: &Lane) -> LaneStatus {
     let s = lane.snapshot();
     let breaker_left = match s.breaker {
         sluice_lanes::BreakerStatus::Open { retry_after } => retry_after.as_secs_f64(),
         _ => 0.0,
     };
-    serde_json::json!({
-        "lane": s.lane,
-        "global_cap": s.global_cap,
-        "batch_cap": s.batch_cap,
-        "running": s.running,
-        "waiting": s.waiting,
-        "batch_running": s.batch_running,
-        "breaker": s.breaker.as_str(),
-        "breaker_open_seconds_left": breaker_left,
-        "expected_call_seconds": s.expected_duration.as_secs_f64(),
-        "workspaces": s.workspaces.iter().map(|w| serde_json::json!({
-            "workspace": w.workspace,
-            "running": w.running,
-            "waiting": w.waiting,
-            "started_in_window": w.started_in_window,
-            "batch_running": w.batch_running,
-        })).collect::<Vec<_>>(),
-    })
+    LaneStatus {
+        lane: s.lane,
+        global_cap: s.global_cap,
+        batch_cap: s.batch_cap,
+        running: s.running,
+        waiting: s.waiting,
+        batch_running: s.batch_running,
+        breaker: s.breaker.as_str(),
+        breaker_open_seconds_left: breaker_left,
+        expected_call_seconds: s.expected_duration.as_secs_f64(),
+        workspaces: s
+            .workspaces
+            .into_iter()
+            .map(|w| LaneWorkspace {
+                workspace: w.workspace,
+                running: w.running,
+                waiting: w.waiting,
+                started_in_window: w.started_in_window,
+                batch_running: w.batch_running,
+            })
+            .collect(),
+    }
 }
 
 /// Sets the lane gauges (`sluice_lane_running`, `sluice_lane_waiting`,

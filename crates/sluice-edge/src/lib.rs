@@ -82,12 +82,13 @@ pub use buffers::{
 };
 pub use exchange::{BodyRead, Forward, Planned};
 pub use lanes::{
-    LaneCall, LanePlace, lane_config, lane_refusal, lane_status, ledger_outage, publish_lane_gauges,
+    LaneCall, LanePlace, LaneStatus, LaneWorkspace, lane_config, lane_refusal, lane_status,
+    ledger_outage, publish_lane_gauges,
 };
 pub use limiter::{
-    Admitted, ClassTally, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter, QuotaQueryError,
-    QuotaUsage, Reason, Refusal, Refused, ReloadRefused, SharedLimiter, TOP_CALLERS_TRACKED, Tally,
-    check_head,
+    Admitted, BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, IpCeilings,
+    Limiter, QuotaQueryError, QuotaUsage, Reason, Refusal, Refused, ReloadRefused, SharedLimiter,
+    Status, TOP_CALLERS_TRACKED, Tally, TopCaller, check_head,
 };
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
 pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};

@@ -459,7 +459,7 @@ impl Core {
                 let reloader = Arc::clone(&self.reloader);
                 Arc::new(move || {
                     let limiter = limiter.load();
-                    let mut status = limiter.status();
+                    let mut status = serde_json::to_value(limiter.status()).unwrap_or_default();
                     status["store"] = limiter.store().describe_state();
                     status["batches"] = batch_lanes.iter().map(|b| b.summary()).collect();
                     status["policy"] = reloader.status();

@@ -25,7 +25,10 @@ pub use head::{Refused, check_head};
 pub use outage::FALLBACK_MAX_KEYS;
 pub use quota_admin::{QuotaQueryError, QuotaUsage};
 use routing::read_headers_of;
-pub use telemetry::{ClassTally, DECISION_SECONDS_BUCKETS, TOP_CALLERS_TRACKED, Tally};
+pub use telemetry::{
+    BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, IpCeilings, Status, TOP_CALLERS_TRACKED,
+    Tally, TopCaller,
+};
 use telemetry::{Counts, Meters, TOP_SHARDS, TopCallers};
 
 /// A policy and a store: classifies requests and decides their budgets.

@@ -1,10 +1,11 @@
 //! What the limiter tells of its decisions: metrics, the dashboard's tally, the top
 //! callers and `/status`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
+use serde::Serialize;
 use sluice_core::Decision;
 use sluice_policy::{Class, Policy, Who};
 use sluice_store::{BudgetStore, StoreError};
@@ -196,6 +197,67 @@ pub(super) struct TopCallers {
     others: u64,
 }
 
+/// What `/status` shows of a limiter (see [`Limiter::status`]), as JSON through
+/// its `Serialize`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Status {
+    /// The profile's name.
+    pub profile: String,
+    /// The classes' window.
+    pub window_seconds: u32,
+    /// Each class's limit per caller per window, by name.
+    pub classes: BTreeMap<String, u32>,
+    /// The per-IP ceilings.
+    pub ip_ceilings: IpCeilings,
+    /// The per-route buckets.
+    pub buckets: Vec<BucketLimit>,
+    /// Routes in the policy.
+    pub routes: usize,
+    /// The ten callers that spent most in the current window, most first.
+    pub top_callers: Vec<TopCaller>,
+    /// Units the other callers spent in the current window.
+    pub other_callers_units: u64,
+    /// True while the store is failing (see [`Limiter::is_degraded`]).
+    pub store_degraded: bool,
+    /// The guarded lanes, in the policy's order.
+    pub lanes: Vec<crate::LaneStatus>,
+}
+
+/// The per-IP ceilings of a [`Status`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct IpCeilings {
+    /// Requests a minute holding any read, standard or expensive call.
+    pub work: u32,
+    /// Requests a minute holding only protocol calls.
+    pub protocol_only: u32,
+}
+
+/// A per-route bucket of a [`Status`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct BucketLimit {
+    /// Its name.
+    pub name: String,
+    /// Calls per window.
+    pub limit: u32,
+    /// Its window.
+    pub window_seconds: u32,
+}
+
+/// A caller of a [`Status`]: who (never a credential), its workspace, what it spent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct TopCaller {
+    /// The caller as the status page names it.
+    pub caller: String,
+    /// Its workspace's label.
+    pub workspace: String,
+    /// Units it spent in the current window.
+    pub units: u64,
+}
+
 impl<S: BudgetStore> Limiter<S> {
     /// Counts a decision's outcome in the metrics and the status page.
     pub(super) fn record(&self, plan: &Plan, decision: &Result<Box<Decision>, StoreError>) {
@@ -315,42 +377,51 @@ impl<S: BudgetStore> Limiter<S> {
 
     /// A summary for `/status`: the policy's numbers and the callers that
     /// spent most in the current window.
-    pub fn status(&self) -> serde_json::Value {
+    pub fn status(&self) -> Status {
         let p = &self.policy;
-        let classes: serde_json::Map<String, serde_json::Value> = Class::ALL
+        let classes = Class::ALL
             .iter()
-            .map(|&c| (c.name().to_owned(), p.profile.limit(c).get().into()))
+            .map(|&c| (c.name().to_owned(), p.profile.limit(c).get()))
             .collect();
         // The latest window any shard has seen is the current one; a shard still on
         // an older window has had no spend in this one.
         let shards: Vec<_> = self.top.iter().map(|shard| shard.lock()).collect();
         let window = shards.iter().map(|t| t.window).max().unwrap_or(0);
         let current = || shards.iter().filter(|t| t.window == window);
-        let mut callers: Vec<(String, &str, u64)> = current()
+        let mut callers: Vec<TopCaller> = current()
             .flat_map(|t| t.spend.values())
-            .map(|(who, workspace, units)| (who.to_string(), workspace.as_str(), *units))
+            .map(|(who, workspace, units)| TopCaller {
+                caller: who.to_string(),
+                workspace: workspace.clone(),
+                units: *units,
+            })
             .collect();
         let others: u64 = current().map(|t| t.others).sum();
-        callers.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)));
-        serde_json::json!({
-            "profile": p.profile_name,
-            "window_seconds": p.window.get(),
-            "classes": classes,
-            "ip_ceilings": {
-                "work": p.profile.ceiling_work.get(),
-                "protocol_only": p.profile.ceiling_protocol_only.get(),
+        callers.sort_by(|a, b| b.units.cmp(&a.units).then(a.caller.cmp(&b.caller)));
+        callers.truncate(10);
+        Status {
+            profile: p.profile_name.clone(),
+            window_seconds: p.window.get(),
+            classes,
+            ip_ceilings: IpCeilings {
+                work: p.profile.ceiling_work.get(),
+                protocol_only: p.profile.ceiling_protocol_only.get(),
             },
-            "buckets": p.buckets.iter().map(|b| serde_json::json!({
-                "name": b.name, "limit": b.limit.get(), "window_seconds": b.window.get(),
-            })).collect::<Vec<_>>(),
-            "routes": p.routes.len(),
-            "top_callers": callers.iter().take(10).map(|(label, workspace, units)| serde_json::json!({
-                "caller": label, "workspace": workspace, "units": units,
-            })).collect::<Vec<_>>(),
-            "other_callers_units": others,
-            "store_degraded": self.is_degraded(),
-            "lanes": self.lanes.iter().map(crate::lane_status).collect::<Vec<_>>(),
-        })
+            buckets: p
+                .buckets
+                .iter()
+                .map(|b| BucketLimit {
+                    name: b.name.clone(),
+                    limit: b.limit.get(),
+                    window_seconds: b.window.get(),
+                })
+                .collect(),
+            routes: p.routes.len(),
+            top_callers: callers,
+            other_callers_units: others,
+            store_degraded: self.is_degraded(),
+            lanes: self.lanes.iter().map(crate::lane_status).collect(),
+        }
     }
 }
 
