@@ -45,6 +45,7 @@ mod calendar;
 mod clock;
 mod decision;
 mod key;
+mod problem;
 mod rate;
 mod rolling;
 mod turns;
@@ -62,6 +63,7 @@ pub use decision::{
 #[doc(hidden)]
 pub use key::mix64;
 pub use key::{BudgetKey, digest};
+pub use problem::Problem;
 pub use rate::{BudgetStatus, Rate, Verdict};
 #[doc(hidden)]
 pub use rate::{GcraStep, cell_is_stale};

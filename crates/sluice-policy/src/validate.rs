@@ -2,7 +2,6 @@
 //! with the key path it is at.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::num::NonZeroU32;
 #[cfg(feature = "yaml")]
 use std::path::Path;
@@ -41,19 +40,7 @@ pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 20;
 pub const MAX_ROUTE_BUCKETS: usize = sluice_core::MAX_BUDGETS - 5;
 
 /// One thing wrong with a policy, at a key path such as `routes[3].class`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Problem {
-    /// Where in the file.
-    pub path: String,
-    /// What was expected.
-    pub message: String,
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.message)
-    }
-}
+pub use sluice_core::Problem;
 
 /// Why a policy was not accepted.
 #[derive(Debug, thiserror::Error)]

@@ -323,23 +323,9 @@ impl PaceConfig {
     }
 }
 
-/// One thing wrong with a config, at a key path such as
-/// `providers.openai.apiKey` (the same shape as a policy's problems).
 /// One thing wrong with a pace config, at a key path such as
-/// `providers.openai.rateLimits.tpm`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Problem {
-    /// Where in the file.
-    pub path: String,
-    /// What was expected.
-    pub message: String,
-}
-
-impl std::fmt::Display for Problem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.path, self.message)
-    }
-}
+/// `providers.openai.rateLimits.tpm` (the same shape as a policy's problems).
+pub use sluice_core::Problem;
 
 /// Why a config was not accepted (or not saved).
 #[derive(Debug, thiserror::Error)]
