@@ -6,7 +6,9 @@ use std::num::NonZeroU32;
 
 use arrayvec::ArrayVec;
 use sluice_core::{Budget, BudgetKey, Decision, MAX_BUDGETS, Rate, digest, month_of};
-use sluice_policy::{Caller, Class, ClientIp, Items, OnExhausted, Per, Policy, Refusal};
+use sluice_policy::{
+    Caller, Class, ClientIp, Enforcement, Items, OnExhausted, Per, Policy, Refusal,
+};
 
 /// What a budget of a plan is, for headers, refusals and metrics.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,7 +72,16 @@ pub struct Plan {
     pub passed: Option<Passed>,
     /// The call through a guarded lane the request makes, if it makes one.
     pub lane: Option<crate::LaneCall>,
+    /// The budgets in shadow mode, a bit each by index (`mode: shadow`, a shadowed
+    /// route, or a dry run): decided and counted, never refusing.
+    pub shadow: u16,
+    /// Those of them that would have refused this request (set by the decision):
+    /// it was admitted as if they were off.
+    pub shadowed: u16,
 }
+
+// A bit per budget in `Plan::shadow`.
+const _: () = assert!(MAX_BUDGETS <= 16);
 
 // Every request allocates its plan: within mimalloc's small blocks (1 KiB) the
 // allocation takes its fast path, a quarter of the instructions of the generic one.
@@ -137,6 +148,7 @@ pub(crate) fn plan(
     items: &Items,
     caller: Caller,
     client: &ClientIp,
+    route_mode: Enforcement,
 ) -> Plan {
     let mut p = Plan {
         budgets: ArrayVec::new(),
@@ -153,7 +165,13 @@ pub(crate) fn plan(
         from: caller,
         lane: None,
         passed: None,
+        shadow: 0,
+        shadowed: 0,
     };
+    // Every budget of the request is in shadow mode in a dry run or on a shadowed
+    // route; else those whose own mode says so.
+    let all = policy.shadows.dry_run || route_mode == Enforcement::Shadow;
+    let shadow = |mode: Enforcement| all || mode == Enforcement::Shadow;
     let caller = &p.from;
     let (subject, workspace, user) = (caller.subject, caller.workspace, caller.user);
     let window = policy.window;
@@ -177,6 +195,7 @@ pub(crate) fn plan(
                 ),
                 BudgetKind::Class(class),
                 window,
+                shadow(policy.shadows.classes[class.index()]),
             );
         }
     }
@@ -186,6 +205,7 @@ pub(crate) fn plan(
             fixed(scopes.ip_protocol, client.subject, limit, window, 1),
             BudgetKind::IpProtocol,
             window,
+            shadow(policy.shadows.ip_protocol),
         );
     } else {
         let limit = policy.profile.ceiling_work;
@@ -193,6 +213,7 @@ pub(crate) fn plan(
             fixed(scopes.ip_work, client.subject, limit, window, 1),
             BudgetKind::IpWork,
             window,
+            shadow(policy.shadows.ip_work),
         );
     }
     for (i, units) in items.named_buckets() {
@@ -209,6 +230,7 @@ pub(crate) fn plan(
             fixed(scope, of, b.limit, b.window, units),
             BudgetKind::Bucket(kind_index(i)),
             b.window,
+            shadow(b.mode),
         );
     }
     for (i, &units) in items.quotas.iter().enumerate() {
@@ -218,18 +240,26 @@ pub(crate) fn plan(
         };
         let budget = quota_budget(scope, q, workspace, units);
         // A month's length is known only at decision time (see `Plan::window_secs`).
-        p.push(budget, BudgetKind::Quota(kind_index(i)), NonZeroU32::MIN);
+        p.push(
+            budget,
+            BudgetKind::Quota(kind_index(i)),
+            NonZeroU32::MIN,
+            shadow(q.mode),
+        );
     }
     p
 }
 
 impl Plan {
-    fn push(&mut self, budget: Budget, kind: BudgetKind, window: NonZeroU32) {
+    fn push(&mut self, budget: Budget, kind: BudgetKind, window: NonZeroU32, shadow: bool) {
         // Classes, one ceiling, buckets and quotas: the policy validator refuses
         // routes whose requests could touch more than MAX_BUDGETS.
         if self.budgets.is_full() {
             debug_assert!(false, "a plan past MAX_BUDGETS: the policy check missed it");
             return;
+        }
+        if shadow {
+            self.shadow |= 1 << self.budgets.len();
         }
         self.budgets.push(budget);
         self.kinds.push(kind);
@@ -308,6 +338,39 @@ impl Plan {
     pub fn passes(&self, i: usize, policy: &Policy) -> bool {
         matches!(self.kinds.get(i), Some(BudgetKind::Bucket(b))
             if policy.buckets.get(policy_index(*b)).is_some_and(|b| b.on_exhausted == OnExhausted::Pass))
+    }
+
+    /// The budgets in shadow mode that refused `refused`, a bit each by index.
+    pub fn shadow_refusals(&self, refused: &Decision) -> u16 {
+        refused
+            .statuses()
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| {
+                s.verdict != sluice_core::Verdict::Admitted && self.shadow & (1 << i) != 0
+            })
+            .fold(0, |mask, (i, _)| mask | 1 << i)
+    }
+
+    /// The budgets of `mask` (a bit each by index), in order.
+    pub fn indices(mask: u16) -> impl Iterator<Item = usize> {
+        (0..MAX_BUDGETS).filter(move |i| mask & (1 << i) != 0)
+    }
+
+    /// Why budget `i` of a refusal refused (`sluice_shadow_refusals_total`'s
+    /// `reason`, and a refusal's `details.reason`).
+    pub fn refusal_reason(&self, i: usize, decision: &Decision) -> &'static str {
+        let never = decision
+            .statuses()
+            .get(i)
+            .is_some_and(|s| s.verdict == sluice_core::Verdict::Never);
+        if never {
+            crate::COST_EXCEEDS_LIMIT
+        } else if matches!(self.kinds.get(i), Some(BudgetKind::Quota(_))) {
+            "quota_exceeded"
+        } else {
+            "rate_limited"
+        }
     }
 
     /// True when the plan holds a capped monthly quota (it must be counted in the

@@ -135,6 +135,10 @@ fn describe_metrics() {
         "sluice_lane_refusals_total",
         "Calls a guarded lane refused, by lane and reason."
     );
+    metrics::describe_counter!(
+        "sluice_shadow_refusals_total",
+        "Refusals a budget in shadow mode (mode: shadow, or --dry-run) would have given, the request forwarded instead, by budget and reason."
+    );
     metrics::describe_gauge!(
         "sluice_store_degraded",
         "1 while the budget store is failing (its last decision failed), else 0."
@@ -625,6 +629,9 @@ fn tally_json(t: &sluice_edge::Tally) -> serde_json::Value {
         })).collect::<Vec<_>>(),
         "lane_refusals": t.lane_refusals.iter().map(|(lane, reason, count)| serde_json::json!({
             "lane": lane, "reason": reason, "count": count,
+        })).collect::<Vec<_>>(),
+        "shadow_refusals": t.shadow_refusals.iter().map(|(budget, reason, count)| serde_json::json!({
+            "budget": budget, "reason": reason, "count": count,
         })).collect::<Vec<_>>(),
         "local_decisions": t.local_decisions,
     })

@@ -384,7 +384,7 @@ impl Gateway {
             per_ip,
             gateway_stopped.wait(),
         ));
-        start::log_started(&config.store, &config.data_dir, &core.reloader);
+        start::log_started(&config.store, &config.data_dir, &core);
         Ok(Gateway {
             addr,
             admin_addr,

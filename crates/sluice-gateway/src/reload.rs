@@ -55,6 +55,8 @@ pub struct PolicyFile {
     pub path: PathBuf,
     /// The profile `--profile` chose (applied to every version of the file), if any.
     pub profile: Option<String>,
+    /// `--dry-run`: every version of the file runs with every budget in shadow mode.
+    pub dry_run: bool,
     /// [`policy_version`] of the text the running policy was parsed from.
     pub version: String,
 }
@@ -291,6 +293,7 @@ impl PolicyFile {
         let mut file = PolicyFile {
             path,
             profile,
+            dry_run: false,
             version: String::new(),
         };
         let policy = parse(&file, &text)?;
@@ -300,11 +303,12 @@ impl PolicyFile {
 }
 
 /// The policy in `text`, checked as `sluice check` checks it (same messages), with
-/// the `--profile` the gateway was started with.
+/// the `--profile` and `--dry-run` the gateway was started with.
 fn parse(file: &PolicyFile, text: &[u8]) -> Result<Policy, String> {
     let text = std::str::from_utf8(text)
         .map_err(|e| format!("{}: not UTF-8: {e}", file.path.display()))?;
-    let policy = sluice_policy::parse_str(text, &file.path).map_err(|e| e.to_string())?;
+    let mut policy = sluice_policy::parse_str(text, &file.path).map_err(|e| e.to_string())?;
+    policy.shadows.dry_run |= file.dry_run;
     match &file.profile {
         Some(profile) => policy
             .with_profile(profile)

@@ -523,13 +523,18 @@ impl WorkerStack {
 }
 
 /// Says where the monthly quota counts are kept (with the memory store, in
-/// `data_dir`) and which policy version `reloader` loaded.
-pub(super) fn log_started(store: &StoreSpec, data_dir: &std::path::Path, reloader: &Reloader) {
+/// `data_dir`), which policy version the reloader loaded, and, loudly, a dry run.
+pub(super) fn log_started(store: &StoreSpec, data_dir: &std::path::Path, core: &Core) {
     if *store == StoreSpec::Memory {
         tracing::info!(
             "monthly quota counts are kept in {} (--data-dir to choose another)",
             data_dir.display()
         );
     }
-    tracing::info!(target: "sluice::reload", version = reloader.version(), "policy loaded");
+    tracing::info!(target: "sluice::reload", version = core.reloader.version(), "policy loaded");
+    if core.limiter.load().policy().shadows.dry_run {
+        tracing::warn!(
+            "dry run: every budget is in shadow mode; nothing is refused, and what would have been is counted in sluice_shadow_refusals_total"
+        );
+    }
 }

@@ -253,7 +253,13 @@ impl PolicyBuilder {
         if self
             .raw
             .quotas
-            .insert(family.to_owned(), RawQuota { monthly })
+            .insert(
+                family.to_owned(),
+                RawQuota {
+                    monthly,
+                    mode: None,
+                },
+            )
             .is_some()
         {
             self.misuse(

@@ -165,6 +165,35 @@ pub struct Bucket {
     pub weighted: bool,
     /// What an exhausted budget does to a request.
     pub on_exhausted: OnExhausted,
+    /// Enforced, or decided and counted without refusing (a dry run).
+    pub mode: Enforcement,
+}
+
+/// Whether a budget refuses what it does not admit (`mode:` in a policy file).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Enforcement {
+    /// Refuses: the default.
+    #[default]
+    Enforce,
+    /// Shadow mode, a dry run: the budget is decided and counted as usual, and a
+    /// refusal it would give is counted (`sluice_shadow_refusals_total`) and logged,
+    /// and the request is forwarded as if the budget were off.
+    Shadow,
+}
+
+/// Which of the budgets that have no object of their own in a policy file (the
+/// class budgets and the per-IP ceilings) are in shadow mode, and whether every
+/// budget is (`dry_run: true`, or `sluice serve --dry-run`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Shadows {
+    /// Every budget, bucket, quota and route is in shadow mode.
+    pub dry_run: bool,
+    /// Per class, indexed by [`Class::index`].
+    pub classes: [Enforcement; 4],
+    /// The per-IP ceiling for requests holding work (`ip`).
+    pub ip_work: Enforcement,
+    /// The per-IP ceiling for protocol-only requests (`ip_protocol`).
+    pub ip_protocol: Enforcement,
 }
 
 /// What an exhausted bucket does to a request.
@@ -184,6 +213,8 @@ pub struct QuotaFamily {
     pub name: String,
     /// Calls per calendar month (UTC); `None` = uncapped (counted, never refused).
     pub monthly: Option<NonZeroU32>,
+    /// Enforced, or decided and counted without refusing (a dry run).
+    pub mode: Enforcement,
 }
 
 impl QuotaFamily {
@@ -325,6 +356,9 @@ pub struct Route {
     pub lane: Option<usize>,
     /// The batch lane endpoint this route is, if it is one (sluice answers it).
     pub batch: Option<BatchEndpoint>,
+    /// Enforced, or every budget of a request on it decided and counted without
+    /// refusing (a dry run).
+    pub mode: Enforcement,
 }
 
 /// A route that is a batch lane's endpoint: answered by sluice, never forwarded.
@@ -445,6 +479,8 @@ pub struct Policy {
     pub paths: Paths,
     /// The shared store's settings.
     pub store: StorePolicy,
+    /// The budgets in shadow mode that have no object of their own, and the dry run.
+    pub shadows: Shadows,
 }
 
 impl Policy {

@@ -49,6 +49,13 @@ pub struct RawPolicy {
     /// How the shared store is used, and what happens when it is down.
     #[serde(default)]
     pub store: RawStore,
+    /// `enforce` (default) or `shadow` for the class budgets and the per-IP
+    /// ceilings, by name (a class, `ip` or `ip_protocol`).
+    #[serde(default)]
+    pub modes: BTreeMap<String, String>,
+    /// True: every budget is in shadow mode (decided and counted, never refusing).
+    #[serde(default)]
+    pub dry_run: bool,
 }
 
 /// The shared store's settings.
@@ -164,6 +171,8 @@ pub struct RawBucket {
     pub weighted: bool,
     /// `refuse` (default) or `pass`: forward with `X-Sluice-Exhausted`.
     pub on_exhausted: Option<String>,
+    /// `enforce` (default) or `shadow`: decided and counted, never refusing.
+    pub mode: Option<String>,
 }
 
 /// One monthly quota family.
@@ -172,6 +181,8 @@ pub struct RawBucket {
 pub struct RawQuota {
     /// Calls per calendar month (UTC) per workspace; absent = uncapped.
     pub monthly: Option<u32>,
+    /// `enforce` (default) or `shadow`: decided and counted, never refusing.
+    pub mode: Option<String>,
 }
 
 /// One route.
@@ -194,6 +205,9 @@ pub struct RawRoute {
     pub quota: Option<String>,
     /// The lane that guards this route's upstream calls.
     pub lane: Option<String>,
+    /// `enforce` (default) or `shadow`: every budget a request on this route
+    /// spends is decided and counted, and never refuses it.
+    pub mode: Option<String>,
 }
 
 /// A guarded lane in front of an expensive upstream: how many of its calls may run

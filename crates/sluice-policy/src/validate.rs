@@ -12,9 +12,10 @@ use http::{HeaderName, Method};
 use ipnet::IpNet;
 
 use crate::model::{
-    BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Identity, JsonRpc, JsonRpcRefusal,
-    Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted, Outage, Per, Policy,
-    Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, Spends, StorePolicy, Tool,
+    BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Enforcement, Identity, JsonRpc,
+    JsonRpcRefusal, Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted,
+    Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, Shadows,
+    Spends, StorePolicy, Tool,
 };
 use crate::path::Paths;
 use crate::pattern::PathPattern;
@@ -215,8 +216,15 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
                 None
             }
         };
-        if let (Some(per), Some(refusal), Some(limit), Some(window), Some(on_exhausted)) =
-            (per, refusal, limit, w, on_exhausted)
+        let mode = v.mode(&format!("{at}.mode"), b.mode.as_deref());
+        if let (
+            Some(per),
+            Some(refusal),
+            Some(limit),
+            Some(window),
+            Some(on_exhausted),
+            Some(mode),
+        ) = (per, refusal, limit, w, on_exhausted, mode)
         {
             bucket_index.insert(name.clone(), buckets.len());
             buckets.push(Bucket {
@@ -227,6 +235,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
                 refusal,
                 weighted: b.weighted,
                 on_exhausted,
+                mode,
             });
         }
     }
@@ -251,10 +260,14 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             );
             continue;
         }
+        let Some(mode) = v.mode(&format!("quotas.{name}.mode"), q.mode.as_deref()) else {
+            continue;
+        };
         quota_index.insert(name.clone(), quotas.len());
         quotas.push(QuotaFamily {
             name: name.clone(),
             monthly,
+            mode,
         });
     }
     if raw.quotas.len() > MAX_QUOTA_FAMILIES {
@@ -328,7 +341,8 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             &quota_index,
             &lane_index,
         );
-        if let Some(class) = class {
+        let mode = v.mode(&format!("{at}.mode"), r.mode.as_deref());
+        if let (Some(class), Some(mode)) = (class, mode) {
             routes.push(Route {
                 method,
                 path,
@@ -337,6 +351,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
                 quota: spends.quota,
                 lane: spends.lane,
                 batch: None,
+                mode,
             });
         }
     }
@@ -431,6 +446,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
         merge_slashes: raw.paths.merge_slashes.unwrap_or(true),
     };
     let store = v.store(raw);
+    let shadows = v.shadows(raw);
     let parts = (profile, window, identity, default_class, jsonrpc, store);
     if !v.problems.is_empty() {
         return Err(v.problems);
@@ -459,6 +475,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             bounds,
             paths,
             store,
+            shadows,
         }),
         _ => Err(v.problems),
     }
@@ -681,6 +698,47 @@ impl Checker {
             replicas: replicas?,
             outage,
         })
+    }
+
+    /// A `mode:` at `at`: `enforce` (the default) or `shadow`.
+    fn mode(&mut self, at: &str, mode: Option<&str>) -> Option<Enforcement> {
+        match mode {
+            None | Some("enforce") => Some(Enforcement::Enforce),
+            Some("shadow") => Some(Enforcement::Shadow),
+            Some(other) => {
+                self.problem(at, format!("expected enforce or shadow, got {other:?}"));
+                None
+            }
+        }
+    }
+
+    /// `modes:` (the class budgets and the per-IP ceilings by name) and `dry_run:`.
+    fn shadows(&mut self, raw: &RawPolicy) -> Shadows {
+        let mut shadows = Shadows {
+            dry_run: raw.dry_run,
+            ..Shadows::default()
+        };
+        for (name, mode) in &raw.modes {
+            let at = format!("modes.{name}");
+            let slot = match name.as_str() {
+                "ip" => &mut shadows.ip_work,
+                "ip_protocol" => &mut shadows.ip_protocol,
+                _ => match Class::ALL.iter().find(|c| c.name() == name) {
+                    Some(c) => &mut shadows.classes[c.index()],
+                    None => {
+                        self.problem(
+                            at,
+                            "expected a class (protocol, read, standard, expensive), ip or ip_protocol; buckets, quotas and routes take `mode:` themselves",
+                        );
+                        continue;
+                    }
+                },
+            };
+            if let Some(mode) = self.mode(&at, Some(mode)) {
+                *slot = mode;
+            }
+        }
+        shadows
     }
 
     /// The buckets, quota family and lane named at `at`, each checked to exist.

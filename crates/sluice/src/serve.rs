@@ -61,6 +61,13 @@ pub struct ServeArgs {
     #[arg(long, value_parser = ["production", "local"])]
     pub profile: Option<String>,
 
+    /// A dry run: every budget, bucket, quota and route is in shadow mode — decided
+    /// and counted as usual, a refusal it would give counted in
+    /// `sluice_shadow_refusals_total`, logged and shown on the dashboard, and the
+    /// request forwarded instead. Kept across policy reloads.
+    #[arg(long)]
+    pub dry_run: bool,
+
     /// Where budgets live: `memory` (one process), or shared by replicas: `redis://…`,
     /// `redis+unix:///PATH`, or a cluster `redis+cluster://HOST:PORT,HOST:PORT,…`.
     #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = |s: &str| s.parse::<StoreSpec>())]
@@ -203,19 +210,22 @@ pub struct ServeArgs {
 pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     let (policy, policy_file) = match &args.config {
         Some(path) => {
-            let (policy, file) =
+            let (mut policy, mut file) =
                 sluice_gateway::PolicyFile::load(path.clone(), args.profile.clone())
                     .map_err(BadInput)?;
+            file.dry_run = args.dry_run;
+            policy.shadows.dry_run |= args.dry_run;
             (policy, Some(file))
         }
         None => {
             let policy = sluice_policy::default_policy().map_err(|e| BadInput(e.to_string()))?;
-            let policy = match &args.profile {
+            let mut policy = match &args.profile {
                 Some(profile) => policy
                     .with_profile(profile)
                     .map_err(|e| BadInput(format!("--profile: {e}")))?,
                 None => policy,
             };
+            policy.shadows.dry_run |= args.dry_run;
             (policy, None)
         }
     };

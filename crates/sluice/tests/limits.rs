@@ -408,3 +408,71 @@ fn max_connections_past_the_open_file_limit_is_lowered_with_a_warning() {
         "it still starts"
     );
 }
+
+/// P5: `sluice serve --dry-run` forwards past every limit, over HTTP/1.1 (the fast
+/// path) and HTTP/2 (the hyper path) alike, and counts each refusal it did not give
+/// in `/metrics` and on the dashboard; X-RateLimit-* still describe the budget.
+#[tokio::test]
+async fn p5_serve_dry_run_forwards_past_the_limit_on_both_paths_and_counts_each_would_be_refusal() {
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let policy = policy_file("dry-run.yaml", |y| y);
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("utf-8 path"),
+        "--dry-run",
+    ]);
+    assert!(
+        sluice.stderr().contains("dry run"),
+        "the start says it is a dry run: {}",
+        sluice.stderr()
+    );
+    // 30 expensive calls a minute; 34 over HTTP/1.1, then 2 over HTTP/2.
+    for i in 0..34 {
+        let r = post(&sluice, "/chats", "sk-dry").await;
+        assert_eq!(r.status, 200, "chat {i}: {}", r.text());
+        let remaining = if i < 30 { 29 - i } else { 0 };
+        assert_eq!(
+            r.header("x-ratelimit-remaining"),
+            Some(remaining.to_string().as_str()),
+            "chat {i}"
+        );
+    }
+    let h2 = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    for i in 0..2 {
+        let response = h2
+            .request(
+                Request::post(sluice.url("/chats"))
+                    .header("x-api-key", "sk-dry")
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from_static(b"{}")))
+                    .expect("request"),
+            )
+            .await
+            .expect("h2 request");
+        assert_eq!(response.version(), http::Version::HTTP_2);
+        assert_eq!(response.status(), 200, "h2 chat {i}");
+        assert_eq!(response.headers()["x-ratelimit-remaining"], "0");
+    }
+    let metrics = get(&sluice.admin_url("/metrics")).await.text();
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("sluice_shadow_refusals_total{") && l.contains("\"expensive\""))
+        .unwrap_or_else(|| panic!("no shadow refusal of expensive in:\n{metrics}"));
+    assert!(line.contains("reason=\"rate_limited\""), "{line}");
+    assert!(line.ends_with(" 6"), "4 + 2 would-be refusals: {line}");
+    assert!(
+        !metrics
+            .lines()
+            .any(|l| l.starts_with("sluice_refusals_total{") && !l.ends_with(" 0")),
+        "nothing refused for real"
+    );
+    let dashboard = get(&sluice.admin_url("/dashboard.json")).await.json();
+    assert_eq!(
+        dashboard["tally"]["shadow_refusals"],
+        serde_json::json!([{ "budget": "expensive", "reason": "rate_limited", "count": 6 }])
+    );
+}

@@ -67,25 +67,54 @@ impl<S: BudgetStore> Limiter<S> {
     /// # Errors
     /// The store's, when it cannot answer.
     pub async fn decide(&self, plan: &mut Plan) -> Result<Decision, StoreError> {
-        self.decide_boxed(plan).await.map(|d| *d)
+        self.decide_boxed(plan, "-").await.map(|d| *d)
     }
 
     /// [`Limiter::decide`] with the decision boxed as the store gives it: a
     /// decision is 400 bytes, and the request path moves it through several
     /// async layers.
-    async fn decide_boxed(&self, plan: &mut Plan) -> Result<Box<Decision>, StoreError> {
+    ///
+    /// Budgets in shadow mode never refuse: a refusal by some of them is decided
+    /// again with them spending nothing (as a refusal spends nothing anywhere), and,
+    /// once the request is admitted, counted and logged (under `request_id`) as the
+    /// refusal it would have been; [`Plan::shadowed`] then says which.
+    async fn decide_boxed(
+        &self,
+        plan: &mut Plan,
+        request_id: &str,
+    ) -> Result<Box<Decision>, StoreError> {
         let mut decision = self.decide_budgets(plan, &plan.budgets).await;
+        let mut would_have = None;
+        let mut waived = 0;
+        if let Ok(refused) = &decision
+            && !refused.is_admitted()
+        {
+            waived = plan.shadow_refusals(refused);
+            if waived != 0 {
+                let budgets = without(&plan.budgets, waived);
+                would_have = Some(std::mem::replace(
+                    &mut decision,
+                    self.decide_budgets(plan, &budgets).await,
+                ));
+            }
+        }
         if let Ok(refused) = &decision
             && !refused.is_admitted()
             && let Some(passed) = self.passable(plan, refused)
         {
-            let mut budgets = plan.budgets.clone();
+            let mut budgets = without(&plan.budgets, waived);
             budgets[passed.index].cost = 0;
             let again = self.decide_budgets(plan, &budgets).await;
             if again.as_ref().is_ok_and(|d| d.is_admitted()) {
                 plan.passed = Some(passed);
             }
             decision = again;
+        }
+        if let (Some(Ok(refused)), Ok(admitted)) = (&would_have, &decision)
+            && admitted.is_admitted()
+        {
+            plan.shadowed = waived;
+            self.record_shadow_refusals(plan, refused, request_id);
         }
         self.record(plan, &decision);
         decision
@@ -174,7 +203,7 @@ impl<S: BudgetStore> Limiter<S> {
                 }
             },
         };
-        let decided = self.decide_boxed(&mut plan).await;
+        let decided = self.decide_boxed(&mut plan, id).await;
         let reason = match decided {
             Ok(decision) if decision.is_admitted() => {
                 return Ok(Admitted {
@@ -448,4 +477,18 @@ impl<S: BudgetStore> Limiter<S> {
             .record(started.elapsed().as_secs_f64());
         decision
     }
+}
+
+/// `budgets` with those of `mask` (a bit each by index) spending nothing.
+fn without(
+    budgets: &arrayvec::ArrayVec<sluice_core::Budget, { sluice_core::MAX_BUDGETS }>,
+    mask: u16,
+) -> arrayvec::ArrayVec<sluice_core::Budget, { sluice_core::MAX_BUDGETS }> {
+    let mut budgets = budgets.clone();
+    for i in Plan::indices(mask) {
+        if let Some(b) = budgets.get_mut(i) {
+            b.cost = 0;
+        }
+    }
+    budgets
 }

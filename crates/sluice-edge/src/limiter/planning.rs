@@ -127,7 +127,8 @@ impl<S: BudgetStore> Limiter<S> {
                 jsonrpc: matches!(route.map(|r| &r.class), Some(RouteClass::JsonRpc)),
                 calls: items.lanes_called().map(|(_, n)| u32::from(n)).sum(),
             });
-        let mut plan = Box::new(plan(policy, &self.scopes, &items, caller, &client));
+        let mode = route.map_or(sluice_policy::Enforcement::Enforce, |r| r.mode);
+        let mut plan = Box::new(plan(policy, &self.scopes, &items, caller, &client, mode));
         plan.lane = lane;
         Ok(plan)
     }

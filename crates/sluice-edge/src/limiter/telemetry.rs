@@ -32,6 +32,10 @@ pub struct Tally {
     pub refusals: Vec<(String, u64)>,
     /// Calls the guarded lanes refused: (lane, reason, count), by lane then reason.
     pub lane_refusals: Vec<(String, &'static str, u64)>,
+    /// Refusals budgets in shadow mode would have given, the requests forwarded
+    /// instead: (budget, reason, count), by budget then reason
+    /// (`sluice_shadow_refusals_total`).
+    pub shadow_refusals: Vec<(String, &'static str, u64)>,
     /// Decisions made on this process's fallback store while the shared store
     /// was down (fail-open classes).
     pub local_decisions: u64,
@@ -72,6 +76,9 @@ pub(super) struct Counts {
     pub(super) local: AtomicU64,
     /// Lane refusals by (lane index, reason): rare, a lock is fine.
     pub(super) lane_refusals: Mutex<HashMap<(usize, &'static str), u64>>,
+    /// Refusals that budgets in shadow mode would have given, by (budget, reason):
+    /// rare outside a dry run, and bounded by the policy's budget names.
+    pub(super) shadow_refusals: Mutex<HashMap<(String, &'static str), u64>>,
 }
 
 #[derive(Default)]
@@ -95,6 +102,7 @@ impl Counts {
             other_refusals: AtomicU64::new(0),
             local: AtomicU64::new(0),
             lane_refusals: Mutex::new(HashMap::new()),
+            shadow_refusals: Mutex::new(HashMap::new()),
         }
     }
 
@@ -259,6 +267,40 @@ pub struct TopCaller {
 }
 
 impl<S: BudgetStore> Limiter<S> {
+    /// Counts the refusals that budgets in shadow mode would have given a request
+    /// that was admitted without them (`plan.shadowed`; `refused`: the decision
+    /// with them), and logs each within the refusal log's bound.
+    pub(super) fn record_shadow_refusals(&self, plan: &Plan, refused: &Decision, request_id: &str) {
+        for i in Plan::indices(plan.shadowed) {
+            let budget = plan.name(i, &self.policy);
+            let reason = plan.refusal_reason(i, refused);
+            metrics::counter!(
+                "sluice_shadow_refusals_total",
+                "budget" => budget.to_owned(),
+                "reason" => reason
+            )
+            .increment(1);
+            *self
+                .counts
+                .shadow_refusals
+                .lock()
+                .entry((budget.to_owned(), reason))
+                .or_default() += 1;
+            crate::refusal_log::refusal_line(&self.refusal_log, || {
+                tracing::info!(
+                    target: "sluice::refusal",
+                    request_id,
+                    reason,
+                    budget,
+                    limit = refused.statuses().get(i).map_or(0, |s| s.limit),
+                    class = plan.top_class.name(),
+                    caller = %format_args!("{:016x}", plan.caller),
+                    "shadow refusal: forwarded, the budget is in shadow mode"
+                );
+            });
+        }
+    }
+
     /// Counts a decision's outcome in the metrics and the status page.
     pub(super) fn record(&self, plan: &Plan, decision: &Result<Box<Decision>, StoreError>) {
         let counters = &self.metrics.decisions[plan.top_class.index()];
@@ -367,10 +409,19 @@ impl<S: BudgetStore> Limiter<S> {
             })
             .collect();
         lane_refusals.sort();
+        let mut shadow_refusals: Vec<(String, &'static str, u64)> = self
+            .counts
+            .shadow_refusals
+            .lock()
+            .iter()
+            .map(|((budget, reason), &n)| (budget.clone(), *reason, n))
+            .collect();
+        shadow_refusals.sort();
         Tally {
             classes,
             refusals,
             lane_refusals,
+            shadow_refusals,
             local_decisions: load(&self.counts.local),
         }
     }

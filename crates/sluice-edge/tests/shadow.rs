@@ -1,0 +1,250 @@
+//! P5, dry runs: a budget in shadow mode is decided and counted as usual, and a
+//! refusal it would give is counted and forwarded instead; the rest of the policy
+//! still refuses as before. Driven through the phase contract (`sluice_edge::exchange`)
+//! on a fake clock, so no window boundary is crossed.
+
+use std::net::IpAddr;
+use std::path::Path;
+
+use http::request::Parts;
+use sluice_core::{FakeClock, Timestamp};
+use sluice_edge::{BodyRead, Limiter};
+use sluice_policy::{Policy, parse_str};
+use sluice_store::{MemoryConfig, MemoryStore};
+
+/// 2025-11-30T00:00:00Z; the clock stands at T0 + 1, well inside one window.
+const T0: u64 = 1_764_460_800;
+
+fn policy(extra: &str) -> Policy {
+    let yaml = format!(
+        "profile: p
+window_seconds: 60
+profiles:
+  p:
+    classes: {{ protocol: 100, read: 100, standard: 100, expensive: 3 }}
+    ip_ceilings: {{ work: 1000, protocol_only: 1000 }}
+default_class: standard
+{extra}"
+    );
+    match parse_str(&yaml, Path::new("shadow.yaml")) {
+        Ok(policy) => policy,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn limiter(policy: Policy) -> Limiter<MemoryStore<FakeClock>> {
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+    Limiter::new(
+        policy,
+        MemoryStore::with_clock(MemoryConfig::default(), clock),
+    )
+}
+
+fn request(method: &str, path: &str) -> Parts {
+    let request = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("x-api-key", "k")
+        .body(())
+        .expect("request");
+    request.into_parts().0
+}
+
+const PEER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(203, 0, 113, 7));
+
+/// What the limiter answers `n` requests: the status of each (200 forwarded), with
+/// `X-RateLimit-Remaining` of each forwarded one.
+async fn send<S: sluice_store::BudgetStore>(
+    limiter: &Limiter<S>,
+    method: &str,
+    path: &str,
+    n: usize,
+) -> Vec<(u16, Option<u32>)> {
+    let mut answers = Vec::new();
+    for _ in 0..n {
+        let parts = request(method, path);
+        let route = limiter.route(&parts).map_err(|e| e.to_string());
+        let route = route.expect("route");
+        let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+        answers.push(match planned.admit(None).await {
+            Ok(forward) => {
+                let mut headers = http::HeaderMap::new();
+                forward.response_head(200, &mut headers).await;
+                let remaining = headers
+                    .get("x-ratelimit-remaining")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse().ok());
+                (200, remaining)
+            }
+            Err(answer) => (answer.status().as_u16(), None),
+        });
+    }
+    answers
+}
+
+fn statuses(answers: &[(u16, Option<u32>)]) -> Vec<u16> {
+    answers.iter().map(|(s, _)| *s).collect()
+}
+
+/// A bucket of 2 a minute on `GET /exports`, in `mode`.
+fn exports(mode: &str) -> Policy {
+    policy(&format!(
+        "buckets:
+  exports: {{ limit: 2, window_seconds: 60, per: caller, mode: {mode} }}
+routes:
+  - {{ method: GET, path: /exports, class: read, buckets: [exports] }}
+"
+    ))
+}
+
+#[tokio::test]
+async fn p5_a_shadowed_bucket_past_its_limit_forwards_every_request_and_counts_each_would_be_refusal()
+ {
+    // Enforced, the third call is refused.
+    let enforced = limiter(exports("enforce"));
+    assert_eq!(
+        statuses(&send(&enforced, "GET", "/exports", 3).await),
+        [200, 200, 429]
+    );
+
+    let limiter = limiter(exports("shadow"));
+    let answers = send(&limiter, "GET", "/exports", 5).await;
+    assert_eq!(
+        statuses(&answers),
+        [200; 5],
+        "nothing refused in shadow mode"
+    );
+    // X-RateLimit-* still describe the budget: it stays spent.
+    assert_eq!(
+        answers.iter().map(|(_, r)| *r).collect::<Vec<_>>(),
+        [Some(1), Some(0), Some(0), Some(0), Some(0)]
+    );
+    let tally = limiter.tally(T0 + 1);
+    assert_eq!(
+        tally.shadow_refusals,
+        [("exports".to_owned(), "rate_limited", 3)],
+        "each would-be refusal counted once"
+    );
+    assert!(
+        tally.refusals.is_empty(),
+        "no real refusal: {:?}",
+        tally.refusals
+    );
+}
+
+#[tokio::test]
+async fn p5_a_shadowed_budget_leaves_the_enforced_ones_refusing() {
+    // The bucket is shadowed, the expensive class (3 a minute) is not.
+    let limiter = limiter(policy(
+        "buckets:
+  exports: { limit: 1, window_seconds: 60, per: caller, mode: shadow }
+routes:
+  - { method: POST, path: /exports, class: expensive, buckets: [exports] }
+",
+    ));
+    assert_eq!(
+        statuses(&send(&limiter, "POST", "/exports", 4).await),
+        [200, 200, 200, 429],
+        "the class still refuses its fourth call"
+    );
+    let tally = limiter.tally(T0 + 1);
+    // The bucket would have refused calls 2 and 3; call 4 was refused by the class,
+    // which it would have been anyway: not a shadow refusal.
+    assert_eq!(
+        tally.shadow_refusals,
+        [("exports".to_owned(), "rate_limited", 2)]
+    );
+    assert_eq!(tally.refusals, [("expensive".to_owned(), 1)]);
+}
+
+#[tokio::test]
+async fn p5_a_dry_run_refuses_nothing_and_counts_every_budget_that_would_have() {
+    let mut policy = policy(
+        "quotas:
+  evals: { monthly: 2 }
+routes:
+  - { method: POST, path: /evals, class: expensive, quota: evals }
+",
+    );
+    policy.shadows.dry_run = true;
+    let limiter = limiter(policy);
+    assert_eq!(
+        statuses(&send(&limiter, "POST", "/evals", 5).await),
+        [200; 5]
+    );
+    let tally = limiter.tally(T0 + 1);
+    // The quota (2 a month) would have refused calls 3 to 5, the class (3 a
+    // minute) calls 4 and 5.
+    assert_eq!(
+        tally.shadow_refusals,
+        [
+            ("evals".to_owned(), "quota_exceeded", 3),
+            ("expensive".to_owned(), "rate_limited", 2),
+        ]
+    );
+    assert!(tally.refusals.is_empty());
+}
+
+#[tokio::test]
+async fn p5_a_shadowed_route_or_class_never_refuses() {
+    let route = limiter(policy(
+        "routes:
+  - { method: POST, path: /chats, class: expensive, mode: shadow }
+",
+    ));
+    assert_eq!(statuses(&send(&route, "POST", "/chats", 5).await), [200; 5]);
+    assert_eq!(
+        route.tally(T0 + 1).shadow_refusals,
+        [("expensive".to_owned(), "rate_limited", 2)]
+    );
+
+    let class = limiter(policy(
+        "modes: { expensive: shadow }
+routes:
+  - { method: POST, path: /chats, class: expensive }
+",
+    ));
+    assert_eq!(statuses(&send(&class, "POST", "/chats", 5).await), [200; 5]);
+    // Another class of the same policy still refuses.
+    let enforced = limiter(policy(
+        "modes: { read: shadow }
+routes:
+  - { method: POST, path: /chats, class: expensive }
+",
+    ));
+    assert_eq!(
+        statuses(&send(&enforced, "POST", "/chats", 4).await),
+        [200, 200, 200, 429]
+    );
+}
+
+#[test]
+fn p5_a_mode_that_is_not_enforce_or_shadow_is_named_with_its_key_path() {
+    let yaml = "profile: p
+window_seconds: 60
+profiles:
+  p:
+    classes: { protocol: 1, read: 1, standard: 1, expensive: 1 }
+    ip_ceilings: { work: 1, protocol_only: 1 }
+buckets:
+  exports: { limit: 2, window_seconds: 60, per: caller, mode: dry }
+quotas:
+  evals: { monthly: 2, mode: Shadow }
+modes: { expensive: shadow, search: shadow, ip: off }
+routes:
+  - { method: GET, path: /x, class: read, mode: maybe }
+";
+    let error = parse_str(yaml, Path::new("bad.yaml"))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    for expected in [
+        "buckets.exports.mode: expected enforce or shadow, got \"dry\"",
+        "quotas.evals.mode: expected enforce or shadow, got \"Shadow\"",
+        "modes.search: expected a class",
+        "modes.ip: expected enforce or shadow, got \"off\"",
+        "routes[0].mode: expected enforce or shadow, got \"maybe\"",
+    ] {
+        assert!(error.contains(expected), "{expected:?} not in:\n{error}");
+    }
+}
