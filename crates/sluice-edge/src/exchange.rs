@@ -114,9 +114,12 @@ impl<'l, S: BudgetStore> Planned<'l, '_, S> {
         request_id: Option<&RequestId>,
     ) -> Result<Forward<'l, S>, Response<Full<Bytes>>> {
         let limiter = self.limiter;
+        // As `Limiter::admit_as`, one async layer fewer: each layer copies the
+        // decision's future into its own once more.
         let admitted = limiter
-            .admit_as(self.plan, self.jsonrpc_body, request_id)
-            .await?;
+            .decide_request(self.plan, request_id)
+            .await
+            .map_err(|refusal| limiter.answer(&refusal, self.jsonrpc_body))?;
         let forward = Forward {
             limiter,
             decision: admitted.decision,
