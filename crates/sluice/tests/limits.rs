@@ -472,6 +472,10 @@ async fn p5_serve_dry_run_forwards_past_the_limit_on_both_paths_and_counts_each_
     );
     let dashboard = get(&sluice.admin_url("/dashboard.json")).await.json();
     assert_eq!(
+        dashboard["status"]["limiter"]["dry_run"], true,
+        "{dashboard}"
+    );
+    assert_eq!(
         dashboard["tally"]["shadow_refusals"],
         serde_json::json!([{ "budget": "expensive", "reason": "rate_limited", "count": 6 }])
     );

@@ -228,6 +228,8 @@ pub struct Status {
     pub other_callers_units: u64,
     /// True while the store is failing (see [`Limiter::is_degraded`]).
     pub store_degraded: bool,
+    /// True in a dry run: every budget in shadow mode, nothing refused.
+    pub dry_run: bool,
     /// The guarded lanes, in the policy's order.
     pub lanes: Vec<crate::LaneStatus>,
 }
@@ -471,6 +473,7 @@ impl<S: BudgetStore> Limiter<S> {
             top_callers: callers,
             other_callers_units: others,
             store_degraded: self.is_degraded(),
+            dry_run: p.shadows.dry_run,
             lanes: self.lanes.iter().map(crate::lane_status).collect(),
         }
     }
