@@ -142,6 +142,21 @@ impl<'l, S: BudgetStore> Planned<'l, '_, S> {
     }
 }
 
+/// What an admitted request spent of each monthly quota family (by the family's
+/// index in the policy), for the service behind the edge: a request extension the
+/// tower layer adds before it calls that service. A batch lane gives back what it
+/// did not queue, and no more: a budget in shadow mode that would have refused
+/// spent nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuotaSpent([u32; sluice_policy::MAX_QUOTA_FAMILIES]);
+
+impl QuotaSpent {
+    /// Units spent of quota family `family`.
+    pub fn of(&self, family: usize) -> u32 {
+        self.0.get(family).copied().unwrap_or(0)
+    }
+}
+
 /// An admitted request (phase 4), to be forwarded: its decision, its plan and its
 /// place in a guarded lane, which goes back when this is dropped unfinished.
 pub struct Forward<'l, S> {
@@ -173,6 +188,21 @@ impl<S: BudgetStore> Forward<'_, S> {
     /// any of those fields the client sent.
     pub fn upstream_headers(&self, headers: &mut HeaderMap) {
         crate::upstream_headers(headers, &self.plan, self.limiter.policy());
+    }
+
+    /// What the request spent of each monthly quota family: its units, but none of a
+    /// family in shadow mode that would have refused it.
+    pub fn quota_spent(&self) -> QuotaSpent {
+        let mut spent = QuotaSpent::default();
+        for (i, (budget, kind)) in self.plan.budgets.iter().zip(&self.plan.kinds).enumerate() {
+            if let crate::BudgetKind::Quota(q) = kind
+                && self.plan.shadowed & (1 << i) == 0
+                && let Some(units) = usize::try_from(*q).ok().and_then(|q| spent.0.get_mut(q))
+            {
+                *units = units.saturating_add(budget.cost);
+            }
+        }
+        spent
     }
 
     /// Phase 5: how long the upstream may take to answer: a guarded lane's own

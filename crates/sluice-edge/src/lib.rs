@@ -80,7 +80,7 @@ pub use buffers::{
     BODY_DEADLINE, BufferBudget, BufferFull, BufferLease, DEFAULT_BUFFERED_SHARE,
     DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES, READ_BUFFER_ALLOWANCE,
 };
-pub use exchange::{BodyRead, Forward, Planned};
+pub use exchange::{BodyRead, Forward, Planned, QuotaSpent};
 pub use lanes::{
     LaneCall, LanePlace, LaneStatus, LaneWorkspace, lane_config, lane_refusal, lane_status,
     ledger_outage, publish_lane_gauges,

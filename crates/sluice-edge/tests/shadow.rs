@@ -248,3 +248,25 @@ routes:
         assert!(error.contains(expected), "{expected:?} not in:\n{error}");
     }
 }
+
+#[tokio::test]
+async fn p5_a_quota_in_shadow_mode_that_would_have_refused_spent_nothing_to_give_back() {
+    let limiter = limiter(policy(
+        "quotas:
+  evals: { monthly: 1, mode: shadow }
+routes:
+  - { method: POST, path: /evals, class: standard, quota: evals }
+",
+    ));
+    let mut spent = Vec::new();
+    for _ in 0..2 {
+        let parts = request("POST", "/evals");
+        let route = limiter.route(&parts).expect("route");
+        let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+        let forward = planned.admit(None).await.expect("admitted");
+        spent.push(forward.quota_spent().of(0));
+    }
+    // The first call spent its unit; the second, which the quota would have
+    // refused, spent none (a batch lane must not give one back for it).
+    assert_eq!(spent, [1, 0]);
+}

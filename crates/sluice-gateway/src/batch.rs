@@ -260,17 +260,24 @@ impl BatchLane {
                 now,
             )
             .await;
-        // Calls counted at admission but not queued now give their quota back.
+        // Calls counted at admission but not queued now give their quota back: what
+        // the admission spent of it (nothing when the family is in shadow mode and
+        // would have refused them).
         let refund = !matches!(queued, Ok(Submitted { created: true, .. }));
         if refund
             && let Some(family) = self.batch.quota
+            && let spent = parts
+                .extensions
+                .get::<sluice_edge::QuotaSpent>()
+                .map_or(n, |s| s.of(family).min(n))
+            && spent > 0
             && let Err(e) = self
                 .limiter
                 .load_full()
-                .refund_quota(&workspace, family, n)
+                .refund_quota(&workspace, family, spent)
                 .await
         {
-            tracing::warn!("could not give back {n} quota units to {workspace}: {e}");
+            tracing::warn!("could not give back {spent} quota units to {workspace}: {e}");
         }
         match queued {
             Ok(done) => {

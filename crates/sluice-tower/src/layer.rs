@@ -307,8 +307,10 @@ where
                 Ok(forward) => forward,
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };
-            // Phase 5: the upstream head.
+            // Phase 5: the upstream head, and what was spent of each monthly quota
+            // for the service behind (a batch lane gives back what it does not queue).
             forward.upstream_headers(&mut parts.headers);
+            parts.extensions.insert(forward.quota_spent());
             let mut response = if forward.in_lane() {
                 // A call through a lane may take as long as the lane allows (an
                 // upstream that forwards reads it from the extension); past it, it is
