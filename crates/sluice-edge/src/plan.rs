@@ -303,6 +303,10 @@ impl Plan {
         if !decision.is_admitted() {
             return decision.binding_index();
         }
+        // Admitted past a budget in shadow mode: that budget, as its refusal would.
+        if let Some(i) = Self::indices(self.shadowed).next() {
+            return i;
+        }
         if let Some(i) = self.weighted(policy).next() {
             return i;
         }
@@ -342,14 +346,27 @@ impl Plan {
 
     /// The budgets in shadow mode that refused `refused`, a bit each by index.
     pub fn shadow_refusals(&self, refused: &Decision) -> u16 {
-        refused
-            .statuses()
-            .iter()
-            .enumerate()
-            .filter(|(i, s)| {
-                s.verdict != sluice_core::Verdict::Admitted && self.shadow & (1 << i) != 0
-            })
-            .fold(0, |mask, (i, _)| mask | 1 << i)
+        self.refusals(refused) & self.shadow
+    }
+
+    /// The budgets that refused `refused`, a bit each by index.
+    pub fn refusals(&self, refused: &Decision) -> u16 {
+        Self::mask(
+            refused
+                .statuses()
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.verdict != sluice_core::Verdict::Admitted)
+                .map(|(i, _)| i),
+        )
+    }
+
+    /// The mask (a bit each) of budget indices.
+    pub fn mask(indices: impl IntoIterator<Item = usize>) -> u16 {
+        indices
+            .into_iter()
+            .filter(|&i| i < MAX_BUDGETS)
+            .fold(0, |mask, i| mask | 1 << i)
     }
 
     /// The budgets of `mask` (a bit each by index), in order.

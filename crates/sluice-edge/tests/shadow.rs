@@ -270,3 +270,172 @@ routes:
     // refused, spent none (a batch lane must not give one back for it).
     assert_eq!(spent, [1, 0]);
 }
+
+/// A store that is down: every decision goes to the outage rule.
+struct Down;
+
+impl sluice_store::BudgetStore for Down {
+    async fn decide(
+        &self,
+        _: &[sluice_core::Budget],
+    ) -> Result<sluice_core::Decision, sluice_store::StoreError> {
+        Err(sluice_store::StoreError::Unavailable("down".into()))
+    }
+    async fn peek(
+        &self,
+        _: &[sluice_core::Budget],
+    ) -> Result<sluice_core::Decision, sluice_store::StoreError> {
+        Err(sluice_store::StoreError::Unavailable("down".into()))
+    }
+    async fn adjust(
+        &self,
+        _: &sluice_core::Budget,
+        _: i64,
+        _: Timestamp,
+    ) -> Result<sluice_core::BudgetStatus, sluice_store::StoreError> {
+        Err(sluice_store::StoreError::Unavailable("down".into()))
+    }
+}
+
+#[tokio::test]
+async fn p5_d3_a_dry_run_refuses_nothing_while_the_store_is_down_and_classes_fail_open() {
+    // The fallback store runs on the real clock: a window that started at the Unix
+    // epoch and ends in 2106, so no run straddles a boundary.
+    let yaml = "profile: p
+window_seconds: 4294967295
+profiles:
+  p:
+    classes: { protocol: 100, read: 100, standard: 100, expensive: 3 }
+    ip_ceilings: { work: 1000, protocol_only: 1000 }
+routes:
+  - { method: POST, path: /chats, class: expensive }
+";
+    let mut policy = parse_str(yaml, Path::new("down.yaml")).expect("policy");
+    policy.shadows.dry_run = true;
+    let limiter =
+        Limiter::new(policy, Down).with_fallback(MemoryStore::new(MemoryConfig::default()));
+    // Decided on the fallback store (3 a minute): calls 4 and 5 would have been
+    // refused there.
+    assert_eq!(
+        statuses(&send(&limiter, "POST", "/chats", 5).await),
+        [200; 5]
+    );
+    let tally = limiter.tally(T0 + 1);
+    assert_eq!(
+        tally.shadow_refusals,
+        [("expensive".to_owned(), "rate_limited", 2)]
+    );
+    assert!(tally.refusals.is_empty());
+}
+
+/// A weighted bucket of 2 a minute that passes an exhausted request on, on
+/// `POST /search`.
+fn passing(extra: &str) -> Policy {
+    policy(&format!(
+        "buckets:
+  reads: {{ limit: 2, window_seconds: 60, per: caller, weighted: true, on_exhausted: pass }}
+routes:
+  - {{ method: POST, path: /search, class: read, buckets: [reads] }}
+{extra}"
+    ))
+}
+
+#[tokio::test]
+async fn p5_q2_a_bucket_that_passes_an_exhausted_request_on_does_so_in_a_dry_run_too() {
+    let mut shadowed = passing("");
+    shadowed.shadows.dry_run = true;
+    for policy in [passing(""), shadowed] {
+        let dry = policy.shadows.dry_run;
+        let limiter = limiter(policy);
+        for i in 0..4 {
+            let parts = request("POST", "/search");
+            let route = limiter.route(&parts).expect("route");
+            let planned =
+                limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+            let forward = planned.admit(None).await.expect("admitted: passed on");
+            let mut upstream = http::HeaderMap::new();
+            forward.upstream_headers(&mut upstream);
+            assert_eq!(
+                upstream.contains_key("x-sluice-exhausted"),
+                i >= 2,
+                "call {i}, dry run {dry}"
+            );
+            // The upstream reports no cost: one unit, as admitted.
+            let mut answer = http::HeaderMap::new();
+            forward.response_head(200, &mut answer).await;
+        }
+        assert!(
+            limiter.tally(T0 + 1).shadow_refusals.is_empty(),
+            "passing on is not a refusal, dry run {dry}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn p5_q2_a_shadowed_weighted_bucket_is_not_charged_for_calls_it_would_have_refused() {
+    let limiter = limiter(policy(
+        "buckets:
+  reads: { limit: 2, window_seconds: 60, per: caller, weighted: true, mode: shadow }
+routes:
+  - { method: POST, path: /search, class: read, buckets: [reads] }
+",
+    ));
+    let mut remaining = Vec::new();
+    for _ in 0..4 {
+        let parts = request("POST", "/search");
+        let route = limiter.route(&parts).expect("route");
+        let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+        let forward = planned.admit(None).await.expect("admitted: shadowed");
+        // Each call reports it cost nothing: the first two are given their unit back;
+        // the two the bucket would have refused took none, and give none back.
+        let mut answer = http::HeaderMap::new();
+        answer.insert("x-sluice-cost", http::HeaderValue::from_static("0"));
+        forward.response_head(200, &mut answer).await;
+        remaining.push(
+            answer["x-ratelimit-remaining"]
+                .to_str()
+                .unwrap_or("")
+                .to_owned(),
+        );
+    }
+    assert_eq!(remaining, ["2", "2", "2", "2"]);
+    assert!(limiter.tally(T0 + 1).shadow_refusals.is_empty());
+}
+
+#[tokio::test]
+async fn p5_x_ratelimit_headers_describe_the_shadowed_budget_that_would_have_refused() {
+    let limiter = limiter(policy(
+        "quotas:
+  evals: { monthly: 1, mode: shadow }
+routes:
+  - { method: POST, path: /evals, class: standard, quota: evals }
+",
+    ));
+    let mut limits = Vec::new();
+    for _ in 0..2 {
+        let parts = request("POST", "/evals");
+        let route = limiter.route(&parts).expect("route");
+        let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+        let forward = planned.admit(None).await.expect("admitted");
+        let mut answer = http::HeaderMap::new();
+        forward.response_head(200, &mut answer).await;
+        limits.push((
+            answer["x-ratelimit-limit"]
+                .to_str()
+                .unwrap_or("")
+                .to_owned(),
+            answer["x-ratelimit-remaining"]
+                .to_str()
+                .unwrap_or("")
+                .to_owned(),
+        ));
+    }
+    // First the class (100 a minute), then the quota it would have been refused by.
+    assert_eq!(
+        limits,
+        [
+            ("100".to_owned(), "99".to_owned()),
+            ("1".to_owned(), "0".to_owned())
+        ]
+    );
+}

@@ -89,7 +89,10 @@ impl<S: BudgetStore> Limiter<S> {
         if let Ok(refused) = &decision
             && !refused.is_admitted()
         {
-            waived = plan.shadow_refusals(refused);
+            // A bucket that passes an exhausted request on does so in shadow mode
+            // too (below), as it would enforced.
+            waived = plan.shadow_refusals(refused)
+                & !Plan::mask((0..plan.budgets.len()).filter(|&i| plan.passes(i, &self.policy)));
             if waived != 0 {
                 let budgets = without(&plan.budgets, waived);
                 would_have = Some(std::mem::replace(
@@ -325,7 +328,11 @@ impl<S: BudgetStore> Limiter<S> {
         if call.calls > rule.workspace_in_flight.get() {
             return Err(
                 match self.store.peek_from(&plan.budgets, plan.network).await {
-                    Ok(peeked) if !peeked.is_admitted() => {
+                    // Budgets in shadow mode do not refuse here either.
+                    Ok(peeked)
+                        if !peeked.is_admitted()
+                            && plan.shadow_refusals(&peeked) != plan.refusals(&peeked) =>
+                    {
                         log(plan.name(peeked.binding_index(), &self.policy));
                         Reason::Budget(Box::new(peeked))
                     }
@@ -415,7 +422,9 @@ impl<S: BudgetStore> Limiter<S> {
         > = decision.statuses().iter().copied().collect();
         let mut changed = false;
         for i in plan.weighted(&self.policy) {
-            if plan.passed.is_some_and(|p| p.index == i) {
+            // A passed budget spent nothing, nor did a shadowed one that would have
+            // refused: neither is charged now.
+            if plan.passed.is_some_and(|p| p.index == i) || plan.shadowed & (1 << i) != 0 {
                 continue;
             }
             let Some(budget) = plan.budgets.get(i) else {
@@ -465,7 +474,7 @@ impl<S: BudgetStore> Limiter<S> {
                 if self.fails_open(plan) {
                     self.metrics.local.increment(1);
                     self.counts.local.fetch_add(1, Ordering::Relaxed);
-                    self.decide_locally(plan).map(Box::new)
+                    self.decide_locally(plan, budgets).map(Box::new)
                 } else {
                     Err(StoreError::Unavailable(e))
                 }

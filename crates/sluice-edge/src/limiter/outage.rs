@@ -46,11 +46,16 @@ impl<S: BudgetStore> Limiter<S> {
             })
     }
 
-    /// Decides `plan` on the fallback store with this replica's share of each limit.
-    pub(super) fn decide_locally(&self, plan: &Plan) -> Result<Decision, StoreError> {
+    /// Decides `budgets` (the plan's, or those of a decision made again: a passed or
+    /// shadowed budget spending nothing) on the fallback store with this replica's
+    /// share of each limit.
+    pub(super) fn decide_locally(
+        &self,
+        plan: &Plan,
+        budgets: &[sluice_core::Budget],
+    ) -> Result<Decision, StoreError> {
         let replicas = self.policy.store.replicas.get();
-        let local: arrayvec::ArrayVec<sluice_core::Budget, { sluice_core::MAX_BUDGETS }> = plan
-            .budgets
+        let local: arrayvec::ArrayVec<sluice_core::Budget, { sluice_core::MAX_BUDGETS }> = budgets
             .iter()
             .map(|b| sluice_core::Budget {
                 limit: (b.limit / replicas).max(1),

@@ -310,7 +310,11 @@ impl<S: BudgetStore> Limiter<S> {
         match decision {
             Ok(d) if d.is_admitted() => {
                 let mut units = 0;
-                for (b, k) in plan.budgets.iter().zip(&plan.kinds) {
+                for (i, (b, k)) in plan.budgets.iter().zip(&plan.kinds).enumerate() {
+                    // A budget in shadow mode that would have refused spent nothing.
+                    if plan.shadowed & (1 << i) != 0 {
+                        continue;
+                    }
                     match k {
                         BudgetKind::Quota(q) => {
                             if let Some(meter) =
