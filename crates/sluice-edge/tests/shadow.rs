@@ -381,15 +381,18 @@ routes:
 ",
     ));
     let mut remaining = Vec::new();
-    for _ in 0..4 {
+    for i in 0..4 {
         let parts = request("POST", "/search");
         let route = limiter.route(&parts).expect("route");
         let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
         let forward = planned.admit(None).await.expect("admitted: shadowed");
-        // Each call reports it cost nothing: the first two are given their unit back;
-        // the two the bucket would have refused took none, and give none back.
+        // The first two calls cost one unit each (no header); the two the bucket
+        // would have refused report a cached answer (cost 0): they took no unit,
+        // and give none back.
         let mut answer = http::HeaderMap::new();
-        answer.insert("x-sluice-cost", http::HeaderValue::from_static("0"));
+        if i >= 2 {
+            answer.insert("x-sluice-cost", http::HeaderValue::from_static("0"));
+        }
         forward.response_head(200, &mut answer).await;
         remaining.push(
             answer["x-ratelimit-remaining"]
@@ -398,8 +401,11 @@ routes:
                 .to_owned(),
         );
     }
-    assert_eq!(remaining, ["2", "2", "2", "2"]);
-    assert!(limiter.tally(T0 + 1).shadow_refusals.is_empty());
+    assert_eq!(remaining, ["1", "0", "0", "0"]);
+    assert_eq!(
+        limiter.tally(T0 + 1).shadow_refusals,
+        [("reads".to_owned(), "rate_limited", 2)]
+    );
 }
 
 #[tokio::test]
