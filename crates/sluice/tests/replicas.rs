@@ -279,3 +279,41 @@ async fn q1_three_replicas_on_one_redis_admit_exactly_a_workspaces_monthly_cap()
         assert_eq!(messages["limit"], 10);
     }
 }
+
+/// P5 on Redis: two replicas in a dry run forward past the shared limit, and each
+/// counts the refusals it did not give; the budget's count in Redis is the limit, as
+/// enforcing it would have left it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p5_d2_a_dry_run_on_two_replicas_forwards_past_the_shared_limit_and_counts_it() {
+    let redis = RedisServer::start("p5");
+    let policy = policy("p5.yaml", "4294967295", |y| {
+        without_batch_lane(&y).edit("timeout_ms: 20", "timeout_ms: 2000")
+    });
+    let replicas: Vec<Sluice> = (0..2)
+        .map(|_| replica(&policy, &redis.url(), &["--dry-run"]))
+        .collect();
+    // 30 expensive calls a minute for one key, 20 through each replica.
+    for i in 0..40 {
+        let r = call(&replicas[i % 2], "POST", "/chats", "sk-p5").await;
+        assert_eq!(r.status, 200, "call {i}: {}", r.text());
+    }
+    let mut shadowed = 0;
+    for sluice in &replicas {
+        let metrics = get(&sluice.admin_url("/metrics")).await.text();
+        shadowed += metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("sluice_shadow_refusals_total{")
+                    && l.contains("\"expensive\"")
+                    && l.contains("\"rate_limited\"")
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    assert_eq!(shadowed, 10, "40 calls against a shared limit of 30");
+    // Enforcing it now refuses the same key at once: the count is the limit.
+    let enforced = replica(&policy, &redis.url(), &[]);
+    let r = call(&enforced, "POST", "/chats", "sk-p5").await;
+    assert_eq!(r.status, 429, "{}", r.text());
+}
