@@ -166,7 +166,6 @@ pub fn for_each_rate_limit_header(
     );
     emit(&X_RATELIMIT_RESET, RateLimitValue::Number(binding.reset));
     if policy.ietf_headers {
-        let now = decision.decided_at();
         let mut quota_policy = String::new();
         let mut state = String::new();
         for (i, s) in decision.statuses().iter().enumerate() {
@@ -174,9 +173,10 @@ pub fn for_each_rate_limit_header(
             let sep = if i == 0 { "" } else { ", " };
             let w = plan.window_secs(i, decision);
             let _ = write!(quota_policy, "{sep}\"{name}\";q={};w={w}", s.limit);
-            // Seconds until more quota: the window's reset (for every budget
-            // of a refused request this is <= Retry-After's wait).
-            let t = s.reset_after_secs(now);
+            // Seconds until more quota: a fixed window's reset; for a budget
+            // that refills little by little and refused the request, its own
+            // wait (so Retry-After, the longest wait, is never less).
+            let t = plan.seconds_until_more(i, decision);
             let _ = write!(state, "{sep}\"{name}\";r={};t={t}", s.remaining);
         }
         emit(&RATELIMIT_POLICY, RateLimitValue::Text(&quota_policy));

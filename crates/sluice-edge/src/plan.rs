@@ -7,7 +7,7 @@ use std::num::NonZeroU32;
 use arrayvec::ArrayVec;
 use sluice_core::{Budget, BudgetKey, Decision, MAX_BUDGETS, Rate, digest, month_of};
 use sluice_policy::{
-    Caller, Class, ClientIp, Enforcement, Items, OnExhausted, Per, Policy, Refusal,
+    Algorithm, Caller, Class, ClientIp, Enforcement, Items, OnExhausted, Per, Policy, Refusal,
 };
 
 /// What a budget of a plan is, for headers, refusals and metrics.
@@ -97,17 +97,37 @@ pub struct Scopes {
     quotas: Vec<u64>,
 }
 
+/// The scope digest of the budget named `name` counted by `algorithm` over `window`
+/// seconds: a fixed window's is its name's (as before algorithms existed); any
+/// other's names its algorithm too (and a sliding window its slot width), so a
+/// reload that changes how a budget counts starts it afresh rather than reading
+/// cells written another way.
+fn scope(name: &str, algorithm: Algorithm, window: NonZeroU32) -> u64 {
+    match algorithm {
+        Algorithm::Fixed => digest(name.as_bytes()),
+        Algorithm::Sliding => match algorithm.rate(window, NonZeroU32::MIN) {
+            Rate::RollingWindow { slot_millis, .. } => {
+                digest(format!("{name}:sliding:{slot_millis}").as_bytes())
+            }
+            _ => digest(format!("{name}:sliding").as_bytes()),
+        },
+        Algorithm::Gcra { .. } => digest(format!("{name}:gcra").as_bytes()),
+    }
+}
+
 impl Scopes {
     /// The scopes of `policy`.
     pub fn new(policy: &Policy) -> Self {
+        let (window, algorithms) = (policy.window, &policy.algorithms);
         Scopes {
-            classes: Class::ALL.map(|c| digest(format!("class:{}", c.name()).as_bytes())),
-            ip_work: digest(b"ip:work"),
-            ip_protocol: digest(b"ip:protocol_only"),
+            classes: Class::ALL
+                .map(|c| scope(&format!("class:{}", c.name()), algorithms.class(c), window)),
+            ip_work: scope("ip:work", algorithms.ip_work, window),
+            ip_protocol: scope("ip:protocol_only", algorithms.ip_protocol, window),
             buckets: policy
                 .buckets
                 .iter()
-                .map(|b| digest(format!("bucket:{}", b.name).as_bytes()))
+                .map(|b| scope(&format!("bucket:{}", b.name), b.algorithm, b.window))
                 .collect(),
             quotas: policy
                 .quotas
@@ -175,22 +195,25 @@ pub(crate) fn plan(
     let caller = &p.from;
     let (subject, workspace, user) = (caller.subject, caller.workspace, caller.user);
     let window = policy.window;
-    let fixed =
-        |scope: u64, subject: u64, limit: NonZeroU32, window: NonZeroU32, cost: u32| Budget {
-            key: BudgetKey::from_digests(scope, subject),
-            rate: Rate::FixedWindow { seconds: window },
-            limit: limit.get(),
-            cost,
-        };
+    let algorithms = &policy.algorithms;
+    // Each budget's rate from its algorithm (`fixed`: the seed's fixed window).
+    let budget = |scope: u64,
+                  subject: u64,
+                  (limit, window, algorithm): (NonZeroU32, NonZeroU32, Algorithm),
+                  cost: u32| Budget {
+        key: BudgetKey::from_digests(scope, subject),
+        rate: algorithm.rate(window, limit),
+        limit: limit.get(),
+        cost,
+    };
     for class in Class::ALL {
         let n = items.count(class);
         if n > 0 {
             p.push(
-                fixed(
+                budget(
                     scopes.classes[class.index()],
                     subject,
-                    policy.profile.limit(class),
-                    window,
+                    (policy.profile.limit(class), window, algorithms.class(class)),
                     n,
                 ),
                 BudgetKind::Class(class),
@@ -202,7 +225,12 @@ pub(crate) fn plan(
     if items.protocol_only() {
         let limit = policy.profile.ceiling_protocol_only;
         p.push(
-            fixed(scopes.ip_protocol, client.subject, limit, window, 1),
+            budget(
+                scopes.ip_protocol,
+                client.subject,
+                (limit, window, algorithms.ip_protocol),
+                1,
+            ),
             BudgetKind::IpProtocol,
             window,
             shadow(policy.shadows.ip_protocol),
@@ -210,7 +238,12 @@ pub(crate) fn plan(
     } else {
         let limit = policy.profile.ceiling_work;
         p.push(
-            fixed(scopes.ip_work, client.subject, limit, window, 1),
+            budget(
+                scopes.ip_work,
+                client.subject,
+                (limit, window, algorithms.ip_work),
+                1,
+            ),
             BudgetKind::IpWork,
             window,
             shadow(policy.shadows.ip_work),
@@ -227,7 +260,7 @@ pub(crate) fn plan(
             Per::Workspace => workspace,
         };
         p.push(
-            fixed(scope, of, b.limit, b.window, units),
+            budget(scope, of, (b.limit, b.window, b.algorithm), units),
             BudgetKind::Bucket(kind_index(i)),
             b.window,
             shadow(b.mode),
@@ -285,7 +318,9 @@ impl Plan {
     }
 
     /// The window of budget `i` in seconds as decided (a quota's is the length of
-    /// the month its reset ends).
+    /// the month its reset ends). Whatever the algorithm, the budget allows its
+    /// limit per this window: a fixed window's, a sliding window's length, a GCRA
+    /// budget's period.
     pub fn window_secs(&self, i: usize, decision: &Decision) -> u64 {
         match self.kinds.get(i) {
             Some(BudgetKind::Quota(_)) => decision.statuses().get(i).map_or(0, |s| {
@@ -321,6 +356,28 @@ impl Plan {
             }
         }
         best.unwrap_or_else(|| decision.binding_index())
+    }
+
+    /// Seconds from the decision until budget `i` has more room, rounded up (the
+    /// IETF draft's `t`): for a fixed window or a monthly quota, until it ends (as
+    /// `X-RateLimit-Reset`); for a sliding window or GCRA budget, which refill
+    /// little by little, until it has room for this request when it refused it
+    /// (its own wait, so `Retry-After` is never less), else until it is whole again
+    /// (as `X-RateLimit-Reset`).
+    pub fn seconds_until_more(&self, i: usize, decision: &Decision) -> u64 {
+        let Some(status) = decision.statuses().get(i) else {
+            return 0;
+        };
+        let refills_gradually = matches!(
+            self.budgets.get(i).map(|b| b.rate),
+            Some(Rate::Gcra { .. } | Rate::RollingWindow { .. } | Rate::SlidingWindow { .. })
+        );
+        match status.verdict {
+            sluice_core::Verdict::NotYet { retry_after } if refills_gradually => {
+                crate::answer::retry_after_secs(retry_after)
+            }
+            _ => status.reset_after_secs(decision.decided_at()),
+        }
     }
 
     /// Indices of the weighted budgets the plan holds.

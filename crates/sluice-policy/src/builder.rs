@@ -257,7 +257,7 @@ impl PolicyBuilder {
                 family.to_owned(),
                 RawQuota {
                     monthly,
-                    mode: None,
+                    ..RawQuota::default()
                 },
             )
             .is_some()

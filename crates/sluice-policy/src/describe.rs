@@ -3,7 +3,8 @@
 use std::fmt::Write as _;
 
 use crate::model::{
-    Class, CredentialSource, OnExhausted, Outage, Per, Policy, Refusal, RouteClass, Spends,
+    Algorithm, Class, CredentialSource, OnExhausted, Outage, Per, Policy, Refusal, RouteClass,
+    Spends,
 };
 
 impl Policy {
@@ -28,6 +29,21 @@ impl Policy {
             "per IP: {} requests holding work, {} protocol-only requests",
             self.profile.ceiling_work, self.profile.ceiling_protocol_only
         );
+        let a = &self.algorithms;
+        let counted: Vec<String> = Class::ALL
+            .iter()
+            .map(|&c| (c.name(), a.class(c)))
+            .chain([("ip", a.ip_work), ("ip_protocol", a.ip_protocol)])
+            .filter(|(_, algorithm)| *algorithm != Algorithm::Fixed)
+            .map(|(name, algorithm)| format!("{name} {algorithm}"))
+            .collect();
+        if !counted.is_empty() {
+            let _ = writeln!(
+                out,
+                "not in fixed windows: {} (the rest fixed)",
+                counted.join("; ")
+            );
+        }
         let sources: Vec<&str> = self
             .identity
             .credentials
@@ -81,9 +97,13 @@ impl Policy {
                 OnExhausted::Refuse => format!("refused with {refusal}"),
                 OnExhausted::Pass => "passed on to the upstream with X-Sluice-Exhausted".to_owned(),
             };
+            let algorithm = match b.algorithm {
+                Algorithm::Fixed => String::new(),
+                other => format!(" ({other})"),
+            };
             let _ = writeln!(
                 out,
-                "  {}: {} per {} s per {per}{weighted}, {exhausted}",
+                "  {}: {} per {} s{algorithm} per {per}{weighted}, {exhausted}",
                 b.name, b.limit, b.window
             );
         }

@@ -41,10 +41,10 @@ pub use identity::{
 };
 pub use jsonrpc::{Items, Unclassifiable, check_content_encoding, depth_exceeds};
 pub use model::{
-    BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Enforcement, Identity, JsonRpc,
-    JsonRpcRefusal, Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted,
-    Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, Shadows,
-    Spends, StorePolicy, Tool,
+    Algorithm, Algorithms, BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Enforcement,
+    Identity, JsonRpc, JsonRpcRefusal, Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES,
+    MAX_SLIDING_WINDOW_SECONDS, OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily,
+    Refusal, Route, RouteClass, SLIDING_SLOTS, Shadows, Spends, StorePolicy, Tool,
 };
 pub use path::{PathError, Paths, without_parameters};
 pub use pattern::PathPattern;

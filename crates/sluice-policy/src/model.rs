@@ -167,6 +167,8 @@ pub struct Bucket {
     pub on_exhausted: OnExhausted,
     /// Enforced, or decided and counted without refusing (a dry run).
     pub mode: Enforcement,
+    /// How it counts its limit per window.
+    pub algorithm: Algorithm,
 }
 
 /// Whether a budget refuses what it does not admit (`mode:` in a policy file).
@@ -194,6 +196,107 @@ pub struct Shadows {
     pub ip_work: Enforcement,
     /// The per-IP ceiling for protocol-only requests (`ip_protocol`).
     pub ip_protocol: Enforcement,
+}
+
+/// How a budget counts its limit per window (`algorithm:` in a policy file).
+///
+/// Quotas are calendar months and take none; every other budget (a class, a per-IP
+/// ceiling, a bucket) takes one, `fixed` by default.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Algorithm {
+    /// `fixed`, the default and the seed's: `limit` per window, windows aligned to
+    /// the Unix epoch (every replica agrees where one starts); a whole window's
+    /// worth may go at its end and again at the start of the next.
+    #[default]
+    Fixed,
+    /// `sliding`: at most `limit` in any `window_seconds`, counted exactly
+    /// ([`sluice_core::Rate::RollingWindow`]) in [`SLIDING_SLOTS`] epoch-aligned
+    /// slots per window. A unit counts from when it is spent until a window after
+    /// the end of its slot: never shorter than the window, at most one slot (a
+    /// sixtieth of it) longer. A refusal's wait is exact: until enough of the oldest
+    /// slots have left.
+    Sliding,
+    /// `gcra`: `limit` per window evenly spaced (one unit every
+    /// `window / limit`), at most `burst` back to back
+    /// ([`sluice_core::Rate::Gcra`]).
+    Gcra {
+        /// How many units may go at once; `None` is the budget's limit (as governor's
+        /// quotas do), so that a class's burst follows the active profile.
+        burst: Option<NonZeroU32>,
+    },
+}
+
+/// Slots per window of a [`Algorithm::Sliding`] budget: a unit is held at most a
+/// sixtieth of the window longer than the window (a second on a minute), and a
+/// decision reads at most 62 cells of it.
+pub const SLIDING_SLOTS: u32 = 60;
+
+/// The longest `window_seconds` of a [`Algorithm::Sliding`] budget: its window is
+/// counted in milliseconds, in 32 bits.
+pub const MAX_SLIDING_WINDOW_SECONDS: u32 = u32::MAX / 1000;
+
+impl Algorithm {
+    /// Its name in policy files: `fixed`, `sliding` or `gcra`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Fixed => "fixed",
+            Algorithm::Sliding => "sliding",
+            Algorithm::Gcra { .. } => "gcra",
+        }
+    }
+
+    /// The rate a store decides a budget of `limit` per `window` seconds counted
+    /// this way by.
+    pub fn rate(self, window: NonZeroU32, limit: NonZeroU32) -> sluice_core::Rate {
+        use sluice_core::Rate;
+        match self {
+            Algorithm::Fixed => Rate::FixedWindow { seconds: window },
+            Algorithm::Sliding => {
+                // The validator keeps a sliding window within
+                // MAX_SLIDING_WINDOW_SECONDS; saturating keeps any other at 49 days.
+                let millis = window.saturating_mul(NonZeroU32::MIN.saturating_add(999));
+                let slot = NonZeroU32::new(millis.get().div_ceil(SLIDING_SLOTS))
+                    .unwrap_or(NonZeroU32::MIN);
+                Rate::RollingWindow {
+                    millis,
+                    slot_millis: slot,
+                }
+            }
+            Algorithm::Gcra { burst } => Rate::Gcra {
+                period: Duration::from_secs(u64::from(window.get())),
+                burst: burst.unwrap_or(limit),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Algorithm::Gcra { burst: Some(b) } => write!(f, "gcra, burst {b}"),
+            Algorithm::Gcra { burst: None } => f.write_str("gcra, burst = limit"),
+            other => f.write_str(other.name()),
+        }
+    }
+}
+
+/// How the budgets that have no object of their own in a policy file (the class
+/// budgets and the per-IP ceilings) count (`algorithms:` in a policy file).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Algorithms {
+    /// Per class, indexed by [`Class::index`].
+    pub classes: [Algorithm; 4],
+    /// The per-IP ceiling for requests holding work (`ip`).
+    pub ip_work: Algorithm,
+    /// The per-IP ceiling for protocol-only requests (`ip_protocol`).
+    pub ip_protocol: Algorithm,
+}
+
+impl Algorithms {
+    /// How the budget of `class` counts.
+    pub fn class(&self, class: Class) -> Algorithm {
+        self.classes[class.index()]
+    }
 }
 
 /// What an exhausted bucket does to a request.
@@ -481,6 +584,8 @@ pub struct Policy {
     pub store: StorePolicy,
     /// The budgets in shadow mode that have no object of their own, and the dry run.
     pub shadows: Shadows,
+    /// How the budgets that have no object of their own count.
+    pub algorithms: Algorithms,
 }
 
 impl Policy {

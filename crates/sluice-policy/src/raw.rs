@@ -56,6 +56,21 @@ pub struct RawPolicy {
     /// True: every budget is in shadow mode (decided and counted, never refusing).
     #[serde(default)]
     pub dry_run: bool,
+    /// How the class budgets and the per-IP ceilings count, by name (a class, `ip`
+    /// or `ip_protocol`); those not named are `fixed`.
+    #[serde(default)]
+    pub algorithms: BTreeMap<String, RawAlgorithm>,
+}
+
+/// How one budget counts: `algorithm: fixed | sliding | gcra` (default `fixed`) and,
+/// for `gcra`, `burst: N` (default: the limit).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAlgorithm {
+    /// `fixed` (default), `sliding` or `gcra`.
+    pub algorithm: Option<String>,
+    /// `gcra` only: how many units may go at once, 1 to the limit.
+    pub burst: Option<u32>,
 }
 
 /// The shared store's settings.
@@ -173,6 +188,10 @@ pub struct RawBucket {
     pub on_exhausted: Option<String>,
     /// `enforce` (default) or `shadow`: decided and counted, never refusing.
     pub mode: Option<String>,
+    /// `fixed` (default), `sliding` or `gcra`.
+    pub algorithm: Option<String>,
+    /// `gcra` only: how many units may go at once, 1 to `limit` (default `limit`).
+    pub burst: Option<u32>,
 }
 
 /// One monthly quota family.
@@ -183,6 +202,9 @@ pub struct RawQuota {
     pub monthly: Option<u32>,
     /// `enforce` (default) or `shadow`: decided and counted, never refusing.
     pub mode: Option<String>,
+    /// Refused when set: a quota counts calendar months, it takes no algorithm (read
+    /// so that the refusal names its key path rather than failing the parse).
+    pub algorithm: Option<String>,
 }
 
 /// One route.

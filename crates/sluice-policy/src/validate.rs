@@ -12,10 +12,10 @@ use http::{HeaderName, Method};
 use ipnet::IpNet;
 
 use crate::model::{
-    BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Enforcement, Identity, JsonRpc,
-    JsonRpcRefusal, Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, OnExhausted,
-    Outage, Per, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, Shadows,
-    Spends, StorePolicy, Tool,
+    Algorithm, Algorithms, BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Enforcement,
+    Identity, JsonRpc, JsonRpcRefusal, Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES,
+    MAX_SLIDING_WINDOW_SECONDS, OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily,
+    Refusal, Route, RouteClass, Shadows, Spends, StorePolicy, Tool,
 };
 use crate::path::Paths;
 use crate::pattern::PathPattern;
@@ -217,6 +217,16 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             }
         };
         let mode = v.mode(&format!("{at}.mode"), b.mode.as_deref());
+        let limits: Vec<(String, u32)> = limit
+            .map(|l| (String::new(), l.get()))
+            .into_iter()
+            .collect();
+        let algorithm = v.algorithm(
+            &at,
+            (b.algorithm.as_deref(), b.burst),
+            b.window_seconds,
+            &limits,
+        );
         if let (
             Some(per),
             Some(refusal),
@@ -224,7 +234,8 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             Some(window),
             Some(on_exhausted),
             Some(mode),
-        ) = (per, refusal, limit, w, on_exhausted, mode)
+            Some(algorithm),
+        ) = (per, refusal, limit, w, on_exhausted, mode, algorithm)
         {
             bucket_index.insert(name.clone(), buckets.len());
             buckets.push(Bucket {
@@ -236,6 +247,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
                 weighted: b.weighted,
                 on_exhausted,
                 mode,
+                algorithm,
             });
         }
     }
@@ -263,6 +275,13 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
         let Some(mode) = v.mode(&format!("quotas.{name}.mode"), q.mode.as_deref()) else {
             continue;
         };
+        if q.algorithm.is_some() {
+            v.problem(
+                format!("quotas.{name}.algorithm"),
+                "a quota counts calendar months (UTC) and takes no algorithm; remove it",
+            );
+            continue;
+        }
         quota_index.insert(name.clone(), quotas.len());
         quotas.push(QuotaFamily {
             name: name.clone(),
@@ -447,6 +466,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     };
     let store = v.store(raw);
     let shadows = v.shadows(raw);
+    let algorithms = v.algorithms(raw);
     let parts = (profile, window, identity, default_class, jsonrpc, store);
     if !v.problems.is_empty() {
         return Err(v.problems);
@@ -476,6 +496,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             paths,
             store,
             shadows,
+            algorithms,
         }),
         _ => Err(v.problems),
     }
@@ -739,6 +760,118 @@ impl Checker {
             }
         }
         shadows
+    }
+
+    /// `algorithm:` and `burst:` of the budget at `at`, whose window is `window`
+    /// seconds and whose limits are `limits` (each with what names it in a message:
+    /// a class has one per profile).
+    fn algorithm(
+        &mut self,
+        at: &str,
+        (algorithm, burst): (Option<&str>, Option<u32>),
+        window: u32,
+        limits: &[(String, u32)],
+    ) -> Option<Algorithm> {
+        let algorithm = match algorithm {
+            None | Some("fixed") => Algorithm::Fixed,
+            Some("sliding") => Algorithm::Sliding,
+            Some("gcra") => Algorithm::Gcra { burst: None },
+            Some(other) => {
+                self.problem(
+                    format!("{at}.algorithm"),
+                    format!("expected fixed, sliding or gcra, got {other:?}"),
+                );
+                return None;
+            }
+        };
+        let mut ok = true;
+        if algorithm == Algorithm::Sliding && window > MAX_SLIDING_WINDOW_SECONDS {
+            self.problem(
+                format!("{at}.algorithm"),
+                format!(
+                    "a sliding window is counted in milliseconds: at most {MAX_SLIDING_WINDOW_SECONDS} seconds, this one is {window}"
+                ),
+            );
+            ok = false;
+        }
+        let Some(burst) = burst else {
+            return ok.then_some(algorithm);
+        };
+        if algorithm != (Algorithm::Gcra { burst: None }) {
+            self.problem(
+                format!("{at}.burst"),
+                format!(
+                    "`burst` is for `algorithm: gcra`; this budget is {}",
+                    algorithm.name()
+                ),
+            );
+            return None;
+        }
+        let Some(burst) = NonZeroU32::new(burst) else {
+            self.problem(
+                format!("{at}.burst"),
+                "must be at least 1 (a burst of 0 would refuse everything)",
+            );
+            return None;
+        };
+        for (of, limit) in limits {
+            if burst.get() > *limit {
+                self.problem(
+                    format!("{at}.burst"),
+                    format!(
+                        "{burst} is above the limit{of} ({limit}): at most the limit can go at once"
+                    ),
+                );
+                ok = false;
+            }
+        }
+        ok.then_some(Algorithm::Gcra { burst: Some(burst) })
+    }
+
+    /// `algorithms:` (the class budgets and the per-IP ceilings by name).
+    fn algorithms(&mut self, raw: &RawPolicy) -> Algorithms {
+        let mut algorithms = Algorithms::default();
+        let window = raw.window_seconds.unwrap_or(60);
+        for (name, a) in &raw.algorithms {
+            let at = format!("algorithms.{name}");
+            let slot = match name.as_str() {
+                "ip" => &mut algorithms.ip_work,
+                "ip_protocol" => &mut algorithms.ip_protocol,
+                _ => match Class::from_name(name) {
+                    Some(c) => &mut algorithms.classes[c.index()],
+                    None => {
+                        self.problem(
+                            at,
+                            "expected a class (protocol, read, standard, expensive), ip or ip_protocol; buckets take `algorithm:` themselves, and quotas none",
+                        );
+                        continue;
+                    }
+                },
+            };
+            // A class's burst must fit its limit in every profile (`--profile` may
+            // pick any of them).
+            let limits: Vec<(String, u32)> = raw
+                .profiles
+                .iter()
+                .filter_map(|(profile, p)| {
+                    let limit = match name.as_str() {
+                        "protocol" => p.classes.protocol,
+                        "read" => p.classes.read,
+                        "standard" => p.classes.standard,
+                        "expensive" => p.classes.expensive,
+                        "ip" => p.ip_ceilings.work,
+                        _ => p.ip_ceilings.protocol_only,
+                    };
+                    (limit > 0).then(|| (format!(" of profile {profile}"), limit))
+                })
+                .collect();
+            if let Some(algorithm) =
+                self.algorithm(&at, (a.algorithm.as_deref(), a.burst), window, &limits)
+            {
+                *slot = algorithm;
+            }
+        }
+        algorithms
     }
 
     /// The buckets, quota family and lane named at `at`, each checked to exist.

@@ -59,6 +59,16 @@ impl<S: BudgetStore> Limiter<S> {
             .iter()
             .map(|b| sluice_core::Budget {
                 limit: (b.limit / replicas).max(1),
+                // A GCRA budget's burst is shared too: else one replica alone could
+                // let the whole burst through at once.
+                rate: match b.rate {
+                    sluice_core::Rate::Gcra { period, burst } => sluice_core::Rate::Gcra {
+                        period,
+                        burst: std::num::NonZeroU32::new(burst.get() / replicas)
+                            .unwrap_or(std::num::NonZeroU32::MIN),
+                    },
+                    rate => rate,
+                },
                 ..*b
             })
             .collect();
