@@ -27,7 +27,7 @@
 //! | `simulator` | off | a provider that enforces strict windows (`simulator` module), for tests and benchmarks | a hyper server |
 //!
 //! With no features the crate is the [`Pacer`] and the tower layer; the
-//! dependency counts per feature set are in the repository's README.
+//! dependency counts per feature set are in the repository's `docs/library.md`.
 //!
 //! ```
 //! use std::time::Duration;

@@ -71,7 +71,7 @@ async fn c1_c2_official_openai_python_sdk_through_pace() {
     let server = ProxyServer::bind(ProxyOptions::new(&file, "127.0.0.1:0".parse().unwrap()))
         .await
         .unwrap();
-    // Exactly as the README says: the SDK's base URL is the proxy and the provider's
+    // Exactly as docs/pacer.md says: the SDK's base URL is the proxy and the provider's
     // name, nothing after it (the provider's baseUrl holds its `/v1`).
     let base = format!("http://{}/sim", server.bound().listen);
     let serving = tokio::spawn(server.serve());

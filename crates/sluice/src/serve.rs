@@ -84,8 +84,8 @@ pub struct ServeArgs {
     )]
     pub clock_offset: i64,
 
-    /// Directory of the embedded durable store: monthly quota counts (and later the
-    /// batch queue). Default: $XDG_STATE_HOME/sluice, else ~/.local/state/sluice, else
+    /// Directory of the embedded durable store: monthly quota counts and the batch
+    /// lane's queue. Default: $XDG_STATE_HOME/sluice, else ~/.local/state/sluice, else
     /// ./sluice-data. One process per directory. Not used with a Redis store (quotas
     /// then live in Redis).
     #[arg(long, value_name = "DIR")]
