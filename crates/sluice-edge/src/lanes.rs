@@ -68,7 +68,7 @@ pub fn ledger_outage(policy: &Policy, lane: usize) -> LedgerOutage {
             .and_then(|q| policy.quotas.get(q))
             .is_some_and(|q| q.monthly.is_some())
     };
-    let opens = |class, quota| policy.store.outage(class) == Outage::FailOpen && !capped(quota);
+    let opens = |class, quota| policy.outage(class) == Outage::FailOpen && !capped(quota);
     let routes = policy
         .routes
         .iter()
@@ -105,19 +105,22 @@ pub(crate) fn max_wait(lane: &sluice_policy::Lane, call: LaneCall) -> Duration {
 
 /// The 429 of a call the lane refuses: the JSON envelope with `error.code:
 /// "rate_limited"`, `details.reason` (`workspace_in_flight_limit`,
-/// `workspace_rate_limit`, `optimizer_busy` or `optimizer_unavailable`) and
+/// `workspace_rate_limit`, or the lane's names for busy and unavailable:
+/// `optimizer_busy` and `optimizer_unavailable` for the built-in lane) and
 /// `details.retry_after_seconds`, and `Retry-After` with the same seconds.
-pub fn lane_refusal(lane: &str, refusal: &LaneRefusal) -> Response<Full<Bytes>> {
+pub fn lane_refusal(lane: &sluice_policy::Lane, refusal: &LaneRefusal) -> Response<Full<Bytes>> {
+    use sluice_lanes::RefusalReason;
     let seconds = refusal.retry_after_secs();
-    let reason = refusal.reason.as_str();
-    let message = match reason {
-        "workspace_in_flight_limit" => format!(
+    let reason = lane.reason_name(refusal.reason.as_str());
+    let lane = lane.name.as_str();
+    let message = match refusal.reason {
+        RefusalReason::WorkspaceInFlightLimit => format!(
             "Your workspace has as many {lane} calls running as it may. Try again in {seconds} seconds."
         ),
-        "workspace_rate_limit" => format!(
+        RefusalReason::WorkspaceRateLimit => format!(
             "Your workspace has started as many {lane} calls this minute as it may. Try again in {seconds} seconds."
         ),
-        "optimizer_unavailable" => format!(
+        RefusalReason::Unavailable => format!(
             "The {lane} upstream is failing; no calls are sent to it for now. Try again in {seconds} seconds."
         ),
         _ => format!("The {lane} upstream is busy. Try again in {seconds} seconds."),

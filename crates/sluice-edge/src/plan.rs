@@ -15,10 +15,8 @@ use sluice_policy::{
 pub enum BudgetKind {
     /// The caller's budget of a class.
     Class(Class),
-    /// The per-IP ceiling for requests holding work.
-    IpWork,
-    /// The per-IP ceiling for protocol-only requests.
-    IpProtocol,
+    /// A per-IP ceiling (index into the policy's ceilings).
+    Ceiling(u32),
     /// A route bucket (index into the policy's buckets).
     Bucket(u32),
     /// A monthly quota (index into the policy's quota families).
@@ -57,7 +55,8 @@ pub struct Plan {
     pub kinds: ArrayVec<BudgetKind, MAX_BUDGETS>,
     /// Window of each budget in seconds (for `RateLimit-Policy`).
     pub windows: ArrayVec<u32, MAX_BUDGETS>,
-    /// The most costly class the request holds (for metrics).
+    /// The costliest class the request holds, the last in the policy's order (for
+    /// metrics).
     pub top_class: Class,
     /// The caller's subject digest.
     pub caller: u64,
@@ -90,9 +89,8 @@ const _: () = assert!(std::mem::size_of::<Plan>() <= 1024);
 /// Digests of every scope name, computed once per policy.
 #[derive(Clone, Debug)]
 pub struct Scopes {
-    classes: [u64; 4],
-    ip_work: u64,
-    ip_protocol: u64,
+    classes: Vec<u64>,
+    ceilings: Vec<u64>,
     buckets: Vec<u64>,
     quotas: Vec<u64>,
 }
@@ -118,12 +116,18 @@ fn scope(name: &str, algorithm: Algorithm, window: NonZeroU32) -> u64 {
 impl Scopes {
     /// The scopes of `policy`.
     pub fn new(policy: &Policy) -> Self {
-        let (window, algorithms) = (policy.window, &policy.algorithms);
+        let window = policy.window;
         Scopes {
-            classes: Class::ALL
-                .map(|c| scope(&format!("class:{}", c.name()), algorithms.class(c), window)),
-            ip_work: scope("ip:work", algorithms.ip_work, window),
-            ip_protocol: scope("ip:protocol_only", algorithms.ip_protocol, window),
+            classes: policy
+                .classes
+                .iter()
+                .map(|c| scope(&format!("class:{}", c.name), c.algorithm, window))
+                .collect(),
+            ceilings: policy
+                .ceilings
+                .iter()
+                .map(|c| scope(&format!("ceiling:{}", c.name), c.algorithm, window))
+                .collect(),
             buckets: policy
                 .buckets
                 .iter()
@@ -174,11 +178,7 @@ pub(crate) fn plan(
         budgets: ArrayVec::new(),
         kinds: ArrayVec::new(),
         windows: ArrayVec::new(),
-        top_class: Class::ALL
-            .into_iter()
-            .rev()
-            .find(|&c| items.count(c) > 0)
-            .unwrap_or(policy.default_class),
+        top_class: items.held.iter().last().unwrap_or(policy.default_class),
         caller: caller.subject,
         network: client.network,
         who: caller.who,
@@ -190,12 +190,11 @@ pub(crate) fn plan(
     };
     // Every budget of the request is in shadow mode in a dry run or on a shadowed
     // route; else those whose own mode says so.
-    let all = policy.shadows.dry_run || route_mode == Enforcement::Shadow;
+    let all = policy.dry_run || route_mode == Enforcement::Shadow;
     let shadow = |mode: Enforcement| all || mode == Enforcement::Shadow;
     let caller = &p.from;
     let (subject, workspace, user) = (caller.subject, caller.workspace, caller.user);
     let window = policy.window;
-    let algorithms = &policy.algorithms;
     // Each budget's rate from its algorithm (`fixed`: the seed's fixed window).
     let budget = |scope: u64,
                   subject: u64,
@@ -206,48 +205,42 @@ pub(crate) fn plan(
         limit: limit.get(),
         cost,
     };
-    for class in Class::ALL {
-        let n = items.count(class);
-        if n > 0 {
+    for class in items.held.iter() {
+        let (Some(rule), Some(&scope)) = (
+            policy.classes.get(class.index()),
+            scopes.classes.get(class.index()),
+        ) else {
+            continue;
+        };
+        p.push(
+            budget(
+                scope,
+                subject,
+                (policy.profile.limit(class), window, rule.algorithm),
+                items.count(class),
+            ),
+            BudgetKind::Class(class),
+            window,
+            shadow(rule.mode),
+        );
+    }
+    for (i, ceiling) in policy.ceilings.iter().enumerate() {
+        let Some(&scope) = scopes.ceilings.get(i) else {
+            continue;
+        };
+        if ceiling.applies(items.held) {
             p.push(
                 budget(
-                    scopes.classes[class.index()],
-                    subject,
-                    (policy.profile.limit(class), window, algorithms.class(class)),
-                    n,
+                    scope,
+                    client.subject,
+                    (policy.profile.ceiling(i), window, ceiling.algorithm),
+                    1,
                 ),
-                BudgetKind::Class(class),
+                BudgetKind::Ceiling(kind_index(i)),
                 window,
-                shadow(policy.shadows.classes[class.index()]),
+                shadow(ceiling.mode),
             );
         }
-    }
-    if items.protocol_only() {
-        let limit = policy.profile.ceiling_protocol_only;
-        p.push(
-            budget(
-                scopes.ip_protocol,
-                client.subject,
-                (limit, window, algorithms.ip_protocol),
-                1,
-            ),
-            BudgetKind::IpProtocol,
-            window,
-            shadow(policy.shadows.ip_protocol),
-        );
-    } else {
-        let limit = policy.profile.ceiling_work;
-        p.push(
-            budget(
-                scopes.ip_work,
-                client.subject,
-                (limit, window, algorithms.ip_work),
-                1,
-            ),
-            BudgetKind::IpWork,
-            window,
-            shadow(policy.shadows.ip_work),
-        );
     }
     for (i, units) in items.named_buckets() {
         let (Some(b), Some(&scope)) = (policy.buckets.get(i), scopes.buckets.get(i)) else {
@@ -302,9 +295,11 @@ impl Plan {
     /// The name of budget `i` in headers and metrics.
     pub fn name<'p>(&self, i: usize, policy: &'p Policy) -> &'p str {
         match self.kinds.get(i) {
-            Some(BudgetKind::Class(c)) => c.name(),
-            Some(BudgetKind::IpWork) => "ip",
-            Some(BudgetKind::IpProtocol) => "ip_protocol",
+            Some(BudgetKind::Class(c)) => policy.class_name(*c),
+            Some(BudgetKind::Ceiling(c)) => policy
+                .ceilings
+                .get(policy_index(*c))
+                .map_or("ceiling", |c| c.name.as_str()),
             Some(BudgetKind::Bucket(b)) => policy
                 .buckets
                 .get(policy_index(*b))

@@ -41,10 +41,13 @@ fn policy_of(expensive: u32, bucket: &str, extra: &str) -> Policy {
     let yaml = format!(
         "profile: p
 window_seconds: 60
+ceilings:
+  ip: {{ classes: [read, standard, expensive] }}
+  ip_protocol: {{ classes: [protocol], only: true }}
 profiles:
   p:
     classes: {{ protocol: 100, read: 100, standard: 100, expensive: {expensive} }}
-    ip_ceilings: {{ work: 1000, protocol_only: 1000 }}
+    ip_ceilings: {{ ip: 1000, ip_protocol: 1000 }}
 default_class: standard
 headers: {{ ietf_draft: true }}
 routes:

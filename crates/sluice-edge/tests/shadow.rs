@@ -19,10 +19,13 @@ fn policy(extra: &str) -> Policy {
     let yaml = format!(
         "profile: p
 window_seconds: 60
+ceilings:
+  ip: {{ classes: [read, standard, expensive] }}
+  ip_protocol: {{ classes: [protocol], only: true }}
 profiles:
   p:
     classes: {{ protocol: 100, read: 100, standard: 100, expensive: 3 }}
-    ip_ceilings: {{ work: 1000, protocol_only: 1000 }}
+    ip_ceilings: {{ ip: 1000, ip_protocol: 1000 }}
 default_class: standard
 {extra}"
     );
@@ -166,7 +169,7 @@ routes:
   - { method: POST, path: /evals, class: expensive, quota: evals }
 ",
     );
-    policy.shadows.dry_run = true;
+    policy.dry_run = true;
     let limiter = limiter(policy);
     assert_eq!(
         statuses(&send(&limiter, "POST", "/evals", 5).await),
@@ -222,10 +225,13 @@ routes:
 fn p5_a_mode_that_is_not_enforce_or_shadow_is_named_with_its_key_path() {
     let yaml = "profile: p
 window_seconds: 60
+ceilings:
+  ip: { classes: [read, standard, expensive] }
+  ip_protocol: { classes: [protocol], only: true }
 profiles:
   p:
     classes: { protocol: 1, read: 1, standard: 1, expensive: 1 }
-    ip_ceilings: { work: 1, protocol_only: 1 }
+    ip_ceilings: { ip: 1, ip_protocol: 1 }
 buckets:
   exports: { limit: 2, window_seconds: 60, per: caller, mode: dry }
 quotas:
@@ -303,15 +309,19 @@ async fn p5_d3_a_dry_run_refuses_nothing_while_the_store_is_down_and_classes_fai
     // epoch and ends in 2106, so no run straddles a boundary.
     let yaml = "profile: p
 window_seconds: 4294967295
+ceilings:
+  ip: { classes: [read, standard, expensive] }
+  ip_protocol: { classes: [protocol], only: true }
 profiles:
   p:
     classes: { protocol: 100, read: 100, standard: 100, expensive: 3 }
-    ip_ceilings: { work: 1000, protocol_only: 1000 }
+    ip_ceilings: { ip: 1000, ip_protocol: 1000 }
+default_class: standard
 routes:
   - { method: POST, path: /chats, class: expensive }
 ";
     let mut policy = parse_str(yaml, Path::new("down.yaml")).expect("policy");
-    policy.shadows.dry_run = true;
+    policy.dry_run = true;
     let limiter =
         Limiter::new(policy, Down).with_fallback(MemoryStore::new(MemoryConfig::default()));
     // Decided on the fallback store (3 a minute): calls 4 and 5 would have been
@@ -343,9 +353,9 @@ routes:
 #[tokio::test]
 async fn p5_q2_a_bucket_that_passes_an_exhausted_request_on_does_so_in_a_dry_run_too() {
     let mut shadowed = passing("");
-    shadowed.shadows.dry_run = true;
+    shadowed.dry_run = true;
     for policy in [passing(""), shadowed] {
-        let dry = policy.shadows.dry_run;
+        let dry = policy.dry_run;
         let limiter = limiter(policy);
         for i in 0..4 {
             let parts = request("POST", "/search");

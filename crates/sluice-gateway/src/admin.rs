@@ -240,8 +240,8 @@ pub struct Sample {
     pub at: u64,
     /// Requests the gateway received.
     pub requests: u64,
-    /// Per class, in the order of `sluice_policy::Class::ALL`.
-    pub classes: [ClassSample; 4],
+    /// Per class, in the policy's order (`/status`'s `class_names`).
+    pub classes: Vec<ClassSample>,
     /// Decisions made on the fallback store (the shared store down, fail-open).
     pub local_decisions: u64,
     /// The store was failing when the sample was taken.
@@ -268,18 +268,26 @@ impl History {
         degraded: bool,
         in_flight: u64,
     ) {
-        let mut classes = [ClassSample::default(); 4];
-        for (i, (sample, now)) in classes.iter_mut().zip(&tally.classes).enumerate() {
-            let before = self.last.as_ref().and_then(|(_, t)| t.classes.get(i));
-            let delta =
-                |f: fn(&sluice_edge::ClassTally) -> u64| f(now).saturating_sub(before.map_or(0, f));
-            *sample = ClassSample {
-                admitted: delta(|c| c.admitted),
-                refused: delta(|c| c.refused),
-                units: delta(|c| c.units),
-                fill_permille: now.fill_permille,
-            };
-        }
+        let classes = tally
+            .classes
+            .iter()
+            .map(|now| {
+                // The same class before, by name: a reload may change the classes.
+                let before = self
+                    .last
+                    .as_ref()
+                    .and_then(|(_, t)| t.classes.iter().find(|c| c.name == now.name));
+                let delta = |f: fn(&sluice_edge::ClassTally) -> u64| {
+                    f(now).saturating_sub(before.map_or(0, f))
+                };
+                ClassSample {
+                    admitted: delta(|c| c.admitted),
+                    refused: delta(|c| c.refused),
+                    units: delta(|c| c.units),
+                    fill_permille: now.fill_permille,
+                }
+            })
+            .collect();
         let (requests_before, local_before) = self
             .last
             .as_ref()
@@ -616,7 +624,7 @@ async fn dashboard_json(
 fn tally_json(t: &sluice_edge::Tally) -> serde_json::Value {
     serde_json::json!({
         "classes": t.classes.iter().map(|c| serde_json::json!({
-            "class": c.class.name(),
+            "class": c.name,
             "limit": c.limit,
             "admitted": c.admitted,
             "refused": c.refused,
@@ -776,11 +784,13 @@ mod tests {
         state.sample();
         let history = state.inner.history.lock();
         let last = history.samples.back().expect("a sample");
-        let expensive = last.classes[sluice_policy::Class::Expensive.index()];
+        let policy = limiter.policy();
+        let index = |name: &str| policy.class(name).expect("a built-in class").index();
+        let expensive = last.classes[index("expensive")];
         assert_eq!((expensive.admitted, expensive.refused), (30, 1));
         assert_eq!(expensive.units, 30);
         assert_eq!(expensive.fill_permille, 1000, "one caller spent all 30");
-        let read = last.classes[sluice_policy::Class::Read.index()];
+        let read = last.classes[index("read")];
         assert_eq!(read, ClassSample::default());
     }
 }

@@ -308,7 +308,7 @@ fn parse(file: &PolicyFile, text: &[u8]) -> Result<Policy, String> {
     let text = std::str::from_utf8(text)
         .map_err(|e| format!("{}: not UTF-8: {e}", file.path.display()))?;
     let mut policy = sluice_policy::parse_str(text, &file.path).map_err(|e| e.to_string())?;
-    policy.shadows.dry_run |= file.dry_run;
+    policy.dry_run |= file.dry_run;
     match &file.profile {
         Some(profile) => policy
             .with_profile(profile)

@@ -532,7 +532,7 @@ pub(super) fn log_started(store: &StoreSpec, data_dir: &std::path::Path, core: &
         );
     }
     tracing::info!(target: "sluice::reload", version = core.reloader.version(), "policy loaded");
-    if core.limiter.load().policy().shadows.dry_run {
+    if core.limiter.load().policy().dry_run {
         tracing::warn!(
             "dry run: every budget is in shadow mode and refuses nothing (its would-be refusals are counted in sluice_shadow_refusals_total); guarded lanes, the breaker and the store outage rule still apply"
         );

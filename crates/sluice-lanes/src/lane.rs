@@ -285,7 +285,7 @@ impl Lane {
     /// whose call has waited longest); within a workspace calls go in order.
     ///
     /// Refused at once, without waiting: while the breaker is open or its
-    /// probe is out ([`RefusalReason::OptimizerUnavailable`], retry-after =
+    /// probe is out ([`RefusalReason::Unavailable`], retry-after =
     /// the time it stays open); when the line (or the workspace's share of
     /// it) is full; when `max_wait` is zero; and when the workspace's start
     /// limit would hold the call longer than `max_wait` (its exact start slot
@@ -1089,7 +1089,7 @@ impl State {
             );
         }
         if !self.global_has_room() || self.remote_busy.is_some() {
-            consider(RefusalReason::OptimizerBusy, self.estimate(None, now));
+            consider(RefusalReason::Busy, self.estimate(None, now));
         }
         // What the shared ledger said last.
         match self.workspaces.get(workspace).and_then(|ws| ws.remote) {
@@ -1105,7 +1105,7 @@ impl State {
             None => {}
         }
         worst.unwrap_or(LaneRefusal {
-            reason: RefusalReason::OptimizerBusy,
+            reason: RefusalReason::Busy,
             retry_after: self.estimate(None, now),
         })
     }
@@ -1255,7 +1255,7 @@ impl State {
 
 fn unavailable(retry_after: Duration) -> LaneRefusal {
     LaneRefusal {
-        reason: RefusalReason::OptimizerUnavailable,
+        reason: RefusalReason::Unavailable,
         retry_after,
     }
 }

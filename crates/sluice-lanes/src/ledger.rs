@@ -365,7 +365,7 @@ impl Ledger for MemoryLedger {
         if c.global >= config.global_cap
             || (kind == LeaseKind::Batch && c.batch >= config.batch_cap())
         {
-            return refused(RefusalReason::OptimizerBusy, None);
+            return refused(RefusalReason::Busy, None);
         }
         let lease = self.inner.ids.lease(workspace, kind);
         state.leases.insert(

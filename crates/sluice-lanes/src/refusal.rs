@@ -14,9 +14,9 @@ pub enum RefusalReason {
     /// The workspace has started as many calls as it may in the rolling window.
     WorkspaceRateLimit,
     /// Every place of the global cap is taken.
-    OptimizerBusy,
+    Busy,
     /// The breaker is open (or its one probe is out): no call is sent now.
-    OptimizerUnavailable,
+    Unavailable,
     /// The ledger shared by the replicas could not be asked, and the lane
     /// fails closed (see [`LedgerOutage`](crate::LedgerOutage)): retry after
     /// 1 s. Not a limit of the upstream's: a gateway answers it as its store
@@ -25,14 +25,16 @@ pub enum RefusalReason {
 }
 
 impl RefusalReason {
-    /// The reason string: `workspace_in_flight_limit`, `workspace_rate_limit`,
-    /// `optimizer_busy`, `optimizer_unavailable` or `ledger_unavailable`.
+    /// The lane engine's name of the reason: `workspace_in_flight_limit`,
+    /// `workspace_rate_limit`, `busy`, `unavailable` or `ledger_unavailable`. A
+    /// gateway may show `busy` and `unavailable` under names of its own (sluice's
+    /// policy names them after the lane: `optimizer_busy` for a lane `optimizer`).
     pub const fn as_str(self) -> &'static str {
         match self {
             RefusalReason::WorkspaceInFlightLimit => "workspace_in_flight_limit",
             RefusalReason::WorkspaceRateLimit => "workspace_rate_limit",
-            RefusalReason::OptimizerBusy => "optimizer_busy",
-            RefusalReason::OptimizerUnavailable => "optimizer_unavailable",
+            RefusalReason::Busy => "busy",
+            RefusalReason::Unavailable => "unavailable",
             RefusalReason::LedgerUnavailable => "ledger_unavailable",
         }
     }
@@ -43,7 +45,7 @@ impl RefusalReason {
     pub const fn retry_after_is_exact(self) -> bool {
         matches!(
             self,
-            RefusalReason::WorkspaceRateLimit | RefusalReason::OptimizerUnavailable
+            RefusalReason::WorkspaceRateLimit | RefusalReason::Unavailable
         )
     }
 }
@@ -58,7 +60,7 @@ impl fmt::Display for RefusalReason {
 ///
 /// `retry_after` is exact for [`RefusalReason::WorkspaceRateLimit`] (when this
 /// call's start slot leaves the rolling window) and for
-/// [`RefusalReason::OptimizerUnavailable`] (the time the breaker stays open).
+/// [`RefusalReason::Unavailable`] (the time the breaker stays open).
 /// For the other two it is an estimate of when a running call finishes,
 /// within the lane's estimate bounds, so a retry then can be refused again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]

@@ -157,7 +157,7 @@ async fn l4_l3_no_batch_item_starts_while_the_breaker_is_open_and_single_calls_p
     assert!(probe.is_probe());
     assert!(lane.try_acquire_batch("bulk").is_none(), "one probe only");
     let refused = lane.acquire("acme", REST).await.expect_err("probe out");
-    assert_eq!(refused.reason, RefusalReason::OptimizerUnavailable);
+    assert_eq!(refused.reason, RefusalReason::Unavailable);
     probe.finish(Outcome::Success);
     assert!(lane.try_acquire_batch("bulk").is_some());
 }
@@ -193,7 +193,7 @@ async fn l4_l3_batch_item_failures_never_open_the_breaker_for_other_workspaces()
         take(&lane, "acme").await.finish(Outcome::Failure);
     }
     let refused = lane.acquire("globex", REST).await.expect_err("open");
-    assert_eq!(refused.reason, RefusalReason::OptimizerUnavailable);
+    assert_eq!(refused.reason, RefusalReason::Unavailable);
 }
 
 #[tokio::test(start_paused = true)]

@@ -29,8 +29,8 @@ async fn l3_five_failures_in_a_row_refuse_every_call_at_once_with_the_time_left(
         Duration::ZERO,
         "refused at once, not after 15 s"
     );
-    assert_eq!(refused.reason, RefusalReason::OptimizerUnavailable);
-    assert_eq!(refused.reason.as_str(), "optimizer_unavailable");
+    assert_eq!(refused.reason, RefusalReason::Unavailable);
+    assert_eq!(refused.reason.as_str(), "unavailable");
     assert_eq!(refused.retry_after, 30 * SEC);
     advance(12 * SEC).await;
     let refused = lane.acquire("acme", REST).await.expect_err("open");
@@ -89,7 +89,7 @@ async fn l3_after_30s_exactly_one_probe_goes_and_its_success_closes_it() {
         .await
         .expect_err("one probe only");
     assert_eq!(asked.elapsed(), Duration::ZERO);
-    assert_eq!(refused.reason, RefusalReason::OptimizerUnavailable);
+    assert_eq!(refused.reason, RefusalReason::Unavailable);
     advance(20 * SEC).await;
     probe.finish(Outcome::Success);
     assert_eq!(lane.snapshot().breaker, BreakerStatus::Closed);
@@ -107,7 +107,7 @@ async fn l3_a_failed_probe_reopens_it_for_another_30s() {
     advance(5 * SEC).await;
     probe.finish(Outcome::Failure);
     let refused = lane.acquire("acme", REST).await.expect_err("re-opened");
-    assert_eq!(refused.reason, RefusalReason::OptimizerUnavailable);
+    assert_eq!(refused.reason, RefusalReason::Unavailable);
     assert_eq!(refused.retry_after, 30 * SEC);
     advance(30 * SEC).await;
     let probe = take(&lane, "acme").await;
@@ -142,7 +142,7 @@ async fn l3_calls_waiting_in_line_are_refused_when_it_opens() {
     let (got, waited) = waiter.await.expect("task");
     let refused = got.expect_err("nothing is sent while open");
     assert_eq!(waited, 2 * SEC, "told at once, not at the end of its wait");
-    assert_eq!(refused.reason, RefusalReason::OptimizerUnavailable);
+    assert_eq!(refused.reason, RefusalReason::Unavailable);
     assert_eq!(refused.retry_after, 30 * SEC);
     assert_eq!(lane.snapshot().waiting, 0);
 }

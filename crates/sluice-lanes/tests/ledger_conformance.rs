@@ -374,12 +374,12 @@ fn l1_the_global_cap_and_the_batch_reserve_refuse_as_busy() {
     let mut p = shared.pair(limits(5, 10, 3, 1));
     assert_eq!(p.take(0, BATCH), Answer::Leased);
     assert_eq!(p.take(1, BATCH), Answer::Leased);
-    assert_eq!(p.take(2, BATCH), refused(RefusalReason::OptimizerBusy));
+    assert_eq!(p.take(2, BATCH), refused(RefusalReason::Busy));
     // The reserve is for single calls.
     assert_eq!(p.take(2, SINGLE), Answer::Leased);
     // The cap holds every workspace and kind.
-    assert_eq!(p.take(1, SINGLE), refused(RefusalReason::OptimizerBusy));
-    assert_eq!(p.take(0, BATCH), refused(RefusalReason::OptimizerBusy));
+    assert_eq!(p.take(1, SINGLE), refused(RefusalReason::Busy));
+    assert_eq!(p.take(0, BATCH), refused(RefusalReason::Busy));
     // A workspace at its own limit hears that first, not busy.
     let mut p = shared.pair(limits(1, 10, 1, 0));
     assert_eq!(p.take(0, SINGLE), Answer::Leased);
@@ -387,7 +387,7 @@ fn l1_the_global_cap_and_the_batch_reserve_refuse_as_busy() {
         p.take(0, SINGLE),
         refused(RefusalReason::WorkspaceInFlightLimit)
     );
-    assert_eq!(p.take(1, SINGLE), refused(RefusalReason::OptimizerBusy));
+    assert_eq!(p.take(1, SINGLE), refused(RefusalReason::Busy));
     let c = p.counts(1);
     assert_eq!((c.global, c.batch, c.workspace_running), (1, 0, 0));
 }
@@ -493,7 +493,7 @@ fn l1_memory_ledger_and_redis_script_answer_alike_for_any_sequence() {
         "WorkspaceInFlightLimit may_free=false",
         "WorkspaceRateLimit may_free=false",
         "WorkspaceRateLimit may_free=true",
-        "OptimizerBusy may_free=false",
+        "Busy may_free=false",
         "renewed=true",
         "renewed=false",
     ] {

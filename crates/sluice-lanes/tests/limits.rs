@@ -127,7 +127,7 @@ async fn l1_a_rate_limited_call_within_its_wait_starts_at_its_exact_slot() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn l1_full_global_cap_gives_optimizer_busy() {
+async fn l1_full_global_cap_gives_busy() {
     let lane = lane();
     let mut held = Vec::new();
     for w in 0..6 {
@@ -138,8 +138,8 @@ async fn l1_full_global_cap_gives_optimizer_busy() {
     let asked = Instant::now();
     let refused = lane.acquire("fresh", REST).await.expect_err("busy");
     assert_eq!(asked.elapsed(), REST);
-    assert_eq!(refused.reason, RefusalReason::OptimizerBusy);
-    assert_eq!(refused.reason.as_str(), "optimizer_busy");
+    assert_eq!(refused.reason, RefusalReason::Busy);
+    assert_eq!(refused.reason.as_str(), "busy");
     assert_eq!(refused.retry_after, 75 * SEC);
 }
 

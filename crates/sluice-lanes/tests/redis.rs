@@ -78,11 +78,11 @@ async fn l1_workspace_and_global_limits_hold_across_replicas() {
     assert_eq!(c.global, 20);
     assert_eq!(
         refused(&a, "other", LeaseKind::Single).await.0,
-        RefusalReason::OptimizerBusy
+        RefusalReason::Busy
     );
     assert_eq!(
         refused(&b, "other", LeaseKind::Batch).await.0,
-        RefusalReason::OptimizerBusy
+        RefusalReason::Busy
     );
 }
 
@@ -115,7 +115,7 @@ async fn l4_batch_items_stay_within_cap_minus_reserve_across_replicas() {
     }
     assert_eq!(
         refused(&a, "bulk", LeaseKind::Batch).await.0,
-        RefusalReason::OptimizerBusy
+        RefusalReason::Busy
     );
     // Batch items spend neither the workspace's places nor its starts.
     for _ in 0..3 {

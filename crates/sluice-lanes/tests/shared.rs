@@ -93,7 +93,7 @@ async fn l1_the_global_cap_of_20_holds_across_two_replicas() {
     );
     for lane in [&a, &b] {
         let refused = lane.acquire("fresh", REST).await.expect_err("cap is full");
-        assert_eq!(refused.reason, RefusalReason::OptimizerBusy);
+        assert_eq!(refused.reason, RefusalReason::Busy);
     }
     assert_eq!(
         lane_batch(&a).await,
@@ -360,7 +360,7 @@ async fn d3_failing_open_a_replica_counts_its_share_of_each_limit() {
         held.push(lane.acquire(&format!("w{i}"), REST).await.expect("share"));
     }
     let refused = lane.acquire("w10", REST).await.expect_err("10 of 20 here");
-    assert_eq!(refused.reason, RefusalReason::OptimizerBusy);
+    assert_eq!(refused.reason, RefusalReason::Busy);
     // Renewed on the fallback while the ledger stays down.
     for _ in 0..30 {
         advance(SEC).await;

@@ -4,44 +4,50 @@
 
 use http::Method;
 
+use std::collections::BTreeMap;
+
 use crate::raw::{
-    RawBucket, RawCeilings, RawClasses, RawKey, RawProfile, RawQuota, RawRoute, RawTool,
+    RawBucket, RawCeiling, RawClassLimits, RawKey, RawProfile, RawQuota, RawRoute, RawTool,
 };
-use crate::{Class, CredentialSource, Per, Policy, PolicyError, Problem, RawPolicy, validate};
+use crate::{CredentialSource, Per, Policy, PolicyError, Problem, RawPolicy, validate};
 
 /// The profile a built policy defines and uses.
 const PROFILE: &str = "production";
 
 /// Builds a [`Policy`] in code (see [`Policy::builder`]).
 ///
-/// It starts from the built-in policy's numbers per caller and window of 60 s
-/// (protocol 600, read 300, standard 60, expensive 30; per client IP, 300
-/// requests holding work and 1,200 holding only protocol calls), credentials
-/// from `X-API-Key`, a bearer token and the `session` cookie, and no route,
-/// bucket, quota or lane: every request is then of the `standard` class.
+/// It starts from the built-in policy's classes and numbers per caller and
+/// window of 60 s (protocol 600, read 300, standard 60, expensive 30; per client
+/// IP, ceiling `ip` of 300 requests holding read, standard or expensive calls and
+/// `ip_protocol` of 1,200 holding only protocol calls), credentials from
+/// `X-API-Key`, a bearer token and the `session` cookie, and no route, bucket,
+/// quota or lane: every request is then of the `standard` class. Classes and
+/// ceilings are named by the strings a policy file has; [`PolicyBuilder::limit`]
+/// of a new name adds a class (the costliest so far).
 /// Each method changes one thing; [`PolicyBuilder::build`] reports every
 /// problem at once, each named by the key a policy file would have.
 ///
 /// ```
 /// use http::Method;
-/// use sluice_policy::{Class, Per, Policy, RouteClass};
+/// use sluice_policy::{Per, Policy, RouteClass};
 ///
 /// let policy = Policy::builder()
 ///     .window_seconds(60)
-///     .limit(Class::Expensive, 10)
-///     .route(Method::POST, "/chats", Class::Expensive)
-///     .route_any_method("/search/*", Class::Read)
+///     .limit("expensive", 10)
+///     .route(Method::POST, "/chats", "expensive")
+///     .route_any_method("/search/*", "read")
 ///     .bucket("register", 5, 60, Per::Ip)
-///     .route(Method::POST, "/oauth/register", Class::Standard)
+///     .route(Method::POST, "/oauth/register", "standard")
 ///     .spends("register")
 ///     .jsonrpc_route("/mcp")
-///     .tool("start_chat", Class::Expensive)
+///     .tool("start_chat", "expensive")
 ///     .build()?;
-/// assert_eq!(policy.profile.limit(Class::Expensive).get(), 10);
+/// let expensive = policy.class("expensive").unwrap();
+/// assert_eq!(policy.profile.limit(expensive).get(), 10);
 /// let chats = policy.route(&Method::POST, "/chats").unwrap();
-/// assert_eq!(chats.class, RouteClass::Fixed(Class::Expensive));
+/// assert_eq!(chats.class, RouteClass::Fixed(expensive));
 /// // Checked as a file is: a route naming no bucket of the policy is refused.
-/// let wrong = Policy::builder().route(Method::GET, "/", Class::Read).spends("nope").build();
+/// let wrong = Policy::builder().route(Method::GET, "/", "read").spends("nope").build();
 /// assert!(wrong.unwrap_err().to_string().contains("routes[0].buckets"));
 /// # Ok::<(), sluice_policy::PolicyError>(())
 /// ```
@@ -72,23 +78,44 @@ impl PolicyBuilder {
         let mut raw = RawPolicy {
             profile: Some(PROFILE.to_owned()),
             window_seconds: Some(60),
+            default_class: Some("standard".to_owned()),
             ..RawPolicy::default()
         };
+        let classes = [
+            ("protocol", 600),
+            ("read", 300),
+            ("standard", 60),
+            ("expensive", 30),
+        ];
         raw.profiles.insert(
             PROFILE.to_owned(),
             RawProfile {
-                classes: RawClasses {
-                    protocol: 600,
-                    read: 300,
-                    standard: 60,
-                    expensive: 30,
-                },
-                ip_ceilings: RawCeilings {
-                    work: 300,
-                    protocol_only: 1_200,
-                },
+                classes: RawClassLimits(
+                    classes.iter().map(|(n, l)| ((*n).to_owned(), *l)).collect(),
+                ),
+                ip_ceilings: BTreeMap::from([
+                    ("ip".to_owned(), 300),
+                    ("ip_protocol".to_owned(), 1_200),
+                ]),
             },
         );
+        let names = |list: &[&str]| list.iter().map(|n| (*n).to_owned()).collect();
+        raw.ceilings = BTreeMap::from([
+            (
+                "ip".to_owned(),
+                RawCeiling {
+                    classes: names(&["read", "standard", "expensive"]),
+                    only: false,
+                },
+            ),
+            (
+                "ip_protocol".to_owned(),
+                RawCeiling {
+                    classes: names(&["protocol"]),
+                    only: true,
+                },
+            ),
+        ]);
         PolicyBuilder {
             raw,
             misuses: Vec::new(),
@@ -126,43 +153,49 @@ impl PolicyBuilder {
         self
     }
 
-    /// Each caller may spend `per_window` calls of `class` per window.
-    pub fn limit(mut self, class: Class, per_window: u32) -> Self {
-        let classes = &mut self.profile().classes;
-        match class {
-            Class::Protocol => classes.protocol = per_window,
-            Class::Read => classes.read = per_window,
-            Class::Standard => classes.standard = per_window,
-            Class::Expensive => classes.expensive = per_window,
-        }
+    /// Each caller may spend `per_window` calls of `class` per window; a class
+    /// the policy does not have yet is added, the costliest so far.
+    pub fn limit(mut self, class: &str, per_window: u32) -> Self {
+        self.profile().classes.set(class, per_window);
         self
     }
 
-    /// Per client IP and window, whatever the credential: at most `work`
-    /// requests holding any read, standard or expensive call, and at most
-    /// `protocol_only` holding only protocol calls.
-    pub fn ip_ceilings(mut self, work: u32, protocol_only: u32) -> Self {
-        self.profile().ip_ceilings = RawCeilings {
-            work,
-            protocol_only,
-        };
+    /// A per-IP ceiling named `name`: at most `per_window` requests per client
+    /// IP and window, whatever the credential, of those holding any call of
+    /// `classes` (or, with `only`, only calls of them). The built-in two are
+    /// replaced by naming them.
+    pub fn ip_ceiling(mut self, name: &str, classes: &[&str], only: bool, per_window: u32) -> Self {
+        self.raw.ceilings.insert(
+            name.to_owned(),
+            RawCeiling {
+                classes: classes.iter().map(|c| (*c).to_owned()).collect(),
+                only,
+            },
+        );
+        self.profile()
+            .ip_ceilings
+            .insert(name.to_owned(), per_window);
         self
     }
 
     /// No ceiling per client IP (callers are still limited each on its own).
-    pub fn without_ip_ceilings(self) -> Self {
-        self.ip_ceilings(u32::MAX, u32::MAX)
+    pub fn without_ip_ceilings(mut self) -> Self {
+        self.raw.ceilings.clear();
+        for profile in self.raw.profiles.values_mut() {
+            profile.ip_ceilings.clear();
+        }
+        self
     }
 
     /// Requests to `method` and `path` cost one `class` call. Routes are
     /// matched in the order they were added, first match wins; `path` is a
     /// pattern (`/chats/{id}`, a trailing `*` for the rest).
-    pub fn route(self, method: Method, path: &str, class: Class) -> Self {
+    pub fn route(self, method: Method, path: &str, class: &str) -> Self {
         self.push_route(Some(method.as_str().to_owned()), path, Some(class), false)
     }
 
     /// Requests to `path` with any method cost one `class` call.
-    pub fn route_any_method(self, path: &str, class: Class) -> Self {
+    pub fn route_any_method(self, path: &str, class: &str) -> Self {
         self.push_route(None, path, Some(class), false)
     }
 
@@ -176,13 +209,13 @@ impl PolicyBuilder {
         mut self,
         method: Option<String>,
         path: &str,
-        class: Option<Class>,
+        class: Option<&str>,
         jsonrpc: bool,
     ) -> Self {
         self.raw.routes.push(RawRoute {
             method,
             path: Some(path.to_owned()),
-            class: class.map(|c| c.name().to_owned()),
+            class: class.map(str::to_owned),
             jsonrpc,
             ..RawRoute::default()
         });
@@ -271,9 +304,9 @@ impl PolicyBuilder {
     }
 
     /// A JSON-RPC `tools/call` of tool `name` costs one `class` call.
-    pub fn tool(mut self, name: &str, class: Class) -> Self {
+    pub fn tool(mut self, name: &str, class: &str) -> Self {
         let tool = RawTool {
-            class: class.name().to_owned(),
+            class: class.to_owned(),
             ..RawTool::default()
         };
         if self
@@ -292,8 +325,8 @@ impl PolicyBuilder {
     }
 
     /// The class of a request no route matches (`standard` unless told).
-    pub fn default_class(mut self, class: Class) -> Self {
-        self.raw.default_class = Some(class.name().to_owned());
+    pub fn default_class(mut self, class: &str) -> Self {
+        self.raw.default_class = Some(class.to_owned());
         self
     }
 
@@ -362,7 +395,10 @@ window_seconds: 30
 profiles:
   production:
     classes: { protocol: 600, read: 300, standard: 60, expensive: 5 }
-    ip_ceilings: { work: 100, protocol_only: 1200 }
+    ip_ceilings: { ip: 100, ip_protocol: 1200 }
+ceilings:
+  ip: { classes: [read, standard, expensive] }
+  ip_protocol: { classes: [protocol], only: true }
 identity:
   credentials: [bearer]
   trusted_proxies: [10.0.0.0/8]
@@ -385,8 +421,8 @@ default_class: read
         let from_file: RawPolicy = serde_saphyr::from_str(yaml).expect("the file reads");
         let built = Policy::builder()
             .window_seconds(30)
-            .limit(Class::Expensive, 5)
-            .ip_ceilings(100, 1_200)
+            .limit("expensive", 5)
+            .ip_ceiling("ip", &["read", "standard", "expensive"], false, 100)
             .credentials(&[CredentialSource::Bearer])
             .trusted_proxy("10.0.0.0/8")
             .key(
@@ -396,14 +432,14 @@ default_class: read
             )
             .bucket("register", 5, 60, Per::Ip)
             .quota("messages", Some(1_000))
-            .route(Method::POST, "/oauth/register", Class::Standard)
+            .route(Method::POST, "/oauth/register", "standard")
             .spends("register")
-            .route(Method::POST, "/messages", Class::Expensive)
+            .route(Method::POST, "/messages", "expensive")
             .counts("messages")
-            .route_any_method("/search/*", Class::Read)
+            .route_any_method("/search/*", "read")
             .jsonrpc_route("/mcp")
-            .tool("start_chat", Class::Expensive)
-            .default_class(Class::Read);
+            .tool("start_chat", "expensive")
+            .default_class("read");
         assert_eq!(built.clone().into_raw(), from_file);
         let (built, from_file) = (
             built.build().expect("valid"),
@@ -417,11 +453,11 @@ default_class: read
         let err = Policy::builder()
             .bucket("twice", 1, 60, Per::Ip)
             .bucket("twice", 2, 60, Per::Ip)
-            .tool("t", Class::Read)
-            .tool("t", Class::Expensive)
+            .tool("t", "read")
+            .tool("t", "expensive")
             .spends("early")
-            .limit(Class::Read, 0)
-            .route(Method::GET, "/x", Class::Read)
+            .limit("read", 0)
+            .route(Method::GET, "/x", "read")
             .counts("nowhere")
             .build()
             .expect_err("five problems");
@@ -449,8 +485,11 @@ default_class: read
     #[test]
     fn without_routes_every_request_is_standard_at_the_built_in_numbers() {
         let policy = Policy::builder().build().expect("valid");
-        assert_eq!(policy.profile.limit(Class::Standard).get(), 60);
+        let standard = policy
+            .class("standard")
+            .expect("a class of the built-in policy");
+        assert_eq!(policy.profile.limit(standard).get(), 60);
         assert!(policy.route(&Method::GET, "/anything").is_none());
-        assert_eq!(policy.default_class, Class::Standard);
+        assert_eq!(policy.default_class, standard);
     }
 }

@@ -17,10 +17,13 @@ window_seconds: 60
 profiles:
   production:
     classes: { protocol: 600, read: 300, standard: 60, expensive: 30 }
-    ip_ceilings: { work: 300, protocol_only: 1200 }
+    ip_ceilings: { ip: 300, ip_protocol: 1200 }
   local:
     classes: { protocol: 3000, read: 1500, standard: 500, expensive: 150 }
-    ip_ceilings: { work: 2000, protocol_only: 6000 }
+    ip_ceilings: { ip: 2000, ip_protocol: 6000 }
+ceilings:
+  ip: { classes: [read, standard, expensive] }
+  ip_protocol: { classes: [protocol], only: true }
 identity:
   credentials: [x_api_key, bearer, session_cookie]
   session_cookie: session

@@ -3,8 +3,7 @@
 use std::fmt::Write as _;
 
 use crate::model::{
-    Algorithm, Class, CredentialSource, OnExhausted, Outage, Per, Policy, Refusal, RouteClass,
-    Spends,
+    Algorithm, CredentialSource, OnExhausted, Outage, Per, Policy, Refusal, RouteClass, Spends,
 };
 
 impl Policy {
@@ -19,21 +18,40 @@ impl Policy {
             names.join(", ")
         );
         let _ = writeln!(out, "window: {} s, aligned to the Unix epoch", self.window);
-        let classes: Vec<String> = Class::ALL
-            .iter()
-            .map(|&c| format!("{c} {}", self.profile.limit(c)))
+        let classes: Vec<String> = self
+            .class_ids()
+            .map(|c| format!("{} {}", self.class_name(c), self.profile.limit(c)))
             .collect();
         let _ = writeln!(out, "per caller and class: {}", classes.join(", "));
+        let ceilings: Vec<String> = self
+            .ceilings
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let over: Vec<&str> = c.over.iter().map(|k| self.class_name(k)).collect();
+                let holding = if c.only { "only" } else { "any of" };
+                format!(
+                    "{} {} (requests holding {holding} {})",
+                    c.name,
+                    self.profile.ceiling(i),
+                    over.join(", ")
+                )
+            })
+            .collect();
         let _ = writeln!(
             out,
-            "per IP: {} requests holding work, {} protocol-only requests",
-            self.profile.ceiling_work, self.profile.ceiling_protocol_only
+            "per IP: {}",
+            if ceilings.is_empty() {
+                "no ceiling".to_owned()
+            } else {
+                ceilings.join("; ")
+            }
         );
-        let a = &self.algorithms;
-        let counted: Vec<String> = Class::ALL
+        let counted: Vec<String> = self
+            .classes
             .iter()
-            .map(|&c| (c.name(), a.class(c)))
-            .chain([("ip", a.ip_work), ("ip_protocol", a.ip_protocol)])
+            .map(|c| (c.name.as_str(), c.algorithm))
+            .chain(self.ceilings.iter().map(|c| (c.name.as_str(), c.algorithm)))
             .filter(|(_, algorithm)| *algorithm != Algorithm::Fixed)
             .map(|(name, algorithm)| format!("{name} {algorithm}"))
             .collect();
@@ -145,7 +163,7 @@ impl Policy {
             let method = r.method.as_ref().map_or("*", |m| m.as_str());
             let path = r.path.as_ref().map_or("*", |p| p.as_str());
             let class = match &r.class {
-                RouteClass::Fixed(c) => c.name().to_owned(),
+                RouteClass::Fixed(c) => self.class_name(*c).to_owned(),
                 RouteClass::JsonRpc => "per JSON-RPC item".to_owned(),
             };
             let also = self.describe_spends(&Spends {
@@ -158,18 +176,20 @@ impl Policy {
         let _ = writeln!(
             out,
             "  {:<7} {:<36} {}",
-            "*", "(anything else)", self.default_class
+            "*",
+            "(anything else)",
+            self.class_name(self.default_class)
         );
         let mut methods: Vec<String> = self
             .jsonrpc
             .methods
             .iter()
-            .map(|(m, c)| format!("{m}={c}"))
+            .map(|(m, c)| format!("{m}={}", self.class_name(*c)))
             .chain(
                 self.jsonrpc
                     .method_prefixes
                     .iter()
-                    .map(|(p, c)| format!("{p}*={c}")),
+                    .map(|(p, c)| format!("{p}*={}", self.class_name(*c))),
             )
             .collect();
         methods.sort();
@@ -177,7 +197,13 @@ impl Policy {
             .jsonrpc
             .tools
             .iter()
-            .map(|(t, tool)| format!("{t}={}{}", tool.class, self.describe_spends(&tool.spends)))
+            .map(|(t, tool)| {
+                format!(
+                    "{t}={}{}",
+                    self.class_name(tool.class),
+                    self.describe_spends(&tool.spends)
+                )
+            })
             .collect();
         tools.sort();
         let mut retired: Vec<String> = self
@@ -200,7 +226,11 @@ impl Policy {
                 retired.join(", ")
             }
         );
-        let _ = writeln!(out, "jsonrpc default: {}", self.jsonrpc.default_class);
+        let _ = writeln!(
+            out,
+            "jsonrpc default: {}",
+            self.class_name(self.jsonrpc.default_class)
+        );
         let _ = writeln!(
             out,
             "headers: X-RateLimit-*{}",
@@ -224,14 +254,15 @@ impl Policy {
                 "kept"
             }
         );
-        let outage: Vec<String> = Class::ALL
+        let outage: Vec<String> = self
+            .classes
             .iter()
-            .map(|&c| {
-                let o = match self.store.outage(c) {
+            .map(|c| {
+                let o = match c.outage {
                     Outage::FailOpen => "fail_open",
                     Outage::FailClosed => "fail_closed",
                 };
-                format!("{c} {o}")
+                format!("{} {o}", c.name)
             })
             .collect();
         let _ = writeln!(

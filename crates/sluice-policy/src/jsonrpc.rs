@@ -4,14 +4,19 @@ use http::HeaderMap;
 use http::header::CONTENT_ENCODING;
 use serde_json::Value;
 
-use crate::model::{Bounds, Class, JsonRpc, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES, Spends};
+use crate::model::{
+    Bounds, Class, ClassSet, JsonRpc, MAX_BUCKETS, MAX_CLASSES, MAX_LANES, MAX_QUOTA_FAMILIES,
+    Spends,
+};
 
 /// What a request holds: items by class, and what its items spend besides
 /// (quota units by family, the buckets named).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Items {
     /// Items per class, indexed by [`Class::index`].
-    pub counts: [u32; 4],
+    pub counts: [u32; MAX_CLASSES],
+    /// The classes of which it holds an item.
+    pub held: ClassSet,
     /// Units per quota family, indexed like [`crate::Policy::quotas`].
     pub quotas: [u32; MAX_QUOTA_FAMILIES],
     /// Units per bucket, indexed like [`crate::Policy::buckets`]: each item that
@@ -26,8 +31,16 @@ impl Items {
     /// One item of `class`.
     pub fn one(class: Class) -> Self {
         let mut items = Items::default();
-        items.counts[class.index()] = 1;
+        items.add(class, 1);
         items
+    }
+
+    /// Adds `n` items of `class`.
+    pub fn add(&mut self, class: Class, n: u32) {
+        if let Some(count) = self.counts.get_mut(class.index()) {
+            *count = count.saturating_add(n);
+            self.held = self.held.with(class);
+        }
     }
 
     /// Adds what one item spends besides its class.
@@ -80,14 +93,7 @@ impl Items {
 
     /// Items of `class`.
     pub fn count(&self, class: Class) -> u32 {
-        self.counts[class.index()]
-    }
-
-    /// True when every item is protocol traffic.
-    pub fn protocol_only(&self) -> bool {
-        Class::ALL
-            .iter()
-            .all(|&c| c == Class::Protocol || self.count(c) == 0)
+        self.counts.get(class.index()).copied().unwrap_or(0)
     }
 }
 
@@ -191,10 +197,10 @@ impl JsonRpc {
     fn count_item(&self, item: &Value, items: &mut Items) {
         match self.item_tool(item) {
             Some(tool) => {
-                items.counts[tool.class.index()] += 1;
+                items.add(tool.class, 1);
                 items.add_spends(&tool.spends);
             }
-            None => items.counts[self.item_class(item).index()] += 1,
+            None => items.add(self.item_class(item), 1),
         }
     }
 
@@ -312,7 +318,6 @@ pub fn depth_exceeds(json: &[u8], max: usize) -> bool {
 mod tests {
     use super::*;
     use crate::default_policy;
-    use crate::model::Class;
 
     fn classify(body: &[u8]) -> Result<Items, Unclassifiable> {
         let p = default_policy().expect("default policy");
@@ -343,7 +348,8 @@ mod tests {
             })
         );
         let items = p.jsonrpc.classify(batch(30).as_bytes(), &bounds);
-        assert_eq!(items.map(|i| i.count(Class::Expensive)), Ok(30));
+        let expensive = p.class("expensive").expect("a built-in class");
+        assert_eq!(items.map(|i| i.count(expensive)), Ok(30));
     }
 
     #[test]
@@ -422,7 +428,9 @@ mod tests {
 
     #[test]
     fn e5_jsonrpc_that_names_nothing_known_still_counts_as_standard() {
-        let standard = |body: &str| classify(body.as_bytes()).map(|i| i.count(Class::Standard));
+        let class = default_policy().expect("default policy").class("standard");
+        let class = class.expect("a built-in class");
+        let standard = |body: &str| classify(body.as_bytes()).map(|i| i.count(class));
         assert_eq!(standard(r#"{"hello":"world"}"#), Ok(1));
         assert_eq!(standard(&call(1, "no_such_tool")), Ok(1));
         assert_eq!(

@@ -4,16 +4,19 @@
 //!
 //! ```
 //! use http::Method;
-//! use sluice_policy::{default_policy, Class, RouteClass};
+//! use sluice_policy::{default_policy, RouteClass};
 //!
 //! let policy = default_policy().unwrap();
-//! assert_eq!(policy.profile.limit(Class::Expensive).get(), 30);
+//! // Classes are the policy's: the built-in one names four.
+//! let expensive = policy.class("expensive").unwrap();
+//! let protocol = policy.class("protocol").unwrap();
+//! assert_eq!(policy.profile.limit(expensive).get(), 30);
 //! let route = policy.route(&Method::POST, "/chats").unwrap();
-//! assert_eq!(route.class, RouteClass::Fixed(Class::Expensive));
+//! assert_eq!(route.class, RouteClass::Fixed(expensive));
 //! let body = br#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"start_chat"}},
 //!                 {"jsonrpc":"2.0","id":2,"method":"ping"}]"#;
 //! let items = policy.jsonrpc.classify(body, &policy.bounds).unwrap();
-//! assert_eq!((items.count(Class::Expensive), items.count(Class::Protocol)), (1, 1));
+//! assert_eq!((items.count(expensive), items.count(protocol)), (1, 1));
 //! // What cannot be counted is refused, never counted as something cheaper.
 //! assert!(policy.jsonrpc.classify(b"[]", &policy.bounds).is_err());
 //! // Paths are matched in their normal form.
@@ -41,18 +44,19 @@ pub use identity::{
 };
 pub use jsonrpc::{Items, Unclassifiable, check_content_encoding, depth_exceeds};
 pub use model::{
-    Algorithm, Algorithms, BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Enforcement,
-    Identity, JsonRpc, JsonRpcRefusal, Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES,
+    Algorithm, BatchEndpoint, Bounds, Bucket, Ceiling, Class, ClassSet, CostClass,
+    CredentialSource, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane, LaneBatch, LaneReasons,
+    MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES, MAX_QUOTA_FAMILIES,
     MAX_SLIDING_WINDOW_SECONDS, OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily,
-    Refusal, Route, RouteClass, SLIDING_SLOTS, Shadows, Spends, StorePolicy, Tool,
+    Refusal, Route, RouteClass, SLIDING_SLOTS, Spends, StorePolicy, Tool,
 };
 pub use path::{PathError, Paths, without_parameters};
 pub use pattern::PathPattern;
 pub use raw::RawPolicy;
 pub use validate::{
     DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH,
-    DEFAULT_STORE_TIMEOUT_MS, MAX_JSON_DEPTH, MAX_LANE_STARTS, MAX_ROUTE_BUCKETS, PolicyError,
-    Problem, validate,
+    DEFAULT_STORE_TIMEOUT_MS, MAX_CLASS_NAME, MAX_JSON_DEPTH, MAX_LANE_STARTS, MAX_ROUTE_BUCKETS,
+    PolicyError, Problem, validate,
 };
 #[cfg(feature = "yaml")]
 pub use validate::{load_file, parse_str};

@@ -12,53 +12,127 @@ use ipnet::IpNet;
 use crate::path::{PathError, Paths};
 use crate::pattern::PathPattern;
 
-/// A cost class: every request is counted against its caller's budget of
-/// its class.
+/// The most cost classes a policy may declare (a request's classes are a bit set).
+pub const MAX_CLASSES: usize = 32;
+
+/// The most per-IP ceilings a policy may declare.
+pub const MAX_CEILINGS: usize = 8;
+
+/// A cost class, by its place in the policy's [`Policy::classes`]: every request
+/// is counted against its caller's budget of its class. Its name
+/// ([`Policy::class_name`]) is the policy's: `protocol`, `read`, `standard` and
+/// `expensive` in the built-in one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Class {
-    /// Session traffic: initialize, ping, listings, the event stream.
-    Protocol,
-    /// Reads.
-    Read,
-    /// Everything not named otherwise.
-    Standard,
-    /// Costly calls.
-    Expensive,
-}
+pub struct Class(u8);
 
 impl Class {
-    /// All four, in order.
-    pub const ALL: [Class; 4] = [
-        Class::Protocol,
-        Class::Read,
-        Class::Standard,
-        Class::Expensive,
-    ];
-
-    /// The name used in files, headers and metrics.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Class::Protocol => "protocol",
-            Class::Read => "read",
-            Class::Standard => "standard",
-            Class::Expensive => "expensive",
-        }
+    /// The class at `index` of a policy's classes, if a policy can have one there.
+    pub fn from_index(index: usize) -> Option<Class> {
+        u8::try_from(index)
+            .ok()
+            .filter(|&i| usize::from(i) < MAX_CLASSES)
+            .map(Class)
     }
 
-    /// Parses a class name.
-    pub fn from_name(name: &str) -> Option<Class> {
-        Class::ALL.into_iter().find(|c| c.name() == name)
-    }
-
-    /// Index into per-class arrays.
+    /// Index into [`Policy::classes`] and per-class tables.
     pub const fn index(self) -> usize {
-        self as usize
+        self.0 as usize
     }
 }
 
-impl fmt::Display for Class {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+/// A set of classes: those a request holds, or those a ceiling is over.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ClassSet(u32);
+
+impl ClassSet {
+    /// No class.
+    pub const EMPTY: ClassSet = ClassSet(0);
+
+    /// This set and `class`.
+    #[must_use]
+    pub const fn with(self, class: Class) -> ClassSet {
+        ClassSet(self.0 | 1 << class.0)
+    }
+
+    /// True when `class` is in the set.
+    pub const fn contains(self, class: Class) -> bool {
+        self.0 & 1 << class.0 != 0
+    }
+
+    /// True when the set is empty.
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// True when every class of this set is in `other`.
+    pub const fn is_subset(self, other: ClassSet) -> bool {
+        self.0 & !other.0 == 0
+    }
+
+    /// True when the two sets share a class.
+    pub const fn intersects(self, other: ClassSet) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    /// How many classes the set holds.
+    pub const fn len(self) -> usize {
+        self.0.count_ones() as usize
+    }
+
+    /// The classes, in index order.
+    pub fn iter(self) -> impl Iterator<Item = Class> {
+        (0..MAX_CLASSES as u8)
+            .map(Class)
+            .filter(move |c| self.contains(*c))
+    }
+}
+
+impl FromIterator<Class> for ClassSet {
+    fn from_iter<I: IntoIterator<Item = Class>>(iter: I) -> Self {
+        iter.into_iter().fold(ClassSet::EMPTY, ClassSet::with)
+    }
+}
+
+/// A cost class as the policy declares it: its name and how its budgets count.
+/// Its limit is the profile's ([`Profile::limit`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CostClass {
+    /// Its name in files, headers, metrics, `/status` and logs.
+    pub name: String,
+    /// Enforced, or decided and counted without refusing (`modes:`).
+    pub mode: Enforcement,
+    /// How its budgets count (`algorithms:`).
+    pub algorithm: Algorithm,
+    /// What it does while the shared store cannot be reached (`store.outage`).
+    pub outage: Outage,
+}
+
+/// A per-IP ceiling: one unit per request from a client IP (IPv6 by prefix),
+/// whatever the credential, for the requests it is over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ceiling {
+    /// Its name in files, headers, metrics and `/status` (`ip` and `ip_protocol`
+    /// in the built-in policy).
+    pub name: String,
+    /// The classes it is over.
+    pub over: ClassSet,
+    /// `false`: it counts a request holding any call of its classes; `true`: a
+    /// request holding only calls of its classes (the built-in `ip_protocol`).
+    pub only: bool,
+    /// Enforced, or decided and counted without refusing (`modes:`).
+    pub mode: Enforcement,
+    /// How it counts (`algorithms:`).
+    pub algorithm: Algorithm,
+}
+
+impl Ceiling {
+    /// True when a request holding the classes `held` counts against it.
+    pub fn applies(&self, held: ClassSet) -> bool {
+        if self.only {
+            held.is_subset(self.over)
+        } else {
+            held.intersects(self.over)
+        }
     }
 }
 
@@ -66,17 +140,24 @@ impl fmt::Display for Class {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Profile {
     /// Per-caller limit per window, indexed by [`Class::index`].
-    pub classes: [NonZeroU32; 4],
-    /// Requests holding any read, standard or expensive call, per IP per window.
-    pub ceiling_work: NonZeroU32,
-    /// Requests holding only protocol calls, per IP per window.
-    pub ceiling_protocol_only: NonZeroU32,
+    pub classes: Vec<NonZeroU32>,
+    /// Per-IP limit per window, indexed like [`Policy::ceilings`].
+    pub ceilings: Vec<NonZeroU32>,
 }
 
 impl Profile {
-    /// The limit of `class`.
+    /// The limit of `class` (the largest there is for a class the policy does not
+    /// have, which a checked policy never asks for).
     pub fn limit(&self, class: Class) -> NonZeroU32 {
-        self.classes[class.index()]
+        self.classes
+            .get(class.index())
+            .copied()
+            .unwrap_or(NonZeroU32::MAX)
+    }
+
+    /// The limit of ceiling `i` of [`Policy::ceilings`].
+    pub fn ceiling(&self, i: usize) -> NonZeroU32 {
+        self.ceilings.get(i).copied().unwrap_or(NonZeroU32::MAX)
     }
 }
 
@@ -183,21 +264,6 @@ pub enum Enforcement {
     Shadow,
 }
 
-/// Which of the budgets that have no object of their own in a policy file (the
-/// class budgets and the per-IP ceilings) are in shadow mode, and whether every
-/// budget is (`dry_run: true`, or `sluice serve --dry-run`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Shadows {
-    /// Every budget, bucket, quota and route is in shadow mode.
-    pub dry_run: bool,
-    /// Per class, indexed by [`Class::index`].
-    pub classes: [Enforcement; 4],
-    /// The per-IP ceiling for requests holding work (`ip`).
-    pub ip_work: Enforcement,
-    /// The per-IP ceiling for protocol-only requests (`ip_protocol`).
-    pub ip_protocol: Enforcement,
-}
-
 /// How a budget counts its limit per window (`algorithm:` in a policy file).
 ///
 /// Quotas are calendar months and take none; every other budget (a class, a per-IP
@@ -277,25 +343,6 @@ impl fmt::Display for Algorithm {
             Algorithm::Gcra { burst: None } => f.write_str("gcra, burst = limit"),
             other => f.write_str(other.name()),
         }
-    }
-}
-
-/// How the budgets that have no object of their own in a policy file (the class
-/// budgets and the per-IP ceilings) count (`algorithms:` in a policy file).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Algorithms {
-    /// Per class, indexed by [`Class::index`].
-    pub classes: [Algorithm; 4],
-    /// The per-IP ceiling for requests holding work (`ip`).
-    pub ip_work: Algorithm,
-    /// The per-IP ceiling for protocol-only requests (`ip_protocol`).
-    pub ip_protocol: Algorithm,
-}
-
-impl Algorithms {
-    /// How the budget of `class` counts.
-    pub fn class(&self, class: Class) -> Algorithm {
-        self.classes[class.index()]
     }
 }
 
@@ -385,6 +432,31 @@ pub struct Lane {
     pub lease_ttl: Duration,
     /// The lane's batch lane, if it runs one.
     pub batch: Option<LaneBatch>,
+    /// The names clients see (`details.reason`, metrics, logs) for the lane
+    /// engine's `busy` and `unavailable` refusals (`reasons:`; by default the
+    /// lane's name and the reason: `optimizer_busy` for a lane `optimizer`).
+    pub reasons: LaneReasons,
+}
+
+/// The names clients see for a lane's own refusals.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaneReasons {
+    /// Every place of the lane's global cap is taken (`<lane>_busy`).
+    pub busy: String,
+    /// The lane's breaker is open (`<lane>_unavailable`).
+    pub unavailable: String,
+}
+
+impl Lane {
+    /// The name clients see for the lane engine's refusal reason `engine` (`busy`
+    /// and `unavailable` are the policy's; the workspace reasons keep theirs).
+    pub fn reason_name<'a>(&'a self, engine: &'a str) -> &'a str {
+        match engine {
+            "busy" => &self.reasons.busy,
+            "unavailable" => &self.reasons.unavailable,
+            other => other,
+        }
+    }
 }
 
 /// A lane's batch lane: lists of single calls, queued durably and run on the
@@ -538,15 +610,6 @@ pub struct StorePolicy {
     pub timeout: std::time::Duration,
     /// Replicas sharing the store (a fail-open class gets limit ÷ replicas locally).
     pub replicas: NonZeroU32,
-    /// Per class, indexed by [`Class::index`].
-    pub outage: [Outage; 4],
-}
-
-impl StorePolicy {
-    /// What `class` does during an outage.
-    pub fn outage(&self, class: Class) -> Outage {
-        self.outage[class.index()]
-    }
 }
 
 /// The checked policy.
@@ -558,6 +621,11 @@ pub struct Policy {
     pub profiles: Vec<(String, Profile)>,
     /// The active profile's numbers.
     pub profile: Profile,
+    /// The cost classes, cheapest first (a request holding several is counted in
+    /// the metrics of the last): [`Class`] is an index into it.
+    pub classes: Vec<CostClass>,
+    /// The per-IP ceilings, by name.
+    pub ceilings: Vec<Ceiling>,
     /// Window of the class budgets and IP ceilings.
     pub window: NonZeroU32,
     /// Identity settings.
@@ -582,10 +650,9 @@ pub struct Policy {
     pub paths: Paths,
     /// The shared store's settings.
     pub store: StorePolicy,
-    /// The budgets in shadow mode that have no object of their own, and the dry run.
-    pub shadows: Shadows,
-    /// How the budgets that have no object of their own count.
-    pub algorithms: Algorithms,
+    /// A dry run: every budget, bucket, quota and route in shadow mode
+    /// (`dry_run: true`, or `sluice serve --dry-run`).
+    pub dry_run: bool,
 }
 
 impl Policy {
@@ -609,6 +676,34 @@ impl Policy {
                     .join(", ")
             )),
         }
+    }
+
+    /// The class named `name`, if the policy has one.
+    pub fn class(&self, name: &str) -> Option<Class> {
+        self.classes
+            .iter()
+            .position(|c| c.name == name)
+            .and_then(Class::from_index)
+    }
+
+    /// The name of `class` (empty for a class the policy does not have, which a
+    /// checked policy never holds).
+    pub fn class_name(&self, class: Class) -> &str {
+        self.classes
+            .get(class.index())
+            .map_or("", |c| c.name.as_str())
+    }
+
+    /// Every class, cheapest first.
+    pub fn class_ids(&self) -> impl Iterator<Item = Class> + '_ {
+        (0..self.classes.len()).filter_map(Class::from_index)
+    }
+
+    /// What `class` does while the shared store cannot be reached.
+    pub fn outage(&self, class: Class) -> Outage {
+        self.classes
+            .get(class.index())
+            .map_or(Outage::FailClosed, |c| c.outage)
     }
 
     /// The first route matching, if any.

@@ -17,6 +17,10 @@ pub struct RawPolicy {
     pub profiles: BTreeMap<String, RawProfile>,
     /// Window of the class budgets and IP ceilings, in seconds.
     pub window_seconds: Option<u32>,
+    /// The per-IP ceilings by name: which requests each counts (its limit is the
+    /// profile's `ip_ceilings.<name>`). None: no ceiling per IP.
+    #[serde(default)]
+    pub ceilings: BTreeMap<String, RawCeiling>,
     /// Who a request is from.
     #[serde(default)]
     pub identity: RawIdentity,
@@ -32,7 +36,8 @@ pub struct RawPolicy {
     /// The route table, first match wins.
     #[serde(default)]
     pub routes: Vec<RawRoute>,
-    /// The class of a request no route matches.
+    /// The class of a request no route matches; unset, the class of a last route
+    /// with no method and no path.
     pub default_class: Option<String>,
     /// JSON-RPC classification.
     #[serde(default)]
@@ -50,14 +55,14 @@ pub struct RawPolicy {
     #[serde(default)]
     pub store: RawStore,
     /// `enforce` (default) or `shadow` for the class budgets and the per-IP
-    /// ceilings, by name (a class, `ip` or `ip_protocol`).
+    /// ceilings, by name (a class or a ceiling).
     #[serde(default)]
     pub modes: BTreeMap<String, String>,
     /// True: every budget is in shadow mode (decided and counted, never refusing).
     #[serde(default)]
     pub dry_run: bool,
-    /// How the class budgets and the per-IP ceilings count, by name (a class, `ip`
-    /// or `ip_protocol`); those not named are `fixed`.
+    /// How the class budgets and the per-IP ceilings count, by name (a class or a
+    /// ceiling); those not named are `fixed`.
     #[serde(default)]
     pub algorithms: BTreeMap<String, RawAlgorithm>,
 }
@@ -91,34 +96,88 @@ pub struct RawStore {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawProfile {
-    /// Per-caller limit of each class per window.
-    pub classes: RawClasses,
-    /// Per-IP ceilings per window.
-    pub ip_ceilings: RawCeilings,
+    /// Per-caller limit of each class per window, cheapest class first: the
+    /// classes of the policy are the ones named here, in this order.
+    pub classes: RawClassLimits,
+    /// Per-IP limit of each ceiling (of `ceilings:`) per window.
+    #[serde(default)]
+    pub ip_ceilings: BTreeMap<String, u32>,
 }
 
-/// The four classes' limits.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawClasses {
-    /// Session traffic (initialize, ping, listing).
-    pub protocol: u32,
-    /// Reads.
-    pub read: u32,
-    /// Everything else.
-    pub standard: u32,
-    /// Costly calls.
-    pub expensive: u32,
+/// Class name → limit, in the order written (a map whose order is kept: a class's
+/// place is its rank, cheapest first).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RawClassLimits(pub Vec<(String, u32)>);
+
+impl RawClassLimits {
+    /// The limit of the class named `name`, if the profile names it.
+    pub fn get(&self, name: &str) -> Option<u32> {
+        self.0.iter().find(|(n, _)| n == name).map(|(_, l)| *l)
+    }
+
+    /// Sets the limit of `name`, adding it last when it is new.
+    pub fn set(&mut self, name: &str, limit: u32) {
+        match self.0.iter_mut().find(|(n, _)| n == name) {
+            Some(entry) => entry.1 = limit,
+            None => self.0.push((name.to_owned(), limit)),
+        }
+    }
 }
 
-/// The per-IP ceilings.
+impl Serialize for RawClassLimits {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(self.0.len()))?;
+        for (name, limit) in &self.0 {
+            map.serialize_entry(name, limit)?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for RawClassLimits {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Ordered;
+        impl<'de> serde::de::Visitor<'de> for Ordered {
+            type Value = RawClassLimits;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a map of class name to limit per window")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<RawClassLimits, A::Error> {
+                let mut limits: Vec<(String, u32)> = Vec::new();
+                while let Some((name, limit)) = map.next_entry::<String, u32>()? {
+                    if limits.iter().any(|(n, _)| *n == name) {
+                        return Err(serde::de::Error::custom(format!(
+                            "class {name:?} is named twice"
+                        )));
+                    }
+                    // The bound is checked with a key path by the validator; this
+                    // one only keeps a hostile file from growing the list.
+                    if limits.len() > 4 * crate::MAX_CLASSES {
+                        return Err(serde::de::Error::custom("far too many classes"));
+                    }
+                    limits.push((name, limit));
+                }
+                Ok(RawClassLimits(limits))
+            }
+        }
+        deserializer.deserialize_map(Ordered)
+    }
+}
+
+/// A per-IP ceiling: the classes it is over.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawCeilings {
-    /// Requests holding any read, standard or expensive call.
-    pub work: u32,
-    /// Requests holding only protocol calls.
-    pub protocol_only: u32,
+pub struct RawCeiling {
+    /// The classes it is over.
+    pub classes: Vec<String>,
+    /// `false` (default): it counts a request holding any call of those classes;
+    /// `true`: a request holding only calls of those classes.
+    #[serde(default)]
+    pub only: bool,
 }
 
 /// Identity settings.
@@ -266,6 +325,20 @@ pub struct RawLane {
     pub breaker: RawBreaker,
     /// The batch lane: lists of calls run on the capacity single calls leave.
     pub batch: Option<RawLaneBatch>,
+    /// The names clients see for the lane's own refusals (default
+    /// `<lane>_busy` and `<lane>_unavailable`).
+    #[serde(default)]
+    pub reasons: RawLaneReasons,
+}
+
+/// The names clients see for a lane's own refusals.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLaneReasons {
+    /// Every place of the global cap is taken (`<lane>_busy`).
+    pub busy: Option<String>,
+    /// The breaker is open (`<lane>_unavailable`).
+    pub unavailable: Option<String>,
 }
 
 /// A lane's batch lane.

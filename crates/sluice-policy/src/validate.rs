@@ -12,10 +12,11 @@ use http::{HeaderName, Method};
 use ipnet::IpNet;
 
 use crate::model::{
-    Algorithm, Algorithms, BatchEndpoint, Bounds, Bucket, Class, CredentialSource, Enforcement,
-    Identity, JsonRpc, JsonRpcRefusal, Lane, LaneBatch, MAX_BUCKETS, MAX_LANES, MAX_QUOTA_FAMILIES,
+    Algorithm, BatchEndpoint, Bounds, Bucket, Ceiling, Class, ClassSet, CostClass,
+    CredentialSource, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane, LaneBatch, LaneReasons,
+    MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES, MAX_QUOTA_FAMILIES,
     MAX_SLIDING_WINDOW_SECONDS, OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily,
-    Refusal, Route, RouteClass, Shadows, Spends, StorePolicy, Tool,
+    Refusal, Route, RouteClass, Spends, StorePolicy, Tool,
 };
 use crate::path::Paths;
 use crate::pattern::PathPattern;
@@ -36,9 +37,12 @@ pub const MAX_JSON_DEPTH: usize = 127;
 /// Default longest wait for the shared store per decision: 20 ms.
 pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 20;
 
-/// The most buckets one route may spend: with up to four class budgets and
-/// one IP ceiling, a request stays within [`sluice_core::MAX_BUDGETS`].
+/// The most buckets one route may spend (a request's whole count of budgets is
+/// checked too: see `budget_counts`).
 pub const MAX_ROUTE_BUCKETS: usize = sluice_core::MAX_BUDGETS - 5;
+
+/// The longest name of a class or a ceiling (it is sent in headers and metrics).
+pub const MAX_CLASS_NAME: usize = 64;
 
 /// One thing wrong with a policy, at a key path such as `routes[3].class`.
 pub use sluice_core::Problem;
@@ -124,6 +128,8 @@ pub fn parse_str(text: &str, file: &Path) -> Result<Policy, PolicyError> {
 /// Every problem found, each with its key path.
 pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     let mut v = Checker::default();
+    v.class_names(raw);
+    v.ceiling_names(raw);
     let profiles: Vec<(String, Profile)> = raw
         .profiles
         .iter()
@@ -374,11 +380,31 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             });
         }
     }
-    let default_class = v.class(
-        "default_class",
-        raw.default_class.as_deref().unwrap_or("standard"),
-    );
-    let jsonrpc = v.jsonrpc(raw, &bucket_index, &quota_index, &lane_index);
+    let default_class = match (raw.default_class.as_deref(), routes.last()) {
+        (Some(name), _) => v.class("default_class", name),
+        // A last route with no method and no path takes every request the others
+        // leave: its class is the default.
+        (None, Some(last)) if last.method.is_none() && last.path.is_none() => match last.class {
+            RouteClass::Fixed(c) => Some(c),
+            RouteClass::JsonRpc => {
+                v.problem(
+                    "default_class",
+                    "required: the catch-all route is JSON-RPC, so name the class of a request no rule names",
+                );
+                None
+            }
+        },
+        // A policy of one class needs no default.
+        (None, _) if v.classes.len() == 1 => Class::from_index(0),
+        (None, _) => {
+            v.problem(
+                "default_class",
+                "required: the class of a request no route matches (or end `routes` with a route with no method and no path)",
+            );
+            None
+        }
+    };
+    let jsonrpc = v.jsonrpc(raw, default_class, &bucket_index, &quota_index, &lane_index);
     // Each batch lane's endpoints are routes of the table (their classes are what a
     // submit and a status read cost), marked so that sluice answers them; items
     // count against the single-call route's quota.
@@ -465,8 +491,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
         merge_slashes: raw.paths.merge_slashes.unwrap_or(true),
     };
     let store = v.store(raw);
-    let shadows = v.shadows(raw);
-    let algorithms = v.algorithms(raw);
+    let (classes, ceilings) = v.budgets_without_objects(raw);
     let parts = (profile, window, identity, default_class, jsonrpc, store);
     if !v.problems.is_empty() {
         return Err(v.problems);
@@ -495,8 +520,9 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             bounds,
             paths,
             store,
-            shadows,
-            algorithms,
+            classes,
+            ceilings,
+            dry_run: raw.dry_run,
         }),
         _ => Err(v.problems),
     }
@@ -505,6 +531,21 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
 #[derive(Default)]
 struct Checker {
     problems: Vec<Problem>,
+    /// The classes' names, cheapest first (a [`Class`] indexes them).
+    classes: Vec<String>,
+    /// The ceilings' names (indexes of [`Policy::ceilings`]).
+    ceilings: Vec<String>,
+}
+
+/// True when `name` may name a class or a ceiling: 1 to [`MAX_CLASS_NAME`] ASCII
+/// letters, digits, `_`, `-` and `.` (it is sent in headers, quoted in
+/// `RateLimit-Policy`, and in metric labels).
+fn is_budget_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_CLASS_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
 }
 
 impl Checker {
@@ -527,37 +568,126 @@ impl Checker {
     }
 
     fn class(&mut self, path: &str, name: &str) -> Option<Class> {
-        let c = Class::from_name(name);
+        let c = self
+            .classes
+            .iter()
+            .position(|c| c == name)
+            .and_then(Class::from_index);
         if c.is_none() {
+            let known = self.classes.join(", ");
             self.problem(
                 path,
-                format!("unknown class {name:?}; expected protocol, read, standard or expensive"),
+                format!("unknown class {name:?}; the profiles name {known}"),
             );
         }
         c
     }
 
-    fn profile(&mut self, at: &str, p: &RawProfile) -> Option<Profile> {
-        let c = &p.classes;
-        let classes = [
-            self.nonzero(&format!("{at}.classes.protocol"), c.protocol),
-            self.nonzero(&format!("{at}.classes.read"), c.read),
-            self.nonzero(&format!("{at}.classes.standard"), c.standard),
-            self.nonzero(&format!("{at}.classes.expensive"), c.expensive),
-        ];
-        let work = self.nonzero(&format!("{at}.ip_ceilings.work"), p.ip_ceilings.work);
-        let proto = self.nonzero(
-            &format!("{at}.ip_ceilings.protocol_only"),
-            p.ip_ceilings.protocol_only,
-        );
-        match (classes, work, proto) {
-            ([Some(a), Some(b), Some(c), Some(d)], Some(work), Some(proto)) => Some(Profile {
-                classes: [a, b, c, d],
-                ceiling_work: work,
-                ceiling_protocol_only: proto,
-            }),
-            _ => None,
+    /// The classes: those the profiles name, in the order they name them, which
+    /// must be the same in every profile (a class's place is its rank).
+    fn class_names(&mut self, raw: &RawPolicy) {
+        let Some((first, p)) = raw.profiles.iter().next() else {
+            return;
+        };
+        let names: Vec<String> = p.classes.0.iter().map(|(n, _)| n.clone()).collect();
+        for (name, other) in raw.profiles.iter().skip(1) {
+            let theirs: Vec<&String> = other.classes.0.iter().map(|(n, _)| n).collect();
+            if theirs != names.iter().collect::<Vec<_>>() {
+                self.problem(
+                    format!("profiles.{name}.classes"),
+                    format!(
+                        "names {} where profile {first} names {}: every profile names the same classes in the same order (cheapest first)",
+                        theirs.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", "),
+                        names.join(", ")
+                    ),
+                );
+            }
         }
+        if names.is_empty() || names.len() > MAX_CLASSES {
+            self.problem(
+                format!("profiles.{first}.classes"),
+                format!(
+                    "a policy has 1 to {MAX_CLASSES} classes, this one {}",
+                    names.len()
+                ),
+            );
+        }
+        for name in &names {
+            if !is_budget_name(name) {
+                self.problem(
+                    format!("profiles.{first}.classes.{name}"),
+                    format!(
+                        "a class name is 1 to {MAX_CLASS_NAME} letters, digits, `_`, `-` or `.`"
+                    ),
+                );
+            }
+        }
+        self.classes = names.into_iter().take(MAX_CLASSES).collect();
+    }
+
+    /// The ceilings' names (`ceilings:`), each unlike every class's.
+    fn ceiling_names(&mut self, raw: &RawPolicy) {
+        if raw.ceilings.len() > MAX_CEILINGS {
+            self.problem("ceilings", format!("at most {MAX_CEILINGS} ceilings"));
+        }
+        for name in raw.ceilings.keys() {
+            if !is_budget_name(name) {
+                self.problem(
+                    format!("ceilings.{name}"),
+                    format!(
+                        "a ceiling name is 1 to {MAX_CLASS_NAME} letters, digits, `_`, `-` or `.`"
+                    ),
+                );
+            } else if self.classes.contains(name) {
+                self.problem(
+                    format!("ceilings.{name}"),
+                    "a class has this name: headers, metrics and `modes:` name both, so they differ",
+                );
+            }
+        }
+        self.ceilings = raw.ceilings.keys().take(MAX_CEILINGS).cloned().collect();
+    }
+
+    fn profile(&mut self, at: &str, p: &RawProfile) -> Option<Profile> {
+        let classes: Vec<Option<NonZeroU32>> = p
+            .classes
+            .0
+            .iter()
+            .take(MAX_CLASSES)
+            .map(|(name, limit)| self.nonzero(&format!("{at}.classes.{name}"), *limit))
+            .collect();
+        let ceilings: Vec<Option<NonZeroU32>> = self
+            .ceilings
+            .clone()
+            .iter()
+            .map(|name| match p.ip_ceilings.get(name) {
+                Some(&limit) => self.nonzero(&format!("{at}.ip_ceilings.{name}"), limit),
+                None => {
+                    self.problem(
+                        format!("{at}.ip_ceilings.{name}"),
+                        format!("required: the limit per IP and window of ceiling {name}"),
+                    );
+                    None
+                }
+            })
+            .collect();
+        for name in p.ip_ceilings.keys() {
+            if !self.ceilings.contains(name) {
+                let declared = if self.ceilings.is_empty() {
+                    "none".to_owned()
+                } else {
+                    self.ceilings.join(", ")
+                };
+                self.problem(
+                    format!("{at}.ip_ceilings.{name}"),
+                    format!("no ceiling {name:?} under `ceilings:` (declared: {declared}); a ceiling says there which classes it is over"),
+                );
+            }
+        }
+        Some(Profile {
+            classes: classes.into_iter().collect::<Option<Vec<_>>>()?,
+            ceilings: ceilings.into_iter().collect::<Option<Vec<_>>>()?,
+        })
     }
 
     fn identity(&mut self, raw: &RawPolicy) -> Option<Identity> {
@@ -697,27 +827,9 @@ impl Checker {
             );
         }
         let replicas = self.nonzero("store.replicas", s.replicas.unwrap_or(1));
-        let mut outage = [Outage::FailOpen; 4];
-        for (class_name, choice) in &s.outage {
-            let Some(class) = self.class(&format!("store.outage.{class_name}"), class_name) else {
-                continue;
-            };
-            outage[class.index()] = match choice.as_str() {
-                "fail_open" => Outage::FailOpen,
-                "fail_closed" => Outage::FailClosed,
-                other => {
-                    self.problem(
-                        format!("store.outage.{class_name}"),
-                        format!("expected fail_open or fail_closed, got {other:?}"),
-                    );
-                    continue;
-                }
-            };
-        }
         Some(StorePolicy {
             timeout: std::time::Duration::from_millis(timeout_ms),
             replicas: replicas?,
-            outage,
         })
     }
 
@@ -731,35 +843,6 @@ impl Checker {
                 None
             }
         }
-    }
-
-    /// `modes:` (the class budgets and the per-IP ceilings by name) and `dry_run:`.
-    fn shadows(&mut self, raw: &RawPolicy) -> Shadows {
-        let mut shadows = Shadows {
-            dry_run: raw.dry_run,
-            ..Shadows::default()
-        };
-        for (name, mode) in &raw.modes {
-            let at = format!("modes.{name}");
-            let slot = match name.as_str() {
-                "ip" => &mut shadows.ip_work,
-                "ip_protocol" => &mut shadows.ip_protocol,
-                _ => match Class::ALL.iter().find(|c| c.name() == name) {
-                    Some(c) => &mut shadows.classes[c.index()],
-                    None => {
-                        self.problem(
-                            at,
-                            "expected a class (protocol, read, standard, expensive), ip or ip_protocol; buckets, quotas and routes take `mode:` themselves",
-                        );
-                        continue;
-                    }
-                },
-            };
-            if let Some(mode) = self.mode(&at, Some(mode)) {
-                *slot = mode;
-            }
-        }
-        shadows
     }
 
     /// `algorithm:` and `burst:` of the budget at `at`, whose window is `window`
@@ -828,50 +911,124 @@ impl Checker {
         ok.then_some(Algorithm::Gcra { burst: Some(burst) })
     }
 
-    /// `algorithms:` (the class budgets and the per-IP ceilings by name).
-    fn algorithms(&mut self, raw: &RawPolicy) -> Algorithms {
-        let mut algorithms = Algorithms::default();
+    /// The classes and the ceilings with what they take from `modes:`,
+    /// `algorithms:` and `store.outage` (all by name).
+    fn budgets_without_objects(&mut self, raw: &RawPolicy) -> (Vec<CostClass>, Vec<Ceiling>) {
+        let mut classes: Vec<CostClass> = self
+            .classes
+            .iter()
+            .map(|name| CostClass {
+                name: name.clone(),
+                mode: Enforcement::Enforce,
+                algorithm: Algorithm::Fixed,
+                outage: Outage::FailOpen,
+            })
+            .collect();
+        let mut ceilings = Vec::new();
+        for (name, c) in &raw.ceilings {
+            if !self.ceilings.contains(name) {
+                continue;
+            }
+            let mut over = ClassSet::EMPTY;
+            for (i, class) in c.classes.iter().enumerate() {
+                if let Some(class) = self.class(&format!("ceilings.{name}.classes[{i}]"), class) {
+                    over = over.with(class);
+                }
+            }
+            if c.classes.is_empty() {
+                self.problem(
+                    format!("ceilings.{name}.classes"),
+                    "name the classes the ceiling is over (at least one)",
+                );
+            }
+            ceilings.push(Ceiling {
+                name: name.clone(),
+                over,
+                only: c.only,
+                mode: Enforcement::Enforce,
+                algorithm: Algorithm::Fixed,
+            });
+        }
+        let expected = |v: &Self| {
+            let mut names: Vec<&str> = v.classes.iter().map(String::as_str).collect();
+            names.extend(v.ceilings.iter().map(String::as_str));
+            names.join(", ")
+        };
+        for (name, mode) in &raw.modes {
+            let at = format!("modes.{name}");
+            let Some(mode) = self.mode(&at, Some(mode)) else {
+                continue;
+            };
+            if let Some(c) = classes.iter_mut().find(|c| c.name == *name) {
+                c.mode = mode;
+            } else if let Some(c) = ceilings.iter_mut().find(|c| c.name == *name) {
+                c.mode = mode;
+            } else {
+                let names = expected(self);
+                self.problem(
+                    at,
+                    format!("expected a class or a ceiling ({names}); buckets, quotas and routes take `mode:` themselves"),
+                );
+            }
+        }
         let window = raw.window_seconds.unwrap_or(60);
         for (name, a) in &raw.algorithms {
             let at = format!("algorithms.{name}");
-            let slot = match name.as_str() {
-                "ip" => &mut algorithms.ip_work,
-                "ip_protocol" => &mut algorithms.ip_protocol,
-                _ => match Class::from_name(name) {
-                    Some(c) => &mut algorithms.classes[c.index()],
-                    None => {
-                        self.problem(
-                            at,
-                            "expected a class (protocol, read, standard, expensive), ip or ip_protocol; buckets take `algorithm:` themselves, and quotas none",
-                        );
-                        continue;
-                    }
-                },
-            };
-            // A class's burst must fit its limit in every profile (`--profile` may
-            // pick any of them).
+            let is_class = self.classes.contains(name);
+            if !is_class && !self.ceilings.contains(name) {
+                let names = expected(self);
+                self.problem(
+                    at,
+                    format!("expected a class or a ceiling ({names}); buckets take `algorithm:` themselves, and quotas none"),
+                );
+                continue;
+            }
+            // A burst must fit the budget's limit in every profile (`--profile`
+            // may pick any of them).
             let limits: Vec<(String, u32)> = raw
                 .profiles
                 .iter()
                 .filter_map(|(profile, p)| {
-                    let limit = match name.as_str() {
-                        "protocol" => p.classes.protocol,
-                        "read" => p.classes.read,
-                        "standard" => p.classes.standard,
-                        "expensive" => p.classes.expensive,
-                        "ip" => p.ip_ceilings.work,
-                        _ => p.ip_ceilings.protocol_only,
-                    };
+                    let limit = if is_class {
+                        p.classes.get(name)
+                    } else {
+                        p.ip_ceilings.get(name).copied()
+                    }?;
                     (limit > 0).then(|| (format!(" of profile {profile}"), limit))
                 })
                 .collect();
-            if let Some(algorithm) =
+            let Some(algorithm) =
                 self.algorithm(&at, (a.algorithm.as_deref(), a.burst), window, &limits)
-            {
-                *slot = algorithm;
+            else {
+                continue;
+            };
+            if let Some(c) = classes.iter_mut().find(|c| c.name == *name) {
+                c.algorithm = algorithm;
+            } else if let Some(c) = ceilings.iter_mut().find(|c| c.name == *name) {
+                c.algorithm = algorithm;
             }
         }
-        algorithms
+        for (name, choice) in &raw.store.outage {
+            let at = format!("store.outage.{name}");
+            let Some(class) = self.class(&at, name) else {
+                continue;
+            };
+            let outage = match choice.as_str() {
+                "fail_open" => Outage::FailOpen,
+                "fail_closed" => Outage::FailClosed,
+                other => {
+                    self.problem(
+                        at,
+                        format!("expected fail_open or fail_closed, got {other:?}"),
+                    );
+                    continue;
+                }
+            };
+            if let Some(c) = classes.get_mut(class.index()) {
+                c.outage = outage;
+            }
+        }
+        (classes, ceilings)
     }
 
     /// The buckets, quota family and lane named at `at`, each checked to exist.
@@ -1028,12 +1185,50 @@ impl Checker {
                 None => None,
                 Some(b) => Some(self.lane_batch(name, b)?),
             },
+            reasons: self.lane_reasons(name, raw)?,
+        })
+    }
+
+    /// The names clients see for a lane's `busy` and `unavailable` refusals.
+    fn lane_reasons(&mut self, lane: &str, raw: &RawLane) -> Option<LaneReasons> {
+        let mut name = |field: &str, given: &Option<String>| {
+            let name = given.clone().unwrap_or_else(|| format!("{lane}_{field}"));
+            let ok = !name.is_empty()
+                && name.len() <= MAX_CLASS_NAME
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+            if !ok {
+                self.problem(
+                    format!("lanes.{lane}.reasons.{field}"),
+                    format!("a reason is 1 to {MAX_CLASS_NAME} lower-case letters, digits and `_`"),
+                );
+            }
+            ok.then_some(name)
+        };
+        let busy = name("busy", &raw.reasons.busy);
+        let unavailable = name("unavailable", &raw.reasons.unavailable);
+        Some(LaneReasons {
+            busy: busy?,
+            unavailable: unavailable?,
         })
     }
 
     /// Checks that no request any route admits can touch more budgets than one
-    /// decision holds: its classes, one IP ceiling, its buckets and quotas.
+    /// decision holds: its classes, the IP ceilings, its buckets and quotas.
     fn budget_counts(&mut self, routes: &[Route], jsonrpc: &JsonRpc) {
+        // Every ceiling may count one request (an upper bound), and a JSON-RPC
+        // body may hold every class its rules name.
+        let ceilings = self.ceilings.len();
+        let jsonrpc_classes = jsonrpc
+            .methods
+            .values()
+            .chain(jsonrpc.method_prefixes.iter().map(|(_, c)| c))
+            .chain(jsonrpc.tools.values().map(|t| &t.class))
+            .chain([&jsonrpc.default_class])
+            .copied()
+            .collect::<ClassSet>()
+            .len();
         let mut tool_buckets: Vec<usize> = Vec::new();
         let mut tool_quotas: Vec<usize> = Vec::new();
         for tool in jsonrpc.tools.values() {
@@ -1050,7 +1245,9 @@ impl Checker {
         }
         for (i, r) in routes.iter().enumerate() {
             let n = match r.class {
-                RouteClass::Fixed(_) => 2 + r.buckets.len() + usize::from(r.quota.is_some()),
+                RouteClass::Fixed(_) => {
+                    1 + ceilings + r.buckets.len() + usize::from(r.quota.is_some())
+                }
                 RouteClass::JsonRpc => {
                     let mut buckets = tool_buckets.clone();
                     buckets.extend(r.buckets.iter().filter(|b| !tool_buckets.contains(b)));
@@ -1060,14 +1257,14 @@ impl Checker {
                     {
                         quotas.push(q);
                     }
-                    Class::ALL.len() + 1 + buckets.len() + quotas.len()
+                    jsonrpc_classes + ceilings + buckets.len() + quotas.len()
                 }
             };
             if n > sluice_core::MAX_BUDGETS {
                 self.problem(
                     format!("routes[{i}]"),
                     format!(
-                        "a request here may touch {n} budgets (classes, the IP ceiling, buckets and quotas, with its tools'); one decision holds at most {}",
+                        "a request here may touch {n} budgets (classes, the IP ceilings, buckets and quotas, with its tools'); one decision holds at most {}",
                         sluice_core::MAX_BUDGETS
                     ),
                 );
@@ -1078,6 +1275,7 @@ impl Checker {
     fn jsonrpc(
         &mut self,
         raw: &RawPolicy,
+        default_class: Option<Class>,
         bucket_index: &HashMap<String, usize>,
         quota_index: &HashMap<String, usize>,
         lane_index: &HashMap<String, usize>,
@@ -1127,10 +1325,11 @@ impl Checker {
             }
             retired.insert(name.clone(), map);
         }
-        let default_class = self.class(
-            "jsonrpc.default_class",
-            j.default_class.as_deref().unwrap_or("standard"),
-        )?;
+        // Unset: the policy's default class.
+        let default_class = match j.default_class.as_deref() {
+            Some(name) => self.class("jsonrpc.default_class", name)?,
+            None => default_class?,
+        };
         let refusal = match j.refusal.as_deref() {
             None | Some("edge") => JsonRpcRefusal::Edge,
             Some("jsonrpc_error") => JsonRpcRefusal::JsonRpcError,

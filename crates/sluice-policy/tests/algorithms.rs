@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use sluice_core::Rate;
-use sluice_policy::{Algorithm, Algorithms, Class, default_policy, parse_str};
+use sluice_policy::{Algorithm, Policy, default_policy, parse_str};
 
 fn nz(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).expect("non-zero")
@@ -18,15 +18,30 @@ fn yaml(extra: &str) -> String {
     format!(
         "profile: production
 window_seconds: 60
+ceilings:
+  ip: {{ classes: [read, standard, expensive] }}
+  ip_protocol: {{ classes: [protocol], only: true }}
 profiles:
   production:
     classes: {{ protocol: 600, read: 300, standard: 60, expensive: 30 }}
-    ip_ceilings: {{ work: 300, protocol_only: 1200 }}
+    ip_ceilings: {{ ip: 300, ip_protocol: 1200 }}
   local:
     classes: {{ protocol: 3000, read: 1500, standard: 500, expensive: 150 }}
-    ip_ceilings: {{ work: 2000, protocol_only: 6000 }}
+    ip_ceilings: {{ ip: 2000, ip_protocol: 6000 }}
+default_class: standard
 {extra}"
     )
+}
+
+/// How the class or ceiling `name` counts.
+fn algorithm_of(p: &Policy, name: &str) -> Algorithm {
+    p.classes
+        .iter()
+        .map(|c| (&c.name, c.algorithm))
+        .chain(p.ceilings.iter().map(|c| (&c.name, c.algorithm)))
+        .find(|(n, _)| *n == name)
+        .map(|(_, a)| a)
+        .unwrap_or_else(|| panic!("no class or ceiling {name}"))
 }
 
 fn problems(extra: &str) -> String {
@@ -39,8 +54,8 @@ fn problems(extra: &str) -> String {
 #[test]
 fn p2_the_built_in_policy_counts_every_budget_in_fixed_windows() {
     let p = default_policy().expect("default");
-    assert_eq!(p.algorithms, Algorithms::default());
-    assert!(p.algorithms.classes.iter().all(|a| *a == Algorithm::Fixed));
+    assert!(p.classes.iter().all(|c| c.algorithm == Algorithm::Fixed));
+    assert!(p.ceilings.iter().all(|c| c.algorithm == Algorithm::Fixed));
     assert!(p.buckets.iter().all(|b| b.algorithm == Algorithm::Fixed));
     assert_eq!(
         Algorithm::Fixed.rate(nz(60), nz(30)),
@@ -67,16 +82,13 @@ buckets:
         Path::new("p2.yaml"),
     )
     .expect("valid");
-    let a = &p.algorithms;
+    let a = |name: &str| algorithm_of(&p, name);
+    assert_eq!(a("expensive"), Algorithm::Gcra { burst: Some(nz(5)) });
+    assert_eq!(a("read"), Algorithm::Sliding);
+    assert_eq!(a("standard"), Algorithm::Gcra { burst: None });
+    assert_eq!(a("protocol"), Algorithm::Fixed);
     assert_eq!(
-        a.class(Class::Expensive),
-        Algorithm::Gcra { burst: Some(nz(5)) }
-    );
-    assert_eq!(a.class(Class::Read), Algorithm::Sliding);
-    assert_eq!(a.class(Class::Standard), Algorithm::Gcra { burst: None });
-    assert_eq!(a.class(Class::Protocol), Algorithm::Fixed);
-    assert_eq!(
-        (a.ip_work, a.ip_protocol),
+        (a("ip"), a("ip_protocol")),
         (Algorithm::Sliding, Algorithm::Fixed)
     );
     let bucket = |name: &str| {
@@ -153,7 +165,7 @@ fn p2_an_algorithms_entry_names_a_class_or_a_ceiling() {
 ",
     );
     assert!(
-        error.contains("algorithms.search: expected a class (protocol, read, standard, expensive), ip or ip_protocol"),
+        error.contains("algorithms.search: expected a class or a ceiling (protocol, read, standard, expensive, ip, ip_protocol)"),
         "{error}"
     );
 }

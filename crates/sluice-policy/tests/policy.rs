@@ -12,6 +12,12 @@ use sluice_policy::{
     CallerKind, Class, PathError, PolicyError, RouteClass, default_policy, load_file, parse_str,
 };
 
+/// The built-in policy's class named `name`.
+fn seed(name: &str) -> Class {
+    let policy = default_policy().expect("default");
+    policy.class(name).expect("a class of the built-in policy")
+}
+
 fn example_path() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/policy.yaml")
 }
@@ -25,28 +31,26 @@ fn the_commented_example_is_the_built_in_default() {
 #[test]
 fn e1_profiles_carry_the_seed_numbers() {
     let p = default_policy().expect("default");
-    let limits: Vec<u32> = Class::ALL
-        .iter()
-        .map(|&c| p.profile.limit(c).get())
-        .collect();
+    let names: Vec<&str> = p.classes.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["protocol", "read", "standard", "expensive"]);
+    let limits: Vec<u32> = p.class_ids().map(|c| p.profile.limit(c).get()).collect();
     assert_eq!(limits, [600, 300, 60, 30]);
+    let ceilings: Vec<&str> = p.ceilings.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(ceilings, ["ip", "ip_protocol"]);
     assert_eq!(
-        (
-            p.profile.ceiling_work.get(),
-            p.profile.ceiling_protocol_only.get()
-        ),
+        (p.profile.ceiling(0).get(), p.profile.ceiling(1).get()),
         (300, 1200)
     );
-    let local = p.with_profile("local").expect("local");
-    let limits: Vec<u32> = Class::ALL
-        .iter()
-        .map(|&c| local.profile.limit(c).get())
+    let local = p.clone().with_profile("local").expect("local");
+    let limits: Vec<u32> = local
+        .class_ids()
+        .map(|c| local.profile.limit(c).get())
         .collect();
     assert_eq!(limits, [3000, 1500, 500, 150]);
     assert_eq!(
         (
-            local.profile.ceiling_work.get(),
-            local.profile.ceiling_protocol_only.get()
+            local.profile.ceiling(0).get(),
+            local.profile.ceiling(1).get()
         ),
         (2000, 6000)
     );
@@ -63,43 +67,43 @@ fn routes_follow_the_default_table() {
     let p = default_policy().expect("default");
     let class = |m: Method, path: &str| p.route(&m, path).map(|r| r.class.clone());
     let fixed = |c| Some(RouteClass::Fixed(c));
-    assert_eq!(class(Method::GET, "/anything/else"), fixed(Class::Read));
-    assert_eq!(class(Method::POST, "/chats"), fixed(Class::Expensive));
+    assert_eq!(class(Method::GET, "/anything/else"), fixed(seed("read")));
+    assert_eq!(class(Method::POST, "/chats"), fixed(seed("expensive")));
     assert_eq!(
         class(Method::POST, "/routines/7/run"),
-        fixed(Class::Expensive)
+        fixed(seed("expensive"))
     );
     assert_eq!(
         class(Method::POST, "/messages/optimize"),
-        fixed(Class::Expensive)
+        fixed(seed("expensive"))
     );
     assert_eq!(
         class(Method::GET, "/messages/optimize/batches/b1"),
-        fixed(Class::Read)
+        fixed(seed("read"))
     );
-    assert_eq!(class(Method::POST, "/search/query"), fixed(Class::Read));
-    assert_eq!(class(Method::POST, "/evals"), fixed(Class::Standard));
+    assert_eq!(class(Method::POST, "/search/query"), fixed(seed("read")));
+    assert_eq!(class(Method::POST, "/evals"), fixed(seed("standard")));
     assert_eq!(
         class(Method::GET, "/oauth/authorize"),
-        fixed(Class::Standard)
+        fixed(seed("standard"))
     );
     assert_eq!(
         class(Method::GET, "/api/mcp/api-keys"),
-        fixed(Class::Standard)
+        fixed(seed("standard"))
     );
     assert_eq!(
         class(Method::DELETE, "/api/mcp/api-keys/k1"),
-        fixed(Class::Standard)
+        fixed(seed("standard"))
     );
-    assert_eq!(class(Method::GET, "/mcp"), fixed(Class::Protocol));
-    assert_eq!(class(Method::DELETE, "/mcp"), fixed(Class::Protocol));
+    assert_eq!(class(Method::GET, "/mcp"), fixed(seed("protocol")));
+    assert_eq!(class(Method::DELETE, "/mcp"), fixed(seed("protocol")));
     assert_eq!(class(Method::POST, "/mcp"), Some(RouteClass::JsonRpc));
     assert_eq!(
         class(Method::PUT, "/unlisted"),
         None,
         "falls to default_class"
     );
-    assert_eq!(p.default_class, Class::Standard);
+    assert_eq!(p.default_class, seed("standard"));
     let export = p.route(&Method::GET, "/evals/e1/export").expect("export");
     assert_eq!(p.buckets[export.buckets[0]].name, "export");
     let register = p.route(&Method::POST, "/oauth/register").expect("register");
@@ -144,8 +148,7 @@ fn e5_jsonrpc_items_are_classed_by_method_tool_and_retired_action() {
             .jsonrpc
             .classify(body.as_bytes(), &p.bounds)
             .expect("JSON-RPC");
-        Class::ALL
-            .into_iter()
+        p.class_ids()
             .find(|&c| items.count(c) == 1)
             .expect("one item")
     };
@@ -156,36 +159,36 @@ fn e5_jsonrpc_items_are_classed_by_method_tool_and_retired_action() {
     };
     assert_eq!(
         class(r#"{"jsonrpc":"2.0","id":1,"method":"initialize"}"#),
-        Class::Protocol
+        seed("protocol")
     );
     assert_eq!(
         class(r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#),
-        Class::Protocol
+        seed("protocol")
     );
     assert_eq!(
         class(r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#),
-        Class::Protocol
+        seed("protocol")
     );
-    assert_eq!(class(&call("start_chat", "{}")), Class::Expensive);
-    assert_eq!(class(&call("search_query", "{}")), Class::Read);
+    assert_eq!(class(&call("start_chat", "{}")), seed("expensive"));
+    assert_eq!(class(&call("search_query", "{}")), seed("read"));
     assert_eq!(
         class(&call("messages", r#"{"action":"optimize"}"#)),
-        Class::Expensive
+        seed("expensive")
     );
     assert_eq!(
         class(&call("messages", r#"{"action":"optimize_batch"}"#)),
-        Class::Expensive
+        seed("expensive")
     );
     // Unknown tool, retired name with an unknown action, not JSON-RPC: standard.
-    assert_eq!(class(&call("no_such_tool", "{}")), Class::Standard);
+    assert_eq!(class(&call("no_such_tool", "{}")), seed("standard"));
     assert_eq!(
         class(&call("messages", r#"{"action":"shred"}"#)),
-        Class::Standard
+        seed("standard")
     );
-    assert_eq!(class(&call("messages", "{}")), Class::Standard);
+    assert_eq!(class(&call("messages", "{}")), seed("standard"));
     // An object that is not JSON-RPC: standard. A body that cannot be counted at all
     // is refused (never a panic, never one cheap item).
-    assert_eq!(class(r#"{"hello":"world"}"#), Class::Standard);
+    assert_eq!(class(r#"{"hello":"world"}"#), seed("standard"));
     let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
     for body in [
         &b"this is not json"[..],
@@ -210,9 +213,10 @@ fn e5_a_batch_counts_each_item_in_its_class() {
         .jsonrpc
         .classify(body.as_bytes(), &p.bounds)
         .expect("a batch");
-    assert_eq!(counted.count(Class::Expensive), 31);
-    assert_eq!(counted.count(Class::Protocol), 1);
-    assert!(!counted.protocol_only());
+    assert_eq!(counted.count(seed("expensive")), 31);
+    assert_eq!(counted.count(seed("protocol")), 1);
+    let (ip, ip_protocol) = (&p.ceilings[0], &p.ceilings[1]);
+    assert!(ip.applies(counted.held) && !ip_protocol.applies(counted.held));
 }
 
 fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
@@ -510,7 +514,7 @@ fn describe_prints_every_resolved_number() {
     for want in [
         "profile: production (defined: local, production)",
         "per caller and class: protocol 600, read 300, standard 60, expensive 30",
-        "per IP: 300 requests holding work, 1200 protocol-only requests",
+        "per IP: ip 300 (requests holding any of read, standard, expensive); ip_protocol 1200 (requests holding only protocol)",
         "export: 5 per 60 s per user, refused with JSON envelope",
         "POST    /chats",
         "tools/call",
@@ -530,19 +534,16 @@ fn describe_prints_every_resolved_number() {
 fn d3_store_outage_choices_per_class_are_validated() {
     let p = default_policy().expect("default");
     assert_eq!(p.store.timeout, std::time::Duration::from_millis(20));
-    assert_eq!(
-        p.store.outage(Class::Expensive),
-        sluice_policy::Outage::FailOpen
-    );
+    assert_eq!(p.outage(seed("expensive")), sluice_policy::Outage::FailOpen);
     let yaml = sluice_policy::DEFAULT_POLICY_YAML
         .edit("expensive: fail_open }", "expensive: fail_closed }")
         .edit("replicas: 1", "replicas: 3");
     let p = parse_str(&yaml, Path::new("p.yaml")).expect("policy");
     assert_eq!(
-        p.store.outage(Class::Expensive),
+        p.outage(seed("expensive")),
         sluice_policy::Outage::FailClosed
     );
-    assert_eq!(p.store.outage(Class::Read), sluice_policy::Outage::FailOpen);
+    assert_eq!(p.outage(seed("read")), sluice_policy::Outage::FailOpen);
     assert_eq!(p.store.replicas.get(), 3);
     let bad = sluice_policy::DEFAULT_POLICY_YAML
         .edit("expensive: fail_open }", "expensive: fail_shut }")

@@ -155,12 +155,12 @@ async fn e2_a_key_function_names_the_caller_and_otherwise_the_policy_does() {
 
 #[tokio::test]
 async fn e1_a_policy_built_in_code_limits_through_the_layer() {
-    use sluice_policy::{Class, Policy};
+    use sluice_policy::Policy;
     // Two reads a minute per user, keyed by the user's own header; no route but
     // `/search/*`, which costs a read.
     let policy = Policy::builder()
-        .limit(Class::Read, 2)
-        .route_any_method("/search/*", Class::Read)
+        .limit("read", 2)
+        .route_any_method("/search/*", "read")
         .build()
         .expect("valid");
     let limiter = Arc::new(Limiter::new(

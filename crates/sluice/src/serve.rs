@@ -55,10 +55,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "URL", value_parser = Upstream::parse)]
     pub upstream: Option<Upstream>,
 
-    /// Which profile's numbers apply: `production` (the production numbers, e.g.
-    /// expensive 30/min) or `local` (roomier, e.g. expensive 150/min). Default: the
-    /// policy's own `profile:`, which is `production` in the built-in policy.
-    #[arg(long, value_parser = ["production", "local"])]
+    /// Which of the policy's profiles applies, by name (the built-in policy has
+    /// `production`, e.g. expensive 30/min, and `local`, roomier, e.g. expensive
+    /// 150/min). Default: the policy's own `profile:`, `production` in the
+    /// built-in policy. A name the policy does not have is refused, naming those
+    /// it has.
+    #[arg(long, value_name = "NAME")]
     pub profile: Option<String>,
 
     /// A dry run: every budget, bucket, quota and route is in shadow mode — decided
@@ -214,7 +216,7 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
                 sluice_gateway::PolicyFile::load(path.clone(), args.profile.clone())
                     .map_err(BadInput)?;
             file.dry_run = args.dry_run;
-            policy.shadows.dry_run |= args.dry_run;
+            policy.dry_run |= args.dry_run;
             (policy, Some(file))
         }
         None => {
@@ -225,7 +227,7 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
                     .map_err(|e| BadInput(format!("--profile: {e}")))?,
                 None => policy,
             };
-            policy.shadows.dry_run |= args.dry_run;
+            policy.dry_run |= args.dry_run;
             (policy, None)
         }
     };

@@ -95,7 +95,7 @@ async fn d2_three_replicas_on_a_cluster_admit_exactly_the_limit_and_refusals_ref
     // The IP ceiling's slot gave back what refused calls held: 300 - 30 admitted.
     let ceiling = Budget::per_window(
         BudgetKey::from_digests(
-            sluice_core::digest(b"ip:work"),
+            sluice_core::digest(b"ceiling:ip"),
             sluice_policy::default_policy()
                 .expect("policy")
                 .identity

@@ -478,3 +478,182 @@ async fn p5_serve_dry_run_forwards_past_the_limit_on_both_paths_and_counts_each_
         serde_json::json!([{ "budget": "expensive", "reason": "rate_limited", "count": 6 }])
     );
 }
+
+/// A policy of the operator's own: six classes and three per-IP ceilings, none of
+/// the built-in names, and no `default_class` (the last route is the catch-all).
+const OWN_CLASSES: &str = "profile: free
+window_seconds: 4294967295
+profiles:
+  free:
+    classes: { ping: 50, list: 20, search: 6, write: 4, generate: 3, export: 2 }
+    ip_ceilings: { ip_all: 40, ip_heavy: 8, ip_light: 30 }
+  pro:
+    classes: { ping: 500, list: 200, search: 60, write: 40, generate: 30, export: 20 }
+    ip_ceilings: { ip_all: 400, ip_heavy: 80, ip_light: 300 }
+ceilings:
+  ip_all: { classes: [ping, list, search, write, generate, export] }
+  ip_heavy: { classes: [generate, export] }
+  ip_light: { classes: [ping, list], only: true }
+routes:
+  - { method: POST, path: /rpc, jsonrpc: true }
+  - { method: GET, path: /ping, class: ping }
+  - { method: POST, path: /generate, class: generate }
+  - { method: GET, path: \"/export/*\", class: export }
+  - { class: write }
+jsonrpc:
+  methods:
+    ping: [ping]
+    list: [tools/list]
+  tools:
+    generate_image: { class: generate }
+";
+
+/// P1: classes, ceilings and profiles are the policy's data. Six classes and three
+/// ceilings of the operator's own names limit through the HTTP/1.1 fast path, the
+/// hyper path (HTTP/2) and JSON-RPC bodies alike, and every place a user reads
+/// (headers, `/metrics`, `/status`, `sluice check`) names them.
+#[tokio::test]
+async fn p1_six_classes_and_three_ceilings_of_the_operators_own_limit_through_both_paths() {
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let policy = policy_file("own-classes.yaml", |_| OWN_CLASSES.to_owned());
+    let policy = policy.to_str().expect("utf-8 path");
+    let sluice = Sluice::spawn(&["--config", policy]);
+    let h2 = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let h2_send = |request: Request<Full<Bytes>>| {
+        let h2 = h2.clone();
+        async move {
+            let response = h2.request(request).await.expect("h2 request");
+            assert_eq!(response.version(), http::Version::HTTP_2);
+            response
+        }
+    };
+    // `generate`: 3 per caller, over HTTP/1.1.
+    for i in 0..3 {
+        let r = post(&sluice, "/generate", "sk-a").await;
+        assert_eq!(r.status, 200, "generate {i}: {}", r.text());
+        assert_eq!(r.header("x-ratelimit-limit"), Some("3"), "generate {i}");
+    }
+    let refused = post(&sluice, "/generate", "sk-a").await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(refused.header("x-ratelimit-limit"), Some("3"));
+    // `export`: 2 per caller, over HTTP/2.
+    for i in 0..3 {
+        let response = h2_send(
+            Request::get(sluice.url("/export/report"))
+                .header("x-api-key", "sk-a")
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await;
+        let expected = if i < 2 { 200 } else { 429 };
+        assert_eq!(response.status(), expected, "export {i}");
+        assert_eq!(response.headers()["x-ratelimit-limit"], "2", "export {i}");
+    }
+    // Another caller's 3 generations fill the per-IP ceiling over the heavy classes
+    // (3 + 2 + 3 = 8; refused requests spent nothing).
+    for i in 0..3 {
+        let response = h2_send(
+            Request::post(sluice.url("/generate"))
+                .header("x-api-key", "sk-b")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from_static(b"{}")))
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(response.status(), 200, "sk-b generate {i}");
+    }
+    let ceiling = post(&sluice, "/generate", "sk-c").await;
+    assert_eq!(ceiling.status, 429, "{}", ceiling.text());
+    assert_eq!(ceiling.header("x-ratelimit-limit"), Some("8"), "ip_heavy");
+    // The catch-all route's class is the default: `write`, 4 per caller.
+    let write = post(&sluice, "/anything/else", "sk-c").await;
+    assert_eq!(
+        write.header("x-ratelimit-limit"),
+        Some("4"),
+        "{}",
+        write.text()
+    );
+    // A JSON-RPC batch of the light classes only is not a heavy request; one that
+    // holds a generation is, and the heavy ceiling refuses it.
+    let rpc = |body: &'static str| {
+        send(
+            Request::post(sluice.url("/rpc"))
+                .header("x-api-key", "sk-d")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from_static(body.as_bytes())))
+                .expect("request"),
+        )
+    };
+    let light = rpc(r#"[{"jsonrpc":"2.0","id":1,"method":"ping"},{"jsonrpc":"2.0","id":2,"method":"tools/list"}]"#).await;
+    assert_ne!(light.status, 429, "{}", light.text());
+    let heavy = rpc(r#"[{"jsonrpc":"2.0","id":1,"method":"ping"},{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"generate_image"}}]"#).await;
+    assert_eq!(heavy.status, 429, "{}", heavy.text());
+    assert_eq!(heavy.header("x-ratelimit-limit"), Some("8"), "ip_heavy");
+
+    let metrics = get(&sluice.admin_url("/metrics")).await.text();
+    let count = |prefix: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in:\n{metrics}"))
+    };
+    assert_eq!(count("sluice_refusals_total{reason=\"ip_heavy\"}"), 2);
+    assert_eq!(count("sluice_refusals_total{reason=\"generate\"}"), 1);
+    assert_eq!(count("sluice_refusals_total{reason=\"export\"}"), 1);
+    assert_eq!(
+        count("sluice_decisions_total{class=\"generate\",outcome=\"admitted\"}"),
+        6
+    );
+    let status = get(&sluice.admin_url("/status")).await.json();
+    let limiter = &status["limiter"];
+    assert_eq!(
+        limiter["class_names"],
+        serde_json::json!(["ping", "list", "search", "write", "generate", "export"]),
+        "{status}"
+    );
+    assert_eq!(limiter["classes"]["generate"], 3);
+    assert_eq!(
+        limiter["ip_ceilings"],
+        serde_json::json!({ "ip_all": 40, "ip_heavy": 8, "ip_light": 30 })
+    );
+    assert_eq!(limiter["profile"], "free");
+
+    // `sluice check` prints the classes and ceilings by their names; `--profile`
+    // takes any profile the policy has and names them when it has not.
+    let check = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", policy])
+        .output()
+        .expect("sluice check");
+    let out = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{out}");
+    assert!(
+        out.contains(
+            "per caller and class: ping 50, list 20, search 6, write 4, generate 3, export 2"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("ip_heavy 8 (requests holding any of generate, export)")
+            && out.contains("ip_light 30 (requests holding only ping, list)"),
+        "{out}"
+    );
+    let pro = Sluice::spawn(&["--config", policy, "--profile", "pro"]);
+    let status = get(&pro.admin_url("/status")).await.json();
+    assert_eq!(status["limiter"]["classes"]["generate"], 30, "{status}");
+    let nope = run_to_exit(
+        &["serve", "--config", policy, "--profile", "staging"],
+        Duration::from_secs(30),
+    );
+    assert_eq!(nope.status.code(), Some(2), "{}", nope.stderr);
+    assert!(
+        nope.stderr.contains("staging") && nope.stderr.contains("free, pro"),
+        "{}",
+        nope.stderr
+    );
+}

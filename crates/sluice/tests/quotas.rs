@@ -31,8 +31,8 @@ fn policy_file(dir: &DataDir, edit: impl FnOnce(String) -> String) -> String {
             "classes: { protocol: 600, read: 300, standard: 10000000, expensive: 30 }",
         )
         .edit(
-            "ip_ceilings: { work: 300, protocol_only: 1200 }",
-            "ip_ceilings: { work: 10000000, protocol_only: 1200 }",
+            "ip_ceilings: { ip: 300, ip_protocol: 1200 }",
+            "ip_ceilings: { ip: 10000000, ip_protocol: 1200 }",
         )
         .edit(
             "  keys: []",

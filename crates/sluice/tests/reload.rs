@@ -39,8 +39,8 @@ fn policy(expensive: u32) -> String {
             ),
         )
         .edit(
-            "ip_ceilings: { work: 300, protocol_only: 1200 }",
-            "ip_ceilings: { work: 100000, protocol_only: 100000 }",
+            "ip_ceilings: { ip: 300, ip_protocol: 1200 }",
+            "ip_ceilings: { ip: 100000, ip_protocol: 100000 }",
         )
 }
 

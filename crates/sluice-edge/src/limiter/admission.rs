@@ -233,7 +233,7 @@ impl<S: BudgetStore> Limiter<S> {
                         limit = decision.binding().map_or(0, |b| b.limit),
                         retry_after = (!decision.is_never())
                             .then(|| crate::answer::refusal_wait(&decision)),
-                        class = plan.top_class.name(),
+                        class = self.policy.class_name(plan.top_class),
                         caller = %format_args!("{:016x}", plan.caller),
                         "refused"
                     );
@@ -246,7 +246,7 @@ impl<S: BudgetStore> Limiter<S> {
                         target: "sluice::refusal",
                         request_id = id,
                         reason = "limiter_unavailable",
-                        class = plan.top_class.name(),
+                        class = self.policy.class_name(plan.top_class),
                         caller = %format_args!("{:016x}", plan.caller),
                         error = %error,
                         "the store could not decide"
@@ -279,16 +279,19 @@ impl<S: BudgetStore> Limiter<S> {
             (Reason::Budget(decision), Some(plan)) => {
                 crate::answer::refusal(decision, plan, policy)
             }
-            (Reason::Lane { lane, refusal }, _) => {
-                let name = policy.lanes.get(*lane).map_or("", |l| l.name.as_str());
-                crate::lane_refusal(name, refusal)
-            }
+            (Reason::Lane { lane, refusal }, _) => match policy.lanes.get(*lane) {
+                Some(lane) => crate::lane_refusal(lane, refusal),
+                None => crate::answer::limiter_unavailable(&"no lane"),
+            },
             (Reason::Unavailable(error), _) => crate::answer::limiter_unavailable(error),
             (Reason::Budget(_), None) => crate::answer::limiter_unavailable(&"no plan"),
         };
         match jsonrpc_body {
             Some(body) if policy.jsonrpc.refusal == sluice_policy::JsonRpcRefusal::JsonRpcError => {
-                let class = refusal.plan.as_ref().map_or("", |p| p.top_class.name());
+                let class = refusal
+                    .plan
+                    .as_ref()
+                    .map_or("", |p| self.policy.class_name(p.top_class));
                 crate::answer::jsonrpc_refusal(answer, body, class)
             }
             _ => answer,
@@ -313,7 +316,7 @@ impl<S: BudgetStore> Limiter<S> {
                     request_id = id,
                     reason,
                     lane = self.policy.lanes.get(call.lane).map_or("", |l| l.name.as_str()),
-                    class = plan.top_class.name(),
+                    class = self.policy.class_name(plan.top_class),
                     caller = %format_args!("{:016x}", plan.caller),
                     "lane refused"
                 );
@@ -355,7 +358,8 @@ impl<S: BudgetStore> Limiter<S> {
                 Ok(permit) => permits.push(permit),
                 Err(refusal) => {
                     crate::LanePlace::new(permits, rule.timeout).cancel();
-                    log(refusal.reason.as_str());
+                    let reason = rule.reason_name(refusal.reason.as_str());
+                    log(reason);
                     if refusal.reason == sluice_lanes::RefusalReason::LedgerUnavailable {
                         // The lane fails closed while its shared ledger is down: as
                         // a store that cannot decide (see `lanes::ledger_outage`).
@@ -367,7 +371,7 @@ impl<S: BudgetStore> Limiter<S> {
                     metrics::counter!(
                         "sluice_lane_refusals_total",
                         "lane" => rule.name.clone(),
-                        "reason" => refusal.reason.as_str()
+                        "reason" => reason.to_owned()
                     )
                     .increment(1);
                     *self

@@ -41,7 +41,7 @@ impl<S: BudgetStore> Limiter<S> {
     pub(super) fn fails_open(&self, plan: &Plan) -> bool {
         !plan.holds_capped_quota(&self.policy)
             && plan.kinds.iter().all(|k| match k {
-                BudgetKind::Class(c) => self.policy.store.outage(*c) == Outage::FailOpen,
+                BudgetKind::Class(c) => self.policy.outage(*c) == Outage::FailOpen,
                 _ => true,
             })
     }

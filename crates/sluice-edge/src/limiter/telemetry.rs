@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 use serde::Serialize;
 use sluice_core::Decision;
-use sluice_policy::{Class, Policy, Who};
+use sluice_policy::{Class, MAX_CLASSES, Policy, Who};
 use sluice_store::{BudgetStore, StoreError};
 
 use super::Limiter;
@@ -24,14 +24,15 @@ pub const TOP_CALLERS_TRACKED: usize = 4_096;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Tally {
-    /// One per class, in [`Class::ALL`]'s order.
+    /// One per class of the policy, cheapest first.
     pub classes: Vec<ClassTally>,
     /// Refusals by the budget that refused them (`sluice_refusals_total`'s
-    /// `reason`: a class, `ip`, `ip_protocol`, a bucket or a quota family), most
-    /// first; reasons with none left out.
+    /// `reason`: a class, a ceiling, a bucket or a quota family), most first;
+    /// reasons with none left out.
     pub refusals: Vec<(String, u64)>,
-    /// Calls the guarded lanes refused: (lane, reason, count), by lane then reason.
-    pub lane_refusals: Vec<(String, &'static str, u64)>,
+    /// Calls the guarded lanes refused: (lane, reason as clients see it, count),
+    /// by lane then reason.
+    pub lane_refusals: Vec<(String, String, u64)>,
     /// Refusals budgets in shadow mode would have given, the requests forwarded
     /// instead: (budget, reason, count), by budget then reason
     /// (`sluice_shadow_refusals_total`).
@@ -47,6 +48,8 @@ pub struct Tally {
 pub struct ClassTally {
     /// The class.
     pub class: Class,
+    /// Its name.
+    pub name: String,
     /// A caller's budget of it per window.
     pub limit: u32,
     /// Requests admitted whose top class it is.
@@ -67,7 +70,8 @@ pub struct ClassTally {
 /// The counters behind [`Limiter::tally`]: relaxed atomics, one cache line per
 /// class, so the request path takes no lock for them.
 pub(super) struct Counts {
-    pub(super) classes: [crossbeam_utils::CachePadded<ClassCounts>; 4],
+    /// By class index, for every class a policy can have (a reload may add some).
+    pub(super) classes: Box<[crossbeam_utils::CachePadded<ClassCounts>]>,
     /// Refusals by every reason the policy can give (fixed at start, kept across
     /// reloads).
     pub(super) refusals: HashMap<String, AtomicU64>,
@@ -95,7 +99,7 @@ pub(super) struct ClassCounts {
 impl Counts {
     pub(super) fn new(policy: &Policy) -> Self {
         Counts {
-            classes: std::array::from_fn(|_| Default::default()),
+            classes: (0..MAX_CLASSES).map(|_| Default::default()).collect(),
             refusals: refusal_reasons(policy)
                 .map(|r| (r, AtomicU64::new(0)))
                 .collect(),
@@ -110,7 +114,9 @@ impl Counts {
     pub(super) fn fill(&self, plan: &Plan, decision: &Decision) {
         for (k, s) in plan.kinds.iter().zip(decision.statuses()) {
             let BudgetKind::Class(c) = k else { continue };
-            let counts = &self.classes[c.index()];
+            let Some(counts) = self.classes.get(c.index()) else {
+                continue;
+            };
             let used = u64::from(s.limit.saturating_sub(s.remaining));
             let permille = (used * 1000 / u64::from(s.limit.max(1))).min(1000);
             let packed = (s.reset << 16) | permille;
@@ -124,10 +130,11 @@ impl Counts {
 
 /// Every reason a refusal by a budget of `policy` can name (`sluice_refusals_total`).
 pub(super) fn refusal_reasons(policy: &Policy) -> impl Iterator<Item = String> + '_ {
-    Class::ALL
+    policy
+        .classes
         .iter()
-        .map(|c| c.name().to_owned())
-        .chain(["ip".to_owned(), "ip_protocol".to_owned()])
+        .map(|c| c.name.clone())
+        .chain(policy.ceilings.iter().map(|c| c.name.clone()))
         .chain(policy.buckets.iter().map(|b| b.name.clone()))
         .chain(policy.quotas.iter().map(|q| q.name.clone()))
 }
@@ -140,7 +147,7 @@ pub(super) const TOP_SHARDS: usize = 16;
 pub(super) struct Meters {
     /// `sluice_decisions_total{class, outcome}` by class index and outcome
     /// (admitted, refused, error).
-    pub(super) decisions: [[metrics::Counter; 3]; 4],
+    pub(super) decisions: Vec<[metrics::Counter; 3]>,
     pub(super) decision_seconds: metrics::Histogram,
     pub(super) local: metrics::Counter,
     /// `sluice_quota_units_total{family}` by family index.
@@ -153,11 +160,15 @@ impl Meters {
     pub(super) fn register(policy: &Policy) -> Self {
         let outcomes = ["admitted", "refused", "error"];
         Meters {
-            decisions: Class::ALL.map(|c| {
-                outcomes.map(|o| {
-                    metrics::counter!("sluice_decisions_total", "class" => c.name(), "outcome" => o)
+            decisions: policy
+                .classes
+                .iter()
+                .map(|c| {
+                    outcomes.map(|o| {
+                        metrics::counter!("sluice_decisions_total", "class" => c.name.clone(), "outcome" => o)
+                    })
                 })
-            }),
+                .collect(),
             decision_seconds: metrics::histogram!("sluice_decision_seconds"),
             local: metrics::counter!("sluice_local_decisions_total"),
             quota_units: policy
@@ -216,8 +227,10 @@ pub struct Status {
     pub window_seconds: u32,
     /// Each class's limit per caller per window, by name.
     pub classes: BTreeMap<String, u32>,
-    /// The per-IP ceilings.
-    pub ip_ceilings: IpCeilings,
+    /// The classes' names, cheapest first (the order of the dashboard's samples).
+    pub class_names: Vec<String>,
+    /// Each per-IP ceiling's limit per window, by name.
+    pub ip_ceilings: BTreeMap<String, u32>,
     /// The per-route buckets.
     pub buckets: Vec<BucketLimit>,
     /// Routes in the policy.
@@ -232,16 +245,6 @@ pub struct Status {
     pub dry_run: bool,
     /// The guarded lanes, in the policy's order.
     pub lanes: Vec<crate::LaneStatus>,
-}
-
-/// The per-IP ceilings of a [`Status`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[non_exhaustive]
-pub struct IpCeilings {
-    /// Requests a minute holding any read, standard or expensive call.
-    pub work: u32,
-    /// Requests a minute holding only protocol calls.
-    pub protocol_only: u32,
 }
 
 /// A per-route bucket of a [`Status`].
@@ -295,7 +298,7 @@ impl<S: BudgetStore> Limiter<S> {
                     reason,
                     budget,
                     limit = refused.statuses().get(i).map_or(0, |s| s.limit),
-                    class = plan.top_class.name(),
+                    class = self.policy.class_name(plan.top_class),
                     caller = %format_args!("{:016x}", plan.caller),
                     "shadow refusal: forwarded, the budget is in shadow mode"
                 );
@@ -305,8 +308,13 @@ impl<S: BudgetStore> Limiter<S> {
 
     /// Counts a decision's outcome in the metrics and the status page.
     pub(super) fn record(&self, plan: &Plan, decision: &Result<Box<Decision>, StoreError>) {
-        let counters = &self.metrics.decisions[plan.top_class.index()];
-        let counts = &self.counts.classes[plan.top_class.index()];
+        let top = plan.top_class.index();
+        let (Some(counters), Some(counts)) = (
+            self.metrics.decisions.get(top),
+            self.counts.classes.get(top),
+        ) else {
+            return;
+        };
         match decision {
             Ok(d) if d.is_admitted() => {
                 let mut units = 0;
@@ -325,9 +333,9 @@ impl<S: BudgetStore> Limiter<S> {
                         }
                         BudgetKind::Class(c) => {
                             units += u64::from(b.cost);
-                            self.counts.classes[c.index()]
-                                .units
-                                .fetch_add(u64::from(b.cost), Ordering::Relaxed);
+                            if let Some(class) = self.counts.classes.get(c.index()) {
+                                class.units.fetch_add(u64::from(b.cost), Ordering::Relaxed);
+                            }
                         }
                         _ => {}
                     }
@@ -372,13 +380,15 @@ impl<S: BudgetStore> Limiter<S> {
     /// class fills are as of `now_secs` (Unix seconds).
     pub fn tally(&self, now_secs: u64) -> Tally {
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let classes = Class::ALL
-            .iter()
-            .map(|&class| {
-                let c = &self.counts.classes[class.index()];
+        let classes = self
+            .policy
+            .class_ids()
+            .zip(self.counts.classes.iter())
+            .map(|(class, c)| {
                 let fill = load(&c.fill);
                 ClassTally {
                     class,
+                    name: self.policy.class_name(class).to_owned(),
                     limit: self.policy.profile.limit(class).get(),
                     admitted: load(&c.admitted),
                     refused: load(&c.refused),
@@ -405,13 +415,14 @@ impl<S: BudgetStore> Limiter<S> {
             .filter(|(_, n)| *n > 0)
             .collect();
         refusals.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        let mut lane_refusals: Vec<(String, &'static str, u64)> = self
+        let mut lane_refusals: Vec<(String, String, u64)> = self
             .counts
             .lane_refusals
             .lock()
             .iter()
             .filter_map(|(&(lane, reason), &n)| {
-                Some((self.policy.lanes.get(lane)?.name.clone(), reason, n))
+                let lane = self.policy.lanes.get(lane)?;
+                Some((lane.name.clone(), lane.reason_name(reason).to_owned(), n))
             })
             .collect();
         lane_refusals.sort();
@@ -436,9 +447,9 @@ impl<S: BudgetStore> Limiter<S> {
     /// spent most in the current window.
     pub fn status(&self) -> Status {
         let p = &self.policy;
-        let classes = Class::ALL
-            .iter()
-            .map(|&c| (c.name().to_owned(), p.profile.limit(c).get()))
+        let classes = p
+            .class_ids()
+            .map(|c| (p.class_name(c).to_owned(), p.profile.limit(c).get()))
             .collect();
         // The latest window any shard has seen is the current one; a shard still on
         // an older window has had no spend in this one.
@@ -460,10 +471,13 @@ impl<S: BudgetStore> Limiter<S> {
             profile: p.profile_name.clone(),
             window_seconds: p.window.get(),
             classes,
-            ip_ceilings: IpCeilings {
-                work: p.profile.ceiling_work.get(),
-                protocol_only: p.profile.ceiling_protocol_only.get(),
-            },
+            class_names: p.classes.iter().map(|c| c.name.clone()).collect(),
+            ip_ceilings: p
+                .ceilings
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (c.name.clone(), p.profile.ceiling(i).get()))
+                .collect(),
             buckets: p
                 .buckets
                 .iter()
@@ -477,7 +491,7 @@ impl<S: BudgetStore> Limiter<S> {
             top_callers: callers,
             other_callers_units: others,
             store_degraded: self.is_degraded(),
-            dry_run: p.shadows.dry_run,
+            dry_run: p.dry_run,
             lanes: self.lanes.iter().map(crate::lane_status).collect(),
         }
     }

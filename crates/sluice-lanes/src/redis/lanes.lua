@@ -61,7 +61,7 @@ if op == 'take_single' then
     return {0, 'workspace_rate_limit', tonumber(oldest[2]) + window - now, may_free}
   end
   if redis.call('ZCARD', KEYS[1]) >= cap then
-    return {0, 'optimizer_busy', 0}
+    return {0, 'busy', 0}
   end
   redis.call('ZADD', KEYS[1], now + ttl, id)
   redis.call('ZADD', KEYS[3], now + ttl, id)
@@ -70,7 +70,7 @@ if op == 'take_single' then
   return {1, now}
 elseif op == 'take_batch' then
   if redis.call('ZCARD', KEYS[1]) >= cap or redis.call('ZCARD', KEYS[2]) >= batch_cap then
-    return {0, 'optimizer_busy', 0}
+    return {0, 'busy', 0}
   end
   redis.call('ZADD', KEYS[1], now + ttl, id)
   redis.call('ZADD', KEYS[2], now + ttl, id)

@@ -210,7 +210,7 @@ impl Ledger for RedisLedger {
         let reason = match reason.as_str() {
             "workspace_in_flight_limit" => RefusalReason::WorkspaceInFlightLimit,
             "workspace_rate_limit" => RefusalReason::WorkspaceRateLimit,
-            "optimizer_busy" => RefusalReason::OptimizerBusy,
+            "busy" => RefusalReason::Busy,
             other => return Err(unavailable(format!("unknown refusal {other:?}"))),
         };
         let may_free: i64 = answer
