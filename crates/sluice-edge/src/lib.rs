@@ -87,8 +87,8 @@ pub use lanes::{
 };
 pub use limiter::{
     Admitted, BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter,
-    QuotaQueryError, QuotaUsage, Reason, Refusal, Refused, ReloadRefused, SharedLimiter, Status,
-    TOP_CALLERS_TRACKED, Tally, TopCaller, check_head,
+    PlanStatus, QuotaQueryError, QuotaUsage, Reason, Refusal, Refused, ReloadRefused,
+    SharedLimiter, Status, TOP_CALLERS_TRACKED, Tally, TopCaller, check_head,
 };
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
 pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};

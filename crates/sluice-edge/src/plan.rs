@@ -7,7 +7,8 @@ use std::num::NonZeroU32;
 use arrayvec::ArrayVec;
 use sluice_core::{Budget, BudgetKey, Decision, MAX_BUDGETS, Rate, digest, month_of};
 use sluice_policy::{
-    Algorithm, Caller, Class, ClientIp, Enforcement, Items, OnExhausted, Per, Policy, Refusal,
+    Algorithm, Caller, Class, ClientIp, CustomerPlan, Enforcement, Items, OnExhausted, Per, Policy,
+    Refusal,
 };
 
 /// What a budget of a plan is, for headers, refusals and metrics.
@@ -149,19 +150,35 @@ impl Scopes {
     }
 }
 
-/// The monthly budget of family `q` (scope `scope`) of the workspace `workspace`.
+/// The monthly budget of a family (scope `scope`) capped at `monthly` (`None`:
+/// uncapped) of the workspace `workspace`.
 pub(crate) fn quota_budget(
     scope: u64,
-    q: &sluice_policy::QuotaFamily,
+    monthly: Option<NonZeroU32>,
     workspace: u64,
     cost: u32,
 ) -> Budget {
     Budget {
         key: BudgetKey::from_digests(scope, workspace),
         rate: Rate::CalendarMonth,
-        limit: q.limit(),
+        limit: monthly.map_or(u32::MAX, NonZeroU32::get),
         cost,
     }
+}
+
+/// The monthly cap of quota family `i` for a workspace on `tier`: the plan's, else
+/// the family's (`None`: uncapped).
+pub(crate) fn quota_cap(
+    policy: &Policy,
+    tier: Option<&CustomerPlan>,
+    i: usize,
+) -> Option<NonZeroU32> {
+    overridden(tier.map(|t| &t.quotas), i).or_else(|| policy.quotas.get(i).and_then(|q| q.monthly))
+}
+
+/// A plan's override at `i` of one of its tables, if it sets one.
+fn overridden(table: Option<&Vec<Option<NonZeroU32>>>, i: usize) -> Option<NonZeroU32> {
+    table.and_then(|t| t.get(i).copied().flatten())
 }
 
 /// Builds the plan of a request holding `items` (with what they spend besides
@@ -192,6 +209,16 @@ pub(crate) fn plan(
     // route; else those whose own mode says so.
     let all = policy.dry_run || route_mode == Enforcement::Shadow;
     let shadow = |mode: Enforcement| all || mode == Enforcement::Shadow;
+    // The workspace's plan: its limits replace the profile's where it names them,
+    // and a plan in shadow mode dry-runs those.
+    let tier = policy.plan_of(p.from.workspace);
+    let tier_shadow = tier.is_some_and(|t| t.mode == Enforcement::Shadow);
+    let limit_of = |table: Option<&Vec<Option<NonZeroU32>>>, i: usize, otherwise: NonZeroU32| {
+        match overridden(table, i) {
+            Some(limit) => (limit, tier_shadow),
+            None => (otherwise, false),
+        }
+    };
     let caller = &p.from;
     let (subject, workspace, user) = (caller.subject, caller.workspace, caller.user);
     let window = policy.window;
@@ -212,16 +239,21 @@ pub(crate) fn plan(
         ) else {
             continue;
         };
+        let (limit, dry) = limit_of(
+            tier.map(|t| &t.classes),
+            class.index(),
+            policy.profile.limit(class),
+        );
         p.push(
             budget(
                 scope,
                 subject,
-                (policy.profile.limit(class), window, rule.algorithm),
+                (limit, window, rule.algorithm),
                 items.count(class),
             ),
             BudgetKind::Class(class),
             window,
-            shadow(rule.mode),
+            dry || shadow(rule.mode),
         );
     }
     for (i, ceiling) in policy.ceilings.iter().enumerate() {
@@ -229,16 +261,12 @@ pub(crate) fn plan(
             continue;
         };
         if ceiling.applies(items.held) {
+            let (limit, dry) = limit_of(tier.map(|t| &t.ceilings), i, policy.profile.ceiling(i));
             p.push(
-                budget(
-                    scope,
-                    client.subject,
-                    (policy.profile.ceiling(i), window, ceiling.algorithm),
-                    1,
-                ),
+                budget(scope, client.subject, (limit, window, ceiling.algorithm), 1),
                 BudgetKind::Ceiling(kind_index(i)),
                 window,
-                shadow(ceiling.mode),
+                dry || shadow(ceiling.mode),
             );
         }
     }
@@ -252,11 +280,12 @@ pub(crate) fn plan(
             Per::User => user,
             Per::Workspace => workspace,
         };
+        let (limit, dry) = limit_of(tier.map(|t| &t.buckets), i, b.limit);
         p.push(
-            budget(scope, of, (b.limit, b.window, b.algorithm), units),
+            budget(scope, of, (limit, b.window, b.algorithm), units),
             BudgetKind::Bucket(kind_index(i)),
             b.window,
-            shadow(b.mode),
+            dry || shadow(b.mode),
         );
     }
     for (i, &units) in items.quotas.iter().enumerate() {
@@ -264,13 +293,14 @@ pub(crate) fn plan(
         else {
             continue;
         };
-        let budget = quota_budget(scope, q, workspace, units);
+        let dry = tier_shadow && overridden(tier.map(|t| &t.quotas), i).is_some();
+        let budget = quota_budget(scope, quota_cap(policy, tier, i), workspace, units);
         // A month's length is known only at decision time (see `Plan::window_secs`).
         p.push(
             budget,
             BudgetKind::Quota(kind_index(i)),
             NonZeroU32::MIN,
-            shadow(q.mode),
+            dry || shadow(q.mode),
         );
     }
     p
@@ -445,8 +475,9 @@ impl Plan {
     /// True when the plan holds a capped monthly quota (it must be counted in the
     /// shared store, never decided locally).
     pub fn holds_capped_quota(&self, policy: &Policy) -> bool {
+        let tier = policy.plan_of(self.from.workspace);
         self.kinds.iter().any(|k| {
-            matches!(k, BudgetKind::Quota(q) if policy.quotas.get(policy_index(*q)).is_some_and(|q| q.monthly.is_some()))
+            matches!(k, BudgetKind::Quota(q) if quota_cap(policy, tier, policy_index(*q)).is_some())
         })
     }
 

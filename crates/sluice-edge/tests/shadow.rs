@@ -3,17 +3,15 @@
 //! still refuses as before. Driven through the phase contract (`sluice_edge::exchange`)
 //! on a fake clock, so no window boundary is crossed.
 
-use std::net::IpAddr;
 use std::path::Path;
 
-use http::request::Parts;
-use sluice_core::{FakeClock, Timestamp};
-use sluice_edge::{BodyRead, Limiter};
 use sluice_policy::{Policy, parse_str};
-use sluice_store::{MemoryConfig, MemoryStore};
 
-/// 2025-11-30T00:00:00Z; the clock stands at T0 + 1, well inside one window.
-const T0: u64 = 1_764_460_800;
+mod support;
+use sluice_core::Timestamp;
+use sluice_edge::{BodyRead, Limiter};
+use sluice_store::{MemoryConfig, MemoryStore};
+use support::{PEER, T0, limiter, request, send, statuses};
 
 fn policy(extra: &str) -> Policy {
     let yaml = format!(
@@ -33,60 +31,6 @@ default_class: standard
         Ok(policy) => policy,
         Err(e) => panic!("{e}"),
     }
-}
-
-fn limiter(policy: Policy) -> Limiter<MemoryStore<FakeClock>> {
-    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
-    Limiter::new(
-        policy,
-        MemoryStore::with_clock(MemoryConfig::default(), clock),
-    )
-}
-
-fn request(method: &str, path: &str) -> Parts {
-    let request = http::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("x-api-key", "k")
-        .body(())
-        .expect("request");
-    request.into_parts().0
-}
-
-const PEER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(203, 0, 113, 7));
-
-/// What the limiter answers `n` requests: the status of each (200 forwarded), with
-/// `X-RateLimit-Remaining` of each forwarded one.
-async fn send<S: sluice_store::BudgetStore>(
-    limiter: &Limiter<S>,
-    method: &str,
-    path: &str,
-    n: usize,
-) -> Vec<(u16, Option<u32>)> {
-    let mut answers = Vec::new();
-    for _ in 0..n {
-        let parts = request(method, path);
-        let route = limiter.route(&parts).map_err(|e| e.to_string());
-        let route = route.expect("route");
-        let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
-        answers.push(match planned.admit(None).await {
-            Ok(forward) => {
-                let mut headers = http::HeaderMap::new();
-                forward.response_head(200, &mut headers).await;
-                let remaining = headers
-                    .get("x-ratelimit-remaining")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse().ok());
-                (200, remaining)
-            }
-            Err(answer) => (answer.status().as_u16(), None),
-        });
-    }
-    answers
-}
-
-fn statuses(answers: &[(u16, Option<u32>)]) -> Vec<u16> {
-    answers.iter().map(|(s, _)| *s).collect()
 }
 
 /// A bucket of 2 a minute on `GET /exports`, in `mode`.

@@ -360,6 +360,7 @@ impl PolicyBuilder {
             sha256: sha256.to_owned(),
             workspace: workspace.to_owned(),
             user: user.to_owned(),
+            plan: None,
         });
         self
     }

@@ -62,6 +62,9 @@ impl Policy {
                 counted.join("; ")
             );
         }
+        for line in self.describe_plans() {
+            let _ = writeln!(out, "{line}");
+        }
         let sources: Vec<&str> = self
             .identity
             .credentials
@@ -273,6 +276,85 @@ impl Policy {
             outage.join(", ")
         );
         out
+    }
+
+    /// One line per plan: what a workspace on it gets (its overrides applied to the
+    /// active profile), then how many workspaces are on a plan.
+    pub fn describe_plans(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        for plan in &self.plans {
+            let pick = |o: Option<std::num::NonZeroU32>, profile: std::num::NonZeroU32| {
+                o.map_or(profile.to_string(), |l| format!("{l}*"))
+            };
+            let classes: Vec<String> = self
+                .class_ids()
+                .map(|c| {
+                    let o = plan.classes.get(c.index()).copied().flatten();
+                    format!("{} {}", self.class_name(c), pick(o, self.profile.limit(c)))
+                })
+                .collect();
+            let ceilings: Vec<String> = self
+                .ceilings
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let o = plan.ceilings.get(i).copied().flatten();
+                    format!("{} {}", c.name, pick(o, self.profile.ceiling(i)))
+                })
+                .collect();
+            let buckets: Vec<String> = self
+                .buckets
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    let o = plan.buckets.get(i).copied().flatten();
+                    format!("{} {}/{} s", b.name, pick(o, b.limit), b.window)
+                })
+                .collect();
+            let quotas: Vec<String> = self
+                .quotas
+                .iter()
+                .enumerate()
+                .map(|(i, q)| match plan.quotas.get(i).copied().flatten() {
+                    Some(l) => format!("{} {l}*/month", q.name),
+                    None => match q.monthly {
+                        Some(l) => format!("{} {l}/month", q.name),
+                        None => format!("{} uncapped", q.name),
+                    },
+                })
+                .collect();
+            let mut line = format!(
+                "plan {}{}: per caller and class: {}",
+                plan.name,
+                if plan.mode == crate::Enforcement::Shadow {
+                    " (shadow)"
+                } else {
+                    ""
+                },
+                classes.join(", ")
+            );
+            for (what, list) in [
+                ("per IP", ceilings),
+                ("buckets", buckets),
+                ("quotas", quotas),
+            ] {
+                if !list.is_empty() {
+                    let _ = write!(line, "; {what}: {}", list.join(", "));
+                }
+            }
+            line.push_str(" (* the plan's)");
+            lines.push(line);
+        }
+        if !self.plans.is_empty() {
+            lines.push(format!(
+                "workspaces on a plan: {} (the others on {})",
+                self.tenants.by_name.len(),
+                self.default_plan
+                    .and_then(|i| self.plans.get(i))
+                    .map_or("the profile's limits", |_| "plan default")
+            ));
+        }
+        lines
     }
 
     /// ` + bucket, … + quota family` for what a route or tool spends besides its class.

@@ -758,10 +758,15 @@ impl Identity {
     }
 }
 
+/// The digest a caller of the workspace named `name` holds in [`Caller::workspace`].
+pub fn workspace_digest(name: &str) -> u64 {
+    digest(format!("ws:{name}").as_bytes())
+}
+
 fn principal_digests(principal: Option<&Principal>, own: u64) -> (u64, u64) {
     match principal {
         Some(p) => (
-            digest(format!("ws:{}", p.workspace).as_bytes()),
+            workspace_digest(&p.workspace),
             digest(format!("user:{}", p.user).as_bytes()),
         ),
         None => (own, own),

@@ -40,15 +40,16 @@ pub use default::DEFAULT_POLICY_YAML;
 pub use default::default_policy;
 pub use identity::{
     AmbiguousCredentials, Caller, CallerKind, ClientIp, Label, NETWORK_PREFIX_V4,
-    NETWORK_PREFIX_V6, Who,
+    NETWORK_PREFIX_V6, Who, workspace_digest,
 };
 pub use jsonrpc::{Items, Unclassifiable, check_content_encoding, depth_exceeds};
 pub use model::{
     Algorithm, BatchEndpoint, Bounds, Bucket, Ceiling, Class, ClassSet, CostClass,
-    CredentialSource, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane, LaneBatch, LaneReasons,
-    MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES, MAX_QUOTA_FAMILIES,
-    MAX_SLIDING_WINDOW_SECONDS, OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily,
-    Refusal, Route, RouteClass, SLIDING_SLOTS, Spends, StorePolicy, Tool,
+    CredentialSource, CustomerPlan, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane,
+    LaneBatch, LaneReasons, MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES, MAX_PLANS,
+    MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS, MAX_WORKSPACES, OnExhausted, Outage, Per,
+    Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, SLIDING_SLOTS, Spends,
+    StorePolicy, Tenants, Tool,
 };
 pub use path::{PathError, Paths, without_parameters};
 pub use pattern::PathPattern;

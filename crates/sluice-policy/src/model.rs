@@ -612,6 +612,41 @@ pub struct StorePolicy {
     pub replicas: NonZeroU32,
 }
 
+/// The most plans a policy may declare.
+pub const MAX_PLANS: usize = 64;
+
+/// The most workspaces the tenant table holds (the policy file's and those the
+/// admin API adds): each is a few hundred bytes in every replica's memory.
+pub const MAX_WORKSPACES: usize = 100_000;
+
+/// A customer plan (`plans:`): limits that replace the active profile's for the
+/// workspaces on it. `None` in a table: the profile's (or the policy's) limit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CustomerPlan {
+    /// Its name (`default` is the plan of a workspace on no other).
+    pub name: String,
+    /// Per-caller limit per window, indexed by [`Class::index`].
+    pub classes: Vec<Option<NonZeroU32>>,
+    /// Per-IP limit per window, indexed like [`Policy::ceilings`].
+    pub ceilings: Vec<Option<NonZeroU32>>,
+    /// Limit per window, indexed like [`Policy::buckets`].
+    pub buckets: Vec<Option<NonZeroU32>>,
+    /// Calls per calendar month, indexed like [`Policy::quotas`].
+    pub quotas: Vec<Option<NonZeroU32>>,
+    /// Enforced, or its limits decided and counted without refusing (a dry run).
+    pub mode: Enforcement,
+}
+
+/// The tenant table: the plan of each workspace, by the digest of its name (as
+/// [`Caller::workspace`](crate::Caller) holds it), and the names.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tenants {
+    /// Workspace digest → index into [`Policy::plans`].
+    pub plans: HashMap<u64, usize>,
+    /// Workspace name → its plan's index, as written (what `GET` lists).
+    pub by_name: std::collections::BTreeMap<String, usize>,
+}
+
 /// The checked policy.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
@@ -653,6 +688,12 @@ pub struct Policy {
     /// A dry run: every budget, bucket, quota and route in shadow mode
     /// (`dry_run: true`, or `sluice serve --dry-run`).
     pub dry_run: bool,
+    /// The customer plans, by name.
+    pub plans: Vec<CustomerPlan>,
+    /// The index of the plan named `default`, the plan of a workspace on no other.
+    pub default_plan: Option<usize>,
+    /// Which workspace is on which plan.
+    pub tenants: Tenants,
 }
 
 impl Policy {
@@ -697,6 +738,22 @@ impl Policy {
     /// Every class, cheapest first.
     pub fn class_ids(&self) -> impl Iterator<Item = Class> + '_ {
         (0..self.classes.len()).filter_map(Class::from_index)
+    }
+
+    /// The plan of the workspace whose digest is `workspace`: its own, else
+    /// `default` (if the policy has one).
+    pub fn plan_of(&self, workspace: u64) -> Option<&CustomerPlan> {
+        self.tenants
+            .plans
+            .get(&workspace)
+            .copied()
+            .or(self.default_plan)
+            .and_then(|i| self.plans.get(i))
+    }
+
+    /// The plan named `name`.
+    pub fn plan(&self, name: &str) -> Option<usize> {
+        self.plans.iter().position(|p| p.name == name)
     }
 
     /// What `class` does while the shared store cannot be reached.

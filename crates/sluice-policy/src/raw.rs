@@ -65,6 +65,58 @@ pub struct RawPolicy {
     /// ceiling); those not named are `fixed`.
     #[serde(default)]
     pub algorithms: BTreeMap<String, RawAlgorithm>,
+    /// Named sets of overrides of the profile's limits (`free`, `pro`, …); a
+    /// workspace on no plan is on `default` when the policy has one.
+    #[serde(default)]
+    pub plans: BTreeMap<String, RawPlan>,
+    /// Workspaces by name: the plan each is on (the starting set of the tenants the
+    /// admin API changes at run time).
+    #[serde(default)]
+    pub workspaces: BTreeMap<String, RawWorkspace>,
+}
+
+/// A plan: limits that replace the profile's for the workspaces on it. What it does
+/// not name comes from the profile.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPlan {
+    /// Per-caller limit per window, by class.
+    #[serde(default)]
+    pub classes: BTreeMap<String, u32>,
+    /// Per-IP limit per window, by ceiling (for requests of the plan's workspaces).
+    #[serde(default)]
+    pub ip_ceilings: BTreeMap<String, u32>,
+    /// Limit per window, by bucket.
+    #[serde(default)]
+    pub buckets: BTreeMap<String, u32>,
+    /// Calls per calendar month, by quota family.
+    #[serde(default)]
+    pub quotas: BTreeMap<String, u32>,
+    /// A lane's per-workspace limits, by lane: read so that `sluice check` can say
+    /// a plan cannot set them yet (the lane's own apply to every workspace).
+    #[serde(default)]
+    pub lanes: BTreeMap<String, RawPlanLane>,
+    /// `enforce` (default) or `shadow`: the budgets whose limits the plan sets are
+    /// decided and counted at those limits, and never refuse.
+    pub mode: Option<String>,
+}
+
+/// A plan's per-workspace limits of one lane.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPlanLane {
+    /// Calls of one workspace running at once.
+    pub workspace_in_flight: Option<u32>,
+    /// Calls of one workspace started in any `starts_window_seconds`.
+    pub workspace_starts: Option<u32>,
+}
+
+/// One workspace of the tenant table.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawWorkspace {
+    /// The plan it is on; absent: `default`.
+    pub plan: Option<String>,
 }
 
 /// How one budget counts: `algorithm: fixed | sliding | gcra` (default `fixed`) and,
@@ -214,6 +266,9 @@ pub struct RawKey {
     pub workspace: String,
     /// The user it belongs to.
     pub user: String,
+    /// The plan of its workspace (every key of one workspace names the same plan,
+    /// or none; `workspaces:` may say it instead).
+    pub plan: Option<String>,
 }
 
 /// Header names set by a trusted auth layer.

@@ -13,10 +13,11 @@ use ipnet::IpNet;
 
 use crate::model::{
     Algorithm, BatchEndpoint, Bounds, Bucket, Ceiling, Class, ClassSet, CostClass,
-    CredentialSource, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane, LaneBatch, LaneReasons,
-    MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES, MAX_QUOTA_FAMILIES,
-    MAX_SLIDING_WINDOW_SECONDS, OnExhausted, Outage, Per, Policy, Principal, Profile, QuotaFamily,
-    Refusal, Route, RouteClass, Spends, StorePolicy, Tool,
+    CredentialSource, CustomerPlan, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane,
+    LaneBatch, LaneReasons, MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES, MAX_PLANS,
+    MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS, MAX_WORKSPACES, OnExhausted, Outage, Per,
+    Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, Spends, StorePolicy,
+    Tenants, Tool,
 };
 use crate::path::Paths;
 use crate::pattern::PathPattern;
@@ -492,6 +493,9 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     };
     let store = v.store(raw);
     let (classes, ceilings) = v.budgets_without_objects(raw);
+    let plans = v.plans(raw, &classes, &buckets, &quotas);
+    let tenants = v.tenants(raw, &plans);
+    let default_plan = plans.iter().position(|p| p.name == "default");
     let parts = (profile, window, identity, default_class, jsonrpc, store);
     if !v.problems.is_empty() {
         return Err(v.problems);
@@ -523,6 +527,9 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             classes,
             ceilings,
             dry_run: raw.dry_run,
+            plans,
+            default_plan,
+            tenants,
         }),
         _ => Err(v.problems),
     }
@@ -535,6 +542,18 @@ struct Checker {
     classes: Vec<String>,
     /// The ceilings' names (indexes of [`Policy::ceilings`]).
     ceilings: Vec<String>,
+}
+
+/// True when `name` may name a workspace: printable ASCII, no space at either end,
+/// not starting with `key:` or `ip:` (the labels of callers with no principal).
+pub(crate) fn is_workspace_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 256
+        && name.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+        && !name.starts_with(' ')
+        && !name.ends_with(' ')
+        && !name.starts_with("key:")
+        && !name.starts_with("ip:")
 }
 
 /// True when `name` may name a class or a ceiling: 1 to [`MAX_CLASS_NAME`] ASCII
@@ -752,11 +771,7 @@ impl Checker {
         let mut keys = HashMap::new();
         for (i, k) in id.keys.iter().enumerate() {
             for (field, name) in [("workspace", &k.workspace), ("user", &k.user)] {
-                let printable = !name.is_empty()
-                    && name.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
-                    && !name.starts_with(' ')
-                    && !name.ends_with(' ');
-                if !printable || name.starts_with("key:") || name.starts_with("ip:") {
+                if !is_workspace_name(name) {
                     self.problem(
                         format!("identity.keys[{i}].{field}"),
                         format!("expected printable ASCII not starting with `key:` or `ip:` (it is sent upstream as a header), got {name:?}"),
@@ -1029,6 +1044,189 @@ impl Checker {
             }
         }
         (classes, ceilings)
+    }
+
+    /// `plans:`, each override checked to name a budget of the policy and to be a
+    /// limit it can take.
+    fn plans(
+        &mut self,
+        raw: &RawPolicy,
+        classes: &[CostClass],
+        buckets: &[Bucket],
+        quotas: &[QuotaFamily],
+    ) -> Vec<CustomerPlan> {
+        if raw.plans.len() > MAX_PLANS {
+            self.problem("plans", format!("at most {MAX_PLANS} plans"));
+        }
+        let mut plans = Vec::new();
+        for (name, p) in raw.plans.iter().take(MAX_PLANS) {
+            let at = format!("plans.{name}");
+            if !is_budget_name(name) {
+                self.problem(
+                    &at,
+                    format!(
+                        "a plan name is 1 to {MAX_CLASS_NAME} letters, digits, `_`, `-` or `.`"
+                    ),
+                );
+            }
+            let mut plan = CustomerPlan {
+                name: name.clone(),
+                classes: vec![None; classes.len()],
+                ceilings: vec![None; self.ceilings.len()],
+                buckets: vec![None; buckets.len()],
+                quotas: vec![None; quotas.len()],
+                mode: Enforcement::Enforce,
+            };
+            let mut ok = true;
+            for (class, &limit) in &p.classes {
+                let path = format!("{at}.classes.{class}");
+                let (Some(c), Some(limit)) = (self.class(&path, class), self.nonzero(&path, limit))
+                else {
+                    ok = false;
+                    continue;
+                };
+                if let Some(rule) = classes.get(c.index()) {
+                    ok &= self.fits_burst(&path, rule.algorithm, limit);
+                }
+                plan.classes[c.index()] = Some(limit);
+            }
+            for (ceiling, &limit) in &p.ip_ceilings {
+                let path = format!("{at}.ip_ceilings.{ceiling}");
+                let Some(i) = self.ceilings.iter().position(|c| c == ceiling) else {
+                    self.problem(&path, format!("no ceiling {ceiling:?} under `ceilings:`"));
+                    ok = false;
+                    continue;
+                };
+                plan.ceilings[i] = self.nonzero(&path, limit);
+                ok &= plan.ceilings[i].is_some();
+            }
+            for (bucket, &limit) in &p.buckets {
+                let path = format!("{at}.buckets.{bucket}");
+                let Some(i) = buckets.iter().position(|b| b.name == *bucket) else {
+                    self.problem(&path, format!("no bucket {bucket:?} under `buckets:`"));
+                    ok = false;
+                    continue;
+                };
+                plan.buckets[i] = self.nonzero(&path, limit);
+                ok &= plan.buckets[i]
+                    .is_some_and(|l| self.fits_burst(&path, buckets[i].algorithm, l));
+            }
+            for (family, &limit) in &p.quotas {
+                let path = format!("{at}.quotas.{family}");
+                let Some(i) = quotas.iter().position(|q| q.name == *family) else {
+                    self.problem(&path, format!("no quota family {family:?} under `quotas:`"));
+                    ok = false;
+                    continue;
+                };
+                plan.quotas[i] = self.nonzero(&path, limit);
+                ok &= plan.quotas[i].is_some();
+            }
+            if let Some(lane) = p.lanes.keys().next() {
+                // Refused rather than ignored: a limit the operator wrote must hold.
+                self.problem(
+                    format!("{at}.lanes.{lane}"),
+                    "a plan cannot set a lane's limits yet: the lane's own apply to every workspace",
+                );
+                ok = false;
+            }
+            match self.mode(&format!("{at}.mode"), p.mode.as_deref()) {
+                Some(mode) => plan.mode = mode,
+                None => ok = false,
+            }
+            if ok {
+                plans.push(plan);
+            }
+        }
+        plans
+    }
+
+    /// False (with a problem at `path`) when `limit` is below the `burst` of a
+    /// `gcra` budget: at most the limit can go at once.
+    fn fits_burst(&mut self, path: &str, algorithm: Algorithm, limit: NonZeroU32) -> bool {
+        match algorithm {
+            Algorithm::Gcra { burst: Some(burst) } if burst > limit => {
+                self.problem(
+                    path,
+                    format!("{limit} is below the budget's gcra burst ({burst}): at most the limit can go at once"),
+                );
+                false
+            }
+            _ => true,
+        }
+    }
+
+    /// The tenant table: `workspaces:` and the plans the key table names, one plan
+    /// per workspace.
+    fn tenants(&mut self, raw: &RawPolicy, plans: &[CustomerPlan]) -> Tenants {
+        let mut tenants = Tenants::default();
+        let plan_of =
+            |v: &mut Self, at: &str, name: &str| match plans.iter().position(|p| p.name == name) {
+                Some(i) => Some(i),
+                None => {
+                    let known: Vec<&str> = plans.iter().map(|p| p.name.as_str()).collect();
+                    let known = if known.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        known.join(", ")
+                    };
+                    v.problem(
+                        at,
+                        format!("no plan {name:?} under `plans:` (declared: {known})"),
+                    );
+                    None
+                }
+            };
+        let mut from: HashMap<&str, (usize, String)> = HashMap::new();
+        for (workspace, w) in &raw.workspaces {
+            let at = format!("workspaces.{workspace}");
+            if !is_workspace_name(workspace) {
+                self.problem(
+                    &at,
+                    "expected printable ASCII not starting with `key:` or `ip:` (it is sent upstream as a header)",
+                );
+                continue;
+            }
+            let plan = w.plan.as_deref().unwrap_or("default");
+            if w.plan.is_none() && !plans.iter().any(|p| p.name == "default") {
+                continue;
+            }
+            if let Some(i) = plan_of(self, &format!("{at}.plan"), plan) {
+                from.insert(workspace, (i, format!("{at}.plan")));
+            }
+        }
+        for (k, key) in raw.identity.keys.iter().enumerate() {
+            let Some(plan) = &key.plan else { continue };
+            let at = format!("identity.keys[{k}].plan");
+            let Some(i) = plan_of(self, &at, plan) else {
+                continue;
+            };
+            match from.get(key.workspace.as_str()) {
+                Some((j, other)) if *j != i => self.problem(
+                    at,
+                    format!(
+                        "workspace {:?} is on plan {:?} by {other}: a workspace has one plan",
+                        key.workspace, plans[*j].name
+                    ),
+                ),
+                Some(_) => {}
+                None => {
+                    from.insert(&key.workspace, (i, at));
+                }
+            }
+        }
+        if from.len() > MAX_WORKSPACES {
+            self.problem(
+                "workspaces",
+                format!("at most {MAX_WORKSPACES} workspaces on a plan"),
+            );
+        }
+        for (workspace, (i, _)) in from {
+            tenants
+                .plans
+                .insert(crate::identity::workspace_digest(workspace), i);
+            tenants.by_name.insert(workspace.to_owned(), i);
+        }
+        tenants
     }
 
     /// The buckets, quota family and lane named at `at`, each checked to exist.

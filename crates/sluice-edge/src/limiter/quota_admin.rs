@@ -112,9 +112,11 @@ impl<S: BudgetStore> Limiter<S> {
             .iter()
             .enumerate()
             .filter(|(_, q)| family.is_none_or(|f| q.name == f))
-            .filter_map(|(i, q)| {
+            .filter_map(|(i, _)| {
                 let scope = *self.scopes.quota(i)?;
-                Some((i, crate::plan::quota_budget(scope, q, subject, 0)))
+                let tier = self.policy.plan_of(subject);
+                let cap = crate::plan::quota_cap(&self.policy, tier, i);
+                Some((i, crate::plan::quota_budget(scope, cap, subject, 0)))
             })
             .unzip())
     }
@@ -127,7 +129,8 @@ impl<S: BudgetStore> Limiter<S> {
                 let q = self.policy.quotas.get(i)?;
                 Some(QuotaUsage {
                     family: q.name.clone(),
-                    limit: q.monthly.map(std::num::NonZeroU32::get),
+                    // The workspace's cap (its plan's, else the family's).
+                    limit: (s.limit != u32::MAX).then_some(s.limit),
                     usage: s.limit - s.remaining,
                     resets_at: s.reset,
                 })

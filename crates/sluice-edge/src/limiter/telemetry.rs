@@ -245,6 +245,90 @@ pub struct Status {
     pub dry_run: bool,
     /// The guarded lanes, in the policy's order.
     pub lanes: Vec<crate::LaneStatus>,
+    /// The customer plans: what a workspace on each gets.
+    pub plans: Vec<PlanStatus>,
+    /// How many workspaces the tenant table puts on a plan.
+    pub workspaces_on_plans: usize,
+}
+
+/// A customer plan of a [`Status`]: the limits a workspace on it gets (its
+/// overrides applied to the active profile).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct PlanStatus {
+    /// Its name.
+    pub name: String,
+    /// `enforce`, or `shadow` when its limits are a dry run.
+    pub mode: &'static str,
+    /// Per caller and window, by class.
+    pub classes: BTreeMap<String, u32>,
+    /// Per IP and window, by ceiling.
+    pub ip_ceilings: BTreeMap<String, u32>,
+    /// Per window, by bucket.
+    pub buckets: BTreeMap<String, u32>,
+    /// Per calendar month, by capped quota family.
+    pub quotas: BTreeMap<String, u32>,
+    /// The budgets whose limits the plan sets (the others are the profile's).
+    pub overrides: Vec<String>,
+}
+
+/// What a workspace on `plan` gets under `p`'s active profile.
+pub(crate) fn plan_status(p: &Policy, plan: &sluice_policy::CustomerPlan) -> PlanStatus {
+    let mut overrides = Vec::new();
+    let mut pick = |name: &str, o: Option<std::num::NonZeroU32>, otherwise: u32| {
+        if o.is_some() {
+            overrides.push(name.to_owned());
+        }
+        o.map_or(otherwise, std::num::NonZeroU32::get)
+    };
+    let classes = p
+        .class_ids()
+        .map(|c| {
+            let name = p.class_name(c);
+            let o = plan.classes.get(c.index()).copied().flatten();
+            (name.to_owned(), pick(name, o, p.profile.limit(c).get()))
+        })
+        .collect();
+    let ip_ceilings = p
+        .ceilings
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let o = plan.ceilings.get(i).copied().flatten();
+            (c.name.clone(), pick(&c.name, o, p.profile.ceiling(i).get()))
+        })
+        .collect();
+    let buckets = p
+        .buckets
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let o = plan.buckets.get(i).copied().flatten();
+            (b.name.clone(), pick(&b.name, o, b.limit.get()))
+        })
+        .collect();
+    let quotas = p
+        .quotas
+        .iter()
+        .enumerate()
+        .filter_map(|(i, q)| {
+            let o = plan.quotas.get(i).copied().flatten();
+            let cap = o.or(q.monthly)?;
+            Some((q.name.clone(), pick(&q.name, o, cap.get())))
+        })
+        .collect();
+    PlanStatus {
+        name: plan.name.clone(),
+        mode: match plan.mode {
+            sluice_policy::Enforcement::Shadow => "shadow",
+            sluice_policy::Enforcement::Enforce => "enforce",
+        },
+        classes,
+        ip_ceilings,
+        buckets,
+        quotas,
+        overrides,
+    }
 }
 
 /// A per-route bucket of a [`Status`].
@@ -493,6 +577,8 @@ impl<S: BudgetStore> Limiter<S> {
             store_degraded: self.is_degraded(),
             dry_run: p.dry_run,
             lanes: self.lanes.iter().map(crate::lane_status).collect(),
+            plans: p.plans.iter().map(|plan| plan_status(p, plan)).collect(),
+            workspaces_on_plans: p.tenants.by_name.len(),
         }
     }
 }
