@@ -31,6 +31,7 @@ mod read_deadline;
 pub mod reload;
 mod start;
 pub mod store;
+pub mod tenants;
 mod upload;
 
 use std::net::SocketAddr;
@@ -269,6 +270,10 @@ pub enum StartError {
         /// Why.
         reason: String,
     },
+    /// The tenants set through the admin API could not be read, or no longer fit
+    /// the policy.
+    #[error("tenants: {0}")]
+    Tenants(String),
     /// The admin listener would answer beyond loopback with no token.
     #[error(
         "the admin listener on {0} is reachable beyond loopback and needs a token: \
@@ -340,15 +345,19 @@ impl Gateway {
         let version = start::policy_version(&config);
         let shared_store = matches!(config.store, StoreSpec::Redis(_));
         let bounds = start::LimiterBounds::of(&config);
-        let limiter = stores.limiter(config.policy, bounds);
+        let limiter = stores.limiter(config.policy.clone(), bounds);
         let buffers = Arc::clone(limiter.load().buffers());
         let per_ip = start::per_ip(&limiter, config.max_connections_per_ip);
-        let reloader = Arc::new(Reloader::new(
-            Arc::clone(&limiter),
-            config.policy_file.clone(),
-            version,
-            shared_store,
-        ));
+        let tenants = start::tenants(&config, &limiter, &backends_stopped).await?;
+        let reloader = Arc::new(
+            Reloader::new(
+                Arc::clone(&limiter),
+                config.policy_file.clone(),
+                version,
+                shared_store,
+            )
+            .with_tenants(Arc::clone(&tenants)),
+        );
 
         start::spawn_upkeep(&limiter, &reloader, &backends_stopped).await?;
         let batch_lanes =
@@ -357,6 +366,7 @@ impl Gateway {
             limiter,
             reloader,
             batch_lanes,
+            tenants,
         };
         let stack = core.worker_stack(&upstream, config.upstream_timeout, config.access_log);
 

@@ -97,6 +97,8 @@ pub struct Reloader {
     /// The store is Redis (its timeout was used to connect).
     shared_store: bool,
     state: Mutex<State>,
+    /// The tenants set through the admin API, applied over every version of the file.
+    tenants: Option<Arc<crate::tenants::Tenants>>,
 }
 
 impl std::fmt::Debug for Reloader {
@@ -135,7 +137,15 @@ impl Reloader {
                 rejected: 0,
                 last_rejected: None,
             }),
+            tenants: None,
         }
+    }
+
+    /// The same reloader, applying `tenants` over every version of the file.
+    #[must_use]
+    pub fn with_tenants(mut self, tenants: Arc<crate::tenants::Tenants>) -> Self {
+        self.tenants = Some(tenants);
+        self
     }
 
     /// The running policy's version.
@@ -183,11 +193,11 @@ impl Reloader {
             Ok(text) => text,
             Err(error) => return Err(self.rejected(trigger, "-", error)),
         };
-        self.apply(trigger, &text)
+        self.apply(trigger, &text).await
     }
 
     /// Applies the policy `text` (the file's content).
-    fn apply(&self, trigger: Trigger, text: &[u8]) -> Result<String, String> {
+    async fn apply(&self, trigger: Trigger, text: &[u8]) -> Result<String, String> {
         let Some(file) = &self.file else {
             return Err("no policy file".to_owned());
         };
@@ -208,6 +218,19 @@ impl Reloader {
             Ok(policy) => policy,
             Err(error) => return Err(self.rejected(trigger, &version, error)),
         };
+        // No tenant change while the file is applied: each is made over the file
+        // that runs.
+        let _held = match &self.tenants {
+            Some(tenants) => Some(tenants.hold().await),
+            None => None,
+        };
+        let (policy, file_policy) = match &self.tenants {
+            Some(tenants) => match tenants.over(&policy) {
+                Ok(with_tenants) => (with_tenants, Some(policy)),
+                Err(error) => return Err(self.rejected(trigger, &version, error)),
+            },
+            None => (policy, None),
+        };
         let current = self.limiter.load_full();
         if let Some(error) = self.restart_only(current.policy(), &policy) {
             return Err(self.rejected(trigger, &version, error));
@@ -217,6 +240,9 @@ impl Reloader {
             Err(refused) => return Err(self.rejected(trigger, &version, refused.to_string())),
         };
         self.limiter.store(Arc::new(next));
+        if let (Some(tenants), Some(file_policy)) = (&self.tenants, file_policy) {
+            tenants.rebase(file_policy);
+        }
         {
             let mut state = self.state.lock();
             state.version.clone_from(&version);
@@ -382,7 +408,7 @@ async fn take(reloader: &Reloader, file: &PolicyFile) -> Option<String> {
         Err(error) => format!("unreadable: {error}"),
     };
     let outcome = match read {
-        Ok(text) => reloader.apply(Trigger::FileChanged, &text),
+        Ok(text) => reloader.apply(Trigger::FileChanged, &text).await,
         Err(error) => Err(reloader.rejected(Trigger::FileChanged, "-", error)),
     };
     outcome.is_err().then_some(key)
@@ -440,7 +466,7 @@ async fn watch(
             continue;
         }
         let outcome = match read {
-            Ok(text) => reloader.apply(Trigger::FileChanged, &text),
+            Ok(text) => reloader.apply(Trigger::FileChanged, &text).await,
             Err(error) => Err(reloader.rejected(Trigger::FileChanged, "-", error)),
         };
         given_up = outcome.is_err().then_some(key);

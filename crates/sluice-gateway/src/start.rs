@@ -306,6 +306,29 @@ async fn shared_lanes(policy: &Policy, url: &str) -> Result<Vec<sluice_lanes::La
     Ok(lanes)
 }
 
+/// The tenants the admin API changes, applied over the limiter's policy: from the
+/// journal under `--data-dir` on the memory store, or from Redis, followed until
+/// `stop` so that another replica's change reaches this one.
+///
+/// # Errors
+/// [`StartError::Tenants`].
+pub(super) async fn tenants(
+    config: &GatewayConfig,
+    limiter: &SharedLimiter<AnyStore>,
+    stop: &Stop,
+) -> Result<Arc<crate::tenants::Tenants>, StartError> {
+    use crate::tenants::Tenants;
+    let limiter = Arc::clone(limiter);
+    let tenants = match &config.store {
+        StoreSpec::Memory => Tenants::local(&config.data_dir, limiter),
+        StoreSpec::Redis(url) => Tenants::shared(url, config.policy.store.timeout, limiter).await,
+    }
+    .map(Arc::new)
+    .map_err(StartError::Tenants)?;
+    tokio::spawn(Arc::clone(&tenants).follow(stop.clone()));
+    Ok(tenants)
+}
+
 /// What the limiter takes from the configuration besides the policy: read before the
 /// policy is moved into it.
 #[derive(Clone, Copy, Debug)]
@@ -421,6 +444,8 @@ pub(super) struct Core {
     pub(super) reloader: Arc<Reloader>,
     /// The batch lanes (none without a batch queue).
     pub(super) batch_lanes: Arc<Vec<Arc<BatchLane>>>,
+    /// The tenants the admin API changes.
+    pub(super) tenants: Arc<crate::tenants::Tenants>,
 }
 
 impl Core {
@@ -471,10 +496,12 @@ impl Core {
         let door = Arc::new(sluice_door::Door::new(admin.addr, door));
         tokio::spawn(admin::serve(
             admin.listener,
-            admin::router(state).layer(axum::middleware::from_fn_with_state(
-                door,
-                sluice_door::guard,
-            )),
+            admin::router(state)
+                .merge(crate::tenants::router(Arc::clone(&self.tenants)))
+                .layer(axum::middleware::from_fn_with_state(
+                    door,
+                    sluice_door::guard,
+                )),
             stop.clone().wait(),
         ))
     }

@@ -32,6 +32,7 @@ mod model;
 mod path;
 mod pattern;
 pub mod raw;
+mod tenants;
 mod validate;
 
 pub use builder::PolicyBuilder;
@@ -54,6 +55,7 @@ pub use model::{
 pub use path::{PathError, Paths, without_parameters};
 pub use pattern::PathPattern;
 pub use raw::RawPolicy;
+pub use tenants::{MAX_KEYS, TenantChange, TenantKey, TenantTable, TenantWorkspace};
 pub use validate::{
     DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH,
     DEFAULT_STORE_TIMEOUT_MS, MAX_CLASS_NAME, MAX_JSON_DEPTH, MAX_LANE_STARTS, MAX_ROUTE_BUCKETS,

@@ -197,6 +197,9 @@ pub struct Identity {
     pub ipv6_prefix: u8,
     /// SHA-256 of a credential → its principal.
     pub keys: HashMap<[u8; 32], Principal>,
+    /// SHA-256 of the credentials revoked at run time: refused (403), never counted
+    /// as a caller of their own.
+    pub revoked: std::collections::HashSet<[u8; 32]>,
     /// Headers a trusted auth layer sets: (workspace, user).
     pub principal_headers: Option<(http::HeaderName, http::HeaderName)>,
 }
@@ -641,10 +644,22 @@ pub struct CustomerPlan {
 /// [`Caller::workspace`](crate::Caller) holds it), and the names.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Tenants {
-    /// Workspace digest → index into [`Policy::plans`].
-    pub plans: HashMap<u64, usize>,
-    /// Workspace name → its plan's index, as written (what `GET` lists).
-    pub by_name: std::collections::BTreeMap<String, usize>,
+    /// Workspace digest → its plan.
+    pub plans: HashMap<u64, TenantPlan>,
+    /// Workspace name → its plan, as written (what `GET` lists).
+    pub by_name: std::collections::BTreeMap<String, TenantPlan>,
+    /// The plans of workspaces with limits of their own (set at run time): their
+    /// plan's limits with theirs over them.
+    pub own: Vec<CustomerPlan>,
+}
+
+/// Which plan a workspace of the tenant table is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TenantPlan {
+    /// A plan of [`Policy::plans`], by index.
+    Named(usize),
+    /// Its own limits: an index into [`Tenants::own`].
+    Own(usize),
 }
 
 /// The checked policy.
@@ -743,12 +758,11 @@ impl Policy {
     /// The plan of the workspace whose digest is `workspace`: its own, else
     /// `default` (if the policy has one).
     pub fn plan_of(&self, workspace: u64) -> Option<&CustomerPlan> {
-        self.tenants
-            .plans
-            .get(&workspace)
-            .copied()
-            .or(self.default_plan)
-            .and_then(|i| self.plans.get(i))
+        match self.tenants.plans.get(&workspace) {
+            Some(TenantPlan::Named(i)) => self.plans.get(*i),
+            Some(TenantPlan::Own(i)) => self.tenants.own.get(*i),
+            None => self.default_plan.and_then(|i| self.plans.get(i)),
+        }
     }
 
     /// The plan named `name`.

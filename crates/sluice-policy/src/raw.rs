@@ -81,23 +81,24 @@ pub struct RawPolicy {
 #[serde(deny_unknown_fields)]
 pub struct RawPlan {
     /// Per-caller limit per window, by class.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub classes: BTreeMap<String, u32>,
     /// Per-IP limit per window, by ceiling (for requests of the plan's workspaces).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub ip_ceilings: BTreeMap<String, u32>,
     /// Limit per window, by bucket.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub buckets: BTreeMap<String, u32>,
     /// Calls per calendar month, by quota family.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub quotas: BTreeMap<String, u32>,
     /// A lane's per-workspace limits, by lane: read so that `sluice check` can say
     /// a plan cannot set them yet (the lane's own apply to every workspace).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub lanes: BTreeMap<String, RawPlanLane>,
     /// `enforce` (default) or `shadow`: the budgets whose limits the plan sets are
     /// decided and counted at those limits, and never refuse.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
 }
 

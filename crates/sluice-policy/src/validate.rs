@@ -536,12 +536,12 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
 }
 
 #[derive(Default)]
-struct Checker {
-    problems: Vec<Problem>,
+pub(crate) struct Checker {
+    pub(crate) problems: Vec<Problem>,
     /// The classes' names, cheapest first (a [`Class`] indexes them).
-    classes: Vec<String>,
+    pub(crate) classes: Vec<String>,
     /// The ceilings' names (indexes of [`Policy::ceilings`]).
-    ceilings: Vec<String>,
+    pub(crate) ceilings: Vec<String>,
 }
 
 /// True when `name` may name a workspace: printable ASCII, no space at either end,
@@ -568,7 +568,7 @@ fn is_budget_name(name: &str) -> bool {
 }
 
 impl Checker {
-    fn problem(&mut self, path: impl Into<String>, message: impl Into<String>) {
+    pub(crate) fn problem(&mut self, path: impl Into<String>, message: impl Into<String>) {
         self.problems.push(Problem {
             path: path.into(),
             message: message.into(),
@@ -828,6 +828,7 @@ impl Checker {
             trusted_proxies,
             ipv6_prefix,
             keys,
+            revoked: std::collections::HashSet::new(),
             principal_headers,
         })
     }
@@ -1048,7 +1049,7 @@ impl Checker {
 
     /// `plans:`, each override checked to name a budget of the policy and to be a
     /// limit it can take.
-    fn plans(
+    pub(crate) fn plans(
         &mut self,
         raw: &RawPolicy,
         classes: &[CostClass],
@@ -1221,10 +1222,11 @@ impl Checker {
             );
         }
         for (workspace, (i, _)) in from {
+            let plan = crate::model::TenantPlan::Named(i);
             tenants
                 .plans
-                .insert(crate::identity::workspace_digest(workspace), i);
-            tenants.by_name.insert(workspace.to_owned(), i);
+                .insert(crate::identity::workspace_digest(workspace), plan);
+            tenants.by_name.insert(workspace.to_owned(), plan);
         }
         tenants
     }

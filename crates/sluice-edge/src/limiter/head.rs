@@ -22,6 +22,9 @@ pub enum Refused {
     /// One kind of credential sent more than once.
     #[error(transparent)]
     Credentials(#[from] AmbiguousCredentials),
+    /// A credential revoked through the admin API.
+    #[error("the credential was revoked")]
+    Revoked,
     /// An HTTP/1.1 request without a `Host` field (RFC 9112 §3.2).
     #[error("an HTTP/1.1 request must have a Host field")]
     NoHost,

@@ -95,6 +95,14 @@ impl<S: BudgetStore> Limiter<S> {
             Some(key) => identity.keyed_caller(key),
             None => identity.caller(headers, &client, identity.trusts(peer)),
         };
+        // A revoked credential is refused, never counted as a caller of its own.
+        if !identity.revoked.is_empty()
+            && caller
+                .credential_sha256
+                .is_some_and(|sha| identity.revoked.contains(&sha))
+        {
+            return Err(Refused::Revoked);
+        }
         if let Some(route) = route {
             // No allocation per request: the route's own slice.
             items.spend(&route.buckets, route.quota);

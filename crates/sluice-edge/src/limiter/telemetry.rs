@@ -527,6 +527,26 @@ impl<S: BudgetStore> Limiter<S> {
         }
     }
 
+    /// What the workspace named `workspace` gets: its plan's limits over the
+    /// profile's (`name` is its plan's, or empty on none).
+    pub fn workspace_limits(&self, workspace: &str) -> PlanStatus {
+        let p = &self.policy;
+        match p.plan_of(sluice_policy::workspace_digest(workspace)) {
+            Some(plan) => plan_status(p, plan),
+            None => plan_status(
+                p,
+                &sluice_policy::CustomerPlan {
+                    name: String::new(),
+                    classes: Vec::new(),
+                    ceilings: Vec::new(),
+                    buckets: Vec::new(),
+                    quotas: Vec::new(),
+                    mode: sluice_policy::Enforcement::Enforce,
+                },
+            ),
+        }
+    }
+
     /// A summary for `/status`: the policy's numbers and the callers that
     /// spent most in the current window.
     pub fn status(&self) -> Status {

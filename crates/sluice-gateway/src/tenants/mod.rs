@@ -1,0 +1,559 @@
+//! Tenants at run time (SPEC P4): the admin API creates, changes and removes
+//! workspaces (their plan, limits of their own) and credentials (by SHA-256),
+//! without a restart. A change is checked as a policy file is (400 naming the
+//! field, nothing changed), made durable first (the journal under `--data-dir`,
+//! or Redis, which tells every replica), then applied, and logged as one audit
+//! line. The policy file's key table and `workspaces:` stay the starting set.
+//!
+//! | route | does |
+//! |---|---|
+//! | `GET /tenants` | the table: workspaces (plan, own limits) and credentials, file's and admin's |
+//! | `GET /tenants/workspaces/{name}` | one workspace: its plan and the limits it gets |
+//! | `PUT /tenants/workspaces/{name}` | `{"plan": "pro", "limits": {"classes": {"search": 600}}}` |
+//! | `DELETE /tenants/workspaces/{name}` | removes its plan and limits, and revokes its credentials |
+//! | `PUT /tenants/keys/{sha256}` | `{"workspace": "acme", "user": "ada"}` |
+//! | `DELETE /tenants/keys/{sha256}` | revokes the credential: a request sending it is refused (403) |
+
+mod journal;
+mod shared;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Path as UrlPath, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::get;
+use parking_lot::Mutex;
+use sluice_edge::SharedLimiter;
+use sluice_policy::{Policy, Problem, TenantChange, TenantKey, TenantTable, TenantWorkspace};
+
+use crate::Stop;
+use crate::store::AnyStore;
+
+/// The tenant journal's file name under `--data-dir`.
+pub use journal::FILE as JOURNAL_FILE;
+
+/// Where the table is kept.
+enum Backend {
+    /// One process: the journal under `--data-dir`.
+    Journal(journal::Journal),
+    /// Replicas on one Redis.
+    Shared(shared::Shared),
+}
+
+/// The tenants of a running gateway: the table the admin API changed, over the
+/// policy file's.
+pub struct Tenants {
+    /// The policy as its file says, without the table.
+    base: Mutex<Arc<Policy>>,
+    /// What the admin API changed.
+    table: Mutex<TenantTable>,
+    limiter: SharedLimiter<AnyStore>,
+    backend: Backend,
+    /// The last version of the shared table applied here.
+    version: AtomicU64,
+    /// One change at a time on this process.
+    changing: tokio::sync::Mutex<()>,
+}
+
+impl std::fmt::Debug for Tenants {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tenants").finish_non_exhaustive()
+    }
+}
+
+/// Why a change was not made.
+#[derive(Debug)]
+pub enum ChangeError {
+    /// It does not pass the policy's checks: each problem at its key path.
+    Invalid(Vec<Problem>),
+    /// It could not be made durable: nothing was changed.
+    Unavailable(String),
+}
+
+impl Tenants {
+    /// The tenants of a process on the memory store: the journal under `data_dir`
+    /// read, and its table applied over `limiter`'s policy (the file's).
+    ///
+    /// # Errors
+    /// The journal cannot be read, or its table no longer passes the policy's checks.
+    pub fn local(data_dir: &Path, limiter: SharedLimiter<AnyStore>) -> Result<Tenants, String> {
+        let base = Arc::new(limiter.load().policy().clone());
+        let (journal, table) = journal::Journal::open(data_dir, &base)
+            .map_err(|e| format!("the tenant journal under {}: {e}", data_dir.display()))?;
+        let tenants = Tenants::new(base, table.clone(), limiter, Backend::Journal(journal));
+        tenants.apply(table).map_err(|p| problems_text(&p))?;
+        Ok(tenants)
+    }
+
+    /// The tenants of replicas on the Redis at `url`: the shared table read and
+    /// applied over `limiter`'s policy; [`Tenants::follow`] keeps it current.
+    ///
+    /// # Errors
+    /// Redis cannot be reached, or its table does not pass the policy's checks.
+    pub async fn shared(
+        url: &str,
+        timeout: Duration,
+        limiter: SharedLimiter<AnyStore>,
+    ) -> Result<Tenants, String> {
+        let base = Arc::new(limiter.load().policy().clone());
+        let shared = shared::Shared::connect(url, timeout).await?;
+        let (version, table) = shared.load().await?;
+        let tenants = Tenants::new(base, table.clone(), limiter, Backend::Shared(shared));
+        tenants.apply(table).map_err(|p| problems_text(&p))?;
+        tenants.version.store(version, Ordering::Release);
+        Ok(tenants)
+    }
+
+    fn new(
+        base: Arc<Policy>,
+        table: TenantTable,
+        limiter: SharedLimiter<AnyStore>,
+        backend: Backend,
+    ) -> Tenants {
+        Tenants {
+            base: Mutex::new(base),
+            table: Mutex::new(table),
+            limiter,
+            backend,
+            version: AtomicU64::new(0),
+            changing: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Holds off changes (this process's and other replicas') while a policy file
+    /// is read again: [`Tenants::over`], then [`Tenants::rebase`] once it runs.
+    pub async fn hold(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.changing.lock().await
+    }
+
+    /// `base` (a policy file read again) with the table over it.
+    ///
+    /// # Errors
+    /// The table no longer passes the new file's checks (a plan it names is gone,
+    /// say): the file is refused, and the running policy stays.
+    pub fn over(&self, base: &Policy) -> Result<Policy, String> {
+        let table = self.table.lock().clone();
+        base.with_tenants(&table).map_err(|p| {
+            format!(
+                "the tenants set through the admin API do not fit this policy: {}",
+                problems_text(&p)
+            )
+        })
+    }
+
+    /// Makes `base` (a policy file now running) the one changes are made over.
+    pub fn rebase(&self, base: Policy) {
+        *self.base.lock() = Arc::new(base);
+    }
+
+    /// Makes `change`: checked, made durable, applied, logged as one audit line
+    /// naming `who`.
+    ///
+    /// # Errors
+    /// [`ChangeError::Invalid`] or [`ChangeError::Unavailable`]; nothing changed.
+    pub async fn change(&self, change: TenantChange, who: &str) -> Result<(), ChangeError> {
+        let _one = self.changing.lock().await;
+        let base = Arc::clone(&self.base.lock());
+        let before_table = self.table.lock().clone();
+        let next = before_table.with(&change, &base);
+        let policy = self
+            .after(&base, &next, &change)
+            .map_err(ChangeError::Invalid)?;
+        match &self.backend {
+            Backend::Journal(journal) => journal
+                .append(&change, &next)
+                .map_err(|e| ChangeError::Unavailable(format!("the tenant journal: {e}")))?,
+            // The version moves when the subscription brings the change back, so a
+            // change another replica published just before is not skipped.
+            Backend::Shared(shared) => {
+                shared
+                    .write(&change, &next)
+                    .await
+                    .map_err(ChangeError::Unavailable)?;
+            }
+        }
+        let (what, before, after) = describe(&change, &before_table, &next);
+        self.install(next, policy);
+        tracing::info!(
+            target: "sluice::audit",
+            who = %who,
+            what = %what,
+            before = %before,
+            after = %after,
+            "admin change"
+        );
+        Ok(())
+    }
+
+    /// The policy once `change` made `next`: the running policy with the entries
+    /// the change touched (a change costs a copy of the policy, not a check of the
+    /// whole table), or `base` with the whole table when workspaces' own limits
+    /// replaced many times would otherwise pile up.
+    fn after(
+        &self,
+        base: &Policy,
+        next: &TenantTable,
+        change: &TenantChange,
+    ) -> Result<Policy, Vec<Problem>> {
+        let limiter = self.limiter.load();
+        let running = limiter.policy();
+        let tenants = &running.tenants;
+        if tenants.own.len() > 2 * tenants.by_name.len() + 64 {
+            return base.with_tenants(next);
+        }
+        running.with_tenants(&next.touched_by(change))
+    }
+
+    /// Applies `table` (read at start, or from another replica).
+    fn apply(&self, table: TenantTable) -> Result<(), Vec<Problem>> {
+        let base = Arc::clone(&self.base.lock());
+        let policy = base.with_tenants(&table)?;
+        self.install(table, policy);
+        Ok(())
+    }
+
+    fn install(&self, table: TenantTable, policy: Policy) {
+        let current = self.limiter.load_full();
+        match current.reloaded(policy) {
+            Ok(next) => {
+                self.limiter.store(Arc::new(next));
+                *self.table.lock() = table;
+            }
+            // Tenants never change lanes, which is all a reload refuses.
+            Err(refused) => tracing::error!(target: "sluice::tenants", "not applied: {refused}"),
+        }
+    }
+
+    /// With replicas on Redis: follows the other replicas' changes until `stop`,
+    /// holding one subscription (no command while nothing changes), reading the
+    /// whole table when it subscribes and when it misses a version.
+    pub async fn follow(self: Arc<Self>, stop: Stop) {
+        let Backend::Shared(shared) = &self.backend else {
+            return;
+        };
+        let mut wait = Duration::from_millis(100);
+        loop {
+            let session = async {
+                let mut pubsub = shared.subscribe().await?;
+                // Subscribed first, then read: nothing published between is lost.
+                self.catch_up(shared).await?;
+                wait = Duration::from_millis(100);
+                while let Some(payload) = shared::next_message(&mut pubsub).await {
+                    let Some((version, change)) = shared::parse_message(&payload) else {
+                        continue;
+                    };
+                    let seen = self.version.load(Ordering::Acquire);
+                    if version <= seen {
+                        continue;
+                    }
+                    if version == seen + 1 {
+                        let _one = self.changing.lock().await;
+                        let base = Arc::clone(&self.base.lock());
+                        let next = self.table.lock().with(&change, &base);
+                        match self.after(&base, &next, &change) {
+                            Ok(policy) => {
+                                self.install(next, policy);
+                                self.version.store(version, Ordering::Release);
+                            }
+                            Err(problems) => tracing::error!(
+                                target: "sluice::tenants",
+                                "a tenant change from another replica does not fit this policy: {}",
+                                problems_text(&problems)
+                            ),
+                        }
+                    } else {
+                        self.catch_up(shared).await?;
+                    }
+                }
+                Err::<(), String>("the subscription ended".to_owned())
+            };
+            tokio::select! {
+                () = stop.clone().wait() => return,
+                ended = session => {
+                    if let Err(error) = ended {
+                        tracing::warn!(target: "sluice::tenants", "following the shared tenant table: {error}; again in {wait:?}");
+                    }
+                }
+            }
+            tokio::select! {
+                () = stop.clone().wait() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
+            wait = (wait * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// Reads and applies the whole shared table.
+    async fn catch_up(&self, shared: &shared::Shared) -> Result<(), String> {
+        let (version, table) = shared.load().await?;
+        let _one = self.changing.lock().await;
+        if let Err(problems) = self.apply(table) {
+            return Err(format!(
+                "the shared tenant table does not fit this policy: {}",
+                problems_text(&problems)
+            ));
+        }
+        self.version.store(version, Ordering::Release);
+        Ok(())
+    }
+
+    /// `GET /tenants`: every workspace on a plan and every credential, the file's
+    /// and the admin API's (`source`), and the credentials revoked.
+    pub fn list(&self) -> serde_json::Value {
+        let limiter = self.limiter.load();
+        let policy = limiter.policy();
+        let table = self.table.lock();
+        let workspaces: serde_json::Map<String, serde_json::Value> = policy
+            .tenants
+            .by_name
+            .keys()
+            .map(|name| {
+                let own = table.workspaces.get(name).cloned().flatten();
+                (
+                    name.clone(),
+                    serde_json::json!({
+                        "plan": workspace_plan(policy, name),
+                        "limits": own.as_ref().map(|w| &w.limits),
+                        "source": if own.is_some() { "admin" } else { "file" },
+                    }),
+                )
+            })
+            .collect();
+        let mut keys: Vec<(String, serde_json::Value)> = policy
+            .identity
+            .keys
+            .iter()
+            .map(|(sha, p)| {
+                let sha = hex::encode(sha);
+                let source = if table.keys.contains_key(&sha) { "admin" } else { "file" };
+                let entry = serde_json::json!({ "workspace": p.workspace, "user": p.user, "source": source });
+                (sha, entry)
+            })
+            .collect();
+        keys.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut revoked: Vec<String> = policy.identity.revoked.iter().map(hex::encode).collect();
+        revoked.sort();
+        serde_json::json!({
+            "workspaces": workspaces,
+            "keys": keys.into_iter().collect::<serde_json::Map<_, _>>(),
+            "revoked": revoked,
+        })
+    }
+}
+
+/// The name of the plan `workspace` is on (`null`: the profile's limits). A
+/// workspace with limits of its own is on `<plan>+<workspace>`: its plan is the part
+/// before the `+` (a plan name has none).
+fn workspace_plan(policy: &Policy, workspace: &str) -> Option<String> {
+    let plan = policy.plan_of(sluice_policy::workspace_digest(workspace))?;
+    let named = plan.name.split('+').next().unwrap_or_default();
+    (!named.is_empty()).then(|| named.to_owned())
+}
+
+/// What a change did, for the audit line: what, and the entries before and after.
+fn describe(
+    change: &TenantChange,
+    before: &TenantTable,
+    after: &TenantTable,
+) -> (String, String, String) {
+    match change {
+        TenantChange::PutWorkspace { name, .. } | TenantChange::RemoveWorkspace { name } => (
+            format!(
+                "{} workspace {name}",
+                if matches!(change, TenantChange::PutWorkspace { .. }) {
+                    "set"
+                } else {
+                    "remove"
+                }
+            ),
+            show(before.workspaces.get(name)),
+            show(after.workspaces.get(name)),
+        ),
+        TenantChange::PutKey { sha256, .. } | TenantChange::RevokeKey { sha256 } => {
+            let sha = sha256.to_ascii_lowercase();
+            (
+                format!(
+                    "{} key {}…",
+                    if matches!(change, TenantChange::PutKey { .. }) {
+                        "set"
+                    } else {
+                        "revoke"
+                    },
+                    sha.get(..12).unwrap_or(&sha)
+                ),
+                show(before.keys.get(&sha)),
+                show(after.keys.get(&sha)),
+            )
+        }
+    }
+}
+
+/// An entry as compact JSON in an audit line (`-`: not in the table).
+fn show<T: serde::Serialize>(entry: Option<&T>) -> String {
+    entry.map_or_else(
+        || "-".to_owned(),
+        |e| serde_json::to_string(e).unwrap_or_default(),
+    )
+}
+
+/// Problems as one line each.
+fn problems_text(problems: &[Problem]) -> String {
+    problems
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The admin routes of the tenants.
+pub fn router(tenants: Arc<Tenants>) -> Router {
+    Router::new()
+        .route("/tenants", get(list))
+        .route(
+            "/tenants/workspaces/{name}",
+            get(workspace).put(put_workspace).delete(remove_workspace),
+        )
+        .route(
+            "/tenants/keys/{sha256}",
+            axum::routing::put(put_key).delete(revoke_key),
+        )
+        .with_state(tenants)
+}
+
+async fn list(State(tenants): State<Arc<Tenants>>) -> Response {
+    Json(tenants.list()).into_response()
+}
+
+async fn workspace(
+    State(tenants): State<Arc<Tenants>>,
+    UrlPath(name): UrlPath<String>,
+) -> Response {
+    let limiter = tenants.limiter.load();
+    let policy = limiter.policy();
+    let own = tenants
+        .table
+        .lock()
+        .workspaces
+        .get(&name)
+        .cloned()
+        .flatten();
+    Json(serde_json::json!({
+        "workspace": name,
+        "plan": workspace_plan(policy, &name),
+        "limits": limiter.workspace_limits(&name),
+        "own_limits": own.map(|w| w.limits),
+    }))
+    .into_response()
+}
+
+async fn put_workspace(
+    State(tenants): State<Arc<Tenants>>,
+    entrant: Option<axum::Extension<sluice_door::Entrant>>,
+    UrlPath(name): UrlPath<String>,
+    body: Result<Json<TenantWorkspace>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let workspace = match body {
+        Ok(Json(w)) => w,
+        Err(e) => return bad_body(&e),
+    };
+    answer(
+        tenants
+            .change(
+                TenantChange::PutWorkspace { name, workspace },
+                &who(entrant),
+            )
+            .await,
+    )
+}
+
+async fn remove_workspace(
+    State(tenants): State<Arc<Tenants>>,
+    entrant: Option<axum::Extension<sluice_door::Entrant>>,
+    UrlPath(name): UrlPath<String>,
+) -> Response {
+    answer(
+        tenants
+            .change(TenantChange::RemoveWorkspace { name }, &who(entrant))
+            .await,
+    )
+}
+
+async fn put_key(
+    State(tenants): State<Arc<Tenants>>,
+    entrant: Option<axum::Extension<sluice_door::Entrant>>,
+    UrlPath(sha256): UrlPath<String>,
+    body: Result<Json<TenantKey>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let key = match body {
+        Ok(Json(k)) => k,
+        Err(e) => return bad_body(&e),
+    };
+    answer(
+        tenants
+            .change(TenantChange::PutKey { sha256, key }, &who(entrant))
+            .await,
+    )
+}
+
+async fn revoke_key(
+    State(tenants): State<Arc<Tenants>>,
+    entrant: Option<axum::Extension<sluice_door::Entrant>>,
+    UrlPath(sha256): UrlPath<String>,
+) -> Response {
+    answer(
+        tenants
+            .change(TenantChange::RevokeKey { sha256 }, &who(entrant))
+            .await,
+    )
+}
+
+fn who(entrant: Option<axum::Extension<sluice_door::Entrant>>) -> String {
+    entrant.map_or_else(|| "unknown".to_owned(), |e| e.0.to_string())
+}
+
+/// 400 for a body that does not read as the change: the parser's message names the
+/// field (an unknown one, a duplicate one, a negative number).
+fn bad_body(rejection: &axum::extract::rejection::JsonRejection) -> Response {
+    (
+        StatusCode::BAD_REQUEST,
+        Json(serde_json::json!({
+            "error": { "code": "invalid_tenant", "message": rejection.body_text() }
+        })),
+    )
+        .into_response()
+}
+
+fn answer(result: Result<(), ChangeError>) -> Response {
+    match result {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(ChangeError::Invalid(problems)) => (
+            StatusCode::BAD_REQUEST,
+            Json(serde_json::json!({
+                "error": {
+                    "code": "invalid_tenant",
+                    "message": "the change does not pass the policy's checks; nothing was changed",
+                    "problems": problems.iter().map(|p| serde_json::json!({
+                        "path": p.path, "message": p.message,
+                    })).collect::<Vec<_>>(),
+                }
+            })),
+        )
+            .into_response(),
+        Err(ChangeError::Unavailable(reason)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(axum::http::header::RETRY_AFTER, "1")],
+            Json(serde_json::json!({
+                "error": {
+                    "code": "store_unavailable",
+                    "message": format!("the change could not be made durable; nothing was changed: {reason}"),
+                }
+            })),
+        )
+            .into_response(),
+    }
+}

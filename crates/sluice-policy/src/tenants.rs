@@ -1,0 +1,336 @@
+//! Tenants at run time (P4): workspaces (their plan, limits of their own) and
+//! credentials changed through the admin API, kept as a [`TenantTable`] and applied
+//! over a policy file's with [`Policy::with_tenants`], checked as a file is checked.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::identity::workspace_digest;
+use crate::model::{CustomerPlan, Enforcement, Policy, Principal, TenantPlan};
+use crate::raw::{RawPlan, RawPolicy};
+use crate::validate::{Checker, is_workspace_name};
+use crate::{MAX_WORKSPACES, Problem};
+
+/// The most credentials the tenant table holds (the policy file's and those the
+/// admin API adds or revokes): a few hundred bytes each in every replica's memory.
+pub const MAX_KEYS: usize = 100_000;
+
+/// What the admin API changed: each workspace and credential it set or removed,
+/// over the policy file's. The file stays the starting set.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantTable {
+    /// Workspace name → what it is now (`None`: removed, with its credentials).
+    #[serde(default)]
+    pub workspaces: BTreeMap<String, Option<TenantWorkspace>>,
+    /// Lower-case hex SHA-256 of a credential → whose it is now (`None`: revoked).
+    #[serde(default)]
+    pub keys: BTreeMap<String, Option<TenantKey>>,
+}
+
+/// A workspace as the admin API sets it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantWorkspace {
+    /// Its plan (absent: `default`, or the profile's limits without one).
+    pub plan: Option<String>,
+    /// Limits of its own, over its plan's (the keys of a plan: `classes`,
+    /// `ip_ceilings`, `buckets`, `quotas`, `mode`).
+    #[serde(default, skip_serializing_if = "is_empty")]
+    pub limits: RawPlan,
+}
+
+fn is_empty(plan: &RawPlan) -> bool {
+    *plan == RawPlan::default()
+}
+
+/// A credential as the admin API sets it (by its SHA-256, never the secret).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantKey {
+    /// The workspace it belongs to.
+    pub workspace: String,
+    /// The user it belongs to.
+    pub user: String,
+}
+
+/// One change of the tenant table: what the admin API was asked, and what replicas
+/// tell each other.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum TenantChange {
+    /// Creates or replaces a workspace.
+    PutWorkspace {
+        /// Its name.
+        name: String,
+        /// What it is.
+        workspace: TenantWorkspace,
+    },
+    /// Removes a workspace: its plan and limits, and every credential of it.
+    RemoveWorkspace {
+        /// Its name.
+        name: String,
+    },
+    /// Creates or replaces a credential.
+    PutKey {
+        /// Lower-case hex SHA-256 of the credential.
+        sha256: String,
+        /// Whose it is.
+        key: TenantKey,
+    },
+    /// Revokes a credential: a request sending it is refused.
+    RevokeKey {
+        /// Lower-case hex SHA-256 of the credential.
+        sha256: String,
+    },
+}
+
+impl TenantTable {
+    /// The table with `change` made. Removing a workspace revokes every credential
+    /// of it that `base` (the policy file's, and this table's) knows.
+    pub fn with(&self, change: &TenantChange, base: &Policy) -> TenantTable {
+        let mut next = self.clone();
+        match change {
+            TenantChange::PutWorkspace { name, workspace } => {
+                next.workspaces
+                    .insert(name.clone(), Some(workspace.clone()));
+            }
+            TenantChange::RemoveWorkspace { name } => {
+                next.workspaces.insert(name.clone(), None);
+                let file_keys = base
+                    .identity
+                    .keys
+                    .iter()
+                    .filter(|(_, p)| p.workspace == *name)
+                    .map(|(sha, _)| hex::encode(sha));
+                let own_keys = self
+                    .keys
+                    .iter()
+                    .filter(|(_, k)| k.as_ref().is_some_and(|k| k.workspace == *name))
+                    .map(|(sha, _)| sha.clone());
+                let revoked: Vec<String> = file_keys.chain(own_keys).collect();
+                for sha in revoked {
+                    next.keys.insert(sha, None);
+                }
+            }
+            TenantChange::PutKey { sha256, key } => {
+                next.keys
+                    .insert(sha256.to_ascii_lowercase(), Some(key.clone()));
+            }
+            TenantChange::RevokeKey { sha256 } => {
+                next.keys.insert(sha256.to_ascii_lowercase(), None);
+            }
+        }
+        next
+    }
+}
+
+impl TenantTable {
+    /// The entries of `self` (the table after `change`) that `change` set: applied
+    /// over the policy running before it, they make the policy after it.
+    pub fn touched_by(&self, change: &TenantChange) -> TenantTable {
+        let mut touched = TenantTable::default();
+        let mut workspace = |name: &str| {
+            if let Some(entry) = self.workspaces.get(name) {
+                touched.workspaces.insert(name.to_owned(), entry.clone());
+            }
+        };
+        match change {
+            TenantChange::PutWorkspace { name, .. } => workspace(name),
+            TenantChange::RemoveWorkspace { name } => {
+                workspace(name);
+                // The credentials the removal revoked.
+                touched.keys = self
+                    .keys
+                    .iter()
+                    .filter(|(_, k)| k.is_none())
+                    .map(|(sha, k)| (sha.clone(), k.clone()))
+                    .collect();
+            }
+            TenantChange::PutKey { sha256, .. } | TenantChange::RevokeKey { sha256 } => {
+                let sha = sha256.to_ascii_lowercase();
+                if let Some(entry) = self.keys.get(&sha) {
+                    touched.keys.insert(sha, entry.clone());
+                }
+            }
+        }
+        touched
+    }
+}
+
+impl Policy {
+    /// This policy (a file's) with the tenant table's workspaces and credentials over
+    /// its own, checked as a file is checked.
+    ///
+    /// # Errors
+    /// Every problem found, each at its key path in the table (`workspaces.acme.plan`,
+    /// `workspaces.acme.limits.classes.search`, `keys.<sha256>.workspace`, …);
+    /// nothing of a table with a problem is taken.
+    pub fn with_tenants(&self, table: &TenantTable) -> Result<Policy, Vec<Problem>> {
+        let mut next = self.clone();
+        let mut v = Checker {
+            classes: self.classes.iter().map(|c| c.name.clone()).collect(),
+            ceilings: self.ceilings.iter().map(|c| c.name.clone()).collect(),
+            ..Checker::default()
+        };
+        for (sha, key) in &table.keys {
+            let at = format!("keys.{sha}");
+            let mut digest = [0u8; 32];
+            if sha.len() != 64 || hex::decode_to_slice(sha, &mut digest).is_err() {
+                v.problem(
+                    at,
+                    "expected 64 hex digits: the SHA-256 of the credential (e.g. `printf %s KEY | sha256sum`)",
+                );
+                continue;
+            }
+            match key {
+                Some(key) => {
+                    for (field, name) in [("workspace", &key.workspace), ("user", &key.user)] {
+                        if !is_workspace_name(name) {
+                            v.problem(
+                                format!("{at}.{field}"),
+                                "expected 1 to 256 printable ASCII characters, not starting with `key:` or `ip:` (it is sent upstream as a header)",
+                            );
+                        }
+                    }
+                    next.identity.revoked.remove(&digest);
+                    next.identity.keys.insert(
+                        digest,
+                        Principal {
+                            workspace: key.workspace.clone(),
+                            user: key.user.clone(),
+                        },
+                    );
+                }
+                None => {
+                    next.identity.keys.remove(&digest);
+                    next.identity.revoked.insert(digest);
+                }
+            }
+        }
+        if next.identity.keys.len() + next.identity.revoked.len() > MAX_KEYS {
+            v.problem(
+                "keys",
+                format!("at most {MAX_KEYS} credentials, revoked ones included"),
+            );
+        }
+        for (name, workspace) in &table.workspaces {
+            let at = format!("workspaces.{name}");
+            if !is_workspace_name(name) {
+                v.problem(
+                    at,
+                    "expected 1 to 256 printable ASCII characters, not starting with `key:` or `ip:` (it is sent upstream as a header)",
+                );
+                continue;
+            }
+            let digest = workspace_digest(name);
+            let Some(workspace) = workspace else {
+                next.tenants.plans.remove(&digest);
+                next.tenants.by_name.remove(name);
+                continue;
+            };
+            let named = match workspace.plan.as_deref() {
+                Some(plan) => match self.plan(plan) {
+                    Some(i) => Some(i),
+                    None => {
+                        let known: Vec<&str> = self.plans.iter().map(|p| p.name.as_str()).collect();
+                        let known = if known.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            known.join(", ")
+                        };
+                        v.problem(
+                            format!("{at}.plan"),
+                            format!("no plan {plan:?} under `plans:` (declared: {known})"),
+                        );
+                        continue;
+                    }
+                },
+                None => self.default_plan,
+            };
+            let plan = if is_empty(&workspace.limits) {
+                match named {
+                    Some(i) => TenantPlan::Named(i),
+                    None => {
+                        // No plan, no limits of its own: the profile's limits.
+                        next.tenants.plans.remove(&digest);
+                        next.tenants.by_name.remove(name);
+                        continue;
+                    }
+                }
+            } else {
+                let Some(own) = own_plan(&mut v, self, name, &workspace.limits, named) else {
+                    continue;
+                };
+                next.tenants.own.push(own);
+                TenantPlan::Own(next.tenants.own.len() - 1)
+            };
+            next.tenants.plans.insert(digest, plan);
+            next.tenants.by_name.insert(name.clone(), plan);
+        }
+        if next.tenants.by_name.len() > MAX_WORKSPACES {
+            v.problem(
+                "workspaces",
+                format!("at most {MAX_WORKSPACES} workspaces on a plan"),
+            );
+        }
+        if v.problems.is_empty() {
+            Ok(next)
+        } else {
+            Err(v.problems)
+        }
+    }
+}
+
+/// The plan of a workspace with limits of its own: its plan's (`named`) with its
+/// own over them, checked as a plan of the file is (problems at
+/// `workspaces.<name>.limits…`).
+fn own_plan(
+    v: &mut Checker,
+    policy: &Policy,
+    name: &str,
+    limits: &RawPlan,
+    named: Option<usize>,
+) -> Option<CustomerPlan> {
+    let raw = RawPolicy {
+        plans: BTreeMap::from([(name.to_owned(), limits.clone())]),
+        ..RawPolicy::default()
+    };
+    let mut checker = Checker {
+        classes: v.classes.clone(),
+        ceilings: v.ceilings.clone(),
+        ..Checker::default()
+    };
+    let own = checker
+        .plans(&raw, &policy.classes, &policy.buckets, &policy.quotas)
+        .pop();
+    let prefix = format!("plans.{name}");
+    for mut problem in checker.problems {
+        if let Some(rest) = problem.path.strip_prefix(&prefix) {
+            problem.path = format!("workspaces.{name}.limits{rest}");
+        }
+        v.problems.push(problem);
+    }
+    let mut own = own?;
+    let base = named.and_then(|i| policy.plans.get(i));
+    own.name = match base {
+        Some(base) => format!("{}+{name}", base.name),
+        None => format!("+{name}"),
+    };
+    if let Some(base) = base {
+        let under = |own: &mut Vec<Option<_>>, base: &Vec<Option<_>>| {
+            for (o, b) in own.iter_mut().zip(base) {
+                *o = o.or(*b);
+            }
+        };
+        under(&mut own.classes, &base.classes);
+        under(&mut own.ceilings, &base.ceilings);
+        under(&mut own.buckets, &base.buckets);
+        under(&mut own.quotas, &base.quotas);
+        if base.mode == Enforcement::Shadow {
+            own.mode = Enforcement::Shadow;
+        }
+    }
+    Some(own)
+}

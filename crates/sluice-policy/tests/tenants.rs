@@ -1,0 +1,185 @@
+//! P4, tenants at run time: a [`TenantTable`] applied over a policy file's is
+//! checked as a file is (every problem at its key path, nothing taken), adds and
+//! revokes credentials, and moves workspaces between plans or gives them limits of
+//! their own over their plan's.
+
+use std::path::Path;
+
+use sluice_policy::{
+    Policy, TenantChange, TenantKey, TenantTable, TenantWorkspace, parse_str, raw::RawPlan,
+    workspace_digest,
+};
+
+const KEY_A: &str = "ca978112ca1bbdcafac231b39a23dc4da786eff8147c4e72b9807785afee48bb";
+
+fn policy() -> Policy {
+    parse_str(
+        "profile: p
+profiles:
+  p:
+    classes: { search: 60, generate: 10 }
+default_class: search
+plans:
+  pro:
+    classes: { generate: 50 }
+identity:
+  keys:
+    - { sha256: ca978112ca1bbdcafac231b39a23dc4da786eff8147c4e72b9807785afee48bb, workspace: acme, user: ada }
+",
+        Path::new("tenants.yaml"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn put(name: &str, plan: Option<&str>, limits: RawPlan) -> TenantChange {
+    TenantChange::PutWorkspace {
+        name: name.to_owned(),
+        workspace: TenantWorkspace {
+            plan: plan.map(str::to_owned),
+            limits,
+        },
+    }
+}
+
+#[test]
+fn p4_a_workspace_moves_plan_and_takes_limits_of_its_own_over_its_plans() {
+    let base = policy();
+    let generate = base.class("generate").expect("a class");
+    let search = base.class("search").expect("a class");
+    let table = TenantTable::default().with(&put("acme", Some("pro"), RawPlan::default()), &base);
+    let p = base.with_tenants(&table).expect("valid");
+    let plan = p.plan_of(workspace_digest("acme")).expect("a plan");
+    assert_eq!(plan.name, "pro");
+    let mut limits = RawPlan::default();
+    limits.classes.insert("search".to_owned(), 5);
+    let table = table.with(&put("acme", Some("pro"), limits), &base);
+    let p = base.with_tenants(&table).expect("valid");
+    let own = p.plan_of(workspace_digest("acme")).expect("its own");
+    assert_eq!(own.name, "pro+acme");
+    assert_eq!(
+        own.classes[search.index()].map(|l| l.get()),
+        Some(5),
+        "its own"
+    );
+    assert_eq!(
+        own.classes[generate.index()].map(|l| l.get()),
+        Some(50),
+        "its plan's"
+    );
+}
+
+#[test]
+fn p4_a_revoked_credential_is_known_as_revoked_and_a_new_one_is_known() {
+    let base = policy();
+    let revoke = TenantChange::RevokeKey {
+        sha256: KEY_A.to_uppercase(),
+    };
+    let table = TenantTable::default().with(&revoke, &base);
+    let p = base.with_tenants(&table).expect("valid");
+    let mut sha = [0u8; 32];
+    hex::decode_to_slice(KEY_A, &mut sha).expect("hex");
+    assert!(p.identity.revoked.contains(&sha) && !p.identity.keys.contains_key(&sha));
+    // Removing a workspace revokes its credentials, the file's included.
+    let removed = TenantTable::default().with(
+        &TenantChange::RemoveWorkspace {
+            name: "acme".to_owned(),
+        },
+        &base,
+    );
+    assert_eq!(removed.keys.get(KEY_A), Some(&None));
+    // Put back.
+    let again = table.with(
+        &TenantChange::PutKey {
+            sha256: KEY_A.to_owned(),
+            key: TenantKey {
+                workspace: "globex".to_owned(),
+                user: "bo".to_owned(),
+            },
+        },
+        &base,
+    );
+    let p = base.with_tenants(&again).expect("valid");
+    assert!(!p.identity.revoked.contains(&sha));
+    assert_eq!(
+        p.identity.keys.get(&sha).map(|k| k.workspace.as_str()),
+        Some("globex")
+    );
+}
+
+#[test]
+fn p4_every_bad_change_is_named_by_its_key_path_and_nothing_is_taken() {
+    let base = policy();
+    let mut limits = RawPlan::default();
+    limits.classes.insert("nope".to_owned(), 5);
+    limits.classes.insert("generate".to_owned(), 0);
+    limits.buckets.insert("exports".to_owned(), 5);
+    let mut table = TenantTable::default();
+    for change in [
+        put("acme", Some("gold"), RawPlan::default()),
+        put("globex", None, limits),
+        put("key:abc", None, RawPlan::default()),
+        TenantChange::RevokeKey {
+            sha256: "abc".to_owned(),
+        },
+        TenantChange::PutKey {
+            sha256: "9".repeat(64),
+            key: TenantKey {
+                workspace: " acme".to_owned(),
+                user: "ada".to_owned(),
+            },
+        },
+    ] {
+        table = table.with(&change, &base);
+    }
+    let problems = base.with_tenants(&table).expect_err("refused");
+    let text: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    let text = text.join("\n");
+    for expected in [
+        "workspaces.acme.plan: no plan \"gold\" under `plans:` (declared: pro)",
+        "workspaces.globex.limits.classes.nope: unknown class \"nope\"",
+        "workspaces.globex.limits.classes.generate: must be at least 1",
+        "workspaces.globex.limits.buckets.exports: no bucket \"exports\"",
+        "workspaces.key:abc: expected 1 to 256 printable ASCII characters",
+        "keys.abc: expected 64 hex digits",
+        "keys.9999999999999999999999999999999999999999999999999999999999999999.workspace: expected 1 to 256 printable ASCII",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
+}
+
+#[test]
+fn p4_a_change_applied_alone_over_the_running_policy_is_the_whole_table_over_the_file() {
+    let base = policy();
+    let mut limits = RawPlan::default();
+    limits.classes.insert("search".to_owned(), 5);
+    let changes = [
+        put("acme", Some("pro"), RawPlan::default()),
+        put("globex", None, limits.clone()),
+        TenantChange::RevokeKey {
+            sha256: KEY_A.to_owned(),
+        },
+        put("acme", Some("pro"), limits),
+        TenantChange::RemoveWorkspace {
+            name: "globex".to_owned(),
+        },
+    ];
+    let mut table = TenantTable::default();
+    let mut running = base.clone();
+    for change in &changes {
+        table = table.with(change, &base);
+        running = running
+            .with_tenants(&table.touched_by(change))
+            .expect("valid");
+        let whole = base.with_tenants(&table).expect("valid");
+        for ws in ["acme", "globex", "initech"] {
+            let d = workspace_digest(ws);
+            assert_eq!(
+                running.plan_of(d).map(|p| (&p.name, &p.classes)),
+                whole.plan_of(d).map(|p| (&p.name, &p.classes)),
+                "{ws} after {change:?}"
+            );
+        }
+        assert_eq!(running.identity.keys, whole.identity.keys);
+        assert_eq!(running.identity.revoked, whole.identity.revoked);
+    }
+}

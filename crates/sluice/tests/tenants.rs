@@ -1,0 +1,353 @@
+//! P4, tenants at run time: the admin API creates, changes and removes workspaces
+//! and credentials without a restart; each change is checked as a file is (400
+//! naming the field, nothing changed), durable (the journal under `--data-dir`, or
+//! Redis), on every replica within 1 s, and logged as one audit line.
+
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use support::redis::RedisServer;
+use support::{DataDir, Sluice, get, send};
+
+/// The built-in policy with the longest window, plans `default` (expensive 2) and
+/// `pro` (expensive 4), a key of the file's (`sk-file` of workspace `initech`), and
+/// a store timeout of 2 s.
+fn policy(name: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("sluice-tenants-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML
+        .edit("window_seconds: 60\nprofiles", "window_seconds: 4294967295\nprofiles")
+        .edit(
+            "  keys: []",
+            &format!(
+                "  keys:\n    - {{ sha256: {}, workspace: initech, user: cy }}",
+                sha("sk-file")
+            ),
+        )
+        .edit(
+            "headers:\n",
+            "plans:\n  default:\n    classes: { expensive: 2 }\n  pro:\n    classes: { expensive: 4 }\nheaders:\n",
+        )
+        // Three replicas start at once on two cores: room to connect.
+        .edit("timeout_ms: 20", "timeout_ms: 2000");
+    std::fs::write(&path, yaml).expect("write policy");
+    path.to_str().expect("utf-8 path").to_owned()
+}
+
+fn sha(secret: &str) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(secret.as_bytes()))
+}
+
+/// `method` on the admin listener with a JSON body (or none).
+async fn admin(sluice: &Sluice, method: &str, path: &str, body: Option<&str>) -> support::Reply {
+    let mut request = Request::builder()
+        .method(method)
+        .uri(sluice.admin_url(path));
+    if body.is_some() {
+        request = request.header("content-type", "application/json");
+    }
+    send(
+        request
+            .body(Full::new(Bytes::from(body.unwrap_or("").to_owned())))
+            .expect("request"),
+    )
+    .await
+}
+
+async fn chat(sluice: &Sluice, key: &str) -> support::Reply {
+    send(
+        Request::post(sluice.url("/chats"))
+            .header("x-api-key", key)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request"),
+    )
+    .await
+}
+
+/// What `sluice`'s `GET /tenants/workspaces/acme` says acme's expensive limit is.
+async fn acme_expensive(sluice: &Sluice) -> serde_json::Value {
+    let reply = get(&sluice.admin_url("/tenants/workspaces/acme")).await;
+    reply.json()["limits"]["classes"]["expensive"].clone()
+}
+
+/// What a replica is asked until it answers as expected.
+#[derive(Clone, Copy)]
+enum Probe {
+    /// acme's expensive limit (`GET /tenants/workspaces/acme`).
+    AcmeExpensive,
+    /// The status of a chat with `sk-file`.
+    FileKeyChat,
+}
+
+impl Probe {
+    async fn ask(self, sluice: &Sluice) -> serde_json::Value {
+        match self {
+            Probe::AcmeExpensive => acme_expensive(sluice).await,
+            Probe::FileKeyChat => serde_json::json!(chat(sluice, "sk-file").await.status.as_u16()),
+        }
+    }
+}
+
+/// Waits (at most 5 s) until every replica answers `expected` to `probe`, and
+/// returns how long it took.
+async fn until_all(replicas: &[&Sluice], probe: Probe, expected: serde_json::Value) -> Duration {
+    let started = Instant::now();
+    for replica in replicas {
+        while probe.ask(replica).await != expected {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "a replica never answered {expected}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    started.elapsed()
+}
+
+#[tokio::test]
+async fn p4_a_change_is_checked_applied_at_once_audited_and_survives_a_restart() {
+    let policy = policy("local.yaml");
+    let data = DataDir::new();
+    let sluice = Sluice::spawn(&["--config", &policy, "--data-dir", data.arg()]);
+    // A credential and its workspace's plan, without a restart.
+    let put = admin(
+        &sluice,
+        "PUT",
+        &format!("/tenants/keys/{}", sha("sk-acme")),
+        Some(r#"{"workspace":"acme","user":"ada"}"#),
+    )
+    .await;
+    assert_eq!(put.status, 204, "{}", put.text());
+    assert_eq!(
+        chat(&sluice, "sk-acme").await.header("x-ratelimit-limit"),
+        Some("2"),
+        "default plan"
+    );
+    let pro = admin(
+        &sluice,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro"}"#),
+    )
+    .await;
+    assert_eq!(pro.status, 204, "{}", pro.text());
+    assert_eq!(
+        chat(&sluice, "sk-acme").await.header("x-ratelimit-limit"),
+        Some("4"),
+        "pro"
+    );
+    // Limits of its own over its plan's.
+    let own = admin(
+        &sluice,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro","limits":{"classes":{"expensive":7}}}"#),
+    )
+    .await;
+    assert_eq!(own.status, 204, "{}", own.text());
+    assert_eq!(acme_expensive(&sluice).await, 7);
+    // A bad change: 400 naming each field, nothing changed.
+    let bad = admin(
+        &sluice,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"gold","limits":{"classes":{"costly":1,"expensive":0}}}"#),
+    )
+    .await;
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    let paths: Vec<String> = bad.json()["error"]["problems"]
+        .as_array()
+        .map(|p| {
+            p.iter()
+                .map(|p| p["path"].as_str().unwrap_or("").to_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(
+        paths,
+        ["workspaces.acme.plan"],
+        "the plan first: {}",
+        bad.text()
+    );
+    let bad = admin(
+        &sluice,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro","limits":{"classes":{"costly":1,"expensive":0}}}"#),
+    )
+    .await;
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    let text = bad.text();
+    assert!(
+        text.contains("workspaces.acme.limits.classes.costly")
+            && text.contains("workspaces.acme.limits.classes.expensive"),
+        "{text}"
+    );
+    let twice = admin(
+        &sluice,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro","plan":"default"}"#),
+    )
+    .await;
+    assert_eq!(twice.status, 400, "{}", twice.text());
+    assert!(
+        twice.text().contains("duplicate field `plan`"),
+        "{}",
+        twice.text()
+    );
+    assert_eq!(acme_expensive(&sluice).await, 7, "nothing changed");
+    // Revoking a credential of the file's: refused from now on.
+    assert_eq!(chat(&sluice, "sk-file").await.status, 200);
+    let revoke = admin(
+        &sluice,
+        "DELETE",
+        &format!("/tenants/keys/{}", sha("sk-file")),
+        None,
+    )
+    .await;
+    assert_eq!(revoke.status, 204, "{}", revoke.text());
+    let refused = chat(&sluice, "sk-file").await;
+    assert_eq!(refused.status, 403, "{}", refused.text());
+    assert_eq!(
+        refused.json()["error"]["details"]["reason"],
+        "credential_revoked"
+    );
+    // One audit line per change: who, what, before, after.
+    let stderr = sluice.stderr();
+    let audits: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("sluice::audit"))
+        .collect();
+    assert_eq!(audits.len(), 4, "{stderr}");
+    assert!(
+        audits[2].contains("what=set workspace acme")
+            && audits[2].contains(r#"before={"plan":"pro"}"#)
+            && audits[2].contains(r#"after={"plan":"pro","limits":{"classes":{"expensive":7}}}"#),
+        "{}",
+        audits[2]
+    );
+    // A restart keeps every change.
+    sluice.terminate();
+    drop(sluice);
+    let sluice = Sluice::spawn(&["--config", &policy, "--data-dir", data.arg()]);
+    assert_eq!(acme_expensive(&sluice).await, 7);
+    assert_eq!(chat(&sluice, "sk-file").await.status, 403, "still revoked");
+    assert_eq!(
+        chat(&sluice, "sk-acme").await.header("x-ratelimit-limit"),
+        Some("7")
+    );
+    let listed = get(&sluice.admin_url("/tenants")).await.json();
+    assert_eq!(listed["workspaces"]["acme"]["plan"], "pro", "{listed}");
+    assert_eq!(
+        listed["keys"][sha("sk-acme")]["workspace"],
+        "acme",
+        "{listed}"
+    );
+    assert_eq!(
+        listed["revoked"],
+        serde_json::json!([sha("sk-file")]),
+        "{listed}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p4_d2_changes_reach_three_replicas_within_a_second_and_survive_a_restart_of_all() {
+    let mut redis = RedisServer::start("tenants");
+    let policy = policy("shared.yaml");
+    let spawn =
+        || [0, 1, 2].map(|_| Sluice::spawn(&["--config", &policy, "--store", &redis.url()]));
+    let replicas = spawn();
+    let [a, b, c] = &replicas;
+    // A plan override made on one replica.
+    let key = admin(
+        a,
+        "PUT",
+        &format!("/tenants/keys/{}", sha("sk-acme")),
+        Some(r#"{"workspace":"acme","user":"ada"}"#),
+    )
+    .await;
+    assert_eq!(key.status, 204, "{}", key.text());
+    let pro = admin(
+        a,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro"}"#),
+    )
+    .await;
+    assert_eq!(pro.status, 204, "{}", pro.text());
+    let took = until_all(&[a, b, c], Probe::AcmeExpensive, 4.into()).await;
+    assert!(
+        took < Duration::from_secs(1),
+        "the plan reached every replica after {took:?}"
+    );
+    // A runtime override made on another.
+    let own = admin(
+        b,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro","limits":{"classes":{"expensive":7}}}"#),
+    )
+    .await;
+    assert_eq!(own.status, 204, "{}", own.text());
+    let took = until_all(&[a, b, c], Probe::AcmeExpensive, 7.into()).await;
+    assert!(
+        took < Duration::from_secs(1),
+        "the override reached every replica after {took:?}"
+    );
+    assert_eq!(
+        chat(c, "sk-acme").await.header("x-ratelimit-limit"),
+        Some("7")
+    );
+    // A credential revoked on the third.
+    let revoke = admin(
+        c,
+        "DELETE",
+        &format!("/tenants/keys/{}", sha("sk-file")),
+        None,
+    )
+    .await;
+    assert_eq!(revoke.status, 204, "{}", revoke.text());
+    let took = until_all(&[a, b, c], Probe::FileKeyChat, 403.into()).await;
+    assert!(
+        took < Duration::from_secs(1),
+        "the revocation reached every replica after {took:?}"
+    );
+    // Every replica restarted: all of it holds.
+    for r in &replicas {
+        r.terminate();
+    }
+    drop(replicas);
+    let replicas = spawn();
+    for r in &replicas {
+        assert_eq!(acme_expensive(r).await, 7);
+        assert_eq!(chat(r, "sk-file").await.status, 403);
+    }
+    // Redis down: a change is 503 and changes nothing.
+    redis.kill();
+    let down = admin(
+        &replicas[0],
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"default"}"#),
+    )
+    .await;
+    assert_eq!(down.status, 503, "{}", down.text());
+    assert_eq!(down.json()["error"]["code"], "store_unavailable");
+    assert_eq!(
+        acme_expensive(&replicas[0]).await,
+        7,
+        "nothing half-applied"
+    );
+}
