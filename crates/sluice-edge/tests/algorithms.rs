@@ -17,6 +17,7 @@ use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, RedisConfig, RedisSto
 
 #[path = "../../../tests/support/redis_server.rs"]
 mod redis_server;
+mod support;
 
 /// 2093-07-01T00:00:00Z less an hour: whole minutes since the epoch (a fixed window
 /// starts at T0), and ahead of the real clock that Redis expires keys by.
@@ -76,13 +77,7 @@ fn memory(policy: Policy, clock: &FakeClock) -> Limiter<MemoryStore<FakeClock>> 
 }
 
 fn request(method: &str, path: &str, key: &str) -> Parts {
-    let request = http::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("x-api-key", key)
-        .body(())
-        .expect("request");
-    request.into_parts().0
+    support::request_as(key, method, path)
 }
 
 /// What the client is told about one request.

@@ -283,46 +283,29 @@ impl Policy {
     pub fn describe_plans(&self) -> Vec<String> {
         let mut lines = Vec::new();
         for plan in &self.plans {
-            let pick = |o: Option<std::num::NonZeroU32>, profile: std::num::NonZeroU32| {
-                o.map_or(profile.to_string(), |l| format!("{l}*"))
+            let limits = self.plan_limits(Some(plan));
+            let show = |l: &crate::PlanLimit, unit: &str| {
+                format!(
+                    "{} {}{}{unit}",
+                    l.name,
+                    l.limit,
+                    if l.from_plan { "*" } else { "" }
+                )
             };
-            let classes: Vec<String> = self
-                .class_ids()
-                .map(|c| {
-                    let o = plan.classes.get(c.index()).copied().flatten();
-                    format!("{} {}", self.class_name(c), pick(o, self.profile.limit(c)))
-                })
-                .collect();
-            let ceilings: Vec<String> = self
-                .ceilings
-                .iter()
-                .enumerate()
-                .map(|(i, c)| {
-                    let o = plan.ceilings.get(i).copied().flatten();
-                    format!("{} {}", c.name, pick(o, self.profile.ceiling(i)))
-                })
-                .collect();
-            let buckets: Vec<String> = self
+            let classes: Vec<String> = limits.classes.iter().map(|l| show(l, "")).collect();
+            let ceilings: Vec<String> = limits.ceilings.iter().map(|l| show(l, "")).collect();
+            let buckets: Vec<String> = limits
                 .buckets
                 .iter()
-                .enumerate()
-                .map(|(i, b)| {
-                    let o = plan.buckets.get(i).copied().flatten();
-                    format!("{} {}/{} s", b.name, pick(o, b.limit), b.window)
-                })
+                .map(|(l, window)| show(l, &format!("/{window} s")))
                 .collect();
-            let quotas: Vec<String> = self
-                .quotas
-                .iter()
-                .enumerate()
-                .map(|(i, q)| match plan.quotas.get(i).copied().flatten() {
-                    Some(l) => format!("{} {l}*/month", q.name),
-                    None => match q.monthly {
-                        Some(l) => format!("{} {l}/month", q.name),
-                        None => format!("{} uncapped", q.name),
-                    },
-                })
-                .collect();
+            let mut quotas: Vec<String> = limits.quotas.iter().map(|l| show(l, "/month")).collect();
+            quotas.extend(
+                self.quotas
+                    .iter()
+                    .filter(|q| !limits.quotas.iter().any(|l| l.name == q.name))
+                    .map(|q| format!("{} uncapped", q.name)),
+            );
             let mut line = format!(
                 "plan {}{}: per caller and class: {}",
                 plan.name,

@@ -653,6 +653,30 @@ pub struct Tenants {
     pub own: Vec<CustomerPlan>,
 }
 
+/// One limit of what a workspace on a plan gets ([`Policy::plan_limits`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanLimit {
+    /// The budget's name (a class, a ceiling, a bucket or a quota family).
+    pub name: String,
+    /// Its limit: per window, or per calendar month for a quota.
+    pub limit: u32,
+    /// True when the plan sets it (else it is the profile's, bucket's or family's).
+    pub from_plan: bool,
+}
+
+/// What a workspace on a plan gets, budget by budget, in the policy's orders.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PlanLimits {
+    /// Per caller and window, by class.
+    pub classes: Vec<PlanLimit>,
+    /// Per IP and window, by ceiling.
+    pub ceilings: Vec<PlanLimit>,
+    /// Per window, by bucket (with the bucket's window).
+    pub buckets: Vec<(PlanLimit, NonZeroU32)>,
+    /// Per calendar month, by capped quota family (uncapped ones left out).
+    pub quotas: Vec<PlanLimit>,
+}
+
 /// Which plan a workspace of the tenant table is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TenantPlan {
@@ -762,6 +786,72 @@ impl Policy {
             Some(TenantPlan::Named(i)) => self.plans.get(*i),
             Some(TenantPlan::Own(i)) => self.tenants.own.get(*i),
             None => self.default_plan.and_then(|i| self.plans.get(i)),
+        }
+    }
+
+    /// What a workspace on `plan` gets under the active profile (`None`: on no
+    /// plan, the profile's limits).
+    pub fn plan_limits(&self, plan: Option<&CustomerPlan>) -> PlanLimits {
+        fn limit(
+            name: &str,
+            own: Option<&Vec<Option<NonZeroU32>>>,
+            i: usize,
+            otherwise: NonZeroU32,
+        ) -> PlanLimit {
+            let set = own.and_then(|t| t.get(i).copied().flatten());
+            PlanLimit {
+                name: name.to_owned(),
+                limit: set.unwrap_or(otherwise).get(),
+                from_plan: set.is_some(),
+            }
+        }
+        PlanLimits {
+            classes: self
+                .class_ids()
+                .map(|c| {
+                    let name = self.class_name(c);
+                    limit(
+                        name,
+                        plan.map(|p| &p.classes),
+                        c.index(),
+                        self.profile.limit(c),
+                    )
+                })
+                .collect(),
+            ceilings: self
+                .ceilings
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    limit(
+                        &c.name,
+                        plan.map(|p| &p.ceilings),
+                        i,
+                        self.profile.ceiling(i),
+                    )
+                })
+                .collect(),
+            buckets: self
+                .buckets
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    (
+                        limit(&b.name, plan.map(|p| &p.buckets), i, b.limit),
+                        b.window,
+                    )
+                })
+                .collect(),
+            quotas: self
+                .quotas
+                .iter()
+                .enumerate()
+                .filter_map(|(i, q)| {
+                    let own = plan.and_then(|p| p.quotas.get(i).copied().flatten());
+                    let cap = own.or(q.monthly)?;
+                    Some(limit(&q.name, plan.map(|p| &p.quotas), i, cap))
+                })
+                .collect(),
         }
     }
 

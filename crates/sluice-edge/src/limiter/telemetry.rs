@@ -272,56 +272,28 @@ pub struct PlanStatus {
     pub overrides: Vec<String>,
 }
 
-/// What a workspace on `plan` gets under `p`'s active profile.
-pub(crate) fn plan_status(p: &Policy, plan: &sluice_policy::CustomerPlan) -> PlanStatus {
+/// What a workspace on `plan` (`None`: on none) gets under `p`'s active profile.
+pub(crate) fn plan_status(p: &Policy, plan: Option<&sluice_policy::CustomerPlan>) -> PlanStatus {
+    let limits = p.plan_limits(plan);
     let mut overrides = Vec::new();
-    let mut pick = |name: &str, o: Option<std::num::NonZeroU32>, otherwise: u32| {
-        if o.is_some() {
-            overrides.push(name.to_owned());
-        }
-        o.map_or(otherwise, std::num::NonZeroU32::get)
+    let mut table = |list: &mut dyn Iterator<Item = &sluice_policy::PlanLimit>| {
+        list.map(|l| {
+            if l.from_plan {
+                overrides.push(l.name.clone());
+            }
+            (l.name.clone(), l.limit)
+        })
+        .collect::<BTreeMap<String, u32>>()
     };
-    let classes = p
-        .class_ids()
-        .map(|c| {
-            let name = p.class_name(c);
-            let o = plan.classes.get(c.index()).copied().flatten();
-            (name.to_owned(), pick(name, o, p.profile.limit(c).get()))
-        })
-        .collect();
-    let ip_ceilings = p
-        .ceilings
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let o = plan.ceilings.get(i).copied().flatten();
-            (c.name.clone(), pick(&c.name, o, p.profile.ceiling(i).get()))
-        })
-        .collect();
-    let buckets = p
-        .buckets
-        .iter()
-        .enumerate()
-        .map(|(i, b)| {
-            let o = plan.buckets.get(i).copied().flatten();
-            (b.name.clone(), pick(&b.name, o, b.limit.get()))
-        })
-        .collect();
-    let quotas = p
-        .quotas
-        .iter()
-        .enumerate()
-        .filter_map(|(i, q)| {
-            let o = plan.quotas.get(i).copied().flatten();
-            let cap = o.or(q.monthly)?;
-            Some((q.name.clone(), pick(&q.name, o, cap.get())))
-        })
-        .collect();
+    let classes = table(&mut limits.classes.iter());
+    let ip_ceilings = table(&mut limits.ceilings.iter());
+    let buckets = table(&mut limits.buckets.iter().map(|(l, _)| l));
+    let quotas = table(&mut limits.quotas.iter());
     PlanStatus {
-        name: plan.name.clone(),
-        mode: match plan.mode {
-            sluice_policy::Enforcement::Shadow => "shadow",
-            sluice_policy::Enforcement::Enforce => "enforce",
+        name: plan.map_or_else(String::new, |plan| plan.name.clone()),
+        mode: match plan.map(|plan| plan.mode) {
+            Some(sluice_policy::Enforcement::Shadow) => "shadow",
+            _ => "enforce",
         },
         classes,
         ip_ceilings,
@@ -531,20 +503,7 @@ impl<S: BudgetStore> Limiter<S> {
     /// profile's (`name` is its plan's, or empty on none).
     pub fn workspace_limits(&self, workspace: &str) -> PlanStatus {
         let p = &self.policy;
-        match p.plan_of(sluice_policy::workspace_digest(workspace)) {
-            Some(plan) => plan_status(p, plan),
-            None => plan_status(
-                p,
-                &sluice_policy::CustomerPlan {
-                    name: String::new(),
-                    classes: Vec::new(),
-                    ceilings: Vec::new(),
-                    buckets: Vec::new(),
-                    quotas: Vec::new(),
-                    mode: sluice_policy::Enforcement::Enforce,
-                },
-            ),
-        }
+        plan_status(p, p.plan_of(sluice_policy::workspace_digest(workspace)))
     }
 
     /// A summary for `/status`: the policy's numbers and the callers that
@@ -597,7 +556,11 @@ impl<S: BudgetStore> Limiter<S> {
             store_degraded: self.is_degraded(),
             dry_run: p.dry_run,
             lanes: self.lanes.iter().map(crate::lane_status).collect(),
-            plans: p.plans.iter().map(|plan| plan_status(p, plan)).collect(),
+            plans: p
+                .plans
+                .iter()
+                .map(|plan| plan_status(p, Some(plan)))
+                .collect(),
             workspaces_on_plans: p.tenants.by_name.len(),
         }
     }
