@@ -19,7 +19,7 @@ use support::{DataDir, Sluice, get, send};
 
 /// The built-in policy with the longest window, plans `default` (expensive 2) and
 /// `pro` (expensive 4), a key of the file's (`sk-file` of workspace `initech`), and
-/// a store timeout of 2 s.
+/// a store timeout of 2 s, and no batch lane.
 fn policy(name: &str) -> String {
     let dir = std::env::temp_dir().join(format!("sluice-tenants-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
@@ -38,7 +38,13 @@ fn policy(name: &str) -> String {
             "plans:\n  default:\n    classes: { expensive: 2 }\n  pro:\n    classes: { expensive: 4 }\nheaders:\n",
         )
         // Three replicas start at once on two cores: room to connect.
-        .edit("timeout_ms: 20", "timeout_ms: 2000");
+        .edit("timeout_ms: 20", "timeout_ms: 2000")
+        // No batch lane: its runner asks Redis for work every second, and a test
+        // here counts the script calls of requests.
+        .edit(
+            "    batch:\n      route: /messages/optimize\n      max_items: 1000\n      backlog: 5000\n      keep_hours: 168\n      submit_tool: optimize_message_batch\n      status_tool: get_batch\n",
+            "",
+        );
     std::fs::write(&path, yaml).expect("write policy");
     path.to_str().expect("utf-8 path").to_owned()
 }
@@ -334,6 +340,25 @@ async fn p4_d2_changes_reach_three_replicas_within_a_second_and_survive_a_restar
         assert_eq!(acme_expensive(r).await, 7);
         assert_eq!(chat(r, "sk-file").await.status, 403);
     }
+    // A workspace's plan and its own limits are read from memory: a request of it
+    // makes the one script call any other request makes.
+    let calls = |key: &'static str| {
+        let redis = &redis;
+        let replica = &replicas[1];
+        async move {
+            let before = redis.script_calls();
+            for _ in 0..2 {
+                assert_eq!(chat(replica, key).await.status, 200);
+            }
+            redis.script_calls() - before
+        }
+    };
+    assert_eq!(
+        calls("sk-acme").await,
+        2,
+        "no store round trip for the override"
+    );
+    assert_eq!(calls("sk-plain").await, 2);
     // Redis down: a change is 503 and changes nothing.
     redis.kill();
     let down = admin(
