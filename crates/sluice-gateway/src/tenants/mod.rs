@@ -255,6 +255,11 @@ impl Tenants {
                         let _one = self.changing.lock().await;
                         let base = Arc::clone(&self.base.lock());
                         let next = self.table.lock().with(&change, &base);
+                        // This replica's own change, come back: applied already.
+                        if *self.table.lock() == next {
+                            self.version.store(version, Ordering::Release);
+                            continue;
+                        }
                         match self.after(&base, &next, &change) {
                             Ok(policy) => {
                                 self.install(next, policy);
