@@ -415,6 +415,7 @@ impl Refused {
     /// | one kind of credential sent more than once, or two kinds without `identity.counted_credential` | 400 | `invalid_request` | `reason: "ambiguous_credentials"`, `field`, `fields`, `count` |
     /// | a credential field sluice cannot read (a Bearer without one token, not visible ASCII) | 400 | `invalid_request` | `reason: "malformed_credential"`, `field`, `fields`, `count: 1` |
     /// | a credential revoked through the admin API | 403 | `forbidden` | `reason: "credential_revoked"` |
+    /// | a plan header (from a trusted auth layer) naming no plan of the policy | 400 | `invalid_request` | `reason: "unknown_plan"` |
     /// | an HTTP/1.1 request without `Host`, several `Host` fields, a bad `Host` | 400 | `invalid_request` | `reason` |
     /// | `CONNECT` | 405 | `method_not_allowed` | `method` (and an `Allow` field) |
     /// | more calls through a guarded lane in one request than a workspace runs at once | 400 | `invalid_request` | `reason: "too_many_lane_calls"`, `calls`, `max` |
@@ -448,6 +449,7 @@ impl Refused {
                 "forbidden",
                 serde_json::json!({ "reason": "credential_revoked" }),
             ),
+            Refused::UnknownPlan => invalid("unknown_plan"),
             Refused::NoHost => invalid("missing_host"),
             Refused::Hosts(count) => (
                 StatusCode::BAD_REQUEST,

@@ -211,7 +211,8 @@ pub(crate) fn plan(
     let shadow = |mode: Enforcement| all || mode == Enforcement::Shadow;
     // The workspace's plan: its limits replace the profile's where it names them,
     // and a plan in shadow mode dry-runs those.
-    let tier = policy.plan_of(p.from.workspace);
+    // (A plan no policy has was refused before planning.)
+    let tier = policy.plan_for(&p.from).ok().flatten();
     let tier_shadow = tier.is_some_and(|t| t.mode == Enforcement::Shadow);
     let limit_of = |table: Option<&Vec<Option<NonZeroU32>>>, i: usize, otherwise: NonZeroU32| {
         match overridden(table, i) {
@@ -475,7 +476,7 @@ impl Plan {
     /// True when the plan holds a capped monthly quota (it must be counted in the
     /// shared store, never decided locally).
     pub fn holds_capped_quota(&self, policy: &Policy) -> bool {
-        let tier = policy.plan_of(self.from.workspace);
+        let tier = policy.plan_for(&self.from).ok().flatten();
         self.kinds.iter().any(|k| {
             matches!(k, BudgetKind::Quota(q) if quota_cap(policy, tier, policy_index(*q)).is_some())
         })

@@ -118,3 +118,73 @@ async fn p3_status_shows_what_a_workspace_on_each_plan_gets() {
     );
     assert_eq!(json["workspaces_on_plans"], 2);
 }
+
+/// The answer to a `POST /generate` from `peer` with `headers`.
+async fn generate_with(
+    limiter: &sluice_edge::Limiter<sluice_store::MemoryStore<sluice_core::FakeClock>>,
+    peer: std::net::IpAddr,
+    headers: &[(&str, &str)],
+) -> (u16, Option<String>) {
+    let mut request = http::Request::builder().method("POST").uri("/generate");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let (parts, ()) = request.body(()).expect("request").into_parts();
+    let route = limiter.route(&parts).expect("route");
+    let planned = limiter.planned(
+        &parts.headers,
+        peer,
+        Ok(route),
+        sluice_edge::BodyRead::NotNeeded,
+        None,
+    );
+    match planned.admit(None).await {
+        Ok(forward) => {
+            let mut out = http::HeaderMap::new();
+            forward.response_head(200, &mut out).await;
+            let limit = out
+                .get("x-ratelimit-limit")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
+            (200, limit)
+        }
+        Err(answer) => (answer.status().as_u16(), None),
+    }
+}
+
+#[tokio::test]
+async fn p3_a_trusted_auth_layer_names_the_plan_and_a_plan_of_no_policy_is_refused() {
+    let yaml = "profile: p
+profiles:
+  p:
+    classes: { search: 100, generate: 3 }
+default_class: search
+routes:
+  - { method: POST, path: /generate, class: generate }
+plans:
+  pro:
+    classes: { generate: 6 }
+identity:
+  trusted_proxies: [203.0.113.0/24]
+  principal_headers: { workspace: x-workspace, user: x-user, plan: x-plan }
+";
+    let limiter =
+        limiter(parse_str(yaml, Path::new("header.yaml")).unwrap_or_else(|e| panic!("{e}")));
+    let trusted = support::PEER;
+    let from = |plan: &'static str| [("x-workspace", "acme"), ("x-user", "ada"), ("x-plan", plan)];
+    assert_eq!(
+        generate_with(&limiter, trusted, &from("pro")).await,
+        (200, Some("6".to_owned()))
+    );
+    // A plan the policy does not have: refused, never decided as on no plan.
+    assert_eq!(
+        generate_with(&limiter, trusted, &from("gold")).await,
+        (400, None)
+    );
+    // From a peer that is not a trusted proxy, the header is not believed.
+    let stranger: std::net::IpAddr = [198, 51, 100, 1].into();
+    assert_eq!(
+        generate_with(&limiter, stranger, &from("pro")).await,
+        (200, Some("3".to_owned()))
+    );
+}

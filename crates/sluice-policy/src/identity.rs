@@ -41,6 +41,9 @@ pub struct Caller {
     pub principal: Option<Principal>,
     /// The SHA-256 of the credential, when there is one (never the credential).
     pub credential_sha256: Option<[u8; 32]>,
+    /// The plan a trusted auth layer named for the request
+    /// ([`Identity::plan_header`](crate::Identity)), as it wrote it.
+    pub plan: Option<Box<str>>,
 }
 
 impl Caller {
@@ -410,6 +413,18 @@ impl Identity {
     /// The caller: the first credential found (in the configured order),
     /// else the client IP.
     pub fn caller(&self, headers: &HeaderMap, client: &ClientIp, peer_trusted: bool) -> Caller {
+        let mut caller = self.caller_of(headers, client, peer_trusted);
+        if peer_trusted && let Some(name) = &self.plan_header {
+            // Any value, even one not UTF-8: a plan that is not the policy's is
+            // refused by the limiter, never read as no plan.
+            caller.plan = headers
+                .get(name)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into());
+        }
+        caller
+    }
+
+    fn caller_of(&self, headers: &HeaderMap, client: &ClientIp, peer_trusted: bool) -> Caller {
         let from_auth_layer = if peer_trusted {
             self.principal_headers.as_ref().and_then(|(w, u)| {
                 let w = headers.get(w)?.to_str().ok()?;
@@ -434,6 +449,7 @@ impl Identity {
                     who: client.who,
                     principal: from_auth_layer,
                     credential_sha256: None,
+                    plan: None,
                 }
             }
         }
@@ -459,6 +475,7 @@ impl Identity {
             who: Who::Key(prefix),
             principal,
             credential_sha256: Some(sha),
+            plan: None,
         }
     }
 
@@ -673,6 +690,7 @@ impl Identity {
         if let Some((workspace, user)) = &self.principal_headers {
             names.extend([workspace.clone(), user.clone()]);
         }
+        names.extend(self.plan_header.clone());
         names.sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
         names.dedup();
         names

@@ -202,6 +202,9 @@ pub struct Identity {
     pub revoked: std::collections::HashSet<[u8; 32]>,
     /// Headers a trusted auth layer sets: (workspace, user).
     pub principal_headers: Option<(http::HeaderName, http::HeaderName)>,
+    /// The header a trusted auth layer names the workspace's plan in (with
+    /// `principal_headers`): over the tenant table's plan for the request.
+    pub plan_header: Option<http::HeaderName>,
 }
 
 /// Whose an extra bucket is.
@@ -786,6 +789,21 @@ impl Policy {
             Some(TenantPlan::Named(i)) => self.plans.get(*i),
             Some(TenantPlan::Own(i)) => self.tenants.own.get(*i),
             None => self.default_plan.and_then(|i| self.plans.get(i)),
+        }
+    }
+
+    /// The plan of a request from `caller`: the one a trusted auth layer named for
+    /// it, else its workspace's ([`Policy::plan_of`]). A name that is no plan of the
+    /// policy is `Err(())`: such a request is refused, never decided as on no plan.
+    #[allow(clippy::result_unit_err)]
+    pub fn plan_for(&self, caller: &crate::Caller) -> Result<Option<&CustomerPlan>, ()> {
+        match &caller.plan {
+            Some(name) => self
+                .plan(name)
+                .and_then(|i| self.plans.get(i))
+                .map(Some)
+                .ok_or(()),
+            None => Ok(self.plan_of(caller.workspace)),
         }
     }
 

@@ -280,6 +280,9 @@ pub struct RawPrincipalHeaders {
     pub workspace: String,
     /// Header carrying the user id.
     pub user: String,
+    /// Header carrying the plan of the workspace (a plan under `plans:`), if the
+    /// auth layer says it.
+    pub plan: Option<String>,
 }
 
 /// An extra bucket.

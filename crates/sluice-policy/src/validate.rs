@@ -812,6 +812,20 @@ impl Checker {
                 }
             }
         });
+        let plan_header = id
+            .principal_headers
+            .as_ref()
+            .and_then(|h| h.plan.as_deref())
+            .and_then(|name| match HeaderName::try_from(name) {
+                Ok(h) => Some(h),
+                Err(_) => {
+                    self.problem(
+                        "identity.principal_headers.plan",
+                        "expected a valid header name",
+                    );
+                    None
+                }
+            });
         if principal_headers.is_some() && trusted_proxies.is_empty() {
             self.problem(
                 "identity.principal_headers",
@@ -830,6 +844,7 @@ impl Checker {
             keys,
             revoked: std::collections::HashSet::new(),
             principal_headers,
+            plan_header,
         })
     }
 

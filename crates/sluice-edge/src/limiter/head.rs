@@ -25,6 +25,9 @@ pub enum Refused {
     /// A credential revoked through the admin API.
     #[error("the credential was revoked")]
     Revoked,
+    /// A trusted auth layer named a plan the policy does not have.
+    #[error("the plan the auth layer named is not a plan of the policy")]
+    UnknownPlan,
     /// An HTTP/1.1 request without a `Host` field (RFC 9112 §3.2).
     #[error("an HTTP/1.1 request must have a Host field")]
     NoHost,

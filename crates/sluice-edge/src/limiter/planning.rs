@@ -103,6 +103,9 @@ impl<S: BudgetStore> Limiter<S> {
         {
             return Err(Refused::Revoked);
         }
+        if caller.plan.is_some() && policy.plan_for(&caller).is_err() {
+            return Err(Refused::UnknownPlan);
+        }
         if let Some(route) = route {
             // No allocation per request: the route's own slice.
             items.spend(&route.buckets, route.quota);
