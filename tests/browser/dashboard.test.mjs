@@ -27,6 +27,8 @@ function policyFile(dir) {
   };
   let text = fs.readFileSync(path.join(ROOT, "examples/policy.yaml"), "utf8");
   text = edit(text, "  trusted_proxies: []", "  trusted_proxies: [127.0.0.1]\n  principal_headers: { workspace: X-Workspace, user: X-User }");
+  // A plan no workspace is on until the admin API puts one there (SPEC P3, P4).
+  text = edit(text, "\nheaders:\n", "\nplans:\n  pro:\n    classes: { expensive: 90 }\nheaders:\n");
   const file = path.join(dir, "policy.yaml");
   fs.writeFileSync(file, text);
   return file;
@@ -111,4 +113,31 @@ test("the dashboard shows traffic as it happens, refusals by reason, and caller 
   assert.equal((await laneCall).status, 200);
   assert.deepEqual(errors, []);
   await page.close();
+});
+
+test("the plans panel shows what each plan gives, and a workspace's limits as the admin API set them", { timeout: 60_000 }, async () => {
+  const put = await fetch(admin + "/tenants/workspaces/acme", {
+    method: "PUT",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ plan: "pro", limits: { classes: { read: 700 } } }),
+  });
+  assert.equal(put.status, 204, await put.text());
+  const errors = [];
+  const page = await openPage(chrome.context, errors);
+  await page.setViewportSize(DESKTOP);
+  await page.goto(admin + "/");
+  await page.locator("#live.on").waitFor({ timeout: 10_000 });
+  await page.locator('#plans-body [data-plan="pro"]').waitFor({ timeout: 10_000 });
+  assert.match(await text(page, '#plans-body [data-plan="pro"]'), /expensive 90/);
+  assert.match(await text(page, "#plans-note"), /1 workspace\(s\) on a named plan/);
+  await page.fill("#limits-workspace", "acme");
+  await page.click("#workspace-form button");
+  await page.locator("#workspace-limits .plan").waitFor({ timeout: 10_000 });
+  const shown = await text(page, "#workspace-limits");
+  assert.match(shown, /acme · plan pro and limits of its own/);
+  assert.match(shown, /expensive 90/);
+  assert.match(shown, /read 700/);
+  assert.match(shown, /standard 60/, "the profile's where neither sets it");
+  await screenshot(page, "serve-dashboard-plans");
+  assert.deepEqual(errors, []);
 });
