@@ -76,8 +76,11 @@ mod layer;
 #[cfg(feature = "reqwest")]
 mod middleware;
 mod pacer;
+mod permit;
+pub mod priority;
 #[cfg(feature = "proxy")]
 pub mod proxy;
+mod route;
 pub mod shrink;
 #[cfg(feature = "simulator")]
 pub mod simulator;
@@ -92,6 +95,7 @@ pub use layer::{BoxError, PacedBody, PacerLayer, PacerService};
 #[cfg(feature = "reqwest")]
 pub use middleware::{PaceProvider, PacerMiddleware};
 pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats, WindowReading};
+pub use priority::{AcquireOptions, PRIORITY_HEADER, Priority};
 
 // Each of these is documented in its module (one path per type); the root
 // names stay, hidden, for code written against them.

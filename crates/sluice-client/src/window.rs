@@ -125,8 +125,8 @@ impl TokenWindow {
         self.budget(subject, MAX_MARGIN, limit, cost)
     }
 
-    /// The window as it stands at `now`, in one store call. (`_kept` is the
-    /// slotted window's cache: this window is read whole and keeps nothing.)
+    /// The window as it stands at `now`, in one store call (this window is
+    /// read whole and keeps nothing).
     ///
     /// # Errors
     /// The store's.
@@ -134,7 +134,6 @@ impl TokenWindow {
         &self,
         store: &S,
         subject: u64,
-        _kept: &parking_lot::Mutex<SlotCache>,
         now: Timestamp,
         margin: Duration,
     ) -> Result<TokenReading, StoreError> {
@@ -542,10 +541,7 @@ mod tests {
             )
             .await
             .unwrap();
-        let r = w
-            .read(&store, 1, &Default::default(), now, margin)
-            .await
-            .unwrap();
+        let r = w.read(&store, 1, now, margin).await.unwrap();
         assert_eq!(r.total(), 600);
     }
 }

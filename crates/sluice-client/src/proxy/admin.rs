@@ -100,11 +100,14 @@ async fn save<S: BudgetStore + 'static, C: Clock + 'static>(
         }
     };
     let limits = match (|| {
-        Ok::<_, String>(ProviderLimits {
-            tpm: axis("tpm", current.tpm)?,
-            rpm: axis("rpm", current.rpm)?,
-            rpd: axis("rpd", current.rpd)?,
-        })
+        Ok::<_, String>(
+            ProviderLimits::new(
+                axis("tpm", current.tpm)?,
+                axis("rpm", current.rpm)?,
+                axis("rpd", current.rpd)?,
+            )
+            .with_io(axis("itpm", current.itpm)?, axis("otpm", current.otpm)?),
+        )
     })() {
         Ok(l) => l,
         Err(m) => return bad_request(m),

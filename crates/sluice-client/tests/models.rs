@@ -1,0 +1,172 @@
+//! Providers' real limits on paused tokio time (SPEC M1–M4): per-model
+//! budgets beside the provider-wide ones, input and output apart,
+//! priorities, several keys.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderValue};
+use sluice_client::config::{ModelLimits, ProviderLimits};
+use sluice_client::{AcquireOptions, TokenEstimate};
+use sluice_core::Clock;
+use support::*;
+
+fn ask(prompt: u32, completion: u32) -> TokenEstimate {
+    TokenEstimate { prompt, completion }
+}
+
+fn model(m: &str) -> AcquireOptions {
+    AcquireOptions::default().model(m)
+}
+
+/// Whether a request for `m` of `tokens` would go now: tries it with a
+/// zero maximum wait on a clone of the situation (an acquire that does not
+/// finish within `within` of paused time).
+async fn goes_within(
+    pacer: &TestPacer,
+    opts: AcquireOptions,
+    prompt: u32,
+    completion: u32,
+    within: Duration,
+) -> bool {
+    let p = pacer.clone();
+    let task = tokio::spawn(async move {
+        let mut a = ask(prompt, completion);
+        p.acquire_with("p", &mut a, &opts).await.unwrap()
+    });
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+    if !within.is_zero() {
+        tokio::time::advance(within).await;
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+    }
+    let done = task.is_finished();
+    task.abort();
+    done
+}
+
+#[tokio::test(start_paused = true)]
+async fn m1_a_model_is_paced_by_its_own_limits_and_by_the_provider_wide_ones() {
+    let p = provider("p", limits(3_000, 0, 0)).with_models([
+        ModelLimits::new("gpt-4o", ProviderLimits::new(1_000, 0, 0)),
+        ModelLimits::new("gpt-4o-mini*", ProviderLimits::new(2_500, 0, 0)),
+    ]);
+    let (pacer, _clock) = pacer_with([p]);
+    let big = pacer
+        .acquire_with("p", &mut ask(500, 300), &model("gpt-4o"))
+        .await
+        .unwrap();
+    assert_eq!(big.group(), Some("gpt-4o"));
+    // gpt-4o's own 1,000 a minute hold the next one...
+    assert!(!goes_within(&pacer, model("gpt-4o"), 300, 0, Duration::ZERO).await);
+    // ...but not another model: 800 + 2,000 fit the provider's 3,000.
+    let mini = pacer
+        .acquire_with("p", &mut ask(1_500, 500), &model("gpt-4o-mini-2024-07-18"))
+        .await
+        .unwrap();
+    assert_eq!(mini.waited(), Duration::ZERO);
+    assert_eq!(mini.group(), Some("gpt-4o-mini*"));
+    // 400 more for the mini fit its own 2,500 but not the provider's 3,000.
+    assert!(!goes_within(&pacer, model("gpt-4o-mini"), 400, 0, Duration::ZERO).await);
+    assert!(goes_within(&pacer, model("gpt-4o-mini"), 200, 0, Duration::ZERO).await);
+    assert_eq!(
+        pacer.model_tokens("p", "gpt-4o").await.unwrap().0,
+        800,
+        "the model's own window"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn m1_models_of_one_shared_group_spend_one_budget() {
+    let small = ProviderLimits::new(1_000, 0, 0);
+    let p = provider("p", limits(0, 0, 0)).with_models([
+        ModelLimits::new("gpt-4o-mini*", small).shared("small"),
+        ModelLimits::new("gpt-3.5*", small).shared("small"),
+    ]);
+    let (pacer, _clock) = pacer_with([p]);
+    let a = pacer
+        .acquire_with("p", &mut ask(700, 0), &model("gpt-3.5-turbo"))
+        .await
+        .unwrap();
+    assert_eq!(a.group(), Some("small"));
+    assert!(!goes_within(&pacer, model("gpt-4o-mini"), 400, 0, Duration::ZERO).await);
+    assert!(goes_within(&pacer, model("gpt-4o-mini"), 300, 0, Duration::ZERO).await);
+}
+
+#[tokio::test(start_paused = true)]
+async fn m1_a_request_naming_no_model_goes_by_the_provider_wide_limits() {
+    let p = provider("p", limits(2_000, 0, 0))
+        .with_models([ModelLimits::new("gpt-4o", ProviderLimits::new(500, 0, 0))]);
+    let (pacer, _clock) = pacer_with([p]);
+    // No model, and a model no entry covers: the provider's 2,000 only.
+    let none = pacer.acquire("p", 900u32).await.unwrap();
+    assert_eq!(none.group(), None);
+    let other = pacer
+        .acquire_with("p", &mut ask(900, 0), &model("o1"))
+        .await
+        .unwrap();
+    assert_eq!(other.group(), None);
+    assert_eq!(other.waited(), Duration::ZERO);
+    // Both spent the provider-wide window, which now holds gpt-4o too.
+    assert!(!goes_within(&pacer, model("gpt-4o"), 300, 0, Duration::ZERO).await);
+    assert!(goes_within(&pacer, model("gpt-4o"), 200, 0, Duration::ZERO).await);
+}
+
+#[tokio::test(start_paused = true)]
+async fn m1_limits_learned_from_headers_are_per_model() {
+    let p = provider("p", limits(0, 0, 0)).with_models([
+        ModelLimits::new("a", ProviderLimits::new(10_000, 100, 0)),
+        ModelLimits::new("b", ProviderLimits::new(10_000, 100, 0)),
+    ]);
+    let (pacer, clock) = pacer_with([p]);
+    let permit = pacer
+        .acquire_with("p", &mut ask(100, 0), &model("a"))
+        .await
+        .unwrap();
+    // The answer for `a` says: no request left for 10 s, 6,000 tokens used
+    // (another client on the same key).
+    let mut h = HeaderMap::new();
+    for (k, v) in [
+        ("x-ratelimit-limit-requests", "100"),
+        ("x-ratelimit-remaining-requests", "0"),
+        ("x-ratelimit-reset-requests", "10s"),
+        ("x-ratelimit-limit-tokens", "10000"),
+        ("x-ratelimit-remaining-tokens", "4000"),
+        ("x-ratelimit-reset-tokens", "36s"),
+    ] {
+        h.insert(k, HeaderValue::from_static(v));
+    }
+    permit.observe(&h).await.unwrap();
+    assert_eq!(pacer.model_tokens("p", "a").await.unwrap().0, 6_000);
+    assert_eq!(pacer.model_tokens("p", "b").await.unwrap().0, 0);
+    // `b` goes at once; `a` waits for the reset the headers named.
+    let b = pacer
+        .acquire_with("p", &mut ask(100, 0), &model("b"))
+        .await
+        .unwrap();
+    assert_eq!(b.waited(), Duration::ZERO);
+    let start = clock.now();
+    let p2 = pacer.clone();
+    let a = tokio::spawn(async move {
+        p2.acquire_with("p", &mut ask(100, 0), &model("a"))
+            .await
+            .unwrap()
+            .waited()
+    });
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!a.is_finished(), "`a` went during its hold");
+    tokio::time::advance(Duration::from_secs(11)).await;
+    let waited = a.await.unwrap();
+    assert!(
+        waited >= Duration::from_secs(10) - Duration::from_millis(1),
+        "{waited:?}"
+    );
+    assert!(clock.now().saturating_since(start) >= Duration::from_secs(10));
+}
