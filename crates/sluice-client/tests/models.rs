@@ -170,3 +170,57 @@ async fn m1_limits_learned_from_headers_are_per_model() {
     );
     assert!(clock.now().saturating_since(start) >= Duration::from_secs(10));
 }
+
+fn io_provider(itpm: u32, otpm: u32) -> sluice_client::config::ProviderConfig {
+    let mut p = provider("p", ProviderLimits::new(0, 0, 0).with_io(itpm, otpm));
+    p.style = sluice_client::config::ApiStyle::Anthropic;
+    p
+}
+
+#[tokio::test(start_paused = true)]
+async fn m2_input_and_output_are_separate_axes_and_the_completion_budget_spends_output() {
+    let (pacer, _clock) = pacer_with([io_provider(1_000, 500)]);
+    let first = pacer.acquire("p", ask(800, 400)).await.unwrap();
+    assert_eq!(first.tokens(), 1_200, "more than either axis alone");
+    assert_eq!(
+        pacer.model_tokens("p", "any").await.unwrap(),
+        (0, 800, 400),
+        "no TPM counted, input and output apart"
+    );
+    // Output is full: 200 more wait though the input has room...
+    let opts = AcquireOptions::default;
+    assert!(!goes_within(&pacer, opts(), 100, 200, Duration::ZERO).await);
+    // ...and input is what limits a long prompt with a small completion.
+    assert!(!goes_within(&pacer, opts(), 300, 50, Duration::ZERO).await);
+    assert!(goes_within(&pacer, opts(), 150, 100, Duration::ZERO).await);
+    // A completion budget above the whole OTPM can never go.
+    let e = pacer.acquire("p", ask(10, 501)).await.unwrap_err();
+    assert!(
+        matches!(e, sluice_client::PaceError::TooLarge { .. }),
+        "{e}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn m2_the_answer_s_usage_reconciles_both_axes_and_cache_reads_do_not_count() {
+    let (pacer, _clock) = pacer_with([io_provider(10_000, 2_000)]);
+    let permit = pacer.acquire("p", ask(6_000, 1_000)).await.unwrap();
+    // Anthropic's answer: 4,000 read from the cache (not counted toward
+    // input), 100 new input, 50 written to the cache, 120 generated.
+    let answer = serde_json::json!({"usage": {
+        "input_tokens": 100, "cache_read_input_tokens": 4_000,
+        "cache_creation_input_tokens": 50, "output_tokens": 120}});
+    let usage = sluice_client::usage::usage_from_json(&answer).unwrap();
+    assert_eq!((usage.prompt, usage.completion), (150, 120));
+    permit.reconcile_usage(usage).await.unwrap();
+    assert_eq!(pacer.model_tokens("p", "any").await.unwrap(), (0, 150, 120));
+    // The room given back is usable at once on both axes.
+    let next = pacer.acquire("p", ask(9_800, 1_800)).await.unwrap();
+    assert_eq!(next.waited(), Duration::ZERO);
+    // A total-only reconcile keeps the input as reserved, the rest output.
+    next.reconcile(9_900).await.unwrap();
+    assert_eq!(
+        pacer.model_tokens("p", "any").await.unwrap(),
+        (0, 150 + 9_800, 120 + 100)
+    );
+}

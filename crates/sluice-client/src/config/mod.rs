@@ -1211,4 +1211,36 @@ mod tests {
             "{e}"
         );
     }
+
+    #[test]
+    fn m2_itpm_and_otpm_parse_and_an_otpm_alone_is_refused_where_both_are_counted() {
+        let c = parse(
+            "providers:\n  anthropic:\n    rateLimits: {tpm: 0, itpm: 40000, otpm: 8000}\n    models:\n      \"claude-*-haiku*\": {rateLimits: {itpm: 100000, otpm: 20000}}\n",
+        )
+        .unwrap();
+        let a = c.provider("anthropic").unwrap();
+        assert_eq!(
+            a.limits,
+            ProviderLimits::new(0, 50, 0).with_io(40_000, 8_000)
+        );
+        assert_eq!(
+            a.model("claude-3-5-haiku-latest").unwrap().limits,
+            ProviderLimits::new(0, 0, 0).with_io(100_000, 20_000)
+        );
+        let e = parse(
+            "providers:\n  anthropic:\n    rateLimits: {otpm: 8000}\n    models:\n      m: {rateLimits: {otpm: 1}}\n",
+        )
+        .unwrap_err();
+        let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "providers.anthropic.rateLimits.otpm",
+                "providers.anthropic.models.m.rateLimits.otpm"
+            ],
+            "{e}"
+        );
+        // A provider counting tokens together may cap output alone.
+        parse("providers:\n  openai:\n    rateLimits: {otpm: 8000}\n").unwrap();
+    }
 }
