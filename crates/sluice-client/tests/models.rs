@@ -13,6 +13,20 @@ use sluice_client::{AcquireOptions, TokenEstimate};
 use sluice_core::Clock;
 use support::*;
 
+/// Lets paused time run for `d` in steps of 50 ms, so that every sleeper
+/// wakes at its own instant.
+async fn run_for(d: Duration) {
+    let step = Duration::from_millis(50);
+    let mut t = Duration::ZERO;
+    while t < d {
+        tokio::time::advance(step).await;
+        for _ in 0..5 {
+            tokio::task::yield_now().await;
+        }
+        t += step;
+    }
+}
+
 fn ask(prompt: u32, completion: u32) -> TokenEstimate {
     TokenEstimate { prompt, completion }
 }
@@ -223,4 +237,92 @@ async fn m2_the_answer_s_usage_reconciles_both_axes_and_cache_reads_do_not_count
         pacer.model_tokens("p", "any").await.unwrap(),
         (0, 150 + 9_800, 120 + 100)
     );
+}
+
+fn batch() -> AcquireOptions {
+    AcquireOptions::default().priority(sluice_client::Priority::Batch)
+}
+
+#[tokio::test(start_paused = true)]
+async fn m3_batch_uses_only_what_interactive_leaves_and_never_delays_one_that_could_go() {
+    let (pacer, clock) = pacer_with([provider("p", limits(1_000, 0, 0))]);
+    // Interactive traffic of 200 in the window: batch requests leave it
+    // that much again, plus its largest request (room for the next one).
+    pacer.acquire("p", 200u32).await.unwrap();
+    // A batch request that fits what interactive ones leave goes now...
+    let b = pacer
+        .acquire_with("p", &mut ask(300, 0), &batch())
+        .await
+        .unwrap();
+    assert_eq!(b.waited(), Duration::ZERO);
+    assert_eq!(pacer.stats("p").batch, 1);
+    // ...one that would eat into their room waits (500 + 200 > 1,000 - 400)...
+    let p2 = pacer.clone();
+    let waiting_batch = tokio::spawn(async move {
+        let permit = p2
+            .acquire_with("p", &mut ask(200, 0), &batch())
+            .await
+            .unwrap();
+        permit.decided_at()
+    });
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!waiting_batch.is_finished());
+    // ...and the next interactive request goes at once: nothing batch took
+    // delays it.
+    let i = pacer.acquire("p", 200u32).await.unwrap();
+    assert_eq!(i.waited(), Duration::ZERO);
+    // The batch request goes once the interactive tokens leave the window
+    // (61.25 s: their slot's end + 60 s + the arrival margin).
+    tokio::time::advance(Duration::from_secs(62)).await;
+    let went = waiting_batch.await.unwrap();
+    assert!(
+        went >= at(61_250) && went <= at(62_000),
+        "{}",
+        ms_since_epoch(went)
+    );
+    let _ = clock;
+}
+
+#[tokio::test(start_paused = true)]
+async fn m3_interactive_requests_go_first_when_both_wait() {
+    // Batch requests may wait long: the interactive one's tokens keep them
+    // out of the window until those leave it.
+    let mut p = provider("p", limits(1_000, 0, 0));
+    p.max_wait = Duration::from_secs(300);
+    let (pacer, _clock) = pacer_with([p]);
+    // Batch fills the window (no interactive traffic: it may take all).
+    let full = pacer
+        .acquire_with("p", &mut ask(1_000, 0), &batch())
+        .await
+        .unwrap();
+    assert_eq!(full.waited(), Duration::ZERO);
+    let order = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    // A batch request arrives first, an interactive one after it.
+    for (name, opts) in [
+        ("batch", batch()),
+        ("interactive", AcquireOptions::default()),
+    ] {
+        let p = pacer.clone();
+        let o = order.clone();
+        tasks.push(tokio::spawn(async move {
+            let permit = p.acquire_with("p", &mut ask(600, 0), &opts).await.unwrap();
+            o.lock().push((name, permit.decided_at()));
+        }));
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+    }
+    run_for(Duration::from_secs(200)).await;
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let order = order.lock().clone();
+    assert_eq!(order[0].0, "interactive", "{order:?}");
+    assert_eq!(order[0].1, at(61_250));
+    assert_eq!(order[1].0, "batch");
+    // It goes when the interactive tokens leave: 61.25 s later.
+    assert_eq!(order[1].1, at(122_500));
 }
