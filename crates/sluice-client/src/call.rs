@@ -171,6 +171,14 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
         }
     }
 
+    /// Whether the provider has several keys to choose from (`apiKeys`).
+    fn several_keys(&self) -> bool {
+        self.pacer
+            .config()
+            .provider(&self.provider)
+            .is_some_and(|p| p.api_keys.len() > 1)
+    }
+
     /// Whether the answer's body is needed to decide (a status that may be
     /// retried: its body may hold a hint or `insufficient_quota`).
     pub(crate) fn wants_body(status: StatusCode) -> bool {
@@ -222,6 +230,12 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
                         if is_429 {
                             // The budget is full for everyone on this key.
                             hold(&self.pacer, d);
+                            if self.several_keys() {
+                                // Another key may send it now: the hold
+                                // keeps this one out, the pacer waits only
+                                // if every key is held or full.
+                                return After::Retry(Duration::ZERO);
+                            }
                         }
                         After::Retry(d)
                     }

@@ -326,3 +326,102 @@ async fn m3_interactive_requests_go_first_when_both_wait() {
     // It goes when the interactive tokens leave: 61.25 s later.
     assert_eq!(order[1].1, at(122_500));
 }
+
+fn keyed(keys: &[(&str, u32)]) -> sluice_client::config::ProviderConfig {
+    use sluice_client::config::ApiKey;
+    provider("p", limits(0, 0, 0)).with_api_keys(
+        keys.iter()
+            .map(|(name, tpm)| ApiKey::new(name, &format!("sk-{name}"), limits(*tpm, 0, 0))),
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn m4_a_request_goes_to_the_key_that_can_send_it_soonest() {
+    let (pacer, _clock) = pacer_with([keyed(&[("one", 1_000), ("two", 2_000)])]);
+    let key_of = |p: &sluice_client::Permit| p.key_name().map(str::to_owned);
+    let a = pacer.acquire("p", 900u32).await.unwrap();
+    assert_eq!(key_of(&a).as_deref(), Some("one"));
+    let b = pacer.acquire("p", 900u32).await.unwrap();
+    assert_eq!(key_of(&b).as_deref(), Some("two"), "one is full");
+    tokio::time::advance(Duration::from_secs(10)).await;
+    let c = pacer.acquire("p", 900u32).await.unwrap();
+    assert_eq!(key_of(&c).as_deref(), Some("two"));
+    assert_eq!(c.waited(), Duration::ZERO);
+    // Both full: the next goes with the key whose room comes first — `one`,
+    // whose 900 leave at 61.25 s (`two` holds 900 more until 71.25 s).
+    let p2 = pacer.clone();
+    let d = tokio::spawn(async move {
+        let permit = p2.acquire("p", 900u32).await.unwrap();
+        (permit.key_name().map(str::to_owned), permit.decided_at())
+    });
+    run_for(Duration::from_secs(60)).await;
+    let (key, when) = d.await.unwrap();
+    assert_eq!((key.as_deref(), when), (Some("one"), at(61_250)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn m4_a_429_cooldown_on_one_key_does_not_stop_the_others() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use tower::{ServiceBuilder, ServiceExt};
+
+    let (pacer, clock) = pacer_with([keyed(&[("one", 10_000), ("two", 10_000)])]);
+    // The provider refuses key `one` for 30 s; `two` answers.
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let s = seen.clone();
+    let upstream = tower::service_fn(move |req: http::Request<Full<Bytes>>| {
+        let key = req.headers()["authorization"].to_str().unwrap().to_owned();
+        s.lock().push(key.clone());
+        async move {
+            let r = if key == "Bearer sk-one" {
+                http::Response::builder()
+                    .status(429)
+                    .header("retry-after", "30")
+                    .body(Full::new(Bytes::from_static(b"{}")))
+            } else {
+                http::Response::builder().body(Full::new(Bytes::from_static(
+                    br#"{"usage":{"prompt_tokens":5,"completion_tokens":5}}"#,
+                )))
+            };
+            Ok::<_, std::convert::Infallible>(r.unwrap())
+        }
+    });
+    let client = ServiceBuilder::new()
+        .layer(sluice_client::PacerLayer::new(pacer.clone(), "p"))
+        .service(upstream);
+    let start = clock.now();
+    for _ in 0..3 {
+        let req = http::Request::post("http://x/v1/chat/completions")
+            .body(Full::new(Bytes::from_static(
+                br#"{"model":"m","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}"#,
+            )))
+            .unwrap();
+        let r = client.clone().oneshot(req).await.unwrap();
+        assert_eq!(r.status(), 200);
+        let _ = r.into_body().collect().await.unwrap();
+    }
+    // One 429 on `one`, then everything on `two`, at once: no wait for
+    // `one`'s 30 s.
+    assert_eq!(
+        *seen.lock(),
+        [
+            "Bearer sk-one",
+            "Bearer sk-two",
+            "Bearer sk-two",
+            "Bearer sk-two"
+        ]
+    );
+    assert!(clock.now().saturating_since(start) < Duration::from_secs(1));
+    assert_eq!(pacer.stats("p").upstream_429, 1);
+    // Keys never show: /limits (and `sluice check`) name them only.
+    let shown = pacer.limits_json().to_string();
+    assert!(
+        shown.contains("\"one\"") && !shown.contains("sk-one"),
+        "{shown}"
+    );
+    let debug = format!("{:?}", pacer.config());
+    assert!(
+        !debug.contains("sk-one") && !debug.contains("sk-two"),
+        "{debug}"
+    );
+}

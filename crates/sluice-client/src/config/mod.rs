@@ -1243,4 +1243,39 @@ mod tests {
         // A provider counting tokens together may cap output alone.
         parse("providers:\n  openai:\n    rateLimits: {otpm: 8000}\n").unwrap();
     }
+
+    #[test]
+    fn m4_api_keys_parse_with_their_limits_and_an_unset_variable_is_named() {
+        let c = parse(
+            "providers:\n  openai:\n    rateLimits: {tpm: 1000, rpm: 10}\n    apiKeys:\n      - key: ${OPENAI_API_KEY}\n        name: main\n      - key: sk-literal\n        rateLimits: {tpm: 5000}\n",
+        )
+        .unwrap();
+        let o = c.provider("openai").unwrap();
+        assert_eq!(o.api_keys.len(), 2);
+        assert_eq!(o.api_keys[0].name, "main");
+        assert_eq!(o.api_keys[0].limits, ProviderLimits::new(1000, 10, 0));
+        assert_eq!(o.api_keys[1].name, "key2");
+        assert_eq!(o.api_keys[1].limits, ProviderLimits::new(5000, 10, 0));
+        let shown = format!("{o:?} {}", c.limits_json());
+        assert!(
+            !shown.contains("sk-test") && !shown.contains("sk-literal"),
+            "{shown}"
+        );
+        let e = parse(
+            "providers:\n  openai:\n    apiKey: x\n    apiKeys:\n      - key: ${NOT_SET_ANYWHERE}\n      - key: a\n        name: main\n      - key: b\n        name: main\n",
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "providers.openai.apiKeys",
+                "providers.openai.apiKeys[0].key",
+                "providers.openai.apiKeys[2].name"
+            ],
+            "{text}"
+        );
+        assert!(text.contains("NOT_SET_ANYWHERE"), "{text}");
+    }
 }
