@@ -1262,7 +1262,28 @@ where
             .ok_or_else(|| PaceError::UnknownProvider {
                 provider: provider.to_owned(),
             })?;
-        let group = group_of(p, Some(model));
+        let group = group_of(p, Some(model)).map(str::to_owned);
+        drop(config);
+        self.group_tokens(provider, group.as_deref()).await
+    }
+
+    /// Tokens in the current window of the model group `group` at
+    /// `provider` (`None`: the provider-wide window), summed over its keys:
+    /// all tokens, input, output.
+    ///
+    /// # Errors
+    /// [`PaceError::UnknownProvider`], [`PaceError::Store`].
+    pub async fn group_tokens(
+        &self,
+        provider: &str,
+        group: Option<&str>,
+    ) -> Result<(u64, u64, u64), PaceError> {
+        let config = self.config();
+        let p = config
+            .provider(provider)
+            .ok_or_else(|| PaceError::UnknownProvider {
+                provider: provider.to_owned(),
+            })?;
         let mut out = [0u64; 3];
         let now = self.inner.clock.now();
         let margin = config.pacer.arrival_margin;

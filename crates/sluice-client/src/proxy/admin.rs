@@ -164,6 +164,29 @@ async fn dashboard_json<S: BudgetStore + 'static, C: Clock + 'static>(
             if let Some(obj) = entry.as_object_mut() {
                 obj.insert("window".into(), window);
             }
+            // Per model group: tokens in its own windows.
+            let groups: Vec<String> = entry
+                .get("models")
+                .and_then(|m| m.as_object())
+                .map(|m| m.keys().cloned().collect())
+                .unwrap_or_default();
+            for group in groups {
+                let window = match app.pacer.group_tokens(name, Some(&group)).await {
+                    Ok((tokens, input, output)) => {
+                        serde_json::json!({"tokens": tokens, "inputTokens": input, "outputTokens": output})
+                    }
+                    Err(e) => serde_json::json!({ "error": e.to_string() }),
+                };
+                if let Some(m) = entry
+                    .pointer_mut(&format!(
+                        "/models/{}",
+                        group.replace('~', "~0").replace('/', "~1")
+                    ))
+                    .and_then(|m| m.as_object_mut())
+                {
+                    m.insert("window".into(), window);
+                }
+            }
         }
     }
     if let Some(obj) = v.as_object_mut() {
@@ -188,6 +211,78 @@ fn escape(s: &str) -> String {
         }
     }
     out
+}
+
+/// A limit as the page shows it (0 = unlimited).
+fn shown(n: u32) -> String {
+    if n == 0 {
+        "–".to_owned()
+    } else {
+        n.to_string()
+    }
+}
+
+/// The provider's per-model limits (`models:`), one row per budget.
+fn models_table(p: &crate::config::ProviderConfig) -> String {
+    if p.models.is_empty() {
+        return String::new();
+    }
+    let mut groups: Vec<(&str, Vec<&str>, crate::config::ProviderLimits)> = Vec::new();
+    for m in &p.models {
+        match groups.iter_mut().find(|g| g.0 == m.group) {
+            Some(g) => g.1.push(&m.pattern),
+            None => groups.push((&m.group, vec![&m.pattern], m.limits)),
+        }
+    }
+    let mut rows = String::new();
+    for (group, patterns, l) in groups {
+        let _ = write!(
+            rows,
+            "<tr data-group=\"{g}\"><td>{pats}</td><td>{tpm}</td><td>{rpm}</td><td>{rpd}</td>\
+             <td>{itpm}</td><td>{otpm}</td><td class=used>–</td></tr>",
+            g = escape(group),
+            pats = patterns
+                .iter()
+                .map(|p| escape(p))
+                .collect::<Vec<_>>()
+                .join(", "),
+            tpm = shown(l.tpm),
+            rpm = shown(l.rpm),
+            rpd = shown(l.rpd),
+            itpm = shown(l.itpm),
+            otpm = shown(l.otpm),
+        );
+    }
+    format!(
+        "<table class=models><caption>Per-model limits (besides the provider's)</caption>\
+         <tr><th>models</th><th>TPM</th><th>RPM</th><th>RPD</th><th>ITPM</th><th>OTPM</th>\
+         <th>tokens, last 60 s</th></tr>{rows}</table>"
+    )
+}
+
+/// The provider's keys (`apiKeys:`) by name and limits — never the key.
+fn keys_table(p: &crate::config::ProviderConfig) -> String {
+    if p.api_keys.is_empty() {
+        return String::new();
+    }
+    let mut rows = String::new();
+    for k in &p.api_keys {
+        let l = k.limits;
+        let _ = write!(
+            rows,
+            "<tr><td>{name}</td><td>{tpm}</td><td>{rpm}</td><td>{rpd}</td><td>{itpm}</td><td>{otpm}</td></tr>",
+            name = escape(&k.name),
+            tpm = shown(l.tpm),
+            rpm = shown(l.rpm),
+            rpd = shown(l.rpd),
+            itpm = shown(l.itpm),
+            otpm = shown(l.otpm),
+        );
+    }
+    format!(
+        "<table class=keys><caption>Keys (each with its own limits)</caption>\
+         <tr><th>key</th><th>TPM</th><th>RPM</th><th>RPD</th><th>ITPM</th><th>OTPM</th></tr>{rows}</table>"
+    )
 }
 
 async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
@@ -219,8 +314,8 @@ async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
              <span class=\"badge hold\" hidden></span></div>\
              <div class=url>{url}</div>\
              <div class=meters>{m1}{m2}{m3}</div>\
-             <div class=stats>{s1}{s2}{s3}{s4}{s5}</div>\
-             <form class=settings><div class=inputs>{i1}{i2}{i3}</div>\
+             <div class=stats>{s1}{s2}{s3}{s4}{s5}</div>{models}{keys}\
+             <form class=settings><div class=inputs>{i1}{i2}{i3}{i4}{i5}</div>\
              <button>Save</button><p class=msg role=status></p></form></section>",
             url = escape(&p.base_url),
             src = escape(
@@ -241,6 +336,10 @@ async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
             i1 = input("tpm", "TPM", p.limits.tpm),
             i2 = input("rpm", "RPM", p.limits.rpm),
             i3 = input("rpd", "RPD", p.limits.rpd),
+            i4 = input("itpm", "ITPM", p.limits.itpm),
+            i5 = input("otpm", "OTPM", p.limits.otpm),
+            models = models_table(p),
+            keys = keys_table(p),
         );
     }
     let error = app
