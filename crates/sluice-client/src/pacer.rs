@@ -27,7 +27,7 @@ use crate::error::PaceError;
 use crate::headers::RateLimitHeaders;
 use crate::permit::Charge;
 pub use crate::permit::Permit;
-use crate::priority::{AcquireOptions, InteractiveLog, Priority};
+use crate::priority::{AcquireOptions, BatchPace, InteractiveLog, Priority};
 use crate::route::{Cost, Route, Scope, TokenAxis, group_of, routes};
 use crate::shrink::Demand;
 use crate::window::{History, SlotCache, SlotWindow, TokenReading, TokenWindow};
@@ -248,6 +248,27 @@ pub struct WindowReading {
     pub requests_today: Option<u64>,
 }
 
+/// Interactive tokens arriving at their rate over this long are held back
+/// from batch requests (besides the largest interactive request), at every
+/// horizon of [`BATCH_HORIZONS`].
+const RESERVE_AHEAD: Duration = Duration::from_secs(5);
+/// The instants ahead at which a batch request checks that interactive
+/// requests would still find room.
+const BATCH_HORIZONS: [Duration; 7] = [
+    Duration::ZERO,
+    Duration::from_secs(5),
+    Duration::from_secs(10),
+    Duration::from_secs(20),
+    Duration::from_secs(30),
+    Duration::from_secs(45),
+    Duration::from_secs(60),
+];
+/// How soon a batch request held back for interactive ones looks again
+/// (room given back wakes it sooner).
+const BATCH_LOOK: Duration = Duration::from_millis(250);
+/// How far ahead of their even pace batch tokens may go.
+const BATCH_BURST: Duration = Duration::from_secs(1);
+
 /// The most budgets whose settled day slots are kept in memory.
 const MAX_DAY_CACHES: usize = 4_096;
 
@@ -267,6 +288,7 @@ struct Inner<S, C> {
     /// Per budget: the day slots read once and kept.
     days: parking_lot::Mutex<HashMap<u64, Arc<parking_lot::Mutex<SlotCache>>>>,
     interactive: parking_lot::Mutex<InteractiveLog>,
+    batch_pace: parking_lot::Mutex<BatchPace>,
 }
 
 impl<S, C> Inner<S, C> {
@@ -437,6 +459,7 @@ where
                 holds: parking_lot::Mutex::new(HashMap::new()),
                 days: parking_lot::Mutex::new(HashMap::new()),
                 interactive: parking_lot::Mutex::new(InteractiveLog::default()),
+                batch_pace: parking_lot::Mutex::new(BatchPace::default()),
             }),
         }
     }
@@ -724,6 +747,13 @@ where
         c.add(ADMITTED, 1);
         if ask.priority == Priority::Batch {
             c.add(BATCH, 1);
+            let span = Duration::from_secs(60) + self.config().pacer.arrival_margin;
+            let mut pace = self.inner.batch_pace.lock();
+            for s in &route.scopes {
+                for (axis, limit) in s.token_axes(cost) {
+                    pace.spend(s.subject, axis, cost.on(axis), limit, span, now);
+                }
+            }
         } else {
             let mut log = self.inner.interactive.lock();
             for s in &route.scopes {
@@ -919,7 +949,6 @@ where
         batch: bool,
     ) -> Result<Plan, PaceError> {
         let margin = self.config().pacer.arrival_margin;
-        let span = Duration::from_secs(60) + margin;
         let mut ready_at = now;
         let mut tokens_at = now;
         let mut room_by_deadline = u32::MAX;
@@ -934,11 +963,21 @@ where
             for (axis, limit) in s.token_axes(cost) {
                 let c = cost.on(axis);
                 let limit = if batch {
-                    let reserve = self
-                        .inner
-                        .interactive
-                        .lock()
-                        .reserve(s.subject, axis, now, span);
+                    // Batch tokens go at the budget's own rate (so that room
+                    // comes back evenly, never in a burst interactive
+                    // requests would wait behind), on what interactive
+                    // requests leave.
+                    let paced = self.inner.batch_pace.lock().ready_at(s.subject, axis);
+                    let burst = u64::try_from(BATCH_BURST.as_nanos()).unwrap_or(u64::MAX);
+                    tokens_at = tokens_at.max(Timestamp::from_nanos(
+                        paced.as_nanos().saturating_sub(burst),
+                    ));
+                    let (reserve, clear) = self
+                        .batch_room(s.subject, axis, limit, c, now, margin)
+                        .await?;
+                    if !clear {
+                        tokens_at = tokens_at.max(now.saturating_add(BATCH_LOOK));
+                    }
                     limit.saturating_sub(reserve)
                 } else {
                     limit
@@ -1005,6 +1044,45 @@ where
         })
     }
 
+    /// What a batch request of `cost` tokens leaves on `subject`'s `axis`
+    /// (of `limit`) for interactive requests: the largest interactive
+    /// request of the window, held back now (returned, to reserve against);
+    /// and whether, at every horizon until the batch tokens leave the
+    /// window, the tokens still counted then leave room for the interactive
+    /// ones that come by then at their rate over the window (false: wait).
+    /// Until the window turns over (as after a start), nothing leaves it, so
+    /// this holds back what interactive requests will need meanwhile.
+    async fn batch_room(
+        &self,
+        subject: u64,
+        axis: TokenAxis,
+        limit: u32,
+        cost: u32,
+        now: Timestamp,
+        margin: Duration,
+    ) -> Result<(u32, bool), PaceError> {
+        let span = Duration::from_secs(60) + margin;
+        let (per_sec, largest) = self
+            .inner
+            .interactive
+            .lock()
+            .demand(subject, axis, now, span);
+        if largest == 0 {
+            return Ok((0, true));
+        }
+        let still = self
+            .inner
+            .window(axis)
+            .ahead(&self.inner.store, subject, margin, &BATCH_HORIZONS)
+            .await?;
+        let clear = BATCH_HORIZONS.iter().zip(still).all(|(h, still)| {
+            let coming =
+                per_sec * (h.as_secs_f64() + RESERVE_AHEAD.as_secs_f64()) + f64::from(largest);
+            still as f64 + f64::from(cost) + coming <= f64::from(limit)
+        });
+        Ok((largest, clear))
+    }
+
     async fn try_reserve(
         &self,
         ask: &Ask<'_>,
@@ -1029,6 +1107,7 @@ where
                 axis: c.axis,
                 tokens: c.cost,
                 slot: c.reading.current(),
+                limit: c.axis.limit(&route.scopes[c.scope].limits),
             });
         }
         for s in &route.scopes {
@@ -1052,12 +1131,17 @@ where
             }
             d.decided_at()
         };
-        let narrow = route.scopes.len() - 1;
         let window_at_decision = plan
             .charges
             .iter()
-            .find(|c| c.scope == narrow && c.axis == TokenAxis::Total)
-            .map(|c| c.reading.total() + u64::from(c.cost));
+            .map(|c| {
+                (
+                    route.scopes[c.scope].subject,
+                    c.axis,
+                    c.reading.total() + u64::from(c.cost),
+                )
+            })
+            .collect();
         Ok(Some(Permit {
             pacer: self.clone(),
             state: ask.state.clone(),
@@ -1077,6 +1161,7 @@ where
             window_at_decision,
             waited: Duration::ZERO,
             reconcile: p.reconcile,
+            batch: ask.priority == Priority::Batch,
         }))
     }
 
@@ -1131,7 +1216,9 @@ where
 
     /// Learns from `headers` describing the provider's books at `at` for
     /// the budgets `scopes` (the narrowest last), when this pacer's window
-    /// of the narrowest held `ours_at` tokens (read now when unknown).
+    /// held `ours_at` tokens per (budget, axis) (read now when `None`; an
+    /// axis the request did not reserve on is then not compared: the books
+    /// now are not the books the headers describe).
     pub(crate) async fn learn(
         &self,
         provider: &str,
@@ -1139,7 +1226,7 @@ where
         scopes: &[Scope],
         headers: &HeaderMap,
         at: Timestamp,
-        ours_at: Option<u64>,
+        ours_at: Option<&[(u64, TokenAxis, u64)]>,
     ) -> Result<(), PaceError> {
         let now = self.inner.clock.now();
         let h = RateLimitHeaders::parse(headers, at);
@@ -1159,7 +1246,9 @@ where
         if let Some(g) = group {
             state.learned_by_group.lock().insert(g.to_owned(), (h, now));
         }
+        // (A limit of 0 is no limit: nothing is held for it.)
         if h.requests.remaining == Some(0)
+            && h.requests.limit != Some(0)
             && let Some(reset) = h.requests.reset
         {
             // The reset counts from when the provider wrote it.
@@ -1176,12 +1265,7 @@ where
         ] {
             let Some(used) = said.used() else { continue };
             // The headers describe the narrowest budget that counts the axis.
-            let Some((k, s)) = scopes
-                .iter()
-                .enumerate()
-                .rev()
-                .find(|(_, s)| axis.limit(&s.limits) > 0)
-            else {
+            let Some(s) = scopes.iter().rev().find(|s| axis.limit(&s.limits) > 0) else {
                 continue;
             };
             let window = self.inner.window(axis);
@@ -1189,8 +1273,14 @@ where
                 .read(&self.inner.store, s.subject, now, margin)
                 .await?;
             let ours = match ours_at {
-                Some(o) if axis == TokenAxis::Total && k + 1 == scopes.len() => o,
-                _ => hist.total(),
+                None => hist.total(),
+                Some(at) => match at
+                    .iter()
+                    .find(|(subject, a, _)| *subject == s.subject && *a == axis)
+                {
+                    Some(&(_, _, o)) => o,
+                    None => continue,
+                },
             };
             if used > ours {
                 let foreign = (used - ours).min(u64::from(axis.limit(&s.limits)));
@@ -1459,5 +1549,15 @@ where
 
     pub(crate) fn day_cache(&self, subject: u64) -> Arc<parking_lot::Mutex<SlotCache>> {
         self.inner.day_cache(subject)
+    }
+
+    /// Batch tokens given back by an answer no longer count toward the
+    /// batch pace.
+    pub(crate) fn batch_refund(&self, c: &Charge, tokens: u32) {
+        let span = Duration::from_secs(60) + self.config().pacer.arrival_margin;
+        self.inner
+            .batch_pace
+            .lock()
+            .refund(c.subject, c.axis, tokens, c.limit, span);
     }
 }

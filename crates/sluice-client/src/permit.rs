@@ -21,6 +21,8 @@ pub(crate) struct Charge {
     pub(crate) axis: TokenAxis,
     pub(crate) tokens: u32,
     pub(crate) slot: u64,
+    /// The axis's limit in the budget.
+    pub(crate) limit: u32,
 }
 
 /// A reservation: the request may go. Reconcile it with the answer's usage,
@@ -43,11 +45,13 @@ where
     pub(crate) charges: Vec<Charge>,
     pub(crate) day_slots: Vec<(u64, u64)>,
     pub(crate) decided_at: Timestamp,
-    /// Tokens in this pacer's window of the narrowest budget just after the
-    /// reservation.
-    pub(crate) window_at_decision: Option<u64>,
+    /// Tokens in this pacer's windows just after the reservation, per
+    /// (budget, axis) reserved on.
+    pub(crate) window_at_decision: Vec<(u64, TokenAxis, u64)>,
     pub(crate) waited: Duration,
     pub(crate) reconcile: bool,
+    /// A batch request (its tokens count toward the batch pace).
+    pub(crate) batch: bool,
 }
 
 impl<S, C> std::fmt::Debug for Permit<S, C>
@@ -139,7 +143,7 @@ where
                 &self.scopes,
                 headers,
                 self.decided_at,
-                self.window_at_decision,
+                Some(&self.window_at_decision),
             )
             .await
     }
@@ -204,6 +208,9 @@ where
                 gave_back = true;
                 let cell = window.cell(c.subject, c.slot, u32::MAX, 0);
                 store.adjust(&cell, delta, self.decided_at).await?;
+                if self.batch {
+                    pacer.batch_refund(c, u32::try_from(-delta).unwrap_or(u32::MAX));
+                }
             } else if delta > 0 {
                 let now = pacer.clock().now();
                 let cell = window.cell(c.subject, window.slot_of(now), u32::MAX, 0);

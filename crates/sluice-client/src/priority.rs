@@ -1,7 +1,10 @@
 //! Priorities (SPEC M3): interactive requests go first; batch requests use
 //! only what interactive ones leave. The pacer keeps, per budget, the
-//! interactive requests of the last window ([`InteractiveLog`]) and holds
-//! that much (plus the largest of them) back from batch requests.
+//! interactive requests of the last window ([`InteractiveLog`]); a batch
+//! request goes only when the room left after it holds the largest of them
+//! and what comes at their rate in the next seconds, and batch tokens go at
+//! the budget's own even rate ([`BatchPace`]), so that room comes back
+//! evenly and never in bursts an interactive request would wait behind.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -116,27 +119,90 @@ impl InteractiveLog {
         q.push_back((at, cost));
     }
 
-    /// What batch requests leave on `subject`'s `axis` at `now`: the
-    /// interactive tokens still in the window (`span`) plus the largest
-    /// interactive request among them (room for the next one).
-    pub(crate) fn reserve(
+    /// The interactive demand on `subject`'s `axis` at `now`: tokens a
+    /// second over the window (`span`), and the largest interactive request
+    /// in it.
+    pub(crate) fn demand(
         &mut self,
         subject: u64,
         axis: TokenAxis,
         now: Timestamp,
         span: Duration,
-    ) -> u32 {
+    ) -> (f64, u32) {
         let Some(q) = self.by_subject.get_mut(&subject) else {
-            return 0;
+            return (0.0, 0);
         };
         while q.front().is_some_and(|e| e.0.saturating_add(span) <= now) {
             q.pop_front();
         }
-        let (sum, max) = q.iter().fold((0u32, 0u32), |(s, m), e| {
+        let (sum, max) = q.iter().fold((0u64, 0u32), |(s, m), e| {
             let c = e.1.on(axis);
-            (s.saturating_add(c), m.max(c))
+            (s + u64::from(c), m.max(c))
         });
-        sum.saturating_add(max)
+        (sum as f64 / span.as_secs_f64().max(1.0), max)
+    }
+}
+
+/// Batch tokens per budget and axis go at the budget's rate (a GCRA over
+/// tokens): the instant by which the batch tokens sent so far are paid for.
+#[derive(Debug, Default)]
+pub(crate) struct BatchPace {
+    paid_until: HashMap<(u64, TokenAxis), Timestamp>,
+}
+
+impl BatchPace {
+    /// When the batch tokens sent on `subject`'s `axis` are paid for (a
+    /// batch request may go a burst ahead of it).
+    pub(crate) fn ready_at(&self, subject: u64, axis: TokenAxis) -> Timestamp {
+        self.paid_until
+            .get(&(subject, axis))
+            .copied()
+            .unwrap_or(Timestamp::from_nanos(0))
+    }
+
+    /// Pays for `cost` batch tokens sent at `now` on a budget of `limit`
+    /// per `span`.
+    pub(crate) fn spend(
+        &mut self,
+        subject: u64,
+        axis: TokenAxis,
+        cost: u32,
+        limit: u32,
+        span: Duration,
+        now: Timestamp,
+    ) {
+        if limit == 0 {
+            return;
+        }
+        if self.paid_until.len() >= MAX_SUBJECTS && !self.paid_until.contains_key(&(subject, axis))
+        {
+            self.paid_until.retain(|_, t| *t > now);
+        }
+        let t = self.paid_until.entry((subject, axis)).or_insert(now);
+        let per_token = span.as_secs_f64() / f64::from(limit);
+        *t = (*t)
+            .max(now)
+            .saturating_add(Duration::from_secs_f64(per_token * f64::from(cost)));
+    }
+
+    /// Takes back `tokens` batch tokens that an answer gave back (they no
+    /// longer count toward the pace).
+    pub(crate) fn refund(
+        &mut self,
+        subject: u64,
+        axis: TokenAxis,
+        tokens: u32,
+        limit: u32,
+        span: Duration,
+    ) {
+        if limit == 0 {
+            return;
+        }
+        if let Some(t) = self.paid_until.get_mut(&(subject, axis)) {
+            let back = span.as_secs_f64() / f64::from(limit) * f64::from(tokens);
+            let back = u64::try_from(Duration::from_secs_f64(back).as_nanos()).unwrap_or(u64::MAX);
+            *t = Timestamp::from_nanos(t.as_nanos().saturating_sub(back));
+        }
     }
 }
 
@@ -156,18 +222,46 @@ mod tests {
     }
 
     #[test]
-    fn m3_the_reserve_is_the_window_s_interactive_tokens_plus_the_largest() {
+    fn m3_batch_tokens_are_paid_for_at_the_budget_s_rate() {
+        let mut pace = BatchPace::default();
+        let t0 = crate::clock::TEST_EPOCH;
+        let span = Duration::from_secs(60);
+        pace.spend(1, TokenAxis::Total, 500, 1_000, span, t0);
+        assert_eq!(
+            pace.ready_at(1, TokenAxis::Total),
+            t0.saturating_add(Duration::from_secs(30))
+        );
+        pace.spend(
+            1,
+            TokenAxis::Total,
+            100,
+            1_000,
+            span,
+            t0.saturating_add(Duration::from_secs(40)),
+        );
+        assert_eq!(
+            pace.ready_at(1, TokenAxis::Total),
+            t0.saturating_add(Duration::from_secs(46))
+        );
+        assert_eq!(pace.ready_at(2, TokenAxis::Total), Timestamp::from_nanos(0));
+    }
+
+    #[test]
+    fn m3_interactive_demand_is_the_window_s_rate_and_its_largest_request() {
         let mut log = InteractiveLog::default();
         let t0 = crate::clock::TEST_EPOCH;
         let c = |input, output| Cost { input, output };
         log.record(1, t0, c(100, 50));
         log.record(1, t0.saturating_add(Duration::from_secs(30)), c(300, 10));
-        let span = Duration::from_secs(61);
-        let at = t0.saturating_add(Duration::from_secs(40));
-        assert_eq!(log.reserve(1, TokenAxis::Total, at, span), 150 + 310 + 310);
-        assert_eq!(log.reserve(1, TokenAxis::Output, at, span), 60 + 50);
+        let span = Duration::from_secs(60);
+        let at = t0.saturating_add(Duration::from_secs(35));
+        assert_eq!(
+            log.demand(1, TokenAxis::Total, at, span),
+            (460.0 / 60.0, 310)
+        );
+        assert_eq!(log.demand(1, TokenAxis::Output, at, span), (1.0, 50));
         let later = t0.saturating_add(Duration::from_secs(62));
-        assert_eq!(log.reserve(1, TokenAxis::Input, later, span), 600);
-        assert_eq!(log.reserve(2, TokenAxis::Input, later, span), 0);
+        assert_eq!(log.demand(1, TokenAxis::Input, later, span), (5.0, 300));
+        assert_eq!(log.demand(2, TokenAxis::Input, later, span), (0.0, 0));
     }
 }

@@ -148,6 +148,31 @@ impl TokenWindow {
         })
     }
 
+    /// Tokens of the window that will still count `ahead[i]` from now, for
+    /// each instant, in one store call (a window shortened by that much,
+    /// read now).
+    ///
+    /// # Errors
+    /// The store's.
+    pub(crate) async fn ahead<S: BudgetStore>(
+        &self,
+        store: &S,
+        subject: u64,
+        margin: Duration,
+        ahead: &[Duration],
+    ) -> Result<Vec<u64>, StoreError> {
+        let span = self.span_millis(margin);
+        let probes: Vec<Budget> = ahead
+            .iter()
+            .map(|h| {
+                let ms = u64::try_from(h.as_millis()).unwrap_or(u64::MAX);
+                self.of_millis(subject, span.saturating_sub(ms).max(1), u32::MAX, 0)
+            })
+            .collect();
+        let d = store.peek(&probes).await?;
+        Ok((0..probes.len()).map(|i| used_of(&d, i)).collect())
+    }
+
     /// The window at `now` and what `cost` more tokens under `limit` would
     /// meet, in one store call: when they fit (if nothing else is spent)
     /// and how many tokens fit by `deadline`.
