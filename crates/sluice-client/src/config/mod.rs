@@ -1278,4 +1278,15 @@ mod tests {
         );
         assert!(text.contains("NOT_SET_ANYWHERE"), "{text}");
     }
+
+    #[test]
+    fn m1_the_example_pace_config_parses() {
+        let text = include_str!("../../../../examples/pace.yaml");
+        let c = parse_str_with_env(text, Path::new("examples/pace.yaml"), &|name| {
+            name.ends_with("_API_KEY").then(|| "sk-example".to_owned())
+        })
+        .unwrap();
+        let o = c.provider("openai").unwrap();
+        assert_eq!(o.model("gpt-3.5-turbo-0125").unwrap().group, "small");
+    }
 }
