@@ -30,7 +30,7 @@ pub(crate) enum After<S: BudgetStore + 'static, C: Clock + 'static> {
     Retry(Duration),
     /// Hand the answer over; with a permit when its usage should reconcile
     /// the reservation as the body ends.
-    Deliver(Option<Permit<S, C>>),
+    Deliver(Option<Box<Permit<S, C>>>),
 }
 
 /// One request on its way through the pacer.
@@ -207,7 +207,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
         };
         let is_429 = status == StatusCode::TOO_MANY_REQUESTS;
         match classify(status, headers, body) {
-            Retryable::No if status.is_success() => After::Deliver(Some(permit)),
+            Retryable::No if status.is_success() => After::Deliver(Some(Box::new(permit))),
             Retryable::No => {
                 if is_429 {
                     self.pacer.count_429(&self.provider);
@@ -257,7 +257,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
 /// The callback a [`crate::UsageTap`] calls when the answer ends: reconcile
 /// the reservation with the usage seen (on the runtime the request ran on).
 /// Without usage the reservation stands.
-pub(crate) fn reconcile_on_end<S, C>(permit: Permit<S, C>) -> OnUsage
+pub(crate) fn reconcile_on_end<S, C>(permit: Box<Permit<S, C>>) -> OnUsage
 where
     S: BudgetStore + 'static,
     C: Clock + 'static,
@@ -266,7 +266,7 @@ where
     Box::new(move |usage: Option<Usage>, _complete: bool| {
         if let (Some(u), Some(h)) = (usage, handle) {
             h.spawn(async move {
-                let _ = permit.reconcile_usage(u).await;
+                let _ = (*permit).reconcile_usage(u).await;
             });
         }
     })

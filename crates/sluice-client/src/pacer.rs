@@ -378,7 +378,7 @@ impl Drop for HeadGuard<'_> {
 /// What [`Pacer::try_ahead`] found.
 enum Ahead<S: BudgetStore + 'static, C: Clock + 'static> {
     /// Reserved ahead of the head.
-    Went(Permit<S, C>),
+    Went(Box<Permit<S, C>>),
     /// Not now; perhaps at this instant.
     LookAt(Timestamp),
     /// Not now.
@@ -611,7 +611,7 @@ where
         tokio::pin!(turn);
         let _turn = loop {
             let look_again = match self.try_ahead(ask, demand).await? {
-                Ahead::Went(permit) => return Ok(permit),
+                Ahead::Went(permit) => return Ok(*permit),
                 Ahead::LookAt(t) => t.saturating_since(self.inner.clock.now()).min(MAX_SLEEP),
                 Ahead::No => MAX_SLEEP,
             };
@@ -857,7 +857,7 @@ where
             }
         }
         Ok(match self.try_reserve(ask, p, route, cost, &plan).await? {
-            Some(permit) => Ahead::Went(self.admitted(ask, route, permit, now, cost)),
+            Some(permit) => Ahead::Went(Box::new(self.admitted(ask, route, permit, now, cost))),
             None => Ahead::No,
         })
     }

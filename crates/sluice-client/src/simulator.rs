@@ -216,6 +216,10 @@ struct Entry {
     output: u64,
 }
 
+/// One token axis of a book: its name, limit, what a request asks, and
+/// what an entry holds on it.
+type TokenAxis = (&'static str, u32, u64, fn(&Entry) -> u64);
+
 /// What one request counts at arrival.
 #[derive(Clone, Copy, Debug)]
 struct Count {
@@ -274,7 +278,7 @@ impl Book {
     /// otherwise (and counts it).
     fn refuse(&mut self, l: Limits, c: Count, now: Timestamp) -> Option<Refusal> {
         let until = |t: Timestamp| t.saturating_add(MINUTE).saturating_since(now);
-        let token_axes: [(&'static str, u32, u64, fn(&Entry) -> u64); 3] = [
+        let token_axes: [TokenAxis; 3] = [
             ("tokens", l.tpm, c.tokens, |e| e.tokens),
             ("input tokens", l.itpm, c.input, |e| e.input),
             ("output tokens", l.otpm, c.output, |e| e.output),
