@@ -72,6 +72,8 @@ struct Setup {
     completion_tokens: u32,
     jobs: Vec<Job>,
     minutes: u64,
+    /// `interactiveReserveSeconds`, when not the default.
+    reserve: Option<Duration>,
 }
 
 impl Setup {
@@ -175,6 +177,7 @@ fn two_models() -> Setup {
         completion_tokens: 150,
         jobs: sorted(jobs),
         minutes,
+        reserve: None,
     }
 }
 
@@ -217,6 +220,7 @@ fn mixed_priorities(interactive_per_minute: f64, with_batch: bool) -> Setup {
         completion_tokens: 150,
         jobs: sorted(jobs),
         minutes,
+        reserve: None,
     }
 }
 
@@ -237,6 +241,7 @@ fn itpm_otpm() -> Setup {
         completion_tokens: 150,
         jobs,
         minutes,
+        reserve: None,
     }
 }
 
@@ -257,6 +262,7 @@ fn three_keys() -> Setup {
         completion_tokens: 150,
         jobs,
         minutes,
+        reserve: None,
     }
 }
 
@@ -329,6 +335,9 @@ async fn run_paced(setup: &Setup) -> Run {
     p.auth_header = setup.style.default_auth_header();
     // A backlog waits its turn rather than fail.
     p.max_wait = Duration::from_secs(24 * 3600);
+    if let Some(r) = setup.reserve {
+        p.interactive_reserve = r;
+    }
     p = p.with_models(
         setup
             .models
@@ -666,14 +675,19 @@ fn mixed(rt: &tokio::runtime::Runtime) {
         "| run | interactive done | interactive p99 | ratio | all tokens | % of best | 429s |"
     );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    for per_minute in [10.0, 20.0] {
-        mixed_at(rt, per_minute);
+    for (per_minute, reserve) in [(10.0, None), (20.0, None), (20.0, Some(10))] {
+        mixed_at(rt, per_minute, reserve);
     }
 }
 
-fn mixed_at(rt: &tokio::runtime::Runtime, per_minute: f64) {
+fn mixed_at(rt: &tokio::runtime::Runtime, per_minute: f64, reserve: Option<u64>) {
     let alone = mixed_priorities(per_minute, false);
-    let both = mixed_priorities(per_minute, true);
+    let mut both = mixed_priorities(per_minute, true);
+    both.reserve = reserve.map(Duration::from_secs);
+    let label = match reserve {
+        Some(s) => format!(" (interactiveReserveSeconds: {s})"),
+        None => String::new(),
+    };
     let a = rt.block_on(run_paced(&alone));
     let b = rt.block_on(run_paced(&both));
     let latency = |s: &Setup, r: &Run| {
@@ -703,7 +717,7 @@ fn mixed_at(rt: &tokio::runtime::Runtime, per_minute: f64) {
         pa[0],
     );
     println!(
-        "| interactive {per_minute}/min + batch | {} | {:.2} s | {:.2}× | {} | {:.1} % | {violations} |",
+        "| interactive {per_minute}/min + batch{label} | {} | {:.2} s | {:.2}× | {} | {:.1} % | {violations} |",
         interactive(&both, &b),
         lb.as_secs_f64(),
         lb.as_secs_f64() / la.as_secs_f64(),

@@ -248,10 +248,6 @@ pub struct WindowReading {
     pub requests_today: Option<u64>,
 }
 
-/// Interactive tokens arriving at their rate over this long are held back
-/// from batch requests (besides the largest interactive request), at every
-/// horizon of [`BATCH_HORIZONS`].
-const RESERVE_AHEAD: Duration = Duration::from_secs(5);
 /// The instants ahead at which a batch request checks that interactive
 /// requests would still find room.
 const BATCH_HORIZONS: [Duration; 7] = [
@@ -630,7 +626,7 @@ where
             let deadline = ask.arrived.saturating_add(p.max_wait);
             let cost = cost_of(demand);
             let routes = routes(&p, ask.group);
-            let (i, plan) = self.best(&routes, cost, now, deadline, false).await?;
+            let (i, plan) = self.best(&routes, cost, now, deadline, None).await?;
             if plan.ready_at <= now {
                 if let Some(permit) = self.try_reserve(ask, &p, &routes[i], cost, &plan).await? {
                     return Ok(self.admitted(ask, &routes[i], permit, now, cost));
@@ -691,7 +687,9 @@ where
             let room = ask.queue.room.notified();
             let mut sleep = MAX_SLEEP;
             if ask.state.interactive_waiting.load(Ordering::SeqCst) == 0 {
-                let (i, plan) = self.best(&routes, cost, now, deadline, true).await?;
+                let (i, plan) = self
+                    .best(&routes, cost, now, deadline, Some(p.interactive_reserve))
+                    .await?;
                 if plan.ready_at <= now {
                     if let Some(permit) = self.try_reserve(ask, &p, &routes[i], cost, &plan).await?
                     {
@@ -703,7 +701,7 @@ where
                 sleep = plan.ready_at.saturating_since(now).min(MAX_SLEEP);
             }
             // Would it be in time with the whole limits?
-            let (_, whole) = self.best(&routes, cost, now, deadline, false).await?;
+            let (_, whole) = self.best(&routes, cost, now, deadline, None).await?;
             if whole.ready_at > deadline || now >= deadline {
                 if p.shrink && !shrink_tried && whole.tokens_late {
                     shrink_tried = true;
@@ -811,7 +809,7 @@ where
             return Ok(Ahead::No);
         }
         let deadline = ask.arrived.saturating_add(p.max_wait);
-        let (i, plan) = self.best(&routes, cost, now, deadline, false).await?;
+        let (i, plan) = self.best(&routes, cost, now, deadline, None).await?;
         if plan.ready_at > now {
             return Ok(if plan.ready_at < head.ready_at {
                 Ahead::LookAt(plan.ready_at)
@@ -921,7 +919,7 @@ where
         cost: Cost,
         now: Timestamp,
         deadline: Timestamp,
-        batch: bool,
+        batch: Option<Duration>,
     ) -> Result<(usize, Plan), PaceError> {
         let mut best: Option<(usize, Plan)> = None;
         for (i, r) in routes.iter().enumerate() {
@@ -946,7 +944,7 @@ where
         cost: Cost,
         now: Timestamp,
         deadline: Timestamp,
-        batch: bool,
+        batch: Option<Duration>,
     ) -> Result<Plan, PaceError> {
         let margin = self.config().pacer.arrival_margin;
         let mut ready_at = now;
@@ -962,7 +960,7 @@ where
         for (k, s) in route.scopes.iter().enumerate() {
             for (axis, limit) in s.token_axes(cost) {
                 let c = cost.on(axis);
-                let limit = if batch {
+                let limit = if let Some(reserve_ahead) = batch {
                     // Batch tokens go at the budget's own rate (so that room
                     // comes back evenly, never in a burst interactive
                     // requests would wait behind), on what interactive
@@ -973,7 +971,7 @@ where
                         paced.as_nanos().saturating_sub(burst),
                     ));
                     let (reserve, clear) = self
-                        .batch_room(s.subject, axis, limit, c, now, margin)
+                        .batch_room(s.subject, axis, (limit, c), now, margin, reserve_ahead)
                         .await?;
                     if !clear {
                         tokens_at = tokens_at.max(now.saturating_add(BATCH_LOOK));
@@ -1049,17 +1047,18 @@ where
     /// request of the window, held back now (returned, to reserve against);
     /// and whether, at every horizon until the batch tokens leave the
     /// window, the tokens still counted then leave room for the interactive
-    /// ones that come by then at their rate over the window (false: wait).
+    /// ones that come by then at their rate over the window, plus
+    /// `reserve_ahead` more of them (`interactiveReserveSeconds`; false: wait).
     /// Until the window turns over (as after a start), nothing leaves it, so
     /// this holds back what interactive requests will need meanwhile.
     async fn batch_room(
         &self,
         subject: u64,
         axis: TokenAxis,
-        limit: u32,
-        cost: u32,
+        (limit, cost): (u32, u32),
         now: Timestamp,
         margin: Duration,
+        reserve_ahead: Duration,
     ) -> Result<(u32, bool), PaceError> {
         let span = Duration::from_secs(60) + margin;
         let (per_sec, largest) = self
@@ -1077,7 +1076,7 @@ where
             .await?;
         let clear = BATCH_HORIZONS.iter().zip(still).all(|(h, still)| {
             let coming =
-                per_sec * (h.as_secs_f64() + RESERVE_AHEAD.as_secs_f64()) + f64::from(largest);
+                per_sec * (h.as_secs_f64() + reserve_ahead.as_secs_f64()) + f64::from(largest);
             still as f64 + f64::from(cost) + coming <= f64::from(limit)
         });
         Ok((largest, clear))

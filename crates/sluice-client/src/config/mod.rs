@@ -46,6 +46,8 @@ pub const DEFAULT_MAX_TOKENS: u32 = 4_096;
 pub const DEFAULT_ARRIVAL_MARGIN: Duration = Duration::from_secs(1);
 /// Default attempts per request (the first included).
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+/// Default time of interactive traffic held back from batch requests.
+pub const DEFAULT_INTERACTIVE_RESERVE: Duration = Duration::from_secs(5);
 /// Default largest request body the proxy reads: 32 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
 
@@ -187,6 +189,10 @@ pub struct ProviderConfig {
     /// Per-model limits (`models:`); a request naming a model they cover is
     /// paced by its group's limits and by [`ProviderConfig::limits`].
     pub models: Vec<ModelLimits>,
+    /// Batch requests leave room for this long of interactive requests at
+    /// their recent rate (besides the largest one): more keeps interactive
+    /// latency through bursts, less leaves batch jobs more.
+    pub interactive_reserve: Duration,
     /// Several keys (`apiKeys:`), each with its own limits; empty: the one
     /// [`ProviderConfig::api_key`] (or none) with [`ProviderConfig::limits`].
     pub api_keys: Vec<ApiKey>,
@@ -207,6 +213,7 @@ impl fmt::Debug for ProviderConfig {
             .field("default_max_tokens", &self.default_max_tokens)
             .field("encoding", &self.encoding)
             .field("reconcile", &self.reconcile)
+            .field("interactive_reserve", &self.interactive_reserve)
             .field("models", &self.models)
             .field("api_keys", &self.api_keys)
             .finish()
@@ -232,6 +239,7 @@ impl ProviderConfig {
             encoding: Encoding::O200kBase,
             reconcile: true,
             models: Vec::new(),
+            interactive_reserve: DEFAULT_INTERACTIVE_RESERVE,
             api_keys: Vec::new(),
         }
     }
@@ -766,6 +774,17 @@ fn check_provider(
         style,
         problems,
     );
+    let interactive_reserve = match entry.interactive_reserve_seconds {
+        None => DEFAULT_INTERACTIVE_RESERVE,
+        Some(s) if s.is_finite() && (0.0..=60.0).contains(&s) => Duration::from_secs_f64(s),
+        Some(s) => {
+            problems.push(Problem {
+                path: format!("{base}.interactiveReserveSeconds"),
+                message: format!("{s} is not a number of seconds in [0, 60]"),
+            });
+            DEFAULT_INTERACTIVE_RESERVE
+        }
+    };
     let models = entry
         .models
         .as_ref()
@@ -800,6 +819,7 @@ fn check_provider(
         encoding,
         reconcile: entry.reconcile.unwrap_or(true),
         models,
+        interactive_reserve,
         api_keys,
     })
 }
@@ -1288,5 +1308,20 @@ mod tests {
         .unwrap();
         let o = c.provider("openai").unwrap();
         assert_eq!(o.model("gpt-3.5-turbo-0125").unwrap().group, "small");
+    }
+
+    #[test]
+    fn m3_interactive_reserve_seconds_parses_and_is_bounded() {
+        let c = parse("providers:\n  openai:\n    interactiveReserveSeconds: 10\n").unwrap();
+        let o = c.provider("openai").unwrap();
+        assert_eq!(o.interactive_reserve, Duration::from_secs(10));
+        let c = parse("providers:\n  openai:\n").unwrap();
+        assert_eq!(
+            c.provider("openai").unwrap().interactive_reserve,
+            DEFAULT_INTERACTIVE_RESERVE
+        );
+        let e = parse("providers:\n  openai:\n    interactiveReserveSeconds: -1\n").unwrap_err();
+        let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(paths, ["providers.openai.interactiveReserveSeconds"]);
     }
 }

@@ -44,6 +44,9 @@ pub struct RawProvider {
     pub reconcile: Option<bool>,
     /// Model name or `*` pattern → its limits (or its shared group).
     pub models: Option<BTreeMap<String, RawModel>>,
+    /// Seconds of interactive traffic (at its recent rate) batch requests
+    /// leave room for.
+    pub interactive_reserve_seconds: Option<f64>,
     /// Several keys, each with its own limits (instead of `apiKey`).
     pub api_keys: Option<Vec<RawApiKey>>,
 }
