@@ -553,7 +553,14 @@ fn apply_overrides(config: &mut PaceConfig, text: &str, file: &Path) -> Result<(
             continue;
         };
         let limits = check_limits(&path, Some(&o.rate_limits), None, &mut problems);
-        if let Some(l) = limits {
+        if let Some(mut l) = limits {
+            // A file written before the input/output axes keeps the config's.
+            if o.rate_limits.itpm.is_none() {
+                l.itpm = p.limits.itpm;
+            }
+            if o.rate_limits.otpm.is_none() {
+                l.otpm = p.limits.otpm;
+            }
             p.limits = l;
             p.origin = LimitsOrigin::Settings;
         }
@@ -1323,5 +1330,43 @@ mod tests {
         let e = parse("providers:\n  openai:\n    interactiveReserveSeconds: -1\n").unwrap_err();
         let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
         assert_eq!(paths, ["providers.openai.interactiveReserveSeconds"]);
+    }
+
+    #[test]
+    fn m2_the_settings_page_s_overrides_keep_itpm_and_otpm() {
+        let dir = std::env::temp_dir().join(format!("sluice-m2-overrides-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("pace.yaml");
+        std::fs::write(
+            &file,
+            "providers:\n  anthropic:\n    rateLimits: {tpm: 0, itpm: 40000, otpm: 8000}\n",
+        )
+        .unwrap();
+        // An overrides file of before the axes: the config's itpm/otpm stay.
+        std::fs::write(
+            overrides_path(&file),
+            "providers:\n  anthropic:\n    rateLimits: { tpm: 0, rpm: 10, rpd: 0 }\n",
+        )
+        .unwrap();
+        let c = load_with_env(&file, &env).unwrap();
+        let a = c.provider("anthropic").unwrap();
+        assert_eq!(
+            a.limits,
+            ProviderLimits::new(0, 10, 0).with_io(40_000, 8_000)
+        );
+        // An edit saved by the page keeps them too.
+        let watcher = ConfigWatcher::open(&file).unwrap();
+        watcher
+            .save_limits(
+                "anthropic",
+                ProviderLimits::new(0, 20, 0).with_io(30_000, 6_000),
+            )
+            .unwrap();
+        let c = load_with_env(&file, &env).unwrap();
+        assert_eq!(
+            c.provider("anthropic").unwrap().limits,
+            ProviderLimits::new(0, 20, 0).with_io(30_000, 6_000)
+        );
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -209,8 +209,8 @@ impl LimitsSource for ConfigWatcher {
         );
         for (name, l) in &edited {
             text.push_str(&format!(
-                "  {name}:\n    rateLimits: {{ tpm: {}, rpm: {}, rpd: {} }}\n",
-                l.tpm, l.rpm, l.rpd
+                "  {name}:\n    rateLimits: {{ tpm: {}, rpm: {}, rpd: {}, itpm: {}, otpm: {} }}\n",
+                l.tpm, l.rpm, l.rpd, l.itpm, l.otpm
             ));
         }
         let tmp = self.overrides.with_extension("yaml.tmp");
