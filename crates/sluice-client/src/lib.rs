@@ -13,6 +13,13 @@
 //! one that would wait too long can have its oldest context dropped
 //! ([`shrink`], opt-in).
 //!
+//! Providers do not count one budget per provider: a request is paced by its
+//! model's limits ([`config::ModelLimits`]) and the provider-wide ones, with
+//! input and output tokens apart where the provider counts them so (`itpm`,
+//! `otpm`), goes with the key that can send it soonest
+//! ([`config::ApiKey`]), and may be a batch request that uses only what
+//! interactive ones leave ([`AcquireOptions`], [`Priority`]).
+//!
 //! Forms: the [`Pacer`] API, a tower layer ([`PacerLayer`]), a
 //! reqwest-middleware (`PacerMiddleware`) and the `sluice pace` proxy
 //! (`proxy::run_proxy`).
