@@ -16,6 +16,13 @@
 //! ("… Please try again in 1.5s …", `code: rate_limit_exceeded`) and
 //! `x-ratelimit-*` headers (Anthropic's shapes on `/messages`).
 //!
+//! Providers' real limits too: [`SimService::set_models`] /
+//! [`Simulator::set_models`] give models (names or `*` patterns) their own
+//! windows beside the provider-wide ones, as OpenAI limits each model (the
+//! answer's headers then describe the model's limits); `itpm` / `otpm` count
+//! input at arrival and output as the completion budget at arrival,
+//! corrected to what was generated when the answer ends, as Anthropic does.
+//!
 //! A request may carry `x-simulator-latency-ms: N` to take `N` ms instead of
 //! [`SimulatorConfig::latency`] (benchmarks with varied answer times).
 //!
