@@ -1,9 +1,9 @@
 //! Priorities (SPEC M3): interactive requests go first; batch requests use
 //! only what interactive ones leave. The pacer keeps, per budget, the
-//! interactive requests of the last window ([`InteractiveLog`]); a batch
+//! interactive requests of the last window (`InteractiveLog`); a batch
 //! request goes only when the room left after it holds the largest of them
 //! and what comes at their rate in the next seconds, and batch tokens go at
-//! the budget's own even rate ([`BatchPace`]), so that room comes back
+//! the budget's own even rate (`BatchPace`), so that room comes back
 //! evenly and never in bursts an interactive request would wait behind.
 
 use std::collections::{HashMap, VecDeque};
