@@ -157,10 +157,18 @@ async fn dashboard_json<S: BudgetStore + 'static, C: Clock + 'static>(
     let mut v = app.pacer.limits_json();
     if let Some(map) = v.get_mut("providers").and_then(|m| m.as_object_mut()) {
         for (name, entry) in map.iter_mut() {
-            let window = match app.pacer.reading(name).await {
+            let mut window = match app.pacer.reading(name).await {
                 Ok(r) => serde_json::json!(r),
                 Err(e) => serde_json::json!({ "error": e.to_string() }),
             };
+            // The provider-wide input and output windows (ITPM / OTPM).
+            if let (Ok((_, input, output)), Some(w)) = (
+                app.pacer.group_tokens(name, None).await,
+                window.as_object_mut(),
+            ) {
+                w.insert("inputTokens".into(), input.into());
+                w.insert("outputTokens".into(), output.into());
+            }
             if let Some(obj) = entry.as_object_mut() {
                 obj.insert("window".into(), window);
             }
@@ -313,7 +321,7 @@ async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
              <div class=head><h2>{n}</h2><span class=\"badge src\">{src}</span>\
              <span class=\"badge hold\" hidden></span></div>\
              <div class=url>{url}</div>\
-             <div class=meters>{m1}{m2}{m3}</div>\
+             <div class=meters>{m1}{m2}{m3}{m4}{m5}</div>\
              <div class=stats>{s1}{s2}{s3}{s4}{s5}</div>{models}{keys}\
              <form class=settings><div class=inputs>{i1}{i2}{i3}{i4}{i5}</div>\
              <button>Save</button><p class=msg role=status></p></form></section>",
@@ -328,6 +336,16 @@ async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
             m1 = meter("tpm", "Tokens, last 60 s"),
             m2 = meter("rpm", "Requests, last 60 s"),
             m3 = meter("rpd", "Requests, last 24 h"),
+            m4 = if p.limits.itpm > 0 {
+                meter("itpm", "Input tokens, last 60 s")
+            } else {
+                String::new()
+            },
+            m5 = if p.limits.otpm > 0 {
+                meter("otpm", "Output tokens, last 60 s")
+            } else {
+                String::new()
+            },
             s1 = stat("admitted", "sent"),
             s2 = stat("avoided", "429s avoided"),
             s3 = stat("wait", "average wait"),
