@@ -562,6 +562,9 @@ fn apply_overrides(config: &mut PaceConfig, text: &str, file: &Path) -> Result<(
                 l.otpm = p.limits.otpm;
             }
             p.limits = l;
+            for k in &mut p.api_keys {
+                k.follow(l);
+            }
             p.origin = LimitsOrigin::Settings;
         }
     }
@@ -999,25 +1002,22 @@ fn check_keys(
             style,
             problems,
         );
-        let limits = match &k.rate_limits {
-            None => provider,
-            Some(r) => {
-                match check_limits(
-                    &format!("{path}.rateLimits"),
-                    Some(r),
-                    Some(provider),
-                    problems,
-                ) {
-                    Some(l) => l,
-                    None => continue,
-                }
-            }
-        };
-        out.push(ApiKey {
-            name,
-            secret,
-            limits,
-        });
+        let r = k.rate_limits.unwrap_or_default();
+        if k.rate_limits.is_some()
+            && check_limits(
+                &format!("{path}.rateLimits"),
+                Some(&r),
+                Some(provider),
+                problems,
+            )
+            .is_none()
+        {
+            continue;
+        }
+        // Checked above: each given axis fits a u32.
+        let own =
+            [r.tpm, r.rpm, r.rpd, r.itpm, r.otpm].map(|v| v.and_then(|v| u32::try_from(v).ok()));
+        out.push(ApiKey::inheriting(name, secret, own, provider));
     }
     out
 }
@@ -1368,5 +1368,21 @@ mod tests {
             ProviderLimits::new(0, 20, 0).with_io(30_000, 6_000)
         );
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn m4_keys_follow_the_settings_page_on_the_axes_they_do_not_set() {
+        let c = parse(
+            "providers:\n  openai:\n    rateLimits: {tpm: 1000, rpm: 10}\n    apiKeys:\n      - key: a\n      - key: b\n        rateLimits: {tpm: 5000}\n",
+        )
+        .unwrap();
+        let source = StaticLimits::new(c);
+        source
+            .save_limits("openai", ProviderLimits::new(2000, 20, 0))
+            .unwrap();
+        let c = source.current();
+        let keys = &c.provider("openai").unwrap().api_keys;
+        assert_eq!(keys[0].limits, ProviderLimits::new(2000, 20, 0));
+        assert_eq!(keys[1].limits, ProviderLimits::new(5000, 20, 0));
     }
 }

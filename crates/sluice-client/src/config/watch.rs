@@ -67,6 +67,9 @@ impl LimitsSource for StaticLimits {
             return Err(unknown_provider(provider, Path::new("<in-memory config>")));
         };
         p.limits = limits;
+        for k in &mut p.api_keys {
+            k.follow(limits);
+        }
         p.origin = super::LimitsOrigin::Settings;
         self.set(c);
         Ok(())
