@@ -13,6 +13,7 @@ use sluice_store::BudgetStore;
 use crate::backoff::{Backoff, RetryPolicy, Retryable, classify};
 use crate::error::PaceError;
 use crate::pacer::{Pacer, Permit};
+use crate::priority::{AcquireOptions, PRIORITY_HEADER, Priority};
 use crate::shrink::{PacedRequest, ShrinkReport};
 use crate::tokens::EstimateOptions;
 use crate::usage::{OnUsage, Usage};
@@ -29,7 +30,7 @@ pub(crate) enum After<S: BudgetStore + 'static, C: Clock + 'static> {
     Retry(Duration),
     /// Hand the answer over; with a permit when its usage should reconcile
     /// the reservation as the body ends.
-    Deliver(Option<Permit<S, C>>),
+    Deliver(Option<Box<Permit<S, C>>>),
 }
 
 /// One request on its way through the pacer.
@@ -42,6 +43,7 @@ pub(crate) struct Call<S: BudgetStore + 'static, C: Clock + 'static> {
     json: Option<PacedRequest>,
     shrunk: Option<ShrinkReport>,
     backoff: Backoff,
+    options: AcquireOptions,
 }
 
 impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
@@ -81,6 +83,10 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
         };
         // The sender sets the length of the body it sends (maybe shrunk).
         headers.remove(http::header::CONTENT_LENGTH);
+        // The priority is for the pacer, never for the provider.
+        let priority = Priority::from_headers(&headers)
+            .map_err(|value| PaceError::InvalidPriority { value })?;
+        headers.remove(PRIORITY_HEADER);
         let policy = RetryPolicy {
             max_attempts: config.pacer.max_attempts,
             ..RetryPolicy::default()
@@ -107,6 +113,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
             json,
             shrunk: None,
             backoff: Backoff::new(policy),
+            options: AcquireOptions::default().priority(priority),
         })
     }
 
@@ -123,19 +130,53 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
     /// Waits for room and reserves (shrinking the body if needed and
     /// allowed).
     pub(crate) async fn acquire(&mut self) -> Result<Permit<S, C>, PaceError> {
-        match &mut self.json {
+        let permit = match &mut self.json {
             Some(req) => {
-                let permit = self.pacer.acquire_demand(&self.provider, req).await?;
+                let permit = self
+                    .pacer
+                    .acquire_with(&self.provider, req, &self.options)
+                    .await?;
                 if req.shrink_report() != self.shrunk {
                     self.shrunk = req.shrink_report();
                     if let Ok(b) = serde_json::to_vec(req.body()) {
                         self.body = Bytes::from(b);
                     }
                 }
-                Ok(permit)
+                permit
             }
-            None => self.pacer.acquire(&self.provider, 0u32).await,
+            None => {
+                self.pacer
+                    .acquire_with(&self.provider, &mut 0u32, &self.options)
+                    .await?
+            }
+        };
+        self.authorize(&permit);
+        Ok(permit)
+    }
+
+    /// Sends the key the pacer chose among the provider's `apiKeys`.
+    fn authorize(&mut self, permit: &Permit<S, C>) {
+        let Some(secret) = permit.secret() else {
+            return;
+        };
+        let config = self.pacer.config();
+        let Some(p) = config.provider(&self.provider) else {
+            return;
+        };
+        self.headers.remove(http::header::AUTHORIZATION);
+        self.headers.remove("x-api-key");
+        if let Ok(mut v) = HeaderValue::from_str(&p.auth_value(secret)) {
+            v.set_sensitive(true);
+            self.headers.insert(p.auth_header.clone(), v);
         }
+    }
+
+    /// Whether the provider has several keys to choose from (`apiKeys`).
+    fn several_keys(&self) -> bool {
+        self.pacer
+            .config()
+            .provider(&self.provider)
+            .is_some_and(|p| p.api_keys.len() > 1)
     }
 
     /// Whether the answer's body is needed to decide (a status that may be
@@ -157,9 +198,16 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
     ) -> After<S, C> {
         // Learning is best effort: a store hiccup must not lose the answer.
         let _ = permit.observe(headers).await;
+        // A 429 describes the budget the request spent (its model on its
+        // key): it holds that one, not the provider's other models and keys.
+        let narrow = permit.narrow_subject();
+        let hold = |pacer: &Pacer<S, C>, d: Duration| match narrow {
+            Some(subject) => pacer.hold_subject(subject, d),
+            None => pacer.hold(&self.provider, d),
+        };
         let is_429 = status == StatusCode::TOO_MANY_REQUESTS;
         match classify(status, headers, body) {
-            Retryable::No if status.is_success() => After::Deliver(Some(permit)),
+            Retryable::No if status.is_success() => After::Deliver(Some(Box::new(permit))),
             Retryable::No => {
                 if is_429 {
                     self.pacer.count_429(&self.provider);
@@ -180,8 +228,14 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
                     Some(d) => {
                         self.pacer.count_retry(&self.provider, is_429);
                         if is_429 {
-                            // The provider is full for everyone on this key.
-                            self.pacer.hold(&self.provider, d);
+                            // The budget is full for everyone on this key.
+                            hold(&self.pacer, d);
+                            if self.several_keys() {
+                                // Another key may send it now: the hold
+                                // keeps this one out, the pacer waits only
+                                // if every key is held or full.
+                                return After::Retry(Duration::ZERO);
+                            }
                         }
                         After::Retry(d)
                     }
@@ -189,7 +243,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
                         if is_429 {
                             self.pacer.count_429(&self.provider);
                             if let Some(h) = hint {
-                                self.pacer.hold(&self.provider, h);
+                                hold(&self.pacer, h);
                             }
                         }
                         After::Deliver(None)
@@ -203,7 +257,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
 /// The callback a [`crate::UsageTap`] calls when the answer ends: reconcile
 /// the reservation with the usage seen (on the runtime the request ran on).
 /// Without usage the reservation stands.
-pub(crate) fn reconcile_on_end<S, C>(permit: Permit<S, C>) -> OnUsage
+pub(crate) fn reconcile_on_end<S, C>(permit: Box<Permit<S, C>>) -> OnUsage
 where
     S: BudgetStore + 'static,
     C: Clock + 'static,
@@ -212,7 +266,7 @@ where
     Box::new(move |usage: Option<Usage>, _complete: bool| {
         if let (Some(u), Some(h)) = (usage, handle) {
             h.spawn(async move {
-                let _ = permit.reconcile(u.total()).await;
+                let _ = (*permit).reconcile_usage(u).await;
             });
         }
     })

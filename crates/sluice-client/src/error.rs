@@ -43,6 +43,13 @@ pub enum PaceError {
         /// The configured maximum.
         max_wait: Duration,
     },
+    /// The request names a priority that is neither `interactive` nor
+    /// `batch` (the `x-sluice-priority` header).
+    #[error("x-sluice-priority: `{value}` is not a priority (expected `interactive` or `batch`)")]
+    InvalidPriority {
+        /// What the request said.
+        value: String,
+    },
     /// The budget store could not answer.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -55,6 +62,7 @@ impl PaceError {
             PaceError::UnknownProvider { .. } => StatusCode::NOT_FOUND,
             PaceError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             PaceError::WouldWait { .. } => StatusCode::TOO_MANY_REQUESTS,
+            PaceError::InvalidPriority { .. } => StatusCode::BAD_REQUEST,
             PaceError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -65,6 +73,7 @@ impl PaceError {
             PaceError::UnknownProvider { .. } => "unknown_provider",
             PaceError::TooLarge { .. } => "request_too_large",
             PaceError::WouldWait { .. } => "rate_limited",
+            PaceError::InvalidPriority { .. } => "invalid_priority",
             PaceError::Store(_) => "store_unavailable",
         }
     }
@@ -102,6 +111,9 @@ impl PaceError {
                 "retry_after_seconds": wait.as_secs_f64().ceil() as u64,
                 "max_wait_seconds": max_wait.as_secs_f64(),
             }),
+            PaceError::InvalidPriority { .. } => {
+                serde_json::json!({ "header": crate::priority::PRIORITY_HEADER })
+            }
             PaceError::Store(_) => serde_json::json!({ "retry_after_seconds": 1 }),
         };
         serde_json::json!({

@@ -13,6 +13,13 @@
 //! one that would wait too long can have its oldest context dropped
 //! ([`shrink`], opt-in).
 //!
+//! Providers do not count one budget per provider: a request is paced by its
+//! model's limits ([`config::ModelLimits`]) and the provider-wide ones, with
+//! input and output tokens apart where the provider counts them so (`itpm`,
+//! `otpm`), goes with the key that can send it soonest
+//! ([`config::ApiKey`]), and may be a batch request that uses only what
+//! interactive ones leave ([`AcquireOptions`], [`Priority`]).
+//!
 //! Forms: the [`Pacer`] API, a tower layer ([`PacerLayer`]), a
 //! reqwest-middleware (`PacerMiddleware`) and the `sluice pace` proxy
 //! (`proxy::run_proxy`).
@@ -76,8 +83,11 @@ mod layer;
 #[cfg(feature = "reqwest")]
 mod middleware;
 mod pacer;
+mod permit;
+pub mod priority;
 #[cfg(feature = "proxy")]
 pub mod proxy;
+mod route;
 pub mod shrink;
 #[cfg(feature = "simulator")]
 pub mod simulator;
@@ -92,6 +102,7 @@ pub use layer::{BoxError, PacedBody, PacerLayer, PacerService};
 #[cfg(feature = "reqwest")]
 pub use middleware::{PaceProvider, PacerMiddleware};
 pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats, WindowReading};
+pub use priority::{AcquireOptions, PRIORITY_HEADER, Priority};
 
 // Each of these is documented in its module (one path per type); the root
 // names stay, hidden, for code written against them.

@@ -14,17 +14,21 @@
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::HeaderMap;
-use sluice_core::{Budget, BudgetKey, Clock, Rate, Timestamp};
+use sluice_core::{Budget, BudgetKey, Clock, MAX_BUDGETS, Rate, Timestamp};
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore};
 
 use crate::clock::TokioClock;
 use crate::config::{LimitsSource, PaceConfig, ProviderConfig, StaticLimits};
 use crate::error::PaceError;
 use crate::headers::RateLimitHeaders;
+use crate::permit::Charge;
+pub use crate::permit::Permit;
+use crate::priority::{AcquireOptions, BatchPace, InteractiveLog, Priority};
+use crate::route::{Cost, Route, Scope, TokenAxis, group_of, routes};
 use crate::shrink::Demand;
 use crate::window::{History, SlotCache, SlotWindow, TokenReading, TokenWindow};
 
@@ -78,13 +82,15 @@ pub struct ProviderStats {
     pub upstream_429: u64,
     /// Retries made.
     pub retries: u64,
+    /// Of the requests let through, batch requests (M3).
+    pub batch: u64,
 }
 
 #[derive(Default)]
-struct Counters([AtomicU64; 9]);
+pub(crate) struct Counters([AtomicU64; 10]);
 
 impl Counters {
-    fn add(&self, i: usize, n: u64) {
+    pub(crate) fn add(&self, i: usize, n: u64) {
         self.0[i].fetch_add(n, Ordering::Relaxed);
     }
     fn get(&self, i: usize) -> u64 {
@@ -98,21 +104,25 @@ const WAIT_MS: usize = 2;
 const TOO_LARGE: usize = 3;
 const WOULD_WAIT: usize = 4;
 const SHRUNK: usize = 5;
-const RECONCILED: usize = 6;
+pub(crate) const RECONCILED: usize = 6;
 const UPSTREAM_429: usize = 7;
 const RETRIES: usize = 8;
+const BATCH: usize = 9;
 
 #[derive(Debug, Default)]
 struct Learned {
-    hold_until: Option<Timestamp>,
     headers: Option<RateLimitHeaders>,
     observed_at: Option<Timestamp>,
 }
 
-/// One provider's local state: the FIFO gate, the slots it has read, what
-/// it learned from headers.
-struct ProviderState {
+/// One queue of requests spending the same budgets (one provider, one
+/// model group): the FIFO gates and the plan of the request at its head.
+#[derive(Default)]
+struct Queue {
+    /// Interactive requests, first come first served.
     gate: tokio::sync::Mutex<()>,
+    /// Batch requests, first come first served among themselves.
+    batch_gate: tokio::sync::Mutex<()>,
     /// Rung when this process gives tokens or requests back, so that the
     /// request waiting at the head of the queue looks again at once instead
     /// of at its next planned instant.
@@ -127,11 +137,64 @@ struct ProviderState {
     /// One request at a time checks whether it may go ahead of the head and
     /// reserves, so that two together never delay it.
     ahead: tokio::sync::Mutex<()>,
-    tokens: parking_lot::Mutex<SlotCache>,
-    days: parking_lot::Mutex<SlotCache>,
+}
+
+/// The most queues (model groups) one provider keeps; past it, requests of
+/// new groups share one overflow queue (still paced, only less fairly).
+const MAX_QUEUES: usize = 1_024;
+
+/// One provider's local state: its queues, counters, what it learned from
+/// headers.
+#[derive(Default)]
+pub(crate) struct ProviderState {
+    queues: parking_lot::Mutex<HashMap<String, Arc<Queue>>>,
+    /// Interactive requests between arrival and admission: batch requests
+    /// wait while any does.
+    interactive_waiting: AtomicUsize,
+    /// Rung when no interactive request waits any more, or room comes back.
+    batch_wake: tokio::sync::Notify,
     learned: parking_lot::Mutex<Learned>,
-    counters: Counters,
+    /// What headers last said per model group (groups come from the config).
+    learned_by_group: parking_lot::Mutex<HashMap<String, (RateLimitHeaders, Timestamp)>>,
+    pub(crate) counters: Counters,
     recent: parking_lot::Mutex<RecentRequests>,
+}
+
+impl ProviderState {
+    fn queue(&self, group: &str) -> Arc<Queue> {
+        let mut q = self.queues.lock();
+        if q.len() >= MAX_QUEUES && !q.contains_key(group) {
+            return q.entry("\0overflow".to_owned()).or_default().clone();
+        }
+        q.entry(group.to_owned()).or_default().clone()
+    }
+
+    /// Wakes every waiting request of the provider to look again.
+    pub(crate) fn ring(&self) {
+        for q in self.queues.lock().values() {
+            q.room.notify_one();
+            q.behind.notify_waiters();
+        }
+        self.batch_wake.notify_waiters();
+    }
+}
+
+/// Counts an interactive request as waiting while it lives.
+struct Waiting<'s>(&'s ProviderState);
+
+impl<'s> Waiting<'s> {
+    fn new(state: &'s ProviderState) -> Self {
+        state.interactive_waiting.fetch_add(1, Ordering::SeqCst);
+        Waiting(state)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if self.0.interactive_waiting.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.batch_wake.notify_waiters();
+        }
+    }
 }
 
 /// Requests this process let through, per second of the last minute: what the
@@ -185,14 +248,65 @@ pub struct WindowReading {
     pub requests_today: Option<u64>,
 }
 
+/// The instants ahead at which a batch request checks that interactive
+/// requests would still find room.
+const BATCH_HORIZONS: [Duration; 7] = [
+    Duration::ZERO,
+    Duration::from_secs(5),
+    Duration::from_secs(10),
+    Duration::from_secs(20),
+    Duration::from_secs(30),
+    Duration::from_secs(45),
+    Duration::from_secs(60),
+];
+/// How soon a batch request held back for interactive ones looks again
+/// (room given back wakes it sooner).
+const BATCH_LOOK: Duration = Duration::from_millis(250);
+/// How far ahead of their even pace batch tokens may go.
+const BATCH_BURST: Duration = Duration::from_secs(1);
+
+/// The most budgets whose settled day slots are kept in memory.
+const MAX_DAY_CACHES: usize = 4_096;
+
 struct Inner<S, C> {
     store: S,
     clock: C,
     source: Arc<dyn LimitsSource>,
     tpm: TokenWindow,
+    itpm: TokenWindow,
+    otpm: TokenWindow,
     rpd: SlotWindow,
     rpm_scope: u64,
     providers: parking_lot::Mutex<HashMap<String, Arc<ProviderState>>>,
+    /// Per budget: no request before this instant (a 429's Retry-After, a
+    /// provider saying nothing is left until a reset).
+    holds: parking_lot::Mutex<HashMap<u64, Timestamp>>,
+    /// Per budget: the day slots read once and kept.
+    days: parking_lot::Mutex<HashMap<u64, Arc<parking_lot::Mutex<SlotCache>>>>,
+    interactive: parking_lot::Mutex<InteractiveLog>,
+    batch_pace: parking_lot::Mutex<BatchPace>,
+}
+
+impl<S, C> Inner<S, C> {
+    fn window(&self, axis: TokenAxis) -> &TokenWindow {
+        match axis {
+            TokenAxis::Total => &self.tpm,
+            TokenAxis::Input => &self.itpm,
+            TokenAxis::Output => &self.otpm,
+        }
+    }
+
+    fn day_cache(&self, subject: u64) -> Arc<parking_lot::Mutex<SlotCache>> {
+        let mut d = self.days.lock();
+        if d.len() >= MAX_DAY_CACHES && !d.contains_key(&subject) {
+            d.clear();
+        }
+        d.entry(subject).or_default().clone()
+    }
+
+    fn hold_of(&self, subject: u64) -> Option<Timestamp> {
+        self.holds.lock().get(&subject).copied()
+    }
 }
 
 /// Keeps calls to LLM providers inside their TPM, RPM and RPD.
@@ -228,31 +342,20 @@ impl Pacer<MemoryStore<TokioClock>, TokioClock> {
     }
 }
 
-fn subject_of(p: &ProviderConfig) -> u64 {
-    // Same provider and key → same budgets in every process (the key is
-    // hashed, never stored).
-    let mut s = Vec::with_capacity(64);
-    s.extend_from_slice(p.name.as_bytes());
-    s.push(0);
-    match &p.api_key {
-        Some(k) => s.extend_from_slice(k.as_bytes()),
-        None => s.extend_from_slice(p.base_url.as_bytes()),
-    }
-    sluice_core::digest(&s)
-}
-
-/// What the request at the head of a provider's queue waits for.
+/// What the request at the head of a queue waits for.
 #[derive(Clone, Copy, Debug)]
 struct Head {
     /// When it goes.
     ready_at: Timestamp,
+    /// On which route (key).
+    route: usize,
     /// The tokens it reserves then.
-    tokens: u32,
+    cost: Cost,
 }
 
 /// Clears the head's plan when the head leaves the queue (admitted, refused
 /// or cancelled).
-struct HeadGuard<'s>(&'s ProviderState);
+struct HeadGuard<'s>(&'s Queue);
 
 impl HeadGuard<'_> {
     fn publish(&self, head: Head) {
@@ -271,21 +374,53 @@ impl Drop for HeadGuard<'_> {
 /// What [`Pacer::try_ahead`] found.
 enum Ahead<S: BudgetStore + 'static, C: Clock + 'static> {
     /// Reserved ahead of the head.
-    Went(Permit<S, C>),
+    Went(Box<Permit<S, C>>),
     /// Not now; perhaps at this instant.
     LookAt(Timestamp),
     /// Not now.
     No,
 }
 
+/// One token axis of one scope, as planned.
+struct Planned {
+    scope: usize,
+    axis: TokenAxis,
+    /// The limit reserved against (lower for a batch request).
+    limit: u32,
+    cost: u32,
+    reading: TokenReading,
+}
+
 struct Plan {
     ready_at: Timestamp,
     tokens_late: bool,
+    /// The total tokens the request could shrink to and fit by its deadline.
     room_by_deadline: u32,
-    tokens: Option<TokenReading>,
-    days: Option<History>,
+    charges: Vec<Planned>,
+    days: Vec<(usize, History)>,
 }
 
+/// One request as the pacer sees it on every look.
+struct Ask<'a> {
+    provider: &'a str,
+    state: &'a Arc<ProviderState>,
+    queue: &'a Arc<Queue>,
+    group: Option<&'a str>,
+    arrived: Timestamp,
+    priority: Priority,
+}
+
+fn cost_of(demand: &dyn Demand) -> Cost {
+    let e = demand.split();
+    Cost {
+        input: e.prompt,
+        output: e.completion,
+    }
+}
+
+fn never() -> Timestamp {
+    Timestamp::from_nanos(u64::MAX)
+}
 impl<S, C> Pacer<S, C>
 where
     S: BudgetStore + 'static,
@@ -305,15 +440,22 @@ where
         source: Arc<dyn LimitsSource>,
         options: PacerOptions,
     ) -> Self {
+        let minute = Duration::from_secs(60);
         Pacer {
             inner: Arc::new(Inner {
                 store,
                 clock,
                 source,
-                tpm: TokenWindow::new("tpm", Duration::from_secs(60), options.token_slot),
+                tpm: TokenWindow::new("tpm", minute, options.token_slot),
+                itpm: TokenWindow::new("itpm", minute, options.token_slot),
+                otpm: TokenWindow::new("otpm", minute, options.token_slot),
                 rpd: SlotWindow::new("rpd", Duration::from_secs(86_400), options.request_slot),
                 rpm_scope: sluice_core::digest(b"sluice-pace/rpm"),
                 providers: parking_lot::Mutex::new(HashMap::new()),
+                holds: parking_lot::Mutex::new(HashMap::new()),
+                days: parking_lot::Mutex::new(HashMap::new()),
+                interactive: parking_lot::Mutex::new(InteractiveLog::default()),
+                batch_pace: parking_lot::Mutex::new(BatchPace::default()),
             }),
         }
     }
@@ -340,22 +482,7 @@ where
 
     fn state(&self, provider: &str) -> Arc<ProviderState> {
         let mut map = self.inner.providers.lock();
-        map.entry(provider.to_owned())
-            .or_insert_with(|| {
-                Arc::new(ProviderState {
-                    gate: tokio::sync::Mutex::new(()),
-                    room: tokio::sync::Notify::new(),
-                    head: parking_lot::Mutex::new(None),
-                    behind: tokio::sync::Notify::new(),
-                    ahead: tokio::sync::Mutex::new(()),
-                    tokens: parking_lot::Mutex::new(SlotCache::default()),
-                    days: parking_lot::Mutex::new(SlotCache::default()),
-                    learned: parking_lot::Mutex::new(Learned::default()),
-                    counters: Counters::default(),
-                    recent: parking_lot::Mutex::new(RecentRequests::default()),
-                })
-            })
-            .clone()
+        map.entry(provider.to_owned()).or_default().clone()
     }
 
     fn rpm_budget(&self, subject: u64, rpm: u32, margin: Duration) -> Budget {
@@ -383,7 +510,8 @@ where
         provider: &str,
         mut estimate: impl Demand,
     ) -> Result<Permit<S, C>, PaceError> {
-        self.acquire_demand(provider, &mut estimate).await
+        self.acquire_with(provider, &mut estimate, &AcquireOptions::default())
+            .await
     }
 
     /// [`Pacer::acquire`] for a request that may be shrunk when
@@ -397,28 +525,93 @@ where
         provider: &str,
         demand: &mut dyn Demand,
     ) -> Result<Permit<S, C>, PaceError> {
+        self.acquire_with(provider, demand, &AcquireOptions::default())
+            .await
+    }
+
+    /// [`Pacer::acquire_demand`] with a model and a priority
+    /// ([`AcquireOptions`]). A request for a model the provider's `models:`
+    /// cover is paced by its group's limits and by the provider-wide ones;
+    /// with several keys it takes the key that can send it soonest
+    /// ([`Permit::key_name`]). A batch request goes only on room that
+    /// interactive requests leave, and never while one waits.
+    ///
+    /// ```
+    /// use sluice_client::config::{ModelLimits, PaceConfig, ProviderConfig, ProviderLimits};
+    /// use sluice_client::tokens::TokenEstimate;
+    /// use sluice_client::{AcquireOptions, Pacer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// let openai = ProviderConfig::new("openai", "https://api.openai.com/v1", ProviderLimits::new(0, 0, 0))
+    ///     .with_models([ModelLimits::new("gpt-4o-mini*", ProviderLimits::new(1_000, 0, 0))]);
+    /// let pacer = Pacer::from_config(PaceConfig::from_providers([openai]));
+    /// let mini = AcquireOptions::default().model("gpt-4o-mini");
+    /// let mut ask = TokenEstimate { prompt: 600, completion: 300 };
+    /// let permit = pacer.acquire_with("openai", &mut ask, &mini).await.unwrap();
+    /// assert_eq!(permit.group(), Some("gpt-4o-mini*"));
+    /// // The model's 1,000 tokens a minute are spent; another model is not held.
+    /// let other = AcquireOptions::default().model("gpt-4o");
+    /// assert!(pacer.acquire_with("openai", &mut ask, &other).await.unwrap().waited().is_zero());
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Pacer::acquire`].
+    pub async fn acquire_with(
+        &self,
+        provider: &str,
+        demand: &mut dyn Demand,
+        options: &AcquireOptions,
+    ) -> Result<Permit<S, C>, PaceError> {
         let arrived = self.inner.clock.now();
-        if self.config().provider(provider).is_none() {
+        let config = self.config();
+        let Some(p) = config.provider(provider) else {
             return Err(PaceError::UnknownProvider {
                 provider: provider.to_owned(),
             });
-        }
+        };
+        let model = options.model.as_deref().or_else(|| demand.model());
+        let group = group_of(p, model).map(str::to_owned);
         let state = self.state(provider);
+        let queue = state.queue(group.as_deref().unwrap_or(""));
+        let ask = Ask {
+            provider,
+            state: &state,
+            queue: &queue,
+            group: group.as_deref(),
+            arrived,
+            priority: options.priority,
+        };
+        match options.priority {
+            Priority::Interactive => {
+                let _waiting = Waiting::new(&state);
+                self.acquire_interactive(&ask, demand).await
+            }
+            Priority::Batch => self.acquire_batch(&ask, demand).await,
+        }
+    }
+
+    async fn acquire_interactive(
+        &self,
+        ask: &Ask<'_>,
+        demand: &mut dyn Demand,
+    ) -> Result<Permit<S, C>, PaceError> {
         let mut shrink_tried = false;
         // Refuse a request that can never fit before it queues.
-        self.check_size(provider, &state, demand, &mut shrink_tried)?;
+        self.check_size(ask, demand, &mut shrink_tried)?;
         // First come, first served: the gate is fair. While its turn has not
         // come, a request goes ahead of the one waiting at the head when it
         // fits now and the head still goes when it planned to.
-        let turn = state.gate.lock();
+        let turn = ask.queue.gate.lock();
         tokio::pin!(turn);
         let _turn = loop {
-            let look_again = match self.try_ahead(provider, &state, demand, arrived).await? {
-                Ahead::Went(permit) => return Ok(permit),
+            let look_again = match self.try_ahead(ask, demand).await? {
+                Ahead::Went(permit) => return Ok(*permit),
                 Ahead::LookAt(t) => t.saturating_since(self.inner.clock.now()).min(MAX_SLEEP),
                 Ahead::No => MAX_SLEEP,
             };
-            let behind = state.behind.notified();
+            let behind = ask.queue.behind.notified();
             tokio::select! {
                 biased;
                 turn = &mut turn => break turn,
@@ -426,24 +619,17 @@ where
                 () = tokio::time::sleep(look_again) => {}
             }
         };
-        let head = HeadGuard(&state);
+        let head = HeadGuard(ask.queue);
         loop {
-            let p = self.check_size(provider, &state, demand, &mut shrink_tried)?;
-            let config = self.config();
-            let margin = config.pacer.arrival_margin;
-            let subject = subject_of(&p);
+            let p = self.check_size(ask, demand, &mut shrink_tried)?;
             let now = self.inner.clock.now();
-            let deadline = arrived.saturating_add(p.max_wait);
-            let tokens = demand.tokens();
-            let plan = self
-                .plan(&state, &p, subject, margin, tokens, now, deadline)
-                .await?;
+            let deadline = ask.arrived.saturating_add(p.max_wait);
+            let cost = cost_of(demand);
+            let routes = routes(&p, ask.group);
+            let (i, plan) = self.best(&routes, cost, now, deadline, None).await?;
             if plan.ready_at <= now {
-                if let Some(permit) = self
-                    .try_reserve(provider, &state, &p, subject, margin, tokens, &plan)
-                    .await?
-                {
-                    return Ok(self.admitted(&state, permit, arrived, now));
+                if let Some(permit) = self.try_reserve(ask, &p, &routes[i], cost, &plan).await? {
+                    return Ok(self.admitted(ask, &routes[i], permit, now, cost));
                 }
                 // Another process spent first: look again shortly.
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -453,44 +639,126 @@ where
                 if p.shrink && !shrink_tried && plan.tokens_late {
                     shrink_tried = true;
                     if demand.shrink_to(plan.room_by_deadline) {
-                        state.counters.add(SHRUNK, 1);
+                        ask.state.counters.add(SHRUNK, 1);
                         continue;
                     }
                 }
-                state.counters.add(WOULD_WAIT, 1);
+                ask.state.counters.add(WOULD_WAIT, 1);
                 return Err(PaceError::WouldWait {
-                    provider: provider.to_owned(),
+                    provider: ask.provider.to_owned(),
                     wait: plan.ready_at.saturating_since(now),
                     max_wait: p.max_wait,
                 });
             }
             head.publish(Head {
                 ready_at: plan.ready_at,
-                tokens,
+                route: i,
+                cost,
             });
             let sleep = plan.ready_at.saturating_since(now).min(MAX_SLEEP);
             // Room given back by an answer's usage (or a refusal) may come
             // before the planned instant: look again as soon as it does.
             tokio::select! {
                 () = tokio::time::sleep(sleep) => {}
-                () = state.room.notified() => {}
+                () = ask.queue.room.notified() => {}
             }
         }
     }
 
-    /// Counts `permit`, reserved at `now` for a request that arrived at
-    /// `arrived`, and gives it its wait.
+    /// A batch request: first come, first served among batch requests; it
+    /// goes only while no interactive request of the provider waits, and
+    /// only on room that leaves each budget the interactive tokens of the
+    /// last window plus the largest of them.
+    async fn acquire_batch(
+        &self,
+        ask: &Ask<'_>,
+        demand: &mut dyn Demand,
+    ) -> Result<Permit<S, C>, PaceError> {
+        let mut shrink_tried = false;
+        self.check_size(ask, demand, &mut shrink_tried)?;
+        let _turn = ask.queue.batch_gate.lock().await;
+        loop {
+            let p = self.check_size(ask, demand, &mut shrink_tried)?;
+            let now = self.inner.clock.now();
+            let deadline = ask.arrived.saturating_add(p.max_wait);
+            let cost = cost_of(demand);
+            let routes = routes(&p, ask.group);
+            let wake = ask.state.batch_wake.notified();
+            let room = ask.queue.room.notified();
+            let mut sleep = MAX_SLEEP;
+            if ask.state.interactive_waiting.load(Ordering::SeqCst) == 0 {
+                let (i, plan) = self
+                    .best(&routes, cost, now, deadline, Some(p.interactive_reserve))
+                    .await?;
+                if plan.ready_at <= now {
+                    if let Some(permit) = self.try_reserve(ask, &p, &routes[i], cost, &plan).await?
+                    {
+                        return Ok(self.admitted(ask, &routes[i], permit, now, cost));
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    continue;
+                }
+                sleep = plan.ready_at.saturating_since(now).min(MAX_SLEEP);
+            }
+            // Would it be in time with the whole limits?
+            let (_, whole) = self.best(&routes, cost, now, deadline, None).await?;
+            if whole.ready_at > deadline || now >= deadline {
+                if p.shrink && !shrink_tried && whole.tokens_late {
+                    shrink_tried = true;
+                    if demand.shrink_to(whole.room_by_deadline) {
+                        ask.state.counters.add(SHRUNK, 1);
+                        continue;
+                    }
+                }
+                ask.state.counters.add(WOULD_WAIT, 1);
+                return Err(PaceError::WouldWait {
+                    provider: ask.provider.to_owned(),
+                    wait: whole
+                        .ready_at
+                        .max(now.saturating_add(MAX_SLEEP))
+                        .saturating_since(now),
+                    max_wait: p.max_wait,
+                });
+            }
+            let sleep = sleep
+                .min(deadline.saturating_since(now))
+                .max(Duration::from_millis(1));
+            tokio::select! {
+                () = tokio::time::sleep(sleep) => {}
+                () = wake => {}
+                () = room => {}
+            }
+        }
+    }
+
+    /// Counts `permit`, reserved at `now` for `ask`, and gives it its wait.
     fn admitted(
         &self,
-        state: &ProviderState,
+        ask: &Ask<'_>,
+        route: &Route,
         permit: Permit<S, C>,
-        arrived: Timestamp,
         now: Timestamp,
+        cost: Cost,
     ) -> Permit<S, C> {
-        let waited = now.saturating_since(arrived);
-        let c = &state.counters;
+        let waited = now.saturating_since(ask.arrived);
+        let c = &ask.state.counters;
         c.add(ADMITTED, 1);
-        state.recent.lock().add(now.as_secs());
+        if ask.priority == Priority::Batch {
+            c.add(BATCH, 1);
+            let span = Duration::from_secs(60) + self.config().pacer.arrival_margin;
+            let mut pace = self.inner.batch_pace.lock();
+            for s in &route.scopes {
+                for (axis, limit) in s.token_axes(cost) {
+                    pace.spend(s.subject, axis, cost.on(axis), limit, span, now);
+                }
+            }
+        } else {
+            let mut log = self.inner.interactive.lock();
+            for s in &route.scopes {
+                log.record(s.subject, now, cost);
+            }
+        }
+        ask.state.recent.lock().add(now.as_secs());
         if !waited.is_zero() {
             c.add(WAITED, 1);
             c.add(
@@ -501,10 +769,11 @@ where
         permit.with_waited(waited)
     }
 
-    /// Reserves for a request behind the head of `provider`'s queue when it
+    /// Reserves for a request behind the head of its queue when it
     /// fits now and leaves the head's plan as it is: the tokens of both fit
     /// by the head's instant, the request spacing still lets the head go
-    /// then, and the day has room for both. A large request waiting for room
+    /// then, and the day has room for both (or it goes with another key
+    /// than the head's). A large request waiting for room
     /// no longer leaves the room that builds up before it unused (smaller
     /// ones behind it take it), and is never delayed by them. Within this
     /// process: other processes sharing the books do not see the head.
@@ -513,39 +782,34 @@ where
     /// As [`Pacer::acquire`].
     async fn try_ahead(
         &self,
-        provider: &str,
-        state: &Arc<ProviderState>,
+        ask: &Ask<'_>,
         demand: &mut dyn Demand,
-        arrived: Timestamp,
     ) -> Result<Ahead<S, C>, PaceError> {
-        let Some(head) = *state.head.lock() else {
+        let Some(head) = *ask.queue.head.lock() else {
             return Ok(Ahead::No);
         };
-        let Ok(_one) = state.ahead.try_lock() else {
+        let Ok(_one) = ask.queue.ahead.try_lock() else {
             return Ok(Ahead::No);
         };
         let config = self.config();
-        let Some(p) = config.provider(provider) else {
+        let Some(p) = config.provider(ask.provider) else {
             return Ok(Ahead::No);
         };
-        let l = p.limits;
-        let tokens = demand.tokens();
+        let cost = cost_of(demand);
         let now = self.inner.clock.now();
         let margin = config.pacer.arrival_margin;
-        if l.tpm == 0 || tokens == 0 || head.ready_at <= now || tokens > l.tpm {
+        let routes = routes(p, ask.group);
+        let has_tokens = routes
+            .iter()
+            .any(|r| r.scopes.iter().any(|s| s.token_axes(cost).next().is_some()));
+        let fits = routes
+            .iter()
+            .any(|r| r.scopes.iter().all(|s| cost.total() <= s.total_room(cost)));
+        if !has_tokens || cost.total() == 0 || head.ready_at <= now || !fits {
             return Ok(Ahead::No);
         }
-        if l.rpm > 0 {
-            let spacing = (Duration::from_secs(60) + margin) / l.rpm;
-            if now.saturating_add(spacing) > head.ready_at {
-                return Ok(Ahead::No);
-            }
-        }
-        let subject = subject_of(p);
-        let deadline = arrived.saturating_add(p.max_wait);
-        let plan = self
-            .plan(state, p, subject, margin, tokens, now, deadline)
-            .await?;
+        let deadline = ask.arrived.saturating_add(p.max_wait);
+        let (i, plan) = self.best(&routes, cost, now, deadline, None).await?;
         if plan.ready_at > now {
             return Ok(if plan.ready_at < head.ready_at {
                 Ahead::LookAt(plan.ready_at)
@@ -553,65 +817,93 @@ where
                 Ahead::No
             });
         }
-        if let Some(days) = &plan.days
-            && days.room_at(l.rpd, 2, now).is_none_or(|t| t > now)
-        {
-            return Ok(Ahead::No);
+        let route = &routes[i];
+        if i == head.route {
+            for s in &route.scopes {
+                if s.limits.rpm > 0 {
+                    let spacing = (Duration::from_secs(60) + margin) / s.limits.rpm;
+                    if now.saturating_add(spacing) > head.ready_at {
+                        return Ok(Ahead::No);
+                    }
+                }
+            }
+            for (k, days) in &plan.days {
+                if days
+                    .room_at(route.scopes[*k].limits.rpd, 2, now)
+                    .is_none_or(|t| t > now)
+                {
+                    return Ok(Ahead::No);
+                }
+            }
+            for c in &plan.charges {
+                let both = self
+                    .inner
+                    .window(c.axis)
+                    .plan(
+                        &self.inner.store,
+                        route.scopes[c.scope].subject,
+                        now,
+                        margin,
+                        c.limit,
+                        head.cost.on(c.axis).saturating_add(c.cost),
+                        head.ready_at,
+                    )
+                    .await?;
+                if both.ready_at().is_none_or(|t| t > head.ready_at) {
+                    return Ok(Ahead::No);
+                }
+            }
         }
-        let both = self
-            .inner
-            .tpm
-            .plan(
-                &self.inner.store,
-                subject,
-                now,
-                margin,
-                l.tpm,
-                head.tokens.saturating_add(tokens),
-                head.ready_at,
-            )
-            .await?;
-        if both.ready_at().is_none_or(|t| t > head.ready_at) {
-            return Ok(Ahead::No);
-        }
-        Ok(
-            match self
-                .try_reserve(provider, state, p, subject, margin, tokens, &plan)
-                .await?
-            {
-                Some(permit) => Ahead::Went(self.admitted(state, permit, arrived, now)),
-                None => Ahead::No,
-            },
-        )
+        Ok(match self.try_reserve(ask, p, route, cost, &plan).await? {
+            Some(permit) => Ahead::Went(Box::new(self.admitted(ask, route, permit, now, cost))),
+            None => Ahead::No,
+        })
     }
 
     fn check_size(
         &self,
-        provider: &str,
-        state: &ProviderState,
+        ask: &Ask<'_>,
         demand: &mut dyn Demand,
         shrink_tried: &mut bool,
     ) -> Result<ProviderConfig, PaceError> {
         let config = self.config();
-        let Some(p) = config.provider(provider) else {
+        let Some(p) = config.provider(ask.provider) else {
             return Err(PaceError::UnknownProvider {
-                provider: provider.to_owned(),
+                provider: ask.provider.to_owned(),
             });
         };
-        let tpm = p.limits.tpm;
-        if tpm > 0 && demand.tokens() > tpm {
+        let routes = routes(p, ask.group);
+        // The most total tokens a request of this shape fits on its best
+        // route (0: none, the completion budget alone is too large).
+        let room = |cost: Cost| {
+            routes
+                .iter()
+                .map(|r| {
+                    r.scopes
+                        .iter()
+                        .map(|s| s.total_room(cost))
+                        .min()
+                        .unwrap_or(u32::MAX)
+                })
+                .max()
+                .unwrap_or(u32::MAX)
+        };
+        let cost = cost_of(demand);
+        if cost.total() > room(cost) {
             if p.shrink && !*shrink_tried {
                 *shrink_tried = true;
-                if demand.shrink_to(tpm) {
-                    state.counters.add(SHRUNK, 1);
+                if demand.shrink_to(room(cost)) {
+                    ask.state.counters.add(SHRUNK, 1);
                 }
             }
-            if demand.tokens() > tpm {
-                state.counters.add(TOO_LARGE, 1);
+            let cost = cost_of(demand);
+            let limit = room(cost);
+            if cost.total() > limit {
+                ask.state.counters.add(TOO_LARGE, 1);
                 return Err(PaceError::TooLarge {
-                    provider: provider.to_owned(),
-                    estimated: demand.tokens(),
-                    limit: tpm,
+                    provider: ask.provider.to_owned(),
+                    estimated: cost.total(),
+                    limit,
                     shrink: p.shrink,
                 });
             }
@@ -619,65 +911,125 @@ where
         Ok(p.clone())
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn plan(
+    /// The route that can send `cost` soonest and its plan (the first of
+    /// equals).
+    async fn best(
         &self,
-        state: &ProviderState,
-        p: &ProviderConfig,
-        subject: u64,
-        margin: Duration,
-        tokens: u32,
+        routes: &[Route],
+        cost: Cost,
         now: Timestamp,
         deadline: Timestamp,
+        batch: Option<Duration>,
+    ) -> Result<(usize, Plan), PaceError> {
+        let mut best: Option<(usize, Plan)> = None;
+        for (i, r) in routes.iter().enumerate() {
+            let plan = self.plan(r, cost, now, deadline, batch).await?;
+            let ready = plan.ready_at;
+            if best.as_ref().is_none_or(|(_, b)| ready < b.ready_at) {
+                best = Some((i, plan));
+            }
+            if ready <= now {
+                break;
+            }
+        }
+        // `routes` is never empty: a provider has its own key or its keys.
+        best.ok_or(PaceError::UnknownProvider {
+            provider: String::new(),
+        })
+    }
+
+    async fn plan(
+        &self,
+        route: &Route,
+        cost: Cost,
+        now: Timestamp,
+        deadline: Timestamp,
+        batch: Option<Duration>,
     ) -> Result<Plan, PaceError> {
-        let l = p.limits;
+        let margin = self.config().pacer.arrival_margin;
         let mut ready_at = now;
         let mut tokens_at = now;
         let mut room_by_deadline = u32::MAX;
-        let mut tokens_history = None;
-        if let Some(h) = state.learned.lock().hold_until
-            && h > ready_at
-        {
-            ready_at = h;
-        }
-        if l.tpm > 0 && tokens > 0 {
-            let h = self
-                .inner
-                .tpm
-                .plan(
-                    &self.inner.store,
-                    subject,
-                    now,
-                    margin,
-                    l.tpm,
-                    tokens,
-                    deadline,
-                )
-                .await?;
-            tokens_at = h.ready_at().unwrap_or(Timestamp::from_nanos(u64::MAX));
-            room_by_deadline = h.room_by_deadline();
-            tokens_history = Some(h);
-        }
-        let mut days = None;
-        if l.rpd > 0 {
-            let h = self
-                .inner
-                .rpd
-                .read(&self.inner.store, subject, &state.days, now, margin)
-                .await?;
-            if let Some(t) = h.room_at(l.rpd, 1, now) {
-                ready_at = ready_at.max(t);
+        let mut charges = Vec::new();
+        let mut days = Vec::new();
+        for s in &route.scopes {
+            if let Some(h) = self.inner.hold_of(s.subject) {
+                ready_at = ready_at.max(h);
             }
-            days = Some(h);
         }
-        if l.rpm > 0 {
-            let d = self
-                .inner
-                .store
-                .peek(&[self.rpm_budget(subject, l.rpm, margin)])
-                .await?;
-            if let Some(wait) = d.retry_after() {
-                ready_at = ready_at.max(now.saturating_add(wait));
+        for (k, s) in route.scopes.iter().enumerate() {
+            for (axis, limit) in s.token_axes(cost) {
+                let c = cost.on(axis);
+                let limit = if let Some(reserve_ahead) = batch {
+                    // Batch tokens go at the budget's own rate (so that room
+                    // comes back evenly, never in a burst interactive
+                    // requests would wait behind), on what interactive
+                    // requests leave.
+                    let paced = self.inner.batch_pace.lock().ready_at(s.subject, axis);
+                    let burst = u64::try_from(BATCH_BURST.as_nanos()).unwrap_or(u64::MAX);
+                    tokens_at = tokens_at.max(Timestamp::from_nanos(
+                        paced.as_nanos().saturating_sub(burst),
+                    ));
+                    let (reserve, clear) = self
+                        .batch_room(s.subject, axis, (limit, c), now, margin, reserve_ahead)
+                        .await?;
+                    if !clear {
+                        tokens_at = tokens_at.max(now.saturating_add(BATCH_LOOK));
+                    }
+                    limit.saturating_sub(reserve)
+                } else {
+                    limit
+                };
+                let h = self
+                    .inner
+                    .window(axis)
+                    .plan(
+                        &self.inner.store,
+                        s.subject,
+                        now,
+                        margin,
+                        limit,
+                        c,
+                        deadline,
+                    )
+                    .await?;
+                tokens_at = tokens_at.max(h.ready_at().unwrap_or_else(never));
+                let room = h.room_by_deadline();
+                room_by_deadline = room_by_deadline.min(match axis {
+                    TokenAxis::Total => room,
+                    TokenAxis::Input => room.saturating_add(cost.output),
+                    TokenAxis::Output if room >= c => u32::MAX,
+                    TokenAxis::Output => 0,
+                });
+                charges.push(Planned {
+                    scope: k,
+                    axis,
+                    limit,
+                    cost: c,
+                    reading: h,
+                });
+            }
+            if s.limits.rpd > 0 {
+                let cache = self.inner.day_cache(s.subject);
+                let h = self
+                    .inner
+                    .rpd
+                    .read(&self.inner.store, s.subject, &cache, now, margin)
+                    .await?;
+                if let Some(t) = h.room_at(s.limits.rpd, 1, now) {
+                    ready_at = ready_at.max(t);
+                }
+                days.push((k, h));
+            }
+            if s.limits.rpm > 0 {
+                let d = self
+                    .inner
+                    .store
+                    .peek(&[self.rpm_budget(s.subject, s.limits.rpm, margin)])
+                    .await?;
+                if let Some(wait) = d.retry_after() {
+                    ready_at = ready_at.max(now.saturating_add(wait));
+                }
             }
         }
         let tokens_late = tokens_at > deadline && ready_at <= deadline;
@@ -685,38 +1037,89 @@ where
             ready_at: ready_at.max(tokens_at),
             tokens_late,
             room_by_deadline,
-            tokens: tokens_history,
+            charges,
             days,
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// What a batch request of `cost` tokens leaves on `subject`'s `axis`
+    /// (of `limit`) for interactive requests: the largest interactive
+    /// request of the window, held back now (returned, to reserve against);
+    /// and whether, at every horizon until the batch tokens leave the
+    /// window, the tokens still counted then leave room for the interactive
+    /// ones that come by then at their rate over the window, plus
+    /// `reserve_ahead` more of them (`interactiveReserveSeconds`; false: wait).
+    /// Until the window turns over (as after a start), nothing leaves it, so
+    /// this holds back what interactive requests will need meanwhile.
+    async fn batch_room(
+        &self,
+        subject: u64,
+        axis: TokenAxis,
+        (limit, cost): (u32, u32),
+        now: Timestamp,
+        margin: Duration,
+        reserve_ahead: Duration,
+    ) -> Result<(u32, bool), PaceError> {
+        let span = Duration::from_secs(60) + margin;
+        let (per_sec, largest) = self
+            .inner
+            .interactive
+            .lock()
+            .demand(subject, axis, now, span);
+        if largest == 0 {
+            return Ok((0, true));
+        }
+        let still = self
+            .inner
+            .window(axis)
+            .ahead(&self.inner.store, subject, margin, &BATCH_HORIZONS)
+            .await?;
+        let clear = BATCH_HORIZONS.iter().zip(still).all(|(h, still)| {
+            let coming =
+                per_sec * (h.as_secs_f64() + reserve_ahead.as_secs_f64()) + f64::from(largest);
+            still as f64 + f64::from(cost) + coming <= f64::from(limit)
+        });
+        Ok((largest, clear))
+    }
+
     async fn try_reserve(
         &self,
-        provider: &str,
-        state: &Arc<ProviderState>,
+        ask: &Ask<'_>,
         p: &ProviderConfig,
-        subject: u64,
-        margin: Duration,
-        tokens: u32,
+        route: &Route,
+        cost: Cost,
         plan: &Plan,
     ) -> Result<Option<Permit<S, C>>, PaceError> {
-        let l = p.limits;
-        let mut budgets = Vec::with_capacity(3);
-        let mut token_slot = None;
-        let mut day_slot = None;
-        if let Some(h) = &plan.tokens {
-            budgets.push(self.inner.tpm.budget(subject, margin, l.tpm, tokens));
-            token_slot = Some(h.current());
+        let margin = self.config().pacer.arrival_margin;
+        let mut budgets = Vec::with_capacity(MAX_BUDGETS);
+        let mut charges = Vec::with_capacity(plan.charges.len());
+        let mut day_slots = Vec::with_capacity(plan.days.len());
+        for c in &plan.charges {
+            let subject = route.scopes[c.scope].subject;
+            budgets.push(
+                self.inner
+                    .window(c.axis)
+                    .budget(subject, margin, c.limit, c.cost),
+            );
+            charges.push(Charge {
+                subject,
+                axis: c.axis,
+                tokens: c.cost,
+                slot: c.reading.current(),
+                limit: c.axis.limit(&route.scopes[c.scope].limits),
+            });
         }
-        if l.rpm > 0 {
-            budgets.push(self.rpm_budget(subject, l.rpm, margin));
+        for s in &route.scopes {
+            if s.limits.rpm > 0 {
+                budgets.push(self.rpm_budget(s.subject, s.limits.rpm, margin));
+            }
         }
-        if let Some(h) = &plan.days {
+        for (k, h) in &plan.days {
+            let s = &route.scopes[*k];
             let older = h.total() - u64::from(h.current_value());
-            let limit = u32::try_from(u64::from(l.rpd).saturating_sub(older)).unwrap_or(0);
-            budgets.push(self.inner.rpd.cell(subject, h.current(), limit, 1));
-            day_slot = Some(h.current());
+            let limit = u32::try_from(u64::from(s.limits.rpd).saturating_sub(older)).unwrap_or(0);
+            budgets.push(self.inner.rpd.cell(s.subject, h.current(), limit, 1));
+            day_slots.push((s.subject, h.current()));
         }
         let decided_at = if budgets.is_empty() {
             self.inner.clock.now()
@@ -727,28 +1130,60 @@ where
             }
             d.decided_at()
         };
+        let window_at_decision = plan
+            .charges
+            .iter()
+            .map(|c| {
+                (
+                    route.scopes[c.scope].subject,
+                    c.axis,
+                    c.reading.total() + u64::from(c.cost),
+                )
+            })
+            .collect();
         Ok(Some(Permit {
             pacer: self.clone(),
-            state: state.clone(),
-            provider: provider.into(),
-            subject,
-            tokens: if token_slot.is_some() { tokens } else { 0 },
-            token_slot,
-            day_slot,
+            state: ask.state.clone(),
+            provider: ask.provider.into(),
+            group: ask.group.map(Into::into),
+            key_name: route.key_name.clone(),
+            secret: route.secret.clone(),
+            scopes: route.scopes.clone(),
+            reserved: if charges.is_empty() {
+                Cost::default()
+            } else {
+                cost
+            },
+            charges,
+            day_slots,
             decided_at,
-            window_at_decision: plan.tokens.as_ref().map(|h| h.total() + u64::from(tokens)),
+            window_at_decision,
             waited: Duration::ZERO,
             reconcile: p.reconcile,
+            batch: ask.priority == Priority::Batch,
         }))
     }
 
-    /// Holds every request to `provider` for `d` from now (a 429's
-    /// `Retry-After`, a provider saying nothing is left until a reset).
+    /// Holds every request to `provider` for `d` from now, on every key (a
+    /// 429's `Retry-After`, a provider saying nothing is left until a reset).
     pub fn hold(&self, provider: &str, d: Duration) {
-        let until = self.inner.clock.now().saturating_add(d.min(MAX_HOLD));
-        let state = self.state(provider);
-        let mut l = state.learned.lock();
-        l.hold_until = Some(l.hold_until.map_or(until, |h| h.max(until)));
+        let config = self.config();
+        let Some(p) = config.provider(provider) else {
+            return;
+        };
+        for r in routes(p, None) {
+            self.hold_subject(r.scopes[0].subject, d);
+        }
+    }
+
+    /// Holds the budgets of `subject` for `d` from now.
+    pub(crate) fn hold_subject(&self, subject: u64, d: Duration) {
+        let now = self.inner.clock.now();
+        let until = now.saturating_add(d.min(MAX_HOLD));
+        let mut holds = self.inner.holds.lock();
+        holds.retain(|_, t| *t > now);
+        let h = holds.entry(subject).or_insert(until);
+        *h = (*h).max(until);
     }
 
     /// Learns from a provider's rate-limit headers: requests left
@@ -760,23 +1195,37 @@ where
     /// The headers are taken to describe the provider's books now and are
     /// compared with this pacer's books as they stand now. For the answer
     /// to a request this pacer let through, [`Permit::observe`] is exact
-    /// even when the answer took long.
+    /// even when the answer took long, and applies them to the request's
+    /// model and key.
     ///
     /// # Errors
     /// [`PaceError::Store`].
     pub async fn observe(&self, provider: &str, headers: &HeaderMap) -> Result<(), PaceError> {
         let now = self.inner.clock.now();
-        self.learn(provider, headers, now, None).await
+        let config = self.config();
+        let Some(p) = config.provider(provider) else {
+            return Ok(());
+        };
+        let Some(route) = routes(p, None).into_iter().next() else {
+            return Ok(());
+        };
+        self.learn(provider, None, &route.scopes, headers, now, None)
+            .await
     }
 
-    /// Learns from `headers` describing the provider's books at `at`, when
-    /// this pacer's window held `ours_at` tokens (read now when unknown).
-    async fn learn(
+    /// Learns from `headers` describing the provider's books at `at` for
+    /// the budgets `scopes` (the narrowest last), when this pacer's window
+    /// held `ours_at` tokens per (budget, axis) (read now when `None`; an
+    /// axis the request did not reserve on is then not compared: the books
+    /// now are not the books the headers describe).
+    pub(crate) async fn learn(
         &self,
         provider: &str,
+        group: Option<&str>,
+        scopes: &[Scope],
         headers: &HeaderMap,
         at: Timestamp,
-        ours_at: Option<u64>,
+        ours_at: Option<&[(u64, TokenAxis, u64)]>,
     ) -> Result<(), PaceError> {
         let now = self.inner.clock.now();
         let h = RateLimitHeaders::parse(headers, at);
@@ -784,7 +1233,7 @@ where
             return Ok(());
         }
         let config = self.config();
-        let Some(p) = config.provider(provider) else {
+        let Some(narrow) = scopes.last() else {
             return Ok(());
         };
         let state = self.state(provider);
@@ -793,26 +1242,48 @@ where
             l.headers = Some(h);
             l.observed_at = Some(now);
         }
+        if let Some(g) = group {
+            state.learned_by_group.lock().insert(g.to_owned(), (h, now));
+        }
+        // (A limit of 0 is no limit: nothing is held for it.)
         if h.requests.remaining == Some(0)
+            && h.requests.limit != Some(0)
             && let Some(reset) = h.requests.reset
         {
             // The reset counts from when the provider wrote it.
-            self.hold(provider, at.saturating_add(reset).saturating_since(now));
+            self.hold_subject(
+                narrow.subject,
+                at.saturating_add(reset).saturating_since(now),
+            );
         }
-        if p.limits.tpm > 0
-            && let Some(used) = h.tokens.used()
-        {
-            let margin = config.pacer.arrival_margin;
-            let subject = subject_of(p);
-            let hist = self
-                .inner
-                .tpm
-                .read(&self.inner.store, subject, &state.tokens, now, margin)
+        let margin = config.pacer.arrival_margin;
+        for (axis, said) in [
+            (TokenAxis::Total, h.tokens),
+            (TokenAxis::Input, h.input_tokens),
+            (TokenAxis::Output, h.output_tokens),
+        ] {
+            let Some(used) = said.used() else { continue };
+            // The headers describe the narrowest budget that counts the axis.
+            let Some(s) = scopes.iter().rev().find(|s| axis.limit(&s.limits) > 0) else {
+                continue;
+            };
+            let window = self.inner.window(axis);
+            let hist = window
+                .read(&self.inner.store, s.subject, now, margin)
                 .await?;
-            let ours = ours_at.unwrap_or_else(|| hist.total());
+            let ours = match ours_at {
+                None => hist.total(),
+                Some(at) => match at
+                    .iter()
+                    .find(|(subject, a, _)| *subject == s.subject && *a == axis)
+                {
+                    Some(&(_, _, o)) => o,
+                    None => continue,
+                },
+            };
             if used > ours {
-                let foreign = (used - ours).min(u64::from(p.limits.tpm));
-                let cell = self.inner.tpm.cell(subject, hist.current(), u32::MAX, 0);
+                let foreign = (used - ours).min(u64::from(axis.limit(&s.limits)));
+                let cell = window.cell(s.subject, hist.current(), u32::MAX, 0);
                 self.inner
                     .store
                     .adjust(&cell, i64::try_from(foreign).unwrap_or(i64::MAX), now)
@@ -849,29 +1320,97 @@ where
             reconciled: c.get(RECONCILED),
             upstream_429: c.get(UPSTREAM_429),
             retries: c.get(RETRIES),
+            batch: c.get(BATCH),
         }
     }
 
     /// Tokens in `provider`'s current 60 s window (+ margin), as the books
-    /// stand.
+    /// stand (its first key's provider-wide window).
     ///
     /// # Errors
     /// [`PaceError::UnknownProvider`], [`PaceError::Store`].
     pub async fn tokens_in_window(&self, provider: &str) -> Result<u64, PaceError> {
+        self.tokens_of(provider, None, TokenAxis::Total).await
+    }
+
+    /// Tokens in the current window of the budget `model` spends at
+    /// `provider` (its group's, summed over the keys; the provider-wide
+    /// window when no `models:` entry covers it): all tokens, then input
+    /// and output apart.
+    ///
+    /// # Errors
+    /// [`PaceError::UnknownProvider`], [`PaceError::Store`].
+    pub async fn model_tokens(
+        &self,
+        provider: &str,
+        model: &str,
+    ) -> Result<(u64, u64, u64), PaceError> {
         let config = self.config();
         let p = config
             .provider(provider)
             .ok_or_else(|| PaceError::UnknownProvider {
                 provider: provider.to_owned(),
             })?;
-        let state = self.state(provider);
+        let group = group_of(p, Some(model)).map(str::to_owned);
+        drop(config);
+        self.group_tokens(provider, group.as_deref()).await
+    }
+
+    /// Tokens in the current window of the model group `group` at
+    /// `provider` (`None`: the provider-wide window), summed over its keys:
+    /// all tokens, input, output.
+    ///
+    /// # Errors
+    /// [`PaceError::UnknownProvider`], [`PaceError::Store`].
+    pub async fn group_tokens(
+        &self,
+        provider: &str,
+        group: Option<&str>,
+    ) -> Result<(u64, u64, u64), PaceError> {
+        let config = self.config();
+        let p = config
+            .provider(provider)
+            .ok_or_else(|| PaceError::UnknownProvider {
+                provider: provider.to_owned(),
+            })?;
+        let mut out = [0u64; 3];
+        let now = self.inner.clock.now();
+        let margin = config.pacer.arrival_margin;
+        for r in routes(p, group) {
+            let s = r.narrow();
+            for (i, axis) in TokenAxis::ALL.into_iter().enumerate() {
+                let h = self
+                    .inner
+                    .window(axis)
+                    .read(&self.inner.store, s.subject, now, margin)
+                    .await?;
+                out[i] += h.total();
+            }
+        }
+        Ok((out[0], out[1], out[2]))
+    }
+
+    async fn tokens_of(
+        &self,
+        provider: &str,
+        group: Option<&str>,
+        axis: TokenAxis,
+    ) -> Result<u64, PaceError> {
+        let config = self.config();
+        let p = config
+            .provider(provider)
+            .ok_or_else(|| PaceError::UnknownProvider {
+                provider: provider.to_owned(),
+            })?;
+        let Some(route) = routes(p, group).into_iter().next() else {
+            return Ok(0);
+        };
         let h = self
             .inner
-            .tpm
+            .window(axis)
             .read(
                 &self.inner.store,
-                subject_of(p),
-                &state.tokens,
+                route.narrow().subject,
                 self.inner.clock.now(),
                 config.pacer.arrival_margin,
             )
@@ -898,21 +1437,24 @@ where
         };
         let state = self.state(provider);
         let now = self.inner.clock.now();
-        let requests_today = if p.limits.rpd > 0 {
-            let h = self
-                .inner
-                .rpd
-                .read(
-                    &self.inner.store,
-                    subject_of(p),
-                    &state.days,
-                    now,
-                    config.pacer.arrival_margin,
-                )
-                .await?;
-            Some(h.total())
-        } else {
-            None
+        let requests_today = match routes(p, None).first() {
+            Some(r) if p.limits.rpd > 0 => {
+                let subject = r.scopes[0].subject;
+                let cache = self.inner.day_cache(subject);
+                let h = self
+                    .inner
+                    .rpd
+                    .read(
+                        &self.inner.store,
+                        subject,
+                        &cache,
+                        now,
+                        config.pacer.arrival_margin,
+                    )
+                    .await?;
+                Some(h.total())
+            }
+            _ => None,
         };
         let requests_last_minute = state.recent.lock().last_minute(now.as_secs());
         Ok(WindowReading {
@@ -923,39 +1465,61 @@ where
     }
 
     /// The effective limits per provider as JSON (`GET /limits`): the
-    /// config's ([`PaceConfig::limits_json`]) plus, per provider, what its
-    /// headers last said (`learned`) and the pacer's counters (`stats`), and
-    /// the last reload error (`configError`).
+    /// config's ([`PaceConfig::limits_json`], per-model limits and key names
+    /// included, never a key) plus, per provider, what its headers last said
+    /// (`learned`, and per model group under `models.<group>.learned`), the
+    /// pacer's counters (`stats`), and the last reload error (`configError`).
     pub fn limits_json(&self) -> serde_json::Value {
         let config = self.config();
         let mut v = config.limits_json();
         let now = self.inner.clock.now();
+        let learned_json = |h: &RateLimitHeaders, at: Timestamp| {
+            serde_json::json!({
+                "headers": h,
+                "secondsAgo": now.saturating_since(at).as_secs_f64(),
+            })
+        };
         if let Some(map) = v.get_mut("providers").and_then(|m| m.as_object_mut()) {
             for (name, entry) in map.iter_mut() {
                 let state = self.state(name);
-                let l = state.learned.lock();
-                if let Some(obj) = entry.as_object_mut() {
+                let hold = config
+                    .provider(name)
+                    .map(|p| {
+                        routes(p, None)
+                            .iter()
+                            .filter_map(|r| self.inner.hold_of(r.scopes[0].subject))
+                            .max()
+                    })
+                    .unwrap_or_default();
+                let Some(obj) = entry.as_object_mut() else {
+                    continue;
+                };
+                {
+                    let l = state.learned.lock();
                     obj.insert(
                         "learned".into(),
                         match (&l.headers, l.observed_at) {
-                            (Some(h), Some(at)) => serde_json::json!({
-                                "headers": h,
-                                "secondsAgo": now.saturating_since(at).as_secs_f64(),
-                            }),
+                            (Some(h), Some(at)) => learned_json(h, at),
                             _ => serde_json::Value::Null,
                         },
                     );
-                    obj.insert(
-                        "holdSeconds".into(),
-                        serde_json::json!(
-                            l.hold_until
-                                .map(|h| h.saturating_since(now).as_secs_f64())
-                                .unwrap_or(0.0)
-                        ),
-                    );
-                    drop(l);
-                    obj.insert("stats".into(), serde_json::json!(self.stats(name)));
                 }
+                if let Some(models) = obj.get_mut("models").and_then(|m| m.as_object_mut()) {
+                    let by_group = state.learned_by_group.lock();
+                    for (group, m) in models.iter_mut() {
+                        if let (Some(o), Some((h, at))) = (m.as_object_mut(), by_group.get(group)) {
+                            o.insert("learned".into(), learned_json(h, *at));
+                        }
+                    }
+                }
+                obj.insert(
+                    "holdSeconds".into(),
+                    serde_json::json!(
+                        hold.map(|h| h.saturating_since(now).as_secs_f64())
+                            .unwrap_or(0.0)
+                    ),
+                );
+                obj.insert("stats".into(), serde_json::json!(self.stats(name)));
             }
         }
         if let Some(obj) = v.as_object_mut() {
@@ -968,148 +1532,31 @@ where
     }
 }
 
-/// A reservation: the request may go. Reconcile it with the answer's usage,
-/// or cancel it when the provider did not count the request; dropping it
-/// keeps the reservation (the safe side).
-pub struct Permit<S = MemoryStore<TokioClock>, C = TokioClock>
+/// Crate-internal reads of the books, for [`Permit`].
+impl<S, C> Pacer<S, C>
 where
     S: BudgetStore + 'static,
     C: Clock + 'static,
 {
-    pacer: Pacer<S, C>,
-    state: Arc<ProviderState>,
-    provider: Arc<str>,
-    subject: u64,
-    tokens: u32,
-    token_slot: Option<u64>,
-    day_slot: Option<u64>,
-    decided_at: Timestamp,
-    /// Tokens in this pacer's window just after the reservation.
-    window_at_decision: Option<u64>,
-    waited: Duration,
-    reconcile: bool,
-}
-
-impl<S, C> std::fmt::Debug for Permit<S, C>
-where
-    S: BudgetStore + 'static,
-    C: Clock + 'static,
-{
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Permit")
-            .field("provider", &self.provider)
-            .field("tokens", &self.tokens)
-            .field("decided_at", &self.decided_at)
-            .field("waited", &self.waited)
-            .finish()
-    }
-}
-
-impl<S, C> Permit<S, C>
-where
-    S: BudgetStore + 'static,
-    C: Clock + 'static,
-{
-    fn with_waited(mut self, waited: Duration) -> Self {
-        self.waited = waited;
-        self
+    pub(crate) fn window(&self, axis: TokenAxis) -> &TokenWindow {
+        self.inner.window(axis)
     }
 
-    /// The provider.
-    pub fn provider(&self) -> &str {
-        &self.provider
+    pub(crate) fn day_window(&self) -> &SlotWindow {
+        &self.inner.rpd
     }
 
-    /// Tokens reserved.
-    pub fn tokens(&self) -> u32 {
-        self.tokens
+    pub(crate) fn day_cache(&self, subject: u64) -> Arc<parking_lot::Mutex<SlotCache>> {
+        self.inner.day_cache(subject)
     }
 
-    /// How long the request waited for room.
-    pub fn waited(&self) -> Duration {
-        self.waited
-    }
-
-    /// When the reservation was made.
-    pub fn decided_at(&self) -> Timestamp {
-        self.decided_at
-    }
-
-    /// Learns from the rate-limit headers of the answer to this request, as
-    /// [`Pacer::observe`] does, knowing that they describe the provider's
-    /// books when the request arrived: they are compared with this pacer's
-    /// books as they stood when it let the request go, so tokens that left
-    /// the window or were given back while the answer was on its way are
-    /// not taken for another client's, and a reset is counted from the
-    /// request's arrival.
-    ///
-    /// # Errors
-    /// [`PaceError::Store`].
-    pub async fn observe(&self, headers: &HeaderMap) -> Result<(), PaceError> {
-        self.pacer
-            .learn(
-                &self.provider,
-                headers,
-                self.decided_at,
-                self.window_at_decision,
-            )
-            .await
-    }
-
-    /// Replaces the reservation by what the answer actually used: unused
-    /// tokens go back to the window they were reserved in; extra tokens are
-    /// charged now.
-    ///
-    /// # Errors
-    /// [`PaceError::Store`].
-    pub async fn reconcile(self, actual_tokens: u32) -> Result<(), PaceError> {
-        if !self.reconcile {
-            return Ok(());
-        }
-        self.state.counters.add(RECONCILED, 1);
-        self.settle(actual_tokens, false).await
-    }
-
-    /// Gives the whole reservation back (the provider refused the request
-    /// without counting it). The request's place in the RPM spacing is kept.
-    ///
-    /// # Errors
-    /// [`PaceError::Store`].
-    pub async fn cancel(self) -> Result<(), PaceError> {
-        self.settle(0, true).await
-    }
-
-    async fn settle(self, actual: u32, give_back_request: bool) -> Result<(), PaceError> {
-        let inner = &self.pacer.inner;
-        if let Some(slot) = self.token_slot {
-            let delta = i64::from(actual) - i64::from(self.tokens);
-            if delta < 0 {
-                let cell = inner.tpm.cell(self.subject, slot, u32::MAX, 0);
-                inner.store.adjust(&cell, delta, self.decided_at).await?;
-                self.state.tokens.lock().refund(
-                    self.subject,
-                    slot,
-                    u32::try_from(-delta).unwrap_or(u32::MAX),
-                );
-            } else if delta > 0 {
-                let now = inner.clock.now();
-                let cell = inner
-                    .tpm
-                    .cell(self.subject, inner.tpm.slot_of(now), u32::MAX, 0);
-                inner.store.adjust(&cell, delta, now).await?;
-            }
-        }
-        if give_back_request && let Some(slot) = self.day_slot {
-            let cell = inner.rpd.cell(self.subject, slot, u32::MAX, 0);
-            inner.store.adjust(&cell, -1, self.decided_at).await?;
-            self.state.days.lock().refund(self.subject, slot, 1);
-        }
-        if actual < self.tokens || give_back_request {
-            // A waiting request may fit now (a stored wake-up when none
-            // waits costs one extra look later).
-            self.state.room.notify_one();
-            self.state.behind.notify_waiters();
-        }
-        Ok(())
+    /// Batch tokens given back by an answer no longer count toward the
+    /// batch pace.
+    pub(crate) fn batch_refund(&self, c: &Charge, tokens: u32) {
+        let span = Duration::from_secs(60) + self.config().pacer.arrival_margin;
+        self.inner
+            .batch_pace
+            .lock()
+            .refund(c.subject, c.axis, tokens, c.limit, span);
     }
 }

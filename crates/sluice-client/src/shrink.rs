@@ -49,11 +49,29 @@ pub trait Demand: Send {
         let _ = target;
         false
     }
+
+    /// The estimate as input and output (what an ITPM and an OTPM count);
+    /// by default all of it input.
+    fn split(&self) -> TokenEstimate {
+        TokenEstimate {
+            prompt: self.tokens(),
+            completion: 0,
+        }
+    }
+
+    /// The model the request names, if it names one.
+    fn model(&self) -> Option<&str> {
+        None
+    }
 }
 
 impl Demand for TokenEstimate {
     fn tokens(&self) -> u32 {
         self.total()
+    }
+
+    fn split(&self) -> TokenEstimate {
+        *self
     }
 }
 
@@ -129,6 +147,14 @@ impl Demand for PacedRequest {
         self.estimate = estimate(self.style, &self.path, &self.body, &self.opts);
         self.report.get_or_insert_with(ShrinkReport::default).add(r);
         true
+    }
+
+    fn split(&self) -> TokenEstimate {
+        self.estimate
+    }
+
+    fn model(&self) -> Option<&str> {
+        self.body.get("model").and_then(Value::as_str)
     }
 }
 

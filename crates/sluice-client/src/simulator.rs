@@ -16,6 +16,13 @@
 //! ("… Please try again in 1.5s …", `code: rate_limit_exceeded`) and
 //! `x-ratelimit-*` headers (Anthropic's shapes on `/messages`).
 //!
+//! Providers' real limits too: [`SimService::set_models`] /
+//! [`Simulator::set_models`] give models (names or `*` patterns) their own
+//! windows beside the provider-wide ones, as OpenAI limits each model (the
+//! answer's headers then describe the model's limits); `itpm` / `otpm` count
+//! input at arrival and output as the completion budget at arrival,
+//! corrected to what was generated when the answer ends, as Anthropic does.
+//!
 //! A request may carry `x-simulator-latency-ms: N` to take `N` ms instead of
 //! [`SimulatorConfig::latency`] (benchmarks with varied answer times).
 //!
@@ -64,6 +71,12 @@ pub struct SimulatorConfig {
     pub rpm: u32,
     /// Requests per rolling 24 h (0 = unlimited).
     pub rpd: u32,
+    /// Input tokens per rolling 60 s (0 = unlimited), counted at arrival.
+    pub itpm: u32,
+    /// Output tokens per rolling 60 s (0 = unlimited): counted at arrival
+    /// as the completion budget, corrected to what was generated at the end
+    /// (as Anthropic does).
+    pub otpm: u32,
     /// Time before an answer (or its first chunk).
     pub latency: Duration,
     /// Tokens each answer generates (at most the request's `max_tokens`).
@@ -86,6 +99,8 @@ impl Default for SimulatorConfig {
             tpm: 60_000,
             rpm: 500,
             rpd: 0,
+            itpm: 0,
+            otpm: 0,
             latency: Duration::from_millis(50),
             completion_tokens: 100,
             stream_chunks: 5,
@@ -113,6 +128,10 @@ pub struct SimulatorStats {
     pub rpm_violations: u64,
     /// Of those, over the day.
     pub rpd_violations: u64,
+    /// Of those, over the input-token window.
+    pub itpm_violations: u64,
+    /// Of those, over the output-token window.
+    pub otpm_violations: u64,
     /// Streamed answers.
     pub streamed: u64,
     /// Tokens counted at arrival (prompt + completion budget).
@@ -123,6 +142,76 @@ pub struct SimulatorStats {
     pub worst_window_tokens: u64,
     /// The most requests ever counted in one rolling 60 s window.
     pub worst_window_requests: u64,
+    /// Input tokens actually used.
+    pub input_used: u64,
+    /// Output tokens actually generated.
+    pub output_used: u64,
+    /// The most input tokens ever counted in one rolling 60 s window.
+    pub worst_window_input: u64,
+    /// The most output tokens ever counted in one rolling 60 s window.
+    pub worst_window_output: u64,
+}
+
+/// A model's own limits at the simulated provider, enforced besides the
+/// provider-wide ones of [`SimulatorConfig`] (as OpenAI limits each model
+/// and Anthropic each model class): a request whose `model` matches
+/// `pattern` (`*` = any run) must fit both. 0 = no model limit on an axis.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SimModel {
+    /// A model name or pattern.
+    pub pattern: String,
+    /// Tokens per rolling 60 s.
+    pub tpm: u32,
+    /// Requests per rolling 60 s.
+    pub rpm: u32,
+    /// Input tokens per rolling 60 s.
+    pub itpm: u32,
+    /// Output tokens per rolling 60 s.
+    pub otpm: u32,
+}
+
+impl SimModel {
+    /// `pattern` limited to `tpm` tokens and `rpm` requests a minute.
+    pub fn new(pattern: &str, tpm: u32, rpm: u32) -> Self {
+        SimModel {
+            pattern: pattern.to_owned(),
+            tpm,
+            rpm,
+            ..SimModel::default()
+        }
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            tpm: self.tpm,
+            rpm: self.rpm,
+            rpd: 0,
+            itpm: self.itpm,
+            otpm: self.otpm,
+        }
+    }
+}
+
+/// The axes one book is held to.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    tpm: u32,
+    rpm: u32,
+    rpd: u32,
+    itpm: u32,
+    otpm: u32,
+}
+
+impl From<&SimulatorConfig> for Limits {
+    fn from(c: &SimulatorConfig) -> Self {
+        Limits {
+            tpm: c.tpm,
+            rpm: c.rpm,
+            rpd: c.rpd,
+            itpm: c.itpm,
+            otpm: c.otpm,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -130,6 +219,30 @@ struct Entry {
     id: u64,
     at: Timestamp,
     tokens: u64,
+    input: u64,
+    output: u64,
+}
+
+/// One token axis of a book: its name, limit, what a request asks, and
+/// what an entry holds on it.
+type TokenAxis = (&'static str, u32, u64, fn(&Entry) -> u64);
+
+/// What one request counts at arrival.
+#[derive(Clone, Copy, Debug)]
+struct Count {
+    tokens: u64,
+    input: u64,
+    output: u64,
+}
+
+/// Why a book refused a request: the axis's name, when room comes back,
+/// what was used, the limit, what was asked.
+struct Refusal {
+    axis: &'static str,
+    wait: Duration,
+    used: u64,
+    limit: u32,
+    requested: u64,
 }
 
 #[derive(Debug, Default)]
@@ -163,12 +276,138 @@ impl Book {
     fn tokens(&self) -> u64 {
         self.minute.iter().map(|e| e.tokens).sum()
     }
+
+    fn sum(&self, f: fn(&Entry) -> u64) -> u64 {
+        self.minute.iter().map(f).sum()
+    }
+
+    /// Whether `c` fits every axis of `l` at `now`, the first axis over
+    /// otherwise (and counts it).
+    fn refuse(&mut self, l: Limits, c: Count, now: Timestamp) -> Option<Refusal> {
+        let until = |t: Timestamp| t.saturating_add(MINUTE).saturating_since(now);
+        let token_axes: [TokenAxis; 3] = [
+            ("tokens", l.tpm, c.tokens, |e| e.tokens),
+            ("input tokens", l.itpm, c.input, |e| e.input),
+            ("output tokens", l.otpm, c.output, |e| e.output),
+        ];
+        for (axis, limit, asked, of) in token_axes {
+            let used = self.sum(of);
+            if limit > 0 && used + asked > u64::from(limit) {
+                // Room comes back when enough of the oldest entries leave.
+                let mut left = used;
+                let mut wait = MINUTE;
+                for e in &self.minute {
+                    left -= of(e);
+                    if left + asked <= u64::from(limit) {
+                        wait = until(e.at);
+                        break;
+                    }
+                }
+                match axis {
+                    "tokens" => self.stats.tpm_violations += 1,
+                    "input tokens" => self.stats.itpm_violations += 1,
+                    _ => self.stats.otpm_violations += 1,
+                }
+                return Some(Refusal {
+                    axis,
+                    wait,
+                    used,
+                    limit,
+                    requested: asked,
+                });
+            }
+        }
+        let count = self.minute.len() as u64;
+        if l.rpm > 0 && count + 1 > u64::from(l.rpm) {
+            self.stats.rpm_violations += 1;
+            return Some(Refusal {
+                axis: "requests",
+                wait: self.minute.front().map_or(MINUTE, |e| until(e.at)),
+                used: count,
+                limit: l.rpm,
+                requested: 1,
+            });
+        }
+        if l.rpd > 0 && self.day.len() as u64 + 1 > u64::from(l.rpd) {
+            self.stats.rpd_violations += 1;
+            return Some(Refusal {
+                axis: "requests per day",
+                wait: self
+                    .day
+                    .front()
+                    .map_or(DAY, |t| t.saturating_add(DAY).saturating_since(now)),
+                used: self.day.len() as u64,
+                limit: l.rpd,
+                requested: 1,
+            });
+        }
+        None
+    }
+
+    fn record(&mut self, id: u64, c: Count, now: Timestamp) {
+        self.minute.push_back(Entry {
+            id,
+            at: now,
+            tokens: c.tokens,
+            input: c.input,
+            output: c.output,
+        });
+        self.day.push_back(now);
+        self.log.push((now, c.tokens));
+        let st = &mut self.stats;
+        st.admitted += 1;
+        st.tokens_reserved += c.tokens;
+        let (t, i, o) = (
+            self.minute.iter().map(|e| e.tokens).sum::<u64>(),
+            self.minute.iter().map(|e| e.input).sum::<u64>(),
+            self.minute.iter().map(|e| e.output).sum::<u64>(),
+        );
+        let n = self.minute.len() as u64;
+        let st = &mut self.stats;
+        st.worst_window_tokens = st.worst_window_tokens.max(t);
+        st.worst_window_requests = st.worst_window_requests.max(n);
+        st.worst_window_input = st.worst_window_input.max(i);
+        st.worst_window_output = st.worst_window_output.max(o);
+    }
+
+    fn settle(&mut self, reconcile: bool, id: u64, input: u64, output: u64) {
+        self.stats.tokens_used += input + output;
+        self.stats.input_used += input;
+        self.stats.output_used += output;
+        if reconcile && let Some(e) = self.minute.iter_mut().find(|e| e.id == id) {
+            e.tokens = input + output;
+            e.input = input;
+            e.output = output;
+        }
+    }
 }
 
 struct Shared {
     config: parking_lot::Mutex<SimulatorConfig>,
     clock: Arc<dyn Clock>,
     book: parking_lot::Mutex<Book>,
+    /// Models with their own limits, each with its book (locked after
+    /// `book`).
+    models: parking_lot::Mutex<Vec<(SimModel, Book)>>,
+}
+
+impl Shared {
+    fn new(config: SimulatorConfig, clock: Arc<dyn Clock>) -> Self {
+        Shared {
+            config: parking_lot::Mutex::new(config),
+            clock,
+            book: parking_lot::Mutex::new(Book::default()),
+            models: parking_lot::Mutex::new(Vec::new()),
+        }
+    }
+
+    fn model_stats(&self, pattern: &str) -> Option<SimulatorStats> {
+        self.models
+            .lock()
+            .iter()
+            .find(|(m, _)| m.pattern == pattern)
+            .map(|(_, b)| b.stats)
+    }
 }
 
 /// The simulated provider without a socket: a tower service answering in
@@ -189,17 +428,24 @@ impl SimService {
     pub fn new(config: SimulatorConfig, clock: Arc<dyn Clock>) -> Self {
         config.encoding.warm();
         SimService {
-            shared: Arc::new(Shared {
-                config: parking_lot::Mutex::new(config),
-                clock,
-                book: parking_lot::Mutex::new(Book::default()),
-            }),
+            shared: Arc::new(Shared::new(config, clock)),
         }
     }
 
     /// The counters so far.
     pub fn stats(&self) -> SimulatorStats {
         self.shared.book.lock().stats
+    }
+
+    /// Gives these models their own limits (and fresh books) from the next
+    /// request on.
+    pub fn set_models(&self, models: impl IntoIterator<Item = SimModel>) {
+        *self.shared.models.lock() = models.into_iter().map(|m| (m, Book::default())).collect();
+    }
+
+    /// The counters of the model entry `pattern` ([`SimService::set_models`]).
+    pub fn model_stats(&self, pattern: &str) -> Option<SimulatorStats> {
+        self.shared.model_stats(pattern)
     }
 
     /// Arrival time and counted tokens of every admitted request.
@@ -276,11 +522,7 @@ impl Simulator {
         config.encoding.warm();
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
-        let shared = Arc::new(Shared {
-            config: parking_lot::Mutex::new(config),
-            clock,
-            book: parking_lot::Mutex::new(Book::default()),
-        });
+        let shared = Arc::new(Shared::new(config, clock));
         let s = shared.clone();
         let task = tokio::spawn(async move {
             loop {
@@ -326,6 +568,17 @@ impl Simulator {
     pub fn set_config(&self, config: SimulatorConfig) {
         *self.shared.config.lock() = config;
     }
+
+    /// Gives these models their own limits (and fresh books) from the next
+    /// request on.
+    pub fn set_models(&self, models: impl IntoIterator<Item = SimModel>) {
+        *self.shared.models.lock() = models.into_iter().map(|m| (m, Book::default())).collect();
+    }
+
+    /// The counters of the model entry `pattern` ([`Simulator::set_models`]).
+    pub fn model_stats(&self, pattern: &str) -> Option<SimulatorStats> {
+        self.shared.model_stats(pattern)
+    }
 }
 
 impl Drop for Simulator {
@@ -362,93 +615,85 @@ fn fmt_duration(d: Duration) -> String {
 }
 
 struct Verdict {
-    refused: Option<(&'static str, Duration, u64)>,
+    refused: Option<Refusal>,
     id: u64,
+    /// The limits the headers describe: the model's when it has its own.
+    limits: Limits,
     remaining_requests: u64,
     remaining_tokens: u64,
+    remaining_input: u64,
+    remaining_output: u64,
     reset_requests: Duration,
     reset_tokens: Duration,
 }
 
-fn admit(shared: &Shared, cfg: &SimulatorConfig, tokens: u64, now: Timestamp) -> Verdict {
+/// Counts a request of `model` at arrival against the provider-wide book
+/// and, when one of the models matches, that model's book: admitted only
+/// when both have room.
+fn admit(shared: &Shared, cfg: &SimulatorConfig, model: &str, c: Count, now: Timestamp) -> Verdict {
     let mut b = shared.book.lock();
+    let mut models = shared.models.lock();
     b.prune(now);
     b.stats.requests += 1;
-    let used = b.tokens();
-    let count = b.minute.len() as u64;
-    let mut refused = None;
-    let until = |t: Timestamp| t.saturating_add(MINUTE).saturating_since(now);
-    if cfg.tpm > 0 && used + tokens > u64::from(cfg.tpm) {
-        // Room comes back when enough of the oldest entries leave.
-        let mut left = used;
-        let mut wait = MINUTE;
-        for e in &b.minute {
-            left -= e.tokens;
-            if left + tokens <= u64::from(cfg.tpm) {
-                wait = until(e.at);
-                break;
-            }
+    let mut own = models
+        .iter_mut()
+        .find(|(m, _)| crate::config::glob_matches(&m.pattern, model));
+    if let Some((_, mb)) = own.as_mut() {
+        mb.prune(now);
+        mb.stats.requests += 1;
+    }
+    let mut refused = b.refuse(Limits::from(cfg), c, now);
+    if refused.is_none()
+        && let Some((m, mb)) = own.as_mut()
+    {
+        refused = mb.refuse(m.limits(), c, now);
+        if refused.is_some() {
+            mb.stats.violations += 1;
         }
-        refused = Some(("tokens", wait, used));
-        b.stats.tpm_violations += 1;
-    } else if cfg.rpm > 0 && count + 1 > u64::from(cfg.rpm) {
-        let wait = b.minute.front().map_or(MINUTE, |e| until(e.at));
-        refused = Some(("requests", wait, count));
-        b.stats.rpm_violations += 1;
-    } else if cfg.rpd > 0 && b.day.len() as u64 + 1 > u64::from(cfg.rpd) {
-        let wait = b
-            .day
-            .front()
-            .map_or(DAY, |t| t.saturating_add(DAY).saturating_since(now));
-        refused = Some(("requests per day", wait, b.day.len() as u64));
-        b.stats.rpd_violations += 1;
     }
     let id = b.next_id;
     if refused.is_some() {
         b.stats.violations += 1;
     } else {
         b.next_id += 1;
-        b.minute.push_back(Entry {
-            id,
-            at: now,
-            tokens,
-        });
-        b.day.push_back(now);
-        b.log.push((now, tokens));
-        b.stats.admitted += 1;
-        b.stats.tokens_reserved += tokens;
-        let t = b.tokens();
-        let n = b.minute.len() as u64;
-        b.stats.worst_window_tokens = b.stats.worst_window_tokens.max(t);
-        b.stats.worst_window_requests = b.stats.worst_window_requests.max(n);
+        b.record(id, c, now);
+        if let Some((_, mb)) = own.as_mut() {
+            mb.record(id, c, now);
+        }
     }
-    let tokens_now = b.tokens();
+    let (limits, book): (Limits, &Book) = match &own {
+        Some((m, mb)) => (m.limits(), mb),
+        None => (Limits::from(cfg), &b),
+    };
+    let until = |t: Timestamp| t.saturating_add(MINUTE).saturating_since(now);
     Verdict {
         refused,
         id,
-        remaining_requests: u64::from(cfg.rpm).saturating_sub(b.minute.len() as u64),
-        remaining_tokens: u64::from(cfg.tpm).saturating_sub(tokens_now),
-        reset_requests: b.minute.front().map_or(Duration::ZERO, |e| until(e.at)),
-        reset_tokens: b.minute.back().map_or(Duration::ZERO, |e| until(e.at)),
+        limits,
+        remaining_requests: u64::from(limits.rpm).saturating_sub(book.minute.len() as u64),
+        remaining_tokens: u64::from(limits.tpm).saturating_sub(book.tokens()),
+        remaining_input: u64::from(limits.itpm).saturating_sub(book.sum(|e| e.input)),
+        remaining_output: u64::from(limits.otpm).saturating_sub(book.sum(|e| e.output)),
+        reset_requests: book.minute.front().map_or(Duration::ZERO, |e| until(e.at)),
+        reset_tokens: book.minute.back().map_or(Duration::ZERO, |e| until(e.at)),
     }
 }
 
 /// Replaces an admitted request's count by what it used.
-fn settle(shared: &Shared, reconcile: bool, id: u64, used: u64) {
+fn settle(shared: &Shared, reconcile: bool, id: u64, model: &str, input: u64, output: u64) {
     let mut b = shared.book.lock();
-    b.stats.tokens_used += used;
-    if reconcile && let Some(e) = b.minute.iter_mut().find(|e| e.id == id) {
-        e.tokens = used;
+    b.settle(reconcile, id, input, output);
+    let mut models = shared.models.lock();
+    if let Some((_, mb)) = models
+        .iter_mut()
+        .find(|(m, _)| crate::config::glob_matches(&m.pattern, model))
+    {
+        mb.settle(reconcile, id, input, output);
     }
 }
 
-fn rate_headers(
-    r: &mut Response<SimBody>,
-    style: ApiStyle,
-    cfg: &SimulatorConfig,
-    v: &Verdict,
-    now: Timestamp,
-) {
+fn rate_headers(r: &mut Response<SimBody>, style: ApiStyle, v: &Verdict, now: Timestamp) {
+    let cfg = v.limits;
     let h = r.headers_mut();
     let mut put = |k: String, val: String| {
         if let (Ok(k), Ok(val)) = (
@@ -510,6 +755,25 @@ fn rate_headers(
                 "anthropic-ratelimit-tokens-reset".into(),
                 at(v.reset_tokens),
             );
+            for (name, limit, remaining) in [
+                ("input-tokens", cfg.itpm, v.remaining_input),
+                ("output-tokens", cfg.otpm, v.remaining_output),
+            ] {
+                if limit > 0 {
+                    put(
+                        format!("anthropic-ratelimit-{name}-limit"),
+                        limit.to_string(),
+                    );
+                    put(
+                        format!("anthropic-ratelimit-{name}-remaining"),
+                        remaining.to_string(),
+                    );
+                    put(
+                        format!("anthropic-ratelimit-{name}-reset"),
+                        at(v.reset_tokens),
+                    );
+                }
+            }
         }
     }
 }
@@ -594,21 +858,29 @@ async fn answer(
         est
     };
     let now = shared.clock.now();
-    let v = admit(&shared, &cfg, u64::from(est.total()), now);
-    if let Some((axis, wait, used)) = v.refused {
-        let model = json
-            .get("model")
-            .and_then(Value::as_str)
-            .unwrap_or("gpt-4o");
-        let (limit, requested) = if axis == "tokens" {
-            (cfg.tpm, est.total())
-        } else if axis == "requests" {
-            (cfg.rpm, 1)
-        } else {
-            (cfg.rpd, 1)
-        };
+    let model = json
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("gpt-4o")
+        .to_owned();
+    let count = Count {
+        tokens: u64::from(est.total()),
+        input: u64::from(est.prompt),
+        output: u64::from(est.completion),
+    };
+    let v = admit(&shared, &cfg, &model, count, now);
+    if let Some(Refusal {
+        axis,
+        wait,
+        used,
+        limit,
+        requested,
+    }) = v.refused
+    {
         let per = match axis {
             "tokens" => "tokens per min (TPM)",
+            "input tokens" => "input tokens per min (ITPM)",
+            "output tokens" => "output tokens per min (OTPM)",
             "requests" => "requests per min (RPM)",
             _ => "requests per day (RPD)",
         };
@@ -632,30 +904,26 @@ async fn answer(
                 r
             }
         };
-        rate_headers(&mut r, style, &cfg, &v, now);
+        rate_headers(&mut r, style, &v, now);
         return r;
     }
     let completion = cfg.completion_tokens.min(est.completion);
     let used = u64::from(est.prompt) + u64::from(completion);
-    let model = json
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or("gpt-4o")
-        .to_owned();
+    let (input, output) = (u64::from(est.prompt), u64::from(completion));
     if method == Method::GET {
         tokio::time::sleep(cfg.latency).await;
-        settle(&shared, cfg.reconcile, v.id, 0);
+        settle(&shared, cfg.reconcile, v.id, &model, 0, 0);
         let mut r = full(
             StatusCode::OK,
             &json!({"object":"list","data":[{"id":"gpt-4o","object":"model","owned_by":"simulator"}]}),
         );
-        rate_headers(&mut r, style, &cfg, &v, now);
+        rate_headers(&mut r, style, &v, now);
         return r;
     }
     let stream = json.get("stream").and_then(Value::as_bool).unwrap_or(false);
     if !stream {
         tokio::time::sleep(cfg.latency).await;
-        settle(&shared, cfg.reconcile, v.id, used);
+        settle(&shared, cfg.reconcile, v.id, &model, input, output);
         let answer = match style {
             ApiStyle::OpenAi => json!({
                 "id": format!("chatcmpl-sim{}", v.id), "object": "chat.completion",
@@ -673,7 +941,7 @@ async fn answer(
             }),
         };
         let mut r = full(StatusCode::OK, &answer);
-        rate_headers(&mut r, style, &cfg, &v, now);
+        rate_headers(&mut r, style, &v, now);
         return r;
     }
     shared.book.lock().stats.streamed += 1;
@@ -686,6 +954,7 @@ async fn answer(
     let s = shared.clone();
     let id = v.id;
     let prompt = est.prompt;
+    let model_done = model.clone();
     tokio::spawn(async move {
         let send = |v: Value| Bytes::from(format!("data: {v}\n\n"));
         let event = |name: &str, v: Value| Bytes::from(format!("event: {name}\ndata: {v}\n\n"));
@@ -737,7 +1006,7 @@ async fn answer(
         for (i, f) in frames.into_iter().enumerate() {
             if i == last {
                 // The answer is complete when its last event leaves.
-                settle(&s, cfg.reconcile, id, used);
+                settle(&s, cfg.reconcile, id, &model_done, input, output);
             }
             if tx.send(f).await.is_err() {
                 return;
@@ -761,7 +1030,7 @@ async fn answer(
         http::header::CACHE_CONTROL,
         HeaderValue::from_static("no-cache"),
     );
-    rate_headers(&mut r, style, &cfg, &v, now);
+    rate_headers(&mut r, style, &v, now);
     r
 }
 

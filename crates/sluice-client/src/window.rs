@@ -125,8 +125,8 @@ impl TokenWindow {
         self.budget(subject, MAX_MARGIN, limit, cost)
     }
 
-    /// The window as it stands at `now`, in one store call. (`_kept` is the
-    /// slotted window's cache: this window is read whole and keeps nothing.)
+    /// The window as it stands at `now`, in one store call (this window is
+    /// read whole and keeps nothing).
     ///
     /// # Errors
     /// The store's.
@@ -134,7 +134,6 @@ impl TokenWindow {
         &self,
         store: &S,
         subject: u64,
-        _kept: &parking_lot::Mutex<SlotCache>,
         now: Timestamp,
         margin: Duration,
     ) -> Result<TokenReading, StoreError> {
@@ -147,6 +146,31 @@ impl TokenWindow {
             ready_at: Some(now),
             room_by_deadline: u32::MAX,
         })
+    }
+
+    /// Tokens of the window that will still count `ahead[i]` from now, for
+    /// each instant, in one store call (a window shortened by that much,
+    /// read now).
+    ///
+    /// # Errors
+    /// The store's.
+    pub(crate) async fn ahead<S: BudgetStore>(
+        &self,
+        store: &S,
+        subject: u64,
+        margin: Duration,
+        ahead: &[Duration],
+    ) -> Result<Vec<u64>, StoreError> {
+        let span = self.span_millis(margin);
+        let probes: Vec<Budget> = ahead
+            .iter()
+            .map(|h| {
+                let ms = u64::try_from(h.as_millis()).unwrap_or(u64::MAX);
+                self.of_millis(subject, span.saturating_sub(ms).max(1), u32::MAX, 0)
+            })
+            .collect();
+        let d = store.peek(&probes).await?;
+        Ok((0..probes.len()).map(|i| used_of(&d, i)).collect())
     }
 
     /// The window at `now` and what `cost` more tokens under `limit` would
@@ -542,10 +566,7 @@ mod tests {
             )
             .await
             .unwrap();
-        let r = w
-            .read(&store, 1, &Default::default(), now, margin)
-            .await
-            .unwrap();
+        let r = w.read(&store, 1, now, margin).await.unwrap();
         assert_eq!(r.total(), 600);
     }
 }

@@ -293,3 +293,107 @@ async fn c6_reqwest_middleware_paces_and_reconciles() {
     assert_eq!(pacer.stats("sim").admitted, 3);
     assert_eq!(sim.stats().violations, 0);
 }
+
+/// The proxy with models, keys and priorities: the answers say which
+/// budget and key paced them, a request naming no covered model goes by the
+/// provider-wide limits, a bad priority is a 400 sent nowhere, and the
+/// admin side shows per-model limits and key names — never a key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn m1_m3_m4_the_proxy_names_the_budget_and_key_and_shows_no_key() {
+    use sluice_client::simulator::SimModel;
+    let sim = Simulator::start(SimulatorConfig {
+        latency: Duration::from_millis(5),
+        ..SimulatorConfig::default()
+    })
+    .await
+    .unwrap();
+    sim.set_models([SimModel::new("gpt-4o", 10_000, 100)]);
+    let dir = support::temp_dir("models");
+    let file = dir.join("pace.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "providers:\n  sim:\n    baseUrl: {url}\n    rateLimits: {{ tpm: 50000, rpm: 500, rpd: 0 }}\n    apiKeys:\n      - key: ${{SLUICE_MODELS_UNSET_A:-sk-secret-a}}\n        name: team-a\n      - key: sk-secret-b\n        name: team-b\n        rateLimits: {{ tpm: 1000 }}\n    models:\n      gpt-4o: {{ rateLimits: {{ tpm: 10000, rpm: 100 }} }}\n      \"gpt-4o-mini*\": {{ shared: small, rateLimits: {{ tpm: 20000 }} }}\n",
+            url = sim.base_url()
+        ),
+    )
+    .unwrap();
+    let server = ProxyServer::bind(
+        ProxyOptions::new(&file, "127.0.0.1:0".parse().unwrap())
+            .with_admin("127.0.0.1:0".parse().unwrap()),
+    )
+    .await
+    .unwrap();
+    let bound = server.bound();
+    let admin = bound.admin.unwrap();
+    let serving = tokio::spawn(server.serve());
+    let base = format!("http://{}/sim", bound.listen);
+    let client = reqwest::Client::new();
+    let send = |body: Value, priority: Option<&'static str>| {
+        let mut r = client.post(format!("{base}/chat/completions")).json(&body);
+        if let Some(p) = priority {
+            r = r.header("x-sluice-priority", p);
+        }
+        r.send()
+    };
+    let r = send(chat(20), None).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-sluice-budget"], "model=gpt-4o");
+    assert_eq!(r.headers()["x-sluice-key"], "team-a");
+    let _ = r.bytes().await;
+    let mut mini = chat(20);
+    mini["model"] = json!("gpt-4o-mini-2024-07-18");
+    let r = send(mini, Some("batch")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-sluice-budget"], "model=small");
+    let _ = r.bytes().await;
+    let mut none = chat(20);
+    none.as_object_mut().unwrap().remove("model");
+    let r = send(none, None).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-sluice-budget"], "provider");
+    let _ = r.bytes().await;
+    let before = sim.stats().requests;
+    let r = send(chat(20), Some("urgent")).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["error"]["code"], "invalid_priority");
+    assert_eq!(sim.stats().requests, before, "sent nowhere");
+    assert_eq!(sim.stats().violations, 0);
+
+    let mut shown = String::new();
+    for path in ["limits", "status", "dashboard.json", ""] {
+        let r = client
+            .get(format!("http://{admin}/{path}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        shown.push_str(&r.text().await.unwrap());
+    }
+    assert!(!shown.contains("sk-secret"), "a key is shown");
+    let limits: Value = client
+        .get(format!("http://{admin}/dashboard.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let p = &limits["providers"]["sim"];
+    assert_eq!(p["models"]["gpt-4o"]["tpm"], 10_000);
+    assert_eq!(p["models"]["gpt-4o"]["rpm"], 100);
+    assert_eq!(p["models"]["small"]["patterns"][0], "gpt-4o-mini*");
+    assert!(
+        p["models"]["gpt-4o"]["window"]["tokens"].as_u64().unwrap() > 0,
+        "{p}"
+    );
+    assert!(p["models"]["gpt-4o"]["learned"].is_object(), "{p}");
+    assert_eq!(p["apiKeys"][1]["name"], "team-b");
+    assert_eq!(p["apiKeys"][1]["tpm"], 1_000);
+    assert_eq!(p["stats"]["batch"], 1);
+    assert!(shown.contains("Per-model limits") && shown.contains("data-group=\"small\""));
+    assert!(shown.contains("team-b"));
+    serving.abort();
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -194,3 +194,90 @@ async fn simulator_takes_a_request_s_own_latency_from_its_header() {
         TEST_EPOCH.saturating_add(Duration::from_millis(2_600))
     );
 }
+
+fn chat_for(model: &str, max_tokens: u32) -> Value {
+    json!({"model":model,"messages":[{"role":"user","content":"hi"}],"max_tokens":max_tokens})
+}
+
+#[tokio::test(start_paused = true)]
+async fn m1_the_simulator_limits_each_model_apart_and_the_provider_as_a_whole() {
+    use sluice_client::simulator::SimModel;
+    let clock = TokioClock::at(TEST_EPOCH);
+    let cfg = SimulatorConfig {
+        tpm: 250,
+        rpm: 0,
+        completion_tokens: 10,
+        latency: Duration::ZERO,
+        reconcile: false,
+        ..SimulatorConfig::default()
+    };
+    let mut sim = SimService::new(cfg, Arc::new(clock));
+    sim.set_models([
+        SimModel::new("gpt-4o", 100, 0),
+        SimModel::new("gpt-4o-mini*", 200, 0),
+    ]);
+    let (s, h, _) = send(
+        &mut sim,
+        post("/v1/chat/completions", chat_for("gpt-4o", 80)),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    // The headers describe the model's own limits.
+    assert_eq!(
+        RateLimitHeaders::parse(&h, clock.now()).tokens.limit,
+        Some(100)
+    );
+    let (s, _, b) = send(
+        &mut sim,
+        post("/v1/chat/completions", chat_for("gpt-4o", 20)),
+    )
+    .await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "over gpt-4o's own 100");
+    assert!(String::from_utf8_lossy(&b).contains("gpt-4o"));
+    let (s, _, _) = send(
+        &mut sim,
+        post("/v1/chat/completions", chat_for("gpt-4o-mini-x", 140)),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "another model has its own window");
+    let (s, _, _) = send(
+        &mut sim,
+        post("/v1/chat/completions", chat_for("gpt-4o-mini", 20)),
+    )
+    .await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "over the provider's 250");
+    assert_eq!(sim.model_stats("gpt-4o").unwrap().violations, 1);
+    assert_eq!(sim.model_stats("gpt-4o-mini*").unwrap().admitted, 1);
+    assert_eq!(sim.stats().violations, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn m2_the_simulator_counts_input_and_output_apart_like_anthropic() {
+    let clock = TokioClock::at(TEST_EPOCH);
+    let cfg = SimulatorConfig {
+        tpm: 0,
+        rpm: 0,
+        itpm: 1_000,
+        otpm: 100,
+        completion_tokens: 10,
+        latency: Duration::ZERO,
+        reconcile: true,
+        ..SimulatorConfig::default()
+    };
+    let mut sim = SimService::new(cfg, Arc::new(clock));
+    let msg = |max: u32| json!({"model":"claude","max_tokens":max,"messages":[{"role":"user","content":"hi"}]});
+    // The completion budget counts toward output at arrival...
+    let (s, h, _) = send(&mut sim, post("/v1/messages", msg(90))).await;
+    assert_eq!(s, StatusCode::OK);
+    let learned = RateLimitHeaders::parse(&h, clock.now());
+    assert_eq!(learned.output_tokens.limit, Some(100));
+    assert_eq!(learned.input_tokens.limit, Some(1_000));
+    // ...and is corrected to what was generated (10) when the answer ends.
+    let (s, _, _) = send(&mut sim, post("/v1/messages", msg(90))).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, _, b) = send(&mut sim, post("/v1/messages", msg(90))).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "10 + 10 + 90 > 100");
+    assert!(String::from_utf8_lossy(&b).contains("OTPM"));
+    assert_eq!(sim.stats().otpm_violations, 1);
+    assert_eq!(sim.stats().output_used, 20);
+}

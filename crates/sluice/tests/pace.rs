@@ -317,3 +317,52 @@ async fn s3_pace_settings_with_a_token_need_it() {
     .await;
     assert_eq!(with.status, 200, "{}", with.text());
 }
+
+/// `sluice check` on a pacer config with models, keys and itpm/otpm: the
+/// effective limits with key names and no key; and each kind of bad input
+/// (M1–M4) named with its key path, exit 2.
+#[test]
+fn m1_m2_m4_check_names_bad_model_key_and_axis_input() {
+    let dir = std::env::temp_dir().join(format!("sluice-pace-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let run = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).expect("write config");
+        std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .arg("check")
+            .arg(&path)
+            .env_remove("SLUICE_CHECK_UNSET_KEY")
+            .output()
+            .expect("run sluice check")
+    };
+    let ok = run(
+        "ok.yaml",
+        "providers:\n  anthropic:\n    rateLimits: {tpm: 0, itpm: 40000, otpm: 8000}\n    apiKeys:\n      - {key: sk-ant-secret-1, name: prod}\n      - {key: sk-ant-secret-2, rateLimits: {itpm: 1000, otpm: 100}}\n    models:\n      \"claude-*-haiku*\": {rateLimits: {itpm: 100000, otpm: 20000}}\n",
+    );
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(
+        stdout.contains("\"prod\"") && stdout.contains("claude-*-haiku*"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("sk-ant-secret"), "{stdout}");
+    let bad = run(
+        "bad.yaml",
+        "providers:\n  anthropic:\n    rateLimits: {otpm: 8000}\n    apiKeys:\n      - key: ${SLUICE_CHECK_UNSET_KEY}\n    models:\n      \"claude*\": {rateLimits: {itpm: 1, otpm: 1}}\n      \"*haiku\": {rateLimits: {itpm: 2, otpm: 2}}\n",
+    );
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2), "{stderr}");
+    for expected in [
+        "providers.anthropic.rateLimits.otpm",
+        "providers.anthropic.apiKeys[0].key",
+        "SLUICE_CHECK_UNSET_KEY",
+        "`*haiku` and `claude*` can both match one model",
+    ] {
+        assert!(stderr.contains(expected), "{expected}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -17,6 +17,8 @@
 //! ```
 
 mod env;
+mod keys;
+mod models;
 pub mod raw;
 mod shipped;
 mod watch;
@@ -28,7 +30,9 @@ use std::time::Duration;
 
 use http::HeaderName;
 
-pub use raw::{RawConfig, RawLimits, RawOverrides, RawProvider};
+pub use keys::ApiKey;
+pub use models::{ModelLimits, glob_matches, globs_overlap, model_entry};
+pub use raw::{RawApiKey, RawConfig, RawLimits, RawModel, RawOverrides, RawProvider};
 pub use shipped::{SHIPPED_PROVIDERS, ShippedProvider, shipped};
 pub use watch::{ConfigWatcher, LimitsSource, StaticLimits, overrides_path};
 
@@ -42,6 +46,8 @@ pub const DEFAULT_MAX_TOKENS: u32 = 4_096;
 pub const DEFAULT_ARRIVAL_MARGIN: Duration = Duration::from_secs(1);
 /// Default attempts per request (the first included).
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+/// Default time of interactive traffic held back from batch requests.
+pub const DEFAULT_INTERACTIVE_RESERVE: Duration = Duration::from_secs(5);
 /// Default largest request body the proxy reads: 32 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
 
@@ -62,21 +68,50 @@ pub struct ProviderLimits {
     pub rpm: u32,
     /// Requests per day (rolling 24 h).
     pub rpd: u32,
+    /// Input tokens per minute (rolling 60 s), where the provider counts
+    /// input apart (Anthropic's ITPM).
+    pub itpm: u32,
+    /// Output tokens per minute (rolling 60 s), where the provider counts
+    /// output apart (Anthropic's OTPM); the completion budget spends it.
+    pub otpm: u32,
 }
 
 impl ProviderLimits {
     /// `tpm` tokens a minute, `rpm` requests a minute and `rpd` requests a
     /// day; 0 on an axis means unlimited.
     pub const fn new(tpm: u32, rpm: u32, rpd: u32) -> Self {
-        ProviderLimits { tpm, rpm, rpd }
+        ProviderLimits {
+            tpm,
+            rpm,
+            rpd,
+            itpm: 0,
+            otpm: 0,
+        }
+    }
+
+    /// The same limits with `itpm` input and `otpm` output tokens a
+    /// minute (0 = unlimited).
+    ///
+    /// ```
+    /// use sluice_client::config::ProviderLimits;
+    ///
+    /// let l = ProviderLimits::new(0, 50, 0).with_io(40_000, 8_000);
+    /// assert_eq!((l.itpm, l.otpm), (40_000, 8_000));
+    /// ```
+    #[must_use]
+    pub const fn with_io(mut self, itpm: u32, otpm: u32) -> Self {
+        self.itpm = itpm;
+        self.otpm = otpm;
+        self
+    }
+
+    /// Whether no axis is limited.
+    pub const fn is_unlimited(&self) -> bool {
+        self.tpm == 0 && self.rpm == 0 && self.rpd == 0 && self.itpm == 0 && self.otpm == 0
     }
 
     /// No limit on any axis.
-    pub const UNLIMITED: ProviderLimits = ProviderLimits {
-        tpm: 0,
-        rpm: 0,
-        rpd: 0,
-    };
+    pub const UNLIMITED: ProviderLimits = ProviderLimits::new(0, 0, 0);
 }
 
 /// Where a provider's effective limits come from.
@@ -151,6 +186,16 @@ pub struct ProviderConfig {
     pub encoding: Encoding,
     /// Replace the reservation with the answer's `usage` when it ends.
     pub reconcile: bool,
+    /// Per-model limits (`models:`); a request naming a model they cover is
+    /// paced by its group's limits and by [`ProviderConfig::limits`].
+    pub models: Vec<ModelLimits>,
+    /// Batch requests leave room for this long of interactive requests at
+    /// their recent rate (besides the largest one): more keeps interactive
+    /// latency through bursts, less leaves batch jobs more.
+    pub interactive_reserve: Duration,
+    /// Several keys (`apiKeys:`), each with its own limits; empty: the one
+    /// [`ProviderConfig::api_key`] (or none) with [`ProviderConfig::limits`].
+    pub api_keys: Vec<ApiKey>,
 }
 
 impl fmt::Debug for ProviderConfig {
@@ -168,6 +213,9 @@ impl fmt::Debug for ProviderConfig {
             .field("default_max_tokens", &self.default_max_tokens)
             .field("encoding", &self.encoding)
             .field("reconcile", &self.reconcile)
+            .field("interactive_reserve", &self.interactive_reserve)
+            .field("models", &self.models)
+            .field("api_keys", &self.api_keys)
             .finish()
     }
 }
@@ -190,7 +238,29 @@ impl ProviderConfig {
             default_max_tokens: DEFAULT_MAX_TOKENS,
             encoding: Encoding::O200kBase,
             reconcile: true,
+            models: Vec::new(),
+            interactive_reserve: DEFAULT_INTERACTIVE_RESERVE,
+            api_keys: Vec::new(),
         }
+    }
+
+    /// The same provider with per-model limits.
+    #[must_use]
+    pub fn with_models(mut self, models: impl IntoIterator<Item = ModelLimits>) -> Self {
+        self.models = models.into_iter().collect();
+        self
+    }
+
+    /// The same provider with several keys, each with its own limits.
+    #[must_use]
+    pub fn with_api_keys(mut self, keys: impl IntoIterator<Item = ApiKey>) -> Self {
+        self.api_keys = keys.into_iter().collect();
+        self
+    }
+
+    /// The `models:` entry governing `model`, if any (see [`model_entry`]).
+    pub fn model(&self, model: &str) -> Option<&ModelLimits> {
+        model_entry(&self.models, model)
     }
 
     /// A provider sluice ships: its base URL, API style and conservative
@@ -313,14 +383,40 @@ impl PaceConfig {
                         "source": p.origin,
                         "baseUrl": p.base_url,
                         "style": p.style,
+                        "itpm": p.limits.itpm,
+                        "otpm": p.limits.otpm,
                         "shrink": p.shrink,
                         "maxWaitSeconds": p.max_wait.as_secs_f64(),
+                        "models": models_json(p),
+                        "apiKeys": p.api_keys.iter().map(|k| serde_json::json!({
+                            "name": k.name,
+                            "tpm": k.limits.tpm, "rpm": k.limits.rpm, "rpd": k.limits.rpd,
+                            "itpm": k.limits.itpm, "otpm": k.limits.otpm,
+                        })).collect::<Vec<_>>(),
                     }),
                 )
             })
             .collect();
         serde_json::json!({ "providers": providers })
     }
+}
+
+/// `models` of `/limits`: per group, its patterns and limits.
+fn models_json(p: &ProviderConfig) -> serde_json::Value {
+    let mut groups = serde_json::Map::new();
+    for m in &p.models {
+        let entry = groups.entry(m.group.clone()).or_insert_with(|| {
+            serde_json::json!({
+                "patterns": [],
+                "tpm": m.limits.tpm, "rpm": m.limits.rpm, "rpd": m.limits.rpd,
+                "itpm": m.limits.itpm, "otpm": m.limits.otpm,
+            })
+        });
+        if let Some(list) = entry.get_mut("patterns").and_then(|l| l.as_array_mut()) {
+            list.push(serde_json::json!(m.pattern));
+        }
+    }
+    serde_json::Value::Object(groups)
 }
 
 /// One thing wrong with a pace config, at a key path such as
@@ -457,8 +553,18 @@ fn apply_overrides(config: &mut PaceConfig, text: &str, file: &Path) -> Result<(
             continue;
         };
         let limits = check_limits(&path, Some(&o.rate_limits), None, &mut problems);
-        if let Some(l) = limits {
+        if let Some(mut l) = limits {
+            // A file written before the input/output axes keeps the config's.
+            if o.rate_limits.itpm.is_none() {
+                l.itpm = p.limits.itpm;
+            }
+            if o.rate_limits.otpm.is_none() {
+                l.otpm = p.limits.otpm;
+            }
             p.limits = l;
+            for k in &mut p.api_keys {
+                k.follow(l);
+            }
             p.origin = LimitsOrigin::Settings;
         }
     }
@@ -506,6 +612,8 @@ fn check_limits(
         tpm: axis("tpm", r.tpm, fallback.map(|f| f.tpm)),
         rpm: axis("rpm", r.rpm, fallback.map(|f| f.rpm)),
         rpd: axis("rpd", r.rpd, fallback.map(|f| f.rpd)),
+        itpm: axis("itpm", r.itpm, Some(fallback.map_or(0, |f| f.itpm))),
+        otpm: axis("otpm", r.otpm, Some(fallback.map_or(0, |f| f.otpm))),
     };
     ok.then_some(limits)
 }
@@ -670,6 +778,40 @@ fn check_provider(
             Encoding::O200kBase
         }),
     };
+    check_io(
+        &format!("{base}.rateLimits"),
+        entry.rate_limits.as_ref(),
+        style,
+        problems,
+    );
+    let interactive_reserve = match entry.interactive_reserve_seconds {
+        None => DEFAULT_INTERACTIVE_RESERVE,
+        Some(s) if s.is_finite() && (0.0..=60.0).contains(&s) => Duration::from_secs_f64(s),
+        Some(s) => {
+            problems.push(Problem {
+                path: format!("{base}.interactiveReserveSeconds"),
+                message: format!("{s} is not a number of seconds in [0, 60]"),
+            });
+            DEFAULT_INTERACTIVE_RESERVE
+        }
+    };
+    let models = entry
+        .models
+        .as_ref()
+        .map(|m| check_models(base, m, style, problems))
+        .unwrap_or_default();
+    let api_keys = match (&entry.api_keys, limits) {
+        (Some(keys), Some(l)) => {
+            if entry.api_key.is_some() {
+                problems.push(Problem {
+                    path: format!("{base}.apiKeys"),
+                    message: "give `apiKey` or `apiKeys`, not both".into(),
+                });
+            }
+            check_keys(base, keys, l, style, env, problems)
+        }
+        _ => Vec::new(),
+    };
     if problems.len() > before {
         return None;
     }
@@ -686,7 +828,198 @@ fn check_provider(
         default_max_tokens,
         encoding,
         reconcile: entry.reconcile.unwrap_or(true),
+        models,
+        interactive_reserve,
+        api_keys,
     })
+}
+
+/// `otpm` without `itpm` where the provider counts input and output apart
+/// (Anthropic): the input side would go unpaced.
+fn check_io(path: &str, raw: Option<&RawLimits>, style: ApiStyle, problems: &mut Vec<Problem>) {
+    if let Some(r) = raw
+        && style == ApiStyle::Anthropic
+        && r.otpm.is_some()
+        && r.itpm.is_none()
+    {
+        problems.push(Problem {
+            path: format!("{path}.otpm"),
+            message: "an `otpm` without an `itpm`: this provider counts input and output tokens apart; give `itpm` too (0 = unlimited)".into(),
+        });
+    }
+}
+
+fn valid_pattern(p: &str) -> bool {
+    !p.is_empty() && p.len() <= 128 && p.chars().all(|c| !c.is_whitespace() && !c.is_control())
+}
+
+fn check_models(
+    base: &str,
+    raw: &BTreeMap<String, raw::RawModel>,
+    style: ApiStyle,
+    problems: &mut Vec<Problem>,
+) -> Vec<ModelLimits> {
+    let mut out: Vec<ModelLimits> = Vec::new();
+    // Group → (limits, the entry that gave them).
+    let mut groups: BTreeMap<String, (ProviderLimits, String)> = BTreeMap::new();
+    let mut unset: Vec<(String, String)> = Vec::new();
+    for (pattern, m) in raw {
+        let path = format!("{base}.models.{pattern}");
+        if !valid_pattern(pattern) {
+            problems.push(Problem {
+                path,
+                message: "a model name or pattern is 1–128 characters without spaces (`*` matches any run)".into(),
+            });
+            continue;
+        }
+        let group = match &m.shared {
+            Some(g) if !valid_name(g) => {
+                problems.push(Problem {
+                    path: format!("{path}.shared"),
+                    message: "a group name is 1–64 of letters, digits, `-`, `_`, `.`".into(),
+                });
+                continue;
+            }
+            Some(g) => g.clone(),
+            None => pattern.clone(),
+        };
+        check_io(
+            &format!("{path}.rateLimits"),
+            m.rate_limits.as_ref(),
+            style,
+            problems,
+        );
+        match &m.rate_limits {
+            Some(r) => {
+                let Some(l) = check_limits(
+                    &format!("{path}.rateLimits"),
+                    Some(r),
+                    Some(ProviderLimits::UNLIMITED),
+                    problems,
+                ) else {
+                    continue;
+                };
+                match groups.get(&group) {
+                    Some((other, by)) if *other != l => problems.push(Problem {
+                        path: format!("{path}.rateLimits"),
+                        message: format!(
+                            "the group `{group}` already has other limits (from `{by}`): entries sharing one budget give the same limits, or only one gives them"
+                        ),
+                    }),
+                    Some(_) => {}
+                    None => {
+                        groups.insert(group.clone(), (l, pattern.clone()));
+                    }
+                }
+            }
+            None if m.shared.is_none() => {
+                problems.push(Problem {
+                    path,
+                    message: "give `rateLimits`, or `shared:` naming a group another entry gives them for".into(),
+                });
+                continue;
+            }
+            None => {}
+        }
+        unset.push((pattern.clone(), group.clone()));
+    }
+    for (pattern, group) in unset {
+        match groups.get(&group) {
+            Some((l, _)) => out.push(ModelLimits {
+                pattern,
+                group,
+                limits: *l,
+            }),
+            None => problems.push(Problem {
+                path: format!("{base}.models.{pattern}.shared"),
+                message: format!("no entry gives `rateLimits` for the group `{group}`"),
+            }),
+        }
+    }
+    for (i, a) in out.iter().enumerate() {
+        for b in &out[i + 1..] {
+            if a.group != b.group && a.limits != b.limits && globs_overlap(&a.pattern, &b.pattern) {
+                problems.push(Problem {
+                    path: format!("{base}.models.{}", b.pattern),
+                    message: format!(
+                        "`{}` and `{}` can both match one model, with different limits: make them disjoint or share one group",
+                        a.pattern, b.pattern
+                    ),
+                });
+            }
+        }
+    }
+    out
+}
+
+fn check_keys(
+    base: &str,
+    raw: &[raw::RawApiKey],
+    provider: ProviderLimits,
+    style: ApiStyle,
+    env: &dyn Fn(&str) -> Option<String>,
+    problems: &mut Vec<Problem>,
+) -> Vec<ApiKey> {
+    let mut out: Vec<ApiKey> = Vec::new();
+    if raw.is_empty() {
+        problems.push(Problem {
+            path: format!("{base}.apiKeys"),
+            message: "an empty list: give at least one key, or leave `apiKeys` out".into(),
+        });
+    }
+    for (i, k) in raw.iter().enumerate() {
+        let path = format!("{base}.apiKeys[{i}]");
+        let secret = match env::substitute(&k.key, env) {
+            Ok(s) if s.is_empty() => {
+                problems.push(Problem {
+                    path: format!("{path}.key"),
+                    message: "the key is empty".into(),
+                });
+                continue;
+            }
+            Ok(s) => s,
+            Err(e) => {
+                problems.push(Problem {
+                    path: format!("{path}.key"),
+                    message: e.message(),
+                });
+                continue;
+            }
+        };
+        let name = k.name.clone().unwrap_or_else(|| format!("key{}", i + 1));
+        if !valid_name(&name) || out.iter().any(|o| o.name == name) {
+            problems.push(Problem {
+                path: format!("{path}.name"),
+                message: format!(
+                    "`{name}` is not a unique name of 1–64 letters, digits, `-`, `_`, `.`"
+                ),
+            });
+            continue;
+        }
+        check_io(
+            &format!("{path}.rateLimits"),
+            k.rate_limits.as_ref(),
+            style,
+            problems,
+        );
+        let r = k.rate_limits.unwrap_or_default();
+        if k.rate_limits.is_some()
+            && check_limits(
+                &format!("{path}.rateLimits"),
+                Some(&r),
+                Some(provider),
+                problems,
+            )
+            .is_none()
+        {
+            continue;
+        }
+        // Checked above: each given axis fits a u32.
+        let own =
+            [r.tpm, r.rpm, r.rpd, r.itpm, r.otpm].map(|v| v.and_then(|v| u32::try_from(v).ok()));
+        out.push(ApiKey::inheriting(name, secret, own, provider));
+    }
+    out
 }
 
 fn check_pacer(raw: Option<&raw::RawPacer>, problems: &mut Vec<Problem>) -> PacerSettings {
@@ -783,14 +1116,7 @@ mod tests {
         let o = c.provider("openai").unwrap();
         assert_eq!(o.api_key.as_deref(), Some("sk-test"));
         assert_eq!(o.base_url, "https://api.openai.com/v1");
-        assert_eq!(
-            o.limits,
-            ProviderLimits {
-                tpm: 150_000,
-                rpm: 60,
-                rpd: 0
-            }
-        );
+        assert_eq!(o.limits, ProviderLimits::new(150_000, 60, 0));
         assert_eq!(o.origin, LimitsOrigin::Config);
         assert_eq!(o.auth_value("k"), "Bearer k");
         assert!(!format!("{o:?}").contains("sk-test"));
@@ -800,24 +1126,10 @@ mod tests {
     fn c1_shipped_defaults_fill_missing_limits() {
         let c = parse("providers:\n  groq:\n  anthropic:\n    rateLimits: {tpm: 1000}\n").unwrap();
         let g = c.provider("groq").unwrap();
-        assert_eq!(
-            g.limits,
-            ProviderLimits {
-                tpm: 30_000,
-                rpm: 30,
-                rpd: 14_400
-            }
-        );
+        assert_eq!(g.limits, ProviderLimits::new(30_000, 30, 14_400));
         assert_eq!(g.origin, LimitsOrigin::Shipped);
         let a = c.provider("anthropic").unwrap();
-        assert_eq!(
-            a.limits,
-            ProviderLimits {
-                tpm: 1000,
-                rpm: 50,
-                rpd: 0
-            }
-        );
+        assert_eq!(a.limits, ProviderLimits::new(1000, 50, 0));
         assert_eq!(a.style, ApiStyle::Anthropic);
         assert_eq!(a.auth_header.as_str(), "x-api-key");
         assert_eq!(a.auth_value("k"), "k");
@@ -853,5 +1165,224 @@ mod tests {
         let e = parse("providers:\n  x:\n    baseUrl: ftp://a\n    rateLimits: {tpm: 0, rpm: 0, rpd: 0}\n    style: grpc\n").unwrap_err();
         let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
         assert_eq!(paths, ["providers.x.style", "providers.x.baseUrl"]);
+    }
+
+    #[test]
+    fn m1_models_parse_with_patterns_and_shared_groups() {
+        let c = parse(
+            "providers:\n  openai:\n    models:\n      gpt-4o: {rateLimits: {tpm: 30000, rpm: 500}}\n      \"gpt-4o-mini*\": {shared: small, rateLimits: {tpm: 200000}}\n      \"gpt-3.5*\": {shared: small}\n",
+        )
+        .unwrap();
+        let o = c.provider("openai").unwrap();
+        assert_eq!(
+            o.limits,
+            ProviderLimits::new(150_000, 60, 0),
+            "provider-wide stay"
+        );
+        let m = o.model("gpt-4o").unwrap();
+        assert_eq!(m.limits, ProviderLimits::new(30_000, 500, 0));
+        assert_eq!(o.model("gpt-3.5-turbo").unwrap().group, "small");
+        assert_eq!(
+            o.model("gpt-3.5-turbo").unwrap().limits,
+            ProviderLimits::new(200_000, 0, 0)
+        );
+        assert!(o.model("o1").is_none());
+        let j = c.limits_json();
+        assert_eq!(j["providers"]["openai"]["models"]["small"]["tpm"], 200_000);
+        assert_eq!(
+            j["providers"]["openai"]["models"]["small"]["patterns"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
+    }
+
+    #[test]
+    fn m1_two_patterns_matching_one_model_with_different_limits_are_an_error() {
+        let e = parse(
+            "providers:\n  openai:\n    models:\n      \"gpt-4o*\": {rateLimits: {tpm: 30000}}\n      \"gpt*mini\": {rateLimits: {tpm: 1000}}\n      \"claude*\": {rateLimits: {tpm: 5}}\n",
+        )
+        .unwrap_err();
+        let p = e.problems();
+        assert_eq!(p.len(), 1, "{e}");
+        assert!(p[0].path.starts_with("providers.openai.models."), "{e}");
+        assert!(
+            p[0].message.contains("gpt-4o*") && p[0].message.contains("gpt*mini"),
+            "{e}"
+        );
+        // Same limits, or one shared group: fine.
+        parse("providers:\n  openai:\n    models:\n      \"gpt-4o*\": {rateLimits: {tpm: 1}}\n      \"*mini\": {rateLimits: {tpm: 1}}\n").unwrap();
+        parse("providers:\n  openai:\n    models:\n      \"gpt-4o*\": {shared: g, rateLimits: {tpm: 1}}\n      \"*mini\": {shared: g}\n").unwrap();
+    }
+
+    #[test]
+    fn m1_bad_model_entries_are_named() {
+        let e = parse(
+            "providers:\n  openai:\n    models:\n      a: {}\n      b: {shared: nobody}\n      c: {shared: g, rateLimits: {tpm: 1}}\n      d: {shared: g, rateLimits: {tpm: 2}}\n      e: {rateLimits: {tpm: 1, bogus: 2}}\n",
+        );
+        // An unknown key is a parse error naming it.
+        assert!(e.unwrap_err().to_string().contains("bogus"));
+        let e = parse(
+            "providers:\n  openai:\n    models:\n      a: {}\n      b: {shared: nobody}\n      c: {shared: g, rateLimits: {tpm: 1}}\n      d: {shared: g, rateLimits: {tpm: 2}}\n",
+        )
+        .unwrap_err();
+        let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "providers.openai.models.a",
+                "providers.openai.models.d.rateLimits",
+                "providers.openai.models.b.shared"
+            ],
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn m2_itpm_and_otpm_parse_and_an_otpm_alone_is_refused_where_both_are_counted() {
+        let c = parse(
+            "providers:\n  anthropic:\n    rateLimits: {tpm: 0, itpm: 40000, otpm: 8000}\n    models:\n      \"claude-*-haiku*\": {rateLimits: {itpm: 100000, otpm: 20000}}\n",
+        )
+        .unwrap();
+        let a = c.provider("anthropic").unwrap();
+        assert_eq!(
+            a.limits,
+            ProviderLimits::new(0, 50, 0).with_io(40_000, 8_000)
+        );
+        assert_eq!(
+            a.model("claude-3-5-haiku-latest").unwrap().limits,
+            ProviderLimits::new(0, 0, 0).with_io(100_000, 20_000)
+        );
+        let e = parse(
+            "providers:\n  anthropic:\n    rateLimits: {otpm: 8000}\n    models:\n      m: {rateLimits: {otpm: 1}}\n",
+        )
+        .unwrap_err();
+        let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "providers.anthropic.rateLimits.otpm",
+                "providers.anthropic.models.m.rateLimits.otpm"
+            ],
+            "{e}"
+        );
+        // A provider counting tokens together may cap output alone.
+        parse("providers:\n  openai:\n    rateLimits: {otpm: 8000}\n").unwrap();
+    }
+
+    #[test]
+    fn m4_api_keys_parse_with_their_limits_and_an_unset_variable_is_named() {
+        let c = parse(
+            "providers:\n  openai:\n    rateLimits: {tpm: 1000, rpm: 10}\n    apiKeys:\n      - key: ${OPENAI_API_KEY}\n        name: main\n      - key: sk-literal\n        rateLimits: {tpm: 5000}\n",
+        )
+        .unwrap();
+        let o = c.provider("openai").unwrap();
+        assert_eq!(o.api_keys.len(), 2);
+        assert_eq!(o.api_keys[0].name, "main");
+        assert_eq!(o.api_keys[0].limits, ProviderLimits::new(1000, 10, 0));
+        assert_eq!(o.api_keys[1].name, "key2");
+        assert_eq!(o.api_keys[1].limits, ProviderLimits::new(5000, 10, 0));
+        let shown = format!("{o:?} {}", c.limits_json());
+        assert!(
+            !shown.contains("sk-test") && !shown.contains("sk-literal"),
+            "{shown}"
+        );
+        let e = parse(
+            "providers:\n  openai:\n    apiKey: x\n    apiKeys:\n      - key: ${NOT_SET_ANYWHERE}\n      - key: a\n        name: main\n      - key: b\n        name: main\n",
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "providers.openai.apiKeys",
+                "providers.openai.apiKeys[0].key",
+                "providers.openai.apiKeys[2].name"
+            ],
+            "{text}"
+        );
+        assert!(text.contains("NOT_SET_ANYWHERE"), "{text}");
+    }
+
+    #[test]
+    fn m1_the_example_pace_config_parses() {
+        let text = include_str!("../../../../examples/pace.yaml");
+        let c = parse_str_with_env(text, Path::new("examples/pace.yaml"), &|name| {
+            name.ends_with("_API_KEY").then(|| "sk-example".to_owned())
+        })
+        .unwrap();
+        let o = c.provider("openai").unwrap();
+        assert_eq!(o.model("gpt-3.5-turbo-0125").unwrap().group, "small");
+    }
+
+    #[test]
+    fn m3_interactive_reserve_seconds_parses_and_is_bounded() {
+        let c = parse("providers:\n  openai:\n    interactiveReserveSeconds: 10\n").unwrap();
+        let o = c.provider("openai").unwrap();
+        assert_eq!(o.interactive_reserve, Duration::from_secs(10));
+        let c = parse("providers:\n  openai:\n").unwrap();
+        assert_eq!(
+            c.provider("openai").unwrap().interactive_reserve,
+            DEFAULT_INTERACTIVE_RESERVE
+        );
+        let e = parse("providers:\n  openai:\n    interactiveReserveSeconds: -1\n").unwrap_err();
+        let paths: Vec<_> = e.problems().iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(paths, ["providers.openai.interactiveReserveSeconds"]);
+    }
+
+    #[test]
+    fn m2_the_settings_page_s_overrides_keep_itpm_and_otpm() {
+        let dir = std::env::temp_dir().join(format!("sluice-m2-overrides-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("pace.yaml");
+        std::fs::write(
+            &file,
+            "providers:\n  anthropic:\n    rateLimits: {tpm: 0, itpm: 40000, otpm: 8000}\n",
+        )
+        .unwrap();
+        // An overrides file of before the axes: the config's itpm/otpm stay.
+        std::fs::write(
+            overrides_path(&file),
+            "providers:\n  anthropic:\n    rateLimits: { tpm: 0, rpm: 10, rpd: 0 }\n",
+        )
+        .unwrap();
+        let c = load_with_env(&file, &env).unwrap();
+        let a = c.provider("anthropic").unwrap();
+        assert_eq!(
+            a.limits,
+            ProviderLimits::new(0, 10, 0).with_io(40_000, 8_000)
+        );
+        // An edit saved by the page keeps them too.
+        let watcher = ConfigWatcher::open(&file).unwrap();
+        watcher
+            .save_limits(
+                "anthropic",
+                ProviderLimits::new(0, 20, 0).with_io(30_000, 6_000),
+            )
+            .unwrap();
+        let c = load_with_env(&file, &env).unwrap();
+        assert_eq!(
+            c.provider("anthropic").unwrap().limits,
+            ProviderLimits::new(0, 20, 0).with_io(30_000, 6_000)
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn m4_keys_follow_the_settings_page_on_the_axes_they_do_not_set() {
+        let c = parse(
+            "providers:\n  openai:\n    rateLimits: {tpm: 1000, rpm: 10}\n    apiKeys:\n      - key: a\n      - key: b\n        rateLimits: {tpm: 5000}\n",
+        )
+        .unwrap();
+        let source = StaticLimits::new(c);
+        source
+            .save_limits("openai", ProviderLimits::new(2000, 20, 0))
+            .unwrap();
+        let c = source.current();
+        let keys = &c.provider("openai").unwrap().api_keys;
+        assert_eq!(keys[0].limits, ProviderLimits::new(2000, 20, 0));
+        assert_eq!(keys[1].limits, ProviderLimits::new(5000, 20, 0));
     }
 }

@@ -42,9 +42,38 @@ pub struct RawProvider {
     pub encoding: Option<String>,
     /// Whether actual `usage` replaces the reservation (default true).
     pub reconcile: Option<bool>,
+    /// Model name or `*` pattern → its limits (or its shared group).
+    pub models: Option<BTreeMap<String, RawModel>>,
+    /// Seconds of interactive traffic (at its recent rate) batch requests
+    /// leave room for.
+    pub interactive_reserve_seconds: Option<f64>,
+    /// Several keys, each with its own limits (instead of `apiKey`).
+    pub api_keys: Option<Vec<RawApiKey>>,
 }
 
-/// `rateLimits: {tpm, rpm, rpd}`.
+/// One `models:` entry.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawModel {
+    /// The model's limits (0 or missing = no model limit on that axis).
+    pub rate_limits: Option<RawLimits>,
+    /// The name of a budget this model shares with other entries.
+    pub shared: Option<String>,
+}
+
+/// One `apiKeys:` entry.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawApiKey {
+    /// The key, usually `${ENV_VAR}`.
+    pub key: String,
+    /// What logs and pages call it (default `key1`, `key2`, …).
+    pub name: Option<String>,
+    /// This key's limits (default: the provider's `rateLimits`).
+    pub rate_limits: Option<RawLimits>,
+}
+
+/// `rateLimits: {tpm, rpm, rpd, itpm, otpm}`.
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawLimits {
@@ -54,6 +83,10 @@ pub struct RawLimits {
     pub rpm: Option<u64>,
     /// Requests per day.
     pub rpd: Option<u64>,
+    /// Input tokens per minute (where the provider counts input apart).
+    pub itpm: Option<u64>,
+    /// Output tokens per minute (where the provider counts output apart).
+    pub otpm: Option<u64>,
 }
 
 /// `pacer:` settings shared by every provider.

@@ -33,7 +33,7 @@ const fn p(
         title,
         base_url,
         style,
-        limits: ProviderLimits { tpm, rpm, rpd },
+        limits: ProviderLimits::new(tpm, rpm, rpd),
     }
 }
 

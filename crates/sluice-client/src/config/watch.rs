@@ -67,6 +67,9 @@ impl LimitsSource for StaticLimits {
             return Err(unknown_provider(provider, Path::new("<in-memory config>")));
         };
         p.limits = limits;
+        for k in &mut p.api_keys {
+            k.follow(limits);
+        }
         p.origin = super::LimitsOrigin::Settings;
         self.set(c);
         Ok(())
@@ -209,8 +212,8 @@ impl LimitsSource for ConfigWatcher {
         );
         for (name, l) in &edited {
             text.push_str(&format!(
-                "  {name}:\n    rateLimits: {{ tpm: {}, rpm: {}, rpd: {} }}\n",
-                l.tpm, l.rpm, l.rpd
+                "  {name}:\n    rateLimits: {{ tpm: {}, rpm: {}, rpd: {}, itpm: {}, otpm: {} }}\n",
+                l.tpm, l.rpm, l.rpd, l.itpm, l.otpm
             ));
         }
         let tmp = self.overrides.with_extension("yaml.tmp");

@@ -100,11 +100,14 @@ async fn save<S: BudgetStore + 'static, C: Clock + 'static>(
         }
     };
     let limits = match (|| {
-        Ok::<_, String>(ProviderLimits {
-            tpm: axis("tpm", current.tpm)?,
-            rpm: axis("rpm", current.rpm)?,
-            rpd: axis("rpd", current.rpd)?,
-        })
+        Ok::<_, String>(
+            ProviderLimits::new(
+                axis("tpm", current.tpm)?,
+                axis("rpm", current.rpm)?,
+                axis("rpd", current.rpd)?,
+            )
+            .with_io(axis("itpm", current.itpm)?, axis("otpm", current.otpm)?),
+        )
     })() {
         Ok(l) => l,
         Err(m) => return bad_request(m),
@@ -154,12 +157,43 @@ async fn dashboard_json<S: BudgetStore + 'static, C: Clock + 'static>(
     let mut v = app.pacer.limits_json();
     if let Some(map) = v.get_mut("providers").and_then(|m| m.as_object_mut()) {
         for (name, entry) in map.iter_mut() {
-            let window = match app.pacer.reading(name).await {
+            let mut window = match app.pacer.reading(name).await {
                 Ok(r) => serde_json::json!(r),
                 Err(e) => serde_json::json!({ "error": e.to_string() }),
             };
+            // The provider-wide input and output windows (ITPM / OTPM).
+            if let (Ok((_, input, output)), Some(w)) = (
+                app.pacer.group_tokens(name, None).await,
+                window.as_object_mut(),
+            ) {
+                w.insert("inputTokens".into(), input.into());
+                w.insert("outputTokens".into(), output.into());
+            }
             if let Some(obj) = entry.as_object_mut() {
                 obj.insert("window".into(), window);
+            }
+            // Per model group: tokens in its own windows.
+            let groups: Vec<String> = entry
+                .get("models")
+                .and_then(|m| m.as_object())
+                .map(|m| m.keys().cloned().collect())
+                .unwrap_or_default();
+            for group in groups {
+                let window = match app.pacer.group_tokens(name, Some(&group)).await {
+                    Ok((tokens, input, output)) => {
+                        serde_json::json!({"tokens": tokens, "inputTokens": input, "outputTokens": output})
+                    }
+                    Err(e) => serde_json::json!({ "error": e.to_string() }),
+                };
+                if let Some(m) = entry
+                    .pointer_mut(&format!(
+                        "/models/{}",
+                        group.replace('~', "~0").replace('/', "~1")
+                    ))
+                    .and_then(|m| m.as_object_mut())
+                {
+                    m.insert("window".into(), window);
+                }
             }
         }
     }
@@ -185,6 +219,78 @@ fn escape(s: &str) -> String {
         }
     }
     out
+}
+
+/// A limit as the page shows it (0 = unlimited).
+fn shown(n: u32) -> String {
+    if n == 0 {
+        "–".to_owned()
+    } else {
+        n.to_string()
+    }
+}
+
+/// The provider's per-model limits (`models:`), one row per budget.
+fn models_table(p: &crate::config::ProviderConfig) -> String {
+    if p.models.is_empty() {
+        return String::new();
+    }
+    let mut groups: Vec<(&str, Vec<&str>, crate::config::ProviderLimits)> = Vec::new();
+    for m in &p.models {
+        match groups.iter_mut().find(|g| g.0 == m.group) {
+            Some(g) => g.1.push(&m.pattern),
+            None => groups.push((&m.group, vec![&m.pattern], m.limits)),
+        }
+    }
+    let mut rows = String::new();
+    for (group, patterns, l) in groups {
+        let _ = write!(
+            rows,
+            "<tr data-group=\"{g}\"><td>{pats}</td><td>{tpm}</td><td>{rpm}</td><td>{rpd}</td>\
+             <td>{itpm}</td><td>{otpm}</td><td class=used>–</td></tr>",
+            g = escape(group),
+            pats = patterns
+                .iter()
+                .map(|p| escape(p))
+                .collect::<Vec<_>>()
+                .join(", "),
+            tpm = shown(l.tpm),
+            rpm = shown(l.rpm),
+            rpd = shown(l.rpd),
+            itpm = shown(l.itpm),
+            otpm = shown(l.otpm),
+        );
+    }
+    format!(
+        "<table class=models><caption>Per-model limits (besides the provider's)</caption>\
+         <tr><th>models</th><th>TPM</th><th>RPM</th><th>RPD</th><th>ITPM</th><th>OTPM</th>\
+         <th>tokens, last 60 s</th></tr>{rows}</table>"
+    )
+}
+
+/// The provider's keys (`apiKeys:`) by name and limits — never the key.
+fn keys_table(p: &crate::config::ProviderConfig) -> String {
+    if p.api_keys.is_empty() {
+        return String::new();
+    }
+    let mut rows = String::new();
+    for k in &p.api_keys {
+        let l = k.limits;
+        let _ = write!(
+            rows,
+            "<tr><td>{name}</td><td>{tpm}</td><td>{rpm}</td><td>{rpd}</td><td>{itpm}</td><td>{otpm}</td></tr>",
+            name = escape(&k.name),
+            tpm = shown(l.tpm),
+            rpm = shown(l.rpm),
+            rpd = shown(l.rpd),
+            itpm = shown(l.itpm),
+            otpm = shown(l.otpm),
+        );
+    }
+    format!(
+        "<table class=keys><caption>Keys (each with its own limits)</caption>\
+         <tr><th>key</th><th>TPM</th><th>RPM</th><th>RPD</th><th>ITPM</th><th>OTPM</th></tr>{rows}</table>"
+    )
 }
 
 async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
@@ -215,9 +321,9 @@ async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
              <div class=head><h2>{n}</h2><span class=\"badge src\">{src}</span>\
              <span class=\"badge hold\" hidden></span></div>\
              <div class=url>{url}</div>\
-             <div class=meters>{m1}{m2}{m3}</div>\
-             <div class=stats>{s1}{s2}{s3}{s4}{s5}</div>\
-             <form class=settings><div class=inputs>{i1}{i2}{i3}</div>\
+             <div class=meters>{m1}{m2}{m3}{m4}{m5}</div>\
+             <div class=stats>{s1}{s2}{s3}{s4}{s5}</div>{models}{keys}\
+             <form class=settings><div class=inputs>{i1}{i2}{i3}{i4}{i5}</div>\
              <button>Save</button><p class=msg role=status></p></form></section>",
             url = escape(&p.base_url),
             src = escape(
@@ -230,6 +336,16 @@ async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
             m1 = meter("tpm", "Tokens, last 60 s"),
             m2 = meter("rpm", "Requests, last 60 s"),
             m3 = meter("rpd", "Requests, last 24 h"),
+            m4 = if p.limits.itpm > 0 {
+                meter("itpm", "Input tokens, last 60 s")
+            } else {
+                String::new()
+            },
+            m5 = if p.limits.otpm > 0 {
+                meter("otpm", "Output tokens, last 60 s")
+            } else {
+                String::new()
+            },
             s1 = stat("admitted", "sent"),
             s2 = stat("avoided", "429s avoided"),
             s3 = stat("wait", "average wait"),
@@ -238,6 +354,10 @@ async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
             i1 = input("tpm", "TPM", p.limits.tpm),
             i2 = input("rpm", "RPM", p.limits.rpm),
             i3 = input("rpd", "RPD", p.limits.rpd),
+            i4 = input("itpm", "ITPM", p.limits.itpm),
+            i5 = input("otpm", "OTPM", p.limits.otpm),
+            models = models_table(p),
+            keys = keys_table(p),
         );
     }
     let error = app

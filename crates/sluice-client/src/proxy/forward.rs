@@ -20,6 +20,13 @@ use crate::usage::UsageTap;
 
 /// How long the proxy waited for room, on every paced answer.
 pub(crate) const WAITED_HEADER: &str = "x-sluice-waited-ms";
+/// Which budget paced the request, on every paced answer: `model=<group>`
+/// (its model's limits and the provider-wide ones), or `provider` when it
+/// named no model that `models:` covers (the provider-wide limits alone).
+pub const BUDGET_HEADER: &str = "x-sluice-budget";
+/// The name of the key the request went with, when the provider has several
+/// (`apiKeys`); never the key itself.
+pub const KEY_HEADER: &str = "x-sluice-key";
 
 pub(super) fn router<S: BudgetStore + 'static, C: Clock + 'static>(
     app: Arc<App<S, C>>,
@@ -129,6 +136,10 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
             Err(e) => return pace_error(&e),
         };
         let waited = permit.waited();
+        let budget = permit
+            .group()
+            .map_or_else(|| "provider".to_owned(), |g| format!("model={g}"));
+        let key_name = permit.key_name().map(str::to_owned);
         let sent = app
             .client
             .request(call.method.clone(), &url)
@@ -162,6 +173,12 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
         }
         if let Ok(v) = HeaderValue::from_str(&waited.as_millis().to_string()) {
             rheaders.insert(WAITED_HEADER, v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&budget) {
+            rheaders.insert(BUDGET_HEADER, v);
+        }
+        if let Some(v) = key_name.and_then(|k| HeaderValue::from_str(&k).ok()) {
+            rheaders.insert(KEY_HEADER, v);
         }
         if Call::<S, C>::wants_body(status) {
             let bytes = read_limited(resp, MAX_ERROR_BODY).await;

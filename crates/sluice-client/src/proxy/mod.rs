@@ -20,6 +20,8 @@
 mod admin;
 mod forward;
 
+pub use forward::{BUDGET_HEADER, KEY_HEADER};
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
