@@ -294,6 +294,7 @@ async fn p4_d2_changes_reach_three_replicas_within_a_second_and_survive_a_restar
     .await;
     assert_eq!(pro.status, 204, "{}", pro.text());
     let took = until_all(&[a, b, c], Probe::AcmeExpensive, 4.into()).await;
+    eprintln!("p4: AcmeExpensive = 4 on every replica in {took:?}");
     assert!(
         took < Duration::from_secs(1),
         "the plan reached every replica after {took:?}"
@@ -308,6 +309,7 @@ async fn p4_d2_changes_reach_three_replicas_within_a_second_and_survive_a_restar
     .await;
     assert_eq!(own.status, 204, "{}", own.text());
     let took = until_all(&[a, b, c], Probe::AcmeExpensive, 7.into()).await;
+    eprintln!("p4: AcmeExpensive = 7 on every replica in {took:?}");
     assert!(
         took < Duration::from_secs(1),
         "the override reached every replica after {took:?}"
@@ -326,6 +328,7 @@ async fn p4_d2_changes_reach_three_replicas_within_a_second_and_survive_a_restar
     .await;
     assert_eq!(revoke.status, 204, "{}", revoke.text());
     let took = until_all(&[a, b, c], Probe::FileKeyChat, 403.into()).await;
+    eprintln!("p4: FileKeyChat = 403 on every replica in {took:?}");
     assert!(
         took < Duration::from_secs(1),
         "the revocation reached every replica after {took:?}"
