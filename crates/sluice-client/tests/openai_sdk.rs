@@ -16,7 +16,14 @@ use sluice_client::simulator::{Simulator, SimulatorConfig};
 /// The SDK version this test pins (the current release when written).
 const OPENAI_SDK_VERSION: &str = "3.57.0";
 
+/// The virtualenv with the pinned SDK, made once for every test of this file (two
+/// tests asking at once in a fresh tree would otherwise both create it).
 fn venv() -> PathBuf {
+    static VENV: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    VENV.get_or_init(make_venv).clone()
+}
+
+fn make_venv() -> PathBuf {
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
     let python = venv.join("bin/python");
     if !python.exists() {
