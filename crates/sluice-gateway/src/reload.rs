@@ -349,17 +349,23 @@ fn parse(file: &PolicyFile, text: &[u8]) -> Result<Policy, String> {
 async fn read_bounded(file: &PolicyFile) -> Result<Vec<u8>, String> {
     use tokio::io::AsyncReadExt as _;
     let shown = file.path.display();
-    let stamp = Stamp::of(&file.path).map_err(|e| format!("{shown}: {e}"))?;
-    if stamp.len > MAX_POLICY_BYTES {
-        return Err(format!(
-            "{shown}: larger than {MAX_POLICY_BYTES} bytes ({} bytes), not read",
-            stamp.len
-        ));
-    }
+    // Opened first, then its size read from the open file: a file renamed into place
+    // between the two is read as the one opened, never as one file's size over the
+    // other's bytes (which read a large file's first 4 MiB, and reported it twice).
     let opened = tokio::fs::File::open(&file.path)
         .await
         .map_err(|e| format!("{shown}: {e}"))?;
-    let expected = usize::try_from(stamp.len).unwrap_or(0);
+    let len = opened
+        .metadata()
+        .await
+        .map_err(|e| format!("{shown}: {e}"))?
+        .len();
+    if len > MAX_POLICY_BYTES {
+        return Err(format!(
+            "{shown}: larger than {MAX_POLICY_BYTES} bytes ({len} bytes), not read"
+        ));
+    }
+    let expected = usize::try_from(len).unwrap_or(0);
     let mut text = Vec::with_capacity(expected.saturating_add(1));
     opened
         .take(MAX_POLICY_BYTES + 1)
