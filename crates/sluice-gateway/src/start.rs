@@ -321,7 +321,12 @@ pub(super) async fn tenants(
     let limiter = Arc::clone(limiter);
     let tenants = match &config.store {
         StoreSpec::Memory => Tenants::local(&config.data_dir, limiter),
-        StoreSpec::Redis(url) => Tenants::shared(url, config.policy.store.timeout, limiter).await,
+        // An admin path, not a decision's: the tenant table's calls wait as long as
+        // opening a connection may.
+        StoreSpec::Redis(url) => {
+            let timeout = config.policy.store.timeout.max(sluice_redis::OPEN_TIMEOUT);
+            Tenants::shared(url, timeout, limiter).await
+        }
     }
     .map(Arc::new)
     .map_err(StartError::Tenants)?;

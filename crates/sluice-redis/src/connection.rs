@@ -132,13 +132,26 @@ impl Connection {
 
     /// Loads `script` on one server, so that its first call goes by hash. On
     /// a cluster it does nothing: each node loads the script on its first
-    /// `NOSCRIPT` (see [`Connection::invoke`]).
+    /// `NOSCRIPT` (see [`Connection::invoke`]). A load that outlasts the response
+    /// timeout (a decision's, often a few milliseconds; compiling a script on a busy
+    /// server can take longer) is sent again until [`OPEN_TIMEOUT`] has passed: it
+    /// happens once, at start, and loading twice changes nothing.
     ///
     /// # Errors
-    /// The Redis client's error when the server refuses or does not answer.
+    /// The Redis client's error when the server refuses, or does not answer within
+    /// [`OPEN_TIMEOUT`].
     pub async fn load_script(&self, script: &Script) -> RedisResult<()> {
         match self {
-            Connection::Single(c) => script.load_async(&mut c.clone()).await.map(drop),
+            Connection::Single(c) => {
+                let deadline = tokio::time::Instant::now() + OPEN_TIMEOUT;
+                loop {
+                    match script.load_async(&mut c.clone()).await {
+                        Ok(_) => return Ok(()),
+                        Err(e) if e.is_timeout() && tokio::time::Instant::now() < deadline => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
             Connection::Cluster(_) => Ok(()),
         }
     }
