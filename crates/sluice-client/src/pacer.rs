@@ -636,19 +636,9 @@ where
                 continue;
             }
             if plan.ready_at > deadline {
-                if p.shrink && !shrink_tried && plan.tokens_late {
-                    shrink_tried = true;
-                    if demand.shrink_to(plan.room_by_deadline) {
-                        ask.state.counters.add(SHRUNK, 1);
-                        continue;
-                    }
-                }
-                ask.state.counters.add(WOULD_WAIT, 1);
-                return Err(PaceError::WouldWait {
-                    provider: ask.provider.to_owned(),
-                    wait: plan.ready_at.saturating_since(now),
-                    max_wait: p.max_wait,
-                });
+                let wait = plan.ready_at.saturating_since(now);
+                shrink_or_refuse(ask, &p, demand, &mut shrink_tried, &plan, wait)?;
+                continue;
             }
             head.publish(Head {
                 ready_at: plan.ready_at,
@@ -703,22 +693,12 @@ where
             // Would it be in time with the whole limits?
             let (_, whole) = self.best(&routes, cost, now, deadline, None).await?;
             if whole.ready_at > deadline || now >= deadline {
-                if p.shrink && !shrink_tried && whole.tokens_late {
-                    shrink_tried = true;
-                    if demand.shrink_to(whole.room_by_deadline) {
-                        ask.state.counters.add(SHRUNK, 1);
-                        continue;
-                    }
-                }
-                ask.state.counters.add(WOULD_WAIT, 1);
-                return Err(PaceError::WouldWait {
-                    provider: ask.provider.to_owned(),
-                    wait: whole
-                        .ready_at
-                        .max(now.saturating_add(MAX_SLEEP))
-                        .saturating_since(now),
-                    max_wait: p.max_wait,
-                });
+                let wait = whole
+                    .ready_at
+                    .max(now.saturating_add(MAX_SLEEP))
+                    .saturating_since(now);
+                shrink_or_refuse(ask, &p, demand, &mut shrink_tried, &whole, wait)?;
+                continue;
             }
             let sleep = sleep
                 .min(deadline.saturating_since(now))
@@ -1559,4 +1539,30 @@ where
             .lock()
             .refund(c.subject, c.axis, tokens, c.limit, span);
     }
+}
+
+/// A request that cannot go by its deadline (`plan`, `wait` from now): shrunk once to
+/// what fits by then when the provider allows it (`Ok`: look again), else refused with
+/// [`PaceError::WouldWait`].
+fn shrink_or_refuse(
+    ask: &Ask<'_>,
+    p: &ProviderConfig,
+    demand: &mut dyn Demand,
+    shrink_tried: &mut bool,
+    plan: &Plan,
+    wait: Duration,
+) -> Result<(), PaceError> {
+    if p.shrink && !*shrink_tried && plan.tokens_late {
+        *shrink_tried = true;
+        if demand.shrink_to(plan.room_by_deadline) {
+            ask.state.counters.add(SHRUNK, 1);
+            return Ok(());
+        }
+    }
+    ask.state.counters.add(WOULD_WAIT, 1);
+    Err(PaceError::WouldWait {
+        provider: ask.provider.to_owned(),
+        wait,
+        max_wait: p.max_wait,
+    })
 }
