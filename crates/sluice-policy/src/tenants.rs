@@ -97,7 +97,13 @@ impl TenantTable {
                     .insert(name.clone(), Some(workspace.clone()));
             }
             TenantChange::RemoveWorkspace { name } => {
-                next.workspaces.insert(name.clone(), None);
+                // A workspace of the file's is kept removed by a mark; one the admin
+                // API made is simply gone (marks never pile up past the file's).
+                if base.tenants.by_name.contains_key(name) {
+                    next.workspaces.insert(name.clone(), None);
+                } else {
+                    next.workspaces.remove(name);
+                }
                 let file_keys = base
                     .identity
                     .keys
@@ -131,10 +137,10 @@ impl TenantTable {
     /// over the policy running before it, they make the policy after it.
     pub fn touched_by(&self, change: &TenantChange) -> TenantTable {
         let mut touched = TenantTable::default();
+        // A workspace the table no longer holds is touched as removed.
         let mut workspace = |name: &str| {
-            if let Some(entry) = self.workspaces.get(name) {
-                touched.workspaces.insert(name.to_owned(), entry.clone());
-            }
+            let entry = self.workspaces.get(name).cloned().flatten();
+            touched.workspaces.insert(name.to_owned(), entry);
         };
         match change {
             TenantChange::PutWorkspace { name, .. } => workspace(name),

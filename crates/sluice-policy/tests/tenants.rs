@@ -87,6 +87,18 @@ fn p4_a_revoked_credential_is_known_as_revoked_and_a_new_one_is_known() {
         &base,
     );
     assert_eq!(removed.keys.get(KEY_A), Some(&None));
+    // A workspace the admin API made and removed leaves nothing behind: creating and
+    // removing workspaces does not grow the table.
+    let mut churn = TenantTable::default();
+    for i in 0..100 {
+        let name = format!("temp{i}");
+        churn = churn.with(&put(&name, Some("pro"), RawPlan::default()), &base);
+        churn = churn.with(&TenantChange::RemoveWorkspace { name }, &base);
+    }
+    assert!(
+        churn.workspaces.is_empty() && churn.keys.is_empty(),
+        "{churn:?}"
+    );
     // Put back.
     let again = table.with(
         &TenantChange::PutKey {

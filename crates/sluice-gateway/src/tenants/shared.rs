@@ -21,13 +21,18 @@ const WORKSPACES: &str = "{sluice:tenants}:workspaces";
 const KEYS: &str = "{sluice:tenants}:keys";
 const VERSION: &str = "{sluice:tenants}:version";
 
-/// Writes entries (`ARGV[3..]`: hash, field, JSON value, …), bumps the version and
+/// Writes entries (`ARGV[3..]`: hash, field, JSON value, …; an empty value deletes
+/// the field), bumps the version and
 /// publishes `<version> <ARGV[2]>` on `ARGV[1]`; returns the version.
 const CHANGE: &str = r"
 for i = 3, #ARGV, 3 do
   local hash = KEYS[1]
   if ARGV[i] == 'keys' then hash = KEYS[2] end
-  redis.call('HSET', hash, ARGV[i + 1], ARGV[i + 2])
+  if ARGV[i + 2] == '' then
+    redis.call('HDEL', hash, ARGV[i + 1])
+  else
+    redis.call('HSET', hash, ARGV[i + 1], ARGV[i + 2])
+  end
 end
 local version = redis.call('INCR', KEYS[3])
 redis.call('PUBLISH', ARGV[1], version .. ' ' .. ARGV[2])
@@ -151,11 +156,12 @@ pub(super) async fn next_message(pubsub: &mut redis::aio::PubSub) -> Option<Stri
 
 /// The entries `change` writes: (hash, field, JSON value) as `table` holds them.
 fn entries(change: &TenantChange, table: &TenantTable) -> Vec<(&'static str, String, String)> {
+    // `null`: removed over the file's; absent (an empty value): gone.
     let workspace = |name: &str| {
         (
             "workspaces",
             name.to_owned(),
-            json(&table.workspaces.get(name).cloned().flatten()),
+            table.workspaces.get(name).map_or_else(String::new, json),
         )
     };
     let key = |sha: &str| {
