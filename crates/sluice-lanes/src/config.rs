@@ -2,6 +2,7 @@
 //!
 //! [`Lane::new`]: crate::Lane::new
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use sluice_core::BreakerConfig;
@@ -178,6 +179,16 @@ impl LaneConfig {
         self
     }
 
+    /// The per-workspace limits every workspace has unless a call names its
+    /// own ([`Lane::acquire_within`](crate::Lane::acquire_within)).
+    pub fn workspace_limits(&self) -> WorkspaceLimits {
+        let nonzero = |n: u32| NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
+        WorkspaceLimits {
+            in_flight: nonzero(self.workspace_in_flight),
+            starts: nonzero(self.workspace_starts),
+        }
+    }
+
     /// Batch items that may run at once: `global_cap - batch_reserve`.
     pub fn batch_cap(&self) -> u32 {
         self.global_cap.saturating_sub(self.batch_reserve)
@@ -220,6 +231,37 @@ impl LaneConfig {
             return Err(ConfigError::EstimateBounds);
         }
         Ok(())
+    }
+}
+
+/// One workspace's limits in a lane: single calls running at once, and
+/// single calls started in any [`LaneConfig::start_window`] (the window is
+/// the lane's, the same for every workspace).
+///
+/// A lane's own limits ([`LaneConfig::workspace_limits`]) apply to every
+/// workspace; a caller that knows a workspace's own (from its plan) passes
+/// them with each call ([`Lane::acquire_within`](crate::Lane::acquire_within)).
+///
+/// ```
+/// use std::num::NonZeroU32;
+/// use sluice_lanes::{LaneConfig, WorkspaceLimits};
+///
+/// let pro = WorkspaceLimits::new(NonZeroU32::new(10).unwrap(), NonZeroU32::new(60).unwrap());
+/// assert_eq!(LaneConfig::default().workspace_limits().in_flight.get(), 3);
+/// assert_eq!(pro.starts.get(), 60);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WorkspaceLimits {
+    /// Single calls of the workspace running at once.
+    pub in_flight: NonZeroU32,
+    /// Single calls of the workspace started in any start window.
+    pub starts: NonZeroU32,
+}
+
+impl WorkspaceLimits {
+    /// `in_flight` running at once and `starts` started per start window.
+    pub fn new(in_flight: NonZeroU32, starts: NonZeroU32) -> Self {
+        WorkspaceLimits { in_flight, starts }
     }
 }
 

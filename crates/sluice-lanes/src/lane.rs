@@ -23,7 +23,7 @@ use sluice_core::{Breaker, BreakerState, Permit, Timestamp};
 use tokio::sync::{Notify, oneshot};
 use tokio::time::{Instant, sleep_until};
 
-use crate::config::{ConfigError, LaneConfig};
+use crate::config::{ConfigError, LaneConfig, WorkspaceLimits};
 use crate::leases::{Asked, Leases, OnEnd};
 use crate::ledger::{Lease, LeaseKind, Ledger, LedgerOutage};
 use crate::refusal::{LaneRefusal, Outcome, RefusalReason};
@@ -113,6 +113,19 @@ struct State {
     remote_batch_busy: Option<Instant>,
 }
 
+impl Workspace {
+    fn new(limits: WorkspaceLimits) -> Self {
+        Workspace {
+            limits,
+            running: 0,
+            batch_running: 0,
+            waiting: 0,
+            starts: VecDeque::new(),
+            remote: None,
+        }
+    }
+}
+
 /// What the shared ledger said when it last refused a workspace's call.
 #[derive(Clone, Copy, Debug)]
 struct Hold {
@@ -124,8 +137,10 @@ struct Hold {
     retry_at: Instant,
 }
 
-#[derive(Default)]
 struct Workspace {
+    /// Its limits: those its latest call brought (the lane's unless a call
+    /// named its own).
+    limits: WorkspaceLimits,
     running: u32,
     batch_running: u32,
     waiting: u32,
@@ -302,6 +317,27 @@ impl Lane {
         workspace: &str,
         max_wait: Duration,
     ) -> Result<LanePermit, LaneRefusal> {
+        let limits = self.shared.config.workspace_limits();
+        self.acquire_within(workspace, limits, max_wait).await
+    }
+
+    /// [`Lane::acquire`] for a workspace with limits of its own (e.g. from its
+    /// plan) instead of the lane's: at most `limits.in_flight` of its single
+    /// calls run at once and `limits.starts` start in any start window, here
+    /// and, on a shared lane, across every replica. The global cap, the line
+    /// and the breaker are the lane's, as for every call.
+    ///
+    /// A workspace's calls are held to the limits its latest call brought, so
+    /// a change (a new plan) applies to the calls waiting too.
+    ///
+    /// # Errors
+    /// As [`Lane::acquire`].
+    pub async fn acquire_within(
+        &self,
+        workspace: &str,
+        limits: WorkspaceLimits,
+        max_wait: Duration,
+    ) -> Result<LanePermit, LaneRefusal> {
         let max_wait = max_wait.min(LONGEST_WAIT);
         let arrived = Instant::now();
         let deadline = arrived + max_wait;
@@ -309,7 +345,7 @@ impl Lane {
             .shared
             .state
             .lock()
-            .arrive(workspace, arrived, max_wait);
+            .arrive(workspace, limits, arrived, max_wait);
         let (mut ticket, mut rx) = match arrival {
             // A call that started at once stands in line, if it must, by the
             // ticket it got on arrival.
@@ -400,7 +436,8 @@ impl Lane {
         self.start_keeper(leases);
         // Until the lease is had, a drop gives the place and its start back.
         slot.unsent = true;
-        let asked = leases.take(workspace, LeaseKind::Single).await;
+        let limits = self.shared.state.lock().limits_of(workspace);
+        let asked = leases.take(workspace, limits, LeaseKind::Single).await;
         let now = Instant::now();
         match asked {
             Asked::Leased(held) => {
@@ -562,7 +599,13 @@ impl Lane {
         };
         self.start_keeper(leases);
         slot.unsent = true;
-        let asked = leases.take(workspace, LeaseKind::Batch).await;
+        let asked = leases
+            .take(
+                workspace,
+                self.shared.config.workspace_limits(),
+                LeaseKind::Batch,
+            )
+            .await;
         match asked {
             Asked::Leased(held) => {
                 leases.hold(slot.ticket, held);
@@ -676,6 +719,7 @@ impl State {
     fn arrive(
         &mut self,
         workspace: &str,
+        limits: WorkspaceLimits,
         now: Instant,
         max_wait: Duration,
     ) -> Result<Arrival, LaneRefusal> {
@@ -686,10 +730,14 @@ impl State {
         }
         let key = self.key(workspace);
         let (ahead, free_here) = {
-            let config = &self.config;
-            let ws = self.workspaces.entry(Arc::clone(&key)).or_default();
-            prune(&mut ws.starts, now, config.start_window);
-            (ws.waiting, ws.waiting == 0 && ws_has_room(ws, config, now))
+            let window = self.config.start_window;
+            let ws = self
+                .workspaces
+                .entry(Arc::clone(&key))
+                .or_insert_with(|| Workspace::new(limits));
+            ws.limits = limits;
+            prune(&mut ws.starts, now, window);
+            (ws.waiting, ws.waiting == 0 && ws_has_room(ws, window, now))
         };
         if free_here && self.global_open(now) {
             let probe = match self.breaker.permit(self.timestamp(now)) {
@@ -734,6 +782,21 @@ impl State {
             ws.waiting += 1;
         }
         Ok(Arrival::Queued(ticket, rx))
+    }
+
+    /// The limits `workspace`'s calls are held to now.
+    fn limits_of(&self, workspace: &str) -> WorkspaceLimits {
+        self.workspaces
+            .get(workspace)
+            .map_or_else(|| self.config.workspace_limits(), |ws| ws.limits)
+    }
+
+    /// The entry of `key`, made with the lane's limits if it has none.
+    fn entry(&mut self, key: Arc<str>) -> &mut Workspace {
+        let limits = self.config.workspace_limits();
+        self.workspaces
+            .entry(key)
+            .or_insert_with(|| Workspace::new(limits))
     }
 
     /// The workspace's key, shared with its entry if it has one.
@@ -797,7 +860,7 @@ impl State {
                     None => retry,
                 };
                 let key = self.key(workspace);
-                self.workspaces.entry(key).or_default().remote = Some(Hold {
+                self.entry(key).remote = Some(Hold {
                     reason,
                     until: now + wait,
                     retry_at: now + exact.unwrap_or(wait),
@@ -816,7 +879,7 @@ impl State {
     ) -> oneshot::Receiver<Result<Grant, LaneRefusal>> {
         let key = self.key(workspace);
         let (tx, rx) = oneshot::channel();
-        self.workspaces.entry(Arc::clone(&key)).or_default().waiting += 1;
+        self.entry(Arc::clone(&key)).waiting += 1;
         self.line.insert(ticket, Waiter { workspace: key, tx });
         rx
     }
@@ -832,7 +895,7 @@ impl State {
                 batch,
             },
         );
-        let ws = self.workspaces.entry(Arc::clone(key)).or_default();
+        let ws = self.entry(Arc::clone(key));
         if batch {
             ws.batch_running += 1;
             self.batch_running += 1;
@@ -968,7 +1031,7 @@ impl State {
             let Some(ws) = self.workspaces.get(name) else {
                 continue;
             };
-            if !ws_has_room(ws, &self.config, now) {
+            if !ws_has_room(ws, self.config.start_window, now) {
                 continue;
             }
             if best.is_none_or(|(running, _)| ws.running < running) {
@@ -983,7 +1046,7 @@ impl State {
         self.line.values().any(|w| {
             self.workspaces
                 .get(&w.workspace)
-                .is_some_and(|ws| ws_has_room(ws, &self.config, now))
+                .is_some_and(|ws| ws_has_room(ws, self.config.start_window, now))
         })
     }
 
@@ -1023,10 +1086,10 @@ impl State {
             return deadline;
         };
         let window = self.config.start_window;
-        let limit = self.config.workspace_starts as usize;
         let now = Instant::now();
         let ws = self.workspaces.get(&waiter.workspace);
         let slot = ws.and_then(|ws| {
+            let limit = ws.limits.starts.get() as usize;
             let live = live_count(&ws.starts, now, window);
             (live >= limit).then(|| {
                 live_starts(&ws.starts, now, window)
@@ -1047,8 +1110,8 @@ impl State {
     /// it gets a start slot, if the start limit holds it.
     fn rate_slot(&self, workspace: &str, ahead: u32, now: Instant) -> Option<Instant> {
         let window = self.config.start_window;
-        let limit = self.config.workspace_starts as usize;
         let ws = self.workspaces.get(workspace)?;
+        let limit = ws.limits.starts.get() as usize;
         let need = live_count(&ws.starts, now, window) + ahead as usize;
         if need < limit {
             return None;
@@ -1082,7 +1145,7 @@ impl State {
             );
         }
         let running_here = self.workspaces.get(workspace).map_or(0, |ws| ws.running);
-        if running_here.saturating_add(ahead) >= self.config.workspace_in_flight {
+        if running_here.saturating_add(ahead) >= self.limits_of(workspace).in_flight.get() {
             consider(
                 RefusalReason::WorkspaceInFlightLimit,
                 self.estimate(Some(workspace), now),
@@ -1282,10 +1345,10 @@ fn live_count(starts: &VecDeque<Instant>, now: Instant, window: Duration) -> usi
     starts.len() - starts.partition_point(|s| *s + window <= now)
 }
 
-fn ws_has_room(ws: &Workspace, config: &LaneConfig, now: Instant) -> bool {
-    let live = live_count(&ws.starts, now, config.start_window);
-    ws.running < config.workspace_in_flight
-        && live < config.workspace_starts as usize
+fn ws_has_room(ws: &Workspace, window: Duration, now: Instant) -> bool {
+    let live = live_count(&ws.starts, now, window);
+    ws.running < ws.limits.in_flight.get()
+        && live < ws.limits.starts.get() as usize
         && ws.remote.is_none_or(|h| h.until <= now)
 }
 

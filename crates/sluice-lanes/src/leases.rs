@@ -4,6 +4,7 @@
 //! await, so it hands its lease over).
 
 use std::collections::HashMap;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use parking_lot::Mutex;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep_until};
 
-use crate::config::LaneConfig;
+use crate::config::{LaneConfig, WorkspaceLimits};
 use crate::ledger::{DynLedger, Lease, LeaseKind, Ledger, LedgerOutage, MemoryLedger, Taken};
 use crate::refusal::RefusalReason;
 
@@ -49,7 +50,9 @@ pub(crate) type OnEnd = Box<dyn Fn(&Lease, bool) + Send + Sync>;
 /// ticket of the place it holds.
 pub(crate) struct Leases {
     ledger: Arc<dyn DynLedger>,
-    fallback: Option<MemoryLedger>,
+    /// This replica's own count while the shared ledger is down (failing
+    /// open), and how many replicas share the limits.
+    fallback: Option<(MemoryLedger, u32)>,
     book: Arc<Mutex<HashMap<u64, Held>>>,
     ends: mpsc::UnboundedSender<End>,
     /// The keeper's end of `ends`, until the keeper starts.
@@ -64,9 +67,9 @@ impl Leases {
     ) -> Self {
         let fallback = match outage {
             LedgerOutage::FailClosed => None,
-            LedgerOutage::FailOpen { replicas } => Some(MemoryLedger::new(
-                share(config, replicas.get()),
-                ledger.lease_ttl(),
+            LedgerOutage::FailOpen { replicas } => Some((
+                MemoryLedger::new(share(config, replicas.get()), ledger.lease_ttl()),
+                replicas.get(),
             )),
         };
         let (ends, rx) = mpsc::unbounded_channel();
@@ -81,14 +84,21 @@ impl Leases {
 
     /// Asks for a lease; while the shared ledger cannot answer, asks the
     /// fallback when the lane fails open.
-    pub(crate) async fn take(&self, workspace: &str, kind: LeaseKind) -> Asked {
-        let answer = match self.ledger.take_boxed(workspace, kind).await {
+    pub(crate) async fn take(
+        &self,
+        workspace: &str,
+        limits: WorkspaceLimits,
+        kind: LeaseKind,
+    ) -> Asked {
+        let answer = match self.ledger.take_boxed(workspace, limits, kind).await {
             Ok(taken) => Some((taken, false)),
             Err(_) => match &self.fallback {
-                Some(fallback) => Ledger::take(fallback, workspace, kind)
-                    .await
-                    .ok()
-                    .map(|taken| (taken, true)),
+                Some((fallback, replicas)) => {
+                    Ledger::take(fallback, workspace, share_limits(limits, *replicas), kind)
+                        .await
+                        .ok()
+                        .map(|taken| (taken, true))
+                }
                 None => None,
             },
         };
@@ -139,7 +149,7 @@ impl Leases {
         };
         tokio::spawn(keep(
             Arc::clone(&self.ledger),
-            self.fallback.clone(),
+            self.fallback.as_ref().map(|(f, _)| f.clone()),
             Arc::clone(&self.book),
             ends,
             on_end(),
@@ -147,9 +157,20 @@ impl Leases {
     }
 }
 
+/// One replica's part of `n` while the shared ledger is down (at least 1).
+fn part(n: u32, replicas: u32) -> u32 {
+    (n / replicas.max(1)).max(1)
+}
+
+/// A workspace's limits on one replica while the shared ledger is down.
+fn share_limits(limits: WorkspaceLimits, replicas: u32) -> WorkspaceLimits {
+    let part = |n: NonZeroU32| NonZeroU32::new(part(n.get(), replicas)).unwrap_or(NonZeroU32::MIN);
+    WorkspaceLimits::new(part(limits.in_flight), part(limits.starts))
+}
+
 /// The limits of one replica's share while the shared ledger is down.
 fn share(config: &LaneConfig, replicas: u32) -> LaneConfig {
-    let part = |n: u32| (n / replicas.max(1)).max(1);
+    let part = |n: u32| part(n, replicas);
     let mut local = config.clone();
     local.workspace_in_flight = part(config.workspace_in_flight);
     local.workspace_starts = part(config.workspace_starts);

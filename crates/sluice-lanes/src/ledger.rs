@@ -43,7 +43,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::config::LaneConfig;
+use crate::config::{LaneConfig, WorkspaceLimits};
 use crate::refusal::RefusalReason;
 
 /// Whether a lease is for a single call or a batch item.
@@ -127,13 +127,17 @@ pub struct LedgerCounts {
 /// Where the counts of a lane shared by replicas live (see the module docs).
 pub trait Ledger: Send + Sync {
     /// Takes a lease for one call of `workspace`, checking every limit across
-    /// all replicas and recording the call, all or nothing.
+    /// all replicas and recording the call, all or nothing. A single call is
+    /// held to `limits` (the workspace's own, or the lane's
+    /// [`LaneConfig::workspace_limits`]); a batch item only to the global and
+    /// batch caps.
     ///
     /// # Errors
     /// [`LedgerError`] when the ledger cannot be asked.
     fn take(
         &self,
         workspace: &str,
+        limits: WorkspaceLimits,
         kind: LeaseKind,
     ) -> impl Future<Output = Result<Taken, LedgerError>> + Send;
 
@@ -204,7 +208,12 @@ pub(crate) type Answer<'a, T> = Pin<Box<dyn Future<Output = Result<T, LedgerErro
 
 /// [`Ledger`] behind a pointer: what a lane holds.
 pub(crate) trait DynLedger: Send + Sync {
-    fn take_boxed<'a>(&'a self, workspace: &'a str, kind: LeaseKind) -> Answer<'a, Taken>;
+    fn take_boxed<'a>(
+        &'a self,
+        workspace: &'a str,
+        limits: WorkspaceLimits,
+        kind: LeaseKind,
+    ) -> Answer<'a, Taken>;
     fn renew_boxed<'a>(&'a self, lease: &'a Lease) -> Answer<'a, bool>;
     fn release_boxed<'a>(&'a self, lease: &'a Lease) -> Answer<'a, ()>;
     fn cancel_boxed<'a>(&'a self, lease: &'a Lease) -> Answer<'a, ()>;
@@ -212,8 +221,13 @@ pub(crate) trait DynLedger: Send + Sync {
 }
 
 impl<L: Ledger> DynLedger for L {
-    fn take_boxed<'a>(&'a self, workspace: &'a str, kind: LeaseKind) -> Answer<'a, Taken> {
-        Box::pin(self.take(workspace, kind))
+    fn take_boxed<'a>(
+        &'a self,
+        workspace: &'a str,
+        limits: WorkspaceLimits,
+        kind: LeaseKind,
+    ) -> Answer<'a, Taken> {
+        Box::pin(self.take(workspace, limits, kind))
     }
 
     fn renew_boxed<'a>(&'a self, lease: &'a Lease) -> Answer<'a, bool> {
@@ -288,7 +302,8 @@ struct MemoryState {
 }
 
 impl MemoryLedger {
-    /// A ledger enforcing `config`'s limits with leases living `ttl`.
+    /// A ledger enforcing `config`'s global and batch caps and start window,
+    /// and the per-workspace limits each call brings, with leases living `ttl`.
     pub fn new(config: LaneConfig, ttl: Duration) -> Self {
         MemoryLedger {
             inner: Arc::new(MemoryInner {
@@ -331,7 +346,12 @@ impl MemoryState {
 }
 
 impl Ledger for MemoryLedger {
-    async fn take(&self, workspace: &str, kind: LeaseKind) -> Result<Taken, LedgerError> {
+    async fn take(
+        &self,
+        workspace: &str,
+        limits: WorkspaceLimits,
+        kind: LeaseKind,
+    ) -> Result<Taken, LedgerError> {
         let config = &self.inner.config;
         let now = Instant::now();
         let mut state = self.inner.state.lock();
@@ -345,10 +365,10 @@ impl Ledger for MemoryLedger {
             })
         };
         if kind == LeaseKind::Single {
-            if c.workspace_running >= config.workspace_in_flight {
+            if c.workspace_running >= limits.in_flight.get() {
                 return refused(RefusalReason::WorkspaceInFlightLimit, None);
             }
-            if c.workspace_starts >= config.workspace_starts {
+            if c.workspace_starts >= limits.starts.get() {
                 let oldest = state.starts.get(workspace).and_then(|s| s.front().copied());
                 let retry =
                     oldest.map(|s| (s + config.start_window).saturating_duration_since(now));

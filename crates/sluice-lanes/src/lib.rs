@@ -85,7 +85,7 @@ mod redis;
 mod refusal;
 mod snapshot;
 
-pub use config::{ConfigError, LaneConfig};
+pub use config::{ConfigError, LaneConfig, WorkspaceLimits};
 pub use lane::{BatchPermit, Lane, LanePermit};
 pub use ledger::{
     Lease, LeaseKind, Ledger, LedgerCounts, LedgerError, LedgerOutage, MemoryLedger, Taken,

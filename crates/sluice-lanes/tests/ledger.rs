@@ -12,13 +12,27 @@ async fn l1_memory_ledger_limits_starts_and_lease_expiry() {
     let b = a.clone();
     let mut held = Vec::new();
     for r in [&a, &b, &a] {
-        match r.take("acme", LeaseKind::Single).await.expect("ledger") {
+        match r
+            .take(
+                "acme",
+                LaneConfig::default().workspace_limits(),
+                LeaseKind::Single,
+            )
+            .await
+            .expect("ledger")
+        {
             Taken::Leased(l) => held.push(l),
             other => panic!("{other:?}"),
         }
     }
     assert_eq!(
-        b.take("acme", LeaseKind::Single).await.expect("ledger"),
+        b.take(
+            "acme",
+            LaneConfig::default().workspace_limits(),
+            LeaseKind::Single
+        )
+        .await
+        .expect("ledger"),
         Taken::Refused {
             reason: RefusalReason::WorkspaceInFlightLimit,
             retry_after: None,
@@ -36,13 +50,27 @@ async fn l1_memory_ledger_limits_starts_and_lease_expiry() {
     let c = b.counts("acme").await.expect("counts");
     assert_eq!((c.workspace_running, c.workspace_starts), (1, 3));
     for _ in 0..9 {
-        let Taken::Leased(l) = b.take("acme", LeaseKind::Single).await.expect("ledger") else {
+        let Taken::Leased(l) = b
+            .take(
+                "acme",
+                LaneConfig::default().workspace_limits(),
+                LeaseKind::Single,
+            )
+            .await
+            .expect("ledger")
+        else {
             panic!("room for 9 more starts");
         };
         b.release(&l).await.expect("release");
     }
     assert_eq!(
-        a.take("acme", LeaseKind::Single).await.expect("ledger"),
+        a.take(
+            "acme",
+            LaneConfig::default().workspace_limits(),
+            LeaseKind::Single
+        )
+        .await
+        .expect("ledger"),
         Taken::Refused {
             reason: RefusalReason::WorkspaceRateLimit,
             retry_after: Some(Duration::from_secs(49)),

@@ -24,7 +24,7 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use sluice_core::{FakeClock, Timestamp};
 use sluice_lanes::{
     LaneConfig, Lease, LeaseKind, Ledger, LedgerCounts, MemoryLedger, RedisLedger,
-    RedisLedgerConfig, RefusalReason, Taken,
+    RedisLedgerConfig, RefusalReason, Taken, WorkspaceLimits,
 };
 use tokio::runtime::Runtime;
 
@@ -136,6 +136,8 @@ impl Shared {
             .expect("paused runtime");
         Pair {
             memory_rt,
+            lane: limits.workspace_limits(),
+            own: HashMap::new(),
             memory: MemoryLedger::new(limits, TTL),
             redis_rt: &self.redis_rt,
             redis,
@@ -148,6 +150,10 @@ impl Shared {
 /// The two ledgers of one case, on one timeline.
 struct Pair<'a> {
     memory_rt: Runtime,
+    /// The lane's per-workspace limits.
+    lane: WorkspaceLimits,
+    /// Workspaces with limits of their own (as a plan gives), by index.
+    own: HashMap<usize, WorkspaceLimits>,
     memory: MemoryLedger,
     redis_rt: &'a Runtime,
     redis: RedisLedger,
@@ -162,10 +168,11 @@ impl Pair<'_> {
     fn step(&mut self, op: &Op) -> Result<Answer, String> {
         let lease = |n: usize| self.leases.get(n).cloned();
         let (memory, redis) = match *op {
-            Op::Take(ws, kind) => {
-                let ws = WORKSPACES[ws];
-                let m = self.memory_rt.block_on(self.memory.take(ws, kind));
-                let r = self.redis_rt.block_on(self.redis.take(ws, kind));
+            Op::Take(i, kind) => {
+                let ws = WORKSPACES[i];
+                let limits = self.own.get(&i).copied().unwrap_or(self.lane);
+                let m = self.memory_rt.block_on(self.memory.take(ws, limits, kind));
+                let r = self.redis_rt.block_on(self.redis.take(ws, limits, kind));
                 let (m, r) = (m.map_err(|e| e.to_string())?, r.map_err(|e| e.to_string())?);
                 if let (Taken::Leased(ml), Taken::Leased(rl)) = (&m, &r) {
                     self.leases.push((ml.clone(), rl.clone()));
@@ -412,10 +419,60 @@ fn l1_leases_live_their_ttl_unless_renewed() {
     assert_eq!(p.counts(0).global, 0);
 }
 
-/// Random limits and sequences: small limits, so every refusal shows up.
-fn case() -> impl Strategy<Value = (LaneConfig, Vec<Op>)> {
+/// A workspace's own limits: `in_flight` running, `starts` per window.
+fn own(in_flight: u32, starts: u32) -> WorkspaceLimits {
+    let n = |n: u32| std::num::NonZeroU32::new(n).expect("above zero");
+    WorkspaceLimits::new(n(in_flight), n(starts))
+}
+
+/// P3: a workspace with limits of its own (a plan's) is held to those, on
+/// both ledgers, while the others keep the lane's.
+#[test]
+fn p3_a_workspace_with_limits_of_its_own_is_held_to_them_on_both() {
+    let mut shared = Shared::start("conf-own");
+    let mut p = shared.pair(limits(1, 2, 10, 0));
+    p.own.insert(1, own(3, 4));
+    assert_eq!(p.take(0, SINGLE), Answer::Leased);
+    assert_eq!(
+        p.take(0, SINGLE),
+        refused(RefusalReason::WorkspaceInFlightLimit),
+        "the lane's limit"
+    );
+    for _ in 0..3 {
+        assert_eq!(p.take(1, SINGLE), Answer::Leased, "its own limit of 3");
+    }
+    assert_eq!(
+        p.take(1, SINGLE),
+        refused(RefusalReason::WorkspaceInFlightLimit)
+    );
+    // Its own start limit: 4 in the window, then refused until the first leaves.
+    p.expect(Op::Release(1));
+    assert_eq!(p.take(1, SINGLE), Answer::Leased);
+    p.expect(Op::Release(2));
+    p.wait(Duration::from_secs(10));
+    assert_eq!(
+        p.take(1, SINGLE),
+        rate_limited(WINDOW - Duration::from_secs(10), true)
+    );
+    // A smaller limit of its own holds below the lane's.
+    let mut q = shared.pair(limits(3, 10, 10, 0));
+    q.own.insert(2, own(1, 1));
+    assert_eq!(q.take(2, SINGLE), Answer::Leased);
+    assert_eq!(
+        q.take(2, SINGLE),
+        refused(RefusalReason::WorkspaceInFlightLimit)
+    );
+    q.expect(Op::Release(0));
+    assert_eq!(q.take(2, SINGLE), rate_limited(WINDOW, false));
+    assert_eq!(q.take(0, SINGLE), Answer::Leased, "the lane's limits");
+}
+
+/// Random limits and sequences: small limits, so every refusal shows up; the
+/// last workspace has limits of its own in half the cases.
+fn case() -> impl Strategy<Value = (LaneConfig, Option<WorkspaceLimits>, Vec<Op>)> {
     let config =
         (1u32..4, 1u32..5, 1u32..6, 0u32..3).prop_map(|(f, s, c, r)| limits(f, s, c, r.min(c)));
+    let own = prop::option::of((1u32..5, 1u32..6).prop_map(|(f, s)| own(f, s)));
     let ws = 0..WORKSPACES.len();
     let kind = prop_oneof![3 => Just(SINGLE), 1 => Just(BATCH)];
     let wait = prop_oneof![
@@ -432,7 +489,7 @@ fn case() -> impl Strategy<Value = (LaneConfig, Vec<Op>)> {
         1 => ws.prop_map(Op::Counts),
         4 => wait.prop_map(Op::Wait),
     ];
-    (config, prop::collection::vec(op, 1..60))
+    (config, own, prop::collection::vec(op, 1..60))
 }
 
 fn cases(default: u32) -> u32 {
@@ -455,9 +512,12 @@ fn l1_memory_ledger_and_redis_script_answer_alike_for_any_sequence() {
         ..Config::default()
     });
     runner
-        .run(&case(), |(config, ops)| {
+        .run(&case(), |(config, own, ops)| {
             let mut shared = shared.borrow_mut();
             let mut p = shared.pair(config);
+            if let Some(own) = own {
+                p.own.insert(WORKSPACES.len() - 1, own);
+            }
             // A lease is named by its number modulo the leases taken so far.
             for op in &ops {
                 let op = match *op {

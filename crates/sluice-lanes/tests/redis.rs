@@ -27,7 +27,11 @@ async fn replica(server: &RedisServer, ttl: Duration) -> RedisLedger {
 }
 
 async fn lease(ledger: &RedisLedger, workspace: &str, kind: LeaseKind) -> Lease {
-    match ledger.take(workspace, kind).await.expect("ledger") {
+    match ledger
+        .take(workspace, LaneConfig::default().workspace_limits(), kind)
+        .await
+        .expect("ledger")
+    {
         Taken::Leased(lease) => lease,
         refused => panic!("{workspace}: expected a lease, got {refused:?}"),
     }
@@ -38,7 +42,11 @@ async fn refused(
     workspace: &str,
     kind: LeaseKind,
 ) -> (RefusalReason, Option<Duration>) {
-    match ledger.take(workspace, kind).await.expect("ledger") {
+    match ledger
+        .take(workspace, LaneConfig::default().workspace_limits(), kind)
+        .await
+        .expect("ledger")
+    {
         Taken::Refused {
             reason,
             retry_after,

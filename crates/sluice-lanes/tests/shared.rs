@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use sluice_lanes::{
     Lane, LaneConfig, Lease, LeaseKind, Ledger, LedgerCounts, LedgerError, LedgerOutage,
-    MemoryLedger, Outcome, RefusalReason, Taken,
+    MemoryLedger, Outcome, RefusalReason, Taken, WorkspaceLimits,
 };
 use support::{REST, running, settle, spawn_wait};
 use tokio::time::{Instant, advance};
@@ -288,9 +288,14 @@ impl Flaky {
 }
 
 impl Ledger for Flaky {
-    async fn take(&self, workspace: &str, kind: LeaseKind) -> Result<Taken, LedgerError> {
+    async fn take(
+        &self,
+        workspace: &str,
+        limits: WorkspaceLimits,
+        kind: LeaseKind,
+    ) -> Result<Taken, LedgerError> {
         self.check()?;
-        self.inner.take(workspace, kind).await
+        self.inner.take(workspace, limits, kind).await
     }
     async fn renew(&self, lease: &Lease) -> Result<bool, LedgerError> {
         self.check()?;

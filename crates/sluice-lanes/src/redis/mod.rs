@@ -6,7 +6,7 @@ use std::time::Duration;
 use sluice_core::Clock;
 use sluice_redis::Connection;
 
-use crate::config::LaneConfig;
+use crate::config::{LaneConfig, WorkspaceLimits};
 use crate::ledger::{Lease, LeaseIds, LeaseKind, Ledger, LedgerCounts, LedgerError, Taken};
 use crate::refusal::RefusalReason;
 
@@ -86,7 +86,9 @@ fn millis(d: Duration) -> u64 {
 }
 
 impl RedisLedger {
-    /// Connects for the lane `lane` enforcing `limits`, and loads the script.
+    /// Connects for the lane `lane` enforcing `limits` (its global and batch
+    /// caps and start window; each single call brings its workspace's own
+    /// limits), and loads the script.
     ///
     /// # Errors
     /// [`LedgerError::Unavailable`] when the URL is malformed or Redis does
@@ -152,10 +154,13 @@ impl RedisLedger {
         ]
     }
 
+    /// Runs `op` for `workspace`; `limits` are the workspace's (they decide
+    /// only a `take_single`).
     async fn call<T: redis::FromRedisValue>(
         &self,
         op: &str,
         workspace: &str,
+        limits: WorkspaceLimits,
         id: &str,
     ) -> Result<T, LedgerError> {
         let mut invocation = self.script.prepare_invoke();
@@ -166,8 +171,8 @@ impl RedisLedger {
             .arg(op)
             .arg(id)
             .arg(millis(self.ttl))
-            .arg(self.limits.workspace_in_flight)
-            .arg(self.limits.workspace_starts)
+            .arg(limits.in_flight.get())
+            .arg(limits.starts.get())
             .arg(millis(self.limits.start_window))
             .arg(self.limits.global_cap)
             .arg(self.limits.batch_cap());
@@ -179,13 +184,18 @@ impl RedisLedger {
 }
 
 impl Ledger for RedisLedger {
-    async fn take(&self, workspace: &str, kind: LeaseKind) -> Result<Taken, LedgerError> {
+    async fn take(
+        &self,
+        workspace: &str,
+        limits: WorkspaceLimits,
+        kind: LeaseKind,
+    ) -> Result<Taken, LedgerError> {
         let lease = self.ids.lease(workspace, kind);
         let op = match kind {
             LeaseKind::Single => "take_single",
             LeaseKind::Batch => "take_batch",
         };
-        let answer: Vec<redis::Value> = self.call(op, workspace, lease.id()).await?;
+        let answer: Vec<redis::Value> = self.call(op, workspace, limits, lease.id()).await?;
         let ok: i64 = answer
             .first()
             .map(redis::from_redis_value_ref)
@@ -229,22 +239,45 @@ impl Ledger for RedisLedger {
     }
 
     async fn renew(&self, lease: &Lease) -> Result<bool, LedgerError> {
-        let held: i64 = self.call("renew", lease.workspace(), lease.id()).await?;
+        let held: i64 = self
+            .call(
+                "renew",
+                lease.workspace(),
+                self.limits.workspace_limits(),
+                lease.id(),
+            )
+            .await?;
         Ok(held > 0)
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), LedgerError> {
-        let _: i64 = self.call("release", lease.workspace(), lease.id()).await?;
+        let _: i64 = self
+            .call(
+                "release",
+                lease.workspace(),
+                self.limits.workspace_limits(),
+                lease.id(),
+            )
+            .await?;
         Ok(())
     }
 
     async fn cancel(&self, lease: &Lease) -> Result<(), LedgerError> {
-        let _: i64 = self.call("cancel", lease.workspace(), lease.id()).await?;
+        let _: i64 = self
+            .call(
+                "cancel",
+                lease.workspace(),
+                self.limits.workspace_limits(),
+                lease.id(),
+            )
+            .await?;
         Ok(())
     }
 
     async fn counts(&self, workspace: &str) -> Result<LedgerCounts, LedgerError> {
-        let c: Vec<u32> = self.call("counts", workspace, "").await?;
+        let c: Vec<u32> = self
+            .call("counts", workspace, self.limits.workspace_limits(), "")
+            .await?;
         let at = |i: usize| c.get(i).copied().unwrap_or(0);
         Ok(LedgerCounts {
             global: at(0),
