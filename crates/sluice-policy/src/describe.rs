@@ -306,6 +306,20 @@ impl Policy {
                     .filter(|q| !limits.quotas.iter().any(|l| l.name == q.name))
                     .map(|q| format!("{} uncapped", q.name)),
             );
+            let lanes: Vec<String> = limits
+                .lanes
+                .iter()
+                .map(|(running, starts)| {
+                    format!(
+                        "{} {}{} running, {}{} started",
+                        running.name.split('.').next().unwrap_or(""),
+                        running.limit,
+                        if running.from_plan { "*" } else { "" },
+                        starts.limit,
+                        if starts.from_plan { "*" } else { "" },
+                    )
+                })
+                .collect();
             let mut line = format!(
                 "plan {}{}: per caller and class: {}",
                 plan.name,
@@ -320,6 +334,7 @@ impl Policy {
                 ("per IP", ceilings),
                 ("buckets", buckets),
                 ("quotas", quotas),
+                ("per workspace in lanes", lanes),
             ] {
                 if !list.is_empty() {
                     let _ = write!(line, "; {what}: {}", list.join(", "));

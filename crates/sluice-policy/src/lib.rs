@@ -49,8 +49,8 @@ pub use model::{
     CredentialSource, CustomerPlan, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane,
     LaneBatch, LaneReasons, MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES, MAX_PLANS,
     MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS, MAX_WORKSPACES, OnExhausted, Outage, Per,
-    PlanLimit, PlanLimits, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass,
-    SLIDING_SLOTS, Spends, StorePolicy, TenantPlan, Tenants, Tool,
+    PlanLane, PlanLimit, PlanLimits, Policy, Principal, Profile, QuotaFamily, Refusal, Route,
+    RouteClass, SLIDING_SLOTS, Spends, StorePolicy, TenantPlan, Tenants, Tool,
 };
 pub use path::{PathError, Paths, without_parameters};
 pub use pattern::PathPattern;

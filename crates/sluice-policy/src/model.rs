@@ -639,8 +639,30 @@ pub struct CustomerPlan {
     pub buckets: Vec<Option<NonZeroU32>>,
     /// Calls per calendar month, indexed like [`Policy::quotas`].
     pub quotas: Vec<Option<NonZeroU32>>,
+    /// Per-workspace limits in each lane, indexed like [`Policy::lanes`].
+    pub lanes: Vec<PlanLane>,
     /// Enforced, or its limits decided and counted without refusing (a dry run).
     pub mode: Enforcement,
+}
+
+/// A plan's per-workspace limits in one lane; a limit it does not set is the
+/// lane's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanLane {
+    /// Calls of one workspace running at once.
+    pub workspace_in_flight: Option<NonZeroU32>,
+    /// Calls of one workspace started in the lane's `starts_window`.
+    pub workspace_starts: Option<NonZeroU32>,
+}
+
+impl PlanLane {
+    /// `self`'s limits, with `under`'s where `self` sets none.
+    pub fn or(self, under: PlanLane) -> PlanLane {
+        PlanLane {
+            workspace_in_flight: self.workspace_in_flight.or(under.workspace_in_flight),
+            workspace_starts: self.workspace_starts.or(under.workspace_starts),
+        }
+    }
 }
 
 /// The tenant table: the plan of each workspace, by the digest of its name (as
@@ -678,6 +700,10 @@ pub struct PlanLimits {
     pub buckets: Vec<(PlanLimit, NonZeroU32)>,
     /// Per calendar month, by capped quota family (uncapped ones left out).
     pub quotas: Vec<PlanLimit>,
+    /// Per workspace, by lane: (calls running at once, calls started per the
+    /// lane's window). Each limit is named `<lane>.workspace_in_flight` and
+    /// `<lane>.workspace_starts`.
+    pub lanes: Vec<(PlanLimit, PlanLimit)>,
 }
 
 /// Which plan a workspace of the tenant table is on.
@@ -870,7 +896,56 @@ impl Policy {
                     Some(limit(&q.name, plan.map(|p| &p.quotas), i, cap))
                 })
                 .collect(),
+            lanes: self
+                .lanes
+                .iter()
+                .enumerate()
+                .map(|(i, lane)| {
+                    let own = plan
+                        .and_then(|p| p.lanes.get(i))
+                        .copied()
+                        .unwrap_or_default();
+                    let limit =
+                        |field: &str, own: Option<NonZeroU32>, otherwise: NonZeroU32| PlanLimit {
+                            name: format!("{}.{field}", lane.name),
+                            limit: own.unwrap_or(otherwise).get(),
+                            from_plan: own.is_some(),
+                        };
+                    (
+                        limit(
+                            "workspace_in_flight",
+                            own.workspace_in_flight,
+                            lane.workspace_in_flight,
+                        ),
+                        limit(
+                            "workspace_starts",
+                            own.workspace_starts,
+                            lane.workspace_starts,
+                        ),
+                    )
+                })
+                .collect(),
         }
+    }
+
+    /// The per-workspace limits of lane `lane` (an index into
+    /// [`Policy::lanes`]) for a workspace on `plan`: (calls running at once,
+    /// calls started per the lane's window); the lane's where the plan sets
+    /// none. `None` for a lane the policy does not have.
+    pub fn lane_limits(
+        &self,
+        plan: Option<&CustomerPlan>,
+        lane: usize,
+    ) -> Option<(NonZeroU32, NonZeroU32)> {
+        let rule = self.lanes.get(lane)?;
+        let own = plan
+            .and_then(|p| p.lanes.get(lane))
+            .copied()
+            .unwrap_or_default();
+        Some((
+            own.workspace_in_flight.unwrap_or(rule.workspace_in_flight),
+            own.workspace_starts.unwrap_or(rule.workspace_starts),
+        ))
     }
 
     /// The plan named `name`.

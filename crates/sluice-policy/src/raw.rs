@@ -92,8 +92,7 @@ pub struct RawPlan {
     /// Calls per calendar month, by quota family.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub quotas: BTreeMap<String, u32>,
-    /// A lane's per-workspace limits, by lane: read so that `sluice check` can say
-    /// a plan cannot set them yet (the lane's own apply to every workspace).
+    /// A lane's per-workspace limits, by lane (the lane's own where unset).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub lanes: BTreeMap<String, RawPlanLane>,
     /// `enforce` (default) or `shadow`: the budgets whose limits the plan sets are
@@ -108,7 +107,7 @@ pub struct RawPlan {
 pub struct RawPlanLane {
     /// Calls of one workspace running at once.
     pub workspace_in_flight: Option<u32>,
-    /// Calls of one workspace started in any `starts_window_seconds`.
+    /// Calls of one workspace started in the lane's `starts_window_seconds`.
     pub workspace_starts: Option<u32>,
 }
 

@@ -309,7 +309,13 @@ fn own_plan(
         ..Checker::default()
     };
     let own = checker
-        .plans(&raw, &policy.classes, &policy.buckets, &policy.quotas)
+        .plans(
+            &raw,
+            &policy.classes,
+            &policy.buckets,
+            &policy.quotas,
+            &policy.lanes,
+        )
         .pop();
     let prefix = format!("plans.{name}");
     for mut problem in checker.problems {
@@ -334,8 +340,21 @@ fn own_plan(
         under(&mut own.ceilings, &base.ceilings);
         under(&mut own.buckets, &base.buckets);
         under(&mut own.quotas, &base.quotas);
+        for (o, b) in own.lanes.iter_mut().zip(&base.lanes) {
+            *o = o.or(*b);
+        }
         if base.mode == Enforcement::Shadow {
             own.mode = Enforcement::Shadow;
+            if let Some(lane) = limits.lanes.keys().next() {
+                v.problem(
+                    format!("workspaces.{name}.limits.lanes.{lane}"),
+                    format!(
+                        "its plan {:?} is in shadow mode: a lane's places cannot be dry-run",
+                        base.name
+                    ),
+                );
+                return None;
+            }
         }
     }
     Some(own)

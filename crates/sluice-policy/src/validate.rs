@@ -16,8 +16,8 @@ use crate::model::{
     CredentialSource, CustomerPlan, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane,
     LaneBatch, LaneReasons, MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES, MAX_PLANS,
     MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS, MAX_WORKSPACES, OnExhausted, Outage, Per,
-    Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, Spends, StorePolicy,
-    Tenants, Tool,
+    PlanLane, Policy, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, Spends,
+    StorePolicy, Tenants, Tool,
 };
 use crate::path::Paths;
 use crate::pattern::PathPattern;
@@ -493,7 +493,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     };
     let store = v.store(raw);
     let (classes, ceilings) = v.budgets_without_objects(raw);
-    let plans = v.plans(raw, &classes, &buckets, &quotas);
+    let plans = v.plans(raw, &classes, &buckets, &quotas, &lanes);
     let tenants = v.tenants(raw, &plans);
     let default_plan = plans.iter().position(|p| p.name == "default");
     let parts = (profile, window, identity, default_class, jsonrpc, store);
@@ -1070,6 +1070,7 @@ impl Checker {
         classes: &[CostClass],
         buckets: &[Bucket],
         quotas: &[QuotaFamily],
+        lanes: &[Lane],
     ) -> Vec<CustomerPlan> {
         if raw.plans.len() > MAX_PLANS {
             self.problem("plans", format!("at most {MAX_PLANS} plans"));
@@ -1091,6 +1092,7 @@ impl Checker {
                 ceilings: vec![None; self.ceilings.len()],
                 buckets: vec![None; buckets.len()],
                 quotas: vec![None; quotas.len()],
+                lanes: vec![PlanLane::default(); lanes.len()],
                 mode: Enforcement::Enforce,
             };
             let mut ok = true;
@@ -1137,17 +1139,61 @@ impl Checker {
                 plan.quotas[i] = self.nonzero(&path, limit);
                 ok &= plan.quotas[i].is_some();
             }
-            if let Some(lane) = p.lanes.keys().next() {
-                // Refused rather than ignored: a limit the operator wrote must hold.
-                self.problem(
-                    format!("{at}.lanes.{lane}"),
-                    "a plan cannot set a lane's limits yet: the lane's own apply to every workspace",
-                );
-                ok = false;
+            for (lane, raw_lane) in &p.lanes {
+                let path = format!("{at}.lanes.{lane}");
+                let Some(i) = lanes.iter().position(|l| l.name == *lane) else {
+                    self.problem(&path, format!("no lane {lane:?} under `lanes:`"));
+                    ok = false;
+                    continue;
+                };
+                let mut limit = |v: &mut Self, field: &str, value: Option<u32>| {
+                    let value = value?;
+                    let got = v.nonzero(&format!("{path}.{field}"), value);
+                    ok &= got.is_some();
+                    got
+                };
+                let own = PlanLane {
+                    workspace_in_flight: limit(
+                        self,
+                        "workspace_in_flight",
+                        raw_lane.workspace_in_flight,
+                    ),
+                    workspace_starts: limit(self, "workspace_starts", raw_lane.workspace_starts),
+                };
+                // A lane remembers each start of a workspace for its window.
+                if let Some(starts) = own.workspace_starts
+                    && starts.get() > MAX_LANE_STARTS
+                {
+                    self.problem(
+                        format!("{path}.workspace_starts"),
+                        format!(
+                            "at most {MAX_LANE_STARTS} (each start is remembered for its window)"
+                        ),
+                    );
+                    ok = false;
+                }
+                if own == PlanLane::default() {
+                    self.problem(
+                        &path,
+                        "names no limit: set `workspace_in_flight`, `workspace_starts` or both",
+                    );
+                    ok = false;
+                }
+                plan.lanes[i] = own;
             }
             match self.mode(&format!("{at}.mode"), p.mode.as_deref()) {
                 Some(mode) => plan.mode = mode,
                 None => ok = false,
+            }
+            if plan.mode == Enforcement::Shadow
+                && let Some(lane) = p.lanes.keys().next()
+            {
+                // A place in a lane is held or not: it cannot be taken in a dry run.
+                self.problem(
+                    format!("{at}.lanes.{lane}"),
+                    "a plan in shadow mode cannot set a lane's limits: a lane's places cannot be dry-run",
+                );
+                ok = false;
             }
             if ok {
                 plans.push(plan);

@@ -130,7 +130,7 @@ identity:
         "plans.pro.ip_ceilings.ip_v6: no ceiling \"ip_v6\"",
         "plans.pro.buckets.imports: no bucket \"imports\"",
         "plans.pro.quotas.videos: no quota family \"videos\"",
-        "plans.pro.lanes.optimizer: a plan cannot set a lane's limits yet",
+        "plans.pro.lanes.optimizer: no lane \"optimizer\" under `lanes:`",
         "plans.pro.mode: expected enforce or shadow, got \"loud\"",
         "plans.bad name: a plan name is 1 to 64 letters",
         "workspaces.acme.plan: no plan \"gold\" under `plans:`",
@@ -178,4 +178,84 @@ plans:
         error.contains("plans.free.classes.generate: 3 is below the budget's gcra burst (5)"),
         "{error}"
     );
+}
+
+const LANE: &str = "lanes:
+  optimizer: { workspace_in_flight: 3, workspace_starts: 12, starts_window_seconds: 60 }
+";
+
+#[test]
+fn p3_a_plan_sets_a_lanes_per_workspace_limits_and_the_lane_keeps_the_rest() {
+    let p = policy(&format!(
+        "{LANE}plans:
+  default:
+    lanes: {{ optimizer: {{ workspace_starts: 6 }} }}
+  pro:
+    lanes: {{ optimizer: {{ workspace_in_flight: 10, workspace_starts: 60 }} }}
+workspaces:
+  acme: {{ plan: pro }}
+"
+    ));
+    let limits = |workspace: &str| {
+        let (running, starts) = p
+            .lane_limits(p.plan_of(workspace_digest(workspace)), 0)
+            .expect("the lane");
+        (running.get(), starts.get())
+    };
+    assert_eq!(limits("acme"), (10, 60), "pro's own");
+    assert_eq!(
+        limits("globex"),
+        (3, 6),
+        "default's starts, the lane's in flight"
+    );
+    assert_eq!(
+        p.lane_limits(None, 0).map(|(r, s)| (r.get(), s.get())),
+        Some((3, 12))
+    );
+    assert!(p.lane_limits(None, 1).is_none(), "no second lane");
+    let described = p.describe_plans().join("\n");
+    assert!(
+        described.contains("per workspace in lanes: optimizer 10* running, 60* started"),
+        "{described}"
+    );
+    assert!(
+        described.contains("optimizer 3 running, 6* started"),
+        "{described}"
+    );
+}
+
+#[test]
+fn p3_every_bad_lane_override_is_named_by_its_key_path() {
+    let error = problems(&format!(
+        "{LANE}plans:
+  pro:
+    lanes:
+      optimizer: {{ workspace_in_flight: 0, workspace_starts: 100001 }}
+      translator: {{ workspace_in_flight: 2 }}
+  empty:
+    lanes: {{ optimizer: {{}} }}
+  trial:
+    mode: shadow
+    lanes: {{ optimizer: {{ workspace_in_flight: 9 }} }}
+"
+    ));
+    for expected in [
+        "plans.pro.lanes.optimizer.workspace_in_flight: must be at least 1",
+        "plans.pro.lanes.optimizer.workspace_starts: at most 100000",
+        "plans.pro.lanes.translator: no lane \"translator\" under `lanes:`",
+        "plans.empty.lanes.optimizer: names no limit",
+        "plans.trial.lanes.optimizer: a plan in shadow mode cannot set a lane's limits",
+    ] {
+        assert!(
+            error.contains(expected),
+            "missing {expected:?} in:\n{error}"
+        );
+    }
+    let unknown = problems(&format!(
+        "{LANE}plans:
+  pro:
+    lanes: {{ optimizer: {{ global_in_flight: 40 }} }}
+"
+    ));
+    assert!(unknown.contains("global_in_flight"), "{unknown}");
 }

@@ -91,7 +91,12 @@ async fn l1_two_limiters_on_one_ledger_run_three_calls_of_a_workspace_in_all() {
 struct Down;
 
 impl Ledger for Down {
-    async fn take(&self, _: &str, _: LeaseKind) -> Result<Taken, LedgerError> {
+    async fn take(
+        &self,
+        _: &str,
+        _: sluice_lanes::WorkspaceLimits,
+        _: LeaseKind,
+    ) -> Result<Taken, LedgerError> {
         Err(LedgerError::Unavailable("connection refused".into()))
     }
     async fn renew(&self, _: &Lease) -> Result<bool, LedgerError> {

@@ -296,3 +296,109 @@ async fn l1_a_replica_killed_with_sigkill_gives_its_places_back_within_the_lease
         survivor.stderr()
     );
 }
+
+fn sha(secret: &str) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(secret.as_bytes()))
+}
+
+/// A global cap of 12 (2 kept from batches), starts not binding, keys `sk-a`
+/// (workspace acme, on plan `pro`: 5 of its calls at once), `sk-b` (globex, on
+/// no plan: the lane's 3) and `sk-c` (initech, put on `pro` at run time).
+fn plan_policy(name: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("sluice-lanes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
+    let keys: String = [("sk-a", "acme"), ("sk-b", "globex"), ("sk-c", "initech")]
+        .iter()
+        .map(|(key, ws)| {
+            format!(
+                "\n    - {{ sha256: {}, workspace: {ws}, user: u-{ws} }}",
+                sha(key)
+            )
+        })
+        .collect();
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML
+        .edit("global_in_flight: 20", "global_in_flight: 12")
+        .edit("batch_reserve: 5", "batch_reserve: 2")
+        .edit("workspace_starts: 12", "workspace_starts: 100")
+        .edit(
+            "timeout_seconds: 180",
+            &format!(
+                "timeout_seconds: 180\n    lease_ttl_seconds: {}",
+                TTL.as_secs()
+            ),
+        )
+        .edit("timeout_ms: 20", "timeout_ms: 2000")
+        .edit("  keys: []", &format!("  keys:{keys}"))
+        .edit(
+            "headers:\n",
+            "plans:\n  pro:\n    lanes: { optimizer: { workspace_in_flight: 5 } }\nworkspaces:\n  acme: { plan: pro }\nheaders:\n",
+        );
+    std::fs::write(&path, yaml).expect("write policy");
+    path.to_str().expect("utf-8 path").to_owned()
+}
+
+/// Sends `n` optimize calls with each key at once, spread over `replicas`, and
+/// checks each was served.
+async fn optimize_all(replicas: &[Sluice], keys: &[&str], n: usize) {
+    let tasks: Vec<_> = (0..n * keys.len())
+        .map(|i| {
+            let request = optimize(&replicas[i % replicas.len()], keys[i % keys.len()], "{}");
+            tokio::spawn(async move {
+                let r = send(request).await;
+                (r.status.as_u16(), r.text())
+            })
+        })
+        .collect();
+    for t in tasks {
+        let (status, body) = t.await.expect("task");
+        assert_eq!(status, 200, "served after a wait within 15 s: {body}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p3_d2_a_plans_lane_limits_hold_across_three_replicas_and_a_runtime_change_too() {
+    let redis = RedisServer::start("lanes-plans");
+    let upstream = Upstream::start().await;
+    let policy = plan_policy("plans.yaml");
+    let replicas: Vec<Sluice> = (0..3)
+        .map(|_| replica(&policy, &redis, &upstream))
+        .collect();
+    // 10 calls each of acme (pro) and globex (no plan), all at once.
+    optimize_all(&replicas, &["sk-a", "sk-b"], 10).await;
+    let most = upstream.seen(|s| s.most.clone());
+    assert_eq!(
+        most.get("acme"),
+        Some(&5),
+        "pro's 5 at once across replicas, reached and never passed: {most:?}"
+    );
+    assert_eq!(most.get("globex"), Some(&3), "the lane's 3: {most:?}");
+    // initech goes on pro through one replica's admin API; every replica then
+    // lets 5 of its calls run at once.
+    let put = send(
+        Request::put(replicas[1].admin_url("/tenants/workspaces/initech"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(br#"{"plan":"pro"}"#)))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(put.status, 204, "{}", put.text());
+    let started = Instant::now();
+    for replica in &replicas {
+        loop {
+            let reply = support::get(&replica.admin_url("/tenants/workspaces/initech")).await;
+            if reply.json()["limits"]["lanes"]["optimizer.workspace_in_flight"] == 5 {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "a replica never put initech on pro"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    optimize_all(&replicas, &["sk-c"], 10).await;
+    let most = upstream.seen(|s| s.most.clone());
+    assert_eq!(most.get("initech"), Some(&5), "{most:?}");
+}

@@ -328,7 +328,14 @@ impl<S: BudgetStore> Limiter<S> {
             log("limiter_unavailable");
             return Err(Reason::Unavailable("no such lane".to_owned()));
         };
-        if call.calls > rule.workspace_in_flight.get() {
+        // The workspace's own limits in this lane: its plan's, else the lane's.
+        let tier = self.policy.plan_for(&plan.from).ok().flatten();
+        let (in_flight, starts) = self
+            .policy
+            .lane_limits(tier, call.lane)
+            .unwrap_or((rule.workspace_in_flight, rule.workspace_starts));
+        let limits = sluice_lanes::WorkspaceLimits::new(in_flight, starts);
+        if call.calls > in_flight.get() {
             return Err(
                 match self.store.peek_from(&plan.budgets, plan.network).await {
                     // Budgets in shadow mode do not refuse here either.
@@ -343,7 +350,7 @@ impl<S: BudgetStore> Limiter<S> {
                         log("too_many_lane_calls");
                         Reason::Invalid(Refused::LaneCalls {
                             calls: call.calls,
-                            max: rule.workspace_in_flight.get(),
+                            max: in_flight.get(),
                         })
                     }
                 },
@@ -354,7 +361,7 @@ impl<S: BudgetStore> Limiter<S> {
         let mut permits = Vec::with_capacity(call.calls as usize);
         for _ in 0..call.calls {
             let left = until.saturating_duration_since(tokio::time::Instant::now());
-            match lane.acquire(&workspace, left).await {
+            match lane.acquire_within(&workspace, limits, left).await {
                 Ok(permit) => permits.push(permit),
                 Err(refusal) => {
                     crate::LanePlace::new(permits, rule.timeout).cancel();

@@ -268,6 +268,9 @@ pub struct PlanStatus {
     pub buckets: BTreeMap<String, u32>,
     /// Per calendar month, by capped quota family.
     pub quotas: BTreeMap<String, u32>,
+    /// Per workspace in each lane: `<lane>.workspace_in_flight` and
+    /// `<lane>.workspace_starts`.
+    pub lanes: BTreeMap<String, u32>,
     /// The budgets whose limits the plan sets (the others are the profile's).
     pub overrides: Vec<String>,
 }
@@ -289,6 +292,7 @@ pub(crate) fn plan_status(p: &Policy, plan: Option<&sluice_policy::CustomerPlan>
     let ip_ceilings = table(&mut limits.ceilings.iter());
     let buckets = table(&mut limits.buckets.iter().map(|(l, _)| l));
     let quotas = table(&mut limits.quotas.iter());
+    let lanes = table(&mut limits.lanes.iter().flat_map(|(a, b)| [a, b]));
     PlanStatus {
         name: plan.map_or_else(String::new, |plan| plan.name.clone()),
         mode: match plan.map(|plan| plan.mode) {
@@ -299,6 +303,7 @@ pub(crate) fn plan_status(p: &Policy, plan: Option<&sluice_policy::CustomerPlan>
         ip_ceilings,
         buckets,
         quotas,
+        lanes,
         overrides,
     }
 }
