@@ -57,6 +57,7 @@ pub mod answer;
 mod batch;
 mod buffers;
 pub mod exchange;
+pub mod forward_auth;
 mod lanes;
 mod limiter;
 mod plan;

@@ -19,6 +19,7 @@
 pub mod access;
 pub mod admin;
 pub mod batch;
+mod check;
 pub mod demo;
 pub mod file_watch;
 mod gateway;
@@ -170,6 +171,10 @@ pub struct GatewayConfig {
     /// (required beyond loopback: [`Gateway::start`] refuses to start without one),
     /// paths open without it (see [`sluice_door`]).
     pub admin_door: sluice_door::DoorConfig,
+    /// Address of the forward-auth listener (`--check`): nginx's `auth_request`,
+    /// Traefik's ForwardAuth and Caddy's `forward_auth` ask it about the requests
+    /// they hold; `None` runs none.
+    pub check: Option<SocketAddr>,
 }
 
 /// The batch queue's global bounds (see [`GatewayConfig::batch_bounds`]); the
@@ -231,6 +236,7 @@ impl GatewayConfig {
             policy_file: None,
             access_log: false,
             admin_door: sluice_door::DoorConfig::default(),
+            check: None,
             refusal_log_per_second: sluice_edge::DEFAULT_REFUSAL_LOG_PER_SECOND,
         }
     }
@@ -295,6 +301,7 @@ pub enum StartError {
 pub struct Gateway {
     addr: SocketAddr,
     admin_addr: SocketAddr,
+    check_addr: Option<SocketAddr>,
     upstream: Upstream,
     demo: Option<demo::Demo>,
     stop_gateway: watch::Sender<bool>,
@@ -334,6 +341,7 @@ impl Gateway {
         admin::install_metrics();
         let listeners = start::Listeners::bind(&config).await?;
         let (addr, admin_addr) = (listeners.gateway.addr, listeners.admin.addr);
+        let check_addr = listeners.check.as_ref().map(|c| c.addr);
         // The admin listener and the demo upstream stop only after the gateway has
         // drained: in-flight requests still need the demo to answer them.
         let (stop_backends, backends_stopped) = Stop::channel();
@@ -386,6 +394,15 @@ impl Gateway {
             SHUTDOWN_GRACE,
         )
         .map_err(start::io("starting the gateway worker threads"))?;
+        if let Some(check) = listeners.check {
+            start::warn_if_no_trusted_proxy(&core, check.addr);
+            tokio::spawn(check::serve(
+                check.listener,
+                Arc::clone(&core.limiter),
+                config.max_connections,
+                backends_stopped.clone().wait(),
+            ));
+        }
         let (stop_gateway, gateway_stopped) = Stop::channel();
         let gateway_task = tokio::spawn(gateway::serve(
             listeners.gateway.listener,
@@ -398,6 +415,7 @@ impl Gateway {
         Ok(Gateway {
             addr,
             admin_addr,
+            check_addr,
             upstream,
             demo,
             stop_gateway,
@@ -431,6 +449,11 @@ impl Gateway {
         self.admin_addr
     }
 
+    /// The address the forward-auth listener listens on (`--check`), if one runs.
+    pub fn check_addr(&self) -> Option<SocketAddr> {
+        self.check_addr
+    }
+
     /// The upstream requests go to.
     pub fn upstream(&self) -> &Upstream {
         &self.upstream
@@ -442,15 +465,19 @@ impl Gateway {
     }
 
     /// The one line `sluice serve` prints on start, naming the bound addresses:
-    /// `sluice: listening on http://ADDR (admin http://ADDR, upstream …)`.
+    /// `sluice: listening on http://ADDR (admin http://ADDR, upstream …)`, with
+    /// `, check http://ADDR` before the `)` when the forward-auth listener runs.
     pub fn start_line(&self) -> String {
         let upstream = if self.runs_demo() {
             format!("built-in demo at {}", self.upstream())
         } else {
             self.upstream().to_string()
         };
+        let check = self
+            .check_addr
+            .map_or_else(String::new, |c| format!(", check http://{c}"));
         format!(
-            "sluice: listening on http://{} (admin http://{}, upstream {upstream})",
+            "sluice: listening on http://{} (admin http://{}, upstream {upstream}{check})",
             self.addr(),
             self.admin_addr()
         )

@@ -60,6 +60,8 @@ pub(super) struct Listeners {
     pub(super) gateway: Bound,
     /// The admin listener's (`admin`).
     pub(super) admin: Bound,
+    /// The forward-auth listener's (`check`), when one runs.
+    pub(super) check: Option<Bound>,
 }
 
 impl Listeners {
@@ -77,6 +79,16 @@ impl Listeners {
         let admin_addr = admin
             .local_addr()
             .map_err(io("reading the admin address"))?;
+        let check = match config.check {
+            None => None,
+            Some(addr) => {
+                let listener = bind("check", addr).await?;
+                let addr = listener
+                    .local_addr()
+                    .map_err(io("reading the check address"))?;
+                Some(Bound { listener, addr })
+            }
+        };
         Ok(Listeners {
             gateway: Bound {
                 listener: gateway,
@@ -86,11 +98,29 @@ impl Listeners {
                 listener: admin,
                 addr: admin_addr,
             },
+            check,
         })
     }
 }
 
-/// Binds `addr` for `listener` (`gateway` or `admin`, as the error names it).
+/// Warns when the forward-auth listener runs with no trusted proxy: every request
+/// it decides would then be counted against the proxy's address, not its client's.
+pub(super) fn warn_if_no_trusted_proxy(core: &Core, check: SocketAddr) {
+    if core
+        .limiter
+        .load()
+        .policy()
+        .identity
+        .trusted_proxies
+        .is_empty()
+    {
+        tracing::warn!(
+            "the check listener on {check} has no trusted proxy (identity.trusted_proxies): per-IP ceilings will count the proxy's address, not its clients'; trust the proxy's address so its X-Forwarded-For is read"
+        );
+    }
+}
+
+/// Binds `addr` for `listener` (`gateway`, `admin` or `check`, as the error names it).
 ///
 /// # Errors
 /// [`StartError::Bind`].

@@ -65,6 +65,24 @@ fn check(args: &CheckArgs) -> anyhow::Result<()> {
         let policy =
             sluice_policy::parse_str(&text, &args.file).map_err(|e| BadInput(e.to_string()))?;
         write!(out, "{}", policy.describe())?;
+        let gaps: Vec<String> = sluice_edge::forward_auth::gaps(&policy)
+            .into_iter()
+            .map(|(route, gap)| {
+                format!(
+                    "{} {} ({})",
+                    route.method.as_ref().map_or("*", |m| m.as_str()),
+                    route.path.as_ref().map_or("*", |p| p.as_str()),
+                    gap.as_str()
+                )
+            })
+            .collect();
+        if !gaps.is_empty() {
+            writeln!(
+                out,
+                "not served by --check: {} (put `sluice serve` in front of these routes)",
+                gaps.join(", ")
+            )?;
+        }
     }
     writeln!(out, "{}: ok", args.file.display())?;
     out.flush()?;

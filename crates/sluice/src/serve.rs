@@ -41,6 +41,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090", value_parser = parse_addr)]
     pub admin: SocketAddr,
 
+    /// Also answer forward-auth check requests on ADDR: nginx's `auth_request`,
+    /// Traefik's ForwardAuth and Caddy's `forward_auth` ask `GET /check` about the
+    /// request they hold (named by X-Original-URI/-Method or X-Forwarded-Uri/-Method)
+    /// and get 204 or the refusal, with X-RateLimit-*; decided by the same policy and
+    /// budgets as the gateway. Routes that need the body or a lane are refused there
+    /// (`sluice check` lists them). Trust the proxy's address in
+    /// `identity.trusted_proxies` so its X-Forwarded-For is read. Port 0 picks a free
+    /// port.
+    #[arg(long, value_name = "ADDR", value_parser = parse_addr)]
+    pub check: Option<SocketAddr>,
+
     /// Who the admin listener lets in (`--admin-host`, `--admin-token-file`).
     #[command(flatten)]
     pub door: crate::door::DoorArgs,
@@ -252,6 +263,7 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     config.access_log = args.access_log;
     config.listen = args.listen;
     config.admin = args.admin;
+    config.check = args.check;
     config.upstream = args.upstream;
     config.store = args.store;
     config.clock_offset = args.clock_offset;

@@ -35,6 +35,8 @@ pub struct StartLine {
     /// The upstream URL (`http://…`), the demo's address when it is the built-in demo.
     pub upstream: String,
     pub demo: bool,
+    /// The forward-auth listener (`--check`), when one runs.
+    pub check: Option<std::net::SocketAddr>,
 }
 
 /// Parses `sluice: listening on http://A (admin http://B, upstream [built-in demo at ]URL)`.
@@ -43,6 +45,10 @@ pub fn parse_start_line(line: &str) -> Option<StartLine> {
     let (gateway, rest) = rest.split_once(" (admin http://")?;
     let (admin, rest) = rest.split_once(", upstream ")?;
     let upstream = rest.strip_suffix(')')?;
+    let (upstream, check) = match upstream.rsplit_once(", check http://") {
+        Some((upstream, check)) => (upstream, Some(check.parse().ok()?)),
+        None => (upstream, None),
+    };
     let (upstream, demo) = match upstream.strip_prefix("built-in demo at ") {
         Some(url) => (url, true),
         None => (upstream, false),
@@ -52,6 +58,7 @@ pub fn parse_start_line(line: &str) -> Option<StartLine> {
         admin: admin.parse().ok()?,
         upstream: upstream.to_owned(),
         demo,
+        check,
     })
 }
 
@@ -90,7 +97,7 @@ impl Drop for DataDir {
     }
 }
 
-fn binary() -> &'static str {
+pub fn binary() -> &'static str {
     env!("CARGO_BIN_EXE_sluice")
 }
 
@@ -191,6 +198,11 @@ impl Sluice {
     }
 
     /// A URL on the admin listener.
+    pub fn check_url(&self, path_and_query: &str) -> String {
+        let check = self.start.check.expect("started with --check");
+        format!("http://{check}{path_and_query}")
+    }
+
     pub fn admin_url(&self, path_and_query: &str) -> String {
         format!("http://{}{path_and_query}", self.start.admin)
     }
@@ -464,4 +476,9 @@ fn start_lines_parse() {
     let start = parse_start_line(line).expect("parses");
     assert_eq!(start.upstream, "http://up:3/api");
     assert!(!start.demo);
+    assert_eq!(start.check, None);
+    let line = "sluice: listening on http://127.0.0.1:1 (admin http://127.0.0.1:2, upstream http://up:3, check http://127.0.0.1:4)";
+    let start = parse_start_line(line).expect("parses");
+    assert_eq!(start.upstream, "http://up:3");
+    assert_eq!(start.check.map(|c| c.port()), Some(4));
 }

@@ -1,0 +1,127 @@
+//! The forward-auth listener (`sluice serve --check ADDR`): answers the check
+//! requests of nginx's `auth_request`, Traefik's ForwardAuth and Caddy's
+//! `forward_auth` with the gateway's one limiter, so a request decided here and
+//! one through sluice's own proxy spend the same budgets (see
+//! [`sluice_edge::forward_auth`]).
+//!
+//! `GET /check` and any path below it, with any method (nginx's subrequest keeps
+//! the original's); the check request's body is never read. Every other path is
+//! 404. HTTP/1.1 with keep-alive; connections are bounded like the gateway's.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use sluice_edge::SharedLimiter;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::store::AnyStore;
+
+/// How long a connection may take to send a request head.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest request head read (the original request's headers ride in it).
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// How long open connections get to finish once the listener stops.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// True for `/check` and the paths below it.
+fn is_check_path(path: &str) -> bool {
+    path == "/check" || path.starts_with("/check/")
+}
+
+/// Serves `listener` with `limiter` until `stop`, at most `max_connections`
+/// connections at once (the next waits to be accepted).
+pub(crate) async fn serve(
+    listener: TcpListener,
+    limiter: SharedLimiter<AnyStore>,
+    max_connections: NonZeroUsize,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let mut http1 = http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_HEAD_BYTES);
+    let open = Arc::new(Semaphore::new(max_connections.get()));
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(stop);
+    loop {
+        let permit = tokio::select! {
+            () = &mut stop => break,
+            permit = Arc::clone(&open).acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => break,
+            },
+        };
+        let (stream, peer): (_, SocketAddr) = tokio::select! {
+            () = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of descriptors and the like: wait a moment, as the gateway does.
+                    tracing::warn!("check listener: accept failed: {error}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let limiter = Arc::clone(&limiter);
+        let service = service_fn(move |request: Request<Incoming>| {
+            let limiter = Arc::clone(&limiter);
+            async move { Ok::<_, Infallible>(answer(&limiter, &request, peer).await) }
+        });
+        let connection = graceful.watch(http1.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            let _permit = permit;
+            // A connection error concerns that proxy connection only.
+            let _ = connection.await;
+        });
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(GRACE, graceful.shutdown()).await;
+}
+
+async fn answer(
+    limiter: &SharedLimiter<AnyStore>,
+    request: &Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<Full<Bytes>> {
+    if !is_check_path(request.uri().path()) {
+        let mut answer = sluice_edge::envelope_response(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "the check listener answers /check and the paths below it",
+            serde_json::json!({}),
+        );
+        *answer.status_mut() = StatusCode::NOT_FOUND;
+        return answer;
+    }
+    let limiter = limiter.load();
+    limiter.forward_auth(request.headers(), peer.ip()).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_check_path;
+
+    #[test]
+    fn r2_only_check_and_below_are_check_paths() {
+        assert!(is_check_path("/check"));
+        assert!(is_check_path("/check/api/v1"));
+        assert!(!is_check_path("/checkout"));
+        assert!(!is_check_path("/"));
+        assert!(!is_check_path("/metrics"));
+    }
+}

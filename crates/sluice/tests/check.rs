@@ -1,0 +1,393 @@
+//! R2, the forward-auth endpoint (`sluice serve --check ADDR`): the requests that
+//! nginx's `auth_request`, Traefik's ForwardAuth and Caddy's `forward_auth` hold are
+//! decided by the gateway's policy and budgets; asked directly over loopback, then
+//! through a real nginx (Debian's package) with the configuration sluice documents
+//! (`examples/nginx/sluice.conf`, included unchanged).
+
+#[path = "../../../tests/support/edit.rs"]
+mod edit;
+use edit::Edit as _;
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::Full;
+use support::{DataDir, Reply, Sluice, send};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::UnixStream;
+
+/// The built-in policy with the longest window (no run can straddle one), a per-IP
+/// ceiling of 40, and loopback trusted as a proxy (nginx and the tests ask from it).
+fn policy(dir: &Path) -> String {
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML
+        .edit(
+            "window_seconds: 60\nprofiles",
+            "window_seconds: 4294967295\nprofiles",
+        )
+        .edit(
+            "ip_ceilings: { ip: 300, ip_protocol: 1200 }",
+            "ip_ceilings: { ip: 40, ip_protocol: 1200 }",
+        )
+        .edit("trusted_proxies: []", "trusted_proxies: [127.0.0.1/32]");
+    std::fs::create_dir_all(dir).expect("test directory");
+    let path = dir.join("check.yaml");
+    std::fs::write(&path, yaml).expect("write policy");
+    path.to_str().expect("utf-8 path").to_owned()
+}
+
+fn spawn(dir: &DataDir) -> Sluice {
+    let policy = policy(&dir.0);
+    Sluice::spawn(&["--config", &policy, "--check", "127.0.0.1:0"])
+}
+
+/// A check request as Traefik or Caddy sends it (`X-Forwarded-*`).
+async fn forwarded(sluice: &Sluice, method: &str, uri: &str, key: &str, client: &str) -> Reply {
+    send(
+        Request::get(sluice.check_url("/check"))
+            .header("x-forwarded-method", method)
+            .header("x-forwarded-uri", uri)
+            .header("x-forwarded-for", client)
+            .header("x-api-key", key)
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await
+}
+
+/// A check request as the documented nginx configuration sends it.
+async fn nginx_style(sluice: &Sluice, method: &str, uri: &str, key: &str, client: &str) -> Reply {
+    send(
+        Request::get(sluice.check_url("/check"))
+            .header("x-original-method", method)
+            .header("x-original-uri", uri)
+            .header("x-forwarded-for", client)
+            .header("x-api-key", key)
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await
+}
+
+fn remaining(reply: &Reply) -> Option<u32> {
+    reply.header("x-ratelimit-remaining")?.parse().ok()
+}
+
+#[tokio::test]
+async fn r2_the_check_endpoint_decides_with_the_gateways_policy_and_budgets() {
+    let dir = DataDir::new();
+    let sluice = spawn(&dir);
+    // The expensive class, 30 per caller: admitted with X-RateLimit-*, then 429.
+    for left in (0..30).rev() {
+        let r = forwarded(&sluice, "POST", "/chats", "sk-a", "198.51.100.1").await;
+        assert_eq!(r.status, 204, "{}", r.text());
+        assert_eq!(r.header("x-ratelimit-limit"), Some("30"));
+        assert_eq!(remaining(&r), Some(left));
+    }
+    let refused = forwarded(&sluice, "POST", "/chats", "sk-a", "198.51.100.1").await;
+    assert_eq!(refused.status, 429, "Traefik and Caddy pass the 429 on");
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(
+        refused.text(),
+        "Too many requests, please try again later.",
+        "the body sluice's proxy gives (the seed's, for this class)"
+    );
+    // One set of budgets with the gateway: calls through sluice's own proxy and
+    // through the check endpoint spend the same count.
+    for _ in 0..10 {
+        let r = send(
+            Request::post(sluice.url("/chats"))
+                .header("x-api-key", "sk-b")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from_static(b"{}")))
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let r = forwarded(&sluice, "POST", "/chats", "sk-b", "198.51.100.2").await;
+    assert_eq!(
+        remaining(&r),
+        Some(19),
+        "10 spent through the gateway, 1 here"
+    );
+    // A read is a read: the class comes from the original's method and path, so
+    // sk-a, out of expensive calls, may still read (its address's ceiling of 40
+    // has 9 left after its 31 asks).
+    let r = forwarded(&sluice, "GET", "/chats/7?x=1", "sk-a", "198.51.100.1").await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    assert_eq!(r.header("x-ratelimit-limit"), Some("40"));
+    assert_eq!(remaining(&r), Some(9));
+}
+
+#[tokio::test]
+async fn r2_the_client_address_is_read_through_the_trusted_proxy() {
+    let dir = DataDir::new();
+    let sluice = spawn(&dir);
+    // Two callers behind one client address share its ceiling of 40.
+    for key in ["sk-c1", "sk-c2"] {
+        for _ in 0..20 {
+            let r = forwarded(&sluice, "POST", "/chats", key, "203.0.113.9").await;
+            assert_eq!(r.status, 204, "{}", r.text());
+        }
+    }
+    let refused = forwarded(&sluice, "POST", "/chats", "sk-c3", "203.0.113.9").await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(
+        refused.header("x-ratelimit-limit"),
+        Some("40"),
+        "the per-IP ceiling"
+    );
+    // Another client address is not held by it.
+    let other = forwarded(&sluice, "POST", "/chats", "sk-c3", "203.0.113.10").await;
+    assert_eq!(other.status, 204, "{}", other.text());
+}
+
+#[tokio::test]
+async fn r2_routes_that_need_the_body_or_a_lane_are_refused_never_decided_cheaper() {
+    let dir = DataDir::new();
+    let sluice = spawn(&dir);
+    for (method, uri, reason) in [
+        ("POST", "/mcp", "needs_body"),
+        ("POST", "/messages/optimize/batch", "needs_body"),
+        ("POST", "/search/query", "needs_body"),
+        ("POST", "/messages/optimize", "needs_proxy"),
+        ("GET", "/messages/optimize/batches/b1", "needs_proxy"),
+    ] {
+        let r = forwarded(&sluice, method, uri, "sk-d", "198.51.100.4").await;
+        assert_eq!(r.status, 429, "{method} {uri}: {}", r.text());
+        assert_eq!(
+            r.json()["error"]["details"]["reason"],
+            reason,
+            "{method} {uri}"
+        );
+        let r = nginx_style(&sluice, method, uri, "sk-d", "198.51.100.4").await;
+        assert_eq!(r.status, 403, "{method} {uri}: nginx hears 403");
+        assert_eq!(r.header("x-sluice-status"), Some("429"));
+    }
+    // `sluice check` names them.
+    let out = Command::new(support::binary())
+        .args(["check", &policy(&dir.0)])
+        .output()
+        .expect("sluice check");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("not served by --check: POST /mcp (needs_body)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("POST /messages/optimize (needs_proxy)"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn r2_a_check_request_that_names_no_original_or_a_bad_one_is_refused() {
+    let dir = DataDir::new();
+    let sluice = spawn(&dir);
+    let none = send(
+        Request::get(sluice.check_url("/check"))
+            .header("x-api-key", "sk-e")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(none.status, 403);
+    assert_eq!(none.header("x-sluice-status"), Some("400"));
+    assert_eq!(
+        none.json()["error"]["details"]["reason"],
+        "no_original_request"
+    );
+    for (method, uri) in [
+        ("POST", "http://elsewhere/chats"),
+        ("POST", "chats"),
+        ("P OST", "/chats"),
+        ("POST", "/chats/%2e%2e/%2e%2e/admin"),
+    ] {
+        let r = forwarded(&sluice, method, uri, "sk-e", "198.51.100.5").await;
+        assert!(
+            r.status == 400 || r.status == 403,
+            "{method} {uri}: {} {}",
+            r.status,
+            r.text()
+        );
+    }
+    let elsewhere = send(
+        Request::get(sluice.check_url("/checkout"))
+            .header("x-forwarded-method", "GET")
+            .header("x-forwarded-uri", "/chats")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(elsewhere.status, 404);
+}
+
+/// A real nginx in front of the demo upstream, asking sluice through
+/// `examples/nginx/sluice.conf`; it listens on a Unix socket in `dir` and takes the
+/// client's address from `X-Real-IP` (the realip module, as behind a load balancer).
+struct Nginx {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Nginx {
+    fn start(dir: &Path, check: std::net::SocketAddr, upstream: &str) -> Nginx {
+        let nginx = ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"]
+            .into_iter()
+            .find(|p| Path::new(p).exists())
+            .expect("nginx must be installed (scripts/test installs it)");
+        let socket = dir.join("nginx.sock");
+        let snippet = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../examples/nginx/sluice.conf"
+        );
+        let upstream = upstream.trim_start_matches("http://").trim_end_matches('/');
+        let d = dir.display();
+        let conf = format!(
+            "daemon off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    upstream app {{ server {upstream}; }}
+    upstream sluice_check {{ server {check}; keepalive 8; }}
+    server {{
+        listen unix:{socket};
+        set_real_ip_from unix:;
+        real_ip_header X-Real-IP;
+        include {snippet};
+    }}
+}}
+",
+            socket = socket.display()
+        );
+        let path = dir.join("nginx.conf");
+        std::fs::write(&path, conf).expect("write nginx.conf");
+        let child = Command::new(nginx)
+            .arg("-p")
+            .arg(dir)
+            .arg("-e")
+            .arg(dir.join("error.log"))
+            .arg("-c")
+            .arg(&path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nginx");
+        let started = Instant::now();
+        while !socket.exists() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "nginx did not start: {}",
+                std::fs::read_to_string(dir.join("error.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Nginx { child, socket }
+    }
+
+    /// One request over a fresh connection: its status line's code and headers.
+    async fn request(
+        &self,
+        method: &str,
+        path: &str,
+        key: &str,
+        client: &str,
+    ) -> (u16, Vec<(String, String)>, String) {
+        let mut stream = UnixStream::connect(&self.socket)
+            .await
+            .expect("connect to nginx");
+        let body = if method == "POST" { "{}" } else { "" };
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: api.example\r\nX-Api-Key: {key}\r\nX-Real-IP: {client}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).await.expect("write");
+        let mut raw = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
+            .await
+            .expect("nginx answers within 10 s")
+            .expect("read");
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let mut lines = head.lines();
+        let status = lines
+            .next()
+            .and_then(|l| l.split(' ').nth(1))
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("no status line: {text}"));
+        let headers = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            .collect();
+        (status, headers, body.to_owned())
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+#[tokio::test]
+async fn r2_through_real_nginx_auth_request_the_classes_and_ceilings_hold() {
+    let dir = DataDir::new();
+    let sluice = spawn(&dir);
+    let check = sluice.start.check.expect("check listener");
+    let nginx = Nginx::start(&dir.0, check, &sluice.start.upstream);
+    // A caller's expensive class: 30, with X-RateLimit-* on each answer the
+    // upstream gave, then the client's 429 with Retry-After.
+    for left in (0..30).rev() {
+        let (status, headers, body) = nginx.request("POST", "/chats", "sk-n1", "192.0.2.1").await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(header(&headers, "x-ratelimit-limit"), Some("30"));
+        assert_eq!(
+            header(&headers, "x-ratelimit-remaining"),
+            Some(left.to_string().as_str())
+        );
+    }
+    let (status, headers, body) = nginx.request("POST", "/chats", "sk-n1", "192.0.2.1").await;
+    assert_eq!(status, 429, "the client's answer is 429: {body}");
+    let retry: u64 = header(&headers, "retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After reaches the client");
+    assert!(retry > 0);
+    assert_eq!(header(&headers, "x-ratelimit-remaining"), Some("0"));
+    assert!(body.contains("rate_limited"), "the documented body: {body}");
+    // The per-IP ceiling of the client's address (nginx's X-Forwarded-For): 10 more
+    // from another caller at the same address reach 40, then it refuses.
+    for _ in 0..10 {
+        let (status, _, body) = nginx.request("POST", "/chats", "sk-n2", "192.0.2.1").await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let (status, headers, _) = nginx.request("POST", "/chats", "sk-n3", "192.0.2.1").await;
+    assert_eq!(status, 429);
+    assert_eq!(header(&headers, "x-ratelimit-limit"), Some("40"));
+    let (status, _, body) = nginx.request("POST", "/chats", "sk-n3", "192.0.2.2").await;
+    assert_eq!(status, 200, "another client address: {body}");
+    // A route that needs its body is refused, never decided as something cheaper.
+    let (status, _, _) = nginx.request("POST", "/mcp", "sk-n4", "192.0.2.3").await;
+    assert_eq!(status, 429);
+}
