@@ -675,7 +675,7 @@ fn mixed(rt: &tokio::runtime::Runtime) {
         "| run | interactive done | interactive p99 | ratio | all tokens | % of best | 429s |"
     );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    for (per_minute, reserve) in [(10.0, None), (20.0, None), (20.0, Some(10))] {
+    for (per_minute, reserve) in [(10.0, None), (20.0, None), (20.0, Some(5))] {
         mixed_at(rt, per_minute, reserve);
     }
 }

@@ -262,8 +262,9 @@ const BATCH_HORIZONS: [Duration; 7] = [
 /// How soon a batch request held back for interactive ones looks again
 /// (room given back wakes it sooner).
 const BATCH_LOOK: Duration = Duration::from_millis(250);
-/// How far ahead of their even pace batch tokens may go.
-const BATCH_BURST: Duration = Duration::from_secs(1);
+/// How far ahead of the even pace of all tokens (batch and interactive)
+/// batch tokens may go.
+const BATCH_BURST: Duration = Duration::from_secs(3);
 
 /// The most budgets whose settled day slots are kept in memory.
 const MAX_DAY_CACHES: usize = 4_096;
@@ -733,9 +734,18 @@ where
                 }
             }
         } else {
+            // Interactive tokens count toward the batch pace too (they never
+            // wait for it): batch and interactive tokens together go no
+            // faster than the budget's rate, so the window fills as evenly
+            // as it empties, and room never comes back with long gaps in it.
+            let span = Duration::from_secs(60) + self.config().pacer.arrival_margin;
             let mut log = self.inner.interactive.lock();
+            let mut pace = self.inner.batch_pace.lock();
             for s in &route.scopes {
                 log.record(s.subject, now, cost);
+                for (axis, limit) in s.token_axes(cost) {
+                    pace.spend(s.subject, axis, cost.on(axis), limit, span, now);
+                }
             }
         }
         ask.state.recent.lock().add(now.as_secs());
@@ -1140,7 +1150,6 @@ where
             window_at_decision,
             waited: Duration::ZERO,
             reconcile: p.reconcile,
-            batch: ask.priority == Priority::Batch,
         }))
     }
 
@@ -1530,8 +1539,8 @@ where
         self.inner.day_cache(subject)
     }
 
-    /// Batch tokens given back by an answer no longer count toward the
-    /// batch pace.
+    /// Tokens given back by an answer (of either priority) no longer count
+    /// toward the batch pace.
     pub(crate) fn batch_refund(&self, c: &Charge, tokens: u32) {
         let span = Duration::from_secs(60) + self.config().pacer.arrival_margin;
         self.inner

@@ -50,8 +50,6 @@ where
     pub(crate) window_at_decision: Vec<(u64, TokenAxis, u64)>,
     pub(crate) waited: Duration,
     pub(crate) reconcile: bool,
-    /// A batch request (its tokens count toward the batch pace).
-    pub(crate) batch: bool,
 }
 
 impl<S, C> std::fmt::Debug for Permit<S, C>
@@ -208,9 +206,7 @@ where
                 gave_back = true;
                 let cell = window.cell(c.subject, c.slot, u32::MAX, 0);
                 store.adjust(&cell, delta, self.decided_at).await?;
-                if self.batch {
-                    pacer.batch_refund(c, u32::try_from(-delta).unwrap_or(u32::MAX));
-                }
+                pacer.batch_refund(c, u32::try_from(-delta).unwrap_or(u32::MAX));
             } else if delta > 0 {
                 let now = pacer.clock().now();
                 let cell = window.cell(c.subject, window.slot_of(now), u32::MAX, 0);

@@ -2,9 +2,11 @@
 //! only what interactive ones leave. The pacer keeps, per budget, the
 //! interactive requests of the last window (`InteractiveLog`); a batch
 //! request goes only when the room left after it holds the largest of them
-//! and what comes at their rate in the next seconds, and batch tokens go at
-//! the budget's own even rate (`BatchPace`), so that room comes back
-//! evenly and never in bursts an interactive request would wait behind.
+//! and what comes at their rate in the next seconds, and batch tokens go no
+//! faster than the budget's own even rate, interactive tokens counted in it
+//! (`BatchPace`), so that the window fills no faster than it empties and
+//! room comes back evenly, never after a gap an interactive request would
+//! wait through.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -144,7 +146,9 @@ impl InteractiveLog {
 }
 
 /// Batch tokens per budget and axis go at the budget's rate (a GCRA over
-/// tokens): the instant by which the batch tokens sent so far are paid for.
+/// tokens): the instant by which the tokens sent so far are paid for.
+/// Interactive tokens are paid for here too, but only batch requests wait
+/// for the pace.
 #[derive(Debug, Default)]
 pub(crate) struct BatchPace {
     paid_until: HashMap<(u64, TokenAxis), Timestamp>,

@@ -249,6 +249,9 @@ async fn m3_batch_uses_only_what_interactive_leaves_and_never_delays_one_that_co
     // Interactive traffic of 200 in the window: batch requests leave it
     // that much again, plus its largest request (room for the next one).
     pacer.acquire("p", 200u32).await.unwrap();
+    // (Those 200 tokens are 12.2 s of the budget's rate: batch tokens go
+    // 3 s ahead of the pace of all tokens at most.)
+    tokio::time::advance(Duration::from_secs(10)).await;
     // A batch request that fits what interactive ones leave goes now...
     let b = pacer
         .acquire_with("p", &mut ask(300, 0), &batch())
@@ -274,15 +277,65 @@ async fn m3_batch_uses_only_what_interactive_leaves_and_never_delays_one_that_co
     let i = pacer.acquire("p", 200u32).await.unwrap();
     assert_eq!(i.waited(), Duration::ZERO);
     // The batch request goes once the interactive tokens leave the window
-    // (61.25 s: their slot's end + 60 s + the arrival margin).
+    // (71.25 s: their slot's end + 60 s + the arrival margin).
     tokio::time::advance(Duration::from_secs(62)).await;
     let went = waiting_batch.await.unwrap();
     assert!(
-        went >= at(61_250) && went <= at(62_000),
+        went >= at(71_250) && went <= at(72_000),
         "{}",
         ms_since_epoch(went)
     );
     let _ = clock;
+}
+
+#[tokio::test(start_paused = true)]
+async fn m3_interactive_tokens_count_toward_the_batch_pace() {
+    // 6,000 a minute: 98.4 tokens a second over the 61 s window.
+    let mut p = provider("p", limits(6_000, 0, 0));
+    p.max_wait = Duration::from_secs(300);
+    let (pacer, _clock) = pacer_with([p]);
+    // 1,000 interactive tokens are 10.17 s of the budget's rate: a batch
+    // request goes no sooner than 3 s before they are paid for, though the
+    // window has room for it (so that the window fills no faster than it
+    // empties, and room never comes back with a gap in it).
+    let interactive = pacer.acquire("p", 1_000u32).await.unwrap();
+    let p2 = pacer.clone();
+    let waiting_batch = tokio::spawn(async move {
+        let permit = p2
+            .acquire_with("p", &mut ask(100, 0), &batch())
+            .await
+            .unwrap();
+        permit.decided_at()
+    });
+    run_for(Duration::from_secs(5)).await;
+    assert!(!waiting_batch.is_finished());
+    // The answer gives 600 tokens back: 6.1 s of the pace, so the batch
+    // request is in time now and goes at once.
+    interactive.reconcile(400).await.unwrap();
+    run_for(Duration::from_millis(100)).await;
+    assert!(waiting_batch.is_finished());
+    let went = waiting_batch.await.unwrap();
+    assert!(
+        went >= at(5_000) && went <= at(5_100),
+        "{}",
+        ms_since_epoch(went)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn m3_paced_batch_without_a_give_back_waits_for_the_pace() {
+    let mut p = provider("p", limits(6_000, 0, 0));
+    p.max_wait = Duration::from_secs(300);
+    let (pacer, _clock) = pacer_with([p]);
+    let _interactive = pacer.acquire("p", 1_000u32).await.unwrap();
+    let b = pacer
+        .acquire_with("p", &mut ask(100, 0), &batch())
+        .await
+        .unwrap();
+    // 1,000 × 61 s / 6,000 = 10.167 s, less the 3 s a batch token may go
+    // ahead of the pace.
+    let went = ms_since_epoch(b.decided_at());
+    assert!((7_150..=7_200).contains(&went), "{went}");
 }
 
 #[tokio::test(start_paused = true)]
