@@ -56,6 +56,7 @@
 pub mod answer;
 mod batch;
 mod buffers;
+pub mod descriptors;
 pub mod exchange;
 pub mod forward_auth;
 mod lanes;

@@ -175,6 +175,8 @@ pub struct GatewayConfig {
     /// Traefik's ForwardAuth and Caddy's `forward_auth` ask it about the requests
     /// they hold; `None` runs none.
     pub check: Option<SocketAddr>,
+    /// Address of Envoy's rate-limit service (`--rls`, gRPC); `None` runs none.
+    pub rls: Option<SocketAddr>,
 }
 
 /// The batch queue's global bounds (see [`GatewayConfig::batch_bounds`]); the
@@ -237,6 +239,7 @@ impl GatewayConfig {
             access_log: false,
             admin_door: sluice_door::DoorConfig::default(),
             check: None,
+            rls: None,
             refusal_log_per_second: sluice_edge::DEFAULT_REFUSAL_LOG_PER_SECOND,
         }
     }
@@ -302,6 +305,7 @@ pub struct Gateway {
     addr: SocketAddr,
     admin_addr: SocketAddr,
     check_addr: Option<SocketAddr>,
+    rls_addr: Option<SocketAddr>,
     upstream: Upstream,
     demo: Option<demo::Demo>,
     stop_gateway: watch::Sender<bool>,
@@ -342,6 +346,7 @@ impl Gateway {
         let listeners = start::Listeners::bind(&config).await?;
         let (addr, admin_addr) = (listeners.gateway.addr, listeners.admin.addr);
         let check_addr = listeners.check.as_ref().map(|c| c.addr);
+        let rls_addr = listeners.rls.as_ref().map(|c| c.addr);
         // The admin listener and the demo upstream stop only after the gateway has
         // drained: in-flight requests still need the demo to answer them.
         let (stop_backends, backends_stopped) = Stop::channel();
@@ -403,6 +408,15 @@ impl Gateway {
                 backends_stopped.clone().wait(),
             ));
         }
+        if let Some(rls) = listeners.rls {
+            let limiter = Arc::clone(&core.limiter);
+            let stop = backends_stopped.clone().wait();
+            tokio::spawn(async move {
+                if let Err(error) = sluice_rls::serve(rls.listener, limiter, stop).await {
+                    tracing::error!("the rate-limit service failed: {error}");
+                }
+            });
+        }
         let (stop_gateway, gateway_stopped) = Stop::channel();
         let gateway_task = tokio::spawn(gateway::serve(
             listeners.gateway.listener,
@@ -416,6 +430,7 @@ impl Gateway {
             addr,
             admin_addr,
             check_addr,
+            rls_addr,
             upstream,
             demo,
             stop_gateway,
@@ -449,6 +464,11 @@ impl Gateway {
         self.admin_addr
     }
 
+    /// The address Envoy's rate-limit service listens on (`--rls`), if it runs.
+    pub fn rls_addr(&self) -> Option<SocketAddr> {
+        self.rls_addr
+    }
+
     /// The address the forward-auth listener listens on (`--check`), if one runs.
     pub fn check_addr(&self) -> Option<SocketAddr> {
         self.check_addr
@@ -466,16 +486,20 @@ impl Gateway {
 
     /// The one line `sluice serve` prints on start, naming the bound addresses:
     /// `sluice: listening on http://ADDR (admin http://ADDR, upstream …)`, with
-    /// `, check http://ADDR` before the `)` when the forward-auth listener runs.
+    /// `, check http://ADDR` before the `)` when the forward-auth listener runs and
+    /// `, rls grpc://ADDR` when the rate-limit service does.
     pub fn start_line(&self) -> String {
         let upstream = if self.runs_demo() {
             format!("built-in demo at {}", self.upstream())
         } else {
             self.upstream().to_string()
         };
-        let check = self
+        let mut check = self
             .check_addr
             .map_or_else(String::new, |c| format!(", check http://{c}"));
+        if let Some(rls) = self.rls_addr {
+            check.push_str(&format!(", rls grpc://{rls}"));
+        }
         format!(
             "sluice: listening on http://{} (admin http://{}, upstream {upstream}{check})",
             self.addr(),

@@ -59,6 +59,9 @@ pub struct PolicyFile {
     pub dry_run: bool,
     /// [`policy_version`] of the text the running policy was parsed from.
     pub version: String,
+    /// A directory of envoyproxy/ratelimit domain files (`--rls-config`), read
+    /// again with every version of the file.
+    pub domain_dir: Option<PathBuf>,
 }
 
 /// What made a reload happen.
@@ -321,6 +324,7 @@ impl PolicyFile {
             profile,
             dry_run: false,
             version: String::new(),
+            domain_dir: None,
         };
         let policy = parse(&file, &text)?;
         file.version = policy_version(&text);
@@ -335,12 +339,34 @@ fn parse(file: &PolicyFile, text: &[u8]) -> Result<Policy, String> {
         .map_err(|e| format!("{}: not UTF-8: {e}", file.path.display()))?;
     let mut policy = sluice_policy::parse_str(text, &file.path).map_err(|e| e.to_string())?;
     policy.dry_run |= file.dry_run;
+    if let Some(dir) = &file.domain_dir {
+        policy = with_domain_dir(policy, dir)?;
+    }
     match &file.profile {
         Some(profile) => policy
             .with_profile(profile)
             .map_err(|e| format!("--profile: {e}")),
         None => Ok(policy),
     }
+}
+
+/// `policy` with the domains of the envoyproxy/ratelimit files in `dir` added.
+///
+/// # Errors
+/// Every problem of the files, one per line, as `sluice check` gives them.
+pub fn with_domain_dir(mut policy: Policy, dir: &std::path::Path) -> Result<Policy, String> {
+    let more =
+        sluice_policy::domains::load_domain_dir(dir, &policy.domains).map_err(|problems| {
+            let lines: Vec<String> = problems.iter().map(|p| format!("  {p}")).collect();
+            format!(
+                "{}: {} problem(s):\n{}",
+                dir.display(),
+                problems.len(),
+                lines.join("\n")
+            )
+        })?;
+    policy.domains.extend(more);
+    Ok(policy)
 }
 
 /// The file's bytes: its metadata first (a file larger than [`MAX_POLICY_BYTES`] is

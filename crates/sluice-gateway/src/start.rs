@@ -62,6 +62,8 @@ pub(super) struct Listeners {
     pub(super) admin: Bound,
     /// The forward-auth listener's (`check`), when one runs.
     pub(super) check: Option<Bound>,
+    /// The rate-limit service's (`rls`), when it runs.
+    pub(super) rls: Option<Bound>,
 }
 
 impl Listeners {
@@ -81,13 +83,11 @@ impl Listeners {
             .map_err(io("reading the admin address"))?;
         let check = match config.check {
             None => None,
-            Some(addr) => {
-                let listener = bind("check", addr).await?;
-                let addr = listener
-                    .local_addr()
-                    .map_err(io("reading the check address"))?;
-                Some(Bound { listener, addr })
-            }
+            Some(addr) => Some(bound("check", addr).await?),
+        };
+        let rls = match config.rls {
+            None => None,
+            Some(addr) => Some(bound("rls", addr).await?),
         };
         Ok(Listeners {
             gateway: Bound {
@@ -99,8 +99,25 @@ impl Listeners {
                 addr: admin_addr,
             },
             check,
+            rls,
         })
     }
+}
+
+/// Binds `addr` for `listener` and reads the address it got.
+///
+/// # Errors
+/// [`StartError::Bind`], or [`StartError::Io`] when the address cannot be read.
+async fn bound(listener: &'static str, addr: SocketAddr) -> Result<Bound, StartError> {
+    let socket = bind(listener, addr).await?;
+    let addr = socket.local_addr().map_err(|source| StartError::Io {
+        what: "reading a bound address",
+        source,
+    })?;
+    Ok(Bound {
+        listener: socket,
+        addr,
+    })
 }
 
 /// Warns when the forward-auth listener runs with no trusted proxy: every request

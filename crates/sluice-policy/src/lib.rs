@@ -26,6 +26,7 @@
 mod builder;
 mod default;
 mod describe;
+pub mod domains;
 mod identity;
 mod jsonrpc;
 mod model;

@@ -739,6 +739,9 @@ pub struct Policy {
     pub quotas: Vec<QuotaFamily>,
     /// Guarded lanes.
     pub lanes: Vec<Lane>,
+    /// Descriptor rules for Envoy's rate-limit service, by domain (`domains:`,
+    /// and the files of a directory added with [`Policy::with_domains`]).
+    pub domains: Vec<crate::domains::Domain>,
     /// The route table, first match wins.
     pub routes: Vec<Route>,
     /// The class of a request no route matches.

@@ -30,6 +30,11 @@ pub struct RawPolicy {
     /// Monthly quota families per workspace, that routes and tools name.
     #[serde(default)]
     pub quotas: BTreeMap<String, RawQuota>,
+    /// Descriptor rules for Envoy's rate-limit service, each a domain in the
+    /// configuration format of envoyproxy/ratelimit (read as it is: see
+    /// [`crate::domains`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub domains: Vec<serde_json::Value>,
     /// Guarded lanes by name.
     #[serde(default)]
     pub lanes: BTreeMap<String, RawLane>,

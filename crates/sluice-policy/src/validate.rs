@@ -495,6 +495,8 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     let (classes, ceilings) = v.budgets_without_objects(raw);
     let plans = v.plans(raw, &classes, &buckets, &quotas, &lanes);
     let tenants = v.tenants(raw, &plans);
+    let domains = crate::domains::from_policy(&raw.domains, &mut v.problems);
+    crate::domains::check_unique(&domains, &mut v.problems);
     let default_plan = plans.iter().position(|p| p.name == "default");
     let parts = (profile, window, identity, default_class, jsonrpc, store);
     if !v.problems.is_empty() {
@@ -517,6 +519,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             buckets,
             quotas,
             lanes,
+            domains,
             routes,
             default_class,
             jsonrpc,

@@ -42,9 +42,46 @@ enum Command {
 /// Flags of `sluice check`.
 #[derive(Debug, clap::Args)]
 struct CheckArgs {
-    /// The policy or pacer config (YAML) to check.
+    /// The policy or pacer config (YAML) to check; or an envoyproxy/ratelimit
+    /// configuration file (top-level `domain:`), or a directory of them (what
+    /// `sluice serve --rls-config` reads).
     #[arg(value_name = "FILE")]
     file: std::path::PathBuf,
+}
+
+/// One line per domain: its name, where it came from and its rules.
+fn describe_domains(domains: &[sluice_policy::domains::Domain]) -> String {
+    let mut out = String::new();
+    for d in domains {
+        let rules: Vec<String> = d
+            .rules
+            .iter()
+            .map(|r| {
+                let limit = if r.unlimited {
+                    "unlimited".to_owned()
+                } else {
+                    format!("{}/{}", r.limit, r.unit.name())
+                };
+                let shadow = if r.shadow { " (shadow)" } else { "" };
+                format!("{} {limit}{shadow}", r.id)
+            })
+            .collect();
+        out.push_str(&format!(
+            "domain {} ({}): {}\n",
+            d.name,
+            if d.source.is_empty() {
+                "policy"
+            } else {
+                &d.source
+            },
+            if rules.is_empty() {
+                "no rules".to_owned()
+            } else {
+                rules.join(", ")
+            }
+        ));
+    }
+    out
 }
 
 /// `sluice check FILE`: what a policy (or, for a file with top-level `providers:`, a
@@ -54,10 +91,38 @@ struct CheckArgs {
 /// that stops early (`sluice check FILE | head`) ends the command quietly, see
 /// [`is_closed_pipe`].
 fn check(args: &CheckArgs) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    if args.file.is_dir() {
+        let domains =
+            sluice_policy::domains::load_domain_dir(&args.file, &[]).map_err(|problems| {
+                let lines: Vec<String> = problems.iter().map(|p| format!("  {p}")).collect();
+                BadInput(format!(
+                    "{}: {} problem(s):\n{}",
+                    args.file.display(),
+                    problems.len(),
+                    lines.join("\n")
+                ))
+            })?;
+        write!(out, "{}", describe_domains(&domains))?;
+        writeln!(out, "{}: ok", args.file.display())?;
+        out.flush()?;
+        return Ok(());
+    }
     let text = std::fs::read_to_string(&args.file)
         .map_err(|e| BadInput(format!("{}: {e}", args.file.display())))?;
-    let mut out = std::io::stdout().lock();
-    if text.lines().any(|l| l.starts_with("providers:")) {
+    if text.lines().any(|l| l.starts_with("domain:")) {
+        let domain =
+            sluice_policy::domains::parse_domain_file(&text, &args.file).map_err(|problems| {
+                let lines: Vec<String> = problems.iter().map(|p| format!("  {p}")).collect();
+                BadInput(format!(
+                    "{}: {} problem(s):\n{}",
+                    args.file.display(),
+                    problems.len(),
+                    lines.join("\n")
+                ))
+            })?;
+        write!(out, "{}", describe_domains(std::slice::from_ref(&domain)))?;
+    } else if text.lines().any(|l| l.starts_with("providers:")) {
         let config =
             sluice_client::config::load(&args.file).map_err(|e| BadInput(e.to_string()))?;
         writeln!(out, "{:#}", config.limits_json())?;
@@ -65,6 +130,7 @@ fn check(args: &CheckArgs) -> anyhow::Result<()> {
         let policy =
             sluice_policy::parse_str(&text, &args.file).map_err(|e| BadInput(e.to_string()))?;
         write!(out, "{}", policy.describe())?;
+        write!(out, "{}", describe_domains(&policy.domains))?;
         let gaps: Vec<String> = sluice_edge::forward_auth::gaps(&policy)
             .into_iter()
             .map(|(route, gap)| {

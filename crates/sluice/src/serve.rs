@@ -52,6 +52,20 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR", value_parser = parse_addr)]
     pub check: Option<SocketAddr>,
 
+    /// Also serve Envoy's rate-limit service on ADDR (gRPC,
+    /// envoy.service.ratelimit.v3.RateLimitService, with grpc.health.v1 health
+    /// checking): descriptors are decided by the policy's `domains:` (and the files
+    /// of --rls-config) on the same store and replicas as the gateway. Port 0 picks a
+    /// free port.
+    #[arg(long, value_name = "ADDR", value_parser = parse_addr)]
+    pub rls: Option<SocketAddr>,
+
+    /// A directory of envoyproxy/ratelimit configuration files (*.yaml, one domain
+    /// each, loaded unchanged) added to the policy's `domains:`; read at start and
+    /// again with every reload of --config.
+    #[arg(long, value_name = "DIR")]
+    pub rls_config: Option<PathBuf>,
+
     /// Who the admin listener lets in (`--admin-host`, `--admin-token-file`).
     #[command(flatten)]
     pub door: crate::door::DoorArgs,
@@ -228,6 +242,10 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
                     .map_err(BadInput)?;
             file.dry_run = args.dry_run;
             policy.dry_run |= args.dry_run;
+            if let Some(dir) = &args.rls_config {
+                policy = sluice_gateway::reload::with_domain_dir(policy, dir).map_err(BadInput)?;
+                file.domain_dir = Some(dir.clone());
+            }
             (policy, Some(file))
         }
         None => {
@@ -239,6 +257,12 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
                 None => policy,
             };
             policy.dry_run |= args.dry_run;
+            let policy = match &args.rls_config {
+                Some(dir) => {
+                    sluice_gateway::reload::with_domain_dir(policy, dir).map_err(BadInput)?
+                }
+                None => policy,
+            };
             (policy, None)
         }
     };
@@ -264,6 +288,7 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     config.listen = args.listen;
     config.admin = args.admin;
     config.check = args.check;
+    config.rls = args.rls;
     config.upstream = args.upstream;
     config.store = args.store;
     config.clock_offset = args.clock_offset;

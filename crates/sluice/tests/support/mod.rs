@@ -37,6 +37,8 @@ pub struct StartLine {
     pub demo: bool,
     /// The forward-auth listener (`--check`), when one runs.
     pub check: Option<std::net::SocketAddr>,
+    /// Envoy's rate-limit service (`--rls`), when it runs.
+    pub rls: Option<std::net::SocketAddr>,
 }
 
 /// Parses `sluice: listening on http://A (admin http://B, upstream [built-in demo at ]URL)`.
@@ -45,6 +47,10 @@ pub fn parse_start_line(line: &str) -> Option<StartLine> {
     let (gateway, rest) = rest.split_once(" (admin http://")?;
     let (admin, rest) = rest.split_once(", upstream ")?;
     let upstream = rest.strip_suffix(')')?;
+    let (upstream, rls) = match upstream.rsplit_once(", rls grpc://") {
+        Some((upstream, rls)) => (upstream, Some(rls.parse().ok()?)),
+        None => (upstream, None),
+    };
     let (upstream, check) = match upstream.rsplit_once(", check http://") {
         Some((upstream, check)) => (upstream, Some(check.parse().ok()?)),
         None => (upstream, None),
@@ -59,6 +65,7 @@ pub fn parse_start_line(line: &str) -> Option<StartLine> {
         upstream: upstream.to_owned(),
         demo,
         check,
+        rls,
     })
 }
 
@@ -481,4 +488,8 @@ fn start_lines_parse() {
     let start = parse_start_line(line).expect("parses");
     assert_eq!(start.upstream, "http://up:3");
     assert_eq!(start.check.map(|c| c.port()), Some(4));
+    let line = "sluice: listening on http://127.0.0.1:1 (admin http://127.0.0.1:2, upstream http://up:3, check http://127.0.0.1:4, rls grpc://127.0.0.1:5)";
+    let start = parse_start_line(line).expect("parses");
+    assert_eq!(start.check.map(|c| c.port()), Some(4));
+    assert_eq!(start.rls.map(|c| c.port()), Some(5));
 }

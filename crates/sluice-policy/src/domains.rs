@@ -1,0 +1,861 @@
+//! Descriptor rules for Envoy's rate-limit service (SPEC R1), written in the
+//! configuration format of envoyproxy/ratelimit and read as it is: a `domain`
+//! and nested `descriptors` of `key`, optional `value` (a trailing `*` matches
+//! any value with that prefix), `rate_limit` (`unit`, `requests_per_unit`,
+//! `name`, `replaces`, `unlimited`), `shadow_mode` and `detailed_metric`.
+//!
+//! sluice reads a few keys beyond that format: `algorithm` (`fixed`, the
+//! default and the reference's, `sliding` or `gcra`) and `burst` on a
+//! `rate_limit`, and `outage` (`fail_open`, the default, or `fail_closed`) on a
+//! domain. A file of that project loads unchanged; a key neither format has is
+//! named with its path.
+//!
+//! Matching follows the reference: a request's descriptor of *n* entries
+//! matches a rule *n* levels deep; at each level an entry matches a node with
+//! its key and exactly its value first, then one whose value ends in `*` and
+//! prefixes it (the longest prefix), then one with its key and no value (which
+//! counts each value apart).
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use sluice_core::{Problem, Rate};
+
+use crate::model::Algorithm;
+
+/// Most domains one policy (and its directory) holds.
+pub const MAX_DOMAINS: usize = 1_000;
+/// Most descriptor nodes one domain holds.
+pub const MAX_DESCRIPTOR_NODES: usize = 100_000;
+/// Deepest nesting of `descriptors` (the longest descriptor a rule can match).
+pub const MAX_DESCRIPTOR_DEPTH: usize = 16;
+/// Largest domain file read, in bytes (as a policy file).
+pub const MAX_DOMAIN_FILE_BYTES: u64 = 4 * 1024 * 1024;
+/// Longest `domain`, `key`, `value` or rule `name`, in bytes.
+pub const MAX_DESCRIPTOR_TEXT: usize = 1_024;
+
+/// The unit of a rule's `requests_per_unit`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    /// One second.
+    Second,
+    /// 60 seconds.
+    Minute,
+    /// 3,600 seconds.
+    Hour,
+    /// 86,400 seconds.
+    Day,
+    /// 7 days.
+    Week,
+    /// The calendar month (UTC), counted in the durable store as monthly
+    /// quotas are.
+    Month,
+    /// 365 days, windows aligned to the Unix epoch.
+    Year,
+}
+
+impl Unit {
+    /// Parses a unit as the reference spells it (any case).
+    pub fn parse(text: &str) -> Option<Unit> {
+        Some(match text.to_ascii_lowercase().as_str() {
+            "second" => Unit::Second,
+            "minute" => Unit::Minute,
+            "hour" => Unit::Hour,
+            "day" => Unit::Day,
+            "week" => Unit::Week,
+            "month" => Unit::Month,
+            "year" => Unit::Year,
+            _ => return None,
+        })
+    }
+
+    /// Its name, lower case.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Unit::Second => "second",
+            Unit::Minute => "minute",
+            Unit::Hour => "hour",
+            Unit::Day => "day",
+            Unit::Week => "week",
+            Unit::Month => "month",
+            Unit::Year => "year",
+        }
+    }
+
+    /// Its length in seconds (a month: 31 days, the longest).
+    pub const fn seconds(self) -> u32 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 60,
+            Unit::Hour => 3_600,
+            Unit::Day => 86_400,
+            Unit::Week => 604_800,
+            Unit::Month => 2_678_400,
+            Unit::Year => 31_536_000,
+        }
+    }
+}
+
+/// What a node's `value` matches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ValueMatch {
+    /// No `value`: any value, each counted apart.
+    Any,
+    /// This value exactly.
+    Exact(String),
+    /// `prefix*`: any value starting with the prefix, each counted apart.
+    Prefix(String),
+}
+
+/// One rule: the limit a matched descriptor is held to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DescriptorRule {
+    /// Where it is: the keys and values down to it, `key_value.key2` as the
+    /// reference names its metrics.
+    pub id: String,
+    /// Its `name` (what `replaces` refers to), if it has one.
+    pub name: Option<String>,
+    /// Requests per unit (0 refuses every request).
+    pub limit: u32,
+    /// The unit.
+    pub unit: Unit,
+    /// How it counts (`fixed`, the reference's, unless the rule says otherwise).
+    pub algorithm: Algorithm,
+    /// `unlimited: true`: always admitted, never counted.
+    pub unlimited: bool,
+    /// `shadow_mode: true`: decided and counted, never refuses.
+    pub shadow: bool,
+    /// `detailed_metric: true`: its metrics name each value apart.
+    pub detailed_metric: bool,
+    /// The rules (by index in [`Domain::rules`]) this one replaces when both
+    /// match one request.
+    pub replaces: Vec<usize>,
+}
+
+impl DescriptorRule {
+    /// How the store counts it. `None` for an unlimited rule or one of 0
+    /// requests (decided without the store).
+    pub fn rate(&self) -> Option<Rate> {
+        if self.unlimited || self.limit == 0 {
+            return None;
+        }
+        let limit = NonZeroU32::new(self.limit)?;
+        if self.unit == Unit::Month {
+            return Some(Rate::CalendarMonth);
+        }
+        let seconds = NonZeroU32::new(self.unit.seconds())?;
+        Some(self.algorithm.rate(seconds, limit))
+    }
+}
+
+/// One level of a domain's descriptor tree.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DescriptorNode {
+    /// The entry key it matches.
+    pub key: String,
+    /// The entry value it matches.
+    pub value: ValueMatch,
+    /// Its rule (index in [`Domain::rules`]), if it sets one.
+    pub rule: Option<usize>,
+    /// The next level.
+    pub children: Vec<DescriptorNode>,
+}
+
+/// What the store does while it cannot decide for a domain.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DomainOutage {
+    /// Answer `OK` (Envoy's own default when its rate-limit service fails).
+    #[default]
+    FailOpen,
+    /// Answer `OVER_LIMIT`.
+    FailClosed,
+}
+
+/// One domain: its descriptor tree and rules.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Domain {
+    /// Its name (`domain:`).
+    pub name: String,
+    /// What is answered while the store cannot decide.
+    pub outage: DomainOutage,
+    /// Every rule, in the order of the file.
+    pub rules: Vec<DescriptorRule>,
+    /// The top level of the tree.
+    pub descriptors: Vec<DescriptorNode>,
+    /// Where it was read: `domains[i]` of the policy, or a file.
+    pub source: String,
+}
+
+impl Domain {
+    /// The node a descriptor's `entries` (key, value) match, if any: the one
+    /// as many levels deep as the descriptor has entries.
+    pub fn lookup<'d>(&'d self, entries: &[(&str, &str)]) -> Option<&'d DescriptorNode> {
+        let mut level = &self.descriptors;
+        let mut found = None;
+        for (key, value) in entries {
+            let node = best_match(level, key, value)?;
+            found = Some(node);
+            level = &node.children;
+        }
+        found
+    }
+}
+
+/// At one level, the node for `key` and `value`: exact value first, then the
+/// longest matching prefix, then the key with no value.
+fn best_match<'d>(
+    level: &'d [DescriptorNode],
+    key: &str,
+    value: &str,
+) -> Option<&'d DescriptorNode> {
+    let mut prefix: Option<(&DescriptorNode, usize)> = None;
+    let mut any = None;
+    for node in level.iter().filter(|n| n.key == key) {
+        match &node.value {
+            ValueMatch::Exact(v) if v == value => return Some(node),
+            ValueMatch::Exact(_) => {}
+            ValueMatch::Prefix(p) if value.starts_with(p.as_str()) => {
+                if prefix.is_none_or(|(_, len)| p.len() > len) {
+                    prefix = Some((node, p.len()));
+                }
+            }
+            ValueMatch::Prefix(_) => {}
+            ValueMatch::Any => any = Some(node),
+        }
+    }
+    prefix.map(|(n, _)| n).or(any)
+}
+
+/// Reads the domains of a policy's `domains:` list (each in the reference
+/// format), adding each problem at its key path.
+pub(crate) fn from_policy(list: &[Value], problems: &mut Vec<Problem>) -> Vec<Domain> {
+    list.iter()
+        .enumerate()
+        .filter_map(|(i, v)| domain(v, &format!("domains[{i}]"), problems))
+        .collect()
+}
+
+/// Reads one file of the reference's format (`text`, read from `file`).
+///
+/// # Errors
+/// Every problem, each at its key path (`descriptors[1].rate_limit.unit`).
+pub fn parse_domain_file(text: &str, file: &Path) -> Result<Domain, Vec<Problem>> {
+    #[cfg(feature = "yaml")]
+    let value: Value = serde_saphyr::from_str(text).map_err(|e| {
+        vec![Problem {
+            path: String::new(),
+            message: e.to_string(),
+        }]
+    })?;
+    #[cfg(not(feature = "yaml"))]
+    let value: Value = serde_json::from_str(text).map_err(|e| {
+        vec![Problem {
+            path: String::new(),
+            message: e.to_string(),
+        }]
+    })?;
+    let mut problems = Vec::new();
+    let found = domain(&value, "", &mut problems);
+    match found {
+        Some(mut d) if problems.is_empty() => {
+            d.source = file.display().to_string();
+            Ok(d)
+        }
+        _ => Err(problems),
+    }
+}
+
+/// Reads every `*.yaml` and `*.yml` file of `dir` (not its subdirectories) as a
+/// domain file, and checks that no domain appears twice among them and
+/// `already` (the policy's).
+///
+/// # Errors
+/// Each file's problems, each as `file: path: message`.
+pub fn load_domain_dir(dir: &Path, already: &[Domain]) -> Result<Vec<Domain>, Vec<Problem>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| {
+            vec![Problem {
+                path: dir.display().to_string(),
+                message: format!("cannot read the directory: {e}"),
+            }]
+        })?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_file()
+                && p.extension().is_some_and(|x| {
+                    x.eq_ignore_ascii_case("yaml") || x.eq_ignore_ascii_case("yml")
+                })
+        })
+        .collect();
+    files.sort();
+    let mut problems = Vec::new();
+    let mut domains = Vec::new();
+    for file in files {
+        let shown = file.display().to_string();
+        let text = match read_bounded(&file) {
+            Ok(Some(text)) => text,
+            Ok(None) => {
+                problems.push(Problem {
+                    path: shown,
+                    message: format!("larger than {MAX_DOMAIN_FILE_BYTES} bytes, not read"),
+                });
+                continue;
+            }
+            Err(e) => {
+                problems.push(Problem {
+                    path: shown,
+                    message: format!("cannot read: {e}"),
+                });
+                continue;
+            }
+        };
+        match parse_domain_file(&text, &file) {
+            Ok(d) => domains.push(d),
+            Err(found) => problems.extend(found.into_iter().map(|p| Problem {
+                path: if p.path.is_empty() {
+                    shown.clone()
+                } else {
+                    format!("{shown}: {}", p.path)
+                },
+                message: p.message,
+            })),
+        }
+    }
+    let mut seen: BTreeMap<&str, &str> = already
+        .iter()
+        .map(|d| (d.name.as_str(), d.source.as_str()))
+        .collect();
+    for d in &domains {
+        if let Some(first) = seen.insert(&d.name, &d.source) {
+            problems.push(Problem {
+                path: d.source.clone(),
+                message: format!("domain {:?} is also defined in {first}", d.name),
+            });
+        }
+    }
+    if seen.len() > MAX_DOMAINS {
+        problems.push(Problem {
+            path: dir.display().to_string(),
+            message: format!("at most {MAX_DOMAINS} domains"),
+        });
+    }
+    if problems.is_empty() {
+        Ok(domains)
+    } else {
+        Err(problems)
+    }
+}
+
+/// The text of `file`, `None` when it is larger than [`MAX_DOMAIN_FILE_BYTES`]
+/// (no more than that is read).
+fn read_bounded(file: &Path) -> std::io::Result<Option<String>> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    std::fs::File::open(file)?
+        .take(MAX_DOMAIN_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_DOMAIN_FILE_BYTES {
+        return Ok(None);
+    }
+    String::from_utf8(bytes)
+        .map(Some)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+/// Checks that no domain of the policy appears twice.
+pub(crate) fn check_unique(domains: &[Domain], problems: &mut Vec<Problem>) {
+    let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
+    for d in domains {
+        if let Some(first) = seen.insert(&d.name, &d.source) {
+            problems.push(Problem {
+                path: d.source.clone(),
+                message: format!("domain {:?} is also defined at {first}", d.name),
+            });
+        }
+    }
+    if domains.len() > MAX_DOMAINS {
+        problems.push(Problem {
+            path: "domains".to_owned(),
+            message: format!("at most {MAX_DOMAINS} domains"),
+        });
+    }
+}
+
+fn join(at: &str, key: &str) -> String {
+    if at.is_empty() {
+        key.to_owned()
+    } else {
+        format!("{at}.{key}")
+    }
+}
+
+struct Reader<'p> {
+    problems: &'p mut Vec<Problem>,
+}
+
+impl Reader<'_> {
+    fn problem(&mut self, path: String, message: impl Into<String>) {
+        self.problems.push(Problem {
+            path,
+            message: message.into(),
+        });
+    }
+
+    /// The map at `at`, each of its keys one of `known` (others are named).
+    fn map<'v>(
+        &mut self,
+        value: &'v Value,
+        at: &str,
+        known: &[&str],
+    ) -> Option<&'v serde_json::Map<String, Value>> {
+        let Some(map) = value.as_object() else {
+            self.problem(at.to_owned(), "expected a map");
+            return None;
+        };
+        for key in map.keys() {
+            if !known.contains(&key.as_str()) {
+                self.problem(
+                    join(at, key),
+                    format!("unknown key; expected one of {}", known.join(", ")),
+                );
+            }
+        }
+        Some(map)
+    }
+
+    fn text(
+        &mut self,
+        map: &serde_json::Map<String, Value>,
+        at: &str,
+        key: &str,
+    ) -> Option<String> {
+        let value = map.get(key)?;
+        let text = match value {
+            Value::String(s) => s.clone(),
+            // YAML reads `value: 10` as a number; the reference takes it as text.
+            Value::Number(n) => n.to_string(),
+            Value::Bool(b) => b.to_string(),
+            _ => {
+                self.problem(join(at, key), "expected text");
+                return None;
+            }
+        };
+        if text.len() > MAX_DESCRIPTOR_TEXT {
+            self.problem(
+                join(at, key),
+                format!("at most {MAX_DESCRIPTOR_TEXT} bytes"),
+            );
+            return None;
+        }
+        Some(text)
+    }
+
+    fn flag(&mut self, map: &serde_json::Map<String, Value>, at: &str, key: &str) -> bool {
+        match map.get(key) {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                self.problem(join(at, key), "expected true or false");
+                false
+            }
+        }
+    }
+}
+
+/// Reads one domain at `at` ("" for a file of its own).
+fn domain(value: &Value, at: &str, problems: &mut Vec<Problem>) -> Option<Domain> {
+    let before = problems.len();
+    let mut r = Reader { problems };
+    let map = r.map(value, at, &["domain", "descriptors", "outage"])?;
+    let name = match r.text(map, at, "domain") {
+        Some(name) if !name.is_empty() => name,
+        Some(_) => {
+            r.problem(join(at, "domain"), "must not be empty");
+            String::new()
+        }
+        None => {
+            if !map.contains_key("domain") {
+                r.problem(join(at, "domain"), "required: the domain's name");
+            }
+            String::new()
+        }
+    };
+    let outage = match map.get("outage") {
+        None => DomainOutage::FailOpen,
+        Some(Value::String(s)) if s == "fail_open" => DomainOutage::FailOpen,
+        Some(Value::String(s)) if s == "fail_closed" => DomainOutage::FailClosed,
+        Some(_) => {
+            r.problem(join(at, "outage"), "expected fail_open or fail_closed");
+            DomainOutage::FailOpen
+        }
+    };
+    let mut d = Domain {
+        name,
+        outage,
+        rules: Vec::new(),
+        descriptors: Vec::new(),
+        source: if at.is_empty() {
+            String::new()
+        } else {
+            at.to_owned()
+        },
+    };
+    // Names to resolve once every rule is read: (rule, names, path).
+    let mut pending: Vec<(usize, Vec<String>, String)> = Vec::new();
+    let mut nodes = 0usize;
+    if let Some(list) = map.get("descriptors") {
+        d.descriptors = descriptors(
+            &mut r,
+            list,
+            &join(at, "descriptors"),
+            "",
+            1,
+            &mut d.rules,
+            &mut pending,
+            &mut nodes,
+        );
+    }
+    for (rule, names, path) in pending {
+        let mut replaces = Vec::new();
+        for (i, name) in names.iter().enumerate() {
+            match d
+                .rules
+                .iter()
+                .position(|x| x.name.as_deref() == Some(name.as_str()))
+            {
+                Some(target) if target != rule => replaces.push(target),
+                Some(_) => r.problem(format!("{path}[{i}].name"), "a rule cannot replace itself"),
+                None => r.problem(
+                    format!("{path}[{i}].name"),
+                    format!("no rule of domain {:?} is named {name:?}", d.name),
+                ),
+            }
+        }
+        if let Some(x) = d.rules.get_mut(rule) {
+            x.replaces = replaces;
+        }
+    }
+    let mut named: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, rule) in d.rules.iter().enumerate() {
+        if let Some(name) = &rule.name
+            && named.insert(name, i).is_some()
+        {
+            r.problems.push(Problem {
+                path: join(at, "descriptors"),
+                message: format!(
+                    "two rules are named {name:?}: `replaces` could not tell them apart"
+                ),
+            });
+        }
+    }
+    (problems.len() == before).then_some(d)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn descriptors(
+    r: &mut Reader<'_>,
+    list: &Value,
+    at: &str,
+    parent_id: &str,
+    depth: usize,
+    rules: &mut Vec<DescriptorRule>,
+    pending: &mut Vec<(usize, Vec<String>, String)>,
+    nodes: &mut usize,
+) -> Vec<DescriptorNode> {
+    let Some(items) = list.as_array() else {
+        if !list.is_null() {
+            r.problem(at.to_owned(), "expected a list of descriptors");
+        }
+        return Vec::new();
+    };
+    if depth > MAX_DESCRIPTOR_DEPTH {
+        r.problem(
+            at.to_owned(),
+            format!("at most {MAX_DESCRIPTOR_DEPTH} levels of descriptors"),
+        );
+        return Vec::new();
+    }
+    let mut out: Vec<DescriptorNode> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("{at}[{i}]");
+        *nodes += 1;
+        if *nodes > MAX_DESCRIPTOR_NODES {
+            r.problem(
+                at,
+                format!("at most {MAX_DESCRIPTOR_NODES} descriptors in a domain"),
+            );
+            return out;
+        }
+        let Some(map) = r.map(
+            item,
+            &at,
+            &[
+                "key",
+                "value",
+                "rate_limit",
+                "shadow_mode",
+                "detailed_metric",
+                "descriptors",
+            ],
+        ) else {
+            continue;
+        };
+        let key = match r.text(map, &at, "key") {
+            Some(k) if !k.is_empty() => k,
+            _ => {
+                if !map.contains_key("key")
+                    || map.get("key").is_some_and(|k| k.as_str() == Some(""))
+                {
+                    r.problem(
+                        join(&at, "key"),
+                        "required: the entry key this descriptor matches",
+                    );
+                }
+                continue;
+            }
+        };
+        let value = match r.text(map, &at, "value") {
+            None => ValueMatch::Any,
+            Some(v) => match v.strip_suffix('*') {
+                Some(prefix) => ValueMatch::Prefix(prefix.to_owned()),
+                None => ValueMatch::Exact(v),
+            },
+        };
+        let id = {
+            let part = match &value {
+                ValueMatch::Any => key.clone(),
+                ValueMatch::Exact(v) => format!("{key}_{v}"),
+                ValueMatch::Prefix(p) => format!("{key}_{p}*"),
+            };
+            if parent_id.is_empty() {
+                part
+            } else {
+                format!("{parent_id}.{part}")
+            }
+        };
+        if out.iter().any(|n| n.key == key && n.value == value) {
+            r.problem(
+                at.clone(),
+                format!("a second descriptor with key {key:?} and this value at one level"),
+            );
+            continue;
+        }
+        let shadow = r.flag(map, &at, "shadow_mode");
+        let detailed_metric = r.flag(map, &at, "detailed_metric");
+        let rule = match map.get("rate_limit") {
+            None | Some(Value::Null) => None,
+            Some(raw) => rate_limit(
+                r,
+                raw,
+                &join(&at, "rate_limit"),
+                &id,
+                shadow,
+                detailed_metric,
+                rules,
+                pending,
+            ),
+        };
+        let children = match map.get("descriptors") {
+            None => Vec::new(),
+            Some(list) => descriptors(
+                r,
+                list,
+                &join(&at, "descriptors"),
+                &id,
+                depth + 1,
+                rules,
+                pending,
+                nodes,
+            ),
+        };
+        out.push(DescriptorNode {
+            key,
+            value,
+            rule,
+            children,
+        });
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rate_limit(
+    r: &mut Reader<'_>,
+    raw: &Value,
+    at: &str,
+    id: &str,
+    shadow: bool,
+    detailed_metric: bool,
+    rules: &mut Vec<DescriptorRule>,
+    pending: &mut Vec<(usize, Vec<String>, String)>,
+) -> Option<usize> {
+    let map = r.map(
+        raw,
+        at,
+        &[
+            "unit",
+            "requests_per_unit",
+            "name",
+            "replaces",
+            "unlimited",
+            "algorithm",
+            "burst",
+        ],
+    )?;
+    let unlimited = r.flag(map, at, "unlimited");
+    let unit = match map.get("unit") {
+        Some(Value::String(u)) => match Unit::parse(u) {
+            Some(unit) => Some(unit),
+            None => {
+                r.problem(
+                    join(at, "unit"),
+                    format!("expected second, minute, hour, day, week, month or year, got {u:?}"),
+                );
+                return None;
+            }
+        },
+        Some(_) => {
+            r.problem(
+                join(at, "unit"),
+                "expected second, minute, hour, day, week, month or year",
+            );
+            return None;
+        }
+        None if unlimited => None,
+        None => {
+            r.problem(join(at, "unit"), "required (or `unlimited: true`)");
+            return None;
+        }
+    };
+    let limit = match map.get("requests_per_unit") {
+        Some(Value::Number(n)) => match n.as_u64().and_then(|n| u32::try_from(n).ok()) {
+            Some(n) => n,
+            None => {
+                r.problem(
+                    join(at, "requests_per_unit"),
+                    "expected a whole number from 0 to 4294967295",
+                );
+                return None;
+            }
+        },
+        Some(_) => {
+            r.problem(
+                join(at, "requests_per_unit"),
+                "expected a whole number from 0 to 4294967295",
+            );
+            return None;
+        }
+        None if unlimited => 0,
+        None => {
+            r.problem(
+                join(at, "requests_per_unit"),
+                "required (or `unlimited: true`)",
+            );
+            return None;
+        }
+    };
+    let name = r.text(map, at, "name").filter(|n| !n.is_empty());
+    let replaces: Vec<String> = match map.get("replaces") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(list)) => {
+            let mut names = Vec::new();
+            for (i, item) in list.iter().enumerate() {
+                let item_at = format!("{}[{i}]", join(at, "replaces"));
+                let Some(m) = r.map(item, &item_at, &["name"]) else {
+                    continue;
+                };
+                match r.text(m, &item_at, "name") {
+                    Some(n) if !n.is_empty() => names.push(n),
+                    _ => r.problem(
+                        join(&item_at, "name"),
+                        "required: the name of the rule replaced",
+                    ),
+                }
+            }
+            names
+        }
+        Some(_) => {
+            r.problem(join(at, "replaces"), "expected a list of `- name: <rule>`");
+            Vec::new()
+        }
+    };
+    let algorithm = match map.get("algorithm") {
+        None => Algorithm::Fixed,
+        Some(Value::String(a)) => match a.as_str() {
+            "fixed" => Algorithm::Fixed,
+            "sliding" => Algorithm::Sliding,
+            "gcra" => Algorithm::Gcra { burst: None },
+            other => {
+                r.problem(
+                    join(at, "algorithm"),
+                    format!("expected fixed, sliding or gcra, got {other:?}"),
+                );
+                return None;
+            }
+        },
+        Some(_) => {
+            r.problem(join(at, "algorithm"), "expected fixed, sliding or gcra");
+            return None;
+        }
+    };
+    let algorithm = match (algorithm, map.get("burst")) {
+        (a, None) => a,
+        (Algorithm::Gcra { .. }, Some(b)) => match b
+            .as_u64()
+            .and_then(|b| u32::try_from(b).ok())
+            .and_then(NonZeroU32::new)
+        {
+            Some(burst) if burst.get() <= limit.max(1) => Algorithm::Gcra { burst: Some(burst) },
+            _ => {
+                r.problem(
+                    join(at, "burst"),
+                    format!("expected 1 to requests_per_unit ({limit})"),
+                );
+                return None;
+            }
+        },
+        (_, Some(_)) => {
+            r.problem(join(at, "burst"), "`burst` is for `algorithm: gcra`");
+            return None;
+        }
+    };
+    let unit = unit.unwrap_or(Unit::Second);
+    if unit == Unit::Month && algorithm != Algorithm::Fixed {
+        r.problem(
+            join(at, "algorithm"),
+            "a month is a calendar month, counted as a monthly quota: `fixed` only",
+        );
+        return None;
+    }
+    if algorithm == Algorithm::Sliding && unit.seconds() > crate::model::MAX_SLIDING_WINDOW_SECONDS
+    {
+        r.problem(
+            join(at, "algorithm"),
+            format!(
+                "a sliding window is at most {} seconds; a {} is longer",
+                crate::model::MAX_SLIDING_WINDOW_SECONDS,
+                unit.name()
+            ),
+        );
+        return None;
+    }
+    let index = rules.len();
+    if !replaces.is_empty() {
+        pending.push((index, replaces, join(at, "replaces")));
+    }
+    rules.push(DescriptorRule {
+        id: id.to_owned(),
+        name,
+        limit,
+        unit,
+        algorithm,
+        unlimited,
+        shadow,
+        detailed_metric,
+        replaces: Vec::new(),
+    });
+    Some(index)
+}
