@@ -410,9 +410,12 @@ impl Gateway {
         }
         if let Some(rls) = listeners.rls {
             let limiter = Arc::clone(&core.limiter);
+            let max_connections = config.max_connections.get();
             let stop = backends_stopped.clone().wait();
             tokio::spawn(async move {
-                if let Err(error) = sluice_rls::serve(rls.listener, limiter, stop).await {
+                if let Err(error) =
+                    sluice_rls::serve(rls.listener, limiter, max_connections, stop).await
+                {
                     tracing::error!("the rate-limit service failed: {error}");
                 }
             });

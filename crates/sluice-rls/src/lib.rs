@@ -14,6 +14,7 @@
 //! most the connections it is given (like the gateway's).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_edge::SharedLimiter;
@@ -205,14 +206,64 @@ impl<S: BudgetStore + 'static> RateLimitService for Rls<S> {
     }
 }
 
+/// A connection holding one of the listener's places until it closes.
+struct Bounded {
+    stream: tokio::net::TcpStream,
+    _place: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl tokio::io::AsyncRead for Bounded {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Bounded {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for Bounded {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
 /// Serves the rate-limit service and gRPC health checking on `listener` until
-/// `stop` resolves.
+/// `stop` resolves, holding at most `max_connections` connections at once (the
+/// next waits to be accepted).
 ///
 /// # Errors
 /// The transport's error when the listener fails.
 pub async fn serve<S: BudgetStore + 'static>(
     listener: TcpListener,
     limiter: SharedLimiter<S>,
+    max_connections: usize,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -221,7 +272,28 @@ pub async fn serve<S: BudgetStore + 'static>(
         .await;
     let service =
         RateLimitServiceServer::new(Rls::new(limiter)).max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let places = Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
+    let incoming =
+        futures_util::stream::unfold((listener, places), |(listener, places)| async move {
+            let place = Arc::clone(&places).acquire_owned().await.ok()?;
+            loop {
+                match listener.accept().await {
+                    Ok((stream, _)) => {
+                        let _ = stream.set_nodelay(true);
+                        let connection = Bounded {
+                            stream,
+                            _place: place,
+                        };
+                        return Some((Ok::<_, std::io::Error>(connection), (listener, places)));
+                    }
+                    Err(error) => {
+                        // Out of descriptors and the like: wait a moment, as the gateway does.
+                        tracing::warn!("rate-limit service: accept failed: {error}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        });
     tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))

@@ -298,9 +298,11 @@ async fn r1_descriptors_are_decided_all_or_nothing_with_hits_addend_and_shadow_m
     assert_eq!(answers[2]["statuses"][0]["limit"], 1);
     let metrics = support::get(&sluice.admin_url("/metrics")).await.text();
     assert!(
-        metrics.lines().any(|l| l.starts_with("sluice_rls_descriptors_total")
-            && l.contains("rule=\"path_/export\"")
-            && l.contains("code=\"over_limit\"")),
+        metrics
+            .lines()
+            .any(|l| l.starts_with("sluice_rls_descriptors_total")
+                && l.contains("rule=\"path_/export\"")
+                && l.contains("code=\"over_limit\"")),
         "a metric per domain and rule: {metrics}"
     );
     assert!(
@@ -388,6 +390,51 @@ async fn r1_d2_three_replicas_on_one_redis_admit_exactly_a_rules_limit() {
         "exactly the limit across replicas: {counts}"
     );
     assert_eq!(counts["over_limit"], 35);
+}
+
+#[tokio::test]
+async fn r1_d3_while_the_store_is_down_each_domain_answers_by_its_outage_rule() {
+    let mut redis = RedisServer::start("rls-outage");
+    let dir = DataDir::new();
+    let domains = format!(
+        "{API}  - domain: strict
+    outage: fail_closed
+    descriptors:
+      - key: user
+        rate_limit: {{ unit: year, requests_per_unit: 5 }}
+"
+    );
+    let policy = policy(&dir.0, &domains).edit_file_for_store();
+    let sluice = Sluice::spawn(&[
+        "--config",
+        &policy,
+        "--rls",
+        "127.0.0.1:0",
+        "--store",
+        &redis.url(),
+    ]);
+    let both = json!([
+        request("api", &[&[("user", "ada")]]),
+        request("strict", &[&[("user", "ada")]]),
+    ]);
+    let answers = ask(&sluice, both.clone()).await;
+    assert_eq!(
+        (answers[0]["overall"].clone(), answers[1]["overall"].clone()),
+        (json!("OK"), json!("OK"))
+    );
+    redis.kill();
+    let answers = ask(&sluice, both).await;
+    assert_eq!(answers[0]["overall"], "OK", "fail_open, the default");
+    assert_eq!(answers[1]["overall"], "OVER_LIMIT", "fail_closed");
+    let metrics = support::get(&sluice.admin_url("/metrics")).await.text();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("sluice_rls_requests_total")
+                && l.contains("domain=\"strict\"")
+                && l.contains("outcome=\"outage\"")),
+        "counted: {metrics}"
+    );
 }
 
 /// A store timeout that three replicas starting at once on two cores meet.
