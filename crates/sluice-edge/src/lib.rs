@@ -88,9 +88,9 @@ pub use lanes::{
     ledger_outage, publish_lane_gauges,
 };
 pub use limiter::{
-    Admitted, BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, FALLBACK_MAX_KEYS, Limiter,
-    PlanStatus, QuotaQueryError, QuotaUsage, Reason, Refusal, Refused, ReloadRefused,
-    SharedLimiter, Status, TOP_CALLERS_TRACKED, Tally, TopCaller, check_head,
+    Admitted, BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, DomainRuleStatus, DomainStatus,
+    FALLBACK_MAX_KEYS, Limiter, PlanStatus, QuotaQueryError, QuotaUsage, Reason, Refusal, Refused,
+    ReloadRefused, SharedLimiter, Status, TOP_CALLERS_TRACKED, Tally, TopCaller, check_head,
 };
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
 pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};

@@ -6,7 +6,8 @@
 //!
 //! `GET /check` and any path below it, with any method (nginx's subrequest keeps
 //! the original's); the check request's body is never read. Every other path is
-//! 404. HTTP/1.1 with keep-alive; connections are bounded like the gateway's.
+//! 404. HTTP/1.1 with keep-alive; at most [`PROXY_LISTENER_CONNECTIONS`](crate::PROXY_LISTENER_CONNECTIONS)
+//! connections at once.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

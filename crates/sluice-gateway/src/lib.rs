@@ -316,6 +316,11 @@ pub struct Gateway {
     buffers: Arc<sluice_edge::BufferBudget>,
 }
 
+/// Most connections the forward-auth (`--check`) and rate-limit service (`--rls`)
+/// listeners each hold at once: their clients are proxies that keep a pool of
+/// connections, so this leaves the open-file limit to the gateway's own clients.
+pub const PROXY_LISTENER_CONNECTIONS: usize = 1024;
+
 /// A one-shot stop signal that any number of tasks can wait on.
 #[derive(Clone, Debug)]
 pub struct Stop(watch::Receiver<bool>);
@@ -404,13 +409,13 @@ impl Gateway {
             tokio::spawn(check::serve(
                 check.listener,
                 Arc::clone(&core.limiter),
-                config.max_connections,
+                NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
                 backends_stopped.clone().wait(),
             ));
         }
         if let Some(rls) = listeners.rls {
             let limiter = Arc::clone(&core.limiter);
-            let max_connections = config.max_connections.get();
+            let max_connections = PROXY_LISTENER_CONNECTIONS;
             let stop = backends_stopped.clone().wait();
             tokio::spawn(async move {
                 if let Err(error) =

@@ -228,6 +228,17 @@ async fn r1_the_reference_examples_load_unchanged_and_answer_as_documented() {
         .await
         .expect("task");
     assert_eq!(health, "SERVING");
+    // /status (and the dashboard's panel) lists the domains and their rules.
+    let status = support::get(&sluice.admin_url("/status")).await.json();
+    let domains = status["limiter"]["domains"].as_array().expect("domains");
+    assert_eq!(domains.len(), 9);
+    let mongo = domains
+        .iter()
+        .find(|d| d["domain"] == "mongo_cps")
+        .expect("mongo_cps");
+    assert_eq!(mongo["rules"][0]["id"], "database_users");
+    assert_eq!(mongo["rules"][0]["limit"], 500);
+    assert_eq!(mongo["rules"][0]["unit"], "second");
 }
 
 #[tokio::test]

@@ -249,6 +249,38 @@ pub struct Status {
     pub plans: Vec<PlanStatus>,
     /// How many workspaces the tenant table puts on a plan.
     pub workspaces_on_plans: usize,
+    /// The rate-limit service's domains (`domains:` and `--rls-config`).
+    pub domains: Vec<DomainStatus>,
+}
+
+/// A domain of Envoy's rate-limit service, in a [`Status`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct DomainStatus {
+    /// Its name.
+    pub domain: String,
+    /// Where it was read: `domains[i]` of the policy, or a file.
+    pub source: String,
+    /// `fail_open` or `fail_closed` while the store cannot decide.
+    pub outage: &'static str,
+    /// Its rules, in the order of the file.
+    pub rules: Vec<DomainRuleStatus>,
+}
+
+/// One rule of a [`DomainStatus`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct DomainRuleStatus {
+    /// Its id (`key_value.key2`).
+    pub id: String,
+    /// Requests per unit (absent for an unlimited rule).
+    pub limit: Option<u32>,
+    /// Its unit.
+    pub unit: &'static str,
+    /// Its algorithm (`fixed`, `sliding` or `gcra`).
+    pub algorithm: &'static str,
+    /// Decided and counted, never refusing.
+    pub shadow: bool,
 }
 
 /// A customer plan of a [`Status`]: the limits a workspace on it gets (its
@@ -567,6 +599,29 @@ impl<S: BudgetStore> Limiter<S> {
                 .map(|plan| plan_status(p, Some(plan)))
                 .collect(),
             workspaces_on_plans: p.tenants.by_name.len(),
+            domains: p
+                .domains
+                .iter()
+                .map(|d| DomainStatus {
+                    domain: d.name.clone(),
+                    source: d.source.clone(),
+                    outage: match d.outage {
+                        sluice_policy::domains::DomainOutage::FailOpen => "fail_open",
+                        sluice_policy::domains::DomainOutage::FailClosed => "fail_closed",
+                    },
+                    rules: d
+                        .rules
+                        .iter()
+                        .map(|r| DomainRuleStatus {
+                            id: r.id.clone(),
+                            limit: (!r.unlimited).then_some(r.limit),
+                            unit: r.unit.name(),
+                            algorithm: r.algorithm.name(),
+                            shadow: r.shadow,
+                        })
+                        .collect(),
+                })
+                .collect(),
         }
     }
 }
