@@ -740,7 +740,7 @@ pub struct Policy {
     /// Guarded lanes.
     pub lanes: Vec<Lane>,
     /// Descriptor rules for Envoy's rate-limit service, by domain (`domains:`,
-    /// and the files of a directory added with [`Policy::with_domains`]).
+    /// and the files of a directory `sluice serve --rls-config` names).
     pub domains: Vec<crate::domains::Domain>,
     /// The route table, first match wins.
     pub routes: Vec<Route>,
