@@ -33,6 +33,8 @@ use tonic::{Request, Response, Status};
 )]
 mod generated;
 
+mod counters;
+
 /// The Envoy RLS v3 wire types and the generated service and client.
 pub mod proto {
     pub use crate::generated::*;
@@ -53,12 +55,16 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 /// The service over a limiter that reloads (as the gateway's does).
 pub struct Rls<S> {
     limiter: SharedLimiter<S>,
+    counters: counters::Counters,
 }
 
 impl<S> Rls<S> {
     /// The service deciding with `limiter`.
     pub fn new(limiter: SharedLimiter<S>) -> Self {
-        Rls { limiter }
+        Rls {
+            limiter,
+            counters: counters::Counters::default(),
+        }
     }
 }
 
@@ -172,26 +178,21 @@ impl<S: BudgetStore + 'static> RateLimitService for Rls<S> {
         let limiter = self.limiter.load_full();
         let answer = limiter.should_rate_limit(&call).await;
         let domain = if answer.outcome == Outcome::UnknownDomain {
-            "unknown".to_owned()
+            "unknown"
         } else {
-            call.domain.clone()
+            call.domain.as_str()
         };
-        metrics::counter!(
-            "sluice_rls_requests_total",
-            "domain" => domain.clone(),
-            "code" => if answer.overall == Code::Ok { "ok" } else { "over_limit" },
-            "outcome" => outcome_label(answer.outcome)
-        )
-        .increment(1);
+        let code = if answer.overall == Code::Ok {
+            "ok"
+        } else {
+            "over_limit"
+        };
+        self.counters
+            .request(domain, code, outcome_label(answer.outcome));
         for (rule, status) in answer.rules.iter().zip(&answer.statuses) {
             if let Some(rule) = rule {
-                metrics::counter!(
-                    "sluice_rls_descriptors_total",
-                    "domain" => domain.clone(),
-                    "rule" => rule.clone(),
-                    "code" => if status.code == Code::Ok { "ok" } else { "over_limit" }
-                )
-                .increment(1);
+                self.counters
+                    .descriptor(domain, rule, status.code == Code::OverLimit);
             }
         }
         for rule in &answer.shadow_refusals {
@@ -297,7 +298,6 @@ pub async fn serve<S: BudgetStore + 'static>(
     tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .timeout(Duration::from_secs(30))
         .add_service(health)
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, stop)
