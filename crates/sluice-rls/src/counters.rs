@@ -13,11 +13,14 @@ use parking_lot::RwLock;
 /// one per value).
 pub const MAX_LABEL_SETS: usize = 10_000;
 
+/// A domain's request counters by (code, outcome).
+type ByCode = HashMap<(&'static str, &'static str), Counter>;
+
 /// `sluice_rls_requests_total` and `sluice_rls_descriptors_total` handles.
 #[derive(Default)]
 pub(crate) struct Counters {
     /// (domain, code, outcome) → requests.
-    requests: RwLock<HashMap<String, HashMap<(&'static str, &'static str), Counter>>>,
+    requests: RwLock<HashMap<String, ByCode>>,
     /// domain → rule → [ok, over_limit].
     descriptors: RwLock<HashMap<String, HashMap<String, [Counter; 2]>>>,
 }
