@@ -223,7 +223,7 @@ impl<S: BudgetStore> Limiter<S> {
             return answer;
         };
         // Match each descriptor to its rule.
-        let mut matched: Vec<(usize, &DescriptorRule)> = Vec::new();
+        let mut matched: Vec<(usize, usize)> = Vec::new();
         for (i, d) in call.descriptors.iter().enumerate() {
             let entries: Vec<(&str, &str)> = d
                 .entries
@@ -233,23 +233,22 @@ impl<S: BudgetStore> Limiter<S> {
             if entries.is_empty() {
                 continue;
             }
-            if let Some(rule) = domain
-                .lookup(&entries)
-                .and_then(|n| n.rule)
-                .and_then(|r| domain.rules.get(r))
-            {
+            if let Some(rule) = domain.lookup(&entries).and_then(|n| n.rule) {
                 matched.push((i, rule));
             }
         }
         // A rule another matched rule replaces does not apply to this request.
         let replaced: Vec<usize> = matched
             .iter()
-            .flat_map(|(_, r)| r.replaces.iter().copied())
+            .filter_map(|&(_, r)| domain.rules.get(r))
+            .flat_map(|r| r.replaces.iter().copied())
             .collect();
         let mut counted: Vec<Counted<'_>> = Vec::new();
-        for (i, rule) in matched {
-            let index = domain.rules.iter().position(|r| std::ptr::eq(r, rule));
-            if index.is_some_and(|x| replaced.contains(&x)) {
+        for (i, index) in matched {
+            let Some(rule) = domain.rules.get(index) else {
+                continue;
+            };
+            if replaced.contains(&index) {
                 continue;
             }
             let Some(d) = call.descriptors.get(i) else {

@@ -115,6 +115,26 @@ pub fn gaps(policy: &Policy) -> Vec<(&Route, Gap)> {
 /// The original request a check request names: who asks, its method and its
 /// target.
 fn original(headers: &HeaderMap) -> Result<(Asker, Method, Uri), &'static str> {
+    // A proxy sets its own fields and replaces what a client sent; a field sent
+    // twice, or both kinds at once, can only come from a client (passed through by
+    // a proxy that sets the other kind): refused, never read as the cheaper one.
+    let names = [
+        &X_ORIGINAL_URI,
+        &X_ORIGINAL_METHOD,
+        &X_FORWARDED_URI,
+        &X_FORWARDED_METHOD,
+    ];
+    if names
+        .iter()
+        .any(|n| headers.get_all(*n).iter().nth(1).is_some())
+    {
+        return Err("the original request is named more than once");
+    }
+    if headers.contains_key(&X_ORIGINAL_URI) && headers.contains_key(&X_FORWARDED_URI) {
+        return Err(
+            "the original request is named both by X-Original-URI and X-Forwarded-Uri: the proxy must strip the one a client sent",
+        );
+    }
     let (asker, method, uri) = match headers.get(&X_ORIGINAL_URI) {
         Some(uri) => (Asker::Nginx, headers.get(&X_ORIGINAL_METHOD), uri),
         None => match headers.get(&X_FORWARDED_URI) {

@@ -216,6 +216,32 @@ async fn r2_a_check_request_that_names_no_original_or_a_bad_one_is_refused() {
             r.text()
         );
     }
+    // A client cannot name a cheaper original beside the proxy's: both kinds, or
+    // one twice, are refused rather than read.
+    let both = send(
+        Request::get(sluice.check_url("/check"))
+            .header("x-forwarded-method", "POST")
+            .header("x-forwarded-uri", "/chats")
+            .header("x-original-method", "GET")
+            .header("x-original-uri", "/search/fields")
+            .header("x-api-key", "sk-e")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(both.status, 403);
+    assert_eq!(both.header("x-sluice-status"), Some("400"));
+    let twice = send(
+        Request::get(sluice.check_url("/check"))
+            .header("x-forwarded-method", "POST")
+            .header("x-forwarded-uri", "/search/fields")
+            .header("x-forwarded-uri", "/chats")
+            .header("x-api-key", "sk-e")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(twice.status, 403, "{}", twice.text());
     let elsewhere = send(
         Request::get(sluice.check_url("/checkout"))
             .header("x-forwarded-method", "GET")
