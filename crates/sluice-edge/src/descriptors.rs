@@ -188,6 +188,27 @@ fn budget(
     })
 }
 
+/// The IETF draft's `RateLimit-Policy` and `RateLimit` fields over every
+/// descriptor counted, named by rule (as the gateway names its budgets).
+fn ietf_fields(
+    counted: &[Counted<'_>],
+    statuses: &[BudgetStatus],
+    now: u64,
+) -> [(&'static str, String); 2] {
+    let mut policy = String::new();
+    let mut state = String::new();
+    for (i, (c, s)) in counted.iter().zip(statuses).enumerate() {
+        let sep = if i == 0 { "" } else { ", " };
+        let name = c.rule.id.replace(['"', '\\'], "_");
+        let window = c.unit.seconds();
+        policy.push_str(&format!("{sep}\"{name}\";q={};w={window}", c.limit));
+        let wait = s.retry_after().map_or(window.into(), |d| d.as_secs());
+        let t = wait.max(s.reset.saturating_sub(now));
+        state.push_str(&format!("{sep}\"{name}\";r={};t={t}", s.remaining));
+    }
+    [("ratelimit-policy", policy), ("ratelimit", state)]
+}
+
 fn status_of(
     s: &BudgetStatus,
     now_secs: u64,
@@ -375,18 +396,24 @@ impl<S: BudgetStore> Limiter<S> {
                 answer.overall = Code::OverLimit;
             }
             if !c.rule.shadow && tightest.is_none_or(|(_, r, _)| s.remaining < r) {
-                tightest = Some((c.limit, s.remaining, s.reset.saturating_sub(now)));
+                tightest = Some((c.limit, s.remaining, s.reset));
             }
             for &i in &c.descriptors {
                 answer.statuses[i] = status.clone();
             }
         }
         if let Some((limit, remaining, reset)) = tightest {
+            // As the gateway's: the reset in Unix seconds (SPEC H1).
             answer.headers = vec![
                 ("x-ratelimit-limit", limit.to_string()),
                 ("x-ratelimit-remaining", remaining.to_string()),
                 ("x-ratelimit-reset", reset.to_string()),
             ];
+            if self.policy().ietf_headers {
+                answer
+                    .headers
+                    .extend(ietf_fields(&counted, decision.statuses(), now));
+            }
         }
         answer
     }

@@ -245,6 +245,8 @@ async fn r1_the_reference_examples_load_unchanged_and_answer_as_documented() {
 async fn r1_descriptors_are_decided_all_or_nothing_with_hits_addend_and_shadow_mode() {
     let dir = DataDir::new();
     let policy = policy(&dir.0, API);
+    let text = std::fs::read_to_string(&policy).expect("policy");
+    std::fs::write(&policy, text.edit("ietf_draft: false", "ietf_draft: true")).expect("policy");
     let sluice = Sluice::spawn(&[
         "--config",
         &policy,
@@ -267,6 +269,28 @@ async fn r1_descriptors_are_decided_all_or_nothing_with_hits_addend_and_shadow_m
         "the tightest"
     );
     assert_eq!(answers[2]["headers"]["x-ratelimit-remaining"], "0");
+    let reset: u64 = answers[2]["headers"]["x-ratelimit-reset"]
+        .as_str()
+        .and_then(|r| r.parse().ok())
+        .expect("a reset");
+    assert!(
+        reset > 1_700_000_000,
+        "Unix seconds, as the gateway's: {reset}"
+    );
+    assert_eq!(
+        answers[2]["headers"]["ratelimit-policy"],
+        "\"user\";q=5;w=31536000, \"path_/export\";q=3;w=31536000",
+        "the IETF draft's fields, when the policy turns them on"
+    );
+    assert!(
+        answers[2]["headers"]["ratelimit"]
+            .as_str()
+            .is_some_and(
+                |v| v.starts_with("\"user\";r=2;t=") && v.contains("\"path_/export\";r=0;t=")
+            ),
+        "{}",
+        answers[2]["headers"]
+    );
     // hits_addend: the request's, and a descriptor's own (0 only looks).
     let answers = ask(
         &sluice,
