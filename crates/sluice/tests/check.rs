@@ -253,16 +253,72 @@ async fn r2_a_check_request_that_names_no_original_or_a_bad_one_is_refused() {
     assert_eq!(elsewhere.status, 404);
 }
 
-/// A real nginx in front of the demo upstream, asking sluice through
-/// `examples/nginx/sluice.conf`; it listens on a Unix socket in `dir` and takes the
-/// client's address from `X-Real-IP` (the realip module, as behind a load balancer).
-struct Nginx {
+/// A real proxy (nginx or Caddy) in front of the demo upstream, asking sluice's
+/// check listener; it listens on a Unix socket in a test's directory.
+struct Proxy {
     child: Child,
     socket: PathBuf,
 }
 
-impl Nginx {
-    fn start(dir: &Path, check: std::net::SocketAddr, upstream: &str) -> Nginx {
+/// Waits (bounded) for `socket` to appear, saying what `log` holds if it does not.
+fn wait_for_socket(socket: &Path, what: &str, log: &Path) {
+    let started = Instant::now();
+    while !socket.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{what} did not start: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+impl Proxy {
+    /// Caddy 2 (Debian's package) with `forward_auth` to sluice, as docs/forward-auth.md
+    /// shows it.
+    fn caddy(dir: &Path, check: std::net::SocketAddr, upstream: &str) -> Proxy {
+        let caddy = ["/usr/bin/caddy", "/usr/local/bin/caddy"]
+            .into_iter()
+            .find(|p| Path::new(p).exists())
+            .expect("caddy must be installed (scripts/test installs it)");
+        let socket = dir.join("caddy.sock");
+        let upstream = upstream.trim_start_matches("http://").trim_end_matches('/');
+        let conf = format!(
+            "{{
+    admin off
+    auto_https off
+}}
+http:// {{
+    bind unix/{socket}
+    forward_auth {check} {{
+        uri /check
+    }}
+    reverse_proxy {upstream}
+}}
+",
+            socket = socket.display()
+        );
+        let path = dir.join("Caddyfile");
+        std::fs::write(&path, conf).expect("write Caddyfile");
+        let log = dir.join("caddy.log");
+        let child = Command::new(caddy)
+            .args(["run", "--adapter", "caddyfile", "--config"])
+            .arg(&path)
+            .env("XDG_DATA_HOME", dir)
+            .env("XDG_CONFIG_HOME", dir)
+            .env("HOME", dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("caddy log"))
+            .spawn()
+            .expect("start caddy");
+        wait_for_socket(&socket, "caddy", &log);
+        Proxy { child, socket }
+    }
+
+    /// nginx asking sluice through `examples/nginx/sluice.conf`; it takes the client's
+    /// address from `X-Real-IP` (the realip module, as behind a load balancer).
+    fn nginx(dir: &Path, check: std::net::SocketAddr, upstream: &str) -> Proxy {
         let nginx = ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"]
             .into_iter()
             .find(|p| Path::new(p).exists())
@@ -313,16 +369,8 @@ http {{
             .stderr(Stdio::null())
             .spawn()
             .expect("start nginx");
-        let started = Instant::now();
-        while !socket.exists() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "nginx did not start: {}",
-                std::fs::read_to_string(dir.join("error.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Nginx { child, socket }
+        wait_for_socket(&socket, "nginx", &dir.join("error.log"));
+        Proxy { child, socket }
     }
 
     /// One request over a fresh connection: its status line's code and headers.
@@ -335,7 +383,7 @@ http {{
     ) -> (u16, Vec<(String, String)>, String) {
         let mut stream = UnixStream::connect(&self.socket)
             .await
-            .expect("connect to nginx");
+            .expect("connect to the proxy");
         let body = if method == "POST" { "{}" } else { "" };
         let head = format!(
             "{method} {path} HTTP/1.1\r\nHost: api.example\r\nX-Api-Key: {key}\r\nX-Real-IP: {client}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -345,7 +393,7 @@ http {{
         let mut raw = Vec::new();
         tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
             .await
-            .expect("nginx answers within 10 s")
+            .expect("the proxy answers within 10 s")
             .expect("read");
         let text = String::from_utf8_lossy(&raw).into_owned();
         let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
@@ -363,7 +411,7 @@ http {{
     }
 }
 
-impl Drop for Nginx {
+impl Drop for Proxy {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -382,7 +430,7 @@ async fn r2_through_real_nginx_auth_request_the_classes_and_ceilings_hold() {
     let dir = DataDir::new();
     let sluice = spawn(&dir);
     let check = sluice.start.check.expect("check listener");
-    let nginx = Nginx::start(&dir.0, check, &sluice.start.upstream);
+    let nginx = Proxy::nginx(&dir.0, check, &sluice.start.upstream);
     // A caller's expensive class: 30, with X-RateLimit-* on each answer the
     // upstream gave, then the client's 429 with Retry-After.
     for left in (0..30).rev() {
@@ -416,4 +464,30 @@ async fn r2_through_real_nginx_auth_request_the_classes_and_ceilings_hold() {
     // A route that needs its body is refused, never decided as something cheaper.
     let (status, _, _) = nginx.request("POST", "/mcp", "sk-n4", "192.0.2.3").await;
     assert_eq!(status, 429);
+}
+
+#[tokio::test]
+async fn r2_through_real_caddy_forward_auth_the_429_reaches_the_client() {
+    let dir = DataDir::new();
+    let sluice = spawn(&dir);
+    let check = sluice.start.check.expect("check listener");
+    let caddy = Proxy::caddy(&dir.0, check, &sluice.start.upstream);
+    for _ in 0..30 {
+        let (status, _, body) = caddy.request("POST", "/chats", "sk-c1", "192.0.2.9").await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // Caddy answers the client with the check's own refusal: its 429, Retry-After
+    // and X-RateLimit-*.
+    let (status, headers, body) = caddy.request("POST", "/chats", "sk-c1", "192.0.2.9").await;
+    assert_eq!(status, 429, "{body}");
+    assert!(header(&headers, "retry-after").is_some_and(|v| v.parse::<u64>().is_ok()));
+    assert_eq!(header(&headers, "x-ratelimit-limit"), Some("30"));
+    assert_eq!(header(&headers, "x-ratelimit-remaining"), Some("0"));
+    // Another caller is not held by it.
+    let (status, _, body) = caddy.request("POST", "/chats", "sk-c2", "192.0.2.9").await;
+    assert_eq!(status, 200, "{body}");
+    // A route that needs its body: refused, never decided as something cheaper.
+    let (status, _, body) = caddy.request("POST", "/mcp", "sk-c3", "192.0.2.9").await;
+    assert_eq!(status, 429);
+    assert!(body.contains("needs_body"), "{body}");
 }
