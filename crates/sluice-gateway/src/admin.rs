@@ -148,13 +148,14 @@ fn describe_metrics() {
 /// What `/status` reports about this process's wiring (fixed at start).
 #[derive(Clone, Debug, Serialize)]
 pub struct StatusInfo {
-    /// The gateway's URL.
+    /// The gateway's URL (empty without a gateway: `sluice rls`).
     pub listen: String,
     /// The admin listener's URL.
     pub admin: String,
-    /// The upstream's URL.
+    /// The upstream's URL (empty without a gateway: `sluice rls`).
     pub upstream: String,
-    /// `"demo"` for the built-in demo upstream, `"external"` otherwise.
+    /// `"demo"` for the built-in demo upstream, `"external"` for another, `"none"`
+    /// without a gateway.
     pub upstream_kind: &'static str,
     /// The rate-limit profile.
     pub profile: String,

@@ -177,6 +177,10 @@ pub struct GatewayConfig {
     pub check: Option<SocketAddr>,
     /// Address of Envoy's rate-limit service (`--rls`, gRPC); `None` runs none.
     pub rls: Option<SocketAddr>,
+    /// Serve the HTTP gateway (`listen`, the upstream or the demo, the batch lanes).
+    /// `false` runs only the limiter behind the admin listener and the `rls` and
+    /// `check` listeners (`sluice rls`).
+    pub gateway: bool,
 }
 
 /// The batch queue's global bounds (see [`GatewayConfig::batch_bounds`]); the
@@ -240,6 +244,7 @@ impl GatewayConfig {
             admin_door: sluice_door::DoorConfig::default(),
             check: None,
             rls: None,
+            gateway: true,
             refusal_log_per_second: sluice_edge::DEFAULT_REFUSAL_LOG_PER_SECOND,
         }
     }
@@ -302,11 +307,11 @@ pub enum StartError {
 /// A running gateway: its listeners are bound and serving.
 #[derive(Debug)]
 pub struct Gateway {
-    addr: SocketAddr,
+    addr: Option<SocketAddr>,
     admin_addr: SocketAddr,
     check_addr: Option<SocketAddr>,
     rls_addr: Option<SocketAddr>,
-    upstream: Upstream,
+    upstream: Option<Upstream>,
     demo: Option<demo::Demo>,
     stop_gateway: watch::Sender<bool>,
     stop_backends: watch::Sender<bool>,
@@ -349,14 +354,22 @@ impl Gateway {
         start::check_admin_door(&config)?;
         admin::install_metrics();
         let listeners = start::Listeners::bind(&config).await?;
-        let (addr, admin_addr) = (listeners.gateway.addr, listeners.admin.addr);
+        let (addr, admin_addr) = (
+            listeners.gateway.as_ref().map(|g| g.addr),
+            listeners.admin.addr,
+        );
         let check_addr = listeners.check.as_ref().map(|c| c.addr);
         let rls_addr = listeners.rls.as_ref().map(|c| c.addr);
         // The admin listener and the demo upstream stop only after the gateway has
         // drained: in-flight requests still need the demo to answer them.
         let (stop_backends, backends_stopped) = Stop::channel();
-        let (upstream, demo) = start::upstream(&config, &backends_stopped).await?;
-        let status = start::status_info(&config, &listeners, &upstream, demo.is_some());
+        let (upstream, demo) = if config.gateway {
+            let (upstream, demo) = start::upstream(&config, &backends_stopped).await?;
+            (Some(upstream), demo)
+        } else {
+            (None, None)
+        };
+        let status = start::status_info(&config, &listeners, upstream.as_ref(), demo.is_some());
 
         let clock = SystemClock::with_offset(config.clock_offset);
         let (stores, batches) = start::Stores::open(&config, &clock).await?;
@@ -378,15 +391,22 @@ impl Gateway {
         );
 
         start::spawn_upkeep(&limiter, &reloader, &backends_stopped).await?;
-        let batch_lanes =
-            start::batch_lanes(batches, &limiter, &upstream, &clock, &backends_stopped);
+        let batch_lanes = match &upstream {
+            Some(upstream) => {
+                start::batch_lanes(batches, &limiter, upstream, &clock, &backends_stopped)
+            }
+            // No gateway, no batch endpoints: nothing would submit or run items.
+            None => Arc::new(Vec::new()),
+        };
         let core = start::Core {
             limiter,
             reloader,
             batch_lanes,
             tenants,
         };
-        let stack = core.worker_stack(&upstream, config.upstream_timeout, config.access_log);
+        let stack = upstream
+            .as_ref()
+            .map(|u| core.worker_stack(u, config.upstream_timeout, config.access_log));
 
         let requests = metered::RequestStats::with_workers(config.workers);
         let admin_state = admin::AdminState::new(status, started, requests.clone());
@@ -397,13 +417,6 @@ impl Gateway {
             &backends_stopped,
         );
 
-        let workers = gateway::Workers::start(
-            config.workers,
-            move |stats| stack.build(stats),
-            &requests,
-            SHUTDOWN_GRACE,
-        )
-        .map_err(start::io("starting the gateway worker threads"))?;
         if let Some(check) = listeners.check {
             start::warn_if_no_trusted_proxy(&core, check.addr);
             tokio::spawn(check::serve(
@@ -426,13 +439,25 @@ impl Gateway {
             });
         }
         let (stop_gateway, gateway_stopped) = Stop::channel();
-        let gateway_task = tokio::spawn(gateway::serve(
-            listeners.gateway.listener,
-            workers,
-            config.max_connections,
-            per_ip,
-            gateway_stopped.wait(),
-        ));
+        let gateway_task = match (listeners.gateway, stack) {
+            (Some(listener), Some(stack)) => {
+                let workers = gateway::Workers::start(
+                    config.workers,
+                    move |stats| stack.build(stats),
+                    &requests,
+                    SHUTDOWN_GRACE,
+                )
+                .map_err(start::io("starting the gateway worker threads"))?;
+                tokio::spawn(gateway::serve(
+                    listener.listener,
+                    workers,
+                    config.max_connections,
+                    per_ip,
+                    gateway_stopped.wait(),
+                ))
+            }
+            _ => tokio::spawn(async { Drain::Complete }),
+        };
         start::log_started(&config.store, &config.data_dir, &core);
         Ok(Gateway {
             addr,
@@ -462,8 +487,8 @@ impl Gateway {
         &self.reloader
     }
 
-    /// The address the gateway listens on.
-    pub fn addr(&self) -> SocketAddr {
+    /// The address the gateway listens on (`None` without a gateway: `sluice rls`).
+    pub fn addr(&self) -> Option<SocketAddr> {
         self.addr
     }
 
@@ -482,9 +507,9 @@ impl Gateway {
         self.check_addr
     }
 
-    /// The upstream requests go to.
-    pub fn upstream(&self) -> &Upstream {
-        &self.upstream
+    /// The upstream requests go to (`None` without a gateway).
+    pub fn upstream(&self) -> Option<&Upstream> {
+        self.upstream.as_ref()
     }
 
     /// True when the upstream is the built-in demo.
@@ -497,20 +522,29 @@ impl Gateway {
     /// `, check http://ADDR` before the `)` when the forward-auth listener runs and
     /// `, rls grpc://ADDR` when the rate-limit service does.
     pub fn start_line(&self) -> String {
-        let upstream = if self.runs_demo() {
-            format!("built-in demo at {}", self.upstream())
-        } else {
-            self.upstream().to_string()
-        };
         let mut check = self
             .check_addr
             .map_or_else(String::new, |c| format!(", check http://{c}"));
+        let (Some(addr), Some(upstream)) = (self.addr, &self.upstream) else {
+            // `sluice rls`: the rate-limit service first.
+            let rls = self
+                .rls_addr
+                .map_or_else(|| "none".to_owned(), |r| format!("grpc://{r}"));
+            return format!(
+                "sluice rls: listening on {rls} (admin http://{}{check})",
+                self.admin_addr()
+            );
+        };
+        let upstream = if self.runs_demo() {
+            format!("built-in demo at {upstream}")
+        } else {
+            upstream.to_string()
+        };
         if let Some(rls) = self.rls_addr {
             check.push_str(&format!(", rls grpc://{rls}"));
         }
         format!(
-            "sluice: listening on http://{} (admin http://{}, upstream {upstream}{check})",
-            self.addr(),
+            "sluice: listening on http://{addr} (admin http://{}, upstream {upstream}{check})",
             self.admin_addr()
         )
     }

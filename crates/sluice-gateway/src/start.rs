@@ -56,8 +56,8 @@ pub(super) struct Bound {
 
 /// The gateway's and the admin listener's sockets.
 pub(super) struct Listeners {
-    /// The gateway's (`listen`).
-    pub(super) gateway: Bound,
+    /// The gateway's (`listen`), unless the gateway does not run.
+    pub(super) gateway: Option<Bound>,
     /// The admin listener's (`admin`).
     pub(super) admin: Bound,
     /// The forward-auth listener's (`check`), when one runs.
@@ -73,11 +73,11 @@ impl Listeners {
     /// [`StartError::Bind`] names the listener whose address cannot be bound;
     /// [`StartError::Io`] when a bound address cannot be read.
     pub(super) async fn bind(config: &GatewayConfig) -> Result<Listeners, StartError> {
-        let gateway = bind("gateway", config.listen).await?;
+        let gateway = match config.gateway {
+            true => Some(bound("gateway", config.listen).await?),
+            false => None,
+        };
         let admin = bind("admin", config.admin).await?;
-        let addr = gateway
-            .local_addr()
-            .map_err(io("reading the gateway address"))?;
         let admin_addr = admin
             .local_addr()
             .map_err(io("reading the admin address"))?;
@@ -90,10 +90,7 @@ impl Listeners {
             Some(addr) => Some(bound("rls", addr).await?),
         };
         Ok(Listeners {
-            gateway: Bound {
-                listener: gateway,
-                addr,
-            },
+            gateway,
             admin: Bound {
                 listener: admin,
                 addr: admin_addr,
@@ -177,14 +174,21 @@ pub(super) async fn upstream(
 pub(super) fn status_info(
     config: &GatewayConfig,
     listeners: &Listeners,
-    upstream: &Upstream,
+    upstream: Option<&Upstream>,
     runs_demo: bool,
 ) -> admin::StatusInfo {
     admin::StatusInfo {
-        listen: format!("http://{}", listeners.gateway.addr),
+        listen: listeners
+            .gateway
+            .as_ref()
+            .map_or_else(String::new, |g| format!("http://{}", g.addr)),
         admin: format!("http://{}", listeners.admin.addr),
-        upstream: upstream.to_string(),
-        upstream_kind: if runs_demo { "demo" } else { "external" },
+        upstream: upstream.map_or_else(String::new, ToString::to_string),
+        upstream_kind: match (upstream, runs_demo) {
+            (None, _) => "none",
+            (Some(_), true) => "demo",
+            (Some(_), false) => "external",
+        },
         profile: config.policy.profile_name.clone(),
         store: config.store.describe(),
     }

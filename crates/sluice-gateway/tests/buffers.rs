@@ -171,7 +171,7 @@ async fn e5_buffered_bodies_hold_at_most_their_bound_on_both_paths() {
         let budget = Arc::clone(gateway.buffers());
         let body = call_of(MAX_BODY);
         for path in BOTH {
-            let mut client = connect_from("127.0.0.1", gateway.addr()).await;
+            let mut client = connect_from("127.0.0.1", gateway.addr().expect("a gateway")).await;
             client
                 .write_all(&head(path, body.len(), "connection: close\r\n"))
                 .await
@@ -229,7 +229,7 @@ async fn e5_one_address_past_its_buffered_share_is_refused_while_another_is_serv
         let (one, other) = ("127.0.0.2", "127.0.0.3");
         for path in BOTH {
             // Its whole share, but the last byte: held.
-            let mut holding = connect_from(one, gateway.addr()).await;
+            let mut holding = connect_from(one, gateway.addr().expect("a gateway")).await;
             holding
                 .write_all(&head(path, body.len(), ""))
                 .await
@@ -242,7 +242,7 @@ async fn e5_one_address_past_its_buffered_share_is_refused_while_another_is_serv
 
             // Its next body: refused as the bound refuses, past the connection's own
             // buffer (the answer comes before the reset that its unread rest causes).
-            let mut refused = connect_from(one, gateway.addr()).await;
+            let mut refused = connect_from(one, gateway.addr().expect("a gateway")).await;
             let next = call_of(64 << 10);
             refused
                 .write_all(&head(path, next.len(), "connection: close\r\n"))
@@ -257,7 +257,7 @@ async fn e5_one_address_past_its_buffered_share_is_refused_while_another_is_serv
             assert_eq!(envelope["error"]["details"]["reason"], "client_share");
 
             // Another address: served, its body counted as its own.
-            let mut served = connect_from(other, gateway.addr()).await;
+            let mut served = connect_from(other, gateway.addr().expect("a gateway")).await;
             let call = call_of(256 << 10);
             served
                 .write_all(&head(path, call.len(), "connection: close\r\n"))
@@ -289,7 +289,7 @@ async fn e4_e5_behind_a_trusted_proxy_each_client_has_its_own_buffered_share() {
         let budget = Arc::clone(gateway.buffers());
         let body = call_of(MAX_BODY);
         let proxy = "127.0.0.4";
-        let mut holding = connect_from(proxy, gateway.addr()).await;
+        let mut holding = connect_from(proxy, gateway.addr().expect("a gateway")).await;
         holding
             .write_all(&head(
                 Path::Fast,
@@ -308,7 +308,7 @@ async fn e4_e5_behind_a_trusted_proxy_each_client_has_its_own_buffered_share() {
         .await;
         assert_eq!(budget.held_by(holder(proxy)), 0, "not charged to the proxy");
 
-        let mut served = connect_from(proxy, gateway.addr()).await;
+        let mut served = connect_from(proxy, gateway.addr().expect("a gateway")).await;
         let call = call_of(256 << 10);
         served
             .write_all(&head(

@@ -32,6 +32,11 @@ struct Cli {
 enum Command {
     /// Run the gateway: per-caller, per-class, per-IP budgets in front of an upstream.
     Serve(Box<serve::ServeArgs>),
+    /// Run Envoy's rate-limit service alone (gRPC RLS v3 on `--rls ADDR`, with the
+    /// admin listener and, with `--check`, the forward-auth listener): `sluice serve`
+    /// without its HTTP gateway. Takes `serve`'s flags; the gateway's own
+    /// (`--listen`, `--upstream`, `--workers`, the batch and body bounds) do not apply.
+    Rls(Box<serve::ServeArgs>),
     /// Run the client-side pacer: keep LLM calls inside TPM, RPM and RPD limits.
     Pace(pace::PaceArgs),
     /// Validate a policy file or a pacer config (top-level `providers:`) and print what
@@ -186,6 +191,7 @@ fn block_on(work: impl std::future::Future<Output = anyhow::Result<()>>) -> anyh
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(*args),
+        Command::Rls(args) => serve::run_rls(*args),
         Command::Pace(args) => pace::run(args),
         Command::Check(args) => check(&args),
     }

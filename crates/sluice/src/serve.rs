@@ -393,6 +393,25 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     crate::block_on(serve(config))
 }
 
+/// Runs `sluice rls`: the rate-limit service (and admin, and `--check` when given)
+/// without the HTTP gateway, until SIGTERM / Ctrl-C.
+///
+/// # Errors
+/// [`BadInput`] without `--rls`, and as [`run`].
+pub fn run_rls(args: ServeArgs) -> anyhow::Result<()> {
+    let level = args.log_level.parse().unwrap_or(tracing::Level::INFO);
+    sluice_gateway::process::init_logs(args.log_format == "json", level);
+    if args.rls.is_none() {
+        return Err(BadInput(
+            "sluice rls needs --rls ADDR, the address of the rate-limit service".to_owned(),
+        )
+        .into());
+    }
+    let mut config = config_from_args(args)?;
+    config.gateway = false;
+    crate::block_on(serve(config))
+}
+
 /// Starts the gateway, prints the start line, serves until a termination signal,
 /// then drains.
 async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
