@@ -27,6 +27,10 @@ use crate::Limiter;
 /// decision holds).
 pub const MAX_COUNTED: usize = MAX_BUDGETS;
 
+/// Longest metric label a `detailed_metric` rule makes from a request's values,
+/// in bytes (longer ones are cut).
+pub const MAX_LABEL: usize = 256;
+
 /// One descriptor of a request: its entries (key, value), its own
 /// `hits_addend` if it has one, and a limit override if the client sent one.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -277,7 +281,16 @@ impl<S: BudgetStore> Limiter<S> {
             };
             answer.rules[i] = Some(if rule.detailed_metric {
                 let values: Vec<&str> = d.entries.iter().map(|(_, v)| v.as_str()).collect();
-                format!("{}:{}", rule.id, values.join("."))
+                let mut label = format!("{}:{}", rule.id, values.join("."));
+                // A label holds at most MAX_LABEL bytes of the client's values.
+                if label.len() > MAX_LABEL {
+                    let mut end = MAX_LABEL;
+                    while !label.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    label.truncate(end);
+                }
+                label
             } else {
                 rule.id.clone()
             });
