@@ -729,13 +729,25 @@ impl State {
             return Err(refusal);
         }
         let key = self.key(workspace);
+        let raised = {
+            let ws = self
+                .workspaces
+                .entry(Arc::clone(&key))
+                .or_insert_with(|| Workspace::new(limits));
+            let raised = limits.in_flight > ws.limits.in_flight || limits.starts > ws.limits.starts;
+            ws.limits = limits;
+            raised
+        };
+        if raised {
+            // Its calls already waiting may start under the new limits.
+            self.dispatch(now);
+        }
         let (ahead, free_here) = {
             let window = self.config.start_window;
             let ws = self
                 .workspaces
                 .entry(Arc::clone(&key))
                 .or_insert_with(|| Workspace::new(limits));
-            ws.limits = limits;
             prune(&mut ws.starts, now, window);
             (ws.waiting, ws.waiting == 0 && ws_has_room(ws, window, now))
         };

@@ -154,3 +154,29 @@ async fn p3_a_plans_limits_hold_across_two_replicas_on_one_ledger() {
         p.finish(Outcome::Success);
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn p3_a_raised_limit_starts_the_calls_already_waiting() {
+    let lane = lane();
+    let held = take_n(&lane, "acme", 3).await;
+    let waiting = {
+        let lane = lane.clone();
+        tokio::spawn(async move { lane.acquire("acme", REST).await })
+    };
+    advance(SEC).await;
+    assert_eq!(lane.snapshot().waiting, 1, "held by the lane's 3");
+    // acme moves to a plan of 5: its next call brings the new limits, and the one
+    // waiting starts at once, before it.
+    let next = lane
+        .acquire_within("acme", limits(5, 12), Duration::ZERO)
+        .await
+        .expect("room under the new limit");
+    let first = waiting
+        .await
+        .expect("task")
+        .expect("started when the limit rose");
+    assert_eq!(lane.snapshot().running, 5);
+    for p in held.into_iter().chain([first, next]) {
+        p.finish(Outcome::Success);
+    }
+}
