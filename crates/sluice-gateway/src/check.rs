@@ -100,14 +100,12 @@ async fn answer(
     peer: SocketAddr,
 ) -> Response<Full<Bytes>> {
     if !is_check_path(request.uri().path()) {
-        let mut answer = sluice_edge::envelope_response(
+        return sluice_edge::envelope_response(
             StatusCode::NOT_FOUND,
             "not_found",
             "the check listener answers /check and the paths below it",
             serde_json::json!({}),
         );
-        *answer.status_mut() = StatusCode::NOT_FOUND;
-        return answer;
     }
     let limiter = limiter.load();
     limiter.forward_auth(request.headers(), peer.ip()).await

@@ -356,15 +356,7 @@ fn parse(file: &PolicyFile, text: &[u8]) -> Result<Policy, String> {
 /// Every problem of the files, one per line, as `sluice check` gives them.
 pub fn with_domain_dir(mut policy: Policy, dir: &std::path::Path) -> Result<Policy, String> {
     let more =
-        sluice_policy::domains::load_domain_dir(dir, &policy.domains).map_err(|problems| {
-            let lines: Vec<String> = problems.iter().map(|p| format!("  {p}")).collect();
-            format!(
-                "{}: {} problem(s):\n{}",
-                dir.display(),
-                problems.len(),
-                lines.join("\n")
-            )
-        })?;
+        sluice_policy::domains::load_domain_dir(dir, &policy.domains).map_err(|e| e.to_string())?;
     policy.domains.extend(more);
     Ok(policy)
 }

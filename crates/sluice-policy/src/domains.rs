@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use sluice_core::{Problem, Rate};
 
+use crate::PolicyError;
 use crate::model::Algorithm;
 
 /// Most domains one policy (and its directory) holds.
@@ -240,8 +241,16 @@ pub(crate) fn from_policy(list: &[Value], problems: &mut Vec<Problem>) -> Vec<Do
 /// Reads one file of the reference's format (`text`, read from `file`).
 ///
 /// # Errors
-/// Every problem, each at its key path (`descriptors[1].rate_limit.unit`).
-pub fn parse_domain_file(text: &str, file: &Path) -> Result<Domain, Vec<Problem>> {
+/// [`PolicyError::Invalid`] with every problem, each at its key path
+/// (`descriptors[1].rate_limit.unit`).
+pub fn parse_domain_file(text: &str, file: &Path) -> Result<Domain, PolicyError> {
+    parse_domain(text, file).map_err(|problems| PolicyError::Invalid {
+        file: file.to_owned(),
+        problems,
+    })
+}
+
+fn parse_domain(text: &str, file: &Path) -> Result<Domain, Vec<Problem>> {
     #[cfg(feature = "yaml")]
     let value: Value = serde_saphyr::from_str(text).map_err(|e| {
         vec![Problem {
@@ -272,8 +281,16 @@ pub fn parse_domain_file(text: &str, file: &Path) -> Result<Domain, Vec<Problem>
 /// `already` (the policy's).
 ///
 /// # Errors
-/// Each file's problems, each as `file: path: message`.
-pub fn load_domain_dir(dir: &Path, already: &[Domain]) -> Result<Vec<Domain>, Vec<Problem>> {
+/// [`PolicyError::Invalid`] for `dir` with each file's problems, each as `file:
+/// path: message`.
+pub fn load_domain_dir(dir: &Path, already: &[Domain]) -> Result<Vec<Domain>, PolicyError> {
+    load_dir(dir, already).map_err(|problems| PolicyError::Invalid {
+        file: dir.to_owned(),
+        problems,
+    })
+}
+
+fn load_dir(dir: &Path, already: &[Domain]) -> Result<Vec<Domain>, Vec<Problem>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| {
             vec![Problem {
@@ -312,7 +329,7 @@ pub fn load_domain_dir(dir: &Path, already: &[Domain]) -> Result<Vec<Domain>, Ve
                 continue;
             }
         };
-        match parse_domain_file(&text, &file) {
+        match parse_domain(&text, &file) {
             Ok(d) => domains.push(d),
             Err(found) => problems.extend(found.into_iter().map(|p| Problem {
                 path: if p.path.is_empty() {

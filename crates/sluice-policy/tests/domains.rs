@@ -14,11 +14,7 @@ fn domain(text: &str) -> sluice_policy::domains::Domain {
 fn problems(text: &str) -> String {
     match parse_domain_file(text, Path::new("d.yaml")) {
         Ok(_) => panic!("accepted:\n{text}"),
-        Err(p) => p
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("\n"),
+        Err(e) => e.to_string(),
     }
 }
 

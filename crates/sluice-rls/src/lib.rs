@@ -13,7 +13,6 @@
 //! most [`MAX_STREAMS_PER_CONNECTION`] calls at once, and the listener holds at
 //! most the connections it is given (like the gateway's).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -302,14 +301,4 @@ pub async fn serve<S: BudgetStore + 'static>(
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, stop)
         .await
-}
-
-/// Binds `addr` for [`serve`].
-///
-/// # Errors
-/// The I/O error of binding.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)> {
-    let listener = TcpListener::bind(addr).await?;
-    let addr = listener.local_addr()?;
-    Ok((listener, addr))
 }

@@ -98,16 +98,8 @@ fn describe_domains(domains: &[sluice_policy::domains::Domain]) -> String {
 fn check(args: &CheckArgs) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     if args.file.is_dir() {
-        let domains =
-            sluice_policy::domains::load_domain_dir(&args.file, &[]).map_err(|problems| {
-                let lines: Vec<String> = problems.iter().map(|p| format!("  {p}")).collect();
-                BadInput(format!(
-                    "{}: {} problem(s):\n{}",
-                    args.file.display(),
-                    problems.len(),
-                    lines.join("\n")
-                ))
-            })?;
+        let domains = sluice_policy::domains::load_domain_dir(&args.file, &[])
+            .map_err(|e| BadInput(e.to_string()))?;
         write!(out, "{}", describe_domains(&domains))?;
         writeln!(out, "{}: ok", args.file.display())?;
         out.flush()?;
@@ -116,16 +108,8 @@ fn check(args: &CheckArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .map_err(|e| BadInput(format!("{}: {e}", args.file.display())))?;
     if text.lines().any(|l| l.starts_with("domain:")) {
-        let domain =
-            sluice_policy::domains::parse_domain_file(&text, &args.file).map_err(|problems| {
-                let lines: Vec<String> = problems.iter().map(|p| format!("  {p}")).collect();
-                BadInput(format!(
-                    "{}: {} problem(s):\n{}",
-                    args.file.display(),
-                    problems.len(),
-                    lines.join("\n")
-                ))
-            })?;
+        let domain = sluice_policy::domains::parse_domain_file(&text, &args.file)
+            .map_err(|e| BadInput(e.to_string()))?;
         write!(out, "{}", describe_domains(std::slice::from_ref(&domain)))?;
     } else if text.lines().any(|l| l.starts_with("providers:")) {
         let config =

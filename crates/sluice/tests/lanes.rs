@@ -167,11 +167,14 @@ async fn read_more(socket: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
 /// The default policy with a global cap of 6 (2 kept from batches), starts not
 /// binding, leases of 2 s, and a store timeout a loaded debug build meets.
 fn policy(name: &str) -> String {
-    let dir = std::env::temp_dir().join(format!("sluice-lanes-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join(name);
-    let yaml = sluice_policy::DEFAULT_POLICY_YAML
-        .edit("global_in_flight: 20", "global_in_flight: 6")
+    write_policy(name, lane_yaml(6))
+}
+
+/// The built-in policy's YAML with a global cap of `cap` (2 kept from batches),
+/// starts not binding, leases of 2 s, and a store timeout a loaded debug build meets.
+fn lane_yaml(cap: u32) -> String {
+    sluice_policy::DEFAULT_POLICY_YAML
+        .edit("global_in_flight: 20", &format!("global_in_flight: {cap}"))
         .edit("batch_reserve: 5", "batch_reserve: 2")
         .edit("workspace_starts: 12", "workspace_starts: 100")
         .edit(
@@ -181,7 +184,14 @@ fn policy(name: &str) -> String {
                 TTL.as_secs()
             ),
         )
-        .edit("timeout_ms: 20", "timeout_ms: 2000");
+        .edit("timeout_ms: 20", "timeout_ms: 2000")
+}
+
+/// Writes `yaml` as `name` in this test run's directory; its path.
+fn write_policy(name: &str, yaml: String) -> String {
+    let dir = std::env::temp_dir().join(format!("sluice-lanes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
     std::fs::write(&path, yaml).expect("write policy");
     path.to_str().expect("utf-8 path").to_owned()
 }
@@ -306,9 +316,6 @@ fn sha(secret: &str) -> String {
 /// (workspace acme, on plan `pro`: 5 of its calls at once), `sk-b` (globex, on
 /// no plan: the lane's 3) and `sk-c` (initech, put on `pro` at run time).
 fn plan_policy(name: &str) -> String {
-    let dir = std::env::temp_dir().join(format!("sluice-lanes-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join(name);
     let keys: String = [("sk-a", "acme"), ("sk-b", "globex"), ("sk-c", "initech")]
         .iter()
         .map(|(key, ws)| {
@@ -318,25 +325,13 @@ fn plan_policy(name: &str) -> String {
             )
         })
         .collect();
-    let yaml = sluice_policy::DEFAULT_POLICY_YAML
-        .edit("global_in_flight: 20", "global_in_flight: 12")
-        .edit("batch_reserve: 5", "batch_reserve: 2")
-        .edit("workspace_starts: 12", "workspace_starts: 100")
-        .edit(
-            "timeout_seconds: 180",
-            &format!(
-                "timeout_seconds: 180\n    lease_ttl_seconds: {}",
-                TTL.as_secs()
-            ),
-        )
-        .edit("timeout_ms: 20", "timeout_ms: 2000")
+    let yaml = lane_yaml(12)
         .edit("  keys: []", &format!("  keys:{keys}"))
         .edit(
             "headers:\n",
             "plans:\n  pro:\n    lanes: { optimizer: { workspace_in_flight: 5 } }\nworkspaces:\n  acme: { plan: pro }\nheaders:\n",
         );
-    std::fs::write(&path, yaml).expect("write policy");
-    path.to_str().expect("utf-8 path").to_owned()
+    write_policy(name, yaml)
 }
 
 /// Sends `n` optimize calls with each key at once, spread over `replicas`, and

@@ -118,6 +118,19 @@ fn policy(dir: &Path, domains: &str) -> String {
     path.to_str().expect("utf-8 path").to_owned()
 }
 
+/// `sluice serve --config POLICY --rls 127.0.0.1:0` with `store` (`--data-dir DIR`
+/// or `--store URL`).
+fn rls_server(policy: &str, store: [&str; 2]) -> Sluice {
+    Sluice::spawn(&[
+        "--config",
+        policy,
+        "--rls",
+        "127.0.0.1:0",
+        store[0],
+        store[1],
+    ])
+}
+
 const API: &str = "domains:
   - domain: api
     descriptors:
@@ -247,14 +260,7 @@ async fn r1_descriptors_are_decided_all_or_nothing_with_hits_addend_and_shadow_m
     let policy = policy(&dir.0, API);
     let text = std::fs::read_to_string(&policy).expect("policy");
     std::fs::write(&policy, text.edit("ietf_draft: false", "ietf_draft: true")).expect("policy");
-    let sluice = Sluice::spawn(&[
-        "--config",
-        &policy,
-        "--rls",
-        "127.0.0.1:0",
-        "--data-dir",
-        dir.arg(),
-    ]);
+    let sluice = rls_server(&policy, ["--data-dir", dir.arg()]);
     let both = request("api", &[&[("user", "ada")], &[("path", "/export")]]);
     let answers = ask(&sluice, json!([both, both, both, both])).await;
     assert_eq!(answers[2]["statuses"][1]["remaining"], 0, "the path's 3rd");
@@ -352,14 +358,7 @@ async fn r1_descriptors_are_decided_all_or_nothing_with_hits_addend_and_shadow_m
 async fn r1_bounds_every_request_is_answered_never_a_panic() {
     let dir = DataDir::new();
     let policy = policy(&dir.0, API);
-    let sluice = Sluice::spawn(&[
-        "--config",
-        &policy,
-        "--rls",
-        "127.0.0.1:0",
-        "--data-dir",
-        dir.arg(),
-    ]);
+    let sluice = rls_server(&policy, ["--data-dir", dir.arg()]);
     let many: Vec<Value> = (0..1000)
         .map(|i| json!([["other", format!("v{i}")]]))
         .collect();
@@ -396,16 +395,7 @@ async fn r1_d2_three_replicas_on_one_redis_admit_exactly_a_rules_limit() {
     let dir = DataDir::new();
     let policy = policy(&dir.0, API).edit_file_for_store();
     let replicas: Vec<Sluice> = (0..3)
-        .map(|_| {
-            Sluice::spawn(&[
-                "--config",
-                &policy,
-                "--rls",
-                "127.0.0.1:0",
-                "--store",
-                &redis.url(),
-            ])
-        })
+        .map(|_| rls_server(&policy, ["--store", &redis.url()]))
         .collect();
     let addrs: Vec<String> = replicas
         .iter()
@@ -440,14 +430,7 @@ async fn r1_d3_while_the_store_is_down_each_domain_answers_by_its_outage_rule() 
 "
     );
     let policy = policy(&dir.0, &domains).edit_file_for_store();
-    let sluice = Sluice::spawn(&[
-        "--config",
-        &policy,
-        "--rls",
-        "127.0.0.1:0",
-        "--store",
-        &redis.url(),
-    ]);
+    let sluice = rls_server(&policy, ["--store", &redis.url()]);
     let both = json!([
         request("api", &[&[("user", "ada")]]),
         request("strict", &[&[("user", "ada")]]),
