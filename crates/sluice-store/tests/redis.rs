@@ -380,3 +380,88 @@ async fn a_store_with_an_injected_clock_decides_at_its_time() {
     let s = store.adjust(&b, -1, d.decided_at()).await.expect("adjust");
     assert_eq!(s.remaining, 2);
 }
+
+/// Redis's count of connected clients.
+fn clients(server: &Server) -> u64 {
+    server
+        .cli(&["INFO", "clients"])
+        .lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("connected_clients")
+}
+
+/// Polls `done` until it holds or 5 s have passed.
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn d1_each_thread_decides_on_a_connection_of_its_own_and_lets_it_go_with_the_store() {
+    let server = Server::start("store");
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    };
+    // The runtime the store is made on runs its shared connection (in the
+    // gateway, the process's multi-threaded runtime).
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store = main.block_on(store_on(&server));
+    let alone = clients(&server);
+    let b = budget("read", b"caller", 1_000);
+    // Two threads, each on a runtime of its own (as the gateway's workers):
+    // each decides on its own connection, and between them they spend
+    // exactly. Their runtimes run until the end, as a worker's do.
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let mut stops = Vec::new();
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            let (stop_tx, stop) = tokio::sync::oneshot::channel::<()>();
+            stops.push(stop_tx);
+            let (store, done_tx) = (store.clone(), done_tx.clone());
+            s.spawn(move || {
+                runtime().block_on(async move {
+                    for _ in 0..10 {
+                        assert!(store.decide(&[b]).await.expect("decide").is_admitted());
+                    }
+                    drop(store);
+                    done_tx.send(()).expect("done");
+                    let _ = stop.await;
+                });
+            });
+        }
+        for _ in 0..2 {
+            done.recv().expect("a thread decided");
+        }
+        eventually("one connection more per deciding thread", || {
+            clients(&server) == alone + 2
+        });
+        let left = main.block_on(store.peek(&[b])).expect("peek").statuses()[0].remaining;
+        assert_eq!(left, 980, "20 decisions on two threads' connections");
+        // On a runtime that is gone by the next call, and then another: each
+        // starts this thread's coalescer anew and still decides.
+        for expected in [979, 978] {
+            let d = runtime().block_on(store.decide(&[b])).expect("decide");
+            assert_eq!(d.statuses()[0].remaining, expected);
+        }
+        // The last handle gone, the threads' coalescers end (their runtimes
+        // still running) and every connection closes, the shared one too.
+        drop(store);
+        eventually("the coalescers' connections close with the store", || {
+            clients(&server) < alone
+        });
+        for stop in stops.drain(..) {
+            let _ = stop.send(());
+        }
+    });
+}

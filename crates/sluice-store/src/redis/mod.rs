@@ -1,11 +1,13 @@
 //! Documented on [`RedisStore`].
 
+use std::cell::RefCell;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sluice_core::{Budget, BudgetStatus, Clock, Decision, MAX_BUDGETS, Rate, Timestamp, Verdict};
 use sluice_redis::Connection as Conn;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 
 use crate::{BudgetStore, StoreError};
 
@@ -42,8 +44,29 @@ impl RedisConfig {
 /// are coalesced.
 pub const MAX_COALESCED: usize = 64;
 
-/// Coalesced script calls on their way at once.
+/// Coalesced script calls one thread's coalescer has on their way at once.
 const MAX_CALLS_IN_FLIGHT: usize = 2;
+
+/// How long a coalescer that failed to open its own connection waits before
+/// it tries again (meanwhile it decides on the store's shared connection).
+const REOPEN_DELAY: Duration = Duration::from_secs(1);
+
+/// Numbers stores, so that a thread finds its coalescer for each.
+static NEXT_STORE: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// This thread's coalescers: the store's number and the coalescer's inbox.
+    static COALESCERS: RefCell<Vec<(u64, mpsc::Sender<Job>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// What the handles of one store share to coalesce: the store's number, its
+/// URL (each coalescer opens a connection of its own) and a signal that ends
+/// every coalescer when the last handle is dropped.
+struct Coalescing {
+    id: u64,
+    url: String,
+    alive: watch::Sender<()>,
+}
 
 /// A decision waiting for the coalescer.
 struct Job {
@@ -74,10 +97,15 @@ struct Job {
 /// coalesced: one script call decides up to [`MAX_COALESCED`] of them in
 /// order, each all or nothing, as if they had come one by one — fewer round
 /// trips and far less per-call work for Redis, whose one core is the limit.
+/// Each thread that decides has a coalescer of its own on its own runtime,
+/// with a connection of its own: a decision, its script call and the reply
+/// never leave the thread (a gateway worker's thread-per-core loop stays on
+/// its core), and the store's threads never wait on one another's queue.
 #[derive(Clone)]
 pub struct RedisStore {
     conn: Conn,
-    coalescer: Option<mpsc::Sender<Job>>,
+    /// `None` on a cluster and in a coalescer's own handle.
+    coalescing: Option<Arc<Coalescing>>,
     script: redis::Script,
     prefix: String,
     timeout: Duration,
@@ -134,18 +162,21 @@ impl RedisStore {
             .map_err(unavailable)?;
         // A cluster's nodes load the script on their first NOSCRIPT.
         conn.load_script(&script).await.map_err(unavailable)?;
-        let mut store = RedisStore {
+        let coalescing = (!conn.is_cluster()).then(|| {
+            Arc::new(Coalescing {
+                id: NEXT_STORE.fetch_add(1, Ordering::Relaxed),
+                url: config.url.clone(),
+                alive: watch::Sender::new(()),
+            })
+        });
+        Ok(RedisStore {
             conn,
-            coalescer: None,
+            coalescing,
             script,
             prefix: config.prefix,
             timeout: config.timeout,
             clock,
-        };
-        if let Conn::Single(_) = store.conn {
-            store.coalescer = Some(coalesce(store.clone()));
-        }
-        Ok(store)
+        })
     }
 
     /// The Redis key of a budget: `<prefix>{<subject>}:<scope>`.
@@ -171,28 +202,64 @@ impl RedisStore {
             }
             .into());
         }
-        match (&self.conn, &self.coalescer, mode) {
-            (Conn::Single(_), Some(tx), "spend" | "peek") => {
-                let (reply, answer) = oneshot::channel();
-                let job = Job {
-                    peek: mode == "peek",
-                    budgets: budgets.to_vec(),
-                    reply,
-                };
-                match tx.try_send(job) {
-                    Ok(()) => tokio::time::timeout(self.timeout.saturating_mul(2), answer)
-                        .await
-                        .map_err(|_| {
-                            unavailable(format!("redis did not answer within {:?}", self.timeout))
-                        })?
-                        .map_err(|_| unavailable("the coalescer stopped"))?,
-                    // Backlog full (or the runtime is going away): go direct.
-                    Err(_) => self.invoke(mode, budgets, delta, reserved_us).await,
-                }
-            }
-            (Conn::Single(_), _, _) => self.invoke(mode, budgets, delta, reserved_us).await,
-            (Conn::Cluster(_), _, _) => self.run_by_slot(mode, budgets, delta, reserved_us).await,
+        if self.conn.is_cluster() {
+            return self.run_by_slot(mode, budgets, delta, reserved_us).await;
         }
+        let coalescer = match mode {
+            "spend" | "peek" => self.local_coalescer(),
+            _ => None,
+        };
+        let Some(tx) = coalescer else {
+            return self.invoke(mode, budgets, delta, reserved_us).await;
+        };
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            peek: mode == "peek",
+            budgets: budgets.to_vec(),
+            reply,
+        };
+        match tx.try_send(job) {
+            Ok(()) => tokio::time::timeout(self.timeout.saturating_mul(2), answer)
+                .await
+                .map_err(|_| {
+                    unavailable(format!("redis did not answer within {:?}", self.timeout))
+                })?
+                .map_err(|_| unavailable("the coalescer stopped"))?,
+            // Backlog full (or the runtime is going away): go direct.
+            Err(_) => self.invoke(mode, budgets, delta, reserved_us).await,
+        }
+    }
+
+    /// This thread's coalescer for this store, started on the current
+    /// runtime at the thread's first decision (and again when the runtime it
+    /// ran on is gone). `None` outside a runtime and in a coalescer's own
+    /// handle.
+    fn local_coalescer(&self) -> Option<mpsc::Sender<Job>> {
+        let coalescing = self.coalescing.as_ref()?;
+        COALESCERS.with(|local| {
+            let mut local = local.borrow_mut();
+            if let Some((_, tx)) = local
+                .iter()
+                .find(|(id, tx)| *id == coalescing.id && !tx.is_closed())
+            {
+                return Some(tx.clone());
+            }
+            // Gone with their runtime or their store.
+            local.retain(|(_, tx)| !tx.is_closed());
+            let runtime = tokio::runtime::Handle::try_current().ok()?;
+            let shared = RedisStore {
+                coalescing: None,
+                ..self.clone()
+            };
+            let tx = coalesce(
+                &runtime,
+                shared,
+                coalescing.url.clone(),
+                coalescing.alive.subscribe(),
+            );
+            local.push((coalescing.id, tx.clone()));
+            Some(tx)
+        })
     }
 
     /// Cluster: one script per subject at once; refunds when any refuses.
@@ -331,22 +398,38 @@ impl RedisStore {
     }
 }
 
-/// Runs the coalescer for `store` (which must not hold a coalescer itself, so
-/// that the task ends when the last handle is dropped): drains whatever
-/// decisions are waiting, up to [`MAX_COALESCED`], and decides them in one
-/// script call per mode, several calls in flight at once.
-fn coalesce(store: RedisStore) -> mpsc::Sender<Job> {
+/// Starts a coalescer on `runtime`: it drains whatever decisions are
+/// waiting, up to [`MAX_COALESCED`], and decides them in one script call per
+/// mode, several calls in flight at once. It decides on a connection of its
+/// own, opened on `runtime` (so that the connection's driver runs there too);
+/// until that connection is open, or while it cannot be, on `shared`'s. It
+/// ends when `alive`'s sender (the store's last handle) is dropped or its
+/// runtime shuts down.
+fn coalesce(
+    runtime: &tokio::runtime::Handle,
+    shared: RedisStore,
+    url: String,
+    mut alive: watch::Receiver<()>,
+) -> mpsc::Sender<Job> {
     let (tx, mut rx) = mpsc::channel::<Job>(4 * 1024);
     // While this many calls are on their way, new decisions wait in the
     // channel, and the next call takes all of them.
     let in_flight = Arc::new(Semaphore::new(MAX_CALLS_IN_FLIGHT));
-    tokio::spawn(async move {
+    runtime.spawn(async move {
+        let mut own: Option<RedisStore> = None;
+        let mut opening: Option<oneshot::Receiver<Option<Conn>>> = None;
+        let mut next_open = tokio::time::Instant::now();
         loop {
             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
                 return;
             };
-            let Some(first) = rx.recv().await else {
-                return;
+            let first = tokio::select! {
+                job = rx.recv() => match job {
+                    Some(job) => job,
+                    None => return,
+                },
+                // Never sent to: resolves when the last store handle is gone.
+                _ = alive.changed() => return,
             };
             let mut jobs = vec![first];
             while jobs.len() < MAX_COALESCED {
@@ -355,8 +438,32 @@ fn coalesce(store: RedisStore) -> mpsc::Sender<Job> {
                     Err(_) => break,
                 }
             }
+            if own.is_none() {
+                if let Some(pending) = opening.as_mut() {
+                    match pending.try_recv() {
+                        Ok(Some(conn)) => {
+                            own = Some(RedisStore {
+                                conn,
+                                ..shared.clone()
+                            });
+                            opening = None;
+                        }
+                        Ok(None) | Err(oneshot::error::TryRecvError::Closed) => opening = None,
+                        Err(oneshot::error::TryRecvError::Empty) => {}
+                    }
+                }
+                if own.is_none() && opening.is_none() && tokio::time::Instant::now() >= next_open {
+                    next_open = tokio::time::Instant::now() + REOPEN_DELAY;
+                    let (done, pending) = oneshot::channel();
+                    let (url, timeout) = (url.clone(), shared.timeout);
+                    tokio::spawn(async move {
+                        let _ = done.send(Conn::open(&url, timeout).await.ok());
+                    });
+                    opening = Some(pending);
+                }
+            }
+            let store = own.clone().unwrap_or_else(|| shared.clone());
             let (peeks, spends): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(|j| j.peek);
-            let store = store.clone();
             tokio::spawn(async move {
                 let _permit = permit;
                 for (mode, group) in [("spend", spends), ("peek", peeks)] {
