@@ -15,7 +15,7 @@ use crate::{BudgetKey, Timestamp};
 pub const MAX_BUDGETS: usize = 12;
 
 /// One budget a request wants to spend on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Budget {
     /// Which budget of which subject.
     pub key: BudgetKey,

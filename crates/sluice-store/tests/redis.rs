@@ -465,3 +465,49 @@ fn d1_each_thread_decides_on_a_connection_of_its_own_and_lets_it_go_with_the_sto
         }
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d1_identical_concurrent_requests_are_each_decided_in_turn() {
+    let server = Server::start("store");
+    let store = Arc::new(store_on(&server).await);
+    // One caller's class (30) and its address's ceiling (40): 60 identical
+    // requests at once, coalesced into a few calls of repeated entries.
+    let class = budget("read", b"hot caller", 30);
+    let ceiling = budget("ip", b"192.0.2.1", 40);
+    let ready = Arc::new(tokio::sync::Barrier::new(60));
+    let tasks: Vec<_> = (0..60)
+        .map(|_| {
+            let (store, ready) = (Arc::clone(&store), Arc::clone(&ready));
+            tokio::spawn(async move {
+                ready.wait().await;
+                store.decide(&[class, ceiling]).await.expect("decide")
+            })
+        })
+        .collect();
+    let mut remaining = Vec::new();
+    let mut refused = 0;
+    for t in tasks {
+        let d = t.await.expect("task");
+        if d.is_admitted() {
+            remaining.push(d.statuses()[0].remaining);
+            assert_eq!(
+                d.statuses()[1].remaining,
+                d.statuses()[0].remaining + 10,
+                "both budgets spent together"
+            );
+        } else {
+            refused += 1;
+            assert_eq!(d.binding().expect("binding").limit, 30);
+        }
+    }
+    remaining.sort_unstable();
+    assert_eq!(
+        remaining,
+        (0..30).collect::<Vec<_>>(),
+        "each admitted one saw the one before"
+    );
+    assert_eq!(refused, 30);
+    let left = store.peek(&[class, ceiling]).await.expect("peek");
+    assert_eq!(left.statuses()[0].remaining, 0);
+    assert_eq!(left.statuses()[1].remaining, 10, "refusals spent nothing");
+}

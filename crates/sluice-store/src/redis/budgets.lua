@@ -7,30 +7,30 @@
 -- client); they are decided in order, each all or nothing, and a later one
 -- sees what an earlier one spent — as if they had come one by one.
 --
--- KEYS     one hash per budget, all requests' budgets in order: w (window id),
---          c (count), p (previous count), t (GCRA TAT, us); for a rolling
+-- KEYS     each key the call touches, once: one hash per budget, fields w (window
+--          id), c (count), p (previous count), t (GCRA TAT, us); for a rolling
 --          window, one field per slot holding units: slot number -> count
 -- ARGV[1]  'spend' | 'peek' | 'adjust'
 -- ARGV[2]  for 'adjust': delta, ARGV[3] reserved_at (Unix microseconds); otherwise unused
--- ARGV[4]  number of requests; then per request: its number of budgets n, then
---          per budget: kind (f fixed, s sliding, m month, g gcra, r rolling),
---          limit, cost, window seconds (f, s), period in microseconds (g) or
---          window milliseconds (r), burst (g) or slot milliseconds (r)
--- then, optionally, the time to decide at (Unix microseconds): sent only by a
---          store built with an injected clock (tests); otherwise the server's TIME.
+-- ARGV[4]  the time to decide at (Unix microseconds), sent only by a store built
+--          with an injected clock (tests); 0: the server's TIME
+-- ARGV[5]  the number of distinct budgets; then per budget: its key's index in
+--          KEYS, kind (f fixed, s sliding, m month, g gcra, r rolling), limit,
+--          cost, window seconds (f, s), period in microseconds (g) or window
+--          milliseconds (r), burst (g) or slot milliseconds (r)
+-- then     the number of entries; per entry: how many identical requests in a
+--          row it stands for, its number of budgets n, then n budget indices
 -- Returns {now_s, now_us_fraction, then per budget of every request: verdict
 --          (0 admitted, 1 not yet, 2 never), remaining after spending, remaining
 --          before, reset (Unix s), retry_after (us)}. A request writes only when
 --          all its budgets admit ('spend'), or always ('adjust').
 
 local mode = ARGV[1]
-local requests = tonumber(ARGV[4])
 local now_s, now_frac
-local injected = ARGV[5 + requests + 5 * #KEYS]
-if injected then
-  local us = tonumber(injected)
-  now_s = math.floor(us / 1000000)
-  now_frac = us - now_s * 1000000
+local injected = tonumber(ARGV[4]) or 0
+if injected > 0 then
+  now_s = math.floor(injected / 1000000)
+  now_frac = injected - now_s * 1000000
 else
   local t = redis.call('TIME')
   now_s, now_frac = tonumber(t[1]), tonumber(t[2])
@@ -91,10 +91,6 @@ local function load(key)
   end
   return state[key]
 end
-local function copy(s)
-  return { w = s.w, c = s.c, p = s.p, t = s.t, w0 = s.w0, c0 = s.c0, p0 = s.p0, t0 = s.t0,
-           dirty = s.dirty, expire = s.expire }
-end
 -- A rolling window's slots: r (slot -> count), r0 (what is stored).
 local function load_slots(key)
   if state[key] == nil then
@@ -124,24 +120,66 @@ local function counted(r, first, current)
   return js, used
 end
 
-local out = { now_s, now_frac }
-local argi, keyi = 5, 1
-for _ = 1, requests do
-local n = tonumber(ARGV[argi])
-argi = argi + 1
--- Tentative state of this request, so two budgets on one key see each other.
-local pending = {}
-local all_ok = true
-for i = 1, n do
-  local b = argi - 1 + (i - 1) * 5
-  local key = KEYS[keyi + i - 1]
-  local kind, limit, cost = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
-  local w, burst = tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5])
-  local s = pending[key]
-  if s == nil then
-    if kind == 'r' then s = copy_slots(load_slots(key)) else s = copy(load(key)) end
-    pending[key] = s
+-- The distinct budgets, read once.
+local b_key, b_kind, b_limit, b_cost, b_w, b_burst = {}, {}, {}, {}, {}, {}
+local argi = 6
+for i = 1, tonumber(ARGV[5]) do
+  b_key[i] = KEYS[tonumber(ARGV[argi])]
+  b_kind[i] = ARGV[argi + 1]
+  b_limit[i], b_cost[i] = tonumber(ARGV[argi + 2]), tonumber(ARGV[argi + 3])
+  b_w[i], b_burst[i] = tonumber(ARGV[argi + 4]), tonumber(ARGV[argi + 5])
+  argi = argi + 6
+end
+
+-- What a request changed, to undo when it does not commit: per change the
+-- key and either the fields before it (w, c, p, t, dirty, expire) or, for a
+-- rolling window, a copy of its state before it.
+local u_key, u_w, u_c, u_p, u_t, u_dirty, u_expire, u_slots = {}, {}, {}, {}, {}, {}, {}, {}
+local undo_n = 0
+local function save(key, s)
+  undo_n = undo_n + 1
+  u_key[undo_n] = key
+  if s.rolling then
+    u_slots[undo_n] = copy_slots(s)
+  else
+    u_slots[undo_n] = false
+    u_w[undo_n], u_c[undo_n], u_p[undo_n], u_t[undo_n] = s.w, s.c, s.p, s.t
+    u_dirty[undo_n], u_expire[undo_n] = s.dirty, s.expire
   end
+end
+local function undo()
+  for i = undo_n, 1, -1 do
+    local key = u_key[i]
+    if u_slots[i] then
+      state[key] = u_slots[i]
+    else
+      local s = state[key]
+      s.w, s.c, s.p, s.t, s.dirty, s.expire = u_w[i], u_c[i], u_p[i], u_t[i], u_dirty[i], u_expire[i]
+    end
+  end
+  undo_n = 0
+end
+
+local out = { now_s, now_frac }
+local entries = tonumber(ARGV[argi])
+argi = argi + 1
+for _ = 1, entries do
+local times, n = tonumber(ARGV[argi]), tonumber(ARGV[argi + 1])
+local first = argi + 2
+argi = first + n
+-- One budget alone commits or changes nothing by itself when spending;
+-- otherwise each change is recorded, to be undone unless the request commits.
+local track = mode == 'peek' or (mode == 'spend' and n > 1)
+for _ = 1, times do
+local all_ok = true
+undo_n = 0
+for i = 0, n - 1 do
+  local bi = tonumber(ARGV[first + i])
+  local key, kind, limit, cost = b_key[bi], b_kind[bi], b_limit[bi], b_cost[bi]
+  local w, burst = b_w[bi], b_burst[bi]
+  local s
+  if kind == 'r' then s = load_slots(key) else s = load(key) end
+  if track then save(key, s) end
   local never = cost > limit
   local verdict, before, after, reset, retry = 0, 0, 0, 0, 0
   if kind == 'f' or kind == 'm' then
@@ -296,14 +334,8 @@ for i = 1, n do
   out[#out + 1] = reset
   out[#out + 1] = retry
 end
-
-if (mode == 'spend' and all_ok) or mode == 'adjust' then
-  for key, s in pairs(pending) do
-    state[key] = s
-  end
+if track and not (mode == 'spend' and all_ok) then undo() end
 end
-argi = argi + 5 * n
-keyi = keyi + n
 end
 
 -- Write what changed; the expiry only moves with a new window (or a new TAT).

@@ -1,11 +1,14 @@
 //! Documented on [`RedisStore`].
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use sluice_core::{Budget, BudgetStatus, Clock, Decision, MAX_BUDGETS, Rate, Timestamp, Verdict};
+use sluice_core::{
+    Budget, BudgetKey, BudgetStatus, Clock, Decision, MAX_BUDGETS, Rate, Timestamp, Verdict,
+};
 use sluice_redis::Connection as Conn;
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 
@@ -181,11 +184,15 @@ impl RedisStore {
 
     /// The Redis key of a budget: `<prefix>{<subject>}:<scope>`.
     pub fn key(&self, budget: &Budget) -> String {
+        self.key_of(&budget.key)
+    }
+
+    fn key_of(&self, key: &BudgetKey) -> String {
         format!(
             "{}{{{:016x}}}:{:016x}",
             self.prefix,
-            budget.key.subject(),
-            budget.key.scope()
+            key.subject(),
+            key.scope()
         )
     }
 
@@ -345,42 +352,46 @@ impl RedisStore {
         delta: i64,
         reserved_us: u64,
     ) -> Result<(Timestamp, Vec<Vec<Row>>), StoreError> {
+        let packed = Packed::new(requests);
         let mut invocation = self.script.prepare_invoke();
-        for b in requests.iter().flat_map(|r| r.iter()) {
-            invocation.key(self.key(b));
+        for key in &packed.keys {
+            invocation.key(self.key_of(key));
         }
         invocation
             .arg(mode)
             .arg(delta)
             .arg(reserved_us)
-            .arg(requests.len());
-        for request in requests {
-            invocation.arg(request.len());
-            for b in request.iter() {
-                let (kind, window, burst): (&str, u64, u32) = match b.rate {
-                    Rate::FixedWindow { seconds } => ("f", u64::from(seconds.get()), 0),
-                    Rate::SlidingWindow { seconds } => ("s", u64::from(seconds.get()), 0),
-                    Rate::CalendarMonth => ("m", 0, 0),
-                    Rate::RollingWindow {
-                        millis,
-                        slot_millis,
-                    } => ("r", u64::from(millis.get()), slot_millis.get()),
-                    Rate::Gcra { period, burst } => (
-                        "g",
-                        u64::try_from(period.as_micros()).unwrap_or(u64::MAX),
-                        burst.get(),
-                    ),
-                };
-                invocation
-                    .arg(kind)
-                    .arg(b.limit)
-                    .arg(b.cost)
-                    .arg(window)
-                    .arg(burst);
-            }
+            .arg(self.clock.as_ref().map_or(0, |clock| micros(clock.now())))
+            .arg(packed.budgets.len());
+        for (key, b) in &packed.budgets {
+            let (kind, window, burst): (&str, u64, u32) = match b.rate {
+                Rate::FixedWindow { seconds } => ("f", u64::from(seconds.get()), 0),
+                Rate::SlidingWindow { seconds } => ("s", u64::from(seconds.get()), 0),
+                Rate::CalendarMonth => ("m", 0, 0),
+                Rate::RollingWindow {
+                    millis,
+                    slot_millis,
+                } => ("r", u64::from(millis.get()), slot_millis.get()),
+                Rate::Gcra { period, burst } => (
+                    "g",
+                    u64::try_from(period.as_micros()).unwrap_or(u64::MAX),
+                    burst.get(),
+                ),
+            };
+            invocation
+                .arg(key + 1)
+                .arg(kind)
+                .arg(b.limit)
+                .arg(b.cost)
+                .arg(window)
+                .arg(burst);
         }
-        if let Some(clock) = &self.clock {
-            invocation.arg(micros(clock.now()));
+        invocation.arg(packed.entries.len());
+        for (times, budgets) in &packed.entries {
+            invocation.arg(*times).arg(budgets.len());
+            for i in budgets {
+                invocation.arg(i + 1);
+            }
         }
         let reply: Vec<i64> = tokio::time::timeout(self.timeout, self.conn.invoke(&invocation))
             .await
@@ -492,6 +503,55 @@ fn coalesce(
         }
     });
     tx
+}
+
+/// Requests as one script call sends them: each key once, each distinct
+/// budget once (with its key's index), and identical requests in a row as
+/// one entry with a count — so a batch of one hot caller's requests costs
+/// Redis a few arguments, not a dozen per request.
+struct Packed {
+    keys: Vec<BudgetKey>,
+    /// (index in `keys`, budget).
+    budgets: Vec<(usize, Budget)>,
+    /// (identical requests in a row, indices in `budgets`).
+    entries: Vec<(u32, Vec<usize>)>,
+}
+
+impl Packed {
+    fn new(requests: &[&[Budget]]) -> Self {
+        let mut packed = Packed {
+            keys: Vec::new(),
+            budgets: Vec::new(),
+            entries: Vec::with_capacity(requests.len()),
+        };
+        let mut key_index: HashMap<BudgetKey, usize> = HashMap::new();
+        let mut budget_index: HashMap<Budget, usize> = HashMap::new();
+        let mut previous: Option<&[Budget]> = None;
+        for &request in requests {
+            if previous == Some(request) {
+                if let Some((times, _)) = packed.entries.last_mut() {
+                    *times += 1;
+                    continue;
+                }
+            }
+            previous = Some(request);
+            let indices = request
+                .iter()
+                .map(|b| {
+                    let key = *key_index.entry(b.key).or_insert_with(|| {
+                        packed.keys.push(b.key);
+                        packed.keys.len() - 1
+                    });
+                    *budget_index.entry(*b).or_insert_with(|| {
+                        packed.budgets.push((key, *b));
+                        packed.budgets.len() - 1
+                    })
+                })
+                .collect();
+            packed.entries.push((1, indices));
+        }
+        packed
+    }
 }
 
 /// One budget's part of the script's reply.
