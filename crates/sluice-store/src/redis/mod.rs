@@ -528,11 +528,11 @@ impl Packed {
         let mut budget_index: HashMap<Budget, usize> = HashMap::new();
         let mut previous: Option<&[Budget]> = None;
         for &request in requests {
-            if previous == Some(request) {
-                if let Some((times, _)) = packed.entries.last_mut() {
-                    *times += 1;
-                    continue;
-                }
+            if previous == Some(request)
+                && let Some((times, _)) = packed.entries.last_mut()
+            {
+                *times += 1;
+                continue;
             }
             previous = Some(request);
             let indices = request
