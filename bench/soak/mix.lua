@@ -1,10 +1,12 @@
--- bench/soak: a mix of admitted and refused traffic from ever-new keys.
+-- bench/soak: a mix of admitted and refused traffic from ever-new keys (or, with
+-- SOAK_KEYS=N in the environment, from N callers drawn at random).
+local keys = tonumber(os.getenv("SOAK_KEYS") or "") or 1000000000
 local n = 0
 local statuses = {}
 local pad = string.rep("x", 30000)
 request = function()
   n = n + 1
-  local key = "soak-" .. math.random(1, 1000000000)
+  local key = "soak-" .. math.random(1, keys)
   local pick = n % 10
   local headers = { ["X-API-Key"] = key, ["Content-Type"] = "application/json" }
   if pick < 4 then
