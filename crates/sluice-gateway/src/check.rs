@@ -8,6 +8,12 @@
 //! the original's); the check request's body is never read. Every other path is
 //! 404. HTTP/1.1 with keep-alive; at most [`PROXY_LISTENER_CONNECTIONS`](crate::PROXY_LISTENER_CONNECTIONS)
 //! connections at once.
+//!
+//! A proxy asks once per request of its own, so the check's cost is mostly
+//! the round trip. The listener runs as the gateway does, a thread per core:
+//! each thread accepts on the one socket and serves its connections on a
+//! runtime of its own, so a check never waits for, or wakes, another thread
+//! (the budget store's Redis coalescer is per thread too).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -27,6 +33,7 @@ use sluice_edge::SharedLimiter;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
+use crate::Stop;
 use crate::store::AnyStore;
 
 /// How long a connection may take to send a request head.
@@ -41,21 +48,66 @@ fn is_check_path(path: &str) -> bool {
     path == "/check" || path.starts_with("/check/")
 }
 
-/// Serves `listener` with `limiter` until `stop`, at most `max_connections`
-/// connections at once (the next waits to be accepted).
-pub(crate) async fn serve(
+/// Serves `listener` with `limiter` on `threads` threads until `stop`, at
+/// most `max_connections` connections at once in all (the next waits to be
+/// accepted); returns once every thread has let its connections finish (at
+/// most [`GRACE`]).
+///
+/// # Errors
+/// A thread, its runtime or its copy of the listening socket that cannot be
+/// made.
+pub(crate) fn serve(
     listener: TcpListener,
     limiter: SharedLimiter<AnyStore>,
+    threads: NonZeroUsize,
     max_connections: NonZeroUsize,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: Stop,
+) -> std::io::Result<impl std::future::Future<Output = ()>> {
+    let listener = listener.into_std()?;
+    let open = Arc::new(Semaphore::new(max_connections.get()));
+    let mut done = Vec::with_capacity(threads.get());
+    for index in 0..threads.get() {
+        let listener = listener.try_clone()?;
+        let (limiter, open, stop) = (Arc::clone(&limiter), Arc::clone(&open), stop.clone());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (finished, finish) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name(format!("sluice-check-{index}"))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    match TcpListener::from_std(listener) {
+                        Ok(listener) => serve_here(listener, limiter, open, stop).await,
+                        Err(error) => tracing::error!("check listener thread {index}: {error}"),
+                    }
+                });
+                let _ = finished.send(());
+            })?;
+        done.push(finish);
+    }
+    Ok(async move {
+        for finish in done {
+            let _ = finish.await;
+        }
+    })
+}
+
+/// One thread's share of [`serve`]: accepts on `listener` (which the other
+/// threads accept on too) while `open` has room, until `stop`.
+async fn serve_here(
+    listener: TcpListener,
+    limiter: SharedLimiter<AnyStore>,
+    open: Arc<Semaphore>,
+    stop: Stop,
 ) {
     let mut http1 = http1::Builder::new();
     http1
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
         .max_buf_size(MAX_HEAD_BYTES);
-    let open = Arc::new(Semaphore::new(max_connections.get()));
     let graceful = GracefulShutdown::new();
+    let stop = stop.wait();
     tokio::pin!(stop);
     loop {
         let permit = tokio::select! {

@@ -419,12 +419,15 @@ impl Gateway {
 
         if let Some(check) = listeners.check {
             start::warn_if_no_trusted_proxy(&core, check.addr);
-            tokio::spawn(check::serve(
+            let served = check::serve(
                 check.listener,
                 Arc::clone(&core.limiter),
+                config.workers,
                 NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
-                backends_stopped.clone().wait(),
-            ));
+                backends_stopped.clone(),
+            )
+            .map_err(start::io("starting the check listener threads"))?;
+            tokio::spawn(served);
         }
         if let Some(rls) = listeners.rls {
             let limiter = Arc::clone(&core.limiter);
