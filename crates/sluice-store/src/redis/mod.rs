@@ -16,8 +16,9 @@ const SCRIPT: &str = include_str!("budgets.lua");
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisConfig {
-    /// `redis://host:port/db`, `redis+unix:///path` or
-    /// `redis+cluster://host:port,host:port,…` (read as a
+    /// `redis://host:port/db`, `rediss://host:port/db`, `redis+unix:///path`,
+    /// `redis+cluster://host:port,host:port,…` or
+    /// `redis+sentinel://host:port,host:port,…/master` (read as a
     /// [`sluice_redis::RedisUrl`] by [`RedisStore::connect`]).
     pub url: String,
     /// The longest one decision may wait for Redis (default 20 ms); past it
@@ -142,7 +143,8 @@ impl RedisStore {
             timeout: config.timeout,
             clock,
         };
-        if let Conn::Single(_) = store.conn {
+        // One server (a sentinel group's master too): coalesce.
+        if !store.conn.is_cluster() {
             store.coalescer = Some(coalesce(store.clone()));
         }
         Ok(store)
@@ -171,8 +173,11 @@ impl RedisStore {
             }
             .into());
         }
-        match (&self.conn, &self.coalescer, mode) {
-            (Conn::Single(_), Some(tx), "spend" | "peek") => {
+        if self.conn.is_cluster() {
+            return self.run_by_slot(mode, budgets, delta, reserved_us).await;
+        }
+        match (&self.coalescer, mode) {
+            (Some(tx), "spend" | "peek") => {
                 let (reply, answer) = oneshot::channel();
                 let job = Job {
                     peek: mode == "peek",
@@ -190,8 +195,7 @@ impl RedisStore {
                     Err(_) => self.invoke(mode, budgets, delta, reserved_us).await,
                 }
             }
-            (Conn::Single(_), _, _) => self.invoke(mode, budgets, delta, reserved_us).await,
-            (Conn::Cluster(_), _, _) => self.run_by_slot(mode, budgets, delta, reserved_us).await,
+            _ => self.invoke(mode, budgets, delta, reserved_us).await,
         }
     }
 
