@@ -45,6 +45,11 @@ pub const MIN_RESPONSE_TIMEOUT: Duration = Duration::from_millis(1);
 /// sluice ask the sentinels more often than this.
 pub const SENTINEL_ASK_INTERVAL: Duration = Duration::from_millis(250);
 
+/// How often the sentinels are asked for the master when no call gives a reason
+/// to: a master demoted by `SENTINEL FAILOVER` keeps accepting writes until the
+/// sentinels reconfigure it as a replica, several seconds after the promotion.
+pub const SENTINEL_CHECK_PERIOD: Duration = Duration::from_secs(1);
+
 /// The first pause after a failed look-up of a master; it doubles up to
 /// [`MAX_RETRY_DELAY`].
 const FIRST_LOOKUP_PAUSE: Duration = Duration::from_millis(50);
@@ -142,9 +147,11 @@ fn read_pem(parameter: &'static str, path: &Path, expect: &str) -> Result<Vec<u8
 }
 
 /// A client for one server: with the URL's TLS files when it names any.
-fn server_client(node: ConnectionInfo, tls: Option<&TlsFiles>) -> Result<redis::Client, ConnectError> {
-    let Some(files) = tls.filter(|f| f.ca_file().is_some() || f.client_identity().is_some())
-    else {
+fn server_client(
+    node: ConnectionInfo,
+    tls: Option<&TlsFiles>,
+) -> Result<redis::Client, ConnectError> {
+    let Some(files) = tls.filter(|f| f.ca_file().is_some() || f.client_identity().is_some()) else {
         return Ok(redis::Client::open(node)?);
     };
     let root_cert = files
@@ -295,6 +302,10 @@ impl Connection {
 /// on. The call that failed is not retried: its caller sees the error at once
 /// (sluice's outage rule decides what happens to the request).
 ///
+/// The follower also asks every [`SENTINEL_CHECK_PERIOD`] without a reason:
+/// a master demoted by `SENTINEL FAILOVER` (a planned switch) keeps answering
+/// until the sentinels reconfigure it, seconds after they promoted another.
+///
 /// Bounds: each look-up takes at most [`OPEN_TIMEOUT`]; while the sentinels
 /// name no master that answers (during a failover, before one is promoted)
 /// the look-ups are repeated with pauses doubling from 50 ms to
@@ -439,10 +450,15 @@ fn points_elsewhere(e: &RedisError) -> bool {
         )
 }
 
-/// Looks the master up each time it is asked to, until it finds one that
-/// answers; ends when every [`SentinelMaster`] is gone.
+/// Looks the master up each time it is asked to and every
+/// [`SENTINEL_CHECK_PERIOD`], until it finds one that answers; ends when every
+/// [`SentinelMaster`] is gone.
 async fn follow(shared: Weak<Followed>, mut asked: mpsc::Receiver<()>, mut lookup: Lookup) {
-    while asked.recv().await.is_some() {
+    loop {
+        // Asked, or the period is over: look up. Every sender gone: stop.
+        if let Ok(None) = tokio::time::timeout(SENTINEL_CHECK_PERIOD, asked.recv()).await {
+            return;
+        }
         let mut pause = FIRST_LOOKUP_PAUSE;
         loop {
             let Some(known) = shared.upgrade().map(|s| s.current.load_full()) else {
@@ -499,6 +515,56 @@ mod tests {
             .expect_err("no master name");
         assert!(
             matches!(err, ConnectError::Url(UrlError::NoMasterName)),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn sentinels_that_do_not_answer_fail_within_the_open_timeout() {
+        let started = std::time::Instant::now();
+        let err = Connection::open(
+            "redis+sentinel://127.0.0.1:1,127.0.0.1:2/mymaster",
+            Duration::from_millis(5),
+        )
+        .await
+        .expect_err("no sentinel");
+        assert!(
+            matches!(
+                err,
+                ConnectError::Redis(_) | ConnectError::SentinelTimeout(_)
+            ),
+            "{err}"
+        );
+        assert!(started.elapsed() < OPEN_TIMEOUT + Duration::from_secs(1));
+    }
+
+    #[tokio::test]
+    async fn a_tls_file_that_does_not_read_is_named() {
+        let dir = std::env::temp_dir();
+        let missing = dir.join(format!("sluice-redis-none-{}.pem", std::process::id()));
+        let err = Connection::open(
+            &format!("rediss://127.0.0.1:1?ssl_ca_certs={}", missing.display()),
+            Duration::from_millis(5),
+        )
+        .await
+        .expect_err("no CA file");
+        assert!(
+            matches!(&err, ConnectError::TlsFile { parameter: "ssl_ca_certs", path, .. } if path == &missing),
+            "{err}"
+        );
+        assert!(err.to_string().contains("cannot be read"), "{err}");
+        let not_pem = dir.join(format!("sluice-redis-not-pem-{}.pem", std::process::id()));
+        std::fs::write(&not_pem, "not a certificate").expect("write");
+        let err = Connection::open(
+            &format!("rediss://127.0.0.1:1?ssl_ca_certs={}", not_pem.display()),
+            Duration::from_millis(5),
+        )
+        .await
+        .expect_err("no PEM");
+        let _ = std::fs::remove_file(&not_pem);
+        assert!(
+            err.to_string()
+                .contains("holds no PEM block `-----BEGIN CERTIFICATE`"),
             "{err}"
         );
     }

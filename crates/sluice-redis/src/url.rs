@@ -390,7 +390,10 @@ fn tls_files(scheme: &str, rest: &str) -> Result<TlsFiles, UrlError> {
 
 /// Reads `redis+sentinel://[USER][:PASSWORD@]HOST[:PORT],…/MASTER[/DB][?…]`.
 fn sentinel(text: &str, rest: &str) -> Result<RedisUrl, UrlError> {
-    let scheme = text.split_once("://").map_or("", |(s, _)| s).to_ascii_lowercase();
+    let scheme = text
+        .split_once("://")
+        .map_or("", |(s, _)| s)
+        .to_ascii_lowercase();
     let main = rest.split_once('?').map_or(rest, |(m, _)| m);
     if main.contains('#') {
         return Err(UrlError::Invalid {
@@ -617,7 +620,10 @@ mod tests {
         assert_eq!((master.db(), master.password()), (0, None));
         assert_eq!(bare.nodes()[0].redis_settings().password(), None);
         assert_eq!(bare.master_name(), Some("m"));
-        assert_eq!(RedisUrl::parse("redis://h").expect("url").master_name(), None);
+        assert_eq!(
+            RedisUrl::parse("redis://h").expect("url").master_name(),
+            None
+        );
     }
 
     #[test]
