@@ -6,7 +6,8 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use futures_util::StreamExt as _;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubStream};
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
 use redis::{
@@ -45,10 +46,9 @@ pub const MIN_RESPONSE_TIMEOUT: Duration = Duration::from_millis(1);
 /// sluice ask the sentinels more often than this.
 pub const SENTINEL_ASK_INTERVAL: Duration = Duration::from_millis(250);
 
-/// How often the sentinels are asked for the master when no call gives a reason
-/// to: a master demoted by `SENTINEL FAILOVER` keeps accepting writes until the
-/// sentinels reconfigure it as a replica, several seconds after the promotion.
-pub const SENTINEL_CHECK_PERIOD: Duration = Duration::from_secs(1);
+/// The longest pause between two attempts to subscribe to a sentinel's
+/// announcements while none answers.
+const MAX_SUBSCRIBE_PAUSE: Duration = Duration::from_secs(5);
 
 /// The first pause after a failed look-up of a master; it doubles up to
 /// [`MAX_RETRY_DELAY`].
@@ -302,9 +302,13 @@ impl Connection {
 /// on. The call that failed is not retried: its caller sees the error at once
 /// (sluice's outage rule decides what happens to the request).
 ///
-/// The follower also asks every [`SENTINEL_CHECK_PERIOD`] without a reason:
-/// a master demoted by `SENTINEL FAILOVER` (a planned switch) keeps answering
-/// until the sentinels reconfigure it, seconds after they promoted another.
+/// The follower also listens to one sentinel's `+switch-master`
+/// announcements (a subscription, silent at rest) and looks up when one names
+/// this master: a master demoted by `SENTINEL FAILOVER` (a planned switch)
+/// keeps answering until the sentinels reconfigure it, seconds after they
+/// promoted another. When that sentinel goes away it subscribes to the next,
+/// pausing up to 5 s between attempts while none answers, and looks up once
+/// subscribed again (an announcement may have been missed).
 ///
 /// Bounds: each look-up takes at most [`OPEN_TIMEOUT`]; while the sentinels
 /// name no master that answers (during a failover, before one is promoted)
@@ -379,7 +383,8 @@ impl SentinelMaster {
             current: ArcSwap::from_pointee(master),
             ask,
         });
-        tokio::spawn(follow(Arc::downgrade(&shared), asked, lookup));
+        let switches = Switches::new(url.nodes().to_vec(), &lookup.name);
+        tokio::spawn(follow(Arc::downgrade(&shared), asked, lookup, switches));
         Ok(SentinelMaster { shared })
     }
 
@@ -450,14 +455,96 @@ fn points_elsewhere(e: &RedisError) -> bool {
         )
 }
 
-/// Looks the master up each time it is asked to and every
-/// [`SENTINEL_CHECK_PERIOD`], until it finds one that answers; ends when every
-/// [`SentinelMaster`] is gone.
-async fn follow(shared: Weak<Followed>, mut asked: mpsc::Receiver<()>, mut lookup: Lookup) {
+/// The sentinels' `+switch-master` announcements, heard on one sentinel at a
+/// time.
+struct Switches {
+    sentinels: Vec<ConnectionInfo>,
+    /// The sentinel to subscribe to next.
+    next: usize,
+    /// `MASTER ` (an announcement is `MASTER OLD-IP OLD-PORT NEW-IP NEW-PORT`).
+    prefix: Vec<u8>,
+    stream: Option<PubSubStream>,
+    pause: Duration,
+}
+
+impl Switches {
+    fn new(sentinels: Vec<ConnectionInfo>, name: &str) -> Self {
+        Switches {
+            sentinels,
+            next: 0,
+            prefix: format!("{name} ").into_bytes(),
+            stream: None,
+            pause: FIRST_LOOKUP_PAUSE,
+        }
+    }
+
+    /// Returns when a sentinel announces a new master for this name, or once
+    /// subscribed anew. Cancel-safe: dropped at any await, it loses nothing
+    /// but a subscription under way.
+    async fn next(&mut self) {
+        loop {
+            if let Some(stream) = &mut self.stream {
+                match stream.next().await {
+                    Some(message) if message.get_payload_bytes().starts_with(&self.prefix) => {
+                        return;
+                    }
+                    Some(_) => continue,
+                    // The sentinel went away.
+                    None => self.stream = None,
+                }
+            }
+            let Some(sentinel) = self.sentinels.get(self.next % self.sentinels.len().max(1)) else {
+                // No sentinel (a URL always names one): nothing to hear.
+                return std::future::pending().await;
+            };
+            self.next = self.next.wrapping_add(1);
+            let subscribe = async {
+                let mut pubsub = redis::Client::open(sentinel.clone())?
+                    .get_async_pubsub()
+                    .await?;
+                pubsub.subscribe("+switch-master").await?;
+                Ok::<_, RedisError>(pubsub.into_on_message())
+            };
+            match tokio::time::timeout(CONNECT_TIMEOUT, subscribe).await {
+                Ok(Ok(stream)) => {
+                    self.stream = Some(stream);
+                    self.pause = FIRST_LOOKUP_PAUSE;
+                    return;
+                }
+                Ok(Err(e)) => tracing::debug!(
+                    sentinel = %sentinel.addr(),
+                    error = %e,
+                    "redis: cannot subscribe to the sentinel's announcements"
+                ),
+                Err(_) => tracing::debug!(
+                    sentinel = %sentinel.addr(),
+                    "redis: subscribing to the sentinel's announcements timed out"
+                ),
+            }
+            tokio::time::sleep(self.pause).await;
+            self.pause = (self.pause * 2).min(MAX_SUBSCRIBE_PAUSE);
+        }
+    }
+}
+
+/// Looks the master up each time it is asked to or a sentinel announces a
+/// switch, until it finds one that answers; ends when every [`SentinelMaster`]
+/// is gone.
+async fn follow(
+    shared: Weak<Followed>,
+    mut asked: mpsc::Receiver<()>,
+    mut lookup: Lookup,
+    mut switches: Switches,
+) {
     loop {
-        // Asked, or the period is over: look up. Every sender gone: stop.
-        if let Ok(None) = tokio::time::timeout(SENTINEL_CHECK_PERIOD, asked.recv()).await {
-            return;
+        tokio::select! {
+            asked_for = asked.recv() => {
+                // Every sender gone: no one calls any more.
+                if asked_for.is_none() {
+                    return;
+                }
+            }
+            () = switches.next() => {}
         }
         let mut pause = FIRST_LOOKUP_PAUSE;
         loop {
