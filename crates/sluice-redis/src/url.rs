@@ -74,10 +74,11 @@ pub struct RedisUrl {
     /// One entry for one server, the seed nodes for a cluster, the sentinels
     /// for a sentinel URL.
     nodes: Vec<ConnectionInfo>,
-    /// `rediss://`: the files that set up TLS.
-    tls: Option<TlsFiles>,
+    /// `rediss://`: the files that set up TLS (boxed, as the next: most URLs
+    /// have neither, and the URL is kept in long-lived structures).
+    tls: Option<Box<TlsFiles>>,
     /// `redis+sentinel://`: the master's name and its credentials and database.
-    master: Option<(String, RedisConnectionInfo)>,
+    master: Option<Box<(String, RedisConnectionInfo)>>,
 }
 
 /// What a [`RedisUrl`] points at.
@@ -220,7 +221,7 @@ impl RedisUrl {
                     text: text.to_owned(),
                     kind: UrlKind::Server,
                     nodes: vec![info(text, None)?],
-                    tls: Some(tls),
+                    tls: Some(Box::new(tls)),
                     master: None,
                 });
             }
@@ -275,18 +276,18 @@ impl RedisUrl {
 
     /// The TLS files of a `rediss://` URL (`None` for every other scheme).
     pub fn tls(&self) -> Option<&TlsFiles> {
-        self.tls.as_ref()
+        self.tls.as_deref()
     }
 
     /// The master's name a `redis+sentinel://` URL asks the sentinels for.
     pub fn master_name(&self) -> Option<&str> {
-        self.master.as_ref().map(|(name, _)| name.as_str())
+        self.master.as_deref().map(|(name, _)| name.as_str())
     }
 
     /// The database and credentials a `redis+sentinel://` URL gives its
     /// master (and no one else).
     pub fn master_settings(&self) -> Option<&RedisConnectionInfo> {
-        self.master.as_ref().map(|(_, settings)| settings)
+        self.master.as_deref().map(|(_, settings)| settings)
     }
 }
 
@@ -467,7 +468,7 @@ fn sentinel(text: &str, rest: &str) -> Result<RedisUrl, UrlError> {
         kind: UrlKind::Sentinel,
         nodes,
         tls: None,
-        master: Some((name, settings)),
+        master: Some(Box::new((name, settings))),
     })
 }
 

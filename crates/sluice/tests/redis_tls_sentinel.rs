@@ -411,8 +411,7 @@ impl Load {
         for w in self.workers {
             w.await.expect("worker");
         }
-        let answers = self.answers.lock().expect("answers").clone();
-        answers
+        self.answers.lock().expect("answers").clone()
     }
 }
 
