@@ -98,7 +98,8 @@ impl std::str::FromStr for StoreSpec {
     type Err = String;
 
     /// `memory`, or a Redis URL as [`sluice_redis::RedisUrl`] reads it
-    /// (`redis://`, `redis+unix://`, `unix://`, `redis+cluster://`).
+    /// (`redis://`, `rediss://`, `redis+unix://`, `unix://`, `redis+cluster://`,
+    /// `redis+sentinel://`).
     fn from_str(s: &str) -> Result<Self, String> {
         if s == "memory" {
             return Ok(StoreSpec::Memory);
@@ -106,8 +107,9 @@ impl std::str::FromStr for StoreSpec {
         match sluice_redis::RedisUrl::parse(s) {
             Ok(_) => Ok(StoreSpec::Redis(s.to_owned())),
             Err(sluice_redis::UrlError::UnknownScheme) => Err(
-                "expected `memory`, a redis://HOST:PORT[/DB] URL, redis+unix:///PATH or \
-                 redis+cluster://HOST:PORT,HOST:PORT,…"
+                "expected `memory`, a redis://HOST:PORT[/DB] URL, rediss://HOST:PORT[/DB], \
+                 redis+unix:///PATH, redis+cluster://HOST:PORT,HOST:PORT,… or \
+                 redis+sentinel://HOST:PORT,HOST:PORT,…/MASTER[/DB]"
                     .to_owned(),
             ),
             Err(e) => Err(e.to_string()),

@@ -2,12 +2,17 @@
 //! ledger and the batch queue.
 //!
 //! - [`RedisUrl`]: every URL sluice accepts, parsed into a typed value with a
-//!   clear [`UrlError`] — one server (`redis://HOST:PORT[/DB]`), one server on
-//!   a Unix socket (`redis+unix:///PATH`, `unix:///PATH`) or a cluster
-//!   (`redis+cluster://HOST:PORT,HOST:PORT,…`). Its `Display` hides passwords.
-//! - [`Connection`]: one server or a cluster, opened with sluice's timeouts
-//!   ([`CONNECT_TIMEOUT`], [`OPEN_TIMEOUT`], [`CLUSTER_OPEN_TIMEOUT`], and a
-//!   response timeout the caller chooses); [`Connection::invoke`] calls a
+//!   clear [`UrlError`] — one server (`redis://HOST:PORT[/DB]`), one server
+//!   over TLS (`rediss://HOST:PORT[/DB]`, with optional CA and client
+//!   certificate files), one server on a Unix socket (`redis+unix:///PATH`,
+//!   `unix:///PATH`), a cluster (`redis+cluster://HOST:PORT,HOST:PORT,…`) or
+//!   the master a group of Redis Sentinels names
+//!   (`redis+sentinel://HOST:PORT,HOST:PORT,…/MASTER[/DB]`). Its `Display`
+//!   hides passwords.
+//! - [`Connection`]: one server, a cluster or a sentinel group's master
+//!   ([`SentinelMaster`], followed across failovers), opened with sluice's
+//!   timeouts ([`CONNECT_TIMEOUT`], [`OPEN_TIMEOUT`], [`CLUSTER_OPEN_TIMEOUT`],
+//!   and a response timeout the caller chooses); [`Connection::invoke`] calls a
 //!   script by its hash and loads it again when Redis answers `NOSCRIPT`.
 //!
 //! ```no_run
@@ -34,9 +39,9 @@ mod url;
 
 pub use connection::{
     CLUSTER_OPEN_TIMEOUT, CONNECT_TIMEOUT, ConnectError, Connection, MAX_RETRY_DELAY,
-    MIN_RESPONSE_TIMEOUT, OPEN_TIMEOUT, RETRIES,
+    MIN_RESPONSE_TIMEOUT, OPEN_TIMEOUT, RETRIES, SENTINEL_ASK_INTERVAL, SentinelMaster,
 };
-pub use url::{RedisUrl, UrlError, UrlKind};
+pub use url::{RedisUrl, SENTINEL_PORT, TlsFiles, UrlError, UrlKind};
 
 /// The Redis client this crate is built on, for script invocations and
 /// replies (`redis::Script`, `redis::FromRedisValue`, `redis::Value`).

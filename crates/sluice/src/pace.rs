@@ -41,7 +41,8 @@ pub struct PaceArgs {
     pub door: crate::door::DoorArgs,
 
     /// Where the budgets live: `memory` (this process) or a Redis URL
-    /// (`redis://…`, `redis+unix:///…`) so every process on one key shares one budget.
+    /// (`redis://…`, `rediss://…`, `redis+unix:///…`, `redis+sentinel://…/MASTER`, as for
+    /// `sluice serve --store`) so every process on one key shares one budget.
     #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = |s: &str| s.parse::<StoreSpec>())]
     pub store: StoreSpec,
 }

@@ -96,7 +96,10 @@ pub struct ServeArgs {
     pub dry_run: bool,
 
     /// Where budgets live: `memory` (one process), or shared by replicas: `redis://…`,
-    /// `redis+unix:///PATH`, or a cluster `redis+cluster://HOST:PORT,HOST:PORT,…`.
+    /// `rediss://…` (TLS; `?ssl_ca_certs=PEM` trusts that CA instead of the system's,
+    /// `&ssl_certfile=PEM&ssl_keyfile=PEM` for mutual TLS), `redis+unix:///PATH`, a
+    /// cluster `redis+cluster://HOST:PORT,HOST:PORT,…`, or the master Redis Sentinels
+    /// name, followed across failovers: `redis+sentinel://HOST:PORT,HOST:PORT,…/MASTER[/DB]`.
     #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = |s: &str| s.parse::<StoreSpec>())]
     pub store: StoreSpec,
 

@@ -160,13 +160,7 @@ impl RedisBatches {
         let mut invocation = self.script.prepare_invoke();
         invocation.key(self.keys.as_str()).arg(op);
         args(&mut invocation);
-        let call = async {
-            match &self.conn {
-                Conn::Single(c) => invocation.invoke_async::<Value>(&mut c.clone()).await,
-                Conn::Cluster(c) => invocation.invoke_async::<Value>(&mut c.clone()).await,
-            }
-        };
-        tokio::time::timeout(BATCH_TIMEOUT, call)
+        tokio::time::timeout(BATCH_TIMEOUT, self.conn.invoke::<Value>(&invocation))
             .await
             .map_err(|_| unavailable(format!("redis did not answer within {BATCH_TIMEOUT:?}")))?
             .map_err(unavailable)

@@ -16,8 +16,9 @@ const SCRIPT: &str = include_str!("lanes.lua");
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisLedgerConfig {
-    /// `redis://host:port/db`, `redis+unix:///path` or
-    /// `redis+cluster://host:port,host:port,…` (read as a
+    /// `redis://host:port/db`, `rediss://host:port/db`, `redis+unix:///path`,
+    /// `redis+cluster://host:port,host:port,…` or
+    /// `redis+sentinel://host:port,host:port,…/master` (read as a
     /// [`sluice_redis::RedisUrl`] by [`RedisLedger::connect`]).
     pub url: String,
     /// Prefix of every key (default `sluice:lane:`).

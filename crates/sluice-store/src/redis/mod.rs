@@ -21,8 +21,9 @@ const SCRIPT: &str = include_str!("budgets.lua");
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisConfig {
-    /// `redis://host:port/db`, `redis+unix:///path` or
-    /// `redis+cluster://host:port,host:port,…` (read as a
+    /// `redis://host:port/db`, `rediss://host:port/db`, `redis+unix:///path`,
+    /// `redis+cluster://host:port,host:port,…` or
+    /// `redis+sentinel://host:port,host:port,…/master` (read as a
     /// [`sluice_redis::RedisUrl`] by [`RedisStore::connect`]).
     pub url: String,
     /// The longest one decision may wait for Redis (default 20 ms); past it
