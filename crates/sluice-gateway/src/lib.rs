@@ -253,11 +253,15 @@ impl GatewayConfig {
 }
 
 /// Why a gateway could not start.
+///
+/// The message says what was being done; the cause is the error's
+/// [`source`](std::error::Error::source), so that a chain printed whole says
+/// each thing once.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartError {
     /// A listener could not be bound.
-    #[error("binding the {listener} listener on {addr}: {source}")]
+    #[error("binding the {listener} listener on {addr}")]
     Bind {
         /// Which listener (`gateway` or `admin`).
         listener: &'static str,
@@ -267,10 +271,10 @@ pub enum StartError {
         source: std::io::Error,
     },
     /// The data directory cannot hold the durable store.
-    #[error("data dir: {0}")]
+    #[error("data dir")]
     DataDir(#[from] OpenError),
     /// The shared store could not be reached.
-    #[error("connecting to the store {store}: {source}")]
+    #[error("connecting to the store {store}")]
     Store {
         /// The store, as [`StoreSpec::describe`] shows it.
         store: String,
@@ -297,7 +301,7 @@ pub enum StartError {
     )]
     AdminWithoutToken(SocketAddr),
     /// The built-in demo upstream or the worker threads could not start.
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Io {
         /// What was being started.
         what: &'static str,

@@ -43,7 +43,7 @@ pub struct PaceArgs {
     /// Where the budgets live: `memory` (this process) or a Redis URL
     /// (`redis://…`, `rediss://…`, `redis+unix:///…`, `redis+sentinel://…/MASTER`, as for
     /// `sluice serve --store`) so every process on one key shares one budget.
-    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = |s: &str| s.parse::<StoreSpec>())]
+    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = crate::serve::StoreParser)]
     pub store: StoreSpec,
 }
 

@@ -100,7 +100,7 @@ pub struct ServeArgs {
     /// `&ssl_certfile=PEM&ssl_keyfile=PEM` for mutual TLS), `redis+unix:///PATH`, a
     /// cluster `redis+cluster://HOST:PORT,HOST:PORT,…`, or the master Redis Sentinels
     /// name, followed across failovers: `redis+sentinel://HOST:PORT,HOST:PORT,…/MASTER[/DB]`.
-    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = |s: &str| s.parse::<StoreSpec>())]
+    #[arg(long, value_name = "memory|redis://…", default_value = "memory", value_parser = StoreParser)]
     pub store: StoreSpec,
 
     /// Shift this replica's clock by SECS (negative: behind). A drill for clock skew:
@@ -443,4 +443,32 @@ async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Reads `--store` without echoing it: clap's own error for a bad value
+/// repeats the value, and a Redis URL may carry a password.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StoreParser;
+
+impl clap::builder::TypedValueParser for StoreParser {
+    type Value = StoreSpec;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<StoreSpec, clap::Error> {
+        let refuse = |why: String| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid value for '--store': {why}\n"),
+            )
+            .with_cmd(cmd)
+        };
+        let text = value
+            .to_str()
+            .ok_or_else(|| refuse("not UTF-8".to_owned()))?;
+        text.parse::<StoreSpec>().map_err(|e| refuse(e.to_string()))
+    }
 }

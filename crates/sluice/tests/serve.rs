@@ -603,6 +603,39 @@ fn bad_flags_exit_2_with_a_clear_message() {
         "{}",
         run.stderr
     );
+    let cause = "No such file or directory";
+    assert_eq!(
+        run.stderr.matches(cause).count(),
+        1,
+        "the cause said once: {}",
+        run.stderr
+    );
+
+    // A Redis password never reaches the terminal, whether the URL is refused as
+    // written (exit 2) or the server it names cannot be reached (exit 1).
+    for (store, code) in [
+        ("redis://:hunter2-secret@127.0.0.1:1/not-a-db", 2),
+        ("rediss://:hunter2-secret@127.0.0.1:1/0?bogus=1", 2),
+        ("redis://:hunter2-secret@127.0.0.1:1/0", 1),
+    ] {
+        // `pace` reads its --store as `serve` does (it stops at its missing
+        // --config once the URL reads).
+        let commands: &[&str] = if code == 2 {
+            &["serve", "pace"]
+        } else {
+            &["serve"]
+        };
+        for &command in commands {
+            let run = run_to_exit(&[command, "--store", store], limit);
+            assert_eq!(run.status.code(), Some(code), "{command} {}", run.stderr);
+            assert!(
+                !run.stderr.contains("hunter2"),
+                "{command} --store echoed the password: {}",
+                run.stderr
+            );
+            assert!(run.stderr.contains("store"), "{}", run.stderr);
+        }
+    }
 
     for args in [
         &["serve", "--upstream", "ftp://example.invalid"][..],
