@@ -414,7 +414,7 @@ def check(name, work):
     for t, kind, arg in events:
         if kind not in ("up", "store-up"):
             continue
-        if kind == "up" and not down.get(int(arg)):
+        if kind == "up" and not any(k < t for k, _ in down.get(int(arg), [])):
             continue  # a first start, not a restart
         if t > last_sent - 1.5:
             continue  # the load ended before this fault could be measured
