@@ -284,6 +284,7 @@ def check(name, work):
     # What the upstream received, per route and caller.
     received = {}  # (route, key, window) -> count
     items = {}  # item -> list of idempotency keys it ran under
+    runs = {}  # item -> times it reached the upstream
     for line in open(os.path.join(work, "upstream.log")):
         t, method, path, key, ws, idem, item = line.rstrip("\n").split("\t")
         if path in KEYED_ROUTES:
@@ -291,6 +292,7 @@ def check(name, work):
             received[(path, key, window)] = received.get((path, key, window), 0) + 1
         elif path == "/messages/optimize" and item != "-":
             items.setdefault(item, []).append(idem)
+            runs.setdefault(item, []).append(float(t))
 
     # What the load saw.
     reqs = []
@@ -376,6 +378,7 @@ def check(name, work):
     # Batch items: each run, and never under two Idempotency-Keys.
     bpath = os.path.join(work, "batch.json")
     batch_txt = ""
+    batch_tail = ""
     if os.path.exists(bpath):
         b = json.load(open(bpath))
         want = [i for s in b["submits"] for i in s["items"]]
@@ -385,14 +388,22 @@ def check(name, work):
         two_ids = sum(1 for s in b["submits"] if len(set(s["batch_ids"])) > 1)
         not_done = [bid for bid, st in b["states"].items() if st.get("state") != "done"]
         failed = sum(int(st.get("failed") or 0) for st in b["states"].values())
+        # An item a killed replica was running runs again once its claim runs out.
+        again = max((max(ts) - min(ts) for ts in runs.values() if len(ts) > 1), default=0.0)
         if b_lost or b_doubled or two_ids or not_done or not want:
             ok = False
         batch_txt = ("batch: %d items, %d lost, %d doubled (two Idempotency-Keys), %d run again with the same key, "
-                     "%d failed, %d submits answered with two batch ids, %d batches not done, drained in %.1f s" % (
-                         len(want), b_lost, b_doubled, b_rerun, failed, two_ids, len(not_done),
+                     "at most %.1f s after its first run, "
+                     "%d failed, %d submits answered with two batch ids, %d batches not done (%d items still running), "
+                     "drained in %.1f s" % (
+                         len(want), b_lost, b_doubled, b_rerun, again, failed, two_ids, len(not_done),
+                         sum(int(b["states"][bid].get("running") or 0) for bid in not_done),
                          b["finished"] - b["submitted"]))
         lost += b_lost
         doubled += b_doubled
+        stuck = sum(int(b["states"][bid].get("running") or 0) for bid in not_done)
+        batch_tail = "; batch of %d: %d lost, %d doubled, %d still running at the deadline" % (
+            len(want), b_lost, b_doubled, stuck)
 
     # Hangs: every request that reached a replica answered within the store timeout
     # plus a margin.
@@ -448,7 +459,8 @@ def check(name, work):
         print("no request was admitted: the run measured nothing")
     line = "%s: %s — %d lost, %d doubled, max excess %d ≤ bound %d (largest in-flight count of one caller: %d), " \
            "max latency %.0f ms, recovery ≤ %.2f s" % (
-               name, "PASS" if ok else "FAIL", lost, doubled, worst_excess, worst_bound, max_bound, max_lat, rec)
+               name, "PASS" if ok else "FAIL", lost, doubled, worst_excess, worst_bound, max_bound, max_lat, rec
+           ) + batch_tail
     print(line)
     return 0 if ok else 1
 
