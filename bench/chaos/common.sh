@@ -41,8 +41,9 @@ free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-now() { date +%s.%N; }
-event() { echo "$(now) $*" >>"$WORK/events.log"; }
+# Events are stamped without a fork ($EPOCHREALTIME), so that a busy machine does not
+# move them.
+event() { echo "$EPOCHREALTIME $*" >>"$WORK/events.log"; }
 
 # Waits up to $2 seconds (default 10) for the command "$1" to succeed.
 wait_for() {
@@ -83,6 +84,7 @@ start_replica() {
     shift 2
     [ -n "${PORT[$i]:-}" ] || { PORT[$i]=$(free_port); ADMIN[$i]=$(free_port); }
     : >"$WORK/replica$i.out"
+    event spawn "$i"
     "$BIN" serve --config "$POLICY" --listen "127.0.0.1:${PORT[$i]}" --admin "127.0.0.1:${ADMIN[$i]}" \
         --upstream "$UPSTREAM" --store "$store" --data-dir "$WORK/data$i" --workers 1 \
         --upstream-timeout 5 --log-level warn "$@" >>"$WORK/replica$i.out" 2>>"$WORK/replica$i.err" &
@@ -94,9 +96,9 @@ start_replica() {
 
 kill_replica() {
     local i="$1"
+    event kill "$i" # stamped before the signal: no call it cut short ends before it
     kill -KILL "${REPLICA_PID[$i]}" 2>/dev/null || true
     wait "${REPLICA_PID[$i]}" 2>/dev/null || true
-    event kill "$i"
 }
 
 ports() {
