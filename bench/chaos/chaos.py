@@ -475,6 +475,10 @@ def check(name, work):
         ok = False
         notes.append("a recovery took %.2f s (> %.1f s) besides the load's own stalls" % (rec_own, recovery_max))
     faults = sum(1 for _, k, _ in events if k in ("kill", "store-down", "pause", "fill"))
+    failed_starts = sum(1 for _, k, _ in events if k == "start-failed")
+    if failed_starts:
+        ok = False
+        notes.append("%d replica starts failed (the replica exited: see its log)" % failed_starts)
 
     codes = ", ".join("%s×%d" % (k, v) for k, v in sorted(answered.items()))
     print("requests: %d sent to a replica (%s); %d refused connections to a replica that was down"
