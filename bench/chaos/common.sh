@@ -26,6 +26,8 @@ build() {
 
 cleanup() {
     local pid
+    if [ -n "${WATCHDOG_PID:-}" ]; then kill -TERM "$WATCHDOG_PID" 2>/dev/null || true; fi
+    if [ -f "$WORK/watchdog" ]; then echo "chaos: $(cat "$WORK/watchdog")" >&2; fi
     for pid in "${PIDS[@]}" "${REPLICA_PID[@]}"; do
         kill -CONT "$pid" 2>/dev/null || true
         kill -KILL "$pid" 2>/dev/null || true
@@ -129,8 +131,18 @@ finish() {
 }
 
 # A hard bound on the whole script: past LIMIT seconds it stops (and cleans up).
+# Its sleep holds no output of the script (a pipe reading it would wait for the sleep)
+# and ends with it (cleanup sends TERM).
 watchdog() {
     local limit="$1" self=$$
-    ( sleep "$limit"; echo "chaos: past the hard limit of ${limit} s: stopping" >&2; kill -TERM "$self" ) &
-    PIDS+=("$!")
+    (
+        exec </dev/null >/dev/null 2>&1
+        sleep "$limit" &
+        nap=$!
+        trap 'kill "$nap"; exit 0' TERM
+        wait "$nap"
+        echo "past the hard limit of ${limit} s: stopped" >"$WORK/watchdog"
+        kill -TERM "$self"
+    ) &
+    WATCHDOG_PID=$!
 }
