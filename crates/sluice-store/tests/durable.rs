@@ -441,3 +441,60 @@ fn q1_a_crash_replays_the_journal_past_the_last_snapshot() {
     let fourth = open();
     assert_eq!(usage(&fourth), 9);
 }
+
+#[test]
+fn q1_a_replica_that_crashed_on_a_full_disk_starts_again_with_every_count() {
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    let (disk, full) = sluice_store::durable::FillableDisk::new();
+    let open = || {
+        let durable = DurableStore::with_backend("full.redb", disk.clone(), disk.log())
+            .expect("a full disk does not stop a start");
+        let book = QuotaBook::open(&durable, QuotaBookConfig::default(), clock.now_ts())
+            .expect("a full disk does not stop the quota counts from loading");
+        LocalStore::new(
+            MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),
+            Some(book),
+        )
+    };
+    let usage = |store: &LocalStore<FakeClock>| {
+        let d = rt.block_on(store.peek(&[quota("acme", 100).with_cost(0)]));
+        100 - d.expect("peek").statuses()[0].remaining
+    };
+    let first = open();
+    for _ in 0..7 {
+        let d = rt.block_on(first.decide(&[quota("acme", 100)]));
+        assert!(d.expect("decide").is_admitted());
+    }
+    // Killed (no clean stop: the journal holds the 7), then the disk fills.
+    std::mem::forget(first);
+    full.store(true, std::sync::atomic::Ordering::SeqCst);
+    let second = open();
+    assert_eq!(usage(&second), 7, "every count, from the journal");
+    // While full: quota calls fail closed, everything else is served.
+    assert!(rt.block_on(second.decide(&[quota("acme", 100)])).is_err());
+    assert!(
+        rt.block_on(second.decide(&[class("k", 100)]))
+            .expect("decide")
+            .is_admitted()
+    );
+    // Room again: quota calls are admitted again, and nothing was lost.
+    full.store(false, std::sync::atomic::Ordering::SeqCst);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let recovered = loop {
+        match rt.block_on(second.decide(&[quota("acme", 100)])) {
+            Ok(d) => break d,
+            Err(_) if std::time::Instant::now() < deadline => {}
+            Err(e) => panic!("no recovery within 10 s: {e}"),
+        }
+    };
+    assert!(recovered.is_admitted());
+    let after = 100 - recovered.statuses()[0].remaining;
+    assert!(
+        (8..=9).contains(&after),
+        "7 before, the failed call at most, this one: {after}"
+    );
+    drop(second);
+    let third = open();
+    assert_eq!(usage(&third), after, "a clean stop keeps them all");
+}

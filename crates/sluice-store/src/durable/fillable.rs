@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redb::StorageBackend;
 use redb::backends::InMemoryBackend;
 
-/// In-memory storage whose writes fail, as on a full disk (`ENOSPC`), while
-/// the switch [`FillableDisk::new`] returns is on. Open a [`super::DurableStore`] on it with
+/// In-memory storage whose writes that need new room fail, as on a full disk
+/// (`ENOSPC`), while the switch [`FillableDisk::new`] returns is on (its
+/// quota journal, [`FillableDisk::log`], refuses every append then). Open a [`super::DurableStore`] on it with
 /// [`super::DurableStore::with_backend`] to see what sluice does when the disk
 /// fills and when it has room again.
 /// Clones reach the same storage.
@@ -90,18 +91,25 @@ impl StorageBackend for FillableDisk {
         self.inner.read(offset, out)
     }
 
+    // As on a real disk, a full one refuses what needs new room: growing the
+    // file, or writing past its end. Writing over bytes the file already has
+    // (a header, a page freed and reused) and syncing still work.
     fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.room()?;
+        if len > self.inner.len()? {
+            self.room()?;
+        }
         self.inner.set_len(len)
     }
 
     fn sync_data(&self) -> std::io::Result<()> {
-        self.room()?;
         self.inner.sync_data()
     }
 
     fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        self.room()?;
+        let end = offset.saturating_add(data.len() as u64);
+        if end > self.inner.len()? {
+            self.room()?;
+        }
         self.inner.write(offset, data)
     }
 }

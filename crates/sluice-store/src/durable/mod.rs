@@ -218,14 +218,53 @@ impl DurableStore {
         self.inner.db.read().clone()
     }
 
+    /// Writes once, so that a file opened read-only shows at start. A full
+    /// disk does not stop a start when the store's tables are already there:
+    /// the process serves, and writes (quota routes, the batch lane) answer
+    /// 503 until there is room, as they do when the disk fills later; a
+    /// replica that crashed on a full disk comes back as it was.
     fn check_writable(&self) -> Result<(), OpenError> {
         let unusable = |e: &dyn std::fmt::Display| OpenError::Unusable {
             path: self.inner.path.clone(),
             message: format!("cannot be written: {e}"),
         };
         let db = self.db().ok_or_else(|| unusable(&"not open"))?;
-        let tx = db.begin_write().map_err(|e| unusable(&e))?;
-        quota::create_tables(&tx).map_err(|e| unusable(&e))?;
-        tx.commit().map_err(|e| unusable(&e))
+        let written = db.begin_write().map_err(redb::Error::from).and_then(|tx| {
+            quota::create_tables(&tx)?;
+            tx.commit().map_err(redb::Error::from)
+        });
+        let Err(e) = written else {
+            return Ok(());
+        };
+        if !is_storage_full(&e) {
+            return Err(unusable(&e));
+        }
+        // A failed write leaves the handle unusable: open the file again.
+        drop(db);
+        self.reopen().map_err(|e| unusable(&e))?;
+        let db = self.db().ok_or_else(|| unusable(&"not open"))?;
+        quota::tables_readable(&db).map_err(|_| unusable(&e))?;
+        eprintln!(
+            "sluice: {} has no room to write ({e}); serving, with quota routes and the batch lane answering 503 until there is room",
+            self.inner.path.display()
+        );
+        Ok(())
     }
+}
+
+/// True when `e` comes from a full disk (`ENOSPC`).
+pub(crate) fn is_storage_full(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(error) = cause {
+        if let Some(io) = error.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::StorageFull
+        {
+            return true;
+        }
+        cause = error.source();
+    }
+    // Some layers keep only the message of the I/O error they met.
+    e.to_string()
+        .to_ascii_lowercase()
+        .contains("no space left on device")
 }

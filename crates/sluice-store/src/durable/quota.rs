@@ -46,6 +46,14 @@ pub(super) fn create_tables(tx: &redb::WriteTransaction) -> Result<(), redb::Tab
     tx.open_table(QUOTA_META).map(drop)
 }
 
+/// Whether the quota tables are there to read (without writing).
+pub(super) fn tables_readable(db: &redb::Database) -> Result<(), redb::Error> {
+    let tx = db.begin_read()?;
+    tx.open_table(QUOTA_CELLS)?;
+    tx.open_table(QUOTA_META)?;
+    Ok(())
+}
+
 /// How a [`QuotaBook`] is bounded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -266,8 +274,19 @@ impl QuotaBook {
             untracked: std::sync::atomic::AtomicU64::new(0),
             commits: std::sync::atomic::AtomicU64::new(0),
         });
-        // What was replayed goes into a snapshot at once, and the journal starts over.
-        shared.snapshot().map_err(|e| unusable(&e))?;
+        // What was replayed goes into a snapshot at once, and the journal starts
+        // over. On a full disk the journal keeps it instead (a failed snapshot
+        // resets nothing) and the writer snapshots once there is room: a replica
+        // that crashed on a full disk starts again with every count.
+        if let Err(e) = shared.snapshot() {
+            if !super::is_storage_full(&e) {
+                return Err(unusable(&e));
+            }
+            eprintln!(
+                "sluice: no room to snapshot the quota counts in {} ({e}); the journal keeps them until there is",
+                store.path().display()
+            );
+        }
         let writer = std::thread::Builder::new()
             .name("sluice-quota-writer".to_owned())
             .spawn({
