@@ -124,6 +124,12 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// How often expired claims go back to the queue and old batches are purged.
 const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
 
+/// How long a runner's claim on an item lasts unless renewed: the runner renews
+/// it every third of this while the item runs (retries and waits included), so
+/// an item outlives its claim only when its replica is gone, and goes back to
+/// the queue at most this plus [`MAINTAIN_EVERY`] after the replica died.
+pub(crate) const BATCH_CLAIM: Duration = Duration::from_secs(30);
+
 /// What a runner's look at the queue left it waiting for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Look {
@@ -488,9 +494,38 @@ impl BatchLane {
     /// none, as its result.
     async fn run_item(&self, claimed: Claimed, permit: sluice_lanes::BatchPermit) {
         let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
+        // The claim is renewed while the item runs; the renewals stop with it.
+        let renewing = async {
+            let mut every = tokio::time::interval(BATCH_CLAIM / 3);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            every.tick().await;
+            loop {
+                every.tick().await;
+                if let Err(e) = self.queue.renew(batch, index, self.clock.now()).await {
+                    tracing::warn!("batch {batch} item {index}: could not renew its claim: {e}");
+                }
+            }
+        };
+        let recorded = tokio::select! {
+            biased;
+            recorded = self.run_attempts(&claimed, permit) => recorded,
+            never = renewing => never,
+        };
+        if let Err(e) = recorded {
+            tracing::warn!("batch {batch} item {index}: could not record its answer: {e}");
+        }
+    }
+
+    /// [`BatchLane::run_item`]'s attempts, until one is recorded.
+    async fn run_attempts(
+        &self,
+        claimed: &Claimed,
+        permit: sluice_lanes::BatchPermit,
+    ) -> Result<sluice_batch::Finish, sluice_batch::BatchError> {
+        let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
         let mut attempt = claimed.attempt;
         let mut permit = permit;
-        let recorded = loop {
+        loop {
             let answer = tokio::time::timeout(self.timeout, self.send(&claimed)).await;
             let now = self.clock.now();
             match answer {
@@ -501,7 +536,7 @@ impl BatchLane {
                         status,
                         body: ResultBody::new(body, is_json),
                     };
-                    break if status < 400 {
+                    return if status < 400 {
                         self.count(0);
                         self.queue.complete(batch, index, result, now).await
                     } else {
@@ -533,7 +568,7 @@ impl BatchLane {
                             },
                         };
                         self.count(1);
-                        break self.queue.fail(batch, index, result, now).await;
+                        return self.queue.fail(batch, index, result, now).await;
                     }
                     self.count(2);
                     tokio::time::sleep(item_backoff(attempt)).await;
@@ -550,9 +585,6 @@ impl BatchLane {
                     };
                 }
             }
-        };
-        if let Err(e) = recorded {
-            tracing::warn!("batch {batch} item {index}: could not record its answer: {e}");
         }
     }
 

@@ -258,7 +258,8 @@ impl Stores {
 }
 
 /// The batch queue's settings: one queue for the lanes that run a batch lane, in the
-/// same store, with the first such lane's per-batch bounds and the global `bounds`
+/// same store, with the first such lane's per-batch bounds and the global `bounds`,
+/// and claims of [`BATCH_CLAIM`](crate::batch::BATCH_CLAIM) that runners renew
 /// (`None` when no lane runs a batch lane).
 fn batch_config(policy: &Policy, bounds: BatchBounds) -> Option<sluice_batch::BatchConfig> {
     policy.lanes.iter().find_map(|l| l.batch.as_ref()).map(|b| {
@@ -269,6 +270,7 @@ fn batch_config(policy: &Policy, bounds: BatchBounds) -> Option<sluice_batch::Ba
             .with_max_queued_items(bounds.max_queued_items)
             .with_max_stored_bytes(bounds.max_stored_bytes)
             .with_origin_share(bounds.address_share)
+            .with_lease(crate::batch::BATCH_CLAIM)
     })
 }
 
