@@ -526,7 +526,7 @@ impl BatchLane {
         let mut attempt = claimed.attempt;
         let mut permit = permit;
         loop {
-            let answer = tokio::time::timeout(self.timeout, self.send(&claimed)).await;
+            let answer = tokio::time::timeout(self.timeout, self.send(claimed)).await;
             let now = self.clock.now();
             match answer {
                 Ok(Some((status, body, is_json))) if status < 500 => {
