@@ -446,7 +446,8 @@ fn q1_a_crash_replays_the_journal_past_the_last_snapshot() {
 fn q1_a_replica_that_crashed_on_a_full_disk_starts_again_with_every_count() {
     let clock = FakeClock::new(Timestamp::from_secs(T0));
     let rt = runtime();
-    let (disk, full) = sluice_store::durable::FillableDisk::new();
+    // A real full disk: writing over what the file has works, growing it does not.
+    let (disk, full) = sluice_store::durable::FillableDisk::growth_only();
     let open = || {
         let durable = DurableStore::with_backend("full.redb", disk.clone(), disk.log())
             .expect("a full disk does not stop a start");

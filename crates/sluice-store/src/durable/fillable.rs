@@ -6,9 +6,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redb::StorageBackend;
 use redb::backends::InMemoryBackend;
 
-/// In-memory storage whose writes that need new room fail, as on a full disk
-/// (`ENOSPC`), while the switch [`FillableDisk::new`] returns is on (its
-/// quota journal, [`FillableDisk::log`], refuses every append then). Open a [`super::DurableStore`] on it with
+/// In-memory storage whose writes fail, as on a full disk (`ENOSPC`), while
+/// the switch [`FillableDisk::new`] returns is on (its quota journal,
+/// [`FillableDisk::log`], refuses every append then). A disk made with
+/// [`FillableDisk::growth_only`] refuses only what needs new room, as a real
+/// full disk does. Open a [`super::DurableStore`] on it with
 /// [`super::DurableStore::with_backend`] to see what sluice does when the disk
 /// fills and when it has room again.
 /// Clones reach the same storage.
@@ -17,12 +19,27 @@ pub struct FillableDisk {
     inner: Arc<InMemoryBackend>,
     full: Arc<AtomicBool>,
     journal: Arc<parking_lot::Mutex<Vec<u8>>>,
+    /// Refuse only writes that need new room (growing the file).
+    growth_only: bool,
 }
 
 impl FillableDisk {
     /// An empty disk with room, and the switch that fills it.
     pub fn new() -> (Self, Arc<AtomicBool>) {
         let disk = FillableDisk::default();
+        let full = Arc::clone(&disk.full);
+        (disk, full)
+    }
+
+    /// [`FillableDisk::new`], but while full it refuses only what needs new
+    /// room: growing the file or writing past its end. Writing over bytes the
+    /// file already has (a header, a page freed and reused) and syncing work,
+    /// as on a real full disk.
+    pub fn growth_only() -> (Self, Arc<AtomicBool>) {
+        let disk = FillableDisk {
+            growth_only: true,
+            ..FillableDisk::default()
+        };
         let full = Arc::clone(&disk.full);
         (disk, full)
     }
@@ -91,23 +108,23 @@ impl StorageBackend for FillableDisk {
         self.inner.read(offset, out)
     }
 
-    // As on a real disk, a full one refuses what needs new room: growing the
-    // file, or writing past its end. Writing over bytes the file already has
-    // (a header, a page freed and reused) and syncing still work.
     fn set_len(&self, len: u64) -> std::io::Result<()> {
-        if len > self.inner.len()? {
+        if !self.growth_only || len > self.inner.len()? {
             self.room()?;
         }
         self.inner.set_len(len)
     }
 
     fn sync_data(&self) -> std::io::Result<()> {
+        if !self.growth_only {
+            self.room()?;
+        }
         self.inner.sync_data()
     }
 
     fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
         let end = offset.saturating_add(data.len() as u64);
-        if end > self.inner.len()? {
+        if !self.growth_only || end > self.inner.len()? {
             self.room()?;
         }
         self.inner.write(offset, data)
