@@ -84,35 +84,37 @@ impl RedisServer {
     /// Commands served so far (`INFO commandstats`), those scripts called
     /// included, the `INFO` calls that read them left out.
     pub fn commands(&self) -> u64 {
-        self.cli(&["INFO", "commandstats"])
-            .lines()
-            .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
-            .filter_map(|l| {
-                l.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .sum()
+        calls(&self.cli(&["INFO", "commandstats"]), |l| {
+            !l.starts_with("cmdstat_info:")
+        })
     }
 
     /// Script calls served so far (`INFO commandstats`).
     pub fn script_calls(&self) -> u64 {
-        self.cli(&["INFO", "commandstats"])
-            .lines()
-            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-            .filter_map(|l| {
-                l.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .sum()
+        calls(&self.cli(&["INFO", "commandstats"]), is_script)
     }
+}
+
+/// The calls `INFO commandstats` reports for the commands `pick` takes (it
+/// gets each `cmdstat_…` line).
+pub fn calls(commandstats: &str, pick: impl Fn(&str) -> bool) -> u64 {
+    commandstats
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_") && pick(l))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+/// Whether a `cmdstat_…` line counts script calls (`EVALSHA`, `EVAL`).
+pub fn is_script(line: &str) -> bool {
+    line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:")
 }
 
 fn wait_for(socket: &Path) {

@@ -140,18 +140,10 @@ fn field<'a>(answer: &'a str, name: &str) -> Option<&'a str> {
 
 /// `EVALSHA` and `EVAL` calls a server has served.
 fn script_calls(port: u16) -> u64 {
-    cli(port, &["INFO", "commandstats"])
-        .lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
+    support::redis::calls(
+        &cli(port, &["INFO", "commandstats"]),
+        support::redis::is_script,
+    )
 }
 
 /// The master name the sentinels monitor.
