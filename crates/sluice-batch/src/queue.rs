@@ -615,6 +615,27 @@ pub trait BatchQueue: Send + Sync {
         now: Timestamp,
     ) -> QueueFuture<'a, Result<bool, BatchError>>;
 
+    /// [`BatchQueue::renew`] for every one of `claims` (batch id, item index)
+    /// in one call to the store: a runner renews all it runs at once, so its
+    /// cost does not grow with the items running. An item no longer running
+    /// is left alone. Returns how many claims now end later than before.
+    ///
+    /// # Errors
+    /// [`BatchError::Unavailable`].
+    fn renew_all<'a>(
+        &'a self,
+        claims: &'a [(String, u32)],
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<usize, BatchError>> {
+        Box::pin(async move {
+            let mut renewed = 0;
+            for (batch_id, index) in claims {
+                renewed += usize::from(self.renew(batch_id, *index, now).await?);
+            }
+            Ok(renewed)
+        })
+    }
+
     /// Puts a running item back at the head of its workspace's queue without
     /// a result (e.g. it could not be sent); false when it was not running.
     ///

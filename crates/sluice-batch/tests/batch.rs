@@ -354,6 +354,43 @@ mod suite {
         );
     }
 
+    /// `renew_all` renews the claims of every running item given, in one
+    /// call, and leaves an item no longer running alone (it is not claimed
+    /// again by the renewal).
+    pub(super) async fn renews_all_claims_at_once<Q: BatchQueue>(q: &Q) {
+        let s = q
+            .submit("acme", items(3), None, b"x", at(0))
+            .await
+            .expect("submit");
+        for _ in 0..3 {
+            q.claim_next("acme", at(0))
+                .await
+                .expect("claim")
+                .expect("item");
+        }
+        q.complete(&s.batch_id, 2, ok("{}"), at(1))
+            .await
+            .expect("complete");
+        let claims: Vec<(String, u32)> = (0..3).map(|i| (s.batch_id.clone(), i)).collect();
+        let renewed = q.renew_all(&claims, at(300)).await.expect("renew all");
+        assert_eq!(renewed, 2, "the two items still running");
+        assert_eq!(q.renew_all(&[], at(300)).await.expect("renew none"), 0);
+        let m = q.maintain(at(600)).await.expect("maintain");
+        assert_eq!(m.requeued, 0, "both renewed until 900");
+        let st = q
+            .status("acme", &s.batch_id, at(601))
+            .await
+            .expect("status")
+            .expect("batch");
+        assert_eq!(
+            (st.done, st.running, st.queued),
+            (1, 2, 0),
+            "the finished one stays done"
+        );
+        let m = q.maintain(at(900)).await.expect("maintain");
+        assert_eq!(m.requeued, 2, "their renewed claims ran out at 900");
+    }
+
     /// `q`'s lease is the default 10 minutes.
     pub(super) async fn leases<Q: BatchQueue>(q: &Q) {
         let s = q
@@ -793,6 +830,12 @@ async fn l4_an_expired_lease_puts_the_item_back_with_the_same_key() {
 }
 
 #[tokio::test]
+async fn l4_a_runner_renews_all_its_claims_in_one_call() {
+    let dir = TempDir::new("renew-all");
+    suite::renews_all_claims_at_once(&book(&dir, BatchConfig::default())).await;
+}
+
+#[tokio::test]
 async fn l4_workspaces_take_turns() {
     let dir = TempDir::new("turns");
     suite::workspaces_take_turns(&book(&dir, BatchConfig::default())).await;
@@ -1111,6 +1154,12 @@ mod on_redis {
     async fn l4_redis_an_expired_lease_puts_the_item_back_with_the_same_key() {
         let server = Server::start("batch");
         suite::leases(&batches(&server, BatchConfig::default()).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_redis_a_runner_renews_all_its_claims_in_one_call() {
+        let server = Server::start("batch");
+        suite::renews_all_claims_at_once(&batches(&server, BatchConfig::default()).await).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

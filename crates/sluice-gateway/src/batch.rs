@@ -71,6 +71,11 @@ pub struct BatchLane {
     /// Items finished here: done, failed, and attempts sent again after a failure
     /// (`requeued` in `/status` and the metric).
     outcomes: [std::sync::atomic::AtomicU64; 3],
+    /// The claims of the items running here (batch id, index), which the
+    /// runner renews all at once (see [`BatchLane::renew_claims`]).
+    claims: parking_lot::Mutex<std::collections::HashSet<(String, u32)>>,
+    /// Wakes the renewals when an item starts running here.
+    claimed: tokio::sync::Notify,
 }
 
 /// Between a batch lane's name and a workspace's in the queue (see
@@ -125,13 +130,13 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
 
 /// How long a runner's claim on an item lasts unless renewed: the runner renews
-/// it every third of this while the item runs (retries and waits included), so
-/// an item outlives its claim only when its replica is gone, and goes back to
-/// the queue at most this plus [`MAINTAIN_EVERY`] after the replica died. Each
-/// renewal is a call to the store (three Redis commands): at a lane's most
-/// running items (15 in the built-in policy) every 90 s they stay, with the
-/// runner's looks, under the one command a second an idle replica may send.
-pub(crate) const BATCH_CLAIM: Duration = Duration::from_secs(270);
+/// the claims of all the items it runs every third of this while they run
+/// (retries and waits included), so an item outlives its claim only when its
+/// replica is gone, and goes back to the queue at most this plus
+/// [`MAINTAIN_EVERY`] after the replica died. One renewal is one call to the
+/// store however many items run (two Redis commands: the script and its one
+/// `ZADD`), so a lane's running items cost a replica 0.2 commands a second.
+pub(crate) const BATCH_CLAIM: Duration = Duration::from_secs(30);
 
 /// What a runner's look at the queue left it waiting for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -203,6 +208,8 @@ impl BatchLane {
                     holds: parking_lot::Mutex::default(),
                     last_backlog: parking_lot::Mutex::default(),
                     outcomes: Default::default(),
+                    claims: parking_lot::Mutex::default(),
+                    claimed: tokio::sync::Notify::new(),
                 }))
             })
             .collect()
@@ -402,6 +409,11 @@ impl BatchLane {
     pub async fn run(self: Arc<Self>, stop: Stop) {
         let stopped = stop.wait();
         tokio::pin!(stopped);
+        let renewing = tokio::spawn({
+            let this = Arc::clone(&self);
+            async move { this.renew_claims().await }
+        });
+        let _renewing = AbortOnDrop(renewing);
         let mut maintain = tokio::time::interval(MAINTAIN_EVERY);
         maintain.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -426,6 +438,28 @@ impl BatchLane {
                         tracing::warn!("batch queue upkeep failed: {e}");
                     }
                 }
+            }
+        }
+    }
+
+    /// Renews the claims of the items running here, all in one call to the
+    /// store, every third of [`BATCH_CLAIM`] while any runs; with none running
+    /// it waits for one and costs nothing.
+    async fn renew_claims(&self) {
+        loop {
+            while self.claims.lock().is_empty() {
+                self.claimed.notified().await;
+            }
+            tokio::time::sleep(BATCH_CLAIM / 3).await;
+            let claims: Vec<(String, u32)> = self.claims.lock().iter().cloned().collect();
+            if claims.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.queue.renew_all(&claims, self.clock.now()).await {
+                tracing::warn!(
+                    "could not renew the claims of {} batch items: {e}",
+                    claims.len()
+                );
             }
         }
     }
@@ -497,23 +531,10 @@ impl BatchLane {
     /// none, as its result.
     async fn run_item(&self, claimed: Claimed, permit: sluice_lanes::BatchPermit) {
         let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
-        // The claim is renewed while the item runs; the renewals stop with it.
-        let renewing = async {
-            let mut every = tokio::time::interval(BATCH_CLAIM / 3);
-            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            every.tick().await;
-            loop {
-                every.tick().await;
-                if let Err(e) = self.queue.renew(batch, index, self.clock.now()).await {
-                    tracing::warn!("batch {batch} item {index}: could not renew its claim: {e}");
-                }
-            }
-        };
-        let recorded = tokio::select! {
-            biased;
-            recorded = self.run_attempts(&claimed, permit) => recorded,
-            never = renewing => never,
-        };
+        // The claim is renewed while the item runs (by the lane's renewals); it
+        // leaves them when the task ends, however it ends.
+        let _running = RunningClaim::new(self, batch, index);
+        let recorded = self.run_attempts(&claimed, permit).await;
         if let Err(e) = recorded {
             tracing::warn!("batch {batch} item {index}: could not record its answer: {e}");
         }
@@ -1025,6 +1046,36 @@ where
                 ),
             })
         })
+    }
+}
+
+/// An item's claim among its lane's renewals while the item runs here.
+struct RunningClaim<'a> {
+    lane: &'a BatchLane,
+    claim: (String, u32),
+}
+
+impl<'a> RunningClaim<'a> {
+    fn new(lane: &'a BatchLane, batch_id: &str, index: u32) -> Self {
+        let claim = (batch_id.to_owned(), index);
+        lane.claims.lock().insert(claim.clone());
+        lane.claimed.notify_one();
+        Self { lane, claim }
+    }
+}
+
+impl Drop for RunningClaim<'_> {
+    fn drop(&mut self) {
+        self.lane.claims.lock().remove(&self.claim);
+    }
+}
+
+/// A spawned task that ends when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

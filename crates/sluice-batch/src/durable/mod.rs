@@ -310,6 +310,21 @@ impl BatchQueue for BatchBook {
         })
     }
 
+    fn renew_all<'a>(
+        &'a self,
+        claims: &'a [(String, u32)],
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<usize, BatchError>> {
+        Box::pin(async move {
+            if claims.is_empty() {
+                return Ok(0);
+            }
+            let claims = claims.to_vec();
+            self.blocking(move |b| b.renew_all_blocking(&claims, now))
+                .await?
+        })
+    }
+
     fn release<'a>(
         &'a self,
         batch_id: &'a str,

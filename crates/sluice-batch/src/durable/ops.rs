@@ -251,6 +251,28 @@ impl BatchBook {
         .map(|r| r.is_ok())
     }
 
+    /// [`BatchBook::renew_blocking`] for every one of `claims`, in one
+    /// transaction (written only when one of them was still running).
+    pub(super) fn renew_all_blocking(
+        &self,
+        claims: &[(String, u32)],
+        now: Timestamp,
+    ) -> Result<usize, BatchError> {
+        let lease_until = now.saturating_add(self.inner.config.lease).as_nanos();
+        let renewed = self.write_when_changed(|tx| {
+            let mut running = tx.open_table(RUNNING)?;
+            let mut renewed = 0;
+            for (batch_id, index) in claims {
+                if running.get((batch_id.as_str(), *index))?.is_some() {
+                    running.insert((batch_id.as_str(), *index), lease_until)?;
+                    renewed += 1;
+                }
+            }
+            Ok(renewed)
+        })?;
+        Ok(usize::try_from(renewed).unwrap_or(usize::MAX))
+    }
+
     pub(super) fn release_blocking(&self, batch_id: &str, index: u32) -> Result<bool, BatchError> {
         self.write_if(|tx| {
             if tx.open_table(RUNNING)?.get((batch_id, index))?.is_none() {

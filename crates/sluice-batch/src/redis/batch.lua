@@ -189,6 +189,20 @@ elseif op == 'renew' then
   redis.call('ZADD', P .. 'run', tonumber(ARGV[4]) + tonumber(ARGV[5]), m)
   return 1
 
+elseif op == 'renew_all' then
+  -- now, lease, then (id, index) pairs: one ZADD XX for all of them (XX: an item
+  -- no longer running is not added back); returns how many were renewed.
+  local until_ms = tonumber(ARGV[2]) + tonumber(ARGV[3])
+  local args = {}
+  for k = 4, #ARGV - 1, 2 do
+    args[#args + 1] = until_ms
+    args[#args + 1] = member(ARGV[k], ARGV[k + 1])
+  end
+  if #args == 0 then
+    return 0
+  end
+  return redis.call('ZADD', P .. 'run', 'XX', 'CH', unpack(args))
+
 elseif op == 'release' then
   if not redis.call('ZSCORE', P .. 'run', member(ARGV[2], ARGV[3])) then
     return 0

@@ -23,6 +23,10 @@ const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
 /// Batches purged per script call.
 const PURGE_CHUNK: u64 = 64;
 
+/// Most claims one `renew_all` script call renews (its one `ZADD` takes two
+/// arguments a claim, well inside Lua's stack).
+const RENEW_CHUNK: usize = 1000;
+
 /// The batch queue in Redis. Cheap to clone.
 ///
 /// The batch queue in Redis (see [the crate's docs](crate)), for replicas that share
@@ -317,6 +321,30 @@ impl BatchQueue for RedisBatches {
                 })
                 .await?;
             Ok(int(Some(&reply))? == 1)
+        })
+    }
+
+    fn renew_all<'a>(
+        &'a self,
+        claims: &'a [(String, u32)],
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<usize, BatchError>> {
+        Box::pin(async move {
+            let lease = duration_ms(self.config.lease);
+            let mut renewed = 0;
+            // One call per RENEW_CHUNK claims: a script's ZADD takes them at once.
+            for chunk in claims.chunks(RENEW_CHUNK) {
+                let reply = self
+                    .call("renew_all", |i| {
+                        i.arg(ms(now)).arg(lease);
+                        for (batch_id, index) in chunk {
+                            i.arg(batch_id.as_str()).arg(*index);
+                        }
+                    })
+                    .await?;
+                renewed += usize::try_from(int(Some(&reply))?).unwrap_or(0);
+            }
+            Ok(renewed)
         })
     }
 
