@@ -359,7 +359,7 @@ impl Gateway {
         let started = Instant::now();
         start::check_admin_door(&config)?;
         admin::install_metrics();
-        let listeners = start::Listeners::bind(&config).await?;
+        let listeners = start::Listeners::bind(&config)?;
         let (addr, admin_addr) = (
             listeners.gateway.as_ref().map(|g| g.addr),
             listeners.admin.addr,
@@ -416,8 +416,10 @@ impl Gateway {
 
         let requests = metered::RequestStats::with_workers(config.workers);
         let admin_state = admin::AdminState::new(status, started, requests.clone());
+        // Every listener listens from here on: until now a connection was refused.
         let admin_task = core.serve_admin(
-            listeners.admin,
+            listeners.admin.listen()?,
+            admin_addr,
             admin_state,
             config.admin_door.clone(),
             &backends_stopped,
@@ -426,7 +428,7 @@ impl Gateway {
         if let Some(check) = listeners.check {
             start::warn_if_no_trusted_proxy(&core, check.addr);
             let served = check::serve(
-                check.listener,
+                check.listen()?,
                 Arc::clone(&core.limiter),
                 config.workers,
                 NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
@@ -436,12 +438,13 @@ impl Gateway {
             tokio::spawn(served);
         }
         if let Some(rls) = listeners.rls {
+            let listener = rls.listen()?;
             let limiter = Arc::clone(&core.limiter);
             let max_connections = PROXY_LISTENER_CONNECTIONS;
             let stop = backends_stopped.clone().wait();
             tokio::spawn(async move {
                 if let Err(error) =
-                    sluice_rls::serve(rls.listener, limiter, max_connections, stop).await
+                    sluice_rls::serve(listener, limiter, max_connections, stop).await
                 {
                     tracing::error!("the rate-limit service failed: {error}");
                 }
@@ -449,7 +452,8 @@ impl Gateway {
         }
         let (stop_gateway, gateway_stopped) = Stop::channel();
         let gateway_task = match (listeners.gateway, stack) {
-            (Some(listener), Some(stack)) => {
+            (Some(bound), Some(stack)) => {
+                let listener = bound.listen()?;
                 let workers = gateway::Workers::start(
                     config.workers,
                     move |stats| stack.build(stats),
@@ -458,7 +462,7 @@ impl Gateway {
                 )
                 .map_err(start::io("starting the gateway worker threads"))?;
                 tokio::spawn(gateway::serve(
-                    listener.listener,
+                    listener,
                     workers,
                     config.max_connections,
                     per_ip,

@@ -17,7 +17,7 @@ use sluice_edge::{Limiter, SharedLimiter};
 use sluice_policy::Policy;
 use sluice_store::{MemoryConfig, MemoryStore};
 use sluice_tower::{SluiceLayer, SluiceService};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::task::JoinHandle;
 use tower::Layer as _;
 
@@ -46,12 +46,38 @@ pub(super) fn check_admin_door(config: &GatewayConfig) -> Result<(), StartError>
     Ok(())
 }
 
-/// A listener, bound, with the address the system gave it.
+/// A listener's socket, bound but not listening yet, with the address the
+/// system gave it. Until [`Bound::listen`] (when the process is ready to
+/// serve), a connection to it is refused at once, so a client or its balancer
+/// goes elsewhere instead of waiting in the backlog while the process starts.
 pub(super) struct Bound {
-    /// The listening socket.
-    pub(super) listener: TcpListener,
+    socket: TcpSocket,
+    /// Which listener it is, for an error.
+    name: &'static str,
     /// Its address (the port chosen when port 0 was asked for).
     pub(super) addr: SocketAddr,
+}
+
+/// How many connections wait to be accepted on a listener (tokio's own
+/// `TcpListener::bind` asks for as many).
+const LISTEN_BACKLOG: u32 = 1024;
+
+impl Bound {
+    /// Starts listening: from now on connections wait to be accepted.
+    ///
+    /// # Errors
+    /// [`StartError::Bind`]: another process bound the address meanwhile and
+    /// listened first.
+    pub(super) fn listen(self) -> Result<TcpListener, StartError> {
+        let (name, addr) = (self.name, self.addr);
+        self.socket
+            .listen(LISTEN_BACKLOG)
+            .map_err(|source| StartError::Bind {
+                listener: name,
+                addr,
+                source,
+            })
+    }
 }
 
 /// The gateway's and the admin listener's sockets.
@@ -72,47 +98,55 @@ impl Listeners {
     /// # Errors
     /// [`StartError::Bind`] names the listener whose address cannot be bound;
     /// [`StartError::Io`] when a bound address cannot be read.
-    pub(super) async fn bind(config: &GatewayConfig) -> Result<Listeners, StartError> {
+    pub(super) fn bind(config: &GatewayConfig) -> Result<Listeners, StartError> {
         let gateway = match config.gateway {
-            true => Some(bound("gateway", config.listen).await?),
+            true => Some(bound("gateway", config.listen)?),
             false => None,
         };
-        let admin = bind("admin", config.admin).await?;
-        let admin_addr = admin
-            .local_addr()
-            .map_err(io("reading the admin address"))?;
+        let admin = bound("admin", config.admin)?;
         let check = match config.check {
             None => None,
-            Some(addr) => Some(bound("check", addr).await?),
+            Some(addr) => Some(bound("check", addr)?),
         };
         let rls = match config.rls {
             None => None,
-            Some(addr) => Some(bound("rls", addr).await?),
+            Some(addr) => Some(bound("rls", addr)?),
         };
         Ok(Listeners {
             gateway,
-            admin: Bound {
-                listener: admin,
-                addr: admin_addr,
-            },
+            admin,
             check,
             rls,
         })
     }
 }
 
-/// Binds `addr` for `listener` and reads the address it got.
+/// Binds `addr` for `listener` (with `SO_REUSEADDR`, as tokio's own
+/// `TcpListener::bind`), without listening yet, and reads the address it got.
 ///
 /// # Errors
 /// [`StartError::Bind`], or [`StartError::Io`] when the address cannot be read.
-async fn bound(listener: &'static str, addr: SocketAddr) -> Result<Bound, StartError> {
-    let socket = bind(listener, addr).await?;
+fn bound(listener: &'static str, addr: SocketAddr) -> Result<Bound, StartError> {
+    let failed = |source| StartError::Bind {
+        listener,
+        addr,
+        source,
+    };
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4(),
+        SocketAddr::V6(_) => TcpSocket::new_v6(),
+    }
+    .map_err(failed)?;
+    #[cfg(unix)]
+    socket.set_reuseaddr(true).map_err(failed)?;
+    socket.bind(addr).map_err(failed)?;
     let addr = socket.local_addr().map_err(|source| StartError::Io {
         what: "reading a bound address",
         source,
     })?;
     Ok(Bound {
-        listener: socket,
+        socket,
+        name: listener,
         addr,
     })
 }
@@ -132,20 +166,6 @@ pub(super) fn warn_if_no_trusted_proxy(core: &Core, check: SocketAddr) {
             "the check listener on {check} has no trusted proxy (identity.trusted_proxies): per-IP ceilings will count the proxy's address, not its clients'; trust the proxy's address so its X-Forwarded-For is read"
         );
     }
-}
-
-/// Binds `addr` for `listener` (`gateway`, `admin` or `check`, as the error names it).
-///
-/// # Errors
-/// [`StartError::Bind`].
-async fn bind(listener: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind {
-            listener,
-            addr,
-            source,
-        })
 }
 
 /// The upstream requests go to: the configured one, or else the built-in demo,
@@ -530,7 +550,8 @@ impl Core {
     /// dashboard's history sampled until `stop`.
     pub(super) fn serve_admin(
         &self,
-        admin: Bound,
+        admin: TcpListener,
+        admin_addr: SocketAddr,
         state: admin::AdminState,
         door: sluice_door::DoorConfig,
         stop: &Stop,
@@ -551,9 +572,9 @@ impl Core {
             })
             .with_quotas(Arc::clone(&self.limiter));
         tokio::spawn(state.clone().keep_history(stop.clone().wait()));
-        let door = Arc::new(sluice_door::Door::new(admin.addr, door));
+        let door = Arc::new(sluice_door::Door::new(admin_addr, door));
         tokio::spawn(admin::serve(
-            admin.listener,
+            admin,
             admin::router(state)
                 .merge(crate::tenants::router(Arc::clone(&self.tenants)))
                 .layer(axum::middleware::from_fn_with_state(
@@ -621,5 +642,35 @@ pub(super) fn log_started(store: &StoreSpec, data_dir: &std::path::Path, core: &
         tracing::warn!(
             "dry run: every budget is in shadow mode and refuses nothing (its would-be refusals are counted in sluice_shadow_refusals_total); guarded lanes, the breaker and the store outage rule still apply"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bound listener refuses connections until it listens (the process is
+    /// ready), then accepts them; a second bind of a listening address fails
+    /// at once, naming the listener.
+    #[tokio::test]
+    async fn a_listener_refuses_until_the_process_is_ready() {
+        let gateway = bound("gateway", SocketAddr::from(([127, 0, 0, 1], 0))).expect("bind");
+        let addr = gateway.addr;
+        let early = tokio::net::TcpStream::connect(addr).await;
+        assert_eq!(
+            early.map(|_| ()).map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::ConnectionRefused),
+            "no connection waits in a backlog before the process is ready"
+        );
+        let listener = gateway.listen().expect("listen");
+        let (connected, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        connected.expect("connects once listening");
+        accepted.expect("accepted");
+        match bound("admin", addr) {
+            Err(StartError::Bind { listener, .. }) => assert_eq!(listener, "admin"),
+            Err(other) => panic!("a port in use is a bind error, got {other}"),
+            Ok(_) => panic!("a listening address cannot be bound again"),
+        }
     }
 }
