@@ -7,7 +7,10 @@
 CHAOS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$CHAOS/../.." && pwd)"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-BIN="${BIN:-$TARGET/release/sluice}"
+# PROFILE=debug runs the binary `cargo test` already built (the README test command does,
+# to spare CI a release build); the checks are the same, the replicas slower.
+PROFILE="${PROFILE:-release}"
+BIN="${BIN:-$TARGET/$PROFILE/sluice}"
 POLICY="${POLICY:-$CHAOS/policy.yaml}"
 CONC="${CONC:-12}"               # load threads
 CLIENT_TIMEOUT="${CLIENT_TIMEOUT:-5}" # seconds per request before the load gives up on it
@@ -19,7 +22,11 @@ declare -A REPLICA_PID=()
 
 build() {
     if [ "${BUILD:-1}" = 1 ]; then
-        (cd "$ROOT" && cargo build --release -q --locked -p sluice)
+        if [ "$PROFILE" = release ]; then
+            (cd "$ROOT" && cargo build --release -q --locked -p sluice)
+        else
+            (cd "$ROOT" && cargo build -q --locked -p sluice)
+        fi
     fi
     [ -x "$BIN" ] || { echo "no binary at $BIN" >&2; exit 1; }
 }
