@@ -977,6 +977,69 @@ async fn l4_a_full_disk_refuses_with_unavailable_and_loses_nothing() {
     assert_eq!(backlog[0].queued, 1, "the refused batch was not stored");
 }
 
+/// A replica killed while items ran, on a disk that is full when it starts
+/// again: the queue opens (the lane answers 503 while full), the items it
+/// ran are still claimed once there is room, and they go back to the queue
+/// when their claims run out and run again under the same key.
+#[tokio::test]
+async fn l4_a_replica_that_crashed_on_a_full_disk_starts_again_with_every_item() {
+    use std::sync::atomic::Ordering;
+    // The disk fills between the store's start and the batch queue's: putting
+    // the running items back cannot be written.
+    let (disk, full) = sluice_store::durable::FillableDisk::new();
+    let open = |fill: bool| {
+        let store = DurableStore::with_backend("full-disk", disk.clone(), disk.log())
+            .expect("the store starts");
+        full.store(fill, Ordering::SeqCst);
+        BatchBook::open(&store, BatchConfig::default())
+            .expect("a full disk does not stop the batch queue from opening")
+    };
+    let first = open(false);
+    let s = first
+        .submit("acme", items(300), Some("k"), b"x", at(0))
+        .await
+        .expect("submit");
+    let mut keys = Vec::new();
+    for _ in 0..200 {
+        let c = first
+            .claim_next("acme", at(1))
+            .await
+            .expect("claim")
+            .expect("item");
+        keys.push((c.index, c.idempotency_key()));
+    }
+    // Killed while they ran (no clean stop).
+    std::mem::forget(first);
+    let second = open(true);
+    let refused = second.submit("acme", items(1), None, b"y", at(2)).await;
+    assert!(
+        matches!(refused, Err(SubmitError::Unavailable(_))),
+        "{refused:?}"
+    );
+    full.store(false, Ordering::SeqCst);
+    let st = second
+        .status("acme", &s.batch_id, at(3))
+        .await
+        .expect("status")
+        .expect("batch");
+    assert_eq!((st.running, st.queued), (200, 100), "nothing lost");
+    let lease = BatchConfig::default().lease.as_secs();
+    let m = second.maintain(at(2 + lease)).await.expect("maintain");
+    assert_eq!(m.requeued, 200, "their claims ran out");
+    let mut again = Vec::new();
+    for _ in 0..200 {
+        let c = second
+            .claim_next("acme", at(3 + lease))
+            .await
+            .expect("claim")
+            .expect("item");
+        again.push((c.index, c.idempotency_key()));
+    }
+    again.sort();
+    keys.sort();
+    assert_eq!(again, keys, "the same items, under the same keys");
+}
+
 #[test]
 fn l4_a_second_book_on_a_locked_data_dir_is_refused() {
     let dir = TempDir::new("locked");

@@ -22,7 +22,7 @@ use crate::queue::{
     Maintenance, QueueFuture, SubmitError, Submitted, WorkspaceBacklog,
 };
 use ops::requeue;
-use schema::{RUNNING, create_tables};
+use schema::{RUNNING, create_tables, tables_readable};
 
 /// A failure inside a transaction: the storage's, or a record that does not
 /// decode.
@@ -116,8 +116,15 @@ impl BatchBook {
     /// puts every item left running (by a process that stopped or crashed)
     /// back at the head of its workspace's queue.
     ///
+    /// A full disk does not stop the start when the tables are there (a
+    /// replica that crashed on a full disk comes back as it was): the lane
+    /// answers 503 until there is room, and the items left running go back
+    /// to the queue when their claims run out, at an upkeep
+    /// ([`BatchQueue::maintain`]) once there is room.
+    ///
     /// # Errors
-    /// [`OpenError::Unusable`] when the file cannot be read or written.
+    /// [`OpenError::Unusable`] when the file cannot be read, or cannot be
+    /// written for another reason than a full disk.
     pub fn open(store: &DurableStore, config: BatchConfig) -> Result<Self, OpenError> {
         let book = BatchBook {
             inner: Arc::new(BookInner {
@@ -129,24 +136,37 @@ impl BatchBook {
             path: store.path().to_owned(),
             message: format!("cannot open the batch queue: {e}"),
         };
-        book.write(|tx| {
-            create_tables(tx)?;
-            let running: Vec<(String, u32)> = {
-                let table = tx.open_table(RUNNING)?;
-                let mut all = Vec::new();
-                for row in table.iter()? {
-                    let (k, _) = row?;
-                    let (id, index) = k.value();
-                    all.push((id.to_owned(), index));
-                }
-                all
-            };
-            for (id, index) in running {
-                requeue(tx, &id, index)?;
-            }
-            Ok(())
-        })
-        .map_err(|e| unusable(&e))?;
+        let db = book.db().map_err(|e| unusable(&e))?;
+        // Read first: after a failed write the file may not open again until
+        // there is room.
+        let had_tables = db
+            .begin_read()
+            .map_err(redb::Error::from)
+            .and_then(|tx| tables_readable(&tx).map_err(redb::Error::from))
+            .is_ok();
+        let written = (|| {
+            let tx = db.begin_write()?;
+            create_tables(&tx)?;
+            requeue_all_running(&tx)?;
+            tx.commit()?;
+            Ok::<_, TxError>(())
+        })();
+        drop(db);
+        let Err(error) = written else {
+            return Ok(book);
+        };
+        let full =
+            matches!(&error, TxError::Storage(e) if sluice_store::durable::is_storage_full(e));
+        let e = book.failed(error);
+        if !(full && had_tables) {
+            return Err(unusable(&e));
+        }
+        eprintln!(
+            "sluice: {}: no room to put the items left running back in the queue; \
+             the batch lane answers 503 until there is room, and they go back \
+             when their claims run out",
+            store.path().display()
+        );
         Ok(book)
     }
 
@@ -155,16 +175,9 @@ impl BatchBook {
         self.inner.config
     }
 
-    /// Runs `f` in one write transaction and commits it; a failed write opens
-    /// the storage anew for the next one (redb takes no transaction after one).
-    fn write<T>(
-        &self,
-        f: impl FnOnce(&WriteTransaction) -> Result<T, TxError>,
-    ) -> Result<T, BatchError> {
-        self.write_if(|tx| f(tx).map(Ok)).and_then(|r| r)
-    }
-
-    /// As [`BatchBook::write`], committing only when `f` returns `Ok(Ok(_))`.
+    /// Runs `f` in one write transaction, committed only when `f` returns
+    /// `Ok(Ok(_))`; a failed write opens the storage anew for the next one
+    /// (redb takes no transaction after one).
     fn write_if<T, E>(
         &self,
         f: impl FnOnce(&WriteTransaction) -> Result<Result<T, E>, TxError>,
@@ -184,7 +197,7 @@ impl BatchBook {
         outcome.map_err(|e| self.failed(e))
     }
 
-    /// As [`BatchBook::write`] for `f` answering how many things it changed:
+    /// As [`BatchBook::write_if`] for `f` answering how many things it changed:
     /// committed only when that is more than none, so upkeep that finds nothing
     /// to do writes nothing to the disk.
     fn write_when_changed(
@@ -252,6 +265,24 @@ impl BatchBook {
             .await
             .map_err(|e| BatchError::Unavailable(format!("the batch store's task stopped: {e}")))
     }
+}
+
+/// Puts every item left running back at the head of its workspace's queue.
+fn requeue_all_running(tx: &WriteTransaction) -> Result<(), TxError> {
+    let running: Vec<(String, u32)> = {
+        let table = tx.open_table(RUNNING)?;
+        let mut all = Vec::new();
+        for row in table.iter()? {
+            let (k, _) = row?;
+            let (id, index) = k.value();
+            all.push((id.to_owned(), index));
+        }
+        all
+    };
+    for (id, index) in running {
+        requeue(tx, &id, index)?;
+    }
+    Ok(())
 }
 
 impl BatchQueue for BatchBook {

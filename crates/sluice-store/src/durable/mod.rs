@@ -252,8 +252,9 @@ impl DurableStore {
     }
 }
 
-/// True when `e` comes from a full disk (`ENOSPC`).
-pub(crate) fn is_storage_full(e: &(dyn std::error::Error + 'static)) -> bool {
+/// True when `e` comes from a full disk (`ENOSPC`), for a caller that lets a
+/// start on a full disk go on, as the quota book and the batch queue do.
+pub fn is_storage_full(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cause = Some(e);
     while let Some(error) = cause {
         if let Some(io) = error.downcast_ref::<std::io::Error>()
