@@ -502,7 +502,7 @@ def check(name, work):
         elif kind == "up" and arg in spawned:
             starts.append(t - spawned.pop(arg))
     if starts:
-        print("replica starts (spawn to start line; the port accepts connections before it): %d, longest %.2f s"
+        print("replica starts (spawn to start line; the port refuses connections until then): %d, longest %.2f s"
               % (len(starts), max(starts)))
     print("the load's own stalls (its 20 ms heartbeat late by more than 100 ms): %d, %.2f s in all, longest %.2f s"
           % (len(stalls), sum(b - a for a, b in stalls), max((b - a for a, b in stalls), default=0.0)))

@@ -101,7 +101,7 @@ start_replica() {
     local pid=$!
     wait_for "grep -q 'listening on' '$WORK/replica$i.out' || ! kill -0 $pid" 20 || true
     if ! grep -q 'listening on' "$WORK/replica$i.out"; then
-        echo "replica $i did not start: $(tail -1 "$WORK/replica$i.err")" >&2
+        echo "replica $i did not start: $(tail -3 "$WORK/replica$i.err")" >&2
         event start-failed "$i"
         # MAY_FAIL=1: the caller handles it (and the check reports it).
         [ "${MAY_FAIL:-0}" = 1 ] && return 1

@@ -983,6 +983,17 @@ async fn l4_a_full_disk_refuses_with_unavailable_and_loses_nothing() {
 /// when their claims run out and run again under the same key.
 #[tokio::test]
 async fn l4_a_replica_that_crashed_on_a_full_disk_starts_again_with_every_item() {
+    crashed_on_a_full_disk(false).await;
+}
+
+/// As above, when a write before the queue's (the quota book's snapshot) has
+/// already failed for want of room.
+#[tokio::test]
+async fn l4_a_replica_that_crashed_on_a_full_disk_starts_again_after_a_failed_write() {
+    crashed_on_a_full_disk(true).await;
+}
+
+async fn crashed_on_a_full_disk(failed_before: bool) {
     use std::sync::atomic::Ordering;
     // The disk fills between the store's start and the batch queue's: putting
     // the running items back cannot be written.
@@ -991,6 +1002,15 @@ async fn l4_a_replica_that_crashed_on_a_full_disk_starts_again_with_every_item()
         let store = DurableStore::with_backend("full-disk", disk.clone(), disk.log())
             .expect("the store starts");
         full.store(fill, Ordering::SeqCst);
+        if fill && failed_before {
+            let db = store.db().expect("open");
+            let tx = db.begin_write().expect("a write transaction");
+            tx.open_table(redb::TableDefinition::<&str, u64>::new("other"))
+                .expect("a table")
+                .insert("k", 1)
+                .expect("insert");
+            assert!(tx.commit().is_err(), "the disk is full");
+        }
         BatchBook::open(&store, BatchConfig::default())
             .expect("a full disk does not stop the batch queue from opening")
     };

@@ -22,7 +22,7 @@ use crate::queue::{
     Maintenance, QueueFuture, SubmitError, Submitted, WorkspaceBacklog,
 };
 use ops::requeue;
-use schema::{RUNNING, create_tables, tables_readable};
+use schema::{RUNNING, create_tables};
 
 /// A failure inside a transaction: the storage's, or a record that does not
 /// decode.
@@ -116,15 +116,14 @@ impl BatchBook {
     /// puts every item left running (by a process that stopped or crashed)
     /// back at the head of its workspace's queue.
     ///
-    /// A full disk does not stop the start when the tables are there (a
-    /// replica that crashed on a full disk comes back as it was): the lane
-    /// answers 503 until there is room, and the items left running go back
-    /// to the queue when their claims run out, at an upkeep
-    /// ([`BatchQueue::maintain`]) once there is room.
+    /// A full disk does not stop the start (a replica that crashed on a full
+    /// disk comes back as it was): the lane answers 503 until there is room,
+    /// and the items left running go back to the queue when their claims run
+    /// out, at an upkeep ([`BatchQueue::maintain`]) once there is room.
     ///
     /// # Errors
-    /// [`OpenError::Unusable`] when the file cannot be read, or cannot be
-    /// written for another reason than a full disk.
+    /// [`OpenError::Unusable`] when the file cannot be written for another
+    /// reason than a full disk.
     pub fn open(store: &DurableStore, config: BatchConfig) -> Result<Self, OpenError> {
         let book = BatchBook {
             inner: Arc::new(BookInner {
@@ -137,28 +136,32 @@ impl BatchBook {
             message: format!("cannot open the batch queue: {e}"),
         };
         let db = book.db().map_err(|e| unusable(&e))?;
-        // Read first: after a failed write the file may not open again until
-        // there is room.
-        let had_tables = db
-            .begin_read()
-            .map_err(redb::Error::from)
-            .and_then(|tx| tables_readable(&tx).map_err(redb::Error::from))
-            .is_ok();
-        let written = (|| {
+        let write = |db: &redb::Database| {
             let tx = db.begin_write()?;
             create_tables(&tx)?;
             requeue_all_running(&tx)?;
             tx.commit()?;
             Ok::<_, TxError>(())
-        })();
+        };
+        let mut written = write(&db);
         drop(db);
+        // A write that failed before this one (the quota book's snapshot on a
+        // full disk, say) leaves the file refusing writes until it is opened
+        // anew: open it and try once more, to see this write's own answer.
+        let mut full = false;
+        if let Err(TxError::Storage(redb::Error::PreviousIo)) = written {
+            match store.reopen() {
+                Ok(()) => written = write(&*book.db().map_err(|e| unusable(&e))?),
+                Err(e) => full = sluice_store::durable::is_storage_full(&e),
+            }
+        }
         let Err(error) = written else {
             return Ok(book);
         };
-        let full =
-            matches!(&error, TxError::Storage(e) if sluice_store::durable::is_storage_full(e));
+        full = full
+            || matches!(&error, TxError::Storage(e) if sluice_store::durable::is_storage_full(e));
         let e = book.failed(error);
-        if !(full && had_tables) {
+        if !full {
             return Err(unusable(&e));
         }
         eprintln!(

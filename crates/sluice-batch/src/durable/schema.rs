@@ -2,7 +2,7 @@
 //! [`BatchBook`](super::BatchBook)), all named `batch_*`, beside the quota
 //! book's.
 
-use redb::{ReadTransaction, TableDefinition, WriteTransaction};
+use redb::{TableDefinition, WriteTransaction};
 
 pub(super) type ItemKey<'a> = (&'a str, u32);
 
@@ -28,22 +28,6 @@ pub(super) const ORIGINS: TableDefinition<'_, &str, (u64, u64)> =
     TableDefinition::new("batch_origins");
 
 pub(super) fn create_tables(tx: &WriteTransaction) -> Result<(), redb::TableError> {
-    tx.open_table(META).map(drop)?;
-    tx.open_table(ITEMS).map(drop)?;
-    tx.open_table(BODIES).map(drop)?;
-    tx.open_table(RESULTS).map(drop)?;
-    tx.open_table(QUEUE).map(drop)?;
-    tx.open_table(RUNNING).map(drop)?;
-    tx.open_table(WORKSPACES).map(drop)?;
-    tx.open_table(KEYS).map(drop)?;
-    tx.open_table(FINISHED).map(drop)?;
-    tx.open_table(ORIGINS).map(drop)?;
-    tx.open_table(STATS).map(drop)
-}
-
-/// Whether every table [`create_tables`] makes is there (a read, for a start
-/// on a full disk that cannot write).
-pub(super) fn tables_readable(tx: &ReadTransaction) -> Result<(), redb::TableError> {
     tx.open_table(META).map(drop)?;
     tx.open_table(ITEMS).map(drop)?;
     tx.open_table(BODIES).map(drop)?;
