@@ -17,6 +17,7 @@
 //! The queue keeps each item with the credential fields it is sent with, until the
 //! batch is purged (finished batches are kept for the lane's `keep_hours`).
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -72,8 +73,10 @@ pub struct BatchLane {
     /// (`requeued` in `/status` and the metric).
     outcomes: [std::sync::atomic::AtomicU64; 3],
     /// The claims of the items running here (batch id, index), which the
-    /// runner renews all at once (see [`BatchLane::renew_claims`]).
-    claims: parking_lot::Mutex<std::collections::HashSet<(String, u32)>>,
+    /// runner renews all at once (see [`BatchLane::renew_claims`]), each with
+    /// how many runs hold it (an item whose claim ran out during an outage
+    /// may be claimed again here while its first run goes on).
+    claims: parking_lot::Mutex<RunningClaims>,
     /// Wakes the renewals when an item starts running here.
     claimed: tokio::sync::Notify,
 }
@@ -451,7 +454,7 @@ impl BatchLane {
                 self.claimed.notified().await;
             }
             tokio::time::sleep(BATCH_CLAIM / 3).await;
-            let claims: Vec<(String, u32)> = self.claims.lock().iter().cloned().collect();
+            let claims = self.claims.lock().all();
             if claims.is_empty() {
                 continue;
             }
@@ -1049,6 +1052,35 @@ where
     }
 }
 
+/// The claims of the items running on a lane, each with how many runs hold it.
+#[derive(Debug, Default)]
+struct RunningClaims(HashMap<(String, u32), usize>);
+
+impl RunningClaims {
+    fn add(&mut self, claim: &(String, u32)) {
+        *self.0.entry(claim.clone()).or_default() += 1;
+    }
+
+    /// One run of `claim` ended; the claim stays while another holds it.
+    fn remove(&mut self, claim: &(String, u32)) {
+        if let Some(runs) = self.0.get_mut(claim) {
+            *runs -= 1;
+            if *runs == 0 {
+                self.0.remove(claim);
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Every claim held, once each.
+    fn all(&self) -> Vec<(String, u32)> {
+        self.0.keys().cloned().collect()
+    }
+}
+
 /// An item's claim among its lane's renewals while the item runs here.
 struct RunningClaim<'a> {
     lane: &'a BatchLane,
@@ -1058,7 +1090,7 @@ struct RunningClaim<'a> {
 impl<'a> RunningClaim<'a> {
     fn new(lane: &'a BatchLane, batch_id: &str, index: u32) -> Self {
         let claim = (batch_id.to_owned(), index);
-        lane.claims.lock().insert(claim.clone());
+        lane.claims.lock().add(&claim);
         lane.claimed.notify_one();
         Self { lane, claim }
     }
@@ -1082,6 +1114,31 @@ impl Drop for AbortOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A claim held by two runs of its item (claimed again after its claim ran
+    /// out) is renewed until both end.
+    #[test]
+    fn l4_a_claim_is_renewed_while_any_run_holds_it() {
+        let mut claims = RunningClaims::default();
+        let (a, b) = (("b1".to_owned(), 0), ("b1".to_owned(), 1));
+        claims.add(&a);
+        claims.add(&a);
+        claims.add(&b);
+        let mut all = claims.all();
+        all.sort();
+        assert_eq!(all, vec![a.clone(), b.clone()], "each claim once");
+        claims.remove(&a);
+        claims.remove(&b);
+        assert_eq!(
+            claims.all(),
+            vec![a.clone()],
+            "a's second run still holds it"
+        );
+        claims.remove(&a);
+        assert!(claims.is_empty());
+        claims.remove(&a);
+        assert!(claims.is_empty(), "an extra end changes nothing");
+    }
 
     #[test]
     fn l4_item_backoff_doubles_and_is_bounded() {
