@@ -136,6 +136,7 @@ def load(out, seconds, conc, timeout, ports):
             if conn is None:
                 conn = conns[r] = http.client.HTTPConnection("127.0.0.1", ports[r], timeout=timeout)
             t0 = time.time()
+            why = ""
             try:
                 conn.request("POST", route, body=b"", headers={"x-api-key": key})
                 resp = conn.getresponse()
@@ -148,13 +149,14 @@ def load(out, seconds, conc, timeout, ports):
                 status = "refused"
             except (TimeoutError, socket.timeout):
                 status = "timeout"
-            except (OSError, http.client.HTTPException):
+            except (OSError, http.client.HTTPException) as e:
                 status = "error"
+                why = repr(e).replace("\t", " ").replace("\n", " ")
             t1 = time.time()
             if status in ("refused", "timeout", "error"):
                 conn.close()
                 conns.pop(r, None)
-            rec.append("%.6f\t%.6f\t%d\t%s\t%s\t%s\n" % (t0, t1, r, route, key, status))
+            rec.append("%.6f\t%.6f\t%d\t%s\t%s\t%s\t%s\n" % (t0, t1, r, route, key, status, why))
             if status == "refused":
                 time.sleep(0.01)  # a replica that is down: do not spin on it
 
@@ -302,6 +304,7 @@ def check(name, work):
     for line in open(os.path.join(work, "events.log")):
         t, kind, *rest = line.split()
         events.append((float(t), kind, rest[0] if rest else ""))
+    start = events[0][0] if events else 0.0
     # On the memory store (MEMORY_WINDOWS=1), a replica killed and started again has
     # forgotten its `/limited` windows by design (docs/deployment.md): each of its
     # lives counts a window of its own. The quota counts (`/counted`) are durable
@@ -327,9 +330,11 @@ def check(name, work):
 
     # What the load saw.
     reqs = []
+    whys = []
     for line in open(os.path.join(work, "load.log")):
-        t0, t1, r, route, key, status = line.rstrip("\n").split("\t")
+        t0, t1, r, route, key, status, why = line.rstrip("\n").split("\t")
         reqs.append((float(t0), float(t1), int(r), route, key, status))
+        whys.append(why)
 
     # Calls in flight at a fault: reached a replica and answered neither 200 nor 429
     # (503 or 504, or no answer while that replica was killed): each may have been
@@ -345,7 +350,7 @@ def check(name, work):
     uncertain = {}
     answered = {}
     stray = 0
-    for t0, t1, r, route, key, status in reqs:
+    for (t0, t1, r, route, key, status), why in zip(reqs, whys):
         if status == "refused":
             continue
         answered[status] = answered.get(status, 0) + 1
@@ -359,6 +364,11 @@ def check(name, work):
                 continue
             else:
                 stray += 1
+                near = sorted(events, key=lambda e: abs(e[0] - t0))[:3]
+                print("without an answer: replica %d, %s, sent %.3f s after the start, "
+                      "answered after %.3f s: %s; nearest events: %s"
+                      % (r, route, t0 - start, t1 - t0, why or "?",
+                         ", ".join("%s %s at %+.3f s" % (k, a, t - t0) for t, k, a in near)))
         if status not in ("200", "429"):
             uncertain[(route, key)] = uncertain.get((route, key), 0) + 1
     sent = sum(answered.values())
@@ -367,6 +377,14 @@ def check(name, work):
     if stray:
         ok = False
         notes.append("%d requests without an answer while their replica was up" % stray)
+    # A replica that panicked (a debug build checks its arithmetic) fails the run, and
+    # its message says where.
+    for name_ in sorted(os.listdir(work)):
+        if name_.startswith("replica") and name_.endswith(".err"):
+            for line in open(os.path.join(work, name_), errors="replace"):
+                if "panicked" in line:
+                    ok = False
+                    notes.append("%s: %s" % (name_[:-4], line.strip()))
 
     # Admitted past a limit.
     worst_excess, worst_bound = 0, 0
