@@ -10,10 +10,8 @@
 //! connections at once.
 //!
 //! A proxy asks once per request of its own, so the check's cost is mostly
-//! the round trip. The listener runs as the gateway does, a thread per core:
-//! each thread accepts on the one socket and serves its connections on a
-//! runtime of its own, so a check never waits for, or wakes, another thread
-//! (the budget store's Redis coalescer is per thread too).
+//! the round trip. The listener runs as the gateway does, a thread per core
+//! ([`crate::per_thread`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -63,33 +61,14 @@ pub(crate) fn serve(
     max_connections: NonZeroUsize,
     stop: Stop,
 ) -> std::io::Result<impl std::future::Future<Output = ()>> {
-    let listener = listener.into_std()?;
     let open = Arc::new(Semaphore::new(max_connections.get()));
-    let mut done = Vec::with_capacity(threads.get());
-    for index in 0..threads.get() {
-        let listener = listener.try_clone()?;
-        let (limiter, open, stop) = (Arc::clone(&limiter), Arc::clone(&open), stop.clone());
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        let (finished, finish) = tokio::sync::oneshot::channel::<()>();
-        std::thread::Builder::new()
-            .name(format!("sluice-check-{index}"))
-            .spawn(move || {
-                runtime.block_on(async move {
-                    match TcpListener::from_std(listener) {
-                        Ok(listener) => serve_here(listener, limiter, open, stop).await,
-                        Err(error) => tracing::error!("check listener thread {index}: {error}"),
-                    }
-                });
-                let _ = finished.send(());
-            })?;
-        done.push(finish);
-    }
-    Ok(async move {
-        for finish in done {
-            let _ = finish.await;
-        }
+    crate::per_thread::serve(listener, threads, "sluice-check", move |listener| {
+        serve_here(
+            listener,
+            Arc::clone(&limiter),
+            Arc::clone(&open),
+            stop.clone(),
+        )
     })
 }
 

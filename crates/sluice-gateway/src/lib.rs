@@ -25,6 +25,7 @@ pub mod file_watch;
 mod gateway;
 mod h1;
 pub mod metered;
+mod per_thread;
 mod pool;
 pub mod process;
 pub mod proxy;
@@ -438,17 +439,31 @@ impl Gateway {
             tokio::spawn(served);
         }
         if let Some(rls) = listeners.rls {
-            let listener = rls.listen()?;
+            // A thread per core, as the check listener: a decision stays on the
+            // thread that read it, with that thread's Redis coalescer.
+            let places = Arc::new(tokio::sync::Semaphore::new(PROXY_LISTENER_CONNECTIONS));
             let limiter = Arc::clone(&core.limiter);
-            let max_connections = PROXY_LISTENER_CONNECTIONS;
-            let stop = backends_stopped.clone().wait();
-            tokio::spawn(async move {
-                if let Err(error) =
-                    sluice_rls::serve(listener, limiter, max_connections, stop).await
-                {
-                    tracing::error!("the rate-limit service failed: {error}");
-                }
-            });
+            let stop = backends_stopped.clone();
+            let served = per_thread::serve(
+                rls.listen()?,
+                config.workers,
+                "sluice-rls",
+                move |listener| {
+                    let served = sluice_rls::serve_sharing(
+                        listener,
+                        Arc::clone(&limiter),
+                        Arc::clone(&places),
+                        stop.clone().wait(),
+                    );
+                    async move {
+                        if let Err(error) = served.await {
+                            tracing::error!("the rate-limit service failed: {error}");
+                        }
+                    }
+                },
+            )
+            .map_err(start::io("starting the rate-limit service threads"))?;
+            tokio::spawn(served);
         }
         let (stop_gateway, gateway_stopped) = Stop::channel();
         let gateway_task = match (listeners.gateway, stack) {

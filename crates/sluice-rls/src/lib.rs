@@ -266,13 +266,28 @@ pub async fn serve<S: BudgetStore + 'static>(
     max_connections: usize,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
+    let places = Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
+    serve_sharing(listener, limiter, places, stop).await
+}
+
+/// [`serve`], holding one of `places` per connection: several threads that
+/// accept on copies of one listening socket, each serving its connections on
+/// a runtime of its own, share one bound on the connections they hold.
+///
+/// # Errors
+/// The transport's error when the listener fails.
+pub async fn serve_sharing<S: BudgetStore + 'static>(
+    listener: TcpListener,
+    limiter: SharedLimiter<S>,
+    places: Arc<tokio::sync::Semaphore>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<RateLimitServiceServer<Rls<S>>>()
         .await;
     let service =
         RateLimitServiceServer::new(Rls::new(limiter)).max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let places = Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
     let incoming =
         futures_util::stream::unfold((listener, places), |(listener, places)| async move {
             let place = Arc::clone(&places).acquire_owned().await.ok()?;

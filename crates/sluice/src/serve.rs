@@ -135,6 +135,7 @@ pub struct ServeArgs {
 
     /// Gateway worker threads, each serving its share of the connections with its own
     /// upstream connection pool (default: one per CPU the process may use; at most 1024).
+    /// `--check` and `--rls` run as many threads each.
     #[arg(long, value_name = "N", value_parser = parse_workers)]
     pub workers: Option<NonZeroUsize>,
 
