@@ -41,6 +41,7 @@ import urllib.request
 
 KEYED_ROUTES = {"/limited": 20, "/counted": 20}  # limit per caller per window
 PER_CALLER = 60  # requests per caller: 30 on each route, past its limit of 20
+IDLE_CLOSE = 30.0  # seconds a replica keeps an idle client connection (its header read timeout)
 
 
 # ---------------------------------------------------------------- the upstream
@@ -124,6 +125,7 @@ def load(out, seconds, conc, timeout, ports):
 
     def worker(w):
         conns = {}
+        last_used = {}
         rec = results[w]
         while time.time() < end:
             with seq_lock:
@@ -135,7 +137,10 @@ def load(out, seconds, conc, timeout, ports):
             conn = conns.get(r)
             if conn is None:
                 conn = conns[r] = http.client.HTTPConnection("127.0.0.1", ports[r], timeout=timeout)
+                last_used[r] = None
             t0 = time.time()
+            # How long the connection sat idle before this request (-1: a new one).
+            idle = -1.0 if last_used[r] is None else t0 - last_used[r]
             why = ""
             try:
                 conn.request("POST", route, body=b"", headers={"x-api-key": key})
@@ -153,10 +158,11 @@ def load(out, seconds, conc, timeout, ports):
                 status = "error"
                 why = repr(e).replace("\t", " ").replace("\n", " ")
             t1 = time.time()
+            last_used[r] = t1
             if status in ("refused", "timeout", "error"):
                 conn.close()
                 conns.pop(r, None)
-            rec.append("%.6f\t%.6f\t%d\t%s\t%s\t%s\t%s\n" % (t0, t1, r, route, key, status, why))
+            rec.append("%.6f\t%.6f\t%d\t%s\t%s\t%s\t%s\t%.3f\n" % (t0, t1, r, route, key, status, why, idle))
             if status == "refused":
                 time.sleep(0.01)  # a replica that is down: do not spin on it
 
@@ -332,9 +338,9 @@ def check(name, work):
     reqs = []
     whys = []
     for line in open(os.path.join(work, "load.log")):
-        t0, t1, r, route, key, status, why = line.rstrip("\n").split("\t")
+        t0, t1, r, route, key, status, why, idle = line.rstrip("\n").split("\t")
         reqs.append((float(t0), float(t1), int(r), route, key, status))
-        whys.append(why)
+        whys.append((why, float(idle)))
 
     # Calls in flight at a fault: reached a replica and answered neither 200 nor 429
     # (503 or 504, or no answer while that replica was killed): each may have been
@@ -350,7 +356,7 @@ def check(name, work):
     uncertain = {}
     answered = {}
     stray = 0
-    for (t0, t1, r, route, key, status), why in zip(reqs, whys):
+    for (t0, t1, r, route, key, status), (why, idle) in zip(reqs, whys):
         if status == "refused":
             continue
         answered[status] = answered.get(status, 0) + 1
@@ -362,12 +368,19 @@ def check(name, work):
                 answered["error"] -= 1
                 answered["to a dead replica"] = answered.get("to a dead replica", 0) + 1
                 continue
+            elif idle >= IDLE_CLOSE - 1:
+                # A kept-alive connection the replica closed after its idle timeout,
+                # as HTTP allows, just as the load sent on it (the load's threads pick
+                # replicas in turn, and one may leave a replica alone that long).
+                # Counted as in flight, to be safe.
+                answered["error"] -= 1
+                answered["on a connection closed idle"] = answered.get("on a connection closed idle", 0) + 1
             else:
                 stray += 1
                 near = sorted(events, key=lambda e: abs(e[0] - t0))[:3]
-                print("without an answer: replica %d, %s, sent %.3f s after the start, "
-                      "answered after %.3f s: %s; nearest events: %s"
-                      % (r, route, t0 - start, t1 - t0, why or "?",
+                print("without an answer: replica %d, %s, sent %.3f s after the start on a "
+                      "connection idle %.3f s (-1: new), answered after %.3f s: %s; nearest events: %s"
+                      % (r, route, t0 - start, idle, t1 - t0, why or "?",
                          ", ".join("%s %s at %+.3f s" % (k, a, t - t0) for t, k, a in near)))
         if status not in ("200", "429"):
             uncertain[(route, key)] = uncertain.get((route, key), 0) + 1
@@ -508,7 +521,7 @@ def check(name, work):
         ok = False
         notes.append("%d replica starts failed (the replica exited: see its log)" % failed_starts)
 
-    codes = ", ".join("%s×%d" % (k, v) for k, v in sorted(answered.items()))
+    codes = ", ".join("%s×%d" % (k, v) for k, v in sorted(answered.items()) if v)
     print("requests: %d sent to a replica (%s); %d refused connections to a replica that was down"
           % (sent, codes, sum(1 for q in reqs if q[5] == "refused")))
     print("faults: %d; recoveries (s): %s" % (faults, " ".join("%.2f" % x for x, _ in recoveries) or "none"))
