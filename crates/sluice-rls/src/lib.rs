@@ -317,3 +317,64 @@ pub async fn serve_sharing<S: BudgetStore + 'static>(
         .serve_with_incoming_shutdown(incoming, stop)
         .await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A client's HTTP/2 preface and an empty SETTINGS frame: a connection the
+    /// service serves answers with its own SETTINGS at once.
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+
+    /// Connects and sends the preface.
+    async fn open(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(PREFACE).await.expect("preface");
+        stream
+    }
+
+    /// Whether the service answers on `stream` within `wait`.
+    async fn served(stream: &mut tokio::net::TcpStream, wait: Duration) -> bool {
+        let mut frame = [0_u8; 9];
+        matches!(
+            tokio::time::timeout(wait, stream.read_exact(&mut frame)).await,
+            Ok(Ok(_))
+        )
+    }
+
+    /// R1 bounds: two servers accepting on copies of one socket (as the
+    /// threads of `sluice serve --rls` do) hold at most their shared places
+    /// of connections together; the next waits until one closes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn r1_copies_of_one_listener_share_one_connection_bound() {
+        let policy = sluice_policy::default_policy().expect("the default policy");
+        let store = sluice_store::MemoryStore::new(sluice_store::MemoryConfig::default());
+        let limiter = Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(
+            sluice_edge::Limiter::new(policy, store),
+        ));
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("addr");
+        let places = Arc::new(tokio::sync::Semaphore::new(1));
+        for _ in 0..2 {
+            let copy = TcpListener::from_std(listener.try_clone().expect("copy"))
+                .expect("a tokio listener");
+            let (limiter, places) = (Arc::clone(&limiter), Arc::clone(&places));
+            tokio::spawn(serve_sharing(copy, limiter, places, std::future::pending()));
+        }
+
+        let mut first = open(addr).await;
+        assert!(served(&mut first, Duration::from_secs(10)).await);
+        let mut second = open(addr).await;
+        assert!(
+            !served(&mut second, Duration::from_millis(300)).await,
+            "one place between the two servers: the second connection waits"
+        );
+        drop(first);
+        assert!(
+            served(&mut second, Duration::from_secs(10)).await,
+            "served once the first closed"
+        );
+    }
+}
