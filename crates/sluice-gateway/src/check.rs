@@ -29,9 +29,9 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use sluice_edge::SharedLimiter;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 
 use crate::Stop;
+use crate::per_thread::Connections;
 use crate::store::AnyStore;
 
 /// How long a connection may take to send a request head.
@@ -52,7 +52,7 @@ fn is_check_path(path: &str) -> bool {
 /// most [`GRACE`]).
 ///
 /// # Errors
-/// A thread, its runtime or its copy of the listening socket that cannot be
+/// A thread or its runtime that cannot be made.
 /// made.
 pub(crate) fn serve(
     listener: TcpListener,
@@ -61,25 +61,20 @@ pub(crate) fn serve(
     max_connections: NonZeroUsize,
     stop: Stop,
 ) -> std::io::Result<impl std::future::Future<Output = ()>> {
-    let open = Arc::new(Semaphore::new(max_connections.get()));
-    crate::per_thread::serve(listener, threads, "sluice-check", move |listener| {
-        serve_here(
-            listener,
-            Arc::clone(&limiter),
-            Arc::clone(&open),
-            stop.clone(),
-        )
-    })
+    let stopped = stop.clone();
+    crate::per_thread::serve(
+        listener,
+        threads,
+        max_connections,
+        "sluice-check",
+        async move { stopped.wait().await },
+        move |incoming| serve_here(incoming, Arc::clone(&limiter), stop.clone()),
+    )
 }
 
-/// One thread's share of [`serve`]: accepts on `listener` (which the other
-/// threads accept on too) while `open` has room, until `stop`.
-async fn serve_here(
-    listener: TcpListener,
-    limiter: SharedLimiter<AnyStore>,
-    open: Arc<Semaphore>,
-    stop: Stop,
-) {
+/// One thread's share of [`serve`]: serves the connections handed to it
+/// until `stop`.
+async fn serve_here(mut incoming: Connections, limiter: SharedLimiter<AnyStore>, stop: Stop) {
     let mut http1 = http1::Builder::new();
     http1
         .timer(TokioTimer::new())
@@ -89,26 +84,13 @@ async fn serve_here(
     let stop = stop.wait();
     tokio::pin!(stop);
     loop {
-        let permit = tokio::select! {
+        let (stream, peer, held) = tokio::select! {
             () = &mut stop => break,
-            permit = Arc::clone(&open).acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => break,
+            handed = incoming.accept() => match handed {
+                Some(handed) => handed,
+                None => break,
             },
         };
-        let (stream, peer): (_, SocketAddr) = tokio::select! {
-            () = &mut stop => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of descriptors and the like: wait a moment, as the gateway does.
-                    tracing::warn!("check listener: accept failed: {error}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let _ = stream.set_nodelay(true);
         let limiter = Arc::clone(&limiter);
         let service = service_fn(move |request: Request<Incoming>| {
             let limiter = Arc::clone(&limiter);
@@ -116,12 +98,12 @@ async fn serve_here(
         });
         let connection = graceful.watch(http1.serve_connection(TokioIo::new(stream), service));
         tokio::spawn(async move {
-            let _permit = permit;
+            let _held = held;
             // A connection error concerns that proxy connection only.
             let _ = connection.await;
         });
     }
-    drop(listener);
+    drop(incoming);
     let _ = tokio::time::timeout(GRACE, graceful.shutdown()).await;
 }
 

@@ -441,18 +441,23 @@ impl Gateway {
         if let Some(rls) = listeners.rls {
             // A thread per core, as the check listener: a decision stays on the
             // thread that read it, with that thread's Redis coalescer.
-            let places = Arc::new(tokio::sync::Semaphore::new(PROXY_LISTENER_CONNECTIONS));
             let limiter = Arc::clone(&core.limiter);
-            let stop = backends_stopped.clone();
+            let (stop, stopped) = (backends_stopped.clone(), backends_stopped.clone());
             let served = per_thread::serve(
                 rls.listen()?,
                 config.workers,
+                NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
                 "sluice-rls",
-                move |listener| {
-                    let served = sluice_rls::serve_sharing(
-                        listener,
+                stopped.wait(),
+                move |incoming| {
+                    // The peer's address rides in the stream's connect info.
+                    let incoming = futures_util::stream::unfold(incoming, |mut incoming| async {
+                        let (stream, _, held) = incoming.accept().await?;
+                        Some(((stream, held), incoming))
+                    });
+                    let served = sluice_rls::serve_connections(
+                        incoming,
                         Arc::clone(&limiter),
-                        Arc::clone(&places),
                         stop.clone().wait(),
                     );
                     async move {

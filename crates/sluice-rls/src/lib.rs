@@ -206,13 +206,14 @@ impl<S: BudgetStore + 'static> RateLimitService for Rls<S> {
     }
 }
 
-/// A connection holding one of the listener's places until it closes.
-struct Bounded {
+/// A connection with what it holds (its place under a connection bound) until
+/// it closes.
+struct Bounded<H> {
     stream: tokio::net::TcpStream,
-    _place: tokio::sync::OwnedSemaphorePermit,
+    _held: H,
 }
 
-impl tokio::io::AsyncRead for Bounded {
+impl<H: Unpin> tokio::io::AsyncRead for Bounded<H> {
     fn poll_read(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -222,7 +223,7 @@ impl tokio::io::AsyncRead for Bounded {
     }
 }
 
-impl tokio::io::AsyncWrite for Bounded {
+impl<H: Unpin> tokio::io::AsyncWrite for Bounded<H> {
     fn poll_write(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -246,7 +247,7 @@ impl tokio::io::AsyncWrite for Bounded {
     }
 }
 
-impl tonic::transport::server::Connected for Bounded {
+impl<H> tonic::transport::server::Connected for Bounded<H> {
     type ConnectInfo = tonic::transport::server::TcpConnectInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
@@ -267,27 +268,6 @@ pub async fn serve<S: BudgetStore + 'static>(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let places = Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
-    serve_sharing(listener, limiter, places, stop).await
-}
-
-/// [`serve`], holding one of `places` per connection: several threads that
-/// accept on copies of one listening socket, each serving its connections on
-/// a runtime of its own, share one bound on the connections they hold.
-///
-/// # Errors
-/// The transport's error when the listener fails.
-pub async fn serve_sharing<S: BudgetStore + 'static>(
-    listener: TcpListener,
-    limiter: SharedLimiter<S>,
-    places: Arc<tokio::sync::Semaphore>,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), tonic::transport::Error> {
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<RateLimitServiceServer<Rls<S>>>()
-        .await;
-    let service =
-        RateLimitServiceServer::new(Rls::new(limiter)).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let incoming =
         futures_util::stream::unfold((listener, places), |(listener, places)| async move {
             let place = Arc::clone(&places).acquire_owned().await.ok()?;
@@ -295,11 +275,7 @@ pub async fn serve_sharing<S: BudgetStore + 'static>(
                 match listener.accept().await {
                     Ok((stream, _)) => {
                         let _ = stream.set_nodelay(true);
-                        let connection = Bounded {
-                            stream,
-                            _place: place,
-                        };
-                        return Some((Ok::<_, std::io::Error>(connection), (listener, places)));
+                        return Some(((stream, place), (listener, places)));
                     }
                     Err(error) => {
                         // Out of descriptors and the like: wait a moment, as the gateway does.
@@ -309,6 +285,39 @@ pub async fn serve_sharing<S: BudgetStore + 'static>(
                 }
             }
         });
+    serve_connections(incoming, limiter, stop).await
+}
+
+/// Serves the rate-limit service and gRPC health checking on the connections
+/// `incoming` yields, each with what it holds until it closes (its place
+/// under a connection bound, say), until `stop` resolves or `incoming` ends.
+/// Several threads that are handed connections by one acceptor each serve
+/// theirs this way, on a runtime of their own.
+///
+/// # Errors
+/// The transport's error.
+pub async fn serve_connections<S, H>(
+    incoming: impl futures_util::Stream<Item = (tokio::net::TcpStream, H)> + Send + 'static,
+    limiter: SharedLimiter<S>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error>
+where
+    S: BudgetStore + 'static,
+    H: Send + Unpin + 'static,
+{
+    use futures_util::StreamExt;
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<RateLimitServiceServer<Rls<S>>>()
+        .await;
+    let service =
+        RateLimitServiceServer::new(Rls::new(limiter)).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let incoming = incoming.map(|(stream, held)| {
+        Ok::<_, std::io::Error>(Bounded {
+            stream,
+            _held: held,
+        })
+    });
     tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
@@ -343,33 +352,25 @@ mod tests {
         )
     }
 
-    /// R1 bounds: two servers accepting on copies of one socket (as the
-    /// threads of `sluice serve --rls` do) hold at most their shared places
-    /// of connections together; the next waits until one closes.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn r1_copies_of_one_listener_share_one_connection_bound() {
+    /// R1 bounds: the service holds at most its bound of connections; the
+    /// next waits until one closes.
+    #[tokio::test]
+    async fn r1_the_service_holds_at_most_its_connection_bound() {
         let policy = sluice_policy::default_policy().expect("the default policy");
         let store = sluice_store::MemoryStore::new(sluice_store::MemoryConfig::default());
         let limiter = Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(
             sluice_edge::Limiter::new(policy, store),
         ));
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        listener.set_nonblocking(true).expect("nonblocking");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let places = Arc::new(tokio::sync::Semaphore::new(1));
-        for _ in 0..2 {
-            let copy = TcpListener::from_std(listener.try_clone().expect("copy"))
-                .expect("a tokio listener");
-            let (limiter, places) = (Arc::clone(&limiter), Arc::clone(&places));
-            tokio::spawn(serve_sharing(copy, limiter, places, std::future::pending()));
-        }
+        tokio::spawn(serve(listener, limiter, 1, std::future::pending()));
 
         let mut first = open(addr).await;
         assert!(served(&mut first, Duration::from_secs(10)).await);
         let mut second = open(addr).await;
         assert!(
             !served(&mut second, Duration::from_millis(300)).await,
-            "one place between the two servers: the second connection waits"
+            "one place: the second connection waits"
         );
         drop(first);
         assert!(
