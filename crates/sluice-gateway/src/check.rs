@@ -53,7 +53,6 @@ fn is_check_path(path: &str) -> bool {
 ///
 /// # Errors
 /// A thread or its runtime that cannot be made.
-/// made.
 pub(crate) fn serve(
     listener: TcpListener,
     limiter: SharedLimiter<AnyStore>,
