@@ -32,7 +32,10 @@ use tonic::{Request, Response, Status};
 )]
 mod generated;
 
+mod connection;
 mod counters;
+
+pub use connection::PREFACE_TIMEOUT;
 
 /// The Envoy RLS v3 wire types and the generated service and client.
 pub mod proto {
@@ -206,55 +209,6 @@ impl<S: BudgetStore + 'static> RateLimitService for Rls<S> {
     }
 }
 
-/// A connection with what it holds (its place under a connection bound) until
-/// it closes.
-struct Bounded<H> {
-    stream: tokio::net::TcpStream,
-    _held: H,
-}
-
-impl<H: Unpin> tokio::io::AsyncRead for Bounded<H> {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
-    }
-}
-
-impl<H: Unpin> tokio::io::AsyncWrite for Bounded<H> {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
-    }
-}
-
-impl<H> tonic::transport::server::Connected for Bounded<H> {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.stream.connect_info()
-    }
-}
-
 /// Serves the rate-limit service and gRPC health checking on `listener` until
 /// `stop` resolves, holding at most `max_connections` connections at once (the
 /// next waits to be accepted).
@@ -312,12 +266,8 @@ where
         .await;
     let service =
         RateLimitServiceServer::new(Rls::new(limiter)).max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let incoming = incoming.map(|(stream, held)| {
-        Ok::<_, std::io::Error>(Bounded {
-            stream,
-            _held: held,
-        })
-    });
+    let incoming = incoming
+        .map(|(stream, held)| Ok::<_, std::io::Error>(connection::Bounded::new(stream, held)));
     tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
