@@ -344,7 +344,7 @@ http {{
     uwsgi_temp_path {d}/uwsgi;
     scgi_temp_path {d}/scgi;
     upstream app {{ server {upstream}; }}
-    upstream sluice_check {{ server {check}; keepalive 8; }}
+    upstream sluice_check {{ server {check}; keepalive 8; keepalive_timeout 9s; }}
     server {{
         listen unix:{socket};
         set_real_ip_from unix:;
