@@ -33,6 +33,7 @@
 mod door;
 mod guard;
 mod host;
+mod listener;
 mod origin;
 mod proxy;
 mod token;
@@ -42,6 +43,7 @@ pub use door::{
 };
 pub use guard::{authority, guard, peer, refused};
 pub use host::HostRule;
+pub use listener::{ADMIN_CONNECTIONS, ADMIN_HEAD_TIMEOUT, serve};
 pub use origin::{ForeignOrigin, SEC_FETCH_SITE, json_or_empty, origin_listed, same_origin};
 pub use proxy::{ClientKey, ProxyGate, X_API_KEY};
 pub use token::{ATTEMPT_WINDOW, AdminToken, Attempts, MAX_BAD_ATTEMPTS, TOKEN_ENV, TokenError};

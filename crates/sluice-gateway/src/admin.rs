@@ -431,7 +431,8 @@ pub fn router(state: AdminState) -> Router {
 }
 
 /// Serves `router` on `listener` until `stop` resolves, running the metrics upkeep
-/// alongside.
+/// alongside: at most [`sluice_door::ADMIN_CONNECTIONS`] open at once, each
+/// request head within [`sluice_door::ADMIN_HEAD_TIMEOUT`].
 pub async fn serve(
     listener: TcpListener,
     router: Router,
@@ -445,13 +446,14 @@ pub async fn serve(
             handle.run_upkeep();
         }
     });
-    let service = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
-    if let Err(error) = axum::serve(listener, service)
-        .with_graceful_shutdown(stop)
-        .await
-    {
-        tracing::error!("admin listener failed: {error}");
-    }
+    sluice_door::serve(
+        listener,
+        router,
+        sluice_door::ADMIN_CONNECTIONS,
+        sluice_door::ADMIN_HEAD_TIMEOUT,
+        stop,
+    )
+    .await;
     upkeep.abort();
 }
 

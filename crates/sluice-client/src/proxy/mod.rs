@@ -235,11 +235,13 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
             let router = admin::router(self.app.clone()).layer(
                 axum::middleware::from_fn_with_state(door, sluice_door::guard),
             );
-            axum::serve(
+            sluice_door::serve(
                 l,
-                router.into_make_service_with_connect_info::<SocketAddr>(),
+                router,
+                sluice_door::ADMIN_CONNECTIONS,
+                sluice_door::ADMIN_HEAD_TIMEOUT,
+                wait(rx),
             )
-            .with_graceful_shutdown(wait(rx))
         });
         tokio::spawn(async move {
             shutdown.await;
@@ -247,9 +249,8 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
         });
         match admin {
             Some(admin) => {
-                let (a, b) = tokio::join!(proxy.into_future(), admin.into_future());
-                a?;
-                b?;
+                let (served, ()) = tokio::join!(proxy.into_future(), admin);
+                served?;
             }
             None => proxy.await?,
         }

@@ -1,0 +1,177 @@
+//! Serves an admin listener's router over HTTP/1.1 with a bound on open
+//! connections and a deadline for each request head. (`axum::serve` has
+//! neither, so silent sockets could pile up until the process, gateway or
+//! pacer and all, runs out of descriptors.)
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::ConnectInfo;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+
+/// The most connections an admin listener holds at once (the next waits to be
+/// accepted).
+pub const ADMIN_CONNECTIONS: usize = 256;
+/// How long an admin listener waits for a request head, also on a kept-alive
+/// connection between requests.
+pub const ADMIN_HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long open connections get to finish once the listener stops.
+const GRACE: Duration = Duration::from_secs(5);
+/// How long the loop waits after a failed accept (out of descriptors and the
+/// like), as the gateway does.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// Serves `router` (behind its door, [`guard`](crate::guard)) on `listener` until `stop`: at most `max_connections` open
+/// at once (the next waits to be accepted), each request head within
+/// `head_timeout` (also the longest a kept-alive connection may sit idle), the
+/// peer's address in each request's [`ConnectInfo`]. Returns once the open
+/// connections have finished (at most [`GRACE`]).
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    max_connections: usize,
+    head_timeout: Duration,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let mut http1 = http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(head_timeout);
+    let places = Arc::new(Semaphore::new(max_connections.max(1)));
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(stop);
+    loop {
+        let place = tokio::select! {
+            () = &mut stop => break,
+            place = Arc::clone(&places).acquire_owned() => match place {
+                Ok(place) => place,
+                Err(_) => break,
+            },
+        };
+        let (stream, peer): (_, SocketAddr) = tokio::select! {
+            () = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!("admin listener: accept failed: {error}");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+            },
+        };
+        let router = router.clone();
+        let service = service_fn(move |mut request: hyper::Request<Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(peer));
+            let answered = router.clone().oneshot(request.map(axum::body::Body::new));
+            async move { Ok::<_, Infallible>(answered.await.unwrap_or_else(|never| match never {})) }
+        });
+        let connection = graceful.watch(http1.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            let _place = place;
+            // A connection error concerns that client only.
+            let _ = connection.await;
+        });
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(GRACE, graceful.shutdown()).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::routing::get;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn start(max: usize, head_timeout: Duration) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let router = Router::new().route(
+            "/peer",
+            get(|ConnectInfo(peer): ConnectInfo<SocketAddr>| async move { peer.to_string() }),
+        );
+        tokio::spawn(serve(
+            listener,
+            router,
+            max,
+            head_timeout,
+            std::future::pending(),
+        ));
+        addr
+    }
+
+    /// Sends one request and reads the answer up to the end of its body.
+    async fn ask(stream: &mut tokio::net::TcpStream, wait: Duration) -> Option<String> {
+        stream
+            .write_all(b"GET /peer HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .ok()?;
+        let mut answer = Vec::new();
+        let mut chunk = [0_u8; 1024];
+        loop {
+            let n = tokio::time::timeout(wait, stream.read(&mut chunk))
+                .await
+                .ok()?
+                .ok()?;
+            if n == 0 {
+                return None;
+            }
+            answer.extend_from_slice(&chunk[..n]);
+            let text = String::from_utf8_lossy(&answer).into_owned();
+            if let Some((head, body)) = text.split_once("\r\n\r\n")
+                && let Some(length) = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length: "))
+                    .and_then(|l| l.trim().parse::<usize>().ok())
+                && body.len() >= length
+            {
+                return Some(text);
+            }
+        }
+    }
+
+    /// Bounds: the listener holds at most its bound of connections (the next
+    /// waits), and tells each request its peer's address.
+    #[tokio::test]
+    async fn the_admin_listener_holds_at_most_its_connections() {
+        let addr = start(1, Duration::from_secs(10)).await;
+        let mut first = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let answer = ask(&mut first, Duration::from_secs(10))
+            .await
+            .expect("served");
+        let local = first.local_addr().expect("local").to_string();
+        assert!(answer.ends_with(&local), "the peer's address: {answer}");
+        let mut second = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        assert!(
+            ask(&mut second, Duration::from_millis(300)).await.is_none(),
+            "one place: the second connection waits"
+        );
+        drop(first);
+        assert!(
+            ask(&mut second, Duration::from_secs(10)).await.is_some(),
+            "served once the first closed"
+        );
+    }
+
+    /// Bounds: a connection that sends no request head in time is closed, so
+    /// silent sockets give their places back.
+    #[tokio::test]
+    async fn a_silent_admin_connection_is_closed() {
+        let addr = start(8, Duration::from_millis(100)).await;
+        let mut silent = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let mut byte = [0_u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut byte))
+            .await
+            .expect("closed by the listener, not left open");
+        assert!(matches!(read, Ok(0) | Err(_)), "closed: {read:?}");
+    }
+}
