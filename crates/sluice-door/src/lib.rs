@@ -31,6 +31,7 @@
 //! ```
 
 mod door;
+mod first_words;
 mod guard;
 mod host;
 mod listener;
@@ -41,6 +42,7 @@ mod token;
 pub use door::{
     Door, DoorConfig, Entrant, LOGIN_PATH, LOGOUT_PATH, Refusal, bearer, changes_state,
 };
+pub use first_words::{FirstWords, HTTP2_HANDSHAKE_BYTES};
 pub use guard::{authority, guard, peer, refused};
 pub use host::HostRule;
 pub use listener::{ADMIN_CONNECTIONS, ADMIN_HEAD_TIMEOUT, serve};
