@@ -42,6 +42,9 @@ use sluice_h1::rewind::Rewind;
 /// A client that has not sent complete request headers within this time is dropped
 /// (on a new connection, the wait for its first bytes counts once more on top).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often an HTTP/2 client is pinged, and how long its answer may take.
+const HTTP2_PING_EVERY: Duration = Duration::from_secs(30);
+const HTTP2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// The cap on a connection's read buffer, and so on a request head (request line and
 /// headers): an HTTP/1 head that does not fit is refused with 431 (hyper checks the
@@ -337,7 +340,10 @@ where
     let mut http2 = http2::Builder::new(TokioExecutor::new());
     http2
         .timer(TokioTimer::new())
-        .max_header_list_size(MAX_REQUEST_HEAD_BYTES as u32);
+        .max_header_list_size(MAX_REQUEST_HEAD_BYTES as u32)
+        // A peer that stops answering pings is gone: its connection is closed.
+        .keep_alive_interval(Some(HTTP2_PING_EVERY))
+        .keep_alive_timeout(HTTP2_PING_TIMEOUT);
     let graceful = GracefulShutdown::new();
     // Tells connections still waiting for their first bytes that the worker drains.
     let (draining, drain_started) = watch::channel(false);
@@ -396,6 +402,13 @@ where
                         .await;
                 }
                 Some(Protocol::Http2) => {
+                    // The handshake is due as a request head would be; until it
+                    // has begun, hyper would wait (and hold the place) for ever.
+                    let stream = sluice_door::FirstWords::new(
+                        stream,
+                        sluice_door::HTTP2_HANDSHAKE_BYTES,
+                        HEADER_READ_TIMEOUT,
+                    );
                     let _ = watcher
                         .watch(http2.serve_connection(TokioIo::new(stream), service))
                         .await;
