@@ -9,6 +9,9 @@
 //! - [`AdminToken`], [`Door`]: with a token, every request carries it (`Authorization:
 //!   Bearer`, or the login cookie); ten wrong ones a minute and the address waits.
 //! - [`guard`]: all of it as an axum middleware; [`ProxyGate`] for the pacer proxy.
+//! - [`serve`]: an admin listener's loop, at most [`ADMIN_CONNECTIONS`] open and each
+//!   request head within [`ADMIN_HEAD_TIMEOUT`]; [`FirstWords`]: a connection whose
+//!   first bytes (an HTTP/2 handshake) must come in time, or it is closed.
 //!
 //! ```
 //! use std::time::Instant;
