@@ -35,7 +35,7 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// at once (the next waits to be accepted), each request head within
 /// `head_timeout` (also the longest a kept-alive connection may sit idle), the
 /// peer's address in each request's [`ConnectInfo`]. Returns once the open
-/// connections have finished (at most [`GRACE`]).
+/// connections have finished (at most 5 s).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
