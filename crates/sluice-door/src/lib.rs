@@ -9,8 +9,8 @@
 //! - [`AdminToken`], [`Door`]: with a token, every request carries it (`Authorization:
 //!   Bearer`, or the login cookie); ten wrong ones a minute and the address waits.
 //! - [`guard`]: all of it as an axum middleware; [`ProxyGate`] for the pacer proxy.
-//! - [`serve`]: an admin listener's loop, at most [`ADMIN_CONNECTIONS`] open and each
-//!   request head within [`ADMIN_HEAD_TIMEOUT`]; [`FirstWords`]: a connection whose
+//! - [`serve`]: a listener's loop within [`Bounds`] (open connections, the wait for
+//!   a request head; [`ADMIN_BOUNDS`] for an admin listener); [`FirstWords`]: a connection whose
 //!   first bytes (an HTTP/2 handshake) must come in time, or it is closed.
 //!
 //! ```
@@ -48,7 +48,7 @@ pub use door::{
 pub use first_words::{FirstWords, HTTP2_HANDSHAKE_BYTES};
 pub use guard::{authority, guard, peer, refused};
 pub use host::HostRule;
-pub use listener::{ADMIN_CONNECTIONS, ADMIN_HEAD_TIMEOUT, serve};
+pub use listener::{ADMIN_BOUNDS, Bounds, serve};
 pub use origin::{ForeignOrigin, SEC_FETCH_SITE, json_or_empty, origin_listed, same_origin};
 pub use proxy::{ClientKey, ProxyGate, X_API_KEY};
 pub use token::{ATTEMPT_WINDOW, AdminToken, Attempts, MAX_BAD_ATTEMPTS, TOKEN_ENV, TokenError};

@@ -1,7 +1,7 @@
-//! Serves an admin listener's router over HTTP/1.1 with a bound on open
-//! connections and a deadline for each request head. (`axum::serve` has
-//! neither, so silent sockets could pile up until the process, gateway or
-//! pacer and all, runs out of descriptors.)
+//! Serves a listener's router over HTTP/1.1 with a bound on open connections
+//! and a deadline for each request head: the admin listeners and the pacer's
+//! proxy. (`axum::serve` has neither, so silent sockets could pile up until
+//! the process, gateway or pacer and all, runs out of descriptors.)
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -19,35 +19,44 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
-/// The most connections an admin listener holds at once (the next waits to be
-/// accepted).
-pub const ADMIN_CONNECTIONS: usize = 256;
-/// How long an admin listener waits for a request head, also on a kept-alive
-/// connection between requests.
-pub const ADMIN_HEAD_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long open connections get to finish once the listener stops.
-const GRACE: Duration = Duration::from_secs(5);
+/// What a listener holds and how long it waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bounds {
+    /// The most connections open at once (the next waits to be accepted).
+    pub max_connections: usize,
+    /// How long a request head may take, also the longest a kept-alive
+    /// connection may sit idle between requests.
+    pub head_timeout: Duration,
+    /// How long open connections get to finish once the listener stops;
+    /// `None`: as long as they take.
+    pub grace: Option<Duration>,
+}
+
+/// An admin listener's: 256 connections, a head within 10 s, 5 s to finish.
+pub const ADMIN_BOUNDS: Bounds = Bounds {
+    max_connections: 256,
+    head_timeout: Duration::from_secs(10),
+    grace: Some(Duration::from_secs(5)),
+};
 /// How long the loop waits after a failed accept (out of descriptors and the
 /// like), as the gateway does.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// Serves `router` (behind its door, [`guard`](crate::guard)) on `listener` until `stop`: at most `max_connections` open
-/// at once (the next waits to be accepted), each request head within
-/// `head_timeout` (also the longest a kept-alive connection may sit idle), the
-/// peer's address in each request's [`ConnectInfo`]. Returns once the open
-/// connections have finished (at most 5 s).
+/// Serves `router` (behind its door, [`guard`](crate::guard)) on `listener`
+/// until `stop`, within `bounds`, the peer's address in each request's
+/// [`ConnectInfo`]. Returns once the open connections have finished (within
+/// the bounds' grace).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
-    max_connections: usize,
-    head_timeout: Duration,
+    bounds: Bounds,
     stop: impl std::future::Future<Output = ()>,
 ) {
     let mut http1 = http1::Builder::new();
     http1
         .timer(TokioTimer::new())
-        .header_read_timeout(head_timeout);
-    let places = Arc::new(Semaphore::new(max_connections.max(1)));
+        .header_read_timeout(bounds.head_timeout);
+    let places = Arc::new(Semaphore::new(bounds.max_connections.max(1)));
     let graceful = GracefulShutdown::new();
     tokio::pin!(stop);
     loop {
@@ -63,7 +72,7 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
-                    tracing::warn!("admin listener: accept failed: {error}");
+                    tracing::warn!("accept failed: {error}");
                     tokio::time::sleep(ACCEPT_BACKOFF).await;
                     continue;
                 }
@@ -83,7 +92,12 @@ pub async fn serve(
         });
     }
     drop(listener);
-    let _ = tokio::time::timeout(GRACE, graceful.shutdown()).await;
+    match bounds.grace {
+        Some(grace) => {
+            let _ = tokio::time::timeout(grace, graceful.shutdown()).await;
+        }
+        None => graceful.shutdown().await,
+    }
 }
 
 #[cfg(test)]
@@ -99,13 +113,12 @@ mod tests {
             "/peer",
             get(|ConnectInfo(peer): ConnectInfo<SocketAddr>| async move { peer.to_string() }),
         );
-        tokio::spawn(serve(
-            listener,
-            router,
-            max,
+        let bounds = Bounds {
+            max_connections: max,
             head_timeout,
-            std::future::pending(),
-        ));
+            grace: None,
+        };
+        tokio::spawn(serve(listener, router, bounds, std::future::pending()));
         addr
     }
 

@@ -431,8 +431,8 @@ pub fn router(state: AdminState) -> Router {
 }
 
 /// Serves `router` on `listener` until `stop` resolves, running the metrics upkeep
-/// alongside: at most [`sluice_door::ADMIN_CONNECTIONS`] open at once, each
-/// request head within [`sluice_door::ADMIN_HEAD_TIMEOUT`].
+/// alongside, within [`sluice_door::ADMIN_BOUNDS`] (256 connections, a request
+/// head within 10 s).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
@@ -446,14 +446,7 @@ pub async fn serve(
             handle.run_upkeep();
         }
     });
-    sluice_door::serve(
-        listener,
-        router,
-        sluice_door::ADMIN_CONNECTIONS,
-        sluice_door::ADMIN_HEAD_TIMEOUT,
-        stop,
-    )
-    .await;
+    sluice_door::serve(listener, router, sluice_door::ADMIN_BOUNDS, stop).await;
     upkeep.abort();
 }
 

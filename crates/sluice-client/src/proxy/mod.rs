@@ -34,6 +34,16 @@ use tokio::net::TcpListener;
 use crate::config::{ConfigError, ConfigWatcher, LimitsSource};
 use crate::pacer::Pacer;
 
+/// What the proxy's listener holds and how long it waits: 1,024 connections
+/// (the next waits to be accepted), a request head within 30 s (also the
+/// longest a kept-alive connection may sit idle), and on stop, as long as the
+/// calls in flight take (a streamed completion can run for minutes).
+pub const PROXY_BOUNDS: sluice_door::Bounds = sluice_door::Bounds {
+    max_connections: 1024,
+    head_timeout: std::time::Duration::from_secs(30),
+    grace: None,
+};
+
 /// How to run the proxy.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProxyOptions {
@@ -205,19 +215,21 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
         &self.app.pacer
     }
 
-    /// Serves until an error.
+    /// Serves for good, within [`PROXY_BOUNDS`] (the settings listener within
+    /// [`sluice_door::ADMIN_BOUNDS`]).
     ///
     /// # Errors
-    /// [`ProxyError::Serve`].
+    /// None today: a failed accept is logged and tried again. The `Result`
+    /// keeps room for errors of serving ([`ProxyError::Serve`]).
     pub async fn serve(self) -> Result<(), ProxyError> {
         self.serve_with_shutdown(std::future::pending()).await
     }
 
     /// Serves until `shutdown` completes, then finishes the requests in
-    /// flight.
+    /// flight, however long they take.
     ///
     /// # Errors
-    /// [`ProxyError::Serve`].
+    /// None today, as [`ProxyServer::serve`].
     pub async fn serve_with_shutdown(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
@@ -226,22 +238,17 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
         let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|v| *v).await;
         };
-        let proxy = axum::serve(
+        let proxy = sluice_door::serve(
             self.listener,
-            forward::router(self.app.clone()).into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(wait(rx.clone()));
+            forward::router(self.app.clone()),
+            PROXY_BOUNDS,
+            wait(rx.clone()),
+        );
         let admin = self.admin.zip(self.admin_door).map(|(l, door)| {
             let router = admin::router(self.app.clone()).layer(
                 axum::middleware::from_fn_with_state(door, sluice_door::guard),
             );
-            sluice_door::serve(
-                l,
-                router,
-                sluice_door::ADMIN_CONNECTIONS,
-                sluice_door::ADMIN_HEAD_TIMEOUT,
-                wait(rx),
-            )
+            sluice_door::serve(l, router, sluice_door::ADMIN_BOUNDS, wait(rx))
         });
         tokio::spawn(async move {
             shutdown.await;
@@ -249,10 +256,9 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
         });
         match admin {
             Some(admin) => {
-                let (served, ()) = tokio::join!(proxy.into_future(), admin);
-                served?;
+                tokio::join!(proxy, admin);
             }
-            None => proxy.await?,
+            None => proxy.await,
         }
         Ok(())
     }
