@@ -163,8 +163,9 @@ async fn accept(
             continue;
         };
         // The fewest open first; a thread whose queue is full (its runtime
-        // stalled) is passed over, and only when every queue is full does the
-        // acceptor wait, never past the stop.
+        // stalled) or that has stopped is passed over, and only when every
+        // queue is full does the acceptor wait for a live thread's, never past
+        // the stop.
         let mut order: Vec<usize> = (0..handoffs.len()).collect();
         order.sort_by_key(|&i| open[i].load(Ordering::Relaxed));
         let first = order[0];
@@ -182,21 +183,25 @@ async fn accept(
             handoff.2.move_to(thread);
             match handoffs[thread].try_send(handoff) {
                 Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(back)) => connection = Some(back),
-                Err(mpsc::error::TrySendError::Closed(_)) => {
-                    tracing::warn!("{name}-{thread} stopped; a connection from {peer} was dropped");
-                }
+                // Full: its runtime is behind; closed: the thread has stopped.
+                Err(
+                    mpsc::error::TrySendError::Full(back) | mpsc::error::TrySendError::Closed(back),
+                ) => connection = Some(back),
             }
         }
         if let Some(mut handoff) = connection {
-            handoff.2.move_to(first);
+            let Some(&live) = order.iter().find(|&&i| !handoffs[i].is_closed()) else {
+                tracing::error!("{name}: every thread has stopped; no longer accepting");
+                return;
+            };
+            handoff.2.move_to(live);
             let handed = tokio::select! {
                 biased;
                 () = &mut stop => return,
-                handed = handoffs[first].send(handoff) => handed,
+                handed = handoffs[live].send(handoff) => handed,
             };
             if handed.is_err() {
-                tracing::warn!("{name}-{first} stopped; a connection from {peer} was dropped");
+                tracing::warn!("{name}-{live} stopped; a connection from {peer} was dropped");
             }
         }
     }
@@ -316,6 +321,54 @@ mod tests {
                 .is_some(),
             "served once the first closed"
         );
+    }
+
+    /// A thread that has stopped is passed over: its connections go to the
+    /// others instead of being dropped.
+    #[tokio::test]
+    async fn a_thread_that_stopped_is_passed_over() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let stopped = Arc::new(tokio::sync::Notify::new());
+        let stopping = Arc::clone(&stopped);
+        let served = serve(
+            listener,
+            NonZeroUsize::new(2).expect("threads"),
+            NonZeroUsize::new(64).expect("max"),
+            "stopping",
+            std::future::pending(),
+            move |mut incoming: Connections| {
+                let stopping = Arc::clone(&stopping);
+                async move {
+                    if std::thread::current().name() == Some("stopping-0") {
+                        drop(incoming);
+                        stopping.notify_one();
+                        return;
+                    }
+                    while let Some((mut stream, _, held)) = incoming.accept().await {
+                        tokio::spawn(async move {
+                            let _ = stream.write_all(&[1]).await;
+                            let mut rest = Vec::new();
+                            let _ = stream.read_to_end(&mut rest).await;
+                            drop(held);
+                        });
+                    }
+                }
+            },
+        )
+        .expect("threads start");
+        tokio::spawn(served);
+        stopped.notified().await;
+        let mut open = Vec::new();
+        for _ in 0..4 {
+            let mut stream = TcpStream::connect(addr).await.expect("connect");
+            assert_eq!(
+                thread_of(&mut stream, Duration::from_secs(10)).await,
+                Some(1),
+                "served by the thread still running"
+            );
+            open.push(stream);
+        }
     }
 
     /// The stop ends every thread's incoming connections and the acceptor.
