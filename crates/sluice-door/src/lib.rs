@@ -48,7 +48,7 @@ pub use door::{
 pub use first_words::{FirstWords, HTTP2_HANDSHAKE_BYTES};
 pub use guard::{authority, guard, peer, refused};
 pub use host::HostRule;
-pub use listener::{ADMIN_BOUNDS, Bounds, serve};
+pub use listener::{ADMIN_BOUNDS, Bounds, accept_within, serve};
 pub use origin::{ForeignOrigin, SEC_FETCH_SITE, json_or_empty, origin_listed, same_origin};
 pub use proxy::{ClientKey, ProxyGate, X_API_KEY};
 pub use token::{ATTEMPT_WINDOW, AdminToken, Attempts, MAX_BAD_ATTEMPTS, TOKEN_ENV, TokenError};

@@ -15,8 +15,8 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
 
 /// What a listener holds and how long it waits.
@@ -42,6 +42,31 @@ pub const ADMIN_BOUNDS: Bounds = Bounds {
 /// like), as the gateway does.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
+/// Waits for one of `places`, then accepts a connection on `listener` (with
+/// `TCP_NODELAY`), holding the place for it; a failed accept (out of
+/// descriptors and the like) is logged under `name` and tried again after a
+/// moment. `None` once `places` is closed. Cancel-safe: dropped while
+/// waiting, it gives the place back and loses no connection.
+pub async fn accept_within(
+    listener: &TcpListener,
+    places: &Arc<Semaphore>,
+    name: &str,
+) -> Option<(OwnedSemaphorePermit, TcpStream, SocketAddr)> {
+    let place = Arc::clone(places).acquire_owned().await.ok()?;
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                return Some((place, stream, peer));
+            }
+            Err(error) => {
+                tracing::warn!("{name}: accept failed: {error}");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+            }
+        }
+    }
+}
+
 /// Serves `router` (behind its door, [`guard`](crate::guard)) on `listener`
 /// until `stop`, within `bounds`, the peer's address in each request's
 /// [`ConnectInfo`]. Returns once the open connections have finished (within
@@ -60,22 +85,11 @@ pub async fn serve(
     let graceful = GracefulShutdown::new();
     tokio::pin!(stop);
     loop {
-        let place = tokio::select! {
+        let (place, stream, peer) = tokio::select! {
             () = &mut stop => break,
-            place = Arc::clone(&places).acquire_owned() => match place {
-                Ok(place) => place,
-                Err(_) => break,
-            },
-        };
-        let (stream, peer): (_, SocketAddr) = tokio::select! {
-            () = &mut stop => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    tracing::warn!("accept failed: {error}");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    continue;
-                }
+            accepted = accept_within(&listener, &places, "admin listener") => match accepted {
+                Some(accepted) => accepted,
+                None => break,
             },
         };
         let router = router.clone();

@@ -17,16 +17,12 @@ use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 /// Connections handed to one thread and not yet taken by it.
 const HANDOFF_QUEUE: usize = 64;
-/// How long the acceptor waits after a failed accept (out of descriptors and
-/// the like), as the gateway does.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// What a connection holds until it closes: its place under the listener's
 /// connection bound and its count on its thread's line.
@@ -137,27 +133,14 @@ async fn accept(
 ) {
     tokio::pin!(stop);
     loop {
-        let place = tokio::select! {
+        let (place, stream, peer) = tokio::select! {
             biased;
             () = &mut stop => return,
-            place = Arc::clone(&places).acquire_owned() => match place {
-                Ok(place) => place,
-                Err(_) => return,
+            accepted = sluice_door::accept_within(&listener, &places, name) => match accepted {
+                Some(accepted) => accepted,
+                None => return,
             },
         };
-        let (stream, peer) = tokio::select! {
-            biased;
-            () = &mut stop => return,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    tracing::warn!("{name}: accept failed: {error}");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    continue;
-                }
-            },
-        };
-        let _ = stream.set_nodelay(true);
         // Deregistered here, registered again with the thread's own reactor.
         let Ok(stream) = stream.into_std() else {
             continue;
@@ -210,6 +193,7 @@ async fn accept(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// Starts [`serve`] with `threads` threads and at most `max` connections;

@@ -224,20 +224,9 @@ pub async fn serve<S: BudgetStore + 'static>(
     let places = Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
     let incoming =
         futures_util::stream::unfold((listener, places), |(listener, places)| async move {
-            let place = Arc::clone(&places).acquire_owned().await.ok()?;
-            loop {
-                match listener.accept().await {
-                    Ok((stream, _)) => {
-                        let _ = stream.set_nodelay(true);
-                        return Some(((stream, place), (listener, places)));
-                    }
-                    Err(error) => {
-                        // Out of descriptors and the like: wait a moment, as the gateway does.
-                        tracing::warn!("rate-limit service: accept failed: {error}");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                }
-            }
+            let (place, stream, _) =
+                sluice_door::accept_within(&listener, &places, "rate-limit service").await?;
+            Some(((stream, place), (listener, places)))
         });
     serve_connections(incoming, limiter, stop).await
 }
