@@ -87,6 +87,8 @@ mod permit;
 pub mod priority;
 #[cfg(feature = "proxy")]
 pub mod proxy;
+#[cfg(feature = "reqwest")]
+mod redirect;
 mod route;
 pub mod shrink;
 #[cfg(feature = "simulator")]
@@ -103,6 +105,8 @@ pub use layer::{BoxError, PacedBody, PacerLayer, PacerService};
 pub use middleware::{PaceProvider, PacerMiddleware};
 pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats, WindowReading};
 pub use priority::{AcquireOptions, PRIORITY_HEADER, Priority};
+#[cfg(feature = "reqwest")]
+pub use redirect::{MAX_REDIRECTS, same_origin_redirects};
 
 // Each of these is documented in its module (one path per type); the root
 // names stay, hidden, for code written against them.

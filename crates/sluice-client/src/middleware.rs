@@ -33,6 +33,11 @@ pub struct PaceProvider(pub String);
 /// plus the most it may complete) counted in the window: never too little,
 /// but the room it did not use comes back only when it leaves the window.
 ///
+/// **Build the client with [`same_origin_redirects`](crate::same_origin_redirects)**
+/// when the provider has keys (`apiKeys`): the middleware puts the chosen key
+/// on the request, and reqwest's own redirect policy would carry a key in
+/// `x-api-key` (or any header but `Authorization`) to another host.
+///
 /// ```
 /// use serde_json::{Value, json};
 /// use sluice_client::config::{PaceConfig, ProviderConfig, ProviderLimits};
@@ -54,7 +59,10 @@ pub struct PaceProvider(pub String);
 /// let limits = ProviderLimits::new(30_000, 500, 0);
 /// let config = PaceConfig::from_providers([ProviderConfig::new("openai", &base_url, limits)]);
 /// let pacer = Pacer::from_config(config);
-/// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+/// let http = reqwest::Client::builder()
+///     .redirect(sluice_client::same_origin_redirects())
+///     .build()?;
+/// let client = reqwest_middleware::ClientBuilder::new(http)
 ///     .with(PacerMiddleware::new(pacer.clone(), "openai"))
 ///     .build();
 ///

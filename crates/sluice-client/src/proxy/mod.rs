@@ -1,7 +1,11 @@
 //! `sluice pace`: a local proxy any OpenAI- or Anthropic-compatible SDK uses
 //! by changing its base URL. `/<provider>/<path>` is forwarded to that
 //! provider's `baseUrl` + `/<path>` with its key, paced; answers (also
-//! server-sent event streams) pass through unbuffered. A separate admin
+//! server-sent event streams) pass through unbuffered. A path that could leave
+//! the provider's base path (`..`, `%2e%2e`, an encoded slash, …) is 400
+//! `invalid_path`, sent nowhere; a redirect is followed only within the
+//! provider's origin (see [`crate::same_origin_redirects`]), any other is the
+//! answer, so the key never goes to another host. A separate admin
 //! listener serves `GET /limits` (JSON), `PUT /limits/<provider>`,
 //! `GET /status` and the settings page at `/`.
 //!
@@ -19,6 +23,7 @@
 
 mod admin;
 mod forward;
+mod path;
 
 pub use forward::{BUDGET_HEADER, KEY_HEADER};
 
@@ -167,6 +172,8 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
         }
         let client = reqwest::Client::builder()
             .pool_idle_timeout(std::time::Duration::from_secs(60))
+            // The key goes to the provider's origin and nowhere else.
+            .redirect(crate::same_origin_redirects())
             .build()?;
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)
