@@ -78,6 +78,21 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
         return sluice_door::refused(&refusal);
     }
     let path = parts.uri.path();
+    // Before the provider is chosen: a path that could leave its base path
+    // is sent nowhere.
+    if let Some(why) = super::path::refusal(path) {
+        return envelope(
+            StatusCode::BAD_REQUEST,
+            &serde_json::json!({"error": {
+                "code": "invalid_path",
+                "message": format!(
+                    "the path holds {why}: it could leave the provider's base URL, so it is not forwarded"
+                ),
+                "details": {"reason": why},
+            }}),
+            None,
+        );
+    }
     let trimmed = path.trim_start_matches('/');
     let (provider, rest) = match trimmed.split_once('/') {
         Some((p, r)) => (p.to_owned(), format!("/{r}")),
