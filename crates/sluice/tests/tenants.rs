@@ -379,3 +379,161 @@ async fn p4_d2_changes_reach_three_replicas_within_a_second_and_survive_a_restar
         "nothing half-applied"
     );
 }
+
+/// A tmpfs of `size` mounted on a fresh directory, unmounted (and the directory
+/// removed) on drop, a failing test included.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    /// `None`, with a message, where this test may not mount one (not root, or in
+    /// a container without the right).
+    fn mount(size: &str) -> Option<Tmpfs> {
+        let dir = std::env::temp_dir().join(format!(
+            "sluice-tmpfs-{}-{}",
+            std::process::id(),
+            fastrand::u32(..)
+        ));
+        std::fs::create_dir_all(&dir).expect("mount point");
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir)
+            .output();
+        match mounted {
+            Ok(out) if out.status.success() => Some(Tmpfs(dir)),
+            other => {
+                let why = match other {
+                    Ok(out) => String::from_utf8_lossy(&out.stderr).into_owned(),
+                    Err(e) => e.to_string(),
+                };
+                eprintln!("skipped: cannot mount a tmpfs here: {}", why.trim());
+                let _ = std::fs::remove_dir(&dir);
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Fills the file system of `path` with a file there, to its last page.
+fn fill(path: &std::path::Path) {
+    use std::io::Write as _;
+    let mut file = std::fs::File::create(path).expect("filler");
+    let chunk = vec![0u8; 64 * 1024];
+    loop {
+        match file.write(&chunk) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(28) => break, // ENOSPC
+            Err(e) => panic!("filling the disk: {e}"),
+        }
+    }
+}
+
+/// Valid journal lines (credentials of acme) that end `room` bytes before a 4 KiB
+/// page ends: on a full tmpfs the next write has exactly that room.
+fn journal_seed(room: usize) -> String {
+    let line = |i: usize, user: &str| {
+        let change = serde_json::json!({
+            "op": "put_key",
+            "sha256": sha(&format!("sk-seed-{i}")),
+            "key": { "workspace": "acme", "user": user },
+        });
+        format!("{change}\n")
+    };
+    let target = 4096 - room;
+    let base = line(0, "").len();
+    let count = target.div_ceil(base + 256);
+    let users = target - count * base;
+    (0..count)
+        .map(|i| {
+            let n = users / count + usize::from(i < users % count);
+            line(i, &"u".repeat(n))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn p4_a_full_disk_refuses_a_change_whole_and_the_next_acknowledged_one_survives_a_restart() {
+    let Some(disk) = Tmpfs::mount("12m") else {
+        return;
+    };
+    let policy = policy("full-disk.yaml");
+    let data = disk.0.join("data");
+    std::fs::create_dir_all(&data).expect("data dir");
+    let journal = data.join("tenants.jsonl");
+    let seed = journal_seed(8);
+    assert_eq!(seed.len(), 4096 - 8);
+    std::fs::write(&journal, &seed).expect("seed the journal");
+    let data_arg = data.to_str().expect("utf-8 path");
+    let mut sluice = Sluice::spawn(&["--config", &policy, "--data-dir", data_arg]);
+    let listed = get(&sluice.admin_url("/tenants")).await.json();
+    assert_eq!(
+        listed["keys"][sha("sk-seed-0")]["workspace"],
+        "acme",
+        "{listed}"
+    );
+
+    // The disk full: the revocation's line does not fit in the 8 bytes left.
+    let filler = disk.0.join("filler");
+    fill(&filler);
+    let revoke = format!("/tenants/keys/{}", sha("sk-file"));
+    let refused = admin(&sluice, "DELETE", &revoke, None).await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert_eq!(refused.json()["error"]["code"], "store_unavailable");
+    let after = std::fs::read_to_string(&journal).expect("journal");
+    assert!(
+        after == seed,
+        "a refused change leaves nothing of itself in the journal; past the seed: {:?}",
+        after.get(seed.len()..).unwrap_or(&after)
+    );
+    let listed = get(&sluice.admin_url("/tenants")).await.json();
+    assert_eq!(listed["revoked"], serde_json::json!([]), "nothing applied");
+
+    // Room again: the next changes are acknowledged, and a restart keeps them.
+    std::fs::remove_file(&filler).expect("free the disk");
+    let revoked = admin(&sluice, "DELETE", &revoke, None).await;
+    assert_eq!(revoked.status, 204, "{}", revoked.text());
+    let pro = admin(
+        &sluice,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro"}"#),
+    )
+    .await;
+    assert_eq!(pro.status, 204, "{}", pro.text());
+    sluice.terminate();
+    assert!(
+        sluice.wait_exit(Duration::from_secs(10)).is_some(),
+        "sluice did not stop"
+    );
+    drop(sluice);
+    for (i, line) in std::fs::read_to_string(&journal)
+        .expect("journal")
+        .lines()
+        .enumerate()
+    {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(line).is_ok(),
+            "line {} is not one whole change: {line}",
+            i + 1
+        );
+    }
+    let sluice = Sluice::spawn(&["--config", &policy, "--data-dir", data_arg]);
+    assert_eq!(chat(&sluice, "sk-file").await.status, 403, "still revoked");
+    assert_eq!(acme_expensive(&sluice).await, 4, "still on pro");
+    let listed = get(&sluice.admin_url("/tenants")).await.json();
+    assert_eq!(
+        listed["revoked"],
+        serde_json::json!([sha("sk-file")]),
+        "{listed}"
+    );
+}
