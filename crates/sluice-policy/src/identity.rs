@@ -1,6 +1,7 @@
 //! Who a request is from: the caller's credential (hashed at
 //! once, never kept or logged raw) and the client IP.
 
+use std::borrow::Cow;
 use std::net::{IpAddr, Ipv6Addr};
 
 use http::header::{AUTHORIZATION, COOKIE, HeaderName};
@@ -8,6 +9,7 @@ use http::{HeaderMap, HeaderValue};
 use sha2::{Digest, Sha256};
 use sluice_core::digest;
 
+use crate::cookie;
 use crate::model::{CredentialSource, Identity, Principal};
 
 const X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
@@ -501,14 +503,9 @@ impl Identity {
             let count = match source {
                 CredentialSource::ApiKeyHeader => headers.get_all(X_API_KEY).iter().count(),
                 CredentialSource::Bearer => headers.get_all(AUTHORIZATION).iter().count(),
-                CredentialSource::SessionCookie => headers
-                    .get_all(COOKIE)
-                    .iter()
-                    .flat_map(|v| v.as_bytes().split(|&b| b == b';'))
-                    .filter(|pair| {
-                        let name = pair.split(|&b| b == b'=').next().unwrap_or(pair);
-                        name.trim_ascii() == self.session_cookie.as_bytes()
-                    })
+                CredentialSource::SessionCookie => self
+                    .session_pairs(headers)
+                    .filter(cookie::Pair::is_session)
                     .count(),
             };
             if count > 1 {
@@ -563,21 +560,25 @@ impl Identity {
             }
             CredentialSource::SessionCookie => fields.any(|(n, v)| {
                 n.eq_ignore_ascii_case(b"cookie")
-                    && v.split(|&b| b == b';')
-                        .any(|pair| self.is_session_pair(pair))
+                    && cookie::pairs(v, &self.session_cookie).any(|pair| pair.is_session())
             }),
         }
     }
 
     /// Whether the request's field of `source` is one sluice cannot read as the
-    /// credential the upstream may take it for: not visible ASCII, or a Bearer
-    /// without exactly one token. Other `Authorization` schemes (`Basic …`) are not
+    /// credential the upstream may take it for: not visible ASCII, a Bearer
+    /// without exactly one token, or a session cookie whose value the common
+    /// frameworks read differently (see [`crate::cookie`]). Other `Authorization` schemes (`Basic …`) are not
     /// sluice's credentials and pass.
     fn malformed(&self, source: CredentialSource, headers: &HeaderMap) -> bool {
         let field = match source {
             CredentialSource::ApiKeyHeader => headers.get(X_API_KEY),
             CredentialSource::Bearer => headers.get(AUTHORIZATION),
-            CredentialSource::SessionCookie => return false,
+            CredentialSource::SessionCookie => {
+                return self
+                    .session_pairs(headers)
+                    .any(|pair| pair == cookie::Pair::Unreadable);
+            }
         };
         let Some(value) = field else { return false };
         let Ok(text) = value.to_str() else {
@@ -599,17 +600,22 @@ impl Identity {
         match source {
             CredentialSource::ApiKeyHeader => headers.contains_key(X_API_KEY),
             CredentialSource::Bearer => headers.contains_key(AUTHORIZATION),
-            CredentialSource::SessionCookie => headers.get_all(COOKIE).iter().any(|v| {
-                v.as_bytes()
-                    .split(|&b| b == b';')
-                    .any(|pair| self.is_session_pair(pair))
-            }),
+            CredentialSource::SessionCookie => {
+                self.session_pairs(headers).any(|pair| pair.is_session())
+            }
         }
     }
 
-    fn is_session_pair(&self, pair: &[u8]) -> bool {
-        let name = pair.split(|&b| b == b'=').next().unwrap_or(pair);
-        name.trim_ascii() == self.session_cookie.as_bytes()
+    /// Every pair of every `Cookie` field (HTTP/2 splits them), each read for the
+    /// session cookie by the one cookie reader ([`crate::cookie`]).
+    fn session_pairs<'h>(
+        &'h self,
+        headers: &'h HeaderMap,
+    ) -> impl Iterator<Item = cookie::Pair<'h>> + 'h {
+        headers
+            .get_all(COOKIE)
+            .iter()
+            .flat_map(|v| cookie::pairs(v.as_bytes(), &self.session_cookie))
     }
 
     /// Whether a request with these fields (name, value) sends more than one kind of
@@ -657,7 +663,9 @@ impl Identity {
                             let rest: Vec<&[u8]> = v
                                 .as_bytes()
                                 .split(|&b| b == b';')
-                                .filter(|pair| !self.is_session_pair(pair))
+                                .filter(|pair| {
+                                    !cookie::read(pair, &self.session_cookie).is_session()
+                                })
                                 .map(<[u8]>::trim_ascii)
                                 .filter(|pair| !pair.is_empty())
                                 .collect();
@@ -730,7 +738,7 @@ impl Identity {
         self.is_trusted(peer)
     }
 
-    fn credential<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
+    fn credential<'h>(&'h self, headers: &'h HeaderMap) -> Option<Cow<'h, str>> {
         if let Some(counted) = self.counted
             && self.sends_in(counted, headers)
         {
@@ -742,11 +750,11 @@ impl Identity {
     }
 
     fn read_credential<'h>(
-        &self,
+        &'h self,
         source: CredentialSource,
         headers: &'h HeaderMap,
-    ) -> Option<&'h str> {
-        match source {
+    ) -> Option<Cow<'h, str>> {
+        let field = match source {
             CredentialSource::ApiKeyHeader => headers
                 .get(X_API_KEY)
                 .and_then(|v| v.to_str().ok())
@@ -762,17 +770,17 @@ impl Identity {
                     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
                 })
                 .filter(|s| !s.is_empty()),
-            CredentialSource::SessionCookie => headers
-                .get_all(COOKIE)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|v| v.split(';'))
-                .find_map(|pair| {
-                    let (name, value) = pair.trim().split_once('=')?;
-                    (name == self.session_cookie).then_some(value.trim())
-                })
-                .filter(|s| !s.is_empty()),
-        }
+            CredentialSource::SessionCookie => {
+                return self
+                    .session_pairs(headers)
+                    .find_map(|pair| match pair {
+                        cookie::Pair::Session(value) => Some(value),
+                        _ => None,
+                    })
+                    .filter(|s| !s.is_empty());
+            }
+        };
+        field.map(Cow::Borrowed)
     }
 }
 

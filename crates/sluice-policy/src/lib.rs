@@ -24,6 +24,7 @@
 //! ```
 
 mod builder;
+mod cookie;
 mod default;
 mod describe;
 pub mod domains;
@@ -35,6 +36,7 @@ mod pattern;
 pub mod raw;
 mod tenants;
 mod validate;
+mod warnings;
 
 pub use builder::PolicyBuilder;
 pub use default::DEFAULT_POLICY_YAML;
@@ -49,11 +51,12 @@ pub use model::{
     Algorithm, BatchEndpoint, Bounds, Bucket, Ceiling, Class, ClassSet, CostClass,
     CredentialSource, CustomerPlan, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane,
     LaneBatch, LaneReasons, MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES, MAX_PLANS,
-    MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS, MAX_WORKSPACES, OnExhausted, Outage, Per,
-    PlanLane, PlanLimit, PlanLimits, Policy, Principal, Profile, QuotaFamily, Refusal, Route,
-    RouteClass, SLIDING_SLOTS, Spends, StorePolicy, TenantPlan, Tenants, Tool,
+    MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS, MAX_WORKSPACES, METHOD_OVERRIDE_FIELDS,
+    OnExhausted, Outage, Per, PlanLane, PlanLimit, PlanLimits, Policy, Principal, Profile,
+    QuotaFamily, Refusal, Route, RouteClass, SLIDING_SLOTS, Spends, StorePolicy, TenantPlan,
+    Tenants, Tool,
 };
-pub use path::{PathError, Paths, without_parameters};
+pub use path::{PathCase, PathError, Paths, without_parameters};
 pub use pattern::PathPattern;
 pub use raw::RawPolicy;
 pub use tenants::{MAX_KEYS, TenantChange, TenantKey, TenantTable, TenantWorkspace};
