@@ -412,6 +412,8 @@ impl Refused {
     /// | an empty batch, not JSON-RPC, not UTF-8 JSON, a byte-order mark | 400 | `invalid_request` | `reason` |
     /// | a `Content-Encoding` but `identity` | 415 | `unsupported_media_type` | `content_encodings` |
     /// | a path with `..` above the root, a bad `%`, a `\\`, or `;` parameters that change the route | 400 | `invalid_request` | `reason` |
+    /// | a method that differs from a known one only by case (`post`), or a method-override field that changes the route or cannot be read | 400 | `invalid_request` | `reason: "method_case"` or `"method_override"` |
+    /// | a method that differs from a known one only by case (`post`), a method-override field that changes the route or cannot be read | 400 | `invalid_request` | `reason: "method_case"`, `"method_override"` |
     /// | one kind of credential sent more than once, or two kinds without `identity.counted_credential` | 400 | `invalid_request` | `reason: "ambiguous_credentials"`, `field`, `fields`, `count` |
     /// | a credential field sluice cannot read (a Bearer without one token, not visible ASCII) | 400 | `invalid_request` | `reason: "malformed_credential"`, `field`, `fields`, `count: 1` |
     /// | a credential revoked through the admin API | 403 | `forbidden` | `reason: "credential_revoked"` |
@@ -433,6 +435,8 @@ impl Refused {
             Refused::Path(PathError::BadPercentEncoding) => invalid("bad_percent_encoding"),
             Refused::Path(PathError::Backslash) => invalid("backslash_in_path"),
             Refused::Path(PathError::ParametersChangeRoute) => invalid("path_parameters"),
+            Refused::Path(PathError::MethodCase) => invalid("method_case"),
+            Refused::Path(PathError::MethodOverride) => invalid("method_override"),
             Refused::Path(_) | Refused::Target => invalid("bad_target"),
             Refused::Credentials(ambiguous) => (
                 StatusCode::BAD_REQUEST,

@@ -204,7 +204,7 @@ impl<S: BudgetStore> Limiter<S> {
         if let Err(refused) = self.normalize_target(uri) {
             return refused.response();
         }
-        let route = match self.route_for(method, uri.path()) {
+        let route = match self.route_with(method, uri.path(), headers) {
             Ok(route) => route,
             Err(refused) => return refused.response(),
         };

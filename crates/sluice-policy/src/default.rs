@@ -119,6 +119,7 @@ limits:
   max_batch_items: 1000
 paths:
   merge_slashes: true
+  case: insensitive
 store:
   timeout_ms: 20
   replicas: 1

@@ -250,11 +250,15 @@ impl Policy {
         );
         let _ = writeln!(
             out,
-            "paths: normalised (RFC 3986), repeated slashes {}",
+            "paths: normalised (RFC 3986), repeated slashes {}, routes matched {}",
             if self.paths.merge_slashes {
                 "merged"
             } else {
                 "kept"
+            },
+            match self.paths.case {
+                crate::PathCase::Insensitive => "in either case",
+                crate::PathCase::Sensitive => "case-sensitively",
             }
         );
         let outage: Vec<String> = self

@@ -9,7 +9,7 @@ use std::time::Duration;
 use http::Method;
 use ipnet::IpNet;
 
-use crate::path::{PathError, Paths};
+use crate::path::{PathCase, PathError, Paths};
 use crate::pattern::PathPattern;
 
 /// The most cost classes a policy may declare (a request's classes are a bit set).
@@ -552,10 +552,17 @@ pub enum BatchEndpoint {
 }
 
 impl Route {
-    /// True when the route matches.
+    /// True when the route matches, its path's literal segments compared byte for
+    /// byte.
     pub fn matches(&self, method: &Method, path: &str) -> bool {
+        self.matches_in(method, path, PathCase::Sensitive)
+    }
+
+    /// True when the route matches, its path's literal segments compared as `case`
+    /// says (the policy's `paths.case`).
+    pub fn matches_in(&self, method: &Method, path: &str, case: PathCase) -> bool {
         self.method.as_ref().is_none_or(|m| m == method)
-            && self.path.as_ref().is_none_or(|p| p.matches(path))
+            && self.path.as_ref().is_none_or(|p| p.matches_in(path, case))
     }
 }
 
@@ -963,9 +970,12 @@ impl Policy {
             .map_or(Outage::FailClosed, |c| c.outage)
     }
 
-    /// The first route matching, if any.
+    /// The first route matching, if any (paths compared as `paths.case` says).
     pub fn route(&self, method: &Method, path: &str) -> Option<&Route> {
-        self.routes.iter().find(|r| r.matches(method, path))
+        let case = self.paths.case;
+        self.routes
+            .iter()
+            .find(|r| r.matches_in(method, path, case))
     }
 
     /// [`Policy::route`], for a path that may hold path parameters (`;…`): the route
@@ -973,10 +983,18 @@ impl Policy {
     /// servers) or drops them (servlet containers), else sluice cannot know which
     /// route the upstream runs.
     ///
+    /// A method that differs from a known one only by case (`post`, `Get`) is
+    /// refused: Werkzeug and Express run `post /chats` as `POST /chats`, while the
+    /// method table (case-sensitive, as RFC 9110 says) would match nothing.
+    ///
     /// # Errors
     /// [`PathError::ParametersChangeRoute`] when the two readings match different
-    /// routes (`POST /chats;x=1`, `POST /oauth;x/register`).
+    /// routes (`POST /chats;x=1`, `POST /oauth;x/register`);
+    /// [`PathError::MethodCase`] for a method in another case.
     pub fn route_checked(&self, method: &Method, path: &str) -> Result<Option<&Route>, PathError> {
+        if self.is_method_in_other_case(method) {
+            return Err(PathError::MethodCase);
+        }
         let route = self.route(method, path);
         let bare = crate::path::without_parameters(path);
         if let Cow::Owned(bare) = bare
@@ -987,6 +1005,70 @@ impl Policy {
         Ok(route)
     }
 }
+
+impl Policy {
+    /// True when `method` has a lower-case letter and, in upper case, is a method of
+    /// RFC 9110 or one a route names: a spelling some servers run as that method.
+    fn is_method_in_other_case(&self, method: &Method) -> bool {
+        let name = method.as_str();
+        if !name.bytes().any(|b| b.is_ascii_lowercase()) {
+            return false;
+        }
+        const STANDARD: [&str; 9] = [
+            "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+        ];
+        STANDARD.iter().any(|m| m.eq_ignore_ascii_case(name))
+            || self
+                .routes
+                .iter()
+                .filter_map(|r| r.method.as_ref())
+                .any(|m| m.as_str().eq_ignore_ascii_case(name))
+    }
+
+    /// The route a request matches when a method-override field
+    /// (`X-HTTP-Method-Override`, `X-Method-Override`, `X-HTTP-Method`) names another
+    /// method than its own: many frameworks (Express's `method-override`, Rails,
+    /// ASP.NET, Google's APIs) run the request as the method named, others as the
+    /// method sent. Both readings must match one route, else sluice cannot know which
+    /// one the upstream runs.
+    ///
+    /// # Errors
+    /// [`PathError::MethodOverride`] for a field sluice cannot read (several values,
+    /// not a method token, a method in another case) or one that changes the route
+    /// matched; else as [`Policy::route_checked`].
+    pub fn route_overridden<'v>(
+        &self,
+        method: &Method,
+        path: &str,
+        overrides: impl IntoIterator<Item = &'v [u8]>,
+    ) -> Result<Option<&Route>, PathError> {
+        let route = self.route_checked(method, path)?;
+        for value in overrides {
+            let named = std::str::from_utf8(value.trim_ascii())
+                .ok()
+                .and_then(|v| Method::from_bytes(v.as_bytes()).ok())
+                .ok_or(PathError::MethodOverride)?;
+            if named == *method {
+                continue;
+            }
+            let other = self
+                .route_checked(&named, path)
+                .map_err(|_| PathError::MethodOverride)?;
+            if !same_route(route, other) {
+                return Err(PathError::MethodOverride);
+            }
+        }
+        Ok(route)
+    }
+}
+
+/// The request fields many frameworks read as the method to run instead of the
+/// request's own (lower case): see [`Policy::route_overridden`].
+pub const METHOD_OVERRIDE_FIELDS: [&str; 3] = [
+    "x-http-method-override",
+    "x-method-override",
+    "x-http-method",
+];
 
 /// True when both are no route, or the same route of the table.
 fn same_route(a: Option<&Route>, b: Option<&Route>) -> bool {

@@ -25,17 +25,40 @@ pub struct Paths {
     /// Merge repeated slashes (`//a///b` → `/a/b`), as nginx (`merge_slashes on`)
     /// and most frameworks read them.
     pub merge_slashes: bool,
+    /// Whether the literal segments of route patterns match letters of either case.
+    pub case: PathCase,
 }
 
 impl Default for Paths {
     fn default() -> Self {
         Paths {
             merge_slashes: true,
+            case: PathCase::Insensitive,
         }
     }
 }
 
-/// Why a path has no normal form.
+/// How the literal segments of route patterns match a request's path
+/// (`paths.case`).
+///
+/// The default is [`PathCase::Insensitive`]: Express, ASP.NET and IIS route `/CHATS`
+/// to the `/chats` handler, so a limiter that matched case-sensitively would count
+/// it in the default class while the upstream runs the route. Matching either case
+/// can only make a request match a route it would otherwise miss; an upstream that
+/// routes case-sensitively (Werkzeug, Go's `ServeMux`) just answers 404 to the other
+/// spellings, after they were counted as the route. `sensitive` is for policies
+/// whose routes differ only by case (which `sluice check` warns of).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PathCase {
+    /// `/CHATS` matches the pattern `/chats` (ASCII letters; the default).
+    #[default]
+    Insensitive,
+    /// `/CHATS` matches only a pattern `/CHATS`.
+    Sensitive,
+}
+
+/// Why a request's method and path have no one reading: a path with no normal form,
+/// or a method or path spelling that servers read as different routes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PathError {
@@ -52,6 +75,14 @@ pub enum PathError {
     /// upstream that drops them (as servlet containers do) reads another route.
     #[error("path parameters (';') change the route the path matches")]
     ParametersChangeRoute,
+    /// The method differs from a known one only by case (`post`): some servers run
+    /// it as that method, the route table matches it as no method.
+    #[error("the method differs from a known method only by case")]
+    MethodCase,
+    /// A method-override field (`X-HTTP-Method-Override` and its kin) that sluice
+    /// cannot read, or that names a method whose route is not the request's own.
+    #[error("a method-override field changes the route the request matches, or cannot be read")]
+    MethodOverride,
 }
 
 impl Paths {
@@ -213,9 +244,11 @@ mod tests {
     use proptest::prelude::*;
 
     const MERGE: Paths = Paths {
+        case: PathCase::Insensitive,
         merge_slashes: true,
     };
     const KEEP: Paths = Paths {
+        case: PathCase::Insensitive,
         merge_slashes: false,
     };
 
@@ -367,7 +400,10 @@ mod tests {
             path in path_strategy(),
             merge in any::<bool>(),
         ) {
-            let paths = Paths { merge_slashes: merge };
+            let paths = Paths {
+                merge_slashes: merge,
+                case: PathCase::Insensitive,
+            };
             if let Ok(once) = paths.normalize(&path) {
                 let twice = paths.normalize(&once);
                 prop_assert_eq!(twice.as_deref(), Ok(once.as_ref()));

@@ -4,6 +4,8 @@
 
 use std::fmt;
 
+use crate::path::PathCase;
+
 /// One segment of a pattern.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Segment {
@@ -61,8 +63,19 @@ impl PathPattern {
         })
     }
 
-    /// True when `path` (without query) matches.
+    /// True when `path` (without query) matches, its literal segments compared
+    /// byte for byte.
     pub fn matches(&self, path: &str) -> bool {
+        self.matches_in(path, PathCase::Sensitive)
+    }
+
+    /// True when `path` (without query) matches, its literal segments compared as
+    /// `case` says.
+    pub fn matches_in(&self, path: &str, case: PathCase) -> bool {
+        let same = |a: &str, b: &str| match case {
+            PathCase::Sensitive => a == b,
+            PathCase::Insensitive => a.eq_ignore_ascii_case(b),
+        };
         let path = path.strip_prefix('/').unwrap_or(path);
         let path = path.strip_suffix('/').unwrap_or(path);
         let mut parts = (!path.is_empty())
@@ -77,13 +90,30 @@ impl PathPattern {
                     _ => return false,
                 },
                 Segment::Literal(l) => {
-                    if parts.next() != Some(l.as_str()) {
+                    if !parts.next().is_some_and(|p| same(p, l)) {
                         return false;
                     }
                 }
             }
         }
         parts.next().is_none()
+    }
+
+    /// The literal segments in ASCII lower case, `{}` for a parameter and `*` for
+    /// the rest: two patterns with the same folded form match the same paths when
+    /// case is ignored (see `sluice check`'s warning of routes that differ only by
+    /// case).
+    pub fn folded(&self) -> String {
+        let mut out = String::new();
+        for seg in &self.segments {
+            out.push('/');
+            match seg {
+                Segment::Literal(l) => out.push_str(&l.to_ascii_lowercase()),
+                Segment::Param => out.push_str("{}"),
+                Segment::Rest => out.push('*'),
+            }
+        }
+        out
     }
 
     /// The pattern as written.
@@ -118,6 +148,14 @@ mod tests {
         assert!(p("/oauth/*").matches("/oauth/a/b"));
         assert!(p("/oauth/*").matches("/oauth"));
         assert!(!p("/oauth/*").matches("/oauthx"));
+        assert!(!p("/chats").matches("/CHATS"));
+        assert!(p("/chats").matches_in("/CHATS", PathCase::Insensitive));
+        assert!(p("/routines/{id}/Run").matches_in("/ROUTINES/Ab/run", PathCase::Insensitive));
+        assert!(!p("/routines/{id}/Run").matches_in("/routines/ab/run", PathCase::Sensitive));
+        assert_eq!(
+            p("/Routines/{id}/*").folded(),
+            p("/routines/{x}/*").folded()
+        );
         assert!(p("/").matches("/"));
         assert!(!p("/").matches("/x"));
     }

@@ -487,6 +487,19 @@ pub struct RawPaths {
     /// Merge repeated slashes (`//a` → `/a`) before matching and forwarding
     /// (default true).
     pub merge_slashes: Option<bool>,
+    /// `insensitive` (the default: `/CHATS` matches the route `/chats`, as Express
+    /// routes it) or `sensitive`.
+    pub case: Option<RawPathCase>,
+}
+
+/// `paths.case`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawPathCase {
+    /// Literal segments match letters of either case.
+    Insensitive,
+    /// Literal segments match byte for byte.
+    Sensitive,
 }
 
 /// Bounds.

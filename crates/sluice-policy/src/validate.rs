@@ -490,6 +490,10 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     }
     let paths = Paths {
         merge_slashes: raw.paths.merge_slashes.unwrap_or(true),
+        case: match raw.paths.case {
+            Some(crate::raw::RawPathCase::Sensitive) => crate::PathCase::Sensitive,
+            Some(crate::raw::RawPathCase::Insensitive) | None => crate::PathCase::Insensitive,
+        },
     };
     let store = v.store(raw);
     let (classes, ceilings) = v.budgets_without_objects(raw);

@@ -1335,3 +1335,203 @@ async fn differential_both_request_paths_answer_and_forward_alike() {
     })
     .await;
 }
+
+/// The lower-case hex SHA-256 of `secret`, as the key table and the tenants API name a
+/// credential.
+fn sha256_hex(secret: &str) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(secret.as_bytes()))
+}
+
+/// A method that differs from a route's only by case (`post /chats`) was forwarded and
+/// counted in the default class, while Werkzeug and Express run it as `POST /chats`; a
+/// method-override field (`X-HTTP-Method-Override: POST` on a `GET`) was counted as a
+/// read while Express's `method-override`, Rails and ASP.NET run a `POST`. Both are
+/// refused with 400 on both paths, nothing is forwarded or spent; an override that
+/// names the request's own method, or one of the same route, is read as it is.
+#[tokio::test]
+async fn e6_a_method_in_another_case_or_overridden_to_another_route_is_refused() {
+    let (sluice, upstream) = gateway("methods.yaml", |y| y).await;
+    bounded(async {
+        let key = [("x-api-key", "sk-methods")];
+        for path in BOTH {
+            for method in ["post", "Post", "pOST", "get"] {
+                let r = exchange(&sluice, path, method, "/chats", &key, b"{}").await;
+                let what = format!("{method} /chats on {path:?}");
+                assert_invalid(&r, &json!({ "reason": "method_case" }), &what);
+            }
+            for (method, field, value) in [
+                ("GET", "x-http-method-override", "POST"),
+                ("GET", "X-Method-Override", "post"),
+                ("GET", "x-http-method", "POST"),
+                ("POST", "x-http-method-override", "GET"),
+                ("POST", "x-http-method-override", "PO ST"),
+            ] {
+                let fields = [key[0], (field, value)];
+                let r = exchange(&sluice, path, method, "/chats", &fields, b"{}").await;
+                let what = format!("{method} /chats with {field}: {value} on {path:?}");
+                assert_invalid(&r, &json!({ "reason": "method_override" }), &what);
+            }
+        }
+        assert_eq!(upstream.seen(), Vec::<String>::new(), "nothing forwarded");
+        assert_eq!(expensive_left(&sluice, "sk-methods").await, "29");
+        // An override of the request's own method, or of a method on the same route
+        // (`/oauth/*` takes every method), changes nothing.
+        for path in BOTH {
+            let fields = [key[0], ("x-http-method-override", "POST")];
+            let r = exchange(&sluice, path, "POST", "/chats", &fields, b"{}").await;
+            assert_eq!(r.status, 200, "{r:?}");
+            let fields = [key[0], ("x-http-method-override", "DELETE")];
+            let r = exchange(&sluice, path, "POST", "/oauth/token", &fields, b"{}").await;
+            assert_eq!(r.status, 200, "{r:?}");
+        }
+        assert_eq!(expensive_left(&sluice, "sk-methods").await, "26");
+    })
+    .await;
+}
+
+/// `/CHATS` and `/Chats` were counted in the default class, while Express routes them
+/// to its `/chats` handler. With `paths.case: insensitive` (the default) they are
+/// counted as the route and forwarded as sent; with `sensitive`, as before.
+#[tokio::test]
+async fn e6_a_path_in_another_case_is_counted_as_the_route() {
+    let (sluice, upstream) = gateway("case.yaml", |y| y).await;
+    bounded(async {
+        let key = [("x-api-key", "sk-case")];
+        let mut left = 30;
+        for path in BOTH {
+            for target in ["/CHATS", "/Chats", "/chats/"] {
+                let r = exchange(&sluice, path, "POST", target, &key, b"{}").await;
+                left -= 1;
+                assert_eq!(r.status, 200, "{target} on {path:?}: {r:?}");
+                assert_eq!(
+                    (
+                        r.fields.get("x-ratelimit-limit").map(String::as_str),
+                        r.fields.get("x-ratelimit-remaining").cloned()
+                    ),
+                    (Some("30"), Some(left.to_string())),
+                    "{target} on {path:?} is the expensive route"
+                );
+                assert_eq!(
+                    upstream.seen().last().map(String::as_str),
+                    Some(format!("POST {target}").as_str())
+                );
+            }
+        }
+    })
+    .await;
+    let (sensitive, _) = gateway("case-sensitive.yaml", |y| {
+        y.edit("  case: insensitive\n", "  case: sensitive\n")
+    })
+    .await;
+    bounded(async {
+        let r = exchange(
+            &sensitive,
+            Path::Fast,
+            "POST",
+            "/CHATS",
+            &[("x-api-key", "sk-case")],
+            b"{}",
+        )
+        .await;
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(
+            r.fields.get("x-ratelimit-limit").map(String::as_str),
+            Some("60"),
+            "case-sensitive: /CHATS is not the route"
+        );
+    })
+    .await;
+}
+
+/// A revoked session cookie was admitted as `session="secret-ada"`, `session =
+/// secret-ada` and `other=1; session="secret-ada"` (Python's SimpleCookie and most
+/// frameworks read them all as `secret-ada`), and the quoted form was a second budget.
+/// Every spelling is now one caller, and stays revoked; a value the frameworks read
+/// differently is refused, never counted as another caller.
+#[tokio::test]
+async fn e2_a_session_cookie_in_every_spelling_is_one_caller_and_stays_revoked() {
+    let table = format!(
+        "  keys:\n    - {{ sha256: {}, workspace: ada, user: ada }}\n",
+        sha256_hex("secret-ada")
+    );
+    let (sluice, upstream) = gateway("cookies.yaml", |y| y.edit("  keys: []\n", &table)).await;
+    bounded(async {
+        let spellings = [
+            "session=secret-ada",
+            "session=\"secret-ada\"",
+            "session = secret-ada",
+            "other=1; session=\"secret-ada\"",
+            "session=secret%2Dada",
+        ];
+        let mut left = 30;
+        for path in BOTH {
+            for cookie in spellings {
+                let r = exchange(
+                    &sluice,
+                    path,
+                    "POST",
+                    "/chats",
+                    &[("cookie", cookie)],
+                    b"{}",
+                )
+                .await;
+                left -= 1;
+                assert_eq!(r.status, 200, "{cookie} on {path:?}: {r:?}");
+                assert_eq!(
+                    r.fields.get("x-ratelimit-remaining").cloned(),
+                    Some(left.to_string()),
+                    "{cookie} on {path:?}: one budget"
+                );
+            }
+            for cookie in [
+                "session=\"secret\\055ada\"",
+                "session=secret ada",
+                "session",
+            ] {
+                let r = exchange(
+                    &sluice,
+                    path,
+                    "POST",
+                    "/chats",
+                    &[("cookie", cookie)],
+                    b"{}",
+                )
+                .await;
+                assert_eq!(r.status, 400, "{cookie} on {path:?}: {r:?}");
+                assert_eq!(r.envelope().1["reason"], "malformed_credential", "{cookie}");
+            }
+        }
+        let forwarded = upstream.seen().len();
+        let revoke = support::send(
+            Request::delete(
+                sluice.admin_url(&format!("/tenants/keys/{}", sha256_hex("secret-ada"))),
+            )
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+        )
+        .await;
+        assert_eq!(revoke.status, 204, "{}", revoke.text());
+        for path in BOTH {
+            for cookie in spellings {
+                let r = exchange(
+                    &sluice,
+                    path,
+                    "POST",
+                    "/chats",
+                    &[("cookie", cookie)],
+                    b"{}",
+                )
+                .await;
+                assert_eq!(r.status, 403, "{cookie} on {path:?}: {r:?}");
+                assert_eq!(r.envelope().1["reason"], "credential_revoked", "{cookie}");
+            }
+        }
+        assert_eq!(
+            upstream.seen().len(),
+            forwarded,
+            "nothing forwarded once revoked"
+        );
+    })
+    .await;
+}

@@ -5,8 +5,8 @@ use std::borrow::Cow;
 use http::header::CONTENT_ENCODING;
 use http::request::Parts;
 use http::uri::PathAndQuery;
-use http::{HeaderName, Method, Uri};
-use sluice_policy::{Policy, Route, RouteClass};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
+use sluice_policy::{METHOD_OVERRIDE_FIELDS, Policy, Route, RouteClass};
 use sluice_store::BudgetStore;
 
 use super::{Limiter, Refused};
@@ -44,20 +44,42 @@ impl<S: BudgetStore> Limiter<S> {
     }
 
     /// The route a request matches (matched once per request and passed to
-    /// [`Limiter::plan`]), by its method and path: the normal form of the path once
-    /// [`Limiter::normalize_target`] has rewritten it.
+    /// [`Limiter::plan`]), by its method, path and method-override fields: the normal
+    /// form of the path once [`Limiter::normalize_target`] has rewritten it.
     ///
     /// # Errors
-    /// As [`Limiter::route_for`].
+    /// As [`Limiter::route_with`].
     pub fn route(&self, parts: &Parts) -> Result<Option<&Route>, Refused> {
-        self.route_for(&parts.method, parts.uri.path())
+        self.route_with(&parts.method, parts.uri.path(), &parts.headers)
+    }
+
+    /// The route a request with this method, path (in its normal form) and these
+    /// fields matches: as [`Limiter::route_for`], and a method-override field
+    /// (`X-HTTP-Method-Override`, `X-Method-Override`, `X-HTTP-Method`) must name a
+    /// method of the same route (see [`Policy::route_overridden`]).
+    ///
+    /// # Errors
+    /// [`Refused::Path`] as [`Limiter::route_for`], and for a method-override field
+    /// that cannot be read or changes the route.
+    pub fn route_with(
+        &self,
+        method: &Method,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> Result<Option<&Route>, Refused> {
+        let overrides = METHOD_OVERRIDE_FIELDS
+            .iter()
+            .flat_map(|name| headers.get_all(*name))
+            .map(HeaderValue::as_bytes);
+        Ok(self.policy.route_overridden(method, path, overrides)?)
     }
 
     /// The route a request with this method and path (no query, in its normal form:
     /// see [`Limiter::normalize_path`]) matches.
     ///
     /// # Errors
-    /// [`Refused::Path`] when path parameters (`;…`) change the route matched (see
+    /// [`Refused::Path`] when path parameters (`;…`) change the route matched, or
+    /// the method differs from a known one only by case (see
     /// [`Policy::route_checked`]).
     pub fn route_for(&self, method: &Method, path: &str) -> Result<Option<&Route>, Refused> {
         Ok(self.policy.route_checked(method, path)?)

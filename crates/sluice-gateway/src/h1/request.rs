@@ -116,6 +116,10 @@ pub(super) fn parse<'l>(
     let mut client_ids: [Option<&[u8]>; 2] = [None, None];
     for field in fields {
         let name = field.name.as_bytes();
+        // A method-override field is read with the route by the service stack.
+        if is_method_override(name) {
+            return Parsed::Elsewhere;
+        }
         // Sent upstream as the id picked, after the decision.
         if name.eq_ignore_ascii_case(b"x-request-id") {
             if let Some(slot) = client_ids.iter_mut().find(|s| s.is_none()) {
@@ -179,6 +183,16 @@ pub(super) fn parse<'l>(
         body_len: head.body_len,
         close: head.close,
     })
+}
+
+/// True for a field some frameworks run the request's method from (see
+/// [`sluice_policy::METHOD_OVERRIDE_FIELDS`]).
+fn is_method_override(name: &[u8]) -> bool {
+    name.len() >= 13
+        && name[0].eq_ignore_ascii_case(&b'x')
+        && sluice_policy::METHOD_OVERRIDE_FIELDS
+            .iter()
+            .any(|m| name.eq_ignore_ascii_case(m.as_bytes()))
 }
 
 /// Appends one field value of a list header (`X-Forwarded-For`, `Forwarded`) and the
