@@ -272,6 +272,13 @@ impl Connection {
     /// promoted master seeing it for the first time) loads it and calls it
     /// again.
     ///
+    /// On one server and on a sentinel group's master, a call turned away
+    /// because its connection was already closed (Redis restarted, or closed
+    /// it, while it was idle) or the last reconnection was refused is made
+    /// once more, on the connection opened instead: never sent, it cannot
+    /// count twice. A call that failed after it may have been sent is not
+    /// made again.
+    ///
     /// # Errors
     /// The Redis client's error: no answer within the response timeout, the
     /// connection down, the script failing, a reply not of type `T`, or
@@ -281,11 +288,82 @@ impl Connection {
         invocation: &ScriptInvocation<'_>,
     ) -> RedisResult<T> {
         match self {
-            Connection::Single(c) => invocation.invoke_async(&mut c.clone()).await,
+            Connection::Single(c) => {
+                again_if_unsent(|| {
+                    let mut c = c.clone();
+                    async move { invocation.invoke_async(&mut c).await }
+                })
+                .await
+            }
             Connection::Cluster(c) => invocation.invoke_async(&mut c.clone()).await,
             Connection::Sentinel(m) => m.invoke(invocation).await,
         }
     }
+}
+
+/// Makes a call on one server's connection (`call` sends it on the
+/// connection manager's connection of the moment) and, when it failed on a
+/// connection already known to be broken, makes it once more, on the
+/// connection the manager opened instead.
+///
+/// Why: a connection that Redis closed while it was idle (a restart, a
+/// failover, an idle timeout on the server or a proxy) is noticed by the
+/// connection's reader as soon as the socket closes, but the manager only
+/// replaces it when a call fails on it. Without this, every call of the first
+/// burst after Redis came back fails at once and falls under the outage rule —
+/// and fails enough to open the store's circuit breaker, so the calls of the
+/// next quarter second do too — although Redis answers.
+///
+/// Why calling again cannot count twice: the call is made again only when it
+/// failed with a connection-level error (dropped, reset, refused, broken pipe —
+/// never a timeout) *without ever having waited*: its future was ready on its
+/// first poll. A command goes to Redis by being handed to the connection's
+/// writer, a task of its own, and its answer (or the error that replaces it)
+/// comes back from that task; a call that never waited was turned away before
+/// any of that: the writer had already stopped (its connection closed), or
+/// the manager's last attempt to reconnect had failed (a connection refused).
+/// For a command that did reach Redis to fail, the connection must break after
+/// it was written — a round trip on the network that a call which never
+/// waited cannot have spanned. A call that failed after waiting may have been
+/// executed (its script run, its units spent): it is never made again, and its
+/// caller's outage rule applies.
+async fn again_if_unsent<T, F, Fut>(mut call: F) -> RedisResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = RedisResult<T>>,
+{
+    let (result, waited) = watching_for_waits(call()).await;
+    match result {
+        Err(e) if !waited && is_broken_connection(&e) => {
+            tracing::debug!(
+                error = %e,
+                "redis: the connection was closed before this call was sent; sending it on a new one"
+            );
+            call().await
+        }
+        result => result,
+    }
+}
+
+/// Runs `future` to its end, and tells whether it ever waited (returned
+/// `Pending`).
+async fn watching_for_waits<F: Future>(future: F) -> (F::Output, bool) {
+    let mut future = std::pin::pin!(future);
+    let mut waited = false;
+    let output = std::future::poll_fn(|cx| {
+        let poll = future.as_mut().poll(cx);
+        waited |= poll.is_pending();
+        poll
+    })
+    .await;
+    (output, waited)
+}
+
+/// Whether `e` says the connection is broken (closed, reset, refused, a
+/// broken pipe) rather than slow (a timeout) or the command refused (an
+/// error reply).
+fn is_broken_connection(e: &RedisError) -> bool {
+    !e.is_timeout() && (e.is_connection_dropped() || e.is_connection_refusal())
 }
 
 /// The master a group of Redis Sentinels names (`redis+sentinel://`),
@@ -408,7 +486,11 @@ impl SentinelMaster {
         // A call its caller stops waiting for (its own timeout) may be a
         // master that no longer answers: ask too.
         let mut unanswered = AskOnDrop(Some(self));
-        let result = invocation.invoke_async(&mut self.manager()).await;
+        let result = again_if_unsent(|| {
+            let mut manager = self.manager();
+            async move { invocation.invoke_async(&mut manager).await }
+        })
+        .await;
         unanswered.0 = None;
         if let Err(e) = &result
             && points_elsewhere(e)
@@ -587,6 +669,56 @@ async fn follow(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn io(kind: std::io::ErrorKind) -> RedisError {
+        std::io::Error::from(kind).into()
+    }
+
+    /// How many times [`again_if_unsent`] makes a call that fails with
+    /// `error`, after waiting once or at once.
+    async fn calls_made(error: fn() -> RedisError, waits: bool) -> usize {
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let result: RedisResult<()> = again_if_unsent(|| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                if waits {
+                    tokio::task::yield_now().await;
+                }
+                Err(error())
+            }
+        })
+        .await;
+        assert!(result.is_err());
+        calls.into_inner()
+    }
+
+    #[tokio::test]
+    async fn d3_a_call_turned_away_by_a_broken_connection_is_made_once_more_and_no_other() {
+        use std::io::ErrorKind::{BrokenPipe, ConnectionRefused, ConnectionReset, TimedOut};
+        // Failed without waiting on a closed or refused connection: not sent,
+        // so sent once more (and only once).
+        assert_eq!(calls_made(|| io(BrokenPipe), false).await, 2);
+        assert_eq!(calls_made(|| io(ConnectionReset), false).await, 2);
+        assert_eq!(calls_made(|| io(ConnectionRefused), false).await, 2);
+        // Failed after waiting: it may have run; never again.
+        assert_eq!(calls_made(|| io(BrokenPipe), true).await, 1);
+        assert_eq!(calls_made(|| io(TimedOut), true).await, 1);
+        // Not the connection: a timeout, or Redis refusing the command.
+        assert_eq!(calls_made(|| io(TimedOut), false).await, 1);
+        assert_eq!(
+            calls_made(|| (ErrorKind::Client, "refused").into(), false).await,
+            1
+        );
+        // A call that succeeds is made once.
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let answer: RedisResult<i64> = again_if_unsent(|| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { Ok(42) }
+        })
+        .await;
+        assert_eq!(answer.ok(), Some(42));
+        assert_eq!(calls.into_inner(), 1);
+    }
 
     #[tokio::test]
     async fn a_bad_url_fails_before_any_connection() {

@@ -13,7 +13,9 @@
 //!   ([`SentinelMaster`], followed across failovers), opened with sluice's
 //!   timeouts ([`CONNECT_TIMEOUT`], [`OPEN_TIMEOUT`], [`CLUSTER_OPEN_TIMEOUT`],
 //!   and a response timeout the caller chooses); [`Connection::invoke`] calls a
-//!   script by its hash and loads it again when Redis answers `NOSCRIPT`.
+//!   script by its hash, loads it again when Redis answers `NOSCRIPT`, and
+//!   sends a call again on a new connection only when the one it was given
+//!   had closed before the call was sent (a Redis restart while idle).
 //!
 //! ```no_run
 //! use std::time::Duration;

@@ -511,3 +511,82 @@ async fn d1_identical_concurrent_requests_are_each_decided_in_turn() {
     assert_eq!(left.statuses()[0].remaining, 0);
     assert_eq!(left.statuses()[1].remaining, 10, "refusals spent nothing");
 }
+
+/// Waits (bounded) until `server` answers `PING`.
+fn wait_until_it_answers(server: &Server) {
+    eventually("redis-server answers PING", || {
+        server.cli(&["PING"]).contains("PONG")
+    });
+}
+
+/// Spawns `n` concurrent decisions of `request` on `store`: (admitted,
+/// refused, failed — each failure's message).
+async fn burst(
+    store: &Arc<Guarded<RedisStore>>,
+    request: Budget,
+    n: usize,
+) -> (usize, usize, Vec<String>) {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let store = Arc::clone(store);
+            tokio::spawn(async move { store.decide(&[request]).await })
+        })
+        .collect();
+    let (mut admitted, mut refused, mut failed) = (0, 0, Vec::new());
+    for task in tasks {
+        match task.await.expect("task") {
+            Ok(d) if d.is_admitted() => admitted += 1,
+            Ok(_) => refused += 1,
+            Err(e) => failed.push(e.to_string()),
+        }
+    }
+    (admitted, refused, failed)
+}
+
+/// SPEC E8 and D3 (issue 39, item 6): Redis restarted (killed and started
+/// again on the same socket, so every connection it had is closed) and left
+/// idle; then a burst of 1,000 concurrent decisions on one counter of 5, on
+/// the store as the gateway and the rate-limit service hold it (behind its
+/// circuit breaker), from two worker threads whose coalescers each decide on
+/// a connection of their own. Every decision is made on Redis: exactly 5
+/// admitted, none failing (a failure is what the outage rule answers: with
+/// `fail_open`, an admission), and the breaker stays closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e8_d3_a_burst_right_after_redis_restarts_is_decided_on_redis() {
+    const BURST: usize = 1_000;
+    let mut server = Server::start("store");
+    let store = Arc::new(Guarded::new(store_on(&server).await));
+    let alone = clients(&server);
+    // Every connection the burst will use is open before the restart: the
+    // store's shared one, and each worker thread's coalescer's own.
+    let warm = budget("warm", b"caller", u32::MAX);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, _, failed) = burst(&store, warm, 64).await;
+        assert!(failed.is_empty(), "before the restart: {failed:?}");
+        if clients(&server) >= alone + 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker threads' coalescers did not open their connections"
+        );
+    }
+    server.restart();
+    wait_until_it_answers(&server);
+    // Idle, as in the field: nothing asks the closed connections anything
+    // until the burst.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // 5 in the longest window there is (5 a minute, but never straddling a
+    // window's end).
+    let counter = budget("standard", b"after-restart", 5);
+    let (admitted, refused, failed) = burst(&store, counter, BURST).await;
+    assert!(
+        failed.is_empty(),
+        "{} of {BURST} decisions failed (the outage rule would answer them), the first: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert_eq!((admitted, refused), (5, BURST - 5));
+    assert_eq!(store.state(), sluice_core::BreakerState::Closed);
+}
