@@ -429,8 +429,9 @@ impl Identity {
     fn caller_of(&self, headers: &HeaderMap, client: &ClientIp, peer_trusted: bool) -> Caller {
         let from_auth_layer = if peer_trusted {
             self.principal_headers.as_ref().and_then(|(w, u)| {
-                let w = headers.get(w)?.to_str().ok()?;
-                let u = headers.get(u)?.to_str().ok()?;
+                // An empty field names no one: the caller is then its credential's.
+                let w = headers.get(w)?.to_str().ok().filter(|w| !w.is_empty())?;
+                let u = headers.get(u)?.to_str().ok().filter(|u| !u.is_empty())?;
                 Some(Principal {
                     workspace: w.to_owned(),
                     user: u.to_owned(),

@@ -138,6 +138,9 @@ fn check(args: &CheckArgs) -> anyhow::Result<()> {
                 gaps.join(", ")
             )?;
         }
+        for warning in policy.warnings() {
+            writeln!(out, "warning: {warning}")?;
+        }
     }
     writeln!(out, "{}: ok", args.file.display())?;
     out.flush()?;

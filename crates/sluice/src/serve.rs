@@ -270,6 +270,9 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
             (policy, None)
         }
     };
+    for warning in policy.warnings() {
+        tracing::warn!("policy: {warning}");
+    }
     let data_dir = args
         .data_dir
         .unwrap_or_else(sluice_gateway::process::default_data_dir);

@@ -381,12 +381,32 @@ http {{
         key: &str,
         client: &str,
     ) -> (u16, Vec<(String, String)>, String) {
+        self.request_with(method, path, &[("X-Api-Key", key), ("X-Real-IP", client)])
+            .await
+    }
+
+    /// One request with these fields over a fresh connection: its status line's code,
+    /// headers and body.
+    async fn request_with(
+        &self,
+        method: &str,
+        path: &str,
+        fields: &[(&str, &str)],
+    ) -> (u16, Vec<(String, String)>, String) {
         let mut stream = UnixStream::connect(&self.socket)
             .await
             .expect("connect to the proxy");
-        let body = if method == "POST" { "{}" } else { "" };
+        let body = if method.eq_ignore_ascii_case("POST") {
+            "{}"
+        } else {
+            ""
+        };
+        let fields: String = fields
+            .iter()
+            .map(|(n, v)| format!("{n}: {v}\r\n"))
+            .collect();
         let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: api.example\r\nX-Api-Key: {key}\r\nX-Real-IP: {client}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: api.example\r\n{fields}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
         stream.write_all(head.as_bytes()).await.expect("write");
@@ -490,4 +510,96 @@ async fn r2_through_real_caddy_forward_auth_the_429_reaches_the_client() {
     let (status, _, body) = caddy.request("POST", "/mcp", "sk-c3", "192.0.2.9").await;
     assert_eq!(status, 429);
     assert!(body.contains("needs_body"), "{body}");
+}
+
+/// Through the documented nginx configuration, the spellings a client could use to be
+/// counted as something cheaper are refused or counted as what they are: a path in
+/// another case is the route, a method-override field to another route is refused,
+/// a session cookie in every spelling is one caller; and the principal headers a
+/// client sends itself (`X-Workspace`, `X-User`, `X-Plan`) never reach sluice, which
+/// believes them from nginx (a trusted proxy).
+#[tokio::test]
+async fn r2_through_real_nginx_no_spelling_or_principal_header_is_cheaper() {
+    let dir = DataDir::new();
+    let path = policy(&dir.0);
+    let yaml = std::fs::read_to_string(&path).expect("policy").edit(
+        "  trusted_proxies: [127.0.0.1/32]\n",
+        "  trusted_proxies: [127.0.0.1/32]\n  principal_headers: { workspace: x-workspace, user: x-user, plan: x-plan }\n",
+    ) + "plans:\n  default: {}\n  trial:\n    mode: shadow\n    classes: { expensive: 10 }\n";
+    std::fs::write(&path, yaml).expect("write policy");
+    let sluice = Sluice::spawn(&["--config", &path, "--check", "127.0.0.1:0"]);
+    let check = sluice.start.check.expect("check listener");
+    let nginx = Proxy::nginx(&dir.0, check, &sluice.start.upstream);
+    let limit_left = |headers: &[(String, String)]| {
+        (
+            header(headers, "x-ratelimit-limit").map(str::to_owned),
+            header(headers, "x-ratelimit-remaining").map(str::to_owned),
+        )
+    };
+    let expensive = |left: u32| (Some("30".to_owned()), Some(left.to_string()));
+    // The path in another case: the expensive route.
+    let mut left = 30;
+    for target in ["/CHATS", "/Chats"] {
+        let fields = [("X-Api-Key", "sk-case"), ("X-Real-IP", "192.0.2.10")];
+        let (status, headers, body) = nginx.request_with("POST", target, &fields).await;
+        left -= 1;
+        assert_eq!(status, 200, "{target}: {body}");
+        assert_eq!(limit_left(&headers), expensive(left), "{target}");
+    }
+    // A method override to another route: refused, nothing spent.
+    let fields = [
+        ("X-Api-Key", "sk-override"),
+        ("X-Real-IP", "192.0.2.11"),
+        ("X-HTTP-Method-Override", "POST"),
+    ];
+    let (status, _, body) = nginx.request_with("GET", "/chats", &fields).await;
+    assert_eq!(status, 400, "{body}");
+    let (_, headers, _) = nginx
+        .request("POST", "/chats", "sk-override", "192.0.2.11")
+        .await;
+    assert_eq!(
+        limit_left(&headers),
+        expensive(29),
+        "the refusal spent nothing"
+    );
+    // A session cookie in three spellings: one caller.
+    let mut left = 30;
+    for cookie in [
+        "session=secret-n",
+        "session=\"secret-n\"",
+        "a=1; session = secret-n",
+    ] {
+        let fields = [("Cookie", cookie), ("X-Real-IP", "192.0.2.12")];
+        let (status, headers, body) = nginx.request_with("POST", "/chats", &fields).await;
+        left -= 1;
+        assert_eq!(status, 200, "{cookie}: {body}");
+        assert_eq!(
+            limit_left(&headers),
+            expensive(left),
+            "{cookie}: one budget"
+        );
+    }
+    // A client naming a shadow plan and another workspace: nginx clears both, so the
+    // client is counted as itself on the default plan, and refused at 30.
+    let fields = [
+        ("X-Api-Key", "sk-principal"),
+        ("X-Real-IP", "192.0.2.13"),
+        ("X-Workspace", "victim"),
+        ("X-User", "victim"),
+        ("X-Plan", "trial"),
+    ];
+    for left in (0..30).rev() {
+        let (status, headers, body) = nginx.request_with("POST", "/chats", &fields).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(limit_left(&headers), expensive(left));
+    }
+    let (status, _, body) = nginx.request_with("POST", "/chats", &fields).await;
+    assert_eq!(
+        status, 429,
+        "the trial plan's shadow mode was not the client's to name: {body}"
+    );
+    let (_, headers, _) = nginx
+        .request("POST", "/chats", "sk-victim", "192.0.2.14")
+        .await;
+    assert_eq!(limit_left(&headers), expensive(29));
 }
