@@ -139,6 +139,10 @@ fn describe_metrics() {
         "sluice_shadow_refusals_total",
         "Refusals a budget in shadow mode (mode: shadow, or --dry-run) would have given, the request forwarded instead, by budget and reason."
     );
+    metrics::describe_counter!(
+        "sluice_tenant_table_repairs_total",
+        "Times this replica found the shared tenant table lost or made again by Redis (FLUSHALL, a restart without persistence) and repaired it, by repair: restored (its copy written back), newer (its newer copy over an older one), merged (its entries added to a table made meanwhile), incomplete (changes made before the loss may be missing)."
+    );
     metrics::describe_gauge!(
         "sluice_store_degraded",
         "1 while the budget store is failing (its last decision failed), else 0."

@@ -537,3 +537,119 @@ async fn p4_a_full_disk_refuses_a_change_whole_and_the_next_acknowledged_one_sur
         "{listed}"
     );
 }
+
+/// Whether any of `replicas` logged a line holding all of `words`.
+fn logged(replicas: &[&Sluice], words: &[&str]) -> bool {
+    replicas.iter().any(|r| {
+        r.stderr()
+            .lines()
+            .any(|l| words.iter().all(|w| l.contains(w)))
+    })
+}
+
+/// `sluice_tenant_table_repairs_total{repair="restored"}` summed over `replicas`.
+async fn restores(replicas: &[&Sluice]) -> u64 {
+    let mut sum = 0;
+    for replica in replicas {
+        let metrics = get(&replica.admin_url("/metrics")).await.text();
+        sum += metrics
+            .lines()
+            .filter(|l| l.starts_with(r#"sluice_tenant_table_repairs_total{repair="restored"}"#))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    sum
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p4_d2_a_revocation_survives_a_flushall_and_a_redis_restart_on_two_replicas() {
+    let mut redis = RedisServer::start("tenants-reset");
+    let policy = policy("reset.yaml");
+    let url = redis.url();
+    let spawn = || Sluice::spawn(&["--config", &policy, "--store", &url]);
+    let (a, b) = (spawn(), spawn());
+    let revoke = admin(
+        &a,
+        "DELETE",
+        &format!("/tenants/keys/{}", sha("sk-file")),
+        None,
+    )
+    .await;
+    assert_eq!(revoke.status, 204, "{}", revoke.text());
+    until_all(&[&a, &b], Probe::FileKeyChat, 403.into()).await;
+
+    // FLUSHALL: the table is gone from Redis, not from the replicas.
+    assert_eq!(redis.cli(&["FLUSHALL"]).trim(), "OK");
+    for r in [&a, &b] {
+        assert_eq!(chat(r, "sk-file").await.status, 403, "still revoked");
+    }
+    // A change made after it reaches the other replica within a second.
+    let pro = admin(
+        &b,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro"}"#),
+    )
+    .await;
+    assert_eq!(pro.status, 204, "{}", pro.text());
+    let took = until_all(&[&a, &b], Probe::AcmeExpensive, 4.into()).await;
+    eprintln!("p4: after FLUSHALL, AcmeExpensive = 4 on both replicas in {took:?}");
+    assert!(
+        took < Duration::from_secs(1),
+        "the change reached the other replica after {took:?}"
+    );
+    for r in [&a, &b] {
+        assert_eq!(chat(r, "sk-file").await.status, 403, "still revoked");
+    }
+    // Loudly: an error line and a count.
+    assert!(
+        logged(
+            &[&a, &b],
+            &["ERROR", "the shared tenant table is gone from Redis"]
+        ),
+        "a: {}\nb: {}",
+        a.stderr(),
+        b.stderr()
+    );
+    assert_eq!(restores(&[&a, &b]).await, 1);
+    // Written back: a replica started now reads the revocation and the change.
+    let c = spawn();
+    assert_eq!(chat(&c, "sk-file").await.status, 403);
+    assert_eq!(acme_expensive(&c).await, 4);
+    drop(c);
+
+    // Redis restarted without persistence: the replicas notice (their
+    // subscriptions end) and one writes its copy back.
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis.cli(&["EXISTS", "{sluice:tenants}:epoch"]).trim() != "1" {
+        assert!(
+            Instant::now() < deadline,
+            "no replica wrote the table back; a: {}\nb: {}",
+            a.stderr(),
+            b.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for r in [&a, &b] {
+        assert_eq!(chat(r, "sk-file").await.status, 403, "still revoked");
+    }
+    assert_eq!(restores(&[&a, &b]).await, 2);
+    let default = admin(
+        &a,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"default"}"#),
+    )
+    .await;
+    assert_eq!(default.status, 204, "{}", default.text());
+    let took = until_all(&[&a, &b], Probe::AcmeExpensive, 2.into()).await;
+    eprintln!("p4: after a Redis restart, AcmeExpensive = 2 on both replicas in {took:?}");
+    let c = spawn();
+    assert_eq!(
+        chat(&c, "sk-file").await.status,
+        403,
+        "revoked on Redis again"
+    );
+    assert_eq!(acme_expensive(&c).await, 2);
+}

@@ -19,7 +19,6 @@ mod shared;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -36,6 +35,14 @@ use crate::store::AnyStore;
 
 /// The tenant journal's file name under `--data-dir`.
 pub use journal::FILE as JOURNAL_FILE;
+
+/// How long a replica that finds no tenant table on Redis at start waits for
+/// another replica to write its copy back, before it makes an empty one.
+pub const COPY_WAIT: Duration = Duration::from_secs(1);
+
+/// How often a replica asks Redis whether the tenant table is still there (one
+/// command): a `FLUSHALL` closes no subscription, so nothing else tells it.
+pub const EPOCH_CHECK: Duration = Duration::from_secs(30);
 
 /// Where the table is kept.
 enum Backend {
@@ -54,8 +61,8 @@ pub struct Tenants {
     table: Mutex<TenantTable>,
     limiter: SharedLimiter<AnyStore>,
     backend: Backend,
-    /// The last version of the shared table applied here.
-    version: AtomicU64,
+    /// Where the shared table applied here stands: its epoch and version.
+    stamp: Mutex<shared::Stamp>,
     /// One change at a time on this process.
     changing: tokio::sync::Mutex<()>,
 }
@@ -93,6 +100,10 @@ impl Tenants {
     /// The tenants of replicas on the Redis at `url`: the shared table read and
     /// applied over `limiter`'s policy; [`Tenants::follow`] keeps it current.
     ///
+    /// When Redis holds no table (a first start, or Redis lost it), the other
+    /// replicas are asked for their copy (at most [`COPY_WAIT`]) before an empty
+    /// table is made: a replica that holds one writes it back.
+    ///
     /// # Errors
     /// Redis cannot be reached, or its table does not pass the policy's checks.
     pub async fn shared(
@@ -102,10 +113,43 @@ impl Tenants {
     ) -> Result<Tenants, String> {
         let base = Arc::new(limiter.load().policy().clone());
         let shared = shared::Shared::connect(url, timeout).await?;
-        let (version, table) = shared.load().await?;
+        let (stamp, table) = shared.load().await?;
+        if stamp.epoch.is_empty() {
+            let mut pubsub = shared.subscribe().await?;
+            // Only this one subscribed: no other replica runs to hold a copy.
+            let heard = shared.ask_for_copies().await?;
+            if heard > 1 {
+                tracing::warn!(
+                    target: "sluice::tenants",
+                    "no tenant table on Redis: asking the {} other replicas for their copy (Redis lost it, or they start too)",
+                    heard - 1
+                );
+            }
+            let mut messages = pubsub.on_message();
+            let deadline = tokio::time::Instant::now() + COPY_WAIT;
+            while heard > 1
+                && let Ok(Some(message)) =
+                    tokio::time::timeout_at(deadline, futures_util::StreamExt::next(&mut messages))
+                        .await
+            {
+                let payload: String = message.get_payload().unwrap_or_default();
+                // A table written back (or made by a replica starting as well).
+                if shared::parse_message(&payload).is_some_and(|(epoch, ..)| epoch != "-") {
+                    break;
+                }
+            }
+        }
         let tenants = Tenants::new(base, table.clone(), limiter, Backend::Shared(shared));
-        tenants.apply(table).map_err(|p| problems_text(&p))?;
-        tenants.version.store(version, Ordering::Release);
+        let Backend::Shared(shared) = &tenants.backend else {
+            return Err("the tenant table is not shared".to_owned());
+        };
+        if stamp.epoch.is_empty() {
+            let _one = tenants.changing.lock().await;
+            tenants.reconcile(shared).await?;
+        } else {
+            tenants.apply(table).map_err(|p| problems_text(&p))?;
+            *tenants.stamp.lock() = stamp;
+        }
         Ok(tenants)
     }
 
@@ -120,7 +164,7 @@ impl Tenants {
             table: Mutex::new(table),
             limiter,
             backend,
-            version: AtomicU64::new(0),
+            stamp: Mutex::new(shared::Stamp::default()),
             changing: tokio::sync::Mutex::new(()),
         }
     }
@@ -158,25 +202,48 @@ impl Tenants {
     /// [`ChangeError::Invalid`] or [`ChangeError::Unavailable`]; nothing changed.
     pub async fn change(&self, change: TenantChange, who: &str) -> Result<(), ChangeError> {
         let _one = self.changing.lock().await;
-        let base = Arc::clone(&self.base.lock());
-        let before_table = self.table.lock().clone();
-        let next = before_table.with(&change, &base);
-        let policy = self
-            .after(&base, &next, &change)
-            .map_err(ChangeError::Invalid)?;
-        match &self.backend {
-            Backend::Journal(journal) => journal
-                .append(&change, &next)
-                .map_err(|e| ChangeError::Unavailable(format!("the tenant journal: {e}")))?,
-            // The version moves when the subscription brings the change back, so a
-            // change another replica published just before is not skipped.
-            Backend::Shared(shared) => {
-                shared
-                    .write(&change, &next)
-                    .await
-                    .map_err(ChangeError::Unavailable)?;
+        let mut resets = 0;
+        let (before_table, next, policy) = loop {
+            let base = Arc::clone(&self.base.lock());
+            let before_table = self.table.lock().clone();
+            let next = before_table.with(&change, &base);
+            let policy = self
+                .after(&base, &next, &change)
+                .map_err(ChangeError::Invalid)?;
+            match &self.backend {
+                Backend::Journal(journal) => journal
+                    .append(&change, &next)
+                    .map_err(|e| ChangeError::Unavailable(format!("the tenant journal: {e}")))?,
+                // The version moves when the subscription brings the change back, so a
+                // change another replica published just before is not skipped.
+                Backend::Shared(shared) => {
+                    let epoch = self.stamp.lock().epoch.clone();
+                    match shared
+                        .write(&change, &next, &epoch)
+                        .await
+                        .map_err(ChangeError::Unavailable)?
+                    {
+                        shared::Written::Made => {}
+                        // The table was lost or made again since this replica read
+                        // it: read (or written back), then the change checked anew.
+                        shared::Written::Reset if resets < 2 => {
+                            resets += 1;
+                            self.reconcile(shared)
+                                .await
+                                .map_err(ChangeError::Unavailable)?;
+                            continue;
+                        }
+                        shared::Written::Reset => {
+                            return Err(ChangeError::Unavailable(
+                                "the shared tenant table was reset while the change was made"
+                                    .to_owned(),
+                            ));
+                        }
+                    }
+                }
             }
-        }
+            break (before_table, next, policy);
+        };
         let (what, before, after) = describe(&change, &before_table, &next);
         self.install(next, policy);
         tracing::info!(
@@ -231,7 +298,10 @@ impl Tenants {
 
     /// With replicas on Redis: follows the other replicas' changes until `stop`,
     /// holding one subscription (no command while nothing changes), reading the
-    /// whole table when it subscribes and when it misses a version.
+    /// whole table when it subscribes, when it misses a version and when the table
+    /// was made again (another epoch). Every [`EPOCH_CHECK`] it asks Redis whether
+    /// the table is still there (a `FLUSHALL` closes no subscription), and writes
+    /// its copy back when it is not.
     pub async fn follow(self: Arc<Self>, stop: Stop) {
         let Backend::Shared(shared) = &self.backend else {
             return;
@@ -243,37 +313,24 @@ impl Tenants {
                 // Subscribed first, then read: nothing published between is lost.
                 self.catch_up(shared).await?;
                 wait = Duration::from_millis(100);
-                while let Some(payload) = shared::next_message(&mut pubsub).await {
-                    let Some((version, change)) = shared::parse_message(&payload) else {
-                        continue;
-                    };
-                    let seen = self.version.load(Ordering::Acquire);
-                    if version <= seen {
-                        continue;
-                    }
-                    if version == seen + 1 {
-                        let _one = self.changing.lock().await;
-                        let base = Arc::clone(&self.base.lock());
-                        let next = self.table.lock().with(&change, &base);
-                        // This replica's own change, come back: applied already.
-                        if *self.table.lock() == next {
-                            self.version.store(version, Ordering::Release);
+                let mut messages = pubsub.on_message();
+                let mut check = tokio::time::Instant::now() + EPOCH_CHECK;
+                loop {
+                    let message = tokio::select! {
+                        message = futures_util::StreamExt::next(&mut messages) => message,
+                        () = tokio::time::sleep_until(check) => {
+                            check = tokio::time::Instant::now() + EPOCH_CHECK;
+                            if shared.epoch().await? != self.stamp.lock().epoch {
+                                self.catch_up(shared).await?;
+                            }
                             continue;
                         }
-                        match self.after(&base, &next, &change) {
-                            Ok(policy) => {
-                                self.install(next, policy);
-                                self.version.store(version, Ordering::Release);
-                            }
-                            Err(problems) => tracing::error!(
-                                target: "sluice::tenants",
-                                "a tenant change from another replica does not fit this policy: {}",
-                                problems_text(&problems)
-                            ),
-                        }
-                    } else {
-                        self.catch_up(shared).await?;
-                    }
+                    };
+                    let Some(message) = message else { break };
+                    let Ok(payload) = message.get_payload::<String>() else {
+                        continue;
+                    };
+                    self.on_message(shared, &payload).await?;
                 }
                 Err::<(), String>("the subscription ended".to_owned())
             };
@@ -293,17 +350,179 @@ impl Tenants {
         }
     }
 
-    /// Reads and applies the whole shared table.
-    async fn catch_up(&self, shared: &shared::Shared) -> Result<(), String> {
-        let (version, table) = shared.load().await?;
+    /// Applies a publication of the channel: the next change of this epoch, or
+    /// else the whole table read again.
+    async fn on_message(&self, shared: &shared::Shared, payload: &str) -> Result<(), String> {
+        let Some((epoch, version, change)) = shared::parse_message(payload) else {
+            return Ok(());
+        };
+        let seen = {
+            let stamp = self.stamp.lock();
+            (stamp.epoch == epoch).then_some(stamp.version)
+        };
+        // Another epoch (the table made again), or a request to read it.
+        let Some(seen) = seen else {
+            return self.catch_up(shared).await;
+        };
+        if version <= seen {
+            return Ok(());
+        }
+        let Some(change) = change.filter(|_| version == seen + 1) else {
+            return self.catch_up(shared).await;
+        };
         let _one = self.changing.lock().await;
+        let base = Arc::clone(&self.base.lock());
+        let next = self.table.lock().with(&change, &base);
+        // This replica's own change, come back: applied already.
+        if *self.table.lock() == next {
+            self.stamp.lock().version = version;
+            return Ok(());
+        }
+        match self.after(&base, &next, &change) {
+            Ok(policy) => {
+                self.install(next, policy);
+                self.stamp.lock().version = version;
+            }
+            Err(problems) => tracing::error!(
+                target: "sluice::tenants",
+                "a tenant change from another replica does not fit this policy: {}",
+                problems_text(&problems)
+            ),
+        }
+        Ok(())
+    }
+
+    /// Reads the shared table and applies it, or writes this replica's copy back
+    /// (see [`Tenants::reconcile`]).
+    async fn catch_up(&self, shared: &shared::Shared) -> Result<(), String> {
+        let _one = self.changing.lock().await;
+        self.reconcile(shared).await
+    }
+
+    /// With `changing` held: reads the shared table and takes it, unless Redis
+    /// lost what this replica holds. Then this replica's copy is written back
+    /// (under a new epoch), logged as an error and counted in
+    /// `sluice_tenant_table_repairs_total`:
+    /// - no table (a `FLUSHALL`, a restart without persistence): the copy, when it
+    ///   holds any entry (else an empty table is made);
+    /// - a table made again from an older copy of this replica's epoch, with no
+    ///   change since: the newer copy over it;
+    /// - a table made again without this replica's epoch (by a replica that held no
+    ///   copy): this copy's entries it lacks, added.
+    ///
+    /// A table whose lineage holds all this replica had is simply taken.
+    async fn reconcile(&self, shared: &shared::Shared) -> Result<(), String> {
+        for _ in 0..4 {
+            let (now, table) = shared.load().await?;
+            let mine = self.stamp.lock().clone();
+            let held = self.table.lock().clone();
+            let holds = !(held.workspaces.is_empty() && held.keys.is_empty());
+            let (write, repair, why) = if now.epoch.is_empty() {
+                let why = if holds {
+                    format!(
+                        "the shared tenant table is gone from Redis (FLUSHALL, or a restart without persistence): writing back this replica's copy ({} workspaces, {} credentials, epoch {} version {})",
+                        held.workspaces.len(),
+                        held.keys.len(),
+                        mine.epoch,
+                        mine.version
+                    )
+                } else {
+                    String::new()
+                };
+                (held, holds.then_some("restored"), why)
+            } else if now.epoch == mine.epoch || mine.epoch.is_empty() || !holds {
+                return self.take(now, table);
+            } else {
+                match now.descends_from(&mine.epoch) {
+                    Some(version) if version >= mine.version => return self.take(now, table),
+                    Some(version) if now.version > 1 => {
+                        tracing::error!(
+                            target: "sluice::tenants",
+                            "the shared tenant table was made again from an older copy (epoch {} version {version}, this replica had version {}) and changed since: changes made before Redis lost it may be missing; check GET /tenants",
+                            mine.epoch,
+                            mine.version
+                        );
+                        metrics::counter!("sluice_tenant_table_repairs_total", "repair" => "incomplete")
+                            .increment(1);
+                        return self.take(now, table);
+                    }
+                    Some(version) => {
+                        let why = format!(
+                            "the shared tenant table was made again from an older copy (epoch {} version {version}): writing this replica's newer one (version {}) over it",
+                            mine.epoch, mine.version
+                        );
+                        (held, Some("newer"), why)
+                    }
+                    None => {
+                        let mut merged = table.clone();
+                        for (name, entry) in &held.workspaces {
+                            merged
+                                .workspaces
+                                .entry(name.clone())
+                                .or_insert_with(|| entry.clone());
+                        }
+                        for (sha, entry) in &held.keys {
+                            merged
+                                .keys
+                                .entry(sha.clone())
+                                .or_insert_with(|| entry.clone());
+                        }
+                        if merged == table {
+                            return self.take(now, table);
+                        }
+                        let why = format!(
+                            "the shared tenant table was made again without this replica's copy (epoch {} now, this replica had {} version {}): adding the {} entries it lacks",
+                            now.epoch,
+                            mine.epoch,
+                            mine.version,
+                            merged.workspaces.len() + merged.keys.len()
+                                - table.workspaces.len()
+                                - table.keys.len()
+                        );
+                        (merged, Some("merged"), why)
+                    }
+                }
+            };
+            let stamp = shared::Stamp {
+                epoch: shared::new_epoch(),
+                version: 1,
+                lineage: if now.epoch.is_empty() {
+                    mine.lineage_with(&[])
+                } else {
+                    now.lineage_with(&[&mine])
+                },
+            };
+            let expected = (!now.epoch.is_empty()).then_some(&now);
+            if !shared.restore(&write, &stamp, expected).await? {
+                // Another replica wrote first: read again.
+                continue;
+            }
+            match repair {
+                Some(repair) => {
+                    tracing::error!(target: "sluice::tenants", "{why} (epoch {} now)", stamp.epoch);
+                    metrics::counter!("sluice_tenant_table_repairs_total", "repair" => repair)
+                        .increment(1);
+                }
+                None => tracing::info!(
+                    target: "sluice::tenants",
+                    "made an empty shared tenant table (epoch {}): Redis held none, and no replica that answered held a copy",
+                    stamp.epoch
+                ),
+            }
+            return self.take(stamp, write);
+        }
+        Err("the shared tenant table kept changing while it was read".to_owned())
+    }
+
+    /// Applies `table`, read from Redis as `stamp`.
+    fn take(&self, stamp: shared::Stamp, table: TenantTable) -> Result<(), String> {
         if let Err(problems) = self.apply(table) {
             return Err(format!(
                 "the shared tenant table does not fit this policy: {}",
                 problems_text(&problems)
             ));
         }
-        self.version.store(version, Ordering::Release);
+        *self.stamp.lock() = stamp;
         Ok(())
     }
 

@@ -1,14 +1,20 @@
 //! The tenant table shared by replicas on one Redis: two hashes (workspaces and
-//! credentials, one JSON value per entry, `null` for a removal), a version, and a
-//! channel. A change is written, counted and published in one script call, so
-//! replicas see changes in the order they were made; each replica holds a
-//! subscription (no command while nothing changes) and reads the whole table when
-//! it subscribes or misses a version.
+//! credentials, one JSON value per entry, `null` for a removal), a version, an
+//! epoch, a lineage and a channel. A change is written, counted and published in
+//! one script call, so replicas see changes in the order they were made; each
+//! replica holds a subscription (no command while nothing changes) and reads the
+//! whole table when it subscribes or misses a version.
+//!
+//! The epoch is a random name the table is made under: a version counts changes
+//! within one epoch, so it never goes backwards for a replica, which compares the
+//! epoch first. A table Redis lost (`FLUSHALL`, a restart without persistence)
+//! has no epoch; a replica that finds it so writes its own copy back under a new
+//! epoch, and the lineage (the epochs, each with its last version, that a table
+//! was made from) tells every other replica whether that copy holds all it had.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use futures_util::StreamExt as _;
 use redis::Script;
 use sluice_policy::{TenantChange, TenantTable};
 use sluice_redis::{Connection, RedisUrl};
@@ -20,12 +26,21 @@ pub(super) const CHANNEL: &str = "sluice:tenants";
 const WORKSPACES: &str = "{sluice:tenants}:workspaces";
 const KEYS: &str = "{sluice:tenants}:keys";
 const VERSION: &str = "{sluice:tenants}:version";
+const EPOCH: &str = "{sluice:tenants}:epoch";
+const LINEAGE: &str = "{sluice:tenants}:lineage";
 
-/// Writes entries (`ARGV[3..]`: hash, field, JSON value, …; an empty value deletes
-/// the field), bumps the version and
-/// publishes `<version> <ARGV[2]>` on `ARGV[1]`; returns the version.
+/// The most epochs a lineage names (the latest kept).
+const LINEAGE_MAX: usize = 16;
+
+/// Writes entries (`ARGV[4..]`: hash, field, JSON value, …; an empty value deletes
+/// the field) when the table's epoch is `ARGV[3]`, bumps the version and publishes
+/// `<epoch> <version> <ARGV[2]>` on `ARGV[1]`; returns `{version, epoch}`, or `{0,
+/// epoch now}` (`''`: no table) when the epoch is another.
 const CHANGE: &str = r"
-for i = 3, #ARGV, 3 do
+local epoch = redis.call('GET', KEYS[4])
+if not epoch or redis.call('EXISTS', KEYS[3]) == 0 then return {0, ''} end
+if epoch ~= ARGV[3] then return {0, epoch} end
+for i = 4, #ARGV, 3 do
   local hash = KEYS[1]
   if ARGV[i] == 'keys' then hash = KEYS[2] end
   if ARGV[i + 2] == '' then
@@ -35,14 +50,57 @@ for i = 3, #ARGV, 3 do
   end
 end
 local version = redis.call('INCR', KEYS[3])
-redis.call('PUBLISH', ARGV[1], version .. ' ' .. ARGV[2])
-return version
+redis.call('PUBLISH', ARGV[1], epoch .. ' ' .. version .. ' ' .. ARGV[2])
+return {version, epoch}
 ";
 
-/// Returns `{version, workspaces (flat), keys (flat)}`.
+/// Returns `{epoch, version, lineage, workspaces (flat), keys (flat)}`, epoch `''`
+/// when there is no table. A table an earlier sluice made (a version, no epoch)
+/// is given the epoch `ARGV[1]`.
 const LOAD: &str = r"
-local version = tonumber(redis.call('GET', KEYS[3]) or '0')
-return {version, redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
+local epoch = redis.call('GET', KEYS[4])
+local version = redis.call('GET', KEYS[3])
+if not version then return {'', 0, '', {}, {}} end
+if not epoch then
+  epoch = ARGV[1]
+  redis.call('SET', KEYS[4], epoch)
+end
+return {epoch, tonumber(version), redis.call('GET', KEYS[5]) or '',
+  redis.call('HGETALL', KEYS[1]), redis.call('HGETALL', KEYS[2])}
+";
+
+/// Writes the whole table (`ARGV[5..]`: hash, field, JSON value, …) under the new
+/// epoch `ARGV[2]` at version 1 with the lineage `ARGV[4]`, when the table now is
+/// `ARGV[3]` (`'<epoch> <version>'`, or `''`: none), and publishes `<epoch> 1
+/// reload` on `ARGV[1]`; returns 1, or 0 when the table is not `ARGV[3]`.
+const RESTORE: &str = r"
+local epoch = redis.call('GET', KEYS[4])
+local version = redis.call('GET', KEYS[3])
+local now = ''
+if epoch and version then now = epoch .. ' ' .. version end
+if now ~= ARGV[3] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+for i = 5, #ARGV, 3 do
+  local hash = KEYS[1]
+  if ARGV[i] == 'keys' then hash = KEYS[2] end
+  redis.call('HSET', hash, ARGV[i + 1], ARGV[i + 2])
+end
+redis.call('SET', KEYS[3], 1)
+redis.call('SET', KEYS[4], ARGV[2])
+redis.call('SET', KEYS[5], ARGV[4])
+redis.call('PUBLISH', ARGV[1], ARGV[2] .. ' 1 reload')
+return 1
+";
+
+/// The table's epoch (`''`: none).
+const EPOCH_NOW: &str = r"
+if redis.call('EXISTS', KEYS[2]) == 0 then return '' end
+return redis.call('GET', KEYS[1]) or ''
+";
+
+/// Publishes `ARGV[2]` on `ARGV[1]`; returns how many subscribers heard it.
+const PUBLISH: &str = r"
+return redis.call('PUBLISH', ARGV[1], ARGV[2])
 ";
 
 /// The shared tenant table in one Redis.
@@ -51,12 +109,90 @@ pub(super) struct Shared {
     conn: Connection,
     change: Script,
     load: Script,
+    restore: Script,
+    epoch: Script,
+    publish: Script,
 }
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared").finish_non_exhaustive()
     }
+}
+
+/// Where a table stands: its epoch (`""`: no table), its version in that epoch,
+/// and its lineage.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Stamp {
+    /// The random name it was made under (`""`: none).
+    pub(super) epoch: String,
+    /// Changes made in that epoch (1: as made).
+    pub(super) version: u64,
+    /// The epochs it was made from, each with its last version (`epoch@version`,
+    /// space-separated).
+    pub(super) lineage: String,
+}
+
+impl Stamp {
+    /// The highest version of `epoch` the lineage names.
+    pub(super) fn descends_from(&self, epoch: &str) -> Option<u64> {
+        lineage_entries(&self.lineage)
+            .filter(|(e, _)| *e == epoch)
+            .map(|(_, v)| v)
+            .max()
+    }
+
+    /// The lineage of a table made from `self` and the tables (epoch, version,
+    /// lineage) of `others`: every epoch each names, and each of them.
+    pub(super) fn lineage_with(&self, others: &[&Stamp]) -> String {
+        let mut all: Vec<(String, u64)> = Vec::new();
+        for stamp in std::iter::once(self).chain(others.iter().copied()) {
+            let own = (!stamp.epoch.is_empty()).then_some((stamp.epoch.as_str(), stamp.version));
+            for (epoch, version) in lineage_entries(&stamp.lineage).chain(own) {
+                match all.iter_mut().find(|(e, _)| e == epoch) {
+                    Some(entry) => entry.1 = entry.1.max(version),
+                    None => all.push((epoch.to_owned(), version)),
+                }
+            }
+        }
+        let skip = all.len().saturating_sub(LINEAGE_MAX);
+        all.iter()
+            .skip(skip)
+            .map(|(e, v)| format!("{e}@{v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+fn lineage_entries(lineage: &str) -> impl Iterator<Item = (&str, u64)> {
+    lineage.split_whitespace().filter_map(|entry| {
+        let (epoch, version) = entry.rsplit_once('@')?;
+        Some((epoch, version.parse().ok()?))
+    })
+}
+
+/// A new epoch: 128 random bits in hex.
+pub(super) fn new_epoch() -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let half = |salt: u64| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(salt);
+        h.write_u32(std::process::id());
+        if let Ok(now) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+            h.write_u128(now.as_nanos());
+        }
+        h.finish()
+    };
+    format!("{:016x}{:016x}", half(1), half(2))
+}
+
+/// What a change written met.
+pub(super) enum Written {
+    /// It was made.
+    Made,
+    /// The table is not the one this replica holds (made again, or none):
+    /// nothing was written.
+    Reset,
 }
 
 impl Shared {
@@ -74,11 +210,14 @@ impl Shared {
             conn,
             change: Script::new(CHANGE),
             load: Script::new(LOAD),
+            restore: Script::new(RESTORE),
+            epoch: Script::new(EPOCH_NOW),
+            publish: Script::new(PUBLISH),
         })
     }
 
-    /// Writes `change` (whose entries `table` holds after it) and publishes it;
-    /// returns its version.
+    /// Writes `change` (whose entries `table` holds after it) and publishes it,
+    /// when the table's epoch is `epoch`.
     ///
     /// # Errors
     /// Redis did not take it: nothing was written.
@@ -86,38 +225,132 @@ impl Shared {
         &self,
         change: &TenantChange,
         table: &TenantTable,
-    ) -> Result<u64, String> {
+        epoch: &str,
+    ) -> Result<Written, String> {
         let message = serde_json::to_string(change).map_err(|e| e.to_string())?;
         let mut invocation = self.change.key(WORKSPACES);
-        invocation.key(KEYS).key(VERSION).arg(CHANNEL).arg(&message);
+        invocation
+            .key(KEYS)
+            .key(VERSION)
+            .key(EPOCH)
+            .key(LINEAGE)
+            .arg(CHANNEL)
+            .arg(&message)
+            .arg(epoch);
         for (hash, field, value) in entries(change, table) {
             invocation.arg(hash).arg(field).arg(value);
         }
-        self.conn
-            .invoke::<u64>(&invocation)
+        let (version, _now): (u64, String) = self
+            .conn
+            .invoke(&invocation)
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        Ok(if version == 0 {
+            Written::Reset
+        } else {
+            Written::Made
+        })
     }
 
-    /// The whole table and its version.
+    /// The whole table and where it stands (epoch `""`: there is none).
     ///
     /// # Errors
     /// Redis did not answer, or an entry does not read.
-    pub(super) async fn load(&self) -> Result<(u64, TenantTable), String> {
+    pub(super) async fn load(&self) -> Result<(Stamp, TenantTable), String> {
         let mut invocation = self.load.key(WORKSPACES);
-        invocation.key(KEYS).key(VERSION);
-        let (version, workspaces, keys): (u64, Vec<String>, Vec<String>) = self
+        invocation
+            .key(KEYS)
+            .key(VERSION)
+            .key(EPOCH)
+            .key(LINEAGE)
+            .arg(new_epoch());
+        let (epoch, version, lineage, workspaces, keys): (
+            String,
+            u64,
+            String,
+            Vec<String>,
+            Vec<String>,
+        ) = self
             .conn
             .invoke(&invocation)
             .await
             .map_err(|e| e.to_string())?;
         Ok((
-            version,
+            Stamp {
+                epoch,
+                version,
+                lineage,
+            },
             TenantTable {
                 workspaces: pairs(workspaces)?,
                 keys: pairs(keys)?,
             },
         ))
+    }
+
+    /// Writes `table` whole under the new epoch `stamp.epoch` (version 1) with
+    /// `stamp.lineage`, when the table in Redis is still `now` (`None`: there is
+    /// none), and tells every replica to read it; whether it was written.
+    ///
+    /// # Errors
+    /// Redis did not answer.
+    pub(super) async fn restore(
+        &self,
+        table: &TenantTable,
+        stamp: &Stamp,
+        now: Option<&Stamp>,
+    ) -> Result<bool, String> {
+        let expected = now.map_or_else(String::new, |s| format!("{} {}", s.epoch, s.version));
+        let mut invocation = self.restore.key(WORKSPACES);
+        invocation
+            .key(KEYS)
+            .key(VERSION)
+            .key(EPOCH)
+            .key(LINEAGE)
+            .arg(CHANNEL)
+            .arg(&stamp.epoch)
+            .arg(expected)
+            .arg(&stamp.lineage);
+        for (name, entry) in &table.workspaces {
+            invocation.arg("workspaces").arg(name).arg(json(entry));
+        }
+        for (sha, entry) in &table.keys {
+            invocation.arg("keys").arg(sha).arg(json(entry));
+        }
+        let written: u8 = self
+            .conn
+            .invoke(&invocation)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(written == 1)
+    }
+
+    /// The table's epoch now (`""`: there is none).
+    ///
+    /// # Errors
+    /// Redis did not answer.
+    pub(super) async fn epoch(&self) -> Result<String, String> {
+        let mut invocation = self.epoch.key(EPOCH);
+        invocation.key(VERSION);
+        self.conn
+            .invoke(&invocation)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Asks every replica to read the table again (and so to write its copy back
+    /// when the table is gone); how many subscribers heard it (the asker's own
+    /// subscription included).
+    ///
+    /// # Errors
+    /// Redis did not answer.
+    pub(super) async fn ask_for_copies(&self) -> Result<u64, String> {
+        let mut invocation = self.publish.prepare_invoke();
+        invocation.arg(CHANNEL).arg(REQUEST);
+        self.conn
+            .invoke::<u64>(&invocation)
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// A subscription to the channel, on the first node of the URL (a cluster
@@ -142,16 +375,20 @@ impl Shared {
     }
 }
 
-/// A publication: the change's version and the change.
-pub(super) fn parse_message(payload: &str) -> Option<(u64, TenantChange)> {
-    let (version, change) = payload.split_once(' ')?;
-    Some((version.parse().ok()?, serde_json::from_str(change).ok()?))
-}
+/// The publication that asks every replica to read the table again.
+const REQUEST: &str = "- 0 reload";
 
-/// The next publication of `pubsub`, or `None` when the subscription ended.
-pub(super) async fn next_message(pubsub: &mut redis::aio::PubSub) -> Option<String> {
-    let message = pubsub.on_message().next().await?;
-    message.get_payload::<String>().ok()
+/// A publication: the epoch, the version, and the change (`None`: read the whole
+/// table).
+pub(super) fn parse_message(payload: &str) -> Option<(&str, u64, Option<TenantChange>)> {
+    let (epoch, rest) = payload.split_once(' ')?;
+    let (version, body) = rest.split_once(' ')?;
+    let change = if body == "reload" {
+        None
+    } else {
+        Some(serde_json::from_str(body).ok()?)
+    };
+    Some((epoch, version.parse().ok()?, change))
 }
 
 /// The entries `change` writes: (hash, field, JSON value) as `table` holds them.
@@ -205,4 +442,55 @@ fn pairs<T: serde::de::DeserializeOwned>(flat: Vec<String>) -> Result<BTreeMap<S
         out.insert(field, value);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stamp(epoch: &str, version: u64, lineage: &str) -> Stamp {
+        Stamp {
+            epoch: epoch.to_owned(),
+            version,
+            lineage: lineage.to_owned(),
+        }
+    }
+
+    #[test]
+    fn p4_a_lineage_names_every_epoch_a_table_was_made_from_at_its_last_version() {
+        let restored = stamp("b", 1, &stamp("a", 7, "").lineage_with(&[]));
+        assert_eq!(restored.lineage, "a@7");
+        assert_eq!(restored.descends_from("a"), Some(7));
+        assert_eq!(
+            restored.descends_from("b"),
+            None,
+            "its own epoch is not in it"
+        );
+        let merged = restored.lineage_with(&[&stamp("c", 3, "a@9")]);
+        assert_eq!(merged, "a@9 b@1 c@3", "the highest version of each epoch");
+        let long = (0..40).fold(Stamp::default(), |s, i| {
+            stamp(&format!("e{i}"), 1, &s.lineage_with(&[]))
+        });
+        assert_eq!(long.lineage.split(' ').count(), LINEAGE_MAX);
+        assert_eq!(long.descends_from("e38"), Some(1), "the latest kept");
+    }
+
+    #[test]
+    fn p4_a_publication_names_its_epoch_and_version() {
+        let change = r#"{"op":"revoke_key","sha256":"ab"}"#;
+        let payload = format!("e1 7 {change}");
+        let (epoch, version, parsed) = parse_message(&payload).expect("a change");
+        assert_eq!((epoch, version), ("e1", 7));
+        assert!(matches!(parsed, Some(TenantChange::RevokeKey { .. })));
+        assert!(matches!(
+            parse_message("e2 1 reload"),
+            Some(("e2", 1, None))
+        ));
+        assert!(matches!(parse_message(REQUEST), Some(("-", 0, None))));
+        assert!(
+            parse_message("7 {}").is_none(),
+            "an earlier sluice's: not read"
+        );
+        assert_ne!(new_epoch(), new_epoch());
+    }
 }
