@@ -113,14 +113,37 @@ pub fn load_file(file: &Path) -> Result<Policy, PolicyError> {
 /// [`PolicyError::Parse`] or [`PolicyError::Invalid`].
 #[cfg(feature = "yaml")]
 pub fn parse_str(text: &str, file: &Path) -> Result<Policy, PolicyError> {
-    let raw: RawPolicy = serde_saphyr::from_str(text).map_err(|e| PolicyError::Parse {
-        file: file.to_owned(),
-        message: e.to_string(),
-    })?;
+    let raw: RawPolicy =
+        serde_saphyr::from_str_with_options(text, yaml_options()).map_err(|e| {
+            PolicyError::Parse {
+                file: file.to_owned(),
+                message: e.to_string(),
+            }
+        })?;
     validate(&raw).map_err(|problems| PolicyError::Invalid {
         file: file.to_owned(),
         problems,
     })
+}
+
+/// The YAML reader's bounds for a policy file: room for the largest policy the
+/// validator takes ([`MAX_WORKSPACES`] workspaces of 4 nodes and 5 events each,
+/// [`crate::tenants::MAX_KEYS`] keys of 9 nodes and 10 events each, and the rest),
+/// where the reader's defaults (250,000 nodes, 1,000,000 events) stop a file at about
+/// 62,000 workspaces. Anchors, aliases, depth and scalar bytes keep their default
+/// bounds.
+#[cfg(feature = "yaml")]
+fn yaml_options() -> serde_saphyr::Options {
+    /// Nodes (mappings, sequences and scalars) in one policy file.
+    const MAX_NODES: usize = 2_000_000;
+    /// Parser events in one policy file.
+    const MAX_EVENTS: usize = 3_000_000;
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_nodes = MAX_NODES;
+    budget.max_events = MAX_EVENTS;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    options
 }
 
 /// Checks a raw policy and builds the typed one.

@@ -259,3 +259,37 @@ fn p3_every_bad_lane_override_is_named_by_its_key_path() {
     ));
     assert!(unknown.contains("global_in_flight"), "{unknown}");
 }
+
+/// The documented bound is 100,000 workspaces on a plan (and as many known keys); the
+/// YAML reader's default node budget stopped a file at about 62,000. A file at the
+/// bound loads; one past it is refused by the validator, naming the bound.
+#[test]
+fn p3_a_file_with_100000_workspaces_and_keys_loads_and_one_more_is_refused() {
+    fn file(workspaces: usize, keys: usize) -> String {
+        let mut extra =
+            String::from("plans:\n  pro:\n    classes: { generate: 50 }\nworkspaces:\n");
+        for i in 0..workspaces {
+            extra.push_str(&format!("  ws{i}: {{ plan: pro }}\n"));
+        }
+        if keys > 0 {
+            extra.push_str("identity:\n  keys:\n");
+        }
+        for i in 0..keys {
+            extra.push_str(&format!(
+                "    - {{ sha256: \"{i:064x}\", workspace: k{i}, user: u{i} }}\n"
+            ));
+        }
+        yaml(&extra)
+    }
+    let at_bound = file(sluice_policy::MAX_WORKSPACES, sluice_policy::MAX_KEYS);
+    let loaded = parse_str(&at_bound, Path::new("big.yaml")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(loaded.identity.keys.len(), sluice_policy::MAX_KEYS);
+    let past = parse_str(
+        &file(sluice_policy::MAX_WORKSPACES + 1, 0),
+        Path::new("past.yaml"),
+    )
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    assert!(past.contains("at most 100000 workspaces"), "{past}");
+}
