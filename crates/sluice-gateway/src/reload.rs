@@ -238,6 +238,7 @@ impl Reloader {
         if let Some(error) = self.restart_only(current.policy(), &policy) {
             return Err(self.rejected(trigger, &version, error));
         }
+        let changes = current.policy().counting_changes(&policy);
         let next = match current.reloaded(policy) {
             Ok(next) => next,
             Err(refused) => return Err(self.rejected(trigger, &version, refused.to_string())),
@@ -251,6 +252,9 @@ impl Reloader {
             state.version.clone_from(&version);
             state.loaded_at = unix_now();
             state.reloads += 1;
+        }
+        for change in changes {
+            tracing::warn!(target: "sluice::reload", version, "{change}");
         }
         metrics::counter!("sluice_policy_reloads_total", "outcome" => "applied").increment(1);
         tracing::info!(

@@ -1,7 +1,7 @@
 //! What `sluice check` warns of: a policy that loads and runs, but that an operator
 //! may not mean, or that is sound only if the proxy in front does its part.
 
-use crate::model::Policy;
+use crate::model::{Algorithm, Policy};
 use crate::path::PathCase;
 
 impl Policy {
@@ -51,6 +51,77 @@ impl Policy {
             ));
         }
         out
+    }
+}
+
+/// How a budget keeps its books: a change starts them afresh.
+fn books(algorithm: Algorithm, window: u32) -> (&'static str, Option<u32>) {
+    match algorithm {
+        Algorithm::Fixed => ("fixed", None),
+        Algorithm::Sliding => ("sliding", Some(window)),
+        Algorithm::Gcra { .. } => ("gcra", None),
+    }
+}
+
+impl Policy {
+    /// The budgets whose books `next` keeps another way than `self` (another
+    /// algorithm, or a sliding window of another length), one sentence each: a reload
+    /// to `next` starts them afresh for every caller, so within the window of the
+    /// change a caller may spend up to one more whole limit of each (a budget switched
+    /// through all three algorithms in one window admits up to three times its limit
+    /// in it; switching back finds the earlier books as they were). `sluice serve`
+    /// logs them as warnings when it applies a reload.
+    pub fn counting_changes(&self, next: &Policy) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut compare = |kind: &str, name: &str, old, new| {
+            if old != new {
+                let (old, new): ((&str, Option<u32>), (&str, Option<u32>)) = (old, new);
+                out.push(format!(
+                    "{kind} {name} now counts {} (was {}): its count starts afresh for \
+                     every caller, who may spend up to one more whole limit in this window",
+                    describe_books(new),
+                    describe_books(old)
+                ));
+            }
+        };
+        for class in &next.classes {
+            if let Some(before) = self.classes.iter().find(|c| c.name == class.name) {
+                compare(
+                    "class",
+                    &class.name,
+                    books(before.algorithm, self.window.get()),
+                    books(class.algorithm, next.window.get()),
+                );
+            }
+        }
+        for ceiling in &next.ceilings {
+            if let Some(before) = self.ceilings.iter().find(|c| c.name == ceiling.name) {
+                compare(
+                    "ceiling",
+                    &ceiling.name,
+                    books(before.algorithm, self.window.get()),
+                    books(ceiling.algorithm, next.window.get()),
+                );
+            }
+        }
+        for bucket in &next.buckets {
+            if let Some(before) = self.buckets.iter().find(|b| b.name == bucket.name) {
+                compare(
+                    "bucket",
+                    &bucket.name,
+                    books(before.algorithm, before.window.get()),
+                    books(bucket.algorithm, bucket.window.get()),
+                );
+            }
+        }
+        out
+    }
+}
+
+fn describe_books((algorithm, window): (&str, Option<u32>)) -> String {
+    match window {
+        Some(seconds) => format!("{algorithm} over {seconds} s"),
+        None => algorithm.to_owned(),
     }
 }
 
@@ -107,6 +178,27 @@ identity:
                 && found[0].contains("must clear them"),
             "{found:?}"
         );
+    }
+
+    #[test]
+    fn p2_a_reload_that_changes_how_a_budget_counts_is_named() {
+        let fixed = crate::default_policy().expect("the default policy");
+        assert_eq!(fixed.counting_changes(&fixed), Vec::<String>::new());
+        let yaml = crate::DEFAULT_POLICY_YAML.replacen(
+            "window_seconds: 60\n",
+            "window_seconds: 60\nalgorithms: { expensive: { algorithm: gcra, burst: 5 } }\n",
+            1,
+        );
+        assert_ne!(yaml, crate::DEFAULT_POLICY_YAML, "the edit applies");
+        let gcra = parse_str(&yaml, std::path::Path::new("gcra.yaml")).expect("loads");
+        let changes = fixed.counting_changes(&gcra);
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        assert!(
+            changes[0].starts_with("class expensive now counts gcra (was fixed)")
+                && changes[0].contains("one more whole limit"),
+            "{changes:?}"
+        );
+        assert_eq!(gcra.counting_changes(&fixed).len(), 1);
     }
 
     #[test]
