@@ -611,7 +611,7 @@ async fn p4_d2_a_revocation_survives_a_flushall_and_a_redis_restart_on_two_repli
         a.stderr(),
         b.stderr()
     );
-    assert_eq!(restores(&[&a, &b]).await, 1);
+    until_restored(&a, &b, 1).await;
     // Written back: a replica started now reads the revocation and the change.
     let c = spawn();
     assert_eq!(chat(&c, "sk-file").await.status, 403);
@@ -621,20 +621,11 @@ async fn p4_d2_a_revocation_survives_a_flushall_and_a_redis_restart_on_two_repli
     // Redis restarted without persistence: the replicas notice (their
     // subscriptions end) and one writes its copy back.
     redis.restart();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while redis.cli(&["EXISTS", "{sluice:tenants}:epoch"]).trim() != "1" {
-        assert!(
-            Instant::now() < deadline,
-            "no replica wrote the table back; a: {}\nb: {}",
-            a.stderr(),
-            b.stderr()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_restored(&a, &b, 2).await;
+    assert_eq!(redis.cli(&["EXISTS", "{sluice:tenants}:epoch"]).trim(), "1");
     for r in [&a, &b] {
         assert_eq!(chat(r, "sk-file").await.status, 403, "still revoked");
     }
-    assert_eq!(restores(&[&a, &b]).await, 2);
     let default = admin(
         &a,
         "PUT",
@@ -652,4 +643,31 @@ async fn p4_d2_a_revocation_survives_a_flushall_and_a_redis_restart_on_two_repli
         "revoked on Redis again"
     );
     assert_eq!(acme_expensive(&c).await, 2);
+    drop(c);
+
+    // FLUSHALL, and a replica starts before any change: it asks the others, and
+    // one of them writes its copy back before it takes the table.
+    assert_eq!(redis.cli(&["FLUSHALL"]).trim(), "OK");
+    let d = spawn();
+    assert_eq!(
+        chat(&d, "sk-file").await.status,
+        403,
+        "revoked on the new one"
+    );
+    assert_eq!(acme_expensive(&d).await, 2);
+    until_restored(&a, &b, 3).await;
+}
+
+/// Waits (at most 10 s) until `a` and `b` count `restores` tables written back.
+async fn until_restored(a: &Sluice, b: &Sluice, count: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while restores(&[a, b]).await != count {
+        assert!(
+            Instant::now() < deadline,
+            "no replica wrote the table back; a: {}\nb: {}",
+            a.stderr(),
+            b.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

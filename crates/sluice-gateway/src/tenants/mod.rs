@@ -499,7 +499,7 @@ impl Tenants {
             }
             match repair {
                 Some(repair) => {
-                    tracing::error!(target: "sluice::tenants", "{why} (epoch {} now)", stamp.epoch);
+                    tracing::error!(target: "sluice::tenants", "{why}; written back as epoch {}", stamp.epoch);
                     metrics::counter!("sluice_tenant_table_repairs_total", "repair" => repair)
                         .increment(1);
                 }
