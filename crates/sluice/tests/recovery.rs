@@ -4,7 +4,11 @@
 //! held is closed) and left idle; then bursts of concurrent rate-limit service
 //! calls on one counter of 5. Every call is decided on Redis — exactly 5
 //! admitted in all, none answered by the outage rule (which, `fail_open`, would
-//! admit them).
+//! admit them). And the gateway's own path, which the report saw hold: its
+//! `fail_open` decides on this replica's share (`limit / store.replicas`), which
+//! held near the limit while every decision it made was an outage one. After the
+//! restart a burst of registrations (5 a minute per address, E7) is decided on
+//! Redis, none on a replica's share.
 //!
 //! The calls are made by a small gRPC client written here (HTTP/2 and the few
 //! protobuf fields a `ShouldRateLimit` call needs), so that a thousand of them
@@ -264,5 +268,98 @@ async fn e8_r1_d3_a_burst_right_after_redis_restarts_is_decided_on_redis() {
         admitted,
         [5, 0, 0],
         "admitted per burst: exactly the rule's 5"
+    );
+}
+
+/// Local decisions so far (`sluice_local_decisions_total`): decisions made on
+/// this replica's share because the store could not decide.
+async fn local_decisions(replica: &Sluice) -> f64 {
+    let metrics = support::get(&replica.admin_url("/metrics")).await.text();
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("sluice_local_decisions_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `n` requests at once, spread over `replicas`' gateways: the statuses.
+async fn gateway_burst(replicas: &[Sluice], method: &str, path: &str, n: usize) -> Vec<u16> {
+    let calls: Vec<_> = (0..n)
+        .map(|i| {
+            let request = Request::builder()
+                .method(method)
+                .uri(replicas[i % replicas.len()].url(path))
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from_static(b"{}")))
+                .expect("request");
+            tokio::spawn(support::send(request))
+        })
+        .collect();
+    let mut statuses = Vec::with_capacity(n);
+    for call in calls {
+        statuses.push(call.await.expect("request task").status.as_u16());
+    }
+    statuses
+}
+
+/// Waits until the current minute has more than 10 s left, so that a burst on
+/// a per-minute budget does not straddle a window's end (windows are aligned
+/// to the epoch, on the Redis server's clock, this machine's).
+async fn clear_of_a_minute_end() {
+    let into_minute = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after the epoch")
+            .as_millis()
+            % 60_000
+    };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while into_minute() > 50_000 {
+        assert!(Instant::now() < deadline, "the minute did not turn");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e8_e7_d3_a_gateway_burst_right_after_redis_restarts_is_decided_on_redis() {
+    const REGISTRATIONS: usize = 60;
+    let mut redis = RedisServer::start("recovery-gateway");
+    let dir = DataDir::new();
+    let policy = policy(&dir);
+    let replicas: Vec<Sluice> = (0..2)
+        .map(|_| Sluice::spawn(&["--config", &policy, "--store", &redis.url()]))
+        .collect();
+    // Every connection the burst will use is open before the restart: each
+    // replica's shared one and each of its workers' own.
+    for _ in 0..2 {
+        let statuses = gateway_burst(&replicas, "GET", "/", 200).await;
+        assert!(
+            statuses.iter().all(|s| *s != 503),
+            "warming up: {statuses:?}"
+        );
+    }
+    for replica in &replicas {
+        assert_eq!(local_decisions(replica).await, 0.0, "before the restart");
+    }
+    redis.restart();
+    wait_until_it_answers(&redis);
+    // Idle, as in the report: nothing asks the closed connections anything.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    clear_of_a_minute_end().await;
+    let statuses = gateway_burst(&replicas, "POST", "/oauth/register", REGISTRATIONS).await;
+    let refused = statuses.iter().filter(|s| **s == 429).count();
+    let mut local = Vec::new();
+    for replica in &replicas {
+        local.push(local_decisions(replica).await);
+    }
+    assert_eq!(
+        local,
+        [0.0, 0.0],
+        "decisions made on a replica's share, per replica (statuses: {statuses:?})"
+    );
+    assert_eq!(
+        REGISTRATIONS - refused,
+        5,
+        "registrations let through of {REGISTRATIONS}: {statuses:?}"
     );
 }
