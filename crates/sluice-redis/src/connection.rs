@@ -486,15 +486,17 @@ impl SentinelMaster {
         // A call its caller stops waiting for (its own timeout) may be a
         // master that no longer answers: ask too.
         let mut unanswered = AskOnDrop(Some(self));
+        let mut attempts = 0u8;
         let result = again_if_unsent(|| {
+            attempts = attempts.saturating_add(1);
             let mut manager = self.manager();
             async move { invocation.invoke_async(&mut manager).await }
         })
         .await;
         unanswered.0 = None;
-        if let Err(e) = &result
-            && points_elsewhere(e)
-        {
+        // A call made again found its connection closed: the master may have
+        // gone (a failover), even if the new connection answered.
+        if attempts > 1 || result.as_ref().is_err_and(points_elsewhere) {
             self.ask_sentinels();
         }
         result
