@@ -90,7 +90,11 @@ struct Job {
 /// all admit. Keys are `<prefix>{<subject>}:<scope>` in hex digests — never a
 /// raw credential — hash-tagged by subject so a caller's budgets share a slot,
 /// and every key carries a TTL. Concurrent decisions share one multiplexed
-/// connection (pipelined); the connection manager reconnects by itself.
+/// connection (pipelined); the connection manager reconnects by itself, and a
+/// decision turned away by a connection Redis closed while it was idle (a
+/// restart) is sent once more on the new one — never one that may have been
+/// sent (see [`sluice_redis::Connection::invoke`]) — so the first burst after
+/// Redis comes back is decided on Redis, not by the outage rule.
 ///
 /// On a Redis Cluster (`redis+cluster://host:port,host:port,…`) a decision
 /// sends one script per subject (one slot each) at once; when any refuses,
