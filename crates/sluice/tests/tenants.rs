@@ -656,6 +656,39 @@ async fn p4_d2_a_revocation_survives_a_flushall_and_a_redis_restart_on_two_repli
     );
     assert_eq!(acme_expensive(&d).await, 2);
     until_restored(&a, &b, 3).await;
+    drop(d);
+
+    // The table gone back (as a failover to a server that had not caught up
+    // leaves it): the revocation missing, the version below what replicas saw.
+    let set = |plan: &'static str| {
+        let body = format!(r#"{{"plan":"{plan}"}}"#);
+        let replica = if plan == "pro" { &a } else { &b };
+        async move { admin(replica, "PUT", "/tenants/workspaces/acme", Some(&body)).await }
+    };
+    assert_eq!(set("pro").await.status, 204);
+    until_all(&[&a, &b], Probe::AcmeExpensive, 4.into()).await;
+    let keys = "{sluice:tenants}:keys";
+    assert_eq!(redis.cli(&["HDEL", keys, &sha("sk-file")]).trim(), "1");
+    assert_eq!(
+        redis.cli(&["SET", "{sluice:tenants}:version", "1"]).trim(),
+        "OK"
+    );
+    let changed = set("default").await;
+    assert_eq!(changed.status, 204, "{}", changed.text());
+    let took = until_all(&[&a, &b], Probe::AcmeExpensive, 2.into()).await;
+    assert!(
+        took < Duration::from_secs(1),
+        "the change reached the other replica after {took:?}"
+    );
+    assert_eq!(
+        redis.cli(&["HEXISTS", keys, &sha("sk-file")]).trim(),
+        "1",
+        "written back"
+    );
+    for r in [&a, &b] {
+        assert_eq!(chat(r, "sk-file").await.status, 403, "still revoked");
+    }
+    assert!(logged(&[&a, &b], &["ERROR", "went back from version"]));
 }
 
 /// Waits (at most 10 s) until `a` and `b` count `restores` tables written back.

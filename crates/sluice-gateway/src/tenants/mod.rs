@@ -49,7 +49,7 @@ enum Backend {
     /// One process: the journal under `--data-dir`.
     Journal(journal::Journal),
     /// Replicas on one Redis.
-    Shared(shared::Shared),
+    Shared(Box<shared::Shared>),
 }
 
 /// The tenants of a running gateway: the table the admin API changed, over the
@@ -139,7 +139,12 @@ impl Tenants {
                 }
             }
         }
-        let tenants = Tenants::new(base, table.clone(), limiter, Backend::Shared(shared));
+        let tenants = Tenants::new(
+            base,
+            table.clone(),
+            limiter,
+            Backend::Shared(Box::new(shared)),
+        );
         let Backend::Shared(shared) = &tenants.backend else {
             return Err("the tenant table is not shared".to_owned());
         };
@@ -217,9 +222,9 @@ impl Tenants {
                 // The version moves when the subscription brings the change back, so a
                 // change another replica published just before is not skipped.
                 Backend::Shared(shared) => {
-                    let epoch = self.stamp.lock().epoch.clone();
+                    let seen = self.stamp.lock().clone();
                     match shared
-                        .write(&change, &next, &epoch)
+                        .write(&change, &next, &seen)
                         .await
                         .map_err(ChangeError::Unavailable)?
                     {
@@ -300,8 +305,8 @@ impl Tenants {
     /// holding one subscription (no command while nothing changes), reading the
     /// whole table when it subscribes, when it misses a version and when the table
     /// was made again (another epoch). Every [`EPOCH_CHECK`] it asks Redis whether
-    /// the table is still there (a `FLUSHALL` closes no subscription), and writes
-    /// its copy back when it is not.
+    /// the table is still there and has not gone back (a `FLUSHALL` closes no
+    /// subscription), and writes its copy back when it is not.
     pub async fn follow(self: Arc<Self>, stop: Stop) {
         let Backend::Shared(shared) = &self.backend else {
             return;
@@ -320,7 +325,12 @@ impl Tenants {
                         message = futures_util::StreamExt::next(&mut messages) => message,
                         () = tokio::time::sleep_until(check) => {
                             check = tokio::time::Instant::now() + EPOCH_CHECK;
-                            if shared.epoch().await? != self.stamp.lock().epoch {
+                            let (epoch, version) = shared.now().await?;
+                            let lost = {
+                                let seen = self.stamp.lock();
+                                epoch != seen.epoch || version < seen.version
+                            };
+                            if lost {
                                 self.catch_up(shared).await?;
                             }
                             continue;
@@ -405,6 +415,8 @@ impl Tenants {
     /// `sluice_tenant_table_repairs_total`:
     /// - no table (a `FLUSHALL`, a restart without persistence): the copy, when it
     ///   holds any entry (else an empty table is made);
+    /// - the table of this replica's epoch at a version below the one it saw (a
+    ///   failover to a server that had not caught up): the copy over it;
     /// - a table made again from an older copy of this replica's epoch, with no
     ///   change since: the newer copy over it;
     /// - a table made again without this replica's epoch (by a replica that held no
@@ -430,6 +442,14 @@ impl Tenants {
                     String::new()
                 };
                 (held, holds.then_some("restored"), why)
+            } else if now.epoch == mine.epoch && now.version < mine.version && holds {
+                // The same table gone back (a failover to a server that had not
+                // caught up): changes this replica saw are missing from it.
+                let why = format!(
+                    "the shared tenant table went back from version {} to {} (a failover to a server that had not caught up?): writing this replica's copy over it",
+                    mine.version, now.version
+                );
+                (held, Some("newer"), why)
             } else if now.epoch == mine.epoch || mine.epoch.is_empty() || !holds {
                 return self.take(now, table);
             } else {

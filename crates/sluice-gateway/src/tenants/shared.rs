@@ -32,15 +32,18 @@ const LINEAGE: &str = "{sluice:tenants}:lineage";
 /// The most epochs a lineage names (the latest kept).
 const LINEAGE_MAX: usize = 16;
 
-/// Writes entries (`ARGV[4..]`: hash, field, JSON value, …; an empty value deletes
-/// the field) when the table's epoch is `ARGV[3]`, bumps the version and publishes
-/// `<epoch> <version> <ARGV[2]>` on `ARGV[1]`; returns `{version, epoch}`, or `{0,
-/// epoch now}` (`''`: no table) when the epoch is another.
+/// Writes entries (`ARGV[5..]`: hash, field, JSON value, …; an empty value deletes
+/// the field) when the table's epoch is `ARGV[3]` and its version not below
+/// `ARGV[4]` (the writer's last seen), bumps the version and publishes `<epoch>
+/// <version> <ARGV[2]>` on `ARGV[1]`; returns `{version, epoch}`, or `{0, epoch
+/// now}` (`''`: no table) when the table is another or went back (a failover to a
+/// server that had not caught up).
 const CHANGE: &str = r"
 local epoch = redis.call('GET', KEYS[4])
-if not epoch or redis.call('EXISTS', KEYS[3]) == 0 then return {0, ''} end
-if epoch ~= ARGV[3] then return {0, epoch} end
-for i = 4, #ARGV, 3 do
+local version = tonumber(redis.call('GET', KEYS[3]) or '-1')
+if not epoch or version < 0 then return {0, ''} end
+if epoch ~= ARGV[3] or version < tonumber(ARGV[4]) then return {0, epoch} end
+for i = 5, #ARGV, 3 do
   local hash = KEYS[1]
   if ARGV[i] == 'keys' then hash = KEYS[2] end
   if ARGV[i + 2] == '' then
@@ -92,10 +95,11 @@ redis.call('PUBLISH', ARGV[1], ARGV[2] .. ' 1 reload')
 return 1
 ";
 
-/// The table's epoch (`''`: none).
+/// Returns `{epoch, version}` (`{'', 0}`: no table).
 const EPOCH_NOW: &str = r"
-if redis.call('EXISTS', KEYS[2]) == 0 then return '' end
-return redis.call('GET', KEYS[1]) or ''
+local version = redis.call('GET', KEYS[2])
+if not version then return {'', 0} end
+return {redis.call('GET', KEYS[1]) or '', tonumber(version)}
 ";
 
 /// Publishes `ARGV[2]` on `ARGV[1]`; returns how many subscribers heard it.
@@ -217,7 +221,7 @@ impl Shared {
     }
 
     /// Writes `change` (whose entries `table` holds after it) and publishes it,
-    /// when the table's epoch is `epoch`.
+    /// when the table is the one `seen` names (its epoch, a version not below).
     ///
     /// # Errors
     /// Redis did not take it: nothing was written.
@@ -225,7 +229,7 @@ impl Shared {
         &self,
         change: &TenantChange,
         table: &TenantTable,
-        epoch: &str,
+        seen: &Stamp,
     ) -> Result<Written, String> {
         let message = serde_json::to_string(change).map_err(|e| e.to_string())?;
         let mut invocation = self.change.key(WORKSPACES);
@@ -236,7 +240,8 @@ impl Shared {
             .key(LINEAGE)
             .arg(CHANNEL)
             .arg(&message)
-            .arg(epoch);
+            .arg(&seen.epoch)
+            .arg(seen.version);
         for (hash, field, value) in entries(change, table) {
             invocation.arg(hash).arg(field).arg(value);
         }
@@ -325,11 +330,11 @@ impl Shared {
         Ok(written == 1)
     }
 
-    /// The table's epoch now (`""`: there is none).
+    /// The table's epoch and version now (`""`: there is none).
     ///
     /// # Errors
     /// Redis did not answer.
-    pub(super) async fn epoch(&self) -> Result<String, String> {
+    pub(super) async fn now(&self) -> Result<(String, u64), String> {
         let mut invocation = self.epoch.key(EPOCH);
         invocation.key(VERSION);
         self.conn
