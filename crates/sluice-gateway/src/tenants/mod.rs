@@ -410,98 +410,24 @@ impl Tenants {
     }
 
     /// With `changing` held: reads the shared table and takes it, unless Redis
-    /// lost what this replica holds. Then this replica's copy is written back
-    /// (under a new epoch), logged as an error and counted in
-    /// `sluice_tenant_table_repairs_total`:
-    /// - no table (a `FLUSHALL`, a restart without persistence): the copy, when it
-    ///   holds any entry (else an empty table is made);
-    /// - the table of this replica's epoch at a version below the one it saw (a
-    ///   failover to a server that had not caught up): the copy over it;
-    /// - a table made again from an older copy of this replica's epoch, with no
-    ///   change since: the newer copy over it;
-    /// - a table made again without this replica's epoch (by a replica that held no
-    ///   copy): this copy's entries it lacks, added.
-    ///
-    /// A table whose lineage holds all this replica had is simply taken.
+    /// lost what this replica holds (see [`shared::repair`]). Then this replica's
+    /// copy (or what the table lacks of it) is written back under a new epoch,
+    /// logged as an error and counted in `sluice_tenant_table_repairs_total`; a
+    /// replica that wrote second reads again and takes the first one's.
     async fn reconcile(&self, shared: &shared::Shared) -> Result<(), String> {
         for _ in 0..4 {
             let (now, table) = shared.load().await?;
             let mine = self.stamp.lock().clone();
             let held = self.table.lock().clone();
-            let holds = !(held.workspaces.is_empty() && held.keys.is_empty());
-            let (write, repair, why) = if now.epoch.is_empty() {
-                let why = if holds {
-                    format!(
-                        "the shared tenant table is gone from Redis (FLUSHALL, or a restart without persistence): writing back this replica's copy ({} workspaces, {} credentials, epoch {} version {})",
-                        held.workspaces.len(),
-                        held.keys.len(),
-                        mine.epoch,
-                        mine.version
-                    )
-                } else {
-                    String::new()
-                };
-                (held, holds.then_some("restored"), why)
-            } else if now.epoch == mine.epoch && now.version < mine.version && holds {
-                // The same table gone back (a failover to a server that had not
-                // caught up): changes this replica saw are missing from it.
-                let why = format!(
-                    "the shared tenant table went back from version {} to {} (a failover to a server that had not caught up?): writing this replica's copy over it",
-                    mine.version, now.version
-                );
-                (held, Some("newer"), why)
-            } else if now.epoch == mine.epoch || mine.epoch.is_empty() || !holds {
-                return self.take(now, table);
-            } else {
-                match now.descends_from(&mine.epoch) {
-                    Some(version) if version >= mine.version => return self.take(now, table),
-                    Some(version) if now.version > 1 => {
-                        tracing::error!(
-                            target: "sluice::tenants",
-                            "the shared tenant table was made again from an older copy (epoch {} version {version}, this replica had version {}) and changed since: changes made before Redis lost it may be missing; check GET /tenants",
-                            mine.epoch,
-                            mine.version
-                        );
-                        metrics::counter!("sluice_tenant_table_repairs_total", "repair" => "incomplete")
-                            .increment(1);
-                        return self.take(now, table);
-                    }
-                    Some(version) => {
-                        let why = format!(
-                            "the shared tenant table was made again from an older copy (epoch {} version {version}): writing this replica's newer one (version {}) over it",
-                            mine.epoch, mine.version
-                        );
-                        (held, Some("newer"), why)
-                    }
-                    None => {
-                        let mut merged = table.clone();
-                        for (name, entry) in &held.workspaces {
-                            merged
-                                .workspaces
-                                .entry(name.clone())
-                                .or_insert_with(|| entry.clone());
-                        }
-                        for (sha, entry) in &held.keys {
-                            merged
-                                .keys
-                                .entry(sha.clone())
-                                .or_insert_with(|| entry.clone());
-                        }
-                        if merged == table {
-                            return self.take(now, table);
-                        }
-                        let why = format!(
-                            "the shared tenant table was made again without this replica's copy (epoch {} now, this replica had {} version {}): adding the {} entries it lacks",
-                            now.epoch,
-                            mine.epoch,
-                            mine.version,
-                            merged.workspaces.len() + merged.keys.len()
-                                - table.workspaces.len()
-                                - table.keys.len()
-                        );
-                        (merged, Some("merged"), why)
-                    }
+            let (write, repair, why) = match shared::repair(&mine, &held, &now, &table) {
+                shared::Repair::Take => return self.take(now, table),
+                shared::Repair::TakeIncomplete(why) => {
+                    tracing::error!(target: "sluice::tenants", "{why}");
+                    metrics::counter!("sluice_tenant_table_repairs_total", "repair" => "incomplete")
+                        .increment(1);
+                    return self.take(now, table);
                 }
+                shared::Repair::Write { table, kind, why } => (table, kind, why),
             };
             let stamp = shared::Stamp {
                 epoch: shared::new_epoch(),

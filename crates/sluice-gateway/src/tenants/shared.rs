@@ -175,6 +175,121 @@ fn lineage_entries(lineage: &str) -> impl Iterator<Item = (&str, u64)> {
     })
 }
 
+/// What a replica holding `held` (as `mine`) does with the table Redis holds
+/// (`table`, as `now`).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Repair {
+    /// Takes it: it holds all this replica had.
+    Take,
+    /// Takes it, though changes this replica saw are missing from it (it was
+    /// changed since it was made from an older copy): why, for an error line.
+    TakeIncomplete(String),
+    /// Writes `table` back under a new epoch: `kind` names the repair (`None`:
+    /// an empty table made where there was none, not a repair), `why` says it.
+    Write {
+        /// What to write.
+        table: TenantTable,
+        /// `restored`, `newer` or `merged`.
+        kind: Option<&'static str>,
+        /// Why, for an error line.
+        why: String,
+    },
+}
+
+/// What a replica holding `held` (as `mine`) does with the table Redis holds
+/// (`table`, as `now`; epoch `""`: none):
+/// - none: writes its copy back (an empty one when it holds nothing);
+/// - its epoch at a version below the one it saw (a failover to a server that
+///   had not caught up): writes its copy over it;
+/// - another epoch whose lineage names this replica's at its version or later
+///   (a copy of all it had): takes it;
+/// - one made from an older copy of this replica's epoch: writes its newer copy
+///   over it if nothing changed since (version 1), else takes it, incomplete;
+/// - one made without this replica's epoch (by a replica that held no copy):
+///   adds the entries it lacks (its own entries, newer, stay).
+pub(super) fn repair(mine: &Stamp, held: &TenantTable, now: &Stamp, table: &TenantTable) -> Repair {
+    let holds = !(held.workspaces.is_empty() && held.keys.is_empty());
+    let write = |table: &TenantTable, kind: &'static str, why: String| Repair::Write {
+        table: table.clone(),
+        kind: Some(kind),
+        why,
+    };
+    if now.epoch.is_empty() {
+        if !holds {
+            return Repair::Write {
+                table: TenantTable::default(),
+                kind: None,
+                why: String::new(),
+            };
+        }
+        return write(
+            held,
+            "restored",
+            format!(
+                "the shared tenant table is gone from Redis (FLUSHALL, or a restart without persistence): writing back this replica's copy ({} workspaces, {} credentials, epoch {} version {})",
+                held.workspaces.len(),
+                held.keys.len(),
+                mine.epoch,
+                mine.version
+            ),
+        );
+    }
+    if now.epoch == mine.epoch && now.version < mine.version && holds {
+        return write(
+            held,
+            "newer",
+            format!(
+                "the shared tenant table went back from version {} to {} (a failover to a server that had not caught up?): writing this replica's copy over it",
+                mine.version, now.version
+            ),
+        );
+    }
+    if now.epoch == mine.epoch || mine.epoch.is_empty() || !holds {
+        return Repair::Take;
+    }
+    match now.descends_from(&mine.epoch) {
+        Some(version) if version >= mine.version => Repair::Take,
+        Some(version) if now.version > 1 => Repair::TakeIncomplete(format!(
+            "the shared tenant table was made again from an older copy (epoch {} version {version}, this replica had version {}) and changed since: changes made before Redis lost it may be missing; check GET /tenants",
+            mine.epoch, mine.version
+        )),
+        Some(version) => write(
+            held,
+            "newer",
+            format!(
+                "the shared tenant table was made again from an older copy (epoch {} version {version}): writing this replica's newer one (version {}) over it",
+                mine.epoch, mine.version
+            ),
+        ),
+        None => {
+            let mut merged = table.clone();
+            for (name, entry) in &held.workspaces {
+                merged
+                    .workspaces
+                    .entry(name.clone())
+                    .or_insert_with(|| entry.clone());
+            }
+            for (sha, entry) in &held.keys {
+                merged
+                    .keys
+                    .entry(sha.clone())
+                    .or_insert_with(|| entry.clone());
+            }
+            let added = merged.workspaces.len() + merged.keys.len()
+                - table.workspaces.len()
+                - table.keys.len();
+            if added == 0 {
+                return Repair::Take;
+            }
+            let why = format!(
+                "the shared tenant table was made again without this replica's copy (epoch {} now, this replica had {} version {}): adding the {added} entries it lacks",
+                now.epoch, mine.epoch, mine.version
+            );
+            write(&merged, "merged", why)
+        }
+    }
+}
+
 /// A new epoch: 128 random bits in hex.
 pub(super) fn new_epoch() -> String {
     use std::hash::{BuildHasher as _, Hasher as _};
@@ -478,6 +593,112 @@ mod tests {
         });
         assert_eq!(long.lineage.split(' ').count(), LINEAGE_MAX);
         assert_eq!(long.descends_from("e38"), Some(1), "the latest kept");
+    }
+
+    fn revoked(n: u8) -> TenantTable {
+        let mut table = TenantTable::default();
+        table.keys.insert(format!("{n:02x}").repeat(32), None);
+        table
+    }
+
+    fn kind(repair: &Repair) -> Option<&'static str> {
+        match repair {
+            Repair::Take => Some("take"),
+            Repair::TakeIncomplete(_) => Some("incomplete"),
+            Repair::Write { kind, .. } => *kind,
+        }
+    }
+
+    #[test]
+    fn p4_a_replica_writes_its_copy_back_when_redis_lost_or_rolled_the_table_back() {
+        let mine = stamp("e1", 5, "");
+        let held = revoked(1);
+        let none = TenantTable::default();
+        // Gone: the copy written back; nothing held: an empty table made.
+        let gone = repair(&mine, &held, &Stamp::default(), &none);
+        assert!(
+            matches!(&gone, Repair::Write { table, kind: Some("restored"), .. } if *table == held)
+        );
+        let empty = repair(&mine, &none, &Stamp::default(), &none);
+        assert_eq!(
+            empty,
+            Repair::Write {
+                table: none.clone(),
+                kind: None,
+                why: String::new()
+            }
+        );
+        // The same epoch: taken, unless its version went back.
+        assert_eq!(
+            kind(&repair(&mine, &held, &stamp("e1", 7, ""), &held)),
+            Some("take")
+        );
+        let back = repair(&mine, &held, &stamp("e1", 3, ""), &none);
+        assert!(
+            matches!(&back, Repair::Write { table, kind: Some("newer"), .. } if *table == held)
+        );
+        // Made again from this replica's epoch: taken when it holds all this one
+        // had; else this one's newer copy written, if nothing changed since.
+        assert_eq!(
+            kind(&repair(&mine, &held, &stamp("e2", 4, "e1@5"), &held)),
+            Some("take")
+        );
+        assert_eq!(
+            kind(&repair(&mine, &held, &stamp("e2", 1, "e1@4"), &none)),
+            Some("newer")
+        );
+        assert_eq!(
+            kind(&repair(&mine, &held, &stamp("e2", 2, "e1@4"), &none)),
+            Some("incomplete")
+        );
+    }
+
+    #[test]
+    fn p4_a_table_made_without_a_replicas_copy_gets_its_entries_and_no_revocation_undone() {
+        let mine = stamp("e1", 5, "");
+        // This replica holds credential 01 revoked and 02 set; the table made
+        // meanwhile by a replica without a copy set 01 again and revoked 03.
+        let mut held = revoked(1);
+        held.keys.insert(
+            "02".repeat(32),
+            Some(sluice_policy::TenantKey {
+                workspace: "acme".to_owned(),
+                user: "ada".to_owned(),
+            }),
+        );
+        let mut table = revoked(3);
+        table.keys.insert(
+            "01".repeat(32),
+            Some(sluice_policy::TenantKey {
+                workspace: "acme".to_owned(),
+                user: "bo".to_owned(),
+            }),
+        );
+        let Repair::Write {
+            table: merged,
+            kind: Some("merged"),
+            ..
+        } = repair(&mine, &held, &stamp("e9", 2, ""), &table)
+        else {
+            panic!("a merge");
+        };
+        assert!(
+            merged.keys["01".repeat(32).as_str()].is_some(),
+            "the newer entry stays"
+        );
+        assert!(
+            merged.keys["02".repeat(32).as_str()].is_some(),
+            "the missing one added"
+        );
+        assert!(
+            merged.keys["03".repeat(32).as_str()].is_none(),
+            "still revoked"
+        );
+        // Nothing lacking: taken.
+        assert_eq!(
+            kind(&repair(&mine, &held, &stamp("e9", 2, ""), &merged)),
+            Some("take")
+        );
     }
 
     #[test]
