@@ -54,8 +54,12 @@ impl Policy {
     }
 }
 
-/// How a budget keeps its books: a change starts them afresh.
-fn books(algorithm: Algorithm, window: u32) -> (&'static str, Option<u32>) {
+/// How a budget keeps its books (its algorithm, and a sliding window's length): a
+/// change starts them afresh.
+type Books = (&'static str, Option<u32>);
+
+/// The [`Books`] of a budget counted by `algorithm` over `window` seconds.
+fn books(algorithm: Algorithm, window: u32) -> Books {
     match algorithm {
         Algorithm::Fixed => ("fixed", None),
         Algorithm::Sliding => ("sliding", Some(window)),
@@ -73,9 +77,8 @@ impl Policy {
     /// logs them as warnings when it applies a reload.
     pub fn counting_changes(&self, next: &Policy) -> Vec<String> {
         let mut out = Vec::new();
-        let mut compare = |kind: &str, name: &str, old, new| {
+        let mut compare = |kind: &str, name: &str, old: Books, new: Books| {
             if old != new {
-                let (old, new): ((&str, Option<u32>), (&str, Option<u32>)) = (old, new);
                 out.push(format!(
                     "{kind} {name} now counts {} (was {}): its count starts afresh for \
                      every caller, who may spend up to one more whole limit in this window",
@@ -118,7 +121,7 @@ impl Policy {
     }
 }
 
-fn describe_books((algorithm, window): (&str, Option<u32>)) -> String {
+fn describe_books((algorithm, window): Books) -> String {
     match window {
         Some(seconds) => format!("{algorithm} over {seconds} s"),
         None => algorithm.to_owned(),
