@@ -146,6 +146,15 @@ fn read_pem(parameter: &'static str, path: &Path, expect: &str) -> Result<Vec<u8
     Ok(bytes)
 }
 
+/// A client for `node`, one server of `url`, with the URL's TLS files when it names
+/// any: for what [`Connection`] does not carry, such as a subscription.
+///
+/// # Errors
+/// [`ConnectError`] when a TLS file cannot be read or the client not made.
+pub fn node_client(url: &RedisUrl, node: ConnectionInfo) -> Result<redis::Client, ConnectError> {
+    server_client(node, url.tls())
+}
+
 /// A client for one server: with the URL's TLS files when it names any.
 fn server_client(
     node: ConnectionInfo,

@@ -485,7 +485,7 @@ impl Shared {
             .first()
             .cloned()
             .ok_or_else(|| "no Redis node".to_owned())?;
-        let client = redis::Client::open(node).map_err(|e| e.to_string())?;
+        let client = sluice_redis::node_client(&self.url, node).map_err(|e| e.to_string())?;
         let mut pubsub = tokio::time::timeout(Duration::from_secs(5), client.get_async_pubsub())
             .await
             .map_err(|_| "timed out subscribing".to_owned())?
