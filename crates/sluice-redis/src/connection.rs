@@ -11,8 +11,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubStream};
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
 use redis::{
-    ClientTlsConfig, ConnectionAddr, ConnectionInfo, ErrorKind, FromRedisValue, RedisError,
-    RedisResult, Script, ScriptInvocation, ServerErrorKind, TlsCertificates,
+    ClientTlsConfig, ConnectionAddr, ConnectionInfo, ErrorKind, FromRedisValue, IntoConnectionInfo,
+    RedisError, RedisResult, Script, ScriptInvocation, ServerErrorKind, TlsCertificates,
 };
 use tokio::sync::mpsc;
 
@@ -146,15 +146,6 @@ fn read_pem(parameter: &'static str, path: &Path, expect: &str) -> Result<Vec<u8
     Ok(bytes)
 }
 
-/// A client for `node`, one server of `url`, with the URL's TLS files when it names
-/// any: for what [`Connection`] does not carry, such as a subscription.
-///
-/// # Errors
-/// [`ConnectError`] when a TLS file cannot be read or the client not made.
-pub fn node_client(url: &RedisUrl, node: ConnectionInfo) -> Result<redis::Client, ConnectError> {
-    server_client(node, url.tls())
-}
-
 /// A client for one server: with the URL's TLS files when it names any.
 fn server_client(
     node: ConnectionInfo,
@@ -241,6 +232,25 @@ impl Connection {
         .await
         .map_err(|_| ConnectError::Timeout)??;
         Ok(Connection::Single(conn))
+    }
+
+    /// A client for a subscription that hears what this connection's calls publish
+    /// (`url` is the one it was made from): to the server, a cluster's first seed
+    /// node (a cluster forwards a publication to every node), or a sentinel group's
+    /// master of the moment; with the URL's TLS files when it names any.
+    ///
+    /// # Errors
+    /// [`ConnectError`] when a TLS file cannot be read or the client not made.
+    pub fn subscriber(&self, url: &RedisUrl) -> Result<redis::Client, ConnectError> {
+        let node = match self {
+            Connection::Sentinel(master) => master.master_info(url)?,
+            Connection::Single(_) | Connection::Cluster(_) => url
+                .nodes()
+                .first()
+                .cloned()
+                .ok_or(UrlError::NoClusterNodes)?,
+        };
+        server_client(node, url.tls())
     }
 
     /// Whether this is a cluster's connection.
@@ -478,6 +488,14 @@ impl SentinelMaster {
     /// The connection to the master calls go to now.
     fn manager(&self) -> ConnectionManager {
         self.shared.current.load().manager.clone()
+    }
+
+    /// The master calls go to now, with the settings the URL gives it.
+    fn master_info(&self, url: &RedisUrl) -> Result<ConnectionInfo, ConnectError> {
+        let addr = self.shared.current.load().addr.clone();
+        Ok(addr
+            .into_connection_info()?
+            .set_redis_settings(url.master_settings().cloned().unwrap_or_default()))
     }
 
     /// The address (`HOST:PORT`) of the master calls go to now.

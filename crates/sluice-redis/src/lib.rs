@@ -42,7 +42,6 @@ mod url;
 pub use connection::{
     CLUSTER_OPEN_TIMEOUT, CONNECT_TIMEOUT, ConnectError, Connection, MAX_RETRY_DELAY,
     MIN_RESPONSE_TIMEOUT, OPEN_TIMEOUT, RETRIES, SENTINEL_ASK_INTERVAL, SentinelMaster,
-    node_client,
 };
 pub use url::{RedisUrl, SENTINEL_PORT, TlsFiles, UrlError, UrlKind};
 

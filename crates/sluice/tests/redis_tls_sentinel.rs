@@ -783,3 +783,68 @@ async fn d1_a_store_over_mutual_tls_admits_exactly_the_limit_and_refuses_a_wrong
         "{no_file}"
     );
 }
+
+/// The lower-case hex SHA-256 of `secret`, as the key table and the tenants API name a
+/// credential.
+fn sha256_hex(secret: &str) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(secret.as_bytes()))
+}
+
+/// An expensive call with `key`: its status.
+async fn chat_status(sluice: &Sluice, key: &str) -> u16 {
+    send(
+        Request::post(sluice.url("/chats"))
+            .header("x-api-key", key)
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request"),
+    )
+    .await
+    .status
+    .as_u16()
+}
+
+/// With replicas on a sentinel group, a tenant change made on one replica reaches the
+/// other within P4's second: each replica hears the table's publications on the
+/// master the sentinels name (it subscribed to a sentinel, which never hears them, so
+/// a change waited for the 30-second check).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p4_d3_a_tenant_change_reaches_the_other_replica_through_sentinels() {
+    if !tools_present(&["redis-server", "redis-sentinel", "redis-cli"]) {
+        return;
+    }
+    let _one = ONE_GROUP_AT_A_TIME.lock().await;
+    let group = SentinelGroup::start();
+    let table = format!(
+        "  keys:\n    - {{ sha256: {}, workspace: ada, user: ada }}\n",
+        sha256_hex("sk-sentinel")
+    );
+    let policy = policy(&group.dir.0, "tenants.yaml", |y| {
+        y.edit("  keys: []\n", &table)
+            .edit("replicas: 1", "replicas: 2")
+    });
+    let url = group.url();
+    let one = Sluice::spawn(&["--config", &policy, "--store", &url]);
+    let other = Sluice::spawn(&["--config", &policy, "--store", &url]);
+    assert_eq!(chat_status(&other, "sk-sentinel").await, 200);
+    let revoke = send(
+        Request::delete(one.admin_url(&format!("/tenants/keys/{}", sha256_hex("sk-sentinel"))))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(revoke.status, 204, "{}", revoke.text());
+    let revoked = Instant::now();
+    let bound = Duration::from_secs(3);
+    while chat_status(&other, "sk-sentinel").await != 403 {
+        assert!(
+            revoked.elapsed() < bound,
+            "the revocation did not reach the other replica within {bound:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!(
+        "a revocation reached the other replica through the sentinels' master in {:?}",
+        revoked.elapsed()
+    );
+}

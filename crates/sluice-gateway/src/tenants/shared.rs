@@ -473,19 +473,13 @@ impl Shared {
             .map_err(|e| e.to_string())
     }
 
-    /// A subscription to the channel, on the first node of the URL (a cluster
-    /// forwards a publication to every node).
+    /// A subscription to the channel, where the table's publications are heard
+    /// (see [`Connection::subscriber`](sluice_redis::Connection::subscriber)).
     ///
     /// # Errors
     /// Why it cannot be made.
     pub(super) async fn subscribe(&self) -> Result<redis::aio::PubSub, String> {
-        let node = self
-            .url
-            .nodes()
-            .first()
-            .cloned()
-            .ok_or_else(|| "no Redis node".to_owned())?;
-        let client = sluice_redis::node_client(&self.url, node).map_err(|e| e.to_string())?;
+        let client = self.conn.subscriber(&self.url).map_err(|e| e.to_string())?;
         let mut pubsub = tokio::time::timeout(Duration::from_secs(5), client.get_async_pubsub())
             .await
             .map_err(|_| "timed out subscribing".to_owned())?
