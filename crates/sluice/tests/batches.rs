@@ -151,9 +151,12 @@ async fn l4_bad_bodies_conflicts_and_idempotent_repeats() {
     assert_eq!(c.json()["error"]["code"], "conflict");
     // The repeat and the conflict gave their quota units back: 2 counted in all.
     let usage = send(
-        Request::get(sluice.admin_url(&format!("/quotas?workspace=key:{}", sha256_hex("sk-acme"))))
-            .body(Full::new(Bytes::new()))
-            .expect("request"),
+        Request::get(sluice.admin_url(&format!(
+            "/quotas?workspace=key:{}",
+            support::sha256_hex("sk-acme")
+        )))
+        .body(Full::new(Bytes::new()))
+        .expect("request"),
     )
     .await
     .json();
@@ -163,11 +166,6 @@ async fn l4_bad_bodies_conflicts_and_idempotent_repeats() {
         .cloned()
         .expect("messages");
     assert_eq!(messages["usage"], 2, "{usage}");
-}
-
-fn sha256_hex(text: &str) -> String {
-    use sha2::Digest as _;
-    hex::encode(sha2::Sha256::digest(text.as_bytes()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -440,7 +438,7 @@ async fn l4_a_single_call_starts_within_a_second_while_5000_batch_items_run() {
     let bulk_most: u64 = ["sk-bulk-a", "sk-bulk-b"]
         .iter()
         .filter_map(|k| {
-            demo["workspaces"][format!("key:{}", sha256_hex(k))]["most_at_once"].as_u64()
+            demo["workspaces"][format!("key:{}", support::sha256_hex(k))]["most_at_once"].as_u64()
         })
         .sum();
     assert!(bulk_most <= 15 + 15, "{demo}");
@@ -829,7 +827,7 @@ async fn l4_past_the_queues_global_bound_or_the_addresss_share_a_submit_is_503_w
     let usage = send(
         Request::get(sluice.admin_url(&format!(
             "/quotas?workspace=key:{}",
-            sha256_hex("sk-flood-2")
+            support::sha256_hex("sk-flood-2")
         )))
         .body(Full::new(Bytes::new()))
         .expect("request"),

@@ -1336,13 +1336,6 @@ async fn differential_both_request_paths_answer_and_forward_alike() {
     .await;
 }
 
-/// The lower-case hex SHA-256 of `secret`, as the key table and the tenants API name a
-/// credential.
-fn sha256_hex(secret: &str) -> String {
-    use sha2::Digest as _;
-    hex::encode(sha2::Sha256::digest(secret.as_bytes()))
-}
-
 /// A method that differs from a route's only by case (`post /chats`) was forwarded and
 /// counted in the default class, while Werkzeug and Express run it as `POST /chats`; a
 /// method-override field (`X-HTTP-Method-Override: POST` on a `GET`) was counted as a
@@ -1453,7 +1446,7 @@ async fn e6_a_path_in_another_case_is_counted_as_the_route() {
 async fn e2_a_session_cookie_in_every_spelling_is_one_caller_and_stays_revoked() {
     let table = format!(
         "  keys:\n    - {{ sha256: {}, workspace: ada, user: ada }}\n",
-        sha256_hex("secret-ada")
+        support::sha256_hex("secret-ada")
     );
     let (sluice, upstream) = gateway("cookies.yaml", |y| y.edit("  keys: []\n", &table)).await;
     bounded(async {
@@ -1504,9 +1497,10 @@ async fn e2_a_session_cookie_in_every_spelling_is_one_caller_and_stays_revoked()
         }
         let forwarded = upstream.seen().len();
         let revoke = support::send(
-            Request::delete(
-                sluice.admin_url(&format!("/tenants/keys/{}", sha256_hex("secret-ada"))),
-            )
+            Request::delete(sluice.admin_url(&format!(
+                "/tenants/keys/{}",
+                support::sha256_hex("secret-ada")
+            )))
             .body(Full::new(Bytes::new()))
             .expect("request"),
         )

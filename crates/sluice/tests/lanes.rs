@@ -307,11 +307,6 @@ async fn l1_a_replica_killed_with_sigkill_gives_its_places_back_within_the_lease
     );
 }
 
-fn sha(secret: &str) -> String {
-    use sha2::Digest as _;
-    hex::encode(sha2::Sha256::digest(secret.as_bytes()))
-}
-
 /// A global cap of 12 (2 kept from batches), starts not binding, keys `sk-a`
 /// (workspace acme, on plan `pro`: 5 of its calls at once), `sk-b` (globex, on
 /// no plan: the lane's 3) and `sk-c` (initech, put on `pro` at run time).
@@ -321,7 +316,7 @@ fn plan_policy(name: &str) -> String {
         .map(|(key, ws)| {
             format!(
                 "\n    - {{ sha256: {}, workspace: {ws}, user: u-{ws} }}",
-                sha(key)
+                support::sha256_hex(key)
             )
         })
         .collect();

@@ -784,13 +784,6 @@ async fn d1_a_store_over_mutual_tls_admits_exactly_the_limit_and_refuses_a_wrong
     );
 }
 
-/// The lower-case hex SHA-256 of `secret`, as the key table and the tenants API name a
-/// credential.
-fn sha256_hex(secret: &str) -> String {
-    use sha2::Digest as _;
-    hex::encode(sha2::Sha256::digest(secret.as_bytes()))
-}
-
 /// An expensive call with `key`: its status.
 async fn chat_status(sluice: &Sluice, key: &str) -> u16 {
     send(
@@ -817,7 +810,7 @@ async fn p4_d3_a_tenant_change_reaches_the_other_replica_through_sentinels() {
     let group = SentinelGroup::start();
     let table = format!(
         "  keys:\n    - {{ sha256: {}, workspace: ada, user: ada }}\n",
-        sha256_hex("sk-sentinel")
+        support::sha256_hex("sk-sentinel")
     );
     let policy = policy(&group.dir.0, "tenants.yaml", |y| {
         y.edit("  keys: []\n", &table)
@@ -828,9 +821,12 @@ async fn p4_d3_a_tenant_change_reaches_the_other_replica_through_sentinels() {
     let other = Sluice::spawn(&["--config", &policy, "--store", &url]);
     assert_eq!(chat_status(&other, "sk-sentinel").await, 200);
     let revoke = send(
-        Request::delete(one.admin_url(&format!("/tenants/keys/{}", sha256_hex("sk-sentinel"))))
-            .body(Full::new(Bytes::new()))
-            .expect("request"),
+        Request::delete(one.admin_url(&format!(
+            "/tenants/keys/{}",
+            support::sha256_hex("sk-sentinel")
+        )))
+        .body(Full::new(Bytes::new()))
+        .expect("request"),
     )
     .await;
     assert_eq!(revoke.status, 204, "{}", revoke.text());

@@ -30,7 +30,7 @@ fn policy(name: &str) -> String {
             "  keys: []",
             &format!(
                 "  keys:\n    - {{ sha256: {}, workspace: initech, user: cy }}",
-                sha("sk-file")
+                support::sha256_hex("sk-file")
             ),
         )
         .edit(
@@ -47,11 +47,6 @@ fn policy(name: &str) -> String {
         );
     std::fs::write(&path, yaml).expect("write policy");
     path.to_str().expect("utf-8 path").to_owned()
-}
-
-fn sha(secret: &str) -> String {
-    use sha2::Digest as _;
-    hex::encode(sha2::Sha256::digest(secret.as_bytes()))
 }
 
 /// `method` on the admin listener with a JSON body (or none).
@@ -130,7 +125,7 @@ async fn p4_a_change_is_checked_applied_at_once_audited_and_survives_a_restart()
     let put = admin(
         &sluice,
         "PUT",
-        &format!("/tenants/keys/{}", sha("sk-acme")),
+        &format!("/tenants/keys/{}", support::sha256_hex("sk-acme")),
         Some(r#"{"workspace":"acme","user":"ada"}"#),
     )
     .await;
@@ -219,7 +214,7 @@ async fn p4_a_change_is_checked_applied_at_once_audited_and_survives_a_restart()
     let revoke = admin(
         &sluice,
         "DELETE",
-        &format!("/tenants/keys/{}", sha("sk-file")),
+        &format!("/tenants/keys/{}", support::sha256_hex("sk-file")),
         None,
     )
     .await;
@@ -257,13 +252,13 @@ async fn p4_a_change_is_checked_applied_at_once_audited_and_survives_a_restart()
     let listed = get(&sluice.admin_url("/tenants")).await.json();
     assert_eq!(listed["workspaces"]["acme"]["plan"], "pro", "{listed}");
     assert_eq!(
-        listed["keys"][sha("sk-acme")]["workspace"],
+        listed["keys"][support::sha256_hex("sk-acme")]["workspace"],
         "acme",
         "{listed}"
     );
     assert_eq!(
         listed["revoked"],
-        serde_json::json!([sha("sk-file")]),
+        serde_json::json!([support::sha256_hex("sk-file")]),
         "{listed}"
     );
 }
@@ -280,7 +275,7 @@ async fn p4_d2_changes_reach_three_replicas_within_a_second_and_survive_a_restar
     let key = admin(
         a,
         "PUT",
-        &format!("/tenants/keys/{}", sha("sk-acme")),
+        &format!("/tenants/keys/{}", support::sha256_hex("sk-acme")),
         Some(r#"{"workspace":"acme","user":"ada"}"#),
     )
     .await;
@@ -322,7 +317,7 @@ async fn p4_d2_changes_reach_three_replicas_within_a_second_and_survive_a_restar
     let revoke = admin(
         c,
         "DELETE",
-        &format!("/tenants/keys/{}", sha("sk-file")),
+        &format!("/tenants/keys/{}", support::sha256_hex("sk-file")),
         None,
     )
     .await;
@@ -444,7 +439,7 @@ fn journal_seed(room: usize) -> String {
     let line = |i: usize, user: &str| {
         let change = serde_json::json!({
             "op": "put_key",
-            "sha256": sha(&format!("sk-seed-{i}")),
+            "sha256": support::sha256_hex(&format!("sk-seed-{i}")),
             "key": { "workspace": "acme", "user": user },
         });
         format!("{change}\n")
@@ -477,7 +472,7 @@ async fn p4_a_full_disk_refuses_a_change_whole_and_the_next_acknowledged_one_sur
     let mut sluice = Sluice::spawn(&["--config", &policy, "--data-dir", data_arg]);
     let listed = get(&sluice.admin_url("/tenants")).await.json();
     assert_eq!(
-        listed["keys"][sha("sk-seed-0")]["workspace"],
+        listed["keys"][support::sha256_hex("sk-seed-0")]["workspace"],
         "acme",
         "{listed}"
     );
@@ -485,7 +480,7 @@ async fn p4_a_full_disk_refuses_a_change_whole_and_the_next_acknowledged_one_sur
     // The disk full: the revocation's line does not fit in the 8 bytes left.
     let filler = disk.0.join("filler");
     fill(&filler);
-    let revoke = format!("/tenants/keys/{}", sha("sk-file"));
+    let revoke = format!("/tenants/keys/{}", support::sha256_hex("sk-file"));
     let refused = admin(&sluice, "DELETE", &revoke, None).await;
     assert_eq!(refused.status, 503, "{}", refused.text());
     assert_eq!(refused.json()["error"]["code"], "store_unavailable");
@@ -533,7 +528,7 @@ async fn p4_a_full_disk_refuses_a_change_whole_and_the_next_acknowledged_one_sur
     let listed = get(&sluice.admin_url("/tenants")).await.json();
     assert_eq!(
         listed["revoked"],
-        serde_json::json!([sha("sk-file")]),
+        serde_json::json!([support::sha256_hex("sk-file")]),
         "{listed}"
     );
 }
@@ -571,7 +566,7 @@ async fn p4_d2_a_revocation_survives_a_flushall_and_a_redis_restart_on_two_repli
     let revoke = admin(
         &a,
         "DELETE",
-        &format!("/tenants/keys/{}", sha("sk-file")),
+        &format!("/tenants/keys/{}", support::sha256_hex("sk-file")),
         None,
     )
     .await;
@@ -668,7 +663,12 @@ async fn p4_d2_a_revocation_survives_a_flushall_and_a_redis_restart_on_two_repli
     assert_eq!(set("pro").await.status, 204);
     until_all(&[&a, &b], Probe::AcmeExpensive, 4.into()).await;
     let keys = "{sluice:tenants}:keys";
-    assert_eq!(redis.cli(&["HDEL", keys, &sha("sk-file")]).trim(), "1");
+    assert_eq!(
+        redis
+            .cli(&["HDEL", keys, &support::sha256_hex("sk-file")])
+            .trim(),
+        "1"
+    );
     assert_eq!(
         redis.cli(&["SET", "{sluice:tenants}:version", "1"]).trim(),
         "OK"
@@ -681,7 +681,9 @@ async fn p4_d2_a_revocation_survives_a_flushall_and_a_redis_restart_on_two_repli
         "the change reached the other replica after {took:?}"
     );
     assert_eq!(
-        redis.cli(&["HEXISTS", keys, &sha("sk-file")]).trim(),
+        redis
+            .cli(&["HEXISTS", keys, &support::sha256_hex("sk-file")])
+            .trim(),
         "1",
         "written back"
     );

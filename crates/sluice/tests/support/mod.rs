@@ -493,3 +493,10 @@ fn start_lines_parse() {
     assert_eq!(start.check.map(|c| c.port()), Some(4));
     assert_eq!(start.rls.map(|c| c.port()), Some(5));
 }
+
+/// The lower-case hex SHA-256 of `secret`, as the key table and the tenants API name
+/// a credential.
+pub fn sha256_hex(secret: &str) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(secret.as_bytes()))
+}
