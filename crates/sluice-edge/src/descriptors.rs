@@ -6,14 +6,18 @@
 //! Every descriptor of one request is decided at once, all or nothing, in one
 //! store decision (one round trip to Redis): a request one rule refuses spends
 //! nothing anywhere (the reference service increments every descriptor even
-//! when one refuses). A rule in shadow mode is decided and counted; when it
-//! alone would refuse, the request is decided again without spending on it,
-//! answered `OK`, and the would-be refusal counted.
+//! when one refuses). Rules in shadow mode (`shadow_mode: true`, or every rule
+//! in a dry run: `dry_run: true`, `--dry-run`) follow the gateway's one shadow
+//! rule: decided and counted, never refusing; a request only they would
+//! refuse is decided again without spending on them, answered `OK`, and each
+//! would-be refusal counted (`sluice_shadow_refusals_total`) and logged.
 //!
-//! Bounds: a request's descriptors are all answered, however many; at most
-//! [`MAX_COUNTED`] of them may be counted (matched by a rule with a limit),
-//! and a request with more is refused whole (`OVER_LIMIT`, nothing spent),
-//! never decided in part.
+//! Bounds: the work is linear in the request. A transport takes at most
+//! [`MAX_DESCRIPTORS`] descriptors of at most [`MAX_ENTRIES`] entries each
+//! (the rate-limit service refuses a larger request before decoding it); every
+//! descriptor taken is answered. At most [`MAX_COUNTED`] of them may be
+//! counted (matched by a rule with a limit): a request with more is refused
+//! whole (`OVER_LIMIT`, nothing spent), never decided in part.
 
 use std::time::Duration;
 
@@ -22,10 +26,20 @@ use sluice_policy::domains::{DescriptorRule, Domain, DomainOutage, Unit};
 use sluice_store::BudgetStore;
 
 use crate::Limiter;
+use crate::limiter::{Decider, Shadowed};
 
 /// Most descriptors of one request counted in the store (the most budgets one
 /// decision holds).
 pub const MAX_COUNTED: usize = MAX_BUDGETS;
+
+/// Most descriptors of one request a transport takes: Envoy sends one per
+/// `rate_limits` action list of a route, a handful.
+pub const MAX_DESCRIPTORS: usize = 1_024;
+
+/// Most entries of one descriptor a transport takes: a descriptor matches a
+/// rule as many levels deep as it has entries, and a domain is at most
+/// [`sluice_policy::domains::MAX_DESCRIPTOR_DEPTH`] levels deep.
+pub const MAX_ENTRIES: usize = 64;
 
 /// Longest metric label a `detailed_metric` rule makes from a request's values,
 /// in bytes (longer ones are cut).
@@ -114,7 +128,9 @@ pub struct RateLimitAnswer {
     pub headers: Vec<(&'static str, String)>,
     /// How it was decided.
     pub outcome: Outcome,
-    /// Rules in shadow mode that would have refused (their ids).
+    /// Rules in shadow mode (or all, in a dry run) that would have refused an
+    /// admitted request (their ids): counted and logged as the gateway's
+    /// budgets are (`sluice_shadow_refusals_total`), by the engine.
     pub shadow_refusals: Vec<String>,
     /// For each descriptor, the rule it was decided by, as metrics name it: the
     /// rule's id, with the request's values for a rule with `detailed_metric`.
@@ -135,6 +151,17 @@ fn ok_status() -> DescriptorStatus {
     DescriptorStatus {
         code: Code::Ok,
         current_limit: None,
+        limit_remaining: 0,
+        duration_until_reset: Duration::ZERO,
+    }
+}
+
+/// A counted descriptor's status in a request refused whole for counting
+/// more than one decision holds.
+fn too_many_status(rule: &DescriptorRule, limit: u32, unit: Unit) -> DescriptorStatus {
+    DescriptorStatus {
+        code: Code::OverLimit,
+        current_limit: Some(current(rule, limit, unit)),
         limit_remaining: 0,
         duration_until_reset: Duration::ZERO,
     }
@@ -247,33 +274,40 @@ impl<S: BudgetStore> Limiter<S> {
             answer.outcome = Outcome::UnknownDomain;
             return answer;
         };
-        // Match each descriptor to its rule.
+        // A dry run puts every rule in shadow mode, as it does every budget.
+        let dry_run = self.policy().dry_run;
+        let in_shadow = |rule: &DescriptorRule| rule.shadow || dry_run;
+        // Match each descriptor to its rule (one buffer of entries for all).
         let mut matched: Vec<(usize, usize)> = Vec::new();
+        let mut entries: Vec<(&str, &str)> = Vec::new();
         for (i, d) in call.descriptors.iter().enumerate() {
-            let entries: Vec<(&str, &str)> = d
-                .entries
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-                .collect();
-            if entries.is_empty() {
+            if d.entries.is_empty() {
                 continue;
             }
+            entries.clear();
+            entries.extend(d.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())));
             if let Some(rule) = domain.lookup(&entries).and_then(|n| n.rule) {
                 matched.push((i, rule));
             }
         }
-        // A rule another matched rule replaces does not apply to this request.
-        let replaced: Vec<usize> = matched
+        // A rule another matched rule replaces does not apply to this request
+        // (sorted: each look-up a binary search, so the work stays linear).
+        let mut replaced: Vec<usize> = matched
             .iter()
             .filter_map(|&(_, r)| domain.rules.get(r))
             .flat_map(|r| r.replaces.iter().copied())
             .collect();
+        replaced.sort_unstable();
+        replaced.dedup();
         let mut counted: Vec<Counted<'_>> = Vec::new();
+        let mut too_many = false;
+        // Refusals rules in shadow mode would have given: (rule, limit, reason).
+        let mut would_have: Vec<(&DescriptorRule, u32, &'static str)> = Vec::new();
         for (i, index) in matched {
             let Some(rule) = domain.rules.get(index) else {
                 continue;
             };
-            if replaced.contains(&index) {
+            if replaced.binary_search(&index).is_ok() {
                 continue;
             }
             let Some(d) = call.descriptors.get(i) else {
@@ -306,33 +340,41 @@ impl<S: BudgetStore> Limiter<S> {
             }
             if limit == 0 {
                 // 0 per unit refuses every request, counted nowhere.
+                let shadow = in_shadow(rule);
                 answer.statuses[i] = DescriptorStatus {
-                    code: if rule.shadow {
-                        Code::Ok
-                    } else {
-                        Code::OverLimit
-                    },
+                    code: if shadow { Code::Ok } else { Code::OverLimit },
                     current_limit: Some(current(rule, 0, unit)),
                     limit_remaining: 0,
                     duration_until_reset: Duration::from_secs(u64::from(unit.seconds())),
                 };
-                if rule.shadow {
-                    answer.shadow_refusals.push(rule.id.clone());
+                if shadow {
+                    would_have.push((rule, 0, crate::COST_EXCEEDS_LIMIT));
                 } else {
                     answer.overall = Code::OverLimit;
                 }
+                continue;
+            }
+            if too_many {
+                // Refused whole below; no counter to look for.
+                answer.statuses[i] = too_many_status(rule, limit, unit);
                 continue;
             }
             let hits = d.hits.unwrap_or(call.hits_addend.max(1));
             let Some(budget) = budget(domain, rule, d, limit, unit, hits) else {
                 continue;
             };
-            // The same counter twice in one request: one budget spending both.
+            // The same counter twice in one request: one budget spending both
+            // (a look among at most MAX_COUNTED).
             if let Some(same) = counted.iter_mut().find(|c| {
                 c.budget.key == budget.key && c.budget.rate == budget.rate && c.limit == limit
             }) {
                 same.budget.cost = same.budget.cost.saturating_add(hits);
                 same.descriptors.push(i);
+                continue;
+            }
+            if counted.len() == MAX_COUNTED {
+                too_many = true;
+                answer.statuses[i] = too_many_status(rule, limit, unit);
                 continue;
             }
             counted.push(Counted {
@@ -343,77 +385,80 @@ impl<S: BudgetStore> Limiter<S> {
                 budget,
             });
         }
+        if too_many {
+            // More to count than one decision holds: refused whole, in a dry
+            // run too (it cannot be counted), nothing spent.
+            answer.outcome = Outcome::TooManyCounted;
+            answer.overall = Code::OverLimit;
+            for c in &counted {
+                for &i in &c.descriptors {
+                    answer.statuses[i] = too_many_status(c.rule, c.limit, c.unit);
+                }
+            }
+            return answer;
+        }
         if answer.overall == Code::OverLimit {
             // A rule of 0 refused: nothing is spent for the others either.
             self.fill_peeked(&mut answer, &counted).await;
             return answer;
         }
         if counted.is_empty() {
-            return answer;
-        }
-        if counted.len() > MAX_COUNTED {
-            answer.outcome = Outcome::TooManyCounted;
-            answer.overall = Code::OverLimit;
-            for c in &counted {
-                for &i in &c.descriptors {
-                    answer.statuses[i] = DescriptorStatus {
-                        code: Code::OverLimit,
-                        current_limit: Some(current(c.rule, c.limit, c.unit)),
-                        limit_remaining: 0,
-                        duration_until_reset: Duration::ZERO,
-                    };
-                }
-            }
+            self.count_shadow_refusals(domain, &would_have, &mut answer);
             return answer;
         }
         answer.outcome = Outcome::Decided;
-        let mut budgets: Vec<Budget> = counted.iter().map(|c| c.budget).collect();
-        let decision = match self.store().decide(&budgets).await {
+        let budgets: arrayvec::ArrayVec<Budget, MAX_COUNTED> =
+            counted.iter().map(|c| c.budget).collect();
+        let shadow = counted
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| in_shadow(c.rule))
+            .fold(0_u16, |mask, (i, _)| mask | 1 << i);
+        // The gateway's shadow rule: rules in shadow mode never refuse.
+        let Shadowed {
+            decision,
+            waived,
+            refused,
+        } = self
+            .decide_shadowed(Decider::Store, &budgets, shadow, || 0)
+            .await;
+        let decision = match decision {
             Ok(d) => d,
             Err(error) => return self.outage(answer, domain, &error.to_string()),
         };
-        let mut decision = decision;
-        if !decision.is_admitted() {
-            // Refused only by rules in shadow mode: decide again without them spending.
-            let refusing: Vec<usize> = decision
-                .statuses()
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.verdict != Verdict::Admitted)
-                .map(|(i, _)| i)
-                .collect();
-            if refusing
-                .iter()
-                .all(|&i| counted.get(i).is_some_and(|c| c.rule.shadow))
-            {
-                for &i in &refusing {
-                    if let (Some(b), Some(c)) = (budgets.get_mut(i), counted.get(i)) {
-                        b.cost = 0;
-                        answer.shadow_refusals.push(c.rule.id.clone());
-                    }
-                }
-                decision = match self.store().decide(&budgets).await {
-                    Ok(d) => d,
-                    Err(error) => return self.outage(answer, domain, &error.to_string()),
-                };
-            }
-        }
         let now = decision.decided_at().as_secs();
         let mut tightest: Option<(u32, u32, u64)> = None;
         for (c, s) in counted.iter().zip(decision.statuses()) {
             let mut status = status_of(s, now, c.rule, c.limit, c.unit);
-            if c.rule.shadow && status.code == Code::OverLimit {
+            if in_shadow(c.rule) && status.code == Code::OverLimit {
                 status.code = Code::Ok;
             }
             if status.code == Code::OverLimit {
                 answer.overall = Code::OverLimit;
             }
-            if !c.rule.shadow && tightest.is_none_or(|(_, r, _)| s.remaining < r) {
+            // Rules in shadow mode are still described, as the gateway's budgets.
+            if tightest.is_none_or(|(_, r, _)| s.remaining < r) {
                 tightest = Some((c.limit, s.remaining, s.reset));
             }
             for &i in &c.descriptors {
                 answer.statuses[i] = status.clone();
             }
+        }
+        if answer.overall == Code::Ok {
+            // Admitted: what the rules in shadow mode would have refused is counted.
+            if let Some(refused) = &refused {
+                for (i, (c, s)) in counted.iter().zip(refused.statuses()).enumerate() {
+                    if waived & (1 << i) != 0 {
+                        let reason = if s.verdict == Verdict::Never {
+                            crate::COST_EXCEEDS_LIMIT
+                        } else {
+                            "rate_limited"
+                        };
+                        would_have.push((c.rule, c.limit, reason));
+                    }
+                }
+            }
+            self.count_shadow_refusals(domain, &would_have, &mut answer);
         }
         if let Some((limit, remaining, reset)) = tightest {
             // As the gateway's: the reset in Unix seconds (SPEC H1).
@@ -429,6 +474,31 @@ impl<S: BudgetStore> Limiter<S> {
             }
         }
         answer
+    }
+
+    /// Counts and logs the refusals that rules in shadow mode would have given
+    /// an admitted request (`would_have`: rule, limit, reason), as the
+    /// gateway's are counted (`sluice_shadow_refusals_total{budget="<domain>.<rule>",reason}`),
+    /// and names them in `answer`.
+    fn count_shadow_refusals(
+        &self,
+        domain: &Domain,
+        would_have: &[(&DescriptorRule, u32, &'static str)],
+        answer: &mut RateLimitAnswer,
+    ) {
+        for &(rule, limit, reason) in would_have {
+            let budget = format!("{}.{}", domain.name, rule.id);
+            self.count_shadow_refusal(&budget, reason, || {
+                tracing::info!(
+                    target: "sluice::refusal",
+                    reason,
+                    budget,
+                    limit,
+                    "shadow refusal: answered OK, the rule is in shadow mode"
+                );
+            });
+            answer.shadow_refusals.push(rule.id.clone());
+        }
     }
 
     /// Fills the statuses of `counted` as the books stand, spending nothing.
@@ -471,5 +541,157 @@ impl<S: BudgetStore> Limiter<S> {
             }
         }
         answer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_core::{FakeClock, Timestamp};
+    use sluice_store::{MemoryConfig, MemoryStore};
+
+    /// 2025-11-30T00:00:00Z, the start of a minute.
+    const T0: u64 = 1_764_460_800;
+
+    /// The built-in policy with `domains` added, its clock inside one minute.
+    fn limiter(domains: &str, dry_run: bool) -> Limiter<MemoryStore<FakeClock>> {
+        let yaml = sluice_policy::DEFAULT_POLICY_YAML.replacen(
+            "headers:\n",
+            &format!("{domains}headers:\n"),
+            1,
+        );
+        let mut policy = sluice_policy::parse_str(&yaml, std::path::Path::new("rls.yaml"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        policy.dry_run = dry_run;
+        let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+        Limiter::new(
+            policy,
+            MemoryStore::with_clock(MemoryConfig::default(), clock),
+        )
+    }
+
+    const API: &str = "domains:
+  - domain: api
+    descriptors:
+      - key: user
+        rate_limit: { unit: minute, requests_per_unit: 5 }
+      - key: trial
+        rate_limit: { unit: minute, requests_per_unit: 1 }
+        shadow_mode: true
+      - key: closed
+        rate_limit: { unit: minute, requests_per_unit: 0 }
+";
+
+    fn call(descriptors: &[&[(&str, &str)]]) -> RateLimitCall {
+        RateLimitCall {
+            domain: "api".to_owned(),
+            descriptors: descriptors
+                .iter()
+                .map(|d| DescriptorCall {
+                    entries: d
+                        .iter()
+                        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                        .collect(),
+                    ..DescriptorCall::default()
+                })
+                .collect(),
+            hits_addend: 0,
+        }
+    }
+
+    /// P5 and R1: in a dry run the rate-limit service refuses nothing, as the
+    /// gateway: every would-be refusal counted under the gateway's metric and
+    /// tally, and the headers still describing the rule.
+    #[tokio::test]
+    async fn p5_r1_a_dry_run_answers_ok_and_counts_each_would_be_refusal() {
+        let enforced = limiter(API, false);
+        let user = call(&[&[("user", "ada")]]);
+        let mut codes = Vec::new();
+        for _ in 0..8 {
+            codes.push(enforced.should_rate_limit(&user).await.overall);
+        }
+        assert_eq!(codes.iter().filter(|&&c| c == Code::OverLimit).count(), 3);
+
+        let dry = limiter(API, true);
+        for n in 1..=8_u32 {
+            let answer = dry.should_rate_limit(&user).await;
+            assert_eq!(answer.overall, Code::Ok, "call {n}");
+            assert_eq!(answer.statuses[0].code, Code::Ok, "call {n}");
+            let remaining = answer
+                .headers
+                .iter()
+                .find(|(k, _)| *k == "x-ratelimit-remaining")
+                .map(|(_, v)| v.clone());
+            assert_eq!(
+                remaining.as_deref(),
+                Some(if n <= 5 {
+                    ["4", "3", "2", "1", "0"][n as usize - 1]
+                } else {
+                    "0"
+                }),
+                "the headers still describe the rule"
+            );
+        }
+        let closed = dry.should_rate_limit(&call(&[&[("closed", "x")]])).await;
+        assert_eq!(closed.overall, Code::Ok, "a rule of 0, in a dry run");
+        assert_eq!(
+            dry.tally(T0 + 1).shadow_refusals,
+            [
+                ("api.closed".to_owned(), crate::COST_EXCEEDS_LIMIT, 1),
+                ("api.user".to_owned(), "rate_limited", 3),
+            ]
+        );
+        assert!(dry.tally(T0 + 1).refusals.is_empty());
+    }
+
+    /// P5: a rule in shadow mode beside an enforced one that refuses is not
+    /// counted as a shadow refusal (the request was refused), and a request it
+    /// alone would refuse spends on the others.
+    #[tokio::test]
+    async fn p5_a_shadow_rule_is_counted_only_when_the_request_is_admitted() {
+        let limiter = limiter(API, false);
+        let both = call(&[&[("user", "bo")], &[("trial", "t")]]);
+        for _ in 0..5 {
+            assert_eq!(limiter.should_rate_limit(&both).await.overall, Code::Ok);
+        }
+        let refused = limiter.should_rate_limit(&both).await;
+        assert_eq!(refused.overall, Code::OverLimit);
+        assert_eq!(refused.statuses[1].code, Code::Ok, "shadow: never over");
+        assert_eq!(
+            limiter.tally(T0 + 1).shadow_refusals,
+            [("api.trial".to_owned(), "rate_limited", 4)],
+            "calls 2 to 5 admitted past the trial's 1; the 6th refused by the user's"
+        );
+    }
+
+    /// R1 bounds: the work is linear in the request: 100,000 distinct values of
+    /// one rule (a quadratic look for a shared counter took seconds in a
+    /// release build) are answered at once, refused whole, nothing spent.
+    #[tokio::test]
+    async fn r1_many_distinct_descriptors_of_one_rule_are_answered_in_linear_time() {
+        let limiter = limiter(API, false);
+        let values: Vec<String> = (0..100_000).map(|i| format!("u{i}")).collect();
+        let many = RateLimitCall {
+            domain: "api".to_owned(),
+            descriptors: values
+                .iter()
+                .map(|v| DescriptorCall {
+                    entries: vec![("user".to_owned(), v.clone())],
+                    ..DescriptorCall::default()
+                })
+                .collect(),
+            hits_addend: 1,
+        };
+        let started = std::time::Instant::now();
+        let answer = limiter.should_rate_limit(&many).await;
+        let took = started.elapsed();
+        assert_eq!(answer.outcome, Outcome::TooManyCounted);
+        assert_eq!(answer.statuses.len(), 100_000);
+        assert!(answer.statuses.iter().all(|s| s.code == Code::OverLimit));
+        // Generous for a debug build on a loaded machine: linear work takes a
+        // small part of it, the quadratic one minutes.
+        assert!(took < std::time::Duration::from_secs(10), "{took:?}");
+        let one = limiter.should_rate_limit(&call(&[&[("user", "u0")]])).await;
+        assert_eq!(one.statuses[0].limit_remaining, 4, "nothing was spent");
     }
 }

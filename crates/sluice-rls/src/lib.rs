@@ -197,14 +197,7 @@ impl<S: BudgetStore + 'static> RateLimitService for Rls<S> {
                     .descriptor(domain, rule, status.code == Code::OverLimit);
             }
         }
-        for rule in &answer.shadow_refusals {
-            metrics::counter!(
-                "sluice_shadow_refusals_total",
-                "budget" => format!("{domain}.{rule}"),
-                "reason" => "rate_limited"
-            )
-            .increment(1);
-        }
+        // Shadow refusals are the engine's to count, as the gateway's.
         Ok(Response::new(response_of(answer)))
     }
 }

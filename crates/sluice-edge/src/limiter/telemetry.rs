@@ -372,19 +372,7 @@ impl<S: BudgetStore> Limiter<S> {
         for i in Plan::indices(plan.shadowed) {
             let budget = plan.name(i, &self.policy);
             let reason = plan.refusal_reason(i, refused);
-            metrics::counter!(
-                "sluice_shadow_refusals_total",
-                "budget" => budget.to_owned(),
-                "reason" => reason
-            )
-            .increment(1);
-            *self
-                .counts
-                .shadow_refusals
-                .lock()
-                .entry((budget.to_owned(), reason))
-                .or_default() += 1;
-            crate::refusal_log::refusal_line(&self.refusal_log, || {
+            self.count_shadow_refusal(budget, reason, || {
                 tracing::info!(
                     target: "sluice::refusal",
                     request_id,
