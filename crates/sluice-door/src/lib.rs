@@ -10,7 +10,9 @@
 //!   Bearer`, or the login cookie); ten wrong ones a minute and the address waits.
 //! - [`guard`]: all of it as an axum middleware; [`ProxyGate`] for the pacer proxy.
 //! - [`serve`]: a listener's loop within [`Bounds`] (open connections, the wait for
-//!   a request head; [`ADMIN_BOUNDS`] for an admin listener); [`FirstWords`]: a connection whose
+//!   a request head; [`ADMIN_BOUNDS`] for an admin listener); [`accept_within`]: every
+//!   listener's one bounded accept, with [`PerAddress`] (at most so many connections
+//!   from one address, trusted proxies aside); [`FirstWords`]: a connection whose
 //!   first bytes (an HTTP/2 handshake) must come in time, or it is closed.
 //!
 //! ```
@@ -39,6 +41,7 @@ mod guard;
 mod host;
 mod listener;
 mod origin;
+mod per_address;
 mod proxy;
 mod token;
 
@@ -48,8 +51,9 @@ pub use door::{
 pub use first_words::{FirstWords, HTTP2_HANDSHAKE_BYTES};
 pub use guard::{authority, guard, peer, refused};
 pub use host::HostRule;
-pub use listener::{ADMIN_BOUNDS, Bounds, accept_within, serve};
+pub use listener::{ADMIN_BOUNDS, Bounds, Place, accept_within, serve};
 pub use origin::{ForeignOrigin, SEC_FETCH_SITE, json_or_empty, origin_listed, same_origin};
+pub use per_address::{AddressFull, AddressSlot, PerAddress};
 pub use proxy::{ClientKey, ProxyGate, X_API_KEY};
 pub use token::{ATTEMPT_WINDOW, AdminToken, Attempts, MAX_BAD_ATTEMPTS, TOKEN_ENV, TokenError};
 

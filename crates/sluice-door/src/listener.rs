@@ -19,6 +19,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
 
+use crate::per_address::{AddressSlot, PerAddress};
+
 /// What a listener holds and how long it waits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Bounds {
@@ -42,21 +44,51 @@ pub const ADMIN_BOUNDS: Bounds = Bounds {
 /// like), as the gateway does.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
+/// What an accepted connection holds until it closes: its place under the
+/// listener's connection bound and, from an address that is counted, its
+/// place under the per-address bound.
+#[derive(Debug)]
+pub struct Place {
+    _permit: OwnedSemaphorePermit,
+    _address: Option<AddressSlot>,
+}
+
 /// Waits for one of `places`, then accepts a connection on `listener` (with
-/// `TCP_NODELAY`), holding the place for it; a failed accept (out of
-/// descriptors and the like) is logged under `name` and tried again after a
-/// moment. `None` once `places` is closed. Cancel-safe: dropped while
-/// waiting, it gives the place back and loses no connection.
+/// `TCP_NODELAY`), holding the place for it; with `per_address`, a
+/// connection from an address that holds its bound already is closed at once
+/// (counted in `sluice_connections_refused_total{reason="per_ip",listener=name}`)
+/// and the next one accepted instead. A failed accept (out of descriptors and
+/// the like) is logged under `name` and tried again after a moment. `None`
+/// once `places` is closed. Cancel-safe: dropped while waiting, it gives the
+/// place back and loses no connection.
 pub async fn accept_within(
     listener: &TcpListener,
     places: &Arc<Semaphore>,
+    per_address: Option<&Arc<PerAddress>>,
     name: &str,
-) -> Option<(OwnedSemaphorePermit, TcpStream, SocketAddr)> {
-    let place = Arc::clone(places).acquire_owned().await.ok()?;
+) -> Option<(Place, TcpStream, SocketAddr)> {
+    let permit = Arc::clone(places).acquire_owned().await.ok()?;
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
+                let address = match per_address.map(|table| table.admit(peer.ip())) {
+                    None | Some(Ok(None)) => None,
+                    Some(Ok(Some(slot))) => Some(slot),
+                    Some(Err(_)) => {
+                        metrics::counter!(
+                            "sluice_connections_refused_total",
+                            "reason" => "per_ip",
+                            "listener" => name.to_owned()
+                        )
+                        .increment(1);
+                        continue;
+                    }
+                };
                 let _ = stream.set_nodelay(true);
+                let place = Place {
+                    _permit: permit,
+                    _address: address,
+                };
                 return Some((place, stream, peer));
             }
             Err(error) => {
@@ -87,7 +119,7 @@ pub async fn serve(
     loop {
         let (place, stream, peer) = tokio::select! {
             () = &mut stop => break,
-            accepted = accept_within(&listener, &places, "admin listener") => match accepted {
+            accepted = accept_within(&listener, &places, None, "admin listener") => match accepted {
                 Some(accepted) => accepted,
                 None => break,
             },

@@ -48,7 +48,7 @@ fn is_check_path(path: &str) -> bool {
 
 /// Serves `listener` with `limiter` on `threads` threads until `stop`, at
 /// most `max_connections` connections at once in all (the next waits to be
-/// accepted); returns once every thread has let its connections finish (at
+/// accepted) and as `per_address` allows from one address; returns once every thread has let its connections finish (at
 /// most [`GRACE`]).
 ///
 /// # Errors
@@ -58,6 +58,7 @@ pub(crate) fn serve(
     limiter: SharedLimiter<AnyStore>,
     threads: NonZeroUsize,
     max_connections: NonZeroUsize,
+    per_address: Arc<sluice_door::PerAddress>,
     stop: Stop,
 ) -> std::io::Result<impl std::future::Future<Output = ()>> {
     let stopped = stop.clone();
@@ -65,6 +66,7 @@ pub(crate) fn serve(
         listener,
         threads,
         max_connections,
+        per_address,
         "sluice-check",
         async move { stopped.wait().await },
         move |incoming| serve_here(incoming, Arc::clone(&limiter), stop.clone()),

@@ -37,6 +37,7 @@ use super::GatewayBody;
 use super::h1::{Ended, FastPath};
 use super::metered::{Metered, OpenConnection, RequestStats};
 use super::proxy::BoxError;
+use sluice_door::{AddressSlot, PerAddress};
 use sluice_h1::rewind::Rewind;
 
 /// A client that has not sent complete request headers within this time is dropped
@@ -79,73 +80,8 @@ pub enum Drain {
 type Handoff = (
     std::net::TcpStream,
     SocketAddr,
-    (OpenConnection, Option<PeerSlot>),
+    (OpenConnection, Option<AddressSlot>),
 );
-
-/// Open client connections per peer address, bounded.
-pub(super) struct PerIp {
-    open: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
-    max: usize,
-    /// Addresses the bound does not apply to (trusted proxies carry many clients).
-    exempt: Box<dyn Fn(std::net::IpAddr) -> bool + Send + Sync>,
-}
-
-/// One open connection of a peer address, counted until dropped.
-pub(super) struct PeerSlot {
-    table: Arc<PerIp>,
-    ip: std::net::IpAddr,
-}
-
-impl PerIp {
-    /// At most `max` connections per address, but for the `exempt` ones.
-    pub(super) fn new(
-        max: NonZeroUsize,
-        exempt: impl Fn(std::net::IpAddr) -> bool + Send + Sync + 'static,
-    ) -> Arc<Self> {
-        Arc::new(PerIp {
-            open: std::sync::Mutex::default(),
-            max: max.get(),
-            exempt: Box::new(exempt),
-        })
-    }
-
-    /// A slot for one more connection from `ip`: `Ok(None)` for an exempt address,
-    /// `Err(())` when `ip` holds its maximum.
-    fn admit(self: &Arc<Self>, ip: std::net::IpAddr) -> Result<Option<PeerSlot>, ()> {
-        if (self.exempt)(ip) {
-            return Ok(None);
-        }
-        let mut open = self
-            .open
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let n = open.entry(ip).or_insert(0);
-        if *n >= self.max {
-            return Err(());
-        }
-        *n += 1;
-        Ok(Some(PeerSlot {
-            table: Arc::clone(self),
-            ip,
-        }))
-    }
-}
-
-impl Drop for PeerSlot {
-    fn drop(&mut self) {
-        let mut open = self
-            .table
-            .open
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(n) = open.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                open.remove(&self.ip);
-            }
-        }
-    }
-}
 
 /// The gateway's worker threads, started and waiting for sockets.
 pub(super) struct Workers {
@@ -213,7 +149,7 @@ pub(super) async fn serve(
     listener: TcpListener,
     workers: Workers,
     max_connections: NonZeroUsize,
-    per_ip: Arc<PerIp>,
+    per_ip: Arc<PerAddress>,
     stop: impl Future<Output = ()>,
 ) -> Drain {
     let Workers {
@@ -244,7 +180,7 @@ pub(super) async fn serve(
         let (stream, peer) = accepted;
         let mut slot = match per_ip.admit(peer.ip()) {
             Ok(slot) => slot,
-            Err(()) => {
+            Err(_) => {
                 metrics::counter!("sluice_connections_refused_total", "reason" => "per_ip")
                     .increment(1);
                 drop(stream);

@@ -145,7 +145,8 @@ pub struct GatewayConfig {
     pub workers: NonZeroUsize,
     /// Most client connections open at once.
     pub max_connections: NonZeroUsize,
-    /// Most client connections open at once from one address (trusted proxies aside).
+    /// Most client connections open at once from one address (trusted proxies aside),
+    /// on each of the gateway, the check listener and the rate-limit service.
     pub max_connections_per_ip: NonZeroUsize,
     /// Most request-body bytes held in memory at once.
     pub max_buffered_bytes: usize,
@@ -433,6 +434,7 @@ impl Gateway {
                 Arc::clone(&core.limiter),
                 config.workers,
                 NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
+                start::per_ip(&core.limiter, config.max_connections_per_ip),
                 backends_stopped.clone(),
             )
             .map_err(start::io("starting the check listener threads"))?;
@@ -447,6 +449,7 @@ impl Gateway {
                 rls.listen()?,
                 config.workers,
                 NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
+                start::per_ip(&core.limiter, config.max_connections_per_ip),
                 "sluice-rls",
                 stopped.wait(),
                 move |incoming| {

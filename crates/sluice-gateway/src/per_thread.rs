@@ -18,17 +18,19 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use sluice_door::{PerAddress, Place};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc};
 
 /// Connections handed to one thread and not yet taken by it.
 const HANDOFF_QUEUE: usize = 64;
 
-/// What a connection holds until it closes: its place under the listener's
-/// connection bound and its count on its thread's line.
+/// What a connection holds until it closes: its places under the listener's
+/// connection bound and its per-address bound, and its count on its thread's
+/// line.
 #[derive(Debug)]
 pub(crate) struct Held {
-    _place: OwnedSemaphorePermit,
+    _place: Place,
     open: Arc<[AtomicUsize]>,
     thread: usize,
 }
@@ -74,7 +76,8 @@ impl Connections {
 /// Starts `threads` threads named `name-<index>`, each running `serve` on a
 /// current-thread runtime of its own with the connections handed to it, and
 /// returns the acceptor: it accepts on `listener` while fewer than
-/// `max_connections` are open (the next waits in the listen backlog), hands
+/// `max_connections` are open (the next waits in the listen backlog) and
+/// closes at once one from an address holding its bound in `per_address`, hands
 /// each connection to the thread with the fewest open, and once `stop`
 /// resolves stops accepting, ends every thread's [`Connections`] and ends when
 /// every thread's `serve` has ended.
@@ -85,6 +88,7 @@ pub(crate) fn serve<F, Fut>(
     listener: TcpListener,
     threads: NonZeroUsize,
     max_connections: NonZeroUsize,
+    per_address: Arc<PerAddress>,
     name: &'static str,
     stop: impl Future<Output = ()> + Send + 'static,
     serve: F,
@@ -114,7 +118,7 @@ where
     let open: Arc<[AtomicUsize]> = (0..threads.get()).map(|_| AtomicUsize::new(0)).collect();
     let places = Arc::new(Semaphore::new(max_connections.get()));
     Ok(async move {
-        accept(listener, &handoffs, &open, places, name, stop).await;
+        accept(listener, &handoffs, &open, places, &per_address, name, stop).await;
         drop(handoffs);
         for finish in done {
             let _ = finish.await;
@@ -128,6 +132,7 @@ async fn accept(
     handoffs: &[mpsc::Sender<Handoff>],
     open: &Arc<[AtomicUsize]>,
     places: Arc<Semaphore>,
+    per_address: &Arc<PerAddress>,
     name: &str,
     stop: impl Future<Output = ()>,
 ) {
@@ -136,7 +141,7 @@ async fn accept(
         let (place, stream, peer) = tokio::select! {
             biased;
             () = &mut stop => return,
-            accepted = sluice_door::accept_within(&listener, &places, name) => match accepted {
+            accepted = sluice_door::accept_within(&listener, &places, Some(per_address), name) => match accepted {
                 Some(accepted) => accepted,
                 None => return,
             },
@@ -196,6 +201,11 @@ mod tests {
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    /// No bound per address.
+    fn unbounded() -> Arc<PerAddress> {
+        PerAddress::new(NonZeroUsize::MAX, |_| true)
+    }
+
     /// Starts [`serve`] with `threads` threads and at most `max` connections;
     /// each thread answers every connection, once, with its own index. Returns
     /// the address and the stop.
@@ -209,6 +219,7 @@ mod tests {
             listener,
             NonZeroUsize::new(threads).expect("threads"),
             NonZeroUsize::new(max).expect("max"),
+            unbounded(),
             "test",
             async move {
                 let _ = stopped.await;
@@ -319,6 +330,7 @@ mod tests {
             listener,
             NonZeroUsize::new(2).expect("threads"),
             NonZeroUsize::new(64).expect("max"),
+            unbounded(),
             "stopping",
             std::future::pending(),
             move |mut incoming: Connections| {
@@ -364,6 +376,7 @@ mod tests {
             listener,
             NonZeroUsize::new(2).expect("threads"),
             NonZeroUsize::new(8).expect("max"),
+            unbounded(),
             "test",
             async move {
                 let _ = stopped.await;

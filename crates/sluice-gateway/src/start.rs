@@ -26,8 +26,8 @@ use crate::metered::RequestStats;
 use crate::proxy::{Proxy, ProxyConfig, Upstream};
 use crate::store::AnyStore;
 use crate::{
-    BatchBounds, GatewayConfig, Reloader, StartError, Stop, StoreSpec, access, admin, demo,
-    gateway, h1, pool, reload,
+    BatchBounds, GatewayConfig, Reloader, StartError, Stop, StoreSpec, access, admin, demo, h1,
+    pool, reload,
 };
 
 /// The error for `what` failing with an I/O error.
@@ -444,9 +444,9 @@ pub(super) fn policy_version(config: &GatewayConfig) -> String {
 pub(super) fn per_ip(
     limiter: &SharedLimiter<AnyStore>,
     max_per_ip: NonZeroUsize,
-) -> Arc<gateway::PerIp> {
+) -> Arc<sluice_door::PerAddress> {
     let limiter = Arc::clone(limiter);
-    gateway::PerIp::new(max_per_ip, move |ip| {
+    sluice_door::PerAddress::new(max_per_ip, move |ip| {
         limiter.load().policy().identity.trusts(ip)
     })
 }

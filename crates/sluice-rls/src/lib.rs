@@ -218,7 +218,7 @@ pub async fn serve<S: BudgetStore + 'static>(
     let incoming =
         futures_util::stream::unfold((listener, places), |(listener, places)| async move {
             let (place, stream, _) =
-                sluice_door::accept_within(&listener, &places, "rate-limit service").await?;
+                sluice_door::accept_within(&listener, &places, None, "rate-limit service").await?;
             Some(((stream, place), (listener, places)))
         });
     serve_connections(incoming, limiter, stop).await

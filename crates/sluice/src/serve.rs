@@ -148,7 +148,8 @@ pub struct ServeArgs {
     pub max_connections: NonZeroUsize,
 
     /// Most client connections open at once from one address (the policy's trusted
-    /// proxies aside); past it a new connection from that address is closed at once.
+    /// proxies aside), on the gateway and on each of --check and --rls; past it a new
+    /// connection from that address is closed at once.
     #[arg(long, value_name = "N", default_value = "256")]
     pub max_connections_per_ip: NonZeroUsize,
 
