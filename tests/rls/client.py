@@ -3,7 +3,8 @@ sluice's RLS tests: a client in another language than the server, as Envoy is.
 
   client.py ask ADDR        reads a JSON list of requests on stdin, answers a JSON
                             list: each request {"domain", "descriptors": [[[k, v],
-                            ...], ...], "hits_addend"?, "descriptor_hits"?: [n|null]}
+                            ...], ...], "hits_addend"?, "descriptor_hits"?: [n|null]};
+                            a call that fails answers {"error": CODE, "message"}
   client.py health ADDR     prints the gRPC health status of the rate-limit service
   client.py burst ADDRS N   reads one request on stdin, sends it N times at once,
                             spread over ADDRS (comma-separated); prints how many
@@ -52,12 +53,20 @@ def answer(response):
     }
 
 
+def ask(stub, spec):
+    """The answer to one request, or {"error": its gRPC status code's name}."""
+    try:
+        return answer(stub.ShouldRateLimit(request(spec), timeout=10))
+    except grpc.RpcError as error:
+        return {"error": error.code().name, "message": error.details()}
+
+
 def main():
     command, addr = sys.argv[1], sys.argv[2]
     if command == "ask":
         with grpc.insecure_channel(addr) as channel:
             stub = rls_pb2_grpc.RateLimitServiceStub(channel)
-            out = [answer(stub.ShouldRateLimit(request(spec), timeout=10)) for spec in json.load(sys.stdin)]
+            out = [ask(stub, spec) for spec in json.load(sys.stdin)]
         print(json.dumps(out))
     elif command == "health":
         with grpc.insecure_channel(addr) as channel:

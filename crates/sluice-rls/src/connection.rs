@@ -1,6 +1,7 @@
 //! A connection of the rate-limit service: the socket, what it holds until it
-//! closes (its place under the listener's connection bound), and a deadline
-//! for the client's first words ([`FirstWords`]).
+//! closes (its places under the listener's connection bounds), a deadline
+//! for the client's first words ([`FirstWords`]), and the account of what its
+//! calls' unfinished messages hold ([`Unfinished`]), which each call carries.
 //!
 //! Without the deadline, a client that connects and never sends HTTP/2's
 //! connection preface holds its place for ever (the server's keep-alive pings
@@ -9,12 +10,15 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use sluice_door::{FirstWords, HTTP2_HANDSHAKE_BYTES};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+
+use crate::message::Unfinished;
 
 /// How long a new connection may take to begin HTTP/2's handshake (its
 /// connection preface and a SETTINGS frame) before it is closed; the same
@@ -24,19 +28,27 @@ pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A connection with what it holds until it closes.
 pub(crate) struct Bounded<H> {
     stream: FirstWords<TcpStream>,
+    info: ConnectionInfo,
     _held: H,
 }
 
+/// What each call of a connection carries (tonic copies it into every
+/// request's extensions): the connection's account of unfinished messages.
+#[derive(Clone, Debug)]
+pub(crate) struct ConnectionInfo(pub(crate) Arc<Unfinished>);
+
 impl<H> Bounded<H> {
-    /// Wraps `stream`, holding `held` until it closes; the handshake is due
-    /// within [`PREFACE_TIMEOUT`] from now (call on the runtime that serves it).
-    pub(crate) fn new(stream: TcpStream, held: H) -> Self {
-        Self::with_deadline(stream, held, PREFACE_TIMEOUT)
+    /// Wraps `stream`, holding `held` until it closes, its calls' unfinished
+    /// messages counted in `unfinished`; the handshake is due within
+    /// [`PREFACE_TIMEOUT`] from now (call on the runtime that serves it).
+    pub(crate) fn new(stream: TcpStream, held: H, unfinished: Unfinished) -> Self {
+        Self::with_deadline(stream, held, unfinished, PREFACE_TIMEOUT)
     }
 
-    fn with_deadline(stream: TcpStream, held: H, within: Duration) -> Self {
+    fn with_deadline(stream: TcpStream, held: H, unfinished: Unfinished, within: Duration) -> Self {
         Bounded {
             stream: FirstWords::new(stream, HTTP2_HANDSHAKE_BYTES, within),
+            info: ConnectionInfo(Arc::new(unfinished)),
             _held: held,
         }
     }
@@ -71,10 +83,10 @@ impl<H: Unpin> AsyncWrite for Bounded<H> {
 }
 
 impl<H> tonic::transport::server::Connected for Bounded<H> {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    type ConnectInfo = ConnectionInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.stream.get_ref().connect_info()
+        self.info.clone()
     }
 }
 
@@ -100,7 +112,13 @@ mod tests {
     #[tokio::test]
     async fn r1_a_silent_connection_is_closed_when_its_preface_is_overdue() {
         let (server, _client) = pair().await;
-        let mut connection = Bounded::with_deadline(server, (), Duration::from_millis(50));
+        let unfinished = Unfinished::new(
+            sluice_edge::BufferBudget::new(1 << 20),
+            crate::message::tests::holder(),
+            metrics::Gauge::noop(),
+        );
+        let mut connection =
+            Bounded::with_deadline(server, (), unfinished, Duration::from_millis(50));
         let mut byte = [0_u8; 1];
         let read = tokio::time::timeout(Duration::from_secs(10), connection.read(&mut byte))
             .await

@@ -1,19 +1,38 @@
 //! sluice as Envoy's rate-limit service (SPEC R1): the gRPC service
 //! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`, with gRPC
 //! health checking (`grpc.health.v1.Health`), answered by sluice's edge engine
-//! ([`sluice_edge::descriptors`]) on the same limiter — policy, store and
-//! replicas — as the gateway.
+//! ([`sluice_edge::descriptors`]) on the same limiter — policy, store,
+//! replicas, dry run and shadow rule — as the gateway.
 //!
 //! The wire types ([`proto`]) are generated from a trimmed copy of Envoy's
 //! protos with the same packages, names and field numbers (see
 //! `proto/rls.proto`); the generated file is committed, so no build needs
 //! `protoc`.
 //!
-//! Bounds: a message is at most [`MAX_MESSAGE_BYTES`]; a connection carries at
-//! most [`MAX_STREAMS_PER_CONNECTION`] calls at once, and the listener holds at
-//! most the connections it is given (like the gateway's).
+//! Bounds, each refused with a gRPC status and counted in
+//! `sluice_rls_refused_total{reason}`:
+//! - a message is at most [`MAX_MESSAGE_BYTES`] (`RESOURCE_EXHAUSTED`, read
+//!   from its prefix) and holds at most [`MAX_DESCRIPTORS`] descriptors of at
+//!   most [`MAX_ENTRIES`] entries (`RESOURCE_EXHAUSTED`, counted on the wire
+//!   before anything is decoded); the work per call is linear in its size;
+//! - a message must come whole within [`MESSAGE_TIMEOUT`]
+//!   (`DEADLINE_EXCEEDED`, the stream reset and its memory released), and
+//!   what unfinished messages hold is bounded per connection
+//!   ([`MAX_UNFINISHED_BYTES_PER_CONNECTION`]) and in all, with the gateway's
+//!   bodies (`--max-buffered-bytes` and its per-address share) — see
+//!   [`message`](crate::MESSAGE_TIMEOUT)'s rules in `src/message.rs`;
+//! - HTTP/2: at most [`MAX_STREAMS_PER_CONNECTION`] calls at once on a
+//!   connection, header lists of at most [`MAX_HEADER_LIST_BYTES`], frames of
+//!   at most [`MAX_FRAME_BYTES`], [`WINDOW_BYTES`] received and not yet read
+//!   per connection and per call; a handshake within [`PREFACE_TIMEOUT`];
+//! - the listener holds at most the connections it is given, and (through
+//!   the gateway's acceptor) at most `--max-connections-per-ip` from one
+//!   address but for trusted proxies.
 
+use std::convert::Infallible;
+use std::future::Future;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use sluice_edge::SharedLimiter;
@@ -21,7 +40,7 @@ use sluice_edge::descriptors::{Code, DescriptorCall, Outcome, RateLimitAnswer, R
 use sluice_policy::domains::Unit;
 use sluice_store::BudgetStore;
 use tokio::net::TcpListener;
-use tonic::{Request, Response, Status};
+use tonic::{Response, Status};
 
 #[allow(
     missing_docs,
@@ -32,27 +51,44 @@ use tonic::{Request, Response, Status};
 )]
 mod generated;
 
+mod codec;
 mod connection;
 mod counters;
+mod message;
 
 pub use connection::PREFACE_TIMEOUT;
+pub use message::{
+    MAX_MESSAGE_BYTES, MAX_UNFINISHED_BYTES_PER_CONNECTION, MESSAGE_TIMEOUT, UNFINISHED_CALL_BYTES,
+};
+pub use sluice_edge::descriptors::{MAX_DESCRIPTORS, MAX_ENTRIES};
 
 /// The Envoy RLS v3 wire types and the generated service and client.
 pub mod proto {
     pub use crate::generated::*;
 }
 
+use connection::ConnectionInfo;
+use message::{Message, Unfinished};
 use proto::rate_limit_response::rate_limit::Unit as ProtoUnit;
 use proto::rate_limit_response::{Code as ProtoCode, DescriptorStatus, RateLimit};
-use proto::rate_limit_service_server::{RateLimitService, RateLimitServiceServer};
 use proto::{HeaderValue, RateLimitRequest, RateLimitResponse};
 
-/// The largest request message read (tonic's default, stated): a request of
-/// 1,000 descriptors with entries of 64 KiB does not fit and is refused with
-/// `RESOURCE_EXHAUSTED`; anything smaller is answered.
-pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 /// Calls one connection carries at once (HTTP/2 concurrent streams).
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+/// The largest header list of a call (HTTP/2 `SETTINGS_MAX_HEADER_LIST_SIZE`):
+/// Envoy's calls carry a few hundred bytes.
+pub const MAX_HEADER_LIST_BYTES: u32 = 8 * 1024;
+/// The largest HTTP/2 frame read (`SETTINGS_MAX_FRAME_SIZE`, HTTP/2's least).
+pub const MAX_FRAME_BYTES: u32 = 16 * 1024;
+/// Bytes a client may send on a connection, and on one call, before the
+/// service has read them (HTTP/2's connection and stream windows).
+pub const WINDOW_BYTES: u32 = 1024 * 1024;
+/// How often a connection is pinged once its handshake is done; one whose
+/// peer stopped answering is closed.
+pub const KEEPALIVE: Duration = Duration::from_secs(30);
+
+/// The path of the one method.
+const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
 /// The service over a limiter that reloads (as the gateway's does).
 pub struct Rls<S> {
@@ -170,13 +206,9 @@ fn outcome_label(outcome: Outcome) -> &'static str {
     }
 }
 
-#[tonic::async_trait]
-impl<S: BudgetStore + 'static> RateLimitService for Rls<S> {
-    async fn should_rate_limit(
-        &self,
-        request: Request<RateLimitRequest>,
-    ) -> Result<Response<RateLimitResponse>, Status> {
-        let call = call_of(request.into_inner());
+impl<S: BudgetStore + 'static> Rls<S> {
+    /// Answers one call with the current limiter, and counts it.
+    async fn answer(&self, call: RateLimitCall) -> RateLimitResponse {
         let limiter = self.limiter.load_full();
         let answer = limiter.should_rate_limit(&call).await;
         let domain = if answer.outcome == Outcome::UnknownDomain {
@@ -198,7 +230,103 @@ impl<S: BudgetStore + 'static> RateLimitService for Rls<S> {
             }
         }
         // Shadow refusals are the engine's to count, as the gateway's.
-        Ok(Response::new(response_of(answer)))
+        response_of(answer)
+    }
+}
+
+/// The rate-limit service as tonic's router serves it: `ShouldRateLimit` with
+/// its message read within the bounds ([`Message`]) and decoded by
+/// [`codec::RlsCodec`]; any other method of the service is `UNIMPLEMENTED`.
+pub struct RateLimitServer<S> {
+    rls: Arc<Rls<S>>,
+    message_timeout: Duration,
+}
+
+impl<S> RateLimitServer<S> {
+    /// The service deciding with `limiter`.
+    pub fn new(limiter: SharedLimiter<S>) -> Self {
+        RateLimitServer {
+            rls: Arc::new(Rls::new(limiter)),
+            message_timeout: MESSAGE_TIMEOUT,
+        }
+    }
+
+    /// The same service with `timeout` instead of [`MESSAGE_TIMEOUT`] for a
+    /// call's message to come whole.
+    #[must_use]
+    pub fn with_message_timeout(mut self, timeout: Duration) -> Self {
+        self.message_timeout = timeout;
+        self
+    }
+}
+
+impl<S> Clone for RateLimitServer<S> {
+    fn clone(&self) -> Self {
+        RateLimitServer {
+            rls: Arc::clone(&self.rls),
+            message_timeout: self.message_timeout,
+        }
+    }
+}
+
+impl<S> tonic::server::NamedService for RateLimitServer<S> {
+    const NAME: &'static str = proto::rate_limit_service_server::SERVICE_NAME;
+}
+
+impl<S: BudgetStore + 'static> tonic::codegen::Service<http::Request<tonic::body::Body>>
+    for RateLimitServer<S>
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Infallible>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut request: http::Request<tonic::body::Body>) -> Self::Future {
+        if request.uri().path() != SHOULD_RATE_LIMIT {
+            return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
+        }
+        let unfinished = request
+            .extensions_mut()
+            .remove::<ConnectionInfo>()
+            .map(|info| info.0);
+        let timeout = self.message_timeout;
+        let rls = Arc::clone(&self.rls);
+        Box::pin(async move {
+            let request = request.map(|body| Message::new(body, unfinished, timeout));
+            let mut grpc = tonic::server::Grpc::new(codec::RlsCodec)
+                .apply_max_message_size_config(Some(MAX_MESSAGE_BYTES), None);
+            let method = Unary(|call: tonic::Request<RateLimitRequest>| {
+                let call = call_of(call.into_inner());
+                let rls = &rls;
+                async move { Ok(Response::new(rls.answer(call).await)) }
+            });
+            Ok(grpc.unary(method, request).await)
+        })
+    }
+}
+
+/// A unary method as tonic's server calls it, answered by `F` (its future
+/// unboxed, inside the call's).
+struct Unary<F>(F);
+
+impl<F, A> tonic::codegen::Service<tonic::Request<RateLimitRequest>> for Unary<F>
+where
+    F: FnMut(tonic::Request<RateLimitRequest>) -> A,
+    A: Future<Output = Result<Response<RateLimitResponse>, Status>>,
+{
+    type Response = Response<RateLimitResponse>;
+    type Error = Status;
+    type Future = A;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: tonic::Request<RateLimitRequest>) -> A {
+        (self.0)(request)
     }
 }
 
@@ -241,18 +369,45 @@ where
     S: BudgetStore + 'static,
     H: Send + Unpin + 'static,
 {
+    serve_with(incoming, RateLimitServer::new(limiter), stop).await
+}
+
+/// [`serve_connections`] with `service` (a message timeout of its own, say).
+async fn serve_with<S, H>(
+    incoming: impl futures_util::Stream<Item = (tokio::net::TcpStream, H)> + Send + 'static,
+    service: RateLimitServer<S>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error>
+where
+    S: BudgetStore + 'static,
+    H: Send + Unpin + 'static,
+{
     use futures_util::StreamExt;
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<RateLimitServiceServer<Rls<S>>>()
-        .await;
-    let service =
-        RateLimitServiceServer::new(Rls::new(limiter)).max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let incoming = incoming
-        .map(|(stream, held)| Ok::<_, std::io::Error>(connection::Bounded::new(stream, held)));
+    health_reporter.set_serving::<RateLimitServer<S>>().await;
+    let limiter = Arc::clone(&service.rls.limiter);
+    let gauge = metrics::gauge!("sluice_rls_unfinished_bytes");
+    let incoming = incoming.map(move |(stream, held)| {
+        // A connection's unfinished messages lease from the process's bound,
+        // charged to its peer's address (the gateway's bodies lease there too).
+        let limiter = limiter.load();
+        let peer = stream
+            .peer_addr()
+            .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |p| p.ip());
+        let unfinished = Unfinished::new(
+            Arc::clone(limiter.buffers()),
+            limiter.buffer_holder(peer, &http::HeaderMap::new()),
+            gauge.clone(),
+        );
+        Ok::<_, std::io::Error>(connection::Bounded::new(stream, held, unfinished))
+    });
     tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_max_header_list_size(MAX_HEADER_LIST_BYTES)
+        .max_frame_size(MAX_FRAME_BYTES)
+        .initial_connection_window_size(WINDOW_BYTES)
+        .initial_stream_window_size(WINDOW_BYTES)
+        .http2_keepalive_interval(Some(KEEPALIVE))
         .add_service(health)
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, stop)

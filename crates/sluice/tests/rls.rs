@@ -573,3 +573,657 @@ async fn r1_sluice_rls_runs_the_service_alone() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// `sluice rls <args> --rls 127.0.0.1:0 --admin 127.0.0.1:0`, alone: its
+/// addresses, killed when dropped.
+struct RlsAlone {
+    child: std::process::Child,
+    rls: std::net::SocketAddr,
+    admin: String,
+}
+
+impl RlsAlone {
+    fn spawn(args: &[&str]) -> RlsAlone {
+        use std::io::BufRead as _;
+        let mut child = Command::new(support::binary())
+            .args(["rls", "--rls", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("sluice rls");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("the start line");
+        let rest = line
+            .trim()
+            .strip_prefix("sluice rls: listening on grpc://")
+            .unwrap_or_else(|| panic!("start line: {line:?}"));
+        let (rls, rest) = rest.split_once(" (admin http://").expect("admin");
+        RlsAlone {
+            child,
+            rls: rls.parse().expect("an address"),
+            admin: rest.trim_end_matches(')').to_owned(),
+        }
+    }
+}
+
+impl Drop for RlsAlone {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Asks the service at `addr` each request in turn; their answers.
+async fn ask_at(addr: std::net::SocketAddr, requests: Value) -> Vec<Value> {
+    let addr = addr.to_string();
+    let answer = tokio::task::spawn_blocking(move || client(&["ask", &addr], &requests))
+        .await
+        .expect("client task");
+    answer.as_array().expect("a list").clone()
+}
+
+/// A rule of 5 (a year, so that no run straddles a window; the report of the
+/// defect used 5 a minute).
+const FIVE: &str = "domains:
+  - domain: api
+    descriptors:
+      - key: user
+        rate_limit: { unit: year, requests_per_unit: 5 }
+";
+
+/// P5 and R1: `--dry-run` (on `sluice rls` and on `serve --rls`) and
+/// `dry_run: true` hold on the rate-limit service as on the gateway: 8 calls
+/// against 5 a minute are all OK, each would-be refusal counted under the
+/// gateway's metric, and the dashboard says it is a dry run.
+#[tokio::test]
+async fn p5_r1_a_dry_run_refuses_nothing_on_the_rate_limit_service() {
+    let dir = DataDir::new();
+    let policy = policy(&dir.0, FIVE);
+    let dry_policy = {
+        let path = dir.0.join("dry.yaml");
+        let text = std::fs::read_to_string(&policy).expect("policy");
+        std::fs::write(&path, format!("dry_run: true\n{text}")).expect("policy");
+        path.to_str().expect("utf-8").to_owned()
+    };
+    let eight = json!(vec![request("api", &[&[("user", "ada")]]); 8]);
+    let alone = RlsAlone::spawn(&["--config", &policy, "--dry-run", "--data-dir", dir.arg()]);
+    let dir2 = DataDir::new();
+    let served = Sluice::spawn(&[
+        "--config",
+        &policy,
+        "--rls",
+        "127.0.0.1:0",
+        "--dry-run",
+        "--data-dir",
+        dir2.arg(),
+    ]);
+    let dir3 = DataDir::new();
+    let in_file = rls_server(&dry_policy, ["--data-dir", dir3.arg()]);
+    let admins = [
+        format!("http://{}", alone.admin),
+        served.admin_url(""),
+        in_file.admin_url(""),
+    ];
+    let rls = [
+        alone.rls,
+        served.start.rls.expect("rls"),
+        in_file.start.rls.expect("rls"),
+    ];
+    for (rls, admin) in rls.into_iter().zip(admins) {
+        let answers = ask_at(rls, eight.clone()).await;
+        for (n, answer) in answers.iter().enumerate() {
+            assert_eq!(answer["overall"], "OK", "call {} of 8 at {admin}", n + 1);
+        }
+        assert_eq!(
+            answers[7]["headers"]["x-ratelimit-remaining"], "0",
+            "the headers still describe the rule"
+        );
+        let metrics = support::get(&format!("{admin}/metrics")).await.text();
+        assert!(
+            metrics.contains(
+                "sluice_shadow_refusals_total{budget=\"api.user\",reason=\"rate_limited\"} 3"
+            ),
+            "{admin}: {metrics}"
+        );
+        let dashboard = support::get(&format!("{admin}/dashboard.json"))
+            .await
+            .json();
+        assert_eq!(dashboard["status"]["limiter"]["dry_run"], true, "{admin}");
+        assert_eq!(
+            dashboard["tally"]["shadow_refusals"],
+            json!([{ "budget": "api.user", "reason": "rate_limited", "count": 3 }]),
+            "{admin}"
+        );
+    }
+}
+
+/// R1 bounds: a request past a documented bound is refused with
+/// `RESOURCE_EXHAUSTED` (as gRPC's own servers do past their message bound),
+/// never decoded in part; one at the bound is answered.
+#[tokio::test]
+async fn r1_bounds_a_request_past_a_bound_is_resource_exhausted() {
+    let dir = DataDir::new();
+    let policy = policy(&dir.0, API);
+    let sluice = rls_server(&policy, ["--data-dir", dir.arg()]);
+    let descriptors = |n: usize| -> Vec<Value> {
+        (0..n)
+            .map(|i| json!([["other", format!("v{i}")]]))
+            .collect()
+    };
+    let entries: Vec<Value> = (0..65).map(|i| json!([format!("k{i}"), "v"])).collect();
+    let at_bound: Vec<Value> = (0..64).map(|i| json!([format!("k{i}"), "v"])).collect();
+    let five_mb = "x".repeat(5_000_000);
+    let answers = ask(
+        &sluice,
+        json!([
+            { "domain": "api", "descriptors": descriptors(1024) },
+            { "domain": "api", "descriptors": descriptors(1025) },
+            { "domain": "api", "descriptors": [at_bound] },
+            { "domain": "api", "descriptors": [entries] },
+            { "domain": "api", "descriptors": [[["user", five_mb]]] },
+            request("api", &[&[("user", "after")]]),
+        ]),
+    )
+    .await;
+    assert_eq!(
+        answers[0]["statuses"].as_array().map(Vec::len),
+        Some(1024),
+        "1,024 descriptors are answered"
+    );
+    assert_eq!(answers[1]["error"], "RESOURCE_EXHAUSTED", "{}", answers[1]);
+    assert_eq!(answers[2]["overall"], "OK", "64 entries are read");
+    assert_eq!(answers[3]["error"], "RESOURCE_EXHAUSTED", "{}", answers[3]);
+    assert_eq!(
+        answers[4]["error"], "RESOURCE_EXHAUSTED",
+        "a 5 MB message, not OUT_OF_RANGE: {}",
+        answers[4]
+    );
+    assert_eq!(answers[5]["statuses"][0]["remaining"], 4, "still serving");
+    let metrics = support::get(&sluice.admin_url("/metrics")).await.text();
+    for reason in [
+        "too_many_descriptors",
+        "too_many_entries",
+        "message_too_large",
+    ] {
+        assert!(
+            metrics.contains(&format!(
+                "sluice_rls_refused_total{{reason=\"{reason}\"}} 1"
+            )),
+            "{reason}: {metrics}"
+        );
+    }
+}
+
+/// gRPC over hyper's HTTP/2 client, by hand: what the Python client cannot do
+/// — send part of a message and then nothing, time one connection's calls
+/// against another's, or hold a connection open.
+mod grpc {
+    use std::convert::Infallible;
+    use std::net::SocketAddr;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use bytes::Bytes;
+    use http_body_util::BodyExt as _;
+    use hyper::body::{Body, Frame};
+    use hyper::client::conn::http2::SendRequest;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tokio::sync::mpsc;
+
+    const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+    /// gRPC's status codes the tests read.
+    pub(super) const OK: u32 = 0;
+    pub(super) const DEADLINE_EXCEEDED: u32 = 4;
+    pub(super) const RESOURCE_EXHAUSTED: u32 = 8;
+
+    /// A request body sent as the test says: what is sent on the channel,
+    /// ended when the sender is dropped.
+    pub(super) struct Channel(mpsc::UnboundedReceiver<Bytes>);
+
+    impl Body for Channel {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            self.0
+                .poll_recv(cx)
+                .map(|data| data.map(|d| Ok(Frame::data(d))))
+        }
+    }
+
+    /// An HTTP/2 connection to `addr` from `local` (an address of the
+    /// machine's, `None` for any).
+    pub(super) async fn connect_from(
+        addr: SocketAddr,
+        local: Option<std::net::IpAddr>,
+    ) -> std::io::Result<SendRequest<Channel>> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        if let Some(ip) = local {
+            socket.bind(SocketAddr::new(ip, 0))?;
+        }
+        let stream = socket.connect(addr).await?;
+        stream.set_nodelay(true)?;
+        let (sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(std::io::Error::other)?;
+        tokio::spawn(connection);
+        Ok(sender)
+    }
+
+    /// An HTTP/2 connection to `addr`.
+    pub(super) async fn connect(addr: SocketAddr) -> SendRequest<Channel> {
+        connect_from(addr, None).await.expect("connect")
+    }
+
+    /// A call's outcome: its gRPC status and, when OK, the answer's
+    /// `overall_code` (1 OK, 2 OVER_LIMIT).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) struct Outcome {
+        pub(super) status: u32,
+        pub(super) overall: Option<u64>,
+    }
+
+    /// Starts a call on `sender` whose body begins with `first`; with `end`,
+    /// that is all of it, else the body stays open (the returned sender) until
+    /// dropped. Resolves to the call's outcome.
+    pub(super) fn start(
+        sender: &mut SendRequest<Channel>,
+        addr: SocketAddr,
+        first: Bytes,
+        end: bool,
+    ) -> (
+        Option<mpsc::UnboundedSender<Bytes>>,
+        impl Future<Output = Result<Outcome, String>> + Send + 'static,
+    ) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = tx.send(first);
+        let request = http::Request::post(format!("http://{addr}{PATH}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(Channel(rx))
+            .expect("request");
+        let sent = sender.send_request(request);
+        let outcome = async move {
+            let response = sent.await.map_err(|e| e.to_string())?;
+            let from_head = grpc_status(response.headers());
+            let collected = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = from_head
+                .or_else(|| collected.trailers().and_then(grpc_status))
+                .ok_or("no grpc-status")?;
+            let message = collected.to_bytes();
+            Ok(Outcome {
+                status,
+                overall: message.get(5..).and_then(overall_code),
+            })
+        };
+        ((!end).then_some(tx), outcome)
+    }
+
+    /// One whole call; its outcome.
+    pub(super) async fn call(
+        sender: &mut SendRequest<Channel>,
+        addr: SocketAddr,
+        message: Bytes,
+    ) -> Result<Outcome, String> {
+        start(sender, addr, message, true).1.await
+    }
+
+    fn grpc_status(headers: &http::HeaderMap) -> Option<u32> {
+        headers.get("grpc-status")?.to_str().ok()?.parse().ok()
+    }
+
+    /// Field 1 of a `RateLimitResponse`.
+    fn overall_code(message: &[u8]) -> Option<u64> {
+        let (&key, rest) = message.split_first()?;
+        (key == 0x08).then(|| rest.first().map(|&v| u64::from(v)))?
+    }
+
+    fn varint(out: &mut Vec<u8>, mut value: u64) {
+        while value >= 0x80 {
+            out.push((value as u8) | 0x80);
+            value >>= 7;
+        }
+        out.push(value as u8);
+    }
+
+    fn field(out: &mut Vec<u8>, number: u64, bytes: &[u8]) {
+        varint(out, (number << 3) | 2);
+        varint(out, bytes.len() as u64);
+        out.extend_from_slice(bytes);
+    }
+
+    /// A `RateLimitRequest` of `domain` and `descriptors` (each a list of
+    /// key and value), framed as gRPC sends it.
+    pub(super) fn request<K: AsRef<str>, V: AsRef<str>>(
+        domain: &str,
+        descriptors: impl IntoIterator<Item = Vec<(K, V)>>,
+    ) -> Bytes {
+        let mut message = Vec::new();
+        field(&mut message, 1, domain.as_bytes());
+        let (mut descriptor, mut entry) = (Vec::new(), Vec::new());
+        for entries in descriptors {
+            descriptor.clear();
+            for (key, value) in entries {
+                entry.clear();
+                field(&mut entry, 1, key.as_ref().as_bytes());
+                field(&mut entry, 2, value.as_ref().as_bytes());
+                field(&mut descriptor, 1, &entry);
+            }
+            field(&mut message, 2, &descriptor);
+        }
+        framed(&message, message.len())
+    }
+
+    /// `message` behind gRPC's prefix saying it is `len` bytes long.
+    pub(super) fn framed(message: &[u8], len: usize) -> Bytes {
+        let mut out = Vec::with_capacity(5 + message.len());
+        out.push(0);
+        out.extend_from_slice(&u32::try_from(len).expect("a u32").to_be_bytes());
+        out.extend_from_slice(message);
+        Bytes::from(out)
+    }
+}
+
+/// R1 bounds: a request of 250,000 distinct descriptors of one rule (a 4 MiB
+/// message; the quadratic look for shared counters took seconds) is refused
+/// within 1 s, counted on the wire before anything is decoded or matched,
+/// while another connection on the same thread is answered within 50 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r1_bounds_250000_descriptors_are_refused_at_once_while_another_connection_is_served() {
+    let dir = DataDir::new();
+    let policy = policy(&dir.0, API);
+    // One thread: both connections on it.
+    let sluice = Sluice::spawn(&[
+        "--config",
+        &policy,
+        "--rls",
+        "127.0.0.1:0",
+        "--workers",
+        "1",
+        "--data-dir",
+        dir.arg(),
+    ]);
+    let addr = sluice.start.rls.expect("rls");
+    let big = grpc::request(
+        "api",
+        (0..250_000).map(|i| vec![("user".to_owned(), format!("{i:x}"))]),
+    );
+    assert!(
+        big.len() > 3_000_000 && big.len() <= 4 * 1024 * 1024 + 5,
+        "{}",
+        big.len()
+    );
+    let small = grpc::request("api", [vec![("burst", "b")]]);
+    let mut other = grpc::connect(addr).await;
+    let warm = grpc::call(&mut other, addr, small.clone()).await;
+    assert_eq!(warm.map(|o| o.status), Ok(grpc::OK));
+
+    let mut heavy = grpc::connect(addr).await;
+    let started = std::time::Instant::now();
+    let (_, refused) = grpc::start(&mut heavy, addr, big, true);
+    let refused = tokio::spawn(async move { (refused.await, started.elapsed()) });
+    let mut latencies = Vec::new();
+    while !refused.is_finished() || latencies.len() < 5 {
+        let asked = std::time::Instant::now();
+        let answer = grpc::call(&mut other, addr, small.clone()).await;
+        latencies.push(asked.elapsed());
+        assert_eq!(answer.map(|o| o.status), Ok(grpc::OK));
+        if started.elapsed() > std::time::Duration::from_secs(10) {
+            break;
+        }
+    }
+    let (outcome, took) = refused.await.expect("the heavy call");
+    assert_eq!(
+        outcome.map(|o| o.status),
+        Ok(grpc::RESOURCE_EXHAUSTED),
+        "past 1,024 descriptors"
+    );
+    assert!(
+        took < std::time::Duration::from_secs(1),
+        "refused within 1 s: {took:?}"
+    );
+    let slowest = latencies.iter().max().copied().unwrap_or_default();
+    assert!(
+        slowest < std::time::Duration::from_millis(50),
+        "the other connection's calls meanwhile: {latencies:?}"
+    );
+}
+
+/// The value of the metric line `name` (with its labels) on `sluice`'s admin
+/// listener.
+async fn metric(sluice: &Sluice, name: &str) -> Option<f64> {
+    let metrics = support::get(&sluice.admin_url("/metrics")).await.text();
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// R1 bounds: two connections of 256 calls each, every call sending most of
+/// a 4 MiB message and then nothing (which held 1.74 GB and never let go).
+/// Each connection's unfinished messages hold at most 8 MiB: its other calls
+/// are refused `RESOURCE_EXHAUSTED` at once, the bytes held (a gauge) and the
+/// process's resident memory stay within the documented bound, another
+/// connection is served meanwhile, and the held calls are refused
+/// `DEADLINE_EXCEEDED` once their 10 s are up, releasing everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r1_bounds_unfinished_messages_hold_at_most_their_bound_and_are_reset_when_overdue() {
+    const STREAMS: usize = 256;
+    const PER_CONNECTION: f64 = 8.0 * 1024.0 * 1024.0;
+    let dir = DataDir::new();
+    let policy = policy(&dir.0, API);
+    let sluice = rls_server(&policy, ["--data-dir", dir.arg()]);
+    let addr = sluice.start.rls.expect("rls");
+    let small = grpc::request("api", [vec![("burst", "b")]]);
+    let mut other = grpc::connect(addr).await;
+    for _ in 0..20 {
+        let warm = grpc::call(&mut other, addr, small.clone()).await;
+        assert_eq!(warm.map(|o| o.status), Ok(grpc::OK));
+    }
+    let before = sluice.rss_kib();
+
+    // Most of a message of 4,000,000 bytes: its prefix and 3,900,000 of them.
+    let most = grpc::framed(&vec![0x0a_u8; 3_900_000], 4_000_000);
+    let (done, mut outcomes) = tokio::sync::mpsc::unbounded_channel();
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let mut connection = grpc::connect(addr).await;
+        for _ in 0..STREAMS {
+            let (body, outcome) = grpc::start(&mut connection, addr, most.clone(), false);
+            open.push(body);
+            let done = done.clone();
+            tokio::spawn(async move {
+                let _ = done.send(outcome.await);
+            });
+        }
+        open.push(None);
+        std::mem::forget(connection);
+    }
+    // The calls past each connection's bound are refused at once.
+    let mut statuses = Vec::new();
+    let refused_by = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while statuses.len() < 2 * (STREAMS - 2) {
+        let left = refused_by.saturating_duration_since(std::time::Instant::now());
+        match tokio::time::timeout(left, outcomes.recv()).await {
+            Ok(Some(outcome)) => statuses.push(outcome.map(|o| o.status)),
+            _ => panic!("{} of the calls answered in 30 s", statuses.len()),
+        }
+    }
+    assert!(
+        statuses.iter().all(|s| *s == Ok(grpc::RESOURCE_EXHAUSTED)),
+        "{statuses:?}"
+    );
+    // What is held: a few whole messages' worth, not 512.
+    let held = metric(&sluice, "sluice_rls_unfinished_bytes")
+        .await
+        .expect("the gauge");
+    assert!(
+        held > 0.0 && held <= 2.0 * PER_CONNECTION,
+        "held {held} bytes"
+    );
+    let grown = sluice.rss_kib().saturating_sub(before);
+    assert!(
+        grown < 64 * 1024,
+        "resident memory grew {grown} KiB (bound: 2 x 8 MiB held, 2 x 1 MiB windows)"
+    );
+    let served = grpc::call(&mut other, addr, small.clone()).await;
+    assert_eq!(
+        served.map(|o| o.status),
+        Ok(grpc::OK),
+        "another connection served"
+    );
+    // The held ones are refused once their 10 s are up, and let go.
+    let overdue_by = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while statuses.len() < 2 * STREAMS {
+        let left = overdue_by.saturating_duration_since(std::time::Instant::now());
+        match tokio::time::timeout(left, outcomes.recv()).await {
+            Ok(Some(outcome)) => statuses.push(outcome.map(|o| o.status)),
+            _ => panic!("{} of the calls answered", statuses.len()),
+        }
+    }
+    let overdue = statuses
+        .iter()
+        .filter(|s| **s == Ok(grpc::DEADLINE_EXCEEDED))
+        .count();
+    assert_eq!(overdue, 4, "two held on each connection: {statuses:?}");
+    assert_eq!(
+        metric(&sluice, "sluice_rls_unfinished_bytes").await,
+        Some(0.0),
+        "everything released"
+    );
+    drop(open);
+}
+
+/// Whether the listener at `addr` serves a connection from `local`: for the
+/// rate-limit service, an HTTP/2 handshake and a health check; for the check
+/// listener, one HTTP/1.1 request answered. The connection is returned open.
+async fn served_from(
+    addr: std::net::SocketAddr,
+    local: std::net::IpAddr,
+    http2: bool,
+) -> Option<tokio::net::TcpStream> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let socket = tokio::net::TcpSocket::new_v4().ok()?;
+    socket.bind(std::net::SocketAddr::new(local, 0)).ok()?;
+    let mut stream = socket.connect(addr).await.ok()?;
+    let hello: &[u8] = if http2 {
+        // The preface and an empty SETTINGS frame: a served connection answers
+        // with its own SETTINGS.
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0"
+    } else {
+        b"GET /check HTTP/1.1\r\nHost: x\r\nX-Original-Method: GET\r\nX-Original-URI: /\r\n\r\n"
+    };
+    stream.write_all(hello).await.ok()?;
+    let mut first = [0_u8; 9];
+    let read = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        stream.read_exact(&mut first),
+    )
+    .await;
+    matches!(read, Ok(Ok(_))).then_some(stream)
+}
+
+/// R1, R2 and E4 bounds: one address holds at most `--max-connections-per-ip`
+/// connections on the rate-limit service and on the check listener (1,030
+/// from one address locked every Envoy out): past it a new one is closed at
+/// once, another address is still served, one closing frees a place, and a
+/// trusted proxy is not bounded.
+#[tokio::test]
+async fn r1_r2_one_address_holds_at_most_its_connections_on_the_rls_and_check_listeners() {
+    let dir = DataDir::new();
+    let path = policy(&dir.0, API);
+    let text = std::fs::read_to_string(&path).expect("policy");
+    std::fs::write(
+        &path,
+        text.edit("trusted_proxies: []", "trusted_proxies: [127.0.0.3/32]"),
+    )
+    .expect("policy");
+    let sluice = Sluice::spawn(&[
+        "--config",
+        &path,
+        "--rls",
+        "127.0.0.1:0",
+        "--check",
+        "127.0.0.1:0",
+        "--max-connections-per-ip",
+        "3",
+        "--data-dir",
+        dir.arg(),
+    ]);
+    let (one, other, proxy): (std::net::IpAddr, std::net::IpAddr, std::net::IpAddr) = (
+        [127, 0, 0, 1].into(),
+        [127, 0, 0, 2].into(),
+        [127, 0, 0, 3].into(),
+    );
+    for (addr, http2) in [
+        (sluice.start.rls.expect("rls"), true),
+        (sluice.start.check.expect("check"), false),
+    ] {
+        let mut held = Vec::new();
+        for n in 1..=3 {
+            held.push(
+                served_from(addr, one, http2)
+                    .await
+                    .unwrap_or_else(|| panic!("connection {n} of 3 served ({addr})")),
+            );
+        }
+        assert!(
+            served_from(addr, one, http2).await.is_none(),
+            "a 4th from one address is closed ({addr})"
+        );
+        assert!(
+            served_from(addr, other, http2).await.is_some(),
+            "another address is served ({addr})"
+        );
+        let proxies = served_together(addr, proxy, http2, 5).await;
+        assert_eq!(proxies, 5, "a trusted proxy is not bounded ({addr})");
+        drop(held.pop());
+        let mut freed = false;
+        for _ in 0..100 {
+            if served_from(addr, one, http2).await.is_some() {
+                freed = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(freed, "a closed connection frees its place ({addr})");
+    }
+    let metrics = support::get(&sluice.admin_url("/metrics")).await.text();
+    for listener in ["sluice-rls", "sluice-check"] {
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l.starts_with("sluice_connections_refused_total")
+                    && l.contains(&format!("listener=\"{listener}\""))
+                    && l.contains("reason=\"per_ip\"")),
+            "{listener}: {metrics}"
+        );
+    }
+}
+
+/// How many of `n` connections from `local`, held open together, are served.
+async fn served_together(
+    addr: std::net::SocketAddr,
+    local: std::net::IpAddr,
+    http2: bool,
+    n: usize,
+) -> usize {
+    let mut open = Vec::new();
+    for _ in 0..n {
+        if let Some(stream) = served_from(addr, local, http2).await {
+            open.push(stream);
+        }
+    }
+    open.len()
+}
