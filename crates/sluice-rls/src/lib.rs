@@ -19,8 +19,7 @@
 //!   (`DEADLINE_EXCEEDED`, the stream reset and its memory released), and
 //!   what unfinished messages hold is bounded per connection
 //!   ([`MAX_UNFINISHED_BYTES_PER_CONNECTION`]) and in all, with the gateway's
-//!   bodies (`--max-buffered-bytes` and its per-address share) — see
-//!   [`message`](crate::MESSAGE_TIMEOUT)'s rules in `src/message.rs`;
+//!   bodies (`--max-buffered-bytes` and its per-address share);
 //! - HTTP/2: at most [`MAX_STREAMS_PER_CONNECTION`] calls at once on a
 //!   connection, header lists of at most [`MAX_HEADER_LIST_BYTES`], frames of
 //!   at most [`MAX_FRAME_BYTES`], [`WINDOW_BYTES`] received and not yet read
@@ -235,8 +234,9 @@ impl<S: BudgetStore + 'static> Rls<S> {
 }
 
 /// The rate-limit service as tonic's router serves it: `ShouldRateLimit` with
-/// its message read within the bounds ([`Message`]) and decoded by
-/// [`codec::RlsCodec`]; any other method of the service is `UNIMPLEMENTED`.
+/// its message read within the bounds (see the crate's docs) and its
+/// descriptors counted on the wire before it is decoded; any other method of
+/// the service is `UNIMPLEMENTED`.
 pub struct RateLimitServer<S> {
     rls: Arc<Rls<S>>,
     message_timeout: Duration,
