@@ -48,8 +48,8 @@ fn is_check_path(path: &str) -> bool {
 
 /// Serves `listener` with `limiter` on `threads` threads until `stop`, at
 /// most `max_connections` connections at once in all (the next waits to be
-/// accepted) and as `per_address` allows from one address; returns once every thread has let its connections finish (at
-/// most [`GRACE`]).
+/// accepted) and as many as `per_address` allows from one address; returns
+/// once every thread has let its connections finish (at most [`GRACE`]).
 ///
 /// # Errors
 /// A thread or its runtime that cannot be made.
