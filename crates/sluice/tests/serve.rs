@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt as _, Full};
 use serde_json::{Value, json};
-use support::{Sluice, get, open, post_json, run_to_exit, send};
+use support::{DataDir, Sluice, get, open, post_json, run_to_exit, send};
 
 /// Bound on every test's whole body.
 const TEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -587,6 +587,26 @@ async fn sigterm_lets_an_in_flight_request_finish_then_exits_0() {
 #[test]
 fn bad_flags_exit_2_with_a_clear_message() {
     let limit = Duration::from_secs(30);
+    // Every `serve` listens on port 0 and keeps its data in a directory of its own
+    // (unless the flag is the one tried), so the test never meets a `sluice serve`
+    // already running on the machine's default ports or data dir.
+    let data = DataDir::new();
+    let data_dir = data.0.to_str().expect("utf-8 path").to_owned();
+    let run_to_exit = |args: &[&str], limit: Duration| {
+        let mut all: Vec<&str> = args.to_vec();
+        if args.first() == Some(&"serve") {
+            for (flag, value) in [
+                ("--listen", "127.0.0.1:0"),
+                ("--admin", "127.0.0.1:0"),
+                ("--data-dir", data_dir.as_str()),
+            ] {
+                if !args.contains(&flag) {
+                    all.extend([flag, value]);
+                }
+            }
+        }
+        run_to_exit(&all, limit)
+    };
 
     // A store that cannot be reached at start is a runtime failure (exit 1), said clearly.
     let run = run_to_exit(
