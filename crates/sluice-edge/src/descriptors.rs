@@ -26,7 +26,7 @@ use sluice_policy::domains::{DescriptorRule, Domain, DomainOutage, Unit};
 use sluice_store::BudgetStore;
 
 use crate::Limiter;
-use crate::limiter::{Decider, Shadowed};
+use crate::limiter::{shadow_waived, waive};
 
 /// Most descriptors of one request counted in the store (the most budgets one
 /// decision holds).
@@ -407,25 +407,32 @@ impl<S: BudgetStore> Limiter<S> {
             return answer;
         }
         answer.outcome = Outcome::Decided;
-        let budgets: arrayvec::ArrayVec<Budget, MAX_COUNTED> =
-            counted.iter().map(|c| c.budget).collect();
+        // On the heap: the request's future stays small (it is moved whole).
+        let mut budgets: Vec<Budget> = counted.iter().map(|c| c.budget).collect();
+        let mut decision = match self.store().decide(&budgets).await {
+            Ok(d) => d,
+            Err(error) => return self.outage(answer, domain, &error.to_string()),
+        };
+        // The gateway's shadow rule: rules in shadow mode never refuse. What
+        // they refused is decided again with them spending nothing.
         let shadow = counted
             .iter()
             .enumerate()
             .filter(|(_, c)| in_shadow(c.rule))
             .fold(0_u16, |mask, (i, _)| mask | 1 << i);
-        // The gateway's shadow rule: rules in shadow mode never refuse.
-        let Shadowed {
-            decision,
-            waived,
-            refused,
-        } = self
-            .decide_shadowed(Decider::Store, &budgets, shadow, || 0)
-            .await;
-        let decision = match decision {
-            Ok(d) => d,
-            Err(error) => return self.outage(answer, domain, &error.to_string()),
-        };
+        let waived = shadow_waived(&decision, shadow, || 0);
+        let mut refused = None;
+        if waived != 0 {
+            // Seldom: the refusal waits on the heap, so that every request's
+            // future stays as small as one decision's.
+            let first = Box::new(decision);
+            waive(&mut budgets, waived);
+            decision = match self.store().decide(&budgets).await {
+                Ok(d) => d,
+                Err(error) => return self.outage(answer, domain, &error.to_string()),
+            };
+            refused = Some(first);
+        }
         let now = decision.decided_at().as_secs();
         let mut tightest: Option<(u32, u32, u64)> = None;
         for (c, s) in counted.iter().zip(decision.statuses()) {

@@ -207,7 +207,11 @@ fn outcome_label(outcome: Outcome) -> &'static str {
 
 impl<S: BudgetStore + 'static> Rls<S> {
     /// Answers one call with the current limiter, and counts it.
-    async fn answer(&self, call: RateLimitCall) -> RateLimitResponse {
+    async fn answer(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let call = call_of(request.into_inner());
         let limiter = self.limiter.load_full();
         let answer = limiter.should_rate_limit(&call).await;
         let domain = if answer.outcome == Outcome::UnknownDomain {
@@ -229,7 +233,7 @@ impl<S: BudgetStore + 'static> Rls<S> {
             }
         }
         // Shadow refusals are the engine's to count, as the gateway's.
-        response_of(answer)
+        Ok(Response::new(response_of(answer)))
     }
 }
 
@@ -298,11 +302,7 @@ impl<S: BudgetStore + 'static> tonic::codegen::Service<http::Request<tonic::body
             let request = request.map(|body| Message::new(body, unfinished, timeout));
             let mut grpc = tonic::server::Grpc::new(codec::RlsCodec)
                 .apply_max_message_size_config(Some(MAX_MESSAGE_BYTES), None);
-            let method = Unary(|call: tonic::Request<RateLimitRequest>| {
-                let call = call_of(call.into_inner());
-                let rls = &rls;
-                async move { Ok(Response::new(rls.answer(call).await)) }
-            });
+            let method = Unary(|request| rls.answer(request));
             Ok(grpc.unary(method, request).await)
         })
     }

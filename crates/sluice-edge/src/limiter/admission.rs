@@ -70,90 +70,60 @@ impl<S: BudgetStore> Limiter<S> {
         self.decide_boxed(plan, "-").await.map(|d| *d)
     }
 
-    /// [`Limiter::decide`] with the decision boxed: a decision is 400 bytes, and
-    /// the request path moves it through several async layers.
+    /// [`Limiter::decide`] with the decision boxed as the store gives it: a
+    /// decision is 400 bytes, and the request path moves it through several
+    /// async layers.
     ///
-    /// Budgets in shadow mode never refuse ([`Limiter::decide_shadowed`], the
-    /// rule every transport decides by); once the request is admitted, the
-    /// refusals they would have given are counted and logged (under
-    /// `request_id`), and [`Plan::shadowed`] says which.
+    /// Budgets in shadow mode never refuse ([`shadow_waived`], the rule every
+    /// transport decides by): a refusal by some of them is decided again with
+    /// them spending nothing (as a refusal spends nothing anywhere), and, once
+    /// the request is admitted, counted and logged (under `request_id`) as the
+    /// refusal it would have been ([`Limiter::count_shadow_refusal`]);
+    /// [`Plan::shadowed`] then says which.
     async fn decide_boxed(
         &self,
         plan: &mut Plan,
         request_id: &str,
     ) -> Result<Box<Decision>, StoreError> {
-        // A bucket that passes an exhausted request on does so in shadow mode too
-        // (below), as it would enforced.
-        let passes =
-            || Plan::mask((0..plan.budgets.len()).filter(|&i| plan.passes(i, &self.policy)));
-        let Shadowed {
-            mut decision,
-            waived,
-            refused: would_have,
-        } = self
-            .decide_shadowed(Decider::Plan(plan), &plan.budgets, plan.shadow, passes)
-            .await;
+        let mut decision = self.decide_budgets(plan, &plan.budgets).await;
+        let mut would_have = None;
+        let mut waived = 0;
+        if let Ok(refused) = &decision
+            && !refused.is_admitted()
+        {
+            // A bucket that passes an exhausted request on does so in shadow mode
+            // too (below), as it would enforced.
+            waived = shadow_waived(refused, plan.shadow, || {
+                Plan::mask((0..plan.budgets.len()).filter(|&i| plan.passes(i, &self.policy)))
+            });
+            if waived != 0 {
+                let budgets = without(&plan.budgets, waived);
+                would_have = Some(std::mem::replace(
+                    &mut decision,
+                    self.decide_budgets(plan, &budgets).await,
+                ));
+            }
+        }
         if let Ok(refused) = &decision
             && !refused.is_admitted()
             && let Some(passed) = self.passable(plan, refused)
         {
             let mut budgets = without(&plan.budgets, waived);
             budgets[passed.index].cost = 0;
-            let again = self.decide_on(Decider::Plan(plan), &budgets).await;
-            if again.as_ref().is_ok_and(Decision::is_admitted) {
+            let again = self.decide_budgets(plan, &budgets).await;
+            if again.as_ref().is_ok_and(|d| d.is_admitted()) {
                 plan.passed = Some(passed);
             }
             decision = again;
         }
-        if let (Some(refused), Ok(admitted)) = (&would_have, &decision)
+        if let (Some(Ok(refused)), Ok(admitted)) = (&would_have, &decision)
             && admitted.is_admitted()
         {
             plan.shadowed = waived;
             self.record_shadow_refusals(plan, refused, request_id);
         }
-        let decision = decision.map(Box::new);
         self.record(plan, &decision);
         decision
-    }
-
-    /// The shadow rule (SPEC P5), one for every transport — the gateway, the
-    /// check listener and the rate-limit service: budgets in shadow mode
-    /// (`shadow`, a bit each by index: `mode: shadow`, a shadowed route or
-    /// plan, a rule's `shadow_mode`, or a dry run) are decided and counted as
-    /// usual and never refuse. A decision some of them refused is made again
-    /// with those spending nothing (a refusal spends nothing anywhere), but for
-    /// those `kept` names, which another rule answers (a budget that passes an
-    /// exhausted request on). [`Shadowed::refused`] is then the decision they
-    /// refused: once the request is admitted, each of [`Shadowed::waived`] is a
-    /// refusal it would have had, to count ([`Limiter::count_shadow_refusal`]).
-    pub(crate) async fn decide_shadowed(
-        &self,
-        by: Decider<'_>,
-        budgets: &[sluice_core::Budget],
-        shadow: u16,
-        kept: impl FnOnce() -> u16,
-    ) -> Shadowed {
-        let decision = self.decide_on(by, budgets).await;
-        let waived = match &decision {
-            Ok(refused) if !refused.is_admitted() => match refusals(refused) & shadow {
-                0 => 0,
-                shadowed => shadowed & !kept(),
-            },
-            _ => 0,
-        };
-        if waived == 0 {
-            return Shadowed {
-                decision,
-                waived,
-                refused: None,
-            };
-        }
-        let again = self.decide_on(by, &without(budgets, waived)).await;
-        Shadowed {
-            decision: again,
-            waived,
-            refused: decision.ok(),
-        }
     }
 
     /// Counts one refusal that `budget` (as metrics name it), in shadow mode,
@@ -179,18 +149,6 @@ impl<S: BudgetStore> Limiter<S> {
             .entry((budget.to_owned(), reason))
             .or_default() += 1;
         crate::refusal_log::refusal_line(&self.refusal_log, line);
-    }
-
-    /// Decides `budgets` as `by` does.
-    async fn decide_on(
-        &self,
-        by: Decider<'_>,
-        budgets: &[sluice_core::Budget],
-    ) -> Result<Decision, StoreError> {
-        match by {
-            Decider::Plan(plan) => self.decide_budgets(plan, budgets).await,
-            Decider::Store => self.store.decide(budgets).await,
-        }
     }
 
     /// The edge's one sequence after a request is planned, for every request path.
@@ -543,19 +501,19 @@ impl<S: BudgetStore> Limiter<S> {
         &self,
         plan: &Plan,
         budgets: &[sluice_core::Budget],
-    ) -> Result<Decision, StoreError> {
+    ) -> Result<Box<Decision>, StoreError> {
         let started = Instant::now();
         let decision = match self.store.decide_from(budgets, plan.network).await {
             Ok(d) => {
                 self.set_degraded(false);
-                Ok(d)
+                Ok(Box::new(d))
             }
             Err(StoreError::Unavailable(e)) => {
                 self.set_degraded(true);
                 if self.fails_open(plan) {
                     self.metrics.local.increment(1);
                     self.counts.local.fetch_add(1, Ordering::Relaxed);
-                    self.decide_locally(plan, budgets)
+                    self.decide_locally(plan, budgets).map(Box::new)
                 } else {
                     Err(StoreError::Unavailable(e))
                 }
@@ -569,54 +527,50 @@ impl<S: BudgetStore> Limiter<S> {
     }
 }
 
-/// Who decides a request's budgets (see [`Limiter::decide_shadowed`]).
-#[derive(Clone, Copy)]
-pub(crate) enum Decider<'p> {
-    /// A planned request (the gateway, the check listener): while the store
-    /// cannot answer, its classes' outage rule applies.
-    Plan(&'p Plan),
-    /// The store alone (the rate-limit service, whose domains each have an
-    /// outage rule of their own).
-    Store,
-}
-
-/// A decision made by the shadow rule (see [`Limiter::decide_shadowed`]).
-pub(crate) struct Shadowed {
-    /// The decision the request gets.
-    pub(crate) decision: Result<Decision, StoreError>,
-    /// The budgets in shadow mode that refused, decided again spending nothing
-    /// (a bit each by index).
-    pub(crate) waived: u16,
-    /// The decision they refused, when some did.
-    pub(crate) refused: Option<Decision>,
-}
-
-/// The budgets that refused `decision`, a bit each by index.
-fn refusals(decision: &Decision) -> u16 {
-    Plan::mask(
+/// The shadow rule (SPEC P5), one for every transport — the gateway, the
+/// check listener and the rate-limit service: budgets in shadow mode
+/// (`shadow`, a bit each by index: `mode: shadow`, a shadowed route or plan, a
+/// rule's `shadow_mode`, or a dry run) are decided and counted as usual and
+/// never refuse. Of a `decision` some of them refused, they are the budgets
+/// to decide again spending nothing ([`waive`]) — but for those `kept`
+/// names, which another rule answers (a budget that passes an exhausted
+/// request on) — and, once the request is admitted, each is a refusal it would
+/// have had, to count ([`Limiter::count_shadow_refusal`]). 0 when the decision
+/// admitted the request or no budget in shadow mode refused it.
+pub(crate) fn shadow_waived(decision: &Decision, shadow: u16, kept: impl FnOnce() -> u16) -> u16 {
+    if decision.is_admitted() {
+        return 0;
+    }
+    let refused = Plan::mask(
         decision
             .statuses()
             .iter()
             .enumerate()
             .filter(|(_, s)| s.verdict != sluice_core::Verdict::Admitted)
             .map(|(i, _)| i),
-    )
+    );
+    match refused & shadow {
+        0 => 0,
+        waived => waived & !kept(),
+    }
 }
 
 /// `budgets` with those of `mask` (a bit each by index) spending nothing.
 fn without(
-    budgets: &[sluice_core::Budget],
+    budgets: &arrayvec::ArrayVec<sluice_core::Budget, { sluice_core::MAX_BUDGETS }>,
     mask: u16,
 ) -> arrayvec::ArrayVec<sluice_core::Budget, { sluice_core::MAX_BUDGETS }> {
+    let mut budgets = budgets.clone();
+    waive(&mut budgets, mask);
     budgets
-        .iter()
-        .enumerate()
-        .map(|(i, b)| {
-            let mut b = *b;
-            if mask & (1 << i) != 0 {
-                b.cost = 0;
-            }
-            b
-        })
-        .collect()
+}
+
+/// Makes the budgets of `mask` (a bit each by index, as [`shadow_waived`]
+/// gives) spend nothing.
+pub(crate) fn waive(budgets: &mut [sluice_core::Budget], mask: u16) {
+    for i in Plan::indices(mask) {
+        if let Some(b) = budgets.get_mut(i) {
+            b.cost = 0;
+        }
+    }
 }

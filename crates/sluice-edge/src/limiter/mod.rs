@@ -21,7 +21,7 @@ mod routing;
 mod telemetry;
 
 pub use admission::{Admitted, Reason, Refusal};
-pub(crate) use admission::{Decider, Shadowed};
+pub(crate) use admission::{shadow_waived, waive};
 pub use head::{Refused, check_head};
 pub use outage::FALLBACK_MAX_KEYS;
 pub use quota_admin::{QuotaQueryError, QuotaUsage};
