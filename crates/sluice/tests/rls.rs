@@ -528,50 +528,20 @@ descriptors:
 
 #[tokio::test]
 async fn r1_sluice_rls_runs_the_service_alone() {
-    use std::io::BufRead as _;
     let dir = DataDir::new();
-    let mut child = Command::new(support::binary())
-        .args([
-            "rls",
-            "--rls",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--rls-config",
-            EXAMPLES,
-        ])
-        .args(["--data-dir", dir.arg()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("sluice rls");
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("the start line");
     // `sluice rls: listening on grpc://A (admin http://B)`: no HTTP gateway.
-    let rest = line
-        .trim()
-        .strip_prefix("sluice rls: listening on grpc://")
-        .unwrap_or_else(|| panic!("start line: {line:?}"));
-    let (rls, rest) = rest.split_once(" (admin http://").expect("admin");
-    let admin = rest.trim_end_matches(')').to_owned();
-    let rls = rls.to_owned();
-    let answer = tokio::task::spawn_blocking(move || {
-        client(
-            &["ask", &rls],
-            &json!([request("mongo_cps", &[&[("database", "users")]])]),
-        )
-    })
-    .await
-    .expect("task");
+    let alone = RlsAlone::spawn(&["--rls-config", EXAMPLES, "--data-dir", dir.arg()]);
+    let answer = ask_at(
+        alone.rls,
+        json!([request("mongo_cps", &[&[("database", "users")]])]),
+    )
+    .await;
     assert_eq!(answer[0]["statuses"][0]["limit"], 500);
-    let status = support::get(&format!("http://{admin}/status")).await.json();
+    let status = support::get(&format!("http://{}/status", alone.admin))
+        .await
+        .json();
     assert_eq!(status["listen"], "", "no gateway listens: {status}");
     assert_eq!(status["upstream_kind"], "none");
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 /// `sluice rls <args> --rls 127.0.0.1:0 --admin 127.0.0.1:0`, alone: its
