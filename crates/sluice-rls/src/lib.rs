@@ -369,23 +369,10 @@ where
     S: BudgetStore + 'static,
     H: Send + Unpin + 'static,
 {
-    serve_with(incoming, RateLimitServer::new(limiter), stop).await
-}
-
-/// [`serve_connections`] with `service` (a message timeout of its own, say).
-async fn serve_with<S, H>(
-    incoming: impl futures_util::Stream<Item = (tokio::net::TcpStream, H)> + Send + 'static,
-    service: RateLimitServer<S>,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), tonic::transport::Error>
-where
-    S: BudgetStore + 'static,
-    H: Send + Unpin + 'static,
-{
     use futures_util::StreamExt;
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<RateLimitServer<S>>().await;
-    let limiter = Arc::clone(&service.rls.limiter);
+    let service = RateLimitServer::new(Arc::clone(&limiter));
     let gauge = metrics::gauge!("sluice_rls_unfinished_bytes");
     let incoming = incoming.map(move |(stream, held)| {
         // A connection's unfinished messages lease from the process's bound,
