@@ -843,10 +843,8 @@ fn paths_merge_slashes_is_on_by_default_and_a_typo_is_an_error() {
     let kept = parse_str(&kept, Path::new("kept.yaml")).expect("valid");
     assert!(!kept.paths.merge_slashes);
     assert_eq!(kept.paths.normalize("//a").expect("normal"), "//a");
-    let absent = sluice_policy::DEFAULT_POLICY_YAML.edit(
-        "paths:\n  merge_slashes: true\n  case: insensitive\n",
-        "",
-    );
+    let absent = sluice_policy::DEFAULT_POLICY_YAML
+        .edit("paths:\n  merge_slashes: true\n  case: insensitive\n", "");
     let absent = parse_str(&absent, Path::new("absent.yaml")).expect("valid");
     assert!(absent.paths.merge_slashes, "on unless turned off");
     assert_eq!(absent.paths.case, sluice_policy::PathCase::Insensitive);
@@ -862,13 +860,19 @@ fn e6_paths_case_is_insensitive_by_default_and_a_bad_value_is_an_error() {
     assert!(p.describe().contains("routes matched in either case"));
     let chats = p.route(&http::Method::POST, "/CHATS").expect("a route");
     assert_eq!(chats.path.as_ref().map(|p| p.as_str()), Some("/chats"));
-    let sensitive =
-        sluice_policy::DEFAULT_POLICY_YAML.edit("case: insensitive", "case: sensitive");
+    let sensitive = sluice_policy::DEFAULT_POLICY_YAML.edit("case: insensitive", "case: sensitive");
     let sensitive = parse_str(&sensitive, Path::new("sensitive.yaml")).expect("valid");
     assert_eq!(sensitive.paths.case, sluice_policy::PathCase::Sensitive);
-    assert!(sensitive.describe().contains("routes matched case-sensitively"));
+    assert!(
+        sensitive
+            .describe()
+            .contains("routes matched case-sensitively")
+    );
     let default_route = sensitive.route(&http::Method::POST, "/CHATS");
-    assert!(default_route.is_none_or(|r| r.path.is_none()), "{default_route:?}");
+    assert!(
+        default_route.is_none_or(|r| r.path.is_none()),
+        "{default_route:?}"
+    );
     let bad = sluice_policy::DEFAULT_POLICY_YAML.edit("case: insensitive", "case: upper");
     let err = parse_str(&bad, Path::new("bad.yaml")).expect_err("unknown value");
     assert!(err.to_string().contains("upper"), "{err}");
