@@ -100,7 +100,7 @@ impl Unit {
 }
 
 /// What a node's `value` matches.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum ValueMatch {
     /// No `value`: any value, each counted apart.
     Any,
@@ -160,7 +160,9 @@ pub struct DescriptorNode {
     pub value: ValueMatch,
     /// Its rule (index in [`Domain::rules`]), if it sets one.
     pub rule: Option<usize>,
-    /// The next level.
+    /// The next level, ordered as [`Domain::lookup`] reads a level: by key, a key's
+    /// exact values first (by value), then its prefixes, then its node without a
+    /// value (the order the reader gives them).
     pub children: Vec<DescriptorNode>,
 }
 
@@ -183,7 +185,7 @@ pub struct Domain {
     pub outage: DomainOutage,
     /// Every rule, in the order of the file.
     pub rules: Vec<DescriptorRule>,
-    /// The top level of the tree.
+    /// The top level of the tree, ordered as [`DescriptorNode::children`].
     pub descriptors: Vec<DescriptorNode>,
     /// Where it was read: `domains[i]` of the policy, or a file.
     pub source: String,
@@ -204,18 +206,30 @@ impl Domain {
     }
 }
 
-/// At one level, the node for `key` and `value`: exact value first, then the
-/// longest matching prefix, then the key with no value.
+/// At one level (in [`level_order`]), the node for `key` and `value`: exact value
+/// first, then the longest matching prefix, then the key with no value. The key's
+/// nodes and an exact value are found by binary search; its prefixes (few, in files
+/// as written) are scanned.
 fn best_match<'d>(
     level: &'d [DescriptorNode],
     key: &str,
     value: &str,
 ) -> Option<&'d DescriptorNode> {
+    let start = level.partition_point(|n| n.key.as_str() < key);
+    let same_key = &level[start..];
+    let same_key = &same_key[..same_key.partition_point(|n| n.key == key)];
+    let exact = same_key.partition_point(|n| matches!(n.value, ValueMatch::Exact(_)));
+    let found = same_key[..exact].binary_search_by(|n| match &n.value {
+        ValueMatch::Exact(v) => v.as_str().cmp(value),
+        ValueMatch::Prefix(_) | ValueMatch::Any => std::cmp::Ordering::Greater,
+    });
+    if let Ok(i) = found {
+        return same_key.get(i);
+    }
     let mut prefix: Option<(&DescriptorNode, usize)> = None;
     let mut any = None;
-    for node in level.iter().filter(|n| n.key == key) {
+    for node in &same_key[exact..] {
         match &node.value {
-            ValueMatch::Exact(v) if v == value => return Some(node),
             ValueMatch::Exact(_) => {}
             ValueMatch::Prefix(p) if value.starts_with(p.as_str()) => {
                 if prefix.is_none_or(|(_, len)| p.len() > len) {
@@ -596,6 +610,9 @@ fn descriptors(
         return Vec::new();
     }
     let mut out: Vec<DescriptorNode> = Vec::new();
+    // The (key, value) pairs of this level so far: a second one is refused.
+    let mut seen: std::collections::HashSet<(String, ValueMatch)> =
+        std::collections::HashSet::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         let at = format!("{at}[{i}]");
         *nodes += 1;
@@ -653,7 +670,7 @@ fn descriptors(
                 format!("{parent_id}.{part}")
             }
         };
-        if out.iter().any(|n| n.key == key && n.value == value) {
+        if !seen.insert((key.clone(), value.clone())) {
             r.problem(
                 at.clone(),
                 format!("a second descriptor with key {key:?} and this value at one level"),
@@ -695,7 +712,20 @@ fn descriptors(
             children,
         });
     }
+    // Ordered for `best_match`'s binary searches.
+    out.sort_by(|a, b| level_order(a).cmp(&level_order(b)));
     out
+}
+
+/// Where a node stands in its level: by key, its exact values first (by value), then
+/// its prefixes, then its `Any`. [`best_match`] finds a key's nodes and an exact value
+/// by binary search, so a level of many values costs a lookup `log n`, not `n`.
+fn level_order(node: &DescriptorNode) -> (&str, u8, &str) {
+    match &node.value {
+        ValueMatch::Exact(v) => (&node.key, 0, v),
+        ValueMatch::Prefix(p) => (&node.key, 1, p),
+        ValueMatch::Any => (&node.key, 2, ""),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

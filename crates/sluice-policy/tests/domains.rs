@@ -51,6 +51,46 @@ descriptors:
     );
 }
 
+/// A level of many values, written in any order between other keys, prefixes and a
+/// key without value: each value finds its own rule (the reader orders a level so that
+/// a lookup searches it rather than reading it whole), the rest their prefix or the
+/// key's own.
+#[test]
+fn r1_a_level_of_many_values_finds_each_its_rule() {
+    let mut text = String::from(
+        "domain: d
+descriptors:
+  - key: user
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: user
+    value: vip-*
+    rate_limit: { unit: minute, requests_per_unit: 2 }
+  - key: zone
+    value: u5
+    rate_limit: { unit: minute, requests_per_unit: 3 }
+",
+    );
+    let users: u32 = 20_000;
+    for i in (0..users).rev() {
+        text.push_str(&format!(
+            "  - key: user\n    value: u{i}\n    rate_limit: {{ unit: minute, requests_per_unit: {} }}\n",
+            i + 10
+        ));
+    }
+    let d = domain(&text);
+    let limit = |key: &str, value: &str| {
+        let node = d.lookup(&[(key, value)]).expect("a match");
+        d.rules[node.rule.expect("a rule")].limit
+    };
+    for i in [0, 1, 5, 9_999, users - 1] {
+        assert_eq!(limit("user", &format!("u{i}")), i + 10, "u{i}");
+    }
+    assert_eq!(limit("user", "vip-1"), 2);
+    assert_eq!(limit("user", "u-unknown"), 1);
+    assert_eq!(limit("zone", "u5"), 3);
+    assert!(d.lookup(&[("zone", "u6")]).is_none());
+}
+
 #[test]
 fn r1_a_rule_counts_by_its_unit_and_algorithm_and_a_month_is_a_calendar_month() {
     let d = domain(
