@@ -211,8 +211,23 @@ async fn d3_redis_down_each_class_as_configured_then_shared_mode_resumes() {
         took < Duration::from_secs(1),
         "shared mode resumed after {took:?}"
     );
-    let chat = call(&sluice, "POST", "/chats", "sk-o").await;
-    assert_eq!(chat.status, 200, "expensive is served again");
+    // Each worker thread keeps its own connection: one that has not been used since
+    // Redis came back reconnects (and loads the script again) on its first call, which
+    // on a loaded machine may take longer than the store's 20 ms timeout, answered by
+    // the outage rule. Within a second every one is back.
+    let resumed = Instant::now();
+    loop {
+        let chat = call(&sluice, "POST", "/chats", "sk-o").await;
+        if chat.status == 200 {
+            break;
+        }
+        assert_eq!(chat.status, 503, "fails closed until it is served");
+        assert!(
+            resumed.elapsed() < Duration::from_secs(1),
+            "expensive is served again within a second of shared mode"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
