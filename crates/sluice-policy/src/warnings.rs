@@ -77,7 +77,11 @@ impl Policy {
     /// logs them as warnings when it applies a reload.
     pub fn counting_changes(&self, next: &Policy) -> Vec<String> {
         let mut out = Vec::new();
-        let mut compare = |kind: &str, name: &str, old: Books, new: Books| {
+        for (kind, name, new) in next.every_books() {
+            let Some((_, _, old)) = self.every_books().find(|&(k, n, _)| k == kind && n == name)
+            else {
+                continue;
+            };
             if old != new {
                 out.push(format!(
                     "{kind} {name} now counts {} (was {}): its count starts afresh for \
@@ -86,38 +90,29 @@ impl Policy {
                     describe_books(old)
                 ));
             }
-        };
-        for class in &next.classes {
-            if let Some(before) = self.classes.iter().find(|c| c.name == class.name) {
-                compare(
-                    "class",
-                    &class.name,
-                    books(before.algorithm, self.window.get()),
-                    books(class.algorithm, next.window.get()),
-                );
-            }
-        }
-        for ceiling in &next.ceilings {
-            if let Some(before) = self.ceilings.iter().find(|c| c.name == ceiling.name) {
-                compare(
-                    "ceiling",
-                    &ceiling.name,
-                    books(before.algorithm, self.window.get()),
-                    books(ceiling.algorithm, next.window.get()),
-                );
-            }
-        }
-        for bucket in &next.buckets {
-            if let Some(before) = self.buckets.iter().find(|b| b.name == bucket.name) {
-                compare(
-                    "bucket",
-                    &bucket.name,
-                    books(before.algorithm, before.window.get()),
-                    books(bucket.algorithm, bucket.window.get()),
-                );
-            }
         }
         out
+    }
+
+    /// Every budget whose books a reload may change: (kind, name, books).
+    fn every_books(&self) -> impl Iterator<Item = (&'static str, &str, Books)> {
+        let window = self.window.get();
+        let classes = self
+            .classes
+            .iter()
+            .map(move |c| ("class", c.name.as_str(), books(c.algorithm, window)));
+        let ceilings = self
+            .ceilings
+            .iter()
+            .map(move |c| ("ceiling", c.name.as_str(), books(c.algorithm, window)));
+        let buckets = self.buckets.iter().map(|b| {
+            (
+                "bucket",
+                b.name.as_str(),
+                books(b.algorithm, b.window.get()),
+            )
+        });
+        classes.chain(ceilings).chain(buckets)
     }
 }
 
