@@ -569,8 +569,8 @@ impl Identity {
     /// Whether the request's field of `source` is one sluice cannot read as the
     /// credential the upstream may take it for: not visible ASCII, a Bearer
     /// without exactly one token, or a session cookie whose value the common
-    /// frameworks read differently (see [`crate::cookie`]). Other `Authorization` schemes (`Basic …`) are not
-    /// sluice's credentials and pass.
+    /// frameworks read differently (see [`crate::cookie`]). Other `Authorization`
+    /// schemes (`Basic …`) are not sluice's credentials and pass.
     fn malformed(&self, source: CredentialSource, headers: &HeaderMap) -> bool {
         let field = match source {
             CredentialSource::ApiKeyHeader => headers.get(X_API_KEY),
