@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use redis::Script;
+use redis::{Script, ScriptInvocation};
 use sluice_policy::{TenantChange, TenantTable};
 use sluice_redis::{Connection, RedisUrl};
 
@@ -347,12 +347,8 @@ impl Shared {
         seen: &Stamp,
     ) -> Result<Written, String> {
         let message = serde_json::to_string(change).map_err(|e| e.to_string())?;
-        let mut invocation = self.change.key(WORKSPACES);
+        let mut invocation = on_table(&self.change);
         invocation
-            .key(KEYS)
-            .key(VERSION)
-            .key(EPOCH)
-            .key(LINEAGE)
             .arg(CHANNEL)
             .arg(&message)
             .arg(&seen.epoch)
@@ -377,13 +373,8 @@ impl Shared {
     /// # Errors
     /// Redis did not answer, or an entry does not read.
     pub(super) async fn load(&self) -> Result<(Stamp, TenantTable), String> {
-        let mut invocation = self.load.key(WORKSPACES);
-        invocation
-            .key(KEYS)
-            .key(VERSION)
-            .key(EPOCH)
-            .key(LINEAGE)
-            .arg(new_epoch());
+        let mut invocation = on_table(&self.load);
+        invocation.arg(new_epoch());
         let (epoch, version, lineage, workspaces, keys): (
             String,
             u64,
@@ -421,12 +412,8 @@ impl Shared {
         now: Option<&Stamp>,
     ) -> Result<bool, String> {
         let expected = now.map_or_else(String::new, |s| format!("{} {}", s.epoch, s.version));
-        let mut invocation = self.restore.key(WORKSPACES);
+        let mut invocation = on_table(&self.restore);
         invocation
-            .key(KEYS)
-            .key(VERSION)
-            .key(EPOCH)
-            .key(LINEAGE)
             .arg(CHANNEL)
             .arg(&stamp.epoch)
             .arg(expected)
@@ -487,6 +474,15 @@ impl Shared {
         pubsub.subscribe(CHANNEL).await.map_err(|e| e.to_string())?;
         Ok(pubsub)
     }
+}
+
+/// A call of `script` on the table's keys: its workspaces, keys, version, epoch and
+/// lineage, in that order (`KEYS[1]` to `KEYS[5]` of every script that reads or
+/// writes the table).
+fn on_table(script: &Script) -> ScriptInvocation<'_> {
+    let mut invocation = script.key(WORKSPACES);
+    invocation.key(KEYS).key(VERSION).key(EPOCH).key(LINEAGE);
+    invocation
 }
 
 /// The publication that asks every replica to read the table again.
