@@ -1437,6 +1437,11 @@ async fn e6_a_path_in_another_case_is_counted_as_the_route() {
     .await;
 }
 
+/// An expensive `POST /chats` on `path` with this `Cookie` field.
+async fn chat_with_cookie(sluice: &Sluice, path: Path, cookie: &str) -> Answer {
+    exchange(sluice, path, "POST", "/chats", &[("cookie", cookie)], b"{}").await
+}
+
 /// A revoked session cookie was admitted as `session="secret-ada"`, `session =
 /// secret-ada` and `other=1; session="secret-ada"` (Python's SimpleCookie and most
 /// frameworks read them all as `secret-ada`), and the quoted form was a second budget.
@@ -1460,15 +1465,7 @@ async fn e2_a_session_cookie_in_every_spelling_is_one_caller_and_stays_revoked()
         let mut left = 30;
         for path in BOTH {
             for cookie in spellings {
-                let r = exchange(
-                    &sluice,
-                    path,
-                    "POST",
-                    "/chats",
-                    &[("cookie", cookie)],
-                    b"{}",
-                )
-                .await;
+                let r = chat_with_cookie(&sluice, path, cookie).await;
                 left -= 1;
                 assert_eq!(r.status, 200, "{cookie} on {path:?}: {r:?}");
                 assert_eq!(
@@ -1482,15 +1479,7 @@ async fn e2_a_session_cookie_in_every_spelling_is_one_caller_and_stays_revoked()
                 "session=secret ada",
                 "session",
             ] {
-                let r = exchange(
-                    &sluice,
-                    path,
-                    "POST",
-                    "/chats",
-                    &[("cookie", cookie)],
-                    b"{}",
-                )
-                .await;
+                let r = chat_with_cookie(&sluice, path, cookie).await;
                 assert_eq!(r.status, 400, "{cookie} on {path:?}: {r:?}");
                 assert_eq!(r.envelope().1["reason"], "malformed_credential", "{cookie}");
             }
@@ -1508,15 +1497,7 @@ async fn e2_a_session_cookie_in_every_spelling_is_one_caller_and_stays_revoked()
         assert_eq!(revoke.status, 204, "{}", revoke.text());
         for path in BOTH {
             for cookie in spellings {
-                let r = exchange(
-                    &sluice,
-                    path,
-                    "POST",
-                    "/chats",
-                    &[("cookie", cookie)],
-                    b"{}",
-                )
-                .await;
+                let r = chat_with_cookie(&sluice, path, cookie).await;
                 assert_eq!(r.status, 403, "{cookie} on {path:?}: {r:?}");
                 assert_eq!(r.envelope().1["reason"], "credential_revoked", "{cookie}");
             }
