@@ -56,9 +56,7 @@ impl Upstream {
             while let Ok((conn, _)) = listener.accept().await {
                 let (log, answer) = (log.clone(), answer.clone());
                 tokio::spawn(async move {
-                    if let Some(req) = read_request(conn, addr, &*answer).await {
-                        log.lock().unwrap().push(req);
-                    }
+                    read_request(conn, addr, &*answer, &log).await;
                 });
             }
         });
@@ -70,7 +68,14 @@ impl Upstream {
     }
 }
 
-async fn read_request(mut conn: TcpStream, own: SocketAddr, answer: &Answer) -> Option<Seen> {
+/// Reads one request, records it in `log` and only then answers it, so a
+/// client that has its answer finds the request already recorded.
+async fn read_request(
+    mut conn: TcpStream,
+    own: SocketAddr,
+    answer: &Answer,
+    log: &Mutex<Vec<Seen>>,
+) -> Option<()> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     let head_end = loop {
@@ -107,9 +112,11 @@ async fn read_request(mut conn: TcpStream, own: SocketAddr, answer: &Answer) -> 
         headers,
         body,
     };
-    let _ = conn.write_all(answer(&req, own).as_bytes()).await;
+    let reply = answer(&req, own);
+    log.lock().unwrap().push(req);
+    let _ = conn.write_all(reply.as_bytes()).await;
     let _ = conn.shutdown().await;
-    Some(req)
+    Some(())
 }
 
 fn ok(body: &str) -> String {
