@@ -59,6 +59,7 @@ mod buffers;
 pub mod descriptors;
 pub mod exchange;
 pub mod forward_auth;
+mod intake;
 mod lanes;
 mod limiter;
 mod plan;
@@ -83,6 +84,7 @@ pub use buffers::{
     DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES, READ_BUFFER_ALLOWANCE,
 };
 pub use exchange::{BodyRead, Forward, Planned, QuotaSpent};
+pub use intake::{BodyFailure, Intake};
 pub use lanes::{
     LaneCall, LanePlace, LaneStatus, LaneWorkspace, lane_config, lane_refusal, lane_status,
     ledger_outage, publish_lane_gauges,

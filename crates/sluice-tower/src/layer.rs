@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use arc_swap::ArcSwap;
-use bytes::{Buf as _, Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{CONNECTION, HOST, HeaderValue};
 use http::{Request, Response, Version};
 use http_body::Body;
@@ -15,10 +15,7 @@ use http_body_util::{BodyExt, Either, Full};
 use sluice_store::BudgetStore;
 use tower::{Layer, Service};
 
-use sluice_edge::{
-    BodyRead, Limiter, Refused, SharedLimiter, body_too_slow, body_unreadable, buffers_refusal,
-    upstream_timed_out,
-};
+use sluice_edge::{BodyFailure, Intake, Limiter, Refused, SharedLimiter, upstream_timed_out};
 
 /// The connection's peer address, as a request extension. A server inserts it per
 /// connection (sluice's gateway does); the layer also reads axum's
@@ -221,12 +218,26 @@ where
         let key_fn = self.key_fn.clone();
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
-            // A head RFC 9112 refuses (no `Host`, several), or `CONNECT`, is refused
-            // before anything is read of it.
+            // Phase 1 (see `sluice_edge::Intake`): a head RFC 9112 refuses (no
+            // `Host`, several), or `CONNECT`, then a path with no normal form, then
+            // a route the head cannot have, each refused before anything is read.
+            // Routed and forwarded as the upstream will read the path.
+            let path = limiter.normalize_target(&mut parts.uri);
             let hosts = parts.headers.get_all(HOST).iter().map(|v| v.as_bytes());
-            if let Err(refused) = sluice_edge::check_head(&parts.method, parts.version, hosts) {
-                let mut answer = refused.response();
-                if refused == Refused::Connect && parts.version <= Version::HTTP_11 {
+            let route = limiter.route_head(
+                &parts.method,
+                parts.version,
+                hosts,
+                path.map(|()| parts.uri.path()),
+                Some(&parts.headers),
+            );
+            let Some(peer) = peer_of(&parts, peer_fn.as_ref()) else {
+                return Ok(no_peer_address().map(Either::Left));
+            };
+            let request_id = parts.extensions.get::<sluice_edge::RequestId>().cloned();
+            let mut intake = limiter.intake(route, peer, &parts.headers);
+            if let Some(mut answer) = intake.refused(request_id.as_ref()) {
+                if route == Err(Refused::Connect) && parts.version <= Version::HTTP_11 {
                     // What follows a CONNECT head may be a tunnel's bytes.
                     answer
                         .headers_mut()
@@ -234,76 +245,19 @@ where
                 }
                 return Ok(answer.map(Either::Left));
             }
-            // Routed and forwarded as the upstream will read the path; one that has
-            // no normal form is refused before anything is decided.
-            if let Err(refused) = limiter.normalize_target(&mut parts.uri) {
-                return Ok(refused.response().map(Either::Left));
-            }
-            let Some(peer) = peer_of(&parts, peer_fn.as_ref()) else {
-                return Ok(no_peer_address().map(Either::Left));
-            };
             let key = key_fn.as_ref().and_then(|f| f(&parts));
-            let route = match limiter.route(&parts) {
-                Ok(route) => route,
-                Err(refused) => return Ok(refused.response().map(Either::Left)),
-            };
             // Phase 2: the body, in whole, when the route takes its class from it.
-            let mut _lease = None;
-            let (body, taken) = match limiter.body_bound(route) {
-                None => (body, None),
-                Some(max) => {
-                    // The body is held in memory, in pieces within its size (or the
-                    // bound, when it is not announced): that, and the server's read
-                    // buffer meanwhile, is leased from the gateway's one bound first,
-                    // charged to the client, and the body must arrive whole within the
-                    // body deadline.
-                    let announced = body
-                        .size_hint()
-                        .exact()
-                        .and_then(|n| usize::try_from(n).ok());
-                    let capacity = announced.unwrap_or(max).min(max);
-                    let holder = limiter.buffer_holder(peer, &parts.headers);
-                    // A body longer than one read buffer also leases that buffer's room.
-                    let allowance = if capacity > sluice_edge::PIECE_BYTES {
-                        sluice_edge::READ_BUFFER_ALLOWANCE
-                    } else {
-                        0
-                    };
-                    let leased = capacity.saturating_add(allowance);
-                    let lease = match limiter.buffers().try_lease_for(holder, leased) {
-                        Ok(lease) => lease,
-                        Err(full) => {
-                            return Ok(buffers_refusal(full, limiter.buffers()).map(Either::Left));
-                        }
-                    };
-                    _lease = Some(lease);
-                    let taken = tokio::time::timeout(
-                        sluice_edge::BODY_DEADLINE,
-                        take_whole(body, capacity, max),
-                    )
-                    .await;
-                    let Ok(taken) = taken else {
-                        return Ok(body_too_slow().map(Either::Left));
-                    };
-                    match taken {
-                        Ok(bytes) => (B::from(bytes.clone()), Some(Ok(bytes))),
-                        Err(Whole::TooLarge) => (B::from(Bytes::new()), Some(Err(()))),
-                        Err(Whole::Unreadable) => return Ok(body_unreadable().map(Either::Left)),
-                    }
-                }
-            };
-            let read = match &taken {
-                None => BodyRead::NotNeeded,
-                Some(Ok(bytes)) => BodyRead::Whole(bytes),
-                Some(Err(())) => BodyRead::TooLarge,
+            let body = match intake.body_bound() {
+                None => body,
+                Some(_) => match take_body(body, &mut intake).await {
+                    Ok(whole) => B::from(whole),
+                    Err(failure) => return Ok(intake.body_refusal(failure).map(Either::Left)),
+                },
             };
             // Phases 3 and 4: planned and admitted; what cannot be counted is
             // refused before anything is decided.
-            let planned = limiter.planned(&parts.headers, peer, Ok(route), read, key.as_deref());
-            let mut forward = match planned
-                .admit(parts.extensions.get::<sluice_edge::RequestId>())
-                .await
-            {
+            let planned = intake.planned(&parts.headers, key.as_deref(), None);
+            let mut forward = match planned.admit(request_id.as_ref()).await {
                 Ok(forward) => forward,
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };
@@ -336,69 +290,45 @@ where
             // Phase 6: the response head.
             let status = response.status().as_u16();
             forward.response_head(status, response.headers_mut()).await;
+            // The body's lease is held until the inner service has answered.
+            drop(intake);
             Ok(response.map(Either::Right))
         })
     }
 }
 
-/// Why a body could not be taken whole.
-enum Whole {
-    /// It is longer than the policy's bound.
-    TooLarge,
-    /// It failed, or is longer than it announced.
-    Unreadable,
-}
-
-/// Takes `body` whole, frame by frame, each frame copied and let go as it comes,
-/// within `capacity` bytes (what was leased for it): into pieces of
-/// [`sluice_edge::PIECE_BYTES`] allocated as they are needed (never grown, never past the
-/// lease), then once whole into one buffer of its length, the pieces freed at once.
-/// Nothing else holds the body while it arrives. A body past `max` is
-/// [`Whole::TooLarge`] once that is known.
-async fn take_whole<B>(body: B, capacity: usize, max: usize) -> Result<Bytes, Whole>
+/// Phase 2 for a body the route is classified by: one announced past the bound
+/// is not read (the intake answers 413 once decided); any other is leased, at
+/// once, from the gateway's bound (with hyper's read buffer meanwhile), charged
+/// to the client, then taken frame by frame, each copied and let go, whole
+/// within [`sluice_edge::BODY_DEADLINE`]. What the inner service is handed: the
+/// whole body, or nothing for one past the bound.
+async fn take_body<B, S>(body: B, intake: &mut Intake<'_, S>) -> Result<Bytes, BodyFailure>
 where
     B: Body,
+    S: BudgetStore,
 {
-    let mut body = std::pin::pin!(body);
-    let mut pieces: Vec<BytesMut> = Vec::new();
-    let mut len = 0usize;
-    while let Some(frame) = body.as_mut().frame().await {
-        let Ok(frame) = frame else {
-            return Err(Whole::Unreadable);
-        };
-        let Ok(mut data) = frame.into_data() else {
-            continue;
-        };
-        let grown = len.saturating_add(data.remaining());
-        if grown > max {
-            return Err(Whole::TooLarge);
-        }
-        if grown > capacity {
-            return Err(Whole::Unreadable);
-        }
-        while data.has_remaining() {
-            let piece = match pieces.last_mut() {
-                Some(piece) if piece.len() < piece.capacity() => piece,
-                _ => {
-                    let size = sluice_edge::PIECE_BYTES.min(capacity - len);
-                    pieces.push(BytesMut::with_capacity(size));
-                    pieces.last_mut().ok_or(Whole::Unreadable)?
-                }
+    let announced = body.size_hint().exact();
+    if announced.is_some_and(|n| intake.too_large(n)) {
+        return Ok(Bytes::new());
+    }
+    intake.lease_whole(announced)?;
+    let read = async {
+        let mut body = std::pin::pin!(body);
+        while let Some(frame) = body.as_mut().frame().await {
+            let Ok(frame) = frame else {
+                return Err(BodyFailure::Unreadable);
             };
-            let room = piece.capacity() - piece.len();
-            let chunk = data.chunk();
-            let n = chunk.len().min(room);
-            piece.extend_from_slice(&chunk[..n]);
-            data.advance(n);
-            len += n;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            if !intake.push(data)? {
+                return Ok(Bytes::new());
+            }
         }
-    }
-    if pieces.len() == 1 {
-        return Ok(pieces.pop().unwrap_or_default().freeze());
-    }
-    let mut whole = BytesMut::with_capacity(len);
-    for piece in pieces {
-        whole.extend_from_slice(&piece);
-    }
-    Ok(whole.freeze())
+        Ok(intake.take_whole(&[]))
+    };
+    tokio::time::timeout(sluice_edge::BODY_DEADLINE, read)
+        .await
+        .unwrap_or(Err(BodyFailure::TooSlow))
 }

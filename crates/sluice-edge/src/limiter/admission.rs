@@ -207,21 +207,7 @@ impl<S: BudgetStore> Limiter<S> {
         request_id: Option<&crate::RequestId>,
     ) -> Result<Admitted, Refusal> {
         let id = request_id.map_or("-", crate::RequestId::as_str);
-        let mut plan = plan.map_err(|refused| {
-            crate::refusal_log::refusal_line(&self.refusal_log, || {
-                tracing::info!(
-                    target: "sluice::refusal",
-                    request_id = id,
-                    reason = "invalid_request",
-                    error = %refused,
-                    "refused before deciding"
-                );
-            });
-            Refusal {
-                reason: Reason::Invalid(refused),
-                plan: None,
-            }
-        })?;
+        let mut plan = plan.map_err(|refused| self.unplanned(refused, id))?;
         let place = match plan.lane {
             None => None,
             Some(call) => match self.take_lane_places(&plan, call, id).await {
@@ -290,6 +276,35 @@ impl<S: BudgetStore> Limiter<S> {
             reason,
             plan: Some(plan),
         })
+    }
+
+    /// A request refused before it could be planned (its head, its credentials,
+    /// its body), logged under `id` as every refusal is.
+    fn unplanned(&self, refused: Refused, id: &str) -> Refusal {
+        crate::refusal_log::refusal_line(&self.refusal_log, || {
+            tracing::info!(
+                target: "sluice::refusal",
+                request_id = id,
+                reason = "invalid_request",
+                error = %refused,
+                "refused before deciding"
+            );
+        });
+        Refusal {
+            reason: Reason::Invalid(refused),
+            plan: None,
+        }
+    }
+
+    /// The answer to a request refused before it could be planned (see
+    /// [`crate::Intake::refused`]): logged, then rendered as every refusal is.
+    pub(crate) fn refuse_unplanned(
+        &self,
+        refused: Refused,
+        request_id: Option<&crate::RequestId>,
+    ) -> http::Response<http_body_util::Full<bytes::Bytes>> {
+        let id = request_id.map_or("-", crate::RequestId::as_str);
+        self.answer(&self.unplanned(refused, id), None)
     }
 
     /// The HTTP answer to a refusal, for every transport that answers in HTTP: the
