@@ -322,16 +322,15 @@ pub fn body_unreadable() -> Response<Full<Bytes>> {
 }
 
 /// The 408 for a request body taken in whole that did not arrive within
-/// [`crate::BODY_DEADLINE`], however steadily it came.
-pub fn body_too_slow() -> Response<Full<Bytes>> {
+/// `deadline` (the limiter's [body deadline](crate::Limiter::body_deadline)),
+/// however steadily it came.
+pub fn body_too_slow(deadline: std::time::Duration) -> Response<Full<Bytes>> {
+    let secs = deadline.as_secs_f64();
     envelope_response(
         StatusCode::REQUEST_TIMEOUT,
         "request_timeout",
-        &format!(
-            "The request body did not arrive within {} s.",
-            crate::BODY_DEADLINE.as_secs()
-        ),
-        serde_json::json!({ "deadline_seconds": crate::BODY_DEADLINE.as_secs() }),
+        &format!("The request body did not arrive within {secs} s."),
+        serde_json::json!({ "deadline_seconds": secs }),
     )
 }
 

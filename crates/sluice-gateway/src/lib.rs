@@ -153,6 +153,10 @@ pub struct GatewayConfig {
     /// The share of `max_buffered_bytes` one client address may hold (a fraction; see
     /// [`sluice_edge::BufferBudget::with_share`]).
     pub max_buffered_share: f64,
+    /// How long a request body taken in whole (a JSON-RPC or batch body) may take
+    /// to arrive, however steadily it comes (see
+    /// [`Limiter::with_body_deadline`](sluice_edge::Limiter::with_body_deadline)).
+    pub body_deadline: Duration,
     /// Most budget cells the memory store holds (see [`MemoryConfig::max_keys`]).
     pub max_keys: usize,
     /// How long a call of the demo upstream's message optimizer takes.
@@ -240,6 +244,7 @@ impl GatewayConfig {
             max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
             max_buffered_bytes: sluice_edge::DEFAULT_MAX_BUFFERED_BYTES,
             max_buffered_share: sluice_edge::DEFAULT_BUFFERED_SHARE,
+            body_deadline: sluice_edge::BODY_DEADLINE,
             max_keys: MemoryConfig::default().max_keys,
             demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
             batch_bounds: BatchBounds::default(),

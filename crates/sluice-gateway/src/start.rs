@@ -268,6 +268,7 @@ impl Stores {
             .with_fallback(self.fallback)
             .with_buffer_bound(bounds.max_buffered_bytes)
             .with_buffer_share(bounds.max_buffered_share)
+            .with_body_deadline(bounds.body_deadline)
             .with_refusal_log(bounds.refusal_log_per_second);
         if let Some(lanes) = self.lanes {
             limiter = limiter.with_lanes(lanes);
@@ -417,6 +418,8 @@ pub(super) struct LimiterBounds {
     max_buffered_share: f64,
     /// [`GatewayConfig::refusal_log_per_second`].
     refusal_log_per_second: u32,
+    /// [`GatewayConfig::body_deadline`].
+    body_deadline: Duration,
 }
 
 impl LimiterBounds {
@@ -426,6 +429,7 @@ impl LimiterBounds {
             max_buffered_bytes: config.max_buffered_bytes,
             max_buffered_share: config.max_buffered_share,
             refusal_log_per_second: config.refusal_log_per_second,
+            body_deadline: config.body_deadline,
         }
     }
 }

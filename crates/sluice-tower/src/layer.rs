@@ -301,7 +301,7 @@ where
 /// is not read (the intake answers 413 once decided); any other is leased, at
 /// once, from the gateway's bound (with hyper's read buffer meanwhile), charged
 /// to the client, then taken frame by frame, each copied and let go, whole
-/// within [`sluice_edge::BODY_DEADLINE`]. What the inner service is handed: the
+/// within the limiter's body deadline. What the inner service is handed: the
 /// whole body, or nothing for one past the bound.
 async fn take_body<B, S>(body: B, intake: &mut Intake<'_, S>) -> Result<Bytes, BodyFailure>
 where
@@ -313,6 +313,7 @@ where
         return Ok(Bytes::new());
     }
     intake.lease_whole(announced)?;
+    let whole_by = intake.whole_by();
     let read = async {
         let mut body = std::pin::pin!(body);
         while let Some(frame) = body.as_mut().frame().await {
@@ -328,7 +329,7 @@ where
         }
         Ok(intake.take_whole(&[]))
     };
-    tokio::time::timeout(sluice_edge::BODY_DEADLINE, read)
+    tokio::time::timeout_at(whole_by, read)
         .await
         .unwrap_or(Err(BodyFailure::TooSlow))
 }

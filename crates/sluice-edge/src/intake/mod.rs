@@ -11,7 +11,7 @@
 //!    `limits.max_body_bytes`: decided as one call of the route's default class,
 //!    then answered 413 ([`Intake::too_large`]), nothing of it read;
 //! 3. a body that cannot be held ([`BufferFull`]: 503), that does not come
-//!    whole within [`BODY_DEADLINE`](crate::BODY_DEADLINE) (408), or that
+//!    whole within the [body deadline](Limiter::body_deadline) (408), or that
 //!    stops or breaks its framing (400): [`Intake::body_refusal`];
 //! 4. then the decision ([`Planned::admit`]).
 //!
@@ -73,6 +73,8 @@ pub struct Intake<'l, S> {
     too_large: bool,
     /// The whole body, once taken in pieces.
     whole: Option<Bytes>,
+    /// When the body must be whole (see [`Limiter::body_deadline`]).
+    whole_by: tokio::time::Instant,
 }
 
 impl<S: BudgetStore> Limiter<S> {
@@ -120,6 +122,7 @@ impl<S: BudgetStore> Limiter<S> {
             pieces: None,
             too_large: false,
             whole: None,
+            whole_by: tokio::time::Instant::now() + self.body_deadline(),
         }
     }
 }
@@ -264,6 +267,13 @@ impl<'l, S: BudgetStore> Intake<'l, S> {
         whole
     }
 
+    /// When the body must be whole: the head's arrival and the limiter's
+    /// [body deadline](Limiter::body_deadline). A transport that has not read it
+    /// all by then answers [`BodyFailure::TooSlow`].
+    pub fn whole_by(&self) -> tokio::time::Instant {
+        self.whole_by
+    }
+
     /// Bytes of the body held so far.
     pub fn held(&self) -> usize {
         self.pieces.as_ref().map_or(0, Pieces::len)
@@ -274,7 +284,7 @@ impl<'l, S: BudgetStore> Intake<'l, S> {
     pub fn body_refusal(&self, failure: BodyFailure) -> Response<Full<Bytes>> {
         match failure {
             BodyFailure::Unreadable => crate::body_unreadable(),
-            BodyFailure::TooSlow => crate::body_too_slow(),
+            BodyFailure::TooSlow => crate::body_too_slow(self.limiter.body_deadline()),
             BodyFailure::Busy(full) => crate::buffers_refusal(full, self.limiter.buffers()),
         }
     }

@@ -50,6 +50,8 @@ pub struct Limiter<S> {
     store: Arc<S>,
     fallback: Arc<MemoryStore>,
     buffers: Arc<crate::BufferBudget>,
+    /// How long a body taken in whole may take to arrive (see [`crate::Intake`]).
+    body_deadline: std::time::Duration,
     degraded: Arc<AtomicBool>,
     /// Spend per caller this window, in shards by caller (no process-wide lock on
     /// the hot path).
@@ -99,6 +101,7 @@ impl<S: BudgetStore> Limiter<S> {
             policy,
             store: Arc::new(store),
             buffers: crate::BufferBudget::new(crate::DEFAULT_MAX_BUFFERED_BYTES),
+            body_deadline: crate::BODY_DEADLINE,
             fallback: Arc::new(MemoryStore::new(MemoryConfig::with_max_keys(
                 FALLBACK_MAX_KEYS,
             ))),
@@ -163,6 +166,7 @@ impl<S: BudgetStore> Limiter<S> {
             store: Arc::clone(&self.store),
             fallback: Arc::clone(&self.fallback),
             buffers: Arc::clone(&self.buffers),
+            body_deadline: self.body_deadline,
             degraded: Arc::clone(&self.degraded),
             top: Arc::clone(&self.top),
             // The dashboard's totals go on; a refusal reason the new policy adds is
@@ -197,6 +201,19 @@ impl<S: BudgetStore> Limiter<S> {
     pub fn with_buffer_share(mut self, share: f64) -> Self {
         self.buffers = crate::BufferBudget::with_share(self.buffers.max(), share);
         self
+    }
+
+    /// The same limiter giving a request body taken in whole `deadline` to arrive
+    /// (default [`crate::BODY_DEADLINE`]), however steadily it comes; past it, 408.
+    pub fn with_body_deadline(mut self, deadline: std::time::Duration) -> Self {
+        self.body_deadline = deadline;
+        self
+    }
+
+    /// How long a request body taken in whole may take to arrive (see
+    /// [`Limiter::with_body_deadline`]).
+    pub fn body_deadline(&self) -> std::time::Duration {
+        self.body_deadline
     }
 
     /// Who the buffered bytes of a request from `peer` with `headers` are charged to:

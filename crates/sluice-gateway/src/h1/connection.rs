@@ -19,7 +19,6 @@ use sluice_h1::deadline::Deadline;
 use sluice_h1::response;
 
 use super::access::Access;
-use super::body::BodyRead;
 use super::encode::{own, push_date, push_field};
 use super::exchange::{Exchanged, REPLACED_FIELDS, Relay};
 use super::request;
@@ -128,7 +127,10 @@ impl<'f> Connection<'f> {
         // The policy of this request, whatever a reload does meanwhile.
         let current = fast.limiter.load_full();
         let limiter = &*current;
-        let route = |method: &Method, path: &str| limiter.route_for(method, path);
+        let route =
+            |method: &Method, hosts: &mut dyn Iterator<Item = &[u8]>, path: Result<&str, _>| {
+                limiter.route_head(method, http::Version::HTTP_11, hosts, path, None)
+            };
         let cx = request::Context {
             upstream: &fast.config.upstream,
             route: &route,
@@ -181,77 +183,69 @@ impl<'f> Connection<'f> {
         };
 
         let id = head.request_id;
+        let policy = limiter.policy();
         // What the access line says of the request (copied only when it is kept).
         let access = fast
             .access_log
             .then(|| Access::new(&head.method, &self.from_client, self.peer));
-        // The body, taken in whole before anything is decided or sent: bounded by the
-        // policy when the route takes its class from it, else by what the fast path
-        // holds; a longer one streams through hyper (both ways at once).
-        let policy = limiter.policy();
-        // A path with no normal form is refused once its body is read (the connection
-        // goes on), before anything is decided, as the service stack refuses it.
-        let target = head.route;
-        let route = target.as_ref().ok().copied().flatten();
+        let head_request = head.method == Method::HEAD;
+        let body_len = usize::try_from(head.body_len).unwrap_or(usize::MAX);
+        let (head_len, end) = (head.len, head.len.saturating_add(body_len));
+        // Phase 1 done (see `sluice_edge::Intake`): the edge owns what follows
+        // until the request is planned; this path does only its own reading.
+        let mut intake = limiter.intake(head.route, self.peer, &self.identity);
         // A batch lane's endpoints are answered by the service stack's batch lanes.
-        if route.is_some_and(|r| r.batch.is_some()) {
+        if intake.route().is_some_and(|r| r.batch.is_some()) {
             return Ok(Next::Elsewhere);
         }
-        // Phase 2 (see `sluice_edge::exchange`): past the policy's bound a body the
-        // route is classified by is refused with 413, after a decision, by the
-        // service stack.
-        let body_bound = limiter.body_bound(route);
-        let needs_body = body_bound.is_some();
-        let max_body = body_bound.unwrap_or(MAX_BUFFERED_BODY) as u64;
-        if head.body_len > max_body {
+        // A refused head is answered at once, as the service stack answers it; its
+        // body is skipped when it is here already, else the connection closes.
+        if let Some(answer) = intake.refused(Some(&id)) {
+            let in_flight = fast.stats.request();
+            let close = head.close || end > self.from_client.len();
+            if !close {
+                self.from_client.advance(end);
+            }
+            let answer = own(answer).await;
+            return self
+                .answer_own(client, answer, close, head_request, in_flight, &id, access)
+                .await;
+        }
+        // Phase 2: a body the route is classified by is taken in whole within the
+        // policy's bound (one announced past it is not read: decided, then 413);
+        // any other up to what the fast path holds, a longer one streaming through
+        // hyper (both ways at once).
+        let needs_body = intake.body_bound().is_some();
+        let too_large = intake.too_large(head.body_len);
+        if !needs_body && head.body_len > MAX_BUFFERED_BODY as u64 {
             return Ok(Next::Elsewhere);
         }
         // Counted from its head, as the service stack counts a request.
         let in_flight = fast.stats.request();
-        let head_request = head.method == Method::HEAD;
-        let body_len = usize::try_from(head.body_len).unwrap_or(usize::MAX);
-        let head_len = head.len;
-        // The body is held in memory until it is forwarded: one longer than the
-        // connection's buffer holds is leased from the gateway's one bound as its
-        // pieces are allocated, charged to the client address the policy believes
-        // (past the bound or the client's share: 503, and the connection closes with
-        // the rest of the body unread).
-        let end = head_len + body_len;
-        let mut lease = if end > self.from_client.capacity() {
-            let holder = limiter.buffer_holder(self.peer, &self.identity);
-            Some(
-                limiter
-                    .buffers()
-                    .try_lease_for(holder, 0)
-                    .map_err(|_| io::Error::other("an empty lease always fits"))?,
-            )
+        let held = if too_large {
+            Ok(None)
         } else {
-            None
+            self.read_body(client, timers, (head_len, end), &mut intake)
+                .await
         };
-        let held = match self
-            .read_body(client, timers, (head_len, end), lease.as_mut())
-            .await
-        {
+        let held = match held {
             Ok(held) => held,
-            Err(read) => {
-                // It stopped coming, came too slowly, the client left, or the bound
-                // (or the client's share) is full: answered (when it still can be) as
-                // the service stack answers.
-                let answer = match read {
-                    BodyRead::TooSlow => sluice_edge::body_too_slow(),
-                    BodyRead::Busy(full) => sluice_edge::buffers_refusal(full, limiter.buffers()),
-                    BodyRead::Stalled => sluice_edge::body_unreadable(),
-                };
-                let answer = own(answer).await;
+            // It stopped coming, came too slowly, the client left, or the bound (or
+            // the client's share) is full: answered (when it still can be) as the
+            // service stack answers, and the connection closes with the rest unread.
+            Err(failure) => {
+                let answer = own(intake.body_refusal(failure)).await;
                 return self
                     .answer_own(client, answer, true, head_request, in_flight, &id, access)
                     .await;
             }
         };
-        // The body: in place after the head, or whole in its own buffer.
-        let (body, consumed) = match &held {
-            None => (head_len..end, end),
-            Some(whole) => (0..whole.len(), head_len),
+        // The body: in place after the head, or whole in its own buffer (nothing
+        // of one past the bound was read).
+        let (body, consumed) = match (&held, too_large) {
+            (_, true) => (head_len..head_len, head_len),
+            (None, false) => (head_len..end, end),
+            (Some(whole), false) => (0..whole.len(), head_len),
         };
         let held = held.unwrap_or_default();
         let body_bytes: &[u8] = if held.is_empty() {
@@ -261,24 +255,16 @@ impl<'f> Connection<'f> {
         };
         // A batch lane's tool call is answered by the service stack's batch lanes:
         // the request goes there whole (nothing of it was answered or decided).
-        if needs_body
-            && route.is_some_and(|r| r.batch.is_none())
-            && sluice_edge::may_call_batch_tool(policy, body_bytes)
-        {
+        if needs_body && !too_large && sluice_edge::may_call_batch_tool(policy, body_bytes) {
             in_flight.handed_over();
             // hyper reads the request again from the bytes read: the head, then this.
             self.from_client.extend_from_slice(&held);
             return Ok(Next::Elsewhere);
         }
         // Phases 3 and 4: planned and admitted; a request that cannot be counted
-        // (refused before anything is decided), a refusal, or a limiter that cannot
-        // decide, is answered here.
-        let read = if needs_body {
-            sluice_edge::BodyRead::Whole(body_bytes)
-        } else {
-            sluice_edge::BodyRead::NotNeeded
-        };
-        let planned = limiter.planned(&self.identity, self.peer, target, read, None);
+        // (refused before anything is decided), a refusal, a body past the bound,
+        // or a limiter that cannot decide, is answered here.
+        let planned = intake.planned(&self.identity, None, Some(body_bytes));
         let mut forward = match planned.admit(Some(&id)).await {
             Ok(forward) => forward,
             Err(answer) => {
@@ -288,7 +274,7 @@ impl<'f> Connection<'f> {
                     .answer_own(
                         client,
                         answer,
-                        head.close,
+                        head.close || too_large,
                         head_request,
                         in_flight,
                         &id,

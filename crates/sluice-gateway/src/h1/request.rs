@@ -3,7 +3,7 @@
 
 use std::mem::MaybeUninit;
 
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Version};
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use sluice_edge::{Refused, RequestId};
 use sluice_policy::{Paths, Route};
 
@@ -49,10 +49,16 @@ pub(super) struct Head<'l> {
     pub(super) request_id: RequestId,
 }
 
-/// The route a method and a path (in its normal form) match, or the refusal of a path
-/// whose parameters change the route (see [`sluice_edge::Limiter::route_for`]).
-pub(super) type Router<'a, 'l> =
-    dyn Fn(&Method, &str) -> Result<Option<&'l Route>, Refused> + Sync + 'a;
+/// Phase 1's outcome for a head with this method, these `Host` field values and
+/// this path (in its normal form, or why it has none): its route, or its refusal
+/// in the one refusal order (see [`sluice_edge::Limiter::route_head`]).
+pub(super) type Router<'a, 'l> = dyn Fn(
+        &Method,
+        &mut dyn Iterator<Item = &[u8]>,
+        Result<&str, Refused>,
+    ) -> Result<Option<&'l Route>, Refused>
+    + Sync
+    + 'a;
 
 /// What [`parse`] needs besides the bytes.
 pub(super) struct Context<'a, 'l> {
@@ -172,9 +178,7 @@ pub(super) fn parse<'l>(
     upstream.extend_from_slice(b"\r\n\r\n");
 
     // Refused as the service stack refuses it: the head first, then the path.
-    let route = sluice_edge::check_head(&method, Version::HTTP_11, head.hosts())
-        .and(path)
-        .and_then(|path| (cx.route)(&method, &path));
+    let route = (cx.route)(&method, &mut head.hosts(), path.as_deref().map_err(|r| *r));
     Parsed::Ready(Head {
         len: head.len,
         route,
@@ -208,7 +212,18 @@ fn push_list_element(list: &mut Vec<u8>, value: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::Version;
     use sluice_policy::PathError;
+
+    /// Phase 1 with a policy of no routes: the head, then the path.
+    fn no_routes(
+        method: &Method,
+        hosts: &mut dyn Iterator<Item = &[u8]>,
+        path: Result<&str, Refused>,
+    ) -> Result<Option<&'static Route>, Refused> {
+        sluice_edge::check_head(method, Version::HTTP_11, hosts)?;
+        path.map(|_| None)
+    }
 
     fn upstream() -> Upstream {
         Upstream::parse("http://10.0.0.9:3000/api").expect("upstream")
@@ -226,7 +241,7 @@ mod tests {
     /// Parses `head` from 192.0.2.1: what it is, the upstream head, the identity fields.
     fn parse_one(head: &str) -> (Seen, String, HeaderMap) {
         let up = upstream();
-        let route = |_: &Method, _: &str| Ok(None);
+        let route = no_routes;
         let names = [
             HeaderName::from_static("x-api-key"),
             HeaderName::from_static("x-forwarded-for"),
@@ -282,7 +297,7 @@ mod tests {
     #[test]
     fn e6_a_path_without_a_normal_form_is_ready_to_be_refused() {
         let up = upstream();
-        let route = |_: &Method, _: &str| Ok(None);
+        let route = no_routes;
         let cx = Context {
             upstream: &up,
             route: &route,
@@ -344,7 +359,7 @@ mod tests {
     #[test]
     fn heads_rfc_9112_refuses_and_connect_are_ready_to_be_refused() {
         let up = upstream();
-        let route = |_: &Method, _: &str| Ok(None);
+        let route = no_routes;
         let cx = Context {
             upstream: &up,
             route: &route,
