@@ -4,14 +4,16 @@
 //! reading, writing, connecting); what is decided, in what order, and what the
 //! client is told is the edge's, the same for each.
 //!
-//! 1. *Head checked*: [`check_head`](crate::check_head), the path in its normal form
-//!    ([`Limiter::normalize_target`] or [`Limiter::normalize_path`]), then
-//!    [`Limiter::route_for`]. The outcome, route or refusal, goes on: a refused head
-//!    is answered in phase 4, once its body is read, so the connection can go on.
-//! 2. *Body read*: [`Limiter::body_bound`] says whether the route takes its class
-//!    from the body and how much of it may be held; the transport reads it (leasing
-//!    from [`Limiter::buffers`]) and says what it got as a [`BodyRead`].
-//! 3. *Planned*: [`Limiter::planned`] names every budget of the request.
+//! 1. *Head checked*: [`Limiter::route_head`] — [`check_head`](crate::check_head),
+//!    the path in its normal form ([`Limiter::normalize_target`] or
+//!    [`Limiter::normalize_path`]), then the route — in one refusal order; its
+//!    outcome starts an [`Intake`](crate::Intake), which answers a refused head at
+//!    once ([`Intake::refused`](crate::Intake::refused)).
+//! 2. *Body read*: the intake says whether the route takes its class from the
+//!    body and how much of it may be held, leases it, and keeps the deadline; the
+//!    transport reads into it (or hands it each frame) and it says what it got as
+//!    a [`BodyRead`].
+//! 3. *Planned*: [`Intake::planned`](crate::Intake::planned) names every budget of the request.
 //! 4. *Admitted*: [`Planned::admit`] waits for a lane place where one is needed,
 //!    decides every budget at once, and hands back a [`Forward`] or the answer to
 //!    send instead (every refusal is rendered by [`Limiter::answer`]).
@@ -22,7 +24,7 @@
 //!    the head itself, [`Forward::settle`] and [`Forward::finish`]) charges what a
 //!    weighted call reported, ends the lane place with the call's outcome, and
 //!    writes `X-RateLimit-*`; [`Forward::upstream_failed`] when no head came.
-//! 7. *Logged*: refusals were logged in phase 4 ([`Limiter::admit_as`]); the
+//! 7. *Logged*: refusals were logged in phase 4 ([`Planned::admit`]); the
 //!    access line is the transport's, with the status it sent.
 
 use std::net::IpAddr;
@@ -60,8 +62,8 @@ impl<S: BudgetStore> Limiter<S> {
 
     /// Phase 3: the budgets of a request with `headers` from `peer`, on the route (or
     /// the head's refusal) of phase 1, with the body of phase 2; `key` names the
-    /// caller instead of its credential (see [`Limiter::plan_keyed`]).
-    pub fn planned<'l, 'b>(
+    /// caller instead of its credential (see [`crate::Intake::planned`]).
+    pub(crate) fn planned<'l, 'b>(
         &'l self,
         headers: &HeaderMap,
         peer: IpAddr,
@@ -76,7 +78,7 @@ impl<S: BudgetStore> Limiter<S> {
             BodyRead::Whole(bytes) => Some(bytes),
             BodyRead::NotNeeded | BodyRead::TooLarge => None,
         };
-        let plan = route.and_then(|route| self.plan_keyed(headers, peer, route, bytes, key));
+        let plan = route.and_then(|route| self.plan_request(headers, peer, route, bytes, key));
         Planned {
             limiter: self,
             plan,
@@ -104,7 +106,7 @@ impl<'l, S: BudgetStore> Planned<'l, '_, S> {
 
     /// Phase 4: waits for the request's lane place where it needs one, decides every
     /// budget at once, and logs a refusal under `request_id` (see
-    /// [`Limiter::admit_as`]). A body that was past the bound is then answered 413,
+    /// [`Limiter::with_refusal_log`]). A body that was past the bound is then answered 413,
     /// with `X-RateLimit-*` of the decision.
     ///
     /// # Errors
@@ -114,8 +116,8 @@ impl<'l, S: BudgetStore> Planned<'l, '_, S> {
         request_id: Option<&RequestId>,
     ) -> Result<Forward<'l, S>, Response<Full<Bytes>>> {
         let limiter = self.limiter;
-        // As `Limiter::admit_as`, one async layer fewer: each layer copies the
-        // decision's future into its own once more.
+        // One async layer: each layer copies the decision's future into its own
+        // once more.
         let admitted = limiter
             .decide_request(self.plan, request_id)
             .await

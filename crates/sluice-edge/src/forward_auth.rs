@@ -201,14 +201,16 @@ impl<S: BudgetStore> Limiter<S> {
         method: &Method,
         uri: &mut Uri,
     ) -> Response<Full<Bytes>> {
-        if let Err(refused) = self.normalize_target(uri) {
-            return refused.response();
+        // Phase 1 as every transport runs it, but the head's own checks: the proxy
+        // asking has read the original head.
+        let route = self
+            .normalize_target(uri)
+            .and_then(|()| self.route_with(method, uri.path(), headers));
+        let intake = self.intake(route, peer, headers);
+        if let Some(answer) = intake.refused(None) {
+            return answer;
         }
-        let route = match self.route_with(method, uri.path(), headers) {
-            Ok(route) => route,
-            Err(refused) => return refused.response(),
-        };
-        if let Some(gap) = gap(self.policy(), route) {
+        if let Some(gap) = gap(self.policy(), intake.route()) {
             return crate::envelope_response(
                 StatusCode::TOO_MANY_REQUESTS,
                 "invalid_request",
@@ -220,20 +222,20 @@ impl<S: BudgetStore> Limiter<S> {
                 serde_json::json!({ "reason": gap.as_str() }),
             );
         }
-        let plan = self.plan_for(headers, peer, route, None);
-        match self.decide_request(plan, None).await {
+        // No body: a route that needs one is a gap.
+        match intake.planned(headers, None, None).admit(None).await {
             Ok(admitted) => {
                 let mut answer = Response::new(Full::new(Bytes::new()));
                 *answer.status_mut() = StatusCode::NO_CONTENT;
                 crate::rate_limit_headers(
                     answer.headers_mut(),
-                    &admitted.decision,
-                    &admitted.plan,
+                    admitted.decision(),
+                    admitted.plan(),
                     self.policy(),
                 );
                 answer
             }
-            Err(refusal) => self.answer(&refusal, None),
+            Err(answer) => answer,
         }
     }
 }

@@ -5,30 +5,33 @@
 //! One [`Limiter`] holds a validated [`Policy`](sluice_policy::Policy) and a
 //! [`BudgetStore`](sluice_store::BudgetStore). A request goes through it in
 //! phases, the same for every transport (sluice's HTTP/1.1 fast path, its hyper
-//! path, the tower layer of `sluice-tower`):
+//! path and the tower layer of `sluice-tower`, forward auth):
 //!
-//! 1. **head checked**: [`check_head`] (method, `Host` fields), then
-//!    [`Limiter::normalize_target`] and [`Limiter::route`];
-//! 2. **body read**, only when [`Limiter::needs_body`] says the route takes its
-//!    class from it (JSON-RPC, batch submits), within
-//!    [`Bounds`](sluice_policy::Bounds) and the [`BufferBudget`];
-//! 3. **planned**: [`Limiter::plan`] names every budget the request touches (its
-//!    class, per-IP ceilings, buckets, monthly quotas, its lane);
-//! 4. **admitted**: [`Limiter::admit`] waits for a lane place where one is needed,
-//!    then decides every budget at once — all or nothing, a refusal spends
-//!    nothing — and returns an [`Admitted`] or the answer to send instead;
-//! 5. **upstream head** and **response head**: [`Limiter::settle`] charges what a
-//!    weighted call reported ([`take_cost`]), and [`rate_limit_headers`] writes
-//!    `X-RateLimit-*` for the budget the request was counted in;
+//! 1. **head checked**: [`Limiter::route_head`] — [`check_head`] (method, `Host`
+//!    fields), the path's normal form, the route — in one refusal order;
+//! 2. **body read**: an [`Intake`] takes the head's outcome and, when the route
+//!    takes its class from the body (JSON-RPC, batch submits), the body, within
+//!    [`Bounds`](sluice_policy::Bounds), the [`BufferBudget`] and the body
+//!    deadline; a refused head is answered before anything of the body is read;
+//! 3. **planned**: [`Intake::planned`] names every budget the request touches
+//!    (its class, per-IP ceilings, buckets, monthly quotas, its lane);
+//! 4. **admitted**: [`Planned::admit`] waits for a lane place where one is
+//!    needed, then decides every budget at once — all or nothing, a refusal spends
+//!    nothing — and returns a [`Forward`] or the answer to send instead;
+//! 5. **upstream head** and **response head**: [`Forward`] says who the request
+//!    is from, settles what a weighted call reported ([`take_cost`]), and writes
+//!    `X-RateLimit-*` ([`rate_limit_headers`]) for the budget it was counted in;
 //! 6. **logged**: refusals are logged once each ([`RefusalLog`]), and every
 //!    decision is counted for `/metrics` and [`Limiter::tally`].
 //!
-//! Every refusal is rendered to a response in one place ([`answer`]'s functions,
-//! through [`Refused::response`] and [`Limiter::admit`]), so every transport
-//! answers alike.
+//! Every refusal is rendered to a response in one place ([`Limiter::answer`],
+//! through [`Refused::response`] and [`answer`]'s functions), so every transport
+//! answers alike. Envoy's rate-limit service decides descriptors, not requests:
+//! [`descriptors`] shares the decision and the shadow rule with the phases.
 //!
 //! ```
 //! use std::net::IpAddr;
+//! use http::{Method, Version};
 //! use sluice_edge::Limiter;
 //! use sluice_policy::default_policy;
 //! use sluice_store::{MemoryConfig, MemoryStore};
@@ -39,15 +42,19 @@
 //! let peer: IpAddr = [203, 0, 113, 7].into();
 //! let request = http::Request::post("/chats").header("x-api-key", "k").body(()).unwrap();
 //! let (parts, ()) = request.into_parts();
+//! let hosts = [b"api.example".as_slice()];
+//! let call = || async {
+//!     let route = limiter.route_head(&Method::POST, Version::HTTP_2, hosts, Ok("/chats"), None);
+//!     let intake = limiter.intake(route, peer, &parts.headers);
+//!     intake.planned(&parts.headers, None, None).admit(None).await
+//! };
 //!
 //! // The default policy's `expensive` class: 30 calls a minute per API key.
 //! for remaining in (0..30).rev() {
-//!     let route = limiter.route(&parts).unwrap();
-//!     let admitted = limiter.admit(limiter.plan(&parts, peer, route, None), None).await.unwrap();
-//!     assert_eq!(admitted.decision.binding().map(|b| b.remaining), Some(remaining));
+//!     let admitted = call().await.unwrap();
+//!     assert_eq!(admitted.decision().binding().map(|b| b.remaining), Some(remaining));
 //! }
-//! let route = limiter.route(&parts).unwrap();
-//! let refused = limiter.admit(limiter.plan(&parts, peer, route, None), None).await.unwrap_err();
+//! let refused = call().await.err().unwrap();
 //! assert_eq!(refused.status(), 429);
 //! assert!(refused.headers().contains_key("retry-after"));
 //! # }
@@ -90,7 +97,7 @@ pub use lanes::{
     ledger_outage, publish_lane_gauges,
 };
 pub use limiter::{
-    Admitted, BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, DomainRuleStatus, DomainStatus,
+    BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, DomainRuleStatus, DomainStatus,
     FALLBACK_MAX_KEYS, Limiter, PlanStatus, QuotaQueryError, QuotaUsage, Reason, Refusal, Refused,
     ReloadRefused, SharedLimiter, Status, TOP_CALLERS_TRACKED, Tally, TopCaller, check_head,
 };

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use http::request::Parts;
 use sluice_core::{FakeClock, Timestamp};
-use sluice_edge::{BodyRead, Limiter};
+use sluice_edge::Limiter;
 use sluice_policy::{Policy, parse_str};
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, RedisConfig, RedisStore};
 
@@ -103,7 +103,8 @@ async fn send<S: BudgetStore>(limiter: &Limiter<S>, method: &str, path: &str, ke
     let parts = request(method, path, key);
     let route = limiter.route(&parts).map_err(|e| e.to_string());
     let route = route.expect("route");
-    let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+    let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+    let planned = intake.planned(&parts.headers, None, None);
     let (status, headers) = match planned.admit(None).await {
         Ok(forward) => {
             let mut headers = http::HeaderMap::new();

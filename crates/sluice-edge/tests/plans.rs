@@ -131,13 +131,8 @@ async fn generate_with(
     }
     let (parts, ()) = request.body(()).expect("request").into_parts();
     let route = limiter.route(&parts).expect("route");
-    let planned = limiter.planned(
-        &parts.headers,
-        peer,
-        Ok(route),
-        sluice_edge::BodyRead::NotNeeded,
-        None,
-    );
+    let intake = limiter.intake(Ok(route), peer, &parts.headers);
+    let planned = intake.planned(&parts.headers, None, None);
     match planned.admit(None).await {
         Ok(forward) => {
             let mut out = http::HeaderMap::new();

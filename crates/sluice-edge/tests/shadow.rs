@@ -9,7 +9,7 @@ use sluice_policy::{Policy, parse_str};
 
 mod support;
 use sluice_core::Timestamp;
-use sluice_edge::{BodyRead, Limiter};
+use sluice_edge::Limiter;
 use sluice_store::{MemoryConfig, MemoryStore};
 use support::{PEER, T0, limiter, request, send, statuses};
 
@@ -212,7 +212,8 @@ routes:
     for _ in 0..2 {
         let parts = request("POST", "/evals");
         let route = limiter.route(&parts).expect("route");
-        let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+        let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+        let planned = intake.planned(&parts.headers, None, None);
         let forward = planned.admit(None).await.expect("admitted");
         spent.push(forward.quota_spent().of(0));
     }
@@ -304,8 +305,8 @@ async fn p5_q2_a_bucket_that_passes_an_exhausted_request_on_does_so_in_a_dry_run
         for i in 0..4 {
             let parts = request("POST", "/search");
             let route = limiter.route(&parts).expect("route");
-            let planned =
-                limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+            let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+            let planned = intake.planned(&parts.headers, None, None);
             let forward = planned.admit(None).await.expect("admitted: passed on");
             let mut upstream = http::HeaderMap::new();
             forward.upstream_headers(&mut upstream);
@@ -338,7 +339,8 @@ routes:
     for i in 0..4 {
         let parts = request("POST", "/search");
         let route = limiter.route(&parts).expect("route");
-        let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+        let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+        let planned = intake.planned(&parts.headers, None, None);
         let forward = planned.admit(None).await.expect("admitted: shadowed");
         // The first two calls cost one unit each (no header); the two the bucket
         // would have refused report a cached answer (cost 0): they took no unit,
@@ -375,7 +377,8 @@ routes:
     for _ in 0..2 {
         let parts = request("POST", "/evals");
         let route = limiter.route(&parts).expect("route");
-        let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+        let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+        let planned = intake.planned(&parts.headers, None, None);
         let forward = planned.admit(None).await.expect("admitted");
         let mut answer = http::HeaderMap::new();
         forward.response_head(200, &mut answer).await;

@@ -74,7 +74,7 @@ fn no_peer_address() -> Response<Full<Bytes>> {
 pub type SluiceBody<B> = Either<Full<Bytes>, B>;
 
 /// Wraps a service with a [`Limiter`]. A request carrying a [`RequestId`](sluice_edge::RequestId)
-/// extension has its refusal logged under that id (see [`Limiter::admit_as`]).
+/// extension has its refusal logged under that id (see [`sluice_edge::Planned::admit`]).
 pub struct SluiceLayer<S> {
     limiter: SharedLimiter<S>,
     peer_fn: Option<PeerFn>,

@@ -55,7 +55,7 @@ mod layer;
 pub use layer::{KeyFn, PeerAddr, PeerFn, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
 /// The edge engine the layer runs: its limiter, plans, decisions and answers.
 pub use sluice_edge::{
-    self as edge, Admitted, Limiter, Plan, Refused, ReloadRefused, RequestId, SharedLimiter,
+    self as edge, Limiter, Plan, Refused, ReloadRefused, RequestId, SharedLimiter,
 };
 
 /// arc-swap, whose [`ArcSwap`](arc_swap::ArcSwap) holds a [`SharedLimiter`].

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt as _;
-use sluice_edge::{Admitted, Limiter, lane_config, ledger_outage};
+use sluice_edge::{Forward, Limiter, lane_config, ledger_outage};
 use sluice_lanes::{
     Lane, Lease, LeaseKind, Ledger, LedgerCounts, LedgerError, LedgerOutage, MemoryLedger, Taken,
 };
@@ -37,17 +37,17 @@ fn replica(policy: &Policy, ledger: impl Ledger + 'static) -> Limiter<MemoryStor
     Limiter::new(policy.clone(), MemoryStore::new(MemoryConfig::default())).with_lanes(vec![lane])
 }
 
-async fn optimize(
-    limiter: &Limiter<MemoryStore>,
+async fn optimize<'l>(
+    limiter: &'l Limiter<MemoryStore>,
     key: &str,
-) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
+) -> Result<Forward<'l, MemoryStore>, http::Response<http_body_util::Full<bytes::Bytes>>> {
     let mut headers = HeaderMap::new();
     headers.insert("x-api-key", HeaderValue::from_str(key).expect("key"));
     let route = limiter
         .route_for(&Method::POST, "/messages/optimize")
         .expect("route");
-    let plan = limiter.plan_for(&headers, IpAddr::V4(Ipv4Addr::LOCALHOST), route, None);
-    limiter.admit(plan, None).await
+    let intake = limiter.intake(Ok(route), IpAddr::V4(Ipv4Addr::LOCALHOST), &headers);
+    intake.planned(&headers, None, None).admit(None).await
 }
 
 async fn json(r: http::Response<http_body_util::Full<bytes::Bytes>>) -> serde_json::Value {
@@ -70,7 +70,8 @@ async fn l1_two_limiters_on_one_ledger_run_three_calls_of_a_workspace_in_all() {
     let asked = Instant::now();
     let refused = optimize(&b, "sk-acme")
         .await
-        .expect_err("a 4th across both");
+        .err()
+        .expect("a 4th across both");
     assert_eq!(asked.elapsed(), Duration::from_secs(15), "the REST wait");
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     let body = json(refused).await;
@@ -79,8 +80,8 @@ async fn l1_two_limiters_on_one_ledger_run_three_calls_of_a_workspace_in_all() {
         "workspace_in_flight_limit"
     );
     // The place goes back when the call ends, on every replica.
-    if let Some(place) = running.pop().and_then(|admitted| admitted.lane) {
-        place.finish(Some(200));
+    if let Some(mut forward) = running.pop() {
+        forward.finish(Some(200));
     }
     optimize(&b, "sk-acme")
         .await
@@ -123,7 +124,8 @@ async fn d3_a_lane_whose_ledger_is_down_answers_as_a_store_that_cannot_decide() 
     let asked = Instant::now();
     let refused = optimize(&limiter, "sk-acme")
         .await
-        .expect_err("ledger down");
+        .err()
+        .expect("ledger down");
     assert_eq!(asked.elapsed(), Duration::ZERO, "answered at once");
     assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(

@@ -10,9 +10,9 @@ use sluice_store::{BudgetStore, StoreError};
 use super::{Limiter, Refused};
 use crate::plan::{BudgetKind, Passed, Plan};
 
-/// An admitted request (see [`Limiter::admit`]).
+/// An admitted request (see [`Limiter::decide_request`]).
 #[derive(Debug)]
-pub struct Admitted {
+pub(crate) struct Admitted {
     /// Its decision (boxed, as the plan).
     pub decision: Box<Decision>,
     /// Its plan (boxed: a plan is about a kilobyte, and an admitted request goes
@@ -22,7 +22,7 @@ pub struct Admitted {
     pub lane: Option<crate::LanePlace>,
 }
 
-/// Why the edge refused a request, as a value (see [`Limiter::decide_request`]):
+/// Why the edge refused a request, as a value (see [`crate::Planned::admit`]):
 /// what a transport that does not answer in HTTP reads, and what
 /// [`Limiter::answer`] renders for those that do.
 #[derive(Debug)]
@@ -151,57 +151,20 @@ impl<S: BudgetStore> Limiter<S> {
         crate::refusal_log::refusal_line(&self.refusal_log, line);
     }
 
-    /// The edge's one sequence after a request is planned, for every request path.
-    /// `jsonrpc_body` is the body of a request on a JSON-RPC route: with the
-    /// policy's `jsonrpc.refusal: jsonrpc_error`, its 429s are answered as JSON-RPC
-    /// errors (see [`crate::jsonrpc_refusal`]); whatever that option, a body such a
-    /// route cannot classify is refused with a JSON-RPC parse error (-32700, `id:
-    /// null`: see [`Refused::jsonrpc_response`]), with the status it has elsewhere.
-    ///
-    /// a request that cannot be counted, a call its lane refuses, a refusal, or a
-    /// store that cannot decide becomes the answer to send (`Err`); an admitted
-    /// request comes back with its decision, its plan and its place in a lane, to be
-    /// forwarded and annotated. [`Limiter::decide_request`] is the same decision
-    /// with the refusal as a value, for a transport that does not answer in HTTP.
+    /// Phase 4 for a planned request (see [`crate::Planned::admit`]): a request
+    /// that cannot be counted, a call its lane refuses, a refusal, or a store that
+    /// cannot decide becomes a [`Refusal`] (logged, with `request_id`, its reason,
+    /// the budget or lane, the class and the caller's digest — never a credential —
+    /// within the bound of [`Limiter::with_refusal_log`]); an admitted request
+    /// comes back with its decision, its plan and its place in a lane.
     ///
     /// A call through a lane waits for its place first (up to the lane's wait), then
     /// its budgets are decided; when they refuse it, the place and its start go
     /// back, so a refused call spends nothing anywhere.
     ///
     /// # Errors
-    /// The answer to send instead of forwarding.
-    pub async fn admit(
-        &self,
-        plan: Result<Box<Plan>, Refused>,
-        jsonrpc_body: Option<&[u8]>,
-    ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
-        self.admit_as(plan, jsonrpc_body, None).await
-    }
-
-    /// [`Limiter::admit`] for the request with id `request_id`: a refusal is logged
-    /// (target `sluice::refusal`, one line) with the id, its reason, the budget or
-    /// lane, the class and the caller's digest — never a credential — within the
-    /// bound of [`Limiter::with_refusal_log`].
-    ///
-    /// # Errors
-    /// As [`Limiter::admit`].
-    pub async fn admit_as(
-        &self,
-        plan: Result<Box<Plan>, Refused>,
-        jsonrpc_body: Option<&[u8]>,
-        request_id: Option<&crate::RequestId>,
-    ) -> Result<Admitted, http::Response<http_body_util::Full<bytes::Bytes>>> {
-        self.decide_request(plan, request_id)
-            .await
-            .map_err(|refusal| self.answer(&refusal, jsonrpc_body))
-    }
-
-    /// [`Limiter::admit_as`] with the refusal as a value: why, and the plan it was
-    /// decided on (see [`Refusal`]). [`Limiter::answer`] renders it as HTTP.
-    ///
-    /// # Errors
     /// The [`Refusal`]; it has been logged and counted, and spent nothing.
-    pub async fn decide_request(
+    pub(crate) async fn decide_request(
         &self,
         plan: Result<Box<Plan>, Refused>,
         request_id: Option<&crate::RequestId>,
@@ -309,7 +272,7 @@ impl<S: BudgetStore> Limiter<S> {
 
     /// The HTTP answer to a refusal, for every transport that answers in HTTP: the
     /// one place a [`Refusal`] becomes a response. `jsonrpc_body` is the body of a
-    /// request on a JSON-RPC route (see [`Limiter::admit`]).
+    /// request on a JSON-RPC route (see [`crate::Planned::admit`]).
     pub fn answer(
         &self,
         refusal: &Refusal,

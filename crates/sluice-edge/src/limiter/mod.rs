@@ -20,7 +20,7 @@ mod quota_admin;
 mod routing;
 mod telemetry;
 
-pub use admission::{Admitted, Reason, Refusal};
+pub use admission::{Reason, Refusal};
 pub(crate) use admission::{shadow_waived, waive};
 pub use head::{Refused, check_head};
 pub use outage::FALLBACK_MAX_KEYS;
@@ -61,7 +61,7 @@ pub struct Limiter<S> {
     counts: Arc<Counts>,
     /// The policy's guarded lanes, in its order.
     lanes: Vec<sluice_lanes::Lane>,
-    /// The request fields [`Limiter::plan_for`] reads (see [`Limiter::read_headers`]).
+    /// The request fields planning reads (see [`Limiter::read_headers`]).
     read_headers: Vec<HeaderName>,
     /// The bound on refusal log lines a second.
     refusal_log: Arc<crate::RefusalLog>,

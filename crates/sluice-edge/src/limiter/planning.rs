@@ -3,7 +3,6 @@
 use std::net::IpAddr;
 
 use http::HeaderMap;
-use http::request::Parts;
 use sluice_policy::{Items, LaneBatch, Route, RouteClass};
 use sluice_store::BudgetStore;
 
@@ -11,51 +10,25 @@ use super::{Limiter, Refused};
 use crate::plan::{Plan, plan};
 
 impl<S: BudgetStore> Limiter<S> {
-    /// The budgets of a request on `route` (see [`Limiter::route`]). `body` is
-    /// the body of a JSON-RPC route (`None` for a body that was too large: it
-    /// counts as one item of the default class, and is answered 413 once decided).
-    ///
-    /// # Errors
-    /// [`Refused`] for a request that cannot be counted as the upstream would read
-    /// it (nothing is decided or spent).
-    pub fn plan(
-        &self,
-        parts: &Parts,
-        peer: IpAddr,
-        route: Option<&Route>,
-        body: Option<&[u8]>,
-    ) -> Result<Box<Plan>, Refused> {
-        self.plan_for(&parts.headers, peer, route, body)
-    }
-
-    /// [`Limiter::plan`] from the request's headers alone: the route carries what the
-    /// method and path decide, and of the headers only those
-    /// [`Limiter::read_headers`] names are read.
+    /// The budgets of a request with `headers` from `peer` on `route` (see
+    /// [`Limiter::route_head`]), with `body` when its route takes its class from
+    /// it (`None` for one past the bound: it counts as one item of the default
+    /// class, and is answered 413 once decided), and the caller named by `key`
+    /// when there is one (see
+    /// [`Identity::keyed_caller`](sluice_policy::Identity::keyed_caller)) instead
+    /// of the credential or address the policy reads; per-IP ceilings still apply
+    /// to the client address. Of the headers only those
+    /// [`Limiter::read_headers`] names are read. Reached through
+    /// [`crate::Intake::planned`].
     ///
     /// # Errors
     /// [`Refused::Credentials`] for a request that sends one kind of credential more
     /// than once (see [`Identity::check_credentials`](sluice_policy::Identity::check_credentials));
     /// [`Refused::Body`] for a request on a JSON-RPC route whose body cannot be
     /// classified: one sent with a `Content-Encoding` other than `identity`, or one
-    /// [`JsonRpc::classify`](sluice_policy::JsonRpc::classify) cannot count.
-    pub fn plan_for(
-        &self,
-        headers: &HeaderMap,
-        peer: IpAddr,
-        route: Option<&Route>,
-        body: Option<&[u8]>,
-    ) -> Result<Box<Plan>, Refused> {
-        self.plan_keyed(headers, peer, route, body, None)
-    }
-
-    /// [`Limiter::plan_for`] with the caller named by `key` when there is one (see
-    /// [`Identity::keyed_caller`](sluice_policy::Identity::keyed_caller)) instead of
-    /// the credential or address the policy reads; per-IP ceilings still apply to
-    /// the client address.
-    ///
-    /// # Errors
-    /// As [`Limiter::plan_for`].
-    pub fn plan_keyed(
+    /// [`JsonRpc::classify`](sluice_policy::JsonRpc::classify) cannot count;
+    /// [`Refused::Revoked`], [`Refused::UnknownPlan`], [`Refused::Batch`].
+    pub(crate) fn plan_request(
         &self,
         headers: &HeaderMap,
         peer: IpAddr,

@@ -44,7 +44,7 @@ impl<S: BudgetStore> Limiter<S> {
     }
 
     /// The route a request matches (matched once per request and passed to
-    /// [`Limiter::plan`]), by its method, path and method-override fields: the normal
+    /// [`crate::Intake::planned`]), by its method, path and method-override fields: the normal
     /// form of the path once [`Limiter::normalize_target`] has rewritten it.
     ///
     /// # Errors
@@ -94,7 +94,7 @@ impl<S: BudgetStore> Limiter<S> {
         })
     }
 
-    /// The request fields [`Limiter::plan_for`] reads (lowercase): those
+    /// The request fields [`crate::Intake::planned`] reads (lowercase): those
     /// [`Identity::read_headers`](sluice_policy::Identity::read_headers) names, and
     /// `Content-Encoding` (a JSON-RPC body must be readable as sent).
     pub fn read_headers(&self) -> Vec<HeaderName> {

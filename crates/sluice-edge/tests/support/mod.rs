@@ -7,7 +7,7 @@ use std::net::IpAddr;
 
 use http::request::Parts;
 use sluice_core::{FakeClock, Timestamp};
-use sluice_edge::{BodyRead, Limiter};
+use sluice_edge::Limiter;
 use sluice_policy::Policy;
 use sluice_store::{MemoryConfig, MemoryStore};
 
@@ -56,7 +56,8 @@ pub async fn send_as<S: sluice_store::BudgetStore>(
         let parts = request_as(key, method, path);
         let route = limiter.route(&parts).map_err(|e| e.to_string());
         let route = route.expect("route");
-        let planned = limiter.planned(&parts.headers, PEER, Ok(route), BodyRead::NotNeeded, None);
+        let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+        let planned = intake.planned(&parts.headers, None, None);
         answers.push(match planned.admit(None).await {
             Ok(forward) => {
                 let mut headers = http::HeaderMap::new();
