@@ -49,7 +49,7 @@ impl Checker {
             fn find(routes: &[Route], method: &Method, path: &str) -> Option<usize> {
                 routes.iter().position(|r| r.matches(method, path))
             }
-            let single = find(&routes, &Method::POST, &batch.route);
+            let single = find(routes, &Method::POST, &batch.route);
             batch.quota = single.and_then(|i| routes[i].quota);
             let submit = batch.submit_path();
             let status = format!("{}/batches/{{id}}", batch.route);
@@ -66,7 +66,7 @@ impl Checker {
                 } else {
                     &status
                 };
-                match find(&routes, &method, &path) {
+                match find(routes, &method, &path) {
                     Some(i)
                         if routes[i]
                             .path

@@ -57,12 +57,11 @@ impl Checker {
 /// `paths:`: whether slashes merge (by default they do) and whether case counts
 /// (by default it does not).
 pub(super) fn paths(raw: &RawPolicy) -> Paths {
-    let paths = Paths {
+    Paths {
         merge_slashes: raw.paths.merge_slashes.unwrap_or(true),
         case: match raw.paths.case {
             Some(crate::raw::RawPathCase::Sensitive) => crate::PathCase::Sensitive,
             Some(crate::raw::RawPathCase::Insensitive) | None => crate::PathCase::Insensitive,
         },
-    };
-    paths
+    }
 }

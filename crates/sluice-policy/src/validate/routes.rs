@@ -63,9 +63,9 @@ impl Checker {
             let spends = self.spends(
                 &at,
                 (&r.buckets, r.quota.as_deref(), r.lane.as_deref()),
-                &bucket_index,
-                &quota_index,
-                &lane_index,
+                bucket_index,
+                quota_index,
+                lane_index,
             );
             let mode = self.mode(&format!("{at}.mode"), r.mode.as_deref());
             if let (Some(class), Some(mode)) = (class, mode) {
