@@ -54,18 +54,21 @@ pub use breaker::{Breaker, BreakerConfig, BreakerState, Permit};
 pub use calendar::{MonthPeriod, month_of};
 pub use clock::{Clock, FakeClock, SystemClock, Timestamp};
 pub use decision::{Budget, Decision, DecisionError, MAX_BUDGETS};
-// The store implementers' items, documented under `store_impl`; kept at the
-// root (hidden) for the stores of this workspace.
-#[doc(hidden)]
+/// The store implementers' items (see [`store_impl`]), also named at the root:
+/// the stores of this workspace (`sluice-store`'s memory, durable and Redis
+/// stores, and `sluice-lanes`' ledgers) use them from here. Users of a store need
+/// none of them.
 pub use decision::{
     CellRef, InPlaceDecision, Ledger, Mode, adjust, decide, decide_cell, decide_within_bounds,
 };
-#[doc(hidden)]
+/// The key mixer a store shards and probes its table by (see [`store_impl`]).
 pub use key::mix64;
 pub use key::{BudgetKey, digest};
 pub use problem::Problem;
 pub use rate::{BudgetStatus, Rate, Verdict};
-#[doc(hidden)]
+/// A keyed limiter's fast path ([`GcraStep`]: a GCRA budget's spacing worked out
+/// once) and the test a store sweeps stale cells by ([`cell_is_stale`]), used by
+/// `sluice-store`'s keyed, memory and durable stores (see [`store_impl`]).
 pub use rate::{GcraStep, cell_is_stale};
 pub use rolling::{MAX_ROLLING_SLOTS, RollingSlots};
 

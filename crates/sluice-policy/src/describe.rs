@@ -10,6 +10,23 @@ impl Policy {
     /// The resolved policy, one fact a line: what `sluice check` prints.
     pub fn describe(&self) -> String {
         let mut out = String::new();
+        self.describe_limits(&mut out);
+        for line in self.describe_plans() {
+            let _ = writeln!(out, "{line}");
+        }
+        self.describe_callers(&mut out);
+        self.describe_buckets(&mut out);
+        self.describe_quotas(&mut out);
+        self.describe_lanes(&mut out);
+        self.describe_routes(&mut out);
+        self.describe_jsonrpc(&mut out);
+        self.describe_settings(&mut out);
+        out
+    }
+
+    /// The active profile, the window, each class's and ceiling's limit, and the
+    /// budgets not counted in fixed windows.
+    fn describe_limits(&self, out: &mut String) {
         let names: Vec<&str> = self.profiles.iter().map(|(n, _)| n.as_str()).collect();
         let _ = writeln!(
             out,
@@ -62,9 +79,10 @@ impl Policy {
                 counted.join("; ")
             );
         }
-        for line in self.describe_plans() {
-            let _ = writeln!(out, "{line}");
-        }
+    }
+
+    /// Where callers' credentials are read, the key count and the trusted proxies.
+    fn describe_callers(&self, out: &mut String) {
         let sources: Vec<&str> = self
             .identity
             .credentials
@@ -94,6 +112,10 @@ impl Policy {
                 proxies.join(", ")
             }
         );
+    }
+
+    /// Each bucket: its limit, window, algorithm, owner and what exhausting it does.
+    fn describe_buckets(&self, out: &mut String) {
         let _ = writeln!(out, "buckets:");
         if self.buckets.is_empty() {
             let _ = writeln!(out, "  (none)");
@@ -128,6 +150,10 @@ impl Policy {
                 b.name, b.limit, b.window
             );
         }
+    }
+
+    /// Each monthly quota family: its cap, or uncapped.
+    fn describe_quotas(&self, out: &mut String) {
         let _ = writeln!(out, "monthly quotas per workspace (calendar months, UTC):");
         if self.quotas.is_empty() {
             let _ = writeln!(out, "  (none)");
@@ -142,6 +168,10 @@ impl Policy {
                 }
             }
         }
+    }
+
+    /// Each lane's limits, waits and breaker.
+    fn describe_lanes(&self, out: &mut String) {
         for l in &self.lanes {
             let _ = writeln!(
                 out,
@@ -161,6 +191,10 @@ impl Policy {
                 l.breaker_open.as_secs(),
             );
         }
+    }
+
+    /// The route table, first match first, then the class of anything else.
+    fn describe_routes(&self, out: &mut String) {
         let _ = writeln!(out, "routes (first match wins):");
         for r in &self.routes {
             let method = r.method.as_ref().map_or("*", |m| m.as_str());
@@ -183,6 +217,10 @@ impl Policy {
             "(anything else)",
             self.class_name(self.default_class)
         );
+    }
+
+    /// The JSON-RPC rules: methods, tools, retired tools and the default class.
+    fn describe_jsonrpc(&self, out: &mut String) {
         let mut methods: Vec<String> = self
             .jsonrpc
             .methods
@@ -234,6 +272,10 @@ impl Policy {
             "jsonrpc default: {}",
             self.class_name(self.jsonrpc.default_class)
         );
+    }
+
+    /// Headers, read bounds, path matching and the shared store.
+    fn describe_settings(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "headers: X-RateLimit-*{}",
@@ -279,7 +321,6 @@ impl Policy {
             self.store.replicas,
             outage.join(", ")
         );
-        out
     }
 
     /// One line per plan: what a workspace on it gets (its overrides applied to the

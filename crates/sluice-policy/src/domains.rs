@@ -753,15 +753,50 @@ fn rate_limit(
         ],
     )?;
     let unlimited = r.flag(map, at, "unlimited");
-    let unit = match map.get("unit") {
+    let unit = rate_limit_unit(r, map, at, unlimited)?;
+    let limit = rate_limit_requests(r, map, at, unlimited)?;
+    let name = r.text(map, at, "name").filter(|n| !n.is_empty());
+    let replaces = rate_limit_replaces(r, map, at);
+    let algorithm = rate_limit_algorithm(r, map, at, limit)?;
+    let unit = unit.unwrap_or(Unit::Second);
+    if !unit_takes_algorithm(r, at, unit, algorithm) {
+        return None;
+    }
+    let index = rules.len();
+    if !replaces.is_empty() {
+        pending.push((index, replaces, join(at, "replaces")));
+    }
+    rules.push(DescriptorRule {
+        id: id.to_owned(),
+        name,
+        limit,
+        unit,
+        algorithm,
+        unlimited,
+        shadow,
+        detailed_metric,
+        replaces: Vec::new(),
+    });
+    Some(index)
+}
+
+/// The `unit:` of the rate limit at `at`: `None` within `Some` for an `unlimited`
+/// rule that names none; `None` (with a problem) when it is wrong or missing.
+fn rate_limit_unit(
+    r: &mut Reader<'_>,
+    map: &serde_json::Map<String, Value>,
+    at: &str,
+    unlimited: bool,
+) -> Option<Option<Unit>> {
+    match map.get("unit") {
         Some(Value::String(u)) => match Unit::parse(u) {
-            Some(unit) => Some(unit),
+            Some(unit) => Some(Some(unit)),
             None => {
                 r.problem(
                     join(at, "unit"),
                     format!("expected second, minute, hour, day, week, month or year, got {u:?}"),
                 );
-                return None;
+                None
             }
         },
         Some(_) => {
@@ -769,23 +804,33 @@ fn rate_limit(
                 join(at, "unit"),
                 "expected second, minute, hour, day, week, month or year",
             );
-            return None;
+            None
         }
-        None if unlimited => None,
+        None if unlimited => Some(None),
         None => {
             r.problem(join(at, "unit"), "required (or `unlimited: true`)");
-            return None;
+            None
         }
-    };
-    let limit = match map.get("requests_per_unit") {
+    }
+}
+
+/// The `requests_per_unit:` of the rate limit at `at` (0 for an `unlimited` rule
+/// that names none); `None` (with a problem) when it is wrong or missing.
+fn rate_limit_requests(
+    r: &mut Reader<'_>,
+    map: &serde_json::Map<String, Value>,
+    at: &str,
+    unlimited: bool,
+) -> Option<u32> {
+    match map.get("requests_per_unit") {
         Some(Value::Number(n)) => match n.as_u64().and_then(|n| u32::try_from(n).ok()) {
-            Some(n) => n,
+            Some(n) => Some(n),
             None => {
                 r.problem(
                     join(at, "requests_per_unit"),
                     "expected a whole number from 0 to 4294967295",
                 );
-                return None;
+                None
             }
         },
         Some(_) => {
@@ -793,19 +838,27 @@ fn rate_limit(
                 join(at, "requests_per_unit"),
                 "expected a whole number from 0 to 4294967295",
             );
-            return None;
+            None
         }
-        None if unlimited => 0,
+        None if unlimited => Some(0),
         None => {
             r.problem(
                 join(at, "requests_per_unit"),
                 "required (or `unlimited: true`)",
             );
-            return None;
+            None
         }
-    };
-    let name = r.text(map, at, "name").filter(|n| !n.is_empty());
-    let replaces: Vec<String> = match map.get("replaces") {
+    }
+}
+
+/// The names under `replaces:` of the rate limit at `at` (a problem for each item
+/// that is not `- name: <rule>`).
+fn rate_limit_replaces(
+    r: &mut Reader<'_>,
+    map: &serde_json::Map<String, Value>,
+    at: &str,
+) -> Vec<String> {
+    match map.get("replaces") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(list)) => {
             let mut names = Vec::new();
@@ -828,7 +881,17 @@ fn rate_limit(
             r.problem(join(at, "replaces"), "expected a list of `- name: <rule>`");
             Vec::new()
         }
-    };
+    }
+}
+
+/// The `algorithm:` and `burst:` of the rate limit at `at`, whose limit is `limit`;
+/// `None` (with a problem) when either is wrong.
+fn rate_limit_algorithm(
+    r: &mut Reader<'_>,
+    map: &serde_json::Map<String, Value>,
+    at: &str,
+    limit: u32,
+) -> Option<Algorithm> {
     let algorithm = match map.get("algorithm") {
         None => Algorithm::Fixed,
         Some(Value::String(a)) => match a.as_str() {
@@ -869,13 +932,18 @@ fn rate_limit(
             return None;
         }
     };
-    let unit = unit.unwrap_or(Unit::Second);
+    Some(algorithm)
+}
+
+/// False (with a problem) when `algorithm` cannot count windows of `unit`: a month
+/// is `fixed` only, and a sliding window has a longest length.
+fn unit_takes_algorithm(r: &mut Reader<'_>, at: &str, unit: Unit, algorithm: Algorithm) -> bool {
     if unit == Unit::Month && algorithm != Algorithm::Fixed {
         r.problem(
             join(at, "algorithm"),
             "a month is a calendar month, counted as a monthly quota: `fixed` only",
         );
-        return None;
+        return false;
     }
     if algorithm == Algorithm::Sliding && unit.seconds() > crate::model::MAX_SLIDING_WINDOW_SECONDS
     {
@@ -887,22 +955,7 @@ fn rate_limit(
                 unit.name()
             ),
         );
-        return None;
+        return false;
     }
-    let index = rules.len();
-    if !replaces.is_empty() {
-        pending.push((index, replaces, join(at, "replaces")));
-    }
-    rules.push(DescriptorRule {
-        id: id.to_owned(),
-        name,
-        limit,
-        unit,
-        algorithm,
-        unlimited,
-        shadow,
-        detailed_metric,
-        replaces: Vec::new(),
-    });
-    Some(index)
+    true
 }

@@ -63,22 +63,23 @@ mod prefetch;
 #[cfg(feature = "redis")]
 mod redis;
 
-// Documented in their module (`durable`); kept at the root, hidden, for the
-// crates of this workspace.
+/// The durable store's parts (see [`durable`]), also named at the root: the
+/// gateway and the batch lanes open a [`DurableStore`] and its [`QuotaBook`]
+/// from here.
 #[cfg(feature = "durable")]
-#[doc(hidden)]
 pub use durable::{DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConfig};
 pub use guarded::Guarded;
-#[doc(hidden)]
+/// The breaker [`Guarded`] gives a shared store unless told otherwise.
 pub use guarded::STORE_BREAKER;
 pub use keyed::{InsufficientCapacity, KeyedLimiter, NotUntil, Quota};
 #[cfg(feature = "durable")]
 pub use local::LocalStore;
-#[doc(hidden)]
+/// How [`MemoryStore`] picks its shard count from its key cap: the bounds and
+/// the table fill it aims at, for those sizing a store (and its tests).
 pub use memory::{MAX_SHARDS, TABLE_FILL, auto_shards};
 pub use memory::{MemoryConfig, MemoryStore, NO_NETWORK};
+/// The most decisions [`RedisStore`] carries in one script call.
 #[cfg(feature = "redis")]
-#[doc(hidden)]
 pub use redis::MAX_COALESCED;
 #[cfg(feature = "redis")]
 pub use redis::{RedisConfig, RedisStore};

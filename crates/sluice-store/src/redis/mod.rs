@@ -148,11 +148,12 @@ impl RedisStore {
     /// (sent with the script call, to the microsecond) rather than on the
     /// Redis server's clock: for tests that drive the script and the memory
     /// store with one fake clock. Keys still expire on the server's clock,
-    /// so the fake time must not be behind it.
+    /// so the fake time must not be behind it. It is for tests only (this
+    /// crate's and the edge's and the lanes' Redis tests): a deployment
+    /// decides on the server's clock.
     ///
     /// # Errors
     /// As [`RedisStore::connect`].
-    #[doc(hidden)]
     pub async fn connect_with_clock(
         config: RedisConfig,
         clock: impl Clock + 'static,

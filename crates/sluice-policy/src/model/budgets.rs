@@ -1,0 +1,196 @@
+//! Buckets, quota families, and how any budget counts (`mode:`, `algorithm:`).
+
+use std::fmt;
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+/// Whose an extra bucket is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Per {
+    /// The client IP (IPv6 by prefix).
+    Ip,
+    /// The credential (or the IP when there is none).
+    Caller,
+    /// The principal's user.
+    User,
+    /// The principal's workspace.
+    Workspace,
+}
+
+/// How a refusal by a budget looks to the client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The edge limiter's plain-text 429.
+    Edge,
+    /// The JSON envelope with `retry_at` and `retry_after_seconds`;
+    /// `{retry_after}` in the message is replaced by the seconds.
+    Envelope {
+        /// The message template.
+        message: String,
+    },
+}
+
+/// An extra named bucket, or a weighted budget.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    /// Its name (used in keys and headers).
+    pub name: String,
+    /// Units per window.
+    pub limit: NonZeroU32,
+    /// Window length in seconds.
+    pub window: NonZeroU32,
+    /// Whose bucket.
+    pub per: Per,
+    /// How a refusal looks.
+    pub refusal: Refusal,
+    /// Weighted: admission needs one unit, and the upstream's cost header
+    /// (`X-Sluice-Cost`) then says what the call really spent. The
+    /// responses of a request holding it describe this budget in `X-RateLimit-*`.
+    pub weighted: bool,
+    /// What an exhausted budget does to a request.
+    pub on_exhausted: OnExhausted,
+    /// Enforced, or decided and counted without refusing (a dry run).
+    pub mode: Enforcement,
+    /// How it counts its limit per window.
+    pub algorithm: Algorithm,
+}
+
+/// Whether a budget refuses what it does not admit (`mode:` in a policy file).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Enforcement {
+    /// Refuses: the default.
+    #[default]
+    Enforce,
+    /// Shadow mode, a dry run: the budget is decided and counted as usual, and a
+    /// refusal it would give is counted (`sluice_shadow_refusals_total`) and logged,
+    /// and the request is forwarded as if the budget were off.
+    Shadow,
+}
+
+/// How a budget counts its limit per window (`algorithm:` in a policy file).
+///
+/// Quotas are calendar months and take none; every other budget (a class, a per-IP
+/// ceiling, a bucket) takes one, `fixed` by default.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Algorithm {
+    /// `fixed`, the default and the seed's: `limit` per window, windows aligned to
+    /// the Unix epoch (every replica agrees where one starts); a whole window's
+    /// worth may go at its end and again at the start of the next.
+    #[default]
+    Fixed,
+    /// `sliding`: at most `limit` in any `window_seconds`, counted exactly
+    /// ([`sluice_core::Rate::RollingWindow`]) in [`SLIDING_SLOTS`] epoch-aligned
+    /// slots per window. A unit counts from when it is spent until a window after
+    /// the end of its slot: never shorter than the window, at most one slot (a
+    /// sixtieth of it) longer. A refusal's wait is exact: until enough of the oldest
+    /// slots have left.
+    Sliding,
+    /// `gcra`: `limit` per window evenly spaced (one unit every
+    /// `window / limit`), at most `burst` back to back
+    /// ([`sluice_core::Rate::Gcra`]).
+    Gcra {
+        /// How many units may go at once; `None` is the budget's limit (as governor's
+        /// quotas do), so that a class's burst follows the active profile.
+        burst: Option<NonZeroU32>,
+    },
+}
+
+/// Slots per window of a [`Algorithm::Sliding`] budget: a unit is held at most a
+/// sixtieth of the window longer than the window (a second on a minute), and a
+/// decision reads at most 62 cells of it.
+pub const SLIDING_SLOTS: u32 = 60;
+
+/// The longest `window_seconds` of a [`Algorithm::Sliding`] budget: its window is
+/// counted in milliseconds, in 32 bits.
+pub const MAX_SLIDING_WINDOW_SECONDS: u32 = u32::MAX / 1000;
+
+impl Algorithm {
+    /// Its name in policy files: `fixed`, `sliding` or `gcra`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Fixed => "fixed",
+            Algorithm::Sliding => "sliding",
+            Algorithm::Gcra { .. } => "gcra",
+        }
+    }
+
+    /// The rate a store decides a budget of `limit` per `window` seconds counted
+    /// this way by.
+    pub fn rate(self, window: NonZeroU32, limit: NonZeroU32) -> sluice_core::Rate {
+        use sluice_core::Rate;
+        match self {
+            Algorithm::Fixed => Rate::FixedWindow { seconds: window },
+            Algorithm::Sliding => {
+                // The validator keeps a sliding window within
+                // MAX_SLIDING_WINDOW_SECONDS; saturating keeps any other at 49 days.
+                let millis = window.saturating_mul(NonZeroU32::MIN.saturating_add(999));
+                let slot = NonZeroU32::new(millis.get().div_ceil(SLIDING_SLOTS))
+                    .unwrap_or(NonZeroU32::MIN);
+                Rate::RollingWindow {
+                    millis,
+                    slot_millis: slot,
+                }
+            }
+            Algorithm::Gcra { burst } => Rate::Gcra {
+                period: Duration::from_secs(u64::from(window.get())),
+                burst: burst.unwrap_or(limit),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Algorithm::Gcra { burst: Some(b) } => write!(f, "gcra, burst {b}"),
+            Algorithm::Gcra { burst: None } => f.write_str("gcra, burst = limit"),
+            other => f.write_str(other.name()),
+        }
+    }
+}
+
+/// What an exhausted bucket does to a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnExhausted {
+    /// Refuse it (429).
+    Refuse,
+    /// Forward it with `X-Sluice-Exhausted: <budget>; retry-after=<seconds>` and let
+    /// the upstream answer (a "fuzzy lane").
+    Pass,
+}
+
+/// A monthly verb quota per workspace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuotaFamily {
+    /// Its name (`search`, `evals`, `messages`, …).
+    pub name: String,
+    /// Calls per calendar month (UTC); `None` = uncapped (counted, never refused).
+    pub monthly: Option<NonZeroU32>,
+    /// Enforced, or decided and counted without refusing (a dry run).
+    pub mode: Enforcement,
+}
+
+impl QuotaFamily {
+    /// The limit a budget of this family counts against (`u32::MAX` when uncapped).
+    pub fn limit(&self) -> u32 {
+        self.monthly.map_or(u32::MAX, NonZeroU32::get)
+    }
+}
+
+/// The most quota families a policy may declare.
+pub const MAX_QUOTA_FAMILIES: usize = 8;
+
+/// The most buckets a policy may declare (a JSON-RPC body names the ones its
+/// tools spend in a bit set).
+pub const MAX_BUCKETS: usize = 32;
+
+/// What a call spends besides its class budget: route buckets and a quota family.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Spends {
+    /// Indices into [`Policy::buckets`](crate::Policy::buckets).
+    pub buckets: Vec<usize>,
+    /// Index into [`Policy::quotas`](crate::Policy::quotas).
+    pub quota: Option<usize>,
+    /// Index into [`Policy::lanes`](crate::Policy::lanes): the lane that guards the call.
+    pub lane: Option<usize>,
+}

@@ -1,0 +1,132 @@
+//! The typed, checked policy that the rest of sluice uses: the policy itself
+//! here, its parts in one file each.
+
+mod budgets;
+mod classes;
+mod identity;
+mod lanes;
+mod plans;
+mod routes;
+
+use std::num::NonZeroU32;
+
+use crate::path::Paths;
+
+pub use budgets::{
+    Algorithm, Bucket, Enforcement, MAX_BUCKETS, MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS,
+    OnExhausted, Per, QuotaFamily, Refusal, SLIDING_SLOTS, Spends,
+};
+pub use classes::{Ceiling, Class, ClassSet, CostClass, MAX_CEILINGS, MAX_CLASSES, Profile};
+pub use identity::{CredentialSource, Identity, Principal};
+pub use lanes::{Lane, LaneBatch, LaneReasons, MAX_LANES};
+pub use plans::{
+    CustomerPlan, MAX_PLANS, MAX_WORKSPACES, PlanLane, PlanLimit, PlanLimits, TenantPlan, Tenants,
+};
+pub use routes::{
+    BatchEndpoint, Bounds, JsonRpc, JsonRpcRefusal, METHOD_OVERRIDE_FIELDS, Outage, Route,
+    RouteClass, StorePolicy, Tool,
+};
+
+/// The checked policy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// The active profile's name.
+    pub profile_name: String,
+    /// Every profile, by name.
+    pub profiles: Vec<(String, Profile)>,
+    /// The active profile's numbers.
+    pub profile: Profile,
+    /// The cost classes, cheapest first (a request holding several is counted in
+    /// the metrics of the last): [`Class`] is an index into it.
+    pub classes: Vec<CostClass>,
+    /// The per-IP ceilings, by name.
+    pub ceilings: Vec<Ceiling>,
+    /// Window of the class budgets and IP ceilings.
+    pub window: NonZeroU32,
+    /// Identity settings.
+    pub identity: Identity,
+    /// Extra buckets.
+    pub buckets: Vec<Bucket>,
+    /// Monthly quota families.
+    pub quotas: Vec<QuotaFamily>,
+    /// Guarded lanes.
+    pub lanes: Vec<Lane>,
+    /// Descriptor rules for Envoy's rate-limit service, by domain (`domains:`,
+    /// and the files of a directory `sluice serve --rls-config` names).
+    pub domains: Vec<crate::domains::Domain>,
+    /// The route table, first match wins.
+    pub routes: Vec<Route>,
+    /// The class of a request no route matches.
+    pub default_class: Class,
+    /// JSON-RPC rules.
+    pub jsonrpc: JsonRpc,
+    /// Send the IETF draft fields too.
+    pub ietf_headers: bool,
+    /// Bounds.
+    pub bounds: Bounds,
+    /// How request paths are normalised before they are matched and forwarded.
+    pub paths: Paths,
+    /// The shared store's settings.
+    pub store: StorePolicy,
+    /// A dry run: every budget, bucket, quota and route in shadow mode
+    /// (`dry_run: true`, or `sluice serve --dry-run`).
+    pub dry_run: bool,
+    /// The customer plans, by name.
+    pub plans: Vec<CustomerPlan>,
+    /// The index of the plan named `default`, the plan of a workspace on no other.
+    pub default_plan: Option<usize>,
+    /// Which workspace is on which plan.
+    pub tenants: Tenants,
+}
+
+impl Policy {
+    /// The same policy with another profile's numbers active.
+    ///
+    /// # Errors
+    /// The names of the profiles there are, when `name` is not one of them.
+    pub fn with_profile(mut self, name: &str) -> Result<Policy, String> {
+        match self.profiles.iter().find(|(n, _)| n == name) {
+            Some((_, p)) => {
+                self.profile = p.clone();
+                self.profile_name = name.to_owned();
+                Ok(self)
+            }
+            None => Err(format!(
+                "no profile {name:?}; the policy has {}",
+                self.profiles
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+        }
+    }
+
+    /// The class named `name`, if the policy has one.
+    pub fn class(&self, name: &str) -> Option<Class> {
+        self.classes
+            .iter()
+            .position(|c| c.name == name)
+            .and_then(Class::from_index)
+    }
+
+    /// The name of `class` (empty for a class the policy does not have, which a
+    /// checked policy never holds).
+    pub fn class_name(&self, class: Class) -> &str {
+        self.classes
+            .get(class.index())
+            .map_or("", |c| c.name.as_str())
+    }
+
+    /// Every class, cheapest first.
+    pub fn class_ids(&self) -> impl Iterator<Item = Class> + '_ {
+        (0..self.classes.len()).filter_map(Class::from_index)
+    }
+
+    /// What `class` does while the shared store cannot be reached.
+    pub fn outage(&self, class: Class) -> Outage {
+        self.classes
+            .get(class.index())
+            .map_or(Outage::FailClosed, |c| c.outage)
+    }
+}

@@ -1,0 +1,271 @@
+//! `buckets:` and `quotas:`, the `mode:` of any budget and the `algorithm:` and
+//! `burst:` it takes.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+
+use crate::model::{
+    Algorithm, Bucket, Enforcement, MAX_BUCKETS, MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS,
+    OnExhausted, Per, QuotaFamily, Refusal,
+};
+use crate::raw::RawPolicy;
+
+use super::Checker;
+
+impl Checker {
+    /// `buckets:`, each checked, with the index of each by name.
+    pub(super) fn buckets(&mut self, raw: &RawPolicy) -> (HashMap<String, usize>, Vec<Bucket>) {
+        let mut bucket_index = HashMap::new();
+        let mut buckets = Vec::new();
+        for (name, b) in &raw.buckets {
+            if let Some(bucket) = self.bucket(name, b) {
+                bucket_index.insert(name.clone(), buckets.len());
+                buckets.push(bucket);
+            }
+        }
+        if raw.buckets.len() > MAX_BUCKETS {
+            self.problem("buckets", format!("at most {MAX_BUCKETS} buckets"));
+        }
+        (bucket_index, buckets)
+    }
+
+    /// The bucket `name`, or `None` (with its problems) when any of its settings
+    /// is wrong.
+    pub(super) fn bucket(&mut self, name: &str, b: &crate::raw::RawBucket) -> Option<Bucket> {
+        let at = format!("buckets.{name}");
+        let per = match b.per.as_str() {
+            "ip" => Some(Per::Ip),
+            "caller" => Some(Per::Caller),
+            "user" => Some(Per::User),
+            "workspace" => Some(Per::Workspace),
+            other => {
+                self.problem(
+                    format!("{at}.per"),
+                    format!("expected ip, caller, user or workspace, got {other:?}"),
+                );
+                None
+            }
+        };
+        let refusal = match (b.refusal.as_deref(), &b.message) {
+            (None | Some("edge"), None) => Some(Refusal::Edge),
+            (None | Some("edge"), Some(_)) => {
+                self.problem(
+                    format!("{at}.message"),
+                    "a message needs `refusal: envelope`",
+                );
+                None
+            }
+            (Some("envelope"), m) => Some(Refusal::Envelope {
+                message: m.clone().unwrap_or_else(|| {
+                    "Rate limited. Try again in {retry_after} seconds.".to_owned()
+                }),
+            }),
+            (Some(other), _) => {
+                self.problem(
+                    format!("{at}.refusal"),
+                    format!("expected edge or envelope, got {other:?}"),
+                );
+                None
+            }
+        };
+        let limit = self.nonzero(&format!("{at}.limit"), b.limit);
+        let w = self.nonzero(&format!("{at}.window_seconds"), b.window_seconds);
+        let on_exhausted = match b.on_exhausted.as_deref() {
+            None | Some("refuse") => Some(OnExhausted::Refuse),
+            Some("pass") if b.weighted => Some(OnExhausted::Pass),
+            Some("pass") => {
+                self.problem(
+                    format!("{at}.on_exhausted"),
+                    "`pass` is for weighted budgets (`weighted: true`), whose upstream answers for them",
+                );
+                None
+            }
+            Some(other) => {
+                self.problem(
+                    format!("{at}.on_exhausted"),
+                    format!("expected refuse or pass, got {other:?}"),
+                );
+                None
+            }
+        };
+        let mode = self.mode(&format!("{at}.mode"), b.mode.as_deref());
+        let limits: Vec<(String, u32)> = limit
+            .map(|l| (String::new(), l.get()))
+            .into_iter()
+            .collect();
+        let algorithm = self.algorithm(
+            &at,
+            (b.algorithm.as_deref(), b.burst),
+            b.window_seconds,
+            &limits,
+        );
+        if let (
+            Some(per),
+            Some(refusal),
+            Some(limit),
+            Some(window),
+            Some(on_exhausted),
+            Some(mode),
+            Some(algorithm),
+        ) = (per, refusal, limit, w, on_exhausted, mode, algorithm)
+        {
+            Some(Bucket {
+                name: name.to_owned(),
+                limit,
+                window,
+                per,
+                refusal,
+                weighted: b.weighted,
+                on_exhausted,
+                mode,
+                algorithm,
+            })
+        } else {
+            None
+        }
+    }
+
+    /// `quotas:`, each checked, with the index of each by name.
+    pub(super) fn quotas(&mut self, raw: &RawPolicy) -> (HashMap<String, usize>, Vec<QuotaFamily>) {
+        let mut quota_index = HashMap::new();
+        let mut quotas = Vec::new();
+        for (name, q) in &raw.quotas {
+            let at = format!("quotas.{name}.monthly");
+            let monthly = match q.monthly {
+                None => None,
+                Some(n) => match self.nonzero(&at, n) {
+                    Some(n) => Some(n),
+                    None => continue,
+                },
+            };
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                self.problem(
+                    format!("quotas.{name}"),
+                    "a family name is letters, digits and `_`",
+                );
+                continue;
+            }
+            let Some(mode) = self.mode(&format!("quotas.{name}.mode"), q.mode.as_deref()) else {
+                continue;
+            };
+            if q.algorithm.is_some() {
+                self.problem(
+                    format!("quotas.{name}.algorithm"),
+                    "a quota counts calendar months (UTC) and takes no algorithm; remove it",
+                );
+                continue;
+            }
+            quota_index.insert(name.clone(), quotas.len());
+            quotas.push(QuotaFamily {
+                name: name.clone(),
+                monthly,
+                mode,
+            });
+        }
+        if raw.quotas.len() > MAX_QUOTA_FAMILIES {
+            self.problem(
+                "quotas",
+                format!("at most {MAX_QUOTA_FAMILIES} quota families"),
+            );
+        }
+        (quota_index, quotas)
+    }
+
+    /// A `mode:` at `at`: `enforce` (the default) or `shadow`.
+    pub(super) fn mode(&mut self, at: &str, mode: Option<&str>) -> Option<Enforcement> {
+        match mode {
+            None | Some("enforce") => Some(Enforcement::Enforce),
+            Some("shadow") => Some(Enforcement::Shadow),
+            Some(other) => {
+                self.problem(at, format!("expected enforce or shadow, got {other:?}"));
+                None
+            }
+        }
+    }
+
+    /// `algorithm:` and `burst:` of the budget at `at`, whose window is `window`
+    /// seconds and whose limits are `limits` (each with what names it in a message:
+    /// a class has one per profile).
+    pub(super) fn algorithm(
+        &mut self,
+        at: &str,
+        (algorithm, burst): (Option<&str>, Option<u32>),
+        window: u32,
+        limits: &[(String, u32)],
+    ) -> Option<Algorithm> {
+        let algorithm = match algorithm {
+            None | Some("fixed") => Algorithm::Fixed,
+            Some("sliding") => Algorithm::Sliding,
+            Some("gcra") => Algorithm::Gcra { burst: None },
+            Some(other) => {
+                self.problem(
+                    format!("{at}.algorithm"),
+                    format!("expected fixed, sliding or gcra, got {other:?}"),
+                );
+                return None;
+            }
+        };
+        let mut ok = true;
+        if algorithm == Algorithm::Sliding && window > MAX_SLIDING_WINDOW_SECONDS {
+            self.problem(
+                format!("{at}.algorithm"),
+                format!(
+                    "a sliding window is counted in milliseconds: at most {MAX_SLIDING_WINDOW_SECONDS} seconds, this one is {window}"
+                ),
+            );
+            ok = false;
+        }
+        let Some(burst) = burst else {
+            return ok.then_some(algorithm);
+        };
+        if algorithm != (Algorithm::Gcra { burst: None }) {
+            self.problem(
+                format!("{at}.burst"),
+                format!(
+                    "`burst` is for `algorithm: gcra`; this budget is {}",
+                    algorithm.name()
+                ),
+            );
+            return None;
+        }
+        let Some(burst) = NonZeroU32::new(burst) else {
+            self.problem(
+                format!("{at}.burst"),
+                "must be at least 1 (a burst of 0 would refuse everything)",
+            );
+            return None;
+        };
+        for (of, limit) in limits {
+            if burst.get() > *limit {
+                self.problem(
+                    format!("{at}.burst"),
+                    format!(
+                        "{burst} is above the limit{of} ({limit}): at most the limit can go at once"
+                    ),
+                );
+                ok = false;
+            }
+        }
+        ok.then_some(Algorithm::Gcra { burst: Some(burst) })
+    }
+
+    /// False (with a problem at `path`) when `limit` is below the `burst` of a
+    /// `gcra` budget: at most the limit can go at once.
+    pub(super) fn fits_burst(
+        &mut self,
+        path: &str,
+        algorithm: Algorithm,
+        limit: NonZeroU32,
+    ) -> bool {
+        match algorithm {
+            Algorithm::Gcra { burst: Some(burst) } if burst > limit => {
+                self.problem(
+                    path,
+                    format!("{limit} is below the budget's gcra burst ({burst}): at most the limit can go at once"),
+                );
+                false
+            }
+            _ => true,
+        }
+    }
+}

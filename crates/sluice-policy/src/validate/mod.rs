@@ -1,0 +1,264 @@
+//! `RawPolicy` → `Policy`: every check reported with the key path it is at. This
+//! module holds the entry points and the order of the checks; each section of the
+//! policy has its own file.
+
+mod buckets;
+mod classes;
+mod identity;
+mod lanes;
+mod limits;
+mod plans;
+mod routes;
+
+use std::num::NonZeroU32;
+#[cfg(feature = "yaml")]
+use std::path::Path;
+use std::path::PathBuf;
+
+use crate::model::Policy;
+use crate::raw::RawPolicy;
+
+/// Default largest body read for classification: 1 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+
+/// Most `workspace_starts` a lane allows per window.
+pub const MAX_LANE_STARTS: u32 = 100_000;
+/// Default deepest JSON nesting: 64.
+pub const DEFAULT_MAX_JSON_DEPTH: usize = 64;
+/// Default most items in one JSON-RPC batch: 1,000.
+pub const DEFAULT_MAX_BATCH_ITEMS: usize = 1_000;
+/// The deepest `limits.max_json_depth` there can be: the JSON parser itself reads
+/// at most 127 nested arrays and objects.
+pub const MAX_JSON_DEPTH: usize = 127;
+/// Default longest wait for the shared store per decision: 20 ms.
+pub const DEFAULT_STORE_TIMEOUT_MS: u64 = 20;
+
+/// The most buckets one route may spend (a request's whole count of budgets is
+/// checked too: see `budget_counts`).
+pub const MAX_ROUTE_BUCKETS: usize = sluice_core::MAX_BUDGETS - 5;
+
+/// The longest name of a class or a ceiling (it is sent in headers and metrics).
+pub const MAX_CLASS_NAME: usize = 64;
+
+/// One thing wrong with a policy, at a key path such as `routes[3].class`.
+pub use sluice_core::Problem;
+
+/// Why a policy was not accepted.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PolicyError {
+    /// The file could not be read.
+    #[error("{file}: {source}")]
+    Read {
+        /// The file.
+        file: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The YAML does not have the policy's shape (the message has the line).
+    #[error("{file}: {message}")]
+    Parse {
+        /// The file (or `<built-in>`).
+        file: PathBuf,
+        /// The parser's message, with line, column and the offending lines.
+        message: String,
+    },
+    /// The YAML has the right shape but wrong values.
+    #[error("{file}: {} problem(s):\n{}", problems.len(), problems.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        /// The file (or `<built-in>`).
+        file: PathBuf,
+        /// Every problem found.
+        problems: Vec<Problem>,
+    },
+    /// A policy built in code (see [`crate::PolicyBuilder`]) has wrong values.
+    #[error("the policy built in code: {} problem(s):\n{}", problems.len(), problems.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
+    Built {
+        /// Every problem found, each named by the key a policy file would have.
+        problems: Vec<Problem>,
+    },
+}
+
+impl PolicyError {
+    /// The problems, when the policy parsed but did not validate.
+    pub fn problems(&self) -> &[Problem] {
+        match self {
+            PolicyError::Invalid { problems, .. } | PolicyError::Built { problems } => problems,
+            _ => &[],
+        }
+    }
+}
+
+/// Reads, parses and validates a policy file (feature `yaml`).
+///
+/// # Errors
+/// [`PolicyError`] naming the file and what is wrong.
+#[cfg(feature = "yaml")]
+pub fn load_file(file: &Path) -> Result<Policy, PolicyError> {
+    let text = std::fs::read_to_string(file).map_err(|source| PolicyError::Read {
+        file: file.to_owned(),
+        source,
+    })?;
+    parse_str(&text, file)
+}
+
+/// Parses and validates policy YAML (feature `yaml`); `file` names it in errors.
+///
+/// # Errors
+/// [`PolicyError::Parse`] or [`PolicyError::Invalid`].
+#[cfg(feature = "yaml")]
+pub fn parse_str(text: &str, file: &Path) -> Result<Policy, PolicyError> {
+    let raw: RawPolicy =
+        serde_saphyr::from_str_with_options(text, yaml_options()).map_err(|e| {
+            PolicyError::Parse {
+                file: file.to_owned(),
+                message: e.to_string(),
+            }
+        })?;
+    validate(&raw).map_err(|problems| PolicyError::Invalid {
+        file: file.to_owned(),
+        problems,
+    })
+}
+
+/// The YAML reader's bounds for a policy file: room for the largest policy the
+/// validator takes ([`MAX_WORKSPACES`] workspaces of 4 nodes and 5 events each,
+/// [`crate::tenants::MAX_KEYS`] keys of 9 nodes and 10 events each, and the rest),
+/// where the reader's defaults (250,000 nodes, 1,000,000 events) stop a file at about
+/// 62,000 workspaces. Anchors, aliases, depth and scalar bytes keep their default
+/// bounds.
+#[cfg(feature = "yaml")]
+fn yaml_options() -> serde_saphyr::Options {
+    /// Nodes (mappings, sequences and scalars) in one policy file.
+    const MAX_NODES: usize = 2_000_000;
+    /// Parser events in one policy file.
+    const MAX_EVENTS: usize = 3_000_000;
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_nodes = MAX_NODES;
+    budget.max_events = MAX_EVENTS;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    options
+}
+
+/// Checks a raw policy and builds the typed one.
+///
+/// # Errors
+/// Every problem found, each with its key path.
+pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
+    let mut v = Checker::default();
+    v.class_names(raw);
+    v.ceiling_names(raw);
+    let (profile_name, profiles, profile) = v.profiles(raw);
+    let window = v.nonzero("window_seconds", raw.window_seconds.unwrap_or(60));
+    let identity = v.identity(raw);
+    let (bucket_index, buckets) = v.buckets(raw);
+    let (quota_index, quotas) = v.quotas(raw);
+    let (lane_index, mut lanes) = v.lanes(raw);
+    let mut routes = v.routes(raw, &bucket_index, &quota_index, &lane_index);
+    let default_class = v.default_class(raw, &routes);
+    let jsonrpc = v.jsonrpc(raw, default_class, &bucket_index, &quota_index, &lane_index);
+    v.batch_endpoints(&mut lanes, &mut routes);
+    v.batch_tools(raw, &lanes);
+    if let Some(j) = &jsonrpc {
+        v.budget_counts(&routes, j);
+    }
+    let bounds = v.bounds(raw);
+    let paths = limits::paths(raw);
+    let store = v.store(raw);
+    let (classes, ceilings) = v.budgets_without_objects(raw);
+    let plans = v.plans(raw, &classes, &buckets, &quotas, &lanes);
+    let tenants = v.tenants(raw, &plans);
+    let domains = crate::domains::from_policy(&raw.domains, &mut v.problems);
+    crate::domains::check_unique(&domains, &mut v.problems);
+    let default_plan = plans.iter().position(|p| p.name == "default");
+    let parts = (profile, window, identity, default_class, jsonrpc, store);
+    if !v.problems.is_empty() {
+        return Err(v.problems);
+    }
+    match parts {
+        (
+            Some(profile),
+            Some(window),
+            Some(identity),
+            Some(default_class),
+            Some(jsonrpc),
+            Some(store),
+        ) => Ok(Policy {
+            profile_name,
+            profiles,
+            profile,
+            window,
+            identity,
+            buckets,
+            quotas,
+            lanes,
+            domains,
+            routes,
+            default_class,
+            jsonrpc,
+            ietf_headers: raw.headers.ietf_draft,
+            bounds,
+            paths,
+            store,
+            classes,
+            ceilings,
+            dry_run: raw.dry_run,
+            plans,
+            default_plan,
+            tenants,
+        }),
+        _ => Err(v.problems),
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Checker {
+    pub(crate) problems: Vec<Problem>,
+    /// The classes' names, cheapest first (a [`Class`] indexes them).
+    pub(crate) classes: Vec<String>,
+    /// The ceilings' names (indexes of [`Policy::ceilings`]).
+    pub(crate) ceilings: Vec<String>,
+}
+
+/// True when `name` may name a workspace: printable ASCII, no space at either end,
+/// not starting with `key:` or `ip:` (the labels of callers with no principal).
+pub(crate) fn is_workspace_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 256
+        && name.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+        && !name.starts_with(' ')
+        && !name.ends_with(' ')
+        && !name.starts_with("key:")
+        && !name.starts_with("ip:")
+}
+
+/// True when `name` may name a class or a ceiling: 1 to [`MAX_CLASS_NAME`] ASCII
+/// letters, digits, `_`, `-` and `.` (it is sent in headers, quoted in
+/// `RateLimit-Policy`, and in metric labels).
+fn is_budget_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_CLASS_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+impl Checker {
+    pub(crate) fn problem(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.problems.push(Problem {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+
+    fn nonzero(&mut self, path: &str, n: u32) -> Option<NonZeroU32> {
+        let nz = NonZeroU32::new(n);
+        if nz.is_none() {
+            self.problem(
+                path,
+                "must be at least 1 (a limit of 0 would refuse everything)",
+            );
+        }
+        nz
+    }
+}
