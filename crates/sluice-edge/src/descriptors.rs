@@ -259,8 +259,68 @@ fn status_of(
     }
 }
 
+/// A request's descriptors planned (the rate-limit service's phase 3): the
+/// budgets they count, the refusals rules in shadow mode gave before anything
+/// was counted (a rule of 0), and whether there was more to count than one
+/// decision holds.
+struct DescriptorPlan<'d> {
+    counted: Vec<Counted<'d>>,
+    /// Refusals rules in shadow mode would have given: (rule, limit, reason).
+    would_have: Vec<(&'d DescriptorRule, u32, &'static str)>,
+    too_many: bool,
+}
+
+/// Each descriptor of `call` with entries, and the index of the rule it matches
+/// in `domain`, but those a matched rule replaces (sorted: each look-up a binary
+/// search, so the work stays linear).
+fn matched_rules(domain: &Domain, call: &RateLimitCall) -> Vec<(usize, usize)> {
+    // One buffer of entries for all.
+    let mut matched: Vec<(usize, usize)> = Vec::new();
+    let mut entries: Vec<(&str, &str)> = Vec::new();
+    for (i, d) in call.descriptors.iter().enumerate() {
+        if d.entries.is_empty() {
+            continue;
+        }
+        entries.clear();
+        entries.extend(d.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        if let Some(rule) = domain.lookup(&entries).and_then(|n| n.rule) {
+            matched.push((i, rule));
+        }
+    }
+    let mut replaced: Vec<usize> = matched
+        .iter()
+        .filter_map(|&(_, r)| domain.rules.get(r))
+        .flat_map(|r| r.replaces.iter().copied())
+        .collect();
+    replaced.sort_unstable();
+    replaced.dedup();
+    matched.retain(|(_, rule)| replaced.binary_search(rule).is_err());
+    matched
+}
+
+/// How metrics name the rule a descriptor was decided by: its id, with the
+/// descriptor's values for a rule with `detailed_metric` (at most
+/// [`MAX_LABEL`] bytes of the client's values).
+fn rule_label(rule: &DescriptorRule, descriptor: &DescriptorCall) -> String {
+    if !rule.detailed_metric {
+        return rule.id.clone();
+    }
+    let values: Vec<&str> = descriptor.entries.iter().map(|(_, v)| v.as_str()).collect();
+    let mut label = format!("{}:{}", rule.id, values.join("."));
+    if label.len() > MAX_LABEL {
+        let mut end = MAX_LABEL;
+        while !label.is_char_boundary(end) {
+            end -= 1;
+        }
+        label.truncate(end);
+    }
+    label
+}
+
 impl<S: BudgetStore> Limiter<S> {
-    /// Decides a rate-limit service request (see the module docs).
+    /// Decides a rate-limit service request (see the module docs): its domain
+    /// and descriptors are its head, planned into budgets by the domain's rules,
+    /// then decided all or nothing by the one shadow rule every transport shares.
     pub async fn should_rate_limit(&self, call: &RateLimitCall) -> RateLimitAnswer {
         let mut answer = RateLimitAnswer {
             overall: Code::Ok,
@@ -274,60 +334,59 @@ impl<S: BudgetStore> Limiter<S> {
             answer.outcome = Outcome::UnknownDomain;
             return answer;
         };
-        // A dry run puts every rule in shadow mode, as it does every budget.
-        let dry_run = self.policy().dry_run;
-        let in_shadow = |rule: &DescriptorRule| rule.shadow || dry_run;
-        // Match each descriptor to its rule (one buffer of entries for all).
-        let mut matched: Vec<(usize, usize)> = Vec::new();
-        let mut entries: Vec<(&str, &str)> = Vec::new();
-        for (i, d) in call.descriptors.iter().enumerate() {
-            if d.entries.is_empty() {
-                continue;
-            }
-            entries.clear();
-            entries.extend(d.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-            if let Some(rule) = domain.lookup(&entries).and_then(|n| n.rule) {
-                matched.push((i, rule));
-            }
-        }
-        // A rule another matched rule replaces does not apply to this request
-        // (sorted: each look-up a binary search, so the work stays linear).
-        let mut replaced: Vec<usize> = matched
-            .iter()
-            .filter_map(|&(_, r)| domain.rules.get(r))
-            .flat_map(|r| r.replaces.iter().copied())
-            .collect();
-        replaced.sort_unstable();
-        replaced.dedup();
-        let mut counted: Vec<Counted<'_>> = Vec::new();
-        let mut too_many = false;
-        // Refusals rules in shadow mode would have given: (rule, limit, reason).
-        let mut would_have: Vec<(&DescriptorRule, u32, &'static str)> = Vec::new();
-        for (i, index) in matched {
-            let Some(rule) = domain.rules.get(index) else {
-                continue;
-            };
-            if replaced.binary_search(&index).is_ok() {
-                continue;
-            }
-            let Some(d) = call.descriptors.get(i) else {
-                continue;
-            };
-            answer.rules[i] = Some(if rule.detailed_metric {
-                let values: Vec<&str> = d.entries.iter().map(|(_, v)| v.as_str()).collect();
-                let mut label = format!("{}:{}", rule.id, values.join("."));
-                // A label holds at most MAX_LABEL bytes of the client's values.
-                if label.len() > MAX_LABEL {
-                    let mut end = MAX_LABEL;
-                    while !label.is_char_boundary(end) {
-                        end -= 1;
-                    }
-                    label.truncate(end);
+        let plan = self.plan_descriptors(domain, call, &mut answer);
+        if plan.too_many {
+            // More to count than one decision holds: refused whole, in a dry
+            // run too (it cannot be counted), nothing spent.
+            answer.outcome = Outcome::TooManyCounted;
+            answer.overall = Code::OverLimit;
+            for c in &plan.counted {
+                for &i in &c.descriptors {
+                    answer.statuses[i] = too_many_status(c.rule, c.limit, c.unit);
                 }
-                label
-            } else {
-                rule.id.clone()
-            });
+            }
+            return answer;
+        }
+        if answer.overall == Code::OverLimit {
+            // A rule of 0 refused: nothing is spent for the others either.
+            self.fill_peeked(&mut answer, &plan.counted).await;
+            return answer;
+        }
+        if plan.counted.is_empty() {
+            self.count_shadow_refusals(domain, &plan.would_have, &mut answer);
+            return answer;
+        }
+        answer.outcome = Outcome::Decided;
+        self.decide_descriptors(domain, plan, answer).await
+    }
+
+    /// True when `rule` decides in shadow mode: its own `shadow_mode`, or every
+    /// rule in a dry run (as every budget).
+    fn in_shadow(&self, rule: &DescriptorRule) -> bool {
+        rule.shadow || self.policy().dry_run
+    }
+
+    /// Plans `call`'s descriptors in `domain`: what each counts, one budget per
+    /// counter (the same counter named twice spends both hits on one budget),
+    /// with the answer for those decided without counting (unlimited rules,
+    /// rules of 0, descriptors past [`MAX_COUNTED`] counters) written in
+    /// `answer`.
+    fn plan_descriptors<'d>(
+        &'d self,
+        domain: &'d Domain,
+        call: &RateLimitCall,
+        answer: &mut RateLimitAnswer,
+    ) -> DescriptorPlan<'d> {
+        let mut plan = DescriptorPlan {
+            counted: Vec::new(),
+            would_have: Vec::new(),
+            too_many: false,
+        };
+        for (i, index) in matched_rules(domain, call) {
+            let (Some(rule), Some(d)) = (domain.rules.get(index), call.descriptors.get(i)) else {
+                continue;
+            };
+            answer.rules[i] = Some(rule_label(rule, d));
             let (limit, unit) = d.limit_override.unwrap_or((rule.limit, rule.unit));
             if rule.unlimited {
                 answer.statuses[i] = DescriptorStatus {
@@ -340,7 +399,7 @@ impl<S: BudgetStore> Limiter<S> {
             }
             if limit == 0 {
                 // 0 per unit refuses every request, counted nowhere.
-                let shadow = in_shadow(rule);
+                let shadow = self.in_shadow(rule);
                 answer.statuses[i] = DescriptorStatus {
                     code: if shadow { Code::Ok } else { Code::OverLimit },
                     current_limit: Some(current(rule, 0, unit)),
@@ -348,14 +407,14 @@ impl<S: BudgetStore> Limiter<S> {
                     duration_until_reset: Duration::from_secs(u64::from(unit.seconds())),
                 };
                 if shadow {
-                    would_have.push((rule, 0, crate::COST_EXCEEDS_LIMIT));
+                    plan.would_have.push((rule, 0, crate::COST_EXCEEDS_LIMIT));
                 } else {
                     answer.overall = Code::OverLimit;
                 }
                 continue;
             }
-            if too_many {
-                // Refused whole below; no counter to look for.
+            if plan.too_many {
+                // Refused whole; no counter to look for.
                 answer.statuses[i] = too_many_status(rule, limit, unit);
                 continue;
             }
@@ -365,19 +424,19 @@ impl<S: BudgetStore> Limiter<S> {
             };
             // The same counter twice in one request: one budget spending both
             // (a look among at most MAX_COUNTED).
-            if let Some(same) = counted.iter_mut().find(|c| {
+            if let Some(same) = plan.counted.iter_mut().find(|c| {
                 c.budget.key == budget.key && c.budget.rate == budget.rate && c.limit == limit
             }) {
                 same.budget.cost = same.budget.cost.saturating_add(hits);
                 same.descriptors.push(i);
                 continue;
             }
-            if counted.len() == MAX_COUNTED {
-                too_many = true;
+            if plan.counted.len() == MAX_COUNTED {
+                plan.too_many = true;
                 answer.statuses[i] = too_many_status(rule, limit, unit);
                 continue;
             }
-            counted.push(Counted {
+            plan.counted.push(Counted {
                 descriptors: vec![i],
                 rule,
                 limit,
@@ -385,40 +444,30 @@ impl<S: BudgetStore> Limiter<S> {
                 budget,
             });
         }
-        if too_many {
-            // More to count than one decision holds: refused whole, in a dry
-            // run too (it cannot be counted), nothing spent.
-            answer.outcome = Outcome::TooManyCounted;
-            answer.overall = Code::OverLimit;
-            for c in &counted {
-                for &i in &c.descriptors {
-                    answer.statuses[i] = too_many_status(c.rule, c.limit, c.unit);
-                }
-            }
-            return answer;
-        }
-        if answer.overall == Code::OverLimit {
-            // A rule of 0 refused: nothing is spent for the others either.
-            self.fill_peeked(&mut answer, &counted).await;
-            return answer;
-        }
-        if counted.is_empty() {
-            self.count_shadow_refusals(domain, &would_have, &mut answer);
-            return answer;
-        }
-        answer.outcome = Outcome::Decided;
+        plan
+    }
+
+    /// Decides the planned budgets at once, by the gateway's shadow rule (rules
+    /// in shadow mode never refuse: what they refused is decided again with them
+    /// spending nothing), and writes each descriptor's status, the would-be
+    /// refusals and the `X-RateLimit-*` fields of the tightest into `answer`.
+    async fn decide_descriptors(
+        &self,
+        domain: &Domain,
+        mut plan: DescriptorPlan<'_>,
+        mut answer: RateLimitAnswer,
+    ) -> RateLimitAnswer {
+        let counted = &plan.counted;
         // On the heap: the request's future stays small (it is moved whole).
         let mut budgets: Vec<Budget> = counted.iter().map(|c| c.budget).collect();
         let mut decision = match self.store().decide(&budgets).await {
             Ok(d) => d,
             Err(error) => return self.outage(answer, domain, &error.to_string()),
         };
-        // The gateway's shadow rule: rules in shadow mode never refuse. What
-        // they refused is decided again with them spending nothing.
         let shadow = counted
             .iter()
             .enumerate()
-            .filter(|(_, c)| in_shadow(c.rule))
+            .filter(|(_, c)| self.in_shadow(c.rule))
             .fold(0_u16, |mask, (i, _)| mask | 1 << i);
         let waived = shadow_waived(&decision, shadow, || 0);
         let mut refused = None;
@@ -437,7 +486,7 @@ impl<S: BudgetStore> Limiter<S> {
         let mut tightest: Option<(u32, u32, u64)> = None;
         for (c, s) in counted.iter().zip(decision.statuses()) {
             let mut status = status_of(s, now, c.rule, c.limit, c.unit);
-            if in_shadow(c.rule) && status.code == Code::OverLimit {
+            if self.in_shadow(c.rule) && status.code == Code::OverLimit {
                 status.code = Code::Ok;
             }
             if status.code == Code::OverLimit {
@@ -461,11 +510,11 @@ impl<S: BudgetStore> Limiter<S> {
                         } else {
                             "rate_limited"
                         };
-                        would_have.push((c.rule, c.limit, reason));
+                        plan.would_have.push((c.rule, c.limit, reason));
                     }
                 }
             }
-            self.count_shadow_refusals(domain, &would_have, &mut answer);
+            self.count_shadow_refusals(domain, &plan.would_have, &mut answer);
         }
         if let Some((limit, remaining, reset)) = tightest {
             // As the gateway's: the reset in Unix seconds (SPEC H1).
@@ -477,7 +526,7 @@ impl<S: BudgetStore> Limiter<S> {
             if self.policy().ietf_headers {
                 answer
                     .headers
-                    .extend(ietf_fields(&counted, decision.statuses(), now));
+                    .extend(ietf_fields(&plan.counted, decision.statuses(), now));
             }
         }
         answer
