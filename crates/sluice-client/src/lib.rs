@@ -83,7 +83,6 @@ mod layer;
 #[cfg(feature = "reqwest")]
 mod middleware;
 mod pacer;
-mod permit;
 pub mod priority;
 #[cfg(feature = "proxy")]
 pub mod proxy;
