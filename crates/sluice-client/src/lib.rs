@@ -73,6 +73,7 @@
 #[doc = include_str!("../../../docs/vs-reqwest-retry.md")]
 struct VsReqwestRetry;
 
+mod api;
 pub mod backoff;
 mod call;
 mod clock;

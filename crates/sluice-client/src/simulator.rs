@@ -53,8 +53,8 @@ use sluice_core::{Clock, Timestamp};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
+use crate::api::ApiStyle;
 use crate::clock::TokioClock;
-use crate::config::ApiStyle;
 use crate::tokens::{Encoding, EstimateOptions, estimate};
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -105,7 +105,7 @@ impl Default for SimulatorConfig {
             completion_tokens: 100,
             stream_chunks: 5,
             chunk_interval: Duration::from_millis(10),
-            default_max_tokens: crate::config::DEFAULT_MAX_TOKENS,
+            default_max_tokens: crate::api::DEFAULT_MAX_TOKENS,
             reconcile: true,
             encoding: Encoding::O200kBase,
         }
