@@ -15,7 +15,7 @@ use super::models::{ModelLimits, globs_overlap};
 use super::pace::{PaceConfig, PacerSettings};
 use super::provider::ProviderConfig;
 use super::raw::{self, RawConfig, RawLimits, RawProvider};
-use super::shipped::shipped;
+use super::shipped::{ShippedProvider, shipped};
 use crate::api::{ApiStyle, DEFAULT_MAX_TOKENS};
 use crate::tokens::Encoding;
 
@@ -99,6 +99,9 @@ pub fn validate(
     }
 }
 
+/// Checks one provider's entry (`name`, at key path `base`) and builds it;
+/// `None` when it had problems (each pushed to `problems`). The entry's
+/// fields are checked in a fixed order, so the problems come in it too.
 fn check_provider(
     name: &str,
     base: &str,
@@ -108,22 +111,83 @@ fn check_provider(
 ) -> Option<ProviderConfig> {
     let before = problems.len();
     let known = shipped(name);
-    let mut text = |key: &str, v: &Option<String>| -> Option<String> {
-        let v = v.as_ref()?;
-        match env::substitute(v, env) {
-            Ok(s) => Some(s),
-            Err(e) => {
-                problems.push(Problem {
-                    path: format!("{base}.{key}"),
-                    message: e.message(),
-                });
-                None
-            }
+    let api_key =
+        substituted(base, "apiKey", &entry.api_key, env, problems).filter(|k| !k.is_empty());
+    let base_url = substituted(base, "baseUrl", &entry.base_url, env, problems);
+    let style = check_style(base, entry.style.as_deref(), known, problems);
+    let base_url = check_base_url(base, base_url, known, problems);
+    let auth_header = check_auth_header(base, entry.auth_header.as_deref(), style, problems);
+    let (limits, origin) = check_rate_limits(base, entry.rate_limits.as_ref(), known, problems);
+    let max_wait = check_max_wait(base, entry.max_wait_seconds, problems);
+    let default_max_tokens = check_default_max_tokens(base, entry.default_max_tokens, problems);
+    let encoding = check_encoding(base, entry.encoding.as_deref(), problems);
+    check_io(
+        &format!("{base}.rateLimits"),
+        entry.rate_limits.as_ref(),
+        style,
+        problems,
+    );
+    let interactive_reserve =
+        check_interactive_reserve(base, entry.interactive_reserve_seconds, problems);
+    let models = entry
+        .models
+        .as_ref()
+        .map(|m| check_models(base, m, style, problems))
+        .unwrap_or_default();
+    let api_keys = check_api_keys(base, entry, limits, style, env, problems);
+    if problems.len() > before {
+        return None;
+    }
+    Some(ProviderConfig {
+        name: name.to_owned(),
+        api_key,
+        base_url,
+        style,
+        auth_header,
+        limits: limits?,
+        origin,
+        shrink: entry.shrink.unwrap_or(false),
+        max_wait,
+        default_max_tokens,
+        encoding,
+        reconcile: entry.reconcile.unwrap_or(true),
+        models,
+        interactive_reserve,
+        api_keys,
+    })
+}
+
+/// The text at `base.key` with its `${ENV}` variables substituted (`None`
+/// when absent, or when a variable is missing or malformed: a problem).
+fn substituted(
+    base: &str,
+    key: &str,
+    v: &Option<String>,
+    env: &dyn Fn(&str) -> Option<String>,
+    problems: &mut Vec<Problem>,
+) -> Option<String> {
+    let v = v.as_ref()?;
+    match env::substitute(v, env) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            problems.push(Problem {
+                path: format!("{base}.{key}"),
+                message: e.message(),
+            });
+            None
         }
-    };
-    let api_key = text("apiKey", &entry.api_key).filter(|k| !k.is_empty());
-    let base_url = text("baseUrl", &entry.base_url);
-    let style = match entry.style.as_deref() {
+    }
+}
+
+/// The provider's `style`: the shipped provider's (or OpenAI's) when not
+/// given; an unknown style is a problem.
+fn check_style(
+    base: &str,
+    raw: Option<&str>,
+    known: Option<&ShippedProvider>,
+    problems: &mut Vec<Problem>,
+) -> ApiStyle {
+    match raw {
         None => known.map_or(ApiStyle::OpenAi, |k| k.style),
         Some(s) => ApiStyle::parse(s).unwrap_or_else(|| {
             problems.push(Problem {
@@ -132,7 +196,17 @@ fn check_provider(
             });
             ApiStyle::OpenAi
         }),
-    };
+    }
+}
+
+/// The provider's `baseUrl` without a trailing `/`: the shipped one when not
+/// given (required for a provider sluice does not ship), and an http(s) URL.
+fn check_base_url(
+    base: &str,
+    base_url: Option<String>,
+    known: Option<&ShippedProvider>,
+    problems: &mut Vec<Problem>,
+) -> String {
     let base_url = match (base_url, known) {
         (Some(u), _) => u,
         (None, Some(k)) => k.base_url.to_owned(),
@@ -154,7 +228,18 @@ fn check_provider(
             message: format!("`{base_url}` is not an http:// or https:// URL"),
         });
     }
-    let auth_header = match &entry.auth_header {
+    base_url
+}
+
+/// The header the key goes in (`authHeader`, lower-cased), the style's
+/// default when not given.
+fn check_auth_header(
+    base: &str,
+    raw: Option<&str>,
+    style: ApiStyle,
+    problems: &mut Vec<Problem>,
+) -> HeaderName {
+    match raw {
         None => style.default_auth_header(),
         Some(h) => HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()).unwrap_or_else(|_| {
             problems.push(Problem {
@@ -163,8 +248,19 @@ fn check_provider(
             });
             style.default_auth_header()
         }),
-    };
-    let (limits, origin) = match &entry.rate_limits {
+    }
+}
+
+/// The provider's `rateLimits` and where they come from: the config's (axes
+/// it leaves out from the shipped defaults), else the shipped defaults;
+/// required for a provider sluice does not ship.
+fn check_rate_limits(
+    base: &str,
+    raw: Option<&RawLimits>,
+    known: Option<&ShippedProvider>,
+    problems: &mut Vec<Problem>,
+) -> (Option<ProviderLimits>, LimitsOrigin) {
+    match raw {
         None => match known {
             Some(k) => (Some(k.limits), LimitsOrigin::Shipped),
             None => {
@@ -184,8 +280,12 @@ fn check_provider(
             ),
             LimitsOrigin::Config,
         ),
-    };
-    let max_wait = match entry.max_wait_seconds {
+    }
+}
+
+/// `maxWaitSeconds`: in (0, 86400], [`DEFAULT_MAX_WAIT`] when not given.
+fn check_max_wait(base: &str, raw: Option<f64>, problems: &mut Vec<Problem>) -> Duration {
+    match raw {
         None => DEFAULT_MAX_WAIT,
         Some(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => Duration::from_secs_f64(s),
         Some(s) => {
@@ -195,8 +295,12 @@ fn check_provider(
             });
             DEFAULT_MAX_WAIT
         }
-    };
-    let default_max_tokens = match entry.default_max_tokens {
+    }
+}
+
+/// `defaultMaxTokens`: at least 1, [`DEFAULT_MAX_TOKENS`] when not given.
+fn check_default_max_tokens(base: &str, raw: Option<u32>, problems: &mut Vec<Problem>) -> u32 {
+    match raw {
         None => DEFAULT_MAX_TOKENS,
         Some(0) => {
             problems.push(Problem {
@@ -206,8 +310,12 @@ fn check_provider(
             DEFAULT_MAX_TOKENS
         }
         Some(n) => n,
-    };
-    let encoding = match entry.encoding.as_deref() {
+    }
+}
+
+/// `encoding`: one the tokenizer knows, `o200k_base` when not given.
+fn check_encoding(base: &str, raw: Option<&str>, problems: &mut Vec<Problem>) -> Encoding {
+    match raw {
         None => Encoding::O200kBase,
         Some(e) => Encoding::parse(e).unwrap_or_else(|| {
             problems.push(Problem {
@@ -218,14 +326,17 @@ fn check_provider(
             });
             Encoding::O200kBase
         }),
-    };
-    check_io(
-        &format!("{base}.rateLimits"),
-        entry.rate_limits.as_ref(),
-        style,
-        problems,
-    );
-    let interactive_reserve = match entry.interactive_reserve_seconds {
+    }
+}
+
+/// `interactiveReserveSeconds`: in [0, 60], [`DEFAULT_INTERACTIVE_RESERVE`]
+/// when not given.
+fn check_interactive_reserve(
+    base: &str,
+    raw: Option<f64>,
+    problems: &mut Vec<Problem>,
+) -> Duration {
+    match raw {
         None => DEFAULT_INTERACTIVE_RESERVE,
         Some(s) if s.is_finite() && (0.0..=60.0).contains(&s) => Duration::from_secs_f64(s),
         Some(s) => {
@@ -235,13 +346,20 @@ fn check_provider(
             });
             DEFAULT_INTERACTIVE_RESERVE
         }
-    };
-    let models = entry
-        .models
-        .as_ref()
-        .map(|m| check_models(base, m, style, problems))
-        .unwrap_or_default();
-    let api_keys = match (&entry.api_keys, limits) {
+    }
+}
+
+/// The provider's `apiKeys` (none unless its limits checked out); giving
+/// `apiKey` as well is a problem.
+fn check_api_keys(
+    base: &str,
+    entry: &RawProvider,
+    limits: Option<ProviderLimits>,
+    style: ApiStyle,
+    env: &dyn Fn(&str) -> Option<String>,
+    problems: &mut Vec<Problem>,
+) -> Vec<ApiKey> {
+    match (&entry.api_keys, limits) {
         (Some(keys), Some(l)) => {
             if entry.api_key.is_some() {
                 problems.push(Problem {
@@ -252,27 +370,7 @@ fn check_provider(
             check_keys(base, keys, l, style, env, problems)
         }
         _ => Vec::new(),
-    };
-    if problems.len() > before {
-        return None;
     }
-    Some(ProviderConfig {
-        name: name.to_owned(),
-        api_key,
-        base_url,
-        style,
-        auth_header,
-        limits: limits?,
-        origin,
-        shrink: entry.shrink.unwrap_or(false),
-        max_wait,
-        default_max_tokens,
-        encoding,
-        reconcile: entry.reconcile.unwrap_or(true),
-        models,
-        interactive_reserve,
-        api_keys,
-    })
 }
 
 /// `otpm` without `itpm` where the provider counts input and output apart
