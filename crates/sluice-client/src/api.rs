@@ -1,8 +1,8 @@
 //! What a provider's API looks like to the client: the shapes of its
 //! requests and answers ([`ApiStyle`]) and the completion budget assumed
 //! when a request names none. Shared by the config, the token estimates, the
-//! shrinking of requests and the simulator; re-exported from
-//! [`config`](crate::config).
+//! shrinking of requests and the simulator; users reach both through the
+//! `config` module, which re-exports them.
 
 use http::HeaderName;
 
