@@ -254,7 +254,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
     }
 }
 
-/// The callback a [`crate::UsageTap`] calls when the answer ends: reconcile
+/// The callback a [`UsageTap`](crate::usage::UsageTap) calls when the answer ends: reconcile
 /// the reservation with the usage seen (on the runtime the request ran on).
 /// Without usage the reservation stands.
 pub(crate) fn reconcile_on_end<S, C>(permit: Box<Permit<S, C>>) -> OnUsage

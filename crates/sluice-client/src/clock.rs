@@ -7,8 +7,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sluice_core::{Clock, Timestamp};
 use tokio::time::Instant;
 
-/// The Unix time tests anchor at: 2025-11-30T00:00:00Z (a whole minute, so
-/// windows and slots start at known instants).
+/// A fixed Unix time for tests and benchmarks to start a [`TokioClock`] at
+/// (`TokioClock::at(TEST_EPOCH)`): 2025-11-30T00:00:00Z, a whole minute, so
+/// that the pacer's windows and slots start at known instants and runs on
+/// tokio's paused clock give the same numbers every time. Programs use
+/// [`TokioClock::system`] instead.
 pub const TEST_EPOCH: Timestamp = Timestamp::from_secs(1_764_460_800);
 
 /// Unix time read from [`tokio::time::Instant`]: a fixed Unix instant at

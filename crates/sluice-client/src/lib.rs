@@ -73,6 +73,7 @@
 #[doc = include_str!("../../../docs/vs-reqwest-retry.md")]
 struct VsReqwestRetry;
 
+mod api;
 pub mod backoff;
 mod call;
 mod clock;
@@ -83,7 +84,6 @@ mod layer;
 #[cfg(feature = "reqwest")]
 mod middleware;
 mod pacer;
-mod permit;
 pub mod priority;
 #[cfg(feature = "proxy")]
 pub mod proxy;
@@ -98,8 +98,14 @@ pub mod usage;
 mod window;
 
 pub use call::IDEMPOTENCY_KEY;
-pub use clock::TokioClock;
+pub use clock::{TEST_EPOCH, TokioClock};
+/// The config a [`Pacer`] paces by (also at [`config::PaceConfig`], with the
+/// rest of the config).
+pub use config::PaceConfig;
 pub use error::PaceError;
+/// Rate-limit headers as the pacer reads them (also at
+/// [`headers::RateLimitHeaders`]).
+pub use headers::RateLimitHeaders;
 pub use layer::{BoxError, PacedBody, PacerLayer, PacerService};
 #[cfg(feature = "reqwest")]
 pub use middleware::{PaceProvider, PacerMiddleware};
@@ -107,20 +113,3 @@ pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats, WindowReading};
 pub use priority::{AcquireOptions, PRIORITY_HEADER, Priority};
 #[cfg(feature = "reqwest")]
 pub use redirect::{MAX_REDIRECTS, same_origin_redirects};
-
-// Each of these is documented in its module (one path per type); the root
-// names stay, hidden, for code written against them.
-#[doc(hidden)]
-pub use backoff::{Backoff, RetryPolicy};
-#[doc(hidden)]
-pub use clock::TEST_EPOCH;
-#[doc(hidden)]
-pub use config::{PaceConfig, ProviderConfig, ProviderLimits};
-#[doc(hidden)]
-pub use headers::RateLimitHeaders;
-#[doc(hidden)]
-pub use shrink::{Demand, PacedRequest, SHRINK_HEADER, ShrinkReport};
-#[doc(hidden)]
-pub use tokens::{Encoding, TokenEstimate};
-#[doc(hidden)]
-pub use usage::{Usage, UsageTap};

@@ -7,7 +7,7 @@
 
 use serde_json::Value;
 
-use crate::config::ApiStyle;
+use crate::api::ApiStyle;
 use crate::tokens::{EstimateOptions, TokenEstimate, estimate};
 
 /// The response header saying what was dropped: `tokens=1234; messages=6`.

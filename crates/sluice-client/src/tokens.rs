@@ -14,7 +14,7 @@
 
 use serde_json::Value;
 
-use crate::config::ApiStyle;
+use crate::api::{ApiStyle, DEFAULT_MAX_TOKENS};
 
 /// An image part on OpenAI: a `high`/`auto` detail 1024×1024 image (85 + 4
 /// tiles × 170); `low` detail counts 85.
@@ -110,7 +110,7 @@ impl Default for EstimateOptions {
     fn default() -> Self {
         EstimateOptions {
             encoding: Encoding::O200kBase,
-            default_max_tokens: crate::config::DEFAULT_MAX_TOKENS,
+            default_max_tokens: DEFAULT_MAX_TOKENS,
         }
     }
 }

@@ -8,8 +8,9 @@ mod support;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderValue};
+use sluice_client::AcquireOptions;
 use sluice_client::config::{ModelLimits, ProviderLimits};
-use sluice_client::{AcquireOptions, TokenEstimate};
+use sluice_client::tokens::TokenEstimate;
 use sluice_core::Clock;
 use support::*;
 

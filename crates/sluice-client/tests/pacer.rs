@@ -10,10 +10,10 @@ use std::time::Duration;
 use serde_json::json;
 use sluice_client::config::ApiStyle;
 use sluice_client::config::{ConfigWatcher, LimitsSource, StaticLimits, overrides_path};
+use sluice_client::shrink::{Demand, PacedRequest};
 use sluice_client::tokens::EstimateOptions;
-use sluice_client::{
-    Demand, PaceError, PacedRequest, Pacer, TEST_EPOCH, TokenEstimate, TokioClock,
-};
+use sluice_client::tokens::TokenEstimate;
+use sluice_client::{PaceError, Pacer, TEST_EPOCH, TokioClock};
 use sluice_core::Clock;
 use sluice_store::{MemoryConfig, MemoryStore};
 use support::*;

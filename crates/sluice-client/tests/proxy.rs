@@ -9,8 +9,8 @@ mod support;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sluice_client::SHRINK_HEADER;
 use sluice_client::proxy::{ProxyOptions, ProxyServer};
+use sluice_client::shrink::SHRINK_HEADER;
 use sluice_client::simulator::{Simulator, SimulatorConfig};
 
 fn chat(max_tokens: u32) -> Value {

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use super::ProviderLimits;
+use super::limits::ProviderLimits;
 
 /// One of a provider's keys, checked. Its value never appears in `Debug`,
 /// logs, `/status`, `/limits` or the settings page: only its [`ApiKey::name`].

@@ -2,7 +2,7 @@
 //! limits, grouped into shared budgets (`shared: name`), and the check that
 //! no model falls under two patterns with different limits.
 
-use super::ProviderLimits;
+use super::limits::ProviderLimits;
 
 /// One `models:` entry, checked: the model names it covers and the budget
 /// they spend.

@@ -2,7 +2,8 @@
 //! OpenAI-compatible (or native) base URLs: used when a config entry leaves
 //! them out.
 
-use super::{ApiStyle, ProviderLimits};
+use super::limits::ProviderLimits;
+use crate::api::ApiStyle;
 
 /// One shipped provider.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,11 @@ use std::time::SystemTime;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 
-use super::{ConfigError, PaceConfig, ProviderLimits, load};
+use sluice_core::Problem;
+
+use super::limits::{LimitsOrigin, ProviderLimits};
+use super::load::{ConfigError, load, overrides_path};
+use super::pace::PaceConfig;
 
 /// Where a pacer reads the config in force: asked on every request.
 pub trait LimitsSource: Send + Sync + 'static {
@@ -70,7 +74,7 @@ impl LimitsSource for StaticLimits {
         for k in &mut p.api_keys {
             k.follow(limits);
         }
-        p.origin = super::LimitsOrigin::Settings;
+        p.origin = LimitsOrigin::Settings;
         self.set(c);
         Ok(())
     }
@@ -79,21 +83,11 @@ impl LimitsSource for StaticLimits {
 fn unknown_provider(provider: &str, file: &Path) -> ConfigError {
     ConfigError::Invalid {
         file: file.to_owned(),
-        problems: vec![super::Problem {
+        problems: vec![Problem {
             path: format!("providers.{provider}"),
             message: "no such provider in the config".into(),
         }],
     }
-}
-
-/// The settings page's file next to `config`: `pace.yaml` →
-/// `pace.overrides.yaml`. It holds only edited `rateLimits` and wins over
-/// the config file's.
-pub fn overrides_path(config: &Path) -> PathBuf {
-    let stem = config
-        .file_stem()
-        .map_or_else(|| "pace".into(), |s| s.to_string_lossy().into_owned());
-    config.with_file_name(format!("{stem}.overrides.yaml"))
 }
 
 /// What identifies a version of a file: modification time and length
@@ -199,7 +193,7 @@ impl LimitsSource for ConfigWatcher {
         let mut edited: Vec<(String, ProviderLimits)> = config
             .providers
             .values()
-            .filter(|p| p.origin == super::LimitsOrigin::Settings && p.name != provider)
+            .filter(|p| p.origin == LimitsOrigin::Settings && p.name != provider)
             .map(|p| (p.name.clone(), p.limits))
             .collect();
         edited.push((provider.to_owned(), limits));

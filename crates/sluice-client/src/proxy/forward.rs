@@ -14,8 +14,9 @@ use sluice_store::BudgetStore;
 
 use super::App;
 use crate::call::{After, Call, MAX_ERROR_BODY, is_hop_by_hop, reconcile_on_end};
+use crate::config::ProviderConfig;
 use crate::error::PaceError;
-use crate::shrink::SHRINK_HEADER;
+use crate::shrink::{SHRINK_HEADER, ShrinkReport};
 use crate::usage::UsageTap;
 
 /// How long the proxy waited for room, on every paced answer.
@@ -117,30 +118,7 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
             ),
         );
     };
-    let mut headers = HeaderMap::with_capacity(parts.headers.len());
-    for (k, v) in &parts.headers {
-        if is_hop_by_hop(k)
-            || k == header::HOST
-            || k == header::CONTENT_LENGTH
-            // Identity answers: usage must be readable on the way back.
-            || k == header::ACCEPT_ENCODING
-        {
-            continue;
-        }
-        headers.append(k.clone(), v.clone());
-    }
-    if !config.pacer.client_keys.is_empty() {
-        // The caller's key is for this proxy, never for the provider.
-        headers.remove(header::AUTHORIZATION);
-        headers.remove(sluice_door::X_API_KEY);
-    }
-    if let Some(key) = &p.api_key {
-        headers.remove(header::AUTHORIZATION);
-        headers.remove(sluice_door::X_API_KEY);
-        if let Ok(v) = HeaderValue::from_str(&p.auth_value(key)) {
-            headers.insert(p.auth_header.clone(), v);
-        }
-    }
+    let headers = upstream_headers(&parts.headers, !config.pacer.client_keys.is_empty(), p);
     let mut call = match Call::new(&app.pacer, &provider, parts.method, &rest, headers, bytes) {
         Ok(c) => c,
         Err(e) => return pace_error(&e),
@@ -175,26 +153,8 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
             }
         };
         let status = resp.status();
-        let mut rheaders = HeaderMap::with_capacity(resp.headers().len());
-        for (k, v) in resp.headers() {
-            if !is_hop_by_hop(k) {
-                rheaders.append(k.clone(), v.clone());
-            }
-        }
-        if let Some(r) = call.shrink_report()
-            && let Ok(v) = HeaderValue::from_str(&r.header_value())
-        {
-            rheaders.insert(SHRINK_HEADER, v);
-        }
-        if let Ok(v) = HeaderValue::from_str(&waited.as_millis().to_string()) {
-            rheaders.insert(WAITED_HEADER, v);
-        }
-        if let Ok(v) = HeaderValue::from_str(&budget) {
-            rheaders.insert(BUDGET_HEADER, v);
-        }
-        if let Some(v) = key_name.and_then(|k| HeaderValue::from_str(&k).ok()) {
-            rheaders.insert(KEY_HEADER, v);
-        }
+        let mut rheaders = answer_headers(resp.headers(), call.shrink_report());
+        paced_headers(&mut rheaders, waited, &budget, key_name);
         if Call::<S, C>::wants_body(status) {
             let bytes = read_limited(resp, MAX_ERROR_BODY).await;
             match call.after(permit, status, &rheaders, Some(&bytes)).await {
@@ -223,6 +183,75 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
             _ => Body::new(upstream.into_body()),
         };
         return respond(status, rheaders, body);
+    }
+}
+
+/// The headers sent to the provider: the caller's, less the hop-by-hop ones,
+/// `Host`, `Content-Length` and `Accept-Encoding` (identity answers: usage
+/// must be readable on the way back); the caller's key removed when it is
+/// for this proxy (`for_proxy`); the provider's key put in when the config
+/// has one.
+fn upstream_headers(from: &HeaderMap, for_proxy: bool, p: &ProviderConfig) -> HeaderMap {
+    let mut headers = HeaderMap::with_capacity(from.len());
+    for (k, v) in from {
+        if is_hop_by_hop(k)
+            || k == header::HOST
+            || k == header::CONTENT_LENGTH
+            // Identity answers: usage must be readable on the way back.
+            || k == header::ACCEPT_ENCODING
+        {
+            continue;
+        }
+        headers.append(k.clone(), v.clone());
+    }
+    if for_proxy {
+        // The caller's key is for this proxy, never for the provider.
+        headers.remove(header::AUTHORIZATION);
+        headers.remove(sluice_door::X_API_KEY);
+    }
+    if let Some(key) = &p.api_key {
+        headers.remove(header::AUTHORIZATION);
+        headers.remove(sluice_door::X_API_KEY);
+        if let Ok(v) = HeaderValue::from_str(&p.auth_value(key)) {
+            headers.insert(p.auth_header.clone(), v);
+        }
+    }
+    headers
+}
+
+/// The provider's answer headers, less the hop-by-hop ones, with
+/// [`SHRINK_HEADER`] when the request was shrunk.
+fn answer_headers(from: &HeaderMap, shrunk: Option<ShrinkReport>) -> HeaderMap {
+    let mut rheaders = HeaderMap::with_capacity(from.len());
+    for (k, v) in from {
+        if !is_hop_by_hop(k) {
+            rheaders.append(k.clone(), v.clone());
+        }
+    }
+    if let Some(r) = shrunk
+        && let Ok(v) = HeaderValue::from_str(&r.header_value())
+    {
+        rheaders.insert(SHRINK_HEADER, v);
+    }
+    rheaders
+}
+
+/// What pacing did, on every paced answer: the wait ([`WAITED_HEADER`]),
+/// the budget ([`BUDGET_HEADER`]) and the key's name ([`KEY_HEADER`]).
+fn paced_headers(
+    rheaders: &mut HeaderMap,
+    waited: Duration,
+    budget: &str,
+    key_name: Option<String>,
+) {
+    if let Ok(v) = HeaderValue::from_str(&waited.as_millis().to_string()) {
+        rheaders.insert(WAITED_HEADER, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(budget) {
+        rheaders.insert(BUDGET_HEADER, v);
+    }
+    if let Some(v) = key_name.and_then(|k| HeaderValue::from_str(&k).ok()) {
+        rheaders.insert(KEY_HEADER, v);
     }
 }
 

@@ -8,22 +8,13 @@ use http::HeaderMap;
 use sluice_core::{Clock, Timestamp};
 use sluice_store::{BudgetStore, MemoryStore};
 
+use super::charge::Charge;
+use super::handle::Pacer;
+use super::state::{ProviderState, RECONCILED};
 use crate::clock::TokioClock;
 use crate::error::PaceError;
-use crate::pacer::{Pacer, ProviderState};
 use crate::route::{Cost, Scope, TokenAxis};
 use crate::usage::Usage;
-
-/// Tokens reserved on one axis of one budget.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Charge {
-    pub(crate) subject: u64,
-    pub(crate) axis: TokenAxis,
-    pub(crate) tokens: u32,
-    pub(crate) slot: u64,
-    /// The axis's limit in the budget.
-    pub(crate) limit: u32,
-}
 
 /// A reservation: the request may go. Reconcile it with the answer's usage,
 /// or cancel it when the provider did not count the request; dropping it
@@ -182,7 +173,7 @@ where
         if !self.reconcile {
             return Ok(());
         }
-        self.state.counters.add(crate::pacer::RECONCILED, 1);
+        self.state.counters.add(RECONCILED, 1);
         self.settle(cost, false).await
     }
 
