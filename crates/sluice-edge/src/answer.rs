@@ -12,7 +12,7 @@ use http_body_util::Full;
 use sluice_core::Decision;
 use sluice_policy::{PathError, Policy, Refusal, Unclassifiable};
 
-use crate::limiter::Refused;
+use crate::head::Refused;
 use crate::plan::{BudgetKind, Plan};
 
 /// `X-Sluice-Workspace`: the caller's workspace, sent to the upstream.
@@ -117,11 +117,7 @@ pub const COST_EXCEEDS_LIMIT: &str = "cost_exceeds_limit";
 /// The edge limiter's 429 body.
 pub const EDGE_BODY: &str = "Too many requests, please try again later.";
 
-/// Seconds, rounded up, never below 1: what `Retry-After` says.
-pub fn retry_after_secs(d: Duration) -> u64 {
-    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
-    secs.max(1)
-}
+pub use crate::plan::retry_after_secs;
 
 /// The wait a refusal announces: until every budget has room, or — for a
 /// request that can never fit — until the refusing budget's window resets.

@@ -3,8 +3,6 @@
 
 use serde_json::Value;
 
-use crate::Refused;
-
 /// Longest `idempotency_key` accepted.
 pub const MAX_IDEMPOTENCY_KEY: usize = 256;
 
@@ -57,8 +55,8 @@ impl std::fmt::Display for BadBatch {
 
 impl std::error::Error for BadBatch {}
 
-fn bad(reason: &'static str, n: usize) -> Refused {
-    Refused::Batch(BadBatch { reason, n })
+fn bad(reason: &'static str, n: usize) -> BadBatch {
+    BadBatch { reason, n }
 }
 
 /// Checks a batch body: an object with a non-empty `items` array of at most
@@ -66,8 +64,9 @@ fn bad(reason: &'static str, n: usize) -> Refused {
 /// else.
 ///
 /// # Errors
-/// [`Refused::Batch`] saying what is wrong.
-pub fn parse_batch(body: &[u8], max_items: u32) -> Result<BatchSubmit, Refused> {
+/// [`BadBatch`] saying what is wrong (a [`Refused::Batch`](crate::Refused::Batch)
+/// through `?`).
+pub fn parse_batch(body: &[u8], max_items: u32) -> Result<BatchSubmit, BadBatch> {
     let value: Value = serde_json::from_slice(body).map_err(|_| bad("not_json", 0))?;
     let Value::Object(mut object) = value else {
         return Err(bad("not_an_object", 0));
@@ -137,7 +136,7 @@ mod tests {
             (br#"{"items":[{},{},{}]}"#, "too_many_items"),
         ] {
             match parse_batch(body, 2) {
-                Err(Refused::Batch(b)) => {
+                Err(b) => {
                     assert_eq!(b.reason, reason, "{}", String::from_utf8_lossy(body))
                 }
                 other => panic!("{}: {other:?}", String::from_utf8_lossy(body)),
@@ -196,12 +195,12 @@ fn batch_tools(policy: &sluice_policy::Policy) -> impl Iterator<Item = (BatchToo
 /// `tools/call` naming a lane's submit or status tool.
 ///
 /// # Errors
-/// [`Refused::Batch`] (`batch_tool_in_batch`) for a JSON-RPC batch holding such a
+/// [`BadBatch`] (`batch_tool_in_batch`) for a JSON-RPC batch holding such a
 /// call: sluice answers those calls itself, one per request.
 pub fn batch_tool_call(
     policy: &sluice_policy::Policy,
     body: &[u8],
-) -> Result<Option<BatchToolCall>, Refused> {
+) -> Result<Option<BatchToolCall>, BadBatch> {
     if !may_call_batch_tool(policy, body) {
         return Ok(None);
     }

@@ -66,6 +66,7 @@ mod buffers;
 pub mod descriptors;
 pub mod exchange;
 pub mod forward_auth;
+mod head;
 mod intake;
 mod lanes;
 mod limiter;

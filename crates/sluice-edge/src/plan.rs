@@ -37,6 +37,12 @@ pub(crate) fn policy_index(i: u32) -> usize {
     usize::try_from(i).unwrap_or(usize::MAX)
 }
 
+/// Seconds, rounded up, never below 1: what `Retry-After` says.
+pub fn retry_after_secs(d: std::time::Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
 /// A weighted budget that was exhausted and passed on to the upstream instead
 /// of refusing the request (`on_exhausted: pass`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -400,7 +406,7 @@ impl Plan {
         );
         match status.verdict {
             sluice_core::Verdict::NotYet { retry_after } if refills_gradually => {
-                crate::answer::retry_after_secs(retry_after)
+                retry_after_secs(retry_after)
             }
             _ => status.reset_after_secs(decision.decided_at()),
         }

@@ -223,7 +223,7 @@ impl BatchLane {
     async fn submit(&self, parts: &http::request::Parts, body: Bytes) -> Response<ProxyBody> {
         let submit = match sluice_edge::parse_batch(&body, self.batch.max_items.get()) {
             Ok(submit) => submit,
-            Err(refused) => return boxed(refused.response()),
+            Err(bad) => return boxed(sluice_edge::Refused::from(bad).response()),
         };
         let workspace = header_text(parts, "x-sluice-workspace");
         let user = header_text(parts, "x-sluice-user");

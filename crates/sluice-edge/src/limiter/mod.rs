@@ -13,16 +13,15 @@ use sluice_store::{BudgetStore, MemoryConfig, MemoryStore};
 use crate::plan::Scopes;
 
 mod admission;
-mod head;
 mod outage;
 mod planning;
 mod quota_admin;
 mod routing;
 mod telemetry;
 
+pub use crate::head::{Refused, check_head};
 pub use admission::{Reason, Refusal};
 pub(crate) use admission::{shadow_waived, waive};
-pub use head::{Refused, check_head};
 pub use outage::FALLBACK_MAX_KEYS;
 pub use quota_admin::{QuotaQueryError, QuotaUsage};
 use routing::read_headers_of;

@@ -13,8 +13,10 @@ use tokio::io::AsyncReadExt as _;
 use tokio::net::TcpStream;
 
 use super::READ_CHUNK;
-use super::connection::{Connection, Timers, read_more};
-use super::exchange::MAX_PIPELINED;
+use super::buffers::{Connection, Timers, read_more};
+
+/// Most bytes kept of what a client sends while its response streams.
+pub(super) const MAX_PIPELINED: usize = 64 * 1024;
 
 /// Reads some of a request body into the spare room of `buf` (which has some): within
 /// the head timeout, and before `whole_by`. The bytes read (at least one).

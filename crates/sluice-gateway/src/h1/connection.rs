@@ -1,120 +1,28 @@
-//! One client connection on the fast path: its buffers, its deadlines, and each
-//! request on it through the edge's phases (see `sluice_edge::exchange`): head,
-//! body, plan, admission, then the exchange with the upstream.
+//! Each request on a fast-path connection through the edge's phases (see
+//! `sluice_edge::Intake` and `sluice_edge::exchange`): head, body, plan,
+//! admission, then the exchange with the upstream.
 
 use std::io;
-use std::net::IpAddr;
-use std::time::Duration;
 
-use bytes::{Buf as _, Bytes, BytesMut};
-use http::{HeaderMap, Method, Response};
+use bytes::{Buf as _, Bytes};
+use http::{Method, Response};
 use http_body_util::BodyExt as _;
 use sluice_edge::RequestId;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use crate::proxy::{Failure, ForwardedPeer, upstream_failure};
-use sluice_h1::deadline::Deadline;
+use crate::proxy::{Failure, upstream_failure};
 use sluice_h1::response;
 
+use super::MAX_BUFFERED_BODY;
 use super::access::Access;
+use super::buffers::{Connection, Next, Timers, may_end_head, read_more};
 use super::encode::{own, push_date, push_field};
 use super::exchange::{Exchanged, REPLACED_FIELDS, Relay};
 use super::request;
-use super::{FastPath, KEPT_CAPACITY, MAX_BUFFERED_BODY, READ_CHUNK};
-
-/// A connection's deadlines: for the next request head, for the upstream's answer.
-pub(super) struct Timers {
-    pub(super) head: Deadline,
-    pub(super) head_timeout: Duration,
-    pub(super) upstream: Deadline,
-}
-
-/// What follows a request.
-pub(super) enum Next {
-    /// The next request on this connection.
-    Request,
-    /// Closing the connection.
-    Close,
-    /// Leaving the connection to hyper (nothing of the current request was answered).
-    Elsewhere,
-}
-
-/// One client connection's buffers.
-pub(super) struct Connection<'f> {
-    pub(super) fast: &'f FastPath,
-    pub(super) peer: IpAddr,
-    /// The peer as the forwarding fields write it.
-    pub(super) forwarded_peer: ForwardedPeer,
-    /// Read from the client, not served yet.
-    pub(super) from_client: BytesMut,
-    /// Read from the upstream, not relayed yet.
-    pub(super) from_upstream: BytesMut,
-    /// The request head and body for the upstream.
-    pub(super) to_upstream: Vec<u8>,
-    /// The response head (and the first body bytes) for the client.
-    pub(super) to_client: Vec<u8>,
-    /// The request fields the limiter reads.
-    pub(super) identity: HeaderMap,
-}
-
-/// True when the empty `buf` holds an allocation larger than [`KEPT_CAPACITY`]: its
-/// capacity counts only what lies after the bytes already consumed, so the space
-/// before them is taken back first (no copy: nothing is left to move).
-pub(super) fn holds_more_than_kept(buf: &mut BytesMut) -> bool {
-    buf.capacity() > KEPT_CAPACITY || buf.try_reclaim(KEPT_CAPACITY + 1)
-}
-
-/// Reads what is there (at least one byte, or 0 at the end) into `buf`.
-pub(super) async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
-    buf.reserve(READ_CHUNK);
-    stream.read_buf(buf).await
-}
-
-/// True when `buf`, of which the first `checked` bytes were found to hold no complete
-/// head, may hold one now: when it is not empty and either nothing was checked yet
-/// or the bytes since hold the blank line that ends a head. Parsing again only then
-/// keeps a head that arrives a byte at a time from costing a parse per byte.
-pub(super) fn may_end_head(buf: &[u8], checked: usize) -> bool {
-    if checked == 0 {
-        return !buf.is_empty();
-    }
-    let fresh = &buf[checked.saturating_sub(3).min(buf.len())..];
-    fresh.windows(2).any(|w| w == b"\n\n") || fresh.windows(3).any(|w| w == b"\n\r\n")
-}
 
 impl<'f> Connection<'f> {
-    pub(super) fn new(fast: &'f FastPath, peer: IpAddr) -> Self {
-        Connection {
-            fast,
-            peer,
-            forwarded_peer: ForwardedPeer::new(peer),
-            from_client: BytesMut::with_capacity(READ_CHUNK),
-            from_upstream: BytesMut::new(),
-            to_upstream: Vec::with_capacity(1024),
-            to_client: Vec::with_capacity(1024),
-            identity: HeaderMap::new(),
-        }
-    }
-
-    /// Gives back what a large request or response made a buffer grow to, so that an
-    /// idle kept-alive connection holds at most a few of [`KEPT_CAPACITY`].
-    pub(super) fn trim(&mut self) {
-        if self.from_client.is_empty() && holds_more_than_kept(&mut self.from_client) {
-            self.from_client = BytesMut::with_capacity(READ_CHUNK);
-        }
-        if self.from_upstream.is_empty() && holds_more_than_kept(&mut self.from_upstream) {
-            self.from_upstream = BytesMut::new();
-        }
-        for buf in [&mut self.to_upstream, &mut self.to_client] {
-            if buf.capacity() > KEPT_CAPACITY {
-                buf.clear();
-                buf.shrink_to(1024);
-            }
-        }
-    }
-
     /// Serves one request.
     pub(super) async fn one_request(
         &mut self,

@@ -17,7 +17,7 @@ use sluice_h1::response::{self, Framing};
 
 use super::READ_CHUNK;
 use super::body::read_body;
-use super::connection::{Connection, may_end_head, read_more};
+use super::buffers::{Connection, may_end_head, read_more};
 use super::encode::{push_chunk, push_date, push_field, push_rate_limit_fields};
 
 /// The upstream's answer: its head (the client's form in the head buffer) and the
@@ -75,9 +75,6 @@ pub(super) enum Exchange {
 
 /// Longest upstream response head relayed, as for request heads.
 pub(super) const MAX_RESPONSE_HEAD: usize = 64 * 1024;
-
-/// Most bytes kept of what a client sends while its response streams.
-pub(super) const MAX_PIPELINED: usize = 64 * 1024;
 
 impl<'f> Connection<'f> {
     /// Sends the request (head and body in `to_upstream`) and reads the response head,

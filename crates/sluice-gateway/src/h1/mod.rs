@@ -26,12 +26,13 @@
 
 mod access;
 mod body;
+mod buffers;
 mod connection;
 mod encode;
 mod exchange;
 mod request;
 
-use connection::{Connection, Next, Timers};
+use buffers::{Connection, Next, Timers};
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -156,7 +157,7 @@ mod tests {
     use sluice_h1::chunked::ChunkedEnd;
     use tokio::io::AsyncReadExt as _;
 
-    use super::connection::may_end_head;
+    use super::buffers::may_end_head;
     use super::encode::push_chunk;
     use super::*;
     use std::sync::Arc;
