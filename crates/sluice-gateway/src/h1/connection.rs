@@ -7,12 +7,13 @@ use std::io;
 use bytes::{Buf as _, Bytes};
 use http::{Method, Response};
 use http_body_util::BodyExt as _;
-use sluice_edge::RequestId;
+use sluice_edge::{Forward, Limiter, RequestId};
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::proxy::{Failure, upstream_failure};
+use crate::store::AnyStore;
 use sluice_h1::response;
 
 use super::MAX_BUFFERED_BODY;
@@ -21,6 +22,25 @@ use super::buffers::{Connection, Next, Timers, may_end_head, read_more};
 use super::encode::{own, push_date, push_field};
 use super::exchange::{Exchanged, REPLACED_FIELDS, Relay};
 use super::request;
+
+/// A request admitted on the fast path, to be forwarded (see
+/// [`Connection::forward`]).
+struct Admitted {
+    /// The connection closes after it.
+    close: bool,
+    head_request: bool,
+    /// It may be sent again on a new connection when a kept-alive one fails.
+    repeatable: bool,
+    id: RequestId,
+    access: Option<Access>,
+    in_flight: crate::metered::InFlight,
+    /// The body whole in its own buffer; empty when it is in `from_client`.
+    held: Bytes,
+    /// Where the body is in `from_client` when it is there.
+    body: std::ops::Range<usize>,
+    /// Bytes of `from_client` the request takes up.
+    consumed: usize,
+}
 
 impl<'f> Connection<'f> {
     /// Serves one request.
@@ -35,59 +55,12 @@ impl<'f> Connection<'f> {
         // The policy of this request, whatever a reload does meanwhile.
         let current = fast.limiter.load_full();
         let limiter = &*current;
-        let route =
-            |method: &Method, hosts: &mut dyn Iterator<Item = &[u8]>, path: Result<&str, _>| {
-                limiter.route_head(method, http::Version::HTTP_11, hosts, path, None)
-            };
-        let cx = request::Context {
-            upstream: &fast.config.upstream,
-            route: &route,
-            paths: limiter.policy().paths,
-            identity_headers: limiter.read_header_names(),
-            peer: &self.forwarded_peer,
-            counted_credential: limiter
-                .policy()
-                .identity
-                .counted
-                .map(|_| &limiter.policy().identity),
-        };
-
-        // A complete head.
-        timers
-            .head
-            .set(tokio::time::Instant::now() + timers.head_timeout);
-        let mut checked = 0;
-        let head = loop {
-            if may_end_head(&self.from_client, checked) {
-                self.identity.clear();
-                match request::parse(
-                    &self.from_client,
-                    &cx,
-                    &mut self.to_upstream,
-                    &mut self.identity,
-                ) {
-                    request::Parsed::Ready(head) if head.len <= max_head => break head,
-                    request::Parsed::Ready(_) | request::Parsed::Elsewhere => {
-                        return Ok(Next::Elsewhere);
-                    }
-                    request::Parsed::Partial => checked = self.from_client.len(),
-                }
-            }
-            if self.from_client.len() >= max_head {
-                // No head within the bound: hyper refuses it (431).
-                return Ok(Next::Elsewhere);
-            }
-            // Between requests the drain wins: no request is cut.
-            let idle = self.from_client.is_empty();
-            let n = tokio::select! {
-                biased;
-                n = read_more(client, &mut self.from_client) => n?,
-                () = timers.head.passed() => return Ok(Next::Close),
-                _ = draining.wait_for(|d| *d), if idle => return Ok(Next::Close),
-            };
-            if n == 0 {
-                return Ok(Next::Close);
-            }
+        let head = match self
+            .read_head(client, draining, timers, max_head, limiter)
+            .await?
+        {
+            Ok(head) => head,
+            Err(next) => return Ok(next),
         };
 
         let id = head.request_id;
@@ -173,7 +146,7 @@ impl<'f> Connection<'f> {
         // (refused before anything is decided), a refusal, a body past the bound,
         // or a limiter that cannot decide, is answered here.
         let planned = intake.planned(&self.identity, None, Some(body_bytes));
-        let mut forward = match planned.admit(Some(&id)).await {
+        let forward = match planned.admit(Some(&id)).await {
             Ok(forward) => forward,
             Err(answer) => {
                 self.from_client.advance(consumed);
@@ -192,6 +165,113 @@ impl<'f> Connection<'f> {
             }
         };
 
+        let admitted = Admitted {
+            close: head.close,
+            head_request,
+            repeatable: head.method.is_idempotent(),
+            id,
+            access,
+            in_flight,
+            held,
+            body,
+            consumed,
+        };
+        self.forward(client, timers, limiter, forward, admitted)
+            .await
+    }
+
+    /// Reads until the buffer holds a complete request head the fast path serves
+    /// (`Ok(Ok)`), or says what follows instead: the connection left to hyper (a head
+    /// it does not serve, or none within `max_head`), or closed (the head timeout, a
+    /// drain between requests, the client gone).
+    async fn read_head<'l>(
+        &mut self,
+        client: &mut TcpStream,
+        draining: &mut watch::Receiver<bool>,
+        timers: &mut Timers,
+        max_head: usize,
+        limiter: &'l Limiter<AnyStore>,
+    ) -> io::Result<Result<request::Head<'l>, Next>> {
+        let fast = self.fast;
+        let route =
+            |method: &Method, hosts: &mut dyn Iterator<Item = &[u8]>, path: Result<&str, _>| {
+                limiter.route_head(method, http::Version::HTTP_11, hosts, path, None)
+            };
+        let cx = request::Context {
+            upstream: &fast.config.upstream,
+            route: &route,
+            paths: limiter.policy().paths,
+            identity_headers: limiter.read_header_names(),
+            peer: &self.forwarded_peer,
+            counted_credential: limiter
+                .policy()
+                .identity
+                .counted
+                .map(|_| &limiter.policy().identity),
+        };
+
+        // A complete head.
+        timers
+            .head
+            .set(tokio::time::Instant::now() + timers.head_timeout);
+        let mut checked = 0;
+        loop {
+            if may_end_head(&self.from_client, checked) {
+                self.identity.clear();
+                match request::parse(
+                    &self.from_client,
+                    &cx,
+                    &mut self.to_upstream,
+                    &mut self.identity,
+                ) {
+                    request::Parsed::Ready(head) if head.len <= max_head => return Ok(Ok(head)),
+                    request::Parsed::Ready(_) | request::Parsed::Elsewhere => {
+                        return Ok(Err(Next::Elsewhere));
+                    }
+                    request::Parsed::Partial => checked = self.from_client.len(),
+                }
+            }
+            if self.from_client.len() >= max_head {
+                // No head within the bound: hyper refuses it (431).
+                return Ok(Err(Next::Elsewhere));
+            }
+            // Between requests the drain wins: no request is cut.
+            let idle = self.from_client.is_empty();
+            let n = tokio::select! {
+                biased;
+                n = read_more(client, &mut self.from_client) => n?,
+                () = timers.head.passed() => return Ok(Err(Next::Close)),
+                _ = draining.wait_for(|d| *d), if idle => return Ok(Err(Next::Close)),
+            };
+            if n == 0 {
+                return Ok(Err(Next::Close));
+            }
+        }
+    }
+
+    /// Forwards an admitted request (phases 5 and 6): the head with who the request
+    /// is from and the body in one write, the answer's head settled and its body
+    /// relayed; a failed or late upstream answered with sluice's own 502 or 504.
+    async fn forward(
+        &mut self,
+        client: &mut TcpStream,
+        timers: &mut Timers,
+        limiter: &Limiter<AnyStore>,
+        mut forward: Forward<'_, AnyStore>,
+        admitted: Admitted,
+    ) -> io::Result<Next> {
+        let fast = self.fast;
+        let Admitted {
+            close,
+            head_request,
+            repeatable,
+            id,
+            access,
+            in_flight,
+            held,
+            body,
+            consumed,
+        } = admitted;
         // Forwarded: the head with who the request is from, and the body, in one
         // write: a body in the connection's buffer is copied after the head, one held
         // whole in its own buffer is written from there (never a second copy of it).
@@ -203,10 +283,13 @@ impl<'f> Connection<'f> {
         push_field(&mut self.to_upstream, b"x-request-id", id.as_bytes());
         self.to_upstream.extend_from_slice(b"\r\n");
         if held.is_empty() {
-            self.to_upstream.extend_from_slice(body_bytes);
+            self.to_upstream.extend_from_slice(&self.from_client[body]);
         }
         self.from_client.advance(consumed);
-        let replaced = match (forward.decision().binding().is_some(), policy.ietf_headers) {
+        let replaced = match (
+            forward.decision().binding().is_some(),
+            limiter.policy().ietf_headers,
+        ) {
             (false, _) => &REPLACED_FIELDS[..2],
             (true, false) => &REPLACED_FIELDS[..5],
             (true, true) => &REPLACED_FIELDS[..],
@@ -214,12 +297,12 @@ impl<'f> Connection<'f> {
         let request = Exchanged {
             rewrite: response::Rewrite {
                 head_request,
-                close: head.close,
+                close,
                 replaced,
             },
             // Sent again on a new connection when a kept-alive one fails before any
             // answer: only a request that may be repeated.
-            repeatable: head.method.is_idempotent(),
+            repeatable,
             forward: &forward,
             limiter,
             request_id: &id,
@@ -266,15 +349,7 @@ impl<'f> Connection<'f> {
                     .unwrap_or_default();
                 let answer = Response::from_parts(parts, body);
                 return self
-                    .answer_own(
-                        client,
-                        answer,
-                        head.close,
-                        head_request,
-                        in_flight,
-                        &id,
-                        access,
-                    )
+                    .answer_own(client, answer, close, head_request, in_flight, &id, access)
                     .await;
             }
         };
@@ -290,7 +365,7 @@ impl<'f> Connection<'f> {
         if relayed? && whole {
             fast.pool.checkin(conn);
         }
-        Ok(if head.close || !whole {
+        Ok(if close || !whole {
             Next::Close
         } else {
             Next::Request
