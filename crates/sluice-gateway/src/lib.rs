@@ -9,7 +9,7 @@
 //!   other request the service stack `limiter layer → proxy`; both are wired in
 //!   [`Gateway::start`] over one limiter;
 //! - the admin listener (`admin`): `/metrics`, `/status`, `/` (see [`admin`]);
-//! - without an upstream, the built-in demo upstream on a loopback port (see [`demo`]).
+//! - without an upstream, the built-in demo upstream on a loopback port (see [`sluice_demo`]).
 //!
 //! [`Gateway::shutdown`] stops accepting, lets in-flight requests finish for up to
 //! [`SHUTDOWN_GRACE`], then closes the rest.
@@ -20,7 +20,6 @@ pub mod access;
 pub mod admin;
 pub mod batch;
 mod check;
-pub mod demo;
 pub mod file_watch;
 mod gateway;
 mod h1;
@@ -241,7 +240,7 @@ impl GatewayConfig {
             max_buffered_bytes: sluice_edge::DEFAULT_MAX_BUFFERED_BYTES,
             max_buffered_share: sluice_edge::DEFAULT_BUFFERED_SHARE,
             max_keys: MemoryConfig::default().max_keys,
-            demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
+            demo_optimize_time: sluice_demo::optimizer::DEFAULT_CALL_TIME,
             batch_bounds: BatchBounds::default(),
             policy_file: None,
             access_log: false,
@@ -320,7 +319,7 @@ pub struct Gateway {
     check_addr: Option<SocketAddr>,
     rls_addr: Option<SocketAddr>,
     upstream: Option<Upstream>,
-    demo: Option<demo::Demo>,
+    demo: Option<sluice_demo::Demo>,
     stop_gateway: watch::Sender<bool>,
     stop_backends: watch::Sender<bool>,
     gateway_task: JoinHandle<Drain>,

@@ -26,8 +26,8 @@ use crate::metered::RequestStats;
 use crate::proxy::{Proxy, ProxyConfig, Upstream};
 use crate::store::AnyStore;
 use crate::{
-    BatchBounds, GatewayConfig, Reloader, StartError, Stop, StoreSpec, access, admin, demo, h1,
-    pool, reload,
+    BatchBounds, GatewayConfig, Reloader, StartError, Stop, StoreSpec, access, admin, h1, pool,
+    reload,
 };
 
 /// The error for `what` failing with an I/O error.
@@ -176,12 +176,12 @@ pub(super) fn warn_if_no_trusted_proxy(core: &Core, check: SocketAddr) {
 pub(super) async fn upstream(
     config: &GatewayConfig,
     stop: &Stop,
-) -> Result<(Upstream, Option<demo::Demo>), StartError> {
+) -> Result<(Upstream, Option<sluice_demo::Demo>), StartError> {
     Ok(match config.upstream.clone() {
         Some(upstream) => (upstream, None),
         None => {
-            let optimizer = demo::optimizer::Optimizer::new(config.demo_optimize_time);
-            let demo = demo::start(optimizer, stop.clone().wait())
+            let optimizer = sluice_demo::optimizer::Optimizer::new(config.demo_optimize_time);
+            let demo = sluice_demo::start(optimizer, stop.clone().wait())
                 .await
                 .map_err(io("starting the built-in demo upstream"))?;
             (Upstream::from_addr(demo.addr()), Some(demo))
