@@ -8,7 +8,7 @@
 //!   (the limiter and the proxy's rules applied to the bytes, no `http` types), every
 //!   other request the service stack `limiter layer → proxy`; both are wired in
 //!   [`Gateway::start`] over one limiter;
-//! - the admin listener (`admin`): `/metrics`, `/status`, `/` (see [`admin`]);
+//! - the admin listener (`admin`): `/metrics`, `/status`, `/` (see [`sluice_admin`]);
 //! - without an upstream, the built-in demo upstream on a loopback port (see [`sluice_demo`]).
 //!
 //! [`Gateway::shutdown`] stops accepting, lets in-flight requests finish for up to
@@ -17,7 +17,6 @@
 //! [`Limiter`]: sluice_edge::Limiter
 
 pub mod access;
-pub mod admin;
 pub mod batch;
 mod check;
 pub mod file_watch;
@@ -32,7 +31,6 @@ mod read_deadline;
 pub mod reload;
 mod start;
 pub mod store;
-pub mod tenants;
 mod upload;
 
 use std::net::SocketAddr;
@@ -359,7 +357,7 @@ impl Gateway {
     pub async fn start(config: GatewayConfig) -> Result<Gateway, StartError> {
         let started = Instant::now();
         start::check_admin_door(&config)?;
-        admin::install_metrics();
+        sluice_admin::install_metrics();
         let listeners = start::Listeners::bind(&config)?;
         let (addr, admin_addr) = (
             listeners.gateway.as_ref().map(|g| g.addr),
@@ -416,7 +414,7 @@ impl Gateway {
             .map(|u| core.worker_stack(u, config.upstream_timeout, config.access_log));
 
         let requests = metered::RequestStats::with_workers(config.workers);
-        let admin_state = admin::AdminState::new(status, started, requests.clone());
+        let admin_state = sluice_admin::AdminState::new(status, started, requests.clone());
         // Every listener listens from here on: until now a connection was refused.
         let admin_task = core.serve_admin(
             listeners.admin.listen()?,

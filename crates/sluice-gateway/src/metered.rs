@@ -148,6 +148,25 @@ impl RequestStats {
     }
 }
 
+/// What the admin listener reads: the sums over every worker's line.
+impl sluice_admin::RequestCounts for RequestStats {
+    fn total(&self) -> u64 {
+        RequestStats::total(self)
+    }
+
+    fn in_flight(&self) -> u64 {
+        RequestStats::in_flight(self)
+    }
+
+    fn connections_open(&self) -> u64 {
+        RequestStats::connections_open(self)
+    }
+
+    fn publish(&self) {
+        RequestStats::publish(self);
+    }
+}
+
 /// One open client connection, counted until dropped.
 #[derive(Debug)]
 pub struct OpenConnection(RequestStats);

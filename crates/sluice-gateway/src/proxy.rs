@@ -46,11 +46,6 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// or a small JSON envelope.
 pub type ProxyBody = BoxBody<Bytes, BoxError>;
 
-/// Histogram buckets (seconds) of `sluice_upstream_seconds`.
-pub const UPSTREAM_SECONDS_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-];
-
 /// Where requests are forwarded: `http://authority[/base-path]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Upstream {

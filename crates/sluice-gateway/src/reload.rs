@@ -30,6 +30,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use sha2::{Digest as _, Sha256};
+use sluice_admin::tenants::Tenants;
 use sluice_edge::SharedLimiter;
 use sluice_policy::Policy;
 
@@ -101,7 +102,7 @@ pub struct Reloader {
     shared_store: bool,
     state: Mutex<State>,
     /// The tenants set through the admin API, applied over every version of the file.
-    tenants: Option<Arc<crate::tenants::Tenants>>,
+    tenants: Option<Arc<Tenants<AnyStore>>>,
 }
 
 impl std::fmt::Debug for Reloader {
@@ -146,7 +147,7 @@ impl Reloader {
 
     /// The same reloader, applying `tenants` over every version of the file.
     #[must_use]
-    pub fn with_tenants(mut self, tenants: Arc<crate::tenants::Tenants>) -> Self {
+    pub fn with_tenants(mut self, tenants: Arc<Tenants<AnyStore>>) -> Self {
         self.tenants = Some(tenants);
         self
     }

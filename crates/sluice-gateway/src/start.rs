@@ -26,8 +26,7 @@ use crate::metered::RequestStats;
 use crate::proxy::{Proxy, ProxyConfig, Upstream};
 use crate::store::AnyStore;
 use crate::{
-    BatchBounds, GatewayConfig, Reloader, StartError, Stop, StoreSpec, access, admin, h1, pool,
-    reload,
+    BatchBounds, GatewayConfig, Reloader, StartError, Stop, StoreSpec, access, h1, pool, reload,
 };
 
 /// The error for `what` failing with an I/O error.
@@ -196,8 +195,8 @@ pub(super) fn status_info(
     listeners: &Listeners,
     upstream: Option<&Upstream>,
     runs_demo: bool,
-) -> admin::StatusInfo {
-    admin::StatusInfo {
+) -> sluice_admin::StatusInfo {
+    sluice_admin::StatusInfo {
         listen: listeners
             .gateway
             .as_ref()
@@ -389,8 +388,8 @@ pub(super) async fn tenants(
     config: &GatewayConfig,
     limiter: &SharedLimiter<AnyStore>,
     stop: &Stop,
-) -> Result<Arc<crate::tenants::Tenants>, StartError> {
-    use crate::tenants::Tenants;
+) -> Result<Arc<sluice_admin::tenants::Tenants<AnyStore>>, StartError> {
+    use sluice_admin::tenants::Tenants;
     let limiter = Arc::clone(limiter);
     let tenants = match &config.store {
         StoreSpec::Memory => Tenants::local(&config.data_dir, limiter),
@@ -403,7 +402,7 @@ pub(super) async fn tenants(
     }
     .map(Arc::new)
     .map_err(StartError::Tenants)?;
-    tokio::spawn(Arc::clone(&tenants).follow(stop.clone()));
+    tokio::spawn(Arc::clone(&tenants).follow(stop.clone().wait()));
     Ok(tenants)
 }
 
@@ -523,7 +522,7 @@ pub(super) struct Core {
     /// The batch lanes (none without a batch queue).
     pub(super) batch_lanes: Arc<Vec<Arc<BatchLane>>>,
     /// The tenants the admin API changes.
-    pub(super) tenants: Arc<crate::tenants::Tenants>,
+    pub(super) tenants: Arc<sluice_admin::tenants::Tenants<AnyStore>>,
 }
 
 impl Core {
@@ -552,7 +551,7 @@ impl Core {
         &self,
         admin: TcpListener,
         admin_addr: SocketAddr,
-        state: admin::AdminState,
+        state: sluice_admin::AdminState<AnyStore>,
         door: sluice_door::DoorConfig,
         stop: &Stop,
     ) -> JoinHandle<()> {
@@ -573,10 +572,10 @@ impl Core {
             .with_quotas(Arc::clone(&self.limiter));
         tokio::spawn(state.clone().keep_history(stop.clone().wait()));
         let door = Arc::new(sluice_door::Door::new(admin_addr, door));
-        tokio::spawn(admin::serve(
+        tokio::spawn(sluice_admin::serve(
             admin,
-            admin::router(state)
-                .merge(crate::tenants::router(Arc::clone(&self.tenants)))
+            sluice_admin::router(state)
+                .merge(sluice_admin::tenants::router(Arc::clone(&self.tenants)))
                 .layer(axum::middleware::from_fn_with_state(
                     door,
                     sluice_door::guard,

@@ -1,12 +1,25 @@
-//! The admin listener: `GET /metrics` (Prometheus text), `GET /status` (JSON),
-//! `GET /` (a self-contained dashboard that polls `GET /dashboard.json` every
-//! second), and the monthly quotas: `GET /quotas?workspace=W` and
-//! `POST /quotas/reset?workspace=W[&family=F]` (only here: the gateway never serves
-//! them).
+//! The admin room of sluice: what the admin listener serves, apart from the
+//! gateway's request paths.
+//!
+//! - `GET /metrics` (Prometheus text; [`install_metrics`] installs the recorder and
+//!   describes every metric family sluice records);
+//! - `GET /status` (JSON, [`Status`]) and `GET /` (a self-contained dashboard that
+//!   polls `GET /dashboard.json` every second);
+//! - the monthly quotas: `GET /quotas?workspace=W` and
+//!   `POST /quotas/reset?workspace=W[&family=F]` (only here: the gateway never serves
+//!   them);
+//! - the tenants API (`/tenants…`, see [`tenants`]): workspaces and credentials
+//!   changed at run time.
+//!
+//! [`router`] and [`tenants::router`] give the routes, [`serve`] serves them; the
+//! gateway (sluice-gateway) binds the listener, puts its door in front and passes in
+//! what the routes read: the limiter, and the request counts ([`RequestCounts`]).
 //!
 //! The dashboard's charts read a history the admin side keeps itself: one
 //! [`Sample`] every [`SAMPLE_INTERVAL`], the last [`HISTORY_SAMPLES`] of them (ten
 //! minutes) in a ring, so its memory is bounded whatever the traffic.
+
+pub mod tenants;
 
 use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
@@ -24,9 +37,25 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde::Serialize;
 use tokio::net::TcpListener;
 
-use super::metered::RequestStats;
-use super::proxy::UPSTREAM_SECONDS_BUCKETS;
-use super::store::AnyStore;
+use sluice_store::BudgetStore;
+
+/// Histogram buckets (seconds) of `sluice_upstream_seconds`.
+pub const UPSTREAM_SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// The gateway's request counters, as `/status`, `/metrics` and the dashboard read
+/// them (the gateway's per-worker counters implement it).
+pub trait RequestCounts: Send + Sync + 'static {
+    /// Requests received since start.
+    fn total(&self) -> u64;
+    /// Requests received whose response headers have not been produced yet.
+    fn in_flight(&self) -> u64;
+    /// Client connections held open now.
+    fn connections_open(&self) -> u64;
+    /// Sets the gauges these counts feed, before `/metrics` is rendered.
+    fn publish(&self);
+}
 
 /// How often histograms are drained and idle metrics expired between scrapes.
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -190,19 +219,25 @@ pub struct Status {
 /// Produces the limiter's summary for `/status` on every request.
 pub type LimiterSummary = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
 
-/// Shared state of the admin routes. Cheap to clone.
-#[derive(Clone)]
-pub struct AdminState {
-    inner: Arc<AdminInner>,
+/// Shared state of the admin routes, over a limiter on a store `S`. Cheap to clone.
+pub struct AdminState<S> {
+    inner: Arc<AdminInner<S>>,
 }
 
-#[derive(Clone)]
-struct AdminInner {
+impl<S> Clone for AdminState<S> {
+    fn clone(&self) -> Self {
+        AdminState {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+struct AdminInner<S> {
     info: StatusInfo,
     started: Instant,
-    requests: RequestStats,
+    requests: Arc<dyn RequestCounts>,
     limiter: Option<LimiterSummary>,
-    quotas: Option<sluice_edge::SharedLimiter<AnyStore>>,
+    quotas: Option<sluice_edge::SharedLimiter<S>>,
     history: Arc<Mutex<History>>,
     /// The dashboard's quota table and when it was read (see [`QUOTAS_MAX_AGE`]).
     quota_table: Arc<Mutex<Option<(Instant, serde_json::Value)>>>,
@@ -326,7 +361,22 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-impl std::fmt::Debug for AdminState {
+// By hand: a derived `Clone` would ask `S: Clone`.
+impl<S> Clone for AdminInner<S> {
+    fn clone(&self) -> Self {
+        AdminInner {
+            info: self.info.clone(),
+            started: self.started,
+            requests: Arc::clone(&self.requests),
+            limiter: self.limiter.clone(),
+            quotas: self.quotas.clone(),
+            history: Arc::clone(&self.history),
+            quota_table: Arc::clone(&self.quota_table),
+        }
+    }
+}
+
+impl<S> std::fmt::Debug for AdminState<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AdminState")
             .field("info", &self.inner.info)
@@ -334,14 +384,15 @@ impl std::fmt::Debug for AdminState {
     }
 }
 
-impl AdminState {
-    /// State for a gateway described by `info`, started at `started`.
-    pub fn new(info: StatusInfo, started: Instant, requests: RequestStats) -> Self {
+impl<S: BudgetStore + 'static> AdminState<S> {
+    /// State for a gateway described by `info`, started at `started`, counting its
+    /// requests in `requests`.
+    pub fn new(info: StatusInfo, started: Instant, requests: impl RequestCounts) -> Self {
         AdminState {
             inner: Arc::new(AdminInner {
                 info,
                 started,
-                requests,
+                requests: Arc::new(requests),
                 limiter: None,
                 quotas: None,
                 history: Arc::default(),
@@ -358,11 +409,11 @@ impl AdminState {
 
     /// The same state with `/quotas` answered from the current limiter's store.
     #[must_use]
-    pub fn with_quotas(self, limiter: sluice_edge::SharedLimiter<AnyStore>) -> Self {
+    pub fn with_quotas(self, limiter: sluice_edge::SharedLimiter<S>) -> Self {
         self.changed(|inner| inner.quotas = Some(limiter))
     }
 
-    fn changed(self, change: impl FnOnce(&mut AdminInner)) -> Self {
+    fn changed(self, change: impl FnOnce(&mut AdminInner<S>)) -> Self {
         let mut inner = Arc::unwrap_or_clone(self.inner);
         change(&mut inner);
         AdminState {
@@ -423,14 +474,14 @@ impl AdminState {
 }
 
 /// The admin routes.
-pub fn router(state: AdminState) -> Router {
+pub fn router<S: BudgetStore + 'static>(state: AdminState<S>) -> Router {
     Router::new()
         .route("/", get(dashboard))
-        .route("/metrics", get(metrics_text))
-        .route("/status", get(status))
-        .route("/dashboard.json", get(dashboard_json))
-        .route("/quotas", get(quotas))
-        .route("/quotas/reset", post(reset_quotas))
+        .route("/metrics", get(metrics_text::<S>))
+        .route("/status", get(status::<S>))
+        .route("/dashboard.json", get(dashboard_json::<S>))
+        .route("/quotas", get(quotas::<S>))
+        .route("/quotas/reset", post(reset_quotas::<S>))
         .with_state(state)
 }
 
@@ -454,7 +505,7 @@ pub async fn serve(
     upkeep.abort();
 }
 
-async fn metrics_text(State(state): State<AdminState>) -> Response {
+async fn metrics_text<S: BudgetStore + 'static>(State(state): State<AdminState<S>>) -> Response {
     state.inner.requests.publish();
     if let Some(limiter) = &state.inner.quotas {
         for lane in limiter.load().lanes() {
@@ -471,7 +522,7 @@ async fn metrics_text(State(state): State<AdminState>) -> Response {
         .into_response()
 }
 
-async fn status(State(state): State<AdminState>) -> Json<Status> {
+async fn status<S: BudgetStore + 'static>(State(state): State<AdminState<S>>) -> Json<Status> {
     Json(state.status())
 }
 
@@ -482,12 +533,15 @@ struct QuotaQuery {
     family: Option<String>,
 }
 
-async fn quotas(State(state): State<AdminState>, Query(q): Query<QuotaQuery>) -> Response {
+async fn quotas<S: BudgetStore + 'static>(
+    State(state): State<AdminState<S>>,
+    Query(q): Query<QuotaQuery>,
+) -> Response {
     quota_answer(&state, q, false).await
 }
 
-async fn reset_quotas(
-    State(state): State<AdminState>,
+async fn reset_quotas<S: BudgetStore + 'static>(
+    State(state): State<AdminState<S>>,
     entrant: Option<axum::Extension<sluice_door::Entrant>>,
     Query(q): Query<QuotaQuery>,
 ) -> Response {
@@ -524,7 +578,11 @@ async fn reset_quotas(
 /// `{"workspace", "quotas": [{"family","limit","usage","resets_at"}]}`, or an error
 /// envelope: 400 for a missing or unknown workspace or family, 503 when the store
 /// cannot answer.
-async fn quota_answer(state: &AdminState, q: QuotaQuery, reset: bool) -> Response {
+async fn quota_answer<S: BudgetStore + 'static>(
+    state: &AdminState<S>,
+    q: QuotaQuery,
+    reset: bool,
+) -> Response {
     let error = |status: StatusCode, code: &str, message: String| {
         (
             status,
@@ -591,8 +649,8 @@ struct DashboardQuery {
 /// a restart), `tally` (counts since start: classes, refusals by reason, lane
 /// refusals, fail-open decisions) and `quotas` (per workspace, `null` when the
 /// policy has no quota families).
-async fn dashboard_json(
-    State(state): State<AdminState>,
+async fn dashboard_json<S: BudgetStore + 'static>(
+    State(state): State<AdminState<S>>,
     Query(q): Query<DashboardQuery>,
 ) -> Response {
     let status = state.status();
@@ -661,7 +719,10 @@ fn usage_json(workspace: &str, usage: &[sluice_edge::QuotaUsage]) -> serde_json:
 /// Quota usage of the key table's workspaces and the top callers' (at most
 /// [`QUOTA_WORKSPACES`]), read at most every [`QUOTAS_MAX_AGE`]; `null` without
 /// quota families.
-async fn quota_table(state: &AdminState, summary: &serde_json::Value) -> serde_json::Value {
+async fn quota_table<S: BudgetStore + 'static>(
+    state: &AdminState<S>,
+    summary: &serde_json::Value,
+) -> serde_json::Value {
     let Some(limiter) = &state.inner.quotas else {
         return serde_json::Value::Null;
     };
@@ -714,13 +775,32 @@ const DASHBOARD_HTML: &str = include_str!("dashboard.html");
 
 #[cfg(test)]
 mod tests {
-    use std::num::NonZeroUsize;
+    use sluice_store::{LocalStore, MemoryConfig, MemoryStore};
 
     use super::*;
 
-    fn state() -> AdminState {
+    /// Counts that stay at zero: these tests read the limiter's tally only.
+    struct NoRequests;
+
+    impl RequestCounts for NoRequests {
+        fn total(&self) -> u64 {
+            0
+        }
+        fn in_flight(&self) -> u64 {
+            0
+        }
+        fn connections_open(&self) -> u64 {
+            0
+        }
+        fn publish(&self) {}
+    }
+
+    fn state() -> AdminState<LocalStore> {
         let policy = sluice_policy::default_policy().expect("default policy");
-        let store = AnyStore::memory(sluice_core::SystemClock::default());
+        let store = LocalStore::new(
+            MemoryStore::with_clock(MemoryConfig::default(), sluice_core::SystemClock::default()),
+            None,
+        );
         let limiter = Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(
             sluice_edge::Limiter::new(policy, store),
         ));
@@ -732,12 +812,7 @@ mod tests {
             profile: "production".to_owned(),
             store: "memory".to_owned(),
         };
-        AdminState::new(
-            info,
-            Instant::now(),
-            RequestStats::with_workers(NonZeroUsize::MIN),
-        )
-        .with_quotas(limiter)
+        AdminState::new(info, Instant::now(), NoRequests).with_quotas(limiter)
     }
 
     #[test]
