@@ -18,6 +18,7 @@
 
 pub mod access;
 pub mod batch;
+mod boxed;
 mod check;
 pub mod file_watch;
 mod gateway;

@@ -17,7 +17,7 @@ use crossbeam_utils::CachePadded;
 use http::{Request, Response};
 use tower::Service;
 
-use super::proxy::BoxError;
+use super::boxed::BoxError;
 use super::read_deadline::ReadDeadline;
 use super::{GatewayBody, PeerAddr};
 

@@ -36,7 +36,7 @@ use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::proxy::BoxError;
+use super::boxed::BoxError;
 
 /// The body type sent to the upstream (any incoming body, boxed).
 pub(super) type OutgoingBody = UnsyncBoxBody<Bytes, BoxError>;

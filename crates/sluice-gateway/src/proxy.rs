@@ -39,8 +39,7 @@ use super::PeerAddr;
 use super::pool::{Connections, SendError, UpstreamPool};
 use super::upload::{AbandonAfter, Upload};
 
-/// The error type of streamed bodies.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use super::boxed::BoxError;
 
 /// The body of every response the proxy produces: the upstream's body streamed through,
 /// or a small JSON envelope.
