@@ -426,50 +426,10 @@ impl Gateway {
         );
 
         if let Some(check) = listeners.check {
-            start::warn_if_no_trusted_proxy(&core, check.addr);
-            let served = check::serve(
-                check.listen()?,
-                Arc::clone(&core.limiter),
-                config.workers,
-                NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
-                start::per_ip(&core.limiter, config.max_connections_per_ip),
-                backends_stopped.clone(),
-            )
-            .map_err(start::io("starting the check listener threads"))?;
-            tokio::spawn(served);
+            core.serve_check(check, &config, &backends_stopped)?;
         }
         if let Some(rls) = listeners.rls {
-            // A thread per core, as the check listener: a decision stays on the
-            // thread that read it, with that thread's Redis coalescer.
-            let limiter = Arc::clone(&core.limiter);
-            let (stop, stopped) = (backends_stopped.clone(), backends_stopped.clone());
-            let served = per_thread::serve(
-                rls.listen()?,
-                config.workers,
-                NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
-                start::per_ip(&core.limiter, config.max_connections_per_ip),
-                "sluice-rls",
-                stopped.wait(),
-                move |incoming| {
-                    // The peer's address rides in the stream's connect info.
-                    let incoming = futures_util::stream::unfold(incoming, |mut incoming| async {
-                        let (stream, _, held) = incoming.accept().await?;
-                        Some(((stream, held), incoming))
-                    });
-                    let served = sluice_rls::serve_connections(
-                        incoming,
-                        Arc::clone(&limiter),
-                        stop.clone().wait(),
-                    );
-                    async move {
-                        if let Err(error) = served.await {
-                            tracing::error!("the rate-limit service failed: {error}");
-                        }
-                    }
-                },
-            )
-            .map_err(start::io("starting the rate-limit service threads"))?;
-            tokio::spawn(served);
+            core.serve_rls(rls, &config, &backends_stopped)?;
         }
         let (stop_gateway, gateway_stopped) = Stop::channel();
         let gateway_task = match (listeners.gateway, stack) {

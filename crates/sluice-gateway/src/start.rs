@@ -26,7 +26,8 @@ use crate::metered::RequestStats;
 use crate::proxy::{Proxy, ProxyConfig, Upstream};
 use crate::store::AnyStore;
 use crate::{
-    BatchBounds, GatewayConfig, Reloader, StartError, Stop, StoreSpec, access, h1, pool, reload,
+    BatchBounds, GatewayConfig, PROXY_LISTENER_CONNECTIONS, Reloader, StartError, Stop, StoreSpec,
+    access, h1, per_thread, pool, reload,
 };
 
 /// The error for `what` failing with an I/O error.
@@ -541,6 +542,76 @@ impl Core {
             proxy: ProxyConfig::new(upstream.clone()).with_header_timeout(upstream_timeout),
             access_log,
         }
+    }
+
+    /// Serves the forward-auth listener `check` (`--check`) until `stop`, on a
+    /// thread per worker.
+    ///
+    /// # Errors
+    /// [`StartError`] when it cannot listen or its threads cannot start.
+    pub(super) fn serve_check(
+        &self,
+        check: Bound,
+        config: &GatewayConfig,
+        stop: &Stop,
+    ) -> Result<(), StartError> {
+        warn_if_no_trusted_proxy(self, check.addr);
+        let served = crate::check::serve(
+            check.listen()?,
+            Arc::clone(&self.limiter),
+            config.workers,
+            NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
+            per_ip(&self.limiter, config.max_connections_per_ip),
+            stop.clone(),
+        )
+        .map_err(io("starting the check listener threads"))?;
+        tokio::spawn(served);
+        Ok(())
+    }
+
+    /// Serves Envoy's rate-limit service on `rls` (`--rls`) until `stop`, on a
+    /// thread per worker.
+    ///
+    /// # Errors
+    /// [`StartError`] when it cannot listen or its threads cannot start.
+    pub(super) fn serve_rls(
+        &self,
+        rls: Bound,
+        config: &GatewayConfig,
+        stop: &Stop,
+    ) -> Result<(), StartError> {
+        // A thread per core, as the check listener: a decision stays on the
+        // thread that read it, with that thread's Redis coalescer.
+        let limiter = Arc::clone(&self.limiter);
+        let (stop, stopped) = (stop.clone(), stop.clone());
+        let served = per_thread::serve(
+            rls.listen()?,
+            config.workers,
+            NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
+            per_ip(&self.limiter, config.max_connections_per_ip),
+            "sluice-rls",
+            stopped.wait(),
+            move |incoming| {
+                // The peer's address rides in the stream's connect info.
+                let incoming = futures_util::stream::unfold(incoming, |mut incoming| async {
+                    let (stream, _, held) = incoming.accept().await?;
+                    Some(((stream, held), incoming))
+                });
+                let served = sluice_rls::serve_connections(
+                    incoming,
+                    Arc::clone(&limiter),
+                    stop.clone().wait(),
+                );
+                async move {
+                    if let Err(error) = served.await {
+                        tracing::error!("the rate-limit service failed: {error}");
+                    }
+                }
+            },
+        )
+        .map_err(io("starting the rate-limit service threads"))?;
+        tokio::spawn(served);
+        Ok(())
     }
 
     /// Serves the admin listener `admin` until `stop`, behind the door `door`
