@@ -3,4 +3,4 @@
 //! uses the pool and the uploads; they use nothing of the proxy).
 
 /// The error type of streamed bodies.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;

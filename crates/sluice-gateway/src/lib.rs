@@ -16,22 +16,22 @@
 //!
 //! [`Limiter`]: sluice_edge::Limiter
 
-pub mod access;
-pub mod batch;
+pub(crate) mod access;
+pub(crate) mod batch;
 mod boxed;
 mod check;
-pub mod file_watch;
+pub(crate) mod file_watch;
 mod gateway;
 mod h1;
-pub mod metered;
+pub(crate) mod metered;
 mod per_thread;
 mod pool;
 pub mod process;
-pub mod proxy;
+pub(crate) mod proxy;
 mod read_deadline;
 pub mod reload;
 mod start;
-pub mod store;
+pub(crate) mod store;
 mod upload;
 
 use std::net::SocketAddr;
@@ -46,9 +46,8 @@ use sluice_store::{JournalSync, MemoryConfig, OpenError, StoreError};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use proxy::Upstream;
-
 pub use gateway::Drain;
+pub use proxy::Upstream;
 pub use reload::{PolicyFile, Reloader};
 
 /// How long in-flight requests may run on after [`Gateway::shutdown`] before the rest

@@ -39,11 +39,11 @@ use super::PeerAddr;
 use super::pool::{Connections, SendError, UpstreamPool};
 use super::upload::{AbandonAfter, Upload};
 
-pub use super::boxed::BoxError;
+pub(crate) use super::boxed::BoxError;
 
 /// The body of every response the proxy produces: the upstream's body streamed through,
 /// or a small JSON envelope.
-pub type ProxyBody = BoxBody<Bytes, BoxError>;
+pub(crate) type ProxyBody = BoxBody<Bytes, BoxError>;
 
 /// Where requests are forwarded: `http://authority[/base-path]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -151,7 +151,7 @@ impl fmt::Display for Upstream {
 /// Settings of a [`Proxy`]: [`ProxyConfig::new`] and its `with_*` methods.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
-pub struct ProxyConfig {
+pub(crate) struct ProxyConfig {
     /// Where requests go.
     pub upstream: Upstream,
     /// How long to wait for the upstream's response headers (connecting included) before
@@ -162,7 +162,7 @@ pub struct ProxyConfig {
 impl ProxyConfig {
     /// Requests go to `upstream`; its response headers are awaited
     /// [`crate::DEFAULT_UPSTREAM_TIMEOUT`] at most.
-    pub fn new(upstream: Upstream) -> Self {
+    pub(crate) fn new(upstream: Upstream) -> Self {
         ProxyConfig {
             upstream,
             header_timeout: crate::DEFAULT_UPSTREAM_TIMEOUT,
@@ -171,7 +171,7 @@ impl ProxyConfig {
 
     /// The same settings awaiting the upstream's response headers `timeout` at most.
     #[must_use]
-    pub fn with_header_timeout(mut self, timeout: Duration) -> Self {
+    pub(crate) fn with_header_timeout(mut self, timeout: Duration) -> Self {
         self.header_timeout = timeout;
         self
     }
@@ -179,7 +179,7 @@ impl ProxyConfig {
 
 /// The reverse proxy service. Cheap to clone: clones share one connection pool.
 #[derive(Clone)]
-pub struct Proxy {
+pub(crate) struct Proxy {
     inner: Arc<Inner>,
 }
 
@@ -200,15 +200,6 @@ impl fmt::Debug for Proxy {
 }
 
 impl Proxy {
-    /// A proxy with its own keep-alive connection pool to `config.upstream`; its
-    /// connections are driven by tasks on the runtime that uses them, and a task on the
-    /// current runtime (when there is one) closes those idle for too long.
-    pub fn new(config: ProxyConfig) -> Self {
-        let connections = Arc::new(Connections::new(config.upstream.connect_target()));
-        super::pool::keep_pruned(&connections);
-        Self::over(config, connections)
-    }
-
     /// A proxy sending over `connections`, a gateway worker's pool shared with its
     /// fast path (the worker prunes it).
     pub(super) fn over(config: ProxyConfig, connections: Arc<Connections>) -> Self {
@@ -229,7 +220,7 @@ pub(super) fn upstream_seconds() -> [metrics::Histogram; 3] {
 }
 
 /// The future of [`Proxy::call`].
-pub type ProxyFuture =
+pub(crate) type ProxyFuture =
     Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible>> + Send>>;
 
 impl<B> Service<Request<B>> for Proxy
@@ -376,7 +367,7 @@ pub(super) fn upstream_failure(failure: Failure, timeout: Duration) -> Response<
 
 /// sluice's JSON error envelope (the one definition, [`sluice_edge::envelope_response`])
 /// with empty `details`, as the proxy's body type.
-pub fn error_response(status: StatusCode, code: &str, message: &str) -> Response<ProxyBody> {
+pub(crate) fn error_response(status: StatusCode, code: &str, message: &str) -> Response<ProxyBody> {
     sluice_edge::envelope_response(status, code, message, serde_json::json!({}))
         .map(|body| body.map_err(|never| match never {}).boxed())
 }

@@ -124,7 +124,7 @@ impl Reloader {
     /// A reloader of `limiter`'s policy from `file` (none: the policy was not read
     /// from a file, and a reload has nothing to read). `version` is the running
     /// policy's.
-    pub fn new(
+    pub(crate) fn new(
         limiter: SharedLimiter<AnyStore>,
         file: Option<PolicyFile>,
         version: String,
@@ -147,7 +147,7 @@ impl Reloader {
 
     /// The same reloader, applying `tenants` over every version of the file.
     #[must_use]
-    pub fn with_tenants(mut self, tenants: Arc<Tenants<AnyStore>>) -> Self {
+    pub(crate) fn with_tenants(mut self, tenants: Arc<Tenants<AnyStore>>) -> Self {
         self.tenants = Some(tenants);
         self
     }

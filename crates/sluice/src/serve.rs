@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Args;
-use sluice_gateway::proxy::Upstream;
+use sluice_gateway::Upstream;
 use sluice_gateway::{Drain, Gateway, GatewayConfig, SHUTDOWN_GRACE, StartError, StoreSpec};
 
 use crate::BadInput;

@@ -202,14 +202,14 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
 /// The service in front of the proxy that answers the batch lanes' endpoints (the
 /// limiter has admitted the request) and forwards everything else.
 #[derive(Clone)]
-pub struct BatchEndpoints<S> {
+pub(crate) struct BatchEndpoints<S> {
     inner: S,
     lanes: Arc<Vec<Arc<BatchLane>>>,
 }
 
 impl<S> BatchEndpoints<S> {
     /// `inner`, with `lanes` answered in front of it.
-    pub fn new(inner: S, lanes: Arc<Vec<Arc<BatchLane>>>) -> Self {
+    pub(crate) fn new(inner: S, lanes: Arc<Vec<Arc<BatchLane>>>) -> Self {
         BatchEndpoints { inner, lanes }
     }
 

@@ -45,14 +45,12 @@ use sluice_policy::LaneBatch;
 use crate::proxy::Upstream;
 use crate::store::AnyStore;
 
-pub use endpoints::BatchEndpoints;
-pub use responses::QUEUE_FULL_RETRY;
+pub(crate) use endpoints::BatchEndpoints;
 pub(crate) use runner::BATCH_CLAIM;
 use runner::{Hold, RunningClaims};
-pub use runner::{IDLE_LOOK_EVERY, MAX_ATTEMPTS, MAX_ITEM_BACKOFF, MAX_RESULT_BYTES, item_backoff};
 
 /// One lane's batch lane, shared by the intercepting service and the runner.
-pub struct BatchLane {
+pub(crate) struct BatchLane {
     lane: sluice_lanes::Lane,
     lane_index: usize,
     batch: LaneBatch,
@@ -105,7 +103,7 @@ impl BatchLane {
     /// batches submitted through the same lane. Items queued through a lane keep
     /// its name: renaming a lane, or putting another batch lane first, leaves the
     /// items queued under the old name unclaimed until it is restored.
-    pub fn all(
+    pub(crate) fn all(
         shared: &SharedLimiter<AnyStore>,
         queue: &Arc<dyn BatchQueue>,
         upstream: &Upstream,
@@ -179,14 +177,9 @@ impl BatchLane {
             .increment(1);
     }
 
-    /// The lane (index into the policy's lanes) this batch lane runs on.
-    pub fn lane_index(&self) -> usize {
-        self.lane_index
-    }
-
     /// This batch lane's share of `/status`: per workspace, items queued and
     /// running (as the runner last saw the queue), and items finished here.
-    pub fn summary(&self) -> Value {
+    pub(crate) fn summary(&self) -> Value {
         let backlog = self.last_backlog.lock();
         let n = |i: usize| self.outcomes[i].load(std::sync::atomic::Ordering::Relaxed);
         let queued: u64 = backlog.iter().map(|b| b.queued).sum();

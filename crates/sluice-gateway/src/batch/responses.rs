@@ -14,7 +14,7 @@ use crate::proxy::ProxyBody;
 
 /// The `Retry-After` of a submit refused because the queue is full: the
 /// queue's upkeep period, in which items finish and old batches are purged.
-pub const QUEUE_FULL_RETRY: Duration = Duration::from_secs(30);
+pub(crate) const QUEUE_FULL_RETRY: Duration = Duration::from_secs(30);
 
 /// The answer to a submit to the batch route `route`: 202 with the batch's id,
 /// its item count and where to read its status, or why it was not queued.

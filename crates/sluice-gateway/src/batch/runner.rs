@@ -17,11 +17,11 @@ use super::BatchLane;
 use crate::Stop;
 
 /// Most bytes of an upstream answer kept as an item's result.
-pub const MAX_RESULT_BYTES: usize = 256 * 1024;
+pub(crate) const MAX_RESULT_BYTES: usize = 256 * 1024;
 
 /// Attempts an item gets when the upstream fails (5xx, no answer) before it is
 /// recorded as failed.
-pub const MAX_ATTEMPTS: u32 = 3;
+pub(crate) const MAX_ATTEMPTS: u32 = 3;
 
 /// Most workspaces whose batch failures are remembered at once (one entry
 /// each, dropped on their next success or once their hold is over).
@@ -36,11 +36,11 @@ pub(super) struct Hold {
 }
 
 /// Longest wait before an item the upstream failed is sent again.
-pub const MAX_ITEM_BACKOFF: Duration = Duration::from_secs(30);
+pub(crate) const MAX_ITEM_BACKOFF: Duration = Duration::from_secs(30);
 
 /// How long an item waits after its `attempt`-th attempt failed: 1 s, doubling
 /// with each attempt, at most [`MAX_ITEM_BACKOFF`].
-pub fn item_backoff(attempt: u32) -> Duration {
+pub(crate) fn item_backoff(attempt: u32) -> Duration {
     let doublings = attempt.saturating_sub(1).min(16);
     Duration::from_secs(1u64 << doublings).min(MAX_ITEM_BACKOFF)
 }
@@ -49,7 +49,7 @@ pub fn item_backoff(attempt: u32) -> Duration {
 /// woken: for items another replica queued on a shared queue (this replica's own
 /// submissions wake it at once). On Redis one look is one script call (three
 /// commands), so an idle replica's looks cost Redis well under a command a second.
-pub const IDLE_LOOK_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const IDLE_LOOK_EVERY: Duration = Duration::from_secs(10);
 
 /// How long the runner waits before looking again after the queue could not be
 /// read, or the item it chose was claimed elsewhere first.
@@ -87,7 +87,7 @@ impl BatchLane {
     /// items wait for one), the lane's breaker or the shared ledger's hold running
     /// out, the queue's upkeep, and a look every [`IDLE_LOOK_EVERY`] for what other
     /// replicas queued.
-    pub async fn run(self: Arc<Self>, stop: Stop) {
+    pub(crate) async fn run(self: Arc<Self>, stop: Stop) {
         let stopped = stop.wait();
         tokio::pin!(stopped);
         let renewing = tokio::spawn({
