@@ -1,6 +1,6 @@
 //! Reloading the policy without a restart: on SIGHUP, and when the policy file
 //! changes — once its writer has closed it or it was moved into place (inotify, see
-//! [`crate::file_watch`]), or where the kernel cannot say so, once its size and
+//! the `file_watch` module), or where the kernel cannot say so, once its size and
 //! modification time have held still for [`SETTLE`]. A file caught half-written is
 //! not taken; the habit that is safe everywhere is to write a new file beside it and
 //! rename it into place. Its metadata is read first: a file larger than
