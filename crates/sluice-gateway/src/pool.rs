@@ -158,8 +158,7 @@ impl Connections {
 
 /// Closes `connections`' stale sockets every [`PRUNE_EVERY`] until the pool is gone,
 /// on a task of the current runtime (when there is one). For a pool no gateway worker
-/// prunes.
-#[cfg(test)]
+/// prunes: the batch runners'.
 pub(super) fn keep_pruned(connections: &Arc<Connections>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;

@@ -132,6 +132,19 @@ impl Upstream {
         &self.base_path
     }
 
+    /// The `Host` an HTTP client derives from this upstream's URL: its host, and its
+    /// port unless that is 80. Batch items are sent with it; single calls with
+    /// [`Upstream::host`], the authority as written.
+    pub(crate) fn client_host(&self) -> HeaderValue {
+        let host = self.authority.host();
+        let named = match self.authority.port() {
+            Some(port) if port.as_u16() != 80 => HeaderValue::from_str(&format!("{host}:{port}")),
+            _ => HeaderValue::from_str(host),
+        };
+        // The authority is a valid Host header whole (see `Upstream::new`): so is its host.
+        named.unwrap_or_else(|_| self.host.clone())
+    }
+
     /// `host:port` to connect to (port 80 when the URL names none).
     pub(super) fn connect_target(&self) -> String {
         format!(
@@ -579,6 +592,23 @@ mod tests {
         assert_eq!(
             Upstream::from_addr("127.0.0.1:9".parse().expect("addr")).to_string(),
             "http://127.0.0.1:9"
+        );
+    }
+
+    /// Batch items keep the `Host` the runner's former HTTP client derived from the
+    /// URL: the port only when it is not 80.
+    #[test]
+    fn the_client_host_names_the_port_unless_it_is_80() {
+        let host = |url: &str| Upstream::parse(url).expect("an upstream").client_host();
+        assert_eq!(host("http://api:80/v1"), "api");
+        assert_eq!(host("http://api"), "api");
+        assert_eq!(host("http://127.0.0.1:3000"), "127.0.0.1:3000");
+        assert_eq!(host("http://[::1]:8080"), "[::1]:8080");
+        assert_eq!(
+            Upstream::parse("http://api:80")
+                .expect("an upstream")
+                .host(),
+            "api:80"
         );
     }
 }

@@ -30,18 +30,14 @@ mod runner;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::header;
-use http_body_util::Full;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http::{HeaderValue, header};
 use serde_json::{Value, json};
 use sluice_batch::{BatchQueue, WorkspaceBacklog};
 use sluice_core::SystemClock;
 use sluice_edge::SharedLimiter;
 use sluice_policy::LaneBatch;
 
+use crate::pool::{Connections, UpstreamPool, keep_pruned};
 use crate::proxy::Upstream;
 use crate::store::AnyStore;
 
@@ -60,7 +56,11 @@ pub(crate) struct BatchLane {
     queue: Arc<dyn BatchQueue>,
     limiter: SharedLimiter<AnyStore>,
     upstream: Upstream,
-    client: Client<HttpConnector, Full<Bytes>>,
+    /// The runners' connections to the upstream: the pool the gateway's workers
+    /// use, one of its own (shared by every batch lane).
+    pool: UpstreamPool,
+    /// The `Host` items are sent with (see [`Upstream::client_host`]).
+    host: HeaderValue,
     clock: SystemClock,
     /// The request fields the limiter reads (credentials): kept with each item.
     credential_fields: Vec<http::HeaderName>,
@@ -111,9 +111,11 @@ impl BatchLane {
     ) -> Vec<Arc<BatchLane>> {
         let limiter = shared.load();
         let policy = limiter.policy();
-        let mut client = Client::builder(TokioExecutor::new());
-        client.pool_idle_timeout(Duration::from_secs(60));
-        let client = client.build(HttpConnector::new());
+        // Pruned by a task of this runtime, which the runners run on.
+        let connections = Arc::new(Connections::new(upstream.connect_target()));
+        keep_pruned(&connections);
+        let pool = UpstreamPool::new(connections);
+        let host = upstream.client_host();
         let credential_fields: Vec<http::HeaderName> = limiter
             .read_headers()
             .into_iter()
@@ -140,7 +142,8 @@ impl BatchLane {
                     queue: Arc::clone(queue),
                     limiter: Arc::clone(shared),
                     upstream: upstream.clone(),
-                    client: client.clone(),
+                    pool: pool.clone(),
+                    host: host.clone(),
                     clock: clock.clone(),
                     credential_fields: credential_fields.clone(),
                     queued: tokio::sync::Notify::new(),

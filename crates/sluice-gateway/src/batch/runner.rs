@@ -297,7 +297,7 @@ impl BatchLane {
     /// and whether the body is JSON; `None` when no answer came.
     async fn send(&self, claimed: &Claimed) -> Option<(u16, Vec<u8>, bool)> {
         let item: Value = serde_json::from_slice(&claimed.item).ok()?;
-        let uri = format!("{}{}", self.upstream, self.batch.route);
+        let uri = format!("{}{}", self.upstream.base_path(), self.batch.route);
         let mut request = Request::post(uri)
             .header(header::CONTENT_TYPE, "application/json")
             .header("idempotency-key", claimed.idempotency_key())
@@ -318,8 +318,16 @@ impl BatchLane {
             }
         }
         let body = Bytes::from(item["body"].to_string());
-        let request = request.body(Full::new(body)).ok()?;
-        let response = self.client.request(request).await.ok()?;
+        let body = Full::new(body)
+            .map_err(|never| match never {})
+            .boxed_unsync();
+        let mut request = request.body(body).ok()?;
+        // After the item's own fields, unless they hold one.
+        request
+            .headers_mut()
+            .entry(header::HOST)
+            .or_insert_with(|| self.host.clone());
+        let response = self.pool.send(request).await.ok()?;
         let status = response.status().as_u16();
         let is_json = response
             .headers()
