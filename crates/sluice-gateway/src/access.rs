@@ -42,14 +42,14 @@ pub(crate) fn log(
 /// request (`X-Request-Id`, and the [`RequestId`] extension the limiter logs refusals
 /// with) and on the response, and writes the access line when `access_log` is on.
 #[derive(Clone, Debug)]
-pub struct RequestIds<I> {
+pub(crate) struct RequestIds<I> {
     inner: I,
     access_log: bool,
 }
 
 impl<I> RequestIds<I> {
     /// `inner` with request ids, and access lines when `access_log`.
-    pub fn new(inner: I, access_log: bool) -> Self {
+    pub(crate) fn new(inner: I, access_log: bool) -> Self {
         RequestIds { inner, access_log }
     }
 }

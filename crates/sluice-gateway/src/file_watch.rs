@@ -20,7 +20,7 @@ pub const SETTLE: Duration = Duration::from_secs(2);
 /// What a file's metadata says of its content: equal stamps, same content (as far as
 /// can be told without reading it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Stamp {
+pub(crate) struct Stamp {
     dev: u64,
     ino: u64,
     /// Its size in bytes.
@@ -33,7 +33,7 @@ impl Stamp {
     ///
     /// # Errors
     /// The file cannot be looked at.
-    pub fn of(path: &Path) -> std::io::Result<Stamp> {
+    pub(crate) fn of(path: &Path) -> std::io::Result<Stamp> {
         let meta = std::fs::metadata(path)?;
         #[cfg(unix)]
         let (dev, ino) = {
@@ -51,7 +51,7 @@ impl Stamp {
     }
 
     /// Whether it was last modified at least [`SETTLE`] ago.
-    pub fn settled(&self, now: SystemTime) -> bool {
+    pub(crate) fn settled(&self, now: SystemTime) -> bool {
         self.modified
             .is_some_and(|m| now.duration_since(m).is_ok_and(|age| age >= SETTLE))
     }
@@ -59,7 +59,7 @@ impl Stamp {
 
 /// Why to look at the file now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Cue {
+pub(crate) enum Cue {
     /// A writer finished with a file of its directory, or one was moved in: take the
     /// file as it is.
     Finished,
@@ -68,7 +68,7 @@ pub enum Cue {
 }
 
 /// Cues for one file.
-pub struct FileWatch {
+pub(crate) struct FileWatch {
     #[cfg(target_os = "linux")]
     kernel: Option<linux::Inotify>,
     poll: tokio::time::Interval,
@@ -86,7 +86,7 @@ impl std::fmt::Debug for FileWatch {
 
 impl FileWatch {
     /// Watches `path` (its directory through inotify where it can; else by polling).
-    pub fn new(path: &Path) -> FileWatch {
+    pub(crate) fn new(path: &Path) -> FileWatch {
         let mut poll = tokio::time::interval(POLL_EVERY);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         FileWatch {
@@ -98,7 +98,7 @@ impl FileWatch {
     }
 
     /// Whether the kernel gives the cues (no polling).
-    pub fn uses_kernel(&self) -> bool {
+    pub(crate) fn uses_kernel(&self) -> bool {
         #[cfg(target_os = "linux")]
         {
             self.kernel.is_some()
@@ -110,7 +110,7 @@ impl FileWatch {
     }
 
     /// The next cue.
-    pub async fn next(&mut self) -> Cue {
+    pub(crate) async fn next(&mut self) -> Cue {
         #[cfg(target_os = "linux")]
         if let Some(kernel) = &mut self.kernel {
             match kernel.finished().await {

@@ -34,9 +34,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tower::Service;
 
 use super::GatewayBody;
+use super::boxed::BoxError;
 use super::h1::{Ended, FastPath};
 use super::metered::{Metered, OpenConnection, RequestStats};
-use super::proxy::BoxError;
 use sluice_door::{AddressSlot, PerAddress};
 use sluice_h1::rewind::Rewind;
 

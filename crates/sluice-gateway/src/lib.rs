@@ -8,32 +8,30 @@
 //!   (the limiter and the proxy's rules applied to the bytes, no `http` types), every
 //!   other request the service stack `limiter layer → proxy`; both are wired in
 //!   [`Gateway::start`] over one limiter;
-//! - the admin listener (`admin`): `/metrics`, `/status`, `/` (see [`admin`]);
-//! - without an upstream, the built-in demo upstream on a loopback port (see [`demo`]).
+//! - the admin listener (`admin`): `/metrics`, `/status`, `/` (see [`sluice_admin`]);
+//! - without an upstream, the built-in demo upstream on a loopback port (see [`sluice_demo`]).
 //!
 //! [`Gateway::shutdown`] stops accepting, lets in-flight requests finish for up to
 //! [`SHUTDOWN_GRACE`], then closes the rest.
 //!
 //! [`Limiter`]: sluice_edge::Limiter
 
-pub mod access;
-pub mod admin;
-pub mod batch;
+pub(crate) mod access;
+pub(crate) mod batch;
+mod boxed;
 mod check;
-pub mod demo;
-pub mod file_watch;
+pub(crate) mod file_watch;
 mod gateway;
 mod h1;
-pub mod metered;
+pub(crate) mod metered;
 mod per_thread;
 mod pool;
 pub mod process;
-pub mod proxy;
+pub(crate) mod proxy;
 mod read_deadline;
 pub mod reload;
 mod start;
-pub mod store;
-pub mod tenants;
+pub(crate) mod store;
 mod upload;
 
 use std::net::SocketAddr;
@@ -48,9 +46,8 @@ use sluice_store::{JournalSync, MemoryConfig, OpenError, StoreError};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use proxy::Upstream;
-
 pub use gateway::Drain;
+pub use proxy::Upstream;
 pub use reload::{PolicyFile, Reloader};
 
 /// How long in-flight requests may run on after [`Gateway::shutdown`] before the rest
@@ -246,7 +243,7 @@ impl GatewayConfig {
             max_buffered_share: sluice_edge::DEFAULT_BUFFERED_SHARE,
             body_deadline: sluice_edge::BODY_DEADLINE,
             max_keys: MemoryConfig::default().max_keys,
-            demo_optimize_time: demo::optimizer::DEFAULT_CALL_TIME,
+            demo_optimize_time: sluice_demo::optimizer::DEFAULT_CALL_TIME,
             batch_bounds: BatchBounds::default(),
             policy_file: None,
             access_log: false,
@@ -325,7 +322,7 @@ pub struct Gateway {
     check_addr: Option<SocketAddr>,
     rls_addr: Option<SocketAddr>,
     upstream: Option<Upstream>,
-    demo: Option<demo::Demo>,
+    demo: Option<sluice_demo::Demo>,
     stop_gateway: watch::Sender<bool>,
     stop_backends: watch::Sender<bool>,
     gateway_task: JoinHandle<Drain>,
@@ -365,7 +362,7 @@ impl Gateway {
     pub async fn start(config: GatewayConfig) -> Result<Gateway, StartError> {
         let started = Instant::now();
         start::check_admin_door(&config)?;
-        admin::install_metrics();
+        sluice_admin::install_metrics();
         let listeners = start::Listeners::bind(&config)?;
         let (addr, admin_addr) = (
             listeners.gateway.as_ref().map(|g| g.addr),
@@ -422,7 +419,7 @@ impl Gateway {
             .map(|u| core.worker_stack(u, config.upstream_timeout, config.access_log));
 
         let requests = metered::RequestStats::with_workers(config.workers);
-        let admin_state = admin::AdminState::new(status, started, requests.clone());
+        let admin_state = sluice_admin::AdminState::new(status, started, requests.clone());
         // Every listener listens from here on: until now a connection was refused.
         let admin_task = core.serve_admin(
             listeners.admin.listen()?,
@@ -433,50 +430,10 @@ impl Gateway {
         );
 
         if let Some(check) = listeners.check {
-            start::warn_if_no_trusted_proxy(&core, check.addr);
-            let served = check::serve(
-                check.listen()?,
-                Arc::clone(&core.limiter),
-                config.workers,
-                NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
-                start::per_ip(&core.limiter, config.max_connections_per_ip),
-                backends_stopped.clone(),
-            )
-            .map_err(start::io("starting the check listener threads"))?;
-            tokio::spawn(served);
+            core.serve_check(check, &config, &backends_stopped)?;
         }
         if let Some(rls) = listeners.rls {
-            // A thread per core, as the check listener: a decision stays on the
-            // thread that read it, with that thread's Redis coalescer.
-            let limiter = Arc::clone(&core.limiter);
-            let (stop, stopped) = (backends_stopped.clone(), backends_stopped.clone());
-            let served = per_thread::serve(
-                rls.listen()?,
-                config.workers,
-                NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
-                start::per_ip(&core.limiter, config.max_connections_per_ip),
-                "sluice-rls",
-                stopped.wait(),
-                move |incoming| {
-                    // The peer's address rides in the stream's connect info.
-                    let incoming = futures_util::stream::unfold(incoming, |mut incoming| async {
-                        let (stream, _, held) = incoming.accept().await?;
-                        Some(((stream, held), incoming))
-                    });
-                    let served = sluice_rls::serve_connections(
-                        incoming,
-                        Arc::clone(&limiter),
-                        stop.clone().wait(),
-                    );
-                    async move {
-                        if let Err(error) = served.await {
-                            tracing::error!("the rate-limit service failed: {error}");
-                        }
-                    }
-                },
-            )
-            .map_err(start::io("starting the rate-limit service threads"))?;
-            tokio::spawn(served);
+            core.serve_rls(rls, &config, &backends_stopped)?;
         }
         let (stop_gateway, gateway_stopped) = Stop::channel();
         let gateway_task = match (listeners.gateway, stack) {

@@ -17,7 +17,7 @@ use crossbeam_utils::CachePadded;
 use http::{Request, Response};
 use tower::Service;
 
-use super::proxy::BoxError;
+use super::boxed::BoxError;
 use super::read_deadline::ReadDeadline;
 use super::{GatewayBody, PeerAddr};
 
@@ -26,7 +26,7 @@ use super::{GatewayBody, PeerAddr};
 /// Each worker thread counts in its own cache line ([`RequestStats::worker`]), so the
 /// workers never contend for one; readers add the lines up.
 #[derive(Clone, Debug)]
-pub struct RequestStats {
+pub(crate) struct RequestStats {
     inner: Arc<Counters>,
     /// The line this handle counts in.
     line: usize,
@@ -57,7 +57,7 @@ struct Line {
 
 impl RequestStats {
     /// Counters for `workers` worker threads.
-    pub fn with_workers(workers: NonZeroUsize) -> Self {
+    pub(crate) fn with_workers(workers: NonZeroUsize) -> Self {
         RequestStats {
             inner: Arc::new(Counters {
                 lines: (0..workers.get())
@@ -81,7 +81,7 @@ impl RequestStats {
     }
 
     /// The handle worker `index` counts with (indexes past the count share the last).
-    pub fn worker(&self, index: usize) -> Self {
+    pub(crate) fn worker(&self, index: usize) -> Self {
         RequestStats {
             inner: Arc::clone(&self.inner),
             line: index.min(self.inner.lines.len() - 1),
@@ -89,7 +89,7 @@ impl RequestStats {
     }
 
     /// Requests received whose response headers have not been produced yet.
-    pub fn in_flight(&self) -> u64 {
+    pub(crate) fn in_flight(&self) -> u64 {
         self.inner
             .lines
             .iter()
@@ -98,7 +98,7 @@ impl RequestStats {
     }
 
     /// Requests received since start.
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.inner
             .lines
             .iter()
@@ -107,7 +107,7 @@ impl RequestStats {
     }
 
     /// Client connections the gateway holds open now.
-    pub fn connections_open(&self) -> u64 {
+    pub(crate) fn connections_open(&self) -> u64 {
         self.inner
             .lines
             .iter()
@@ -117,13 +117,13 @@ impl RequestStats {
 
     /// Counts one client connection on this handle's worker until the returned guard
     /// is dropped.
-    pub fn open_connection(&self) -> OpenConnection {
+    pub(crate) fn open_connection(&self) -> OpenConnection {
         self.line().connections.fetch_add(1, Ordering::Relaxed);
         OpenConnection(self.clone())
     }
 
     /// Waits until fewer than `max` client connections are open.
-    pub async fn room_for_connection(&self, max: usize) {
+    pub(crate) async fn room_for_connection(&self, max: usize) {
         // A close between the count and the wait leaves a permit: no wake-up is lost.
         while self.connections_open() >= max as u64 {
             self.inner.connection_closed.notified().await;
@@ -132,7 +132,7 @@ impl RequestStats {
 
     /// Sets the `sluice_requests_in_flight` and `sluice_connections_open` gauges from
     /// the counters (before a render).
-    pub fn publish(&self) {
+    pub(crate) fn publish(&self) {
         // Precision: both counts stay far below 2^53.
         #[allow(clippy::cast_precision_loss)]
         {
@@ -148,9 +148,28 @@ impl RequestStats {
     }
 }
 
+/// What the admin listener reads: the sums over every worker's line.
+impl sluice_admin::RequestCounts for RequestStats {
+    fn total(&self) -> u64 {
+        RequestStats::total(self)
+    }
+
+    fn in_flight(&self) -> u64 {
+        RequestStats::in_flight(self)
+    }
+
+    fn connections_open(&self) -> u64 {
+        RequestStats::connections_open(self)
+    }
+
+    fn publish(&self) {
+        RequestStats::publish(self);
+    }
+}
+
 /// One open client connection, counted until dropped.
 #[derive(Debug)]
-pub struct OpenConnection(RequestStats);
+pub(crate) struct OpenConnection(RequestStats);
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
@@ -162,12 +181,12 @@ impl Drop for OpenConnection {
 /// One request, counted as received and in flight from [`RequestStats::request`]
 /// until [`InFlight::answered`] or until dropped (also when the request is cancelled).
 #[derive(Debug)]
-pub struct InFlight(RequestStats);
+pub(crate) struct InFlight(RequestStats);
 
 impl RequestStats {
     /// Counts one request on this handle's worker: received, and in flight until the
     /// returned guard is answered or dropped.
-    pub fn request(&self) -> InFlight {
+    pub(crate) fn request(&self) -> InFlight {
         let line = self.line();
         line.in_flight.fetch_add(1, Ordering::Relaxed);
         line.total.fetch_add(1, Ordering::Relaxed);
@@ -178,7 +197,7 @@ impl RequestStats {
 impl InFlight {
     /// Counts the answer in `sluice_requests_total{status}`: its status code, or
     /// `error` for `None` (no response was produced).
-    pub fn answered(self, code: Option<u16>) {
+    pub(crate) fn answered(self, code: Option<u16>) {
         match code.and_then(|c| self.0.inner.by_status.iter().find(|(k, _)| *k == c)) {
             Some((_, counter)) => counter.increment(1),
             None => {
@@ -192,7 +211,7 @@ impl InFlight {
 impl InFlight {
     /// The request was not served here after all (handed to the other request path,
     /// which counts it): it leaves the counts.
-    pub fn handed_over(self) {
+    pub(crate) fn handed_over(self) {
         self.0.line().total.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -205,7 +224,7 @@ impl Drop for InFlight {
 
 /// Wraps the gateway's service stack for one connection.
 #[derive(Clone, Debug)]
-pub struct Metered<S> {
+pub(crate) struct Metered<S> {
     inner: S,
     peer: SocketAddr,
     stats: RequestStats,
@@ -215,7 +234,12 @@ pub struct Metered<S> {
 impl<S> Metered<S> {
     /// `inner` serving the connection from `peer`; each part of a request body must
     /// come within `body_timeout`.
-    pub fn new(inner: S, peer: SocketAddr, stats: RequestStats, body_timeout: Duration) -> Self {
+    pub(crate) fn new(
+        inner: S,
+        peer: SocketAddr,
+        stats: RequestStats,
+        body_timeout: Duration,
+    ) -> Self {
         Metered {
             inner,
             peer,
@@ -226,7 +250,7 @@ impl<S> Metered<S> {
 }
 
 /// The future of [`Metered::call`].
-pub type MeteredFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
+pub(crate) type MeteredFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Metered<S>
 where

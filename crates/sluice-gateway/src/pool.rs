@@ -36,7 +36,7 @@ use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::proxy::BoxError;
+use super::boxed::BoxError;
 
 /// The body type sent to the upstream (any incoming body, boxed).
 pub(super) type OutgoingBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -158,7 +158,7 @@ impl Connections {
 
 /// Closes `connections`' stale sockets every [`PRUNE_EVERY`] until the pool is gone,
 /// on a task of the current runtime (when there is one). For a pool no gateway worker
-/// prunes, such as a [`Proxy`](super::proxy::Proxy) of its own.
+/// prunes: the batch runners'.
 pub(super) fn keep_pruned(connections: &Arc<Connections>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;

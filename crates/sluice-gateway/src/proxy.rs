@@ -39,17 +39,11 @@ use super::PeerAddr;
 use super::pool::{Connections, SendError, UpstreamPool};
 use super::upload::{AbandonAfter, Upload};
 
-/// The error type of streamed bodies.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) use super::boxed::BoxError;
 
 /// The body of every response the proxy produces: the upstream's body streamed through,
 /// or a small JSON envelope.
-pub type ProxyBody = BoxBody<Bytes, BoxError>;
-
-/// Histogram buckets (seconds) of `sluice_upstream_seconds`.
-pub const UPSTREAM_SECONDS_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-];
+pub(crate) type ProxyBody = BoxBody<Bytes, BoxError>;
 
 /// Where requests are forwarded: `http://authority[/base-path]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -138,6 +132,19 @@ impl Upstream {
         &self.base_path
     }
 
+    /// The `Host` an HTTP client derives from this upstream's URL: its host, and its
+    /// port unless that is 80. Batch items are sent with it; single calls with
+    /// [`Upstream::host`], the authority as written.
+    pub(crate) fn client_host(&self) -> HeaderValue {
+        let host = self.authority.host();
+        let named = match self.authority.port() {
+            Some(port) if port.as_u16() != 80 => HeaderValue::from_str(&format!("{host}:{port}")),
+            _ => HeaderValue::from_str(host),
+        };
+        // The authority is a valid Host header whole (see `Upstream::new`): so is its host.
+        named.unwrap_or_else(|_| self.host.clone())
+    }
+
     /// `host:port` to connect to (port 80 when the URL names none).
     pub(super) fn connect_target(&self) -> String {
         format!(
@@ -157,7 +164,7 @@ impl fmt::Display for Upstream {
 /// Settings of a [`Proxy`]: [`ProxyConfig::new`] and its `with_*` methods.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
-pub struct ProxyConfig {
+pub(crate) struct ProxyConfig {
     /// Where requests go.
     pub upstream: Upstream,
     /// How long to wait for the upstream's response headers (connecting included) before
@@ -168,7 +175,7 @@ pub struct ProxyConfig {
 impl ProxyConfig {
     /// Requests go to `upstream`; its response headers are awaited
     /// [`crate::DEFAULT_UPSTREAM_TIMEOUT`] at most.
-    pub fn new(upstream: Upstream) -> Self {
+    pub(crate) fn new(upstream: Upstream) -> Self {
         ProxyConfig {
             upstream,
             header_timeout: crate::DEFAULT_UPSTREAM_TIMEOUT,
@@ -177,7 +184,7 @@ impl ProxyConfig {
 
     /// The same settings awaiting the upstream's response headers `timeout` at most.
     #[must_use]
-    pub fn with_header_timeout(mut self, timeout: Duration) -> Self {
+    pub(crate) fn with_header_timeout(mut self, timeout: Duration) -> Self {
         self.header_timeout = timeout;
         self
     }
@@ -185,7 +192,7 @@ impl ProxyConfig {
 
 /// The reverse proxy service. Cheap to clone: clones share one connection pool.
 #[derive(Clone)]
-pub struct Proxy {
+pub(crate) struct Proxy {
     inner: Arc<Inner>,
 }
 
@@ -206,15 +213,6 @@ impl fmt::Debug for Proxy {
 }
 
 impl Proxy {
-    /// A proxy with its own keep-alive connection pool to `config.upstream`; its
-    /// connections are driven by tasks on the runtime that uses them, and a task on the
-    /// current runtime (when there is one) closes those idle for too long.
-    pub fn new(config: ProxyConfig) -> Self {
-        let connections = Arc::new(Connections::new(config.upstream.connect_target()));
-        super::pool::keep_pruned(&connections);
-        Self::over(config, connections)
-    }
-
     /// A proxy sending over `connections`, a gateway worker's pool shared with its
     /// fast path (the worker prunes it).
     pub(super) fn over(config: ProxyConfig, connections: Arc<Connections>) -> Self {
@@ -235,7 +233,7 @@ pub(super) fn upstream_seconds() -> [metrics::Histogram; 3] {
 }
 
 /// The future of [`Proxy::call`].
-pub type ProxyFuture =
+pub(crate) type ProxyFuture =
     Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible>> + Send>>;
 
 impl<B> Service<Request<B>> for Proxy
@@ -382,7 +380,7 @@ pub(super) fn upstream_failure(failure: Failure, timeout: Duration) -> Response<
 
 /// sluice's JSON error envelope (the one definition, [`sluice_edge::envelope_response`])
 /// with empty `details`, as the proxy's body type.
-pub fn error_response(status: StatusCode, code: &str, message: &str) -> Response<ProxyBody> {
+pub(crate) fn error_response(status: StatusCode, code: &str, message: &str) -> Response<ProxyBody> {
     sluice_edge::envelope_response(status, code, message, serde_json::json!({}))
         .map(|body| body.map_err(|never| match never {}).boxed())
 }
@@ -594,6 +592,23 @@ mod tests {
         assert_eq!(
             Upstream::from_addr("127.0.0.1:9".parse().expect("addr")).to_string(),
             "http://127.0.0.1:9"
+        );
+    }
+
+    /// Batch items keep the `Host` the runner's former HTTP client derived from the
+    /// URL: the port only when it is not 80.
+    #[test]
+    fn the_client_host_names_the_port_unless_it_is_80() {
+        let host = |url: &str| Upstream::parse(url).expect("an upstream").client_host();
+        assert_eq!(host("http://api:80/v1"), "api");
+        assert_eq!(host("http://api"), "api");
+        assert_eq!(host("http://127.0.0.1:3000"), "127.0.0.1:3000");
+        assert_eq!(host("http://[::1]:8080"), "[::1]:8080");
+        assert_eq!(
+            Upstream::parse("http://api:80")
+                .expect("an upstream")
+                .host(),
+            "api:80"
         );
     }
 }

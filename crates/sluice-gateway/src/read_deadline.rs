@@ -19,7 +19,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
 
-use super::proxy::BoxError;
+use super::boxed::BoxError;
 
 /// `body`, failing once a frame has been awaited for longer than `timeout`.
 pub(super) struct ReadDeadline<B> {

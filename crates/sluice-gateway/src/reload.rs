@@ -1,6 +1,6 @@
 //! Reloading the policy without a restart: on SIGHUP, and when the policy file
 //! changes — once its writer has closed it or it was moved into place (inotify, see
-//! [`crate::file_watch`]), or where the kernel cannot say so, once its size and
+//! the `file_watch` module), or where the kernel cannot say so, once its size and
 //! modification time have held still for [`SETTLE`]. A file caught half-written is
 //! not taken; the habit that is safe everywhere is to write a new file beside it and
 //! rename it into place. Its metadata is read first: a file larger than
@@ -30,6 +30,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use sha2::{Digest as _, Sha256};
+use sluice_admin::tenants::Tenants;
 use sluice_edge::SharedLimiter;
 use sluice_policy::Policy;
 
@@ -101,7 +102,7 @@ pub struct Reloader {
     shared_store: bool,
     state: Mutex<State>,
     /// The tenants set through the admin API, applied over every version of the file.
-    tenants: Option<Arc<crate::tenants::Tenants>>,
+    tenants: Option<Arc<Tenants<AnyStore>>>,
 }
 
 impl std::fmt::Debug for Reloader {
@@ -123,7 +124,7 @@ impl Reloader {
     /// A reloader of `limiter`'s policy from `file` (none: the policy was not read
     /// from a file, and a reload has nothing to read). `version` is the running
     /// policy's.
-    pub fn new(
+    pub(crate) fn new(
         limiter: SharedLimiter<AnyStore>,
         file: Option<PolicyFile>,
         version: String,
@@ -146,7 +147,7 @@ impl Reloader {
 
     /// The same reloader, applying `tenants` over every version of the file.
     #[must_use]
-    pub fn with_tenants(mut self, tenants: Arc<crate::tenants::Tenants>) -> Self {
+    pub(crate) fn with_tenants(mut self, tenants: Arc<Tenants<AnyStore>>) -> Self {
         self.tenants = Some(tenants);
         self
     }

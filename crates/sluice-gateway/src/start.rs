@@ -26,8 +26,8 @@ use crate::metered::RequestStats;
 use crate::proxy::{Proxy, ProxyConfig, Upstream};
 use crate::store::AnyStore;
 use crate::{
-    BatchBounds, GatewayConfig, Reloader, StartError, Stop, StoreSpec, access, admin, demo, h1,
-    pool, reload,
+    BatchBounds, GatewayConfig, PROXY_LISTENER_CONNECTIONS, Reloader, StartError, Stop, StoreSpec,
+    access, h1, per_thread, pool, reload,
 };
 
 /// The error for `what` failing with an I/O error.
@@ -176,12 +176,12 @@ pub(super) fn warn_if_no_trusted_proxy(core: &Core, check: SocketAddr) {
 pub(super) async fn upstream(
     config: &GatewayConfig,
     stop: &Stop,
-) -> Result<(Upstream, Option<demo::Demo>), StartError> {
+) -> Result<(Upstream, Option<sluice_demo::Demo>), StartError> {
     Ok(match config.upstream.clone() {
         Some(upstream) => (upstream, None),
         None => {
-            let optimizer = demo::optimizer::Optimizer::new(config.demo_optimize_time);
-            let demo = demo::start(optimizer, stop.clone().wait())
+            let optimizer = sluice_demo::optimizer::Optimizer::new(config.demo_optimize_time);
+            let demo = sluice_demo::start(optimizer, stop.clone().wait())
                 .await
                 .map_err(io("starting the built-in demo upstream"))?;
             (Upstream::from_addr(demo.addr()), Some(demo))
@@ -196,8 +196,8 @@ pub(super) fn status_info(
     listeners: &Listeners,
     upstream: Option<&Upstream>,
     runs_demo: bool,
-) -> admin::StatusInfo {
-    admin::StatusInfo {
+) -> sluice_admin::StatusInfo {
+    sluice_admin::StatusInfo {
         listen: listeners
             .gateway
             .as_ref()
@@ -390,8 +390,8 @@ pub(super) async fn tenants(
     config: &GatewayConfig,
     limiter: &SharedLimiter<AnyStore>,
     stop: &Stop,
-) -> Result<Arc<crate::tenants::Tenants>, StartError> {
-    use crate::tenants::Tenants;
+) -> Result<Arc<sluice_admin::tenants::Tenants<AnyStore>>, StartError> {
+    use sluice_admin::tenants::Tenants;
     let limiter = Arc::clone(limiter);
     let tenants = match &config.store {
         StoreSpec::Memory => Tenants::local(&config.data_dir, limiter),
@@ -404,7 +404,7 @@ pub(super) async fn tenants(
     }
     .map(Arc::new)
     .map_err(StartError::Tenants)?;
-    tokio::spawn(Arc::clone(&tenants).follow(stop.clone()));
+    tokio::spawn(Arc::clone(&tenants).follow(stop.clone().wait()));
     Ok(tenants)
 }
 
@@ -527,7 +527,7 @@ pub(super) struct Core {
     /// The batch lanes (none without a batch queue).
     pub(super) batch_lanes: Arc<Vec<Arc<BatchLane>>>,
     /// The tenants the admin API changes.
-    pub(super) tenants: Arc<crate::tenants::Tenants>,
+    pub(super) tenants: Arc<sluice_admin::tenants::Tenants<AnyStore>>,
 }
 
 impl Core {
@@ -548,6 +548,76 @@ impl Core {
         }
     }
 
+    /// Serves the forward-auth listener `check` (`--check`) until `stop`, on a
+    /// thread per worker.
+    ///
+    /// # Errors
+    /// [`StartError`] when it cannot listen or its threads cannot start.
+    pub(super) fn serve_check(
+        &self,
+        check: Bound,
+        config: &GatewayConfig,
+        stop: &Stop,
+    ) -> Result<(), StartError> {
+        warn_if_no_trusted_proxy(self, check.addr);
+        let served = crate::check::serve(
+            check.listen()?,
+            Arc::clone(&self.limiter),
+            config.workers,
+            NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
+            per_ip(&self.limiter, config.max_connections_per_ip),
+            stop.clone(),
+        )
+        .map_err(io("starting the check listener threads"))?;
+        tokio::spawn(served);
+        Ok(())
+    }
+
+    /// Serves Envoy's rate-limit service on `rls` (`--rls`) until `stop`, on a
+    /// thread per worker.
+    ///
+    /// # Errors
+    /// [`StartError`] when it cannot listen or its threads cannot start.
+    pub(super) fn serve_rls(
+        &self,
+        rls: Bound,
+        config: &GatewayConfig,
+        stop: &Stop,
+    ) -> Result<(), StartError> {
+        // A thread per core, as the check listener: a decision stays on the
+        // thread that read it, with that thread's Redis coalescer.
+        let limiter = Arc::clone(&self.limiter);
+        let (stop, stopped) = (stop.clone(), stop.clone());
+        let served = per_thread::serve(
+            rls.listen()?,
+            config.workers,
+            NonZeroUsize::new(PROXY_LISTENER_CONNECTIONS).unwrap_or(NonZeroUsize::MIN),
+            per_ip(&self.limiter, config.max_connections_per_ip),
+            "sluice-rls",
+            stopped.wait(),
+            move |incoming| {
+                // The peer's address rides in the stream's connect info.
+                let incoming = futures_util::stream::unfold(incoming, |mut incoming| async {
+                    let (stream, _, held) = incoming.accept().await?;
+                    Some(((stream, held), incoming))
+                });
+                let served = sluice_rls::serve_connections(
+                    incoming,
+                    Arc::clone(&limiter),
+                    stop.clone().wait(),
+                );
+                async move {
+                    if let Err(error) = served.await {
+                        tracing::error!("the rate-limit service failed: {error}");
+                    }
+                }
+            },
+        )
+        .map_err(io("starting the rate-limit service threads"))?;
+        tokio::spawn(served);
+        Ok(())
+    }
+
     /// Serves the admin listener `admin` until `stop`, behind the door `door`
     /// describes: `state` with `/status` showing the limiter's, the batch lanes' and
     /// the policy's state as they are when asked, `/quotas` from the limiter, and the
@@ -556,7 +626,7 @@ impl Core {
         &self,
         admin: TcpListener,
         admin_addr: SocketAddr,
-        state: admin::AdminState,
+        state: sluice_admin::AdminState<AnyStore>,
         door: sluice_door::DoorConfig,
         stop: &Stop,
     ) -> JoinHandle<()> {
@@ -577,10 +647,10 @@ impl Core {
             .with_quotas(Arc::clone(&self.limiter));
         tokio::spawn(state.clone().keep_history(stop.clone().wait()));
         let door = Arc::new(sluice_door::Door::new(admin_addr, door));
-        tokio::spawn(admin::serve(
+        tokio::spawn(sluice_admin::serve(
             admin,
-            admin::router(state)
-                .merge(crate::tenants::router(Arc::clone(&self.tenants)))
+            sluice_admin::router(state)
+                .merge(sluice_admin::tenants::router(Arc::clone(&self.tenants)))
                 .layer(axum::middleware::from_fn_with_state(
                     door,
                     sluice_door::guard,

@@ -11,7 +11,7 @@ use sluice_store::{
 
 /// This process (memory, with quotas in the embedded durable store) or Redis
 /// behind a circuit breaker (replicas; quotas in Redis too).
-pub enum AnyStore {
+pub(crate) enum AnyStore {
     /// Budgets in this process, monthly quotas durable under the data directory.
     Local(LocalStore),
     /// Budgets shared by every replica on one Redis.
@@ -19,27 +19,14 @@ pub enum AnyStore {
 }
 
 impl AnyStore {
-    /// The memory store on `clock`, with monthly quotas kept in the embedded durable
-    /// store in `data_dir`.
+    /// The memory store on `clock` sized by `memory`, with monthly quotas kept in
+    /// the embedded durable store in `data_dir`, and the batch queue (sluice-batch's
+    /// [`BatchBook`]) in the same durable store when `batches` is given.
     ///
     /// # Errors
     /// The data directory cannot be created, is in use by another process, or its
     /// file is corrupt or cannot be written (each naming the path).
-    pub fn local(
-        clock: SystemClock,
-        data_dir: &Path,
-        sync: sluice_store::JournalSync,
-    ) -> Result<Self, OpenError> {
-        Ok(Self::local_with_batches(clock, data_dir, sync, None, MemoryConfig::default())?.0)
-    }
-
-    /// [`AnyStore::local`] with the memory store sized by `memory`, and the batch
-    /// queue (sluice-batch's [`BatchBook`]) in the same durable store when
-    /// `batches` is given.
-    ///
-    /// # Errors
-    /// As [`AnyStore::local`].
-    pub fn local_with_batches(
+    pub(crate) fn local_with_batches(
         clock: SystemClock,
         data_dir: &Path,
         sync: sluice_store::JournalSync,
@@ -65,7 +52,7 @@ impl AnyStore {
     ///
     /// # Errors
     /// The store's, when Redis cannot be reached at start.
-    pub async fn redis(url: &str, timeout: std::time::Duration) -> Result<Self, StoreError> {
+    pub(crate) async fn redis(url: &str, timeout: std::time::Duration) -> Result<Self, StoreError> {
         let mut config = RedisConfig::new(url);
         config.timeout = timeout;
         Ok(AnyStore::Redis(Guarded::new(
@@ -75,7 +62,8 @@ impl AnyStore {
 
     /// The memory store on `clock` with monthly quotas in memory too (not durable):
     /// for tests of what does not concern quotas.
-    pub fn memory(clock: SystemClock) -> Self {
+    #[cfg(test)]
+    pub(crate) fn memory(clock: SystemClock) -> Self {
         AnyStore::Local(LocalStore::new(
             MemoryStore::with_clock(MemoryConfig::default(), clock),
             None,
@@ -83,14 +71,14 @@ impl AnyStore {
     }
 
     /// Drops stale cells of an in-process store (Redis expires its own keys).
-    pub fn reclaim(&self) {
+    pub(crate) fn reclaim(&self) {
         if let AnyStore::Local(m) = self {
             m.memory().reclaim();
         }
     }
 
     /// For `/status`: the kind of store and, for Redis, its breaker's state.
-    pub fn describe_state(&self) -> serde_json::Value {
+    pub(crate) fn describe_state(&self) -> serde_json::Value {
         match self {
             AnyStore::Local(m) => serde_json::json!({
                 "kind": "memory",

@@ -24,7 +24,7 @@ use futures_util::task::AtomicWaker;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
 
-use super::proxy::BoxError;
+use super::boxed::BoxError;
 
 /// A request body on its way upstream.
 pub(super) struct Upload {

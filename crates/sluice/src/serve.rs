@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Args;
-use sluice_gateway::proxy::Upstream;
+use sluice_gateway::Upstream;
 use sluice_gateway::{Drain, Gateway, GatewayConfig, SHUTDOWN_GRACE, StartError, StoreSpec};
 
 use crate::BadInput;
@@ -204,7 +204,7 @@ pub struct ServeArgs {
     /// (`POST /messages/optimize`, the `optimize_message` tool), so its lane's waits,
     /// refusals and breaker can be watched (fractions allowed; 0 to 600). Ignored
     /// with --upstream.
-    #[arg(long, value_name = "SECS", default_value = "3", value_parser = |s: &str| parse_seconds(s, true, sluice_gateway::demo::optimizer::MAX_CALL_SECONDS))]
+    #[arg(long, value_name = "SECS", default_value = "3", value_parser = |s: &str| parse_seconds(s, true, sluice_demo::optimizer::MAX_CALL_SECONDS))]
     pub demo_optimize_seconds: Duration,
 
     /// How log lines on stderr are written: `text` (one readable line per event) or

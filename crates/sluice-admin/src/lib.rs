@@ -1,15 +1,31 @@
-//! The admin listener: `GET /metrics` (Prometheus text), `GET /status` (JSON),
-//! `GET /` (a self-contained dashboard that polls `GET /dashboard.json` every
-//! second), and the monthly quotas: `GET /quotas?workspace=W` and
-//! `POST /quotas/reset?workspace=W[&family=F]` (only here: the gateway never serves
-//! them).
+//! The admin room of sluice: what the admin listener serves, apart from the
+//! gateway's request paths.
+//!
+//! - `GET /metrics` (Prometheus text; [`install_metrics`] installs the recorder and
+//!   describes every metric family sluice records);
+//! - `GET /status` (JSON, [`Status`]) and `GET /` (a self-contained dashboard that
+//!   polls `GET /dashboard.json` every second);
+//! - the monthly quotas: `GET /quotas?workspace=W` and
+//!   `POST /quotas/reset?workspace=W[&family=F]` (only here: the gateway never serves
+//!   them);
+//! - the tenants API (`/tenants…`, see [`tenants`]): workspaces and credentials
+//!   changed at run time.
+//!
+//! [`router`] and [`tenants::router`] give the routes, [`serve`] serves them; the
+//! gateway (sluice-gateway) binds the listener, puts its door in front and passes in
+//! what the routes read: the limiter, and the request counts ([`RequestCounts`]).
 //!
 //! The dashboard's charts read a history the admin side keeps itself: one
 //! [`Sample`] every [`SAMPLE_INTERVAL`], the last [`HISTORY_SAMPLES`] of them (ten
 //! minutes) in a ring, so its memory is bounded whatever the traffic.
 
+mod recorder;
+pub mod tenants;
+
+pub use recorder::{UPSTREAM_SECONDS_BUCKETS, install_metrics};
+
 use std::collections::VecDeque;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
@@ -20,134 +36,26 @@ use axum::http::StatusCode;
 use axum::http::header;
 use axum::response::{Html, IntoResponse, Json, Response};
 use axum::routing::{get, post};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde::Serialize;
 use tokio::net::TcpListener;
 
-use super::metered::RequestStats;
-use super::proxy::UPSTREAM_SECONDS_BUCKETS;
-use super::store::AnyStore;
+use sluice_store::BudgetStore;
+
+/// The gateway's request counters, as `/status`, `/metrics` and the dashboard read
+/// them (the gateway's per-worker counters implement it).
+pub trait RequestCounts: Send + Sync + 'static {
+    /// Requests received since start.
+    fn total(&self) -> u64;
+    /// Requests received whose response headers have not been produced yet.
+    fn in_flight(&self) -> u64;
+    /// Client connections held open now.
+    fn connections_open(&self) -> u64;
+    /// Sets the gauges these counts feed, before `/metrics` is rendered.
+    fn publish(&self);
+}
 
 /// How often histograms are drained and idle metrics expired between scrapes.
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
-
-static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
-
-/// Installs the Prometheus recorder as the process's global `metrics` recorder, once,
-/// and returns the handle that renders it. If another recorder was installed first the
-/// handle still works but sees none of the `metrics` macros' output.
-pub fn install_metrics() -> &'static PrometheusHandle {
-    PROMETHEUS.get_or_init(|| {
-        // Both latencies are histograms with fixed buckets (not summaries): they add
-        // up across replicas, and recording one costs a bucket search, not a sketch.
-        let builder = PrometheusBuilder::new()
-            .set_buckets_for_metric(
-                Matcher::Full("sluice_upstream_seconds".to_owned()),
-                UPSTREAM_SECONDS_BUCKETS,
-            )
-            .and_then(|b| {
-                b.set_buckets_for_metric(
-                    Matcher::Full("sluice_decision_seconds".to_owned()),
-                    sluice_edge::DECISION_SECONDS_BUCKETS,
-                )
-            })
-            .unwrap_or_else(|_| PrometheusBuilder::new());
-        let recorder = builder.build_recorder();
-        let handle = recorder.handle();
-        if metrics::set_global_recorder(recorder).is_ok() {
-            describe_metrics();
-        }
-        handle
-    })
-}
-
-/// `# HELP` (and the unit) of every metric family sluice records, here and in the
-/// limiter (`sluice_edge::Limiter`): a family missing here has no `# HELP` in
-/// `/metrics` (the test `metrics_describe_every_sluice_family` scrapes them all).
-fn describe_metrics() {
-    metrics::describe_counter!(
-        "sluice_requests_total",
-        "Requests answered by the gateway, by HTTP status."
-    );
-    metrics::describe_gauge!(
-        "sluice_requests_in_flight",
-        "Requests received by the gateway and not yet answered."
-    );
-    metrics::describe_gauge!(
-        "sluice_connections_open",
-        "Client connections the gateway holds open, idle ones included."
-    );
-    metrics::describe_counter!(
-        "sluice_quota_units_total",
-        "Calls counted against monthly quotas, by family."
-    );
-    metrics::describe_histogram!(
-        "sluice_upstream_seconds",
-        metrics::Unit::Seconds,
-        "Time from forwarding a request to the upstream's response headers, by outcome."
-    );
-    metrics::describe_counter!(
-        "sluice_decisions_total",
-        "Limiter decisions, by the request's top class and outcome (admitted, refused, error)."
-    );
-    metrics::describe_histogram!(
-        "sluice_decision_seconds",
-        metrics::Unit::Seconds,
-        "Time the budget store took to decide all budgets of one request."
-    );
-    metrics::describe_counter!(
-        "sluice_local_decisions_total",
-        "Decisions made on this process's fallback store while the shared store was down (fail-open classes)."
-    );
-    metrics::describe_counter!(
-        "sluice_refusals_total",
-        "Requests refused with 429, by the budget that refused them."
-    );
-    metrics::describe_counter!(
-        "sluice_settle_failures_total",
-        "Weighted-budget charges (X-Sluice-Cost) the store could not apply after the upstream answered."
-    );
-    metrics::describe_gauge!(
-        "sluice_lane_running",
-        "Calls running through a guarded lane (single calls and batch items), by lane."
-    );
-    metrics::describe_gauge!(
-        "sluice_lane_waiting",
-        "Calls waiting in line for a guarded lane, by lane."
-    );
-    metrics::describe_gauge!(
-        "sluice_lane_batch_running",
-        "Batch items running through a guarded lane, by lane."
-    );
-    metrics::describe_gauge!(
-        "sluice_lane_breaker_open",
-        "1 while a guarded lane's breaker is open (calls refused at once), else 0."
-    );
-    metrics::describe_gauge!(
-        "sluice_batch_queued",
-        "Batch items waiting in a lane's batch queue (as its runner last saw it), by lane."
-    );
-    metrics::describe_counter!(
-        "sluice_batch_items_total",
-        "Batch items this process finished, by lane and outcome (done, failed, requeued)."
-    );
-    metrics::describe_counter!(
-        "sluice_lane_refusals_total",
-        "Calls a guarded lane refused, by lane and reason."
-    );
-    metrics::describe_counter!(
-        "sluice_shadow_refusals_total",
-        "Refusals a budget in shadow mode (mode: shadow, or --dry-run) would have given, the request forwarded instead, by budget and reason."
-    );
-    metrics::describe_counter!(
-        "sluice_tenant_table_repairs_total",
-        "Times this replica found the shared tenant table lost or made again by Redis (FLUSHALL, a restart without persistence) and repaired it, by repair: restored (its copy written back), newer (its newer copy over an older one), merged (its entries added to a table made meanwhile), incomplete (changes made before the loss may be missing)."
-    );
-    metrics::describe_gauge!(
-        "sluice_store_degraded",
-        "1 while the budget store is failing (its last decision failed), else 0."
-    );
-}
 
 /// What `/status` reports about this process's wiring (fixed at start).
 #[derive(Clone, Debug, Serialize)]
@@ -190,19 +98,25 @@ pub struct Status {
 /// Produces the limiter's summary for `/status` on every request.
 pub type LimiterSummary = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
 
-/// Shared state of the admin routes. Cheap to clone.
-#[derive(Clone)]
-pub struct AdminState {
-    inner: Arc<AdminInner>,
+/// Shared state of the admin routes, over a limiter on a store `S`. Cheap to clone.
+pub struct AdminState<S> {
+    inner: Arc<AdminInner<S>>,
 }
 
-#[derive(Clone)]
-struct AdminInner {
+impl<S> Clone for AdminState<S> {
+    fn clone(&self) -> Self {
+        AdminState {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+struct AdminInner<S> {
     info: StatusInfo,
     started: Instant,
-    requests: RequestStats,
+    requests: Arc<dyn RequestCounts>,
     limiter: Option<LimiterSummary>,
-    quotas: Option<sluice_edge::SharedLimiter<AnyStore>>,
+    quotas: Option<sluice_edge::SharedLimiter<S>>,
     history: Arc<Mutex<History>>,
     /// The dashboard's quota table and when it was read (see [`QUOTAS_MAX_AGE`]).
     quota_table: Arc<Mutex<Option<(Instant, serde_json::Value)>>>,
@@ -326,7 +240,22 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-impl std::fmt::Debug for AdminState {
+// By hand: a derived `Clone` would ask `S: Clone`.
+impl<S> Clone for AdminInner<S> {
+    fn clone(&self) -> Self {
+        AdminInner {
+            info: self.info.clone(),
+            started: self.started,
+            requests: Arc::clone(&self.requests),
+            limiter: self.limiter.clone(),
+            quotas: self.quotas.clone(),
+            history: Arc::clone(&self.history),
+            quota_table: Arc::clone(&self.quota_table),
+        }
+    }
+}
+
+impl<S> std::fmt::Debug for AdminState<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AdminState")
             .field("info", &self.inner.info)
@@ -334,14 +263,15 @@ impl std::fmt::Debug for AdminState {
     }
 }
 
-impl AdminState {
-    /// State for a gateway described by `info`, started at `started`.
-    pub fn new(info: StatusInfo, started: Instant, requests: RequestStats) -> Self {
+impl<S: BudgetStore + 'static> AdminState<S> {
+    /// State for a gateway described by `info`, started at `started`, counting its
+    /// requests in `requests`.
+    pub fn new(info: StatusInfo, started: Instant, requests: impl RequestCounts) -> Self {
         AdminState {
             inner: Arc::new(AdminInner {
                 info,
                 started,
-                requests,
+                requests: Arc::new(requests),
                 limiter: None,
                 quotas: None,
                 history: Arc::default(),
@@ -358,11 +288,11 @@ impl AdminState {
 
     /// The same state with `/quotas` answered from the current limiter's store.
     #[must_use]
-    pub fn with_quotas(self, limiter: sluice_edge::SharedLimiter<AnyStore>) -> Self {
+    pub fn with_quotas(self, limiter: sluice_edge::SharedLimiter<S>) -> Self {
         self.changed(|inner| inner.quotas = Some(limiter))
     }
 
-    fn changed(self, change: impl FnOnce(&mut AdminInner)) -> Self {
+    fn changed(self, change: impl FnOnce(&mut AdminInner<S>)) -> Self {
         let mut inner = Arc::unwrap_or_clone(self.inner);
         change(&mut inner);
         AdminState {
@@ -423,14 +353,14 @@ impl AdminState {
 }
 
 /// The admin routes.
-pub fn router(state: AdminState) -> Router {
+pub fn router<S: BudgetStore + 'static>(state: AdminState<S>) -> Router {
     Router::new()
         .route("/", get(dashboard))
-        .route("/metrics", get(metrics_text))
-        .route("/status", get(status))
-        .route("/dashboard.json", get(dashboard_json))
-        .route("/quotas", get(quotas))
-        .route("/quotas/reset", post(reset_quotas))
+        .route("/metrics", get(metrics_text::<S>))
+        .route("/status", get(status::<S>))
+        .route("/dashboard.json", get(dashboard_json::<S>))
+        .route("/quotas", get(quotas::<S>))
+        .route("/quotas/reset", post(reset_quotas::<S>))
         .with_state(state)
 }
 
@@ -454,7 +384,7 @@ pub async fn serve(
     upkeep.abort();
 }
 
-async fn metrics_text(State(state): State<AdminState>) -> Response {
+async fn metrics_text<S: BudgetStore + 'static>(State(state): State<AdminState<S>>) -> Response {
     state.inner.requests.publish();
     if let Some(limiter) = &state.inner.quotas {
         for lane in limiter.load().lanes() {
@@ -471,7 +401,7 @@ async fn metrics_text(State(state): State<AdminState>) -> Response {
         .into_response()
 }
 
-async fn status(State(state): State<AdminState>) -> Json<Status> {
+async fn status<S: BudgetStore + 'static>(State(state): State<AdminState<S>>) -> Json<Status> {
     Json(state.status())
 }
 
@@ -482,12 +412,15 @@ struct QuotaQuery {
     family: Option<String>,
 }
 
-async fn quotas(State(state): State<AdminState>, Query(q): Query<QuotaQuery>) -> Response {
+async fn quotas<S: BudgetStore + 'static>(
+    State(state): State<AdminState<S>>,
+    Query(q): Query<QuotaQuery>,
+) -> Response {
     quota_answer(&state, q, false).await
 }
 
-async fn reset_quotas(
-    State(state): State<AdminState>,
+async fn reset_quotas<S: BudgetStore + 'static>(
+    State(state): State<AdminState<S>>,
     entrant: Option<axum::Extension<sluice_door::Entrant>>,
     Query(q): Query<QuotaQuery>,
 ) -> Response {
@@ -524,7 +457,11 @@ async fn reset_quotas(
 /// `{"workspace", "quotas": [{"family","limit","usage","resets_at"}]}`, or an error
 /// envelope: 400 for a missing or unknown workspace or family, 503 when the store
 /// cannot answer.
-async fn quota_answer(state: &AdminState, q: QuotaQuery, reset: bool) -> Response {
+async fn quota_answer<S: BudgetStore + 'static>(
+    state: &AdminState<S>,
+    q: QuotaQuery,
+    reset: bool,
+) -> Response {
     let error = |status: StatusCode, code: &str, message: String| {
         (
             status,
@@ -591,8 +528,8 @@ struct DashboardQuery {
 /// a restart), `tally` (counts since start: classes, refusals by reason, lane
 /// refusals, fail-open decisions) and `quotas` (per workspace, `null` when the
 /// policy has no quota families).
-async fn dashboard_json(
-    State(state): State<AdminState>,
+async fn dashboard_json<S: BudgetStore + 'static>(
+    State(state): State<AdminState<S>>,
     Query(q): Query<DashboardQuery>,
 ) -> Response {
     let status = state.status();
@@ -661,7 +598,10 @@ fn usage_json(workspace: &str, usage: &[sluice_edge::QuotaUsage]) -> serde_json:
 /// Quota usage of the key table's workspaces and the top callers' (at most
 /// [`QUOTA_WORKSPACES`]), read at most every [`QUOTAS_MAX_AGE`]; `null` without
 /// quota families.
-async fn quota_table(state: &AdminState, summary: &serde_json::Value) -> serde_json::Value {
+async fn quota_table<S: BudgetStore + 'static>(
+    state: &AdminState<S>,
+    summary: &serde_json::Value,
+) -> serde_json::Value {
     let Some(limiter) = &state.inner.quotas else {
         return serde_json::Value::Null;
     };
@@ -714,13 +654,32 @@ const DASHBOARD_HTML: &str = include_str!("dashboard.html");
 
 #[cfg(test)]
 mod tests {
-    use std::num::NonZeroUsize;
+    use sluice_store::{LocalStore, MemoryConfig, MemoryStore};
 
     use super::*;
 
-    fn state() -> AdminState {
+    /// Counts that stay at zero: these tests read the limiter's tally only.
+    struct NoRequests;
+
+    impl RequestCounts for NoRequests {
+        fn total(&self) -> u64 {
+            0
+        }
+        fn in_flight(&self) -> u64 {
+            0
+        }
+        fn connections_open(&self) -> u64 {
+            0
+        }
+        fn publish(&self) {}
+    }
+
+    fn state() -> AdminState<LocalStore> {
         let policy = sluice_policy::default_policy().expect("default policy");
-        let store = AnyStore::memory(sluice_core::SystemClock::default());
+        let store = LocalStore::new(
+            MemoryStore::with_clock(MemoryConfig::default(), sluice_core::SystemClock::default()),
+            None,
+        );
         let limiter = Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(
             sluice_edge::Limiter::new(policy, store),
         ));
@@ -732,12 +691,7 @@ mod tests {
             profile: "production".to_owned(),
             store: "memory".to_owned(),
         };
-        AdminState::new(
-            info,
-            Instant::now(),
-            RequestStats::with_workers(NonZeroUsize::MIN),
-        )
-        .with_quotas(limiter)
+        AdminState::new(info, Instant::now(), NoRequests).with_quotas(limiter)
     }
 
     #[test]
@@ -778,8 +732,8 @@ mod tests {
         let peer: std::net::IpAddr = [127, 0, 0, 1].into();
         let route = limiter.route(&parts).expect("a route");
         for _ in 0..31 {
-            let plan = limiter.plan(&parts, peer, route, None);
-            let _ = limiter.admit(plan, None).await;
+            let intake = limiter.intake(Ok(route), peer, &parts.headers);
+            let _ = intake.planned(&parts.headers, None, None).admit(None).await;
         }
         state.sample();
         let history = state.inner.history.lock();

@@ -30,8 +30,7 @@ use parking_lot::Mutex;
 use sluice_edge::SharedLimiter;
 use sluice_policy::{Policy, Problem, TenantChange, TenantKey, TenantTable, TenantWorkspace};
 
-use crate::Stop;
-use crate::store::AnyStore;
+use sluice_store::BudgetStore;
 
 /// The tenant journal's file name under `--data-dir`.
 pub use journal::FILE as JOURNAL_FILE;
@@ -54,12 +53,12 @@ enum Backend {
 
 /// The tenants of a running gateway: the table the admin API changed, over the
 /// policy file's.
-pub struct Tenants {
+pub struct Tenants<S> {
     /// The policy as its file says, without the table.
     base: Mutex<Arc<Policy>>,
     /// What the admin API changed.
     table: Mutex<TenantTable>,
-    limiter: SharedLimiter<AnyStore>,
+    limiter: SharedLimiter<S>,
     backend: Backend,
     /// Where the shared table applied here stands: its epoch and version.
     stamp: Mutex<shared::Stamp>,
@@ -67,7 +66,7 @@ pub struct Tenants {
     changing: tokio::sync::Mutex<()>,
 }
 
-impl std::fmt::Debug for Tenants {
+impl<S> std::fmt::Debug for Tenants<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tenants").finish_non_exhaustive()
     }
@@ -82,13 +81,13 @@ pub enum ChangeError {
     Unavailable(String),
 }
 
-impl Tenants {
+impl<S: BudgetStore + 'static> Tenants<S> {
     /// The tenants of a process on the memory store: the journal under `data_dir`
     /// read, and its table applied over `limiter`'s policy (the file's).
     ///
     /// # Errors
     /// The journal cannot be read, or its table no longer passes the policy's checks.
-    pub fn local(data_dir: &Path, limiter: SharedLimiter<AnyStore>) -> Result<Tenants, String> {
+    pub fn local(data_dir: &Path, limiter: SharedLimiter<S>) -> Result<Tenants<S>, String> {
         let base = Arc::new(limiter.load().policy().clone());
         let (journal, table) = journal::Journal::open(data_dir, &base)
             .map_err(|e| format!("the tenant journal under {}: {e}", data_dir.display()))?;
@@ -109,8 +108,8 @@ impl Tenants {
     pub async fn shared(
         url: &str,
         timeout: Duration,
-        limiter: SharedLimiter<AnyStore>,
-    ) -> Result<Tenants, String> {
+        limiter: SharedLimiter<S>,
+    ) -> Result<Tenants<S>, String> {
         let base = Arc::new(limiter.load().policy().clone());
         let shared = shared::Shared::connect(url, timeout).await?;
         let (stamp, table) = shared.load().await?;
@@ -161,9 +160,9 @@ impl Tenants {
     fn new(
         base: Arc<Policy>,
         table: TenantTable,
-        limiter: SharedLimiter<AnyStore>,
+        limiter: SharedLimiter<S>,
         backend: Backend,
-    ) -> Tenants {
+    ) -> Tenants<S> {
         Tenants {
             base: Mutex::new(base),
             table: Mutex::new(table),
@@ -307,10 +306,11 @@ impl Tenants {
     /// was made again (another epoch). Every [`EPOCH_CHECK`] it asks Redis whether
     /// the table is still there and has not gone back (a `FLUSHALL` closes no
     /// subscription), and writes its copy back when it is not.
-    pub async fn follow(self: Arc<Self>, stop: Stop) {
+    pub async fn follow(self: Arc<Self>, stop: impl Future<Output = ()>) {
         let Backend::Shared(shared) = &self.backend else {
             return;
         };
+        let mut stop = std::pin::pin!(stop);
         let mut wait = Duration::from_millis(100);
         loop {
             let session = async {
@@ -345,7 +345,7 @@ impl Tenants {
                 Err::<(), String>("the subscription ended".to_owned())
             };
             tokio::select! {
-                () = stop.clone().wait() => return,
+                () = &mut stop => return,
                 ended = session => {
                     if let Err(error) = ended {
                         tracing::warn!(target: "sluice::tenants", "following the shared tenant table: {error}; again in {wait:?}");
@@ -353,7 +353,7 @@ impl Tenants {
                 }
             }
             tokio::select! {
-                () = stop.clone().wait() => return,
+                () = &mut stop => return,
                 () = tokio::time::sleep(wait) => {}
             }
             wait = (wait * 2).min(Duration::from_secs(5));
@@ -581,26 +581,28 @@ fn problems_text(problems: &[Problem]) -> String {
 }
 
 /// The admin routes of the tenants.
-pub fn router(tenants: Arc<Tenants>) -> Router {
+pub fn router<S: BudgetStore + 'static>(tenants: Arc<Tenants<S>>) -> Router {
     Router::new()
-        .route("/tenants", get(list))
+        .route("/tenants", get(list::<S>))
         .route(
             "/tenants/workspaces/{name}",
-            get(workspace).put(put_workspace).delete(remove_workspace),
+            get(workspace::<S>)
+                .put(put_workspace::<S>)
+                .delete(remove_workspace::<S>),
         )
         .route(
             "/tenants/keys/{sha256}",
-            axum::routing::put(put_key).delete(revoke_key),
+            axum::routing::put(put_key::<S>).delete(revoke_key::<S>),
         )
         .with_state(tenants)
 }
 
-async fn list(State(tenants): State<Arc<Tenants>>) -> Response {
+async fn list<S: BudgetStore + 'static>(State(tenants): State<Arc<Tenants<S>>>) -> Response {
     Json(tenants.list()).into_response()
 }
 
-async fn workspace(
-    State(tenants): State<Arc<Tenants>>,
+async fn workspace<S: BudgetStore + 'static>(
+    State(tenants): State<Arc<Tenants<S>>>,
     UrlPath(name): UrlPath<String>,
 ) -> Response {
     let limiter = tenants.limiter.load();
@@ -621,8 +623,8 @@ async fn workspace(
     .into_response()
 }
 
-async fn put_workspace(
-    State(tenants): State<Arc<Tenants>>,
+async fn put_workspace<S: BudgetStore + 'static>(
+    State(tenants): State<Arc<Tenants<S>>>,
     entrant: Option<axum::Extension<sluice_door::Entrant>>,
     UrlPath(name): UrlPath<String>,
     body: Result<Json<TenantWorkspace>, axum::extract::rejection::JsonRejection>,
@@ -641,8 +643,8 @@ async fn put_workspace(
     )
 }
 
-async fn remove_workspace(
-    State(tenants): State<Arc<Tenants>>,
+async fn remove_workspace<S: BudgetStore + 'static>(
+    State(tenants): State<Arc<Tenants<S>>>,
     entrant: Option<axum::Extension<sluice_door::Entrant>>,
     UrlPath(name): UrlPath<String>,
 ) -> Response {
@@ -653,8 +655,8 @@ async fn remove_workspace(
     )
 }
 
-async fn put_key(
-    State(tenants): State<Arc<Tenants>>,
+async fn put_key<S: BudgetStore + 'static>(
+    State(tenants): State<Arc<Tenants<S>>>,
     entrant: Option<axum::Extension<sluice_door::Entrant>>,
     UrlPath(sha256): UrlPath<String>,
     body: Result<Json<TenantKey>, axum::extract::rejection::JsonRejection>,
@@ -670,8 +672,8 @@ async fn put_key(
     )
 }
 
-async fn revoke_key(
-    State(tenants): State<Arc<Tenants>>,
+async fn revoke_key<S: BudgetStore + 'static>(
+    State(tenants): State<Arc<Tenants<S>>>,
     entrant: Option<axum::Extension<sluice_door::Entrant>>,
     UrlPath(sha256): UrlPath<String>,
 ) -> Response {

@@ -1,0 +1,129 @@
+//! The Prometheus recorder behind `GET /metrics`: installed once per process, with
+//! fixed histogram buckets, and the `# HELP` of every metric family sluice records.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Histogram buckets (seconds) of `sluice_upstream_seconds`.
+pub const UPSTREAM_SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the Prometheus recorder as the process's global `metrics` recorder, once,
+/// and returns the handle that renders it. If another recorder was installed first the
+/// handle still works but sees none of the `metrics` macros' output.
+pub fn install_metrics() -> &'static PrometheusHandle {
+    PROMETHEUS.get_or_init(|| {
+        // Both latencies are histograms with fixed buckets (not summaries): they add
+        // up across replicas, and recording one costs a bucket search, not a sketch.
+        let builder = PrometheusBuilder::new()
+            .set_buckets_for_metric(
+                Matcher::Full("sluice_upstream_seconds".to_owned()),
+                UPSTREAM_SECONDS_BUCKETS,
+            )
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Full("sluice_decision_seconds".to_owned()),
+                    sluice_edge::DECISION_SECONDS_BUCKETS,
+                )
+            })
+            .unwrap_or_else(|_| PrometheusBuilder::new());
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        if metrics::set_global_recorder(recorder).is_ok() {
+            describe_metrics();
+        }
+        handle
+    })
+}
+
+/// `# HELP` (and the unit) of every metric family sluice records, here and in the
+/// limiter (`sluice_edge::Limiter`): a family missing here has no `# HELP` in
+/// `/metrics` (the test `metrics_describe_every_sluice_family` scrapes them all).
+fn describe_metrics() {
+    metrics::describe_counter!(
+        "sluice_requests_total",
+        "Requests answered by the gateway, by HTTP status."
+    );
+    metrics::describe_gauge!(
+        "sluice_requests_in_flight",
+        "Requests received by the gateway and not yet answered."
+    );
+    metrics::describe_gauge!(
+        "sluice_connections_open",
+        "Client connections the gateway holds open, idle ones included."
+    );
+    metrics::describe_counter!(
+        "sluice_quota_units_total",
+        "Calls counted against monthly quotas, by family."
+    );
+    metrics::describe_histogram!(
+        "sluice_upstream_seconds",
+        metrics::Unit::Seconds,
+        "Time from forwarding a request to the upstream's response headers, by outcome."
+    );
+    metrics::describe_counter!(
+        "sluice_decisions_total",
+        "Limiter decisions, by the request's top class and outcome (admitted, refused, error)."
+    );
+    metrics::describe_histogram!(
+        "sluice_decision_seconds",
+        metrics::Unit::Seconds,
+        "Time the budget store took to decide all budgets of one request."
+    );
+    metrics::describe_counter!(
+        "sluice_local_decisions_total",
+        "Decisions made on this process's fallback store while the shared store was down (fail-open classes)."
+    );
+    metrics::describe_counter!(
+        "sluice_refusals_total",
+        "Requests refused with 429, by the budget that refused them."
+    );
+    metrics::describe_counter!(
+        "sluice_settle_failures_total",
+        "Weighted-budget charges (X-Sluice-Cost) the store could not apply after the upstream answered."
+    );
+    metrics::describe_gauge!(
+        "sluice_lane_running",
+        "Calls running through a guarded lane (single calls and batch items), by lane."
+    );
+    metrics::describe_gauge!(
+        "sluice_lane_waiting",
+        "Calls waiting in line for a guarded lane, by lane."
+    );
+    metrics::describe_gauge!(
+        "sluice_lane_batch_running",
+        "Batch items running through a guarded lane, by lane."
+    );
+    metrics::describe_gauge!(
+        "sluice_lane_breaker_open",
+        "1 while a guarded lane's breaker is open (calls refused at once), else 0."
+    );
+    metrics::describe_gauge!(
+        "sluice_batch_queued",
+        "Batch items waiting in a lane's batch queue (as its runner last saw it), by lane."
+    );
+    metrics::describe_counter!(
+        "sluice_batch_items_total",
+        "Batch items this process finished, by lane and outcome (done, failed, requeued)."
+    );
+    metrics::describe_counter!(
+        "sluice_lane_refusals_total",
+        "Calls a guarded lane refused, by lane and reason."
+    );
+    metrics::describe_counter!(
+        "sluice_shadow_refusals_total",
+        "Refusals a budget in shadow mode (mode: shadow, or --dry-run) would have given, the request forwarded instead, by budget and reason."
+    );
+    metrics::describe_counter!(
+        "sluice_tenant_table_repairs_total",
+        "Times this replica found the shared tenant table lost or made again by Redis (FLUSHALL, a restart without persistence) and repaired it, by repair: restored (its copy written back), newer (its newer copy over an older one), merged (its entries added to a table made meanwhile), incomplete (changes made before the loss may be missing)."
+    );
+    metrics::describe_gauge!(
+        "sluice_store_degraded",
+        "1 while the budget store is failing (its last decision failed), else 0."
+    );
+}

@@ -1,0 +1,485 @@
+//! The batch runner: claims queued items as the lane has places for them (the lane
+//! decides which workspace goes next), sends each upstream, records its answer, and
+//! renews the claims of the items running here.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, header};
+use http_body_util::{BodyExt as _, Full, Limited};
+use serde_json::Value;
+use sluice_batch::{Claimed, ItemResult, ResultBody, WorkspaceBacklog};
+use sluice_core::Clock as _;
+
+use super::BatchLane;
+use crate::Stop;
+
+/// Most bytes of an upstream answer kept as an item's result.
+pub(crate) const MAX_RESULT_BYTES: usize = 256 * 1024;
+
+/// Attempts an item gets when the upstream fails (5xx, no answer) before it is
+/// recorded as failed.
+pub(crate) const MAX_ATTEMPTS: u32 = 3;
+
+/// Most workspaces whose batch failures are remembered at once (one entry
+/// each, dropped on their next success or once their hold is over).
+const MAX_HOLDS: usize = 10_000;
+
+/// A workspace's batch failures: attempts failed in a row, and the end of its
+/// hold.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Hold {
+    failed_in_row: u32,
+    until: Option<tokio::time::Instant>,
+}
+
+/// Longest wait before an item the upstream failed is sent again.
+pub(crate) const MAX_ITEM_BACKOFF: Duration = Duration::from_secs(30);
+
+/// How long an item waits after its `attempt`-th attempt failed: 1 s, doubling
+/// with each attempt, at most [`MAX_ITEM_BACKOFF`].
+pub(crate) fn item_backoff(attempt: u32) -> Duration {
+    let doublings = attempt.saturating_sub(1).min(16);
+    Duration::from_secs(1u64 << doublings).min(MAX_ITEM_BACKOFF)
+}
+
+/// How often a runner with nothing to start looks at the queue without being
+/// woken: for items another replica queued on a shared queue (this replica's own
+/// submissions wake it at once). On Redis one look is one script call (three
+/// commands), so an idle replica's looks cost Redis well under a command a second.
+pub(crate) const IDLE_LOOK_EVERY: Duration = Duration::from_secs(10);
+
+/// How long the runner waits before looking again after the queue could not be
+/// read, or the item it chose was claimed elsewhere first.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// How often expired claims go back to the queue and old batches are purged.
+const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
+
+/// How long a runner's claim on an item lasts unless renewed: the runner renews
+/// the claims of all the items it runs every third of this while they run
+/// (retries and waits included), so an item outlives its claim only when its
+/// replica is gone, and goes back to the queue at most this plus
+/// [`MAINTAIN_EVERY`] after the replica died. One renewal is one call to the
+/// store however many items run (two Redis commands: the script and its one
+/// `ZADD`), so a lane's running items cost a replica 0.2 commands a second.
+pub(crate) const BATCH_CLAIM: Duration = Duration::from_secs(30);
+
+/// What a runner's look at the queue left it waiting for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Look {
+    /// Nothing is queued.
+    Empty,
+    /// Items are queued and the lane has no place for one now.
+    NoPlace,
+    /// The queue could not be read, or the chosen item went to another replica.
+    Later,
+    /// Items are queued only for workspaces whose hold has not ended.
+    Held,
+}
+impl BatchLane {
+    /// Runs items on the capacity single calls leave, until `stop`.
+    ///
+    /// The runner waits on events and slow timers only, never on a condition that
+    /// holds at rest: a batch queued here, a place freed on the lane (only while
+    /// items wait for one), the lane's breaker or the shared ledger's hold running
+    /// out, the queue's upkeep, and a look every [`IDLE_LOOK_EVERY`] for what other
+    /// replicas queued.
+    pub(crate) async fn run(self: Arc<Self>, stop: Stop) {
+        let stopped = stop.wait();
+        tokio::pin!(stopped);
+        let renewing = tokio::spawn({
+            let this = Arc::clone(&self);
+            async move { this.renew_claims().await }
+        });
+        let _renewing = AbortOnDrop(renewing);
+        let mut maintain = tokio::time::interval(MAINTAIN_EVERY);
+        maintain.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let look = self.start_items().await;
+            let look_again = match look {
+                Look::Empty | Look::NoPlace => IDLE_LOOK_EVERY,
+                Look::Later => RETRY_AFTER,
+                // Look again when the first hold ends (or as usual).
+                Look::Held => self.first_hold_end().map_or(IDLE_LOOK_EVERY, |until| {
+                    until
+                        .saturating_duration_since(tokio::time::Instant::now())
+                        .min(IDLE_LOOK_EVERY)
+                }),
+            };
+            tokio::select! {
+                () = &mut stopped => return,
+                () = self.lane.batch_capacity(), if look == Look::NoPlace => {}
+                () = self.queued.notified() => {}
+                () = tokio::time::sleep(look_again) => {}
+                _ = maintain.tick() => {
+                    if let Err(e) = self.queue.maintain(self.clock.now()).await {
+                        tracing::warn!("batch queue upkeep failed: {e}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Renews the claims of the items running here, all in one call to the
+    /// store, every third of [`BATCH_CLAIM`] while any runs; with none running
+    /// it waits for one and costs nothing.
+    async fn renew_claims(&self) {
+        loop {
+            while self.claims.lock().is_empty() {
+                self.claimed.notified().await;
+            }
+            tokio::time::sleep(BATCH_CLAIM / 3).await;
+            let claims = self.claims.lock().all();
+            if claims.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.queue.renew_all(&claims, self.clock.now()).await {
+                tracing::warn!(
+                    "could not renew the claims of {} batch items: {e}",
+                    claims.len()
+                );
+            }
+        }
+    }
+
+    /// Starts as many queued items as the lane has places for now, and says what
+    /// is left to wait for.
+    async fn start_items(self: &Arc<Self>) -> Look {
+        loop {
+            let backlogs = match self.queue.backlogs().await {
+                Ok(b) => b,
+                Err(_) => return Look::Later,
+            };
+            // This lane's part of the queue, under the workspaces' own names.
+            let backlogs: Vec<WorkspaceBacklog> = backlogs
+                .into_iter()
+                .filter_map(|b| {
+                    let workspace = self.own_workspace(&b.workspace)?.to_owned();
+                    Some(WorkspaceBacklog { workspace, ..b })
+                })
+                .collect();
+            self.last_backlog.lock().clone_from(&backlogs);
+            let waiting: Vec<&str> = backlogs
+                .iter()
+                .filter(|b| b.queued > 0 && self.held_until(&b.workspace).is_none())
+                .map(|b| b.workspace.as_str())
+                .collect();
+            if waiting.is_empty() {
+                return if backlogs.iter().any(|b| b.queued > 0) {
+                    Look::Held
+                } else {
+                    Look::Empty
+                };
+            }
+            // No place (or the shared ledger refused one, which the lane holds
+            // until it is worth asking again): wait for the lane to have one.
+            let Some((i, permit)) = self.lane.acquire_next_batch(&waiting).await else {
+                return Look::NoPlace;
+            };
+            let claimed = match self
+                .queue
+                .claim_next(&self.queue_name(waiting[i]), self.clock.now())
+                .await
+            {
+                Ok(Some(mut claimed)) => {
+                    claimed.workspace = waiting[i].to_owned();
+                    claimed
+                }
+                // Claimed by another replica meanwhile, or the queue is down.
+                Ok(None) | Err(_) => {
+                    drop(permit);
+                    return Look::Later;
+                }
+            };
+            let this = Arc::clone(self);
+            tokio::spawn(async move { this.run_item(claimed, permit).await });
+        }
+    }
+
+    /// Sends one item upstream and records its answer.
+    ///
+    /// An attempt the upstream fails (a 5xx, no answer, a timeout) is sent again
+    /// by this task, holding its claim but no place on the lane meanwhile, after
+    /// [`item_backoff`] (1 s, then 2 s): an item backs off on its own, and its
+    /// failures never feed the lane's breaker (see
+    /// [`sluice_lanes::Lane::acquire_batch`]), so a workspace's poison items
+    /// cannot shut the lane for the others. After [`MAX_ATTEMPTS`] attempts
+    /// (counting claims before this one, e.g. by a replica that crashed) the
+    /// item is recorded `failed` with the last answer, or with why there was
+    /// none, as its result.
+    async fn run_item(&self, claimed: Claimed, permit: sluice_lanes::BatchPermit) {
+        let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
+        // The claim is renewed while the item runs (by the lane's renewals); it
+        // leaves them when the task ends, however it ends.
+        let _running = RunningClaim::new(self, batch, index);
+        let recorded = self.run_attempts(&claimed, permit).await;
+        if let Err(e) = recorded {
+            tracing::warn!("batch {batch} item {index}: could not record its answer: {e}");
+        }
+    }
+
+    /// [`BatchLane::run_item`]'s attempts, until one is recorded.
+    async fn run_attempts(
+        &self,
+        claimed: &Claimed,
+        permit: sluice_lanes::BatchPermit,
+    ) -> Result<sluice_batch::Finish, sluice_batch::BatchError> {
+        let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
+        let mut attempt = claimed.attempt;
+        let mut permit = permit;
+        loop {
+            let answer = tokio::time::timeout(self.timeout, self.send(claimed)).await;
+            let now = self.clock.now();
+            match answer {
+                Ok(Some((status, body, is_json))) if status < 500 => {
+                    permit.finish(sluice_lanes::Outcome::Success);
+                    self.holds.lock().remove(&claimed.workspace);
+                    let result = ItemResult {
+                        status,
+                        body: ResultBody::new(body, is_json),
+                    };
+                    return if status < 400 {
+                        self.count(0);
+                        self.queue.complete(batch, index, result, now).await
+                    } else {
+                        self.count(1);
+                        self.queue.fail(batch, index, result, now).await
+                    };
+                }
+                failed => {
+                    permit.finish(sluice_lanes::Outcome::Failure);
+                    self.failed_attempt(&claimed.workspace);
+                    if attempt >= MAX_ATTEMPTS {
+                        let result = match failed {
+                            Ok(Some((status, body, is_json))) => ItemResult {
+                                status,
+                                body: ResultBody::new(body, is_json),
+                            },
+                            Ok(None) => ItemResult {
+                                status: 502,
+                                body: ResultBody::Text(format!(
+                                    "the upstream could not be reached ({attempt} attempts)"
+                                )),
+                            },
+                            Err(_) => ItemResult {
+                                status: 504,
+                                body: ResultBody::Text(format!(
+                                    "the upstream did not answer within {} s ({attempt} attempts)",
+                                    self.timeout.as_secs()
+                                )),
+                            },
+                        };
+                        self.count(1);
+                        return self.queue.fail(batch, index, result, now).await;
+                    }
+                    self.count(2);
+                    tokio::time::sleep(item_backoff(attempt)).await;
+                    // The workspace's hold, if its items kept failing.
+                    if let Some(until) = self.held_until(&claimed.workspace) {
+                        tokio::time::sleep_until(until).await;
+                    }
+                    attempt += 1;
+                    permit = loop {
+                        if let Some(p) = self.lane.acquire_batch(&claimed.workspace).await {
+                            break p;
+                        }
+                        self.lane.batch_capacity().await;
+                    };
+                }
+            }
+        }
+    }
+
+    /// One item's upstream call: its status, body (at most [`MAX_RESULT_BYTES`])
+    /// and whether the body is JSON; `None` when no answer came.
+    async fn send(&self, claimed: &Claimed) -> Option<(u16, Vec<u8>, bool)> {
+        let item: Value = serde_json::from_slice(&claimed.item).ok()?;
+        let uri = format!("{}{}", self.upstream.base_path(), self.batch.route);
+        let mut request = Request::post(uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("idempotency-key", claimed.idempotency_key())
+            .header("x-request-id", claimed.idempotency_key());
+        if let Some(fields) = item["fields"].as_object() {
+            for (name, value) in fields {
+                if let Some(value) = value.as_str() {
+                    request = request.header(name.as_str(), value);
+                }
+            }
+        }
+        for (name, key) in [
+            ("x-sluice-workspace", "workspace"),
+            ("x-sluice-user", "user"),
+        ] {
+            if let Some(value) = item[key].as_str() {
+                request = request.header(name, value);
+            }
+        }
+        let body = Bytes::from(item["body"].to_string());
+        let body = Full::new(body)
+            .map_err(|never| match never {})
+            .boxed_unsync();
+        let mut request = request.body(body).ok()?;
+        // After the item's own fields, unless they hold one.
+        request
+            .headers_mut()
+            .entry(header::HOST)
+            .or_insert_with(|| self.host.clone());
+        let response = self.pool.send(request).await.ok()?;
+        let status = response.status().as_u16();
+        let is_json = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/json"));
+        let body = Limited::new(response.into_body(), MAX_RESULT_BYTES)
+            .collect()
+            .await
+            .map(|c| c.to_bytes().to_vec())
+            .unwrap_or_default();
+        let is_json = is_json && serde_json::from_slice::<Value>(&body).is_ok();
+        Some((status, body, is_json))
+    }
+
+    /// Counts a failed attempt of one of `workspace`'s items: after as many in a
+    /// row as open the lane's breaker, its items are held for the breaker's open
+    /// time (and again after each further failure while they keep failing).
+    /// This is the batch side's breaker, per workspace: one workspace's poison
+    /// items pause only that workspace's items, and an upstream down for
+    /// everyone pauses every workspace's items instead of failing them all.
+    fn failed_attempt(&self, workspace: &str) {
+        let config = self.lane.config();
+        let (threshold, open_for) = (config.breaker.failures.max(1), config.breaker.open_for);
+        let now = tokio::time::Instant::now();
+        let mut holds = self.holds.lock();
+        if holds.len() >= MAX_HOLDS && !holds.contains_key(workspace) {
+            holds.retain(|_, h| h.until.is_some_and(|until| until > now));
+            if holds.len() >= MAX_HOLDS {
+                return;
+            }
+        }
+        let hold = holds.entry(workspace.to_owned()).or_default();
+        hold.failed_in_row = hold.failed_in_row.saturating_add(1);
+        if hold.failed_in_row >= threshold {
+            hold.until = Some(now + open_for);
+        }
+    }
+
+    /// Until when `workspace`'s batch items are held, if they are now.
+    pub(super) fn held_until(&self, workspace: &str) -> Option<tokio::time::Instant> {
+        let now = tokio::time::Instant::now();
+        self.holds
+            .lock()
+            .get(workspace)
+            .and_then(|h| h.until)
+            .filter(|until| *until > now)
+    }
+
+    /// When the first hold that has not ended ends.
+    fn first_hold_end(&self) -> Option<tokio::time::Instant> {
+        let now = tokio::time::Instant::now();
+        self.holds
+            .lock()
+            .values()
+            .filter_map(|h| h.until)
+            .filter(|until| *until > now)
+            .min()
+    }
+}
+
+/// The claims of the items running on a lane, each with how many runs hold it.
+#[derive(Debug, Default)]
+pub(super) struct RunningClaims(HashMap<(String, u32), usize>);
+
+impl RunningClaims {
+    fn add(&mut self, claim: &(String, u32)) {
+        *self.0.entry(claim.clone()).or_default() += 1;
+    }
+
+    /// One run of `claim` ended; the claim stays while another holds it.
+    fn remove(&mut self, claim: &(String, u32)) {
+        if let Some(runs) = self.0.get_mut(claim) {
+            *runs -= 1;
+            if *runs == 0 {
+                self.0.remove(claim);
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Every claim held, once each.
+    fn all(&self) -> Vec<(String, u32)> {
+        self.0.keys().cloned().collect()
+    }
+}
+
+/// An item's claim among its lane's renewals while the item runs here.
+struct RunningClaim<'a> {
+    lane: &'a BatchLane,
+    claim: (String, u32),
+}
+
+impl<'a> RunningClaim<'a> {
+    fn new(lane: &'a BatchLane, batch_id: &str, index: u32) -> Self {
+        let claim = (batch_id.to_owned(), index);
+        lane.claims.lock().add(&claim);
+        lane.claimed.notify_one();
+        Self { lane, claim }
+    }
+}
+
+impl Drop for RunningClaim<'_> {
+    fn drop(&mut self) {
+        self.lane.claims.lock().remove(&self.claim);
+    }
+}
+
+/// A spawned task that ends when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    /// A claim held by two runs of its item (claimed again after its claim ran
+    /// out) is renewed until both end.
+    #[test]
+    fn l4_a_claim_is_renewed_while_any_run_holds_it() {
+        let mut claims = RunningClaims::default();
+        let (a, b) = (("b1".to_owned(), 0), ("b1".to_owned(), 1));
+        claims.add(&a);
+        claims.add(&a);
+        claims.add(&b);
+        let mut all = claims.all();
+        all.sort();
+        assert_eq!(all, vec![a.clone(), b.clone()], "each claim once");
+        claims.remove(&a);
+        claims.remove(&b);
+        assert_eq!(
+            claims.all(),
+            vec![a.clone()],
+            "a's second run still holds it"
+        );
+        claims.remove(&a);
+        assert!(claims.is_empty());
+        claims.remove(&a);
+        assert!(claims.is_empty(), "an extra end changes nothing");
+    }
+
+    #[test]
+    fn l4_item_backoff_doubles_and_is_bounded() {
+        let secs: Vec<u64> = (1..=8).map(|a| item_backoff(a).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(item_backoff(u32::MAX), MAX_ITEM_BACKOFF);
+    }
+}
