@@ -1,26 +1,4 @@
-//! Phases 1 and 2 for every transport: one [`Intake`] takes a request's head
-//! (its route or refusal, its peer, its fields), then its body, and owns what
-//! happens between them — the refusal order, the body bound, the buffer lease,
-//! the body deadline — until it yields the request [`Planned`].
-//!
-//! The refusal order, the same on every transport:
-//! 1. the head: [`check_head`](crate::check_head), then the path's normal form,
-//!    then the route ([`Limiter::route_head`]) — answered at once
-//!    ([`Intake::refused`]), before anything of the body is read;
-//! 2. a body the route is classified by, announced past the policy's
-//!    `limits.max_body_bytes`: decided as one call of the route's default class,
-//!    then answered 413 ([`Intake::too_large`]), nothing of it read;
-//! 3. a body that cannot be held ([`BufferFull`]: 503), that does not come
-//!    whole within the [body deadline](Limiter::body_deadline) (408), or that
-//!    stops or breaks its framing (400): [`Intake::body_refusal`];
-//! 4. then the decision ([`Planned::admit`]).
-//!
-//! A transport does only its own I/O: it reads into [`Intake::room`] (a
-//! transport with a buffer of its own, as sluice's HTTP/1.1 fast path) or hands
-//! each frame to [`Intake::push`] (one that gets frames, as the tower layer).
-//! The body the route asks for is where a body-aware budget reads it (JSON-RPC
-//! today); the response side is [`Forward`](crate::Forward)'s, symmetric: it
-//! settles what the upstream said the call cost.
+//! Phases 1 and 2 for every transport: [`Intake`].
 
 mod pieces;
 
@@ -59,7 +37,29 @@ impl From<Overrun> for BodyFailure {
     }
 }
 
-/// One request between its head and its plan (see the [module](self)).
+/// One request between its head and its plan. Phases 1 and 2 for every transport: an intake takes a request's head
+/// (its route or refusal, its peer, its fields), then its body, and owns what
+/// happens between them — the refusal order, the body bound, the buffer lease,
+/// the body deadline — until it yields the request [`Planned`].
+///
+/// The refusal order, the same on every transport:
+/// 1. the head: [`check_head`](crate::check_head), then the path's normal form,
+///    then the route ([`Limiter::route_head`]) — answered at once
+///    ([`Intake::refused`]), before anything of the body is read;
+/// 2. a body the route is classified by, announced past the policy's
+///    `limits.max_body_bytes`: decided as one call of the route's default class,
+///    then answered 413 ([`Intake::too_large`]), nothing of it read;
+/// 3. a body that cannot be held ([`BufferFull`]: 503), that does not come
+///    whole within the [body deadline](Limiter::body_deadline) (408), or that
+///    stops or breaks its framing (400): [`Intake::body_refusal`];
+/// 4. then the decision ([`Planned::admit`]).
+///
+/// A transport does only its own I/O: it reads into [`Intake::room`] (a
+/// transport with a buffer of its own, as sluice's HTTP/1.1 fast path) or hands
+/// each frame to [`Intake::push`] (one that gets frames, as the tower layer).
+/// The body the route asks for is where a body-aware budget reads it (JSON-RPC
+/// today); the response side is [`Forward`](crate::Forward)'s, symmetric: it
+/// settles what the upstream said the call cost.
 pub struct Intake<'l, S> {
     limiter: &'l Limiter<S>,
     route: Result<Option<&'l Route>, Refused>,
