@@ -732,7 +732,7 @@ mod tests {
         let peer: std::net::IpAddr = [127, 0, 0, 1].into();
         let route = limiter.route(&parts).expect("a route");
         for _ in 0..31 {
-            let intake = limiter.intake(Ok(route), peer, &parts.headers);
+            let intake = limiter.intake(Ok(route), peer);
             let _ = intake.planned(&parts.headers, None, None).admit(None).await;
         }
         state.sample();

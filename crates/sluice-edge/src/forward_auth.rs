@@ -206,7 +206,7 @@ impl<S: BudgetStore> Limiter<S> {
         let route = self
             .normalize_target(uri)
             .and_then(|()| self.route_with(method, uri.path(), headers));
-        let intake = self.intake(route, peer, headers);
+        let intake = self.intake(route, peer);
         if let Some(answer) = intake.refused(None) {
             return answer;
         }

@@ -45,7 +45,7 @@
 //! let hosts = [b"api.example".as_slice()];
 //! let call = || async {
 //!     let route = limiter.route_head(&Method::POST, Version::HTTP_2, hosts, Ok("/chats"), None);
-//!     let intake = limiter.intake(route, peer, &parts.headers);
+//!     let intake = limiter.intake(route, peer);
 //!     intake.planned(&parts.headers, None, None).admit(None).await
 //! };
 //!

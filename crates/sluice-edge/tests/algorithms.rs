@@ -103,7 +103,7 @@ async fn send<S: BudgetStore>(limiter: &Limiter<S>, method: &str, path: &str, ke
     let parts = request(method, path, key);
     let route = limiter.route(&parts).map_err(|e| e.to_string());
     let route = route.expect("route");
-    let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+    let intake = limiter.intake(Ok(route), PEER);
     let planned = intake.planned(&parts.headers, None, None);
     let (status, headers) = match planned.admit(None).await {
         Ok(forward) => {

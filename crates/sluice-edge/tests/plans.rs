@@ -131,7 +131,7 @@ async fn generate_with(
     }
     let (parts, ()) = request.body(()).expect("request").into_parts();
     let route = limiter.route(&parts).expect("route");
-    let intake = limiter.intake(Ok(route), peer, &parts.headers);
+    let intake = limiter.intake(Ok(route), peer);
     let planned = intake.planned(&parts.headers, None, None);
     match planned.admit(None).await {
         Ok(forward) => {

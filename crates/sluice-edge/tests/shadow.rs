@@ -212,7 +212,7 @@ routes:
     for _ in 0..2 {
         let parts = request("POST", "/evals");
         let route = limiter.route(&parts).expect("route");
-        let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+        let intake = limiter.intake(Ok(route), PEER);
         let planned = intake.planned(&parts.headers, None, None);
         let forward = planned.admit(None).await.expect("admitted");
         spent.push(forward.quota_spent().of(0));
@@ -305,7 +305,7 @@ async fn p5_q2_a_bucket_that_passes_an_exhausted_request_on_does_so_in_a_dry_run
         for i in 0..4 {
             let parts = request("POST", "/search");
             let route = limiter.route(&parts).expect("route");
-            let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+            let intake = limiter.intake(Ok(route), PEER);
             let planned = intake.planned(&parts.headers, None, None);
             let forward = planned.admit(None).await.expect("admitted: passed on");
             let mut upstream = http::HeaderMap::new();
@@ -339,7 +339,7 @@ routes:
     for i in 0..4 {
         let parts = request("POST", "/search");
         let route = limiter.route(&parts).expect("route");
-        let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+        let intake = limiter.intake(Ok(route), PEER);
         let planned = intake.planned(&parts.headers, None, None);
         let forward = planned.admit(None).await.expect("admitted: shadowed");
         // The first two calls cost one unit each (no header); the two the bucket
@@ -377,7 +377,7 @@ routes:
     for _ in 0..2 {
         let parts = request("POST", "/evals");
         let route = limiter.route(&parts).expect("route");
-        let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+        let intake = limiter.intake(Ok(route), PEER);
         let planned = intake.planned(&parts.headers, None, None);
         let forward = planned.admit(None).await.expect("admitted");
         let mut answer = http::HeaderMap::new();

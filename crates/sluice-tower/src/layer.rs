@@ -235,7 +235,7 @@ where
                 return Ok(no_peer_address().map(Either::Left));
             };
             let request_id = parts.extensions.get::<sluice_edge::RequestId>().cloned();
-            let mut intake = limiter.intake(route, peer, &parts.headers);
+            let mut intake = limiter.intake(route, peer);
             if let Some(mut answer) = intake.refused(request_id.as_ref()) {
                 if route == Err(Refused::Connect) && parts.version <= Version::HTTP_11 {
                     // What follows a CONNECT head may be a tunnel's bytes.
@@ -249,7 +249,7 @@ where
             // Phase 2: the body, in whole, when the route takes its class from it.
             let body = match intake.body_bound() {
                 None => body,
-                Some(_) => match take_body(body, &mut intake).await {
+                Some(_) => match take_body(body, &mut intake, &parts.headers).await {
                     Ok(whole) => B::from(whole),
                     Err(failure) => return Ok(intake.body_refusal(failure).map(Either::Left)),
                 },
@@ -303,7 +303,11 @@ where
 /// to the client, then taken frame by frame, each copied and let go, whole
 /// within the limiter's body deadline. What the inner service is handed: the
 /// whole body, or nothing for one past the bound.
-async fn take_body<B, S>(body: B, intake: &mut Intake<'_, S>) -> Result<Bytes, BodyFailure>
+async fn take_body<B, S>(
+    body: B,
+    intake: &mut Intake<'_, S>,
+    headers: &http::HeaderMap,
+) -> Result<Bytes, BodyFailure>
 where
     B: Body,
     S: BudgetStore,
@@ -312,7 +316,7 @@ where
     if announced.is_some_and(|n| intake.too_large(n)) {
         return Ok(Bytes::new());
     }
-    intake.lease_whole(announced)?;
+    intake.lease_whole(announced, headers)?;
     let whole_by = intake.whole_by();
     let read = async {
         let mut body = std::pin::pin!(body);

@@ -46,7 +46,7 @@ async fn optimize<'l>(
     let route = limiter
         .route_for(&Method::POST, "/messages/optimize")
         .expect("route");
-    let intake = limiter.intake(Ok(route), IpAddr::V4(Ipv4Addr::LOCALHOST), &headers);
+    let intake = limiter.intake(Ok(route), IpAddr::V4(Ipv4Addr::LOCALHOST));
     intake.planned(&headers, None, None).admit(None).await
 }
 

@@ -11,7 +11,7 @@ use sluice_policy::Route;
 use sluice_store::BudgetStore;
 
 use crate::exchange::{BodyRead, Planned};
-use crate::{BufferFull, BufferLease, Holder, Limiter, Refused, RequestId};
+use crate::{BufferFull, BufferLease, Limiter, Refused, RequestId};
 use pieces::{Overrun, Pieces};
 
 /// Why a transport could not take a body whole (see [`Intake::body_refusal`]).
@@ -64,7 +64,6 @@ pub struct Intake<'l, S> {
     limiter: &'l Limiter<S>,
     route: Result<Option<&'l Route>, Refused>,
     peer: IpAddr,
-    holder: Holder,
     /// `Some(max)` when the route takes its class from the body.
     bound: Option<usize>,
     lease: Option<BufferLease>,
@@ -73,8 +72,6 @@ pub struct Intake<'l, S> {
     too_large: bool,
     /// The whole body, once taken in pieces.
     whole: Option<Bytes>,
-    /// When the body must be whole (see [`Limiter::body_deadline`]).
-    whole_by: tokio::time::Instant,
 }
 
 impl<S: BudgetStore> Limiter<S> {
@@ -102,27 +99,23 @@ impl<S: BudgetStore> Limiter<S> {
         }
     }
 
-    /// Phase 1 done: the intake of a request from `peer` with the fields the
-    /// limiter reads in `headers`, on `route` (or its refusal) from
-    /// [`Limiter::route_head`].
+    /// Phase 1 done: the intake of a request from `peer` on `route` (or its
+    /// refusal) from [`Limiter::route_head`].
     pub fn intake<'l>(
         &'l self,
         route: Result<Option<&'l Route>, Refused>,
         peer: IpAddr,
-        headers: &HeaderMap,
     ) -> Intake<'l, S> {
         let bound = route.ok().and_then(|r| self.body_bound(r));
         Intake {
             limiter: self,
             route,
             peer,
-            holder: self.buffer_holder(peer, headers),
             bound,
             lease: None,
             pieces: None,
             too_large: false,
             whole: None,
-            whole_by: tokio::time::Instant::now() + self.body_deadline(),
         }
     }
 }
@@ -164,11 +157,16 @@ impl<'l, S: BudgetStore> Intake<'l, S> {
     /// announced, so the bound's worth), and for the transport's read buffer
     /// meanwhile when the body is longer than one piece: for a transport whose
     /// reads land in buffers it does not own (the tower layer under hyper).
-    /// Returns the capacity leased for the body itself.
+    /// Returns the capacity leased for the body itself. The lease is charged to
+    /// the client the policy reads from `headers` (see [`Limiter::buffer_holder`]).
     ///
     /// # Errors
     /// [`BodyFailure::Busy`] when the gateway's bound or the client's share is full.
-    pub fn lease_whole(&mut self, announced: Option<u64>) -> Result<usize, BodyFailure> {
+    pub fn lease_whole(
+        &mut self,
+        announced: Option<u64>,
+        headers: &HeaderMap,
+    ) -> Result<usize, BodyFailure> {
         let max = self.bound.unwrap_or(0);
         let capacity = announced
             .and_then(|n| usize::try_from(n).ok())
@@ -182,7 +180,10 @@ impl<'l, S: BudgetStore> Intake<'l, S> {
         let lease = self
             .limiter
             .buffers()
-            .try_lease_for(self.holder, capacity.saturating_add(allowance))
+            .try_lease_for(
+                self.limiter.buffer_holder(self.peer, headers),
+                capacity.saturating_add(allowance),
+            )
             .map_err(BodyFailure::Busy)?;
         self.lease = Some(lease);
         self.pieces = Some(Pieces::new(0, capacity, false));
@@ -192,15 +193,20 @@ impl<'l, S: BudgetStore> Intake<'l, S> {
     /// Starts a body of `len` bytes whose first `start` bytes the transport holds
     /// in a buffer of its own: those are leased now, and each piece of the rest
     /// as it is allocated ([`Intake::room`]), so a client that stalls holds at
-    /// most a piece beyond what it sent.
+    /// most a piece beyond what it sent; charged as [`Intake::lease_whole`] is.
     ///
     /// # Errors
     /// [`BodyFailure::Busy`] when the gateway's bound or the client's share is full.
-    pub fn lease_pieces(&mut self, start: usize, len: usize) -> Result<(), BodyFailure> {
+    pub fn lease_pieces(
+        &mut self,
+        start: usize,
+        len: usize,
+        headers: &HeaderMap,
+    ) -> Result<(), BodyFailure> {
         let mut lease = self
             .limiter
             .buffers()
-            .try_lease_for(self.holder, 0)
+            .try_lease_for(self.limiter.buffer_holder(self.peer, headers), 0)
             .map_err(BodyFailure::Busy)?;
         lease.try_grow_for(start).map_err(BodyFailure::Busy)?;
         self.lease = Some(lease);
@@ -267,11 +273,11 @@ impl<'l, S: BudgetStore> Intake<'l, S> {
         whole
     }
 
-    /// When the body must be whole: the head's arrival and the limiter's
-    /// [body deadline](Limiter::body_deadline). A transport that has not read it
-    /// all by then answers [`BodyFailure::TooSlow`].
+    /// When the body must be whole, asked once as its reading starts: now and
+    /// the limiter's [body deadline](Limiter::body_deadline). A transport that has
+    /// not read it all by then answers [`BodyFailure::TooSlow`].
     pub fn whole_by(&self) -> tokio::time::Instant {
-        self.whole_by
+        tokio::time::Instant::now() + self.limiter.body_deadline()
     }
 
     /// Bytes of the body held so far.

@@ -56,7 +56,7 @@ pub async fn send_as<S: sluice_store::BudgetStore>(
         let parts = request_as(key, method, path);
         let route = limiter.route(&parts).map_err(|e| e.to_string());
         let route = route.expect("route");
-        let intake = limiter.intake(Ok(route), PEER, &parts.headers);
+        let intake = limiter.intake(Ok(route), PEER);
         let planned = intake.planned(&parts.headers, None, None);
         answers.push(match planned.admit(None).await {
             Ok(forward) => {

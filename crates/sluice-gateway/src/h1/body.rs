@@ -103,7 +103,7 @@ impl<'f> Connection<'f> {
             read_within(client, timers, whole_by, &mut self.from_client).await?;
         }
         let start = self.from_client.len() - head_len;
-        intake.lease_pieces(start, end - head_len)?;
+        intake.lease_pieces(start, end - head_len, &self.identity)?;
         while !intake.is_whole() {
             let n = read_within(client, timers, whole_by, intake.room()?).await?;
             intake.filled(n);

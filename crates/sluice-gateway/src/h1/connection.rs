@@ -74,7 +74,7 @@ impl<'f> Connection<'f> {
         let (head_len, end) = (head.len, head.len.saturating_add(body_len));
         // Phase 1 done (see `sluice_edge::Intake`): the edge owns what follows
         // until the request is planned; this path does only its own reading.
-        let mut intake = limiter.intake(head.route, self.peer, &self.identity);
+        let mut intake = limiter.intake(head.route, self.peer);
         // A batch lane's endpoints are answered by the service stack's batch lanes.
         if intake.route().is_some_and(|r| r.batch.is_some()) {
             return Ok(Next::Elsewhere);
