@@ -357,7 +357,37 @@ impl<S: BudgetStore> Limiter<S> {
             return answer;
         }
         answer.outcome = Outcome::Decided;
-        self.decide_descriptors(domain, plan, answer).await
+        // Decided here, not in a function of its own: one future for the request,
+        // as small as one decision's.
+        // On the heap: the request's future stays small (it is moved whole).
+        let mut budgets: Vec<Budget> = plan.counted.iter().map(|c| c.budget).collect();
+        let mut decision = match self.store().decide(&budgets).await {
+            Ok(d) => d,
+            Err(error) => return self.outage(answer, domain, &error.to_string()),
+        };
+        // The gateway's shadow rule: rules in shadow mode never refuse. What
+        // they refused is decided again with them spending nothing.
+        let shadow = plan
+            .counted
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| self.in_shadow(c.rule))
+            .fold(0_u16, |mask, (i, _)| mask | 1 << i);
+        let waived = shadow_waived(&decision, shadow, || 0);
+        let mut refused = None;
+        if waived != 0 {
+            // Seldom: the refusal waits on the heap, so that every request's
+            // future stays as small as one decision's.
+            let first = Box::new(decision);
+            waive(&mut budgets, waived);
+            decision = match self.store().decide(&budgets).await {
+                Ok(d) => d,
+                Err(error) => return self.outage(answer, domain, &error.to_string()),
+            };
+            refused = Some((first, waived));
+        }
+        self.describe_decision(domain, plan, &decision, refused.as_ref(), &mut answer);
+        answer
     }
 
     /// True when `rule` decides in shadow mode: its own `shadow_mode`, or every
@@ -447,41 +477,20 @@ impl<S: BudgetStore> Limiter<S> {
         plan
     }
 
-    /// Decides the planned budgets at once, by the gateway's shadow rule (rules
-    /// in shadow mode never refuse: what they refused is decided again with them
-    /// spending nothing), and writes each descriptor's status, the would-be
-    /// refusals and the `X-RateLimit-*` fields of the tightest into `answer`.
-    async fn decide_descriptors(
+    /// Writes the decision of the planned budgets into `answer`: each
+    /// descriptor's status (a rule in shadow mode never over the limit), the
+    /// refusals rules in shadow mode would have given (`refused`: the decision
+    /// they refused, and which budgets were waived), and the `X-RateLimit-*`
+    /// fields of the tightest budget.
+    fn describe_decision(
         &self,
         domain: &Domain,
         mut plan: DescriptorPlan<'_>,
-        mut answer: RateLimitAnswer,
-    ) -> RateLimitAnswer {
+        decision: &sluice_core::Decision,
+        refused: Option<&(Box<sluice_core::Decision>, u16)>,
+        answer: &mut RateLimitAnswer,
+    ) {
         let counted = &plan.counted;
-        // On the heap: the request's future stays small (it is moved whole).
-        let mut budgets: Vec<Budget> = counted.iter().map(|c| c.budget).collect();
-        let mut decision = match self.store().decide(&budgets).await {
-            Ok(d) => d,
-            Err(error) => return self.outage(answer, domain, &error.to_string()),
-        };
-        let shadow = counted
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| self.in_shadow(c.rule))
-            .fold(0_u16, |mask, (i, _)| mask | 1 << i);
-        let waived = shadow_waived(&decision, shadow, || 0);
-        let mut refused = None;
-        if waived != 0 {
-            // Seldom: the refusal waits on the heap, so that every request's
-            // future stays as small as one decision's.
-            let first = Box::new(decision);
-            waive(&mut budgets, waived);
-            decision = match self.store().decide(&budgets).await {
-                Ok(d) => d,
-                Err(error) => return self.outage(answer, domain, &error.to_string()),
-            };
-            refused = Some(first);
-        }
         let now = decision.decided_at().as_secs();
         let mut tightest: Option<(u32, u32, u64)> = None;
         for (c, s) in counted.iter().zip(decision.statuses()) {
@@ -502,7 +511,7 @@ impl<S: BudgetStore> Limiter<S> {
         }
         if answer.overall == Code::Ok {
             // Admitted: what the rules in shadow mode would have refused is counted.
-            if let Some(refused) = &refused {
+            if let Some((refused, waived)) = refused {
                 for (i, (c, s)) in counted.iter().zip(refused.statuses()).enumerate() {
                     if waived & (1 << i) != 0 {
                         let reason = if s.verdict == Verdict::Never {
@@ -514,7 +523,7 @@ impl<S: BudgetStore> Limiter<S> {
                     }
                 }
             }
-            self.count_shadow_refusals(domain, &plan.would_have, &mut answer);
+            self.count_shadow_refusals(domain, &plan.would_have, answer);
         }
         if let Some((limit, remaining, reset)) = tightest {
             // As the gateway's: the reset in Unix seconds (SPEC H1).
@@ -529,7 +538,6 @@ impl<S: BudgetStore> Limiter<S> {
                     .extend(ietf_fields(&plan.counted, decision.statuses(), now));
             }
         }
-        answer
     }
 
     /// Counts and logs the refusals that rules in shadow mode would have given
