@@ -1,13 +1,9 @@
 //! The tokens an answer actually used: `usage` in a JSON answer,
 //! or in the events of a streamed one (OpenAI's last chunk, Anthropic's
-//! `message_start` / `message_delta`), read as the body passes through
-//! unchanged ([`UsageTap`]).
+//! `message_start` / `message_delta`), read from one document
+//! ([`usage_from_json`]), from bytes as they come ([`UsageScanner`]) or as
+//! the body passes through unchanged (`UsageTap`, feature `body`).
 
-use std::pin::Pin;
-use std::task::{Context, Poll};
-
-use bytes::Bytes;
-use http_body::{Body, Frame, SizeHint};
 use serde_json::Value;
 
 /// The longest SSE line kept while looking for usage; longer lines pass
@@ -154,92 +150,104 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
 
-/// What a [`UsageTap`] calls once, when the answer ends (with the usage it
-/// saw) or is dropped unfinished (with what it saw so far, usually `None`).
-pub type OnUsage = Box<dyn FnOnce(Option<Usage>, bool) + Send + Sync>;
+#[cfg(feature = "body")]
+pub use tap::{OnUsage, UsageTap};
 
-/// A body that passes every frame through unchanged and unbuffered while a
-/// [`UsageScanner`] reads it; calls its [`OnUsage`] with `complete = true`
-/// at the end of the stream, or `false` when dropped before.
-pub struct UsageTap<B> {
-    inner: Pin<Box<B>>,
-    scanner: UsageScanner,
-    on_usage: Option<OnUsage>,
-}
+/// The body that reads usage as it passes (feature `body`).
+#[cfg(feature = "body")]
+mod tap {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
 
-impl<B> std::fmt::Debug for UsageTap<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UsageTap")
-            .field("scanner", &self.scanner)
-            .finish()
+    use bytes::Bytes;
+    use http_body::{Body, Frame, SizeHint};
+
+    use super::{Usage, UsageScanner};
+
+    /// What a [`UsageTap`] calls once, when the answer ends (with the usage it
+    /// saw) or is dropped unfinished (with what it saw so far, usually `None`).
+    pub type OnUsage = Box<dyn FnOnce(Option<Usage>, bool) + Send + Sync>;
+
+    /// A body that passes every frame through unchanged and unbuffered while a
+    /// [`UsageScanner`] reads it; calls its [`OnUsage`] with `complete = true`
+    /// at the end of the stream, or `false` when dropped before.
+    pub struct UsageTap<B> {
+        inner: Pin<Box<B>>,
+        scanner: UsageScanner,
+        on_usage: Option<OnUsage>,
     }
-}
 
-impl<B> UsageTap<B> {
-    /// Taps `inner`, an answer of this `Content-Type`.
-    pub fn new(inner: B, content_type: Option<&str>, on_usage: OnUsage) -> Self {
-        UsageTap {
-            inner: Box::pin(inner),
-            scanner: UsageScanner::new(content_type),
-            on_usage: Some(on_usage),
+    impl<B> std::fmt::Debug for UsageTap<B> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("UsageTap")
+                .field("scanner", &self.scanner)
+                .finish()
         }
     }
 
-    fn fire(&mut self, complete: bool) {
-        if let Some(f) = self.on_usage.take() {
-            f(self.scanner.finish(), complete);
+    impl<B> UsageTap<B> {
+        /// Taps `inner`, an answer of this `Content-Type`.
+        pub fn new(inner: B, content_type: Option<&str>, on_usage: OnUsage) -> Self {
+            UsageTap {
+                inner: Box::pin(inner),
+                scanner: UsageScanner::new(content_type),
+                on_usage: Some(on_usage),
+            }
+        }
+
+        fn fire(&mut self, complete: bool) {
+            if let Some(f) = self.on_usage.take() {
+                f(self.scanner.finish(), complete);
+            }
         }
     }
-}
 
-impl<B> Body for UsageTap<B>
-where
-    B: Body<Data = Bytes>,
-{
-    type Data = Bytes;
-    type Error = B::Error;
+    impl<B> Body for UsageTap<B>
+    where
+        B: Body<Data = Bytes>,
+    {
+        type Data = Bytes;
+        type Error = B::Error;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = &mut *self;
-        match this.inner.as_mut().poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    this.scanner.feed(data);
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            let this = &mut *self;
+            match this.inner.as_mut().poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        this.scanner.feed(data);
+                    }
+                    Poll::Ready(Some(Ok(frame)))
                 }
-                Poll::Ready(Some(Ok(frame)))
+                Poll::Ready(None) => {
+                    this.fire(true);
+                    Poll::Ready(None)
+                }
+                other => other,
             }
-            Poll::Ready(None) => {
-                this.fire(true);
-                Poll::Ready(None)
-            }
-            other => other,
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.inner.is_end_stream()
+        }
+
+        fn size_hint(&self) -> SizeHint {
+            self.inner.size_hint()
         }
     }
 
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-impl<B> Drop for UsageTap<B> {
-    fn drop(&mut self) {
-        self.fire(false);
+    impl<B> Drop for UsageTap<B> {
+        fn drop(&mut self) {
+            self.fire(false);
+        }
     }
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use std::sync::{Arc, Mutex};
-
-    use http_body_util::{BodyExt, Full};
     use serde_json::json;
 
     use super::*;
@@ -300,8 +308,14 @@ mod tests {
         );
     }
 
+    #[cfg(feature = "body")]
     #[tokio::test]
     async fn tap_passes_bytes_unchanged_and_reports_once() {
+        use std::sync::{Arc, Mutex};
+
+        use bytes::Bytes;
+        use http_body_util::{BodyExt, Full};
+
         let seen = Arc::new(Mutex::new(Vec::new()));
         let s2 = seen.clone();
         let body = Full::new(Bytes::from_static(

@@ -115,6 +115,17 @@ impl Default for EstimateOptions {
     }
 }
 
+impl EstimateOptions {
+    /// Counts with `encoding`, reserves `default_max_tokens` when a request
+    /// sets no completion budget.
+    pub fn new(encoding: Encoding, default_max_tokens: u32) -> Self {
+        EstimateOptions {
+            encoding,
+            default_max_tokens,
+        }
+    }
+}
+
 /// Estimates a request to `path` (the part after the base URL, e.g.
 /// `/chat/completions`) with JSON `body`, in the provider's `style`.
 pub fn estimate(
@@ -375,10 +386,7 @@ mod tests {
     use super::*;
 
     fn opts() -> EstimateOptions {
-        EstimateOptions {
-            encoding: Encoding::O200kBase,
-            default_max_tokens: 100,
-        }
+        EstimateOptions::new(Encoding::O200kBase, 100)
     }
 
     #[test]

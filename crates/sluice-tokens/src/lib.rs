@@ -1,0 +1,42 @@
+//! sluice's LLM token accounting, shared by the client pacer and the
+//! gateway's edge: how many tokens a request will cost before it goes
+//! ([`tokens`]), and how many the answer actually used ([`usage`]).
+//!
+//! A request's estimate is its input counted with a real tokenizer (OpenAI's
+//! BPE encodings, [`Encoding`]) plus the completion budget it reserves
+//! (`max_tokens` and its kin, times `n`): [`estimate`] reads a parsed JSON
+//! body.
+//!
+//! An answer's [`Usage`] is read from its `usage` in OpenAI's or Anthropic's
+//! shape, in one JSON document ([`usage_from_json`]) or across the events of
+//! a stream ([`UsageScanner`], and [`UsageTap`], a body that reads it as the
+//! answer passes unchanged).
+//!
+//! ```
+//! use sluice_tokens::{ApiStyle, EstimateOptions, estimate, usage_from_json};
+//!
+//! let body = serde_json::json!({"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"max_tokens":50});
+//! let est = estimate(ApiStyle::OpenAi, "/chat/completions", &body, &EstimateOptions::default());
+//! assert_eq!(est.completion, 50);
+//!
+//! let answer = serde_json::json!({"usage": {"prompt_tokens": 1_200, "completion_tokens": 40}});
+//! let used = usage_from_json(&answer).unwrap();
+//! assert_eq!((used.prompt, used.completion), (1_200, 40));
+//! ```
+//!
+//! # Features
+//!
+//! | feature | default | what it adds | what it costs |
+//! | --- | --- | --- | --- |
+//! | `tokenizer` | on | OpenAI's BPE encodings (without it: one token per 3 bytes, rounded up) | `bpe-openai`; the vocabularies are compiled in, loaded once on first use |
+//! | `body` | on | [`UsageTap`], an `http_body::Body` | `bytes`, `http-body` |
+
+mod api;
+pub mod tokens;
+pub mod usage;
+
+pub use api::{ApiStyle, DEFAULT_MAX_TOKENS};
+pub use tokens::{Encoding, EstimateOptions, TokenEstimate, estimate};
+#[cfg(feature = "body")]
+pub use usage::{OnUsage, UsageTap};
+pub use usage::{Usage, UsageScanner, usage_from_json};
