@@ -10,7 +10,9 @@
 //! An answer's [`Usage`] is read from its `usage` in OpenAI's or Anthropic's
 //! shape, in one JSON document ([`usage_from_json`]) or across the events of
 //! a stream ([`UsageScanner`], and [`UsageTap`], a body that reads it as the
-//! answer passes unchanged).
+//! answer passes unchanged). [`Usage::prompt`] is always the whole input and
+//! [`Usage::cached_input`] the part of it read from a cache, so a budget can
+//! weigh the two apart.
 //!
 //! ```
 //! use sluice_tokens::{ApiStyle, EstimateOptions, estimate, usage_from_json};
@@ -19,9 +21,10 @@
 //! let est = estimate(ApiStyle::OpenAi, "/chat/completions", &body, &EstimateOptions::default());
 //! assert_eq!(est.completion, 50);
 //!
-//! let answer = serde_json::json!({"usage": {"prompt_tokens": 1_200, "completion_tokens": 40}});
+//! let answer = serde_json::json!({"usage": {"prompt_tokens": 1_200, "completion_tokens": 40,
+//!     "prompt_tokens_details": {"cached_tokens": 1_024}}});
 //! let used = usage_from_json(&answer).unwrap();
-//! assert_eq!((used.prompt, used.completion), (1_200, 40));
+//! assert_eq!((used.prompt, used.cached_input, used.completion), (1_200, 1_024, 40));
 //! ```
 //!
 //! # Features
