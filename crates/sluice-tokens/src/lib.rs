@@ -4,8 +4,12 @@
 //!
 //! A request's estimate is its input counted with a real tokenizer (OpenAI's
 //! BPE encodings, [`Encoding`]) plus the completion budget it reserves
-//! (`max_tokens` and its kin, times `n`): [`estimate`] reads a parsed JSON
-//! body.
+//! (`max_tokens` and its kin, times `n`). [`estimate`] reads a parsed JSON
+//! body; [`estimate_body`] reads raw bytes and says why a body is not an LLM
+//! request ([`BadLlmBody`]). Pick the encoding by model name with
+//! [`Encoding::for_model`] (or [`EstimateOptions::for_model`]); for a model
+//! whose tokenizer is unknown, count conservatively ([`count_conservative`]:
+//! one token per byte, never fewer than a real tokenizer gives).
 //!
 //! An answer's [`Usage`] is read from its `usage` in OpenAI's or Anthropic's
 //! shape, in one JSON document ([`usage_from_json`]) or across the events of
@@ -15,10 +19,11 @@
 //! weigh the two apart.
 //!
 //! ```
-//! use sluice_tokens::{ApiStyle, EstimateOptions, estimate, usage_from_json};
+//! use sluice_tokens::{ApiStyle, EstimateOptions, estimate_body, usage_from_json};
 //!
-//! let body = serde_json::json!({"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"max_tokens":50});
-//! let est = estimate(ApiStyle::OpenAi, "/chat/completions", &body, &EstimateOptions::default());
+//! let body = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"max_tokens":50}"#;
+//! let opts = EstimateOptions::for_model("gpt-4o");
+//! let est = estimate_body(ApiStyle::OpenAi, "/chat/completions", body, &opts).unwrap();
 //! assert_eq!(est.completion, 50);
 //!
 //! let answer = serde_json::json!({"usage": {"prompt_tokens": 1_200, "completion_tokens": 40,
@@ -39,7 +44,10 @@ pub mod tokens;
 pub mod usage;
 
 pub use api::{ApiStyle, DEFAULT_MAX_TOKENS};
-pub use tokens::{Encoding, EstimateOptions, TokenEstimate, estimate};
+pub use tokens::{
+    BadLlmBody, Encoding, EstimateOptions, MAX_COMPLETION_BUDGET, TokenEstimate,
+    count_conservative, estimate, estimate_body, model_of,
+};
 #[cfg(feature = "body")]
 pub use usage::{OnUsage, UsageTap};
 pub use usage::{Usage, UsageScanner, usage_from_json};
