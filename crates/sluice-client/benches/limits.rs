@@ -25,8 +25,8 @@ use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt, Full};
 use sluice_client::config::{
-    ApiKey, ApiStyle, LimitsSource, ModelLimits, PaceConfig, ProviderConfig, ProviderLimits,
-    StaticLimits,
+    ApiKey, ApiStyle, ApiStyleExt, LimitsSource, ModelLimits, PaceConfig, ProviderConfig,
+    ProviderLimits, StaticLimits,
 };
 use sluice_client::simulator::{LATENCY_HEADER, SimModel, SimService, SimulatorConfig};
 use sluice_client::tokens::{EstimateOptions, estimate};

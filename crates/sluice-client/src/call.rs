@@ -74,10 +74,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
                         p.style,
                         path,
                         v,
-                        EstimateOptions {
-                            encoding: p.encoding,
-                            default_max_tokens: p.default_max_tokens,
-                        },
+                        EstimateOptions::new(p.encoding, p.default_max_tokens),
                     )
                 })
         };

@@ -93,8 +93,6 @@ mod route;
 pub mod shrink;
 #[cfg(feature = "simulator")]
 pub mod simulator;
-pub mod tokens;
-pub mod usage;
 mod window;
 
 pub use call::IDEMPOTENCY_KEY;
@@ -113,3 +111,9 @@ pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats, WindowReading};
 pub use priority::{AcquireOptions, PRIORITY_HEADER, Priority};
 #[cfg(feature = "reqwest")]
 pub use redirect::{MAX_REDIRECTS, same_origin_redirects};
+/// Token estimates before sending (the `sluice-tokens` crate's `tokens`
+/// module).
+pub use sluice_tokens::tokens;
+/// The tokens an answer actually used (the `sluice-tokens` crate's `usage`
+/// module).
+pub use sluice_tokens::usage;

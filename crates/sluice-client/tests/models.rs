@@ -226,7 +226,7 @@ async fn m2_the_answer_s_usage_reconciles_both_axes_and_cache_reads_do_not_count
         "input_tokens": 100, "cache_read_input_tokens": 4_000,
         "cache_creation_input_tokens": 50, "output_tokens": 120}});
     let usage = sluice_client::usage::usage_from_json(&answer).unwrap();
-    assert_eq!((usage.prompt, usage.completion), (150, 120));
+    assert_eq!((usage.rate_limited_input(), usage.completion), (150, 120));
     permit.reconcile_usage(usage).await.unwrap();
     assert_eq!(pacer.model_tokens("p", "any").await.unwrap(), (0, 150, 120));
     // The room given back is usable at once on both axes.

@@ -50,7 +50,7 @@ pub use shipped::{SHIPPED_PROVIDERS, ShippedProvider, shipped};
 pub use validate::validate;
 pub use watch::{ConfigWatcher, LimitsSource, StaticLimits};
 
-pub use crate::api::{ApiStyle, DEFAULT_MAX_TOKENS};
+pub use crate::api::{ApiStyle, ApiStyleExt, DEFAULT_MAX_TOKENS};
 
 /// One thing wrong with a pace config, at a key path such as
 /// `providers.openai.rateLimits.tpm` (the same shape as a policy's problems).

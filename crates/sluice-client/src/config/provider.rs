@@ -11,7 +11,7 @@ use super::keys::ApiKey;
 use super::limits::{LimitsOrigin, ProviderLimits};
 use super::models::{ModelLimits, model_entry};
 use super::shipped::shipped;
-use crate::api::{ApiStyle, DEFAULT_MAX_TOKENS};
+use crate::api::{ApiStyle, ApiStyleExt, DEFAULT_MAX_TOKENS};
 use crate::tokens::Encoding;
 
 /// One provider, checked: [`ProviderConfig::new`], then set the fields to

@@ -16,7 +16,7 @@ use super::pace::{PaceConfig, PacerSettings};
 use super::provider::ProviderConfig;
 use super::raw::{self, RawConfig, RawLimits, RawProvider};
 use super::shipped::{ShippedProvider, shipped};
-use crate::api::{ApiStyle, DEFAULT_MAX_TOKENS};
+use crate::api::{ApiStyle, ApiStyleExt, DEFAULT_MAX_TOKENS};
 use crate::tokens::Encoding;
 
 pub(super) fn check_limits(

@@ -156,14 +156,15 @@ where
 
     /// [`Permit::reconcile`] with the answer's input and output apart
     /// (its `usage`): each axis gets its own correction. Input that the
-    /// provider does not count (Anthropic's `cache_read_input_tokens`) is not
-    /// in [`Usage::prompt`], so it is not charged.
+    /// provider does not count (Anthropic's `cache_read_input_tokens`, in
+    /// [`Usage::rate_exempt_input`]) is not charged: the input charged is
+    /// [`Usage::rate_limited_input`].
     ///
     /// # Errors
     /// [`PaceError::Store`].
     pub async fn reconcile_usage(self, usage: Usage) -> Result<(), PaceError> {
         self.reconcile_cost(Cost {
-            input: usage.prompt,
+            input: usage.rate_limited_input(),
             output: usage.completion,
         })
         .await

@@ -70,10 +70,7 @@ pub(super) async fn answer(
         style,
         &path,
         &json,
-        &EstimateOptions {
-            encoding: cfg.encoding,
-            default_max_tokens: cfg.default_max_tokens,
-        },
+        &EstimateOptions::new(cfg.encoding, cfg.default_max_tokens),
     );
     let est = if method == Method::GET {
         Default::default()

@@ -2,7 +2,12 @@
 //! encodings, compiled into the binary, loaded once on first use and shared;
 //! feature `tokenizer`, on by default)
 //! over the parts of a request a provider counts, plus the completion budget
-//! it reserves (`max_tokens` / `max_completion_tokens`).
+//! it reserves (`max_tokens` / `max_completion_tokens` / `max_output_tokens`).
+//!
+//! For a model whose tokenizer is not known ([`Encoding::for_model`] says
+//! `None`), count conservatively: [`count_conservative`] (set
+//! [`EstimateOptions::conservative`]) gives one token per byte of UTF-8,
+//! never fewer tokens than a byte-level BPE tokenizer gives.
 //!
 //! Counting follows OpenAI's published recipe for chat messages (3 tokens
 //! of framing per message, 1 per `name`, 3 to prime the answer). Parts that
@@ -23,7 +28,7 @@ pub const IMAGE_TOKENS_OPENAI: u32 = 765;
 /// `width × height / 750` rule for images it does not downscale further.
 pub const IMAGE_TOKENS_ANTHROPIC: u32 = 1_600;
 
-/// A BPE encoding.
+/// A BPE encoding: pick one by model name with [`Encoding::for_model`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum Encoding {
     /// GPT-4o, GPT-4.1, o-series.
@@ -41,6 +46,26 @@ impl Encoding {
             "o200k_base" => Some(Encoding::O200kBase),
             "cl100k_base" => Some(Encoding::Cl100kBase),
             _ => None,
+        }
+    }
+
+    /// The encoding of an OpenAI model, by its name: `o200k_base` for
+    /// `gpt-4o*`, `gpt-4.1*`, `gpt-5*`, `o1*`, `o3*`, `o4*` and
+    /// `chatgpt-4o*`; `cl100k_base` for the other `gpt-4*`, `gpt-3.5*` and
+    /// `text-embedding-*`; the same for a fine-tune of one of them
+    /// (`ft:gpt-4o-mini:…`). `None` for any other model (another provider's,
+    /// or one not known here): count it with [`count_conservative`] instead
+    /// ([`EstimateOptions::for_model`] does this choice).
+    pub fn for_model(model: &str) -> Option<Self> {
+        let m = model.strip_prefix("ft:").unwrap_or(model);
+        const O200K: [&str; 7] = ["gpt-4o", "gpt-4.1", "gpt-5", "o1", "o3", "o4", "chatgpt-4o"];
+        const CL100K: [&str; 3] = ["gpt-4", "gpt-3.5", "text-embedding-"];
+        if O200K.iter().any(|p| m.starts_with(p)) {
+            Some(Encoding::O200kBase)
+        } else if CL100K.iter().any(|p| m.starts_with(p)) {
+            Some(Encoding::Cl100kBase)
+        } else {
+            None
         }
     }
 
@@ -78,6 +103,40 @@ impl Encoding {
     }
 }
 
+/// Tokens in `text` for any tokenizer, counted without one: its length in
+/// bytes of UTF-8. A byte-level BPE token (OpenAI's, and as far as is known
+/// every other provider's) is at least one byte, so this is never fewer
+/// tokens than a real tokenizer gives; for English text it is about four
+/// times as many. For a model whose tokenizer is unknown
+/// ([`Encoding::for_model`] gives `None`).
+pub fn count_conservative(text: &str) -> u32 {
+    u32::try_from(text.len()).unwrap_or(u32::MAX)
+}
+
+/// What counts the text of a request: the options' encoding, or bytes.
+#[derive(Clone, Copy)]
+struct Counter {
+    encoding: Encoding,
+    conservative: bool,
+}
+
+impl Counter {
+    fn of(opts: &EstimateOptions) -> Self {
+        Counter {
+            encoding: opts.encoding,
+            conservative: opts.conservative,
+        }
+    }
+
+    fn count(self, text: &str) -> u32 {
+        if self.conservative {
+            count_conservative(text)
+        } else {
+            self.encoding.count(text)
+        }
+    }
+}
+
 /// A request's estimated cost: what the provider counts against TPM when it
 /// arrives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -95,15 +154,20 @@ impl TokenEstimate {
     }
 }
 
-/// How to estimate: [`EstimateOptions::default`], then set the fields to
-/// change.
+/// How to estimate: [`EstimateOptions::default`] (or
+/// [`EstimateOptions::new`], [`EstimateOptions::for_model`]), then set the
+/// fields to change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct EstimateOptions {
-    /// Tokenizer.
+    /// Tokenizer (unused when [`conservative`](Self::conservative)).
     pub encoding: Encoding,
     /// Completion budget when the request sets none.
     pub default_max_tokens: u32,
+    /// Count text with [`count_conservative`] (one token per byte) instead
+    /// of [`encoding`](Self::encoding): for a model whose tokenizer is
+    /// unknown. Off by default.
+    pub conservative: bool,
 }
 
 impl Default for EstimateOptions {
@@ -111,6 +175,34 @@ impl Default for EstimateOptions {
         EstimateOptions {
             encoding: Encoding::O200kBase,
             default_max_tokens: DEFAULT_MAX_TOKENS,
+            conservative: false,
+        }
+    }
+}
+
+impl EstimateOptions {
+    /// Counts with `encoding`, reserves `default_max_tokens` when a request
+    /// sets no completion budget.
+    pub fn new(encoding: Encoding, default_max_tokens: u32) -> Self {
+        EstimateOptions {
+            encoding,
+            default_max_tokens,
+            conservative: false,
+        }
+    }
+
+    /// The defaults, counting with `model`'s encoding
+    /// ([`Encoding::for_model`]), or conservatively when it has none known.
+    pub fn for_model(model: &str) -> Self {
+        match Encoding::for_model(model) {
+            Some(encoding) => EstimateOptions {
+                encoding,
+                ..EstimateOptions::default()
+            },
+            None => EstimateOptions {
+                conservative: true,
+                ..EstimateOptions::default()
+            },
         }
     }
 }
@@ -129,11 +221,112 @@ pub fn estimate(
     }
 }
 
+/// The largest completion budget (`max_tokens` and its kin) a request may
+/// name for [`estimate_body`]: ten million, far above any model's output.
+pub const MAX_COMPLETION_BUDGET: u64 = 10_000_000;
+
+/// The fields that name a request's completion budget.
+const BUDGET_KEYS: [&str; 4] = [
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "max_tokens_to_sample",
+];
+
+/// Why [`estimate_body`] found a body not to be an LLM request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BadLlmBody {
+    /// The body is not JSON (or nests deeper than the JSON parser's limit
+    /// of 128).
+    #[error("the request body is not JSON")]
+    NotJson,
+    /// The body is JSON, but not an object.
+    #[error("the request body is not a JSON object")]
+    NotAnObject,
+    /// `model` is present but not a string.
+    #[error("the request's `model` is not a string")]
+    ModelNotAString,
+    /// A completion budget (`max_tokens`, `max_completion_tokens`,
+    /// `max_output_tokens` or `max_tokens_to_sample`) is present, not
+    /// `null`, and not an integer from 0 to [`MAX_COMPLETION_BUDGET`].
+    #[error("the request's `{field}` is not an integer from 0 to 10000000")]
+    BadMaxTokens {
+        /// The field's name.
+        field: &'static str,
+    },
+    /// None of `messages`, `prompt` or `input` is present (or all are
+    /// `null`).
+    #[error("the request has no `messages`, `prompt` or `input`")]
+    NoInput,
+}
+
+impl BadLlmBody {
+    /// A short machine-readable name: `not_json`, `not_an_object`,
+    /// `model_not_a_string`, `bad_max_tokens` or `no_input`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            BadLlmBody::NotJson => "not_json",
+            BadLlmBody::NotAnObject => "not_an_object",
+            BadLlmBody::ModelNotAString => "model_not_a_string",
+            BadLlmBody::BadMaxTokens { .. } => "bad_max_tokens",
+            BadLlmBody::NoInput => "no_input",
+        }
+    }
+}
+
+/// The request's `model`, when it is a string.
+pub fn model_of(body: &Value) -> Option<&str> {
+    body.get("model").and_then(Value::as_str)
+}
+
+/// [`estimate`] from a request's raw `body` bytes, checking first that they
+/// are an LLM request: a JSON object, whose `model` (if any) is a string,
+/// whose completion budget (if any) is an integer from 0 to
+/// [`MAX_COMPLETION_BUDGET`], and which has `messages`, `prompt` or `input`.
+///
+/// Counts with `opts` as given: the caller picks the encoding by the
+/// request's model ([`model_of`], then [`EstimateOptions::for_model`]).
+/// JSON nesting is bounded by the JSON parser's limit (128 levels, beyond
+/// which the body is [`BadLlmBody::NotJson`]); a caller that bounds depth
+/// lower checks that before.
+///
+/// # Errors
+/// [`BadLlmBody`], with the first reason found in the order above.
+pub fn estimate_body(
+    style: ApiStyle,
+    path: &str,
+    body: &[u8],
+    opts: &EstimateOptions,
+) -> Result<TokenEstimate, BadLlmBody> {
+    let v: Value = serde_json::from_slice(body).map_err(|_| BadLlmBody::NotJson)?;
+    let obj = v.as_object().ok_or(BadLlmBody::NotAnObject)?;
+    if obj.get("model").is_some_and(|m| !m.is_string()) {
+        return Err(BadLlmBody::ModelNotAString);
+    }
+    for field in BUDGET_KEYS {
+        let ok = match obj.get(field) {
+            None | Some(Value::Null) => true,
+            Some(n) => n.as_u64().is_some_and(|n| n <= MAX_COMPLETION_BUDGET),
+        };
+        if !ok {
+            return Err(BadLlmBody::BadMaxTokens { field });
+        }
+    }
+    let has_input = ["messages", "prompt", "input"]
+        .iter()
+        .any(|k| obj.get(*k).is_some_and(|x| !x.is_null()));
+    if !has_input {
+        return Err(BadLlmBody::NoInput);
+    }
+    Ok(estimate(style, path, &v, opts))
+}
+
 fn add(a: u32, b: u32) -> u32 {
     a.saturating_add(b)
 }
 
-fn json_tokens(v: &Value, enc: Encoding) -> u32 {
+fn json_tokens(v: &Value, enc: Counter) -> u32 {
     match v {
         Value::Null => 0,
         Value::String(s) => enc.count(s),
@@ -157,7 +350,7 @@ fn completion_budget(body: &Value, keys: &[&str], default: u32) -> u32 {
 /// (`input` with `max_output_tokens` or on `/responses`), legacy
 /// completions (`prompt`) and embeddings (`input`, no completion).
 pub fn estimate_openai(path: &str, body: &Value, opts: &EstimateOptions) -> TokenEstimate {
-    let enc = opts.encoding;
+    let enc = Counter::of(opts);
     if let Some(messages) = body.get("messages").and_then(Value::as_array) {
         let mut prompt = 3u32; // every reply is primed with <|start|>assistant<|message|>
         for m in messages {
@@ -199,7 +392,7 @@ pub fn estimate_openai(path: &str, body: &Value, opts: &EstimateOptions) -> Toke
     TokenEstimate::default()
 }
 
-fn openai_message_tokens(m: &Value, enc: Encoding) -> u32 {
+fn openai_message_tokens(m: &Value, enc: Counter) -> u32 {
     let mut n = 3u32;
     let Some(obj) = m.as_object() else {
         return add(n, json_tokens(m, enc));
@@ -227,7 +420,7 @@ fn openai_message_tokens(m: &Value, enc: Encoding) -> u32 {
     n
 }
 
-fn openai_content_tokens(v: &Value, enc: Encoding) -> u32 {
+fn openai_content_tokens(v: &Value, enc: Counter) -> u32 {
     match v {
         Value::Array(parts) => parts.iter().fold(0u32, |n, part| {
             let t = part.get("type").and_then(Value::as_str).unwrap_or("");
@@ -256,7 +449,7 @@ fn openai_content_tokens(v: &Value, enc: Encoding) -> u32 {
     }
 }
 
-fn openai_input_tokens(v: &Value, enc: Encoding) -> u32 {
+fn openai_input_tokens(v: &Value, enc: Counter) -> u32 {
     match v {
         Value::String(s) => enc.count(s),
         Value::Array(items) => items.iter().fold(0u32, |n, item| {
@@ -276,7 +469,7 @@ fn openai_input_tokens(v: &Value, enc: Encoding) -> u32 {
     }
 }
 
-fn openai_tools_tokens(body: &Value, enc: Encoding) -> u32 {
+fn openai_tools_tokens(body: &Value, enc: Counter) -> u32 {
     let mut n = 0u32;
     for key in ["tools", "functions"] {
         if let Some(tools) = body.get(key).and_then(Value::as_array) {
@@ -304,7 +497,7 @@ pub fn estimate_anthropic(path: &str, body: &Value, opts: &EstimateOptions) -> T
     if path.ends_with("/count_tokens") {
         return TokenEstimate::default();
     }
-    let enc = opts.encoding;
+    let enc = Counter::of(opts);
     let mut prompt = 0u32;
     if let Some(system) = body.get("system") {
         prompt = add(prompt, add(3, anthropic_content_tokens(system, enc)));
@@ -342,7 +535,7 @@ pub fn estimate_anthropic(path: &str, body: &Value, opts: &EstimateOptions) -> T
     TokenEstimate { prompt, completion }
 }
 
-fn anthropic_content_tokens(v: &Value, enc: Encoding) -> u32 {
+fn anthropic_content_tokens(v: &Value, enc: Counter) -> u32 {
     match v {
         Value::Array(blocks) => blocks.iter().fold(0u32, |n, b| {
             let t = b.get("type").and_then(Value::as_str).unwrap_or("");
@@ -375,12 +568,10 @@ mod tests {
     use super::*;
 
     fn opts() -> EstimateOptions {
-        EstimateOptions {
-            encoding: Encoding::O200kBase,
-            default_max_tokens: 100,
-        }
+        EstimateOptions::new(Encoding::O200kBase, 100)
     }
 
+    #[cfg(feature = "tokenizer")]
     #[test]
     fn counts_with_a_real_tokenizer() {
         assert_eq!(Encoding::O200kBase.count(""), 0);
@@ -457,5 +648,159 @@ mod tests {
             &opts(),
         );
         assert_eq!(free.total(), 0);
+    }
+
+    #[test]
+    fn encoding_by_model_name() {
+        for m in [
+            "gpt-4o",
+            "gpt-4o-mini-2024-07-18",
+            "gpt-4.1-nano",
+            "gpt-5",
+            "o1-mini",
+            "o3",
+            "o4-mini",
+            "chatgpt-4o-latest",
+            "ft:gpt-4o-mini:acme::abc",
+        ] {
+            assert_eq!(Encoding::for_model(m), Some(Encoding::O200kBase), "{m}");
+        }
+        for m in [
+            "gpt-4",
+            "gpt-4-turbo",
+            "gpt-3.5-turbo",
+            "text-embedding-3-small",
+        ] {
+            assert_eq!(Encoding::for_model(m), Some(Encoding::Cl100kBase), "{m}");
+        }
+        for m in ["claude-sonnet-4", "llama-3", "", "GPT-4O"] {
+            assert_eq!(Encoding::for_model(m), None, "{m}");
+        }
+        assert!(!EstimateOptions::for_model("gpt-4").conservative);
+        assert_eq!(
+            EstimateOptions::for_model("gpt-4").encoding,
+            Encoding::Cl100kBase
+        );
+        assert!(EstimateOptions::for_model("claude-sonnet-4").conservative);
+    }
+
+    #[test]
+    fn conservative_counts_bytes_never_fewer_than_the_tokenizer() {
+        assert_eq!(count_conservative(""), 0);
+        assert_eq!(count_conservative("hello world"), 11);
+        assert_eq!(count_conservative("héllo"), 6);
+        for text in [
+            "hello world",
+            "tiktoken is great!",
+            "日本語のテキスト",
+            "  \n\t{}[]",
+        ] {
+            assert!(count_conservative(text) >= Encoding::O200kBase.count(text));
+            assert!(count_conservative(text) >= Encoding::Cl100kBase.count(text));
+        }
+        let body = json!({"messages":[{"role":"user","content":"hello world"}],"max_tokens":5});
+        let mut o = opts();
+        let real = estimate(ApiStyle::OpenAi, "/chat/completions", &body, &o);
+        o.conservative = true;
+        let bytes = estimate(ApiStyle::OpenAi, "/chat/completions", &body, &o);
+        // 3 priming + 3 framing + "user" + "hello world", in bytes.
+        assert_eq!(bytes.prompt, 3 + 3 + 4 + 11);
+        assert!(bytes.prompt > real.prompt);
+        assert_eq!(bytes.completion, 5);
+    }
+
+    fn body_estimate(style: ApiStyle, path: &str, body: &str) -> Result<TokenEstimate, BadLlmBody> {
+        estimate_body(style, path, body.as_bytes(), &opts())
+    }
+
+    #[test]
+    fn estimate_body_of_a_chat_request() {
+        let raw = r#"{"model":"gpt-4o","messages":[
+            {"role":"system","content":"You are terse."},
+            {"role":"user","content":"hello world","name":"bob"}
+        ],"max_tokens":50}"#;
+        let e = body_estimate(ApiStyle::OpenAi, "/chat/completions", raw).unwrap();
+        let v: Value = serde_json::from_str(raw).unwrap();
+        assert_eq!(
+            e,
+            estimate(ApiStyle::OpenAi, "/chat/completions", &v, &opts())
+        );
+        assert_eq!(e.completion, 50);
+        assert_eq!(model_of(&v), Some("gpt-4o"));
+        assert_eq!(model_of(&json!({"model": 4})), None);
+        assert_eq!(model_of(&json!([])), None);
+        // The limits are accepted; null is no budget; no model is fine.
+        let raw = r#"{"messages":[],"max_completion_tokens":10000000,"max_tokens":null}"#;
+        let e = body_estimate(ApiStyle::OpenAi, "/chat/completions", raw).unwrap();
+        assert_eq!(e.completion, 10_000_000);
+        let raw =
+            r#"{"model":"claude","max_tokens":0,"messages":[{"role":"user","content":"hi"}]}"#;
+        let e = body_estimate(ApiStyle::Anthropic, "/v1/messages", raw).unwrap();
+        assert_eq!(e.completion, 0);
+        let raw = r#"{"model":"gpt-4.1","input":"hi","max_output_tokens":7}"#;
+        let e = body_estimate(ApiStyle::OpenAi, "/v1/responses", raw).unwrap();
+        assert_eq!(e.completion, 7);
+    }
+
+    #[test]
+    fn estimate_body_says_why_a_body_is_not_an_llm_request() {
+        let reason = |style, body: &str| {
+            let e = body_estimate(style, "/chat/completions", body).unwrap_err();
+            assert!(!e.to_string().is_empty());
+            e.reason()
+        };
+        let oa = ApiStyle::OpenAi;
+        assert_eq!(reason(oa, ""), "not_json");
+        assert_eq!(reason(oa, "{\"messages\":["), "not_json");
+        assert_eq!(reason(oa, "\u{feff}{}"), "not_json");
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        assert_eq!(reason(oa, &deep), "not_json");
+        assert_eq!(reason(oa, "[]"), "not_an_object");
+        assert_eq!(reason(oa, "\"messages\""), "not_an_object");
+        assert_eq!(reason(oa, "null"), "not_an_object");
+        assert_eq!(
+            reason(oa, r#"{"model":["gpt-4o"],"messages":[]}"#),
+            "model_not_a_string"
+        );
+        assert_eq!(
+            reason(oa, r#"{"model":null,"messages":[]}"#),
+            "model_not_a_string"
+        );
+        for bad in [
+            r#"{"messages":[],"max_tokens":-1}"#,
+            r#"{"messages":[],"max_tokens":1.5}"#,
+            r#"{"messages":[],"max_tokens":100.0}"#,
+            r#"{"messages":[],"max_tokens":"100"}"#,
+            r#"{"messages":[],"max_completion_tokens":10000001}"#,
+            r#"{"messages":[],"max_completion_tokens":1e30}"#,
+            r#"{"input":"x","max_output_tokens":18446744073709551616}"#,
+            r#"{"prompt":"x","max_tokens_to_sample":true}"#,
+        ] {
+            assert_eq!(reason(oa, bad), "bad_max_tokens", "{bad}");
+        }
+        assert_eq!(
+            body_estimate(
+                oa,
+                "/chat/completions",
+                r#"{"messages":[],"max_tokens":-1}"#
+            ),
+            Err(BadLlmBody::BadMaxTokens {
+                field: "max_tokens"
+            })
+        );
+        assert_eq!(reason(oa, "{}"), "no_input");
+        assert_eq!(
+            reason(oa, r#"{"model":"gpt-4o","max_tokens":5}"#),
+            "no_input"
+        );
+        assert_eq!(
+            reason(ApiStyle::Anthropic, r#"{"messages":null,"system":"x"}"#),
+            "no_input"
+        );
+        // The first reason found wins.
+        assert_eq!(
+            reason(oa, r#"{"model":1,"max_tokens":-1}"#),
+            "model_not_a_string"
+        );
     }
 }

@@ -1,0 +1,573 @@
+//! The tokens an answer actually used: `usage` in a JSON answer,
+//! or in the events of a streamed one (OpenAI's last chunk, the Responses
+//! API's `response.completed`, Anthropic's `message_start` /
+//! `message_delta`), read from one document ([`usage_from_json`]), from
+//! bytes as they come ([`UsageScanner`]) or as the body passes through
+//! unchanged (`UsageTap`, feature `body`).
+
+use serde_json::Value;
+
+/// The longest SSE line kept while looking for usage; longer lines pass
+/// through unread.
+const MAX_LINE: usize = 1 << 20;
+/// The largest JSON answer kept to read its usage.
+const MAX_JSON: usize = 8 << 20;
+
+/// Tokens an answer used.
+///
+/// [`prompt`](Self::prompt) is the whole input, whatever the provider's
+/// shape: OpenAI's `prompt_tokens` (which includes cached tokens), or
+/// Anthropic's `input_tokens` + `cache_creation_input_tokens` +
+/// `cache_read_input_tokens` (its `input_tokens` leaves both cache parts
+/// out). [`cached_input`](Self::cached_input) is the part of it read from a
+/// cache, never more than `prompt`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Input tokens, all of them (`prompt_tokens`, or `input_tokens` + cache
+    /// writes + cache reads).
+    pub prompt: u32,
+    /// Output tokens (`completion_tokens` / `output_tokens`).
+    pub completion: u32,
+    /// The part of [`prompt`](Self::prompt) read from a cache: OpenAI's
+    /// `prompt_tokens_details.cached_tokens` (chat) or
+    /// `input_tokens_details.cached_tokens` (Responses API), Anthropic's
+    /// `cache_read_input_tokens`.
+    pub cached_input: u32,
+    /// The part of [`prompt`](Self::prompt) the provider does not count
+    /// toward its input rate limits: Anthropic's cache reads; 0 for OpenAI,
+    /// which counts cached tokens too. See [`Usage::rate_limited_input`].
+    pub rate_exempt_input: u32,
+}
+
+impl Usage {
+    /// Input plus output.
+    pub fn total(&self) -> u32 {
+        self.prompt.saturating_add(self.completion)
+    }
+
+    /// The input the provider counts toward its rate limits (TPM, ITPM):
+    /// [`prompt`](Self::prompt) less
+    /// [`rate_exempt_input`](Self::rate_exempt_input).
+    pub fn rate_limited_input(&self) -> u32 {
+        self.prompt.saturating_sub(self.rate_exempt_input)
+    }
+
+    /// Folds in another reading of the same answer (a stream reports usage
+    /// more than once, some fields only in one event): the larger of each.
+    fn merge(&mut self, other: Usage) {
+        self.prompt = self.prompt.max(other.prompt);
+        self.completion = self.completion.max(other.completion);
+        self.cached_input = self.cached_input.max(other.cached_input);
+        self.rate_exempt_input = self.rate_exempt_input.max(other.rate_exempt_input);
+    }
+}
+
+/// A count in `usage`: a non-negative integer, saturated to `u32::MAX`;
+/// anything else (negative, fractional, not a number) is not a count.
+fn field(u: &Value, k: &str) -> Option<u32> {
+    u.get(k)
+        .and_then(Value::as_u64)
+        .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// The usage in one JSON document (an answer or one streamed event), in
+/// either provider's shape; `None` when it has none. Counts that are not
+/// non-negative integers are ignored; counts above `u32::MAX` saturate.
+pub fn usage_from_json(v: &Value) -> Option<Usage> {
+    // At the top (an answer, OpenAI's chunks, Anthropic's `message_delta`),
+    // in Anthropic's `message_start` or the Responses API's
+    // `response.completed` event.
+    let u = v.get("usage").filter(|u| u.is_object()).or_else(|| {
+        ["message", "response"].iter().find_map(|k| {
+            v.get(*k)
+                .and_then(|m| m.get("usage"))
+                .filter(|u| u.is_object())
+        })
+    })?;
+    // Anthropic's cache reads: outside its `input_tokens`, and outside its
+    // input rate limits.
+    let cache_read = field(u, "cache_read_input_tokens").unwrap_or(0);
+    let prompt = field(u, "prompt_tokens").or_else(|| {
+        let input = field(u, "input_tokens")?;
+        Some(
+            input
+                .saturating_add(field(u, "cache_creation_input_tokens").unwrap_or(0))
+                .saturating_add(cache_read),
+        )
+    });
+    let completion = field(u, "completion_tokens").or_else(|| field(u, "output_tokens"));
+    if prompt.is_none() && completion.is_none() {
+        return field(u, "total_tokens").map(|t| Usage {
+            prompt: t,
+            ..Usage::default()
+        });
+    }
+    let prompt = prompt.unwrap_or(0);
+    // OpenAI's cached tokens: inside `prompt_tokens` / `input_tokens`.
+    let openai_cached = ["prompt_tokens_details", "input_tokens_details"]
+        .iter()
+        .filter_map(|d| u.get(*d).and_then(|d| field(d, "cached_tokens")))
+        .max()
+        .unwrap_or(0);
+    Some(Usage {
+        prompt,
+        completion: completion.unwrap_or(0),
+        cached_input: cache_read.max(openai_cached).min(prompt),
+        rate_exempt_input: cache_read.min(prompt),
+    })
+}
+
+/// Reads usage from an answer's bytes as they pass.
+#[derive(Debug)]
+pub struct UsageScanner {
+    sse: bool,
+    buf: Vec<u8>,
+    skipping: bool,
+    found: Option<Usage>,
+}
+
+impl UsageScanner {
+    /// A scanner for an answer of this `Content-Type` (server-sent events,
+    /// or one JSON document).
+    pub fn new(content_type: Option<&str>) -> Self {
+        UsageScanner {
+            sse: content_type.is_some_and(|c| c.starts_with("text/event-stream")),
+            buf: Vec::new(),
+            skipping: false,
+            found: None,
+        }
+    }
+
+    /// Feeds the next bytes.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        if !self.sse {
+            if self.buf.len() + chunk.len() <= MAX_JSON {
+                self.buf.extend_from_slice(chunk);
+            } else {
+                self.skipping = true;
+            }
+            return;
+        }
+        let mut rest = chunk;
+        while let Some(i) = rest.iter().position(|&b| b == b'\n') {
+            if !self.skipping {
+                self.buf.extend_from_slice(&rest[..i]);
+                let line = std::mem::take(&mut self.buf);
+                self.line(&line);
+            }
+            self.skipping = false;
+            rest = &rest[i + 1..];
+        }
+        if !self.skipping {
+            if self.buf.len() + rest.len() > MAX_LINE {
+                self.buf.clear();
+                self.skipping = true;
+            } else {
+                self.buf.extend_from_slice(rest);
+            }
+        }
+    }
+
+    fn line(&mut self, line: &[u8]) {
+        let Some(data) = line.strip_prefix(b"data:") else {
+            return;
+        };
+        if !contains(data, b"\"usage\"") {
+            return;
+        }
+        if let Ok(v) = serde_json::from_slice::<Value>(data)
+            && let Some(u) = usage_from_json(&v)
+        {
+            self.found.get_or_insert_with(Usage::default).merge(u);
+        }
+    }
+
+    /// The usage seen, once the answer has ended.
+    pub fn finish(&mut self) -> Option<Usage> {
+        if self.sse {
+            let line = std::mem::take(&mut self.buf);
+            if !self.skipping {
+                self.line(&line);
+            }
+            return self.found;
+        }
+        if self.skipping {
+            return None;
+        }
+        let v: Value = serde_json::from_slice(&std::mem::take(&mut self.buf)).ok()?;
+        usage_from_json(&v)
+    }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+#[cfg(feature = "body")]
+pub use tap::{OnUsage, UsageTap};
+
+/// The body that reads usage as it passes (feature `body`).
+#[cfg(feature = "body")]
+mod tap {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use bytes::Bytes;
+    use http_body::{Body, Frame, SizeHint};
+
+    use super::{Usage, UsageScanner};
+
+    /// What a [`UsageTap`] calls once, when the answer ends (with the usage it
+    /// saw) or is dropped unfinished (with what it saw so far, usually `None`).
+    pub type OnUsage = Box<dyn FnOnce(Option<Usage>, bool) + Send + Sync>;
+
+    /// A body that passes every frame through unchanged and unbuffered while a
+    /// [`UsageScanner`] reads it; calls its [`OnUsage`] with `complete = true`
+    /// at the end of the stream, or `false` when dropped before.
+    pub struct UsageTap<B> {
+        inner: Pin<Box<B>>,
+        scanner: UsageScanner,
+        on_usage: Option<OnUsage>,
+    }
+
+    impl<B> std::fmt::Debug for UsageTap<B> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("UsageTap")
+                .field("scanner", &self.scanner)
+                .finish()
+        }
+    }
+
+    impl<B> UsageTap<B> {
+        /// Taps `inner`, an answer of this `Content-Type`.
+        pub fn new(inner: B, content_type: Option<&str>, on_usage: OnUsage) -> Self {
+            UsageTap {
+                inner: Box::pin(inner),
+                scanner: UsageScanner::new(content_type),
+                on_usage: Some(on_usage),
+            }
+        }
+
+        fn fire(&mut self, complete: bool) {
+            if let Some(f) = self.on_usage.take() {
+                f(self.scanner.finish(), complete);
+            }
+        }
+    }
+
+    impl<B> Body for UsageTap<B>
+    where
+        B: Body<Data = Bytes>,
+    {
+        type Data = Bytes;
+        type Error = B::Error;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            let this = &mut *self;
+            match this.inner.as_mut().poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        this.scanner.feed(data);
+                    }
+                    Poll::Ready(Some(Ok(frame)))
+                }
+                Poll::Ready(None) => {
+                    this.fire(true);
+                    Poll::Ready(None)
+                }
+                other => other,
+            }
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.inner.is_end_stream()
+        }
+
+        fn size_hint(&self) -> SizeHint {
+            self.inner.size_hint()
+        }
+    }
+
+    impl<B> Drop for UsageTap<B> {
+        fn drop(&mut self) {
+            self.fire(false);
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn c6_usage_in_both_shapes() {
+        let openai = json!({"usage":{"prompt_tokens":12,"completion_tokens":30,"total_tokens":42}});
+        assert_eq!(
+            usage_from_json(&openai),
+            Some(Usage {
+                prompt: 12,
+                completion: 30,
+                ..Usage::default()
+            })
+        );
+        let anthropic = json!({"usage":{"input_tokens":10,"cache_creation_input_tokens":5,"cache_read_input_tokens":100,"output_tokens":7}});
+        assert_eq!(
+            usage_from_json(&anthropic),
+            Some(Usage {
+                prompt: 115,
+                completion: 7,
+                cached_input: 100,
+                rate_exempt_input: 100,
+            })
+        );
+        // What the provider's rate limits count: the cache reads left out.
+        assert_eq!(
+            usage_from_json(&anthropic).unwrap().rate_limited_input(),
+            15
+        );
+        assert_eq!(usage_from_json(&json!({"usage":null})), None);
+    }
+
+    #[test]
+    fn c6_usage_from_the_last_chunk_of_a_stream_split_anywhere() {
+        let stream = concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4}}\n\n",
+            "data: [DONE]\n\n"
+        );
+        for cut in 0..stream.len() {
+            let mut s = UsageScanner::new(Some("text/event-stream; charset=utf-8"));
+            s.feed(&stream.as_bytes()[..cut]);
+            s.feed(&stream.as_bytes()[cut..]);
+            assert_eq!(
+                s.finish(),
+                Some(Usage {
+                    prompt: 9,
+                    completion: 4,
+                    ..Usage::default()
+                }),
+                "cut at {cut}"
+            );
+        }
+        let anthropic = concat!(
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":15}}\n\n"
+        );
+        let mut s = UsageScanner::new(Some("text/event-stream"));
+        s.feed(anthropic.as_bytes());
+        assert_eq!(
+            s.finish(),
+            Some(Usage {
+                prompt: 25,
+                completion: 15,
+                ..Usage::default()
+            })
+        );
+    }
+
+    fn scan(content_type: &str, parts: &[&str]) -> Option<Usage> {
+        let mut s = UsageScanner::new(Some(content_type));
+        for p in parts {
+            s.feed(p.as_bytes());
+        }
+        s.finish()
+    }
+
+    #[test]
+    fn openai_chat_usage_with_cached_tokens() {
+        let answer = json!({"usage":{"prompt_tokens":2_006,"completion_tokens":300,"total_tokens":2_306,
+            "prompt_tokens_details":{"cached_tokens":1_920,"audio_tokens":0},
+            "completion_tokens_details":{"reasoning_tokens":0}}});
+        let u = usage_from_json(&answer).unwrap();
+        assert_eq!(
+            u,
+            Usage {
+                prompt: 2_006,
+                completion: 300,
+                cached_input: 1_920,
+                rate_exempt_input: 0,
+            }
+        );
+        // OpenAI counts cached tokens toward its limits.
+        assert_eq!(u.rate_limited_input(), 2_006);
+        assert_eq!(u.total(), 2_306);
+    }
+
+    #[test]
+    fn responses_api_usage() {
+        let answer = json!({"object":"response","usage":{"input_tokens":328,"output_tokens":52,"total_tokens":380,
+            "input_tokens_details":{"cached_tokens":256},"output_tokens_details":{"reasoning_tokens":0}}});
+        assert_eq!(
+            usage_from_json(&answer),
+            Some(Usage {
+                prompt: 328,
+                completion: 52,
+                cached_input: 256,
+                rate_exempt_input: 0,
+            })
+        );
+        // Streamed, the `response.completed` event holds it under `response`.
+        let stream = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"object\":\"response\",\"usage\":{\"input_tokens\":10,\"output_tokens\":2,\"input_tokens_details\":{\"cached_tokens\":8}}}}\n\n";
+        assert_eq!(
+            scan("text/event-stream", &[stream]),
+            Some(Usage {
+                prompt: 10,
+                completion: 2,
+                cached_input: 8,
+                rate_exempt_input: 0,
+            })
+        );
+    }
+
+    #[test]
+    fn anthropic_usage_with_cache_read_and_cache_creation() {
+        let answer = json!({"type":"message","usage":{"input_tokens":21,"cache_creation_input_tokens":188,
+            "cache_read_input_tokens":2_048,"output_tokens":393}});
+        let u = usage_from_json(&answer).unwrap();
+        assert_eq!(
+            u,
+            Usage {
+                prompt: 21 + 188 + 2_048,
+                completion: 393,
+                cached_input: 2_048,
+                rate_exempt_input: 2_048,
+            }
+        );
+        assert_eq!(u.rate_limited_input(), 21 + 188);
+        assert_eq!(u.total(), 21 + 188 + 2_048 + 393);
+        // Streamed: `message_start` holds the input, `message_delta` the
+        // output (and, lately, the input again).
+        let stream = [
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":21,\"cache_creation_input_tokens\":188,\"cache_read_input_tokens\":2048,\"output_tokens\":1}}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":393}}\n\n",
+        ];
+        assert_eq!(scan("text/event-stream", &stream), Some(u));
+    }
+
+    #[test]
+    fn a_data_line_split_across_two_feeds() {
+        let line = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":70,\"completion_tokens\":8,\"prompt_tokens_details\":{\"cached_tokens\":64}}}\n\n";
+        let want = Some(Usage {
+            prompt: 70,
+            completion: 8,
+            cached_input: 64,
+            rate_exempt_input: 0,
+        });
+        for cut in 1..line.len() {
+            let (a, b) = line.split_at(cut);
+            assert_eq!(scan("text/event-stream", &[a, b]), want, "cut at {cut}");
+        }
+        // No newline at the very end: the last line is read at finish.
+        assert_eq!(scan("text/event-stream", &[line.trim_end()]), want);
+    }
+
+    #[test]
+    fn usage_twice_in_one_stream_the_larger_wins() {
+        let stream = [
+            "data: {\"usage\":{\"prompt_tokens\":500,\"completion_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":128}}}\n\n",
+            "data: {\"usage\":{\"prompt_tokens\":400,\"completion_tokens\":90,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\n",
+        ];
+        assert_eq!(
+            scan("text/event-stream", &stream),
+            Some(Usage {
+                prompt: 500,
+                completion: 90,
+                cached_input: 128,
+                rate_exempt_input: 0,
+            })
+        );
+    }
+
+    #[test]
+    fn negative_fractional_and_absurd_counts_never_panic() {
+        // Negative and fractional counts are not counts: ignored.
+        let u = json!({"usage":{"prompt_tokens":-5,"completion_tokens":2.5,"total_tokens":-1}});
+        assert_eq!(usage_from_json(&u), None);
+        let u = json!({"usage":{"prompt_tokens":-5,"completion_tokens":7,
+            "prompt_tokens_details":{"cached_tokens":-3}}});
+        assert_eq!(
+            usage_from_json(&u),
+            Some(Usage {
+                completion: 7,
+                ..Usage::default()
+            })
+        );
+        let u = json!({"usage":{"input_tokens":"12","output_tokens":true,"cache_read_input_tokens":1.0}});
+        assert_eq!(usage_from_json(&u), None);
+        // Counts beyond u32 saturate, sums too.
+        let u = json!({"usage":{"prompt_tokens":u64::MAX,"completion_tokens":5_000_000_000u64,
+            "prompt_tokens_details":{"cached_tokens":u64::MAX}}});
+        assert_eq!(
+            usage_from_json(&u),
+            Some(Usage {
+                prompt: u32::MAX,
+                completion: u32::MAX,
+                cached_input: u32::MAX,
+                rate_exempt_input: 0,
+            })
+        );
+        let u = json!({"usage":{"input_tokens":u32::MAX,"cache_creation_input_tokens":u32::MAX,
+            "cache_read_input_tokens":u64::MAX,"output_tokens":1}});
+        let u = usage_from_json(&u).unwrap();
+        assert_eq!(
+            (u.prompt, u.cached_input, u.rate_exempt_input),
+            (u32::MAX, u32::MAX, u32::MAX)
+        );
+        assert_eq!(u.rate_limited_input(), 0);
+        assert_eq!(u.total(), u32::MAX);
+        // More cached than input (a confused server): capped at the input.
+        let u = json!({"usage":{"prompt_tokens":10,"completion_tokens":1,
+            "prompt_tokens_details":{"cached_tokens":99}}});
+        assert_eq!(usage_from_json(&u).unwrap().cached_input, 10);
+        // Numbers too large for u64 are not counts either; in a stream too.
+        let line = "data: {\"usage\":{\"prompt_tokens\":1e400,\"completion_tokens\":123456789012345678901234567890}}\n";
+        assert_eq!(scan("text/event-stream", &[line]), None);
+        let line = "data: {\"usage\":{\"prompt_tokens\":123456789012345678901234567890,\"completion_tokens\":4}}\n";
+        assert_eq!(
+            scan("text/event-stream", &[line]),
+            Some(Usage {
+                completion: 4,
+                ..Usage::default()
+            })
+        );
+    }
+
+    #[cfg(feature = "body")]
+    #[tokio::test]
+    async fn tap_passes_bytes_unchanged_and_reports_once() {
+        use std::sync::{Arc, Mutex};
+
+        use bytes::Bytes;
+        use http_body_util::{BodyExt, Full};
+
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        let body = Full::new(Bytes::from_static(
+            br#"{"usage":{"prompt_tokens":1,"completion_tokens":2}}"#,
+        ));
+        let tap = UsageTap::new(
+            body,
+            Some("application/json"),
+            Box::new(move |u, complete| s2.lock().unwrap().push((u, complete))),
+        );
+        let bytes = tap.collect().await.unwrap().to_bytes();
+        assert!(bytes.starts_with(b"{\"usage\""));
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(
+                Some(Usage {
+                    prompt: 1,
+                    completion: 2,
+                    ..Usage::default()
+                }),
+                true
+            )]
+        );
+    }
+}
