@@ -50,11 +50,11 @@ pub use jsonrpc::{Items, Unclassifiable, check_content_encoding, depth_exceeds};
 pub use model::{
     Algorithm, BatchEndpoint, Bounds, Bucket, Ceiling, Class, ClassSet, CostClass,
     CredentialSource, CustomerPlan, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane,
-    LaneBatch, LaneReasons, MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES, MAX_PLANS,
-    MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS, MAX_WORKSPACES, METHOD_OVERRIDE_FIELDS,
-    OnExhausted, Outage, Per, PlanLane, PlanLimit, PlanLimits, Policy, Principal, Profile,
-    QuotaFamily, Refusal, Route, RouteClass, SLIDING_SLOTS, Spends, StorePolicy, TenantPlan,
-    Tenants, Tool,
+    LaneBatch, LaneReasons, LlmFormat, MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES,
+    MAX_PLANS, MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS, MAX_WORKSPACES,
+    METHOD_OVERRIDE_FIELDS, OnExhausted, Outage, Per, PlanLane, PlanLimit, PlanLimits, Policy,
+    Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, SLIDING_SLOTS, Spends,
+    StorePolicy, TenantPlan, Tenants, TokenBudget, Tool,
 };
 pub use path::{PathCase, PathError, Paths, without_parameters};
 pub use pattern::PathPattern;

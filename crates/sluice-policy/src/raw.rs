@@ -30,6 +30,9 @@ pub struct RawPolicy {
     /// Monthly quota families per workspace, that routes and tools name.
     #[serde(default)]
     pub quotas: BTreeMap<String, RawQuota>,
+    /// Token budgets by name, that LLM routes name (SPEC T1).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tokens: BTreeMap<String, RawTokens>,
     /// Descriptor rules for Envoy's rate-limit service, each a domain in the
     /// configuration format of envoyproxy/ratelimit (read as it is: see
     /// [`crate::domains`]).
@@ -94,6 +97,9 @@ pub struct RawPlan {
     /// Limit per window, by bucket.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub buckets: BTreeMap<String, u32>,
+    /// Limit per window or month, by token budget.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tokens: BTreeMap<String, u32>,
     /// Calls per calendar month, by quota family.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub quotas: BTreeMap<String, u32>,
@@ -352,6 +358,46 @@ pub struct RawRoute {
     /// `enforce` (default) or `shadow`: every budget a request on this route
     /// spends is decided and counted, and never refuses it.
     pub mode: Option<String>,
+    /// The LLM wire format the route speaks: `openai` or `anthropic`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub llm: Option<String>,
+    /// Token budgets a call of this route spends (it needs `llm:`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<String>,
+}
+
+/// One token budget (SPEC T1).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTokens {
+    /// Whose budget: `ip`, `caller`, `user` or `workspace`.
+    pub per: String,
+    /// Units (weighed tokens) per window or month.
+    pub limit: u32,
+    /// Window length in seconds (or `monthly: true`).
+    pub window_seconds: Option<u32>,
+    /// Counted per calendar month (UTC), durably.
+    #[serde(default)]
+    pub monthly: bool,
+    /// Units per input, output and cached input token (default 1, 1, 1).
+    #[serde(default)]
+    pub weights: RawTokenWeights,
+    /// Output tokens reserved for a call that names none (default 4096).
+    pub default_max_output: Option<u32>,
+    /// `enforce` (default) or `shadow`.
+    pub mode: Option<String>,
+}
+
+/// The weights of a token budget.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTokenWeights {
+    /// Per input token (default 1).
+    pub input: Option<serde_json::Number>,
+    /// Per output token (default 1).
+    pub output: Option<serde_json::Number>,
+    /// Per cached input token (default: the input weight).
+    pub cached_input: Option<serde_json::Number>,
 }
 
 /// A guarded lane in front of an expensive upstream: how many of its calls may run

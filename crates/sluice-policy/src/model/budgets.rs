@@ -53,6 +53,49 @@ pub struct Bucket {
     pub mode: Enforcement,
     /// How it counts its limit per window.
     pub algorithm: Algorithm,
+    /// A token budget (`tokens:` in a policy file): counted in the tokens an LLM
+    /// call spends, reserved from its body and settled at the upstream's `usage`.
+    pub tokens: Option<TokenBudget>,
+}
+
+/// What makes a bucket a token budget (SPEC T1): how the tokens of a call are
+/// weighed, what a call that names no output budget reserves, and its period.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenBudget {
+    /// Thousandths of a unit charged per input token (1000: one unit a token).
+    pub input_milli: u32,
+    /// Thousandths of a unit charged per output token.
+    pub output_milli: u32,
+    /// Thousandths of a unit charged per cached input token (of the input, read
+    /// from the provider's cache).
+    pub cached_input_milli: u32,
+    /// Output tokens reserved for a call that names no `max_tokens` (or kin).
+    pub default_max_output: u32,
+    /// Counted per calendar month (UTC), durably, instead of per window.
+    pub monthly: bool,
+}
+
+impl TokenBudget {
+    /// Units a call of `input` tokens (of which `cached_input` from the cache)
+    /// and `output` tokens spends, rounded up.
+    pub fn charge(&self, input: u32, cached_input: u32, output: u32) -> u32 {
+        let cached = u64::from(cached_input.min(input));
+        let fresh = u64::from(input) - cached;
+        let milli = fresh * u64::from(self.input_milli)
+            + cached * u64::from(self.cached_input_milli)
+            + u64::from(output) * u64::from(self.output_milli);
+        u32::try_from(milli.div_ceil(1000)).unwrap_or(u32::MAX)
+    }
+}
+
+/// The wire format an LLM route speaks (`llm:` on a route; SPEC T1): how its
+/// body is estimated, its `usage` read and its refusals and headers written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LlmFormat {
+    /// OpenAI's: chat completions, completions, responses, embeddings.
+    OpenAi,
+    /// Anthropic's messages.
+    Anthropic,
 }
 
 /// Whether a budget refuses what it does not admit (`mode:` in a policy file).

@@ -13,8 +13,9 @@ use std::num::NonZeroU32;
 use crate::path::Paths;
 
 pub use budgets::{
-    Algorithm, Bucket, Enforcement, MAX_BUCKETS, MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS,
-    OnExhausted, Per, QuotaFamily, Refusal, SLIDING_SLOTS, Spends,
+    Algorithm, Bucket, Enforcement, LlmFormat, MAX_BUCKETS, MAX_QUOTA_FAMILIES,
+    MAX_SLIDING_WINDOW_SECONDS, OnExhausted, Per, QuotaFamily, Refusal, SLIDING_SLOTS, Spends,
+    TokenBudget,
 };
 pub use classes::{Ceiling, Class, ClassSet, CostClass, MAX_CEILINGS, MAX_CLASSES, Profile};
 pub use identity::{CredentialSource, Identity, Principal};

@@ -50,6 +50,9 @@ pub struct Route {
     /// Enforced, or every budget of a request on it decided and counted without
     /// refusing (a dry run).
     pub mode: Enforcement,
+    /// The LLM wire format it speaks (`llm:`): its body is read, its token
+    /// budgets reserved from it and settled at the upstream's `usage`.
+    pub llm: Option<super::LlmFormat>,
 }
 
 /// A route that is a batch lane's endpoint: answered by sluice, never forwarded.

@@ -6,16 +6,22 @@ use std::num::NonZeroU32;
 
 use crate::model::{
     Algorithm, Bucket, Enforcement, MAX_BUCKETS, MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS,
-    OnExhausted, Per, QuotaFamily, Refusal,
+    OnExhausted, Per, QuotaFamily, Refusal, TokenBudget,
 };
 use crate::raw::RawPolicy;
 
 use super::Checker;
 
 impl Checker {
-    /// `buckets:`, each checked, with the index of each by name.
-    pub(super) fn buckets(&mut self, raw: &RawPolicy) -> (HashMap<String, usize>, Vec<Bucket>) {
+    /// `buckets:` and `tokens:` (a token budget is a bucket that counts tokens),
+    /// each checked, with the index of each bucket and of each token budget by
+    /// name.
+    pub(super) fn buckets(
+        &mut self,
+        raw: &RawPolicy,
+    ) -> (HashMap<String, usize>, HashMap<String, usize>, Vec<Bucket>) {
         let mut bucket_index = HashMap::new();
+        let mut token_index = HashMap::new();
         let mut buckets = Vec::new();
         for (name, b) in &raw.buckets {
             if let Some(bucket) = self.bucket(name, b) {
@@ -23,17 +29,106 @@ impl Checker {
                 buckets.push(bucket);
             }
         }
-        if raw.buckets.len() > MAX_BUCKETS {
-            self.problem("buckets", format!("at most {MAX_BUCKETS} buckets"));
+        for (name, t) in &raw.tokens {
+            if raw.buckets.contains_key(name) {
+                // One name, one set of counters: a bucket and a token budget of one
+                // name would share them.
+                self.problem(
+                    format!("tokens.{name}"),
+                    "a bucket has this name; give the token budget another",
+                );
+                continue;
+            }
+            if let Some(bucket) = self.token_budget(name, t) {
+                token_index.insert(name.clone(), buckets.len());
+                buckets.push(bucket);
+            }
         }
-        (bucket_index, buckets)
+        if raw.buckets.len() + raw.tokens.len() > MAX_BUCKETS {
+            self.problem(
+                "buckets",
+                format!("at most {MAX_BUCKETS} buckets and token budgets"),
+            );
+        }
+        (bucket_index, token_index, buckets)
     }
 
-    /// The bucket `name`, or `None` (with its problems) when any of its settings
-    /// is wrong.
-    pub(super) fn bucket(&mut self, name: &str, b: &crate::raw::RawBucket) -> Option<Bucket> {
-        let at = format!("buckets.{name}");
-        let per = match b.per.as_str() {
+    /// The token budget `name` (SPEC T1) as the bucket that counts it, or `None`
+    /// (with its problems).
+    fn token_budget(&mut self, name: &str, t: &crate::raw::RawTokens) -> Option<Bucket> {
+        let at = format!("tokens.{name}");
+        let per = self.per(&at, &t.per);
+        let limit = self.nonzero(&format!("{at}.limit"), t.limit);
+        let window = match (t.window_seconds, t.monthly) {
+            (Some(w), false) => self.nonzero(&format!("{at}.window_seconds"), w),
+            (None, true) => Some(NonZeroU32::MIN),
+            (Some(_), true) => {
+                self.problem(&at, "`window_seconds` or `monthly: true`, not both");
+                None
+            }
+            (None, false) => {
+                self.problem(&at, "`window_seconds: N` or `monthly: true` is required");
+                None
+            }
+        };
+        let weight = |v: &mut Self, key: &str, w: Option<&serde_json::Number>, default: u32| {
+            let Some(w) = w else {
+                return Some(default);
+            };
+            match w.as_f64() {
+                Some(f) if (0.0..=1000.0).contains(&f) => Some((f * 1000.0).round() as u32),
+                _ => {
+                    v.problem(
+                        format!("{at}.weights.{key}"),
+                        format!("a number from 0 to 1000, got {w}"),
+                    );
+                    None
+                }
+            }
+        };
+        let input = weight(self, "input", t.weights.input.as_ref(), 1000);
+        let output = weight(self, "output", t.weights.output.as_ref(), 1000);
+        let cached = weight(
+            self,
+            "cached_input",
+            t.weights.cached_input.as_ref(),
+            input.unwrap_or(1000),
+        );
+        let default_max_output = t.default_max_output.unwrap_or(4096);
+        if default_max_output > 10_000_000 {
+            self.problem(
+                format!("{at}.default_max_output"),
+                "at most 10,000,000 tokens",
+            );
+        }
+        let mode = self.mode(&format!("{at}.mode"), t.mode.as_deref());
+        let (per, limit, window, input, output, cached, mode) =
+            (per?, limit?, window?, input?, output?, cached?, mode?);
+        Some(Bucket {
+            name: name.to_owned(),
+            limit,
+            window,
+            per,
+            refusal: Refusal::Envelope {
+                message: "Token budget spent. Try again in {retry_after} seconds.".to_owned(),
+            },
+            weighted: true,
+            on_exhausted: OnExhausted::Refuse,
+            mode,
+            algorithm: Algorithm::Fixed,
+            tokens: Some(TokenBudget {
+                input_milli: input,
+                output_milli: output,
+                cached_input_milli: cached,
+                default_max_output: default_max_output.min(10_000_000),
+                monthly: t.monthly,
+            }),
+        })
+    }
+
+    /// `per:` of a budget at `at`.
+    fn per(&mut self, at: &str, per: &str) -> Option<Per> {
+        match per {
             "ip" => Some(Per::Ip),
             "caller" => Some(Per::Caller),
             "user" => Some(Per::User),
@@ -45,7 +140,14 @@ impl Checker {
                 );
                 None
             }
-        };
+        }
+    }
+
+    /// The bucket `name`, or `None` (with its problems) when any of its settings
+    /// is wrong.
+    pub(super) fn bucket(&mut self, name: &str, b: &crate::raw::RawBucket) -> Option<Bucket> {
+        let at = format!("buckets.{name}");
+        let per = self.per(&at, &b.per);
         let refusal = match (b.refusal.as_deref(), &b.message) {
             (None | Some("edge"), None) => Some(Refusal::Edge),
             (None | Some("edge"), Some(_)) => {
@@ -119,6 +221,7 @@ impl Checker {
                 on_exhausted,
                 mode,
                 algorithm,
+                tokens: None,
             })
         } else {
             None

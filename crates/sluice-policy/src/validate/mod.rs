@@ -152,10 +152,16 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     let (profile_name, profiles, profile) = v.profiles(raw);
     let window = v.nonzero("window_seconds", raw.window_seconds.unwrap_or(60));
     let identity = v.identity(raw);
-    let (bucket_index, buckets) = v.buckets(raw);
+    let (bucket_index, token_index, buckets) = v.buckets(raw);
     let (quota_index, quotas) = v.quotas(raw);
     let (lane_index, mut lanes) = v.lanes(raw);
-    let mut routes = v.routes(raw, &bucket_index, &quota_index, &lane_index);
+    let indices = routes::Indices {
+        buckets: &bucket_index,
+        tokens: &token_index,
+        quotas: &quota_index,
+        lanes: &lane_index,
+    };
+    let mut routes = v.routes(raw, &indices);
     let default_class = v.default_class(raw, &routes);
     let jsonrpc = v.jsonrpc(raw, default_class, &bucket_index, &quota_index, &lane_index);
     v.batch_endpoints(&mut lanes, &mut routes);

@@ -67,10 +67,21 @@ impl Checker {
                 plan.ceilings[i] = self.nonzero(&path, limit);
                 ok &= plan.ceilings[i].is_some();
             }
-            for (bucket, &limit) in &p.buckets {
-                let path = format!("{at}.buckets.{bucket}");
-                let Some(i) = buckets.iter().position(|b| b.name == *bucket) else {
-                    self.problem(&path, format!("no bucket {bucket:?} under `buckets:`"));
+            let named = p.buckets.iter().map(|b| ("buckets", b));
+            for (table, (bucket, &limit)) in named.chain(p.tokens.iter().map(|t| ("tokens", t))) {
+                let path = format!("{at}.{table}.{bucket}");
+                // A token budget is a bucket that counts tokens: each table names
+                // its own kind.
+                let Some(i) = buckets
+                    .iter()
+                    .position(|b| b.name == *bucket && b.tokens.is_some() == (table == "tokens"))
+                else {
+                    let kind = if table == "tokens" {
+                        "token budget"
+                    } else {
+                        "bucket"
+                    };
+                    self.problem(&path, format!("no {kind} {bucket:?} under `{table}:`"));
                     ok = false;
                     continue;
                 };

@@ -5,21 +5,73 @@ use std::collections::HashMap;
 
 use http::Method;
 
-use crate::model::{Class, ClassSet, JsonRpc, JsonRpcRefusal, Route, RouteClass, Spends, Tool};
+use crate::model::{
+    Class, ClassSet, JsonRpc, JsonRpcRefusal, LlmFormat, Route, RouteClass, Spends, Tool,
+};
 use crate::pattern::PathPattern;
 use crate::raw::RawPolicy;
 
 use super::{Checker, MAX_ROUTE_BUCKETS};
 
+/// The index of each budget and lane by name, as routes name them.
+pub(super) struct Indices<'a> {
+    pub(super) buckets: &'a HashMap<String, usize>,
+    pub(super) tokens: &'a HashMap<String, usize>,
+    pub(super) quotas: &'a HashMap<String, usize>,
+    pub(super) lanes: &'a HashMap<String, usize>,
+}
+
 impl Checker {
-    /// `routes:`, each checked, in order.
-    pub(super) fn routes(
+    /// `llm:` and `tokens:` of the route at `at`: its wire format, and the token
+    /// budgets it spends (as bucket indices, appended to `buckets`).
+    fn llm_route(
         &mut self,
-        raw: &RawPolicy,
-        bucket_index: &HashMap<String, usize>,
-        quota_index: &HashMap<String, usize>,
-        lane_index: &HashMap<String, usize>,
-    ) -> Vec<Route> {
+        at: &str,
+        r: &crate::raw::RawRoute,
+        tokens: &HashMap<String, usize>,
+        buckets: &mut Vec<usize>,
+    ) -> Option<Option<LlmFormat>> {
+        let llm = match r.llm.as_deref() {
+            None => None,
+            Some("openai") => Some(LlmFormat::OpenAi),
+            Some("anthropic") => Some(LlmFormat::Anthropic),
+            Some(other) => {
+                self.problem(
+                    format!("{at}.llm"),
+                    format!("expected openai or anthropic, got {other:?}"),
+                );
+                return None;
+            }
+        };
+        if !r.tokens.is_empty() && llm.is_none() {
+            self.problem(
+                format!("{at}.tokens"),
+                "token budgets are counted on LLM routes: add `llm: openai` or `llm: anthropic`",
+            );
+        }
+        if llm.is_some() && r.jsonrpc {
+            self.problem(
+                format!("{at}.llm"),
+                "a route is JSON-RPC or an LLM route, not both",
+            );
+        }
+        for (j, name) in r.tokens.iter().enumerate() {
+            match tokens.get(name) {
+                Some(&k) if !buckets.contains(&k) => buckets.push(k),
+                Some(_) => self.problem(format!("{at}.tokens[{j}]"), "listed twice"),
+                None => self.problem(
+                    format!("{at}.tokens[{j}]"),
+                    format!("no token budget named {name:?} under `tokens`"),
+                ),
+            }
+        }
+        Some(llm)
+    }
+
+    /// `routes:`, each checked, in order.
+    pub(super) fn routes(&mut self, raw: &RawPolicy, indices: &Indices<'_>) -> Vec<Route> {
+        let (bucket_index, quota_index, lane_index) =
+            (indices.buckets, indices.quotas, indices.lanes);
         let mut routes = Vec::new();
         for (i, r) in raw.routes.iter().enumerate() {
             let at = format!("routes[{i}]");
@@ -54,7 +106,7 @@ impl Checker {
                     None
                 }
             };
-            if r.buckets.len() > MAX_ROUTE_BUCKETS {
+            if r.buckets.len() + r.tokens.len() > MAX_ROUTE_BUCKETS {
                 self.problem(
                     format!("{at}.buckets"),
                     format!("at most {MAX_ROUTE_BUCKETS} buckets per route (a decision touches at most {} budgets)", sluice_core::MAX_BUDGETS),
@@ -67,8 +119,10 @@ impl Checker {
                 quota_index,
                 lane_index,
             );
+            let mut spends = spends;
+            let llm = self.llm_route(&at, r, indices.tokens, &mut spends.buckets);
             let mode = self.mode(&format!("{at}.mode"), r.mode.as_deref());
-            if let (Some(class), Some(mode)) = (class, mode) {
+            if let (Some(class), Some(mode), Some(llm)) = (class, mode, llm) {
                 routes.push(Route {
                     method,
                     path,
@@ -78,6 +132,7 @@ impl Checker {
                     lane: spends.lane,
                     batch: None,
                     mode,
+                    llm,
                 });
             }
         }
