@@ -416,6 +416,7 @@ impl Refused {
     /// | an HTTP/1.1 request without `Host`, several `Host` fields, a bad `Host` | 400 | `invalid_request` | `reason` |
     /// | `CONNECT` | 405 | `method_not_allowed` | `method` (and an `Allow` field) |
     /// | more calls through a guarded lane in one request than a workspace runs at once | 400 | `invalid_request` | `reason: "too_many_lane_calls"`, `calls`, `max` |
+    /// | an LLM route's body that is not JSON, not an object, a `model` not a string, a bad `max_tokens`, no input | 400 | `invalid_request` | `reason: "not_json"`, `"not_an_object"`, `"model_not_a_string"`, `"bad_max_tokens"`, `"no_input"` |
     pub fn response(&self) -> Response<Full<Bytes>> {
         let message = format!("Refused, nothing was counted or forwarded: {self}.");
         let invalid = |reason: &str| {
@@ -466,6 +467,7 @@ impl Refused {
                 "invalid_request",
                 serde_json::json!({ "reason": bad.reason }),
             ),
+            Refused::LlmBody(bad) => invalid(bad.reason()),
             Refused::Connect => (
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",

@@ -70,6 +70,7 @@ impl<S: BudgetStore> Limiter<S> {
         route: Result<Option<&Route>, Refused>,
         body: BodyRead<'b>,
         key: Option<&[u8]>,
+        path: &str,
     ) -> Planned<'l, 'b, S> {
         let jsonrpc = route
             .as_ref()
@@ -78,7 +79,8 @@ impl<S: BudgetStore> Limiter<S> {
             BodyRead::Whole(bytes) => Some(bytes),
             BodyRead::NotNeeded | BodyRead::TooLarge => None,
         };
-        let plan = route.and_then(|route| self.plan_request(headers, peer, route, bytes, key));
+        let plan =
+            route.and_then(|route| self.plan_request(headers, peer, route, bytes, (key, path)));
         Planned {
             limiter: self,
             plan,
@@ -261,6 +263,18 @@ impl<S: BudgetStore> Forward<'_, S> {
     }
 
     fn write_rate_limit_headers(&self, headers: &mut HeaderMap, decision: &Decision) {
-        crate::rate_limit_headers(headers, decision, &self.plan, self.limiter.policy());
+        let policy = self.limiter.policy();
+        crate::rate_limit_headers(headers, decision, &self.plan, policy);
+        crate::dialect::token_headers(headers, decision, &self.plan, policy);
+    }
+
+    /// The plan and the decision of an LLM call, for settling its token budgets
+    /// once the answer's `usage` is known ([`Limiter::settle_usage`]); `None`
+    /// for any other call.
+    pub fn settlement(&self) -> Option<(Box<Plan>, Decision)> {
+        self.plan
+            .llm
+            .is_some()
+            .then(|| (self.plan.clone(), (*self.decision).clone()))
     }
 }

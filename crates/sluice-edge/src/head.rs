@@ -40,6 +40,10 @@ pub enum Refused {
     /// A batch submit whose body cannot be queued.
     #[error(transparent)]
     Batch(#[from] crate::BadBatch),
+    /// The body of an LLM route does not read as its wire format says (SPEC T2):
+    /// its tokens cannot be counted.
+    #[error(transparent)]
+    LlmBody(#[from] sluice_tokens::BadLlmBody),
     /// `CONNECT`: sluice is not a tunnel (a reverse proxy has nothing to connect to).
     #[error("CONNECT is not served: this is a gateway, not a tunnel")]
     Connect,

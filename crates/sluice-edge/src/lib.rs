@@ -64,6 +64,7 @@ pub mod answer;
 mod batch;
 mod buffers;
 pub mod descriptors;
+pub mod dialect;
 pub mod exchange;
 pub mod forward_auth;
 mod head;
@@ -73,6 +74,7 @@ mod limiter;
 mod plan;
 mod refusal_log;
 mod request_id;
+pub mod tokens;
 
 pub use answer::{
     COST_EXCEEDS_LIMIT, EDGE_BODY, JSONRPC_PARSE_ERROR, JSONRPC_RATE_LIMITED, RATELIMIT,

@@ -78,6 +78,10 @@ pub struct Plan {
     pub passed: Option<Passed>,
     /// The call through a guarded lane the request makes, if it makes one.
     pub lane: Option<crate::LaneCall>,
+    /// The LLM wire format of its route, when it is an LLM call: its token
+    /// budgets settle at the upstream's `usage`, its refusals and headers speak
+    /// that API's dialect.
+    pub llm: Option<sluice_policy::LlmFormat>,
     /// The budgets in shadow mode, a bit each by index (`mode: shadow`, a shadowed
     /// route, or a dry run): decided and counted, never refusing.
     pub shadow: u16,
@@ -192,7 +196,7 @@ fn overridden(table: Option<&Vec<Option<NonZeroU32>>>, i: usize) -> Option<NonZe
 pub(crate) fn plan(
     policy: &Policy,
     scopes: &Scopes,
-    items: &Items,
+    (items, reservation): (&Items, Option<&crate::tokens::Reservation>),
     caller: Caller,
     client: &ClientIp,
     route_mode: Enforcement,
@@ -207,6 +211,7 @@ pub(crate) fn plan(
         who: caller.who,
         from: caller,
         lane: None,
+        llm: None,
         passed: None,
         shadow: 0,
         shadowed: 0,
@@ -288,8 +293,18 @@ pub(crate) fn plan(
             Per::Workspace => workspace,
         };
         let (limit, dry) = limit_of(tier.map(|t| &t.buckets), i, b.limit);
+        let mut bucket = budget(scope, of, (limit, b.window, b.algorithm), units);
+        if let Some(tokens) = &b.tokens {
+            // A token budget reserves what the call is estimated to spend.
+            if let Some(r) = reservation {
+                bucket.cost = r.units(tokens);
+            }
+            if tokens.monthly {
+                bucket.rate = Rate::CalendarMonth;
+            }
+        }
         p.push(
-            budget(scope, of, (limit, b.window, b.algorithm), units),
+            bucket,
             BudgetKind::Bucket(kind_index(i)),
             b.window,
             dry || shadow(b.mode),
@@ -354,8 +369,12 @@ impl Plan {
     /// limit per this window: a fixed window's, a sliding window's length, a GCRA
     /// budget's period.
     pub fn window_secs(&self, i: usize, decision: &Decision) -> u64 {
+        let monthly = self
+            .budgets
+            .get(i)
+            .is_some_and(|b| b.rate == Rate::CalendarMonth);
         match self.kinds.get(i) {
-            Some(BudgetKind::Quota(_)) => decision.statuses().get(i).map_or(0, |s| {
+            _ if monthly => decision.statuses().get(i).map_or(0, |s| {
                 let month = month_of(sluice_core::Timestamp::from_secs(s.reset.saturating_sub(1)));
                 month.end - month.start
             }),

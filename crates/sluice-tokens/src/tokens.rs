@@ -226,7 +226,7 @@ pub fn estimate(
 pub const MAX_COMPLETION_BUDGET: u64 = 10_000_000;
 
 /// The fields that name a request's completion budget.
-const BUDGET_KEYS: [&str; 4] = [
+pub const BUDGET_KEYS: [&str; 4] = [
     "max_tokens",
     "max_completion_tokens",
     "max_output_tokens",
@@ -299,6 +299,18 @@ pub fn estimate_body(
     body: &[u8],
     opts: &EstimateOptions,
 ) -> Result<TokenEstimate, BadLlmBody> {
+    let v = check_body(body)?;
+    Ok(estimate(style, path, &v, opts))
+}
+
+/// The checks of [`estimate_body`] alone: `body` read as an LLM request (a
+/// JSON object, a string `model` if any, completion budgets that are
+/// integers from 0 to [`MAX_COMPLETION_BUDGET`], and `messages`, `prompt` or
+/// `input`), for a caller that estimates it more than one way.
+///
+/// # Errors
+/// [`BadLlmBody`], as [`estimate_body`].
+pub fn check_body(body: &[u8]) -> Result<Value, BadLlmBody> {
     let v: Value = serde_json::from_slice(body).map_err(|_| BadLlmBody::NotJson)?;
     let obj = v.as_object().ok_or(BadLlmBody::NotAnObject)?;
     if obj.get("model").is_some_and(|m| !m.is_string()) {
@@ -319,7 +331,15 @@ pub fn estimate_body(
     if !has_input {
         return Err(BadLlmBody::NoInput);
     }
-    Ok(estimate(style, path, &v, opts))
+    Ok(v)
+}
+
+/// True when the request `body` names its own completion budget (one of
+/// [`BUDGET_KEYS`], not `null`).
+pub fn names_completion_budget(body: &Value) -> bool {
+    BUDGET_KEYS
+        .iter()
+        .any(|k| body.get(*k).is_some_and(|v| !v.is_null()))
 }
 
 fn add(a: u32, b: u32) -> u32 {

@@ -15,6 +15,7 @@ use http_body_util::{BodyExt, Either, Full};
 use sluice_store::BudgetStore;
 use tower::{Layer, Service};
 
+use crate::settle::Settling;
 use sluice_edge::{BodyFailure, Intake, Limiter, Refused, SharedLimiter, upstream_timed_out};
 
 /// The connection's peer address, as a request extension. A server inserts it per
@@ -70,8 +71,10 @@ fn no_peer_address() -> Response<Full<Bytes>> {
     )
 }
 
-/// The body sluice answers with: its own refusals, or the inner service's.
-pub type SluiceBody<B> = Either<Full<Bytes>, B>;
+/// The body sluice answers with: its own refusals, or the inner service's —
+/// as it came, or, for an LLM call, read for its `usage` as it passes (the
+/// call's token budgets settle when it ends; SPEC T3).
+pub type SluiceBody<B> = Either<Full<Bytes>, Either<B, Settling<B>>>;
 
 /// Wraps a service with a [`Limiter`]. A request carrying a [`RequestId`](sluice_edge::RequestId)
 /// extension has its refusal logged under that id (see [`sluice_edge::Planned::admit`]).
@@ -196,7 +199,7 @@ where
     S: BudgetStore + Send + Sync + 'static,
     I: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
     I::Future: Send + 'static,
-    RB: Send,
+    RB: Body<Data = Bytes> + Send + 'static,
     B: Body + From<Bytes> + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -236,6 +239,7 @@ where
             };
             let request_id = parts.extensions.get::<sluice_edge::RequestId>().cloned();
             let mut intake = limiter.intake(route, peer);
+            intake.set_path(parts.uri.path());
             if let Some(mut answer) = intake.refused(request_id.as_ref()) {
                 if route == Err(Refused::Connect) && parts.version <= Version::HTTP_11 {
                     // What follows a CONNECT head may be a tunnel's bytes.
@@ -289,10 +293,33 @@ where
             };
             // Phase 6: the response head.
             let status = response.status().as_u16();
+            let settlement = forward.settlement();
             forward.response_head(status, response.headers_mut()).await;
             // The body's lease is held until the inner service has answered.
             drop(intake);
-            Ok(response.map(Either::Right))
+            let Some((plan, decision)) = settlement else {
+                return Ok(response.map(|b| Either::Right(Either::Left(b))));
+            };
+            // An LLM call: its token budgets settle at the answer's `usage`, read
+            // as the body passes (never held whole).
+            let content_type = response
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
+            let settle: crate::settle::Settle = Box::new(move |usage| {
+                Box::pin(async move {
+                    let failed = status >= 400;
+                    limiter.settle_usage(&plan, decision, usage, failed).await;
+                })
+            });
+            Ok(response.map(|b| {
+                Either::Right(Either::Right(Settling::new(
+                    b,
+                    content_type.as_deref(),
+                    settle,
+                )))
+            }))
         })
     }
 }

@@ -52,6 +52,8 @@ struct VsTowerGovernor;
 
 mod layer;
 
+pub mod settle;
+
 pub use layer::{KeyFn, PeerAddr, PeerFn, SluiceBody, SluiceLayer, SluiceService, UpstreamTimeout};
 /// The edge engine the layer runs: its limiter, plans, decisions and answers.
 pub use sluice_edge::{

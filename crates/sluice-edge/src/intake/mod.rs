@@ -72,6 +72,9 @@ pub struct Intake<'l, S> {
     too_large: bool,
     /// The whole body, once taken in pieces.
     whole: Option<Bytes>,
+    /// The request's path, kept for an LLM route (its wire format's endpoints
+    /// are estimated apart).
+    llm_path: Option<Box<str>>,
 }
 
 impl<S: BudgetStore> Limiter<S> {
@@ -116,6 +119,7 @@ impl<S: BudgetStore> Limiter<S> {
             pieces: None,
             too_large: false,
             whole: None,
+            llm_path: None,
         }
     }
 }
@@ -313,8 +317,17 @@ impl<'l, S: BudgetStore> Intake<'l, S> {
         } else {
             BodyRead::Whole(body.unwrap_or(self.whole.as_deref().unwrap_or_default()))
         };
+        let path = self.llm_path.as_deref().unwrap_or_default();
         self.limiter
-            .planned(headers, self.peer, self.route, read, key)
+            .planned(headers, self.peer, self.route, read, key, path)
+    }
+
+    /// The request's path (in its normal form): what an LLM route's body is
+    /// estimated by (chat, responses, embeddings, …). Kept only on LLM routes.
+    pub fn set_path(&mut self, path: &str) {
+        if self.route().is_some_and(|r| r.llm.is_some()) {
+            self.llm_path = Some(path.into());
+        }
     }
 
     /// The request's peer.

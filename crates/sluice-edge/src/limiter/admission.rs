@@ -282,9 +282,16 @@ impl<S: BudgetStore> Limiter<S> {
         let answer = match (&refusal.reason, refusal.plan.as_deref()) {
             (Reason::Invalid(refused), _) if jsonrpc_body.is_some() => refused.jsonrpc_response(),
             (Reason::Invalid(refused), _) => refused.response(),
-            (Reason::Budget(decision), Some(plan)) => {
-                crate::answer::refusal(decision, plan, policy)
-            }
+            (Reason::Budget(decision), Some(plan)) => match plan.llm {
+                Some(format) => crate::dialect::llm_refusal(
+                    format,
+                    crate::answer::refusal(decision, plan, policy),
+                    decision,
+                    plan,
+                    policy,
+                ),
+                None => crate::answer::refusal(decision, plan, policy),
+            },
             (Reason::Lane { lane, refusal }, _) => match policy.lanes.get(*lane) {
                 Some(lane) => crate::lane_refusal(lane, refusal),
                 None => crate::answer::limiter_unavailable(&"no lane"),
@@ -426,13 +433,59 @@ impl<S: BudgetStore> Limiter<S> {
     }
 
     /// Charges the weighted budgets of an admitted `plan` what the upstream said
-    /// the call cost (`cost`: `X-Sluice-Cost`, `None` = 1 per item, as admitted),
-    /// and returns the decision with their statuses after the charge. A
-    /// store that cannot answer leaves the decision as it was.
+    /// the call cost (`X-Sluice-Cost`: `cost`), and returns `decision` with their
+    /// statuses after the charge. Token budgets are not charged here: they settle
+    /// at the answer's `usage` ([`Limiter::settle_usage`]).
     pub async fn settle(&self, plan: &Plan, decision: Decision, cost: Option<u32>) -> Decision {
         let Some(cost) = cost else {
             return decision;
         };
+        let policy = &self.policy;
+        self.charge(plan, decision, |i| {
+            let is_tokens = matches!(plan.kinds.get(i), Some(BudgetKind::Bucket(b))
+                if policy.buckets.get(crate::plan::policy_index(*b)).is_some_and(|b| b.tokens.is_some()));
+            (!is_tokens).then_some(cost)
+        })
+        .await
+    }
+
+    /// SPEC T3: settles an LLM call's token budgets with what the upstream said it
+    /// spent. `usage` replaces the reservation; without one, an answer that
+    /// `failed` before generation (an error status) gives the reservation back
+    /// and any other (a stream cut short, an answer with no usage) is charged the
+    /// reservation. A settled call may take a budget below zero for the rest of
+    /// its window. Returns the decision with the budgets' statuses after it.
+    pub async fn settle_usage(
+        &self,
+        plan: &Plan,
+        decision: Decision,
+        usage: Option<sluice_tokens::Usage>,
+        failed: bool,
+    ) -> Decision {
+        let policy = &self.policy;
+        self.charge(plan, decision, |i| {
+            let Some(BudgetKind::Bucket(b)) = plan.kinds.get(i) else {
+                return None;
+            };
+            let tokens = policy.buckets.get(crate::plan::policy_index(*b))?.tokens?;
+            match (&usage, failed) {
+                (Some(usage), _) => Some(crate::tokens::settled_units(&tokens, usage)),
+                (None, true) => Some(0),
+                (None, false) => None,
+            }
+        })
+        .await
+    }
+
+    /// Charges each weighted budget `i` of `plan` what `actual(i)` says (`None`:
+    /// leaves it as decided) in place of what the decision reserved, and returns
+    /// the decision with their statuses after it.
+    async fn charge(
+        &self,
+        plan: &Plan,
+        decision: Decision,
+        actual: impl Fn(usize) -> Option<u32>,
+    ) -> Decision {
         let mut statuses: arrayvec::ArrayVec<
             sluice_core::BudgetStatus,
             { sluice_core::MAX_BUDGETS },
@@ -444,7 +497,7 @@ impl<S: BudgetStore> Limiter<S> {
             if plan.passed.is_some_and(|p| p.index == i) || plan.shadowed & (1 << i) != 0 {
                 continue;
             }
-            let Some(budget) = plan.budgets.get(i) else {
+            let (Some(budget), Some(cost)) = (plan.budgets.get(i), actual(i)) else {
                 continue;
             };
             let delta = i64::from(cost) - i64::from(budget.cost);

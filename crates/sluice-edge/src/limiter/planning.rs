@@ -34,7 +34,7 @@ impl<S: BudgetStore> Limiter<S> {
         peer: IpAddr,
         route: Option<&Route>,
         body: Option<&[u8]>,
-        key: Option<&[u8]>,
+        (key, path): (Option<&[u8]>, &str),
     ) -> Result<Box<Plan>, Refused> {
         let policy = &self.policy;
         // Charged as the upstream reads the credential, or not at all.
@@ -111,9 +111,24 @@ impl<S: BudgetStore> Limiter<S> {
                 jsonrpc: matches!(route.map(|r| &r.class), Some(RouteClass::JsonRpc)),
                 calls: items.lanes_called().map(|(_, n)| u32::from(n)).sum(),
             });
+        // An LLM call: what its token budgets reserve, from its body (none for
+        // one past the bound: it is answered 413 once decided).
+        let llm = route.and_then(|r| r.llm);
+        let reservation = match (llm, body) {
+            (Some(format), Some(body)) => Some(crate::tokens::Reservation::of(format, path, body)?),
+            _ => None,
+        };
         let mode = route.map_or(sluice_policy::Enforcement::Enforce, |r| r.mode);
-        let mut plan = Box::new(plan(policy, &self.scopes, &items, caller, &client, mode));
+        let mut plan = Box::new(plan(
+            policy,
+            &self.scopes,
+            (&items, reservation.as_ref()),
+            caller,
+            &client,
+            mode,
+        ));
         plan.lane = lane;
+        plan.llm = llm;
         Ok(plan)
     }
 }

@@ -85,11 +85,13 @@ impl<S: BudgetStore> Limiter<S> {
         Ok(self.policy.route_checked(method, path)?)
     }
 
-    /// True when `route` takes its class from the body (a JSON-RPC route):
+    /// True when `route` takes its class or its cost from the body (a JSON-RPC
+    /// route, a batch submit, an LLM route whose tokens are estimated from it):
     /// the body must be read (bounded) before deciding.
     pub fn needs_body(route: Option<&Route>) -> bool {
         route.is_some_and(|r| {
             r.class == RouteClass::JsonRpc
+                || r.llm.is_some()
                 || matches!(r.batch, Some(sluice_policy::BatchEndpoint::Submit(_)))
         })
     }

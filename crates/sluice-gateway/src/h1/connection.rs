@@ -75,8 +75,13 @@ impl<'f> Connection<'f> {
         // Phase 1 done (see `sluice_edge::Intake`): the edge owns what follows
         // until the request is planned; this path does only its own reading.
         let mut intake = limiter.intake(head.route, self.peer);
-        // A batch lane's endpoints are answered by the service stack's batch lanes.
-        if intake.route().is_some_and(|r| r.batch.is_some()) {
+        // A batch lane's endpoints are answered by the service stack's batch lanes,
+        // and an LLM call by the service stack too: its answer is read for its
+        // `usage` as it passes, to settle its token budgets.
+        if intake
+            .route()
+            .is_some_and(|r| r.batch.is_some() || r.llm.is_some())
+        {
             return Ok(Next::Elsewhere);
         }
         // A refused head is answered at once, as the service stack answers it; its

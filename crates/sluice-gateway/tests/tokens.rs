@@ -1,0 +1,379 @@
+//! SPEC T1–T3, T5 over loopback: token budgets in front of a fake OpenAI- and
+//! Anthropic-compatible upstream that reports known usage. A call reserves its
+//! estimate before it is forwarded and settles at the upstream's `usage` (JSON
+//! and server-sent events); an error before generation gives the reservation
+//! back, a stream cut without usage keeps it; a call larger than the whole
+//! budget is refused for good; a body that is not an LLM request is 400 and
+//! sent nowhere; refusals and headers speak the API's dialect.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use sluice_gateway::{Gateway, GatewayConfig, Upstream};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Bound on every test's whole body.
+const TEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What the fake upstream reports for every call: 20 input tokens (5 of them
+/// cached), 30 output tokens.
+const USAGE: (u32, u32, u32) = (20, 5, 30);
+
+/// A policy of one class with a token budget per workspace: 1,000 weighed
+/// tokens an hour (long enough that no test straddles a window), cached input
+/// at half weight, 100 output tokens reserved when a call names none.
+const POLICY: &str = r#"
+profile: default
+window_seconds: 3600
+profiles:
+  default:
+    classes: { llm: 1000000 }
+identity:
+  credentials: [bearer]
+tokens:
+  team:
+    per: caller
+    limit: 1000
+    window_seconds: 3600
+    weights: { input: 1, output: 1, cached_input: 0.5 }
+    default_max_output: 100
+routes:
+  - { method: POST, path: /v1/chat/completions, class: llm, llm: openai, tokens: [team] }
+  - { method: POST, path: /v1/messages, class: llm, llm: anthropic, tokens: [team] }
+  - { class: llm }
+"#;
+
+/// How the fake upstream answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reply {
+    /// A JSON answer with `usage`.
+    Json,
+    /// A server-sent event stream whose last event holds `usage`.
+    Stream,
+    /// A 500 with no usage.
+    Error,
+    /// A stream cut before any usage.
+    Cut,
+}
+
+/// A fake LLM upstream: answers each request as `reply` says, and counts them.
+async fn upstream(reply: Reply) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let seen = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&seen);
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let count = Arc::clone(&count);
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut chunk = [0u8; 8192];
+                // One request: its head, then its Content-Length body.
+                loop {
+                    let text = String::from_utf8_lossy(&got).into_owned();
+                    if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                        let length: usize = head
+                            .to_ascii_lowercase()
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:")?.trim().parse().ok())
+                            .unwrap_or(0);
+                        if body.len() >= length {
+                            break;
+                        }
+                    }
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                count.fetch_add(1, Ordering::SeqCst);
+                let anthropic = String::from_utf8_lossy(&got).contains("POST /v1/messages");
+                let _ = conn.write_all(answer(reply, anthropic).as_bytes()).await;
+                let _ = conn.shutdown().await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// The fake upstream's answer.
+fn answer(reply: Reply, anthropic: bool) -> String {
+    let (input, cached, output) = USAGE;
+    let usage = if anthropic {
+        // Anthropic's input excludes cache reads.
+        json!({ "input_tokens": input - cached, "cache_read_input_tokens": cached, "output_tokens": output })
+    } else {
+        json!({ "prompt_tokens": input, "completion_tokens": output,
+                "prompt_tokens_details": { "cached_tokens": cached } })
+    };
+    match reply {
+        Reply::Json => {
+            let body = json!({ "id": "x", "usage": usage }).to_string();
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            )
+        }
+        Reply::Stream => {
+            let first = json!({ "choices": [{ "delta": { "content": "hi" } }] });
+            let last = json!({ "choices": [], "usage": usage });
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\ndata: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n"
+            )
+        }
+        Reply::Error => {
+            let body = r#"{"error":{"message":"overloaded"}}"#;
+            format!(
+                "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            )
+        }
+        Reply::Cut => {
+            let first = json!({ "choices": [{ "delta": { "content": "hi" } }] });
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\ndata: {first}\n\n"
+            )
+        }
+    }
+}
+
+/// A gateway with [`POLICY`] in front of `upstream`.
+async fn start_gateway(upstream: SocketAddr) -> (Gateway, std::path::PathBuf) {
+    let policy = sluice_policy::parse_str(POLICY, std::path::Path::new("tokens.yaml"))
+        .expect("the test policy");
+    let dir = std::env::temp_dir().join(format!(
+        "sluice-tokens-{}-{}",
+        std::process::id(),
+        fastrand::u64(..)
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let mut config = GatewayConfig::new(policy, dir.clone());
+    config.workers = std::num::NonZeroUsize::new(1).expect("one");
+    config.upstream = Some(Upstream::from_addr(upstream));
+    (Gateway::start(config).await.expect("gateway starts"), dir)
+}
+
+/// One call: the status, the fields (lowercase) and the body.
+async fn call(gateway: SocketAddr, path: &str, key: &str, body: &str) -> (u16, String, String) {
+    let mut conn = TcpStream::connect(gateway).await.expect("connect");
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).await.expect("write");
+    let mut got = Vec::new();
+    let _ = conn.read_to_end(&mut got).await;
+    let text = String::from_utf8_lossy(&got).into_owned();
+    let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    (status, head.to_ascii_lowercase(), body.to_owned())
+}
+
+/// The value of field `name` in `head`.
+fn field<'h>(head: &'h str, name: &str) -> Option<&'h str> {
+    head.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}:")))
+        .map(str::trim)
+}
+
+/// The budget's units left, as `GET`-less probing sees them: the remaining
+/// tokens a fresh call's answer reports, minus what that call reserved.
+fn remaining(head: &str) -> u32 {
+    field(head, "x-ratelimit-remaining-tokens")
+        .or_else(|| field(head, "anthropic-ratelimit-tokens-remaining"))
+        .and_then(|v| v.parse().ok())
+        .expect("a remaining-tokens field")
+}
+
+/// A chat call naming `max_tokens` (or not).
+fn chat(max_tokens: Option<u32>, stream: bool) -> String {
+    let mut body = json!({
+        "model": "gpt-4o",
+        "messages": [{ "role": "user", "content": "Say hi." }],
+        "stream": stream,
+    });
+    if let Some(n) = max_tokens {
+        body["max_tokens"] = json!(n);
+    }
+    body.to_string()
+}
+
+async fn bounded<F: Future>(test: F) -> F::Output {
+    tokio::time::timeout(TEST_TIMEOUT, test)
+        .await
+        .expect("test timed out")
+}
+
+/// Units the fake upstream's usage weighs in the `team` budget: fresh input 15,
+/// cached 5 at half weight (2.5), output 30: 47.5, rounded up.
+fn settled_units() -> u32 {
+    let (input, cached, output) = USAGE;
+    ((input - cached) * 1000 + cached * 500 + output * 1000).div_ceil(1000)
+}
+
+/// Calls on `path` with `body` as `key` until one is refused: how many were
+/// admitted, the remaining tokens each admitted answer reported, and the refusal.
+async fn until_refused(
+    addr: SocketAddr,
+    path: &str,
+    key: &str,
+    body: &str,
+) -> (u32, Vec<u32>, (u16, String, String)) {
+    let mut remainings = Vec::new();
+    for admitted in 0..200 {
+        let (status, head, answer) = call(addr, path, key, body).await;
+        if status != 200 {
+            return (admitted, remainings, (status, head, answer));
+        }
+        remainings.push(remaining(&head));
+    }
+    panic!("never refused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t2_t3_t5_reserved_before_settled_at_the_usage_and_refused_in_the_apis_dialect() {
+    bounded(async {
+        for (reply, path) in [
+            (Reply::Json, "/v1/chat/completions"),
+            (Reply::Stream, "/v1/chat/completions"),
+            (Reply::Json, "/v1/messages"),
+        ] {
+            let (up, seen) = upstream(reply).await;
+            let (gateway, dir) = start_gateway(up).await;
+            let addr = gateway.addr().expect("an address");
+            let anthropic = path == "/v1/messages";
+            let body = if anthropic {
+                json!({ "model": "claude-x", "max_tokens": 50,
+                        "messages": [{ "role": "user", "content": "Say hi." }] })
+                .to_string()
+            } else {
+                chat(Some(50), reply == Reply::Stream)
+            };
+            let (admitted, remainings, (status, head, refusal)) =
+                until_refused(addr, path, "k1", &body).await;
+            // Each answer tells the budget after its own reservation and every
+            // earlier call's settlement: the first reserved R, each later one
+            // sees the ones before settled at the usage.
+            let reserved = 1000 - remainings[0];
+            assert!(
+                reserved > 50,
+                "{reply:?}: the input is reserved too ({reserved})"
+            );
+            for (k, r) in remainings.iter().enumerate() {
+                let k = u32::try_from(k).expect("few");
+                assert_eq!(
+                    *r,
+                    1000 - k * settled_units() - reserved,
+                    "{reply:?} call {k}"
+                );
+            }
+            // As many calls as the settled usage allows, never more: the last
+            // admitted left less than a reservation.
+            assert_eq!(
+                admitted,
+                (1000 - reserved) / settled_units() + 1,
+                "{reply:?}: {remainings:?}"
+            );
+            assert_eq!(
+                seen.load(Ordering::SeqCst) as u32,
+                admitted,
+                "refused calls sent nowhere"
+            );
+            // The refusal, in the API's dialect, with a Retry-After.
+            assert_eq!(status, 429, "{refusal}");
+            assert!(field(&head, "retry-after").is_some(), "{head}");
+            let refusal: Value = serde_json::from_str(&refusal).expect("JSON");
+            if anthropic {
+                assert_eq!(refusal["type"], "error");
+                assert_eq!(refusal["error"]["type"], "rate_limit_error");
+                assert!(
+                    field(&head, "anthropic-ratelimit-tokens-reset").is_some(),
+                    "{head}"
+                );
+            } else {
+                assert_eq!(refusal["error"]["code"], "rate_limit_exceeded");
+                assert_eq!(refusal["error"]["type"], "tokens");
+                let reset = field(&head, "x-ratelimit-reset-tokens").expect("a reset");
+                assert!(reset.ends_with('s'), "OpenAI's duration form: {reset}");
+            }
+            gateway.shutdown().await;
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t2_t3_errors_refund_cut_streams_keep_the_reservation_and_bad_bodies_go_nowhere() {
+    bounded(async {
+        // An error before generation: every call's reservation given back.
+        let (up, seen) = upstream(Reply::Error).await;
+        let (gateway, dir) = start_gateway(up).await;
+        let addr = gateway.addr().expect("an address");
+        let mut first = None;
+        for _ in 0..5 {
+            let (status, head, _) =
+                call(addr, "/v1/chat/completions", "k", &chat(Some(50), false)).await;
+            assert_eq!(status, 500);
+            let r = remaining(&head);
+            assert_eq!(
+                *first.get_or_insert(r),
+                r,
+                "refunded: each call sees the whole budget less its own"
+            );
+        }
+        // A call larger than the whole budget: refused for good, no Retry-After.
+        let (status, head, body) =
+            call(addr, "/v1/chat/completions", "k", &chat(Some(5000), false)).await;
+        assert_eq!(status, 429, "{body}");
+        assert!(field(&head, "retry-after").is_none(), "{head}");
+        // Bodies that are not an LLM request: 400 with the reason, sent nowhere.
+        let before = seen.load(Ordering::SeqCst);
+        for (body, reason) in [
+            ("not json", "not_json"),
+            ("[1]", "not_an_object"),
+            (r#"{"model": 5, "messages": []}"#, "model_not_a_string"),
+            (
+                r#"{"model": "m", "max_tokens": -1, "messages": []}"#,
+                "bad_max_tokens",
+            ),
+            (
+                r#"{"model": "m", "max_tokens": 1e30, "messages": []}"#,
+                "bad_max_tokens",
+            ),
+            (r#"{"model": "m"}"#, "no_input"),
+        ] {
+            let (status, _, answer) = call(addr, "/v1/chat/completions", "k", body).await;
+            assert_eq!(status, 400, "{body}: {answer}");
+            let answer: Value = serde_json::from_str(&answer).expect("JSON");
+            assert_eq!(answer["error"]["details"]["reason"], reason, "{body}");
+        }
+        assert_eq!(
+            seen.load(Ordering::SeqCst),
+            before,
+            "nothing forwarded uncounted"
+        );
+        gateway.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
+
+        // A stream cut before its usage: each call keeps its reservation.
+        let (up, _) = upstream(Reply::Cut).await;
+        let (gateway, dir) = start_gateway(up).await;
+        let addr = gateway.addr().expect("an address");
+        let (_, head, _) = call(addr, "/v1/chat/completions", "k", &chat(Some(50), true)).await;
+        let reserved = 1000 - remaining(&head);
+        let (_, head, _) = call(addr, "/v1/chat/completions", "k", &chat(Some(50), true)).await;
+        assert_eq!(
+            remaining(&head),
+            1000 - 2 * reserved,
+            "the first kept its reservation"
+        );
+        gateway.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
+    })
+    .await;
+}
