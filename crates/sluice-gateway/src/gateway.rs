@@ -320,6 +320,12 @@ where
             };
             // A connection error (reset, malformed request) concerns that client only.
             match protocol {
+                // An https upstream: hyper serves every connection from the start.
+                Some(Protocol::Http1) if !fast.is_on() => {
+                    let _ = watcher
+                        .watch(http1.serve_connection(TokioIo::new(stream), service))
+                        .await;
+                }
                 Some(Protocol::Http1) => {
                     let served = fast.serve(
                         stream,

@@ -32,6 +32,7 @@ mod read_deadline;
 pub mod reload;
 mod start;
 pub(crate) mod store;
+pub(crate) mod tls;
 mod upload;
 
 use std::net::SocketAddr;
@@ -49,6 +50,7 @@ use tokio::task::JoinHandle;
 pub use gateway::Drain;
 pub use proxy::Upstream;
 pub use reload::{PolicyFile, Reloader};
+pub use tls::UpstreamTls;
 
 /// How long in-flight requests may run on after [`Gateway::shutdown`] before the rest
 /// are closed.
@@ -304,6 +306,10 @@ pub enum StartError {
          --admin-token-file FILE or SLUICE_ADMIN_TOKEN"
     )]
     AdminWithoutToken(SocketAddr),
+    /// An https upstream cannot be verified: the system has no root certificates
+    /// and none were given ([`Upstream::with_tls`]).
+    #[error("{0}")]
+    UpstreamTls(String),
     /// The built-in demo upstream or the worker threads could not start.
     #[error("{what}")]
     Io {

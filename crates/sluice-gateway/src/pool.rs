@@ -17,6 +17,9 @@
 //! A request a pooled connection never took (the upstream closed it in the meantime)
 //! is sent again on the next connection: nothing of it reached the upstream. A request
 //! that was taken and then failed is not retried.
+//!
+//! To an https upstream the hyper path's connections are TLS ([`UpstreamIo::Tls`]),
+//! pooled the same way; the fast path is off then and never takes one.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -32,6 +35,8 @@ use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -59,11 +64,113 @@ pub(super) enum SendError {
     Upstream,
 }
 
+/// A connection to the upstream: plain TCP, or TLS over it for an https upstream.
+#[derive(Debug)]
+pub(super) enum UpstreamIo {
+    /// Plain HTTP/1.1.
+    Plain(TcpStream),
+    /// HTTP/1.1 over TLS.
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl UpstreamIo {
+    /// The socket underneath.
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            UpstreamIo::Plain(stream) => stream,
+            UpstreamIo::Tls(stream) => stream.get_ref().0,
+        }
+    }
+}
+
+impl AsyncRead for UpstreamIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            UpstreamIo::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
+            UpstreamIo::Tls(stream) => Pin::new(stream.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for UpstreamIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            UpstreamIo::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
+            UpstreamIo::Tls(stream) => Pin::new(stream.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            UpstreamIo::Plain(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+            UpstreamIo::Tls(stream) => Pin::new(stream.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            UpstreamIo::Plain(stream) => stream.is_write_vectored(),
+            UpstreamIo::Tls(stream) => stream.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            UpstreamIo::Plain(stream) => Pin::new(stream).poll_flush(cx),
+            UpstreamIo::Tls(stream) => Pin::new(stream.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            UpstreamIo::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
+            UpstreamIo::Tls(stream) => Pin::new(stream.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// How new connections to the upstream are opened.
+enum Transport {
+    /// Plain TCP.
+    Tcp,
+    /// TLS, verifying the upstream as `name`.
+    Tls {
+        connector: tokio_rustls::TlsConnector,
+        name: ServerName<'static>,
+    },
+    /// An https upstream given no roots to verify it with: every connect fails.
+    Unverifiable,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Transport::Tcp => f.write_str("Tcp"),
+            Transport::Tls { name, .. } => write!(f, "Tls({name:?})"),
+            Transport::Unverifiable => f.write_str("Unverifiable"),
+        }
+    }
+}
+
 /// One worker's idle connections to the upstream.
 #[derive(Debug)]
 pub(super) struct Connections {
     /// `host:port` to connect to.
     target: String,
+    /// Plain or TLS.
+    transport: Transport,
     /// At most this many connections wait idle.
     max_idle: usize,
     /// Oldest first.
@@ -75,20 +182,39 @@ pub(super) struct Connections {
 
 #[derive(Debug)]
 struct Idle {
-    stream: TcpStream,
+    stream: UpstreamIo,
     since: Instant,
 }
 
 impl Connections {
-    /// An empty pool of connections to `target` (`host:port`), keeping at most
+    /// An empty pool of plain connections to `target` (`host:port`), keeping at most
     /// [`POOL_MAX_IDLE`] idle.
+    #[cfg(test)]
     pub(super) fn new(target: String) -> Self {
         Self::with_max_idle(target, POOL_MAX_IDLE)
+    }
+
+    /// An empty pool of connections to `upstream` (TLS to an https one), keeping at
+    /// most [`POOL_MAX_IDLE`] idle.
+    pub(super) fn to(upstream: &crate::Upstream) -> Self {
+        let transport = match upstream.tls_parts() {
+            None => Transport::Tcp,
+            Some((name, Some(tls))) => Transport::Tls {
+                connector: tls.connector(),
+                name: name.clone(),
+            },
+            Some((_, None)) => Transport::Unverifiable,
+        };
+        Connections {
+            transport,
+            ..Self::with_max_idle(upstream.connect_target(), POOL_MAX_IDLE)
+        }
     }
 
     fn with_max_idle(target: String, max_idle: usize) -> Self {
         Connections {
             target,
+            transport: Transport::Tcp,
             max_idle,
             idle: Mutex::new(VecDeque::new()),
             returning: AtomicUsize::new(0),
@@ -100,8 +226,17 @@ impl Connections {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The most recently used idle connection that is still open, if any.
+    /// The most recently used idle plain connection that is still open, if any (the
+    /// fast path's: it never runs for an https upstream, whose connections are TLS).
     pub(super) fn checkout(&self) -> Option<TcpStream> {
+        match self.checkout_io()? {
+            UpstreamIo::Plain(stream) => Some(stream),
+            UpstreamIo::Tls(_) => None,
+        }
+    }
+
+    /// The most recently used idle connection that is still open, if any.
+    fn checkout_io(&self) -> Option<UpstreamIo> {
         let now = Instant::now();
         let mut idle = self.idle();
         while let Some(Idle { stream, since }) = idle.pop_back() {
@@ -113,15 +248,20 @@ impl Connections {
             // Anything to read while idle means the upstream closed it or sent bytes no
             // request asked for (which would be taken for the next request's answer):
             // either way it cannot carry a request.
-            if quiet(&stream, now.saturating_duration_since(since)) {
+            if quiet(stream.tcp(), now.saturating_duration_since(since)) {
                 return Some(stream);
             }
         }
         None
     }
 
-    /// Puts a connection whose last response was read to its end back.
+    /// Puts a plain connection whose last response was read to its end back.
     pub(super) fn checkin(&self, stream: TcpStream) {
+        self.checkin_io(UpstreamIo::Plain(stream));
+    }
+
+    /// Puts a connection whose last response was read to its end back.
+    fn checkin_io(&self, stream: UpstreamIo) {
         let mut idle = self.idle();
         if idle.len() >= self.max_idle {
             idle.pop_front();
@@ -153,6 +293,31 @@ impl Connections {
         let stream = TcpStream::connect(&self.target).await?;
         stream.set_nodelay(true)?;
         Ok(stream)
+    }
+
+    /// A new connection, TLS (handshake done, certificate verified) to an https
+    /// upstream.
+    ///
+    /// # Errors
+    /// The connect's, or the handshake's.
+    async fn connect_io(&self) -> std::io::Result<UpstreamIo> {
+        let (connector, name) = match &self.transport {
+            Transport::Tcp => return Ok(UpstreamIo::Plain(self.connect().await?)),
+            Transport::Tls { connector, name } => (connector, name),
+            Transport::Unverifiable => {
+                return Err(std::io::Error::other(
+                    "no root certificates to verify the https upstream with",
+                ));
+            }
+        };
+        let stream = self.connect().await?;
+        match connector.connect(name.clone(), stream).await {
+            Ok(tls) => Ok(UpstreamIo::Tls(Box::new(tls))),
+            Err(error) => {
+                tracing::warn!("TLS with the upstream {} failed: {error}", self.target);
+                Err(error)
+            }
+        }
     }
 }
 
@@ -346,7 +511,7 @@ impl UpstreamPool {
     ) -> Result<Response<PooledBody>, SendError> {
         let mut yielded = false;
         loop {
-            let Some(stream) = self.connections.checkout() else {
+            let Some(stream) = self.connections.checkout_io() else {
                 // A connection whose response just ended is back once its task runs:
                 // let it run once before opening another connection.
                 if !yielded && self.connections.returning.load(Ordering::Relaxed) > 0 {
@@ -365,7 +530,7 @@ impl UpstreamPool {
         }
         let stream = self
             .connections
-            .connect()
+            .connect_io()
             .await
             .map_err(|_| SendError::Connect)?;
         match self.attempt(stream, request).await {
@@ -376,7 +541,7 @@ impl UpstreamPool {
 
     /// Sends `request` over `stream`, driven by a hyper client connection on a task of
     /// its own that gives the socket back to the pool when the exchange ends cleanly.
-    async fn attempt(&self, stream: TcpStream, request: Request<OutgoingBody>) -> Attempt {
+    async fn attempt(&self, stream: UpstreamIo, request: Request<OutgoingBody>) -> Attempt {
         let Ok((mut sender, connection)) = http1::handshake(TokioIo::new(stream)).await else {
             return Attempt::Failed;
         };
@@ -403,7 +568,7 @@ impl UpstreamPool {
 /// read to the end (its sender comes back on `returned`) and hyper reports the
 /// connection ready for another request, puts the socket back into `connections`.
 async fn drive(
-    connection: http1::Connection<TokioIo<TcpStream>, OutgoingBody>,
+    connection: http1::Connection<TokioIo<UpstreamIo>, OutgoingBody>,
     returned: oneshot::Receiver<Returning>,
     connections: Arc<Connections>,
 ) {
@@ -435,7 +600,7 @@ async fn drive(
         && let Ok(parts) = connection.await
         && parts.read_buf.is_empty()
     {
-        connections.checkin(parts.io.into_inner());
+        connections.checkin_io(parts.io.into_inner());
     }
     drop(returning);
 }

@@ -35,8 +35,11 @@ use tower::Service;
 
 use sluice_h1::fields::strip_hop_by_hop;
 
+use rustls::pki_types::ServerName;
+
 use super::PeerAddr;
 use super::pool::{Connections, SendError, UpstreamPool};
+use super::tls::UpstreamTls;
 use super::upload::{AbandonAfter, Upload};
 
 pub(crate) use super::boxed::BoxError;
@@ -45,33 +48,42 @@ pub(crate) use super::boxed::BoxError;
 /// or a small JSON envelope.
 pub(crate) type ProxyBody = BoxBody<Bytes, BoxError>;
 
-/// Where requests are forwarded: `http://authority[/base-path]`.
+/// Where requests are forwarded: `http[s]://authority[/base-path]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Upstream {
     authority: Authority,
     /// Empty, or starts with `/` and does not end with `/`.
     base_path: String,
     host: HeaderValue,
+    /// For an https upstream, the name its certificate must have (SNI too).
+    tls_name: Option<ServerName<'static>>,
+    /// For an https upstream, the roots to verify it with; `None` until given
+    /// ([`Upstream::with_tls`]) or, at start, the system's.
+    tls: Option<UpstreamTls>,
 }
 
 impl Upstream {
-    /// Parses `http://HOST[:PORT][/PREFIX]`. A request for `/a?b` goes to
-    /// `http://HOST:PORT/PREFIX/a?b`.
+    /// Parses `http://HOST[:PORT][/PREFIX]` or `https://HOST[:PORT][/PREFIX]` (port 80
+    /// or 443 when none is named). A request for `/a?b` goes to
+    /// `http[s]://HOST:PORT/PREFIX/a?b`. An https upstream's certificate is verified
+    /// against the roots given with [`Upstream::with_tls`], or else the system's.
     ///
     /// # Errors
-    /// A message saying what was expected: an absolute `http://` URL with a host, no
-    /// query, no credentials.
+    /// A message saying what was expected: an absolute `http://` or `https://` URL
+    /// with a host, no query, no credentials.
     pub fn parse(url: &str) -> Result<Self, String> {
         let uri: Uri = url
             .parse()
             .map_err(|e| format!("expected a URL such as http://127.0.0.1:3000 ({e})"))?;
-        match uri.scheme() {
-            Some(s) if *s == Scheme::HTTP => {}
-            Some(s) if *s == Scheme::HTTPS => {
-                return Err("https upstreams are not supported yet: use an http:// URL".into());
+        let https = match uri.scheme() {
+            Some(s) if *s == Scheme::HTTP => false,
+            Some(s) if *s == Scheme::HTTPS => true,
+            _ => {
+                return Err(
+                    "expected an http:// or https:// URL such as http://127.0.0.1:3000".into(),
+                );
             }
-            _ => return Err("expected an http:// URL such as http://127.0.0.1:3000".into()),
-        }
+        };
         let authority = uri
             .authority()
             .cloned()
@@ -83,7 +95,49 @@ impl Upstream {
             return Err("the upstream URL cannot have a query string".into());
         }
         let base_path = uri.path().trim_end_matches('/').to_owned();
-        Self::new(authority, base_path)
+        let mut upstream = Self::new(authority, base_path)?;
+        if https {
+            let host = upstream.authority.host();
+            // An IPv6 literal is bracketed in the authority, not in a server name.
+            let bare = host
+                .strip_prefix('[')
+                .and_then(|h| h.strip_suffix(']'))
+                .unwrap_or(host);
+            let name = ServerName::try_from(bare.to_owned())
+                .map_err(|_| format!("{host} is not a host name TLS can verify"))?;
+            upstream.tls_name = Some(name);
+        }
+        Ok(upstream)
+    }
+
+    /// The same upstream verified against `tls`'s roots (when it is https; an http
+    /// upstream ignores them).
+    #[must_use]
+    pub fn with_tls(mut self, tls: UpstreamTls) -> Self {
+        if self.is_https() {
+            self.tls = Some(tls);
+        }
+        self
+    }
+
+    /// True for an `https://` upstream.
+    pub fn is_https(&self) -> bool {
+        self.tls_name.is_some()
+    }
+
+    /// The roots an https upstream is verified against, once given.
+    pub fn tls(&self) -> Option<&UpstreamTls> {
+        self.tls.as_ref()
+    }
+
+    /// For an https upstream, the name to verify and the roots (if given yet).
+    pub(super) fn tls_parts(&self) -> Option<(&ServerName<'static>, Option<&UpstreamTls>)> {
+        self.tls_name.as_ref().map(|name| (name, self.tls.as_ref()))
+    }
+
+    /// The scheme's port: 443 for https, 80 for http.
+    fn default_port(&self) -> u16 {
+        if self.is_https() { 443 } else { 80 }
     }
 
     /// The upstream at a socket address, no path prefix.
@@ -105,6 +159,8 @@ impl Upstream {
             authority,
             base_path,
             host,
+            tls_name: None,
+            tls: None,
         })
     }
 
@@ -133,31 +189,34 @@ impl Upstream {
     }
 
     /// The `Host` an HTTP client derives from this upstream's URL: its host, and its
-    /// port unless that is 80. Batch items are sent with it; single calls with
+    /// port unless that is the scheme's (80, or 443 for https). Batch items are sent with it; single calls with
     /// [`Upstream::host`], the authority as written.
     pub(crate) fn client_host(&self) -> HeaderValue {
         let host = self.authority.host();
         let named = match self.authority.port() {
-            Some(port) if port.as_u16() != 80 => HeaderValue::from_str(&format!("{host}:{port}")),
+            Some(port) if port.as_u16() != self.default_port() => {
+                HeaderValue::from_str(&format!("{host}:{port}"))
+            }
             _ => HeaderValue::from_str(host),
         };
         // The authority is a valid Host header whole (see `Upstream::new`): so is its host.
         named.unwrap_or_else(|_| self.host.clone())
     }
 
-    /// `host:port` to connect to (port 80 when the URL names none).
+    /// `host:port` to connect to (port 80, or 443 for https, when the URL names none).
     pub(super) fn connect_target(&self) -> String {
         format!(
             "{}:{}",
             self.authority.host(),
-            self.authority.port_u16().unwrap_or(80)
+            self.authority.port_u16().unwrap_or(self.default_port())
         )
     }
 }
 
 impl fmt::Display for Upstream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "http://{}{}", self.authority, self.base_path)
+        let scheme = if self.is_https() { "https" } else { "http" };
+        write!(f, "{scheme}://{}{}", self.authority, self.base_path)
     }
 }
 
@@ -585,7 +644,6 @@ mod tests {
             bare.uri_for(Some(&pq)).expect("uri").to_string(),
             "/v1/x?y=1"
         );
-        assert!(Upstream::parse("https://example.com").is_err());
         assert!(Upstream::parse("ftp://example.com").is_err());
         assert!(Upstream::parse("http://example.com/?q=1").is_err());
         assert!(Upstream::parse("not a url").is_err());
@@ -593,6 +651,39 @@ mod tests {
             Upstream::from_addr("127.0.0.1:9".parse().expect("addr")).to_string(),
             "http://127.0.0.1:9"
         );
+    }
+
+    #[test]
+    fn t0_https_upstreams_keep_their_prefix_and_default_to_port_443() {
+        let up = Upstream::parse("https://api.example/v1/").expect("valid");
+        assert!(up.is_https());
+        assert_eq!(up.to_string(), "https://api.example/v1");
+        assert_eq!(up.connect_target(), "api.example:443");
+        assert_eq!(up.client_host(), "api.example");
+        let pq = PathAndQuery::from_static("/chat?x=1");
+        assert_eq!(
+            up.uri_for(Some(&pq)).expect("uri").to_string(),
+            "/v1/chat?x=1"
+        );
+        let up = Upstream::parse("https://127.0.0.1:8443").expect("valid");
+        assert_eq!(up.connect_target(), "127.0.0.1:8443");
+        assert_eq!(up.client_host(), "127.0.0.1:8443");
+        assert_eq!(
+            Upstream::parse("https://api:443")
+                .expect("valid")
+                .client_host(),
+            "api"
+        );
+        assert_eq!(
+            Upstream::parse("http://api:443")
+                .expect("valid")
+                .client_host(),
+            "api:443"
+        );
+        let v6 = Upstream::parse("https://[::1]:8443").expect("valid");
+        assert_eq!(v6.connect_target(), "[::1]:8443");
+        assert!(v6.tls_parts().is_some());
+        assert!(!Upstream::parse("http://api").expect("valid").is_https());
     }
 
     /// Batch items keep the `Host` the runner's former HTTP client derived from the

@@ -171,13 +171,31 @@ pub(super) fn warn_if_no_trusted_proxy(core: &Core, check: SocketAddr) {
 /// The upstream requests go to: the configured one, or else the built-in demo,
 /// started on a loopback port and stopped by `stop`.
 ///
+/// An https upstream given no roots is verified against the system's; every
+/// request to it takes the hyper path (the fast path speaks plain HTTP/1.1 only).
+///
 /// # Errors
-/// [`StartError::Io`] when the demo cannot start.
+/// [`StartError::Io`] when the demo cannot start, [`StartError::UpstreamTls`] when an
+/// https upstream has no roots to be verified against.
 pub(super) async fn upstream(
     config: &GatewayConfig,
     stop: &Stop,
 ) -> Result<(Upstream, Option<sluice_demo::Demo>), StartError> {
     Ok(match config.upstream.clone() {
+        Some(upstream) if upstream.is_https() => {
+            let upstream = match upstream.tls() {
+                Some(_) => upstream,
+                None => {
+                    let roots =
+                        crate::UpstreamTls::system_roots().map_err(StartError::UpstreamTls)?;
+                    upstream.with_tls(roots)
+                }
+            };
+            tracing::info!(
+                "the upstream {upstream} is https: the HTTP/1.1 fast path is off, every request takes the hyper path"
+            );
+            (upstream, None)
+        }
         Some(upstream) => (upstream, None),
         None => {
             let optimizer = sluice_demo::optimizer::Optimizer::new(config.demo_optimize_time);
@@ -683,7 +701,7 @@ impl WorkerStack {
     /// hyper path and the fast path. Both send over the worker's one pool of
     /// upstream connections.
     pub(super) fn build(&self, stats: RequestStats) -> (WorkerService, h1::FastPath) {
-        let connections = Arc::new(pool::Connections::new(self.proxy.upstream.connect_target()));
+        let connections = Arc::new(pool::Connections::to(&self.proxy.upstream));
         let service = access::RequestIds::new(
             SluiceLayer::reloadable(Arc::clone(&self.limiter)).layer(BatchEndpoints::new(
                 Proxy::over(self.proxy.clone(), Arc::clone(&connections)),

@@ -659,7 +659,6 @@ fn bad_flags_exit_2_with_a_clear_message() {
 
     for args in [
         &["serve", "--upstream", "ftp://example.invalid"][..],
-        &["serve", "--upstream", "https://example.invalid"],
         &["serve", "--listen", "not-an-address"],
         &["serve", "--profile", "staging"],
         &["serve", "--store", "sqlite"],
@@ -679,6 +678,57 @@ fn bad_flags_exit_2_with_a_clear_message() {
         let run = run_to_exit(args, limit);
         assert_eq!(run.status.code(), Some(2), "{args:?}: {}", run.stderr);
         assert!(!run.stderr.contains("panicked"), "{args:?}: {}", run.stderr);
+    }
+}
+
+/// SPEC T0: `--upstream-ca` must be a PEM bundle of certificates, for an https
+/// upstream; anything else refuses to start (exit 2) and says why, never a panic.
+#[test]
+fn t0_an_upstream_ca_that_is_not_pem_refuses_to_start() {
+    let limit = Duration::from_secs(30);
+    let data = DataDir::new();
+    std::fs::create_dir_all(&data.0).expect("data dir");
+    let not_pem = data.0.join("not-a-ca.txt");
+    std::fs::write(&not_pem, "hello, not a certificate\n").expect("write");
+    let not_pem = not_pem.to_str().expect("utf-8 path").to_owned();
+    let missing = data.0.join("missing.pem");
+    let missing = missing.to_str().expect("utf-8 path").to_owned();
+    let data_dir = data.0.join("data");
+    let data_dir = data_dir.to_str().expect("utf-8 path").to_owned();
+    for (upstream, ca, says) in [
+        (
+            "https://127.0.0.1:1/v1",
+            not_pem.as_str(),
+            "no PEM certificate",
+        ),
+        ("https://127.0.0.1:1", missing.as_str(), "missing.pem"),
+        ("http://127.0.0.1:1", not_pem.as_str(), "https"),
+    ] {
+        let run = run_to_exit(
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin",
+                "127.0.0.1:0",
+                "--data-dir",
+                &data_dir,
+                "--upstream",
+                upstream,
+                "--upstream-ca",
+                ca,
+            ],
+            limit,
+        );
+        assert_eq!(
+            run.status.code(),
+            Some(2),
+            "{upstream} {ca}: {}",
+            run.stderr
+        );
+        assert!(run.stderr.contains("--upstream-ca"), "{}", run.stderr);
+        assert!(run.stderr.contains(says), "{}", run.stderr);
+        assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
     }
 }
 

@@ -112,7 +112,7 @@ impl BatchLane {
         let limiter = shared.load();
         let policy = limiter.policy();
         // Pruned by a task of this runtime, which the runners run on.
-        let connections = Arc::new(Connections::new(upstream.connect_target()));
+        let connections = Arc::new(Connections::to(upstream));
         keep_pruned(&connections);
         let pool = UpstreamPool::new(connections);
         let host = upstream.client_host();

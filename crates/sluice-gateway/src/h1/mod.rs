@@ -105,6 +105,12 @@ impl FastPath {
         }
     }
 
+    /// False for an https upstream: the fast path speaks plain HTTP/1.1 to the
+    /// upstream, so every connection is left to hyper then.
+    pub(super) fn is_on(&self) -> bool {
+        !self.config.upstream.is_https()
+    }
+
     /// Closes upstream connections idle for too long; call it now and then.
     pub(super) fn prune(&self) {
         self.pool.prune();
