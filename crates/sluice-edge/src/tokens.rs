@@ -59,3 +59,98 @@ impl Reservation {
 pub fn settled_units(budget: &TokenBudget, usage: &Usage) -> u32 {
     budget.charge(usage.prompt, usage.cached_input, usage.completion)
 }
+
+/// The body to forward for an OpenAI streaming call (`"stream": true`) to `path`
+/// that does not ask for its usage: the same request asking for it
+/// (`stream_options.include_usage: true`), so that its token budgets settle at
+/// the truth; the stream's usage-only chunk is then removed before the client
+/// sees it ([`hides_usage_chunk`]). `None` for any other body (forwarded as it
+/// came). The Responses API reports its usage in every stream, embeddings do
+/// not stream.
+pub fn ask_stream_usage(path: &str, body: &[u8]) -> Option<Vec<u8>> {
+    if path.ends_with("/responses") || path.ends_with("/embeddings") {
+        return None;
+    }
+    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    if value.get("stream") != Some(&serde_json::Value::Bool(true)) {
+        return None;
+    }
+    let options = value
+        .as_object_mut()?
+        .entry("stream_options")
+        .or_insert_with(|| serde_json::json!({}))
+        .as_object_mut()?;
+    if options.get("include_usage") == Some(&serde_json::Value::Bool(true)) {
+        return None;
+    }
+    options.insert("include_usage".to_owned(), serde_json::Value::Bool(true));
+    serde_json::to_vec(&value).ok()
+}
+
+/// True when a server-sent `event` (its lines, up to the blank line that ends
+/// it) is OpenAI's usage-only chunk: a `data:` line holding a JSON object with
+/// an empty `choices` and a `usage` object.
+pub fn hides_usage_chunk(event: &[u8]) -> bool {
+    event.split(|&b| b == b'\n').any(|line| {
+        let Some(data) = line.strip_prefix(b"data:") else {
+            return false;
+        };
+        let Ok(value) = serde_json::from_slice::<serde_json::Value>(data.trim_ascii()) else {
+            return false;
+        };
+        value
+            .get("choices")
+            .and_then(serde_json::Value::as_array)
+            .is_some_and(Vec::is_empty)
+            && value.get("usage").is_some_and(serde_json::Value::is_object)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn t3_an_openai_stream_is_asked_for_its_usage_once() {
+        let asked = ask_stream_usage(
+            "/v1/chat/completions",
+            br#"{"model":"m","stream":true,"messages":[]}"#,
+        )
+        .expect("rewritten");
+        let v: serde_json::Value = serde_json::from_slice(&asked).expect("JSON");
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(
+            ask_stream_usage("/v1/chat/completions", &asked),
+            None,
+            "asked already"
+        );
+        assert_eq!(
+            ask_stream_usage("/v1/chat/completions", br#"{"stream":false}"#),
+            None
+        );
+        assert_eq!(
+            ask_stream_usage("/v1/responses", br#"{"stream":true}"#),
+            None
+        );
+        assert_eq!(
+            ask_stream_usage(
+                "/v1/chat/completions",
+                br#"{"stream":true,"stream_options":null}"#
+            ),
+            None,
+            "a shape it does not know is forwarded as it came"
+        );
+    }
+
+    #[test]
+    fn t3_only_the_usage_only_chunk_is_hidden() {
+        assert!(hides_usage_chunk(
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1}}\n\n"
+        ));
+        assert!(!hides_usage_chunk(
+            b"data: {\"choices\":[{\"delta\":{}}],\"usage\":{\"prompt_tokens\":1}}\n\n"
+        ));
+        assert!(!hides_usage_chunk(b"data: [DONE]\n\n"));
+        assert!(!hides_usage_chunk(b": keep-alive\n\n"));
+    }
+}

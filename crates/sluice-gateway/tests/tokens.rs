@@ -91,7 +91,15 @@ async fn upstream(reply: Reply) -> (SocketAddr, Arc<AtomicUsize>) {
                     }
                 }
                 count.fetch_add(1, Ordering::SeqCst);
-                let anthropic = String::from_utf8_lossy(&got).contains("POST /v1/messages");
+                let request = String::from_utf8_lossy(&got);
+                let anthropic = request.contains("POST /v1/messages");
+                // As OpenAI: a stream reports its usage only when asked to.
+                let asked = request.replace(' ', "").contains(r#""include_usage":true"#);
+                let reply = if reply == Reply::Stream && !asked {
+                    Reply::Cut
+                } else {
+                    reply
+                };
                 let _ = conn.write_all(answer(reply, anthropic).as_bytes()).await;
                 let _ = conn.shutdown().await;
             });
@@ -283,6 +291,21 @@ async fn t2_t3_t5_reserved_before_settled_at_the_usage_and_refused_in_the_apis_d
                 admitted,
                 "refused calls sent nowhere"
             );
+            if reply == Reply::Stream {
+                // sluice asked the stream for its usage (the settlement above is
+                // exact); a client that did not ask does not see it, one that did
+                // does.
+                let key = "k2";
+                let (status, _, answer) = call(addr, path, key, &body).await;
+                assert_eq!(status, 200);
+                assert!(answer.contains("\"content\":\"hi\""), "{answer}");
+                assert!(answer.contains("[DONE]"), "{answer}");
+                assert!(!answer.contains("usage"), "hidden: {answer}");
+                let mut asking: Value = serde_json::from_str(&body).expect("JSON");
+                asking["stream_options"] = json!({ "include_usage": true });
+                let (_, _, answer) = call(addr, path, key, &asking.to_string()).await;
+                assert!(answer.contains("\"usage\""), "asked for: {answer}");
+            }
             // The refusal, in the API's dialect, with a Retry-After.
             assert_eq!(status, 429, "{refusal}");
             assert!(field(&head, "retry-after").is_some(), "{head}");

@@ -265,6 +265,22 @@ where
                 Ok(forward) => forward,
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };
+            // An OpenAI stream that does not ask for its usage is asked for it, so
+            // its token budgets settle at the truth; the client does not see it.
+            let mut hide_usage = false;
+            let mut body = body;
+            if forward.plan().llm == Some(sluice_policy::LlmFormat::OpenAi)
+                && let Some(asked) = intake
+                    .whole()
+                    .and_then(|b| sluice_edge::tokens::ask_stream_usage(parts.uri.path(), b))
+            {
+                parts.headers.remove(http::header::TRANSFER_ENCODING);
+                parts
+                    .headers
+                    .insert(http::header::CONTENT_LENGTH, HeaderValue::from(asked.len()));
+                body = B::from(Bytes::from(asked));
+                hide_usage = true;
+            }
             // Phase 5: the upstream head, and what was spent of each monthly quota
             // for the service behind (a batch lane gives back what it does not queue).
             forward.upstream_headers(&mut parts.headers);
@@ -314,11 +330,12 @@ where
                 })
             });
             Ok(response.map(|b| {
-                Either::Right(Either::Right(Settling::new(
-                    b,
-                    content_type.as_deref(),
-                    settle,
-                )))
+                let settling = Settling::new(b, content_type.as_deref(), settle);
+                Either::Right(Either::Right(if hide_usage {
+                    settling.hiding_usage_chunk()
+                } else {
+                    settling
+                }))
             }))
         })
     }

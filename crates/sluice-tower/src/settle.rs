@@ -10,7 +10,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use sluice_tokens::{Usage, UsageScanner};
 
@@ -27,6 +27,8 @@ pub struct Settling<B> {
     settle: Option<Settle>,
     running: Option<SettleFuture>,
     ended: bool,
+    /// Removes the usage-only chunk sluice asked for from the stream.
+    hide: Option<HideUsageChunk>,
 }
 
 impl<B> Settling<B> {
@@ -38,7 +40,67 @@ impl<B> Settling<B> {
             settle: Some(settle),
             running: None,
             ended: false,
+            hide: None,
         }
+    }
+
+    /// The same answer with OpenAI's usage-only chunk removed from its events:
+    /// sluice asked for it, the client did not
+    /// ([`ask_stream_usage`](sluice_edge::tokens::ask_stream_usage)).
+    #[must_use]
+    pub fn hiding_usage_chunk(mut self) -> Self {
+        self.hide = Some(HideUsageChunk::default());
+        self
+    }
+}
+
+/// The longest server-sent event held whole to be looked at; past it, the rest
+/// of the stream passes as it comes.
+const MAX_EVENT: usize = 1 << 20;
+
+/// Passes server-sent events on whole, but OpenAI's usage-only chunk.
+#[derive(Debug, Default)]
+struct HideUsageChunk {
+    pending: BytesMut,
+    passthrough: bool,
+}
+
+impl HideUsageChunk {
+    /// The events of `data` (with what was held before) that end in it, but a
+    /// usage-only chunk; an unfinished event is held.
+    fn push(&mut self, data: &[u8]) -> Bytes {
+        if self.passthrough {
+            return Bytes::copy_from_slice(data);
+        }
+        self.pending.extend_from_slice(data);
+        let mut out = BytesMut::new();
+        while let Some(end) = event_end(&self.pending) {
+            let event = self.pending.split_to(end);
+            if !sluice_edge::tokens::hides_usage_chunk(&event) {
+                out.extend_from_slice(&event);
+            }
+        }
+        if self.pending.len() > MAX_EVENT {
+            self.passthrough = true;
+            out.extend_from_slice(&self.pending.split());
+        }
+        out.freeze()
+    }
+
+    /// What is held at the end of the stream (an event with no blank line).
+    fn finish(&mut self) -> Bytes {
+        self.pending.split().freeze()
+    }
+}
+
+/// The length of the first whole event in `buf` (through the blank line that
+/// ends it: `\n\n` or `\r\n\r\n`).
+fn event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -81,6 +143,13 @@ where
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Some(data) = frame.data_ref() {
                         this.scanner.feed(data);
+                        if let Some(hide) = this.hide.as_mut() {
+                            let passed = hide.push(data);
+                            if passed.is_empty() {
+                                continue;
+                            }
+                            return Poll::Ready(Some(Ok(Frame::data(passed))));
+                        }
                     }
                     return Poll::Ready(Some(Ok(frame)));
                 }
@@ -93,6 +162,12 @@ where
                     match this.settle.take() {
                         Some(settle) => this.running = Some(settle(usage)),
                         None => this.ended = true,
+                    }
+                    // An unfinished last event goes on as it came.
+                    if let Some(rest) = this.hide.as_mut().map(HideUsageChunk::finish)
+                        && !rest.is_empty()
+                    {
+                        return Poll::Ready(Some(Ok(Frame::data(rest))));
                     }
                 }
                 Poll::Pending => return Poll::Pending,

@@ -284,6 +284,11 @@ impl<'l, S: BudgetStore> Intake<'l, S> {
         tokio::time::Instant::now() + self.limiter.body_deadline()
     }
 
+    /// The body taken whole by this intake ([`Intake::take_whole`]), if any.
+    pub fn whole(&self) -> Option<&[u8]> {
+        self.whole.as_deref()
+    }
+
     /// Bytes of the body held so far.
     pub fn held(&self) -> usize {
         self.pieces.as_ref().map_or(0, Pieces::len)
