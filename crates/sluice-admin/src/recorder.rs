@@ -83,6 +83,14 @@ fn describe_metrics() {
         "Requests refused with 429, by the budget that refused them."
     );
     metrics::describe_counter!(
+        "sluice_llm_tokens_total",
+        "Tokens LLM calls spent as their upstream reported them, by direction (input, cached_input, output)."
+    );
+    metrics::describe_counter!(
+        "sluice_llm_settlements_total",
+        "LLM calls whose token budgets settled, by outcome: usage (at the upstream's count), refunded (an error with no usage), reservation (no usage: charged what was reserved)."
+    );
+    metrics::describe_counter!(
         "sluice_settle_failures_total",
         "Weighted-budget charges (X-Sluice-Cost) the store could not apply after the upstream answered."
     );

@@ -144,6 +144,26 @@ impl Policy {
                 Algorithm::Fixed => String::new(),
                 other => format!(" ({other})"),
             };
+            if let Some(t) = &b.tokens {
+                // A token budget: reserved from the body, settled at the usage.
+                let period = if t.monthly {
+                    "per calendar month (UTC)".to_owned()
+                } else {
+                    format!("per {} s", b.window)
+                };
+                let weight = |milli: u32| format!("{}", f64::from(milli) / 1000.0);
+                let _ = writeln!(
+                    out,
+                    "  {}: {} tokens {period} per {per} (weights: input {}, cached input {}, output {}; {} output tokens reserved when a call names none), reserved from the call's body and settled at the upstream's usage",
+                    b.name,
+                    b.limit,
+                    weight(t.input_milli),
+                    weight(t.cached_input_milli),
+                    weight(t.output_milli),
+                    t.default_max_output
+                );
+                continue;
+            }
             let _ = writeln!(
                 out,
                 "  {}: {} per {} s{algorithm} per {per}{weighted}, {exhausted}",
@@ -342,7 +362,17 @@ impl Policy {
             let buckets: Vec<String> = limits
                 .buckets
                 .iter()
-                .map(|(l, window)| show(l, &format!("/{window} s")))
+                .map(|(l, window)| {
+                    let monthly = self
+                        .buckets
+                        .iter()
+                        .any(|b| b.name == l.name && b.tokens.is_some_and(|t| t.monthly));
+                    if monthly {
+                        show(l, "/month")
+                    } else {
+                        show(l, &format!("/{window} s"))
+                    }
+                })
                 .collect();
             let mut quotas: Vec<String> = limits.quotas.iter().map(|l| show(l, "/month")).collect();
             quotas.extend(

@@ -462,6 +462,22 @@ impl<S: BudgetStore> Limiter<S> {
         usage: Option<sluice_tokens::Usage>,
         failed: bool,
     ) -> Decision {
+        let outcome = match (&usage, failed) {
+            (Some(usage), _) => {
+                for (direction, n) in [
+                    ("input", usage.prompt.saturating_sub(usage.cached_input)),
+                    ("cached_input", usage.cached_input),
+                    ("output", usage.completion),
+                ] {
+                    metrics::counter!("sluice_llm_tokens_total", "direction" => direction)
+                        .increment(u64::from(n));
+                }
+                "usage"
+            }
+            (None, true) => "refunded",
+            (None, false) => "reservation",
+        };
+        metrics::counter!("sluice_llm_settlements_total", "outcome" => outcome).increment(1);
         let policy = &self.policy;
         self.charge(plan, decision, |i| {
             let Some(BudgetKind::Bucket(b)) = plan.kinds.get(i) else {

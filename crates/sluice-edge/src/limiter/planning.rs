@@ -114,6 +114,10 @@ impl<S: BudgetStore> Limiter<S> {
         // An LLM call: what its token budgets reserve, from its body (none for
         // one past the bound: it is answered 413 once decided).
         let llm = route.and_then(|r| r.llm);
+        if llm.is_some() {
+            // Counted as sent, or not at all: a compressed body cannot be read.
+            sluice_policy::check_content_encoding(headers)?;
+        }
         let reservation = match (llm, body) {
             (Some(format), Some(body)) => Some(crate::tokens::Reservation::of(format, path, body)?),
             _ => None,
