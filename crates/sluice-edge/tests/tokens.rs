@@ -1,0 +1,199 @@
+//! SPEC T2, T3 across replicas: token budgets reserve all or nothing and settle
+//! at the usage exactly when two replicas share one Redis and their calls race,
+//! and the memory store and Redis give the same answers (monthly budgets too).
+//! Driven through the edge's intake on a fake clock, a real redis-server behind.
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderValue, Method, Version};
+use sluice_core::{FakeClock, Timestamp};
+use sluice_edge::Limiter;
+use sluice_policy::parse_str;
+use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, RedisConfig, RedisStore};
+use sluice_tokens::Usage;
+
+#[path = "../../../tests/support/redis_server.rs"]
+mod redis_server;
+
+/// 2093-07-01T00:00:00Z less an hour: ahead of the real clock Redis expires keys
+/// by, and whole hours since the epoch (an hour's window starts here).
+const T0: u64 = 3_897_244_800 - 3_600;
+
+const PEER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(203, 0, 113, 7));
+
+/// A token budget per caller of `limit` units an hour (or a month), cached input
+/// at half weight, 100 output tokens when a call names none.
+fn policy(limit: u32, period: &str) -> sluice_policy::Policy {
+    let yaml = format!(
+        r#"
+profile: default
+window_seconds: 3600
+profiles:
+  default:
+    classes: {{ llm: 1000000 }}
+identity:
+  credentials: [bearer]
+tokens:
+  team: {{ per: caller, limit: {limit}, {period}, weights: {{ cached_input: 0.5 }}, default_max_output: 100 }}
+routes:
+  - {{ method: POST, path: /v1/chat/completions, class: llm, llm: openai, tokens: [team] }}
+  - {{ class: llm }}
+"#
+    );
+    parse_str(&yaml, Path::new("tokens.yaml")).expect("the test policy")
+}
+
+/// A chat call naming `max_tokens`.
+fn chat(max_tokens: u32) -> Vec<u8> {
+    serde_json::json!({
+        "model": "gpt-4o",
+        "messages": [{ "role": "user", "content": "Say hi." }],
+        "max_tokens": max_tokens,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// What the upstream reports: 20 input tokens, 5 of them cached, 30 output.
+const USAGE: Usage = Usage {
+    prompt: 20,
+    completion: 30,
+    cached_input: 5,
+    rate_exempt_input: 0,
+};
+
+/// Units [`USAGE`] weighs: 15 + 5 × 0.5 + 30 = 47.5, rounded up.
+const SETTLED: u32 = 48;
+
+/// One call as `key` through `limiter`: admitted (the units left after its
+/// reservation, then settled with `usage`) or refused (its status).
+async fn call<S: BudgetStore>(
+    limiter: &Limiter<S>,
+    key: &str,
+    body: &[u8],
+    usage: Option<Usage>,
+) -> Result<u32, u16> {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        "authorization",
+        HeaderValue::from_str(&format!("Bearer {key}")).expect("ascii"),
+    );
+    let path = "/v1/chat/completions";
+    let route = limiter.route_head(&Method::POST, Version::HTTP_2, [], Ok(path), Some(&headers));
+    let mut intake = limiter.intake(route, PEER);
+    intake.set_path(path);
+    let forward = intake
+        .planned(&headers, None, Some(body))
+        .admit(None)
+        .await
+        .map_err(|answer| answer.status().as_u16())?;
+    let left = forward.decision().binding().map_or(0, |b| b.remaining);
+    let (plan, decision) = forward.settlement().expect("an LLM call");
+    limiter.settle_usage(&plan, decision, usage, false).await;
+    Ok(left)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t2_t3_two_replicas_on_one_redis_reserve_all_or_nothing_and_settle_exactly() {
+    let server = redis_server::RedisServer::start("t3");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 60));
+    let replica = |clock: FakeClock| {
+        let url = server.url();
+        async move {
+            let mut config = RedisConfig::new(url);
+            config.timeout = Duration::from_secs(2);
+            let store = RedisStore::connect_with_clock(config, clock)
+                .await
+                .expect("connect");
+            Arc::new(Limiter::new(policy(1000, "window_seconds: 3600"), store))
+        }
+    };
+    let (a, b) = (replica(clock.clone()).await, replica(clock.clone()).await);
+    let body = chat(50);
+    // The reservation of one call, seen from a first call on another key.
+    let reserved = 1000 - call(&a, "probe", &body, None).await.expect("admitted");
+    assert!(reserved > 50, "input and output reserved: {reserved}");
+    // 40 calls at once, half on each replica: never more admitted than fit the
+    // reservation, all or nothing.
+    let calls: Vec<_> = (0..40)
+        .map(|i| {
+            let limiter = Arc::clone(if i % 2 == 0 { &a } else { &b });
+            let body = body.clone();
+            tokio::spawn(async move { call(&*limiter, "racer", &body, Some(USAGE)).await })
+        })
+        .collect();
+    let mut admitted = 0;
+    for c in calls {
+        match c.await.expect("no panic") {
+            Ok(_) => admitted += 1,
+            Err(status) => assert_eq!(status, 429),
+        }
+    }
+    // Each admitted call settled at 48; a refused one spent nothing. The calls
+    // raced their reservations, so at least as many as fit at once were admitted,
+    // and never more than the settled usage allows.
+    assert!(
+        admitted >= 1000 / reserved,
+        "{admitted} admitted, {reserved} each"
+    );
+    assert!(
+        admitted <= (1000 - reserved) / SETTLED + 1,
+        "{admitted} admitted"
+    );
+    // Both replicas see the same count: what is left is exactly the settled usage.
+    for limiter in [&a, &b] {
+        match call(limiter, "racer", &chat(0), Some(Usage::default())).await {
+            Ok(left) => assert_eq!(left, 1000 - SETTLED * admitted - (reserved - 50)),
+            Err(status) => assert!(
+                1000 - SETTLED * admitted < reserved - 50,
+                "refused ({status}) with room left"
+            ),
+        }
+    }
+}
+
+#[tokio::test]
+async fn t2_t3_memory_and_redis_answer_alike_windowed_and_monthly() {
+    let server = redis_server::RedisServer::start("t3p");
+    for (n, period) in ["window_seconds: 3600", "monthly: true"]
+        .into_iter()
+        .enumerate()
+    {
+        let clock = FakeClock::new(Timestamp::from_secs(T0 + 60));
+        let mut config = RedisConfig::new(server.url());
+        config.timeout = Duration::from_secs(2);
+        let redis = RedisStore::connect_with_clock(config, clock.clone())
+            .await
+            .expect("connect");
+        let on_redis = Limiter::new(policy(500, period), redis);
+        let memory = MemoryStore::with_clock(MemoryConfig::default(), clock.clone());
+        let on_memory = Limiter::new(policy(500, period), memory);
+        let key = format!("key-{n}");
+        // Calls of growing output budgets, each settled at the usage (one with
+        // none: charged its reservation), until one is refused; then one larger
+        // than the whole budget, never admitted.
+        let (mut from_memory, mut from_redis) = (Vec::new(), Vec::new());
+        for (i, max) in [10, 50, 100, 200, 10, 300, 50, 50, 50, 50, 5000]
+            .into_iter()
+            .enumerate()
+        {
+            let usage = (i != 2).then_some(USAGE);
+            clock.advance(Duration::from_secs(7));
+            from_memory.push(call(&on_memory, &key, &chat(max), usage).await);
+            from_redis.push(call(&on_redis, &key, &chat(max), usage).await);
+        }
+        assert_eq!(from_memory, from_redis, "{period}");
+        assert!(
+            from_memory.iter().any(Result::is_err),
+            "{period}: {from_memory:?}"
+        );
+        assert_eq!(
+            from_memory.last(),
+            Some(&Err(429)),
+            "{period}: too large for the budget"
+        );
+    }
+}
