@@ -55,6 +55,20 @@ impl Reservation {
     }
 }
 
+/// True when `policy` has LLM routes: their calls are estimated by the
+/// tokenizers, which [`warm`] builds.
+pub fn has_llm_routes(policy: &sluice_policy::Policy) -> bool {
+    policy.routes.iter().any(|r| r.llm.is_some())
+}
+
+/// Builds the tokenizers now, so that the first LLM call does not wait for them
+/// (tens of milliseconds, once per process): a server with LLM routes calls it
+/// at start, off its request threads.
+pub fn warm() {
+    sluice_tokens::Encoding::O200kBase.warm();
+    sluice_tokens::Encoding::Cl100kBase.warm();
+}
+
 /// Units `budget` charges a call that reported `usage`.
 pub fn settled_units(budget: &TokenBudget, usage: &Usage) -> u32 {
     budget.charge(usage.prompt, usage.cached_input, usage.completion)

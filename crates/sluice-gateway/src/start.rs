@@ -282,6 +282,10 @@ impl Stores {
     /// with the bounds of `bounds`; shared behind an [`ArcSwap`] so that a reload
     /// reaches every path.
     pub(super) fn limiter(self, policy: Policy, bounds: LimiterBounds) -> SharedLimiter<AnyStore> {
+        // An LLM route's first call does not wait for the tokenizers to be built.
+        if sluice_edge::tokens::has_llm_routes(&policy) {
+            tokio::task::spawn_blocking(sluice_edge::tokens::warm);
+        }
         let mut limiter = Limiter::new(policy, self.budgets)
             .with_fallback(self.fallback)
             .with_buffer_bound(bounds.max_buffered_bytes)
