@@ -95,7 +95,7 @@ async fn upstream(reply: Reply) -> (SocketAddr, Arc<AtomicUsize>) {
                 let anthropic = request.contains("POST /v1/messages");
                 // As OpenAI: a stream reports its usage only when asked to.
                 let asked = request.replace(' ', "").contains(r#""include_usage":true"#);
-                let reply = if reply == Reply::Stream && !asked {
+                let reply = if reply == Reply::Stream && !asked && !anthropic {
                     Reply::Cut
                 } else {
                     reply
@@ -124,6 +124,15 @@ fn answer(reply: Reply, anthropic: bool) -> String {
             format!(
                 "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                 body.len()
+            )
+        }
+        Reply::Stream if anthropic => {
+            // Anthropic's: the input in message_start, the output in message_delta.
+            let start = json!({ "type": "message_start", "message": { "usage": {
+                "input_tokens": input - cached, "cache_read_input_tokens": cached, "output_tokens": 1 } } });
+            let delta = json!({ "type": "message_delta", "usage": { "output_tokens": output } });
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\nevent: message_start\ndata: {start}\n\nevent: message_delta\ndata: {delta}\n\nevent: message_stop\ndata: {{\"type\":\"message_stop\"}}\n\n"
             )
         }
         Reply::Stream => {
@@ -249,6 +258,7 @@ async fn t2_t3_t5_reserved_before_settled_at_the_usage_and_refused_in_the_apis_d
             (Reply::Json, "/v1/chat/completions"),
             (Reply::Stream, "/v1/chat/completions"),
             (Reply::Json, "/v1/messages"),
+            (Reply::Stream, "/v1/messages"),
         ] {
             let (up, seen) = upstream(reply).await;
             let (gateway, dir) = start_gateway(up).await;
@@ -291,7 +301,7 @@ async fn t2_t3_t5_reserved_before_settled_at_the_usage_and_refused_in_the_apis_d
                 admitted,
                 "refused calls sent nowhere"
             );
-            if reply == Reply::Stream {
+            if reply == Reply::Stream && !anthropic {
                 // sluice asked the stream for its usage (the settlement above is
                 // exact); a client that did not ask does not see it, one that did
                 // does.
