@@ -90,11 +90,22 @@
 //! | --- | --- |
 //! | `durable` | `BatchBook`, the queue in the embedded durable store (redb) |
 //! | `redis` | `RedisBatches`, the queue in Redis, shared by every replica |
+//! | `lane` (default) | `lane`: the batch lane over a queue, its HTTP endpoints and its runner |
 //!
-//! Without either, the crate is the queue's types and trait, for a backend of
+//! Without any, the crate is the queue's types and trait, for a backend of
 //! one's own.
+//!
+//! # The lane
+//! The `lane` module (feature `lane`, on by default) is the batch lane a gateway
+//! serves: `POST <route>/batch` queues a batch, `GET <route>/batches/{id}` reads it,
+//! and a runner sends the queued items upstream on the capacity single calls leave.
+//! It takes from its host only a limiter (sluice-edge's `SharedLimiter`, over any
+//! budget store) and a `lane::BatchUpstream` the runner sends items through.
 
 mod queue;
+
+#[cfg(feature = "lane")]
+pub mod lane;
 
 #[cfg(feature = "durable")]
 mod durable;

@@ -302,7 +302,7 @@ impl Stores {
 
 /// The batch queue's settings: one queue for the lanes that run a batch lane, in the
 /// same store, with the first such lane's per-batch bounds and the global `bounds`,
-/// and claims of [`BATCH_CLAIM`](crate::batch::BATCH_CLAIM) that runners renew
+/// and claims of [`BATCH_CLAIM`](sluice_batch::lane::BATCH_CLAIM) that runners renew
 /// (`None` when no lane runs a batch lane).
 fn batch_config(policy: &Policy, bounds: BatchBounds) -> Option<sluice_batch::BatchConfig> {
     policy.lanes.iter().find_map(|l| l.batch.as_ref()).map(|b| {
@@ -313,7 +313,7 @@ fn batch_config(policy: &Policy, bounds: BatchBounds) -> Option<sluice_batch::Ba
             .with_max_queued_items(bounds.max_queued_items)
             .with_max_stored_bytes(bounds.max_stored_bytes)
             .with_origin_share(bounds.address_share)
-            .with_lease(crate::batch::BATCH_CLAIM)
+            .with_lease(sluice_batch::lane::BATCH_CLAIM)
     })
 }
 
@@ -529,11 +529,11 @@ pub(super) fn batch_lanes(
     stop: &Stop,
 ) -> Arc<Vec<Arc<BatchLane>>> {
     let batch_lanes = Arc::new(match batches {
-        Some(queue) => BatchLane::all(limiter, &queue, upstream, clock),
+        Some(queue) => crate::batch::lanes(limiter, &queue, upstream, clock),
         None => Vec::new(),
     });
     for lane in batch_lanes.iter() {
-        tokio::spawn(Arc::clone(lane).run(stop.clone()));
+        tokio::spawn(Arc::clone(lane).run(stop.clone().wait()));
     }
     batch_lanes
 }

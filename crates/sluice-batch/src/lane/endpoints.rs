@@ -12,19 +12,19 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::BodyExt as _;
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
-use sluice_batch::Submitted;
 use sluice_core::Clock as _;
 use sluice_policy::BatchEndpoint;
+use sluice_store::BudgetStore;
 use tower::Service;
 
-use super::BatchLane;
 use super::responses::{boxed, envelope, header_text, json_response, status_json, submitted};
-use crate::proxy::{BoxError, ProxyBody};
+use super::{BatchLane, BatchUpstream, BoxError, LaneBody};
+use crate::Submitted;
 
-impl BatchLane {
+impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
     /// Queues the batch `body` (already checked and counted by the limiter) for the
     /// request `parts`, and answers 202, or why it was not queued.
-    async fn submit(&self, parts: &http::request::Parts, body: Bytes) -> Response<ProxyBody> {
+    async fn submit(&self, parts: &http::request::Parts, body: Bytes) -> Response<LaneBody> {
         let submit = match sluice_edge::parse_batch(&body, self.batch.max_items.get()) {
             Ok(submit) => submit,
             Err(bad) => return boxed(sluice_edge::Refused::from(bad).response()),
@@ -86,15 +86,13 @@ impl BatchLane {
     /// The client address (through trusted proxies, an IPv6 client by its
     /// prefix), whose share of the queue's global bounds a batch takes.
     fn origin(&self, parts: &http::request::Parts) -> String {
-        parts
-            .extensions
-            .get::<sluice_tower::PeerAddr>()
+        (self.peer_of)(parts)
             .map(|peer| {
                 let limiter = self.limiter.load();
                 let client = limiter
                     .policy()
                     .identity
-                    .client_ip(peer.0.ip(), &parts.headers);
+                    .client_ip(peer.ip(), &parts.headers);
                 client.who.to_string()
             })
             .unwrap_or_default()
@@ -121,7 +119,7 @@ impl BatchLane {
     }
 
     /// Answers a status read of batch `id` for the request `parts`.
-    async fn status(&self, parts: &http::request::Parts, id: &str) -> Response<ProxyBody> {
+    async fn status(&self, parts: &http::request::Parts, id: &str) -> Response<LaneBody> {
         let workspace = header_text(parts, "x-sluice-workspace");
         match self
             .queue
@@ -199,21 +197,29 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
         scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
     }
 }
-/// The service in front of the proxy that answers the batch lanes' endpoints (the
-/// limiter has admitted the request) and forwards everything else.
-#[derive(Clone)]
-pub(crate) struct BatchEndpoints<S> {
-    inner: S,
-    lanes: Arc<Vec<Arc<BatchLane>>>,
+/// The service in front of the proxy (`I`) that answers the batch lanes' endpoints
+/// (the limiter has admitted the request) and forwards everything else.
+pub struct BatchEndpoints<I, S, U> {
+    inner: I,
+    lanes: Arc<Vec<Arc<BatchLane<S, U>>>>,
 }
 
-impl<S> BatchEndpoints<S> {
+impl<I: Clone, S, U> Clone for BatchEndpoints<I, S, U> {
+    fn clone(&self) -> Self {
+        BatchEndpoints {
+            inner: self.inner.clone(),
+            lanes: Arc::clone(&self.lanes),
+        }
+    }
+}
+
+impl<I, S, U> BatchEndpoints<I, S, U> {
     /// `inner`, with `lanes` answered in front of it.
-    pub(crate) fn new(inner: S, lanes: Arc<Vec<Arc<BatchLane>>>) -> Self {
+    pub fn new(inner: I, lanes: Arc<Vec<Arc<BatchLane<S, U>>>>) -> Self {
         BatchEndpoints { inner, lanes }
     }
 
-    fn lane(&self, index: usize) -> Option<Arc<BatchLane>> {
+    fn lane(&self, index: usize) -> Option<Arc<BatchLane<S, U>>> {
         self.lanes.iter().find(|l| l.lane_index == index).cloned()
     }
 }
@@ -223,7 +229,7 @@ impl<S> BatchEndpoints<S> {
 /// `structuredContent`), with HTTP 200; a refusal is a JSON-RPC error with the same
 /// HTTP status, `error.data` holding the envelope's `code` and `details`
 /// (`-32029` for a 429, `-32602` for a 400 or 404, `-32000` otherwise).
-async fn jsonrpc_answer(id: Value, answer: Response<ProxyBody>) -> Response<ProxyBody> {
+async fn jsonrpc_answer(id: Value, answer: Response<LaneBody>) -> Response<LaneBody> {
     let (parts, body) = answer.into_parts();
     let bytes = body
         .collect()
@@ -270,13 +276,13 @@ async fn jsonrpc_answer(id: Value, answer: Response<ProxyBody>) -> Response<Prox
     r
 }
 
-impl BatchLane {
+impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
     /// Answers a call of this lane's submit or status tool.
     async fn tool(
         &self,
         parts: &http::request::Parts,
         call: sluice_edge::BatchToolCall,
-    ) -> Response<ProxyBody> {
+    ) -> Response<LaneBody> {
         let answer = match call.tool {
             sluice_edge::BatchTool::Submit(_) => {
                 let args = Bytes::from(call.arguments.to_string());
@@ -296,20 +302,22 @@ impl BatchLane {
     }
 }
 
-impl<S, B> Service<Request<B>> for BatchEndpoints<S>
+impl<I, S, U, B> Service<Request<B>> for BatchEndpoints<I, S, U>
 where
-    S: Service<Request<B>, Response = Response<ProxyBody>, Error = Infallible>
+    I: Service<Request<B>, Response = Response<LaneBody>, Error = Infallible>
         + Clone
         + Send
         + 'static,
-    S::Future: Send + 'static,
+    I::Future: Send + 'static,
+    S: BudgetStore + 'static,
+    U: BatchUpstream,
     B: http_body::Body<Data = Bytes> + From<Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    type Response = Response<ProxyBody>;
+    type Response = Response<LaneBody>;
     type Error = Infallible;
     type Future =
-        std::pin::Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible>> + Send>>;
+        std::pin::Pin<Box<dyn Future<Output = Result<Response<LaneBody>, Infallible>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         self.inner.poll_ready(cx)

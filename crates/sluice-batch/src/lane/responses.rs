@@ -7,21 +7,18 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt as _, Full};
 use serde_json::{Value, json};
-use sluice_batch::{BatchStatus, ResultBody, SubmitError, Submitted};
 use sluice_core::Timestamp;
 
-use crate::proxy::ProxyBody;
+use super::LaneBody;
+use crate::{BatchStatus, ResultBody, SubmitError, Submitted};
 
 /// The `Retry-After` of a submit refused because the queue is full: the
 /// queue's upkeep period, in which items finish and old batches are purged.
-pub(crate) const QUEUE_FULL_RETRY: Duration = Duration::from_secs(30);
+pub const QUEUE_FULL_RETRY: Duration = Duration::from_secs(30);
 
 /// The answer to a submit to the batch route `route`: 202 with the batch's id,
 /// its item count and where to read its status, or why it was not queued.
-pub(super) fn submitted(
-    route: &str,
-    queued: Result<Submitted, SubmitError>,
-) -> Response<ProxyBody> {
+pub(super) fn submitted(route: &str, queued: Result<Submitted, SubmitError>) -> Response<LaneBody> {
     match queued {
         Ok(done) => {
             let status_url = format!("{route}/batches/{}", done.batch_id);
@@ -131,11 +128,11 @@ pub(super) fn header_text(parts: &http::request::Parts, name: &str) -> String {
         .to_owned()
 }
 
-pub(super) fn boxed(r: Response<Full<Bytes>>) -> Response<ProxyBody> {
+pub(super) fn boxed(r: Response<Full<Bytes>>) -> Response<LaneBody> {
     r.map(|b| b.map_err(|never| match never {}).boxed())
 }
 
-pub(super) fn json_response(status: StatusCode, body: &Value) -> Response<ProxyBody> {
+pub(super) fn json_response(status: StatusCode, body: &Value) -> Response<LaneBody> {
     let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
     *r.status_mut() = status;
     r.headers_mut().insert(
@@ -150,7 +147,7 @@ pub(super) fn envelope(
     code: &str,
     message: &str,
     details: Value,
-) -> Response<ProxyBody> {
+) -> Response<LaneBody> {
     boxed(sluice_edge::envelope_response(
         status, code, message, details,
     ))

@@ -10,18 +10,18 @@ use bytes::Bytes;
 use http::{Request, header};
 use http_body_util::{BodyExt as _, Full, Limited};
 use serde_json::Value;
-use sluice_batch::{Claimed, ItemResult, ResultBody, WorkspaceBacklog};
 use sluice_core::Clock as _;
+use sluice_store::BudgetStore;
 
-use super::BatchLane;
-use crate::Stop;
+use super::{BatchLane, BatchUpstream};
+use crate::{Claimed, ItemResult, ResultBody, WorkspaceBacklog};
 
 /// Most bytes of an upstream answer kept as an item's result.
-pub(crate) const MAX_RESULT_BYTES: usize = 256 * 1024;
+pub const MAX_RESULT_BYTES: usize = 256 * 1024;
 
 /// Attempts an item gets when the upstream fails (5xx, no answer) before it is
 /// recorded as failed.
-pub(crate) const MAX_ATTEMPTS: u32 = 3;
+pub const MAX_ATTEMPTS: u32 = 3;
 
 /// Most workspaces whose batch failures are remembered at once (one entry
 /// each, dropped on their next success or once their hold is over).
@@ -36,11 +36,11 @@ pub(super) struct Hold {
 }
 
 /// Longest wait before an item the upstream failed is sent again.
-pub(crate) const MAX_ITEM_BACKOFF: Duration = Duration::from_secs(30);
+pub const MAX_ITEM_BACKOFF: Duration = Duration::from_secs(30);
 
 /// How long an item waits after its `attempt`-th attempt failed: 1 s, doubling
 /// with each attempt, at most [`MAX_ITEM_BACKOFF`].
-pub(crate) fn item_backoff(attempt: u32) -> Duration {
+pub fn item_backoff(attempt: u32) -> Duration {
     let doublings = attempt.saturating_sub(1).min(16);
     Duration::from_secs(1u64 << doublings).min(MAX_ITEM_BACKOFF)
 }
@@ -49,7 +49,7 @@ pub(crate) fn item_backoff(attempt: u32) -> Duration {
 /// woken: for items another replica queued on a shared queue (this replica's own
 /// submissions wake it at once). On Redis one look is one script call (three
 /// commands), so an idle replica's looks cost Redis well under a command a second.
-pub(crate) const IDLE_LOOK_EVERY: Duration = Duration::from_secs(10);
+pub const IDLE_LOOK_EVERY: Duration = Duration::from_secs(10);
 
 /// How long the runner waits before looking again after the queue could not be
 /// read, or the item it chose was claimed elsewhere first.
@@ -61,11 +61,11 @@ const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
 /// How long a runner's claim on an item lasts unless renewed: the runner renews
 /// the claims of all the items it runs every third of this while they run
 /// (retries and waits included), so an item outlives its claim only when its
-/// replica is gone, and goes back to the queue at most this plus
-/// [`MAINTAIN_EVERY`] after the replica died. One renewal is one call to the
+/// replica is gone, and goes back to the queue at most this plus the queue's
+/// upkeep period (30 s) after the replica died. One renewal is one call to the
 /// store however many items run (two Redis commands: the script and its one
 /// `ZADD`), so a lane's running items cost a replica 0.2 commands a second.
-pub(crate) const BATCH_CLAIM: Duration = Duration::from_secs(30);
+pub const BATCH_CLAIM: Duration = Duration::from_secs(30);
 
 /// What a runner's look at the queue left it waiting for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,16 +79,17 @@ enum Look {
     /// Items are queued only for workspaces whose hold has not ended.
     Held,
 }
-impl BatchLane {
-    /// Runs items on the capacity single calls leave, until `stop`.
+impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
+    /// Runs items on the capacity single calls leave, until `stop` resolves
+    /// (spawn it on the runtime the lane's tasks are to run on).
     ///
     /// The runner waits on events and slow timers only, never on a condition that
     /// holds at rest: a batch queued here, a place freed on the lane (only while
     /// items wait for one), the lane's breaker or the shared ledger's hold running
     /// out, the queue's upkeep, and a look every [`IDLE_LOOK_EVERY`] for what other
     /// replicas queued.
-    pub(crate) async fn run(self: Arc<Self>, stop: Stop) {
-        let stopped = stop.wait();
+    pub async fn run(self: Arc<Self>, stop: impl Future<Output = ()>) {
+        let stopped = stop;
         tokio::pin!(stopped);
         let renewing = tokio::spawn({
             let this = Arc::clone(&self);
@@ -226,7 +227,7 @@ impl BatchLane {
         &self,
         claimed: &Claimed,
         permit: sluice_lanes::BatchPermit,
-    ) -> Result<sluice_batch::Finish, sluice_batch::BatchError> {
+    ) -> Result<crate::Finish, crate::BatchError> {
         let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
         let mut attempt = claimed.attempt;
         let mut permit = permit;
@@ -297,7 +298,7 @@ impl BatchLane {
     /// and whether the body is JSON; `None` when no answer came.
     async fn send(&self, claimed: &Claimed) -> Option<(u16, Vec<u8>, bool)> {
         let item: Value = serde_json::from_slice(&claimed.item).ok()?;
-        let uri = format!("{}{}", self.upstream.base_path(), self.batch.route);
+        let uri = format!("{}{}", self.base_path, self.batch.route);
         let mut request = Request::post(uri)
             .header(header::CONTENT_TYPE, "application/json")
             .header("idempotency-key", claimed.idempotency_key())
@@ -327,7 +328,7 @@ impl BatchLane {
             .headers_mut()
             .entry(header::HOST)
             .or_insert_with(|| self.host.clone());
-        let response = self.pool.send(request).await.ok()?;
+        let response = self.upstream.send(request).await.ok()?;
         let status = response.status().as_u16();
         let is_json = response
             .headers()
@@ -419,13 +420,13 @@ impl RunningClaims {
 }
 
 /// An item's claim among its lane's renewals while the item runs here.
-struct RunningClaim<'a> {
-    lane: &'a BatchLane,
+struct RunningClaim<'a, S, U> {
+    lane: &'a BatchLane<S, U>,
     claim: (String, u32),
 }
 
-impl<'a> RunningClaim<'a> {
-    fn new(lane: &'a BatchLane, batch_id: &str, index: u32) -> Self {
+impl<'a, S, U> RunningClaim<'a, S, U> {
+    fn new(lane: &'a BatchLane<S, U>, batch_id: &str, index: u32) -> Self {
         let claim = (batch_id.to_owned(), index);
         lane.claims.lock().add(&claim);
         lane.claimed.notify_one();
@@ -433,7 +434,7 @@ impl<'a> RunningClaim<'a> {
     }
 }
 
-impl Drop for RunningClaim<'_> {
+impl<S, U> Drop for RunningClaim<'_, S, U> {
     fn drop(&mut self) {
         self.lane.claims.lock().remove(&self.claim);
     }

@@ -18,35 +18,97 @@
 //! batch is purged (finished batches are kept for the lane's `keep_hours`).
 //!
 //! The rooms of this folder: this file holds [`BatchLane`] (one lane's queue, its
-//! lane and its counters) and its `/status` share; `endpoints` answers the submit
-//! and status requests and the JSON-RPC tools (the [`BatchEndpoints`] service in
-//! front of the proxy); `runner` claims queued items and sends them upstream;
-//! `responses` writes the JSON answers both give.
+//! lane and its counters), its `/status` share, and what a host gives the lanes
+//! ([`LaneHost`]: a [`BatchUpstream`] to send items through, and how to read a
+//! request's client address); `endpoints` answers the submit and status requests
+//! and the JSON-RPC tools (the [`BatchEndpoints`] service in front of the proxy);
+//! `runner` claims queued items and sends them upstream; `responses` writes the
+//! JSON answers both give.
+//!
+//! The lanes depend on no gateway: a host builds them with [`BatchLane::all`] over
+//! its limiter (any [`BudgetStore`]), the queue and a [`LaneHost`], spawns each
+//! one's [`BatchLane::run`], and puts [`BatchEndpoints`] in front of its proxy.
 
 mod endpoints;
 mod responses;
 mod runner;
 
+use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderValue, header};
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, header};
+use http_body_util::combinators::{BoxBody, UnsyncBoxBody};
 use serde_json::{Value, json};
-use sluice_batch::{BatchQueue, WorkspaceBacklog};
 use sluice_core::SystemClock;
 use sluice_edge::SharedLimiter;
 use sluice_policy::LaneBatch;
+use sluice_store::BudgetStore;
 
-use crate::pool::{Connections, UpstreamPool, keep_pruned};
-use crate::proxy::Upstream;
-use crate::store::AnyStore;
+use crate::{BatchQueue, WorkspaceBacklog};
 
-pub(crate) use endpoints::BatchEndpoints;
-pub(crate) use runner::BATCH_CLAIM;
+pub use endpoints::BatchEndpoints;
+pub use responses::QUEUE_FULL_RETRY;
+pub use runner::{
+    BATCH_CLAIM, IDLE_LOOK_EVERY, MAX_ATTEMPTS, MAX_ITEM_BACKOFF, MAX_RESULT_BYTES, item_backoff,
+};
 use runner::{Hold, RunningClaims};
 
-/// One lane's batch lane, shared by the intercepting service and the runner.
-pub(crate) struct BatchLane {
+/// The error of the lane's bodies: any error, boxed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body of every answer the batch endpoints give, and of the answers of the
+/// service behind them (the host's proxy).
+pub type LaneBody = BoxBody<Bytes, BoxError>;
+
+/// The body of an item's request to the upstream: the item's JSON.
+pub type ItemBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Reads a request's client address (the connection's peer) from what the host's
+/// server put in the request; `None` when there is none.
+pub type PeerOf = fn(&http::request::Parts) -> Option<SocketAddr>;
+
+/// What a batch lane's runner sends items through: the host's client to the
+/// upstream.
+pub trait BatchUpstream: Send + Sync + 'static {
+    /// The body of the upstream's answers (read up to [`MAX_RESULT_BYTES`]).
+    type Body: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send;
+    /// Why no answer came (the runner records only that none came).
+    type Error: Send;
+
+    /// Sends `request` (`POST <base path><route>`, its `Host` set) to the upstream,
+    /// and returns its answer with the body still streaming.
+    ///
+    /// # Errors
+    /// When the upstream gave no answer (it could not be reached, or failed
+    /// before its response headers).
+    fn send(
+        &self,
+        request: Request<ItemBody>,
+    ) -> impl Future<Output = Result<Response<Self::Body>, Self::Error>> + Send;
+}
+
+/// What a host gives its batch lanes: the upstream items are sent to, and how to
+/// read a request's client address.
+#[derive(Clone, Debug)]
+pub struct LaneHost<U> {
+    /// The client the runners send items through (shared by every batch lane).
+    pub upstream: U,
+    /// The upstream's path prefix: empty, or starts with `/` and does not end
+    /// with `/`. An item goes to `<base_path><route>`.
+    pub base_path: String,
+    /// The `Host` items are sent with, unless an item's credential fields hold one.
+    pub host_header: HeaderValue,
+    /// Reads a request's client address: a submit's origin (its share of the
+    /// queue's global bounds) is the client it names.
+    pub peer_of: PeerOf,
+}
+
+/// One lane's batch lane, shared by the intercepting service and the runner:
+/// over the limiter of budget store `S`, sending items through `U`.
+pub struct BatchLane<S, U> {
     lane: sluice_lanes::Lane,
     lane_index: usize,
     batch: LaneBatch,
@@ -54,13 +116,15 @@ pub(crate) struct BatchLane {
     /// The queue of every batch lane: the embedded durable store, or Redis when
     /// replicas share one (so any replica runs items and answers status reads).
     queue: Arc<dyn BatchQueue>,
-    limiter: SharedLimiter<AnyStore>,
-    upstream: Upstream,
-    /// The runners' connections to the upstream: the pool the gateway's workers
-    /// use, one of its own (shared by every batch lane).
-    pool: UpstreamPool,
-    /// The `Host` items are sent with (see [`Upstream::client_host`]).
+    limiter: SharedLimiter<S>,
+    /// The runners' client to the upstream (shared by every batch lane).
+    upstream: Arc<U>,
+    /// The upstream's path prefix (see [`LaneHost::base_path`]).
+    base_path: Arc<str>,
+    /// The `Host` items are sent with (see [`LaneHost::host_header`]).
     host: HeaderValue,
+    /// Reads a request's client address.
+    peer_of: PeerOf,
     clock: SystemClock,
     /// The request fields the limiter reads (credentials): kept with each item.
     credential_fields: Vec<http::HeaderName>,
@@ -91,10 +155,11 @@ pub(crate) struct BatchLane {
 /// cannot carry it).
 const LANE_SEPARATOR: char = '\u{1f}';
 
-impl BatchLane {
-    /// The batch lanes of `limiter`'s policy over `queue`. A reload keeps the
-    /// lanes as they are (see [`sluice_edge::Limiter::reloaded`]); the submit and status
-    /// requests are decided by whichever limiter is current.
+impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
+    /// The batch lanes of `shared`'s policy over `queue`, sending items through
+    /// `host`. A reload keeps the lanes as they are (see
+    /// [`sluice_edge::Limiter::reloaded`]); the submit and status requests are
+    /// decided by whichever limiter is current.
     ///
     /// The lanes share one queue, each in its own part of it: the policy's first
     /// batch lane queues under the workspace's name (as before there were
@@ -103,19 +168,16 @@ impl BatchLane {
     /// batches submitted through the same lane. Items queued through a lane keep
     /// its name: renaming a lane, or putting another batch lane first, leaves the
     /// items queued under the old name unclaimed until it is restored.
-    pub(crate) fn all(
-        shared: &SharedLimiter<AnyStore>,
+    pub fn all(
+        shared: &SharedLimiter<S>,
         queue: &Arc<dyn BatchQueue>,
-        upstream: &Upstream,
+        host: LaneHost<U>,
         clock: &SystemClock,
-    ) -> Vec<Arc<BatchLane>> {
+    ) -> Vec<Arc<Self>> {
         let limiter = shared.load();
         let policy = limiter.policy();
-        // Pruned by a task of this runtime, which the runners run on.
-        let connections = Arc::new(Connections::to(upstream));
-        keep_pruned(&connections);
-        let pool = UpstreamPool::new(connections);
-        let host = upstream.client_host();
+        let upstream = Arc::new(host.upstream);
+        let base_path: Arc<str> = host.base_path.into();
         let credential_fields: Vec<http::HeaderName> = limiter
             .read_headers()
             .into_iter()
@@ -141,9 +203,10 @@ impl BatchLane {
                     timeout: rule.timeout,
                     queue: Arc::clone(queue),
                     limiter: Arc::clone(shared),
-                    upstream: upstream.clone(),
-                    pool: pool.clone(),
-                    host: host.clone(),
+                    upstream: Arc::clone(&upstream),
+                    base_path: Arc::clone(&base_path),
+                    host: host.host_header.clone(),
+                    peer_of: host.peer_of,
                     clock: clock.clone(),
                     credential_fields: credential_fields.clone(),
                     queued: tokio::sync::Notify::new(),
@@ -182,7 +245,7 @@ impl BatchLane {
 
     /// This batch lane's share of `/status`: per workspace, items queued and
     /// running (as the runner last saw the queue), and items finished here.
-    pub(crate) fn summary(&self) -> Value {
+    pub fn summary(&self) -> Value {
         let backlog = self.last_backlog.lock();
         let n = |i: usize| self.outcomes[i].load(std::sync::atomic::Ordering::Relaxed);
         let queued: u64 = backlog.iter().map(|b| b.queued).sum();
