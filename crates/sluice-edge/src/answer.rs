@@ -468,6 +468,7 @@ impl Refused {
                 serde_json::json!({ "reason": bad.reason }),
             ),
             Refused::LlmBody(bad) => invalid(bad.reason()),
+            Refused::UnpricedModel => invalid("unpriced_model"),
             Refused::Connect => (
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",

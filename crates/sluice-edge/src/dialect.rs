@@ -12,13 +12,19 @@ use sluice_policy::{LlmFormat, Policy};
 
 use crate::plan::{BudgetKind, Plan, policy_index};
 
+/// The token or money budget at `i` of `plan`, if it is one.
+fn budget_of(plan: &Plan, policy: &Policy, i: usize) -> Option<sluice_policy::TokenBudget> {
+    match plan.kinds.get(i) {
+        Some(BudgetKind::Bucket(b)) => policy.buckets.get(policy_index(*b))?.tokens,
+        _ => None,
+    }
+}
+
 /// The index in `plan` of the token budget a client is told of: the one with
 /// the fewest units left (the refusing one, when a token budget refused).
+/// Money budgets are not token budgets: they are told of by their refusal.
 fn binding_tokens(decision: &Decision, plan: &Plan, policy: &Policy) -> Option<usize> {
-    let is_tokens = |i: usize| {
-        matches!(plan.kinds.get(i), Some(BudgetKind::Bucket(b))
-            if policy.buckets.get(policy_index(*b)).is_some_and(|b| b.tokens.is_some()))
-    };
+    let is_tokens = |i: usize| budget_of(plan, policy, i).is_some_and(|t| !t.priced);
     if !decision.is_admitted() && is_tokens(decision.binding_index()) {
         return Some(decision.binding_index());
     }
@@ -88,10 +94,15 @@ pub fn llm_refusal(
     policy: &Policy,
 ) -> Response<Full<Bytes>> {
     let tokens = binding_tokens(decision, plan, policy) == Some(decision.binding_index());
-    let never = decision.is_never();
+    // A money budget spent: OpenAI's `insufficient_quota`, no wait helps before
+    // the month turns.
+    let money = budget_of(plan, policy, decision.binding_index()).is_some_and(|t| t.priced);
+    let never = decision.is_never() || money;
     let wait = crate::refusal_wait(decision);
     let budget = plan.name(decision.binding_index(), policy);
-    let message = if never {
+    let message = if money {
+        format!("You exceeded your current quota for {budget}: it is spent until the month turns.")
+    } else if never {
         format!(
             "Request too large for {budget}: it needs more than the whole limit ({}). Send a smaller request.",
             decision.binding().map_or(0, |b| b.limit)
@@ -103,9 +114,9 @@ pub fn llm_refusal(
         LlmFormat::OpenAi => serde_json::json!({
             "error": {
                 "message": message,
-                "type": if tokens { "tokens" } else { "requests" },
+                "type": if money { "insufficient_quota" } else if tokens { "tokens" } else { "requests" },
                 "param": null,
-                "code": "rate_limit_exceeded",
+                "code": if money { "insufficient_quota" } else { "rate_limit_exceeded" },
             }
         }),
         LlmFormat::Anthropic => serde_json::json!({

@@ -44,6 +44,10 @@ pub enum Refused {
     /// its tokens cannot be counted.
     #[error(transparent)]
     LlmBody(#[from] sluice_tokens::BadLlmBody),
+    /// A call on a route with a money budget whose model has no price in the
+    /// policy's `prices:` (SPEC T4): it cannot be counted.
+    #[error("the model has no price in the policy's `prices`")]
+    UnpricedModel,
     /// `CONNECT`: sluice is not a tunnel (a reverse proxy has nothing to connect to).
     #[error("CONNECT is not served: this is a gateway, not a tunnel")]
     Connect,

@@ -82,6 +82,9 @@ pub struct Plan {
     /// budgets settle at the upstream's `usage`, its refusals and headers speak
     /// that API's dialect.
     pub llm: Option<sluice_policy::LlmFormat>,
+    /// The index of the LLM call's model's price in the policy's `prices:`: its
+    /// money budgets settle at it.
+    pub price: Option<u16>,
     /// The budgets in shadow mode, a bit each by index (`mode: shadow`, a shadowed
     /// route, or a dry run): decided and counted, never refusing.
     pub shadow: u16,
@@ -212,6 +215,7 @@ pub(crate) fn plan(
         from: caller,
         lane: None,
         llm: None,
+        price: None,
         passed: None,
         shadow: 0,
         shadowed: 0,
@@ -297,7 +301,7 @@ pub(crate) fn plan(
         if let Some(tokens) = &b.tokens {
             // A token budget reserves what the call is estimated to spend.
             if let Some(r) = reservation {
-                bucket.cost = r.units(tokens);
+                bucket.cost = r.units(tokens, &policy.prices);
             }
             if tokens.monthly {
                 bucket.rate = Rate::CalendarMonth;

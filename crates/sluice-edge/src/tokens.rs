@@ -2,7 +2,7 @@
 //! is forwarded, estimated from its body, and what it is charged once the
 //! upstream's `usage` says what it spent.
 
-use sluice_policy::{LlmFormat, TokenBudget};
+use sluice_policy::{LlmFormat, Price, TokenBudget};
 use sluice_tokens::{ApiStyle, EstimateOptions, Usage};
 
 use crate::Refused;
@@ -18,6 +18,8 @@ pub struct Reservation {
     /// or `None` when it names none (each budget then reserves its own
     /// `default_max_output`).
     pub output: Option<u32>,
+    /// The index of the call's model's price in the policy's `prices:`.
+    pub price: Option<u16>,
 }
 
 impl Reservation {
@@ -26,14 +28,22 @@ impl Reservation {
     ///
     /// # Errors
     /// [`Refused::LlmBody`] for a body that does not read as `format` says.
-    pub fn of(format: LlmFormat, path: &str, body: &[u8]) -> Result<Self, Refused> {
+    pub fn of(
+        format: LlmFormat,
+        path: &str,
+        body: &[u8],
+        prices: &[Price],
+    ) -> Result<Self, Refused> {
         let value = sluice_tokens::check_body(body)?;
+        let model = sluice_tokens::model_of(&value);
+        let price = model
+            .and_then(|m| prices.iter().position(|p| p.matches(m)))
+            .and_then(|i| u16::try_from(i).ok());
         let style = match format {
             LlmFormat::OpenAi => ApiStyle::OpenAi,
             LlmFormat::Anthropic => ApiStyle::Anthropic,
         };
-        let mut opts =
-            EstimateOptions::for_model(sluice_tokens::model_of(&value).unwrap_or_default());
+        let mut opts = EstimateOptions::for_model(model.unwrap_or_default());
         // Unnamed, the output is each budget's own default: estimated as none here.
         opts.default_max_tokens = 0;
         let estimate = sluice_tokens::estimate(style, path, &value, &opts);
@@ -41,18 +51,26 @@ impl Reservation {
         Ok(Reservation {
             input: estimate.prompt,
             output: named.then_some(estimate.completion),
+            price,
         })
     }
 
     /// Units `budget` reserves for this call: its weights over the input and
-    /// the output budget (the request's, else the budget's default).
-    pub fn units(&self, budget: &TokenBudget) -> u32 {
-        budget.charge(
-            self.input,
-            0,
-            self.output.unwrap_or(budget.default_max_output),
-        )
+    /// the output budget (the request's, else the budget's default); a money
+    /// budget's, the model's price of them (`prices`: the policy's).
+    pub fn units(&self, budget: &TokenBudget, prices: &[Price]) -> u32 {
+        let output = self.output.unwrap_or(budget.default_max_output);
+        if budget.priced {
+            return price_of(prices, self.price)
+                .map_or(u32::MAX, |p| p.cost(self.input, 0, output));
+        }
+        budget.charge(self.input, 0, output)
     }
+}
+
+/// The price at `index` of `prices`.
+fn price_of(prices: &[Price], index: Option<u16>) -> Option<&Price> {
+    prices.get(usize::from(index?))
 }
 
 /// True when `policy` has LLM routes: their calls are estimated by the
@@ -69,9 +87,20 @@ pub fn warm() {
     sluice_tokens::Encoding::Cl100kBase.warm();
 }
 
-/// Units `budget` charges a call that reported `usage`.
-pub fn settled_units(budget: &TokenBudget, usage: &Usage) -> u32 {
-    budget.charge(usage.prompt, usage.cached_input, usage.completion)
+/// Units `budget` charges a call of the model priced at `price` (an index into
+/// the policy's `prices`) that reported `usage`; `None` for a money budget
+/// without a price (never: such a call is refused before it is counted).
+pub fn settled_units(
+    budget: &TokenBudget,
+    usage: &Usage,
+    prices: &[Price],
+    price: Option<u16>,
+) -> Option<u32> {
+    if budget.priced {
+        return price_of(prices, price)
+            .map(|p| p.cost(usage.prompt, usage.cached_input, usage.completion));
+    }
+    Some(budget.charge(usage.prompt, usage.cached_input, usage.completion))
 }
 
 /// The body to forward for an OpenAI streaming call (`"stream": true`) to `path`

@@ -410,3 +410,90 @@ async fn t2_t3_errors_refund_cut_streams_keep_the_reservation_and_bad_bodies_go_
     })
     .await;
 }
+
+/// SPEC T4: a money budget of one cent a month per caller at gpt-4o's price.
+const MONEY_POLICY: &str = r#"
+profile: default
+window_seconds: 3600
+profiles:
+  default:
+    classes: { llm: 1000000 }
+identity:
+  credentials: [bearer]
+prices:
+  - { model: "gpt-4o*", input: 2.5, output: 10, cached_input: 1.25 }
+spend:
+  cents: { per: caller, limit_usd: 0.01, monthly: true }
+routes:
+  - { method: POST, path: /v1/chat/completions, class: llm, llm: openai, spend: [cents] }
+  - { class: llm }
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t4_money_is_reserved_at_the_price_settled_to_the_thousandth_of_a_cent_and_refused_as_quota()
+ {
+    bounded(async {
+        let (up, seen) = upstream(Reply::Json).await;
+        let policy = sluice_policy::parse_str(MONEY_POLICY, std::path::Path::new("money.yaml"))
+            .expect("the money policy");
+        let dir = std::env::temp_dir().join(format!("sluice-money-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let mut config = GatewayConfig::new(policy, dir.clone());
+        config.workers = std::num::NonZeroUsize::new(1).expect("one");
+        config.upstream = Some(Upstream::from_addr(up));
+        let gateway = Gateway::start(config).await.expect("gateway starts");
+        let addr = gateway.addr().expect("an address");
+        // In hundred-thousandths of a dollar: 15 fresh input tokens at 2.50 USD a
+        // million, 5 cached at 1.25, 30 output at 10: 34.375, rounded up.
+        let settled = 35;
+        let mut remainings = Vec::new();
+        let refusal = loop {
+            let (status, head, body) =
+                call(addr, "/v1/chat/completions", "k", &chat(Some(50), false)).await;
+            if status != 200 {
+                break (status, head, body);
+            }
+            let left: u32 = field(&head, "x-ratelimit-remaining")
+                .and_then(|v| v.parse().ok())
+                .expect("x-ratelimit-remaining");
+            remainings.push(left);
+            assert!(remainings.len() < 100, "never refused");
+        };
+        // One cent is 1,000 units; each answer tells them after its reservation.
+        let reserved = 1000 - remainings[0];
+        for (k, left) in remainings.iter().enumerate() {
+            let k = u32::try_from(k).expect("few");
+            assert_eq!(
+                *left,
+                1000 - k * settled - reserved,
+                "call {k}: to the thousandth of a cent"
+            );
+        }
+        assert_eq!(
+            seen.load(Ordering::SeqCst),
+            remainings.len(),
+            "refused calls sent nowhere"
+        );
+        let (status, head, body) = refusal;
+        assert_eq!(status, 429, "{body}");
+        let body: Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(body["error"]["code"], "insufficient_quota", "{body}");
+        assert!(
+            field(&head, "retry-after").is_none(),
+            "no wait helps before the month turns: {head}"
+        );
+        // A model with no price: refused, sent nowhere.
+        let before = seen.load(Ordering::SeqCst);
+        let unpriced = json!({ "model": "llama-3", "max_tokens": 5,
+                               "messages": [{ "role": "user", "content": "hi" }] })
+        .to_string();
+        let (status, _, body) = call(addr, "/v1/chat/completions", "k2", &unpriced).await;
+        assert_eq!(status, 400, "{body}");
+        let body: Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(body["error"]["details"]["reason"], "unpriced_model");
+        assert_eq!(seen.load(Ordering::SeqCst), before);
+        gateway.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
+    })
+    .await;
+}

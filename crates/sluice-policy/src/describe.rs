@@ -144,6 +144,16 @@ impl Policy {
                 Algorithm::Fixed => String::new(),
                 other => format!(" ({other})"),
             };
+            if let Some(t) = b.tokens.filter(|t| t.priced) {
+                // A money budget: the model's price of the tokens.
+                let usd = f64::from(b.limit.get()) / crate::MONEY_UNITS_PER_USD as f64;
+                let _ = writeln!(
+                    out,
+                    "  {}: {usd:.2} USD per calendar month (UTC) per {per} at the model's price ({} output tokens reserved when a call names none), reserved from the call's body and settled at the upstream's usage",
+                    b.name, t.default_max_output
+                );
+                continue;
+            }
             if let Some(t) = &b.tokens {
                 // A token budget: reserved from the body, settled at the usage.
                 let period = if t.monthly {

@@ -52,9 +52,9 @@ pub use model::{
     CredentialSource, CustomerPlan, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane,
     LaneBatch, LaneReasons, LlmFormat, MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES,
     MAX_PLANS, MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS, MAX_WORKSPACES,
-    METHOD_OVERRIDE_FIELDS, OnExhausted, Outage, Per, PlanLane, PlanLimit, PlanLimits, Policy,
-    Principal, Profile, QuotaFamily, Refusal, Route, RouteClass, SLIDING_SLOTS, Spends,
-    StorePolicy, TenantPlan, Tenants, TokenBudget, Tool,
+    METHOD_OVERRIDE_FIELDS, MONEY_UNITS_PER_USD, OnExhausted, Outage, Per, PlanLane, PlanLimit,
+    PlanLimits, Policy, Price, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass,
+    SLIDING_SLOTS, Spends, StorePolicy, TenantPlan, Tenants, TokenBudget, Tool,
 };
 pub use path::{PathCase, PathError, Paths, without_parameters};
 pub use pattern::PathPattern;

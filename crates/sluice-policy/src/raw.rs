@@ -33,6 +33,12 @@ pub struct RawPolicy {
     /// Token budgets by name, that LLM routes name (SPEC T1).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tokens: BTreeMap<String, RawTokens>,
+    /// Model prices in USD per million tokens, first match wins (SPEC T4).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prices: Vec<RawPrice>,
+    /// Money budgets by name, that LLM routes name (SPEC T4).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub spend: BTreeMap<String, RawSpend>,
     /// Descriptor rules for Envoy's rate-limit service, each a domain in the
     /// configuration format of envoyproxy/ratelimit (read as it is: see
     /// [`crate::domains`]).
@@ -364,6 +370,40 @@ pub struct RawRoute {
     /// Token budgets a call of this route spends (it needs `llm:`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tokens: Vec<String>,
+    /// Money budgets a call of this route spends (it needs `llm:`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spend: Vec<String>,
+}
+
+/// A model's price (SPEC T4).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPrice {
+    /// The model's name, or a prefix ending in `*`.
+    pub model: String,
+    /// USD per million input tokens.
+    pub input: serde_json::Number,
+    /// USD per million output tokens.
+    pub output: serde_json::Number,
+    /// USD per million cached input tokens (default: `input`).
+    pub cached_input: Option<serde_json::Number>,
+}
+
+/// A money budget (SPEC T4).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSpend {
+    /// Whose budget: `caller`, `user` or `workspace`.
+    pub per: String,
+    /// US dollars per calendar month.
+    pub limit_usd: serde_json::Number,
+    /// Counted per calendar month (UTC): the only period of a money budget.
+    #[serde(default)]
+    pub monthly: bool,
+    /// Output tokens reserved for a call that names none (default 4096).
+    pub default_max_output: Option<u32>,
+    /// `enforce` (default) or `shadow`.
+    pub mode: Option<String>,
 }
 
 /// One token budget (SPEC T1).

@@ -485,7 +485,9 @@ impl<S: BudgetStore> Limiter<S> {
             };
             let tokens = policy.buckets.get(crate::plan::policy_index(*b))?.tokens?;
             match (&usage, failed) {
-                (Some(usage), _) => Some(crate::tokens::settled_units(&tokens, usage)),
+                (Some(usage), _) => {
+                    crate::tokens::settled_units(&tokens, usage, &policy.prices, plan.price)
+                }
                 (None, true) => Some(0),
                 (None, false) => None,
             }

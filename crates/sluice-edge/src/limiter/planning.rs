@@ -119,9 +119,28 @@ impl<S: BudgetStore> Limiter<S> {
             sluice_policy::check_content_encoding(headers)?;
         }
         let reservation = match (llm, body) {
-            (Some(format), Some(body)) => Some(crate::tokens::Reservation::of(format, path, body)?),
+            (Some(format), Some(body)) => Some(crate::tokens::Reservation::of(
+                format,
+                path,
+                body,
+                &policy.prices,
+            )?),
             _ => None,
         };
+        // A money budget needs the model's price: a call of a model with none is
+        // refused, never counted at no cost.
+        let priced = route.is_some_and(|r| {
+            r.buckets.iter().any(|&b| {
+                policy
+                    .buckets
+                    .get(b)
+                    .and_then(|b| b.tokens)
+                    .is_some_and(|t| t.priced)
+            })
+        });
+        if priced && reservation.is_some_and(|r| r.price.is_none()) {
+            return Err(Refused::UnpricedModel);
+        }
         let mode = route.map_or(sluice_policy::Enforcement::Enforce, |r| r.mode);
         let mut plan = Box::new(plan(
             policy,
@@ -133,6 +152,7 @@ impl<S: BudgetStore> Limiter<S> {
         ));
         plan.lane = lane;
         plan.llm = llm;
+        plan.price = reservation.and_then(|r| r.price);
         Ok(plan)
     }
 }

@@ -73,6 +73,49 @@ pub struct TokenBudget {
     pub default_max_output: u32,
     /// Counted per calendar month (UTC), durably, instead of per window.
     pub monthly: bool,
+    /// A money budget (`spend:`): counted in [`MONEY_UNITS_PER_USD`] ths of a
+    /// dollar at the call's model's [`Price`], not by the weights.
+    pub priced: bool,
+}
+
+/// Units of a money budget per US dollar: a hundred-thousandth of a dollar each
+/// (a thousandth of a cent), so a budget holds up to 42,949.67 USD and a call is
+/// charged within a thousandth of a cent of its price.
+pub const MONEY_UNITS_PER_USD: u64 = 100_000;
+
+/// The price of a model (`prices:`; SPEC T4), per token, in millionths of a
+/// money unit (a price of 2.50 USD per million tokens is 250,000).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Price {
+    /// The model's name, or a prefix of names ending in `*`.
+    pub model: String,
+    /// Per input token (not from the cache).
+    pub input: u64,
+    /// Per output token.
+    pub output: u64,
+    /// Per cached input token.
+    pub cached_input: u64,
+}
+
+impl Price {
+    /// True when this price is `model`'s.
+    pub fn matches(&self, model: &str) -> bool {
+        match self.model.strip_suffix('*') {
+            Some(prefix) => model.starts_with(prefix),
+            None => self.model == model,
+        }
+    }
+
+    /// Money units a call of `input` tokens (of which `cached_input` from the
+    /// cache) and `output` tokens costs, rounded up.
+    pub fn cost(&self, input: u32, cached_input: u32, output: u32) -> u32 {
+        let cached = u128::from(cached_input.min(input));
+        let fresh = u128::from(input) - cached;
+        let micro = fresh * u128::from(self.input)
+            + cached * u128::from(self.cached_input)
+            + u128::from(output) * u128::from(self.output);
+        u32::try_from(micro.div_ceil(1_000_000)).unwrap_or(u32::MAX)
+    }
 }
 
 impl TokenBudget {

@@ -14,8 +14,8 @@ use crate::path::Paths;
 
 pub use budgets::{
     Algorithm, Bucket, Enforcement, LlmFormat, MAX_BUCKETS, MAX_QUOTA_FAMILIES,
-    MAX_SLIDING_WINDOW_SECONDS, OnExhausted, Per, QuotaFamily, Refusal, SLIDING_SLOTS, Spends,
-    TokenBudget,
+    MAX_SLIDING_WINDOW_SECONDS, MONEY_UNITS_PER_USD, OnExhausted, Per, Price, QuotaFamily, Refusal,
+    SLIDING_SLOTS, Spends, TokenBudget,
 };
 pub use classes::{Ceiling, Class, ClassSet, CostClass, MAX_CEILINGS, MAX_CLASSES, Profile};
 pub use identity::{CredentialSource, Identity, Principal};
@@ -46,8 +46,10 @@ pub struct Policy {
     pub window: NonZeroU32,
     /// Identity settings.
     pub identity: Identity,
-    /// Extra buckets.
+    /// Extra buckets (token and money budgets among them).
     pub buckets: Vec<Bucket>,
+    /// The price of each model, first match wins (`prices:`; SPEC T4).
+    pub prices: Vec<Price>,
     /// Monthly quota families.
     pub quotas: Vec<QuotaFamily>,
     /// Guarded lanes.

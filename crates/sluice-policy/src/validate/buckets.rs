@@ -6,8 +6,15 @@ use std::num::NonZeroU32;
 
 use crate::model::{
     Algorithm, Bucket, Enforcement, MAX_BUCKETS, MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS,
-    OnExhausted, Per, QuotaFamily, Refusal, TokenBudget,
+    MONEY_UNITS_PER_USD, OnExhausted, Per, Price, QuotaFamily, Refusal, TokenBudget,
 };
+
+/// The index of each bucket, token budget and money budget by name.
+pub(super) struct BudgetIndex {
+    pub(super) buckets: HashMap<String, usize>,
+    pub(super) tokens: HashMap<String, usize>,
+    pub(super) spend: HashMap<String, usize>,
+}
 use crate::raw::RawPolicy;
 
 use super::Checker;
@@ -16,12 +23,10 @@ impl Checker {
     /// `buckets:` and `tokens:` (a token budget is a bucket that counts tokens),
     /// each checked, with the index of each bucket and of each token budget by
     /// name.
-    pub(super) fn buckets(
-        &mut self,
-        raw: &RawPolicy,
-    ) -> (HashMap<String, usize>, HashMap<String, usize>, Vec<Bucket>) {
+    pub(super) fn buckets(&mut self, raw: &RawPolicy) -> (BudgetIndex, Vec<Bucket>) {
         let mut bucket_index = HashMap::new();
         let mut token_index = HashMap::new();
+        let mut spend_index = HashMap::new();
         let mut buckets = Vec::new();
         for (name, b) in &raw.buckets {
             if let Some(bucket) = self.bucket(name, b) {
@@ -44,13 +49,133 @@ impl Checker {
                 buckets.push(bucket);
             }
         }
-        if raw.buckets.len() + raw.tokens.len() > MAX_BUCKETS {
+        for (name, m) in &raw.spend {
+            if raw.buckets.contains_key(name) || raw.tokens.contains_key(name) {
+                self.problem(
+                    format!("spend.{name}"),
+                    "a bucket or a token budget has this name; give the money budget another",
+                );
+                continue;
+            }
+            if let Some(bucket) = self.money_budget(name, m) {
+                spend_index.insert(name.clone(), buckets.len());
+                buckets.push(bucket);
+            }
+        }
+        if raw.buckets.len() + raw.tokens.len() + raw.spend.len() > MAX_BUCKETS {
             self.problem(
                 "buckets",
-                format!("at most {MAX_BUCKETS} buckets and token budgets"),
+                format!("at most {MAX_BUCKETS} buckets, token and money budgets"),
             );
         }
-        (bucket_index, token_index, buckets)
+        let index = BudgetIndex {
+            buckets: bucket_index,
+            tokens: token_index,
+            spend: spend_index,
+        };
+        (index, buckets)
+    }
+
+    /// The money budget `name` (SPEC T4) as the bucket that counts it, in
+    /// [`MONEY_UNITS_PER_USD`] ths of a dollar a calendar month.
+    fn money_budget(&mut self, name: &str, m: &crate::raw::RawSpend) -> Option<Bucket> {
+        let at = format!("spend.{name}");
+        let per = self.per(&at, &m.per);
+        if per == Some(Per::Ip) {
+            self.problem(
+                format!("{at}.per"),
+                "a money budget is a caller's, a user's or a workspace's",
+            );
+        }
+        if !m.monthly {
+            self.problem(
+                &at,
+                "`monthly: true` is required: money budgets count calendar months",
+            );
+        }
+        let max_usd = f64::from(u32::MAX) / MONEY_UNITS_PER_USD as f64;
+        let limit = match m.limit_usd.as_f64() {
+            Some(usd) if usd > 0.0 && usd <= max_usd => {
+                NonZeroU32::new((usd * MONEY_UNITS_PER_USD as f64).round() as u32)
+            }
+            _ => None,
+        };
+        if limit.is_none() {
+            self.problem(
+                format!("{at}.limit_usd"),
+                format!(
+                    "a number of US dollars above 0 and at most {max_usd:.2}, got {}",
+                    m.limit_usd
+                ),
+            );
+        }
+        let mode = self.mode(&format!("{at}.mode"), m.mode.as_deref());
+        let (per, limit, mode) = (per?, limit?, mode?);
+        Some(Bucket {
+            name: name.to_owned(),
+            limit,
+            window: NonZeroU32::MIN,
+            per,
+            refusal: Refusal::Envelope {
+                message: "Money budget spent until the month turns.".to_owned(),
+            },
+            weighted: true,
+            on_exhausted: OnExhausted::Refuse,
+            mode,
+            algorithm: Algorithm::Fixed,
+            tokens: Some(TokenBudget {
+                input_milli: 0,
+                output_milli: 0,
+                cached_input_milli: 0,
+                default_max_output: m.default_max_output.unwrap_or(4096).min(10_000_000),
+                monthly: true,
+                priced: true,
+            }),
+        })
+    }
+
+    /// `prices:`, each checked, in order.
+    pub(super) fn prices(&mut self, raw: &RawPolicy) -> Vec<Price> {
+        let mut prices = Vec::new();
+        for (i, p) in raw.prices.iter().enumerate() {
+            let at = format!("prices[{i}]");
+            if p.model.is_empty() || p.model.trim_end_matches('*').contains('*') {
+                self.problem(
+                    format!("{at}.model"),
+                    "a model's name, or a prefix ending in `*`",
+                );
+                continue;
+            }
+            let mut per_token = |key: &str, usd: Option<&serde_json::Number>| match usd
+                .map(serde_json::Number::as_f64)
+            {
+                Some(Some(usd)) if (0.0..=1_000_000.0).contains(&usd) => {
+                    Some((usd * MONEY_UNITS_PER_USD as f64).round() as u64)
+                }
+                _ => {
+                    self.problem(
+                        format!("{at}.{key}"),
+                        "US dollars per million tokens, from 0 to 1,000,000",
+                    );
+                    None
+                }
+            };
+            let input = per_token("input", Some(&p.input));
+            let output = per_token("output", Some(&p.output));
+            let cached = match &p.cached_input {
+                Some(c) => per_token("cached_input", Some(c)),
+                None => input,
+            };
+            if let (Some(input), Some(output), Some(cached_input)) = (input, output, cached) {
+                prices.push(Price {
+                    model: p.model.clone(),
+                    input,
+                    output,
+                    cached_input,
+                });
+            }
+        }
+        prices
     }
 
     /// The token budget `name` (SPEC T1) as the bucket that counts it, or `None`
@@ -122,6 +247,7 @@ impl Checker {
                 cached_input_milli: cached,
                 default_max_output: default_max_output.min(10_000_000),
                 monthly: t.monthly,
+                priced: false,
             }),
         })
     }

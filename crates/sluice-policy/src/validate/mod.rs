@@ -152,12 +152,15 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     let (profile_name, profiles, profile) = v.profiles(raw);
     let window = v.nonzero("window_seconds", raw.window_seconds.unwrap_or(60));
     let identity = v.identity(raw);
-    let (bucket_index, token_index, buckets) = v.buckets(raw);
+    let (budget_index, buckets) = v.buckets(raw);
+    let prices = v.prices(raw);
+    let bucket_index = budget_index.buckets;
     let (quota_index, quotas) = v.quotas(raw);
     let (lane_index, mut lanes) = v.lanes(raw);
     let indices = routes::Indices {
         buckets: &bucket_index,
-        tokens: &token_index,
+        tokens: &budget_index.tokens,
+        spend: &budget_index.spend,
         quotas: &quota_index,
         lanes: &lane_index,
     };
@@ -197,6 +200,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             window,
             identity,
             buckets,
+            prices,
             quotas,
             lanes,
             domains,

@@ -17,6 +17,7 @@ use super::{Checker, MAX_ROUTE_BUCKETS};
 pub(super) struct Indices<'a> {
     pub(super) buckets: &'a HashMap<String, usize>,
     pub(super) tokens: &'a HashMap<String, usize>,
+    pub(super) spend: &'a HashMap<String, usize>,
     pub(super) quotas: &'a HashMap<String, usize>,
     pub(super) lanes: &'a HashMap<String, usize>,
 }
@@ -28,7 +29,7 @@ impl Checker {
         &mut self,
         at: &str,
         r: &crate::raw::RawRoute,
-        tokens: &HashMap<String, usize>,
+        (tokens, spend): (&HashMap<String, usize>, &HashMap<String, usize>),
         buckets: &mut Vec<usize>,
     ) -> Option<Option<LlmFormat>> {
         let llm = match r.llm.as_deref() {
@@ -43,11 +44,13 @@ impl Checker {
                 return None;
             }
         };
-        if !r.tokens.is_empty() && llm.is_none() {
-            self.problem(
-                format!("{at}.tokens"),
-                "token budgets are counted on LLM routes: add `llm: openai` or `llm: anthropic`",
-            );
+        for (key, names) in [("tokens", &r.tokens), ("spend", &r.spend)] {
+            if !names.is_empty() && llm.is_none() {
+                self.problem(
+                    format!("{at}.{key}"),
+                    "token and money budgets are counted on LLM routes: add `llm: openai` or `llm: anthropic`",
+                );
+            }
         }
         if llm.is_some() && r.jsonrpc {
             self.problem(
@@ -55,13 +58,17 @@ impl Checker {
                 "a route is JSON-RPC or an LLM route, not both",
             );
         }
-        for (j, name) in r.tokens.iter().enumerate() {
-            match tokens.get(name) {
+        let named = r.tokens.iter().map(|n| ("tokens", tokens, n));
+        for (j, (key, index, name)) in named
+            .chain(r.spend.iter().map(|n| ("spend", spend, n)))
+            .enumerate()
+        {
+            match index.get(name) {
                 Some(&k) if !buckets.contains(&k) => buckets.push(k),
-                Some(_) => self.problem(format!("{at}.tokens[{j}]"), "listed twice"),
+                Some(_) => self.problem(format!("{at}.{key}[{j}]"), "listed twice"),
                 None => self.problem(
-                    format!("{at}.tokens[{j}]"),
-                    format!("no token budget named {name:?} under `tokens`"),
+                    format!("{at}.{key}[{j}]"),
+                    format!("no budget named {name:?} under `{key}`"),
                 ),
             }
         }
@@ -106,7 +113,7 @@ impl Checker {
                     None
                 }
             };
-            if r.buckets.len() + r.tokens.len() > MAX_ROUTE_BUCKETS {
+            if r.buckets.len() + r.tokens.len() + r.spend.len() > MAX_ROUTE_BUCKETS {
                 self.problem(
                     format!("{at}.buckets"),
                     format!("at most {MAX_ROUTE_BUCKETS} buckets per route (a decision touches at most {} budgets)", sluice_core::MAX_BUDGETS),
@@ -120,7 +127,7 @@ impl Checker {
                 lane_index,
             );
             let mut spends = spends;
-            let llm = self.llm_route(&at, r, indices.tokens, &mut spends.buckets);
+            let llm = self.llm_route(&at, r, (indices.tokens, indices.spend), &mut spends.buckets);
             let mode = self.mode(&format!("{at}.mode"), r.mode.as_deref());
             if let (Some(class), Some(mode), Some(llm)) = (class, mode, llm) {
                 routes.push(Route {
