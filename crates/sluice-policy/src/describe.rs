@@ -373,11 +373,17 @@ impl Policy {
                 .buckets
                 .iter()
                 .map(|(l, window)| {
-                    let monthly = self
+                    let tokens = self
                         .buckets
                         .iter()
-                        .any(|b| b.name == l.name && b.tokens.is_some_and(|t| t.monthly));
-                    if monthly {
+                        .find(|b| b.name == l.name)
+                        .and_then(|b| b.tokens);
+                    let monthly = tokens.is_some_and(|t| t.monthly);
+                    if tokens.is_some_and(|t| t.priced) {
+                        let usd = f64::from(l.limit) / crate::MONEY_UNITS_PER_USD as f64;
+                        let star = if l.from_plan { "*" } else { "" };
+                        format!("{} {usd:.2} USD{star}/month", l.name)
+                    } else if monthly {
                         show(l, "/month")
                     } else {
                         show(l, &format!("/{window} s"))
