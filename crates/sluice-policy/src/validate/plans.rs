@@ -72,9 +72,15 @@ impl Checker {
                 let path = format!("{at}.{table}.{bucket}");
                 // A token budget is a bucket that counts tokens: each table names
                 // its own kind.
+                // (A money budget is neither: plans do not override it yet.)
+                let kind = |b: &Bucket| match b.tokens {
+                    None => "buckets",
+                    Some(t) if t.priced => "spend",
+                    Some(_) => "tokens",
+                };
                 let Some(i) = buckets
                     .iter()
-                    .position(|b| b.name == *bucket && b.tokens.is_some() == (table == "tokens"))
+                    .position(|b| b.name == *bucket && kind(b) == table)
                 else {
                     let kind = if table == "tokens" {
                         "token budget"
