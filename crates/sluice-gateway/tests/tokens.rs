@@ -138,8 +138,11 @@ fn answer(reply: Reply, anthropic: bool) -> String {
         Reply::Stream => {
             let first = json!({ "choices": [{ "delta": { "content": "hi" } }] });
             let last = json!({ "choices": [], "usage": usage });
+            // With its length, as a server that answers a stream at once sends it.
+            let body = format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n");
             format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\ndata: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n"
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
             )
         }
         Reply::Error => {
@@ -306,8 +309,15 @@ async fn t2_t3_t5_reserved_before_settled_at_the_usage_and_refused_in_the_apis_d
                 // exact); a client that did not ask does not see it, one that did
                 // does.
                 let key = "k2";
-                let (status, _, answer) = call(addr, path, key, &body).await;
+                let (status, head, answer) = call(addr, path, key, &body).await;
                 assert_eq!(status, 200);
+                if let Some(length) = field(&head, "content-length") {
+                    assert_eq!(
+                        length,
+                        answer.len().to_string(),
+                        "the length of what is sent"
+                    );
+                }
                 assert!(answer.contains("\"content\":\"hi\""), "{answer}");
                 assert!(answer.contains("[DONE]"), "{answer}");
                 assert!(!answer.contains("usage"), "hidden: {answer}");

@@ -316,6 +316,11 @@ where
             let Some((plan, decision)) = settlement else {
                 return Ok(response.map(|b| Either::Right(Either::Left(b))));
             };
+            if hide_usage {
+                // The answer loses a chunk on its way: its length is no longer the
+                // upstream's.
+                response.headers_mut().remove(http::header::CONTENT_LENGTH);
+            }
             // An LLM call: its token budgets settle at the answer's `usage`, read
             // as the body passes (never held whole).
             let content_type = response

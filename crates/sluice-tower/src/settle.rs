@@ -180,6 +180,10 @@ where
     }
 
     fn size_hint(&self) -> SizeHint {
+        // Less than the upstream's when a chunk is taken out.
+        if self.hide.is_some() {
+            return SizeHint::default();
+        }
         self.inner.size_hint()
     }
 }
