@@ -361,6 +361,7 @@ pub fn router<S: BudgetStore + 'static>(state: AdminState<S>) -> Router {
         .route("/dashboard.json", get(dashboard_json::<S>))
         .route("/quotas", get(quotas::<S>))
         .route("/quotas/reset", post(reset_quotas::<S>))
+        .route("/usage", get(llm_usage::<S>))
         .with_state(state)
 }
 
@@ -410,6 +411,63 @@ async fn status<S: BudgetStore + 'static>(State(state): State<AdminState<S>>) ->
 struct QuotaQuery {
     workspace: Option<String>,
     family: Option<String>,
+}
+
+/// The query of `/usage`.
+#[derive(Debug, serde::Deserialize)]
+struct UsageQuery {
+    workspace: Option<String>,
+    month: Option<String>,
+}
+
+/// `GET /usage?workspace=W[&month=YYYY-MM]` (SPEC T6): what the workspace's LLM
+/// calls spent this calendar month, tokens and US dollars, in all and by model
+/// (see [`Limiter::llm_usage`](sluice_edge::Limiter::llm_usage)). Only the
+/// current month is kept: another is 400.
+async fn llm_usage<S: BudgetStore + 'static>(
+    State(state): State<AdminState<S>>,
+    Query(q): Query<UsageQuery>,
+) -> Response {
+    let error = |status: StatusCode, code: &str, message: String| {
+        (
+            status,
+            Json(serde_json::json!({"error": {"code": code, "message": message, "details": {}}})),
+        )
+            .into_response()
+    };
+    let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no usage here".to_owned(),
+        );
+    };
+    let Some(workspace) = q.workspace.filter(|w| !w.is_empty()) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "`workspace` is required: /usage?workspace=NAME[&month=YYYY-MM]".to_owned(),
+        );
+    };
+    match limiter.llm_usage(&workspace).await {
+        Ok(usage) => match q.month {
+            Some(month) if usage["month"] != month.as_str() => error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!(
+                    "only the current month ({}) is kept, not {month:?}",
+                    usage["month"]
+                ),
+            ),
+            _ => Json(usage).into_response(),
+        },
+        Err(sluice_edge::QuotaQueryError::Store(e)) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            e.to_string(),
+        ),
+        Err(e) => error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
+    }
 }
 
 async fn quotas<S: BudgetStore + 'static>(

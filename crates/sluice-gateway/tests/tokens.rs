@@ -492,6 +492,41 @@ async fn t4_money_is_reserved_at_the_price_settled_to_the_thousandth_of_a_cent_a
             field(&head, "retry-after").is_none(),
             "no wait helps before the month turns: {head}"
         );
+        // SPEC T6: what the workspace spent this month, exactly what settled.
+        use sha2::Digest as _;
+        let label: String = sha2::Sha256::digest(b"k")
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let usage = admin_get(
+            gateway.admin_addr(),
+            &format!("/usage?workspace=key:{label}"),
+        )
+        .await;
+        let calls = u64::try_from(remainings.len()).expect("few");
+        let (input, cached, output) = USAGE;
+        assert_eq!(
+            usage["tokens"]["input"],
+            calls * u64::from(input - cached),
+            "{usage}"
+        );
+        assert_eq!(usage["tokens"]["cached_input"], calls * u64::from(cached));
+        assert_eq!(usage["tokens"]["output"], calls * u64::from(output));
+        let spend = usage["spend_usd"].as_f64().expect("spend_usd");
+        assert!(
+            (spend - calls as f64 * 0.00035).abs() < 1e-9,
+            "to the thousandth of a cent: {usage}"
+        );
+        assert_eq!(
+            usage["by_model"]["gpt-4o*"]["output"],
+            calls * u64::from(output)
+        );
+        let other = admin_get(
+            gateway.admin_addr(),
+            &format!("/usage?workspace=key:{label}&month=1999-01"),
+        )
+        .await;
+        assert_eq!(other["error"]["code"], "invalid_request", "{other}");
         // A model with no price: refused, sent nowhere.
         let before = seen.load(Ordering::SeqCst);
         let unpriced = json!({ "model": "llama-3", "max_tokens": 5,
@@ -506,4 +541,16 @@ async fn t4_money_is_reserved_at_the_price_settled_to_the_thousandth_of_a_cent_a
         let _ = std::fs::remove_dir_all(dir);
     })
     .await;
+}
+
+/// `GET path` on the admin listener at `admin`: its JSON body.
+async fn admin_get(admin: SocketAddr, path: &str) -> Value {
+    let mut conn = TcpStream::connect(admin).await.expect("connect");
+    let request = format!("GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n");
+    conn.write_all(request.as_bytes()).await.expect("write");
+    let mut got = Vec::new();
+    let _ = conn.read_to_end(&mut got).await;
+    let text = String::from_utf8_lossy(&got).into_owned();
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str(body).unwrap_or_else(|_| Value::String(text.clone()))
 }

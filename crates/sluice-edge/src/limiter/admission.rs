@@ -478,6 +478,9 @@ impl<S: BudgetStore> Limiter<S> {
             (None, false) => "reservation",
         };
         metrics::counter!("sluice_llm_settlements_total", "outcome" => outcome).increment(1);
+        if let Some(usage) = &usage {
+            self.record_llm_usage(plan, usage).await;
+        }
         let policy = &self.policy;
         self.charge(plan, decision, |i| {
             let Some(BudgetKind::Bucket(b)) = plan.kinds.get(i) else {

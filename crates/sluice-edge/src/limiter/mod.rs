@@ -13,6 +13,7 @@ use sluice_store::{BudgetStore, MemoryConfig, MemoryStore};
 use crate::plan::Scopes;
 
 mod admission;
+mod llm_usage;
 mod outage;
 mod planning;
 mod quota_admin;
