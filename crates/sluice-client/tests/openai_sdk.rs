@@ -4,10 +4,12 @@
 //! request gets the proxy's 413.
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../../tests/support/python_venv.rs"]
+mod python_venv;
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use sluice_client::proxy::{ProxyOptions, ProxyServer};
@@ -24,35 +26,8 @@ fn venv() -> PathBuf {
 }
 
 fn make_venv() -> PathBuf {
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
-    let python = venv.join("bin/python");
-    if !python.exists() {
-        let ok = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .unwrap();
-        assert!(ok.success(), "python3 -m venv failed");
-    }
-    let probe =
-        format!("import openai, sys; sys.exit(openai.__version__ != '{OPENAI_SDK_VERSION}')");
-    let has_sdk = Command::new(&python)
-        .args(["-c", &probe])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_sdk {
-        let ok = Command::new(venv.join("bin/pip"))
-            .args(["install", "-q", "--disable-pip-version-check"])
-            .arg(format!("openai=={OPENAI_SDK_VERSION}"))
-            .status()
-            .unwrap();
-        assert!(
-            ok.success(),
-            "pip install openai=={OPENAI_SDK_VERSION} failed"
-        );
-    }
-    python
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    python_venv::venv(&dir, &[("openai", OPENAI_SDK_VERSION)])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
