@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use sluice_core::{FakeClock, Timestamp};
 use sluice_lanes::{
     LaneConfig, Lease, LeaseKind, Ledger, LedgerCounts, MemoryLedger, RedisLedger,
@@ -506,11 +506,16 @@ fn cases(default: u32) -> u32 {
 fn l1_memory_ledger_and_redis_script_answer_alike_for_any_sequence() {
     let shared = RefCell::new(Shared::start("conf-prop"));
     let seen: RefCell<HashMap<String, u32>> = RefCell::default();
-    let mut runner = TestRunner::new(Config {
-        cases: cases(128),
-        failure_persistence: None,
-        ..Config::default()
-    });
+    // A fixed seed: the coverage asserted below holds for these cases on every
+    // run, not most runs.
+    let mut runner = TestRunner::new_with_rng(
+        Config {
+            cases: cases(128),
+            failure_persistence: None,
+            ..Config::default()
+        },
+        TestRng::deterministic_rng(RngAlgorithm::ChaCha),
+    );
     runner
         .run(&case(), |(config, own, ops)| {
             let mut shared = shared.borrow_mut();

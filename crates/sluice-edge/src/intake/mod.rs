@@ -37,9 +37,9 @@ impl From<Overrun> for BodyFailure {
     }
 }
 
-/// One request between its head and its plan. Phases 1 and 2 for every transport: an intake takes a request's head
-/// (its route or refusal, its peer, its fields), then its body, and owns what
-/// happens between them — the refusal order, the body bound, the buffer lease,
+/// One request between its head and its plan: phases 1 and 2 for every
+/// transport. An intake takes a request's head (its route or refusal, its
+/// peer), then its body, and owns what happens between them — the refusal order, the body bound, the buffer lease,
 /// the body deadline — until it yields the request [`Planned`].
 ///
 /// The refusal order, the same on every transport:
@@ -58,7 +58,7 @@ impl From<Overrun> for BodyFailure {
 /// transport with a buffer of its own, as sluice's HTTP/1.1 fast path) or hands
 /// each frame to [`Intake::push`] (one that gets frames, as the tower layer).
 /// The body the route asks for is where a body-aware budget reads it (JSON-RPC
-/// today); the response side is [`Forward`](crate::Forward)'s, symmetric: it
+/// classes, batch items, LLM token estimates); the response side is [`Forward`](crate::Forward)'s, symmetric: it
 /// settles what the upstream said the call cost.
 pub struct Intake<'l, S> {
     limiter: &'l Limiter<S>,
