@@ -58,8 +58,9 @@ impl From<Overrun> for BodyFailure {
 /// transport with a buffer of its own, as sluice's HTTP/1.1 fast path) or hands
 /// each frame to [`Intake::push`] (one that gets frames, as the tower layer).
 /// The body the route asks for is where a body-aware budget reads it (JSON-RPC
-/// classes, batch items, LLM token estimates); the response side is [`Forward`](crate::Forward)'s, symmetric: it
-/// settles what the upstream said the call cost.
+/// classes, batch items, LLM token estimates); the response side is
+/// [`Forward`](crate::Forward)'s, symmetric: it settles what the upstream said
+/// the call cost.
 pub struct Intake<'l, S> {
     limiter: &'l Limiter<S>,
     route: Result<Option<&'l Route>, Refused>,
