@@ -413,6 +413,28 @@ struct QuotaQuery {
     family: Option<String>,
 }
 
+/// The error envelope of an admin answer: `{"error": {"code", "message", "details"}}`.
+fn error(status: StatusCode, code: &str, message: String) -> Response {
+    (
+        status,
+        Json(serde_json::json!({"error": {"code": code, "message": message, "details": {}}})),
+    )
+        .into_response()
+}
+
+/// The answer to a quota or usage query that failed: 503 when the store could
+/// not answer, else 400.
+fn query_error(e: &sluice_edge::QuotaQueryError) -> Response {
+    match e {
+        sluice_edge::QuotaQueryError::Store(e) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            e.to_string(),
+        ),
+        e => error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
+    }
+}
+
 /// The query of `/usage`.
 #[derive(Debug, serde::Deserialize)]
 struct UsageQuery {
@@ -428,13 +450,6 @@ async fn llm_usage<S: BudgetStore + 'static>(
     State(state): State<AdminState<S>>,
     Query(q): Query<UsageQuery>,
 ) -> Response {
-    let error = |status: StatusCode, code: &str, message: String| {
-        (
-            status,
-            Json(serde_json::json!({"error": {"code": code, "message": message, "details": {}}})),
-        )
-            .into_response()
-    };
     let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
         return error(
             StatusCode::NOT_FOUND,
@@ -461,12 +476,7 @@ async fn llm_usage<S: BudgetStore + 'static>(
             ),
             _ => Json(usage).into_response(),
         },
-        Err(sluice_edge::QuotaQueryError::Store(e)) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store_unavailable",
-            e.to_string(),
-        ),
-        Err(e) => error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
+        Err(e) => query_error(&e),
     }
 }
 
@@ -520,13 +530,6 @@ async fn quota_answer<S: BudgetStore + 'static>(
     q: QuotaQuery,
     reset: bool,
 ) -> Response {
-    let error = |status: StatusCode, code: &str, message: String| {
-        (
-            status,
-            Json(serde_json::json!({"error": {"code": code, "message": message, "details": {}}})),
-        )
-            .into_response()
-    };
     let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
         return error(
             StatusCode::NOT_FOUND,
@@ -548,12 +551,7 @@ async fn quota_answer<S: BudgetStore + 'static>(
     };
     match answer {
         Ok(usage) => Json(usage_json(&workspace, &usage)).into_response(),
-        Err(sluice_edge::QuotaQueryError::Store(e)) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store_unavailable",
-            e.to_string(),
-        ),
-        Err(e) => error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
+        Err(e) => query_error(&e),
     }
 }
 

@@ -6,6 +6,9 @@
 //! budget is refused for good; a body that is not an LLM request is 400 and
 //! sent nowhere; refusals and headers speak the API's dialect.
 
+#[path = "../../../tests/support/one_request.rs"]
+mod one_request;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -70,26 +73,9 @@ async fn upstream(reply: Reply) -> (SocketAddr, Arc<AtomicUsize>) {
         while let Ok((mut conn, _)) = listener.accept().await {
             let count = Arc::clone(&count);
             tokio::spawn(async move {
-                let mut got = Vec::new();
-                let mut chunk = [0u8; 8192];
-                // One request: its head, then its Content-Length body.
-                loop {
-                    let text = String::from_utf8_lossy(&got).into_owned();
-                    if let Some((head, body)) = text.split_once("\r\n\r\n") {
-                        let length: usize = head
-                            .to_ascii_lowercase()
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:")?.trim().parse().ok())
-                            .unwrap_or(0);
-                        if body.len() >= length {
-                            break;
-                        }
-                    }
-                    match conn.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&chunk[..n]),
-                    }
-                }
+                let Some(got) = one_request::read_request(&mut conn).await else {
+                    return;
+                };
                 count.fetch_add(1, Ordering::SeqCst);
                 let request = String::from_utf8_lossy(&got);
                 let anthropic = request.contains("POST /v1/messages");

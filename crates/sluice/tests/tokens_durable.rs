@@ -4,6 +4,9 @@
 
 mod support;
 
+#[path = "../../../tests/support/one_request.rs"]
+mod one_request;
+
 use std::net::SocketAddr;
 
 use bytes::Bytes;
@@ -11,7 +14,7 @@ use http::Request;
 use http_body_util::Full;
 use serde_json::json;
 use support::{DataDir, Sluice, send};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpListener;
 
 /// A monthly budget of 100,000 weighed tokens per caller.
@@ -39,24 +42,8 @@ async fn upstream() -> SocketAddr {
     tokio::spawn(async move {
         while let Ok((mut conn, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let mut got = Vec::new();
-                let mut chunk = [0u8; 8192];
-                loop {
-                    let text = String::from_utf8_lossy(&got).into_owned();
-                    if let Some((head, body)) = text.split_once("\r\n\r\n") {
-                        let length: usize = head
-                            .to_ascii_lowercase()
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:")?.trim().parse().ok())
-                            .unwrap_or(0);
-                        if body.len() >= length {
-                            break;
-                        }
-                    }
-                    match conn.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&chunk[..n]),
-                    }
+                if one_request::read_request(&mut conn).await.is_none() {
+                    return;
                 }
                 let body = r#"{"id":"c","usage":{"prompt_tokens":20,"completion_tokens":30}}"#;
                 let answer = format!(

@@ -4,13 +4,16 @@
 //! loopback provider: a refusal raises the SDK's own RateLimitError in its API's
 //! words, and the SDK's own retry waits the Retry-After sluice gave.
 
+#[path = "../../../tests/support/one_request.rs"]
+mod one_request;
+
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use sluice_gateway::{Gateway, GatewayConfig, Upstream};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpListener;
 
 #[path = "../../../tests/support/python_venv.rs"]
@@ -44,25 +47,9 @@ async fn provider() -> SocketAddr {
     tokio::spawn(async move {
         while let Ok((mut conn, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let mut got = Vec::new();
-                let mut chunk = [0u8; 8192];
-                loop {
-                    let text = String::from_utf8_lossy(&got).into_owned();
-                    if let Some((head, body)) = text.split_once("\r\n\r\n") {
-                        let length: usize = head
-                            .to_ascii_lowercase()
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:")?.trim().parse().ok())
-                            .unwrap_or(0);
-                        if body.len() >= length {
-                            break;
-                        }
-                    }
-                    match conn.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&chunk[..n]),
-                    }
-                }
+                let Some(got) = one_request::read_request(&mut conn).await else {
+                    return;
+                };
                 let body = if String::from_utf8_lossy(&got).contains("POST /v1/messages") {
                     r#"{"id":"msg_1","type":"message","role":"assistant","model":"claude-sonnet-4-5","content":[{"type":"text","text":"Hi."}],"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":12,"output_tokens":40}}"#
                 } else {
