@@ -107,4 +107,6 @@ pub mod store_impl {
     pub use crate::key::mix64;
     pub use crate::rate::{GcraStep, cell_is_stale};
 }
-pub use turns::{ContinueOrFinish, DEFAULT_PROFILE_TURNS, Tier, Turn, TurnBudget};
+pub use turns::{
+    ContinueOrFinish, DEFAULT_PROFILE_TURNS, MAX_RUN_GRANTS, MAX_TIER_TURNS, Tier, Turn, TurnBudget,
+};

@@ -28,7 +28,7 @@ pub const fn cell_is_stale(cell: u64, now: Timestamp) -> bool {
 }
 
 #[inline]
-const fn pack(until: u64, low: u32) -> u64 {
+pub(crate) const fn pack(until: u64, low: u32) -> u64 {
     // Unix seconds fit 32 bits until 2106; saturate rather than wrap.
     let until = if until > u32::MAX as u64 {
         u32::MAX as u64
@@ -39,7 +39,7 @@ const fn pack(until: u64, low: u32) -> u64 {
 }
 
 #[inline]
-const fn low(cell: u64) -> u32 {
+pub(crate) const fn low(cell: u64) -> u32 {
     cell as u32
 }
 
@@ -94,6 +94,21 @@ pub enum Rate {
         millis: NonZeroU32,
         /// Slot length in milliseconds.
         slot_millis: NonZeroU32,
+    },
+    /// The turns of one agent run (SPEC T7): a run new at this decision may
+    /// take `limit` turns (its tier's, kept for the run's life whatever
+    /// later decisions pass), more once they are granted ([`crate::adjust`]
+    /// with a negative delta: a grant of that many), none once it is finished
+    /// (a positive delta past its turns). Waiting never frees a turn: a spent
+    /// run's refusal is [`Verdict::NotYet`] until it is granted more, a
+    /// finished run's [`Verdict::Never`]. The run is forgotten `idle_secs`
+    /// after its last turn or change (its cell then reads as a new run's).
+    ///
+    /// A run's status tells its turns left, grants included: its `remaining`
+    /// may exceed its `limit` (the tier's turns) once it was granted more.
+    Turns {
+        /// Seconds without a turn or change after which the run is forgotten.
+        idle_secs: NonZeroU32,
     },
 }
 
@@ -198,7 +213,9 @@ fn window_bounds(rate: &Rate, now: Timestamp) -> (u64, u64) {
             (start, start + w)
         }
         Rate::CalendarMonth => month_bounds(now),
-        Rate::Gcra { .. } | Rate::RollingWindow { .. } => (now.as_secs(), now.as_secs()),
+        Rate::Gcra { .. } | Rate::RollingWindow { .. } | Rate::Turns { .. } => {
+            (now.as_secs(), now.as_secs())
+        }
     }
 }
 
@@ -386,6 +403,9 @@ pub(crate) fn evaluate_one(
                 reset: e.reset,
                 write: e.write.map(|(j, c)| g.value(j, c)),
             }
+        }
+        Rate::Turns { idle_secs } => {
+            crate::turns::evaluate_cell(value, limit, cost, *idle_secs, now)
         }
         Rate::SlidingWindow { .. } => {
             let e = evaluate(rate, &[0], &[value], limit, cost, now);
@@ -595,6 +615,19 @@ pub(crate) fn adjust(
             let e = rolling::adjust(&g, current, &counts, limit, delta, reserved_at, now);
             if let Some((j, c)) = e.write {
                 writes.push((cell_keys[0], g.value(j, c)));
+            }
+            Evaluation {
+                verdict: Verdict::Admitted,
+                remaining_before: e.remaining_before,
+                remaining_after: e.remaining_after,
+                reset: e.reset,
+                writes,
+            }
+        }
+        Rate::Turns { idle_secs } => {
+            let e = crate::turns::adjust_cell(values[0], limit, delta, *idle_secs, now);
+            if let Some(v) = e.write {
+                writes.push((cell_keys[0], v));
             }
             Evaluation {
                 verdict: Verdict::Admitted,

@@ -75,7 +75,7 @@ fn window_of(b: &Budget, t: Timestamp) -> u64 {
             t.as_secs() / u64::from(seconds.get())
         }
         Rate::CalendarMonth => sluice_core::month_of(t).start,
-        Rate::Gcra { .. } | Rate::RollingWindow { .. } => 0,
+        Rate::Gcra { .. } | Rate::RollingWindow { .. } | Rate::Turns { .. } => 0,
     }
 }
 

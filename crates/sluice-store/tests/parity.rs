@@ -75,6 +75,10 @@ fn shapes() -> Vec<(Rate, u32)> {
             },
             8,
         ),
+        // A run of 5 turns forgotten 3 s after its last, and one of 2 after 1 s:
+        // grants (negative adjustments), finishes (positive ones past its turns).
+        (Rate::Turns { idle_secs: nz(3) }, 5),
+        (Rate::Turns { idle_secs: nz(1) }, 2),
     ]
 }
 

@@ -15,9 +15,10 @@
 -- ARGV[4]  the time to decide at (Unix microseconds), sent only by a store built
 --          with an injected clock (tests); 0: the server's TIME
 -- ARGV[5]  the number of distinct budgets; then per budget: its key's index in
---          KEYS, kind (f fixed, s sliding, m month, g gcra, r rolling), limit,
---          cost, window seconds (f, s), period in microseconds (g) or window
---          milliseconds (r), burst (g) or slot milliseconds (r)
+--          KEYS, kind (f fixed, s sliding, m month, g gcra, r rolling, u a run's
+--          turns), limit, cost, window seconds (f, s), period in microseconds
+--          (g), window milliseconds (r) or idle seconds (u), burst (g) or slot
+--          milliseconds (r)
 -- then     the number of entries; per entry: how many identical requests in a
 --          row it stands for, its number of budgets n, then n budget indices
 -- Returns {now_s, now_us_fraction, then per budget of every request: verdict
@@ -299,6 +300,34 @@ for i = 0, n - 1 do
     end
     if #js > 0 then reset = ceil_div((js[#js] + 1) * slot + span, 1000000)
     else reset = ceil_div(now_us, 1000000) end
+  elseif kind == 'u' then
+    -- A run's turns (sluice-core's Rate::Turns), w = seconds it is remembered
+    -- after its last change: fields w (until, Unix s), c (net turns: taken less
+    -- granted; past p: finished), p (its tier's turns, kept from its first).
+    local known = s.w >= now_s
+    local turns = known and s.p or math.min(math.max(limit, 1), 10000)
+    local net = known and s.c or 0
+    local until_s = known and s.w or now_s
+    before = math.max(0, turns - net)
+    if mode == 'adjust' then
+      local nn = math.max(-50000, math.min(turns + 1, net + delta))
+      if (not known) or nn ~= net then
+        until_s = now_s + w
+        s.w, s.c, s.p, s.dirty, s.expire = until_s, nn, turns, true, until_s + 1
+      end
+      after = math.max(0, turns - nn)
+    else
+      local finished = net > turns
+      local fits = (not finished) and (net + cost <= turns)
+      after = fits and (before - cost) or before
+      if fits and cost > 0 then
+        until_s = now_s + w
+        s.w, s.c, s.p, s.dirty, s.expire = until_s, net + cost, turns, true, until_s + 1
+      end
+      if finished then verdict = 2
+      elseif not fits then verdict = 1; retry = (until_s - now_s) * 1000000 end
+    end
+    reset = until_s
   else -- 'g': GCRA, w = period in us
     local T = math.max(1, floor_div(w, math.max(limit, 1)))
     local capacity = T * burst

@@ -378,6 +378,7 @@ impl RedisStore {
                     millis,
                     slot_millis,
                 } => ("r", u64::from(millis.get()), slot_millis.get()),
+                Rate::Turns { idle_secs } => ("u", u64::from(idle_secs.get()), 0),
                 Rate::Gcra { period, burst } => (
                     "g",
                     u64::try_from(period.as_micros()).unwrap_or(u64::MAX),
