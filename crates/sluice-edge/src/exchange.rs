@@ -268,6 +268,29 @@ impl<S: BudgetStore> Forward<'_, S> {
         crate::dialect::token_headers(headers, decision, &self.plan, policy);
     }
 
+    /// The agent run endpoint (SPEC T7) a request to `path` is, if it is one:
+    /// sluice answers it ([`Forward::answer_run`]), never forwarding it.
+    pub fn run_endpoint<'p>(&self, path: &'p str) -> Option<sluice_policy::RunEndpoint<'p>> {
+        self.limiter.policy().turns.endpoint(path)
+    }
+
+    /// Answers the run endpoint `endpoint` (see [`Forward::run_endpoint`]) for
+    /// this request's caller, its `method` and `body` (a `continue`'s
+    /// `{"turns": N}`), with `X-RateLimit-*` of its own decision.
+    pub async fn answer_run(
+        self,
+        endpoint: sluice_policy::RunEndpoint<'_>,
+        method: &http::Method,
+        body: &[u8],
+    ) -> Response<Full<Bytes>> {
+        let mut r = self
+            .limiter
+            .run_endpoint(&self.plan, endpoint, method, body)
+            .await;
+        self.write_rate_limit_headers(r.headers_mut(), &self.decision);
+        r
+    }
+
     /// The plan and the decision of an LLM call, for settling its token budgets
     /// once the answer's `usage` is known ([`Limiter::settle_usage`]); `None`
     /// for any other call.

@@ -48,6 +48,9 @@ pub enum Refused {
     /// policy's `prices:` (SPEC T4): it cannot be counted.
     #[error("the model has no price in the policy's `prices`")]
     UnpricedModel,
+    /// A call's run cannot be counted (SPEC T7).
+    #[error(transparent)]
+    Run(#[from] crate::BadRun),
     /// `CONNECT`: sluice is not a tunnel (a reverse proxy has nothing to connect to).
     #[error("CONNECT is not served: this is a gateway, not a tunnel")]
     Connect,

@@ -74,6 +74,7 @@ mod limiter;
 mod plan;
 mod refusal_log;
 mod request_id;
+mod runs;
 pub mod tokens;
 
 pub use answer::{
@@ -107,6 +108,7 @@ pub use limiter::{
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
 pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};
 pub use request_id::{MAX_REQUEST_ID_LEN, RequestId, X_REQUEST_ID};
+pub use runs::{BadRun, JSONRPC_TURNS_EXHAUSTED, PlannedRun, SeenRun};
 
 /// arc-swap, whose [`ArcSwap`](arc_swap::ArcSwap) holds a [`SharedLimiter`].
 pub use arc_swap;

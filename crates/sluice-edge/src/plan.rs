@@ -22,6 +22,12 @@ pub enum BudgetKind {
     Bucket(u32),
     /// A monthly quota (index into the policy's quota families).
     Quota(u32),
+    /// The turns an agent run may still take (SPEC T7).
+    Turns,
+    /// The turns an agent run took (a count: never refuses).
+    TurnsTaken,
+    /// The runs a caller may start per `turns.idle_seconds`.
+    RunStarts,
 }
 
 /// A policy index as a [`BudgetKind`] holds it (four bytes rather than eight: a
@@ -85,6 +91,8 @@ pub struct Plan {
     /// The index of the LLM call's model's price in the policy's `prices:`: its
     /// money budgets settle at it.
     pub price: Option<u16>,
+    /// The agent run the call is a turn of (SPEC T7), if it is one.
+    pub run: Option<Box<crate::PlannedRun>>,
     /// The budgets in shadow mode, a bit each by index (`mode: shadow`, a shadowed
     /// route, or a dry run): decided and counted, never refusing.
     pub shadow: u16,
@@ -217,6 +225,7 @@ pub(crate) fn plan(
         llm: None,
         price: None,
         passed: None,
+        run: None,
         shadow: 0,
         shadowed: 0,
     };
@@ -333,7 +342,13 @@ pub(crate) fn plan(
 }
 
 impl Plan {
-    fn push(&mut self, budget: Budget, kind: BudgetKind, window: NonZeroU32, shadow: bool) {
+    pub(crate) fn push(
+        &mut self,
+        budget: Budget,
+        kind: BudgetKind,
+        window: NonZeroU32,
+        shadow: bool,
+    ) {
         // Classes, one ceiling, buckets and quotas: the policy validator refuses
         // routes whose requests could touch more than MAX_BUDGETS.
         if self.budgets.is_full() {
@@ -364,6 +379,9 @@ impl Plan {
                 .quotas
                 .get(policy_index(*q))
                 .map_or("quota", |q| q.name.as_str()),
+            Some(BudgetKind::Turns) => "turns",
+            Some(BudgetKind::TurnsTaken) => "turns_taken",
+            Some(BudgetKind::RunStarts) => "run_starts",
             None => "",
         }
     }
@@ -403,7 +421,16 @@ impl Plan {
         let statuses = decision.statuses();
         let mut best: Option<usize> = None;
         for (i, s) in statuses.iter().enumerate() {
-            if matches!(self.kinds.get(i), Some(BudgetKind::Quota(_))) {
+            // Neither a monthly quota nor a run's turns is a rate the headers tell.
+            if matches!(
+                self.kinds.get(i),
+                Some(
+                    BudgetKind::Quota(_)
+                        | BudgetKind::Turns
+                        | BudgetKind::TurnsTaken
+                        | BudgetKind::RunStarts
+                )
+            ) {
                 continue;
             }
             if best.is_none_or(|b| s.remaining < statuses[b].remaining) {
@@ -493,12 +520,12 @@ impl Plan {
             .statuses()
             .get(i)
             .is_some_and(|s| s.verdict == sluice_core::Verdict::Never);
-        if never {
-            crate::COST_EXCEEDS_LIMIT
-        } else if matches!(self.kinds.get(i), Some(BudgetKind::Quota(_))) {
-            "quota_exceeded"
-        } else {
-            "rate_limited"
+        match self.kinds.get(i) {
+            Some(BudgetKind::Turns) if never => "run_finished",
+            Some(BudgetKind::Turns) => "turn_budget_exhausted",
+            _ if never => crate::COST_EXCEEDS_LIMIT,
+            Some(BudgetKind::Quota(_)) => "quota_exceeded",
+            _ => "rate_limited",
         }
     }
 

@@ -56,6 +56,9 @@ pub use model::{
     PlanLimits, Policy, Price, Principal, Profile, QuotaFamily, Refusal, Route, RouteClass,
     SLIDING_SLOTS, Spends, StorePolicy, TenantPlan, Tenants, TokenBudget, Tool,
 };
+pub use model::{
+    BUILT_IN_TIERS, DEPTH_HEADER, MAX_RUN_ID, MAX_TIERS, RUN_HEADER, RunEndpoint, Turns, is_run_id,
+};
 pub use path::{PathCase, PathError, Paths, without_parameters};
 pub use pattern::PathPattern;
 pub use raw::RawPolicy;

@@ -39,6 +39,10 @@ pub struct RawPolicy {
     /// Money budgets by name, that LLM routes name (SPEC T4).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub spend: BTreeMap<String, RawSpend>,
+    /// Turn budgets of agent runs on LLM routes and MCP tool calls (SPEC T7);
+    /// absent: the built-in tiers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turns: Option<RawTurns>,
     /// Descriptor rules for Envoy's rate-limit service, each a domain in the
     /// configuration format of envoyproxy/ratelimit (read as it is: see
     /// [`crate::domains`]).
@@ -106,6 +110,9 @@ pub struct RawPlan {
     /// Limit per window or month, by token budget.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tokens: BTreeMap<String, u32>,
+    /// Turns of a run, by depth tier (`turns.tiers`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub turns: BTreeMap<String, u32>,
     /// Calls per calendar month, by quota family.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub quotas: BTreeMap<String, u32>,
@@ -404,6 +411,34 @@ pub struct RawSpend {
     pub default_max_output: Option<u32>,
     /// `enforce` (default) or `shadow`.
     pub mode: Option<String>,
+}
+
+/// `turns:`, the turn budgets of agent runs (SPEC T7); what it leaves out is
+/// built in.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTurns {
+    /// Turns of a run by depth tier, over the built-in `quick: 10`,
+    /// `standard: 50` and `deep: 75`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tiers: BTreeMap<String, u32>,
+    /// The tier of a run whose calls name none (default `standard`).
+    pub default_tier: Option<String>,
+    /// Seconds without a turn or a change after which a run is forgotten
+    /// (default 86,400: a day).
+    pub idle_seconds: Option<u32>,
+    /// The most turns one `continue` may grant (default 1,000).
+    pub max_grant: Option<u32>,
+    /// The most turns a run may be granted in all (default 10,000).
+    pub max_granted: Option<u32>,
+    /// Runs one caller may start per `idle_seconds` (default 1,000).
+    pub runs_per_caller: Option<u32>,
+    /// The path under which the gateway answers `GET <path>/<run>` and `POST
+    /// <path>/<run>/continue|finish` (default `/runs`).
+    pub endpoints: Option<String>,
+    /// True: on a JSON-RPC route, an MCP `tools/call` with no run header is a
+    /// turn of the run its `Mcp-Session-Id` names.
+    pub mcp_session: Option<bool>,
 }
 
 /// One token budget (SPEC T1).

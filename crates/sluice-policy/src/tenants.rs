@@ -311,10 +311,13 @@ fn own_plan(
     let own = checker
         .plans(
             &raw,
-            &policy.classes,
-            &policy.buckets,
-            &policy.quotas,
-            &policy.lanes,
+            (
+                &policy.classes,
+                &policy.buckets,
+                &policy.quotas,
+                &policy.lanes,
+            ),
+            &policy.turns,
         )
         .pop();
     let prefix = format!("plans.{name}");

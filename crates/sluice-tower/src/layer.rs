@@ -265,6 +265,16 @@ where
                 Ok(forward) => forward,
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };
+            // An agent run's endpoint (SPEC T7): answered here for its caller,
+            // never forwarded.
+            if let Some(endpoint) = forward.run_endpoint(parts.uri.path()) {
+                let body = match body_of_run_call(body).await {
+                    Ok(body) => body,
+                    Err(answer) => return Ok(answer.map(Either::Left)),
+                };
+                let answer = forward.answer_run(endpoint, &parts.method, &body).await;
+                return Ok(answer.map(Either::Left));
+            }
             // An OpenAI stream that does not ask for its usage is asked for it, so
             // its token budgets settle at the truth; the client does not see it.
             let mut hide_usage = false;
@@ -345,6 +355,49 @@ where
         })
     }
 }
+
+/// The most bytes a run endpoint's body may hold (a `continue`'s `{"turns": N}`).
+const MAX_RUN_CALL_BODY: usize = 4_096;
+
+/// The body of a call to a run endpoint, whole, within [`MAX_RUN_CALL_BODY`]
+/// and [`RUN_CALL_BODY_DEADLINE`].
+///
+/// # Errors
+/// 413 for a longer one, 400 for one that breaks off, 408 for a slow one.
+async fn body_of_run_call<B>(body: B) -> Result<Bytes, Response<Full<Bytes>>>
+where
+    B: Body,
+{
+    use bytes::Buf as _;
+    let read = async {
+        let mut whole = Vec::new();
+        let mut body = std::pin::pin!(body);
+        while let Some(frame) = body.as_mut().frame().await {
+            let Ok(frame) = frame else {
+                return Err(sluice_edge::body_unreadable());
+            };
+            let Ok(mut data) = frame.into_data() else {
+                continue;
+            };
+            if whole.len() + data.remaining() > MAX_RUN_CALL_BODY {
+                return Err(sluice_edge::payload_too_large(MAX_RUN_CALL_BODY));
+            }
+            while data.has_remaining() {
+                let chunk = data.chunk();
+                whole.extend_from_slice(chunk);
+                let n = chunk.len();
+                data.advance(n);
+            }
+        }
+        Ok(Bytes::from(whole))
+    };
+    tokio::time::timeout(RUN_CALL_BODY_DEADLINE, read)
+        .await
+        .unwrap_or_else(|_| Err(sluice_edge::body_too_slow(RUN_CALL_BODY_DEADLINE)))
+}
+
+/// How long a run endpoint's body may take to arrive.
+const RUN_CALL_BODY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Phase 2 for a body the route is classified by: one announced past the bound
 /// is not read (the intake answers 413 once decided); any other is leased, at

@@ -184,6 +184,9 @@ impl<S: BudgetStore> Limiter<S> {
             },
         };
         let decided = self.decide_boxed(&mut plan, id).await;
+        if let Ok(decision) = &decided {
+            self.keep_run(&plan, decision);
+        }
         let reason = match decided {
             Ok(decision) if decision.is_admitted() => {
                 return Ok(Admitted {
@@ -193,14 +196,12 @@ impl<S: BudgetStore> Limiter<S> {
                 });
             }
             Ok(decision) => {
-                let binding = decision.binding_index();
-                let reason = if decision.is_never() {
-                    crate::COST_EXCEEDS_LIMIT
-                } else if matches!(plan.kinds.get(binding), Some(BudgetKind::Quota(_))) {
-                    "quota_exceeded"
-                } else {
-                    "rate_limited"
+                // A run's pause answers before any other refusal: waiting helps none.
+                let binding = match &plan.run {
+                    Some(run) if crate::runs::paused(&plan, &decision) => run.index,
+                    _ => decision.binding_index(),
                 };
+                let reason = plan.refusal_reason(binding, &decision);
                 crate::refusal_log::refusal_line(&self.refusal_log, || {
                     tracing::info!(
                         target: "sluice::refusal",
@@ -282,6 +283,9 @@ impl<S: BudgetStore> Limiter<S> {
         let answer = match (&refusal.reason, refusal.plan.as_deref()) {
             (Reason::Invalid(refused), _) if jsonrpc_body.is_some() => refused.jsonrpc_response(),
             (Reason::Invalid(refused), _) => refused.response(),
+            (Reason::Budget(decision), Some(plan)) if crate::runs::paused(plan, decision) => {
+                return crate::runs::pause(plan, decision, policy, jsonrpc_body);
+            }
             (Reason::Budget(decision), Some(plan)) => match plan.llm {
                 Some(format) => crate::dialect::llm_refusal(
                     format,

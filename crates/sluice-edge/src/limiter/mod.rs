@@ -68,6 +68,8 @@ pub struct Limiter<S> {
     /// The same bound, apart, for the lines saying the store could not decide: a
     /// flood of ordinary refusals does not hide an outage.
     outage_log: Arc<crate::RefusalLog>,
+    /// The agent runs this replica decided turns of lately (SPEC T7).
+    pub(crate) runs: Arc<crate::runs::RecentRuns>,
 }
 
 /// Why a new policy cannot replace a running one without a restart (see
@@ -112,6 +114,7 @@ impl<S: BudgetStore> Limiter<S> {
             metrics,
             refusal_log: Arc::default(),
             outage_log: Arc::default(),
+            runs: Arc::default(),
         }
     }
 
@@ -175,6 +178,7 @@ impl<S: BudgetStore> Limiter<S> {
             lanes: self.lanes.clone(),
             refusal_log: Arc::clone(&self.refusal_log),
             outage_log: Arc::clone(&self.outage_log),
+            runs: Arc::clone(&self.runs),
         })
     }
 

@@ -115,5 +115,16 @@ pub(super) fn read_headers_of(policy: &Policy) -> Vec<HeaderName> {
     if !names.contains(&CONTENT_ENCODING) {
         names.push(CONTENT_ENCODING);
     }
+    // A call's agent run (SPEC T7), named by header or by its MCP session.
+    for name in [
+        sluice_policy::RUN_HEADER,
+        sluice_policy::DEPTH_HEADER,
+        "mcp-session-id",
+    ] {
+        let name = HeaderName::from_static(name);
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
     names
 }

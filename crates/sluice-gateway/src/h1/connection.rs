@@ -198,8 +198,15 @@ impl<'f> Connection<'f> {
         limiter: &'l Limiter<AnyStore>,
     ) -> io::Result<Result<request::Head<'l>, Next>> {
         let fast = self.fast;
+        // An agent run's endpoint (SPEC T7) is answered by the service stack.
+        let run_endpoint = std::sync::atomic::AtomicBool::new(false);
         let route =
             |method: &Method, hosts: &mut dyn Iterator<Item = &[u8]>, path: Result<&str, _>| {
+                if let Ok(p) = path
+                    && limiter.policy().turns.endpoint(p).is_some()
+                {
+                    run_endpoint.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 limiter.route_head(method, http::Version::HTTP_11, hosts, path, None)
             };
         let cx = request::Context {
@@ -229,7 +236,12 @@ impl<'f> Connection<'f> {
                     &mut self.to_upstream,
                     &mut self.identity,
                 ) {
-                    request::Parsed::Ready(head) if head.len <= max_head => return Ok(Ok(head)),
+                    request::Parsed::Ready(head)
+                        if head.len <= max_head
+                            && !run_endpoint.load(std::sync::atomic::Ordering::Relaxed) =>
+                    {
+                        return Ok(Ok(head));
+                    }
                     request::Parsed::Ready(_) | request::Parsed::Elsewhere => {
                         return Ok(Err(Next::Elsewhere));
                     }

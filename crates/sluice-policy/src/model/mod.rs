@@ -7,6 +7,7 @@ mod identity;
 mod lanes;
 mod plans;
 mod routes;
+mod turns;
 
 use std::num::NonZeroU32;
 
@@ -26,6 +27,9 @@ pub use plans::{
 pub use routes::{
     BatchEndpoint, Bounds, JsonRpc, JsonRpcRefusal, METHOD_OVERRIDE_FIELDS, Outage, Route,
     RouteClass, StorePolicy, Tool,
+};
+pub use turns::{
+    BUILT_IN_TIERS, DEPTH_HEADER, MAX_RUN_ID, MAX_TIERS, RUN_HEADER, RunEndpoint, Turns, is_run_id,
 };
 
 /// The checked policy.
@@ -80,6 +84,8 @@ pub struct Policy {
     pub default_plan: Option<usize>,
     /// Which workspace is on which plan.
     pub tenants: Tenants,
+    /// The turn budgets of agent runs (SPEC T7).
+    pub turns: Turns,
 }
 
 impl Policy {

@@ -28,6 +28,8 @@ pub struct CustomerPlan {
     pub quotas: Vec<Option<NonZeroU32>>,
     /// Per-workspace limits in each lane, indexed like [`Policy::lanes`].
     pub lanes: Vec<PlanLane>,
+    /// Turns of a run, indexed like [`Turns::tiers`](crate::Turns).
+    pub turns: Vec<Option<NonZeroU32>>,
     /// Enforced, or its limits decided and counted without refusing (a dry run).
     pub mode: Enforcement,
 }

@@ -9,6 +9,7 @@ mod lanes;
 mod limits;
 mod plans;
 mod routes;
+mod turns;
 
 use std::num::NonZeroU32;
 #[cfg(feature = "yaml")]
@@ -176,7 +177,9 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     let paths = limits::paths(raw);
     let store = v.store(raw);
     let (classes, ceilings) = v.budgets_without_objects(raw);
-    let plans = v.plans(raw, &classes, &buckets, &quotas, &lanes);
+    let mut turns = v.turns(raw);
+    turns.enabled = raw.turns.is_some() || routes.iter().any(|r| r.llm.is_some());
+    let plans = v.plans(raw, (&classes, &buckets, &quotas, &lanes), &turns);
     let tenants = v.tenants(raw, &plans);
     let domains = crate::domains::from_policy(&raw.domains, &mut v.problems);
     crate::domains::check_unique(&domains, &mut v.problems);
@@ -217,6 +220,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             plans,
             default_plan,
             tenants,
+            turns,
         }),
         _ => Err(v.problems),
     }

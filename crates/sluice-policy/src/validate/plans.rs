@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use crate::model::{
     Bucket, CostClass, CustomerPlan, Enforcement, Lane, MAX_PLANS, MAX_WORKSPACES, PlanLane,
-    QuotaFamily, Tenants,
+    QuotaFamily, Tenants, Turns,
 };
 use crate::raw::RawPolicy;
 
@@ -16,10 +16,8 @@ impl Checker {
     pub(crate) fn plans(
         &mut self,
         raw: &RawPolicy,
-        classes: &[CostClass],
-        buckets: &[Bucket],
-        quotas: &[QuotaFamily],
-        lanes: &[Lane],
+        (classes, buckets, quotas, lanes): (&[CostClass], &[Bucket], &[QuotaFamily], &[Lane]),
+        turns: &Turns,
     ) -> Vec<CustomerPlan> {
         if raw.plans.len() > MAX_PLANS {
             self.problem("plans", format!("at most {MAX_PLANS} plans"));
@@ -42,9 +40,23 @@ impl Checker {
                 buckets: vec![None; buckets.len()],
                 quotas: vec![None; quotas.len()],
                 lanes: vec![PlanLane::default(); lanes.len()],
+                turns: vec![None; turns.tiers.len()],
                 mode: Enforcement::Enforce,
             };
             let mut ok = true;
+            for (tier, &n) in &p.turns {
+                let path = format!("{at}.turns.{tier}");
+                let Some(i) = turns.tier(tier) else {
+                    self.problem(
+                        &path,
+                        format!("no tier {tier:?} under `turns.tiers` or built in"),
+                    );
+                    ok = false;
+                    continue;
+                };
+                plan.turns[i] = self.turns_of(&path, n);
+                ok &= plan.turns[i].is_some();
+            }
             for (class, &limit) in &p.classes {
                 let path = format!("{at}.classes.{class}");
                 let (Some(c), Some(limit)) = (self.class(&path, class), self.nonzero(&path, limit))

@@ -13,6 +13,10 @@ use crate::raw::RawPolicy;
 
 use super::{Checker, MAX_ROUTE_BUCKETS};
 
+/// The budgets a run's turn adds to a call's decision: the run's turns left, the
+/// turns it took, and the caller's run starts (SPEC T7).
+pub(super) const RUN_BUDGETS: usize = 3;
+
 /// The index of each budget and lane by name, as routes name them.
 pub(super) struct Indices<'a> {
     pub(super) buckets: &'a HashMap<String, usize>,
@@ -230,7 +234,8 @@ impl Checker {
     }
 
     /// Checks that no request any route admits can touch more budgets than one
-    /// decision holds: its classes, the IP ceilings, its buckets and quotas.
+    /// decision holds: its classes, the IP ceilings, its buckets and quotas,
+    /// and a run's.
     pub(super) fn budget_counts(&mut self, routes: &[Route], jsonrpc: &JsonRpc) {
         // Every ceiling may count one request (an upper bound), and a JSON-RPC
         // body may hold every class its rules name.
@@ -275,11 +280,17 @@ impl Checker {
                     jsonrpc_classes + ceilings + buckets.len() + quotas.len()
                 }
             };
+            // A call on an LLM route or an MCP tool call may be a run's turn.
+            let n = n + if r.llm.is_some() || r.class == RouteClass::JsonRpc {
+                RUN_BUDGETS
+            } else {
+                0
+            };
             if n > sluice_core::MAX_BUDGETS {
                 self.problem(
                     format!("routes[{i}]"),
                     format!(
-                        "a request here may touch {n} budgets (classes, the IP ceilings, buckets and quotas, with its tools'); one decision holds at most {}",
+                        "a request here may touch {n} budgets (classes, the IP ceilings, buckets and quotas, with its tools', and a run's three); one decision holds at most {}",
                         sluice_core::MAX_BUDGETS
                     ),
                 );
