@@ -443,9 +443,12 @@ struct UsageQuery {
 }
 
 /// `GET /usage?workspace=W[&month=YYYY-MM]` (SPEC T6): what the workspace's LLM
-/// calls spent this calendar month, tokens and US dollars, in all and by model
-/// (see [`Limiter::llm_usage`](sluice_edge::Limiter::llm_usage)). Only the
-/// current month is kept: another is 400.
+/// calls spent in a calendar month (the current one without `month`), tokens and
+/// US dollars, in all and by model (see
+/// [`Limiter::llm_usage`](sluice_edge::Limiter::llm_usage)). The current month and
+/// the [`USAGE_MONTHS_KEPT`](sluice_edge::USAGE_MONTHS_KEPT) before it are kept; a
+/// month that does not read as `YYYY-MM`, one after the current month or one no
+/// longer kept is 400.
 async fn llm_usage<S: BudgetStore + 'static>(
     State(state): State<AdminState<S>>,
     Query(q): Query<UsageQuery>,
@@ -464,18 +467,12 @@ async fn llm_usage<S: BudgetStore + 'static>(
             "`workspace` is required: /usage?workspace=NAME[&month=YYYY-MM]".to_owned(),
         );
     };
-    match limiter.llm_usage(&workspace).await {
-        Ok(usage) => match q.month {
-            Some(month) if usage["month"] != month.as_str() => error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!(
-                    "only the current month ({}) is kept, not {month:?}",
-                    usage["month"]
-                ),
-            ),
-            _ => Json(usage).into_response(),
-        },
+    let month = match q.month.as_deref().map(str::parse).transpose() {
+        Ok(month) => month,
+        Err(e) => return query_error(&sluice_edge::QuotaQueryError::Month(e)),
+    };
+    match limiter.llm_usage(&workspace, month).await {
+        Ok(usage) => Json(usage).into_response(),
         Err(e) => query_error(&e),
     }
 }
