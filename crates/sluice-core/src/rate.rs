@@ -130,10 +130,11 @@ impl Rate {
         } else {
             end as u32
         };
-        match NonZeroU32::new(end) {
-            Some(seconds) => Rate::FixedWindow { seconds },
-            None => Rate::CalendarMonth, // unreachable: end is at least 10⁹
-        }
+        let seconds = match NonZeroU32::new(end) {
+            Some(seconds) => seconds,
+            None => NonZeroU32::MAX, // not reached: `end` is at least 10⁹
+        };
+        Rate::FixedWindow { seconds }
     }
 
     /// True for a rate [`Rate::until`] makes: a fixed window of at least
