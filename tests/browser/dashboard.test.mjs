@@ -6,7 +6,7 @@ import fs from "node:fs";
 import path from "node:path";
 import { after, before, test } from "node:test";
 import {
-  DESKTOP, PHONE, ROOT, browser, openPage, overflowsSideways, screenshot, startSluice, tempDir,
+  DESKTOP, PHONE, ROOT, browser, fakeProvider, openPage, overflowsSideways, screenshot, startSluice, tempDir,
 } from "./support.mjs";
 
 // A workspace name as an auth layer in front may pass it on: whatever a caller
@@ -73,6 +73,8 @@ test("the dashboard shows traffic as it happens, refusals by reason, and caller 
   const status = await (await fetch(admin + "/status")).json();
   assert.match(await text(page, "#policy-badge"), new RegExp("^policy " + status.limiter.policy.version.slice(0, 8) + "$"));
   assert.match(await text(page, "#refusals-body"), /nothing refused/);
+  // SPEC T6: no LLM route in the built-in policy, so no tokens-and-money section.
+  assert.equal(await page.locator("#usage").isHidden(), true, "the LLM usage section shows without LLM routes");
 
   // SPEC E1: 30 expensive calls a minute per caller; 35 from one key → 5 refused.
   const statuses = [];
@@ -142,4 +144,57 @@ test("the plans panel shows what each plan gives, and a workspace's limits as th
   assert.match(shown, /standard 60/, "the profile's where neither sets it");
   await screenshot(page, "serve-dashboard-plans");
   assert.deepEqual(errors, []);
+});
+
+test("with LLM routes the dashboard charts each workspace's tokens and spend this month (SPEC T6)", { timeout: 60_000 }, async () => {
+  let calls = 0;
+  const provider = await fakeProvider(() => ++calls);
+  const dir = tempDir("sluice-dash-llm-");
+  const llm = await startSluice([
+    "serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
+    "--data-dir", path.join(dir, "data"), "--config", path.join(ROOT, "examples/llm-gateway.yaml"),
+    "--upstream", "http://127.0.0.1:" + provider.address().port,
+  ], /listening on http:\/\/(\S+) \(admin http:\/\/(\S+),/);
+  try {
+    const chat = async (key, model) => {
+      const r = await fetch("http://" + llm.match[1] + "/v1/chat/completions", {
+        method: "POST",
+        headers: { "content-type": "application/json", authorization: "Bearer " + key },
+        body: JSON.stringify({ model, max_tokens: 16, messages: [{ role: "user", content: "hi" }] }),
+      });
+      await r.arrayBuffer();
+      assert.equal(r.status, 200);
+    };
+    // The example's key table: research (ada) and support (grace). The provider
+    // reports 12 input and 8 output tokens a call.
+    await chat("sk-research-ada", "gpt-4o");
+    await chat("sk-research-ada", "gpt-4o");
+    await chat("sk-support-grace", "gpt-4o-mini");
+    const errors = [];
+    const page = await openPage(chrome.context, errors);
+    await page.setViewportSize(DESKTOP);
+    await page.goto("http://" + llm.match[2] + "/");
+    await page.locator("#usage:not([hidden])").waitFor({ timeout: 10_000 });
+    const tokens = '.chart[data-usage="tokens"]';
+    const spend = '.chart[data-usage="spend"]';
+    await page.locator(tokens + ' [data-workspace="research"] .count', { hasText: /^40$/ }).waitFor({ timeout: 10_000 });
+    assert.equal(await text(page, tokens + ' [data-workspace="support"] .count'), "20");
+    assert.equal(await page.locator(tokens + " svg rect").count() > 0, true, "the token chart draws bars");
+    // Per call 12 × 2.50 + 8 × 10 per million dollars, rounded up to 10⁻⁵: most spent first.
+    assert.equal(await text(page, spend + " .row .what"), "research");
+    assert.equal(await text(page, spend + ' [data-workspace="research"] .count'), "$0.00022");
+    assert.equal(await text(page, spend + ' [data-workspace="support"] .count'), "$0.00001");
+    assert.match(await text(page, "#usage-note"), /This month \(\d{4}-\d{2}, UTC\): the 2 workspace\(s\)/);
+    await page.locator("#usage").scrollIntoViewIfNeeded();
+    await screenshot(page, "serve-dashboard-llm-usage");
+    await page.setViewportSize(PHONE);
+    await page.waitForTimeout(300);
+    assert.equal(await overflowsSideways(page), false, "the page scrolls sideways at 390 px");
+    assert.deepEqual(errors, []);
+    await page.close();
+  } finally {
+    await llm.stop();
+    provider.close();
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
 });

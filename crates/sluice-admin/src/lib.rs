@@ -8,6 +8,8 @@
 //! - the monthly quotas: `GET /quotas?workspace=W` and
 //!   `POST /quotas/reset?workspace=W[&family=F]` (only here: the gateway never serves
 //!   them);
+//! - what LLM calls spent: `GET /usage?workspace=W[&month=YYYY-MM]` (SPEC T6), this
+//!   month or one of the twelve before it;
 //! - the tenants API (`/tenants…`, see [`tenants`]): workspaces and credentials
 //!   changed at run time.
 //!
@@ -120,6 +122,8 @@ struct AdminInner<S> {
     history: Arc<Mutex<History>>,
     /// The dashboard's quota table and when it was read (see [`QUOTAS_MAX_AGE`]).
     quota_table: Arc<Mutex<Option<(Instant, serde_json::Value)>>>,
+    /// The dashboard's LLM usage table and when it was read (see [`USAGE_MAX_AGE`]).
+    usage_table: Arc<Mutex<Option<(Instant, serde_json::Value)>>>,
 }
 
 /// How often the dashboard's history takes a sample.
@@ -134,6 +138,21 @@ pub const HISTORY_SAMPLES: usize = 600;
 /// dashboard asks every second, the store is asked at most this often.
 pub const QUOTA_WORKSPACES: usize = 12;
 const QUOTAS_MAX_AGE: Duration = Duration::from_secs(2);
+
+/// Most workspaces whose LLM usage the dashboard reads (the key table's first,
+/// then the top callers'), of which it shows the [`USAGE_WORKSPACES`] that spent
+/// most this month. Each costs a store call for every twelve counts (four per
+/// model of the policy's `prices:`, and four for `other`).
+pub const USAGE_CANDIDATES: usize = 32;
+
+/// Most workspaces the dashboard's LLM usage chart shows: those that spent most
+/// this month (money, then tokens) of the [`USAGE_CANDIDATES`] read.
+pub const USAGE_WORKSPACES: usize = 10;
+
+/// How long one reading of the dashboard's LLM usage is served again: the store
+/// is asked at most this often, however many dashboards are open, and never when
+/// none is.
+pub const USAGE_MAX_AGE: Duration = Duration::from_secs(5);
 
 /// One class in one [`Sample`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -251,6 +270,7 @@ impl<S> Clone for AdminInner<S> {
             quotas: self.quotas.clone(),
             history: Arc::clone(&self.history),
             quota_table: Arc::clone(&self.quota_table),
+            usage_table: Arc::clone(&self.usage_table),
         }
     }
 }
@@ -276,6 +296,7 @@ impl<S: BudgetStore + 'static> AdminState<S> {
                 quotas: None,
                 history: Arc::default(),
                 quota_table: Arc::default(),
+                usage_table: Arc::default(),
             }),
         }
     }
@@ -443,9 +464,12 @@ struct UsageQuery {
 }
 
 /// `GET /usage?workspace=W[&month=YYYY-MM]` (SPEC T6): what the workspace's LLM
-/// calls spent this calendar month, tokens and US dollars, in all and by model
-/// (see [`Limiter::llm_usage`](sluice_edge::Limiter::llm_usage)). Only the
-/// current month is kept: another is 400.
+/// calls spent in a calendar month (the current one without `month`), tokens and
+/// US dollars, in all and by model (see
+/// [`Limiter::llm_usage`](sluice_edge::Limiter::llm_usage)). The current month and
+/// the [`USAGE_MONTHS_KEPT`](sluice_edge::USAGE_MONTHS_KEPT) before it are kept; a
+/// month that does not read as `YYYY-MM`, one after the current month or one no
+/// longer kept is 400.
 async fn llm_usage<S: BudgetStore + 'static>(
     State(state): State<AdminState<S>>,
     Query(q): Query<UsageQuery>,
@@ -464,18 +488,12 @@ async fn llm_usage<S: BudgetStore + 'static>(
             "`workspace` is required: /usage?workspace=NAME[&month=YYYY-MM]".to_owned(),
         );
     };
-    match limiter.llm_usage(&workspace).await {
-        Ok(usage) => match q.month {
-            Some(month) if usage["month"] != month.as_str() => error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!(
-                    "only the current month ({}) is kept, not {month:?}",
-                    usage["month"]
-                ),
-            ),
-            _ => Json(usage).into_response(),
-        },
+    let month = match q.month.as_deref().map(str::parse).transpose() {
+        Ok(month) => month,
+        Err(e) => return query_error(&sluice_edge::QuotaQueryError::Month(e)),
+    };
+    match limiter.llm_usage(&workspace, month).await {
+        Ok(usage) => Json(usage).into_response(),
         Err(e) => query_error(&e),
     }
 }
@@ -582,8 +600,10 @@ struct DashboardQuery {
 /// `status` (the `/status` document), `samples` (the history after `since`, see
 /// [`Sample`]; `last_seq` is the newest sample's number, lower than `since` after
 /// a restart), `tally` (counts since start: classes, refusals by reason, lane
-/// refusals, fail-open decisions) and `quotas` (per workspace, `null` when the
-/// policy has no quota families).
+/// refusals, fail-open decisions), `quotas` (per workspace, `null` when the
+/// policy has no quota families) and `llm_usage` (tokens and money this month
+/// per workspace, see [`USAGE_WORKSPACES`]; `null` when the policy has no LLM
+/// route).
 async fn dashboard_json<S: BudgetStore + 'static>(
     State(state): State<AdminState<S>>,
     Query(q): Query<DashboardQuery>,
@@ -599,6 +619,7 @@ async fn dashboard_json<S: BudgetStore + 'static>(
         .as_ref()
         .map(|limiter| tally_json(&limiter.load().tally(unix_now())));
     let quotas = quota_table(&state, &status.limiter).await;
+    let llm_usage = usage_table(&state, &status.limiter).await;
     (
         [(header::CACHE_CONTROL, "no-store")],
         Json(serde_json::json!({
@@ -609,6 +630,7 @@ async fn dashboard_json<S: BudgetStore + 'static>(
             "samples": samples,
             "tally": tally,
             "quotas": quotas,
+            "llm_usage": llm_usage,
         })),
     )
         .into_response()
@@ -670,8 +692,28 @@ async fn quota_table<S: BudgetStore + 'static>(
     {
         return table.clone();
     }
-    let mut known: Vec<&str> = limiter
-        .policy()
+    let workspaces = dashboard_workspaces(limiter.policy(), summary, QUOTA_WORKSPACES);
+    let mut table = Vec::with_capacity(workspaces.len());
+    for workspace in workspaces {
+        let row = match limiter.quota_usage(&workspace).await {
+            Ok(usage) => usage_json(&workspace, &usage),
+            Err(e) => serde_json::json!({"workspace": workspace, "error": e.to_string()}),
+        };
+        table.push(row);
+    }
+    let table = serde_json::Value::Array(table);
+    *state.inner.quota_table.lock() = Some((Instant::now(), table.clone()));
+    table
+}
+
+/// The workspaces the dashboard reads: the key table's (in name order), then the
+/// current window's top callers' (from the `/status` summary), at most `max`.
+fn dashboard_workspaces(
+    policy: &sluice_policy::Policy,
+    summary: &serde_json::Value,
+    max: usize,
+) -> Vec<String> {
+    let mut known: Vec<&str> = policy
         .identity
         .keys
         .values()
@@ -684,23 +726,86 @@ async fn quota_table<S: BudgetStore + 'static>(
         .into_iter()
         .chain(callers.filter_map(|c| c["workspace"].as_str()))
     {
-        if workspaces.len() == QUOTA_WORKSPACES {
+        if workspaces.len() == max {
             break;
         }
         if !workspaces.iter().any(|seen| seen == w) {
             workspaces.push(w.to_owned());
         }
     }
-    let mut table = Vec::with_capacity(workspaces.len());
-    for workspace in workspaces {
-        let row = match limiter.quota_usage(&workspace).await {
-            Ok(usage) => usage_json(&workspace, &usage),
-            Err(e) => serde_json::json!({"workspace": workspace, "error": e.to_string()}),
-        };
-        table.push(row);
+    workspaces
+}
+
+/// True when the policy has LLM calls to count: a route that speaks an LLM API,
+/// or a token or money budget.
+fn counts_llm_usage(policy: &sluice_policy::Policy) -> bool {
+    policy.routes.iter().any(|r| r.llm.is_some())
+        || policy.buckets.iter().any(|b| b.tokens.is_some())
+}
+
+/// The LLM usage of this month of the [`USAGE_WORKSPACES`] workspaces that spent
+/// most, of the [`USAGE_CANDIDATES`] read (see [`dashboard_workspaces`]), read at
+/// most every [`USAGE_MAX_AGE`]: `{"month", "read", "workspaces": [{"workspace",
+/// "tokens": {"input","cached_input","output"}, "spend_usd"}]}`, most spent first
+/// (workspaces that spent nothing left out); `null` when the policy has no LLM
+/// route.
+async fn usage_table<S: BudgetStore + 'static>(
+    state: &AdminState<S>,
+    summary: &serde_json::Value,
+) -> serde_json::Value {
+    let Some(limiter) = &state.inner.quotas else {
+        return serde_json::Value::Null;
+    };
+    let limiter = limiter.load_full();
+    if !counts_llm_usage(limiter.policy()) {
+        return serde_json::Value::Null;
     }
-    let table = serde_json::Value::Array(table);
-    *state.inner.quota_table.lock() = Some((Instant::now(), table.clone()));
+    if let Some((read_at, table)) = &*state.inner.usage_table.lock()
+        && read_at.elapsed() < USAGE_MAX_AGE
+    {
+        return table.clone();
+    }
+    let workspaces = dashboard_workspaces(limiter.policy(), summary, USAGE_CANDIDATES);
+    let read = workspaces.len();
+    let mut month = serde_json::Value::Null;
+    let mut rows: Vec<(f64, u64, serde_json::Value)> = Vec::with_capacity(read);
+    let mut errors = Vec::new();
+    for workspace in workspaces {
+        match limiter.llm_usage(&workspace, None).await {
+            Ok(usage) => {
+                month = usage["month"].clone();
+                let tokens = &usage["tokens"];
+                let total: u64 = ["input", "cached_input", "output"]
+                    .iter()
+                    .filter_map(|d| tokens[d].as_u64())
+                    .sum();
+                let spend = usage["spend_usd"].as_f64().unwrap_or(0.0);
+                if total > 0 || spend > 0.0 {
+                    rows.push((
+                        spend,
+                        total,
+                        serde_json::json!({
+                            "workspace": workspace,
+                            "tokens": tokens,
+                            "spend_usd": spend,
+                        }),
+                    ));
+                }
+            }
+            Err(e) => {
+                errors.push(serde_json::json!({"workspace": workspace, "error": e.to_string()}))
+            }
+        }
+    }
+    rows.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)));
+    rows.truncate(USAGE_WORKSPACES);
+    let table = serde_json::json!({
+        "month": month,
+        "read": read,
+        "workspaces": rows.into_iter().map(|(_, _, row)| row).collect::<Vec<_>>(),
+        "errors": errors.into_iter().take(1).collect::<Vec<_>>(),
+    });
+    *state.inner.usage_table.lock() = Some((Instant::now(), table.clone()));
     table
 }
 
@@ -748,6 +853,145 @@ mod tests {
             store: "memory".to_owned(),
         };
         AdminState::new(info, Instant::now(), NoRequests).with_quotas(limiter)
+    }
+
+    /// An LLM route with a price, and the key table's workspaces `alpha`
+    /// (`alpha-key`) and `beta` (`beta-key`).
+    const LLM_POLICY: &str = r#"
+profile: default
+window_seconds: 3600
+profiles:
+  default:
+    classes: { llm: 1000000 }
+identity:
+  credentials: [bearer]
+  keys:
+    - { sha256: 677509799af78b2efa2f2af71d0f906e0a0c50c048efd3b515625f788e92b99a, workspace: alpha, user: a }
+    - { sha256: 7a3d637bc601f7000cc2c33141c8c8a7554e02e319fa8b293a0c88c613b77620, workspace: beta, user: b }
+tokens:
+  team: { per: caller, limit: 1000000, window_seconds: 3600 }
+prices:
+  - { model: "gpt-4o*", input: 2.5, output: 10, cached_input: 1.25 }
+routes:
+  - { method: POST, path: /v1/chat/completions, class: llm, llm: openai, tokens: [team] }
+  - { class: llm }
+"#;
+
+    fn state_of(policy: sluice_policy::Policy) -> AdminState<LocalStore> {
+        let store = LocalStore::new(
+            MemoryStore::with_clock(MemoryConfig::default(), sluice_core::SystemClock::default()),
+            None,
+        );
+        let limiter = Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(
+            sluice_edge::Limiter::new(policy, store),
+        ));
+        let info = StatusInfo {
+            listen: String::new(),
+            admin: String::new(),
+            upstream: String::new(),
+            upstream_kind: "external",
+            profile: "production".to_owned(),
+            store: "memory".to_owned(),
+        };
+        AdminState::new(info, Instant::now(), NoRequests).with_quotas(limiter)
+    }
+
+    /// One chat call as `key` of `model`, admitted and settled at `output` output
+    /// tokens (and 10 input).
+    async fn llm_call(state: &AdminState<LocalStore>, key: &str, model: &str, output: u32) {
+        let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
+            panic!("a limiter");
+        };
+        let mut headers = http::HeaderMap::new();
+        let bearer = format!("Bearer {key}");
+        headers.insert(
+            "authorization",
+            http::HeaderValue::from_str(&bearer).expect("ascii"),
+        );
+        let path = "/v1/chat/completions";
+        let route = limiter.route_head(
+            &http::Method::POST,
+            http::Version::HTTP_2,
+            [],
+            Ok(path),
+            Some(&headers),
+        );
+        let mut intake = limiter.intake(route, [127, 0, 0, 1].into());
+        intake.set_path(path);
+        let body = serde_json::json!({"model": model, "max_tokens": 100,
+            "messages": [{"role": "user", "content": "hi"}]})
+        .to_string();
+        let forward = match intake
+            .planned(&headers, None, Some(body.as_bytes()))
+            .admit(None)
+            .await
+        {
+            Ok(forward) => forward,
+            Err(answer) => panic!("{key} {model}: refused {}", answer.status()),
+        };
+        let (plan, decision) = forward.settlement().expect("an LLM call");
+        let usage = sluice_tokens::Usage {
+            prompt: 10,
+            completion: output,
+            cached_input: 0,
+            rate_exempt_input: 0,
+        };
+        limiter
+            .settle_usage(&plan, decision, Some(usage), false)
+            .await;
+    }
+
+    #[tokio::test]
+    async fn t6_the_dashboard_shows_llm_usage_per_workspace_most_spent_first_only_for_llm_policies()
+    {
+        let plain = state();
+        assert_eq!(
+            usage_table(&plain, &serde_json::Value::Null).await,
+            serde_json::Value::Null,
+            "no LLM route: no usage section"
+        );
+        let state = state_of(
+            sluice_policy::parse_str(LLM_POLICY, std::path::Path::new("llm.yaml"))
+                .expect("the test policy"),
+        );
+        // beta spends more than alpha; an unknown key spends most tokens (of a
+        // model with no price) but is neither in the key table nor a top caller,
+        // so it is not read.
+        llm_call(&state, "alpha-key", "gpt-4o", 100).await;
+        llm_call(&state, "beta-key", "gpt-4o", 1000).await;
+        llm_call(&state, "beta-key", "gpt-4o-mini", 1000).await;
+        for _ in 0..3 {
+            llm_call(&state, "other-key", "llama-3", 2000).await;
+        }
+        let own = "key:0d8b9d4f6a0c8b8f2b7e6d1b0c7f1d1f4e7a3b6c0e2d9f8a7b6c5d4e3f2a1b0c";
+        let summary = serde_json::json!({"top_callers": [{"workspace": own}]});
+        let table = usage_table(&state, &summary).await;
+        assert_eq!(table["read"], 3, "{table}");
+        let names: Vec<&str> = table["workspaces"]
+            .as_array()
+            .expect("rows")
+            .iter()
+            .filter_map(|w| w["workspace"].as_str())
+            .collect();
+        // Three read (alpha, beta, the top caller's); the top caller's spent
+        // nothing this month, so it is left out.
+        assert_eq!(names, ["beta", "alpha"], "{table}");
+        let beta = &table["workspaces"][0];
+        assert_eq!(beta["tokens"]["output"], 2000);
+        assert_eq!(beta["tokens"]["input"], 20);
+        // 2 × (10 × 2.50 + 1,000 × 10) per million, each rounded up to 10⁻⁵ USD.
+        let spend = beta["spend_usd"].as_f64().expect("spend");
+        assert!((spend - 2.0 * 0.01003).abs() < 1e-12, "{table}");
+        assert_eq!(
+            table["month"],
+            sluice_edge::UsageMonth::of(sluice_core::Clock::now(
+                &sluice_core::SystemClock::default()
+            ))
+            .to_string()
+        );
+        // Read again within USAGE_MAX_AGE: the same reading, the store not asked.
+        llm_call(&state, "alpha-key", "gpt-4o", 100_000).await;
+        assert_eq!(usage_table(&state, &summary).await, table);
     }
 
     #[test]

@@ -22,6 +22,19 @@ pub struct MonthPeriod {
     pub end: u64,
 }
 
+impl MonthPeriod {
+    /// Month `month` (1 = January) of `year`, in UTC; `None` when `month` is not
+    /// 1 to 12 or the year is outside 1970 to 2500 (the years a [`Timestamp`]
+    /// holds).
+    pub fn new(year: i64, month: u32) -> Option<MonthPeriod> {
+        if !(1..=12).contains(&month) || !(1970..=2500).contains(&year) {
+            return None;
+        }
+        let start = days_from_civil(year, month, 1) as u64 * SECS_PER_DAY;
+        Some(month_of(Timestamp::from_secs(start)))
+    }
+}
+
 /// The calendar month (UTC) that holds `t`.
 #[inline]
 pub fn month_of(t: Timestamp) -> MonthPeriod {
@@ -140,6 +153,16 @@ mod tests {
         assert_eq!(last.end, end / 1_000_000_000);
         let first = month_of(Timestamp::from_nanos(end));
         assert_eq!((first.year, first.month), (2026, 12));
+    }
+
+    #[test]
+    fn a_month_named_by_year_and_number() {
+        let dec = MonthPeriod::new(2026, 12).expect("a month");
+        assert_eq!(dec, month_of(ts("2026-12-15T00:00:00Z")));
+        assert_eq!(MonthPeriod::new(1970, 1).map(|m| m.start), Some(0));
+        for (y, m) in [(2026, 0), (2026, 13), (1969, 12), (2501, 1)] {
+            assert_eq!(MonthPeriod::new(y, m), None, "{y}-{m}");
+        }
     }
 
     #[test]

@@ -113,6 +113,52 @@ pub enum Rate {
 }
 
 impl Rate {
+    /// The shortest window [`Rate::until`] makes, and the shortest fixed window
+    /// [`Rate::is_until`] reads as one: 10⁹ seconds (about 31.7 years), longer
+    /// than any window a policy means.
+    pub const UNTIL_MIN_SECONDS: u32 = 1_000_000_000;
+
+    /// A count that never resets before `end` (Unix seconds) and is gone after
+    /// it: the fixed window `[0, end)`, whose one window runs from the epoch to
+    /// `end`. Every store drops its cell after `end`, as it drops a fixed
+    /// window's when the window is over (the memory store's sweep, the durable
+    /// book's past-period cells, Redis's `EXPIREAT`). `end` is taken between
+    /// [`Rate::UNTIL_MIN_SECONDS`] and `u32::MAX` (February 2106). Used for
+    /// counts kept for a while rather than limited, such as an LLM gateway's
+    /// usage per month.
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use sluice_core::Rate;
+    ///
+    /// let kept = Rate::until(1_800_000_000);
+    /// assert!(kept.is_until());
+    /// assert_eq!(kept, Rate::FixedWindow { seconds: NonZeroU32::new(1_800_000_000).unwrap() });
+    /// assert!(!Rate::FixedWindow { seconds: NonZeroU32::new(86_400).unwrap() }.is_until());
+    /// assert!(!Rate::CalendarMonth.is_until());
+    /// ```
+    pub const fn until(end: u64) -> Rate {
+        let end = if end > u32::MAX as u64 {
+            u32::MAX
+        } else if end < Rate::UNTIL_MIN_SECONDS as u64 {
+            Rate::UNTIL_MIN_SECONDS
+        } else {
+            end as u32
+        };
+        let seconds = match NonZeroU32::new(end) {
+            Some(seconds) => seconds,
+            None => NonZeroU32::MAX, // not reached: `end` is at least 10⁹
+        };
+        Rate::FixedWindow { seconds }
+    }
+
+    /// True for a rate [`Rate::until`] makes: a fixed window of at least
+    /// [`Rate::UNTIL_MIN_SECONDS`]. A store that keeps long-lived counts durable
+    /// (the embedded store) keeps these with the monthly quotas.
+    pub const fn is_until(&self) -> bool {
+        matches!(self, Rate::FixedWindow { seconds } if seconds.get() >= Rate::UNTIL_MIN_SECONDS)
+    }
+
     /// True when a budget of this rate keeps its state in one cell: every
     /// rate but the sliding window (which reads two) and the rolling window
     /// (one per slot).

@@ -103,7 +103,8 @@ pub use lanes::{
 pub use limiter::{
     BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, DomainRuleStatus, DomainStatus,
     FALLBACK_MAX_KEYS, Limiter, PlanStatus, QuotaQueryError, QuotaUsage, Reason, Refusal, Refused,
-    ReloadRefused, SharedLimiter, Status, TOP_CALLERS_TRACKED, Tally, TopCaller, check_head,
+    ReloadRefused, SharedLimiter, Status, TOP_CALLERS_TRACKED, Tally, TopCaller, USAGE_MONTHS_KEPT,
+    UsageMonth, UsageMonthError, check_head,
 };
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
 pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};

@@ -197,3 +197,207 @@ async fn t2_t3_memory_and_redis_answer_alike_windowed_and_monthly() {
         );
     }
 }
+
+/// A token route with prices for five model families, so that reading a
+/// workspace's usage takes more budgets than one store call holds.
+const PRICED: &str = r#"
+profile: default
+window_seconds: 3600
+profiles:
+  default:
+    classes: { llm: 1000000 }
+identity:
+  credentials: [bearer]
+tokens:
+  team: { per: caller, limit: 1000000, window_seconds: 3600 }
+prices:
+  - { model: "gpt-4o*", input: 2.5, output: 10, cached_input: 1.25 }
+  - { model: "o1*", input: 15, output: 60, cached_input: 7.5 }
+  - { model: "o3*", input: 2, output: 8, cached_input: 0.5 }
+  - { model: "claude*", input: 3, output: 15, cached_input: 0.3 }
+  - { model: "gemini*", input: 1.25, output: 10, cached_input: 0.31 }
+routes:
+  - { method: POST, path: /v1/chat/completions, class: llm, llm: openai, tokens: [team] }
+  - { class: llm }
+"#;
+
+/// The workspace of an unknown credential: `key:<its SHA-256 in hex>`.
+fn own_workspace(key: &str) -> String {
+    use sha2::Digest as _;
+    let hex: String = sha2::Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("key:{hex}")
+}
+
+/// SPEC T6 on every store (memory, the embedded durable one, Redis): a
+/// workspace's usage is counted by the month its calls were admitted in and
+/// read back exactly for that month after the clock has crossed into the next
+/// (and a year on), on each store as on the others. A month after the current
+/// one, or more than twelve before it, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t6_usage_is_kept_per_month_across_the_turn_on_every_store() {
+    use sluice_edge::{QuotaQueryError, UsageMonth};
+    let server = redis_server::RedisServer::start("t6");
+    let dir = std::env::temp_dir().join(format!(
+        "sluice-t6-{}-{:?}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos()
+    ));
+    let month = |m: &str| m.parse::<UsageMonth>().expect("a month");
+    let policy = || parse_str(PRICED, Path::new("priced.yaml")).expect("the test policy");
+    for store in ["memory", "durable", "redis"] {
+        // An hour before 2093-07-01T00:00:00Z.
+        let clock = FakeClock::new(Timestamp::from_secs(T0));
+        let memory = || MemoryStore::with_clock(MemoryConfig::default(), clock.clone());
+        let durable = || {
+            let file = sluice_store::DurableStore::open(&dir.join(store)).expect("data dir");
+            let book = sluice_store::QuotaBook::open(
+                &file,
+                sluice_store::QuotaBookConfig::default(),
+                sluice_core::Clock::now(&clock),
+            )
+            .expect("quota book");
+            sluice_store::LocalStore::new(memory(), Some(book))
+        };
+        let mut config = RedisConfig::new(server.url());
+        config.timeout = Duration::from_secs(2);
+        let redis = RedisStore::connect_with_clock(config, clock.clone())
+            .await
+            .expect("connect");
+        let limiter = match store {
+            "memory" => Usage3::Memory(Limiter::new(policy(), memory())),
+            "durable" => Usage3::Local(Limiter::new(policy(), durable())),
+            _ => Usage3::Redis(Limiter::new(policy(), redis)),
+        };
+        let key = format!("t6-{store}");
+        let workspace = own_workspace(&key);
+        // Two calls in June; a third admitted in its last second and settled in
+        // July still counts in June.
+        clock.advance(Duration::from_secs(60));
+        for _ in 0..2 {
+            limiter.call(&key, Some(USAGE), None).await;
+        }
+        clock.advance(Duration::from_secs(3600 - 60 - 1));
+        limiter
+            .call(&key, Some(USAGE), Some((&clock, Duration::from_secs(2))))
+            .await;
+        // Three in July.
+        for _ in 0..3 {
+            limiter.call(&key, Some(USAGE), None).await;
+        }
+        let usage = |m| limiter.usage(&workspace, m);
+        let june = usage(Some(month("2093-06"))).await.expect("June");
+        let july = usage(Some(month("2093-07"))).await.expect("July");
+        for (read, month_name) in [(&june, "2093-06"), (&july, "2093-07")] {
+            assert_eq!(read["month"], month_name, "{store}: {read}");
+            assert_eq!(read["tokens"]["input"], 3 * 15, "{store}: {read}");
+            assert_eq!(read["tokens"]["cached_input"], 3 * 5, "{store}: {read}");
+            assert_eq!(read["tokens"]["output"], 3 * 30, "{store}: {read}");
+            assert_eq!(read["by_model"]["gpt-4o*"]["output"], 3 * 30, "{store}");
+            // 15 × 2.50 + 5 × 1.25 + 30 × 10 per million: 343.75 µ$, rounded up
+            // to the hundred-thousandth of a dollar: 35 a call.
+            let spend = read["spend_usd"].as_f64().expect("spend_usd");
+            assert!((spend - 3.0 * 0.00035).abs() < 1e-12, "{store}: {read}");
+        }
+        assert_eq!(usage(None).await.expect("now")["month"], "2093-07");
+        assert!(matches!(
+            usage(Some(month("2093-08"))).await,
+            Err(QuotaQueryError::FutureMonth(_))
+        ));
+        let year_before = usage(Some(month("2092-07"))).await.expect("kept");
+        assert_eq!(year_before["tokens"]["output"], 0, "{store}");
+        assert!(matches!(
+            usage(Some(month("2092-06"))).await,
+            Err(QuotaQueryError::MonthNotKept(_))
+        ));
+        // A year on, July 2093 is still there, exactly; June is no longer kept.
+        clock.advance(Duration::from_secs(366 * 86_400));
+        let later = usage(Some(month("2093-07")))
+            .await
+            .expect("July, a year on");
+        assert_eq!(later["tokens"], july["tokens"], "{store}");
+        assert_eq!(later["spend_usd"], july["spend_usd"], "{store}");
+        assert!(matches!(
+            usage(Some(month("2093-06"))).await,
+            Err(QuotaQueryError::MonthNotKept(_))
+        ));
+        if store == "durable" {
+            // Restarted on the same data dir, a year on: July's counts survive.
+            drop(limiter);
+            let reopened = Limiter::new(policy(), durable());
+            let read = reopened
+                .llm_usage(&workspace, Some(month("2093-07")))
+                .await
+                .expect("July, after a restart");
+            assert_eq!(read["tokens"], july["tokens"]);
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// One limiter on one of the three stores [`t6_usage_is_kept_per_month_across_the_turn_on_every_store`] runs on.
+enum Usage3 {
+    Memory(Limiter<MemoryStore<FakeClock>>),
+    Local(Limiter<sluice_store::LocalStore<FakeClock>>),
+    Redis(Limiter<RedisStore>),
+}
+
+impl Usage3 {
+    /// One chat call as `key`, admitted, settled with `usage` (after `wait` on
+    /// `clock`, when given).
+    async fn call(&self, key: &str, usage: Option<Usage>, wait: Option<(&FakeClock, Duration)>) {
+        match self {
+            Usage3::Memory(l) => call_settled(l, key, usage, wait).await,
+            Usage3::Local(l) => call_settled(l, key, usage, wait).await,
+            Usage3::Redis(l) => call_settled(l, key, usage, wait).await,
+        }
+    }
+
+    async fn usage(
+        &self,
+        workspace: &str,
+        month: Option<sluice_edge::UsageMonth>,
+    ) -> Result<serde_json::Value, sluice_edge::QuotaQueryError> {
+        match self {
+            Usage3::Memory(l) => l.llm_usage(workspace, month).await,
+            Usage3::Local(l) => l.llm_usage(workspace, month).await,
+            Usage3::Redis(l) => l.llm_usage(workspace, month).await,
+        }
+    }
+}
+
+/// [`call`], admitted for sure, with time passing between admission and settlement.
+async fn call_settled<S: BudgetStore>(
+    limiter: &Limiter<S>,
+    key: &str,
+    usage: Option<Usage>,
+    wait: Option<(&FakeClock, Duration)>,
+) {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        "authorization",
+        HeaderValue::from_str(&format!("Bearer {key}")).expect("ascii"),
+    );
+    let path = "/v1/chat/completions";
+    let route = limiter.route_head(&Method::POST, Version::HTTP_2, [], Ok(path), Some(&headers));
+    let mut intake = limiter.intake(route, PEER);
+    intake.set_path(path);
+    let body = chat(50);
+    let Ok(forward) = intake
+        .planned(&headers, None, Some(&body))
+        .admit(None)
+        .await
+    else {
+        panic!("refused");
+    };
+    let (plan, decision) = forward.settlement().expect("an LLM call");
+    if let Some((clock, wait)) = wait {
+        clock.advance(wait);
+    }
+    limiter.settle_usage(&plan, decision, usage, false).await;
+}

@@ -540,3 +540,117 @@ async fn admin_get(admin: SocketAddr, path: &str) -> Value {
     let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
     serde_json::from_str(body).unwrap_or_else(|_| Value::String(text.clone()))
 }
+
+/// The workspace label of an unknown credential `key`: `key:<its SHA-256 in hex>`.
+fn own_workspace(key: &str) -> String {
+    use sha2::Digest as _;
+    let hex: String = sha2::Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("key:{hex}")
+}
+
+/// A gateway with [`MONEY_POLICY`] in front of `upstream` on data dir `dir`, its
+/// clock shifted to read `at` (Unix seconds) now.
+async fn gateway_at(upstream: SocketAddr, dir: &std::path::Path, at: i64) -> Gateway {
+    let policy = sluice_policy::parse_str(MONEY_POLICY, std::path::Path::new("money.yaml"))
+        .expect("the money policy");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_secs();
+    let mut config = GatewayConfig::new(policy, dir.to_owned());
+    config.workers = std::num::NonZeroUsize::new(1).expect("one");
+    config.upstream = Some(Upstream::from_addr(upstream));
+    config.clock_offset = at - i64::try_from(now).expect("in range");
+    Gateway::start(config).await.expect("gateway starts")
+}
+
+/// SPEC T6: `GET /usage?month=` answers past months. Calls in January 2031, a
+/// restart on the same data dir with the clock in February, calls there; then
+/// both months read back exactly, the current month without `month`, and a
+/// malformed, future or no longer kept month is 400 in the error envelope.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t6_usage_of_a_past_month_survives_the_turn_and_a_restart() {
+    bounded(async {
+        let (up, _) = upstream(Reply::Json).await;
+        let dir = std::env::temp_dir().join(format!("sluice-t6-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let workspace = own_workspace("t6");
+        // 2031-01-15T12:00:00Z: two calls.
+        let january = gateway_at(up, &dir, 1_926_244_800).await;
+        let addr = january.addr().expect("an address");
+        for _ in 0..2 {
+            let (status, _, body) =
+                call(addr, "/v1/chat/completions", "t6", &chat(Some(50), false)).await;
+            assert_eq!(status, 200, "{body}");
+        }
+        january.shutdown().await;
+        // 2031-02-15T12:00:00Z, same data dir: three calls.
+        let february = gateway_at(up, &dir, 1_928_923_200).await;
+        let addr = february.addr().expect("an address");
+        for _ in 0..3 {
+            let (status, _, body) =
+                call(addr, "/v1/chat/completions", "t6", &chat(Some(50), false)).await;
+            assert_eq!(status, 200, "{body}");
+        }
+        let admin = february.admin_addr();
+        let (input, cached, output) = USAGE;
+        for (month, calls) in [("2031-01", 2u64), ("2031-02", 3)] {
+            let usage = admin_get(
+                admin,
+                &format!("/usage?workspace={workspace}&month={month}"),
+            )
+            .await;
+            assert_eq!(usage["month"], month, "{usage}");
+            assert_eq!(
+                usage["tokens"]["input"],
+                calls * u64::from(input - cached),
+                "{usage}"
+            );
+            assert_eq!(
+                usage["tokens"]["cached_input"],
+                calls * u64::from(cached),
+                "{usage}"
+            );
+            assert_eq!(
+                usage["tokens"]["output"],
+                calls * u64::from(output),
+                "{usage}"
+            );
+            assert_eq!(
+                usage["by_model"]["gpt-4o*"]["input"],
+                calls * u64::from(input - cached)
+            );
+            let spend = usage["spend_usd"].as_f64().expect("spend_usd");
+            assert!((spend - calls as f64 * 0.00035).abs() < 1e-12, "{usage}");
+        }
+        let current = admin_get(admin, &format!("/usage?workspace={workspace}")).await;
+        assert_eq!(current["month"], "2031-02", "{current}");
+        assert_eq!(current["tokens"]["output"], 3 * u64::from(output));
+        // A year before February 2031 is still kept (nothing in it); one more is not.
+        let kept = admin_get(
+            admin,
+            &format!("/usage?workspace={workspace}&month=2030-02"),
+        )
+        .await;
+        assert_eq!(kept["tokens"]["output"], 0, "{kept}");
+        for month in [
+            "2031-13", "abc", "2031-1", "", "2031-03", "2030-01", "1969-12",
+        ] {
+            let refused = admin_get(
+                admin,
+                &format!("/usage?workspace={workspace}&month={month}"),
+            )
+            .await;
+            assert_eq!(
+                refused["error"]["code"], "invalid_request",
+                "{month}: {refused}"
+            );
+        }
+        february.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
+    })
+    .await;
+}

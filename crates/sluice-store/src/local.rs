@@ -1,5 +1,5 @@
-//! One process's store: budgets in memory, monthly quotas in the embedded
-//! durable store when one is given.
+//! One process's store: budgets in memory, monthly quotas (and counts kept
+//! until a date) in the embedded durable store when one is given.
 
 use sluice_core::{
     Budget, BudgetStatus, Clock, Decision, MAX_BUDGETS, Mode, Rate, SystemClock, Timestamp,
@@ -9,7 +9,8 @@ use crate::durable::QuotaBook;
 use crate::{BudgetStore, MemoryStore, StoreError};
 
 /// Budgets in memory and, with a [`QuotaBook`], monthly quotas
-/// ([`Rate::CalendarMonth`] budgets) durable on disk.
+/// ([`Rate::CalendarMonth`] budgets) and counts kept until a date
+/// ([`Rate::until`], e.g. an LLM gateway's usage per month) durable on disk.
 ///
 /// A decision over both is all or nothing: the quotas are looked at first, the
 /// memory budgets decided only when the quotas fit, and the quotas spent only
@@ -107,8 +108,9 @@ impl<C: Clock> LocalStore<C> {
     }
 }
 
+/// Whether `b` lives in the book: a monthly quota or a count kept until a date.
 fn is_monthly(b: &Budget) -> bool {
-    b.rate == Rate::CalendarMonth
+    b.rate == Rate::CalendarMonth || b.rate.is_until()
 }
 
 impl<C: Clock> BudgetStore for LocalStore<C> {

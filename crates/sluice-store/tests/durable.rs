@@ -499,3 +499,41 @@ fn q1_a_replica_that_crashed_on_a_full_disk_starts_again_with_every_count() {
     let third = open();
     assert_eq!(usage(&third), after, "a clean stop keeps them all");
 }
+
+/// SPEC T6: a count kept until a date ([`Rate::until`], an LLM gateway's usage of
+/// one month) lives in the book with the quotas: it survives a restart, does not
+/// reset when the month turns, and is dropped once its date is past.
+#[test]
+fn t6_counts_kept_until_a_date_survive_a_restart_and_go_after_it() {
+    let dir = TempDir::new("until");
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    let end = DECEMBER + 365 * 86_400;
+    let kept = |cost| Budget {
+        key: BudgetKey::new("llm-usage:test", b"acme"),
+        rate: Rate::until(end),
+        limit: u32::MAX,
+        cost,
+    };
+    {
+        let store = local(&dir, &clock, QuotaBookConfig::default());
+        assert!(
+            rt.block_on(store.decide(&[kept(7), class("k", 100)]))
+                .expect("decide")
+                .is_admitted()
+        );
+        assert_eq!(store.book().map(QuotaBook::len), Some(1), "in the book");
+    }
+    // Restarted after the month turned: the count is still there, whole.
+    clock.advance(Duration::from_secs(DECEMBER - T0 + 40 * 86_400));
+    let store = local(&dir, &clock, QuotaBookConfig::default());
+    let seen = rt.block_on(store.peek(&[kept(0)])).expect("peek");
+    assert_eq!(u32::MAX - seen.statuses()[0].remaining, 7);
+    drop(store);
+    // Restarted after its date: dropped from the book, reads as nothing.
+    clock.advance(Duration::from_secs(end - DECEMBER));
+    let store = local(&dir, &clock, QuotaBookConfig::default());
+    assert_eq!(store.book().map(QuotaBook::len), Some(0), "dropped");
+    let seen = rt.block_on(store.peek(&[kept(0)])).expect("peek");
+    assert_eq!(seen.statuses()[0].remaining, u32::MAX);
+}

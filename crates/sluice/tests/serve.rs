@@ -325,6 +325,10 @@ async fn admin_serves_metrics_status_and_dashboard() {
         assert_eq!(dash["tally"]["classes"][3]["limit"], 30);
         assert!(dash["samples"].is_array() && dash["last_seq"].is_u64());
         assert!(dash["quotas"].is_array(), "the default policy has quotas");
+        assert!(
+            dash["llm_usage"].is_null(),
+            "the default policy has no LLM route: no LLM usage section (SPEC T6)"
+        );
     })
     .await;
 }

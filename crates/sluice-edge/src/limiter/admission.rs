@@ -483,7 +483,8 @@ impl<S: BudgetStore> Limiter<S> {
         };
         metrics::counter!("sluice_llm_settlements_total", "outcome" => outcome).increment(1);
         if let Some(usage) = &usage {
-            self.record_llm_usage(plan, usage).await;
+            self.record_llm_usage(plan, usage, decision.decided_at())
+                .await;
         }
         let policy = &self.policy;
         self.charge(plan, decision, |i| {

@@ -23,6 +23,7 @@ mod telemetry;
 pub use crate::head::{Refused, check_head};
 pub use admission::{Reason, Refusal};
 pub(crate) use admission::{shadow_waived, waive};
+pub use llm_usage::{USAGE_MONTHS_KEPT, UsageMonth, UsageMonthError};
 pub use outage::FALLBACK_MAX_KEYS;
 pub use quota_admin::{QuotaQueryError, QuotaUsage};
 use routing::read_headers_of;

@@ -29,6 +29,16 @@ pub enum QuotaQueryError {
     /// A family the policy does not declare.
     #[error("no quota family named {0:?}")]
     Family(String),
+    /// A month of LLM usage that does not read as `YYYY-MM`.
+    #[error(transparent)]
+    Month(#[from] super::UsageMonthError),
+    /// A month of LLM usage after the current one (`GET /usage?month=`).
+    #[error("{0} has not begun: usage is kept for the current month and the {months} before it", months = super::USAGE_MONTHS_KEPT)]
+    FutureMonth(super::UsageMonth),
+    /// A month of LLM usage no longer kept: more than
+    /// [`USAGE_MONTHS_KEPT`](super::USAGE_MONTHS_KEPT) before the current one.
+    #[error("{0} is no longer kept: usage is kept for the current month and the {months} before it", months = super::USAGE_MONTHS_KEPT)]
+    MonthNotKept(super::UsageMonth),
     /// The store could not answer.
     #[error(transparent)]
     Store(#[from] StoreError),
