@@ -19,7 +19,7 @@ use http::{HeaderMap, Method, Response, StatusCode};
 use http_body_util::Full;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
-use sluice_core::{Budget, BudgetKey, Decision, MAX_RUN_GRANTS, MAX_TIER_TURNS, Rate, Verdict};
+use sluice_core::{Budget, BudgetKey, Decision, MAX_TIER_TURNS, Rate, Verdict};
 use sluice_policy::{
     CustomerPlan, DEPTH_HEADER, LlmFormat, Policy, RUN_HEADER, Route, RouteClass, RunEndpoint,
     is_run_id,
@@ -81,8 +81,9 @@ const TURNS_LEFT: &[u8] = b"run:turns";
 const TURNS_TAKEN: &[u8] = b"run:taken";
 /// A caller's run starts per `turns.idle_seconds`.
 const RUN_STARTS: &[u8] = b"run:starts";
-/// The limit of the turns-taken counter: more than a run can ever take.
-const TAKEN_LIMIT: u32 = MAX_TIER_TURNS + MAX_RUN_GRANTS;
+/// The most turns one run takes in all, grants included: its turns-taken
+/// counter's limit.
+const TAKEN_LIMIT: u32 = MAX_TIER_TURNS;
 
 /// The run a request from `caller` names, if it is a turn of one: on an LLM
 /// route one turn; on a JSON-RPC route one per MCP `tools/call` in `body`
@@ -346,14 +347,17 @@ impl RecentRuns {
     }
 }
 
-/// The turns budget of `plan` that refused `decision`, if one did.
+/// True when the run of `plan` refused `decision`: its turns are spent, or it
+/// took the most turns a run takes in all.
 pub(crate) fn paused(plan: &Plan, decision: &Decision) -> bool {
     plan.run.as_ref().is_some_and(|run| {
-        decision
-            .statuses()
-            .get(run.index)
-            .is_some_and(|s| s.verdict != Verdict::Admitted)
-            && plan.shadow & (1 << run.index) == 0
+        (run.index..run.index + 2).any(|i| {
+            decision
+                .statuses()
+                .get(i)
+                .is_some_and(|s| s.verdict != Verdict::Admitted)
+                && plan.shadow & (1 << i) == 0
+        })
     })
 }
 
@@ -467,9 +471,15 @@ impl<S: BudgetStore> crate::Limiter<S> {
         }
         let state = match endpoint {
             RunEndpoint::Continue(_) => {
-                let grant = match grant_of(body, self.policy().turns.max_grant.get()) {
-                    Ok(n) => n,
-                    Err(answer) => return answer,
+                let max_grant = self.policy().turns.max_grant.get();
+                let Some(grant) = grant_of(body, max_grant) else {
+                    return invalid_with(
+                        "bad_grant",
+                        &format!(
+                            "Send {{\"turns\": N}} with N a whole number from 1 to {max_grant}."
+                        ),
+                        json!({ "max_grant": max_grant }),
+                    );
                 };
                 if state.finished {
                     return conflict(
@@ -541,21 +551,12 @@ impl<S: BudgetStore> crate::Limiter<S> {
 /// ignores it.
 const ANY_TIME: sluice_core::Timestamp = sluice_core::Timestamp::from_secs(0);
 
-/// The turns a `continue` body grants: `{"turns": N}`, 1 to `max`.
-fn grant_of(body: &[u8], max: u32) -> Result<u32, Response<Full<Bytes>>> {
-    let bad = || {
-        invalid_with(
-            "bad_grant",
-            &format!("Send {{\"turns\": N}} with N a whole number from 1 to {max}."),
-            json!({ "max_grant": max }),
-        )
-    };
-    let v: Value = serde_json::from_slice(body).map_err(|_| bad())?;
-    let n = v.get("turns").and_then(Value::as_u64).ok_or_else(bad)?;
-    u32::try_from(n)
-        .ok()
-        .filter(|n| (1..=max).contains(n))
-        .ok_or_else(bad)
+/// The turns a `continue` body grants: `{"turns": N}`, 1 to `max`; `None`
+/// for any other body.
+fn grant_of(body: &[u8], max: u32) -> Option<u32> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let n = v.get("turns").and_then(Value::as_u64)?;
+    u32::try_from(n).ok().filter(|n| (1..=max).contains(n))
 }
 
 fn not_found(message: &str) -> Response<Full<Bytes>> {

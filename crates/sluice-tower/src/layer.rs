@@ -270,7 +270,7 @@ where
             if let Some(endpoint) = forward.run_endpoint(parts.uri.path()) {
                 let body = match body_of_run_call(body).await {
                     Ok(body) => body,
-                    Err(answer) => return Ok(answer.map(Either::Left)),
+                    Err(answer) => return Ok((*answer).map(Either::Left)),
                 };
                 let answer = forward.answer_run(endpoint, &parts.method, &body).await;
                 return Ok(answer.map(Either::Left));
@@ -364,7 +364,7 @@ const MAX_RUN_CALL_BODY: usize = 4_096;
 ///
 /// # Errors
 /// 413 for a longer one, 400 for one that breaks off, 408 for a slow one.
-async fn body_of_run_call<B>(body: B) -> Result<Bytes, Response<Full<Bytes>>>
+async fn body_of_run_call<B>(body: B) -> Result<Bytes, Box<Response<Full<Bytes>>>>
 where
     B: Body,
 {
@@ -374,13 +374,13 @@ where
         let mut body = std::pin::pin!(body);
         while let Some(frame) = body.as_mut().frame().await {
             let Ok(frame) = frame else {
-                return Err(sluice_edge::body_unreadable());
+                return Err(Box::new(sluice_edge::body_unreadable()));
             };
             let Ok(mut data) = frame.into_data() else {
                 continue;
             };
             if whole.len() + data.remaining() > MAX_RUN_CALL_BODY {
-                return Err(sluice_edge::payload_too_large(MAX_RUN_CALL_BODY));
+                return Err(Box::new(sluice_edge::payload_too_large(MAX_RUN_CALL_BODY)));
             }
             while data.has_remaining() {
                 let chunk = data.chunk();
@@ -393,7 +393,7 @@ where
     };
     tokio::time::timeout(RUN_CALL_BODY_DEADLINE, read)
         .await
-        .unwrap_or_else(|_| Err(sluice_edge::body_too_slow(RUN_CALL_BODY_DEADLINE)))
+        .unwrap_or_else(|_| Err(Box::new(sluice_edge::body_too_slow(RUN_CALL_BODY_DEADLINE))))
 }
 
 /// How long a run endpoint's body may take to arrive.
