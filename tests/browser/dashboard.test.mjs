@@ -75,6 +75,7 @@ test("the dashboard shows traffic as it happens, refusals by reason, and caller 
   assert.match(await text(page, "#refusals-body"), /nothing refused/);
   // SPEC T6: no LLM route in the built-in policy, so no tokens-and-money section.
   assert.equal(await page.locator("#usage").isHidden(), true, "the LLM usage section shows without LLM routes");
+  assert.equal(await page.locator("#runs").isHidden(), true, "the agent runs section shows without LLM routes");
 
   // SPEC E1: 30 expensive calls a minute per caller; 35 from one key → 5 refused.
   const statuses = [];
@@ -156,10 +157,10 @@ test("with LLM routes the dashboard charts each workspace's tokens and spend thi
     "--upstream", "http://127.0.0.1:" + provider.address().port,
   ], /listening on http:\/\/(\S+) \(admin http:\/\/(\S+),/);
   try {
-    const chat = async (key, model) => {
+    const chat = async (key, model, extra = {}) => {
       const r = await fetch("http://" + llm.match[1] + "/v1/chat/completions", {
         method: "POST",
-        headers: { "content-type": "application/json", authorization: "Bearer " + key },
+        headers: { "content-type": "application/json", authorization: "Bearer " + key, ...extra },
         body: JSON.stringify({ model, max_tokens: 16, messages: [{ role: "user", content: "hi" }] }),
       });
       await r.arrayBuffer();
@@ -187,6 +188,14 @@ test("with LLM routes the dashboard charts each workspace's tokens and spend thi
     assert.match(await text(page, "#usage-note"), /This month \(\d{4}-\d{2}, UTC\): the 2 workspace\(s\)/);
     await page.locator("#usage").scrollIntoViewIfNeeded();
     await screenshot(page, "serve-dashboard-llm-usage");
+    // An agent run of the quick tier (10 turns) with 9 taken is near its budget (SPEC T7).
+    for (let i = 0; i < 9; i++) {
+      await chat("sk-research-ada", "gpt-4o", { "x-sluice-run": "agent-1", "x-sluice-depth": "quick" });
+    }
+    await page.locator('#runs [data-run="agent-1"] .count', { hasText: /^9 \/ 10$/ }).waitFor({ timeout: 15_000 });
+    assert.match(await text(page, '#runs [data-run="agent-1"] .what'), /agent-1 \(quick\)/);
+    await page.locator("#runs").scrollIntoViewIfNeeded();
+    await screenshot(page, "serve-dashboard-runs");
     await page.setViewportSize(PHONE);
     await page.waitForTimeout(300);
     assert.equal(await overflowsSideways(page), false, "the page scrolls sideways at 390 px");

@@ -383,6 +383,7 @@ pub fn router<S: BudgetStore + 'static>(state: AdminState<S>) -> Router {
         .route("/quotas", get(quotas::<S>))
         .route("/quotas/reset", post(reset_quotas::<S>))
         .route("/usage", get(llm_usage::<S>))
+        .route("/runs", get(runs::<S>))
         .with_state(state)
 }
 
@@ -498,6 +499,45 @@ async fn llm_usage<S: BudgetStore + 'static>(
     }
 }
 
+#[derive(Debug, serde::Deserialize)]
+struct RunsQuery {
+    near: Option<f64>,
+}
+
+/// The most runs `GET /runs` and the dashboard list.
+const RUNS_LISTED: usize = 100;
+
+/// `GET /runs[?near=R]` (SPEC T7): the agent runs this replica decided turns of
+/// lately with at most the share `R` (default 0.2) of their turns left, those
+/// with the fewest first (paused ones at the top), at most [`RUNS_LISTED`].
+async fn runs<S: BudgetStore + 'static>(
+    State(state): State<AdminState<S>>,
+    Query(q): Query<RunsQuery>,
+) -> Response {
+    let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no runs here".to_owned(),
+        );
+    };
+    let near = match q.near {
+        None => NEAR_TURN_BUDGET,
+        Some(r) if (0.0..=1.0).contains(&r) => r,
+        Some(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "`near` is a share of a run's turns, 0 to 1".to_owned(),
+            );
+        }
+    };
+    Json(limiter.recent_runs(near, RUNS_LISTED)).into_response()
+}
+
+/// The share of its turns left under which a run is near its budget.
+const NEAR_TURN_BUDGET: f64 = 0.2;
+
 async fn quotas<S: BudgetStore + 'static>(
     State(state): State<AdminState<S>>,
     Query(q): Query<QuotaQuery>,
@@ -603,7 +643,8 @@ struct DashboardQuery {
 /// refusals, fail-open decisions), `quotas` (per workspace, `null` when the
 /// policy has no quota families) and `llm_usage` (tokens and money this month
 /// per workspace, see [`USAGE_WORKSPACES`]; `null` when the policy has no LLM
-/// route).
+/// route) and `runs` (agent runs at or near their turn budget; `null` when runs
+/// are not counted).
 async fn dashboard_json<S: BudgetStore + 'static>(
     State(state): State<AdminState<S>>,
     Query(q): Query<DashboardQuery>,
@@ -620,6 +661,15 @@ async fn dashboard_json<S: BudgetStore + 'static>(
         .map(|limiter| tally_json(&limiter.load().tally(unix_now())));
     let quotas = quota_table(&state, &status.limiter).await;
     let llm_usage = usage_table(&state, &status.limiter).await;
+    // Agent runs at or near their turn budget (SPEC T7), when runs are counted.
+    let runs = state.inner.quotas.as_ref().and_then(|l| {
+        let limiter = l.load();
+        limiter
+            .policy()
+            .turns
+            .enabled
+            .then(|| limiter.recent_runs(NEAR_TURN_BUDGET, 20)["runs"].clone())
+    });
     (
         [(header::CACHE_CONTROL, "no-store")],
         Json(serde_json::json!({
@@ -631,6 +681,7 @@ async fn dashboard_json<S: BudgetStore + 'static>(
             "tally": tally,
             "quotas": quotas,
             "llm_usage": llm_usage,
+            "runs": runs,
         })),
     )
         .into_response()

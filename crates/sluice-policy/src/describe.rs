@@ -17,6 +17,7 @@ impl Policy {
         self.describe_callers(&mut out);
         self.describe_buckets(&mut out);
         self.describe_quotas(&mut out);
+        self.describe_turns(&mut out);
         self.describe_lanes(&mut out);
         self.describe_routes(&mut out);
         self.describe_jsonrpc(&mut out);
@@ -198,6 +199,52 @@ impl Policy {
                 }
             }
         }
+    }
+
+    /// The turn budgets of agent runs (SPEC T7).
+    fn describe_turns(&self, out: &mut String) {
+        let t = &self.turns;
+        let _ = writeln!(
+            out,
+            "turns of agent runs (a call naming its run in X-Sluice-Run on an LLM route, or an MCP tool call):"
+        );
+        if !t.enabled {
+            let _ = writeln!(out, "  (off: no LLM route and no `turns:`)");
+            return;
+        }
+        let tiers: Vec<String> = t
+            .tiers
+            .iter()
+            .enumerate()
+            .map(|(i, (name, n))| {
+                let default = if i == t.default_tier {
+                    " (default)"
+                } else {
+                    ""
+                };
+                format!("{name} {n}{default}")
+            })
+            .collect();
+        let _ = writeln!(out, "  tiers (X-Sluice-Depth): {}", tiers.join(", "));
+        let _ = writeln!(
+            out,
+            "  a run is its caller's, forgotten {} s after its last turn or change; a grant is 1 to {} turns, with at most {} left; {} runs per caller per {} s{}",
+            t.idle,
+            t.max_grant,
+            t.max_granted,
+            t.runs_per_caller,
+            t.idle,
+            if t.mcp_session {
+                "; an MCP session is a run"
+            } else {
+                ""
+            }
+        );
+        let _ = writeln!(
+            out,
+            "  endpoints: GET {0}/<run>, POST {0}/<run>/continue {{\"turns\": N}}, POST {0}/<run>/finish",
+            t.endpoints
+        );
     }
 
     /// Each lane's limits, waits and breaker.
@@ -421,11 +468,18 @@ impl Policy {
                 },
                 classes.join(", ")
             );
+            let turns: Vec<String> = plan
+                .turns
+                .iter()
+                .zip(&self.turns.tiers)
+                .filter_map(|(own, (name, _))| own.map(|n| format!("{name} {n}*")))
+                .collect();
             for (what, list) in [
                 ("per IP", ceilings),
                 ("buckets", buckets),
                 ("quotas", quotas),
                 ("per workspace in lanes", lanes),
+                ("turns of a run", turns),
             ] {
                 if !list.is_empty() {
                     let _ = write!(line, "; {what}: {}", list.join(", "));
