@@ -91,6 +91,14 @@ fn describe_metrics() {
         "LLM calls whose token budgets settled, by outcome: usage (at the upstream's count), refunded (an error with no usage), reservation (no usage: charged what was reserved)."
     );
     metrics::describe_counter!(
+        "sluice_run_turns_total",
+        "Turns of agent runs decided, by outcome: taken, paused (the run's turns spent), finished (its owner ended it)."
+    );
+    metrics::describe_counter!(
+        "sluice_run_grants_total",
+        "Grants of more turns to agent runs (POST /runs/<id>/continue)."
+    );
+    metrics::describe_counter!(
         "sluice_settle_failures_total",
         "Weighted-budget charges (X-Sluice-Cost) the store could not apply after the upstream answered."
     );
