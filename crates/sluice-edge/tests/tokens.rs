@@ -401,3 +401,65 @@ async fn call_settled<S: BudgetStore>(
     }
     limiter.settle_usage(&plan, decision, usage, false).await;
 }
+
+/// SPEC T3: one store round trip to reserve and one to settle. On Redis, a call
+/// on a route with an hourly and a monthly token budget is one script call to
+/// decide, and its settlement — both budgets at the usage and the month's usage
+/// counts for `/usage` — one more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t3_a_call_is_one_script_call_to_reserve_and_one_to_settle() {
+    let server = redis_server::RedisServer::start("t3-trips");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 60));
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_secs(2);
+    let store = RedisStore::connect_with_clock(config, clock.clone())
+        .await
+        .expect("connect");
+    let yaml = r#"
+profile: default
+window_seconds: 3600
+profiles:
+  default:
+    classes: { llm: 1000000 }
+identity:
+  credentials: [bearer]
+tokens:
+  hour: { per: caller, limit: 100000, window_seconds: 3600 }
+  month: { per: caller, limit: 1000000, monthly: true }
+routes:
+  - { method: POST, path: /v1/chat/completions, class: llm, llm: openai, tokens: [hour, month] }
+"#;
+    let limiter = Limiter::new(
+        parse_str(yaml, Path::new("t3.yaml")).expect("policy"),
+        store,
+    );
+    let body = chat(50);
+    let mut headers = HeaderMap::new();
+    headers.insert("authorization", HeaderValue::from_static("Bearer trips"));
+    let path = "/v1/chat/completions";
+    let before = server.script_calls();
+    let route = limiter.route_head(&Method::POST, Version::HTTP_2, [], Ok(path), Some(&headers));
+    let mut intake = limiter.intake(route, PEER);
+    intake.set_path(path);
+    let forward = intake
+        .planned(&headers, None, Some(&body))
+        .admit(None)
+        .await
+        .unwrap_or_else(|r| panic!("refused: {}", r.status()));
+    assert_eq!(server.script_calls() - before, 1, "one call to reserve");
+    let (plan, decision) = forward.settlement().expect("an LLM call");
+    let settled = limiter
+        .settle_usage(&plan, decision, Some(USAGE), false)
+        .await;
+    assert_eq!(server.script_calls() - before, 2, "one call to settle");
+    // Both budgets were charged the usage, not the reservation.
+    let spent: Vec<u32> = settled
+        .statuses()
+        .iter()
+        .map(|s| s.limit - s.remaining)
+        .collect();
+    assert!(
+        spent.contains(&(USAGE.prompt + USAGE.completion)),
+        "{spent:?}"
+    );
+}

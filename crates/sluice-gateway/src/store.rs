@@ -155,4 +155,16 @@ impl BudgetStore for AnyStore {
             AnyStore::Redis(r) => r.adjust(budget, delta, reserved_at).await,
         }
     }
+
+    async fn adjust_all_from(
+        &self,
+        changes: &[(Budget, i64)],
+        reserved_at: Timestamp,
+        network: u64,
+    ) -> Result<Vec<BudgetStatus>, StoreError> {
+        match self {
+            AnyStore::Local(m) => m.adjust_all_from(changes, reserved_at, network).await,
+            AnyStore::Redis(r) => r.adjust_all_from(changes, reserved_at, network).await,
+        }
+    }
 }

@@ -564,7 +564,20 @@ async fn gateway_at(upstream: SocketAddr, dir: &std::path::Path, at: i64) -> Gat
     config.workers = std::num::NonZeroUsize::new(1).expect("one");
     config.upstream = Some(Upstream::from_addr(upstream));
     config.clock_offset = at - i64::try_from(now).expect("in range");
-    Gateway::start(config).await.expect("gateway starts")
+    // The last gateway on `dir` has shut down, and its worker threads may still be
+    // letting go of the data dir's file: its lock is waited for (5 s at most).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match Gateway::start(config.clone()).await {
+            Ok(gateway) => return gateway,
+            Err(sluice_gateway::StartError::DataDir(sluice_store::OpenError::Locked {
+                ..
+            })) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("gateway starts: {e:?}"),
+        }
+    }
 }
 
 /// SPEC T6: `GET /usage?month=` answers past months. Calls in January 2031, a

@@ -97,4 +97,19 @@ impl<S: BudgetStore, C: Clock> BudgetStore for Guarded<S, C> {
         self.record(&result);
         result
     }
+
+    async fn adjust_all_from(
+        &self,
+        changes: &[(Budget, i64)],
+        reserved_at: Timestamp,
+        network: u64,
+    ) -> Result<Vec<BudgetStatus>, StoreError> {
+        self.permit()?;
+        let result = self
+            .inner
+            .adjust_all_from(changes, reserved_at, network)
+            .await;
+        self.record(&result);
+        result
+    }
 }

@@ -164,6 +164,33 @@ pub trait BudgetStore: Send + Sync {
         self.peek(budgets)
     }
 
+    /// Charges or refunds several budgets after the fact — each of `changes` is a
+    /// budget and its delta, as [`BudgetStore::adjust_from`] takes them, for a
+    /// spend decided at `reserved_at` — in one round trip where the store has
+    /// one (the Redis script; one per hash slot on a Cluster), each change as
+    /// [`BudgetStore::adjust_from`] would make it, in order. The statuses after
+    /// each, in the same order.
+    ///
+    /// # Errors
+    /// As [`BudgetStore::adjust`]; changes made before a failure stay made.
+    fn adjust_all_from(
+        &self,
+        changes: &[(Budget, i64)],
+        reserved_at: Timestamp,
+        network: u64,
+    ) -> impl Future<Output = Result<Vec<BudgetStatus>, StoreError>> + Send {
+        async move {
+            let mut statuses = Vec::with_capacity(changes.len());
+            for (budget, delta) in changes {
+                statuses.push(
+                    self.adjust_from(budget, *delta, reserved_at, network)
+                        .await?,
+                );
+            }
+            Ok(statuses)
+        }
+    }
+
     /// [`BudgetStore::adjust`] for a request from client network `network` (see
     /// [`BudgetStore::decide_from`]): a budget folded into that network's
     /// overflow budget is adjusted there.

@@ -163,4 +163,35 @@ impl<C: Clock> BudgetStore for LocalStore<C> {
                 .adjust_now_from(budget, delta, reserved_at, network)),
         }
     }
+
+    async fn adjust_all_from(
+        &self,
+        changes: &[(Budget, i64)],
+        reserved_at: Timestamp,
+        network: u64,
+    ) -> Result<Vec<BudgetStatus>, StoreError> {
+        // Every change applied, then one wait for the book's last to be durable.
+        let mut statuses = Vec::with_capacity(changes.len());
+        let mut last = None;
+        for (budget, delta) in changes {
+            match &self.book {
+                Some(book) if is_monthly(budget) => {
+                    let now = self.memory.clock().now();
+                    let (status, seq) = book.adjust(budget, *delta, reserved_at, now);
+                    last = last.max(seq);
+                    statuses.push(status);
+                }
+                _ => {
+                    statuses.push(
+                        self.memory
+                            .adjust_now_from(budget, *delta, reserved_at, network),
+                    )
+                }
+            }
+        }
+        if let (Some(book), Some(seq)) = (&self.book, last) {
+            book.durable(seq).await?;
+        }
+        Ok(statuses)
+    }
 }

@@ -123,6 +123,12 @@ enum Action {
         delta: i64,
         back: usize,
     },
+    /// Several adjustments of one settlement in one call (a budget may be named
+    /// twice), for a spend decided `back` decisions ago.
+    AdjustAll {
+        changes: Vec<(usize, i64)>,
+        back: usize,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -155,6 +161,8 @@ fn steps(n: usize) -> impl Strategy<Value = (u64, Vec<Step>)> {
         2 => picks(n).prop_map(Action::Peek),
         2 => (0..n, -15i64..15, 0usize..4)
             .prop_map(|(budget, delta, back)| Action::Adjust { budget, delta, back }),
+        1 => (prop::collection::vec((0..n, -15i64..15), 1..5), 0usize..4)
+            .prop_map(|(changes, back)| Action::AdjustAll { changes, back }),
     ];
     (
         0u64..1_000_000,
@@ -262,6 +270,38 @@ async fn run_case(
                 let redis = d.redis.adjust(b, *delta, reserved_at).await.map_err(fail)?;
                 if core != memory || core != redis {
                     return Err(mismatch(i, step, "adjustments", &(core, memory, redis)));
+                }
+            }
+            Action::AdjustAll { changes, back } => {
+                let reserved_at = decided
+                    .len()
+                    .checked_sub(back + 1)
+                    .map_or(now, |j| decided[j]);
+                let changes: Vec<(Budget, i64)> =
+                    changes.iter().map(|&(b, delta)| (all[b], delta)).collect();
+                let core: Vec<BudgetStatus> = changes
+                    .iter()
+                    .map(|(b, delta)| {
+                        sluice_core::adjust(b, *delta, reserved_at, &mut d.ledger, now)
+                    })
+                    .collect();
+                let memory = d
+                    .memory
+                    .adjust_all_from(&changes, reserved_at, 0)
+                    .await
+                    .map_err(fail)?;
+                let redis = d
+                    .redis
+                    .adjust_all_from(&changes, reserved_at, 0)
+                    .await
+                    .map_err(fail)?;
+                if core != memory || core != redis {
+                    return Err(mismatch(
+                        i,
+                        step,
+                        "adjustments in one call",
+                        &(core, memory, redis),
+                    ));
                 }
             }
         }

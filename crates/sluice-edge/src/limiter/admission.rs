@@ -482,24 +482,29 @@ impl<S: BudgetStore> Limiter<S> {
             (None, false) => "reservation",
         };
         metrics::counter!("sluice_llm_settlements_total", "outcome" => outcome).increment(1);
-        if let Some(usage) = &usage {
-            self.record_llm_usage(plan, usage, decision.decided_at())
-                .await;
-        }
+        // What the call spent, counted for `/usage` in the same store call.
+        let counts = usage.as_ref().map_or_else(Vec::new, |usage| {
+            self.llm_usage_counts(plan, usage, decision.decided_at())
+        });
         let policy = &self.policy;
-        self.charge(plan, decision, |i| {
-            let Some(BudgetKind::Bucket(b)) = plan.kinds.get(i) else {
-                return None;
-            };
-            let tokens = policy.buckets.get(crate::plan::policy_index(*b))?.tokens?;
-            match (&usage, failed) {
-                (Some(usage), _) => {
-                    crate::tokens::settled_units(&tokens, usage, &policy.prices, plan.price)
+        self.charge_with(
+            plan,
+            decision,
+            |i| {
+                let Some(BudgetKind::Bucket(b)) = plan.kinds.get(i) else {
+                    return None;
+                };
+                let tokens = policy.buckets.get(crate::plan::policy_index(*b))?.tokens?;
+                match (&usage, failed) {
+                    (Some(usage), _) => {
+                        crate::tokens::settled_units(&tokens, usage, &policy.prices, plan.price)
+                    }
+                    (None, true) => Some(0),
+                    (None, false) => None,
                 }
-                (None, true) => Some(0),
-                (None, false) => None,
-            }
-        })
+            },
+            counts,
+        )
         .await
     }
 
@@ -512,11 +517,26 @@ impl<S: BudgetStore> Limiter<S> {
         decision: Decision,
         actual: impl Fn(usize) -> Option<u32>,
     ) -> Decision {
+        self.charge_with(plan, decision, actual, Vec::new()).await
+    }
+
+    /// [`Limiter::charge`], with `counts` (budgets counting what the call spent,
+    /// each charged its cost) in the same store call: a settlement is one round
+    /// trip.
+    async fn charge_with(
+        &self,
+        plan: &Plan,
+        decision: Decision,
+        actual: impl Fn(usize) -> Option<u32>,
+        counts: Vec<sluice_core::Budget>,
+    ) -> Decision {
         let mut statuses: arrayvec::ArrayVec<
             sluice_core::BudgetStatus,
             { sluice_core::MAX_BUDGETS },
         > = decision.statuses().iter().copied().collect();
-        let mut changed = false;
+        // The budget index of each change, then the counts.
+        let mut changes: Vec<(sluice_core::Budget, i64)> = Vec::new();
+        let mut indices: Vec<usize> = Vec::new();
         for i in plan.weighted(&self.policy) {
             // A passed budget spent nothing, nor did a shadowed one that would have
             // refused: neither is charged now.
@@ -527,27 +547,40 @@ impl<S: BudgetStore> Limiter<S> {
                 continue;
             };
             let delta = i64::from(cost) - i64::from(budget.cost);
-            if delta == 0 {
-                continue;
-            }
-            match self
-                .store
-                .adjust_from(budget, delta, decision.decided_at(), plan.network)
-                .await
-            {
-                Ok(status) => {
-                    if let Some(s) = statuses.get_mut(i) {
-                        *s = status;
-                        changed = true;
-                    }
-                }
-                Err(_) => {
-                    // The charge is lost, the call was already admitted: counted.
-                    metrics::counter!("sluice_settle_failures_total").increment(1);
-                }
+            if delta != 0 {
+                changes.push((*budget, delta));
+                indices.push(i);
             }
         }
-        if changed {
+        let charged = changes.len();
+        changes.extend(counts.into_iter().map(|b| (b, i64::from(b.cost))));
+        if changes.is_empty() {
+            return decision;
+        }
+        match self
+            .store
+            .adjust_all_from(&changes, decision.decided_at(), plan.network)
+            .await
+        {
+            Ok(after) => {
+                for (&i, status) in indices.iter().zip(after.iter().take(charged)) {
+                    if let Some(s) = statuses.get_mut(i) {
+                        *s = *status;
+                    }
+                }
+            }
+            Err(_) => {
+                // The charges are lost, the call was already admitted: counted.
+                if charged > 0 {
+                    metrics::counter!("sluice_settle_failures_total").increment(1);
+                }
+                if changes.len() > charged {
+                    metrics::counter!("sluice_llm_usage_failures_total").increment(1);
+                }
+                return decision;
+            }
+        }
+        if charged > 0 {
             Decision::from_statuses(decision.decided_at(), statuses)
         } else {
             decision

@@ -138,16 +138,18 @@ fn counter(month: UsageMonth, model: &str, direction: &str, workspace: u64, n: u
 }
 
 impl<S: BudgetStore> Limiter<S> {
-    /// Counts what an LLM call of `plan` spent, as its upstream reported it, in
-    /// its workspace's usage of the month of `admitted_at` (when the call was
-    /// admitted, on the store's clock), in one store call. A count the store
-    /// cannot take is lost, and counted in `sluice_llm_usage_failures_total`.
-    pub(super) async fn record_llm_usage(
+    /// The counters of what an LLM call of `plan` spent, as its upstream
+    /// reported it, in its workspace's usage of the month of `admitted_at` (when
+    /// the call was admitted, on the store's clock), each with its count as its
+    /// cost: charged with the call's settlement, in the same store call. A count
+    /// the store cannot take is lost, and counted in
+    /// `sluice_llm_usage_failures_total`.
+    pub(super) fn llm_usage_counts(
         &self,
         plan: &Plan,
         usage: &Usage,
         admitted_at: Timestamp,
-    ) {
+    ) -> Vec<Budget> {
         let price = plan
             .price
             .and_then(|i| self.policy.prices.get(usize::from(i)));
@@ -162,23 +164,12 @@ impl<S: BudgetStore> Limiter<S> {
             spend,
         ];
         let month = UsageMonth::of(admitted_at);
-        let budgets: Vec<Budget> = DIRECTIONS
+        DIRECTIONS
             .iter()
             .zip(counts)
             .filter(|(_, n)| *n > 0)
             .map(|(direction, n)| counter(month, model, direction, plan.from.workspace, n))
-            .collect();
-        if budgets.is_empty() {
-            return;
-        }
-        if self
-            .store
-            .decide_from(&budgets, plan.network)
-            .await
-            .is_err()
-        {
-            metrics::counter!("sluice_llm_usage_failures_total").increment(1);
-        }
+            .collect()
     }
 
     /// What the LLM calls of `workspace` (its label, as `X-Sluice-Workspace`

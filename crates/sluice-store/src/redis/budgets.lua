@@ -10,7 +10,7 @@
 -- KEYS     each key the call touches, once: one hash per budget, fields w (window
 --          id), c (count), p (previous count), t (GCRA TAT, us); for a rolling
 --          window, one field per slot holding units: slot number -> count
--- ARGV[1]  'spend' | 'peek' | 'adjust'
+-- ARGV[1]  'spend' | 'peek' | 'adjust' | 'adjusts' (each budget by the delta in its cost)
 -- ARGV[2]  for 'adjust': delta, ARGV[3] reserved_at (Unix microseconds); otherwise unused
 -- ARGV[4]  the time to decide at (Unix microseconds), sent only by a store built
 --          with an injected clock (tests); 0: the server's TIME
@@ -27,6 +27,10 @@
 --          all its budgets admit ('spend'), or always ('adjust').
 
 local mode = ARGV[1]
+-- 'adjusts': an adjustment of each budget by its own delta, carried in its cost
+-- offset by 2^31.
+local each = mode == 'adjusts'
+if each then mode = 'adjust' end
 local now_s, now_frac
 local injected = tonumber(ARGV[4]) or 0
 if injected > 0 then
@@ -177,6 +181,7 @@ undo_n = 0
 for i = 0, n - 1 do
   local bi = tonumber(ARGV[first + i])
   local key, kind, limit, cost = b_key[bi], b_kind[bi], b_limit[bi], b_cost[bi]
+  if each then delta = cost - 2147483648; cost = 0 end
   local w, burst = b_w[bi], b_burst[bi]
   local s
   if kind == 'r' then s = load_slots(key) else s = load(key) end

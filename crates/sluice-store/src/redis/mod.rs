@@ -593,6 +593,9 @@ fn parse_reply(reply: &[i64], budgets: usize) -> Result<(Timestamp, Vec<Row>), S
     Ok((at, rows))
 }
 
+/// The offset of a delta carried in a budget's cost (`adjusts` mode).
+const DELTA_OFFSET: i64 = 1 << 31;
+
 /// Unix microseconds: the script's unit of time.
 fn micros(t: Timestamp) -> u64 {
     t.as_nanos() / 1_000
@@ -645,5 +648,42 @@ impl BudgetStore for RedisStore {
             .first()
             .copied()
             .ok_or_else(|| unavailable("empty reply from the adjust script"))
+    }
+
+    async fn adjust_all_from(
+        &self,
+        changes: &[(Budget, i64)],
+        reserved_at: Timestamp,
+        _network: u64,
+    ) -> Result<Vec<BudgetStatus>, StoreError> {
+        // Each change's delta rides in its budget's cost, offset by 2^31 (the
+        // script's `adjusts` mode reads it back).
+        let mut statuses = Vec::with_capacity(changes.len());
+        for part in changes.chunks(MAX_BUDGETS) {
+            let budgets: Vec<Budget> = part
+                .iter()
+                .map(|(b, delta)| Budget {
+                    cost: u32::try_from(
+                        (*delta).clamp(-DELTA_OFFSET, DELTA_OFFSET - 1) + DELTA_OFFSET,
+                    )
+                    .unwrap_or(0),
+                    ..*b
+                })
+                .collect();
+            let (at, rows) = self
+                .run("adjusts", &budgets, 0, micros(reserved_at))
+                .await?;
+            let d = decision(at, &rows, &budgets, true);
+            statuses.extend(
+                d.statuses()
+                    .iter()
+                    .zip(part)
+                    .map(|(s, (b, _))| BudgetStatus {
+                        limit: b.limit,
+                        ..*s
+                    }),
+            );
+        }
+        Ok(statuses)
     }
 }
