@@ -31,6 +31,11 @@ const CHAT: &str = "/v1/chat/completions";
 /// after 60 s idle, grants of at most 5 with at most 8 left; a token budget of
 /// `tokens` per caller an hour; a JSON-RPC route for MCP.
 fn policy(tokens: u32) -> sluice_policy::Policy {
+    policy_with(tokens, "")
+}
+
+/// [`policy`] with `more` lines under `turns:`.
+fn policy_with(tokens: u32, more: &str) -> sluice_policy::Policy {
     let yaml = format!(
         r#"
 profile: default
@@ -48,6 +53,7 @@ turns:
   max_grant: 5
   max_granted: 8
   runs_per_caller: 50
+{more}
 routes:
   - {{ method: POST, path: {CHAT}, class: llm, llm: openai, tokens: [team] }}
   - {{ method: POST, path: /mcp, jsonrpc: true }}
@@ -594,4 +600,80 @@ async fn t7_a_caller_starts_at_most_runs_per_caller_runs() {
     assert_eq!(status, 429, "{body}");
     assert_eq!(turn(&limiter, "ada", "run-7", None).await.0, 200);
     assert_eq!(turn(&limiter, "bob", "run-50", None).await.0, 200);
+}
+
+#[tokio::test]
+async fn t7_with_mcp_session_an_mcp_sessions_tool_calls_are_one_run() {
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let store = MemoryStore::with_clock(MemoryConfig::with_max_keys(10_000), clock.clone());
+    let limiter = Limiter::new(
+        policy_with(1_000_000, "  mcp_session: true\n  default_tier: quick"),
+        store,
+    );
+    let call = json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": { "name": "s", "arguments": {} } }).to_string();
+    // Any visible ASCII, as MCP allows; the run is named by its digest.
+    let session = [("mcp-session-id", "c0ffee/+=session")];
+    for _ in 0..3 {
+        assert_eq!(
+            request(
+                &limiter,
+                (Method::POST, "/mcp"),
+                "ada",
+                &session,
+                call.as_bytes()
+            )
+            .await
+            .0,
+            200
+        );
+    }
+    let (status, body) = request(
+        &limiter,
+        (Method::POST, "/mcp"),
+        "ada",
+        &session,
+        call.as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+    let run = body["error"]["data"]["run"]
+        .as_str()
+        .expect("the run")
+        .to_owned();
+    assert!(run.starts_with("mcp-"), "{run}");
+    // Another session is another run; a call with no session is no turn.
+    let other = [("mcp-session-id", "another")];
+    assert_eq!(
+        request(
+            &limiter,
+            (Method::POST, "/mcp"),
+            "ada",
+            &other,
+            call.as_bytes()
+        )
+        .await
+        .0,
+        200
+    );
+    for _ in 0..5 {
+        assert_eq!(
+            request(
+                &limiter,
+                (Method::POST, "/mcp"),
+                "ada",
+                &[],
+                call.as_bytes()
+            )
+            .await
+            .0,
+            200
+        );
+    }
+    // The session's run answers at its endpoint, by the name the pause gave.
+    let (status, state) = endpoint(&limiter, "ada", &run, None, "").await;
+    assert_eq!(
+        (status, state["state"].as_str()),
+        (200, Some("paused")),
+        "{state}"
+    );
 }
