@@ -110,6 +110,12 @@ pub enum Rate {
         /// Seconds without a turn or change after which the run is forgotten.
         idle_secs: NonZeroU32,
     },
+    /// A count kept until `end` (Unix seconds) and gone after it: counted as
+    /// the fixed window `[0, end)` ([`Rate::until`]).
+    Until {
+        /// The Unix second the count is kept until.
+        end: NonZeroU32,
+    },
 }
 
 impl Rate {
@@ -133,8 +139,9 @@ impl Rate {
     ///
     /// let kept = Rate::until(1_800_000_000);
     /// assert!(kept.is_until());
-    /// assert_eq!(kept, Rate::FixedWindow { seconds: NonZeroU32::new(1_800_000_000).unwrap() });
+    /// assert_eq!(kept.counted(), Rate::FixedWindow { seconds: NonZeroU32::new(1_800_000_000).unwrap() });
     /// assert!(!Rate::FixedWindow { seconds: NonZeroU32::new(86_400).unwrap() }.is_until());
+    /// assert!(!Rate::FixedWindow { seconds: NonZeroU32::MAX }.is_until());
     /// assert!(!Rate::CalendarMonth.is_until());
     /// ```
     pub const fn until(end: u64) -> Rate {
@@ -145,18 +152,28 @@ impl Rate {
         } else {
             end as u32
         };
-        let seconds = match NonZeroU32::new(end) {
-            Some(seconds) => seconds,
+        let end = match NonZeroU32::new(end) {
+            Some(end) => end,
             None => NonZeroU32::MAX, // not reached: `end` is at least 10⁹
         };
-        Rate::FixedWindow { seconds }
+        Rate::Until { end }
     }
 
-    /// True for a rate [`Rate::until`] makes: a fixed window of at least
-    /// [`Rate::UNTIL_MIN_SECONDS`]. A store that keeps long-lived counts durable
-    /// (the embedded store) keeps these with the monthly quotas.
+    /// The rate a budget of this one is counted by: a [`Rate::Until`] as its
+    /// fixed window `[0, end)`, any other as it is.
+    #[inline(always)]
+    pub const fn counted(&self) -> Rate {
+        match *self {
+            Rate::Until { end } => Rate::FixedWindow { seconds: end },
+            rate => rate,
+        }
+    }
+
+    /// True for a rate [`Rate::until`] makes. A store that keeps long-lived
+    /// counts durable (the embedded store) keeps these with the monthly quotas;
+    /// a fixed window, however long, is not one.
     pub const fn is_until(&self) -> bool {
-        matches!(self, Rate::FixedWindow { seconds } if seconds.get() >= Rate::UNTIL_MIN_SECONDS)
+        matches!(self, Rate::Until { .. })
     }
 
     /// True when a budget of this rate keeps its state in one cell: every
@@ -230,6 +247,7 @@ pub(crate) struct Evaluation {
 /// The cell keys a budget uses at `now`.
 #[inline]
 pub(crate) fn cells(rate: &Rate, key: &BudgetKey, now: Timestamp) -> ArrayVec<u64, 2> {
+    let rate = &rate.counted();
     let fp = key.fingerprint();
     let mut out = ArrayVec::new();
     match rate {
@@ -252,8 +270,11 @@ pub(crate) fn cells(rate: &Rate, key: &BudgetKey, now: Timestamp) -> ArrayVec<u6
 
 #[inline]
 fn window_bounds(rate: &Rate, now: Timestamp) -> (u64, u64) {
+    let rate = &rate.counted();
     match rate {
-        Rate::FixedWindow { seconds } | Rate::SlidingWindow { seconds } => {
+        Rate::FixedWindow { seconds }
+        | Rate::SlidingWindow { seconds }
+        | Rate::Until { end: seconds } => {
             let w = u64::from(seconds.get());
             let start = now.as_secs() / w * w;
             (start, start + w)
@@ -369,9 +390,10 @@ pub(crate) fn evaluate_one(
     cost: u32,
     now: Timestamp,
 ) -> OneCell {
+    let rate = &rate.counted();
     let never = cost > limit;
     match rate {
-        Rate::FixedWindow { .. } | Rate::CalendarMonth => {
+        Rate::FixedWindow { .. } | Rate::CalendarMonth | Rate::Until { .. } => {
             let (_, end) = window_bounds(rate, now);
             let spent = if value >> 32 == end.min(u64::from(u32::MAX)) {
                 low(value)
@@ -477,6 +499,7 @@ pub(crate) fn evaluate(
     cost: u32,
     now: Timestamp,
 ) -> Evaluation {
+    let rate = &rate.counted();
     let never = cost > limit;
     let mut writes = ArrayVec::new();
     match rate {
@@ -569,6 +592,7 @@ pub(crate) fn adjust(
     reserved_at: Timestamp,
     now: Timestamp,
 ) -> Evaluation {
+    let rate = &rate.counted();
     let clamp = |spent: u32| -> u32 {
         let v = i64::from(spent).saturating_add(delta);
         v.clamp(0, i64::from(limit)) as u32
@@ -577,7 +601,7 @@ pub(crate) fn adjust(
     let (_, end) = window_bounds(rate, now);
     let (_, reserved_end) = window_bounds(rate, reserved_at);
     match rate {
-        Rate::FixedWindow { .. } | Rate::CalendarMonth => {
+        Rate::FixedWindow { .. } | Rate::CalendarMonth | Rate::Until { .. } => {
             let spent = if values[0] >> 32 == end.min(u64::from(u32::MAX)) {
                 low(values[0]).min(limit)
             } else {

@@ -71,9 +71,9 @@ fn gcra_bound(period: Duration, limit: u32, burst: u32, span: Duration) -> u64 {
 
 fn window_of(b: &Budget, t: Timestamp) -> u64 {
     match b.rate {
-        Rate::FixedWindow { seconds } | Rate::SlidingWindow { seconds } => {
-            t.as_secs() / u64::from(seconds.get())
-        }
+        Rate::FixedWindow { seconds }
+        | Rate::SlidingWindow { seconds }
+        | Rate::Until { end: seconds } => t.as_secs() / u64::from(seconds.get()),
         Rate::CalendarMonth => sluice_core::month_of(t).start,
         Rate::Gcra { .. } | Rate::RollingWindow { .. } | Rate::Turns { .. } => 0,
     }

@@ -79,6 +79,8 @@ fn shapes() -> Vec<(Rate, u32)> {
         // grants (negative adjustments), finishes (positive ones past its turns).
         (Rate::Turns { idle_secs: nz(3) }, 5),
         (Rate::Turns { idle_secs: nz(1) }, 2),
+        // A count kept until 2096 (after the fake clock's 2093).
+        (Rate::until(4_000_000_000), 6),
     ]
 }
 

@@ -170,15 +170,17 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     let jsonrpc = v.jsonrpc(raw, default_class, &bucket_index, &quota_index, &lane_index);
     v.batch_endpoints(&mut lanes, &mut routes);
     v.batch_tools(raw, &lanes);
+    // Runs are counted when the policy writes `turns:` or has an LLM route.
+    let runs = raw.turns.is_some() || routes.iter().any(|r| r.llm.is_some());
     if let Some(j) = &jsonrpc {
-        v.budget_counts(&routes, j);
+        v.budget_counts(&routes, j, runs);
     }
     let bounds = v.bounds(raw);
     let paths = limits::paths(raw);
     let store = v.store(raw);
     let (classes, ceilings) = v.budgets_without_objects(raw);
     let mut turns = v.turns(raw);
-    turns.enabled = raw.turns.is_some() || routes.iter().any(|r| r.llm.is_some());
+    turns.enabled = runs;
     let plans = v.plans(raw, (&classes, &buckets, &quotas, &lanes), &turns);
     let tenants = v.tenants(raw, &plans);
     let domains = crate::domains::from_policy(&raw.domains, &mut v.problems);

@@ -236,7 +236,7 @@ impl Checker {
     /// Checks that no request any route admits can touch more budgets than one
     /// decision holds: its classes, the IP ceilings, its buckets and quotas,
     /// and a run's.
-    pub(super) fn budget_counts(&mut self, routes: &[Route], jsonrpc: &JsonRpc) {
+    pub(super) fn budget_counts(&mut self, routes: &[Route], jsonrpc: &JsonRpc, runs: bool) {
         // Every ceiling may count one request (an upper bound), and a JSON-RPC
         // body may hold every class its rules name.
         let ceilings = self.ceilings.len();
@@ -281,7 +281,7 @@ impl Checker {
                 }
             };
             // A call on an LLM route or an MCP tool call may be a run's turn.
-            let n = n + if r.llm.is_some() || r.class == RouteClass::JsonRpc {
+            let n = n + if runs && (r.llm.is_some() || r.class == RouteClass::JsonRpc) {
                 RUN_BUDGETS
             } else {
                 0

@@ -371,7 +371,9 @@ impl RedisStore {
             .arg(packed.budgets.len());
         for (key, b) in &packed.budgets {
             let (kind, window, burst): (&str, u64, u32) = match b.rate {
-                Rate::FixedWindow { seconds } => ("f", u64::from(seconds.get()), 0),
+                Rate::FixedWindow { seconds } | Rate::Until { end: seconds } => {
+                    ("f", u64::from(seconds.get()), 0)
+                }
                 Rate::SlidingWindow { seconds } => ("s", u64::from(seconds.get()), 0),
                 Rate::CalendarMonth => ("m", 0, 0),
                 Rate::RollingWindow {
