@@ -332,3 +332,80 @@ async fn p5_d2_a_dry_run_on_two_replicas_forwards_past_the_shared_limit_and_coun
     let r = call(&enforced, "POST", "/chats", "sk-p5").await;
     assert_eq!(r.status, 429, "{}", r.text());
 }
+
+/// SPEC T7 across processes: two `sluice serve` replicas on one Redis count one
+/// agent run's turns once (MCP tool calls through either), a grant made on one
+/// is spent on the other, and the run's state reads alike on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t7_two_replicas_count_one_runs_turns_once() {
+    let redis = RedisServer::start("t7");
+    let policy = policy("t7.yaml", "4294967295", |y| {
+        format!(
+            "{}turns:\n  tiers: {{ quick: 3 }}\n",
+            without_batch_lane(&y).edit("timeout_ms: 20", "timeout_ms: 2000")
+        )
+    });
+    let replicas: Vec<Sluice> = (0..2)
+        .map(|_| replica(&policy, &redis.url(), &[]))
+        .collect();
+    let tool_call = |sluice: &Sluice, id: u32| {
+        let body = format!(
+            r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"search_fields","arguments":{{}}}}}}"#
+        );
+        send(
+            Request::post(sluice.url("/mcp"))
+                .header("x-api-key", "sk-agent")
+                .header("content-type", "application/json")
+                .header("accept", "application/json, text/event-stream")
+                .header("x-sluice-run", "shared-run")
+                .header("x-sluice-depth", "quick")
+                .body(Full::new(Bytes::from(body)))
+                .expect("request"),
+        )
+    };
+    let mut statuses = Vec::new();
+    for i in 0..8u32 {
+        statuses.push(
+            tool_call(&replicas[i as usize % 2], i)
+                .await
+                .status
+                .as_u16(),
+        );
+    }
+    assert_eq!(
+        statuses.iter().filter(|&&s| s == 409).count(),
+        5,
+        "{statuses:?}"
+    );
+    assert_eq!(&statuses[..3], &[200, 200, 200], "{statuses:?}");
+    // A grant on the first, spent on the second.
+    let grant = send(
+        Request::post(replicas[0].url("/runs/shared-run/continue"))
+            .header("x-api-key", "sk-agent")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(br#"{"turns":1}"#)))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(grant.status.as_u16(), 200, "{}", grant.text());
+    assert_eq!(tool_call(&replicas[1], 20).await.status.as_u16(), 200);
+    assert_eq!(tool_call(&replicas[0], 21).await.status.as_u16(), 409);
+    for sluice in &replicas {
+        let state = send(
+            Request::get(sluice.url("/runs/shared-run"))
+                .header("x-api-key", "sk-agent")
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await
+        .json();
+        assert_eq!(
+            (
+                state["turns_used"].as_u64(),
+                state["turns_granted"].as_u64()
+            ),
+            (Some(4), Some(4)),
+            "{state}"
+        );
+    }
+}
