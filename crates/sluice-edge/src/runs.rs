@@ -323,9 +323,14 @@ impl RecentRuns {
         t.current.contains_key(&subject) || t.previous.contains_key(&subject)
     }
 
-    /// Keeps where run `subject` stands after a decision of one of its turns.
-    fn keep(&self, subject: u64, run: SeenRun) {
+    /// Keeps where run `subject` stands after a decision of one of its turns;
+    /// a run seen before keeps the tier it was first seen with (a run's tier is
+    /// its first call's, whatever later calls name).
+    fn keep(&self, subject: u64, mut run: SeenRun) {
         let mut t = self.runs.lock();
+        if let Some(seen) = t.current.get(&subject).or_else(|| t.previous.get(&subject)) {
+            run.tier.clone_from(&seen.tier);
+        }
         if t.current.len() >= RECENT_RUNS && !t.current.contains_key(&subject) {
             t.previous = std::mem::take(&mut t.current);
         }

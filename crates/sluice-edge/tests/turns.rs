@@ -205,6 +205,22 @@ async fn t7_a_run_pauses_after_its_tiers_turns_with_continue_or_finish_in_the_ap
     assert_eq!(taken, 4);
     let (status, _) = turn(&limiter, "ada", "r-default", Some("deep")).await;
     assert_eq!(status, 409, "the tier is the run's first call's");
+    // The admin listener's list: both runs paused, each with its first call's tier.
+    let listed = limiter.recent_runs(0.2, 10);
+    let tiers: Vec<(&str, &str)> = listed["runs"]
+        .as_array()
+        .expect("runs")
+        .iter()
+        .filter_map(|r| Some((r["run"].as_str()?, r["tier"].as_str()?)))
+        .collect();
+    assert!(tiers.contains(&("r-quick", "quick")), "{listed}");
+    assert!(tiers.contains(&("r-default", "standard")), "{listed}");
+    assert!(
+        listed["runs"]
+            .as_array()
+            .is_some_and(|r| r.iter().all(|r| r["state"] == "paused")),
+        "{listed}"
+    );
     // A call naming no run is no turn.
     for _ in 0..10 {
         assert_eq!(
