@@ -157,6 +157,18 @@ fn memory(clock: &FakeClock) -> Limiter<MemoryStore<FakeClock>> {
     Limiter::new(policy(1_000_000), store)
 }
 
+/// An MCP request by ada with `headers` and `body`.
+async fn mcp<S: BudgetStore>(limiter: &Limiter<S>, headers: &[(&str, &str)], body: &str) -> Answer {
+    request(
+        limiter,
+        (Method::POST, "/mcp"),
+        "ada",
+        headers,
+        body.as_bytes(),
+    )
+    .await
+}
+
 /// The turns a run takes before it pauses, and the pause.
 async fn until_paused<S: BudgetStore>(
     limiter: &Limiter<S>,
@@ -495,18 +507,7 @@ async fn t7_an_mcp_tool_call_is_a_turn_and_its_pause_a_jsonrpc_error() {
     let run = [("x-sluice-run", "mcp-run"), ("x-sluice-depth", "quick")];
     // Listing tools with the run header is no turn.
     for _ in 0..5 {
-        assert_eq!(
-            request(
-                &limiter,
-                (Method::POST, "/mcp"),
-                "ada",
-                &run,
-                list.as_bytes()
-            )
-            .await
-            .0,
-            200
-        );
+        assert_eq!(mcp(&limiter, &run, &list).await.0, 200);
     }
     for i in 0..3 {
         assert_eq!(
@@ -630,27 +631,9 @@ async fn t7_with_mcp_session_an_mcp_sessions_tool_calls_are_one_run() {
     // Any visible ASCII, as MCP allows; the run is named by its digest.
     let session = [("mcp-session-id", "c0ffee/+=session")];
     for _ in 0..3 {
-        assert_eq!(
-            request(
-                &limiter,
-                (Method::POST, "/mcp"),
-                "ada",
-                &session,
-                call.as_bytes()
-            )
-            .await
-            .0,
-            200
-        );
+        assert_eq!(mcp(&limiter, &session, &call).await.0, 200);
     }
-    let (status, body) = request(
-        &limiter,
-        (Method::POST, "/mcp"),
-        "ada",
-        &session,
-        call.as_bytes(),
-    )
-    .await;
+    let (status, body) = mcp(&limiter, &session, &call).await;
     assert_eq!(status, 409, "{body}");
     let run = body["error"]["data"]["run"]
         .as_str()
@@ -659,31 +642,9 @@ async fn t7_with_mcp_session_an_mcp_sessions_tool_calls_are_one_run() {
     assert!(run.starts_with("mcp-"), "{run}");
     // Another session is another run; a call with no session is no turn.
     let other = [("mcp-session-id", "another")];
-    assert_eq!(
-        request(
-            &limiter,
-            (Method::POST, "/mcp"),
-            "ada",
-            &other,
-            call.as_bytes()
-        )
-        .await
-        .0,
-        200
-    );
+    assert_eq!(mcp(&limiter, &other, &call).await.0, 200);
     for _ in 0..5 {
-        assert_eq!(
-            request(
-                &limiter,
-                (Method::POST, "/mcp"),
-                "ada",
-                &[],
-                call.as_bytes()
-            )
-            .await
-            .0,
-            200
-        );
+        assert_eq!(mcp(&limiter, &[], &call).await.0, 200);
     }
     // The session's run answers at its endpoint, by the name the pause gave.
     let (status, state) = endpoint(&limiter, "ada", &run, None, "").await;
