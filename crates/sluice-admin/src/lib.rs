@@ -708,6 +708,9 @@ fn tally_json(t: &sluice_edge::Tally) -> serde_json::Value {
             "budget": budget, "reason": reason, "count": count,
         })).collect::<Vec<_>>(),
         "local_decisions": t.local_decisions,
+        "near_limit": t.near_limit.iter().map(|(budget, count)| serde_json::json!({
+            "budget": budget, "count": count,
+        })).collect::<Vec<_>>(),
     })
 }
 

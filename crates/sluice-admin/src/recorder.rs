@@ -91,6 +91,10 @@ fn describe_metrics() {
         "LLM calls whose token budgets settled, by outcome: usage (at the upstream's count), refunded (an error with no usage), reservation (no usage: charged what was reserved)."
     );
     metrics::describe_counter!(
+        "sluice_near_limit_total",
+        "Admitted decisions that left a budget past near_limit_ratio (default 0.8) of its limit, by budget."
+    );
+    metrics::describe_counter!(
         "sluice_run_turns_total",
         "Turns of agent runs decided, by outcome: taken, paused (the run's turns spent), finished (its owner ended it)."
     );

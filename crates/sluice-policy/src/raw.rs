@@ -79,6 +79,10 @@ pub struct RawPolicy {
     /// True: every budget is in shadow mode (decided and counted, never refusing).
     #[serde(default)]
     pub dry_run: bool,
+    /// The share of its limit past which an admitted decision leaves a budget
+    /// near its limit, counted per budget (SPEC O2; default 0.8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub near_limit_ratio: Option<serde_json::Number>,
     /// How the class budgets and the per-IP ceilings count, by name (a class or a
     /// ceiling); those not named are `fixed`.
     #[serde(default)]

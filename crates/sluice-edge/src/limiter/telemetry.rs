@@ -40,6 +40,10 @@ pub struct Tally {
     /// Decisions made on this process's fallback store while the shared store
     /// was down (fail-open classes).
     pub local_decisions: u64,
+    /// Admitted decisions that left a budget past `near_limit_ratio` of its
+    /// limit, by budget (a class, a ceiling, a bucket or a quota family), most
+    /// first; budgets with none left out (`sluice_near_limit_total`).
+    pub near_limit: Vec<(String, u64)>,
 }
 
 /// One class's part of a [`Tally`].
@@ -77,6 +81,9 @@ pub(super) struct Counts {
     pub(super) refusals: HashMap<String, AtomicU64>,
     /// Refusals by a reason not known at start (none expected).
     pub(super) other_refusals: AtomicU64,
+    /// Admitted decisions that left a budget near its limit, by every budget the
+    /// policy names (fixed at start, kept across reloads).
+    pub(super) near_limit: HashMap<String, AtomicU64>,
     pub(super) local: AtomicU64,
     /// Lane refusals by (lane index, reason): rare, a lock is fine.
     pub(super) lane_refusals: Mutex<HashMap<(usize, &'static str), u64>>,
@@ -104,6 +111,9 @@ impl Counts {
                 .map(|r| (r, AtomicU64::new(0)))
                 .collect(),
             other_refusals: AtomicU64::new(0),
+            near_limit: refusal_reasons(policy)
+                .map(|r| (r, AtomicU64::new(0)))
+                .collect(),
             local: AtomicU64::new(0),
             lane_refusals: Mutex::new(HashMap::new()),
             shadow_refusals: Mutex::new(HashMap::new()),
@@ -154,6 +164,8 @@ pub(super) struct Meters {
     pub(super) quota_units: Vec<metrics::Counter>,
     /// `sluice_refusals_total{reason}` by every reason the policy can give.
     pub(super) refusals: HashMap<String, metrics::Counter>,
+    /// `sluice_near_limit_total{budget}` by every budget the policy names.
+    pub(super) near_limit: HashMap<String, metrics::Counter>,
 }
 
 impl Meters {
@@ -181,6 +193,13 @@ impl Meters {
                     let counter =
                         metrics::counter!("sluice_refusals_total", "reason" => reason.clone());
                     (reason, counter)
+                })
+                .collect(),
+            near_limit: refusal_reasons(policy)
+                .map(|budget| {
+                    let counter =
+                        metrics::counter!("sluice_near_limit_total", "budget" => budget.clone());
+                    (budget, counter)
                 })
                 .collect(),
         }
@@ -251,6 +270,12 @@ pub struct Status {
     pub workspaces_on_plans: usize,
     /// The rate-limit service's domains (`domains:` and `--rls-config`).
     pub domains: Vec<DomainStatus>,
+    /// The share of its limit past which a budget is near it
+    /// (`near_limit_ratio`, SPEC O2).
+    pub near_limit_ratio: f64,
+    /// Admitted decisions since start that left a budget near its limit, by
+    /// budget name (`sluice_near_limit_total`).
+    pub near_limit: BTreeMap<String, u64>,
 }
 
 /// A domain of Envoy's rate-limit service, in a [`Status`].
@@ -424,6 +449,7 @@ impl<S: BudgetStore> Limiter<S> {
                 counters[0].increment(1);
                 counts.admitted.fetch_add(1, Ordering::Relaxed);
                 self.counts.fill(plan, d);
+                self.count_near_limit(plan, d);
                 let window = d.decided_at().as_secs() / u64::from(self.policy.window.get());
                 self.top[top_shard(plan.caller)].lock().record(
                     window,
@@ -453,6 +479,37 @@ impl<S: BudgetStore> Limiter<S> {
             Err(_) => {
                 counters[2].increment(1);
                 counts.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Counts each budget an admitted `decision` left past the policy's
+    /// `near_limit_ratio` of its limit (SPEC O2): a class, a ceiling, a bucket
+    /// or a capped quota, not a run's turns; a budget in shadow mode that would
+    /// have refused spent nothing and is not counted.
+    fn count_near_limit(&self, plan: &Plan, decision: &Decision) {
+        let permille = u64::from(self.policy.near_limit_permille);
+        for (i, (k, s)) in plan.kinds.iter().zip(decision.statuses()).enumerate() {
+            let counted = matches!(
+                k,
+                BudgetKind::Class(_)
+                    | BudgetKind::Ceiling(_)
+                    | BudgetKind::Bucket(_)
+                    | BudgetKind::Quota(_)
+            );
+            if !counted || s.limit == u32::MAX || plan.shadowed & (1 << i) != 0 {
+                continue;
+            }
+            let used = u64::from(s.limit.saturating_sub(s.remaining));
+            if used * 1000 < permille * u64::from(s.limit) {
+                continue;
+            }
+            let budget = plan.name(i, &self.policy);
+            if let Some(counter) = self.metrics.near_limit.get(budget) {
+                counter.increment(1);
+            }
+            if let Some(n) = self.counts.near_limit.get(budget) {
+                n.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -515,12 +572,21 @@ impl<S: BudgetStore> Limiter<S> {
             .map(|((budget, reason), &n)| (budget.clone(), *reason, n))
             .collect();
         shadow_refusals.sort();
+        let mut near_limit: Vec<(String, u64)> = self
+            .counts
+            .near_limit
+            .iter()
+            .map(|(b, n)| (b.clone(), load(n)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        near_limit.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         Tally {
             classes,
             refusals,
             lane_refusals,
             shadow_refusals,
             local_decisions: load(&self.counts.local),
+            near_limit,
         }
     }
 
@@ -555,7 +621,16 @@ impl<S: BudgetStore> Limiter<S> {
         let others: u64 = current().map(|t| t.others).sum();
         callers.sort_by(|a, b| b.units.cmp(&a.units).then(a.caller.cmp(&b.caller)));
         callers.truncate(10);
+        let near_limit = self
+            .counts
+            .near_limit
+            .iter()
+            .map(|(b, n)| (b.clone(), n.load(Ordering::Relaxed)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
         Status {
+            near_limit_ratio: f64::from(p.near_limit_permille) / 1000.0,
+            near_limit,
             profile: p.profile_name.clone(),
             window_seconds: p.window.get(),
             classes,

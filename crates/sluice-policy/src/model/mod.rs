@@ -86,6 +86,9 @@ pub struct Policy {
     pub tenants: Tenants,
     /// The turn budgets of agent runs (SPEC T7).
     pub turns: Turns,
+    /// The share of its limit, in thousandths, past which an admitted decision
+    /// leaves a budget near its limit (`near_limit_ratio`, SPEC O2).
+    pub near_limit_permille: u16,
 }
 
 impl Policy {

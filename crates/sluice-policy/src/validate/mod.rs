@@ -186,6 +186,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     let domains = crate::domains::from_policy(&raw.domains, &mut v.problems);
     crate::domains::check_unique(&domains, &mut v.problems);
     let default_plan = plans.iter().position(|p| p.name == "default");
+    let near_limit_permille = v.near_limit(raw);
     let parts = (profile, window, identity, default_class, jsonrpc, store);
     if !v.problems.is_empty() {
         return Err(v.problems);
@@ -223,8 +224,28 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             default_plan,
             tenants,
             turns,
+            near_limit_permille,
         }),
         _ => Err(v.problems),
+    }
+}
+
+impl Checker {
+    /// `near_limit_ratio`: above 0 and at most 1, in thousandths (default 0.8).
+    fn near_limit(&mut self, raw: &RawPolicy) -> u16 {
+        let Some(ratio) = &raw.near_limit_ratio else {
+            return 800;
+        };
+        match ratio.as_f64().filter(|r| *r > 0.0 && *r <= 1.0) {
+            Some(r) => ((r * 1000.0).round() as u16).max(1),
+            None => {
+                self.problem(
+                    "near_limit_ratio",
+                    "a share of a limit, above 0 and at most 1",
+                );
+                800
+            }
+        }
     }
 }
 
