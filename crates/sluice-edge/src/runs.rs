@@ -104,7 +104,6 @@ pub(crate) fn run_of(
         return Ok(None);
     }
     let named = one(headers, RUN_HEADER, BadRun::Id)?;
-    let depth = one(headers, DEPTH_HEADER, BadRun::Depth)?;
     if named.is_none() && !turns.mcp_session {
         return Ok(None);
     }
@@ -129,7 +128,8 @@ pub(crate) fn run_of(
         },
         None => return Ok(None),
     };
-    let tier = match depth {
+    // The depth is read only of a call that names a run.
+    let tier = match one(headers, DEPTH_HEADER, BadRun::Depth)? {
         Some(d) => turns.tier(d).ok_or(BadRun::Depth)?,
         None => turns.default_tier,
     };

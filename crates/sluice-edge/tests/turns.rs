@@ -474,6 +474,14 @@ async fn t7_bad_run_ids_depths_and_routes_are_refused_and_nothing_is_counted() {
         (status, body["error"]["details"]["reason"].as_str()),
         (400, Some("run_not_supported"))
     );
+    // A depth with no run is no turn, whatever it names.
+    let depth_only = [("x-sluice-depth", "epic"), ("x-sluice-depth", "x")];
+    assert_eq!(
+        request(&limiter, (Method::POST, CHAT), "ada", &depth_only, &chat())
+            .await
+            .0,
+        200
+    );
     // None of them took a turn of `ok`.
     assert_eq!(endpoint(&limiter, "ada", "ok", None, "").await.0, 404);
 }
