@@ -584,7 +584,8 @@ fn conflict(run: &str, code: &str, message: &str) -> Response<Full<Bytes>> {
 }
 
 /// The answer to a call its run's turns paused (or its run is finished): 409,
-/// never forwarded, no `Retry-After` (waiting does not help). The body is SPEC
+/// never forwarded, no `Retry-After` (waiting does not help) and
+/// `X-Should-Retry: false` (so the SDKs that retry a 409 do not). The body is SPEC
 /// T7's envelope; on an `llm: openai` route `error.type` and `error.code` carry
 /// it too, on an `llm: anthropic` route Anthropic's error shape with its
 /// `details`, and on a JSON-RPC route a JSON-RPC error whose `data` holds it.
@@ -630,20 +631,33 @@ pub(crate) fn pause(
         "continue_url": format!("{base}/continue"),
         "finish_url": format!("{base}/finish"),
     });
-    let body = match (plan.llm, jsonrpc_body) {
-        (_, Some(request)) => return jsonrpc_pause(request, code, &message, details),
-        (Some(LlmFormat::OpenAi), _) => json!({
-            "error": { "message": message, "type": code, "param": null, "code": code, "details": details },
-        }),
-        (Some(LlmFormat::Anthropic), _) => json!({
-            "type": "error",
-            "error": { "type": code, "message": message, "details": details },
-        }),
-        (None, None) => {
-            json!({ "error": { "code": code, "message": message, "details": details } })
-        }
+    let mut response = match (plan.llm, jsonrpc_body) {
+        (_, Some(request)) => jsonrpc_pause(request, code, &message, details),
+        (Some(LlmFormat::OpenAi), _) => json_response(
+            StatusCode::CONFLICT,
+            &json!({
+                "error": { "message": message, "type": code, "param": null, "code": code, "details": details },
+            }),
+        ),
+        (Some(LlmFormat::Anthropic), _) => json_response(
+            StatusCode::CONFLICT,
+            &json!({
+                "type": "error",
+                "error": { "type": code, "message": message, "details": details },
+            }),
+        ),
+        (None, None) => json_response(
+            StatusCode::CONFLICT,
+            &json!({ "error": { "code": code, "message": message, "details": details } }),
+        ),
     };
-    json_response(StatusCode::CONFLICT, &body)
+    // The official OpenAI and Anthropic SDKs retry a 409 by default (a lock
+    // timeout to them): this header, which they obey, tells them not to.
+    response.headers_mut().insert(
+        http::HeaderName::from_static("x-should-retry"),
+        http::HeaderValue::from_static("false"),
+    );
+    response
 }
 
 /// The JSON-RPC error code of a paused run's tool call.
