@@ -1,0 +1,146 @@
+//! Every provider's dialect, end to end over loopback on paused time: a
+//! local fake provider answers with recorded header sets and bodies, and
+//! the pacer waits what each one asks (SPEC C5, C6).
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use sluice_client::config::parse_str;
+use sluice_client::{PacerMiddleware, TokioClock};
+use sluice_core::{Clock, Timestamp};
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// One request as the fake provider saw it: when, and its head.
+type Seen = Arc<parking_lot::Mutex<Vec<(Timestamp, String)>>>;
+
+/// One scripted answer: status, headers, body.
+type Answer = (u16, Vec<(&'static str, String)>, String);
+
+/// A provider on a loopback port (0: any free one) that answers each
+/// request with the next of `script` (status, headers, body), 200 `{}` when
+/// it runs out; one request per connection.
+async fn fake_provider(clock: TokioClock, script: Vec<Answer>) -> (String, Seen) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen: Seen = Arc::default();
+    let script = Arc::new(parking_lot::Mutex::new(VecDeque::from(script)));
+    let s2 = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            // The head, then the body its content-length says.
+            let head_end = loop {
+                let n = conn.read(&mut chunk).await.unwrap();
+                buf.extend_from_slice(&chunk[..n]);
+                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break i + 4;
+                }
+            };
+            let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse().unwrap());
+            while buf.len() < head_end + len {
+                let n = conn.read(&mut chunk).await.unwrap();
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            s2.lock().push((clock.now(), head));
+            let (code, headers, body) = script.lock().pop_front().unwrap_or((
+                200,
+                vec![],
+                r#"{"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}"#.into(),
+            ));
+            let mut out = format!(
+                "HTTP/1.1 {code} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+                body.len()
+            );
+            for (k, v) in headers {
+                out.push_str(&format!("{k}: {v}\r\n"));
+            }
+            out.push_str("\r\n");
+            out.push_str(&body);
+            conn.write_all(out.as_bytes()).await.unwrap();
+            conn.shutdown().await.ok();
+        }
+    });
+    (format!("http://{addr}"), seen)
+}
+
+fn chat(model: &str) -> serde_json::Value {
+    json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20})
+}
+
+/// Gemini's 429 from its OpenAI-compatible endpoint, as recorded: no
+/// rate-limit header, the delay only in the body's `google.rpc.RetryInfo`.
+const GEMINI_429: &str = r#"[{
+  "error": {
+    "code": 429,
+    "message": "You exceeded your current quota, please check your plan and billing details. For more information on this error, head to: https://ai.google.dev/gemini-api/docs/rate-limits.",
+    "status": "RESOURCE_EXHAUSTED",
+    "details": [
+      {
+        "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+        "violations": [
+          {
+            "quotaMetric": "generativelanguage.googleapis.com/generate_content_free_tier_requests",
+            "quotaId": "GenerateRequestsPerMinutePerProjectPerModel-FreeTier",
+            "quotaDimensions": {"location": "global", "model": "gemini-2.0-flash"},
+            "quotaValue": "15"
+          }
+        ]
+      },
+      {
+        "@type": "type.googleapis.com/google.rpc.Help",
+        "links": [{"description": "Learn more about Gemini API quotas", "url": "https://ai.google.dev/gemini-api/docs/rate-limits"}]
+      },
+      {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "37s"}
+    ]
+  }
+}]"#;
+
+#[tokio::test(start_paused = true)]
+async fn c5_the_google_preset_waits_gemini_s_retry_info_end_to_end() {
+    let clock = TokioClock::at(sluice_client::TEST_EPOCH);
+    let (url, seen) = fake_provider(clock, vec![(429, vec![], GEMINI_429.into())]).await;
+    // The shipped `google` entry, only its base URL moved to the fake.
+    let config = parse_str(
+        &format!("providers:\n  google:\n    apiKey: g-key\n    baseUrl: {url}/v1beta/openai\n"),
+        Path::new("pace.yaml"),
+    )
+    .unwrap();
+    let google = config.provider("google").unwrap().clone();
+    assert_eq!(google.limits, limits(250_000, 100, 0), "the shipped limits");
+    let (pacer, _) = pacer_with([google]);
+    let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(PacerMiddleware::new(pacer.clone(), "google"))
+        .build();
+    let resp = client
+        .post(format!("{url}/v1beta/openai/chat/completions"))
+        .header("content-type", "application/json")
+        .body(chat("gemini-2.0-flash").to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.bytes().await.unwrap();
+    let seen = seen.lock().clone();
+    assert_eq!(seen.len(), 2);
+    let gap = seen[1].0.saturating_since(seen[0].0);
+    assert!(
+        gap >= Duration::from_secs(37) && gap < Duration::from_secs(38),
+        "waited {gap:?}, asked 37 s"
+    );
+    let stats = pacer.stats("google");
+    assert_eq!((stats.upstream_429, stats.retries), (1, 1));
+}
