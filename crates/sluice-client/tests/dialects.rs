@@ -144,3 +144,65 @@ async fn c5_the_google_preset_waits_gemini_s_retry_info_end_to_end() {
     let stats = pacer.stats("google");
     assert_eq!((stats.upstream_429, stats.retries), (1, 1));
 }
+
+fn header_map(pairs: &[(&'static str, &str)]) -> http::HeaderMap {
+    let mut h = http::HeaderMap::new();
+    for (k, v) in pairs {
+        h.insert(*k, v.parse().unwrap());
+    }
+    h
+}
+
+#[tokio::test(start_paused = true)]
+async fn c6_openai_reset_durations_hold_exactly_and_garbage_is_bounded() {
+    // Recorded at the edge of a small plan: no requests left until 1m30.5s.
+    for (reset, wait) in [
+        ("1m30.5s", Duration::from_millis(90_500)),
+        ("12ms", Duration::from_millis(12)),
+        ("1h2m3s", Duration::from_secs(3723)),
+        ("0s", Duration::ZERO),
+    ] {
+        let mut p = provider("openai", limits(150_000, 0, 0));
+        p.max_wait = Duration::from_secs(86_400);
+        let (pacer, clock) = pacer_with([p]);
+        let h = header_map(&[
+            ("x-ratelimit-limit-requests", "3"),
+            ("x-ratelimit-remaining-requests", "0"),
+            ("x-ratelimit-reset-requests", reset),
+            ("x-ratelimit-limit-tokens", "150000"),
+            ("x-ratelimit-remaining-tokens", "149000"),
+            ("x-ratelimit-reset-tokens", "6m0s"),
+        ]);
+        let start = clock.now();
+        pacer.observe("openai", &h).await.unwrap();
+        // The 1,000 tokens the provider counted are in the window.
+        assert_eq!(pacer.tokens_in_window("openai").await.unwrap(), 1_000);
+        let permit = pacer.acquire("openai", 10u32).await.unwrap();
+        assert_eq!(permit.waited(), wait, "{reset}");
+        assert_eq!(clock.now().saturating_since(start), wait, "{reset}");
+    }
+    // Garbage resets hold nothing; an enormous one holds at most a day and
+    // a request that cannot wait that long is refused at once.
+    for (reset, held) in [("abc", false), ("-5s", false), ("99999999h", true)] {
+        let (pacer, clock) = pacer_with([provider("openai", limits(150_000, 0, 0))]);
+        let h = header_map(&[
+            ("x-ratelimit-remaining-requests", "0"),
+            ("x-ratelimit-reset-requests", reset),
+        ]);
+        pacer.observe("openai", &h).await.unwrap();
+        let start = clock.now();
+        let got = pacer.acquire("openai", 10u32).await;
+        assert_eq!(clock.now(), start, "{reset}: no wait");
+        match got {
+            Ok(_) => assert!(!held, "{reset}"),
+            Err(e) => {
+                assert!(held, "{reset}: {e}");
+                let after = e.retry_after().unwrap();
+                assert!(
+                    after <= Duration::from_secs(86_400) && after > Duration::from_secs(86_000),
+                    "{reset}: {after:?}"
+                );
+            }
+        }
+    }
+}
