@@ -206,3 +206,83 @@ async fn c6_openai_reset_durations_hold_exactly_and_garbage_is_bounded() {
         }
     }
 }
+
+/// Anthropic's rate-limit headers as recorded on a Messages answer at
+/// [`TEST_EPOCH`](sluice_client::TEST_EPOCH) (2025-11-30T00:00:00Z): no
+/// requests left until 2 s on; 10,000 input and 1,000 output tokens counted;
+/// `tokens-*` the most restrictive of the two (input, here).
+const ANTHROPIC: [(&str, &str); 12] = [
+    ("anthropic-ratelimit-requests-limit", "50"),
+    ("anthropic-ratelimit-requests-remaining", "0"),
+    ("anthropic-ratelimit-requests-reset", "2025-11-30T00:00:02Z"),
+    ("anthropic-ratelimit-tokens-limit", "40000"),
+    ("anthropic-ratelimit-tokens-remaining", "30000"),
+    ("anthropic-ratelimit-tokens-reset", "2025-11-30T00:00:15Z"),
+    ("anthropic-ratelimit-input-tokens-limit", "40000"),
+    ("anthropic-ratelimit-input-tokens-remaining", "30000"),
+    (
+        "anthropic-ratelimit-input-tokens-reset",
+        "2025-11-30T00:00:15Z",
+    ),
+    ("anthropic-ratelimit-output-tokens-limit", "8000"),
+    ("anthropic-ratelimit-output-tokens-remaining", "7000"),
+    (
+        "anthropic-ratelimit-output-tokens-reset",
+        "2025-11-30T00:00:07.5Z",
+    ),
+];
+
+#[tokio::test(start_paused = true)]
+async fn c6_m2_every_anthropic_axis_goes_to_its_own_window() {
+    let recorded = header_map(&ANTHROPIC);
+    // Paced by input and output apart (ITPM / OTPM): each axis's count
+    // corrects its own window; there is no total window to correct.
+    let mut p = provider("anthropic", limits(0, 50, 0).with_io(40_000, 8_000));
+    p.style = sluice_client::config::ApiStyle::Anthropic;
+    let (pacer, clock) = pacer_with([p]);
+    pacer.observe("anthropic", &recorded).await.unwrap();
+    assert_eq!(
+        pacer.group_tokens("anthropic", None).await.unwrap(),
+        (0, 10_000, 1_000)
+    );
+    let learned = &pacer.limits_json()["providers"]["anthropic"]["learned"]["headers"];
+    assert_eq!(learned["inputTokens"]["limit"], 40_000);
+    assert_eq!(learned["outputTokens"]["remaining"], 7_000);
+    assert_eq!(learned["outputTokens"]["reset"], 7.5);
+    assert_eq!(learned["tokens"]["reset"], 15.0);
+    // Requests at 0 until the RFC 3339 reset: the next request waits for it.
+    let start = clock.now();
+    let permit = pacer.acquire("anthropic", 10u32).await.unwrap();
+    assert_eq!(permit.waited(), Duration::from_secs(2));
+    assert_eq!(clock.now().saturating_since(start), Duration::from_secs(2));
+
+    // Paced by one TPM (the shipped default's shape): `tokens-*` corrects
+    // the total window; input and output have none.
+    let mut p = provider("anthropic", limits(120_000, 50, 0));
+    p.style = sluice_client::config::ApiStyle::Anthropic;
+    let (pacer, _) = pacer_with([p]);
+    pacer.observe("anthropic", &recorded).await.unwrap();
+    assert_eq!(
+        pacer.group_tokens("anthropic", None).await.unwrap(),
+        (10_000, 0, 0)
+    );
+
+    // Resets that are garbage, in the past, or beyond any date this pacer
+    // can hold hold nothing (a past one: the requests are back now).
+    for reset in [
+        "soon",
+        "2025-11-29T23:59:00Z",
+        "9999-12-31T23:59:59Z",
+        "-0001-01-01T00:00:00Z",
+    ] {
+        let (pacer, clock) = pacer_with([provider("anthropic", limits(120_000, 50, 0))]);
+        let h = header_map(&[
+            ("anthropic-ratelimit-requests-remaining", "0"),
+            ("anthropic-ratelimit-requests-reset", reset),
+        ]);
+        pacer.observe("anthropic", &h).await.unwrap();
+        let start = clock.now();
+        pacer.acquire("anthropic", 10u32).await.unwrap();
+        assert_eq!(clock.now(), start, "{reset}");
+    }
+}
