@@ -160,10 +160,11 @@ pub fn parse_proto_duration(v: &str) -> Option<Duration> {
 }
 
 /// "Please try again in 16.062s." / "try again in 20ms" / "in 1m30s" /
-/// Gemini's "Please retry in 37.5s.".
+/// Gemini's "Please retry in 37.5s." / Azure's "Please retry after 3
+/// seconds.".
 pub fn message_hint(message: &str) -> Option<Duration> {
     let lower = message.to_ascii_lowercase();
-    let at = ["try again in ", "retry in "]
+    let at = ["try again in ", "retry in ", "retry after "]
         .iter()
         .find_map(|p| lower.find(p).map(|i| i + p.len()))?;
     let rest = message.get(at..)?;
@@ -319,6 +320,10 @@ mod tests {
             message_hint("please try again in 2 seconds"),
             Some(Duration::from_secs(2))
         );
+        // Azure OpenAI's message (its headers say the same).
+        let azure = br#"{"error":{"code":"429","message":"Requests to the ChatCompletions_Create Operation under Azure OpenAI API version 2024-10-21 have exceeded token rate limit of your current OpenAI S0 pricing tier. Please retry after 3 seconds. Please go here: https://aka.ms/oai/quotaincrease if you would like to further increase the default rate limit."}}"#;
+        assert_eq!(body_hint(azure), Some(Duration::from_secs(3)));
+        assert_eq!(message_hint("we retry after lunch"), None);
     }
 
     /// Gemini's 429 as its OpenAI-compatible endpoint answers it (no

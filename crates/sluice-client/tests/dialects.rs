@@ -286,3 +286,93 @@ async fn c6_m2_every_anthropic_axis_goes_to_its_own_window() {
         assert_eq!(clock.now(), start, "{reset}");
     }
 }
+
+/// Azure OpenAI's 429 as recorded: `retry-after-ms` and `retry-after`, the
+/// requests and tokens left (no limit, no reset), the delay in the message.
+fn azure_429() -> Answer {
+    (
+        429,
+        vec![
+            ("retry-after", "3".into()),
+            ("retry-after-ms", "2500".into()),
+            ("x-ratelimit-remaining-requests", "0".into()),
+            ("x-ratelimit-remaining-tokens", "0".into()),
+            ("apim-request-id", "4e1c6b2a-0f3e-4c55-9d0b-6a2f1f8f9e11".into()),
+        ],
+        r#"{"error":{"code":"429","message":"Requests to the ChatCompletions_Create Operation under Azure OpenAI API version 2024-10-21 have exceeded token rate limit of your current OpenAI S0 pricing tier. Please retry after 3 seconds. Please go here: https://aka.ms/oai/quotaincrease if you would like to further increase the default rate limit."}}"#.into(),
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn c5_c6_the_azure_preset_waits_retry_after_ms_end_to_end() {
+    let clock = TokioClock::at(sluice_client::TEST_EPOCH);
+    let (url, seen) = fake_provider(clock, vec![azure_429()]).await;
+    let config = parse_str(
+        &format!("providers:\n  azure:\n    apiKey: az-key\n    baseUrl: {url}/openai/v1\n"),
+        Path::new("pace.yaml"),
+    )
+    .unwrap();
+    let azure = config.provider("azure").unwrap().clone();
+    assert_eq!(azure.auth_header.as_str(), "api-key");
+    let (pacer, _) = pacer_with([azure]);
+    let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(PacerMiddleware::new(pacer.clone(), "azure"))
+        .build();
+    let resp = client
+        .post(format!("{url}/openai/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(chat("my-gpt-4o-deployment").to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.bytes().await.unwrap();
+    let seen = seen.lock().clone();
+    assert_eq!(seen.len(), 2);
+    let gap = seen[1].0.saturating_since(seen[0].0);
+    assert!(
+        gap >= Duration::from_millis(2500) && gap < Duration::from_millis(3500),
+        "waited {gap:?}, asked 2.5 s"
+    );
+    // Azure's remaining-only headers are kept (for `/limits`) but, with no
+    // limit and no reset, neither hold nor charge.
+    let learned = &pacer.limits_json()["providers"]["azure"]["learned"]["headers"];
+    assert_eq!(learned["requests"]["remaining"], 0);
+    assert!(learned["requests"]["reset"].is_null());
+}
+
+#[tokio::test(start_paused = true)]
+async fn c3_the_azure_preset_keeps_azure_s_one_and_ten_second_rpm_slices() {
+    // Azure enforces its RPM over 1 s and 10 s slices (RPM/60 and RPM/6):
+    // the pacer's even spacing, (60 s + margin) / RPM, keeps both: the
+    // shipped 180 and other RPMs Azure assigns (6 per 1,000 TPM); the 1 s
+    // slice where RPM/60 is whole.
+    let shipped = sluice_client::config::ProviderConfig::shipped("azure").unwrap();
+    assert_eq!(shipped.limits.rpm, 180);
+    for rpm in [180, 6, 60, 300, 1_200, 2_700] {
+        let mut azure = shipped.clone();
+        azure.limits = limits(0, rpm, 0);
+        let (pacer, clock) = pacer_with([azure]);
+        let mut times = Vec::new();
+        for _ in 0..(rpm / 3).max(40) {
+            pacer.acquire("azure", 10u32).await.unwrap();
+            times.push(clock.now());
+        }
+        let mut slices = vec![(Duration::from_secs(10), rpm / 6)];
+        if rpm % 60 == 0 {
+            slices.push((Duration::from_secs(1), rpm / 60));
+        }
+        for (slice, most) in slices {
+            for (i, t) in times.iter().enumerate() {
+                let in_slice = times[i..]
+                    .iter()
+                    .take_while(|u| u.saturating_since(*t) < slice)
+                    .count();
+                assert!(
+                    in_slice <= most as usize,
+                    "RPM {rpm}: {in_slice} requests in {slice:?} from {t:?}, Azure allows {most}"
+                );
+            }
+        }
+    }
+}
