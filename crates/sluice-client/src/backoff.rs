@@ -430,6 +430,55 @@ mod tests {
     }
 
     #[test]
+    fn c5_garbage_negative_and_enormous_retry_after_are_bounded() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_764_460_800);
+        // Garbage and negative values are no hint (the backoff decides).
+        for (name, v) in [
+            ("retry-after", "abc"),
+            ("retry-after", "-5"),
+            ("retry-after", "NaN"),
+            ("retry-after", "inf"),
+            ("retry-after", "1e400"),
+            ("retry-after", "Sun, 99 Foo 2025 00:00:00 GMT"),
+            ("retry-after-ms", "-1500"),
+            ("retry-after-ms", "NaN"),
+            ("retry-after-ms", "soon"),
+        ] {
+            assert_eq!(
+                retry_after(&h(&[(name, v)]), None, now),
+                None,
+                "{name}: {v}"
+            );
+        }
+        // A garbage header does not hide a good body hint.
+        assert_eq!(
+            retry_after(
+                &h(&[("retry-after", "abc")]),
+                Some(br#"{"error":{"details":{"retry_after_seconds":4}}}"#),
+                now
+            ),
+            Some(Duration::from_secs(4))
+        );
+        // A date in the past: go now.
+        assert_eq!(
+            retry_after(
+                &h(&[("retry-after", "Sun, 30 Nov 2025 00:00:00 GMT")]),
+                None,
+                now
+            ),
+            Some(Duration::ZERO)
+        );
+        // An enormous hint is read as it is, and never waited: the answer
+        // goes back to the caller.
+        let huge = retry_after(&h(&[("retry-after", "99999999999")]), None, now).unwrap();
+        assert_eq!(huge, Duration::from_secs(99_999_999_999));
+        let mut b = Backoff::with_seed(RetryPolicy::default(), 7);
+        assert_eq!(b.next_delay(Some(huge)), None);
+        let body = br#"{"error":{"details":{"retry_after_seconds":1e300}}}"#;
+        assert_eq!(body_hint(body), None, "past Duration: no hint");
+    }
+
+    #[test]
     fn c5_insufficient_quota_in_an_array_body_is_final() {
         let quota = br#"[{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}]"#;
         assert_eq!(
