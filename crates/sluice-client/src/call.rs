@@ -265,6 +265,32 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
     }
 }
 
+/// On a 429 handed back to the caller whose delay only its body says
+/// (Gemini's `RetryInfo`, a message's "try again in 16.062s"), puts it in
+/// `retry-after` (whole seconds, rounded up) and `retry-after-ms`, the
+/// headers SDKs honour. A provider's own `retry-after` or `retry-after-ms`
+/// is left as it is.
+pub(crate) fn hint_headers(status: StatusCode, headers: &mut HeaderMap, body: &[u8]) {
+    if status != StatusCode::TOO_MANY_REQUESTS
+        || headers.contains_key(http::header::RETRY_AFTER)
+        || headers.contains_key("retry-after-ms")
+    {
+        return;
+    }
+    let Some(d) = crate::backoff::body_hint(body) else {
+        return;
+    };
+    let ms = d.as_millis();
+    let secs = ms.div_ceil(1000);
+    if let (Ok(s), Ok(m)) = (
+        HeaderValue::from_str(&secs.to_string()),
+        HeaderValue::from_str(&ms.to_string()),
+    ) {
+        headers.insert(http::header::RETRY_AFTER, s);
+        headers.insert("retry-after-ms", m);
+    }
+}
+
 /// Reads `body` until it ends or more than `limit` bytes have come (at most
 /// `limit` and one frame are held): the bytes read, and the body's unread
 /// rest when it went on. Trailers are skipped.

@@ -13,7 +13,7 @@ use sluice_core::Clock;
 use sluice_store::BudgetStore;
 use tower::{Layer, Service, ServiceExt};
 
-use crate::call::{After, Call, MAX_ERROR_BODY, read_head, reconcile_on_end, rejoin};
+use crate::call::{After, Call, MAX_ERROR_BODY, hint_headers, read_head, reconcile_on_end, rejoin};
 use crate::pacer::Pacer;
 use crate::shrink::SHRINK_HEADER;
 use crate::usage::UsageTap;
@@ -211,6 +211,7 @@ where
         match (next, buffered) {
             (After::Retry(d), _) => tokio::time::sleep(d).await,
             (After::Deliver(_), Some((head, rest))) => {
+                hint_headers(rparts.status, &mut rparts.headers, &head);
                 let body = match rest {
                     None => Full::new(head).map_err(|e| match e {}).boxed_unsync(),
                     Some(rest) => rejoin(head, rest.map_err(Into::<BoxError>::into)).boxed_unsync(),

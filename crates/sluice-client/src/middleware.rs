@@ -9,7 +9,7 @@ use reqwest_middleware::{Middleware, Next};
 use sluice_core::Clock;
 use sluice_store::BudgetStore;
 
-use crate::call::{After, Call, MAX_ERROR_BODY, read_head, reconcile_on_end, rejoin};
+use crate::call::{After, Call, MAX_ERROR_BODY, hint_headers, read_head, reconcile_on_end, rejoin};
 use crate::pacer::Pacer;
 use crate::shrink::SHRINK_HEADER;
 use crate::usage::UsageTap;
@@ -183,6 +183,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Middleware for PacerMiddlewar
                         continue;
                     }
                     After::Deliver(_) => {
+                        hint_headers(status, &mut headers, &head);
                         let body = match rest {
                             None => head.into(),
                             Some(rest) => reqwest::Body::wrap(rejoin(head, rest)),

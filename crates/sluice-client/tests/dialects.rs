@@ -376,3 +376,48 @@ async fn c3_the_azure_preset_keeps_azure_s_one_and_ten_second_rpm_slices() {
         }
     }
 }
+
+/// Through `sluice pace` (real time: nothing waits): Gemini asks for 37 s, the
+/// provider may wait 5; the 429 goes back at once, whole, with the delay in
+/// the headers an SDK honours.
+#[cfg(feature = "proxy")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c5_the_proxy_hands_back_gemini_s_429_with_its_delay_in_headers() {
+    use sluice_client::proxy::{ProxyOptions, ProxyServer};
+    let clock = TokioClock::at(sluice_client::TEST_EPOCH);
+    let (url, seen) = fake_provider(clock, vec![(429, vec![], GEMINI_429.into())]).await;
+    let dir = temp_dir("gemini-proxy");
+    let file = dir.join("pace.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "providers:\n  google:\n    apiKey: g-key\n    baseUrl: {url}/v1beta/openai\n    maxWaitSeconds: 5\n"
+        ),
+    )
+    .unwrap();
+    let server = ProxyServer::bind(ProxyOptions::new(&file, "127.0.0.1:0".parse().unwrap()))
+        .await
+        .unwrap();
+    let listen = server.bound().listen;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.serve_with_shutdown(async move {
+        let _ = stopped.await;
+    }));
+    let started = std::time::Instant::now();
+    let r = reqwest::Client::new()
+        .post(format!("http://{listen}/google/chat/completions"))
+        .json(&chat("gemini-2.0-flash"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "37");
+    assert_eq!(r.headers()["retry-after-ms"], "37000");
+    let body = r.text().await.unwrap();
+    assert_eq!(body, GEMINI_429);
+    assert!(started.elapsed() < Duration::from_secs(5), "no wait");
+    assert_eq!(seen.lock().len(), 1, "not retried");
+    assert!(seen.lock()[0].1.contains("authorization: bearer g-key"));
+    stop.send(()).unwrap();
+    serving.await.unwrap().unwrap();
+}

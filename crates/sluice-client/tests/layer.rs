@@ -310,6 +310,10 @@ async fn c5_a_hint_past_max_wait_hands_the_429_back_at_once() {
     assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(seen.lock().len(), 1, "not retried");
     assert_eq!(clock.now(), started, "no wait at all");
+    // The delay only the body said is in the headers SDKs honour.
+    let h = resp.headers();
+    assert_eq!(h["retry-after"], "37");
+    assert_eq!(h["retry-after-ms"], "37000");
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     assert!(
         std::str::from_utf8(&body).unwrap().contains("RetryInfo"),

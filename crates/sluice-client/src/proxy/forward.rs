@@ -13,7 +13,7 @@ use sluice_store::BudgetStore;
 
 use super::App;
 use crate::call::{
-    After, Call, MAX_ERROR_BODY, is_hop_by_hop, read_head, reconcile_on_end, rejoin,
+    After, Call, MAX_ERROR_BODY, hint_headers, is_hop_by_hop, read_head, reconcile_on_end, rejoin,
 };
 use crate::config::ProviderConfig;
 use crate::error::PaceError;
@@ -169,6 +169,7 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
                     continue;
                 }
                 After::Deliver(_) => {
+                    hint_headers(status, &mut rheaders, &head);
                     let body = match rest {
                         None => {
                             rheaders.remove(header::CONTENT_LENGTH);
