@@ -121,6 +121,28 @@ mod tests {
     }
 
     #[test]
+    fn c1_tpd_in_rate_limits_keys_and_json() {
+        let c = parse(
+            "providers:\n  groq:\n    rateLimits: {tpd: 500000}\n    apiKeys:\n      - {key: a}\n      - {key: b, rateLimits: {tpd: 100000}}\n  mine:\n    baseUrl: http://127.0.0.1:1/v1\n    rateLimits: {tpm: 0, rpm: 0, rpd: 0}\n",
+        )
+        .unwrap();
+        let g = c.provider("groq").unwrap();
+        assert_eq!(
+            g.limits,
+            ProviderLimits::new(30_000, 30, 14_400).with_tpd(500_000)
+        );
+        assert_eq!(g.api_keys[0].limits.tpd, 500_000, "follows the provider");
+        assert_eq!(g.api_keys[1].limits.tpd, 100_000, "its own");
+        assert_eq!(c.provider("mine").unwrap().limits.tpd, 0, "unlimited");
+        let j = c.limits_json();
+        assert_eq!(j["providers"]["groq"]["tpd"], 500_000);
+        assert_eq!(j["providers"]["groq"]["apiKeys"][1]["tpd"], 100_000);
+        assert!(parse("providers:\n  groq:\n    rateLimits: {tpd: -1}\n").is_err());
+        let e = parse("providers:\n  groq:\n    rateLimits: {tpd: 5000000000}\n").unwrap_err();
+        assert_eq!(e.problems()[0].path, "providers.groq.rateLimits.tpd");
+    }
+
+    #[test]
     fn c1_shipped_defaults_fill_missing_limits() {
         let c = parse("providers:\n  groq:\n  anthropic:\n    rateLimits: {tpm: 1000}\n").unwrap();
         let g = c.provider("groq").unwrap();

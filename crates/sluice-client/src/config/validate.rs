@@ -55,6 +55,7 @@ pub(super) fn check_limits(
         rpd: axis("rpd", r.rpd, fallback.map(|f| f.rpd)),
         itpm: axis("itpm", r.itpm, Some(fallback.map_or(0, |f| f.itpm))),
         otpm: axis("otpm", r.otpm, Some(fallback.map_or(0, |f| f.otpm))),
+        tpd: axis("tpd", r.tpd, Some(fallback.map_or(0, |f| f.tpd))),
     };
     ok.then_some(limits)
 }
@@ -566,8 +567,8 @@ fn check_keys(
             continue;
         }
         // Checked above: each given axis fits a u32.
-        let own =
-            [r.tpm, r.rpm, r.rpd, r.itpm, r.otpm].map(|v| v.and_then(|v| u32::try_from(v).ok()));
+        let own = [r.tpm, r.rpm, r.rpd, r.itpm, r.otpm, r.tpd]
+            .map(|v| v.and_then(|v| u32::try_from(v).ok()));
         out.push(ApiKey::inheriting(name, secret, own, provider));
     }
     out
