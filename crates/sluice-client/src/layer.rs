@@ -192,10 +192,11 @@ where
         let (mut rparts, rbody) = resp.into_parts();
         let (buffered, rbody) = if Call::<S, C>::wants_body(rparts.status) {
             // At most MAX_ERROR_BODY is read to decide; a longer body goes
-            // back whole.
+            // back whole. A body that breaks off is taken as empty (the
+            // answer may still be retried).
             let (head, rest) = read_head(Box::pin(rbody), MAX_ERROR_BODY)
                 .await
-                .map_err(Into::into)?;
+                .unwrap_or_default();
             (Some((head, rest)), None)
         } else {
             (None, Some(rbody))
