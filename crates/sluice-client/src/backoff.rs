@@ -1,7 +1,9 @@
 //! Backoff on 429 and retryable 5xx: the provider's own hint when
 //! it gives one — `retry-after-ms`, `Retry-After` (seconds or an HTTP date),
 //! an OpenAI-style message ("Please try again in 16.062s"),
-//! `error.details.retry_after_seconds` — otherwise exponential backoff with
+//! `error.details.retry_after_seconds`, Google's `google.rpc.RetryInfo`
+//! (`error.details[].retryDelay`, Gemini's only hint, in a body that may be
+//! wrapped in a one-element array) — otherwise exponential backoff with
 //! full jitter, never under 1 s, capped at 60 s, for a bounded number of
 //! attempts. Some answers are never retried: `insufficient_quota`, 400, 401.
 
@@ -42,7 +44,7 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, body: Option<&[u8]>) ->
     }
     let json: Option<Value> = body.and_then(|b| serde_json::from_slice(b).ok());
     if let Some(j) = &json {
-        let err = j.get("error").unwrap_or(j);
+        let err = error_of(j);
         let is = |k: &str| err.get(k).and_then(Value::as_str) == Some("insufficient_quota");
         if is("code") || is("type") {
             return Retryable::No;
@@ -75,11 +77,29 @@ pub fn retry_after(headers: &HeaderMap, body: Option<&[u8]>, now: SystemTime) ->
     body.and_then(body_hint)
 }
 
+/// The `@type` of Google's retry hint in `error.details[]`.
+pub const GOOGLE_RETRY_INFO: &str = "type.googleapis.com/google.rpc.RetryInfo";
+
+/// The error object of a JSON error body: `error` of the body, or of its
+/// first element when the body is an array (Gemini's OpenAI-compatible
+/// endpoint answers `[{"error":{…}}]`), else the body itself.
+fn error_of(json: &Value) -> &Value {
+    let top = match json {
+        Value::Array(items) => items.first().unwrap_or(json),
+        _ => json,
+    };
+    top.get("error").unwrap_or(top)
+}
+
 /// A hint inside a JSON error body: `error.details.retry_after_seconds`
-/// (also without `error`), or a message saying "try again in 16.062s".
+/// (also without `error`), Google's `error.details[]` entry of type
+/// [`GOOGLE_RETRY_INFO`] with its `retryDelay` (`"37s"`), or a message saying
+/// "try again in 16.062s" / "retry in 37s". The body may be a one-element
+/// array around the object. A negative, malformed or non-finite value is no
+/// hint.
 pub fn body_hint(body: &[u8]) -> Option<Duration> {
     let json: Value = serde_json::from_slice(body).ok()?;
-    let err = json.get("error").unwrap_or(&json);
+    let err = error_of(&json);
     for holder in [err.get("details"), json.get("details"), Some(err)]
         .into_iter()
         .flatten()
@@ -90,15 +110,64 @@ pub fn body_hint(body: &[u8]) -> Option<Duration> {
             return Some(d);
         }
     }
+    if let Some(d) = err
+        .get("details")
+        .and_then(Value::as_array)
+        .and_then(|details| retry_info(details))
+    {
+        return Some(d);
+    }
     let message = err.get("message").and_then(Value::as_str)?;
     message_hint(message)
 }
 
-/// "Please try again in 16.062s." / "try again in 20ms" / "in 1m30s".
+/// The `retryDelay` of the first well-formed `google.rpc.RetryInfo` among
+/// `details`.
+fn retry_info(details: &[Value]) -> Option<Duration> {
+    details
+        .iter()
+        .filter(|d| d.get("@type").and_then(Value::as_str) == Some(GOOGLE_RETRY_INFO))
+        .find_map(|d| {
+            d.get("retryDelay")
+                .and_then(Value::as_str)
+                .and_then(parse_proto_duration)
+        })
+}
+
+/// A protobuf `Duration` in its JSON form: seconds with up to nine
+/// fractional digits and an `s` (`"37s"`, `"1.5s"`, `"0.250s"`). Negative,
+/// malformed or out-of-range values (past protobuf's 315,576,000,000 s) are
+/// `None`.
+pub fn parse_proto_duration(v: &str) -> Option<Duration> {
+    const MAX_SECS: u64 = 315_576_000_000;
+    let digits = v.trim().strip_suffix('s')?;
+    let (whole, frac) = match digits.split_once('.') {
+        Some((w, f)) => (w, f),
+        None => (digits, ""),
+    };
+    let all_digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() || !all_digits(whole) || frac.len() > 9 || !all_digits(frac) {
+        return None;
+    }
+    let secs: u64 = whole.parse().ok().filter(|s| *s <= MAX_SECS)?;
+    let nanos = if frac.is_empty() {
+        0
+    } else {
+        // "25" of "0.25s" is 250,000,000 ns.
+        frac.parse::<u32>().ok()? * 10u32.pow(9 - frac.len() as u32)
+    };
+    Some(Duration::new(secs, nanos))
+}
+
+/// "Please try again in 16.062s." / "try again in 20ms" / "in 1m30s" /
+/// Gemini's "Please retry in 37.5s." / Azure's "Please retry after 3
+/// seconds.".
 pub fn message_hint(message: &str) -> Option<Duration> {
     let lower = message.to_ascii_lowercase();
-    let at = lower.find("try again in ")? + "try again in ".len();
-    let rest = &message[at..];
+    let at = ["try again in ", "retry in ", "retry after "]
+        .iter()
+        .find_map(|p| lower.find(p).map(|i| i + p.len()))?;
+    let rest = message.get(at..)?;
     let token: String = rest
         .chars()
         .take_while(|c| c.is_ascii_alphanumeric() || *c == '.' || *c == 'µ')
@@ -250,6 +319,175 @@ mod tests {
         assert_eq!(
             message_hint("please try again in 2 seconds"),
             Some(Duration::from_secs(2))
+        );
+        // Azure OpenAI's message (its headers say the same).
+        let azure = br#"{"error":{"code":"429","message":"Requests to the ChatCompletions_Create Operation under Azure OpenAI API version 2024-10-21 have exceeded token rate limit of your current OpenAI S0 pricing tier. Please retry after 3 seconds. Please go here: https://aka.ms/oai/quotaincrease if you would like to further increase the default rate limit."}}"#;
+        assert_eq!(body_hint(azure), Some(Duration::from_secs(3)));
+        assert_eq!(message_hint("we retry after lunch"), None);
+    }
+
+    /// Gemini's 429 as its OpenAI-compatible endpoint answers it (no
+    /// header; the hint is a `google.rpc.RetryInfo` among the details).
+    const GEMINI_429: &str = r#"[{
+      "error": {
+        "code": 429,
+        "message": "You exceeded your current quota, please check your plan and billing details. For more information on this error, head to: https://ai.google.dev/gemini-api/docs/rate-limits.",
+        "status": "RESOURCE_EXHAUSTED",
+        "details": [
+          {
+            "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+            "violations": [
+              {
+                "quotaMetric": "generativelanguage.googleapis.com/generate_content_free_tier_requests",
+                "quotaId": "GenerateRequestsPerMinutePerProjectPerModel-FreeTier",
+                "quotaDimensions": {"location": "global", "model": "gemini-2.0-flash"},
+                "quotaValue": "15"
+              }
+            ]
+          },
+          {
+            "@type": "type.googleapis.com/google.rpc.Help",
+            "links": [{"description": "Learn more about Gemini API quotas", "url": "https://ai.google.dev/gemini-api/docs/rate-limits"}]
+          },
+          {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "37s"}
+        ]
+      }
+    }]"#;
+
+    #[test]
+    fn c5_gemini_retry_info_in_an_array_or_an_object() {
+        let now = SystemTime::UNIX_EPOCH;
+        assert_eq!(
+            retry_after(&HeaderMap::new(), Some(GEMINI_429.as_bytes()), now),
+            Some(Duration::from_secs(37))
+        );
+        // The native endpoint's object form.
+        let object = GEMINI_429
+            .trim()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        assert_eq!(body_hint(object.as_bytes()), Some(Duration::from_secs(37)));
+        assert_eq!(
+            classify(
+                StatusCode::TOO_MANY_REQUESTS,
+                &HeaderMap::new(),
+                Some(GEMINI_429.as_bytes())
+            ),
+            Retryable::Yes {
+                hint: Some(Duration::from_secs(37))
+            }
+        );
+        // A header still wins over the body.
+        assert_eq!(
+            retry_after(
+                &h(&[("retry-after", "3")]),
+                Some(GEMINI_429.as_bytes()),
+                now
+            ),
+            Some(Duration::from_secs(3))
+        );
+        let with = |delay: &str| {
+            format!(
+                r#"[{{"error":{{"code":429,"status":"RESOURCE_EXHAUSTED","details":[{{"@type":"{GOOGLE_RETRY_INFO}","retryDelay":"{delay}"}}]}}}}]"#
+            )
+        };
+        for (delay, want) in [
+            ("3s", Some(Duration::from_secs(3))),
+            ("1.5s", Some(Duration::from_millis(1500))),
+            ("0.250s", Some(Duration::from_millis(250))),
+            ("0.000000001s", Some(Duration::from_nanos(1))),
+            ("0s", Some(Duration::ZERO)),
+            // Garbage, negative, enormous: no hint (the backoff decides).
+            ("-5s", None),
+            ("37", None),
+            ("s", None),
+            (".5s", None),
+            ("1.0000000001s", None),
+            ("1e3s", None),
+            ("99999999999999999999s", None),
+            ("315576000001s", None),
+            ("NaNs", None),
+        ] {
+            assert_eq!(body_hint(with(delay).as_bytes()), want, "{delay}");
+        }
+        // A RetryInfo of another type name, or a number, is not read.
+        let other = br#"{"error":{"details":[{"@type":"type.googleapis.com/google.rpc.Help","retryDelay":"9s"},{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":9}]}}"#;
+        assert_eq!(body_hint(other), None);
+        // Empty arrays and non-objects say nothing, and do not panic.
+        for body in [
+            &b"[]"[..],
+            b"[1]",
+            b"[[]]",
+            b"\"x\"",
+            b"{\"error\":[]}",
+            b"null",
+        ] {
+            assert_eq!(body_hint(body), None);
+        }
+        // Gemini's message form, when the details are missing.
+        let msg = br#"[{"error":{"code":429,"message":"Resource exhausted. Please retry in 12.5s.","status":"RESOURCE_EXHAUSTED"}}]"#;
+        assert_eq!(body_hint(msg), Some(Duration::from_millis(12_500)));
+    }
+
+    #[test]
+    fn c5_garbage_negative_and_enormous_retry_after_are_bounded() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_764_460_800);
+        // Garbage and negative values are no hint (the backoff decides).
+        for (name, v) in [
+            ("retry-after", "abc"),
+            ("retry-after", "-5"),
+            ("retry-after", "NaN"),
+            ("retry-after", "inf"),
+            ("retry-after", "1e400"),
+            ("retry-after", "Sun, 99 Foo 2025 00:00:00 GMT"),
+            ("retry-after-ms", "-1500"),
+            ("retry-after-ms", "NaN"),
+            ("retry-after-ms", "soon"),
+        ] {
+            assert_eq!(
+                retry_after(&h(&[(name, v)]), None, now),
+                None,
+                "{name}: {v}"
+            );
+        }
+        // A garbage header does not hide a good body hint.
+        assert_eq!(
+            retry_after(
+                &h(&[("retry-after", "abc")]),
+                Some(br#"{"error":{"details":{"retry_after_seconds":4}}}"#),
+                now
+            ),
+            Some(Duration::from_secs(4))
+        );
+        // A date in the past: go now.
+        assert_eq!(
+            retry_after(
+                &h(&[("retry-after", "Sun, 30 Nov 2025 00:00:00 GMT")]),
+                None,
+                now
+            ),
+            Some(Duration::ZERO)
+        );
+        // An enormous hint is read as it is, and never waited: the answer
+        // goes back to the caller.
+        let huge = retry_after(&h(&[("retry-after", "99999999999")]), None, now).unwrap();
+        assert_eq!(huge, Duration::from_secs(99_999_999_999));
+        let mut b = Backoff::with_seed(RetryPolicy::default(), 7);
+        assert_eq!(b.next_delay(Some(huge)), None);
+        let body = br#"{"error":{"details":{"retry_after_seconds":1e300}}}"#;
+        assert_eq!(body_hint(body), None, "past Duration: no hint");
+    }
+
+    #[test]
+    fn c5_insufficient_quota_in_an_array_body_is_final() {
+        let quota = br#"[{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}]"#;
+        assert_eq!(
+            classify(
+                StatusCode::TOO_MANY_REQUESTS,
+                &HeaderMap::new(),
+                Some(quota)
+            ),
+            Retryable::No
         );
     }
 

@@ -18,8 +18,10 @@ use crate::shrink::{PacedRequest, ShrinkReport};
 use crate::tokens::EstimateOptions;
 use crate::usage::{OnUsage, Usage};
 
-/// The largest error body read to find a retry hint.
-pub(crate) const MAX_ERROR_BODY: usize = 256 << 10;
+/// The most of an error body (429, retryable 5xx) read to find a retry
+/// hint; a longer body is handed back whole, unread past this (and one
+/// chunk).
+pub(crate) const MAX_ERROR_BODY: usize = 64 << 10;
 
 /// The header carrying a retried POST's idempotency key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -44,6 +46,11 @@ pub(crate) struct Call<S: BudgetStore + 'static, C: Clock + 'static> {
     shrunk: Option<ShrinkReport>,
     backoff: Backoff,
     options: AcquireOptions,
+    /// The longest this call sleeps between attempts, in all
+    /// (`maxWaitSeconds`).
+    max_wait: Duration,
+    /// What it has slept between attempts so far.
+    slept: Duration,
 }
 
 impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
@@ -111,6 +118,8 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
             shrunk: None,
             backoff: Backoff::new(policy),
             options: AcquireOptions::default().priority(priority),
+            max_wait: p.max_wait,
+            slept: Duration::ZERO,
         })
     }
 
@@ -221,7 +230,11 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
                     // A 5xx may have been counted: keep the reservation.
                     drop(permit);
                 }
-                match self.backoff.next_delay(hint) {
+                // Never past `maxWaitSeconds` in all: a provider that asks
+                // for longer, or answers 429 on and on, gets its answer
+                // handed back.
+                let budget = self.max_wait.saturating_sub(self.slept);
+                match self.backoff.next_delay(hint).filter(|d| *d <= budget) {
                     Some(d) => {
                         self.pacer.count_retry(&self.provider, is_429);
                         if is_429 {
@@ -234,6 +247,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
                                 return After::Retry(Duration::ZERO);
                             }
                         }
+                        self.slept = self.slept.saturating_add(d);
                         After::Retry(d)
                     }
                     None => {
@@ -249,6 +263,68 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
             }
         }
     }
+}
+
+/// On a 429 handed back to the caller whose delay only its body says
+/// (Gemini's `RetryInfo`, a message's "try again in 16.062s"), puts it in
+/// `retry-after` (whole seconds, rounded up) and `retry-after-ms`, the
+/// headers SDKs honour. A provider's own `retry-after` or `retry-after-ms`
+/// is left as it is.
+pub(crate) fn hint_headers(status: StatusCode, headers: &mut HeaderMap, body: &[u8]) {
+    if status != StatusCode::TOO_MANY_REQUESTS
+        || headers.contains_key(http::header::RETRY_AFTER)
+        || headers.contains_key("retry-after-ms")
+    {
+        return;
+    }
+    let Some(d) = crate::backoff::body_hint(body) else {
+        return;
+    };
+    let ms = d.as_millis();
+    let secs = ms.div_ceil(1000);
+    if let (Ok(s), Ok(m)) = (
+        HeaderValue::from_str(&secs.to_string()),
+        HeaderValue::from_str(&ms.to_string()),
+    ) {
+        headers.insert(http::header::RETRY_AFTER, s);
+        headers.insert("retry-after-ms", m);
+    }
+}
+
+/// Reads `body` until it ends or more than `limit` bytes have come (at most
+/// `limit` and one frame are held): the bytes read, and the body's unread
+/// rest when it went on. Trailers are skipped.
+///
+/// # Errors
+/// The body's error.
+pub(crate) async fn read_head<B>(mut body: B, limit: usize) -> Result<(Bytes, Option<B>), B::Error>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+{
+    use http_body_util::BodyExt;
+    let mut out = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            out.extend_from_slice(&data);
+            if out.len() > limit {
+                return Ok((Bytes::from(out), Some(body)));
+            }
+        }
+    }
+    Ok((Bytes::from(out), None))
+}
+
+/// `head` followed by what is left of the body it was read from.
+pub(crate) fn rejoin<B>(
+    head: Bytes,
+    rest: B,
+) -> impl http_body::Body<Data = Bytes, Error = B::Error>
+where
+    B: http_body::Body<Data = Bytes>,
+{
+    use futures_util::StreamExt;
+    let first = futures_util::stream::once(std::future::ready(Ok(http_body::Frame::data(head))));
+    http_body_util::StreamBody::new(first.chain(http_body_util::BodyStream::new(rest)))
 }
 
 /// The callback a [`UsageTap`](crate::usage::UsageTap) calls when the answer ends: reconcile
@@ -275,4 +351,43 @@ where
 #[cfg(feature = "proxy")]
 pub(crate) fn is_hop_by_hop(name: &http::HeaderName) -> bool {
     sluice_h1::fields::is_hop_by_hop(name.as_str().as_bytes())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn c5_an_error_body_is_read_only_up_to_its_bound_and_rejoined_whole() {
+        // 100 frames of 1 KiB, read with a 4 KiB bound: at most 5 frames are held.
+        let frames = (0..100u8).map(|i| {
+            Ok::<_, std::convert::Infallible>(http_body::Frame::data(Bytes::from(vec![i; 1024])))
+        });
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+        let (head, rest) = read_head(body, 4 << 10).await.unwrap();
+        assert_eq!(head.len(), 5 << 10);
+        let whole = rejoin(head, rest.unwrap())
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(whole.len(), 100 << 10);
+        assert!(
+            whole
+                .chunks(1024)
+                .enumerate()
+                .all(|(i, c)| c[0] as usize == i)
+        );
+        // A short body is read whole, with nothing left.
+        let (head, rest) = read_head(
+            http_body_util::Full::new(Bytes::from_static(b"{}")),
+            4 << 10,
+        )
+        .await
+        .unwrap();
+        assert_eq!((&head[..], rest.is_none()), (&b"{}"[..], true));
+    }
 }

@@ -127,17 +127,22 @@ impl RateLimitHeaders {
     }
 }
 
+/// A count: a whole number, or a finite non-negative one (truncated;
+/// saturating at `u64::MAX`). `NaN`, `inf` and negatives say nothing.
 fn parse_count(v: &str) -> Option<u64> {
     v.parse::<u64>().ok().or_else(|| {
         v.parse::<f64>()
             .ok()
-            .filter(|f| *f >= 0.0)
+            .filter(|f| f.is_finite() && *f >= 0.0)
             .map(|f| f as u64)
     })
 }
 
-/// OpenAI-style durations: `6m0s`, `1m30.5s`, `20ms`, `1h2m`, `350us`, or a
-/// bare number of seconds.
+/// OpenAI-style durations (Go's `time.Duration` text): `6m0s`, `1m30.5s`,
+/// `20ms`, `1h2m3s`, `0s`, `350us` / `350µs`, `5ns`, or a bare number of
+/// seconds. Negative, malformed (`abc`, `5x`, `1.2.3s`) or unrepresentable
+/// (`1e400`) values are `None`; a huge one (`99999999h`) is returned as is,
+/// and whoever waits on it bounds it (a hold lasts at most a day).
 pub fn parse_duration(v: &str) -> Option<Duration> {
     let v = v.trim();
     if v.is_empty() {
@@ -299,6 +304,121 @@ mod tests {
         assert_eq!(parse_duration("0.25"), Some(Duration::from_millis(250)));
         assert_eq!(parse_duration("soon"), None);
         assert_eq!(parse_duration("5x"), None);
+    }
+
+    #[test]
+    fn c6_openai_reset_durations_every_form_and_garbage() {
+        let ms = Duration::from_millis;
+        for (v, want) in [
+            ("6m0s", Some(Duration::from_secs(360))),
+            ("1m30.5s", Some(ms(90_500))),
+            ("12ms", Some(ms(12))),
+            ("1h2m3s", Some(Duration::from_secs(3723))),
+            ("0s", Some(Duration::ZERO)),
+            ("500us", Some(Duration::from_micros(500))),
+            ("500µs", Some(Duration::from_micros(500))),
+            ("1.5µs", Some(Duration::from_nanos(1500))),
+            ("7ns", Some(Duration::from_nanos(7))),
+            ("2m", Some(Duration::from_secs(120))),
+            ("59.999s", Some(ms(59_999))),
+            (" 20ms ", Some(ms(20))),
+            ("3", Some(Duration::from_secs(3))),
+            ("99999999h", Some(Duration::from_secs(99_999_999 * 3600))),
+            // Garbage: nothing.
+            ("abc", None),
+            ("-5s", None),
+            ("-0s", None),
+            ("-1", None),
+            ("", None),
+            ("s", None),
+            ("ms", None),
+            ("5x", None),
+            ("5 s", None),
+            ("1.2.3s", None),
+            ("1s5", None),
+            ("1e400", None),
+            ("1e400s", None),
+            ("NaN", None),
+            ("inf", None),
+            ("99999999999999999999999h", None),
+        ] {
+            assert_eq!(parse_duration(v), want, "{v:?}");
+        }
+        // Never a panic, whatever the bytes.
+        for v in [
+            "\u{0}",
+            "..s",
+            "1..s",
+            ".s",
+            "µ",
+            "1µ",
+            "9".repeat(400).as_str(),
+        ] {
+            let _ = parse_duration(v);
+        }
+    }
+
+    #[test]
+    fn c6_openai_recorded_header_set_and_garbage_values() {
+        // Recorded from a chat completion (gpt-4o-mini, tier 5).
+        let h = RateLimitHeaders::parse(
+            &headers(&[
+                ("x-ratelimit-limit-requests", "30000"),
+                ("x-ratelimit-limit-tokens", "150000000"),
+                ("x-ratelimit-remaining-requests", "29999"),
+                ("x-ratelimit-remaining-tokens", "149999975"),
+                ("x-ratelimit-reset-requests", "2ms"),
+                ("x-ratelimit-reset-tokens", "0s"),
+            ]),
+            NOW,
+        );
+        assert_eq!(
+            h.requests,
+            Axis {
+                limit: Some(30_000),
+                remaining: Some(29_999),
+                reset: Some(Duration::from_millis(2))
+            }
+        );
+        assert_eq!(
+            h.tokens,
+            Axis {
+                limit: Some(150_000_000),
+                remaining: Some(149_999_975),
+                reset: Some(Duration::ZERO)
+            }
+        );
+        // Garbage values say nothing; the others still count.
+        let h = RateLimitHeaders::parse(
+            &headers(&[
+                ("x-ratelimit-limit-requests", "abc"),
+                ("x-ratelimit-remaining-requests", "-1"),
+                ("x-ratelimit-reset-requests", "-5s"),
+                ("x-ratelimit-limit-tokens", "NaN"),
+                ("x-ratelimit-remaining-tokens", "inf"),
+                ("x-ratelimit-reset-tokens", "1m30.5s"),
+            ]),
+            NOW,
+        );
+        assert_eq!(h.requests, Axis::default());
+        assert_eq!(
+            h.tokens,
+            Axis {
+                limit: None,
+                remaining: None,
+                reset: Some(Duration::from_millis(90_500))
+            }
+        );
+        // Counts past u64 saturate rather than overflow.
+        let h = RateLimitHeaders::parse(
+            &headers(&[
+                ("x-ratelimit-limit-tokens", "1e30"),
+                ("x-ratelimit-remaining-tokens", "99999999999999999999999"),
+            ]),
+            NOW,
+        );
+        assert_eq!(h.tokens.limit, Some(u64::MAX));
+        assert_eq!(h.tokens.used(), Some(0));
     }
 
     #[test]

@@ -13,7 +13,7 @@ use sluice_core::Clock;
 use sluice_store::BudgetStore;
 use tower::{Layer, Service, ServiceExt};
 
-use crate::call::{After, Call, MAX_ERROR_BODY, reconcile_on_end};
+use crate::call::{After, Call, MAX_ERROR_BODY, hint_headers, read_head, reconcile_on_end, rejoin};
 use crate::pacer::Pacer;
 use crate::shrink::SHRINK_HEADER;
 use crate::usage::UsageTap;
@@ -191,25 +191,33 @@ where
         let resp = svc.call(out).await.map_err(Into::into)?;
         let (mut rparts, rbody) = resp.into_parts();
         let (buffered, rbody) = if Call::<S, C>::wants_body(rparts.status) {
-            let b = Limited::new(rbody, MAX_ERROR_BODY)
-                .collect()
+            // At most MAX_ERROR_BODY is read to decide; a longer body goes
+            // back whole. A body that breaks off is taken as empty (the
+            // answer may still be retried).
+            let (head, rest) = read_head(Box::pin(rbody), MAX_ERROR_BODY)
                 .await
-                .map(|c| c.to_bytes())
                 .unwrap_or_default();
-            (Some(b), None)
+            (Some((head, rest)), None)
         } else {
             (None, Some(rbody))
         };
         let next = call
-            .after(permit, rparts.status, &rparts.headers, buffered.as_deref())
+            .after(
+                permit,
+                rparts.status,
+                &rparts.headers,
+                buffered.as_ref().map(|(head, _)| &head[..]),
+            )
             .await;
         match (next, buffered) {
             (After::Retry(d), _) => tokio::time::sleep(d).await,
-            (After::Deliver(_), Some(b)) => {
-                return Ok(http::Response::from_parts(
-                    rparts,
-                    Full::new(b).map_err(|e| match e {}).boxed_unsync(),
-                ));
+            (After::Deliver(_), Some((head, rest))) => {
+                hint_headers(rparts.status, &mut rparts.headers, &head);
+                let body = match rest {
+                    None => Full::new(head).map_err(|e| match e {}).boxed_unsync(),
+                    Some(rest) => rejoin(head, rest.map_err(Into::<BoxError>::into)).boxed_unsync(),
+                };
+                return Ok(http::Response::from_parts(rparts, body));
             }
             (After::Deliver(permit), None) => {
                 let Some(rbody) = rbody else {

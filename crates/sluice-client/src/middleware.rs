@@ -9,7 +9,7 @@ use reqwest_middleware::{Middleware, Next};
 use sluice_core::Clock;
 use sluice_store::BudgetStore;
 
-use crate::call::{After, Call, reconcile_on_end};
+use crate::call::{After, Call, MAX_ERROR_BODY, hint_headers, read_head, reconcile_on_end, rejoin};
 use crate::pacer::Pacer;
 use crate::shrink::SHRINK_HEADER;
 use crate::usage::UsageTap;
@@ -173,14 +173,22 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Middleware for PacerMiddlewar
             let rurl = resp.url().clone();
             let rversion = resp.version();
             if Call::<S, C>::wants_body(status) {
-                let bytes = resp.bytes().await?;
-                match call.after(permit, status, &headers, Some(&bytes)).await {
+                // At most MAX_ERROR_BODY is read to decide; a longer body
+                // goes back whole.
+                let body = http::Response::<reqwest::Body>::from(resp).into_body();
+                let (head, rest) = read_head(body, MAX_ERROR_BODY).await?;
+                match call.after(permit, status, &headers, Some(&head)).await {
                     After::Retry(d) => {
                         tokio::time::sleep(d).await;
                         continue;
                     }
                     After::Deliver(_) => {
-                        return Ok(rebuild(status, rversion, rurl, headers, bytes.into()));
+                        hint_headers(status, &mut headers, &head);
+                        let body = match rest {
+                            None => head.into(),
+                            Some(rest) => reqwest::Body::wrap(rejoin(head, rest)),
+                        };
+                        return Ok(rebuild(status, rversion, rurl, headers, body));
                     }
                 }
             }

@@ -70,9 +70,9 @@ impl Scope {
     }
 
     /// The largest total of tokens `cost` may shrink to (only the input
-    /// shrinks) and still fit under this scope's whole limits. A completion
-    /// budget above the OTPM never fits: the room is then the OTPM, below
-    /// the request's total.
+    /// shrinks) and still fit under this scope's whole limits (a whole
+    /// minute's, a whole day's). A completion budget above the OTPM never
+    /// fits: the room is then the OTPM, below the request's total.
     pub(crate) fn total_room(&self, cost: Cost) -> u32 {
         let l = &self.limits;
         let mut room = u32::MAX;
@@ -84,6 +84,9 @@ impl Scope {
         }
         if l.otpm > 0 && cost.output > l.otpm {
             room = room.min(l.otpm);
+        }
+        if l.tpd > 0 {
+            room = room.min(l.tpd);
         }
         room
     }

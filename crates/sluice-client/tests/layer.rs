@@ -271,3 +271,108 @@ async fn c4_layer_errors_at_once_and_marks_shrunk_answers() {
     let sent: serde_json::Value = serde_json::from_slice(&seen.lock()[0].2).unwrap();
     assert_eq!(sent["messages"].as_array().unwrap().len(), 2);
 }
+
+/// Gemini's 429 (its OpenAI-compatible endpoint): no header, the delay only in
+/// `error.details[]`'s `google.rpc.RetryInfo`.
+fn gemini_429(delay: &str) -> Response<Full<Bytes>> {
+    let body = format!(
+        r#"[{{"error":{{"code":429,"message":"You exceeded your current quota, please check your plan and billing details.","status":"RESOURCE_EXHAUSTED","details":[{{"@type":"type.googleapis.com/google.rpc.QuotaFailure","violations":[{{"quotaMetric":"generativelanguage.googleapis.com/generate_content_free_tier_requests","quotaId":"GenerateRequestsPerMinutePerProjectPerModel-FreeTier","quotaValue":"15"}}]}},{{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"{delay}"}}]}}}}]"#
+    );
+    status(429, &[], &body)
+}
+
+#[tokio::test(start_paused = true)]
+async fn c5_gemini_retry_info_is_waited_exactly() {
+    for (delay, want) in [
+        ("3s", Duration::from_secs(3)),
+        ("37s", Duration::from_secs(37)),
+        ("1.5s", Duration::from_millis(1500)),
+        ("0.250s", Duration::from_millis(250)),
+    ] {
+        let (gap, seen, s) = retried_after(gemini_429(delay)).await;
+        assert_eq!((s, seen.len()), (StatusCode::OK, 2), "{delay}");
+        assert_eq!(gap, want, "{delay}: not the 1 s backoff floor");
+    }
+    // Garbage in the delay: no hint, the backoff (1 s first) decides.
+    let (gap, _, s) = retried_after(gemini_429("-5s")).await;
+    assert_eq!((s, gap), (StatusCode::OK, Duration::from_secs(1)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn c5_a_hint_past_max_wait_hands_the_429_back_at_once() {
+    let mut p = provider("p", limits(100_000, 0, 0));
+    p.max_wait = Duration::from_secs(10);
+    let (pacer, clock) = pacer_with([p]);
+    let (svc, seen) = scripted(clock, vec![gemini_429("37s"), ok(10, 5)]);
+    let mut svc = PacerLayer::new(pacer.clone(), "p").layer(svc);
+    let started = clock.now();
+    let resp = send(&mut svc, chat()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(seen.lock().len(), 1, "not retried");
+    assert_eq!(clock.now(), started, "no wait at all");
+    // The delay only the body said is in the headers SDKs honour.
+    let h = resp.headers();
+    assert_eq!(h["retry-after"], "37");
+    assert_eq!(h["retry-after-ms"], "37000");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(
+        std::str::from_utf8(&body).unwrap().contains("RetryInfo"),
+        "the provider's body goes back"
+    );
+    assert_eq!(pacer.stats("p").upstream_429, 1);
+    // The next request is held the 37 s: past its own 10 s wait, a clear
+    // refusal at once, never a hang.
+    let e = send(&mut svc, chat()).await.unwrap_err();
+    let e = e.downcast::<PaceError>().unwrap();
+    assert!(e.retry_after().unwrap() >= Duration::from_secs(36), "{e:?}");
+    assert_eq!(clock.now(), started);
+    assert_eq!(seen.lock().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn c5_a_provider_that_answers_429_forever_is_bounded_by_max_wait() {
+    // With a hint each time: the waits stop at maxWaitSeconds in all.
+    let mut p = provider("p", limits(100_000, 0, 0));
+    p.max_wait = Duration::from_secs(90);
+    let (pacer, clock) = pacer_with([p]);
+    let script = (0..20).map(|_| gemini_429("30s")).collect();
+    let (svc, seen) = scripted(clock, script);
+    let mut svc = PacerLayer::new(pacer.clone(), "p").layer(svc);
+    let started = clock.now();
+    let resp = send(&mut svc, chat()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(seen.lock().len(), 4, "30 s three times is the 90 s");
+    assert_eq!(
+        clock.now().saturating_since(started),
+        Duration::from_secs(90)
+    );
+    // Without a hint: bounded attempts, each backoff at least 1 s, all
+    // within maxWaitSeconds.
+    let mut p = provider("p", limits(100_000, 0, 0));
+    p.max_wait = Duration::from_secs(5);
+    let (pacer, clock) = pacer_with([p]);
+    let script = (0..20).map(|_| status(429, &[], "{}")).collect();
+    let (svc, seen) = scripted(clock, script);
+    let mut svc = PacerLayer::new(pacer.clone(), "p").layer(svc);
+    let started = clock.now();
+    let resp = send(&mut svc, chat()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+    let n = seen.lock().len();
+    assert!((2..=5).contains(&n), "{n}");
+    assert!(clock.now().saturating_since(started) <= Duration::from_secs(5));
+}
+
+#[tokio::test(start_paused = true)]
+async fn c5_a_long_error_body_is_handed_back_whole() {
+    let (pacer, clock) = pacer(limits(100_000, 0, 0));
+    // 200 KiB, past the 64 KiB read to look for a hint.
+    let long = format!("<html>{}</html>", "x".repeat(200 << 10));
+    let script = (0..10).map(|_| status(503, &[], &long)).collect();
+    let (svc, seen) = scripted(clock, script);
+    let mut svc = PacerLayer::new(pacer, "p").layer(svc);
+    let resp = send(&mut svc, chat()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(seen.lock().len(), 5, "retried as any 503");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body.len(), long.len());
+}

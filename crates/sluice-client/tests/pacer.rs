@@ -508,3 +508,65 @@ async fn c1_the_admin_reading_counts_tokens_and_requests_in_their_windows() {
         (0, 1, None)
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn c1_tpd_paces_tokens_over_a_rolling_day_settled_by_usage() {
+    let (pacer, clock) = pacer(limits(0, 0, 0).with_tpd(1_000));
+    let start = clock.now();
+    let first = pacer
+        .acquire(
+            "p",
+            TokenEstimate {
+                prompt: 100,
+                completion: 500,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(first.waited(), Duration::ZERO);
+    // 600 of the day's 1,000 spent: 500 more fit only when they leave the
+    // day, far past the 90 s a request may wait: refused at once.
+    let e = pacer.acquire("p", 500u32).await.unwrap_err();
+    assert!(matches!(e, PaceError::WouldWait { .. }), "{e:?}");
+    assert!(
+        e.retry_after().unwrap() > Duration::from_secs(86_000),
+        "{e:?}"
+    );
+    assert_eq!(clock.now(), start, "no wait");
+    // The answer used 100: the rest is given back to the day.
+    first.reconcile(100).await.unwrap();
+    let second = pacer.acquire("p", 500u32).await.unwrap();
+    assert_eq!(second.waited(), Duration::ZERO);
+    // A refused request (cancelled) gives all its tokens back.
+    let third = pacer.acquire("p", 400u32).await.unwrap();
+    assert!(pacer.acquire("p", 400u32).await.is_err(), "the day is full");
+    third.cancel().await.unwrap();
+    let fourth = pacer.acquire("p", 400u32).await.unwrap();
+    // More used than reserved is charged now.
+    fourth.reconcile(450).await.unwrap();
+    assert!(
+        pacer.acquire("p", 1u32).await.is_err(),
+        "1,050 of 1,000 spent"
+    );
+    // A request larger than the whole day is too large, at once.
+    let e = pacer.acquire("p", 1_001u32).await.unwrap_err();
+    assert!(matches!(e, PaceError::TooLarge { .. }), "{e:?}");
+    assert_eq!(clock.now(), start);
+    // A day (and the margin and a slot) later, the whole day is back.
+    tokio::time::advance(Duration::from_secs(86_400 + 62)).await;
+    let p = pacer.acquire("p", 1_000u32).await.unwrap();
+    assert_eq!(p.waited(), Duration::ZERO);
+}
+
+#[tokio::test(start_paused = true)]
+async fn c1_tpd_waits_within_max_wait_for_the_day_to_roll() {
+    // 900 of 1,000 spent in the day's first 60 s slot leave the day at that
+    // slot's end + 24 h + the 1 s margin: at t = 86,461 s. A request of 200
+    // at t = 86,380 s waits exactly until then (81 s, within its 90).
+    let (pacer, clock) = pacer(limits(0, 0, 0).with_tpd(1_000));
+    pacer.acquire("p", 900u32).await.unwrap();
+    tokio::time::advance(Duration::from_secs(86_380)).await;
+    let p = pacer.acquire("p", 200u32).await.unwrap();
+    assert_eq!(p.waited(), Duration::from_secs(81));
+    assert_eq!(clock.now(), at(86_461_000));
+}

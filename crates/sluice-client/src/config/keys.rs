@@ -19,7 +19,7 @@ pub struct ApiKey {
     pub limits: ProviderLimits,
     /// The axes its own `rateLimits` gives (the others follow the
     /// provider's, also when the settings page changes them).
-    own: [Option<u32>; 5],
+    own: [Option<u32>; 6],
 }
 
 impl ApiKey {
@@ -30,16 +30,16 @@ impl ApiKey {
             name: name.to_owned(),
             secret: secret.to_owned(),
             limits,
-            own: [l.tpm, l.rpm, l.rpd, l.itpm, l.otpm].map(Some),
+            own: [l.tpm, l.rpm, l.rpd, l.itpm, l.otpm, l.tpd].map(Some),
         }
     }
 
     /// A key whose own `rateLimits` give the axes in `own` (tpm, rpm, rpd,
-    /// itpm, otpm), the others taken from `provider`.
+    /// itpm, otpm, tpd), the others taken from `provider`.
     pub(crate) fn inheriting(
         name: String,
         secret: String,
-        own: [Option<u32>; 5],
+        own: [Option<u32>; 6],
         provider: ProviderLimits,
     ) -> Self {
         let mut key = ApiKey {
@@ -60,9 +60,13 @@ impl ApiKey {
             provider.rpd,
             provider.itpm,
             provider.otpm,
+            provider.tpd,
         ];
-        let [tpm, rpm, rpd, itpm, otpm] = [0, 1, 2, 3, 4].map(|i| self.own[i].unwrap_or(p[i]));
-        self.limits = ProviderLimits::new(tpm, rpm, rpd).with_io(itpm, otpm);
+        let [tpm, rpm, rpd, itpm, otpm, tpd] =
+            [0, 1, 2, 3, 4, 5].map(|i| self.own[i].unwrap_or(p[i]));
+        self.limits = ProviderLimits::new(tpm, rpm, rpd)
+            .with_io(itpm, otpm)
+            .with_tpd(tpd);
     }
 }
 

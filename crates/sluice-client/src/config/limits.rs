@@ -23,6 +23,10 @@ pub struct ProviderLimits {
     /// Output tokens per minute (rolling 60 s), where the provider counts
     /// output apart (Anthropic's OTPM); the completion budget spends it.
     pub otpm: u32,
+    /// Tokens per day (rolling 24 h), where the provider sets one: the
+    /// request's tokens (prompt and completion budget) spend it, its
+    /// answer's usage settles it.
+    pub tpd: u32,
 }
 
 impl ProviderLimits {
@@ -35,6 +39,7 @@ impl ProviderLimits {
             rpd,
             itpm: 0,
             otpm: 0,
+            tpd: 0,
         }
     }
 
@@ -54,9 +59,28 @@ impl ProviderLimits {
         self
     }
 
+    /// The same limits with `tpd` tokens a day (0 = unlimited).
+    ///
+    /// ```
+    /// use sluice_client::config::ProviderLimits;
+    ///
+    /// let l = ProviderLimits::new(6_000, 30, 14_400).with_tpd(500_000);
+    /// assert_eq!(l.tpd, 500_000);
+    /// ```
+    #[must_use]
+    pub const fn with_tpd(mut self, tpd: u32) -> Self {
+        self.tpd = tpd;
+        self
+    }
+
     /// Whether no axis is limited.
     pub const fn is_unlimited(&self) -> bool {
-        self.tpm == 0 && self.rpm == 0 && self.rpd == 0 && self.itpm == 0 && self.otpm == 0
+        self.tpm == 0
+            && self.rpm == 0
+            && self.rpd == 0
+            && self.itpm == 0
+            && self.otpm == 0
+            && self.tpd == 0
     }
 
     /// No limit on any axis.

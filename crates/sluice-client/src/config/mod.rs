@@ -88,6 +88,61 @@ mod tests {
     }
 
     #[test]
+    fn c1_the_azure_preset_sends_api_key_and_asks_for_the_resource() {
+        let c = parse(
+            "providers:\n  azure:\n    apiKey: k\n    baseUrl: https://contoso.openai.azure.com/openai/v1\n",
+        )
+        .unwrap();
+        let a = c.provider("azure").unwrap();
+        assert_eq!(a.base_url, "https://contoso.openai.azure.com/openai/v1");
+        assert_eq!(a.auth_header.as_str(), "api-key");
+        assert_eq!(a.auth_value("k"), "k");
+        assert_eq!(a.limits, ProviderLimits::new(30_000, 180, 0));
+        assert_eq!(a.origin, LimitsOrigin::Shipped);
+        // The deployments form, with the user's own limits and header.
+        let c = parse(
+            "providers:\n  azure:\n    baseUrl: https://contoso.openai.azure.com/openai/deployments/gpt-4o/\n    authHeader: Authorization\n    rateLimits: {tpm: 450000, rpm: 2700}\n",
+        )
+        .unwrap();
+        let a = c.provider("azure").unwrap();
+        assert_eq!(
+            a.base_url,
+            "https://contoso.openai.azure.com/openai/deployments/gpt-4o"
+        );
+        assert_eq!(a.auth_value("t"), "Bearer t");
+        // No base URL: the resource is the user's to name.
+        let e = parse("providers:\n  azure:\n    apiKey: k\n").unwrap_err();
+        let p = &e.problems()[0];
+        assert_eq!(p.path, "providers.azure.baseUrl");
+        assert!(p.message.contains("{resource}"), "{}", p.message);
+        // In code, too: the template is kept for the caller to fill in.
+        let p = ProviderConfig::shipped("azure").unwrap();
+        assert_eq!(p.auth_header.as_str(), "api-key");
+    }
+
+    #[test]
+    fn c1_tpd_in_rate_limits_keys_and_json() {
+        let c = parse(
+            "providers:\n  groq:\n    rateLimits: {tpd: 500000}\n    apiKeys:\n      - {key: a}\n      - {key: b, rateLimits: {tpd: 100000}}\n  mine:\n    baseUrl: http://127.0.0.1:1/v1\n    rateLimits: {tpm: 0, rpm: 0, rpd: 0}\n",
+        )
+        .unwrap();
+        let g = c.provider("groq").unwrap();
+        assert_eq!(
+            g.limits,
+            ProviderLimits::new(30_000, 30, 14_400).with_tpd(500_000)
+        );
+        assert_eq!(g.api_keys[0].limits.tpd, 500_000, "follows the provider");
+        assert_eq!(g.api_keys[1].limits.tpd, 100_000, "its own");
+        assert_eq!(c.provider("mine").unwrap().limits.tpd, 0, "unlimited");
+        let j = c.limits_json();
+        assert_eq!(j["providers"]["groq"]["tpd"], 500_000);
+        assert_eq!(j["providers"]["groq"]["apiKeys"][1]["tpd"], 100_000);
+        assert!(parse("providers:\n  groq:\n    rateLimits: {tpd: -1}\n").is_err());
+        let e = parse("providers:\n  groq:\n    rateLimits: {tpd: 5000000000}\n").unwrap_err();
+        assert_eq!(e.problems()[0].path, "providers.groq.rateLimits.tpd");
+    }
+
+    #[test]
     fn c1_shipped_defaults_fill_missing_limits() {
         let c = parse("providers:\n  groq:\n  anthropic:\n    rateLimits: {tpm: 1000}\n").unwrap();
         let g = c.provider("groq").unwrap();

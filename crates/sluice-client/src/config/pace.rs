@@ -84,13 +84,14 @@ impl PaceConfig {
                         "style": p.style,
                         "itpm": p.limits.itpm,
                         "otpm": p.limits.otpm,
+                        "tpd": p.limits.tpd,
                         "shrink": p.shrink,
                         "maxWaitSeconds": p.max_wait.as_secs_f64(),
                         "models": models_json(p),
                         "apiKeys": p.api_keys.iter().map(|k| serde_json::json!({
                             "name": k.name,
                             "tpm": k.limits.tpm, "rpm": k.limits.rpm, "rpd": k.limits.rpd,
-                            "itpm": k.limits.itpm, "otpm": k.limits.otpm,
+                            "itpm": k.limits.itpm, "otpm": k.limits.otpm, "tpd": k.limits.tpd,
                         })).collect::<Vec<_>>(),
                     }),
                 )
@@ -108,7 +109,7 @@ fn models_json(p: &ProviderConfig) -> serde_json::Value {
             serde_json::json!({
                 "patterns": [],
                 "tpm": m.limits.tpm, "rpm": m.limits.rpm, "rpd": m.limits.rpd,
-                "itpm": m.limits.itpm, "otpm": m.limits.otpm,
+                "itpm": m.limits.itpm, "otpm": m.limits.otpm, "tpd": m.limits.tpd,
             })
         });
         if let Some(list) = entry.get_mut("patterns").and_then(|l| l.as_array_mut()) {

@@ -10,7 +10,7 @@ use super::defaults::{DEFAULT_INTERACTIVE_RESERVE, DEFAULT_MAX_WAIT};
 use super::keys::ApiKey;
 use super::limits::{LimitsOrigin, ProviderLimits};
 use super::models::{ModelLimits, model_entry};
-use super::shipped::shipped;
+use super::shipped::{ShippedProvider, shipped};
 use crate::api::{ApiStyle, ApiStyleExt, DEFAULT_MAX_TOKENS};
 use crate::tokens::Encoding;
 
@@ -81,13 +81,14 @@ impl ProviderConfig {
     /// A provider at `base_url` with `limits` and every other setting at
     /// its default (for tests and library users without a file).
     pub fn new(name: &str, base_url: &str, limits: ProviderLimits) -> Self {
-        let style = shipped(name).map_or(ApiStyle::OpenAi, |s| s.style);
+        let known = shipped(name);
+        let style = known.map_or(ApiStyle::OpenAi, |s| s.style);
         ProviderConfig {
             name: name.to_owned(),
             api_key: None,
             base_url: base_url.trim_end_matches('/').to_owned(),
             style,
-            auth_header: style.default_auth_header(),
+            auth_header: default_auth_header(style, known),
             limits,
             origin: LimitsOrigin::Config,
             shrink: false,
@@ -122,7 +123,8 @@ impl ProviderConfig {
 
     /// A provider sluice ships: its base URL, API style and conservative
     /// mid-tier limits (see [`SHIPPED_PROVIDERS`](super::SHIPPED_PROVIDERS)); `None` for a name it
-    /// does not know.
+    /// does not know. Azure's (`azure`) base URL is a template with a
+    /// `{resource}` to replace: set [`ProviderConfig::base_url`].
     ///
     /// ```
     /// use sluice_client::config::{ProviderConfig, ProviderLimits};
@@ -163,4 +165,15 @@ impl ProviderConfig {
             key.to_owned()
         }
     }
+}
+
+/// The header a key goes in when the config names none: the shipped
+/// provider's own (Azure's `api-key`) when `style` is its style, else the
+/// style's default.
+pub(super) fn default_auth_header(style: ApiStyle, known: Option<&ShippedProvider>) -> HeaderName {
+    known
+        .filter(|k| k.style == style)
+        .and_then(|k| k.auth_header)
+        .and_then(|h| HeaderName::from_bytes(h.as_bytes()).ok())
+        .unwrap_or_else(|| style.default_auth_header())
 }

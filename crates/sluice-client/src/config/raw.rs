@@ -73,7 +73,7 @@ pub struct RawApiKey {
     pub rate_limits: Option<RawLimits>,
 }
 
-/// `rateLimits: {tpm, rpm, rpd, itpm, otpm}`.
+/// `rateLimits: {tpm, rpm, rpd, itpm, otpm, tpd}`.
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawLimits {
@@ -87,6 +87,8 @@ pub struct RawLimits {
     pub itpm: Option<u64>,
     /// Output tokens per minute (where the provider counts output apart).
     pub otpm: Option<u64>,
+    /// Tokens per day (rolling 24 h), where the provider sets one.
+    pub tpd: Option<u64>,
 }
 
 /// `pacer:` settings shared by every provider.

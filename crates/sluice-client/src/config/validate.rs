@@ -55,6 +55,7 @@ pub(super) fn check_limits(
         rpd: axis("rpd", r.rpd, fallback.map(|f| f.rpd)),
         itpm: axis("itpm", r.itpm, Some(fallback.map_or(0, |f| f.itpm))),
         otpm: axis("otpm", r.otpm, Some(fallback.map_or(0, |f| f.otpm))),
+        tpd: axis("tpd", r.tpd, Some(fallback.map_or(0, |f| f.tpd))),
     };
     ok.then_some(limits)
 }
@@ -116,7 +117,7 @@ fn check_provider(
     let base_url = substituted(base, "baseUrl", &entry.base_url, env, problems);
     let style = check_style(base, entry.style.as_deref(), known, problems);
     let base_url = check_base_url(base, base_url, known, problems);
-    let auth_header = check_auth_header(base, entry.auth_header.as_deref(), style, problems);
+    let auth_header = check_auth_header(base, entry.auth_header.as_deref(), style, known, problems);
     let (limits, origin) = check_rate_limits(base, entry.rate_limits.as_ref(), known, problems);
     let max_wait = check_max_wait(base, entry.max_wait_seconds, problems);
     let default_max_tokens = check_default_max_tokens(base, entry.default_max_tokens, problems);
@@ -209,6 +210,16 @@ fn check_base_url(
 ) -> String {
     let base_url = match (base_url, known) {
         (Some(u), _) => u,
+        (None, Some(k)) if k.base_url_is_template() => {
+            problems.push(Problem {
+                path: format!("{base}.baseUrl"),
+                message: format!(
+                    "required: {} has no base URL sluice can know; write yours, `{}` with your resource's name (or its `/openai/deployments/<deployment>` form)",
+                    k.title, k.base_url
+                ),
+            });
+            String::new()
+        }
         (None, Some(k)) => k.base_url.to_owned(),
         (None, None) => {
             problems.push(Problem {
@@ -231,16 +242,18 @@ fn check_base_url(
     base_url
 }
 
-/// The header the key goes in (`authHeader`, lower-cased), the style's
-/// default when not given.
+/// The header the key goes in (`authHeader`, lower-cased); when not given,
+/// the shipped provider's own (Azure's `api-key`) if the style is its, else
+/// the style's default.
 fn check_auth_header(
     base: &str,
     raw: Option<&str>,
     style: ApiStyle,
+    known: Option<&ShippedProvider>,
     problems: &mut Vec<Problem>,
 ) -> HeaderName {
     match raw {
-        None => style.default_auth_header(),
+        None => super::provider::default_auth_header(style, known),
         Some(h) => HeaderName::from_bytes(h.to_ascii_lowercase().as_bytes()).unwrap_or_else(|_| {
             problems.push(Problem {
                 path: format!("{base}.authHeader"),
@@ -554,8 +567,8 @@ fn check_keys(
             continue;
         }
         // Checked above: each given axis fits a u32.
-        let own =
-            [r.tpm, r.rpm, r.rpd, r.itpm, r.otpm].map(|v| v.and_then(|v| u32::try_from(v).ok()));
+        let own = [r.tpm, r.rpm, r.rpd, r.itpm, r.otpm, r.tpd]
+            .map(|v| v.and_then(|v| u32::try_from(v).ok()));
         out.push(ApiKey::inheriting(name, secret, own, provider));
     }
     out

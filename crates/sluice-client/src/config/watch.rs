@@ -206,8 +206,8 @@ impl LimitsSource for ConfigWatcher {
         );
         for (name, l) in &edited {
             text.push_str(&format!(
-                "  {name}:\n    rateLimits: {{ tpm: {}, rpm: {}, rpd: {}, itpm: {}, otpm: {} }}\n",
-                l.tpm, l.rpm, l.rpd, l.itpm, l.otpm
+                "  {name}:\n    rateLimits: {{ tpm: {}, rpm: {}, rpd: {}, itpm: {}, otpm: {}, tpd: {} }}\n",
+                l.tpm, l.rpm, l.rpd, l.itpm, l.otpm, l.tpd
             ));
         }
         let tmp = self.overrides.with_extension("yaml.tmp");

@@ -337,6 +337,16 @@ where
                     return Ok(Ahead::No);
                 }
             }
+            // The day of tokens must hold both by the head's turn.
+            for (k, days) in &plan.token_days {
+                let both = head.cost.total().saturating_add(cost.total());
+                if days
+                    .room_at(route.scopes[*k].limits.tpd, both, now)
+                    .is_none_or(|t| t > head.ready_at)
+                {
+                    return Ok(Ahead::No);
+                }
+            }
             for c in &plan.charges {
                 let both = self
                     .inner

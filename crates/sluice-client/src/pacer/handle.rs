@@ -49,6 +49,8 @@ pub(super) struct Inner<S, C> {
     pub(super) itpm: TokenWindow,
     pub(super) otpm: TokenWindow,
     pub(super) rpd: SlotWindow,
+    /// The day of tokens (`tpd`): the RPD's geometry, spent in tokens.
+    pub(super) tpd: SlotWindow,
     pub(super) rpm_scope: u64,
     pub(super) providers: parking_lot::Mutex<HashMap<String, Arc<ProviderState>>>,
     /// Per budget: no request before this instant (a 429's Retry-After, a
@@ -56,6 +58,8 @@ pub(super) struct Inner<S, C> {
     pub(super) holds: parking_lot::Mutex<HashMap<u64, Timestamp>>,
     /// Per budget: the day slots read once and kept.
     pub(super) days: parking_lot::Mutex<HashMap<u64, Arc<parking_lot::Mutex<SlotCache>>>>,
+    /// Per budget: the settled slots of its day of tokens.
+    pub(super) token_days: parking_lot::Mutex<HashMap<u64, Arc<parking_lot::Mutex<SlotCache>>>>,
     pub(super) interactive: parking_lot::Mutex<InteractiveLog>,
     pub(super) batch_pace: parking_lot::Mutex<BatchPace>,
 }
@@ -70,11 +74,11 @@ impl<S, C> Inner<S, C> {
     }
 
     pub(super) fn day_cache(&self, subject: u64) -> Arc<parking_lot::Mutex<SlotCache>> {
-        let mut d = self.days.lock();
-        if d.len() >= MAX_DAY_CACHES && !d.contains_key(&subject) {
-            d.clear();
-        }
-        d.entry(subject).or_default().clone()
+        cache_of(&self.days, subject)
+    }
+
+    pub(super) fn token_day_cache(&self, subject: u64) -> Arc<parking_lot::Mutex<SlotCache>> {
+        cache_of(&self.token_days, subject)
     }
 
     pub(super) fn hold_of(&self, subject: u64) -> Option<Timestamp> {
@@ -144,10 +148,12 @@ where
                 itpm: TokenWindow::new("itpm", minute, options.token_slot),
                 otpm: TokenWindow::new("otpm", minute, options.token_slot),
                 rpd: SlotWindow::new("rpd", Duration::from_secs(86_400), options.request_slot),
+                tpd: SlotWindow::new("tpd", Duration::from_secs(86_400), options.request_slot),
                 rpm_scope: sluice_core::digest(b"sluice-pace/rpm"),
                 providers: parking_lot::Mutex::new(HashMap::new()),
                 holds: parking_lot::Mutex::new(HashMap::new()),
                 days: parking_lot::Mutex::new(HashMap::new()),
+                token_days: parking_lot::Mutex::new(HashMap::new()),
                 interactive: parking_lot::Mutex::new(InteractiveLog::default()),
                 batch_pace: parking_lot::Mutex::new(BatchPace::default()),
             }),
@@ -192,6 +198,19 @@ where
     }
 }
 
+/// The day cache of `subject` in `caches`, made when missing (all of them
+/// dropped past [`MAX_DAY_CACHES`]).
+fn cache_of(
+    caches: &parking_lot::Mutex<HashMap<u64, Arc<parking_lot::Mutex<SlotCache>>>>,
+    subject: u64,
+) -> Arc<parking_lot::Mutex<SlotCache>> {
+    let mut d = caches.lock();
+    if d.len() >= MAX_DAY_CACHES && !d.contains_key(&subject) {
+        d.clear();
+    }
+    d.entry(subject).or_default().clone()
+}
+
 /// Crate-internal reads of the books, for [`Permit`](super::Permit).
 impl<S, C> Pacer<S, C>
 where
@@ -208,6 +227,14 @@ where
 
     pub(crate) fn day_cache(&self, subject: u64) -> Arc<parking_lot::Mutex<SlotCache>> {
         self.inner.day_cache(subject)
+    }
+
+    pub(crate) fn token_day_window(&self) -> &SlotWindow {
+        &self.inner.tpd
+    }
+
+    pub(crate) fn token_day_cache(&self, subject: u64) -> Arc<parking_lot::Mutex<SlotCache>> {
+        self.inner.token_day_cache(subject)
     }
 
     /// Tokens given back by an answer (of either priority) no longer count

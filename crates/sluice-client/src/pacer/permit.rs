@@ -35,6 +35,8 @@ where
     pub(crate) reserved: Cost,
     pub(crate) charges: Vec<Charge>,
     pub(crate) day_slots: Vec<(u64, u64)>,
+    /// The day-of-tokens slots spent: (budget, slot, tokens).
+    pub(crate) token_day_slots: Vec<(u64, u64, u32)>,
     pub(crate) decided_at: Timestamp,
     /// Tokens in this pacer's windows just after the reservation, per
     /// (budget, axis) reserved on.
@@ -202,6 +204,24 @@ where
             } else if delta > 0 {
                 let now = pacer.clock().now();
                 let cell = window.cell(c.subject, window.slot_of(now), u32::MAX, 0);
+                store.adjust(&cell, delta, now).await?;
+            }
+        }
+        for &(subject, slot, tokens) in &self.token_day_slots {
+            let days = pacer.token_day_window();
+            let delta = i64::from(actual.total()) - i64::from(tokens);
+            if delta < 0 {
+                gave_back = true;
+                let cell = days.cell(subject, slot, u32::MAX, 0);
+                store.adjust(&cell, delta, self.decided_at).await?;
+                let back = u32::try_from(-delta).unwrap_or(u32::MAX);
+                pacer
+                    .token_day_cache(subject)
+                    .lock()
+                    .refund(subject, slot, back);
+            } else if delta > 0 {
+                let now = pacer.clock().now();
+                let cell = days.cell(subject, days.slot_of(now), u32::MAX, 0);
                 store.adjust(&cell, delta, now).await?;
             }
         }

@@ -34,6 +34,7 @@ where
         let mut budgets = Vec::with_capacity(MAX_BUDGETS);
         let mut charges = Vec::with_capacity(plan.charges.len());
         let mut day_slots = Vec::with_capacity(plan.days.len());
+        let mut token_day_slots = Vec::with_capacity(plan.token_days.len());
         for c in &plan.charges {
             let subject = route.scopes[c.scope].subject;
             budgets.push(
@@ -60,6 +61,14 @@ where
             let limit = u32::try_from(u64::from(s.limits.rpd).saturating_sub(older)).unwrap_or(0);
             budgets.push(self.inner.rpd.cell(s.subject, h.current(), limit, 1));
             day_slots.push((s.subject, h.current()));
+        }
+        for (k, h) in &plan.token_days {
+            let s = &route.scopes[*k];
+            let older = h.total() - u64::from(h.current_value());
+            let limit = u32::try_from(u64::from(s.limits.tpd).saturating_sub(older)).unwrap_or(0);
+            let tokens = cost.total();
+            budgets.push(self.inner.tpd.cell(s.subject, h.current(), limit, tokens));
+            token_day_slots.push((s.subject, h.current(), tokens));
         }
         let decided_at = if budgets.is_empty() {
             self.inner.clock.now()
@@ -89,13 +98,14 @@ where
             key_name: route.key_name.clone(),
             secret: route.secret.clone(),
             scopes: route.scopes.clone(),
-            reserved: if charges.is_empty() {
+            reserved: if charges.is_empty() && token_day_slots.is_empty() {
                 Cost::default()
             } else {
                 cost
             },
             charges,
             day_slots,
+            token_day_slots,
             decided_at,
             window_at_decision,
             waited: Duration::ZERO,

@@ -49,6 +49,8 @@ pub(super) struct Plan {
     pub(super) room_by_deadline: u32,
     pub(super) charges: Vec<Planned>,
     pub(super) days: Vec<(usize, History)>,
+    /// The day of tokens of each scope with a TPD (by its index).
+    pub(super) token_days: Vec<(usize, History)>,
 }
 
 pub(super) fn never() -> Timestamp {
@@ -101,6 +103,7 @@ where
         let mut room_by_deadline = u32::MAX;
         let mut charges = Vec::new();
         let mut days = Vec::new();
+        let mut token_days = Vec::new();
         for s in &route.scopes {
             if let Some(h) = self.inner.hold_of(s.subject) {
                 ready_at = ready_at.max(h);
@@ -170,6 +173,20 @@ where
                 }
                 days.push((k, h));
             }
+            if s.limits.tpd > 0 && cost.total() > 0 {
+                let cache = self.inner.token_day_cache(s.subject);
+                let h = self
+                    .inner
+                    .tpd
+                    .read(&self.inner.store, s.subject, &cache, now, margin)
+                    .await?;
+                // More than the whole day's tokens never fits.
+                let at = h
+                    .room_at(s.limits.tpd, cost.total(), now)
+                    .unwrap_or_else(never);
+                ready_at = ready_at.max(at);
+                token_days.push((k, h));
+            }
             if s.limits.rpm > 0 {
                 let d = self
                     .inner
@@ -188,6 +205,7 @@ where
             room_by_deadline,
             charges,
             days,
+            token_days,
         })
     }
 

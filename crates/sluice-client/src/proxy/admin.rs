@@ -106,7 +106,8 @@ async fn save<S: BudgetStore + 'static, C: Clock + 'static>(
                 axis("rpm", current.rpm)?,
                 axis("rpd", current.rpd)?,
             )
-            .with_io(axis("itpm", current.itpm)?, axis("otpm", current.otpm)?),
+            .with_io(axis("itpm", current.itpm)?, axis("otpm", current.otpm)?)
+            .with_tpd(axis("tpd", current.tpd)?),
         )
     })() {
         Ok(l) => l,
@@ -119,7 +120,12 @@ async fn save<S: BudgetStore + 'static, C: Clock + 'static>(
             None,
         );
     }
-    let show = |l: ProviderLimits| format!("tpm={} rpm={} rpd={}", l.tpm, l.rpm, l.rpd);
+    let show = |l: ProviderLimits| {
+        format!(
+            "tpm={} rpm={} rpd={} itpm={} otpm={} tpd={}",
+            l.tpm, l.rpm, l.rpd, l.itpm, l.otpm, l.tpd
+        )
+    };
     tracing::info!(
         target: "sluice::audit",
         who = %entrant.map_or_else(|| "unknown".to_owned(), |e| e.0.to_string()),

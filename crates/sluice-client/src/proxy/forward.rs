@@ -7,13 +7,14 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::response::Response;
-use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use sluice_core::Clock;
 use sluice_store::BudgetStore;
 
 use super::App;
-use crate::call::{After, Call, MAX_ERROR_BODY, is_hop_by_hop, reconcile_on_end};
+use crate::call::{
+    After, Call, MAX_ERROR_BODY, hint_headers, is_hop_by_hop, read_head, reconcile_on_end, rejoin,
+};
 use crate::config::ProviderConfig;
 use crate::error::PaceError;
 use crate::shrink::{SHRINK_HEADER, ShrinkReport};
@@ -156,15 +157,27 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
         let mut rheaders = answer_headers(resp.headers(), call.shrink_report());
         paced_headers(&mut rheaders, waited, &budget, key_name);
         if Call::<S, C>::wants_body(status) {
-            let bytes = read_limited(resp, MAX_ERROR_BODY).await;
-            match call.after(permit, status, &rheaders, Some(&bytes)).await {
+            // At most MAX_ERROR_BODY is read to decide; a longer body goes
+            // back whole. A body that breaks off is handed back empty.
+            let upstream: http::Response<reqwest::Body> = resp.into();
+            let (head, rest) = read_head(upstream.into_body(), MAX_ERROR_BODY)
+                .await
+                .unwrap_or_default();
+            match call.after(permit, status, &rheaders, Some(&head)).await {
                 After::Retry(d) => {
                     tokio::time::sleep(d).await;
                     continue;
                 }
                 After::Deliver(_) => {
-                    rheaders.remove(header::CONTENT_LENGTH);
-                    return respond(status, rheaders, Body::from(bytes));
+                    hint_headers(status, &mut rheaders, &head);
+                    let body = match rest {
+                        None => {
+                            rheaders.remove(header::CONTENT_LENGTH);
+                            Body::from(head)
+                        }
+                        Some(rest) => Body::new(rejoin(head, rest)),
+                    };
+                    return respond(status, rheaders, body);
                 }
             }
         }
@@ -310,17 +323,6 @@ fn respond(status: StatusCode, headers: HeaderMap, body: Body) -> Response {
     *r.status_mut() = status;
     *r.headers_mut() = headers;
     r
-}
-
-async fn read_limited(mut resp: reqwest::Response, limit: usize) -> Bytes {
-    let mut out = Vec::new();
-    while let Ok(Some(chunk)) = resp.chunk().await {
-        if out.len() + chunk.len() > limit {
-            break;
-        }
-        out.extend_from_slice(&chunk);
-    }
-    Bytes::from(out)
 }
 
 #[cfg(test)]
