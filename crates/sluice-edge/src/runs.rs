@@ -215,10 +215,11 @@ fn run_budgets(policy: &Policy, subject: u64, turns: u32, cost: u32) -> [Budget;
     ]
 }
 
-/// Adds `run`'s budgets to `plan`: its turns left and taken, and, for a run
-/// this replica has not seen (`new`), one of its caller's run starts. A plan
-/// with no room for them (the policy check leaves it) is left as it is.
-pub(crate) fn push(plan: &mut Plan, policy: &Policy, mut run: PlannedRun, new: bool, shadow: bool) {
+/// Adds `run`'s budgets to `plan`: its turns left and taken, and its caller's
+/// run starts, read but not spent (a run found new once decided spends one: see
+/// [`crate::Limiter::start_run`]). A plan with no room for them (the policy
+/// check leaves it) is left as it is.
+pub(crate) fn push(plan: &mut Plan, policy: &Policy, mut run: PlannedRun, shadow: bool) {
     if plan.budgets.remaining_capacity() < 3 {
         debug_assert!(
             false,
@@ -233,15 +234,13 @@ pub(crate) fn push(plan: &mut Plan, policy: &Policy, mut run: PlannedRun, new: b
     let [left, taken] = run_budgets(policy, run.subject, turns, run.turns);
     plan.push(left, BudgetKind::Turns, window, shadow);
     plan.push(taken, BudgetKind::TurnsTaken, window, shadow);
-    if new {
-        let starts = Budget {
-            key: BudgetKey::from_digests(sluice_core::digest(RUN_STARTS), plan.caller),
-            rate: Rate::FixedWindow { seconds: window },
-            limit: policy.turns.runs_per_caller.get(),
-            cost: 1,
-        };
-        plan.push(starts, BudgetKind::RunStarts, window, shadow);
-    }
+    let starts = Budget {
+        key: BudgetKey::from_digests(sluice_core::digest(RUN_STARTS), plan.caller),
+        rate: Rate::FixedWindow { seconds: window },
+        limit: policy.turns.runs_per_caller.get(),
+        cost: 0,
+    };
+    plan.push(starts, BudgetKind::RunStarts, window, shadow);
     plan.run = Some(Box::new(run));
 }
 
@@ -283,8 +282,8 @@ impl RunState {
     }
 }
 
-/// The runs this replica decided turns of lately, newest kept (for the run
-/// starts a run new to it spends, and the admin listener's list).
+/// The runs this replica decided turns of lately, newest kept (the admin
+/// listener's list).
 #[derive(Debug, Default)]
 pub(crate) struct RecentRuns {
     runs: Mutex<RunTable>,
@@ -317,12 +316,6 @@ pub struct SeenRun {
 }
 
 impl RecentRuns {
-    /// True when a turn of the run `subject` was decided here lately.
-    pub(crate) fn knows(&self, subject: u64) -> bool {
-        let t = self.runs.lock();
-        t.current.contains_key(&subject) || t.previous.contains_key(&subject)
-    }
-
     /// Keeps where run `subject` stands after a decision of one of its turns;
     /// a run seen before keeps the tier it was first seen with (a run's tier is
     /// its first call's, whatever later calls name).
@@ -367,6 +360,82 @@ pub(crate) fn paused(plan: &Plan, decision: &Decision) -> bool {
 }
 
 impl<S: BudgetStore> crate::Limiter<S> {
+    /// A run new at `decision` (admitted: its first turn, or its first since it
+    /// was forgotten) spends one of its caller's run starts
+    /// (`turns.runs_per_caller` per `turns.idle_seconds`), in one more store
+    /// call: the first turn of a run alone pays it. A caller with no start left
+    /// has the call given back — every budget it spent — and refused by
+    /// `run_starts` (`Err`, the decision that says so). A run that had turns
+    /// before spends none, whichever replica decided them.
+    pub(crate) async fn start_run(
+        &self,
+        plan: &Plan,
+        decision: Box<Decision>,
+    ) -> Result<Box<Decision>, Box<Decision>> {
+        let Some(run) = &plan.run else {
+            return Ok(decision);
+        };
+        let at = run.index + 2;
+        let s = decision.statuses();
+        let (Some(taken), Some(starts), Some(budget)) =
+            (s.get(run.index + 1), s.get(at), plan.budgets.get(at))
+        else {
+            return Ok(decision);
+        };
+        if TAKEN_LIMIT.saturating_sub(taken.remaining) != run.turns {
+            return Ok(decision);
+        }
+        let mut statuses: arrayvec::ArrayVec<
+            sluice_core::BudgetStatus,
+            { sluice_core::MAX_BUDGETS },
+        > = s.iter().copied().collect();
+        let decided_at = decision.decided_at();
+        if starts.remaining == 0 && plan.shadow & (1 << at) == 0 {
+            // Given back whole: nothing of a refused call stays spent.
+            let spent: Vec<(Budget, i64)> = plan
+                .budgets
+                .iter()
+                .enumerate()
+                .filter(|&(i, b)| {
+                    b.cost > 0
+                        && plan.shadowed & (1 << i) == 0
+                        && plan.passed.is_none_or(|p| p.index != i)
+                })
+                .map(|(_, b)| (*b, -i64::from(b.cost)))
+                .collect();
+            if self
+                .store()
+                .adjust_all_from(&spent, decided_at, plan.network)
+                .await
+                .is_err()
+            {
+                metrics::counter!("sluice_settle_failures_total").increment(1);
+            }
+            if let Some(s) = statuses.get_mut(at) {
+                s.verdict = Verdict::NotYet {
+                    retry_after: std::time::Duration::from_secs(
+                        starts.reset_after_secs(decided_at).max(1),
+                    ),
+                };
+            }
+            return Err(Box::new(Decision::from_statuses(decided_at, statuses)));
+        }
+        let one = Budget { cost: 1, ..*budget };
+        match self
+            .store()
+            .adjust_from(&one, 1, decided_at, plan.network)
+            .await
+        {
+            Ok(status) => {
+                if let Some(s) = statuses.get_mut(at) {
+                    *s = status;
+                }
+            }
+            Err(_) => metrics::counter!("sluice_settle_failures_total").increment(1),
+        }
+        Ok(Box::new(Decision::from_statuses(decided_at, statuses)))
+    }
+
     /// Keeps where the run of `plan` stands after `decision` (admitted, or
     /// paused by its turns), for the admin listener.
     pub(crate) fn keep_run(&self, plan: &Plan, decision: &Decision) {

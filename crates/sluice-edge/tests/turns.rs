@@ -153,7 +153,9 @@ async fn endpoint<S: BudgetStore>(
 }
 
 fn memory(clock: &FakeClock) -> Limiter<MemoryStore<FakeClock>> {
-    let store = MemoryStore::with_clock(MemoryConfig::with_max_keys(10_000), clock.clone());
+    // Room for every key of the runs-per-caller test's 9,000 callers (past the
+    // bound, new keys share the store's overflow budgets).
+    let store = MemoryStore::with_clock(MemoryConfig::with_max_keys(100_000), clock.clone());
     Limiter::new(policy(1_000_000), store)
 }
 
@@ -625,6 +627,19 @@ async fn t7_a_caller_starts_at_most_runs_per_caller_runs() {
     assert_eq!(status, 429, "{body}");
     assert_eq!(turn(&limiter, "ada", "run-7", None).await.0, 200);
     assert_eq!(turn(&limiter, "bob", "run-50", None).await.0, 200);
+    // The refused start was given back whole: run-50 took no turn.
+    assert_eq!(endpoint(&limiter, "ada", "run-50", None, "").await.0, 404);
+    // A run's later turns spend no start, however many other runs this replica
+    // has seen since (a table of recent runs would have forgotten it).
+    for i in 0..9_000 {
+        assert_eq!(
+            turn(&limiter, &format!("other-{i}"), "r", None).await.0,
+            200
+        );
+    }
+    assert_eq!(turn(&limiter, "ada", "run-7", None).await.0, 200);
+    assert_eq!(turn(&limiter, "ada", "run-8", None).await.0, 200);
+    assert_eq!(turn(&limiter, "ada", "run-51", None).await.0, 429);
 }
 
 #[tokio::test]

@@ -183,7 +183,16 @@ impl<S: BudgetStore> Limiter<S> {
                 }
             },
         };
-        let decided = self.decide_boxed(&mut plan, id).await;
+        let decided = match self.decide_boxed(&mut plan, id).await {
+            // A run's first turn spends one of its caller's run starts, or is
+            // given back and refused.
+            Ok(decision) if decision.is_admitted() && plan.run.is_some() => {
+                match self.start_run(&plan, decision).await {
+                    Ok(d) | Err(d) => Ok(d),
+                }
+            }
+            other => other,
+        };
         if let Ok(decision) = &decided {
             self.keep_run(&plan, decision);
         }

@@ -155,9 +155,8 @@ impl<S: BudgetStore> Limiter<S> {
         plan.price = reservation.and_then(|r| r.price);
         // A turn of an agent run: its turns decided with the call's budgets.
         if let Some(run) = crate::runs::run_of(policy, headers, (route, body, path), plan.caller)? {
-            let new = !self.runs.knows(run.subject);
             let shadow = policy.dry_run || mode == sluice_policy::Enforcement::Shadow;
-            crate::runs::push(&mut plan, policy, run, new, shadow);
+            crate::runs::push(&mut plan, policy, run, shadow);
         }
         Ok(plan)
     }
