@@ -24,7 +24,9 @@ pub struct Reservation {
 
 impl Reservation {
     /// The reservation of a call to `path` on a route speaking `format`, from
-    /// its whole `body`.
+    /// its whole `body`; its tokens estimated only when `counted` (the route
+    /// has a token or money budget: else only its model's price is read, and
+    /// the tokenizer is not run).
     ///
     /// # Errors
     /// [`Refused::LlmBody`] for a body that does not read as `format` says.
@@ -32,13 +34,20 @@ impl Reservation {
         format: LlmFormat,
         path: &str,
         body: &[u8],
-        prices: &[Price],
+        (prices, counted): (&[Price], bool),
     ) -> Result<Self, Refused> {
         let value = sluice_tokens::check_body(body)?;
         let model = sluice_tokens::model_of(&value);
         let price = model
             .and_then(|m| prices.iter().position(|p| p.matches(m)))
             .and_then(|i| u16::try_from(i).ok());
+        if !counted {
+            return Ok(Reservation {
+                input: 0,
+                output: None,
+                price,
+            });
+        }
         let style = match format {
             LlmFormat::OpenAi => ApiStyle::OpenAi,
             LlmFormat::Anthropic => ApiStyle::Anthropic,

@@ -159,6 +159,15 @@ async fn t7_a_paused_run_is_never_forwarded_and_a_grant_over_http_lets_it_go_on(
             "{body}"
         );
         assert_eq!(seen.load(Ordering::SeqCst), 5);
+        // A route with no token budget does not estimate tokens, yet reads its body
+        // as its format says: one that does not read is 400 and sent nowhere.
+        let (status, body) = send(addr, llm, "", "not json").await;
+        assert_eq!(
+            (status, body["error"]["details"]["reason"].as_str()),
+            (400, Some("not_json")),
+            "{body}"
+        );
+        assert_eq!(seen.load(Ordering::SeqCst), 5);
         // A run header on a route whose calls are no turns: 400, not forwarded.
         let (status, body) = send(addr, ("POST", "/other"), "x-sluice-run: r\r\n", "{}").await;
         assert_eq!(

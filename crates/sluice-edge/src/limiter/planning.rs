@@ -118,12 +118,18 @@ impl<S: BudgetStore> Limiter<S> {
             // Counted as sent, or not at all: a compressed body cannot be read.
             sluice_policy::check_content_encoding(headers)?;
         }
+        // The tokens are estimated only for a route with a token or money budget.
+        let counted = route.is_some_and(|r| {
+            r.buckets
+                .iter()
+                .any(|&b| policy.buckets.get(b).is_some_and(|b| b.tokens.is_some()))
+        });
         let reservation = match (llm, body) {
             (Some(format), Some(body)) => Some(crate::tokens::Reservation::of(
                 format,
                 path,
                 body,
-                &policy.prices,
+                (&policy.prices, counted),
             )?),
             _ => None,
         };
