@@ -215,8 +215,8 @@ fn run_budgets(policy: &Policy, subject: u64, turns: u32, cost: u32) -> [Budget;
     ]
 }
 
-/// Adds `run`'s budgets to `plan`: its turns left and taken, and its caller's
-/// run starts, read but not spent (a run found new once decided spends one: see
+/// Adds `run`'s budgets to `plan`: its turns left and taken (a run found new
+/// once decided spends one of its caller's run starts: see
 /// [`crate::Limiter::start_run`]). A plan with no room for them (the policy
 /// check leaves it) is left as it is.
 pub(crate) fn push(plan: &mut Plan, policy: &Policy, mut run: PlannedRun, shadow: bool) {
@@ -234,14 +234,19 @@ pub(crate) fn push(plan: &mut Plan, policy: &Policy, mut run: PlannedRun, shadow
     let [left, taken] = run_budgets(policy, run.subject, turns, run.turns);
     plan.push(left, BudgetKind::Turns, window, shadow);
     plan.push(taken, BudgetKind::TurnsTaken, window, shadow);
-    let starts = Budget {
-        key: BudgetKey::from_digests(sluice_core::digest(RUN_STARTS), plan.caller),
-        rate: Rate::FixedWindow { seconds: window },
-        limit: policy.turns.runs_per_caller.get(),
-        cost: 0,
-    };
-    plan.push(starts, BudgetKind::RunStarts, window, shadow);
     plan.run = Some(Box::new(run));
+}
+
+/// The run starts of `caller` under `policy`, spending `cost`.
+fn run_starts(policy: &Policy, caller: u64, cost: u32) -> Budget {
+    Budget {
+        key: BudgetKey::from_digests(sluice_core::digest(RUN_STARTS), caller),
+        rate: Rate::FixedWindow {
+            seconds: policy.turns.idle,
+        },
+        limit: policy.turns.runs_per_caller.get(),
+        cost,
+    }
 }
 
 /// Where a run stands.
@@ -363,77 +368,70 @@ impl<S: BudgetStore> crate::Limiter<S> {
     /// A run new at `decision` (admitted: its first turn, or its first since it
     /// was forgotten) spends one of its caller's run starts
     /// (`turns.runs_per_caller` per `turns.idle_seconds`), in one more store
-    /// call: the first turn of a run alone pays it. A caller with no start left
-    /// has the call given back — every budget it spent — and refused by
-    /// `run_starts` (`Err`, the decision that says so). A run that had turns
-    /// before spends none, whichever replica decided them.
+    /// call: the first turn of a run alone pays it, whichever replica decides
+    /// it. A caller with no start left has the call given back — every budget
+    /// it spent — and refused by `run_starts` (`Err`: the decision that says
+    /// so, the budget added to `plan`). A store that cannot count the start
+    /// leaves the call admitted (counted in `sluice_settle_failures_total`).
     pub(crate) async fn start_run(
         &self,
-        plan: &Plan,
+        plan: &mut Plan,
         decision: Box<Decision>,
     ) -> Result<Box<Decision>, Box<Decision>> {
         let Some(run) = &plan.run else {
             return Ok(decision);
         };
-        let at = run.index + 2;
-        let s = decision.statuses();
-        let (Some(taken), Some(starts), Some(budget)) =
-            (s.get(run.index + 1), s.get(at), plan.budgets.get(at))
-        else {
-            return Ok(decision);
-        };
-        if TAKEN_LIMIT.saturating_sub(taken.remaining) != run.turns {
+        let fresh = decision
+            .statuses()
+            .get(run.index + 1)
+            .is_some_and(|taken| TAKEN_LIMIT.saturating_sub(taken.remaining) == run.turns);
+        let shadow = plan.shadow & (1 << run.index) != 0;
+        if !fresh {
             return Ok(decision);
         }
-        let mut statuses: arrayvec::ArrayVec<
-            sluice_core::BudgetStatus,
-            { sluice_core::MAX_BUDGETS },
-        > = s.iter().copied().collect();
-        let decided_at = decision.decided_at();
-        if starts.remaining == 0 && plan.shadow & (1 << at) == 0 {
-            // Given back whole: nothing of a refused call stays spent.
-            let spent: Vec<(Budget, i64)> = plan
-                .budgets
-                .iter()
-                .enumerate()
-                .filter(|&(i, b)| {
-                    b.cost > 0
-                        && plan.shadowed & (1 << i) == 0
-                        && plan.passed.is_none_or(|p| p.index != i)
-                })
-                .map(|(_, b)| (*b, -i64::from(b.cost)))
-                .collect();
-            if self
-                .store()
-                .adjust_all_from(&spent, decided_at, plan.network)
-                .await
-                .is_err()
-            {
+        let starts = run_starts(self.policy(), plan.caller, 1);
+        let status = match self.store().decide_from(&[starts], plan.network).await {
+            Ok(d) => match d.statuses().first() {
+                Some(s) => *s,
+                None => return Ok(decision),
+            },
+            Err(_) => {
                 metrics::counter!("sluice_settle_failures_total").increment(1);
+                return Ok(decision);
             }
-            if let Some(s) = statuses.get_mut(at) {
-                s.verdict = Verdict::NotYet {
-                    retry_after: std::time::Duration::from_secs(
-                        starts.reset_after_secs(decided_at).max(1),
-                    ),
-                };
-            }
-            return Err(Box::new(Decision::from_statuses(decided_at, statuses)));
+        };
+        if status.verdict == Verdict::Admitted || shadow {
+            return Ok(decision);
         }
-        let one = Budget { cost: 1, ..*budget };
-        match self
+        // Given back whole: nothing of a refused call stays spent.
+        let decided_at = decision.decided_at();
+        let spent: Vec<(Budget, i64)> = plan
+            .budgets
+            .iter()
+            .enumerate()
+            .filter(|&(i, b)| {
+                b.cost > 0
+                    && plan.shadowed & (1 << i) == 0
+                    && plan.passed.is_none_or(|p| p.index != i)
+            })
+            .map(|(_, b)| (*b, -i64::from(b.cost)))
+            .collect();
+        if self
             .store()
-            .adjust_from(&one, 1, decided_at, plan.network)
+            .adjust_all_from(&spent, decided_at, plan.network)
             .await
+            .is_err()
         {
-            Ok(status) => {
-                if let Some(s) = statuses.get_mut(at) {
-                    *s = status;
-                }
-            }
-            Err(_) => metrics::counter!("sluice_settle_failures_total").increment(1),
+            metrics::counter!("sluice_settle_failures_total").increment(1);
         }
-        Ok(Box::new(Decision::from_statuses(decided_at, statuses)))
+        plan.push(
+            starts,
+            BudgetKind::RunStarts,
+            self.policy().turns.idle,
+            false,
+        );
+        let statuses = decision.statuses().iter().copied().chain([status]);
+        Err(Box::new(Decision::from_statuses(decided_at, statuses)))
     }
 
     /// Keeps where the run of `plan` stands after `decision` (admitted, or

@@ -625,6 +625,12 @@ async fn t7_a_caller_starts_at_most_runs_per_caller_runs() {
     // the runs begun go on, and another caller starts its own.
     let (status, body) = turn(&limiter, "ada", "run-50", None).await;
     assert_eq!(status, 429, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("run_starts")),
+        "{body}"
+    );
     assert_eq!(turn(&limiter, "ada", "run-7", None).await.0, 200);
     assert_eq!(turn(&limiter, "bob", "run-50", None).await.0, 200);
     // The refused start was given back whole: run-50 took no turn.

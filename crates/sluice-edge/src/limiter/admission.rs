@@ -187,7 +187,7 @@ impl<S: BudgetStore> Limiter<S> {
             // A run's first turn spends one of its caller's run starts, or is
             // given back and refused.
             Ok(decision) if decision.is_admitted() && plan.run.is_some() => {
-                match self.start_run(&plan, decision).await {
+                match self.start_run(&mut plan, decision).await {
                     Ok(d) | Err(d) => Ok(d),
                 }
             }
