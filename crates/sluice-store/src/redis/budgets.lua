@@ -309,26 +309,29 @@ for i = 0, n - 1 do
     -- A run's turns (sluice-core's Rate::Turns), w = seconds it is remembered
     -- after its last change: fields w (until, Unix s), c (net turns: taken less
     -- granted; past p: finished), p (its tier's turns, kept from its first).
+    -- The key's own expiry (field t) moves only when the run outlives it, by
+    -- a sixteenth of w at a time: a key may outlive its run by that much (it
+    -- then reads as a new run), and a busy run re-expires rarely.
     local known = s.w >= now_s
     local turns = known and s.p or math.min(math.max(limit, 1), 10000)
     local net = known and s.c or 0
     local until_s = known and s.w or now_s
+    local function keep(nn)
+      until_s = now_s + w
+      s.w, s.c, s.p, s.dirty, s.turns = until_s, nn, turns, true, true
+      if s.t <= until_s then s.t = until_s + 1 + math.max(1, floor_div(w, 16)) end
+      s.expire = s.t
+    end
     before = math.max(0, turns - net)
     if mode == 'adjust' then
       local nn = math.max(-50000, math.min(turns + 1, net + delta))
-      if (not known) or nn ~= net then
-        until_s = now_s + w
-        s.w, s.c, s.p, s.dirty, s.expire = until_s, nn, turns, true, until_s + 1
-      end
+      if (not known) or nn ~= net then keep(nn) end
       after = math.max(0, turns - nn)
     else
       local finished = net > turns
       local fits = (not finished) and (net + cost <= turns)
       after = fits and (before - cost) or before
-      if fits and cost > 0 then
-        until_s = now_s + w
-        s.w, s.c, s.p, s.dirty, s.expire = until_s, net + cost, turns, true, until_s + 1
-      end
+      if fits and cost > 0 then keep(net + cost) end
       if finished then verdict = 2
       elseif not fits then verdict = 1; retry = (until_s - now_s) * 1000000 end
     end
@@ -392,7 +395,11 @@ for key, s in pairs(state) do
     if s.p ~= s.p0 then fields[#fields + 1] = 'p'; fields[#fields + 1] = s.p end
     if s.t ~= s.t0 then fields[#fields + 1] = 't'; fields[#fields + 1] = s.t end
     if #fields > 0 then redis.call('HSET', key, unpack(fields)) end
-    if s.w ~= s.w0 or s.t ~= s.t0 then redis.call('EXPIREAT', key, s.expire) end
+    if s.turns then
+      if s.t ~= s.t0 then redis.call('EXPIREAT', key, s.expire) end
+    elseif s.w ~= s.w0 or s.t ~= s.t0 then
+      redis.call('EXPIREAT', key, s.expire)
+    end
   end
 end
 return out
