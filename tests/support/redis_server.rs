@@ -89,6 +89,15 @@ impl RedisServer {
         })
     }
 
+    /// Calls of the command `name` (lowercase, as `INFO commandstats` names it,
+    /// e.g. `expireat`) served so far, those scripts made included.
+    pub fn commands_named(&self, name: &str) -> u64 {
+        let prefix = format!("cmdstat_{name}:");
+        calls(&self.cli(&["INFO", "commandstats"]), |l| {
+            l.starts_with(&prefix)
+        })
+    }
+
     /// Script calls served so far (`INFO commandstats`).
     pub fn script_calls(&self) -> u64 {
         calls(&self.cli(&["INFO", "commandstats"]), is_script)

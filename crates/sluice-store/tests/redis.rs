@@ -590,3 +590,38 @@ async fn e8_d3_a_burst_right_after_redis_restarts_is_decided_on_redis() {
     assert_eq!((admitted, refused), (5, BURST - 5));
     assert_eq!(store.state(), sluice_core::BreakerState::Closed);
 }
+
+/// SPEC T7 on Redis: a run's key outlives the run (it is never dropped while the
+/// run is remembered, which would give its turns back) and moves its expiry a
+/// sixteenth of the idle time at a time, not at every turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t7_a_runs_key_outlives_the_run_and_is_re_expired_rarely() {
+    let server = Server::start("store");
+    let store = store_on(&server).await;
+    let run = Budget {
+        rate: Rate::Turns {
+            idle_secs: NonZeroU32::new(1_600).expect("nz"),
+        },
+        ..budget("run:turns", b"caller-run", 5)
+    };
+    let before = server.commands_named("expireat");
+    for _ in 0..4 {
+        let d = store.decide(&[run]).await.expect("decide");
+        assert!(d.is_admitted());
+    }
+    assert_eq!(
+        server.commands_named("expireat") - before,
+        1,
+        "one EXPIREAT for four turns within the same 100 s"
+    );
+    let keys = server.cli(&["KEYS", "*"]);
+    let key = keys.lines().find(|k| !k.is_empty()).expect("the run's key");
+    let ttl: i64 = server.cli(&["TTL", key]).trim().parse().expect("ttl");
+    // Remembered 1,600 s after its last turn; the key, up to 100 s longer.
+    assert!((1_600..=1_702).contains(&ttl), "TTL {ttl}");
+    assert_eq!(
+        store.decide(&[run]).await.expect("decide").statuses()[0].remaining,
+        0
+    );
+    assert!(!store.decide(&[run]).await.expect("decide").is_admitted());
+}
