@@ -188,6 +188,9 @@ test("with LLM routes the dashboard charts each workspace's tokens and spend thi
     assert.match(await text(page, "#usage-note"), /This month \(\d{4}-\d{2}, UTC\): the 2 workspace\(s\)/);
     await page.locator("#usage").scrollIntoViewIfNeeded();
     await screenshot(page, "serve-dashboard-llm-usage");
+    // A money budget's limit is told in dollars (the example's plan large: $500 a month).
+    await page.locator('#plans-body [data-plan="large"]').waitFor({ timeout: 10_000 });
+    assert.match(await text(page, '#plans-body [data-plan="large"]'), /usd_month \$500\.00 \/month/);
     // An agent run of the quick tier (10 turns) with 9 taken is near its budget (SPEC T7).
     for (let i = 0; i < 9; i++) {
       await chat("sk-research-ada", "gpt-4o", { "x-sluice-run": "agent-1", "x-sluice-depth": "quick" });

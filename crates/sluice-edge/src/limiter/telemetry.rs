@@ -321,8 +321,12 @@ pub struct PlanStatus {
     pub classes: BTreeMap<String, u32>,
     /// Per IP and window, by ceiling.
     pub ip_ceilings: BTreeMap<String, u32>,
-    /// Per window, by bucket.
+    /// Per window, by bucket (token budgets in tokens; money budgets are in
+    /// `spend`).
     pub buckets: BTreeMap<String, u32>,
+    /// Per calendar month, by money budget: US dollars, as text with two
+    /// decimals (`"500.00"`).
+    pub spend: BTreeMap<String, String>,
     /// Per calendar month, by capped quota family.
     pub quotas: BTreeMap<String, u32>,
     /// Per workspace in each lane: `<lane>.workspace_in_flight` and
@@ -347,7 +351,18 @@ pub(crate) fn plan_status(p: &Policy, plan: Option<&sluice_policy::CustomerPlan>
     };
     let classes = table(&mut limits.classes.iter());
     let ip_ceilings = table(&mut limits.ceilings.iter());
-    let buckets = table(&mut limits.buckets.iter().map(|(l, _)| l));
+    let mut buckets = table(&mut limits.buckets.iter().map(|(l, _)| l));
+    // A money budget's limit is in 1e-5 USD: told in dollars, apart.
+    let spend = p
+        .buckets
+        .iter()
+        .filter(|b| b.tokens.is_some_and(|t| t.priced))
+        .filter_map(|b| {
+            let units = buckets.remove(&b.name)?;
+            let usd = f64::from(units) / sluice_policy::MONEY_UNITS_PER_USD as f64;
+            Some((b.name.clone(), format!("{usd:.2}")))
+        })
+        .collect();
     let quotas = table(&mut limits.quotas.iter());
     let lanes = table(&mut limits.lanes.iter().flat_map(|(a, b)| [a, b]));
     PlanStatus {
@@ -359,6 +374,7 @@ pub(crate) fn plan_status(p: &Policy, plan: Option<&sluice_policy::CustomerPlan>
         classes,
         ip_ceilings,
         buckets,
+        spend,
         quotas,
         lanes,
         overrides,
