@@ -214,6 +214,12 @@ async fn t7_a_run_pauses_after_its_tiers_turns_with_continue_or_finish_in_the_ap
     // Pausing takes no turn: asked again, the same.
     let again = turn(&limiter, "ada", "r-quick", Some("quick")).await;
     assert_eq!(again.1["error"]["details"]["turns_used"], 3);
+    // A pause is no rate limit: the refusals by reason do not count it.
+    assert!(
+        limiter.tally(0).refusals.is_empty(),
+        "{:?}",
+        limiter.tally(0).refusals
+    );
     // The default tier; a depth named later does not move a run's tier.
     let (taken, _) = until_paused(&limiter, "ada", "r-default", None).await;
     assert_eq!(taken, 4);

@@ -480,6 +480,10 @@ impl<S: BudgetStore> Limiter<S> {
                 counters[1].increment(1);
                 counts.refused.fetch_add(1, Ordering::Relaxed);
                 self.counts.fill(plan, d);
+                // A run's pause is no rate limit: `sluice_run_turns_total` counts it.
+                if crate::runs::paused(plan, d) {
+                    return;
+                }
                 match self.metrics.refusals.get(reason) {
                     Some(counter) => counter.increment(1),
                     None => {
