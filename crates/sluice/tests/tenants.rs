@@ -226,7 +226,7 @@ async fn p4_a_change_is_checked_applied_at_once_audited_and_survives_a_restart()
         "credential_revoked"
     );
     // One audit line per change: who, what, before, after.
-    let stderr = sluice.stderr();
+    let stderr = sluice.stderr_with(4, |l| l.contains("sluice::audit")).await;
     let audits: Vec<&str> = stderr
         .lines()
         .filter(|l| l.contains("sluice::audit"))

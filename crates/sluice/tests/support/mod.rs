@@ -224,6 +224,22 @@ impl Sluice {
         self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
+    /// What the child wrote to stderr, once it holds at least `n` lines that
+    /// `pick` takes (or after 10 s): a line logged before an answer may reach
+    /// the reader thread after the answer reaches the test.
+    pub async fn stderr_with(&self, n: usize, pick: impl Fn(&str) -> bool) -> String {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let text = self.stderr();
+            if text.lines().filter(|l| pick(l)).count() >= n
+                || std::time::Instant::now() >= deadline
+            {
+                return text;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     /// The child's resident memory in KiB (`VmRSS` of /proc/PID/status).
     pub fn rss_kib(&self) -> u64 {
         std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
