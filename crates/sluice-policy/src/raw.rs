@@ -117,6 +117,9 @@ pub struct RawPlan {
     /// Turns of a run, by depth tier (`turns.tiers`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub turns: BTreeMap<String, u32>,
+    /// US dollars per calendar month, by money budget (`spend:`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub spend: BTreeMap<String, serde_json::Number>,
     /// Calls per calendar month, by quota family.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub quotas: BTreeMap<String, u32>,

@@ -293,3 +293,80 @@ fn p3_a_file_with_100000_workspaces_and_keys_loads_and_one_more_is_refused() {
     .unwrap_or_default();
     assert!(past.contains("at most 100000 workspaces"), "{past}");
 }
+
+/// SPEC T4 with P3: a plan overrides a money budget's monthly dollars
+/// (`plans.<p>.spend`), as it does a token budget's limit; `sluice check` tells
+/// it as the plan's own; a name that is no money budget, or a bad amount, is a
+/// problem at its key path.
+#[test]
+fn t4_p3_a_plan_overrides_a_money_budgets_dollars() {
+    let yaml = |plan: &str| {
+        format!(
+            "profile: p
+profiles:
+  p:
+    classes: {{ llm: 60 }}
+default_class: llm
+tokens:
+  tpm: {{ per: workspace, limit: 1000, window_seconds: 60 }}
+prices:
+  - {{ model: gpt-4o, input: 2.5, output: 10 }}
+spend:
+  usd_month: {{ per: workspace, limit_usd: 50, monthly: true }}
+routes:
+  - {{ method: POST, path: /v1/chat/completions, class: llm, llm: openai, tokens: [tpm], spend: [usd_month] }}
+plans:
+{plan}
+"
+        )
+    };
+    let policy = parse_str(
+        &yaml("  big: { spend: { usd_month: 500.25 } }"),
+        Path::new("t4.yaml"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let big = policy
+        .plans
+        .iter()
+        .find(|p| p.name == "big")
+        .expect("plan big");
+    let i = policy
+        .buckets
+        .iter()
+        .position(|b| b.name == "usd_month")
+        .expect("the money budget");
+    assert_eq!(
+        big.buckets[i].map(|n| n.get()),
+        Some(50_025_000),
+        "in 1e-5 USD"
+    );
+    assert!(
+        policy.describe().contains("usd_month 500.25 USD*/month"),
+        "{}",
+        policy.describe()
+    );
+    for (plan, path) in [
+        ("  big: { spend: { tpm: 5 } }", "plans.big.spend.tpm"),
+        (
+            "  big: { spend: { usd_month: 0 } }",
+            "plans.big.spend.usd_month",
+        ),
+        (
+            "  big: { spend: { usd_month: -3 } }",
+            "plans.big.spend.usd_month",
+        ),
+        (
+            "  big: { spend: { usd_month: 1000000 } }",
+            "plans.big.spend.usd_month",
+        ),
+        (
+            "  big: { tokens: { usd_month: 5 } }",
+            "plans.big.tokens.usd_month",
+        ),
+    ] {
+        let e = parse_str(&yaml(plan), Path::new("bad.yaml"))
+            .expect_err(plan)
+            .to_string();
+        assert!(e.contains(path), "{plan}: wanted {path} in {e}");
+    }
+}

@@ -93,22 +93,7 @@ impl Checker {
                 "`monthly: true` is required: money budgets count calendar months",
             );
         }
-        let max_usd = f64::from(u32::MAX) / MONEY_UNITS_PER_USD as f64;
-        let limit = match m.limit_usd.as_f64() {
-            Some(usd) if usd > 0.0 && usd <= max_usd => {
-                NonZeroU32::new((usd * MONEY_UNITS_PER_USD as f64).round() as u32)
-            }
-            _ => None,
-        };
-        if limit.is_none() {
-            self.problem(
-                format!("{at}.limit_usd"),
-                format!(
-                    "a number of US dollars above 0 and at most {max_usd:.2}, got {}",
-                    m.limit_usd
-                ),
-            );
-        }
+        let limit = self.usd(&format!("{at}.limit_usd"), &m.limit_usd);
         let mode = self.mode(&format!("{at}.mode"), m.mode.as_deref());
         let (per, limit, mode) = (per?, limit?, mode?);
         Some(Bucket {
@@ -132,6 +117,25 @@ impl Checker {
                 priced: true,
             }),
         })
+    }
+
+    /// A money limit in US dollars, in [`MONEY_UNITS_PER_USD`] units: above 0 and
+    /// at most what a budget's `u32` holds.
+    pub(super) fn usd(&mut self, at: &str, usd: &serde_json::Number) -> Option<NonZeroU32> {
+        let max_usd = f64::from(u32::MAX) / MONEY_UNITS_PER_USD as f64;
+        let limit = match usd.as_f64() {
+            Some(x) if x > 0.0 && x <= max_usd => {
+                NonZeroU32::new((x * MONEY_UNITS_PER_USD as f64).round() as u32)
+            }
+            _ => None,
+        };
+        if limit.is_none() {
+            self.problem(
+                at,
+                format!("a number of US dollars above 0 and at most {max_usd:.2}, got {usd}"),
+            );
+        }
+        limit
     }
 
     /// `prices:`, each checked, in order.

@@ -83,8 +83,7 @@ impl Checker {
             for (table, (bucket, &limit)) in named.chain(p.tokens.iter().map(|t| ("tokens", t))) {
                 let path = format!("{at}.{table}.{bucket}");
                 // A token budget is a bucket that counts tokens: each table names
-                // its own kind.
-                // (A money budget is neither: plans do not override it yet.)
+                // its own kind (a money budget's, in dollars, below).
                 let kind = |b: &Bucket| match b.tokens {
                     None => "buckets",
                     Some(t) if t.priced => "spend",
@@ -106,6 +105,19 @@ impl Checker {
                 plan.buckets[i] = self.nonzero(&path, limit);
                 ok &= plan.buckets[i]
                     .is_some_and(|l| self.fits_burst(&path, buckets[i].algorithm, l));
+            }
+            for (name, usd) in &p.spend {
+                let path = format!("{at}.spend.{name}");
+                let Some(i) = buckets
+                    .iter()
+                    .position(|b| b.name == *name && b.tokens.is_some_and(|t| t.priced))
+                else {
+                    self.problem(&path, format!("no money budget {name:?} under `spend:`"));
+                    ok = false;
+                    continue;
+                };
+                plan.buckets[i] = self.usd(&path, usd);
+                ok &= plan.buckets[i].is_some();
             }
             for (family, &limit) in &p.quotas {
                 let path = format!("{at}.quotas.{family}");
