@@ -196,6 +196,20 @@ where
         v
     }
 
+    /// Every provider's learned input ratios ([`Pacer::input_ratios`]), by
+    /// provider; providers that learned none are left out.
+    pub fn all_input_ratios(&self) -> std::collections::BTreeMap<String, Vec<InputRatioReading>> {
+        let names: Vec<String> = self.inner.providers.lock().keys().cloned().collect();
+        names
+            .into_iter()
+            .map(|name| {
+                let r = self.input_ratios(&name);
+                (name, r)
+            })
+            .filter(|(_, r)| !r.is_empty())
+            .collect()
+    }
+
     /// Sets what `provider` learned of `model`'s input ratio (restored from
     /// an earlier run, say): `ratio` (kept within 0.5–4.0) after `samples`
     /// samples. Ignored past the cap on models.
