@@ -369,7 +369,7 @@ async fn c6_the_provider_s_count_is_learned_per_model_and_a_full_window_trips_no
     );
     let n = 24;
     // Without the ratio (a fresh pacer: nothing learned yet) the provider
-    // refuses part of it.
+    // refuses part of it (the first 429 then holds the rest back).
     let fresh = burst(&client, n).await;
     let refused = fresh
         .iter()
@@ -402,6 +402,9 @@ async fn c6_the_provider_s_count_is_learned_per_model_and_a_full_window_trips_no
         assert!(again.iter().all(|s| *s == StatusCode::OK), "{again:?}");
         assert_eq!(sim.stats().violations, before);
     }
+    // (The fresh burst's 429 held the key for its Retry-After; the learned
+    // ones drew none.)
+    assert_eq!(pacer.stats("p").upstream_429, refused as u64);
     let worst = sim.stats().worst_window_tokens;
     assert!(worst <= 6_000 && worst > 5_400, "{worst}");
 }

@@ -206,7 +206,8 @@ where
             }
             if plan.ready_at > deadline {
                 let wait = plan.ready_at.saturating_since(now);
-                shrink_or_refuse(ask, &p, demand, &mut shrink_tried, &plan, wait)?;
+                let extra = cost.input.saturating_sub(estimated);
+                shrink_or_refuse(ask, &p, demand, &mut shrink_tried, &plan, wait, extra)?;
                 continue;
             }
             head.publish(Head {
@@ -268,7 +269,8 @@ where
                     .ready_at
                     .max(now.saturating_add(MAX_SLEEP))
                     .saturating_since(now);
-                shrink_or_refuse(ask, &p, demand, &mut shrink_tried, &whole, wait)?;
+                let extra = cost.input.saturating_sub(estimated);
+                shrink_or_refuse(ask, &p, demand, &mut shrink_tried, &whole, wait, extra)?;
                 continue;
             }
             let sleep = sleep
@@ -481,7 +483,8 @@ where
 
 /// A request that cannot go by its deadline (`plan`, `wait` from now): shrunk once to
 /// what fits by then when the provider allows it (`Ok`: look again), else refused with
-/// [`PaceError::WouldWait`].
+/// [`PaceError::WouldWait`]. `extra`: the tokens its input ratio adds to its estimate
+/// (the estimate shrinks to the room less them).
 pub(super) fn shrink_or_refuse(
     ask: &Ask<'_>,
     p: &ProviderConfig,
@@ -489,10 +492,11 @@ pub(super) fn shrink_or_refuse(
     shrink_tried: &mut bool,
     plan: &Plan,
     wait: Duration,
+    extra: u32,
 ) -> Result<(), PaceError> {
     if p.shrink && !*shrink_tried && plan.tokens_late {
         *shrink_tried = true;
-        if demand.shrink_to(plan.room_by_deadline) {
+        if demand.shrink_to(plan.room_by_deadline.saturating_sub(extra)) {
             ask.state.counters.add(SHRUNK, 1);
             return Ok(());
         }
