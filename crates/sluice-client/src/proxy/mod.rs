@@ -138,18 +138,16 @@ pub(crate) struct App<S: BudgetStore + 'static, C: Clock + 'static> {
     pub(crate) listen: SocketAddr,
     /// Where the learned input ratios are kept ([`ratios_path`]).
     pub(crate) ratios_file: PathBuf,
-    /// What that file last held.
-    pub(crate) saved_ratios: parking_lot::Mutex<serde_json::Value>,
+    /// What that file last held, and whether writing it failed before.
+    pub(crate) saved_ratios: parking_lot::Mutex<(serde_json::Value, bool)>,
 }
 
 impl<S: BudgetStore + 'static, C: Clock + 'static> App<S, C> {
     /// Writes the learned input ratios to their file if they changed.
     pub(crate) fn save_ratios(&self) {
-        ratios::save_if_changed(
-            &self.pacer,
-            &self.ratios_file,
-            &mut self.saved_ratios.lock(),
-        );
+        let mut saved = self.saved_ratios.lock();
+        let (last, warned) = &mut *saved;
+        ratios::save_if_changed(&self.pacer, &self.ratios_file, last, warned);
     }
 }
 
@@ -195,7 +193,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
         if restored > 0 {
             tracing::info!(file = %ratios_file.display(), ratios = restored, "restored learned input ratios");
         }
-        let saved_ratios = parking_lot::Mutex::new(ratios::to_json(&pacer));
+        let saved_ratios = parking_lot::Mutex::new((ratios::to_json(&pacer), false));
         let client = reqwest::Client::builder()
             .pool_idle_timeout(std::time::Duration::from_secs(60))
             // The key goes to the provider's origin and nowhere else.

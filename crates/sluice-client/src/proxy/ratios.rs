@@ -85,11 +85,13 @@ pub(super) fn save(content: &serde_json::Value, file: &Path) -> std::io::Result<
 }
 
 /// Writes the pacer's ratios to `file` when they differ from `last`
-/// (updated); errors are logged, never fatal.
+/// (updated); errors are logged (a warning the first time, `warned`, then
+/// at debug level), never fatal.
 pub(super) fn save_if_changed<S: BudgetStore + 'static, C: Clock + 'static>(
     pacer: &Pacer<S, C>,
     file: &Path,
     last: &mut serde_json::Value,
+    warned: &mut bool,
 ) {
     let now = to_json(pacer);
     if now == *last {
@@ -97,8 +99,12 @@ pub(super) fn save_if_changed<S: BudgetStore + 'static, C: Clock + 'static>(
     }
     match save(&now, file) {
         Ok(()) => *last = now,
+        Err(e) if !*warned => {
+            *warned = true;
+            tracing::warn!(file = %file.display(), error = %e, "could not save the learned input ratios");
+        }
         Err(e) => {
-            tracing::warn!(file = %file.display(), error = %e, "could not save the learned input ratios")
+            tracing::debug!(file = %file.display(), error = %e, "could not save the learned input ratios");
         }
     }
 }
