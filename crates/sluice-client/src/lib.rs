@@ -107,7 +107,7 @@ pub use headers::RateLimitHeaders;
 pub use layer::{BoxError, PacedBody, PacerLayer, PacerService};
 #[cfg(feature = "reqwest")]
 pub use middleware::{PaceProvider, PacerMiddleware};
-pub use pacer::{Pacer, PacerOptions, Permit, ProviderStats, WindowReading};
+pub use pacer::{InputRatioReading, Pacer, PacerOptions, Permit, ProviderStats, WindowReading};
 pub use priority::{AcquireOptions, PRIORITY_HEADER, Priority};
 #[cfg(feature = "reqwest")]
 pub use redirect::{MAX_REDIRECTS, same_origin_redirects};

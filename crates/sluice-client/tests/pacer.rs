@@ -570,3 +570,98 @@ async fn c1_tpd_waits_within_max_wait_for_the_day_to_roll() {
     assert_eq!(p.waited(), Duration::from_secs(81));
     assert_eq!(clock.now(), at(86_461_000));
 }
+
+#[tokio::test(start_paused = true)]
+async fn c6_reservations_follow_the_provider_s_count_per_model_within_bounds() {
+    use sluice_client::AcquireOptions;
+    use sluice_client::usage::Usage;
+    let (pacer, _clock) = pacer(limits(100_000_000, 0, 0));
+    let ask = TokenEstimate {
+        prompt: 1_000,
+        completion: 100,
+    };
+    let model = |m: &str| AcquireOptions::default().model(m);
+    let answer = |prompt: u32| Usage {
+        prompt,
+        completion: 100,
+        ..Usage::default()
+    };
+    // Nothing learned: the estimate.
+    let p = pacer
+        .acquire_with("p", &mut { ask }, &model("low"))
+        .await
+        .unwrap();
+    assert_eq!(p.tokens(), 1_100);
+    p.reconcile_usage(answer(500)).await.unwrap();
+    // `low`'s provider counts half the estimate; below 8 answers the
+    // estimate is still reserved whole.
+    for n in 2..=8 {
+        let p = pacer
+            .acquire_with("p", &mut { ask }, &model("low"))
+            .await
+            .unwrap();
+        assert_eq!(p.tokens(), 1_100, "after {} answers", n - 1);
+        p.reconcile_usage(answer(500)).await.unwrap();
+    }
+    // Trusted: the provider's count.
+    let p = pacer
+        .acquire_with("p", &mut { ask }, &model("low"))
+        .await
+        .unwrap();
+    assert_eq!(p.tokens(), 600);
+    drop(p);
+    // `high` counts 1.3×: more than the estimate at once (with a margin),
+    // then the provider's count; and a 10× report does not poison it.
+    for n in 0..8 {
+        let p = pacer
+            .acquire_with("p", &mut { ask }, &model("high"))
+            .await
+            .unwrap();
+        if n == 0 {
+            assert_eq!(p.tokens(), 1_100);
+        } else {
+            assert!(p.tokens() >= 1_400, "{}", p.tokens());
+        }
+        p.reconcile_usage(answer(1_300)).await.unwrap();
+    }
+    let p = pacer
+        .acquire_with("p", &mut { ask }, &model("high"))
+        .await
+        .unwrap();
+    assert_eq!(p.tokens(), 1_400);
+    p.reconcile_usage(answer(13_000)).await.unwrap();
+    let p = pacer
+        .acquire_with("p", &mut { ask }, &model("high"))
+        .await
+        .unwrap();
+    assert!((1_400..1_500).contains(&p.tokens()), "{}", p.tokens());
+    drop(p);
+    // Each model's own: `low` is as it was, a new model starts afresh.
+    let p = pacer
+        .acquire_with("p", &mut { ask }, &model("low"))
+        .await
+        .unwrap();
+    assert_eq!(p.tokens(), 600);
+    let p = pacer
+        .acquire_with("p", &mut { ask }, &model("new"))
+        .await
+        .unwrap();
+    assert_eq!(p.tokens(), 1_100);
+    let shown: Vec<(String, u32)> = pacer
+        .input_ratios("p")
+        .into_iter()
+        .map(|r| (r.model, r.samples))
+        .collect();
+    assert_eq!(
+        shown,
+        [("high".to_owned(), 9), ("low".to_owned(), 8)],
+        "{shown:?}"
+    );
+    // Restored ratios are bounded too.
+    pacer.restore_input_ratio("p", "wild", 1_000.0, 50);
+    let p = pacer
+        .acquire_with("p", &mut { ask }, &model("wild"))
+        .await
+        .unwrap();
+    assert_eq!(p.tokens(), 4_100);
+}

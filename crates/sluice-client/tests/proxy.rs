@@ -397,3 +397,119 @@ async fn m1_m3_m4_the_proxy_names_the_budget_and_key_and_shows_no_key() {
     serving.abort();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c6_learned_input_ratios_show_on_limits_and_survive_a_restart() {
+    // The provider counts prompts at 1.3× the pacer's estimate.
+    let sim = Simulator::start(SimulatorConfig {
+        tpm: 100_000,
+        rpm: 0,
+        latency: Duration::from_millis(1),
+        completion_tokens: 5,
+        prompt_percent: 130,
+        ..SimulatorConfig::default()
+    })
+    .await
+    .unwrap();
+    let dir = support::temp_dir("ratios");
+    let file = dir.join("pace.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "providers:\n  sim:\n    baseUrl: {url}\n    rateLimits: {{ tpm: 100000, rpm: 0, rpd: 0 }}\n",
+            url = sim.base_url()
+        ),
+    )
+    .unwrap();
+    let start = || async {
+        let server = ProxyServer::bind(
+            ProxyOptions::new(&file, "127.0.0.1:0".parse().unwrap())
+                .with_admin("127.0.0.1:0".parse().unwrap()),
+        )
+        .await
+        .unwrap();
+        let bound = server.bound();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(server.serve_with_shutdown(async move {
+            let _ = stopped.await;
+        }));
+        (bound, stop, serving)
+    };
+    let client = reqwest::Client::new();
+    let ratios = |v: &Value| v["providers"]["sim"]["inputRatios"].clone();
+
+    let (bound, stop, serving) = start().await;
+    let prompt = "count me as the provider does ".repeat(30);
+    for _ in 0..10 {
+        let r = client
+            .post(format!("http://{}/sim/chat/completions", bound.listen))
+            .json(&json!({"model":"gpt-4o","max_tokens":5,
+                "messages":[{"role":"user","content":prompt}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let _ = r.bytes().await.unwrap();
+    }
+    // The usage settles just after the body ends.
+    let limits = || async {
+        client
+            .get(format!("http://{}/limits", bound.admin.unwrap()))
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
+    };
+    let mut shown = limits().await;
+    for _ in 0..50 {
+        if ratios(&shown)[0]["samples"] == 10 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        shown = limits().await;
+    }
+    let learned = ratios(&shown);
+    assert_eq!(learned[0]["model"], "gpt-4o", "{shown}");
+    assert_eq!(learned[0]["samples"], 10, "{shown}");
+    let ratio = learned[0]["ratio"].as_f64().unwrap();
+    assert!((ratio - 1.3).abs() < 0.01, "{shown}");
+    assert!((learned[0]["factor"].as_f64().unwrap() - ratio).abs() < 1e-9);
+
+    // Stopped, the proxy keeps them next to its config; started again, it
+    // reserves with them from its first request.
+    stop.send(()).unwrap();
+    serving.await.unwrap().unwrap();
+    let kept = dir.join("pace.ratios.json");
+    assert_eq!(sluice_client::proxy::ratios_path(&file), kept);
+    let saved: Value = serde_json::from_slice(&std::fs::read(&kept).unwrap()).unwrap();
+    assert_eq!(saved["providers"]["sim"][0]["samples"], 10, "{saved}");
+    let (bound2, stop, serving) = start().await;
+    let again: Value = client
+        .get(format!("http://{}/limits", bound2.admin.unwrap()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ratios(&again)[0]["samples"], 10, "{again}");
+    assert!((ratios(&again)[0]["ratio"].as_f64().unwrap() - ratio).abs() < 1e-9);
+    stop.send(()).unwrap();
+    serving.await.unwrap().unwrap();
+    // A malformed file is learned again from scratch, never an error.
+    std::fs::write(&kept, b"{not json").unwrap();
+    let (bound3, stop, serving) = start().await;
+    let fresh: Value = client
+        .get(format!("http://{}/limits", bound3.admin.unwrap()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ratios(&fresh), json!([]), "{fresh}");
+    stop.send(()).unwrap();
+    serving.await.unwrap().unwrap();
+}

@@ -281,3 +281,130 @@ async fn m2_the_simulator_counts_input_and_output_apart_like_anthropic() {
     assert_eq!(sim.stats().otpm_violations, 1);
     assert_eq!(sim.stats().output_used, 20);
 }
+
+/// A provider that counts prompts at 1.3× the client's estimate (another
+/// tokenizer, a per-message overhead), a TPM of 6,000, answers after 5 s;
+/// a pacer with the same TPM and no retries (every 429 is seen).
+fn undercounted() -> (
+    sluice_client::Pacer<sluice_store::MemoryStore<TokioClock>, TokioClock>,
+    SimService,
+) {
+    use sluice_client::config::{PaceConfig, ProviderConfig, ProviderLimits};
+    let clock = TokioClock::at(TEST_EPOCH);
+    let sim = SimService::new(
+        SimulatorConfig {
+            tpm: 6_000,
+            rpm: 0,
+            completion_tokens: 10,
+            latency: Duration::from_secs(5),
+            prompt_percent: 130,
+            ..SimulatorConfig::default()
+        },
+        Arc::new(clock),
+    );
+    let mut config = PaceConfig::from_providers([ProviderConfig::new(
+        "p",
+        "http://sim/v1",
+        ProviderLimits::new(6_000, 0, 0),
+    )]);
+    config.pacer.max_attempts = 1;
+    let store = sluice_store::MemoryStore::with_clock(sluice_store::MemoryConfig::default(), clock);
+    let pacer = sluice_client::Pacer::with_store(
+        store,
+        clock,
+        Arc::new(sluice_client::config::StaticLimits::new(config)),
+    );
+    (pacer, sim)
+}
+
+/// A request of some 300 prompt tokens (by the client's estimate) and 10
+/// completion tokens.
+fn long_chat() -> Value {
+    let text = "the provider's count is the truth ".repeat(40);
+    json!({"model":"gpt-4o","messages":[{"role":"user","content":text}],"max_tokens":10})
+}
+
+/// `n` requests at once through the pacer to the simulator; each answer read
+/// to its end (its usage settles the reservation). The statuses.
+async fn burst(
+    client: &sluice_client::PacerService<
+        SimService,
+        sluice_store::MemoryStore<TokioClock>,
+        TokioClock,
+    >,
+    n: usize,
+) -> Vec<StatusCode> {
+    use tower::ServiceExt;
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let c = client.clone();
+            tokio::spawn(async move {
+                let r = c
+                    .oneshot(post("/v1/chat/completions", long_chat()))
+                    .await
+                    .unwrap();
+                let status = r.status();
+                let _ = r.into_body().collect().await.unwrap();
+                status
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    // The usage settles on a spawned task: let it run.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn c6_the_provider_s_count_is_learned_per_model_and_a_full_window_trips_no_429() {
+    // The client estimates 300-odd tokens a request; the provider counts
+    // 1.3× that. A burst sized to the TPM by the estimate:
+    let (pacer, sim) = undercounted();
+    let client = tower::Layer::layer(
+        &sluice_client::PacerLayer::new(pacer.clone(), "p"),
+        sim.clone(),
+    );
+    let n = 24;
+    // Without the ratio (a fresh pacer: nothing learned yet) the provider
+    // refuses part of it (the first 429 then holds the rest back).
+    let fresh = burst(&client, n).await;
+    let refused = fresh
+        .iter()
+        .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
+        .count();
+    assert!(refused >= 1, "{fresh:?}");
+    assert_eq!(sim.stats().tpm_violations, refused as u64);
+
+    // The same pacer has learned from the answers that came back: the
+    // reservations converge to 1.3 × the estimate.
+    let learned = pacer.input_ratios("p");
+    assert_eq!(learned.len(), 1, "{learned:?}");
+    assert_eq!(learned[0].model, "gpt-4o");
+    assert!(learned[0].samples >= 8, "{learned:?}");
+    assert!((learned[0].ratio - 1.3).abs() < 0.01, "{learned:?}");
+    assert!((learned[0].factor - 1.3).abs() < 0.01, "{learned:?}");
+    // And /limits shows it.
+    let shown = pacer.limits_json();
+    assert_eq!(
+        shown["providers"]["p"]["inputRatios"][0]["model"], "gpt-4o",
+        "{shown}"
+    );
+
+    // The same burst again, and again, once the window is empty: not one
+    // 429, and the provider's window is filled to within one request.
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        let before = sim.stats().violations;
+        let again = burst(&client, n).await;
+        assert!(again.iter().all(|s| *s == StatusCode::OK), "{again:?}");
+        assert_eq!(sim.stats().violations, before);
+    }
+    // (The fresh burst's 429 held the key for its Retry-After; the learned
+    // ones drew none.)
+    assert_eq!(pacer.stats("p").upstream_429, refused as u64);
+    let worst = sim.stats().worst_window_tokens;
+    assert!(worst <= 6_000 && worst > 5_400, "{worst}");
+}

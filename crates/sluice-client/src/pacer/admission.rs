@@ -17,7 +17,7 @@ use super::state::{Head, HeadGuard, ProviderState, Queue, SHRUNK, TOO_LARGE, WOU
 use crate::config::ProviderConfig;
 use crate::error::PaceError;
 use crate::priority::{AcquireOptions, Priority};
-use crate::route::{Cost, group_of, routes};
+use crate::route::{Cost, Route, group_of, routes};
 use crate::shrink::Demand;
 
 /// The longest single sleep: a waiting request re-reads the config (and the
@@ -40,6 +40,8 @@ pub(super) struct Ask<'a> {
     pub(super) state: &'a Arc<ProviderState>,
     pub(super) queue: &'a Arc<Queue>,
     pub(super) group: Option<&'a str>,
+    /// The model the request names (its input ratio is learned under it).
+    pub(super) model: Option<&'a str>,
     pub(super) arrived: Timestamp,
     pub(super) priority: Priority,
 }
@@ -131,8 +133,11 @@ where
                 provider: provider.to_owned(),
             });
         };
-        let model = options.model.as_deref().or_else(|| demand.model());
-        let group = group_of(p, model).map(str::to_owned);
+        let model = options
+            .model
+            .clone()
+            .or_else(|| demand.model().map(str::to_owned));
+        let group = group_of(p, model.as_deref()).map(str::to_owned);
         let state = self.state(provider);
         let queue = state.queue(group.as_deref().unwrap_or(""));
         let ask = Ask {
@@ -140,6 +145,7 @@ where
             state: &state,
             queue: &queue,
             group: group.as_deref(),
+            model: model.as_deref(),
             arrived,
             priority: options.priority,
         };
@@ -184,11 +190,14 @@ where
             let p = self.check_size(ask, demand, &mut shrink_tried)?;
             let now = self.inner.clock.now();
             let deadline = ask.arrived.saturating_add(p.max_wait);
-            let cost = cost_of(demand);
             let routes = routes(&p, ask.group);
+            let (cost, estimated) = self.reserve_cost(ask, demand, &routes);
             let (i, plan) = self.best(&routes, cost, now, deadline, None).await?;
             if plan.ready_at <= now {
-                if let Some(permit) = self.try_reserve(ask, &p, &routes[i], cost, &plan).await? {
+                if let Some(permit) = self
+                    .try_reserve(ask, &p, &routes[i], cost, estimated, &plan)
+                    .await?
+                {
                     return Ok(self.admitted(ask, &routes[i], permit, now, cost));
                 }
                 // Another process spent first: look again shortly.
@@ -197,7 +206,8 @@ where
             }
             if plan.ready_at > deadline {
                 let wait = plan.ready_at.saturating_since(now);
-                shrink_or_refuse(ask, &p, demand, &mut shrink_tried, &plan, wait)?;
+                let extra = cost.input.saturating_sub(estimated);
+                shrink_or_refuse(ask, &p, demand, &mut shrink_tried, &plan, wait, extra)?;
                 continue;
             }
             head.publish(Head {
@@ -231,8 +241,8 @@ where
             let p = self.check_size(ask, demand, &mut shrink_tried)?;
             let now = self.inner.clock.now();
             let deadline = ask.arrived.saturating_add(p.max_wait);
-            let cost = cost_of(demand);
             let routes = routes(&p, ask.group);
+            let (cost, estimated) = self.reserve_cost(ask, demand, &routes);
             let wake = ask.state.batch_wake.notified();
             let room = ask.queue.room.notified();
             let mut sleep = MAX_SLEEP;
@@ -241,7 +251,9 @@ where
                     .best(&routes, cost, now, deadline, Some(p.interactive_reserve))
                     .await?;
                 if plan.ready_at <= now {
-                    if let Some(permit) = self.try_reserve(ask, &p, &routes[i], cost, &plan).await?
+                    if let Some(permit) = self
+                        .try_reserve(ask, &p, &routes[i], cost, estimated, &plan)
+                        .await?
                     {
                         return Ok(self.admitted(ask, &routes[i], permit, now, cost));
                     }
@@ -257,7 +269,8 @@ where
                     .ready_at
                     .max(now.saturating_add(MAX_SLEEP))
                     .saturating_since(now);
-                shrink_or_refuse(ask, &p, demand, &mut shrink_tried, &whole, wait)?;
+                let extra = cost.input.saturating_sub(estimated);
+                shrink_or_refuse(ask, &p, demand, &mut shrink_tried, &whole, wait, extra)?;
                 continue;
             }
             let sleep = sleep
@@ -297,10 +310,10 @@ where
         let Some(p) = config.provider(ask.provider) else {
             return Ok(Ahead::No);
         };
-        let cost = cost_of(demand);
         let now = self.inner.clock.now();
         let margin = config.pacer.arrival_margin;
         let routes = routes(p, ask.group);
+        let (cost, estimated) = self.reserve_cost(ask, demand, &routes);
         let has_tokens = routes
             .iter()
             .any(|r| r.scopes.iter().any(|s| s.token_axes(cost).next().is_some()));
@@ -366,10 +379,54 @@ where
                 }
             }
         }
-        Ok(match self.try_reserve(ask, p, route, cost, &plan).await? {
-            Some(permit) => Ahead::Went(Box::new(self.admitted(ask, route, permit, now, cost))),
-            None => Ahead::No,
-        })
+        Ok(
+            match self
+                .try_reserve(ask, p, route, cost, estimated, &plan)
+                .await?
+            {
+                Some(permit) => Ahead::Went(Box::new(self.admitted(ask, route, permit, now, cost))),
+                None => Ahead::No,
+            },
+        )
+    }
+
+    /// What `demand` reserves on `routes`: its input estimate times the
+    /// input ratio learned for its model ([`InputRatio::factor`]), never
+    /// past what the whole limits of its best route hold (the ratio never
+    /// makes a request that fits too large), and its completion budget;
+    /// with the raw input estimate, to learn from the answer's usage.
+    ///
+    /// [`InputRatio::factor`]: super::ratio::InputRatio::factor
+    pub(super) fn reserve_cost(
+        &self,
+        ask: &Ask<'_>,
+        demand: &dyn Demand,
+        routes: &[Route],
+    ) -> (Cost, u32) {
+        let raw = cost_of(demand);
+        let ratio = ask.state.ratios.lock().get(ask.model.unwrap_or(""));
+        let mut input = ratio.scale(raw.input);
+        if input > raw.input {
+            let room = routes
+                .iter()
+                .map(|r| {
+                    r.scopes
+                        .iter()
+                        .map(|s| s.total_room(raw))
+                        .min()
+                        .unwrap_or(u32::MAX)
+                })
+                .max()
+                .unwrap_or(u32::MAX);
+            input = input.min(room.saturating_sub(raw.output).max(raw.input));
+        }
+        (
+            Cost {
+                input,
+                output: raw.output,
+            },
+            raw.input,
+        )
     }
 
     pub(super) fn check_size(
@@ -426,7 +483,8 @@ where
 
 /// A request that cannot go by its deadline (`plan`, `wait` from now): shrunk once to
 /// what fits by then when the provider allows it (`Ok`: look again), else refused with
-/// [`PaceError::WouldWait`].
+/// [`PaceError::WouldWait`]. `extra`: the tokens its input ratio adds to its estimate
+/// (the estimate shrinks to the room less them).
 pub(super) fn shrink_or_refuse(
     ask: &Ask<'_>,
     p: &ProviderConfig,
@@ -434,10 +492,11 @@ pub(super) fn shrink_or_refuse(
     shrink_tried: &mut bool,
     plan: &Plan,
     wait: Duration,
+    extra: u32,
 ) -> Result<(), PaceError> {
     if p.shrink && !*shrink_tried && plan.tokens_late {
         *shrink_tried = true;
-        if demand.shrink_to(plan.room_by_deadline) {
+        if demand.shrink_to(plan.room_by_deadline.saturating_sub(extra)) {
             ask.state.counters.add(SHRUNK, 1);
             return Ok(());
         }

@@ -16,13 +16,16 @@
 //! admitting of a request; `schedule` when a request can go on which route;
 //! `reserve` turning a plan into a [`Permit`]; `charge` and `permit` what a
 //! reservation spent and its settling; `feedback` what answers and their
-//! headers teach; `readings` the counters and windows read back.
+//! headers teach; `ratio` the provider's input count to the pacer's estimate,
+//! learned per model from answers' usage; `readings` the counters and
+//! windows read back.
 
 mod admission;
 mod charge;
 mod feedback;
 mod handle;
 mod permit;
+mod ratio;
 mod readings;
 mod reserve;
 mod schedule;
@@ -30,4 +33,4 @@ mod state;
 
 pub use handle::{Pacer, PacerOptions};
 pub use permit::Permit;
-pub use state::{ProviderStats, WindowReading};
+pub use state::{InputRatioReading, ProviderStats, WindowReading};

@@ -28,6 +28,10 @@ where
     pub(crate) state: Arc<ProviderState>,
     pub(crate) provider: Arc<str>,
     pub(crate) group: Option<Arc<str>>,
+    /// The model the request named (its input ratio is learned under it).
+    pub(crate) model: Option<Arc<str>>,
+    /// The pacer's own estimate of the request's input, before the ratio.
+    pub(crate) estimated_input: u32,
     pub(crate) key_name: Option<String>,
     pub(crate) secret: Option<String>,
     /// The budgets spent, the narrowest last.
@@ -157,7 +161,10 @@ where
     }
 
     /// [`Permit::reconcile`] with the answer's input and output apart
-    /// (its `usage`): each axis gets its own correction. Input that the
+    /// (its `usage`): each axis gets its own correction, and the provider's
+    /// count of the input teaches the pacer the ratio of its count to the
+    /// pacer's estimate for the request's model (later requests reserve
+    /// their estimate times that ratio; see `docs/pacer.md`). Input that the
     /// provider does not count (Anthropic's `cache_read_input_tokens`, in
     /// [`Usage::rate_exempt_input`]) is not charged: the input charged is
     /// [`Usage::rate_limited_input`].
@@ -165,6 +172,14 @@ where
     /// # Errors
     /// [`PaceError::Store`].
     pub async fn reconcile_usage(self, usage: Usage) -> Result<(), PaceError> {
+        // The provider's count is the truth: learn how it compares with
+        // the estimate (all input, cache reads included: the estimate
+        // counts them too).
+        self.state.ratios.lock().learn(
+            self.model.as_deref().unwrap_or(""),
+            self.estimated_input,
+            usage.prompt,
+        );
         self.reconcile_cost(Cost {
             input: usage.rate_limited_input(),
             output: usage.completion,

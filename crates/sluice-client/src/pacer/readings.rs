@@ -5,9 +5,10 @@ use sluice_core::{Clock, Timestamp};
 use sluice_store::BudgetStore;
 
 use super::handle::Pacer;
+use super::ratio::InputRatio;
 use super::state::{
-    ADMITTED, BATCH, ProviderStats, RECONCILED, RETRIES, SHRUNK, TOO_LARGE, UPSTREAM_429, WAIT_MS,
-    WAITED, WOULD_WAIT, WindowReading,
+    ADMITTED, BATCH, InputRatioReading, ProviderStats, RECONCILED, RETRIES, SHRUNK, TOO_LARGE,
+    UPSTREAM_429, WAIT_MS, WAITED, WOULD_WAIT, WindowReading,
 };
 use crate::error::PaceError;
 use crate::headers::RateLimitHeaders;
@@ -175,6 +176,50 @@ where
         })
     }
 
+    /// The input ratios `provider` has learned, per model (`""`: requests
+    /// naming no model; `"\0other"`: the models past the cap): the
+    /// provider's reported input tokens to the pacer's estimate, and the
+    /// factor a request's input estimate is reserved with now.
+    pub fn input_ratios(&self, provider: &str) -> Vec<InputRatioReading> {
+        let state = self.state(provider);
+        let ratios = state.ratios.lock();
+        let mut v: Vec<InputRatioReading> = ratios
+            .iter()
+            .map(|(model, r)| InputRatioReading {
+                model: model.to_owned(),
+                ratio: r.ratio(),
+                samples: r.samples(),
+                factor: r.factor(),
+            })
+            .collect();
+        v.sort_by(|a, b| a.model.cmp(&b.model));
+        v
+    }
+
+    /// Every provider's learned input ratios ([`Pacer::input_ratios`]), by
+    /// provider; providers that learned none are left out.
+    pub fn all_input_ratios(&self) -> std::collections::BTreeMap<String, Vec<InputRatioReading>> {
+        let names: Vec<String> = self.inner.providers.lock().keys().cloned().collect();
+        names
+            .into_iter()
+            .map(|name| {
+                let r = self.input_ratios(&name);
+                (name, r)
+            })
+            .filter(|(_, r)| !r.is_empty())
+            .collect()
+    }
+
+    /// Sets what `provider` learned of `model`'s input ratio (restored from
+    /// an earlier run, say): `ratio` (kept within 0.5–4.0) after `samples`
+    /// samples. Ignored past the cap on models.
+    pub fn restore_input_ratio(&self, provider: &str, model: &str, ratio: f64, samples: u32) {
+        self.state(provider)
+            .ratios
+            .lock()
+            .restore(model, InputRatio::from_parts(ratio, samples));
+    }
+
     /// The effective limits per provider as JSON (`GET /limits`): the
     /// config's ([`PaceConfig::limits_json`], per-model limits and key names
     /// included, never a key) plus, per provider, what its headers last said
@@ -225,6 +270,10 @@ where
                         }
                     }
                 }
+                obj.insert(
+                    "inputRatios".into(),
+                    serde_json::json!(self.input_ratios(name)),
+                );
                 obj.insert(
                     "holdSeconds".into(),
                     serde_json::json!(

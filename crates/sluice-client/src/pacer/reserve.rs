@@ -28,6 +28,7 @@ where
         p: &ProviderConfig,
         route: &Route,
         cost: Cost,
+        estimated_input: u32,
         plan: &Plan,
     ) -> Result<Option<Permit<S, C>>, PaceError> {
         let margin = self.config().pacer.arrival_margin;
@@ -95,6 +96,8 @@ where
             state: ask.state.clone(),
             provider: ask.provider.into(),
             group: ask.group.map(Into::into),
+            model: ask.model.map(Into::into),
+            estimated_input,
             key_name: route.key_name.clone(),
             secret: route.secret.clone(),
             scopes: route.scopes.clone(),

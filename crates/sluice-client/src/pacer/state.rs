@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use sluice_core::Timestamp;
 
+use super::ratio::InputRatios;
 use crate::headers::RateLimitHeaders;
 use crate::route::Cost;
 
@@ -109,6 +110,8 @@ pub(crate) struct ProviderState {
     pub(super) learned_by_group: parking_lot::Mutex<HashMap<String, (RateLimitHeaders, Timestamp)>>,
     pub(crate) counters: Counters,
     pub(super) recent: parking_lot::Mutex<RecentRequests>,
+    /// Per model: the provider's input count to the pacer's estimate.
+    pub(crate) ratios: parking_lot::Mutex<InputRatios>,
 }
 
 impl ProviderState {
@@ -197,6 +200,25 @@ pub struct WindowReading {
     /// Requests in the rolling day as the books stand, `None` while the RPD is
     /// unlimited (no day is counted then).
     pub requests_today: Option<u64>,
+}
+
+/// One model's learned input ratio ([`Pacer::input_ratios`](super::Pacer::input_ratios);
+/// `inputRatios` of `GET /limits`).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+#[non_exhaustive]
+pub struct InputRatioReading {
+    /// The model (`""`: requests naming none; `"\0other"`: models past the
+    /// cap of 256 per provider).
+    pub model: String,
+    /// The provider's reported input tokens to the pacer's estimate
+    /// (0.5–4.0; 1 before any sample).
+    pub ratio: f64,
+    /// Answers learned from.
+    pub samples: u32,
+    /// What a request's input estimate is multiplied by to reserve now
+    /// (never below 1 before 8 samples; a margin above the ratio until then).
+    pub factor: f64,
 }
 
 /// What the request at the head of a queue waits for.

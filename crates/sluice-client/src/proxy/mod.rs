@@ -7,7 +7,9 @@
 //! provider's origin (see [`crate::same_origin_redirects`]), any other is the
 //! answer, so the key never goes to another host. A separate admin
 //! listener serves `GET /limits` (JSON), `PUT /limits/<provider>`,
-//! `GET /status` and the settings page at `/`.
+//! `GET /status` and the settings page at `/`. What the pacer learned of
+//! each provider's input count (its input ratios, see `docs/pacer.md`) is
+//! kept across restarts in a file next to the config ([`ratios_path`]).
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), sluice_client::proxy::ProxyError> {
@@ -24,8 +26,10 @@
 mod admin;
 mod forward;
 mod path;
+mod ratios;
 
 pub use forward::{BUDGET_HEADER, KEY_HEADER};
+pub use ratios::{SAVE_EVERY, ratios_path};
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -132,6 +136,19 @@ pub(crate) struct App<S: BudgetStore + 'static, C: Clock + 'static> {
     pub(crate) config_file: PathBuf,
     /// Where the proxy listens: `Host` must name it (or a listed name).
     pub(crate) listen: SocketAddr,
+    /// Where the learned input ratios are kept ([`ratios_path`]).
+    pub(crate) ratios_file: PathBuf,
+    /// What that file last held, and whether writing it failed before.
+    pub(crate) saved_ratios: parking_lot::Mutex<(serde_json::Value, bool)>,
+}
+
+impl<S: BudgetStore + 'static, C: Clock + 'static> App<S, C> {
+    /// Writes the learned input ratios to their file if they changed.
+    pub(crate) fn save_ratios(&self) {
+        let mut saved = self.saved_ratios.lock();
+        let (last, warned) = &mut *saved;
+        ratios::save_if_changed(&self.pacer, &self.ratios_file, last, warned);
+    }
 }
 
 /// A bound, not yet serving proxy.
@@ -170,6 +187,13 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
         for p in pacer.config().providers.values() {
             p.encoding.warm();
         }
+        // What an earlier run learned of the providers' input counts.
+        let ratios_file = ratios_path(&options.config);
+        let restored = ratios::load(&pacer, &ratios_file);
+        if restored > 0 {
+            tracing::info!(file = %ratios_file.display(), ratios = restored, "restored learned input ratios");
+        }
+        let saved_ratios = parking_lot::Mutex::new((ratios::to_json(&pacer), false));
         let client = reqwest::Client::builder()
             .pool_idle_timeout(std::time::Duration::from_secs(60))
             // The key goes to the provider's origin and nowhere else.
@@ -204,6 +228,8 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
                 client,
                 config_file: options.config,
                 listen: bound.listen,
+                ratios_file,
+                saved_ratios,
             }),
             listener,
             admin,
@@ -261,12 +287,23 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> ProxyServer<S, C> {
             shutdown.await;
             let _ = tx.send(true);
         });
+        // The learned input ratios go to their file now and then, and once
+        // more when the last request has ended.
+        let app = self.app.clone();
+        let saver = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(SAVE_EVERY).await;
+                app.save_ratios();
+            }
+        });
         match admin {
             Some(admin) => {
                 tokio::join!(proxy, admin);
             }
             None => proxy.await,
         }
+        saver.abort();
+        self.app.save_ratios();
         Ok(())
     }
 }

@@ -75,7 +75,11 @@ pub(super) async fn answer(
     let est = if method == Method::GET {
         Default::default()
     } else {
-        est
+        let prompt = u64::from(est.prompt) * u64::from(cfg.prompt_percent) / 100;
+        crate::tokens::TokenEstimate {
+            prompt: u32::try_from(prompt).unwrap_or(u32::MAX),
+            ..est
+        }
     };
     let now = shared.clock.now();
     let model = json

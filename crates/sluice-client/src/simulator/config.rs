@@ -40,6 +40,11 @@ pub struct SimulatorConfig {
     pub reconcile: bool,
     /// Tokenizer for prompts.
     pub encoding: Encoding,
+    /// The provider counts (and reports in `usage`) prompts at this many
+    /// percent of what [`encoding`](Self::encoding) makes of them (default
+    /// 100): a provider whose tokenizer or per-message overhead differs
+    /// from the client's estimate (130: it counts 1.3× the estimate).
+    pub prompt_percent: u32,
 }
 
 impl Default for SimulatorConfig {
@@ -57,6 +62,7 @@ impl Default for SimulatorConfig {
             default_max_tokens: crate::api::DEFAULT_MAX_TOKENS,
             reconcile: true,
             encoding: Encoding::O200kBase,
+            prompt_percent: 100,
         }
     }
 }
