@@ -637,6 +637,9 @@ async fn t7_a_caller_starts_at_most_runs_per_caller_runs() {
             .is_some_and(|m| m.contains("run_starts")),
         "{body}"
     );
+    // Counted as the refusal it is, by the budget that refused it.
+    let refusals = limiter.tally(0).refusals;
+    assert_eq!(refusals, vec![("run_starts".to_owned(), 1)], "{refusals:?}");
     assert_eq!(turn(&limiter, "ada", "run-7", None).await.0, 200);
     assert_eq!(turn(&limiter, "bob", "run-50", None).await.0, 200);
     // The refused start was given back whole: run-50 took no turn.

@@ -122,6 +122,16 @@ impl<S: BudgetStore> Limiter<S> {
             plan.shadowed = waived;
             self.record_shadow_refusals(plan, refused, request_id);
         }
+        // A run's first turn spends one of its caller's run starts, or is given
+        // back and refused (counted as the refusal it is).
+        let decision = match decision {
+            Ok(admitted) if admitted.is_admitted() && plan.run.is_some() => {
+                match self.start_run(plan, admitted).await {
+                    Ok(d) | Err(d) => Ok(d),
+                }
+            }
+            other => other,
+        };
         self.record(plan, &decision);
         decision
     }
@@ -183,16 +193,7 @@ impl<S: BudgetStore> Limiter<S> {
                 }
             },
         };
-        let decided = match self.decide_boxed(&mut plan, id).await {
-            // A run's first turn spends one of its caller's run starts, or is
-            // given back and refused.
-            Ok(decision) if decision.is_admitted() && plan.run.is_some() => {
-                match self.start_run(&mut plan, decision).await {
-                    Ok(d) | Err(d) => Ok(d),
-                }
-            }
-            other => other,
-        };
+        let decided = self.decide_boxed(&mut plan, id).await;
         if let Ok(decision) = &decided {
             self.keep_run(&plan, decision);
         }

@@ -147,6 +147,8 @@ pub(super) fn refusal_reasons(policy: &Policy) -> impl Iterator<Item = String> +
         .chain(policy.ceilings.iter().map(|c| c.name.clone()))
         .chain(policy.buckets.iter().map(|b| b.name.clone()))
         .chain(policy.quotas.iter().map(|q| q.name.clone()))
+        // A caller out of run starts (SPEC T7).
+        .chain(policy.turns.enabled.then(|| "run_starts".to_owned()))
 }
 
 /// Shards of the top-callers table.
