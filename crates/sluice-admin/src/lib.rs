@@ -890,23 +890,7 @@ mod tests {
     }
 
     fn state() -> AdminState<LocalStore> {
-        let policy = sluice_policy::default_policy().expect("default policy");
-        let store = LocalStore::new(
-            MemoryStore::with_clock(MemoryConfig::default(), sluice_core::SystemClock::default()),
-            None,
-        );
-        let limiter = Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(
-            sluice_edge::Limiter::new(policy, store),
-        ));
-        let info = StatusInfo {
-            listen: String::new(),
-            admin: String::new(),
-            upstream: String::new(),
-            upstream_kind: "external",
-            profile: "production".to_owned(),
-            store: "memory".to_owned(),
-        };
-        AdminState::new(info, Instant::now(), NoRequests).with_quotas(limiter)
+        state_of(sluice_policy::default_policy().expect("default policy"))
     }
 
     /// An LLM route with a price, and the key table's workspaces `alpha`

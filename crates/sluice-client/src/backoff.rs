@@ -328,31 +328,7 @@ mod tests {
 
     /// Gemini's 429 as its OpenAI-compatible endpoint answers it (no
     /// header; the hint is a `google.rpc.RetryInfo` among the details).
-    const GEMINI_429: &str = r#"[{
-      "error": {
-        "code": 429,
-        "message": "You exceeded your current quota, please check your plan and billing details. For more information on this error, head to: https://ai.google.dev/gemini-api/docs/rate-limits.",
-        "status": "RESOURCE_EXHAUSTED",
-        "details": [
-          {
-            "@type": "type.googleapis.com/google.rpc.QuotaFailure",
-            "violations": [
-              {
-                "quotaMetric": "generativelanguage.googleapis.com/generate_content_free_tier_requests",
-                "quotaId": "GenerateRequestsPerMinutePerProjectPerModel-FreeTier",
-                "quotaDimensions": {"location": "global", "model": "gemini-2.0-flash"},
-                "quotaValue": "15"
-              }
-            ]
-          },
-          {
-            "@type": "type.googleapis.com/google.rpc.Help",
-            "links": [{"description": "Learn more about Gemini API quotas", "url": "https://ai.google.dev/gemini-api/docs/rate-limits"}]
-          },
-          {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "37s"}
-        ]
-      }
-    }]"#;
+    const GEMINI_429: &str = include_str!("../tests/recorded/gemini_429.json");
 
     #[test]
     fn c5_gemini_retry_info_in_an_array_or_an_object() {

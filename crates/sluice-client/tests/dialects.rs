@@ -83,31 +83,7 @@ fn chat(model: &str) -> serde_json::Value {
 
 /// Gemini's 429 from its OpenAI-compatible endpoint, as recorded: no
 /// rate-limit header, the delay only in the body's `google.rpc.RetryInfo`.
-const GEMINI_429: &str = r#"[{
-  "error": {
-    "code": 429,
-    "message": "You exceeded your current quota, please check your plan and billing details. For more information on this error, head to: https://ai.google.dev/gemini-api/docs/rate-limits.",
-    "status": "RESOURCE_EXHAUSTED",
-    "details": [
-      {
-        "@type": "type.googleapis.com/google.rpc.QuotaFailure",
-        "violations": [
-          {
-            "quotaMetric": "generativelanguage.googleapis.com/generate_content_free_tier_requests",
-            "quotaId": "GenerateRequestsPerMinutePerProjectPerModel-FreeTier",
-            "quotaDimensions": {"location": "global", "model": "gemini-2.0-flash"},
-            "quotaValue": "15"
-          }
-        ]
-      },
-      {
-        "@type": "type.googleapis.com/google.rpc.Help",
-        "links": [{"description": "Learn more about Gemini API quotas", "url": "https://ai.google.dev/gemini-api/docs/rate-limits"}]
-      },
-      {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "37s"}
-    ]
-  }
-}]"#;
+const GEMINI_429: &str = include_str!("recorded/gemini_429.json");
 
 #[tokio::test(start_paused = true)]
 async fn c5_the_google_preset_waits_gemini_s_retry_info_end_to_end() {
