@@ -5,7 +5,7 @@
 //! fields (resets in RFC 3339) and its `rate_limit_error`.
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
 use sluice_core::Decision;
 use sluice_policy::{LlmFormat, Policy};
@@ -44,43 +44,62 @@ pub fn openai_duration(secs: u64) -> String {
     }
 }
 
-/// Writes the token fields of `plan`'s binding token budget, in the dialect of
-/// its route, into `headers` (nothing for a plan that is not an LLM call or
-/// holds no token budget).
-pub fn token_headers(headers: &mut HeaderMap, decision: &Decision, plan: &Plan, policy: &Policy) {
+/// The names of the token fields of an LLM route's `format`, in the order
+/// [`for_each_token_header`] gives them: a transport that writes heads itself
+/// drops the upstream's fields of these names.
+pub fn token_header_names(format: LlmFormat) -> &'static [HeaderName; 3] {
+    static OPENAI: [HeaderName; 3] = [
+        HeaderName::from_static("x-ratelimit-limit-tokens"),
+        HeaderName::from_static("x-ratelimit-remaining-tokens"),
+        HeaderName::from_static("x-ratelimit-reset-tokens"),
+    ];
+    static ANTHROPIC: [HeaderName; 3] = [
+        HeaderName::from_static("anthropic-ratelimit-tokens-limit"),
+        HeaderName::from_static("anthropic-ratelimit-tokens-remaining"),
+        HeaderName::from_static("anthropic-ratelimit-tokens-reset"),
+    ];
+    match format {
+        LlmFormat::OpenAi => &OPENAI,
+        LlmFormat::Anthropic => &ANTHROPIC,
+    }
+}
+
+/// Calls `f` with each token field of `plan`'s binding token budget, in the
+/// dialect of its route (nothing for a plan that is not an LLM call or holds
+/// no token budget): limit, remaining, reset.
+pub fn for_each_token_header(
+    decision: &Decision,
+    plan: &Plan,
+    policy: &Policy,
+    mut f: impl FnMut(&HeaderName, &str),
+) {
     let (Some(format), Some(i)) = (plan.llm, binding_tokens(decision, plan, policy)) else {
         return;
     };
     let Some(status) = decision.statuses().get(i) else {
         return;
     };
-    let remaining = status.remaining;
-    let fields: [(&'static str, String); 3] = match format {
-        LlmFormat::OpenAi => [
-            ("x-ratelimit-limit-tokens", status.limit.to_string()),
-            ("x-ratelimit-remaining-tokens", remaining.to_string()),
-            (
-                "x-ratelimit-reset-tokens",
-                openai_duration(plan.seconds_until_more(i, decision)),
-            ),
-        ],
-        LlmFormat::Anthropic => [
-            ("anthropic-ratelimit-tokens-limit", status.limit.to_string()),
-            (
-                "anthropic-ratelimit-tokens-remaining",
-                remaining.to_string(),
-            ),
-            (
-                "anthropic-ratelimit-tokens-reset",
-                crate::rfc3339(status.reset),
-            ),
-        ],
-    };
-    for (name, value) in fields {
-        if let Ok(value) = HeaderValue::from_str(&value) {
-            headers.insert(name, value);
-        }
+    let [limit, remaining, reset] = token_header_names(format);
+    f(limit, itoa::Buffer::new().format(status.limit));
+    f(remaining, itoa::Buffer::new().format(status.remaining));
+    match format {
+        LlmFormat::OpenAi => f(
+            reset,
+            &openai_duration(plan.seconds_until_more(i, decision)),
+        ),
+        LlmFormat::Anthropic => f(reset, &crate::rfc3339(status.reset)),
     }
+}
+
+/// Writes the token fields of `plan`'s binding token budget, in the dialect of
+/// its route, into `headers` (nothing for a plan that is not an LLM call or
+/// holds no token budget).
+pub fn token_headers(headers: &mut HeaderMap, decision: &Decision, plan: &Plan, policy: &Policy) {
+    for_each_token_header(decision, plan, policy, |name, value| {
+        if let Ok(value) = HeaderValue::from_str(value) {
+            headers.insert(name.clone(), value);
+        }
+    });
 }
 
 /// The 429 refusing an LLM call, in its route's dialect: `Retry-After` (none

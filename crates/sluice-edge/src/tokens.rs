@@ -162,6 +162,76 @@ pub fn hides_usage_chunk(event: &[u8]) -> bool {
     })
 }
 
+/// The longest server-sent event [`UsageChunkFilter`] holds whole to look at;
+/// past it, the rest of the stream passes as it comes.
+pub const MAX_HELD_EVENT: usize = 1 << 20;
+
+/// Passes an answer's server-sent events on whole, but OpenAI's usage-only
+/// chunk ([`hides_usage_chunk`]): for a stream sluice asked for its usage
+/// ([`ask_stream_usage`]) and the client did not. An unfinished event is held
+/// until its blank line (at most [`MAX_HELD_EVENT`] bytes, then the stream
+/// passes as it comes). Every transport filters with this one.
+#[derive(Debug, Default)]
+pub struct UsageChunkFilter {
+    pending: Vec<u8>,
+    /// Bytes of `pending` known to hold no event's end.
+    scanned: usize,
+    passthrough: bool,
+}
+
+impl UsageChunkFilter {
+    /// Appends to `out` the events that end in `data` (with what was held
+    /// before), but a usage-only chunk; an unfinished event is held.
+    pub fn push(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        if self.passthrough {
+            out.extend_from_slice(data);
+            return;
+        }
+        self.pending.extend_from_slice(data);
+        let mut start = 0;
+        while let Some(end) = event_end(&self.pending[start..], self.scanned) {
+            let event = &self.pending[start..start + end];
+            if !hides_usage_chunk(event) {
+                out.extend_from_slice(event);
+            }
+            start += end;
+            self.scanned = 0;
+        }
+        self.pending.drain(..start);
+        // An event's end may straddle the next read: look again at its last 3 bytes.
+        self.scanned = self.pending.len().saturating_sub(3);
+        if self.pending.len() > MAX_HELD_EVENT {
+            self.passthrough = true;
+            out.append(&mut self.pending);
+        }
+    }
+
+    /// Appends to `out` what is held at the end of the stream (an event with no
+    /// blank line after it).
+    pub fn finish(&mut self, out: &mut Vec<u8>) {
+        out.append(&mut self.pending);
+        self.scanned = 0;
+    }
+}
+
+/// The length of the first whole event in `buf` (through the blank line that
+/// ends it: `\n\n` or `\r\n\r\n`), looking from byte `from` on.
+fn event_end(buf: &[u8], from: usize) -> Option<usize> {
+    let tail = buf.get(from..)?;
+    let lf = tail
+        .windows(2)
+        .position(|w| w == b"\n\n")
+        .map(|i| from + i + 2);
+    let crlf = tail
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| from + i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,5 +278,27 @@ mod tests {
         ));
         assert!(!hides_usage_chunk(b"data: [DONE]\n\n"));
         assert!(!hides_usage_chunk(b": keep-alive\n\n"));
+    }
+
+    #[test]
+    fn t3_the_filter_hides_a_usage_chunk_split_across_reads() {
+        let stream: &[u8] = b"data: {\"choices\":[{\"delta\":{}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":1}}\r\n\r\ndata: [DONE]\n\n";
+        let expected: &[u8] = b"data: {\"choices\":[{\"delta\":{}}]}\n\ndata: [DONE]\n\n";
+        for split in 1..stream.len() {
+            let (mut filter, mut out) = (UsageChunkFilter::default(), Vec::new());
+            for piece in stream.chunks(split) {
+                filter.push(piece, &mut out);
+            }
+            filter.finish(&mut out);
+            assert_eq!(out, expected, "pieces of {split} bytes");
+        }
+        let (mut filter, mut out) = (UsageChunkFilter::default(), Vec::new());
+        filter.push(b"data: unfinished", &mut out);
+        assert!(out.is_empty());
+        filter.finish(&mut out);
+        assert_eq!(
+            out, b"data: unfinished",
+            "an unfinished last event goes on as it came"
+        );
     }
 }

@@ -667,3 +667,174 @@ async fn t6_usage_of_a_past_month_survives_the_turn_and_a_restart() {
     })
     .await;
 }
+
+/// How the framing test's upstream delimits its stream.
+#[derive(Clone, Copy, Debug)]
+enum Framing {
+    Length,
+    Chunked,
+    UntilClose,
+}
+
+/// An OpenAI stream whose usage-only chunk is split across many writes (and, for
+/// a chunked body, across chunks), framed as `framing` says; the connection is
+/// kept for the next request but for [`Framing::UntilClose`].
+async fn split_stream_upstream(framing: Framing) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                while let Some(got) = one_request::read_request(&mut conn).await {
+                    let request = String::from_utf8_lossy(&got);
+                    assert!(
+                        request.replace(' ', "").contains(r#""include_usage":true"#),
+                        "sluice asks for the usage: {request}"
+                    );
+                    let body = split_stream_body();
+                    let head = match framing {
+                        Framing::Length => format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n",
+                            body.len()
+                        ),
+                        Framing::Chunked => "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".to_owned(),
+                        Framing::UntilClose => "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n".to_owned(),
+                    };
+                    let mut wire = head.into_bytes();
+                    match framing {
+                        Framing::Chunked => {
+                            for piece in body.as_bytes().chunks(5) {
+                                wire.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+                                wire.extend_from_slice(piece);
+                                wire.extend_from_slice(b"\r\n");
+                            }
+                            wire.extend_from_slice(b"0\r\n\r\n");
+                        }
+                        Framing::Length | Framing::UntilClose => {
+                            wire.extend_from_slice(body.as_bytes());
+                        }
+                    }
+                    for piece in wire.chunks(7) {
+                        if conn.write_all(piece).await.is_err() {
+                            return;
+                        }
+                        let _ = conn.flush().await;
+                        tokio::task::yield_now().await;
+                    }
+                    if matches!(framing, Framing::UntilClose) {
+                        let _ = conn.shutdown().await;
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The split stream's events: content, the usage-only chunk, `[DONE]`.
+fn split_stream_body() -> String {
+    let (input, cached, output) = USAGE;
+    let usage = json!({ "prompt_tokens": input, "completion_tokens": output,
+                        "prompt_tokens_details": { "cached_tokens": cached } });
+    let first = json!({ "choices": [{ "delta": { "content": "hi" } }] });
+    let last = json!({ "choices": [], "usage": usage });
+    format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n")
+}
+
+/// One response read from a kept-alive `conn`: its head (lowercase) and its body,
+/// decoded from chunks when it is chunked.
+async fn read_response(conn: &mut TcpStream, buf: &mut Vec<u8>) -> (String, Vec<u8>) {
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = conn.read(&mut chunk).await.expect("read");
+        assert!(n > 0, "the head ends");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    buf.drain(..head_end);
+    assert!(
+        field(&head, "transfer-encoding") == Some("chunked"),
+        "a stream changed on its way is chunked: {head}"
+    );
+    let mut body = Vec::new();
+    loop {
+        // A size line, then its data.
+        let line_end = loop {
+            if let Some(i) = buf.windows(2).position(|w| w == b"\r\n") {
+                break i;
+            }
+            let n = conn.read(&mut chunk).await.expect("read");
+            assert!(n > 0, "the body ends");
+            buf.extend_from_slice(&chunk[..n]);
+        };
+        let size = usize::from_str_radix(&String::from_utf8_lossy(&buf[..line_end]), 16)
+            .expect("a chunk size");
+        while buf.len() < line_end + 2 + size + 2 {
+            let n = conn.read(&mut chunk).await.expect("read");
+            assert!(n > 0, "the chunk ends");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        body.extend_from_slice(&buf[line_end + 2..line_end + 2 + size]);
+        buf.drain(..line_end + 2 + size + 2);
+        if size == 0 {
+            return (head, body);
+        }
+    }
+}
+
+/// SPEC T3 on the gateway's fast path: a stream's usage-only chunk split across
+/// TCP segments (and chunks) is read whole and settles the call exactly, and the
+/// client, which did not ask for it, gets every other event and not that one,
+/// on a connection it keeps — whether the upstream frames the stream by its
+/// length, in chunks, or by closing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t3_a_split_usage_chunk_settles_exactly_and_is_hidden_on_every_framing() {
+    bounded(async {
+        let expected = split_stream_body().replace(
+            &format!(
+                "data: {}\n\n",
+                json!({ "choices": [], "usage": { "prompt_tokens": USAGE.0,
+                    "completion_tokens": USAGE.2,
+                    "prompt_tokens_details": { "cached_tokens": USAGE.1 } } })
+            ),
+            "",
+        );
+        for framing in [Framing::Length, Framing::Chunked, Framing::UntilClose] {
+            let up = split_stream_upstream(framing).await;
+            let (gateway, dir) = start_gateway(up).await;
+            let addr = gateway.addr().expect("an address");
+            let mut conn = TcpStream::connect(addr).await.expect("connect");
+            let body = chat(Some(50), true);
+            let mut buf = Vec::new();
+            let mut remainings = Vec::new();
+            for _ in 0..3 {
+                let request = format!(
+                    "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer split\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                conn.write_all(request.as_bytes()).await.expect("write");
+                let (head, answer) = read_response(&mut conn, &mut buf).await;
+                assert!(head.starts_with("http/1.1 200"), "{framing:?}: {head}");
+                assert_eq!(
+                    String::from_utf8_lossy(&answer),
+                    expected,
+                    "{framing:?}: every event but the usage-only chunk"
+                );
+                remainings.push(remaining(&head));
+            }
+            // Each call sees the ones before settled at the usage, exactly.
+            let reserved = 1000 - remainings[0];
+            for (k, r) in remainings.iter().enumerate() {
+                let k = u32::try_from(k).expect("few");
+                assert_eq!(*r, 1000 - k * settled_units() - reserved, "{framing:?}");
+            }
+            gateway.shutdown().await;
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    })
+    .await;
+}

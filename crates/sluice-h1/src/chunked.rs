@@ -83,6 +83,20 @@ impl ChunkedEnd {
     /// # Errors
     /// [`BadChunk`] when the bytes break the chunked framing.
     pub fn feed(&mut self, bytes: &[u8]) -> Result<usize, BadChunk> {
+        self.feed_with(bytes, |_| {})
+    }
+
+    /// [`ChunkedEnd::feed`], handing `data` each run of chunk data among
+    /// `bytes` (the body as the sender meant it, without its framing), in order.
+    ///
+    /// # Errors
+    /// [`BadChunk`] when the bytes break the chunked framing (the data before
+    /// the break has been handed on).
+    pub fn feed_with(
+        &mut self,
+        bytes: &[u8],
+        mut data: impl FnMut(&[u8]),
+    ) -> Result<usize, BadChunk> {
         let mut i = 0;
         while i < bytes.len() {
             let b = bytes[i];
@@ -137,6 +151,7 @@ impl ChunkedEnd {
                     let take = usize::try_from(left)
                         .unwrap_or(usize::MAX)
                         .min(bytes.len() - i);
+                    data(&bytes[i..i + take]);
                     i += take;
                     let left = left - take as u64;
                     self.state = if left == 0 {
@@ -215,6 +230,15 @@ mod tests {
 
     /// Feeds `body` in pieces cut at `cuts`; the bytes that belong to the body.
     fn feed_in_pieces(body: &[u8], cuts: &[usize]) -> Result<Option<usize>, BadChunk> {
+        feed_and_decode(body, cuts, &mut Vec::new())
+    }
+
+    /// [`feed_in_pieces`], the chunks' data appended to `data`.
+    fn feed_and_decode(
+        body: &[u8],
+        cuts: &[usize],
+        data: &mut Vec<u8>,
+    ) -> Result<Option<usize>, BadChunk> {
         let mut end = ChunkedEnd::new();
         let mut at = 0;
         let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (body.len() + 1)).collect();
@@ -224,7 +248,7 @@ mod tests {
             if bound <= at {
                 continue;
             }
-            let used = end.feed(&body[at..bound])?;
+            let used = end.feed_with(&body[at..bound], |d| data.extend_from_slice(d))?;
             at += used;
             if end.is_done() {
                 return Ok(Some(at));
@@ -266,7 +290,8 @@ mod tests {
     }
 
     proptest! {
-        /// However a well-formed body is cut into reads, its end is found exactly.
+        /// However a well-formed body is cut into reads, its end is found exactly,
+        /// and its data handed on whole.
         #[test]
         fn any_split_finds_the_same_end(
             chunks in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 1..40), 0..6),
@@ -287,7 +312,9 @@ mod tests {
             body.extend_from_slice(b"\r\n");
             let framed = body.len();
             body.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
-            prop_assert_eq!(feed_in_pieces(&body, &cuts), Ok(Some(framed)));
+            let mut data = Vec::new();
+            prop_assert_eq!(feed_and_decode(&body, &cuts, &mut data), Ok(Some(framed)));
+            prop_assert_eq!(data, chunks.concat(), "the data is the chunks' and nothing else");
         }
     }
 }

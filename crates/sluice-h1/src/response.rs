@@ -61,6 +61,9 @@ pub struct Rewrite<'a> {
     pub close: bool,
     /// Fields the gateway sets itself (the rate-limit ones): the upstream's are dropped.
     pub replaced: &'a [http::HeaderName],
+    /// The client gets a body of known length chunked too (it is changed on its
+    /// way: its length is no longer the upstream's).
+    pub rechunk: bool,
 }
 
 /// What `buf` holds after any interim (1xx) heads: `None` while no final head is
@@ -118,6 +121,7 @@ pub fn parse(
         head_request,
         close,
         replaced,
+        rechunk,
     } = *rewrite;
     let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut response = httparse::Response::new(&mut []);
@@ -179,6 +183,11 @@ pub fn parse(
         }
     };
 
+    let to_client_chunked = match framing {
+        Framing::Chunked | Framing::UntilClose => true,
+        Framing::Length(_) => rechunk,
+        Framing::Empty => false,
+    };
     client.clear();
     client.extend_from_slice(b"HTTP/1.1 ");
     client.extend_from_slice(itoa::Buffer::new().format(status).as_bytes());
@@ -191,7 +200,7 @@ pub fn parse(
         if is_hop_by_hop(name)
             // A body the client gets chunked has no length field, whatever the
             // upstream said.
-            || (matches!(framing, Framing::Chunked | Framing::UntilClose) && content_length)
+            || (to_client_chunked && content_length)
             // `Connection` may name any field but the one that frames the body.
             || (connection_names && !content_length && named_in_connection(response.headers, name))
             || replaced.iter().any(|r| r.as_str().as_bytes().eq_ignore_ascii_case(name))
@@ -205,7 +214,7 @@ pub fn parse(
         client.extend_from_slice(b"\r\n");
     }
     extra(client, dated);
-    if matches!(framing, Framing::Chunked | Framing::UntilClose) {
+    if to_client_chunked {
         client.extend_from_slice(b"transfer-encoding: chunked\r\n");
     }
     if close {
@@ -247,11 +256,21 @@ mod tests {
     }
 
     fn head(raw: &str, head_request: bool, close: bool) -> (Result<Parsed, BadResponse>, String) {
+        rechunked(raw, head_request, close, false)
+    }
+
+    fn rechunked(
+        raw: &str,
+        head_request: bool,
+        close: bool,
+        rechunk: bool,
+    ) -> (Result<Parsed, BadResponse>, String) {
         let mut client = Vec::new();
         let rewrite = Rewrite {
             head_request,
             close,
             replaced: &[http::HeaderName::from_static("x-ratelimit-limit")],
+            rechunk,
         };
         let parsed = parse(raw.as_bytes(), &rewrite, &mut client, |c, dated| {
             c.extend_from_slice(b"x-ratelimit-limit: 300\r\n");
@@ -267,6 +286,33 @@ mod tests {
             Ok(Parsed::Final(h)) => (h.framing, h.reusable),
             other => panic!("{raw:?}: {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_body_changed_on_its_way_reaches_the_client_chunked() {
+        let (parsed, client) = rechunked(
+            "HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\n",
+            false,
+            false,
+            true,
+        );
+        assert!(
+            matches!(
+                parsed,
+                Ok(Parsed::Final(Head {
+                    framing: Framing::Length(3),
+                    ..
+                }))
+            ),
+            "{parsed:?}: read as the upstream framed it"
+        );
+        assert!(!client.contains("content-length"), "{client}");
+        assert!(
+            client.contains("transfer-encoding: chunked\r\n"),
+            "{client}"
+        );
+        let (_, empty) = rechunked("HTTP/1.1 204 No Content\r\n\r\n", false, false, true);
+        assert!(!empty.contains("transfer-encoding"), "{empty}");
     }
 
     #[test]

@@ -10,8 +10,9 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
+use sluice_edge::tokens::UsageChunkFilter;
 use sluice_tokens::{Usage, UsageScanner};
 
 /// A settlement to run with the usage an answer reported (`None`: none seen).
@@ -28,7 +29,7 @@ pub struct Settling<B> {
     running: Option<SettleFuture>,
     ended: bool,
     /// Removes the usage-only chunk sluice asked for from the stream.
-    hide: Option<HideUsageChunk>,
+    hide: Option<UsageChunkFilter>,
 }
 
 impl<B> Settling<B> {
@@ -49,58 +50,8 @@ impl<B> Settling<B> {
     /// ([`ask_stream_usage`](sluice_edge::tokens::ask_stream_usage)).
     #[must_use]
     pub fn hiding_usage_chunk(mut self) -> Self {
-        self.hide = Some(HideUsageChunk::default());
+        self.hide = Some(UsageChunkFilter::default());
         self
-    }
-}
-
-/// The longest server-sent event held whole to be looked at; past it, the rest
-/// of the stream passes as it comes.
-const MAX_EVENT: usize = 1 << 20;
-
-/// Passes server-sent events on whole, but OpenAI's usage-only chunk.
-#[derive(Debug, Default)]
-struct HideUsageChunk {
-    pending: BytesMut,
-    passthrough: bool,
-}
-
-impl HideUsageChunk {
-    /// The events of `data` (with what was held before) that end in it, but a
-    /// usage-only chunk; an unfinished event is held.
-    fn push(&mut self, data: &[u8]) -> Bytes {
-        if self.passthrough {
-            return Bytes::copy_from_slice(data);
-        }
-        self.pending.extend_from_slice(data);
-        let mut out = BytesMut::new();
-        while let Some(end) = event_end(&self.pending) {
-            let event = self.pending.split_to(end);
-            if !sluice_edge::tokens::hides_usage_chunk(&event) {
-                out.extend_from_slice(&event);
-            }
-        }
-        if self.pending.len() > MAX_EVENT {
-            self.passthrough = true;
-            out.extend_from_slice(&self.pending.split());
-        }
-        out.freeze()
-    }
-
-    /// What is held at the end of the stream (an event with no blank line).
-    fn finish(&mut self) -> Bytes {
-        self.pending.split().freeze()
-    }
-}
-
-/// The length of the first whole event in `buf` (through the blank line that
-/// ends it: `\n\n` or `\r\n\r\n`).
-fn event_end(buf: &[u8]) -> Option<usize> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
     }
 }
 
@@ -144,11 +95,12 @@ where
                     if let Some(data) = frame.data_ref() {
                         this.scanner.feed(data);
                         if let Some(hide) = this.hide.as_mut() {
-                            let passed = hide.push(data);
+                            let mut passed = Vec::new();
+                            hide.push(data, &mut passed);
                             if passed.is_empty() {
                                 continue;
                             }
-                            return Poll::Ready(Some(Ok(Frame::data(passed))));
+                            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(passed)))));
                         }
                     }
                     return Poll::Ready(Some(Ok(frame)));
@@ -164,10 +116,12 @@ where
                         None => this.ended = true,
                     }
                     // An unfinished last event goes on as it came.
-                    if let Some(rest) = this.hide.as_mut().map(HideUsageChunk::finish)
-                        && !rest.is_empty()
-                    {
-                        return Poll::Ready(Some(Ok(Frame::data(rest))));
+                    let mut rest = Vec::new();
+                    if let Some(hide) = this.hide.as_mut() {
+                        hide.finish(&mut rest);
+                    }
+                    if !rest.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(Bytes::from(rest)))));
                     }
                 }
                 Poll::Pending => return Poll::Pending,

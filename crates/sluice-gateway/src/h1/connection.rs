@@ -3,6 +3,7 @@
 //! admission, then the exchange with the upstream.
 
 use std::io;
+use std::sync::Arc;
 
 use bytes::{Buf as _, Bytes};
 use http::{Method, Response};
@@ -22,6 +23,7 @@ use super::buffers::{Connection, Next, Timers, may_end_head, read_more};
 use super::encode::{own, push_date, push_field};
 use super::exchange::{Exchanged, REPLACED_FIELDS, Relay};
 use super::request;
+use super::settle::Settlement;
 
 /// A request admitted on the fast path, to be forwarded (see
 /// [`Connection::forward`]).
@@ -40,6 +42,9 @@ struct Admitted {
     body: std::ops::Range<usize>,
     /// Bytes of `from_client` the request takes up.
     consumed: usize,
+    /// An OpenAI stream sluice asked for its usage: the usage-only chunk is not the
+    /// client's.
+    hide_usage: bool,
 }
 
 impl<'f> Connection<'f> {
@@ -75,14 +80,13 @@ impl<'f> Connection<'f> {
         // Phase 1 done (see `sluice_edge::Intake`): the edge owns what follows
         // until the request is planned; this path does only its own reading.
         let mut intake = limiter.intake(head.route, self.peer);
-        // A batch lane's endpoints are answered by the service stack's batch lanes,
-        // and an LLM call by the service stack too: its answer is read for its
-        // `usage` as it passes, to settle its token budgets.
-        if intake
-            .route()
-            .is_some_and(|r| r.batch.is_some() || r.llm.is_some())
-        {
+        // A batch lane's endpoints are answered by the service stack's batch lanes.
+        if intake.route().is_some_and(|r| r.batch.is_some()) {
             return Ok(Next::Elsewhere);
+        }
+        // An LLM route's endpoints count their bodies each their own way.
+        if let Some(path) = &head.llm_path {
+            intake.set_path(path);
         }
         // A refused head is answered at once, as the service stack answers it; its
         // body is skipped when it is here already, else the connection closes.
@@ -170,7 +174,25 @@ impl<'f> Connection<'f> {
             }
         };
 
+        // An OpenAI stream that does not ask for its usage is asked for it, so its
+        // token budgets settle at the truth; the client does not see it (SPEC T3).
+        let asked = match (&head.llm_path, forward.plan().llm) {
+            (Some(path), Some(sluice_policy::LlmFormat::OpenAi)) => {
+                sluice_edge::tokens::ask_stream_usage(path, body_bytes)
+            }
+            _ => None,
+        };
+        let hide_usage = asked.is_some();
+        let (held, body) = match asked {
+            Some(asked) => {
+                super::request::set_content_length(&mut self.to_upstream, asked.len());
+                let len = asked.len();
+                (Bytes::from(asked), 0..len)
+            }
+            None => (held, body),
+        };
         let admitted = Admitted {
+            hide_usage,
             close: head.close,
             head_request,
             repeatable: head.method.is_idempotent(),
@@ -181,7 +203,7 @@ impl<'f> Connection<'f> {
             body,
             consumed,
         };
-        self.forward(client, timers, limiter, forward, admitted)
+        self.forward(client, timers, &current, forward, admitted)
             .await
     }
 
@@ -273,11 +295,12 @@ impl<'f> Connection<'f> {
         &mut self,
         client: &mut TcpStream,
         timers: &mut Timers,
-        limiter: &Limiter<AnyStore>,
+        current: &Arc<Limiter<AnyStore>>,
         mut forward: Forward<'_, AnyStore>,
         admitted: Admitted,
     ) -> io::Result<Next> {
         let fast = self.fast;
+        let limiter = &**current;
         let Admitted {
             close,
             head_request,
@@ -288,6 +311,7 @@ impl<'f> Connection<'f> {
             held,
             body,
             consumed,
+            hide_usage,
         } = admitted;
         // Forwarded: the head with who the request is from, and the body, in one
         // write: a body in the connection's buffer is copied after the head, one held
@@ -311,11 +335,25 @@ impl<'f> Connection<'f> {
             (true, false) => &REPLACED_FIELDS[..5],
             (true, true) => &REPLACED_FIELDS[..],
         };
+        // An LLM call's token fields are sluice's too (SPEC T5).
+        let with_tokens: Vec<http::HeaderName>;
+        let replaced = match forward.plan().llm {
+            Some(format) => {
+                with_tokens = replaced
+                    .iter()
+                    .chain(sluice_edge::dialect::token_header_names(format))
+                    .cloned()
+                    .collect();
+                &with_tokens[..]
+            }
+            None => replaced,
+        };
         let request = Exchanged {
             rewrite: response::Rewrite {
                 head_request,
                 close,
                 replaced,
+                rechunk: hide_usage,
             },
             // Sent again on a new connection when a kept-alive one fails before any
             // answer: only a request that may be repeated.
@@ -342,16 +380,17 @@ impl<'f> Connection<'f> {
             }
         };
         let elapsed = started.elapsed().as_secs_f64();
-        let (head_sent, conn, whole) = match answer {
+        let (head_sent, conn, whole, event_stream) = match answer {
             Ok(Relay {
                 head: sent_head,
                 conn,
                 whole,
+                event_stream,
             }) => {
                 fast.upstream_seconds[0].record(elapsed);
                 // Phase 6: settled as the head was read (see `send_and_read_head`).
                 forward.finish(Some(sent_head.status));
-                (sent_head, conn, whole)
+                (sent_head, conn, whole, event_stream)
             }
             Err(failure) => {
                 fast.upstream_seconds[if failure == Failure::Timeout { 2 } else { 1 }]
@@ -375,7 +414,26 @@ impl<'f> Connection<'f> {
         in_flight.answered(Some(head_sent.status));
         let mut conn = conn;
         let status = head_sent.status;
-        let relayed = self.relay_body(client, head_sent, &mut conn).await;
+        // An LLM call settles its token budgets at its answer's `usage`.
+        let relayed = match forward.settlement() {
+            Some(settlement) => {
+                let content_type = event_stream.then_some("text/event-stream");
+                let mut settlement = Settlement::new(
+                    Arc::clone(current),
+                    settlement,
+                    status,
+                    content_type,
+                    hide_usage,
+                );
+                let relayed = self
+                    .relay_llm_body(client, head_sent, &mut conn, &mut settlement)
+                    .await;
+                // One cut short is settled with what was seen of it.
+                settlement.settle().await;
+                relayed
+            }
+            None => self.relay_body(client, head_sent, &mut conn).await,
+        };
         if let Some(access) = access {
             access.log(&id, status, relayed.is_ok());
         }

@@ -57,7 +57,8 @@ pub(super) fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(b"\r\n");
 }
 
-/// The rate-limit fields of `decision`, as the service stack adds them.
+/// The rate-limit fields of `decision` (and an LLM call's token fields), as the
+/// service stack adds them.
 pub(super) fn push_rate_limit_fields(
     out: &mut Vec<u8>,
     decision: &Decision,
@@ -75,6 +76,10 @@ pub(super) fn push_rate_limit_fields(
                 push_field(out, name.as_str().as_bytes(), text.as_bytes());
             }
         }
+    });
+    // An LLM call's token fields, in its API's dialect (SPEC T5).
+    sluice_edge::dialect::for_each_token_header(decision, plan, policy, |name, value| {
+        push_field(out, name.as_str().as_bytes(), value.as_bytes());
     });
 }
 

@@ -19,6 +19,7 @@ use super::READ_CHUNK;
 use super::body::read_body;
 use super::buffers::{Connection, may_end_head, read_more};
 use super::encode::{push_chunk, push_date, push_field, push_rate_limit_fields};
+use super::settle::Settlement;
 
 /// The upstream's answer: its head (the client's form in the head buffer) and the
 /// connection its body comes on.
@@ -28,6 +29,9 @@ pub(super) struct Relay {
     /// The upstream took the whole request. When it did not (it stopped taking it,
     /// having answered first), neither connection carries another request.
     pub(super) whole: bool,
+    /// The answer of an LLM call is a stream of server-sent events (its `usage`
+    /// is read from them, not from one JSON document).
+    pub(super) event_stream: bool,
 }
 
 /// What the exchange with the upstream needs of the request besides its bytes.
@@ -97,7 +101,14 @@ impl<'f> Connection<'f> {
             };
             self.from_upstream.clear();
             match self.send_and_read_head(&mut conn, request).await {
-                Ok((head, whole)) => return Ok(Relay { head, conn, whole }),
+                Ok((head, whole, event_stream)) => {
+                    return Ok(Relay {
+                        head,
+                        conn,
+                        whole,
+                        event_stream,
+                    });
+                }
                 // Nothing came back on a connection that had served before: it may
                 // have been closed as the request was sent. Once more, on a new one.
                 Err(Exchange::NoAnswer) if was_reused && request.repeatable => {}
@@ -162,11 +173,14 @@ impl<'f> Connection<'f> {
         true
     }
 
+    /// [`Connection::send_request`], then the response head: the head, whether the
+    /// upstream took the whole request, and whether an LLM call's answer is a stream
+    /// of events.
     pub(super) async fn send_and_read_head(
         &mut self,
         conn: &mut TcpStream,
         request: &Exchanged<'_>,
-    ) -> Result<(response::Head, bool), Exchange> {
+    ) -> Result<(response::Head, bool, bool), Exchange> {
         let policy = request.limiter.policy();
         // An upstream that stops taking the request may have answered first (a 413,
         // say): what it answered is still read, and the client's connection closes
@@ -198,13 +212,22 @@ impl<'f> Connection<'f> {
                         },
                     )
                     .map_err(|_| Exchange::Broken)?;
-                    match parsed {
+                    // The weighted budgets are charged what the upstream says the
+                    // call cost, and the head is written again with their standing
+                    // after the charge.
+                    let cost = match parsed {
                         response::Parsed::Final(_) if request.forward.settles() => {
-                            // The weighted budgets are charged what the upstream says
-                            // the call cost, and the head is written again with their
-                            // standing after the charge.
-                            let cost = response::field(&self.from_upstream, b"x-sluice-cost")
-                                .and_then(sluice_edge::parse_cost);
+                            response::field(&self.from_upstream, b"x-sluice-cost")
+                                .and_then(sluice_edge::parse_cost)
+                        }
+                        _ => None,
+                    };
+                    let event_stream = matches!(parsed, response::Parsed::Final(_))
+                        && request.forward.plan().llm.is_some()
+                        && response::field(&self.from_upstream, b"content-type")
+                            .is_some_and(|v| v.starts_with(b"text/event-stream"));
+                    match parsed {
+                        response::Parsed::Final(_) if cost.is_some() => {
                             let settled = request.forward.settle(cost).await;
                             let again = response::parse(
                                 &self.from_upstream,
@@ -228,11 +251,11 @@ impl<'f> Connection<'f> {
                                 return Err(Exchange::Broken);
                             };
                             self.from_upstream.advance(head.len);
-                            return Ok((head, sent));
+                            return Ok((head, sent, event_stream));
                         }
                         response::Parsed::Final(head) => {
                             self.from_upstream.advance(head.len);
-                            return Ok((head, sent));
+                            return Ok((head, sent, event_stream));
                         }
                         response::Parsed::Interim { len } => self.from_upstream.advance(len),
                         response::Parsed::Partial => {
@@ -334,6 +357,103 @@ impl<'f> Connection<'f> {
                         return Ok(false);
                     }
                 }
+            }
+        }
+    }
+
+    /// [`Connection::relay_body`] for an LLM call: its body read for its `usage` as
+    /// it passes (its chunks' data, not their framing), the usage-only chunk sluice
+    /// asked for taken out (the client then gets the body chunked: the upstream's
+    /// length is no longer its length), and the call settled before the body's last
+    /// bytes are written. A body that breaks off is settled by the caller with what
+    /// was seen of it.
+    pub(super) async fn relay_llm_body(
+        &mut self,
+        client: &mut TcpStream,
+        head: response::Head,
+        conn: &mut TcpStream,
+        settlement: &mut Settlement,
+    ) -> io::Result<bool> {
+        let upstream = &mut self.from_upstream;
+        let out = &mut self.to_client;
+        let pipelined = &mut self.from_client;
+        let mut chunked = ChunkedEnd::new();
+        let mut left = match head.framing {
+            Framing::Length(n) => n,
+            _ => 0,
+        };
+        // The body's data as the client gets it, when the usage-only chunk is taken out.
+        let mut passed = Vec::new();
+        let mut closed = false;
+        loop {
+            // What of `upstream` belongs to the body, and whether the body ends there.
+            let (used, ended) = match head.framing {
+                Framing::Empty => (0, true),
+                Framing::Length(_) => {
+                    let take = usize::try_from(left)
+                        .unwrap_or(usize::MAX)
+                        .min(upstream.len());
+                    left -= take as u64;
+                    (take, left == 0)
+                }
+                Framing::Chunked => {
+                    let hide = &mut settlement.hide;
+                    let scanner = &mut settlement.scanner;
+                    let used = chunked
+                        .feed_with(upstream, |data| {
+                            scanner.feed(data);
+                            if let Some(hide) = hide.as_mut() {
+                                hide.push(data, &mut passed);
+                            }
+                        })
+                        .map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+                    (used, chunked.is_done())
+                }
+                Framing::UntilClose => (upstream.len(), closed),
+            };
+            let data = &upstream[..used];
+            if head.framing != Framing::Chunked {
+                settlement.scanner.feed(data);
+                if let Some(hide) = settlement.hide.as_mut() {
+                    hide.push(data, &mut passed);
+                }
+            }
+            match settlement.hide.as_mut() {
+                Some(hide) if head.framing != Framing::Empty => {
+                    if ended {
+                        hide.finish(&mut passed);
+                    }
+                    push_chunk(out, &passed);
+                    passed.clear();
+                    if ended {
+                        out.extend_from_slice(b"0\r\n\r\n");
+                    }
+                }
+                _ if head.framing == Framing::UntilClose => {
+                    push_chunk(out, data);
+                    if ended {
+                        out.extend_from_slice(b"0\r\n\r\n");
+                    }
+                }
+                _ => out.extend_from_slice(data),
+            }
+            upstream.advance(used);
+            if ended {
+                // Settled before the client has the whole answer.
+                settlement.settle().await;
+                client.write_all(out).await?;
+                return Ok(head.reusable && !closed && upstream.is_empty());
+            }
+            if !out.is_empty() {
+                client.write_all(out).await?;
+                out.clear();
+            }
+            upstream.clear();
+            if read_body(conn, upstream, client, pipelined).await? == 0 {
+                if head.framing != Framing::UntilClose {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                closed = true;
             }
         }
     }

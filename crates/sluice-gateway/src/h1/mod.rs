@@ -31,6 +31,7 @@ mod connection;
 mod encode;
 mod exchange;
 mod request;
+mod settle;
 
 use buffers::{Connection, Next, Timers};
 

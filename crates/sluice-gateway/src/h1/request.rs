@@ -47,6 +47,9 @@ pub(super) struct Head<'l> {
     /// The request's id: the client's `X-Request-Id` when it sent one sane one,
     /// else a new one (see [`RequestId::pick`]).
     pub(super) request_id: RequestId,
+    /// The path in its normal form, for an LLM route (its endpoints count their
+    /// bodies each their own way); `None` on any other.
+    pub(super) llm_path: Option<Box<str>>,
 }
 
 /// Phase 1's outcome for a head with this method, these `Host` field values and
@@ -179,7 +182,12 @@ pub(super) fn parse<'l>(
 
     // Refused as the service stack refuses it: the head first, then the path.
     let route = (cx.route)(&method, &mut head.hosts(), path.as_deref().map_err(|r| *r));
+    let llm_path = match (&route, &path) {
+        (Ok(Some(r)), Ok(path)) if r.llm.is_some() => Some(Box::from(&**path)),
+        _ => None,
+    };
     Parsed::Ready(Head {
+        llm_path,
         len: head.len,
         route,
         request_id: RequestId::pick(client_ids.into_iter().flatten()),
@@ -187,6 +195,36 @@ pub(super) fn parse<'l>(
         body_len: head.body_len,
         close: head.close,
     })
+}
+
+/// Sets the `Content-Length` of the request head in `head` (as [`parse`] wrote it,
+/// up to and with its blank line) to `len`: the body forwarded is not the one the
+/// client sent (an OpenAI stream asked for its usage). A head without the field
+/// gets one.
+pub(super) fn set_content_length(head: &mut Vec<u8>, len: usize) {
+    let mut value = itoa::Buffer::new();
+    let value = value.format(len).as_bytes();
+    let name = b"content-length:";
+    let mut at = 0;
+    while let Some(eol) = head[at..].windows(2).position(|w| w == b"\r\n") {
+        let line = at..at + eol;
+        at += eol + 2;
+        let Some(rest) = head.get(line.start..line.end) else {
+            break;
+        };
+        if rest.len() >= name.len() && rest[..name.len()].eq_ignore_ascii_case(name) {
+            let mut field = b"content-length: ".to_vec();
+            field.extend_from_slice(value);
+            head.splice(line, field);
+            return;
+        }
+    }
+    // No such field: one more before the blank line.
+    let end = head.len().saturating_sub(2);
+    let mut field = b"content-length: ".to_vec();
+    field.extend_from_slice(value);
+    field.extend_from_slice(b"\r\n");
+    head.splice(end..end, field);
 }
 
 /// True for a field some frameworks run the request's method from (see
@@ -411,5 +449,21 @@ mod tests {
                 other => panic!("{fine:?}: {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn t3_a_changed_body_gets_its_own_length() {
+        let mut head = b"POST /v1/chat HTTP/1.1\r\nhost: up\r\nContent-Length: 12\r\nx-a: content-length: 1\r\n\r\n".to_vec();
+        set_content_length(&mut head, 345);
+        assert_eq!(
+            String::from_utf8_lossy(&head),
+            "POST /v1/chat HTTP/1.1\r\nhost: up\r\ncontent-length: 345\r\nx-a: content-length: 1\r\n\r\n"
+        );
+        let mut bare = b"POST / HTTP/1.1\r\nhost: up\r\n\r\n".to_vec();
+        set_content_length(&mut bare, 7);
+        assert_eq!(
+            String::from_utf8_lossy(&bare),
+            "POST / HTTP/1.1\r\nhost: up\r\ncontent-length: 7\r\n\r\n"
+        );
     }
 }
