@@ -40,6 +40,8 @@
 //! | `body` | on | [`UsageTap`], an `http_body::Body` | `bytes`, `http-body` |
 
 mod api;
+#[cfg(feature = "tokenizer")]
+mod count_cache;
 pub mod tokens;
 pub mod usage;
 

@@ -89,7 +89,7 @@ impl Encoding {
             return 0;
         }
         #[cfg(feature = "tokenizer")]
-        let n = self.tokenizer().count(text);
+        let n = crate::count_cache::count(self, text, |text| self.tokenizer().count(text));
         #[cfg(not(feature = "tokenizer"))]
         let n = text.len().div_ceil(3);
         u32::try_from(n).unwrap_or(u32::MAX)
