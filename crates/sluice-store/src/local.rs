@@ -170,26 +170,35 @@ impl<C: Clock> BudgetStore for LocalStore<C> {
         reserved_at: Timestamp,
         network: u64,
     ) -> Result<Vec<BudgetStatus>, StoreError> {
-        // Every change applied, then one wait for the book's last to be durable.
-        let mut statuses = Vec::with_capacity(changes.len());
-        let mut last = None;
-        for (budget, delta) in changes {
-            match &self.book {
-                Some(book) if is_monthly(budget) => {
-                    let now = self.memory.clock().now();
-                    let (status, seq) = book.adjust(budget, *delta, reserved_at, now);
-                    last = last.max(seq);
-                    statuses.push(status);
-                }
-                _ => {
-                    statuses.push(
-                        self.memory
-                            .adjust_now_from(budget, *delta, reserved_at, network),
-                    )
-                }
+        // The monthly changes in the book at once (one journal append), the others
+        // in memory; then one wait for the book's to be durable.
+        let book = self.book.as_ref();
+        let monthly: Vec<(&Budget, i64)> = changes
+            .iter()
+            .filter(|(budget, _)| book.is_some() && is_monthly(budget))
+            .map(|(budget, delta)| (budget, *delta))
+            .collect();
+        let (mut booked, seq) = match book {
+            Some(book) if !monthly.is_empty() => {
+                let now = self.memory.clock().now();
+                book.adjust_many(&monthly, reserved_at, now)
             }
+            _ => (Vec::new(), None),
+        };
+        let mut booked = booked.drain(..);
+        let mut statuses = Vec::with_capacity(changes.len());
+        for (budget, delta) in changes {
+            let status = if book.is_some() && is_monthly(budget) {
+                booked.next()
+            } else {
+                None
+            };
+            statuses.push(status.unwrap_or_else(|| {
+                self.memory
+                    .adjust_now_from(budget, *delta, reserved_at, network)
+            }));
         }
-        if let (Some(book), Some(seq)) = (&self.book, last) {
+        if let (Some(book), Some(seq)) = (book, seq) {
             book.durable(seq).await?;
         }
         Ok(statuses)

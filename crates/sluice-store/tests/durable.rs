@@ -11,8 +11,8 @@ use std::time::Duration;
 use sluice_core::{Budget, BudgetKey, FakeClock, Rate, Timestamp};
 use sluice_store::durable::QuotaLog as _;
 use sluice_store::{
-    BudgetStore, DurableStore, LocalStore, MemoryConfig, MemoryStore, OpenError, QuotaBook,
-    QuotaBookConfig, StoreError,
+    BudgetStore, DurableStore, JournalSync, LocalStore, MemoryConfig, MemoryStore, OpenError,
+    QuotaBook, QuotaBookConfig, StoreError,
 };
 
 /// 2026-11-30T12:00:00Z: half a day before the month turns.
@@ -536,4 +536,50 @@ fn t6_counts_kept_until_a_date_survive_a_restart_and_go_after_it() {
     assert_eq!(store.book().map(QuotaBook::len), Some(0), "dropped");
     let seen = rt.block_on(store.peek(&[kept(0)])).expect("peek");
     assert_eq!(seen.statuses()[0].remaining, u32::MAX);
+}
+
+/// SPEC T3, T6: a settlement's monthly changes (an LLM call's usage counts and
+/// money) are one commit, not one a count, and each survives a restart.
+#[test]
+fn t3_a_settlements_monthly_changes_are_one_commit_and_survive_a_restart() {
+    let dir = TempDir::new("settle");
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let rt = runtime();
+    let (input, output) = (
+        quota("usage:input", u32::MAX),
+        quota("usage:output", u32::MAX),
+    );
+    {
+        // Written to the operating system as the gateway's journal is: each commit
+        // is appended by the call that makes it, so the count is exact.
+        let durable = DurableStore::open_with(&dir.0, JournalSync::Write).expect("open");
+        let book =
+            QuotaBook::open(&durable, QuotaBookConfig::default(), clock.now_ts()).expect("book");
+        let store = LocalStore::new(
+            MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),
+            Some(book),
+        );
+        let before = store.book().expect("book").commits();
+        let changes = [
+            (input.clone(), 120),
+            (class("k", 100), 3),
+            (output.clone(), 45),
+        ];
+        let statuses = rt
+            .block_on(store.adjust_all_from(&changes, clock.now_ts(), 0))
+            .expect("adjusted");
+        assert_eq!(statuses.len(), 3, "one status a change, in order");
+        assert_eq!(statuses[1].limit, 100, "the window's status in its place");
+        assert_eq!(
+            store.book().expect("book").commits() - before,
+            1,
+            "both monthly changes in one commit"
+        );
+    }
+    let store = local(&dir, &clock, QuotaBookConfig::default());
+    let seen = rt
+        .block_on(store.peek(&[input.with_cost(0), output.with_cost(0)]))
+        .expect("peek");
+    assert_eq!(seen.statuses()[0].remaining, u32::MAX - 120);
+    assert_eq!(seen.statuses()[1].remaining, u32::MAX - 45);
 }

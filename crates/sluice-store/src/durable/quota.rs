@@ -402,6 +402,28 @@ impl QuotaBook {
         (status, seq)
     }
 
+    /// [`QuotaBook::adjust`] for each of `changes` (budget and delta) under one
+    /// lock: one sequence number, so one journal append, covers them all.
+    pub(crate) fn adjust_many(
+        &self,
+        changes: &[(&Budget, i64)],
+        reserved_at: Timestamp,
+        now: Timestamp,
+    ) -> (Vec<BudgetStatus>, Option<u64>) {
+        let mut book = self.shared.state.lock();
+        let mut ledger = BookLedger {
+            book: &mut book,
+            wrote: false,
+        };
+        let statuses = changes
+            .iter()
+            .map(|(budget, delta)| adjust(budget, *delta, reserved_at, &mut ledger, now))
+            .collect();
+        let wrote = ledger.wrote;
+        let seq = self.sequence(book, wrote);
+        (statuses, seq)
+    }
+
     /// Numbers a change that wrote to the book (releasing its lock) and wakes the
     /// writer; `None` when nothing was written.
     fn sequence(&self, mut book: parking_lot::MutexGuard<'_, Book>, wrote: bool) -> Option<u64> {
