@@ -561,9 +561,9 @@ fn t3_a_settlements_monthly_changes_are_one_commit_and_survive_a_restart() {
         );
         let before = store.book().expect("book").commits();
         let changes = [
-            (input.clone(), 120),
+            (input, 120),
             (class("k", 100), 3),
-            (output.clone(), 45),
+            (output, 45),
         ];
         let statuses = rt
             .block_on(store.adjust_all_from(&changes, clock.now_ts(), 0))
