@@ -124,9 +124,7 @@ pub fn ask_stream_usage(path: &str, body: &[u8]) -> Option<Vec<u8>> {
         return None;
     }
     // Most calls do not stream: no second parse of their body.
-    if !body.windows(8).any(|w| w == b"\"stream\"") {
-        return None;
-    }
+    memchr::memmem::find(body, b"\"stream\"")?;
     let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
     if value.get("stream") != Some(&serde_json::Value::Bool(true)) {
         return None;

@@ -175,9 +175,7 @@ impl UsageScanner {
         if !contains(data, b"\"usage\"") {
             return;
         }
-        if let Ok(v) = serde_json::from_slice::<Value>(data)
-            && let Some(u) = usage_from_json(&v)
-        {
+        if let Some(u) = usage_of_document(data) {
             self.found.get_or_insert_with(Usage::default).merge(u);
         }
     }
@@ -194,13 +192,41 @@ impl UsageScanner {
         if self.skipping {
             return None;
         }
-        let v: Value = serde_json::from_slice(&std::mem::take(&mut self.buf)).ok()?;
-        usage_from_json(&v)
+        usage_of_document(&std::mem::take(&mut self.buf))
     }
 }
 
+/// The parts of a JSON document [`usage_from_json`] reads; the rest (an answer's
+/// `choices`, its text) is skipped without being built.
+#[derive(serde::Deserialize)]
+struct UsageParts {
+    #[serde(default)]
+    usage: Option<Value>,
+    #[serde(default)]
+    message: Option<Value>,
+    #[serde(default)]
+    response: Option<Value>,
+}
+
+/// [`usage_from_json`] of the JSON document `bytes`, reading only its usage
+/// parts. A document that is not JSON, or names a part twice, has none.
+fn usage_of_document(bytes: &[u8]) -> Option<Usage> {
+    let parts: UsageParts = serde_json::from_slice(bytes).ok()?;
+    let mut doc = serde_json::Map::new();
+    for (key, part) in [
+        ("usage", parts.usage),
+        ("message", parts.message),
+        ("response", parts.response),
+    ] {
+        if let Some(part) = part {
+            doc.insert(key.to_owned(), part);
+        }
+    }
+    usage_from_json(&Value::Object(doc))
+}
+
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
+    memchr::memmem::find(hay, needle).is_some()
 }
 
 #[cfg(feature = "body")]
@@ -465,6 +491,16 @@ mod tests {
         }
         // No newline at the very end: the last line is read at finish.
         assert_eq!(scan("text/event-stream", &[line.trim_end()]), want);
+    }
+
+    #[test]
+    fn only_the_usage_parts_of_an_answer_are_read_and_any_shape_around_them_is_fine() {
+        let answer = br#"{"id":"x","message":"not an object","choices":[{"message":{"content":"hi"}}],
+            "usage":{"prompt_tokens":7,"completion_tokens":2}}"#;
+        let usage = usage_of_document(answer).expect("usage");
+        assert_eq!((usage.prompt, usage.completion), (7, 2));
+        assert_eq!(usage_of_document(b"[1]"), None);
+        assert_eq!(usage_of_document(br#"{"usage":1,"usage":2}"#), None, "named twice");
     }
 
     #[test]
