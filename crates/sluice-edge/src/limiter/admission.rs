@@ -478,20 +478,20 @@ impl<S: BudgetStore> Limiter<S> {
     ) -> Decision {
         let outcome = match (&usage, failed) {
             (Some(usage), _) => {
-                for (direction, n) in [
-                    ("input", usage.prompt.saturating_sub(usage.cached_input)),
-                    ("cached_input", usage.cached_input),
-                    ("output", usage.completion),
-                ] {
-                    metrics::counter!("sluice_llm_tokens_total", "direction" => direction)
-                        .increment(u64::from(n));
+                let directions = [
+                    usage.prompt.saturating_sub(usage.cached_input),
+                    usage.cached_input,
+                    usage.completion,
+                ];
+                for (counter, n) in self.metrics.llm_tokens.iter().zip(directions) {
+                    counter.increment(u64::from(n));
                 }
-                "usage"
+                0
             }
-            (None, true) => "refunded",
-            (None, false) => "reservation",
+            (None, true) => 1,
+            (None, false) => 2,
         };
-        metrics::counter!("sluice_llm_settlements_total", "outcome" => outcome).increment(1);
+        self.metrics.llm_settlements[outcome].increment(1);
         // What the call spent, counted for `/usage` in the same store call.
         let counts = usage.as_ref().map_or_else(Vec::new, |usage| {
             self.llm_usage_counts(plan, usage, decision.decided_at())

@@ -168,6 +168,10 @@ pub(super) struct Meters {
     pub(super) refusals: HashMap<String, metrics::Counter>,
     /// `sluice_near_limit_total{budget}` by every budget the policy names.
     pub(super) near_limit: HashMap<String, metrics::Counter>,
+    /// `sluice_llm_tokens_total{direction}`: input, cached_input, output.
+    pub(super) llm_tokens: [metrics::Counter; 3],
+    /// `sluice_llm_settlements_total{outcome}`: usage, refunded, reservation.
+    pub(super) llm_settlements: [metrics::Counter; 3],
 }
 
 impl Meters {
@@ -204,6 +208,10 @@ impl Meters {
                     (budget, counter)
                 })
                 .collect(),
+            llm_tokens: ["input", "cached_input", "output"]
+                .map(|d| metrics::counter!("sluice_llm_tokens_total", "direction" => d)),
+            llm_settlements: ["usage", "refunded", "reservation"]
+                .map(|o| metrics::counter!("sluice_llm_settlements_total", "outcome" => o)),
         }
     }
 }
