@@ -18,6 +18,7 @@
 mod fillable;
 mod journal;
 mod quota;
+mod rows;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

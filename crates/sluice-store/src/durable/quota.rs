@@ -300,6 +300,11 @@ impl QuotaBook {
         })
     }
 
+    /// The durable store the book is kept in.
+    pub(crate) fn store(&self) -> &DurableStore {
+        &self.shared.store
+    }
+
     /// Counts kept in memory.
     pub fn len(&self) -> usize {
         self.shared.state.lock().cells.len()
