@@ -106,6 +106,8 @@ pub use limiter::{
     ReloadRefused, SharedLimiter, Status, TOP_CALLERS_TRACKED, Tally, TopCaller, USAGE_MONTHS_KEPT,
     UsageMonth, UsageMonthError, check_head,
 };
+/// The usage export for billing (SPEC O4) and its bounds.
+pub use limiter::{EXPORT_PAGE, KNOWN_ROWS, MAX_USAGE_ROWS, OVERFLOW_ROWS, UsageExport};
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
 pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};
 pub use request_id::{MAX_REQUEST_ID_LEN, RequestId, X_REQUEST_ID};

@@ -19,6 +19,7 @@ mod planning;
 mod quota_admin;
 mod routing;
 mod telemetry;
+mod usage_export;
 
 pub use crate::head::{Refused, check_head};
 pub use admission::{Reason, Refusal};
@@ -32,6 +33,7 @@ pub use telemetry::{
     Status, TOP_CALLERS_TRACKED, Tally, TopCaller,
 };
 use telemetry::{Counts, Meters, TOP_SHARDS, TopCallers};
+pub use usage_export::{EXPORT_PAGE, KNOWN_ROWS, MAX_USAGE_ROWS, OVERFLOW_ROWS, UsageExport};
 
 /// A policy and a store: classifies requests and decides their budgets.
 ///
@@ -71,6 +73,8 @@ pub struct Limiter<S> {
     outage_log: Arc<crate::RefusalLog>,
     /// The agent runs this replica decided turns of lately (SPEC T7).
     pub(crate) runs: Arc<crate::runs::RecentRuns>,
+    /// The usage export's rows this process has noted (SPEC O4).
+    usage_rows: Arc<usage_export::KnownRows>,
 }
 
 /// Why a new policy cannot replace a running one without a restart (see
@@ -116,6 +120,7 @@ impl<S: BudgetStore> Limiter<S> {
             refusal_log: Arc::default(),
             outage_log: Arc::default(),
             runs: Arc::default(),
+            usage_rows: Arc::default(),
         }
     }
 
@@ -180,6 +185,7 @@ impl<S: BudgetStore> Limiter<S> {
             refusal_log: Arc::clone(&self.refusal_log),
             outage_log: Arc::clone(&self.outage_log),
             runs: Arc::clone(&self.runs),
+            usage_rows: Arc::clone(&self.usage_rows),
         })
     }
 
