@@ -20,8 +20,9 @@
 //!   quota's).
 //!
 //! A row is noted in its month's list the first time this process counts in it
-//! (one store call, then remembered): a new workspace, day or model costs one
-//! round trip more, once per process.
+//! (one store call, then remembered), when a call is admitted (an LLM call's
+//! before it is forwarded, so its settlement waits on nothing more): a new
+//! workspace, day or model costs one round trip more, once per process.
 //!
 //! The counts live where the budgets do (in this process, the embedded durable
 //! store, or Redis shared by every replica), and so does the list of a month's
@@ -215,6 +216,9 @@ impl<S: BudgetStore> Limiter<S> {
     /// `sluice_usage_export_failures_total`.
     pub(super) async fn count_admitted(&self, plan: &Plan, decided_at: Timestamp) {
         if plan.llm.is_some() {
+            // Its row is noted now, before it is forwarded, so that its settlement
+            // (which the answer's end waits for) finds it known.
+            let _ = self.usage_row(plan, decided_at).await;
             return;
         }
         let quotas = self.quota_units(plan);
