@@ -171,22 +171,46 @@ mod tests {
         {
             let store = DurableStore::open(&dir).expect("the store answers");
             for r in ["a", "b", "c"] {
-                assert!(store.note_usage_row("2026-12", r, bound, 0).expect("the store answers"));
+                assert!(
+                    store
+                        .note_usage_row("2026-12", r, bound, 0)
+                        .expect("the store answers")
+                );
             }
-            assert!(store.note_usage_row("2026-12", "a", bound, 0).expect("the store answers"));
-            assert!(!store.note_usage_row("2026-12", "d", bound, 0).expect("the store answers"));
+            assert!(
+                store
+                    .note_usage_row("2026-12", "a", bound, 0)
+                    .expect("the store answers")
+            );
+            assert!(
+                !store
+                    .note_usage_row("2026-12", "d", bound, 0)
+                    .expect("the store answers")
+            );
             // Another period has its own bound.
-            assert!(store.note_usage_row("2026-11", "d", bound, 0).expect("the store answers"));
+            assert!(
+                store
+                    .note_usage_row("2026-11", "d", bound, 0)
+                    .expect("the store answers")
+            );
         }
         let store = DurableStore::open(&dir).expect("the store answers");
-        let page = store.usage_rows("2026-12", None, 2).expect("the store answers");
+        let page = store
+            .usage_rows("2026-12", None, 2)
+            .expect("the store answers");
         assert_eq!(page.rows, ["a", "b"]);
         let rest = store
             .usage_rows("2026-12", page.next.as_deref(), 2)
             .expect("the store answers");
         assert_eq!(rest.rows, ["c"]);
         assert!(rest.next.is_none());
-        assert_eq!(store.usage_rows("2026-11", None, 9).expect("the store answers").rows, ["d"]);
+        assert_eq!(
+            store
+                .usage_rows("2026-11", None, 9)
+                .expect("the store answers")
+                .rows,
+            ["d"]
+        );
         assert!(
             store
                 .usage_rows("2026-10", None, 9)
@@ -199,7 +223,11 @@ mod tests {
             max_rows: 3,
             kept_until: 200,
         };
-        assert!(store.note_usage_row("2027-01", "x", later, 100).expect("the store answers"));
+        assert!(
+            store
+                .note_usage_row("2027-01", "x", later, 100)
+                .expect("the store answers")
+        );
         assert!(
             store
                 .usage_rows("2026-12", None, 9)
