@@ -60,6 +60,7 @@
 //! # }
 //! ```
 
+mod alerts;
 pub mod answer;
 mod batch;
 mod buffers;
@@ -77,6 +78,7 @@ mod request_id;
 mod runs;
 pub mod tokens;
 
+pub use alerts::{AlertEvent, AlertSink};
 pub use answer::{
     COST_EXCEEDS_LIMIT, EDGE_BODY, JSONRPC_PARSE_ERROR, JSONRPC_RATE_LIMITED, RATELIMIT,
     RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET,

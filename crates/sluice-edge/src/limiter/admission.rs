@@ -138,6 +138,8 @@ impl<S: BudgetStore> Limiter<S> {
             && admitted.is_admitted()
         {
             self.count_admitted(plan, admitted.decided_at()).await;
+            // SPEC O3: a budget it left past an alert's threshold.
+            self.raise_alerts(plan, admitted).await;
         }
         decision
     }
@@ -509,25 +511,29 @@ impl<S: BudgetStore> Limiter<S> {
                 .await,
         );
         let policy = &self.policy;
-        self.charge_with(
-            plan,
-            decision,
-            |i| {
-                let Some(BudgetKind::Bucket(b)) = plan.kinds.get(i) else {
-                    return None;
-                };
-                let tokens = policy.buckets.get(crate::plan::policy_index(*b))?.tokens?;
-                match (&usage, failed) {
-                    (Some(usage), _) => {
-                        crate::tokens::settled_units(&tokens, usage, &policy.prices, plan.price)
+        let settled = self
+            .charge_with(
+                plan,
+                decision,
+                |i| {
+                    let Some(BudgetKind::Bucket(b)) = plan.kinds.get(i) else {
+                        return None;
+                    };
+                    let tokens = policy.buckets.get(crate::plan::policy_index(*b))?.tokens?;
+                    match (&usage, failed) {
+                        (Some(usage), _) => {
+                            crate::tokens::settled_units(&tokens, usage, &policy.prices, plan.price)
+                        }
+                        (None, true) => Some(0),
+                        (None, false) => None,
                     }
-                    (None, true) => Some(0),
-                    (None, false) => None,
-                }
-            },
-            counts,
-        )
-        .await
+                },
+                counts,
+            )
+            .await;
+        // SPEC O3: a budget the settlement left past an alert's threshold.
+        self.raise_alerts(plan, &settled).await;
+        settled
     }
 
     /// Charges each weighted budget `i` of `plan` what `actual(i)` says (`None`:

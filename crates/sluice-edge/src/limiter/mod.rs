@@ -75,6 +75,8 @@ pub struct Limiter<S> {
     pub(crate) runs: Arc<crate::runs::RecentRuns>,
     /// The usage export's rows this process has noted (SPEC O4).
     usage_rows: Arc<usage_export::KnownRows>,
+    /// Where alert events go (SPEC O3), when the policy has alerts.
+    alerts: Option<Arc<dyn crate::AlertSink>>,
 }
 
 /// Why a new policy cannot replace a running one without a restart (see
@@ -121,6 +123,7 @@ impl<S: BudgetStore> Limiter<S> {
             outage_log: Arc::default(),
             runs: Arc::default(),
             usage_rows: Arc::default(),
+            alerts: None,
         }
     }
 
@@ -186,6 +189,7 @@ impl<S: BudgetStore> Limiter<S> {
             outage_log: Arc::clone(&self.outage_log),
             runs: Arc::clone(&self.runs),
             usage_rows: Arc::clone(&self.usage_rows),
+            alerts: self.alerts.clone(),
         })
     }
 
@@ -196,6 +200,32 @@ impl<S: BudgetStore> Limiter<S> {
     pub fn with_lanes(mut self, lanes: Vec<sluice_lanes::Lane>) -> Self {
         self.lanes = lanes;
         self
+    }
+
+    /// The same limiter handing the events of the policy's `alerts:` to `sink`
+    /// (SPEC O3; see [`crate::AlertSink`]). Kept by a [reload](Limiter::reloaded).
+    pub fn with_alerts(mut self, sink: Arc<dyn crate::AlertSink>) -> Self {
+        self.alerts = Some(sink);
+        self
+    }
+
+    /// Offers `sink` the alert events of `plan`'s budgets as `decision` leaves
+    /// them (an admitted decision, or a settlement's): those it does not know yet,
+    /// each waited for until kept.
+    pub(crate) async fn raise_alerts(&self, plan: &crate::Plan, decision: &sluice_core::Decision) {
+        let Some(sink) = &self.alerts else {
+            return;
+        };
+        for event in crate::alerts::events(
+            &self.policy,
+            plan,
+            decision.statuses(),
+            decision.decided_at(),
+        ) {
+            if !sink.knows(&event.id) {
+                sink.offer(event).await;
+            }
+        }
     }
 
     /// The same limiter with `max_bytes` as the bound on request bytes held in
