@@ -17,6 +17,7 @@
 
 mod fillable;
 mod journal;
+mod outbox;
 mod quota;
 mod rows;
 

@@ -300,8 +300,9 @@ impl QuotaBook {
         })
     }
 
-    /// The durable store the book is kept in.
-    pub(crate) fn store(&self) -> &DurableStore {
+    /// The durable store the book is kept in (where other books keep their
+    /// tables too: the batch queue, the gateway's alert outbox).
+    pub fn store(&self) -> &DurableStore {
         &self.shared.store
     }
 
