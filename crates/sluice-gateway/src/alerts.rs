@@ -1,0 +1,528 @@
+//! Alerts (SPEC O3): the outbox the edge hands its alert events to, and the
+//! sender that delivers them to the policy's webhooks.
+//!
+//! **Outbox.** An event is kept before the call that made it is answered: in
+//! the embedded durable store (on disk; with Redis, the replica's own data
+//! directory) and in memory. At most [`MAX_OUTBOX_EVENTS`] are kept; an event
+//! delivered (or given up) stays until its budget's period is over, so that the
+//! same event is never kept twice, and then goes when room is needed. A new
+//! event that finds no room is dropped, counted in
+//! `sluice_alerts_dropped_total{reason="outbox_full"}` and logged. With Redis,
+//! an event is first claimed in Redis (a budget of one, kept until its period
+//! is over): of several replicas that see the same event, one keeps and sends
+//! it.
+//!
+//! **Sender.** One task, sending one event at a time: a POST of the event's
+//! JSON to the alert's URL, with `X-Sluice-Signature: sha256=<hex>` (HMAC-SHA256
+//! of the body under the secret read from the alert's `secret_file` at start)
+//! and `X-Sluice-Event: <id>`, within the alert's `timeout_ms`. A 2xx delivers
+//! it; anything else (an error status, a redirect, no answer in time, no
+//! connection) is tried again after `retry_ms`, doubled each time up to
+//! `max_retry_ms`, for at most [`MAX_ATTEMPTS`] tries. At rest it waits on the
+//! outbox's signal or the next retry's time: it never polls. A delivery never
+//! delays a request: requests only wait for an event to be kept.
+//!
+//! Delivery is at least once: a process killed after a webhook answered 2xx
+//! and before the outbox noted it sends that event again when it starts; the
+//! `X-Sluice-Event` id (the same for the same event) lets the receiver drop it.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use parking_lot::Mutex;
+use sluice_edge::{AlertEvent, AlertSink};
+use sluice_store::DurableStore;
+use tokio::sync::Notify;
+
+use crate::Stop;
+
+/// The most events the outbox keeps.
+pub const MAX_OUTBOX_EVENTS: usize = 10_000;
+
+/// The most tries of one event's delivery.
+pub const MAX_ATTEMPTS: u32 = 64;
+
+/// The most events `/status` lists.
+const RECENT: usize = 50;
+
+/// Where an event stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum State {
+    /// To be sent (again) at `next_at_ms`.
+    Pending,
+    /// A 2xx answered it.
+    Delivered,
+    /// [`MAX_ATTEMPTS`] tries failed.
+    GaveUp,
+    /// Another replica claimed it (kept in memory only, to skip it).
+    Elsewhere,
+}
+
+/// An event in the outbox.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Entry {
+    event: AlertEvent,
+    state: State,
+    attempts: u32,
+    /// Unix milliseconds of the next try (pending).
+    next_at_ms: u64,
+    /// What the last try met (`200`, `500`, `timed out`, …).
+    last: Option<String>,
+}
+
+/// Claims an event in the shared store: true when this replica is to send it.
+pub(crate) type Claim =
+    Arc<dyn Fn(AlertEvent) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
+
+/// The outbox (see the module).
+pub(crate) struct Outbox {
+    entries: Mutex<BTreeMap<String, Entry>>,
+    disk: Option<DurableStore>,
+    claim: Mutex<Option<Claim>>,
+    wake: Notify,
+    max: usize,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Outbox {
+    /// An outbox on `disk` (none: in memory only), with the events kept there
+    /// read back: those still pending are sent again at once.
+    ///
+    /// # Errors
+    /// The store's, when its outbox cannot be read.
+    pub(crate) fn open(disk: Option<DurableStore>) -> Result<Arc<Outbox>, String> {
+        let mut entries = BTreeMap::new();
+        if let Some(disk) = &disk {
+            let records = disk
+                .outbox_read(MAX_OUTBOX_EVENTS)
+                .map_err(|e| e.to_string())?;
+            for (id, bytes) in records {
+                match serde_json::from_slice::<Entry>(&bytes) {
+                    Ok(mut entry) => {
+                        if entry.state == State::Pending {
+                            entry.next_at_ms = 0;
+                        }
+                        entries.insert(id, entry);
+                    }
+                    Err(e) => {
+                        tracing::warn!(id, error = %e, "alert outbox: an unreadable event is skipped")
+                    }
+                }
+            }
+        }
+        Ok(Arc::new(Outbox {
+            entries: Mutex::new(entries),
+            disk,
+            claim: Mutex::new(None),
+            wake: Notify::new(),
+            max: MAX_OUTBOX_EVENTS,
+        }))
+    }
+
+    /// Claims each new event in the shared store with `claim` first (replicas on
+    /// Redis).
+    pub(crate) fn set_claim(&self, claim: Claim) {
+        *self.claim.lock() = Some(claim);
+    }
+
+    /// Writes `entry` to disk (off the async workers), then keeps it in memory.
+    async fn keep(&self, entry: Entry) {
+        if let Some(disk) = &self.disk {
+            let disk = disk.clone();
+            let id = entry.event.id.clone();
+            let bytes = serde_json::to_vec(&entry).unwrap_or_default();
+            let written =
+                tokio::task::spawn_blocking(move || disk.outbox_write(&[(&id, &bytes)], &[])).await;
+            if !matches!(written, Ok(Ok(()))) {
+                metrics::counter!("sluice_alert_outbox_write_failures_total").increment(1);
+                tracing::warn!(id = %entry.event.id, "alert outbox: the event could not be written to disk; kept in memory");
+            }
+        }
+        self.entries.lock().insert(entry.event.id.clone(), entry);
+    }
+
+    /// Room for one more event: entries done whose period is over go (from disk
+    /// too). False when there is none.
+    async fn make_room(&self) -> bool {
+        let now = now_ms() / 1000;
+        let gone: Vec<String> = {
+            let mut entries = self.entries.lock();
+            if entries.len() < self.max {
+                return true;
+            }
+            let gone: Vec<String> = entries
+                .iter()
+                .filter(|(_, e)| e.state != State::Pending && e.event.period_ends_at < now)
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in &gone {
+                entries.remove(id);
+            }
+            gone
+        };
+        if let (Some(disk), false) = (&self.disk, gone.is_empty()) {
+            let disk = disk.clone();
+            let gone2 = gone.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                let keys: Vec<&str> = gone2.iter().map(String::as_str).collect();
+                disk.outbox_write(&[], &keys)
+            })
+            .await;
+        }
+        self.entries.lock().len() < self.max
+    }
+
+    /// The earliest pending event due at or before `now` (Unix ms), or when the
+    /// next one is due.
+    fn due(&self, now: u64) -> Result<Entry, Option<u64>> {
+        let entries = self.entries.lock();
+        let next = entries
+            .values()
+            .filter(|e| e.state == State::Pending)
+            .min_by_key(|e| (e.next_at_ms, e.event.at));
+        match next {
+            Some(e) if e.next_at_ms <= now => Ok(e.clone()),
+            Some(e) => Err(Some(e.next_at_ms)),
+            None => Err(None),
+        }
+    }
+
+    /// The events most recently made, newest first, at most [`RECENT`], as
+    /// `/status` lists them.
+    pub(crate) fn recent(&self) -> serde_json::Value {
+        let entries = self.entries.lock();
+        let mut recent: Vec<&Entry> = entries.values().collect();
+        recent.sort_by_key(|e| std::cmp::Reverse((e.event.at, e.event.id.clone())));
+        recent
+            .into_iter()
+            .take(RECENT)
+            .map(|e| {
+                serde_json::json!({
+                    "id": e.event.id,
+                    "workspace": e.event.workspace,
+                    "budget": e.event.budget,
+                    "threshold": f64::from(e.event.threshold_permille) / 1000.0,
+                    "used": e.event.used,
+                    "limit": e.event.limit,
+                    "at": e.event.at,
+                    "state": e.state,
+                    "attempts": e.attempts,
+                    "last": e.last,
+                })
+            })
+            .collect()
+    }
+}
+
+impl AlertSink for Outbox {
+    fn knows(&self, id: &str) -> bool {
+        self.entries.lock().contains_key(id)
+    }
+
+    fn offer<'a>(&'a self, event: AlertEvent) -> Pin<Box<dyn Future<Output = ()> + Send + 'a>> {
+        Box::pin(async move {
+            if self.knows(&event.id) {
+                return;
+            }
+            let claim = self.claim.lock().clone();
+            if let Some(claim) = claim
+                && !claim(event.clone()).await
+            {
+                self.entries.lock().insert(
+                    event.id.clone(),
+                    Entry {
+                        event,
+                        state: State::Elsewhere,
+                        attempts: 0,
+                        next_at_ms: 0,
+                        last: None,
+                    },
+                );
+                return;
+            }
+            if !self.make_room().await {
+                metrics::counter!("sluice_alerts_dropped_total", "reason" => "outbox_full")
+                    .increment(1);
+                tracing::warn!(id = %event.id, budget = %event.budget, workspace = %event.workspace, "alert outbox full ({MAX_OUTBOX_EVENTS} events): event dropped");
+                return;
+            }
+            self.keep(Entry {
+                event,
+                state: State::Pending,
+                attempts: 0,
+                next_at_ms: 0,
+                last: None,
+            })
+            .await;
+            self.wake.notify_one();
+        })
+    }
+}
+
+/// Where one alert's events go, as the sender needs it.
+#[derive(Clone)]
+pub(crate) struct Target {
+    url: http::Uri,
+    secret: Arc<[u8]>,
+    timeout: Duration,
+    retry: Duration,
+    max_retry: Duration,
+}
+
+/// The targets of `policy`'s alerts, in its order, each with its secret read
+/// from its file (relative to `base`, the policy file's directory, when not
+/// absolute).
+///
+/// # Errors
+/// A message naming the file that cannot be read or is empty.
+pub(crate) fn targets(policy: &sluice_policy::Policy, base: &Path) -> Result<Vec<Target>, String> {
+    policy
+        .alerts
+        .iter()
+        .enumerate()
+        .map(|(n, a)| {
+            let file = if a.secret_file.is_absolute() {
+                a.secret_file.clone()
+            } else {
+                base.join(&a.secret_file)
+            };
+            let secret = std::fs::read(&file)
+                .map_err(|e| format!("alerts[{n}].secret_file {}: {e}", file.display()))?;
+            let secret: Vec<u8> = secret.trim_ascii().to_vec();
+            if secret.is_empty() {
+                return Err(format!(
+                    "alerts[{n}].secret_file {} is empty",
+                    file.display()
+                ));
+            }
+            let url = a
+                .url
+                .parse::<http::Uri>()
+                .map_err(|e| format!("alerts[{n}].url: {e}"))?;
+            Ok(Target {
+                url,
+                secret: secret.into(),
+                timeout: a.timeout,
+                retry: a.retry,
+                max_retry: a.max_retry,
+            })
+        })
+        .collect()
+}
+
+/// HMAC-SHA256 of `message` under `key` (RFC 2104).
+pub(crate) fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
+    use sha2::{Digest as _, Sha256};
+    let mut block = [0u8; 64];
+    if key.len() > 64 {
+        block[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        block[..key.len()].copy_from_slice(key);
+    }
+    let pad = |byte: u8| block.map(|b| b ^ byte);
+    let inner = Sha256::new()
+        .chain_update(pad(0x36))
+        .chain_update(message)
+        .finalize();
+    Sha256::new()
+        .chain_update(pad(0x5c))
+        .chain_update(inner)
+        .finalize()
+        .into()
+}
+
+/// Sends the outbox's events to `targets` until `stop`.
+pub(crate) async fn send(outbox: Arc<Outbox>, targets: Vec<Target>, stop: Stop) {
+    let tls = std::sync::OnceLock::new();
+    let stopped = stop.wait();
+    tokio::pin!(stopped);
+    loop {
+        let now = now_ms();
+        let entry = match outbox.due(now) {
+            Ok(entry) => entry,
+            Err(next) => {
+                let wait = next.map(|at| Duration::from_millis(at.saturating_sub(now)));
+                tokio::select! {
+                    () = &mut stopped => return,
+                    () = outbox.wake.notified() => {}
+                    () = sleep_or_forever(wait) => {}
+                }
+                continue;
+            }
+        };
+        let Some(target) = targets.get(entry.event.alert) else {
+            // An alert the policy no longer has: nowhere to send it.
+            outbox
+                .finish(entry, State::GaveUp, "no such alert".to_owned())
+                .await;
+            continue;
+        };
+        let result = tokio::select! {
+            () = &mut stopped => return,
+            r = deliver(target, &entry.event, &tls) => r,
+        };
+        match result {
+            Ok(status) if (200..300).contains(&status) => {
+                metrics::counter!("sluice_alerts_sent_total").increment(1);
+                outbox
+                    .finish(entry, State::Delivered, status.to_string())
+                    .await;
+            }
+            other => {
+                let what = match other {
+                    Ok(status) => status.to_string(),
+                    Err(e) => e,
+                };
+                metrics::counter!("sluice_alert_delivery_failures_total").increment(1);
+                outbox.retry(entry, target, what).await;
+            }
+        }
+    }
+}
+
+async fn sleep_or_forever(wait: Option<Duration>) {
+    match wait {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Outbox {
+    /// Notes `entry` as `state` after a try that met `last`.
+    async fn finish(&self, mut entry: Entry, state: State, last: String) {
+        entry.state = state;
+        entry.attempts += 1;
+        entry.last = Some(last);
+        self.keep(entry).await;
+    }
+
+    /// Notes a failed try of `entry` and when it is tried again (or that it is
+    /// given up, after [`MAX_ATTEMPTS`]).
+    async fn retry(&self, mut entry: Entry, target: &Target, last: String) {
+        entry.attempts += 1;
+        if entry.attempts >= MAX_ATTEMPTS {
+            metrics::counter!("sluice_alerts_dropped_total", "reason" => "gave_up").increment(1);
+            tracing::warn!(id = %entry.event.id, last = %last, "alert given up after {MAX_ATTEMPTS} tries");
+            entry.state = State::GaveUp;
+        } else {
+            let shift = (entry.attempts - 1).min(30);
+            let wait = target
+                .retry
+                .saturating_mul(1 << shift)
+                .min(target.max_retry);
+            entry.next_at_ms = now_ms() + u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+        }
+        entry.last = Some(last);
+        self.keep(entry).await;
+    }
+}
+
+/// One POST of `event` to `target`: the status, or what went wrong.
+async fn deliver(
+    target: &Target,
+    event: &AlertEvent,
+    tls: &std::sync::OnceLock<Result<crate::tls::UpstreamTls, String>>,
+) -> Result<u16, String> {
+    let body = event.body();
+    let signature: String = hmac_sha256(&target.secret, body.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let url = &target.url;
+    let host = url.host().ok_or("no host")?.to_owned();
+    let https = url.scheme_str() == Some("https");
+    let port = url.port_u16().unwrap_or(if https { 443 } else { 80 });
+    let authority = url
+        .authority()
+        .map_or_else(|| host.clone(), |a| a.as_str().to_owned());
+    let request = http::Request::post(url.path_and_query().map_or("/", |p| p.as_str()))
+        .header(http::header::HOST, authority)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(http::header::USER_AGENT, "sluice-alerts")
+        .header("x-sluice-event", &event.id)
+        .header("x-sluice-signature", format!("sha256={signature}"))
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let exchange = async {
+        let host_name = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let tcp = tokio::net::TcpStream::connect((host_name.as_str(), port))
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        if https {
+            let tls = tls
+                .get_or_init(crate::tls::UpstreamTls::system_roots)
+                .as_ref()
+                .map_err(Clone::clone)?;
+            let name = rustls::pki_types::ServerName::try_from(host_name)
+                .map_err(|e| format!("server name: {e}"))?;
+            let stream = tls
+                .connector()
+                .connect(name, tcp)
+                .await
+                .map_err(|e| format!("tls: {e}"))?;
+            post(hyper_util::rt::TokioIo::new(stream), request).await
+        } else {
+            post(hyper_util::rt::TokioIo::new(tcp), request).await
+        }
+    };
+    tokio::time::timeout(target.timeout, exchange)
+        .await
+        .map_err(|_| "timed out".to_owned())?
+}
+
+/// Sends `request` over `io` (HTTP/1.1) and returns the answer's status.
+async fn post<I>(io: I, request: http::Request<Full<Bytes>>) -> Result<u16, String>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    let driver = tokio::spawn(conn);
+    let answer = sender.send_request(request).await;
+    driver.abort();
+    answer
+        .map(|r| r.status().as_u16())
+        .map_err(|e| format!("request: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hmac_sha256_is_rfc_4231s() {
+        // RFC 4231, test case 2.
+        let mac = hmac_sha256(b"Jefe", b"what do ya want for nothing?");
+        let hex: String = mac.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        // Test case 6: a key longer than a block.
+        let mac = hmac_sha256(
+            &[0xaa; 131],
+            b"Test Using Larger Than Block-Size Key - Hash Key First",
+        );
+        let hex: String = mac.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+        );
+    }
+}
