@@ -22,6 +22,7 @@ use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
 use serde_json::Value;
+use support::redis::RedisServer;
 use support::{DataDir, Sluice, get, send};
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpListener;
@@ -412,4 +413,57 @@ async fn o3_a_webhook_that_hangs_redirects_or_fails_never_slows_a_request() {
         assert_eq!(events(&sluice).await.len(), 6);
         assert!(started.elapsed() < Duration::from_secs(5));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn o3_two_replicas_on_one_redis_send_each_event_once() {
+    let redis = RedisServer::start("o3-replicas");
+    let mode = Arc::new(AtomicU8::new(OK));
+    let (hook, mut rx) = receiver(Arc::clone(&mode)).await;
+    let up = upstream().await;
+    // Each replica its own data dir (its outbox), both on one Redis.
+    let (a, b) = (DataDir::new(), DataDir::new());
+    let url = redis.url();
+    let replica = |data: &DataDir| {
+        let mut args = setup(data, hook, up, 2_000);
+        args.extend(["--store".to_owned(), url.clone()]);
+        spawn(&args)
+    };
+    let replicas = [replica(&a), replica(&b)];
+    // One workspace's calls alternate between the replicas: the 8th (on one)
+    // and the 9th (on the other) both leave the budget past 80 %, so both make
+    // that event; one claims it in Redis and sends it.
+    for n in 0..12 {
+        let (status, _) = message(&replicas[n % 2], "sk-a").await;
+        assert_eq!(status, if n < 10 { 200 } else { 429 }, "call {n}");
+    }
+    let deliveries = until_delivered(&mut rx, 2).await;
+    let by_id = delivered(&deliveries);
+    assert_eq!(by_id.len(), 2, "{deliveries:?}");
+    assert!(by_id.values().all(|t| t.len() == 1), "{deliveries:?}");
+    let sent: usize = {
+        let mut delivered_total = 0;
+        for r in &replicas {
+            delivered_total += events(r)
+                .await
+                .iter()
+                .filter(|e| e["state"] == "delivered" || e["state"] == "pending")
+                .count();
+        }
+        delivered_total
+    };
+    assert_eq!(sent, 2, "two events kept to send, across both replicas");
+    let elsewhere: usize = {
+        let mut n = 0;
+        for r in &replicas {
+            n += events(r)
+                .await
+                .iter()
+                .filter(|e| e["state"] == "elsewhere")
+                .count();
+        }
+        n
+    };
+    assert_eq!(elsewhere, 1, "the 80 % event, made twice, claimed once");
+    assert!(rx.try_recv().is_err(), "no more deliveries");
 }
