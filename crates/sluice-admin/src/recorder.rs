@@ -107,6 +107,22 @@ fn describe_metrics() {
         "Weighted-budget charges (X-Sluice-Cost) the store could not apply after the upstream answered."
     );
     metrics::describe_counter!(
+        "sluice_alerts_sent_total",
+        "Alert events a webhook took (answered 2xx) (SPEC O3)."
+    );
+    metrics::describe_counter!(
+        "sluice_alert_delivery_failures_total",
+        "Alert deliveries that failed (an error status, a redirect, a timeout, no connection), each retried with backoff."
+    );
+    metrics::describe_counter!(
+        "sluice_alerts_dropped_total",
+        "Alert events not kept (reason outbox_full) or given up after their last try (reason gave_up)."
+    );
+    metrics::describe_counter!(
+        "sluice_alert_outbox_write_failures_total",
+        "Alert events that could not be written to disk (kept in memory only)."
+    );
+    metrics::describe_counter!(
         "sluice_usage_export_failures_total",
         "Counts of the usage export (SPEC O4) lost: a row the store could not note, or a call's row counts it could not take."
     );

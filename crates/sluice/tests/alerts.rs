@@ -467,3 +467,55 @@ async fn o3_two_replicas_on_one_redis_send_each_event_once() {
     assert_eq!(elsewhere, 1, "the 80 % event, made twice, claimed once");
     assert!(rx.try_recv().is_err(), "no more deliveries");
 }
+
+#[test]
+fn o3_sluice_check_describes_alerts_and_refuses_a_missing_or_empty_secret() {
+    use support::run_to_exit;
+    let data = DataDir::new();
+    let hook: SocketAddr = "127.0.0.1:9".parse().expect("addr");
+    let args = setup(&data, hook, hook, 2_000);
+    let policy = args[1].clone();
+    let checked = std::process::Command::new(support::binary())
+        .args(["check", &policy])
+        .output()
+        .expect("sluice check");
+    let out = String::from_utf8_lossy(&checked.stdout);
+    assert!(checked.status.success(), "{out}");
+    assert!(
+        out.contains("alert: POST http://127.0.0.1:9/hooks/sluice when messages passes 80%, 100% of its limit"),
+        "{out}"
+    );
+    std::fs::write(data.0.join("alert-secret"), "  \n").expect("secret");
+    let empty = run_to_exit(&["check", &policy], Duration::from_secs(30));
+    assert_eq!(empty.status.code(), Some(2), "{}", empty.stderr);
+    assert!(
+        empty.stderr.contains("alerts[0].secret_file"),
+        "{}",
+        empty.stderr
+    );
+    std::fs::remove_file(data.0.join("alert-secret")).expect("remove");
+    let missing = run_to_exit(&["check", &policy], Duration::from_secs(30));
+    assert_eq!(missing.status.code(), Some(2), "{}", missing.stderr);
+    assert!(
+        missing.stderr.contains("alert-secret"),
+        "{}",
+        missing.stderr
+    );
+    // serve refuses to start without it, naming it.
+    let serve = run_to_exit(
+        &[
+            "serve",
+            "--config",
+            &policy,
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.arg(),
+        ],
+        Duration::from_secs(30),
+    );
+    assert_ne!(serve.status.code(), Some(0));
+    assert!(serve.stderr.contains("alert-secret"), "{}", serve.stderr);
+}
