@@ -133,3 +133,19 @@ async fn o3_the_80_and_100_percent_events_are_made_once_each_per_workspace_and_p
     assert_eq!(told.len(), 4, "{told:?}");
     assert!(told[3].period_ends_at > told[0].period_ends_at);
 }
+
+#[tokio::test]
+async fn o3_a_reload_that_changes_the_alerts_is_refused_one_that_keeps_them_is_taken() {
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let limiter = limiter(&clock, Arc::new(Recorded::default()));
+    let same = limiter.policy().clone();
+    assert!(limiter.reloaded(same.clone()).is_ok());
+    let mut changed = same;
+    if let Some(a) = changed.alerts.first_mut() {
+        a.at_permille = vec![500];
+    }
+    assert_eq!(
+        limiter.reloaded(changed).err(),
+        Some(sluice_edge::ReloadRefused::Alerts)
+    );
+}

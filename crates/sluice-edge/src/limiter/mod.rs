@@ -91,6 +91,12 @@ pub enum ReloadRefused {
         "lanes: the guarded lanes changed ({0}); a lane's running calls and batch queue live in its engine: restart sluice to apply"
     )]
     Lanes(String),
+    /// The alerts changed (SPEC O3): their webhooks and secrets are read, and
+    /// their sender started, when sluice starts.
+    #[error(
+        "alerts: the webhooks changed; they are read (with their secrets) when sluice starts: restart sluice to apply"
+    )]
+    Alerts,
 }
 
 /// A limiter that can be replaced while requests run (a policy reload): each request
@@ -157,6 +163,9 @@ impl<S: BudgetStore> Limiter<S> {
                 format!("[{}] became [{}]", names(&self.policy), names(&policy))
             };
             return Err(ReloadRefused::Lanes(what));
+        }
+        if policy.alerts != self.policy.alerts {
+            return Err(ReloadRefused::Alerts);
         }
         // A lane shared through a ledger was built with its outage rule, which the
         // routes and tools that name it decide.
