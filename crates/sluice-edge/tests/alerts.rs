@@ -149,3 +149,70 @@ async fn o3_a_reload_that_changes_the_alerts_is_refused_one_that_keeps_them_is_t
         Some(sluice_edge::ReloadRefused::Alerts)
     );
 }
+
+/// A token budget's events come from the settlement that passes a threshold,
+/// with what the call really spent (the upstream's usage), not its reservation.
+#[tokio::test]
+async fn o3_a_token_budget_passes_its_thresholds_at_the_settlement() {
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let sink = Arc::new(Recorded::default());
+    let yaml = "
+profile: p
+window_seconds: 3600
+profiles:
+  p:
+    classes: { llm: 1000 }
+identity:
+  credentials: [bearer]
+tokens:
+  team: { per: workspace, limit: 1000, monthly: true }
+routes:
+  - { method: POST, path: /v1/chat/completions, class: llm, llm: openai, tokens: [team] }
+alerts:
+  - { url: 'http://127.0.0.1:9/hook', at: [0.5, 1.0], budgets: [team], secret_file: s }
+";
+    let policy = sluice_policy::parse_str(yaml, Path::new("alerts.yaml")).expect("policy");
+    let limiter = Limiter::new(
+        policy,
+        MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),
+    )
+    .with_alerts(Arc::clone(&sink) as Arc<dyn AlertSink>);
+    let usage = sluice_tokens::Usage {
+        prompt: 20,
+        completion: 230,
+        cached_input: 0,
+        rate_exempt_input: 0,
+    };
+    let mut headers = HeaderMap::new();
+    headers.insert("authorization", HeaderValue::from_static("Bearer k"));
+    let body = serde_json::json!({"model": "gpt-4o", "max_tokens": 1,
+        "messages": [{"role": "user", "content": "Say hi."}]})
+    .to_string();
+    let path = "/v1/chat/completions";
+    let mut told = Vec::new();
+    for n in 1..=4 {
+        let route =
+            limiter.route_head(&Method::POST, Version::HTTP_2, [], Ok(path), Some(&headers));
+        let mut intake = limiter.intake(route, PEER);
+        intake.set_path(path);
+        let Ok(forward) = intake
+            .planned(&headers, None, Some(body.as_bytes()))
+            .admit(None)
+            .await
+        else {
+            panic!("call {n} refused");
+        };
+        let (plan, decision) = forward.settlement().expect("an LLM call");
+        limiter
+            .settle_usage(&plan, decision, Some(usage), false)
+            .await;
+        let events = sink.0.lock().map(|e| e.clone()).unwrap_or_default();
+        told.push(events.len());
+        if n == 2 {
+            // 2 × 250 settled: exactly half, told at the settlement.
+            assert_eq!(events[0].threshold_permille, 500);
+            assert_eq!(events[0].used, 500, "{events:?}");
+        }
+    }
+    assert_eq!(told, [0, 1, 1, 2]);
+}
