@@ -8,9 +8,11 @@
 //! same event is never kept twice, and then goes when room is needed. A new
 //! event that finds no room is dropped, counted in
 //! `sluice_alerts_dropped_total{reason="outbox_full"}` and logged. With Redis,
-//! an event is first claimed in Redis (a budget of one, kept until its period
-//! is over): of several replicas that see the same event, one keeps and sends
-//! it.
+//! an event is kept as `claiming`, then claimed in Redis (in one decision: the
+//! event's budget of one, and this replica's own mark of it, both kept until its
+//! period is over): of several replicas that see the same event, one sends it.
+//! A replica killed between keeping and claiming claims again when it starts,
+//! and finds by its own mark whether the claim was its: no event is lost.
 //!
 //! **Sender.** One task, sending one event at a time: a POST of the event's
 //! JSON to the alert's URL, with `X-Sluice-Signature: sha256=<hex>` (HMAC-SHA256
@@ -61,8 +63,11 @@ enum State {
     Delivered,
     /// [`MAX_ATTEMPTS`] tries failed.
     GaveUp,
-    /// Another replica claimed it (kept in memory only, to skip it).
+    /// Another replica claimed it.
     Elsewhere,
+    /// Kept, and to be claimed in the shared store before it is sent (replicas
+    /// on Redis).
+    Claiming,
 }
 
 /// An event in the outbox.
@@ -77,17 +82,59 @@ struct Entry {
     last: Option<String>,
 }
 
-/// Claims an event in the shared store: true when this replica is to send it.
+/// Claims an event for replica `u64` in the shared store: true when this replica
+/// is to send it (claimed now, or by it before).
 pub(crate) type Claim =
-    Arc<dyn Fn(AlertEvent) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
+    Arc<dyn Fn(AlertEvent, u64) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
+
+/// Claims `event` for `replica` in `store` (see [`Claim`]): in one decision, the
+/// event's budget of one and the replica's own mark of it, both kept a day past
+/// the event's period. True when both were spent now, or when the event was
+/// claimed before and the replica's mark is spent (it claimed it before a
+/// restart), or when the store cannot answer (better sent twice than never).
+pub(crate) async fn claim_in<S: sluice_store::BudgetStore>(
+    store: &S,
+    event: &AlertEvent,
+    replica: u64,
+) -> bool {
+    let id = u64::from_str_radix(&event.id, 16).unwrap_or(0);
+    let budget = |scope: &[u8]| sluice_core::Budget {
+        key: sluice_core::BudgetKey::from_digests(sluice_core::digest(scope), id),
+        rate: sluice_core::Rate::until(event.period_ends_at.saturating_add(86_400)),
+        limit: 1,
+        cost: 1,
+    };
+    let claim = budget(b"alert-claim");
+    let mark = budget(format!("alert-claim:{replica:016x}").as_bytes());
+    match store.decide(&[claim, mark]).await {
+        Ok(d) if d.is_admitted() => true,
+        Ok(_) => store.peek(&[mark]).await.map_or(true, |d| {
+            d.statuses().first().is_some_and(|s| s.remaining == 0)
+        }),
+        Err(_) => true,
+    }
+}
+
+/// The outbox record holding this replica's id (see [`Claim`]).
+const REPLICA_KEY: &str = "~replica";
 
 /// The outbox (see the module).
 pub(crate) struct Outbox {
     entries: Mutex<BTreeMap<String, Entry>>,
     disk: Option<DurableStore>,
     claim: Mutex<Option<Claim>>,
+    /// This replica's id in claims: random, kept in the outbox across restarts.
+    replica: u64,
     wake: Notify,
     max: usize,
+}
+
+/// A random id (from the standard library's randomly keyed hasher), never 0.
+fn random_id() -> u64 {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(u128::from(now_ms()) << 32 | u128::from(std::process::id()));
+    h.finish().max(1)
 }
 
 fn now_ms() -> u64 {
@@ -104,11 +151,18 @@ impl Outbox {
     /// The store's, when its outbox cannot be read.
     pub(crate) fn open(disk: Option<DurableStore>) -> Result<Arc<Outbox>, String> {
         let mut entries = BTreeMap::new();
+        let mut replica = None;
         if let Some(disk) = &disk {
             let records = disk
-                .outbox_read(MAX_OUTBOX_EVENTS)
+                .outbox_read(MAX_OUTBOX_EVENTS + 1)
                 .map_err(|e| e.to_string())?;
             for (id, bytes) in records {
+                if id == REPLICA_KEY {
+                    replica = <[u8; 8]>::try_from(bytes.as_slice())
+                        .ok()
+                        .map(u64::from_le_bytes);
+                    continue;
+                }
                 match serde_json::from_slice::<Entry>(&bytes) {
                     Ok(mut entry) => {
                         if entry.state == State::Pending {
@@ -122,10 +176,21 @@ impl Outbox {
                 }
             }
         }
+        let replica = match (replica, &disk) {
+            (Some(id), _) => id,
+            (None, Some(disk)) => {
+                let id = random_id();
+                disk.outbox_write(&[(REPLICA_KEY, &id.to_le_bytes())], &[])
+                    .map_err(|e| e.to_string())?;
+                id
+            }
+            (None, None) => random_id(),
+        };
         Ok(Arc::new(Outbox {
             entries: Mutex::new(entries),
             disk,
             claim: Mutex::new(None),
+            replica,
             wake: Notify::new(),
             max: MAX_OUTBOX_EVENTS,
         }))
@@ -164,7 +229,10 @@ impl Outbox {
             }
             let gone: Vec<String> = entries
                 .iter()
-                .filter(|(_, e)| e.state != State::Pending && e.event.period_ends_at < now)
+                .filter(|(_, e)| {
+                    !matches!(e.state, State::Pending | State::Claiming)
+                        && e.event.period_ends_at < now
+                })
                 .map(|(id, _)| id.clone())
                 .collect();
             for id in &gone {
@@ -190,7 +258,7 @@ impl Outbox {
         let entries = self.entries.lock();
         let next = entries
             .values()
-            .filter(|e| e.state == State::Pending)
+            .filter(|e| matches!(e.state, State::Pending | State::Claiming))
             .min_by_key(|e| (e.next_at_ms, e.event.at));
         match next {
             Some(e) if e.next_at_ms <= now => Ok(e.clone()),
@@ -236,36 +304,29 @@ impl AlertSink for Outbox {
             if self.knows(&event.id) {
                 return;
             }
-            let claim = self.claim.lock().clone();
-            if let Some(claim) = claim
-                && !claim(event.clone()).await
-            {
-                self.entries.lock().insert(
-                    event.id.clone(),
-                    Entry {
-                        event,
-                        state: State::Elsewhere,
-                        attempts: 0,
-                        next_at_ms: 0,
-                        last: None,
-                    },
-                );
-                return;
-            }
             if !self.make_room().await {
                 metrics::counter!("sluice_alerts_dropped_total", "reason" => "outbox_full")
                     .increment(1);
                 tracing::warn!(id = %event.id, budget = %event.budget, workspace = %event.workspace, "alert outbox full ({MAX_OUTBOX_EVENTS} events): event dropped");
                 return;
             }
-            self.keep(Entry {
+            let shared = self.claim.lock().is_some();
+            let entry = Entry {
                 event,
-                state: State::Pending,
+                state: if shared {
+                    State::Claiming
+                } else {
+                    State::Pending
+                },
                 attempts: 0,
                 next_at_ms: 0,
                 last: None,
-            })
-            .await;
+            };
+            // Kept first: a crash from here on leaves it to be claimed again.
+            self.keep(entry.clone()).await;
+            if shared {
+                self.resolve_claim(entry).await;
+            }
             self.wake.notify_one();
         })
     }
@@ -362,6 +423,11 @@ pub(crate) async fn send(outbox: Arc<Outbox>, targets: Vec<Target>, stop: Stop) 
                 continue;
             }
         };
+        if entry.state == State::Claiming {
+            // Kept by a replica killed before it claimed it: claim it now.
+            outbox.resolve_claim(entry).await;
+            continue;
+        }
         let Some(target) = targets.get(entry.event.alert) else {
             // An alert the policy no longer has: nowhere to send it.
             outbox
@@ -400,6 +466,22 @@ async fn sleep_or_forever(wait: Option<Duration>) {
 }
 
 impl Outbox {
+    /// Claims a `claiming` entry in the shared store: pending when it is this
+    /// replica's to send, `elsewhere` when another's.
+    async fn resolve_claim(&self, mut entry: Entry) {
+        let claim = self.claim.lock().clone();
+        let mine = match claim {
+            Some(claim) => claim(entry.event.clone(), self.replica).await,
+            None => true,
+        };
+        entry.state = if mine {
+            State::Pending
+        } else {
+            State::Elsewhere
+        };
+        self.keep(entry).await;
+    }
+
     /// Notes `entry` as `state` after a try that met `last`.
     async fn finish(&self, mut entry: Entry, state: State, last: String) {
         entry.state = state;
@@ -504,6 +586,95 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn event(id: &str) -> AlertEvent {
+        AlertEvent {
+            id: id.to_owned(),
+            alert: 0,
+            workspace: "acme".to_owned(),
+            budget: "messages".to_owned(),
+            threshold_permille: 800,
+            used: 8,
+            limit: 10,
+            period_ends_at: u64::MAX / 4,
+            at: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn o3_an_event_is_claimed_by_one_replica_which_finds_its_claim_again_after_a_restart() {
+        let store = sluice_store::MemoryStore::new(sluice_store::MemoryConfig::default());
+        let e = event("00000000000000aa");
+        assert!(claim_in(&store, &e, 1).await, "the first claims it");
+        assert!(!claim_in(&store, &e, 2).await, "another replica does not");
+        assert!(
+            claim_in(&store, &e, 1).await,
+            "the first again, as after a restart"
+        );
+        assert!(
+            claim_in(&store, &event("00000000000000bb"), 2).await,
+            "each event apart"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn o3_an_event_kept_but_not_claimed_before_a_crash_is_claimed_when_the_outbox_opens() {
+        let dir = std::env::temp_dir().join(format!(
+            "sluice-alerts-claim-{}-{}",
+            std::process::id(),
+            now_ms()
+        ));
+        let store = Arc::new(sluice_store::MemoryStore::new(
+            sluice_store::MemoryConfig::default(),
+        ));
+        let claim = |store: Arc<sluice_store::MemoryStore>| -> Claim {
+            Arc::new(move |e: AlertEvent, replica: u64| {
+                let store = Arc::clone(&store);
+                Box::pin(async move { claim_in(&*store, &e, replica).await })
+            })
+        };
+        let replica = {
+            let outbox =
+                Outbox::open(Some(DurableStore::open(&dir).expect("open"))).expect("outbox");
+            outbox.set_claim(claim(Arc::clone(&store)));
+            // Kept as claiming; its claim reaches the store, and the process dies
+            // before it notes it.
+            outbox
+                .keep(Entry {
+                    event: event("00000000000000cc"),
+                    state: State::Claiming,
+                    attempts: 0,
+                    next_at_ms: 0,
+                    last: None,
+                })
+                .await;
+            // And one it kept and claimed.
+            outbox.offer(event("00000000000000dd")).await;
+            assert!(claim_in(&*store, &event("00000000000000cc"), outbox.replica).await);
+            outbox.replica
+        };
+        // Started again on the same data dir: the same replica id; the event it
+        // had kept is claimed (its own mark is spent) and waits to be sent.
+        let outbox = Outbox::open(Some(DurableStore::open(&dir).expect("reopen"))).expect("outbox");
+        assert_eq!(outbox.replica, replica);
+        outbox.set_claim(claim(Arc::clone(&store)));
+        let due = outbox
+            .due(now_ms())
+            .map_err(|_| "nothing due")
+            .expect("due");
+        assert_eq!(due.state, State::Claiming);
+        outbox.resolve_claim(due).await;
+        let states: Vec<State> = outbox.entries.lock().values().map(|e| e.state).collect();
+        assert_eq!(states, [State::Pending, State::Pending]);
+        // Another replica's outbox, offered the same event, finds it claimed.
+        let other = Outbox::open(None).expect("outbox");
+        other.set_claim(claim(Arc::clone(&store)));
+        other.offer(event("00000000000000cc")).await;
+        let states: Vec<State> = other.entries.lock().values().map(|e| e.state).collect();
+        assert_eq!(states, [State::Elsewhere]);
+        drop(outbox);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn hmac_sha256_is_rfc_4231s() {

@@ -354,25 +354,14 @@ pub(super) fn spawn_alerts(
 ) {
     if matches!(config.store, StoreSpec::Redis(_)) {
         let limiter = Arc::clone(limiter);
-        outbox.set_claim(Arc::new(move |event: sluice_edge::AlertEvent| {
-            let limiter = limiter.load_full();
-            Box::pin(async move {
-                let id = u64::from_str_radix(&event.id, 16).unwrap_or(0);
-                let claim = sluice_core::Budget {
-                    key: sluice_core::BudgetKey::from_digests(
-                        sluice_core::digest(b"alert-claim"),
-                        id,
-                    ),
-                    rate: sluice_core::Rate::until(event.period_ends_at.saturating_add(86_400)),
-                    limit: 1,
-                    cost: 1,
-                };
-                // A store that cannot answer: this replica sends it (rather than none).
-                sluice_store::BudgetStore::decide(limiter.store(), &[claim])
-                    .await
-                    .map_or(true, |d| d.is_admitted())
-            })
-        }));
+        outbox.set_claim(Arc::new(
+            move |event: sluice_edge::AlertEvent, replica: u64| {
+                let limiter = limiter.load_full();
+                Box::pin(
+                    async move { crate::alerts::claim_in(limiter.store(), &event, replica).await },
+                )
+            },
+        ));
     }
     tokio::spawn(crate::alerts::send(
         Arc::clone(outbox),
