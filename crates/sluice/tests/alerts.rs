@@ -162,6 +162,9 @@ quotas:
 routes:
   - {{ method: POST, path: /messages, class: calls, quota: messages }}
   - {{ class: calls }}
+# With Redis: a loaded test machine may take longer than the default 20 ms.
+store:
+  timeout_ms: 2000
 alerts:
   - url: http://{hook}/hooks/sluice
     at: [0.8, 1.0]

@@ -42,6 +42,9 @@ routes:
   - { method: POST, path: /v1/chat/completions, class: llm, llm: openai, tokens: [month], quota: completions }
   - { method: POST, path: /messages, class: plain, quota: messages }
   - { class: plain }
+# With Redis: a loaded test machine may take longer than the default 20 ms.
+store:
+  timeout_ms: 2000
 "#;
 
 /// An upstream answering every request with a chat completion of known usage:
