@@ -67,18 +67,29 @@ const OVERFLOW_SUBJECT: u64 = 0x7573_6167_652d_6f76; // "usage-ov"
 /// The counts of a row other than quota units, in the order the export reads them.
 const FIELDS: [&str; 5] = ["calls", "input", "cached_input", "output", "spend"];
 
-/// The rows this process has noted, by digest (see [`KNOWN_ROWS`]).
+/// Shards of [`KnownRows`]: every metered call looks its row up, from every
+/// worker thread.
+const KNOWN_SHARDS: usize = 16;
+
+/// The rows this process has noted, by digest, in shards by digest (see
+/// [`KNOWN_ROWS`]: each shard holds at most its share, and forgets them all past
+/// it).
 #[derive(Debug, Default)]
-pub(crate) struct KnownRows(Mutex<HashSet<u64>>);
+pub(crate) struct KnownRows([Mutex<HashSet<u64>>; KNOWN_SHARDS]);
 
 impl KnownRows {
+    fn shard(&self, row: u64) -> &Mutex<HashSet<u64>> {
+        // KNOWN_SHARDS divides 2^64: the low bits of the digest pick the shard.
+        &self.0[(row % KNOWN_SHARDS as u64) as usize]
+    }
+
     fn knows(&self, row: u64) -> bool {
-        self.0.lock().contains(&row)
+        self.shard(row).lock().contains(&row)
     }
 
     fn learn(&self, row: u64) {
-        let mut rows = self.0.lock();
-        if rows.len() >= KNOWN_ROWS {
+        let mut rows = self.shard(row).lock();
+        if rows.len() >= KNOWN_ROWS / KNOWN_SHARDS {
             rows.clear();
         }
         rows.insert(row);
