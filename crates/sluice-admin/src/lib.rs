@@ -10,6 +10,8 @@
 //!   them);
 //! - what LLM calls spent: `GET /usage?workspace=W[&month=YYYY-MM]` (SPEC T6), this
 //!   month or one of the twelve before it;
+//! - the usage export for billing: `GET /usage/export?month=YYYY-MM` (SPEC O4),
+//!   JSON lines per workspace, day and model, streamed;
 //! - the tenants API (`/tenants…`, see [`tenants`]): workspaces and credentials
 //!   changed at run time.
 //!
@@ -383,6 +385,7 @@ pub fn router<S: BudgetStore + 'static>(state: AdminState<S>) -> Router {
         .route("/quotas", get(quotas::<S>))
         .route("/quotas/reset", post(reset_quotas::<S>))
         .route("/usage", get(llm_usage::<S>))
+        .route("/usage/export", get(usage_export::<S>))
         .route("/runs", get(runs::<S>))
         .with_state(state)
 }
@@ -497,6 +500,70 @@ async fn llm_usage<S: BudgetStore + 'static>(
         Ok(usage) => Json(usage).into_response(),
         Err(e) => query_error(&e),
     }
+}
+
+/// The query of `/usage/export`.
+#[derive(Debug, serde::Deserialize)]
+struct ExportQuery {
+    month: Option<String>,
+}
+
+/// `GET /usage/export?month=YYYY-MM` (SPEC O4): every workspace's usage of the
+/// month, one JSON line per workspace, day (UTC) and model — `calls`,
+/// `quota_units` by family, `tokens` by direction, `spend_units` (1e-5 USD) and
+/// `spend_usd` — as `application/x-ndjson`, streamed a page of
+/// [`EXPORT_PAGE`](sluice_edge::EXPORT_PAGE) rows at a time (see
+/// [`UsageExport`](sluice_edge::UsageExport); at most
+/// [`MAX_USAGE_ROWS`](sluice_edge::MAX_USAGE_ROWS) rows a month, then overflow
+/// rows). Without `month`, the current one. A month that does not read as
+/// `YYYY-MM`, one after the current month or one no longer kept is 400; a month
+/// with no usage is an empty 200. A store that cannot answer is 503 before the
+/// first line, and ends the body early (an error the client sees) after it.
+async fn usage_export<S: BudgetStore + 'static>(
+    State(state): State<AdminState<S>>,
+    Query(q): Query<ExportQuery>,
+) -> Response {
+    let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no usage here".to_owned(),
+        );
+    };
+    let month = match q.month.as_deref().map(str::parse).transpose() {
+        Ok(month) => month,
+        Err(e) => return query_error(&sluice_edge::QuotaQueryError::Month(e)),
+    };
+    let month = match limiter.usage_export_month(month).await {
+        Ok(month) => month,
+        Err(e) => return query_error(&e),
+    };
+    let mut export = sluice_edge::UsageExport::new(month);
+    // The first page before the answer's head: a store that cannot answer is 503.
+    let first = match limiter.usage_export_page(&mut export).await {
+        Ok(lines) => lines.unwrap_or_default(),
+        Err(e) => return query_error(&e),
+    };
+    let rest = futures_util::stream::unfold(Some((limiter, export)), |state| async move {
+        let (limiter, mut export) = state?;
+        match limiter.usage_export_page(&mut export).await {
+            Ok(Some(lines)) => Some((Ok(lines), Some((limiter, export)))),
+            Ok(None) => None,
+            Err(e) => {
+                tracing::warn!(month = %export.month(), error = %e, "usage export cut short: the store did not answer");
+                Some((Err(std::io::Error::other(e.to_string())), None))
+            }
+        }
+    });
+    let body = futures_util::StreamExt::chain(
+        futures_util::stream::once(std::future::ready(Ok::<_, std::io::Error>(first))),
+        rest,
+    );
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        axum::body::Body::from_stream(body),
+    )
+        .into_response()
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -1030,6 +1097,91 @@ routes:
         // Read again within USAGE_MAX_AGE: the same reading, the store not asked.
         llm_call(&state, "alpha-key", "gpt-4o", 100_000).await;
         assert_eq!(usage_table(&state, &summary).await, table);
+    }
+
+    /// `GET /usage/export?month=…` as the router calls it: status, content
+    /// type and body.
+    async fn export(state: &AdminState<LocalStore>, month: Option<&str>) -> (u16, String, String) {
+        let response = usage_export(
+            State(state.clone()),
+            Query(ExportQuery {
+                month: month.map(str::to_owned),
+            }),
+        )
+        .await;
+        let status = response.status().as_u16();
+        let kind = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .expect("a body");
+        (status, kind, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn o4_export_is_json_lines_per_workspace_day_and_model_and_bad_months_are_400() {
+        let state = state_of(
+            sluice_policy::parse_str(LLM_POLICY, std::path::Path::new("llm.yaml"))
+                .expect("the test policy"),
+        );
+        for bad in ["2026-13", "2026-1", "12-2026", "2026-12-01", "", "x"] {
+            let (status, _, body) = export(&state, Some(bad)).await;
+            assert_eq!(status, 400, "{bad:?}: {body}");
+            assert!(body.contains("expected YYYY-MM"), "{bad:?}: {body}");
+        }
+        let today = || {
+            let now = sluice_core::Clock::now(&sluice_core::SystemClock::default());
+            (sluice_edge::UsageMonth::of(now), now.as_secs() / 86_400)
+        };
+        let (this_month, day) = today();
+        // Nothing counted yet: an empty 200.
+        let (status, kind, body) = export(&state, Some(&this_month.to_string())).await;
+        assert_eq!(
+            (status, kind.as_str(), body.as_str()),
+            (200, "application/x-ndjson", "")
+        );
+        llm_call(&state, "alpha-key", "gpt-4o", 100).await;
+        llm_call(&state, "alpha-key", "gpt-4o-mini", 100).await;
+        llm_call(&state, "beta-key", "llama-3", 1000).await;
+        let (status, _, body) = export(&state, None).await;
+        assert_eq!(status, 200);
+        if today() != (this_month, day) {
+            // The day turned while the calls ran: their rows are split, as they
+            // should be; the lines below assume one day.
+            return;
+        }
+        let this_month = this_month.to_string();
+        let lines: Vec<serde_json::Value> = body
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .collect();
+        assert_eq!(lines.len(), 2, "{body}");
+        let line = |w: &str| {
+            lines
+                .iter()
+                .find(|l| l["workspace"] == w)
+                .unwrap_or_else(|| panic!("{w}: {body}"))
+        };
+        let (alpha, beta) = (line("alpha"), line("beta"));
+        assert_eq!(alpha["model"], "gpt-4o*");
+        assert_eq!(alpha["calls"], 2);
+        assert_eq!(alpha["tokens"]["output"], 200);
+        assert_eq!(beta["model"], "other");
+        assert_eq!(beta["tokens"]["input"], 10);
+        assert_eq!(beta["spend_units"], 0);
+        let today = alpha["day"].as_str().expect("a day");
+        assert!(today.starts_with(&this_month), "{today}");
+        // The same sums as `/usage`.
+        let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
+            panic!("a limiter");
+        };
+        let usage = limiter.llm_usage("alpha", None).await.expect("usage");
+        assert_eq!(usage["tokens"]["output"], alpha["tokens"]["output"]);
+        assert_eq!(usage["spend_usd"], alpha["spend_usd"]);
     }
 
     #[test]

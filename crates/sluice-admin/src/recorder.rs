@@ -106,6 +106,30 @@ fn describe_metrics() {
         "sluice_settle_failures_total",
         "Weighted-budget charges (X-Sluice-Cost) the store could not apply after the upstream answered."
     );
+    metrics::describe_counter!(
+        "sluice_alerts_sent_total",
+        "Alert events a webhook took (answered 2xx) (SPEC O3)."
+    );
+    metrics::describe_counter!(
+        "sluice_alert_delivery_failures_total",
+        "Alert deliveries that failed (an error status, a redirect, a timeout, no connection), each retried with backoff."
+    );
+    metrics::describe_counter!(
+        "sluice_alerts_dropped_total",
+        "Alert events not kept (reason outbox_full) or given up after their last try (reason gave_up)."
+    );
+    metrics::describe_counter!(
+        "sluice_alert_outbox_write_failures_total",
+        "Alert events that could not be written to disk (kept in memory only)."
+    );
+    metrics::describe_counter!(
+        "sluice_usage_export_failures_total",
+        "Counts of the usage export (SPEC O4) lost: a row the store could not note, or a call's row counts it could not take."
+    );
+    metrics::describe_counter!(
+        "sluice_usage_rows_full_total",
+        "Calls counted in an overflow row of the usage export because their month already lists its most rows."
+    );
     metrics::describe_gauge!(
         "sluice_lane_running",
         "Calls running through a guarded lane (single calls and batch items), by lane."

@@ -60,6 +60,7 @@
 //! # }
 //! ```
 
+mod alerts;
 pub mod answer;
 mod batch;
 mod buffers;
@@ -77,6 +78,7 @@ mod request_id;
 mod runs;
 pub mod tokens;
 
+pub use alerts::{AlertEvent, AlertSink};
 pub use answer::{
     COST_EXCEEDS_LIMIT, EDGE_BODY, JSONRPC_PARSE_ERROR, JSONRPC_RATE_LIMITED, RATELIMIT,
     RATELIMIT_POLICY, RateLimitValue, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET,
@@ -106,6 +108,8 @@ pub use limiter::{
     ReloadRefused, SharedLimiter, Status, TOP_CALLERS_TRACKED, Tally, TopCaller, USAGE_MONTHS_KEPT,
     UsageMonth, UsageMonthError, check_head,
 };
+/// The usage export for billing (SPEC O4) and its bounds.
+pub use limiter::{EXPORT_PAGE, KNOWN_ROWS, MAX_USAGE_ROWS, OVERFLOW_ROWS, UsageExport};
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
 pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};
 pub use request_id::{MAX_REQUEST_ID_LEN, RequestId, X_REQUEST_ID};

@@ -17,6 +17,7 @@
 //! [`Limiter`]: sluice_edge::Limiter
 
 pub(crate) mod access;
+mod alerts;
 pub(crate) mod batch;
 mod boxed;
 mod check;
@@ -35,6 +36,8 @@ pub(crate) mod store;
 pub(crate) mod tls;
 mod upload;
 
+/// The alert outbox's bounds (SPEC O3): events kept, and tries of one delivery.
+pub use alerts::{MAX_ATTEMPTS, MAX_OUTBOX_EVENTS};
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
@@ -310,6 +313,10 @@ pub enum StartError {
     /// and none were given ([`Upstream::with_tls`]).
     #[error("{0}")]
     UpstreamTls(String),
+    /// An alert of the policy cannot be sent: its secret file cannot be read or is
+    /// empty (SPEC O3).
+    #[error("{0}")]
+    Alerts(String),
     /// The built-in demo upstream or the worker threads could not start.
     #[error("{what}")]
     Io {
@@ -392,7 +399,16 @@ impl Gateway {
         let version = start::policy_version(&config);
         let shared_store = matches!(config.store, StoreSpec::Redis(_));
         let bounds = start::LimiterBounds::of(&config);
-        let limiter = stores.limiter(config.policy.clone(), bounds);
+        let alerts = start::alerts(&config, &stores)?;
+        let limiter = stores.limiter(
+            config.policy.clone(),
+            bounds,
+            alerts.as_ref().map(|(outbox, _)| Arc::clone(outbox)),
+        );
+        let alerts = alerts.map(|(outbox, targets)| {
+            start::spawn_alerts(&config, &limiter, &outbox, targets, &backends_stopped);
+            outbox
+        });
         let buffers = Arc::clone(limiter.load().buffers());
         let per_ip = start::per_ip(&limiter, config.max_connections_per_ip);
         let tenants = start::tenants(&config, &limiter, &backends_stopped).await?;
@@ -419,6 +435,7 @@ impl Gateway {
             reloader,
             batch_lanes,
             tenants,
+            alerts,
         };
         let stack = upstream
             .as_ref()

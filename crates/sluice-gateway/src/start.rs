@@ -281,7 +281,12 @@ impl Stores {
     /// The one limiter every request path decides with: `policy` over these stores,
     /// with the bounds of `bounds`; shared behind an [`ArcSwap`] so that a reload
     /// reaches every path.
-    pub(super) fn limiter(self, policy: Policy, bounds: LimiterBounds) -> SharedLimiter<AnyStore> {
+    pub(super) fn limiter(
+        self,
+        policy: Policy,
+        bounds: LimiterBounds,
+        alerts: Option<Arc<crate::alerts::Outbox>>,
+    ) -> SharedLimiter<AnyStore> {
         // An LLM route's first call does not wait for the tokenizers to be built.
         if sluice_edge::tokens::has_llm_routes(&policy) {
             tokio::task::spawn_blocking(sluice_edge::tokens::warm);
@@ -295,9 +300,74 @@ impl Stores {
         if let Some(lanes) = self.lanes {
             limiter = limiter.with_lanes(lanes);
         }
+        if let Some(outbox) = alerts {
+            limiter = limiter.with_alerts(outbox);
+        }
         // Every request path takes the limiter from here, so a reload reaches them all.
         Arc::new(ArcSwap::from_pointee(limiter))
     }
+}
+
+/// An alert outbox and where its events go.
+pub(super) type Alerts = (Arc<crate::alerts::Outbox>, Vec<crate::alerts::Target>);
+
+/// The alert outbox and its targets when the policy has `alerts:` (SPEC O3): the
+/// outbox in the embedded durable store of `config.data_dir` (the one the quota
+/// counts are in; with Redis, opened for it), the targets with their secrets
+/// read (a relative `secret_file` is read from the policy file's directory).
+///
+/// # Errors
+/// [`StartError::Alerts`] for a secret that cannot be read, [`StartError::DataDir`]
+/// for a data directory that cannot hold the outbox.
+pub(super) fn alerts(
+    config: &GatewayConfig,
+    stores: &Stores,
+) -> Result<Option<Alerts>, StartError> {
+    if config.policy.alerts.is_empty() {
+        return Ok(None);
+    }
+    let base = config
+        .policy_file
+        .as_ref()
+        .and_then(|f| f.path.parent().map(std::path::Path::to_path_buf))
+        .unwrap_or_default();
+    let targets = crate::alerts::targets(&config.policy, &base).map_err(StartError::Alerts)?;
+    let disk = match &stores.budgets {
+        AnyStore::Local(local) => local.book().map(|b| b.store().clone()),
+        AnyStore::Redis(_) => Some(sluice_store::DurableStore::open_with(
+            &config.data_dir,
+            config.quota_sync,
+        )?),
+    };
+    let outbox = crate::alerts::Outbox::open(disk).map_err(StartError::Alerts)?;
+    Ok(Some((outbox, targets)))
+}
+
+/// Starts the alert sender; with Redis, each event is first claimed there, so
+/// that one replica sends it.
+pub(super) fn spawn_alerts(
+    config: &GatewayConfig,
+    limiter: &SharedLimiter<AnyStore>,
+    outbox: &Arc<crate::alerts::Outbox>,
+    targets: Vec<crate::alerts::Target>,
+    stop: &Stop,
+) {
+    if matches!(config.store, StoreSpec::Redis(_)) {
+        let limiter = Arc::clone(limiter);
+        outbox.set_claim(Arc::new(
+            move |event: sluice_edge::AlertEvent, replica: u64| {
+                let limiter = limiter.load_full();
+                Box::pin(
+                    async move { crate::alerts::claim_in(limiter.store(), &event, replica).await },
+                )
+            },
+        ));
+    }
+    tokio::spawn(crate::alerts::send(
+        Arc::clone(outbox),
+        targets,
+        stop.clone(),
+    ));
 }
 
 /// The batch queue's settings: one queue for the lanes that run a batch lane, in the
@@ -550,6 +620,8 @@ pub(super) struct Core {
     pub(super) batch_lanes: Arc<Vec<Arc<BatchLane>>>,
     /// The tenants the admin API changes.
     pub(super) tenants: Arc<sluice_admin::tenants::Tenants<AnyStore>>,
+    /// The alert outbox, when the policy has alerts (SPEC O3).
+    pub(super) alerts: Option<Arc<crate::alerts::Outbox>>,
 }
 
 impl Core {
@@ -657,12 +729,17 @@ impl Core {
                 let limiter = Arc::clone(&self.limiter);
                 let batch_lanes = Arc::clone(&self.batch_lanes);
                 let reloader = Arc::clone(&self.reloader);
+                let alerts = self.alerts.clone();
                 Arc::new(move || {
                     let limiter = limiter.load();
                     let mut status = serde_json::to_value(limiter.status()).unwrap_or_default();
                     status["store"] = limiter.store().describe_state();
                     status["batches"] = batch_lanes.iter().map(|b| b.summary()).collect();
                     status["policy"] = reloader.status();
+                    // SPEC O3: the alert events most recently made, newest first.
+                    status["alerts"] = alerts
+                        .as_ref()
+                        .map_or(serde_json::Value::Null, |o| o.recent());
                     status
                 })
             })

@@ -156,6 +156,30 @@ impl BudgetStore for AnyStore {
         }
     }
 
+    async fn note_usage_row(
+        &self,
+        period: &str,
+        row: &str,
+        bound: sluice_store::UsageRowBound,
+    ) -> Result<bool, StoreError> {
+        match self {
+            AnyStore::Local(m) => m.note_usage_row(period, row, bound).await,
+            AnyStore::Redis(r) => r.note_usage_row(period, row, bound).await,
+        }
+    }
+
+    async fn usage_rows(
+        &self,
+        period: &str,
+        after: Option<&str>,
+        count: usize,
+    ) -> Result<sluice_store::UsageRowsPage, StoreError> {
+        match self {
+            AnyStore::Local(m) => m.usage_rows(period, after, count).await,
+            AnyStore::Redis(r) => r.usage_rows(period, after, count).await,
+        }
+    }
+
     async fn adjust_all_from(
         &self,
         changes: &[(Budget, i64)],

@@ -18,11 +18,34 @@ impl Policy {
         self.describe_buckets(&mut out);
         self.describe_quotas(&mut out);
         self.describe_turns(&mut out);
+        self.describe_alerts(&mut out);
         self.describe_lanes(&mut out);
         self.describe_routes(&mut out);
         self.describe_jsonrpc(&mut out);
         self.describe_settings(&mut out);
         out
+    }
+
+    /// The webhooks of `alerts:` (SPEC O3), one line each.
+    fn describe_alerts(&self, out: &mut String) {
+        for a in &self.alerts {
+            let at: Vec<String> = a
+                .at_permille
+                .iter()
+                .map(|p| format!("{}%", f64::from(*p) / 10.0))
+                .collect();
+            let _ = writeln!(
+                out,
+                "alert: POST {} when {} passes {} of its limit, once per workspace (the budget's subject), budget, threshold and period; signed with HMAC-SHA256 of the body (X-Sluice-Signature: sha256=<hex>) by the secret in {}; each delivery within {} ms, retried after {} ms, doubling, at most {} ms apart, until a 2xx (a redirect is a failure)",
+                a.url,
+                a.budgets.join(", "),
+                at.join(", "),
+                a.secret_file.display(),
+                a.timeout.as_millis(),
+                a.retry.as_millis(),
+                a.max_retry.as_millis(),
+            );
+        }
     }
 
     /// The active profile, the window, each class's and ceiling's limit, and the

@@ -47,6 +47,7 @@ pub use identity::{
     NETWORK_PREFIX_V6, Who, workspace_digest,
 };
 pub use jsonrpc::{Items, Unclassifiable, check_content_encoding, depth_exceeds};
+pub use model::{Alert, MAX_ALERT_THRESHOLDS, MAX_ALERTS};
 pub use model::{
     Algorithm, BatchEndpoint, Bounds, Bucket, Ceiling, Class, ClassSet, CostClass,
     CredentialSource, CustomerPlan, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane,
@@ -61,7 +62,7 @@ pub use model::{
 };
 pub use path::{PathCase, PathError, Paths, without_parameters};
 pub use pattern::PathPattern;
-pub use raw::RawPolicy;
+pub use raw::{RawAlert, RawPolicy};
 pub use tenants::{MAX_KEYS, TenantChange, TenantKey, TenantTable, TenantWorkspace};
 pub use validate::{
     DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH,

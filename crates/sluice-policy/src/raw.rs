@@ -83,6 +83,10 @@ pub struct RawPolicy {
     /// near its limit, counted per budget (SPEC O2; default 0.8).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub near_limit_ratio: Option<serde_json::Number>,
+    /// Webhooks told when a workspace's budget passes shares of its limit
+    /// (SPEC O3).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alerts: Vec<RawAlert>,
     /// How the class budgets and the per-IP ceilings count, by name (a class or a
     /// ceiling); those not named are `fixed`.
     #[serde(default)]
@@ -95,6 +99,32 @@ pub struct RawPolicy {
     /// admin API changes at run time).
     #[serde(default)]
     pub workspaces: BTreeMap<String, RawWorkspace>,
+}
+
+/// One webhook of `alerts:` (SPEC O3).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAlert {
+    /// Where events are POSTed (`http://` or `https://`).
+    pub url: Option<String>,
+    /// Shares of a budget's limit (above 0, at most 1) whose passing is an event.
+    #[serde(default)]
+    pub at: Vec<serde_json::Number>,
+    /// The quota families, token budgets and money budgets watched, by name.
+    #[serde(default)]
+    pub budgets: Vec<String>,
+    /// A file holding the secret the events are signed with (HMAC-SHA256).
+    pub secret_file: Option<String>,
+    /// How long a delivery may take, in milliseconds (default 5,000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// The first wait before a delivery is tried again, in milliseconds (default
+    /// 1,000; doubled after each failure).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_ms: Option<u64>,
+    /// The longest wait between two tries, in milliseconds (default 300,000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_retry_ms: Option<u64>,
 }
 
 /// A plan: limits that replace the profile's for the workspaces on it. What it does

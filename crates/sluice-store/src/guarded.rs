@@ -112,4 +112,28 @@ impl<S: BudgetStore, C: Clock> BudgetStore for Guarded<S, C> {
         self.record(&result);
         result
     }
+
+    async fn note_usage_row(
+        &self,
+        period: &str,
+        row: &str,
+        bound: crate::UsageRowBound,
+    ) -> Result<bool, StoreError> {
+        self.permit()?;
+        let result = self.inner.note_usage_row(period, row, bound).await;
+        self.record(&result);
+        result
+    }
+
+    async fn usage_rows(
+        &self,
+        period: &str,
+        after: Option<&str>,
+        count: usize,
+    ) -> Result<crate::UsageRowsPage, StoreError> {
+        self.permit()?;
+        let result = self.inner.usage_rows(period, after, count).await;
+        self.record(&result);
+        result
+    }
 }

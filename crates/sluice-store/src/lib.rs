@@ -62,6 +62,7 @@ mod memory;
 mod prefetch;
 #[cfg(feature = "redis")]
 mod redis;
+mod rows;
 
 /// The durable store's parts (see [`durable`]), also named at the root: the
 /// gateway and the batch lanes open a [`DurableStore`] and its [`QuotaBook`]
@@ -83,6 +84,7 @@ pub use memory::{MemoryConfig, MemoryStore, NO_NETWORK};
 pub use redis::MAX_COALESCED;
 #[cfg(feature = "redis")]
 pub use redis::{RedisConfig, RedisStore};
+pub use rows::{MAX_ROWS_PAGE, UsageRowBound, UsageRowsPage};
 
 /// Why a store could not decide.
 #[derive(Debug, thiserror::Error)]
@@ -189,6 +191,49 @@ pub trait BudgetStore: Send + Sync {
             }
             Ok(statuses)
         }
+    }
+
+    /// Notes `row` among the usage rows of `period`, before any count of the row
+    /// is charged: a listing of the period then names it (see
+    /// [`BudgetStore::usage_rows`]). True when the row is there (already, or
+    /// now); false when the period already holds `bound.max_rows` rows (the
+    /// row is not noted; the caller counts it elsewhere). Durable where the
+    /// store's monthly counts are, before it returns. A store that keeps no
+    /// rows answers [`StoreError::Unavailable`] (the default).
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when the backend cannot answer or keeps no rows.
+    fn note_usage_row(
+        &self,
+        period: &str,
+        row: &str,
+        bound: UsageRowBound,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let _ = (period, row, bound);
+        std::future::ready(Err(StoreError::Unavailable(
+            "this store keeps no usage rows".to_owned(),
+        )))
+    }
+
+    /// A page of the rows noted in `period` ([`BudgetStore::note_usage_row`]):
+    /// at most `count` (and at most [`MAX_ROWS_PAGE`]), starting where the page
+    /// before said ([`UsageRowsPage::next`]; `None` for the first). Pages
+    /// follow one another until one has no `next`; every row noted before the
+    /// first page was asked is in one of them. A period with no rows is one
+    /// empty page.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when the backend cannot answer or keeps no rows.
+    fn usage_rows(
+        &self,
+        period: &str,
+        after: Option<&str>,
+        count: usize,
+    ) -> impl Future<Output = Result<UsageRowsPage, StoreError>> + Send {
+        let _ = (period, after, count);
+        std::future::ready(Err(StoreError::Unavailable(
+            "this store keeps no usage rows".to_owned(),
+        )))
     }
 
     /// [`BudgetStore::adjust`] for a request from client network `network` (see

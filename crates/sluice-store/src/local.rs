@@ -203,4 +203,34 @@ impl<C: Clock> BudgetStore for LocalStore<C> {
         }
         Ok(statuses)
     }
+
+    async fn note_usage_row(
+        &self,
+        period: &str,
+        row: &str,
+        bound: crate::UsageRowBound,
+    ) -> Result<bool, StoreError> {
+        let Some(book) = &self.book else {
+            return Ok(self.memory.note_usage_row_now(period, row, bound));
+        };
+        let store = book.store().clone();
+        let now = self.memory.clock().now().as_secs();
+        let (period, row) = (period.to_owned(), row.to_owned());
+        // A write transaction and its commit: off the async workers.
+        tokio::task::spawn_blocking(move || store.note_usage_row(&period, &row, bound, now))
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("usage rows: {e}")))?
+    }
+
+    async fn usage_rows(
+        &self,
+        period: &str,
+        after: Option<&str>,
+        count: usize,
+    ) -> Result<crate::UsageRowsPage, StoreError> {
+        match &self.book {
+            Some(book) => book.store().usage_rows(period, after, count),
+            None => Ok(self.memory.usage_rows_now(period, after, count)),
+        }
+    }
 }

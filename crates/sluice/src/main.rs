@@ -118,6 +118,7 @@ fn check(args: &CheckArgs) -> anyhow::Result<()> {
     } else {
         let policy =
             sluice_policy::parse_str(&text, &args.file).map_err(|e| BadInput(e.to_string()))?;
+        check_alert_secrets(&policy, &args.file)?;
         write!(out, "{}", policy.describe())?;
         write!(out, "{}", describe_domains(&policy.domains))?;
         let gaps: Vec<String> = sluice_edge::forward_auth::gaps(&policy)
@@ -144,6 +145,37 @@ fn check(args: &CheckArgs) -> anyhow::Result<()> {
     }
     writeln!(out, "{}: ok", args.file.display())?;
     out.flush()?;
+    Ok(())
+}
+
+/// SPEC O3: each alert's secret file can be read and is not empty, as `sluice serve`
+/// needs it to start (a relative one is read from the policy file's directory).
+///
+/// # Errors
+/// [`BadInput`] naming the alert and the file.
+fn check_alert_secrets(
+    policy: &sluice_policy::Policy,
+    file: &std::path::Path,
+) -> anyhow::Result<()> {
+    let base = file.parent().unwrap_or_else(|| std::path::Path::new(""));
+    for (n, alert) in policy.alerts.iter().enumerate() {
+        let secret = base.join(&alert.secret_file);
+        match std::fs::read(&secret) {
+            Ok(bytes) if !bytes.trim_ascii().is_empty() => {}
+            Ok(_) => {
+                return Err(BadInput(format!(
+                    "alerts[{n}].secret_file {}: empty",
+                    secret.display()
+                ))
+                .into());
+            }
+            Err(e) => {
+                return Err(
+                    BadInput(format!("alerts[{n}].secret_file {}: {e}", secret.display())).into(),
+                );
+            }
+        }
+    }
     Ok(())
 }
 

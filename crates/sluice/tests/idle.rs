@@ -213,6 +213,87 @@ async fn s1_l4_batch_items_of_a_held_workspace_waiting_cost_nothing() {
     );
 }
 
+/// S1 with alerts (SPEC O3): events waiting for a webhook that fails wait on a
+/// timer for their next try (a minute off here); the sender neither spins nor
+/// polls, and the process costs nothing meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_o3_alert_events_waiting_for_a_failing_webhook_cost_nothing() {
+    let hook = closing_upstream();
+    let upstream = closing_upstream();
+    let dir = DataDir::new();
+    std::fs::create_dir_all(&dir.0).expect("dir");
+    std::fs::write(dir.0.join("secret"), "s3cret").expect("secret");
+    let policy = dir.0.join("policy.yaml");
+    std::fs::write(
+        &policy,
+        format!(
+            "profile: p
+profiles:
+  p:
+    classes: {{ calls: 1000 }}
+identity:
+  credentials: [bearer]
+quotas:
+  messages: {{ monthly: 2 }}
+routes:
+  - {{ method: POST, path: /messages, class: calls, quota: messages }}
+  - {{ class: calls }}
+alerts:
+  - {{ url: '{hook}/hook', at: [0.5, 1.0], budgets: [messages], secret_file: secret, retry_ms: 60000 }}
+"
+        ),
+    )
+    .expect("policy");
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("utf-8"),
+        "--upstream",
+        &upstream,
+    ]);
+    for _ in 0..2 {
+        let _ = send(
+            Request::post(sluice.url("/messages"))
+                .header("authorization", "Bearer sk-idle")
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await;
+    }
+    // Both events tried once and failed: each waits a minute for its next try.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = status(&sluice).await;
+        let alerts = s["limiter"]["alerts"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if alerts.len() == 2 && alerts.iter().all(|a| a["attempts"] == 1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the events were not tried: {s}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let watched = [Watched {
+        name: "sluice serve, alert events waiting for their next try",
+        pid: sluice.pid(),
+        redis: None,
+    }];
+    let report =
+        tokio::task::block_in_place(|| measure_at_rest(&watched, || std::thread::sleep(WINDOW)));
+    let after = status(&sluice).await;
+    assert!(
+        after["limiter"]["alerts"].as_array().is_some_and(|a| a
+            .iter()
+            .all(|e| e["state"] == "pending" && e["attempts"] == 1)),
+        "still waiting, not tried again: {after}"
+    );
+    assert!(
+        report.within_bounds,
+        "alert events waiting must cost under 1 % of a core:\n{}",
+        report.text
+    );
+}
+
 /// What [`measure_at_rest`] found.
 struct Report {
     within_bounds: bool,

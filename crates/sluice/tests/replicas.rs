@@ -275,8 +275,11 @@ async fn q1_three_replicas_on_one_redis_admit_exactly_a_workspaces_monthly_cap()
         admitted, 10,
         "the monthly cap in total across three replicas"
     );
+    // Each decision is one script call, the quota in it with the other budgets;
+    // each admitted call is counted in its row of the usage export (SPEC O4) by
+    // one more, and each replica notes the workspace's row of the day once.
     assert!(
-        redis.script_calls() - calls_before <= 30,
+        redis.script_calls() - calls_before <= 30 + 10 + 3,
         "the quota is in the same single script call as the other budgets"
     );
     // Every replica reads the same usage from Redis.

@@ -133,6 +133,14 @@ impl<S: BudgetStore> Limiter<S> {
             other => other,
         };
         self.record(plan, &decision);
+        // SPEC O4: the call and its quota units in its row of the usage export.
+        if let Ok(admitted) = &decision
+            && admitted.is_admitted()
+        {
+            self.count_admitted(plan, admitted.decided_at()).await;
+            // SPEC O3: a budget it left past an alert's threshold.
+            self.raise_alerts(plan, admitted).await;
+        }
         decision
     }
 
@@ -492,30 +500,40 @@ impl<S: BudgetStore> Limiter<S> {
             (None, false) => 2,
         };
         self.metrics.llm_settlements[outcome].increment(1);
-        // What the call spent, counted for `/usage` in the same store call.
-        let counts = usage.as_ref().map_or_else(Vec::new, |usage| {
-            self.llm_usage_counts(plan, usage, decision.decided_at())
+        // What the call spent, counted for `/usage` and in its row of the usage
+        // export (SPEC O4), in the same store call.
+        let amounts = usage.as_ref().map(|u| self.usage_amounts(plan, u));
+        let mut counts = amounts.map_or_else(Vec::new, |amounts| {
+            self.llm_usage_counts(plan, amounts, decision.decided_at())
         });
+        counts.extend(
+            self.usage_row_counts(plan, amounts, decision.decided_at())
+                .await,
+        );
         let policy = &self.policy;
-        self.charge_with(
-            plan,
-            decision,
-            |i| {
-                let Some(BudgetKind::Bucket(b)) = plan.kinds.get(i) else {
-                    return None;
-                };
-                let tokens = policy.buckets.get(crate::plan::policy_index(*b))?.tokens?;
-                match (&usage, failed) {
-                    (Some(usage), _) => {
-                        crate::tokens::settled_units(&tokens, usage, &policy.prices, plan.price)
+        let settled = self
+            .charge_with(
+                plan,
+                decision,
+                |i| {
+                    let Some(BudgetKind::Bucket(b)) = plan.kinds.get(i) else {
+                        return None;
+                    };
+                    let tokens = policy.buckets.get(crate::plan::policy_index(*b))?.tokens?;
+                    match (&usage, failed) {
+                        (Some(usage), _) => {
+                            crate::tokens::settled_units(&tokens, usage, &policy.prices, plan.price)
+                        }
+                        (None, true) => Some(0),
+                        (None, false) => None,
                     }
-                    (None, true) => Some(0),
-                    (None, false) => None,
-                }
-            },
-            counts,
-        )
-        .await
+                },
+                counts,
+            )
+            .await;
+        // SPEC O3: a budget the settlement left past an alert's threshold.
+        self.raise_alerts(plan, &settled).await;
+        settled
     }
 
     /// Charges each weighted budget `i` of `plan` what `actual(i)` says (`None`:
@@ -532,7 +550,9 @@ impl<S: BudgetStore> Limiter<S> {
 
     /// [`Limiter::charge`], with `counts` (budgets counting what the call spent,
     /// each charged its cost) in the same store call: a settlement is one round
-    /// trip.
+    /// trip. The counts go first, so that up to [`sluice_core::MAX_BUDGETS`] of
+    /// them are one script call on Redis: `/usage`'s monthly counts and the usage
+    /// export's row are charged together or not at all.
     async fn charge_with(
         &self,
         plan: &Plan,
@@ -563,7 +583,12 @@ impl<S: BudgetStore> Limiter<S> {
             }
         }
         let charged = changes.len();
-        changes.extend(counts.into_iter().map(|b| (b, i64::from(b.cost))));
+        let counted = counts.len();
+        let changes: Vec<(sluice_core::Budget, i64)> = counts
+            .into_iter()
+            .map(|b| (b, i64::from(b.cost)))
+            .chain(changes)
+            .collect();
         if changes.is_empty() {
             return decision;
         }
@@ -573,7 +598,7 @@ impl<S: BudgetStore> Limiter<S> {
             .await
         {
             Ok(after) => {
-                for (&i, status) in indices.iter().zip(after.iter().take(charged)) {
+                for (&i, status) in indices.iter().zip(after.iter().skip(counted)) {
                     if let Some(s) = statuses.get_mut(i) {
                         *s = *status;
                     }
@@ -584,7 +609,7 @@ impl<S: BudgetStore> Limiter<S> {
                 if charged > 0 {
                     metrics::counter!("sluice_settle_failures_total").increment(1);
                 }
-                if changes.len() > charged {
+                if counted > 0 {
                     metrics::counter!("sluice_llm_usage_failures_total").increment(1);
                 }
                 return decision;

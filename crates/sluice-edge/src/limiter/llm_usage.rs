@@ -28,7 +28,7 @@ use crate::plan::Plan;
 const DIRECTIONS: [&str; 4] = ["input", "cached_input", "output", "spend"];
 
 /// The model key of calls with no price.
-const OTHER: &str = "other";
+pub(super) const OTHER: &str = "other";
 
 /// Months of LLM usage kept before the current one: a month's counts can be read
 /// until the end of the twelfth month after it, and are dropped from the store
@@ -138,8 +138,26 @@ fn counter(month: UsageMonth, model: &str, direction: &str, workspace: u64, n: u
 }
 
 impl<S: BudgetStore> Limiter<S> {
+    /// What an LLM call of `plan` spent, as its upstream reported it: input not
+    /// from the cache, cached input, output, and money units (at its price; 0
+    /// with none).
+    pub(super) fn usage_amounts(&self, plan: &Plan, usage: &Usage) -> [u32; 4] {
+        let spend = plan
+            .price
+            .and_then(|i| self.policy.prices.get(usize::from(i)))
+            .map_or(0, |p| {
+                p.cost(usage.prompt, usage.cached_input, usage.completion)
+            });
+        [
+            usage.prompt.saturating_sub(usage.cached_input),
+            usage.cached_input,
+            usage.completion,
+            spend,
+        ]
+    }
+
     /// The counters of what an LLM call of `plan` spent, as its upstream
-    /// reported it, in its workspace's usage of the month of `admitted_at` (when
+    /// reported it (`counts`, see [`Limiter::usage_amounts`]), in its workspace's usage of the month of `admitted_at` (when
     /// the call was admitted, on the store's clock), each with its count as its
     /// cost: charged with the call's settlement, in the same store call. A count
     /// the store cannot take is lost, and counted in
@@ -147,22 +165,13 @@ impl<S: BudgetStore> Limiter<S> {
     pub(super) fn llm_usage_counts(
         &self,
         plan: &Plan,
-        usage: &Usage,
+        counts: [u32; 4],
         admitted_at: Timestamp,
     ) -> Vec<Budget> {
-        let price = plan
+        let model = plan
             .price
-            .and_then(|i| self.policy.prices.get(usize::from(i)));
-        let model = price.map_or(OTHER, |p| p.model.as_str());
-        let spend = price.map_or(0, |p| {
-            p.cost(usage.prompt, usage.cached_input, usage.completion)
-        });
-        let counts = [
-            usage.prompt.saturating_sub(usage.cached_input),
-            usage.cached_input,
-            usage.completion,
-            spend,
-        ];
+            .and_then(|i| self.policy.prices.get(usize::from(i)))
+            .map_or(OTHER, |p| p.model.as_str());
         let month = UsageMonth::of(admitted_at);
         DIRECTIONS
             .iter()

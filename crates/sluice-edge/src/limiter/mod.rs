@@ -19,6 +19,7 @@ mod planning;
 mod quota_admin;
 mod routing;
 mod telemetry;
+mod usage_export;
 
 pub use crate::head::{Refused, check_head};
 pub use admission::{Reason, Refusal};
@@ -32,6 +33,7 @@ pub use telemetry::{
     Status, TOP_CALLERS_TRACKED, Tally, TopCaller,
 };
 use telemetry::{Counts, Meters, TOP_SHARDS, TopCallers};
+pub use usage_export::{EXPORT_PAGE, KNOWN_ROWS, MAX_USAGE_ROWS, OVERFLOW_ROWS, UsageExport};
 
 /// A policy and a store: classifies requests and decides their budgets.
 ///
@@ -71,6 +73,10 @@ pub struct Limiter<S> {
     outage_log: Arc<crate::RefusalLog>,
     /// The agent runs this replica decided turns of lately (SPEC T7).
     pub(crate) runs: Arc<crate::runs::RecentRuns>,
+    /// The usage export's rows this process has noted (SPEC O4).
+    usage_rows: Arc<usage_export::KnownRows>,
+    /// Where alert events go (SPEC O3), when the policy has alerts.
+    alerts: Option<Arc<dyn crate::AlertSink>>,
 }
 
 /// Why a new policy cannot replace a running one without a restart (see
@@ -85,6 +91,12 @@ pub enum ReloadRefused {
         "lanes: the guarded lanes changed ({0}); a lane's running calls and batch queue live in its engine: restart sluice to apply"
     )]
     Lanes(String),
+    /// The alerts changed (SPEC O3): their webhooks and secrets are read, and
+    /// their sender started, when sluice starts.
+    #[error(
+        "alerts: the webhooks changed; they are read (with their secrets) when sluice starts: restart sluice to apply"
+    )]
+    Alerts,
 }
 
 /// A limiter that can be replaced while requests run (a policy reload): each request
@@ -116,6 +128,8 @@ impl<S: BudgetStore> Limiter<S> {
             refusal_log: Arc::default(),
             outage_log: Arc::default(),
             runs: Arc::default(),
+            usage_rows: Arc::default(),
+            alerts: None,
         }
     }
 
@@ -150,6 +164,9 @@ impl<S: BudgetStore> Limiter<S> {
             };
             return Err(ReloadRefused::Lanes(what));
         }
+        if policy.alerts != self.policy.alerts {
+            return Err(ReloadRefused::Alerts);
+        }
         // A lane shared through a ledger was built with its outage rule, which the
         // routes and tools that name it decide.
         for (i, lane) in self.lanes.iter().enumerate() {
@@ -180,6 +197,8 @@ impl<S: BudgetStore> Limiter<S> {
             refusal_log: Arc::clone(&self.refusal_log),
             outage_log: Arc::clone(&self.outage_log),
             runs: Arc::clone(&self.runs),
+            usage_rows: Arc::clone(&self.usage_rows),
+            alerts: self.alerts.clone(),
         })
     }
 
@@ -190,6 +209,32 @@ impl<S: BudgetStore> Limiter<S> {
     pub fn with_lanes(mut self, lanes: Vec<sluice_lanes::Lane>) -> Self {
         self.lanes = lanes;
         self
+    }
+
+    /// The same limiter handing the events of the policy's `alerts:` to `sink`
+    /// (SPEC O3; see [`crate::AlertSink`]). Kept by a [reload](Limiter::reloaded).
+    pub fn with_alerts(mut self, sink: Arc<dyn crate::AlertSink>) -> Self {
+        self.alerts = Some(sink);
+        self
+    }
+
+    /// Offers `sink` the alert events of `plan`'s budgets as `decision` leaves
+    /// them (an admitted decision, or a settlement's): those it does not know yet,
+    /// each waited for until kept.
+    pub(crate) async fn raise_alerts(&self, plan: &crate::Plan, decision: &sluice_core::Decision) {
+        let Some(sink) = &self.alerts else {
+            return;
+        };
+        for event in crate::alerts::events(
+            &self.policy,
+            plan,
+            decision.statuses(),
+            decision.decided_at(),
+        ) {
+            if !sink.knows(&event.id) {
+                sink.offer(event).await;
+            }
+        }
     }
 
     /// The same limiter with `max_bytes` as the bound on request bytes held in

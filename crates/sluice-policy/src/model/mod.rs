@@ -89,6 +89,37 @@ pub struct Policy {
     /// The share of its limit, in thousandths, past which an admitted decision
     /// leaves a budget near its limit (`near_limit_ratio`, SPEC O2).
     pub near_limit_permille: u16,
+    /// Webhooks told when a workspace's budget passes shares of its limit
+    /// (`alerts:`, SPEC O3).
+    pub alerts: Vec<Alert>,
+}
+
+/// The most webhooks `alerts:` may name.
+pub const MAX_ALERTS: usize = 8;
+
+/// The most thresholds (`at:`) one alert may name.
+pub const MAX_ALERT_THRESHOLDS: usize = 8;
+
+/// One webhook of `alerts:` (SPEC O3): an event is POSTed to `url` once per
+/// budget subject (a workspace, for a quota), budget, threshold and period when
+/// an admitted or settled call leaves one of `budgets` at or past a threshold of
+/// its limit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Alert {
+    /// Where events are POSTed (`http://` or `https://`).
+    pub url: String,
+    /// The thresholds, in thousandths of a limit, ascending, each 1 to 1,000.
+    pub at_permille: Vec<u16>,
+    /// The budgets watched: quota family, token budget or money budget names.
+    pub budgets: Vec<String>,
+    /// The file holding the signing secret (read when sluice starts).
+    pub secret_file: std::path::PathBuf,
+    /// How long one delivery may take.
+    pub timeout: std::time::Duration,
+    /// The first wait before a failed delivery is tried again (doubled each time).
+    pub retry: std::time::Duration,
+    /// The longest wait between two tries.
+    pub max_retry: std::time::Duration,
 }
 
 impl Policy {

@@ -187,6 +187,7 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
     crate::domains::check_unique(&domains, &mut v.problems);
     let default_plan = plans.iter().position(|p| p.name == "default");
     let near_limit_permille = v.near_limit(raw);
+    let alerts = v.alerts(raw, &quotas, &buckets);
     let parts = (profile, window, identity, default_class, jsonrpc, store);
     if !v.problems.is_empty() {
         return Err(v.problems);
@@ -225,12 +226,120 @@ pub fn validate(raw: &RawPolicy) -> Result<Policy, Vec<Problem>> {
             tenants,
             turns,
             near_limit_permille,
+            alerts,
         }),
         _ => Err(v.problems),
     }
 }
 
 impl Checker {
+    /// `alerts:` (SPEC O3): at most [`MAX_ALERTS`](crate::model::MAX_ALERTS)
+    /// webhooks, each with an `http(s)://` URL, one to
+    /// [`MAX_ALERT_THRESHOLDS`](crate::model::MAX_ALERT_THRESHOLDS) shares
+    /// above 0 and at most 1, budgets that are quota families, token budgets or
+    /// money budgets, a secret file, and bounded timings.
+    fn alerts(
+        &mut self,
+        raw: &RawPolicy,
+        quotas: &[crate::model::QuotaFamily],
+        buckets: &[crate::model::Bucket],
+    ) -> Vec<crate::model::Alert> {
+        use crate::model::{Alert, MAX_ALERT_THRESHOLDS, MAX_ALERTS};
+        use std::time::Duration;
+        if raw.alerts.len() > MAX_ALERTS {
+            self.problem("alerts", format!("at most {MAX_ALERTS} webhooks"));
+        }
+        let mut alerts = Vec::new();
+        for (n, a) in raw.alerts.iter().enumerate().take(MAX_ALERTS) {
+            let at = format!("alerts[{n}]");
+            let url = match a.url.as_deref() {
+                Some(u)
+                    if (u.starts_with("http://") || u.starts_with("https://"))
+                        && u.len() <= 2048
+                        && u.parse::<http::Uri>().is_ok_and(|uri| uri.host().is_some()) =>
+                {
+                    u.to_owned()
+                }
+                _ => {
+                    self.problem(
+                        format!("{at}.url"),
+                        "an http:// or https:// URL with a host (at most 2,048 bytes)",
+                    );
+                    String::new()
+                }
+            };
+            let mut thresholds = Vec::new();
+            if a.at.is_empty() || a.at.len() > MAX_ALERT_THRESHOLDS {
+                self.problem(
+                    format!("{at}.at"),
+                    format!("1 to {MAX_ALERT_THRESHOLDS} shares of a limit, e.g. [0.8, 1.0]"),
+                );
+            }
+            for (i, share) in a.at.iter().enumerate() {
+                match share.as_f64().filter(|r| *r > 0.0 && *r <= 1.0) {
+                    Some(r) => thresholds.push(((r * 1000.0).round() as u16).max(1)),
+                    None => self.problem(
+                        format!("{at}.at[{i}]"),
+                        "a share of a limit, above 0 and at most 1",
+                    ),
+                }
+            }
+            thresholds.sort_unstable();
+            thresholds.dedup();
+            if a.budgets.is_empty() {
+                self.problem(
+                    format!("{at}.budgets"),
+                    "one or more quota families, token budgets or money budgets",
+                );
+            }
+            for (i, name) in a.budgets.iter().enumerate() {
+                let known = quotas.iter().any(|q| &q.name == name)
+                    || buckets
+                        .iter()
+                        .any(|b| &b.name == name && b.tokens.is_some());
+                if !known {
+                    self.problem(
+                        format!("{at}.budgets[{i}]"),
+                        format!("{name:?} is not a quota family, token budget or money budget of this policy"),
+                    );
+                }
+            }
+            let secret_file = match a.secret_file.as_deref() {
+                Some(f) if !f.is_empty() => std::path::PathBuf::from(f),
+                _ => {
+                    self.problem(
+                        format!("{at}.secret_file"),
+                        "a file holding the secret events are signed with",
+                    );
+                    std::path::PathBuf::new()
+                }
+            };
+            let mut millis = |key: &str, value: Option<u64>, default: u64, max: u64| {
+                let ms = value.unwrap_or(default);
+                if ms == 0 || ms > max {
+                    self.problem(format!("{at}.{key}"), format!("1 to {max} milliseconds"));
+                }
+                Duration::from_millis(ms.clamp(1, max))
+            };
+            let timeout = millis("timeout_ms", a.timeout_ms, 5_000, 60_000);
+            let retry = millis("retry_ms", a.retry_ms, 1_000, 3_600_000);
+            let max_retry = millis("max_retry_ms", a.max_retry_ms, 300_000, 86_400_000);
+            if max_retry < retry {
+                self.problem(format!("{at}.max_retry_ms"), "at least retry_ms");
+            }
+            alerts.push(Alert {
+                url,
+                at_permille: thresholds,
+                budgets: a.budgets.clone(),
+                secret_file,
+                timeout,
+                retry,
+                max_retry,
+            });
+        }
+        alerts
+    }
+
     /// `near_limit_ratio`: above 0 and at most 1, in thousandths (default 0.8).
     fn near_limit(&mut self, raw: &RawPolicy) -> u16 {
         let Some(ratio) = &raw.near_limit_ratio else {

@@ -17,7 +17,9 @@
 
 mod fillable;
 mod journal;
+mod outbox;
 mod quota;
+mod rows;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -300,6 +300,12 @@ impl QuotaBook {
         })
     }
 
+    /// The durable store the book is kept in (where other books keep their
+    /// tables too: the batch queue, the gateway's alert outbox).
+    pub fn store(&self) -> &DurableStore {
+        &self.shared.store
+    }
+
     /// Counts kept in memory.
     pub fn len(&self) -> usize {
         self.shared.state.lock().cells.len()

@@ -168,6 +168,8 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     /// new cell starts from its overflow budget's count (see [`Cells::carried`]).
     overflow_until: AtomicU64,
     overflowed: AtomicU64,
+    /// The usage rows noted in it (see [`BudgetStore::note_usage_row`]).
+    rows: crate::rows::MemoryRows,
 }
 
 impl MemoryStore<SystemClock> {
@@ -217,7 +219,24 @@ impl<C: Clock> MemoryStore<C> {
             overflow_cap: (config.max_keys / 8).max(64),
             overflow_until: AtomicU64::new(0),
             overflowed: AtomicU64::new(0),
+            rows: crate::rows::MemoryRows::default(),
         }
+    }
+
+    /// [`BudgetStore::note_usage_row`], at once.
+    pub fn note_usage_row_now(&self, period: &str, row: &str, bound: crate::UsageRowBound) -> bool {
+        self.rows
+            .note(period, row, bound, self.clock.now().as_secs())
+    }
+
+    /// [`BudgetStore::usage_rows`], at once.
+    pub fn usage_rows_now(
+        &self,
+        period: &str,
+        after: Option<&str>,
+        count: usize,
+    ) -> crate::UsageRowsPage {
+        self.rows.page(period, after, count)
     }
 
     /// The clock this store reads.
@@ -375,6 +394,24 @@ impl<C: Clock> BudgetStore for MemoryStore<C> {
             reserved_at,
             network,
         )))
+    }
+
+    fn note_usage_row(
+        &self,
+        period: &str,
+        row: &str,
+        bound: crate::UsageRowBound,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        std::future::ready(Ok(self.note_usage_row_now(period, row, bound)))
+    }
+
+    fn usage_rows(
+        &self,
+        period: &str,
+        after: Option<&str>,
+        count: usize,
+    ) -> impl Future<Output = Result<crate::UsageRowsPage, StoreError>> + Send {
+        std::future::ready(Ok(self.usage_rows_now(period, after, count)))
     }
 }
 

@@ -16,6 +16,23 @@ use crate::{BudgetStore, StoreError};
 
 const SCRIPT: &str = include_str!("budgets.lua");
 
+/// Notes a usage row in its period's set, bounded (see [`crate::UsageRowBound`]):
+/// `KEYS[1]` the set, `ARGV` the row, the most rows, the Unix second it goes.
+/// 1 when the row is there, 0 when the set is full.
+const NOTE_ROW: &str = r"
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
+if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('EXPIREAT', KEYS[1], ARGV[3])
+return 1
+";
+
+/// One `SSCAN` page of a period's rows: `KEYS[1]` the set, `ARGV` the cursor and
+/// the count hint.
+const ROWS_PAGE: &str = r"
+return redis.call('SSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
+";
+
 /// How to reach Redis and how long to wait for it: [`RedisConfig::new`],
 /// then set the fields to change.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -191,6 +208,11 @@ impl RedisStore {
     /// The Redis key of a budget: `<prefix>{<subject>}:<scope>`.
     pub fn key(&self, budget: &Budget) -> String {
         self.key_of(&budget.key)
+    }
+
+    /// The Redis key of the set of usage rows of `period`.
+    fn rows_key(&self, period: &str) -> String {
+        format!("{}usage-rows:{period}", self.prefix)
     }
 
     fn key_of(&self, key: &BudgetKey) -> String {
@@ -650,6 +672,45 @@ impl BudgetStore for RedisStore {
             .first()
             .copied()
             .ok_or_else(|| unavailable("empty reply from the adjust script"))
+    }
+
+    async fn note_usage_row(
+        &self,
+        period: &str,
+        row: &str,
+        bound: crate::UsageRowBound,
+    ) -> Result<bool, StoreError> {
+        let script = redis::Script::new(NOTE_ROW);
+        let mut invocation = script.prepare_invoke();
+        invocation
+            .key(self.rows_key(period))
+            .arg(row)
+            .arg(bound.max_rows)
+            .arg(bound.kept_until);
+        let noted: i64 = self.conn.invoke(&invocation).await.map_err(unavailable)?;
+        Ok(noted == 1)
+    }
+
+    /// Pages are `SSCAN` pages: one may hold a few more rows than `count` (a small
+    /// set comes whole), and a row may come twice when the set grew meanwhile.
+    async fn usage_rows(
+        &self,
+        period: &str,
+        after: Option<&str>,
+        count: usize,
+    ) -> Result<crate::UsageRowsPage, StoreError> {
+        let script = redis::Script::new(ROWS_PAGE);
+        let mut invocation = script.prepare_invoke();
+        invocation
+            .key(self.rows_key(period))
+            .arg(after.unwrap_or("0"))
+            .arg(count.clamp(1, crate::MAX_ROWS_PAGE));
+        let (cursor, rows): (String, Vec<String>) =
+            self.conn.invoke(&invocation).await.map_err(unavailable)?;
+        Ok(crate::UsageRowsPage {
+            rows,
+            next: (cursor != "0").then_some(cursor),
+        })
     }
 
     async fn adjust_all_from(
