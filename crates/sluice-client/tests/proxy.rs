@@ -417,7 +417,7 @@ async fn c6_learned_input_ratios_show_on_limits_and_survive_a_restart() {
     std::fs::write(
         &file,
         format!(
-            "providers:\n  sim:\n    baseUrl: {url}\n    rateLimits: {{ tpm: 100000, rpm: 0, rpd: 0 }}\n",
+            "providers:\n  sim:\n    baseUrl: {url}\n    rateLimits: {{ tpm: 100000, rpm: 0, rpd: 0, tpd: 5000000 }}\n",
             url = sim.base_url()
         ),
     )
@@ -497,6 +497,25 @@ async fn c6_learned_input_ratios_show_on_limits_and_survive_a_restart() {
         .unwrap();
     assert_eq!(ratios(&again)[0]["samples"], 10, "{again}");
     assert!((ratios(&again)[0]["ratio"].as_f64().unwrap() - ratio).abs() < 1e-9);
+    // The settings page shows it too, with the tokens-per-day limit.
+    let page = client
+        .get(format!("http://{}/", bound2.admin.unwrap()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let row = format!("<tr><td>gpt-4o</td><td>{ratio:.3}</td>");
+    assert!(page.contains(&row), "no {row} in the settings page");
+    assert!(
+        page.contains(">10</td></tr>"),
+        "no 10 answers in the settings page"
+    );
+    assert!(
+        page.contains("name=tpd type=number") && page.contains("value=\"5000000\""),
+        "no TPD input on the settings page"
+    );
     stop.send(()).unwrap();
     serving.await.unwrap().unwrap();
     // A malformed file is learned again from scratch, never an error.
@@ -511,6 +530,18 @@ async fn c6_learned_input_ratios_show_on_limits_and_survive_a_restart() {
         .await
         .unwrap();
     assert_eq!(ratios(&fresh), json!([]), "{fresh}");
+    let page = client
+        .get(format!("http://{}/", bound3.admin.unwrap()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !page.contains("<td>gpt-4o</td>"),
+        "a ratio shown after a bad file"
+    );
     stop.send(()).unwrap();
     serving.await.unwrap().unwrap();
 }
