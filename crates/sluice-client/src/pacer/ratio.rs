@@ -41,7 +41,7 @@ pub(crate) const WINDOW: u32 = 16;
 /// before weighting (a factor of 1.5 either way).
 pub(crate) const MAX_STEP: f64 = 1.5;
 /// Standard deviations of the log-ratio added to a trusted ratio.
-pub(crate) const SPREAD: f64 = 2.0;
+pub(crate) const SPREAD: f64 = 3.0;
 /// The most the spread margin multiplies a trusted ratio by.
 pub(crate) const MAX_SPREAD: f64 = 1.25;
 /// Once trusted, a sample moves the variance as if it were at most this
