@@ -135,7 +135,7 @@ fn secs(s: f64) -> Duration {
 /// The rows: a plain provider, then each knob alone, then together.
 pub fn matrix_rows() -> Vec<MatrixRow> {
     let tpm_bound = MatrixWorkload {
-        per_minute: 52.0,
+        per_minute: 35.0,
         prompt_words: (200, 700),
         messages: (1, 6),
         max_tokens: 250,
@@ -143,7 +143,7 @@ pub fn matrix_rows() -> Vec<MatrixRow> {
         models: vec!["gpt-4o"],
     };
     let rpm_bound = MatrixWorkload {
-        per_minute: 135.0,
+        per_minute: 68.0,
         prompt_words: (20, 80),
         messages: (1, 4),
         max_tokens: 40,
@@ -157,8 +157,8 @@ pub fn matrix_rows() -> Vec<MatrixRow> {
         models: Vec::new(),
         workload: workload.clone(),
     };
-    let tpm = sim(30_000, 500);
-    let rpm = sim(200_000, 120);
+    let tpm = sim(20_000, 500);
+    let rpm = sim(200_000, 60);
     vec![
         row("plain rolling minute", tpm, &tpm_bound),
         row(
@@ -235,11 +235,11 @@ pub fn matrix_rows() -> Vec<MatrixRow> {
             style: ApiStyle::OpenAi,
             keys: vec![sim(200_000, 2_000)],
             models: vec![
-                SimModel::new("gpt-4o", 20_000, 500),
-                SimModel::new("gpt-4o-mini", 40_000, 1_000),
+                SimModel::new("gpt-4o", 10_000, 500),
+                SimModel::new("gpt-4o-mini", 20_000, 1_000),
             ],
             workload: MatrixWorkload {
-                per_minute: 72.0,
+                per_minute: 36.0,
                 models: vec!["gpt-4o", "gpt-4o-mini"],
                 ..tpm_bound.clone()
             },
@@ -247,10 +247,10 @@ pub fn matrix_rows() -> Vec<MatrixRow> {
         MatrixRow {
             name: "two keys, each its own limits",
             style: ApiStyle::OpenAi,
-            keys: vec![sim(30_000, 500), sim(15_000, 500)],
+            keys: vec![sim(20_000, 500), sim(10_000, 500)],
             models: Vec::new(),
             workload: MatrixWorkload {
-                per_minute: 80.0,
+                per_minute: 54.0,
                 ..tpm_bound.clone()
             },
         },
@@ -277,11 +277,11 @@ pub fn matrix_rows() -> Vec<MatrixRow> {
                 rpm_slice: secs(10.0),
                 anchored: true,
                 headers: false,
-                ..sim(60_000, 120)
+                ..sim(40_000, 80)
             }],
-            models: vec![SimModel::new("gpt-4o", 25_000, 100)],
+            models: vec![SimModel::new("gpt-4o", 15_000, 60)],
             workload: MatrixWorkload {
-                per_minute: 90.0,
+                per_minute: 60.0,
                 models: vec!["gpt-4o", "gpt-4o-mini"],
                 ..tpm_bound
             },
