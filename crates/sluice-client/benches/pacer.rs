@@ -15,12 +15,21 @@
 //!    of answers finished within the run, for the pacer and the naive
 //!    client, and their 429s.
 //!
+//! 3. The matrix of providers that count by their own rules (the
+//!    simulator's [`matrix_rows`]: tokenizer drift, per-message overhead,
+//!    arrival delay and jitter, sub-minute RPM slices, anchored minutes, no
+//!    headers, models' and keys' own limits), ten minutes a row, each
+//!    against the best schedule of that row's rules; the pacer beside the
+//!    naive client. Its seed is random and printed;
+//!    `SLUICE_MATRIX_SEED=<seed>` runs the same again.
+//!
 //! Runs on tokio's paused clock with the simulator in process, so hours of
-//! provider time take seconds and every run is the same (fixed random
-//! streams).
+//! provider time take seconds; parts 1 and 2 are the same on every run
+//! (fixed random streams).
 //!
 //! `cargo bench -p sluice-client --bench pacer [-- NAME]` (NAME: `original`
-//! for part 1 only, or part of a workload's name).
+//! for part 1 only, `matrix` for part 3 only, or part of a workload's or a
+//! row's name).
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::sync::Arc;
@@ -33,7 +42,9 @@ use sluice_client::config::ApiStyle;
 use sluice_client::config::{
     LimitsSource, PaceConfig, ProviderConfig, ProviderLimits, StaticLimits,
 };
-use sluice_client::simulator::{LATENCY_HEADER, SimService, SimulatorConfig};
+use sluice_client::simulator::{
+    LATENCY_HEADER, MatrixClient, SimService, SimulatorConfig, matrix_rows,
+};
 use sluice_client::tokens::{EstimateOptions, estimate};
 use sluice_client::{Pacer, PacerLayer, TEST_EPOCH, TokioClock};
 use sluice_core::{Clock, Timestamp};
@@ -749,8 +760,56 @@ fn main() {
     if filter.as_deref().is_none_or(|f| f == "original") {
         run_original();
     }
-    if filter.as_deref() != Some("original") {
+    if filter
+        .as_deref()
+        .is_none_or(|f| f != "original" && f != "matrix")
+    {
         run_matrix(filter.as_deref());
+    }
+    if filter.as_deref() != Some("original") {
+        run_knobs(filter.as_deref().filter(|f| *f != "matrix"));
+    }
+}
+
+/// Part 3: every row of the simulator's matrix for ten minutes, the pacer
+/// beside the naive client, against the best schedule of the row's rules.
+fn run_knobs(filter: Option<&str>) {
+    let stop = Duration::from_secs(10 * 60);
+    let seed: u64 = std::env::var("SLUICE_MATRIX_SEED")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| fastrand::u64(..));
+    println!(
+        "\nThe matrix: providers that count by their own rules, ten minutes a row, seed {seed} (SLUICE_MATRIX_SEED={seed} runs it again); \"best\" is the best schedule of the row's rules, the clients as % of its tokens\n"
+    );
+    println!("| row | arrived | best: done / tokens | sluice pacer | 429s | naive retry | 429s |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let rt = paused();
+    for (i, row) in matrix_rows().iter().enumerate() {
+        if filter.is_some_and(|f| !row.name.contains(f)) {
+            continue;
+        }
+        let s = seed.wrapping_add(i as u64);
+        let jobs = row.jobs(s, stop);
+        let best = row.best(&jobs, stop);
+        let (paced, naive) = rt.block_on(async {
+            (
+                row.run(MatrixClient::Pacer, &jobs, stop, s).await,
+                row.run(MatrixClient::Naive, &jobs, stop, s).await,
+            )
+        });
+        let pct = |t: u64| t as f64 / best.tokens.max(1) as f64 * 100.0;
+        println!(
+            "| {} | {} | {} / {} | {:.1} % | {} | {:.1} % | {} |",
+            row.name,
+            jobs.len(),
+            best.requests,
+            best.tokens,
+            pct(paced.finished.tokens),
+            paced.violations,
+            pct(naive.finished.tokens),
+            naive.violations,
+        );
     }
 }
 

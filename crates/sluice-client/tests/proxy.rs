@@ -6,6 +6,7 @@
 
 mod support;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -416,7 +417,7 @@ async fn c6_learned_input_ratios_show_on_limits_and_survive_a_restart() {
     std::fs::write(
         &file,
         format!(
-            "providers:\n  sim:\n    baseUrl: {url}\n    rateLimits: {{ tpm: 100000, rpm: 0, rpd: 0 }}\n",
+            "providers:\n  sim:\n    baseUrl: {url}\n    rateLimits: {{ tpm: 100000, rpm: 0, rpd: 0, tpd: 5000000 }}\n",
             url = sim.base_url()
         ),
     )
@@ -496,6 +497,25 @@ async fn c6_learned_input_ratios_show_on_limits_and_survive_a_restart() {
         .unwrap();
     assert_eq!(ratios(&again)[0]["samples"], 10, "{again}");
     assert!((ratios(&again)[0]["ratio"].as_f64().unwrap() - ratio).abs() < 1e-9);
+    // The settings page shows it too, with the tokens-per-day limit.
+    let page = client
+        .get(format!("http://{}/", bound2.admin.unwrap()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let row = format!("<tr><td>gpt-4o</td><td>{ratio:.3}</td>");
+    assert!(page.contains(&row), "no {row} in the settings page");
+    assert!(
+        page.contains(">10</td></tr>"),
+        "no 10 answers in the settings page"
+    );
+    assert!(
+        page.contains("name=tpd type=number") && page.contains("value=\"5000000\""),
+        "no TPD input on the settings page"
+    );
     stop.send(()).unwrap();
     serving.await.unwrap().unwrap();
     // A malformed file is learned again from scratch, never an error.
@@ -510,6 +530,185 @@ async fn c6_learned_input_ratios_show_on_limits_and_survive_a_restart() {
         .await
         .unwrap();
     assert_eq!(ratios(&fresh), json!([]), "{fresh}");
+    let page = client
+        .get(format!("http://{}/", bound3.admin.unwrap()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !page.contains("<td>gpt-4o</td>"),
+        "a ratio shown after a bad file"
+    );
+    stop.send(()).unwrap();
+    serving.await.unwrap().unwrap();
+}
+
+/// A fake OpenAI over real loopback HTTP/1.1, written by hand so that the
+/// usage chunk of its stream leaves in two TCP writes: it keeps every
+/// request body it got and answers each with the same stream (usage chunk
+/// included, as a provider does when asked).
+async fn split_usage_provider() -> (String, Arc<parking_lot::Mutex<Vec<Value>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let kept = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            sock.set_nodelay(true).unwrap();
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let head_end = loop {
+                    let n = sock.read(&mut chunk).await.unwrap();
+                    assert!(n > 0, "the proxy hung up mid-request");
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map(|v| v.trim().parse().unwrap())
+                    .unwrap();
+                while buf.len() < head_end + len {
+                    let n = sock.read(&mut chunk).await.unwrap();
+                    buf.extend_from_slice(&chunk[..n]);
+                }
+                kept.lock()
+                    .push(serde_json::from_slice(&buf[head_end..head_end + len]).unwrap());
+                let events = concat!(
+                    "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}],\"usage\":null}\n\n",
+                    "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":null}\n\n",
+                    "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":2,\"total_tokens\":11}}\n\n",
+                    "data: [DONE]\n\n",
+                );
+                // Cut inside the usage chunk, in its "usage" object.
+                let cut = events.find("\"completion_tokens\":2").unwrap();
+                let chunked = |s: &str| format!("{:x}\r\n{s}\r\n", s.len());
+                sock.write_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n",
+                )
+                .await
+                .unwrap();
+                sock.write_all(chunked(&events[..cut]).as_bytes())
+                    .await
+                    .unwrap();
+                sock.flush().await.unwrap();
+                sock.write_all(chunked(&events[cut..]).as_bytes())
+                    .await
+                    .unwrap();
+                sock.write_all(b"0\r\n\r\n").await.unwrap();
+                sock.flush().await.unwrap();
+            });
+        }
+    });
+    (format!("http://{addr}/v1"), seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c6_a_stream_s_usage_is_asked_for_reconciled_and_hidden_from_a_client_that_did_not_ask() {
+    let (url, seen) = split_usage_provider().await;
+    let dir = support::temp_dir("stream-usage");
+    let file = dir.join("pace.yaml");
+    std::fs::write(
+        &file,
+        format!("providers:\n  fake:\n    baseUrl: {url}\n    rateLimits: {{ tpm: 100000, rpm: 0, rpd: 0 }}\n"),
+    )
+    .unwrap();
+    let server = ProxyServer::bind(
+        ProxyOptions::new(&file, "127.0.0.1:0".parse().unwrap())
+            .with_admin("127.0.0.1:0".parse().unwrap()),
+    )
+    .await
+    .unwrap();
+    let bound = server.bound();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.serve_with_shutdown(async move {
+        let _ = stopped.await;
+    }));
+    let client = reqwest::Client::new();
+    let stream = |options: Option<Value>| {
+        let mut body = json!({"model":"gpt-4o","stream":true,"max_tokens":500,
+            "messages":[{"role":"user","content":"Say hi."}]});
+        if let Some(o) = options {
+            body["stream_options"] = o;
+        }
+        let c = client.clone();
+        let url = format!("http://{}/fake/chat/completions", bound.listen);
+        async move {
+            let r = c.post(url).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            assert!(r.headers().get("content-length").is_none());
+            String::from_utf8(r.bytes().await.unwrap().to_vec()).unwrap()
+        }
+    };
+    let status = || async {
+        client
+            .get(format!("http://{}/status", bound.admin.unwrap()))
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
+    };
+    let reconciled = |v: &Value| v["providers"]["fake"]["reconciled"].as_u64().unwrap();
+
+    // The client did not ask: the provider was asked, the client sees no
+    // usage chunk, and the reservation (prompt + 500) settled to 11.
+    let text = stream(None).await;
+    assert_eq!(
+        seen.lock()[0]["stream_options"],
+        json!({"include_usage": true})
+    );
+    assert!(!text.contains("total_tokens"), "{text}");
+    assert!(
+        text.contains("\"content\":\"Hi\"") && text.ends_with("data: [DONE]\n\n"),
+        "{text}"
+    );
+    let mut st = status().await;
+    for _ in 0..100 {
+        if reconciled(&st) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        st = status().await;
+    }
+    assert_eq!(reconciled(&st), 1, "{st}");
+    let dash: Value = client
+        .get(format!("http://{}/dashboard.json", bound.admin.unwrap()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(dash["providers"]["fake"]["window"]["tokens"], 11, "{dash}");
+
+    // A client that asked gets the chunk, split as it came, whole.
+    let text = stream(Some(json!({"include_usage": true}))).await;
+    assert!(text.contains("\"total_tokens\":11"), "{text}");
+    assert_eq!(
+        seen.lock()[1]["stream_options"],
+        json!({"include_usage": true})
+    );
+    // One that said no is asked for it, and does not see it.
+    let text = stream(Some(json!({"include_usage": false}))).await;
+    assert_eq!(
+        seen.lock()[2]["stream_options"],
+        json!({"include_usage": true})
+    );
+    assert!(!text.contains("total_tokens"), "{text}");
     stop.send(()).unwrap();
     serving.await.unwrap().unwrap();
 }

@@ -408,3 +408,285 @@ async fn c6_the_provider_s_count_is_learned_per_model_and_a_full_window_trips_no
     let worst = sim.stats().worst_window_tokens;
     assert!(worst <= 6_000 && worst > 5_400, "{worst}");
 }
+
+// ---------------------------------------------------------------------------
+// The knobs real providers differ in (issue 42).
+// ---------------------------------------------------------------------------
+
+fn quick(cfg: SimulatorConfig) -> (TokioClock, SimService) {
+    let clock = TokioClock::at(TEST_EPOCH);
+    let sim = SimService::new(
+        SimulatorConfig {
+            latency: Duration::ZERO,
+            completion_tokens: 1,
+            ..cfg
+        },
+        Arc::new(clock),
+    );
+    (clock, sim)
+}
+
+fn prompt_tokens(b: &Bytes) -> u64 {
+    let j: Value = serde_json::from_slice(b).unwrap();
+    j["usage"]["prompt_tokens"].as_u64().unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn simulator_counts_its_own_per_message_overhead_and_tokenizer_drift() {
+    let three = json!({"model":"gpt-4o","max_tokens":1,"messages":[
+        {"role":"system","content":" tok".repeat(100)},
+        {"role":"user","content":" tok".repeat(100)},
+        {"role":"user","content":" tok".repeat(100)}]});
+    let (_, mut plain) = quick(SimulatorConfig::default());
+    let base = prompt_tokens(
+        &send(&mut plain, post("/v1/chat/completions", three.clone()))
+            .await
+            .2,
+    );
+    let (_, mut over) = quick(SimulatorConfig {
+        message_overhead: 9,
+        ..SimulatorConfig::default()
+    });
+    let b = send(&mut over, post("/v1/chat/completions", three.clone()))
+        .await
+        .2;
+    assert_eq!(prompt_tokens(&b), base + 27);
+    let (_, mut both) = quick(SimulatorConfig {
+        message_overhead: -1_000,
+        ..SimulatorConfig::default()
+    });
+    // Never below 0.
+    let b = send(&mut both, post("/v1/chat/completions", three.clone()))
+        .await
+        .2;
+    assert_eq!(prompt_tokens(&b), 0);
+    let (_, mut drift) = quick(SimulatorConfig {
+        prompt_percent: 85,
+        message_overhead: 2,
+        ..SimulatorConfig::default()
+    });
+    let b = send(&mut drift, post("/v1/chat/completions", three))
+        .await
+        .2;
+    assert_eq!(prompt_tokens(&b), base * 85 / 100 + 6);
+}
+
+#[tokio::test(start_paused = true)]
+async fn simulator_counts_a_request_when_it_arrives_after_its_delay_and_jitter() {
+    let (clock, mut sim) = quick(SimulatorConfig {
+        tpm: 0,
+        arrival_delay: Duration::from_millis(300),
+        arrival_jitter: Duration::from_millis(200),
+        seed: 42,
+        ..SimulatorConfig::default()
+    });
+    let mut delays = Vec::new();
+    for _ in 0..20 {
+        let sent = clock.now();
+        assert_eq!(
+            send(&mut sim, post("/v1/chat/completions", chat(1)))
+                .await
+                .0,
+            StatusCode::OK
+        );
+        let arrived = sim.arrivals().last().unwrap().0;
+        delays.push(arrived.saturating_since(sent));
+    }
+    assert!(
+        delays
+            .iter()
+            .all(|d| *d >= Duration::from_millis(300) && *d <= Duration::from_millis(500)),
+        "{delays:?}"
+    );
+    // Jittered: not all the same.
+    assert!(delays.iter().any(|d| *d != delays[0]), "{delays:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn simulator_enforces_rpm_over_sub_minute_slices_as_azure_does() {
+    // 120 RPM over 1 s slices: 2 a second, whatever the minute leaves.
+    let (_, mut sim) = quick(SimulatorConfig {
+        tpm: 0,
+        rpm: 120,
+        rpm_slice: Duration::from_secs(1),
+        ..SimulatorConfig::default()
+    });
+    for _ in 0..2 {
+        assert_eq!(
+            send(&mut sim, post("/v1/chat/completions", chat(1)))
+                .await
+                .0,
+            StatusCode::OK
+        );
+    }
+    let (s, h, b) = send(&mut sim, post("/v1/chat/completions", chat(1))).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        classify(s, &h, Some(&b)),
+        Retryable::Yes {
+            hint: Some(Duration::from_secs(1))
+        }
+    );
+    assert_eq!(sim.stats().slice_violations, 1);
+    tokio::time::advance(Duration::from_millis(999)).await;
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(1)))
+            .await
+            .0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(1)))
+            .await
+            .0,
+        StatusCode::OK
+    );
+    // 10 s slices: 20 per 10 s.
+    let (_, mut ten) = quick(SimulatorConfig {
+        tpm: 0,
+        rpm: 120,
+        rpm_slice: Duration::from_secs(10),
+        ..SimulatorConfig::default()
+    });
+    for _ in 0..20 {
+        assert_eq!(
+            send(&mut ten, post("/v1/chat/completions", chat(1)))
+                .await
+                .0,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        send(&mut ten, post("/v1/chat/completions", chat(1)))
+            .await
+            .0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn simulator_anchors_a_fixed_minute_at_an_arrival() {
+    let (clock, mut sim) = quick(SimulatorConfig {
+        tpm: 0,
+        rpm: 2,
+        anchored: true,
+        ..SimulatorConfig::default()
+    });
+    // The minute opens at the first arrival, t = 0.
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(1)))
+            .await
+            .0,
+        StatusCode::OK
+    );
+    tokio::time::advance(Duration::from_secs(50)).await;
+    let (s, h, _) = send(&mut sim, post("/v1/chat/completions", chat(1))).await;
+    assert_eq!(s, StatusCode::OK);
+    // Both leave together when the minute closes, 10 s from now.
+    let learned = RateLimitHeaders::parse(&h, clock.now());
+    assert_eq!(learned.requests.reset, Some(Duration::from_secs(10)));
+    tokio::time::advance(Duration::from_millis(9_999)).await;
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(1)))
+            .await
+            .0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    tokio::time::advance(Duration::from_millis(1)).await;
+    // A rolling minute would still count the one at t = 50 s: here it is gone.
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(1)))
+            .await
+            .0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(1)))
+            .await
+            .0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&mut sim, post("/v1/chat/completions", chat(1)))
+            .await
+            .0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn simulator_without_headers_says_when_only_in_the_429_body() {
+    let (_, mut sim) = quick(SimulatorConfig {
+        tpm: 0,
+        rpm: 1,
+        headers: false,
+        ..SimulatorConfig::default()
+    });
+    let (s, h, _) = send(&mut sim, post("/v1/chat/completions", chat(1))).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(h.keys().all(|k| !k.as_str().contains("ratelimit")), "{h:?}");
+    let (s, h, b) = send(
+        &mut sim,
+        post(
+            "/v1/messages",
+            json!({"model":"claude","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}),
+        ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+    assert!(h.get("retry-after").is_none() && h.keys().all(|k| !k.as_str().contains("ratelimit")));
+    assert_eq!(
+        classify(s, &h, Some(&b)),
+        Retryable::Yes {
+            hint: Some(Duration::from_secs(60))
+        }
+    );
+}
+
+#[test]
+fn simulator_best_schedule_follows_the_rows_rules() {
+    use sluice_client::simulator::{ScheduleItem, best_schedule};
+    // Ten requests of 100 tokens at t = 0, TPM 500: five go at once, five a
+    // minute later (rolling) — or, anchored, when the minute closes.
+    let items: Vec<ScheduleItem> = (0..10)
+        .map(|_| ScheduleItem {
+            at: Duration::ZERO,
+            model: "gpt-4o".into(),
+            input: 50,
+            budget: 50,
+            output: 50,
+            latency: Duration::from_secs(1),
+        })
+        .collect();
+    let cfg = SimulatorConfig {
+        tpm: 500,
+        rpm: 0,
+        ..SimulatorConfig::default()
+    };
+    let by = |secs: u64, cfg: SimulatorConfig| {
+        best_schedule(&[cfg], &[], &items, Duration::from_secs(secs), true).requests
+    };
+    assert_eq!(by(30, cfg), 5);
+    assert_eq!(by(62, cfg), 10);
+    // RPM 120 lets all ten go at once; in 1 s slices, two a second (those
+    // sent at 0, 1 and 2 s are done by 3 s).
+    let minute = SimulatorConfig {
+        tpm: 0,
+        rpm: 120,
+        ..SimulatorConfig::default()
+    };
+    assert_eq!(by(3, minute), 10);
+    let sliced = SimulatorConfig {
+        rpm_slice: Duration::from_secs(1),
+        ..minute
+    };
+    assert_eq!(by(3, sliced), 6);
+    // Arriving 10 s late, nothing is done by 10 s.
+    let late = SimulatorConfig {
+        arrival_delay: Duration::from_secs(10),
+        ..cfg
+    };
+    assert_eq!(by(10, late), 0);
+    assert_eq!(by(12, late), 5);
+}

@@ -10,6 +10,16 @@
 //! trusted ([`TRUSTED`] samples), to within ×/÷ [`MAX_STEP`] of it: a usage
 //! that disagrees wildly (10×) moves the ratio a little, within bounds, and
 //! does not poison it.
+//!
+//! A provider's count may not be a constant multiple of the estimate: a
+//! per-message overhead of its own weighs more on a short prompt of many
+//! messages than on a long one. The mean then under-reserves some requests
+//! while their answers are on the way, and a window filled to the limit by
+//! the pacer's books is over it in the provider's. So once trusted, the
+//! factor carries the spread of the samples too: [`SPREAD`] standard
+//! deviations of the log-ratio, at most [`MAX_SPREAD`]. The reservation is
+//! settled to the provider's count when the answer ends, so the margin only
+//! holds while a request is in flight.
 
 use std::collections::HashMap;
 
@@ -30,6 +40,16 @@ pub(crate) const WINDOW: u32 = 16;
 /// Once trusted, one sample moves the log-ratio at most `ln(MAX_STEP)`
 /// before weighting (a factor of 1.5 either way).
 pub(crate) const MAX_STEP: f64 = 1.5;
+/// Standard deviations of the log-ratio added to a trusted ratio.
+pub(crate) const SPREAD: f64 = 3.0;
+/// The most the spread margin multiplies a trusted ratio by.
+pub(crate) const MAX_SPREAD: f64 = 1.25;
+/// Once trusted, a sample moves the variance as if it were at most this
+/// many standard deviations from the mean …
+pub(crate) const CLIP: f64 = 3.0;
+/// … taking the deviation as at least this (in log-ratio) when the samples
+/// so far agree.
+pub(crate) const MIN_DEVIATION: f64 = 0.01;
 /// The most models whose ratio one provider keeps; past it, further models
 /// share one ratio (still learned, only less precisely).
 pub(crate) const MAX_MODELS: usize = 256;
@@ -44,6 +64,8 @@ pub(crate) struct InputRatio {
     log_mean: f64,
     /// Samples seen (saturating).
     samples: u32,
+    /// Variance of the log-ratio samples (weighted as the mean).
+    log_var: f64,
 }
 
 impl InputRatio {
@@ -53,6 +75,7 @@ impl InputRatio {
         InputRatio {
             log_mean: ratio.clamp(MIN_RATIO, MAX_RATIO).ln(),
             samples,
+            log_var: 0.0,
         }
     }
 
@@ -82,15 +105,33 @@ impl InputRatio {
         }
         let n = self.samples.saturating_add(1);
         let weight = 1.0 / f64::from(n.min(WINDOW));
-        self.log_mean =
-            (self.log_mean + weight * (x - self.log_mean)).clamp(MIN_RATIO.ln(), MAX_RATIO.ln());
+        let delta = x - self.log_mean;
+        self.log_mean = (self.log_mean + weight * delta).clamp(MIN_RATIO.ln(), MAX_RATIO.ln());
+        // West's weighted update: the running variance for the first
+        // samples, then exponentially weighted as the mean; once trusted, a
+        // sample counts at most [`CLIP`] deviations away, so one wild
+        // report does not widen the margin for long.
+        let dev = if self.samples >= TRUSTED {
+            let lim = CLIP * self.log_var.sqrt().max(MIN_DEVIATION);
+            delta.clamp(-lim, lim)
+        } else {
+            delta
+        };
+        let var = (1.0 - weight) * (self.log_var + weight * dev * dev);
+        self.log_var = if var.is_finite() { var.max(0.0) } else { 0.0 };
         self.samples = n;
+    }
+
+    /// The margin for the samples' spread: `exp(SPREAD × σ)` of the
+    /// log-ratio, at most [`MAX_SPREAD`] (1 when every sample agrees).
+    pub(crate) fn spread(&self) -> f64 {
+        (SPREAD * self.log_var.sqrt()).exp().clamp(1.0, MAX_SPREAD)
     }
 
     /// What a request's input estimate is multiplied by to reserve: 1
     /// before any sample; below [`TRUSTED`] samples never less than 1, and
     /// a ratio above 1 with a margin shrinking with the samples; then the
-    /// ratio itself.
+    /// ratio with the margin of its spread ([`InputRatio::spread`]).
     pub(crate) fn factor(&self) -> f64 {
         let r = self.ratio();
         if self.samples == 0 {
@@ -103,7 +144,7 @@ impl InputRatio {
                 1.0
             }
         } else {
-            r
+            (r * self.spread()).min(MAX_RATIO)
         }
     }
 
@@ -245,6 +286,35 @@ mod tests {
         assert_eq!(low.scale(1_000), 500);
         high.learn(1_000, 1_300);
         assert_eq!(high.scale(1_000), 1_300);
+    }
+
+    #[test]
+    fn c6_a_ratio_that_varies_per_request_reserves_with_a_margin_for_its_spread() {
+        // A provider adding its own overhead per message: short prompts of
+        // many messages count far more than the estimate, long ones barely.
+        let mut r = InputRatio::default();
+        for i in 0..64u32 {
+            let (est, reported) = if i % 2 == 0 { (200, 254) } else { (700, 709) };
+            r.learn(est, reported);
+        }
+        // The mean lies between the two; the factor covers the larger.
+        assert!(
+            r.ratio() > 1.0 && r.ratio() < 254.0 / 200.0,
+            "{}",
+            r.ratio()
+        );
+        assert!(r.factor() >= 254.0 / 200.0, "{}", r.factor());
+        assert!(r.factor() <= r.ratio() * MAX_SPREAD + 1e-9);
+        // Samples that agree carry no margin.
+        let mut same = InputRatio::default();
+        for _ in 0..64 {
+            same.learn(1_000, 1_150);
+        }
+        assert_eq!(same.spread(), 1.0);
+        assert_eq!(same.scale(1_000), 1_150);
+        // One wild report widens the margin by little.
+        same.learn(1_000, 11_500);
+        assert!(same.spread() < 1.03, "{}", same.spread());
     }
 
     #[test]

@@ -253,7 +253,7 @@ fn models_table(p: &crate::config::ProviderConfig) -> String {
         let _ = write!(
             rows,
             "<tr data-group=\"{g}\"><td>{pats}</td><td>{tpm}</td><td>{rpm}</td><td>{rpd}</td>\
-             <td>{itpm}</td><td>{otpm}</td><td class=used>–</td></tr>",
+             <td>{itpm}</td><td>{otpm}</td><td>{tpd}</td><td class=used>–</td></tr>",
             g = escape(group),
             pats = patterns
                 .iter()
@@ -265,12 +265,13 @@ fn models_table(p: &crate::config::ProviderConfig) -> String {
             rpd = shown(l.rpd),
             itpm = shown(l.itpm),
             otpm = shown(l.otpm),
+            tpd = shown(l.tpd),
         );
     }
     format!(
         "<table class=models><caption>Per-model limits (besides the provider's)</caption>\
          <tr><th>models</th><th>TPM</th><th>RPM</th><th>RPD</th><th>ITPM</th><th>OTPM</th>\
-         <th>tokens, last 60 s</th></tr>{rows}</table>"
+         <th>TPD</th><th>tokens, last 60 s</th></tr>{rows}</table>"
     )
 }
 
@@ -284,18 +285,43 @@ fn keys_table(p: &crate::config::ProviderConfig) -> String {
         let l = k.limits;
         let _ = write!(
             rows,
-            "<tr><td>{name}</td><td>{tpm}</td><td>{rpm}</td><td>{rpd}</td><td>{itpm}</td><td>{otpm}</td></tr>",
+            "<tr><td>{name}</td><td>{tpm}</td><td>{rpm}</td><td>{rpd}</td><td>{itpm}</td><td>{otpm}</td><td>{tpd}</td></tr>",
             name = escape(&k.name),
             tpm = shown(l.tpm),
             rpm = shown(l.rpm),
             rpd = shown(l.rpd),
             itpm = shown(l.itpm),
             otpm = shown(l.otpm),
+            tpd = shown(l.tpd),
         );
     }
     format!(
         "<table class=keys><caption>Keys (each with its own limits)</caption>\
-         <tr><th>key</th><th>TPM</th><th>RPM</th><th>RPD</th><th>ITPM</th><th>OTPM</th></tr>{rows}</table>"
+         <tr><th>key</th><th>TPM</th><th>RPM</th><th>RPD</th><th>ITPM</th><th>OTPM</th><th>TPD</th></tr>{rows}</table>"
+    )
+}
+
+/// What the pacer learned of the provider's input count, per model (its
+/// input ratios: see `docs/pacer.md`); the page refreshes the rows.
+fn ratios_table(ratios: &[crate::InputRatioReading]) -> String {
+    let mut rows = String::new();
+    for r in ratios {
+        let model = match r.model.as_str() {
+            "" => "(no model named)".to_owned(),
+            "\0other" => "(other models)".to_owned(),
+            m => escape(m),
+        };
+        let _ = write!(
+            rows,
+            "<tr><td>{model}</td><td>{ratio:.3}</td><td>{factor:.3}</td><td>{samples}</td></tr>",
+            ratio = r.ratio,
+            factor = r.factor,
+            samples = r.samples,
+        );
+    }
+    let empty = if ratios.is_empty() { "" } else { " hidden" };
+    format!(
+        "<table class=ratios><caption>Learned input ratios (the provider's count ÷ the estimate;          kept across restarts)</caption><thead><tr><th>model</th><th>ratio</th>         <th>reserved ×</th><th>answers</th></tr></thead><tbody>{rows}</tbody></table>         <p class=\"hint none\"{empty}>No answer has reported its input tokens yet.</p>"
     )
 }
 
@@ -328,8 +354,8 @@ async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
              <span class=\"badge hold\" hidden></span></div>\
              <div class=url>{url}</div>\
              <div class=meters>{m1}{m2}{m3}{m4}{m5}</div>\
-             <div class=stats>{s1}{s2}{s3}{s4}{s5}</div>{models}{keys}\
-             <form class=settings><div class=inputs>{i1}{i2}{i3}{i4}{i5}</div>\
+             <div class=stats>{s1}{s2}{s3}{s4}{s5}</div>{models}{keys}{ratios}\
+             <form class=settings><div class=inputs>{i1}{i2}{i3}{i4}{i5}{i6}</div>\
              <button>Save</button><p class=msg role=status></p></form></section>",
             url = escape(&p.base_url),
             src = escape(
@@ -362,6 +388,8 @@ async fn page<S: BudgetStore + 'static, C: Clock + 'static>(
             i3 = input("rpd", "RPD", p.limits.rpd),
             i4 = input("itpm", "ITPM", p.limits.itpm),
             i5 = input("otpm", "OTPM", p.limits.otpm),
+            i6 = input("tpd", "TPD", p.limits.tpd),
+            ratios = ratios_table(&app.pacer.input_ratios(&p.name)),
             models = models_table(p),
             keys = keys_table(p),
         );

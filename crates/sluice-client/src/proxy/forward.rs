@@ -12,6 +12,7 @@ use sluice_core::Clock;
 use sluice_store::BudgetStore;
 
 use super::App;
+use super::stream::HideUsage;
 use crate::call::{
     After, Call, MAX_ERROR_BODY, hint_headers, is_hop_by_hop, read_head, reconcile_on_end, rejoin,
 };
@@ -120,6 +121,13 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
         );
     };
     let headers = upstream_headers(&parts.headers, !config.pacer.client_keys.is_empty(), p);
+    // A stream's usage is what reconciles its reservation: asked for when
+    // the client did not, and hidden from it again on the way back.
+    let asked = (p.style == crate::api::ApiStyle::OpenAi && parts.method == http::Method::POST)
+        .then(|| super::stream::ask_for_usage(&rest, &bytes))
+        .flatten();
+    let hide_usage = asked.is_some();
+    let bytes = asked.unwrap_or(bytes);
     let mut call = match Call::new(&app.pacer, &provider, parts.method, &rest, headers, bytes) {
         Ok(c) => c,
         Err(e) => return pace_error(&e),
@@ -195,6 +203,13 @@ async fn forward<S: BudgetStore + 'static, C: Clock + 'static>(
             )),
             _ => Body::new(upstream.into_body()),
         };
+        let sse = ct
+            .as_deref()
+            .is_some_and(|c| c.starts_with("text/event-stream"));
+        if hide_usage && sse {
+            rheaders.remove(header::CONTENT_LENGTH);
+            return respond(status, rheaders, Body::new(HideUsage::new(body)));
+        }
         return respond(status, rheaders, body);
     }
 }

@@ -1,7 +1,11 @@
 //! `sluice pace`: a local proxy any OpenAI- or Anthropic-compatible SDK uses
 //! by changing its base URL. `/<provider>/<path>` is forwarded to that
 //! provider's `baseUrl` + `/<path>` with its key, paced; answers (also
-//! server-sent event streams) pass through unbuffered. A path that could leave
+//! server-sent event streams) pass through unbuffered. A streamed chat
+//! completion whose client did not ask for usage is sent with
+//! `stream_options.include_usage`, so that its usage chunk reconciles the
+//! reservation, and that chunk is taken out of the stream it gets back
+//! (however the bytes were cut on the way). A path that could leave
 //! the provider's base path (`..`, `%2e%2e`, an encoded slash, …) is 400
 //! `invalid_path`, sent nowhere; a redirect is followed only within the
 //! provider's origin (see [`crate::same_origin_redirects`]), any other is the
@@ -27,6 +31,7 @@ mod admin;
 mod forward;
 mod path;
 mod ratios;
+mod stream;
 
 pub use forward::{BUDGET_HEADER, KEY_HEADER};
 pub use ratios::{SAVE_EVERY, ratios_path};

@@ -75,12 +75,15 @@ pub(super) async fn answer(
     let est = if method == Method::GET {
         Default::default()
     } else {
-        let prompt = u64::from(est.prompt) * u64::from(cfg.prompt_percent) / 100;
         crate::tokens::TokenEstimate {
-            prompt: u32::try_from(prompt).unwrap_or(u32::MAX),
+            prompt: provider_prompt(&cfg, est.prompt, &json),
             ..est
         }
     };
+    let delay = arrival_delay(&shared, &cfg);
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     let now = shared.clock.now();
     let model = json
         .get("model")
@@ -95,7 +98,11 @@ pub(super) async fn answer(
     let v = admit(&shared, &cfg, &model, count, now);
     if let Some(refusal) = &v.refused {
         let mut r = refused(style, &model, refusal);
-        rate_headers(r.headers_mut(), style, &v, now);
+        if cfg.headers {
+            rate_headers(r.headers_mut(), style, &v, now);
+        } else {
+            r.headers_mut().remove(http::header::RETRY_AFTER);
+        }
         return r;
     }
     let completion = cfg.completion_tokens.min(est.completion);
@@ -136,8 +143,37 @@ pub(super) async fn answer(
         );
         full(StatusCode::OK, &reply.whole(style))
     };
-    rate_headers(r.headers_mut(), style, &v, now);
+    if cfg.headers {
+        rate_headers(r.headers_mut(), style, &v, now);
+    }
     r
+}
+
+/// The prompt tokens the provider counts for a prompt the client's
+/// estimator makes `estimate`: scaled by `prompt_percent`, plus
+/// `message_overhead` per message of the body (never below 0).
+pub(super) fn provider_prompt(cfg: &SimulatorConfig, estimate: u32, json: &Value) -> u32 {
+    let scaled = i128::from(estimate) * i128::from(cfg.prompt_percent) / 100;
+    let messages = json
+        .get("messages")
+        .and_then(Value::as_array)
+        .map_or(0, Vec::len);
+    let messages = i128::try_from(messages).unwrap_or(i128::MAX);
+    let counted = scaled.saturating_add(messages.saturating_mul(i128::from(cfg.message_overhead)));
+    u32::try_from(counted.max(0)).unwrap_or(u32::MAX)
+}
+
+/// How long a request takes to arrive: `arrival_delay` plus a draw of the
+/// jitter from the simulator's seeded stream.
+fn arrival_delay(shared: &Shared, cfg: &SimulatorConfig) -> Duration {
+    let jitter = u64::try_from(cfg.arrival_jitter.as_nanos()).unwrap_or(u64::MAX);
+    let extra = if jitter == 0 {
+        0
+    } else {
+        shared.rng.lock().u64(0..=jitter)
+    };
+    cfg.arrival_delay
+        .saturating_add(Duration::from_nanos(extra))
 }
 
 /// Anthropic's shapes on `…/messages`, OpenAI's elsewhere.
@@ -182,7 +218,7 @@ pub(super) fn refused(style: ApiStyle, model: &str, refusal: &Refusal) -> Respon
         "tokens" => "tokens per min (TPM)",
         "input tokens" => "input tokens per min (ITPM)",
         "output tokens" => "output tokens per min (OTPM)",
-        "requests" => "requests per min (RPM)",
+        "requests" | "requests per slice" => "requests per min (RPM)",
         _ => "requests per day (RPD)",
     };
     let message = format!(

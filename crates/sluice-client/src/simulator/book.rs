@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use sluice_core::{Clock, Timestamp};
 
-use super::config::{DAY, Limits, MINUTE, SimModel, SimulatorConfig, SimulatorStats};
+use super::config::{DAY, Limits, MINUTE, Rules, SimModel, SimulatorConfig, SimulatorStats};
 
 #[derive(Debug)]
 pub(super) struct Entry {
@@ -46,6 +46,10 @@ pub(super) struct Refusal {
 pub(super) struct Book {
     pub(super) minute: VecDeque<Entry>,
     pub(super) day: VecDeque<Timestamp>,
+    /// Arrivals in the current sub-minute slice ([`Rules::slice`]).
+    pub(super) recent: VecDeque<Timestamp>,
+    /// When the anchored minute opened ([`Rules::anchored`]).
+    pub(super) anchor: Option<Timestamp>,
     pub(super) next_id: u64,
     pub(super) stats: SimulatorStats,
     /// Arrival times and tokens of every admitted request (for reports).
@@ -53,13 +57,27 @@ pub(super) struct Book {
 }
 
 impl Book {
-    pub(super) fn prune(&mut self, now: Timestamp) {
+    pub(super) fn prune(&mut self, now: Timestamp, rules: Rules) {
+        if rules.anchored {
+            if self.anchor.is_some_and(|a| a.saturating_add(MINUTE) <= now) {
+                self.minute.clear();
+                self.anchor = None;
+            }
+        } else {
+            while self
+                .minute
+                .front()
+                .is_some_and(|e| e.at.saturating_add(MINUTE) <= now)
+            {
+                self.minute.pop_front();
+            }
+        }
         while self
-            .minute
+            .recent
             .front()
-            .is_some_and(|e| e.at.saturating_add(MINUTE) <= now)
+            .is_some_and(|t| t.saturating_add(rules.slice) <= now)
         {
-            self.minute.pop_front();
+            self.recent.pop_front();
         }
         while self
             .day
@@ -70,6 +88,23 @@ impl Book {
         }
     }
 
+    /// When the entry arrived at `at` leaves the minute window.
+    pub(super) fn leaves(&self, at: Timestamp, rules: Rules) -> Timestamp {
+        match (rules.anchored, self.anchor) {
+            (true, Some(a)) => a.saturating_add(MINUTE),
+            _ => at.saturating_add(MINUTE),
+        }
+    }
+
+    /// The next instant after `now` at which something leaves a window
+    /// (after [`Book::prune`]).
+    pub(super) fn next_change(&self, rules: Rules) -> Option<Timestamp> {
+        let minute = self.minute.front().map(|e| self.leaves(e.at, rules));
+        let slice = self.recent.front().map(|t| t.saturating_add(rules.slice));
+        let day = self.day.front().map(|t| t.saturating_add(DAY));
+        [minute, slice, day].into_iter().flatten().min()
+    }
+
     pub(super) fn tokens(&self) -> u64 {
         self.minute.iter().map(|e| e.tokens).sum()
     }
@@ -78,10 +113,16 @@ impl Book {
         self.minute.iter().map(f).sum()
     }
 
-    /// Whether `c` fits every axis of `l` at `now`, the first axis over
-    /// otherwise (and counts it).
-    pub(super) fn refuse(&mut self, l: Limits, c: Count, now: Timestamp) -> Option<Refusal> {
-        let until = |t: Timestamp| t.saturating_add(MINUTE).saturating_since(now);
+    /// Whether `c` fits every axis of `l` at `now` (after
+    /// [`Book::prune`]), the first axis over otherwise.
+    pub(super) fn check(
+        &self,
+        l: Limits,
+        c: Count,
+        now: Timestamp,
+        rules: Rules,
+    ) -> Option<Refusal> {
+        let until = |t: Timestamp| self.leaves(t, rules).saturating_since(now);
         let token_axes: [TokenAxis; 3] = [
             ("tokens", l.tpm, c.tokens, |e| e.tokens),
             ("input tokens", l.itpm, c.input, |e| e.input),
@@ -100,11 +141,6 @@ impl Book {
                         break;
                     }
                 }
-                match axis {
-                    "tokens" => self.stats.tpm_violations += 1,
-                    "input tokens" => self.stats.itpm_violations += 1,
-                    _ => self.stats.otpm_violations += 1,
-                }
                 return Some(Refusal {
                     axis,
                     wait,
@@ -116,7 +152,6 @@ impl Book {
         }
         let count = self.minute.len() as u64;
         if l.rpm > 0 && count + 1 > u64::from(l.rpm) {
-            self.stats.rpm_violations += 1;
             return Some(Refusal {
                 axis: "requests",
                 wait: self.minute.front().map_or(MINUTE, |e| until(e.at)),
@@ -125,8 +160,19 @@ impl Book {
                 requested: 1,
             });
         }
+        let per_slice = rules.slice_limit(l.rpm);
+        if per_slice > 0 && self.recent.len() as u64 + 1 > per_slice {
+            return Some(Refusal {
+                axis: "requests per slice",
+                wait: self.recent.front().map_or(rules.slice, |t| {
+                    t.saturating_add(rules.slice).saturating_since(now)
+                }),
+                used: self.recent.len() as u64,
+                limit: u32::try_from(per_slice).unwrap_or(u32::MAX),
+                requested: 1,
+            });
+        }
         if l.rpd > 0 && self.day.len() as u64 + 1 > u64::from(l.rpd) {
-            self.stats.rpd_violations += 1;
             return Some(Refusal {
                 axis: "requests per day",
                 wait: self
@@ -141,7 +187,28 @@ impl Book {
         None
     }
 
-    pub(super) fn record(&mut self, id: u64, c: Count, now: Timestamp) {
+    /// [`Book::check`], counting a refusal on its axis.
+    pub(super) fn refuse(
+        &mut self,
+        l: Limits,
+        c: Count,
+        now: Timestamp,
+        rules: Rules,
+    ) -> Option<Refusal> {
+        let r = self.check(l, c, now, rules)?;
+        let st = &mut self.stats;
+        match r.axis {
+            "tokens" => st.tpm_violations += 1,
+            "input tokens" => st.itpm_violations += 1,
+            "output tokens" => st.otpm_violations += 1,
+            "requests" => st.rpm_violations += 1,
+            "requests per slice" => st.slice_violations += 1,
+            _ => st.rpd_violations += 1,
+        }
+        Some(r)
+    }
+
+    pub(super) fn record(&mut self, id: u64, c: Count, now: Timestamp, rules: Rules) {
         self.minute.push_back(Entry {
             id,
             at: now,
@@ -149,6 +216,12 @@ impl Book {
             input: c.input,
             output: c.output,
         });
+        if rules.anchored && self.anchor.is_none() {
+            self.anchor = Some(now);
+        }
+        if !rules.slice.is_zero() {
+            self.recent.push_back(now);
+        }
         self.day.push_back(now);
         self.log.push((now, c.tokens));
         let st = &mut self.stats;
@@ -186,6 +259,8 @@ pub(super) struct Shared {
     /// Models with their own limits, each with its book (locked after
     /// `book`).
     pub(super) models: parking_lot::Mutex<Vec<(SimModel, Book)>>,
+    /// The arrival jitter's stream ([`SimulatorConfig::seed`]).
+    pub(super) rng: parking_lot::Mutex<fastrand::Rng>,
 }
 
 impl Shared {
@@ -195,6 +270,7 @@ impl Shared {
             clock,
             book: parking_lot::Mutex::new(Book::default()),
             models: parking_lot::Mutex::new(Vec::new()),
+            rng: parking_lot::Mutex::new(fastrand::Rng::with_seed(config.seed)),
         }
     }
 
@@ -230,22 +306,23 @@ pub(super) fn admit(
     c: Count,
     now: Timestamp,
 ) -> Verdict {
+    let rules = Rules::from(cfg);
     let mut b = shared.book.lock();
     let mut models = shared.models.lock();
-    b.prune(now);
+    b.prune(now, rules);
     b.stats.requests += 1;
     let mut own = models
         .iter_mut()
         .find(|(m, _)| crate::config::glob_matches(&m.pattern, model));
     if let Some((_, mb)) = own.as_mut() {
-        mb.prune(now);
+        mb.prune(now, rules);
         mb.stats.requests += 1;
     }
-    let mut refused = b.refuse(Limits::from(cfg), c, now);
+    let mut refused = b.refuse(Limits::from(cfg), c, now, rules);
     if refused.is_none()
         && let Some((m, mb)) = own.as_mut()
     {
-        refused = mb.refuse(m.limits(), c, now);
+        refused = mb.refuse(m.limits(), c, now, rules);
         if refused.is_some() {
             mb.stats.violations += 1;
         }
@@ -255,16 +332,16 @@ pub(super) fn admit(
         b.stats.violations += 1;
     } else {
         b.next_id += 1;
-        b.record(id, c, now);
+        b.record(id, c, now, rules);
         if let Some((_, mb)) = own.as_mut() {
-            mb.record(id, c, now);
+            mb.record(id, c, now, rules);
         }
     }
     let (limits, book): (Limits, &Book) = match &own {
         Some((m, mb)) => (m.limits(), mb),
         None => (Limits::from(cfg), &b),
     };
-    let until = |t: Timestamp| t.saturating_add(MINUTE).saturating_since(now);
+    let until = |t: Timestamp| book.leaves(t, rules).saturating_since(now);
     Verdict {
         refused,
         id,

@@ -45,6 +45,35 @@ pub struct SimulatorConfig {
     /// 100): a provider whose tokenizer or per-message overhead differs
     /// from the client's estimate (130: it counts 1.3× the estimate).
     pub prompt_percent: u32,
+    /// Tokens the provider counts per message beyond what the client's
+    /// estimator counts for one (its own per-message overhead; negative:
+    /// fewer), added to each request's prompt after
+    /// [`prompt_percent`](Self::prompt_percent); a prompt never counts
+    /// below 0.
+    pub message_overhead: i32,
+    /// Time from a request reaching the simulator to the provider counting
+    /// it: the provider's windows count a request when it *arrives*, not
+    /// when the client sent it.
+    pub arrival_delay: Duration,
+    /// A random extra delay, uniform in `[0, arrival_jitter]`, added to
+    /// [`arrival_delay`](Self::arrival_delay) per request (so requests may
+    /// arrive in another order than they were sent).
+    pub arrival_jitter: Duration,
+    /// Seed of the jitter's random stream (the same seed, the same delays
+    /// for the same order of requests).
+    pub seed: u64,
+    /// A sub-minute request slice (zero: none): besides the RPM over the
+    /// minute, at most `⌈rpm × rpm_slice / 60 s⌉` requests in any rolling
+    /// `rpm_slice` (Azure OpenAI enforces its RPM over 1 s or 10 s slices).
+    pub rpm_slice: Duration,
+    /// Minute windows anchored at arrival: a fixed 60 s window opens when a
+    /// request arrives after the last one closed, and everything it counted
+    /// leaves together when it closes (instead of each request leaving the
+    /// rolling window 60 s after its own arrival).
+    pub anchored: bool,
+    /// Rate-limit headers on answers (`x-ratelimit-*`, `anthropic-ratelimit-*`,
+    /// `Retry-After`); without them a 429 says when only in its body.
+    pub headers: bool,
 }
 
 impl Default for SimulatorConfig {
@@ -63,6 +92,13 @@ impl Default for SimulatorConfig {
             reconcile: true,
             encoding: Encoding::O200kBase,
             prompt_percent: 100,
+            message_overhead: 0,
+            arrival_delay: Duration::ZERO,
+            arrival_jitter: Duration::ZERO,
+            seed: 0,
+            rpm_slice: Duration::ZERO,
+            anchored: false,
+            headers: true,
         }
     }
 }
@@ -87,6 +123,9 @@ pub struct SimulatorStats {
     pub itpm_violations: u64,
     /// Of those, over the output-token window.
     pub otpm_violations: u64,
+    /// Of those, over a sub-minute request slice
+    /// ([`SimulatorConfig::rpm_slice`]).
+    pub slice_violations: u64,
     /// Streamed answers.
     pub streamed: u64,
     /// Tokens counted at arrival (prompt + completion budget).
@@ -155,6 +194,35 @@ pub(super) struct Limits {
     pub(super) rpd: u32,
     pub(super) itpm: u32,
     pub(super) otpm: u32,
+}
+
+/// How a book's windows run: a sub-minute request slice, anchored minutes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Rules {
+    pub(super) slice: Duration,
+    pub(super) anchored: bool,
+}
+
+impl From<&SimulatorConfig> for Rules {
+    fn from(c: &SimulatorConfig) -> Self {
+        Rules {
+            slice: c.rpm_slice.min(MINUTE),
+            anchored: c.anchored,
+        }
+    }
+}
+
+impl Rules {
+    /// Requests allowed in one slice of an `rpm` limit (0: no slice limit).
+    pub(super) fn slice_limit(&self, rpm: u32) -> u64 {
+        if self.slice.is_zero() || rpm == 0 {
+            return 0;
+        }
+        let per = u128::from(rpm) * self.slice.as_nanos();
+        u64::try_from(per.div_ceil(MINUTE.as_nanos()))
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
 }
 
 impl From<&SimulatorConfig> for Limits {

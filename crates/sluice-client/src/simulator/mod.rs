@@ -36,18 +36,34 @@
 //! # }
 //! ```
 //!
+//! Real providers count by their own rules, and the knobs of
+//! [`SimulatorConfig`] turn the simulator into one that does: a tokenizer
+//! that counts more or less than the client's (`prompt_percent`), its own
+//! per-message overhead (`message_overhead`), requests counted when they
+//! arrive after a delay and jitter (`arrival_delay`, `arrival_jitter`),
+//! RPM enforced over sub-minute slices as Azure does (`rpm_slice`), minutes
+//! anchored at an arrival (`anchored`), no rate-limit headers (`headers`);
+//! models ([`SimService::set_models`]) and keys (one simulator each) with
+//! their own limits. [`best_schedule`] is the most any client could finish
+//! under those rules, and [`matrix_rows`] the rows the pacer is held to.
+//!
 //! The module's rooms: `config` what the provider is told to be; `book` the
 //! rules it counts by; `answer` and `headers` what it answers; `server` how
-//! it is reached.
+//! it is reached; `best` the best schedule under its rules; `matrix` the
+//! rows the pacer is measured on.
 
 mod answer;
+mod best;
 mod book;
 mod config;
 mod headers;
+mod matrix;
 mod server;
 
 pub use answer::SimBody;
+pub use best::{ScheduleItem, Tally, best_schedule};
 pub use config::{LATENCY_HEADER, SimModel, SimulatorConfig, SimulatorStats};
+pub use matrix::{MatrixClient, MatrixJob, MatrixRow, MatrixRun, MatrixWorkload, matrix_rows};
 pub use server::{SimService, Simulator};
 
 #[cfg(test)]
