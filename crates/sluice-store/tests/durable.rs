@@ -560,11 +560,7 @@ fn t3_a_settlements_monthly_changes_are_one_commit_and_survive_a_restart() {
             Some(book),
         );
         let before = store.book().expect("book").commits();
-        let changes = [
-            (input, 120),
-            (class("k", 100), 3),
-            (output, 45),
-        ];
+        let changes = [(input, 120), (class("k", 100), 3), (output, 45)];
         let statuses = rt
             .block_on(store.adjust_all_from(&changes, clock.now_ts(), 0))
             .expect("adjusted");

@@ -495,12 +495,17 @@ mod tests {
 
     #[test]
     fn only_the_usage_parts_of_an_answer_are_read_and_any_shape_around_them_is_fine() {
-        let answer = br#"{"id":"x","message":"not an object","choices":[{"message":{"content":"hi"}}],
+        let answer =
+            br#"{"id":"x","message":"not an object","choices":[{"message":{"content":"hi"}}],
             "usage":{"prompt_tokens":7,"completion_tokens":2}}"#;
         let usage = usage_of_document(answer).expect("usage");
         assert_eq!((usage.prompt, usage.completion), (7, 2));
         assert_eq!(usage_of_document(b"[1]"), None);
-        assert_eq!(usage_of_document(br#"{"usage":1,"usage":2}"#), None, "named twice");
+        assert_eq!(
+            usage_of_document(br#"{"usage":1,"usage":2}"#),
+            None,
+            "named twice"
+        );
     }
 
     #[test]
