@@ -342,6 +342,59 @@ async fn d1_coalesced_decisions_are_each_all_or_nothing() {
     }
 }
 
+/// SPEC T3: concurrent settlements (an LLM call's charges after its answer)
+/// share script calls as decisions do, and each is applied once, exactly: a
+/// shared budget ends at the sum of every change, and each settlement's own
+/// budget at its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t3_concurrent_settlements_are_coalesced_and_each_applied_once() {
+    let server = Server::start("store");
+    let store = Arc::new(store_on(&server).await);
+    let shared = budget("tokens", b"team", 1_000_000);
+    let own = |i: u32| budget("tokens-own", &i.to_be_bytes(), 1_000_000);
+    let now = sluice_core::Timestamp::from_nanos(
+        u64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("after 1970")
+                .as_nanos(),
+        )
+        .expect("in range"),
+    );
+    let calls_before = server.script_calls();
+    let ready = Arc::new(tokio::sync::Barrier::new(100));
+    let tasks: Vec<_> = (0..100u32)
+        .map(|i| {
+            let (store, ready) = (Arc::clone(&store), Arc::clone(&ready));
+            tokio::spawn(async move {
+                let changes = [(shared, i64::from(i) + 1), (own(i), 7)];
+                ready.wait().await;
+                store
+                    .adjust_all_from(&changes, now, 0)
+                    .await
+                    .expect("adjusted")
+                    .len()
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.expect("task"), 2, "one status a change");
+    }
+    let calls = server.script_calls() - calls_before;
+    assert!(
+        calls < 100,
+        "{calls} script calls for 100 concurrent settlements: coalesced"
+    );
+    let left = |b: Budget| {
+        let store = Arc::clone(&store);
+        async move { store.peek(&[b]).await.expect("peek").statuses()[0].remaining }
+    };
+    assert_eq!(left(shared).await, 1_000_000 - (1..=100).sum::<u32>());
+    for i in 0..100u32 {
+        assert_eq!(left(own(i)).await, 1_000_000 - 7, "settlement {i} once");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_with_an_injected_clock_decides_at_its_time() {
     // Ahead of the real clock, which Redis still expires keys by.

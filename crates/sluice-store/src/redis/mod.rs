@@ -89,11 +89,39 @@ struct Coalescing {
     alive: watch::Sender<()>,
 }
 
-/// A decision waiting for the coalescer.
+/// What a job asks of the coalescer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum JobMode {
+    /// Decide and spend: coalesced with the other spends.
+    Spend,
+    /// Decide without spending: coalesced with the other peeks.
+    Peek,
+    /// Charge or give back after the fact (a settlement), as reserved at the
+    /// Unix microsecond it carries: coalesced with the other settlements
+    /// reserved alike (see [`settlement_group`]).
+    Adjusts(u64),
+}
+
+/// A decision (or a settlement) waiting for the coalescer.
 struct Job {
-    peek: bool,
+    mode: JobMode,
     budgets: Vec<Budget>,
     reply: oneshot::Sender<Result<(Timestamp, Vec<Row>), StoreError>>,
+}
+
+/// The instant a settlement of `budgets` reserved at `reserved_us` is told to
+/// the script with, so that settlements alike share a script call: the script
+/// reads a reservation's instant by the second, but a rolling window's by its
+/// slot, so a settlement holding one keeps its microsecond.
+fn settlement_group(budgets: &[Budget], reserved_us: u64) -> u64 {
+    if budgets
+        .iter()
+        .any(|b| matches!(b.rate, Rate::RollingWindow { .. }))
+    {
+        reserved_us
+    } else {
+        reserved_us - reserved_us % 1_000_000
+    }
 }
 
 /// The budget store shared by replicas.
@@ -240,16 +268,19 @@ impl RedisStore {
         if self.conn.is_cluster() {
             return self.run_by_slot(mode, budgets, delta, reserved_us).await;
         }
-        let coalescer = match mode {
-            "spend" | "peek" => self.local_coalescer(),
+        let job_mode = match (mode, delta) {
+            ("spend", _) => Some(JobMode::Spend),
+            ("peek", _) => Some(JobMode::Peek),
+            ("adjusts", 0) => Some(JobMode::Adjusts(settlement_group(budgets, reserved_us))),
             _ => None,
         };
-        let Some(tx) = coalescer else {
+        let coalescer = job_mode.and_then(|m| self.local_coalescer().map(|tx| (m, tx)));
+        let Some((job_mode, tx)) = coalescer else {
             return self.invoke(mode, budgets, delta, reserved_us).await;
         };
         let (reply, answer) = oneshot::channel();
         let job = Job {
-            peek: mode == "peek",
+            mode: job_mode,
             budgets: budgets.to_vec(),
             reply,
         };
@@ -505,16 +536,25 @@ fn coalesce(
                 }
             }
             let store = own.clone().unwrap_or_else(|| shared.clone());
-            let (peeks, spends): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(|j| j.peek);
+            // One script call per mode (and per settlements' instant), in order.
+            let mut groups: Vec<(JobMode, Vec<Job>)> = Vec::new();
+            for job in jobs {
+                match groups.iter_mut().find(|(mode, _)| *mode == job.mode) {
+                    Some((_, group)) => group.push(job),
+                    None => groups.push((job.mode, vec![job])),
+                }
+            }
             tokio::spawn(async move {
                 let _permit = permit;
-                for (mode, group) in [("spend", spends), ("peek", peeks)] {
-                    if group.is_empty() {
-                        continue;
-                    }
+                for (mode, group) in groups {
+                    let (mode, reserved_us) = match mode {
+                        JobMode::Spend => ("spend", 0),
+                        JobMode::Peek => ("peek", 0),
+                        JobMode::Adjusts(reserved_us) => ("adjusts", reserved_us),
+                    };
                     let requests: Vec<&[Budget]> =
                         group.iter().map(|j| j.budgets.as_slice()).collect();
-                    match store.invoke_many(mode, &requests, 0, 0).await {
+                    match store.invoke_many(mode, &requests, 0, reserved_us).await {
                         Ok((at, answers)) => {
                             for (job, rows) in group.into_iter().zip(answers) {
                                 let _ = job.reply.send(Ok((at, rows)));
