@@ -91,6 +91,10 @@ pub struct Plan {
     /// The index of the LLM call's model's price in the policy's `prices:`: its
     /// money budgets settle at it.
     pub price: Option<u16>,
+    /// What the LLM call reserved (its estimated input and the output it
+    /// names), when it is one: what its budgets keep, and its usage counts, when
+    /// it ends without a `usage` to settle at.
+    pub reservation: Option<crate::tokens::Reservation>,
     /// The agent run the call is a turn of (SPEC T7), if it is one.
     pub run: Option<Box<crate::PlannedRun>>,
     /// The budgets in shadow mode, a bit each by index (`mode: shadow`, a shadowed
@@ -224,6 +228,7 @@ pub(crate) fn plan(
         lane: None,
         llm: None,
         price: None,
+        reservation: None,
         passed: None,
         run: None,
         shadow: 0,

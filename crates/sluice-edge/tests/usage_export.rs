@@ -63,17 +63,22 @@ fn headers(key: &str) -> HeaderMap {
     headers
 }
 
+/// A chat call's body naming `model`, 50 output tokens.
+fn chat_body(model: &str) -> String {
+    serde_json::json!({
+        "model": model,
+        "messages": [{ "role": "user", "content": "Say hi." }],
+        "max_tokens": 50,
+    })
+    .to_string()
+}
+
 /// One chat call of `model` as `key`, admitted and settled with `usage` (none:
 /// charged its reservation).
 async fn chat<S: BudgetStore>(limiter: &Limiter<S>, key: &str, model: &str, usage: Option<Usage>) {
     let headers = headers(key);
     let path = "/v1/chat/completions";
-    let body = serde_json::json!({
-        "model": model,
-        "messages": [{ "role": "user", "content": "Say hi." }],
-        "max_tokens": 50,
-    })
-    .to_string();
+    let body = chat_body(model);
     let route = limiter.route_head(&Method::POST, Version::HTTP_2, [], Ok(path), Some(&headers));
     let mut intake = limiter.intake(route, PEER);
     intake.set_path(path);
@@ -250,6 +255,34 @@ async fn check<S: BudgetStore>(limiter: &Limiter<S>, store: &str) -> Vec<Value> 
     assert_eq!(gpt_day_one["spend_units"], 3 * 35, "{store}: {gpt_day_one}");
     assert_eq!(gpt_day_one["tokens"]["output"], 3 * 30, "{store}");
     assert_eq!(gpt_day_one["quota_units"]["completions"], 3, "{store}");
+    // The call of the 12th that ended without a usage is counted as its budgets
+    // kept it: its reservation (the prompt's estimate, the 50 output tokens it
+    // named, and their price), beside the one settled at its usage.
+    let policy = policy();
+    let reserved = sluice_edge::tokens::Reservation::of(
+        sluice_policy::LlmFormat::OpenAi,
+        "/v1/chat/completions",
+        chat_body("gpt-4o").as_bytes(),
+        (&policy.prices, true),
+    )
+    .expect("a chat body");
+    assert!(reserved.input > 0 && reserved.output == Some(50));
+    let price = &policy.prices[0];
+    let gpt_day_two = lines
+        .iter()
+        .find(|l| l["workspace"] == alice && l["day"] == "2093-07-12" && l["model"] == "gpt-4o*")
+        .expect("a line");
+    assert_eq!(
+        gpt_day_two["tokens"]["input"],
+        15 + u64::from(reserved.input),
+        "{store}: {gpt_day_two}"
+    );
+    assert_eq!(gpt_day_two["tokens"]["output"], 30 + 50, "{store}");
+    assert_eq!(
+        gpt_day_two["spend_units"],
+        35 + u64::from(price.cost(reserved.input, 0, 50)),
+        "{store}"
+    );
     // A month with nothing in it has no line; one not begun is refused.
     assert!(export(limiter, "2093-06").await.is_empty(), "{store}");
     assert!(matches!(

@@ -502,7 +502,11 @@ impl<S: BudgetStore> Limiter<S> {
         self.metrics.llm_settlements[outcome].increment(1);
         // What the call spent, counted for `/usage` and in its row of the usage
         // export (SPEC O4), in the same store call.
-        let amounts = usage.as_ref().map(|u| self.usage_amounts(plan, u));
+        let amounts = match (&usage, failed) {
+            (Some(usage), _) => Some(self.usage_amounts(plan, usage)),
+            (None, false) => self.reserved_amounts(plan),
+            (None, true) => None,
+        };
         let mut counts = amounts.map_or_else(Vec::new, |amounts| {
             self.llm_usage_counts(plan, amounts, decision.decided_at())
         });

@@ -156,6 +156,43 @@ impl<S: BudgetStore> Limiter<S> {
         ]
     }
 
+    /// What an LLM call of `plan` that ended without a `usage` (a stream cut,
+    /// an answer naming none) is counted as having spent: what its budgets keep
+    /// of its reservation — its estimated input, the output it named (else its
+    /// first token budget's `default_max_output`), and the money its first money
+    /// budget reserved (else, with a price, that price of those tokens) — so
+    /// that `/usage` and the usage export count what the budgets did. `None`
+    /// for a call that reserved nothing.
+    pub(super) fn reserved_amounts(&self, plan: &Plan) -> Option<[u32; 4]> {
+        let reservation = plan.reservation?;
+        let token_budget = |priced: bool| {
+            plan.kinds.iter().zip(&plan.budgets).find_map(|(kind, b)| {
+                let crate::BudgetKind::Bucket(i) = kind else {
+                    return None;
+                };
+                let tokens = self
+                    .policy
+                    .buckets
+                    .get(crate::plan::policy_index(*i))?
+                    .tokens?;
+                (tokens.priced == priced).then_some((tokens.default_max_output, b.cost))
+            })
+        };
+        let output = reservation
+            .output
+            .or_else(|| token_budget(false).map(|(default, _)| default))
+            .or_else(|| token_budget(true).map(|(default, _)| default))
+            .unwrap_or(0);
+        let spend = token_budget(true)
+            .map(|(_, reserved)| reserved)
+            .or_else(|| {
+                plan.price
+                    .and_then(|i| self.policy.prices.get(usize::from(i)))
+                    .map(|p| p.cost(reservation.input, 0, output))
+            });
+        Some([reservation.input, 0, output, spend.unwrap_or(0)])
+    }
+
     /// The counters of what an LLM call of `plan` spent, as its upstream
     /// reported it (`counts`, see [`Limiter::usage_amounts`]), in its workspace's usage of the month of `admitted_at` (when
     /// the call was admitted, on the store's clock), each with its count as its

@@ -159,6 +159,7 @@ impl<S: BudgetStore> Limiter<S> {
         plan.lane = lane;
         plan.llm = llm;
         plan.price = reservation.and_then(|r| r.price);
+        plan.reservation = reservation;
         // A turn of an agent run: its turns decided with the call's budgets.
         if let Some(run) = crate::runs::run_of(policy, headers, (route, body, path), plan.caller)? {
             let shadow = policy.dry_run || mode == sluice_policy::Enforcement::Shadow;
