@@ -61,6 +61,8 @@ enum Reply {
     Error,
     /// A stream cut before any usage.
     Cut,
+    /// A JSON answer of 9 MiB (a batch of embeddings, say), its `usage` last.
+    Large,
 }
 
 /// A fake LLM upstream: answers each request as `reply` says, and counts them.
@@ -128,6 +130,14 @@ fn answer(reply: Reply, anthropic: bool) -> String {
             let body = format!("data: {first}\n\ndata: {last}\n\ndata: [DONE]\n\n");
             format!(
                 "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            )
+        }
+        Reply::Large => {
+            let data = "0.0123456789,".repeat((9 << 20) / 13);
+            let body = format!(r#"{{"object":"list","data":[{data}0],"usage":{usage}}}"#);
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                 body.len()
             )
         }
@@ -332,6 +342,37 @@ async fn t2_t3_t5_reserved_before_settled_at_the_usage_and_refused_in_the_apis_d
             gateway.shutdown().await;
             let _ = std::fs::remove_dir_all(dir);
         }
+    })
+    .await;
+}
+
+/// SPEC T3, bounded: a JSON answer is read for its usage as it passes, never
+/// held whole, so one of any size settles at its usage (one past the 8 MiB a
+/// connection once held was charged its reservation).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t3_a_json_answer_of_any_size_settles_at_its_usage() {
+    bounded(async {
+        let (up, _) = upstream(Reply::Large).await;
+        let (gateway, dir) = start_gateway(up).await;
+        let addr = gateway.addr().expect("an address");
+        let body = chat(Some(50), false);
+        let (status, head, answer) = call(addr, "/v1/chat/completions", "k1", &body).await;
+        assert_eq!(status, 200);
+        assert!(
+            answer.len() > 9 << 20 && answer.ends_with("}}"),
+            "passed whole"
+        );
+        let reserved = 1000 - remaining(&head);
+        assert_ne!(reserved, settled_units());
+        let (status, head, _) = call(addr, "/v1/chat/completions", "k1", &body).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            remaining(&head),
+            1000 - settled_units() - reserved,
+            "the first call settled at its usage"
+        );
+        gateway.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
     })
     .await;
 }

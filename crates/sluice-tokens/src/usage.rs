@@ -7,11 +7,13 @@
 
 use serde_json::Value;
 
+mod document;
+
+use document::DocumentScanner;
+
 /// The longest SSE line kept while looking for usage; longer lines pass
 /// through unread.
 const MAX_LINE: usize = 1 << 20;
-/// The largest JSON answer kept to read its usage.
-const MAX_JSON: usize = 8 << 20;
 
 /// Tokens an answer used.
 ///
@@ -121,6 +123,8 @@ pub fn usage_from_json(v: &Value) -> Option<Usage> {
 #[derive(Debug)]
 pub struct UsageScanner {
     sse: bool,
+    /// A JSON answer's usage parts, read as they pass (never the whole answer).
+    document: DocumentScanner,
     buf: Vec<u8>,
     skipping: bool,
     found: Option<Usage>,
@@ -132,6 +136,7 @@ impl UsageScanner {
     pub fn new(content_type: Option<&str>) -> Self {
         UsageScanner {
             sse: content_type.is_some_and(|c| c.starts_with("text/event-stream")),
+            document: DocumentScanner::default(),
             buf: Vec::new(),
             skipping: false,
             found: None,
@@ -141,11 +146,7 @@ impl UsageScanner {
     /// Feeds the next bytes.
     pub fn feed(&mut self, chunk: &[u8]) {
         if !self.sse {
-            if self.buf.len() + chunk.len() <= MAX_JSON {
-                self.buf.extend_from_slice(chunk);
-            } else {
-                self.skipping = true;
-            }
+            self.document.feed(chunk);
             return;
         }
         let mut rest = chunk;
@@ -189,10 +190,7 @@ impl UsageScanner {
             }
             return self.found;
         }
-        if self.skipping {
-            return None;
-        }
-        usage_of_document(&std::mem::take(&mut self.buf))
+        usage_from_json(&Value::Object(self.document.parts()?))
     }
 }
 

@@ -1,0 +1,272 @@
+//! A JSON answer's usage parts, read as its bytes pass, in bounded memory.
+//!
+//! An answer may be large (a batch of embeddings runs to tens of megabytes)
+//! while its usage is a few dozen bytes at its top level. [`DocumentScanner`]
+//! follows the document's structure byte by byte (strings, escapes, nesting)
+//! and keeps only the values of its top-level `usage`, `message` and
+//! `response` keys, each up to [`MAX_PART`] bytes: what a connection holds
+//! does not grow with the answer.
+//!
+//! It checks the structure, not every token: a document whose brackets do
+//! not balance, whose strings do not close, that is not one object, or that
+//! names a usage part twice, has no usage (its call is then charged what it
+//! reserved). The parts kept are parsed as JSON in full.
+
+use serde_json::Value;
+
+/// The longest value of a usage part kept; a longer one makes the document's
+/// usage unreadable.
+pub(super) const MAX_PART: usize = 64 << 10;
+
+/// The top-level keys whose values are kept, in [`DocumentScanner::parts`]'s
+/// order.
+const PARTS: [&[u8]; 3] = [b"usage", b"message", b"response"];
+
+/// The longest key compared with [`PARTS`]; longer keys are none of them.
+const MAX_KEY: usize = 8;
+
+/// Reads a JSON document's top-level usage parts as its bytes come.
+#[derive(Debug, Default)]
+pub(super) struct DocumentScanner {
+    /// Objects and arrays open around the next byte.
+    depth: u32,
+    /// Inside a string, and just after a backslash in one.
+    in_string: bool,
+    escaped: bool,
+    /// At the top object's level, where the next string is a key.
+    expect_key: bool,
+    /// Reading a top-level key (its bytes, up to [`MAX_KEY`] + 1).
+    reading_key: bool,
+    key: Vec<u8>,
+    /// The part whose value comes next (its key and colon seen).
+    pending: Option<usize>,
+    /// The part whose value is being kept, and the bytes so far.
+    capturing: Option<usize>,
+    capture: Vec<u8>,
+    /// Each part's value, once whole.
+    parts: [Option<Vec<u8>>; 3],
+    /// The top object has begun, or closed.
+    started: bool,
+    closed: bool,
+    /// The document cannot be read (see the module's notes).
+    broken: bool,
+}
+
+impl DocumentScanner {
+    /// Feeds the next bytes of the document.
+    pub(super) fn feed(&mut self, chunk: &[u8]) {
+        if self.broken {
+            return;
+        }
+        let mut i = 0;
+        while i < chunk.len() {
+            if self.in_string && !self.escaped && !self.reading_key {
+                // Skip to the string's next quote or backslash at once.
+                let rest = &chunk[i..];
+                let n = memchr::memchr2(b'"', b'\\', rest).unwrap_or(rest.len());
+                if n > 0 {
+                    self.keep(&rest[..n]);
+                    if self.broken {
+                        return;
+                    }
+                    i += n;
+                    continue;
+                }
+            }
+            self.byte(chunk[i]);
+            if self.broken {
+                return;
+            }
+            i += 1;
+        }
+    }
+
+    /// Adds `bytes` to the value being kept, if one is.
+    fn keep(&mut self, bytes: &[u8]) {
+        if self.capturing.is_some() {
+            if self.capture.len() + bytes.len() > MAX_PART {
+                self.broken = true;
+                return;
+            }
+            self.capture.extend_from_slice(bytes);
+        }
+    }
+
+    fn byte(&mut self, b: u8) {
+        if self.in_string {
+            if self.escaped {
+                self.escaped = false;
+            } else if b == b'\\' {
+                self.escaped = true;
+            } else if b == b'"' {
+                self.in_string = false;
+            }
+            if self.reading_key {
+                if !self.in_string {
+                    self.reading_key = false;
+                } else if self.key.len() <= MAX_KEY {
+                    self.key.push(b);
+                }
+            }
+            self.keep(&[b]);
+            return;
+        }
+        let white = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+        // A kept value ends at the top object's next comma or its end.
+        if self.capturing.is_some() && self.depth == 1 && matches!(b, b',' | b'}') {
+            self.end_capture();
+        }
+        if let Some(part) = self.pending
+            && !white
+        {
+            self.pending = None;
+            self.capturing = Some(part);
+            self.capture.clear();
+        }
+        self.keep(&[b]);
+        match b {
+            b'"' => {
+                if self.depth == 0 {
+                    self.broken = true;
+                    return;
+                }
+                self.in_string = true;
+                if self.depth == 1 && self.expect_key {
+                    self.expect_key = false;
+                    self.reading_key = true;
+                    self.key.clear();
+                }
+            }
+            b'{' | b'[' => {
+                if self.depth == 0 {
+                    if self.started || b == b'[' {
+                        self.broken = true;
+                        return;
+                    }
+                    self.started = true;
+                    self.expect_key = true;
+                }
+                self.depth += 1;
+            }
+            b'}' | b']' => {
+                if self.depth == 0 {
+                    self.broken = true;
+                    return;
+                }
+                self.depth -= 1;
+                if self.depth == 0 {
+                    self.closed = true;
+                }
+            }
+            b',' if self.depth == 1 => self.expect_key = true,
+            b':' if self.depth == 1 => {
+                self.pending = PARTS.iter().position(|p| *p == self.key.as_slice());
+                self.key.clear();
+            }
+            _ if self.depth == 0 && !white => self.broken = true,
+            _ => {}
+        }
+    }
+
+    fn end_capture(&mut self) {
+        if let Some(part) = self.capturing.take() {
+            let value = std::mem::take(&mut self.capture);
+            if self.parts[part].replace(value).is_some() {
+                // A part named twice: which one counts is not known.
+                self.broken = true;
+            }
+        }
+    }
+
+    /// The document's usage parts, by key, once it has ended; `None` for a
+    /// document that cannot be read (see the module's notes).
+    pub(super) fn parts(&mut self) -> Option<serde_json::Map<String, Value>> {
+        if self.broken || !self.closed || self.pending.is_some() || self.capturing.is_some() {
+            return None;
+        }
+        let mut doc = serde_json::Map::new();
+        for (key, part) in PARTS.iter().zip(&self.parts) {
+            if let Some(bytes) = part {
+                let value: Value = serde_json::from_slice(bytes).ok()?;
+                doc.insert(String::from_utf8_lossy(key).into_owned(), value);
+            }
+        }
+        Some(doc)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// The parts of `doc` fed in pieces of every size from 1 to 7 bytes, all
+    /// alike, or `None`.
+    fn parts_of(doc: &str) -> Option<serde_json::Map<String, Value>> {
+        let whole = {
+            let mut s = DocumentScanner::default();
+            s.feed(doc.as_bytes());
+            s.parts()
+        };
+        for size in 1..=7 {
+            let mut s = DocumentScanner::default();
+            for piece in doc.as_bytes().chunks(size) {
+                s.feed(piece);
+            }
+            assert_eq!(s.parts(), whole, "in pieces of {size}: {doc}");
+        }
+        whole
+    }
+
+    #[test]
+    fn top_level_parts_are_kept_and_nested_ones_are_not() {
+        let doc = r#" {"id":"c","choices":[{"message":{"content":"a \"usage\": {}, \\"}}],
+            "usage" : {"prompt_tokens":12,"completion_tokens":3}, "x":[1,{"usage":5}]} "#;
+        let parts = parts_of(doc).unwrap();
+        assert_eq!(parts.len(), 1);
+        assert_eq!(parts["usage"]["prompt_tokens"], 12);
+        let last = r#"{"usage":{"input_tokens":1},"message":null}"#;
+        let parts = parts_of(last).unwrap();
+        assert_eq!(parts["usage"]["input_tokens"], 1);
+        assert_eq!(parts["message"], Value::Null);
+    }
+
+    #[test]
+    fn unreadable_documents_have_no_parts() {
+        for doc in [
+            "",
+            "not json",
+            r#"{"usage":{"prompt_tokens":1}"#,
+            r#"{"usage":{"prompt_tokens":1}}}"#,
+            r#"{"usage":{"prompt_tokens":1}} {}"#,
+            r#"{"usage":{"prompt_tokens":1}} x"#,
+            r#"[{"usage":{"prompt_tokens":1}}]"#,
+            r#"{"usage":{"prompt_tokens":1},"usage":{"prompt_tokens":2}}"#,
+            r#"{"usage":{"prompt_tokens":1},"s":"open}"#,
+            r#"{"usage":{"prompt_tokens":}}"#,
+            r#"{"usage":}"#,
+            r#"{"usage":"#,
+        ] {
+            assert_eq!(parts_of(doc), None, "{doc}");
+        }
+    }
+
+    #[test]
+    fn memory_is_bounded_whatever_the_document_size() {
+        let mut s = DocumentScanner::default();
+        s.feed(br#"{"data":["#);
+        let block = "0.0123456789,".repeat(10_000);
+        for _ in 0..200 {
+            s.feed(block.as_bytes());
+        }
+        s.feed(br#"1],"usage":{"prompt_tokens":7}}"#);
+        assert!(s.capture.capacity() <= MAX_PART && s.key.capacity() <= 64);
+        assert_eq!(s.parts().unwrap()["usage"]["prompt_tokens"], 7);
+        // A usage part longer than the bound is unreadable.
+        let mut s = DocumentScanner::default();
+        s.feed(br#"{"usage":{"pad":""#);
+        s.feed(&vec![b'a'; MAX_PART]);
+        s.feed(br#""}}"#);
+        assert_eq!(s.parts(), None);
+    }
+}
