@@ -216,11 +216,23 @@ pub(super) fn status_info(
     runs_demo: bool,
 ) -> sluice_admin::StatusInfo {
     sluice_admin::StatusInfo {
-        listen: listeners
-            .gateway
-            .as_ref()
-            .map_or_else(String::new, |g| format!("http://{}", g.addr)),
-        admin: format!("http://{}", listeners.admin.addr),
+        listen: listeners.gateway.as_ref().map_or_else(String::new, |g| {
+            let scheme = if config.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            };
+            format!("{scheme}://{}", g.addr)
+        }),
+        admin: format!(
+            "{}://{}",
+            if config.admin_tls.is_some() {
+                "https"
+            } else {
+                "http"
+            },
+            listeners.admin.addr
+        ),
         upstream: upstream.map_or_else(String::new, ToString::to_string),
         upstream_kind: match (upstream, runs_demo) {
             (None, _) => "none",
@@ -722,6 +734,7 @@ impl Core {
         admin_addr: SocketAddr,
         state: sluice_admin::AdminState<AnyStore>,
         door: sluice_door::DoorConfig,
+        tls: [Option<crate::ListenerTls>; 2],
         stop: &Stop,
     ) -> JoinHandle<()> {
         let state = state
@@ -730,6 +743,7 @@ impl Core {
                 let batch_lanes = Arc::clone(&self.batch_lanes);
                 let reloader = Arc::clone(&self.reloader);
                 let alerts = self.alerts.clone();
+                let [gateway_tls, admin_tls] = tls;
                 Arc::new(move || {
                     let limiter = limiter.load();
                     let mut status = serde_json::to_value(limiter.status()).unwrap_or_default();
@@ -740,6 +754,15 @@ impl Core {
                     status["alerts"] = alerts
                         .as_ref()
                         .map_or(serde_json::Value::Null, |o| o.recent());
+                    // SPEC O5: each TLS listener's certificate, and why changed files
+                    // were refused while the old certificate stays in use.
+                    let tls_status = |t: &Option<crate::ListenerTls>| {
+                        t.as_ref().map_or(serde_json::Value::Null, |t| t.status())
+                    };
+                    status["tls"] = serde_json::json!({
+                        "gateway": tls_status(&gateway_tls),
+                        "admin": tls_status(&admin_tls),
+                    });
                     status
                 })
             })
