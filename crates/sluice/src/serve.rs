@@ -43,6 +43,30 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090", value_parser = parse_addr)]
     pub admin: SocketAddr,
 
+    /// A PEM file of the gateway listener's certificate chain (its own certificate
+    /// first): the gateway then speaks TLS only (rustls, TLS 1.2 and 1.3, ALPN `h2` and
+    /// `http/1.1`). Needs --tls-key. Both files are read again when they change, with
+    /// no restart and no connection dropped; a changed pair that does not parse, does
+    /// not match or has expired is refused (logged as an error, counted in
+    /// `sluice_tls_certificate_reloads_total{outcome="refused"}`, shown in /status and
+    /// by `sluice_tls_certificate_stale`) and the certificate in use stays. At start a
+    /// bad pair refuses to start. A handshake must finish within the head timeout
+    /// (30 s).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// A PEM file of the private key of --tls-cert (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// As --tls-cert, for the admin listener.
+    #[arg(long, value_name = "FILE", requires = "admin_tls_key")]
+    pub admin_tls_cert: Option<PathBuf>,
+
+    /// As --tls-key, for the admin listener.
+    #[arg(long, value_name = "FILE", requires = "admin_tls_cert")]
+    pub admin_tls_key: Option<PathBuf>,
+
     /// Also answer forward-auth check requests on ADDR: nginx's `auth_request`,
     /// Traefik's ForwardAuth and Caddy's `forward_auth` ask `GET /check` about the
     /// request they hold (named by X-Original-URI/-Method or X-Forwarded-Uri/-Method)
@@ -305,6 +329,13 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     config.access_log = args.access_log;
     config.listen = args.listen;
     config.admin = args.admin;
+    config.tls = listener_tls("gateway", "--tls-cert", args.tls_cert, args.tls_key)?;
+    config.admin_tls = listener_tls(
+        "admin",
+        "--admin-tls-cert",
+        args.admin_tls_cert,
+        args.admin_tls_key,
+    )?;
     config.check = args.check;
     config.rls = args.rls;
     config.upstream = match (args.upstream, args.upstream_ca) {
@@ -499,5 +530,21 @@ impl clap::builder::TypedValueParser for StoreParser {
             .to_str()
             .ok_or_else(|| refuse("not UTF-8".to_owned()))?;
         text.parse::<StoreSpec>().map_err(|e| refuse(e.to_string()))
+    }
+}
+
+/// A listener's certificate and key, read and checked (SPEC O5): a bad pair refuses
+/// to start, naming the flag and the file.
+fn listener_tls(
+    listener: &'static str,
+    flag: &str,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+) -> Result<Option<sluice_gateway::ListenerTls>, BadInput> {
+    match (cert, key) {
+        (Some(cert), Some(key)) => sluice_gateway::ListenerTls::load(listener, &cert, &key)
+            .map(Some)
+            .map_err(|e| BadInput(format!("{flag}: {e}"))),
+        _ => Ok(None),
     }
 }
