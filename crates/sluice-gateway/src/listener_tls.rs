@@ -81,7 +81,8 @@ impl std::fmt::Debug for ListenerTls {
 
 impl ListenerTls {
     /// Reads the PEM certificate chain at `cert` and the PEM private key at `key` for
-    /// the listener named `listener` (`gateway` or `admin`).
+    /// the listener named `listener` (`gateway`, offering ALPN `h2` and `http/1.1`, or
+    /// `admin`, offering `http/1.1` only).
     ///
     /// # Errors
     /// A message naming the file and what is wrong with it: unreadable, no PEM
@@ -96,7 +97,13 @@ impl ListenerTls {
             .map_err(|e| format!("TLS settings: {e}"))?
             .with_no_client_auth()
             .with_cert_resolver(Arc::clone(&current) as Arc<dyn ResolvesServerCert>);
-        config.alpn_protocols = ALPN.iter().map(|p| p.to_vec()).collect();
+        // The admin listener serves HTTP/1.1 only.
+        let alpn: &[&[u8]] = if listener == "admin" {
+            &ALPN[1..]
+        } else {
+            &ALPN
+        };
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         let tls = ListenerTls {
             inner: Arc::new(Inner {
                 listener,

@@ -743,7 +743,7 @@ impl Core {
                 let batch_lanes = Arc::clone(&self.batch_lanes);
                 let reloader = Arc::clone(&self.reloader);
                 let alerts = self.alerts.clone();
-                let [gateway_tls, admin_tls] = tls;
+                let [gateway_tls, admin_tls] = tls.clone();
                 Arc::new(move || {
                     let limiter = limiter.load();
                     let mut status = serde_json::to_value(limiter.status()).unwrap_or_default();
@@ -769,7 +769,12 @@ impl Core {
             .with_quotas(Arc::clone(&self.limiter));
         tokio::spawn(state.clone().keep_history(stop.clone().wait()));
         let door = Arc::new(sluice_door::Door::new(admin_addr, door));
-        tokio::spawn(sluice_admin::serve(
+        let [_, admin_tls] = tls;
+        let acceptor = admin_tls.as_ref().map(crate::ListenerTls::acceptor);
+        if let Some(tls) = admin_tls {
+            tokio::spawn(tls.watch(stop.clone().wait()));
+        }
+        tokio::spawn(sluice_admin::serve_over(
             admin,
             sluice_admin::router(state)
                 .merge(sluice_admin::tenants::router(Arc::clone(&self.tenants)))
@@ -777,6 +782,7 @@ impl Core {
                     door,
                     sluice_door::guard,
                 )),
+            acceptor,
             stop.clone().wait(),
         ))
     }

@@ -567,3 +567,38 @@ async fn o5_a_client_hello_that_never_finishes_is_closed_at_the_deadline() {
     })
     .await;
 }
+
+/// `--admin-tls-cert`/`--admin-tls-key`: the admin listener speaks TLS (HTTP/1.1),
+/// its certificate read again when its files change; the gateway may stay plain.
+#[tokio::test]
+async fn o5_the_admin_listener_speaks_tls_and_takes_a_new_certificate() {
+    let certs = Certs::new();
+    certs.install("a");
+    let live = certs.live_args();
+    let sluice = Sluice::spawn(&["--admin-tls-cert", &live[1], "--admin-tls-key", &live[3]]);
+    bounded(async {
+        let admin = sluice.start.admin;
+        let status = curl(
+            &certs,
+            "--http1.1",
+            &format!("https://{admin}/status"),
+            "GET",
+        );
+        assert!(status.starts_with("http/1.1 200"), "{status}");
+        // The gateway itself stays plain HTTP.
+        assert_eq!(get(&sluice.url("/search/fields")).await.status, 200);
+
+        let (mut tls, presented) = connect(&certs, admin).await;
+        assert_eq!(presented, certs.der("a"));
+        assert_eq!(exchange(&mut tls, "/metrics").await.0, 200);
+        certs.install("b");
+        let deadline = Instant::now() + RELOAD_WITHIN;
+        while connect(&certs, admin).await.1 != certs.der("b") {
+            assert!(Instant::now() < deadline, "admin certificate not swapped");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The held connection goes on.
+        assert_eq!(exchange(&mut tls, "/metrics").await.0, 200);
+    })
+    .await;
+}
