@@ -10,6 +10,9 @@
 
 mod support;
 
+#[path = "../../../tests/support/python_venv.rs"]
+mod python_venv;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -601,4 +604,42 @@ async fn o5_the_admin_listener_speaks_tls_and_takes_a_new_certificate() {
         assert_eq!(exchange(&mut tls, "/metrics").await.0, 200);
     })
     .await;
+}
+
+/// The official openai Python SDK (pinned as in `tokens_sdk.rs`, in the same
+/// virtualenv) over https, its HTTP client trusting the test's CA:
+/// rate-limit headers on an answer, its own RateLimitError on a 429.
+#[tokio::test]
+async fn o5_the_openai_sdk_over_https_sees_rate_limit_headers_and_its_rate_limit_error() {
+    let python = tokio::task::spawn_blocking(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("llm-sdk-venv");
+        python_venv::venv(&dir, &[("openai", "3.57.0")])
+    })
+    .await
+    .expect("the virtualenv");
+    let certs = Certs::new();
+    certs.install("a");
+    let sluice = spawn_tls(&certs, &[]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/tls_sdk.py");
+    let base = format!("https://{}", sluice.start.gateway);
+    let ca = certs.arg("ca.pem");
+    let run = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .arg(script)
+            .args([base, ca])
+            .output()
+    });
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the SDK finished in time")
+        .expect("no panic")
+        .expect("python ran");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("openai https ok"), "{stdout}");
+    assert!(
+        stdout.contains("openai RateLimitError over https ok"),
+        "{stdout}"
+    );
 }
