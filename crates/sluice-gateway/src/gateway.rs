@@ -333,6 +333,12 @@ where
                 let Some(stream) = stream else { return };
                 // Over TLS every request takes the hyper path (BENCHMARKS.md, TLS).
                 if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
+                    // As over plain HTTP/2: the preface is due as a head is.
+                    let stream = sluice_door::FirstWords::new(
+                        stream,
+                        sluice_door::HTTP2_HANDSHAKE_BYTES,
+                        HEADER_READ_TIMEOUT,
+                    );
                     let _ = watcher
                         .watch(http2.serve_connection(TokioIo::new(stream), service))
                         .await;

@@ -193,8 +193,8 @@ impl Certs {
         ]
     }
 
-    /// A TLS client trusting this CA only, offering ALPN `http/1.1`.
-    fn connector(&self) -> tokio_rustls::TlsConnector {
+    /// A TLS client trusting this CA only, offering ALPN `alpn`.
+    fn connector(&self, alpn: &[u8]) -> tokio_rustls::TlsConnector {
         let mut roots = rustls::RootCertStore::empty();
         roots
             .add(CertificateDer::from_pem_file(self.path("ca.pem")).expect("ca"))
@@ -205,7 +205,7 @@ impl Certs {
             .expect("versions")
             .with_root_certificates(roots)
             .with_no_client_auth();
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        config.alpn_protocols = vec![alpn.to_vec()];
         tokio_rustls::TlsConnector::from(Arc::new(config))
     }
 }
@@ -224,7 +224,7 @@ async fn connect(certs: &Certs, addr: SocketAddr) -> (Tls, Vec<u8>) {
     let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let name = ServerName::from(addr.ip());
     let tls = certs
-        .connector()
+        .connector(b"http/1.1")
         .connect(name, tcp)
         .await
         .expect("TLS handshake");
@@ -566,6 +566,50 @@ async fn o5_a_client_hello_that_never_finishes_is_closed_at_the_deadline() {
         assert!(
             metrics.contains("sluice_slow_heads_total{listener=\"gateway\"} 1"),
             "{metrics}"
+        );
+    })
+    .await;
+}
+
+/// A client that finishes the handshake with ALPN `h2` and then never sends the
+/// HTTP/2 preface is closed at the head timeout (30 s), as one over plain HTTP/2
+/// is; a client meanwhile is served.
+#[tokio::test]
+async fn o5_an_h2_client_that_never_sends_its_preface_is_closed_at_the_deadline() {
+    let certs = Certs::new();
+    certs.install("a");
+    let sluice = spawn_tls(&certs, &[]);
+    bounded(async {
+        let tcp = tokio::net::TcpStream::connect(sluice.start.gateway)
+            .await
+            .expect("connect");
+        let mut silent = certs
+            .connector(b"h2")
+            .connect(ServerName::from(sluice.start.gateway.ip()), tcp)
+            .await
+            .expect("TLS handshake");
+        assert_eq!(silent.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+        let began = Instant::now();
+
+        let (mut other, _) = connect(&certs, sluice.start.gateway).await;
+        assert_eq!(exchange(&mut other, "/search/fields").await.0, 200);
+
+        // The server speaks first (its SETTINGS): read until the connection ends.
+        let closed = async {
+            let mut buf = [0u8; 256];
+            while let Ok(n) = silent.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), closed)
+            .await
+            .expect("closed within 60 s");
+        let waited = began.elapsed();
+        assert!(
+            waited >= Duration::from_secs(29) && waited < Duration::from_secs(45),
+            "closed after {waited:?}, not at the 30 s deadline"
         );
     })
     .await;
