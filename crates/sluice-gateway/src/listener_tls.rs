@@ -435,7 +435,9 @@ mod tests {
         assert_eq!(time(0x17, b"700101000000Z"), Some(0));
         assert_eq!(time(0x17, b"000301000000Z"), Some(951_868_800));
         assert_eq!(time(0x18, b"20261204215500Z"), Some(1_796_421_300));
-        assert_eq!(time(0x18, b"99991231235959Z"), None);
+        // RFC 5280's "no well-defined expiration": the last second of 9999, a
+        // time like any other (never past), not an unreadable one.
+        assert_eq!(time(0x18, b"99991231235959Z"), Some(253_402_300_799));
         assert_eq!(time(0x17, b"701301000000Z"), None);
         assert_eq!(time(0x17, b"7001010000Z"), None);
     }
