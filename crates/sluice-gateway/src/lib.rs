@@ -26,6 +26,7 @@ mod gateway;
 mod h1;
 pub mod listener_tls;
 pub(crate) mod metered;
+pub mod otlp;
 mod per_thread;
 mod pool;
 pub mod process;
