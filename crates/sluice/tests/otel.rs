@@ -468,7 +468,10 @@ async fn o1_spans_go_over_otlp_http_protobuf_too() {
             if let Some(first) = bodies.lock().expect("bodies").first().cloned() {
                 break first;
             }
-            assert!(Instant::now() < deadline, "no export within {SPANS_WITHIN:?}");
+            assert!(
+                Instant::now() < deadline,
+                "no export within {SPANS_WITHIN:?}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         assert_eq!(path, "/v1/traces");
