@@ -144,13 +144,18 @@ impl RequestSpan {
     /// A span starting now, child of `parent` when given; `None` when no tracer is
     /// installed.
     pub(crate) fn start(parent: Option<SpanContext>) -> Option<Box<RequestSpan>> {
+        Self::named(SPAN_NAME, parent)
+    }
+
+    /// [`RequestSpan::start`] with the span named `name`.
+    fn named(name: &'static str, parent: Option<SpanContext>) -> Option<Box<RequestSpan>> {
         let tracer = TRACER.get()?;
         let cx = match parent {
             Some(parent) => Context::new().with_remote_span_context(parent),
             None => Context::new(),
         };
         let span = tracer
-            .span_builder(SPAN_NAME)
+            .span_builder(name)
             .with_kind(SpanKind::Server)
             .start_with_context(tracer, &cx);
         let traceparent = format_traceparent(span.span_context());
@@ -296,6 +301,40 @@ impl RequestSpan {
     pub(crate) fn upstream_failed(&mut self) {
         self.span
             .set_status(Status::error("the upstream gave no answer"));
+    }
+}
+
+/// The span of a call decided outside [`crate::Planned::admit`]: Envoy's
+/// rate-limit service's `ShouldRateLimit` (named [`RLS_SPAN_NAME`]), whose
+/// transport sets the attributes; it ends when dropped.
+pub struct CallSpan(Box<RequestSpan>);
+
+/// The name of a rate-limit service call's span.
+pub const RLS_SPAN_NAME: &str = "sluice.rls";
+
+impl std::fmt::Debug for CallSpan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("CallSpan").field(&self.0).finish()
+    }
+}
+
+impl CallSpan {
+    /// A span named `name` starting now, child of the trace `traceparent`
+    /// names when it is a valid one; `None` when no tracer is installed.
+    pub fn start(name: &'static str, traceparent: Option<&[u8]>) -> Option<CallSpan> {
+        TRACER.get()?;
+        RequestSpan::named(name, traceparent.and_then(parse_traceparent)).map(CallSpan)
+    }
+
+    /// False when the sampler did not keep the span: setting attributes then
+    /// does nothing, so they need not be made.
+    pub fn is_recording(&self) -> bool {
+        self.0.span.is_recording()
+    }
+
+    /// Sets the attribute `key`.
+    pub fn set(&mut self, key: &'static str, value: impl Into<opentelemetry::Value>) {
+        self.0.span.set_attribute(KeyValue::new(key, value));
     }
 }
 

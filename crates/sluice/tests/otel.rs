@@ -492,3 +492,83 @@ async fn o1_spans_go_over_otlp_http_protobuf_too() {
     })
     .await;
 }
+
+/// Envoy's rate-limit service (`--rls`): a span per `ShouldRateLimit` call, its
+/// parent the `traceparent` of the call's metadata, with the call's decision.
+#[tokio::test]
+async fn o1_rate_limit_service_calls_get_spans_with_their_decision() {
+    use sluice_rls::proto::rate_limit_descriptor::Entry;
+    use sluice_rls::proto::rate_limit_service_client::RateLimitServiceClient;
+    use sluice_rls::proto::{RateLimitDescriptor, RateLimitRequest};
+
+    let receiver = Receiver::default();
+    bounded(async {
+        let endpoint = receiver.start().await;
+        let dir = DataDir::new();
+        std::fs::create_dir_all(&dir.0).expect("dir");
+        let domains = "domains:
+  - domain: api
+    descriptors:
+      - key: user
+        rate_limit: { unit: hour, requests_per_unit: 1, name: per_user }
+";
+        let yaml =
+            sluice_policy::DEFAULT_POLICY_YAML.edit("headers:\n", &format!("{domains}headers:\n"));
+        let policy = dir.0.join("rls.yaml");
+        std::fs::write(&policy, yaml).expect("write");
+        let sluice = Sluice::spawn(&[
+            "--config",
+            policy.to_str().expect("path"),
+            "--rls",
+            "127.0.0.1:0",
+            "--otlp-endpoint",
+            &endpoint,
+        ]);
+        let rls = sluice.start.rls.expect("the rls address");
+        let mut client = RateLimitServiceClient::connect(format!("http://{rls}"))
+            .await
+            .expect("connect");
+        let call = || {
+            let mut request = tonic::Request::new(RateLimitRequest {
+                domain: "api".into(),
+                descriptors: vec![RateLimitDescriptor {
+                    entries: vec![Entry {
+                        key: "user".into(),
+                        value: "ann".into(),
+                    }],
+                    ..Default::default()
+                }],
+                hits_addend: 0,
+            });
+            request.metadata_mut().insert(
+                "traceparent",
+                format!("00-{TRACE_ID}-{PARENT_ID}-01")
+                    .parse()
+                    .expect("metadata"),
+            );
+            request
+        };
+        let ok = client.should_rate_limit(call()).await.expect("call");
+        assert_eq!(ok.into_inner().overall_code, 1, "OK");
+        let over = client.should_rate_limit(call()).await.expect("call");
+        assert_eq!(over.into_inner().overall_code, 2, "OVER_LIMIT");
+
+        let spans = receiver.spans(2).await;
+        let mut outcomes = Vec::new();
+        for span in &spans {
+            assert_eq!(span.name, "sluice.rls");
+            assert_eq!(hex(&span.trace_id), TRACE_ID);
+            assert_eq!(hex(&span.parent_span_id), PARENT_ID);
+            let a = attributes(span);
+            assert_eq!(a["sluice.rls.domain"], "api", "{a:?}");
+            assert_eq!(a["sluice.budget"], "per_user", "{a:?}");
+            assert_eq!(a["sluice.limit"], "1", "{a:?}");
+            assert_eq!(a["sluice.remaining"], "0", "{a:?}");
+            assert!(a.contains_key("sluice.store.latency_ms"), "{a:?}");
+            outcomes.push(a["sluice.outcome"].clone());
+        }
+        outcomes.sort();
+        assert_eq!(outcomes, ["admitted", "refused"]);
+    })
+    .await;
+}
