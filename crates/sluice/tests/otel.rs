@@ -572,3 +572,44 @@ async fn o1_rate_limit_service_calls_get_spans_with_their_decision() {
     })
     .await;
 }
+
+/// `--otlp-sample-ratio 0`: a trace that starts at sluice is not kept (its
+/// context still goes upstream, unsampled), one whose `traceparent` is sampled
+/// is (parent-based sampling).
+#[tokio::test]
+async fn o1_sampling_keeps_none_of_its_own_traces_at_ratio_0_but_follows_a_sampled_parent() {
+    let receiver = Receiver::default();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    bounded(async {
+        let endpoint = receiver.start().await;
+        let upstream = upstream(Arc::clone(&seen)).await;
+        let sluice = Sluice::spawn(&[
+            "--upstream",
+            &upstream,
+            "--otlp-endpoint",
+            &endpoint,
+            "--otlp-sample-ratio",
+            "0",
+        ]);
+        let own = send(chat(&sluice, "key-a", None)).await;
+        assert_eq!(own.status, 200, "{}", own.text());
+        let incoming = format!("00-{TRACE_ID}-{PARENT_ID}-01");
+        let continued = send(chat(&sluice, "key-b", Some(&incoming))).await;
+        assert_eq!(continued.status, 200, "{}", continued.text());
+
+        let sent = seen.lock().expect("seen").clone();
+        assert_eq!(sent.len(), 2, "{sent:?}");
+        let (own_trace, _, own_flags) = traceparent_fields(&sent[0]);
+        assert_ne!(own_trace, TRACE_ID);
+        assert_eq!(own_flags, "00", "unsampled");
+        let (trace, _, flags) = traceparent_fields(&sent[1]);
+        assert_eq!((trace.as_str(), flags.as_str()), (TRACE_ID, "01"));
+
+        // Spans leave in the order they end: the first request's would have come
+        // no later than the second's.
+        let spans = receiver.spans(1).await;
+        assert_eq!(spans.len(), 1, "{spans:?}");
+        assert_eq!(hex(&spans[0].trace_id), TRACE_ID);
+    })
+    .await;
+}
