@@ -613,3 +613,59 @@ async fn o1_sampling_keeps_none_of_its_own_traces_at_ratio_0_but_follows_a_sampl
     })
     .await;
 }
+
+/// Forward auth (`--check`): the check of the proxy's request is a decided
+/// request with its span, its parent the `traceparent` the proxy passed on.
+#[tokio::test]
+async fn o1_forward_auth_checks_get_spans_with_their_decision() {
+    let receiver = Receiver::default();
+    bounded(async {
+        let endpoint = receiver.start().await;
+        let dir = DataDir::new();
+        let policy = policy_file(&dir);
+        let sluice = Sluice::spawn(&[
+            "--config",
+            &policy,
+            "--check",
+            "127.0.0.1:0",
+            "--otlp-endpoint",
+            &endpoint,
+        ]);
+        let check = || {
+            Request::get(sluice.check_url("/check"))
+                // As Traefik and Caddy ask (nginx's style gets 403 for a refusal).
+                .header("x-forwarded-method", "POST")
+                .header("x-forwarded-uri", "/chats")
+                .header("authorization", "Bearer key-a")
+                .header("traceparent", format!("00-{TRACE_ID}-{PARENT_ID}-01"))
+                .body(Full::new(Bytes::new()))
+                .expect("request")
+        };
+        assert_eq!(send(check()).await.status, 204);
+        assert_eq!(send(check()).await.status, 429);
+        let spans = receiver.spans(2).await;
+        let mut seen = Vec::new();
+        for span in &spans {
+            assert_eq!(span.name, "sluice.request");
+            assert_eq!(hex(&span.trace_id), TRACE_ID);
+            assert_eq!(hex(&span.parent_span_id), PARENT_ID);
+            let a = attributes(span);
+            assert_eq!(a["sluice.class"], "expensive", "{a:?}");
+            assert_eq!(a["sluice.limit"], "1", "{a:?}");
+            assert_eq!(a["sluice.remaining"], "0", "{a:?}");
+            seen.push((
+                a["sluice.outcome"].clone(),
+                a["http.response.status_code"].clone(),
+            ));
+        }
+        seen.sort();
+        assert_eq!(
+            seen,
+            [
+                ("admitted".to_owned(), "204".to_owned()),
+                ("refused".to_owned(), "429".to_owned())
+            ]
+        );
+    })
+    .await;
+}
