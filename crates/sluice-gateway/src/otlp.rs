@@ -133,7 +133,12 @@ pub fn start(config: &OtlpConfig) -> Result<Exporting, OtlpError> {
     let endpoint = endpoint_url(config)?;
     // The counters below are the recorder's, not a no-op's.
     sluice_admin::install_metrics();
-    let resource = Resource::builder().with_service_name("sluice").build();
+    // `service.name` is `sluice` unless OTEL_SERVICE_NAME names it (the builder
+    // reads it, and OTEL_RESOURCE_ATTRIBUTES).
+    let resource = match std::env::var_os("OTEL_SERVICE_NAME") {
+        Some(_) => Resource::builder().build(),
+        None => Resource::builder().with_service_name("sluice").build(),
+    };
     let exporter = match config.protocol {
         OtlpProtocol::Grpc => {
             let https = endpoint.starts_with("https:");
