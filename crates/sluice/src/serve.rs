@@ -267,7 +267,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = sluice_gateway::DEFAULT_REFUSAL_LOG_PER_SECOND)]
     pub refusal_log_per_second: u32,
 
-    /// Send a span per decided request to an OpenTelemetry collector at URL
+    /// Send a span per decided request (on the gateway, --check and each --rls call)
+    /// to an OpenTelemetry collector at URL
     /// (http://HOST:PORT or https://…; OTLP over gRPC, e.g. port 4317, unless
     /// --otlp-protocol says otherwise). Each span (`sluice.request`, kind server)
     /// carries the decision: sluice.outcome, sluice.class, sluice.budget,
