@@ -57,6 +57,10 @@ fn describe_metrics() {
         "Request spans of OTLP exports that failed or timed out."
     );
     metrics::describe_counter!(
+        "sluice_otlp_metric_exports_total",
+        "Metric exports over OTLP after activity, by outcome: sent, unchanged (nothing new, nothing sent), failed."
+    );
+    metrics::describe_counter!(
         "sluice_requests_total",
         "Requests answered by the gateway, by HTTP status."
     );

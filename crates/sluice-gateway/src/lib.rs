@@ -27,6 +27,7 @@ mod h1;
 pub mod listener_tls;
 pub(crate) mod metered;
 pub mod otlp;
+pub mod otlp_metrics;
 mod per_thread;
 mod pool;
 pub mod process;

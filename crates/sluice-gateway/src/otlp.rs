@@ -13,8 +13,11 @@
 //! `sluice_otlp_spans_exported_total`, spans of failed exports in
 //! `sluice_otlp_spans_failed_total`.
 //!
-//! Only spans are exported; the metrics stay on the admin listener's `/metrics`
-//! (a collector scrapes them there).
+//! The metrics `/metrics` has go the same way after activity (see
+//! [`crate::otlp_metrics`]): once spans were sent, at most one export every
+//! [`METRICS_EVERY`](crate::otlp_metrics::METRICS_EVERY), none when nothing
+//! changed; each counted in `sluice_otlp_metric_exports_total{outcome}` (`sent`,
+//! `unchanged`, `failed`).
 
 use std::time::Duration;
 
@@ -131,6 +134,7 @@ impl Exporting {
 /// it, or a second call in one process.
 pub fn start(config: &OtlpConfig) -> Result<Exporting, OtlpError> {
     let endpoint = endpoint_url(config)?;
+    let endpoint_for_metrics = endpoint.clone();
     // The counters below are the recorder's, not a no-op's.
     sluice_admin::install_metrics();
     // `service.name` is `sluice` unless OTEL_SERVICE_NAME names it (the builder
@@ -167,6 +171,8 @@ pub fn start(config: &OtlpConfig) -> Result<Exporting, OtlpError> {
     .map_err(|e| OtlpError::Exporter(e.to_string()))?;
     let mut exporter = exporter;
     exporter.set_resource(&resource);
+    let metrics =
+        crate::otlp_metrics::MetricsExport::new(&endpoint_for_metrics, config.protocol, &resource)?;
 
     let (queue, spans) = mpsc::channel(config.queue_spans.max(1));
     let dropped = metrics::counter!("sluice_otlp_spans_dropped_total");
@@ -184,7 +190,7 @@ pub fn start(config: &OtlpConfig) -> Result<Exporting, OtlpError> {
         return Err(OtlpError::Installed);
     }
     let (stop, stopped) = oneshot::channel();
-    let task = tokio::spawn(export(spans, exporter, stopped));
+    let task = tokio::spawn(export(spans, exporter, metrics, stopped));
     Ok(Exporting {
         provider,
         stop: Some(stop),
@@ -236,13 +242,21 @@ impl SpanProcessor for Queue {
     }
 }
 
-/// The export task: waits for a span, gathers a batch, exports it; at `stop`,
-/// sends what is queued within [`FLUSH_TIMEOUT`] and ends.
+/// The export task: waits for a span, gathers a batch, exports it, and then
+/// (no sooner than [`METRICS_EVERY`](crate::otlp_metrics::METRICS_EVERY) after
+/// the last) the metrics; at `stop`, sends what is queued within
+/// [`FLUSH_TIMEOUT`] and ends.
 async fn export(
     mut spans: mpsc::Receiver<SpanData>,
     exporter: impl SpanExporter,
+    mut metrics: crate::otlp_metrics::MetricsExport,
     mut stop: oneshot::Receiver<()>,
 ) {
+    // A metrics export is due (armed only after spans were sent: nothing ticks
+    // at rest), and when the last one was.
+    let mut metrics_due: Option<tokio::time::Instant> = None;
+    let mut metrics_sent: Option<tokio::time::Instant> = None;
+    let mut metrics_failing = false;
     let exported = metrics::counter!("sluice_otlp_spans_exported_total");
     let failed = metrics::counter!("sluice_otlp_spans_failed_total");
     exported.absolute(0);
@@ -251,9 +265,39 @@ async fn export(
     let mut failing = false;
     let mut batch = Vec::with_capacity(BATCH_SPANS);
     loop {
+        let due = metrics_due.unwrap_or_else(tokio::time::Instant::now);
         let first = tokio::select! {
             span = spans.recv() => span,
             _ = &mut stop => None,
+            () = tokio::time::sleep_until(due), if metrics_due.is_some() => {
+                metrics_due = None;
+                metrics_sent = Some(tokio::time::Instant::now());
+                let outcome = tokio::time::timeout(EXPORT_TIMEOUT, metrics.export()).await;
+                let counted = match &outcome {
+                    Ok(Ok(true)) => "sent",
+                    Ok(Ok(false)) => "unchanged",
+                    _ => "failed",
+                };
+                metrics::counter!("sluice_otlp_metric_exports_total", "outcome" => counted)
+                    .increment(1);
+                match outcome {
+                    Ok(Ok(_)) if metrics_failing => {
+                        tracing::info!("OTLP metric export works again");
+                        metrics_failing = false;
+                    }
+                    Ok(Ok(_)) => {}
+                    Ok(Err(why)) if !metrics_failing => {
+                        tracing::warn!("OTLP metric export failed ({why})");
+                        metrics_failing = true;
+                    }
+                    Err(_) if !metrics_failing => {
+                        tracing::warn!("OTLP metric export failed (no answer in time)");
+                        metrics_failing = true;
+                    }
+                    _ => {}
+                }
+                continue;
+            }
         };
         let Some(first) = first else { break };
         batch.push(first);
@@ -265,6 +309,11 @@ async fn export(
             }
         }
         send(&exporter, &mut batch, &exported, &failed, &mut failing).await;
+        if metrics_due.is_none() {
+            let now = tokio::time::Instant::now();
+            let every = crate::otlp_metrics::METRICS_EVERY;
+            metrics_due = Some(metrics_sent.map_or(now, |sent| (sent + every).max(now)));
+        }
     }
     // Shutting down: what is queued, within the flush timeout.
     let until = tokio::time::Instant::now() + FLUSH_TIMEOUT;

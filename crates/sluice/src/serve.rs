@@ -277,8 +277,9 @@ pub struct ServeArgs {
     /// parent, and the upstream is sent a `traceparent` naming sluice's span. Spans
     /// wait in a bounded queue (4096) and are sent in batches; a collector that is
     /// down or slow never slows a request: past the bound spans are dropped and
-    /// counted in sluice_otlp_spans_dropped_total. Nothing is sent at rest. Off by
-    /// default.
+    /// counted in sluice_otlp_spans_dropped_total. After activity the metrics of
+    /// /metrics follow (at most every 10 s, only when changed). Nothing is sent at
+    /// rest. Off by default.
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
 

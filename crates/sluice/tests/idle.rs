@@ -317,7 +317,7 @@ async fn s1_o1_a_failing_collector_costs_nothing_at_rest() {
             .expect("request"),
     )
     .await;
-    // The span's export tried (and retried) and failed.
+    // The span's export tried (and retried) and failed, then the metrics'.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let metrics = send(
@@ -327,7 +327,10 @@ async fn s1_o1_a_failing_collector_costs_nothing_at_rest() {
         )
         .await;
         let text = String::from_utf8_lossy(&metrics.body).into_owned();
-        if text.contains("sluice_otlp_spans_failed_total 1") {
+        // And the metric export that follows activity.
+        if text.contains("sluice_otlp_spans_failed_total 1")
+            && text.contains("sluice_otlp_metric_exports_total{outcome=\"failed\"} 1")
+        {
             break;
         }
         assert!(

@@ -24,6 +24,12 @@ use http::Request;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -31,6 +37,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+use opentelemetry_proto::tonic::metrics::v1::{Metric, metric, number_data_point};
 use opentelemetry_proto::tonic::trace::v1::Span;
 use support::{DataDir, Sluice, get, send};
 
@@ -62,12 +69,34 @@ fn policy_file(dir: &DataDir) -> String {
     file.to_str().expect("path").to_owned()
 }
 
-/// The OTLP receiver: every span it was sent, how many exports and connections.
+/// The OTLP receiver: every span it was sent, how many exports and connections,
+/// and the metric families of each metric export.
 #[derive(Clone, Default)]
 struct Receiver {
     spans: Arc<Mutex<Vec<Span>>>,
     exports: Arc<AtomicUsize>,
     connections: Arc<AtomicUsize>,
+    metrics: Arc<Mutex<Vec<Vec<Metric>>>>,
+}
+
+#[tonic::async_trait]
+impl MetricsService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        let metrics = request
+            .into_inner()
+            .resource_metrics
+            .into_iter()
+            .flat_map(|r| r.scope_metrics)
+            .flat_map(|s| s.metrics)
+            .collect();
+        self.metrics.lock().expect("metrics").push(metrics);
+        Ok(tonic::Response::new(ExportMetricsServiceResponse {
+            partial_success: None,
+        }))
+    }
 }
 
 #[tonic::async_trait]
@@ -109,6 +138,7 @@ impl Receiver {
         tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(service)
+                .add_service(MetricsServiceServer::new(self.clone()))
                 .serve_with_incoming(incoming),
         );
         format!("http://{addr}")
@@ -126,6 +156,25 @@ impl Receiver {
                 Instant::now() < deadline,
                 "{} span(s) of {n} within {SPANS_WITHIN:?}",
                 spans.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Receiver {
+    /// Waits (bounded) until `n` metric exports have come, and returns them.
+    async fn metric_exports(&self, n: usize) -> Vec<Vec<Metric>> {
+        let deadline = Instant::now() + SPANS_WITHIN;
+        loop {
+            let exports = self.metrics.lock().expect("metrics").clone();
+            if exports.len() >= n {
+                return exports;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} metric export(s) of {n} within {SPANS_WITHIN:?}",
+                exports.len()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -327,6 +376,35 @@ async fn o1_spans_carry_the_decision_and_the_client_trace_reaches_the_upstream()
             metrics.contains("sluice_otlp_spans_dropped_total 0"),
             "{metrics}"
         );
+
+        // The metrics `/metrics` has went too: the requests, by status.
+        let exports = receiver.metric_exports(1).await;
+        let requests = exports
+            .iter()
+            .flatten()
+            .find(|m| m.name == "sluice_requests_total")
+            .unwrap_or_else(|| panic!("no sluice_requests_total: {exports:?}"));
+        let Some(metric::Data::Sum(sum)) = &requests.data else {
+            panic!("a sum: {requests:?}");
+        };
+        assert!(sum.is_monotonic);
+        let ok = sum
+            .data_points
+            .iter()
+            .find(|p| {
+                p.attributes.iter().any(|kv| {
+                    kv.key == "status"
+                        && matches!(
+                            kv.value.as_ref().and_then(|v| v.value.as_ref()),
+                            Some(Any::StringValue(s)) if s == "200"
+                        )
+                })
+            })
+            .unwrap_or_else(|| panic!("no status 200: {sum:?}"));
+        assert!(
+            matches!(ok.value, Some(number_data_point::Value::AsDouble(v)) if v >= 1.0),
+            "{ok:?}"
+        );
     })
     .await;
 }
@@ -348,10 +426,17 @@ async fn o1_an_idle_process_exports_nothing() {
         let reply = get(&sluice.url("/search/fields")).await;
         assert!(reply.status.as_u16() < 500, "{}", reply.status);
         receiver.spans(1).await;
+        // The metrics follow the activity once.
+        let metrics = receiver.metric_exports(1).await;
         let exports = receiver.exports.load(Ordering::SeqCst);
         tokio::time::sleep(observe).await;
         assert_eq!(receiver.exports.load(Ordering::SeqCst), exports);
         assert_eq!(receiver.spans.lock().expect("spans").len(), 1);
+        assert_eq!(
+            receiver.metrics.lock().expect("metrics").len(),
+            metrics.len(),
+            "metrics sent at rest"
+        );
     })
     .await;
 }
@@ -426,7 +511,7 @@ async fn o1_without_an_endpoint_the_clients_traceparent_passes_unchanged() {
 /// `/v1/traces`.
 #[tokio::test]
 async fn o1_spans_go_over_otlp_http_protobuf_too() {
-    let bodies: Arc<Mutex<Vec<(String, ExportTraceServiceRequest)>>> = Arc::default();
+    let bodies: Arc<Mutex<Vec<(String, Bytes)>>> = Arc::default();
     bounded(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -441,12 +526,9 @@ async fn o1_spans_go_over_otlp_http_protobuf_too() {
                         let kept = Arc::clone(&kept);
                         async move {
                             use http_body_util::BodyExt as _;
-                            use prost::Message as _;
                             let path = r.uri().path().to_owned();
                             let body = r.into_body().collect().await?.to_bytes();
-                            if let Ok(request) = ExportTraceServiceRequest::decode(body) {
-                                kept.lock().expect("kept").push((path, request));
-                            }
+                            kept.lock().expect("kept").push((path, body));
                             Ok::<_, hyper::Error>(http::Response::new(Full::new(Bytes::new())))
                         }
                     });
@@ -463,19 +545,34 @@ async fn o1_spans_go_over_otlp_http_protobuf_too() {
             "http/protobuf",
         ]);
         let reply = get(&sluice.url("/search/fields")).await;
-        let deadline = Instant::now() + SPANS_WITHIN;
-        let (path, request) = loop {
-            if let Some(first) = bodies.lock().expect("bodies").first().cloned() {
-                break first;
+        // The spans to /v1/traces, then the metrics to /v1/metrics.
+        let posted = |path: &str| {
+            let deadline = Instant::now() + SPANS_WITHIN;
+            let path = path.to_owned();
+            let bodies = Arc::clone(&bodies);
+            async move {
+                loop {
+                    let found = bodies
+                        .lock()
+                        .expect("bodies")
+                        .iter()
+                        .find(|(p, _)| *p == path)
+                        .map(|(_, body)| body.clone());
+                    if let Some(body) = found {
+                        return body;
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "nothing POSTed to {path} within {SPANS_WITHIN:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
             }
-            assert!(
-                Instant::now() < deadline,
-                "no export within {SPANS_WITHIN:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        assert_eq!(path, "/v1/traces");
-        let spans: Vec<Span> = request
+        use prost::Message as _;
+        let traces = ExportTraceServiceRequest::decode(posted("/v1/traces").await)
+            .expect("an OTLP trace export");
+        let spans: Vec<Span> = traces
             .resource_spans
             .into_iter()
             .flat_map(|r| r.scope_spans)
@@ -488,6 +585,17 @@ async fn o1_spans_go_over_otlp_http_protobuf_too() {
             a["http.response.status_code"],
             reply.status.as_u16().to_string(),
             "{a:?}"
+        );
+        let metrics = ExportMetricsServiceRequest::decode(posted("/v1/metrics").await)
+            .expect("an OTLP metric export");
+        assert!(
+            metrics
+                .resource_metrics
+                .iter()
+                .flat_map(|r| &r.scope_metrics)
+                .flat_map(|s| &s.metrics)
+                .any(|m| m.name == "sluice_requests_total"),
+            "{metrics:?}"
         );
     })
     .await;
