@@ -398,6 +398,16 @@ pub async fn serve(
     router: Router,
     stop: impl Future<Output = ()> + Send + 'static,
 ) {
+    serve_over(listener, router, None, stop).await;
+}
+
+/// As [`serve`], over TLS when `tls` is given (`--admin-tls-cert`, SPEC O5).
+pub async fn serve_over(
+    listener: TcpListener,
+    router: Router,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
     let handle = install_metrics();
     let upkeep = tokio::spawn(async move {
         let mut ticks = tokio::time::interval(UPKEEP_INTERVAL);
@@ -406,7 +416,7 @@ pub async fn serve(
             handle.run_upkeep();
         }
     });
-    sluice_door::serve(listener, router, sluice_door::ADMIN_BOUNDS, stop).await;
+    sluice_door::serve_over(listener, router, sluice_door::ADMIN_BOUNDS, tls, stop).await;
     upkeep.abort();
 }
 

@@ -45,6 +45,22 @@ pub fn install_metrics() -> &'static PrometheusHandle {
 /// `/metrics` (the test `metrics_describe_every_sluice_family` scrapes them all).
 fn describe_metrics() {
     metrics::describe_counter!(
+        "sluice_otlp_spans_dropped_total",
+        "Request spans dropped because the OTLP export queue was full (--otlp-max-queue)."
+    );
+    metrics::describe_counter!(
+        "sluice_otlp_spans_exported_total",
+        "Request spans the OTLP collector took."
+    );
+    metrics::describe_counter!(
+        "sluice_otlp_spans_failed_total",
+        "Request spans of OTLP exports that failed or timed out."
+    );
+    metrics::describe_counter!(
+        "sluice_otlp_metric_exports_total",
+        "Metric exports over OTLP after activity, by outcome: sent, unchanged (nothing new, nothing sent), failed."
+    );
+    metrics::describe_counter!(
         "sluice_requests_total",
         "Requests answered by the gateway, by HTTP status."
     );

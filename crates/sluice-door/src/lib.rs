@@ -51,7 +51,7 @@ pub use door::{
 pub use first_words::{FirstWords, HTTP2_HANDSHAKE_BYTES};
 pub use guard::{authority, guard, peer, refused};
 pub use host::HostRule;
-pub use listener::{ADMIN_BOUNDS, Bounds, Place, accept_within, serve};
+pub use listener::{ADMIN_BOUNDS, Bounds, Place, accept_within, serve, serve_over};
 pub use origin::{ForeignOrigin, SEC_FETCH_SITE, json_or_empty, origin_listed, same_origin};
 pub use per_address::{AddressFull, AddressSlot, PerAddress};
 pub use proxy::{ClientKey, ProxyGate, X_API_KEY};

@@ -109,6 +109,19 @@ pub async fn serve(
     bounds: Bounds,
     stop: impl std::future::Future<Output = ()>,
 ) {
+    serve_over(listener, router, bounds, None, stop).await;
+}
+
+/// As [`serve`], over TLS when `tls` is given: each connection's handshake must
+/// finish within the bounds' head timeout (a stalled one is closed and counted in
+/// `sluice_tls_handshakes_failed_total{listener="admin",reason="timeout"}`).
+pub async fn serve_over(
+    listener: TcpListener,
+    router: Router,
+    bounds: Bounds,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    stop: impl std::future::Future<Output = ()>,
+) {
     let mut http1 = http1::Builder::new();
     http1
         .timer(TokioTimer::new())
@@ -130,6 +143,36 @@ pub async fn serve(
             let answered = router.clone().oneshot(request.map(axum::body::Body::new));
             async move { Ok::<_, Infallible>(answered.await.unwrap_or_else(|never| match never {})) }
         });
+        if let Some(acceptor) = &tls {
+            let (acceptor, http1) = (acceptor.clone(), http1.clone());
+            let watcher = graceful.watcher();
+            let head_timeout = bounds.head_timeout;
+            tokio::spawn(async move {
+                let _place = place;
+                let stream = match tokio::time::timeout(head_timeout, acceptor.accept(stream)).await
+                {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(_)) => {
+                        metrics::counter!("sluice_tls_handshakes_failed_total",
+                                "listener" => "admin", "reason" => "error")
+                        .increment(1);
+                        return;
+                    }
+                    Err(_) => {
+                        metrics::counter!("sluice_tls_handshakes_failed_total",
+                                "listener" => "admin", "reason" => "timeout")
+                        .increment(1);
+                        metrics::counter!("sluice_slow_heads_total", "listener" => "admin")
+                            .increment(1);
+                        return;
+                    }
+                };
+                let _ = watcher
+                    .watch(http1.serve_connection(TokioIo::new(stream), service))
+                    .await;
+            });
+            continue;
+        }
         let connection = graceful.watch(http1.serve_connection(TokioIo::new(stream), service));
         tokio::spawn(async move {
             let _place = place;

@@ -25,10 +25,12 @@
 //!    weighted call reported, ends the lane place with the call's outcome, and
 //!    writes `X-RateLimit-*`; [`Forward::upstream_failed`] when no head came.
 //! 7. *Logged*: refusals were logged in phase 4 ([`Planned::admit`]); the
-//!    access line is the transport's, with the status it sent.
+//!    access line is the transport's, with the status it sent. With a tracer
+//!    installed ([`crate::trace`], SPEC O1) phase 4 starts the request's span,
+//!    phase 5 sends its `traceparent` upstream and it ends with the [`Forward`].
 
 use std::net::IpAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Response};
@@ -37,6 +39,7 @@ use sluice_core::Decision;
 use sluice_policy::{Route, RouteClass};
 use sluice_store::BudgetStore;
 
+use crate::trace::RequestSpan;
 use crate::{LanePlace, Limiter, Plan, Refused, RequestId};
 
 /// What a transport read of a request's body (phase 2; see [`Limiter::body_bound`]).
@@ -86,6 +89,7 @@ impl<S: BudgetStore> Limiter<S> {
             plan,
             jsonrpc_body: bytes.filter(|_| jsonrpc),
             too_large: (body == BodyRead::TooLarge).then_some(jsonrpc),
+            parent: crate::trace::parent_of(headers).map(Box::new),
         }
     }
 }
@@ -98,6 +102,11 @@ pub struct Planned<'l, 'b, S> {
     jsonrpc_body: Option<&'b [u8]>,
     /// `Some(jsonrpc)` when the body was past the bound: answered 413 once decided.
     too_large: Option<bool>,
+    /// The trace its client's `traceparent` continues (only read with a tracer
+    /// installed, see [`crate::trace`]).
+    /// Boxed: with no tracer (the default) it is `None`, and a planned request's
+    /// future carries a pointer, not a span context.
+    parent: Option<Box<opentelemetry::trace::SpanContext>>,
 }
 
 impl<'l, S: BudgetStore> Planned<'l, '_, S> {
@@ -118,17 +127,39 @@ impl<'l, S: BudgetStore> Planned<'l, '_, S> {
         request_id: Option<&RequestId>,
     ) -> Result<Forward<'l, S>, Response<Full<Bytes>>> {
         let limiter = self.limiter;
+        // SPEC O1: with a tracer installed, the request's span (else nothing).
+        let mut span = RequestSpan::start(self.parent.map(|p| *p));
+        let began = span.as_ref().map(|_| Instant::now());
         // One async layer: each layer copies the decision's future into its own
         // once more.
-        let admitted = limiter
-            .decide_request(self.plan, request_id)
-            .await
-            .map_err(|refusal| limiter.answer(&refusal, self.jsonrpc_body))?;
-        let forward = Forward {
+        let decided = limiter.decide_request(self.plan, request_id).await;
+        let took = began.map(|b| b.elapsed()).unwrap_or_default();
+        let admitted = match decided {
+            Ok(admitted) => admitted,
+            Err(refusal) => {
+                let answer = limiter.answer(&refusal, self.jsonrpc_body);
+                if let Some(span) = &mut span {
+                    span.refused(limiter.policy(), &refusal, took, request_id);
+                    span.status(answer.status().as_u16());
+                }
+                return Err(answer);
+            }
+        };
+        if let Some(span) = &mut span {
+            span.admitted(
+                limiter.policy(),
+                &admitted.plan,
+                &admitted.decision,
+                took,
+                request_id,
+            );
+        }
+        let mut forward = Forward {
             limiter,
             decision: admitted.decision,
             plan: admitted.plan,
             lane: admitted.lane,
+            span,
         };
         match self.too_large {
             None => Ok(forward),
@@ -140,6 +171,9 @@ impl<'l, S: BudgetStore> Planned<'l, '_, S> {
                     crate::payload_too_large(max)
                 };
                 forward.write_rate_limit_headers(answer.headers_mut(), &forward.decision);
+                if let Some(span) = &mut forward.span {
+                    span.status(answer.status().as_u16());
+                }
                 Err(answer)
             }
         }
@@ -162,12 +196,15 @@ impl QuotaSpent {
 }
 
 /// An admitted request (phase 4), to be forwarded: its decision, its plan and its
-/// place in a guarded lane, which goes back when this is dropped unfinished.
+/// place in a guarded lane, which goes back when this is dropped unfinished; with
+/// a tracer installed, its span, which ends when this is dropped.
 pub struct Forward<'l, S> {
     limiter: &'l Limiter<S>,
     decision: Box<Decision>,
     plan: Box<Plan>,
     lane: Option<LanePlace>,
+    /// Boxed, as the planned request's parent.
+    span: Option<Box<RequestSpan>>,
 }
 
 impl<S: BudgetStore> Forward<'_, S> {
@@ -181,17 +218,27 @@ impl<S: BudgetStore> Forward<'_, S> {
         &self.plan
     }
 
-    /// Phase 5: each header the upstream is told (who the request is from, and a
-    /// weighted budget passed on exhausted), for a transport that writes the head
-    /// itself.
-    pub fn for_each_upstream_header(&self, f: impl FnMut(&HeaderName, &[u8])) {
-        crate::for_each_upstream_header(&self.plan, self.limiter.policy(), f);
+    /// Phase 5: each header the upstream is told (who the request is from, a
+    /// weighted budget passed on exhausted, and with a tracer installed the
+    /// `traceparent` of sluice's span), for a transport that writes the head
+    /// itself; it leaves out the client's fields of these names (with a tracer
+    /// installed, its `traceparent` too: [`crate::trace::is_on`]).
+    pub fn for_each_upstream_header(&self, mut f: impl FnMut(&HeaderName, &[u8])) {
+        crate::for_each_upstream_header(&self.plan, self.limiter.policy(), &mut f);
+        if let Some(span) = &self.span {
+            f(&crate::trace::TRACEPARENT, span.traceparent());
+        }
     }
 
     /// Phase 5: [`Forward::for_each_upstream_header`] into `headers`, after removing
     /// any of those fields the client sent.
     pub fn upstream_headers(&self, headers: &mut HeaderMap) {
         crate::upstream_headers(headers, &self.plan, self.limiter.policy());
+        if let Some(span) = &self.span
+            && let Ok(value) = http::HeaderValue::from_bytes(span.traceparent())
+        {
+            headers.insert(crate::trace::TRACEPARENT.clone(), value);
+        }
     }
 
     /// What the request spent of each monthly quota family: its units, but none of a
@@ -242,6 +289,9 @@ impl<S: BudgetStore> Forward<'_, S> {
         if let Some(place) = self.lane.take() {
             place.finish(status);
         }
+        if let (Some(span), Some(status)) = (&mut self.span, status) {
+            span.status(status);
+        }
     }
 
     /// Phase 6 for a transport with the response head as a [`HeaderMap`]: ends the
@@ -259,6 +309,9 @@ impl<S: BudgetStore> Forward<'_, S> {
     /// decision into `headers`.
     pub fn upstream_failed(mut self, headers: &mut HeaderMap) {
         self.finish(None);
+        if let Some(span) = &mut self.span {
+            span.upstream_failed();
+        }
         self.write_rate_limit_headers(headers, &self.decision);
     }
 

@@ -224,7 +224,9 @@ impl<S: BudgetStore> Limiter<S> {
         }
         // No body: a route that needs one is a gap.
         match intake.planned(headers, None, None).admit(None).await {
-            Ok(admitted) => {
+            Ok(mut admitted) => {
+                // The answer is the call's end (and its span's status, SPEC O1).
+                admitted.finish(Some(StatusCode::NO_CONTENT.as_u16()));
                 let mut answer = Response::new(Full::new(Bytes::new()));
                 *answer.status_mut() = StatusCode::NO_CONTENT;
                 crate::rate_limit_headers(

@@ -77,6 +77,7 @@ mod refusal_log;
 mod request_id;
 mod runs;
 pub mod tokens;
+pub mod trace;
 
 pub use alerts::{AlertEvent, AlertSink};
 pub use answer::{

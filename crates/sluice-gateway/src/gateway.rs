@@ -106,6 +106,7 @@ impl Workers {
         make_worker: F,
         stats: &RequestStats,
         grace: Duration,
+        tls: Option<&crate::ListenerTls>,
     ) -> std::io::Result<Self>
     where
         F: Fn(RequestStats) -> (S, FastPath),
@@ -126,13 +127,14 @@ impl Workers {
             let (drained, drain) = oneshot::channel();
             let stats = stats.worker(index);
             let (service, fast) = make_worker(stats.clone());
+            let tls = tls.map(crate::ListenerTls::acceptor);
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             std::thread::Builder::new()
                 .name(format!("sluice-gateway-{index}"))
                 .spawn(move || {
-                    let outcome = runtime.block_on(work(sockets, service, fast, stats, grace));
+                    let outcome = runtime.block_on(work(sockets, service, fast, stats, grace, tls));
                     let _ = drained.send(outcome);
                 })?;
             workers.handoffs.push(handoff);
@@ -259,6 +261,7 @@ async fn work<S, B>(
     fast: FastPath,
     stats: RequestStats,
     grace: Duration,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 ) -> Drain
 where
     S: Service<Request<GatewayBody>, Response = Response<B>> + Clone + Send + 'static,
@@ -310,6 +313,43 @@ where
         let (http1, http2) = (http1.clone(), http2.clone());
         let mut drain_started = drain_started.clone();
         let fast = Arc::clone(&fast);
+        if let Some(acceptor) = &tls {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let _open = open;
+                // The handshake is due as a request head is (SPEC O5): a client
+                // hello that never finishes is closed at the head timeout.
+                let handshake = crate::listener_tls::handshake(
+                    &acceptor,
+                    stream,
+                    HEADER_READ_TIMEOUT,
+                    "gateway",
+                );
+                let stream = tokio::select! {
+                    biased;
+                    stream = handshake => stream,
+                    _ = drain_started.wait_for(|started| *started) => return,
+                };
+                let Some(stream) = stream else { return };
+                // Over TLS every request takes the hyper path (BENCHMARKS.md, TLS).
+                if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
+                    // As over plain HTTP/2: the preface is due as a head is.
+                    let stream = sluice_door::FirstWords::new(
+                        stream,
+                        sluice_door::HTTP2_HANDSHAKE_BYTES,
+                        HEADER_READ_TIMEOUT,
+                    );
+                    let _ = watcher
+                        .watch(http2.serve_connection(TokioIo::new(stream), service))
+                        .await;
+                } else {
+                    let _ = watcher
+                        .watch(http1.serve_connection(TokioIo::new(stream), service))
+                        .await;
+                }
+            });
+            continue;
+        }
         tokio::spawn(async move {
             let _open = open;
             // Bytes already there win over the drain: that request is answered.

@@ -24,7 +24,10 @@ mod check;
 pub(crate) mod file_watch;
 mod gateway;
 mod h1;
+pub mod listener_tls;
 pub(crate) mod metered;
+pub mod otlp;
+pub mod otlp_metrics;
 mod per_thread;
 mod pool;
 pub mod process;
@@ -51,6 +54,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use gateway::Drain;
+pub use listener_tls::ListenerTls;
 pub use proxy::Upstream;
 pub use reload::{PolicyFile, Reloader};
 pub use tls::UpstreamTls;
@@ -191,6 +195,11 @@ pub struct GatewayConfig {
     /// `false` runs only the limiter behind the admin listener and the `rls` and
     /// `check` listeners (`sluice rls`).
     pub gateway: bool,
+    /// TLS on the gateway listener (`--tls-cert`, `--tls-key`; SPEC O5): its
+    /// certificate is read again when its files change. `None`: plain HTTP.
+    pub tls: Option<ListenerTls>,
+    /// TLS on the admin listener (`--admin-tls-cert`, `--admin-tls-key`).
+    pub admin_tls: Option<ListenerTls>,
 }
 
 /// The batch queue's global bounds (see [`GatewayConfig::batch_bounds`]); the
@@ -256,6 +265,8 @@ impl GatewayConfig {
             check: None,
             rls: None,
             gateway: true,
+            tls: None,
+            admin_tls: None,
             refusal_log_per_second: sluice_edge::DEFAULT_REFUSAL_LOG_PER_SECOND,
         }
     }
@@ -342,6 +353,10 @@ pub struct Gateway {
     admin_task: JoinHandle<()>,
     reloader: Arc<Reloader>,
     buffers: Arc<sluice_edge::BufferBudget>,
+    /// `https` when the gateway listener speaks TLS, else `http`.
+    scheme: &'static str,
+    /// `https` when the admin listener speaks TLS, else `http`.
+    admin_scheme: &'static str,
 }
 
 /// Most connections the forward-auth (`--check`) and rate-limit service (`--rls`)
@@ -449,6 +464,7 @@ impl Gateway {
             admin_addr,
             admin_state,
             config.admin_door.clone(),
+            [config.tls.clone(), config.admin_tls.clone()],
             &backends_stopped,
         );
 
@@ -467,8 +483,12 @@ impl Gateway {
                     move |stats| stack.build(stats),
                     &requests,
                     SHUTDOWN_GRACE,
+                    config.tls.as_ref(),
                 )
                 .map_err(start::io("starting the gateway worker threads"))?;
+                if let Some(tls) = config.tls.clone() {
+                    tokio::spawn(tls.watch(backends_stopped.clone().wait()));
+                }
                 tokio::spawn(gateway::serve(
                     listener,
                     workers,
@@ -493,6 +513,16 @@ impl Gateway {
             admin_task,
             reloader: core.reloader,
             buffers,
+            scheme: if config.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            },
+            admin_scheme: if config.admin_tls.is_some() {
+                "https"
+            } else {
+                "http"
+            },
         })
     }
 
@@ -539,7 +569,8 @@ impl Gateway {
     }
 
     /// The one line `sluice serve` prints on start, naming the bound addresses:
-    /// `sluice: listening on http://ADDR (admin http://ADDR, upstream …)`, with
+    /// `sluice: listening on http://ADDR (admin http://ADDR, upstream …)` (`https://`
+    /// for a listener that speaks TLS), with
     /// `, check http://ADDR` before the `)` when the forward-auth listener runs and
     /// `, rls grpc://ADDR` when the rate-limit service does.
     pub fn start_line(&self) -> String {
@@ -552,7 +583,8 @@ impl Gateway {
                 .rls_addr
                 .map_or_else(|| "none".to_owned(), |r| format!("grpc://{r}"));
             return format!(
-                "sluice rls: listening on {rls} (admin http://{}{check})",
+                "sluice rls: listening on {rls} (admin {}://{}{check})",
+                self.admin_scheme,
                 self.admin_addr()
             );
         };
@@ -565,7 +597,9 @@ impl Gateway {
             check.push_str(&format!(", rls grpc://{rls}"));
         }
         format!(
-            "sluice: listening on http://{addr} (admin http://{}, upstream {upstream}{check})",
+            "sluice: listening on {}://{addr} (admin {}://{}, upstream {upstream}{check})",
+            self.scheme,
+            self.admin_scheme,
             self.admin_addr()
         )
     }

@@ -216,11 +216,23 @@ pub(super) fn status_info(
     runs_demo: bool,
 ) -> sluice_admin::StatusInfo {
     sluice_admin::StatusInfo {
-        listen: listeners
-            .gateway
-            .as_ref()
-            .map_or_else(String::new, |g| format!("http://{}", g.addr)),
-        admin: format!("http://{}", listeners.admin.addr),
+        listen: listeners.gateway.as_ref().map_or_else(String::new, |g| {
+            let scheme = if config.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            };
+            format!("{scheme}://{}", g.addr)
+        }),
+        admin: format!(
+            "{}://{}",
+            if config.admin_tls.is_some() {
+                "https"
+            } else {
+                "http"
+            },
+            listeners.admin.addr
+        ),
         upstream: upstream.map_or_else(String::new, ToString::to_string),
         upstream_kind: match (upstream, runs_demo) {
             (None, _) => "none",
@@ -722,6 +734,7 @@ impl Core {
         admin_addr: SocketAddr,
         state: sluice_admin::AdminState<AnyStore>,
         door: sluice_door::DoorConfig,
+        tls: [Option<crate::ListenerTls>; 2],
         stop: &Stop,
     ) -> JoinHandle<()> {
         let state = state
@@ -730,6 +743,7 @@ impl Core {
                 let batch_lanes = Arc::clone(&self.batch_lanes);
                 let reloader = Arc::clone(&self.reloader);
                 let alerts = self.alerts.clone();
+                let [gateway_tls, admin_tls] = tls.clone();
                 Arc::new(move || {
                     let limiter = limiter.load();
                     let mut status = serde_json::to_value(limiter.status()).unwrap_or_default();
@@ -740,13 +754,27 @@ impl Core {
                     status["alerts"] = alerts
                         .as_ref()
                         .map_or(serde_json::Value::Null, |o| o.recent());
+                    // SPEC O5: each TLS listener's certificate, and why changed files
+                    // were refused while the old certificate stays in use.
+                    let tls_status = |t: &Option<crate::ListenerTls>| {
+                        t.as_ref().map_or(serde_json::Value::Null, |t| t.status())
+                    };
+                    status["tls"] = serde_json::json!({
+                        "gateway": tls_status(&gateway_tls),
+                        "admin": tls_status(&admin_tls),
+                    });
                     status
                 })
             })
             .with_quotas(Arc::clone(&self.limiter));
         tokio::spawn(state.clone().keep_history(stop.clone().wait()));
         let door = Arc::new(sluice_door::Door::new(admin_addr, door));
-        tokio::spawn(sluice_admin::serve(
+        let [_, admin_tls] = tls;
+        let acceptor = admin_tls.as_ref().map(crate::ListenerTls::acceptor);
+        if let Some(tls) = admin_tls {
+            tokio::spawn(tls.watch(stop.clone().wait()));
+        }
+        tokio::spawn(sluice_admin::serve_over(
             admin,
             sluice_admin::router(state)
                 .merge(sluice_admin::tenants::router(Arc::clone(&self.tenants)))
@@ -754,6 +782,7 @@ impl Core {
                     door,
                     sluice_door::guard,
                 )),
+            acceptor,
             stop.clone().wait(),
         ))
     }

@@ -205,15 +205,58 @@ fn outcome_label(outcome: Outcome) -> &'static str {
     }
 }
 
+/// Sets a call's decision on its span: its domain, outcome, how it was decided,
+/// the binding descriptor (the first over its limit, else the one with the
+/// fewest requests left), its limit and what is left, and how long deciding took.
+fn describe_call(
+    span: &mut sluice_edge::trace::CallSpan,
+    call: &RateLimitCall,
+    answer: &RateLimitAnswer,
+    took: Duration,
+) {
+    let over = answer.overall == Code::OverLimit;
+    span.set("sluice.outcome", if over { "refused" } else { "admitted" });
+    span.set("sluice.rls.domain", call.domain.clone());
+    span.set("sluice.rls.outcome", outcome_label(answer.outcome));
+    span.set("sluice.store.latency_ms", took.as_secs_f64() * 1000.0);
+    let binding = answer
+        .statuses
+        .iter()
+        .filter(|s| s.current_limit.is_some())
+        .min_by_key(|s| (s.code != Code::OverLimit, s.limit_remaining));
+    if let Some(status) = binding
+        && let Some(limit) = &status.current_limit
+    {
+        span.set("sluice.budget", limit.name.clone());
+        span.set("sluice.limit", i64::from(limit.requests_per_unit));
+        span.set("sluice.remaining", i64::from(status.limit_remaining));
+    }
+}
+
 impl<S: BudgetStore + 'static> Rls<S> {
     /// Answers one call with the current limiter, and counts it.
     async fn answer(
         &self,
         request: tonic::Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        // SPEC O1: with a tracer installed, a span per call (Envoy sends its
+        // trace context as metadata).
+        let mut span = sluice_edge::trace::CallSpan::start(
+            sluice_edge::trace::RLS_SPAN_NAME,
+            request
+                .metadata()
+                .get("traceparent")
+                .map(tonic::metadata::MetadataValue::as_bytes),
+        );
+        let began = span.as_ref().map(|_| std::time::Instant::now());
         let call = call_of(request.into_inner());
         let limiter = self.limiter.load_full();
         let answer = limiter.should_rate_limit(&call).await;
+        if let (Some(span), Some(began)) = (&mut span, began)
+            && span.is_recording()
+        {
+            describe_call(span, &call, &answer, began.elapsed());
+        }
         let domain = if answer.outcome == Outcome::UnknownDomain {
             "unknown"
         } else {

@@ -14,6 +14,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Args;
 use sluice_gateway::Upstream;
+use sluice_gateway::otlp::{OtlpConfig, OtlpProtocol};
 use sluice_gateway::{
     Drain, Gateway, GatewayConfig, SHUTDOWN_GRACE, StartError, StoreSpec, UpstreamTls,
 };
@@ -42,6 +43,30 @@ pub struct ServeArgs {
     /// the JSON it reads, /dashboard.json (port 0 picks a free port).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090", value_parser = parse_addr)]
     pub admin: SocketAddr,
+
+    /// A PEM file of the gateway listener's certificate chain (its own certificate
+    /// first): the gateway then speaks TLS only (rustls, TLS 1.2 and 1.3, ALPN `h2` and
+    /// `http/1.1`). Needs --tls-key. Both files are read again when they change, with
+    /// no restart and no connection dropped; a changed pair that does not parse, does
+    /// not match or has expired is refused (logged as an error, counted in
+    /// `sluice_tls_certificate_reloads_total{outcome="refused"}`, shown in /status and
+    /// by `sluice_tls_certificate_stale`) and the certificate in use stays. At start a
+    /// bad pair refuses to start. A handshake must finish within the head timeout
+    /// (30 s).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// A PEM file of the private key of --tls-cert (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// As --tls-cert, for the admin listener.
+    #[arg(long, value_name = "FILE", requires = "admin_tls_key")]
+    pub admin_tls_cert: Option<PathBuf>,
+
+    /// As --tls-key, for the admin listener.
+    #[arg(long, value_name = "FILE", requires = "admin_tls_cert")]
+    pub admin_tls_key: Option<PathBuf>,
 
     /// Also answer forward-auth check requests on ADDR: nginx's `auth_request`,
     /// Traefik's ForwardAuth and Caddy's `forward_auth` ask `GET /check` about the
@@ -241,6 +266,42 @@ pub struct ServeArgs {
     /// 0 writes every refusal.
     #[arg(long, value_name = "N", default_value_t = sluice_gateway::DEFAULT_REFUSAL_LOG_PER_SECOND)]
     pub refusal_log_per_second: u32,
+
+    /// Send a span per decided request (on the gateway, --check and each --rls call)
+    /// to an OpenTelemetry collector at URL
+    /// (http://HOST:PORT or https://…; OTLP over gRPC, e.g. port 4317, unless
+    /// --otlp-protocol says otherwise). Each span (`sluice.request`, kind server)
+    /// carries the decision: sluice.outcome, sluice.class, sluice.budget,
+    /// sluice.limit, sluice.remaining, sluice.reason, sluice.store.latency_ms and
+    /// http.response.status_code. A request's valid W3C `traceparent` is the span's
+    /// parent, and the upstream is sent a `traceparent` naming sluice's span. Spans
+    /// wait in a bounded queue (4096) and are sent in batches; a collector that is
+    /// down or slow never slows a request: past the bound spans are dropped and
+    /// counted in sluice_otlp_spans_dropped_total. After activity the metrics of
+    /// /metrics follow (at most every 10 s, only when changed). Nothing is sent at
+    /// rest. Off by default.
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
+
+    /// How spans reach --otlp-endpoint: `grpc`, or `http/protobuf` (POST to the URL,
+    /// `/v1/traces` added when it has no path).
+    #[arg(long, value_name = "grpc|http/protobuf", default_value = "grpc",
+          value_parser = ["grpc", "http/protobuf"], requires = "otlp_endpoint")]
+    pub otlp_protocol: String,
+
+    /// The share of traces that begin at sluice whose spans are sent, 0 to 1; a
+    /// request continuing a trace follows its `traceparent`'s sampled flag.
+    #[arg(long, value_name = "RATIO", default_value = "1.0", value_parser = parse_ratio,
+          requires = "otlp_endpoint")]
+    pub otlp_sample_ratio: f64,
+
+    /// Most finished spans waiting to be sent to --otlp-endpoint; past it (a
+    /// collector that is down or slow) a span is dropped and counted in
+    /// sluice_otlp_spans_dropped_total.
+    #[arg(long, value_name = "N", default_value_t = sluice_gateway::otlp::QUEUE_SPANS,
+          value_parser = parse_queue,
+          requires = "otlp_endpoint")]
+    pub otlp_max_queue: usize,
 }
 
 /// Checks what clap cannot (the config is readable, the data dir is a directory, the
@@ -305,6 +366,13 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     config.access_log = args.access_log;
     config.listen = args.listen;
     config.admin = args.admin;
+    config.tls = listener_tls("gateway", "--tls-cert", args.tls_cert, args.tls_key)?;
+    config.admin_tls = listener_tls(
+        "admin",
+        "--admin-tls-cert",
+        args.admin_tls_cert,
+        args.admin_tls_key,
+    )?;
     config.check = args.check;
     config.rls = args.rls;
     config.upstream = match (args.upstream, args.upstream_ca) {
@@ -354,6 +422,33 @@ pub fn config_from_args(args: ServeArgs) -> Result<GatewayConfig, BadInput> {
     config.demo_optimize_time = args.demo_optimize_seconds;
     config.refusal_log_per_second = args.refusal_log_per_second;
     Ok(config)
+}
+
+fn parse_queue(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=1 << 20).contains(&n) => Ok(n),
+        _ => Err("expected a whole number of spans from 1 to 1048576".into()),
+    }
+}
+
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err("expected a fraction from 0 to 1, such as 0.1".into()),
+    }
+}
+
+/// The OpenTelemetry export `--otlp-*` ask for (SPEC O1), if any.
+fn otlp_from_args(args: &ServeArgs) -> Option<OtlpConfig> {
+    let endpoint = args.otlp_endpoint.clone()?;
+    let protocol = match args.otlp_protocol.as_str() {
+        "http/protobuf" => OtlpProtocol::HttpProtobuf,
+        _ => OtlpProtocol::Grpc,
+    };
+    let mut config = OtlpConfig::new(endpoint, protocol);
+    config.sample_ratio = args.otlp_sample_ratio;
+    config.queue_spans = args.otlp_max_queue;
+    Some(config)
 }
 
 fn parse_share(s: &str) -> Result<f64, String> {
@@ -419,8 +514,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Both are one of clap's possible values.
     let level = args.log_level.parse().unwrap_or(tracing::Level::INFO);
     sluice_gateway::process::init_logs(args.log_format == "json", level);
+    let otlp = otlp_from_args(&args);
     let config = config_from_args(args)?;
-    crate::block_on(serve(config))
+    crate::block_on(serve(config, otlp))
 }
 
 /// Runs `sluice rls`: the rate-limit service (and admin, and `--check` when given)
@@ -437,18 +533,27 @@ pub fn run_rls(args: ServeArgs) -> anyhow::Result<()> {
         )
         .into());
     }
+    let otlp = otlp_from_args(&args);
     let mut config = config_from_args(args)?;
     config.gateway = false;
-    crate::block_on(serve(config))
+    crate::block_on(serve(config, otlp))
 }
 
-/// Starts the gateway, prints the start line, serves until a termination signal,
-/// then drains.
-async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
+/// Starts the gateway (and the span export, with `otlp`), prints the start line,
+/// serves until a termination signal, then drains.
+async fn serve(config: GatewayConfig, otlp: Option<OtlpConfig>) -> anyhow::Result<()> {
     // Signal handlers are installed before the start line is printed, so a SIGTERM
     // sent by whoever reads that line is always handled gracefully.
     let termination =
         sluice_gateway::process::termination_signal().context("installing signal handlers")?;
+    // Before the limiter is made: it reads `traceparent` only with a tracer.
+    let exporting = match &otlp {
+        Some(otlp) => Some(
+            sluice_gateway::otlp::start(otlp)
+                .map_err(|e| BadInput(format!("--otlp-endpoint: {e}")))?,
+        ),
+        None => None,
+    };
     let gateway = Gateway::start(config).await.map_err(|e| match e {
         StartError::DataDir(e) => anyhow::Error::new(BadInput(format!("--data-dir: {e}"))),
         e @ (StartError::AdminWithoutToken(_) | StartError::UpstreamTls(_)) => {
@@ -470,6 +575,9 @@ async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
              closing the rest",
             SHUTDOWN_GRACE.as_secs()
         );
+    }
+    if let Some(exporting) = exporting {
+        exporting.shutdown().await;
     }
     Ok(())
 }
@@ -499,5 +607,21 @@ impl clap::builder::TypedValueParser for StoreParser {
             .to_str()
             .ok_or_else(|| refuse("not UTF-8".to_owned()))?;
         text.parse::<StoreSpec>().map_err(|e| refuse(e.to_string()))
+    }
+}
+
+/// A listener's certificate and key, read and checked (SPEC O5): a bad pair refuses
+/// to start, naming the flag and the file.
+fn listener_tls(
+    listener: &'static str,
+    flag: &str,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+) -> Result<Option<sluice_gateway::ListenerTls>, BadInput> {
+    match (cert, key) {
+        (Some(cert), Some(key)) => sluice_gateway::ListenerTls::load(listener, &cert, &key)
+            .map(Some)
+            .map_err(|e| BadInput(format!("{flag}: {e}"))),
+        _ => Ok(None),
     }
 }

@@ -4,7 +4,8 @@
 //! pace` on memory and on Redis, side by side, each Redis of its own on a private
 //! Unix socket. Over one measured window each may use under 1 % of
 //! a core (utime + stime in `/proc/PID/stat`) and send its Redis under one command
-//! a second (`INFO commandstats`, the commands scripts call included).
+//! a second (`INFO commandstats`, the commands scripts call included). With
+//! `--otlp-endpoint` (SPEC O1), nothing is sent and nothing runs at rest.
 
 mod support;
 
@@ -290,6 +291,71 @@ alerts:
     assert!(
         report.within_bounds,
         "alert events waiting must cost under 1 % of a core:\n{}",
+        report.text
+    );
+}
+
+/// S1 with OpenTelemetry (SPEC O1): a process whose collector closes every
+/// connection unanswered, once its one span's export has failed, neither tries
+/// again nor connects at rest, and costs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_o1_a_failing_collector_costs_nothing_at_rest() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let collector = listener.local_addr().expect("addr");
+    let connections = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = std::sync::Arc::clone(&connections);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(stream);
+        }
+    });
+    let sluice = Sluice::spawn(&["--otlp-endpoint", &format!("http://{collector}")]);
+    let _ = send(
+        Request::get(sluice.url("/search/fields"))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    // The span's export tried (and retried) and failed, then the metrics'.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = send(
+            Request::get(sluice.admin_url("/metrics"))
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await;
+        let text = String::from_utf8_lossy(&metrics.body).into_owned();
+        // And the metric export that follows activity.
+        if text.contains("sluice_otlp_spans_failed_total 1")
+            && text.contains("sluice_otlp_metric_exports_total{outcome=\"failed\"} 1")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the export did not fail in time: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(connections.load(std::sync::atomic::Ordering::SeqCst) > 0);
+    let watched = [Watched {
+        name: "sluice serve --otlp-endpoint, its collector failing",
+        pid: sluice.pid(),
+        redis: None,
+    }];
+    let before = connections.load(std::sync::atomic::Ordering::SeqCst);
+    let report =
+        tokio::task::block_in_place(|| measure_at_rest(&watched, || std::thread::sleep(WINDOW)));
+    assert_eq!(
+        connections.load(std::sync::atomic::Ordering::SeqCst),
+        before,
+        "connected to the collector at rest"
+    );
+    assert!(
+        report.within_bounds,
+        "an idle exporter must cost under 1 % of a core:\n{}",
         report.text
     );
 }

@@ -97,8 +97,9 @@ impl<S: BudgetStore> Limiter<S> {
     }
 
     /// The request fields [`crate::Intake::planned`] reads (lowercase): those
-    /// [`Identity::read_headers`](sluice_policy::Identity::read_headers) names, and
-    /// `Content-Encoding` (a JSON-RPC body must be readable as sent).
+    /// [`Identity::read_headers`](sluice_policy::Identity::read_headers) names,
+    /// `Content-Encoding` (a JSON-RPC body must be readable as sent), and with a
+    /// tracer installed `traceparent` ([`crate::trace`]).
     pub fn read_headers(&self) -> Vec<HeaderName> {
         self.read_headers.clone()
     }
@@ -125,6 +126,10 @@ pub(super) fn read_headers_of(policy: &Policy) -> Vec<HeaderName> {
         if !names.contains(&name) {
             names.push(name);
         }
+    }
+    // The trace a request's span continues (SPEC O1), with a tracer installed.
+    if crate::trace::is_on() && !names.contains(&crate::trace::TRACEPARENT) {
+        names.push(crate::trace::TRACEPARENT.clone());
     }
     names
 }

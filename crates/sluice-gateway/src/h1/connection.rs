@@ -242,6 +242,7 @@ impl<'f> Connection<'f> {
                 .identity
                 .counted
                 .map(|_| &limiter.policy().identity),
+            traced: sluice_edge::trace::is_on(),
         };
 
         // A complete head.

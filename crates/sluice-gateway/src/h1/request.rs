@@ -77,6 +77,9 @@ pub(super) struct Context<'a, 'l> {
     /// The policy's identity when it names a counted credential: a request sending
     /// several kinds is then left to hyper, whose path strips the uncounted ones.
     pub(super) counted_credential: Option<&'a sluice_policy::Identity>,
+    /// A tracer is installed (SPEC O1): the client's `traceparent` is read with the
+    /// fields the limiter reads and not forwarded (the upstream is sent sluice's).
+    pub(super) traced: bool,
 }
 
 /// Parses the request head at the start of `buf`. When it is [`Parsed::Ready`], the
@@ -150,6 +153,7 @@ pub(super) fn parse<'l>(
         if name.eq_ignore_ascii_case(b"host")
             || is_hop_by_hop(name)
             || sluice_edge::is_sluice_signal(name)
+            || (cx.traced && name.eq_ignore_ascii_case(b"traceparent"))
         {
             continue;
         }
@@ -291,6 +295,7 @@ mod tests {
             paths: Paths::default(),
             peer: &ForwardedPeer::new("192.0.2.1".parse().expect("ip")),
             counted_credential: None,
+            traced: false,
         };
         let mut out = Vec::new();
         let mut identity = HeaderMap::new();
@@ -343,6 +348,7 @@ mod tests {
             paths: Paths::default(),
             peer: &ForwardedPeer::new("192.0.2.1".parse().expect("ip")),
             counted_credential: None,
+            traced: false,
         };
         for (target, error) in [
             ("/../etc", PathError::AboveRoot),
@@ -405,6 +411,7 @@ mod tests {
             paths: Paths::default(),
             peer: &ForwardedPeer::new("192.0.2.1".parse().expect("ip")),
             counted_credential: None,
+            traced: false,
         };
         for (head, refused, close) in [
             ("GET / HTTP/1.1\r\n\r\n", Refused::NoHost, false),

@@ -43,8 +43,15 @@ pub struct StartLine {
 
 /// Parses `sluice: listening on http://A (admin http://B, upstream [built-in demo at ]URL)`.
 pub fn parse_start_line(line: &str) -> Option<StartLine> {
-    let rest = line.trim().strip_prefix("sluice: listening on http://")?;
-    let (gateway, rest) = rest.split_once(" (admin http://")?;
+    // `https://` for a listener that speaks TLS (SPEC O5).
+    let rest = line.trim().strip_prefix("sluice: listening on ")?;
+    let rest = rest
+        .strip_prefix("http://")
+        .or_else(|| rest.strip_prefix("https://"))?;
+    let (gateway, rest) = rest.split_once(" (admin ")?;
+    let rest = rest
+        .strip_prefix("http://")
+        .or_else(|| rest.strip_prefix("https://"))?;
     let (admin, rest) = rest.split_once(", upstream ")?;
     let upstream = rest.strip_suffix(')')?;
     let (upstream, rls) = match upstream.rsplit_once(", rls grpc://") {
