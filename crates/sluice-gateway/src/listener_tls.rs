@@ -258,16 +258,24 @@ pub(crate) async fn handshake<IO>(
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    match tokio::time::timeout(deadline, acceptor.accept(stream)).await {
-        Ok(Ok(stream)) => Some(stream),
-        Ok(Err(error)) => {
+    // The handshake is dropped (and the connection closed) only once a timeout
+    // is counted: whoever sees the close sees it counted.
+    let accept = acceptor.accept(stream);
+    tokio::pin!(accept);
+    let finished = tokio::select! {
+        finished = &mut accept => Some(finished),
+        () = tokio::time::sleep(deadline) => None,
+    };
+    match finished {
+        Some(Ok(stream)) => Some(stream),
+        Some(Err(error)) => {
             metrics::counter!("sluice_tls_handshakes_failed_total",
                 "listener" => listener, "reason" => "error")
             .increment(1);
             tracing::debug!(target: "sluice::tls", "{listener} listener: TLS handshake failed: {error}");
             None
         }
-        Err(_) => {
+        None => {
             metrics::counter!("sluice_tls_handshakes_failed_total",
                 "listener" => listener, "reason" => "timeout")
             .increment(1);
