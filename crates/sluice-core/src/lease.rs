@@ -40,7 +40,7 @@
 use std::num::NonZeroU32;
 use std::time::Duration;
 
-use crate::decision::{Decision, Mode, decide_cell};
+use crate::decision::{CellRef, Decision, DecisionError, Ledger, Mode, decide, decide_cell};
 use crate::{Budget, Rate, Timestamp};
 
 /// The longest a lease may live, in milliseconds (SPEC D4: at most 1 s).
@@ -98,6 +98,54 @@ pub fn take_lease(budget: &Budget, cell: &mut u64, now: Timestamp, want: u32) ->
     let d = decide_cell(&budget.with_cost(grant), cell, now, Mode::Spend);
     let granted = if d.is_admitted() { grant } else { 0 };
     (d, granted)
+}
+
+/// The store's half for a whole request (the reference model of a store's
+/// `take_leases`): if every budget admits its cost at `now`, each is spent, a
+/// fixed-window budget whose `wants` entry is above its cost by
+/// [`take_lease`] (up to that many), every other by its cost; otherwise
+/// nothing changes. Returns the decision (statuses after the grants) and the
+/// units each budget granted (all 0 when refused). `wants` shorter than
+/// `budgets` wants no more than the cost of the budgets past its end.
+///
+/// # Errors
+/// [`DecisionError::TooManyBudgets`] when given more than [`crate::MAX_BUDGETS`].
+pub fn take_leases<L: Ledger>(
+    budgets: &[Budget],
+    wants: &[u32],
+    ledger: &mut L,
+    now: Timestamp,
+) -> Result<(Decision, Vec<u32>), DecisionError> {
+    let peek = decide(budgets, ledger, now, Mode::Peek)?;
+    if !peek.is_admitted() {
+        return Ok((peek, vec![0; budgets.len()]));
+    }
+    let mut statuses = Vec::with_capacity(budgets.len());
+    let mut grants = Vec::with_capacity(budgets.len());
+    for (i, b) in budgets.iter().enumerate() {
+        let want = wants.get(i).copied().unwrap_or(0);
+        let (d, granted) = match (b.rate, b.one_cell()) {
+            (Rate::FixedWindow { .. }, Some(cell)) if want > b.cost => {
+                let at = CellRef {
+                    budget: b,
+                    index: 0,
+                    cell,
+                };
+                let mut value = ledger.read(at);
+                let (d, granted) = take_lease(b, &mut value, now, want);
+                ledger.write(at, value);
+                (d, granted)
+            }
+            _ => {
+                let d = decide(std::slice::from_ref(b), ledger, now, Mode::Spend)?;
+                let granted = if d.is_admitted() { b.cost } else { 0 };
+                (d, granted)
+            }
+        };
+        statuses.extend(d.statuses().first().copied());
+        grants.push(granted);
+    }
+    Ok((Decision::from_statuses(now, statuses), grants))
 }
 
 /// What a replica's [`LeaseHolder`] says of one request.

@@ -67,6 +67,7 @@ pub use key::mix64;
 pub use key::{BudgetKey, digest};
 pub use lease::{
     GiveBack, LeaseCounts, LeaseHolder, LeaseTerms, Local, MAX_LEASE_MILLIS, take_lease,
+    take_leases,
 };
 pub use problem::Problem;
 pub use rate::{BudgetStatus, Rate, Verdict};

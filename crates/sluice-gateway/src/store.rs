@@ -110,6 +110,17 @@ impl BudgetStore for AnyStore {
         }
     }
 
+    async fn take_leases(
+        &self,
+        budgets: &[Budget],
+        wants: &[u32],
+    ) -> Result<(Decision, Vec<u32>), StoreError> {
+        match self {
+            AnyStore::Local(m) => m.take_leases(budgets, wants).await,
+            AnyStore::Redis(r) => r.take_leases(budgets, wants).await,
+        }
+    }
+
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         match self {
             AnyStore::Local(m) => m.peek(budgets).await,

@@ -79,6 +79,17 @@ impl<S: BudgetStore, C: Clock> BudgetStore for Guarded<S, C> {
         result
     }
 
+    async fn take_leases(
+        &self,
+        budgets: &[Budget],
+        wants: &[u32],
+    ) -> Result<(Decision, Vec<u32>), StoreError> {
+        self.permit()?;
+        let result = self.inner.take_leases(budgets, wants).await;
+        self.record(&result);
+        result
+    }
+
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         self.permit()?;
         let result = self.inner.peek(budgets).await;

@@ -114,6 +114,35 @@ pub trait BudgetStore: Send + Sync {
         budgets: &[Budget],
     ) -> impl Future<Output = Result<Decision, StoreError>> + Send;
 
+    /// [`BudgetStore::decide`], taking leases (SPEC D4): budget `i` spends at
+    /// least its cost and, where `wants[i]` is more, up to `wants[i]` units if
+    /// they are left ([`sluice_core::take_lease`]), all or nothing over every
+    /// budget as `decide`. Returns the decision and the units each budget
+    /// granted (its cost, or more; 0 for all when refused). A `wants` shorter
+    /// than `budgets` asks no more than the cost of the budgets past its end.
+    ///
+    /// The default takes no lease: it decides exactly (each grant is the
+    /// cost), which is what a store in one process means by a lease. The
+    /// Redis store takes them in its one script call.
+    ///
+    /// # Errors
+    /// As [`BudgetStore::decide`].
+    fn take_leases(
+        &self,
+        budgets: &[Budget],
+        wants: &[u32],
+    ) -> impl Future<Output = Result<(Decision, Vec<u32>), StoreError>> + Send {
+        let _ = wants;
+        async move {
+            let decision = self.decide(budgets).await?;
+            let grants = budgets
+                .iter()
+                .map(|b| if decision.is_admitted() { b.cost } else { 0 })
+                .collect();
+            Ok((decision, grants))
+        }
+    }
+
     /// Reports what [`BudgetStore::decide`] would say, changing nothing.
     ///
     /// # Errors

@@ -367,20 +367,32 @@ impl RedisStore {
         reserved_us: u64,
     ) -> Result<(Timestamp, Vec<Row>), StoreError> {
         let (at, mut answers) = self
-            .invoke_many(mode, &[budgets], delta, reserved_us)
+            .invoke_many(mode, &[budgets], delta, reserved_us, &[])
             .await?;
         Ok((at, answers.pop().unwrap_or_default()))
     }
 
     /// One script call deciding several requests in order, each all or nothing.
+    /// `wants` (SPEC D4) are the units the first request's budgets may take past
+    /// their costs, by position: a fixed-window budget whose want is above its
+    /// cost is sent as a lease (`l`), taking up to it.
     async fn invoke_many(
         &self,
         mode: &str,
         requests: &[&[Budget]],
         delta: i64,
         reserved_us: u64,
+        wants: &[u32],
     ) -> Result<(Timestamp, Vec<Vec<Row>>), StoreError> {
         let packed = Packed::new(requests);
+        let mut packed_wants = vec![0u32; packed.budgets.len()];
+        if let Some((_, first)) = packed.entries.first() {
+            for (&index, &want) in first.iter().zip(wants) {
+                if let Some(w) = packed_wants.get_mut(index) {
+                    *w = want;
+                }
+            }
+        }
         let mut invocation = self.script.prepare_invoke();
         for key in &packed.keys {
             invocation.key(self.key_of(key));
@@ -391,8 +403,11 @@ impl RedisStore {
             .arg(reserved_us)
             .arg(self.clock.as_ref().map_or(0, |clock| micros(clock.now())))
             .arg(packed.budgets.len());
-        for (key, b) in &packed.budgets {
+        for ((key, b), &want) in packed.budgets.iter().zip(&packed_wants) {
             let (kind, window, burst): (&str, u64, u32) = match b.rate {
+                Rate::FixedWindow { seconds } if want > b.cost => {
+                    ("l", u64::from(seconds.get()), want)
+                }
                 Rate::FixedWindow { seconds } | Rate::Until { end: seconds } => {
                     ("f", u64::from(seconds.get()), 0)
                 }
@@ -514,7 +529,7 @@ fn coalesce(
                     }
                     let requests: Vec<&[Budget]> =
                         group.iter().map(|j| j.budgets.as_slice()).collect();
-                    match store.invoke_many(mode, &requests, 0, 0).await {
+                    match store.invoke_many(mode, &requests, 0, 0, &[]).await {
                         Ok((at, answers)) => {
                             for (job, rows) in group.into_iter().zip(answers) {
                                 let _ = job.reply.send(Ok((at, rows)));
@@ -652,6 +667,38 @@ impl BudgetStore for RedisStore {
     async fn decide(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         let (at, rows) = self.run("spend", budgets, 0, 0).await?;
         Ok(decision(at, &rows, budgets, true))
+    }
+
+    async fn take_leases(
+        &self,
+        budgets: &[Budget],
+        wants: &[u32],
+    ) -> Result<(Decision, Vec<u32>), StoreError> {
+        let leasing = budgets
+            .iter()
+            .zip(wants)
+            .any(|(b, &w)| w > b.cost && matches!(b.rate, Rate::FixedWindow { .. }));
+        if !leasing || self.conn.is_cluster() || budgets.len() > MAX_BUDGETS {
+            // Nothing to lease, or a Cluster (whose per-slot refunds give back
+            // costs only): decided exactly, each grant its cost.
+            let decision = self.decide(budgets).await?;
+            let grants = budgets
+                .iter()
+                .map(|b| if decision.is_admitted() { b.cost } else { 0 })
+                .collect();
+            return Ok((decision, grants));
+        }
+        let (at, mut answers) = self.invoke_many("spend", &[budgets], 0, 0, wants).await?;
+        let rows = answers.pop().unwrap_or_default();
+        let d = decision(at, &rows, budgets, true);
+        let grants = if d.is_admitted() {
+            rows.iter()
+                .map(|r| to_u32(r.before.saturating_sub(r.after)))
+                .collect()
+        } else {
+            vec![0; budgets.len()]
+        };
+        Ok((d, grants))
     }
 
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
