@@ -79,13 +79,18 @@ impl<S: BudgetStore, C: Clock> BudgetStore for Guarded<S, C> {
         result
     }
 
+    fn leases(&self) -> bool {
+        self.inner.leases()
+    }
+
     async fn take_leases(
         &self,
         budgets: &[Budget],
         wants: &[u32],
+        backs: &[(Budget, sluice_core::GiveBack)],
     ) -> Result<(Decision, Vec<u32>), StoreError> {
         self.permit()?;
-        let result = self.inner.take_leases(budgets, wants).await;
+        let result = self.inner.take_leases(budgets, wants, backs).await;
         self.record(&result);
         result
     }

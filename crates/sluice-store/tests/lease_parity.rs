@@ -2,7 +2,8 @@
 //! reference model (`take_leases`) agree: the same random sequences of
 //! requests (leased fixed windows beside exact budgets, each asking for some
 //! units past its cost), give-backs of leftovers (`adjust` by a negative delta
-//! at the lease's instant, also after its window) and moves of one fake clock
+//! at the lease's instant, also after its window, alone or in a take's own
+//! call) and moves of one fake clock
 //! give identical decisions and grants. The memory store's leases are exact
 //! (each grant its cost): one process has one ledger.
 #![cfg(feature = "redis")]
@@ -14,7 +15,8 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use sluice_core::{
-    Budget, BudgetKey, CellRef, Clock, FakeClock, Ledger, Rate, Timestamp, adjust, take_leases,
+    Budget, BudgetKey, CellRef, Clock, FakeClock, GiveBack, Ledger, Rate, Timestamp, adjust,
+    take_leases,
 };
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, RedisConfig, RedisStore};
 
@@ -69,8 +71,9 @@ impl Ledger for MapLedger {
 
 #[derive(Clone, Debug)]
 enum Step {
-    /// A request over `(budget, cost, want)`, taking leases.
-    Take(Vec<(usize, u32, u32)>),
+    /// A request over `(budget, cost, want)`, taking leases, after giving
+    /// back leftovers `(budget, units, back)` in the same call.
+    Take(Vec<(usize, u32, u32)>, Vec<(usize, u32, usize)>),
     /// Give back `units` of `budget`, for the take `back` takes ago.
     GiveBack {
         budget: usize,
@@ -85,11 +88,20 @@ fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         5 => proptest::sample::subsequence(vec![0usize, 1, 2, 3], 1..=4).prop_flat_map(|picks| {
             let n = picks.len();
-            (Just(picks), proptest::collection::vec((0u32..=3, 0u32..=14), n)).prop_map(
-                |(picks, cw)| {
-                    Step::Take(picks.into_iter().zip(cw).map(|(b, (c, w))| (b, c, w)).collect())
-                },
+            (
+                Just(picks),
+                proptest::collection::vec((0u32..=3, 0u32..=14), n),
+                prop_oneof![
+                    2 => Just(Vec::new()),
+                    1 => proptest::collection::vec((0usize..4, 1u32..=6, 0usize..4), 1..=3),
+                ],
             )
+                .prop_map(|(picks, cw, backs)| {
+                    Step::Take(
+                        picks.into_iter().zip(cw).map(|(b, (c, w))| (b, c, w)).collect(),
+                        backs,
+                    )
+                })
         }),
         2 => (0usize..4, 1u32..=6, 0usize..4)
             .prop_map(|(budget, units, back)| Step::GiveBack { budget, units, back }),
@@ -113,20 +125,44 @@ async fn run_case(
     for (i, s) in steps.iter().enumerate() {
         let now = clock.now();
         match s {
-            Step::Take(picks) => {
+            Step::Take(picks, backs) => {
                 let bs: Vec<Budget> = picks
                     .iter()
                     .map(|&(b, cost, _)| all[b].with_cost(cost))
                     .collect();
                 let wants: Vec<u32> = picks.iter().map(|&(_, _, w)| w).collect();
+                let backs: Vec<(Budget, GiveBack)> = backs
+                    .iter()
+                    .map(|&(budget, units, back)| {
+                        let reserved_at = taken_at
+                            .len()
+                            .checked_sub(back + 1)
+                            .and_then(|k| taken_at.get(k))
+                            .copied()
+                            .unwrap_or(now);
+                        (all[budget], GiveBack { units, reserved_at })
+                    })
+                    .collect();
+                for (b, back) in &backs {
+                    adjust(
+                        b,
+                        -i64::from(back.units),
+                        back.reserved_at,
+                        &mut ledger,
+                        now,
+                    );
+                }
                 let (want_d, want_g) = take_leases(&bs, &wants, &mut ledger, now).map_err(fail)?;
-                let (got_d, got_g) = redis.take_leases(&bs, &wants).await.map_err(fail)?;
+                let (got_d, got_g) = redis.take_leases(&bs, &wants, &backs).await.map_err(fail)?;
                 prop_assert_eq!((&want_d, &want_g), (&got_d, &got_g), "step {}: {:?}", i, s);
                 for (g, b) in want_g.iter().zip(&bs) {
                     prop_assert!(*g == 0 || *g >= b.cost, "a grant covers the cost");
                     prop_assert!(*g <= b.limit, "a grant never passes the limit");
                 }
-                let (mem_d, mem_g) = memory.take_leases(&bs, &wants).await.map_err(fail)?;
+                let (mem_d, mem_g) = memory
+                    .take_leases(&bs, &wants, &backs)
+                    .await
+                    .map_err(fail)?;
                 let exact: Vec<u32> = bs
                     .iter()
                     .map(|b| if mem_d.is_admitted() { b.cost } else { 0 })

@@ -20,7 +20,11 @@
 --          s), period in microseconds (g), window milliseconds (r) or idle
 --          seconds (u), burst (g), slot milliseconds (r) or the units a lease
 --          wants (l: 'spend' takes at least the cost and up to that many, as
---          many as are left, as sluice-core's take_lease; otherwise as f)
+--          many as are left, as sluice-core's take_lease; otherwise as f);
+--          kind b, a lease's leftover given back ('spend' only): its units as
+--          the cost, the second the lease was taken in as the burst, given back
+--          as 'adjust' by minus the units at that second (a window already
+--          over takes nothing back); always admitted
 -- then     the number of entries; per entry: how many identical requests in a
 --          row it stands for, its number of budgets n, then n budget indices
 -- Returns {now_s, now_us_fraction, then per budget of every request: verdict
@@ -211,6 +215,14 @@ for i = 0, n - 1 do
       if fits and take > 0 then s.w, s.c, s.dirty, s.expire = start, c + take, true, stop + 1 end
     end
     reset = stop
+  elseif kind == 'b' then
+    local start = floor_div(now_s, w) * w
+    local stop = start + w
+    local c = (s.w == start) and math.min(s.c, limit) or 0
+    local nc = c
+    if mode == 'spend' and floor_div(burst, w) * w == start then nc = math.max(0, c - cost) end
+    if nc ~= c then s.w, s.c, s.dirty, s.expire = start, nc, true, stop + 1 end
+    before, after, reset = limit - c, limit - nc, stop
   elseif kind == 's' then
     local idx = floor_div(now_s, w)
     local start, stop = idx * w, idx * w + w
