@@ -361,6 +361,29 @@ impl LeaseHolder {
         }
     }
 
+    /// Puts `cost` units back into the lease in hand: a request admitted from it
+    /// ([`Local::Admitted`]) that another budget then refused (all or nothing).
+    /// Nothing when the lease has ended since.
+    pub fn refund(&mut self, cost: u32) {
+        if let Some(h) = self.held.as_mut() {
+            h.left = h.left.saturating_add(cost);
+            h.spent = h.spent.saturating_sub(cost);
+        }
+        self.counts.saved = self.counts.saved.saturating_sub(1);
+    }
+
+    /// Its terms.
+    pub fn terms(&self) -> LeaseTerms {
+        self.terms
+    }
+
+    /// Ends the lease in hand now, whatever its time (the terms changed, the
+    /// holder is dropped), giving back what it did not spend.
+    pub fn end(&mut self) -> Option<GiveBack> {
+        let h = self.held.take()?;
+        self.give_back(h)
+    }
+
     /// The store could not answer: the next request asks again.
     pub fn failed(&mut self) {
         self.asking = false;
@@ -499,6 +522,23 @@ mod tests {
             Some(&2),
             "a quiet replica holds little: its cost and one"
         );
+    }
+
+    #[test]
+    fn d4_a_refund_puts_a_refused_requests_units_back() {
+        let b = budget(100);
+        let mut cell = 0;
+        let mut h = LeaseHolder::new(terms(10, 1000));
+        let Local::Ask { want, .. } = h.decide(1, at(0)) else {
+            panic!()
+        };
+        let (d, g) = take_lease(&b, &mut cell, at(0), want);
+        h.granted(g, 1, &d, at(0));
+        let before = h.held();
+        assert!(matches!(h.decide(1, at(1)), Local::Admitted { .. }));
+        h.refund(1);
+        assert_eq!(h.held(), before);
+        assert_eq!(h.end().map(|g| g.units), Some(before));
     }
 
     #[test]
