@@ -69,6 +69,9 @@ struct Entry {
 /// This replica's leases and what they have saved (for `/status` and `/metrics`).
 #[derive(Default)]
 pub(crate) struct Leases {
+    /// The clock leases live by: this replica's fallback store's unless set
+    /// ([`Limiter::with_lease_clock`]).
+    clock: Option<Arc<dyn Clock>>,
     entries: Mutex<HashMap<BudgetKey, Entry>>,
     pending: Mutex<Vec<(Budget, GiveBack)>>,
     /// When the last sweep ran (Unix nanoseconds of this replica's clock).
@@ -254,6 +257,17 @@ impl<S: BudgetStore> Limiter<S> {
         self.leases.tally()
     }
 
+    /// The same limiter with its leases living by `clock` (a test's fake
+    /// clock) rather than the fallback store's; leases held so far are dropped,
+    /// so call it before the first request.
+    pub fn with_lease_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.leases = Arc::new(Leases {
+            clock: Some(clock),
+            ..Leases::default()
+        });
+        self
+    }
+
     /// Decides `budgets` (the plan's, in its order) with the leases of those the
     /// policy leases; `None` when none of them is leased (or the store takes no
     /// leases), for the caller to decide exactly.
@@ -280,7 +294,10 @@ impl<S: BudgetStore> Limiter<S> {
         let mut waits = 0;
         let mut parts: ArrayVec<Part, MAX_BUDGETS> = ArrayVec::new();
         loop {
-            let now = self.fallback.clock().now();
+            let now = match &self.leases.clock {
+                Some(clock) => clock.now(),
+                None => self.fallback.clock().now(),
+            };
             match self.lease_parts(budgets, &terms, now, waits < MAX_WAITS, &mut parts) {
                 Outcome::Decided(d) => return Some(Ok(d)),
                 Outcome::Wait(answered) => {
