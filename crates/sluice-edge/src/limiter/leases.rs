@@ -100,8 +100,9 @@ pub struct LeaseTally {
 enum Part {
     /// Not leased (or no lease state to be had): decided on the store.
     Exact,
-    /// Admitted from the lease in hand: its status.
-    Local(BudgetStatus),
+    /// Admitted from the lease in hand: its status, and which lease (the
+    /// holder's count of leases taken when it was admitted).
+    Local(BudgetStatus, u64),
     /// Take a lease of up to this many units in the store call.
     Ask(u32),
 }
@@ -136,7 +137,10 @@ fn undo(entries: &mut HashMap<BudgetKey, Entry>, budgets: &[Budget], parts: &[Pa
             continue;
         };
         match part {
-            Part::Local(_) => e.holder.refund(b.cost),
+            // Back into the lease they came from; if it has ended since, they
+            // are lost (units unused, never over-admitted).
+            Part::Local(_, lease) if e.holder.counts().taken == *lease => e.holder.refund(b.cost),
+            Part::Local(..) => {}
             Part::Ask(_) => {
                 e.holder.failed();
                 e.answered.notify_waiters();
@@ -363,12 +367,15 @@ impl<S: BudgetStore> Limiter<S> {
             e.budget = *b;
             let before = e.holder.counts();
             let part = match e.holder.decide(b.cost, now) {
-                Local::Admitted { remaining } => Part::Local(BudgetStatus {
-                    verdict: Verdict::Admitted,
-                    limit: b.limit,
-                    remaining: e.remaining.saturating_add(remaining),
-                    reset: e.reset,
-                }),
+                Local::Admitted { remaining } => Part::Local(
+                    BudgetStatus {
+                        verdict: Verdict::Admitted,
+                        limit: b.limit,
+                        remaining: e.remaining.saturating_add(remaining),
+                        reset: e.reset,
+                    },
+                    e.holder.counts().taken,
+                ),
                 Local::Refused { retry_after } => {
                     refused.get_or_insert((i, retry_after, e.reset));
                     Part::Exact
@@ -405,7 +412,7 @@ impl<S: BudgetStore> Limiter<S> {
                             remaining: 0,
                             reset,
                         },
-                        Part::Local(s) => *s,
+                        Part::Local(s, _) => *s,
                         // Not asked: it would be, were this budget not spent.
                         _ => BudgetStatus {
                             verdict: Verdict::Admitted,
@@ -424,10 +431,10 @@ impl<S: BudgetStore> Limiter<S> {
             return Outcome::Wait(wait);
         }
         drop(entries);
-        if parts.iter().all(|p| matches!(p, Part::Local(_))) {
+        if parts.iter().all(|p| matches!(p, Part::Local(..))) {
             self.leases.saved_one();
             let statuses = parts.iter().filter_map(|p| match p {
-                Part::Local(s) => Some(*s),
+                Part::Local(s, _) => Some(*s),
                 _ => None,
             });
             return Outcome::Decided(Box::new(Decision::from_statuses(now, statuses)));
@@ -457,12 +464,12 @@ impl<S: BudgetStore> Limiter<S> {
         let sent: ArrayVec<Budget, MAX_BUDGETS> = budgets
             .iter()
             .zip(parts)
-            .filter(|(_, p)| !matches!(p, Part::Local(_)))
+            .filter(|(_, p)| !matches!(p, Part::Local(..)))
             .map(|(b, _)| *b)
             .collect();
         let wants: ArrayVec<u32, MAX_BUDGETS> = parts
             .iter()
-            .filter(|p| !matches!(p, Part::Local(_)))
+            .filter(|p| !matches!(p, Part::Local(..)))
             .map(|p| match p {
                 Part::Ask(w) => *w,
                 _ => 0,
@@ -505,7 +512,7 @@ impl<S: BudgetStore> Limiter<S> {
         let mut from_store = d.statuses().iter().zip(0..);
         let mut entries = self.leases.entries.lock();
         for (b, p) in budgets.iter().zip(parts) {
-            if let Part::Local(s) = p {
+            if let Part::Local(s, _) = p {
                 statuses.push(*s);
                 continue;
             }
