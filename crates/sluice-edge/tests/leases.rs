@@ -2,7 +2,8 @@
 //! the limiter's clock and the Redis script's clock one fake clock: a replica
 //! with a lease in hand keeps deciding from it while Redis is down (and no
 //! further), and decides on Redis again once it is back; concurrent requests of
-//! one replica cost one script call per lease, not one each.
+//! one replica cost one script call per lease, not one each; an ended lease's
+//! leftover goes back in the replica's next call, for other replicas to use.
 
 use std::net::IpAddr;
 use std::path::Path;
@@ -165,4 +166,59 @@ async fn d4_concurrent_requests_of_one_replica_wait_for_one_ask() {
         "{calls} script calls for 50 concurrent requests"
     );
     assert!(limiter.lease_tally().taken >= 4);
+}
+
+/// Two replicas on one Redis and one fake clock, a budget of 20 leased 10 at a
+/// time. Replica A's six requests take leases of 2, 3 and 5 units (10 from
+/// Redis) and leave 4 unspent; once `lease_ms` is past, A's next request gives
+/// those 4 back in its own script call, taking a lease of 2. Replica B then
+/// finds 20 - 10 + 4 - 2 = 12 units and admits exactly 12 (it would find 10
+/// had the leftover stayed with A), and no more than the limit is admitted in
+/// all.
+#[tokio::test]
+async fn d4_leftovers_go_back_in_the_next_call_for_other_replicas_to_use() {
+    let server = RedisServer::start("d4-give-back");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+    let policy = || {
+        let yaml = "profile: p
+window_seconds: 60
+ceilings:
+  ip: { classes: [read, standard, expensive] }
+  ip_protocol: { classes: [protocol], only: true }
+profiles:
+  p:
+    classes: { protocol: 100, read: 100, standard: 20, expensive: 100 }
+    ip_ceilings: { ip: 1000, ip_protocol: 1000 }
+default_class: standard
+algorithms:
+  standard: { consistency: leased, lease: 10, lease_ms: 1000 }
+";
+        parse_str(yaml, Path::new("give-back.yaml")).expect("policy")
+    };
+    let replica = || async {
+        let mut config = RedisConfig::new(server.url());
+        config.timeout = Duration::from_millis(500);
+        let redis = RedisStore::connect_with_clock(config, clock.clone())
+            .await
+            .expect("connect");
+        Limiter::new(policy(), redis).with_lease_clock(Arc::new(clock.clone()))
+    };
+    let (a, b) = (replica().await, replica().await);
+    let mut admitted_a = 0;
+    for _ in 0..6 {
+        admitted_a += usize::from(send(&a, "shared").await == 200);
+    }
+    assert_eq!(admitted_a, 6);
+    clock.advance(Duration::from_millis(1_500));
+    admitted_a += usize::from(send(&a, "shared").await == 200);
+    assert_eq!(admitted_a, 7);
+    assert_eq!(a.lease_tally().returned, 1, "{:?}", a.lease_tally());
+    let mut admitted_b = 0;
+    for _ in 0..30 {
+        admitted_b += usize::from(send(&b, "shared").await == 200);
+    }
+    assert_eq!(admitted_b, 12, "the 4 units A gave back were B's to use");
+    // A's lease of 2 holds 1: 7 + 12 + 1 = 20, the limit.
+    assert_eq!(send(&a, "shared").await, 200);
+    assert_eq!(send(&a, "shared").await, 429);
 }
