@@ -785,6 +785,12 @@ fn tally_json(t: &sluice_edge::Tally) -> serde_json::Value {
             "budget": budget, "reason": reason, "count": count,
         })).collect::<Vec<_>>(),
         "local_decisions": t.local_decisions,
+        "leases": {
+            "taken": t.leases.taken,
+            "returned": t.leases.returned,
+            "expired": t.leases.expired,
+            "calls_saved": t.leases.saved,
+        },
         "near_limit": t.near_limit.iter().map(|(budget, count)| serde_json::json!({
             "budget": budget, "count": count,
         })).collect::<Vec<_>>(),

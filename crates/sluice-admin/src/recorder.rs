@@ -95,6 +95,22 @@ fn describe_metrics() {
         "Decisions made on this process's fallback store while the shared store was down (fail-open classes)."
     );
     metrics::describe_counter!(
+        "sluice_leases_taken_total",
+        "Leases of leased budgets this replica took from the shared store (SPEC D4)."
+    );
+    metrics::describe_counter!(
+        "sluice_leases_returned_total",
+        "Leases that ended with units left, given back to the shared store."
+    );
+    metrics::describe_counter!(
+        "sluice_leases_expired_total",
+        "Leases ended by time (lease_ms or their window's end)."
+    );
+    metrics::describe_counter!(
+        "sluice_lease_calls_saved_total",
+        "Requests decided from leases alone, with no call to the shared store."
+    );
+    metrics::describe_counter!(
         "sluice_refusals_total",
         "Requests refused with 429, by the budget that refused them."
     );

@@ -45,6 +45,7 @@ mod calendar;
 mod clock;
 mod decision;
 mod key;
+mod lease;
 mod problem;
 mod rate;
 mod rolling;
@@ -64,6 +65,10 @@ pub use decision::{
 /// The key mixer a store shards and probes its table by (see [`store_impl`]).
 pub use key::mix64;
 pub use key::{BudgetKey, digest};
+pub use lease::{
+    GiveBack, LeaseCounts, LeaseHolder, LeaseTerms, Local, MAX_LEASE_MILLIS, take_lease,
+    take_leases,
+};
 pub use problem::Problem;
 pub use rate::{BudgetStatus, Rate, Verdict};
 /// A keyed limiter's fast path ([`GcraStep`]: a GCRA budget's spacing worked out

@@ -103,6 +103,8 @@ pub use lanes::{
     LaneCall, LanePlace, LaneStatus, LaneWorkspace, lane_config, lane_refusal, lane_status,
     ledger_outage, publish_lane_gauges,
 };
+/// Leased budgets (SPEC D4): what this replica's leases did, and their bounds.
+pub use limiter::{ASK_WAIT, LeaseTally, MAX_LEASED_KEYS, SWEEP_EVERY};
 pub use limiter::{
     BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, DomainRuleStatus, DomainStatus,
     FALLBACK_MAX_KEYS, Limiter, PlanStatus, QuotaQueryError, QuotaUsage, Reason, Refusal, Refused,

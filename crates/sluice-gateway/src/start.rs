@@ -750,6 +750,14 @@ impl Core {
                     status["store"] = limiter.store().describe_state();
                     status["batches"] = batch_lanes.iter().map(|b| b.summary()).collect();
                     status["policy"] = reloader.status();
+                    // SPEC D4: what this replica's leases of leased budgets did.
+                    let leases = limiter.lease_tally();
+                    status["leases"] = serde_json::json!({
+                        "taken": leases.taken,
+                        "returned": leases.returned,
+                        "expired": leases.expired,
+                        "calls_saved": leases.saved,
+                    });
                     // SPEC O3: the alert events most recently made, newest first.
                     status["alerts"] = alerts
                         .as_ref()

@@ -110,6 +110,25 @@ impl BudgetStore for AnyStore {
         }
     }
 
+    fn leases(&self) -> bool {
+        match self {
+            AnyStore::Local(m) => m.leases(),
+            AnyStore::Redis(r) => r.leases(),
+        }
+    }
+
+    async fn take_leases(
+        &self,
+        budgets: &[Budget],
+        wants: &[u32],
+        backs: &[(Budget, sluice_core::GiveBack)],
+    ) -> Result<(Decision, Vec<u32>), StoreError> {
+        match self {
+            AnyStore::Local(m) => m.take_leases(budgets, wants, backs).await,
+            AnyStore::Redis(r) => r.take_leases(budgets, wants, backs).await,
+        }
+    }
+
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         match self {
             AnyStore::Local(m) => m.peek(budgets).await,

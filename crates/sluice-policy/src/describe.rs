@@ -103,6 +103,38 @@ impl Policy {
                 counted.join("; ")
             );
         }
+        for line in self.describe_leases() {
+            let _ = writeln!(out, "{line}");
+        }
+    }
+
+    /// One line per leased budget (SPEC D4): its lease and its bound per window for
+    /// the policy's `store.replicas`, `limit + replicas × lease` (for the active
+    /// profile's limit).
+    pub fn describe_leases(&self) -> Vec<String> {
+        let replicas = self.store.replicas.get();
+        let classes = self.class_ids().filter_map(|c| {
+            let class = self.classes.get(c.index())?;
+            let terms = class.consistency.lease()?;
+            Some((class.name.as_str(), self.profile.limit(c).get(), terms))
+        });
+        let ceilings = self.ceilings.iter().enumerate().filter_map(|(i, c)| {
+            let terms = c.consistency.lease()?;
+            Some((c.name.as_str(), self.profile.ceiling(i).get(), terms))
+        });
+        classes
+            .chain(ceilings)
+            .map(|(name, limit, terms)| {
+                format!(
+                    "leased: {name}: leases of at most {} units for at most {} ms; with {replicas} replica(s) at most {limit} + {replicas} x {} = {} admitted per {} s window (exact: {limit})",
+                    terms.units,
+                    terms.millis,
+                    terms.units,
+                    terms.bound(limit, replicas),
+                    self.window,
+                )
+            })
+            .collect()
     }
 
     /// Where callers' credentials are read, the key count and the trusted proxies.

@@ -49,7 +49,7 @@ pub use identity::{
 pub use jsonrpc::{Items, Unclassifiable, check_content_encoding, depth_exceeds};
 pub use model::{Alert, MAX_ALERT_THRESHOLDS, MAX_ALERTS};
 pub use model::{
-    Algorithm, BatchEndpoint, Bounds, Bucket, Ceiling, Class, ClassSet, CostClass,
+    Algorithm, BatchEndpoint, Bounds, Bucket, Ceiling, Class, ClassSet, Consistency, CostClass,
     CredentialSource, CustomerPlan, Enforcement, Identity, JsonRpc, JsonRpcRefusal, Lane,
     LaneBatch, LaneReasons, LlmFormat, MAX_BUCKETS, MAX_CEILINGS, MAX_CLASSES, MAX_LANES,
     MAX_PLANS, MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS, MAX_WORKSPACES,

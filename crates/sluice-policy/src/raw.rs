@@ -189,6 +189,17 @@ pub struct RawAlgorithm {
     pub algorithm: Option<String>,
     /// `gcra` only: how many units may go at once, 1 to the limit.
     pub burst: Option<u32>,
+    /// `exact` (default) or `leased` (SPEC D4): decided on the shared store every
+    /// time, or from leases a replica takes of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistency: Option<String>,
+    /// `leased` only: the most units one replica takes at once, 1 to the limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<u32>,
+    /// `leased` only: the longest a lease lives, in milliseconds (1 to 1000 and at
+    /// most the window; default 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u32>,
 }
 
 /// The shared store's settings.
@@ -383,6 +394,10 @@ pub struct RawQuota {
     /// Refused when set: a quota counts calendar months, it takes no algorithm (read
     /// so that the refusal names its key path rather than failing the parse).
     pub algorithm: Option<String>,
+    /// `exact` only (SPEC D4: monthly quotas stay exact); read so that `leased`
+    /// is refused with its key path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistency: Option<String>,
 }
 
 /// One route.
@@ -448,6 +463,10 @@ pub struct RawSpend {
     pub default_max_output: Option<u32>,
     /// `enforce` (default) or `shadow`.
     pub mode: Option<String>,
+    /// `exact` only (SPEC D4: money stays exact); read so that `leased` is refused
+    /// with its key path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistency: Option<String>,
 }
 
 /// `turns:`, the turn budgets of agent runs (SPEC T7); what it leaves out is

@@ -79,6 +79,22 @@ impl<S: BudgetStore, C: Clock> BudgetStore for Guarded<S, C> {
         result
     }
 
+    fn leases(&self) -> bool {
+        self.inner.leases()
+    }
+
+    async fn take_leases(
+        &self,
+        budgets: &[Budget],
+        wants: &[u32],
+        backs: &[(Budget, sluice_core::GiveBack)],
+    ) -> Result<(Decision, Vec<u32>), StoreError> {
+        self.permit()?;
+        let result = self.inner.take_leases(budgets, wants, backs).await;
+        self.record(&result);
+        result
+    }
+
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         self.permit()?;
         let result = self.inner.peek(budgets).await;

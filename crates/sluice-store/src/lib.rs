@@ -114,6 +114,51 @@ pub trait BudgetStore: Send + Sync {
         budgets: &[Budget],
     ) -> impl Future<Output = Result<Decision, StoreError>> + Send;
 
+    /// True when [`BudgetStore::take_leases`] takes leases: a store shared by
+    /// replicas (Redis). A store in one process is exact already (the default,
+    /// false), so a limiter asks it for no lease.
+    fn leases(&self) -> bool {
+        false
+    }
+
+    /// [`BudgetStore::decide`], taking leases (SPEC D4): budget `i` spends at
+    /// least its cost and, where `wants[i]` is more, up to `wants[i]` units if
+    /// they are left ([`sluice_core::take_lease`]), all or nothing over every
+    /// budget as `decide`. Returns the decision and the units each budget
+    /// granted (its cost, or more; 0 for all when refused). A `wants` shorter
+    /// than `budgets` asks no more than the cost of the budgets past its end.
+    ///
+    /// `backs` are leftovers of ended leases, given back first (each as
+    /// [`BudgetStore::adjust`] by `-units` at its `reserved_at`: a window
+    /// already over takes nothing back), whatever the decision says.
+    ///
+    /// The default takes no lease: it gives back with `adjust` and decides
+    /// exactly (each grant is the cost), which is what a store in one process
+    /// means by a lease. The Redis store does it all in its one script call.
+    ///
+    /// # Errors
+    /// As [`BudgetStore::decide`].
+    fn take_leases(
+        &self,
+        budgets: &[Budget],
+        wants: &[u32],
+        backs: &[(Budget, sluice_core::GiveBack)],
+    ) -> impl Future<Output = Result<(Decision, Vec<u32>), StoreError>> + Send {
+        let _ = wants;
+        async move {
+            for (b, back) in backs {
+                self.adjust(b, -i64::from(back.units), back.reserved_at)
+                    .await?;
+            }
+            let decision = self.decide(budgets).await?;
+            let grants = budgets
+                .iter()
+                .map(|b| if decision.is_admitted() { b.cost } else { 0 })
+                .collect();
+            Ok((decision, grants))
+        }
+    }
+
     /// Reports what [`BudgetStore::decide`] would say, changing nothing.
     ///
     /// # Errors

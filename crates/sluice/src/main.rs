@@ -52,6 +52,10 @@ struct CheckArgs {
     /// `sluice serve --rls-config` reads).
     #[arg(value_name = "FILE")]
     file: std::path::PathBuf,
+    /// The replicas the bound of each leased budget is printed for (SPEC D4);
+    /// default: the policy's `store.replicas`.
+    #[arg(long, value_name = "N")]
+    replicas: Option<std::num::NonZeroU32>,
 }
 
 /// One line per domain: its name, where it came from and its rules.
@@ -116,8 +120,11 @@ fn check(args: &CheckArgs) -> anyhow::Result<()> {
             sluice_client::config::load(&args.file).map_err(|e| BadInput(e.to_string()))?;
         writeln!(out, "{:#}", config.limits_json())?;
     } else {
-        let policy =
+        let mut policy =
             sluice_policy::parse_str(&text, &args.file).map_err(|e| BadInput(e.to_string()))?;
+        if let Some(replicas) = args.replicas {
+            policy.store.replicas = replicas;
+        }
         check_alert_secrets(&policy, &args.file)?;
         write!(out, "{}", policy.describe())?;
         write!(out, "{}", describe_domains(&policy.domains))?;

@@ -632,6 +632,12 @@ impl<S: BudgetStore> Limiter<S> {
         budgets: &[sluice_core::Budget],
     ) -> Result<Box<Decision>, StoreError> {
         let started = Instant::now();
+        if let Some(decision) = self.decide_leased(plan, budgets).await {
+            self.metrics
+                .decision_seconds
+                .record(started.elapsed().as_secs_f64());
+            return decision;
+        }
         let decision = match self.store.decide_from(budgets, plan.network).await {
             Ok(d) => {
                 self.set_degraded(false);

@@ -13,6 +13,7 @@ use sluice_store::{BudgetStore, MemoryConfig, MemoryStore};
 use crate::plan::Scopes;
 
 mod admission;
+mod leases;
 mod llm_usage;
 mod outage;
 mod planning;
@@ -24,6 +25,7 @@ mod usage_export;
 pub use crate::head::{Refused, check_head};
 pub use admission::{Reason, Refusal};
 pub(crate) use admission::{shadow_waived, waive};
+pub use leases::{ASK_WAIT, LeaseTally, MAX_LEASED_KEYS, SWEEP_EVERY};
 pub use llm_usage::{USAGE_MONTHS_KEPT, UsageMonth, UsageMonthError};
 pub use outage::FALLBACK_MAX_KEYS;
 pub use quota_admin::{QuotaQueryError, QuotaUsage};
@@ -77,6 +79,8 @@ pub struct Limiter<S> {
     usage_rows: Arc<usage_export::KnownRows>,
     /// Where alert events go (SPEC O3), when the policy has alerts.
     alerts: Option<Arc<dyn crate::AlertSink>>,
+    /// This replica's leases of leased budgets (SPEC D4), kept across reloads.
+    leases: Arc<leases::Leases>,
 }
 
 /// Why a new policy cannot replace a running one without a restart (see
@@ -130,6 +134,7 @@ impl<S: BudgetStore> Limiter<S> {
             runs: Arc::default(),
             usage_rows: Arc::default(),
             alerts: None,
+            leases: Arc::default(),
         }
     }
 
@@ -199,6 +204,7 @@ impl<S: BudgetStore> Limiter<S> {
             runs: Arc::clone(&self.runs),
             usage_rows: Arc::clone(&self.usage_rows),
             alerts: self.alerts.clone(),
+            leases: Arc::clone(&self.leases),
         })
     }
 

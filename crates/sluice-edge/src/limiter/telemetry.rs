@@ -40,6 +40,9 @@ pub struct Tally {
     /// Decisions made on this process's fallback store while the shared store
     /// was down (fail-open classes).
     pub local_decisions: u64,
+    /// This replica's leases of leased budgets (SPEC D4): taken, returned,
+    /// expired, and the store calls they saved.
+    pub leases: super::LeaseTally,
     /// Admitted decisions that left a budget past `near_limit_ratio` of its
     /// limit, by budget (a class, a ceiling, a bucket or a quota family), most
     /// first; budgets with none left out (`sluice_near_limit_total`).
@@ -616,6 +619,7 @@ impl<S: BudgetStore> Limiter<S> {
             lane_refusals,
             shadow_refusals,
             local_decisions: load(&self.counts.local),
+            leases: self.leases.tally(),
             near_limit,
         }
     }

@@ -153,6 +153,31 @@ pub enum Enforcement {
     Shadow,
 }
 
+/// Whether a budget is decided on the shared store every time (`exact`, the
+/// default) or from leases of it a replica takes (`leased`, SPEC D4).
+///
+/// Only class and ceiling budgets counted in fixed windows may be leased; quotas
+/// and money budgets stay exact.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Consistency {
+    /// Every decision on the shared store: N replicas admit the limit together.
+    #[default]
+    Exact,
+    /// Decided from leases: N replicas admit at most `limit + N × units` per
+    /// window ([`sluice_core::LeaseTerms::bound`]).
+    Leased(sluice_core::LeaseTerms),
+}
+
+impl Consistency {
+    /// The lease terms of a leased budget.
+    pub const fn lease(self) -> Option<sluice_core::LeaseTerms> {
+        match self {
+            Consistency::Exact => None,
+            Consistency::Leased(t) => Some(t),
+        }
+    }
+}
+
 /// How a budget counts its limit per window (`algorithm:` in a policy file).
 ///
 /// Quotas are calendar months and take none; every other budget (a class, a per-IP

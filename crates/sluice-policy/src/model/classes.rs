@@ -2,7 +2,7 @@
 
 use std::num::NonZeroU32;
 
-use super::{Algorithm, Enforcement, Outage};
+use super::{Algorithm, Consistency, Enforcement, Outage};
 
 /// The most cost classes a policy may declare (a request's classes are a bit set).
 pub const MAX_CLASSES: usize = 32;
@@ -95,6 +95,8 @@ pub struct CostClass {
     pub mode: Enforcement,
     /// How its budgets count (`algorithms:`).
     pub algorithm: Algorithm,
+    /// Exact, or leased by replicas (`algorithms.<name>.consistency`, SPEC D4).
+    pub consistency: Consistency,
     /// What it does while the shared store cannot be reached (`store.outage`).
     pub outage: Outage,
 }
@@ -115,6 +117,8 @@ pub struct Ceiling {
     pub mode: Enforcement,
     /// How it counts (`algorithms:`).
     pub algorithm: Algorithm,
+    /// Exact, or leased by replicas (`algorithms.<name>.consistency`, SPEC D4).
+    pub consistency: Consistency,
 }
 
 impl Ceiling {

@@ -14,7 +14,7 @@ use std::num::NonZeroU32;
 use crate::path::Paths;
 
 pub use budgets::{
-    Algorithm, Bucket, Enforcement, LlmFormat, MAX_BUCKETS, MAX_QUOTA_FAMILIES,
+    Algorithm, Bucket, Consistency, Enforcement, LlmFormat, MAX_BUCKETS, MAX_QUOTA_FAMILIES,
     MAX_SLIDING_WINDOW_SECONDS, MONEY_UNITS_PER_USD, OnExhausted, Per, Price, QuotaFamily, Refusal,
     SLIDING_SLOTS, Spends, TokenBudget,
 };

@@ -93,6 +93,12 @@ impl Checker {
                 "`monthly: true` is required: money budgets count calendar months",
             );
         }
+        if m.consistency.as_deref().is_some_and(|c| c != "exact") {
+            self.problem(
+                format!("{at}.consistency"),
+                "a money budget stays exact (SPEC D4): only class and ceiling budgets in fixed windows may be `leased`; remove it or write `exact`",
+            );
+        }
         let limit = self.usd(&format!("{at}.limit_usd"), &m.limit_usd);
         let mode = self.mode(&format!("{at}.mode"), m.mode.as_deref());
         let (per, limit, mode) = (per?, limit?, mode?);
@@ -381,6 +387,13 @@ impl Checker {
             let Some(mode) = self.mode(&format!("quotas.{name}.mode"), q.mode.as_deref()) else {
                 continue;
             };
+            if q.consistency.as_deref().is_some_and(|c| c != "exact") {
+                self.problem(
+                    format!("quotas.{name}.consistency"),
+                    "a monthly quota stays exact (SPEC D4): only class and ceiling budgets in fixed windows may be `leased`; remove it or write `exact`",
+                );
+                continue;
+            }
             if q.algorithm.is_some() {
                 self.problem(
                     format!("quotas.{name}.algorithm"),

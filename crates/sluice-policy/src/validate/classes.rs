@@ -4,10 +4,10 @@
 use std::num::NonZeroU32;
 
 use crate::model::{
-    Algorithm, Ceiling, Class, ClassSet, CostClass, Enforcement, MAX_CEILINGS, MAX_CLASSES, Outage,
-    Profile,
+    Algorithm, Ceiling, Class, ClassSet, Consistency, CostClass, Enforcement, MAX_CEILINGS,
+    MAX_CLASSES, Outage, Profile,
 };
-use crate::raw::{RawPolicy, RawProfile};
+use crate::raw::{RawAlgorithm, RawPolicy, RawProfile};
 
 use super::{Checker, MAX_CLASS_NAME, is_budget_name};
 
@@ -192,6 +192,7 @@ impl Checker {
                 name: name.clone(),
                 mode: Enforcement::Enforce,
                 algorithm: Algorithm::Fixed,
+                consistency: Consistency::Exact,
                 outage: Outage::FailOpen,
             })
             .collect();
@@ -218,6 +219,7 @@ impl Checker {
                 only: c.only,
                 mode: Enforcement::Enforce,
                 algorithm: Algorithm::Fixed,
+                consistency: Consistency::Exact,
             });
         }
         let expected = |v: &Self| {
@@ -273,10 +275,28 @@ impl Checker {
             else {
                 continue;
             };
+            // A lease must fit the budget's limit in every profile and plan.
+            let mut lease_limits = limits;
+            for (plan, p) in &raw.plans {
+                let limit = if is_class {
+                    p.classes.get(name)
+                } else {
+                    p.ip_ceilings.get(name)
+                };
+                if let Some(&limit) = limit {
+                    lease_limits.push((format!(" of plan {plan}"), limit));
+                }
+            }
+            let Some(consistency) = self.consistency(&at, a, algorithm, window, &lease_limits)
+            else {
+                continue;
+            };
             if let Some(c) = classes.iter_mut().find(|c| c.name == *name) {
                 c.algorithm = algorithm;
+                c.consistency = consistency;
             } else if let Some(c) = ceilings.iter_mut().find(|c| c.name == *name) {
                 c.algorithm = algorithm;
+                c.consistency = consistency;
             }
         }
         for (name, choice) in &raw.store.outage {
@@ -300,5 +320,113 @@ impl Checker {
             }
         }
         (classes, ceilings)
+    }
+
+    /// `consistency:`, `lease:` and `lease_ms:` of the budget at `at` (SPEC D4),
+    /// counted by `algorithm` in windows of `window` seconds, whose limits are
+    /// `limits` (each with where it is set).
+    fn consistency(
+        &mut self,
+        at: &str,
+        a: &RawAlgorithm,
+        algorithm: Algorithm,
+        window: u32,
+        limits: &[(String, u32)],
+    ) -> Option<Consistency> {
+        match a.consistency.as_deref() {
+            None | Some("exact") => {
+                let mut ok = true;
+                for (key, set) in [
+                    ("lease", a.lease.is_some()),
+                    ("lease_ms", a.lease_ms.is_some()),
+                ] {
+                    if set {
+                        self.problem(
+                            format!("{at}.{key}"),
+                            format!("`{key}` is for `consistency: leased`; this budget is exact"),
+                        );
+                        ok = false;
+                    }
+                }
+                ok.then_some(Consistency::Exact)
+            }
+            Some("leased") => {
+                let mut ok = true;
+                if algorithm != Algorithm::Fixed {
+                    self.problem(
+                        format!("{at}.consistency"),
+                        format!(
+                            "a leased budget counts in fixed windows; this one is {} (make it `algorithm: fixed` or `consistency: exact`)",
+                            algorithm.name()
+                        ),
+                    );
+                    ok = false;
+                }
+                let units = match a.lease {
+                    None => {
+                        self.problem(
+                            format!("{at}.lease"),
+                            "required with `consistency: leased`: the most units one replica takes at once, 1 to the limit",
+                        );
+                        None
+                    }
+                    Some(0) => {
+                        self.problem(
+                            format!("{at}.lease"),
+                            "must be at least 1: the most units one replica takes at once",
+                        );
+                        None
+                    }
+                    Some(lease) => {
+                        for (whose, limit) in limits {
+                            if lease > *limit {
+                                self.problem(
+                                    format!("{at}.lease"),
+                                    format!(
+                                        "a lease of {lease} is larger than the limit {limit}{whose}: at most the limit"
+                                    ),
+                                );
+                                ok = false;
+                            }
+                        }
+                        NonZeroU32::new(lease)
+                    }
+                };
+                let millis = a.lease_ms.unwrap_or(sluice_core::MAX_LEASE_MILLIS);
+                let window_ms = u64::from(window) * 1000;
+                if millis == 0 || millis > sluice_core::MAX_LEASE_MILLIS {
+                    self.problem(
+                        format!("{at}.lease_ms"),
+                        format!(
+                            "expected 1 to {} milliseconds (a lease lives at most 1 s), got {millis}",
+                            sluice_core::MAX_LEASE_MILLIS
+                        ),
+                    );
+                    ok = false;
+                } else if u64::from(millis) > window_ms {
+                    self.problem(
+                        format!("{at}.lease_ms"),
+                        format!(
+                            "{millis} ms is longer than the window of {window} s: a lease never outlives its window"
+                        ),
+                    );
+                    ok = false;
+                }
+                let millis = NonZeroU32::new(millis);
+                match (units, millis, ok) {
+                    (Some(units), Some(millis), true) => Some(Consistency::Leased(
+                        sluice_core::LeaseTerms::new(units, millis),
+                    )),
+                    _ => None,
+                }
+            }
+            Some(other) => {
+                self.problem(
+                    format!("{at}.consistency"),
+                    format!("expected exact or leased, got {other:?}"),
+                );
+                None
+            }
+        }
     }
 }

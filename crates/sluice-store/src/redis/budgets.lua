@@ -15,10 +15,16 @@
 -- ARGV[4]  the time to decide at (Unix microseconds), sent only by a store built
 --          with an injected clock (tests); 0: the server's TIME
 -- ARGV[5]  the number of distinct budgets; then per budget: its key's index in
---          KEYS, kind (f fixed, s sliding, m month, g gcra, r rolling, u a run's
---          turns), limit, cost, window seconds (f, s), period in microseconds
---          (g), window milliseconds (r) or idle seconds (u), burst (g) or slot
---          milliseconds (r)
+--          KEYS, kind (f fixed, l a fixed window leased, s sliding, m month, g
+--          gcra, r rolling, u a run's turns), limit, cost, window seconds (f, l,
+--          s), period in microseconds (g), window milliseconds (r) or idle
+--          seconds (u), burst (g), slot milliseconds (r) or the units a lease
+--          wants (l: 'spend' takes at least the cost and up to that many, as
+--          many as are left, as sluice-core's take_lease; otherwise as f);
+--          kind b, a lease's leftover given back ('spend' only): its units as
+--          the cost, the second the lease was taken in as the burst, given back
+--          as 'adjust' by minus the units at that second (a window already
+--          over takes nothing back); always admitted
 -- then     the number of entries; per entry: how many identical requests in a
 --          row it stands for, its number of budgets n, then n budget indices
 -- Returns {now_s, now_us_fraction, then per budget of every request: verdict
@@ -188,13 +194,13 @@ for i = 0, n - 1 do
   if track then save(key, s) end
   local never = cost > limit
   local verdict, before, after, reset, retry = 0, 0, 0, 0, 0
-  if kind == 'f' or kind == 'm' then
+  if kind == 'f' or kind == 'm' or kind == 'l' then
     local start, stop
-    if kind == 'f' then start = floor_div(now_s, w) * w; stop = start + w
+    if kind ~= 'm' then start = floor_div(now_s, w) * w; stop = start + w
     else start, stop = month_bounds(now_s) end
     local c = (s.w == start) and math.min(s.c, limit) or 0
     if mode == 'adjust' then
-      local rstart = (kind == 'f') and (floor_div(reserved, w) * w) or month_bounds(reserved)
+      local rstart = (kind ~= 'm') and (floor_div(reserved, w) * w) or month_bounds(reserved)
       local nc = c
       if not (delta < 0 and rstart ~= start) then nc = math.max(0, math.min(limit, c + delta)) end
       if nc ~= c then s.w, s.c, s.dirty, s.expire = start, nc, true, stop + 1 end
@@ -202,11 +208,21 @@ for i = 0, n - 1 do
     else
       local fits = (not never) and (c + cost <= limit)
       before = limit - c
-      after = fits and (before - cost) or before
+      local take = cost
+      if kind == 'l' and fits and mode == 'spend' then take = math.max(cost, math.min(burst, before)) end
+      after = fits and (before - take) or before
       if never then verdict = 2 elseif not fits then verdict = 1; retry = stop * 1000000 - now_us end
-      if fits and cost > 0 then s.w, s.c, s.dirty, s.expire = start, c + cost, true, stop + 1 end
+      if fits and take > 0 then s.w, s.c, s.dirty, s.expire = start, c + take, true, stop + 1 end
     end
     reset = stop
+  elseif kind == 'b' then
+    local start = floor_div(now_s, w) * w
+    local stop = start + w
+    local c = (s.w == start) and math.min(s.c, limit) or 0
+    local nc = c
+    if mode == 'spend' and floor_div(burst, w) * w == start then nc = math.max(0, c - cost) end
+    if nc ~= c then s.w, s.c, s.dirty, s.expire = start, nc, true, stop + 1 end
+    before, after, reset = limit - c, limit - nc, stop
   elseif kind == 's' then
     local idx = floor_div(now_s, w)
     local start, stop = idx * w, idx * w + w

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sluice_core::{
-    Budget, BudgetKey, BudgetStatus, Clock, Decision, MAX_BUDGETS, Rate, Timestamp, Verdict,
+    Budget, BudgetKey, BudgetStatus, Clock, Decision, GiveBack, MAX_BUDGETS, Rate, Timestamp,
+    Verdict,
 };
 use sluice_redis::Connection as Conn;
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
@@ -398,20 +399,49 @@ impl RedisStore {
         reserved_us: u64,
     ) -> Result<(Timestamp, Vec<Row>), StoreError> {
         let (at, mut answers) = self
-            .invoke_many(mode, &[budgets], delta, reserved_us)
+            .invoke_many(mode, &[budgets], delta, reserved_us, &[], &[])
             .await?;
         Ok((at, answers.pop().unwrap_or_default()))
     }
 
     /// One script call deciding several requests in order, each all or nothing.
+    /// `wants` (SPEC D4) are the units the first request's budgets may take past
+    /// their costs, by position: a fixed-window budget whose want is above its
+    /// cost is sent as a lease (`l`), taking up to it. `backs` (SPEC D4, in
+    /// `spend` only) are leftovers of ended leases, given back (`b`) in an
+    /// entry of their own before the requests; their rows are not returned.
     async fn invoke_many(
         &self,
         mode: &str,
         requests: &[&[Budget]],
         delta: i64,
         reserved_us: u64,
+        wants: &[u32],
+        backs: &[(Budget, GiveBack)],
     ) -> Result<(Timestamp, Vec<Vec<Row>>), StoreError> {
-        let packed = Packed::new(requests);
+        let mut packed = Packed::new(requests);
+        // Each leftover's key, added to the call's keys where a request does
+        // not name it already.
+        let back_keys: Vec<usize> = backs
+            .iter()
+            .map(
+                |(b, _)| match packed.keys.iter().position(|k| *k == b.key) {
+                    Some(i) => i,
+                    None => {
+                        packed.keys.push(b.key);
+                        packed.keys.len() - 1
+                    }
+                },
+            )
+            .collect();
+        let mut packed_wants = vec![0u32; packed.budgets.len()];
+        if let Some((_, first)) = packed.entries.first() {
+            for (&index, &want) in first.iter().zip(wants) {
+                if let Some(w) = packed_wants.get_mut(index) {
+                    *w = want;
+                }
+            }
+        }
         let mut invocation = self.script.prepare_invoke();
         for key in &packed.keys {
             invocation.key(self.key_of(key));
@@ -421,9 +451,12 @@ impl RedisStore {
             .arg(delta)
             .arg(reserved_us)
             .arg(self.clock.as_ref().map_or(0, |clock| micros(clock.now())))
-            .arg(packed.budgets.len());
-        for (key, b) in &packed.budgets {
-            let (kind, window, burst): (&str, u64, u32) = match b.rate {
+            .arg(packed.budgets.len() + backs.len());
+        for ((key, b), &want) in packed.budgets.iter().zip(&packed_wants) {
+            let (kind, window, burst): (&str, u64, u64) = match b.rate {
+                Rate::FixedWindow { seconds } if want > b.cost => {
+                    ("l", u64::from(seconds.get()), u64::from(want))
+                }
                 Rate::FixedWindow { seconds } | Rate::Until { end: seconds } => {
                     ("f", u64::from(seconds.get()), 0)
                 }
@@ -432,12 +465,12 @@ impl RedisStore {
                 Rate::RollingWindow {
                     millis,
                     slot_millis,
-                } => ("r", u64::from(millis.get()), slot_millis.get()),
+                } => ("r", u64::from(millis.get()), u64::from(slot_millis.get())),
                 Rate::Turns { idle_secs } => ("u", u64::from(idle_secs.get()), 0),
                 Rate::Gcra { period, burst } => (
                     "g",
                     u64::try_from(period.as_micros()).unwrap_or(u64::MAX),
-                    burst.get(),
+                    u64::from(burst.get()),
                 ),
             };
             invocation
@@ -448,7 +481,29 @@ impl RedisStore {
                 .arg(window)
                 .arg(burst);
         }
-        invocation.arg(packed.entries.len());
+        // A leftover: its units as the cost, the second its lease was taken in
+        // as the burst (the script gives back only to that second's window).
+        for ((b, back), key) in backs.iter().zip(&back_keys) {
+            let window = match b.rate {
+                Rate::FixedWindow { seconds } => u64::from(seconds.get()),
+                _ => 0,
+            };
+            invocation
+                .arg(key + 1)
+                .arg("b")
+                .arg(b.limit)
+                .arg(back.units)
+                .arg(window)
+                .arg(back.reserved_at.as_secs());
+        }
+        let backs_entry = usize::from(!backs.is_empty());
+        invocation.arg(packed.entries.len() + backs_entry);
+        if !backs.is_empty() {
+            invocation.arg(1).arg(backs.len());
+            for i in 0..backs.len() {
+                invocation.arg(packed.budgets.len() + i + 1);
+            }
+        }
         for (times, budgets) in &packed.entries {
             invocation.arg(*times).arg(budgets.len());
             for i in budgets {
@@ -460,7 +515,8 @@ impl RedisStore {
             .map_err(|_| unavailable(format!("redis did not answer within {:?}", self.timeout)))?
             .map_err(unavailable)?;
         let total: usize = requests.iter().map(|r| r.len()).sum();
-        let (at, mut rows) = parse_reply(&reply, total)?;
+        let (at, mut rows) = parse_reply(&reply, total + backs.len())?;
+        rows.drain(..backs.len());
         let mut answers = Vec::with_capacity(requests.len());
         for request in requests.iter().rev() {
             let tail = rows.split_off(rows.len() - request.len());
@@ -554,7 +610,10 @@ fn coalesce(
                     };
                     let requests: Vec<&[Budget]> =
                         group.iter().map(|j| j.budgets.as_slice()).collect();
-                    match store.invoke_many(mode, &requests, 0, reserved_us).await {
+                    match store
+                        .invoke_many(mode, &requests, 0, reserved_us, &[], &[])
+                        .await
+                    {
                         Ok((at, answers)) => {
                             for (job, rows) in group.into_iter().zip(answers) {
                                 let _ = job.reply.send(Ok((at, rows)));
@@ -692,6 +751,60 @@ impl BudgetStore for RedisStore {
     async fn decide(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         let (at, rows) = self.run("spend", budgets, 0, 0).await?;
         Ok(decision(at, &rows, budgets, true))
+    }
+
+    fn leases(&self) -> bool {
+        // A Cluster's per-slot refunds give back costs only: exact there, for now.
+        !self.conn.is_cluster()
+    }
+
+    async fn take_leases(
+        &self,
+        budgets: &[Budget],
+        wants: &[u32],
+        backs: &[(Budget, GiveBack)],
+    ) -> Result<(Decision, Vec<u32>), StoreError> {
+        let leasing = budgets
+            .iter()
+            .zip(wants)
+            .any(|(b, &w)| w > b.cost && matches!(b.rate, Rate::FixedWindow { .. }));
+        let backs_fit = backs.len() <= MAX_BUDGETS
+            && backs
+                .iter()
+                .all(|(b, _)| matches!(b.rate, Rate::FixedWindow { .. }));
+        let mut backs = backs;
+        if !backs_fit || self.conn.is_cluster() {
+            // Leftovers the script does not take in the call (of another rate,
+            // too many, or a Cluster's slots): given back one by one first.
+            for (b, back) in backs {
+                self.adjust(b, -i64::from(back.units), back.reserved_at)
+                    .await?;
+            }
+            backs = &[];
+        }
+        if (!leasing && backs.is_empty()) || self.conn.is_cluster() || budgets.len() > MAX_BUDGETS {
+            // Nothing to lease, or a Cluster (whose per-slot refunds give back
+            // costs only): decided exactly, each grant its cost.
+            let decision = self.decide(budgets).await?;
+            let grants = budgets
+                .iter()
+                .map(|b| if decision.is_admitted() { b.cost } else { 0 })
+                .collect();
+            return Ok((decision, grants));
+        }
+        let (at, mut answers) = self
+            .invoke_many("spend", &[budgets], 0, 0, wants, backs)
+            .await?;
+        let rows = answers.pop().unwrap_or_default();
+        let d = decision(at, &rows, budgets, true);
+        let grants = if d.is_admitted() {
+            rows.iter()
+                .map(|r| to_u32(r.before.saturating_sub(r.after)))
+                .collect()
+        } else {
+            vec![0; budgets.len()]
+        };
+        Ok((d, grants))
     }
 
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {

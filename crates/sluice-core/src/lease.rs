@@ -1,0 +1,558 @@
+//! Leased budgets (SPEC D4): a replica takes a lease of units of a fixed-window
+//! budget from the shared store and decides from it on its own.
+//!
+//! Two halves, both pure:
+//!
+//! - the store's: [`take_lease`] spends at least a request's cost and at most
+//!   the units asked for from a budget's cell, or nothing, in the decision the
+//!   store makes anyway (the counter never passes the limit). What a lease did
+//!   not spend goes back through [`crate::adjust`] with a negative delta and
+//!   the lease's `decided_at`: a window already over takes nothing back.
+//! - the replica's: a [`LeaseHolder`] per budget and subject says, for each
+//!   request, whether the lease in hand admits it, whether the budget is known
+//!   exhausted until its reset, or whether the store must be asked (and for how
+//!   many units, sized to this replica's recent demand within the lease's
+//!   `units`).
+//!
+//! The bound: over any window of the store's clock, N replicas admit at most
+//! `limit + N × units` ([`LeaseTerms::bound`]). The counter of a window never
+//! passes `limit`; a lease ends at the first of `millis` and its window's end,
+//! both reckoned from when its answer arrived, so it can outlive its window
+//! only by the call's latency; and a replica holds at most one lease of a
+//! budget at a time, so at most `units` of a window's leases are spent after
+//! it.
+//!
+//! ```
+//! use std::num::NonZeroU32;
+//! use sluice_core::{Budget, BudgetKey, LeaseHolder, LeaseTerms, Local, Timestamp, take_lease};
+//!
+//! let terms = LeaseTerms::new(NonZeroU32::new(4).unwrap(), NonZeroU32::new(500).unwrap());
+//! assert_eq!(terms.bound(10, 3), 22);
+//! let budget = Budget::per_window(BudgetKey::new("read", b"caller"), 10, NonZeroU32::new(1).unwrap());
+//! let (mut cell, now) = (0u64, Timestamp::from_secs(1_764_460_800));
+//! let mut holder = LeaseHolder::new(terms);
+//! let Local::Ask { want, .. } = holder.decide(1, now) else { panic!() };
+//! let (decision, granted) = take_lease(&budget, &mut cell, now, want);
+//! assert!(decision.is_admitted());
+//! holder.granted(granted, 1, &decision, now);
+//! ```
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use crate::decision::{CellRef, Decision, DecisionError, Ledger, Mode, decide, decide_cell};
+use crate::{Budget, Rate, Timestamp};
+
+/// The longest a lease may live, in milliseconds (SPEC D4: at most 1 s).
+pub const MAX_LEASE_MILLIS: u32 = 1_000;
+
+/// How a leased budget is leased: at most `units` at once, each lease for at
+/// most `millis` milliseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LeaseTerms {
+    /// The most units one replica holds of one budget at once.
+    pub units: NonZeroU32,
+    /// The longest one lease lives, in milliseconds (at most
+    /// [`MAX_LEASE_MILLIS`]; a longer one is cut to it).
+    pub millis: NonZeroU32,
+}
+
+impl LeaseTerms {
+    /// Terms of `units` for `millis` milliseconds (cut to [`MAX_LEASE_MILLIS`]).
+    pub fn new(units: NonZeroU32, millis: NonZeroU32) -> Self {
+        let millis = millis.min(NonZeroU32::new(MAX_LEASE_MILLIS).unwrap_or(NonZeroU32::MIN));
+        LeaseTerms { units, millis }
+    }
+
+    /// The most `replicas` replicas admit of a budget of `limit` per window in
+    /// any one window: `limit + replicas × units`.
+    pub const fn bound(self, limit: u32, replicas: u32) -> u64 {
+        limit as u64 + replicas as u64 * self.units.get() as u64
+    }
+
+    /// How long one lease lives at most.
+    pub const fn duration(self) -> Duration {
+        Duration::from_millis(self.millis.get() as u64)
+    }
+}
+
+/// The store's half of a lease: spends at least `budget.cost` and at most
+/// `want` units of `budget` from its `cell` at `now`, as many as are left, and
+/// says how many (`0` when the decision refused, changing nothing).
+///
+/// Only a fixed window is leased: for any other rate the grant is the cost,
+/// decided exactly as [`decide_cell`] decides it. A `want` below the cost is
+/// taken as the cost.
+pub fn take_lease(budget: &Budget, cell: &mut u64, now: Timestamp, want: u32) -> (Decision, u32) {
+    if !matches!(budget.rate, Rate::FixedWindow { .. }) {
+        let d = decide_cell(budget, cell, now, Mode::Spend);
+        let granted = if d.is_admitted() { budget.cost } else { 0 };
+        return (d, granted);
+    }
+    let peek = decide_cell(budget, cell, now, Mode::Peek);
+    if !peek.is_admitted() {
+        return (peek, 0);
+    }
+    let left = peek.statuses().first().map_or(budget.cost, |s| s.remaining);
+    let grant = want.min(left).max(budget.cost);
+    let d = decide_cell(&budget.with_cost(grant), cell, now, Mode::Spend);
+    let granted = if d.is_admitted() { grant } else { 0 };
+    (d, granted)
+}
+
+/// The store's half for a whole request (the reference model of a store's
+/// `take_leases`): if every budget admits its cost at `now`, each is spent, a
+/// fixed-window budget whose `wants` entry is above its cost by
+/// [`take_lease`] (up to that many), every other by its cost; otherwise
+/// nothing changes. Returns the decision (statuses after the grants) and the
+/// units each budget granted (all 0 when refused). `wants` shorter than
+/// `budgets` wants no more than the cost of the budgets past its end.
+///
+/// # Errors
+/// [`DecisionError::TooManyBudgets`] when given more than [`crate::MAX_BUDGETS`].
+pub fn take_leases<L: Ledger>(
+    budgets: &[Budget],
+    wants: &[u32],
+    ledger: &mut L,
+    now: Timestamp,
+) -> Result<(Decision, Vec<u32>), DecisionError> {
+    let peek = decide(budgets, ledger, now, Mode::Peek)?;
+    if !peek.is_admitted() {
+        return Ok((peek, vec![0; budgets.len()]));
+    }
+    let mut statuses = Vec::with_capacity(budgets.len());
+    let mut grants = Vec::with_capacity(budgets.len());
+    for (i, b) in budgets.iter().enumerate() {
+        let want = wants.get(i).copied().unwrap_or(0);
+        let (d, granted) = match (b.rate, b.one_cell()) {
+            (Rate::FixedWindow { .. }, Some(cell)) if want > b.cost => {
+                let at = CellRef {
+                    budget: b,
+                    index: 0,
+                    cell,
+                };
+                let mut value = ledger.read(at);
+                let (d, granted) = take_lease(b, &mut value, now, want);
+                ledger.write(at, value);
+                (d, granted)
+            }
+            _ => {
+                let d = decide(std::slice::from_ref(b), ledger, now, Mode::Spend)?;
+                let granted = if d.is_admitted() { b.cost } else { 0 };
+                (d, granted)
+            }
+        };
+        statuses.extend(d.statuses().first().copied());
+        grants.push(granted);
+    }
+    Ok((Decision::from_statuses(now, statuses), grants))
+}
+
+/// What a replica's [`LeaseHolder`] says of one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Local {
+    /// Admitted from the lease in hand, no store call; `remaining` units of the
+    /// lease are left.
+    Admitted {
+        /// Units left in the lease.
+        remaining: u32,
+    },
+    /// The budget was found exhausted: refused locally until its reset.
+    Refused {
+        /// The time until the budget's window resets.
+        retry_after: Duration,
+    },
+    /// Ask the store: take a lease of up to `want` units (at least the cost)
+    /// with [`take_lease`] in this request's decision, then tell the holder
+    /// ([`LeaseHolder::granted`], [`LeaseHolder::refused`] or
+    /// [`LeaseHolder::failed`]). `give_back`, if any, goes back first.
+    Ask {
+        /// Units to ask for.
+        want: u32,
+        /// The unspent units of the lease that just ended.
+        give_back: Option<GiveBack>,
+    },
+    /// Another request of this replica is taking a lease: decide this one
+    /// exactly on the store (as a budget without a lease). `give_back`, if
+    /// any, goes back first.
+    Exact {
+        /// The unspent units of the lease that just ended.
+        give_back: Option<GiveBack>,
+    },
+}
+
+/// Units of an ended lease to give back: [`crate::adjust`] the budget by
+/// `-units` with `reserved_at` (a window already over takes nothing back).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GiveBack {
+    /// Units the lease did not spend.
+    pub units: u32,
+    /// When the store decided the lease ([`Decision::decided_at`], the store's clock).
+    pub reserved_at: Timestamp,
+}
+
+/// What a [`LeaseHolder`] has done, for `/status` and `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LeaseCounts {
+    /// Leases taken (a grant of more than the cost).
+    pub taken: u64,
+    /// Leases ended with units left, given back.
+    pub returned: u64,
+    /// Leases ended by time (`millis` or their window's end).
+    pub expired: u64,
+    /// Requests decided without a store call (admitted from a lease, or refused
+    /// as exhausted).
+    pub saved: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    left: u32,
+    spent: u32,
+    ends: Timestamp,
+    reserved_at: Timestamp,
+}
+
+/// One replica's lease of one budget of one subject, and what it knows of it.
+///
+/// Times given to it are this replica's clock; times of the store
+/// ([`Decision::decided_at`], the status's reset) are used only as durations.
+#[derive(Clone, Debug)]
+pub struct LeaseHolder {
+    terms: LeaseTerms,
+    size: u32,
+    held: Option<Held>,
+    asking: bool,
+    exhausted_until: Option<Timestamp>,
+    counts: LeaseCounts,
+}
+
+impl LeaseHolder {
+    /// A holder with no lease, that will ask for one unit at first.
+    pub fn new(terms: LeaseTerms) -> Self {
+        LeaseHolder {
+            terms,
+            size: 1,
+            held: None,
+            asking: false,
+            exhausted_until: None,
+            counts: LeaseCounts::default(),
+        }
+    }
+
+    /// The units the next lease holds past the asking request's cost (the
+    /// whole grant, cost included, is at most the terms' `units`).
+    pub fn next_size(&self) -> u32 {
+        self.size
+    }
+
+    /// Units of the lease in hand (0 without one).
+    pub fn held(&self) -> u32 {
+        self.held.map_or(0, |h| h.left)
+    }
+
+    /// What the holder has done so far.
+    pub fn counts(&self) -> LeaseCounts {
+        self.counts
+    }
+
+    /// True when a request of this holder is asking the store for a lease.
+    pub fn is_asking(&self) -> bool {
+        self.asking
+    }
+
+    /// Ends the lease in hand if its time is up at `now`, giving back what it
+    /// did not spend. A sweep calls this for holders no request touches.
+    pub fn end_if_over(&mut self, now: Timestamp) -> Option<GiveBack> {
+        let h = self.held?;
+        if now < h.ends {
+            return None;
+        }
+        self.held = None;
+        self.counts.expired += 1;
+        // It ended with units left: demand over a lease was what it spent.
+        self.size = h.spent.clamp(1, self.terms.units.get());
+        self.give_back(h)
+    }
+
+    fn give_back(&mut self, h: Held) -> Option<GiveBack> {
+        (h.left > 0).then(|| {
+            self.counts.returned += 1;
+            GiveBack {
+                units: h.left,
+                reserved_at: h.reserved_at,
+            }
+        })
+    }
+
+    /// What to do with a request costing `cost` at `now`.
+    pub fn decide(&mut self, cost: u32, now: Timestamp) -> Local {
+        if let Some(until) = self.exhausted_until {
+            if now < until {
+                self.counts.saved += 1;
+                return Local::Refused {
+                    retry_after: until.saturating_since(now),
+                };
+            }
+            self.exhausted_until = None;
+        }
+        let mut give_back = self.end_if_over(now);
+        if let Some(h) = self.held.as_mut() {
+            if h.left >= cost {
+                h.left -= cost;
+                h.spent += cost;
+                self.counts.saved += 1;
+                return Local::Admitted { remaining: h.left };
+            }
+            // Dry before its time: this replica's demand outgrew it.
+            let h = *h;
+            self.held = None;
+            self.size = self.size.saturating_mul(2).min(self.terms.units.get());
+            give_back = self.give_back(h);
+        }
+        if self.asking {
+            return Local::Exact { give_back };
+        }
+        self.asking = true;
+        Local::Ask {
+            want: cost
+                .saturating_add(self.size)
+                .min(self.terms.units.get())
+                .max(cost),
+            give_back,
+        }
+    }
+
+    /// The store granted `granted` units (as [`take_lease`] said) for a request
+    /// costing `cost`, in `decision`, whose answer arrived at `now`. The lease
+    /// holds what is left past the cost, until `millis` from `now` or the
+    /// window's end (the decision's reset, as a duration from its
+    /// `decided_at`), whichever is first.
+    pub fn granted(&mut self, granted: u32, cost: u32, decision: &Decision, now: Timestamp) {
+        self.asking = false;
+        let left = granted.saturating_sub(cost);
+        if left == 0 {
+            return;
+        }
+        let reset = decision.statuses().first().map_or(0, |s| s.reset);
+        let to_reset = Timestamp::from_secs(reset).saturating_since(decision.decided_at());
+        let life = self.terms.duration().min(to_reset);
+        if life.is_zero() {
+            // Taken in the window's last instant: nothing to hold it for.
+            return;
+        }
+        self.counts.taken += 1;
+        self.held = Some(Held {
+            left,
+            spent: 0,
+            ends: now.saturating_add(life),
+            reserved_at: decision.decided_at(),
+        });
+    }
+
+    /// The store refused the request at `now`. When the budget has nothing left
+    /// (`remaining` 0) it is answered locally until `retry_after` from `now`.
+    pub fn refused(&mut self, remaining: u32, retry_after: Option<Duration>, now: Timestamp) {
+        self.asking = false;
+        if remaining == 0
+            && let Some(wait) = retry_after
+        {
+            self.exhausted_until = Some(now.saturating_add(wait));
+        }
+    }
+
+    /// Puts `cost` units back into the lease in hand: a request admitted from it
+    /// ([`Local::Admitted`]) that another budget then refused (all or nothing).
+    /// Nothing when the lease has ended since.
+    pub fn refund(&mut self, cost: u32) {
+        if let Some(h) = self.held.as_mut() {
+            h.left = h.left.saturating_add(cost);
+            h.spent = h.spent.saturating_sub(cost);
+        }
+        self.counts.saved = self.counts.saved.saturating_sub(1);
+    }
+
+    /// Its terms.
+    pub fn terms(&self) -> LeaseTerms {
+        self.terms
+    }
+
+    /// Ends the lease in hand now, whatever its time (the terms changed, the
+    /// holder is dropped), giving back what it did not spend.
+    pub fn end(&mut self) -> Option<GiveBack> {
+        let h = self.held.take()?;
+        self.give_back(h)
+    }
+
+    /// The store could not answer: the next request asks again.
+    pub fn failed(&mut self) {
+        self.asking = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::BudgetKey;
+
+    const T0: u64 = 1_764_460_800;
+
+    fn terms(units: u32, millis: u32) -> LeaseTerms {
+        LeaseTerms::new(
+            NonZeroU32::new(units).expect("units"),
+            NonZeroU32::new(millis).expect("millis"),
+        )
+    }
+
+    fn budget(limit: u32) -> Budget {
+        Budget::per_window(BudgetKey::new("read", b"c"), limit, NonZeroU32::MIN)
+    }
+
+    fn at(ms: u64) -> Timestamp {
+        Timestamp::from_nanos(T0 * 1_000_000_000 + ms * 1_000_000)
+    }
+
+    #[test]
+    fn d4_take_lease_grants_between_cost_and_want_never_past_the_limit() {
+        let b = budget(5);
+        let mut cell = 0;
+        let (d, g) = take_lease(&b, &mut cell, at(0), 3);
+        assert!(d.is_admitted());
+        assert_eq!(g, 3);
+        let (d, g) = take_lease(&b, &mut cell, at(1), 3);
+        assert!(d.is_admitted());
+        assert_eq!(g, 2, "only what is left");
+        let (d, g) = take_lease(&b, &mut cell, at(2), 3);
+        assert!(!d.is_admitted());
+        assert_eq!(g, 0);
+        assert_eq!(d.statuses()[0].remaining, 0);
+    }
+
+    #[test]
+    fn d4_lease_never_outlives_lease_ms_or_its_window() {
+        let b = budget(100);
+        let mut h = LeaseHolder::new(terms(10, 300));
+        let mut cell = 0;
+        // Grow the size to 10 by running dry.
+        for _ in 0..6 {
+            let now = at(10);
+            match h.decide(1, now) {
+                Local::Ask { want, .. } => {
+                    let (d, g) = take_lease(&b.with_cost(1), &mut cell, now, want);
+                    h.granted(g, 1, &d, now);
+                }
+                Local::Admitted { .. } => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(h.held() > 0);
+        assert!(h.end_if_over(at(309)).is_none());
+        assert!(
+            h.end_if_over(at(310)).is_some(),
+            "300 ms after it was taken"
+        );
+        // Taken 100 ms before the window's end: ends with the window.
+        let now = at(900);
+        let Local::Ask { want, .. } = h.decide(1, now) else {
+            panic!()
+        };
+        let (d, g) = take_lease(&b, &mut cell, now, want);
+        h.granted(g, 1, &d, now);
+        assert!(h.held() > 0);
+        assert!(h.end_if_over(at(999)).is_none());
+        let back = h.end_if_over(at(1000)).expect("ended");
+        assert_eq!(back.reserved_at, now);
+    }
+
+    #[test]
+    fn d4_exhausted_budget_is_refused_locally_until_its_reset() {
+        let b = budget(1);
+        let mut cell = 0;
+        let mut h = LeaseHolder::new(terms(1, 1000));
+        let now = at(200);
+        let Local::Ask { want, .. } = h.decide(1, now) else {
+            panic!()
+        };
+        let (d, g) = take_lease(&b, &mut cell, now, want);
+        h.granted(g, 1, &d, now);
+        let Local::Ask { want, .. } = h.decide(1, at(300)) else {
+            panic!()
+        };
+        let (d, _) = take_lease(&b, &mut cell, at(300), want);
+        let s = d.statuses()[0];
+        h.refused(s.remaining, s.retry_after(), at(300));
+        assert_eq!(
+            h.decide(1, at(999)),
+            Local::Refused {
+                retry_after: Duration::from_millis(1)
+            }
+        );
+        assert!(matches!(h.decide(1, at(1000)), Local::Ask { .. }));
+        assert_eq!(h.counts().saved, 1);
+    }
+
+    #[test]
+    fn d4_lease_size_follows_recent_demand_within_lease() {
+        let mut h = LeaseHolder::new(terms(8, 100));
+        let b = budget(1000);
+        let mut cell = 0;
+        let mut sizes = Vec::new();
+        for i in 0..40 {
+            let now = at(i);
+            if let Local::Ask { want, give_back } = h.decide(1, now) {
+                assert!(give_back.is_none(), "busy: every lease is spent");
+                sizes.push(want);
+                let (d, g) = take_lease(&b, &mut cell, now, want);
+                h.granted(g, 1, &d, now);
+            }
+        }
+        assert_eq!(sizes, [2, 3, 5, 8, 8, 8, 8]);
+        // Quiet: one request per lease's life.
+        let mut wants = Vec::new();
+        for i in 0..3 {
+            let now = at(200 + i * 150);
+            if let Local::Ask { want, .. } = h.decide(1, now) {
+                wants.push(want);
+                let (d, g) = take_lease(&b, &mut cell, now, want);
+                h.granted(g, 1, &d, now);
+            }
+        }
+        assert_eq!(
+            wants.last(),
+            Some(&2),
+            "a quiet replica holds little: its cost and one"
+        );
+    }
+
+    #[test]
+    fn d4_a_refund_puts_a_refused_requests_units_back() {
+        let b = budget(100);
+        let mut cell = 0;
+        let mut h = LeaseHolder::new(terms(10, 1000));
+        let Local::Ask { want, .. } = h.decide(1, at(0)) else {
+            panic!()
+        };
+        let (d, g) = take_lease(&b, &mut cell, at(0), want);
+        h.granted(g, 1, &d, at(0));
+        let before = h.held();
+        assert!(matches!(h.decide(1, at(1)), Local::Admitted { .. }));
+        h.refund(1);
+        assert_eq!(h.held(), before);
+        assert_eq!(h.end().map(|g| g.units), Some(before));
+    }
+
+    #[test]
+    fn d4_one_ask_at_a_time_others_decide_exactly() {
+        let mut h = LeaseHolder::new(terms(4, 100));
+        assert!(matches!(h.decide(1, at(0)), Local::Ask { .. }));
+        assert_eq!(h.decide(1, at(0)), Local::Exact { give_back: None });
+        h.failed();
+        assert!(matches!(h.decide(1, at(0)), Local::Ask { .. }));
+    }
+
+    #[test]
+    fn d4_bound_is_limit_plus_replicas_times_lease() {
+        assert_eq!(terms(5, 1000).bound(100, 4), 120);
+        assert_eq!(terms(1, 2000).millis.get(), MAX_LEASE_MILLIS);
+    }
+}

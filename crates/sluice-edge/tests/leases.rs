@@ -1,0 +1,224 @@
+//! D4, leased budgets through the edge's phases on a real `redis-server`, with
+//! the limiter's clock and the Redis script's clock one fake clock: a replica
+//! with a lease in hand keeps deciding from it while Redis is down (and no
+//! further), and decides on Redis again once it is back; concurrent requests of
+//! one replica cost one script call per lease, not one each; an ended lease's
+//! leftover goes back in the replica's next call, for other replicas to use.
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_core::{Decision, FakeClock, LeaseHolder, LeaseTerms, Local, Timestamp, take_lease};
+use sluice_edge::Limiter;
+use sluice_policy::{Policy, parse_str};
+use sluice_store::{BudgetStore, RedisConfig, RedisStore};
+
+#[path = "../../../tests/support/redis_server.rs"]
+mod redis_server;
+mod support;
+
+use redis_server::RedisServer;
+
+/// Whole minutes since the epoch, ahead of the real clock Redis expires keys by.
+const T0: u64 = 3_897_244_800 - 3_600;
+
+const PEER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(203, 0, 113, 9));
+
+/// The standard class (100 a minute) and the IP ceiling (1000) leased 10 units
+/// at a time for at most a second; nothing decided locally while Redis is down.
+fn policy() -> Policy {
+    let yaml = "profile: p
+window_seconds: 60
+ceilings:
+  ip: { classes: [read, standard, expensive] }
+  ip_protocol: { classes: [protocol], only: true }
+profiles:
+  p:
+    classes: { protocol: 100, read: 100, standard: 100, expensive: 100 }
+    ip_ceilings: { ip: 1000, ip_protocol: 1000 }
+default_class: standard
+algorithms:
+  standard: { consistency: leased, lease: 10, lease_ms: 1000 }
+  ip: { consistency: leased, lease: 10, lease_ms: 1000 }
+store:
+  timeout_ms: 200
+  outage: { protocol: fail_closed, read: fail_closed, standard: fail_closed, expensive: fail_closed }
+";
+    match parse_str(yaml, Path::new("leases.yaml")) {
+        Ok(policy) => policy,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+async fn limiter(server: &RedisServer, clock: &FakeClock) -> Limiter<RedisStore> {
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_millis(500);
+    let redis = RedisStore::connect_with_clock(config, clock.clone())
+        .await
+        .expect("connect");
+    Limiter::new(policy(), redis).with_lease_clock(Arc::new(clock.clone()))
+}
+
+/// One GET through the limiter's phases as `key`: its status (200 when forwarded).
+async fn send<S: BudgetStore>(limiter: &Limiter<S>, key: &str) -> u16 {
+    let parts = support::request_as(key, "GET", "/things");
+    let route = limiter.route(&parts).map_err(|e| e.to_string());
+    let intake = limiter.intake(Ok(route.expect("route")), PEER);
+    let planned = intake.planned(&parts.headers, None, None);
+    match planned.admit(None).await {
+        Ok(_) => 200,
+        Err(answer) => answer.status().as_u16(),
+    }
+}
+
+/// The units a replica's lease holds after `n` requests of cost 1 at one
+/// instant, as sluice-core's model of a holder and a store says.
+fn held_after(n: usize) -> u32 {
+    let terms = LeaseTerms::new(
+        std::num::NonZeroU32::new(10).expect("10"),
+        std::num::NonZeroU32::new(1000).expect("1000"),
+    );
+    let budget = sluice_core::Budget::per_window(
+        sluice_core::BudgetKey::new("model", b"c"),
+        100,
+        std::num::NonZeroU32::new(60).expect("60"),
+    );
+    let (mut holder, mut cell) = (LeaseHolder::new(terms), 0u64);
+    let now = Timestamp::from_secs(T0 + 1);
+    for _ in 0..n {
+        if let Local::Ask { want, .. } = holder.decide(1, now) {
+            let (d, granted): (Decision, u32) = take_lease(&budget, &mut cell, now, want);
+            holder.granted(granted, 1, &d, now);
+        }
+    }
+    holder.held()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d4_a_replica_decides_from_its_lease_during_an_outage_then_on_redis_again() {
+    let mut server = RedisServer::start("d4-outage");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+    let limiter = limiter(&server, &clock).await;
+    const WARM: usize = 12;
+    let held = held_after(WARM);
+    assert!(held > 0, "the model holds a lease after {WARM} requests");
+    for _ in 0..WARM {
+        assert_eq!(send(&limiter, "k").await, 200);
+    }
+    server.kill();
+    // Redis is gone: the lease in hand decides, then nothing is admitted.
+    let mut during = Vec::new();
+    for _ in 0..(held + 3) {
+        during.push(send(&limiter, "k").await);
+    }
+    let admitted = during.iter().filter(|&&s| s == 200).count();
+    assert_eq!(
+        admitted,
+        usize::try_from(held).expect("held"),
+        "the lease's units, then refusals: {during:?}"
+    );
+    assert!(
+        during[..admitted].iter().all(|&s| s == 200)
+            && during[admitted..].iter().all(|&s| s == 503),
+        "fail_closed once the lease is spent: {during:?}"
+    );
+    let tally = limiter.lease_tally();
+    assert!(tally.saved >= u64::from(held), "{tally:?}");
+    // Back: decided on Redis again (a fresh Redis: the window starts over).
+    server.restart();
+    clock.advance(Duration::from_secs(2));
+    let mut after = 503;
+    for _ in 0..50 {
+        after = send(&limiter, "k").await;
+        if after == 200 {
+            break;
+        }
+        // The store reconnects on its own; each try is a decision, not a wait.
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(after, 200, "decided on Redis again once it is back");
+}
+
+#[tokio::test]
+async fn d4_concurrent_requests_of_one_replica_wait_for_one_ask() {
+    let server = RedisServer::start("d4-asks");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+    let limiter = Arc::new(limiter(&server, &clock).await);
+    let before = server.script_calls();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..50 {
+        let limiter = Arc::clone(&limiter);
+        set.spawn(async move { send(&limiter, "busy").await });
+    }
+    let mut admitted = 0;
+    while let Some(status) = set.join_next().await {
+        admitted += usize::from(status.expect("task") == 200);
+    }
+    let calls = server.script_calls() - before;
+    eprintln!("d4 asks: 50 concurrent requests, {calls} script calls");
+    assert_eq!(admitted, 50);
+    // Leases of 2, 3, 5, 9, then 10 (the lease) units: about one call per lease
+    // (the requests asking wait for one ask), where exact decisions take 50.
+    assert!(
+        calls <= 10,
+        "{calls} script calls for 50 concurrent requests"
+    );
+    assert!(limiter.lease_tally().taken >= 4);
+}
+
+/// Two replicas on one Redis and one fake clock, a budget of 20 leased 10 at a
+/// time. Replica A's six requests take leases of 2, 3 and 5 units (10 from
+/// Redis) and leave 4 unspent; once `lease_ms` is past, A's next request gives
+/// those 4 back in its own script call, taking a lease of 2. Replica B then
+/// finds 20 - 10 + 4 - 2 = 12 units and admits exactly 12 (it would find 10
+/// had the leftover stayed with A), and no more than the limit is admitted in
+/// all.
+#[tokio::test]
+async fn d4_leftovers_go_back_in_the_next_call_for_other_replicas_to_use() {
+    let server = RedisServer::start("d4-give-back");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+    let policy = || {
+        let yaml = "profile: p
+window_seconds: 60
+ceilings:
+  ip: { classes: [read, standard, expensive] }
+  ip_protocol: { classes: [protocol], only: true }
+profiles:
+  p:
+    classes: { protocol: 100, read: 100, standard: 20, expensive: 100 }
+    ip_ceilings: { ip: 1000, ip_protocol: 1000 }
+default_class: standard
+algorithms:
+  standard: { consistency: leased, lease: 10, lease_ms: 1000 }
+";
+        parse_str(yaml, Path::new("give-back.yaml")).expect("policy")
+    };
+    let replica = || async {
+        let mut config = RedisConfig::new(server.url());
+        config.timeout = Duration::from_millis(500);
+        let redis = RedisStore::connect_with_clock(config, clock.clone())
+            .await
+            .expect("connect");
+        Limiter::new(policy(), redis).with_lease_clock(Arc::new(clock.clone()))
+    };
+    let (a, b) = (replica().await, replica().await);
+    let mut admitted_a = 0;
+    for _ in 0..6 {
+        admitted_a += usize::from(send(&a, "shared").await == 200);
+    }
+    assert_eq!(admitted_a, 6);
+    clock.advance(Duration::from_millis(1_500));
+    admitted_a += usize::from(send(&a, "shared").await == 200);
+    assert_eq!(admitted_a, 7);
+    assert_eq!(a.lease_tally().returned, 1, "{:?}", a.lease_tally());
+    let mut admitted_b = 0;
+    for _ in 0..30 {
+        admitted_b += usize::from(send(&b, "shared").await == 200);
+    }
+    assert_eq!(admitted_b, 12, "the 4 units A gave back were B's to use");
+    // A's lease of 2 holds 1: 7 + 12 + 1 = 20, the limit.
+    assert_eq!(send(&a, "shared").await, 200);
+    assert_eq!(send(&a, "shared").await, 429);
+}

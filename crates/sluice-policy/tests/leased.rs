@@ -1,0 +1,190 @@
+//! D4, leased budgets in the policy: `consistency: leased` with `lease` and
+//! `lease_ms` under `algorithms:`, read into the model, each bad value refused by
+//! its key path, and `sluice check`'s line with the bound.
+
+use std::num::NonZeroU32;
+use std::path::Path;
+
+use sluice_core::LeaseTerms;
+use sluice_policy::{Consistency, Policy, default_policy, parse_str};
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).expect("non-zero")
+}
+
+/// Two profiles (read 300 and 1500), with `extra` appended.
+fn yaml(extra: &str) -> String {
+    format!(
+        "profile: production
+window_seconds: 60
+ceilings:
+  ip: {{ classes: [read, standard] }}
+profiles:
+  production:
+    classes: {{ read: 300, standard: 60 }}
+    ip_ceilings: {{ ip: 400 }}
+  local:
+    classes: {{ read: 1500, standard: 500 }}
+    ip_ceilings: {{ ip: 2000 }}
+default_class: standard
+{extra}"
+    )
+}
+
+fn policy(extra: &str) -> Policy {
+    parse_str(&yaml(extra), Path::new("leased.yaml")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn problems(extra: &str) -> String {
+    match parse_str(&yaml(extra), Path::new("bad.yaml")) {
+        Ok(_) => panic!("accepted:\n{extra}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn d4_every_budget_is_exact_unless_leased() {
+    let p = default_policy().expect("default");
+    assert!(
+        p.classes
+            .iter()
+            .all(|c| c.consistency == Consistency::Exact)
+    );
+    assert!(
+        p.ceilings
+            .iter()
+            .all(|c| c.consistency == Consistency::Exact)
+    );
+    assert!(p.describe_leases().is_empty());
+    let p = policy("algorithms: { read: { consistency: exact } }\n");
+    assert!(
+        p.classes
+            .iter()
+            .all(|c| c.consistency == Consistency::Exact)
+    );
+}
+
+#[test]
+fn d4_leased_classes_and_ceilings_are_read_into_the_model() {
+    let p = policy(
+        "algorithms:
+  read: { consistency: leased, lease: 20, lease_ms: 500 }
+  ip: { consistency: leased, lease: 8 }
+",
+    );
+    assert_eq!(
+        p.classes[0].consistency,
+        Consistency::Leased(LeaseTerms::new(nz(20), nz(500)))
+    );
+    assert_eq!(p.classes[1].consistency, Consistency::Exact);
+    assert_eq!(
+        p.ceilings[0].consistency,
+        Consistency::Leased(LeaseTerms::new(nz(8), nz(1000))),
+        "lease_ms defaults to 1000"
+    );
+}
+
+#[test]
+fn d4_check_prints_each_leased_budgets_bound_for_the_stated_replicas() {
+    let mut p = policy(
+        "store: { replicas: 3 }
+algorithms:
+  read: { consistency: leased, lease: 20, lease_ms: 500 }
+  ip: { consistency: leased, lease: 8 }
+",
+    );
+    let text = p.describe();
+    assert!(
+        text.contains("leased: read: leases of at most 20 units for at most 500 ms; with 3 replica(s) at most 300 + 3 x 20 = 360 admitted per 60 s window (exact: 300)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("leased: ip: leases of at most 8 units for at most 1000 ms; with 3 replica(s) at most 400 + 3 x 8 = 424 admitted"),
+        "{text}"
+    );
+    p.store.replicas = nz(10);
+    assert!(p.describe_leases()[0].contains("at most 300 + 10 x 20 = 500 admitted"));
+}
+
+#[test]
+fn d4_a_lease_larger_than_the_limit_is_refused_with_its_key_path() {
+    let e = problems("algorithms: { standard: { consistency: leased, lease: 61 } }\n");
+    assert!(
+        e.contains("algorithms.standard.lease: a lease of 61 is larger than the limit 60 of profile production"),
+        "{e}"
+    );
+    let e = problems(
+        "algorithms: { read: { consistency: leased, lease: 50 } }
+plans:
+  free: { classes: { read: 10 } }
+",
+    );
+    assert!(
+        e.contains("algorithms.read.lease: a lease of 50 is larger than the limit 10 of plan free"),
+        "{e}"
+    );
+    let e = problems("algorithms: { read: { consistency: leased, lease: 0 } }\n");
+    assert!(
+        e.contains("algorithms.read.lease: must be at least 1"),
+        "{e}"
+    );
+    let e = problems("algorithms: { read: { consistency: leased } }\n");
+    assert!(
+        e.contains("algorithms.read.lease: required with `consistency: leased`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn d4_a_lease_ms_above_a_second_or_the_window_is_refused() {
+    let e = problems("algorithms: { read: { consistency: leased, lease: 5, lease_ms: 1001 } }\n");
+    assert!(
+        e.contains("algorithms.read.lease_ms: expected 1 to 1000 milliseconds"),
+        "{e}"
+    );
+    let e = problems("algorithms: { read: { consistency: leased, lease: 5, lease_ms: 0 } }\n");
+    assert!(
+        e.contains("algorithms.read.lease_ms: expected 1 to 1000"),
+        "{e}"
+    );
+    let short = yaml("algorithms: { read: { consistency: leased, lease: 5, lease_ms: 800 } }\n")
+        .replace("window_seconds: 60", "window_seconds: 1");
+    let p = parse_str(&short, Path::new("short.yaml")).expect("800 ms fits a 1 s window");
+    assert!(p.classes[0].consistency.lease().is_some());
+}
+
+#[test]
+fn d4_leased_is_for_fixed_windows_and_exact_budgets_take_no_lease() {
+    let e =
+        problems("algorithms: { read: { algorithm: sliding, consistency: leased, lease: 5 } }\n");
+    assert!(
+        e.contains("algorithms.read.consistency: a leased budget counts in fixed windows; this one is sliding"),
+        "{e}"
+    );
+    let e = problems("algorithms: { read: { lease: 5 } }\n");
+    assert!(
+        e.contains("algorithms.read.lease: `lease` is for `consistency: leased`"),
+        "{e}"
+    );
+    let e = problems("algorithms: { read: { consistency: eventual } }\n");
+    assert!(
+        e.contains("algorithms.read.consistency: expected exact or leased, got \"eventual\""),
+        "{e}"
+    );
+}
+
+#[test]
+fn d4_monthly_quotas_and_money_budgets_stay_exact() {
+    let e = problems("quotas:\n  evals: { monthly: 100, consistency: leased }\n");
+    assert!(
+        e.contains("quotas.evals.consistency: a monthly quota stays exact"),
+        "{e}"
+    );
+    let e = problems(
+        "spend:\n  dollars: { per: workspace, limit_usd: 50, monthly: true, consistency: leased }\n",
+    );
+    assert!(
+        e.contains("spend.dollars.consistency: a money budget stays exact"),
+        "{e}"
+    );
+}
