@@ -22,8 +22,29 @@ pub(super) const MAX_PART: usize = 64 << 10;
 /// order.
 const PARTS: [&[u8]; 3] = [b"usage", b"message", b"response"];
 
-/// The longest key compared with [`PARTS`]; longer keys are none of them.
-const MAX_KEY: usize = 8;
+/// The longest key, as written, compared with [`PARTS`]: "response" with
+/// every letter escaped (`\u0072...`, 6 bytes each). Longer keys are none of
+/// them.
+const MAX_KEY: usize = 6 * 8;
+
+/// The part a top-level key, as written between its quotes, names: escapes
+/// are decoded as serde would (`"us\u0061ge"` is `usage`, and so counts as
+/// naming it, twice if `"usage"` is there too). `Err` for a short key whose
+/// escapes are not JSON's, which makes the whole document unreadable to serde.
+fn part_named(key: &[u8]) -> Result<Option<usize>, ()> {
+    if key.len() > MAX_KEY {
+        return Ok(None);
+    }
+    if !key.contains(&b'\\') {
+        return Ok(PARTS.iter().position(|p| *p == key));
+    }
+    let mut quoted = Vec::with_capacity(key.len() + 2);
+    quoted.push(b'"');
+    quoted.extend_from_slice(key);
+    quoted.push(b'"');
+    let key: String = serde_json::from_slice(&quoted).map_err(|_| ())?;
+    Ok(PARTS.iter().position(|p| *p == key.as_bytes()))
+}
 
 /// Reads a JSON document's top-level usage parts as its bytes come.
 #[derive(Debug, Default)]
@@ -146,7 +167,13 @@ impl DocumentScanner {
                     self.started = true;
                     self.expect_key = true;
                 }
-                self.depth += 1;
+                // Past u32::MAX levels (4 GiB of brackets) the count would
+                // wrap: such a document is unreadable, not a panic.
+                let Some(depth) = self.depth.checked_add(1) else {
+                    self.broken = true;
+                    return;
+                };
+                self.depth = depth;
             }
             b'}' | b']' => {
                 if self.depth == 0 {
@@ -160,7 +187,13 @@ impl DocumentScanner {
             }
             b',' if self.depth == 1 => self.expect_key = true,
             b':' if self.depth == 1 => {
-                self.pending = PARTS.iter().position(|p| *p == self.key.as_slice());
+                match part_named(&self.key) {
+                    Ok(part) => self.pending = part,
+                    Err(()) => {
+                        self.broken = true;
+                        return;
+                    }
+                }
                 self.key.clear();
             }
             _ if self.depth == 0 && !white => self.broken = true,
@@ -249,6 +282,37 @@ mod tests {
         ] {
             assert_eq!(parts_of(doc), None, "{doc}");
         }
+    }
+
+    #[test]
+    fn a_key_spelled_with_escapes_names_its_part_as_serde_reads_it() {
+        // Once missed, which read the message's usage in place of the top's,
+        // and took a part named twice for once.
+        let doc = r#"{"us\u0061ge":{"prompt_tokens":9},"message":{"usage":{"prompt_tokens":1}}}"#;
+        assert_eq!(parts_of(doc).unwrap()["usage"]["prompt_tokens"], 9);
+        let doc = r#"{"\u0072\u0065\u0073\u0070\u006f\u006e\u0073\u0065":{"usage":{}}}"#;
+        assert!(parts_of(doc).unwrap().contains_key("response"));
+        for doc in [
+            r#"{"usage":{"prompt_tokens":1},"us\u0061ge":{"prompt_tokens":2}}"#,
+            r#"{"usage":{"prompt_tokens":1},"us\x":2}"#,
+        ] {
+            assert_eq!(parts_of(doc), None, "{doc}");
+        }
+        // Escapes that decode to something else name nothing.
+        let doc = r#"{"usage\n":{"prompt_tokens":1},"\"usage":2,"usage":{"prompt_tokens":3}}"#;
+        assert_eq!(parts_of(doc).unwrap()["usage"]["prompt_tokens"], 3);
+    }
+
+    #[test]
+    fn depth_past_u32_is_unreadable_not_a_panic() {
+        let mut s = DocumentScanner {
+            depth: u32::MAX,
+            started: true,
+            ..DocumentScanner::default()
+        };
+        s.feed(b"[");
+        assert!(s.broken);
+        assert_eq!(s.parts(), None);
     }
 
     #[test]
