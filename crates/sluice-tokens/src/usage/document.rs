@@ -18,6 +18,11 @@ use serde_json::Value;
 /// usage unreadable.
 pub(super) const MAX_PART: usize = 64 << 10;
 
+/// The nesting, the top object counted, at which serde_json's recursion limit
+/// failed the parse of the whole answer within a usage part (elsewhere serde
+/// skips values at any depth, and so does the scanner).
+const SERDE_DEPTH: u32 = 128;
+
 /// The top-level keys whose values are kept, in [`DocumentScanner::parts`]'s
 /// order.
 const PARTS: [&[u8]; 3] = [b"usage", b"message", b"response"];
@@ -174,6 +179,10 @@ impl DocumentScanner {
                     return;
                 };
                 self.depth = depth;
+                if self.capturing.is_some() && depth >= SERDE_DEPTH {
+                    self.broken = true;
+                    return;
+                }
             }
             b'}' | b']' => {
                 if self.depth == 0 {
@@ -301,6 +310,27 @@ mod tests {
         // Escapes that decode to something else name nothing.
         let doc = r#"{"usage\n":{"prompt_tokens":1},"\"usage":2,"usage":{"prompt_tokens":3}}"#;
         assert_eq!(parts_of(doc).unwrap()["usage"]["prompt_tokens"], 3);
+    }
+
+    #[test]
+    fn a_part_nested_past_serdes_limit_is_unreadable_and_depth_elsewhere_is_fine() {
+        let nested = |n: usize| {
+            format!(
+                r#"{{"usage":{{"prompt_tokens":5,"x":{}{}}}}}"#,
+                "[".repeat(n),
+                "]".repeat(n)
+            )
+        };
+        // 1 + 1 + 125 levels: serde read it whole; 126 it did not.
+        assert_eq!(parts_of(&nested(125)).unwrap()["usage"]["prompt_tokens"], 5);
+        assert_eq!(parts_of(&nested(126)), None);
+        let n = 100_000;
+        let deep = format!(
+            r#"{{"x":{}{},"usage":{{"prompt_tokens":5}}}}"#,
+            "[".repeat(n),
+            "]".repeat(n)
+        );
+        assert_eq!(parts_of(&deep).unwrap()["usage"]["prompt_tokens"], 5);
     }
 
     #[test]
