@@ -181,7 +181,6 @@ impl DocumentScanner {
                 self.depth = depth;
                 if self.capturing.is_some() && depth >= SERDE_DEPTH {
                     self.broken = true;
-                    return;
                 }
             }
             b'}' | b']' => {
