@@ -10,7 +10,27 @@
 //! It checks the structure, not every token: a document whose brackets do
 //! not balance, whose strings do not close, that is not one object, or that
 //! names a usage part twice, has no usage (its call is then charged what it
-//! reserved). The parts kept are parsed as JSON in full.
+//! reserved). The parts kept are parsed as JSON in full. A key is compared
+//! as serde reads it, escapes decoded (`"us\u0061ge"` is `usage`).
+//!
+//! Where it reads otherwise than serde's parse of the whole answer did, on
+//! purpose:
+//!
+//! - Outside the kept parts, tokens are not checked: a malformed literal or
+//!   number, a bad escape, bytes that are not UTF-8, a control character in
+//!   a string, a missing colon or comma, a `[` closed by `}`. Serde refused
+//!   such an answer (charged its reservation); the scanner reads its usage.
+//!   Harmless: only the upstream writes bytes outside strings, and one that
+//!   can could as well write a well-formed answer with any usage; the text a
+//!   model writes (what a client can steer) is inside strings, whose quotes
+//!   and escapes are followed exactly.
+//! - A document that is an array has none, where serde read an array of up
+//!   to three values as `usage`, `message` and `response`, in order.
+//! - A part longer than [`MAX_PART`] (trailing whitespace counted) makes the
+//!   usage unreadable, even a `message` or `response` not needed because the
+//!   top-level `usage` is an object.
+//! - Beyond serde's depth limit within a part ([`SERDE_DEPTH`]) a document is
+//!   unreadable, as it was; elsewhere any depth is read, as it was.
 
 use serde_json::Value;
 
@@ -330,6 +350,13 @@ mod tests {
             "]".repeat(n)
         );
         assert_eq!(parts_of(&deep).unwrap()["usage"]["prompt_tokens"], 5);
+    }
+
+    #[test]
+    fn an_array_has_none_though_serde_read_it_in_order() {
+        let doc = r#"[{"prompt_tokens":5,"completion_tokens":1}]"#;
+        assert!(crate::usage::usage_of_document(doc.as_bytes()).is_some());
+        assert_eq!(parts_of(doc), None);
     }
 
     #[test]
