@@ -10,7 +10,27 @@
 //! It checks the structure, not every token: a document whose brackets do
 //! not balance, whose strings do not close, that is not one object, or that
 //! names a usage part twice, has no usage (its call is then charged what it
-//! reserved). The parts kept are parsed as JSON in full.
+//! reserved). The parts kept are parsed as JSON in full. A key is compared
+//! as serde reads it, escapes decoded (`"us\u0061ge"` is `usage`).
+//!
+//! Where it reads otherwise than serde's parse of the whole answer did, on
+//! purpose:
+//!
+//! - Outside the kept parts, tokens are not checked: a malformed literal or
+//!   number, a bad escape, bytes that are not UTF-8, a control character in
+//!   a string, a missing colon or comma, a `[` closed by `}`. Serde refused
+//!   such an answer (charged its reservation); the scanner reads its usage.
+//!   Harmless: only the upstream writes bytes outside strings, and one that
+//!   can could as well write a well-formed answer with any usage; the text a
+//!   model writes (what a client can steer) is inside strings, whose quotes
+//!   and escapes are followed exactly.
+//! - A document that is an array has none, where serde read an array of up
+//!   to three values as `usage`, `message` and `response`, in order.
+//! - A part longer than [`MAX_PART`] (trailing whitespace counted) makes the
+//!   usage unreadable, even a `message` or `response` not needed because the
+//!   top-level `usage` is an object.
+//! - Beyond serde's depth limit within a part ([`SERDE_DEPTH`]) a document is
+//!   unreadable, as it was; elsewhere any depth is read, as it was.
 
 use serde_json::Value;
 
@@ -18,12 +38,38 @@ use serde_json::Value;
 /// usage unreadable.
 pub(super) const MAX_PART: usize = 64 << 10;
 
+/// The nesting, the top object counted, at which serde_json's recursion limit
+/// failed the parse of the whole answer within a usage part (elsewhere serde
+/// skips values at any depth, and so does the scanner).
+const SERDE_DEPTH: u32 = 128;
+
 /// The top-level keys whose values are kept, in [`DocumentScanner::parts`]'s
 /// order.
 const PARTS: [&[u8]; 3] = [b"usage", b"message", b"response"];
 
-/// The longest key compared with [`PARTS`]; longer keys are none of them.
-const MAX_KEY: usize = 8;
+/// The longest key, as written, compared with [`PARTS`]: "response" with
+/// every letter escaped (`\u0072...`, 6 bytes each). Longer keys are none of
+/// them.
+const MAX_KEY: usize = 6 * 8;
+
+/// The part a top-level key, as written between its quotes, names: escapes
+/// are decoded as serde would (`"us\u0061ge"` is `usage`, and so counts as
+/// naming it, twice if `"usage"` is there too). `Err` for a short key whose
+/// escapes are not JSON's, which makes the whole document unreadable to serde.
+fn part_named(key: &[u8]) -> Result<Option<usize>, ()> {
+    if key.len() > MAX_KEY {
+        return Ok(None);
+    }
+    if !key.contains(&b'\\') {
+        return Ok(PARTS.iter().position(|p| *p == key));
+    }
+    let mut quoted = Vec::with_capacity(key.len() + 2);
+    quoted.push(b'"');
+    quoted.extend_from_slice(key);
+    quoted.push(b'"');
+    let key: String = serde_json::from_slice(&quoted).map_err(|_| ())?;
+    Ok(PARTS.iter().position(|p| *p == key.as_bytes()))
+}
 
 /// Reads a JSON document's top-level usage parts as its bytes come.
 #[derive(Debug, Default)]
@@ -146,7 +192,16 @@ impl DocumentScanner {
                     self.started = true;
                     self.expect_key = true;
                 }
-                self.depth += 1;
+                // Past u32::MAX levels (4 GiB of brackets) the count would
+                // wrap: such a document is unreadable, not a panic.
+                let Some(depth) = self.depth.checked_add(1) else {
+                    self.broken = true;
+                    return;
+                };
+                self.depth = depth;
+                if self.capturing.is_some() && depth >= SERDE_DEPTH {
+                    self.broken = true;
+                }
             }
             b'}' | b']' => {
                 if self.depth == 0 {
@@ -160,7 +215,13 @@ impl DocumentScanner {
             }
             b',' if self.depth == 1 => self.expect_key = true,
             b':' if self.depth == 1 => {
-                self.pending = PARTS.iter().position(|p| *p == self.key.as_slice());
+                match part_named(&self.key) {
+                    Ok(part) => self.pending = part,
+                    Err(()) => {
+                        self.broken = true;
+                        return;
+                    }
+                }
                 self.key.clear();
             }
             _ if self.depth == 0 && !white => self.broken = true,
@@ -252,6 +313,65 @@ mod tests {
     }
 
     #[test]
+    fn a_key_spelled_with_escapes_names_its_part_as_serde_reads_it() {
+        // Once missed, which read the message's usage in place of the top's,
+        // and took a part named twice for once.
+        let doc = r#"{"us\u0061ge":{"prompt_tokens":9},"message":{"usage":{"prompt_tokens":1}}}"#;
+        assert_eq!(parts_of(doc).unwrap()["usage"]["prompt_tokens"], 9);
+        let doc = r#"{"\u0072\u0065\u0073\u0070\u006f\u006e\u0073\u0065":{"usage":{}}}"#;
+        assert!(parts_of(doc).unwrap().contains_key("response"));
+        for doc in [
+            r#"{"usage":{"prompt_tokens":1},"us\u0061ge":{"prompt_tokens":2}}"#,
+            r#"{"usage":{"prompt_tokens":1},"us\x":2}"#,
+        ] {
+            assert_eq!(parts_of(doc), None, "{doc}");
+        }
+        // Escapes that decode to something else name nothing.
+        let doc = r#"{"usage\n":{"prompt_tokens":1},"\"usage":2,"usage":{"prompt_tokens":3}}"#;
+        assert_eq!(parts_of(doc).unwrap()["usage"]["prompt_tokens"], 3);
+    }
+
+    #[test]
+    fn a_part_nested_past_serdes_limit_is_unreadable_and_depth_elsewhere_is_fine() {
+        let nested = |n: usize| {
+            format!(
+                r#"{{"usage":{{"prompt_tokens":5,"x":{}{}}}}}"#,
+                "[".repeat(n),
+                "]".repeat(n)
+            )
+        };
+        // 1 + 1 + 125 levels: serde read it whole; 126 it did not.
+        assert_eq!(parts_of(&nested(125)).unwrap()["usage"]["prompt_tokens"], 5);
+        assert_eq!(parts_of(&nested(126)), None);
+        let n = 100_000;
+        let deep = format!(
+            r#"{{"x":{}{},"usage":{{"prompt_tokens":5}}}}"#,
+            "[".repeat(n),
+            "]".repeat(n)
+        );
+        assert_eq!(parts_of(&deep).unwrap()["usage"]["prompt_tokens"], 5);
+    }
+
+    #[test]
+    fn an_array_has_none_though_serde_read_it_in_order() {
+        let doc = r#"[{"prompt_tokens":5,"completion_tokens":1}]"#;
+        assert!(crate::usage::usage_of_document(doc.as_bytes()).is_some());
+        assert_eq!(parts_of(doc), None);
+    }
+
+    #[test]
+    fn depth_past_u32_is_unreadable_not_a_panic() {
+        let mut s = DocumentScanner {
+            depth: u32::MAX,
+            started: true,
+            ..DocumentScanner::default()
+        };
+        s.feed(b"[");
+        assert!(s.broken);
+        assert_eq!(s.parts(), None);
+    }
+
+    #[test]
     fn memory_is_bounded_whatever_the_document_size() {
         let mut s = DocumentScanner::default();
         s.feed(br#"{"data":["#);
@@ -268,5 +388,258 @@ mod tests {
         s.feed(&vec![b'a'; MAX_PART]);
         s.feed(br#""}}"#);
         assert_eq!(s.parts(), None);
+    }
+}
+
+/// Random documents against the code the scanner replaced: serde's parse of
+/// the whole answer ([`usage_of_document`](super::usage_of_document)).
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod properties {
+    use proptest::prelude::*;
+    use proptest::sample::Index;
+    use serde_json::{Map, Value, json};
+
+    use super::super::{Usage, UsageParts, UsageScanner, usage_from_json, usage_of_document};
+
+    /// Strings with what could confuse a scanner: quotes, backslashes,
+    /// brackets, a usage spelled out, non-ASCII.
+    fn text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-z\"\\\\{}\\[\\],: \n\té\u{1F600}/]{0,12}",
+            Just(r#""usage":{"prompt_tokens":0}}"#.to_owned()),
+            Just("\\".to_owned()),
+        ]
+    }
+
+    fn key() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("usage".to_owned()),
+            Just("message".to_owned()),
+            Just("response".to_owned()),
+            text(),
+        ]
+    }
+
+    fn value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            (-1e30..1e30f64).prop_map(Value::from),
+            text().prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                prop::collection::vec((key(), inner), 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// A count as providers write it, or as a confused one might.
+    fn count() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            4 => (0..100_000u64).prop_map(Value::from),
+            1 => any::<u64>().prop_map(Value::from),
+            1 => Just(json!(-5)),
+            1 => Just(json!(2.5)),
+            1 => Just(json!("12")),
+        ]
+    }
+
+    fn usage() -> impl Strategy<Value = Value> {
+        let names = prop::sample::subsequence(
+            vec![
+                "prompt_tokens",
+                "completion_tokens",
+                "total_tokens",
+                "input_tokens",
+                "output_tokens",
+                "cache_read_input_tokens",
+                "cache_creation_input_tokens",
+            ],
+            0..=7,
+        );
+        (
+            names,
+            prop::collection::vec(count(), 7),
+            count(),
+            any::<bool>(),
+        )
+            .prop_map(|(names, counts, cached, details)| {
+                let mut u: Map<String, Value> = names
+                    .into_iter()
+                    .zip(counts)
+                    .map(|(k, v)| (k.to_owned(), v))
+                    .collect();
+                if details {
+                    u.insert(
+                        "prompt_tokens_details".to_owned(),
+                        json!({ "cached_tokens": cached }),
+                    );
+                }
+                Value::Object(u)
+            })
+    }
+
+    /// What a top-level `message` or `response` holds: often a usage.
+    fn holder() -> impl Strategy<Value = Value> {
+        (prop::option::of(usage()), key(), value()).prop_map(|(u, k, v)| {
+            let mut m = Map::new();
+            m.insert(k, v);
+            if let Some(u) = u {
+                m.insert("usage".to_owned(), u);
+            }
+            Value::Object(m)
+        })
+    }
+
+    fn member() -> impl Strategy<Value = (String, Value)> {
+        prop_oneof![
+            3 => usage().prop_map(|v| ("usage".to_owned(), v)),
+            2 => holder().prop_map(|v| ("message".to_owned(), v)),
+            2 => holder().prop_map(|v| ("response".to_owned(), v)),
+            1 => value().prop_map(|v| ("usage".to_owned(), v)),
+            4 => (key(), value()),
+        ]
+    }
+
+    fn ws() -> impl Strategy<Value = String> {
+        "[ \t\r\n]{0,2}"
+    }
+
+    /// A document written as a server might: its top-level members in any
+    /// order (a part sometimes twice), a key sometimes spelled with escapes,
+    /// compact or pretty, whitespace between tokens; with its members.
+    fn document() -> impl Strategy<Value = (Vec<u8>, Vec<(String, Value)>)> {
+        let member = (
+            member(),
+            any::<bool>(),
+            prop::bool::weighted(0.1),
+            ws(),
+            ws(),
+        );
+        let object = (prop::collection::vec(member, 0..5), ws(), ws()).prop_map(
+            |(members, before, after)| {
+                let text: Vec<String> = members
+                    .iter()
+                    .map(|((k, v), pretty, escaped, w1, w2)| {
+                        let k = if *escaped {
+                            let e: String =
+                                k.encode_utf16().map(|c| format!("\\u{c:04x}")).collect();
+                            format!("\"{e}\"")
+                        } else {
+                            serde_json::to_string(k).unwrap()
+                        };
+                        let v = if *pretty {
+                            serde_json::to_string_pretty(v).unwrap()
+                        } else {
+                            serde_json::to_string(v).unwrap()
+                        };
+                        format!("{w1}{k}{w2}:{w1}{v}{w2}")
+                    })
+                    .collect();
+                let doc = format!("{before}{{{}}}{after}", text.join(",")).into_bytes();
+                (doc, members.into_iter().map(|(m, ..)| m).collect())
+            },
+        );
+        prop_oneof![
+            9 => object,
+            1 => value().prop_map(|v| (serde_json::to_vec(&v).unwrap(), Vec::new())),
+        ]
+    }
+
+    /// The usage of an object of these members, as serde reads it: none if
+    /// a part is named twice.
+    fn usage_of_members<'a>(members: impl Iterator<Item = &'a (String, Value)>) -> Option<Usage> {
+        let mut parts = Map::new();
+        for (k, v) in members {
+            if ["usage", "message", "response"].contains(&k.as_str())
+                && parts.insert(k.clone(), v.clone()).is_some()
+            {
+                return None;
+            }
+        }
+        usage_from_json(&Value::Object(parts))
+    }
+
+    /// The scanner's usage of `doc`, fed in pieces cut at `cuts`.
+    fn scan(doc: &[u8], cuts: &[Index]) -> Option<Usage> {
+        let mut cuts: Vec<usize> = cuts.iter().map(|c| c.index(doc.len() + 1)).collect();
+        cuts.sort_unstable();
+        let mut s = UsageScanner::new(Some("application/json"));
+        let mut from = 0;
+        for cut in cuts {
+            s.feed(&doc[from..cut]);
+            from = cut;
+        }
+        s.feed(&doc[from..]);
+        s.finish()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn any_document_split_anywhere_reads_as_serde_reads_it_whole(
+            (doc, _) in document(),
+            cuts in prop::collection::vec(any::<Index>(), 0..6),
+        ) {
+            let got = scan(&doc, &cuts);
+            let whole = usage_of_document(&doc);
+            if doc.trim_ascii_start().starts_with(b"{") {
+                prop_assert_eq!(got, whole);
+                // Each part named once: what the answer's whole value says.
+                if let Ok(Value::Object(v)) = serde_json::from_slice::<Value>(&doc)
+                    && serde_json::from_slice::<UsageParts>(&doc).is_ok()
+                {
+                    prop_assert_eq!(got, usage_from_json(&Value::Object(v)));
+                }
+            } else {
+                // Not an object (serde reads an array of up to three as
+                // usage, message, response, in order): none.
+                prop_assert_eq!(got, None);
+            }
+        }
+
+        #[test]
+        fn a_damaged_document_never_panics_nor_reads_a_usage_it_does_not_have(
+            (doc, members) in document(),
+            at in any::<Index>(),
+            byte in prop_oneof![
+                Just(b'"'), Just(b'\\'), Just(b'{'), Just(b'}'), Just(b'['),
+                Just(b']'), Just(b','), Just(b':'), Just(b' '), any::<u8>(),
+            ],
+            truncate in any::<bool>(),
+            cuts in prop::collection::vec(any::<Index>(), 0..6),
+        ) {
+            let mut bad = doc.clone();
+            let at = at.index(doc.len() + 1);
+            if truncate {
+                bad.truncate(at);
+            } else {
+                bad.insert(at, byte);
+            }
+            let got = scan(&bad, &cuts);
+            if serde_json::from_slice::<UsageParts>(&bad).is_ok() {
+                if bad.trim_ascii_start().starts_with(b"{") {
+                    prop_assert_eq!(got, usage_of_document(&bad));
+                }
+            } else if got.is_some() {
+                // Serde would have none; the scanner, which checks the
+                // structure and not every token, reads the usage the
+                // document had before the damage, or had without the one
+                // member the damage fell in (a key no longer a part's).
+                let without_one = (0..members.len()).map(|i| {
+                    usage_of_members(members.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, m)| m))
+                });
+                let candidates: Vec<Option<Usage>> =
+                    std::iter::once(usage_of_members(members.iter())).chain(without_one).collect();
+                prop_assert!(candidates.contains(&got), "{:?} from {}", got, String::from_utf8_lossy(&bad));
+            }
+        }
     }
 }
