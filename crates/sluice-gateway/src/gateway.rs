@@ -253,6 +253,17 @@ pub(super) async fn serve(
     outcome
 }
 
+/// An HTTP/2 connection whose preface (and so the handshake) is due within the
+/// head timeout, as a request head is: until it has begun, hyper would wait, and
+/// hold the connection's place, for ever (SPEC O5 over TLS too).
+fn preface_due<IO>(stream: IO) -> sluice_door::FirstWords<IO> {
+    sluice_door::FirstWords::new(
+        stream,
+        sluice_door::HTTP2_HANDSHAKE_BYTES,
+        HEADER_READ_TIMEOUT,
+    )
+}
+
 /// One worker: serves every socket handed to it until the hand-off queue closes, then
 /// waits up to `grace` for its connections to finish.
 async fn work<S, B>(
@@ -334,11 +345,7 @@ where
                 // Over TLS every request takes the hyper path (BENCHMARKS.md, TLS).
                 if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
                     // As over plain HTTP/2: the preface is due as a head is.
-                    let stream = sluice_door::FirstWords::new(
-                        stream,
-                        sluice_door::HTTP2_HANDSHAKE_BYTES,
-                        HEADER_READ_TIMEOUT,
-                    );
+                    let stream = preface_due(stream);
                     let _ = watcher
                         .watch(http2.serve_connection(TokioIo::new(stream), service))
                         .await;
@@ -384,13 +391,7 @@ where
                         .await;
                 }
                 Some(Protocol::Http2) => {
-                    // The handshake is due as a request head would be; until it
-                    // has begun, hyper would wait (and hold the place) for ever.
-                    let stream = sluice_door::FirstWords::new(
-                        stream,
-                        sluice_door::HTTP2_HANDSHAKE_BYTES,
-                        HEADER_READ_TIMEOUT,
-                    );
+                    let stream = preface_due(stream);
                     let _ = watcher
                         .watch(http2.serve_connection(TokioIo::new(stream), service))
                         .await;
