@@ -470,6 +470,36 @@ fn query_error(e: &sluice_edge::QuotaQueryError) -> Response {
     }
 }
 
+/// The limiter `/usage` and `/usage/export` read, or their 404 where there is none.
+// The error is the admin call's whole answer, made once per call.
+#[allow(clippy::result_large_err)]
+fn usage_limiter<S: BudgetStore + 'static>(
+    state: &AdminState<S>,
+) -> Result<std::sync::Arc<sluice_edge::Limiter<S>>, Response> {
+    state
+        .inner
+        .quotas
+        .as_ref()
+        .map(|l| l.load_full())
+        .ok_or_else(|| {
+            error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "no usage here".to_owned(),
+            )
+        })
+}
+
+/// The month a usage query names (`None`: the current one), or its 400.
+// The error is the admin call's whole answer, made once per call.
+#[allow(clippy::result_large_err)]
+fn month_asked(month: Option<&str>) -> Result<Option<sluice_edge::UsageMonth>, Response> {
+    month
+        .map(str::parse)
+        .transpose()
+        .map_err(|e| query_error(&sluice_edge::QuotaQueryError::Month(e)))
+}
+
 /// The query of `/usage`.
 #[derive(Debug, serde::Deserialize)]
 struct UsageQuery {
@@ -488,12 +518,9 @@ async fn llm_usage<S: BudgetStore + 'static>(
     State(state): State<AdminState<S>>,
     Query(q): Query<UsageQuery>,
 ) -> Response {
-    let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
-        return error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            "no usage here".to_owned(),
-        );
+    let limiter = match usage_limiter(&state) {
+        Ok(limiter) => limiter,
+        Err(answer) => return answer,
     };
     let Some(workspace) = q.workspace.filter(|w| !w.is_empty()) else {
         return error(
@@ -502,9 +529,9 @@ async fn llm_usage<S: BudgetStore + 'static>(
             "`workspace` is required: /usage?workspace=NAME[&month=YYYY-MM]".to_owned(),
         );
     };
-    let month = match q.month.as_deref().map(str::parse).transpose() {
+    let month = match month_asked(q.month.as_deref()) {
         Ok(month) => month,
-        Err(e) => return query_error(&sluice_edge::QuotaQueryError::Month(e)),
+        Err(answer) => return answer,
     };
     match limiter.llm_usage(&workspace, month).await {
         Ok(usage) => Json(usage).into_response(),
@@ -533,16 +560,13 @@ async fn usage_export<S: BudgetStore + 'static>(
     State(state): State<AdminState<S>>,
     Query(q): Query<ExportQuery>,
 ) -> Response {
-    let Some(limiter) = state.inner.quotas.as_ref().map(|l| l.load_full()) else {
-        return error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            "no usage here".to_owned(),
-        );
+    let limiter = match usage_limiter(&state) {
+        Ok(limiter) => limiter,
+        Err(answer) => return answer,
     };
-    let month = match q.month.as_deref().map(str::parse).transpose() {
+    let month = match month_asked(q.month.as_deref()) {
         Ok(month) => month,
-        Err(e) => return query_error(&sluice_edge::QuotaQueryError::Month(e)),
+        Err(answer) => return answer,
     };
     let month = match limiter.usage_export_month(month).await {
         Ok(month) => month,
