@@ -170,48 +170,18 @@ impl RedisCluster {
     pub fn start() -> RedisCluster {
         let dir = std::env::temp_dir().join(format!("sluice-cluster-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let mut ports = Vec::new();
-        let mut children = Vec::new();
-        for _ in 0..3 {
-            let port = free_port(&ports);
-            let node_dir = dir.join(port.to_string());
-            std::fs::create_dir_all(&node_dir).expect("node dir");
-            let child = Command::new("redis-server")
-                .args([
-                    "--bind",
-                    "127.0.0.1",
-                    "--port",
-                    &port.to_string(),
-                    "--cluster-enabled",
-                    "yes",
-                ])
-                .args([
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .arg("--dir")
-                .arg(&node_dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server must be installed (scripts/test installs it)");
-            children.push(child);
-            ports.push(port);
-        }
-        let cluster = RedisCluster {
-            children,
+        let mut cluster = RedisCluster {
+            children: Vec::new(),
             dir,
-            ports,
+            ports: Vec::new(),
         };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        for &p in &cluster.ports {
-            while TcpStream::connect(("127.0.0.1", p)).is_err() {
-                assert!(Instant::now() < deadline, "node {p} did not start");
-                std::thread::yield_now();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while cluster.ports.len() < 3 {
+            assert!(Instant::now() < deadline, "no cluster node started");
+            let port = free_port(&cluster.ports);
+            if let Some(child) = cluster.node(port) {
+                cluster.children.push(child);
+                cluster.ports.push(port);
             }
         }
         let nodes: Vec<String> = cluster
@@ -219,15 +189,7 @@ impl RedisCluster {
             .iter()
             .map(|p| format!("127.0.0.1:{p}"))
             .collect();
-        // A node accepts connections a moment before it answers commands: wait for
-        // PONG from each, and try the creation again (bounded) if a node was still
-        // not ready for it.
-        for &p in &cluster.ports {
-            while !cluster.cli(p, &["PING"]).contains("PONG") {
-                assert!(Instant::now() < deadline, "node {p} does not answer PING");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
+        // Try the creation again (bounded) if a node was still not ready for it.
         loop {
             let created = Command::new("redis-cli")
                 .args(["--cluster", "create"])
@@ -256,6 +218,46 @@ impl RedisCluster {
             std::thread::sleep(Duration::from_millis(20));
         }
         cluster
+    }
+
+    /// Starts one node on `port` and waits (bounded) until it answers as
+    /// itself: its `INFO server` names the child's pid. A port another process
+    /// took between the check and the bind (another test's ephemeral port, or
+    /// a node's cluster bus) gives `None`, and the caller picks another port.
+    fn node(&self, port: u16) -> Option<Child> {
+        let node_dir = self.dir.join(port.to_string());
+        std::fs::create_dir_all(&node_dir).expect("node dir");
+        let mut child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&node_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (scripts/test installs it)");
+        let ours = format!("process_id:{}", child.id());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                break;
+            }
+            if TcpStream::connect(("127.0.0.1", port)).is_ok()
+                && self.cli(port, &["INFO", "server"]).contains(&ours)
+            {
+                return Some(child);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        None
     }
 
     fn cli(&self, port: u16, args: &[&str]) -> String {
