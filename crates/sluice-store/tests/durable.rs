@@ -579,3 +579,96 @@ fn t3_a_settlements_monthly_changes_are_one_commit_and_survive_a_restart() {
     assert_eq!(seen.statuses()[0].remaining, u32::MAX - 120);
     assert_eq!(seen.statuses()[1].remaining, u32::MAX - 45);
 }
+
+/// SPEC T3, Q1: settlements from several threads at once, each appending its
+/// own changes or leaving them to the thread holding the journal, and the
+/// writer thread taking over while the disk is full for a while, leave the
+/// journal with each count's last value last: after a crash (no clean stop, no
+/// snapshot) every count replays to the exact sum, those of the settlements
+/// refused while the disk was full included (kept in memory, written after).
+#[test]
+fn t3_concurrent_settlements_replay_to_the_exact_sums_after_a_crash() {
+    const THREADS: u32 = 4;
+    const CALLS: u32 = 400;
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let (disk, full) = sluice_store::durable::FillableDisk::new();
+    let open = || {
+        let durable =
+            DurableStore::with_backend("concurrent.redb", disk.clone(), disk.log_written_through())
+                .expect("open");
+        let book =
+            QuotaBook::open(&durable, QuotaBookConfig::default(), clock.now_ts()).expect("book");
+        LocalStore::new(
+            MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),
+            Some(book),
+        )
+    };
+    let (input, output) = (
+        quota("usage:input", u32::MAX),
+        quota("usage:output", u32::MAX),
+    );
+    let store = std::sync::Arc::new(open());
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (store, clock, full) = (
+                std::sync::Arc::clone(&store),
+                clock.clone(),
+                std::sync::Arc::clone(&full),
+            );
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                let mut refused = 0;
+                for i in 0..CALLS {
+                    if t == 0 && i == CALLS / 4 {
+                        full.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    if t == 0 && i == CALLS / 4 + 5 {
+                        full.store(false, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    let changes = [(input, 3), (output, i64::from(t + 1))];
+                    if rt
+                        .block_on(store.adjust_all_from(&changes, clock.now_ts(), 0))
+                        .is_err()
+                    {
+                        refused += 1;
+                    }
+                }
+                refused
+            })
+        })
+        .collect();
+    let refused: u32 = threads
+        .into_iter()
+        .map(|t| t.join().expect("a settling thread"))
+        .sum();
+    let rt = runtime();
+    // One settlement after the disk has room again: durable only once all the
+    // counts before it are.
+    let last = [(input, 0), (output, 0)];
+    rt.block_on(store.adjust_all_from(&last, clock.now_ts(), 0))
+        .expect("settled with room");
+    let sums = |store: &LocalStore<FakeClock>| {
+        let seen = rt
+            .block_on(store.peek(&[input.with_cost(0), output.with_cost(0)]))
+            .expect("peek");
+        (
+            u32::MAX - seen.statuses()[0].remaining,
+            u32::MAX - seen.statuses()[1].remaining,
+        )
+    };
+    let want = (3 * THREADS * CALLS, CALLS * (1..=THREADS).sum::<u32>());
+    assert_eq!(
+        sums(&store),
+        want,
+        "in memory ({refused} refused while full)"
+    );
+    // A crash: the journal alone holds the counts.
+    let Ok(store) = std::sync::Arc::try_unwrap(store) else {
+        panic!("the threads are done with the store");
+    };
+    std::mem::forget(store);
+    assert_eq!(sums(&open()), want, "replayed from the journal");
+}

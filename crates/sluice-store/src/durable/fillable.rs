@@ -55,6 +55,16 @@ impl FillableDisk {
         FillableLog {
             bytes: Arc::clone(&self.journal),
             full: Arc::clone(&self.full),
+            inline: false,
+        }
+    }
+
+    /// [`FillableDisk::log`], appended by deciding threads themselves, as a
+    /// journal written to the operating system only (`--quota-sync write`) is.
+    pub fn log_written_through(&self) -> FillableLog {
+        FillableLog {
+            inline: true,
+            ..self.log()
         }
     }
 }
@@ -75,6 +85,7 @@ fn room(full: &AtomicBool) -> std::io::Result<()> {
 pub struct FillableLog {
     bytes: Arc<parking_lot::Mutex<Vec<u8>>>,
     full: Arc<AtomicBool>,
+    inline: bool,
 }
 
 impl super::QuotaLog for FillableLog {
@@ -96,6 +107,10 @@ impl super::QuotaLog for FillableLog {
 
     fn len(&self) -> u64 {
         self.bytes.lock().len() as u64
+    }
+
+    fn inline(&self) -> bool {
+        self.inline
     }
 }
 

@@ -38,6 +38,14 @@ pub const DEFAULT_MAX_UNCAPPED_CELLS: usize = 100_000;
 /// the call is refused (the store answers "unavailable").
 pub const COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How many times a deciding thread that appended looks again for changes made
+/// meanwhile before it leaves them to the writer thread.
+const WRITE_THROUGH_ROUNDS: usize = 4;
+
+/// How many times a decision whose change another thread is appending lets
+/// the other tasks of its thread run before it waits to be woken.
+const INLINE_YIELDS: usize = 8;
+
 /// After a failed commit, the writer waits this long before it tries again.
 const RETRY_AFTER_FAILURE: Duration = Duration::from_millis(200);
 
@@ -134,7 +142,8 @@ struct Shared {
     committed: watch::Sender<Commit>,
     store: DurableStore,
     /// The journal: the writer thread uses it, and decisions too when `inline`.
-    /// Lock order: the book, then the journal.
+    /// Lock order: the journal, then the book (a decision holding the book
+    /// only tries the journal).
     log: Mutex<Journal>,
     /// The journal's appends are cheap enough to make in the deciding thread.
     inline: bool,
@@ -430,38 +439,18 @@ impl QuotaBook {
         (statuses, seq)
     }
 
-    /// Numbers a change that wrote to the book (releasing its lock) and wakes the
-    /// writer; `None` when nothing was written.
+    /// Numbers a change that wrote to the book (releasing its lock) and has it
+    /// written; `None` when nothing was written.
     fn sequence(&self, mut book: parking_lot::MutexGuard<'_, Book>, wrote: bool) -> Option<u64> {
         if !wrote {
             return None;
         }
         book.seq += 1;
         let seq = book.seq;
-        if self.shared.inline {
-            // A journal that only writes to the operating system costs a `pwrite`:
-            // done here, under the book's lock, rather than handed to the writer
-            // thread and back (two thread wake-ups per call). A failure is left to
-            // the writer, which retries.
-            let writes: Vec<(u64, u64)> = std::mem::take(&mut book.dirty)
-                .into_iter()
-                .map(|c| (c, book.cells.get(&c).copied().unwrap_or(0)))
-                .collect();
-            if self.shared.log.lock().append(&writes).is_ok() {
-                book.unsnapped.extend(writes.iter().map(|&(c, _)| c));
-                drop(book);
-                self.shared
-                    .commits
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                self.shared
-                    .committed
-                    .send_modify(|c| c.durable = c.durable.max(seq));
-                return Some(seq);
-            }
-            book.dirty.extend(writes.iter().map(|&(c, _)| c));
-        }
         drop(book);
-        self.shared.wake.notify_one();
+        if !self.shared.inline || !self.shared.write_through() {
+            self.shared.wake.notify_one();
+        }
         Some(seq)
     }
 
@@ -473,6 +462,21 @@ impl QuotaBook {
     pub async fn durable(&self, seq: u64) -> Result<(), StoreError> {
         if self.shared.committed.borrow().durable >= seq {
             return Ok(());
+        }
+        if self.shared.inline {
+            // Another deciding thread is appending this change with its own: a
+            // `pwrite` away. Other tasks of this thread run meanwhile, and no
+            // thread is woken for it (as the watch below would).
+            for _ in 0..INLINE_YIELDS {
+                tokio::task::yield_now().await;
+                let c = *self.shared.committed.borrow();
+                if c.durable >= seq {
+                    return Ok(());
+                }
+                if c.failed >= seq {
+                    break;
+                }
+            }
         }
         let mut committed = self.shared.committed.subscribe();
         let waited = tokio::time::timeout(
@@ -541,7 +545,7 @@ impl Shared {
         let mut failing = false;
         let mut last_snapshot = std::time::Instant::now();
         loop {
-            let (writes, target, closing) = {
+            let closing = {
                 let mut book = self.state.lock();
                 while book.dirty.is_empty() && !book.closing {
                     let due = !book.unsnapped.is_empty() || !book.dropped.is_empty();
@@ -550,50 +554,38 @@ impl Shared {
                     }
                     let _ = self.wake.wait_for(&mut book, SNAPSHOT_EVERY);
                 }
-                let dirty = std::mem::take(&mut book.dirty);
-                let writes: Vec<(u64, u64)> = dirty
-                    .into_iter()
-                    .map(|c| (c, book.cells.get(&c).copied().unwrap_or(0)))
-                    .collect();
-                (writes, book.seq, book.closing)
+                book.closing
             };
-            if !writes.is_empty() {
-                match self.append(&writes) {
-                    Ok(()) => {
-                        self.commits
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        if failing {
-                            eprintln!(
-                                "sluice: quota counts are written to {} again",
-                                self.store.path().display()
-                            );
-                            failing = false;
-                        }
-                        self.committed
-                            .send_modify(|c| c.durable = c.durable.max(target));
+            let flushed = {
+                let mut log = self.log.lock();
+                self.flush(&mut log)
+            };
+            match flushed {
+                Ok(_) if failing => {
+                    eprintln!(
+                        "sluice: quota counts are written to {} again",
+                        self.store.path().display()
+                    );
+                    failing = false;
+                }
+                Ok(_) => {}
+                Err((e, target)) => {
+                    if !failing {
+                        eprintln!(
+                            "sluice: cannot write quota counts next to {}: {e}; quota routes answer 503 until it works again",
+                            self.store.path().display()
+                        );
+                        failing = true;
                     }
-                    Err(e) => {
-                        if !failing {
-                            eprintln!(
-                                "sluice: cannot write quota counts next to {}: {e}; quota routes answer 503 until it works again",
-                                self.store.path().display()
-                            );
-                            failing = true;
-                        }
-                        self.state
-                            .lock()
-                            .dirty
-                            .extend(writes.iter().map(|&(c, _)| c));
-                        self.committed
-                            .send_modify(|c| c.failed = c.failed.max(target));
-                        if closing {
-                            // Shutting down on a disk that takes nothing: what is lost
-                            // here was never confirmed to a waiting call.
-                            return;
-                        }
-                        std::thread::sleep(RETRY_AFTER_FAILURE);
-                        continue;
+                    self.committed
+                        .send_modify(|c| c.failed = c.failed.max(target));
+                    if closing {
+                        // Shutting down on a disk that takes nothing: what is lost
+                        // here was never confirmed to a waiting call.
+                        return;
                     }
+                    std::thread::sleep(RETRY_AFTER_FAILURE);
+                    continue;
                 }
             }
             let journal_full = self.log.lock().log.len() >= SNAPSHOT_BYTES;
@@ -622,19 +614,78 @@ impl Shared {
         }
     }
 
-    /// Appends the changed counts, durably.
-    fn append(&self, writes: &[(u64, u64)]) -> std::io::Result<()> {
-        self.log.lock().append(writes)?;
+    /// Appends the counts changed since the last append to the journal, as they
+    /// are now, and tells the waiting decisions the number it covers. The counts
+    /// are taken while the journal is held (`log`), so the journal has each
+    /// count's values in the order the book had them, whoever appends.
+    ///
+    /// # Errors
+    /// The append's error and the number it would have covered; the counts
+    /// stay to write.
+    fn flush(&self, log: &mut Journal) -> Result<u64, (std::io::Error, u64)> {
+        let (writes, target) = {
+            let mut book = self.state.lock();
+            let dirty = std::mem::take(&mut book.dirty);
+            let writes: Vec<(u64, u64)> = dirty
+                .into_iter()
+                .map(|c| (c, book.cells.get(&c).copied().unwrap_or(0)))
+                .collect();
+            (writes, book.seq)
+        };
+        if writes.is_empty() {
+            return Ok(target);
+        }
+        if let Err(e) = log.append(&writes) {
+            self.state
+                .lock()
+                .dirty
+                .extend(writes.iter().map(|&(c, _)| c));
+            return Err((e, target));
+        }
         self.state
             .lock()
             .unsnapped
             .extend(writes.iter().map(|&(c, _)| c));
-        Ok(())
+        self.commits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.committed
+            .send_modify(|c| c.durable = c.durable.max(target));
+        Ok(target)
+    }
+
+    /// Writes the book's changes in the deciding thread (a journal that only
+    /// writes to the operating system costs a `pwrite`: cheaper than handing it
+    /// to the writer thread and back, two thread wake-ups). Whoever holds the
+    /// journal writes for all: a thread that finds it held leaves its changes to
+    /// the holder, which looks for changes again after it lets go (so none is
+    /// left unwritten), at most [`WRITE_THROUGH_ROUNDS`] times. False when the
+    /// writer thread is to take over: an append failed (it retries) or changes
+    /// are left after those rounds.
+    fn write_through(&self) -> bool {
+        for _ in 0..WRITE_THROUGH_ROUNDS {
+            let Some(mut log) = self.log.try_lock() else {
+                return true;
+            };
+            let flushed = self.flush(&mut log);
+            drop(log);
+            if flushed.is_err() {
+                return false;
+            }
+            if self.state.lock().dirty.is_empty() {
+                return true;
+            }
+        }
+        false
     }
 
     /// Writes the counts journaled since the last snapshot to the redb file, names
     /// the last journal record it covers, and starts the journal over.
     fn snapshot(&self) -> Result<(), redb::Error> {
+        // Held until the journal starts over: every record in it until then has its
+        // cell in `cells` (or in an earlier snapshot), and none is appended meanwhile
+        // (decisions that would append leave their changes to this thread, which
+        // writes them after: a few milliseconds every 30 s).
+        let mut journal = self.log.lock();
         let mut book = self.state.lock();
         let unsnapped = std::mem::take(&mut book.unsnapped);
         let cells: Vec<(u64, u64)> = unsnapped
@@ -642,10 +693,6 @@ impl Shared {
             .filter_map(|c| book.cells.get(c).map(|&v| (*c, v)))
             .collect();
         let dropped = std::mem::take(&mut book.dropped);
-        // Held until the journal starts over: every record in it until then has its
-        // cell in `cells` (or in an earlier snapshot), and none is appended meanwhile
-        // (decisions that would append wait: a few milliseconds every 30 s).
-        let mut journal = self.log.lock();
         drop(book);
         let covered = journal.seq;
         if let Err(e) = self.write_snapshot(&cells, &dropped, covered) {
