@@ -126,15 +126,33 @@ impl fmt::Display for UsageMonth {
 
 /// The count of `direction` of calls of `model` by `workspace` in `month`.
 fn counter(month: UsageMonth, model: &str, direction: &str, workspace: u64, n: u32) -> Budget {
+    counted(
+        month,
+        direction_digest(month, model, direction),
+        workspace,
+        n,
+    )
+}
+
+/// The count named `name` (a digest of [`direction_digest`]) of `workspace`,
+/// charged `n`.
+fn counted(month: UsageMonth, name: u64, workspace: u64, n: u32) -> Budget {
     Budget {
-        key: BudgetKey::from_digests(
-            digest(format!("llm-usage:{month}:{model}:{direction}").as_bytes()),
-            workspace,
-        ),
+        key: BudgetKey::from_digests(name, workspace),
         rate: Rate::until(month.kept_until()),
         limit: u32::MAX,
         cost: n,
     }
+}
+
+/// The digest naming the count of `model`'s `direction` in `month`.
+fn direction_digest(month: UsageMonth, model: &str, direction: &str) -> u64 {
+    digest(format!("llm-usage:{month}:{model}:{direction}").as_bytes())
+}
+
+/// The digests naming the counts of `model`'s [`DIRECTIONS`] in `month`.
+pub(super) fn direction_digests(month: UsageMonth, model: &str) -> [u64; 4] {
+    DIRECTIONS.map(|d| direction_digest(month, model, d))
 }
 
 impl<S: BudgetStore> Limiter<S> {
@@ -205,16 +223,14 @@ impl<S: BudgetStore> Limiter<S> {
         counts: [u32; 4],
         admitted_at: Timestamp,
     ) -> Vec<Budget> {
-        let model = plan
-            .price
-            .and_then(|i| self.policy.prices.get(usize::from(i)))
-            .map_or(OTHER, |p| p.model.as_str());
+        let names = self.usage_names(plan, admitted_at);
         let month = UsageMonth::of(admitted_at);
-        DIRECTIONS
+        names
+            .directions
             .iter()
             .zip(counts)
             .filter(|(_, n)| *n > 0)
-            .map(|(direction, n)| counter(month, model, direction, plan.from.workspace, n))
+            .map(|(name, n)| counted(month, *name, plan.from.workspace, n))
             .collect()
     }
 

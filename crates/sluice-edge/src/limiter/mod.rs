@@ -77,6 +77,9 @@ pub struct Limiter<S> {
     pub(crate) runs: Arc<crate::runs::RecentRuns>,
     /// The usage export's rows this process has noted (SPEC O4).
     usage_rows: Arc<usage_export::KnownRows>,
+    /// The names of the usage counts an LLM call's settlement charges, by
+    /// workspace, model and day (this policy's: a reload starts it anew).
+    usage_names: usage_export::UsageNames,
     /// Where alert events go (SPEC O3), when the policy has alerts.
     alerts: Option<Arc<dyn crate::AlertSink>>,
     /// This replica's leases of leased budgets (SPEC D4), kept across reloads.
@@ -133,6 +136,7 @@ impl<S: BudgetStore> Limiter<S> {
             outage_log: Arc::default(),
             runs: Arc::default(),
             usage_rows: Arc::default(),
+            usage_names: usage_export::UsageNames::default(),
             alerts: None,
             leases: Arc::default(),
         }
@@ -203,6 +207,7 @@ impl<S: BudgetStore> Limiter<S> {
             outage_log: Arc::clone(&self.outage_log),
             runs: Arc::clone(&self.runs),
             usage_rows: Arc::clone(&self.usage_rows),
+            usage_names: usage_export::UsageNames::default(),
             alerts: self.alerts.clone(),
             leases: Arc::clone(&self.leases),
         })

@@ -39,6 +39,7 @@
 //! (to spare the store a call per request), and forgets them all past it.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 use sluice_core::{Budget, BudgetKey, MAX_BUDGETS, Rate, Timestamp, digest};
@@ -98,31 +99,82 @@ impl KnownRows {
 
 /// A row as its counts are keyed: its day, model and the workspace's subject
 /// digest.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct RowKey {
+/// The most settlements' names [`UsageNames`] keeps before it starts over.
+const NAMED: usize = 4_096;
+
+/// The names an LLM call's settlement charges its counts under, worked out
+/// once per workspace, model and day rather than formatted and hashed again
+/// on every call: the row's, and `/usage`'s monthly counts by direction.
+#[derive(Debug)]
+pub(super) struct Names {
+    row: Arc<RowNames>,
+    /// The row's digest in [`KnownRows`].
+    known: u64,
+    /// The row's own name, as the store notes it.
+    own: String,
+    /// `/usage`'s counts of the model's directions (`llm_usage::DIRECTIONS`).
+    pub(super) directions: [u64; 4],
+}
+
+/// The names of the counts of the rows of one day and model.
+#[derive(Debug)]
+struct RowNames {
     month: UsageMonth,
     day: String,
+    /// The row's model (`None` for a call not on an LLM route).
     model: Option<String>,
+    /// The counts of [`FIELDS`], by index.
+    fields: [u64; FIELDS.len()],
+}
+
+impl RowNames {
+    fn new(month: UsageMonth, day: String, model: Option<String>) -> Arc<RowNames> {
+        Arc::new(RowNames {
+            fields: FIELDS.map(|f| field_digest(&day, model.as_deref(), f)),
+            month,
+            day,
+            model,
+        })
+    }
+}
+
+/// [`Names`] by workspace (its digest), price (the policy's index) and day,
+/// at most [`NAMED`].
+#[derive(Debug, Default)]
+pub(crate) struct UsageNames(
+    Mutex<std::collections::HashMap<(u64, Option<u16>, bool, u64), Arc<Names>>>,
+);
+
+#[derive(Clone, Debug)]
+struct RowKey {
+    names: Arc<RowNames>,
     subject: u64,
 }
 
 impl RowKey {
     /// The count of `field` of this row, charged `n`.
     fn counter(&self, field: &str, n: u32) -> Budget {
-        let model = self.model.as_deref().unwrap_or("-");
+        let named = FIELDS
+            .iter()
+            .position(|f| *f == field)
+            .map(|i| self.names.fields[i]);
+        let name = named
+            .unwrap_or_else(|| field_digest(&self.names.day, self.names.model.as_deref(), field));
         Budget {
-            key: BudgetKey::from_digests(
-                digest(format!("usage-row:{}:{model}:{field}", self.day).as_bytes()),
-                self.subject,
-            ),
-            rate: Rate::until(self.month.kept_until()),
+            key: BudgetKey::from_digests(name, self.subject),
+            rate: Rate::until(self.names.month.kept_until()),
             limit: u32::MAX,
             cost: n,
         }
     }
 }
 
-/// The day (UTC, `YYYY-MM-DD`) that holds `t`.
+/// The digest naming the count of `field` of the rows of `day` and `model`.
+fn field_digest(day: &str, model: Option<&str>, field: &str) -> u64 {
+    let model = model.unwrap_or("-");
+    digest(format!("usage-row:{day}:{model}:{field}").as_bytes())
+}
+
 fn day_of(t: Timestamp) -> String {
     let secs = i64::try_from(t.as_secs()).unwrap_or(i64::MAX);
     jiff::Timestamp::from_second(secs)
@@ -148,32 +200,22 @@ impl<S: BudgetStore> Limiter<S> {
     /// not note it (the counts are then not charged; counted in
     /// `sluice_usage_export_failures_total`).
     async fn usage_row(&self, plan: &Plan, at: Timestamp) -> Option<RowKey> {
-        let month = UsageMonth::of(at);
-        let day = day_of(at);
-        let model = plan.llm.map(|_| {
-            plan.price
-                .and_then(|i| self.policy.prices.get(usize::from(i)))
-                .map_or(OTHER, |p| p.model.as_str())
-                .to_owned()
-        });
-        let workspace = plan.from.workspace_label();
-        let period = month.to_string();
-        let own = row_name(&day, Some(&workspace), model.as_deref());
+        let names = self.usage_names(plan, at);
+        let key = |subject| RowKey {
+            names: Arc::clone(&names.row),
+            subject,
+        };
+        if self.usage_rows.knows(names.known) {
+            return Some(key(plan.from.workspace));
+        }
+        let row = &names.row;
+        let (month, day, model) = (row.month, &row.day, row.model.as_deref());
+        let (period, own, known) = (month.to_string(), &names.own, names.known);
         let bound = UsageRowBound {
             max_rows: MAX_USAGE_ROWS,
             kept_until: month.kept_until(),
         };
-        let key = |subject| RowKey {
-            month,
-            day: day.clone(),
-            model: model.clone(),
-            subject,
-        };
-        let known = digest(format!("{period}\n{own}").as_bytes());
-        if self.usage_rows.knows(known) {
-            return Some(key(plan.from.workspace));
-        }
-        match self.store.note_usage_row(&period, &own, bound).await {
+        match self.store.note_usage_row(&period, own, bound).await {
             Ok(true) => {
                 self.usage_rows.learn(known);
                 return Some(key(plan.from.workspace));
@@ -185,7 +227,7 @@ impl<S: BudgetStore> Limiter<S> {
             }
         }
         metrics::counter!("sluice_usage_rows_full_total").increment(1);
-        let overflow = row_name(&day, None, model.as_deref());
+        let overflow = row_name(day, None, model);
         let bound = UsageRowBound {
             max_rows: MAX_USAGE_ROWS + OVERFLOW_ROWS,
             ..bound
@@ -263,6 +305,40 @@ impl<S: BudgetStore> Limiter<S> {
     /// tokens by direction and money units, those not zero. Charged with the
     /// settlement, in the same store call as `/usage`'s monthly counts. Empty
     /// when the row could not be noted.
+    /// The [`Names`] of the counts a call of `plan` admitted at `at` charges
+    /// (worked out once per workspace, model and day).
+    pub(super) fn usage_names(&self, plan: &Plan, at: Timestamp) -> Arc<Names> {
+        let memo = (
+            plan.from.workspace,
+            plan.price,
+            plan.llm.is_some(),
+            at.as_secs() / 86_400,
+        );
+        if let Some(names) = self.usage_names.0.lock().get(&memo) {
+            return Arc::clone(names);
+        }
+        let month = UsageMonth::of(at);
+        let day = day_of(at);
+        let priced = plan
+            .price
+            .and_then(|i| self.policy.prices.get(usize::from(i)))
+            .map_or(OTHER, |p| p.model.as_str());
+        let model = plan.llm.map(|_| priced.to_owned());
+        let own = row_name(&day, Some(&plan.from.workspace_label()), model.as_deref());
+        let names = Arc::new(Names {
+            known: digest(format!("{month}\n{own}").as_bytes()),
+            directions: super::llm_usage::direction_digests(month, priced),
+            own,
+            row: RowNames::new(month, day, model),
+        });
+        let mut named = self.usage_names.0.lock();
+        if named.len() >= NAMED {
+            named.clear();
+        }
+        named.insert(memo, Arc::clone(&names));
+        names
+    }
+
     pub(super) async fn usage_row_counts(
         &self,
         plan: &Plan,
@@ -350,9 +426,7 @@ impl<S: BudgetStore> Limiter<S> {
                 None => OVERFLOW_SUBJECT,
             };
             let row = RowKey {
-                month: export.month,
-                day: day.clone(),
-                model: model.clone(),
+                names: RowNames::new(export.month, day.clone(), model.clone()),
                 subject,
             };
             let budgets: Vec<Budget> = FIELDS
