@@ -138,12 +138,14 @@ impl RowNames {
     }
 }
 
+/// What [`Names`] are of: a workspace (its digest), a price (the policy's
+/// index), whether the call is on an LLM route, and a day (since 1970).
+type NamesOf = (u64, Option<u16>, bool, u64);
+
 /// [`Names`] by workspace (its digest), price (the policy's index) and day,
 /// at most [`NAMED`].
 #[derive(Debug, Default)]
-pub(crate) struct UsageNames(
-    Mutex<std::collections::HashMap<(u64, Option<u16>, bool, u64), Arc<Names>>>,
-);
+pub(crate) struct UsageNames(Mutex<std::collections::HashMap<NamesOf, Arc<Names>>>);
 
 #[derive(Clone, Debug)]
 struct RowKey {
