@@ -390,6 +390,104 @@ impl RedisStore {
         Ok((at.unwrap_or_default(), rows))
     }
 
+    /// [`BudgetStore::take_leases`] on a Cluster: one script call per slot
+    /// (a subject's budgets share one), at once, each taking its budgets'
+    /// leases and the leftovers given back to them; the leftovers of
+    /// subjects this request does not name ride on calls of their own. When
+    /// any slot refuses or fails, what the admitting slots spent (the leases
+    /// they granted, not just the costs) goes back, so the request is all or
+    /// nothing as on one Redis.
+    async fn take_leases_by_slot(
+        &self,
+        budgets: &[Budget],
+        wants: &[u32],
+        backs: &[(Budget, GiveBack)],
+    ) -> Result<(Decision, Vec<u32>), StoreError> {
+        let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
+        for (i, b) in budgets.iter().enumerate() {
+            match groups.iter_mut().find(|(s, _)| *s == b.key.subject()) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((b.key.subject(), vec![i])),
+            }
+        }
+        let (riding, alone): (Vec<_>, Vec<_>) = backs
+            .iter()
+            .partition(|(b, _)| groups.iter().any(|(s, _)| *s == b.key.subject()));
+        let calls = groups.iter().map(|(subject, members)| {
+            let part: Vec<Budget> = members.iter().map(|&i| budgets[i]).collect();
+            let part_wants: Vec<u32> = members
+                .iter()
+                .map(|&i| wants.get(i).copied().unwrap_or(0))
+                .collect();
+            let part_backs: Vec<(Budget, GiveBack)> = riding
+                .iter()
+                .filter(|(b, _)| b.key.subject() == *subject)
+                .copied()
+                .collect();
+            async move {
+                self.invoke_many("spend", &[&part], 0, 0, &part_wants, &part_backs)
+                    .await
+                    .map(|(t, mut answers)| (part, t, answers.pop().unwrap_or_default()))
+            }
+        });
+        let given_back = alone.iter().map(|(b, back)| {
+            // Lost if it fails: units unused, never over-admitted.
+            self.invoke(
+                "adjust",
+                std::slice::from_ref(b),
+                -i64::from(back.units),
+                micros(back.reserved_at),
+            )
+        });
+        let (answers, _) = futures_util::future::join(
+            futures_util::future::join_all(calls),
+            futures_util::future::join_all(given_back),
+        )
+        .await;
+        let mut rows: Vec<Option<Row>> = (0..budgets.len()).map(|_| None).collect();
+        let mut at = None;
+        let mut spent = Vec::new();
+        let mut failure = None;
+        for ((_, members), answer) in groups.iter().zip(answers) {
+            match answer {
+                Ok((part, t, group_rows)) => {
+                    at = Some(at.map_or(t, |a: Timestamp| a.max(t)));
+                    if group_rows.iter().all(|r| r.verdict == 0) {
+                        for (b, r) in part.iter().zip(&group_rows) {
+                            spent.push((*b, r.before.saturating_sub(r.after), t));
+                        }
+                    }
+                    for (&i, r) in members.iter().zip(group_rows) {
+                        rows[i] = Some(r);
+                    }
+                }
+                Err(e) => failure = Some(e),
+            }
+        }
+        let refused = failure.is_some() || rows.iter().flatten().any(|r| r.verdict != 0);
+        if refused {
+            for (b, units, t) in spent.iter().filter(|(_, units, _)| *units > 0) {
+                let back = -*units;
+                let _ = self
+                    .invoke("adjust", std::slice::from_ref(b), back, micros(*t))
+                    .await;
+            }
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let rows: Vec<Row> = rows.into_iter().flatten().collect();
+        let d = decision(at.unwrap_or_default(), &rows, budgets, true);
+        let grants = if d.is_admitted() {
+            rows.iter()
+                .map(|r| to_u32(r.before.saturating_sub(r.after)))
+                .collect()
+        } else {
+            vec![0; budgets.len()]
+        };
+        Ok((d, grants))
+    }
+
     /// One script call over budgets that share a slot (or any, on one Redis).
     async fn invoke(
         &self,
@@ -754,8 +852,7 @@ impl BudgetStore for RedisStore {
     }
 
     fn leases(&self) -> bool {
-        // A Cluster's per-slot refunds give back costs only: exact there, for now.
-        !self.conn.is_cluster()
+        true
     }
 
     async fn take_leases(
@@ -773,18 +870,20 @@ impl BudgetStore for RedisStore {
                 .iter()
                 .all(|(b, _)| matches!(b.rate, Rate::FixedWindow { .. }));
         let mut backs = backs;
-        if !backs_fit || self.conn.is_cluster() {
+        if !backs_fit {
             // Leftovers the script does not take in the call (of another rate,
-            // too many, or a Cluster's slots): given back one by one first.
+            // or too many): given back one by one first.
             for (b, back) in backs {
                 self.adjust(b, -i64::from(back.units), back.reserved_at)
                     .await?;
             }
             backs = &[];
         }
-        if (!leasing && backs.is_empty()) || self.conn.is_cluster() || budgets.len() > MAX_BUDGETS {
-            // Nothing to lease, or a Cluster (whose per-slot refunds give back
-            // costs only): decided exactly, each grant its cost.
+        if budgets.len() <= MAX_BUDGETS && self.conn.is_cluster() {
+            return self.take_leases_by_slot(budgets, wants, backs).await;
+        }
+        if (!leasing && backs.is_empty()) || budgets.len() > MAX_BUDGETS {
+            // Nothing to lease: decided exactly, each grant its cost.
             let decision = self.decide(budgets).await?;
             let grants = budgets
                 .iter()
