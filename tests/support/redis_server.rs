@@ -168,7 +168,10 @@ fn free_port(taken: &[u16]) -> u16 {
 impl RedisCluster {
     /// Starts three nodes and joins them into one cluster (bounded waits).
     pub fn start() -> RedisCluster {
-        let dir = std::env::temp_dir().join(format!("sluice-cluster-{}", std::process::id()));
+        // Tests of one binary run at once: each cluster its own directory.
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("sluice-cluster-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut cluster = RedisCluster {
             children: Vec::new(),
@@ -191,21 +194,33 @@ impl RedisCluster {
             .collect();
         // Try the creation again (bounded) if a node was still not ready for it.
         loop {
-            let created = Command::new("redis-cli")
+            let mut create = Command::new("redis-cli")
                 .args(["--cluster", "create"])
                 .args(&nodes)
                 .args(["--cluster-replicas", "0", "--cluster-yes"])
                 .stdin(Stdio::null())
-                .output()
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
                 .expect("redis-cli --cluster create");
-            if created.status.success() {
+            // It waits for the nodes to join without a bound of its own.
+            let created = loop {
+                if let Ok(Some(status)) = create.try_wait() {
+                    break status.success();
+                }
+                if Instant::now() >= deadline {
+                    let _ = create.kill();
+                    let _ = create.wait();
+                    break false;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            if created {
                 break;
             }
             assert!(
                 Instant::now() < deadline,
-                "redis-cli --cluster create failed: {}{}",
-                String::from_utf8_lossy(&created.stdout),
-                String::from_utf8_lossy(&created.stderr)
+                "redis-cli --cluster create did not make a cluster of {nodes:?} in time"
             );
             std::thread::sleep(Duration::from_millis(200));
         }
