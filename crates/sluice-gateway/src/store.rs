@@ -129,6 +129,13 @@ impl BudgetStore for AnyStore {
         }
     }
 
+    fn keep_give_backs(&self, backs: &[(Budget, sluice_core::GiveBack)]) {
+        match self {
+            AnyStore::Local(m) => m.keep_give_backs(backs),
+            AnyStore::Redis(r) => r.keep_give_backs(backs),
+        }
+    }
+
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         match self {
             AnyStore::Local(m) => m.peek(budgets).await,

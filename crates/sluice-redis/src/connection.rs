@@ -364,6 +364,22 @@ where
     }
 }
 
+/// Makes `call` and tells, when it failed, whether it is known never to have
+/// reached Redis, by the rule [`again_if_unsent`] goes by: it failed with a
+/// connection-level error without ever having waited (on one server or
+/// through Sentinel; a Cluster's calls always wait, so theirs never count as
+/// unsent). A call that failed otherwise (a timeout, an error after waiting)
+/// may have run: its caller must not make it again.
+pub async fn unsent_on_failure<T>(
+    call: impl Future<Output = RedisResult<T>>,
+) -> (RedisResult<T>, bool) {
+    let (result, waited) = watching_for_waits(call).await;
+    let unsent = result
+        .as_ref()
+        .is_err_and(|e| !waited && is_broken_connection(e));
+    (result, unsent)
+}
+
 /// Runs `future` to its end, and tells whether it ever waited (returned
 /// `Pending`).
 async fn watching_for_waits<F: Future>(future: F) -> (F::Output, bool) {

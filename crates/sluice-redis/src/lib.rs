@@ -42,6 +42,7 @@ mod url;
 pub use connection::{
     CLUSTER_OPEN_TIMEOUT, CONNECT_TIMEOUT, ConnectError, Connection, MAX_RETRY_DELAY,
     MIN_RESPONSE_TIMEOUT, OPEN_TIMEOUT, RETRIES, SENTINEL_ASK_INTERVAL, SentinelMaster,
+    unsent_on_failure,
 };
 pub use url::{RedisUrl, SENTINEL_PORT, TlsFiles, UrlError, UrlKind};
 

@@ -89,10 +89,18 @@ impl<S: BudgetStore, C: Clock> BudgetStore for Guarded<S, C> {
         wants: &[u32],
         backs: &[(Budget, sluice_core::GiveBack)],
     ) -> Result<(Decision, Vec<u32>), StoreError> {
-        self.permit()?;
+        if let Err(e) = self.permit() {
+            // Not sent: the leftovers wait in the store for its recovery.
+            self.inner.keep_give_backs(backs);
+            return Err(e);
+        }
         let result = self.inner.take_leases(budgets, wants, backs).await;
         self.record(&result);
         result
+    }
+
+    fn keep_give_backs(&self, backs: &[(Budget, sluice_core::GiveBack)]) {
+        self.inner.keep_give_backs(backs);
     }
 
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {

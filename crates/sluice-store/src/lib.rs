@@ -159,6 +159,15 @@ pub trait BudgetStore: Send + Sync {
         }
     }
 
+    /// Keeps `backs`, leftovers of ended leases whose call was never made (a
+    /// circuit breaker turned it away), to give back in the next
+    /// [`BudgetStore::take_leases`]: a store shared by replicas returns them
+    /// once it answers again (SPEC D4). The default drops them: units unused
+    /// until their window ends, never over-admitted.
+    fn keep_give_backs(&self, backs: &[(Budget, sluice_core::GiveBack)]) {
+        let _ = backs;
+    }
+
     /// Reports what [`BudgetStore::decide`] would say, changing nothing.
     ///
     /// # Errors

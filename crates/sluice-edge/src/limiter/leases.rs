@@ -482,8 +482,11 @@ impl<S: BudgetStore> Limiter<S> {
             .collect();
         let backs = self.leases.take_pending();
         let answer = if wants.iter().any(|&w| w > 0) || !backs.is_empty() {
-            // Leftovers given back in this call: lost if it fails (units
-            // unused, never over-admitted).
+            // Leftovers given back in this call. If it fails, the store
+            // keeps those it knows it did not send (and, while it does not
+            // answer, holds them all) for the call after its recovery; those
+            // of a call that may have run are dropped (units unused, never
+            // over-admitted).
             self.store.take_leases(&sent, &wants, &backs).await
         } else {
             self.store

@@ -165,7 +165,20 @@ pub struct RedisStore {
     timeout: Duration,
     /// Decides at this clock's time instead of the Redis server's (tests).
     clock: Option<Arc<dyn Clock>>,
+    /// Leftovers of leases not given back yet (SPEC D4): those of calls known
+    /// never to have reached Redis, and those held while Redis does not
+    /// answer. Given back in a call that takes leases once Redis answers again,
+    /// so that an outage returns them on recovery. At most [`MAX_UNSENT_BACKS`].
+    unsent: Arc<parking_lot::Mutex<Vec<(Budget, GiveBack)>>>,
+    /// Whether the last call answered: while not, leftovers are held rather
+    /// than sent in calls that may fail after reaching Redis (which would
+    /// leave them neither known given back nor safe to send again).
+    answering: Arc<std::sync::atomic::AtomicBool>,
 }
+
+/// The most leftovers kept for the call after an outage; past it the oldest
+/// are dropped (units unused until their window ends, never over-admitted).
+const MAX_UNSENT_BACKS: usize = 4_096;
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -231,7 +244,25 @@ impl RedisStore {
             prefix: config.prefix,
             timeout: config.timeout,
             clock,
+            unsent: Arc::default(),
+            answering: Arc::new(std::sync::atomic::AtomicBool::new(true)),
         })
+    }
+
+    /// Up to `room` of the leftovers kept from calls that never reached Redis,
+    /// oldest first.
+    fn take_unsent(&self, room: usize) -> Vec<(Budget, GiveBack)> {
+        let mut unsent = self.unsent.lock();
+        let n = unsent.len().min(room);
+        unsent.drain(..n).collect()
+    }
+
+    /// Keeps `backs`, whose call never reached Redis, for the next call.
+    fn keep_unsent(&self, backs: &[(Budget, GiveBack)]) {
+        let mut unsent = self.unsent.lock();
+        unsent.extend_from_slice(backs);
+        let over = unsent.len().saturating_sub(MAX_UNSENT_BACKS);
+        unsent.drain(..over);
     }
 
     /// The Redis key of a budget: `<prefix>{<subject>}:<scope>`.
@@ -430,15 +461,22 @@ impl RedisStore {
                     .map(|(t, mut answers)| (part, t, answers.pop().unwrap_or_default()))
             }
         });
-        let given_back = alone.iter().map(|(b, back)| {
-            // Lost if it fails: units unused, never over-admitted.
-            self.invoke(
-                "adjust",
-                std::slice::from_ref(b),
-                -i64::from(back.units),
-                micros(back.reserved_at),
-            )
-        });
+        // The other subjects' leftovers, a call per subject (kept for the next
+        // call when it never reached Redis, lost when it may have: units
+        // unused, never over-admitted).
+        let mut alone_groups: Vec<Vec<(Budget, GiveBack)>> = Vec::new();
+        for back in alone {
+            match alone_groups.iter_mut().find(|g| {
+                g.first()
+                    .is_some_and(|(b, _)| b.key.subject() == back.0.key.subject())
+            }) {
+                Some(group) => group.push(back),
+                None => alone_groups.push(vec![back]),
+            }
+        }
+        let given_back = alone_groups
+            .iter()
+            .map(|group| self.invoke_many("spend", &[], 0, 0, &[], group));
         let (answers, _) = futures_util::future::join(
             futures_util::future::join_all(calls),
             futures_util::future::join_all(given_back),
@@ -608,10 +646,21 @@ impl RedisStore {
                 invocation.arg(i + 1);
             }
         }
-        let reply: Vec<i64> = tokio::time::timeout(self.timeout, self.conn.invoke(&invocation))
-            .await
-            .map_err(|_| unavailable(format!("redis did not answer within {:?}", self.timeout)))?
-            .map_err(unavailable)?;
+        let (reply, unsent) = tokio::time::timeout(
+            self.timeout,
+            sluice_redis::unsent_on_failure(self.conn.invoke::<Vec<i64>>(&invocation)),
+        )
+        .await
+        .map_err(|_| {
+            self.answering.store(false, Ordering::Relaxed);
+            unavailable(format!("redis did not answer within {:?}", self.timeout))
+        })?;
+        self.answering.store(reply.is_ok(), Ordering::Relaxed);
+        if unsent && !backs.is_empty() {
+            // Never reached Redis: the leftovers go in a later call.
+            self.keep_unsent(backs);
+        }
+        let reply = reply.map_err(unavailable)?;
         let total: usize = requests.iter().map(|r| r.len()).sum();
         let (at, mut rows) = parse_reply(&reply, total + backs.len())?;
         rows.drain(..backs.len());
@@ -865,11 +914,24 @@ impl BudgetStore for RedisStore {
             .iter()
             .zip(wants)
             .any(|(b, &w)| w > b.cost && matches!(b.rate, Rate::FixedWindow { .. }));
+        // While Redis does not answer, leftovers are held; once it answers
+        // again, those held go first.
+        let merged: Vec<(Budget, GiveBack)>;
+        let mut backs = backs;
+        if self.answering.load(Ordering::Relaxed) {
+            let kept = self.take_unsent(MAX_BUDGETS.saturating_sub(backs.len()));
+            if !kept.is_empty() {
+                merged = kept.into_iter().chain(backs.iter().copied()).collect();
+                backs = &merged;
+            }
+        } else {
+            self.keep_unsent(backs);
+            backs = &[];
+        }
         let backs_fit = backs.len() <= MAX_BUDGETS
             && backs
                 .iter()
                 .all(|(b, _)| matches!(b.rate, Rate::FixedWindow { .. }));
-        let mut backs = backs;
         if !backs_fit {
             // Leftovers the script does not take in the call (of another rate,
             // or too many): given back one by one first.
@@ -904,6 +966,10 @@ impl BudgetStore for RedisStore {
             vec![0; budgets.len()]
         };
         Ok((d, grants))
+    }
+
+    fn keep_give_backs(&self, backs: &[(Budget, GiveBack)]) {
+        self.keep_unsent(backs);
     }
 
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
