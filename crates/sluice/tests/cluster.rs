@@ -20,6 +20,16 @@ use sluice_store::{BudgetStore, RedisConfig, RedisStore};
 use support::redis::RedisCluster;
 use support::{Sluice, send};
 
+/// Three gateways on `cluster` with the policy `yaml`, written to `path`.
+fn three_replicas(cluster: &RedisCluster, path: &std::path::Path, yaml: &str) -> Vec<Sluice> {
+    std::fs::write(path, yaml).expect("write policy");
+    let policy = path.to_str().expect("utf-8 path");
+    let url = cluster.url();
+    (0..3)
+        .map(|_| Sluice::spawn(&["--config", policy, "--store", &url]))
+        .collect()
+}
+
 fn budget(scope: &str, subject: &[u8], limit: u32) -> Budget {
     Budget::per_window(BudgetKey::new(scope, subject), limit, NonZeroU32::MAX)
 }
@@ -60,12 +70,7 @@ async fn d2_three_replicas_on_a_cluster_admit_exactly_the_limit_and_refusals_ref
         )
         .edit("expensive: fail_open }", "expensive: fail_closed }")
         .edit("timeout_ms: 20", "timeout_ms: 2000");
-    std::fs::write(&policy, yaml).expect("write policy");
-    let policy = policy.to_str().expect("utf-8 path").to_owned();
-    let url = cluster.url();
-    let replicas: Vec<Sluice> = (0..3)
-        .map(|_| Sluice::spawn(&["--config", &policy, "--store", &url]))
-        .collect();
+    let replicas = three_replicas(&cluster, &policy, &yaml);
     let tasks: Vec<_> = (0..200)
         .map(|i| {
             let url = replicas[i % 3].url("/chats");
@@ -192,12 +197,7 @@ async fn d4_leases_on_a_cluster_are_all_or_nothing_and_within_the_bound() {
                  ip: {{ consistency: leased, lease: {LEASE}, lease_ms: 1000 }}\nstore:\n"
             ),
         );
-    std::fs::write(&policy, yaml).expect("write policy");
-    let policy = policy.to_str().expect("utf-8 path").to_owned();
-    let url = cluster.url();
-    let replicas: Vec<Sluice> = (0..3)
-        .map(|_| Sluice::spawn(&["--config", &policy, "--store", &url]))
-        .collect();
+    let replicas = three_replicas(&cluster, &policy, &yaml);
     const REQUESTS: usize = 300;
     let tasks: Vec<_> = (0..6)
         .map(|w| {

@@ -189,6 +189,33 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
+/// The positions of `budgets` by subject: a subject's budgets share a Redis
+/// Cluster slot (their keys' hash tag), in the order subjects first appear.
+fn by_subject(budgets: &[Budget]) -> Vec<(u64, Vec<usize>)> {
+    let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
+    for (i, b) in budgets.iter().enumerate() {
+        match groups.iter_mut().find(|(s, _)| *s == b.key.subject()) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((b.key.subject(), vec![i])),
+        }
+    }
+    groups
+}
+
+/// The decision over `budgets` the script's `rows` say, and the units each
+/// budget granted (its cost, or a lease's more; 0 for all when refused).
+fn granted(at: Timestamp, rows: &[Row], budgets: &[Budget]) -> (Decision, Vec<u32>) {
+    let d = decision(at, rows, budgets, true);
+    let grants = if d.is_admitted() {
+        rows.iter()
+            .map(|r| to_u32(r.before.saturating_sub(r.after)))
+            .collect()
+    } else {
+        vec![0; budgets.len()]
+    };
+    (d, grants)
+}
+
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
     StoreError::Unavailable(e.to_string())
 }
@@ -368,13 +395,7 @@ impl RedisStore {
         delta: i64,
         reserved_us: u64,
     ) -> Result<(Timestamp, Vec<Row>), StoreError> {
-        let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
-        for (i, b) in budgets.iter().enumerate() {
-            match groups.iter_mut().find(|(s, _)| *s == b.key.subject()) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((b.key.subject(), vec![i])),
-            }
-        }
+        let groups = by_subject(budgets);
         let calls = groups.iter().map(|(_, members)| {
             let part: Vec<Budget> = members.iter().map(|&i| budgets[i]).collect();
             async move {
@@ -434,13 +455,7 @@ impl RedisStore {
         wants: &[u32],
         backs: &[(Budget, GiveBack)],
     ) -> Result<(Decision, Vec<u32>), StoreError> {
-        let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
-        for (i, b) in budgets.iter().enumerate() {
-            match groups.iter_mut().find(|(s, _)| *s == b.key.subject()) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((b.key.subject(), vec![i])),
-            }
-        }
+        let groups = by_subject(budgets);
         let (riding, alone): (Vec<_>, Vec<_>) = backs
             .iter()
             .partition(|(b, _)| groups.iter().any(|(s, _)| *s == b.key.subject()));
@@ -515,15 +530,7 @@ impl RedisStore {
             return Err(e);
         }
         let rows: Vec<Row> = rows.into_iter().flatten().collect();
-        let d = decision(at.unwrap_or_default(), &rows, budgets, true);
-        let grants = if d.is_admitted() {
-            rows.iter()
-                .map(|r| to_u32(r.before.saturating_sub(r.after)))
-                .collect()
-        } else {
-            vec![0; budgets.len()]
-        };
-        Ok((d, grants))
+        Ok(granted(at.unwrap_or_default(), &rows, budgets))
     }
 
     /// One script call over budgets that share a slot (or any, on one Redis).
@@ -957,15 +964,7 @@ impl BudgetStore for RedisStore {
             .invoke_many("spend", &[budgets], 0, 0, wants, backs)
             .await?;
         let rows = answers.pop().unwrap_or_default();
-        let d = decision(at, &rows, budgets, true);
-        let grants = if d.is_admitted() {
-            rows.iter()
-                .map(|r| to_u32(r.before.saturating_sub(r.after)))
-                .collect()
-        } else {
-            vec![0; budgets.len()]
-        };
-        Ok((d, grants))
+        Ok(granted(at, &rows, budgets))
     }
 
     fn keep_give_backs(&self, backs: &[(Budget, GiveBack)]) {
