@@ -365,11 +365,11 @@ where
 }
 
 /// Makes `call` and tells, when it failed, whether it is known never to have
-/// reached Redis, by the rule [`again_if_unsent`] goes by: it failed with a
-/// connection-level error without ever having waited (on one server or
-/// through Sentinel; a Cluster's calls always wait, so theirs never count as
-/// unsent). A call that failed otherwise (a timeout, an error after waiting)
-/// may have run: its caller must not make it again.
+/// reached Redis, by the rule by which a failed call is made once more on one
+/// server and through Sentinel: it failed with a connection-level error
+/// without ever having waited (a Cluster's calls always wait, so theirs never
+/// count as unsent). A call that failed otherwise (a timeout, an error after
+/// waiting) may have run: its caller must not make it again.
 pub async fn unsent_on_failure<T>(
     call: impl Future<Output = RedisResult<T>>,
 ) -> (RedisResult<T>, bool) {
