@@ -3,7 +3,10 @@
 //! a new question, ~150 prompt tokens), when every message is new to the thread
 //! (each is tokenized) and when all but the question were counted before (a
 //! conversation's next turn: their counts are kept); beside it the JSON parse
-//! alone, the part no tokenizer can save.
+//! alone, the part no tokenizer can save. Then one text's count by the
+//! encoding as sluice counts it (ASCII split without the encoding's regular
+//! expression) beside the encoding's own count (`bpe-openai`, by the
+//! expression), on texts new each time.
 
 use std::hint::black_box;
 
@@ -47,6 +50,34 @@ fn estimate(c: &mut Criterion) {
         b.iter(|| {
             i = (i + 1) % new.len();
             black_box(check_body(&new[i]))
+        });
+    });
+    group.finish();
+
+    // A conversation's new question: short enough that no count is kept for
+    // it (under 64 bytes), so each is tokenized.
+    let texts: Vec<String> = (0..4096)
+        .map(|n| {
+            format!(
+                "Thanks. Question {n} of thread 7: does release 4.{} change?",
+                n % 97
+            )
+        })
+        .collect();
+    assert!(texts.iter().all(|t| t.len() < 64));
+    let mut group = c.benchmark_group("count a new question (~17 tokens)");
+    let mut i = 0;
+    group.bench_function("sluice (Encoding::count)", |b| {
+        b.iter(|| {
+            i = (i + 1) % texts.len();
+            black_box(sluice_tokens::Encoding::O200kBase.count(&texts[i]))
+        });
+    });
+    let mut i = 0;
+    group.bench_function("bpe-openai (Tokenizer::count)", |b| {
+        b.iter(|| {
+            i = (i + 1) % texts.len();
+            black_box(bpe_openai::o200k_base().count(texts[i].as_str()))
         });
     });
     group.finish();

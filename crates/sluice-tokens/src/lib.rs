@@ -41,6 +41,8 @@
 
 mod api;
 #[cfg(feature = "tokenizer")]
+mod ascii_split;
+#[cfg(feature = "tokenizer")]
 mod count_cache;
 pub mod tokens;
 pub mod usage;

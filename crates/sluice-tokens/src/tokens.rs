@@ -89,10 +89,31 @@ impl Encoding {
             return 0;
         }
         #[cfg(feature = "tokenizer")]
-        let n = crate::count_cache::count(self, text, |text| self.tokenizer().count(text));
+        let n = crate::count_cache::count(self, text, |text| self.tokenize(text));
         #[cfg(not(feature = "tokenizer"))]
         let n = text.len().div_ceil(3);
         u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// Tokens in `text` by the encoding: ASCII text split without the
+    /// encoding's regular expression ([`crate::ascii_split`], the same pieces),
+    /// any other by it.
+    #[cfg(feature = "tokenizer")]
+    fn tokenize(self, text: &str) -> usize {
+        use crate::ascii_split::{Split, pieces};
+        let tokenizer = self.tokenizer();
+        if !text.is_ascii() {
+            return tokenizer.count(text);
+        }
+        let split = match self {
+            Encoding::O200kBase => Split::O200k,
+            Encoding::Cl100kBase => Split::Cl100k,
+        };
+        let mut n = 0;
+        pieces(text.as_bytes(), split, |piece| {
+            n += tokenizer.bpe.count(piece)
+        });
+        n
     }
 
     /// Builds the tokenizer now (a server warms it at start so the first
@@ -668,6 +689,26 @@ mod tests {
             &opts(),
         );
         assert_eq!(free.total(), 0);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// The count of any text, ASCII (split without the expression) or not,
+        /// is the encoding's own.
+        #[test]
+        fn c2_counts_are_the_encodings_own(parts in proptest::collection::vec(
+            proptest::sample::select(vec!["Hello", " world", "'s", "\n\n", "  ", "42", "é", "日本", "?!", "/", "I'M", "naïve"]),
+            0..40,
+        )) {
+            let text = parts.concat();
+            for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+                proptest::prop_assert_eq!(
+                    encoding.count(&text) as usize,
+                    encoding.tokenizer().count(text.as_str())
+                );
+            }
+        }
     }
 
     #[test]
