@@ -361,7 +361,12 @@ impl<S: BudgetStore> Limiter<S> {
         // as small as one decision's.
         // On the heap: the request's future stays small (it is moved whole).
         let mut budgets: Vec<Budget> = plan.counted.iter().map(|c| c.budget).collect();
-        let mut decision = match self.store().decide(&budgets).await {
+        let leases: arrayvec::ArrayVec<Option<sluice_core::LeaseTerms>, MAX_BUDGETS> = plan
+            .counted
+            .iter()
+            .map(|c| c.rule.consistency.lease())
+            .collect();
+        let mut decision = match self.decide_rules(&leases, &budgets).await {
             Ok(d) => d,
             Err(error) => return self.outage(answer, domain, &error.to_string()),
         };
@@ -380,7 +385,7 @@ impl<S: BudgetStore> Limiter<S> {
             // future stays as small as one decision's.
             let first = Box::new(decision);
             waive(&mut budgets, waived);
-            decision = match self.store().decide(&budgets).await {
+            decision = match self.decide_rules(&leases, &budgets).await {
                 Ok(d) => d,
                 Err(error) => return self.outage(answer, domain, &error.to_string()),
             };
@@ -388,6 +393,24 @@ impl<S: BudgetStore> Limiter<S> {
         }
         self.describe_decision(domain, plan, &decision, refused.as_ref(), &mut answer);
         answer
+    }
+
+    /// Decides the counted rules' `budgets` all or nothing: from leases where
+    /// their rules are leased (`leases`, one for each) and the store takes them,
+    /// else on the store (SPEC D4).
+    async fn decide_rules(
+        &self,
+        leases: &[Option<sluice_core::LeaseTerms>],
+        budgets: &[Budget],
+    ) -> Result<sluice_core::Decision, sluice_store::StoreError> {
+        if leases.iter().any(Option::is_some) {
+            // On the heap: an exact rule's request future stays as small as
+            // one store decision's.
+            if let Some(decided) = Box::pin(self.decide_by_leases(leases, budgets, None)).await {
+                return decided.map(|d| *d);
+            }
+        }
+        self.store().decide(budgets).await
     }
 
     /// True when `rule` decides in shadow mode: its own `shadow_mode`, or every

@@ -110,7 +110,8 @@ impl Policy {
 
     /// One line per leased budget (SPEC D4): its lease and its bound per window for
     /// the policy's `store.replicas`, `limit + replicas × lease` (for the active
-    /// profile's limit).
+    /// profile's limit), classes and ceilings first, then the rate-limit
+    /// service's rules (by domain and rule).
     pub fn describe_leases(&self) -> Vec<String> {
         let replicas = self.store.replicas.get();
         let classes = self.class_ids().filter_map(|c| {
@@ -122,16 +123,31 @@ impl Policy {
             let terms = c.consistency.lease()?;
             Some((c.name.as_str(), self.profile.ceiling(i).get(), terms))
         });
-        classes
+        let window = self.window;
+        let budgets = classes
             .chain(ceilings)
-            .map(|(name, limit, terms)| {
+            .map(|(name, limit, terms)| (name.to_owned(), limit, terms, window.get()));
+        // The rate-limit service's rules, each by its domain and where it is.
+        let rules = self.domains.iter().flat_map(|d| {
+            d.rules.iter().filter_map(move |r| {
+                let terms = r.consistency.lease()?;
+                Some((
+                    format!("{} {}", d.name, r.id),
+                    r.limit,
+                    terms,
+                    r.unit.seconds(),
+                ))
+            })
+        });
+        budgets
+            .chain(rules)
+            .map(|(name, limit, terms, window)| {
                 format!(
-                    "leased: {name}: leases of at most {} units for at most {} ms; with {replicas} replica(s) at most {limit} + {replicas} x {} = {} admitted per {} s window (exact: {limit})",
+                    "leased: {name}: leases of at most {} units for at most {} ms; with {replicas} replica(s) at most {limit} + {replicas} x {} = {} admitted per {window} s window (exact: {limit})",
                     terms.units,
                     terms.millis,
                     terms.units,
                     terms.bound(limit, replicas),
-                    self.window,
                 )
             })
             .collect()

@@ -6,7 +6,9 @@
 //!
 //! sluice reads a few keys beyond that format: `algorithm` (`fixed`, the
 //! default and the reference's, `sliding` or `gcra`) and `burst` on a
-//! `rate_limit`, and `outage` (`fail_open`, the default, or `fail_closed`) on a
+//! `rate_limit`; `consistency` (`exact`, the default, or `leased`), `lease` and
+//! `lease_ms` on one, as on a class (SPEC D4: replicas on Redis decide from
+//! leases of it); and `outage` (`fail_open`, the default, or `fail_closed`) on a
 //! domain. A file of that project loads unchanged; a key neither format has is
 //! named with its path.
 //!
@@ -126,6 +128,8 @@ pub struct DescriptorRule {
     pub algorithm: Algorithm,
     /// `unlimited: true`: always admitted, never counted.
     pub unlimited: bool,
+    /// Decided on the store each time, or from leases of it (SPEC D4).
+    pub consistency: crate::model::Consistency,
     /// `shadow_mode: true`: decided and counted, never refuses.
     pub shadow: bool,
     /// `detailed_metric: true`: its metrics name each value apart.
@@ -750,6 +754,9 @@ fn rate_limit(
             "unlimited",
             "algorithm",
             "burst",
+            "consistency",
+            "lease",
+            "lease_ms",
         ],
     )?;
     let unlimited = r.flag(map, at, "unlimited");
@@ -762,6 +769,7 @@ fn rate_limit(
     if !unit_takes_algorithm(r, at, unit, algorithm) {
         return None;
     }
+    let consistency = rate_limit_consistency(r, map, at, (unit, algorithm, limit))?;
     let index = rules.len();
     if !replaces.is_empty() {
         pending.push((index, replaces, join(at, "replaces")));
@@ -773,6 +781,7 @@ fn rate_limit(
         unit,
         algorithm,
         unlimited,
+        consistency,
         shadow,
         detailed_metric,
         replaces: Vec::new(),
@@ -933,6 +942,61 @@ fn rate_limit_algorithm(
         }
     };
     Some(algorithm)
+}
+
+/// The `consistency:`, `lease:` and `lease_ms:` of the rate limit at `at`, which
+/// counts `limit` per `unit` by `algorithm`; `None` (with a problem) when they
+/// are wrong. A month stays exact (SPEC D4: monthly counts are never leased).
+fn rate_limit_consistency(
+    r: &mut Reader<'_>,
+    map: &serde_json::Map<String, Value>,
+    at: &str,
+    (unit, algorithm, limit): (Unit, Algorithm, u32),
+) -> Option<crate::model::Consistency> {
+    let whole = |key: &str, r: &mut Reader<'_>| match map.get(key) {
+        None => Some(None),
+        Some(v) => match v.as_u64().and_then(|n| u32::try_from(n).ok()) {
+            Some(n) => Some(Some(n)),
+            None => {
+                r.problem(
+                    join(at, key),
+                    "expected a whole number from 0 to 4294967295",
+                );
+                None
+            }
+        },
+    };
+    let lease = whole("lease", r)?;
+    let lease_ms = whole("lease_ms", r)?;
+    let consistency = match map.get("consistency") {
+        None => None,
+        Some(Value::String(c)) => Some(c.as_str()),
+        Some(_) => {
+            r.problem(join(at, "consistency"), "expected exact or leased");
+            return None;
+        }
+    };
+    if consistency == Some("leased") && unit == Unit::Month {
+        r.problem(
+            join(at, "consistency"),
+            "a month is counted as a monthly quota, which stays exact (SPEC D4): remove it or write `exact`",
+        );
+        return None;
+    }
+    let spec = crate::model::LeaseSpec {
+        consistency,
+        lease,
+        lease_ms,
+    };
+    match spec.check(algorithm, unit.seconds(), &[(String::new(), limit)]) {
+        Ok(c) => Some(c),
+        Err(problems) => {
+            for (key, message) in problems {
+                r.problem(join(at, key), message);
+            }
+            None
+        }
+    }
 }
 
 /// False (with a problem) when `algorithm` cannot count windows of `unit`: a month

@@ -188,3 +188,82 @@ fn d4_monthly_quotas_and_money_budgets_stay_exact() {
         "{e}"
     );
 }
+
+/// The rate-limit service's rules are leased as classes are (`consistency`,
+/// `lease` and `lease_ms` on a `rate_limit`), and `sluice check` prints their bound.
+#[test]
+fn d4_rate_limit_service_rules_may_be_leased_and_check_prints_their_bound() {
+    let p = policy(
+        "store: { replicas: 2 }
+domains:
+  - domain: api
+    descriptors:
+      - key: user
+        rate_limit: { unit: minute, requests_per_unit: 600, consistency: leased, lease: 25, lease_ms: 250 }
+      - key: path
+        rate_limit: { unit: second, requests_per_unit: 50 }
+",
+    );
+    let rules = &p.domains[0].rules;
+    assert_eq!(
+        rules[0].consistency,
+        Consistency::Leased(LeaseTerms::new(nz(25), nz(250)))
+    );
+    assert_eq!(rules[1].consistency, Consistency::Exact);
+    let text = p.describe();
+    assert!(
+        text.contains("leased: api user: leases of at most 25 units for at most 250 ms; with 2 replica(s) at most 600 + 2 x 25 = 650 admitted per 60 s window (exact: 600)"),
+        "{text}"
+    );
+    assert!(!text.contains("leased: api path"), "{text}");
+}
+
+/// Each bad leased rule is refused with its key path: a lease above the rule's
+/// limit, a `lease_ms` past its unit, a month (a monthly count stays exact), an
+/// algorithm other than fixed, a lease on an exact rule, a word not known.
+#[test]
+fn d4_bad_leased_rate_limit_service_rules_are_refused_with_their_key_path() {
+    let rule = |rate_limit: &str| {
+        problems(&format!(
+            "domains:\n  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {rate_limit}\n"
+        ))
+    };
+    let cases = [
+        (
+            "{ unit: second, requests_per_unit: 10, consistency: leased, lease: 11 }",
+            "descriptors[0].rate_limit.lease: a lease of 11 is larger than the limit 10",
+        ),
+        (
+            "{ unit: second, requests_per_unit: 10, consistency: leased, lease: 5, lease_ms: 1001 }",
+            "descriptors[0].rate_limit.lease_ms: expected 1 to 1000 milliseconds",
+        ),
+        (
+            "{ unit: month, requests_per_unit: 10, consistency: leased, lease: 5 }",
+            "descriptors[0].rate_limit.consistency: a month is counted as a monthly quota, which stays exact",
+        ),
+        (
+            "{ unit: minute, requests_per_unit: 10, algorithm: sliding, consistency: leased, lease: 5 }",
+            "descriptors[0].rate_limit.consistency: a leased budget counts in fixed windows",
+        ),
+        (
+            "{ unit: minute, requests_per_unit: 10, lease: 5 }",
+            "descriptors[0].rate_limit.lease: `lease` is for `consistency: leased`",
+        ),
+        (
+            "{ unit: minute, requests_per_unit: 10, consistency: leased }",
+            "descriptors[0].rate_limit.lease: required with `consistency: leased`",
+        ),
+        (
+            "{ unit: minute, requests_per_unit: 10, consistency: eventual, lease: 5 }",
+            "descriptors[0].rate_limit.consistency: expected exact or leased, got \"eventual\"",
+        ),
+        (
+            "{ unit: minute, requests_per_unit: 10, consistency: leased, lease: -1 }",
+            "descriptors[0].rate_limit.lease: expected a whole number",
+        ),
+    ];
+    for (rate_limit, expected) in cases {
+        let e = rule(rate_limit);
+        assert!(e.contains(expected), "{rate_limit}: {e}");
+    }
+}

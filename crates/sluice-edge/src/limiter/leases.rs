@@ -291,11 +291,29 @@ impl<S: BudgetStore> Limiter<S> {
         let terms: ArrayVec<Option<LeaseTerms>, MAX_BUDGETS> = plan
             .kinds
             .iter()
+            .map(|k| terms_of(&self.policy, k))
+            .collect();
+        self.decide_by_leases(&terms, budgets, Some(plan)).await
+    }
+
+    /// Decides `budgets` with leases of those `terms` (one for each, in order)
+    /// lease; `None` when none is leased (or the store takes no leases). A
+    /// `plan`'s request falls back on its outage rule when the store does not
+    /// answer; without one (a rate-limit service request, whose domain has its
+    /// own rule) the store's error is returned.
+    pub(crate) async fn decide_by_leases(
+        &self,
+        terms: &[Option<LeaseTerms>],
+        budgets: &[Budget],
+        plan: Option<&Plan>,
+    ) -> Option<Result<Box<Decision>, StoreError>> {
+        if !self.store.leases() || budgets.len() != terms.len() {
+            return None;
+        }
+        let terms: ArrayVec<Option<LeaseTerms>, MAX_BUDGETS> = terms
+            .iter()
             .zip(budgets)
-            .map(|(k, b)| {
-                terms_of(&self.policy, k)
-                    .filter(|_| b.cost > 0 && matches!(b.rate, Rate::FixedWindow { .. }))
-            })
+            .map(|(t, b)| t.filter(|_| b.cost > 0 && matches!(b.rate, Rate::FixedWindow { .. })))
             .collect();
         if terms.iter().all(Option::is_none) {
             return None;
@@ -452,7 +470,7 @@ impl<S: BudgetStore> Limiter<S> {
     /// part of the answer.
     async fn decide_with_store(
         &self,
-        plan: &Plan,
+        plan: Option<&Plan>,
         budgets: &[Budget],
         parts: &[Part],
         now: Timestamp,
@@ -490,7 +508,7 @@ impl<S: BudgetStore> Limiter<S> {
             self.store.take_leases(&sent, &wants, &backs).await
         } else {
             self.store
-                .decide_from(&sent, plan.network)
+                .decide_from(&sent, plan.map_or(0, |p| p.network))
                 .await
                 .map(|d| (d, Vec::new()))
         };
@@ -506,12 +524,13 @@ impl<S: BudgetStore> Limiter<S> {
                     return Err(e);
                 };
                 self.set_degraded(true);
-                return if self.fails_open(plan) {
-                    self.metrics.local.increment(1);
-                    self.counts.local.fetch_add(1, Ordering::Relaxed);
-                    self.decide_locally(plan, budgets).map(Box::new)
-                } else {
-                    Err(StoreError::Unavailable(why))
+                return match plan {
+                    Some(plan) if self.fails_open(plan) => {
+                        self.metrics.local.increment(1);
+                        self.counts.local.fetch_add(1, Ordering::Relaxed);
+                        self.decide_locally(plan, budgets).map(Box::new)
+                    }
+                    _ => Err(StoreError::Unavailable(why)),
                 };
             }
         };

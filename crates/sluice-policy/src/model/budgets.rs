@@ -178,6 +178,124 @@ impl Consistency {
     }
 }
 
+/// A budget's `consistency:`, `lease:` and `lease_ms:` as written (SPEC D4),
+/// checked the same way wherever a budget may be leased: classes, ceilings,
+/// buckets and the rate-limit service's descriptor rules.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LeaseSpec<'a> {
+    /// `exact` (also when absent) or `leased`.
+    pub consistency: Option<&'a str>,
+    /// `leased` only: the most units one replica takes at once.
+    pub lease: Option<u32>,
+    /// `leased` only: the longest a lease lives, in milliseconds.
+    pub lease_ms: Option<u32>,
+}
+
+impl LeaseSpec<'_> {
+    /// The consistency of a budget counted by `algorithm` in windows of
+    /// `window` seconds, whose limits are `limits` (each with where it is set),
+    /// or each problem as (key, message).
+    pub(crate) fn check(
+        self,
+        algorithm: Algorithm,
+        window: u32,
+        limits: &[(String, u32)],
+    ) -> Result<Consistency, Vec<(&'static str, String)>> {
+        let mut problems = Vec::new();
+        match self.consistency {
+            None | Some("exact") => {
+                for (key, set) in [
+                    ("lease", self.lease.is_some()),
+                    ("lease_ms", self.lease_ms.is_some()),
+                ] {
+                    if set {
+                        problems.push((
+                            key,
+                            format!("`{key}` is for `consistency: leased`; this budget is exact"),
+                        ));
+                    }
+                }
+                if problems.is_empty() {
+                    return Ok(Consistency::Exact);
+                }
+            }
+            Some("leased") => {
+                if algorithm != Algorithm::Fixed {
+                    problems.push((
+                        "consistency",
+                        format!(
+                            "a leased budget counts in fixed windows; this one is {} (make it `algorithm: fixed` or `consistency: exact`)",
+                            algorithm.name()
+                        ),
+                    ));
+                }
+                let units = match self.lease {
+                    None => {
+                        problems.push((
+                            "lease",
+                            "required with `consistency: leased`: the most units one replica takes at once, 1 to the limit".to_owned(),
+                        ));
+                        None
+                    }
+                    Some(0) => {
+                        problems.push((
+                            "lease",
+                            "must be at least 1: the most units one replica takes at once"
+                                .to_owned(),
+                        ));
+                        None
+                    }
+                    Some(lease) => {
+                        for (whose, limit) in limits {
+                            if lease > *limit {
+                                problems.push((
+                                    "lease",
+                                    format!(
+                                        "a lease of {lease} is larger than the limit {limit}{whose}: at most the limit"
+                                    ),
+                                ));
+                            }
+                        }
+                        NonZeroU32::new(lease)
+                    }
+                };
+                let millis = self.lease_ms.unwrap_or(sluice_core::MAX_LEASE_MILLIS);
+                let window_ms = u64::from(window) * 1000;
+                if millis == 0 || millis > sluice_core::MAX_LEASE_MILLIS {
+                    problems.push((
+                        "lease_ms",
+                        format!(
+                            "expected 1 to {} milliseconds (a lease lives at most 1 s), got {millis}",
+                            sluice_core::MAX_LEASE_MILLIS
+                        ),
+                    ));
+                } else if u64::from(millis) > window_ms {
+                    problems.push((
+                        "lease_ms",
+                        format!(
+                            "{millis} ms is longer than the window of {window} s: a lease never outlives its window"
+                        ),
+                    ));
+                }
+                if let (Some(units), Some(millis), true) =
+                    (units, NonZeroU32::new(millis), problems.is_empty())
+                {
+                    return Ok(Consistency::Leased(sluice_core::LeaseTerms::new(
+                        units, millis,
+                    )));
+                }
+            }
+            Some(other) => {
+                problems.push((
+                    "consistency",
+                    format!("expected exact or leased, got {other:?}"),
+                ));
+            }
+        }
+        Err(problems)
+    }
+}
+
 /// How a budget counts its limit per window (`algorithm:` in a policy file).
 ///
 /// Quotas are calendar months and take none; every other budget (a class, a per-IP

@@ -2,6 +2,7 @@
 //! here, its parts in one file each.
 
 mod budgets;
+pub(crate) use budgets::LeaseSpec;
 mod classes;
 mod identity;
 mod lanes;

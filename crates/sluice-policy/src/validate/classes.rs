@@ -333,98 +333,17 @@ impl Checker {
         window: u32,
         limits: &[(String, u32)],
     ) -> Option<Consistency> {
-        match a.consistency.as_deref() {
-            None | Some("exact") => {
-                let mut ok = true;
-                for (key, set) in [
-                    ("lease", a.lease.is_some()),
-                    ("lease_ms", a.lease_ms.is_some()),
-                ] {
-                    if set {
-                        self.problem(
-                            format!("{at}.{key}"),
-                            format!("`{key}` is for `consistency: leased`; this budget is exact"),
-                        );
-                        ok = false;
-                    }
+        let terms = crate::model::LeaseSpec {
+            consistency: a.consistency.as_deref(),
+            lease: a.lease,
+            lease_ms: a.lease_ms,
+        };
+        match terms.check(algorithm, window, limits) {
+            Ok(c) => Some(c),
+            Err(problems) => {
+                for (key, message) in problems {
+                    self.problem(format!("{at}.{key}"), message);
                 }
-                ok.then_some(Consistency::Exact)
-            }
-            Some("leased") => {
-                let mut ok = true;
-                if algorithm != Algorithm::Fixed {
-                    self.problem(
-                        format!("{at}.consistency"),
-                        format!(
-                            "a leased budget counts in fixed windows; this one is {} (make it `algorithm: fixed` or `consistency: exact`)",
-                            algorithm.name()
-                        ),
-                    );
-                    ok = false;
-                }
-                let units = match a.lease {
-                    None => {
-                        self.problem(
-                            format!("{at}.lease"),
-                            "required with `consistency: leased`: the most units one replica takes at once, 1 to the limit",
-                        );
-                        None
-                    }
-                    Some(0) => {
-                        self.problem(
-                            format!("{at}.lease"),
-                            "must be at least 1: the most units one replica takes at once",
-                        );
-                        None
-                    }
-                    Some(lease) => {
-                        for (whose, limit) in limits {
-                            if lease > *limit {
-                                self.problem(
-                                    format!("{at}.lease"),
-                                    format!(
-                                        "a lease of {lease} is larger than the limit {limit}{whose}: at most the limit"
-                                    ),
-                                );
-                                ok = false;
-                            }
-                        }
-                        NonZeroU32::new(lease)
-                    }
-                };
-                let millis = a.lease_ms.unwrap_or(sluice_core::MAX_LEASE_MILLIS);
-                let window_ms = u64::from(window) * 1000;
-                if millis == 0 || millis > sluice_core::MAX_LEASE_MILLIS {
-                    self.problem(
-                        format!("{at}.lease_ms"),
-                        format!(
-                            "expected 1 to {} milliseconds (a lease lives at most 1 s), got {millis}",
-                            sluice_core::MAX_LEASE_MILLIS
-                        ),
-                    );
-                    ok = false;
-                } else if u64::from(millis) > window_ms {
-                    self.problem(
-                        format!("{at}.lease_ms"),
-                        format!(
-                            "{millis} ms is longer than the window of {window} s: a lease never outlives its window"
-                        ),
-                    );
-                    ok = false;
-                }
-                let millis = NonZeroU32::new(millis);
-                match (units, millis, ok) {
-                    (Some(units), Some(millis), true) => Some(Consistency::Leased(
-                        sluice_core::LeaseTerms::new(units, millis),
-                    )),
-                    _ => None,
-                }
-            }
-            Some(other) => {
-                self.problem(
-                    format!("{at}.consistency"),
-                    format!("expected exact or leased, got {other:?}"),
-                );
                 None
             }
         }
