@@ -110,8 +110,8 @@ impl Policy {
 
     /// One line per leased budget (SPEC D4): its lease and its bound per window for
     /// the policy's `store.replicas`, `limit + replicas × lease` (for the active
-    /// profile's limit), classes and ceilings first, then the rate-limit
-    /// service's rules (by domain and rule).
+    /// profile's limit), classes and ceilings first, then buckets, then the
+    /// rate-limit service's rules (by domain and rule).
     pub fn describe_leases(&self) -> Vec<String> {
         let replicas = self.store.replicas.get();
         let classes = self.class_ids().filter_map(|c| {
@@ -127,6 +127,10 @@ impl Policy {
         let budgets = classes
             .chain(ceilings)
             .map(|(name, limit, terms)| (name.to_owned(), limit, terms, window.get()));
+        let buckets = self.buckets.iter().filter_map(|b| {
+            let terms = b.consistency.lease()?;
+            Some((b.name.clone(), b.limit.get(), terms, b.window.get()))
+        });
         // The rate-limit service's rules, each by its domain and where it is.
         let rules = self.domains.iter().flat_map(|d| {
             d.rules.iter().filter_map(move |r| {
@@ -140,6 +144,7 @@ impl Policy {
             })
         });
         budgets
+            .chain(buckets)
             .chain(rules)
             .map(|(name, limit, terms, window)| {
                 format!(

@@ -381,6 +381,15 @@ pub struct RawBucket {
     pub algorithm: Option<String>,
     /// `gcra` only: how many units may go at once, 1 to `limit` (default `limit`).
     pub burst: Option<u32>,
+    /// `exact` (default) or `leased` (SPEC D4), as for a class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistency: Option<String>,
+    /// `leased` only: the most units one replica takes at once, 1 to the limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<u32>,
+    /// `leased` only: the longest a lease lives, in milliseconds (default 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u32>,
 }
 
 /// One monthly quota family.

@@ -267,3 +267,55 @@ fn d4_bad_leased_rate_limit_service_rules_are_refused_with_their_key_path() {
         assert!(e.contains(expected), "{rate_limit}: {e}");
     }
 }
+
+/// A route bucket is leased as a class is, its lease at most its limit and
+/// each plan's, and `sluice check` prints its bound over its own window.
+#[test]
+fn d4_buckets_may_be_leased_within_their_limit_and_each_plans() {
+    let buckets = "buckets:
+  exports: { limit: 40, window_seconds: 10, per: caller, consistency: leased, lease: 8, lease_ms: 500 }
+  uploads: { limit: 5, window_seconds: 60, per: ip }
+";
+    let p = policy(&format!("store: {{ replicas: 3 }}\n{buckets}"));
+    let exports = p
+        .buckets
+        .iter()
+        .find(|b| b.name == "exports")
+        .expect("exports");
+    assert_eq!(
+        exports.consistency,
+        Consistency::Leased(LeaseTerms::new(nz(8), nz(500)))
+    );
+    let uploads = p
+        .buckets
+        .iter()
+        .find(|b| b.name == "uploads")
+        .expect("uploads");
+    assert_eq!(uploads.consistency, Consistency::Exact);
+    let text = p.describe();
+    assert!(
+        text.contains("leased: exports: leases of at most 8 units for at most 500 ms; with 3 replica(s) at most 40 + 3 x 8 = 64 admitted per 10 s window (exact: 40)"),
+        "{text}"
+    );
+    let e = problems(&format!(
+        "{buckets}plans:\n  free: {{ buckets: {{ exports: 4 }} }}\n"
+    ));
+    assert!(
+        e.contains("buckets.exports.lease: a lease of 8 is larger than the limit 4 of plan free"),
+        "{e}"
+    );
+    let e = problems(
+        "buckets:\n  exports: { limit: 40, window_seconds: 10, per: caller, consistency: leased, lease: 8, lease_ms: 20000 }\n",
+    );
+    assert!(
+        e.contains("buckets.exports.lease_ms: expected 1 to 1000"),
+        "{e}"
+    );
+    let e = problems(
+        "buckets:\n  exports: { limit: 40, window_seconds: 10, per: caller, algorithm: gcra, consistency: leased, lease: 8 }\n",
+    );
+    assert!(
+        e.contains("buckets.exports.consistency: a leased budget counts in fixed windows"),
+        "{e}"
+    );
+}

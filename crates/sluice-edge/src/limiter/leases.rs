@@ -1,5 +1,6 @@
-//! Leased budgets (SPEC D4): this replica's leases of its callers' class and
-//! ceiling budgets, and the decisions made from them without the store.
+//! Leased budgets (SPEC D4): this replica's leases of its callers' class,
+//! ceiling and bucket budgets (and of the rate-limit service's rules), and the
+//! decisions made from them without the store.
 //!
 //! A request whose leased budgets all have a lease in hand (and no other
 //! budget) is admitted here with no store call; one whose leased budget is
@@ -125,6 +126,11 @@ fn terms_of(policy: &Policy, kind: &BudgetKind) -> Option<LeaseTerms> {
         BudgetKind::Class(c) => policy.classes.get(c.index())?.consistency.lease(),
         BudgetKind::Ceiling(i) => policy
             .ceilings
+            .get(usize::try_from(*i).ok()?)?
+            .consistency
+            .lease(),
+        BudgetKind::Bucket(i) => policy
+            .buckets
             .get(usize::try_from(*i).ok()?)?
             .consistency
             .lease(),

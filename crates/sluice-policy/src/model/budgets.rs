@@ -53,6 +53,9 @@ pub struct Bucket {
     pub mode: Enforcement,
     /// How it counts its limit per window.
     pub algorithm: Algorithm,
+    /// Decided on the shared store each time, or from leases of it (SPEC D4;
+    /// `buckets:` only: token and money budgets stay exact).
+    pub consistency: Consistency,
     /// A token budget (`tokens:` in a policy file): counted in the tokens an LLM
     /// call spends, reserved from its body and settled at the upstream's `usage`.
     pub tokens: Option<TokenBudget>,
@@ -156,8 +159,9 @@ pub enum Enforcement {
 /// Whether a budget is decided on the shared store every time (`exact`, the
 /// default) or from leases of it a replica takes (`leased`, SPEC D4).
 ///
-/// Only class and ceiling budgets counted in fixed windows may be leased; quotas
-/// and money budgets stay exact.
+/// Only class, ceiling and bucket budgets (and the rate-limit service's rules)
+/// counted in fixed windows may be leased; quotas, token and money budgets stay
+/// exact.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Consistency {
     /// Every decision on the shared store: N replicas admit the limit together.

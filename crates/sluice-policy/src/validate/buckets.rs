@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::num::NonZeroU32;
 
 use crate::model::{
-    Algorithm, Bucket, Enforcement, MAX_BUCKETS, MAX_QUOTA_FAMILIES, MAX_SLIDING_WINDOW_SECONDS,
-    MONEY_UNITS_PER_USD, OnExhausted, Per, Price, QuotaFamily, Refusal, TokenBudget,
+    Algorithm, Bucket, Consistency, Enforcement, MAX_BUCKETS, MAX_QUOTA_FAMILIES,
+    MAX_SLIDING_WINDOW_SECONDS, MONEY_UNITS_PER_USD, OnExhausted, Per, Price, QuotaFamily, Refusal,
+    TokenBudget,
 };
 
 /// The index of each bucket, token budget and money budget by name.
@@ -29,7 +30,12 @@ impl Checker {
         let mut spend_index = HashMap::new();
         let mut buckets = Vec::new();
         for (name, b) in &raw.buckets {
-            if let Some(bucket) = self.bucket(name, b) {
+            let plan_limits: Vec<(&str, u32)> = raw
+                .plans
+                .iter()
+                .filter_map(|(plan, p)| Some((plan.as_str(), *p.buckets.get(name)?)))
+                .collect();
+            if let Some(bucket) = self.bucket(name, b, &plan_limits) {
                 bucket_index.insert(name.clone(), buckets.len());
                 buckets.push(bucket);
             }
@@ -96,7 +102,7 @@ impl Checker {
         if m.consistency.as_deref().is_some_and(|c| c != "exact") {
             self.problem(
                 format!("{at}.consistency"),
-                "a money budget stays exact (SPEC D4): only class and ceiling budgets in fixed windows may be `leased`; remove it or write `exact`",
+                "a money budget stays exact (SPEC D4): only class, ceiling and bucket budgets (and rate-limit service rules) in fixed windows may be `leased`; remove it or write `exact`",
             );
         }
         let limit = self.usd(&format!("{at}.limit_usd"), &m.limit_usd);
@@ -114,6 +120,7 @@ impl Checker {
             on_exhausted: OnExhausted::Refuse,
             mode,
             algorithm: Algorithm::Fixed,
+            consistency: Consistency::Exact,
             tokens: Some(TokenBudget {
                 input_milli: 0,
                 output_milli: 0,
@@ -251,6 +258,7 @@ impl Checker {
             on_exhausted: OnExhausted::Refuse,
             mode,
             algorithm: Algorithm::Fixed,
+            consistency: Consistency::Exact,
             tokens: Some(TokenBudget {
                 input_milli: input,
                 output_milli: output,
@@ -281,7 +289,12 @@ impl Checker {
 
     /// The bucket `name`, or `None` (with its problems) when any of its settings
     /// is wrong.
-    pub(super) fn bucket(&mut self, name: &str, b: &crate::raw::RawBucket) -> Option<Bucket> {
+    pub(super) fn bucket(
+        &mut self,
+        name: &str,
+        b: &crate::raw::RawBucket,
+        plan_limits: &[(&str, u32)],
+    ) -> Option<Bucket> {
         let at = format!("buckets.{name}");
         let per = self.per(&at, &b.per);
         let refusal = match (b.refusal.as_deref(), &b.message) {
@@ -337,6 +350,32 @@ impl Checker {
             b.window_seconds,
             &limits,
         );
+        // A lease is at most the bucket's limit and each plan's.
+        let lease_limits: Vec<(String, u32)> = limits
+            .iter()
+            .cloned()
+            .chain(
+                plan_limits
+                    .iter()
+                    .map(|(plan, l)| (format!(" of plan {plan}"), *l)),
+            )
+            .collect();
+        let consistency = algorithm.and_then(|a| {
+            let spec = crate::model::LeaseSpec {
+                consistency: b.consistency.as_deref(),
+                lease: b.lease,
+                lease_ms: b.lease_ms,
+            };
+            match spec.check(a, b.window_seconds, &lease_limits) {
+                Ok(c) => Some(c),
+                Err(problems) => {
+                    for (key, message) in problems {
+                        self.problem(format!("{at}.{key}"), message);
+                    }
+                    None
+                }
+            }
+        });
         if let (
             Some(per),
             Some(refusal),
@@ -345,8 +384,17 @@ impl Checker {
             Some(on_exhausted),
             Some(mode),
             Some(algorithm),
-        ) = (per, refusal, limit, w, on_exhausted, mode, algorithm)
-        {
+            Some(consistency),
+        ) = (
+            per,
+            refusal,
+            limit,
+            w,
+            on_exhausted,
+            mode,
+            algorithm,
+            consistency,
+        ) {
             Some(Bucket {
                 name: name.to_owned(),
                 limit,
@@ -357,6 +405,7 @@ impl Checker {
                 on_exhausted,
                 mode,
                 algorithm,
+                consistency,
                 tokens: None,
             })
         } else {
@@ -390,7 +439,7 @@ impl Checker {
             if q.consistency.as_deref().is_some_and(|c| c != "exact") {
                 self.problem(
                     format!("quotas.{name}.consistency"),
-                    "a monthly quota stays exact (SPEC D4): only class and ceiling budgets in fixed windows may be `leased`; remove it or write `exact`",
+                    "a monthly quota stays exact (SPEC D4): only class, ceiling and bucket budgets (and rate-limit service rules) in fixed windows may be `leased`; remove it or write `exact`",
                 );
                 continue;
             }

@@ -1,9 +1,11 @@
-//! D4 for the rate-limit service: descriptor rules with `consistency: leased`
-//! decided from leases on a real `redis-server`, two replicas sharing it on one
-//! fake clock (the limiters' and the Redis script's). Within the written bound,
-//! most calls decided with no script call, and a request holding a leased and
-//! an exact rule still all or nothing.
+//! D4 beyond classes and ceilings: the rate-limit service's descriptor rules and
+//! route buckets with `consistency: leased`, decided from leases on a real
+//! `redis-server`, two replicas sharing it on one fake clock (the limiters' and
+//! the Redis script's). Within the written bound, most calls decided with no
+//! script call, and a request holding a leased and an exact budget still all or
+//! nothing.
 
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,13 +24,21 @@ use redis_server::RedisServer;
 /// Whole minutes since the epoch, ahead of the real clock Redis expires keys by.
 const T0: u64 = 3_897_244_800 - 3_600;
 
-/// Domain `api`: `user` 100 a minute leased 10 at a time; `path` 5 a minute, exact.
+/// Route bucket `exports`, 50 a minute per caller leased 5 at a time, beside the
+/// exact class (100 a minute); domain `api`: `user` 100 a minute leased 10 at a
+/// time, `path` 5 a minute, exact.
 const POLICY: &str = "profile: p
 window_seconds: 60
 profiles:
   p:
     classes: { standard: 100 }
 default_class: standard
+identity:
+  credentials: [x_api_key]
+routes:
+  - { method: GET, path: /exports, class: standard, buckets: [exports] }
+buckets:
+  exports: { limit: 50, window_seconds: 60, per: caller, consistency: leased, lease: 5, lease_ms: 1000 }
 domains:
   - domain: api
     descriptors:
@@ -39,7 +49,7 @@ domains:
 ";
 
 async fn replica(server: &RedisServer, clock: &FakeClock) -> Limiter<RedisStore> {
-    let policy = parse_str(POLICY, Path::new("rls-leases.yaml")).expect("policy");
+    let policy = parse_str(POLICY, Path::new("leased.yaml")).expect("policy");
     let mut config = RedisConfig::new(server.url());
     config.timeout = Duration::from_millis(500);
     let redis = RedisStore::connect_with_clock(config, clock.clone())
@@ -124,4 +134,57 @@ async fn d4_a_call_with_a_leased_and_a_spent_exact_rule_spends_neither() {
         before - 1,
         "the refused call spent nothing of the leased rule"
     );
+}
+
+const PEER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(203, 0, 113, 9));
+
+/// One GET of /exports through the limiter's phases as `key`: 200 when forwarded.
+async fn export(limiter: &Limiter<RedisStore>, key: &str) -> u16 {
+    let request = http::Request::builder()
+        .method("GET")
+        .uri("/exports")
+        .header("x-api-key", key)
+        .body(())
+        .expect("request");
+    let parts = request.into_parts().0;
+    let route = limiter.route(&parts).map_err(|e| e.to_string());
+    let intake = limiter.intake(Ok(route.expect("route")), PEER);
+    let planned = intake.planned(&parts.headers, None, None);
+    match planned.admit(None).await {
+        Ok(_) => 200,
+        Err(answer) => answer.status().as_u16(),
+    }
+}
+
+/// A leased bucket beside an exact class: two replicas taking turns admit the
+/// bucket's 50 within `50 + 2 × 5`, and once it is spent its refusals are
+/// answered from the replicas' leases (known exhausted) with no script call;
+/// the exact class still counts each admitted request on Redis.
+#[tokio::test]
+async fn d4_a_leased_bucket_admits_within_the_bound_beside_an_exact_class() {
+    let server = RedisServer::start("d4-bucket");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+    let replicas = [
+        replica(&server, &clock).await,
+        replica(&server, &clock).await,
+    ];
+    let mut admitted = 0;
+    for i in 0..90 {
+        admitted += usize::from(export(&replicas[i % 2], "cal").await == 200);
+    }
+    assert!(
+        (40..=60).contains(&admitted),
+        "admitted {admitted} of a bucket of 50 leased 5 at a time by 2 replicas"
+    );
+    let before = server.script_calls();
+    for i in 0..40 {
+        assert_eq!(export(&replicas[i % 2], "cal").await, 429, "spent");
+    }
+    let calls = server.script_calls() - before;
+    assert!(
+        calls <= 4,
+        "{calls} script calls for 40 refusals of a bucket known spent"
+    );
+    let tally: u64 = replicas.iter().map(|r| r.lease_tally().taken).sum();
+    assert!(tally >= 2, "{tally} leases taken");
 }
