@@ -44,6 +44,8 @@ mod api;
 mod ascii_split;
 #[cfg(feature = "tokenizer")]
 mod count_cache;
+#[cfg(feature = "tokenizer")]
+mod piece_memo;
 pub mod tokens;
 pub mod usage;
 

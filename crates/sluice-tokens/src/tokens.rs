@@ -97,7 +97,8 @@ impl Encoding {
 
     /// Tokens in `text` by the encoding: ASCII text split without the
     /// encoding's regular expression ([`crate::ascii_split`], the same pieces),
-    /// any other by it.
+    /// its short pieces' counts kept per thread ([`crate::piece_memo`]); any
+    /// other text by the encoding itself.
     #[cfg(feature = "tokenizer")]
     fn tokenize(self, text: &str) -> usize {
         use crate::ascii_split::{Split, pieces};
@@ -111,7 +112,7 @@ impl Encoding {
         };
         let mut n = 0;
         pieces(text.as_bytes(), split, |piece| {
-            n += tokenizer.bpe.count(piece)
+            n += crate::piece_memo::count(self, piece, |p| tokenizer.bpe.count(p));
         });
         n
     }
