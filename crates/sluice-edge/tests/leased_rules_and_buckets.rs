@@ -5,7 +5,6 @@
 //! script call, and a request holding a leased and an exact budget still all or
 //! nothing.
 
-use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,6 +17,7 @@ use sluice_store::{RedisConfig, RedisStore};
 
 #[path = "../../../tests/support/redis_server.rs"]
 mod redis_server;
+mod support;
 
 use redis_server::RedisServer;
 
@@ -136,24 +136,9 @@ async fn d4_a_call_with_a_leased_and_a_spent_exact_rule_spends_neither() {
     );
 }
 
-const PEER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(203, 0, 113, 9));
-
-/// One GET of /exports through the limiter's phases as `key`: 200 when forwarded.
+/// One GET of /exports as `key`: 200 when forwarded.
 async fn export(limiter: &Limiter<RedisStore>, key: &str) -> u16 {
-    let request = http::Request::builder()
-        .method("GET")
-        .uri("/exports")
-        .header("x-api-key", key)
-        .body(())
-        .expect("request");
-    let parts = request.into_parts().0;
-    let route = limiter.route(&parts).map_err(|e| e.to_string());
-    let intake = limiter.intake(Ok(route.expect("route")), PEER);
-    let planned = intake.planned(&parts.headers, None, None);
-    match planned.admit(None).await {
-        Ok(_) => 200,
-        Err(answer) => answer.status().as_u16(),
-    }
+    support::send_as(limiter, key, "GET", "/exports", 1).await[0].0
 }
 
 /// A leased bucket beside an exact class: two replicas taking turns admit the
