@@ -1,6 +1,7 @@
 //! A load generator for any Envoy rate-limit service (RLS v3): `STREAMS` calls in
 //! flight at once over `CONNECTIONS` HTTP/2 connections for `SECONDS`, each asking
-//! `DOMAIN` about one descriptor `(user, u<n>)` over 1,000 users; prints decisions/s,
+//! `DOMAIN` about one descriptor `(user, u<n>)` over 1,000 users (`RLS_USERS`: that
+//! many instead, e.g. 1 for one hot key); prints decisions/s,
 //! p50 and p99 latency, and how many were over the limit or failed, as one line of
 //! JSON. Used by `bench/rls/run` against sluice and Kuadrant's limitador alike.
 //!
@@ -27,7 +28,7 @@ use sluice_rls::proto::{RateLimitDescriptor, RateLimitRequest, RateLimitResponse
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// Users asked about, round robin.
+/// Users asked about, round robin, unless `RLS_USERS` says how many.
 const USERS: usize = 1_000;
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const DATA: u8 = 0x0;
@@ -148,7 +149,12 @@ fn encode_calls(addr: &str, domain: &str) -> Calls {
     string(&mut block, b"trailers");
     let mut headers = Vec::new();
     frame(&mut headers, HEADERS, END_HEADERS, 0, &block);
-    let data = (0..USERS)
+    let users = std::env::var("RLS_USERS")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(USERS);
+    let data = (0..users)
         .map(|user| {
             let request = RateLimitRequest {
                 domain: domain.to_owned(),
@@ -260,7 +266,7 @@ async fn drive(
             && !stopping
         {
             while in_flight.len() < streams.min(allowed) {
-                let data = &calls.data[user % USERS];
+                let data = &calls.data[user % calls.data.len()];
                 let payload = i64::try_from(data.len() - 9).unwrap_or(i64::MAX);
                 if payload > send_window {
                     break;
