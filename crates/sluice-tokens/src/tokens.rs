@@ -110,11 +110,13 @@ impl Encoding {
             Encoding::O200kBase => Split::O200k,
             Encoding::Cl100kBase => Split::Cl100k,
         };
-        let mut n = 0;
-        pieces(text.as_bytes(), split, |piece| {
-            n += crate::piece_memo::count(self, piece, |p| tokenizer.bpe.count(p));
-        });
-        n
+        crate::piece_memo::with(|memo| {
+            let mut n = 0;
+            pieces(text.as_bytes(), split, |piece| {
+                n += memo.count(self, piece, |p| tokenizer.bpe.count(p));
+            });
+            n
+        })
     }
 
     /// Builds the tokenizer now (a server warms it at start so the first
