@@ -302,8 +302,9 @@ impl<S: BudgetStore> Limiter<S> {
         self.decide_by_leases(&terms, budgets, Some(plan)).await
     }
 
-    /// Decides `budgets` with leases of those `terms` (one for each, in order)
-    /// lease; `None` when none is leased (or the store takes no leases). A
+    /// Decides `budgets` from leases where `terms` (one for each, in order)
+    /// lease a budget; `None` when none is leased (or the store takes no
+    /// leases). A
     /// `plan`'s request falls back on its outage rule when the store does not
     /// answer; without one (a rate-limit service request, whose domain has its
     /// own rule) the store's error is returned.
