@@ -976,6 +976,13 @@ fn rate_limit_consistency(
             return None;
         }
     };
+    if consistency == Some("leased") && map.get("unlimited") == Some(&Value::Bool(true)) {
+        r.problem(
+            join(at, "consistency"),
+            "an unlimited rule counts nothing, so there is nothing to lease: remove it or write `exact`",
+        );
+        return None;
+    }
     if consistency == Some("leased") && unit == Unit::Month {
         r.problem(
             join(at, "consistency"),

@@ -526,6 +526,10 @@ pub struct RawTokens {
     pub default_max_output: Option<u32>,
     /// `enforce` (default) or `shadow`.
     pub mode: Option<String>,
+    /// `exact` only (SPEC D4: a token budget is reserved and settled on the
+    /// store); read so that `leased` is refused with its key path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistency: Option<String>,
 }
 
 /// The weights of a token budget.

@@ -174,7 +174,7 @@ fn d4_leased_is_for_fixed_windows_and_exact_budgets_take_no_lease() {
 }
 
 #[test]
-fn d4_monthly_quotas_and_money_budgets_stay_exact() {
+fn d4_monthly_quotas_money_and_token_budgets_stay_exact() {
     let e = problems("quotas:\n  evals: { monthly: 100, consistency: leased }\n");
     assert!(
         e.contains("quotas.evals.consistency: a monthly quota stays exact"),
@@ -185,6 +185,13 @@ fn d4_monthly_quotas_and_money_budgets_stay_exact() {
     );
     assert!(
         e.contains("spend.dollars.consistency: a money budget stays exact"),
+        "{e}"
+    );
+    let e = problems(
+        "tokens:\n  team: { per: caller, limit: 1000, window_seconds: 60, consistency: leased }\n",
+    );
+    assert!(
+        e.contains("tokens.team.consistency: a token budget stays exact"),
         "{e}"
     );
 }
@@ -260,6 +267,10 @@ fn d4_bad_leased_rate_limit_service_rules_are_refused_with_their_key_path() {
         (
             "{ unit: minute, requests_per_unit: 10, consistency: leased, lease: -1 }",
             "descriptors[0].rate_limit.lease: expected a whole number",
+        ),
+        (
+            "{ unlimited: true, consistency: leased, lease: 5 }",
+            "descriptors[0].rate_limit.consistency: an unlimited rule counts nothing",
         ),
     ];
     for (rate_limit, expected) in cases {

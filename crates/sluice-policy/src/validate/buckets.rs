@@ -199,6 +199,12 @@ impl Checker {
     /// (with its problems).
     fn token_budget(&mut self, name: &str, t: &crate::raw::RawTokens) -> Option<Bucket> {
         let at = format!("tokens.{name}");
+        if t.consistency.as_deref().is_some_and(|c| c != "exact") {
+            self.problem(
+                format!("{at}.consistency"),
+                "a token budget stays exact (SPEC D4: reserved before the call and settled at its usage on the store): only class, ceiling and bucket budgets (and rate-limit service rules) in fixed windows may be `leased`; remove it or write `exact`",
+            );
+        }
         let per = self.per(&at, &t.per);
         let limit = self.nonzero(&format!("{at}.limit"), t.limit);
         let window = match (t.window_seconds, t.monthly) {
