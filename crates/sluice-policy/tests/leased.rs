@@ -175,25 +175,24 @@ fn d4_leased_is_for_fixed_windows_and_exact_budgets_take_no_lease() {
 
 #[test]
 fn d4_monthly_quotas_money_and_token_budgets_stay_exact() {
-    let e = problems("quotas:\n  evals: { monthly: 100, consistency: leased }\n");
-    assert!(
-        e.contains("quotas.evals.consistency: a monthly quota stays exact"),
-        "{e}"
-    );
-    let e = problems(
-        "spend:\n  dollars: { per: workspace, limit_usd: 50, monthly: true, consistency: leased }\n",
-    );
-    assert!(
-        e.contains("spend.dollars.consistency: a money budget stays exact"),
-        "{e}"
-    );
-    let e = problems(
-        "tokens:\n  team: { per: caller, limit: 1000, window_seconds: 60, consistency: leased }\n",
-    );
-    assert!(
-        e.contains("tokens.team.consistency: a token budget stays exact"),
-        "{e}"
-    );
+    let cases = [
+        (
+            "quotas:\n  evals: { monthly: 100, consistency: leased }\n",
+            "quotas.evals.consistency: a monthly quota stays exact",
+        ),
+        (
+            "spend:\n  dollars: { per: workspace, limit_usd: 50, monthly: true, consistency: leased }\n",
+            "spend.dollars.consistency: a money budget stays exact",
+        ),
+        (
+            "tokens:\n  team: { per: caller, limit: 1000, window_seconds: 60, consistency: leased }\n",
+            "tokens.team.consistency: a token budget stays exact",
+        ),
+    ];
+    for (extra, expected) in cases {
+        let e = problems(extra);
+        assert!(e.contains(expected), "{extra}: {e}");
+    }
 }
 
 /// The rate-limit service's rules are leased as classes are (`consistency`,
