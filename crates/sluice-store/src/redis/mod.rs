@@ -479,16 +479,11 @@ impl RedisStore {
         // The other subjects' leftovers, a call per subject (kept for the next
         // call when it never reached Redis, lost when it may have: units
         // unused, never over-admitted).
-        let mut alone_groups: Vec<Vec<(Budget, GiveBack)>> = Vec::new();
-        for back in alone {
-            match alone_groups.iter_mut().find(|g| {
-                g.first()
-                    .is_some_and(|(b, _)| b.key.subject() == back.0.key.subject())
-            }) {
-                Some(group) => group.push(back),
-                None => alone_groups.push(vec![back]),
-            }
-        }
+        let alone_budgets: Vec<Budget> = alone.iter().map(|(b, _)| *b).collect();
+        let alone_groups: Vec<Vec<(Budget, GiveBack)>> = by_subject(&alone_budgets)
+            .into_iter()
+            .map(|(_, members)| members.iter().map(|&i| alone[i]).collect())
+            .collect();
         let given_back = alone_groups
             .iter()
             .map(|group| self.invoke_many("spend", &[], 0, 0, &[], group));
