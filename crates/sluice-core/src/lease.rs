@@ -17,10 +17,14 @@
 //! The bound: over any window of the store's clock, N replicas admit at most
 //! `limit + N × units` ([`LeaseTerms::bound`]). The counter of a window never
 //! passes `limit`; a lease ends at the first of `millis` and its window's end,
-//! both reckoned from when its answer arrived, so it can outlive its window
-//! only by the call's latency; and a replica holds at most one lease of a
-//! budget at a time, so at most `units` of a window's leases are spent after
-//! it.
+//! both reckoned on the replica's clock from when its call was sent (before
+//! the store decided it), so it ends before its window on the store's clock
+//! as long as the two clocks keep pace; a replica holds at most one lease of a
+//! budget at a time, so should they not (the store's clock steps ahead), at
+//! most `units` of a window's leases are spent after it. What the replica last
+//! measured of the store's clock ([`ClockGap`]) ends a lease once the store's
+//! clock is surely past its window, and counts the units admitted when it may
+//! be ([`LeaseCounts::past_window`]: the over-admission seen).
 //!
 //! ```
 //! use std::num::NonZeroU32;
@@ -191,6 +195,50 @@ pub struct GiveBack {
     pub reserved_at: Timestamp,
 }
 
+/// The store's clock against this replica's, as last measured: at its last
+/// answer the store's clock was at least `least` and at most `most`
+/// nanoseconds ahead of this replica's (negative: behind). With the call sent
+/// at `sent` and answered at `arrived` on this replica's clock and decided at
+/// `decided_at` on the store's, `least = decided_at − arrived` and
+/// `most = decided_at − sent`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClockGap {
+    /// The least the store's clock was ahead, in nanoseconds.
+    pub least: i64,
+    /// The most the store's clock was ahead, in nanoseconds.
+    pub most: i64,
+}
+
+impl ClockGap {
+    /// One clock for both (tests driving store and replica by one fake clock).
+    pub const SAME: ClockGap = ClockGap { least: 0, most: 0 };
+
+    /// The gap measured by one call: sent at `sent` and answered at `arrived`
+    /// (this replica's clock), decided at `decided_at` (the store's).
+    pub fn measured(sent: Timestamp, arrived: Timestamp, decided_at: Timestamp) -> Self {
+        let gap = |local: Timestamp| {
+            let (d, l) = (
+                i128::from(decided_at.as_nanos()),
+                i128::from(local.as_nanos()),
+            );
+            i64::try_from(d - l).unwrap_or(if d > l { i64::MAX } else { i64::MIN })
+        };
+        let (least, most) = (gap(arrived.max(sent)), gap(sent));
+        ClockGap { least, most }
+    }
+
+    /// `now` (this replica's clock) moved by `by` nanoseconds: a time on the
+    /// store's clock.
+    fn shift(now: Timestamp, by: i64) -> Timestamp {
+        let nanos = if by >= 0 {
+            now.as_nanos().saturating_add(by.unsigned_abs())
+        } else {
+            now.as_nanos().saturating_sub(by.unsigned_abs())
+        };
+        Timestamp::from_nanos(nanos)
+    }
+}
+
 /// What a [`LeaseHolder`] has done, for `/status` and `/metrics`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LeaseCounts {
@@ -198,11 +246,17 @@ pub struct LeaseCounts {
     pub taken: u64,
     /// Leases ended with units left, given back.
     pub returned: u64,
-    /// Leases ended by time (`millis` or their window's end).
+    /// Leases ended by time (`millis`, their window's end, or the store's clock
+    /// past their window).
     pub expired: u64,
     /// Requests decided without a store call (admitted from a lease, or refused
     /// as exhausted).
     pub saved: u64,
+    /// Units admitted from a lease when, by the store's clock as last measured
+    /// ([`ClockGap::most`]), its window may already have ended: the most of
+    /// this holder's admissions that can be over a limit (the over-admission
+    /// seen; 0 while the two clocks keep pace).
+    pub past_window: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -211,12 +265,15 @@ struct Held {
     spent: u32,
     ends: Timestamp,
     reserved_at: Timestamp,
+    /// Its window's end on the store's clock.
+    window_end: Timestamp,
 }
 
 /// One replica's lease of one budget of one subject, and what it knows of it.
 ///
 /// Times given to it are this replica's clock; times of the store
-/// ([`Decision::decided_at`], the status's reset) are used only as durations.
+/// ([`Decision::decided_at`], the status's reset) are used as durations, and
+/// against this replica's clock only through a measured [`ClockGap`].
 #[derive(Clone, Debug)]
 pub struct LeaseHolder {
     terms: LeaseTerms,
@@ -285,8 +342,19 @@ impl LeaseHolder {
         })
     }
 
-    /// What to do with a request costing `cost` at `now`.
+    /// What to do with a request costing `cost` at `now`, the store's clock
+    /// taken to be this replica's ([`ClockGap::SAME`]).
     pub fn decide(&mut self, cost: u32, now: Timestamp) -> Local {
+        self.decide_at(cost, now, ClockGap::SAME)
+    }
+
+    /// What to do with a request costing `cost` at `now`, with `gap` what this
+    /// replica last measured of the store's clock. A lease whose window the
+    /// store's clock has surely passed (`now + gap.least` at or past its end)
+    /// ends here, whatever its own time (the store's clock decides); units
+    /// admitted when it may have (`now + gap.most`) are counted in
+    /// [`LeaseCounts::past_window`].
+    pub fn decide_at(&mut self, cost: u32, now: Timestamp, gap: ClockGap) -> Local {
         if let Some(until) = self.exhausted_until {
             if now < until {
                 self.counts.saved += 1;
@@ -297,11 +365,22 @@ impl LeaseHolder {
             self.exhausted_until = None;
         }
         let mut give_back = self.end_if_over(now);
+        if let Some(h) = self.held
+            && ClockGap::shift(now, gap.least) >= h.window_end
+        {
+            // The store's clock is past its window, ahead of this replica's.
+            self.held = None;
+            self.counts.expired += 1;
+            give_back = self.give_back(h);
+        }
         if let Some(h) = self.held.as_mut() {
             if h.left >= cost {
                 h.left -= cost;
                 h.spent += cost;
                 self.counts.saved += 1;
+                if ClockGap::shift(now, gap.most) >= h.window_end {
+                    self.counts.past_window += u64::from(cost);
+                }
                 return Local::Admitted { remaining: h.left };
             }
             // Dry before its time: this replica's demand outgrew it.
@@ -324,10 +403,11 @@ impl LeaseHolder {
     }
 
     /// The store granted `granted` units (as [`take_lease`] said) for a request
-    /// costing `cost`, in `decision`, whose answer arrived at `now`. The lease
-    /// holds what is left past the cost, until `millis` from `now` or the
-    /// window's end (the decision's reset, as a duration from its
-    /// `decided_at`), whichever is first.
+    /// costing `cost`, in `decision`, whose call was sent at `now` (before the
+    /// store decided it). The lease holds what is left past the cost, until
+    /// `millis` from `now` or the window's end (the decision's reset, as a
+    /// duration from its `decided_at`), whichever is first: reckoned from the
+    /// send, it ends before its window does on the store's clock.
     pub fn granted(&mut self, granted: u32, cost: u32, decision: &Decision, now: Timestamp) {
         self.asking = false;
         let left = granted.saturating_sub(cost);
@@ -347,6 +427,7 @@ impl LeaseHolder {
             spent: 0,
             ends: now.saturating_add(life),
             reserved_at: decision.decided_at(),
+            window_end: Timestamp::from_secs(reset),
         });
     }
 
@@ -548,6 +629,85 @@ mod tests {
         assert_eq!(h.decide(1, at(0)), Local::Exact { give_back: None });
         h.failed();
         assert!(matches!(h.decide(1, at(0)), Local::Ask { .. }));
+    }
+
+    /// A holder with a lease of `units` past the cost, taken at `now` from a
+    /// fresh budget of 100 a second.
+    fn holding(units: u32, now: Timestamp) -> LeaseHolder {
+        let b = budget(100);
+        let mut cell = 0;
+        let mut h = LeaseHolder::new(terms(units + 1, 1000));
+        h.size = units;
+        let Local::Ask { want, .. } = h.decide(1, now) else {
+            panic!("asks first")
+        };
+        let (d, g) = take_lease(&b, &mut cell, now, want);
+        h.granted(g, 1, &d, now);
+        assert_eq!(h.held(), units);
+        h
+    }
+
+    #[test]
+    fn d4_the_stores_clock_ahead_ends_a_lease_before_its_own_time() {
+        // Taken 400 ms before the window's end: it would live until then.
+        let mut h = holding(5, at(600));
+        let ahead = |ms: i64| ClockGap {
+            least: ms * 1_000_000,
+            most: ms * 1_000_000 + 2_000_000,
+        };
+        assert!(matches!(
+            h.decide_at(1, at(700), ahead(100)),
+            Local::Admitted { remaining: 4 }
+        ));
+        // The store's clock is found 300 ms ahead: at 700 ms here it is past
+        // the window's end there, so the lease ends and the store is asked.
+        let Local::Ask { give_back, .. } = h.decide_at(1, at(700), ahead(300)) else {
+            panic!("the store's clock decides")
+        };
+        assert_eq!(give_back.map(|g| g.units), Some(4));
+        assert_eq!(h.counts().expired, 1);
+        assert_eq!(h.counts().past_window, 0, "nothing admitted past it");
+    }
+
+    #[test]
+    fn d4_units_admitted_when_the_window_may_be_over_are_counted() {
+        let mut h = holding(5, at(600));
+        // The store's clock 200..=350 ms ahead: at 680 ms here it may be past
+        // the window's end (680 + 350 >= 1000) though surely not (680 + 200).
+        let gap = ClockGap {
+            least: 200_000_000,
+            most: 350_000_000,
+        };
+        assert!(matches!(
+            h.decide_at(1, at(640), gap),
+            Local::Admitted { .. }
+        ));
+        assert_eq!(h.counts().past_window, 0);
+        assert!(matches!(
+            h.decide_at(2, at(680), gap),
+            Local::Admitted { .. }
+        ));
+        assert_eq!(h.counts().past_window, 2, "its cost, in units");
+        // One clock for both: never.
+        let mut same = holding(5, at(600));
+        for ms in [700, 800, 900, 999] {
+            assert!(matches!(same.decide(1, at(ms)), Local::Admitted { .. }));
+        }
+        assert_eq!(same.counts().past_window, 0);
+    }
+
+    #[test]
+    fn d4_clock_gap_is_measured_from_send_and_arrival() {
+        let gap = ClockGap::measured(at(100), at(103), at(1_101));
+        assert_eq!(gap.least, 998_000_000);
+        assert_eq!(gap.most, 1_001_000_000);
+        let behind = ClockGap::measured(at(100), at(103), at(50));
+        assert_eq!((behind.least, behind.most), (-53_000_000, -50_000_000));
+        assert_eq!(
+            ClockGap::shift(at(100), -1_000_000),
+            at(99),
+            "a time on the store's clock"
+        );
     }
 
     #[test]

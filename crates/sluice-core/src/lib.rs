@@ -66,7 +66,7 @@ pub use decision::{
 pub use key::mix64;
 pub use key::{BudgetKey, digest};
 pub use lease::{
-    GiveBack, LeaseCounts, LeaseHolder, LeaseTerms, Local, MAX_LEASE_MILLIS, take_lease,
+    ClockGap, GiveBack, LeaseCounts, LeaseHolder, LeaseTerms, Local, MAX_LEASE_MILLIS, take_lease,
     take_leases,
 };
 pub use problem::Problem;

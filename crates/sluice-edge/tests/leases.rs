@@ -3,14 +3,20 @@
 //! with a lease in hand keeps deciding from it while Redis is down (and no
 //! further), and decides on Redis again once it is back; concurrent requests of
 //! one replica cost one script call per lease, not one each; an ended lease's
-//! leftover goes back in the replica's next call, for other replicas to use.
+//! leftover goes back in the replica's next call, for other replicas to use;
+//! and with Redis's clock apart from the replica's, Redis's clock decides
+//! when a lease's window is over, and what may have been admitted past it is
+//! counted.
 
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use sluice_core::{Decision, FakeClock, LeaseHolder, LeaseTerms, Local, Timestamp, take_lease};
+use sluice_core::{
+    Clock, Decision, FakeClock, LeaseHolder, LeaseTerms, Local, Timestamp, take_lease,
+};
 use sluice_edge::Limiter;
 use sluice_policy::{Policy, parse_str};
 use sluice_store::{BudgetStore, RedisConfig, RedisStore};
@@ -221,4 +227,87 @@ algorithms:
     // A's lease of 2 holds 1: 7 + 12 + 1 = 20, the limit.
     assert_eq!(send(&a, "shared").await, 200);
     assert_eq!(send(&a, "shared").await, 429);
+}
+
+/// The Redis script's clock, apart from the replica's: reading it (once a
+/// script call) moves the replica's clock on by the call's latency, as the
+/// answer arrives that much later there.
+struct Apart {
+    redis: FakeClock,
+    replica: FakeClock,
+    latency_ms: Arc<AtomicU64>,
+}
+
+impl Clock for Apart {
+    fn now(&self) -> Timestamp {
+        let ms = self.latency_ms.load(Ordering::SeqCst);
+        self.replica.advance(Duration::from_millis(ms));
+        self.redis.now()
+    }
+}
+
+/// A lease taken at 59.0 s of a minute lives until the minute's end on the
+/// replica's clock. Redis's clock then runs 0.5 s ahead and a call takes
+/// 0.4 s: at 59.6 s here Redis may be past the minute (59.6 + 0.5) though
+/// surely not (59.6 + 0.1), so the units admitted from the leases are counted
+/// as the over-admission seen. Redis's clock then steps to 61 s: the next call
+/// shows it surely past the minute, so the leases in hand end there, before
+/// their own time, and the caller is decided on Redis in its new minute
+/// rather than admitted from a lease of the old one.
+#[tokio::test]
+async fn d4_redis_clock_decides_when_a_lease_window_is_over() {
+    let server = RedisServer::start("d4-clocks");
+    let start = Timestamp::from_secs(T0 + 59);
+    let (redis_clock, replica_clock) = (FakeClock::new(start), FakeClock::new(start));
+    let latency_ms = Arc::new(AtomicU64::new(0));
+    let apart = Apart {
+        redis: redis_clock.clone(),
+        replica: replica_clock.clone(),
+        latency_ms: Arc::clone(&latency_ms),
+    };
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_millis(500);
+    let redis = RedisStore::connect_with_clock(config, apart)
+        .await
+        .expect("connect");
+    let limiter = Limiter::new(policy(), redis).with_lease_clock(Arc::new(replica_clock.clone()));
+    for _ in 0..6 {
+        assert_eq!(send(&limiter, "k").await, 200);
+    }
+    assert!(
+        held_after(6) > 0,
+        "the model holds a lease after 6 requests"
+    );
+    assert_eq!(limiter.lease_tally().over_admission_seen, 0);
+
+    // Redis 0.5 s ahead, a call 0.4 s long: "other" asks for its lease.
+    redis_clock.advance(Duration::from_millis(500));
+    latency_ms.store(400, Ordering::SeqCst);
+    assert_eq!(send(&limiter, "other").await, 200);
+    latency_ms.store(0, Ordering::SeqCst);
+    replica_clock.set(Timestamp::from_nanos(
+        (T0 + 59) * 1_000_000_000 + 600_000_000,
+    ));
+    let before = limiter.lease_tally();
+    assert_eq!(send(&limiter, "k").await, 200);
+    let after = limiter.lease_tally();
+    assert_eq!(after.saved, before.saved + 1, "admitted from its leases");
+    assert_eq!(
+        after.over_admission_seen,
+        before.over_admission_seen + 2,
+        "one unit of the class and one of the IP ceiling may be past their minute"
+    );
+
+    // Redis steps past the minute: the next call ("third") shows it.
+    redis_clock.set(Timestamp::from_secs(T0 + 61));
+    assert_eq!(send(&limiter, "third").await, 200);
+    let before = limiter.lease_tally();
+    assert_eq!(send(&limiter, "k").await, 200);
+    let after = limiter.lease_tally();
+    assert_eq!(
+        after.saved, before.saved,
+        "decided on Redis, not from a lease"
+    );
+    assert_eq!(after.expired, before.expired + 2, "both leases ended early");
+    assert_eq!(after.over_admission_seen, before.over_admission_seen);
 }

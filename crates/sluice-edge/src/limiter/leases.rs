@@ -18,13 +18,13 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use arrayvec::ArrayVec;
 use parking_lot::Mutex;
 use sluice_core::{
-    Budget, BudgetKey, BudgetStatus, Clock, Decision, GiveBack, LeaseCounts, LeaseHolder,
+    Budget, BudgetKey, BudgetStatus, Clock, ClockGap, Decision, GiveBack, LeaseCounts, LeaseHolder,
     LeaseTerms, Local, MAX_BUDGETS, Rate, Timestamp, Verdict,
 };
 use sluice_policy::Policy;
@@ -81,22 +81,35 @@ pub(crate) struct Leases {
     returned: AtomicU64,
     expired: AtomicU64,
     saved: AtomicU64,
+    past_window: AtomicU64,
+    /// The store's clock against this replica's at the last answer
+    /// ([`ClockGap`], nanoseconds): what ends a lease the store's clock has
+    /// passed, and what says a unit may be admitted past its window.
+    gap_least: AtomicI64,
+    gap_most: AtomicI64,
     /// `sluice_lease_calls_saved_total`, looked up once (it moves on most
     /// requests of a leased budget).
     saved_counter: std::sync::OnceLock<metrics::Counter>,
 }
 
-/// What the leases say of them, by snapshot.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What the leases say of them, by snapshot (in `/status` as `leases`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct LeaseTally {
     /// Leases taken from the store.
     pub taken: u64,
     /// Leases that ended with units left, given back.
     pub returned: u64,
-    /// Leases ended by time (`lease_ms` or their window's end).
+    /// Leases ended by time (`lease_ms`, their window's end, or the store's
+    /// clock past their window).
     pub expired: u64,
     /// Store calls saved: requests decided from leases alone.
+    #[serde(rename = "calls_saved")]
     pub saved: u64,
+    /// The over-admission seen: units admitted from leases when, by the
+    /// store's clock as last measured, their window may already have ended
+    /// (the most this replica can have admitted over a limit; 0 while the
+    /// clocks keep pace).
+    pub over_admission_seen: u64,
 }
 
 /// One budget's part of a request before the store is asked.
@@ -168,6 +181,28 @@ impl Leases {
             returned: load(&self.returned),
             expired: load(&self.expired),
             saved: load(&self.saved),
+            over_admission_seen: load(&self.past_window),
+        }
+    }
+
+    /// What was last measured of the store's clock against this replica's.
+    fn gap(&self) -> ClockGap {
+        ClockGap {
+            least: self.gap_least.load(Ordering::Relaxed),
+            most: self.gap_most.load(Ordering::Relaxed),
+        }
+    }
+
+    fn measured(&self, gap: ClockGap) {
+        self.gap_least.store(gap.least, Ordering::Relaxed);
+        self.gap_most.store(gap.most, Ordering::Relaxed);
+    }
+
+    /// Now, on the clock leases live by.
+    fn now(&self, fallback: &dyn Clock) -> Timestamp {
+        match &self.clock {
+            Some(clock) => clock.now(),
+            None => fallback.now(),
         }
     }
 
@@ -192,6 +227,11 @@ impl Leases {
             &self.expired,
             "sluice_leases_expired_total",
             after.expired.saturating_sub(before.expired),
+        );
+        add(
+            &self.past_window,
+            "sluice_lease_over_admission_seen_total",
+            after.past_window.saturating_sub(before.past_window),
         );
     }
 
@@ -328,10 +368,7 @@ impl<S: BudgetStore> Limiter<S> {
         let mut waits = 0;
         let mut parts: ArrayVec<Part, MAX_BUDGETS> = ArrayVec::new();
         loop {
-            let now = match &self.leases.clock {
-                Some(clock) => clock.now(),
-                None => self.fallback.clock().now(),
-            };
+            let now = self.leases.now(self.fallback.clock());
             match self.lease_parts(budgets, &terms, now, waits < MAX_WAITS, &mut parts) {
                 Outcome::Decided(d) => return Some(Ok(d)),
                 Outcome::Wait(answered) => {
@@ -360,6 +397,7 @@ impl<S: BudgetStore> Limiter<S> {
         parts.clear();
         let mut refused: Option<(usize, Duration, u64)> = None;
         let mut wait: Option<OwnedNotified> = None;
+        let gap = self.leases.gap();
         let mut entries = self.leases.entries.lock();
         self.leases.sweep(&mut entries, now);
         for (i, (b, t)) in budgets.iter().zip(terms).enumerate() {
@@ -396,7 +434,7 @@ impl<S: BudgetStore> Limiter<S> {
             }
             e.budget = *b;
             let before = e.holder.counts();
-            let part = match e.holder.decide(b.cost, now) {
+            let part = match e.holder.decide_at(b.cost, now, gap) {
                 Local::Admitted { remaining } => Part::Local(
                     BudgetStatus {
                         verdict: Verdict::Admitted,
@@ -522,6 +560,9 @@ impl<S: BudgetStore> Limiter<S> {
         let (d, grants) = match answer {
             Ok(a) => {
                 self.set_degraded(false);
+                let arrived = self.leases.now(self.fallback.clock());
+                self.leases
+                    .measured(ClockGap::measured(now, arrived, a.0.decided_at()));
                 a
             }
             Err(e) => {
