@@ -809,12 +809,7 @@ fn tally_json(t: &sluice_edge::Tally) -> serde_json::Value {
             "budget": budget, "reason": reason, "count": count,
         })).collect::<Vec<_>>(),
         "local_decisions": t.local_decisions,
-        "leases": {
-            "taken": t.leases.taken,
-            "returned": t.leases.returned,
-            "expired": t.leases.expired,
-            "calls_saved": t.leases.saved,
-        },
+        "leases": serde_json::to_value(t.leases).unwrap_or_default(),
         "near_limit": t.near_limit.iter().map(|(budget, count)| serde_json::json!({
             "budget": budget, "count": count,
         })).collect::<Vec<_>>(),

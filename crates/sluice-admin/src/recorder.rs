@@ -104,11 +104,15 @@ fn describe_metrics() {
     );
     metrics::describe_counter!(
         "sluice_leases_expired_total",
-        "Leases ended by time (lease_ms or their window's end)."
+        "Leases ended by time (lease_ms, their window's end, or the shared store's clock past their window)."
     );
     metrics::describe_counter!(
         "sluice_lease_calls_saved_total",
         "Requests decided from leases alone, with no call to the shared store."
+    );
+    metrics::describe_counter!(
+        "sluice_lease_over_admission_seen_total",
+        "Units admitted from leases when, by the shared store's clock as last measured, their window may already have ended: the most this replica can have admitted over a limit (SPEC D4)."
     );
     metrics::describe_counter!(
         "sluice_refusals_total",

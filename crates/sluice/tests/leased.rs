@@ -162,6 +162,12 @@ async fn d4_two_replicas_admit_within_the_bound_with_few_redis_calls() {
         let leases = &status["limiter"]["leases"];
         taken += leases["taken"].as_u64().expect("leases.taken");
         saved += leases["calls_saved"].as_u64().expect("leases.calls_saved");
+        // The most that can have been admitted past a window on Redis's clock
+        // (one host, clocks in pace: at most a lease's units at an edge).
+        let seen = leases["over_admission_seen"]
+            .as_u64()
+            .expect("over_admission_seen");
+        assert!(seen <= LEASE, "{seen} units may be over: {leases}");
         let metrics = get(&r.admin_url("/metrics")).await.text();
         assert!(
             metrics.contains("sluice_lease_calls_saved_total"),
