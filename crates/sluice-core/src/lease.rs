@@ -12,7 +12,9 @@
 //!   request, whether the lease in hand admits it, whether the budget is known
 //!   exhausted until its reset, or whether the store must be asked (and for how
 //!   many units, sized to this replica's recent demand within the lease's
-//!   `units`).
+//!   `units`). A lease three quarters spent is renewed early: one request asks
+//!   for what fits under `units` beside what is held, the others spend the
+//!   rest meanwhile, and the grant adds to the lease in hand.
 //!
 //! The bound: over any window of the store's clock, N replicas admit at most
 //! `limit + N × units` ([`LeaseTerms::bound`]). The counter of a window never
@@ -38,7 +40,7 @@
 //! let Local::Ask { want, .. } = holder.decide(1, now) else { panic!() };
 //! let (decision, granted) = take_lease(&budget, &mut cell, now, want);
 //! assert!(decision.is_admitted());
-//! holder.granted(granted, 1, &decision, now);
+//! assert!(holder.granted(granted, 1, &decision, now).is_none(), "nothing to give back");
 //! ```
 
 use std::num::NonZeroU32;
@@ -262,6 +264,12 @@ pub struct LeaseCounts {
 #[derive(Clone, Copy, Debug)]
 struct Held {
     left: u32,
+    /// What it held when last granted or renewed (what "three quarters
+    /// spent" is reckoned from).
+    full: u32,
+    /// False once an early renewal failed or was refused: the rest is then
+    /// spent here, and the store asked again when it is dry or over.
+    renews: bool,
     spent: u32,
     ends: Timestamp,
     reserved_at: Timestamp,
@@ -357,6 +365,17 @@ impl LeaseHolder {
     pub fn decide_at(&mut self, cost: u32, now: Timestamp, gap: ClockGap) -> Local {
         if let Some(until) = self.exhausted_until {
             if now < until {
+                // Known exhausted: what the lease in hand still holds is
+                // spent first (its units were counted), then refused here
+                // until the reset. A lease whose time is up is left to the
+                // sweep, which gives its leftovers back.
+                if let Some(h) = self.held.as_mut()
+                    && now < h.ends
+                    && ClockGap::shift(now, gap.least) < h.window_end
+                    && h.left >= cost
+                {
+                    return Self::spend(h, &mut self.counts, cost, now, gap);
+                }
                 self.counts.saved += 1;
                 return Local::Refused {
                     retry_after: until.saturating_since(now),
@@ -375,13 +394,24 @@ impl LeaseHolder {
         }
         if let Some(h) = self.held.as_mut() {
             if h.left >= cost {
-                h.left -= cost;
-                h.spent += cost;
-                self.counts.saved += 1;
-                if ClockGap::shift(now, gap.most) >= h.window_end {
-                    self.counts.past_window += u64::from(cost);
+                let units = self.terms.units.get();
+                if h.renews
+                    && !self.asking
+                    && (h.left - cost).saturating_mul(4) < h.full
+                    && h.left < units
+                {
+                    // Three quarters spent before its time: this request asks
+                    // the store for its cost and the next units while the
+                    // others go on spending the rest, so none waits for the
+                    // store at the turn. What is held stays at most `units`.
+                    self.asking = true;
+                    self.size = self.size.saturating_mul(2).min(units);
+                    return Local::Ask {
+                        want: cost.saturating_add(self.size.min(units - h.left)),
+                        give_back: None,
+                    };
                 }
-                return Local::Admitted { remaining: h.left };
+                return Self::spend(h, &mut self.counts, cost, now, gap);
             }
             // Dry before its time: this replica's demand outgrew it.
             let h = *h;
@@ -402,39 +432,99 @@ impl LeaseHolder {
         }
     }
 
+    /// Admits a request of `cost` at `now` from `h` (which holds at least
+    /// `cost`), counting it as saved, and as perhaps past its window when the
+    /// store's clock may be past it.
+    fn spend(
+        h: &mut Held,
+        counts: &mut LeaseCounts,
+        cost: u32,
+        now: Timestamp,
+        gap: ClockGap,
+    ) -> Local {
+        h.left -= cost;
+        h.spent += cost;
+        counts.saved += 1;
+        if ClockGap::shift(now, gap.most) >= h.window_end {
+            counts.past_window += u64::from(cost);
+        }
+        Local::Admitted { remaining: h.left }
+    }
+
     /// The store granted `granted` units (as [`take_lease`] said) for a request
     /// costing `cost`, in `decision`, whose call was sent at `now` (before the
     /// store decided it). The lease holds what is left past the cost, until
     /// `millis` from `now` or the window's end (the decision's reset, as a
     /// duration from its `decided_at`), whichever is first: reckoned from the
     /// send, it ends before its window does on the store's clock.
-    pub fn granted(&mut self, granted: u32, cost: u32, decision: &Decision, now: Timestamp) {
+    ///
+    /// A grant that renews the lease in hand early ([`LeaseHolder::decide_at`])
+    /// adds to what it still holds when both are of one window (the ask was
+    /// sized so that the sum is at most the terms' `units`), and the lease
+    /// then lives from `now`; a lease in hand of an earlier window ends, and
+    /// what it did not spend is returned, to be given back to its window.
+    #[must_use = "a lease of an earlier window ended: give its units back"]
+    pub fn granted(
+        &mut self,
+        granted: u32,
+        cost: u32,
+        decision: &Decision,
+        now: Timestamp,
+    ) -> Option<GiveBack> {
         self.asking = false;
         let left = granted.saturating_sub(cost);
         if left == 0 {
-            return;
+            return None;
         }
         let reset = decision.statuses().first().map_or(0, |s| s.reset);
         let to_reset = Timestamp::from_secs(reset).saturating_since(decision.decided_at());
         let life = self.terms.duration().min(to_reset);
         if life.is_zero() {
             // Taken in the window's last instant: nothing to hold it for.
-            return;
+            return None;
         }
         self.counts.taken += 1;
+        let window_end = Timestamp::from_secs(reset);
+        let ends = now.saturating_add(life);
+        let mut back = None;
+        match self.held.as_mut() {
+            Some(h) if h.window_end == window_end => {
+                // Renewed: one lease, at most `units`, living from this grant.
+                h.left = h.left.saturating_add(left).min(self.terms.units.get());
+                h.full = h.left;
+                h.renews = true;
+                // Recent demand is reckoned from here.
+                h.spent = 0;
+                h.ends = h.ends.max(ends);
+                h.reserved_at = decision.decided_at();
+                return None;
+            }
+            Some(_) => {
+                if let Some(old) = self.held.take() {
+                    self.counts.expired += 1;
+                    back = self.give_back(old);
+                }
+            }
+            None => {}
+        }
         self.held = Some(Held {
             left,
+            full: left,
+            renews: true,
             spent: 0,
-            ends: now.saturating_add(life),
+            ends,
             reserved_at: decision.decided_at(),
-            window_end: Timestamp::from_secs(reset),
+            window_end,
         });
+        back
     }
 
     /// The store refused the request at `now`. When the budget has nothing left
     /// (`remaining` 0) it is answered locally until `retry_after` from `now`.
+    /// A lease in hand is then spent here, without asking to renew it early.
     pub fn refused(&mut self, remaining: u32, retry_after: Option<Duration>, now: Timestamp) {
         self.asking = false;
+        self.no_renewal();
         if remaining == 0
             && let Some(wait) = retry_after
         {
@@ -466,8 +556,25 @@ impl LeaseHolder {
     }
 
     /// The store could not answer: the next request asks again.
+    ///
+    /// A lease in hand is then spent here, without asking to renew it early
+    /// (during an outage, the lease decides until it ends).
     pub fn failed(&mut self) {
         self.asking = false;
+        self.no_renewal();
+    }
+
+    fn no_renewal(&mut self) {
+        if let Some(h) = self.held.as_mut() {
+            h.renews = false;
+        }
+    }
+
+    /// True when the lease in hand holds at least `cost` units and will not be
+    /// renewed early: a request whose renewal just failed or was refused can
+    /// be decided again, from the lease.
+    pub fn may_spend(&self, cost: u32) -> bool {
+        self.held.is_some_and(|h| !h.renews && h.left >= cost)
     }
 }
 
@@ -520,7 +627,7 @@ mod tests {
             match h.decide(1, now) {
                 Local::Ask { want, .. } => {
                     let (d, g) = take_lease(&b.with_cost(1), &mut cell, now, want);
-                    h.granted(g, 1, &d, now);
+                    assert!(h.granted(g, 1, &d, now).is_none());
                 }
                 Local::Admitted { .. } => {}
                 other => panic!("{other:?}"),
@@ -538,7 +645,7 @@ mod tests {
             panic!()
         };
         let (d, g) = take_lease(&b, &mut cell, now, want);
-        h.granted(g, 1, &d, now);
+        assert!(h.granted(g, 1, &d, now).is_none());
         assert!(h.held() > 0);
         assert!(h.end_if_over(at(999)).is_none());
         let back = h.end_if_over(at(1000)).expect("ended");
@@ -555,7 +662,7 @@ mod tests {
             panic!()
         };
         let (d, g) = take_lease(&b, &mut cell, now, want);
-        h.granted(g, 1, &d, now);
+        assert!(h.granted(g, 1, &d, now).is_none());
         let Local::Ask { want, .. } = h.decide(1, at(300)) else {
             panic!()
         };
@@ -584,10 +691,14 @@ mod tests {
                 assert!(give_back.is_none(), "busy: every lease is spent");
                 sizes.push(want);
                 let (d, g) = take_lease(&b, &mut cell, now, want);
-                h.granted(g, 1, &d, now);
+                assert!(h.granted(g, 1, &d, now).is_none());
             }
         }
-        assert_eq!(sizes, [2, 3, 5, 8, 8, 8, 8]);
+        // Busy: each lease is renewed once three quarters of it are spent
+        // (the asking request's cost on the store, the others spending what is
+        // left meanwhile), doubling with demand: 1, 2, 4 units past the cost,
+        // then what fits under the lease's 8 beside the 2 still held: 6.
+        assert_eq!(sizes, [2, 3, 5, 7, 7, 7, 7, 7]);
         // Quiet: one request per lease's life.
         let mut wants = Vec::new();
         for i in 0..3 {
@@ -595,7 +706,7 @@ mod tests {
             if let Local::Ask { want, .. } = h.decide(1, now) {
                 wants.push(want);
                 let (d, g) = take_lease(&b, &mut cell, now, want);
-                h.granted(g, 1, &d, now);
+                assert!(h.granted(g, 1, &d, now).is_none());
             }
         }
         assert_eq!(
@@ -607,14 +718,7 @@ mod tests {
 
     #[test]
     fn d4_a_refund_puts_a_refused_requests_units_back() {
-        let b = budget(100);
-        let mut cell = 0;
-        let mut h = LeaseHolder::new(terms(10, 1000));
-        let Local::Ask { want, .. } = h.decide(1, at(0)) else {
-            panic!()
-        };
-        let (d, g) = take_lease(&b, &mut cell, at(0), want);
-        h.granted(g, 1, &d, at(0));
+        let mut h = holding(5, at(0));
         let before = h.held();
         assert!(matches!(h.decide(1, at(1)), Local::Admitted { .. }));
         h.refund(1);
@@ -642,7 +746,7 @@ mod tests {
             panic!("asks first")
         };
         let (d, g) = take_lease(&b, &mut cell, now, want);
-        h.granted(g, 1, &d, now);
+        assert!(h.granted(g, 1, &d, now).is_none());
         assert_eq!(h.held(), units);
         h
     }
@@ -690,7 +794,7 @@ mod tests {
         assert_eq!(h.counts().past_window, 2, "its cost, in units");
         // One clock for both: never.
         let mut same = holding(5, at(600));
-        for ms in [700, 800, 900, 999] {
+        for ms in [700, 900, 999] {
             assert!(matches!(same.decide(1, at(ms)), Local::Admitted { .. }));
         }
         assert_eq!(same.counts().past_window, 0);
@@ -707,6 +811,73 @@ mod tests {
             ClockGap::shift(at(100), -1_000_000),
             at(99),
             "a time on the store's clock"
+        );
+    }
+
+    #[test]
+    fn d4_a_lease_renewed_early_adds_to_what_is_held_within_its_units() {
+        let b = budget(100);
+        let mut cell = 0;
+        let mut h = holding(4, at(100));
+        for _ in 0..3 {
+            assert!(matches!(h.decide(1, at(200)), Local::Admitted { .. }));
+        }
+        // Three quarters spent: this request renews, the rest stays spendable.
+        let Local::Ask {
+            want,
+            give_back: None,
+        } = h.decide(1, at(200))
+        else {
+            panic!("renews early")
+        };
+        assert_eq!(
+            want, 5,
+            "its cost and the 4 that fit under 5 beside the 1 held"
+        );
+        assert!(matches!(
+            h.decide(1, at(201)),
+            Local::Admitted { remaining: 0 }
+        ));
+        let (d, g) = take_lease(&b, &mut cell, at(200), want);
+        assert!(h.granted(g, 1, &d, at(200)).is_none(), "one lease, renewed");
+        assert_eq!(h.held(), 4);
+        assert_eq!(h.counts().taken, 2);
+    }
+
+    #[test]
+    fn d4_a_renewal_answered_in_the_next_window_gives_the_old_lease_back() {
+        let b = budget(100);
+        let mut h = holding(4, at(900));
+        for _ in 0..3 {
+            assert!(matches!(h.decide(1, at(950)), Local::Admitted { .. }));
+        }
+        let Local::Ask { want, .. } = h.decide(1, at(950)) else {
+            panic!("renews early")
+        };
+        // The store decides it in its next window.
+        let mut next = 0;
+        let (d, g) = take_lease(&b, &mut next, at(1_001), want);
+        let back = h.granted(g, 1, &d, at(950)).expect("the old lease ends");
+        assert_eq!((back.units, back.reserved_at), (1, at(900)));
+        assert_eq!(h.held(), 4, "the new window's lease");
+    }
+
+    #[test]
+    fn d4_a_failed_renewal_leaves_the_lease_to_be_spent() {
+        let mut h = holding(4, at(100));
+        for _ in 0..3 {
+            assert!(matches!(h.decide(1, at(200)), Local::Admitted { .. }));
+        }
+        assert!(matches!(h.decide(1, at(200)), Local::Ask { .. }));
+        h.failed();
+        assert!(h.may_spend(1), "decided again, from the lease");
+        assert!(matches!(
+            h.decide(1, at(200)),
+            Local::Admitted { remaining: 0 }
+        ));
+        assert!(
+            matches!(h.decide(1, at(200)), Local::Ask { .. }),
+            "dry: asks"
         );
     }
 

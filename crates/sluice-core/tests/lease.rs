@@ -1,6 +1,8 @@
 //! The bound of leased budgets (SPEC D4), for any interleaving: N simulated
 //! replicas, each with a [`LeaseHolder`], on one store's cell; answers that
-//! arrive late, leases that end by time, replicas killed holding a lease.
+//! arrive late (a slow Redis: leases renewed early, while the rest of the
+//! lease in hand is spent), leases that end by time, replicas killed holding a
+//! lease.
 
 mod support;
 
@@ -100,15 +102,15 @@ fn run(
             adjust(&budget, -i64::from(b.units), b.reserved_at, cell, now);
         }
     };
-    let deliver = |r: &mut Replica, now: Timestamp| {
-        if let Some(a) = r.answer.take() {
-            if a.granted > 0 {
-                r.holder.granted(a.granted, a.cost, &a.decision, now);
-            } else {
-                let s = a.decision.statuses()[0];
-                r.holder.refused(s.remaining, s.retry_after(), now);
-            }
+    // What a lease of an earlier window, ended by a renewal, gives back.
+    let deliver = |r: &mut Replica, now: Timestamp| -> Option<sluice_core::GiveBack> {
+        let a = r.answer.take()?;
+        if a.granted > 0 {
+            return r.holder.granted(a.granted, a.cost, &a.decision, now);
         }
+        let s = a.decision.statuses()[0];
+        r.holder.refused(s.remaining, s.retry_after(), now);
+        None
     };
     for e in events {
         match *e {
@@ -131,7 +133,7 @@ fn run(
                             granted,
                         });
                         if instant_answers {
-                            deliver(rep, now);
+                            give(&mut cell, deliver(rep, now), now);
                         }
                     }
                     Local::Exact { give_back } => {
@@ -143,7 +145,7 @@ fn run(
                     }
                 }
             }
-            Event::Deliver { r } => deliver(&mut rs[r], now),
+            Event::Deliver { r } => give(&mut cell, deliver(&mut rs[r], now), now),
             Event::Sweep { r } => {
                 let back = rs[r].holder.end_if_over(now);
                 give(&mut cell, back, now);
@@ -152,6 +154,15 @@ fn run(
             Event::Advance { millis } => {
                 now = now.saturating_add(std::time::Duration::from_millis(millis));
             }
+        }
+        // What the bound rests on: a replica holds at most one lease's units
+        // of a budget, renewals included.
+        for rep in &rs {
+            assert!(
+                rep.holder.held() <= terms.units.get(),
+                "{e:?}: held {}",
+                rep.holder.held()
+            );
         }
     }
     admitted

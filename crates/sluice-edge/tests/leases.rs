@@ -96,7 +96,7 @@ fn held_after(n: usize) -> u32 {
     for _ in 0..n {
         if let Local::Ask { want, .. } = holder.decide(1, now) {
             let (d, granted): (Decision, u32) = take_lease(&budget, &mut cell, now, want);
-            holder.granted(granted, 1, &d, now);
+            assert!(holder.granted(granted, 1, &d, now).is_none());
         }
     }
     holder.held()
@@ -251,8 +251,8 @@ impl Clock for Apart {
 /// 0.4 s: at 59.6 s here Redis may be past the minute (59.6 + 0.5) though
 /// surely not (59.6 + 0.1), so the units admitted from the leases are counted
 /// as the over-admission seen. Redis's clock then steps to 61 s: the next call
-/// shows it surely past the minute, so the leases in hand end there, before
-/// their own time, and the caller is decided on Redis in its new minute
+/// shows it surely past the minute, so the leases of the old minute end there,
+/// before their own time, and the caller is decided on Redis in its new minute
 /// rather than admitted from a lease of the old one.
 #[tokio::test]
 async fn d4_redis_clock_decides_when_a_lease_window_is_over() {
@@ -308,6 +308,69 @@ async fn d4_redis_clock_decides_when_a_lease_window_is_over() {
         after.saved, before.saved,
         "decided on Redis, not from a lease"
     );
-    assert_eq!(after.expired, before.expired + 2, "both leases ended early");
+    // The class's lease of the old minute ends here; the IP ceiling's was
+    // renewed by "third"'s call, in Redis's new minute, and ended then.
+    assert_eq!(after.expired, before.expired + 1, "the lease ended early");
     assert_eq!(after.over_admission_seen, before.over_admission_seen);
+}
+
+/// Redis answering slowly: a lease three quarters spent is renewed early by
+/// one request, and while Redis holds that request back the replica's next
+/// requests are admitted from the rest of the lease without waiting; once
+/// Redis answers, the renewal adds to the lease in hand (never past `lease`).
+/// Eight requests leave the class's and the IP ceiling's leases holding 2 of
+/// 5 units each (renewed at three quarters from 1 to 3 to 5); the ninth asks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d4_a_lease_is_renewed_early_and_spent_meanwhile_while_redis_is_slow() {
+    let server = RedisServer::start("d4-renew");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+    let mut config = RedisConfig::new(server.url());
+    // Longer than the test holds Redis back: the renewal waits for its answer.
+    config.timeout = Duration::from_secs(10);
+    let redis = RedisStore::connect_with_clock(config, clock.clone())
+        .await
+        .expect("connect");
+    let limiter = Arc::new(Limiter::new(policy(), redis).with_lease_clock(Arc::new(clock.clone())));
+    for _ in 0..8 {
+        assert_eq!(send(&limiter, "k").await, 200);
+    }
+    let before = limiter.lease_tally();
+    // Redis holds back every write (a script call) until told otherwise.
+    server.cli(&["CLIENT", "PAUSE", "20000", "WRITE"]);
+    let asker = tokio::spawn({
+        let limiter = Arc::clone(&limiter);
+        async move { send(&limiter, "k").await }
+    });
+    let mut held_back = false;
+    for _ in 0..2_000 {
+        if server
+            .cli(&["INFO", "clients"])
+            .contains("blocked_clients:1")
+        {
+            held_back = true;
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        held_back,
+        "the ninth request asks Redis to renew its leases"
+    );
+    for _ in 0..2 {
+        assert_eq!(send(&limiter, "k").await, 200);
+    }
+    assert!(
+        !asker.is_finished(),
+        "admitted from the rest of the leases while the renewal waits for Redis"
+    );
+    assert_eq!(limiter.lease_tally().saved, before.saved + 2);
+    server.cli(&["CLIENT", "UNPAUSE"]);
+    assert_eq!(asker.await.expect("the asking request"), 200);
+    let after = limiter.lease_tally();
+    assert_eq!(
+        after.taken,
+        before.taken + 2,
+        "both leases renewed: {after:?}"
+    );
+    assert_eq!(after.returned, before.returned, "renewed, not ended");
 }

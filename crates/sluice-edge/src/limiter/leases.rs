@@ -366,6 +366,7 @@ impl<S: BudgetStore> Limiter<S> {
             return None;
         }
         let mut waits = 0;
+        let mut again = true;
         let mut parts: ArrayVec<Part, MAX_BUDGETS> = ArrayVec::new();
         loop {
             let now = self.leases.now(self.fallback.clock());
@@ -377,7 +378,16 @@ impl<S: BudgetStore> Limiter<S> {
                     let _ = tokio::time::timeout(ASK_WAIT, answered).await;
                 }
                 Outcome::Store => {
-                    return Some(self.decide_with_store(plan, budgets, &parts, now).await);
+                    match self
+                        .decide_with_store(plan, budgets, &parts, now, again)
+                        .await
+                    {
+                        Ok(Stored::Decided(d)) => return Some(Ok(d)),
+                        // An early renewal failed or was refused: decided
+                        // again, from the lease it would have renewed.
+                        Ok(Stored::Again) => again = false,
+                        Err(e) => return Some(Err(e)),
+                    }
                 }
             }
         }
@@ -512,14 +522,18 @@ impl<S: BudgetStore> Limiter<S> {
 
     /// The store's part: the budgets not admitted from leases, in one call
     /// (taking leases where asked, giving leftovers back), then the leases'
-    /// part of the answer.
+    /// part of the answer. When `may_retry` and an ask that renewed a lease
+    /// early failed or was refused while that lease still holds the
+    /// request's cost, nothing is spent and the request is to be decided
+    /// again ([`Stored::Again`]), from that lease.
     async fn decide_with_store(
         &self,
         plan: Option<&Plan>,
         budgets: &[Budget],
         parts: &[Part],
         now: Timestamp,
-    ) -> Result<Box<Decision>, StoreError> {
+        may_retry: bool,
+    ) -> Result<Stored, StoreError> {
         let mut guard = AskGuard {
             leases: &self.leases,
             asked: budgets
@@ -567,7 +581,13 @@ impl<S: BudgetStore> Limiter<S> {
             }
             Err(e) => {
                 guard.disarm();
-                undo(&mut self.leases.entries.lock(), budgets, parts);
+                {
+                    let mut entries = self.leases.entries.lock();
+                    undo(&mut entries, budgets, parts);
+                    if may_retry && may_spend(&entries, budgets, parts) {
+                        return Ok(Stored::Again);
+                    }
+                }
                 let StoreError::Unavailable(why) = e else {
                     return Err(e);
                 };
@@ -576,7 +596,8 @@ impl<S: BudgetStore> Limiter<S> {
                     Some(plan) if self.fails_open(plan) => {
                         self.metrics.local.increment(1);
                         self.counts.local.fetch_add(1, Ordering::Relaxed);
-                        self.decide_locally(plan, budgets).map(Box::new)
+                        self.decide_locally(plan, budgets)
+                            .map(|d| Stored::Decided(Box::new(d)))
                     }
                     _ => Err(StoreError::Unavailable(why)),
                 };
@@ -601,7 +622,10 @@ impl<S: BudgetStore> Limiter<S> {
                     if d.is_admitted() {
                         let granted = grants.get(j).copied().unwrap_or(b.cost);
                         let one = Decision::from_statuses(d.decided_at(), [s]);
-                        e.holder.granted(granted, b.cost, &one, now);
+                        // A lease of an earlier window, renewed into this
+                        // one's: its leftovers go back to their window.
+                        let back = e.holder.granted(granted, b.cost, &one, now);
+                        self.leases.queue(e.budget, back);
                         e.remaining = s.remaining;
                         e.reset = s.reset;
                         let held = e.holder.held();
@@ -648,8 +672,34 @@ impl<S: BudgetStore> Limiter<S> {
                     })
                     .collect::<ArrayVec<Part, MAX_BUDGETS>>(),
             );
+            if may_retry && may_spend(&entries, budgets, parts) {
+                return Ok(Stored::Again);
+            }
         }
         drop(entries);
-        Ok(Box::new(Decision::from_statuses(d.decided_at(), statuses)))
+        Ok(Stored::Decided(Box::new(Decision::from_statuses(
+            d.decided_at(),
+            statuses,
+        ))))
     }
+}
+
+/// What the store's part of a request came to.
+enum Stored {
+    /// The request's decision.
+    Decided(Box<Decision>),
+    /// Nothing spent: decide it again (an early renewal failed or was refused,
+    /// and the lease it would have renewed holds the request's cost).
+    Again,
+}
+
+/// True when a budget of `parts` that asked for a lease may now be spent from
+/// the lease in hand ([`LeaseHolder::may_spend`]).
+fn may_spend(entries: &HashMap<BudgetKey, Entry>, budgets: &[Budget], parts: &[Part]) -> bool {
+    budgets.iter().zip(parts).any(|(b, p)| {
+        matches!(p, Part::Ask(_))
+            && entries
+                .get(&b.key)
+                .is_some_and(|e| e.holder.may_spend(b.cost))
+    })
 }
