@@ -378,9 +378,11 @@ impl<S: BudgetStore> Limiter<S> {
                     let _ = tokio::time::timeout(ASK_WAIT, answered).await;
                 }
                 Outcome::Store => {
-                    match self
-                        .decide_with_store(plan, budgets, &parts, now, again)
-                        .await
+                    // Boxed: the store's part is taken about once a lease, and
+                    // its state (the call's budgets, asks and leftovers, the
+                    // store's own future) would otherwise be moved with every
+                    // request's future, those decided from leases too.
+                    match Box::pin(self.decide_with_store(plan, budgets, &parts, now, again)).await
                     {
                         Ok(Stored::Decided(d)) => return Some(Ok(d)),
                         // An early renewal failed or was refused: decided
