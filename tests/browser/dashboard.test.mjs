@@ -6,7 +6,7 @@ import fs from "node:fs";
 import path from "node:path";
 import { after, before, test } from "node:test";
 import {
-  DESKTOP, PHONE, ROOT, browser, fakeProvider, openPage, overflowsSideways, screenshot, startSluice, tempDir,
+  DESKTOP, PHONE, ROOT, browser, examplePolicy, fakeProvider, openPage, overflowsSideways, screenshot, startSluice, tempDir,
 } from "./support.mjs";
 
 // A workspace name as an auth layer in front may pass it on: whatever a caller
@@ -21,19 +21,13 @@ let admin;
 
 /** The built-in policy with loopback trusted as an auth layer naming workspaces. */
 function policyFile(dir) {
-  const edit = (text, from, to) => {
-    assert.ok(text.includes(from), `examples/policy.yaml no longer holds ${JSON.stringify(from)}`);
-    return text.replace(from, to);
-  };
-  let text = fs.readFileSync(path.join(ROOT, "examples/policy.yaml"), "utf8");
-  text = edit(text, "  trusted_proxies: []", "  trusted_proxies: [127.0.0.1]\n  principal_headers: { workspace: X-Workspace, user: X-User }");
-  // Windows no run can straddle: the counts the page shows never drop to a new window's.
-  text = edit(text, "\nwindow_seconds: 60\n", "\nwindow_seconds: 4294967295\n");
-  // A plan no workspace is on until the admin API puts one there (SPEC P3, P4).
-  text = edit(text, "\nheaders:\n", "\nplans:\n  pro:\n    classes: { expensive: 90 }\nheaders:\n");
-  const file = path.join(dir, "policy.yaml");
-  fs.writeFileSync(file, text);
-  return file;
+  return examplePolicy(dir, [
+    ["  trusted_proxies: []", "  trusted_proxies: [127.0.0.1]\n  principal_headers: { workspace: X-Workspace, user: X-User }"],
+    // Windows no run can straddle: the counts the page shows never drop to a new window's.
+    ["\nwindow_seconds: 60\n", "\nwindow_seconds: 4294967295\n"],
+    // A plan no workspace is on until the admin API puts one there (SPEC P3, P4).
+    ["\nheaders:\n", "\nplans:\n  pro:\n    classes: { expensive: 90 }\nheaders:\n"],
+  ]);
 }
 
 before(async () => {

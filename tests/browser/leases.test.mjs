@@ -8,7 +8,7 @@ import { spawn } from "node:child_process";
 import fs from "node:fs";
 import path from "node:path";
 import { after, before, test } from "node:test";
-import { DESKTOP, ROOT, browser, openPage, screenshot, startSluice, tempDir } from "./support.mjs";
+import { DESKTOP, browser, examplePolicy, openPage, screenshot, startSluice, tempDir } from "./support.mjs";
 
 let redis;
 let sluice;
@@ -19,17 +19,9 @@ let admin;
 
 /** The built-in policy, its read class and IP ceiling leased, on windows no run straddles. */
 function policyFile(dir) {
-  const edit = (text, from, to) => {
-    assert.ok(text.includes(from), `examples/policy.yaml no longer holds ${JSON.stringify(from)}`);
-    return text.replace(from, to);
-  };
-  let text = fs.readFileSync(path.join(ROOT, "examples/policy.yaml"), "utf8");
-  text = edit(text, "\nwindow_seconds: 60\n", "\nwindow_seconds: 4294967295\n" +
+  return examplePolicy(dir, [["\nwindow_seconds: 60\n", "\nwindow_seconds: 4294967295\n" +
     "algorithms:\n  read: { consistency: leased, lease: 10, lease_ms: 1000 }\n" +
-    "  ip: { consistency: leased, lease: 10, lease_ms: 1000 }\n");
-  const file = path.join(dir, "policy.yaml");
-  fs.writeFileSync(file, text);
-  return file;
+    "  ip: { consistency: leased, lease: 10, lease_ms: 1000 }\n"]]);
 }
 
 /** A redis-server on a Unix socket in `dir`; resolves once it answers. */

@@ -17,6 +17,21 @@ const CHROMIUM = process.env.CHROMIUM || "/usr/bin/chromium";
 export const DESKTOP = { width: 1280, height: 900 };
 export const PHONE = { width: 390, height: 844 };
 
+/**
+ * The built-in policy (examples/policy.yaml) with each `[from, to]` of `edits` made
+ * (each `from` must still be in it), written to DIR/policy.yaml; returns that path.
+ */
+export function examplePolicy(dir, edits) {
+  let text = fs.readFileSync(path.join(ROOT, "examples/policy.yaml"), "utf8");
+  for (const [from, to] of edits) {
+    if (!text.includes(from)) throw new Error(`examples/policy.yaml no longer holds ${JSON.stringify(from)}`);
+    text = text.replace(from, to);
+  }
+  const file = path.join(dir, "policy.yaml");
+  fs.writeFileSync(file, text);
+  return file;
+}
+
 /** A fresh temporary directory, removed by `cleanup`. */
 export function tempDir(prefix) {
   return fs.mkdtempSync(path.join(os.tmpdir(), prefix));
