@@ -6,7 +6,7 @@ import fs from "node:fs";
 import path from "node:path";
 import { after, before, test } from "node:test";
 import {
-  DESKTOP, PHONE, ROOT, browser, examplePolicy, fakeProvider, openPage, overflowsSideways, screenshot, startSluice, tempDir,
+  DESKTOP, PHONE, ROOT, browser, examplePolicy, fakeProvider, openPage, overflowsSideways, screenshot, startServe, tempDir,
 } from "./support.mjs";
 
 // A workspace name as an auth layer in front may pass it on: whatever a caller
@@ -32,13 +32,10 @@ function policyFile(dir) {
 
 before(async () => {
   work = tempDir("sluice-dash-");
-  sluice = await startSluice([
-    "serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
-    "--data-dir", path.join(work, "data"), "--config", policyFile(work),
-    "--demo-optimize-seconds", "6",
-  ], /listening on http:\/\/(\S+) \(admin http:\/\/(\S+),/);
-  gateway = "http://" + sluice.match[1];
-  admin = "http://" + sluice.match[2];
+  sluice = await startServe(path.join(work, "data"), [
+    "--config", policyFile(work), "--demo-optimize-seconds", "6",
+  ]);
+  ({ gateway, admin } = sluice);
   chrome = await browser();
 });
 
@@ -145,14 +142,13 @@ test("with LLM routes the dashboard charts each workspace's tokens and spend thi
   let calls = 0;
   const provider = await fakeProvider(() => ++calls);
   const dir = tempDir("sluice-dash-llm-");
-  const llm = await startSluice([
-    "serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
-    "--data-dir", path.join(dir, "data"), "--config", path.join(ROOT, "examples/llm-gateway.yaml"),
+  const llm = await startServe(path.join(dir, "data"), [
+    "--config", path.join(ROOT, "examples/llm-gateway.yaml"),
     "--upstream", "http://127.0.0.1:" + provider.address().port,
-  ], /listening on http:\/\/(\S+) \(admin http:\/\/(\S+),/);
+  ]);
   try {
     const chat = async (key, model, extra = {}) => {
-      const r = await fetch("http://" + llm.match[1] + "/v1/chat/completions", {
+      const r = await fetch(llm.gateway + "/v1/chat/completions", {
         method: "POST",
         headers: { "content-type": "application/json", authorization: "Bearer " + key, ...extra },
         body: JSON.stringify({ model, max_tokens: 16, messages: [{ role: "user", content: "hi" }] }),
@@ -168,7 +164,7 @@ test("with LLM routes the dashboard charts each workspace's tokens and spend thi
     const errors = [];
     const page = await openPage(chrome.context, errors);
     await page.setViewportSize(DESKTOP);
-    await page.goto("http://" + llm.match[2] + "/");
+    await page.goto(llm.admin + "/");
     await page.locator("#usage:not([hidden])").waitFor({ timeout: 10_000 });
     const tokens = '.chart[data-usage="tokens"]';
     const spend = '.chart[data-usage="spend"]';

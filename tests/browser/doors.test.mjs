@@ -11,7 +11,7 @@ import fs from "node:fs";
 import http from "node:http";
 import path from "node:path";
 import { after, before, test } from "node:test";
-import { DESKTOP, browser, fakeProvider, openPage, screenshot, startSluice, tempDir } from "./support.mjs";
+import { DESKTOP, browser, fakeProvider, openPage, screenshot, startServe, startSluice, tempDir } from "./support.mjs";
 
 const KEY = "door-browser-key";
 const WORKSPACE = "key:" + crypto.createHash("sha256").update(KEY).digest("hex");
@@ -91,11 +91,8 @@ function curlPost(url) {
 before(async () => {
   work = tempDir("sluice-doors-");
   provider = await fakeProvider(() => { forwarded += 1; return forwarded; });
-  serve = await startSluice([
-    "serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--data-dir", path.join(work, "data"),
-  ], /listening on http:\/\/(\S+) \(admin http:\/\/(\S+),/);
-  gateway = "http://" + serve.match[1];
-  admin = "http://" + serve.match[2];
+  serve = await startServe(path.join(work, "data"));
+  ({ gateway, admin } = serve);
   const config = path.join(work, "pace.yaml");
   fs.writeFileSync(config, [
     "providers:",
@@ -175,12 +172,9 @@ test("the operator's own pages still work: the dashboard and the pace settings",
 test("with a token the dashboard asks once and keeps it in an HttpOnly cookie", { timeout: 90_000 }, async () => {
   const file = path.join(work, "admin.token");
   fs.writeFileSync(file, "browser-test-token\n", { mode: 0o600 });
-  const guarded = await startSluice([
-    "serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--data-dir", path.join(work, "data2"),
-    "--admin-token-file", file,
-  ], /listening on http:\/\/(\S+) \(admin http:\/\/(\S+),/);
+  const guarded = await startServe(path.join(work, "data2"), ["--admin-token-file", file]);
   try {
-    const base = "http://" + guarded.match[2];
+    const base = guarded.admin;
     assert.equal((await fetch(base + "/status")).status, 401);
     const errors = [];
     const page = await openPage(chrome.context, errors);

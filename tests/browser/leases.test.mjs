@@ -8,7 +8,7 @@ import { spawn } from "node:child_process";
 import fs from "node:fs";
 import path from "node:path";
 import { after, before, test } from "node:test";
-import { DESKTOP, browser, examplePolicy, openPage, screenshot, startSluice, tempDir } from "./support.mjs";
+import { DESKTOP, browser, examplePolicy, openPage, screenshot, startServe, tempDir } from "./support.mjs";
 
 let redis;
 let sluice;
@@ -38,12 +38,8 @@ async function startRedis(dir) {
 before(async () => {
   work = tempDir("sluice-leases-");
   redis = await startRedis(work);
-  sluice = await startSluice([
-    "serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
-    "--data-dir", path.join(work, "data"), "--config", policyFile(work), "--store", redis.url,
-  ], /listening on http:\/\/(\S+) \(admin http:\/\/(\S+),/);
-  gateway = "http://" + sluice.match[1];
-  admin = "http://" + sluice.match[2];
+  sluice = await startServe(path.join(work, "data"), ["--config", policyFile(work), "--store", redis.url]);
+  ({ gateway, admin } = sluice);
   chrome = await browser();
 });
 

@@ -32,6 +32,18 @@ export function examplePolicy(dir, edits) {
   return file;
 }
 
+/**
+ * `sluice serve` on port 0 with its admin listener on port 0, its data in `dataDir`,
+ * and `args` after; resolves as `startSluice` does, with `gateway` and `admin`, the two
+ * listeners' base URLs.
+ */
+export async function startServe(dataDir, args = []) {
+  const serve = await startSluice([
+    "serve", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--data-dir", dataDir, ...args,
+  ], /listening on http:\/\/(\S+) \(admin http:\/\/(\S+),/);
+  return { ...serve, gateway: "http://" + serve.match[1], admin: "http://" + serve.match[2] };
+}
+
 /** A fresh temporary directory, removed by `cleanup`. */
 export function tempDir(prefix) {
   return fs.mkdtempSync(path.join(os.tmpdir(), prefix));
