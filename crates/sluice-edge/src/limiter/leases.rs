@@ -67,13 +67,18 @@ struct Entry {
     answered: Arc<Notify>,
 }
 
+/// The lease holders by budget key. Looked up twice a request or so, hence
+/// foldhash (seeded per process: a caller cannot aim keys at one bucket)
+/// rather than SipHash.
+type LeaseMap = HashMap<BudgetKey, Entry, foldhash::fast::RandomState>;
+
 /// This replica's leases and what they have saved (for `/status` and `/metrics`).
 #[derive(Default)]
 pub(crate) struct Leases {
     /// The clock leases live by: this replica's fallback store's unless set
     /// ([`Limiter::with_lease_clock`]).
     clock: Option<Arc<dyn Clock>>,
-    entries: Mutex<HashMap<BudgetKey, Entry>>,
+    entries: Mutex<LeaseMap>,
     pending: Mutex<Vec<(Budget, GiveBack)>>,
     /// When the last sweep ran (Unix nanoseconds of this replica's clock).
     swept: AtomicU64,
@@ -153,7 +158,7 @@ fn terms_of(policy: &Policy, kind: &BudgetKind) -> Option<LeaseTerms> {
 
 /// Puts back the units of the parts admitted from leases, and lets go of the
 /// asks of `parts` that will not be made (their waiters are woken).
-fn undo(entries: &mut HashMap<BudgetKey, Entry>, budgets: &[Budget], parts: &[Part]) {
+fn undo(entries: &mut LeaseMap, budgets: &[Budget], parts: &[Part]) {
     for (b, part) in budgets.iter().zip(parts) {
         let Some(e) = entries.get_mut(&b.key) else {
             continue;
@@ -262,7 +267,7 @@ impl Leases {
 
     /// Ends the leases whose time is up at `now` that no request touched, at
     /// most every [`SWEEP_EVERY`] (their leftovers wait for the next call).
-    fn sweep(&self, entries: &mut HashMap<BudgetKey, Entry>, now: Timestamp) {
+    fn sweep(&self, entries: &mut LeaseMap, now: Timestamp) {
         let last = self.swept.load(Ordering::Relaxed);
         let every = u64::try_from(SWEEP_EVERY.as_nanos()).unwrap_or(u64::MAX);
         if now.as_nanos() < last.saturating_add(every) {
@@ -697,7 +702,7 @@ enum Stored {
 
 /// True when a budget of `parts` that asked for a lease may now be spent from
 /// the lease in hand ([`LeaseHolder::may_spend`]).
-fn may_spend(entries: &HashMap<BudgetKey, Entry>, budgets: &[Budget], parts: &[Part]) -> bool {
+fn may_spend(entries: &LeaseMap, budgets: &[Budget], parts: &[Part]) -> bool {
     budgets.iter().zip(parts).any(|(b, p)| {
         matches!(p, Part::Ask(_))
             && entries

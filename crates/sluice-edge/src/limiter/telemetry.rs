@@ -244,7 +244,8 @@ pub const DECISION_SECONDS_BUCKETS: &[f64] = &[
 pub(super) struct TopCallers {
     window: u64,
     /// Caller subject → (who, its workspace label, units spent this window).
-    spend: HashMap<u64, (Who, String, u64)>,
+    /// Touched by every admitted request: foldhash, seeded per process.
+    spend: HashMap<u64, (Who, String, u64), foldhash::fast::RandomState>,
     others: u64,
 }
 
