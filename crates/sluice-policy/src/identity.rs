@@ -220,6 +220,16 @@ impl std::fmt::Display for Who {
     }
 }
 
+/// What a request sends of one kind of credential ([`Identity::check_credentials`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct Sent {
+    /// Fields of the kind (session cookies, for the cookie).
+    count: usize,
+    /// The first field unreadable as a credential (any session cookie, for the
+    /// cookie).
+    malformed: bool,
+}
+
 /// A request whose credential sluice cannot count as the upstream reads it: one kind
 /// sent more than once (two `X-API-Key` fields, two `Authorization` fields, two
 /// session cookies), or two kinds at once (an `X-API-Key` and a Bearer) when the policy
@@ -500,15 +510,15 @@ impl Identity {
     /// [`AmbiguousCredentials`] for the first kind (in the configured order) sent more
     /// than once.
     pub fn check_credentials(&self, headers: &HeaderMap) -> Result<(), AmbiguousCredentials> {
+        // Each kind's fields are read once (this runs per request), then judged in
+        // three passes: sent more than once, unreadable, more than one kind.
+        let mut read = [Sent::default(); CredentialSource::KINDS];
+        for &source in self.credentials.iter().chain(&self.counted) {
+            read[source.index()] = self.sent(source, headers);
+        }
+        let sent = |source: CredentialSource| read[source.index()];
         for &source in &self.credentials {
-            let count = match source {
-                CredentialSource::ApiKeyHeader => headers.get_all(X_API_KEY).iter().count(),
-                CredentialSource::Bearer => headers.get_all(AUTHORIZATION).iter().count(),
-                CredentialSource::SessionCookie => self
-                    .session_pairs(headers)
-                    .filter(cookie::Pair::is_session)
-                    .count(),
-            };
+            let count = sent(source).count;
             if count > 1 {
                 return Err(AmbiguousCredentials {
                     sent_in: source,
@@ -518,7 +528,7 @@ impl Identity {
             }
         }
         for &source in &self.credentials {
-            if self.malformed(source, headers) {
+            if sent(source).malformed {
                 return Err(AmbiguousCredentials {
                     sent_in: source,
                     count: 1,
@@ -526,21 +536,68 @@ impl Identity {
                 });
             }
         }
-        let mut present = self
-            .credentials
-            .iter()
-            .copied()
-            .filter(|&source| self.sends_in(source, headers));
-        let (Some(first), Some(second)) = (present.next(), present.next()) else {
+        let mut present = [None; CredentialSource::KINDS];
+        let mut kinds = 0;
+        for &source in &self.credentials {
+            if sent(source).count > 0 {
+                if let Some(slot) = present.get_mut(kinds) {
+                    *slot = Some(source);
+                }
+                kinds += 1;
+            }
+        }
+        let (Some(first), Some(second)) = (present[0], present[1]) else {
             return Ok(());
         };
         match self.counted {
-            Some(counted) if self.sends_in(counted, headers) => Ok(()),
+            Some(counted) if sent(counted).count > 0 => Ok(()),
             _ => Err(AmbiguousCredentials {
                 sent_in: first,
-                count: 2 + present.count(),
+                count: kinds,
                 also: Some(second),
             }),
+        }
+    }
+
+    /// What the request sends of `source`: how many fields (session cookies, over
+    /// every `Cookie` field, as HTTP/2 splits them) and whether the first is one
+    /// sluice cannot read as the credential the upstream may take it for (any, for
+    /// the session cookie): not visible ASCII, a Bearer without exactly one token,
+    /// or a session cookie whose value the common frameworks read differently (see
+    /// [`crate::cookie`]). Other `Authorization` schemes (`Basic …`) are not
+    /// sluice's credentials and pass.
+    fn sent(&self, source: CredentialSource, headers: &HeaderMap) -> Sent {
+        let name = match source {
+            CredentialSource::ApiKeyHeader => X_API_KEY,
+            CredentialSource::Bearer => AUTHORIZATION,
+            CredentialSource::SessionCookie => {
+                let mut sent = Sent::default();
+                for pair in self.session_pairs(headers) {
+                    sent.count += usize::from(pair.is_session());
+                    sent.malformed |= pair == cookie::Pair::Unreadable;
+                }
+                return sent;
+            }
+        };
+        let mut fields = headers.get_all(name).iter();
+        let Some(first) = fields.next() else {
+            return Sent::default();
+        };
+        let malformed = match first.to_str() {
+            Err(_) => true,
+            Ok(_) if source == CredentialSource::ApiKeyHeader => false,
+            Ok(text) => {
+                let text = text.trim();
+                let (scheme, token) = text.split_once([' ', '\t']).unwrap_or((text, ""));
+                scheme.eq_ignore_ascii_case("bearer") && {
+                    let token = token.trim();
+                    token.is_empty() || token.contains([' ', '\t'])
+                }
+            }
+        };
+        Sent {
+            count: 1 + fields.count(),
+            malformed,
         }
     }
 
@@ -566,37 +623,7 @@ impl Identity {
         }
     }
 
-    /// Whether the request's field of `source` is one sluice cannot read as the
-    /// credential the upstream may take it for: not visible ASCII, a Bearer
-    /// without exactly one token, or a session cookie whose value the common
-    /// frameworks read differently (see [`crate::cookie`]). Other `Authorization`
-    /// schemes (`Basic …`) are not sluice's credentials and pass.
-    fn malformed(&self, source: CredentialSource, headers: &HeaderMap) -> bool {
-        let field = match source {
-            CredentialSource::ApiKeyHeader => headers.get(X_API_KEY),
-            CredentialSource::Bearer => headers.get(AUTHORIZATION),
-            CredentialSource::SessionCookie => {
-                return self
-                    .session_pairs(headers)
-                    .any(|pair| pair == cookie::Pair::Unreadable);
-            }
-        };
-        let Some(value) = field else { return false };
-        let Ok(text) = value.to_str() else {
-            return true;
-        };
-        if source == CredentialSource::ApiKeyHeader {
-            return false;
-        }
-        let text = text.trim();
-        let (scheme, token) = text.split_once([' ', '\t']).unwrap_or((text, ""));
-        scheme.eq_ignore_ascii_case("bearer") && {
-            let token = token.trim();
-            token.is_empty() || token.contains([' ', '\t'])
-        }
-    }
-
-    /// [`Identity::sends`] over a header map, by lookup (this runs per request).
+    /// Whether the request sends a credential of `source` (by lookup).
     fn sends_in(&self, source: CredentialSource, headers: &HeaderMap) -> bool {
         match source {
             CredentialSource::ApiKeyHeader => headers.contains_key(X_API_KEY),
@@ -873,6 +900,130 @@ mod tests {
             ] {
                 prop_assert_eq!(who.to_string(), formatted(&who));
             }
+        }
+    }
+
+    /// The judgement of `check_credentials` spelled out as three passes over the
+    /// fields, each looking them up again (what it did before it read each kind
+    /// once): the two must agree on every request.
+    fn check_credentials_by_lookups(
+        identity: &super::Identity,
+        headers: &http::HeaderMap,
+    ) -> Result<(), super::AmbiguousCredentials> {
+        use super::{AmbiguousCredentials, CredentialSource, cookie};
+        let fields = |name| headers.get_all(name).iter();
+        let count = |source| match source {
+            CredentialSource::ApiKeyHeader => fields("x-api-key").count(),
+            CredentialSource::Bearer => fields("authorization").count(),
+            CredentialSource::SessionCookie => identity
+                .session_pairs(headers)
+                .filter(cookie::Pair::is_session)
+                .count(),
+        };
+        let malformed = |source| {
+            let first = match source {
+                CredentialSource::ApiKeyHeader => headers.get("x-api-key"),
+                CredentialSource::Bearer => headers.get("authorization"),
+                CredentialSource::SessionCookie => {
+                    return identity
+                        .session_pairs(headers)
+                        .any(|p| p == cookie::Pair::Unreadable);
+                }
+            };
+            match first.map(|v| v.to_str()) {
+                None => false,
+                Some(Err(_)) => true,
+                Some(Ok(_)) if source == CredentialSource::ApiKeyHeader => false,
+                Some(Ok(text)) => {
+                    let text = text.trim();
+                    let (scheme, token) = text.split_once([' ', '\t']).unwrap_or((text, ""));
+                    scheme.eq_ignore_ascii_case("bearer") && {
+                        let token = token.trim();
+                        token.is_empty() || token.contains([' ', '\t'])
+                    }
+                }
+            }
+        };
+        for &s in &identity.credentials {
+            let n = count(s);
+            if n > 1 {
+                return Err(AmbiguousCredentials {
+                    sent_in: s,
+                    count: n,
+                    also: None,
+                });
+            }
+        }
+        for &s in &identity.credentials {
+            if malformed(s) {
+                return Err(AmbiguousCredentials {
+                    sent_in: s,
+                    count: 1,
+                    also: None,
+                });
+            }
+        }
+        let present: Vec<_> = identity
+            .credentials
+            .iter()
+            .copied()
+            .filter(|&s| identity.sends_in(s, headers))
+            .collect();
+        match (present.first(), present.get(1), identity.counted) {
+            (Some(_), Some(_), Some(c)) if identity.sends_in(c, headers) => Ok(()),
+            (Some(&first), Some(&second), _) => Err(AmbiguousCredentials {
+                sent_in: first,
+                count: present.len(),
+                also: Some(second),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    proptest! {
+        /// Any mix of the three kinds (none, one, two; readable or not), in any
+        /// order of sources, with or without a counted one.
+        #[test]
+        fn check_credentials_reads_each_kind_once_and_judges_as_by_lookups(
+            order in Just(vec![0usize, 1, 2]).prop_shuffle(),
+            kinds in 1usize..=3,
+            counted in proptest::option::of(0usize..3),
+            api_keys in proptest::collection::vec(prop_oneof![Just("k1".to_owned()), Just(String::new()), Just("\u{e9}".to_owned())], 0..3),
+            auths in proptest::collection::vec(prop_oneof![
+                Just("Bearer t".to_owned()), Just("bearer  ".to_owned()), Just("Bearer a b".to_owned()),
+                Just("Basic x".to_owned()), Just("Bearer\tt".to_owned()), Just(String::new()),
+            ], 0..3),
+            cookies in proptest::collection::vec(prop_oneof![
+                Just("sid=abc".to_owned()), Just("other=1".to_owned()), Just("sid=\"a".to_owned()),
+                Just("sid=1; sid=2".to_owned()), Just("a=1; sid=%zz".to_owned()),
+            ], 0..3),
+        ) {
+            use super::CredentialSource as C;
+            let all = [C::ApiKeyHeader, C::Bearer, C::SessionCookie];
+            let identity = super::Identity {
+                credentials: order[..kinds].iter().map(|&i| all[i]).collect(),
+                counted: counted.map(|i| all[i]),
+                session_cookie: "sid".to_owned(),
+                trusted_proxies: Vec::new(),
+                ipv6_prefix: 64,
+                keys: Default::default(),
+                revoked: Default::default(),
+                principal_headers: None,
+                plan_header: None,
+            };
+            let mut headers = http::HeaderMap::new();
+            let value = |text: &str| http::HeaderValue::from_bytes(text.as_bytes());
+            for (name, values) in [("x-api-key", &api_keys), ("authorization", &auths), ("cookie", &cookies)] {
+                for v in values {
+                    if let Ok(v) = value(v) {
+                        headers.append(name, v);
+                    }
+                }
+            }
+            prop_assert_eq!(
+                identity.check_credentials(&headers),
+                check_credentials_by_lookups(&identity, &headers)
+            );
         }
     }
 }

@@ -15,6 +15,20 @@ pub enum CredentialSource {
     SessionCookie,
 }
 
+impl CredentialSource {
+    /// How many kinds there are.
+    pub const KINDS: usize = 3;
+
+    /// This kind's place among the [`CredentialSource::KINDS`] (for a table by kind).
+    pub const fn index(self) -> usize {
+        match self {
+            CredentialSource::ApiKeyHeader => 0,
+            CredentialSource::Bearer => 1,
+            CredentialSource::SessionCookie => 2,
+        }
+    }
+}
+
 /// Who a known credential belongs to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Principal {
