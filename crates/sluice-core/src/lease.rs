@@ -277,6 +277,26 @@ struct Held {
     window_end: Timestamp,
 }
 
+impl Held {
+    /// Whether the store's clock, `gap` from this replica's `now`, is surely
+    /// past its window (then it ends here, before its own time).
+    fn window_surely_over(&self, now: Timestamp, gap: ClockGap) -> bool {
+        ClockGap::shift(now, gap.least) >= self.window_end
+    }
+
+    /// Whether the store's clock may be past its window (a unit spent then is
+    /// counted as perhaps over the limit).
+    fn window_may_be_over(&self, now: Timestamp, gap: ClockGap) -> bool {
+        ClockGap::shift(now, gap.most) >= self.window_end
+    }
+
+    /// Whether it may still be spent at `now`: neither its time nor, surely,
+    /// its window is over.
+    fn live_at(&self, now: Timestamp, gap: ClockGap) -> bool {
+        now < self.ends && !self.window_surely_over(now, gap)
+    }
+}
+
 /// One replica's lease of one budget of one subject, and what it knows of it.
 ///
 /// Times given to it are this replica's clock; times of the store
@@ -370,8 +390,7 @@ impl LeaseHolder {
                 // until the reset. A lease whose time is up is left to the
                 // sweep, which gives its leftovers back.
                 if let Some(h) = self.held.as_mut()
-                    && now < h.ends
-                    && ClockGap::shift(now, gap.least) < h.window_end
+                    && h.live_at(now, gap)
                     && h.left >= cost
                 {
                     return Self::spend(h, &mut self.counts, cost, now, gap);
@@ -385,7 +404,7 @@ impl LeaseHolder {
         }
         let mut give_back = self.end_if_over(now);
         if let Some(h) = self.held
-            && ClockGap::shift(now, gap.least) >= h.window_end
+            && h.window_surely_over(now, gap)
         {
             // The store's clock is past its window, ahead of this replica's.
             self.held = None;
@@ -445,7 +464,7 @@ impl LeaseHolder {
         h.left -= cost;
         h.spent += cost;
         counts.saved += 1;
-        if ClockGap::shift(now, gap.most) >= h.window_end {
+        if h.window_may_be_over(now, gap) {
             counts.past_window += u64::from(cost);
         }
         Local::Admitted { remaining: h.left }
