@@ -263,6 +263,9 @@ pub struct LeaseCounts {
 
 #[derive(Clone, Copy, Debug)]
 struct Held {
+    /// Which lease it is ([`LeaseHolder::lease`]): the holder's count of leases
+    /// taken when it began; an early renewal adds to it and keeps it.
+    id: u64,
     left: u32,
     /// What it held when last granted or renewed (what "three quarters
     /// spent" is reckoned from).
@@ -527,6 +530,7 @@ impl LeaseHolder {
             None => {}
         }
         self.held = Some(Held {
+            id: self.counts.taken,
             left,
             full: left,
             renews: true,
@@ -551,12 +555,24 @@ impl LeaseHolder {
         }
     }
 
-    /// Puts `cost` units back into the lease in hand: a request admitted from it
+    /// Which lease is in hand, if any: what a request admitted from it
+    /// ([`Local::Admitted`]) keeps to be refunded ([`LeaseHolder::refund`]).
+    /// An early renewal adds to the lease and keeps it; a new lease (after
+    /// one ended) is another.
+    pub fn lease(&self) -> Option<u64> {
+        self.held.map(|h| h.id)
+    }
+
+    /// Puts `cost` units back into lease `lease`: a request admitted from it
     /// ([`Local::Admitted`]) that another budget then refused (all or nothing).
-    /// Nothing when the lease has ended since.
-    pub fn refund(&mut self, cost: u32) {
-        if let Some(h) = self.held.as_mut() {
-            h.left = h.left.saturating_add(cost);
+    /// Nothing when that lease has ended since; never more than the terms'
+    /// `units` held (past them the units stay unused until the window ends).
+    pub fn refund(&mut self, lease: u64, cost: u32) {
+        let units = self.terms.units.get();
+        if let Some(h) = self.held.as_mut()
+            && h.id == lease
+        {
+            h.left = h.left.saturating_add(cost).min(units.max(h.left));
             h.spent = h.spent.saturating_sub(cost);
         }
         self.counts.saved = self.counts.saved.saturating_sub(1);
@@ -739,8 +755,9 @@ mod tests {
     fn d4_a_refund_puts_a_refused_requests_units_back() {
         let mut h = holding(5, at(0));
         let before = h.held();
+        let lease = h.lease().expect("a lease in hand");
         assert!(matches!(h.decide(1, at(1)), Local::Admitted { .. }));
-        h.refund(1);
+        h.refund(lease, 1);
         assert_eq!(h.held(), before);
         assert_eq!(h.end().map(|g| g.units), Some(before));
     }
@@ -861,6 +878,45 @@ mod tests {
         assert!(h.granted(g, 1, &d, at(200)).is_none(), "one lease, renewed");
         assert_eq!(h.held(), 4);
         assert_eq!(h.counts().taken, 2);
+    }
+
+    #[test]
+    fn d4_a_refund_lands_in_the_lease_renewed_since_but_not_in_a_new_one() {
+        let b = budget(100);
+        let mut cell = 0;
+        let mut h = holding(4, at(100));
+        let first = h.lease().expect("a lease in hand");
+        for _ in 0..3 {
+            assert!(matches!(h.decide(1, at(200)), Local::Admitted { .. }));
+        }
+        let Local::Ask { want, .. } = h.decide(1, at(200)) else {
+            panic!("renews early")
+        };
+        // Spent meanwhile: the request to be refunded.
+        assert!(matches!(
+            h.decide(1, at(201)),
+            Local::Admitted { remaining: 0 }
+        ));
+        let (d, g) = take_lease(&b, &mut cell, at(200), want);
+        assert!(h.granted(g, 1, &d, at(200)).is_none());
+        assert_eq!(h.lease(), Some(first), "renewed: still the same lease");
+        assert_eq!(h.held(), 4);
+        // The request admitted before the renewal, refused by another budget.
+        h.refund(first, 1);
+        assert_eq!(h.held(), 5, "its unit back in the renewed lease");
+        h.refund(first, 1);
+        assert_eq!(h.held(), 5, "never more than the terms' units");
+        // Once that lease has ended, the next one is another.
+        assert!(h.end().is_some());
+        let Local::Ask { want, .. } = h.decide(1, at(300)) else {
+            panic!("asks")
+        };
+        let (d, g) = take_lease(&b, &mut cell, at(300), want);
+        assert!(h.granted(g, 1, &d, at(300)).is_none());
+        assert_ne!(h.lease(), Some(first));
+        let held = h.held();
+        h.refund(first, 1);
+        assert_eq!(h.held(), held, "a refund for an ended lease is dropped");
     }
 
     #[test]

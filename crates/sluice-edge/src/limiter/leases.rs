@@ -122,8 +122,8 @@ pub struct LeaseTally {
 enum Part {
     /// Not leased (or no lease state to be had): decided on the store.
     Exact,
-    /// Admitted from the lease in hand: its status, and which lease (the
-    /// holder's count of leases taken when it was admitted).
+    /// Admitted from the lease in hand: its status, and which lease
+    /// ([`LeaseHolder::lease`], kept across an early renewal).
     Local(BudgetStatus, u64),
     /// Take a lease of up to this many units in the store call.
     Ask(u32),
@@ -164,10 +164,9 @@ fn undo(entries: &mut LeaseMap, budgets: &[Budget], parts: &[Part]) {
             continue;
         };
         match part {
-            // Back into the lease they came from; if it has ended since, they
-            // are lost (units unused, never over-admitted).
-            Part::Local(_, lease) if e.holder.counts().taken == *lease => e.holder.refund(b.cost),
-            Part::Local(..) => {}
+            // Back into the lease they came from, renewed since or not; if it
+            // has ended since, they are lost (units unused, never over-admitted).
+            Part::Local(_, lease) => e.holder.refund(*lease, b.cost),
             Part::Ask(_) => {
                 e.holder.failed();
                 e.answered.notify_waiters();
@@ -459,7 +458,8 @@ impl<S: BudgetStore> Limiter<S> {
                         remaining: e.remaining.saturating_add(remaining),
                         reset: e.reset,
                     },
-                    e.holder.counts().taken,
+                    // Admitted from it, so a lease is in hand.
+                    e.holder.lease().unwrap_or(u64::MAX),
                 ),
                 Local::Refused { retry_after } => {
                     refused.get_or_insert((i, retry_after, e.reset));
