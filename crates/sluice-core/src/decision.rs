@@ -147,12 +147,39 @@ impl Decision {
         decided_at: Timestamp,
         statuses: impl IntoIterator<Item = BudgetStatus>,
     ) -> Self {
-        let statuses: ArrayVec<BudgetStatus, MAX_BUDGETS> =
-            statuses.into_iter().take(MAX_BUDGETS).collect();
+        let mut decision = Decision::empty(decided_at);
+        decision.extend(statuses);
+        decision
+    }
+
+    /// [`Decision::from_statuses`] in its box, written where it stays: only the
+    /// statuses given are touched (a decision built and then boxed copies all of
+    /// its [`MAX_BUDGETS`] slots).
+    pub fn boxed_from_statuses(
+        decided_at: Timestamp,
+        statuses: impl IntoIterator<Item = BudgetStatus>,
+    ) -> Box<Self> {
+        let mut decision = Box::write(Box::new_uninit(), Decision::empty(decided_at));
+        decision.extend(statuses);
+        decision
+    }
+
+    /// A decision over no budgets yet: admitted.
+    fn empty(decided_at: Timestamp) -> Self {
         Decision {
-            admitted: statuses.iter().all(|s| s.verdict == Verdict::Admitted),
+            admitted: true,
             decided_at,
-            statuses,
+            statuses: ArrayVec::new(),
+        }
+    }
+
+    /// Adds statuses (those past [`MAX_BUDGETS`] dropped): admitted while every
+    /// one admits.
+    fn extend(&mut self, statuses: impl IntoIterator<Item = BudgetStatus>) {
+        for status in statuses.into_iter().take(MAX_BUDGETS) {
+            self.admitted &= status.verdict == Verdict::Admitted;
+            // `take` keeps it within the capacity.
+            let _ = self.statuses.try_push(status);
         }
     }
 

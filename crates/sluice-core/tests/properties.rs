@@ -274,3 +274,36 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// A decision built in its box is the decision built by value: the statuses
+    /// given (those past `MAX_BUDGETS` dropped), admitted only when every one
+    /// admits, at the instant given.
+    #[test]
+    fn a_boxed_decision_is_the_decision_by_value(
+        verdicts in proptest::collection::vec(0u8..3, 0..16),
+        at in 0u64..4_000_000_000,
+    ) {
+        let statuses: Vec<sluice_core::BudgetStatus> = verdicts
+            .iter()
+            .enumerate()
+            .map(|(i, v)| sluice_core::BudgetStatus {
+                verdict: match v {
+                    0 => sluice_core::Verdict::Admitted,
+                    1 => sluice_core::Verdict::NotYet { retry_after: Duration::from_millis(at % 997) },
+                    _ => sluice_core::Verdict::Never,
+                },
+                limit: 10,
+                remaining: u32::try_from(i).unwrap_or(0),
+                reset: at + 60,
+            })
+            .collect();
+        let now = Timestamp::from_secs(at);
+        let boxed = sluice_core::Decision::boxed_from_statuses(now, statuses.iter().copied());
+        let kept = &statuses[..statuses.len().min(sluice_core::MAX_BUDGETS)];
+        prop_assert_eq!(boxed.statuses(), kept);
+        prop_assert_eq!(boxed.is_admitted(), kept.iter().all(|s| s.verdict == sluice_core::Verdict::Admitted));
+        prop_assert_eq!(boxed.decided_at(), now);
+        prop_assert_eq!(&*boxed, &sluice_core::Decision::from_statuses(now, statuses));
+    }
+}

@@ -431,7 +431,7 @@ impl<S: BudgetStore> crate::Limiter<S> {
             false,
         );
         let statuses = decision.statuses().iter().copied().chain([status]);
-        Err(Box::new(Decision::from_statuses(decided_at, statuses)))
+        Err(Decision::boxed_from_statuses(decided_at, statuses))
     }
 
     /// Keeps where the run of `plan` stands after `decision` (admitted, or

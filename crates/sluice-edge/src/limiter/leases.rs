@@ -506,7 +506,7 @@ impl<S: BudgetStore> Limiter<S> {
                             reset,
                         },
                     });
-            return Outcome::Decided(Box::new(Decision::from_statuses(now, statuses)));
+            return Outcome::Decided(Decision::boxed_from_statuses(now, statuses));
         }
         if let Some(wait) = wait {
             // Another request of this replica is asking for a lease this one
@@ -522,7 +522,7 @@ impl<S: BudgetStore> Limiter<S> {
                 Part::Local(s, _) => Some(*s),
                 _ => None,
             });
-            return Outcome::Decided(Box::new(Decision::from_statuses(now, statuses)));
+            return Outcome::Decided(Decision::boxed_from_statuses(now, statuses));
         }
         Outcome::Store
     }
@@ -684,10 +684,10 @@ impl<S: BudgetStore> Limiter<S> {
             }
         }
         drop(entries);
-        Ok(Stored::Decided(Box::new(Decision::from_statuses(
+        Ok(Stored::Decided(Decision::boxed_from_statuses(
             d.decided_at(),
             statuses,
-        ))))
+        )))
     }
 }
 

@@ -148,14 +148,14 @@ impl<S: BudgetStore> Limiter<S> {
             return Err(Refused::UnpricedModel);
         }
         let mode = route.map_or(sluice_policy::Enforcement::Enforce, |r| r.mode);
-        let mut plan = Box::new(plan(
+        let mut plan = plan(
             policy,
             &self.scopes,
             (&items, reservation.as_ref()),
             caller,
             &client,
             mode,
-        ));
+        );
         plan.lane = lane;
         plan.llm = llm;
         plan.price = reservation.and_then(|r| r.price);
