@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use bytes::{Buf as _, Bytes};
 use http::{Method, Response};
-use http_body_util::BodyExt as _;
 use sluice_edge::{Forward, Limiter, RequestId};
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
@@ -96,7 +95,6 @@ impl<'f> Connection<'f> {
             if !close {
                 self.from_client.advance(end);
             }
-            let answer = own(answer).await;
             return self
                 .answer_own(client, answer, close, head_request, in_flight, &id, access)
                 .await;
@@ -124,7 +122,7 @@ impl<'f> Connection<'f> {
             // the client's share) is full: answered (when it still can be) as the
             // service stack answers, and the connection closes with the rest unread.
             Err(failure) => {
-                let answer = own(intake.body_refusal(failure)).await;
+                let answer = intake.body_refusal(failure);
                 return self
                     .answer_own(client, answer, true, head_request, in_flight, &id, access)
                     .await;
@@ -159,7 +157,6 @@ impl<'f> Connection<'f> {
             Ok(forward) => forward,
             Err(answer) => {
                 self.from_client.advance(consumed);
-                let answer = own(answer).await;
                 return self
                     .answer_own(
                         client,
@@ -398,13 +395,6 @@ impl<'f> Connection<'f> {
                     .record(elapsed);
                 let mut answer = upstream_failure(failure, header_timeout);
                 forward.upstream_failed(answer.headers_mut());
-                let (parts, body) = answer.into_parts();
-                let body = body
-                    .collect()
-                    .await
-                    .map(|c| c.to_bytes())
-                    .unwrap_or_default();
-                let answer = Response::from_parts(parts, body);
                 return self
                     .answer_own(client, answer, close, head_request, in_flight, &id, access)
                     .await;
@@ -417,21 +407,25 @@ impl<'f> Connection<'f> {
         let status = head_sent.status;
         // An LLM call settles its token budgets at its answer's `usage`.
         let relayed = match forward.settlement() {
+            // Boxed, as `answer_own` is: out of the path other requests run.
             Some(settlement) => {
-                let content_type = event_stream.then_some("text/event-stream");
-                let mut settlement = Settlement::new(
-                    Arc::clone(current),
-                    settlement,
-                    status,
-                    content_type,
-                    hide_usage,
-                );
-                let relayed = self
-                    .relay_llm_body(client, head_sent, &mut conn, &mut settlement)
-                    .await;
-                // One cut short is settled with what was seen of it.
-                settlement.settle().await;
-                relayed
+                Box::pin(async {
+                    let content_type = event_stream.then_some("text/event-stream");
+                    let mut settlement = Settlement::new(
+                        Arc::clone(current),
+                        settlement,
+                        status,
+                        content_type,
+                        hide_usage,
+                    );
+                    let relayed = self
+                        .relay_llm_body(client, head_sent, &mut conn, &mut settlement)
+                        .await;
+                    // One cut short is settled with what was seen of it.
+                    settlement.settle().await;
+                    relayed
+                })
+                .await
             }
             None => self.relay_body(client, head_sent, &mut conn).await,
         };
@@ -448,10 +442,35 @@ impl<'f> Connection<'f> {
         })
     }
 
+    /// Answers with a response of sluice's own (a refusal, an upstream that failed)
+    /// out of line: the future is boxed, so the request path's state machine holds
+    /// neither its state nor its code (the path every forwarded request runs stays
+    /// denser in the instruction cache).
+    #[allow(clippy::too_many_arguments)]
+    fn answer_own<'a, B>(
+        &'a mut self,
+        client: &'a mut TcpStream,
+        answer: Response<B>,
+        close: bool,
+        head_request: bool,
+        in_flight: crate::metered::InFlight,
+        id: &'a RequestId,
+        access: Option<Access>,
+    ) -> std::pin::Pin<Box<dyn Future<Output = io::Result<Next>> + Send + 'a>>
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'a,
+    {
+        Box::pin(async move {
+            let answer = own(answer).await;
+            self.write_own(client, answer, close, head_request, in_flight, id, access)
+                .await
+        })
+    }
+
     /// Writes an answer of sluice's own (its body left out for a HEAD request), with
     /// the request's id.
     #[allow(clippy::too_many_arguments)]
-    pub(super) async fn answer_own(
+    async fn write_own(
         &mut self,
         client: &mut TcpStream,
         answer: Response<Bytes>,

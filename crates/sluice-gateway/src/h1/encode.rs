@@ -83,12 +83,17 @@ pub(super) fn push_rate_limit_fields(
     });
 }
 
-/// An answer of sluice's own, its body collected.
-pub(super) async fn own(answer: Response<http_body_util::Full<Bytes>>) -> Response<Bytes> {
+/// An answer of sluice's own, its body collected (one that fails to read answers
+/// empty: sluice's own bodies are whole in memory).
+pub(super) async fn own<B>(answer: Response<B>) -> Response<Bytes>
+where
+    B: http_body::Body<Data = Bytes>,
+{
     let (parts, body) = answer.into_parts();
-    let body = match body.collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(never) => match never {},
-    };
+    let body = body
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
     Response::from_parts(parts, body)
 }
