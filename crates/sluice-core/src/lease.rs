@@ -44,6 +44,7 @@
 //! ```
 
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::decision::{CellRef, Decision, DecisionError, Ledger, Mode, decide, decide_cell};
@@ -241,6 +242,16 @@ impl ClockGap {
     }
 }
 
+/// Lease and ask ids, unique in the process: a holder replaced (the terms
+/// changed, or it was forgotten to bound memory) starts from where the last
+/// left off, so a refund or an answer meant for the one before never lands in
+/// the new one.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
 /// What a [`LeaseHolder`] has done, for `/status` and `/metrics`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LeaseCounts {
@@ -263,8 +274,8 @@ pub struct LeaseCounts {
 
 #[derive(Clone, Copy, Debug)]
 struct Held {
-    /// Which lease it is ([`LeaseHolder::lease`]): the holder's count of leases
-    /// taken when it began; an early renewal adds to it and keeps it.
+    /// Which lease it is ([`LeaseHolder::lease`]): unique in the process; an
+    /// early renewal adds to it and keeps it.
     id: u64,
     left: u32,
     /// What it held when last granted or renewed (what "three quarters
@@ -310,7 +321,8 @@ pub struct LeaseHolder {
     terms: LeaseTerms,
     size: u32,
     held: Option<Held>,
-    asking: bool,
+    /// The ask in flight, if any ([`LeaseHolder::asking`]).
+    asking: Option<u64>,
     exhausted_until: Option<Timestamp>,
     counts: LeaseCounts,
 }
@@ -322,7 +334,7 @@ impl LeaseHolder {
             terms,
             size: 1,
             held: None,
-            asking: false,
+            asking: None,
             exhausted_until: None,
             counts: LeaseCounts::default(),
         }
@@ -346,6 +358,14 @@ impl LeaseHolder {
 
     /// True when a request of this holder is asking the store for a lease.
     pub fn is_asking(&self) -> bool {
+        self.asking.is_some()
+    }
+
+    /// The ask in flight, if any: an id unique in the process, given when
+    /// [`LeaseHolder::decide_at`] answers [`Local::Ask`], so that its answer
+    /// ([`LeaseHolder::granted`], [`LeaseHolder::refused`],
+    /// [`LeaseHolder::failed`]) is given to this holder and this ask only.
+    pub fn asking(&self) -> Option<u64> {
         self.asking
     }
 
@@ -418,7 +438,7 @@ impl LeaseHolder {
             if h.left >= cost {
                 let units = self.terms.units.get();
                 if h.renews
-                    && !self.asking
+                    && self.asking.is_none()
                     && (h.left - cost).saturating_mul(4) < h.full
                     && h.left < units
                 {
@@ -426,7 +446,7 @@ impl LeaseHolder {
                     // the store for its cost and the next units while the
                     // others go on spending the rest, so none waits for the
                     // store at the turn. What is held stays at most `units`.
-                    self.asking = true;
+                    self.asking = Some(next_id());
                     self.size = self.size.saturating_mul(2).min(units);
                     return Local::Ask {
                         want: cost.saturating_add(self.size.min(units - h.left)),
@@ -441,10 +461,10 @@ impl LeaseHolder {
             self.size = self.size.saturating_mul(2).min(self.terms.units.get());
             give_back = self.give_back(h);
         }
-        if self.asking {
+        if self.asking.is_some() {
             return Local::Exact { give_back };
         }
-        self.asking = true;
+        self.asking = Some(next_id());
         Local::Ask {
             want: cost
                 .saturating_add(self.size)
@@ -493,7 +513,7 @@ impl LeaseHolder {
         decision: &Decision,
         now: Timestamp,
     ) -> Option<GiveBack> {
-        self.asking = false;
+        self.asking = None;
         let left = granted.saturating_sub(cost);
         if left == 0 {
             return None;
@@ -530,7 +550,7 @@ impl LeaseHolder {
             None => {}
         }
         self.held = Some(Held {
-            id: self.counts.taken,
+            id: next_id(),
             left,
             full: left,
             renews: true,
@@ -546,7 +566,7 @@ impl LeaseHolder {
     /// (`remaining` 0) it is answered locally until `retry_after` from `now`.
     /// A lease in hand is then spent here, without asking to renew it early.
     pub fn refused(&mut self, remaining: u32, retry_after: Option<Duration>, now: Timestamp) {
-        self.asking = false;
+        self.asking = None;
         self.no_renewal();
         if remaining == 0
             && let Some(wait) = retry_after
@@ -595,7 +615,7 @@ impl LeaseHolder {
     /// A lease in hand is then spent here, without asking to renew it early
     /// (during an outage, the lease decides until it ends).
     pub fn failed(&mut self) {
-        self.asking = false;
+        self.asking = None;
         self.no_renewal();
     }
 
@@ -760,6 +780,27 @@ mod tests {
         h.refund(lease, 1);
         assert_eq!(h.held(), before);
         assert_eq!(h.end().map(|g| g.units), Some(before));
+    }
+
+    #[test]
+    fn d4_a_refund_or_an_ask_of_a_replaced_holder_never_lands_in_its_successor() {
+        // A request admitted from the first holder's lease; a reload (or the
+        // bound on holders) then replaces the holder, which takes a lease of
+        // its own. The first lease's refund and ask are not the new one's.
+        let old = holding(4, at(0));
+        let old_lease = old.lease().expect("a lease in hand");
+        let mut asking = LeaseHolder::new(terms(5, 1000));
+        assert!(matches!(asking.decide(1, at(0)), Local::Ask { .. }));
+        let old_ask = asking.asking().expect("an ask in flight");
+        let mut new = holding(4, at(10));
+        let held = new.held();
+        new.refund(old_lease, 1);
+        assert_eq!(new.held(), held, "the old lease's unit stays out");
+        assert_ne!(new.lease(), Some(old_lease));
+        assert!(matches!(new.decide(1, at(20)), Local::Admitted { .. }));
+        let mut fresh = LeaseHolder::new(terms(5, 1000));
+        assert!(matches!(fresh.decide(1, at(30)), Local::Ask { .. }));
+        assert_ne!(fresh.asking(), Some(old_ask), "each ask is its own");
     }
 
     #[test]

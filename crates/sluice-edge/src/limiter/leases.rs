@@ -125,8 +125,9 @@ enum Part {
     /// Admitted from the lease in hand: its status, and which lease
     /// ([`LeaseHolder::lease`], kept across an early renewal).
     Local(BudgetStatus, u64),
-    /// Take a lease of up to this many units in the store call.
-    Ask(u32),
+    /// Take a lease of up to this many units in the store call, as the
+    /// holder's ask of this id ([`LeaseHolder::asking`]).
+    Ask(u32, u64),
 }
 
 /// What the leases say of a whole request.
@@ -167,11 +168,11 @@ fn undo(entries: &mut LeaseMap, budgets: &[Budget], parts: &[Part]) {
             // Back into the lease they came from, renewed since or not; if it
             // has ended since, they are lost (units unused, never over-admitted).
             Part::Local(_, lease) => e.holder.refund(*lease, b.cost),
-            Part::Ask(_) => {
+            Part::Ask(_, ask) if e.holder.asking() == Some(*ask) => {
                 e.holder.failed();
                 e.answered.notify_waiters();
             }
-            Part::Exact => {}
+            Part::Ask(..) | Part::Exact => {}
         }
     }
 }
@@ -286,7 +287,8 @@ impl Leases {
 /// caller went away): the next request asks again, and the waiting are woken.
 struct AskGuard<'a> {
     leases: &'a Leases,
-    asked: ArrayVec<BudgetKey, MAX_BUDGETS>,
+    /// The budgets asked for, and each ask's id.
+    asked: ArrayVec<(BudgetKey, u64), MAX_BUDGETS>,
 }
 
 impl AskGuard<'_> {
@@ -301,8 +303,10 @@ impl Drop for AskGuard<'_> {
             return;
         }
         let mut entries = self.leases.entries.lock();
-        for key in &self.asked {
-            if let Some(e) = entries.get_mut(key) {
+        for (key, ask) in &self.asked {
+            if let Some(e) = entries.get_mut(key)
+                && e.holder.asking() == Some(*ask)
+            {
                 e.holder.failed();
                 e.answered.notify_waiters();
             }
@@ -467,7 +471,7 @@ impl<S: BudgetStore> Limiter<S> {
                 }
                 Local::Ask { want, give_back } => {
                     self.leases.queue(*b, give_back);
-                    Part::Ask(want)
+                    Part::Ask(want, e.holder.asking().unwrap_or(0))
                 }
                 Local::Exact { give_back } => {
                     self.leases.queue(*b, give_back);
@@ -546,8 +550,10 @@ impl<S: BudgetStore> Limiter<S> {
             asked: budgets
                 .iter()
                 .zip(parts)
-                .filter(|(_, p)| matches!(p, Part::Ask(_)))
-                .map(|(b, _)| b.key)
+                .filter_map(|(b, p)| match p {
+                    Part::Ask(_, ask) => Some((b.key, *ask)),
+                    _ => None,
+                })
                 .collect(),
         };
         let sent: ArrayVec<Budget, MAX_BUDGETS> = budgets
@@ -560,7 +566,7 @@ impl<S: BudgetStore> Limiter<S> {
             .iter()
             .filter(|p| !matches!(p, Part::Local(..)))
             .map(|p| match p {
-                Part::Ask(w) => *w,
+                Part::Ask(w, _) => *w,
                 _ => 0,
             })
             .collect();
@@ -622,9 +628,14 @@ impl<S: BudgetStore> Limiter<S> {
             let Some((&s, j)) = from_store.next() else {
                 break;
             };
-            let asked = matches!(p, Part::Ask(_));
+            let ask = match p {
+                Part::Ask(_, ask) => Some(*ask),
+                _ => None,
+            };
             match entries.get_mut(&b.key) {
-                Some(e) if asked && e.holder.is_asking() => {
+                // The answer to this holder's ask (a holder replaced meanwhile
+                // asks on its own: its ask has another id).
+                Some(e) if ask.is_some() && e.holder.asking() == ask => {
                     let before = e.holder.counts();
                     if d.is_admitted() {
                         let granted = grants.get(j).copied().unwrap_or(b.cost);
@@ -648,9 +659,10 @@ impl<S: BudgetStore> Limiter<S> {
                     e.answered.notify_waiters();
                     self.leases.count(before, e.holder.counts());
                 }
-                Some(e) if asked => {
-                    // The holder was replaced meanwhile (a reload): what this
-                    // call took past the cost goes back.
+                Some(e) if ask.is_some() => {
+                    // The holder was replaced meanwhile (a reload, or the
+                    // bound on holders): what this call took past the cost
+                    // goes back.
                     let granted = grants.get(j).copied().unwrap_or(b.cost);
                     if d.is_admitted() && granted > b.cost {
                         self.leases.queue(
@@ -674,7 +686,7 @@ impl<S: BudgetStore> Limiter<S> {
                     .iter()
                     .map(|p| match p {
                         // The asks are answered: only the local units go back.
-                        Part::Ask(_) => Part::Exact,
+                        Part::Ask(..) => Part::Exact,
                         other => *other,
                     })
                     .collect::<ArrayVec<Part, MAX_BUDGETS>>(),
@@ -704,7 +716,7 @@ enum Stored {
 /// the lease in hand ([`LeaseHolder::may_spend`]).
 fn may_spend(entries: &LeaseMap, budgets: &[Budget], parts: &[Part]) -> bool {
     budgets.iter().zip(parts).any(|(b, p)| {
-        matches!(p, Part::Ask(_))
+        matches!(p, Part::Ask(..))
             && entries
                 .get(&b.key)
                 .is_some_and(|e| e.holder.may_spend(b.cost))
