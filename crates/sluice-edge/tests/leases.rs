@@ -374,3 +374,93 @@ async fn d4_a_lease_is_renewed_early_and_spent_meanwhile_while_redis_is_slow() {
     );
     assert_eq!(after.returned, before.returned, "renewed, not ended");
 }
+
+/// A JSON-RPC batch of more calls than the leased class's whole limit can
+/// never fit (SPEC H2): refused without `Retry-After`, also while the class is known exhausted and every
+/// other request of it is refused from what the replica knows.
+#[tokio::test]
+async fn d4_a_batch_past_the_limit_of_an_exhausted_leased_class_is_never_to_be_retried() {
+    let server = RedisServer::start("d4-never");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+    let yaml = "profile: p
+window_seconds: 60
+ceilings:
+  ip: { classes: [read, standard, expensive] }
+  ip_protocol: { classes: [protocol], only: true }
+profiles:
+  p:
+    classes: { protocol: 100, read: 100, standard: 100, expensive: 3 }
+    ip_ceilings: { ip: 1000, ip_protocol: 1000 }
+default_class: standard
+routes:
+  - { method: POST, path: /mcp, jsonrpc: true }
+jsonrpc:
+  tools:
+    t: { class: expensive }
+algorithms:
+  expensive: { consistency: leased, lease: 2, lease_ms: 1000 }
+  ip: { consistency: leased, lease: 10, lease_ms: 1000 }
+";
+    let policy = parse_str(yaml, Path::new("never.yaml")).expect("policy");
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_millis(500);
+    let redis = RedisStore::connect_with_clock(config, clock.clone())
+        .await
+        .expect("connect");
+    let limiter = Limiter::new(policy, redis).with_lease_clock(Arc::new(clock.clone()));
+    let call = |id: usize| {
+        format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"t"}}}}"#)
+    };
+    let post = |body: String| {
+        let limiter = &limiter;
+        async move {
+            let mut parts = support::request_as("k", "POST", "/mcp");
+            parts.headers.insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            );
+            let route = limiter.route(&parts).map_err(|e| e.to_string());
+            let intake = limiter.intake(Ok(route.expect("route")), PEER);
+            let planned = intake.planned(&parts.headers, None, Some(body.as_bytes()));
+            match planned.admit(None).await {
+                Ok(_) => (200, None, String::new()),
+                Err(answer) => {
+                    let retry = answer
+                        .headers()
+                        .get(http::header::RETRY_AFTER)
+                        .map(|v| v.to_str().unwrap_or_default().to_owned());
+                    let status = answer.status().as_u16();
+                    let body = http_body_util::BodyExt::collect(answer.into_body())
+                        .await
+                        .map(|c| c.to_bytes())
+                        .unwrap_or_default();
+                    (status, retry, String::from_utf8_lossy(&body).into_owned())
+                }
+            }
+        }
+    };
+    let mut statuses = Vec::new();
+    for id in 0..5 {
+        statuses.push(post(call(id)).await.0);
+    }
+    assert_eq!(
+        statuses.iter().filter(|&&s| s == 200).count(),
+        3,
+        "{statuses:?}"
+    );
+    let before = limiter.lease_tally().saved;
+    let (status, retry, _) = post(call(9)).await;
+    assert!(
+        status != 200 && retry.is_some(),
+        "exhausted: wait for the reset"
+    );
+    assert_eq!(
+        limiter.lease_tally().saved,
+        before + 1,
+        "known exhausted, no store call"
+    );
+    let batch = format!("[{},{},{},{}]", call(10), call(11), call(12), call(13));
+    let (status, retry, body) = post(batch).await;
+    assert_ne!(status, 200);
+    assert_eq!(retry, None, "four calls never fit a limit of 3: {body}");
+}

@@ -365,6 +365,11 @@ impl<S: BudgetStore> Limiter<S> {
         if !self.store.leases() || budgets.len() != terms.len() {
             return None;
         }
+        if budgets.iter().any(|b| b.cost > b.limit) {
+            // It can never fit: the store says so (no `Retry-After`, SPEC H2),
+            // whatever a lease or a known exhausted budget would.
+            return None;
+        }
         let terms: ArrayVec<Option<LeaseTerms>, MAX_BUDGETS> = terms
             .iter()
             .zip(budgets)
@@ -484,32 +489,41 @@ impl<S: BudgetStore> Limiter<S> {
             self.leases.count(before, e.holder.counts());
             parts.push(part);
         }
+        // Known exhausted: refused here, until its reset, no store call (SPEC
+        // D4), the other budgets told as this replica last knew them.
         if let Some((index, retry_after, reset)) = refused {
-            // Known exhausted: refused here, until its reset, no store call.
             undo(&mut entries, budgets, parts);
-            drop(entries);
-            self.leases.saved_one();
-            let statuses =
-                budgets
-                    .iter()
-                    .zip(parts.iter())
-                    .enumerate()
-                    .map(|(i, (b, p))| match p {
-                        _ if i == index => BudgetStatus {
-                            verdict: Verdict::NotYet { retry_after },
-                            limit: b.limit,
-                            remaining: 0,
-                            reset,
-                        },
-                        Part::Local(s, _) => *s,
-                        // Not asked: it would be, were this budget not spent.
-                        _ => BudgetStatus {
+            let statuses: ArrayVec<BudgetStatus, MAX_BUDGETS> = budgets
+                .iter()
+                .zip(parts.iter())
+                .enumerate()
+                .map(|(i, (b, p))| match p {
+                    _ if i == index => BudgetStatus {
+                        verdict: Verdict::NotYet { retry_after },
+                        limit: b.limit,
+                        remaining: 0,
+                        reset,
+                    },
+                    Part::Local(s, _) => *s,
+                    // Not spent: what the store last said of it, with the
+                    // lease in hand (an exact budget's state is not known
+                    // here: it is shown whole, as a store that was not asked).
+                    _ => {
+                        let (remaining, last_reset) =
+                            entries.get(&b.key).map_or((b.limit, 0), |e| {
+                                (e.remaining.saturating_add(e.holder.held()), e.reset)
+                            });
+                        BudgetStatus {
                             verdict: Verdict::Admitted,
                             limit: b.limit,
-                            remaining: b.limit,
-                            reset,
-                        },
-                    });
+                            remaining: remaining.min(b.limit),
+                            reset: if last_reset == 0 { reset } else { last_reset },
+                        }
+                    }
+                })
+                .collect();
+            drop(entries);
+            self.leases.saved_one();
             return Outcome::Decided(Decision::boxed_from_statuses(now, statuses));
         }
         if let Some(wait) = wait {
