@@ -375,6 +375,54 @@ async fn d4_a_lease_is_renewed_early_and_spent_meanwhile_while_redis_is_slow() {
     assert_eq!(after.returned, before.returned, "renewed, not ended");
 }
 
+/// A replica's traffic stops with a lease in hand: no request comes to give
+/// its leftovers back, so the upkeep does ([`Limiter::keep_leases`], which
+/// `sluice serve` runs every `SWEEP_EVERY` while leases are held): once the
+/// lease's time is up, what it did not spend is the other replicas' again, and
+/// at shutdown a lease still live is ended and given back the same way.
+#[tokio::test]
+async fn d4_the_upkeep_gives_leftovers_back_when_no_request_comes() {
+    let server = RedisServer::start("d4-upkeep");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 1));
+    let (a, b) = (
+        limiter(&server, &clock).await,
+        limiter(&server, &clock).await,
+    );
+    for _ in 0..12 {
+        assert_eq!(send(&a, "quiet").await, 200);
+    }
+    let held = held_after(12);
+    assert!(held > 0, "A holds a lease of {held}");
+    assert!(a.keep_leases(false).await, "a lease in hand: more to do");
+    assert_eq!(a.lease_tally().returned, 0, "its time is not up");
+    clock.advance(Duration::from_millis(1_500));
+    let before = server.script_calls();
+    assert!(!a.keep_leases(false).await, "nothing held, nothing waiting");
+    assert_eq!(
+        a.lease_tally().returned,
+        2,
+        "the class's and the IP's leases"
+    );
+    assert_eq!(server.script_calls() - before, 1, "given back in one call");
+    let mut admitted_b = 0;
+    for _ in 0..100 {
+        admitted_b += usize::from(send(&b, "quiet").await == 200);
+    }
+    assert_eq!(admitted_b, 100 - 12, "the limit less what A admitted");
+    // At shutdown: B's last lease is live, and ends.
+    let c = limiter(&server, &clock).await;
+    for _ in 0..5 {
+        assert_eq!(send(&c, "other").await, 200);
+    }
+    assert!(c.keep_leases(true).await || c.lease_tally().returned > 0);
+    assert!(!c.keep_leases(false).await, "ended and given back");
+    let mut admitted_d = 0;
+    for _ in 0..100 {
+        admitted_d += usize::from(send(&b, "other").await == 200);
+    }
+    assert_eq!(admitted_d, 100 - 5, "the limit less what C admitted");
+}
+
 /// A JSON-RPC batch of more calls than the leased class's whole limit can
 /// never fit (SPEC H2): refused without `Retry-After`, also while the class is known exhausted and every
 /// other request of it is refused from what the replica knows.

@@ -351,6 +351,8 @@ pub struct Gateway {
     stop_backends: watch::Sender<bool>,
     gateway_task: JoinHandle<Drain>,
     admin_task: JoinHandle<()>,
+    /// The leases' upkeep, which gives their leftovers back at the stop.
+    leases_task: JoinHandle<()>,
     reloader: Arc<Reloader>,
     buffers: Arc<sluice_edge::BufferBudget>,
     /// `https` when the gateway listener speaks TLS, else `http`.
@@ -437,7 +439,7 @@ impl Gateway {
             .with_tenants(Arc::clone(&tenants)),
         );
 
-        start::spawn_upkeep(&limiter, &reloader, &backends_stopped).await?;
+        let leases_task = start::spawn_upkeep(&limiter, &reloader, &backends_stopped).await?;
         let batch_lanes = match &upstream {
             Some(upstream) => {
                 start::batch_lanes(batches, &limiter, upstream, &clock, &backends_stopped)
@@ -511,6 +513,7 @@ impl Gateway {
             stop_backends,
             gateway_task,
             admin_task,
+            leases_task,
             reloader: core.reloader,
             buffers,
             scheme: if config.tls.is_some() {
@@ -614,6 +617,8 @@ impl Gateway {
             Err(_) => Drain::TimedOut { connections: 0 },
         };
         let _ = self.stop_backends.send(true);
+        // Leases end with the requests: what they did not spend goes back.
+        let _ = tokio::time::timeout(BACKEND_GRACE, self.leases_task).await;
         if drain == Drain::Complete {
             let demo = self.demo;
             let admin_task = self.admin_task;

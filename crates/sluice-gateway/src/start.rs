@@ -560,7 +560,8 @@ pub(super) fn per_ip(
 }
 
 /// Starts the upkeep tasks, which run until `stop`: the reload watch (SIGHUP and
-/// changes to the policy file) and the reclaim of stale budget cells.
+/// changes to the policy file), the reclaim of stale budget cells and the
+/// leases' upkeep (returned: it ends the leases at `stop`).
 ///
 /// # Errors
 /// [`StartError::Io`] when the SIGHUP handler cannot be installed.
@@ -568,7 +569,7 @@ pub(super) async fn spawn_upkeep(
     limiter: &SharedLimiter<AnyStore>,
     reloader: &Arc<Reloader>,
     stop: &Stop,
-) -> Result<(), StartError> {
+) -> Result<JoinHandle<()>, StartError> {
     // Installed before anything is served: SIGHUP would otherwise end the process.
     #[cfg(unix)]
     {
@@ -576,7 +577,35 @@ pub(super) async fn spawn_upkeep(
         tokio::spawn(reload::watcher(Arc::clone(reloader), hangups, stop.clone()).await);
     }
     tokio::spawn(reclaim_stale_cells(Arc::clone(limiter), stop.clone()));
-    Ok(())
+    Ok(tokio::spawn(keep_leases(Arc::clone(limiter), stop.clone())))
+}
+
+/// The most rounds of ending leases at `stop` (each [`sluice_edge::SWEEP_EVERY`]
+/// apart, while the store does not take the leftovers back).
+const LEASE_ROUNDS_AT_STOP: usize = 5;
+
+/// Ends the leases whose time is up and gives their leftovers back when no
+/// request does (SPEC D4): every [`sluice_edge::SWEEP_EVERY`] while leases are
+/// held or leftovers wait, asleep until the next lease otherwise. At `stop`,
+/// ends every lease and gives back what it did not spend.
+async fn keep_leases(limiter: SharedLimiter<AnyStore>, stop: Stop) {
+    let stopped = stop.wait();
+    tokio::pin!(stopped);
+    loop {
+        let current = limiter.load_full();
+        let busy = current.keep_leases(false).await;
+        tokio::select! {
+            () = tokio::time::sleep(sluice_edge::SWEEP_EVERY), if busy => {}
+            () = current.leases_to_keep(), if !busy => {}
+            () = &mut stopped => break,
+        }
+    }
+    for _ in 0..LEASE_ROUNDS_AT_STOP {
+        if !limiter.load_full().keep_leases(true).await {
+            return;
+        }
+        tokio::time::sleep(sluice_edge::SWEEP_EVERY).await;
+    }
 }
 
 /// How often stale budget cells are dropped from the memory store (they are also

@@ -136,6 +136,13 @@ impl BudgetStore for AnyStore {
         }
     }
 
+    fn holds_give_backs(&self) -> bool {
+        match self {
+            AnyStore::Local(m) => m.holds_give_backs(),
+            AnyStore::Redis(r) => r.holds_give_backs(),
+        }
+    }
+
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         match self {
             AnyStore::Local(m) => m.peek(budgets).await,

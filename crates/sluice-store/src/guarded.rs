@@ -103,6 +103,10 @@ impl<S: BudgetStore, C: Clock> BudgetStore for Guarded<S, C> {
         self.inner.keep_give_backs(backs);
     }
 
+    fn holds_give_backs(&self) -> bool {
+        self.inner.holds_give_backs()
+    }
+
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         self.permit()?;
         let result = self.inner.peek(budgets).await;

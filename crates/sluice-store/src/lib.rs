@@ -168,6 +168,13 @@ pub trait BudgetStore: Send + Sync {
         let _ = backs;
     }
 
+    /// True while it keeps leftovers of ended leases for its recovery
+    /// ([`BudgetStore::keep_give_backs`]): a [`BudgetStore::take_leases`] call,
+    /// even of no budgets, then gives them back. The default keeps none.
+    fn holds_give_backs(&self) -> bool {
+        false
+    }
+
     /// Reports what [`BudgetStore::decide`] would say, changing nothing.
     ///
     /// # Errors

@@ -346,3 +346,75 @@ async fn d4_memory_store_stays_exact() {
     assert_eq!(leases["taken"], 0, "{leases}");
     assert_eq!(leases["calls_saved"], 0, "{leases}");
 }
+
+/// The reads `key` gets admitted on `url`, of `n` sent one after another.
+async fn admitted_reads(url: &str, key: &str, n: usize) -> u64 {
+    let mut admitted = 0;
+    for _ in 0..n {
+        admitted += u64::from(read(url, key).await.0 == 200);
+    }
+    admitted
+}
+
+/// A replica whose traffic stops with leases in hand gives back what they did
+/// not spend once their time is up, with no request to carry it (the upkeep,
+/// asleep until a lease is taken); one that stops (SIGTERM) gives back its
+/// live leases on the way out. Either way the other replica then admits the
+/// whole limit less what the first admitted, to the unit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d4_leftovers_go_back_when_a_replica_goes_quiet_or_stops() {
+    let redis = RedisServer::start("d4-upkeep");
+    let policy = policy_with(
+        "upkeep",
+        4_294_967_295,
+        &["read", "ip"],
+        1000,
+        2,
+        &[("{ ip: 300,", "{ ip: 100000,")],
+    );
+    let mut a = Sluice::spawn(&["--config", &policy, "--store", &redis.url()]);
+    let b = Sluice::spawn(&["--config", &policy, "--store", &redis.url()]);
+    const FIRST: u64 = 30;
+    let url_a = a.url("/search/fields");
+    let url_b = b.url("/search/fields");
+    assert_eq!(
+        admitted_reads(&url_a, "sk-quiet", FIRST as usize).await,
+        FIRST
+    );
+    // Quiet: A's leases end after their `lease_ms` and go back.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let leases = leases_of(&a).await;
+        if leases["returned"].as_u64().unwrap_or(0) >= 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no leftovers given back: {leases}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let commands = redis.commands();
+    assert_eq!(
+        admitted_reads(&url_b, "sk-quiet", LIMIT as usize + 10).await,
+        LIMIT - FIRST,
+        "B admits what A did not spend"
+    );
+    assert!(redis.commands() > commands);
+    // Stopping: A's live leases go back on its way out.
+    assert_eq!(
+        admitted_reads(&url_a, "sk-stop", FIRST as usize).await,
+        FIRST
+    );
+    let held = leases_of(&a).await;
+    a.terminate();
+    assert!(
+        a.wait_exit(Duration::from_secs(20)).is_some(),
+        "A stops on SIGTERM"
+    );
+    assert_eq!(
+        admitted_reads(&url_b, "sk-stop", LIMIT as usize + 10).await,
+        LIMIT - FIRST,
+        "B admits what A held when it stopped: {held}"
+    );
+}

@@ -15,6 +15,10 @@
 //! Leftovers of ended leases go back to the store in the next call this
 //! replica makes to it (the same one call, [`BudgetStore::take_leases`]); a
 //! sweep, at most every [`SWEEP_EVERY`], ends the leases no request touches.
+//! When no request of a leased budget comes to do either, the upkeep
+//! ([`Limiter::keep_leases`], every [`SWEEP_EVERY`] while leases are held or
+//! leftovers wait, asleep otherwise) does both, and at shutdown ends every
+//! lease and gives its leftovers back.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -95,6 +99,9 @@ pub(crate) struct Leases {
     /// `sluice_lease_calls_saved_total`, looked up once (it moves on most
     /// requests of a leased budget).
     saved_counter: std::sync::OnceLock<metrics::Counter>,
+    /// Woken when a lease is taken or a leftover queued: the upkeep's cue
+    /// ([`Limiter::leases_to_keep`]).
+    to_keep: Notify,
 }
 
 /// What the leases say of them, by snapshot (in `/status` as `leases`).
@@ -254,6 +261,8 @@ impl Leases {
                 pending.remove(0);
             }
             pending.push((budget.with_cost(1), back));
+            drop(pending);
+            self.to_keep.notify_one();
         }
     }
 
@@ -273,13 +282,26 @@ impl Leases {
         if now.as_nanos() < last.saturating_add(every) {
             return;
         }
+        self.end_leases(entries, now, false);
+    }
+
+    /// Ends the leases whose time is up at `now` (every lease when `all`),
+    /// queueing their leftovers; true when a lease is still held.
+    fn end_leases(&self, entries: &mut LeaseMap, now: Timestamp, all: bool) -> bool {
         self.swept.store(now.as_nanos(), Ordering::Relaxed);
+        let mut held = false;
         for e in entries.values_mut() {
             let before = e.holder.counts();
-            let back = e.holder.end_if_over(now);
+            let back = if all {
+                e.holder.end()
+            } else {
+                e.holder.end_if_over(now)
+            };
             self.queue(e.budget, back);
             self.count(before, e.holder.counts());
+            held |= e.holder.held() > 0;
         }
+        held
     }
 }
 
@@ -318,6 +340,43 @@ impl<S: BudgetStore> Limiter<S> {
     /// What this replica's leases have done (SPEC D4).
     pub fn lease_tally(&self) -> LeaseTally {
         self.leases.tally()
+    }
+
+    /// The upkeep of this replica's leases (SPEC D4), for when no request of a
+    /// leased budget comes to do it: ends the leases whose time is up (every
+    /// lease when `ending`, at shutdown) and gives what they did not spend
+    /// back to the store, with the leftovers it kept while it did not answer.
+    /// True while there is more to do ([`SWEEP_EVERY`] from now: leases held,
+    /// leftovers waiting); otherwise wait for [`Limiter::leases_to_keep`].
+    pub async fn keep_leases(&self, ending: bool) -> bool {
+        if !self.store.leases() {
+            return false;
+        }
+        let now = self.leases.now(self.fallback.clock());
+        let held = {
+            let mut entries = self.leases.entries.lock();
+            self.leases.end_leases(&mut entries, now, ending)
+        };
+        // At most the whole queue's worth of calls, each of up to
+        // `MAX_BUDGETS` leftovers; what a failed call may have sent is
+        // dropped (units unused, never over-admitted), what it did not the
+        // store keeps for its recovery.
+        for _ in 0..MAX_PENDING_GIVE_BACKS.div_ceil(MAX_BUDGETS) {
+            let backs = self.leases.take_pending();
+            if backs.is_empty() && !self.store.holds_give_backs() {
+                break;
+            }
+            if self.store.take_leases(&[], &[], &backs).await.is_err() {
+                break;
+            }
+        }
+        held || !self.leases.pending.lock().is_empty() || self.store.holds_give_backs()
+    }
+
+    /// Resolves once a lease is taken or a leftover queued since the last
+    /// time it resolved: the upkeep's cue to [`Limiter::keep_leases`] again.
+    pub async fn leases_to_keep(&self) {
+        self.leases.to_keep.notified().await;
     }
 
     /// The same limiter with its leases living by `clock` (a test's fake
@@ -658,6 +717,7 @@ impl<S: BudgetStore> Limiter<S> {
                         // one's: its leftovers go back to their window.
                         let back = e.holder.granted(granted, b.cost, &one, now);
                         self.leases.queue(e.budget, back);
+                        self.leases.to_keep.notify_one();
                         e.remaining = s.remaining;
                         e.reset = s.reset;
                         let held = e.holder.held();

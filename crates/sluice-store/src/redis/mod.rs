@@ -966,6 +966,10 @@ impl BudgetStore for RedisStore {
         self.keep_unsent(backs);
     }
 
+    fn holds_give_backs(&self) -> bool {
+        !self.unsent.lock().is_empty()
+    }
+
     async fn peek(&self, budgets: &[Budget]) -> Result<Decision, StoreError> {
         let (at, rows) = self.run("peek", budgets, 0, 0).await?;
         Ok(decision(at, &rows, budgets, false))
