@@ -85,7 +85,11 @@ pub struct SluiceLayer<S> {
 }
 
 impl<S> SluiceLayer<S> {
-    /// A layer deciding with `limiter`.
+    /// A layer deciding with `limiter`. With leased budgets on a store shared
+    /// by replicas, give their leftovers back as `sluice serve` does: call
+    /// [`Limiter::keep_leases`] every [`sluice_edge::SWEEP_EVERY`] while it
+    /// returns true, await [`Limiter::leases_to_keep`] when it returns false,
+    /// and call it with `ending` once the service stops.
     pub fn new(limiter: Arc<Limiter<S>>) -> Self {
         Self::reloadable(Arc::new(ArcSwap::new(limiter)))
     }
