@@ -230,6 +230,17 @@ impl ClockGap {
         ClockGap { least, most }
     }
 
+    /// `now` (this replica's clock) on the store's clock, at the least it was
+    /// measured ahead: what a decision made here from a lease is stamped with,
+    /// as the store stamps its own. While a lease is live it lies before the
+    /// lease's window ends on the store's clock, so a settlement of the
+    /// request (an adjustment at that time) goes to the window its units came
+    /// from, and `Retry-After` and the reset's seconds are reckoned against
+    /// the store's window as on every other answer.
+    pub fn on_store_clock(self, now: Timestamp) -> Timestamp {
+        Self::shift(now, self.least)
+    }
+
     /// `now` (this replica's clock) moved by `by` nanoseconds: a time on the
     /// store's clock.
     fn shift(now: Timestamp, by: i64) -> Timestamp {

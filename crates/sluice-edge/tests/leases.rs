@@ -512,3 +512,44 @@ algorithms:
     assert_ne!(status, 200);
     assert_eq!(retry, None, "four calls never fit a limit of 3: {body}");
 }
+
+/// Redis's clock 5 s ahead of the replica's: a request admitted from a lease
+/// is stamped on Redis's clock, as one Redis decided, so settling it (an
+/// adjustment at that time) goes to the window its units came from, and its
+/// reset's seconds are reckoned against Redis's window.
+#[tokio::test]
+async fn d4_a_decision_from_a_lease_is_stamped_on_the_redis_clock() {
+    let server = RedisServer::start("d4-stamp");
+    let start = Timestamp::from_secs(T0 + 10);
+    let (redis_clock, replica_clock) = (
+        FakeClock::new(Timestamp::from_secs(T0 + 15)),
+        FakeClock::new(start),
+    );
+    let apart = Apart {
+        redis: redis_clock.clone(),
+        replica: replica_clock.clone(),
+        latency_ms: Arc::new(AtomicU64::new(0)),
+    };
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_millis(500);
+    let redis = RedisStore::connect_with_clock(config, apart)
+        .await
+        .expect("connect");
+    let limiter = Limiter::new(policy(), redis).with_lease_clock(Arc::new(replica_clock.clone()));
+    let mut stamps = Vec::new();
+    for _ in 0..12 {
+        let parts = support::request_as("k", "GET", "/things");
+        let route = limiter.route(&parts).map_err(|e| e.to_string());
+        let intake = limiter.intake(Ok(route.expect("route")), PEER);
+        let planned = intake.planned(&parts.headers, None, None);
+        let forward = planned.admit(None).await.expect("admitted");
+        stamps.push(forward.decision().decided_at());
+    }
+    assert!(limiter.lease_tally().saved > 0, "some decided from leases");
+    assert!(
+        stamps.iter().all(|&t| t == redis_clock.now()),
+        "every decision on Redis's clock ({:?}), the replica's at {:?}: {stamps:?}",
+        redis_clock.now(),
+        replica_clock.now()
+    );
+}

@@ -583,7 +583,10 @@ impl<S: BudgetStore> Limiter<S> {
                 .collect();
             drop(entries);
             self.leases.saved_one();
-            return Outcome::Decided(Decision::boxed_from_statuses(now, statuses));
+            return Outcome::Decided(Decision::boxed_from_statuses(
+                gap.on_store_clock(now),
+                statuses,
+            ));
         }
         if let Some(wait) = wait {
             // Another request of this replica is asking for a lease this one
@@ -599,7 +602,10 @@ impl<S: BudgetStore> Limiter<S> {
                 Part::Local(s, _) => Some(*s),
                 _ => None,
             });
-            return Outcome::Decided(Decision::boxed_from_statuses(now, statuses));
+            return Outcome::Decided(Decision::boxed_from_statuses(
+                gap.on_store_clock(now),
+                statuses,
+            ));
         }
         Outcome::Store
     }
