@@ -128,6 +128,11 @@ pub struct UsageScanner {
     buf: Vec<u8>,
     skipping: bool,
     found: Option<Usage>,
+    /// A stream's usage is its answer's only once an event that closes the
+    /// count has carried it: Anthropic's `message_start` reports the input
+    /// and one output token before any is written, and a stream cut after it
+    /// has not said what it spent (SPEC T3: charged its reservation).
+    settled: bool,
 }
 
 impl UsageScanner {
@@ -140,6 +145,7 @@ impl UsageScanner {
             buf: Vec::new(),
             skipping: false,
             found: None,
+            settled: false,
         }
     }
 
@@ -176,8 +182,9 @@ impl UsageScanner {
         if !contains(data, b"\"usage\"") {
             return;
         }
-        if let Some(u) = usage_of_document(data) {
+        if let Some((u, opening)) = usage_of_event(data) {
             self.found.get_or_insert_with(Usage::default).merge(u);
+            self.settled |= !opening;
         }
     }
 
@@ -188,7 +195,7 @@ impl UsageScanner {
             if !self.skipping {
                 self.line(&line);
             }
-            return self.found;
+            return self.found.filter(|_| self.settled);
         }
         usage_from_json(&Value::Object(self.document.parts()?))
     }
@@ -204,12 +211,26 @@ struct UsageParts {
     message: Option<Value>,
     #[serde(default)]
     response: Option<Value>,
+    /// A streamed event's type (Anthropic's `message_start`, …).
+    #[serde(default, rename = "type")]
+    kind: Option<Value>,
 }
 
 /// [`usage_from_json`] of the JSON document `bytes`, reading only its usage
 /// parts. A document that is not JSON, or names a part twice, has none.
+#[cfg(test)]
 fn usage_of_document(bytes: &[u8]) -> Option<Usage> {
+    usage_of_event(bytes).map(|(usage, _)| usage)
+}
+
+/// [`usage_of_document`] of one streamed event, and whether the event opens
+/// the answer (Anthropic's `message_start`, whose usage counts no output yet).
+fn usage_of_event(bytes: &[u8]) -> Option<(Usage, bool)> {
     let parts: UsageParts = serde_json::from_slice(bytes).ok()?;
+    let opening = parts
+        .kind
+        .as_ref()
+        .is_some_and(|k| k.as_str() == Some("message_start"));
     let mut doc = serde_json::Map::new();
     for (key, part) in [
         ("usage", parts.usage),
@@ -220,7 +241,7 @@ fn usage_of_document(bytes: &[u8]) -> Option<Usage> {
             doc.insert(key.to_owned(), part);
         }
     }
-    usage_from_json(&Value::Object(doc))
+    usage_from_json(&Value::Object(doc)).map(|usage| (usage, opening))
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -393,6 +414,34 @@ mod tests {
                 ..Usage::default()
             })
         );
+    }
+
+    /// SPEC T3: an Anthropic stream cut after `message_start` (its usage
+    /// counts the input and one output token, before any is written) has not
+    /// said what it spent: no usage, so the call is charged its reservation,
+    /// however much text it relayed. Once `message_delta` carries the count,
+    /// the usage is the answer's.
+    #[test]
+    fn t3_an_anthropic_stream_cut_after_message_start_has_no_usage() {
+        let start = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n";
+        let text = "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"a long answer\"}}\n\n";
+        let delta = "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":7999}}\n\n";
+        assert_eq!(scan("text/event-stream", &[start, text, text]), None);
+        assert_eq!(
+            scan("text/event-stream", &[start, text, delta]),
+            Some(Usage {
+                prompt: 25,
+                completion: 7999,
+                ..Usage::default()
+            })
+        );
+        // An OpenAI stream's one usage chunk, and the Responses API's
+        // `response.completed`, close the count.
+        let chunk =
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4}}\n\n";
+        assert!(scan("text/event-stream", &[chunk]).is_some());
+        let completed = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":9,\"output_tokens\":4}}}\n\n";
+        assert!(scan("text/event-stream", &[completed]).is_some());
     }
 
     fn scan(content_type: &str, parts: &[&str]) -> Option<Usage> {
