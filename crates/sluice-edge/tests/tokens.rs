@@ -467,3 +467,82 @@ routes:
         "{spent:?}"
     );
 }
+
+/// SPEC T4 with D3: while Redis does not answer, a route whose class fails open
+/// is decided on this replica alone, but a money or monthly token budget is
+/// counted durably and exactly like a monthly quota, so a call holding one is
+/// refused rather than decided on a replica's share of nothing it knows (its
+/// settlement would be lost with the store). A windowed token budget fails open
+/// with its class.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t4_money_and_monthly_token_budgets_fail_closed_while_redis_is_down() {
+    let mut server = redis_server::RedisServer::start("t4-outage");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 60));
+    let with_outage = |period: &str| {
+        let yaml = format!(
+            r#"
+profile: default
+window_seconds: 3600
+profiles:
+  default:
+    classes: {{ llm: 1000000 }}
+identity:
+  credentials: [bearer]
+prices:
+  - {{ model: "gpt-4o", input: 2.5, output: 10 }}
+tokens:
+  team: {{ per: caller, limit: 100000, {period}, default_max_output: 100 }}
+spend:
+  bill: {{ per: caller, limit_usd: 100, monthly: true }}
+routes:
+  - {{ method: POST, path: /v1/chat/completions, class: llm, llm: openai, tokens: [team] }}
+  - {{ method: POST, path: /v1/responses, class: llm, llm: openai, spend: [bill] }}
+  - {{ class: llm }}
+store:
+  timeout_ms: 200
+  outage: {{ llm: fail_open }}
+"#
+        );
+        parse_str(&yaml, Path::new("outage.yaml")).expect("the test policy")
+    };
+    let limiter = |period: &'static str| {
+        let (url, clock) = (server.url(), clock.clone());
+        async move {
+            let mut config = RedisConfig::new(url);
+            config.timeout = Duration::from_millis(200);
+            let store = RedisStore::connect_with_clock(config, clock)
+                .await
+                .expect("connect");
+            Limiter::new(with_outage(period), store)
+        }
+    };
+    let windowed = limiter("window_seconds: 3600").await;
+    let monthly = limiter("monthly: true").await;
+    let body = chat(50);
+    assert!(call(&windowed, "a", &body, Some(USAGE)).await.is_ok());
+    assert!(call(&monthly, "a", &body, Some(USAGE)).await.is_ok());
+    server.kill();
+    assert!(
+        call(&windowed, "a", &body, Some(USAGE)).await.is_ok(),
+        "a windowed token budget fails open with its class"
+    );
+    let refused = call(&monthly, "a", &body, Some(USAGE)).await;
+    assert!(
+        matches!(refused, Err(s) if s >= 500),
+        "a monthly token budget is not decided without its store: {refused:?}"
+    );
+    // A money budget, on the Responses API route.
+    let mut headers = HeaderMap::new();
+    headers.insert("authorization", HeaderValue::from_static("Bearer a"));
+    let path = "/v1/responses";
+    let route = windowed.route_head(&Method::POST, Version::HTTP_2, [], Ok(path), Some(&headers));
+    let mut intake = windowed.intake(route, PEER);
+    intake.set_path(path);
+    let body = br#"{"model":"gpt-4o","input":"Say hi.","max_output_tokens":50}"#;
+    let answer = intake.planned(&headers, None, Some(body)).admit(None).await;
+    assert!(
+        matches!(&answer, Err(a) if a.status().as_u16() >= 500),
+        "a money budget is not decided without its store: {:?}",
+        answer.as_ref().map(|_| ()).map_err(|a| a.status())
+    );
+}

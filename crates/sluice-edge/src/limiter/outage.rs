@@ -37,11 +37,19 @@ impl<S: BudgetStore> Limiter<S> {
     }
 
     /// True when every class the plan holds fails open and it holds no capped
-    /// monthly quota (a quota decided on one replica alone would not be one).
+    /// monthly quota and no money or monthly token budget (SPEC T4: counted
+    /// durably and exactly, like quotas; decided on one replica alone, and its
+    /// settlement lost with the store, it would not be one).
     pub(super) fn fails_open(&self, plan: &Plan) -> bool {
         !plan.holds_capped_quota(&self.policy)
             && plan.kinds.iter().all(|k| match k {
                 BudgetKind::Class(c) => self.policy.outage(*c) == Outage::FailOpen,
+                BudgetKind::Bucket(b) => self
+                    .policy
+                    .buckets
+                    .get(crate::plan::policy_index(*b))
+                    .and_then(|b| b.tokens)
+                    .is_none_or(|t| !t.priced && !t.monthly),
                 _ => true,
             })
     }
