@@ -32,8 +32,9 @@ pub fn is_sluice_signal(name: &[u8]) -> bool {
 }
 
 /// Calls `emit` with each header sluice adds to a forwarded request:
-/// `X-Sluice-Workspace`, `X-Sluice-User`, and `X-Sluice-Exhausted` for a
-/// weighted budget passed on exhausted. A server that writes its heads itself
+/// `X-Sluice-Workspace`, `X-Sluice-User`, `X-Sluice-Exhausted` for a
+/// weighted budget passed on exhausted, and `Accept-Encoding: identity` for an
+/// LLM call (in place of the client's: its answer is read for its usage). A server that writes its heads itself
 /// writes these; [`upstream_headers`] puts them in a header map.
 pub fn for_each_upstream_header(
     plan: &Plan,
@@ -50,6 +51,12 @@ pub fn for_each_upstream_header(
     };
     emit(&X_SLUICE_WORKSPACE, workspace);
     emit(&X_SLUICE_USER, user);
+    if plan.llm.is_some() {
+        // An LLM call's answer is read for its `usage` as it passes (SPEC T3):
+        // a compressed one could not be, and would be charged its reservation
+        // (no upper bound on what a call without `max_tokens` spends).
+        emit(&ACCEPT_ENCODING, b"identity");
+    }
     if let Some(passed) = plan.passed {
         let value = format!(
             "{}; retry-after={}",

@@ -879,3 +879,81 @@ async fn t3_a_split_usage_chunk_settles_exactly_and_is_hidden_on_every_framing()
     })
     .await;
 }
+
+/// A fake upstream that keeps each request head it reads (lowercase) and
+/// answers a JSON body with the usage.
+async fn recording_upstream() -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let heads = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = Arc::clone(&heads);
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let kept = Arc::clone(&kept);
+            tokio::spawn(async move {
+                let Some(got) = one_request::read_request(&mut conn).await else {
+                    return;
+                };
+                let text = String::from_utf8_lossy(&got).to_ascii_lowercase();
+                let head = text.split("\r\n\r\n").next().unwrap_or_default().to_owned();
+                kept.lock().expect("heads").push(head);
+                let _ = conn.write_all(answer(Reply::Json, false).as_bytes()).await;
+                let _ = conn.shutdown().await;
+            });
+        }
+    });
+    (addr, heads)
+}
+
+/// SPEC T3: an LLM call's answer is read for its usage as it passes, so sluice
+/// asks the upstream for it uncompressed (`Accept-Encoding: identity` in place
+/// of the client's `gzip, br`, which official SDKs send): a compressed answer's
+/// usage could not be read, and the call would be charged its reservation
+/// however much it spent. On the fast path (a body of known length) and on the
+/// service stack (a chunked body) alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t3_an_llm_call_asks_the_upstream_for_an_answer_it_can_read() {
+    bounded(async {
+        let (up, heads) = recording_upstream().await;
+        let (gateway, dir) = start_gateway(up).await;
+        let addr = gateway.addr().expect("gateway addr");
+        let body = chat(Some(50), false);
+        let requests = [
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-enc\r\naccept-encoding: gzip, br\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            ),
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-enc\r\naccept-encoding: gzip, br\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
+                body.len()
+            ),
+        ];
+        for request in &requests {
+            let mut conn = TcpStream::connect(addr).await.expect("connect");
+            conn.write_all(request.as_bytes()).await.expect("write");
+            let mut got = Vec::new();
+            let _ = conn.read_to_end(&mut got).await;
+            assert!(got.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&got));
+        }
+        // A plain route keeps what the client accepts.
+        let mut conn = TcpStream::connect(addr).await.expect("connect");
+        conn.write_all(b"GET /other HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-enc\r\naccept-encoding: gzip\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        let _ = conn.read_to_end(&mut Vec::new()).await;
+        let heads = heads.lock().expect("heads").clone();
+        assert_eq!(heads.len(), 3, "{heads:?}");
+        for head in &heads[..2] {
+            let encodings: Vec<&str> = head
+                .lines()
+                .filter_map(|l| l.strip_prefix("accept-encoding:"))
+                .map(str::trim)
+                .collect();
+            assert_eq!(encodings, ["identity"], "{head}");
+        }
+        assert!(heads[2].contains("accept-encoding: gzip"), "{}", heads[2]);
+        gateway.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
+    })
+    .await;
+}

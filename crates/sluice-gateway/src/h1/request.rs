@@ -110,6 +110,13 @@ pub(super) fn parse<'l>(
         return Parsed::Elsewhere;
     }
 
+    // Refused as the service stack refuses it: the head first, then the path.
+    let route = (cx.route)(&method, &mut head.hosts(), path.as_deref().map_err(|r| *r));
+    // An LLM call's answer is read for its usage: sluice asks for it
+    // uncompressed (`Accept-Encoding: identity`, with sluice's own fields), in
+    // place of what the client accepts.
+    let llm = matches!(&route, Ok(Some(r)) if r.llm.is_some());
+
     // Second pass: the head sent upstream.
     upstream.clear();
     upstream.extend_from_slice(method.as_str().as_bytes());
@@ -151,6 +158,7 @@ pub(super) fn parse<'l>(
         }
         // `X-Sluice-*` are sluice's signals to the upstream: a client's never pass.
         if name.eq_ignore_ascii_case(b"host")
+            || (llm && name.eq_ignore_ascii_case(b"accept-encoding"))
             || is_hop_by_hop(name)
             || sluice_edge::is_sluice_signal(name)
             || (cx.traced && name.eq_ignore_ascii_case(b"traceparent"))
@@ -184,8 +192,6 @@ pub(super) fn parse<'l>(
     cx.peer.push_forwarded_element(upstream, head.host);
     upstream.extend_from_slice(b"\r\n\r\n");
 
-    // Refused as the service stack refuses it: the head first, then the path.
-    let route = (cx.route)(&method, &mut head.hosts(), path.as_deref().map_err(|r| *r));
     let llm_path = match (&route, &path) {
         (Ok(Some(r)), Ok(path)) if r.llm.is_some() => Some(Box::from(&**path)),
         _ => None,
