@@ -509,7 +509,10 @@ fn rolling_status(b: &Budget, e: &RollingEval) -> BudgetStatus {
 /// costs known only when a call ends. `reserved_at` is when the
 /// original spend was decided.
 ///
-/// The books never go below zero or above the limit. A refund for a window
+/// The books never go below zero. A charge takes a fixed-window or monthly
+/// budget past its limit when it must (SPEC T3: below zero for the rest of its
+/// window; it admits nothing until then), and a refund takes back from what was
+/// counted; the other rates' books stay within the limit. A refund for a window
 /// that no longer counts is dropped (refunding it into the current window
 /// would hand out units that were never spent there); a charge always lands
 /// in the current window.

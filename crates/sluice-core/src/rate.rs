@@ -602,23 +602,29 @@ pub(crate) fn adjust(
     let (_, reserved_end) = window_bounds(rate, reserved_at);
     match rate {
         Rate::FixedWindow { .. } | Rate::CalendarMonth | Rate::Until { .. } => {
+            // Counted past the limit too (SPEC T3: a settled call can take the
+            // budget below zero for the rest of its window): a later refund
+            // then takes back from what was really counted, never from a
+            // count clamped at the limit.
             let spent = if values[0] >> 32 == end.min(u64::from(u32::MAX)) {
-                low(values[0]).min(limit)
+                low(values[0])
             } else {
                 0
             };
             let new = if delta < 0 && reserved_end != end {
                 spent
             } else {
-                clamp(spent)
+                i64::from(spent)
+                    .saturating_add(delta)
+                    .clamp(0, i64::from(u32::MAX)) as u32
             };
             if new != spent {
                 writes.push((cell_keys[0], pack(end, new)));
             }
             Evaluation {
                 verdict: Verdict::Admitted,
-                remaining_before: limit - spent,
-                remaining_after: limit - new,
+                remaining_before: limit.saturating_sub(spent),
+                remaining_after: limit.saturating_sub(new),
                 reset: end,
                 writes,
             }

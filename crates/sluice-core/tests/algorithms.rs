@@ -90,16 +90,29 @@ fn peek_reports_without_spending() {
     assert_eq!(l, before);
 }
 
+/// SPEC T3 (and Q2's weighted budgets): a settlement can take a budget below
+/// zero for the rest of its window. The books count past the limit, so a later
+/// refund (another call's reservation given back) takes back from what was
+/// really counted: a call that overran is not forgotten by the next refund.
 #[test]
-fn adjust_charges_refunds_and_clamps() {
+fn t3_adjust_charges_past_the_limit_and_refunds_from_what_was_counted() {
     let b = Budget::per_window(BudgetKey::new("warehouse_reads", b"u"), 10, secs(60));
     let mut l = MapLedger::default();
     let now = at(T0 + 5, 0);
     decide(&[b], &mut l, now, Mode::Spend).expect("d");
     // The upstream said the call spent 4 units: charge 3 more.
     assert_eq!(adjust(&b, 3, now, &mut l, now).remaining, 6);
-    // Charging past the limit clamps at the limit.
+    // Charged past the limit: 54 counted, nothing left.
     assert_eq!(adjust(&b, 50, now, &mut l, now).remaining, 0);
+    // A refund of 40 takes back from the 54: still past the limit.
+    assert_eq!(adjust(&b, -40, now, &mut l, now).remaining, 0);
+    assert!(
+        !decide(&[b], &mut l, now, Mode::Spend)
+            .expect("d")
+            .is_admitted(),
+        "below zero for the rest of its window"
+    );
+    assert_eq!(adjust(&b, -10, now, &mut l, now).remaining, 6);
     // Refunds clamp at zero spent.
     assert_eq!(adjust(&b, -100, now, &mut l, now).remaining, 10);
     decide(&[b.with_cost(2)], &mut l, now, Mode::Spend).expect("d");

@@ -745,3 +745,55 @@ async fn d4_leftovers_given_back_during_an_outage_are_returned_on_recovery() {
         "both leftovers given back after the outage"
     );
 }
+
+/// SPEC T3 on Redis as in memory: a charge takes a budget past its limit, and a later refund takes back from what was counted,
+/// not from a count clamped at the limit (which would hand out the overrun
+/// again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t3_a_settlement_past_the_limit_stays_counted_through_later_refunds() {
+    let server = Server::start("t3-overrun");
+    let store = store_on(&server).await;
+    let memory = sluice_store::MemoryStore::new(sluice_store::MemoryConfig::default());
+    // The longest window: no run straddles one (a calendar month's budget takes
+    // the same path of the script and of the core).
+    for rate in [Rate::FixedWindow { seconds: minute() }] {
+        let b = Budget {
+            rate,
+            ..budget("tokens", b"overrun", 100)
+        };
+        let d = store.decide(&[b.with_cost(60)]).await.expect("reserve");
+        let m = memory.decide(&[b.with_cost(60)]).await.expect("reserve");
+        let steps: [(i64, u32); 3] = [(70, 0), (-20, 0), (-20, 10)];
+        for (delta, remaining) in steps {
+            let s = store
+                .adjust(&b, delta, d.decided_at())
+                .await
+                .expect("adjust");
+            let t = memory
+                .adjust(&b, delta, m.decided_at())
+                .await
+                .expect("adjust");
+            assert_eq!(
+                (s.remaining, t.remaining),
+                (remaining, remaining),
+                "{rate:?} after {delta}: 130, 110 then 90 counted of 100"
+            );
+        }
+        assert!(
+            store
+                .decide(&[b.with_cost(11)])
+                .await
+                .expect("d")
+                .retry_after()
+                .is_some(),
+            "{rate:?}: 10 left"
+        );
+        assert!(
+            store
+                .decide(&[b.with_cost(10)])
+                .await
+                .expect("d")
+                .is_admitted()
+        );
+    }
+}

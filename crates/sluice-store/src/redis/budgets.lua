@@ -200,11 +200,14 @@ for i = 0, n - 1 do
     else start, stop = month_bounds(now_s) end
     local c = (s.w == start) and math.min(s.c, limit) or 0
     if mode == 'adjust' then
+      -- Counted past the limit too (a settlement can take a budget below zero
+      -- for the rest of its window): a later refund takes back from the count.
+      local raw = (s.w == start) and s.c or 0
       local rstart = (kind ~= 'm') and (floor_div(reserved, w) * w) or month_bounds(reserved)
-      local nc = c
-      if not (delta < 0 and rstart ~= start) then nc = math.max(0, math.min(limit, c + delta)) end
-      if nc ~= c then s.w, s.c, s.dirty, s.expire = start, nc, true, stop + 1 end
-      before, after = limit - c, limit - nc
+      local nc = raw
+      if not (delta < 0 and rstart ~= start) then nc = math.max(0, math.min(4294967295, raw + delta)) end
+      if nc ~= raw then s.w, s.c, s.dirty, s.expire = start, nc, true, stop + 1 end
+      before, after = math.max(0, limit - raw), math.max(0, limit - nc)
     else
       local fits = (not never) and (c + cost <= limit)
       before = limit - c
