@@ -7,6 +7,10 @@ use sluice_tokens::{ApiStyle, EstimateOptions, Usage};
 
 use crate::Refused;
 
+/// The output an estimate gives a call that names no output budget: past any
+/// it can name, so that the two are told apart.
+const UNNAMED: u32 = u32::MAX;
+
 /// What an LLM call is estimated to spend, before it is forwarded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Reservation {
@@ -16,8 +20,10 @@ pub struct Reservation {
     pub input: u32,
     /// The output budget the request names (`max_tokens` and kin, times `n`),
     /// or `None` when it names none (each budget then reserves its own
-    /// `default_max_output`).
+    /// `default_max_output`, times [`Reservation::choices`]).
     pub output: Option<u32>,
+    /// How many choices the call asks for (`n`, 1 when it names none).
+    pub choices: u32,
     /// The index of the call's model's price in the policy's `prices:`.
     pub price: Option<u16>,
 }
@@ -41,10 +47,17 @@ impl Reservation {
         let price = model
             .and_then(|m| prices.iter().position(|p| p.matches(m)))
             .and_then(|i| u16::try_from(i).ok());
+        let choices = value
+            .get("n")
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|n| u32::try_from(n).ok())
+            .unwrap_or(1)
+            .max(1);
         if !counted {
             return Ok(Reservation {
                 input: 0,
                 output: None,
+                choices,
                 price,
             });
         }
@@ -53,13 +66,16 @@ impl Reservation {
             LlmFormat::Anthropic => ApiStyle::Anthropic,
         };
         let mut opts = EstimateOptions::for_model(model.unwrap_or_default());
-        // Unnamed, the output is each budget's own default: estimated as none here.
-        opts.default_max_tokens = 0;
+        // Unnamed, the output is each budget's own default: the estimate says
+        // so by this default, which no named budget reaches (at most
+        // 10,000,000 times 128 choices), read from the keys of the body's own
+        // shape (a chat's `max_output_tokens` names nothing a chat server reads).
+        opts.default_max_tokens = UNNAMED;
         let estimate = sluice_tokens::estimate(style, path, &value, &opts);
-        let named = sluice_tokens::names_completion_budget(&value) || path.ends_with("/embeddings");
         Ok(Reservation {
             input: estimate.prompt,
-            output: named.then_some(estimate.completion),
+            output: (estimate.completion != UNNAMED).then_some(estimate.completion),
+            choices,
             price,
         })
     }
@@ -68,7 +84,9 @@ impl Reservation {
     /// the output budget (the request's, else the budget's default); a money
     /// budget's, the model's price of them (`prices`: the policy's).
     pub fn units(&self, budget: &TokenBudget, prices: &[Price]) -> u32 {
-        let output = self.output.unwrap_or(budget.default_max_output);
+        let output = self
+            .output
+            .unwrap_or_else(|| budget.default_max_output.saturating_mul(self.choices));
         if budget.priced {
             return price_of(prices, self.price)
                 .map_or(u32::MAX, |p| p.cost(self.input, 0, output));
@@ -233,6 +251,89 @@ fn event_end(buf: &[u8], from: usize) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn budget(default_max_output: u32) -> TokenBudget {
+        TokenBudget {
+            input_milli: 1000,
+            output_milli: 1000,
+            cached_input_milli: 1000,
+            default_max_output,
+            monthly: false,
+            priced: false,
+        }
+    }
+
+    fn reserve(path: &str, body: serde_json::Value) -> Result<Reservation, Refused> {
+        Reservation::of(
+            LlmFormat::OpenAi,
+            path,
+            body.to_string().as_bytes(),
+            (&[], true),
+        )
+    }
+
+    /// SPEC T2: the output a call reserves is the budget its own shape names
+    /// (a chat's `max_completion_tokens` or `max_tokens`, the Responses API's
+    /// `max_output_tokens`), times its choices; a key of another shape names
+    /// nothing (a chat server does not read `max_output_tokens`), so the
+    /// budget's default is reserved, times the choices too.
+    #[test]
+    fn t2_the_output_reserved_is_what_the_shape_names_times_its_choices() {
+        let chat = |extra: serde_json::Value| {
+            let mut body = serde_json::json!({
+                "model": "gpt-4o",
+                "messages": [{ "role": "user", "content": "Say hi." }],
+            });
+            if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+                b.extend(e.clone());
+            }
+            reserve("/v1/chat/completions", body).expect("a chat call")
+        };
+        let b = budget(100);
+        let named = chat(serde_json::json!({ "max_tokens": 50, "n": 2 }));
+        assert_eq!(named.output, Some(100));
+        let other_shape = chat(serde_json::json!({ "max_output_tokens": 0 }));
+        assert_eq!(
+            other_shape.output, None,
+            "a chat names no max_output_tokens"
+        );
+        assert_eq!(other_shape.units(&b, &[]), other_shape.input + 100);
+        let four = chat(serde_json::json!({ "n": 4 }));
+        assert_eq!(
+            four.units(&b, &[]),
+            four.input + 400,
+            "the default, per choice"
+        );
+        for bad in [
+            serde_json::json!(8.0),
+            serde_json::json!("8"),
+            serde_json::json!(0),
+            serde_json::json!(129),
+            serde_json::json!(-1),
+        ] {
+            let mut body = serde_json::json!({
+                "model": "gpt-4o",
+                "messages": [{ "role": "user", "content": "Say hi." }],
+            });
+            body["n"] = bad.clone();
+            assert!(
+                reserve("/v1/chat/completions", body).is_err(),
+                "n = {bad} is refused, never counted as one choice"
+            );
+        }
+        let responses = reserve(
+            "/v1/responses",
+            serde_json::json!({ "model": "gpt-4o", "input": "hi", "max_output_tokens": 30 }),
+        )
+        .expect("a Responses API call");
+        assert_eq!(responses.output, Some(30));
+        let embeddings = reserve(
+            "/v1/embeddings",
+            serde_json::json!({ "model": "text-embedding-3-small", "input": "hi" }),
+        )
+        .expect("an embeddings call");
+        assert_eq!(embeddings.output, Some(0), "no output to reserve");
+    }
 
     #[test]
     fn t3_an_openai_stream_is_asked_for_its_usage_once() {

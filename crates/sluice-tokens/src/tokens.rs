@@ -283,11 +283,19 @@ pub enum BadLlmBody {
     /// `null`).
     #[error("the request has no `messages`, `prompt` or `input`")]
     NoInput,
+    /// `n` (how many choices to generate) is present, not `null`, and not an
+    /// integer from 1 to [`MAX_CHOICES`]: a server that reads `8.0` or `"8"`
+    /// as 8 would generate more than was counted.
+    #[error("the request's `n` is not an integer from 1 to 128")]
+    BadChoices,
 }
+
+/// The most choices (`n`) a request may ask for, as OpenAI's API allows.
+pub const MAX_CHOICES: u64 = 128;
 
 impl BadLlmBody {
     /// A short machine-readable name: `not_json`, `not_an_object`,
-    /// `model_not_a_string`, `bad_max_tokens` or `no_input`.
+    /// `model_not_a_string`, `bad_max_tokens`, `no_input` or `bad_n`.
     pub fn reason(&self) -> &'static str {
         match self {
             BadLlmBody::NotJson => "not_json",
@@ -295,6 +303,7 @@ impl BadLlmBody {
             BadLlmBody::ModelNotAString => "model_not_a_string",
             BadLlmBody::BadMaxTokens { .. } => "bad_max_tokens",
             BadLlmBody::NoInput => "no_input",
+            BadLlmBody::BadChoices => "bad_n",
         }
     }
 }
@@ -348,6 +357,11 @@ pub fn check_body(body: &[u8]) -> Result<Value, BadLlmBody> {
         if !ok {
             return Err(BadLlmBody::BadMaxTokens { field });
         }
+    }
+    if obj.get("n").is_some_and(|n| {
+        !n.is_null() && !n.as_u64().is_some_and(|n| (1..=MAX_CHOICES).contains(&n))
+    }) {
+        return Err(BadLlmBody::BadChoices);
     }
     let has_input = ["messages", "prompt", "input"]
         .iter()
