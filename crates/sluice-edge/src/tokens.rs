@@ -7,6 +7,14 @@ use sluice_tokens::{ApiStyle, EstimateOptions, Usage};
 
 use crate::Refused;
 
+/// Set on an answer sluice made for an upstream that failed once the call was
+/// sent to it (no response head, or none in time): the upstream may have
+/// generated, so an LLM call's reservation stands (SPEC T3 gives it back only
+/// for an error answered before generation, or a call that never reached the
+/// upstream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UpstreamMayHaveRun;
+
 /// The output an estimate gives a call that names no output budget: past any
 /// it can name, so that the two are told apart.
 const UNNAMED: u32 = u32::MAX;

@@ -415,7 +415,7 @@ pub(super) enum Failure {
 /// The answer for an upstream `failure`: 502 `bad_gateway` or, past `timeout`, 504
 /// `gateway_timeout`, as the JSON envelope.
 pub(super) fn upstream_failure(failure: Failure, timeout: Duration) -> Response<ProxyBody> {
-    match failure {
+    let mut answer = match failure {
         Failure::Unreachable => error_response(
             StatusCode::BAD_GATEWAY,
             "bad_gateway",
@@ -434,7 +434,14 @@ pub(super) fn upstream_failure(failure: Failure, timeout: Duration) -> Response<
                 timeout.as_secs_f64()
             ),
         ),
+    };
+    if failure != Failure::Unreachable {
+        // The call reached the upstream: an LLM call's reservation stands.
+        answer
+            .extensions_mut()
+            .insert(sluice_edge::tokens::UpstreamMayHaveRun);
     }
+    answer
 }
 
 /// sluice's JSON error envelope (the one definition, [`sluice_edge::envelope_response`])

@@ -957,3 +957,86 @@ async fn t3_an_llm_call_asks_the_upstream_for_an_answer_it_can_read() {
     })
     .await;
 }
+
+/// One call with a chunked body (the service stack takes it): status and head.
+async fn call_chunked(gateway: SocketAddr, key: &str, body: &str) -> (u16, String) {
+    let mut conn = TcpStream::connect(gateway).await.expect("connect");
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).await.expect("write");
+    let mut got = Vec::new();
+    let _ = conn.read_to_end(&mut got).await;
+    let text = String::from_utf8_lossy(&got).into_owned();
+    let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let head = text
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    (status, head)
+}
+
+/// SPEC T3 when the upstream gives no answer: a call that never reached it
+/// (nothing listens) gives its reservation back; one it took and then dropped
+/// without a response head may have been generated, so its reservation stands,
+/// on the fast path and on the service stack alike (sluice's own 502 is no
+/// error the upstream answered before generating).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t3_an_unreachable_upstream_refunds_one_that_took_the_call_does_not() {
+    bounded(async {
+        let body = chat(Some(50), false);
+        // Nothing listens here.
+        let closed = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let nowhere = closed.local_addr().expect("addr");
+        drop(closed);
+        let (gateway, dir) = start_gateway(nowhere).await;
+        let addr = gateway.addr().expect("gateway addr");
+        let (status, first, _) = call(addr, "/v1/chat/completions", "sk-gone", &body).await;
+        assert_eq!(status, 502);
+        let (status, second, _) = call(addr, "/v1/chat/completions", "sk-gone", &body).await;
+        assert_eq!(status, 502);
+        assert_eq!(
+            remaining(&second),
+            remaining(&first),
+            "the first call's reservation came back"
+        );
+        gateway.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
+
+        // This one reads the call and hangs up without a word.
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let mute = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let _ = one_request::read_request(&mut conn).await;
+                });
+            }
+        });
+        let (gateway, dir) = start_gateway(mute).await;
+        let addr = gateway.addr().expect("gateway addr");
+        let (status, first, _) = call(addr, "/v1/chat/completions", "sk-mute", &body).await;
+        assert_eq!(status, 502);
+        let (status, second, _) = call(addr, "/v1/chat/completions", "sk-mute", &body).await;
+        assert_eq!(status, 502);
+        let reserved = remaining(&first) - remaining(&second);
+        assert!(
+            reserved > 50,
+            "the first call's reservation stands: {reserved}"
+        );
+        let (status, third) = call_chunked(addr, "sk-mute", &body).await;
+        assert_eq!(status, 502, "{third}");
+        let (status, fourth) = call_chunked(addr, "sk-mute", &body).await;
+        assert_eq!(status, 502, "{fourth}");
+        assert_eq!(
+            remaining(&third) - remaining(&fourth),
+            reserved,
+            "on the service stack too"
+        );
+        gateway.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
+    })
+    .await;
+}

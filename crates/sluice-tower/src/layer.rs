@@ -306,13 +306,27 @@ where
                 let timeout = forward.upstream_timeout(std::time::Duration::MAX);
                 parts.extensions.insert(UpstreamTimeout(timeout));
                 let call = inner.call(Request::from_parts(parts, body));
+                // An LLM call that may have reached the upstream and has no
+                // answer to settle at: its reservation stands, counted as
+                // spent (SPEC T3), on the runtime (the service's error need
+                // not be held across an await).
+                let unanswered = |settlement: Option<(Box<sluice_edge::Plan>, _)>| {
+                    if let Some((plan, decision)) = settlement {
+                        let limiter = Arc::clone(&limiter);
+                        tokio::spawn(async move {
+                            limiter.settle_usage(&plan, decision, None, false).await;
+                        });
+                    }
+                };
                 match tokio::time::timeout(timeout, call).await {
                     Ok(Ok(response)) => response,
                     Ok(Err(error)) => {
+                        unanswered(forward.settlement());
                         forward.finish(None);
                         return Err(error);
                     }
                     Err(_) => {
+                        unanswered(forward.settlement());
                         let mut r = upstream_timed_out(timeout);
                         forward.upstream_failed(r.headers_mut());
                         return Ok(r.map(Either::Left));
@@ -323,6 +337,12 @@ where
             };
             // Phase 6: the response head.
             let status = response.status().as_u16();
+            // An answer sluice made for an upstream that failed after the call
+            // reached it is no error answered before generation.
+            let may_have_run = response
+                .extensions()
+                .get::<sluice_edge::tokens::UpstreamMayHaveRun>()
+                .is_some();
             let settlement = forward.settlement();
             forward.response_head(status, response.headers_mut()).await;
             // The body's lease is held until the inner service has answered.
@@ -344,7 +364,7 @@ where
                 .map(str::to_owned);
             let settle: crate::settle::Settle = Box::new(move |usage| {
                 Box::pin(async move {
-                    let failed = status >= 400;
+                    let failed = status >= 400 && !may_have_run;
                     limiter.settle_usage(&plan, decision, usage, failed).await;
                 })
             });

@@ -393,6 +393,13 @@ impl<'f> Connection<'f> {
             Err(failure) => {
                 fast.upstream_seconds[if failure == Failure::Timeout { 2 } else { 1 }]
                     .record(elapsed);
+                if let Some((plan, decision)) = forward.settlement() {
+                    // SPEC T3: a call that never reached the upstream gives its
+                    // reservation back; one that did (no head, or none in
+                    // time) may have been generated: it stands, counted.
+                    let failed = failure == Failure::Unreachable;
+                    Box::pin(current.settle_usage(&plan, decision, None, failed)).await;
+                }
                 let mut answer = upstream_failure(failure, header_timeout);
                 forward.upstream_failed(answer.headers_mut());
                 return self
