@@ -175,11 +175,17 @@ async fn start_gateway(upstream: SocketAddr) -> (Gateway, std::path::PathBuf) {
 
 /// One call: the status, the fields (lowercase) and the body.
 async fn call(gateway: SocketAddr, path: &str, key: &str, body: &str) -> (u16, String, String) {
-    let mut conn = TcpStream::connect(gateway).await.expect("connect");
     let request = format!(
         "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
+    send_raw(gateway, &request).await
+}
+
+/// `request` (whole, asking to close) sent as is: the answer's status, fields
+/// (lowercase) and body.
+async fn send_raw(gateway: SocketAddr, request: &str) -> (u16, String, String) {
+    let mut conn = TcpStream::connect(gateway).await.expect("connect");
     conn.write_all(request.as_bytes()).await.expect("write");
     let mut got = Vec::new();
     let _ = conn.read_to_end(&mut got).await;
@@ -929,18 +935,11 @@ async fn t3_an_llm_call_asks_the_upstream_for_an_answer_it_can_read() {
             ),
         ];
         for request in &requests {
-            let mut conn = TcpStream::connect(addr).await.expect("connect");
-            conn.write_all(request.as_bytes()).await.expect("write");
-            let mut got = Vec::new();
-            let _ = conn.read_to_end(&mut got).await;
-            assert!(got.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&got));
+            let (status, head, _) = send_raw(addr, request).await;
+            assert_eq!(status, 200, "{head}");
         }
         // A plain route keeps what the client accepts.
-        let mut conn = TcpStream::connect(addr).await.expect("connect");
-        conn.write_all(b"GET /other HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-enc\r\naccept-encoding: gzip\r\nconnection: close\r\n\r\n")
-            .await
-            .expect("write");
-        let _ = conn.read_to_end(&mut Vec::new()).await;
+        send_raw(addr, "GET /other HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-enc\r\naccept-encoding: gzip\r\nconnection: close\r\n\r\n").await;
         let heads = heads.lock().expect("heads").clone();
         assert_eq!(heads.len(), 3, "{heads:?}");
         for head in &heads[..2] {
@@ -960,21 +959,11 @@ async fn t3_an_llm_call_asks_the_upstream_for_an_answer_it_can_read() {
 
 /// One call with a chunked body (the service stack takes it): status and head.
 async fn call_chunked(gateway: SocketAddr, key: &str, body: &str) -> (u16, String) {
-    let mut conn = TcpStream::connect(gateway).await.expect("connect");
     let request = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
         body.len()
     );
-    conn.write_all(request.as_bytes()).await.expect("write");
-    let mut got = Vec::new();
-    let _ = conn.read_to_end(&mut got).await;
-    let text = String::from_utf8_lossy(&got).into_owned();
-    let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let head = text
-        .split("\r\n\r\n")
-        .next()
-        .unwrap_or_default()
-        .to_ascii_lowercase();
+    let (status, head, _) = send_raw(gateway, &request).await;
     (status, head)
 }
 
