@@ -59,12 +59,21 @@ store:
 }
 
 async fn limiter(server: &RedisServer, clock: &FakeClock) -> Limiter<RedisStore> {
+    limiter_with(server, clock, policy()).await
+}
+
+/// A limiter of `policy` on `server`, its leases and Redis's script on `clock`.
+async fn limiter_with(
+    server: &RedisServer,
+    clock: &FakeClock,
+    policy: Policy,
+) -> Limiter<RedisStore> {
     let mut config = RedisConfig::new(server.url());
     config.timeout = Duration::from_millis(500);
     let redis = RedisStore::connect_with_clock(config, clock.clone())
         .await
         .expect("connect");
-    Limiter::new(policy(), redis).with_lease_clock(Arc::new(clock.clone()))
+    Limiter::new(policy, redis).with_lease_clock(Arc::new(clock.clone()))
 }
 
 /// One GET through the limiter's phases as `key`: its status (200 when forwarded).
@@ -450,12 +459,7 @@ algorithms:
   ip: { consistency: leased, lease: 10, lease_ms: 1000 }
 ";
     let policy = parse_str(yaml, Path::new("never.yaml")).expect("policy");
-    let mut config = RedisConfig::new(server.url());
-    config.timeout = Duration::from_millis(500);
-    let redis = RedisStore::connect_with_clock(config, clock.clone())
-        .await
-        .expect("connect");
-    let limiter = Limiter::new(policy, redis).with_lease_clock(Arc::new(clock.clone()));
+    let limiter = limiter_with(&server, &clock, policy).await;
     let call = |id: usize| {
         format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"t"}}}}"#)
     };
