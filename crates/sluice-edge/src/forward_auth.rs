@@ -201,6 +201,26 @@ impl<S: BudgetStore> Limiter<S> {
         method: &Method,
         uri: &mut Uri,
     ) -> Response<Full<Bytes>> {
+        // With `identity.counted_credential`, sluice's own proxy strips the kinds
+        // it did not count before forwarding; the proxy asking here forwards the
+        // request as the client sent it, and its upstream could read a credential
+        // sluice never charged (a fresh counted key each call, the real one in
+        // another field): such a request is refused, never decided.
+        let identity = &self.policy().identity;
+        if identity.counted.is_some() && {
+            let fields: Vec<(&[u8], &[u8])> = headers
+                .iter()
+                .map(|(name, value)| (name.as_str().as_bytes(), value.as_bytes()))
+                .collect();
+            identity.sends_several_kinds(fields.iter().copied())
+        } {
+            return crate::envelope_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "the request sends more than one kind of credential; through forward auth the uncounted ones cannot be removed before the upstream reads them: send one",
+                serde_json::json!({ "reason": "ambiguous_credentials" }),
+            );
+        }
         // Phase 1 as every transport runs it, but the head's own checks: the proxy
         // asking has read the original head.
         let route = self

@@ -603,3 +603,38 @@ async fn r2_through_real_nginx_no_spelling_or_principal_header_is_cheaper() {
         .await;
     assert_eq!(limit_left(&headers), expensive(29));
 }
+
+/// E2 and R2 with `identity.counted_credential`: sluice's own proxy removes the
+/// kinds of credential it did not count before the upstream reads them; a proxy
+/// asking the check endpoint forwards the request as sent, so one sending two
+/// kinds (a fresh counted key each call, the real one in `Authorization`) is
+/// refused rather than charged to a caller the upstream never sees.
+#[tokio::test]
+async fn r2_two_kinds_of_credential_are_refused_when_one_is_counted() {
+    let dir = DataDir::new();
+    let path = policy(&dir.0);
+    let yaml = std::fs::read_to_string(&path).expect("policy").edit(
+        "  session_cookie: session\n",
+        "  session_cookie: session\n  counted_credential: x_api_key\n",
+    );
+    std::fs::write(&path, yaml).expect("write policy");
+    let sluice = Sluice::spawn(&["--config", &path, "--check", "127.0.0.1:0"]);
+    let one = forwarded(&sluice, "GET", "/search/fields", "sk-one", "198.51.100.7").await;
+    assert_eq!(one.status, 204, "{}", one.text());
+    let both = send(
+        Request::get(sluice.check_url("/check"))
+            .header("x-forwarded-method", "GET")
+            .header("x-forwarded-uri", "/search/fields")
+            .header("x-forwarded-for", "198.51.100.7")
+            .header("x-api-key", "sk-fresh-1")
+            .header("authorization", "Bearer sk-real")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(both.status, 400, "{}", both.text());
+    assert_eq!(
+        both.json()["error"]["details"]["reason"],
+        "ambiguous_credentials"
+    );
+}
