@@ -6,7 +6,9 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{ACCEPT_ENCODING, ALLOW, CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
+use http::header::{
+    ACCEPT_ENCODING, ALLOW, CONTENT_TYPE, COOKIE, HeaderName, HeaderValue, RETRY_AFTER,
+};
 use http::{HeaderMap, Response, StatusCode};
 use http_body_util::Full;
 use sluice_core::Decision;
@@ -67,11 +69,57 @@ pub fn for_each_upstream_header(
     }
 }
 
+/// The start of every admin login cookie's name (`sluice_admin_<port>`, see
+/// `sluice_door::Door::cookie_name`). A browser sends a host's cookies to all of
+/// its ports, so the cookie set by the admin listener comes along on requests
+/// to the gateway: it is a credential of sluice's own and never goes upstream.
+pub const ADMIN_COOKIE_PREFIX: &[u8] = b"sluice_admin_";
+
+/// True when a `Cookie` field's value may hold an admin login cookie.
+pub fn carries_admin_cookie(value: &[u8]) -> bool {
+    value
+        .windows(ADMIN_COOKIE_PREFIX.len())
+        .any(|w| w == ADMIN_COOKIE_PREFIX)
+}
+
+/// Removes the admin login cookies from the `Cookie` fields of `headers` (the
+/// field too when nothing else is left in it).
+fn strip_admin_cookies(headers: &mut HeaderMap) {
+    if !headers
+        .get_all(COOKIE)
+        .iter()
+        .any(|v| carries_admin_cookie(v.as_bytes()))
+    {
+        return;
+    }
+    let kept: Vec<HeaderValue> = headers
+        .get_all(COOKIE)
+        .iter()
+        .filter_map(|v| {
+            let rest: Vec<&[u8]> = v
+                .as_bytes()
+                .split(|&b| b == b';')
+                .map(<[u8]>::trim_ascii)
+                .filter(|pair| !pair.is_empty() && !pair.starts_with(ADMIN_COOKIE_PREFIX))
+                .collect();
+            (!rest.is_empty())
+                .then(|| HeaderValue::from_bytes(&rest.join(&b"; "[..])).ok())
+                .flatten()
+        })
+        .collect();
+    headers.remove(COOKIE);
+    for v in kept {
+        headers.append(COOKIE, v);
+    }
+}
+
 /// Replaces the client's `X-Sluice-*` headers with sluice's own (see
 /// [`for_each_upstream_header`]), and removes the credentials that were not counted
-/// (see [`sluice_policy::Identity::strip_uncounted`]).
+/// (see [`sluice_policy::Identity::strip_uncounted`]) and the admin login cookies
+/// ([`ADMIN_COOKIE_PREFIX`]).
 pub fn upstream_headers(headers: &mut HeaderMap, plan: &Plan, policy: &Policy) {
     policy.identity.strip_uncounted(headers);
+    strip_admin_cookies(headers);
     let signals: Vec<HeaderName> = headers
         .keys()
         .filter(|n| is_sluice_signal(n.as_str().as_bytes()))

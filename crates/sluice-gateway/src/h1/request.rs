@@ -135,8 +135,12 @@ pub(super) fn parse<'l>(
     let mut client_ids: [Option<&[u8]>; 2] = [None, None];
     for field in fields {
         let name = field.name.as_bytes();
-        // A method-override field is read with the route by the service stack.
-        if is_method_override(name) {
+        // A method-override field is read with the route by the service stack,
+        // and an admin login cookie is taken out of `Cookie` there.
+        if is_method_override(name)
+            || (name.eq_ignore_ascii_case(b"cookie")
+                && sluice_edge::carries_admin_cookie(field.value))
+        {
             return Parsed::Elsewhere;
         }
         // Sent upstream as the id picked, after the decision.
