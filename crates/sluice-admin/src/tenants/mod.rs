@@ -77,7 +77,9 @@ impl<S> std::fmt::Debug for Tenants<S> {
 pub enum ChangeError {
     /// It does not pass the policy's checks: each problem at its key path.
     Invalid(Vec<Problem>),
-    /// It could not be made durable: nothing was changed.
+    /// It could not be confirmed durable: the journal did not take it (nothing
+    /// changed), or the shared store did not answer (it may have taken it, and
+    /// then every replica applies it through the subscription).
     Unavailable(String),
 }
 
@@ -722,7 +724,9 @@ fn answer(result: Result<(), ChangeError>) -> Response {
             Json(serde_json::json!({
                 "error": {
                     "code": "store_unavailable",
-                    "message": format!("the change could not be made durable; nothing was changed: {reason}"),
+                    // A shared store that took the change but whose answer was
+                    // lost has made it: the table says which.
+                    "message": format!("the change could not be confirmed durable and may not have been made; GET /tenants shows the table as it stands: {reason}"),
                 }
             })),
         )
