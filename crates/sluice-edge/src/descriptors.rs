@@ -175,6 +175,24 @@ fn current(rule: &DescriptorRule, limit: u32, unit: Unit) -> CurrentLimit {
     }
 }
 
+/// What counts a descriptor whose `limit` override matches no rule of its
+/// (known) domain: as Envoy's reference service does, the override is the
+/// rule, counted by the descriptor's entries and unit, never in shadow mode.
+/// Its id is empty, as no rule of a policy's is.
+static LIMIT_OVERRIDE: std::sync::LazyLock<DescriptorRule> =
+    std::sync::LazyLock::new(|| DescriptorRule {
+        id: String::new(),
+        name: Some("limit_override".to_owned()),
+        limit: 0,
+        unit: Unit::Second,
+        algorithm: sluice_policy::Algorithm::Fixed,
+        unlimited: false,
+        consistency: sluice_policy::Consistency::Exact,
+        shadow: false,
+        detailed_metric: false,
+        replaces: Vec::new(),
+    });
+
 /// The budget of `rule` matched by `call` (the request's values at each level
 /// name its counter), with `limit` per `unit` and `hits` to spend.
 fn budget(
@@ -302,6 +320,10 @@ fn matched_rules(domain: &Domain, call: &RateLimitCall) -> Vec<(usize, usize)> {
 /// descriptor's values for a rule with `detailed_metric` (at most
 /// [`MAX_LABEL`] bytes of the client's values).
 fn rule_label(rule: &DescriptorRule, descriptor: &DescriptorCall) -> String {
+    if rule.id.is_empty() {
+        // The limit override where no rule matched ([`LIMIT_OVERRIDE`]).
+        return rule.name.clone().unwrap_or_default();
+    }
     if !rule.detailed_metric {
         return rule.id.clone();
     }
@@ -435,8 +457,18 @@ impl<S: BudgetStore> Limiter<S> {
             would_have: Vec::new(),
             too_many: false,
         };
-        for (i, index) in matched_rules(domain, call) {
-            let (Some(rule), Some(d)) = (domain.rules.get(index), call.descriptors.get(i)) else {
+        let matched = matched_rules(domain, call);
+        let overridden = call.descriptors.iter().enumerate().filter(|(i, d)| {
+            d.limit_override.is_some()
+                && !d.entries.is_empty()
+                && !matched.iter().any(|(m, _)| m == i)
+        });
+        let rules = matched
+            .iter()
+            .filter_map(|&(i, index)| Some((i, domain.rules.get(index)?)))
+            .chain(overridden.map(|(i, _)| (i, &*LIMIT_OVERRIDE)));
+        for (i, rule) in rules {
+            let Some(d) = call.descriptors.get(i) else {
                 continue;
             };
             answer.rules[i] = Some(rule_label(rule, d));
@@ -683,6 +715,57 @@ mod tests {
                 })
                 .collect(),
             hits_addend: 0,
+        }
+    }
+
+    /// R1, as Envoy's reference service: a descriptor carrying a `limit`
+    /// override is counted by it in a known domain even when no rule of the
+    /// domain matches its entries (it was answered OK, counting nothing), by
+    /// its entries and unit; an unknown domain still counts nothing.
+    #[tokio::test]
+    async fn r1_a_limit_override_counts_where_no_rule_matches() {
+        let limiter = limiter(API, false);
+        let with_override = |domain: &str| {
+            let mut c = call(&[&[("tenant", "acme")]]);
+            c.domain = domain.to_owned();
+            c.descriptors[0].limit_override = Some((3, Unit::Minute));
+            c
+        };
+        let mut codes = Vec::new();
+        for _ in 0..5 {
+            codes.push(
+                limiter
+                    .should_rate_limit(&with_override("api"))
+                    .await
+                    .overall,
+            );
+        }
+        assert_eq!(
+            codes,
+            [
+                Code::Ok,
+                Code::Ok,
+                Code::Ok,
+                Code::OverLimit,
+                Code::OverLimit
+            ]
+        );
+        let answer = limiter.should_rate_limit(&with_override("api")).await;
+        let limit = answer.statuses[0].current_limit.as_ref().expect("a limit");
+        assert_eq!((limit.requests_per_unit, limit.unit), (3, Unit::Minute));
+        // Another tenant's entries are another counter.
+        let mut other = with_override("api");
+        other.descriptors[0].entries[0].1 = "globex".to_owned();
+        assert_eq!(limiter.should_rate_limit(&other).await.overall, Code::Ok);
+        for _ in 0..5 {
+            assert_eq!(
+                limiter
+                    .should_rate_limit(&with_override("nowhere"))
+                    .await
+                    .overall,
+                Code::Ok,
+                "an unknown domain"
+            );
         }
     }
 
