@@ -226,7 +226,9 @@ pub(crate) fn adjust_cell(
     let before = run.left();
     let new = run.write(run.net.saturating_add(delta), idle, now);
     let changed = RunCell::read(new, now).unwrap_or(run);
-    let write = (stored.is_none() || changed.net != run.net).then_some(new);
+    // Written whenever adjusted, a change of 0 too: an adjustment is the run's
+    // owner acting on it, which keeps it (both its cells) remembered.
+    let write = Some(new);
     let after = changed.left();
     OneCell {
         verdict: Verdict::Admitted,

@@ -571,15 +571,21 @@ impl<S: BudgetStore> crate::Limiter<S> {
                         json!({ "max_granted": max, "turns_left": state.left }),
                     );
                 }
+                // Both cells in one call: the turns taken are remembered as
+                // long as the turns left (a grant keeps the run known).
                 match self
                     .store()
-                    .adjust_from(&left, -i64::from(grant), ANY_TIME, plan.network)
+                    .adjust_all_from(
+                        &[(left, -i64::from(grant)), (taken, 0)],
+                        ANY_TIME,
+                        plan.network,
+                    )
                     .await
                 {
                     Ok(s) => {
                         metrics::counter!("sluice_run_grants_total").increment(1);
                         RunState {
-                            left: s.remaining,
+                            left: s.first().map_or(state.left, |s| s.remaining),
                             ..state
                         }
                     }
@@ -590,7 +596,11 @@ impl<S: BudgetStore> crate::Limiter<S> {
                 if !state.finished
                     && let Err(e) = self
                         .store()
-                        .adjust_from(&left, i64::from(u32::MAX), ANY_TIME, plan.network)
+                        .adjust_all_from(
+                            &[(left, i64::from(u32::MAX)), (taken, 0)],
+                            ANY_TIME,
+                            plan.network,
+                        )
                         .await
                 {
                     return crate::answer::limiter_unavailable(&e);

@@ -557,6 +557,49 @@ async fn t7_an_mcp_tool_call_is_a_turn_and_its_pause_a_jsonrpc_error() {
     assert_eq!(data["run"], "mcp-run");
 }
 
+/// T7: a run's state is one, forgotten only after a whole idle bound with
+/// nothing done to it. A run paused at its last turn and granted more turns 59
+/// s later is remembered whole 59 s after the grant (turns used and left), on
+/// the memory store and on Redis alike: the turns it took were forgotten at 60
+/// s, so it read as no run (404) and its next turn as a new run's first.
+async fn a_grant_keeps_the_whole_run<S: BudgetStore>(limiter: &Limiter<S>, clock: &FakeClock) {
+    let (taken, _) = until_paused(limiter, "ada", "kept", Some("quick")).await;
+    assert_eq!(taken, 3);
+    clock.advance(Duration::from_secs(59));
+    let (status, state) =
+        endpoint(limiter, "ada", "kept", Some("continue"), r#"{"turns":2}"#).await;
+    assert_eq!(status, 200, "{state}");
+    clock.advance(Duration::from_secs(59));
+    let (status, state) = endpoint(limiter, "ada", "kept", None, "").await;
+    assert_eq!(status, 200, "{state}");
+    assert_eq!(
+        (state["turns_used"].as_u64(), state["turns_left"].as_u64()),
+        (Some(3), Some(2)),
+        "{state}"
+    );
+    assert_eq!(turn(limiter, "ada", "kept", None).await.0, 200);
+    assert_eq!(turn(limiter, "ada", "kept", None).await.0, 200);
+    assert_eq!(
+        turn(limiter, "ada", "kept", None).await.0,
+        409,
+        "3 + 2 taken"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t7_a_grant_keeps_the_whole_run_remembered() {
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    a_grant_keeps_the_whole_run(&memory(&clock), &clock).await;
+    let server = redis_server::RedisServer::start("t7-kept");
+    let clock = FakeClock::new(Timestamp::from_secs(T0 + 60));
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_secs(2);
+    let store = RedisStore::connect_with_clock(config, clock.clone())
+        .await
+        .expect("connect");
+    a_grant_keeps_the_whole_run(&Limiter::new(policy(1_000_000), store), &clock).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn t7_two_replicas_on_one_redis_count_one_run_exactly() {
     let server = redis_server::RedisServer::start("t7");

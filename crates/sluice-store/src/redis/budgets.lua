@@ -344,7 +344,8 @@ for i = 0, n - 1 do
     before = math.max(0, turns - net)
     if mode == 'adjust' then
       local nn = math.max(-50000, math.min(turns + 1, net + delta))
-      if (not known) or nn ~= net then keep(nn) end
+      -- Kept whenever adjusted, by 0 too: the owner acting on a run keeps it.
+      keep(nn)
       after = math.max(0, turns - nn)
     else
       local finished = net > turns
