@@ -38,10 +38,12 @@ pub(crate) fn substitute(
             out.push('$');
             rest = tail;
         } else if let Some(body) = after.strip_prefix('{') {
+            // Neither message quotes the value: a placeholder typed around a
+            // key (`${sk-…}`) would show the key in the error, `/status` and logs.
             let Some(end) = body.find('}') else {
-                return Err(EnvProblem::Malformed(format!(
-                    "`${{` without a closing `}}` in {value:?}"
-                )));
+                return Err(EnvProblem::Malformed(
+                    "`${` without a closing `}`".to_owned(),
+                ));
             };
             let inner = &body[..end];
             let (name, fallback) = match inner.split_once(":-") {
@@ -52,9 +54,10 @@ pub(crate) fn substitute(
                 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
                 && !name.starts_with(|c: char| c.is_ascii_digit());
             if !valid {
-                return Err(EnvProblem::Malformed(format!(
-                    "`${{{inner}}}` is not a variable name (letters, digits, `_`)"
-                )));
+                return Err(EnvProblem::Malformed(
+                    "`${…}` does not hold a variable name (letters, digits, `_`, not starting with a digit)"
+                        .to_owned(),
+                ));
             }
             match (lookup(name).filter(|v| !v.is_empty()), fallback) {
                 (Some(v), _) => out.push_str(&v),
@@ -113,5 +116,25 @@ mod tests {
                 .message()
                 .contains("OPENAI_API_KEY")
         );
+    }
+
+    /// C1, and no leaked key: a key typed inside `${…}` (or with its `}`
+    /// missing) is refused without the error, `/status` or a log line quoting it.
+    #[test]
+    fn a_malformed_placeholder_never_quotes_the_value() {
+        for value in [
+            "${sk-proj-SECRET123}",
+            "${sk-proj-SECRET123",
+            "Bearer ${sk-SECRET123}",
+        ] {
+            let Err(problem) = substitute(value, &env) else {
+                panic!("{value} is malformed");
+            };
+            assert!(
+                !problem.message().contains("SECRET123"),
+                "{}",
+                problem.message()
+            );
+        }
     }
 }
