@@ -247,14 +247,16 @@ impl Backoff {
     /// used up or the provider's hint is longer than [`RetryPolicy::cap`].
     /// A hint is honoured as given; otherwise the wait is drawn uniformly
     /// from `[0, min(cap, base · 2^(n−1))]` (full jitter) and raised to at
-    /// least [`MIN_BACKOFF`].
+    /// least [`MIN_BACKOFF`]. A hint of no wait at all (`Retry-After: 0`, or
+    /// a date this clock has passed) is no hint: every attempt would go at
+    /// once, a burst at a provider that has just refused.
     pub fn next_delay(&mut self, hint: Option<Duration>) -> Option<Duration> {
         if self.attempts >= self.policy.max_attempts {
             return None;
         }
         let n = self.attempts;
         self.attempts += 1;
-        if let Some(h) = hint {
+        if let Some(h) = hint.filter(|h| !h.is_zero()) {
             return (h <= self.policy.cap).then_some(h);
         }
         let ceiling = self
@@ -523,6 +525,12 @@ mod tests {
                 );
             }
             assert_eq!(b.next_delay(None), None, "bounded attempts");
+            // `Retry-After: 0` (or a date passed): backed off, never at once.
+            let mut b = Backoff::with_seed(policy, seed);
+            for _ in 1..8u32 {
+                let d = b.next_delay(Some(Duration::ZERO)).unwrap();
+                assert!(d >= MIN_BACKOFF, "{d:?}");
+            }
         }
         let mut b = Backoff::with_seed(policy, 1);
         assert_eq!(
