@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use serde_json::json;
 use sluice_client::config::ApiStyle;
-use sluice_client::config::{ConfigWatcher, LimitsSource, StaticLimits, overrides_path};
+use sluice_client::config::{
+    ConfigWatcher, LimitsSource, ProviderLimits, StaticLimits, overrides_path,
+};
 use sluice_client::shrink::{Demand, PacedRequest};
 use sluice_client::tokens::EstimateOptions;
 use sluice_client::tokens::TokenEstimate;
@@ -472,6 +474,54 @@ async fn c1_hot_reload_takes_effect_on_the_next_request() {
         reopened.current().provider("p").unwrap().limits,
         limits(7, 8, 9)
     );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// C1: edits made at once from the settings page (two axes of one provider
+/// sent apart, and another provider) are made one after the other, none
+/// undoing another's: each reads the limits in force when it is made.
+#[test]
+fn c1_settings_edits_made_at_once_all_hold() {
+    let dir = temp_dir("edits");
+    let file = dir.join("pace.yaml");
+    std::fs::write(
+        &file,
+        "providers:\n  p:\n    baseUrl: http://127.0.0.1:9/v1\n    rateLimits: { tpm: 1000, rpm: 10, rpd: 0 }\n  q:\n    baseUrl: http://127.0.0.1:9/v1\n    rateLimits: { tpm: 1000, rpm: 10, rpd: 0 }\n",
+    )
+    .unwrap();
+    let watcher = Arc::new(ConfigWatcher::open(&file).unwrap());
+    const EDITS: u32 = 30;
+    let editors: Vec<_> = (0..3)
+        .map(|which| {
+            let watcher = Arc::clone(&watcher);
+            std::thread::spawn(move || {
+                for i in 1..=EDITS {
+                    let (provider, edit): (&str, Box<dyn Fn(ProviderLimits) -> ProviderLimits>) =
+                        match which {
+                            0 => ("p", Box::new(move |c| limits(2000 + i, c.rpm, c.rpd))),
+                            1 => ("p", Box::new(move |c| limits(c.tpm, 20 + i, c.rpd))),
+                            _ => ("q", Box::new(move |c| limits(c.tpm, c.rpm, 300 + i))),
+                        };
+                    watcher.edit_limits(provider, &*edit).unwrap();
+                }
+            })
+        })
+        .collect();
+    for e in editors {
+        e.join().unwrap();
+    }
+    let reopened = ConfigWatcher::open(&file).unwrap();
+    for source in [watcher.current(), reopened.current()] {
+        assert_eq!(
+            source.provider("p").unwrap().limits,
+            limits(2000 + EDITS, 20 + EDITS, 0),
+            "both axes of p"
+        );
+        assert_eq!(
+            source.provider("q").unwrap().limits,
+            limits(1000, 10, 300 + EDITS)
+        );
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -41,6 +41,29 @@ pub trait LimitsSource: Send + Sync + 'static {
             ),
         })
     }
+
+    /// Edits `provider`'s limits with `edit` (given those in force) and
+    /// persists the result as [`LimitsSource::save_limits`] does, returning
+    /// it. A source that persists reads, edits and writes as one, so that
+    /// edits made at once (two settings pages, or two axes of one provider
+    /// sent apart) never undo one another.
+    ///
+    /// # Errors
+    /// As [`LimitsSource::save_limits`].
+    fn edit_limits(
+        &self,
+        provider: &str,
+        edit: &dyn Fn(ProviderLimits) -> ProviderLimits,
+    ) -> Result<ProviderLimits, ConfigError> {
+        let current = self
+            .current()
+            .provider(provider)
+            .map(|p| p.limits)
+            .unwrap_or_default();
+        let limits = edit(current);
+        self.save_limits(provider, limits)?;
+        Ok(limits)
+    }
 }
 
 /// A config that never changes, or changes only through
@@ -109,6 +132,9 @@ pub struct ConfigWatcher {
     overrides: PathBuf,
     current: ArcSwap<PaceConfig>,
     state: Mutex<WatchState>,
+    /// Held across a save's read, write and load: saves made at once are
+    /// made one after the other, none undoing another's edit.
+    saving: Mutex<()>,
 }
 
 #[derive(Debug)]
@@ -137,6 +163,7 @@ impl ConfigWatcher {
                 last_error: None,
                 reloads: 0,
             }),
+            saving: Mutex::new(()),
         })
     }
 
@@ -185,6 +212,28 @@ impl LimitsSource for ConfigWatcher {
     }
 
     fn save_limits(&self, provider: &str, limits: ProviderLimits) -> Result<(), ConfigError> {
+        let _saving = self.saving.lock();
+        self.save_holding(provider, limits)
+    }
+
+    fn edit_limits(
+        &self,
+        provider: &str,
+        edit: &dyn Fn(ProviderLimits) -> ProviderLimits,
+    ) -> Result<ProviderLimits, ConfigError> {
+        let _saving = self.saving.lock();
+        let Some(current) = self.current().provider(provider).map(|p| p.limits) else {
+            return Err(unknown_provider(provider, &self.path));
+        };
+        let limits = edit(current);
+        self.save_holding(provider, limits)?;
+        Ok(limits)
+    }
+}
+
+impl ConfigWatcher {
+    /// [`LimitsSource::save_limits`], with `saving` held.
+    fn save_holding(&self, provider: &str, limits: ProviderLimits) -> Result<(), ConfigError> {
         let config = self.current();
         if config.provider(provider).is_none() {
             return Err(unknown_provider(provider, &self.path));

@@ -84,13 +84,17 @@ async fn save<S: BudgetStore + 'static, C: Clock + 'static>(
     let Some(current) = config.provider(&provider).map(|p| p.limits) else {
         return not_found(&provider);
     };
-    let axis = |name: &str, old: u32| -> Result<u32, String> {
+    // Each axis the body names (the others stay as they are when the edit is
+    // made, not as they were when this request came: two edits at once both
+    // hold).
+    let axis = |name: &str| -> Result<Option<u32>, String> {
         match v.get(name) {
-            None => Ok(old),
+            None => Ok(None),
             Some(x) => x
                 .as_u64()
                 .or_else(|| x.as_str().and_then(|s| s.trim().parse().ok()))
                 .and_then(|n| u32::try_from(n).ok())
+                .map(Some)
                 .ok_or_else(|| {
                     format!(
                         "{name}: expected a whole number from 0 (unlimited) to {}",
@@ -99,27 +103,39 @@ async fn save<S: BudgetStore + 'static, C: Clock + 'static>(
                 }),
         }
     };
-    let limits = match (|| {
-        Ok::<_, String>(
-            ProviderLimits::new(
-                axis("tpm", current.tpm)?,
-                axis("rpm", current.rpm)?,
-                axis("rpd", current.rpd)?,
-            )
-            .with_io(axis("itpm", current.itpm)?, axis("otpm", current.otpm)?)
-            .with_tpd(axis("tpd", current.tpd)?),
-        )
+    let named = match (|| {
+        Ok::<_, String>([
+            axis("tpm")?,
+            axis("rpm")?,
+            axis("rpd")?,
+            axis("itpm")?,
+            axis("otpm")?,
+            axis("tpd")?,
+        ])
     })() {
-        Ok(l) => l,
+        Ok(n) => n,
         Err(m) => return bad_request(m),
     };
-    if let Err(e) = app.pacer.source().save_limits(&provider, limits) {
-        return envelope(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            &serde_json::json!({"error": {"code": "not_saved", "message": e.to_string(), "details": {}}}),
-            None,
-        );
-    }
+    let [tpm, rpm, rpd, itpm, otpm, tpd] = named;
+    let edit = |c: ProviderLimits| {
+        ProviderLimits::new(
+            tpm.unwrap_or(c.tpm),
+            rpm.unwrap_or(c.rpm),
+            rpd.unwrap_or(c.rpd),
+        )
+        .with_io(itpm.unwrap_or(c.itpm), otpm.unwrap_or(c.otpm))
+        .with_tpd(tpd.unwrap_or(c.tpd))
+    };
+    let limits = match app.pacer.source().edit_limits(&provider, &edit) {
+        Ok(limits) => limits,
+        Err(e) => {
+            return envelope(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &serde_json::json!({"error": {"code": "not_saved", "message": e.to_string(), "details": {}}}),
+                None,
+            );
+        }
+    };
     let show = |l: ProviderLimits| {
         format!(
             "tpm={} rpm={} rpd={} itpm={} otpm={} tpd={}",
