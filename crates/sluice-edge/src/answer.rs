@@ -85,31 +85,12 @@ pub fn carries_admin_cookie(value: &[u8]) -> bool {
 /// Removes the admin login cookies from the `Cookie` fields of `headers` (the
 /// field too when nothing else is left in it).
 fn strip_admin_cookies(headers: &mut HeaderMap) {
-    if !headers
+    if headers
         .get_all(COOKIE)
         .iter()
         .any(|v| carries_admin_cookie(v.as_bytes()))
     {
-        return;
-    }
-    let kept: Vec<HeaderValue> = headers
-        .get_all(COOKIE)
-        .iter()
-        .filter_map(|v| {
-            let rest: Vec<&[u8]> = v
-                .as_bytes()
-                .split(|&b| b == b';')
-                .map(<[u8]>::trim_ascii)
-                .filter(|pair| !pair.is_empty() && !pair.starts_with(ADMIN_COOKIE_PREFIX))
-                .collect();
-            (!rest.is_empty())
-                .then(|| HeaderValue::from_bytes(&rest.join(&b"; "[..])).ok())
-                .flatten()
-        })
-        .collect();
-    headers.remove(COOKIE);
-    for v in kept {
-        headers.append(COOKIE, v);
+        sluice_policy::retain_cookies(headers, |pair| !pair.starts_with(ADMIN_COOKIE_PREFIX));
     }
 }
 

@@ -683,30 +683,9 @@ impl Identity {
                 CredentialSource::Bearer => {
                     headers.remove(AUTHORIZATION);
                 }
-                CredentialSource::SessionCookie => {
-                    let kept: Vec<HeaderValue> = headers
-                        .get_all(COOKIE)
-                        .iter()
-                        .filter_map(|v| {
-                            let rest: Vec<&[u8]> = v
-                                .as_bytes()
-                                .split(|&b| b == b';')
-                                .filter(|pair| {
-                                    !cookie::read(pair, &self.session_cookie).is_session()
-                                })
-                                .map(<[u8]>::trim_ascii)
-                                .filter(|pair| !pair.is_empty())
-                                .collect();
-                            (!rest.is_empty())
-                                .then(|| HeaderValue::from_bytes(&rest.join(&b"; "[..])).ok())
-                                .flatten()
-                        })
-                        .collect();
-                    headers.remove(COOKIE);
-                    for v in kept {
-                        headers.append(COOKIE, v);
-                    }
-                }
+                CredentialSource::SessionCookie => retain_cookies(headers, |pair| {
+                    !cookie::read(pair, &self.session_cookie).is_session()
+                }),
             }
         }
     }
@@ -809,6 +788,32 @@ impl Identity {
             }
         };
         field.map(Cow::Borrowed)
+    }
+}
+
+/// Keeps in the `Cookie` fields of `headers` only the `name=value` pairs that
+/// `keep` takes (each given trimmed of the spaces around it), and drops a
+/// field left with none: what a request forwarded upstream carries of its
+/// cookies when some are sluice's to remove.
+pub fn retain_cookies(headers: &mut HeaderMap, keep: impl Fn(&[u8]) -> bool) {
+    let kept: Vec<HeaderValue> = headers
+        .get_all(COOKIE)
+        .iter()
+        .filter_map(|v| {
+            let rest: Vec<&[u8]> = v
+                .as_bytes()
+                .split(|&b| b == b';')
+                .map(<[u8]>::trim_ascii)
+                .filter(|pair| !pair.is_empty() && keep(pair))
+                .collect();
+            (!rest.is_empty())
+                .then(|| HeaderValue::from_bytes(&rest.join(&b"; "[..])).ok())
+                .flatten()
+        })
+        .collect();
+    headers.remove(COOKIE);
+    for v in kept {
+        headers.append(COOKIE, v);
     }
 }
 

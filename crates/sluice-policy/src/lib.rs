@@ -44,7 +44,7 @@ pub use default::DEFAULT_POLICY_YAML;
 pub use default::default_policy;
 pub use identity::{
     AmbiguousCredentials, Caller, CallerKind, ClientIp, Label, NETWORK_PREFIX_V4,
-    NETWORK_PREFIX_V6, Who, workspace_digest,
+    NETWORK_PREFIX_V6, Who, retain_cookies, workspace_digest,
 };
 pub use jsonrpc::{Items, Unclassifiable, check_content_encoding, depth_exceeds};
 pub use model::{Alert, MAX_ALERT_THRESHOLDS, MAX_ALERTS};
