@@ -142,6 +142,22 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Middleware for PacerMiddlewar
                 .await
                 .map_err(reqwest_middleware::Error::middleware)?;
             let resp = next.run(req, extensions).await;
+            if let Ok(r) = &resp {
+                // Not sent again, but what its answer says holds for the
+                // calls after it: the provider's books (SPEC C6), and a 429's
+                // wait for everyone on the key (C5), at least a second.
+                let _ = permit.observe(r.headers()).await;
+                if r.status() == http::StatusCode::TOO_MANY_REQUESTS {
+                    let hint = match crate::backoff::classify(r.status(), r.headers(), None) {
+                        crate::backoff::Retryable::Yes { hint } => hint,
+                        crate::backoff::Retryable::No => None,
+                    };
+                    let wait = hint
+                        .filter(|h| !h.is_zero())
+                        .unwrap_or(crate::backoff::MIN_BACKOFF);
+                    self.pacer.hold(&provider, wait);
+                }
+            }
             drop(permit);
             return resp;
         }

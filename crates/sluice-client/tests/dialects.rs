@@ -397,3 +397,56 @@ async fn c5_the_proxy_hands_back_gemini_s_429_with_its_delay_in_headers() {
     stop.send(()).unwrap();
     serving.await.unwrap().unwrap();
 }
+
+/// C5 and C6 for a request whose body is a stream (it cannot be read nor sent
+/// twice, so it is paced as a request and never retried): its 429 still holds
+/// the key for the `Retry-After` it names, so the next request waits for it
+/// rather than being refused too.
+#[tokio::test(start_paused = true)]
+async fn c5_a_streamed_request_s_429_holds_the_calls_after_it() {
+    let clock = TokioClock::at(sluice_client::TEST_EPOCH);
+    let (url, seen) = fake_provider(
+        clock,
+        vec![(429, vec![("retry-after", "3".into())], "{}".into())],
+    )
+    .await;
+    let config = parse_str(
+        &format!("providers:\n  openai:\n    apiKey: sk-o\n    baseUrl: {url}/v1\n"),
+        Path::new("pace.yaml"),
+    )
+    .unwrap();
+    let openai = config.provider("openai").unwrap().clone();
+    let (pacer, _) = pacer_with([openai]);
+    let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(PacerMiddleware::new(pacer.clone(), "openai"))
+        .build();
+    let body = chat("gpt-4o").to_string();
+    let stream =
+        futures_util::stream::once(
+            async move { Ok::<_, std::io::Error>(bytes::Bytes::from(body)) },
+        );
+    let refused = client
+        .post(format!("{url}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 429, "a streamed body is not sent again");
+    let next = client
+        .post(format!("{url}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(chat("gpt-4o").to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(next.status(), 200);
+    next.bytes().await.unwrap();
+    let seen = seen.lock().clone();
+    assert_eq!(seen.len(), 2);
+    let gap = seen[1].0.saturating_since(seen[0].0);
+    assert!(
+        gap >= Duration::from_secs(3),
+        "the next request waited {gap:?}, the 429 asked 3 s"
+    );
+}
