@@ -82,7 +82,17 @@ impl Reservation {
         let estimate = sluice_tokens::estimate(style, path, &value, &opts);
         Ok(Reservation {
             input: estimate.prompt,
-            output: (estimate.completion != UNNAMED).then_some(estimate.completion),
+            output: match estimate.completion {
+                UNNAMED => None,
+                // No output for an `input` the shape does not cap (an
+                // embedding's): only the embeddings path is taken at its word.
+                0 if !path.ends_with("/embeddings")
+                    && !sluice_tokens::names_completion_budget(&value) =>
+                {
+                    None
+                }
+                named => Some(named),
+            },
             choices,
             price,
         })
@@ -341,6 +351,15 @@ mod tests {
         )
         .expect("an embeddings call");
         assert_eq!(embeddings.output, Some(0), "no output to reserve");
+        let stray = reserve(
+            "/v1/chat/completions",
+            serde_json::json!({ "model": "gpt-4o", "input": "hi" }),
+        )
+        .expect("an input on the chat path");
+        assert_eq!(
+            stray.output, None,
+            "not taken for an embedding: the default"
+        );
     }
 
     #[test]
