@@ -14,7 +14,8 @@
 //! that needs either cannot be decided here ([`Gap`]): it is refused, never
 //! decided as something cheaper.
 //!
-//! Answers: 204 with `X-RateLimit-*` when admitted; the refusal sluice's proxy
+//! Answers: 204 with `X-RateLimit-*`, `X-Sluice-Workspace` and `X-Sluice-User`
+//! (for the proxy to set on the request it forwards) when admitted; the refusal sluice's proxy
 //! would give (429 with `Retry-After`, a 400, a 503) otherwise. nginx's
 //! `auth_request` turns any status but 2xx, 401 and 403 into a 500 for its
 //! client, so every refusal of a request named by `X-Original-URI` is 403,
@@ -254,6 +255,21 @@ impl<S: BudgetStore> Limiter<S> {
                     admitted.decision(),
                     admitted.plan(),
                     self.policy(),
+                );
+                // Who sluice counted, for the proxy to set on the request it
+                // forwards in place of any the client sent (SPEC: identity to
+                // the upstream); the documented configurations copy them.
+                let headers = answer.headers_mut();
+                crate::answer::for_each_upstream_header(
+                    admitted.plan(),
+                    self.policy(),
+                    |name, value| {
+                        if crate::answer::is_sluice_signal(name.as_str().as_bytes())
+                            && let Ok(value) = HeaderValue::from_bytes(value)
+                        {
+                            headers.insert(name.clone(), value);
+                        }
+                    },
                 );
                 answer
             }

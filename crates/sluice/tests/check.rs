@@ -290,10 +290,14 @@ impl Proxy {
 }}
 http:// {{
     bind unix/{socket}
-    forward_auth {check} {{
-        uri /check
+    route {{
+        request_header -X-Sluice-*
+        forward_auth {check} {{
+            uri /check
+            copy_headers X-Sluice-Workspace X-Sluice-User
+        }}
+        reverse_proxy {upstream}
     }}
-    reverse_proxy {upstream}
 }}
 ",
             socket = socket.display()
@@ -637,4 +641,100 @@ async fn r2_two_kinds_of_credential_are_refused_when_one_is_counted() {
         both.json()["error"]["details"]["reason"],
         "ambiguous_credentials"
     );
+}
+
+/// An upstream that answers every request with the head it received (so a test sees
+/// what the proxy forwarded). Bound to port 0; it lives as long as the test's runtime.
+async fn echo_upstream() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the echo upstream");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 65_536 {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    head.len()
+                );
+                let _ = stream.write_all(answer.as_bytes()).await;
+                let _ = stream.write_all(&head).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// The values of field `name` in the head an [`echo_upstream`] answered with.
+fn forwarded_field(echoed: &str, name: &str) -> Vec<String> {
+    echoed
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .filter(|(k, _)| k.trim().eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.trim().to_owned())
+        .collect()
+}
+
+/// Identity to the upstream (SPEC, the contract with the upstream; R2): through the
+/// documented nginx and Caddy configurations the API is told `X-Sluice-Workspace` and
+/// `X-Sluice-User` as sluice counted the caller, and never a client's own
+/// `X-Sluice-*` (one naming another workspace, or a weighted budget passed on).
+#[tokio::test]
+async fn r2_the_upstream_is_told_who_sluice_counted_never_the_client_s_claim() {
+    let dir = DataDir::new();
+    let sluice = spawn(&dir);
+    let check = sluice.start.check.expect("check listener");
+    let upstream = echo_upstream().await;
+    let forged = |key: &'static str| {
+        [
+            ("X-Api-Key", key),
+            ("X-Real-IP", "192.0.2.30"),
+            ("X-Sluice-Workspace", "victim"),
+            ("X-Sluice-User", "victim"),
+            ("X-Sluice-Exhausted", "standard; retry-after=1"),
+        ]
+    };
+    let nginx_dir = dir.0.join("nginx");
+    let caddy_dir = dir.0.join("caddy");
+    std::fs::create_dir_all(&nginx_dir).expect("nginx dir");
+    std::fs::create_dir_all(&caddy_dir).expect("caddy dir");
+    let nginx = Proxy::nginx(&nginx_dir, check, &upstream);
+    let caddy = Proxy::caddy(&caddy_dir, check, &upstream);
+    for (proxy, name) in [(&nginx, "nginx"), (&caddy, "caddy")] {
+        let mut told = Vec::new();
+        for key in ["sk-who-1", "sk-who-1", "sk-who-2"] {
+            let (status, _, echoed) = proxy
+                .request_with("GET", "/search/fields", &forged(key))
+                .await;
+            assert_eq!(status, 200, "{name}: {echoed}");
+            let workspace = forwarded_field(&echoed, "x-sluice-workspace");
+            let user = forwarded_field(&echoed, "x-sluice-user");
+            assert_eq!(workspace.len(), 1, "{name}: one workspace: {echoed}");
+            assert_eq!(user.len(), 1, "{name}: one user: {echoed}");
+            assert_ne!(
+                workspace[0], "victim",
+                "{name}: the client's claim went upstream"
+            );
+            assert_ne!(
+                user[0], "victim",
+                "{name}: the client's claim went upstream"
+            );
+            assert!(!workspace[0].is_empty(), "{name}: {echoed}");
+            assert!(
+                forwarded_field(&echoed, "x-sluice-exhausted").is_empty(),
+                "{name}: a client's X-Sluice-Exhausted went upstream: {echoed}"
+            );
+            told.push(workspace[0].clone());
+        }
+        assert_eq!(told[0], told[1], "{name}: one caller, one workspace");
+        assert_ne!(told[0], told[2], "{name}: two callers, two workspaces");
+    }
 }
