@@ -24,7 +24,7 @@ use sluice_policy::{
     CustomerPlan, DEPTH_HEADER, LlmFormat, Policy, RUN_HEADER, Route, RouteClass, RunEndpoint,
     is_run_id,
 };
-use sluice_store::BudgetStore;
+use sluice_store::{BudgetStore, StoreError};
 
 use crate::plan::{BudgetKind, Plan};
 
@@ -370,14 +370,21 @@ impl<S: BudgetStore> crate::Limiter<S> {
     /// (`turns.runs_per_caller` per `turns.idle_seconds`), in one more store
     /// call: the first turn of a run alone pays it, whichever replica decides
     /// it. A caller with no start left has the call given back — every budget
-    /// it spent — and refused by `run_starts` (`Err`: the decision that says
-    /// so, the budget added to `plan`). A store that cannot count the start
-    /// leaves the call admitted (counted in `sluice_settle_failures_total`).
+    /// it spent — and refused by `run_starts` (the decision that says so, the
+    /// budget added to `plan`).
+    ///
+    /// A store that cannot count the start follows the plan's outage rule, as
+    /// the call's own decision does: where every budget fails open the start is
+    /// counted on the fallback store with this replica's share; otherwise the
+    /// call is given back and the error returned (503, never admitted uncounted).
+    ///
+    /// # Errors
+    /// The store's, when it cannot count the start and the plan fails closed.
     pub(crate) async fn start_run(
         &self,
         plan: &mut Plan,
         decision: Box<Decision>,
-    ) -> Result<Box<Decision>, Box<Decision>> {
+    ) -> Result<Box<Decision>, StoreError> {
         let Some(run) = &plan.run else {
             return Ok(decision);
         };
@@ -390,14 +397,21 @@ impl<S: BudgetStore> crate::Limiter<S> {
             return Ok(decision);
         }
         let starts = run_starts(self.policy(), plan.caller, 1);
-        let status = match self.store().decide_from(&[starts], plan.network).await {
+        let counted = match self.store().decide_from(&[starts], plan.network).await {
+            Err(error) if self.fails_open(plan) => {
+                metrics::counter!("sluice_settle_failures_total").increment(1);
+                self.decide_locally(plan, &[starts]).map_err(|_| error)
+            }
+            counted => counted,
+        };
+        let status = match counted {
             Ok(d) => match d.statuses().first() {
                 Some(s) => *s,
                 None => return Ok(decision),
             },
-            Err(_) => {
-                metrics::counter!("sluice_settle_failures_total").increment(1);
-                return Ok(decision);
+            Err(error) => {
+                self.give_back(plan, decision.decided_at()).await;
+                return Err(error);
             }
         };
         if status.verdict == Verdict::Admitted || shadow {
@@ -405,6 +419,21 @@ impl<S: BudgetStore> crate::Limiter<S> {
         }
         // Given back whole: nothing of a refused call stays spent.
         let decided_at = decision.decided_at();
+        self.give_back(plan, decided_at).await;
+        plan.push(
+            starts,
+            BudgetKind::RunStarts,
+            self.policy().turns.idle,
+            false,
+        );
+        let statuses = decision.statuses().iter().copied().chain([status]);
+        Ok(Decision::boxed_from_statuses(decided_at, statuses))
+    }
+
+    /// Gives back every budget the admitted call of `plan` spent at
+    /// `decided_at` (a store that cannot take it back is counted in
+    /// `sluice_settle_failures_total`).
+    async fn give_back(&self, plan: &Plan, decided_at: sluice_core::Timestamp) {
         let spent: Vec<(Budget, i64)> = plan
             .budgets
             .iter()
@@ -424,14 +453,6 @@ impl<S: BudgetStore> crate::Limiter<S> {
         {
             metrics::counter!("sluice_settle_failures_total").increment(1);
         }
-        plan.push(
-            starts,
-            BudgetKind::RunStarts,
-            self.policy().turns.idle,
-            false,
-        );
-        let statuses = decision.statuses().iter().copied().chain([status]);
-        Err(Decision::boxed_from_statuses(decided_at, statuses))
     }
 
     /// Keeps where the run of `plan` stands after `decision` (admitted, or

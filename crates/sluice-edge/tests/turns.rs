@@ -735,3 +735,109 @@ async fn t7_with_mcp_session_an_mcp_sessions_tool_calls_are_one_run() {
         "{state}"
     );
 }
+
+/// A memory store whose decisions of one budget alone (a run start: the call's own
+/// decision holds its class, tokens and run cells) fail while `down` is set.
+struct StartsDown {
+    store: MemoryStore<FakeClock>,
+    down: std::sync::atomic::AtomicBool,
+}
+
+impl StartsDown {
+    fn unavailable(&self, budgets: &[sluice_core::Budget]) -> bool {
+        budgets.len() == 1 && self.down.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl BudgetStore for StartsDown {
+    async fn decide(
+        &self,
+        budgets: &[sluice_core::Budget],
+    ) -> Result<sluice_core::Decision, sluice_store::StoreError> {
+        if self.unavailable(budgets) {
+            return Err(sluice_store::StoreError::Unavailable("down".into()));
+        }
+        self.store.decide(budgets).await
+    }
+    async fn peek(
+        &self,
+        budgets: &[sluice_core::Budget],
+    ) -> Result<sluice_core::Decision, sluice_store::StoreError> {
+        self.store.peek(budgets).await
+    }
+    async fn adjust(
+        &self,
+        budget: &sluice_core::Budget,
+        delta: i64,
+        reserved_at: Timestamp,
+    ) -> Result<sluice_core::BudgetStatus, sluice_store::StoreError> {
+        self.store.adjust(budget, delta, reserved_at).await
+    }
+}
+
+/// A run start the store cannot count follows the call's outage rule: where the
+/// call's budgets fail open it is counted on the fallback store (a caller's starts
+/// stay bounded), where they fail closed the call is given back whole and refused
+/// 503 — never admitted uncounted.
+#[tokio::test]
+async fn t7_a_run_start_the_store_cannot_count_follows_the_outage_rule() {
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let starts_down = |policy| {
+        let store = StartsDown {
+            store: MemoryStore::with_clock(MemoryConfig::default(), clock.clone()),
+            down: true.into(),
+        };
+        // The fallback store reads the real clock.
+        Limiter::new(policy, store).with_fallback(MemoryStore::new(MemoryConfig::default()))
+    };
+    // Fail open (the default): 50 starts counted on the fallback store, the 51st
+    // refused by run_starts. Its window (`idle_seconds`, 60 s) is on the real
+    // clock: a caller whose starts straddled a window's end is tried again anew.
+    let open = starts_down(policy(1_000_000));
+    let window = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() / 60)
+    };
+    let mut seen = false;
+    for caller in ["ada", "bea", "cy"] {
+        let began = window();
+        for i in 0..50 {
+            let (status, body) = turn(&open, caller, &format!("run-{i}"), None).await;
+            assert_eq!(status, 200, "run {i}: {body}");
+        }
+        let (status, body) = turn(&open, caller, "run-50", None).await;
+        if window() != began {
+            continue;
+        }
+        assert_eq!(status, 429, "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("run_starts")),
+            "{body}"
+        );
+        seen = true;
+        break;
+    }
+    assert!(seen, "three callers' starts each straddled a minute's end");
+    // Fail closed: 503, and the turn it took is given back (the run is new again
+    // once the store counts starts).
+    let closed = starts_down(policy_with(
+        1_000_000,
+        "store:\n  outage: { llm: fail_closed }",
+    ));
+    let (status, body) = turn(&closed, "ada", "r", None).await;
+    assert_eq!(status, 503, "{body}");
+    closed
+        .store()
+        .down
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(turn(&closed, "ada", "r", None).await.0, 200);
+    let (status, state) = endpoint(&closed, "ada", "r", None, "").await;
+    assert_eq!(status, 200, "{state}");
+    assert_eq!(
+        state["turns_used"], 1,
+        "the refused call's turn was given back: {state}"
+    );
+}

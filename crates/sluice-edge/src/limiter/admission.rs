@@ -126,9 +126,7 @@ impl<S: BudgetStore> Limiter<S> {
         // back and refused (counted as the refusal it is).
         let decision = match decision {
             Ok(admitted) if admitted.is_admitted() && plan.run.is_some() => {
-                match self.start_run(plan, admitted).await {
-                    Ok(d) | Err(d) => Ok(d),
-                }
+                self.start_run(plan, admitted).await
             }
             other => other,
         };

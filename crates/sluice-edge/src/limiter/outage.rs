@@ -40,7 +40,7 @@ impl<S: BudgetStore> Limiter<S> {
     /// monthly quota and no money or monthly token budget (SPEC T4: counted
     /// durably and exactly, like quotas; decided on one replica alone, and its
     /// settlement lost with the store, it would not be one).
-    pub(super) fn fails_open(&self, plan: &Plan) -> bool {
+    pub(crate) fn fails_open(&self, plan: &Plan) -> bool {
         !plan.holds_capped_quota(&self.policy)
             && plan.kinds.iter().all(|k| match k {
                 BudgetKind::Class(c) => self.policy.outage(*c) == Outage::FailOpen,
@@ -57,7 +57,7 @@ impl<S: BudgetStore> Limiter<S> {
     /// Decides `budgets` (the plan's, or those of a decision made again: a passed or
     /// shadowed budget spending nothing) on the fallback store with this replica's
     /// share of each limit.
-    pub(super) fn decide_locally(
+    pub(crate) fn decide_locally(
         &self,
         plan: &Plan,
         budgets: &[sluice_core::Budget],
