@@ -71,6 +71,13 @@ pub enum TenantChange {
     RemoveWorkspace {
         /// Its name.
         name: String,
+        /// The credentials (lower-case hex SHA-256) the removal revokes, as
+        /// [`TenantTable::resolved`] names them when it is made: a change kept
+        /// (a journal, replicas' messages) revokes these and no other, whatever
+        /// the policy file names later. `None` (as the admin API asks it):
+        /// every credential of the workspace now.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        revoked: Option<Vec<String>>,
     },
     /// Creates or replaces a credential.
     PutKey {
@@ -87,42 +94,63 @@ pub enum TenantChange {
 }
 
 impl TenantTable {
-    /// The table with `change` made. Removing a workspace revokes every credential
-    /// of it that `base` (the policy file's, and this table's) knows.
-    pub fn with(&self, change: &TenantChange, base: &Policy) -> TenantTable {
-        let mut next = self.clone();
+    /// `change` as it is made over this table and `base` (the policy file's): a
+    /// workspace removal names the credentials it revokes — each credential whose
+    /// workspace is `name` now, the table's entry over the file's — so that the
+    /// change, kept and made again later, revokes those and no other.
+    pub fn resolved(&self, change: &TenantChange, base: &Policy) -> TenantChange {
         match change {
-            TenantChange::PutWorkspace { name, workspace } => {
-                next.workspaces
-                    .insert(name.clone(), Some(workspace.clone()));
-            }
-            TenantChange::RemoveWorkspace { name } => {
-                // A workspace of the file's is kept removed by a mark; one the admin
-                // API made is simply gone (marks never pile up past the file's).
-                if base.tenants.by_name.contains_key(name) {
-                    next.workspaces.insert(name.clone(), None);
-                } else {
-                    next.workspaces.remove(name);
-                }
+            TenantChange::RemoveWorkspace {
+                name,
+                revoked: None,
+            } => {
+                let of_it =
+                    |k: &Option<TenantKey>| k.as_ref().is_some_and(|k| k.workspace == *name);
                 let file_keys = base
                     .identity
                     .keys
                     .iter()
                     .filter(|(_, p)| p.workspace == *name)
-                    .map(|(sha, _)| hex::encode(sha));
+                    .map(|(sha, _)| hex::encode(sha))
+                    .filter(|sha| self.keys.get(sha).is_none_or(of_it));
                 let own_keys = self
                     .keys
                     .iter()
-                    .filter(|(_, k)| k.as_ref().is_some_and(|k| k.workspace == *name))
+                    .filter(|(_, k)| of_it(k))
                     .map(|(sha, _)| sha.clone());
-                let revoked: Vec<String> = file_keys.chain(own_keys).collect();
-                for sha in revoked {
-                    next.keys.insert(sha, None);
+                let mut revoked: Vec<String> = file_keys.chain(own_keys).collect();
+                revoked.sort_unstable();
+                revoked.dedup();
+                TenantChange::RemoveWorkspace {
+                    name: name.clone(),
+                    revoked: Some(revoked),
+                }
+            }
+            other => other.clone(),
+        }
+    }
+
+    /// The table with `change` made (as [`TenantTable::resolved`] makes it).
+    pub fn with(&self, change: &TenantChange, base: &Policy) -> TenantTable {
+        let mut next = self.clone();
+        match self.resolved(change, base) {
+            TenantChange::PutWorkspace { name, workspace } => {
+                next.workspaces.insert(name, Some(workspace));
+            }
+            TenantChange::RemoveWorkspace { name, revoked } => {
+                // A workspace of the file's is kept removed by a mark; one the admin
+                // API made is simply gone (marks never pile up past the file's).
+                if base.tenants.by_name.contains_key(&name) {
+                    next.workspaces.insert(name, None);
+                } else {
+                    next.workspaces.remove(&name);
+                }
+                for sha in revoked.unwrap_or_default() {
+                    next.keys.insert(sha.to_ascii_lowercase(), None);
                 }
             }
             TenantChange::PutKey { sha256, key } => {
-                next.keys
-                    .insert(sha256.to_ascii_lowercase(), Some(key.clone()));
+                next.keys.insert(sha256.to_ascii_lowercase(), Some(key));
             }
             TenantChange::RevokeKey { sha256 } => {
                 next.keys.insert(sha256.to_ascii_lowercase(), None);
@@ -133,8 +161,9 @@ impl TenantTable {
 }
 
 impl TenantTable {
-    /// The entries of `self` (the table after `change`) that `change` set: applied
-    /// over the policy running before it, they make the policy after it.
+    /// The entries of `self` (the table after `change`, a change as
+    /// [`TenantTable::resolved`] makes it) that `change` set: applied over the
+    /// policy running before it, they make the policy after it.
     pub fn touched_by(&self, change: &TenantChange) -> TenantTable {
         let mut touched = TenantTable::default();
         // A workspace the table no longer holds is touched as removed.
@@ -144,14 +173,14 @@ impl TenantTable {
         };
         match change {
             TenantChange::PutWorkspace { name, .. } => workspace(name),
-            TenantChange::RemoveWorkspace { name } => {
+            TenantChange::RemoveWorkspace { name, revoked } => {
                 workspace(name);
                 // The credentials the removal revoked.
-                touched.keys = self
-                    .keys
+                touched.keys = revoked
                     .iter()
-                    .filter(|(_, k)| k.is_none())
-                    .map(|(sha, k)| (sha.clone(), k.clone()))
+                    .flatten()
+                    .map(|sha| sha.to_ascii_lowercase())
+                    .filter_map(|sha| self.keys.get(&sha).map(|k| (sha, k.clone())))
                     .collect();
             }
             TenantChange::PutKey { sha256, .. } | TenantChange::RevokeKey { sha256 } => {

@@ -83,6 +83,7 @@ fn p4_a_revoked_credential_is_known_as_revoked_and_a_new_one_is_known() {
     let removed = TenantTable::default().with(
         &TenantChange::RemoveWorkspace {
             name: "acme".to_owned(),
+            revoked: None,
         },
         &base,
     );
@@ -93,7 +94,13 @@ fn p4_a_revoked_credential_is_known_as_revoked_and_a_new_one_is_known() {
     for i in 0..100 {
         let name = format!("temp{i}");
         churn = churn.with(&put(&name, Some("pro"), RawPlan::default()), &base);
-        churn = churn.with(&TenantChange::RemoveWorkspace { name }, &base);
+        churn = churn.with(
+            &TenantChange::RemoveWorkspace {
+                name,
+                revoked: None,
+            },
+            &base,
+        );
     }
     assert!(
         churn.workspaces.is_empty() && churn.keys.is_empty(),
@@ -173,6 +180,7 @@ fn p4_a_change_applied_alone_over_the_running_policy_is_the_whole_table_over_the
         put("acme", Some("pro"), limits),
         TenantChange::RemoveWorkspace {
             name: "globex".to_owned(),
+            revoked: None,
         },
     ];
     let mut table = TenantTable::default();
@@ -194,4 +202,102 @@ fn p4_a_change_applied_alone_over_the_running_policy_is_the_whole_table_over_the
         assert_eq!(running.identity.keys, whole.identity.keys);
         assert_eq!(running.identity.revoked, whole.identity.revoked);
     }
+}
+
+/// A workspace removal names the credentials it revokes when it is made (each whose
+/// workspace it is then, the table's entry over the file's): made again over a
+/// policy file that gave the workspace a credential since (a journal read at
+/// start, a replica with a newer file), it revokes those and no other; a file
+/// credential the table moved to another workspace is not revoked with it.
+#[test]
+fn p4_a_kept_removal_revokes_what_it_revoked_when_made() {
+    let base = policy();
+    const KEY_B: &str = "3e23e8160039594a33894f6564e1b1348bbd7a0088d42c4acb73eeaed59c009d";
+    const KEY_C: &str = "2e7d2c03a9507ae265ecf5b5356885a53393a2029d241394997265a1a25aefc6";
+    // The file's acme key moved to globex; a key of the table's own for acme.
+    let table = TenantTable::default()
+        .with(
+            &TenantChange::PutKey {
+                sha256: KEY_A.to_owned(),
+                key: TenantKey {
+                    workspace: "globex".to_owned(),
+                    user: "ada".to_owned(),
+                },
+            },
+            &base,
+        )
+        .with(
+            &TenantChange::PutKey {
+                sha256: KEY_B.to_owned(),
+                key: TenantKey {
+                    workspace: "acme".to_owned(),
+                    user: "bo".to_owned(),
+                },
+            },
+            &base,
+        );
+    let asked = TenantChange::RemoveWorkspace {
+        name: "acme".to_owned(),
+        revoked: None,
+    };
+    let made = table.resolved(&asked, &base);
+    assert_eq!(
+        made,
+        TenantChange::RemoveWorkspace {
+            name: "acme".to_owned(),
+            revoked: Some(vec![KEY_B.to_owned()]),
+        }
+    );
+    let after = table.with(&made, &base);
+    assert_eq!(
+        after.keys.get(KEY_A),
+        Some(&Some(TenantKey {
+            workspace: "globex".to_owned(),
+            user: "ada".to_owned(),
+        })),
+        "moved away before the removal: not revoked"
+    );
+    assert_eq!(after.keys.get(KEY_B), Some(&None));
+    // The file later gives acme a new credential: the kept removal, made again over
+    // it, leaves it valid.
+    let newer = parse_str(
+        &format!(
+            "profile: p
+profiles:
+  p:
+    classes: {{ search: 60, generate: 10 }}
+default_class: search
+plans:
+  pro:
+    classes: {{ generate: 50 }}
+identity:
+  keys:
+    - {{ sha256: {KEY_A}, workspace: acme, user: ada }}
+    - {{ sha256: {KEY_C}, workspace: acme, user: cy }}
+"
+        ),
+        Path::new("tenants.yaml"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let replayed = table.with(&made, &newer);
+    assert_eq!(
+        replayed, after,
+        "the same table, whatever the file says now"
+    );
+    let p = newer.with_tenants(&replayed).expect("valid");
+    let mut c = [0u8; 32];
+    hex::decode_to_slice(KEY_C, &mut c).expect("hex");
+    assert!(p.identity.keys.contains_key(&c) && !p.identity.revoked.contains(&c));
+    // Written and read back, the change is the one made.
+    let json = serde_json::to_string(&made).expect("json");
+    assert_eq!(
+        serde_json::from_str::<TenantChange>(&json).expect("read"),
+        made
+    );
+    // As the admin API asks it (no list), it reads as before.
+    let asked_json = r#"{"op":"remove_workspace","name":"acme"}"#;
+    assert_eq!(
+        serde_json::from_str::<TenantChange>(asked_json).expect("read"),
+        asked
+    );
 }

@@ -706,3 +706,39 @@ async fn until_restored(a: &Sluice, b: &Sluice, count: u64) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A workspace removal, read back from the journal at a restart, revokes the
+/// credentials it revoked when it was made and no other: a credential the policy
+/// file gave the workspace since is valid after the restart as it was before it.
+#[tokio::test]
+async fn p4_a_removal_made_again_at_restart_revokes_no_credential_given_since() {
+    let policy = policy("removal.yaml");
+    let data = DataDir::new();
+    let sluice = Sluice::spawn(&["--config", &policy, "--data-dir", data.arg()]);
+    let removed = admin(&sluice, "DELETE", "/tenants/workspaces/initech", None).await;
+    assert_eq!(removed.status, 204, "{}", removed.text());
+    assert_eq!(
+        chat(&sluice, "sk-file").await.status,
+        403,
+        "revoked with its workspace"
+    );
+    // The operator gives initech a new credential in the file.
+    let yaml = std::fs::read_to_string(&policy).expect("policy");
+    let file_key = support::sha256_hex("sk-file");
+    let yaml = yaml.edit(
+        &format!("    - {{ sha256: {file_key}, workspace: initech, user: cy }}"),
+        &format!(
+            "    - {{ sha256: {file_key}, workspace: initech, user: cy }}\n    - {{ sha256: {}, workspace: initech, user: dee }}",
+            support::sha256_hex("sk-file-new")
+        ),
+    );
+    std::fs::write(&policy, yaml).expect("write policy");
+    sluice.terminate();
+    drop(sluice);
+    let sluice = Sluice::spawn(&["--config", &policy, "--data-dir", data.arg()]);
+    assert_eq!(chat(&sluice, "sk-file").await.status, 403, "still revoked");
+    let new = chat(&sluice, "sk-file-new").await;
+    assert_eq!(new.status, 200, "the file's new credential: {}", new.text());
+    let listed = get(&sluice.admin_url("/tenants")).await.json();
+    assert_eq!(listed["revoked"], serde_json::json!([file_key]), "{listed}");
+}

@@ -260,7 +260,11 @@ fn snapshot(table: &TenantTable) -> impl Iterator<Item = TenantChange> + '_ {
             name: name.clone(),
             workspace: w.clone(),
         },
-        None => TenantChange::RemoveWorkspace { name: name.clone() },
+        // The keys it revoked are stated below, each as it is now.
+        None => TenantChange::RemoveWorkspace {
+            name: name.clone(),
+            revoked: Some(Vec::new()),
+        },
     });
     let keys = table.keys.iter().map(|(sha, k)| match k {
         Some(k) => TenantChange::PutKey {

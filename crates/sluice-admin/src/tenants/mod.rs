@@ -209,9 +209,12 @@ impl<S: BudgetStore + 'static> Tenants<S> {
     pub async fn change(&self, change: TenantChange, who: &str) -> Result<(), ChangeError> {
         let _one = self.changing.lock().await;
         let mut resets = 0;
-        let (before_table, next, policy) = loop {
+        let (before_table, next, policy, change) = loop {
             let base = Arc::clone(&self.base.lock());
             let before_table = self.table.lock().clone();
+            // Kept and told to the other replicas as made here: a removal names
+            // the credentials it revokes.
+            let change = before_table.resolved(&change, &base);
             let next = before_table.with(&change, &base);
             let policy = self
                 .after(&base, &next, &change)
@@ -248,7 +251,7 @@ impl<S: BudgetStore + 'static> Tenants<S> {
                     }
                 }
             }
-            break (before_table, next, policy);
+            break (before_table, next, policy, change);
         };
         let (what, before, after) = describe(&change, &before_table, &next);
         self.install(next, policy);
@@ -384,6 +387,7 @@ impl<S: BudgetStore + 'static> Tenants<S> {
         };
         let _one = self.changing.lock().await;
         let base = Arc::clone(&self.base.lock());
+        let change = self.table.lock().resolved(&change, &base);
         let next = self.table.lock().with(&change, &base);
         // This replica's own change, come back: applied already.
         if *self.table.lock() == next {
@@ -534,7 +538,7 @@ fn describe(
     after: &TenantTable,
 ) -> (String, String, String) {
     match change {
-        TenantChange::PutWorkspace { name, .. } | TenantChange::RemoveWorkspace { name } => (
+        TenantChange::PutWorkspace { name, .. } | TenantChange::RemoveWorkspace { name, .. } => (
             format!(
                 "{} workspace {name}",
                 if matches!(change, TenantChange::PutWorkspace { .. }) {
@@ -652,7 +656,13 @@ async fn remove_workspace<S: BudgetStore + 'static>(
 ) -> Response {
     answer(
         tenants
-            .change(TenantChange::RemoveWorkspace { name }, &who(entrant))
+            .change(
+                TenantChange::RemoveWorkspace {
+                    name,
+                    revoked: None,
+                },
+                &who(entrant),
+            )
             .await,
     )
 }

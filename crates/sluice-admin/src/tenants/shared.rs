@@ -520,15 +520,14 @@ fn entries(change: &TenantChange, table: &TenantTable) -> Vec<(&'static str, Str
     };
     match change {
         TenantChange::PutWorkspace { name, .. } => vec![workspace(name)],
-        TenantChange::RemoveWorkspace { name } => {
+        TenantChange::RemoveWorkspace { name, revoked } => {
             let mut all = vec![workspace(name)];
-            // The credentials the removal revoked.
+            // The credentials the removal revoked (the change is resolved).
             all.extend(
-                table
-                    .keys
+                revoked
                     .iter()
-                    .filter(|(_, k)| k.is_none())
-                    .map(|(sha, _)| key(sha)),
+                    .flatten()
+                    .map(|sha| key(&sha.to_ascii_lowercase())),
             );
             all
         }
