@@ -318,6 +318,49 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// [`Policy::with_tenants`] leaving out each entry of `table` that has a
+    /// problem (named by its key path: `workspaces.<name>…`, `keys.<sha256>…`),
+    /// for a replica following a table that replicas with another policy file
+    /// made: the policy with every entry that fits, and the problems of those
+    /// left out (empty when all fit).
+    ///
+    /// # Errors
+    /// The problems no entry names (more credentials or workspaces than the
+    /// bounds): nothing of the table is taken then.
+    pub fn with_fitting_tenants(
+        &self,
+        table: &TenantTable,
+    ) -> Result<(Policy, Vec<Problem>), Vec<Problem>> {
+        let mut fitting = table.clone();
+        let mut left_out = Vec::new();
+        loop {
+            let problems = match self.with_tenants(&fitting) {
+                Ok(policy) => return Ok((policy, left_out)),
+                Err(problems) => problems,
+            };
+            let names = |prefix: &str, path: &str, key: &str| {
+                path.strip_prefix(prefix)
+                    .and_then(|rest| rest.strip_prefix(key))
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+            };
+            let before = fitting.workspaces.len() + fitting.keys.len();
+            for problem in &problems {
+                fitting
+                    .workspaces
+                    .retain(|name, _| !names("workspaces.", &problem.path, name));
+                fitting
+                    .keys
+                    .retain(|sha, _| !names("keys.", &problem.path, sha));
+            }
+            if fitting.workspaces.len() + fitting.keys.len() == before {
+                return Err(problems);
+            }
+            left_out.extend(problems);
+        }
+    }
+}
+
 /// The plan of a workspace with limits of its own: its plan's (`named`) with its
 /// own over them, checked as a plan of the file is (problems at
 /// `workspaces.<name>.limits…`).

@@ -742,3 +742,60 @@ async fn p4_a_removal_made_again_at_restart_revokes_no_credential_given_since() 
     let listed = get(&sluice.admin_url("/tenants")).await.json();
     assert_eq!(listed["revoked"], serde_json::json!([file_key]), "{listed}");
 }
+
+/// Replicas whose policy files differ (one names a plan the other lacks): a
+/// change the second cannot take is left out there — listed by its `GET
+/// /tenants`, not applied — and the changes after it still reach it, a
+/// revocation first of all (it stalled on the change before, every later one
+/// with it).
+#[tokio::test]
+async fn p4_d2_a_change_one_replica_cannot_take_never_holds_back_the_next() {
+    let redis = RedisServer::start("tenants-unfit");
+    let plain = policy("unfit-plain.yaml");
+    let richer = policy("unfit-richer.yaml");
+    let yaml = std::fs::read_to_string(&richer).expect("policy").edit(
+        "  pro:\n    classes: { expensive: 4 }\n",
+        "  pro:\n    classes: { expensive: 4 }\n  enterprise:\n    classes: { expensive: 9 }\n",
+    );
+    std::fs::write(&richer, yaml).expect("write policy");
+    let a = Sluice::spawn(&["--config", &richer, "--store", &redis.url()]);
+    let b = Sluice::spawn(&["--config", &plain, "--store", &redis.url()]);
+    let enterprise = admin(
+        &a,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"enterprise"}"#),
+    )
+    .await;
+    assert_eq!(enterprise.status, 204, "{}", enterprise.text());
+    assert_eq!(acme_expensive(&a).await, 9);
+    let revoke = admin(
+        &a,
+        "DELETE",
+        &format!("/tenants/keys/{}", support::sha256_hex("sk-file")),
+        None,
+    )
+    .await;
+    assert_eq!(revoke.status, 204, "{}", revoke.text());
+    let took = until_all(&[&a, &b], Probe::FileKeyChat, 403.into()).await;
+    eprintln!(
+        "p4: the revocation reached the replica that could not take the change before it in {took:?}"
+    );
+    let listed = get(&b.admin_url("/tenants")).await.json();
+    let not_applied = listed["not_applied"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        not_applied.len() == 1
+            && not_applied[0]
+                .as_str()
+                .is_some_and(|p| p.starts_with("workspaces.acme.plan")),
+        "{listed}"
+    );
+    assert!(listed["workspaces"].get("acme").is_none(), "{listed}");
+    assert_eq!(
+        get(&a.admin_url("/tenants")).await.json()["not_applied"],
+        serde_json::json!([])
+    );
+}

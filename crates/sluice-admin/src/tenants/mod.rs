@@ -64,7 +64,15 @@ pub struct Tenants<S> {
     stamp: Mutex<shared::Stamp>,
     /// One change at a time on this process.
     changing: tokio::sync::Mutex<()>,
+    /// The problems of the shared table's entries this replica's policy file
+    /// cannot take (left out, the rest applied), for `GET /tenants`.
+    not_applied: Mutex<Vec<String>>,
+    /// What [`Tenants::over`] left out of a file read again, kept once it runs.
+    pending_not_applied: Mutex<Option<Vec<Problem>>>,
 }
+
+/// The most problems `GET /tenants` lists of entries left out.
+const MAX_NOT_APPLIED: usize = 32;
 
 impl<S> std::fmt::Debug for Tenants<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -172,6 +180,8 @@ impl<S: BudgetStore + 'static> Tenants<S> {
             backend,
             stamp: Mutex::new(shared::Stamp::default()),
             changing: tokio::sync::Mutex::new(()),
+            not_applied: Mutex::new(Vec::new()),
+            pending_not_applied: Mutex::new(None),
         }
     }
 
@@ -181,24 +191,57 @@ impl<S: BudgetStore + 'static> Tenants<S> {
         self.changing.lock().await
     }
 
-    /// `base` (a policy file read again) with the table over it.
+    /// `base` (a policy file read again) with the table over it. A shared
+    /// table's entries the new file cannot take are left out, as another
+    /// replica's change is ([`Tenants::apply_fitting`]): the file is taken, and
+    /// [`Tenants::rebase`] lists them.
     ///
     /// # Errors
-    /// The table no longer passes the new file's checks (a plan it names is gone,
-    /// say): the file is refused, and the running policy stays.
+    /// The journal's table no longer passes the new file's checks (a plan it
+    /// names is gone, say), or a shared one past the bounds: the file is
+    /// refused, and the running policy stays.
     pub fn over(&self, base: &Policy) -> Result<Policy, String> {
         let table = self.table.lock().clone();
-        base.with_tenants(&table).map_err(|p| {
+        let refused = |p: Vec<Problem>| {
             format!(
                 "the tenants set through the admin API do not fit this policy: {}",
                 problems_text(&p)
             )
-        })
+        };
+        match self.backend {
+            Backend::Journal(_) => base.with_tenants(&table).map_err(refused),
+            Backend::Shared(_) => {
+                let (policy, left_out) = base.with_fitting_tenants(&table).map_err(refused)?;
+                *self.pending_not_applied.lock() = Some(left_out);
+                Ok(policy)
+            }
+        }
+    }
+
+    /// Keeps `left_out`, the problems of the shared table's entries left out,
+    /// for `GET /tenants` and the gauge, with an error line naming them.
+    fn keep_not_applied(&self, left_out: &[Problem]) {
+        if !left_out.is_empty() {
+            tracing::error!(
+                target: "sluice::tenants",
+                "entries of the shared tenant table do not fit this replica's policy and are left out (the rest applied): {}",
+                problems_text(left_out)
+            );
+        }
+        metrics::gauge!("sluice_tenant_entries_not_applied").set(left_out.len() as f64);
+        *self.not_applied.lock() = left_out
+            .iter()
+            .take(MAX_NOT_APPLIED)
+            .map(|p| format!("{}: {}", p.path, p.message))
+            .collect();
     }
 
     /// Makes `base` (a policy file now running) the one changes are made over.
     pub fn rebase(&self, base: Policy) {
         *self.base.lock() = Arc::new(base);
+        if let Some(left_out) = self.pending_not_applied.lock().take() {
+            self.keep_not_applied(&left_out);
+        }
     }
 
     /// Makes `change`: checked, made durable, applied, logged as one audit line
@@ -285,10 +328,30 @@ impl<S: BudgetStore + 'static> Tenants<S> {
         running.with_tenants(&next.touched_by(change))
     }
 
-    /// Applies `table` (read at start, or from another replica).
+    /// Applies `table` (read at start, or from another replica). A shared table
+    /// is applied with the entries this replica's policy file cannot take left
+    /// out ([`Tenants::apply_fitting`]); a journal's is this process's own and is
+    /// taken whole or not at all.
     fn apply(&self, table: TenantTable) -> Result<(), Vec<Problem>> {
         let base = Arc::clone(&self.base.lock());
-        let policy = base.with_tenants(&table)?;
+        match self.backend {
+            Backend::Journal(_) => {
+                let policy = base.with_tenants(&table)?;
+                self.install(table, policy);
+                Ok(())
+            }
+            Backend::Shared(_) => self.apply_fitting(&base, table),
+        }
+    }
+
+    /// Applies the shared `table` over `base` with each entry that does not fit
+    /// left out: replicas whose policy files differ (a plan one lacks) keep
+    /// following the table — later changes, revocations first, still reach
+    /// them. What was left out is logged as an error, counted in
+    /// `sluice_tenant_entries_not_applied` and listed by `GET /tenants`.
+    fn apply_fitting(&self, base: &Policy, table: TenantTable) -> Result<(), Vec<Problem>> {
+        let (policy, left_out) = base.with_fitting_tenants(&table)?;
+        self.keep_not_applied(&left_out);
         self.install(table, policy);
         Ok(())
     }
@@ -394,11 +457,17 @@ impl<S: BudgetStore + 'static> Tenants<S> {
             self.stamp.lock().version = version;
             return Ok(());
         }
-        match self.after(&base, &next, &change) {
-            Ok(policy) => {
+        let applied = match self.after(&base, &next, &change) {
+            Ok(policy) if self.not_applied.lock().is_empty() => {
                 self.install(next, policy);
-                self.stamp.lock().version = version;
+                Ok(())
             }
+            // Made over another policy file (or entries left out before): the
+            // whole table again, each entry that fits.
+            _ => self.apply_fitting(&base, next),
+        };
+        match applied {
+            Ok(()) => self.stamp.lock().version = version,
             Err(problems) => tracing::error!(
                 target: "sluice::tenants",
                 "a tenant change from another replica does not fit this policy: {}",
@@ -518,6 +587,7 @@ impl<S: BudgetStore + 'static> Tenants<S> {
             "workspaces": workspaces,
             "keys": keys.into_iter().collect::<serde_json::Map<_, _>>(),
             "revoked": revoked,
+            "not_applied": *self.not_applied.lock(),
         })
     }
 }
