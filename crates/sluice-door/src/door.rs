@@ -10,7 +10,15 @@ use parking_lot::Mutex;
 
 use crate::host::HostRule;
 use crate::origin::{ForeignOrigin, json_or_empty, same_origin};
+use crate::session::Sessions;
 use crate::token::{AdminToken, Attempts};
+
+/// The wall clock in Unix seconds (a session's issue and expiry).
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
 
 /// Where the login page sends the token (`POST`, `{"token": "…"}`).
 pub const LOGIN_PATH: &str = "/login";
@@ -144,6 +152,7 @@ pub struct Door {
     token: Option<AdminToken>,
     open_paths: Vec<String>,
     cookie_name: String,
+    sessions: Option<Sessions>,
     attempts: Mutex<Attempts>,
 }
 
@@ -157,6 +166,7 @@ impl Door {
     pub fn new(listener: SocketAddr, config: DoorConfig) -> Self {
         Door {
             rule: HostRule::new(listener, &config.hosts),
+            sessions: config.token.as_ref().map(AdminToken::sessions),
             token: config.token,
             open_paths: config.open_paths,
             cookie_name: format!("sluice_admin_{}", listener.port()),
@@ -175,22 +185,44 @@ impl Door {
         &self.cookie_name
     }
 
-    /// `Set-Cookie` of a successful login.
+    /// `Set-Cookie` of a successful login: a new session, for
+    /// [`SESSION_SECONDS`](crate::SESSION_SECONDS).
     pub fn login_cookie(&self) -> Option<String> {
-        let token = self.token.as_ref()?;
+        let sessions = self.sessions.as_ref()?;
         Some(format!(
-            "{}={}; HttpOnly; SameSite=Strict; Path=/",
+            "{}={}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}",
             self.cookie_name,
-            token.cookie_value()
+            sessions.issue(unix_now()),
+            crate::SESSION_SECONDS
         ))
     }
 
-    /// `Set-Cookie` that clears the login cookie.
-    pub fn logout_cookie(&self) -> String {
+    /// Ends the sessions whose cookies `headers` carry (a logout: the cookie is
+    /// refused from then on, wherever a copy of it is), and returns the
+    /// `Set-Cookie` that clears it in the browser.
+    pub fn logout(&self, headers: &HeaderMap) -> String {
+        if let Some(sessions) = &self.sessions {
+            let now = unix_now();
+            self.each_cookie(headers, |value| sessions.end(value, now));
+        }
         format!(
             "{}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0",
             self.cookie_name
         )
+    }
+
+    /// Calls `f` with the value of each login cookie `headers` carry.
+    fn each_cookie(&self, headers: &HeaderMap, mut f: impl FnMut(&str)) {
+        for value in headers.get_all(COOKIE) {
+            let text = value.to_str().unwrap_or("");
+            for pair in text.split(';') {
+                if let Some((name, value)) = pair.trim().split_once('=')
+                    && name == self.cookie_name
+                {
+                    f(value);
+                }
+            }
+        }
     }
 
     /// Checks a request's head: its `Host` (`authority`, from the URI or the `Host`
@@ -269,7 +301,7 @@ impl Door {
     }
 
     fn presented(&self, headers: &HeaderMap) -> Presented {
-        let Some(token) = &self.token else {
+        let (Some(token), Some(sessions)) = (&self.token, &self.sessions) else {
             return Presented::Valid;
         };
         let mut seen = Presented::None;
@@ -284,22 +316,16 @@ impl Door {
             }
             seen = Presented::Wrong;
         }
-        for value in headers.get_all(COOKIE) {
-            let text = value.to_str().unwrap_or("");
-            for pair in text.split(';') {
-                let Some((name, value)) = pair.trim().split_once('=') else {
-                    continue;
-                };
-                if name != self.cookie_name {
-                    continue;
-                }
-                if token.cookie_matches(value) {
-                    return Presented::Valid;
-                }
+        let now = unix_now();
+        let mut live = false;
+        self.each_cookie(headers, |value| {
+            if sessions.is_live(value, now) {
+                live = true;
+            } else {
                 seen = Presented::Wrong;
             }
-        }
-        seen
+        });
+        if live { Presented::Valid } else { seen }
     }
 }
 

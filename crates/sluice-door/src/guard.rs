@@ -68,7 +68,7 @@ pub async fn guard(State(door): State<Arc<Door>>, req: Request, next: Next) -> R
         return login(&door, body, peer, now).await;
     }
     if parts.method == Method::POST && path == LOGOUT_PATH {
-        return cookie_answer(&door.logout_cookie());
+        return cookie_answer(&door.logout(&parts.headers));
     }
     parts.extensions.insert(entrant);
     next.run(Request::from_parts(parts, body)).await

@@ -43,6 +43,7 @@ mod listener;
 mod origin;
 mod per_address;
 mod proxy;
+mod session;
 mod token;
 
 pub use door::{
@@ -55,6 +56,7 @@ pub use listener::{ADMIN_BOUNDS, Bounds, Place, accept_within, serve, serve_over
 pub use origin::{ForeignOrigin, SEC_FETCH_SITE, json_or_empty, origin_listed, same_origin};
 pub use per_address::{AddressFull, AddressSlot, PerAddress};
 pub use proxy::{ClientKey, ProxyGate, X_API_KEY};
+pub use session::{MAX_ENDED, SESSION_SECONDS};
 pub use token::{ATTEMPT_WINDOW, AdminToken, Attempts, MAX_BAD_ATTEMPTS, TOKEN_ENV, TokenError};
 
 /// A header map of `fields`, for the tests.

@@ -131,30 +131,13 @@ impl AdminToken {
     /// Whether `presented` is this token (in time independent of where they differ).
     pub fn matches(&self, presented: &str) -> bool {
         let other: [u8; 32] = Sha256::digest(presented.trim().as_bytes()).into();
-        constant_time_eq(&self.digest, &other)
+        crate::session::constant_time_eq(&self.digest, &other)
     }
 
-    /// The value of the login cookie: derived from the token, so it proves the token
-    /// was given without being the token.
-    pub fn cookie_value(&self) -> String {
-        let mut h = Sha256::new();
-        h.update(b"sluice-door admin cookie v1\0");
-        h.update(self.digest);
-        hex::encode(h.finalize())
+    /// The sessions of this token's login cookies.
+    pub(crate) fn sessions(&self) -> crate::session::Sessions {
+        crate::session::Sessions::new(&self.digest)
     }
-
-    /// Whether `value` is the login cookie's value.
-    pub fn cookie_matches(&self, value: &str) -> bool {
-        let want = self.cookie_value();
-        value.len() == want.len() && constant_time_eq(value.as_bytes(), want.as_bytes())
-    }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Wrong tokens per address in the current window, bounded.
@@ -212,8 +195,6 @@ mod tests {
         assert!(t.matches("s3cret"));
         assert!(!t.matches("s3cre"));
         assert!(!t.matches(""));
-        assert!(t.cookie_matches(&t.cookie_value()));
-        assert!(!t.cookie_matches("s3cret"));
         assert!(!format!("{t:?}").contains("s3cret"));
         assert!(matches!(AdminToken::new(" \n", "X"), Err(TokenError::Empty(s)) if s == "X"));
     }

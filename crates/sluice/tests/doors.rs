@@ -312,8 +312,35 @@ async fn s3_with_a_token_every_admin_request_carries_it_or_its_cookie() {
         "{log}"
     );
 
-    // Ten wrong tokens a minute, and the address is refused at once, right token too.
-    for i in 0..10 {
+    // The cookie lasts half a day, and a logout ends it: a copy of it (taken from
+    // the browser) is refused from then on, and counts as a wrong token.
+    assert!(
+        cookie.contains(&format!("Max-Age={}", sluice_door::SESSION_SECONDS)),
+        "{cookie}"
+    );
+    let again = login("s3cret-token").await;
+    let other = again.header("set-cookie").expect("a cookie").to_owned();
+    let other = other.split(';').next().expect("name=value").to_owned();
+    assert_ne!(pair, other, "each login its own session");
+    let logout = send(
+        Request::post(s.admin_url("/logout"))
+            .header("cookie", &pair)
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(logout.status, 204, "{}", logout.text());
+    assert!(logout.header("set-cookie").is_some_and(|c| c.contains("Max-Age=0")));
+    assert_eq!(get_with(&status, &[("cookie", &pair)]).await.status, 401);
+    assert_eq!(
+        get_with(&status, &[("cookie", &other)]).await.status,
+        200,
+        "another session goes on"
+    );
+
+    // Ten wrong tokens a minute (the ended cookie was one), and the address is
+    // refused at once, right token too.
+    for i in 1..10 {
         let r = get_with(&status, &[("authorization", "Bearer guess")]).await;
         assert_eq!(r.status, 401, "guess {i}");
     }
