@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use sluice_core::{
-    Breaker, BreakerConfig, BreakerState, Budget, BudgetStatus, Clock, Decision, Permit,
+    Breaker, BreakerConfig, BreakerState, Budget, BudgetKey, BudgetStatus, Clock, Decision, Permit,
     SystemClock, Timestamp,
 };
 
@@ -161,6 +161,20 @@ impl<S: BudgetStore, C: Clock> BudgetStore for Guarded<S, C> {
     ) -> Result<crate::UsageRowsPage, StoreError> {
         self.permit()?;
         let result = self.inner.usage_rows(period, after, count).await;
+        self.record(&result);
+        result
+    }
+
+    async fn hold(&self, key: &BudgetKey, for_: Duration) -> Result<(), StoreError> {
+        self.permit()?;
+        let result = self.inner.hold(key, for_).await;
+        self.record(&result);
+        result
+    }
+
+    async fn held(&self, keys: &[BudgetKey]) -> Result<Vec<Duration>, StoreError> {
+        self.permit()?;
+        let result = self.inner.held(keys).await;
         self.record(&result);
         result
     }

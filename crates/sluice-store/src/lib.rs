@@ -44,17 +44,19 @@
 //! ```
 
 use std::future::Future;
+use std::time::Duration;
 
 /// The side-by-side snippets of `docs/`, run as doc tests (one uses Redis).
 #[cfg(all(doctest, feature = "redis"))]
 #[doc = include_str!("../../../docs/vs-governor.md")]
 struct VsGovernor;
 
-use sluice_core::{Budget, BudgetStatus, Decision, DecisionError, Timestamp};
+use sluice_core::{Budget, BudgetKey, BudgetStatus, Decision, DecisionError, Timestamp};
 
 #[cfg(feature = "durable")]
 pub mod durable;
 mod guarded;
+pub mod holds;
 mod keyed;
 #[cfg(feature = "durable")]
 mod local;
@@ -72,6 +74,7 @@ pub use durable::{DurableStore, JournalSync, OpenError, QuotaBook, QuotaBookConf
 pub use guarded::Guarded;
 /// The breaker [`Guarded`] gives a shared store unless told otherwise.
 pub use guarded::STORE_BREAKER;
+pub use holds::{MAX_HOLD, MAX_HOLDS};
 pub use keyed::{InsufficientCapacity, KeyedLimiter, NotUntil, Quota};
 #[cfg(feature = "durable")]
 pub use local::LocalStore;
@@ -295,6 +298,41 @@ pub trait BudgetStore: Send + Sync {
         std::future::ready(Err(StoreError::Unavailable(
             "this store keeps no usage rows".to_owned(),
         )))
+    }
+
+    /// Holds `key`: no request on it before `for_` from now, or before the end
+    /// of the hold it has already, whichever is later (a shorter hold never
+    /// shortens a longer one). `for_` is at most [`MAX_HOLD`]. "Now" is the
+    /// store's: the Redis server's clock for the Redis store, so every process
+    /// on it sees the hold end at one instant (see [`holds`]).
+    ///
+    /// The default keeps no hold (every key reads as not held by
+    /// [`BudgetStore::held`]): a caller keeps its own, in its process. The
+    /// stores of this crate keep them.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when the backend cannot answer.
+    fn hold(
+        &self,
+        key: &BudgetKey,
+        for_: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (key, for_);
+        std::future::ready(Ok(()))
+    }
+
+    /// What is left, now, of the hold of each of `keys`
+    /// ([`BudgetStore::hold`]), in their order: [`Duration::ZERO`] for a key
+    /// not held. Measured on the store's clock, so a caller adds it to its
+    /// own `now` whatever the two clocks say.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when the backend cannot answer.
+    fn held(
+        &self,
+        keys: &[BudgetKey],
+    ) -> impl Future<Output = Result<Vec<Duration>, StoreError>> + Send {
+        std::future::ready(Ok(vec![Duration::ZERO; keys.len()]))
     }
 
     /// [`BudgetStore::adjust`] for a request from client network `network` (see

@@ -233,4 +233,22 @@ impl<C: Clock> BudgetStore for LocalStore<C> {
             None => Ok(self.memory.usage_rows_now(period, after, count)),
         }
     }
+
+    /// Kept in memory: a hold lasts at most a day and is the provider's word
+    /// of the moment, not a count to survive a restart.
+    async fn hold(
+        &self,
+        key: &sluice_core::BudgetKey,
+        for_: std::time::Duration,
+    ) -> Result<(), StoreError> {
+        self.memory.hold_now(key, for_);
+        Ok(())
+    }
+
+    async fn held(
+        &self,
+        keys: &[sluice_core::BudgetKey],
+    ) -> Result<Vec<std::time::Duration>, StoreError> {
+        Ok(self.memory.held_now(keys))
+    }
 }

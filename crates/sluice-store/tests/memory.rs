@@ -364,3 +364,24 @@ fn under_churn_at_the_cap_no_budget_admits_past_its_limit_and_the_cap_holds() {
     assert!(per_ip.values().all(|&n| n <= 45), "an IP past 45");
     assert!(store.len() <= 128);
 }
+
+/// SPEC C7: a hold put through a guarded store is the guarded store's, read
+/// back through either.
+#[tokio::test]
+async fn c7_a_guarded_store_holds_in_the_store_it_guards() {
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let memory = MemoryStore::with_clock(MemoryConfig::default(), clock.clone());
+    let guarded =
+        sluice_store::Guarded::with_clock(memory, sluice_store::STORE_BREAKER, clock.clone());
+    let key = BudgetKey::new("pace-hold", b"k");
+    guarded
+        .hold(&key, Duration::from_secs(30))
+        .await
+        .expect("hold");
+    assert_eq!(guarded.inner().held_now(&[key]), [Duration::from_secs(30)]);
+    clock.advance(Duration::from_secs(10));
+    assert_eq!(
+        guarded.held(&[key]).await.expect("held"),
+        [Duration::from_secs(20)]
+    );
+}

@@ -797,3 +797,113 @@ async fn t3_a_settlement_past_the_limit_stays_counted_through_later_refunds() {
         );
     }
 }
+
+/// SPEC C7 (with C5): a hold is one key on the server, set on the server's
+/// clock to the later of its end and the new one, expiring at that end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c7_a_hold_on_redis_only_grows_and_expires_at_its_end() {
+    let server = Server::start("store");
+    let store = store_on(&server).await;
+    let key = BudgetKey::new("pace-hold", b"sk-very-secret");
+    let other = BudgetKey::new("pace-hold", b"another key");
+    let s = Duration::from_secs;
+    store.hold(&key, s(30)).await.expect("hold");
+    // A shorter hold never shortens a longer one.
+    store.hold(&key, s(5)).await.expect("hold");
+    let left = store.held(&[key, other]).await.expect("held");
+    assert!(left[0] > s(29) && left[0] <= s(30), "{left:?}");
+    assert_eq!(left[1], Duration::ZERO, "a key never held");
+    // A longer one lengthens it.
+    store.hold(&key, s(60)).await.expect("hold");
+    let left = store.held(&[key]).await.expect("held")[0];
+    assert!(left > s(59) && left <= s(60), "{left:?}");
+    // One key beside the subject's budgets (same slot), expiring at the end.
+    let keys = server.cli(&["KEYS", "*"]);
+    let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+    assert_eq!(keys, [store.hold_key(&key).as_str()]);
+    assert!(keys[0].starts_with("sluice:{") && keys[0].contains("}:hold:"));
+    assert!(!keys[0].contains("secret"));
+    let pttl: i64 = server.cli(&["PTTL", keys[0]]).trim().parse().expect("pttl");
+    assert!(
+        pttl > 59_000 && pttl <= 60_000,
+        "expires at the hold's end: {pttl} ms"
+    );
+    // What a provider may impose is bounded.
+    store.hold(&other, s(7 * 86_400)).await.expect("hold");
+    let left = store.held(&[other]).await.expect("held")[0];
+    assert!(
+        left <= sluice_store::MAX_HOLD && left > s(86_399),
+        "{left:?}"
+    );
+}
+
+/// The hold scripts at an injected clock (as the pacer's tests run them):
+/// exact to the microsecond, over once its end has come (though the key
+/// lives on by the server's clock), and taken afresh after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c7_a_hold_ends_exactly_at_its_end() {
+    let start = sluice_core::Timestamp::from_nanos(3_900_000_005_123_456_000);
+    let clock = sluice_core::FakeClock::new(start);
+    let server = Server::start("store");
+    let mut config = RedisConfig::new(server.url());
+    config.timeout = Duration::from_millis(500);
+    let store = RedisStore::connect_with_clock(config, clock.clone())
+        .await
+        .expect("connect");
+    let key = BudgetKey::new("pace-hold", b"k");
+    store
+        .hold(&key, Duration::from_secs(30))
+        .await
+        .expect("hold");
+    clock.advance(Duration::from_millis(29_999));
+    assert_eq!(
+        store.held(&[key]).await.expect("held"),
+        [Duration::from_millis(1)]
+    );
+    store
+        .hold(&key, Duration::from_millis(1))
+        .await
+        .expect("hold");
+    clock.advance(Duration::from_millis(1));
+    assert_eq!(store.held(&[key]).await.expect("held"), [Duration::ZERO]);
+    store
+        .hold(&key, Duration::from_secs(5))
+        .await
+        .expect("hold");
+    assert_eq!(
+        store.held(&[key]).await.expect("held"),
+        [Duration::from_secs(5)],
+        "a hold after the last one ended starts afresh"
+    );
+}
+
+/// On a Redis Cluster a hold lives in its subject's slot, and holds of
+/// several subjects are read in one call per slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c7_holds_of_several_subjects_are_read_on_a_cluster() {
+    let cluster = redis_server::RedisCluster::start();
+    let mut config = RedisConfig::new(cluster.url());
+    config.timeout = Duration::from_secs(2);
+    let store = RedisStore::connect(config).await.expect("connect");
+    let keys: Vec<BudgetKey> = (0..8u8)
+        .map(|i| BudgetKey::new("pace-hold", &[i]))
+        .collect();
+    for (i, k) in keys.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+        store
+            .hold(k, Duration::from_secs(100 + i as u64))
+            .await
+            .expect("hold");
+    }
+    let left = store.held(&keys).await.expect("held");
+    for (i, d) in left.iter().enumerate() {
+        if i % 2 == 0 {
+            let asked = Duration::from_secs(100 + i as u64);
+            assert!(
+                *d <= asked && *d > asked - Duration::from_secs(1),
+                "{i}: {d:?}"
+            );
+        } else {
+            assert_eq!(*d, Duration::ZERO, "{i}");
+        }
+    }
+}

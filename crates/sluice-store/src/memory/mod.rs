@@ -170,6 +170,9 @@ pub struct MemoryStore<C: Clock = SystemClock> {
     overflowed: AtomicU64,
     /// The usage rows noted in it (see [`BudgetStore::note_usage_row`]).
     rows: crate::rows::MemoryRows,
+    /// The holds put on it (see [`BudgetStore::hold`]), at most
+    /// [`crate::MAX_HOLDS`].
+    holds: crate::holds::MemoryHolds,
 }
 
 impl MemoryStore<SystemClock> {
@@ -220,7 +223,18 @@ impl<C: Clock> MemoryStore<C> {
             overflow_until: AtomicU64::new(0),
             overflowed: AtomicU64::new(0),
             rows: crate::rows::MemoryRows::default(),
+            holds: crate::holds::MemoryHolds::default(),
         }
+    }
+
+    /// [`BudgetStore::hold`], at once, on this store's clock.
+    pub fn hold_now(&self, key: &sluice_core::BudgetKey, for_: std::time::Duration) {
+        self.holds.hold(*key, for_, self.clock.now());
+    }
+
+    /// [`BudgetStore::held`], at once, on this store's clock.
+    pub fn held_now(&self, keys: &[sluice_core::BudgetKey]) -> Vec<std::time::Duration> {
+        self.holds.held(keys, self.clock.now())
     }
 
     /// [`BudgetStore::note_usage_row`], at once.
@@ -412,6 +426,22 @@ impl<C: Clock> BudgetStore for MemoryStore<C> {
         count: usize,
     ) -> impl Future<Output = Result<crate::UsageRowsPage, StoreError>> + Send {
         std::future::ready(Ok(self.usage_rows_now(period, after, count)))
+    }
+
+    fn hold(
+        &self,
+        key: &sluice_core::BudgetKey,
+        for_: std::time::Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.hold_now(key, for_);
+        std::future::ready(Ok(()))
+    }
+
+    fn held(
+        &self,
+        keys: &[sluice_core::BudgetKey],
+    ) -> impl Future<Output = Result<Vec<std::time::Duration>, StoreError>> + Send {
+        std::future::ready(Ok(self.held_now(keys)))
     }
 }
 

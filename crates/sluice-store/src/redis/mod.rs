@@ -17,6 +17,14 @@ use crate::{BudgetStore, StoreError};
 
 const SCRIPT: &str = include_str!("budgets.lua");
 
+/// [`HOLD`], hashed once.
+static HOLD_SCRIPT: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(HOLD));
+
+/// [`HELD`], hashed once.
+static HELD_SCRIPT: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(HELD));
+
 /// Notes a usage row in its period's set, bounded (see [`crate::UsageRowBound`]):
 /// `KEYS[1]` the set, `ARGV` the row, the most rows, the Unix second it goes.
 /// 1 when the row is there, 0 when the set is full.
@@ -32,6 +40,41 @@ return 1
 /// the count hint.
 const ROWS_PAGE: &str = r"
 return redis.call('SSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
+";
+
+/// Holds a key (see [`crate::holds`]): `KEYS[1]` the hold, `ARGV` its length
+/// and the instant to hold from (Unix microseconds; 0: the server's `TIME`).
+/// Keeps the later of the end it has and the new one, the key expiring then.
+/// The microseconds the key is held from that instant.
+const HOLD: &str = r"
+local now = tonumber(ARGV[2])
+if now == 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local ends = now + tonumber(ARGV[1])
+local held = tonumber(redis.call('GET', KEYS[1]))
+if held and held >= ends then return held - now end
+local px = math.max(1, math.ceil((ends - now) / 1000))
+redis.call('SET', KEYS[1], string.format('%d', ends), 'PX', string.format('%d', px))
+return ends - now
+";
+
+/// What is left of holds: `KEYS` the holds, `ARGV[1]` the instant (Unix
+/// microseconds; 0: the server's `TIME`). Per key, the microseconds it is still
+/// held (0: not held).
+const HELD: &str = r"
+local now = tonumber(ARGV[1])
+if now == 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local left = {}
+for i, key in ipairs(KEYS) do
+  local ends = tonumber(redis.call('GET', key))
+  if ends and ends > now then left[i] = ends - now else left[i] = 0 end
+end
+return left
 ";
 
 /// How to reach Redis and how long to wait for it: [`RedisConfig::new`],
@@ -135,7 +178,11 @@ fn settlement_group(budgets: &[Budget], reserved_us: u64) -> u64 {
 /// decides all or nothing on the Redis server's clock, and writes only when
 /// all admit. Keys are `<prefix>{<subject>}:<scope>` in hex digests — never a
 /// raw credential — hash-tagged by subject so a caller's budgets share a slot,
-/// and every key carries a TTL. Concurrent decisions share one multiplexed
+/// and every key carries a TTL. A hold ([`BudgetStore::hold`]) is a key of
+/// its own beside its subject's budgets, `<prefix>{<subject>}:hold:<scope>`,
+/// holding the Unix microsecond it ends at by the server's clock and expiring
+/// then; a small script sets it (never earlier than it was) and reads what is
+/// left of it, one call each. Concurrent decisions share one multiplexed
 /// connection (pipelined); the connection manager reconnects by itself, and a
 /// decision turned away by a connection Redis closed while it was idle (a
 /// restart) is sent once more on the new one — never one that may have been
@@ -192,11 +239,16 @@ impl std::fmt::Debug for RedisStore {
 /// The positions of `budgets` by subject: a subject's budgets share a Redis
 /// Cluster slot (their keys' hash tag), in the order subjects first appear.
 fn by_subject(budgets: &[Budget]) -> Vec<(u64, Vec<usize>)> {
+    group_subjects(budgets.iter().map(|b| &b.key))
+}
+
+/// The positions of `keys` by subject, in the order subjects first appear.
+fn group_subjects<'a>(keys: impl Iterator<Item = &'a BudgetKey>) -> Vec<(u64, Vec<usize>)> {
     let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
-    for (i, b) in budgets.iter().enumerate() {
-        match groups.iter_mut().find(|(s, _)| *s == b.key.subject()) {
+    for (i, k) in keys.enumerate() {
+        match groups.iter_mut().find(|(s, _)| *s == k.subject()) {
             Some((_, members)) => members.push(i),
-            None => groups.push((b.key.subject(), vec![i])),
+            None => groups.push((k.subject(), vec![i])),
         }
     }
     groups
@@ -300,6 +352,57 @@ impl RedisStore {
     /// The Redis key of the set of usage rows of `period`.
     fn rows_key(&self, period: &str) -> String {
         format!("{}usage-rows:{period}", self.prefix)
+    }
+
+    /// The Redis key of a hold (see [`BudgetStore::hold`]):
+    /// `<prefix>{<subject>}:hold:<scope>`, in the slot of the subject's budgets
+    /// and apart from them.
+    pub fn hold_key(&self, key: &BudgetKey) -> String {
+        format!(
+            "{}{{{:016x}}}:hold:{:016x}",
+            self.prefix,
+            key.subject(),
+            key.scope()
+        )
+    }
+
+    /// The instant a script is told to act at: the injected clock's (tests),
+    /// or 0 for the server's `TIME`.
+    fn script_now(&self) -> u64 {
+        self.clock.as_ref().map_or(0, |clock| micros(clock.now()))
+    }
+
+    /// One call of a small script (a hold's), within the store's timeout.
+    async fn call_small<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout(self.timeout, self.conn.invoke::<T>(invocation))
+            .await
+            .map_err(|_| unavailable(format!("redis did not answer within {:?}", self.timeout)))?
+            .map_err(unavailable)
+    }
+
+    /// What is left of the holds of `keys`, which share one slot (or any, on
+    /// one Redis), in one script call.
+    async fn held_in_slot(&self, keys: &[BudgetKey]) -> Result<Vec<Duration>, StoreError> {
+        let mut invocation = HELD_SCRIPT.prepare_invoke();
+        for key in keys {
+            invocation.key(self.hold_key(key));
+        }
+        invocation.arg(self.script_now());
+        let left: Vec<i64> = self.call_small(&invocation).await?;
+        if left.len() != keys.len() {
+            return Err(unavailable(format!(
+                "unexpected reply from the holds script: {} values for {} keys",
+                left.len(),
+                keys.len()
+            )));
+        }
+        Ok(left
+            .into_iter()
+            .map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)))
+            .collect())
     }
 
     fn key_of(&self, key: &BudgetKey) -> String {
@@ -1027,6 +1130,42 @@ impl BudgetStore for RedisStore {
             rows,
             next: (cursor != "0").then_some(cursor),
         })
+    }
+
+    /// One script call on the key's slot, at the server's clock (the
+    /// injected one for a store built with [`RedisStore::connect_with_clock`]).
+    async fn hold(&self, key: &BudgetKey, for_: Duration) -> Result<(), StoreError> {
+        let mut invocation = HOLD_SCRIPT.prepare_invoke();
+        invocation
+            .key(self.hold_key(key))
+            .arg(u64::try_from(for_.min(crate::MAX_HOLD).as_micros()).unwrap_or(u64::MAX))
+            .arg(self.script_now());
+        let _: i64 = self.call_small(&invocation).await?;
+        Ok(())
+    }
+
+    /// One script call on one Redis; on a Cluster, one per subject (a slot
+    /// each), at once.
+    async fn held(&self, keys: &[BudgetKey]) -> Result<Vec<Duration>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        if !self.conn.is_cluster() {
+            return self.held_in_slot(keys).await;
+        }
+        let groups = group_subjects(keys.iter());
+        let calls = groups.iter().map(|(_, members)| {
+            let part: Vec<BudgetKey> = members.iter().map(|&i| keys[i]).collect();
+            async move { self.held_in_slot(&part).await }
+        });
+        let answers = futures_util::future::join_all(calls).await;
+        let mut left = vec![Duration::ZERO; keys.len()];
+        for ((_, members), answer) in groups.iter().zip(answers) {
+            for (&i, d) in members.iter().zip(answer?) {
+                left[i] = d;
+            }
+        }
+        Ok(left)
     }
 
     async fn adjust_all_from(
