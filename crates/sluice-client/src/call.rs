@@ -207,10 +207,6 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
         // A 429 describes the budget the request spent (its model on its
         // key): it holds that one, not the provider's other models and keys.
         let narrow = permit.narrow_subject();
-        let hold = |pacer: &Pacer<S, C>, d: Duration| match narrow {
-            Some(subject) => pacer.hold_subject(subject, d),
-            None => pacer.hold(&self.provider, d),
-        };
         let is_429 = status == StatusCode::TOO_MANY_REQUESTS;
         match classify(status, headers, body) {
             Retryable::No if status.is_success() => After::Deliver(Some(Box::new(permit))),
@@ -223,29 +219,32 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
                 After::Deliver(None)
             }
             Retryable::Yes { hint } => {
+                // Never past `maxWaitSeconds` in all: a provider that asks
+                // for longer, or answers 429 on and on, gets its answer
+                // handed back.
+                let budget = self.max_wait.saturating_sub(self.slept);
+                let delay = self.backoff.next_delay(hint).filter(|d| *d <= budget);
                 if is_429 {
+                    // The budget is full for everyone on this key: held
+                    // before its tokens go back, so that no process on the
+                    // store sends into the refusal meanwhile.
+                    if let Some(d) = delay.or(hint) {
+                        self.hold(narrow, d).await;
+                    }
                     // Refused without counting: give the tokens back.
                     let _ = permit.cancel().await;
                 } else {
                     // A 5xx may have been counted: keep the reservation.
                     drop(permit);
                 }
-                // Never past `maxWaitSeconds` in all: a provider that asks
-                // for longer, or answers 429 on and on, gets its answer
-                // handed back.
-                let budget = self.max_wait.saturating_sub(self.slept);
-                match self.backoff.next_delay(hint).filter(|d| *d <= budget) {
+                match delay {
                     Some(d) => {
                         self.pacer.count_retry(&self.provider, is_429);
-                        if is_429 {
-                            // The budget is full for everyone on this key.
-                            hold(&self.pacer, d);
-                            if self.several_keys() {
-                                // Another key may send it now: the hold
-                                // keeps this one out, the pacer waits only
-                                // if every key is held or full.
-                                return After::Retry(Duration::ZERO);
-                            }
+                        if is_429 && self.several_keys() {
+                            // Another key may send it now: the hold keeps
+                            // this one out, the pacer waits only if every
+                            // key is held or full.
+                            return After::Retry(Duration::ZERO);
                         }
                         self.slept = self.slept.saturating_add(d);
                         After::Retry(d)
@@ -253,15 +252,23 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
                     None => {
                         if is_429 {
                             self.pacer.count_429(&self.provider);
-                            if let Some(h) = hint {
-                                hold(&self.pacer, h);
-                            }
                         }
                         After::Deliver(None)
                     }
                 }
             }
         }
+    }
+
+    /// Holds the budget a 429 answered for (`narrow`: the one the request
+    /// spent; `None`: the provider's, on every key) for `d`, in this process
+    /// and in the store, for every process on the key (SPEC C5, C7). Best
+    /// effort, as learning is: whatever the store says, this process holds it.
+    async fn hold(&self, narrow: Option<u64>, d: Duration) {
+        let _ = match narrow {
+            Some(subject) => self.pacer.hold_subject(subject, d).await,
+            None => self.pacer.hold(&self.provider, d).await,
+        };
     }
 }
 

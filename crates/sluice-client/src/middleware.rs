@@ -155,7 +155,7 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Middleware for PacerMiddlewar
                     let wait = hint
                         .filter(|h| !h.is_zero())
                         .unwrap_or(crate::backoff::MIN_BACKOFF);
-                    self.pacer.hold(&provider, wait);
+                    let _ = self.pacer.hold(&provider, wait).await;
                 }
             }
             drop(permit);

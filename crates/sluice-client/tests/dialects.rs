@@ -221,7 +221,7 @@ async fn c6_m2_every_anthropic_axis_goes_to_its_own_window() {
         pacer.group_tokens("anthropic", None).await.unwrap(),
         (0, 10_000, 1_000)
     );
-    let learned = &pacer.limits_json()["providers"]["anthropic"]["learned"]["headers"];
+    let learned = &pacer.limits_json().await["providers"]["anthropic"]["learned"]["headers"];
     assert_eq!(learned["inputTokens"]["limit"], 40_000);
     assert_eq!(learned["outputTokens"]["remaining"], 7_000);
     assert_eq!(learned["outputTokens"]["reset"], 7.5);
@@ -312,7 +312,7 @@ async fn c5_c6_the_azure_preset_waits_retry_after_ms_end_to_end() {
     );
     // Azure's remaining-only headers are kept (for `/limits`) but, with no
     // limit and no reset, neither hold nor charge.
-    let learned = &pacer.limits_json()["providers"]["azure"]["learned"]["headers"];
+    let learned = &pacer.limits_json().await["providers"]["azure"]["learned"]["headers"];
     assert_eq!(learned["requests"]["remaining"], 0);
     assert!(learned["requests"]["reset"].is_null());
 }

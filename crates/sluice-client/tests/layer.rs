@@ -376,3 +376,53 @@ async fn c5_a_long_error_body_is_handed_back_whole() {
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body.len(), long.len());
 }
+
+/// SPEC C7 with C5: a provider's 429 stops every process pacing its key, not
+/// only the one it answered. Pacer `a` (a process whose requests wait at most
+/// 10 s) gets `429, Retry-After: 30` and hands it back; pacer `b`, another
+/// process on the same store that never saw the 429, waits those 30 s before
+/// its next request, and not a moment past them.
+#[tokio::test(start_paused = true)]
+async fn c7_a_429_seen_by_one_pacer_holds_every_pacer_on_its_store() {
+    use sluice_client::config::{PaceConfig, StaticLimits};
+    use sluice_client::{Pacer, TEST_EPOCH, TokioClock};
+    use sluice_store::{MemoryConfig, MemoryStore};
+
+    let clock = TokioClock::at(TEST_EPOCH);
+    let store = SharedStore(Arc::new(MemoryStore::with_clock(
+        MemoryConfig::default(),
+        clock,
+    )));
+    let mut impatient = provider("p", limits(100_000, 0, 0));
+    impatient.max_wait = Duration::from_secs(10);
+    let a = Pacer::with_store(
+        store.clone(),
+        clock,
+        Arc::new(StaticLimits::new(PaceConfig::from_providers([impatient]))),
+    );
+    let config = PaceConfig::from_providers([provider("p", limits(100_000, 0, 0))]);
+    let b = Pacer::with_store(store, clock, Arc::new(StaticLimits::new(config)));
+
+    let (svc, seen) = scripted(clock, vec![status(429, &[("retry-after", "30")], "{}")]);
+    let mut svc = PacerLayer::new(a.clone(), "p").layer(svc);
+    let refused = send(&mut svc, chat()).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(seen.lock().len(), 1, "30 s is past a's 10 s: handed back");
+    assert_eq!(clock.now(), TEST_EPOCH);
+    assert_eq!(
+        b.limits_json().await["providers"]["p"]["holdSeconds"],
+        30.0,
+        "b reads the hold a put"
+    );
+    // b's next request goes when the provider said, not into its refusal.
+    let permit = b.acquire("p", 100u32).await.unwrap();
+    assert_eq!(permit.waited(), Duration::from_secs(30));
+    assert_eq!(clock.now(), at(30_000));
+    // Once the hold is over, nobody is held by it.
+    assert_eq!(b.limits_json().await["providers"]["p"]["holdSeconds"], 0.0);
+    let next = b.acquire("p", 100u32).await.unwrap();
+    assert_eq!(next.waited(), Duration::ZERO);
+    let again = a.acquire("p", 100u32).await.unwrap();
+    assert_eq!(again.waited(), Duration::ZERO);
+    assert_eq!(clock.now(), at(30_000));
+}

@@ -468,7 +468,7 @@ async fn m4_a_429_cooldown_on_one_key_does_not_stop_the_others() {
     assert!(clock.now().saturating_since(start) < Duration::from_secs(1));
     assert_eq!(pacer.stats("p").upstream_429, 1);
     // Keys never show: /limits (and `sluice check`) name them only.
-    let shown = pacer.limits_json().to_string();
+    let shown = pacer.limits_json().await.to_string();
     assert!(
         shown.contains("\"one\"") && !shown.contains("sk-one"),
         "{shown}"

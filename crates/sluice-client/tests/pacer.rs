@@ -358,7 +358,7 @@ async fn c6_headers_hold_and_foreign_usage_correct_the_window() {
     h.insert("x-ratelimit-remaining-tokens", "5000".parse().unwrap());
     pacer.observe("p", &h).await.unwrap();
     assert_eq!(pacer.tokens_in_window("p").await.unwrap(), 4_010);
-    let j = pacer.limits_json();
+    let j = pacer.limits_json().await;
     assert_eq!(j["providers"]["p"]["tpm"], 10_000);
     assert_eq!(
         j["providers"]["p"]["learned"]["headers"]["tokens"]["limit"],

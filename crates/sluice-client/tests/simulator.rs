@@ -387,7 +387,7 @@ async fn c6_the_provider_s_count_is_learned_per_model_and_a_full_window_trips_no
     assert!((learned[0].ratio - 1.3).abs() < 0.01, "{learned:?}");
     assert!((learned[0].factor - 1.3).abs() < 0.01, "{learned:?}");
     // And /limits shows it.
-    let shown = pacer.limits_json();
+    let shown = pacer.limits_json().await;
     assert_eq!(
         shown["providers"]["p"]["inputRatios"][0]["model"], "gpt-4o",
         "{shown}"

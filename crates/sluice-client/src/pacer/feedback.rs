@@ -14,8 +14,9 @@ use crate::error::PaceError;
 use crate::headers::RateLimitHeaders;
 use crate::route::{Scope, TokenAxis, routes};
 
-/// The longest hold a provider's headers may impose.
-pub(super) const MAX_HOLD: Duration = Duration::from_secs(24 * 3600);
+/// The longest hold a provider's headers may impose (what the store keeps
+/// at most).
+pub(super) const MAX_HOLD: Duration = sluice_store::MAX_HOLD;
 
 impl<S, C> Pacer<S, C>
 where
@@ -23,25 +24,71 @@ where
     C: Clock + 'static,
 {
     /// Holds every request to `provider` for `d` from now, on every key (a
-    /// 429's `Retry-After`, a provider saying nothing is left until a reset).
-    pub fn hold(&self, provider: &str, d: Duration) {
+    /// 429's `Retry-After`, a provider saying nothing is left until a reset):
+    /// in this process at once, and in the store, so that every process
+    /// pacing the key on it waits too (SPEC C7).
+    ///
+    /// # Errors
+    /// [`PaceError::Store`] when the store did not take the hold (for a key
+    /// of several, the first such error, the others held all the same):
+    /// this process holds the provider all the same.
+    pub async fn hold(&self, provider: &str, d: Duration) -> Result<(), PaceError> {
         let config = self.config();
         let Some(p) = config.provider(provider) else {
-            return;
+            return Ok(());
         };
+        let mut result = Ok(());
         for r in routes(p, None) {
-            self.hold_subject(r.scopes[0].subject, d);
+            let held = self.hold_subject(r.scopes[0].subject, d).await;
+            if result.is_ok() {
+                result = held;
+            }
         }
+        result
     }
 
-    /// Holds the budgets of `subject` for `d` from now.
-    pub(crate) fn hold_subject(&self, subject: u64, d: Duration) {
+    /// Holds the budgets of `subject` for `d` from now: in this process, then
+    /// in the store (the later of its hold and this one, on its clock).
+    pub(crate) async fn hold_subject(&self, subject: u64, d: Duration) -> Result<(), PaceError> {
+        let d = d.min(MAX_HOLD);
         let now = self.inner.clock.now();
-        let until = now.saturating_add(d.min(MAX_HOLD));
-        let mut holds = self.inner.holds.lock();
-        holds.retain(|_, t| *t > now);
-        let h = holds.entry(subject).or_insert(until);
-        *h = (*h).max(until);
+        let until = now.saturating_add(d);
+        {
+            let mut holds = self.inner.holds.lock();
+            holds.retain(|_, t| *t > now);
+            let h = holds.entry(subject).or_insert(until);
+            *h = (*h).max(until);
+        }
+        self.inner
+            .store
+            .hold(&self.inner.hold_key(subject), d)
+            .await?;
+        Ok(())
+    }
+
+    /// When the holds of `subjects` end (`None`: not held), read from the
+    /// store in one call: the hold every process on it put (what is left of
+    /// it, on the store's clock, counted from this clock's now), or this
+    /// process's own where that is later.
+    ///
+    /// # Errors
+    /// The store's.
+    pub(super) async fn holds_until(
+        &self,
+        subjects: &[u64],
+    ) -> Result<Vec<Option<Timestamp>>, PaceError> {
+        let keys: Vec<_> = subjects.iter().map(|&s| self.inner.hold_key(s)).collect();
+        let left = self.inner.store.held(&keys).await?;
+        let now = self.inner.clock.now();
+        Ok(subjects
+            .iter()
+            .zip(left.into_iter().chain(std::iter::repeat(Duration::ZERO)))
+            .map(|(&s, left)| {
+                let shared = (!left.is_zero()).then(|| now.saturating_add(left));
+                let own = self.inner.hold_of(s).filter(|t| *t > now);
+                shared.max(own)
+            })
+            .collect())
     }
 
     /// Learns from a provider's rate-limit headers: requests left
@@ -114,7 +161,8 @@ where
             self.hold_subject(
                 narrow.subject,
                 at.saturating_add(reset).saturating_since(now),
-            );
+            )
+            .await?;
         }
         let margin = config.pacer.arrival_margin;
         for (axis, said) in [

@@ -53,8 +53,13 @@ pub(super) struct Inner<S, C> {
     pub(super) tpd: SlotWindow,
     pub(super) rpm_scope: u64,
     pub(super) providers: parking_lot::Mutex<HashMap<String, Arc<ProviderState>>>,
+    /// Scope of the holds' keys in the store (their subject is the budget's).
+    pub(super) hold_scope: u64,
     /// Per budget: no request before this instant (a 429's Retry-After, a
-    /// provider saying nothing is left until a reset).
+    /// provider saying nothing is left until a reset), as this process put
+    /// it. The store's hold ([`BudgetStore::hold`]) is the one every process
+    /// sees; this one stands where it is later (a store that keeps no holds,
+    /// a write to the store that failed).
     pub(super) holds: parking_lot::Mutex<HashMap<u64, Timestamp>>,
     /// Per budget: the day slots read once and kept.
     pub(super) days: parking_lot::Mutex<HashMap<u64, Arc<parking_lot::Mutex<SlotCache>>>>,
@@ -81,8 +86,14 @@ impl<S, C> Inner<S, C> {
         cache_of(&self.token_days, subject)
     }
 
+    /// This process's own hold of `subject` (see [`Inner::holds`]).
     pub(super) fn hold_of(&self, subject: u64) -> Option<Timestamp> {
         self.holds.lock().get(&subject).copied()
+    }
+
+    /// The store's key of `subject`'s hold.
+    pub(super) fn hold_key(&self, subject: u64) -> BudgetKey {
+        BudgetKey::from_digests(self.hold_scope, subject)
     }
 }
 
@@ -150,6 +161,7 @@ where
                 rpd: SlotWindow::new("rpd", Duration::from_secs(86_400), options.request_slot),
                 tpd: SlotWindow::new("tpd", Duration::from_secs(86_400), options.request_slot),
                 rpm_scope: sluice_core::digest(b"sluice-pace/rpm"),
+                hold_scope: sluice_core::digest(b"sluice-pace/hold"),
                 providers: parking_lot::Mutex::new(HashMap::new()),
                 holds: parking_lot::Mutex::new(HashMap::new()),
                 days: parking_lot::Mutex::new(HashMap::new()),

@@ -226,8 +226,12 @@ where
     /// (`learned`, and per model group under `models.<group>.learned`), the
     /// pacer's counters (`stats`), and the last reload error (`configError`).
     ///
+    /// `holdSeconds` is what is left of the provider's hold (its keys'
+    /// provider-wide budgets, the longest) as the store keeps it for every
+    /// process on it; this process's own when the store cannot be read.
+    ///
     /// [`PaceConfig::limits_json`]: crate::config::PaceConfig::limits_json
-    pub fn limits_json(&self) -> serde_json::Value {
+    pub async fn limits_json(&self) -> serde_json::Value {
         let config = self.config();
         let mut v = config.limits_json();
         let now = self.inner.clock.now();
@@ -240,15 +244,20 @@ where
         if let Some(map) = v.get_mut("providers").and_then(|m| m.as_object_mut()) {
             for (name, entry) in map.iter_mut() {
                 let state = self.state(name);
-                let hold = config
+                let subjects: Vec<u64> = config
                     .provider(name)
                     .map(|p| {
                         routes(p, None)
                             .iter()
-                            .filter_map(|r| self.inner.hold_of(r.scopes[0].subject))
-                            .max()
+                            .map(|r| r.scopes[0].subject)
+                            .collect()
                     })
                     .unwrap_or_default();
+                let hold = match self.holds_until(&subjects).await {
+                    Ok(until) => until.into_iter().flatten().max(),
+                    Err(_) => subjects.iter().filter_map(|&s| self.inner.hold_of(s)).max(),
+                };
+                let read_at = self.inner.clock.now();
                 let Some(obj) = entry.as_object_mut() else {
                     continue;
                 };
@@ -277,7 +286,7 @@ where
                 obj.insert(
                     "holdSeconds".into(),
                     serde_json::json!(
-                        hold.map(|h| h.saturating_since(now).as_secs_f64())
+                        hold.map(|h| h.saturating_since(read_at).as_secs_f64())
                             .unwrap_or(0.0)
                     ),
                 );

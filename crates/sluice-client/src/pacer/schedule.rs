@@ -104,10 +104,11 @@ where
         let mut charges = Vec::new();
         let mut days = Vec::new();
         let mut token_days = Vec::new();
-        for s in &route.scopes {
-            if let Some(h) = self.inner.hold_of(s.subject) {
-                ready_at = ready_at.max(h);
-            }
+        // The holds every process on the store put (a 429's Retry-After,
+        // requests at zero until a reset): one store call for the route.
+        let subjects: Vec<u64> = route.scopes.iter().map(|s| s.subject).collect();
+        for h in self.holds_until(&subjects).await?.into_iter().flatten() {
+            ready_at = ready_at.max(h);
         }
         for (k, s) in route.scopes.iter().enumerate() {
             for (axis, limit) in s.token_axes(cost) {

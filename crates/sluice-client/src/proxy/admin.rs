@@ -39,7 +39,7 @@ pub(super) fn router<S: BudgetStore + 'static, C: Clock + 'static>(
 async fn limits<S: BudgetStore + 'static, C: Clock + 'static>(
     State(app): State<Arc<App<S, C>>>,
 ) -> Json<serde_json::Value> {
-    Json(app.pacer.limits_json())
+    Json(app.pacer.limits_json().await)
 }
 
 fn not_found(provider: &str) -> Response {
@@ -56,7 +56,7 @@ async fn one<S: BudgetStore + 'static, C: Clock + 'static>(
     State(app): State<Arc<App<S, C>>>,
     Path(provider): Path<String>,
 ) -> Response {
-    let all = app.pacer.limits_json();
+    let all = app.pacer.limits_json().await;
     match all.get("providers").and_then(|p| p.get(&provider)) {
         Some(v) => Json(v.clone()).into_response(),
         None => not_found(&provider),
@@ -176,7 +176,7 @@ async fn status<S: BudgetStore + 'static, C: Clock + 'static>(
 async fn dashboard_json<S: BudgetStore + 'static, C: Clock + 'static>(
     State(app): State<Arc<App<S, C>>>,
 ) -> Response {
-    let mut v = app.pacer.limits_json();
+    let mut v = app.pacer.limits_json().await;
     if let Some(map) = v.get_mut("providers").and_then(|m| m.as_object_mut()) {
         for (name, entry) in map.iter_mut() {
             let mut window = match app.pacer.reading(name).await {

@@ -10,7 +10,7 @@ use sluice_client::config::{
     LimitsSource, PaceConfig, ProviderConfig, ProviderLimits, StaticLimits,
 };
 use sluice_client::{Pacer, TEST_EPOCH, TokioClock};
-use sluice_core::{Budget, BudgetStatus, Decision, Timestamp};
+use sluice_core::{Budget, BudgetKey, BudgetStatus, Decision, Timestamp};
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, StoreError};
 
 pub type TestPacer = Pacer<MemoryStore<TokioClock>, TokioClock>;
@@ -87,5 +87,18 @@ impl BudgetStore for SharedStore {
         reserved_at: Timestamp,
     ) -> impl Future<Output = Result<BudgetStatus, StoreError>> + Send {
         self.0.adjust(budget, delta, reserved_at)
+    }
+    fn hold(
+        &self,
+        key: &BudgetKey,
+        for_: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.0.hold(key, for_)
+    }
+    fn held(
+        &self,
+        keys: &[BudgetKey],
+    ) -> impl Future<Output = Result<Vec<Duration>, StoreError>> + Send {
+        self.0.held(keys)
     }
 }
