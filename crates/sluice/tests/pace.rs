@@ -106,6 +106,180 @@ async fn c7_two_pace_processes_on_one_redis_share_one_budget() {
     assert_eq!((stats.admitted, stats.violations), (1, 0), "{stats:?}");
 }
 
+/// A provider on a loopback port that answers its first request `429,
+/// Retry-After: 30` and every later one 200 with a `usage`; it counts them.
+async fn refusing_once() -> (String, std::sync::Arc<std::sync::atomic::AtomicU32>) {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let seen = std::sync::Arc::new(AtomicU32::new(0));
+    let count = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            // The head, then the body its content-length says.
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            let head_end = loop {
+                match conn.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break None,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break Some(i + 4);
+                }
+            };
+            let Some(head_end) = head_end else { continue };
+            let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            while buf.len() < head_end + len {
+                match conn.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            }
+            let (status, extra, body) = if count.fetch_add(1, Ordering::SeqCst) == 0 {
+                (
+                    "429 Too Many Requests",
+                    "retry-after: 30\r\n",
+                    r#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#,
+                )
+            } else {
+                (
+                    "200 OK",
+                    "",
+                    r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}"#,
+                )
+            };
+            let answer = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n{extra}\r\n{body}",
+                body.len()
+            );
+            let _ = conn.write_all(answer.as_bytes()).await;
+            let _ = conn.shutdown().await;
+        }
+    });
+    (format!("http://{addr}"), seen)
+}
+
+/// SPEC C7 with C5, across real processes on the Redis server's clock: the
+/// provider refuses process A's call with `Retry-After: 30`; process B, which
+/// never saw that answer, holds the key for those 30 s too: it shows the hold
+/// and refuses its next call itself (it may wait 1 s), which never reaches
+/// the provider.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c7_a_429_one_pace_process_got_holds_the_other_on_one_redis() {
+    use std::sync::atomic::Ordering;
+
+    let redis = RedisServer::start("pace-c7-hold");
+    let (upstream, seen) = refusing_once().await;
+    let file = config(
+        "hold.yaml",
+        &upstream,
+        "{ tpm: 0, rpm: 0, rpd: 0 }",
+        "    maxWaitSeconds: 1\n",
+    );
+    let a = Pace::spawn(&file, &redis.url());
+    let b = Pace::spawn(&file, &redis.url());
+    let refused = chat(&a, 50).await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(
+        refused.header("retry-after"),
+        Some("30"),
+        "the provider's own"
+    );
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    let limits = get(&format!("http://{}/limits", b.admin)).await.json();
+    let hold = limits["providers"]["sim"]["holdSeconds"]
+        .as_f64()
+        .expect("holdSeconds");
+    assert!(hold > 25.0 && hold <= 30.0, "B's hold: {hold} s: {limits}");
+    let second = chat(&b, 50).await;
+    assert_eq!(second.status, 429, "{}", second.text());
+    assert_eq!(
+        second.json()["error"]["code"],
+        "rate_limited",
+        "refused by B's pacer, not by the provider: {}",
+        second.text()
+    );
+    let wait: u64 = second
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("retry-after");
+    assert!((26..=30).contains(&wait), "{wait}");
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        1,
+        "nothing went into the provider's refusal"
+    );
+}
+
+/// SPEC C7 with C5 on one real Redis, exactly: pacer A (a clock 90 s ahead of
+/// the server's) holds the key for a 429's 30 s; pacer B (its own connection,
+/// a clock 7 minutes behind the server's) plans its next call at exactly the
+/// hold's end by its own clock, and goes at once when that comes. The store
+/// reads time from an injected clock (as the store's other exact tests do),
+/// so no test waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c7_two_pacers_on_one_redis_wait_out_one_hold_whatever_their_clocks() {
+    use std::sync::Arc;
+
+    use sluice_client::config::{PaceConfig, ProviderConfig, ProviderLimits, StaticLimits};
+    use sluice_client::{PaceError, Pacer};
+    use sluice_core::{FakeClock, Timestamp};
+    use sluice_store::{RedisConfig, RedisStore};
+
+    let redis = RedisServer::start("pace-c7-exact");
+    // Ahead of the real clock, by which Redis still expires keys.
+    let server = FakeClock::new(Timestamp::from_secs(3_900_000_000));
+    let ahead = FakeClock::new(Timestamp::from_secs(3_900_000_090));
+    let behind = FakeClock::new(Timestamp::from_secs(3_899_999_580));
+    let store = || async {
+        let mut config = RedisConfig::new(redis.url());
+        config.timeout = Duration::from_millis(500);
+        RedisStore::connect_with_clock(config, server.clone())
+            .await
+            .expect("connect")
+    };
+    let mut p = ProviderConfig::new("p", "http://127.0.0.1:9/v1", ProviderLimits::new(0, 0, 0));
+    p.max_wait = Duration::from_secs(10);
+    let source = || Arc::new(StaticLimits::new(PaceConfig::from_providers([p.clone()])));
+    let a = Pacer::with_store(store().await, ahead.clone(), source());
+    let b = Pacer::with_store(store().await, behind.clone(), source());
+    let advance = |d: Duration| {
+        for clock in [&server, &ahead, &behind] {
+            clock.advance(d);
+        }
+    };
+
+    a.hold("p", Duration::from_secs(30)).await.expect("hold");
+    let hold = |pacer: &Pacer<RedisStore, FakeClock>| {
+        let pacer = pacer.clone();
+        async move { pacer.limits_json().await["providers"]["p"]["holdSeconds"].clone() }
+    };
+    assert_eq!(hold(&b).await, 30.0);
+    match b.acquire("p", 10u32).await {
+        Err(PaceError::WouldWait { wait, .. }) => {
+            assert_eq!(wait, Duration::from_secs(30), "planned at the hold's end");
+        }
+        other => panic!("B went into the provider's refusal: {other:?}"),
+    }
+    advance(Duration::from_millis(29_999));
+    assert_eq!(hold(&b).await, 0.001);
+    assert_eq!(hold(&a).await, 0.001);
+    advance(Duration::from_millis(1));
+    assert_eq!(hold(&b).await, 0.0);
+    let permit = b.acquire("p", 10u32).await.expect("not held after it ends");
+    assert_eq!(permit.waited(), Duration::ZERO);
+}
+
 /// A chat sent with extra `fields`, to `path` on the proxy.
 async fn chat_with(pace: &Pace, path: &str, fields: &[(&str, &str)]) -> support::Reply {
     chat_as(pace, path, 20, fields).await
