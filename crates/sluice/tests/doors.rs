@@ -330,7 +330,11 @@ async fn s3_with_a_token_every_admin_request_carries_it_or_its_cookie() {
     )
     .await;
     assert_eq!(logout.status, 204, "{}", logout.text());
-    assert!(logout.header("set-cookie").is_some_and(|c| c.contains("Max-Age=0")));
+    assert!(
+        logout
+            .header("set-cookie")
+            .is_some_and(|c| c.contains("Max-Age=0"))
+    );
     assert_eq!(get_with(&status, &[("cookie", &pair)]).await.status, 401);
     assert_eq!(
         get_with(&status, &[("cookie", &other)]).await.status,
