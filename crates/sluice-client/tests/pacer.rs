@@ -715,3 +715,70 @@ async fn c6_reservations_follow_the_provider_s_count_per_model_within_bounds() {
         .unwrap();
     assert_eq!(p.tokens(), 4_100);
 }
+
+/// A store that answers nothing (Redis down).
+#[derive(Clone)]
+struct DownStore;
+
+fn down() -> sluice_store::StoreError {
+    sluice_store::StoreError::Unavailable("down".into())
+}
+
+impl sluice_store::BudgetStore for DownStore {
+    async fn decide(
+        &self,
+        _: &[sluice_core::Budget],
+    ) -> Result<sluice_core::Decision, sluice_store::StoreError> {
+        Err(down())
+    }
+    async fn peek(
+        &self,
+        _: &[sluice_core::Budget],
+    ) -> Result<sluice_core::Decision, sluice_store::StoreError> {
+        Err(down())
+    }
+    async fn adjust(
+        &self,
+        _: &sluice_core::Budget,
+        _: i64,
+        _: sluice_core::Timestamp,
+    ) -> Result<sluice_core::BudgetStatus, sluice_store::StoreError> {
+        Err(down())
+    }
+    async fn hold(
+        &self,
+        _: &sluice_core::BudgetKey,
+        _: Duration,
+    ) -> Result<(), sluice_store::StoreError> {
+        Err(down())
+    }
+    async fn held(
+        &self,
+        _: &[sluice_core::BudgetKey],
+    ) -> Result<Vec<Duration>, sluice_store::StoreError> {
+        Err(down())
+    }
+}
+
+/// SPEC C5 with C7: a store that cannot tell the shared holds leaves this
+/// process's own — a provider with no limits to pace still goes out while the
+/// store is down, and a 429 this process saw still holds it.
+#[tokio::test(start_paused = true)]
+async fn c7_a_store_that_cannot_tell_the_holds_leaves_this_process_s_own() {
+    let clock = TokioClock::at(TEST_EPOCH);
+    let config = sluice_client::PaceConfig::from_providers([provider("p", limits(0, 0, 0))]);
+    let pacer = Pacer::with_store(DownStore, clock, Arc::new(StaticLimits::new(config)));
+    let permit = pacer.acquire("p", 10u32).await.unwrap();
+    assert_eq!(permit.waited(), Duration::ZERO);
+    drop(permit);
+    assert!(
+        pacer.hold("p", Duration::from_secs(5)).await.is_err(),
+        "not shared"
+    );
+    let permit = pacer.acquire("p", 10u32).await.unwrap();
+    assert_eq!(
+        permit.waited(),
+        Duration::from_secs(5),
+        "held here all the same"
+    );
+}

@@ -253,10 +253,12 @@ where
                             .collect()
                     })
                     .unwrap_or_default();
-                let hold = match self.holds_until(&subjects).await {
-                    Ok(until) => until.into_iter().flatten().max(),
-                    Err(_) => subjects.iter().filter_map(|&s| self.inner.hold_of(s)).max(),
-                };
+                let hold = self
+                    .holds_until(&subjects)
+                    .await
+                    .into_iter()
+                    .flatten()
+                    .max();
                 let read_at = self.inner.clock.now();
                 let Some(obj) = entry.as_object_mut() else {
                     continue;

@@ -107,7 +107,7 @@ where
         // The holds every process on the store put (a 429's Retry-After,
         // requests at zero until a reset): one store call for the route.
         let subjects: Vec<u64> = route.scopes.iter().map(|s| s.subject).collect();
-        for h in self.holds_until(&subjects).await?.into_iter().flatten() {
+        for h in self.holds_until(&subjects).await.into_iter().flatten() {
             ready_at = ready_at.max(h);
         }
         for (k, s) in route.scopes.iter().enumerate() {
