@@ -166,12 +166,27 @@ pub struct BatchToolCall {
     pub arguments: Value,
 }
 
-/// True when `body` may hold a call of a batch lane's tool (a cheap look for the
-/// tool names, before anything is parsed).
+/// True when `body` may hold a call of a batch lane's tool: a cheap look,
+/// before anything is parsed, that never says no to one. It looks for each
+/// batch tool's name and each retired name that maps to one, and says yes to
+/// any body with a `\u` escape (a name can be spelled with them).
 pub fn may_call_batch_tool(policy: &sluice_policy::Policy, body: &[u8]) -> bool {
-    batch_tools(policy).any(|(_, name)| {
-        let quoted = format!("\"{name}\"");
-        body.windows(quoted.len()).any(|w| w == quoted.as_bytes())
+    let mut tools = batch_tools(policy).peekable();
+    if tools.peek().is_none() {
+        return false;
+    }
+    let has = |needle: &[u8]| memchr::memmem::find(body, needle).is_some();
+    if has(b"\\u") {
+        return true;
+    }
+    let quoted = |name: &str| has(format!("\"{name}\"").as_bytes());
+    tools.any(|(_, name)| {
+        quoted(name)
+            || policy
+                .jsonrpc
+                .retired
+                .iter()
+                .any(|(retired, actions)| actions.values().any(|t| t == name) && quoted(retired))
     })
 }
 
@@ -207,11 +222,9 @@ pub fn batch_tool_call(
     let Ok(value) = serde_json::from_slice::<Value>(body) else {
         return Ok(None);
     };
+    // The tool as the classifier reads it: a retired name by its action.
     let tool_of = |message: &Value| -> Option<BatchTool> {
-        if message.get("method").and_then(Value::as_str) != Some("tools/call") {
-            return None;
-        }
-        let name = message.get("params")?.get("name")?.as_str()?;
+        let name = policy.jsonrpc.called_tool(message)?;
         batch_tools(policy)
             .find(|(_, t)| *t == name)
             .map(|(tool, _)| tool)
@@ -223,14 +236,24 @@ pub fn batch_tool_call(
             }
             Ok(None)
         }
-        message => Ok(tool_of(message).map(|tool| BatchToolCall {
-            tool,
-            id: message.get("id").cloned().unwrap_or(Value::Null),
-            arguments: message
-                .get("params")
+        message => Ok(tool_of(message).map(|tool| {
+            let params = message.get("params");
+            let mut arguments = params
                 .and_then(|p| p.get("arguments"))
                 .cloned()
-                .unwrap_or(Value::Null),
+                .unwrap_or(Value::Null);
+            // A retired name's `action` chose the tool: it is no argument of it.
+            let named = params.and_then(|p| p.get("name")).and_then(Value::as_str);
+            if named != policy.jsonrpc.called_tool(message)
+                && let Some(arguments) = arguments.as_object_mut()
+            {
+                arguments.remove("action");
+            }
+            BatchToolCall {
+                tool,
+                id: message.get("id").cloned().unwrap_or(Value::Null),
+                arguments,
+            }
         })),
     }
 }

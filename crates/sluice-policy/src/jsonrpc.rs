@@ -219,6 +219,29 @@ impl JsonRpc {
         self.tool(name, action)
     }
 
+    /// The name of the tool a `tools/call` message calls, as the rules read it:
+    /// a retired name is the tool its `arguments.action` maps to; any other
+    /// name is the tool it names (escapes in the JSON read as serde reads
+    /// them). `None` for a message that is no tool call.
+    pub fn called_tool<'a>(&'a self, item: &'a Value) -> Option<&'a str> {
+        if item.get("method").and_then(Value::as_str) != Some("tools/call") {
+            return None;
+        }
+        let params = item.get("params")?;
+        let name = params.get("name").and_then(Value::as_str)?;
+        if self.tools.contains_key(name) {
+            return Some(name);
+        }
+        let action = params
+            .get("arguments")
+            .and_then(|a| a.get("action"))
+            .and_then(Value::as_str);
+        match self.retired.get(name) {
+            Some(actions) => action.and_then(|a| actions.get(a)).map(String::as_str),
+            None => Some(name),
+        }
+    }
+
     /// The class of one JSON-RPC message.
     pub fn item_class(&self, item: &Value) -> Class {
         let Some(method) = item.get("method").and_then(Value::as_str) else {

@@ -351,6 +351,71 @@ async fn l4_the_batch_tools_run_the_batch_lane_over_jsonrpc() {
     );
 }
 
+/// A batch tool's call spelled another way — its name with JSON escapes, or the
+/// retired tool name with the action that maps to it — is the batch lane's all the
+/// same: queued by sluice with its items' quota spent, never forwarded to the
+/// upstream as one call (issue: the look for the name was by its bytes as sent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_a_batch_tool_spelled_another_way_is_still_the_batch_lane() {
+    let sluice = Sluice::spawn(&["--demo-optimize-seconds", "0"]);
+    let raw = |body: String| {
+        Request::post(sluice.url("/mcp"))
+            .header("x-api-key", "sk-acme")
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(Full::new(Bytes::from(body)))
+            .expect("request")
+    };
+    let items3 = Value::from(items(3)).to_string();
+    let spellings = [
+        format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"optimize\u005fmessage_batch","arguments":{{"items":{items3}}}}}}}"#
+        ),
+        format!(
+            r#"{{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{{"name":"messages","arguments":{{"action":"optimize_batch","items":{items3}}}}}}}"#
+        ),
+    ];
+    for (n, body) in spellings.into_iter().enumerate() {
+        let reply = send(raw(body.clone())).await;
+        assert_eq!(reply.status, StatusCode::OK, "{body}: {}", reply.text());
+        let answer = reply.json();
+        assert_eq!(
+            answer["result"]["structuredContent"]["items"], 3,
+            "{body}: queued by sluice's batch lane, not forwarded: {answer}"
+        );
+        let usage = send(
+            Request::get(sluice.admin_url(&format!(
+                "/quotas?workspace=key:{}",
+                support::sha256_hex("sk-acme")
+            )))
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+        )
+        .await
+        .json();
+        let messages = usage["quotas"]
+            .as_array()
+            .and_then(|q| q.iter().find(|f| f["family"] == "messages"))
+            .cloned()
+            .expect("messages");
+        assert_eq!(
+            messages["usage"],
+            3 * (n + 1),
+            "each item spends a unit: {usage}"
+        );
+    }
+    // Inside a JSON-RPC batch, the retired spelling is refused as the tool is.
+    let mixed = format!(
+        r#"[{{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{{"name":"messages","arguments":{{"action":"optimize_batch","items":{items3}}}}}}},{{"jsonrpc":"2.0","id":4,"method":"tools/list"}}]"#
+    );
+    let reply = send(raw(mixed)).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(
+        reply.json()["error"]["details"]["reason"],
+        "batch_tool_in_batch"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn l4_replicas_on_one_redis_share_the_queue() {
     let redis = support::redis::RedisServer::start("batches");
