@@ -68,6 +68,7 @@ pub mod descriptors;
 pub mod dialect;
 pub mod exchange;
 pub mod forward_auth;
+mod hangup;
 mod head;
 mod intake;
 mod lanes;
@@ -99,6 +100,7 @@ pub use buffers::{
     DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES, READ_BUFFER_ALLOWANCE,
 };
 pub use exchange::{BodyRead, Forward, Planned, QuotaSpent};
+pub use hangup::{Hangup, HangupSender};
 pub use intake::{BodyFailure, Intake};
 pub use lanes::{
     LaneCall, LanePlace, LaneStatus, LaneWorkspace, lane_config, lane_refusal, lane_status,

@@ -314,12 +314,7 @@ where
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(Metered::new(
-            service.clone(),
-            peer,
-            stats.clone(),
-            HEADER_READ_TIMEOUT,
-        ));
+        let metered = Metered::new(service.clone(), peer, stats.clone(), HEADER_READ_TIMEOUT);
         let watcher = graceful.watcher();
         let (http1, http2) = (http1.clone(), http2.clone());
         let mut drain_started = drain_started.clone();
@@ -346,10 +341,12 @@ where
                 if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
                     // As over plain HTTP/2: the preface is due as a head is.
                     let stream = preface_due(stream);
+                    let service = TowerToHyperService::new(metered);
                     let _ = watcher
                         .watch(http2.serve_connection(TokioIo::new(stream), service))
                         .await;
                 } else {
+                    let service = h1_service(metered, stream.get_ref().0);
                     let _ = watcher
                         .watch(http1.serve_connection(TokioIo::new(stream), service))
                         .await;
@@ -369,6 +366,7 @@ where
             match protocol {
                 // An https upstream: hyper serves every connection from the start.
                 Some(Protocol::Http1) if !fast.is_on() => {
+                    let service = h1_service(metered, &stream);
                     let _ = watcher
                         .watch(http1.serve_connection(TokioIo::new(stream), service))
                         .await;
@@ -382,9 +380,12 @@ where
                         MAX_REQUEST_HEAD_BYTES,
                     );
                     // Held meanwhile, the watcher counts the connection in the drain.
-                    let stream = match served.await {
+                    let (stream, service) = match served.await {
                         Ended::Closed => return,
-                        Ended::Elsewhere(stream, read) => Rewind::new(stream, read),
+                        Ended::Elsewhere(stream, read) => {
+                            let service = h1_service(metered, &stream);
+                            (Rewind::new(stream, read), service)
+                        }
                     };
                     let _ = watcher
                         .watch(http1.serve_connection(TokioIo::new(stream), service))
@@ -392,6 +393,7 @@ where
                 }
                 Some(Protocol::Http2) => {
                     let stream = preface_due(stream);
+                    let service = TowerToHyperService::new(metered);
                     let _ = watcher
                         .watch(http2.serve_connection(TokioIo::new(stream), service))
                         .await;
@@ -407,6 +409,12 @@ where
         Ok(()) => Drain::Complete,
         Err(_) => Drain::TimedOut { connections: open },
     }
+}
+
+/// The service of an HTTP/1.1 connection hyper serves: its requests hear the
+/// client hang up (over HTTP/2 hyper hears of a stream the client gave up).
+fn h1_service<S>(metered: Metered<S>, stream: &TcpStream) -> TowerToHyperService<Metered<S>> {
+    TowerToHyperService::new(metered.with_hangup(crate::hangup::watch(stream)))
 }
 
 /// The protocol a client speaks, told by its first bytes.

@@ -24,6 +24,7 @@ mod check;
 pub(crate) mod file_watch;
 mod gateway;
 mod h1;
+mod hangup;
 pub mod listener_tls;
 pub(crate) mod metered;
 pub mod otlp;

@@ -229,6 +229,8 @@ pub(crate) struct Metered<S> {
     peer: SocketAddr,
     stats: RequestStats,
     body_timeout: Duration,
+    /// The connection's client hang-up, for each of its requests.
+    hangup: Option<sluice_edge::Hangup>,
 }
 
 impl<S> Metered<S> {
@@ -245,7 +247,14 @@ impl<S> Metered<S> {
             peer,
             stats,
             body_timeout,
+            hangup: None,
         }
+    }
+
+    /// The same, telling each request when the client hangs up.
+    pub(crate) fn with_hangup(mut self, hangup: Option<sluice_edge::Hangup>) -> Self {
+        self.hangup = hangup;
+        self
     }
 }
 
@@ -273,6 +282,9 @@ where
         let mut request =
             request.map(|body| GatewayBody::new(ReadDeadline::new(body, body_timeout)));
         request.extensions_mut().insert(PeerAddr(self.peer));
+        if let Some(hangup) = &self.hangup {
+            request.extensions_mut().insert(hangup.clone());
+        }
         let guard = self.stats.request();
         let future = self.inner.call(request);
         Box::pin(async move {

@@ -5,12 +5,16 @@
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
-/// File descriptors the process needs besides two per client connection (a client's
-/// and its upstream's): listeners, the admin side, the durable store, Redis, logs.
+/// Descriptors a client connection may hold: its own, its upstream's, and on the
+/// HTTP/1.1 path hyper serves the second one that watches for its hang-up.
+const FDS_PER_CONNECTION: u64 = 3;
+
+/// File descriptors the process needs besides those of client connections:
+/// listeners, the admin side, the durable store, Redis, logs.
 const FDS_BESIDES_CONNECTIONS: u64 = 128;
 
 /// The `--max-connections` the open-file limit allows: the soft limit is raised
-/// toward the hard one when two descriptors per connection do not fit, and when even
+/// toward the hard one when three descriptors per connection do not fit, and when even
 /// the hard one is too low the cap is lowered, with a warning, rather than `accept`
 /// failing in a loop once descriptors run out.
 ///
@@ -23,7 +27,7 @@ pub fn connections_within_fd_limit(
 ) -> Result<(NonZeroUsize, Option<String>), String> {
     use rustix::process::{Resource, getrlimit, setrlimit};
     let needed = (wanted.get() as u64)
-        .saturating_mul(2)
+        .saturating_mul(FDS_PER_CONNECTION)
         .saturating_add(FDS_BESIDES_CONNECTIONS);
     let limit = getrlimit(Resource::Nofile);
     let Some(soft) = limit.current else {
@@ -51,7 +55,7 @@ pub fn connections_within_fd_limit(
     if soft >= needed {
         return Ok((wanted, None));
     }
-    let fits = soft.saturating_sub(FDS_BESIDES_CONNECTIONS) / 2;
+    let fits = soft.saturating_sub(FDS_BESIDES_CONNECTIONS) / FDS_PER_CONNECTION;
     let fits = usize::try_from(fits)
         .ok()
         .and_then(NonZeroUsize::new)

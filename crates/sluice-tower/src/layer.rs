@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{CONNECTION, HOST, HeaderValue};
-use http::{Request, Response, Version};
+use http::{Request, Response, StatusCode, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full};
 use sluice_store::BudgetStore;
@@ -265,7 +265,22 @@ where
             // Phases 3 and 4: planned and admitted; what cannot be counted is
             // refused before anything is decided.
             let planned = intake.planned(&parts.headers, key.as_deref(), None);
-            let mut forward = match planned.admit(request_id.as_ref()).await {
+            // A call waiting for its lane's place waits while its client is there
+            // (when the transport watches it): one that hangs up leaves the line.
+            let hangup = parts
+                .extensions
+                .remove::<sluice_edge::Hangup>()
+                .filter(|_| planned.plan().is_ok_and(|p| p.lane.is_some()));
+            let admitted = match hangup {
+                Some(hangup) => {
+                    tokio::select! {
+                        admitted = planned.admit(request_id.as_ref()) => admitted,
+                        () = hangup.wait() => return Ok(client_gone().map(Either::Left)),
+                    }
+                }
+                None => planned.admit(request_id.as_ref()).await,
+            };
+            let mut forward = match admitted {
                 Ok(forward) => forward,
                 Err(answer) => return Ok(answer.map(Either::Left)),
             };
@@ -462,4 +477,15 @@ where
     tokio::time::timeout_at(whole_by, read)
         .await
         .unwrap_or(Err(BodyFailure::TooSlow))
+}
+
+/// The answer to a call whose client hung up while it waited: nobody reads it
+/// (499, as nginx logs a client that closed the connection).
+fn client_gone() -> Response<Full<Bytes>> {
+    let mut answer = Response::new(Full::new(Bytes::new()));
+    *answer.status_mut() = StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST);
+    answer
+        .headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
+    answer
 }

@@ -110,3 +110,69 @@ async fn l3_a_failing_optimizer_opens_the_breaker_and_calls_are_refused_at_once(
     let status = get(&sluice.admin_url("/status")).await.json();
     assert_eq!(status["limiter"]["lanes"][0]["breaker"], "open");
 }
+
+/// L1 and L2: a call waiting for its lane's place whose client hangs up leaves the
+/// line, on both HTTP/1.1 request paths: it never takes a place, a start or the
+/// upstream's work once places free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l2_a_waiting_call_whose_client_hangs_up_leaves_the_line() {
+    use tokio::io::AsyncWriteExt as _;
+    let sluice = Sluice::spawn(&["--demo-optimize-seconds", "2"]);
+    let running: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(send(optimize(&sluice, "sk-acme", false))))
+        .collect();
+    let lane = |status: &Value| status["limiter"]["lanes"][0].clone();
+    let until = |running: u64, waiting: u64| {
+        let sluice = &sluice;
+        async move {
+            let mut l = Value::Null;
+            for _ in 0..250 {
+                l = lane(&get(&sluice.admin_url("/status")).await.json());
+                if l["running"] == running && l["waiting"] == waiting {
+                    return l;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            panic!("the lane never showed {running} running and {waiting} waiting: {l}");
+        }
+    };
+    until(3, 0).await;
+    // Two more callers wait (one on the fast path, one chunked through hyper), then
+    // hang up.
+    let body = "{\"message\":\"hello\"}";
+    let mut waiting = Vec::new();
+    for chunked in [false, true] {
+        let mut stream = tokio::net::TcpStream::connect(sluice.start.gateway)
+            .await
+            .expect("connect");
+        let head = if chunked {
+            format!(
+                "POST /messages/optimize HTTP/1.1\r\nHost: x\r\nX-API-Key: sk-acme\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
+                body.len()
+            )
+        } else {
+            format!(
+                "POST /messages/optimize HTTP/1.1\r\nHost: x\r\nX-API-Key: sk-acme\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+        };
+        stream.write_all(head.as_bytes()).await.expect("write");
+        waiting.push(stream);
+    }
+    until(3, 2).await;
+    drop(waiting);
+    until(3, 0).await;
+    for call in running {
+        let reply = call.await.expect("task");
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    }
+    until(0, 0).await;
+    let demo = get(&sluice.url("/demo/optimizer")).await.json();
+    assert_eq!(demo["calls"], 3, "no call of a caller that left: {demo}");
+    let status = get(&sluice.admin_url("/status")).await.json();
+    assert_eq!(
+        lane(&status)["workspaces"][0]["started_in_window"],
+        3,
+        "no start spent by them: {status}"
+    );
+}

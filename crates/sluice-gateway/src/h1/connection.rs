@@ -153,7 +153,21 @@ impl<'f> Connection<'f> {
         // (refused before anything is decided), a refusal, a body past the bound,
         // or a limiter that cannot decide, is answered here.
         let planned = intake.planned(&self.identity, None, Some(body_bytes));
-        let forward = match planned.admit(Some(&id)).await {
+        // A call waiting for its lane's place waits while its client is there:
+        // one that hangs up leaves the line (its place, start, budgets and the
+        // upstream's work are nobody's), and the connection closes.
+        let admitted = if planned.plan().is_ok_and(|p| p.lane.is_some()) {
+            let admit = planned.admit(Some(&id));
+            tokio::pin!(admit);
+            tokio::select! {
+                admitted = &mut admit => admitted,
+                // Returning drops the waiting call, and with it its place in line.
+                () = client_gone(client) => return Ok(Next::Close),
+            }
+        } else {
+            planned.admit(Some(&id)).await
+        };
+        let forward = match admitted {
             Ok(forward) => forward,
             Err(answer) => {
                 self.from_client.advance(consumed);
@@ -522,5 +536,16 @@ impl<'f> Connection<'f> {
         }
         written?;
         Ok(if close { Next::Close } else { Next::Request })
+    }
+}
+
+/// Resolves when the client hangs up (its side closed or reset); never while it
+/// is there, nor once it sent more (a pipelined request: then there is no
+/// telling, and the call waits on as before).
+async fn client_gone(client: &TcpStream) {
+    let mut byte = [0u8; 1];
+    match client.peek(&mut byte).await {
+        Ok(0) | Err(_) => {}
+        Ok(_) => std::future::pending().await,
     }
 }
