@@ -193,7 +193,7 @@ impl<S: BudgetStore + 'static> Tenants<S> {
 
     /// `base` (a policy file read again) with the table over it. A shared
     /// table's entries the new file cannot take are left out, as another
-    /// replica's change is ([`Tenants::apply_fitting`]): the file is taken, and
+    /// replica's change is: the file is taken, and
     /// [`Tenants::rebase`] lists them.
     ///
     /// # Errors
