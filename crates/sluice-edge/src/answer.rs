@@ -99,6 +99,7 @@ fn strip_admin_cookies(headers: &mut HeaderMap) {
 /// (see [`sluice_policy::Identity::strip_uncounted`]) and the admin login cookies
 /// ([`ADMIN_COOKIE_PREFIX`]).
 pub fn upstream_headers(headers: &mut HeaderMap, plan: &Plan, policy: &Policy) {
+    unname_own_fields(headers);
     policy.identity.strip_uncounted(headers);
     strip_admin_cookies(headers);
     let signals: Vec<HeaderName> = headers
@@ -114,6 +115,57 @@ pub fn upstream_headers(headers: &mut HeaderMap, plan: &Plan, policy: &Policy) {
             headers.insert(name.clone(), v);
         }
     });
+}
+
+/// The fields sluice sets on a forwarded request (besides `X-Sluice-*`): a
+/// client's `Connection` never names them.
+const OWN_FIELDS: [&str; 7] = [
+    "x-request-id",
+    "traceparent",
+    "tracestate",
+    "accept-encoding",
+    "forwarded",
+    "x-forwarded-for",
+    "host",
+];
+
+/// Takes out of the client's `Connection` fields every name of a field sluice
+/// sets on the forwarded request (`X-Sluice-*`, [`OWN_FIELDS`]): a proxy removes
+/// the fields `Connection` names (RFC 9110 §7.6.1), and would remove sluice's
+/// own with the client's — the caller's identity, a weighted budget passed on
+/// exhausted. A `Connection` left naming nothing is removed.
+pub fn unname_own_fields(headers: &mut HeaderMap) {
+    let own = |token: &[u8]| {
+        is_sluice_signal(token)
+            || OWN_FIELDS
+                .iter()
+                .any(|f| f.as_bytes().eq_ignore_ascii_case(token))
+    };
+    let tokens = |value: &HeaderValue| -> Vec<Vec<u8>> {
+        value
+            .as_bytes()
+            .split(|&b| b == b',')
+            .map(|t| t.trim_ascii().to_vec())
+            .filter(|t| !t.is_empty())
+            .collect()
+    };
+    let values: Vec<HeaderValue> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .cloned()
+        .collect();
+    if values.iter().all(|v| tokens(v).iter().all(|t| !own(t))) {
+        return;
+    }
+    headers.remove(http::header::CONNECTION);
+    for value in values {
+        let kept: Vec<Vec<u8>> = tokens(&value).into_iter().filter(|t| !own(t)).collect();
+        if let Ok(v) = HeaderValue::from_bytes(&kept.join(&b", "[..]))
+            && !kept.is_empty()
+        {
+            headers.append(http::header::CONNECTION, v);
+        }
+    }
 }
 
 /// Reads and removes the upstream's `X-Sluice-Cost`: `Some(cost)` to charge,

@@ -805,3 +805,52 @@ async fn an_upstream_that_refuses_and_stops_reading_is_relayed_while_the_body_go
     .await;
     let _ = stop.send(());
 }
+
+/// An upstream that answers every request with the head it received.
+async fn echo_upstream() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                while let Some(end) = read_request_head(&mut stream, &mut pending).await {
+                    let head: Vec<u8> = pending.drain(..end).collect();
+                    let answer =
+                        format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", head.len());
+                    if stream.write_all(answer.as_bytes()).await.is_err()
+                        || stream.write_all(&head).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// SPEC's contract with the upstream: a client's `Connection` naming the fields
+/// sluice sets (its identity, the request id) removes none of them, on the fast
+/// path and on the path hyper serves (HTTP/1.0 here).
+#[tokio::test]
+async fn connection_never_removes_the_fields_sluice_sets() {
+    bounded(async {
+        let upstream = echo_upstream().await;
+        let sluice = Sluice::spawn(&["--upstream", &upstream]);
+        for version in ["HTTP/1.1", "HTTP/1.0"] {
+            let mut stream = connect(&sluice).await;
+            let request = format!(
+                "GET /search/fields {version}\r\nhost: x\r\nx-api-key: sk-conn\r\nconnection: X-Sluice-Workspace, x-sluice-user,X-Request-Id , keep-alive\r\n\r\n"
+            );
+            stream.write_all(request.as_bytes()).await.expect("write");
+            let raw = read_raw(&mut stream, &mut Vec::new(), false).await;
+            let echoed = String::from_utf8_lossy(&raw.body).to_ascii_lowercase();
+            assert_eq!(raw.status, 200, "{version}: {echoed}");
+            for field in ["x-sluice-workspace: key:", "x-sluice-user: key:", "x-request-id: "] {
+                assert!(echoed.contains(field), "{version}: {field} went missing: {echoed}");
+            }
+        }
+    })
+    .await;
+}
