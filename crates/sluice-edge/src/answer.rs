@@ -494,7 +494,7 @@ impl Refused {
     /// | JSON past `limits.max_json_depth` | 400 | `invalid_request` | `max_json_depth` |
     /// | an empty batch, not JSON-RPC, not UTF-8 JSON, a byte-order mark | 400 | `invalid_request` | `reason` |
     /// | a `Content-Encoding` but `identity` | 415 | `unsupported_media_type` | `content_encodings` |
-    /// | a path with `..` above the root, a bad `%`, a `\\`, or `;` parameters that change the route | 400 | `invalid_request` | `reason` |
+    /// | a path with `..` above the root, a bad `%`, a `\\`, `;` parameters or an encoded slash (`%2F`, `%5C`) that change the route | 400 | `invalid_request` | `reason` (`path_parameters`, `encoded_slash`, …) |
     /// | a method that differs from a known one only by case (`post`), or a method-override field that changes the route or cannot be read | 400 | `invalid_request` | `reason: "method_case"` or `"method_override"` |
     /// | a method that differs from a known one only by case (`post`), a method-override field that changes the route or cannot be read | 400 | `invalid_request` | `reason: "method_case"`, `"method_override"` |
     /// | one kind of credential sent more than once, or two kinds without `identity.counted_credential` | 400 | `invalid_request` | `reason: "ambiguous_credentials"`, `field`, `fields`, `count` |
@@ -520,6 +520,7 @@ impl Refused {
             Refused::Path(PathError::BadPercentEncoding) => invalid("bad_percent_encoding"),
             Refused::Path(PathError::Backslash) => invalid("backslash_in_path"),
             Refused::Path(PathError::ParametersChangeRoute) => invalid("path_parameters"),
+            Refused::Path(PathError::EncodedSlashChangesRoute) => invalid("encoded_slash"),
             Refused::Path(PathError::MethodCase) => invalid("method_case"),
             Refused::Path(PathError::MethodOverride) => invalid("method_override"),
             Refused::Path(_) | Refused::Target => invalid("bad_target"),

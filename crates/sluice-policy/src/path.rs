@@ -75,6 +75,11 @@ pub enum PathError {
     /// upstream that drops them (as servlet containers do) reads another route.
     #[error("path parameters (';') change the route the path matches")]
     ParametersChangeRoute,
+    /// An encoded slash (`%2F`, or `%5C`, a backslash many servers read as `/`)
+    /// changes the route the path matches: an upstream that decodes the path
+    /// before routing it (Werkzeug, Django, Starlette, …) reads another route.
+    #[error("an encoded '/' ('%2F' or '%5C') changes the route the path matches")]
+    EncodedSlashChangesRoute,
     /// The method differs from a known one only by case (`post`): some servers run
     /// it as that method, the route table matches it as no method.
     #[error("the method differs from a known method only by case")]
@@ -150,6 +155,37 @@ pub fn without_parameters(path: &str) -> Cow<'_, str> {
         out.push_str(segment.split(';').next().unwrap_or(segment));
     }
     Cow::Owned(out)
+}
+
+/// The reading of a normal `path` by a server that decodes `%2F` and `%5C` to
+/// `/` before routing it (dot segments and, with `merge_slashes`, empty ones then
+/// removed again); `None` when the path has neither.
+///
+/// # Errors
+/// [`PathError::AboveRoot`] when that reading climbs above the root.
+pub(crate) fn with_encoded_slashes(
+    path: &str,
+    merge_slashes: bool,
+) -> Result<Option<String>, PathError> {
+    let upper = path.to_ascii_uppercase();
+    if !upper.contains("%2F") && !upper.contains("%5C") {
+        return Ok(None);
+    }
+    let mut decoded = String::with_capacity(path.len());
+    let mut rest = path;
+    while let Some(at) = rest.find('%') {
+        decoded.push_str(&rest[..at]);
+        let code = rest.get(at + 1..at + 3).unwrap_or("");
+        if code.eq_ignore_ascii_case("2F") || code.eq_ignore_ascii_case("5C") {
+            decoded.push('/');
+            rest = &rest[at + 3..];
+        } else {
+            decoded.push('%');
+            rest = &rest[at + 1..];
+        }
+    }
+    decoded.push_str(rest);
+    remove_dot_segments(&decoded, merge_slashes).map(Some)
 }
 
 /// RFC 3986 §2.3 unreserved characters.

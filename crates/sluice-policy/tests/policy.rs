@@ -140,6 +140,58 @@ fn e6_e7_path_parameters_that_change_the_route_are_refused() {
     }
 }
 
+/// A server that decodes `%2F` (or `%5C`) to `/` before routing reads
+/// `/messages%2Foptimize` as the optimizer's route: where that reading matches
+/// another route than the path as sent, the request is refused, never counted as
+/// the cheaper one; elsewhere it is routed as it is.
+#[test]
+fn e6_e7_an_encoded_slash_that_changes_the_route_is_refused() {
+    let p = default_policy().expect("default");
+    let routed = |m: Method, path: &str| p.route_checked(&m, path).map(|r| r.is_some());
+    for (method, path) in [
+        (Method::POST, "/messages%2Foptimize"),
+        (Method::POST, "/messages%2foptimize"),
+        (Method::POST, "/search%2Fquery"),
+        (Method::POST, "/messages%5Coptimize"),
+        (Method::GET, "/evals/e1%2Fexport"),
+        (Method::POST, "/oauth%2F..%2Foauth%2Fregister"),
+    ] {
+        assert_eq!(
+            routed(method, path),
+            Err(PathError::EncodedSlashChangesRoute),
+            "{path}"
+        );
+    }
+    assert_eq!(
+        routed(Method::POST, "/%2F..%2F..%2Fchats"),
+        Err(PathError::AboveRoot)
+    );
+    for (method, path, has_route) in [
+        (Method::GET, "/search/fields%2Fx", true),
+        (Method::POST, "/other%2Fpath", false),
+        (Method::POST, "/messages/optimize", true),
+    ] {
+        assert_eq!(routed(method, path), Ok(has_route), "{path}");
+    }
+}
+
+/// Servers run a GET route's handler for HEAD: a HEAD is routed as the GET,
+/// spending its class and buckets, never the default class.
+#[test]
+fn e6_a_head_spends_what_its_get_spends() {
+    let p = default_policy().expect("default");
+    let get = p.route(&Method::GET, "/evals/e1/export").expect("export");
+    let head = p
+        .route(&Method::HEAD, "/evals/e1/export")
+        .expect("HEAD too");
+    assert_eq!(get, head);
+    assert_eq!(
+        p.route(&Method::HEAD, "/chats"),
+        p.route(&Method::GET, "/chats"),
+        "a POST route is not HEAD's"
+    );
+}
+
 #[test]
 fn e5_jsonrpc_items_are_classed_by_method_tool_and_retired_action() {
     let p = default_policy().expect("default");

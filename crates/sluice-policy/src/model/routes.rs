@@ -72,9 +72,13 @@ impl Route {
     }
 
     /// True when the route matches, its path's literal segments compared as `case`
-    /// says (the policy's `paths.case`).
+    /// says (the policy's `paths.case`). A `GET` route matches `HEAD` too: servers
+    /// run a GET handler for HEAD (RFC 9110 §9.3.2), so a HEAD spends what the GET
+    /// does, never the default class.
     pub fn matches_in(&self, method: &Method, path: &str, case: PathCase) -> bool {
-        self.method.as_ref().is_none_or(|m| m == method)
+        self.method
+            .as_ref()
+            .is_none_or(|m| m == method || (*m == Method::GET && *method == Method::HEAD))
             && self.path.as_ref().is_none_or(|p| p.matches_in(path, case))
     }
 }
@@ -159,6 +163,8 @@ impl Policy {
     /// # Errors
     /// [`PathError::ParametersChangeRoute`] when the two readings match different
     /// routes (`POST /chats;x=1`, `POST /oauth;x/register`);
+    /// [`PathError::EncodedSlashChangesRoute`] when the path read with `%2F` and
+    /// `%5C` decoded to `/` matches another route (`POST /messages%2Foptimize`);
     /// [`PathError::MethodCase`] for a method in another case.
     pub fn route_checked(&self, method: &Method, path: &str) -> Result<Option<&Route>, PathError> {
         if self.is_method_in_other_case(method) {
@@ -170,6 +176,11 @@ impl Policy {
             && !same_route(route, self.route(method, &bare))
         {
             return Err(PathError::ParametersChangeRoute);
+        }
+        if let Some(decoded) = crate::path::with_encoded_slashes(path, self.paths.merge_slashes)?
+            && !same_route(route, self.route(method, &decoded))
+        {
+            return Err(PathError::EncodedSlashChangesRoute);
         }
         Ok(route)
     }
