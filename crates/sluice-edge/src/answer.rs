@@ -100,6 +100,17 @@ fn strip_admin_cookies(headers: &mut HeaderMap) {
 /// ([`ADMIN_COOKIE_PREFIX`]).
 pub fn upstream_headers(headers: &mut HeaderMap, plan: &Plan, policy: &Policy) {
     unname_own_fields(headers);
+    if headers.keys().any(|n| n.as_str().contains('_')) {
+        let read = policy.identity.read_headers();
+        let spelled: Vec<HeaderName> = headers
+            .keys()
+            .filter(|n| is_underscore_spelling(n.as_str().as_bytes(), &read))
+            .cloned()
+            .collect();
+        for name in spelled {
+            headers.remove(name);
+        }
+    }
     policy.identity.strip_uncounted(headers);
     strip_admin_cookies(headers);
     let signals: Vec<HeaderName> = headers
@@ -166,6 +177,57 @@ pub fn unname_own_fields(headers: &mut HeaderMap) {
             headers.append(http::header::CONNECTION, v);
         }
     }
+}
+
+/// Fields whose meaning sluice or its upstream's proxies act on, besides the
+/// ones the policy reads and `X-Sluice-*`: an underscore spelling of one is
+/// never forwarded.
+const GUARDED_FIELDS: [&str; 17] = [
+    "x-request-id",
+    "traceparent",
+    "tracestate",
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-real-ip",
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "x-http-method-override",
+    "x-method-override",
+    "x-http-method",
+    "authorization",
+    "x-api-key",
+    "cookie",
+];
+
+/// True when `name` spells with `_` a field sluice reads (`read`: the policy's
+/// credentials, principal and run fields) or sets or guards (`X-Sluice-*`,
+/// [`GUARDED_FIELDS`]): `X_API_KEY`, `X_Sluice_Workspace`. Servers that map
+/// field names CGI-style (`HTTP_X_API_KEY`) read it as the field sluice did not
+/// see, so it is never forwarded.
+pub fn is_underscore_spelling(name: &[u8], read: &[HeaderName]) -> bool {
+    if !name.contains(&b'_') {
+        return false;
+    }
+    let folded: Vec<u8> = name
+        .iter()
+        .map(|&b| {
+            if b == b'_' {
+                b'-'
+            } else {
+                b.to_ascii_lowercase()
+            }
+        })
+        .collect();
+    is_sluice_signal(&folded)
+        || GUARDED_FIELDS
+            .iter()
+            .any(|f| f.as_bytes() == folded.as_slice())
+        || read
+            .iter()
+            .any(|r| r.as_str().as_bytes() == folded.as_slice())
 }
 
 /// Reads and removes the upstream's `X-Sluice-Cost`: `Some(cost)` to charge,

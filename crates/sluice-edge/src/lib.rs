@@ -87,9 +87,9 @@ pub use answer::{
     X_RATELIMIT_RESET, X_SLUICE_COST, X_SLUICE_EXHAUSTED, X_SLUICE_USER, X_SLUICE_WORKSPACE,
     body_too_slow, body_unreadable, buffers_full, buffers_refusal, carries_admin_cookie,
     envelope_response, for_each_rate_limit_header, for_each_upstream_header, is_sluice_signal,
-    jsonrpc_payload_too_large, jsonrpc_refusal, limiter_unavailable, parse_cost, payload_too_large,
-    rate_limit_headers, refusal, refusal_wait, retry_after_secs, rfc3339, take_cost,
-    upstream_headers, upstream_timed_out,
+    is_underscore_spelling, jsonrpc_payload_too_large, jsonrpc_refusal, limiter_unavailable,
+    parse_cost, payload_too_large, rate_limit_headers, refusal, refusal_wait, retry_after_secs,
+    rfc3339, take_cost, upstream_headers, upstream_timed_out,
 };
 pub use batch::{
     BadBatch, BatchSubmit, BatchTool, BatchToolCall, MAX_IDEMPOTENCY_KEY, batch_tool_call,

@@ -854,3 +854,30 @@ async fn connection_never_removes_the_fields_sluice_sets() {
     })
     .await;
 }
+
+/// A field spelled with `_` for one sluice reads or sets (`X_API_KEY`,
+/// `X_Sluice_Workspace`, `X_Forwarded_For`) never reaches the upstream, on either
+/// path: a server that maps names CGI-style would read it as the field sluice did
+/// not count or set. Other underscore fields pass.
+#[tokio::test]
+async fn an_underscore_spelling_of_a_field_sluice_reads_or_sets_is_not_forwarded() {
+    bounded(async {
+        let upstream = echo_upstream().await;
+        let sluice = Sluice::spawn(&["--upstream", &upstream]);
+        for version in ["HTTP/1.1", "HTTP/1.0"] {
+            let mut stream = connect(&sluice).await;
+            let request = format!(
+                "GET /search/fields {version}\r\nhost: x\r\nx-api-key: sk-under\r\nX_API_KEY: sk-real\r\nX_Sluice_Workspace: victim\r\nx_forwarded_for: 198.51.100.1\r\nX_Request_Id: spoofed\r\nmy_field: kept\r\n\r\n"
+            );
+            stream.write_all(request.as_bytes()).await.expect("write");
+            let raw = read_raw(&mut stream, &mut Vec::new(), false).await;
+            let echoed = String::from_utf8_lossy(&raw.body).to_ascii_lowercase();
+            assert_eq!(raw.status, 200, "{version}: {echoed}");
+            for gone in ["x_api_key", "x_sluice_workspace", "x_forwarded_for", "x_request_id", "victim", "sk-real"] {
+                assert!(!echoed.contains(gone), "{version}: {gone} was forwarded: {echoed}");
+            }
+            assert!(echoed.contains("my_field: kept"), "{version}: {echoed}");
+        }
+    })
+    .await;
+}

@@ -160,8 +160,10 @@ pub(super) fn parse<'l>(
         {
             identity.append(known.clone(), value);
         }
-        // `X-Sluice-*` are sluice's signals to the upstream: a client's never pass.
+        // `X-Sluice-*` are sluice's signals to the upstream: a client's never pass,
+        // nor an underscore spelling of a field sluice reads or sets.
         if name.eq_ignore_ascii_case(b"host")
+            || sluice_edge::is_underscore_spelling(name, cx.identity_headers)
             || (llm && name.eq_ignore_ascii_case(b"accept-encoding"))
             || is_hop_by_hop(name)
             || sluice_edge::is_sluice_signal(name)
