@@ -35,8 +35,9 @@ use tower::Service;
 
 use super::GatewayBody;
 use super::boxed::BoxError;
-use super::h1::{Ended, FastPath};
+use super::h1::{Ended, FastPath, SEND_TIMEOUT};
 use super::metered::{Metered, OpenConnection, RequestStats};
+use super::send_deadline::SendDeadline;
 use sluice_door::{AddressSlot, PerAddress};
 use sluice_h1::rewind::Rewind;
 
@@ -343,12 +344,18 @@ where
                     let stream = preface_due(stream);
                     let service = TowerToHyperService::new(metered);
                     let _ = watcher
-                        .watch(http2.serve_connection(TokioIo::new(stream), service))
+                        .watch(http2.serve_connection(
+                            TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+                            service,
+                        ))
                         .await;
                 } else {
                     let service = h1_service(metered, stream.get_ref().0);
                     let _ = watcher
-                        .watch(http1.serve_connection(TokioIo::new(stream), service))
+                        .watch(http1.serve_connection(
+                            TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+                            service,
+                        ))
                         .await;
                 }
             });
@@ -368,7 +375,10 @@ where
                 Some(Protocol::Http1) if !fast.is_on() => {
                     let service = h1_service(metered, &stream);
                     let _ = watcher
-                        .watch(http1.serve_connection(TokioIo::new(stream), service))
+                        .watch(http1.serve_connection(
+                            TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+                            service,
+                        ))
                         .await;
                 }
                 Some(Protocol::Http1) => {
@@ -388,14 +398,20 @@ where
                         }
                     };
                     let _ = watcher
-                        .watch(http1.serve_connection(TokioIo::new(stream), service))
+                        .watch(http1.serve_connection(
+                            TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+                            service,
+                        ))
                         .await;
                 }
                 Some(Protocol::Http2) => {
                     let stream = preface_due(stream);
                     let service = TowerToHyperService::new(metered);
                     let _ = watcher
-                        .watch(http2.serve_connection(TokioIo::new(stream), service))
+                        .watch(http2.serve_connection(
+                            TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+                            service,
+                        ))
                         .await;
                 }
                 None => {}

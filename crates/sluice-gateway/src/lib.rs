@@ -35,6 +35,7 @@ pub mod process;
 pub(crate) mod proxy;
 mod read_deadline;
 pub mod reload;
+mod send_deadline;
 mod start;
 pub(crate) mod store;
 pub(crate) mod tls;

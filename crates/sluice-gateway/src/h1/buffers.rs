@@ -33,6 +33,29 @@ pub(super) enum Next {
     Elsewhere,
 }
 
+/// How long a client may take to take any of what is sent to it before its
+/// connection is closed (as nginx's `send_timeout`): a client that stops reading
+/// would hold its connection and the upstream's for as long as it likes.
+pub(crate) const SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Writes all of `bytes` to the client, each part within [`SEND_TIMEOUT`] of the
+/// last: a client that takes nothing for that long is an error (`TimedOut`).
+pub(super) async fn send(
+    client: &mut tokio::net::TcpStream,
+    mut bytes: &[u8],
+) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt as _;
+    while !bytes.is_empty() {
+        match tokio::time::timeout(SEND_TIMEOUT, client.write(bytes)).await {
+            Ok(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(Ok(n)) => bytes = &bytes[n..],
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(std::io::ErrorKind::TimedOut.into()),
+        }
+    }
+    Ok(())
+}
+
 /// One client connection's buffers.
 pub(super) struct Connection<'f> {
     pub(super) fast: &'f FastPath,

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use bytes::{Buf as _, Bytes};
 use http::{Method, Response};
 use sluice_edge::{Forward, Limiter, RequestId};
-use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
@@ -530,7 +529,7 @@ impl<'f> Connection<'f> {
             out.extend_from_slice(answer.body());
         }
         in_flight.answered(Some(answer.status().as_u16()));
-        let written = client.write_all(out).await;
+        let written = super::buffers::send(client, out).await;
         if let Some(access) = access {
             access.log(id, answer.status().as_u16(), written.is_ok());
         }

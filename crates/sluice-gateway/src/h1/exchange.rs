@@ -7,7 +7,6 @@ use std::io;
 use bytes::Buf as _;
 use http::HeaderName;
 use sluice_edge::{Forward, Limiter, RequestId};
-use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
 
 use crate::proxy::Failure;
@@ -292,7 +291,7 @@ impl<'f> Connection<'f> {
         let pipelined = &mut self.from_client;
         match head.framing {
             Framing::Empty => {
-                client.write_all(out).await?;
+                super::buffers::send(client, out).await?;
                 Ok(head.reusable && upstream.is_empty())
             }
             Framing::Length(n) => {
@@ -303,7 +302,7 @@ impl<'f> Connection<'f> {
                 out.extend_from_slice(&upstream[..take]);
                 upstream.advance(take);
                 left -= take as u64;
-                client.write_all(out).await?;
+                super::buffers::send(client, out).await?;
                 while left > 0 {
                     upstream.clear();
                     if read_body(conn, upstream, client, pipelined).await? == 0 {
@@ -312,7 +311,7 @@ impl<'f> Connection<'f> {
                     let take = usize::try_from(left)
                         .unwrap_or(usize::MAX)
                         .min(upstream.len());
-                    client.write_all(&upstream[..take]).await?;
+                    super::buffers::send(client, &upstream[..take]).await?;
                     upstream.advance(take);
                     left -= take as u64;
                 }
@@ -325,7 +324,7 @@ impl<'f> Connection<'f> {
                     .map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
                 out.extend_from_slice(&upstream[..used]);
                 upstream.advance(used);
-                client.write_all(out).await?;
+                super::buffers::send(client, out).await?;
                 while !end.is_done() {
                     upstream.clear();
                     if read_body(conn, upstream, client, pipelined).await? == 0 {
@@ -334,7 +333,7 @@ impl<'f> Connection<'f> {
                     let used = end
                         .feed(upstream)
                         .map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
-                    client.write_all(&upstream[..used]).await?;
+                    super::buffers::send(client, &upstream[..used]).await?;
                     upstream.advance(used);
                 }
                 Ok(head.reusable && upstream.is_empty())
@@ -343,7 +342,7 @@ impl<'f> Connection<'f> {
                 // Each read goes out as one chunk, the close as the last chunk.
                 push_chunk(out, upstream);
                 upstream.clear();
-                client.write_all(out).await?;
+                super::buffers::send(client, out).await?;
                 loop {
                     upstream.clear();
                     let n = read_body(conn, upstream, client, pipelined).await?;
@@ -352,7 +351,7 @@ impl<'f> Connection<'f> {
                     if n == 0 {
                         out.extend_from_slice(b"0\r\n\r\n");
                     }
-                    client.write_all(out).await?;
+                    super::buffers::send(client, out).await?;
                     if n == 0 {
                         return Ok(false);
                     }
@@ -441,11 +440,11 @@ impl<'f> Connection<'f> {
             if ended {
                 // Settled before the client has the whole answer.
                 settlement.settle().await;
-                client.write_all(out).await?;
+                super::buffers::send(client, out).await?;
                 return Ok(head.reusable && !closed && upstream.is_empty());
             }
             if !out.is_empty() {
-                client.write_all(out).await?;
+                super::buffers::send(client, out).await?;
                 out.clear();
             }
             upstream.clear();

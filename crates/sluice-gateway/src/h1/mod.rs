@@ -33,6 +33,7 @@ mod exchange;
 mod request;
 mod settle;
 
+pub(crate) use buffers::SEND_TIMEOUT;
 use buffers::{Connection, Next, Timers};
 
 use std::net::SocketAddr;
@@ -413,6 +414,58 @@ mod tests {
         );
         assert_eq!(buffers.used(), 0, "the lease is given back");
         assert_eq!(accepted.load(Ordering::SeqCst), 0, "nothing went upstream");
+    }
+
+    /// A client that stops reading a large answer is closed at the send timeout
+    /// (as nginx's `send_timeout`), and the upstream connection with it: it never
+    /// holds them for as long as it likes.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_stops_reading_is_closed_at_the_send_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let upstream = listener.local_addr().expect("addr");
+        let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.expect("accept");
+            let mut head = [0u8; 1024];
+            let _ = stream.read(&mut head).await;
+            let size = 256 << 20;
+            let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {size}\r\n\r\n");
+            let _ = stream.write_all(answer.as_bytes()).await;
+            let chunk = vec![b'x'; 64 << 10];
+            let mut sent = 0;
+            while sent < size {
+                if stream.write_all(&chunk).await.is_err() {
+                    break;
+                }
+                sent += chunk.len();
+            }
+            let _ = closed_tx.send(sent < size);
+        });
+        let sluice = fast_path(upstream).await;
+        let mut client = TcpStream::connect(sluice).await.expect("connect");
+        client
+            .write_all(b"GET /things HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let mut first = [0u8; 100];
+        client
+            .read_exact(&mut first)
+            .await
+            .expect("the answer starts");
+        let started = tokio::time::Instant::now();
+        let cut = tokio::time::timeout(SEND_TIMEOUT * 2, closed_rx)
+            .await
+            .expect("the upstream connection is closed")
+            .expect("sent");
+        assert!(
+            cut,
+            "the whole answer went out to a client that read none of it"
+        );
+        let waited = started.elapsed();
+        assert!(
+            (SEND_TIMEOUT..SEND_TIMEOUT + Duration::from_secs(2)).contains(&waited),
+            "closed after {waited:?}"
+        );
     }
 
     #[tokio::test]
