@@ -567,7 +567,7 @@ impl Refused {
     /// | `CONNECT` | 405 | `method_not_allowed` | `method` (and an `Allow` field) |
     /// | more calls through a guarded lane in one request than a workspace runs at once | 400 | `invalid_request` | `reason: "too_many_lane_calls"`, `calls`, `max` |
     /// | a run id that is empty, too long or not of `[A-Za-z0-9-._~:@+=,]`, a depth that is no tier, a run header on a route whose calls are no turns, a run or depth header sent twice | 400 | `invalid_request` | `reason: "bad_run_id"`, `"unknown_depth"`, `"run_not_supported"`, `"several_run_headers"` |
-    /// | an LLM route's body that is not JSON, not an object, a `model` not a string, a bad `max_tokens`, no input | 400 | `invalid_request` | `reason: "not_json"`, `"not_an_object"`, `"model_not_a_string"`, `"bad_max_tokens"`, `"no_input"` |
+    /// | an LLM route's body that is not JSON, not an object, a `model` not a string, a bad `max_tokens`, no input | 400 | `invalid_request` | `reason: "not_json"`, `"not_an_object"`, `"model_not_a_string"`, `"bad_max_tokens"`, `"no_input"`, `"duplicate_key"` |
     pub fn response(&self) -> Response<Full<Bytes>> {
         let message = format!("Refused, nothing was counted or forwarded: {self}.");
         let invalid = |reason: &str| {
@@ -648,6 +648,7 @@ impl Refused {
                 Unclassifiable::NotUtf8 => invalid("not_utf8"),
                 Unclassifiable::NotJsonRpc => invalid("not_jsonrpc"),
                 Unclassifiable::NotJson => invalid("not_json"),
+                Unclassifiable::DuplicateKey => invalid("duplicate_key"),
                 _ => invalid("unclassifiable"),
             },
         };
@@ -712,6 +713,7 @@ impl Refused {
             Unclassifiable::NotUtf8 => serde_json::json!({ "reason": "not_utf8" }),
             Unclassifiable::NotJsonRpc => serde_json::json!({ "reason": "not_jsonrpc" }),
             Unclassifiable::NotJson => serde_json::json!({ "reason": "not_json" }),
+            Unclassifiable::DuplicateKey => serde_json::json!({ "reason": "duplicate_key" }),
             _ => serde_json::json!({ "reason": "unclassifiable" }),
         };
         let message = format!("Parse error: {self}; nothing was counted or forwarded.");

@@ -219,7 +219,8 @@ pub fn batch_tool_call(
     if !may_call_batch_tool(policy, body) {
         return Ok(None);
     }
-    let Ok(value) = serde_json::from_slice::<Value>(body) else {
+    // Read as the classifier reads it (which refuses a key named twice).
+    let Ok(value) = sluice_policy::json::parse_unique(body) else {
         return Ok(None);
     };
     // The tool as the classifier reads it: a retired name by its action.

@@ -50,7 +50,16 @@ impl Reservation {
         body: &[u8],
         (prices, counted): (&[Price], bool),
     ) -> Result<Self, Refused> {
-        let value = sluice_tokens::check_body(body)?;
+        // Read as every reader reads it: a key named twice is refused.
+        let value = match sluice_policy::json::parse_unique(body) {
+            Ok(value) => sluice_tokens::check_value(value)?,
+            Err(sluice_policy::json::NotUnique::NotJson) => {
+                return Err(sluice_tokens::BadLlmBody::NotJson.into());
+            }
+            Err(sluice_policy::json::NotUnique::DuplicateKey) => {
+                return Err(sluice_tokens::BadLlmBody::DuplicateKey.into());
+            }
+        };
         let model = sluice_tokens::model_of(&value);
         let price = model
             .and_then(|m| prices.iter().position(|p| p.matches(m)))

@@ -422,6 +422,11 @@ async fn t2_t3_errors_refund_cut_streams_keep_the_reservation_and_bad_bodies_go_
                 "bad_max_tokens",
             ),
             (r#"{"model": "m"}"#, "no_input"),
+            // A key named twice: readers differ on which value counts (SPEC E5).
+            (
+                r#"{"model": "m", "max_tokens": 10, "max_tokens": 900, "messages": []}"#,
+                "duplicate_key",
+            ),
         ] {
             let (status, _, answer) = call(addr, "/v1/chat/completions", "k", body).await;
             assert_eq!(status, 400, "{body}: {answer}");

@@ -127,6 +127,10 @@ pub enum Unclassifiable {
     /// A body that is not JSON.
     #[error("the body is not JSON")]
     NotJson,
+    /// An object that names a key twice: parsers differ on which value counts,
+    /// so the upstream may run another method or tool than sluice would count.
+    #[error("an object names a key twice: readers differ on which value counts")]
+    DuplicateKey,
     /// JSON that is neither an object nor an array (a number, a string, `null`…).
     #[error("the body is neither a JSON-RPC request object nor a batch of them")]
     NotJsonRpc,
@@ -168,7 +172,10 @@ impl JsonRpc {
                 max_json_depth: bounds.max_json_depth,
             });
         }
-        let value = serde_json::from_str::<Value>(text).map_err(|_| Unclassifiable::NotJson)?;
+        let value = crate::json::parse_unique(text.as_bytes()).map_err(|e| match e {
+            crate::json::NotUnique::NotJson => Unclassifiable::NotJson,
+            crate::json::NotUnique::DuplicateKey => Unclassifiable::DuplicateKey,
+        })?;
         match &value {
             Value::Array(batch) if batch.is_empty() => Err(Unclassifiable::EmptyBatch),
             Value::Array(batch) if batch.len() > bounds.max_batch_items => {

@@ -29,6 +29,7 @@ mod default;
 mod describe;
 pub mod domains;
 mod identity;
+pub mod json;
 mod jsonrpc;
 mod model;
 mod path;

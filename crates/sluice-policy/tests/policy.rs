@@ -192,6 +192,25 @@ fn e6_a_head_spends_what_its_get_spends() {
     );
 }
 
+/// A JSON-RPC body whose object names a key twice (`name`, `method`, `action`) is
+/// unclassifiable: one parser runs the first value, another the last, and sluice
+/// cannot count both.
+#[test]
+fn e5_a_jsonrpc_key_named_twice_is_unclassifiable() {
+    let p = default_policy().expect("default");
+    for body in [
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"start_chat","name":"search_fields"}}"#,
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","method":"ping"}"#,
+        r#"[{"jsonrpc":"2.0","id":1,"method":"ping"},{"jsonrpc":"2.0","id":2,"id":3,"method":"ping"}]"#,
+    ] {
+        assert_eq!(
+            p.jsonrpc.classify(body.as_bytes(), &p.bounds).map(|_| ()),
+            Err(sluice_policy::Unclassifiable::DuplicateKey),
+            "{body}"
+        );
+    }
+}
+
 #[test]
 fn e5_jsonrpc_items_are_classed_by_method_tool_and_retired_action() {
     let p = default_policy().expect("default");

@@ -288,6 +288,11 @@ pub enum BadLlmBody {
     /// as 8 would generate more than was counted.
     #[error("the request's `n` is not an integer from 1 to 128")]
     BadChoices,
+    /// An object of the body names a key twice: parsers differ on which value
+    /// counts (`max_tokens`, `model`), so the upstream may read another call
+    /// than the one estimated.
+    #[error("the request body names a key twice in one object")]
+    DuplicateKey,
 }
 
 /// The most choices (`n`) a request may ask for, as OpenAI's API allows.
@@ -295,7 +300,8 @@ pub const MAX_CHOICES: u64 = 128;
 
 impl BadLlmBody {
     /// A short machine-readable name: `not_json`, `not_an_object`,
-    /// `model_not_a_string`, `bad_max_tokens`, `no_input` or `bad_n`.
+    /// `model_not_a_string`, `bad_max_tokens`, `no_input`, `bad_n` or
+    /// `duplicate_key`.
     pub fn reason(&self) -> &'static str {
         match self {
             BadLlmBody::NotJson => "not_json",
@@ -303,6 +309,7 @@ impl BadLlmBody {
             BadLlmBody::ModelNotAString => "model_not_a_string",
             BadLlmBody::BadMaxTokens { .. } => "bad_max_tokens",
             BadLlmBody::NoInput => "no_input",
+            BadLlmBody::DuplicateKey => "duplicate_key",
             BadLlmBody::BadChoices => "bad_n",
         }
     }
@@ -345,6 +352,15 @@ pub fn estimate_body(
 /// [`BadLlmBody`], as [`estimate_body`].
 pub fn check_body(body: &[u8]) -> Result<Value, BadLlmBody> {
     let v: Value = serde_json::from_slice(body).map_err(|_| BadLlmBody::NotJson)?;
+    check_value(v)
+}
+
+/// [`check_body`] of a body already read as JSON `v` (e.g. by a reader that
+/// refuses a key named twice, as sluice's gateway does).
+///
+/// # Errors
+/// As [`check_body`], but [`BadLlmBody::NotJson`].
+pub fn check_value(v: Value) -> Result<Value, BadLlmBody> {
     let obj = v.as_object().ok_or(BadLlmBody::NotAnObject)?;
     if obj.get("model").is_some_and(|m| !m.is_string()) {
         return Err(BadLlmBody::ModelNotAString);
