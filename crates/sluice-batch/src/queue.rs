@@ -282,9 +282,18 @@ pub enum SubmitError {
         /// The bound.
         limit: u64,
     },
-    /// The backend could not be reached or could not write.
+    /// The backend could not be reached or could not write: nothing was
+    /// stored.
     #[error("batch store unavailable: {0}")]
     Unavailable(String),
+    /// The backend was asked and its answer was lost (none came in time, or
+    /// the connection broke after the request went out), and asking it
+    /// afterwards whether the batch was stored failed too: the batch may be
+    /// queued, and then it runs. A caller must take it as possibly queued
+    /// (its calls stay counted); a submit again with the same idempotency key
+    /// answers with the batch if it was.
+    #[error("the batch store's answer was lost; the batch may have been queued: {0}")]
+    OutcomeUnknown(String),
 }
 
 /// Why a batch operation other than a submit failed.
@@ -549,7 +558,11 @@ pub trait BatchQueue: Send + Sync {
     /// [`SubmitError::Empty`], [`SubmitError::TooMany`] (checked first),
     /// [`SubmitError::Conflict`], [`SubmitError::Backlog`] when the
     /// workspace's unfinished items would exceed [`BatchConfig::max_backlog`],
-    /// [`SubmitError::Full`], [`SubmitError::Unavailable`].
+    /// [`SubmitError::Full`], [`SubmitError::Unavailable`] (nothing stored).
+    /// A submit whose answer from the backend was lost asks the backend
+    /// whether the batch was stored, and answers as if the answer had come:
+    /// only when that cannot be told either is it
+    /// [`SubmitError::OutcomeUnknown`] (the batch may be queued).
     fn submit<'a>(
         &'a self,
         workspace: &'a str,

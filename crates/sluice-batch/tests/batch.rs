@@ -954,8 +954,11 @@ async fn l4_a_full_disk_refuses_with_unavailable_and_loses_nothing() {
         .expect("item");
     full.store(true, Ordering::SeqCst);
     let refused = q.submit("acme", items(1), None, b"y", at(2)).await;
+    // Its commit failed, and the file cannot be opened anew to read back
+    // whether the commit wrote it (a commit may fail after writing): the submit
+    // says it cannot tell (the lane answers 503 and keeps its quota counted).
     assert!(
-        matches!(refused, Err(SubmitError::Unavailable(_))),
+        matches!(refused, Err(SubmitError::OutcomeUnknown(_))),
         "{refused:?}"
     );
     let lost = q.complete(&s.batch_id, c.index, ok("{}"), at(3)).await;
@@ -1193,6 +1196,150 @@ mod on_redis {
         let mut c = RedisConfig::new(server.url());
         c.timeout = Duration::from_millis(2_000);
         RedisBatches::connect(&c, config).await.expect("connect")
+    }
+
+    /// A proxy between sluice and Redis that can hold back Redis's next answer
+    /// until the client sends again: an answer that comes after sluice gave up
+    /// waiting (a slow network, a Redis busy for a moment).
+    struct LateAnswers {
+        url: String,
+        hold_next: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl Drop for LateAnswers {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    impl LateAnswers {
+        async fn start(server: &Server) -> LateAnswers {
+            use std::sync::Arc;
+            use std::sync::atomic::AtomicBool;
+            let socket = std::path::PathBuf::from(
+                server
+                    .url()
+                    .strip_prefix("redis+unix://")
+                    .expect("a unix socket")
+                    .to_owned(),
+            );
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let url = format!("redis://{}", listener.local_addr().expect("addr"));
+            let hold_next = Arc::new(AtomicBool::new(false));
+            let hold = Arc::clone(&hold_next);
+            let task = tokio::spawn(async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    let Ok(redis) = tokio::net::UnixStream::connect(&socket).await else {
+                        return;
+                    };
+                    tokio::spawn(Self::pipe(client, redis, Arc::clone(&hold)));
+                }
+            });
+            LateAnswers {
+                url,
+                hold_next,
+                task,
+            }
+        }
+
+        async fn pipe(
+            client: tokio::net::TcpStream,
+            redis: tokio::net::UnixStream,
+            hold_next: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        ) {
+            use std::sync::Arc;
+            use std::sync::atomic::Ordering;
+            use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+            let (mut from_client, to_client) = client.into_split();
+            let (mut from_redis, mut to_redis) = redis.into_split();
+            let to_client = Arc::new(tokio::sync::Mutex::new(to_client));
+            // Some(bytes) while an answer is held.
+            let held: Arc<std::sync::Mutex<Option<Vec<u8>>>> = Arc::default();
+            let up = {
+                let (to_client, held) = (Arc::clone(&to_client), Arc::clone(&held));
+                async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    while let Ok(n @ 1..) = from_client.read(&mut buf).await {
+                        // The client sent again: the held answer goes first.
+                        let released = held.lock().expect("lock").take();
+                        if let Some(bytes) = released {
+                            let _ = to_client.lock().await.write_all(&bytes).await;
+                        }
+                        if to_redis.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            };
+            let down = async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                while let Ok(n @ 1..) = from_redis.read(&mut buf).await {
+                    {
+                        let mut held = held.lock().expect("lock");
+                        if held.is_none() && hold_next.swap(false, Ordering::SeqCst) {
+                            *held = Some(Vec::new());
+                        }
+                        if let Some(bytes) = held.as_mut() {
+                            bytes.extend_from_slice(&buf[..n]);
+                            continue;
+                        }
+                    }
+                    if to_client.lock().await.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            };
+            tokio::join!(up, down);
+        }
+    }
+
+    /// A submit whose script ran but whose answer came after sluice stopped
+    /// waiting (2 s): the batch is stored, and runs. sluice asks Redis whether it
+    /// is, and answers with the batch — the submit is not reported as failed
+    /// (before, it was `Unavailable`: the lane answered 503 and gave the quota of
+    /// its items back, and the batch ran anyway; a retry with the same key then
+    /// found it and gave its own quota back too).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_q1_redis_a_submit_whose_answer_came_late_is_the_batch_it_stored() {
+        let server = Server::start("batch-late");
+        let proxy = LateAnswers::start(&server).await;
+        let q = RedisBatches::connect(&RedisConfig::new(proxy.url.clone()), BatchConfig::default())
+            .await
+            .expect("connect");
+        // The script is loaded (an answer held now is the submit's own).
+        q.submit("globex", items(1), None, b"w", at(0))
+            .await
+            .expect("a first submit");
+
+        proxy
+            .hold_next
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let late = q
+            .submit("acme", items(2), Some("k"), b"x", at(1))
+            .await
+            .expect("the batch it stored");
+        assert!(
+            !proxy.hold_next.load(std::sync::atomic::Ordering::SeqCst),
+            "the answer was held"
+        );
+        assert!(late.created);
+        let st = q
+            .status("acme", &late.batch_id, at(2))
+            .await
+            .expect("status")
+            .expect("stored");
+        assert_eq!((st.total, st.queued), (2, 2));
+        let again = q
+            .submit("acme", items(2), Some("k"), b"x", at(3))
+            .await
+            .expect("repeat");
+        assert_eq!(
+            (again.batch_id.as_str(), again.created),
+            (late.batch_id.as_str(), false)
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -38,6 +38,13 @@ impl<E: Into<redb::Error>> From<E> for TxError {
     }
 }
 
+/// A write transaction that failed: why, and whether it failed at its commit
+/// (it may then have been written) or before (nothing of it was).
+pub(super) struct WriteFailed {
+    pub(super) error: BatchError,
+    pub(super) at_commit: bool,
+}
+
 pub(super) fn corrupt(what: &str, id: &str) -> TxError {
     TxError::Corrupt(format!("{what} of batch {id} cannot be read"))
 }
@@ -185,11 +192,27 @@ impl BatchBook {
         &self,
         f: impl FnOnce(&WriteTransaction) -> Result<Result<T, E>, TxError>,
     ) -> Result<Result<T, E>, BatchError> {
-        let db = self.db()?;
+        self.write_if_told(f).map_err(|failed| failed.error)
+    }
+
+    /// [`BatchBook::write_if`], telling a write that failed before its commit
+    /// (nothing of it was written) from one whose commit failed: a commit can
+    /// fail after it wrote the transaction (its final flush, say), which the
+    /// file may then hold once opened anew.
+    fn write_if_told<T, E>(
+        &self,
+        f: impl FnOnce(&WriteTransaction) -> Result<Result<T, E>, TxError>,
+    ) -> Result<Result<T, E>, WriteFailed> {
+        let db = self.db().map_err(|error| WriteFailed {
+            error,
+            at_commit: false,
+        })?;
+        let mut at_commit = false;
         let outcome = (|| {
             let tx = db.begin_write()?;
             let answer = f(&tx)?;
             if answer.is_ok() {
+                at_commit = true;
                 tx.commit()?;
             } else {
                 tx.abort()?;
@@ -197,7 +220,10 @@ impl BatchBook {
             Ok::<_, TxError>(answer)
         })();
         drop(db);
-        outcome.map_err(|e| self.failed(e))
+        outcome.map_err(|e| WriteFailed {
+            error: self.failed(e),
+            at_commit,
+        })
     }
 
     /// As [`BatchBook::write_if`] for `f` answering how many things it changed:

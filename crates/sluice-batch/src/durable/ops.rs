@@ -45,7 +45,7 @@ impl BatchBook {
             limit: config.max_items,
         })?;
         let batch_id = new_batch_id()?;
-        let answer = self.write_if(|tx| {
+        let written = self.write_if_told(|tx| {
             if let Some(key) = idempotency_key {
                 let keys = tx.open_table(KEYS)?;
                 if let Some(id) = keys.get((workspace, key))? {
@@ -146,11 +146,44 @@ impl BatchBook {
                 items: total,
                 created: true,
             }))
-        })?;
+        });
+        let answer = match written {
+            Ok(answer) => answer,
+            Err(failed) if failed.at_commit => {
+                return self.settle_blocking(&batch_id, total, failed.error);
+            }
+            Err(failed) => return Err(failed.error.into()),
+        };
         match answer {
             Ok(created) => Ok(created),
             Err(Ok(existing)) => Ok(existing),
             Err(Err(refused)) => Err(refused),
+        }
+    }
+
+    /// After a submit of batch `id` whose commit failed (`lost`): whether it
+    /// was stored anyway. A commit can fail after it wrote the batch (its
+    /// final flush, say), and then the file may hold it once opened anew
+    /// (which the failed write did): read it back. Stored, it is queued and
+    /// runs, and the submit answers so; not stored, nothing was; unreadable
+    /// (the file cannot be opened anew, e.g. on a full disk),
+    /// [`SubmitError::OutcomeUnknown`].
+    fn settle_blocking(
+        &self,
+        id: &str,
+        total: u32,
+        lost: BatchError,
+    ) -> Result<Submitted, SubmitError> {
+        match self.read(|tx| Ok(tx.open_table(META)?.get(id)?.is_some())) {
+            Ok(true) => Ok(Submitted {
+                batch_id: id.to_owned(),
+                items: total,
+                created: true,
+            }),
+            Ok(false) => Err(lost.into()),
+            Err(asked) => Err(SubmitError::OutcomeUnknown(format!(
+                "{lost}; then reading back whether it was stored: {asked}"
+            ))),
         }
     }
 

@@ -19,7 +19,7 @@ use tower::Service;
 
 use super::responses::{boxed, envelope, header_text, json_response, status_json, submitted};
 use super::{BatchLane, BatchUpstream, BoxError, LaneBody};
-use crate::Submitted;
+use crate::{SubmitError, Submitted};
 
 impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
     /// Queues the batch `body` (already checked and counted by the limiter) for the
@@ -46,12 +46,13 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                 now,
             )
             .await;
-        // Calls counted at admission but not queued now give their quota back.
-        let refund = !matches!(queued, Ok(Submitted { created: true, .. }));
-        if refund {
+        // Calls counted at admission that this submit did not queue give their
+        // quota back; a batch that may be queued (the store's answer was lost)
+        // runs if it is, so its calls stay counted.
+        if stored_nothing(&queued) {
             self.give_back_quota(parts, &workspace, n).await;
         }
-        if queued.is_ok() {
+        if queued.is_ok() || matches!(queued, Err(SubmitError::OutcomeUnknown(_))) {
             self.queued.notify_one();
         }
         submitted(&self.batch.route, queued)
@@ -145,6 +146,25 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                 r
             }
         }
+    }
+}
+
+/// Whether a submit's answer says it queued nothing: the batch an earlier submit
+/// with the same key queued, or a refusal. A lost answer
+/// ([`SubmitError::OutcomeUnknown`]) is not one: the batch may be queued.
+fn stored_nothing(queued: &Result<Submitted, SubmitError>) -> bool {
+    match queued {
+        Ok(s) => !s.created,
+        Err(SubmitError::OutcomeUnknown(_)) => false,
+        Err(
+            SubmitError::Empty
+            | SubmitError::TooMany { .. }
+            | SubmitError::Conflict { .. }
+            | SubmitError::Backlog { .. }
+            | SubmitError::Full { .. }
+            | SubmitError::QueueFull { .. }
+            | SubmitError::Unavailable(_),
+        ) => true,
     }
 }
 

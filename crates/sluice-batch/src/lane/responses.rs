@@ -79,6 +79,19 @@ pub(super) fn submitted(route: &str, queued: Result<Submitted, SubmitError>) -> 
             "A batch needs at least one item.",
             json!({ "reason": "empty_batch" }),
         ),
+        Err(SubmitError::OutcomeUnknown(e)) => {
+            let mut r = envelope(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                &format!(
+                    "The batch store did not confirm this batch ({e}): it may have been queued, and then it runs and its calls stay counted. Submit it again with the same idempotency_key to get its batch_id (without one, a second submit is a second batch)."
+                ),
+                json!({ "reason": "batch_outcome_unknown" }),
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+            r
+        }
         Err(e) => {
             let mut r = envelope(
                 StatusCode::SERVICE_UNAVAILABLE,

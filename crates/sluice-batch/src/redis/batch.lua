@@ -17,6 +17,9 @@
 -- P..'ou', P..'ob'  hashes  per origin: unfinished items, stored bytes
 -- P..'stats'    hash  seq (next queue place), stored (items), mean (ms),
 --                     unfinished (items), bytes (stored)
+-- P..'void:'..id  string  a submit whose answer was lost and that had not
+--                     stored its batch when asked ('settle'): it stores
+--                     nothing should it still arrive; expires
 
 local P = KEYS[1]
 local op = ARGV[1]
@@ -73,6 +76,9 @@ if op == 'submit' then
   local origin, max_queued, max_bytes = ARGV[11], tonumber(ARGV[12]), tonumber(ARGV[13])
   local share = math.max(tonumber(ARGV[14]), 1)
   local first_body = 15
+  if redis.call('EXISTS', P .. 'void:' .. id) == 1 then
+    return {6}
+  end
   if has_key == '1' then
     local existing = redis.call('HGET', P .. 'keys', keyfield(ws, key))
     if existing then
@@ -136,6 +142,17 @@ if op == 'submit' then
     redis.call('ZADD', queue, first + i, member(id, i))
   end
   return {0, id, n}
+
+elseif op == 'settle' then
+  -- id, void_ms: after a submit of batch id whose answer was lost, whether it
+  -- stored the batch (1); if not (0), the id is void for void_ms, so that the
+  -- submit, should it still arrive, stores nothing: the answer is final.
+  local id, void_ms = ARGV[2], tonumber(ARGV[3])
+  if redis.call('EXISTS', P .. 'b:' .. id) == 1 then
+    return 1
+  end
+  redis.call('SET', P .. 'void:' .. id, '1', 'PX', void_ms)
+  return 0
 
 elseif op == 'claim' then
   -- ws ('' for the fairest), now, lease

@@ -23,6 +23,11 @@ const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
 /// Batches purged per script call.
 const PURGE_CHUNK: u64 = 64;
 
+/// How long the id of a submit given up on stays void (see
+/// [`RedisBatches::stored`]): far longer than a request sent on a connection can
+/// take to reach Redis.
+const VOID_FOR: Duration = Duration::from_secs(3600);
+
 /// Most claims one `renew_all` script call renews (its one `ZADD` takes two
 /// arguments a claim, well inside Lua's stack).
 const RENEW_CHUNK: usize = 1000;
@@ -39,6 +44,14 @@ const RENEW_CHUNK: usize = 1000;
 /// (`now`), kept in milliseconds. A running item's lease is what brings it back
 /// when its replica dies: [`BatchQueue::maintain`], called by any replica, puts
 /// back the items whose lease ran out.
+///
+/// A submit whose answer is lost (none within 2 s, or the connection broken
+/// after it went out) may have stored its batch: sluice then asks Redis whether
+/// the batch exists, and that question makes its id void when it does not (the
+/// submit, still on its way, would store nothing), so the answer is final — a
+/// batch stored is answered as queued, one not stored never will be. Only when
+/// that question goes unanswered too is the submit
+/// [`SubmitError::OutcomeUnknown`].
 ///
 /// Durability is Redis's: with `appendonly yes` (and `appendfsync always` for
 /// no loss at all, `everysec` for at most a second) a restart of Redis loses no
@@ -64,6 +77,14 @@ impl std::fmt::Debug for RedisBatches {
 
 fn unavailable(e: impl std::fmt::Display) -> BatchError {
     BatchError::Unavailable(e.to_string())
+}
+
+/// A script call that failed: why, and whether it may have run (it went out
+/// and no answer, or an error, came back) or is known not to have (turned
+/// away before it was sent).
+struct Failed {
+    error: BatchError,
+    may_have_run: bool,
 }
 
 fn ms(t: Timestamp) -> u64 {
@@ -161,13 +182,135 @@ impl RedisBatches {
         op: &str,
         args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
     ) -> Result<Value, BatchError> {
+        self.try_call(op, args).await.map_err(|f| f.error)
+    }
+
+    /// [`RedisBatches::call`], telling a call that may have run from one that
+    /// was never sent.
+    async fn try_call(
+        &self,
+        op: &str,
+        args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
+    ) -> Result<Value, Failed> {
         let mut invocation = self.script.prepare_invoke();
         invocation.key(self.keys.as_str()).arg(op);
         args(&mut invocation);
-        tokio::time::timeout(BATCH_TIMEOUT, self.conn.invoke::<Value>(&invocation))
-            .await
-            .map_err(|_| unavailable(format!("redis did not answer within {BATCH_TIMEOUT:?}")))?
-            .map_err(unavailable)
+        let call = sluice_redis::unsent_on_failure(self.conn.invoke::<Value>(&invocation));
+        match tokio::time::timeout(BATCH_TIMEOUT, call).await {
+            Ok((Ok(reply), _)) => Ok(reply),
+            Ok((Err(e), unsent)) => Err(Failed {
+                error: unavailable(e),
+                may_have_run: !unsent,
+            }),
+            Err(_) => Err(Failed {
+                error: unavailable(format!("redis did not answer within {BATCH_TIMEOUT:?}")),
+                may_have_run: true,
+            }),
+        }
+    }
+
+    /// Whether the submit of batch `id` stored it, asked after its answer was
+    /// lost. When it did not, the id is void from then on (for [`VOID_FOR`]):
+    /// that submit, should it still reach Redis (a request delayed on a
+    /// connection that broke, say), stores nothing. Either way the answer is
+    /// final: a batch this says was not stored never will be.
+    async fn stored(&self, id: &str) -> Result<bool, BatchError> {
+        let void_ms = duration_ms(VOID_FOR);
+        let reply = self
+            .call("settle", |i| {
+                i.arg(id).arg(void_ms);
+            })
+            .await?;
+        Ok(int(Some(&reply))? == 1)
+    }
+
+    /// The submit of batch `id` (see [`BatchQueue::submit_from`]): one script
+    /// call; when its answer is lost, [`RedisBatches::stored`] tells whether
+    /// it stored the batch.
+    #[allow(clippy::too_many_arguments)]
+    async fn submit_as(
+        &self,
+        id: &str,
+        workspace: &str,
+        origin: &str,
+        items: &[Vec<u8>],
+        idempotency_key: Option<&str>,
+        body_digest: &[u8],
+        now: Timestamp,
+    ) -> Result<Submitted, SubmitError> {
+        let sent = self
+            .try_call("submit", |i| {
+                i.arg(workspace)
+                    .arg(if idempotency_key.is_some() { "1" } else { "0" })
+                    .arg(idempotency_key.unwrap_or(""))
+                    .arg(body_digest)
+                    .arg(id)
+                    .arg(ms(now))
+                    .arg(self.config.max_backlog)
+                    .arg(self.config.max_stored_items)
+                    .arg(items.len())
+                    .arg(origin)
+                    .arg(self.config.max_queued_items)
+                    .arg(self.config.max_stored_bytes)
+                    .arg(self.config.origin_share.max(1));
+                for item in items {
+                    i.arg(item.as_slice());
+                }
+            })
+            .await;
+        let reply = match sent {
+            Ok(reply) => array(reply)?,
+            Err(Failed {
+                error,
+                may_have_run: false,
+            }) => return Err(error.into()),
+            // The answer was lost: ask. A batch stored is the submit's to
+            // answer for (its calls were counted and it will run); one not
+            // stored never will be.
+            Err(Failed {
+                error,
+                may_have_run: true,
+            }) => {
+                return match self.stored(id).await {
+                    Ok(true) => Ok(Submitted {
+                        batch_id: id.to_owned(),
+                        items: u32::try_from(items.len()).unwrap_or(u32::MAX),
+                        created: true,
+                    }),
+                    Ok(false) => Err(error.into()),
+                    Err(asked) => Err(SubmitError::OutcomeUnknown(format!(
+                        "{error}; then asking whether it was stored: {asked}"
+                    ))),
+                };
+            }
+        };
+        let code = int(reply.first())?;
+        match code {
+            0 | 1 => Ok(Submitted {
+                batch_id: text(reply.get(1))?,
+                items: u32_of(int(reply.get(2))?),
+                created: code == 0,
+            }),
+            2 => Err(SubmitError::Conflict {
+                batch_id: text(reply.get(1))?,
+            }),
+            3 => Err(SubmitError::Backlog {
+                queued: u64::try_from(int(reply.get(1))?).unwrap_or(0),
+                limit: self.config.max_backlog,
+            }),
+            5 => Err(SubmitError::QueueFull {
+                bound: QueueBound::from_code(int(reply.get(1))?),
+                used: u64::try_from(int(reply.get(2))?).unwrap_or(0),
+                limit: u64::try_from(int(reply.get(3))?).unwrap_or(0),
+            }),
+            6 => Err(SubmitError::Unavailable(
+                "the submit reached redis after it was given up on; nothing was stored".to_owned(),
+            )),
+            _ => Err(SubmitError::Full {
+                stored: u64::try_from(int(reply.get(1))?).unwrap_or(0),
+                limit: self.config.max_stored_items,
+            }),
+        }
     }
 
     async fn claim(&self, workspace: &str, now: Timestamp) -> Result<Option<Claimed>, BatchError> {
@@ -238,51 +381,16 @@ impl BatchQueue for RedisBatches {
                 });
             }
             let id = new_batch_id()?;
-            let reply = array(
-                self.call("submit", |i| {
-                    i.arg(workspace)
-                        .arg(if idempotency_key.is_some() { "1" } else { "0" })
-                        .arg(idempotency_key.unwrap_or(""))
-                        .arg(body_digest)
-                        .arg(id.as_str())
-                        .arg(ms(now))
-                        .arg(self.config.max_backlog)
-                        .arg(self.config.max_stored_items)
-                        .arg(items.len())
-                        .arg(origin)
-                        .arg(self.config.max_queued_items)
-                        .arg(self.config.max_stored_bytes)
-                        .arg(self.config.origin_share.max(1));
-                    for item in &items {
-                        i.arg(item.as_slice());
-                    }
-                })
-                .await?,
-            )?;
-            let code = int(reply.first())?;
-            match code {
-                0 | 1 => Ok(Submitted {
-                    batch_id: text(reply.get(1))?,
-                    items: u32_of(int(reply.get(2))?),
-                    created: code == 0,
-                }),
-                2 => Err(SubmitError::Conflict {
-                    batch_id: text(reply.get(1))?,
-                }),
-                3 => Err(SubmitError::Backlog {
-                    queued: u64::try_from(int(reply.get(1))?).unwrap_or(0),
-                    limit: self.config.max_backlog,
-                }),
-                5 => Err(SubmitError::QueueFull {
-                    bound: QueueBound::from_code(int(reply.get(1))?),
-                    used: u64::try_from(int(reply.get(2))?).unwrap_or(0),
-                    limit: u64::try_from(int(reply.get(3))?).unwrap_or(0),
-                }),
-                _ => Err(SubmitError::Full {
-                    stored: u64::try_from(int(reply.get(1))?).unwrap_or(0),
-                    limit: self.config.max_stored_items,
-                }),
-            }
+            self.submit_as(
+                &id,
+                workspace,
+                origin,
+                &items,
+                idempotency_key,
+                body_digest,
+                now,
+            )
+            .await
         })
     }
 
@@ -503,8 +611,57 @@ impl BatchQueue for RedisBatches {
 }
 
 #[cfg(test)]
+#[path = "../../../../tests/support/redis_server.rs"]
+mod redis_server;
+
+#[cfg(test)]
 mod tests {
     use super::*;
+
+    /// After a submit's answer was lost, asking whether it stored its batch is
+    /// final: a batch it says was not stored is never stored, even when the
+    /// submit reaches Redis after the question (a request delayed on a broken
+    /// connection); one it says was stored is there (SPEC L4 with Q1: a
+    /// submit's quota is given back only for a batch that will not run).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn l4_q1_redis_a_submit_given_up_on_stores_nothing_when_it_arrives_late() {
+        let server = super::redis_server::RedisServer::start("batch-settle");
+        let q = RedisBatches::connect(&RedisConfig::new(server.url()), BatchConfig::default())
+            .await
+            .expect("connect");
+        let now = Timestamp::from_secs(1_796_040_000);
+        let items = vec![
+            br#"{"draft":"one"}"#.to_vec(),
+            br#"{"draft":"two"}"#.to_vec(),
+        ];
+
+        let late = "bat_00000000000000000000000000000001";
+        assert_eq!(q.stored(late).await, Ok(false), "not there when asked");
+        let arrived = q
+            .submit_as(late, "acme", "", &items, Some("k"), b"d", now)
+            .await;
+        assert!(
+            matches!(arrived, Err(SubmitError::Unavailable(_))),
+            "{arrived:?}"
+        );
+        assert_eq!(q.status("acme", late, now).await, Ok(None));
+        assert_eq!(q.backlogs().await, Ok(Vec::new()), "nothing queued");
+        let again = q.submit("acme", items.clone(), Some("k"), b"d", now).await;
+        assert!(
+            matches!(again, Ok(Submitted { created: true, .. })),
+            "the key was not taken: {again:?}"
+        );
+
+        let on_time = "bat_00000000000000000000000000000002";
+        let stored = q
+            .submit_as(on_time, "globex", "", &items, None, b"d", now)
+            .await
+            .expect("submit");
+        assert!(stored.created);
+        assert_eq!(q.stored(on_time).await, Ok(true));
+        let status = q.status("globex", on_time, now).await.expect("status");
+        assert_eq!(status.map(|s| s.queued), Some(2));
+    }
 
     #[test]
     fn l4_redis_results_round_trip() {
