@@ -1,10 +1,12 @@
-//! The batch lane over a queue whose store fails at the worst moment (SPEC L4
+//! The batch lane over a queue whose store fails at the worst moments (SPEC L4
 //! with Q1): a submit whose store's answer is lost keeps its quota spent when the
-//! batch may be queued.
+//! batch may be queued, and an answer the store cannot record at once is
+//! recorded later, the item's claim kept meanwhile, instead of being lost and the
+//! item sent upstream again.
 //!
-//! The lane runs as a gateway runs it (its endpoints, the built-in policy's
-//! limiter over a memory store), over the embedded queue on in-memory storage
-//! whose faults the tests switch on and off.
+//! The lane runs as a gateway runs it (its endpoints, its runner, the built-in
+//! policy's limiter over a memory store), over the embedded queue on in-memory
+//! storage whose faults the tests switch on and off; time is tokio's, paused.
 
 #![cfg(all(feature = "durable", feature = "lane"))]
 
@@ -13,6 +15,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode, header};
@@ -20,8 +23,14 @@ use http_body_util::{BodyExt as _, Full};
 use redb::StorageBackend;
 use redb::backends::InMemoryBackend;
 use serde_json::{Value, json};
-use sluice_batch::lane::{BatchEndpoints, BatchLane, BatchUpstream, ItemBody, LaneBody, LaneHost};
-use sluice_batch::{BatchBook, BatchConfig, BatchQueue};
+use sluice_batch::lane::{
+    BATCH_CLAIM, BatchEndpoints, BatchLane, BatchUpstream, ItemBody, LaneBody, LaneHost,
+    MAX_RECORD_WAIT,
+};
+use sluice_batch::{
+    BatchBook, BatchConfig, BatchError, BatchQueue, BatchStatus, Claimed, Finish, ItemResult,
+    ItemState, Maintenance, QueueFuture, ResultBody, SubmitError, Submitted, WorkspaceBacklog,
+};
 use sluice_core::{Budget, BudgetStatus, Clock as _, Decision, SystemClock, Timestamp};
 use sluice_edge::arc_swap::ArcSwap;
 use sluice_edge::{Limiter, SharedLimiter};
@@ -150,6 +159,128 @@ impl StorageBackend for FlushFails {
 
     fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
         self.inner.write(offset, data)
+    }
+}
+
+/// The embedded queue, whose answers' recording fails while `fail_records`
+/// says so (the store down, or its disk full, for a while); it counts the
+/// attempts to record and the renewals that held a claim.
+struct Flaky {
+    inner: BatchBook,
+    fail_records: AtomicBool,
+    record_attempts: AtomicU32,
+    renewals: AtomicU32,
+}
+
+impl Flaky {
+    fn record<'a>(
+        &'a self,
+        f: impl Future<Output = Result<Finish, BatchError>> + Send + 'a,
+    ) -> QueueFuture<'a, Result<Finish, BatchError>> {
+        self.record_attempts.fetch_add(1, Ordering::SeqCst);
+        let fail = self.fail_records.load(Ordering::SeqCst);
+        Box::pin(async move {
+            if fail {
+                return Err(BatchError::Unavailable("the store is down".to_owned()));
+            }
+            f.await
+        })
+    }
+}
+
+impl BatchQueue for Flaky {
+    fn submit_from<'a>(
+        &'a self,
+        workspace: &'a str,
+        origin: &'a str,
+        items: Vec<Vec<u8>>,
+        idempotency_key: Option<&'a str>,
+        body_digest: &'a [u8],
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Submitted, SubmitError>> {
+        self.inner
+            .submit_from(workspace, origin, items, idempotency_key, body_digest, now)
+    }
+
+    fn claim_next<'a>(
+        &'a self,
+        workspace: &'a str,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>> {
+        self.inner.claim_next(workspace, now)
+    }
+
+    fn claim_fairest<'a>(
+        &'a self,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Option<Claimed>, BatchError>> {
+        self.inner.claim_fairest(now)
+    }
+
+    fn renew<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<bool, BatchError>> {
+        self.inner.renew(batch_id, index, now)
+    }
+
+    fn renew_all<'a>(
+        &'a self,
+        claims: &'a [(String, u32)],
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<usize, BatchError>> {
+        if !claims.is_empty() {
+            self.renewals.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.renew_all(claims, now)
+    }
+
+    fn release<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<bool, BatchError>> {
+        self.inner.release(batch_id, index, now)
+    }
+
+    fn complete<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        result: ItemResult,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Finish, BatchError>> {
+        self.record(self.inner.complete(batch_id, index, result, now))
+    }
+
+    fn fail<'a>(
+        &'a self,
+        batch_id: &'a str,
+        index: u32,
+        result: ItemResult,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Finish, BatchError>> {
+        self.record(self.inner.fail(batch_id, index, result, now))
+    }
+
+    fn status<'a>(
+        &'a self,
+        workspace: &'a str,
+        batch_id: &'a str,
+        now: Timestamp,
+    ) -> QueueFuture<'a, Result<Option<BatchStatus>, BatchError>> {
+        self.inner.status(workspace, batch_id, now)
+    }
+
+    fn backlogs<'a>(&'a self) -> QueueFuture<'a, Result<Vec<WorkspaceBacklog>, BatchError>> {
+        self.inner.backlogs()
+    }
+
+    fn maintain<'a>(&'a self, now: Timestamp) -> QueueFuture<'a, Result<Maintenance, BatchError>> {
+        self.inner.maintain(now)
     }
 }
 
@@ -308,4 +439,146 @@ async fn l4_q1_a_submit_whose_outcome_is_unknown_gives_no_quota_back() {
         2,
         "only the repeat gives back what it was counted"
     );
+}
+
+/// The lane's runner over a `Flaky` queue (on in-memory storage), with one
+/// item of acme's queued: the queue, the upstream, the batch id, and what stops
+/// the runner.
+async fn running(
+    fail_records: bool,
+) -> (
+    Arc<Flaky>,
+    Upstream,
+    String,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let (disk, _) = FillableDisk::new();
+    let store = DurableStore::with_backend("runner", disk.clone(), disk.log()).expect("store");
+    let flaky = Arc::new(Flaky {
+        inner: BatchBook::open(&store, BatchConfig::default().with_lease(BATCH_CLAIM))
+            .expect("batches"),
+        fail_records: AtomicBool::new(fail_records),
+        record_attempts: AtomicU32::new(0),
+        renewals: AtomicU32::new(0),
+    });
+    let item = json!({"fields": {"x-api-key": "acme-key"}, "workspace": "acme", "user": "ada", "body": {"draft": "one"}});
+    let batch = flaky
+        .submit(
+            "acme",
+            vec![item.to_string().into_bytes()],
+            None,
+            b"digest",
+            SystemClock::new().now(),
+        )
+        .await
+        .expect("submit");
+    let queue: Arc<dyn BatchQueue> = Arc::clone(&flaky) as Arc<dyn BatchQueue>;
+    let upstream = Upstream::default();
+    let (shared, _) = limiter();
+    let lane = lane(&shared, &queue, &upstream);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(lane.run(async move {
+        let _ = stopped.await;
+    }));
+    (flaky, upstream, batch.batch_id, stop)
+}
+
+async fn item_state(queue: &Flaky, batch: &str) -> (ItemState, Option<ItemResult>) {
+    let status = queue
+        .status("acme", batch, SystemClock::new().now())
+        .await
+        .expect("status")
+        .expect("batch");
+    (status.items[0].state, status.items[0].result.clone())
+}
+
+/// Waits (on tokio's paused clock) until `done` holds, up to `within`.
+async fn until(within: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The store cannot record an item's answer for 25 s (longer than a renewal
+/// period, shorter than the claim): the runner keeps the answer, keeps the
+/// claim renewed, and records it once the store takes it. The item is sent
+/// upstream once, and its result is that one answer — before, the answer was
+/// dropped at the first failure, the claim no longer renewed, and the item sent
+/// again once its claim ran out.
+#[tokio::test(start_paused = true)]
+async fn l4_an_answer_the_store_could_not_take_is_recorded_later_and_the_item_not_sent_again() {
+    let (queue, upstream, batch, _stop) = running(true).await;
+    until(Duration::from_secs(5), || {
+        queue.record_attempts.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    assert_eq!(upstream.sent.load(Ordering::SeqCst), 1);
+    let renewals_before = queue.renewals.load(Ordering::SeqCst);
+
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    assert!(
+        queue.renewals.load(Ordering::SeqCst) >= renewals_before + 2,
+        "the claim is renewed while the answer waits to be recorded"
+    );
+    assert!(
+        queue.record_attempts.load(Ordering::SeqCst) >= 3,
+        "tried again"
+    );
+    assert_eq!(item_state(&queue, &batch).await.0, ItemState::Running);
+
+    queue.fail_records.store(false, Ordering::SeqCst);
+    let mut recorded = None;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < deadline {
+        let (state, result) = item_state(&queue, &batch).await;
+        if state == ItemState::Done {
+            recorded = result;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        recorded,
+        Some(ItemResult {
+            status: 200,
+            body: ResultBody::Json(br#"{"answer":1}"#.to_vec()),
+        }),
+        "the first answer is the item's result"
+    );
+    assert_eq!(upstream.sent.load(Ordering::SeqCst), 1, "sent once");
+}
+
+/// A store that never takes the answer: the runner tries for
+/// [`MAX_RECORD_WAIT`], then gives up — it stops trying and stops renewing the
+/// claim, so the item goes back to the queue when its claim runs out.
+#[tokio::test(start_paused = true)]
+async fn l4_recording_an_answer_is_tried_for_a_bounded_time() {
+    let (queue, upstream, batch, _stop) = running(true).await;
+    until(Duration::from_secs(5), || {
+        queue.record_attempts.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    tokio::time::sleep(MAX_RECORD_WAIT + Duration::from_secs(10)).await;
+    let (attempts, renewals) = (
+        queue.record_attempts.load(Ordering::SeqCst),
+        queue.renewals.load(Ordering::SeqCst),
+    );
+    tokio::time::sleep(MAX_RECORD_WAIT).await;
+    assert_eq!(
+        queue.record_attempts.load(Ordering::SeqCst),
+        attempts,
+        "no attempt after the bound"
+    );
+    assert_eq!(
+        queue.renewals.load(Ordering::SeqCst),
+        renewals,
+        "the claim is no longer renewed"
+    );
+    assert_eq!(item_state(&queue, &batch).await.0, ItemState::Running);
+    assert_eq!(upstream.sent.load(Ordering::SeqCst), 1);
 }

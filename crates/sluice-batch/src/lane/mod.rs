@@ -52,7 +52,8 @@ use crate::{BatchQueue, WorkspaceBacklog};
 pub use endpoints::BatchEndpoints;
 pub use responses::QUEUE_FULL_RETRY;
 pub use runner::{
-    BATCH_CLAIM, IDLE_LOOK_EVERY, MAX_ATTEMPTS, MAX_ITEM_BACKOFF, MAX_RESULT_BYTES, item_backoff,
+    BATCH_CLAIM, IDLE_LOOK_EVERY, MAX_ATTEMPTS, MAX_ITEM_BACKOFF, MAX_RECORD_WAIT,
+    MAX_RESULT_BYTES, item_backoff,
 };
 use runner::{Hold, RunningClaims};
 

@@ -14,7 +14,7 @@ use sluice_core::Clock as _;
 use sluice_store::BudgetStore;
 
 use super::{BatchLane, BatchUpstream};
-use crate::{Claimed, ItemResult, ResultBody, WorkspaceBacklog};
+use crate::{Claimed, Finish, ItemResult, ItemState, ResultBody, WorkspaceBacklog};
 
 /// Most bytes of an upstream answer kept as an item's result.
 pub const MAX_RESULT_BYTES: usize = 256 * 1024;
@@ -60,12 +60,29 @@ const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
 
 /// How long a runner's claim on an item lasts unless renewed: the runner renews
 /// the claims of all the items it runs every third of this while they run
-/// (retries and waits included), so an item outlives its claim only when its
-/// replica is gone, and goes back to the queue at most this plus the queue's
-/// upkeep period (30 s) after the replica died. One renewal is one call to the
-/// store however many items run (two Redis commands: the script and its one
-/// `ZADD`), so a lane's running items cost a replica 0.2 commands a second.
+/// (retries, waits and the recording of the answer included), so an item
+/// outlives its claim only when its replica is gone (or the store is down), and
+/// goes back to the queue at most this plus the queue's upkeep period (30 s)
+/// after the replica died. One renewal is one call to the store however many
+/// items run (two Redis commands: the script and its one `ZADD`), so a lane's
+/// running items cost a replica 0.2 commands a second.
 pub const BATCH_CLAIM: Duration = Duration::from_secs(30);
+
+/// How long a runner keeps trying to record an item's answer while the store
+/// cannot take it: ten claims' lives ([`BATCH_CLAIM`]). The item's claim is
+/// renewed meanwhile (whenever the store answers the renewals), so it is not
+/// sent again; past its claim — a store down longer — the answer still counts
+/// when it gets through, unless another run of the item recorded one first.
+/// Only after this is the answer dropped, with an error logged: the item goes
+/// back to the queue when its claim runs out, and is sent again.
+pub const MAX_RECORD_WAIT: Duration = Duration::from_secs(BATCH_CLAIM.as_secs() * 10);
+
+/// The first wait before an answer the store could not take is recorded again;
+/// it doubles up to [`MAX_RECORD_BACKOFF`].
+const FIRST_RECORD_BACKOFF: Duration = Duration::from_millis(250);
+
+/// The longest wait between two attempts to record an answer.
+const MAX_RECORD_BACKOFF: Duration = Duration::from_secs(5);
 
 /// What a runner's look at the queue left it waiting for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -211,29 +228,89 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
     /// (counting claims before this one, e.g. by a replica that crashed) the
     /// item is recorded `failed` with the last answer, or with why there was
     /// none, as its result.
+    ///
+    /// The answer is then recorded (see [`BatchLane::record`]): while the store
+    /// cannot take it, again and again, the claim renewed meanwhile, so that an
+    /// answer once had is neither lost nor asked for a second time.
     async fn run_item(&self, claimed: Claimed, permit: sluice_lanes::BatchPermit) {
         let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
-        // The claim is renewed while the item runs (by the lane's renewals); it
-        // leaves them when the task ends, however it ends.
+        // The claim is renewed while the item runs (by the lane's renewals),
+        // its answer's recording included; it leaves them when the task ends,
+        // however it ends.
         let _running = RunningClaim::new(self, batch, index);
-        let recorded = self.run_attempts(&claimed, permit).await;
-        if let Err(e) = recorded {
-            tracing::warn!("batch {batch} item {index}: could not record its answer: {e}");
+        let (state, result) = self.run_attempts(&claimed, permit).await;
+        self.record(batch, index, state, result).await;
+    }
+
+    /// Records `result` as the item's answer (`state`: done or failed). While
+    /// the store cannot take it, tries again after 250 ms, doubling up to 5 s,
+    /// for up to [`MAX_RECORD_WAIT`]; it stops at once when the store answers
+    /// that the item is no longer this run's to record: another run recorded
+    /// an answer first, or the batch is gone.
+    async fn record(&self, batch: &str, index: u32, state: ItemState, result: ItemResult) {
+        let give_up_at = tokio::time::Instant::now() + MAX_RECORD_WAIT;
+        let mut backoff = FIRST_RECORD_BACKOFF;
+        let mut failures = 0u32;
+        loop {
+            let now = self.clock.now();
+            let recorded = if state == ItemState::Done {
+                self.queue.complete(batch, index, result.clone(), now).await
+            } else {
+                self.queue.fail(batch, index, result.clone(), now).await
+            };
+            let e = match recorded {
+                Ok(Finish::Recorded) => {
+                    if failures > 0 {
+                        tracing::info!(
+                            "batch {batch} item {index}: its answer is recorded (after {failures} failed attempts)"
+                        );
+                    }
+                    return;
+                }
+                Ok(Finish::AlreadyFinished) => {
+                    tracing::debug!(
+                        "batch {batch} item {index}: another run recorded its answer first; this one is dropped"
+                    );
+                    return;
+                }
+                Ok(Finish::Unknown) => {
+                    tracing::debug!(
+                        "batch {batch} item {index}: the batch is gone; its answer is dropped"
+                    );
+                    return;
+                }
+                Err(e) => e,
+            };
+            failures += 1;
+            if tokio::time::Instant::now() + backoff > give_up_at {
+                tracing::error!(
+                    "batch {batch} item {index}: its answer could not be recorded for {} s ({e}); it is dropped, and the item is sent again once its claim runs out",
+                    MAX_RECORD_WAIT.as_secs()
+                );
+                return;
+            }
+            if failures == 1 {
+                tracing::warn!(
+                    "batch {batch} item {index}: could not record its answer ({e}); trying again, its claim kept, for up to {} s",
+                    MAX_RECORD_WAIT.as_secs()
+                );
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(MAX_RECORD_BACKOFF);
         }
     }
 
-    /// [`BatchLane::run_item`]'s attempts, until one is recorded.
+    /// [`BatchLane::run_item`]'s attempts, until one answers or the last has
+    /// failed: the item's state and result to record.
     async fn run_attempts(
         &self,
         claimed: &Claimed,
         permit: sluice_lanes::BatchPermit,
-    ) -> Result<crate::Finish, crate::BatchError> {
-        let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
+    ) -> (ItemState, ItemResult) {
         let mut attempt = claimed.attempt;
         let mut permit = permit;
         loop {
             let answer = tokio::time::timeout(self.timeout, self.send(claimed)).await;
-            let now = self.clock.now();
             match answer {
                 Ok(Some((status, body, is_json))) if status < 500 => {
                     permit.finish(sluice_lanes::Outcome::Success);
@@ -244,10 +321,10 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                     };
                     return if status < 400 {
                         self.count(0);
-                        self.queue.complete(batch, index, result, now).await
+                        (ItemState::Done, result)
                     } else {
                         self.count(1);
-                        self.queue.fail(batch, index, result, now).await
+                        (ItemState::Failed, result)
                     };
                 }
                 failed => {
@@ -274,7 +351,7 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                             },
                         };
                         self.count(1);
-                        return self.queue.fail(batch, index, result, now).await;
+                        return (ItemState::Failed, result);
                     }
                     self.count(2);
                     tokio::time::sleep(item_backoff(attempt)).await;
