@@ -46,7 +46,7 @@ impl Journal {
     /// # Errors
     /// The I/O error, or a whole line that does not read as a change.
     pub(super) fn open(dir: &Path, base: &Policy) -> std::io::Result<(Journal, TenantTable)> {
-        std::fs::create_dir_all(dir)?;
+        private_dir(dir)?;
         let path = dir.join(FILE);
         // A compaction that did not finish.
         match std::fs::remove_file(tmp_path(&path)) {
@@ -54,12 +54,8 @@ impl Journal {
             _ => {}
         }
         let existed = path.exists();
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)?;
+        let mut file = private_file().create(true).truncate(false).open(&path)?;
+        tighten(&file, &path);
         if !existed {
             sync_dir(&path)?;
         }
@@ -155,7 +151,8 @@ impl Journal {
     fn compact(&self, state: &mut State, table: &TenantTable) -> std::io::Result<()> {
         let tmp = tmp_path(&self.path);
         let written = (|| {
-            let mut out = std::io::BufWriter::new(File::create(&tmp)?);
+            let mut out =
+                std::io::BufWriter::new(private_file().create(true).truncate(true).open(&tmp)?);
             let mut lines = 0;
             for change in snapshot(table) {
                 serde_json::to_writer(&mut out, &change).map_err(std::io::Error::other)?;
@@ -240,6 +237,58 @@ fn cut(file: &File, len: u64) -> std::io::Result<()> {
     file.sync_data()
 }
 
+/// The data dir, created readable by this user only (0700) when missing: the
+/// journal names the workspaces, and the embedded store beside it keeps the
+/// credentials of queued batch items.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    builder.create(dir)
+}
+
+/// Options that open the journal for reading and writing, a file they create
+/// readable by this user only (0600).
+fn private_file() -> std::fs::OpenOptions {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).write(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    options
+}
+
+/// Takes group and other permissions away from the journal `file` (at `path`)
+/// if it has any (an earlier version made it 0644); says so when that is refused.
+fn tighten(file: &File, path: &Path) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let Ok(meta) = file.metadata() else {
+            return;
+        };
+        let mode = meta.permissions().mode() & 0o7777;
+        if mode & 0o077 == 0 {
+            return;
+        }
+        match file.set_permissions(std::fs::Permissions::from_mode(mode & !0o077)) {
+            Ok(()) => tracing::info!(
+                target: "sluice::tenants",
+                "{}: was readable by other users (mode {mode:o}); now {:o}, this user's only",
+                path.display(),
+                mode & !0o077
+            ),
+            Err(e) => tracing::warn!(
+                target: "sluice::tenants",
+                "{} is readable by other users (mode {mode:o}) and could not be changed ({e}); chmod 600 it",
+                path.display()
+            ),
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (file, path);
+}
+
 fn tmp_path(path: &Path) -> PathBuf {
     path.with_extension("jsonl.tmp")
 }
@@ -306,6 +355,35 @@ mod tests {
             .filter(|(_, k)| k.is_none())
             .map(|(sha, _)| sha[..2].to_owned())
             .collect()
+    }
+
+    /// The journal (and the data dir it creates) is this user's only, also once
+    /// written afresh; one an earlier version left readable by everyone is made
+    /// so at open (SPEC E2 and P4: the data dir holds credentials at rest).
+    #[cfg(unix)]
+    #[test]
+    fn e2_p4_the_journal_and_the_data_dir_are_this_users_only() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = |p: &Path| {
+            let mode = std::fs::metadata(p).expect("metadata").permissions().mode();
+            format!("{:o}", mode & 0o777)
+        };
+        let root = dir();
+        let data = root.join("data");
+        let base = sluice_policy::default_policy().expect("default policy");
+        let (journal, table) = Journal::open(&data, &base).expect("open");
+        let path = data.join(FILE);
+        assert_eq!(mode(&data), "700", "the data dir");
+        assert_eq!(mode(&path), "600", "the journal");
+        journal
+            .compact(&mut journal.state.lock(), &table)
+            .expect("written afresh");
+        assert_eq!(mode(&path), "600", "the journal written afresh");
+        drop(journal);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let (_journal, _) = Journal::open(&data, &base).expect("open again");
+        assert_eq!(mode(&path), "600", "tightened at open");
+        let _ = std::fs::remove_dir_all(&root);
     }
 
     #[test]

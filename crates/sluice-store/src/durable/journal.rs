@@ -88,12 +88,8 @@ pub(crate) struct FileLog {
 
 impl FileLog {
     pub(crate) fn open(path: &Path, sync: JournalSync) -> std::io::Result<Self> {
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)?;
+        let mut file = super::private::open_options().truncate(false).open(path)?;
+        super::private::tighten(&file, path);
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)?;
         let end = (decode(&bytes).count() * RECORD) as u64;

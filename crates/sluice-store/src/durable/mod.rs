@@ -7,6 +7,10 @@
 //! and in front of it the quota journal, `quota.journal` (group commit: see
 //! [`QuotaBook`]). redb locks its file: a second process opening the same
 //! directory gets [`OpenError::Locked`] instead of two writers corrupting one store.
+//! The directory is created readable by this user only (0700), and the files
+//! with mode 0600 (an existing one that others can read is made so at open): the
+//! batch queue keeps the credentials its items are sent with until each
+//! item finishes.
 //!
 //! ```
 //! let dir = std::env::temp_dir().join(format!("sluice-doc-{}", std::process::id()));
@@ -18,6 +22,7 @@
 mod fillable;
 mod journal;
 mod outbox;
+mod private;
 mod quota;
 mod rows;
 
@@ -103,7 +108,9 @@ fn builder() -> redb::Builder {
 }
 
 impl DurableStore {
-    /// Opens (creating when needed) the store in `dir`.
+    /// Opens (creating when needed) the store in `dir`: a directory created
+    /// with mode 0700, files 0600 (an existing file others can read is made
+    /// 0600, or, when that is refused, named in a warning on stderr).
     ///
     /// # Errors
     /// [`OpenError`] naming the path: a directory that cannot be created, a file
@@ -117,11 +124,14 @@ impl DurableStore {
     /// # Errors
     /// As [`DurableStore::open`].
     pub fn open_with(dir: &Path, sync: JournalSync) -> Result<Self, OpenError> {
-        std::fs::create_dir_all(dir).map_err(|source| OpenError::Directory {
+        // Readable by this user only (0700, files 0600): the batch queue holds
+        // the credentials its items are sent with until each item finishes.
+        private::create_dir(dir).map_err(|source| OpenError::Directory {
             path: dir.to_owned(),
             source,
         })?;
         let path = dir.join(DURABLE_FILE);
+        private::prepare(&path);
         let db = builder().create(&path).map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => OpenError::Locked { path: path.clone() },
             other => OpenError::Unusable {
