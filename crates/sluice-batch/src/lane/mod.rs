@@ -14,8 +14,12 @@
 //! digest of the body's canonical JSON (keys sorted, no whitespace): the same
 //! JSON in another key order or spacing is the same batch.
 //!
-//! The queue keeps each item with the credential fields it is sent with, until the
-//! batch is purged (finished batches are kept for the lane's `keep_hours`).
+//! The queue keeps each item with the credential fields it is sent with (as the
+//! request carried them: the raw credential) until the item finishes: its body,
+//! which holds them, is dropped when its answer is recorded (the answer stays until
+//! the batch is purged, after the lane's `keep_hours`). Until then they are at rest
+//! in the queue's store: the redb file under the data dir (created readable by
+//! sluice's user only), or Redis.
 //!
 //! The rooms of this folder: this file holds [`BatchLane`] (one lane's queue, its
 //! lane and its counters), its `/status` share, and what a host gives the lanes
