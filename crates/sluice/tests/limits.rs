@@ -370,7 +370,7 @@ fn one_address_holds_at_most_its_connections_and_a_closed_one_frees_a_place() {
 fn max_connections_past_the_open_file_limit_is_lowered_with_a_warning() {
     use std::io::{BufRead as _, BufReader};
     let dir = support::DataDir::new();
-    // A hard limit of 200 descriptors cannot hold 10,000 connections (two each).
+    // A hard limit of 200 descriptors cannot hold 10,000 connections (three each).
     let mut child = std::process::Command::new("sh")
         .arg("-c")
         .arg(format!(
@@ -400,7 +400,7 @@ fn max_connections_past_the_open_file_limit_is_lowered_with_a_warning() {
     let _ = child.wait();
     let warning = warning.expect("a warning about the open-file limit");
     assert!(
-        warning.contains("the limit is 200") && warning.contains("serving at most 36 connections"),
+        warning.contains("the limit is 200") && warning.contains("serving at most 24 connections"),
         "{warning}"
     );
     assert!(
