@@ -150,22 +150,7 @@ async fn l4_bad_bodies_conflicts_and_idempotent_repeats() {
     assert_eq!(c.status, StatusCode::CONFLICT, "{}", c.text());
     assert_eq!(c.json()["error"]["code"], "conflict");
     // The repeat and the conflict gave their quota units back: 2 counted in all.
-    let usage = send(
-        Request::get(sluice.admin_url(&format!(
-            "/quotas?workspace=key:{}",
-            support::sha256_hex("sk-acme")
-        )))
-        .body(Full::new(Bytes::new()))
-        .expect("request"),
-    )
-    .await
-    .json();
-    let messages = usage["quotas"]
-        .as_array()
-        .and_then(|q| q.iter().find(|f| f["family"] == "messages"))
-        .cloned()
-        .expect("messages");
-    assert_eq!(messages["usage"], 2, "{usage}");
+    assert_eq!(messages_used(&sluice, "sk-acme").await, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -255,6 +240,26 @@ async fn l4_kill_9_during_a_batch_loses_no_item_and_no_result() {
             assert_eq!(item["attempts"], before["items"][i]["attempts"]);
         }
     }
+}
+
+/// The `messages` quota units the workspace of credential `key` has spent this
+/// month (`GET /quotas` on the admin listener).
+async fn messages_used(sluice: &Sluice, key: &str) -> u64 {
+    let usage = send(
+        Request::get(sluice.admin_url(&format!(
+            "/quotas?workspace=key:{}",
+            support::sha256_hex(key)
+        )))
+        .body(Full::new(Bytes::new()))
+        .expect("request"),
+    )
+    .await
+    .json();
+    usage["quotas"]
+        .as_array()
+        .and_then(|q| q.iter().find(|f| f["family"] == "messages"))
+        .and_then(|f| f["usage"].as_u64())
+        .unwrap_or_else(|| panic!("no messages quota: {usage}"))
 }
 
 fn rpc(sluice: &Sluice, key: &str, body: &Value) -> Request<Full<Bytes>> {
@@ -383,25 +388,10 @@ async fn l4_a_batch_tool_spelled_another_way_is_still_the_batch_lane() {
             answer["result"]["structuredContent"]["items"], 3,
             "{body}: queued by sluice's batch lane, not forwarded: {answer}"
         );
-        let usage = send(
-            Request::get(sluice.admin_url(&format!(
-                "/quotas?workspace=key:{}",
-                support::sha256_hex("sk-acme")
-            )))
-            .body(Full::new(Bytes::new()))
-            .expect("request"),
-        )
-        .await
-        .json();
-        let messages = usage["quotas"]
-            .as_array()
-            .and_then(|q| q.iter().find(|f| f["family"] == "messages"))
-            .cloned()
-            .expect("messages");
         assert_eq!(
-            messages["usage"],
-            3 * (n + 1),
-            "each item spends a unit: {usage}"
+            messages_used(&sluice, "sk-acme").await,
+            3 * (n as u64 + 1),
+            "each item spends a unit"
         );
     }
     // Inside a JSON-RPC batch, the retired spelling is refused as the tool is.
@@ -889,20 +879,5 @@ async fn l4_past_the_queues_global_bound_or_the_addresss_share_a_submit_is_503_w
         (Some(8), Some(8))
     );
     // The refused batch's quota units were given back.
-    let usage = send(
-        Request::get(sluice.admin_url(&format!(
-            "/quotas?workspace=key:{}",
-            support::sha256_hex("sk-flood-2")
-        )))
-        .body(Full::new(Bytes::new()))
-        .expect("request"),
-    )
-    .await
-    .json();
-    let messages = usage["quotas"]
-        .as_array()
-        .and_then(|q| q.iter().find(|f| f["family"] == "messages"))
-        .cloned()
-        .expect("messages");
-    assert_eq!(messages["usage"], 0, "{usage}");
+    assert_eq!(messages_used(&sluice, "sk-flood-2").await, 0);
 }

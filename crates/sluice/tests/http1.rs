@@ -830,6 +830,18 @@ async fn echo_upstream() -> String {
     format!("http://{addr}")
 }
 
+/// What an [`echo_upstream`] behind `sluice` received of a `GET /search/fields`
+/// sent in `version` with `fields` (lower case).
+async fn forwarded_head(sluice: &Sluice, version: &str, fields: &str) -> String {
+    let mut stream = connect(sluice).await;
+    let request = format!("GET /search/fields {version}\r\nhost: x\r\n{fields}\r\n");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let raw = read_raw(&mut stream, &mut Vec::new(), false).await;
+    let echoed = String::from_utf8_lossy(&raw.body).to_ascii_lowercase();
+    assert_eq!(raw.status, 200, "{version}: {echoed}");
+    echoed
+}
+
 /// SPEC's contract with the upstream: a client's `Connection` naming the fields
 /// sluice sets (its identity, the request id) removes none of them, on the fast
 /// path and on the path hyper serves (HTTP/1.0 here).
@@ -839,14 +851,12 @@ async fn connection_never_removes_the_fields_sluice_sets() {
         let upstream = echo_upstream().await;
         let sluice = Sluice::spawn(&["--upstream", &upstream]);
         for version in ["HTTP/1.1", "HTTP/1.0"] {
-            let mut stream = connect(&sluice).await;
-            let request = format!(
-                "GET /search/fields {version}\r\nhost: x\r\nx-api-key: sk-conn\r\nconnection: X-Sluice-Workspace, x-sluice-user,X-Request-Id , keep-alive\r\n\r\n"
-            );
-            stream.write_all(request.as_bytes()).await.expect("write");
-            let raw = read_raw(&mut stream, &mut Vec::new(), false).await;
-            let echoed = String::from_utf8_lossy(&raw.body).to_ascii_lowercase();
-            assert_eq!(raw.status, 200, "{version}: {echoed}");
+            let echoed = forwarded_head(
+                &sluice,
+                version,
+                "x-api-key: sk-conn\r\nconnection: X-Sluice-Workspace, x-sluice-user,X-Request-Id , keep-alive\r\n",
+            )
+            .await;
             for field in ["x-sluice-workspace: key:", "x-sluice-user: key:", "x-request-id: "] {
                 assert!(echoed.contains(field), "{version}: {field} went missing: {echoed}");
             }
@@ -865,14 +875,12 @@ async fn an_underscore_spelling_of_a_field_sluice_reads_or_sets_is_not_forwarded
         let upstream = echo_upstream().await;
         let sluice = Sluice::spawn(&["--upstream", &upstream]);
         for version in ["HTTP/1.1", "HTTP/1.0"] {
-            let mut stream = connect(&sluice).await;
-            let request = format!(
-                "GET /search/fields {version}\r\nhost: x\r\nx-api-key: sk-under\r\nX_API_KEY: sk-real\r\nX_Sluice_Workspace: victim\r\nx_forwarded_for: 198.51.100.1\r\nX_Request_Id: spoofed\r\nmy_field: kept\r\n\r\n"
-            );
-            stream.write_all(request.as_bytes()).await.expect("write");
-            let raw = read_raw(&mut stream, &mut Vec::new(), false).await;
-            let echoed = String::from_utf8_lossy(&raw.body).to_ascii_lowercase();
-            assert_eq!(raw.status, 200, "{version}: {echoed}");
+            let echoed = forwarded_head(
+                &sluice,
+                version,
+                "x-api-key: sk-under\r\nX_API_KEY: sk-real\r\nX_Sluice_Workspace: victim\r\nx_forwarded_for: 198.51.100.1\r\nX_Request_Id: spoofed\r\nmy_field: kept\r\n",
+            )
+            .await;
             for gone in ["x_api_key", "x_sluice_workspace", "x_forwarded_for", "x_request_id", "victim", "sk-real"] {
                 assert!(!echoed.contains(gone), "{version}: {gone} was forwarded: {echoed}");
             }
