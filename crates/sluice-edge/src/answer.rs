@@ -141,7 +141,7 @@ const OWN_FIELDS: [&str; 7] = [
 ];
 
 /// Takes out of the client's `Connection` fields every name of a field sluice
-/// sets on the forwarded request (`X-Sluice-*`, [`OWN_FIELDS`]): a proxy removes
+/// sets on the forwarded request (`X-Sluice-*`, its request id, trace and forwarding fields): a proxy removes
 /// the fields `Connection` names (RFC 9110 §7.6.1), and would remove sluice's
 /// own with the client's — the caller's identity, a weighted budget passed on
 /// exhausted. A `Connection` left naming nothing is removed.
@@ -204,7 +204,7 @@ const GUARDED_FIELDS: [&str; 17] = [
 
 /// True when `name` spells with `_` a field sluice reads (`read`: the policy's
 /// credentials, principal and run fields) or sets or guards (`X-Sluice-*`,
-/// [`GUARDED_FIELDS`]): `X_API_KEY`, `X_Sluice_Workspace`. Servers that map
+/// forwarding, framing and override fields): `X_API_KEY`, `X_Sluice_Workspace`. Servers that map
 /// field names CGI-style (`HTTP_X_API_KEY`) read it as the field sluice did not
 /// see, so it is never forwarded.
 pub fn is_underscore_spelling(name: &[u8], read: &[HeaderName]) -> bool {
