@@ -164,8 +164,8 @@ pub(crate) fn encode(out: &mut Vec<u8>, seq: u64, cell: u64, value: u64) {
     }
 }
 
-/// The records of `bytes` in order, up to the first short or damaged one.
-pub(crate) fn decode(bytes: &[u8]) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+/// Every record of `bytes` whose check holds, in order (past a damaged one too).
+fn whole_records(bytes: &[u8]) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
     bytes
         .chunks_exact(RECORD)
         .map(|r| {
@@ -176,8 +176,43 @@ pub(crate) fn decode(bytes: &[u8]) -> impl Iterator<Item = (u64, u64, u64)> + '_
             };
             (word(0), word(1), word(2), word(3))
         })
-        .take_while(|&(seq, cell, value, sum)| sum == check(seq, cell, value))
+        .filter(|&(seq, cell, value, sum)| sum == check(seq, cell, value))
         .map(|(seq, cell, value, _)| (seq, cell, value))
+}
+
+/// The records of `bytes` in order, up to the first short or damaged one, or the
+/// first numbered below the one before it: the journal is written from its start
+/// again after each snapshot with numbers above every one it held (see
+/// [`horizon`]), so a record numbered lower is an older run's, left past the end
+/// of this one (its first slot was torn by a crash), and never replayed.
+pub(crate) fn decode(bytes: &[u8]) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+    let mut last = 0u64;
+    bytes
+        .chunks_exact(RECORD)
+        .map(|r| {
+            let word = |i: usize| {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(&r[i * 8..i * 8 + 8]);
+                u64::from_le_bytes(w)
+            };
+            (word(0), word(1), word(2), word(3))
+        })
+        .take_while(move |&(seq, cell, value, sum)| {
+            let ok = sum == check(seq, cell, value) && seq >= last;
+            last = seq;
+            ok
+        })
+        .map(|(seq, cell, value, _)| (seq, cell, value))
+}
+
+/// The highest number of any whole record in `bytes`, wherever it lies (past a
+/// torn one too): the journal's next records are numbered above it, so that a
+/// record of an earlier run left in the file is never taken for one of theirs.
+pub(crate) fn horizon(bytes: &[u8]) -> u64 {
+    whole_records(bytes)
+        .map(|(seq, _, _)| seq)
+        .max()
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -201,5 +236,25 @@ mod tests {
         assert_eq!(decode(&bytes).collect::<Vec<_>>(), [(1, 10, 100)]);
         // Zeros (an extended file whose data never landed) are no record.
         assert_eq!(decode(&[0u8; RECORD * 2]).count(), 0);
+    }
+
+    /// A run whose first slot a crash tore leaves its later records whole past
+    /// it: the horizon sees them, and a later run (numbered above it) written
+    /// over the start is replayed up to them, never into them.
+    #[test]
+    fn q1_an_earlier_run_left_past_a_torn_slot_is_never_replayed() {
+        let mut old = Vec::new();
+        encode(&mut old, 6, 10, 106);
+        encode(&mut old, 7, 10, 107);
+        encode(&mut old, 8, 11, 108);
+        old[3] ^= 0x40; // the first slot torn
+        assert_eq!(decode(&old).count(), 0);
+        assert_eq!(horizon(&old), 8);
+        // The next run starts over at the file's start, numbered above 8.
+        let mut next = Vec::new();
+        encode(&mut next, 9, 10, 6);
+        let mut file = old.clone();
+        file[..RECORD].copy_from_slice(&next);
+        assert_eq!(decode(&file).collect::<Vec<_>>(), [(9, 10, 6)]);
     }
 }

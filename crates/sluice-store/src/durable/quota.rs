@@ -261,6 +261,10 @@ impl QuotaBook {
                 journal_seq = journal_seq.max(seq);
             }
         }
+        // Numbered above every whole record in the file, those past a torn one
+        // included (a group a crash tore was never confirmed): the snapshot below
+        // covers them, and what follows never reads as one of them.
+        journal_seq = journal_seq.max(super::journal::horizon(&journal));
         book.cells.retain(|&cell, &mut value| {
             let keep = !cell_is_stale(value, now);
             if !keep {
