@@ -47,6 +47,12 @@ pub(crate) fn read<'a>(pair: &'a [u8], session: &str) -> Pair<'a> {
         None => (pair, None),
     };
     if name.trim_ascii() != session.as_bytes() {
+        // `x=1 session=V` (or `x=1, session=V`): Python's `SimpleCookie` ends a
+        // pair at a space and reads the session cookie; this pair cannot be read
+        // as every framework would.
+        if hides_session(pair, session.as_bytes()) {
+            return Pair::Unreadable;
+        }
         return Pair::Other;
     }
     // `session` alone: some read it as an empty value, some as no cookie.
@@ -66,6 +72,24 @@ pub(crate) fn read<'a>(pair: &'a [u8], session: &str) -> Pair<'a> {
         Some(value) => Pair::Session(value),
         None => Pair::Unreadable,
     }
+}
+
+/// True when `session=` starts inside `pair` after a space, a tab or a comma
+/// (spaces before the `=` allowed): a pair that some parsers split there.
+fn hides_session(pair: &[u8], session: &[u8]) -> bool {
+    if session.is_empty() {
+        return false;
+    }
+    pair.windows(session.len())
+        .enumerate()
+        .filter(|&(at, w)| at > 0 && w == session)
+        .any(|(at, _)| {
+            matches!(pair[at - 1], b' ' | b'\t' | b',')
+                && pair[at + session.len()..]
+                    .iter()
+                    .find(|&&b| b != b' ' && b != b'\t')
+                    == Some(&b'=')
+        })
 }
 
 /// RFC 6265's `cookie-octet`: visible ASCII but `"`, `,`, `;` and `\`.
@@ -143,8 +167,18 @@ mod tests {
             "session=secret%2",
             "session=secret%zz",
             "session=secret%FF",
+            // Python's SimpleCookie reads the session cookie out of these.
+            "x=1 session=secret",
+            "x=1, session=secret",
+            "x=1\tsession = secret",
+            "x session=secret",
         ] {
             assert_eq!(value(pair), Pair::Unreadable, "{pair:?}");
+        }
+        // Names that only end in the session's, or a value that names it, are
+        // other cookies.
+        for pair in ["x=my_session=1", "x=1 sessions=2", "x=session"] {
+            assert_eq!(value(pair), Pair::Other, "{pair:?}");
         }
     }
 
