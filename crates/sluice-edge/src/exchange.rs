@@ -300,6 +300,20 @@ impl<S: BudgetStore> Forward<'_, S> {
     pub async fn response_head(mut self, status: u16, headers: &mut HeaderMap) {
         self.finish(Some(status));
         let cost = crate::take_cost(headers);
+        // The upstream's other signals (`X-Sluice-*`) never reach the client.
+        if headers
+            .keys()
+            .any(|n| crate::is_sluice_signal(n.as_str().as_bytes()))
+        {
+            let signals: Vec<HeaderName> = headers
+                .keys()
+                .filter(|n| crate::is_sluice_signal(n.as_str().as_bytes()))
+                .cloned()
+                .collect();
+            for name in signals {
+                headers.remove(name);
+            }
+        }
         let decision = self.settle(cost).await;
         self.write_rate_limit_headers(headers, &decision);
     }

@@ -61,6 +61,9 @@ pub struct Rewrite<'a> {
     pub close: bool,
     /// Fields the gateway sets itself (the rate-limit ones): the upstream's are dropped.
     pub replaced: &'a [http::HeaderName],
+    /// Fields whose names start with this (in any case) are dropped too: the
+    /// signals between the gateway and its upstream (`x-sluice-`); empty for none.
+    pub dropped_prefix: &'a [u8],
     /// The client gets a body of known length chunked too (it is changed on its
     /// way: its length is no longer the upstream's).
     pub rechunk: bool,
@@ -121,6 +124,7 @@ pub fn parse(
         head_request,
         close,
         replaced,
+        dropped_prefix,
         rechunk,
     } = *rewrite;
     let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
@@ -204,6 +208,9 @@ pub fn parse(
             // `Connection` may name any field but the one that frames the body.
             || (connection_names && !content_length && named_in_connection(response.headers, name))
             || replaced.iter().any(|r| r.as_str().as_bytes().eq_ignore_ascii_case(name))
+            || (!dropped_prefix.is_empty()
+                && name.len() >= dropped_prefix.len()
+                && name[..dropped_prefix.len()].eq_ignore_ascii_case(dropped_prefix))
         {
             continue;
         }
@@ -270,6 +277,7 @@ mod tests {
             head_request,
             close,
             replaced: &[http::HeaderName::from_static("x-ratelimit-limit")],
+            dropped_prefix: b"x-signal-",
             rechunk,
         };
         let parsed = parse(raw.as_bytes(), &rewrite, &mut client, |c, dated| {
@@ -319,6 +327,7 @@ mod tests {
     fn the_client_head_keeps_end_to_end_fields_and_adds_the_rate_limit_ones() {
         let raw = "HTTP/1.1 201 Created\r\nServer: up\r\nConnection: keep-alive, X-Hop, Content-Length\r\n\
                    X-Hop: 1\r\nX-RateLimit-Limit: 5\r\nKeep-Alive: timeout=5\r\nDate: then\r\n\
+                   X-Signal-Who: up\r\nx-signal-what: up\r\nX-Signals: kept\r\n\
                    Content-Length: 2\r\n\r\n{}";
         let (parsed, client) = head(raw, false, false);
         assert_eq!(
@@ -332,8 +341,8 @@ mod tests {
         );
         assert_eq!(
             client,
-            "HTTP/1.1 201 Created\r\nServer: up\r\nDate: then\r\nContent-Length: 2\r\n\
-             x-ratelimit-limit: 300\r\n\r\n"
+            "HTTP/1.1 201 Created\r\nServer: up\r\nDate: then\r\nX-Signals: kept\r\n\
+             Content-Length: 2\r\nx-ratelimit-limit: 300\r\n\r\n"
         );
         let (_, client) = head("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", false, true);
         assert!(

@@ -889,3 +889,23 @@ async fn an_underscore_spelling_of_a_field_sluice_reads_or_sets_is_not_forwarded
     })
     .await;
 }
+
+/// The upstream's `X-Sluice-*` fields are its signals to sluice: none reaches the
+/// client, on either path (SPEC: the contract with the upstream).
+#[tokio::test]
+async fn the_upstream_s_sluice_fields_never_reach_the_client() {
+    bounded(async {
+        let answer = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-sluice-workspace: leaked\r\nX-Sluice-User: leaked\r\nx-sluice-exhausted: up\r\nX-Sluice-Cost: 1\r\n\r\nok";
+        let (upstream, _) = scripted_upstream(vec![answer, answer]).await;
+        let sluice = Sluice::spawn(&["--upstream", &upstream]);
+        for version in ["HTTP/1.1", "HTTP/1.0"] {
+            let mut stream = connect(&sluice).await;
+            let request = format!("GET /search/fields {version}\r\nhost: x\r\nx-api-key: sk-up\r\n\r\n");
+            stream.write_all(request.as_bytes()).await.expect("write");
+            let raw = read_raw(&mut stream, &mut Vec::new(), false).await;
+            assert_eq!(raw.status, 200, "{version}: {}", raw.head);
+            assert!(!raw.head.contains("x-sluice-"), "{version}: {}", raw.head);
+        }
+    })
+    .await;
+}

@@ -364,6 +364,8 @@ impl<'f> Connection<'f> {
                 head_request,
                 close,
                 replaced,
+                // The upstream's signals to sluice never reach the client.
+                dropped_prefix: b"x-sluice-",
                 rechunk: hide_usage,
             },
             // Sent again on a new connection when a kept-alive one fails before any
