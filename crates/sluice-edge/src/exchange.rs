@@ -329,6 +329,15 @@ impl<S: BudgetStore> Forward<'_, S> {
         self.write_rate_limit_headers(headers, &self.decision);
     }
 
+    /// Phase 6 when the client's body was still coming as the call's time ran
+    /// out (`answer`: the 408 of a body that came too slowly): ends the lane
+    /// place as answered — the client's doing, no failure of the upstream —
+    /// and writes `X-RateLimit-*` of the decision into `headers`.
+    pub fn upload_too_slow(mut self, status: u16, headers: &mut HeaderMap) {
+        self.finish(Some(status));
+        self.write_rate_limit_headers(headers, &self.decision);
+    }
+
     fn write_rate_limit_headers(&self, headers: &mut HeaderMap, decision: &Decision) {
         let policy = self.limiter.policy();
         crate::rate_limit_headers(headers, decision, &self.plan, policy);

@@ -3,6 +3,9 @@
 //! place (SPEC L1, L2) stops waiting then — its place, start and budgets, and the
 //! upstream's work, were for nobody.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use tokio::sync::watch;
 
 /// Resolves once the client of the request hung up. Put in the request's
@@ -38,5 +41,23 @@ impl HangupSender {
     /// Resolves when no request holds a [`Hangup`] of it any more.
     pub async fn unheard(&self) {
         self.0.closed().await;
+    }
+}
+
+/// Whether a request's body has all come, as its transport saw it: a request
+/// extension (sluice's gateway sets it). A call whose time runs out while its
+/// body is still coming is the client's doing, never an upstream failure.
+#[derive(Clone, Debug, Default)]
+pub struct UploadEnded(Arc<AtomicBool>);
+
+impl UploadEnded {
+    /// The body has all come.
+    pub fn mark(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// True once the body has all come.
+    pub fn ended(&self) -> bool {
+        self.0.load(Ordering::Acquire)
     }
 }

@@ -100,7 +100,7 @@ pub use buffers::{
     DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES, READ_BUFFER_ALLOWANCE,
 };
 pub use exchange::{BodyRead, Forward, Planned, QuotaSpent};
-pub use hangup::{Hangup, HangupSender};
+pub use hangup::{Hangup, HangupSender, UploadEnded};
 pub use intake::{BodyFailure, Intake};
 pub use lanes::{
     LaneCall, LanePlace, LaneStatus, LaneWorkspace, lane_config, lane_refusal, lane_status,

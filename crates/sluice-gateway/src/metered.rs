@@ -279,8 +279,14 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let body_timeout = self.body_timeout;
-        let mut request =
-            request.map(|body| GatewayBody::new(ReadDeadline::new(body, body_timeout)));
+        let ended = sluice_edge::UploadEnded::default();
+        let mut request = request.map(|body| {
+            if body.is_end_stream() {
+                ended.mark();
+            }
+            GatewayBody::new(ReadDeadline::new(body, body_timeout).telling(ended.clone()))
+        });
+        request.extensions_mut().insert(ended);
         request.extensions_mut().insert(PeerAddr(self.peer));
         if let Some(hangup) = &self.hangup {
             request.extensions_mut().insert(hangup.clone());

@@ -392,6 +392,14 @@ impl Inner {
                     header_timeout,
                 )
             }
+            // The client's body still coming when the time ran out: the wait
+            // was the client's doing, never the upstream's (no failure for the
+            // lane's breaker), answered as a body that came too slowly.
+            Err(_elapsed) if !upload_handle.ended() => {
+                upload_handle.abandon();
+                sluice_edge::body_too_slow(header_timeout)
+                    .map(|body| body.map_err(|never| match never {}).boxed())
+            }
             Err(_elapsed) => {
                 self.upstream_seconds[2].record(elapsed);
                 upstream_failure(Failure::Timeout, header_timeout)

@@ -30,6 +30,8 @@ pub(super) struct ReadDeadline<B> {
     timer: Option<Pin<Box<Sleep>>>,
     /// The timer runs for the wait now going on.
     waiting: bool,
+    /// Told when the body has all come.
+    ended: Option<sluice_edge::UploadEnded>,
 }
 
 impl<B> ReadDeadline<B> {
@@ -40,7 +42,14 @@ impl<B> ReadDeadline<B> {
             timeout,
             timer: None,
             waiting: false,
+            ended: None,
         }
+    }
+
+    /// The same, marking `ended` once the body has all come.
+    pub(super) fn telling(mut self, ended: sluice_edge::UploadEnded) -> Self {
+        self.ended = Some(ended);
+        self
     }
 }
 
@@ -60,6 +69,11 @@ where
         match Pin::new(&mut this.body).poll_frame(cx) {
             Poll::Ready(frame) => {
                 this.waiting = false;
+                if let Some(ended) = &this.ended
+                    && (frame.is_none() || this.body.is_end_stream())
+                {
+                    ended.mark();
+                }
                 Poll::Ready(frame.map(|f| f.map_err(Into::into)))
             }
             Poll::Pending => {

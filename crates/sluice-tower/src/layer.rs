@@ -320,6 +320,9 @@ where
                 // cut and counts as a failure.
                 let timeout = forward.upstream_timeout(std::time::Duration::MAX);
                 parts.extensions.insert(UpstreamTimeout(timeout));
+                // Whether the client's body has all come, where the transport
+                // says (sluice's gateway does).
+                let upload = parts.extensions.get::<sluice_edge::UploadEnded>().cloned();
                 let call = inner.call(Request::from_parts(parts, body));
                 // An LLM call that may have reached the upstream and has no
                 // answer to settle at: its reservation stands, counted as
@@ -339,6 +342,15 @@ where
                         unanswered(forward.settlement());
                         forward.finish(None);
                         return Err(error);
+                    }
+                    // The client still sending its body when the time ran out:
+                    // the wait was its doing, never the upstream's (no failure
+                    // for the lane's breaker): a body that came too slowly.
+                    Err(_) if upload.as_ref().is_some_and(|u| !u.ended()) => {
+                        unanswered(forward.settlement());
+                        let mut r = sluice_edge::body_too_slow(timeout);
+                        forward.upload_too_slow(r.status().as_u16(), r.headers_mut());
+                        return Ok(r.map(Either::Left));
                     }
                     Err(_) => {
                         unanswered(forward.settlement());
