@@ -346,6 +346,12 @@ impl Inner {
             append_forwarded(&mut parts.headers, ip, original_host.as_ref());
         }
         parts.headers.insert(header::HOST, upstream.host.clone());
+        // HTTP/2 splits `Cookie` into crumbs; to an HTTP/1.1 upstream they go as
+        // one field joined by "; " (RFC 9113 §8.2.3), as sluice read them: many
+        // servers read only the first `Cookie` field, or join several with ",".
+        if parts.version == Version::HTTP_2 {
+            join_cookie_crumbs(&mut parts.headers);
+        }
         parts.uri = uri;
         parts.version = Version::HTTP_11;
         // A call through a guarded lane may take the lane's time.
@@ -405,6 +411,22 @@ impl Inner {
                 upstream_failure(Failure::Timeout, header_timeout)
             }
         }
+    }
+}
+
+/// Several `Cookie` fields made one, their values joined by "; ".
+fn join_cookie_crumbs(headers: &mut http::HeaderMap) {
+    let mut crumbs = headers.get_all(header::COOKIE).iter();
+    let (Some(first), Some(_)) = (crumbs.next(), crumbs.next()) else {
+        return;
+    };
+    let mut joined = first.as_bytes().to_vec();
+    for crumb in headers.get_all(header::COOKIE).iter().skip(1) {
+        joined.extend_from_slice(b"; ");
+        joined.extend_from_slice(crumb.as_bytes());
+    }
+    if let Ok(value) = HeaderValue::from_bytes(&joined) {
+        headers.insert(header::COOKIE, value);
     }
 }
 
@@ -579,6 +601,22 @@ fn push_forwarded_host(out: &mut Vec<u8>, host: Option<&[u8]>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SPEC E2 over HTTP/2: cookie crumbs go to the HTTP/1.1 upstream as the
+    /// one field sluice read (RFC 9113 §8.2.3).
+    #[test]
+    fn e2_cookie_crumbs_are_joined_for_the_upstream() {
+        let mut headers = HeaderMap::new();
+        headers.append(header::COOKIE, HeaderValue::from_static("a=1"));
+        headers.append(header::COOKIE, HeaderValue::from_static("session=abc"));
+        join_cookie_crumbs(&mut headers);
+        let all: Vec<_> = headers.get_all(header::COOKIE).iter().collect();
+        assert_eq!(all, ["a=1; session=abc"]);
+        let mut one = HeaderMap::new();
+        one.append(header::COOKIE, HeaderValue::from_static("session=abc"));
+        join_cookie_crumbs(&mut one);
+        assert_eq!(one[header::COOKIE], "session=abc");
+    }
 
     #[test]
     fn forwarded_headers_are_appended_not_replaced() {
