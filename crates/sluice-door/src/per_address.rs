@@ -17,6 +17,8 @@ pub struct PerAddress {
     max: usize,
     /// Addresses the bound does not apply to (trusted proxies carry many clients).
     exempt: Box<dyn Fn(IpAddr) -> bool + Send + Sync>,
+    /// The address a peer is counted as (an IPv6 one by its network).
+    group: Box<dyn Fn(IpAddr) -> IpAddr + Send + Sync>,
 }
 
 /// One open connection of a peer address, counted until dropped.
@@ -36,10 +38,21 @@ impl PerAddress {
         max: NonZeroUsize,
         exempt: impl Fn(IpAddr) -> bool + Send + Sync + 'static,
     ) -> Arc<Self> {
+        Self::grouped(max, exempt, |ip| ip)
+    }
+
+    /// [`PerAddress::new`], each peer counted as the address `group` gives it
+    /// (an IPv6 one by its network: its holder has all its addresses).
+    pub fn grouped(
+        max: NonZeroUsize,
+        exempt: impl Fn(IpAddr) -> bool + Send + Sync + 'static,
+        group: impl Fn(IpAddr) -> IpAddr + Send + Sync + 'static,
+    ) -> Arc<Self> {
         Arc::new(PerAddress {
             open: Mutex::default(),
             max: max.get(),
             exempt: Box::new(exempt),
+            group: Box::new(group),
         })
     }
 
@@ -52,6 +65,7 @@ impl PerAddress {
         if (self.exempt)(ip) {
             return Ok(None);
         }
+        let ip = (self.group)(ip);
         let mut open = self.open.lock();
         let n = open.entry(ip).or_insert(0);
         if *n >= self.max {
@@ -64,9 +78,13 @@ impl PerAddress {
         }))
     }
 
-    /// Connections `ip` holds now.
+    /// Connections `ip` (its group) holds now.
     pub fn open(&self, ip: IpAddr) -> usize {
-        self.open.lock().get(&ip).copied().unwrap_or(0)
+        self.open
+            .lock()
+            .get(&(self.group)(ip))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The bound.
@@ -127,5 +145,25 @@ mod tests {
         );
         drop(second);
         assert_eq!(table.open(one), 0, "no entry left behind");
+    }
+
+    /// An IPv6 client holds a whole network: counted by it, its addresses share
+    /// one bound (else one /64 could take every place of the listener).
+    #[test]
+    fn addresses_of_one_group_share_its_bound() {
+        let net = |ip: IpAddr| match ip {
+            IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & (u128::MAX << 64)).into()),
+            v4 => v4,
+        };
+        let table = PerAddress::grouped(NonZeroUsize::new(2).expect("2"), |_| false, net);
+        let a: IpAddr = "2001:db8:1:2::1".parse().expect("ip");
+        let b: IpAddr = "2001:db8:1:2::2".parse().expect("ip");
+        let c: IpAddr = "2001:db8:1:2:ffff::3".parse().expect("ip");
+        let other: IpAddr = "2001:db8:1:3::1".parse().expect("ip");
+        let _first = table.admit(a).expect("a place");
+        let _second = table.admit(b).expect("a place");
+        assert!(table.admit(c).is_err(), "the network holds its bound");
+        assert!(table.admit(other).is_ok(), "another network has its own");
+        assert_eq!(table.open(c), 2);
     }
 }

@@ -553,10 +553,12 @@ pub(super) fn per_ip(
     limiter: &SharedLimiter<AnyStore>,
     max_per_ip: NonZeroUsize,
 ) -> Arc<sluice_door::PerAddress> {
-    let limiter = Arc::clone(limiter);
-    sluice_door::PerAddress::new(max_per_ip, move |ip| {
-        limiter.load().policy().identity.trusts(ip)
-    })
+    let (trusted, grouped) = (Arc::clone(limiter), Arc::clone(limiter));
+    sluice_door::PerAddress::grouped(
+        max_per_ip,
+        move |ip| trusted.load().policy().identity.trusts(ip),
+        move |ip| grouped.load().policy().identity.address_group(ip),
+    )
 }
 
 /// Starts the upkeep tasks, which run until `stop`: the reload watch (SIGHUP and

@@ -378,6 +378,22 @@ impl Identity {
         client
     }
 
+    /// The network of IPv6 address `v6`: its first `ipv6_prefix` bits.
+    fn ipv6_network(&self, v6: Ipv6Addr) -> Ipv6Addr {
+        let prefix = self.ipv6_prefix.clamp(1, 128);
+        Ipv6Addr::from(u128::from(v6) & (u128::MAX << (128 - u32::from(prefix))))
+    }
+
+    /// The address `addr` is counted as wherever sluice bounds a client by its
+    /// address (its IP budgets, its open connections): itself, an IPv6 one by
+    /// its network (`ipv6_prefix`), whose holder has all its addresses.
+    pub fn address_group(&self, addr: IpAddr) -> IpAddr {
+        match canonical(addr) {
+            IpAddr::V6(v6) => IpAddr::V6(self.ipv6_network(v6)),
+            v4 => v4,
+        }
+    }
+
     /// The subject of IP budgets for `addr` (IPv6 grouped by prefix).
     pub fn ip_subject(&self, addr: IpAddr) -> ClientIp {
         let addr = canonical(addr);
@@ -390,12 +406,12 @@ impl Identity {
                 (7, Who::Ip(addr, None))
             }
             IpAddr::V6(v6) => {
-                let bits = u128::from(v6);
-                let prefix = self.ipv6_prefix.clamp(1, 128);
-                let masked = bits & (u128::MAX << (128 - u32::from(prefix)));
-                let net = Ipv6Addr::from(masked);
+                let net = self.ipv6_network(v6);
                 keyed[3..19].copy_from_slice(&net.octets());
-                (19, Who::Ip(IpAddr::V6(net), Some(prefix)))
+                (
+                    19,
+                    Who::Ip(IpAddr::V6(net), Some(self.ipv6_prefix.clamp(1, 128))),
+                )
             }
         };
         // "net:" and the network's address bytes.
