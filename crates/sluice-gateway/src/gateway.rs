@@ -350,7 +350,7 @@ where
                         ))
                         .await;
                 } else {
-                    let service = h1_service(metered, stream.get_ref().0);
+                    let service = h1_service(metered, stream.get_ref().0, fast.has_lanes());
                     let _ = watcher
                         .watch(http1.serve_connection(
                             TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
@@ -373,7 +373,7 @@ where
             match protocol {
                 // An https upstream: hyper serves every connection from the start.
                 Some(Protocol::Http1) if !fast.is_on() => {
-                    let service = h1_service(metered, &stream);
+                    let service = h1_service(metered, &stream, fast.has_lanes());
                     let _ = watcher
                         .watch(http1.serve_connection(
                             TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
@@ -393,7 +393,7 @@ where
                     let (stream, service) = match served.await {
                         Ended::Closed => return,
                         Ended::Elsewhere(stream, read) => {
-                            let service = h1_service(metered, &stream);
+                            let service = h1_service(metered, &stream, fast.has_lanes());
                             (Rewind::new(stream, read), service)
                         }
                     };
@@ -427,10 +427,20 @@ where
     }
 }
 
-/// The service of an HTTP/1.1 connection hyper serves: its requests hear the
-/// client hang up (over HTTP/2 hyper hears of a stream the client gave up).
-fn h1_service<S>(metered: Metered<S>, stream: &TcpStream) -> TowerToHyperService<Metered<S>> {
-    TowerToHyperService::new(metered.with_hangup(crate::hangup::watch(stream)))
+/// The service of an HTTP/1.1 connection hyper serves: where the policy has
+/// lanes (`lanes`), its requests hear the client hang up, for a call waiting for
+/// a place (over HTTP/2 hyper hears of a stream the client gave up).
+fn h1_service<S>(
+    metered: Metered<S>,
+    stream: &TcpStream,
+    lanes: bool,
+) -> TowerToHyperService<Metered<S>> {
+    let hangup = if lanes {
+        crate::hangup::watch(stream)
+    } else {
+        None
+    };
+    TowerToHyperService::new(metered.with_hangup(hangup))
 }
 
 /// The protocol a client speaks, told by its first bytes.

@@ -113,6 +113,12 @@ impl FastPath {
         !self.config.upstream.is_https()
     }
 
+    /// True when the current policy has lanes, whose calls wait for a place (a
+    /// connection hyper serves then watches for its client's hang-up).
+    pub(super) fn has_lanes(&self) -> bool {
+        !self.limiter.load().policy().lanes.is_empty()
+    }
+
     /// Closes upstream connections idle for too long; call it now and then.
     pub(super) fn prune(&self) {
         self.pool.prune();
