@@ -363,10 +363,11 @@ async fn o4_a_full_month_folds_new_rows_into_an_overflow_row() {
         max_rows: sluice_edge::MAX_USAGE_ROWS,
         kept_until: u64::MAX,
     };
-    // Fill July 2093's list with rows of other days.
+    // Fill July 2093's list of unnamed workspaces with rows of other days.
+    let unnamed = format!("2093-07{}", sluice_edge::UNNAMED);
     for i in 0..sluice_edge::MAX_USAGE_ROWS {
         let row = format!("[\"2093-07-01\",\"filler-{i}\",null]");
-        assert!(store.note_usage_row_now("2093-07", &row, bound));
+        assert!(store.note_usage_row_now(&unnamed, &row, bound));
     }
     let limiter = Limiter::new(policy(), store);
     clock.advance(Duration::from_secs(60));
@@ -386,4 +387,64 @@ async fn o4_a_full_month_folds_new_rows_into_an_overflow_row() {
         .map(|l| l["tokens"]["output"].as_u64().unwrap_or(0))
         .sum();
     assert_eq!(output, 30);
+}
+
+/// SPEC O4, bounded against a flood: every fresh credential is a workspace of
+/// its own, so anyone can fill a month's rows. The workspaces the policy names
+/// keep a list of their own: with the others' list full, a named workspace's
+/// new day still gets its row (counted by name), while a fresh credential's
+/// call folds into the overflow row.
+#[tokio::test]
+async fn o4_unknown_credentials_cannot_fold_a_named_workspace_into_the_overflow() {
+    use sluice_store::UsageRowBound;
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let store = MemoryStore::with_clock(MemoryConfig::default(), clock.clone());
+    let bound = UsageRowBound {
+        max_rows: sluice_edge::MAX_USAGE_ROWS,
+        kept_until: u64::MAX,
+    };
+    // What a flood of throwaway credentials left: the month's unnamed list full.
+    let unnamed = format!("2093-07{}", sluice_edge::UNNAMED);
+    for i in 0..sluice_edge::MAX_USAGE_ROWS {
+        let row = format!("[\"2093-07-01\",\"key:{i:064x}\",null]");
+        assert!(store.note_usage_row_now(&unnamed, &row, bound));
+    }
+    // `sha256("a")`: acme's key.
+    let named = POLICY.replace(
+        "  credentials: [bearer]\n",
+        "  credentials: [bearer]
+  keys:
+    - { sha256: ca978112ca1bbdcafac231b39a23dc4da786eff8147c4e72b9807785afee48bb, workspace: acme, user: ada }
+",
+    );
+    let policy = parse_str(&named, Path::new("export.yaml")).expect("the test policy");
+    let limiter = Limiter::new(policy, store);
+    clock.advance(Duration::from_secs(60));
+    message(&limiter, "a").await;
+    chat(&limiter, "a", "gpt-4o", Some(USAGE)).await;
+    message(&limiter, "throwaway").await;
+    let lines = export(&limiter, "2093-07").await;
+    let acme: Vec<&Value> = lines.iter().filter(|l| l["workspace"] == "acme").collect();
+    assert_eq!(acme.len(), 2, "acme's rows by name: {lines:?}");
+    let acme_calls: u64 = acme.iter().map(|l| l["calls"].as_u64().unwrap_or(0)).sum();
+    assert_eq!(acme_calls, 2);
+    assert_eq!(
+        acme.iter()
+            .map(|l| l["tokens"]["output"].as_u64().unwrap_or(0))
+            .sum::<u64>(),
+        30
+    );
+    let overflow: Vec<&Value> = lines.iter().filter(|l| l["overflow"] == true).collect();
+    assert_eq!(
+        overflow.len(),
+        1,
+        "the throwaway credential's call: {overflow:?}"
+    );
+    assert_eq!(overflow[0]["calls"], 1);
+    assert!(
+        !lines
+            .iter()
+            .any(|l| l["workspace"] == own_workspace("throwaway")),
+        "the full list took no new row"
+    );
 }

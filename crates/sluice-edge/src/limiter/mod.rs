@@ -35,7 +35,9 @@ pub use telemetry::{
     Status, TOP_CALLERS_TRACKED, Tally, TopCaller,
 };
 use telemetry::{Counts, Meters, TOP_SHARDS, TopCallers};
-pub use usage_export::{EXPORT_PAGE, KNOWN_ROWS, MAX_USAGE_ROWS, OVERFLOW_ROWS, UsageExport};
+pub use usage_export::{
+    EXPORT_PAGE, KNOWN_ROWS, MAX_USAGE_ROWS, OVERFLOW_ROWS, UNNAMED, UsageExport,
+};
 
 /// A policy and a store: classifies requests and decides their budgets.
 ///

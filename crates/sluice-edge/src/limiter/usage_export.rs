@@ -29,11 +29,16 @@
 //! rows ([`BudgetStore::note_usage_row`]): every replica exports the same lines.
 //!
 //! # Bounds
-//! A month lists at most [`MAX_USAGE_ROWS`] rows. Past it, a new row's counts
-//! go to its day's and model's overflow row (`"workspace": null`,
-//! `"overflow": true`, at most [`OVERFLOW_ROWS`] of them a month), so the
-//! month's sums stay whole; `sluice_usage_rows_full_total` counts the calls so
-//! folded. The export reads a page of at most [`EXPORT_PAGE`] rows at a time
+//! A month keeps two lists of rows, each of at most [`MAX_USAGE_ROWS`]: the rows
+//! of workspaces the policy names (a credential in the key table, a principal a
+//! trusted auth layer named) and the rows of workspaces sluice made of an
+//! unknown credential or an address ([`UNNAMED`]). Anyone can send a fresh
+//! credential, each its own workspace: kept apart, such rows can fill only
+//! their own list, never fold a named workspace's days into the overflow.
+//! Past a list's bound, a new row's counts go to its day's and model's overflow
+//! row (`"workspace": null`, `"overflow": true`, at most [`OVERFLOW_ROWS`] of
+//! them a month and list), so the month's sums stay whole;
+//! `sluice_usage_rows_full_total` counts the calls so folded. The export reads a page of at most [`EXPORT_PAGE`] rows at a time
 //! and writes their lines before reading the next: the answer is streamed, never
 //! held whole. Each process remembers at most [`KNOWN_ROWS`] rows it has noted
 //! (to spare the store a call per request), and forgets them all past it.
@@ -58,6 +63,11 @@ pub const OVERFLOW_ROWS: usize = 4_096;
 
 /// The most rows a process remembers having noted (see the module's bounds).
 pub const KNOWN_ROWS: usize = 65_536;
+
+/// The suffix of the list of a month's rows of workspaces the policy does not
+/// name (the store's period `<month>/unnamed`; named workspaces' rows are listed
+/// under the month itself).
+pub const UNNAMED: &str = "/unnamed";
 
 /// Rows the export reads from the store at a time.
 pub const EXPORT_PAGE: usize = 500;
@@ -184,6 +194,16 @@ fn day_of(t: Timestamp) -> String {
         .unwrap_or_else(|_| "9999-12-31".to_owned())
 }
 
+/// The store's period of the list `month`'s rows of named workspaces (`named`)
+/// or of the others are noted in (see the module's bounds).
+fn list_of(month: super::UsageMonth, named: bool) -> String {
+    if named {
+        month.to_string()
+    } else {
+        format!("{month}{UNNAMED}")
+    }
+}
+
 /// A row's name in its month's list: `["<day>","<workspace>"|null,"<model>"|null]`.
 fn row_name(day: &str, workspace: Option<&str>, model: Option<&str>) -> String {
     serde_json::json!([day, workspace, model]).to_string()
@@ -212,7 +232,8 @@ impl<S: BudgetStore> Limiter<S> {
         }
         let row = &names.row;
         let (month, day, model) = (row.month, &row.day, row.model.as_deref());
-        let (period, own, known) = (month.to_string(), &names.own, names.known);
+        let (own, known) = (&names.own, names.known);
+        let period = list_of(month, plan.from.principal.is_some());
         let bound = UsageRowBound {
             max_rows: MAX_USAGE_ROWS,
             kept_until: month.kept_until(),
@@ -400,16 +421,20 @@ impl<S: BudgetStore> Limiter<S> {
         if export.done {
             return Ok(None);
         }
+        // The named workspaces' list, then the others'.
         let page = self
             .store
             .usage_rows(
-                &export.month.to_string(),
+                &list_of(export.month, !export.unnamed),
                 export.cursor.as_deref(),
                 EXPORT_PAGE,
             )
             .await?;
         export.cursor = page.next;
-        export.done = export.cursor.is_none();
+        if export.cursor.is_none() {
+            export.done = export.unnamed;
+            export.unnamed = true;
+        }
         let families: Vec<&str> = self.policy.quotas.iter().map(|f| f.name.as_str()).collect();
         let mut out = String::new();
         for name in page.rows {
@@ -480,11 +505,15 @@ impl<S: BudgetStore> Limiter<S> {
 }
 
 /// Where an export of a month's usage stands (see
-/// [`Limiter::usage_export_page`]): the month, the store's cursor, and the rows
-/// already written (at most [`MAX_USAGE_ROWS`] + [`OVERFLOW_ROWS`] digests).
+/// [`Limiter::usage_export_page`]): the month, the list being read and the
+/// store's cursor in it, and the rows already written (at most twice
+/// [`MAX_USAGE_ROWS`] + [`OVERFLOW_ROWS`] digests: an overflow row may be in
+/// both lists, and is written once).
 #[derive(Debug)]
 pub struct UsageExport {
     month: UsageMonth,
+    /// Reading the list of workspaces the policy does not name.
+    unnamed: bool,
     cursor: Option<String>,
     seen: HashSet<u64>,
     done: bool,
@@ -495,6 +524,7 @@ impl UsageExport {
     pub fn new(month: UsageMonth) -> Self {
         UsageExport {
             month,
+            unnamed: false,
             cursor: None,
             seen: HashSet::new(),
             done: false,
