@@ -26,7 +26,7 @@
 mod recorder;
 pub mod tenants;
 
-pub use recorder::{UPSTREAM_SECONDS_BUCKETS, install_metrics};
+pub use recorder::{install_metrics, render_metrics};
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -432,7 +432,7 @@ async fn metrics_text<S: BudgetStore + 'static>(State(state): State<AdminState<S
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        install_metrics().render(),
+        render_metrics(),
     )
         .into_response()
 }

@@ -3,12 +3,7 @@
 
 use std::sync::OnceLock;
 
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-
-/// Histogram buckets (seconds) of `sluice_upstream_seconds`.
-pub const UPSTREAM_SECONDS_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-];
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -17,27 +12,26 @@ static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
 /// handle still works but sees none of the `metrics` macros' output.
 pub fn install_metrics() -> &'static PrometheusHandle {
     PROMETHEUS.get_or_init(|| {
-        // Both latencies are histograms with fixed buckets (not summaries): they add
-        // up across replicas, and recording one costs a bucket search, not a sketch.
-        let builder = PrometheusBuilder::new()
-            .set_buckets_for_metric(
-                Matcher::Full("sluice_upstream_seconds".to_owned()),
-                UPSTREAM_SECONDS_BUCKETS,
-            )
-            .and_then(|b| {
-                b.set_buckets_for_metric(
-                    Matcher::Full("sluice_decision_seconds".to_owned()),
-                    sluice_edge::DECISION_SECONDS_BUCKETS,
-                )
-            })
-            .unwrap_or_else(|_| PrometheusBuilder::new());
-        let recorder = builder.build_recorder();
+        // The two latencies are `sluice_edge::latency`'s, rendered by
+        // [`render_metrics`] after the recorder's families.
+        let recorder = PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();
         if metrics::set_global_recorder(recorder).is_ok() {
             describe_metrics();
         }
         handle
     })
+}
+
+/// Every metric of this process in Prometheus' text format: the recorder's
+/// families, then the latency histograms (`sluice_edge::latency`).
+pub fn render_metrics() -> String {
+    let mut text = install_metrics().render();
+    if !text.is_empty() && !text.ends_with("\n\n") {
+        text.push('\n');
+    }
+    sluice_edge::latency::render(&mut text);
+    text
 }
 
 /// `# HELP` (and the unit) of every metric family sluice records, here and in the
@@ -76,19 +70,9 @@ fn describe_metrics() {
         "sluice_quota_units_total",
         "Calls counted against monthly quotas, by family."
     );
-    metrics::describe_histogram!(
-        "sluice_upstream_seconds",
-        metrics::Unit::Seconds,
-        "Time from forwarding a request to the upstream's response headers, by outcome."
-    );
     metrics::describe_counter!(
         "sluice_decisions_total",
         "Limiter decisions, by the request's top class and outcome (admitted, refused, error)."
-    );
-    metrics::describe_histogram!(
-        "sluice_decision_seconds",
-        metrics::Unit::Seconds,
-        "Time the budget store took to decide all budgets of one request."
     );
     metrics::describe_counter!(
         "sluice_local_decisions_total",

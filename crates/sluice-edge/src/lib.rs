@@ -72,6 +72,8 @@ mod hangup;
 mod head;
 mod intake;
 mod lanes;
+pub mod latency;
+pub use latency::DECISION_SECONDS_BUCKETS;
 mod limiter;
 mod plan;
 mod refusal_log;
@@ -109,10 +111,10 @@ pub use lanes::{
 /// Leased budgets (SPEC D4): what this replica's leases did, and their bounds.
 pub use limiter::{ASK_WAIT, LeaseTally, MAX_LEASED_KEYS, SWEEP_EVERY};
 pub use limiter::{
-    BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, DomainRuleStatus, DomainStatus,
-    FALLBACK_MAX_KEYS, Limiter, PlanStatus, QuotaQueryError, QuotaUsage, Reason, Refusal, Refused,
-    ReloadRefused, SharedLimiter, Status, TOP_CALLERS_TRACKED, Tally, TopCaller, USAGE_MONTHS_KEPT,
-    UsageMonth, UsageMonthError, check_head,
+    BucketLimit, ClassTally, DomainRuleStatus, DomainStatus, FALLBACK_MAX_KEYS, Limiter,
+    PlanStatus, QuotaQueryError, QuotaUsage, Reason, Refusal, Refused, ReloadRefused,
+    SharedLimiter, Status, TOP_CALLERS_TRACKED, Tally, TopCaller, USAGE_MONTHS_KEPT, UsageMonth,
+    UsageMonthError, check_head,
 };
 /// The usage export for billing (SPEC O4) and its bounds.
 pub use limiter::{EXPORT_PAGE, KNOWN_ROWS, MAX_USAGE_ROWS, OVERFLOW_ROWS, UNNAMED, UsageExport};

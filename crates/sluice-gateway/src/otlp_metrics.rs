@@ -106,7 +106,7 @@ impl MetricsExport {
     /// Sends the metrics if they differ from those last sent: `Ok(true)` when
     /// sent, `Ok(false)` when there was nothing new.
     pub(crate) async fn export(&mut self) -> Result<bool, String> {
-        let text = sluice_admin::install_metrics().render();
+        let text = sluice_admin::render_metrics();
         if self.last.as_deref() == Some(text.as_str()) {
             return Ok(false);
         }

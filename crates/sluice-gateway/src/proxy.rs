@@ -260,7 +260,7 @@ struct Inner {
     config: ProxyConfig,
     /// `sluice_upstream_seconds{outcome}`: response, error, timeout
     /// (registered once, not looked up per request).
-    upstream_seconds: [metrics::Histogram; 3],
+    upstream_seconds: &'static [sluice_edge::latency::Latency; 3],
 }
 
 impl fmt::Debug for Proxy {
@@ -286,9 +286,8 @@ impl Proxy {
 }
 
 /// `sluice_upstream_seconds{outcome}` for the outcomes response, error and timeout.
-pub(super) fn upstream_seconds() -> [metrics::Histogram; 3] {
-    ["response", "error", "timeout"]
-        .map(|o| metrics::histogram!("sluice_upstream_seconds", "outcome" => o))
+pub(super) fn upstream_seconds() -> &'static [sluice_edge::latency::Latency; 3] {
+    &sluice_edge::latency::UPSTREAM_SECONDS
 }
 
 /// The future of [`Proxy::call`].
@@ -365,7 +364,7 @@ impl Inner {
         let outgoing = Request::from_parts(parts, upload.boxed_unsync());
         let started = Instant::now();
         let result = tokio::time::timeout(header_timeout, self.pool.send(outgoing)).await;
-        let elapsed = started.elapsed().as_secs_f64();
+        let elapsed = started.elapsed();
 
         match result {
             Ok(Ok(response)) => {

@@ -278,7 +278,21 @@ async fn admin_serves_metrics_status_and_dashboard() {
             text.contains("sluice_requests_total{status=\"200\"}"),
             "{text}"
         );
-        assert!(text.contains("sluice_upstream_seconds"), "{text}");
+        // The one answered request is in the upstream latency's count and in its
+        // +Inf bucket, and the limiter's one decision in the decision latency's.
+        assert!(
+            text.contains("sluice_upstream_seconds_count{outcome=\"response\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sluice_upstream_seconds_bucket{outcome=\"response\",le=\"+Inf\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE sluice_decision_seconds histogram"),
+            "{text}"
+        );
+        assert!(text.contains("sluice_decision_seconds_count 1\n"), "{text}");
 
         let status = get(&sluice.admin_url("/status")).await;
         assert_eq!(status.status, 200);

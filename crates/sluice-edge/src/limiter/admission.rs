@@ -631,9 +631,7 @@ impl<S: BudgetStore> Limiter<S> {
     ) -> Result<Box<Decision>, StoreError> {
         let started = Instant::now();
         if let Some(decision) = self.decide_leased(plan, budgets).await {
-            self.metrics
-                .decision_seconds
-                .record(started.elapsed().as_secs_f64());
+            crate::latency::DECISION_SECONDS.record(started.elapsed());
             return decision;
         }
         let decision = match self.store.decide_from(budgets, plan.network).await {
@@ -653,9 +651,7 @@ impl<S: BudgetStore> Limiter<S> {
             }
             Err(e) => Err(e),
         };
-        self.metrics
-            .decision_seconds
-            .record(started.elapsed().as_secs_f64());
+        crate::latency::DECISION_SECONDS.record(started.elapsed());
         decision
     }
 }

@@ -31,8 +31,8 @@ pub use outage::FALLBACK_MAX_KEYS;
 pub use quota_admin::{QuotaQueryError, QuotaUsage};
 use routing::read_headers_of;
 pub use telemetry::{
-    BucketLimit, ClassTally, DECISION_SECONDS_BUCKETS, DomainRuleStatus, DomainStatus, PlanStatus,
-    Status, TOP_CALLERS_TRACKED, Tally, TopCaller,
+    BucketLimit, ClassTally, DomainRuleStatus, DomainStatus, PlanStatus, Status,
+    TOP_CALLERS_TRACKED, Tally, TopCaller,
 };
 use telemetry::{Counts, Meters, TOP_SHARDS, TopCallers};
 pub use usage_export::{

@@ -163,7 +163,6 @@ pub(super) struct Meters {
     /// `sluice_decisions_total{class, outcome}` by class index and outcome
     /// (admitted, refused, error).
     pub(super) decisions: Vec<[metrics::Counter; 3]>,
-    pub(super) decision_seconds: metrics::Histogram,
     pub(super) local: metrics::Counter,
     /// `sluice_quota_units_total{family}` by family index.
     pub(super) quota_units: Vec<metrics::Counter>,
@@ -190,7 +189,6 @@ impl Meters {
                     })
                 })
                 .collect(),
-            decision_seconds: metrics::histogram!("sluice_decision_seconds"),
             local: metrics::counter!("sluice_local_decisions_total"),
             quota_units: policy
                 .quotas
@@ -218,27 +216,6 @@ impl Meters {
         }
     }
 }
-
-/// Histogram buckets (seconds) of `sluice_decision_seconds`: a memory decision takes
-/// about a microsecond, a Redis one a loopback round trip or more.
-pub const DECISION_SECONDS_BUCKETS: &[f64] = &[
-    0.000_001,
-    0.000_002_5,
-    0.000_005,
-    0.000_01,
-    0.000_025,
-    0.000_05,
-    0.000_1,
-    0.000_25,
-    0.000_5,
-    0.001,
-    0.002_5,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-];
 
 #[derive(Default)]
 pub(super) struct TopCallers {

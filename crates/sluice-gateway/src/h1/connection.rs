@@ -392,7 +392,7 @@ impl<'f> Connection<'f> {
                 () = timers.upstream.passed() => Err(Failure::Timeout),
             }
         };
-        let elapsed = started.elapsed().as_secs_f64();
+        let elapsed = started.elapsed();
         let (head_sent, conn, whole, event_stream) = match answer {
             Ok(Relay {
                 head: sent_head,

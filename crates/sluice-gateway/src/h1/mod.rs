@@ -85,7 +85,7 @@ pub(super) struct FastPath {
     /// One `sluice::access` line per request.
     access_log: bool,
     /// `sluice_upstream_seconds{outcome}`: response, error, timeout.
-    upstream_seconds: [metrics::Histogram; 3],
+    upstream_seconds: &'static [sluice_edge::latency::Latency; 3],
 }
 
 impl FastPath {
