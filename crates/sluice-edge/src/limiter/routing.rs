@@ -85,13 +85,18 @@ impl<S: BudgetStore> Limiter<S> {
         Ok(self.policy.route_checked(method, path)?)
     }
 
-    /// True when `route` takes its class or its cost from the body (a JSON-RPC
-    /// route, a batch submit, an LLM route whose tokens are estimated from it):
-    /// the body must be read (bounded) before deciding.
+    /// True when the body must be read (bounded) before deciding: `route` takes
+    /// its class or its cost from it (a JSON-RPC route, a batch submit, an LLM
+    /// route whose tokens are estimated from it), or a lane guards it. A lane's
+    /// call holds one of its few places from admission to answer; one admitted
+    /// with its body still to come would hold it for as long as its client takes
+    /// to send it (a slow upload per fresh credential could hold them all), so
+    /// its body is whole before it waits for a place.
     pub fn needs_body(route: Option<&Route>) -> bool {
         route.is_some_and(|r| {
             r.class == RouteClass::JsonRpc
                 || r.llm.is_some()
+                || r.lane.is_some()
                 || matches!(r.batch, Some(sluice_policy::BatchEndpoint::Submit(_)))
         })
     }

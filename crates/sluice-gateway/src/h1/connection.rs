@@ -142,7 +142,10 @@ impl<'f> Connection<'f> {
         };
         // A batch lane's tool call is answered by the service stack's batch lanes:
         // the request goes there whole (nothing of it was answered or decided).
-        if needs_body && !too_large && sluice_edge::may_call_batch_tool(policy, body_bytes) {
+        let jsonrpc = intake
+            .route()
+            .is_some_and(|r| r.class == sluice_policy::RouteClass::JsonRpc);
+        if jsonrpc && !too_large && sluice_edge::may_call_batch_tool(policy, body_bytes) {
             in_flight.handed_over();
             // hyper reads the request again from the bytes read: the head, then this.
             self.from_client.extend_from_slice(&held);
