@@ -21,13 +21,13 @@
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -295,8 +295,9 @@ where
         // A peer that stops answering pings is gone: its connection is closed.
         .keep_alive_interval(Some(HTTP2_PING_EVERY))
         .keep_alive_timeout(HTTP2_PING_TIMEOUT);
-    let graceful = GracefulShutdown::new();
-    // Tells connections still waiting for their first bytes that the worker drains.
+    // Tells every connection that the worker drains. Each connection's task holds
+    // one receiver until it ends: their count is the connections open, and the
+    // channel closes once the last has ended.
     let (draining, drain_started) = watch::channel(false);
     let fast = Arc::new(fast);
     tokio::spawn({
@@ -316,7 +317,6 @@ where
         };
         let _ = stream.set_nodelay(true);
         let metered = Metered::new(service.clone(), peer, stats.clone(), HEADER_READ_TIMEOUT);
-        let watcher = graceful.watcher();
         let (http1, http2) = (http1.clone(), http2.clone());
         let mut drain_started = drain_started.clone();
         let fast = Arc::clone(&fast);
@@ -343,20 +343,20 @@ where
                     // As over plain HTTP/2: the preface is due as a head is.
                     let stream = preface_due(stream);
                     let service = TowerToHyperService::new(metered);
-                    let _ = watcher
-                        .watch(http2.serve_connection(
-                            TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
-                            service,
-                        ))
-                        .await;
+                    let connection = http2.serve_connection(
+                        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+                        service,
+                    );
+                    let shutdown = http2::Connection::graceful_shutdown;
+                    drive(connection, shutdown, drain_started).await;
                 } else {
                     let service = h1_service(metered, stream.get_ref().0, fast.has_lanes());
-                    let _ = watcher
-                        .watch(http1.serve_connection(
-                            TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
-                            service,
-                        ))
-                        .await;
+                    let connection = http1.serve_connection(
+                        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+                        service,
+                    );
+                    let shutdown = http1::Connection::graceful_shutdown;
+                    drive(connection, shutdown, drain_started).await;
                 }
             });
             continue;
@@ -374,22 +374,21 @@ where
                 // An https upstream: hyper serves every connection from the start.
                 Some(Protocol::Http1) if !fast.is_on() => {
                     let service = h1_service(metered, &stream, fast.has_lanes());
-                    let _ = watcher
-                        .watch(http1.serve_connection(
-                            TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
-                            service,
-                        ))
-                        .await;
+                    let connection = http1.serve_connection(
+                        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+                        service,
+                    );
+                    let shutdown = http1::Connection::graceful_shutdown;
+                    drive(connection, shutdown, drain_started).await;
                 }
                 Some(Protocol::Http1) => {
                     let served = fast.serve(
                         stream,
                         peer,
-                        drain_started,
+                        &mut drain_started,
                         HEADER_READ_TIMEOUT,
                         MAX_REQUEST_HEAD_BYTES,
                     );
-                    // Held meanwhile, the watcher counts the connection in the drain.
                     let (stream, service) = match served.await {
                         Ended::Closed => return,
                         Ended::Elsewhere(stream, read) => {
@@ -397,34 +396,56 @@ where
                             (Rewind::new(stream, read), service)
                         }
                     };
-                    let _ = watcher
-                        .watch(http1.serve_connection(
-                            TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
-                            service,
-                        ))
-                        .await;
+                    let connection = http1.serve_connection(
+                        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+                        service,
+                    );
+                    let shutdown = http1::Connection::graceful_shutdown;
+                    drive(connection, shutdown, drain_started).await;
                 }
                 Some(Protocol::Http2) => {
                     let stream = preface_due(stream);
                     let service = TowerToHyperService::new(metered);
-                    let _ = watcher
-                        .watch(http2.serve_connection(
-                            TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
-                            service,
-                        ))
-                        .await;
+                    let connection = http2.serve_connection(
+                        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+                        service,
+                    );
+                    let shutdown = http2::Connection::graceful_shutdown;
+                    drive(connection, shutdown, drain_started).await;
                 }
                 None => {}
             }
         });
     }
 
-    let _ = draining.send(true);
-    let open = graceful.count();
-    match tokio::time::timeout(grace, graceful.shutdown()).await {
+    drop(drain_started);
+    let open = draining.receiver_count();
+    draining.send_replace(true);
+    match tokio::time::timeout(grace, draining.closed()).await {
         Ok(()) => Drain::Complete,
         Err(_) => Drain::TimedOut { connections: open },
     }
+}
+
+/// Serves `connection` until it ends, shutting it down gracefully with `shutdown`
+/// (requests in flight finish, no new one is taken; over HTTP/2 a GOAWAY) once the
+/// worker drains. `draining` is held until the connection ends.
+async fn drive<C, E>(
+    connection: C,
+    shutdown: impl FnOnce(Pin<&mut C>),
+    mut draining: watch::Receiver<bool>,
+) where
+    C: Future<Output = Result<(), E>>,
+{
+    tokio::pin!(connection);
+    // A connection error (reset, malformed request) concerns that client only.
+    tokio::select! {
+        biased;
+        _ = connection.as_mut() => return,
+        _ = draining.wait_for(|started| *started) => {}
+    }
+    shutdown(connection.as_mut());
+    let _ = connection.await;
 }
 
 /// The service of an HTTP/1.1 connection hyper serves: where the policy has
@@ -505,6 +526,171 @@ async fn sniff(stream: &TcpStream) -> Option<Protocol> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::convert::Infallible;
+
+    use bytes::Bytes;
+    use http_body_util::{BodyExt as _, Empty, StreamBody};
+    use hyper::body::Frame;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::time::Instant;
+
+    /// Chunks of [`answers`]' `/slow` body, one every [`SLOW_EVERY`]: the body takes
+    /// three times [`HEADER_READ_TIMEOUT`] and more.
+    const SLOW_CHUNKS: u32 = 10;
+    const SLOW_EVERY: Duration = Duration::from_secs(10);
+
+    /// The body of [`answers`]: `/slow` streams, anything else is whole.
+    type TestBody = StreamBody<
+        Pin<Box<dyn futures_util::Stream<Item = Result<Frame<Bytes>, Infallible>> + Send>>,
+    >;
+
+    /// The service a test worker runs: `ok` at once, or on `/slow`, [`SLOW_CHUNKS`]
+    /// chunks one every [`SLOW_EVERY`].
+    fn answers() -> impl Service<
+        Request<GatewayBody>,
+        Response = Response<TestBody>,
+        Error = Infallible,
+        Future = impl Send + 'static,
+    > + Clone
+    + Send
+    + 'static {
+        tower::service_fn(|request: Request<GatewayBody>| async move {
+            let slow = request.uri().path() == "/slow";
+            let chunks = futures_util::stream::unfold(0, move |sent| async move {
+                if !slow {
+                    return (sent == 0).then(|| (Ok(Frame::data(Bytes::from_static(b"ok"))), 1));
+                }
+                if sent == SLOW_CHUNKS {
+                    return None;
+                }
+                tokio::time::sleep(SLOW_EVERY).await;
+                Some((Ok(Frame::data(Bytes::from_static(b"chunk\n"))), sent + 1))
+            });
+            let body: TestBody = StreamBody::new(Box::pin(chunks));
+            Ok::<_, Infallible>(Response::new(body))
+        })
+    }
+
+    /// One worker serving [`answers`] (its fast path in front of nothing) on a
+    /// loopback port, on this test's runtime: its address, how its drain ended, and
+    /// the sender that drains it when dropped.
+    async fn worker() -> (SocketAddr, oneshot::Receiver<Drain>, mpsc::Sender<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let stats = RequestStats::with_workers(NonZeroUsize::MIN);
+        let fast = FastPath::for_tests(SocketAddr::from(([127, 0, 0, 1], 9)));
+        let (handoff, sockets) = mpsc::channel(8);
+        let (drained, drain) = oneshot::channel();
+        let (stop, mut stopped) = mpsc::channel::<()>(1);
+        let worker_stats = stats.worker(0);
+        tokio::spawn(async move {
+            let grace = Duration::from_secs(600);
+            let outcome = work(sockets, answers(), fast, worker_stats, grace, None).await;
+            let _ = drained.send(outcome);
+        });
+        tokio::spawn(async move {
+            loop {
+                let (stream, peer) = tokio::select! {
+                    accepted = listener.accept() => accepted.expect("accept"),
+                    _ = stopped.recv() => return,
+                };
+                let stream = stream.into_std().expect("std stream");
+                let open = (stats.worker(0).open_connection(), None);
+                if handoff.send((stream, peer, open)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        (addr, drain, stop)
+    }
+
+    /// An HTTP/2 (prior knowledge) client of `addr`: its request sender, and its
+    /// connection's task, which ends when the connection closes.
+    async fn h2_client(
+        addr: SocketAddr,
+    ) -> (
+        hyper::client::conn::http2::SendRequest<Empty<Bytes>>,
+        tokio::task::JoinHandle<hyper::Result<()>>,
+    ) {
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        let (send, connection) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                .await
+                .expect("HTTP/2 handshake");
+        (send, tokio::spawn(connection))
+    }
+
+    /// The body of `path` asked on `send`, whole.
+    async fn fetch(
+        send: &mut hyper::client::conn::http2::SendRequest<Empty<Bytes>>,
+        path: &str,
+    ) -> hyper::Result<Bytes> {
+        let request = Request::get(format!("http://localhost{path}"))
+            .body(Empty::new())
+            .expect("request");
+        let answer = send.send_request(request).await?;
+        Ok(answer.into_body().collect().await?.to_bytes())
+    }
+
+    /// Waits for `connection` to close: how long it took.
+    async fn closed_after(connection: tokio::task::JoinHandle<hyper::Result<()>>) -> Duration {
+        let from = Instant::now();
+        tokio::time::timeout(HEADER_READ_TIMEOUT * 4, connection)
+            .await
+            .expect("the connection was closed")
+            .expect("client connection task")
+            .expect("the connection closed cleanly");
+        from.elapsed()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_http1_connection_on_the_hyper_path_is_closed_after_the_idle_timeout() {
+        let (addr, _drain, _stop) = worker().await;
+        let mut client = TcpStream::connect(addr).await.expect("connect");
+        // A chunked body: the fast path leaves the connection to hyper.
+        client
+            .write_all(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+            .await
+            .expect("write");
+        let from = Instant::now();
+        let mut answer = Vec::new();
+        tokio::time::timeout(HEADER_READ_TIMEOUT * 4, client.read_to_end(&mut answer))
+            .await
+            .expect("the connection was closed")
+            .expect("read");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("ok\r\n0\r\n\r\n"), "{answer}");
+        let waited = from.elapsed();
+        assert!(
+            (HEADER_READ_TIMEOUT..HEADER_READ_TIMEOUT + Duration::from_secs(1)).contains(&waited),
+            "{waited:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_draining_worker_lets_an_http2_stream_finish_then_closes() {
+        let (addr, drain, stop) = worker().await;
+        let (mut send, connection) = h2_client(addr).await;
+        let slow = tokio::spawn(async move {
+            let started = Instant::now();
+            let body = fetch(&mut send, "/slow").await;
+            (body, started.elapsed())
+        });
+        // The stream is open: the worker drains meanwhile.
+        tokio::time::sleep(SLOW_EVERY / 2).await;
+        drop(stop);
+        let (body, took) = slow.await.expect("slow request task");
+        assert_eq!(
+            body.expect("the whole slow body"),
+            "chunk\n".repeat(SLOW_CHUNKS as usize)
+        );
+        assert!(took >= SLOW_EVERY * SLOW_CHUNKS, "{took:?}");
+        let waited = closed_after(connection).await;
+        assert!(waited < Duration::from_secs(1), "{waited:?}");
+        assert_eq!(drain.await.expect("the worker drained"), Drain::Complete);
+    }
 
     #[test]
     fn first_bytes_tell_http1_from_http2_prior_knowledge() {

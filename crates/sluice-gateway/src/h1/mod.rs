@@ -132,7 +132,7 @@ impl FastPath {
         &self,
         mut stream: TcpStream,
         peer: SocketAddr,
-        mut draining: watch::Receiver<bool>,
+        draining: &mut watch::Receiver<bool>,
         head_timeout: Duration,
         max_head: usize,
     ) -> Ended {
@@ -145,7 +145,7 @@ impl FastPath {
         };
         loop {
             match conn
-                .one_request(&mut stream, &mut draining, &mut timers, max_head)
+                .one_request(&mut stream, draining, &mut timers, max_head)
                 .await
             {
                 Ok(Next::Request) if !*draining.borrow() => conn.trim(),
@@ -158,6 +158,30 @@ impl FastPath {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+impl FastPath {
+    /// The fast path of the default policy (memory store) in front of `upstream`.
+    pub(super) fn for_tests(upstream: SocketAddr) -> FastPath {
+        let policy = sluice_policy::default_policy().expect("the default policy");
+        let store = AnyStore::memory(sluice_core::SystemClock::new());
+        let config = ProxyConfig {
+            upstream: Upstream::from_addr(upstream),
+            header_timeout: Duration::from_secs(60),
+        };
+        let stats = RequestStats::with_workers(std::num::NonZeroUsize::MIN);
+        let pool = Arc::new(Connections::new(config.upstream.connect_target()));
+        FastPath::new(
+            Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(
+                sluice_edge::Limiter::new(policy, store),
+            )),
+            config,
+            pool,
+            stats.worker(0),
+            false,
+        )
     }
 }
 
@@ -224,23 +248,7 @@ mod tests {
 
     /// The fast path of the default policy in front of `upstream`.
     fn fast_path_to(upstream: SocketAddr) -> FastPath {
-        let policy = sluice_policy::default_policy().expect("the default policy");
-        let store = AnyStore::memory(sluice_core::SystemClock::new());
-        let config = ProxyConfig {
-            upstream: super::super::proxy::Upstream::from_addr(upstream),
-            header_timeout: Duration::from_secs(60),
-        };
-        let stats = RequestStats::with_workers(NonZeroUsize::MIN);
-        let pool = Arc::new(Connections::new(config.upstream.connect_target()));
-        FastPath::new(
-            Arc::new(sluice_edge::arc_swap::ArcSwap::from_pointee(Limiter::new(
-                policy, store,
-            ))),
-            config,
-            pool,
-            stats.worker(0),
-            false,
-        )
+        FastPath::for_tests(upstream)
     }
 
     /// [`fast_path_to`] `upstream`, serving every connection to the returned address.
@@ -256,9 +264,9 @@ mod tests {
         tokio::spawn(async move {
             let _draining = _draining;
             while let Ok((stream, peer)) = listener.accept().await {
-                let (fast, drain) = (Arc::clone(&fast), drain.clone());
+                let (fast, mut drain) = (Arc::clone(&fast), drain.clone());
                 tokio::spawn(async move {
-                    fast.serve(stream, peer, drain, HEAD_TIMEOUT, 64 * 1024)
+                    fast.serve(stream, peer, &mut drain, HEAD_TIMEOUT, 64 * 1024)
                         .await
                 });
             }
