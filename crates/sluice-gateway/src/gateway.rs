@@ -12,6 +12,13 @@
 //! of its service stack (any `Service<Request<GatewayBody>>` answering any streaming
 //! body) wrapped in [`Metered`], and drains gracefully when told to stop.
 //!
+//! A connection waiting for a request is closed after [`IDLE_TIMEOUT`]: over HTTP/1.1
+//! when the next request head has not come (the fast path's head timer, hyper's
+//! `header_read_timeout`, which runs between requests too), over HTTP/2 when none of
+//! its streams has been in flight for that long ([`Streams`]; pings do not count),
+//! with a GOAWAY. A request is in flight until its response body has ended, so a long
+//! streamed answer keeps its connection.
+//!
 //! At most `per_ip` client connections from one address are open at once (trusted
 //! proxies aside): past it a new one from that address is closed at once, so one
 //! client cannot take every connection slot. At most `max_connections` client
@@ -36,6 +43,7 @@ use tower::Service;
 use super::GatewayBody;
 use super::boxed::BoxError;
 use super::h1::{Ended, FastPath, SEND_TIMEOUT};
+use super::idle::Streams;
 use super::metered::{Metered, OpenConnection, RequestStats};
 use super::send_deadline::SendDeadline;
 use sluice_door::{AddressSlot, PerAddress};
@@ -44,6 +52,10 @@ use sluice_h1::rewind::Rewind;
 /// A client that has not sent complete request headers within this time is dropped
 /// (on a new connection, the wait for its first bytes counts once more on top).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a client connection may wait with no request in flight before it is
+/// closed: over HTTP/1.1 the head timeout between requests, over HTTP/2 the same time
+/// with no stream in flight (a stream counts until its response body has ended).
+const IDLE_TIMEOUT: Duration = HEADER_READ_TIMEOUT;
 /// How often an HTTP/2 client is pinged, and how long its answer may take.
 const HTTP2_PING_EVERY: Duration = Duration::from_secs(30);
 const HTTP2_PING_TIMEOUT: Duration = Duration::from_secs(20);
@@ -114,7 +126,7 @@ impl Workers {
         S: Service<Request<GatewayBody>, Response = Response<B>> + Clone + Send + 'static,
         S::Future: Send + 'static,
         S::Error: Into<BoxError>,
-        B: http_body::Body + Send + 'static,
+        B: http_body::Body + Send + Unpin + 'static,
         B::Data: Send,
         B::Error: Into<BoxError>,
     {
@@ -279,7 +291,7 @@ where
     S: Service<Request<GatewayBody>, Response = Response<B>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Into<BoxError>,
-    B: http_body::Body + Send + 'static,
+    B: http_body::Body + Send + Unpin + 'static,
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
@@ -342,13 +354,14 @@ where
                 if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
                     // As over plain HTTP/2: the preface is due as a head is.
                     let stream = preface_due(stream);
-                    let service = TowerToHyperService::new(metered);
+                    let streams = Streams::new();
+                    let service = TowerToHyperService::new(metered.counting(streams.clone()));
                     let connection = http2.serve_connection(
                         TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
                         service,
                     );
                     let shutdown = http2::Connection::graceful_shutdown;
-                    drive(connection, shutdown, drain_started).await;
+                    drive(connection, shutdown, drain_started, Some(streams)).await;
                 } else {
                     let service = h1_service(metered, stream.get_ref().0, fast.has_lanes());
                     let connection = http1.serve_connection(
@@ -356,7 +369,7 @@ where
                         service,
                     );
                     let shutdown = http1::Connection::graceful_shutdown;
-                    drive(connection, shutdown, drain_started).await;
+                    drive(connection, shutdown, drain_started, None).await;
                 }
             });
             continue;
@@ -379,7 +392,7 @@ where
                         service,
                     );
                     let shutdown = http1::Connection::graceful_shutdown;
-                    drive(connection, shutdown, drain_started).await;
+                    drive(connection, shutdown, drain_started, None).await;
                 }
                 Some(Protocol::Http1) => {
                     let served = fast.serve(
@@ -401,17 +414,18 @@ where
                         service,
                     );
                     let shutdown = http1::Connection::graceful_shutdown;
-                    drive(connection, shutdown, drain_started).await;
+                    drive(connection, shutdown, drain_started, None).await;
                 }
                 Some(Protocol::Http2) => {
                     let stream = preface_due(stream);
-                    let service = TowerToHyperService::new(metered);
+                    let streams = Streams::new();
+                    let service = TowerToHyperService::new(metered.counting(streams.clone()));
                     let connection = http2.serve_connection(
                         TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
                         service,
                     );
                     let shutdown = http2::Connection::graceful_shutdown;
-                    drive(connection, shutdown, drain_started).await;
+                    drive(connection, shutdown, drain_started, Some(streams)).await;
                 }
                 None => {}
             }
@@ -429,20 +443,29 @@ where
 
 /// Serves `connection` until it ends, shutting it down gracefully with `shutdown`
 /// (requests in flight finish, no new one is taken; over HTTP/2 a GOAWAY) once the
-/// worker drains. `draining` is held until the connection ends.
+/// worker drains, or, given its `streams`, once none of them has been in flight for
+/// [`IDLE_TIMEOUT`]. `draining` is held until the connection ends.
 async fn drive<C, E>(
     connection: C,
     shutdown: impl FnOnce(Pin<&mut C>),
     mut draining: watch::Receiver<bool>,
+    streams: Option<Streams>,
 ) where
     C: Future<Output = Result<(), E>>,
 {
     tokio::pin!(connection);
+    let idle = async {
+        match &streams {
+            Some(streams) => streams.idle_for(IDLE_TIMEOUT).await,
+            None => std::future::pending().await,
+        }
+    };
     // A connection error (reset, malformed request) concerns that client only.
     tokio::select! {
         biased;
         _ = connection.as_mut() => return,
         _ = draining.wait_for(|started| *started) => {}
+        () = idle => {}
     }
     shutdown(connection.as_mut());
     let _ = connection.await;
@@ -536,7 +559,7 @@ mod tests {
     use tokio::time::Instant;
 
     /// Chunks of [`answers`]' `/slow` body, one every [`SLOW_EVERY`]: the body takes
-    /// three times [`HEADER_READ_TIMEOUT`] and more.
+    /// three times [`IDLE_TIMEOUT`] and more.
     const SLOW_CHUNKS: u32 = 10;
     const SLOW_EVERY: Duration = Duration::from_secs(10);
 
@@ -636,12 +659,67 @@ mod tests {
     /// Waits for `connection` to close: how long it took.
     async fn closed_after(connection: tokio::task::JoinHandle<hyper::Result<()>>) -> Duration {
         let from = Instant::now();
-        tokio::time::timeout(HEADER_READ_TIMEOUT * 4, connection)
+        tokio::time::timeout(IDLE_TIMEOUT * 4, connection)
             .await
             .expect("the connection was closed")
             .expect("client connection task")
             .expect("the connection closed cleanly");
         from.elapsed()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_http2_connection_is_closed_after_the_idle_timeout() {
+        let (addr, _drain, _stop) = worker().await;
+
+        // One request, then nothing but the pings the gateway sends (which the
+        // client answers): the connection is closed one idle timeout after the answer.
+        let (mut send, connection) = h2_client(addr).await;
+        assert_eq!(fetch(&mut send, "/").await.expect("answer"), "ok");
+        let waited = closed_after(connection).await;
+        assert!(
+            (IDLE_TIMEOUT..IDLE_TIMEOUT + Duration::from_secs(1)).contains(&waited),
+            "{waited:?}"
+        );
+
+        // One that never opens a stream: closed one idle timeout after its handshake.
+        let (_send, connection) = h2_client(addr).await;
+        let waited = closed_after(connection).await;
+        assert!(
+            (IDLE_TIMEOUT..IDLE_TIMEOUT + Duration::from_secs(1)).contains(&waited),
+            "{waited:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_http2_stream_still_sending_its_body_keeps_the_connection() {
+        let (addr, _drain, _stop) = worker().await;
+        let (mut send, connection) = h2_client(addr).await;
+
+        // The answer's headers come at once; its body takes three idle timeouts and more.
+        let started = Instant::now();
+        let body = fetch(&mut send, "/slow")
+            .await
+            .expect("the whole slow body");
+        assert_eq!(body, "chunk\n".repeat(SLOW_CHUNKS as usize));
+        assert!(
+            started.elapsed() >= IDLE_TIMEOUT * 3,
+            "{:?}",
+            started.elapsed()
+        );
+
+        // The connection still takes requests (no GOAWAY was sent while the body
+        // streamed), and is closed one idle timeout after the last.
+        assert_eq!(
+            fetch(&mut send, "/")
+                .await
+                .expect("a request after the slow body"),
+            "ok"
+        );
+        let waited = closed_after(connection).await;
+        assert!(
+            (IDLE_TIMEOUT..IDLE_TIMEOUT + Duration::from_secs(1)).contains(&waited),
+            "{waited:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -655,7 +733,7 @@ mod tests {
             .expect("write");
         let from = Instant::now();
         let mut answer = Vec::new();
-        tokio::time::timeout(HEADER_READ_TIMEOUT * 4, client.read_to_end(&mut answer))
+        tokio::time::timeout(IDLE_TIMEOUT * 4, client.read_to_end(&mut answer))
             .await
             .expect("the connection was closed")
             .expect("read");
@@ -664,7 +742,7 @@ mod tests {
         assert!(answer.ends_with("ok\r\n0\r\n\r\n"), "{answer}");
         let waited = from.elapsed();
         assert!(
-            (HEADER_READ_TIMEOUT..HEADER_READ_TIMEOUT + Duration::from_secs(1)).contains(&waited),
+            (IDLE_TIMEOUT..IDLE_TIMEOUT + Duration::from_secs(1)).contains(&waited),
             "{waited:?}"
         );
     }

@@ -25,6 +25,7 @@ pub(crate) mod file_watch;
 mod gateway;
 mod h1;
 mod hangup;
+mod idle;
 pub mod listener_tls;
 pub(crate) mod metered;
 pub mod otlp;

@@ -2,7 +2,9 @@
 //! its body on as a [`GatewayBody`] whose every part must come within the body timeout
 //! (`ReadDeadline`), and counts it (`sluice_requests_total{status}`,
 //! requests in flight) whatever the layers inside decide, so refusals by the limiter are
-//! counted as well as proxied answers.
+//! counted as well as proxied answers. On an HTTP/2 connection it also counts each
+//! request in flight on the connection until its response body ends (see [`Streams`]),
+//! so an idle connection can be told from a busy one.
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
@@ -18,6 +20,7 @@ use http::{Request, Response};
 use tower::Service;
 
 use super::boxed::BoxError;
+use super::idle::{CountedBody, Streams};
 use super::read_deadline::ReadDeadline;
 use super::{GatewayBody, PeerAddr};
 
@@ -231,6 +234,8 @@ pub(crate) struct Metered<S> {
     body_timeout: Duration,
     /// The connection's client hang-up, for each of its requests.
     hangup: Option<sluice_edge::Hangup>,
+    /// The connection's requests in flight, each until its response body ends.
+    streams: Option<Streams>,
 }
 
 impl<S> Metered<S> {
@@ -248,12 +253,20 @@ impl<S> Metered<S> {
             stats,
             body_timeout,
             hangup: None,
+            streams: None,
         }
     }
 
     /// The same, telling each request when the client hangs up.
     pub(crate) fn with_hangup(mut self, hangup: Option<sluice_edge::Hangup>) -> Self {
         self.hangup = hangup;
+        self
+    }
+
+    /// The same, counting each request in `streams` until its response body has been
+    /// sent whole or dropped.
+    pub(crate) fn counting(mut self, streams: Streams) -> Self {
+        self.streams = Some(streams);
         self
     }
 }
@@ -269,9 +282,9 @@ where
     ReqBody::Error: Into<BoxError>,
     ResBody: 'static,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<CountedBody<ResBody>>;
     type Error = S::Error;
-    type Future = MeteredFuture<Response<ResBody>, S::Error>;
+    type Future = MeteredFuture<Response<CountedBody<ResBody>>, S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -292,11 +305,12 @@ where
             request.extensions_mut().insert(hangup.clone());
         }
         let guard = self.stats.request();
+        let open = self.streams.as_ref().map(Streams::open);
         let future = self.inner.call(request);
         Box::pin(async move {
             let result = future.await;
             guard.answered(result.as_ref().map(|r| r.status().as_u16()).ok());
-            result
+            result.map(|response| response.map(|body| CountedBody::new(body, open)))
         })
     }
 }
