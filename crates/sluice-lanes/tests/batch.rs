@@ -231,3 +231,23 @@ async fn l4_batch_capacity_wakes_the_runner_when_an_item_finishes() {
     assert!(item.is_some(), "the runner took the freed batch place");
     assert_eq!(lane.snapshot().batch_running, 15);
 }
+
+/// What the batch lane's outage watch reads: how many calls, single or batch,
+/// the upstream answered (a failure, or a place given back without an
+/// outcome, is no answer), and where the breaker stands without a snapshot.
+#[tokio::test(start_paused = true)]
+async fn l4_l3_the_lane_counts_the_calls_the_upstream_answered() {
+    let lane = lane();
+    assert_eq!(lane.successes(), 0);
+    take(&lane, "acme").await.finish(Outcome::Success);
+    batch_items(&lane, "beta", 1)
+        .pop()
+        .expect("item")
+        .finish(Outcome::Success);
+    assert_eq!(lane.successes(), 2, "a single call's answer and an item's");
+    take(&lane, "acme").await.finish(Outcome::Failure);
+    drop(batch_items(&lane, "beta", 1));
+    assert_eq!(lane.successes(), 2, "a failure and a drop are no answers");
+    assert_eq!(lane.breaker(), lane.snapshot().breaker);
+    assert_eq!(lane.breaker().as_str(), "closed");
+}

@@ -89,6 +89,9 @@ impl State {
         match outcome {
             Some(outcome) => {
                 self.observe(now.saturating_duration_since(run.started));
+                if outcome == Outcome::Success {
+                    self.successes = self.successes.wrapping_add(1);
+                }
                 if run.batch {
                     // A batch item never counts toward the failure streak, so
                     // one workspace's poison items cannot shut the lane for

@@ -122,6 +122,8 @@ struct State {
     remote_busy: Option<Instant>,
     /// The same for batch items (the global or the batch cap).
     remote_batch_busy: Option<Instant>,
+    /// Calls the upstream answered (see [`Lane::successes`]).
+    successes: u64,
 }
 
 impl Workspace {
@@ -261,6 +263,7 @@ impl Lane {
             sweep_at: 1024,
             remote_busy: None,
             remote_batch_busy: None,
+            successes: 0,
             config: config.clone(),
         };
         Ok(Lane {
@@ -299,6 +302,24 @@ impl Lane {
     /// report [`Outcome::Failure`](crate::Outcome::Failure).
     pub fn upstream_timeout(&self) -> Duration {
         self.shared.config.upstream_timeout
+    }
+
+    /// How many calls on this lane, single calls and batch items alike, the
+    /// upstream has answered (reported as
+    /// [`Outcome::Success`](crate::Outcome::Success): any status below 500)
+    /// since the lane was built. Two readings that differ tell that the
+    /// upstream answered someone in between (the batch lane's outage watch
+    /// uses this to tell an upstream down for everyone from one workspace's
+    /// failing calls).
+    pub fn successes(&self) -> u64 {
+        self.shared.state.lock().successes
+    }
+
+    /// Where the breaker stands now (as [`Lane::snapshot`] gives it, without
+    /// the rest).
+    pub fn breaker(&self) -> BreakerStatus {
+        let now = Instant::now();
+        self.shared.state.lock().breaker_status(now)
     }
 
     /// What the lane holds now: for `/status`, `/metrics` and dashboards.
@@ -399,16 +420,7 @@ impl State {
             .filter(|w| w.running + w.waiting + w.started_in_window + w.batch_running > 0)
             .collect();
         workspaces.sort_by(|a, b| a.workspace.cmp(&b.workspace));
-        let breaker = match self.breaker.state() {
-            BreakerState::Closed => BreakerStatus::Closed,
-            BreakerState::Open { until } if self.instant(until) > now => BreakerStatus::Open {
-                retry_after: self.instant(until).saturating_duration_since(now),
-            },
-            BreakerState::Open { .. } => BreakerStatus::HalfOpen { probe_out: false },
-            BreakerState::HalfOpen { .. } => BreakerStatus::HalfOpen {
-                probe_out: self.probe.is_some(),
-            },
-        };
+        let breaker = self.breaker_status(now);
         LaneSnapshot {
             lane: name.to_owned(),
             global_cap: self.config.global_cap,
@@ -419,6 +431,19 @@ impl State {
             breaker,
             expected_duration: self.mean_duration.unwrap_or(self.config.expected_duration),
             workspaces,
+        }
+    }
+
+    fn breaker_status(&self, now: Instant) -> BreakerStatus {
+        match self.breaker.state() {
+            BreakerState::Closed => BreakerStatus::Closed,
+            BreakerState::Open { until } if self.instant(until) > now => BreakerStatus::Open {
+                retry_after: self.instant(until).saturating_duration_since(now),
+            },
+            BreakerState::Open { .. } => BreakerStatus::HalfOpen { probe_out: false },
+            BreakerState::HalfOpen { .. } => BreakerStatus::HalfOpen {
+                probe_out: self.probe.is_some(),
+            },
         }
     }
 }
