@@ -324,8 +324,10 @@ pub struct Claimed {
     pub index: u32,
     /// The body as submitted.
     pub item: Vec<u8>,
-    /// How many times it has been claimed, this claim included (1 the first
-    /// time; more after a crash or an expired lease put it back).
+    /// Which attempt this claim is: 1 the first time; one more after each
+    /// claim that ended by a crash or an expired lease; after a
+    /// [release](BatchQueue::release), one more than the attempts it said
+    /// were spent.
     pub attempt: u32,
     /// Until when the claim holds unless renewed.
     pub lease_until: Timestamp,
@@ -481,7 +483,7 @@ pub struct ItemStatus {
     pub index: u32,
     /// Where it stands.
     pub state: ItemState,
-    /// How many times it was claimed.
+    /// Its attempts, the one running included (see [`Claimed::attempt`]).
     pub attempts: u32,
     /// Its result, once finished.
     pub result: Option<ItemResult>,
@@ -650,7 +652,11 @@ pub trait BatchQueue: Send + Sync {
     }
 
     /// Puts a running item back at the head of its workspace's queue without
-    /// a result (e.g. it could not be sent); false when it was not running.
+    /// a result (e.g. it could not be sent, or it is to wait out an upstream
+    /// outage), with `attempts` as the attempts it has spent: its next
+    /// claim's [`Claimed::attempt`] is `attempts + 1` (a claim that sent
+    /// nothing that counts gives back its claim's `attempt - 1`). False when
+    /// it was not running.
     ///
     /// # Errors
     /// [`BatchError::Unavailable`].
@@ -658,6 +664,7 @@ pub trait BatchQueue: Send + Sync {
         &'a self,
         batch_id: &'a str,
         index: u32,
+        attempts: u32,
         now: Timestamp,
     ) -> QueueFuture<'a, Result<bool, BatchError>>;
 

@@ -347,7 +347,7 @@ mod suite {
         );
         let renewed = q.renew(&s.batch_id, c.index, at(4)).await.expect("renew");
         assert!(!renewed, "a finished item holds no lease");
-        let released = q.release(&s.batch_id, c.index, at(4)).await;
+        let released = q.release(&s.batch_id, c.index, 0, at(4)).await;
         assert!(
             !released.expect("release"),
             "a finished item stays finished"
@@ -443,7 +443,11 @@ mod suite {
             .expect("claim")
             .expect("item");
         assert_eq!(next.index, 1);
-        assert!(q.release(&s.batch_id, 1, at(905)).await.expect("release"));
+        assert!(
+            q.release(&s.batch_id, 1, 0, at(905))
+                .await
+                .expect("release")
+        );
         let st = q
             .status("acme", &s.batch_id, at(905))
             .await
@@ -455,10 +459,29 @@ mod suite {
             .await
             .expect("claim")
             .expect("item");
-        assert_eq!((next.index, next.attempt), (1, 2));
+        assert_eq!(
+            (next.index, next.attempt),
+            (1, 1),
+            "released with no attempt spent: its first attempt again"
+        );
+        assert!(
+            q.release(&s.batch_id, 1, 2, at(907))
+                .await
+                .expect("release")
+        );
+        let next = q
+            .claim_next("acme", at(908))
+            .await
+            .expect("claim")
+            .expect("item");
+        assert_eq!(
+            (next.index, next.attempt),
+            (1, 3),
+            "released with two attempts spent: its third"
+        );
         // An answer for an item whose lease ran out and went back to the queue
         // finishes it where it is.
-        q.maintain(at(906 + 600)).await.expect("maintain");
+        q.maintain(at(908 + 600)).await.expect("maintain");
         assert_eq!(
             q.complete(&s.batch_id, 1, ok("{}"), at(1600)).await,
             Ok(Finish::Recorded)

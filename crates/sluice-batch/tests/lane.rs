@@ -241,9 +241,10 @@ impl BatchQueue for Flaky {
         &'a self,
         batch_id: &'a str,
         index: u32,
+        attempts: u32,
         now: Timestamp,
     ) -> QueueFuture<'a, Result<bool, BatchError>> {
-        self.inner.release(batch_id, index, now)
+        self.inner.release(batch_id, index, attempts, now)
     }
 
     fn complete<'a>(

@@ -389,11 +389,12 @@ impl BatchQueue for BatchBook {
         &'a self,
         batch_id: &'a str,
         index: u32,
+        attempts: u32,
         _now: Timestamp,
     ) -> QueueFuture<'a, Result<bool, BatchError>> {
         Box::pin(async move {
             let id = batch_id.to_owned();
-            self.blocking(move |b| b.release_blocking(&id, index))
+            self.blocking(move |b| b.release_blocking(&id, index, attempts))
                 .await?
         })
     }

@@ -306,12 +306,17 @@ impl BatchBook {
         Ok(usize::try_from(renewed).unwrap_or(usize::MAX))
     }
 
-    pub(super) fn release_blocking(&self, batch_id: &str, index: u32) -> Result<bool, BatchError> {
+    pub(super) fn release_blocking(
+        &self,
+        batch_id: &str,
+        index: u32,
+        attempts: u32,
+    ) -> Result<bool, BatchError> {
         self.write_if(|tx| {
             if tx.open_table(RUNNING)?.get((batch_id, index))?.is_none() {
                 return Ok(Err(()));
             }
-            requeue(tx, batch_id, index)?;
+            requeue_as(tx, batch_id, index, Some(attempts))?;
             Ok(Ok(()))
         })
         .map(|r| r.is_ok())
@@ -495,8 +500,21 @@ impl BatchBook {
     }
 }
 
-/// Puts a running item back at its place in its workspace's queue.
+/// Puts a running item back at its place in its workspace's queue (its claim
+/// ran out, or the process that held it is gone): the claim counts as one of
+/// its attempts.
 pub(super) fn requeue(tx: &WriteTransaction, batch_id: &str, index: u32) -> Result<(), TxError> {
+    requeue_as(tx, batch_id, index, None)
+}
+
+/// [`requeue`]; with `attempts`, the item's attempts spent are set to it (it
+/// was released: its runner says what its claims spent).
+fn requeue_as(
+    tx: &WriteTransaction,
+    batch_id: &str,
+    index: u32,
+    attempts: Option<u32>,
+) -> Result<(), TxError> {
     let key = (batch_id, index);
     tx.open_table(RUNNING)?.remove(key)?;
     let mut items = tx.open_table(ITEMS)?;
@@ -512,6 +530,9 @@ pub(super) fn requeue(tx: &WriteTransaction, batch_id: &str, index: u32) -> Resu
         return Ok(());
     }
     item.state = ItemState::Queued.code();
+    if let Some(attempts) = attempts {
+        item.attempt = attempts;
+    }
     items.insert(key, item.encode().as_slice())?;
     let mut meta = tx.open_table(META)?;
     let mut rec = meta

@@ -221,10 +221,15 @@ elseif op == 'renew_all' then
   return redis.call('ZADD', P .. 'run', 'XX', 'CH', unpack(args))
 
 elseif op == 'release' then
+  -- id, index, attempts: back in the queue with `attempts` spent.
   if not redis.call('ZSCORE', P .. 'run', member(ARGV[2], ARGV[3])) then
     return 0
   end
-  return requeue(ARGV[2], tonumber(ARGV[3]))
+  local released = requeue(ARGV[2], tonumber(ARGV[3]))
+  if released == 1 then
+    redis.call('HSET', P .. 'i:' .. ARGV[2], 'a:' .. ARGV[3], ARGV[4])
+  end
+  return released
 
 elseif op == 'finish' then
   -- id, index, state (2 done, 3 failed), result, now

@@ -460,12 +460,13 @@ impl BatchQueue for RedisBatches {
         &'a self,
         batch_id: &'a str,
         index: u32,
+        attempts: u32,
         _now: Timestamp,
     ) -> QueueFuture<'a, Result<bool, BatchError>> {
         Box::pin(async move {
             let reply = self
                 .call("release", |i| {
-                    i.arg(batch_id).arg(index);
+                    i.arg(batch_id).arg(index).arg(attempts);
                 })
                 .await?;
             Ok(int(Some(&reply))? == 1)
