@@ -13,7 +13,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU32, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -25,7 +25,7 @@ use redb::backends::InMemoryBackend;
 use serde_json::{Value, json};
 use sluice_batch::lane::{
     BATCH_CLAIM, BatchEndpoints, BatchLane, BatchUpstream, ItemBody, LaneBody, LaneHost,
-    MAX_RECORD_WAIT,
+    MAX_ATTEMPTS, MAX_RECORD_WAIT,
 };
 use sluice_batch::{
     BatchBook, BatchConfig, BatchError, BatchQueue, BatchStatus, Claimed, Finish, ItemResult,
@@ -299,11 +299,11 @@ fn limiter() -> (SharedLimiter<Refunds>, Arc<AtomicI64>) {
 }
 
 /// The policy's one batch lane over `queue`, sending through `upstream`.
-fn lane(
+fn lane<U: BatchUpstream + Clone>(
     shared: &SharedLimiter<Refunds>,
     queue: &Arc<dyn BatchQueue>,
-    upstream: &Upstream,
-) -> Arc<BatchLane<Refunds, Upstream>> {
+    upstream: &U,
+) -> Arc<BatchLane<Refunds, U>> {
     let host = LaneHost {
         upstream: upstream.clone(),
         base_path: String::new(),
@@ -328,8 +328,8 @@ fn submit_request() -> Request<Full<Bytes>> {
         .expect("request")
 }
 
-async fn answer(
-    endpoints: &mut BatchEndpoints<NotFound, Refunds, Upstream>,
+async fn answer<U: BatchUpstream>(
+    endpoints: &mut BatchEndpoints<NotFound, Refunds, U>,
     request: Request<Full<Bytes>>,
 ) -> (StatusCode, Value) {
     use tower::Service as _;
@@ -582,4 +582,314 @@ async fn l4_recording_an_answer_is_tried_for_a_bounded_time() {
     );
     assert_eq!(item_state(&queue, &batch).await.0, ItemState::Running);
     assert_eq!(upstream.sent.load(Ordering::SeqCst), 1);
+}
+
+/// How the scripted upstream answers: every item 200, …
+const UP: u8 = 0;
+/// … no item (the connection refused), …
+const REFUSING: u8 = 1;
+/// … or every item 503.
+const UNAVAILABLE: u8 = 2;
+
+/// The workspace whose items the scripted upstream answers 500 whatever its
+/// mode: poison items.
+const POISON: &str = "poison";
+
+/// An upstream whose answers the tests switch (see [`UP`]), counting the
+/// items sent to it, and those of [`POISON`].
+#[derive(Clone, Default)]
+struct Scripted {
+    mode: Arc<AtomicU8>,
+    sent: Arc<AtomicU32>,
+    sent_poison: Arc<AtomicU32>,
+}
+
+impl BatchUpstream for Scripted {
+    type Body = Full<Bytes>;
+    type Error = std::io::Error;
+
+    fn send(
+        &self,
+        request: Request<ItemBody>,
+    ) -> impl Future<Output = Result<Response<Full<Bytes>>, std::io::Error>> + Send {
+        self.sent.fetch_add(1, Ordering::SeqCst);
+        let poison = request
+            .headers()
+            .get("x-sluice-workspace")
+            .is_some_and(|w| w == POISON);
+        if poison {
+            self.sent_poison.fetch_add(1, Ordering::SeqCst);
+        }
+        let mode = self.mode.load(Ordering::SeqCst);
+        async move {
+            let status = match mode {
+                REFUSING => {
+                    return Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+                }
+                UNAVAILABLE => StatusCode::SERVICE_UNAVAILABLE,
+                _ if poison => StatusCode::INTERNAL_SERVER_ERROR,
+                _ => StatusCode::OK,
+            };
+            let mut r = Response::new(Full::new(Bytes::from(format!(
+                r#"{{"status":{}}}"#,
+                status.as_u16()
+            ))));
+            *r.status_mut() = status;
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            Ok(r)
+        }
+    }
+}
+
+/// A batch lane with its runner started: the lane, its endpoints, the
+/// limiter's `optimizer` lane (where single calls run) and what stops the
+/// runner.
+type Started = (
+    Arc<BatchLane<Refunds, Scripted>>,
+    BatchEndpoints<NotFound, Refunds, Scripted>,
+    sluice_lanes::Lane,
+    tokio::sync::oneshot::Sender<()>,
+);
+
+/// The policy's batch lane over an embedded queue (in-memory storage) with
+/// its runner started, sending through `upstream`.
+fn scripted_lane(upstream: &Scripted) -> Started {
+    let (disk, _) = FillableDisk::new();
+    let store = DurableStore::with_backend("outage", disk.clone(), disk.log()).expect("store");
+    let book =
+        BatchBook::open(&store, BatchConfig::default().with_lease(BATCH_CLAIM)).expect("batches");
+    let queue: Arc<dyn BatchQueue> = Arc::new(book);
+    let (shared, _) = limiter();
+    let singles = shared
+        .load()
+        .lanes()
+        .iter()
+        .find(|l| l.name() == "optimizer")
+        .expect("the built-in policy's optimizer lane")
+        .clone();
+    let lane = lane(&shared, &queue, upstream);
+    let endpoints = BatchEndpoints::new(NotFound, Arc::new(vec![Arc::clone(&lane)]));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(Arc::clone(&lane).run(async move {
+        let _ = stopped.await;
+    }));
+    (lane, endpoints, singles, stop)
+}
+
+/// Submits `n` items as `workspace`'s key does; the batch id.
+async fn submit_items<U: BatchUpstream>(
+    endpoints: &mut BatchEndpoints<NotFound, Refunds, U>,
+    workspace: &str,
+    n: usize,
+) -> String {
+    let items: Vec<Value> = (0..n).map(|i| json!({ "draft": i })).collect();
+    let request = Request::post("/messages/optimize/batch")
+        .header("x-api-key", format!("{workspace}-key"))
+        .header("x-sluice-workspace", workspace)
+        .header("x-sluice-user", "ada")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(
+            json!({ "items": items }).to_string(),
+        )))
+        .expect("request");
+    let (status, body) = answer(endpoints, request).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    body["batch_id"].as_str().expect("batch_id").to_owned()
+}
+
+/// `GET /messages/optimize/batches/{id}` as `workspace` reads it.
+async fn batch_status<U: BatchUpstream>(
+    endpoints: &mut BatchEndpoints<NotFound, Refunds, U>,
+    workspace: &str,
+    id: &str,
+) -> Value {
+    let request = Request::get(format!("/messages/optimize/batches/{id}"))
+        .header("x-api-key", format!("{workspace}-key"))
+        .header("x-sluice-workspace", workspace)
+        .header("x-sluice-user", "ada")
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let (status, body) = answer(endpoints, request).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    body
+}
+
+/// Waits (on tokio's paused clock) until `workspace`'s batch `id` is done,
+/// up to `within`; its status.
+async fn finished<U: BatchUpstream>(
+    endpoints: &mut BatchEndpoints<NotFound, Refunds, U>,
+    workspace: &str,
+    id: &str,
+    within: Duration,
+) -> Value {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let status = batch_status(endpoints, workspace, id).await;
+        if status["state"] == "done" {
+            return status;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not done within {within:?}: {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The upstream down for five minutes — refusing connections, then (a second
+/// run) answering 503 — while no single call is made, so the lane's breaker
+/// never opens: the batch's items wait in the queue, shown `queued` with no
+/// attempt spent, none `failed`; the upstream gets each item once, then one
+/// probe per 30 s. Once it is back, every item ends `done` on its first
+/// attempt. Before, each item spent its 3 attempts against the dead upstream
+/// and was recorded `failed`: accepted (202) work lost to an outage.
+#[tokio::test(start_paused = true)]
+async fn l4_batch_items_wait_out_an_upstream_outage_without_spending_attempts() {
+    for (mode, what) in [
+        (REFUSING, "refusing connections"),
+        (UNAVAILABLE, "answering 503"),
+    ] {
+        let upstream = Scripted::default();
+        upstream.mode.store(mode, Ordering::SeqCst);
+        let (lane, mut endpoints, _singles, _stop) = scripted_lane(&upstream);
+        let id = submit_items(&mut endpoints, "acme", 8).await;
+
+        tokio::time::sleep(Duration::from_secs(300)).await;
+        let status = batch_status(&mut endpoints, "acme", &id).await;
+        assert_eq!(
+            (&status["done"], &status["failed"]),
+            (&json!(0), &json!(0)),
+            "{what}: {status}"
+        );
+        let items = status["items"].as_array().expect("items");
+        assert_eq!(items.len(), 8);
+        for item in items {
+            assert!(
+                item["state"] == "queued" || item["state"] == "running",
+                "{what}: an item waits, queued: {status}"
+            );
+            // At most the failure that came before the outage showed (the
+            // first four of the streak of five) counts.
+            assert!(
+                item["attempts"].as_u64() <= Some(1),
+                "{what}: no attempt spent waiting: {status}"
+            );
+        }
+        assert_eq!(lane.summary()["outage"], true, "{what}");
+        let during = upstream.sent.load(Ordering::SeqCst);
+        // At most each item once (the failures that showed the outage: five
+        // in a row), then one probe every 30 s.
+        assert!(
+            (5 + 9..=8 + 11).contains(&during),
+            "{what}: {during} items sent in five minutes of outage"
+        );
+
+        upstream.mode.store(UP, Ordering::SeqCst);
+        let status = finished(&mut endpoints, "acme", &id, Duration::from_secs(60)).await;
+        assert_eq!(
+            (&status["done"], &status["failed"]),
+            (&json!(8), &json!(0)),
+            "{what}: {status}"
+        );
+        for item in status["items"].as_array().expect("items") {
+            assert_eq!(
+                (&item["state"], &item["status"]),
+                (&json!("done"), &json!(200)),
+                "{what}: {status}"
+            );
+            assert!(
+                item["attempts"].as_u64() <= Some(2),
+                "{what}: done on its first attempt after the outage: {status}"
+            );
+        }
+        assert_eq!(
+            upstream.sent.load(Ordering::SeqCst),
+            during + 8,
+            "{what}: each item once more"
+        );
+        assert_eq!(lane.summary()["outage"], false, "{what}");
+    }
+}
+
+/// The upstream answers 500 to the poison workspace's items while it answers
+/// another workspace's items and single calls (one every 0.7 s): those
+/// failures are the items' own, not an outage. The poison items fail after
+/// their 3 attempts each (sent exactly 3 times), the other workspace's batch
+/// finishes, and dispatch never pauses.
+#[tokio::test(start_paused = true)]
+async fn l4_poison_items_of_one_workspace_still_fail_after_their_attempts() {
+    let upstream = Scripted::default();
+    let (lane, mut endpoints, singles, _stop) = scripted_lane(&upstream);
+    let calls = tokio::spawn(async move {
+        // Each from a workspace of its own (one workspace may start 12 a
+        // minute).
+        for n in 0u32.. {
+            let permit = singles
+                .acquire(&format!("single-{n}"), Duration::from_secs(15))
+                .await;
+            permit
+                .expect("a place")
+                .finish(sluice_lanes::Outcome::Success);
+            tokio::time::sleep(Duration::from_millis(700)).await;
+        }
+    });
+    let poison = submit_items(&mut endpoints, POISON, 6).await;
+    let acme = submit_items(&mut endpoints, "acme", 10).await;
+
+    let status = finished(&mut endpoints, POISON, &poison, Duration::from_secs(300)).await;
+    assert_eq!(
+        (&status["done"], &status["failed"]),
+        (&json!(0), &json!(6)),
+        "{status}"
+    );
+    for item in status["items"].as_array().expect("items") {
+        assert_eq!(
+            (&item["state"], &item["status"]),
+            (&json!("failed"), &json!(500)),
+            "{status}"
+        );
+    }
+    // Each poison item is sent for its attempts. (Poison items failing
+    // together, no single call's answer between them, may look like an
+    // outage for a moment; the failure that showed it is not counted, so an
+    // item may be sent once more.)
+    let sent = upstream.sent_poison.load(Ordering::SeqCst);
+    assert!(
+        (6 * MAX_ATTEMPTS..=6 * (MAX_ATTEMPTS + 1)).contains(&sent),
+        "{sent} poison items sent"
+    );
+    let status = finished(&mut endpoints, "acme", &acme, Duration::from_secs(60)).await;
+    assert_eq!(
+        (&status["done"], &status["failed"]),
+        (&json!(10), &json!(0)),
+        "{status}"
+    );
+    assert_eq!(lane.summary()["outage"], false);
+    calls.abort();
+}
+
+/// The one state that cannot be told from an outage: a workspace alone has
+/// items queued, all poison, and nothing else calls the upstream. Its items
+/// wait, queued, and the upstream gets one probe per 30 s — a bounded cost —
+/// until another call is answered. Before, they failed after their attempts
+/// (as they must when others' calls are answered: see the test above).
+#[tokio::test(start_paused = true)]
+async fn l4_items_failing_alone_with_no_other_calls_wait_with_one_probe_per_30_s() {
+    let upstream = Scripted::default();
+    let (lane, mut endpoints, _singles, _stop) = scripted_lane(&upstream);
+    let id = submit_items(&mut endpoints, POISON, 2).await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let before = upstream.sent.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    let probes = upstream.sent.load(Ordering::SeqCst) - before;
+    assert!(
+        (19..=21).contains(&probes),
+        "{probes} items sent in 10 minutes"
+    );
+    let status = batch_status(&mut endpoints, POISON, &id).await;
+    assert_eq!(status["failed"], 0, "{status}");
+    assert_eq!(lane.summary()["outage"], true);
 }

@@ -26,14 +26,17 @@
 //! ([`LaneHost`]: a [`BatchUpstream`] to send items through, and how to read a
 //! request's client address); `endpoints` answers the submit and status requests
 //! and the JSON-RPC tools (the [`BatchEndpoints`] service in front of the proxy);
-//! `runner` claims queued items and sends them upstream; `responses` writes the
-//! JSON answers both give.
+//! `runner` claims queued items and sends them upstream; `outage` tells the
+//! runner when the upstream is down for everyone, so that items wait in the
+//! queue instead of spending their attempts; `responses` writes the JSON
+//! answers both give.
 //!
 //! The lanes depend on no gateway: a host builds them with [`BatchLane::all`] over
 //! its limiter (any [`BudgetStore`]), the queue and a [`LaneHost`], spawns each
 //! one's [`BatchLane::run`], and puts [`BatchEndpoints`] in front of its proxy.
 
 mod endpoints;
+mod outage;
 mod responses;
 mod runner;
 
@@ -141,11 +144,15 @@ pub struct BatchLane<S, U> {
     /// Per workspace whose batch attempts failed lately: how many in a row, and
     /// until when its items are held (see [`BatchLane::run_item`]).
     holds: parking_lot::Mutex<std::collections::HashMap<String, Hold>>,
+    /// Whether the upstream is down for everyone, as batch items see it, and
+    /// the probe that tells when it is up again (see [`BatchLane::run_item`]).
+    outage: parking_lot::Mutex<outage::OutageWatch>,
     /// What the queue held when the runner last looked, for `/status`.
     last_backlog: parking_lot::Mutex<Vec<WorkspaceBacklog>>,
-    /// Items finished here: done, failed, and attempts sent again after a failure
-    /// (`requeued` in `/status` and the metric).
-    outcomes: [std::sync::atomic::AtomicU64; 3],
+    /// Items finished here: done, failed, attempts sent again after a failure
+    /// (`requeued` in `/status` and the metric), and items put back in the
+    /// queue to wait out an upstream outage (`released`).
+    outcomes: [std::sync::atomic::AtomicU64; 4],
     /// The claims of the items running here (batch id, index), which the
     /// runner renews all at once (see [`BatchLane::renew_claims`]), each with
     /// how many runs hold it (an item whose claim ran out during an outage
@@ -217,6 +224,7 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                     queued: tokio::sync::Notify::new(),
                     tag,
                     holds: parking_lot::Mutex::default(),
+                    outage: parking_lot::Mutex::default(),
                     last_backlog: parking_lot::Mutex::default(),
                     outcomes: Default::default(),
                     claims: parking_lot::Mutex::default(),
@@ -243,14 +251,17 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
 
     fn count(&self, outcome: usize) {
         self.outcomes[outcome].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let label = ["done", "failed", "requeued"][outcome];
+        let label = ["done", "failed", "requeued", "released"][outcome];
         metrics::counter!("sluice_batch_items_total", "lane" => self.lane.name().to_owned(), "outcome" => label)
             .increment(1);
     }
 
     /// This batch lane's share of `/status`: per workspace, items queued and
-    /// running (as the runner last saw the queue), and items finished here.
+    /// running (as the runner last saw the queue), items finished here, and
+    /// whether dispatch is paused by an upstream outage (`outage`, with
+    /// `outage_probe_seconds` until the next probe may go).
     pub fn summary(&self) -> Value {
+        let probe_at = self.outage.lock().probe_at();
         let backlog = self.last_backlog.lock();
         let n = |i: usize| self.outcomes[i].load(std::sync::atomic::Ordering::Relaxed);
         let queued: u64 = backlog.iter().map(|b| b.queued).sum();
@@ -263,6 +274,11 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
             "done_here": n(0),
             "failed_here": n(1),
             "requeued_here": n(2),
+            "released_here": n(3),
+            "outage": probe_at.is_some(),
+            "outage_probe_seconds": probe_at.map_or(0.0, |at| {
+                at.saturating_duration_since(tokio::time::Instant::now()).as_secs_f64()
+            }),
             "held": backlog.iter().filter(|b| self.held_until(&b.workspace).is_some()).count(),
             "workspaces": backlog.iter().map(|b| json!({
                 "workspace": b.workspace, "queued": b.queued, "running": b.running,

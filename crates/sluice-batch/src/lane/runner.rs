@@ -13,14 +13,17 @@ use serde_json::Value;
 use sluice_core::Clock as _;
 use sluice_store::BudgetStore;
 
+use super::outage::{Gate, OutageWatch};
 use super::{BatchLane, BatchUpstream};
 use crate::{Claimed, Finish, ItemResult, ItemState, ResultBody, WorkspaceBacklog};
 
 /// Most bytes of an upstream answer kept as an item's result.
 pub const MAX_RESULT_BYTES: usize = 256 * 1024;
 
-/// Attempts an item gets when the upstream fails (5xx, no answer) before it is
-/// recorded as failed.
+/// Attempts an item gets when the upstream fails it (5xx, no answer, a
+/// timeout) before it is recorded as failed. A failure while the upstream is
+/// down for everyone is not one of them: the item waits in the queue instead
+/// (see [`BatchLane::run_item`]).
 pub const MAX_ATTEMPTS: u32 = 3;
 
 /// Most workspaces whose batch failures are remembered at once (one entry
@@ -95,15 +98,19 @@ enum Look {
     Later,
     /// Items are queued only for workspaces whose hold has not ended.
     Held,
+    /// The upstream is taken as down: nothing starts until then (`None`:
+    /// until the probe out reports).
+    Outage(Option<tokio::time::Instant>),
 }
 impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
     /// Runs items on the capacity single calls leave, until `stop` resolves
     /// (spawn it on the runtime the lane's tasks are to run on).
     ///
     /// The runner waits on events and slow timers only, never on a condition that
-    /// holds at rest: a batch queued here, a place freed on the lane (only while
-    /// items wait for one), the lane's breaker or the shared ledger's hold running
-    /// out, the queue's upkeep, and a look every [`IDLE_LOOK_EVERY`] for what other
+    /// holds at rest: a batch queued here (or an item put back), a place freed on
+    /// the lane (only while items wait for one), the lane's breaker or the shared
+    /// ledger's hold running out, the next probe of an upstream outage, the
+    /// queue's upkeep, and a look every [`IDLE_LOOK_EVERY`] for what other
     /// replicas queued.
     pub async fn run(self: Arc<Self>, stop: impl Future<Output = ()>) {
         let stopped = stop;
@@ -122,6 +129,14 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                 Look::Later => RETRY_AFTER,
                 // Look again when the first hold ends (or as usual).
                 Look::Held => self.first_hold_end().map_or(IDLE_LOOK_EVERY, |until| {
+                    until
+                        .saturating_duration_since(tokio::time::Instant::now())
+                        .min(IDLE_LOOK_EVERY)
+                }),
+                // Look again when the next probe may go (or as usual: a
+                // single call's answer may end the outage meanwhile); the
+                // probe's end wakes the runner.
+                Look::Outage(until) => until.map_or(IDLE_LOOK_EVERY, |until| {
                     until
                         .saturating_duration_since(tokio::time::Instant::now())
                         .min(IDLE_LOOK_EVERY)
@@ -180,7 +195,7 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                 })
                 .collect();
             self.last_backlog.lock().clone_from(&backlogs);
-            let waiting: Vec<&str> = backlogs
+            let mut waiting: Vec<&str> = backlogs
                 .iter()
                 .filter(|b| b.queued > 0 && self.held_until(&b.workspace).is_none())
                 .map(|b| b.workspace.as_str())
@@ -192,6 +207,17 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                     Look::Empty
                 };
             }
+            // While the upstream is taken as down, one item at a time goes,
+            // as the probe, from the workspace that probed longest ago.
+            let successes = self.lane.successes();
+            let probe = match self.watch(|w| w.gate(tokio::time::Instant::now(), successes)) {
+                Gate::Go => false,
+                Gate::Probe => {
+                    self.outage.lock().probe_order(&mut waiting);
+                    true
+                }
+                Gate::Wait(until) => return Look::Outage(until),
+            };
             // No place (or the shared ledger refused one, which the lane holds
             // until it is worth asking again): wait for the lane to have one.
             let Some((i, permit)) = self.lane.acquire_next_batch(&waiting).await else {
@@ -212,34 +238,95 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                     return Look::Later;
                 }
             };
+            if probe {
+                self.outage
+                    .lock()
+                    .probe_started(&claimed.workspace, tokio::time::Instant::now());
+                tracing::info!(
+                    "batch lane {}: the upstream looks down; batch {} item {} goes as the probe",
+                    self.lane.name(),
+                    claimed.batch_id,
+                    claimed.index
+                );
+            }
             let this = Arc::clone(self);
-            tokio::spawn(async move { this.run_item(claimed, permit).await });
+            tokio::spawn(async move { this.run_item(claimed, permit, probe).await });
         }
     }
 
-    /// Sends one item upstream and records its answer.
+    /// Sends one item upstream and records its answer, or puts it back in the
+    /// queue to wait out an upstream outage.
     ///
-    /// An attempt the upstream fails (a 5xx, no answer, a timeout) is sent again
-    /// by this task, holding its claim but no place on the lane meanwhile, after
-    /// [`item_backoff`] (1 s, then 2 s): an item backs off on its own, and its
-    /// failures never feed the lane's breaker (see
+    /// An attempt the upstream fails (a 5xx, no answer, a timeout: a failure
+    /// as SPEC L3 counts it) is, while the upstream is down for everyone, no
+    /// attempt at all: the item is [released](crate::BatchQueue::release) —
+    /// back at the head of its workspace's queue, durably, its attempts
+    /// unspent — and waits there, queued, while dispatch pauses. The upstream
+    /// is down while the lane's breaker is not closed, or after the breaker's
+    /// `failures` (5) such failures of batch items in a row within its
+    /// `within` (a minute) with no call of the lane answered in between (see
+    /// the `outage` module: one probe item per `open_for`, 30 s, until one is
+    /// answered).
+    ///
+    /// Otherwise the failure is one of the item's attempts: it is sent again
+    /// by this task, holding its claim but no place on the lane meanwhile,
+    /// after [`item_backoff`] (1 s, then 2 s): an item backs off on its own,
+    /// and its failures never feed the lane's breaker (see
     /// [`sluice_lanes::Lane::acquire_batch`]), so a workspace's poison items
-    /// cannot shut the lane for the others. After [`MAX_ATTEMPTS`] attempts
-    /// (counting claims before this one, e.g. by a replica that crashed) the
-    /// item is recorded `failed` with the last answer, or with why there was
-    /// none, as its result.
+    /// cannot shut the lane for the others. The failures before an outage
+    /// showed (at most the first four of its streak) stay counted when the
+    /// item is put back, but an item that waited out an outage keeps at least
+    /// its last attempt. After [`MAX_ATTEMPTS`] attempts (claims that ended
+    /// by a crash or an expired claim count as one each) the item is recorded
+    /// `failed` with the last answer, or with why there was none, as its
+    /// result — once the lane has had an answer from the upstream since this
+    /// claim's first send; until then its failures cannot be told from an
+    /// outage's, and it keeps trying (backing off, up to 30 s apart) until
+    /// either shows. So failures of one workspace's items while other calls
+    /// get answers are theirs and fail them; a workspace whose items alone
+    /// fail while nothing else calls the upstream sees them wait, one probe
+    /// per 30 s, until something else is answered (a bounded cost, and the
+    /// one state that cannot be told from an outage). An upstream that only
+    /// times out, failing fewer than five items within a minute, is not taken
+    /// as down: those items keep trying, one send per timeout and backoff,
+    /// until it answers.
     ///
     /// The answer is then recorded (see [`BatchLane::record`]): while the store
     /// cannot take it, again and again, the claim renewed meanwhile, so that an
     /// answer once had is neither lost nor asked for a second time.
-    async fn run_item(&self, claimed: Claimed, permit: sluice_lanes::BatchPermit) {
+    async fn run_item(&self, claimed: Claimed, permit: sluice_lanes::BatchPermit, probe: bool) {
         let (batch, index) = (claimed.batch_id.as_str(), claimed.index);
         // The claim is renewed while the item runs (by the lane's renewals),
         // its answer's recording included; it leaves them when the task ends,
         // however it ends.
         let _running = RunningClaim::new(self, batch, index);
-        let (state, result) = self.run_attempts(&claimed, permit).await;
-        self.record(batch, index, state, result).await;
+        let _probe = probe.then(|| ProbeOut(self));
+        match self.run_attempts(&claimed, permit).await {
+            Ran::Answered(state, result) => self.record(batch, index, state, result).await,
+            Ran::Waits { spent } => self.put_back(batch, index, spent).await,
+        }
+    }
+
+    /// Puts an item back in the queue to wait out an upstream outage, with
+    /// `spent` attempts spent (its failures before the outage showed; at most
+    /// `MAX_ATTEMPTS - 1`, so that an item that waited out an outage has an
+    /// attempt left).
+    async fn put_back(&self, batch: &str, index: u32, spent: u32) {
+        self.count(3);
+        let spent = spent.min(MAX_ATTEMPTS - 1);
+        match self
+            .queue
+            .release(batch, index, spent, self.clock.now())
+            .await
+        {
+            Ok(_) => tracing::debug!(
+                "batch {batch} item {index}: the upstream is down; the item waits in the queue"
+            ),
+            Err(e) => tracing::warn!(
+                "batch {batch} item {index}: the upstream is down, and the item could not be put back in the queue ({e}); it goes back when its claim runs out"
+            ),
+        }
+        self.queued.notify_one();
     }
 
     /// Records `result` as the item's answer (`state`: done or failed). While
@@ -301,80 +388,104 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
     }
 
     /// [`BatchLane::run_item`]'s attempts, until one answers or the last has
-    /// failed: the item's state and result to record.
-    async fn run_attempts(
-        &self,
-        claimed: &Claimed,
-        permit: sluice_lanes::BatchPermit,
-    ) -> (ItemState, ItemResult) {
-        let mut attempt = claimed.attempt;
+    /// failed (the item's state and result to record), or the item is to
+    /// wait out an upstream outage in the queue.
+    async fn run_attempts(&self, claimed: &Claimed, permit: sluice_lanes::BatchPermit) -> Ran {
+        // The attempt being made: the claim's, then one more per failure
+        // that counted.
+        let mut attempt = claimed.attempt.max(1);
         let mut permit = permit;
+        // The lane's answered calls before the first send: a later count
+        // tells that the upstream answered someone since.
+        let answered_before = self.lane.successes();
         loop {
-            let answer = tokio::time::timeout(self.timeout, self.send(claimed)).await;
-            match answer {
-                Ok(Some((status, body, is_json))) if status < 500 => {
+            let sent = tokio::time::timeout(self.timeout, self.send(claimed)).await;
+            let failed = match sent {
+                Ok(Sent::Answer(status, body, is_json)) if status < 500 => {
                     permit.finish(sluice_lanes::Outcome::Success);
                     self.holds.lock().remove(&claimed.workspace);
+                    self.watch(OutageWatch::success);
                     let result = ItemResult {
                         status,
                         body: ResultBody::new(body, is_json),
                     };
                     return if status < 400 {
                         self.count(0);
-                        (ItemState::Done, result)
+                        Ran::Answered(ItemState::Done, result)
                     } else {
                         self.count(1);
-                        (ItemState::Failed, result)
+                        Ran::Answered(ItemState::Failed, result)
                     };
                 }
-                failed => {
-                    permit.finish(sluice_lanes::Outcome::Failure);
-                    self.failed_attempt(&claimed.workspace);
-                    if attempt >= MAX_ATTEMPTS {
-                        let result = match failed {
-                            Ok(Some((status, body, is_json))) => ItemResult {
-                                status,
-                                body: ResultBody::new(body, is_json),
-                            },
-                            Ok(None) => ItemResult {
-                                status: 502,
-                                body: ResultBody::Text(format!(
-                                    "the upstream could not be reached ({attempt} attempts)"
-                                )),
-                            },
-                            Err(_) => ItemResult {
-                                status: 504,
-                                body: ResultBody::Text(format!(
-                                    "the upstream did not answer within {} s ({attempt} attempts)",
-                                    self.timeout.as_secs()
-                                )),
-                            },
-                        };
-                        self.count(1);
-                        return (ItemState::Failed, result);
-                    }
-                    self.count(2);
-                    tokio::time::sleep(item_backoff(attempt)).await;
-                    // The workspace's hold, if its items kept failing.
-                    if let Some(until) = self.held_until(&claimed.workspace) {
-                        tokio::time::sleep_until(until).await;
-                    }
-                    attempt += 1;
-                    permit = loop {
-                        if let Some(p) = self.lane.acquire_batch(&claimed.workspace).await {
-                            break p;
-                        }
-                        self.lane.batch_capacity().await;
-                    };
+                Ok(Sent::Unsendable) => {
+                    // Nothing went upstream: no outcome for the lane.
+                    drop(permit);
+                    self.count(1);
+                    let body = ResultBody::Text(
+                        "the item could not be made into a request to the upstream".to_owned(),
+                    );
+                    return Ran::Answered(ItemState::Failed, ItemResult { status: 400, body });
                 }
+                failed => failed,
+            };
+            permit.finish(sluice_lanes::Outcome::Failure);
+            if self.outage_failure() {
+                // Not an attempt: the ones before it were.
+                return Ran::Waits { spent: attempt - 1 };
             }
+            self.failed_attempt(&claimed.workspace);
+            let answered_since = self.lane.successes() != answered_before;
+            if attempt >= MAX_ATTEMPTS && answered_since {
+                let result = match failed {
+                    Ok(Sent::Answer(status, body, is_json)) => ItemResult {
+                        status,
+                        body: ResultBody::new(body, is_json),
+                    },
+                    Ok(Sent::Unreachable | Sent::Unsendable) => ItemResult {
+                        status: 502,
+                        body: ResultBody::Text(format!(
+                            "the upstream could not be reached ({attempt} attempts)"
+                        )),
+                    },
+                    Err(_) => ItemResult {
+                        status: 504,
+                        body: ResultBody::Text(format!(
+                            "the upstream did not answer within {} s ({attempt} attempts)",
+                            self.timeout.as_secs()
+                        )),
+                    },
+                };
+                self.count(1);
+                return Ran::Answered(ItemState::Failed, result);
+            }
+            self.count(2);
+            tokio::time::sleep(item_backoff(attempt)).await;
+            // The workspace's hold, if its items kept failing.
+            if let Some(until) = self.held_until(&claimed.workspace) {
+                tokio::time::sleep_until(until).await;
+            }
+            // An outage began meanwhile: wait in the queue, not here.
+            if self.upstream_down() {
+                return Ran::Waits { spent: attempt };
+            }
+            permit = loop {
+                if let Some(p) = self.lane.acquire_batch(&claimed.workspace).await {
+                    break p;
+                }
+                self.lane.batch_capacity().await;
+            };
+            if self.upstream_down() && !permit.is_probe() {
+                return Ran::Waits { spent: attempt };
+            }
+            attempt = attempt.saturating_add(1);
         }
     }
 
-    /// One item's upstream call: its status, body (at most [`MAX_RESULT_BYTES`])
-    /// and whether the body is JSON; `None` when no answer came.
-    async fn send(&self, claimed: &Claimed) -> Option<(u16, Vec<u8>, bool)> {
-        let item: Value = serde_json::from_slice(&claimed.item).ok()?;
+    /// One item's upstream call: its answer, or why there is none.
+    async fn send(&self, claimed: &Claimed) -> Sent {
+        let Ok(item) = serde_json::from_slice::<Value>(&claimed.item) else {
+            return Sent::Unsendable;
+        };
         let uri = format!("{}{}", self.base_path, self.batch.route);
         let mut request = Request::post(uri)
             .header(header::CONTENT_TYPE, "application/json")
@@ -399,13 +510,17 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
         let body = Full::new(body)
             .map_err(|never| match never {})
             .boxed_unsync();
-        let mut request = request.body(body).ok()?;
+        let Ok(mut request) = request.body(body) else {
+            return Sent::Unsendable;
+        };
         // After the item's own fields, unless they hold one.
         request
             .headers_mut()
             .entry(header::HOST)
             .or_insert_with(|| self.host.clone());
-        let response = self.upstream.send(request).await.ok()?;
+        let Ok(response) = self.upstream.send(request).await else {
+            return Sent::Unreachable;
+        };
         let status = response.status().as_u16();
         let is_json = response
             .headers()
@@ -418,15 +533,58 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
             .map(|c| c.to_bytes().to_vec())
             .unwrap_or_default();
         let is_json = is_json && serde_json::from_slice::<Value>(&body).is_ok();
-        Some((status, body, is_json))
+        Sent::Answer(status, body, is_json)
+    }
+
+    /// Counts an outage-class failure of an item; true when the upstream is
+    /// down (the lane's breaker is not closed, or the batch side's streak is
+    /// full): the item is to wait in the queue.
+    fn outage_failure(&self) -> bool {
+        let (successes, breaker) = (self.lane.successes(), self.lane.config().breaker);
+        let now = tokio::time::Instant::now();
+        let down = self.watch(|w| w.failure(now, successes, breaker));
+        down || self.lane.breaker() != sluice_lanes::BreakerStatus::Closed
+    }
+
+    /// Whether the upstream is down now (see [`BatchLane::outage_failure`]).
+    fn upstream_down(&self) -> bool {
+        let successes = self.lane.successes();
+        self.watch(|w| w.is_down(successes))
+            || self.lane.breaker() != sluice_lanes::BreakerStatus::Closed
+    }
+
+    /// Runs `f` on the outage watch; logs and sets the outage gauge when the
+    /// upstream is taken as down, or no longer.
+    fn watch<T>(&self, f: impl FnOnce(&mut OutageWatch) -> T) -> T {
+        let (was, is, out) = {
+            let mut watch = self.outage.lock();
+            let was = watch.probe_at().is_some();
+            let out = f(&mut watch);
+            (was, watch.probe_at().is_some(), out)
+        };
+        if was != is {
+            let lane = self.lane.name().to_owned();
+            if is {
+                tracing::warn!(
+                    "batch lane {lane}: the upstream failed {} batch items in a row with no call answered; batch items wait in the queue, one probe every {} s",
+                    self.lane.config().breaker.failures,
+                    self.lane.config().breaker.open_for.as_secs()
+                );
+            } else {
+                tracing::info!("batch lane {lane}: the upstream answers again; batch items run");
+            }
+            metrics::gauge!("sluice_batch_outage", "lane" => lane).set(if is { 1.0 } else { 0.0 });
+        }
+        out
     }
 
     /// Counts a failed attempt of one of `workspace`'s items: after as many in a
     /// row as open the lane's breaker, its items are held for the breaker's open
     /// time (and again after each further failure while they keep failing).
     /// This is the batch side's breaker, per workspace: one workspace's poison
-    /// items pause only that workspace's items, and an upstream down for
-    /// everyone pauses every workspace's items instead of failing them all.
+    /// items pause only that workspace's items. (An upstream down for everyone
+    /// is the outage watch's: its failures are no attempts, and every
+    /// workspace's items wait.)
     fn failed_attempt(&self, workspace: &str) {
         let config = self.lane.config();
         let (threshold, open_for) = (config.breaker.failures.max(1), config.breaker.open_for);
@@ -514,6 +672,38 @@ impl<'a, S, U> RunningClaim<'a, S, U> {
 impl<S, U> Drop for RunningClaim<'_, S, U> {
     fn drop(&mut self) {
         self.lane.claims.lock().remove(&self.claim);
+    }
+}
+
+/// How an item's run ended.
+enum Ran {
+    /// With its state and result to record.
+    Answered(ItemState, ItemResult),
+    /// With the item to wait out an upstream outage in the queue, `spent`
+    /// attempts spent.
+    Waits { spent: u32 },
+}
+
+/// What one item's upstream call came to.
+enum Sent {
+    /// The upstream's status, body (at most [`MAX_RESULT_BYTES`]) and whether
+    /// the body is JSON.
+    Answer(u16, Vec<u8>, bool),
+    /// No answer came: the upstream could not be reached, or failed before
+    /// its response headers.
+    Unreachable,
+    /// The item could not be made into a request: nothing was sent.
+    Unsendable,
+}
+
+/// The outage's probe, out while this lives: its end lets the next one go
+/// (once its failure, if it failed, has been counted) and wakes the runner.
+struct ProbeOut<'a, S, U>(&'a BatchLane<S, U>);
+
+impl<S, U> Drop for ProbeOut<'_, S, U> {
+    fn drop(&mut self) {
+        self.0.outage.lock().probe_ended();
+        self.0.queued.notify_one();
     }
 }
 
