@@ -89,6 +89,10 @@ impl Gap {
 /// What forward auth cannot decide of `route` (`None`: it can).
 pub fn gap(policy: &Policy, route: Option<&Route>) -> Option<Gap> {
     let route = route?;
+    // A lane's call needs its body whole too, but first of all its end.
+    if route.lane.is_some() {
+        return Some(Gap::Proxy);
+    }
     if Limiter::<sluice_store::MemoryStore>::needs_body(Some(route))
         || route
             .buckets
@@ -97,7 +101,7 @@ pub fn gap(policy: &Policy, route: Option<&Route>) -> Option<Gap> {
     {
         return Some(Gap::Body);
     }
-    if route.lane.is_some() || route.batch.is_some() {
+    if route.batch.is_some() {
         return Some(Gap::Proxy);
     }
     None
