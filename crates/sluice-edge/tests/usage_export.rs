@@ -350,25 +350,30 @@ async fn o4_export_sums_equal_what_the_budgets_counted_on_every_store() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A memory store on a clock at [`T0`] whose July 2093 list of workspaces the policy
+/// does not name is full (rows of another day, each a credential's workspace).
+fn unnamed_rows_full() -> (FakeClock, MemoryStore<FakeClock>) {
+    let clock = FakeClock::new(Timestamp::from_secs(T0));
+    let store = MemoryStore::with_clock(MemoryConfig::default(), clock.clone());
+    let bound = sluice_store::UsageRowBound {
+        max_rows: sluice_edge::MAX_USAGE_ROWS,
+        kept_until: u64::MAX,
+    };
+    let unnamed = format!("2093-07{}", sluice_edge::UNNAMED);
+    for i in 0..sluice_edge::MAX_USAGE_ROWS {
+        let row = format!("[\"2093-07-01\",\"key:{i:064x}\",null]");
+        assert!(store.note_usage_row_now(&unnamed, &row, bound));
+    }
+    (clock, store)
+}
+
 /// SPEC O4, bounded: a month lists at most `MAX_USAGE_ROWS` rows; past it a new
 /// workspace's counts go to its day's and model's overflow row, so the month's
 /// sums stay whole. (Exercised on the store's bound directly: filling 100,000
 /// rows through the edge would take the test's whole budget.)
 #[tokio::test]
 async fn o4_a_full_month_folds_new_rows_into_an_overflow_row() {
-    use sluice_store::UsageRowBound;
-    let clock = FakeClock::new(Timestamp::from_secs(T0));
-    let store = MemoryStore::with_clock(MemoryConfig::default(), clock.clone());
-    let bound = UsageRowBound {
-        max_rows: sluice_edge::MAX_USAGE_ROWS,
-        kept_until: u64::MAX,
-    };
-    // Fill July 2093's list of unnamed workspaces with rows of other days.
-    let unnamed = format!("2093-07{}", sluice_edge::UNNAMED);
-    for i in 0..sluice_edge::MAX_USAGE_ROWS {
-        let row = format!("[\"2093-07-01\",\"filler-{i}\",null]");
-        assert!(store.note_usage_row_now(&unnamed, &row, bound));
-    }
+    let (clock, store) = unnamed_rows_full();
     let limiter = Limiter::new(policy(), store);
     clock.advance(Duration::from_secs(60));
     message(&limiter, "carol").await;
@@ -396,19 +401,8 @@ async fn o4_a_full_month_folds_new_rows_into_an_overflow_row() {
 /// call folds into the overflow row.
 #[tokio::test]
 async fn o4_unknown_credentials_cannot_fold_a_named_workspace_into_the_overflow() {
-    use sluice_store::UsageRowBound;
-    let clock = FakeClock::new(Timestamp::from_secs(T0));
-    let store = MemoryStore::with_clock(MemoryConfig::default(), clock.clone());
-    let bound = UsageRowBound {
-        max_rows: sluice_edge::MAX_USAGE_ROWS,
-        kept_until: u64::MAX,
-    };
-    // What a flood of throwaway credentials left: the month's unnamed list full.
-    let unnamed = format!("2093-07{}", sluice_edge::UNNAMED);
-    for i in 0..sluice_edge::MAX_USAGE_ROWS {
-        let row = format!("[\"2093-07-01\",\"key:{i:064x}\",null]");
-        assert!(store.note_usage_row_now(&unnamed, &row, bound));
-    }
+    // What a flood of throwaway credentials leaves.
+    let (clock, store) = unnamed_rows_full();
     // `sha256("a")`: acme's key.
     let named = POLICY.replace(
         "  credentials: [bearer]\n",

@@ -656,6 +656,14 @@ mod tests {
         Ok(answer.into_body().collect().await?.to_bytes())
     }
 
+    /// `waited` is the idle timeout (within the second a paused clock's timers take).
+    fn assert_one_idle_timeout(waited: Duration) {
+        assert!(
+            (IDLE_TIMEOUT..IDLE_TIMEOUT + Duration::from_secs(1)).contains(&waited),
+            "{waited:?}"
+        );
+    }
+
     /// Waits for `connection` to close: how long it took.
     async fn closed_after(connection: tokio::task::JoinHandle<hyper::Result<()>>) -> Duration {
         let from = Instant::now();
@@ -675,19 +683,11 @@ mod tests {
         // client answers): the connection is closed one idle timeout after the answer.
         let (mut send, connection) = h2_client(addr).await;
         assert_eq!(fetch(&mut send, "/").await.expect("answer"), "ok");
-        let waited = closed_after(connection).await;
-        assert!(
-            (IDLE_TIMEOUT..IDLE_TIMEOUT + Duration::from_secs(1)).contains(&waited),
-            "{waited:?}"
-        );
+        assert_one_idle_timeout(closed_after(connection).await);
 
         // One that never opens a stream: closed one idle timeout after its handshake.
         let (_send, connection) = h2_client(addr).await;
-        let waited = closed_after(connection).await;
-        assert!(
-            (IDLE_TIMEOUT..IDLE_TIMEOUT + Duration::from_secs(1)).contains(&waited),
-            "{waited:?}"
-        );
+        assert_one_idle_timeout(closed_after(connection).await);
     }
 
     #[tokio::test(start_paused = true)]
@@ -715,11 +715,7 @@ mod tests {
                 .expect("a request after the slow body"),
             "ok"
         );
-        let waited = closed_after(connection).await;
-        assert!(
-            (IDLE_TIMEOUT..IDLE_TIMEOUT + Duration::from_secs(1)).contains(&waited),
-            "{waited:?}"
-        );
+        assert_one_idle_timeout(closed_after(connection).await);
     }
 
     #[tokio::test(start_paused = true)]
@@ -740,11 +736,7 @@ mod tests {
         let answer = String::from_utf8_lossy(&answer);
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         assert!(answer.ends_with("ok\r\n0\r\n\r\n"), "{answer}");
-        let waited = from.elapsed();
-        assert!(
-            (IDLE_TIMEOUT..IDLE_TIMEOUT + Duration::from_secs(1)).contains(&waited),
-            "{waited:?}"
-        );
+        assert_one_idle_timeout(from.elapsed());
     }
 
     #[tokio::test(start_paused = true)]
