@@ -17,7 +17,10 @@
 //! `header_read_timeout`, which runs between requests too), over HTTP/2 when none of
 //! its streams has been in flight for that long ([`Streams`]; pings do not count),
 //! with a GOAWAY. A request is in flight until its response body has ended, so a long
-//! streamed answer keeps its connection.
+//! streamed answer keeps its connection. An HTTP/2 client that takes nothing of one
+//! stream's answer for [`SEND_TIMEOUT`] (flow control lets it stall a stream without
+//! stalling the socket) has that answer's body, and the upstream connection behind
+//! it, dropped, as an HTTP/1.1 client that stops reading has its connection closed.
 //!
 //! At most `per_ip` client connections from one address are open at once (trusted
 //! proxies aside): past it a new one from that address is closed at once, so one
@@ -445,6 +448,12 @@ where
 /// (requests in flight finish, no new one is taken; over HTTP/2 a GOAWAY) once the
 /// worker drains, or, given its `streams`, once none of them has been in flight for
 /// [`IDLE_TIMEOUT`]. `draining` is held until the connection ends.
+///
+/// Given its `streams` (HTTP/2), a stream whose client takes nothing of its answer
+/// for [`SEND_TIMEOUT`] has its response body dropped, before and after the shutdown;
+/// and once shut down, a connection that has had nothing in flight for
+/// [`SEND_TIMEOUT`] is dropped: the streams hyper still holds open then are ones
+/// their clients stalled, which would keep a graceful close waiting for ever.
 async fn drive<C, E>(
     connection: C,
     shutdown: impl FnOnce(Pin<&mut C>),
@@ -454,10 +463,13 @@ async fn drive<C, E>(
     C: Future<Output = Result<(), E>>,
 {
     tokio::pin!(connection);
-    let idle = async {
-        match &streams {
-            Some(streams) => streams.idle_for(IDLE_TIMEOUT).await,
-            None => std::future::pending().await,
+    let idle_for = |timeout| {
+        let streams = streams.clone();
+        async move {
+            match streams {
+                Some(streams) => streams.idle_for(timeout, SEND_TIMEOUT).await,
+                None => std::future::pending().await,
+            }
         }
     };
     // A connection error (reset, malformed request) concerns that client only.
@@ -465,10 +477,14 @@ async fn drive<C, E>(
         biased;
         _ = connection.as_mut() => return,
         _ = draining.wait_for(|started| *started) => {}
-        () = idle => {}
+        () = idle_for(IDLE_TIMEOUT) => {}
     }
     shutdown(connection.as_mut());
-    let _ = connection.await;
+    tokio::select! {
+        biased;
+        _ = connection.as_mut() => {}
+        () = idle_for(SEND_TIMEOUT) => {}
+    }
 }
 
 /// The service of an HTTP/1.1 connection hyper serves: where the policy has

@@ -4,7 +4,8 @@
 //! requests in flight) whatever the layers inside decide, so refusals by the limiter are
 //! counted as well as proxied answers. On an HTTP/2 connection it also counts each
 //! request in flight on the connection until its response body ends (see [`Streams`]),
-//! so an idle connection can be told from a busy one.
+//! so an idle connection can be told from a busy one, and watches each response body
+//! for a client that stalls it with flow control.
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
@@ -264,7 +265,8 @@ impl<S> Metered<S> {
     }
 
     /// The same, counting each request in `streams` until its response body has been
-    /// sent whole or dropped.
+    /// sent whole or dropped, or its client has stalled it for the send timeout (see
+    /// [`Streams`]).
     pub(crate) fn counting(mut self, streams: Streams) -> Self {
         self.streams = Some(streams);
         self
@@ -280,7 +282,7 @@ where
     S::Future: Send + 'static,
     ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     ReqBody::Error: Into<BoxError>,
-    ResBody: 'static,
+    ResBody: http_body::Body + Send + 'static,
 {
     type Response = Response<CountedBody<ResBody>>;
     type Error = S::Error;
@@ -310,7 +312,12 @@ where
         Box::pin(async move {
             let result = future.await;
             guard.answered(result.as_ref().map(|r| r.status().as_u16()).ok());
-            result.map(|response| response.map(|body| CountedBody::new(body, open)))
+            result.map(|response| {
+                response.map(|body| match open {
+                    Some(open) => CountedBody::watched(body, open),
+                    None => CountedBody::plain(body),
+                })
+            })
         })
     }
 }
