@@ -615,6 +615,20 @@ mod tests {
     /// loopback port, on this test's runtime: its address, how its drain ended, and
     /// the sender that drains it when dropped.
     async fn worker() -> (SocketAddr, oneshot::Receiver<Drain>, mpsc::Sender<()>) {
+        worker_serving(answers()).await
+    }
+
+    /// The same, serving `service`.
+    async fn worker_serving<S>(
+        service: S,
+    ) -> (SocketAddr, oneshot::Receiver<Drain>, mpsc::Sender<()>)
+    where
+        S: Service<Request<GatewayBody>, Response = Response<TestBody>, Error = Infallible>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+    {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let stats = RequestStats::with_workers(NonZeroUsize::MIN);
@@ -625,7 +639,7 @@ mod tests {
         let worker_stats = stats.worker(0);
         tokio::spawn(async move {
             let grace = Duration::from_secs(600);
-            let outcome = work(sockets, answers(), fast, worker_stats, grace, None).await;
+            let outcome = work(sockets, service, fast, worker_stats, grace, None).await;
             let _ = drained.send(outcome);
         });
         tokio::spawn(async move {
@@ -776,6 +790,230 @@ mod tests {
         let waited = closed_after(connection).await;
         assert!(waited < Duration::from_secs(1), "{waited:?}");
         assert_eq!(drain.await.expect("the worker drained"), Drain::Complete);
+    }
+
+    /// A piece of the answers of [`stalling`].
+    const PIECE: usize = 16 * 1024;
+    /// A piece of `/large`, of which there are two: far more than a client window.
+    const LARGE_PIECE: usize = 256 * 1024;
+
+    /// Sends the time on its channel when dropped: when an answer's body (the
+    /// upstream's side) was let go.
+    struct DropNote(mpsc::UnboundedSender<Instant>);
+
+    impl Drop for DropNote {
+        fn drop(&mut self) {
+            let _ = self.0.send(Instant::now());
+        }
+    }
+
+    /// A service standing for an upstream whose bodies note on `dropped` when they
+    /// are dropped: `/endless` has [`PIECE`]s ready for ever, `/late` waits three send
+    /// timeouts for its upstream and then has one piece, `/large` has two
+    /// [`LARGE_PIECE`]s ready at once.
+    fn stalling(
+        dropped: mpsc::UnboundedSender<Instant>,
+    ) -> impl Service<
+        Request<GatewayBody>,
+        Response = Response<TestBody>,
+        Error = Infallible,
+        Future = impl Send + 'static,
+    > + Clone
+    + Send
+    + 'static {
+        tower::service_fn(move |request: Request<GatewayBody>| {
+            let note = DropNote(dropped.clone());
+            async move {
+                let piece = |len| Ok(Frame::data(Bytes::from(vec![7u8; len])));
+                let pieces: TestBody = match request.uri().path() {
+                    "/endless" => StreamBody::new(Box::pin(futures_util::stream::unfold(
+                        note,
+                        move |note| async move { Some((piece(PIECE), note)) },
+                    ))),
+                    "/late" => StreamBody::new(Box::pin(futures_util::stream::unfold(
+                        (note, false),
+                        move |(note, sent)| async move {
+                            if sent {
+                                return None;
+                            }
+                            tokio::time::sleep(SEND_TIMEOUT * 3).await;
+                            Some((piece(PIECE), (note, true)))
+                        },
+                    ))),
+                    _ => StreamBody::new(Box::pin(futures_util::stream::unfold(
+                        (note, 0),
+                        move |(note, sent)| async move {
+                            (sent < 2).then(|| (piece(LARGE_PIECE), (note, sent + 1)))
+                        },
+                    ))),
+                };
+                Ok::<_, Infallible>(Response::new(pieces))
+            }
+        })
+    }
+
+    /// A raw HTTP/2 client of `addr` whose streams' receive windows start at
+    /// `window`: its request sender, a sender of new initial windows (a SETTINGS
+    /// frame, which moves the windows of open streams too), and its connection's
+    /// task, which ends when the connection closes.
+    async fn raw_h2_client(
+        addr: SocketAddr,
+        window: u32,
+    ) -> (
+        h2::client::SendRequest<Bytes>,
+        mpsc::UnboundedSender<u32>,
+        tokio::task::JoinHandle<Result<(), h2::Error>>,
+    ) {
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        let (send, mut connection) = h2::client::Builder::new()
+            .initial_window_size(window)
+            .handshake::<_, Bytes>(stream)
+            .await
+            .expect("HTTP/2 handshake");
+        let (windows, mut resized) = mpsc::unbounded_channel();
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    closed = &mut connection => return closed,
+                    Some(window) = resized.recv() => connection.set_initial_window_size(window)?,
+                }
+            }
+        });
+        (send, windows, task)
+    }
+
+    /// Asks `path` on `send`: the answer's head.
+    async fn ask(
+        send: &mut h2::client::SendRequest<Bytes>,
+        path: &str,
+    ) -> http::Response<h2::RecvStream> {
+        let request = Request::get(format!("http://localhost{path}"))
+            .body(())
+            .expect("request");
+        let (answer, _) = send.send_request(request, true).expect("a stream");
+        answer.await.expect("the answer's head")
+    }
+
+    /// `waited` is `timeout` (within the second a paused clock's timers take).
+    fn assert_about(waited: Duration, timeout: Duration) {
+        assert!(
+            (timeout..timeout + Duration::from_secs(1)).contains(&waited),
+            "{waited:?}, not {timeout:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_http2_stream_the_client_never_lets_send_releases_its_body_at_the_send_timeout() {
+        let (dropped, mut drops) = mpsc::unbounded_channel();
+        let (addr, _drain, _stop) = worker_serving(stalling(dropped)).await;
+        // A window of 0: the client lets nothing of any answer come.
+        let (mut send, _windows, connection) = raw_h2_client(addr, 0).await;
+        let started = Instant::now();
+        let answer = ask(&mut send, "/endless").await;
+        assert_eq!(answer.status(), 200);
+
+        // The body handed hyper its first piece, which cannot go: the body (the
+        // upstream's side) is dropped one send timeout later, not held for ever.
+        let dropped_at = tokio::time::timeout(SEND_TIMEOUT * 4, drops.recv())
+            .await
+            .expect("the body was dropped")
+            .expect("a drop note");
+        assert_about(dropped_at - started, SEND_TIMEOUT);
+
+        // The stream no longer counts in flight: the connection is shut down one idle
+        // timeout later, and, as the stalled stream keeps a graceful close waiting,
+        // dropped once nothing has been in flight for a send timeout.
+        let closed = tokio::time::timeout(SEND_TIMEOUT * 4, connection).await;
+        closed
+            .expect("the connection was closed")
+            .expect("client connection task")
+            .ok();
+        assert_about(Instant::now() - dropped_at, SEND_TIMEOUT);
+        drop(answer);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_http2_stream_cut_for_its_stalled_client_is_reset_when_its_window_opens() {
+        let (dropped, mut drops) = mpsc::unbounded_channel();
+        let (addr, _drain, _stop) = worker_serving(stalling(dropped)).await;
+        let (mut send, windows, _connection) = raw_h2_client(addr, 0).await;
+        let answer = ask(&mut send, "/endless").await;
+        tokio::time::timeout(SEND_TIMEOUT * 4, drops.recv())
+            .await
+            .expect("the body was dropped")
+            .expect("a drop note");
+
+        // The client opens its window: it gets the piece hyper held, then the
+        // stream's reset, never an answer that looks whole.
+        windows.send(PIECE as u32 * 4).expect("window");
+        let mut body = answer.into_body();
+        let mut got = 0;
+        let ended = loop {
+            match body.data().await {
+                Some(Ok(data)) => {
+                    got += data.len();
+                    let _ = body.flow_control().release_capacity(data.len());
+                }
+                Some(Err(error)) => break error,
+                None => panic!("the stream ended as if whole after {got} bytes"),
+            }
+        };
+        assert!(ended.is_reset() && ended.is_remote(), "{ended:?}");
+        assert_eq!(
+            ended.reason(),
+            Some(h2::Reason::INTERNAL_ERROR),
+            "{ended:?}"
+        );
+        // (h2 drops what was queued for a stream it resets.)
+        assert!(got <= PIECE, "{got}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_http2_stream_waiting_on_a_slow_upstream_is_not_cut() {
+        let (dropped, mut drops) = mpsc::unbounded_channel();
+        let (addr, _drain, _stop) = worker_serving(stalling(dropped)).await;
+        let (mut send, _windows, _connection) = raw_h2_client(addr, 65_535).await;
+        let started = Instant::now();
+        let mut body = ask(&mut send, "/late").await.into_body();
+        let mut got = 0;
+        while let Some(data) = body.data().await {
+            let data = data.expect("the whole body");
+            got += data.len();
+            let _ = body.flow_control().release_capacity(data.len());
+        }
+        assert_eq!(got, PIECE);
+        assert!(
+            started.elapsed() >= SEND_TIMEOUT * 3,
+            "{:?}",
+            started.elapsed()
+        );
+        let dropped_at = drops.recv().await.expect("the body was dropped");
+        assert!(dropped_at - started >= SEND_TIMEOUT * 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_http2_client_taking_a_large_answer_slowly_is_not_cut() {
+        let (dropped, _drops) = mpsc::unbounded_channel();
+        let (addr, _drain, _stop) = worker_serving(stalling(dropped)).await;
+        // A small window the client moves on a piece every 20 s: the two large
+        // pieces take minutes, and the second waits on the first for most of it.
+        let (mut send, _windows, _connection) = raw_h2_client(addr, PIECE as u32).await;
+        let started = Instant::now();
+        let mut body = ask(&mut send, "/large").await.into_body();
+        let mut got = 0;
+        while let Some(data) = body.data().await {
+            let data = data
+                .unwrap_or_else(|e| panic!("after {got} bytes, {:?}: {e:?}", started.elapsed()));
+            got += data.len();
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            let _ = body.flow_control().release_capacity(data.len());
+        }
+        assert_eq!(got, 2 * LARGE_PIECE);
+        assert!(
+            started.elapsed() >= SEND_TIMEOUT * 5,
+            "{:?}",
+            started.elapsed()
+        );
     }
 
     #[test]
