@@ -23,7 +23,7 @@ pub const MAX_RESULT_BYTES: usize = 256 * 1024;
 /// Attempts an item gets when the upstream fails it (5xx, no answer, a
 /// timeout) before it is recorded as failed. A failure while the upstream is
 /// down for everyone is not one of them: the item waits in the queue instead
-/// (see [`BatchLane::run_item`]).
+/// (see the `BatchLane` runner's `run_item`).
 pub const MAX_ATTEMPTS: u32 = 3;
 
 /// Most workspaces whose batch failures are remembered at once (one entry
