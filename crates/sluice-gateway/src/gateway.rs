@@ -355,24 +355,10 @@ where
                 let Some(stream) = stream else { return };
                 // Over TLS every request takes the hyper path (BENCHMARKS.md, TLS).
                 if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
-                    // As over plain HTTP/2: the preface is due as a head is.
-                    let stream = preface_due(stream);
-                    let streams = Streams::new();
-                    let service = TowerToHyperService::new(metered.counting(streams.clone()));
-                    let connection = http2.serve_connection(
-                        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
-                        service,
-                    );
-                    let shutdown = http2::Connection::graceful_shutdown;
-                    drive(connection, shutdown, drain_started, Some(streams)).await;
+                    serve_http2(&http2, stream, metered, drain_started).await;
                 } else {
                     let service = h1_service(metered, stream.get_ref().0, fast.has_lanes());
-                    let connection = http1.serve_connection(
-                        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
-                        service,
-                    );
-                    let shutdown = http1::Connection::graceful_shutdown;
-                    drive(connection, shutdown, drain_started, None).await;
+                    serve_http1(&http1, stream, service, drain_started).await;
                 }
             });
             continue;
@@ -390,12 +376,7 @@ where
                 // An https upstream: hyper serves every connection from the start.
                 Some(Protocol::Http1) if !fast.is_on() => {
                     let service = h1_service(metered, &stream, fast.has_lanes());
-                    let connection = http1.serve_connection(
-                        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
-                        service,
-                    );
-                    let shutdown = http1::Connection::graceful_shutdown;
-                    drive(connection, shutdown, drain_started, None).await;
+                    serve_http1(&http1, stream, service, drain_started).await;
                 }
                 Some(Protocol::Http1) => {
                     let served = fast.serve(
@@ -412,23 +393,10 @@ where
                             (Rewind::new(stream, read), service)
                         }
                     };
-                    let connection = http1.serve_connection(
-                        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
-                        service,
-                    );
-                    let shutdown = http1::Connection::graceful_shutdown;
-                    drive(connection, shutdown, drain_started, None).await;
+                    serve_http1(&http1, stream, service, drain_started).await;
                 }
                 Some(Protocol::Http2) => {
-                    let stream = preface_due(stream);
-                    let streams = Streams::new();
-                    let service = TowerToHyperService::new(metered.counting(streams.clone()));
-                    let connection = http2.serve_connection(
-                        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
-                        service,
-                    );
-                    let shutdown = http2::Connection::graceful_shutdown;
-                    drive(connection, shutdown, drain_started, Some(streams)).await;
+                    serve_http2(&http2, stream, metered, drain_started).await;
                 }
                 None => {}
             }
@@ -485,6 +453,65 @@ async fn drive<C, E>(
         _ = connection.as_mut() => {}
         () = idle_for(SEND_TIMEOUT) => {}
     }
+}
+
+/// Serves `stream` over HTTP/1.1 with `service` until it ends (see [`drive`]).
+async fn serve_http1<IO, S, B>(
+    http1: &http1::Builder,
+    stream: IO,
+    service: TowerToHyperService<Metered<S>>,
+    draining: watch::Receiver<bool>,
+) where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: Service<Request<GatewayBody>, Response = Response<B>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: http_body::Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let connection = http1.serve_connection(
+        TokioIo::new(SendDeadline::new(stream, SEND_TIMEOUT)),
+        service,
+    );
+    drive(
+        connection,
+        http1::Connection::graceful_shutdown,
+        draining,
+        None,
+    )
+    .await;
+}
+
+/// Serves `stream` over HTTP/2 with `metered` until it ends: its preface due as a
+/// head is, its streams counted for the idle and send timeouts (see [`drive`]).
+async fn serve_http2<IO, S, B>(
+    http2: &http2::Builder<TokioExecutor>,
+    stream: IO,
+    metered: Metered<S>,
+    draining: watch::Receiver<bool>,
+) where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: Service<Request<GatewayBody>, Response = Response<B>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: http_body::Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let streams = Streams::new();
+    let service = TowerToHyperService::new(metered.counting(streams.clone()));
+    let connection = http2.serve_connection(
+        TokioIo::new(SendDeadline::new(preface_due(stream), SEND_TIMEOUT)),
+        service,
+    );
+    drive(
+        connection,
+        http2::Connection::graceful_shutdown,
+        draining,
+        Some(streams),
+    )
+    .await;
 }
 
 /// The service of an HTTP/1.1 connection hyper serves: where the policy has
