@@ -152,6 +152,10 @@ pub const UPSTREAM_SECONDS_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
+// Every bucket of both families is kept (a histogram keeps at most MAX_BOUNDS).
+const _: () = assert!(DECISION_SECONDS_BUCKETS.len() <= MAX_BOUNDS);
+const _: () = assert!(UPSTREAM_SECONDS_BUCKETS.len() <= MAX_BOUNDS);
+
 /// `sluice_decision_seconds`: the time the budget store took to decide all
 /// budgets of one request.
 pub static DECISION_SECONDS: LazyLock<Latency> =
