@@ -58,6 +58,18 @@ fn describe_metrics() {
         "sluice_requests_total",
         "Requests answered by the gateway, by HTTP status."
     );
+    metrics::describe_counter!(
+        "sluice_stalled_clients_total",
+        "Clients cut for taking nothing of their answer for 60 s, by cut: connection (closed), stream (an HTTP/2 stream held by flow control, reset)."
+    );
+    metrics::describe_counter!(
+        "sluice_slow_heads_total",
+        "Connections closed for not finishing a request head (or a TLS handshake) in time, by listener."
+    );
+    metrics::describe_counter!(
+        "sluice_connections_refused_total",
+        "Client connections closed at once, by reason (per_ip: the address held --max-connections-per-ip) and listener."
+    );
     metrics::describe_gauge!(
         "sluice_requests_in_flight",
         "Requests received by the gateway and not yet answered."

@@ -324,6 +324,7 @@ impl<B: Send> Watched for Slot<B> {
         let body = answer.body.take();
         let open = answer.open.take();
         drop(answer);
+        crate::stalled::count(crate::stalled::Cut::Stream);
         tracing::debug!(
             "an HTTP/2 client took nothing of its answer for {send_timeout:?}: its body is dropped"
         );

@@ -37,6 +37,7 @@ pub(crate) mod proxy;
 mod read_deadline;
 pub mod reload;
 mod send_deadline;
+mod stalled;
 mod start;
 pub(crate) mod store;
 pub(crate) mod tls;

@@ -46,6 +46,7 @@ impl<IO> SendDeadline<IO> {
         match sleep.as_mut().poll(cx) {
             Poll::Ready(()) => {
                 self.waiting = None;
+                crate::stalled::count(crate::stalled::Cut::Connection);
                 Poll::Ready(Err(io::ErrorKind::TimedOut.into()))
             }
             Poll::Pending => Poll::Pending,

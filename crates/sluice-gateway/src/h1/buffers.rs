@@ -62,7 +62,10 @@ pub(super) async fn send(
             Ok(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(Ok(n)) => bytes = &bytes[n..],
             Ok(Err(e)) => return Err(e),
-            Err(_) => return Err(std::io::ErrorKind::TimedOut.into()),
+            Err(_) => {
+                crate::stalled::count(crate::stalled::Cut::Connection);
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
         }
     }
     Ok(())
