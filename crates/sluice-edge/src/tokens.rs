@@ -95,7 +95,7 @@ impl Reservation {
                 UNNAMED => None,
                 // No output for an `input` the shape does not cap (an
                 // embedding's): only the embeddings path is taken at its word.
-                0 if !path.ends_with("/embeddings")
+                0 if !sluice_tokens::endpoint_is(path, "embeddings")
                     && !sluice_tokens::names_completion_budget(&value) =>
                 {
                     None
@@ -165,20 +165,32 @@ pub fn settled_units(
 /// came). The Responses API reports its usage in every stream, embeddings do
 /// not stream.
 pub fn ask_stream_usage(path: &str, body: &[u8]) -> Option<Vec<u8>> {
-    if path.ends_with("/responses") || path.ends_with("/embeddings") {
+    if sluice_tokens::endpoint_is(path, "responses")
+        || sluice_tokens::endpoint_is(path, "embeddings")
+    {
         return None;
     }
-    // Most calls do not stream: no second parse of their body.
-    memchr::memmem::find(body, b"\"stream\"")?;
+    // Most calls do not stream: no second parse of their body. A key spelled
+    // with escapes (`"str\u0065am"`) is `stream` to every JSON reader, so a
+    // body with a `\u` escape is read too.
+    if memchr::memmem::find(body, b"\"stream\"").is_none()
+        && memchr::memmem::find(body, b"\\u").is_none()
+    {
+        return None;
+    }
     let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
     if value.get("stream") != Some(&serde_json::Value::Bool(true)) {
         return None;
     }
-    let options = value
-        .as_object_mut()?
+    let object = value.as_object_mut()?;
+    let options = object
         .entry("stream_options")
-        .or_insert_with(|| serde_json::json!({}))
-        .as_object_mut()?;
+        .or_insert_with(|| serde_json::json!({}));
+    if options.is_null() {
+        // OpenAI reads `null` as absent.
+        *options = serde_json::json!({});
+    }
+    let options = options.as_object_mut()?;
     if options.get("include_usage") == Some(&serde_json::Value::Bool(true)) {
         return None;
     }
@@ -393,13 +405,41 @@ mod tests {
             ask_stream_usage("/v1/responses", br#"{"stream":true}"#),
             None
         );
+        for spelling in ["/v1/responses/", "/V1/Responses", "/v1/embeddings//"] {
+            assert_eq!(
+                ask_stream_usage(spelling, br#"{"stream":true}"#),
+                None,
+                "{spelling} is the endpoint its route matched"
+            );
+        }
+    }
+
+    /// A body every JSON reader takes as a stream is asked for its usage, however it
+    /// spells it: a key written with escapes, `stream_options: null` (OpenAI reads it
+    /// as absent). Before, both went upstream as they came, got no usage chunk, and
+    /// the call was charged only its reservation.
+    #[test]
+    fn t3_every_spelling_of_a_stream_is_asked_for_its_usage() {
+        for body in [
+            &br#"{"model":"m","str\u0065am":true,"messages":[]}"#[..],
+            br#"{"model":"m","\u0073\u0074\u0072\u0065\u0061\u006d":true,"messages":[]}"#,
+            br#"{"model":"m","stream":true,"stream_options":null,"messages":[]}"#,
+            br#"{"model":"m","stream":true,"stream_options":{"include_usage":null}}"#,
+            br#"{"model":"m","stream":true,"stream_options":{"include_usage":false}}"#,
+        ] {
+            let asked = ask_stream_usage("/v1/chat/completions", body)
+                .unwrap_or_else(|| panic!("not asked: {}", String::from_utf8_lossy(body)));
+            let v: serde_json::Value = serde_json::from_slice(&asked).expect("JSON");
+            assert_eq!(v["stream"], true);
+            assert_eq!(v["stream_options"]["include_usage"], true, "{v}");
+        }
         assert_eq!(
             ask_stream_usage(
                 "/v1/chat/completions",
-                br#"{"stream":true,"stream_options":null}"#
+                br#"{"model":"m","content":"caf\u00e9","messages":[]}"#
             ),
             None,
-            "a shape it does not know is forwarded as it came"
+            "an escape elsewhere: read, not a stream"
         );
     }
 

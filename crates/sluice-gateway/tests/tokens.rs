@@ -352,6 +352,61 @@ async fn t2_t3_t5_reserved_before_settled_at_the_usage_and_refused_in_the_apis_d
     .await;
 }
 
+/// SPEC T2/T3: a stream however its body spells it (a key written with escapes,
+/// `stream_options: null`) is asked for its usage and settles at it; a `stream`
+/// a lax server reads as true but is not a boolean is refused 400 and sent nowhere.
+/// Before, the first two went upstream unasked and were charged only their
+/// reservation, whatever they spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t2_t3_every_spelling_of_a_stream_settles_at_its_usage_or_is_refused() {
+    bounded(async {
+        let (up, seen) = upstream(Reply::Stream).await;
+        let (gateway, dir) = start_gateway(up).await;
+        let addr = gateway.addr().expect("an address");
+        let plain = chat(Some(50), true);
+        let spellings = [
+            plain.replace(r#""stream":true"#, r#""str\u0065am":true"#),
+            plain.replace(r#""stream":true"#, r#""stream":true,"stream_options":null"#),
+        ];
+        for (k, body) in spellings.iter().enumerate() {
+            assert_ne!(body, &plain, "spelled otherwise");
+            let key = format!("spelling-{k}");
+            let (status, head, _) = call(addr, "/v1/chat/completions", &key, body).await;
+            assert_eq!(status, 200, "{body}");
+            let first = remaining(&head);
+            let (status, head, answer) = call(addr, "/v1/chat/completions", &key, body).await;
+            assert_eq!(status, 200, "{body}");
+            assert!(!answer.contains("usage"), "hidden: {answer}");
+            // The first call settled at its usage: the second sees the first's
+            // settlement, not its reservation, below its own.
+            assert_eq!(
+                first - remaining(&head),
+                settled_units(),
+                "{body}: settled at the usage"
+            );
+        }
+        let before = seen.load(Ordering::SeqCst);
+        for stream in ["1", r#""true""#, r#"true,"stream_options":"x""#] {
+            let body = plain.replace(r#""stream":true"#, &format!(r#""stream":{stream}"#));
+            let (status, _, answer) = call(addr, "/v1/chat/completions", "lax", &body).await;
+            assert_eq!(status, 400, "{body}: {answer}");
+            let answer: Value = serde_json::from_str(&answer).expect("JSON");
+            assert_eq!(
+                answer["error"]["details"]["reason"], "bad_stream",
+                "{answer}"
+            );
+        }
+        assert_eq!(
+            seen.load(Ordering::SeqCst),
+            before,
+            "refused calls sent nowhere"
+        );
+        gateway.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
+    })
+    .await;
+}
+
 /// SPEC T3, bounded: a JSON answer is read for its usage as it passes, never
 /// held whole, so one of any size settles at its usage (one past the 8 MiB a
 /// connection once held was charged its reservation).

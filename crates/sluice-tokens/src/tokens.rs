@@ -288,6 +288,14 @@ pub enum BadLlmBody {
     /// as 8 would generate more than was counted.
     #[error("the request's `n` is not an integer from 1 to 128")]
     BadChoices,
+    /// `stream` is present, not `null`, and not a boolean, or `stream_options`
+    /// (or its `include_usage`) is not what OpenAI's API takes: a server that
+    /// reads `1` or `"true"` as true would stream an answer sluice did not ask
+    /// the usage of, and would be charged only its reservation.
+    #[error(
+        "the request's `stream` is not a boolean, or its `stream_options` not an object with a boolean `include_usage`"
+    )]
+    BadStream,
     /// An object of the body names a key twice: parsers differ on which value
     /// counts (`max_tokens`, `model`), so the upstream may read another call
     /// than the one estimated.
@@ -300,8 +308,8 @@ pub const MAX_CHOICES: u64 = 128;
 
 impl BadLlmBody {
     /// A short machine-readable name: `not_json`, `not_an_object`,
-    /// `model_not_a_string`, `bad_max_tokens`, `no_input`, `bad_n` or
-    /// `duplicate_key`.
+    /// `model_not_a_string`, `bad_max_tokens`, `no_input`, `bad_n`,
+    /// `bad_stream` or `duplicate_key`.
     pub fn reason(&self) -> &'static str {
         match self {
             BadLlmBody::NotJson => "not_json",
@@ -311,6 +319,7 @@ impl BadLlmBody {
             BadLlmBody::NoInput => "no_input",
             BadLlmBody::DuplicateKey => "duplicate_key",
             BadLlmBody::BadChoices => "bad_n",
+            BadLlmBody::BadStream => "bad_stream",
         }
     }
 }
@@ -379,6 +388,9 @@ pub fn check_value(v: Value) -> Result<Value, BadLlmBody> {
     }) {
         return Err(BadLlmBody::BadChoices);
     }
+    if !stream_fields_are_openais(obj) {
+        return Err(BadLlmBody::BadStream);
+    }
     let has_input = ["messages", "prompt", "input"]
         .iter()
         .any(|k| obj.get(*k).is_some_and(|x| !x.is_null()));
@@ -386,6 +398,31 @@ pub fn check_value(v: Value) -> Result<Value, BadLlmBody> {
         return Err(BadLlmBody::NoInput);
     }
     Ok(v)
+}
+
+/// True when `stream` is absent, `null` or a boolean, and `stream_options` is
+/// absent, `null`, or an object whose `include_usage` is absent, `null` or a
+/// boolean: the shapes sluice can read, and rewrite to ask a stream for its
+/// usage.
+fn stream_fields_are_openais(obj: &serde_json::Map<String, Value>) -> bool {
+    let boolean = |v: Option<&Value>| matches!(v, None | Some(Value::Null | Value::Bool(_)));
+    boolean(obj.get("stream"))
+        && match obj.get("stream_options") {
+            None | Some(Value::Null) => true,
+            Some(Value::Object(options)) => boolean(options.get("include_usage")),
+            Some(_) => false,
+        }
+}
+
+/// True when `path` (a request's path, as the client sent it) is the endpoint
+/// `name` (e.g. `responses`): its last segment, trailing slashes aside and in
+/// any case, as the routes match it (`/v1/Responses/` is `responses`).
+pub fn endpoint_is(path: &str, name: &str) -> bool {
+    let path = path.trim_end_matches('/').as_bytes();
+    let Some(start) = path.len().checked_sub(name.len()) else {
+        return false;
+    };
+    start > 0 && path[start - 1] == b'/' && path[start..].eq_ignore_ascii_case(name.as_bytes())
 }
 
 /// True when the request `body` names its own completion budget (one of
@@ -438,7 +475,7 @@ pub fn estimate_openai(path: &str, body: &Value, opts: &EstimateOptions) -> Toke
         );
         return TokenEstimate { prompt, completion };
     }
-    let responses = path.ends_with("/responses") || body.get("max_output_tokens").is_some();
+    let responses = endpoint_is(path, "responses") || body.get("max_output_tokens").is_some();
     if let Some(input) = body.get("input") {
         let mut prompt = openai_input_tokens(input, enc);
         if responses {
@@ -568,7 +605,7 @@ fn openai_tools_tokens(body: &Value, enc: Counter) -> u32 {
 /// document, tool use and results, thinking). `/messages/count_tokens`
 /// costs nothing.
 pub fn estimate_anthropic(path: &str, body: &Value, opts: &EstimateOptions) -> TokenEstimate {
-    if path.ends_with("/count_tokens") {
+    if endpoint_is(path, "count_tokens") {
         return TokenEstimate::default();
     }
     let enc = Counter::of(opts);
@@ -834,6 +871,57 @@ mod tests {
         let raw = r#"{"model":"gpt-4.1","input":"hi","max_output_tokens":7}"#;
         let e = body_estimate(ApiStyle::OpenAi, "/v1/responses", raw).unwrap();
         assert_eq!(e.completion, 7);
+    }
+
+    /// `stream` and `stream_options` in a shape a lax server reads as a stream,
+    /// but sluice cannot ask the usage of, are refused (SPEC T2: never forwarded
+    /// uncounted); `null` is absent, as OpenAI reads it.
+    #[test]
+    fn t2_a_stream_field_that_is_not_a_boolean_is_refused() {
+        let call = |extra: &str| {
+            body_estimate(
+                ApiStyle::OpenAi,
+                "/v1/chat/completions",
+                &format!(r#"{{"model":"gpt-4o","messages":[]{extra}}}"#),
+            )
+            .map(|_| ())
+        };
+        for bad in [
+            r#","stream":1"#,
+            r#","stream":"true""#,
+            r#","stream":[true]"#,
+            r#","stream":true,"stream_options":"x""#,
+            r#","stream":true,"stream_options":[]"#,
+            r#","stream":true,"stream_options":{"include_usage":1}"#,
+        ] {
+            assert_eq!(call(bad), Err(BadLlmBody::BadStream), "{bad}");
+        }
+        assert_eq!(BadLlmBody::BadStream.reason(), "bad_stream");
+        for good in [
+            "",
+            r#","stream":null"#,
+            r#","stream":false"#,
+            r#","stream":true,"stream_options":null"#,
+            r#","stream":true,"stream_options":{"include_usage":null,"other":1}"#,
+        ] {
+            assert_eq!(call(good), Ok(()), "{good}");
+        }
+    }
+
+    #[test]
+    fn endpoint_is_reads_the_last_segment_as_routes_match_it() {
+        assert!(endpoint_is("/v1/responses", "responses"));
+        assert!(endpoint_is("/v1/Responses//", "responses"));
+        assert!(endpoint_is("/RESPONSES", "responses"));
+        assert!(!endpoint_is("/v1/myresponses", "responses"));
+        assert!(!endpoint_is("responses", "responses"));
+        assert!(!endpoint_is("/v1/responses/x", "responses"));
+        // Not a character boundary where the name would start: no panic.
+        assert!(!endpoint_is(
+            "/v1/\u{e9}\u{e9}\u{e9}\u{e9}\u{e9}",
+            "responses"
+        ));
+        assert!(!endpoint_is("/\u{1F600}\u{1F600}", "responses"));
     }
 
     #[test]
