@@ -137,7 +137,7 @@ pub enum Unclassifiable {
     /// A body sent with a `Content-Encoding` (gzip, …): sluice does not decode
     /// bodies, so it cannot read this one.
     #[error(
-        "a JSON-RPC body with a Content-Encoding other than identity cannot be classified: send it uncompressed"
+        "a body with a Content-Encoding other than identity cannot be read: send it uncompressed"
     )]
     Encoded,
 }

@@ -140,7 +140,7 @@ impl UsageScanner {
     /// or one JSON document).
     pub fn new(content_type: Option<&str>) -> Self {
         UsageScanner {
-            sse: content_type.is_some_and(|c| c.starts_with("text/event-stream")),
+            sse: content_type.is_some_and(|c| is_event_stream(c.as_bytes())),
             document: DocumentScanner::default(),
             buf: Vec::new(),
             skipping: false,
@@ -199,6 +199,14 @@ impl UsageScanner {
         }
         usage_from_json(&Value::Object(self.document.parts()?))
     }
+}
+
+/// True when a `Content-Type` value is `text/event-stream` (parameters aside,
+/// in any case: media types are compared without case, RFC 9110 §8.3.1).
+pub fn is_event_stream(content_type: &[u8]) -> bool {
+    content_type
+        .get(..17)
+        .is_some_and(|t| t.eq_ignore_ascii_case(b"text/event-stream"))
 }
 
 /// The parts of a JSON document [`usage_from_json`] reads; the rest (an answer's
@@ -386,6 +394,14 @@ mod tests {
             "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4}}\n\n",
             "data: [DONE]\n\n"
         );
+        // A media type is compared without case (RFC 9110 §8.3.1).
+        for content_type in ["Text/Event-Stream", "TEXT/EVENT-STREAM; charset=utf-8"] {
+            let mut s = UsageScanner::new(Some(content_type));
+            s.feed(stream.as_bytes());
+            assert_eq!(s.finish().map(|u| u.completion), Some(4), "{content_type}");
+        }
+        assert!(!is_event_stream(b"text/event-strea"));
+        assert!(!is_event_stream(b"application/json"));
         for cut in 0..stream.len() {
             let mut s = UsageScanner::new(Some("text/event-stream; charset=utf-8"));
             s.feed(&stream.as_bytes()[..cut]);

@@ -224,7 +224,7 @@ impl<'f> Connection<'f> {
                     let event_stream = matches!(parsed, response::Parsed::Final(_))
                         && request.forward.plan().llm.is_some()
                         && response::field(&self.from_upstream, b"content-type")
-                            .is_some_and(|v| v.starts_with(b"text/event-stream"));
+                            .is_some_and(sluice_tokens::usage::is_event_stream);
                     match parsed {
                         response::Parsed::Final(_) if cost.is_some() => {
                             let settled = request.forward.settle(cost).await;
