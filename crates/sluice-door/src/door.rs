@@ -305,16 +305,18 @@ impl Door {
             return Presented::Valid;
         };
         let mut seen = Presented::None;
-        for value in headers.get_all(AUTHORIZATION) {
-            let text = value.to_str().unwrap_or("");
-            let Some(bearer) = bearer(text) else {
-                seen = Presented::Wrong;
-                continue;
-            };
-            if token.matches(bearer) {
-                return Presented::Valid;
+        let mut fields = headers.get_all(AUTHORIZATION).iter();
+        if let Some(value) = fields.next() {
+            // `Authorization` is one field (RFC 9110 §11.6.2). Sent twice, none of
+            // its values is tried: a request carrying 90 guesses would otherwise
+            // count as one wrong token toward the address's limit.
+            if fields.next().is_some() {
+                return Presented::Wrong;
             }
-            seen = Presented::Wrong;
+            match bearer(value.to_str().unwrap_or("")) {
+                Some(bearer) if token.matches(bearer) => return Presented::Valid,
+                _ => seen = Presented::Wrong,
+            }
         }
         let now = unix_now();
         let mut live = false;
@@ -343,4 +345,68 @@ pub fn bearer(field: &str) -> Option<&str> {
         .eq_ignore_ascii_case("bearer")
         .then(|| rest.trim())
         .filter(|t| !t.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token::MAX_BAD_ATTEMPTS;
+
+    fn door() -> Door {
+        let token = AdminToken::new("s3cret", "test").expect("a token");
+        Door::new(
+            SocketAddr::from(([127, 0, 0, 1], 9090)),
+            DoorConfig {
+                hosts: Vec::new(),
+                token: Some(token),
+                open_paths: Vec::new(),
+            },
+        )
+    }
+
+    fn ask(door: &Door, fields: &[&str], now: Instant) -> Result<Entrant, Refusal> {
+        let mut headers = HeaderMap::new();
+        for field in fields {
+            headers.append(AUTHORIZATION, field.parse().expect("a value"));
+        }
+        door.check(
+            &Method::GET,
+            "/status",
+            &headers,
+            Some("127.0.0.1:9090"),
+            Some(IpAddr::from([10, 0, 0, 7])),
+            now,
+        )
+    }
+
+    /// SPEC S3: ten wrong tokens a minute, then 429. A request naming many tokens in
+    /// as many `Authorization` fields is one wrong token, whichever of them is right:
+    /// it cannot try 90 guesses for the price of one.
+    #[test]
+    fn s3_many_authorization_fields_try_no_token() {
+        let door = door();
+        let now = Instant::now();
+        assert!(matches!(
+            ask(&door, &["Bearer s3cret"], now),
+            Ok(Entrant::Token(_))
+        ));
+        let guesses: Vec<String> = (0..90).map(|i| format!("Bearer guess{i}")).collect();
+        let mut fields: Vec<&str> = guesses.iter().map(String::as_str).collect();
+        fields.push("Bearer s3cret");
+        assert!(matches!(
+            ask(&door, &fields, now),
+            Err(Refusal::Unauthorized { wrong: true })
+        ));
+        assert!(matches!(
+            ask(&door, &["Bearer s3cret", "Bearer s3cret"], now),
+            Err(Refusal::Unauthorized { wrong: true })
+        ));
+        for _ in 2..MAX_BAD_ATTEMPTS {
+            assert!(ask(&door, &fields, now).is_err());
+        }
+        assert!(matches!(
+            ask(&door, &["Bearer s3cret"], now),
+            Err(Refusal::TooManyAttempts(_))
+        ));
+    }
 }
