@@ -1089,3 +1089,69 @@ async fn t3_an_unreachable_upstream_refunds_one_that_took_the_call_does_not() {
     })
     .await;
 }
+
+/// SPEC T3: an HTTP/2 client that cancels its LLM call (RST_STREAM) after the call
+/// reached the upstream and before the answer's head leaves it settled at its
+/// reservation, counted in `/usage` as the HTTP/1.1 path counts a client that
+/// hangs up. Before, the dropped call was never settled: its reservation stayed
+/// spent, but `/usage`, the usage export and the settlement metrics never saw it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t3_an_http2_call_its_client_cancels_is_settled_at_its_reservation() {
+    bounded(async {
+        // An upstream that takes the call and never answers.
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let up = listener.local_addr().expect("addr");
+        let (took, mut taken) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let took = took.clone();
+                tokio::spawn(async move {
+                    if one_request::read_request(&mut conn).await.is_some() {
+                        let _ = took.send(());
+                    }
+                    let mut rest = Vec::new();
+                    let _ = conn.read_to_end(&mut rest).await;
+                });
+            }
+        });
+        let (gateway, dir) = start_gateway(up).await;
+        let addr = gateway.addr().expect("an address");
+        let key = "h2-cancel";
+        let tcp = TcpStream::connect(addr).await.expect("connect");
+        let (client, connection) = h2::client::handshake(tcp).await.expect("h2");
+        tokio::spawn(connection);
+        let mut client = client.ready().await.expect("ready");
+        let request = http::Request::post(format!("http://{addr}/v1/chat/completions"))
+            .header("authorization", format!("Bearer {key}"))
+            .header("content-type", "application/json")
+            .body(())
+            .expect("request");
+        let (answer, mut body) = client.send_request(request, false).expect("sent");
+        body.send_data(chat(Some(50), false).into(), true)
+            .expect("body");
+        taken.recv().await.expect("the upstream took the call");
+        body.send_reset(h2::Reason::CANCEL);
+        drop(answer);
+
+        let workspace = own_workspace(key);
+        let usage = loop {
+            let usage = admin_get(
+                gateway.admin_addr(),
+                &format!("/usage?workspace={workspace}"),
+            )
+            .await;
+            if usage["tokens"]["output"] != 0 {
+                break usage;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(usage["tokens"]["output"], 50, "its reservation: {usage}");
+        assert!(
+            usage["tokens"]["input"].as_u64().is_some_and(|n| n > 0),
+            "{usage}"
+        );
+        gateway.shutdown().await;
+        let _ = std::fs::remove_dir_all(dir);
+    })
+    .await;
+}

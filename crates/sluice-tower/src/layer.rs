@@ -314,6 +314,11 @@ where
             // for the service behind (a batch lane gives back what it does not queue).
             forward.upstream_headers(&mut parts.headers);
             parts.extensions.insert(forward.quota_spent());
+            // An LLM call that may reach the upstream from here on settles however
+            // this future ends: at its answer's usage, or, with no answer to
+            // settle at (an error, a timeout, a client that cancels its stream
+            // while it waits), at its reservation, counted as spent (SPEC T3).
+            let mut unsettled = Unsettled::new(&limiter, forward.settlement());
             let mut response = if forward.in_lane() {
                 // A call through a lane may take as long as the lane allows (an
                 // upstream that forwards reads it from the extension); past it, it is
@@ -324,22 +329,11 @@ where
                 // says (sluice's gateway does).
                 let upload = parts.extensions.get::<sluice_edge::UploadEnded>().cloned();
                 let call = inner.call(Request::from_parts(parts, body));
-                // An LLM call that may have reached the upstream and has no
-                // answer to settle at: its reservation stands, counted as
-                // spent (SPEC T3), on the runtime (the service's error need
-                // not be held across an await).
-                let unanswered = |settlement: Option<(Box<sluice_edge::Plan>, _)>| {
-                    if let Some((plan, decision)) = settlement {
-                        let limiter = Arc::clone(&limiter);
-                        tokio::spawn(async move {
-                            limiter.settle_usage(&plan, decision, None, false).await;
-                        });
-                    }
-                };
+                // With no answer, `unsettled` settles at the reservation as it
+                // drops.
                 match tokio::time::timeout(timeout, call).await {
                     Ok(Ok(response)) => response,
                     Ok(Err(error)) => {
-                        unanswered(forward.settlement());
                         forward.finish(None);
                         return Err(error);
                     }
@@ -347,13 +341,11 @@ where
                     // the wait was its doing, never the upstream's (no failure
                     // for the lane's breaker): a body that came too slowly.
                     Err(_) if upload.as_ref().is_some_and(|u| !u.ended()) => {
-                        unanswered(forward.settlement());
                         let mut r = sluice_edge::body_too_slow(timeout);
                         forward.upload_too_slow(r.status().as_u16(), r.headers_mut());
                         return Ok(r.map(Either::Left));
                     }
                     Err(_) => {
-                        unanswered(forward.settlement());
                         let mut r = upstream_timed_out(timeout);
                         forward.upstream_failed(r.headers_mut());
                         return Ok(r.map(Either::Left));
@@ -370,11 +362,11 @@ where
                 .extensions()
                 .get::<sluice_edge::tokens::UpstreamMayHaveRun>()
                 .is_some();
-            let settlement = forward.settlement();
             forward.response_head(status, response.headers_mut()).await;
             // The body's lease is held until the inner service has answered.
             drop(intake);
-            let Some((plan, decision)) = settlement else {
+            // From here the answer's body settles the call.
+            let Some((limiter, (plan, decision))) = unsettled.take() else {
                 return Ok(response.map(|b| Either::Right(Either::Left(b))));
             };
             if hide_usage {
@@ -404,6 +396,44 @@ where
                 }))
             }))
         })
+    }
+}
+
+/// What settles an LLM call: its plan and decision ([`Limiter::settle_usage`]).
+type Settlement = (Box<sluice_edge::Plan>, sluice_core::Decision);
+
+/// An LLM call's settlement while nothing else holds it: dropped still holding
+/// it (the service's future ended or was dropped before an answer's body took
+/// it over), it settles the call at its reservation, on the runtime, as one
+/// that may have reached the upstream and has no usage to settle at (SPEC T3).
+struct Unsettled<S: BudgetStore + Send + Sync + 'static> {
+    settlement: Option<(Arc<Limiter<S>>, Settlement)>,
+}
+
+impl<S: BudgetStore + Send + Sync + 'static> Unsettled<S> {
+    fn new(limiter: &Arc<Limiter<S>>, settlement: Option<Settlement>) -> Self {
+        Unsettled {
+            settlement: settlement.map(|s| (Arc::clone(limiter), s)),
+        }
+    }
+
+    /// The settlement, for the answer's body to settle at its usage.
+    fn take(&mut self) -> Option<(Arc<Limiter<S>>, Settlement)> {
+        self.settlement.take()
+    }
+}
+
+impl<S: BudgetStore + Send + Sync + 'static> Drop for Unsettled<S> {
+    fn drop(&mut self) {
+        // Outside a runtime (none to settle on) the reservation stands uncounted.
+        if let (Some((limiter, (plan, decision))), Ok(runtime)) = (
+            self.settlement.take(),
+            tokio::runtime::Handle::try_current(),
+        ) {
+            runtime.spawn(async move {
+                limiter.settle_usage(&plan, decision, None, false).await;
+            });
+        }
     }
 }
 
