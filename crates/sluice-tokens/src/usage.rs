@@ -11,8 +11,9 @@ mod document;
 
 use document::DocumentScanner;
 
-/// The longest SSE line kept while looking for usage; longer lines pass
-/// through unread.
+/// The longest SSE line kept whole while looking for usage; a longer `data:`
+/// line is read as it passes, its usage parts alone kept
+/// ([`DocumentScanner`]), and any other longer line passes unread.
 const MAX_LINE: usize = 1 << 20;
 
 /// Tokens an answer used.
@@ -127,6 +128,9 @@ pub struct UsageScanner {
     document: DocumentScanner,
     buf: Vec<u8>,
     skipping: bool,
+    /// A `data:` line longer than [`MAX_LINE`], read as it passes (the
+    /// Responses API's `response.completed` carries the whole response).
+    long: Option<DocumentScanner>,
     found: Option<Usage>,
     /// A stream's usage is its answer's only once an event that closes the
     /// count has carried it: Anthropic's `message_start` reports the input
@@ -144,6 +148,7 @@ impl UsageScanner {
             document: DocumentScanner::default(),
             buf: Vec::new(),
             skipping: false,
+            long: None,
             found: None,
             settled: false,
         }
@@ -156,22 +161,59 @@ impl UsageScanner {
             return;
         }
         let mut rest = chunk;
-        while let Some(i) = rest.iter().position(|&b| b == b'\n') {
-            if !self.skipping {
-                self.buf.extend_from_slice(&rest[..i]);
-                let line = std::mem::take(&mut self.buf);
-                self.line(&line);
+        while let Some(i) = memchr::memchr(b'\n', rest) {
+            if let Some(mut long) = self.long.take() {
+                long.feed(&rest[..i]);
+                self.long_line(long);
+            } else if !self.skipping {
+                self.hold(&rest[..i]);
+                if let Some(long) = self.long.take() {
+                    self.long_line(long);
+                } else if !self.skipping {
+                    let line = std::mem::take(&mut self.buf);
+                    self.line(&line);
+                }
             }
             self.skipping = false;
             rest = &rest[i + 1..];
         }
-        if !self.skipping {
-            if self.buf.len() + rest.len() > MAX_LINE {
-                self.buf.clear();
-                self.skipping = true;
-            } else {
-                self.buf.extend_from_slice(rest);
-            }
+        if let Some(long) = &mut self.long {
+            long.feed(rest);
+        } else if !self.skipping {
+            self.hold(rest);
+        }
+    }
+
+    /// Adds `bytes` of the line being read to what is held of it; past
+    /// [`MAX_LINE`], a `data:` line goes on as a long one, any other is skipped.
+    fn hold(&mut self, bytes: &[u8]) {
+        let room = MAX_LINE.saturating_sub(self.buf.len());
+        if bytes.len() <= room {
+            self.buf.extend_from_slice(bytes);
+            return;
+        }
+        self.buf.extend_from_slice(&bytes[..room]);
+        if let Some(data) = self.buf.strip_prefix(b"data:") {
+            let mut long = DocumentScanner::default();
+            long.feed(data);
+            long.feed(&bytes[room..]);
+            self.long = Some(long);
+        } else {
+            self.skipping = true;
+        }
+        self.buf.clear();
+    }
+
+    /// The usage of a long `data:` line, once it has ended. Such an event is
+    /// taken to close the count (an event that opens one, Anthropic's
+    /// `message_start`, is a few hundred bytes).
+    fn long_line(&mut self, mut long: DocumentScanner) {
+        if let Some(u) = long
+            .parts()
+            .and_then(|p| usage_from_json(&Value::Object(p)))
+        {
+            self.found.get_or_insert_with(Usage::default).merge(u);
+            self.settled = true;
         }
     }
 
@@ -191,6 +233,9 @@ impl UsageScanner {
     /// The usage seen, once the answer has ended.
     pub fn finish(&mut self) -> Option<Usage> {
         if self.sse {
+            if let Some(long) = self.long.take() {
+                self.long_line(long);
+            }
             let line = std::mem::take(&mut self.buf);
             if !self.skipping {
                 self.line(&line);
@@ -416,6 +461,35 @@ mod tests {
                 "cut at {cut}"
             );
         }
+        // A `response.completed` event past the longest line held whole (its
+        // response echoes 3 MiB of instructions): read as it passes, in pieces of
+        // any size, without newline at the end too.
+        let long = format!(
+            "event: response.completed\ndata: {{\"type\":\"response.completed\",\"response\":{{\"instructions\":\"{}\",\"usage\":{{\"input_tokens\":300,\"output_tokens\":50000}}}}}}",
+            "x".repeat(3 << 20)
+        );
+        for (piece, ending) in [(1 << 16, "\n\n"), (1000, ""), (MAX_LINE + 7, "\n")] {
+            let mut s = UsageScanner::new(Some("text/event-stream"));
+            for part in format!("{long}{ending}").as_bytes().chunks(piece) {
+                s.feed(part);
+            }
+            assert_eq!(
+                s.finish(),
+                Some(Usage {
+                    prompt: 300,
+                    completion: 50000,
+                    ..Usage::default()
+                }),
+                "pieces of {piece}"
+            );
+        }
+        // A long line that is not data passes unread; the next line is read.
+        let mut s = UsageScanner::new(Some("text/event-stream"));
+        s.feed(format!(": {}\n", "y".repeat(MAX_LINE * 2)).as_bytes());
+        s.feed(
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\n",
+        );
+        assert_eq!(s.finish().map(|u| (u.prompt, u.completion)), Some((3, 4)));
         let anthropic = concat!(
             "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n",
             "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":15}}\n\n"

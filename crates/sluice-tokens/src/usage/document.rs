@@ -3,9 +3,11 @@
 //! An answer may be large (a batch of embeddings runs to tens of megabytes)
 //! while its usage is a few dozen bytes at its top level. [`DocumentScanner`]
 //! follows the document's structure byte by byte (strings, escapes, nesting)
-//! and keeps only the values of its top-level `usage`, `message` and
-//! `response` keys, each up to [`MAX_PART`] bytes: what a connection holds
-//! does not grow with the answer.
+//! and keeps only the value of its top-level `usage` key, up to [`MAX_PART`]
+//! bytes, and of its top-level `message` and `response` objects their own
+//! `usage` alone, read the same way (the Responses API's `response.completed`
+//! event carries the whole response, as large as the answer): what a
+//! connection holds does not grow with the answer.
 //!
 //! It checks the structure, not every token: a document whose brackets do
 //! not balance, whose strings do not close, that is not one object, or that
@@ -26,9 +28,10 @@
 //!   and escapes are followed exactly.
 //! - A document that is an array has none, where serde read an array of up
 //!   to three values as `usage`, `message` and `response`, in order.
-//! - A part longer than [`MAX_PART`] (trailing whitespace counted) makes the
-//!   usage unreadable, even a `message` or `response` not needed because the
-//!   top-level `usage` is an object.
+//! - A `usage` part longer than [`MAX_PART`] (trailing whitespace counted)
+//!   makes the usage unreadable, and so does a `message` or `response` that is
+//!   not an object and is that long, or an object whose own `usage` is named
+//!   twice or is that long (serde took the last of two).
 //! - Beyond serde's depth limit within a part ([`SERDE_DEPTH`]) a document is
 //!   unreadable, as it was; elsewhere any depth is read, as it was.
 
@@ -46,6 +49,9 @@ const SERDE_DEPTH: u32 = 128;
 /// The top-level keys whose values are kept, in [`DocumentScanner::parts`]'s
 /// order.
 const PARTS: [&[u8]; 3] = [b"usage", b"message", b"response"];
+
+/// The index of `usage` in [`PARTS`].
+const USAGE: usize = 0;
 
 /// The longest key, as written, compared with [`PARTS`]: "response" with
 /// every letter escaped (`\u0072...`, 6 bytes each). Longer keys are none of
@@ -96,6 +102,14 @@ pub(super) struct DocumentScanner {
     closed: bool,
     /// The document cannot be read (see the module's notes).
     broken: bool,
+    /// Keeps its `usage` part alone: the scanner of a `message` or `response`
+    /// object, whose own `usage` is the one read.
+    usage_only: bool,
+    /// The scanner of the `message` or `response` object being read, which
+    /// keeps its `usage` alone: such an object may be as large as the answer
+    /// (the Responses API's `response.completed` event carries the whole
+    /// response, instructions and output), its usage a few dozen bytes.
+    nested: Option<Box<DocumentScanner>>,
 }
 
 impl DocumentScanner {
@@ -129,6 +143,13 @@ impl DocumentScanner {
 
     /// Adds `bytes` to the value being kept, if one is.
     fn keep(&mut self, bytes: &[u8]) {
+        if let Some(nested) = &mut self.nested {
+            nested.feed(bytes);
+            if nested.broken {
+                self.broken = true;
+            }
+            return;
+        }
         if self.capturing.is_some() {
             if self.capture.len() + bytes.len() > MAX_PART {
                 self.broken = true;
@@ -168,6 +189,12 @@ impl DocumentScanner {
             self.pending = None;
             self.capturing = Some(part);
             self.capture.clear();
+            if part != USAGE && b == b'{' {
+                self.nested = Some(Box::new(DocumentScanner {
+                    usage_only: true,
+                    ..DocumentScanner::default()
+                }));
+            }
         }
         self.keep(&[b]);
         match b {
@@ -216,7 +243,7 @@ impl DocumentScanner {
             b',' if self.depth == 1 => self.expect_key = true,
             b':' if self.depth == 1 => {
                 match part_named(&self.key) {
-                    Ok(part) => self.pending = part,
+                    Ok(part) => self.pending = part.filter(|&p| p == USAGE || !self.usage_only),
                     Err(()) => {
                         self.broken = true;
                         return;
@@ -231,7 +258,23 @@ impl DocumentScanner {
 
     fn end_capture(&mut self) {
         if let Some(part) = self.capturing.take() {
-            let value = std::mem::take(&mut self.capture);
+            let value = match self.nested.take() {
+                // The object's own usage, as the one part it keeps.
+                Some(mut nested) => match nested.parts() {
+                    Some(parts) => match serde_json::to_vec(&Value::Object(parts)) {
+                        Ok(value) => value,
+                        Err(_) => {
+                            self.broken = true;
+                            return;
+                        }
+                    },
+                    None => {
+                        self.broken = true;
+                        return;
+                    }
+                },
+                None => std::mem::take(&mut self.capture),
+            };
             if self.parts[part].replace(value).is_some() {
                 // A part named twice: which one counts is not known.
                 self.broken = true;
@@ -369,6 +412,42 @@ mod tests {
         s.feed(b"[");
         assert!(s.broken);
         assert_eq!(s.parts(), None);
+    }
+
+    /// A `message` or `response` object is read for its own `usage` in bounded
+    /// memory, however large the object (the Responses API's `response.completed`
+    /// carries the whole response): only that usage is kept. Its `usage` named
+    /// twice is unreadable, as a top-level one is.
+    #[test]
+    fn t3_a_response_object_of_any_size_gives_its_usage() {
+        let mut s = DocumentScanner::default();
+        s.feed(br#"{"type":"response.completed","response":{"instructions":""#);
+        let block = "x".repeat(64 << 10);
+        for _ in 0..64 {
+            s.feed(block.as_bytes());
+        }
+        s.feed(br#"","output":[{"content":[{"text":"hi, "usage": {}"}]}],"#);
+        s.feed(br#""usage":{"input_tokens":300,"output_tokens":50000},"user":null}}"#);
+        assert!(s.capture.capacity() <= MAX_PART);
+        let nested = s.nested.as_ref().map_or(0, |n| n.capture.capacity());
+        assert!(nested <= MAX_PART, "{nested}");
+        let parts = s.parts().expect("readable");
+        assert_eq!(parts["response"]["usage"]["output_tokens"], 50000);
+        assert_eq!(parts["response"].as_object().map(|o| o.len()), Some(1));
+
+        for doc in [
+            r#"{"response":{"usage":{"output_tokens":1},"usage":{"output_tokens":9}}}"#,
+            r#"{"response":{"usage":{"output_tokens":1}},"response":{}}"#,
+            r#"{"response":{"usage":{"output_tokens":1}"#,
+        ] {
+            assert_eq!(parts_of(doc), None, "{doc}");
+        }
+        // Not an object: kept as it is (and holds no usage).
+        assert_eq!(
+            parts_of(r#"{"response":null,"usage":{"prompt_tokens":2}}"#)
+                .map(|p| p["usage"]["prompt_tokens"].clone()),
+            Some(serde_json::json!(2))
+        );
     }
 
     #[test]
