@@ -655,9 +655,10 @@ impl<S: BudgetStore> crate::Limiter<S> {
 const ANY_TIME: sluice_core::Timestamp = sluice_core::Timestamp::from_secs(0);
 
 /// The turns a `continue` body grants: `{"turns": N}`, 1 to `max`; `None`
-/// for any other body.
+/// for any other body (`turns` named twice included, as every body sluice
+/// reads).
 fn grant_of(body: &[u8], max: u32) -> Option<u32> {
-    let v: Value = serde_json::from_slice(body).ok()?;
+    let v: Value = sluice_policy::json::parse_unique(body).ok()?;
     let n = v.get("turns").and_then(Value::as_u64)?;
     u32::try_from(n).ok().filter(|n| (1..=max).contains(n))
 }
@@ -804,4 +805,20 @@ fn json_response(status: StatusCode, body: &Value) -> Response<Full<Bytes>> {
         http::HeaderValue::from_static("application/json"),
     );
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::grant_of;
+
+    /// SPEC T7: a `continue` grants the turns its body names, once named.
+    #[test]
+    fn t7_a_grant_names_its_turns_once() {
+        assert_eq!(grant_of(br#"{"turns":3}"#, 10), Some(3));
+        assert_eq!(grant_of(br#"{"t\u0075rns":3}"#, 10), Some(3));
+        assert_eq!(grant_of(br#"{"turns":1,"turns":1000}"#, 2000), None);
+        assert_eq!(grant_of(br#"{"turns":11}"#, 10), None);
+        assert_eq!(grant_of(br#"{"turns":0}"#, 10), None);
+        assert_eq!(grant_of(b"{}", 10), None);
+    }
 }
