@@ -277,9 +277,16 @@ impl AmbiguousCredentials {
 
     fn describe(&self) -> String {
         if self.is_malformed() {
+            let readable = match self.sent_in {
+                CredentialSource::Bearer => "`Bearer <token>`, one token of visible ASCII",
+                CredentialSource::ApiKeyHeader => "one token of visible ASCII",
+                CredentialSource::SessionCookie => {
+                    "a value as web frameworks read it: quoted, spaced or %XX-encoded, \
+                     no backslash escape, not after a space or comma inside another pair"
+                }
+            };
             return format!(
-                "malformed credential: {} that is not a readable credential (`Bearer \
-                 <token>`, one token of visible ASCII)",
+                "malformed credential: {} that is not a readable credential ({readable})",
                 source_name(self.sent_in, false)
             );
         }
@@ -601,7 +608,12 @@ impl Identity {
         };
         let malformed = match first.to_str() {
             Err(_) => true,
-            Ok(_) if source == CredentialSource::ApiKeyHeader => false,
+            // A key is one token of visible ASCII (an empty field is one caller,
+            // the key ""): a space or tab inside is read otherwise by servers that
+            // split the field.
+            Ok(text) if source == CredentialSource::ApiKeyHeader => {
+                text.trim().contains([' ', '\t'])
+            }
             Ok(text) => {
                 let text = text.trim();
                 let (scheme, token) = text.split_once([' ', '\t']).unwrap_or((text, ""));
@@ -954,7 +966,9 @@ mod tests {
             match first.map(|v| v.to_str()) {
                 None => false,
                 Some(Err(_)) => true,
-                Some(Ok(_)) if source == CredentialSource::ApiKeyHeader => false,
+                Some(Ok(text)) if source == CredentialSource::ApiKeyHeader => {
+                    text.trim().contains([' ', '\t'])
+                }
                 Some(Ok(text)) => {
                     let text = text.trim();
                     let (scheme, token) = text.split_once([' ', '\t']).unwrap_or((text, ""));

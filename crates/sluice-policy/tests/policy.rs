@@ -440,9 +440,18 @@ fn e2_a_credential_sent_twice_is_ambiguous() {
             ("cookie", "session=a"),
             ("cookie", "theme=dark; sessionx=b"),
         ],
-        &[("x-api-key", "k1, k2")],
+        &[("x-api-key", "k1,k2")],
     ] {
         assert_eq!(ambiguous(fine), Ok(()), "{fine:?}");
+    }
+    // A key is one token of visible ASCII: a space or tab inside is refused as the
+    // docs say, not counted as a caller of its own.
+    for spaced in ["k1, k2", "a b", "a\tb"] {
+        let e = id
+            .check_credentials(&headers(&[("x-api-key", spaced)]))
+            .expect_err(spaced);
+        assert!(e.is_malformed() && e.field() == "x-api-key", "{e}");
+        assert!(e.to_string().contains("one token of visible ASCII"), "{e}");
     }
 }
 
