@@ -544,6 +544,17 @@ pub fn payload_too_large(max_bytes: usize) -> Response<Full<Bytes>> {
     )
 }
 
+/// The 431 for a request head past `max_bytes` (as
+/// [`request_head_len`](crate::request_head_len) counts it).
+pub fn request_head_too_large(max_bytes: usize) -> Response<Full<Bytes>> {
+    envelope_response(
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        "request_header_fields_too_large",
+        &format!("The request head is larger than {max_bytes} bytes."),
+        serde_json::json!({ "max_bytes": max_bytes }),
+    )
+}
+
 impl Refused {
     /// The answer to a request refused before anything was decided: the JSON
     /// envelope, with an `error.code` per kind of refusal and `details`

@@ -1,6 +1,6 @@
 //! Head checks: what is refused before anything of a request but its head is read.
 
-use http::{Method, Version};
+use http::{HeaderMap, Method, Uri, Version};
 use sluice_policy::{AmbiguousCredentials, PathError, Unclassifiable};
 
 /// A request the limiter refuses before anything is decided: sluice cannot count it
@@ -126,4 +126,50 @@ pub(super) fn host_is_valid(host: &[u8]) -> bool {
         });
     }
     valid
+}
+
+/// The bound on a request head of every HTTP/1.1 listener (the gateway's, the
+/// forward-auth check listener's): 64 KiB, as [`request_head_len`] counts it.
+pub const MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
+
+/// The bytes of an HTTP/1.1 request head as parsed: the request line
+/// (`method SP target SP HTTP/1.1 CRLF`), each field as `name: value CRLF`, and
+/// the empty line that ends the head. A head sent that way (one space after each
+/// colon, none after a value) is exactly this long; whitespace around values is
+/// not counted, as a parser drops it.
+pub fn request_head_len(method: &Method, target: &Uri, fields: &HeaderMap) -> usize {
+    // The target as received: origin-form (`/path?query`), absolute-form
+    // (`scheme://authority/path?query`), authority-form or `*`.
+    let scheme = target.scheme_str().map_or(0, |s| s.len() + "://".len());
+    let authority = target.authority().map_or(0, |a| a.as_str().len());
+    let path = target.path_and_query().map_or(0, |p| p.as_str().len());
+    let line = method.as_str().len() + 1 + scheme + authority + path + " HTTP/1.1\r\n".len();
+    let fields: usize = fields
+        .iter()
+        .map(|(name, value)| name.as_str().len() + ": ".len() + value.len() + "\r\n".len())
+        .sum();
+    line + fields + "\r\n".len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_head_is_counted_as_written() {
+        let head = "POST /chats?x=1 HTTP/1.1\r\nhost: a\r\nx-pad: bbb\r\n\r\n";
+        let mut fields = HeaderMap::new();
+        fields.insert("host", "a".parse().expect("value"));
+        fields.insert("x-pad", "bbb".parse().expect("value"));
+        let target: Uri = "/chats?x=1".parse().expect("target");
+        assert_eq!(
+            request_head_len(&Method::POST, &target, &fields),
+            head.len()
+        );
+        let absolute: Uri = "http://a/b".parse().expect("target");
+        assert_eq!(
+            request_head_len(&Method::GET, &absolute, &HeaderMap::new()),
+            "GET http://a/b HTTP/1.1\r\n\r\n".len()
+        );
+    }
 }

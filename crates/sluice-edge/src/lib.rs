@@ -90,8 +90,9 @@ pub use answer::{
     body_too_slow, body_unreadable, buffers_full, buffers_refusal, carries_admin_cookie,
     envelope_response, for_each_rate_limit_header, for_each_upstream_header, is_sluice_signal,
     is_underscore_spelling, jsonrpc_payload_too_large, jsonrpc_refusal, limiter_unavailable,
-    parse_cost, payload_too_large, rate_limit_headers, refusal, refusal_wait, retry_after_secs,
-    rfc3339, take_cost, upstream_headers, upstream_timed_out,
+    parse_cost, payload_too_large, rate_limit_headers, refusal, refusal_wait,
+    request_head_too_large, retry_after_secs, rfc3339, take_cost, upstream_headers,
+    upstream_timed_out,
 };
 pub use batch::{
     BadBatch, BatchSubmit, BatchTool, BatchToolCall, MAX_IDEMPOTENCY_KEY, batch_tool_call,
@@ -118,6 +119,8 @@ pub use limiter::{
 };
 /// The usage export for billing (SPEC O4) and its bounds.
 pub use limiter::{EXPORT_PAGE, KNOWN_ROWS, MAX_USAGE_ROWS, OVERFLOW_ROWS, UNNAMED, UsageExport};
+/// The head checks and bounds every HTTP/1.1 transport shares.
+pub use limiter::{MAX_REQUEST_HEAD_BYTES, request_head_len};
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
 pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};
 pub use request_id::{MAX_REQUEST_ID_LEN, RequestId, X_REQUEST_ID};

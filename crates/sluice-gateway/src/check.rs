@@ -36,8 +36,12 @@ use crate::store::AnyStore;
 
 /// How long a connection may take to send a request head.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// The largest request head read (the original request's headers ride in it).
-const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// The largest request head decided (the original request's headers ride in
+/// it), as the gateway's: a head past it, counted by
+/// [`sluice_edge::request_head_len`], is answered 431. Hyper's read buffer is
+/// capped at it too, so a head that fills the buffer unfinished is refused
+/// (431) before it is parsed, and a connection holds no more than about twice it.
+const MAX_HEAD_BYTES: usize = sluice_edge::MAX_REQUEST_HEAD_BYTES;
 /// How long open connections get to finish once the listener stops.
 const GRACE: Duration = Duration::from_secs(5);
 
@@ -108,11 +112,19 @@ async fn serve_here(mut incoming: Connections, limiter: SharedLimiter<AnyStore>,
     let _ = tokio::time::timeout(GRACE, graceful.shutdown()).await;
 }
 
+/// The answer to one check request: 431 for a head past [`MAX_HEAD_BYTES`]
+/// (hyper's buffer cap alone lets a head that arrives in a few reads grow to
+/// about twice it), 404 off `/check`, else the limiter's decision.
 async fn answer(
     limiter: &SharedLimiter<AnyStore>,
     request: &Request<Incoming>,
     peer: SocketAddr,
 ) -> Response<Full<Bytes>> {
+    if sluice_edge::request_head_len(request.method(), request.uri(), request.headers())
+        > MAX_HEAD_BYTES
+    {
+        return sluice_edge::request_head_too_large(MAX_HEAD_BYTES);
+    }
     if !is_check_path(request.uri().path()) {
         return sluice_edge::envelope_response(
             StatusCode::NOT_FOUND,

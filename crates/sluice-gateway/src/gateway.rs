@@ -69,7 +69,7 @@ const HTTP2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// buffer past it, at most about twice the cap, is refused); an HTTP/2 header list
 /// past it is refused by the h2 layer. With `--max-connections` it bounds the memory
 /// client connections can pin (about 10,000 × 128 KiB at the defaults).
-const MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
+const MAX_REQUEST_HEAD_BYTES: usize = sluice_edge::MAX_REQUEST_HEAD_BYTES;
 
 /// Pause after a failed `accept` (e.g. out of file descriptors) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);

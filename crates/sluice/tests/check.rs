@@ -124,6 +124,41 @@ async fn r2_the_check_endpoint_decides_with_the_gateways_policy_and_budgets() {
     assert_eq!(remaining(&r), Some(9));
 }
 
+/// A check request's head of `len` bytes in all, padded with an `X-Pad` field, sent
+/// on a connection of its own; the status of the answer.
+async fn check_with_head_of(check: std::net::SocketAddr, len: usize) -> String {
+    let start = "GET /check HTTP/1.1\r\nHost: a\r\nX-Forwarded-Method: POST\r\n\
+                 X-Forwarded-Uri: /chats\r\nX-Forwarded-For: 198.51.100.9\r\n\
+                 X-Api-Key: sk-head\r\nConnection: close\r\nX-Pad: ";
+    let end = "\r\n\r\n";
+    let pad = len - start.len() - end.len();
+    let head = format!("{start}{}{end}", "A".repeat(pad));
+    assert_eq!(head.len(), len);
+    let mut stream = tokio::net::TcpStream::connect(check)
+        .await
+        .expect("connect to the check listener");
+    // Answered and closed before all of it is read, the write may fail.
+    let _ = stream.write_all(head.as_bytes()).await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    answer.get(9..12).unwrap_or("none").to_owned()
+}
+
+/// R2 with the gateway's bound on a request head: a check request's head of
+/// 64 KiB (65,536 bytes) is decided, one byte more is 431, and so is one that
+/// arrives in a few reads well past the bound (hyper's buffer cap alone let
+/// those through).
+#[tokio::test]
+async fn r2_a_check_request_head_past_64_kib_is_refused_431() {
+    let dir = DataDir::new();
+    let sluice = spawn(&dir);
+    let check = sluice.start.check.expect("check listener");
+    assert_eq!(check_with_head_of(check, 65_536).await, "204");
+    assert_eq!(check_with_head_of(check, 65_537).await, "431");
+    assert_eq!(check_with_head_of(check, 100_000).await, "431");
+}
+
 #[tokio::test]
 async fn r2_the_client_address_is_read_through_the_trusted_proxy() {
     let dir = DataDir::new();
