@@ -576,6 +576,7 @@ impl Refused {
     /// | a plan header (from a trusted auth layer) naming no plan of the policy | 400 | `invalid_request` | `reason: "unknown_plan"` |
     /// | an HTTP/1.1 request without `Host`, several `Host` fields, a bad `Host` | 400 | `invalid_request` | `reason` |
     /// | `CONNECT` | 405 | `method_not_allowed` | `method` (and an `Allow` field) |
+    /// | a `Transfer-Encoding` but `chunked` alone (`gzip, chunked`) | 501 | `not_implemented` | `reason: "transfer_coding"`, `transfer_codings: ["chunked"]` |
     /// | more calls through a guarded lane in one request than a workspace runs at once | 400 | `invalid_request` | `reason: "too_many_lane_calls"`, `calls`, `max` |
     /// | a run id that is empty, too long or not of `[A-Za-z0-9-._~:@+=,]`, a depth that is no tier, a run header on a route whose calls are no turns, a run or depth header sent twice | 400 | `invalid_request` | `reason: "bad_run_id"`, `"unknown_depth"`, `"run_not_supported"`, `"several_run_headers"` |
     /// | an LLM route's body that is not JSON, not an object, a `model` not a string, a bad `max_tokens`, no input | 400 | `invalid_request` | `reason: "not_json"`, `"not_an_object"`, `"model_not_a_string"`, `"bad_max_tokens"`, `"no_input"`, `"duplicate_key"` |
@@ -633,6 +634,11 @@ impl Refused {
             Refused::LlmBody(bad) => invalid(bad.reason()),
             Refused::UnpricedModel => invalid("unpriced_model"),
             Refused::Run(bad) => invalid(bad.reason()),
+            Refused::TransferCoding => (
+                StatusCode::NOT_IMPLEMENTED,
+                "not_implemented",
+                serde_json::json!({ "reason": "transfer_coding", "transfer_codings": ["chunked"] }),
+            ),
             Refused::Connect => (
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",

@@ -51,6 +51,11 @@ pub enum Refused {
     /// A call's run cannot be counted (SPEC T7).
     #[error(transparent)]
     Run(#[from] crate::BadRun),
+    /// A `Transfer-Encoding` that is not `chunked` alone (a coding before it, such
+    /// as `gzip, chunked`): sluice would pass the body on mislabelled, and RFC 9112
+    /// §6.1 answers a coding the server does not understand with 501.
+    #[error("the only transfer coding served is chunked")]
+    TransferCoding,
     /// `CONNECT`: sluice is not a tunnel (a reverse proxy has nothing to connect to).
     #[error("CONNECT is not served: this is a gateway, not a tunnel")]
     Connect,
@@ -151,9 +156,56 @@ pub fn request_head_len(method: &Method, target: &Uri, fields: &HeaderMap) -> us
     line + fields + "\r\n".len()
 }
 
+/// Checks a request's `Transfer-Encoding` fields (`values`, in order): none, or
+/// codings that are `chunked` and nothing else — one coding, in any case, with
+/// whitespace around it. A coding before `chunked` (`gzip, chunked`) would reach
+/// the upstream unnamed once the body is re-framed, so it is refused (RFC 9112
+/// §6.1: 501 for a transfer coding the server does not understand), and so is
+/// `chunked` twice.
+///
+/// # Errors
+/// [`Refused::TransferCoding`].
+pub fn check_transfer_coding<'h>(
+    values: impl IntoIterator<Item = &'h [u8]>,
+) -> Result<(), Refused> {
+    let mut chunked = 0usize;
+    for value in values {
+        for coding in value.split(|&b| b == b',') {
+            if !coding.trim_ascii().eq_ignore_ascii_case(b"chunked") {
+                return Err(Refused::TransferCoding);
+            }
+            chunked += 1;
+        }
+    }
+    if chunked > 1 {
+        return Err(Refused::TransferCoding);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_chunked_alone_is_a_transfer_coding_served() {
+        let check = |values: &[&str]| check_transfer_coding(values.iter().map(|v| v.as_bytes()));
+        assert_eq!(check(&[]), Ok(()));
+        assert_eq!(check(&["chunked"]), Ok(()));
+        assert_eq!(check(&[" Chunked\t"]), Ok(()));
+        for refused in [
+            &["gzip, chunked"][..],
+            &["gzip", "chunked"],
+            &["chunked, chunked"],
+            &["chunked", "chunked"],
+            &["chunked,"],
+            &["identity"],
+            &[""],
+            &["chunked;q=1"],
+        ] {
+            assert_eq!(check(refused), Err(Refused::TransferCoding), "{refused:?}");
+        }
+    }
 
     #[test]
     fn a_head_is_counted_as_written() {

@@ -120,7 +120,7 @@ pub use limiter::{
 /// The usage export for billing (SPEC O4) and its bounds.
 pub use limiter::{EXPORT_PAGE, KNOWN_ROWS, MAX_USAGE_ROWS, OVERFLOW_ROWS, UNNAMED, UsageExport};
 /// The head checks and bounds every HTTP/1.1 transport shares.
-pub use limiter::{MAX_REQUEST_HEAD_BYTES, request_head_len};
+pub use limiter::{MAX_REQUEST_HEAD_BYTES, check_transfer_coding, request_head_len};
 pub use plan::{BudgetKind, Passed, Plan, Scopes};
 pub use refusal_log::{DEFAULT_REFUSAL_LOG_PER_SECOND, RefusalLog};
 pub use request_id::{MAX_REQUEST_ID_LEN, RequestId, X_REQUEST_ID};

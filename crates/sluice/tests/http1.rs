@@ -909,3 +909,45 @@ async fn the_upstream_s_sluice_fields_never_reach_the_client() {
     })
     .await;
 }
+
+/// RFC 9112 §6.1: a transfer coding sluice does not understand (one before
+/// `chunked`, in one field or two, or `chunked` twice) is answered 501 and never
+/// forwarded — hyper would take the chunks off and the upstream get the gzip bytes
+/// labelled plain `chunked`. `chunked` alone, in any case, is forwarded.
+#[tokio::test]
+async fn a_transfer_coding_but_chunked_is_refused_501_and_never_forwarded() {
+    let (upstream, accepted) =
+        scripted_upstream(vec!["HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"]).await;
+    let sluice = Sluice::spawn(&["--upstream", &upstream]);
+    bounded(async {
+        for codings in [
+            "transfer-encoding: gzip, chunked\r\n",
+            "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n",
+            "transfer-encoding: chunked, chunked\r\n",
+        ] {
+            let mut client = connect(&sluice).await;
+            let request =
+                format!("POST /x HTTP/1.1\r\nhost: x\r\n{codings}\r\n5\r\nhello\r\n0\r\n\r\n");
+            client.write_all(request.as_bytes()).await.expect("write");
+            let refused = read_raw(&mut client, &mut Vec::new(), false).await;
+            assert_eq!(refused.status, 501, "{codings:?}: {}", refused.head);
+            let details = &refused.json()["error"]["details"];
+            assert_eq!(details["reason"], "transfer_coding", "{codings:?}");
+            assert_eq!(details["transfer_codings"][0], "chunked");
+        }
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            0,
+            "nothing reached the upstream"
+        );
+        let mut client = connect(&sluice).await;
+        client
+            .write_all(b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding:  Chunked \r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+            .await
+            .expect("write");
+        let forwarded = read_raw(&mut client, &mut Vec::new(), false).await;
+        assert_eq!(forwarded.status, 200, "{}", forwarded.head);
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    })
+    .await;
+}

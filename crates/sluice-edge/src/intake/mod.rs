@@ -80,7 +80,8 @@ pub struct Intake<'l, S> {
 
 impl<S: BudgetStore> Limiter<S> {
     /// Phase 1, in the one refusal order: the head ([`check_head`](crate::check_head):
-    /// method, `Host` fields), then the path's normal form (`path`, as
+    /// method, `Host` fields; with `fields`, their `Transfer-Encoding` too,
+    /// [`check_transfer_coding`](crate::check_transfer_coding)), then the path's normal form (`path`, as
     /// [`Limiter::normalize_path`] or [`Limiter::normalize_target`] gave it), then
     /// the route of the method and that path — with a method-override field read
     /// from `fields` when the transport passes them (see [`Limiter::route_with`]).
@@ -96,6 +97,14 @@ impl<S: BudgetStore> Limiter<S> {
         fields: Option<&HeaderMap>,
     ) -> Result<Option<&Route>, Refused> {
         crate::check_head(method, version, hosts)?;
+        if let Some(fields) = fields {
+            crate::check_transfer_coding(
+                fields
+                    .get_all(http::header::TRANSFER_ENCODING)
+                    .iter()
+                    .map(|v| v.as_bytes()),
+            )?;
+        }
         let path = path?;
         match fields {
             Some(fields) => self.route_with(method, path, fields),

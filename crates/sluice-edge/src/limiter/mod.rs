@@ -22,7 +22,9 @@ mod routing;
 mod telemetry;
 mod usage_export;
 
-pub use crate::head::{MAX_REQUEST_HEAD_BYTES, Refused, check_head, request_head_len};
+pub use crate::head::{
+    MAX_REQUEST_HEAD_BYTES, Refused, check_head, check_transfer_coding, request_head_len,
+};
 pub use admission::{Reason, Refusal};
 pub(crate) use admission::{shadow_waived, waive};
 pub use leases::{ASK_WAIT, LeaseTally, MAX_LEASED_KEYS, SWEEP_EVERY};
