@@ -931,6 +931,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_http2_stream_the_client_never_lets_send_releases_its_body_at_the_send_timeout() {
+        let counted = crate::stalled::Counted::new();
+        let _recording = counted.install();
         let (dropped, mut drops) = mpsc::unbounded_channel();
         let (addr, _drain, _stop) = worker_serving(stalling(dropped)).await;
         // A window of 0: the client lets nothing of any answer come.
@@ -946,6 +948,8 @@ mod tests {
             .expect("the body was dropped")
             .expect("a drop note");
         assert_about(dropped_at - started, SEND_TIMEOUT);
+        // Counted, so an operator sees it (`sluice_stalled_clients_total`).
+        assert_eq!(counted.of(crate::stalled::Cut::Stream), 1);
 
         // The stream no longer counts in flight: the connection is shut down one idle
         // timeout later, and, as the stalled stream keeps a graceful close waiting,

@@ -27,3 +27,50 @@ impl Cut {
 pub(crate) fn count(cut: Cut) {
     metrics::counter!("sluice_stalled_clients_total", "cut" => cut.label()).increment(1);
 }
+
+/// A recorder of this thread's `sluice_stalled_clients_total` counts, for tests on
+/// a current-thread runtime (every task of the test on the thread that made it).
+#[cfg(test)]
+pub(crate) struct Counted {
+    recorder: metrics_util::debugging::DebuggingRecorder,
+}
+
+#[cfg(test)]
+impl Counted {
+    /// A recorder; [`Counted::install`] makes it this thread's.
+    pub(crate) fn new() -> Self {
+        Counted {
+            recorder: metrics_util::debugging::DebuggingRecorder::new(),
+        }
+    }
+
+    /// Records this thread's metrics while the guard lives.
+    pub(crate) fn install(&self) -> metrics::LocalRecorderGuard<'_> {
+        metrics::set_default_local_recorder(&self.recorder)
+    }
+
+    /// The count of `cut` so far.
+    pub(crate) fn of(&self, cut: Cut) -> u64 {
+        use metrics_util::debugging::DebugValue;
+        self.recorder
+            .snapshotter()
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .find_map(|(key, _, _, value)| {
+                let key = key.key();
+                let labelled = key
+                    .labels()
+                    .any(|l| l.key() == "cut" && l.value() == cut.label());
+                match value {
+                    DebugValue::Counter(n)
+                        if key.name() == "sluice_stalled_clients_total" && labelled =>
+                    {
+                        Some(n)
+                    }
+                    _ => None,
+                }
+            })
+            .unwrap_or(0)
+    }
+}

@@ -435,6 +435,8 @@ mod tests {
     /// holds them for as long as it likes.
     #[tokio::test(start_paused = true)]
     async fn a_client_that_stops_reading_is_closed_at_the_send_timeout() {
+        let counted = crate::stalled::Counted::new();
+        let _recording = counted.install();
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let upstream = listener.local_addr().expect("addr");
         let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
@@ -480,6 +482,9 @@ mod tests {
             (SEND_TIMEOUT..SEND_TIMEOUT + Duration::from_secs(2)).contains(&waited),
             "closed after {waited:?}"
         );
+        // Counted, so an operator sees it (`sluice_stalled_clients_total`).
+        assert_eq!(counted.of(crate::stalled::Cut::Connection), 1);
+        assert_eq!(counted.of(crate::stalled::Cut::Stream), 0);
     }
 
     #[tokio::test]
