@@ -25,7 +25,7 @@ use redb::backends::InMemoryBackend;
 use serde_json::{Value, json};
 use sluice_batch::lane::{
     BATCH_CLAIM, BatchEndpoints, BatchLane, BatchUpstream, ItemBody, LaneBody, LaneHost,
-    MAX_ATTEMPTS, MAX_RECORD_WAIT,
+    MAX_ATTEMPTS, MAX_RECORD_WAIT, MAX_RESULT_BYTES,
 };
 use sluice_batch::{
     BatchBook, BatchConfig, BatchError, BatchQueue, BatchStatus, Claimed, Finish, ItemResult,
@@ -591,6 +591,9 @@ const REFUSING: u8 = 1;
 /// … or every item 503.
 const UNAVAILABLE: u8 = 2;
 
+/// … or every item 200 with a body longer than a result keeps.
+const LARGE: u8 = 3;
+
 /// The workspace whose items the scripted upstream answers 500 whatever its
 /// mode: poison items.
 const POISON: &str = "poison";
@@ -602,17 +605,49 @@ struct Scripted {
     mode: Arc<AtomicU8>,
     sent: Arc<AtomicU32>,
     sent_poison: Arc<AtomicU32>,
+    /// How many of the next answers break off after their first bytes.
+    cut_next: Arc<AtomicU32>,
+}
+
+/// A scripted answer's body: whole, or breaking off after its first bytes.
+enum ScriptedBody {
+    Whole(Full<Bytes>),
+    BreaksOff(Option<Bytes>),
+}
+
+impl http_body::Body for ScriptedBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        match self.get_mut() {
+            ScriptedBody::Whole(full) => std::pin::Pin::new(full)
+                .poll_frame(cx)
+                .map_err(|never| match never {}),
+            ScriptedBody::BreaksOff(first) => Poll::Ready(Some(match first.take() {
+                Some(bytes) => Ok(http_body::Frame::data(bytes)),
+                None => Err(std::io::ErrorKind::ConnectionReset.into()),
+            })),
+        }
+    }
 }
 
 impl BatchUpstream for Scripted {
-    type Body = Full<Bytes>;
+    type Body = ScriptedBody;
     type Error = std::io::Error;
 
     fn send(
         &self,
         request: Request<ItemBody>,
-    ) -> impl Future<Output = Result<Response<Full<Bytes>>, std::io::Error>> + Send {
+    ) -> impl Future<Output = Result<Response<ScriptedBody>, std::io::Error>> + Send {
         self.sent.fetch_add(1, Ordering::SeqCst);
+        let cut = self
+            .cut_next
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
         let poison = request
             .headers()
             .get("x-sluice-workspace")
@@ -630,10 +665,18 @@ impl BatchUpstream for Scripted {
                 _ if poison => StatusCode::INTERNAL_SERVER_ERROR,
                 _ => StatusCode::OK,
             };
-            let mut r = Response::new(Full::new(Bytes::from(format!(
-                r#"{{"status":{}}}"#,
-                status.as_u16()
-            ))));
+            let body = match mode {
+                _ if cut => ScriptedBody::BreaksOff(Some(Bytes::from_static(b"{\"partial\":"))),
+                LARGE => ScriptedBody::Whole(Full::new(Bytes::from(format!(
+                    r#"{{"pad":"{}"}}"#,
+                    "x".repeat(MAX_RESULT_BYTES)
+                )))),
+                _ => ScriptedBody::Whole(Full::new(Bytes::from(format!(
+                    r#"{{"status":{}}}"#,
+                    status.as_u16()
+                )))),
+            };
+            let mut r = Response::new(body);
             *r.status_mut() = status;
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -892,4 +935,39 @@ async fn l4_items_failing_alone_with_no_other_calls_wait_with_one_probe_per_30_s
     let status = batch_status(&mut endpoints, POISON, &id).await;
     assert_eq!(status["failed"], 0, "{status}");
     assert_eq!(lane.summary()["outage"], true);
+}
+
+/// An answer the runner could not read whole is never recorded as an empty
+/// success: one that breaks off is no answer (the item is sent again, with the
+/// same Idempotency-Key, and ends `done` with the next answer), and one longer
+/// than a result keeps is recorded `failed`, saying so, with the upstream's
+/// status. Before, both were `done`, status 200, with an empty result: the
+/// item's answer lost without a word.
+#[tokio::test(start_paused = true)]
+async fn l4_an_answer_cut_off_or_too_large_is_never_an_empty_success() {
+    let upstream = Scripted::default();
+    upstream.cut_next.store(1, Ordering::SeqCst);
+    let (_lane, mut endpoints, _singles, _stop) = scripted_lane(&upstream);
+    let id = submit_items(&mut endpoints, "acme", 1).await;
+    let status = finished(&mut endpoints, "acme", &id, Duration::from_secs(120)).await;
+    let item = &status["items"][0];
+    assert_eq!(item["state"], "done", "{status}");
+    assert_eq!(item["result"], json!({ "status": 200 }), "{status}");
+    assert_eq!(upstream.sent.load(Ordering::SeqCst), 2, "sent again once");
+
+    let upstream = Scripted::default();
+    upstream.mode.store(LARGE, Ordering::SeqCst);
+    let (_lane, mut endpoints, _singles, _stop) = scripted_lane(&upstream);
+    let id = submit_items(&mut endpoints, "acme", 1).await;
+    let status = finished(&mut endpoints, "acme", &id, Duration::from_secs(120)).await;
+    let item = &status["items"][0];
+    assert_eq!(item["state"], "failed", "{status}");
+    assert_eq!(item["status"], 200, "{status}");
+    assert!(
+        item["result"]
+            .as_str()
+            .is_some_and(|r| r.contains("was not kept")),
+        "{status}"
+    );
+    assert_eq!(upstream.sent.load(Ordering::SeqCst), 1, "not sent again");
 }

@@ -417,6 +417,18 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                         Ran::Answered(ItemState::Failed, result)
                     };
                 }
+                Ok(Sent::TooLarge(status)) => {
+                    // Answered, but its answer cannot be kept: the item did not
+                    // get its result, which it says (never an empty success).
+                    permit.finish(sluice_lanes::Outcome::Success);
+                    self.holds.lock().remove(&claimed.workspace);
+                    self.watch(OutageWatch::success);
+                    self.count(1);
+                    let body = ResultBody::Text(format!(
+                        "the upstream answered {status} with more than the {MAX_RESULT_BYTES} bytes a batch result keeps: the answer was not kept"
+                    ));
+                    return Ran::Answered(ItemState::Failed, ItemResult { status, body });
+                }
                 Ok(Sent::Unsendable) => {
                     // Nothing went upstream: no outcome for the lane.
                     drop(permit);
@@ -441,7 +453,13 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                         status,
                         body: ResultBody::new(body, is_json),
                     },
-                    Ok(Sent::Unreachable | Sent::Unsendable) => ItemResult {
+                    Ok(Sent::Cut) => ItemResult {
+                        status: 502,
+                        body: ResultBody::Text(format!(
+                            "the upstream's answer broke off before its end ({attempt} attempts)"
+                        )),
+                    },
+                    Ok(Sent::Unreachable | Sent::Unsendable | Sent::TooLarge(_)) => ItemResult {
                         status: 502,
                         body: ResultBody::Text(format!(
                             "the upstream could not be reached ({attempt} attempts)"
@@ -527,11 +545,18 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("application/json"));
-        let body = Limited::new(response.into_body(), MAX_RESULT_BYTES)
+        let body = match Limited::new(response.into_body(), MAX_RESULT_BYTES)
             .collect()
             .await
-            .map(|c| c.to_bytes().to_vec())
-            .unwrap_or_default();
+        {
+            Ok(collected) => collected.to_bytes().to_vec(),
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                return Sent::TooLarge(status);
+            }
+            // The answer broke off: no answer (sent again, with its
+            // Idempotency-Key), never an empty result.
+            Err(_) => return Sent::Cut,
+        };
         let is_json = is_json && serde_json::from_slice::<Value>(&body).is_ok();
         Sent::Answer(status, body, is_json)
     }
@@ -692,6 +717,10 @@ enum Sent {
     /// No answer came: the upstream could not be reached, or failed before
     /// its response headers.
     Unreachable,
+    /// The answer's body broke off before its end (its status came).
+    Cut,
+    /// An answer of this status, its body longer than [`MAX_RESULT_BYTES`].
+    TooLarge(u16),
     /// The item could not be made into a request: nothing was sent.
     Unsendable,
 }
