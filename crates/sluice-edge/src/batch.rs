@@ -30,6 +30,9 @@ impl std::fmt::Display for BadBatch {
         let n = self.n;
         match self.reason {
             "not_json" => f.write_str("the batch body is not JSON"),
+            "duplicate_key" => f.write_str(
+                "the batch body names a key twice in one object: readers differ on which value counts",
+            ),
             "not_an_object" => f.write_str(
                 "the batch body must be an object: {\"items\": [...], \"idempotency_key\": \"...\"}",
             ),
@@ -67,7 +70,12 @@ fn bad(reason: &'static str, n: usize) -> BadBatch {
 /// [`BadBatch`] saying what is wrong (a [`Refused::Batch`](crate::Refused::Batch)
 /// through `?`).
 pub fn parse_batch(body: &[u8], max_items: u32) -> Result<BatchSubmit, BadBatch> {
-    let value: Value = serde_json::from_slice(body).map_err(|_| bad("not_json", 0))?;
+    // A key named twice is refused, as in every body sluice reads: readers
+    // differ on which value counts.
+    let value: Value = sluice_policy::json::parse_unique(body).map_err(|e| match e {
+        sluice_policy::json::NotUnique::DuplicateKey => bad("duplicate_key", 0),
+        sluice_policy::json::NotUnique::NotJson => bad("not_json", 0),
+    })?;
     let Value::Object(mut object) = value else {
         return Err(bad("not_an_object", 0));
     };
@@ -134,6 +142,10 @@ mod tests {
                 "bad_idempotency_key",
             ),
             (br#"{"items":[{},{},{}]}"#, "too_many_items"),
+            // A key named twice, at the top or in an item (L4: as every body).
+            (br#"{"items":[{"m":1}],"items":[{"m":2}]}"#, "duplicate_key"),
+            (br#"{"items":[{"m":1,"m":2}]}"#, "duplicate_key"),
+            (br#"{"items":[{"m":1,"\u006d":2}]}"#, "duplicate_key"),
         ] {
             match parse_batch(body, 2) {
                 Err(b) => {
