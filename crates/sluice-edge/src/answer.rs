@@ -750,6 +750,39 @@ pub fn jsonrpc_payload_too_large(max_bytes: usize) -> Response<Full<Bytes>> {
     )
 }
 
+/// The JSON-RPC error code of a call whose parameters cannot be taken.
+pub const JSONRPC_INVALID_PARAMS: i64 = -32602;
+
+/// `answer` (a 400 of a batch tool call whose arguments cannot be queued:
+/// `bad`), status and fields kept, with the call's JSON-RPC error for its body:
+/// `{"jsonrpc":"2.0","id":<the call's>,"error":{"code":-32602,"message",
+/// "data":{"reason"}}}`, as the lane answers the call's other refusals.
+pub fn jsonrpc_invalid_params(
+    answer: Response<Full<Bytes>>,
+    body: &[u8],
+    bad: &crate::BadBatch,
+) -> Response<Full<Bytes>> {
+    let id = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|call| call.get("id").cloned())
+        .unwrap_or(serde_json::Value::Null);
+    let body = serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": id,
+        "error": {
+            "code": JSONRPC_INVALID_PARAMS,
+            "message": format!("Invalid params: {bad}; nothing was counted or queued."),
+            "data": { "reason": bad.reason },
+        },
+    });
+    let (mut parts, _) = answer.into_parts();
+    parts
+        .headers
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, Full::new(Bytes::from(body.to_string())))
+}
+
 /// `answer` (status and fields kept) with a JSON-RPC parse error for its body.
 fn jsonrpc_error_answer(
     answer: Response<Full<Bytes>>,

@@ -350,10 +350,42 @@ async fn l4_the_batch_tools_run_the_batch_lane_over_jsonrpc() {
     ]);
     let reply = send(rpc(&sluice, "sk-acme", &mixed)).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert_eq!(reply.json()["jsonrpc"], "2.0", "{}", reply.text());
     assert_eq!(
-        reply.json()["error"]["details"]["reason"],
+        reply.json()["error"]["data"]["reason"],
         "batch_tool_in_batch"
     );
+
+    // Arguments that cannot be queued: the call's own JSON-RPC error (an MCP
+    // client reads no HTTP status), nothing spent.
+    let before = messages_used(&sluice, "sk-acme").await;
+    for (n, (arguments, reason)) in [
+        (json!({ "items": [1] }), "item_not_an_object"),
+        (json!({ "items": [] }), "empty_batch"),
+        (
+            json!({ "items": items(1), "idempotency_key": 7 }),
+            "bad_idempotency_key",
+        ),
+        (json!({ "items": items(1), "extra": true }), "unknown_field"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = 10 + u32::try_from(n).expect("few");
+        let reply = send(rpc(
+            &sluice,
+            "sk-acme",
+            &call(id, "optimize_message_batch", arguments),
+        ))
+        .await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+        let answer = reply.json();
+        assert_eq!(answer["jsonrpc"], "2.0", "{answer}");
+        assert_eq!(answer["id"], id, "{answer}");
+        assert_eq!(answer["error"]["code"], -32602, "{answer}");
+        assert_eq!(answer["error"]["data"]["reason"], reason, "{answer}");
+    }
+    assert_eq!(messages_used(&sluice, "sk-acme").await, before);
 }
 
 /// A batch tool's call spelled another way — its name with JSON escapes, or the
@@ -401,7 +433,7 @@ async fn l4_a_batch_tool_spelled_another_way_is_still_the_batch_lane() {
     let reply = send(raw(mixed)).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
     assert_eq!(
-        reply.json()["error"]["details"]["reason"],
+        reply.json()["error"]["data"]["reason"],
         "batch_tool_in_batch"
     );
 }

@@ -297,6 +297,13 @@ impl<S: BudgetStore> Limiter<S> {
     ) -> http::Response<http_body_util::Full<bytes::Bytes>> {
         let policy = &self.policy;
         let answer = match (&refusal.reason, refusal.plan.as_deref()) {
+            // A batch tool call whose arguments cannot be queued: the call's own
+            // JSON-RPC error, as its other answers are.
+            (Reason::Invalid(refused @ crate::Refused::Batch(bad)), _)
+                if let Some(body) = jsonrpc_body =>
+            {
+                return crate::answer::jsonrpc_invalid_params(refused.response(), body, bad);
+            }
             (Reason::Invalid(refused), _) if jsonrpc_body.is_some() => refused.jsonrpc_response(),
             (Reason::Invalid(refused), _) => refused.response(),
             (Reason::Budget(decision), Some(plan)) if crate::runs::paused(plan, decision) => {
