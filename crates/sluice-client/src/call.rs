@@ -53,6 +53,51 @@ pub(crate) struct Call<S: BudgetStore + 'static, C: Clock + 'static> {
     slept: Duration,
 }
 
+/// The JSON object a call's `body` is, to estimate; `None` for a body that is
+/// no JSON object and does not say it is JSON (none, a multipart upload: paced
+/// by its request alone). A UTF-8 byte-order mark is skipped, as the providers'
+/// JSON readers skip it.
+///
+/// # Errors
+/// [`PaceError::UncountableBody`] for a body sent as JSON (its `Content-Type`, or
+/// a `{` first) that does not read as JSON, or whose completion budget, `n` or
+/// `stream` a lenient provider would read otherwise than the estimate
+/// ([`sluice_tokens::check_counts`]).
+fn counted_body(body: &[u8], headers: &HeaderMap) -> Result<Option<serde_json::Value>, PaceError> {
+    let text = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
+    if text.trim_ascii().is_empty() {
+        return Ok(None);
+    }
+    let says_json = headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| {
+            let t = t
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase();
+            t == "application/json" || t.ends_with("+json")
+        })
+        || text.trim_ascii_start().first() == Some(&b'{');
+    match serde_json::from_slice::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(object)) => {
+            sluice_tokens::check_counts(&object).map_err(|bad| PaceError::UncountableBody {
+                reason: bad.reason(),
+                message: bad.to_string(),
+            })?;
+            Ok(Some(serde_json::Value::Object(object)))
+        }
+        Ok(_) => Ok(None),
+        Err(_) if says_json => Err(PaceError::UncountableBody {
+            reason: "not_json",
+            message: "it is sent as JSON but does not read as JSON".to_owned(),
+        }),
+        Err(_) => Ok(None),
+    }
+}
+
 impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
     /// A call of `method` to `path` (below the provider's base URL) with
     /// these headers and body.
@@ -70,21 +115,14 @@ impl<S: BudgetStore + 'static, C: Clock + 'static> Call<S, C> {
             .ok_or_else(|| PaceError::UnknownProvider {
                 provider: provider.to_owned(),
             })?;
-        let json = if body.is_empty() {
-            None
-        } else {
-            serde_json::from_slice::<serde_json::Value>(&body)
-                .ok()
-                .filter(serde_json::Value::is_object)
-                .map(|v| {
-                    PacedRequest::new(
-                        p.style,
-                        path,
-                        v,
-                        EstimateOptions::new(p.encoding, p.default_max_tokens),
-                    )
-                })
-        };
+        let json = counted_body(&body, &headers)?.map(|v| {
+            PacedRequest::new(
+                p.style,
+                path,
+                v,
+                EstimateOptions::new(p.encoding, p.default_max_tokens),
+            )
+        });
         // The sender sets the length of the body it sends (maybe shrunk).
         headers.remove(http::header::CONTENT_LENGTH);
         // The priority is for the pacer, never for the provider.
@@ -366,6 +404,58 @@ mod tests {
     use http_body_util::BodyExt;
 
     use super::*;
+
+    /// SPEC C2: what a lenient provider reads as a number or a boolean is never
+    /// taken as absent (the estimate would reserve the default output and the
+    /// provider count 900): refused 400, nothing reserved or sent. A body sent as
+    /// JSON that does not read as JSON is refused too; a UTF-8 byte-order mark is
+    /// read past, as the providers' readers do; a body that is no JSON (a
+    /// multipart upload) is paced by its request alone.
+    #[test]
+    fn c2_a_body_the_pacer_cannot_count_is_refused() {
+        let json_type = {
+            let mut h = HeaderMap::new();
+            h.insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            h
+        };
+        let none = HeaderMap::new();
+        let reason = |body: &str, headers: &HeaderMap| match counted_body(body.as_bytes(), headers)
+        {
+            Err(PaceError::UncountableBody { reason, .. }) => Some(reason),
+            _ => None,
+        };
+        for (body, why) in [
+            (r#"{"messages":[],"max_tokens":"900"}"#, "bad_max_tokens"),
+            (r#"{"messages":[],"max_tokens":900.0}"#, "bad_max_tokens"),
+            (r#"{"messages":[],"max_tokens":1e30}"#, "bad_max_tokens"),
+            (r#"{"messages":[],"n":"3"}"#, "bad_n"),
+            (r#"{"messages":[],"n":3.0}"#, "bad_n"),
+            (r#"{"messages":[],"stream":1}"#, "bad_stream"),
+            ("{not json", "not_json"),
+        ] {
+            assert_eq!(reason(body, &none), Some(why), "{body}");
+        }
+        assert_eq!(reason("not json", &json_type), Some("not_json"));
+        let bom = "\u{feff}{\"messages\":[],\"max_tokens\":10}";
+        assert!(matches!(counted_body(bom.as_bytes(), &none), Ok(Some(_))));
+        for fine in [
+            r#"{"messages":[],"max_tokens":900,"n":2,"stream":true,"stream_options":null}"#,
+            r#"{"messages":[],"max_tokens":null,"n":null,"stream":null}"#,
+        ] {
+            assert!(
+                matches!(counted_body(fine.as_bytes(), &json_type), Ok(Some(_))),
+                "{fine}"
+            );
+        }
+        assert!(matches!(
+            counted_body(b"--boundary\r\ncontent-disposition: form-data", &none),
+            Ok(None)
+        ));
+        assert!(matches!(counted_body(b"", &json_type), Ok(None)));
+    }
 
     #[tokio::test]
     async fn c5_an_error_body_is_read_only_up_to_its_bound_and_rejoined_whole() {

@@ -50,6 +50,18 @@ pub enum PaceError {
         /// What the request said.
         value: String,
     },
+    /// A JSON body the pacer cannot count: not JSON, or a completion budget,
+    /// `n` or `stream` of a type a lenient provider reads as a number or a
+    /// boolean (`"900"`, `900.0`, `1`), which the estimate would take as absent
+    /// and so under-count, tripping the provider.
+    #[error("the request body cannot be counted: {message}")]
+    UncountableBody {
+        /// A short machine-readable name (`not_json`, `bad_max_tokens`, `bad_n`,
+        /// `bad_stream`).
+        reason: &'static str,
+        /// What is wrong, for the message.
+        message: String,
+    },
     /// The budget store could not answer.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -62,7 +74,9 @@ impl PaceError {
             PaceError::UnknownProvider { .. } => StatusCode::NOT_FOUND,
             PaceError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             PaceError::WouldWait { .. } => StatusCode::TOO_MANY_REQUESTS,
-            PaceError::InvalidPriority { .. } => StatusCode::BAD_REQUEST,
+            PaceError::InvalidPriority { .. } | PaceError::UncountableBody { .. } => {
+                StatusCode::BAD_REQUEST
+            }
             PaceError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -74,6 +88,7 @@ impl PaceError {
             PaceError::TooLarge { .. } => "request_too_large",
             PaceError::WouldWait { .. } => "rate_limited",
             PaceError::InvalidPriority { .. } => "invalid_priority",
+            PaceError::UncountableBody { .. } => "invalid_request",
             PaceError::Store(_) => "store_unavailable",
         }
     }
@@ -114,6 +129,7 @@ impl PaceError {
             PaceError::InvalidPriority { .. } => {
                 serde_json::json!({ "header": crate::priority::PRIORITY_HEADER })
             }
+            PaceError::UncountableBody { reason, .. } => serde_json::json!({ "reason": reason }),
             PaceError::Store(_) => serde_json::json!({ "retry_after_seconds": 1 }),
         };
         serde_json::json!({

@@ -52,8 +52,8 @@ pub mod usage;
 pub use api::{ApiStyle, DEFAULT_MAX_TOKENS};
 pub use tokens::{
     BUDGET_KEYS, BadLlmBody, Encoding, EstimateOptions, MAX_COMPLETION_BUDGET, TokenEstimate,
-    check_body, check_value, count_conservative, endpoint_is, estimate, estimate_body, model_of,
-    names_completion_budget,
+    check_body, check_counts, check_value, count_conservative, endpoint_is, estimate,
+    estimate_body, model_of, names_completion_budget,
 };
 #[cfg(feature = "body")]
 pub use usage::{OnUsage, UsageTap};

@@ -374,6 +374,28 @@ pub fn check_value(v: Value) -> Result<Value, BadLlmBody> {
     if obj.get("model").is_some_and(|m| !m.is_string()) {
         return Err(BadLlmBody::ModelNotAString);
     }
+    check_counts(obj)?;
+    let has_input = ["messages", "prompt", "input"]
+        .iter()
+        .any(|k| obj.get(*k).is_some_and(|x| !x.is_null()));
+    if !has_input {
+        return Err(BadLlmBody::NoInput);
+    }
+    Ok(v)
+}
+
+/// The checks of [`check_value`] on what a request asks to be generated, alone:
+/// its completion budgets ([`BUDGET_KEYS`], integers from 0 to
+/// [`MAX_COMPLETION_BUDGET`]), `n` (an integer from 1 to [`MAX_CHOICES`]) and
+/// `stream` / `stream_options` (booleans), each absent or `null` too. A server
+/// that reads `"900"`, `900.0` or `8.0` as a number would generate more than an
+/// estimate that took such a value as absent: for a reader that must not
+/// under-count (the gateway, the pacer) they are refused.
+///
+/// # Errors
+/// [`BadLlmBody::BadMaxTokens`], [`BadLlmBody::BadChoices`] or
+/// [`BadLlmBody::BadStream`].
+pub fn check_counts(obj: &serde_json::Map<String, Value>) -> Result<(), BadLlmBody> {
     for field in BUDGET_KEYS {
         let ok = match obj.get(field) {
             None | Some(Value::Null) => true,
@@ -391,13 +413,7 @@ pub fn check_value(v: Value) -> Result<Value, BadLlmBody> {
     if !stream_fields_are_openais(obj) {
         return Err(BadLlmBody::BadStream);
     }
-    let has_input = ["messages", "prompt", "input"]
-        .iter()
-        .any(|k| obj.get(*k).is_some_and(|x| !x.is_null()));
-    if !has_input {
-        return Err(BadLlmBody::NoInput);
-    }
-    Ok(v)
+    Ok(())
 }
 
 /// True when `stream` is absent, `null` or a boolean, and `stream_options` is

@@ -31,6 +31,10 @@ pub(crate) fn ask_for_usage(path: &str, body: &[u8]) -> Option<Bytes> {
     let options = obj
         .entry("stream_options")
         .or_insert_with(|| Value::Object(serde_json::Map::new()));
+    if options.is_null() {
+        // OpenAI reads `null` as absent.
+        *options = Value::Object(serde_json::Map::new());
+    }
     // A `stream_options` that is not an object is the provider's to refuse.
     let options = options.as_object_mut()?;
     if options.get("include_usage").and_then(Value::as_bool) == Some(true) {
@@ -305,6 +309,12 @@ mod tests {
         let asked = ask("/v1/chat/completions", stream.clone()).unwrap();
         assert_eq!(asked["stream_options"]["include_usage"], true);
         assert_eq!(asked["model"], "gpt-4o");
+        // `null` options are absent, as OpenAI reads them (before, the stream
+        // went unasked and its reservation was never settled).
+        let mut null = stream.clone();
+        null["stream_options"] = Value::Null;
+        let asked = ask("/v1/chat/completions", null).unwrap();
+        assert_eq!(asked["stream_options"], json!({"include_usage": true}));
         // Other options are kept; an explicit false is the client not asking.
         let mut other = stream.clone();
         other["stream_options"] = json!({"include_obfuscation": false, "include_usage": false});
