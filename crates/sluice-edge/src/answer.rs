@@ -766,21 +766,9 @@ pub fn jsonrpc_invalid_params(
         .ok()
         .and_then(|call| call.get("id").cloned())
         .unwrap_or(serde_json::Value::Null);
-    let body = serde_json::json!({
-        "jsonrpc": "2.0",
-        "id": id,
-        "error": {
-            "code": JSONRPC_INVALID_PARAMS,
-            "message": format!("Invalid params: {bad}; nothing was counted or queued."),
-            "data": { "reason": bad.reason },
-        },
-    });
-    let (mut parts, _) = answer.into_parts();
-    parts
-        .headers
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    parts.headers.remove(http::header::CONTENT_LENGTH);
-    Response::from_parts(parts, Full::new(Bytes::from(body.to_string())))
+    let message = format!("Invalid params: {bad}; nothing was counted or queued.");
+    let data = serde_json::json!({ "reason": bad.reason });
+    with_jsonrpc_error(answer, id, JSONRPC_INVALID_PARAMS, &message, data)
 }
 
 /// `answer` (status and fields kept) with a JSON-RPC parse error for its body.
@@ -789,10 +777,23 @@ fn jsonrpc_error_answer(
     message: &str,
     data: serde_json::Value,
 ) -> Response<Full<Bytes>> {
+    let id = serde_json::Value::Null;
+    with_jsonrpc_error(answer, id, JSONRPC_PARSE_ERROR, message, data)
+}
+
+/// `answer` (status and fields kept) with `{"jsonrpc":"2.0","id","error":{"code",
+/// "message","data"}}` for its body.
+fn with_jsonrpc_error(
+    answer: Response<Full<Bytes>>,
+    id: serde_json::Value,
+    code: i64,
+    message: &str,
+    data: serde_json::Value,
+) -> Response<Full<Bytes>> {
     let body = serde_json::json!({
         "jsonrpc": "2.0",
-        "id": null,
-        "error": { "code": JSONRPC_PARSE_ERROR, "message": message, "data": data },
+        "id": id,
+        "error": { "code": code, "message": message, "data": data },
     });
     let (mut parts, _) = answer.into_parts();
     parts
