@@ -162,26 +162,31 @@ impl UsageScanner {
         }
         let mut rest = chunk;
         while let Some(i) = memchr::memchr(b'\n', rest) {
-            if let Some(mut long) = self.long.take() {
-                long.feed(&rest[..i]);
-                self.long_line(long);
-            } else if !self.skipping {
-                self.hold(&rest[..i]);
-                if let Some(long) = self.long.take() {
-                    self.long_line(long);
-                } else if !self.skipping {
-                    let line = std::mem::take(&mut self.buf);
-                    self.line(&line);
-                }
-            }
-            self.skipping = false;
+            self.push(&rest[..i]);
+            self.end_line();
             rest = &rest[i + 1..];
         }
+        self.push(rest);
+    }
+
+    /// Adds `bytes` to the line being read: to a long line's scanner, or held.
+    fn push(&mut self, bytes: &[u8]) {
         if let Some(long) = &mut self.long {
-            long.feed(rest);
+            long.feed(bytes);
         } else if !self.skipping {
-            self.hold(rest);
+            self.hold(bytes);
         }
+    }
+
+    /// The line being read has ended: its usage, if it is one that has some.
+    fn end_line(&mut self) {
+        if let Some(long) = self.long.take() {
+            self.long_line(long);
+        } else if !self.skipping {
+            let line = std::mem::take(&mut self.buf);
+            self.line(&line);
+        }
+        self.skipping = false;
     }
 
     /// Adds `bytes` of the line being read to what is held of it; past
@@ -233,13 +238,7 @@ impl UsageScanner {
     /// The usage seen, once the answer has ended.
     pub fn finish(&mut self) -> Option<Usage> {
         if self.sse {
-            if let Some(long) = self.long.take() {
-                self.long_line(long);
-            }
-            let line = std::mem::take(&mut self.buf);
-            if !self.skipping {
-                self.line(&line);
-            }
+            self.end_line();
             return self.found.filter(|_| self.settled);
         }
         usage_from_json(&Value::Object(self.document.parts()?))
