@@ -8,9 +8,16 @@ use std::process::{Command, Stdio};
 /// The virtualenv at `dir` with each `(package, version)` of `packages`
 /// installed (created, or completed, when missing): its `python`.
 ///
+/// One test at a time makes or completes a virtualenv: tests of one binary that
+/// share one (the SDK tests) must not both create it.
+///
 /// # Panics
 /// When `python3 -m venv` or `pip install` fails (the tests need them).
 pub(crate) fn venv(dir: &Path, packages: &[(&str, &str)]) -> PathBuf {
+    static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = MAKING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let python = dir.join("bin/python");
     if !python.exists() {
         let ok = Command::new("python3")

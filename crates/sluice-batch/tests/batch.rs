@@ -1133,10 +1133,15 @@ async fn l4_crash_child() {
 fn l4_kill_9_loses_no_queued_item_and_no_result() {
     use std::io::BufRead as _;
     let dir = TempDir::new("kill");
+    // The child's name as the harness knows it: its module's path past the crate's.
+    let child_test = module_path!().split_once("::").map_or_else(
+        || "l4_crash_child".to_owned(),
+        |(_, m)| format!("{m}::l4_crash_child"),
+    );
     let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
         .args([
             "--exact",
-            "l4_crash_child",
+            child_test.as_str(),
             "--nocapture",
             "--test-threads=1",
         ])
@@ -1204,8 +1209,7 @@ fn l4_kill_9_loses_no_queued_item_and_no_result() {
 }
 
 #[cfg(feature = "redis")]
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use crate::redis_server;
 
 #[cfg(feature = "redis")]
 mod on_redis {

@@ -3,7 +3,7 @@
 //! the pacer waits what each one asks (SPEC C5, C6).
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::VecDeque;
 use std::path::Path;

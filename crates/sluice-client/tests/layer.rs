@@ -2,7 +2,7 @@
 //! retried, idempotency keys, reconciliation from a streamed answer.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::VecDeque;
 use std::sync::Arc;

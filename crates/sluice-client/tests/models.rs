@@ -3,7 +3,7 @@
 //! priorities, several keys.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -4,9 +4,8 @@
 //! request gets the proxy's 413.
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../../tests/support/python_venv.rs"]
-mod python_venv;
-mod support;
+use crate::python_venv;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -2,7 +2,7 @@
 //! shrink, reconciliation, header learning, hot reload, shared budgets.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! admin side's `/limits`, settings page and saved edits.
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

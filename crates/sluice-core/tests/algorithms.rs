@@ -1,6 +1,6 @@
 //! Exact behaviour of each algorithm at known instants.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! lease in hand is spent), leases that end by time, replicas killed holding a
 //! lease.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 

@@ -1,6 +1,6 @@
 //! Invariants of the multi-budget decision, for any arrival sequence.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -15,9 +15,8 @@ use sluice_edge::Limiter;
 use sluice_policy::{Policy, parse_str};
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, RedisConfig, RedisStore};
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
-mod support;
+use crate::redis_server;
+use crate::support;
 
 /// 2093-07-01T00:00:00Z less an hour: whole minutes since the epoch (a fixed window
 /// starts at T0), and ahead of the real clock that Redis expires keys by.

@@ -15,9 +15,8 @@ use sluice_edge::descriptors::{Code, DescriptorCall, RateLimitCall};
 use sluice_policy::parse_str;
 use sluice_store::{RedisConfig, RedisStore};
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
-mod support;
+use crate::redis_server;
+use crate::support;
 
 use redis_server::RedisServer;
 

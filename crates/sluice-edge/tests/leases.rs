@@ -21,9 +21,8 @@ use sluice_edge::Limiter;
 use sluice_policy::{Policy, parse_str};
 use sluice_store::{BudgetStore, RedisConfig, RedisStore};
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
-mod support;
+use crate::redis_server;
+use crate::support;
 
 use redis_server::RedisServer;
 

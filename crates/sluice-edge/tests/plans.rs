@@ -7,7 +7,7 @@ use std::path::Path;
 
 use sluice_policy::{Policy, parse_str};
 
-mod support;
+use crate::support;
 use support::{T0, limiter, send_as, statuses};
 
 /// `sha256("a")`, `sha256("b")`, `sha256("c")`: the keys of acme (pro), globex

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use sluice_policy::{Policy, parse_str};
 
-mod support;
+use crate::support;
 use sluice_core::Timestamp;
 use sluice_edge::Limiter;
 use sluice_store::{MemoryConfig, MemoryStore};

@@ -15,8 +15,7 @@ use sluice_policy::parse_str;
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, RedisConfig, RedisStore};
 use sluice_tokens::Usage;
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use crate::redis_server;
 
 /// 2093-07-01T00:00:00Z less an hour: ahead of the real clock Redis expires keys
 /// by, and whole hours since the epoch (an hour's window starts here).

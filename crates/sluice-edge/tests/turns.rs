@@ -17,8 +17,7 @@ use sluice_edge::Limiter;
 use sluice_policy::parse_str;
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, RedisConfig, RedisStore};
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use crate::redis_server;
 
 /// 2093-07-01T00:00:00Z less an hour: ahead of the real clock Redis expires keys by.
 const T0: u64 = 3_897_244_800 - 3_600;

@@ -17,8 +17,7 @@ use sluice_policy::parse_str;
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, RedisConfig, RedisStore};
 use sluice_tokens::Usage;
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use crate::redis_server;
 
 /// 2093-07-11T23:00:00Z: an hour before a day turns, mid-month, ahead of the real
 /// clock Redis expires keys by.

@@ -5,8 +5,7 @@
 //! upstream reads it, on the fast path and on the service stack, and leaves every
 //! other cookie as it came.
 
-#[path = "../../../tests/support/one_request.rs"]
-mod one_request;
+use crate::one_request;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

@@ -6,8 +6,7 @@
 //! budget is refused for good; a body that is not an LLM request is 400 and
 //! sent nowhere; refusals and headers speak the API's dialect.
 
-#[path = "../../../tests/support/one_request.rs"]
-mod one_request;
+use crate::one_request;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

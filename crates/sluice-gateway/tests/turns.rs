@@ -4,8 +4,7 @@
 //! and the run endpoints); a paused call is answered 409 and never reaches the
 //! upstream; its owner's grant over HTTP lets the run go on.
 
-#[path = "../../../tests/support/one_request.rs"]
-mod one_request;
+use crate::one_request;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! global cap only, take turns by fewest running, and wait out an open
 //! breaker.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

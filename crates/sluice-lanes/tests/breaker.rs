@@ -2,7 +2,7 @@
 //! all calls for 30 s, refused at once with the time left; then one probe
 //! decides.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

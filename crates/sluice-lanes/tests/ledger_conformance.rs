@@ -28,8 +28,7 @@ use sluice_lanes::{
 };
 use tokio::runtime::Runtime;
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use crate::redis_server;
 
 use redis_server::RedisServer;
 

@@ -3,7 +3,7 @@
 //! default numbers (3 running and 12 starts a minute per workspace, 20 in
 //! flight, waits of 15 s for REST and 2 min for JSON-RPC tool calls).
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

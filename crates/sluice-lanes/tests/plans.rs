@@ -2,7 +2,7 @@
 //! is held to those, in one process and across replicas on one ledger, while
 //! every other workspace keeps the lane's; on tokio's paused clock.
 
-mod support;
+use crate::support;
 
 use std::num::NonZeroU32;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! limits, its own counts always match the permits that exist, and
 //! everything returns to zero — no place leaked, none released twice.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -12,8 +12,7 @@ use sluice_lanes::{
     RefusalReason, Taken,
 };
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use crate::redis_server;
 
 use redis_server::{RedisCluster, RedisServer};
 

@@ -2,7 +2,7 @@
 //! them (L1, L2 and D2 for lanes). Two `Lane`s on clones of one `MemoryLedger`
 //! stand for two replicas on one Redis, on tokio's paused clock.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

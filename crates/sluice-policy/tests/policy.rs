@@ -1,7 +1,6 @@
 //! The policy: loading, validation errors, the default table, classification.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
 use std::net::IpAddr;

@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 use sluice_redis::redis::Script;
 use sluice_redis::{Connection, RedisUrl, UrlKind};
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use crate::redis_server;
 
 use redis_server::{RedisCluster, RedisServer};
 

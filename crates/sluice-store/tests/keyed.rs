@@ -74,8 +74,7 @@ async fn concurrent_waiters_on_one_key_are_admitted_at_the_rate() {
 }
 
 #[cfg(feature = "redis")]
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use crate::redis_server;
 
 #[cfg(feature = "redis")]
 mod redis {

@@ -23,8 +23,7 @@ use sluice_core::{
 };
 use sluice_store::{BudgetStore, MemoryConfig, MemoryStore, RedisConfig, RedisStore};
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use crate::redis_server;
 
 use redis_server::RedisServer;
 

@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 use sluice_core::{Budget, BudgetKey, Rate, Verdict};
 use sluice_store::{BudgetStore, Guarded, RedisConfig, RedisStore, StoreError};
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use crate::redis_server;
 
 use redis_server::RedisServer as Server;
 

@@ -1,11 +1,10 @@
 //! The edge end to end over loopback: an axum app behind the layer, real
 //! HTTP, the default policy, a fake clock (no test can straddle a window).
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use http::{Method, StatusCode};
 use sluice_edge::EDGE_BODY;

@@ -2,8 +2,7 @@
 //! through the tower layer in process on tokio's paused clock (no sockets, so time
 //! only moves when every task waits).
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
 use std::convert::Infallible;

@@ -1,11 +1,10 @@
 //! D3 at the layer: while the store cannot answer, each class follows its
 //! outage rule — decided locally with this replica's share, or 503.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 

@@ -1,11 +1,10 @@
 //! Monthly quotas (SPEC Q1) and the weighted warehouse-read budget (SPEC Q2)
 //! through the tower layer, on the built-in policy and a fake clock.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use http::StatusCode;
 use serde_json::Value;

@@ -2,8 +2,7 @@
 //! `Limiter::with_lanes` (L1 across replicas, D3 for lanes), on tokio's paused
 //! clock: two limiters on one `MemoryLedger` stand for two replicas.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
 use std::net::{IpAddr, Ipv4Addr};

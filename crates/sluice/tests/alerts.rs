@@ -7,10 +7,9 @@
 //! answers 500 never slows a request. Retries use a short configured backoff
 //! (`retry_ms`); the tests wait for what the receiver sees, never for time.
 
-mod support;
+use crate::support;
 
-#[path = "../../../tests/support/one_request.rs"]
-mod one_request;
+use crate::one_request;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

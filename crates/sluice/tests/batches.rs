@@ -3,11 +3,10 @@
 //! `Idempotency-Key: <batch_id>/<index>`, read back with progress and results,
 //! refused only for what the contract names, and survive `kill -9`.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

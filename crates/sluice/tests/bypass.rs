@@ -5,11 +5,10 @@
 //! What sluice forwards, it counted as the upstream will read it; what it cannot
 //! count, it refuses, saying why, and forwards nothing.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

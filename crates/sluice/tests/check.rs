@@ -4,11 +4,10 @@
 //! through a real nginx (Debian's package) with the configuration sluice documents
 //! (`examples/nginx/sluice.conf`, included unchanged).
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

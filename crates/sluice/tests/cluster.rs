@@ -2,11 +2,10 @@
 //! with `redis-cli --cluster create`): one script per slot at once, refunds
 //! when any slot refuses (SPEC D1, D2).
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::num::NonZeroU32;
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! `Host` (DNS rebinding), and beyond loopback needs a token. Raw requests over
 //! loopback against the real binary.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! networks the flood comes from share their network's budget (and are refused once
 //! it is spent), while new callers from other networks still get 200.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 

@@ -3,11 +3,10 @@
 //! connections) and what it leaves to hyper (HTTP/1.0, chunked request bodies,
 //! `Expect: 100-continue`), all on one `sluice serve` process.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -7,7 +7,7 @@
 //! a second (`INFO commandstats`, the commands scripts call included). With
 //! `--otlp-endpoint` (SPEC O1), nothing is sent and nothing runs at rest.
 
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -2,11 +2,10 @@
 //! one redis-server in front of one slow upstream, written here, that counts the
 //! calls running at once per `X-Sluice-Workspace` and in total.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -7,11 +7,10 @@
 //! is all or nothing; on the memory store a leased budget is exact. And
 //! `sluice check --replicas N` prints the bound.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};

@@ -4,11 +4,10 @@
 //! with `window_seconds` set to the largest value (a window that started at
 //! the Unix epoch and ends in 2106): no run can straddle a window boundary.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -3,11 +3,10 @@
 //! SPEC E2), the access log (`--access-log`), and the request id (`X-Request-Id`)
 //! passed to the upstream and returned, on the fast path and the hyper path.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,7 @@
 //! where it stands in `/status` and `/metrics`, and trips its breaker when the
 //! optimizer fails.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

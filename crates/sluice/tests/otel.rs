@@ -7,11 +7,10 @@
 //! sluice's span named to the upstream; nothing sent at rest; a collector that
 //! never answers slows no request (spans past the queue dropped and counted).
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -1,7 +1,7 @@
 //! `sluice pace` as a real process in front of the provider simulator: a paced
 //! chat, the admin's limits, and (C7) two processes on one Redis sharing one budget.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -2,11 +2,10 @@
 //! survive `kill -9`, the warehouse budget on the HTTP/1.1 fast path against the
 //! demo upstream, and clear errors for a data directory that cannot be used.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
 use std::net::{Shutdown, TcpListener, TcpStream};

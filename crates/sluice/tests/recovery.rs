@@ -14,7 +14,7 @@
 //! protobuf fields a `ShouldRateLimit` call needs), so that a thousand of them
 //! can be in flight at once.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -7,11 +7,10 @@
 //! A test whose tools are missing is skipped with a message, unless `CI` is set:
 //! there it fails (`scripts/test` installs them).
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

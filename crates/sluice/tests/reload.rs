@@ -3,11 +3,10 @@
 //! runs; a file that does not pass `sluice check` changes nothing and is reported with
 //! `sluice check`'s own message; budgets keep their counts across a reload.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -2,11 +2,10 @@
 //! means the same on every replica, whatever their clocks say, and an outage
 //! follows the policy.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

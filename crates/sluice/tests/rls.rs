@@ -7,11 +7,10 @@
 //! Counting tests use rules of a year (windows aligned to the epoch): no run can
 //! straddle one.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};

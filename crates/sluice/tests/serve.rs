@@ -1,7 +1,7 @@
 //! `sluice serve` as a real process: the gateway's proxy, the built-in demo upstream, the
 //! admin listener, bad flags and graceful shutdown, over loopback HTTP on free ports.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 

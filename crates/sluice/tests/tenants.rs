@@ -3,11 +3,10 @@
 //! naming the field, nothing changed), durable (the journal under `--data-dir`, or
 //! Redis), on every replica within 1 s, and logged as one audit line.
 
-#[path = "../../../tests/support/edit.rs"]
-mod edit;
+use crate::edit;
 use edit::Edit as _;
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

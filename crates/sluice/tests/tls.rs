@@ -8,10 +8,9 @@
 //! Certificates are made by `openssl` (the test script installs it) in a temporary
 //! directory: one CA, and leaf certificates for 127.0.0.1 it signs.
 
-mod support;
+use crate::support;
 
-#[path = "../../../tests/support/python_venv.rs"]
-mod python_venv;
+use crate::python_venv;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -2,10 +2,9 @@
 //! settled calls spent survives `kill -9` of the real binary, and a restart on
 //! the same data dir goes on from it. A loopback upstream reports known usage.
 
-mod support;
+use crate::support;
 
-#[path = "../../../tests/support/one_request.rs"]
-mod one_request;
+use crate::one_request;
 
 use std::net::SocketAddr;
 

@@ -6,8 +6,7 @@
 //! whose turns are spent raises the SDK's ConflictError with the pause's body,
 //! not retried, and goes on once its owner grants more turns.
 
-#[path = "../../../tests/support/one_request.rs"]
-mod one_request;
+use crate::one_request;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,8 +19,7 @@ use sluice_gateway::{Gateway, GatewayConfig, Upstream};
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpListener;
 
-#[path = "../../../tests/support/python_venv.rs"]
-mod python_venv;
+use crate::python_venv;
 
 /// The SDK versions this test pins (the current releases when written).
 const SDKS: [(&str, &str); 2] = [("openai", "3.57.0"), ("anthropic", "2.17.0")];

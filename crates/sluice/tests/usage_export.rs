@@ -4,10 +4,9 @@
 //! calls answered); on the embedded store the lines survive `kill -9`. A
 //! loopback upstream reports known usage.
 
-mod support;
+use crate::support;
 
-#[path = "../../../tests/support/one_request.rs"]
-mod one_request;
+use crate::one_request;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
