@@ -700,11 +700,6 @@ type Started = (
 /// The policy's batch lane over an embedded queue (in-memory storage) with
 /// its runner started, sending through `upstream`.
 fn scripted_lane(upstream: &Scripted) -> Started {
-    let (disk, _) = FillableDisk::new();
-    let store = DurableStore::with_backend("outage", disk.clone(), disk.log()).expect("store");
-    let book =
-        BatchBook::open(&store, BatchConfig::default().with_lease(BATCH_CLAIM)).expect("batches");
-    let queue: Arc<dyn BatchQueue> = Arc::new(book);
     let (shared, _) = limiter();
     let singles = shared
         .load()
@@ -713,13 +708,37 @@ fn scripted_lane(upstream: &Scripted) -> Started {
         .find(|l| l.name() == "optimizer")
         .expect("the built-in policy's optimizer lane")
         .clone();
-    let lane = lane(&shared, &queue, upstream);
+    let (lane, endpoints, stop) = running_lane(&shared, upstream);
+    (lane, endpoints, singles, stop)
+}
+
+/// A batch lane with its runner started: the lane, its endpoints and what
+/// stops the runner.
+type Running<U> = (
+    Arc<BatchLane<Refunds, U>>,
+    BatchEndpoints<NotFound, Refunds, U>,
+    tokio::sync::oneshot::Sender<()>,
+);
+
+/// `shared`'s batch lane over an embedded queue (in-memory storage) with its
+/// runner started, sending through `upstream`: the lane, its endpoints and
+/// what stops the runner.
+fn running_lane<U: BatchUpstream + Clone>(
+    shared: &SharedLimiter<Refunds>,
+    upstream: &U,
+) -> Running<U> {
+    let (disk, _) = FillableDisk::new();
+    let store = DurableStore::with_backend("outage", disk.clone(), disk.log()).expect("store");
+    let book =
+        BatchBook::open(&store, BatchConfig::default().with_lease(BATCH_CLAIM)).expect("batches");
+    let queue: Arc<dyn BatchQueue> = Arc::new(book);
+    let lane = lane(shared, &queue, upstream);
     let endpoints = BatchEndpoints::new(NotFound, Arc::new(vec![Arc::clone(&lane)]));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(Arc::clone(&lane).run(async move {
         let _ = stopped.await;
     }));
-    (lane, endpoints, singles, stop)
+    (lane, endpoints, stop)
 }
 
 /// Submits `n` items as `workspace`'s key does; the batch id.
@@ -970,4 +989,100 @@ async fn l4_an_answer_cut_off_or_too_large_is_never_an_empty_success() {
         "{status}"
     );
     assert_eq!(upstream.sent.load(Ordering::SeqCst), 1, "not sent again");
+}
+
+/// An upstream that answers each item 200 after a second, counting the items
+/// sent with each `X-API-Key`.
+#[derive(Clone, Default)]
+struct Slow {
+    sent: Arc<parking_lot::Mutex<std::collections::HashMap<String, u32>>>,
+}
+
+impl Slow {
+    fn sent(&self, key: &str) -> u32 {
+        self.sent.lock().get(key).copied().unwrap_or(0)
+    }
+}
+
+impl BatchUpstream for Slow {
+    type Body = Full<Bytes>;
+    type Error = Infallible;
+
+    fn send(
+        &self,
+        request: Request<ItemBody>,
+    ) -> impl Future<Output = Result<Response<Full<Bytes>>, Infallible>> + Send {
+        let key = request
+            .headers()
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        *self.sent.lock().entry(key).or_default() += 1;
+        async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let mut r = Response::new(Full::new(Bytes::from_static(b"{}")));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            Ok(r)
+        }
+    }
+}
+
+/// A credential revoked through the admin API while its batch waits in the
+/// queue sends nothing more upstream: each of its items not yet sent is
+/// recorded `failed`, 403, `details.reason: "credential_revoked"`, as its own
+/// requests are refused at the door; items already on their way finish. Another
+/// credential's batch runs on. Before, the revoked credential's queued items
+/// kept going upstream with it until the batch was done.
+#[tokio::test(start_paused = true)]
+async fn l4_p4_a_revoked_credential_s_queued_items_are_never_sent() {
+    let upstream = Slow::default();
+    let (shared, _) = limiter();
+    let (_lane, mut endpoints, _stop) = running_lane(&shared, &upstream);
+    let revoked = submit_items(&mut endpoints, "acme", 20).await;
+    let kept = submit_items(&mut endpoints, "globex", 5).await;
+    until(Duration::from_secs(30), || upstream.sent("acme-key") >= 1).await;
+
+    let mut policy = shared.load().policy().clone();
+    let sha: [u8; 32] = <sha2::Sha256 as sha2::Digest>::digest(b"acme-key").into();
+    policy.identity.revoked.insert(sha);
+    let reloaded = shared.load().reloaded(policy).expect("reload");
+    shared.store(Arc::new(reloaded));
+    let sent_before = upstream.sent("acme-key");
+
+    let status = finished(&mut endpoints, "acme", &revoked, Duration::from_secs(600)).await;
+    assert_eq!(
+        upstream.sent("acme-key"),
+        sent_before,
+        "nothing sent with the credential after its revocation"
+    );
+    let items = status["items"].as_array().expect("items");
+    let failed: Vec<&Value> = items.iter().filter(|i| i["state"] == "failed").collect();
+    let done = items.iter().filter(|i| i["state"] == "done").count();
+    assert_eq!(
+        done, sent_before as usize,
+        "the items already sent finish: {status}"
+    );
+    assert_eq!(failed.len(), 20 - done, "{status}");
+    assert!(!failed.is_empty(), "{status}");
+    for item in failed {
+        assert_eq!(item["status"], 403, "{item}");
+        assert_eq!(
+            item["result"]["error"]["details"]["reason"], "credential_revoked",
+            "{item}"
+        );
+    }
+    let other = finished(&mut endpoints, "globex", &kept, Duration::from_secs(600)).await;
+    assert!(
+        other["items"]
+            .as_array()
+            .expect("items")
+            .iter()
+            .all(|i| i["state"] == "done"),
+        "{other}"
+    );
+    assert_eq!(upstream.sent("globex-key"), 5);
 }

@@ -773,6 +773,17 @@ impl Identity {
         self.is_trusted(peer)
     }
 
+    /// True when the credential `headers` send (the one [`Identity::caller`] reads)
+    /// was revoked through the admin API. Work queued with it (a batch's items) is
+    /// checked again with this before it goes upstream.
+    pub fn revokes(&self, headers: &HeaderMap) -> bool {
+        !self.revoked.is_empty()
+            && self.credential(headers).is_some_and(|secret| {
+                let sha: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
+                self.revoked.contains(&sha)
+            })
+    }
+
     fn credential<'h>(&'h self, headers: &'h HeaderMap) -> Option<Cow<'h, str>> {
         if let Some(counted) = self.counted
             && self.sends_in(counted, headers)

@@ -429,6 +429,18 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                     ));
                     return Ran::Answered(ItemState::Failed, ItemResult { status, body });
                 }
+                Ok(Sent::Revoked) => {
+                    // Nothing went upstream: no outcome for the lane.
+                    drop(permit);
+                    self.count(1);
+                    let body = serde_json::json!({ "error": {
+                        "code": "forbidden",
+                        "message": "The credential this batch was queued with was revoked before the item was sent: it was not sent.",
+                        "details": { "reason": "credential_revoked" },
+                    }});
+                    let body = ResultBody::new(body.to_string().into_bytes(), true);
+                    return Ran::Answered(ItemState::Failed, ItemResult { status: 403, body });
+                }
                 Ok(Sent::Unsendable) => {
                     // Nothing went upstream: no outcome for the lane.
                     drop(permit);
@@ -459,7 +471,9 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
                             "the upstream's answer broke off before its end ({attempt} attempts)"
                         )),
                     },
-                    Ok(Sent::Unreachable | Sent::Unsendable | Sent::TooLarge(_)) => ItemResult {
+                    Ok(
+                        Sent::Unreachable | Sent::Unsendable | Sent::TooLarge(_) | Sent::Revoked,
+                    ) => ItemResult {
                         status: 502,
                         body: ResultBody::Text(format!(
                             "the upstream could not be reached ({attempt} attempts)"
@@ -531,6 +545,17 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
         let Ok(mut request) = request.body(body) else {
             return Sent::Unsendable;
         };
+        // A credential revoked after the submit sends nothing more: its queued
+        // items fail here, as its own requests are refused at the door.
+        if self
+            .limiter
+            .load()
+            .policy()
+            .identity
+            .revokes(request.headers())
+        {
+            return Sent::Revoked;
+        }
         // After the item's own fields, unless they hold one.
         request
             .headers_mut()
@@ -723,6 +748,9 @@ enum Sent {
     TooLarge(u16),
     /// The item could not be made into a request: nothing was sent.
     Unsendable,
+    /// The credential the item was queued with has been revoked since: nothing
+    /// was sent.
+    Revoked,
 }
 
 /// The outage's probe, out while this lives: its end lets the next one go
