@@ -62,6 +62,10 @@ enum Reply {
     Cut,
     /// A JSON answer of 9 MiB (a batch of embeddings, say), its `usage` last.
     Large,
+    /// A JSON answer whose `usage` counts its output alone.
+    OutputOnly,
+    /// A stream whose `usage` counts its output alone.
+    OutputOnlyStream,
 }
 
 /// A fake LLM upstream: answers each request as `reply` says, and counts them.
@@ -138,6 +142,19 @@ fn answer(reply: Reply, anthropic: bool) -> String {
             format!(
                 "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                 body.len()
+            )
+        }
+        Reply::OutputOnly => {
+            let body = json!({ "id": "x", "usage": { "completion_tokens": output } }).to_string();
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            )
+        }
+        Reply::OutputOnlyStream => {
+            let last = json!({ "choices": [], "usage": { "prompt_tokens": 0, "completion_tokens": output } });
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\ndata: {last}\n\ndata: [DONE]\n\n"
             )
         }
         Reply::Error => {
@@ -402,6 +419,38 @@ async fn t2_t3_every_spelling_of_a_stream_settles_at_its_usage_or_is_refused() {
         );
         gateway.shutdown().await;
         let _ = std::fs::remove_dir_all(dir);
+    })
+    .await;
+}
+
+/// SPEC T3, fail closed: an answer whose `usage` counts its output alone (no
+/// input, or 0), as a JSON answer or a stream, has not said what the call spent,
+/// and the call keeps its reservation. Before, the missing input was settled at
+/// 0: the call was charged its output alone, less than it reserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t3_a_usage_that_counts_no_input_keeps_the_reservation() {
+    bounded(async {
+        for (reply, stream) in [(Reply::OutputOnly, false), (Reply::OutputOnlyStream, true)] {
+            let (up, _) = upstream(reply).await;
+            let (gateway, dir) = start_gateway(up).await;
+            let addr = gateway.addr().expect("an address");
+            let body = chat(Some(50), stream);
+            let (status, head, _) = call(addr, "/v1/chat/completions", "k", &body).await;
+            assert_eq!(status, 200);
+            let reserved = 1000 - remaining(&head);
+            assert!(
+                reserved > USAGE.2,
+                "the reservation is above the output alone"
+            );
+            let (_, head, _) = call(addr, "/v1/chat/completions", "k", &body).await;
+            assert_eq!(
+                remaining(&head),
+                1000 - 2 * reserved,
+                "stream {stream}: the first kept its reservation"
+            );
+            gateway.shutdown().await;
+            let _ = std::fs::remove_dir_all(dir);
+        }
     })
     .await;
 }

@@ -55,6 +55,12 @@ impl Usage {
         self.prompt.saturating_sub(self.rate_exempt_input)
     }
 
+    /// True when the usage counts some input: one that counts none is no
+    /// reading of what a call spent (see [`usage_from_json`]).
+    pub fn counts_input(&self) -> bool {
+        self.prompt > 0
+    }
+
     /// Folds in another reading of the same answer (a stream reports usage
     /// more than once, some fields only in one event): the larger of each.
     fn merge(&mut self, other: Usage) {
@@ -73,10 +79,19 @@ fn field(u: &Value, k: &str) -> Option<u32> {
         .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
 }
 
-/// The usage in one JSON document (an answer or one streamed event), in
-/// either provider's shape; `None` when it has none. Counts that are not
-/// non-negative integers are ignored; counts above `u32::MAX` saturate.
+/// The usage in one JSON document (an answer), in either provider's shape;
+/// `None` when it has none. Counts that are not non-negative integers are
+/// ignored; counts above `u32::MAX` saturate. A usage that counts no input
+/// (none reported, or 0) is none: every call reads some, and an answer that
+/// reports only its output has not said what it spent (SPEC T3: such a call
+/// is charged its reservation, never less).
 pub fn usage_from_json(v: &Value) -> Option<Usage> {
+    usage_in(v).filter(Usage::counts_input)
+}
+
+/// [`usage_from_json`] of one part of an answer (a streamed event, which may
+/// report its output alone), without the check that it counts input.
+fn usage_in(v: &Value) -> Option<Usage> {
     // At the top (an answer, OpenAI's chunks, Anthropic's `message_delta`),
     // in Anthropic's `message_start` or the Responses API's
     // `response.completed` event.
@@ -213,10 +228,7 @@ impl UsageScanner {
     /// taken to close the count (an event that opens one, Anthropic's
     /// `message_start`, is a few hundred bytes).
     fn long_line(&mut self, mut long: DocumentScanner) {
-        if let Some(u) = long
-            .parts()
-            .and_then(|p| usage_from_json(&Value::Object(p)))
-        {
+        if let Some(u) = long.parts().and_then(|p| usage_in(&Value::Object(p))) {
             self.found.get_or_insert_with(Usage::default).merge(u);
             self.settled = true;
         }
@@ -239,7 +251,7 @@ impl UsageScanner {
     pub fn finish(&mut self) -> Option<Usage> {
         if self.sse {
             self.end_line();
-            return self.found.filter(|_| self.settled);
+            return self.found.filter(|u| self.settled && u.counts_input());
         }
         usage_from_json(&Value::Object(self.document.parts()?))
     }
@@ -272,7 +284,9 @@ struct UsageParts {
 /// parts. A document that is not JSON, or names a part twice, has none.
 #[cfg(test)]
 fn usage_of_document(bytes: &[u8]) -> Option<Usage> {
-    usage_of_event(bytes).map(|(usage, _)| usage)
+    usage_of_event(bytes)
+        .map(|(usage, _)| usage)
+        .filter(Usage::counts_input)
 }
 
 /// [`usage_of_document`] of one streamed event, and whether the event opens
@@ -293,7 +307,7 @@ fn usage_of_event(bytes: &[u8]) -> Option<(Usage, bool)> {
             doc.insert(key.to_owned(), part);
         }
     }
-    usage_from_json(&Value::Object(doc)).map(|usage| (usage, opening))
+    usage_in(&Value::Object(doc)).map(|usage| (usage, opening))
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -429,6 +443,34 @@ mod tests {
             15
         );
         assert_eq!(usage_from_json(&json!({"usage":null})), None);
+    }
+
+    /// SPEC T3, fail closed: a usage that counts no input (none reported, or
+    /// 0) is no usage, in one document or over a stream's events; Anthropic's
+    /// output-only `message_delta` still counts once `message_start` gave the
+    /// input.
+    #[test]
+    fn t3_a_usage_that_counts_no_input_is_none() {
+        for usage in [
+            json!({"usage":{"completion_tokens":30}}),
+            json!({"usage":{"prompt_tokens":0,"completion_tokens":30}}),
+            json!({"usage":{"output_tokens":30}}),
+            json!({"usage":{"total_tokens":0}}),
+        ] {
+            assert_eq!(usage_from_json(&usage), None, "{usage}");
+            let doc = usage.to_string();
+            assert_eq!(scan("application/json", &[&doc]), None, "{usage}");
+            let event = format!("data: {doc}\n\ndata: [DONE]\n\n");
+            assert_eq!(scan("text/event-stream", &[&event]), None, "{usage}");
+        }
+        let delta_alone = "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":15}}\n\n";
+        assert_eq!(scan("text/event-stream", &[delta_alone]), None);
+        let start = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n";
+        let whole = scan("text/event-stream", &[start, delta_alone]).expect("usage");
+        assert_eq!((whole.prompt, whole.completion), (25, 15));
+        // Embeddings report input alone: a usage.
+        let embeddings = json!({"usage":{"prompt_tokens":8,"total_tokens":8}});
+        assert_eq!(usage_from_json(&embeddings).map(|u| u.prompt), Some(8));
     }
 
     #[test]
@@ -668,13 +710,8 @@ mod tests {
         assert_eq!(usage_from_json(&u), None);
         let u = json!({"usage":{"prompt_tokens":-5,"completion_tokens":7,
             "prompt_tokens_details":{"cached_tokens":-3}}});
-        assert_eq!(
-            usage_from_json(&u),
-            Some(Usage {
-                completion: 7,
-                ..Usage::default()
-            })
-        );
+        // Its input unread, it has not said what the call spent (SPEC T3).
+        assert_eq!(usage_from_json(&u), None);
         let u = json!({"usage":{"input_tokens":"12","output_tokens":true,"cache_read_input_tokens":1.0}});
         assert_eq!(usage_from_json(&u), None);
         // Counts beyond u32 saturate, sums too.
@@ -706,13 +743,8 @@ mod tests {
         let line = "data: {\"usage\":{\"prompt_tokens\":1e400,\"completion_tokens\":123456789012345678901234567890}}\n";
         assert_eq!(scan("text/event-stream", &[line]), None);
         let line = "data: {\"usage\":{\"prompt_tokens\":123456789012345678901234567890,\"completion_tokens\":4}}\n";
-        assert_eq!(
-            scan("text/event-stream", &[line]),
-            Some(Usage {
-                completion: 4,
-                ..Usage::default()
-            })
-        );
+        // Its input past u64: no usage, as with no input (SPEC T3).
+        assert_eq!(scan("text/event-stream", &[line]), None);
     }
 
     #[cfg(feature = "body")]
