@@ -231,22 +231,39 @@ pub fn is_underscore_spelling(name: &[u8], read: &[HeaderName]) -> bool {
 }
 
 /// Reads and removes the upstream's `X-Sluice-Cost`: `Some(cost)` to charge,
-/// `None` when absent (the unit spent at admission stands). A value that is not a
-/// number is charged as one unit, as absent.
+/// `None` when absent (the unit spent at admission stands). Sent more than once,
+/// the largest cost counts: an answer never settles below what it said it spent.
+/// A value that is not a number is charged as one unit, as absent.
 pub fn take_cost(headers: &mut HeaderMap) -> Option<u32> {
-    let value = headers.remove(X_SLUICE_COST)?;
-    parse_cost(value.as_bytes())
+    match headers.entry(X_SLUICE_COST) {
+        http::header::Entry::Occupied(fields) => fields
+            .remove_entry_mult()
+            .1
+            .fold(None, |cost, value| cost.max(parse_cost(value.as_bytes()))),
+        http::header::Entry::Vacant(_) => None,
+    }
 }
 
-/// An `X-Sluice-Cost` value: a decimal count of units (saturating), or `None`.
+/// An `X-Sluice-Cost` value: a decimal count of units (saturating), a fraction
+/// rounded up (`2.5` is 3), or `None`.
 pub fn parse_cost(value: &[u8]) -> Option<u32> {
-    let digits = value.trim_ascii();
-    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+    let value = value.trim_ascii();
+    let (whole, fraction) = match memchr::memchr(b'.', value) {
+        Some(dot) => (&value[..dot], &value[dot + 1..]),
+        None => (value, &[][..]),
+    };
+    let digits = |d: &[u8]| d.iter().all(u8::is_ascii_digit);
+    if whole.is_empty()
+        || !digits(whole)
+        || !digits(fraction)
+        || (value.len() > whole.len() && fraction.is_empty())
+    {
         return None;
     }
-    Some(digits.iter().fold(0u32, |n, &d| {
+    let units = whole.iter().fold(0u32, |n, &d| {
         n.saturating_mul(10).saturating_add(u32::from(d - b'0'))
-    }))
+    });
+    Some(units.saturating_add(u32::from(fraction.iter().any(|&d| d != b'0'))))
 }
 
 /// `X-RateLimit-Limit`.
@@ -935,6 +952,36 @@ mod tests {
         assert_eq!(retry_after_secs(Duration::from_millis(36_500)), 37);
         assert_eq!(retry_after_secs(Duration::from_secs(37)), 37);
         assert_eq!(retry_after_secs(Duration::ZERO), 1);
+    }
+
+    /// SPEC Q2: what the upstream says a call spent is never read as less.
+    #[test]
+    fn q2_a_cost_is_read_whole_rounded_up_and_its_largest_spelling_counts() {
+        for (value, cost) in [
+            ("3", Some(3)),
+            (" 0 ", Some(0)),
+            ("2.5", Some(3)),
+            ("2.0", Some(2)),
+            ("0.01", Some(1)),
+            ("99999999999", Some(u32::MAX)),
+            ("4294967295.5", Some(u32::MAX)),
+            ("", None),
+            ("2.", None),
+            (".5", None),
+            ("+4", None),
+            ("-1", None),
+            ("1e3", None),
+            ("1.2.3", None),
+        ] {
+            assert_eq!(parse_cost(value.as_bytes()), cost, "{value:?}");
+        }
+        let mut headers = HeaderMap::new();
+        for value in ["2", "junk", "5", "1"] {
+            headers.append(X_SLUICE_COST, HeaderValue::from_static(value));
+        }
+        assert_eq!(take_cost(&mut headers), Some(5));
+        assert!(headers.is_empty(), "every field taken out");
+        assert_eq!(take_cost(&mut headers), None);
     }
 
     #[test]

@@ -103,6 +103,21 @@ pub fn field<'b>(buf: &'b [u8], name: &[u8]) -> Option<&'b [u8]> {
     }
 }
 
+/// Calls `each` with the value of every field named `name` (any case) of the
+/// complete response head at the start of `buf`, in order; none for a head that
+/// is not complete.
+pub fn each_field(buf: &[u8], name: &[u8], mut each: impl FnMut(&[u8])) {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut fields);
+    if let Ok(httparse::Status::Complete(_)) = response.parse(buf) {
+        response
+            .headers
+            .iter()
+            .filter(|f| f.name.as_bytes().eq_ignore_ascii_case(name))
+            .for_each(|f| each(f.value));
+    }
+}
+
 /// Parses the response head at the start of `buf`. For a final response the head the
 /// client gets is written to `client`: the status line as HTTP/1.1, the upstream's
 /// fields but the hop-by-hop and the replaced ones, then what `extra` writes (the

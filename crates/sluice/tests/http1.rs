@@ -909,6 +909,41 @@ async fn the_upstream_s_sluice_fields_never_reach_the_client() {
     .await;
 }
 
+/// SPEC Q2, never charged less than the upstream said: an `X-Sluice-Cost` sent
+/// twice is charged its larger value, and a fraction is rounded up (`2.5` is 3),
+/// on the fast path (HTTP/1.1) and through hyper (HTTP/1.0) alike. Before, the
+/// first field counted and `2.5` was charged as an absent cost, 1.
+#[tokio::test]
+async fn q2_a_cost_sent_twice_or_as_a_fraction_is_never_charged_less() {
+    bounded(async {
+        let twice = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\nx-sluice-cost: 2\r\nX-Sluice-Cost: 5\r\n\r\nok";
+        let fraction = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\nx-sluice-cost: 2.5\r\n\r\nok";
+        for version in ["HTTP/1.1", "HTTP/1.0"] {
+            let (upstream, _) = scripted_upstream(vec![twice, fraction]).await;
+            let sluice = Sluice::spawn(&["--upstream", &upstream]);
+            // The budget's 10 units: 5 spent by the first, 3 by the second.
+            for (answer, left) in [(twice, "5"), (fraction, "2")] {
+                let mut stream = connect(&sluice).await;
+                let body = r#"{"sql":"select 1"}"#;
+                let request = format!(
+                    "POST /search/query {version}\r\nhost: x\r\nx-api-key: sk-cost\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                stream.write_all(request.as_bytes()).await.expect("write");
+                let raw = read_raw(&mut stream, &mut Vec::new(), false).await;
+                assert_eq!(raw.status, 200, "{version}: {}", raw.head);
+                assert!(
+                    raw.head.contains(&format!("\r\nx-ratelimit-remaining: {left}\r\n")),
+                    "{version}, {answer:?}: {}",
+                    raw.head
+                );
+                assert!(!raw.head.contains("x-sluice-cost"), "{}", raw.head);
+            }
+        }
+    })
+    .await;
+}
+
 /// RFC 9112 §6.1: a transfer coding sluice does not understand (one before
 /// `chunked`, in one field or two, or `chunked` twice) is answered 501 and never
 /// forwarded — hyper would take the chunks off and the upstream get the gzip bytes

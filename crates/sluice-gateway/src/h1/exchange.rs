@@ -214,13 +214,14 @@ impl<'f> Connection<'f> {
                     // The weighted budgets are charged what the upstream says the
                     // call cost, and the head is written again with their standing
                     // after the charge.
-                    let cost = match parsed {
-                        response::Parsed::Final(_) if request.forward.settles() => {
-                            response::field(&self.from_upstream, b"x-sluice-cost")
-                                .and_then(sluice_edge::parse_cost)
-                        }
-                        _ => None,
-                    };
+                    // Sent more than once, the largest cost counts (as on the
+                    // hyper path, `sluice_edge::take_cost`).
+                    let mut cost = None;
+                    if matches!(parsed, response::Parsed::Final(_)) && request.forward.settles() {
+                        response::each_field(&self.from_upstream, b"x-sluice-cost", |v| {
+                            cost = cost.max(sluice_edge::parse_cost(v));
+                        });
+                    }
                     let event_stream = matches!(parsed, response::Parsed::Final(_))
                         && request.forward.plan().llm.is_some()
                         && response::field(&self.from_upstream, b"content-type")
