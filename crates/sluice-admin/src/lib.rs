@@ -23,6 +23,7 @@
 //! [`Sample`] every [`SAMPLE_INTERVAL`], the last [`HISTORY_SAMPLES`] of them (ten
 //! minutes) in a ring, so its memory is bounded whatever the traffic.
 
+mod query;
 mod recorder;
 pub mod tenants;
 
@@ -35,7 +36,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 
 use axum::Router;
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::http::header;
 use axum::response::{Html, IntoResponse, Json, Response};
@@ -44,6 +45,8 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 
 use sluice_store::BudgetStore;
+
+use crate::query::Query;
 
 /// The gateway's request counters, as `/status`, `/metrics` and the dashboard read
 /// them (the gateway's per-worker counters implement it).

@@ -668,6 +668,20 @@ async fn t4_money_is_reserved_at_the_price_settled_to_the_thousandth_of_a_cent_a
         )
         .await;
         assert_eq!(other["error"]["code"], "invalid_request", "{other}");
+        // A query string the API cannot read is the same JSON envelope, never
+        // plain text, on each route that reads one.
+        for path in [
+            "/usage?workspace=a&workspace=b",
+            "/usage/export?month=1&month=2",
+            "/quotas?workspace=a&workspace=b",
+            "/runs?near=x",
+        ] {
+            let refused = admin_get(gateway.admin_addr(), path).await;
+            assert_eq!(
+                refused["error"]["code"], "invalid_request",
+                "{path}: {refused}"
+            );
+        }
         // A model with no price: refused, sent nowhere.
         let before = seen.load(Ordering::SeqCst);
         let unpriced = json!({ "model": "llama-3", "max_tokens": 5,
