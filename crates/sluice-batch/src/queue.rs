@@ -595,6 +595,25 @@ pub trait BatchQueue: Send + Sync {
         now: Timestamp,
     ) -> QueueFuture<'a, Result<Submitted, SubmitError>>;
 
+    /// The batch an earlier submit of `workspace` made with `idempotency_key` and
+    /// a body of `body_digest` (as [`BatchQueue::submit`] compares them), with
+    /// `created: false`; `None` when the key made no batch that is kept, or made
+    /// one of another body. It reads only: a caller that may not submit (its
+    /// quota spent by that very batch) can still be told its repeat's answer.
+    /// A queue that keeps no keys answers `None` (the default).
+    ///
+    /// # Errors
+    /// [`BatchError::Unavailable`].
+    fn earlier_batch<'a>(
+        &'a self,
+        workspace: &'a str,
+        idempotency_key: &'a str,
+        body_digest: &'a [u8],
+    ) -> QueueFuture<'a, Result<Option<Submitted>, BatchError>> {
+        let _ = (workspace, idempotency_key, body_digest);
+        Box::pin(std::future::ready(Ok(None)))
+    }
+
     /// Claims the next queued item of `workspace` (the oldest, or one that
     /// went back to the queue), marking it running with a lease until
     /// `now` + [`BatchConfig::lease`]; `None` when it has none queued.

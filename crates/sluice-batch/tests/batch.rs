@@ -186,6 +186,24 @@ mod suite {
                 batch_id: a.batch_id.clone()
             })
         );
+        // Read alone, the key names its batch for the same body only, and
+        // only in its own workspace.
+        let earlier = q
+            .earlier_batch("acme", "key-1", b"body-a")
+            .await
+            .expect("earlier");
+        assert_eq!(earlier, Some(again.clone()));
+        for (workspace, key, digest) in [
+            ("acme", "key-1", &b"body-b"[..]),
+            ("acme", "key-2", b"body-a"),
+            ("globex", "key-1", b"body-a"),
+        ] {
+            let none = q
+                .earlier_batch(workspace, key, digest)
+                .await
+                .expect("earlier");
+            assert_eq!(none, None, "{workspace} {key}");
+        }
         // Keys belong to a workspace.
         let other = q
             .submit("globex", items(2), Some("key-1"), b"body-b", at(7))

@@ -406,6 +406,7 @@ pub fn refusal(decision: &Decision, plan: &Plan, policy: &Policy) -> Response<Fu
             );
         }
         rate_limit_headers(response.headers_mut(), decision, plan, policy);
+        response.extensions_mut().insert(crate::QuotaRefusal);
         return response;
     }
     let mut response = match plan.refusal(binding, policy) {

@@ -30,6 +30,7 @@
 //!    phase 5 sends its `traceparent` upstream and it ends with the [`Forward`].
 
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -179,6 +180,37 @@ impl<'l, S: BudgetStore> Planned<'l, '_, S> {
         }
     }
 }
+
+/// A request extension the tower layer adds to a batch submit that a monthly quota
+/// refused, when it passes it to the batch lane all the same: the submit may
+/// repeat a batch that the same items already counted (its idempotency key and
+/// body), which the lane answers as it did the first time (202, the same
+/// `batch_id`). Anything else the lane answers with this refusal, queueing
+/// nothing. It holds the refusal until the lane takes it.
+#[derive(Clone, Debug)]
+pub struct RefusedUnlessRepeat(Arc<parking_lot::Mutex<Option<Response<Full<Bytes>>>>>);
+
+impl RefusedUnlessRepeat {
+    /// Holds `refusal` for the lane.
+    pub fn new(refusal: Response<Full<Bytes>>) -> Self {
+        RefusedUnlessRepeat(Arc::new(parking_lot::Mutex::new(Some(refusal))))
+    }
+
+    /// The refusal (once: later takes answer a bare 429).
+    pub fn take(&self) -> Response<Full<Bytes>> {
+        self.0.lock().take().unwrap_or_else(|| {
+            let mut r = Response::new(Full::new(Bytes::new()));
+            *r.status_mut() = http::StatusCode::TOO_MANY_REQUESTS;
+            r
+        })
+    }
+}
+
+/// A response extension of a refusal whose refusing budget is a monthly quota
+/// (`quota_exceeded`): the tower layer passes a batch submit so refused to the
+/// batch lane as [`RefusedUnlessRepeat`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuotaRefusal;
 
 /// What an admitted request spent of each monthly quota family (by the family's
 /// index in the policy), for the service behind the edge: a request extension the

@@ -102,7 +102,7 @@ pub use buffers::{
     BODY_DEADLINE, BufferBudget, BufferFull, BufferLease, DEFAULT_BUFFERED_SHARE,
     DEFAULT_MAX_BUFFERED_BYTES, Holder, MAX_HOLDERS, PIECE_BYTES, READ_BUFFER_ALLOWANCE,
 };
-pub use exchange::{BodyRead, Forward, Planned, QuotaSpent};
+pub use exchange::{BodyRead, Forward, Planned, QuotaRefusal, QuotaSpent, RefusedUnlessRepeat};
 pub use hangup::{Hangup, HangupSender, UploadEnded};
 pub use intake::{BodyFailure, Intake};
 pub use lanes::{

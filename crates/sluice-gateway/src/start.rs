@@ -847,10 +847,12 @@ impl WorkerStack {
     pub(super) fn build(&self, stats: RequestStats) -> (WorkerService, h1::FastPath) {
         let connections = Arc::new(pool::Connections::to(&self.proxy.upstream));
         let service = access::RequestIds::new(
-            SluiceLayer::reloadable(Arc::clone(&self.limiter)).layer(BatchEndpoints::new(
-                Proxy::over(self.proxy.clone(), Arc::clone(&connections)),
-                Arc::clone(&self.batch_lanes),
-            )),
+            SluiceLayer::reloadable(Arc::clone(&self.limiter))
+                .with_batch_repeats()
+                .layer(BatchEndpoints::new(
+                    Proxy::over(self.proxy.clone(), Arc::clone(&connections)),
+                    Arc::clone(&self.batch_lanes),
+                )),
             self.access_log,
         );
         let fast = h1::FastPath::new(

@@ -82,6 +82,7 @@ pub struct SluiceLayer<S> {
     limiter: SharedLimiter<S>,
     peer_fn: Option<PeerFn>,
     key_fn: Option<KeyFn>,
+    batch_repeats: bool,
 }
 
 impl<S> SluiceLayer<S> {
@@ -102,6 +103,7 @@ impl<S> SluiceLayer<S> {
             limiter,
             peer_fn: None,
             key_fn: None,
+            batch_repeats: false,
         }
     }
 
@@ -145,6 +147,19 @@ impl<S> SluiceLayer<S> {
         self.key_fn = Some(Arc::new(key));
         self
     }
+
+    /// The same layer in front of sluice-batch's `BatchEndpoints`: a batch
+    /// submit that a monthly quota refuses is passed on with the refusal as a
+    /// [`RefusedUnlessRepeat`](sluice_edge::RefusedUnlessRepeat) extension, so
+    /// that a repeat of a batch those items already counted is answered as it
+    /// was (202, the same `batch_id`). Only for an inner service that answers
+    /// every such request itself: one that forwards it would forward a refused
+    /// request.
+    #[must_use]
+    pub fn with_batch_repeats(mut self) -> Self {
+        self.batch_repeats = true;
+        self
+    }
 }
 
 impl<S> Clone for SluiceLayer<S> {
@@ -153,6 +168,7 @@ impl<S> Clone for SluiceLayer<S> {
             limiter: Arc::clone(&self.limiter),
             peer_fn: self.peer_fn.clone(),
             key_fn: self.key_fn.clone(),
+            batch_repeats: self.batch_repeats,
         }
     }
 }
@@ -166,6 +182,7 @@ impl<S, I> Layer<I> for SluiceLayer<S> {
             inner,
             peer_fn: self.peer_fn.clone(),
             key_fn: self.key_fn.clone(),
+            batch_repeats: self.batch_repeats,
         }
     }
 }
@@ -183,6 +200,7 @@ pub struct SluiceService<S, I> {
     inner: I,
     peer_fn: Option<PeerFn>,
     key_fn: Option<KeyFn>,
+    batch_repeats: bool,
 }
 
 impl<S, I: Clone> Clone for SluiceService<S, I> {
@@ -192,6 +210,7 @@ impl<S, I: Clone> Clone for SluiceService<S, I> {
             inner: self.inner.clone(),
             peer_fn: self.peer_fn.clone(),
             key_fn: self.key_fn.clone(),
+            batch_repeats: self.batch_repeats,
         }
     }
 }
@@ -223,6 +242,7 @@ where
         let limiter = self.limiter.load_full();
         let peer_fn = self.peer_fn.clone();
         let key_fn = self.key_fn.clone();
+        let batch_repeats = self.batch_repeats;
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
             // Phase 1 (see `sluice_edge::Intake`): a head RFC 9112 refuses (no
@@ -265,6 +285,20 @@ where
             // Phases 3 and 4: planned and admitted; what cannot be counted is
             // refused before anything is decided.
             let planned = intake.planned(&parts.headers, key.as_deref(), None);
+            // A batch submit's upstream head, made now for the batch lane in case
+            // a monthly quota refuses it: it may repeat a batch whose items that
+            // quota already counted (see `RefusedUnlessRepeat`).
+            let repeat_head = match (route, planned.plan()) {
+                (Ok(Some(r)), Ok(plan))
+                    if batch_repeats
+                        && matches!(r.batch, Some(sluice_policy::BatchEndpoint::Submit(_))) =>
+                {
+                    let mut headers = parts.headers.clone();
+                    sluice_edge::upstream_headers(&mut headers, plan, limiter.policy());
+                    Some(headers)
+                }
+                _ => None,
+            };
             // A call waiting for its lane's place waits while its client is there
             // (when the transport watches it): one that hangs up leaves the line.
             let hangup = parts
@@ -282,7 +316,24 @@ where
             };
             let mut forward = match admitted {
                 Ok(forward) => forward,
-                Err(answer) => return Ok(answer.map(Either::Left)),
+                Err(answer) => {
+                    if let Some(headers) = repeat_head
+                        && answer
+                            .extensions()
+                            .get::<sluice_edge::QuotaRefusal>()
+                            .is_some()
+                    {
+                        // Nothing was spent: the lane answers a repeat, or this.
+                        parts.headers = headers;
+                        parts.extensions.insert(sluice_edge::QuotaSpent::default());
+                        parts
+                            .extensions
+                            .insert(sluice_edge::RefusedUnlessRepeat::new(answer));
+                        let response = inner.call(Request::from_parts(parts, body)).await?;
+                        return Ok(response.map(|b| Either::Right(Either::Left(b))));
+                    }
+                    return Ok(answer.map(Either::Left));
+                }
             };
             // An agent run's endpoint (SPEC T7): answered here for its caller,
             // never forwarded.

@@ -200,6 +200,63 @@ async fn l4_q1_a_batch_larger_than_the_quota_left_is_refused_and_the_backlog_is_
     assert_eq!(over.json()["error"]["code"], "quota_exceeded");
 }
 
+/// SPEC L4 with Q1: a batch that spends the last of its workspace's monthly quota
+/// still answers its repeat (same idempotency key, same body) with its 202 and
+/// `batch_id`, counting nothing more: a client whose first answer was lost is
+/// told what it queued. A new batch, or the same key with another body, is still
+/// refused `quota_exceeded`, and nothing of them is queued. Before, the repeat was
+/// refused 429 `quota_exceeded` while its batch ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_q1_a_repeat_of_the_batch_that_spent_the_quota_is_answered_as_it_was() {
+    let dir = DataDir::new();
+    std::fs::create_dir_all(&dir.0).expect("dir");
+    let policy = dir.0.join("policy.yaml");
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML
+        .edit("messages: { monthly: 1000 }", "messages: { monthly: 5 }");
+    std::fs::write(&policy, yaml).expect("policy");
+    let sluice = Sluice::spawn(&[
+        "--config",
+        policy.to_str().expect("path"),
+        "--demo-optimize-seconds",
+        "600",
+    ]);
+    let batch = json!({ "items": items(5), "idempotency_key": "k-1" });
+    let first = send(submit(&sluice, "sk-acme", &batch)).await;
+    assert_eq!(first.status, StatusCode::ACCEPTED, "{}", first.text());
+    let id = first.json()["batch_id"].clone();
+    assert_eq!(messages_used(&sluice, "sk-acme").await, 5);
+    for _ in 0..2 {
+        let repeat = send(submit(&sluice, "sk-acme", &batch)).await;
+        assert_eq!(repeat.status, StatusCode::ACCEPTED, "{}", repeat.text());
+        assert_eq!(repeat.json()["batch_id"], id);
+    }
+    for other in [
+        json!({ "items": items(1), "idempotency_key": "k-2" }),
+        json!({ "items": items(1) }),
+        json!({ "items": items(4), "idempotency_key": "k-1" }),
+    ] {
+        let refused = send(submit(&sluice, "sk-acme", &other)).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{other}: {}",
+            refused.text()
+        );
+        assert_eq!(refused.json()["error"]["code"], "quota_exceeded", "{other}");
+    }
+    // Another workspace's key names none of acme's batches.
+    let globex = send(submit(&sluice, "sk-globex", &batch)).await;
+    assert_eq!(globex.status, StatusCode::ACCEPTED, "{}", globex.text());
+    assert_ne!(globex.json()["batch_id"], id);
+    assert_eq!(
+        messages_used(&sluice, "sk-acme").await,
+        5,
+        "nothing more counted"
+    );
+    let status = send(status(&sluice, "sk-acme", id.as_str().expect("id"))).await;
+    assert_eq!(status.json()["total"], 5, "{}", status.text());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn l4_kill_9_during_a_batch_loses_no_item_and_no_result() {
     let data = DataDir::new();

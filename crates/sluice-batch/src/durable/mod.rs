@@ -338,6 +338,23 @@ impl BatchQueue for BatchBook {
         })
     }
 
+    fn earlier_batch<'a>(
+        &'a self,
+        workspace: &'a str,
+        idempotency_key: &'a str,
+        body_digest: &'a [u8],
+    ) -> QueueFuture<'a, Result<Option<Submitted>, BatchError>> {
+        Box::pin(async move {
+            let (workspace, key, digest) = (
+                workspace.to_owned(),
+                idempotency_key.to_owned(),
+                body_digest.to_vec(),
+            );
+            self.blocking(move |b| b.earlier_blocking(&workspace, &key, &digest))
+                .await?
+        })
+    }
+
     fn claim_next<'a>(
         &'a self,
         workspace: &'a str,

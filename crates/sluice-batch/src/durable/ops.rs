@@ -435,6 +435,33 @@ impl BatchBook {
         })
     }
 
+    /// [`BatchQueue::earlier_batch`](crate::BatchQueue::earlier_batch), in one
+    /// read transaction.
+    pub(super) fn earlier_blocking(
+        &self,
+        workspace: &str,
+        key: &str,
+        digest: &[u8],
+    ) -> Result<Option<Submitted>, BatchError> {
+        self.read(|tx| {
+            let keys = tx.open_table(KEYS)?;
+            let Some(id) = keys.get((workspace, key))? else {
+                return Ok(None);
+            };
+            let id = id.value().to_owned();
+            let meta = tx.open_table(META)?;
+            let rec = meta
+                .get(id.as_str())?
+                .and_then(|r| BatchRecord::decode(r.value()))
+                .ok_or_else(|| corrupt("the record", &id))?;
+            Ok((rec.digest == digest).then_some(Submitted {
+                batch_id: id,
+                items: rec.total,
+                created: false,
+            }))
+        })
+    }
+
     pub(super) fn status_blocking(
         &self,
         workspace: &str,

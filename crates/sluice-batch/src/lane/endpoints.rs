@@ -58,6 +58,33 @@ impl<S: BudgetStore + 'static, U: BatchUpstream> BatchLane<S, U> {
         submitted(&self.batch.route, queued)
     }
 
+    /// Answers a submit that a monthly quota refused: a repeat of a batch the
+    /// same key and body made (whose items that quota counted) as the repeat it
+    /// is (202, the batch's id, nothing queued or counted); anything else with
+    /// the refusal.
+    async fn repeat(
+        &self,
+        parts: &http::request::Parts,
+        body: &[u8],
+        refused: sluice_edge::RefusedUnlessRepeat,
+    ) -> Response<LaneBody> {
+        let Ok(submit) = sluice_edge::parse_batch(body, self.batch.max_items.get()) else {
+            return boxed(refused.take());
+        };
+        let Some(key) = submit.idempotency_key.as_deref() else {
+            return boxed(refused.take());
+        };
+        let workspace = header_text(parts, "x-sluice-workspace");
+        match self
+            .queue
+            .earlier_batch(&self.queue_name(&workspace), key, &batch_digest(body))
+            .await
+        {
+            Ok(Some(earlier)) => submitted(&self.batch.route, Ok(earlier)),
+            Ok(None) | Err(_) => boxed(refused.take()),
+        }
+    }
+
     /// The batch's `items` as the queue keeps them: each with the credential fields
     /// of the request `parts` it is sent with, the workspace and the user.
     fn queued_items(
@@ -344,6 +371,37 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
+        // A submit a monthly quota refused (see sluice-edge's
+        // `RefusedUnlessRepeat`): answered here, never passed on.
+        if let Some(refused) = request
+            .extensions()
+            .get::<sluice_edge::RefusedUnlessRepeat>()
+            .cloned()
+        {
+            let lane = self.lanes.first().and_then(|l| {
+                match l
+                    .limiter
+                    .load()
+                    .route_for(request.method(), request.uri().path())
+                    .ok()
+                    .flatten()
+                    .and_then(|r| r.batch)
+                {
+                    Some(BatchEndpoint::Submit(i)) => self.lane(i),
+                    _ => None,
+                }
+            });
+            return Box::pin(async move {
+                let (parts, body) = request.into_parts();
+                let body = body.collect().await.map(|c| c.to_bytes()).ok();
+                Ok(match (lane, body) {
+                    (Some(lane), Some(body)) if parts.method == Method::POST => {
+                        lane.repeat(&parts, &body, refused).await
+                    }
+                    _ => boxed(refused.take()),
+                })
+            });
+        }
         let endpoint = if self.lanes.is_empty() {
             None
         } else {

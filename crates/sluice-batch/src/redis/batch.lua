@@ -288,6 +288,17 @@ elseif op == 'finish' then
   end
   return 0
 
+elseif op == 'earlier' then
+  -- ws, key, digest: the batch the key made, when of the same body.
+  local existing = redis.call('HGET', P .. 'keys', keyfield(ARGV[2], ARGV[3]))
+  if not existing then
+    return {}
+  end
+  local b = redis.call('HMGET', P .. 'b:' .. existing, 'digest', 'total')
+  if b[1] ~= ARGV[4] then
+    return {}
+  end
+  return {existing, num(b[2])}
 elseif op == 'status' then
   local ws, id = ARGV[2], ARGV[3]
   local batch = P .. 'b:' .. id

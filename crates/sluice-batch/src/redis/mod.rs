@@ -499,6 +499,32 @@ impl BatchQueue for RedisBatches {
         })
     }
 
+    fn earlier_batch<'a>(
+        &'a self,
+        workspace: &'a str,
+        idempotency_key: &'a str,
+        body_digest: &'a [u8],
+    ) -> QueueFuture<'a, Result<Option<Submitted>, BatchError>> {
+        Box::pin(async move {
+            let reply = array(
+                self.call("earlier", |i| {
+                    i.arg(workspace).arg(idempotency_key).arg(body_digest);
+                })
+                .await?,
+            )?;
+            if reply.is_empty() {
+                return Ok(None);
+            }
+            let batch_id = String::from_utf8(bytes(reply.first())?)
+                .map_err(|_| BatchError::Unavailable("a batch id that is not UTF-8".to_owned()))?;
+            Ok(Some(Submitted {
+                batch_id,
+                items: u32_of(int(reply.get(1))?),
+                created: false,
+            }))
+        })
+    }
+
     fn status<'a>(
         &'a self,
         workspace: &'a str,
