@@ -47,14 +47,9 @@ impl BatchBook {
         let batch_id = new_batch_id()?;
         let written = self.write_if_told(|tx| {
             if let Some(key) = idempotency_key {
-                let keys = tx.open_table(KEYS)?;
-                if let Some(id) = keys.get((workspace, key))? {
-                    let id = id.value().to_owned();
-                    let meta = tx.open_table(META)?;
-                    let rec = meta
-                        .get(id.as_str())?
-                        .and_then(|r| BatchRecord::decode(r.value()))
-                        .ok_or_else(|| corrupt("the record", &id))?;
+                let keyed =
+                    keyed_batch(&tx.open_table(KEYS)?, &tx.open_table(META)?, workspace, key)?;
+                if let Some((id, rec)) = keyed {
                     return Ok(if rec.digest == body_digest {
                         // Nothing to write: the abort below changes nothing.
                         Err(Ok(Submitted {
@@ -444,20 +439,13 @@ impl BatchBook {
         digest: &[u8],
     ) -> Result<Option<Submitted>, BatchError> {
         self.read(|tx| {
-            let keys = tx.open_table(KEYS)?;
-            let Some(id) = keys.get((workspace, key))? else {
-                return Ok(None);
-            };
-            let id = id.value().to_owned();
-            let meta = tx.open_table(META)?;
-            let rec = meta
-                .get(id.as_str())?
-                .and_then(|r| BatchRecord::decode(r.value()))
-                .ok_or_else(|| corrupt("the record", &id))?;
-            Ok((rec.digest == digest).then_some(Submitted {
-                batch_id: id,
-                items: rec.total,
-                created: false,
+            let keyed = keyed_batch(&tx.open_table(KEYS)?, &tx.open_table(META)?, workspace, key)?;
+            Ok(keyed.and_then(|(id, rec)| {
+                (rec.digest == digest).then_some(Submitted {
+                    batch_id: id,
+                    items: rec.total,
+                    created: false,
+                })
             }))
         })
     }
@@ -608,4 +596,23 @@ fn status_of(
         estimated_finish_at: estimate_finish(now, rec.progress(mean)),
         items,
     }
+}
+
+/// The batch `workspace`'s idempotency `key` made, with its record; `None` when
+/// the key made none that is kept.
+fn keyed_batch(
+    keys: &impl redb::ReadableTable<(&'static str, &'static str), &'static str>,
+    meta: &impl redb::ReadableTable<&'static str, &'static [u8]>,
+    workspace: &str,
+    key: &str,
+) -> Result<Option<(String, BatchRecord)>, TxError> {
+    let Some(id) = keys.get((workspace, key))? else {
+        return Ok(None);
+    };
+    let id = id.value().to_owned();
+    let rec = meta
+        .get(id.as_str())?
+        .and_then(|r| BatchRecord::decode(r.value()))
+        .ok_or_else(|| corrupt("the record", &id))?;
+    Ok(Some((id, rec)))
 }
