@@ -226,6 +226,22 @@ impl<S: BudgetStore> Limiter<S> {
                 serde_json::json!({ "reason": "ambiguous_credentials" }),
             );
         }
+        // sluice's own proxy never forwards an underscore spelling of a field it
+        // reads or guards (`X_API_KEY`, `X_HTTP_Method_Override`, `X_Sluice_User`):
+        // an upstream that maps names CGI-style reads it as the field sluice did
+        // not see. The proxy asking here forwards it, so the request is refused.
+        if let Some(name) = headers.keys().find(|name| {
+            crate::is_underscore_spelling(name.as_str().as_bytes(), self.read_header_names())
+        }) {
+            return crate::envelope_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                &format!(
+                    "the request sends `{name}`, an underscore spelling of a field sluice reads or sets; through forward auth it cannot be removed before the upstream reads it: send it with hyphens"
+                ),
+                serde_json::json!({ "reason": "underscore_field", "field": name.as_str() }),
+            );
+        }
         // Phase 1 as every transport runs it, but the head's own checks: the proxy
         // asking has read the original head.
         let route = self

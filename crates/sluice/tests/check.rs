@@ -677,6 +677,62 @@ async fn r2_two_kinds_of_credential_are_refused_when_one_is_counted() {
     );
 }
 
+/// R2 and E2: sluice's own proxy drops an underscore spelling of a field it reads
+/// or sets (`X_API_KEY`, `X_HTTP_Method_Override`, `X_Sluice_Workspace`), which an
+/// upstream mapping names CGI-style would read as the field sluice never saw. A
+/// proxy asking the check endpoint forwards it, so such a request is refused 400
+/// `underscore_field`, nothing spent. Before, it was admitted as a caller by IP
+/// (the key uncounted), a GET with a POST override on the GET's cheaper budget,
+/// and the proxy passed the fields on.
+#[tokio::test]
+async fn r2_an_underscore_spelling_of_a_field_sluice_reads_is_refused() {
+    let dir = DataDir::new();
+    let sluice = spawn(&dir);
+    for (name, value, method) in [
+        ("x_api_key", "sk-victim", "POST"),
+        ("X_HTTP_Method_Override", "POST", "GET"),
+        ("x_sluice_workspace", "victim", "GET"),
+        ("Authorization_", "Bearer x", "GET"),
+    ] {
+        let reply = send(
+            Request::get(sluice.check_url("/check"))
+                .header("x-forwarded-method", method)
+                .header("x-forwarded-uri", "/chats")
+                .header("x-forwarded-for", "198.51.100.9")
+                .header(name, value)
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await;
+        if name == "Authorization_" {
+            // Not a spelling of a field sluice reads: decided as usual.
+            assert_ne!(reply.status, 400, "{name}: {}", reply.text());
+            continue;
+        }
+        assert_eq!(reply.status, 400, "{name}: {}", reply.text());
+        let details = &reply.json()["error"]["details"];
+        assert_eq!(details["reason"], "underscore_field", "{name}");
+        assert_eq!(details["field"], name.to_ascii_lowercase(), "{name}");
+    }
+    // Nothing was spent of the client address's budget, which the refused
+    // requests (sending no credential sluice reads) would have been counted to.
+    let first = send(
+        Request::get(sluice.check_url("/check"))
+            .header("x-forwarded-method", "POST")
+            .header("x-forwarded-uri", "/chats")
+            .header("x-forwarded-for", "198.51.100.9")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(first.status, 204, "{}", first.text());
+    let limit: u32 = first
+        .header("x-ratelimit-limit")
+        .and_then(|v| v.parse().ok())
+        .expect("a limit");
+    assert_eq!(remaining(&first), Some(limit - 1), "the first of the address");
+}
+
 /// An upstream that answers every request with the head it received (so a test sees
 /// what the proxy forwarded). Bound to port 0; it lives as long as the test's runtime.
 async fn echo_upstream() -> String {
