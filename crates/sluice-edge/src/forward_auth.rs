@@ -135,9 +135,12 @@ fn original(headers: &HeaderMap) -> Result<(Asker, Method, Uri), &'static str> {
     {
         return Err("the original request is named more than once");
     }
-    if headers.contains_key(&X_ORIGINAL_URI) && headers.contains_key(&X_FORWARDED_URI) {
+    let nginx = headers.contains_key(&X_ORIGINAL_URI) || headers.contains_key(&X_ORIGINAL_METHOD);
+    let forwarded =
+        headers.contains_key(&X_FORWARDED_URI) || headers.contains_key(&X_FORWARDED_METHOD);
+    if nginx && forwarded {
         return Err(
-            "the original request is named both by X-Original-URI and X-Forwarded-Uri: the proxy must strip the one a client sent",
+            "the original request is named both by X-Original-* and X-Forwarded-* fields: the proxy must strip the ones a client sent",
         );
     }
     let (asker, method, uri) = match headers.get(&X_ORIGINAL_URI) {

@@ -265,6 +265,22 @@ async fn r2_a_check_request_that_names_no_original_or_a_bad_one_is_refused() {
     .await;
     assert_eq!(both.status, 403);
     assert_eq!(both.header("x-sluice-status"), Some("400"));
+    // Nor a stray field of the other kind beside a whole pair (before, the pair
+    // was read and the stray one ignored).
+    for (name, value) in [("x-forwarded-method", "GET"), ("x-forwarded-uri", "/x")] {
+        let stray = send(
+            Request::get(sluice.check_url("/check"))
+                .header("x-original-method", "POST")
+                .header("x-original-uri", "/chats")
+                .header(name, value)
+                .header("x-api-key", "sk-e")
+                .body(Full::new(Bytes::new()))
+                .expect("request"),
+        )
+        .await;
+        assert_eq!(stray.status, 403, "{name}: {}", stray.text());
+        assert_eq!(stray.header("x-sluice-status"), Some("400"), "{name}");
+    }
     let twice = send(
         Request::get(sluice.check_url("/check"))
             .header("x-forwarded-method", "POST")
@@ -730,7 +746,11 @@ async fn r2_an_underscore_spelling_of_a_field_sluice_reads_is_refused() {
         .header("x-ratelimit-limit")
         .and_then(|v| v.parse().ok())
         .expect("a limit");
-    assert_eq!(remaining(&first), Some(limit - 1), "the first of the address");
+    assert_eq!(
+        remaining(&first),
+        Some(limit - 1),
+        "the first of the address"
+    );
 }
 
 /// An upstream that answers every request with the head it received (so a test sees
