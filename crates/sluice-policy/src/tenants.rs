@@ -194,6 +194,16 @@ impl TenantTable {
     }
 }
 
+/// The entry of a tenant table a problem is of, named by its key rather than
+/// by a key path: a workspace's name may hold dots (`team` and `team.eu`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Entry {
+    /// `workspaces.<name>`.
+    Workspace(String),
+    /// `keys.<sha256>`, as the table spells it.
+    Key(String),
+}
+
 impl Policy {
     /// This policy (a file's) with the tenant table's workspaces and credentials over
     /// its own, checked as a file is checked.
@@ -203,117 +213,151 @@ impl Policy {
     /// `workspaces.acme.limits.classes.search`, `keys.<sha256>.workspace`, …);
     /// nothing of a table with a problem is taken.
     pub fn with_tenants(&self, table: &TenantTable) -> Result<Policy, Vec<Problem>> {
+        self.with_tenant_entries(table)
+            .map_err(|problems| problems.into_iter().map(|(_, p)| p).collect())
+    }
+
+    /// [`Policy::with_tenants`], each problem with the entry of `table` it is of
+    /// (`None`: a bound of the whole table).
+    fn with_tenant_entries(
+        &self,
+        table: &TenantTable,
+    ) -> Result<Policy, Vec<(Option<Entry>, Problem)>> {
         let mut next = self.clone();
         let mut v = Checker {
             classes: self.classes.iter().map(|c| c.name.clone()).collect(),
             ceilings: self.ceilings.iter().map(|c| c.name.clone()).collect(),
             ..Checker::default()
         };
+        // The entry of each problem of `v`, in its order.
+        let mut of: Vec<Option<Entry>> = Vec::new();
         for (sha, key) in &table.keys {
-            let at = format!("keys.{sha}");
-            let mut digest = [0u8; 32];
-            if sha.len() != 64 || hex::decode_to_slice(sha, &mut digest).is_err() {
-                v.problem(
-                    at,
-                    "expected 64 hex digits: the SHA-256 of the credential (e.g. `printf %s KEY | sha256sum`)",
-                );
-                continue;
-            }
-            match key {
-                Some(key) => {
-                    for (field, name) in [("workspace", &key.workspace), ("user", &key.user)] {
-                        if !is_workspace_name(name) {
-                            v.problem(
-                                format!("{at}.{field}"),
-                                "expected 1 to 256 printable ASCII characters, not starting with `key:` or `ip:` (it is sent upstream as a header)",
-                            );
-                        }
-                    }
-                    next.identity.revoked.remove(&digest);
-                    next.identity.keys.insert(
-                        digest,
-                        Principal {
-                            workspace: key.workspace.clone(),
-                            user: key.user.clone(),
-                        },
-                    );
-                }
-                None => {
-                    next.identity.keys.remove(&digest);
-                    next.identity.revoked.insert(digest);
-                }
-            }
+            put_key(&mut v, &mut next, sha, key.as_ref());
+            of.resize(v.problems.len(), Some(Entry::Key(sha.clone())));
         }
         if next.identity.keys.len() + next.identity.revoked.len() > MAX_KEYS {
             v.problem(
                 "keys",
                 format!("at most {MAX_KEYS} credentials, revoked ones included"),
             );
+            of.resize(v.problems.len(), None);
         }
         for (name, workspace) in &table.workspaces {
-            let at = format!("workspaces.{name}");
-            if !is_workspace_name(name) {
-                v.problem(
-                    at,
-                    "expected 1 to 256 printable ASCII characters, not starting with `key:` or `ip:` (it is sent upstream as a header)",
-                );
-                continue;
-            }
-            let digest = workspace_digest(name);
-            let Some(workspace) = workspace else {
-                next.tenants.plans.remove(&digest);
-                next.tenants.by_name.remove(name);
-                continue;
-            };
-            let named = match workspace.plan.as_deref() {
-                Some(plan) => match self.plan(plan) {
-                    Some(i) => Some(i),
-                    None => {
-                        let known: Vec<&str> = self.plans.iter().map(|p| p.name.as_str()).collect();
-                        let known = if known.is_empty() {
-                            "none".to_owned()
-                        } else {
-                            known.join(", ")
-                        };
-                        v.problem(
-                            format!("{at}.plan"),
-                            format!("no plan {plan:?} under `plans:` (declared: {known})"),
-                        );
-                        continue;
-                    }
-                },
-                None => self.default_plan,
-            };
-            let plan = if is_empty(&workspace.limits) {
-                match named {
-                    Some(i) => TenantPlan::Named(i),
-                    None => {
-                        // No plan, no limits of its own: the profile's limits.
-                        next.tenants.plans.remove(&digest);
-                        next.tenants.by_name.remove(name);
-                        continue;
-                    }
-                }
-            } else {
-                let Some(own) = own_plan(&mut v, self, name, &workspace.limits, named) else {
-                    continue;
-                };
-                next.tenants.own.push(own);
-                TenantPlan::Own(next.tenants.own.len() - 1)
-            };
-            next.tenants.plans.insert(digest, plan);
-            next.tenants.by_name.insert(name.clone(), plan);
+            self.put_workspace(&mut v, &mut next, name, workspace.as_ref());
+            of.resize(v.problems.len(), Some(Entry::Workspace(name.clone())));
         }
         if next.tenants.by_name.len() > MAX_WORKSPACES {
             v.problem(
                 "workspaces",
                 format!("at most {MAX_WORKSPACES} workspaces on a plan"),
             );
+            of.resize(v.problems.len(), None);
         }
         if v.problems.is_empty() {
             Ok(next)
         } else {
-            Err(v.problems)
+            Err(of.into_iter().zip(v.problems).collect())
+        }
+    }
+
+    /// The workspace `name` of a tenant table (`None`: removed) put in `next`,
+    /// its problems in `v`.
+    fn put_workspace(
+        &self,
+        v: &mut Checker,
+        next: &mut Policy,
+        name: &str,
+        workspace: Option<&TenantWorkspace>,
+    ) {
+        let at = format!("workspaces.{name}");
+        if !is_workspace_name(name) {
+            v.problem(
+                at,
+                "expected 1 to 256 printable ASCII characters, not starting with `key:` or `ip:` (it is sent upstream as a header)",
+            );
+            return;
+        }
+        let digest = workspace_digest(name);
+        let Some(workspace) = workspace else {
+            next.tenants.plans.remove(&digest);
+            next.tenants.by_name.remove(name);
+            return;
+        };
+        let named = match workspace.plan.as_deref() {
+            Some(plan) => match self.plan(plan) {
+                Some(i) => Some(i),
+                None => {
+                    let known: Vec<&str> = self.plans.iter().map(|p| p.name.as_str()).collect();
+                    let known = if known.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        known.join(", ")
+                    };
+                    v.problem(
+                        format!("{at}.plan"),
+                        format!("no plan {plan:?} under `plans:` (declared: {known})"),
+                    );
+                    return;
+                }
+            },
+            None => self.default_plan,
+        };
+        let plan = if is_empty(&workspace.limits) {
+            match named {
+                Some(i) => TenantPlan::Named(i),
+                None => {
+                    // No plan, no limits of its own: the profile's limits.
+                    next.tenants.plans.remove(&digest);
+                    next.tenants.by_name.remove(name);
+                    return;
+                }
+            }
+        } else {
+            let Some(own) = own_plan(v, self, name, &workspace.limits, named) else {
+                return;
+            };
+            next.tenants.own.push(own);
+            TenantPlan::Own(next.tenants.own.len() - 1)
+        };
+        next.tenants.plans.insert(digest, plan);
+        next.tenants.by_name.insert(name.to_owned(), plan);
+    }
+}
+
+/// The credential `sha` of a tenant table (`None`: revoked) put in `next`, its
+/// problems in `v`.
+fn put_key(v: &mut Checker, next: &mut Policy, sha: &str, key: Option<&TenantKey>) {
+    let at = format!("keys.{sha}");
+    let mut digest = [0u8; 32];
+    if sha.len() != 64 || hex::decode_to_slice(sha, &mut digest).is_err() {
+        v.problem(
+            at,
+            "expected 64 hex digits: the SHA-256 of the credential (e.g. `printf %s KEY | sha256sum`)",
+        );
+        return;
+    }
+    match key {
+        Some(key) => {
+            for (field, name) in [("workspace", &key.workspace), ("user", &key.user)] {
+                if !is_workspace_name(name) {
+                    v.problem(
+                        format!("{at}.{field}"),
+                        "expected 1 to 256 printable ASCII characters, not starting with `key:` or `ip:` (it is sent upstream as a header)",
+                    );
+                }
+            }
+            next.identity.revoked.remove(&digest);
+            next.identity.keys.insert(
+                digest,
+                Principal {
+                    workspace: key.workspace.clone(),
+                    user: key.user.clone(),
+                },
+            );
+        }
+        None => {
+            next.identity.keys.remove(&digest);
+            next.identity.revoked.insert(digest);
         }
     }
 }
@@ -323,7 +367,8 @@ impl Policy {
     /// problem (named by its key path: `workspaces.<name>…`, `keys.<sha256>…`),
     /// for a replica following a table that replicas with another policy file
     /// made: the policy with every entry that fits, and the problems of those
-    /// left out (empty when all fit).
+    /// left out (empty when all fit). Only the entries with a problem are left
+    /// out: a workspace `team` stays when `team.eu` does not fit.
     ///
     /// # Errors
     /// The problems no entry names (more credentials or workspaces than the
@@ -335,28 +380,29 @@ impl Policy {
         let mut fitting = table.clone();
         let mut left_out = Vec::new();
         loop {
-            let problems = match self.with_tenants(&fitting) {
+            let problems = match self.with_tenant_entries(&fitting) {
                 Ok(policy) => return Ok((policy, left_out)),
                 Err(problems) => problems,
             };
-            let names = |prefix: &str, path: &str, key: &str| {
-                path.strip_prefix(prefix)
-                    .and_then(|rest| rest.strip_prefix(key))
-                    .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
-            };
-            let before = fitting.workspaces.len() + fitting.keys.len();
-            for problem in &problems {
-                fitting
-                    .workspaces
-                    .retain(|name, _| !names("workspaces.", &problem.path, name));
-                fitting
-                    .keys
-                    .retain(|sha, _| !names("keys.", &problem.path, sha));
+            let before = left_out.len();
+            let mut unnamed = Vec::new();
+            for (entry, problem) in problems {
+                match entry {
+                    Some(Entry::Workspace(name)) => {
+                        fitting.workspaces.remove(&name);
+                        left_out.push(problem);
+                    }
+                    Some(Entry::Key(sha)) => {
+                        fitting.keys.remove(&sha);
+                        left_out.push(problem);
+                    }
+                    // Checked again without the entries left out.
+                    None => unnamed.push(problem),
+                }
             }
-            if fitting.workspaces.len() + fitting.keys.len() == before {
-                return Err(problems);
+            if left_out.len() == before {
+                return Err(unnamed);
             }
-            left_out.extend(problems);
         }
     }
 }

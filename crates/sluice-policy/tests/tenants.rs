@@ -301,3 +301,72 @@ identity:
         asked
     );
 }
+
+/// A replica following a shared table leaves out exactly the entries its policy
+/// file cannot take, each named: a workspace whose name another's starts with,
+/// before a dot (`team` of `team.eu`, `acme` of `acme.limits`), keeps its plan,
+/// and so do the credentials beside a credential left out.
+#[test]
+fn p4_a_replica_leaves_out_exactly_the_entries_that_do_not_fit_whatever_their_names() {
+    let base = policy();
+    let mut unknown_class = RawPlan::default();
+    unknown_class.classes.insert("nope".to_owned(), 5);
+    const KEY_B: &str = "3e23e8160039594a33894f6564e1b1348bbd7a0088d42c4acb73eeaed59c009d";
+    let key = |sha256: &str, workspace: &str| TenantChange::PutKey {
+        sha256: sha256.to_owned(),
+        key: TenantKey {
+            workspace: workspace.to_owned(),
+            user: "ada".to_owned(),
+        },
+    };
+    let mut table = TenantTable::default();
+    for change in [
+        put("team", Some("pro"), RawPlan::default()),
+        put("team.eu", Some("ent"), RawPlan::default()),
+        put("team.eu.west", Some("pro"), RawPlan::default()),
+        put("acme", Some("pro"), RawPlan::default()),
+        put("acme.limits", None, unknown_class),
+        key(KEY_A, "team"),
+        key(KEY_B, " team"),
+    ] {
+        table = table.with(&change, &base);
+    }
+    let (p, left_out) = base
+        .with_fitting_tenants(&table)
+        .expect("the entries that fit are taken");
+    let mut paths: Vec<&str> = left_out.iter().map(|p| p.path.as_str()).collect();
+    paths.sort_unstable();
+    assert_eq!(
+        paths,
+        [
+            format!("keys.{KEY_B}.workspace").as_str(),
+            "workspaces.acme.limits.limits.classes.nope",
+            "workspaces.team.eu.plan",
+        ],
+        "each entry left out named once: {left_out:?}"
+    );
+    for kept in ["team", "team.eu.west", "acme"] {
+        assert_eq!(
+            p.plan_of(workspace_digest(kept)).map(|p| p.name.as_str()),
+            Some("pro"),
+            "{kept} fits and keeps its plan"
+        );
+    }
+    for left in ["team.eu", "acme.limits"] {
+        assert!(p.plan_of(workspace_digest(left)).is_none(), "{left}");
+        assert!(!p.tenants.by_name.contains_key(left), "{left}");
+    }
+    let digest = |sha: &str| {
+        let mut d = [0u8; 32];
+        hex::decode_to_slice(sha, &mut d).expect("hex");
+        d
+    };
+    assert_eq!(
+        p.identity
+            .keys
+            .get(&digest(KEY_A))
+            .map(|k| k.workspace.as_str()),
+        Some("team")
+    );
+    assert!(!p.identity.keys.contains_key(&digest(KEY_B)));
+}

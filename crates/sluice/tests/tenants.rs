@@ -798,3 +798,82 @@ async fn p4_d2_a_change_one_replica_cannot_take_never_holds_back_the_next() {
         serde_json::json!([])
     );
 }
+
+/// Replicas whose policy files differ: of the shared table, a replica leaves out
+/// the one entry it cannot take (`acme.eu` on a plan it lacks) and no other —
+/// `acme`, whose name it starts with before a dot, keeps its plan there, on a
+/// replica following the change and on one starting after it — and
+/// `not_applied` and the gauge name that entry alone.
+#[tokio::test]
+async fn p4_d2_a_replica_leaves_out_only_the_entry_it_cannot_take_not_those_named_like_it() {
+    let redis = RedisServer::start("tenants-dotted");
+    let plain = policy("dotted-plain.yaml");
+    let richer = policy("dotted-richer.yaml");
+    let yaml = std::fs::read_to_string(&richer).expect("policy").edit(
+        "  pro:\n    classes: { expensive: 4 }\n",
+        "  pro:\n    classes: { expensive: 4 }\n  enterprise:\n    classes: { expensive: 9 }\n",
+    );
+    std::fs::write(&richer, yaml).expect("write policy");
+    let a = Sluice::spawn(&["--config", &richer, "--store", &redis.url()]);
+    let b = Sluice::spawn(&["--config", &plain, "--store", &redis.url()]);
+    let pro = admin(
+        &a,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro"}"#),
+    )
+    .await;
+    assert_eq!(pro.status, 204, "{}", pro.text());
+    until_all(&[&a, &b], Probe::AcmeExpensive, 4.into()).await;
+    let eu = admin(
+        &a,
+        "PUT",
+        "/tenants/workspaces/acme.eu",
+        Some(r#"{"plan":"enterprise"}"#),
+    )
+    .await;
+    assert_eq!(eu.status, 204, "{}", eu.text());
+    let not_applied = |listed: &serde_json::Value| {
+        listed["not_applied"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    };
+    let started = Instant::now();
+    while not_applied(&get(&b.admin_url("/tenants")).await.json()).is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the change never reached the replica that cannot take it"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let c = Sluice::spawn(&["--config", &plain, "--store", &redis.url()]);
+    for replica in [&b, &c] {
+        let listed = get(&replica.admin_url("/tenants")).await.json();
+        let left_out = not_applied(&listed);
+        assert!(
+            left_out.len() == 1
+                && left_out[0].as_str().is_some_and(
+                    |p| p.starts_with("workspaces.acme.eu.plan: no plan \"enterprise\"")
+                ),
+            "{listed}"
+        );
+        assert_eq!(listed["workspaces"]["acme"]["plan"], "pro", "{listed}");
+        assert!(listed["workspaces"].get("acme.eu").is_none(), "{listed}");
+        assert_eq!(acme_expensive(replica).await, 4, "acme keeps its plan");
+        let metrics = get(&replica.admin_url("/metrics")).await.text();
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l == "sluice_tenant_entries_not_applied 1"),
+            "{metrics}"
+        );
+    }
+    assert_eq!(acme_expensive(&a).await, 4);
+    let listed = get(&a.admin_url("/tenants")).await.json();
+    assert_eq!(
+        listed["workspaces"]["acme.eu"]["plan"], "enterprise",
+        "{listed}"
+    );
+    assert_eq!(not_applied(&listed), Vec::<serde_json::Value>::new());
+}
