@@ -417,8 +417,11 @@ fn own_plan(
     limits: &RawPlan,
     named: Option<usize>,
 ) -> Option<CustomerPlan> {
+    // Checked as a plan of the file under a plan name of its own: a workspace's
+    // name (1 to 256 printable ASCII) need not be a plan's.
+    const CHECKED_AS: &str = "own";
     let raw = RawPolicy {
-        plans: BTreeMap::from([(name.to_owned(), limits.clone())]),
+        plans: BTreeMap::from([(CHECKED_AS.to_owned(), limits.clone())]),
         ..RawPolicy::default()
     };
     let mut checker = Checker {
@@ -438,7 +441,7 @@ fn own_plan(
             &policy.turns,
         )
         .pop();
-    let prefix = format!("plans.{name}");
+    let prefix = format!("plans.{CHECKED_AS}");
     for mut problem in checker.problems {
         if let Some(rest) = problem.path.strip_prefix(&prefix) {
             problem.path = format!("workspaces.{name}.limits{rest}");
@@ -447,6 +450,8 @@ fn own_plan(
     }
     let mut own = own?;
     let base = named.and_then(|i| policy.plans.get(i));
+    // `<plan>+<workspace>`: no plan of the file is named so (a plan name has no
+    // `+`), and a name in a request's trusted plan header never finds it.
     own.name = match base {
         Some(base) => format!("{}+{name}", base.name),
         None => format!("+{name}"),

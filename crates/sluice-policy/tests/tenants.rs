@@ -370,3 +370,60 @@ fn p4_a_replica_leaves_out_exactly_the_entries_that_do_not_fit_whatever_their_na
     );
     assert!(!p.identity.keys.contains_key(&digest(KEY_B)));
 }
+
+/// Every workspace name a tenant table takes (1 to 256 printable ASCII) can
+/// hold limits of its own: its plan is never checked as a plan name, its
+/// problems are at `workspaces.<name>.limits…`, and it is named apart from
+/// every plan of the file (a workspace named `pro` included).
+#[test]
+fn p4_any_workspace_name_can_hold_limits_of_its_own() {
+    let base = policy();
+    let generate = base.class("generate").expect("a class");
+    let search = base.class("search").expect("a class");
+    let mut limits = RawPlan::default();
+    limits.classes.insert("search".to_owned(), 5);
+    let long = "w".repeat(256);
+    let names = [
+        "team@corp",
+        "team corp",
+        "a;b",
+        "a/b",
+        "a+b",
+        "pro",
+        "own",
+        &long[..65],
+        long.as_str(),
+    ];
+    let mut table = TenantTable::default();
+    for name in names {
+        table = table.with(&put(name, Some("pro"), limits.clone()), &base);
+    }
+    let p = base
+        .with_tenants(&table)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    for name in names {
+        let own = p.plan_of(workspace_digest(name)).expect("its own");
+        assert_eq!(own.name, format!("pro+{name}"));
+        assert_eq!(own.classes[search.index()].map(|l| l.get()), Some(5));
+        assert_eq!(own.classes[generate.index()].map(|l| l.get()), Some(50));
+    }
+    let pro = &p.plans[p.plan("pro").expect("the file's plan")];
+    assert_eq!(
+        pro.classes[search.index()],
+        None,
+        "the file's plan unchanged"
+    );
+    // A bad limit of its own is named at its key path.
+    let mut bad = RawPlan::default();
+    bad.classes.insert("search".to_owned(), 0);
+    for name in ["team@corp", "own", long.as_str()] {
+        let table = TenantTable::default().with(&put(name, None, bad.clone()), &base);
+        let problems = base.with_tenants(&table).expect_err("refused");
+        let paths: Vec<&str> = problems.iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [format!("workspaces.{name}.limits.classes.search")],
+            "{problems:?}"
+        );
+    }
+}

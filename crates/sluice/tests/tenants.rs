@@ -877,3 +877,90 @@ async fn p4_d2_a_replica_leaves_out_only_the_entry_it_cannot_take_not_those_name
     );
     assert_eq!(not_applied(&listed), Vec::<serde_json::Value>::new());
 }
+
+/// `name` as one path segment: every byte but a letter or digit percent-encoded.
+fn segment(name: &str) -> String {
+    name.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                char::from(b).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// Any workspace name the API takes (1 to 256 printable ASCII: `@`, a space,
+/// `;`, `/`, `+`, more than 64 characters, a plan's name) can hold limits of its
+/// own through the admin API: applied at once, a bad one named at its key path,
+/// and kept across a restart.
+#[tokio::test]
+async fn p4_any_workspace_the_api_takes_can_hold_limits_of_its_own() {
+    let policy = policy("names.yaml");
+    let data = DataDir::new();
+    let sluice = Sluice::spawn(&["--config", &policy, "--data-dir", data.arg()]);
+    let long = "w".repeat(256);
+    let names = [
+        "team@corp",
+        "team corp",
+        "a;b",
+        "a/b",
+        "a+b",
+        "pro",
+        &long[..65],
+        long.as_str(),
+    ];
+    let expensive = |reply: support::Reply| reply.json()["limits"]["classes"]["expensive"].clone();
+    for name in names {
+        let path = format!("/tenants/workspaces/{}", segment(name));
+        let own = admin(
+            &sluice,
+            "PUT",
+            &path,
+            Some(r#"{"plan":"pro","limits":{"classes":{"expensive":7}}}"#),
+        )
+        .await;
+        assert_eq!(own.status, 204, "{name}: {}", own.text());
+        let reply = get(&sluice.admin_url(&path)).await;
+        assert_eq!(reply.json()["plan"], "pro", "{name}: {}", reply.text());
+        assert_eq!(expensive(reply), 7, "{name}");
+    }
+    let key = admin(
+        &sluice,
+        "PUT",
+        &format!("/tenants/keys/{}", support::sha256_hex("sk-corp")),
+        Some(r#"{"workspace":"team@corp","user":"ada"}"#),
+    )
+    .await;
+    assert_eq!(key.status, 204, "{}", key.text());
+    assert_eq!(
+        chat(&sluice, "sk-corp").await.header("x-ratelimit-limit"),
+        Some("7")
+    );
+    let bad = admin(
+        &sluice,
+        "PUT",
+        "/tenants/workspaces/team%40corp",
+        Some(r#"{"plan":"pro","limits":{"classes":{"expensive":0}}}"#),
+    )
+    .await;
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    assert_eq!(
+        bad.json()["error"]["problems"][0]["path"],
+        "workspaces.team@corp.limits.classes.expensive",
+        "{}",
+        bad.text()
+    );
+    sluice.terminate();
+    drop(sluice);
+    let sluice = Sluice::spawn(&["--config", &policy, "--data-dir", data.arg()]);
+    for name in names {
+        let path = format!("/tenants/workspaces/{}", segment(name));
+        assert_eq!(expensive(get(&sluice.admin_url(&path)).await), 7, "{name}");
+    }
+    assert_eq!(
+        chat(&sluice, "sk-corp").await.header("x-ratelimit-limit"),
+        Some("7")
+    );
+}
