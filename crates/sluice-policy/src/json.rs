@@ -107,6 +107,111 @@ impl<'de> Visitor<'de> for UniqueVisitor {
     }
 }
 
+/// The key path of the first key an object of `bytes` names twice
+/// (`limits.classes.expensive`; an array's item as `[2]`), at any depth; `None`
+/// when every object names each key once, or when `bytes` is not JSON.
+pub fn key_named_twice(bytes: &[u8]) -> Option<String> {
+    let found = std::cell::RefCell::new(None);
+    let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+    let _ = de::DeserializeSeed::deserialize(
+        KeysAt {
+            path: String::new(),
+            found: &found,
+        },
+        &mut deserializer,
+    );
+    found.into_inner()
+}
+
+/// A JSON value read for its keys alone, at `path`: the first key named twice is
+/// kept in `found`.
+struct KeysAt<'a> {
+    path: String,
+    found: &'a std::cell::RefCell<Option<String>>,
+}
+
+impl<'de> de::DeserializeSeed<'de> for KeysAt<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeysAt<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_none<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut i = 0usize;
+        while seq
+            .next_element_seed(KeysAt {
+                path: format!("{}[{i}]", self.path),
+                found: self.found,
+            })?
+            .is_some()
+        {
+            i += 1;
+        }
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let path = if self.path.is_empty() {
+                key.clone()
+            } else {
+                format!("{}.{key}", self.path)
+            };
+            if !seen.insert(key) {
+                *self.found.borrow_mut() = Some(path);
+                return Err(de::Error::custom(DUPLICATE));
+            }
+            map.next_value_seed(KeysAt {
+                path,
+                found: self.found,
+            })?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,5 +242,37 @@ mod tests {
             parse_unique(doc.as_bytes()),
             Ok(serde_json::from_str::<Value>(doc).expect("json"))
         );
+    }
+
+    #[test]
+    fn p4_a_key_named_twice_at_any_depth_is_named_by_its_key_path() {
+        for (doc, path) in [
+            (r#"{"plan":"a","plan":"b"}"#, "plan"),
+            (
+                r#"{"plan":"free","limits":{"classes":{"expensive":5,"expensive":500}}}"#,
+                "limits.classes.expensive",
+            ),
+            (
+                r#"{"limits":{"lanes":{"l":{"workspace_starts":1,"workspace_starts":2}}}}"#,
+                "limits.lanes.l.workspace_starts",
+            ),
+            (r#"{"a":[{"k":1},{"k":1,"\u006b":2}]}"#, "a[1].k"),
+            (r#"[1,[{"x":{"y":1,"y":1}}]]"#, "[1][0].x.y"),
+        ] {
+            assert_eq!(
+                key_named_twice(doc.as_bytes()).as_deref(),
+                Some(path),
+                "{doc}"
+            );
+        }
+        for doc in [
+            r#"{"plan":"free","limits":{"classes":{"expensive":5},"buckets":{"expensive":5}}}"#,
+            r#"[{"k":1},{"k":1}]"#,
+            "",
+            "{",
+            "1",
+        ] {
+            assert_eq!(key_named_twice(doc.as_bytes()), None, "{doc}");
+        }
     }
 }

@@ -964,3 +964,37 @@ async fn p4_any_workspace_the_api_takes_can_hold_limits_of_its_own() {
         Some("7")
     );
 }
+
+/// A change body that names a key twice inside a map (`limits.classes`) is
+/// refused 400 at that key's path, as a field twice at the top is: readers
+/// differ on which value counts, so none is taken and nothing changes.
+#[tokio::test]
+async fn p4_a_change_naming_a_key_twice_at_any_depth_is_refused_at_its_key_path() {
+    let policy = policy("twice.yaml");
+    let sluice = Sluice::spawn(&["--config", &policy]);
+    let own = admin(
+        &sluice,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro","limits":{"classes":{"expensive":7}}}"#),
+    )
+    .await;
+    assert_eq!(own.status, 204, "{}", own.text());
+    let twice = admin(
+        &sluice,
+        "PUT",
+        "/tenants/workspaces/acme",
+        Some(r#"{"plan":"pro","limits":{"classes":{"expensive":5,"expensive":500}}}"#),
+    )
+    .await;
+    assert_eq!(twice.status, 400, "{}", twice.text());
+    let error = &twice.json()["error"];
+    assert_eq!(error["code"], "invalid_tenant", "{}", twice.text());
+    assert_eq!(
+        error["problems"][0]["path"],
+        "workspaces.acme.limits.classes.expensive",
+        "{}",
+        twice.text()
+    );
+    assert_eq!(acme_expensive(&sluice).await, 7, "nothing changed");
+}

@@ -703,11 +703,12 @@ async fn put_workspace<S: BudgetStore + 'static>(
     State(tenants): State<Arc<Tenants<S>>>,
     entrant: Option<axum::Extension<sluice_door::Entrant>>,
     UrlPath(name): UrlPath<String>,
-    body: Result<Json<TenantWorkspace>, axum::extract::rejection::JsonRejection>,
+    body: Result<ChangeBody<TenantWorkspace>, Response>,
 ) -> Response {
-    let workspace = match body {
-        Ok(Json(w)) => w,
-        Err(e) => return bad_body(&e),
+    let workspace = match body.map(|b| b.named_once(&format!("workspaces.{name}"))) {
+        Ok(Ok(w)) => w,
+        Ok(Err(twice)) => return answer(Err(twice)),
+        Err(refused) => return refused,
     };
     answer(
         tenants
@@ -741,11 +742,12 @@ async fn put_key<S: BudgetStore + 'static>(
     State(tenants): State<Arc<Tenants<S>>>,
     entrant: Option<axum::Extension<sluice_door::Entrant>>,
     UrlPath(sha256): UrlPath<String>,
-    body: Result<Json<TenantKey>, axum::extract::rejection::JsonRejection>,
+    body: Result<ChangeBody<TenantKey>, Response>,
 ) -> Response {
-    let key = match body {
-        Ok(Json(k)) => k,
-        Err(e) => return bad_body(&e),
+    let key = match body.map(|b| b.named_once(&format!("keys.{sha256}"))) {
+        Ok(Ok(k)) => k,
+        Ok(Err(twice)) => return answer(Err(twice)),
+        Err(refused) => return refused,
     };
     answer(
         tenants
@@ -768,6 +770,57 @@ async fn revoke_key<S: BudgetStore + 'static>(
 
 fn who(entrant: Option<axum::Extension<sluice_door::Entrant>>) -> String {
     entrant.map_or_else(|| "unknown".to_owned(), |e| e.0.to_string())
+}
+
+/// The body of a change, read as a `T` as axum's `Json` reads it (its content type,
+/// and the parser's message for a body that does not read), with the key path of a
+/// key it names twice at any depth: serde refuses a field of a struct named twice,
+/// but a map (`limits.classes`) would keep the last value.
+struct ChangeBody<T> {
+    value: T,
+    twice: Option<String>,
+}
+
+impl<T> ChangeBody<T> {
+    /// The change read, or, when it names a key twice, a problem at that key's path
+    /// under `at` (`workspaces.<name>`, `keys.<sha256>`): readers differ on which
+    /// value counts, so none is taken.
+    fn named_once(self, at: &str) -> Result<T, ChangeError> {
+        match self.twice {
+            None => Ok(self.value),
+            Some(path) => Err(ChangeError::Invalid(vec![Problem {
+                path: format!("{at}.{path}"),
+                message: "named twice in the body: readers differ on which value counts".to_owned(),
+            }])),
+        }
+    }
+}
+
+impl<S, T> axum::extract::FromRequest<S> for ChangeBody<T>
+where
+    S: Send + Sync,
+    T: serde::de::DeserializeOwned + Send,
+{
+    type Rejection = Response;
+
+    async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, Response> {
+        let (parts, body) = request.into_parts();
+        let bytes = axum::body::Bytes::from_request(
+            axum::extract::Request::from_parts(parts.clone(), body),
+            state,
+        )
+        .await
+        .map_err(|e| bad_body(&e.into()))?;
+        let again =
+            axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes.clone()));
+        let Json(value) = Json::<T>::from_request(again, state)
+            .await
+            .map_err(|e| bad_body(&e))?;
+        Ok(ChangeBody {
+            value,
+            twice: sluice_policy::json::key_named_twice(&bytes),
+        })
+    }
 }
 
 /// 400 for a body that does not read as the change: the parser's message names the
@@ -811,5 +864,86 @@ fn answer(result: Result<(), ChangeError>) -> Response {
             })),
         )
             .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::extract::FromRequest as _;
+
+    use super::*;
+
+    /// What the admin API answers to `body` as the change of workspace `acme`,
+    /// before the change is made: `None` when it reads.
+    async fn refusal(body: &str) -> Option<(StatusCode, serde_json::Value)> {
+        let request = axum::extract::Request::builder()
+            .method("PUT")
+            .uri("/tenants/workspaces/acme")
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body.to_owned()))
+            .expect("request");
+        let refused = match ChangeBody::<TenantWorkspace>::from_request(request, &()).await {
+            Ok(read) => match read.named_once("workspaces.acme") {
+                Ok(_) => return None,
+                Err(twice) => answer(Err(twice)),
+            },
+            Err(refused) => refused,
+        };
+        let status = refused.status();
+        let bytes = axum::body::to_bytes(refused.into_body(), 1 << 20)
+            .await
+            .expect("body");
+        Some((status, serde_json::from_slice(&bytes).expect("json")))
+    }
+
+    #[tokio::test]
+    async fn p4_a_change_naming_a_key_twice_at_any_depth_is_refused_at_its_key_path() {
+        for (body, path) in [
+            (
+                r#"{"plan":"free","limits":{"classes":{"expensive":5,"expensive":500}}}"#,
+                "workspaces.acme.limits.classes.expensive",
+            ),
+            (
+                r#"{"limits":{"quotas":{"messages":1,"\u006dessages":2}}}"#,
+                "workspaces.acme.limits.quotas.messages",
+            ),
+            (
+                r#"{"limits":{"spend":{"team":1.5,"team":2}},"plan":"free"}"#,
+                "workspaces.acme.limits.spend.team",
+            ),
+        ] {
+            let (status, json) = refusal(body).await.expect("refused");
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {json}");
+            assert_eq!(json["error"]["code"], "invalid_tenant", "{json}");
+            assert_eq!(
+                json["error"]["problems"],
+                serde_json::json!([{
+                    "path": path,
+                    "message": "named twice in the body: readers differ on which value counts",
+                }]),
+                "{body}"
+            );
+        }
+        // A field of a struct (at the top, of a lane): serde's message, as before.
+        for (body, field) in [
+            (r#"{"plan":"pro","plan":"free"}"#, "plan"),
+            (
+                r#"{"limits":{"lanes":{"l":{"workspace_starts":1,"workspace_starts":2}}}}"#,
+                "workspace_starts",
+            ),
+        ] {
+            let (status, json) = refusal(body).await.expect("refused");
+            assert_eq!(status, StatusCode::BAD_REQUEST);
+            assert!(
+                json["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains(&format!("duplicate field `{field}`"))),
+                "{json}"
+            );
+        }
+        // Each key once: read, whatever the keys of other maps.
+        let once =
+            r#"{"plan":"free","limits":{"classes":{"expensive":5},"quotas":{"expensive":5}}}"#;
+        assert!(refusal(once).await.is_none());
     }
 }
