@@ -114,6 +114,9 @@ pub enum Outcome {
     TooManyCounted,
     /// The store could not decide; the domain's outage rule answered.
     Outage,
+    /// A descriptor's key or value is not UTF-8: refused whole, nothing
+    /// counted (see [`Limiter::refuse_not_utf8`]).
+    NotUtf8,
 }
 
 /// The answer to a [`RateLimitCall`].
@@ -415,6 +418,40 @@ impl<S: BudgetStore> Limiter<S> {
         }
         self.describe_decision(domain, plan, &decision, refused.as_ref(), &mut answer);
         answer
+    }
+
+    /// The answer to a request of `descriptors` descriptors in `domain` of which
+    /// a key or value is not UTF-8, which no rule can be matched against: refused
+    /// whole (`OVER_LIMIT`, every descriptor with it), nothing counted, whatever
+    /// the domain, its rules or a dry run say, and logged under
+    /// `sluice::refusal` within the refusal log's bound. The reference service
+    /// cannot read such a request either (its decoder fails it with `INTERNAL`),
+    /// and an error is what Envoy's `failure_mode_deny: false` lets through: a
+    /// client whose header bytes reach a descriptor would skip every rule.
+    pub fn refuse_not_utf8(&self, domain: &str, descriptors: usize) -> RateLimitAnswer {
+        let known = self.policy().domains.iter().any(|d| d.name == domain);
+        crate::refusal_log::refusal_line(self.refusal_log(), || {
+            tracing::info!(
+                target: "sluice::refusal",
+                reason = "not_utf8",
+                // The client's name of a domain the policy lacks is not logged.
+                domain = if known { domain } else { "unknown" },
+                descriptors,
+                "refused: a descriptor key or value of a rate-limit service request is not UTF-8"
+            );
+        });
+        let refused = DescriptorStatus {
+            code: Code::OverLimit,
+            ..ok_status()
+        };
+        RateLimitAnswer {
+            overall: Code::OverLimit,
+            statuses: vec![refused; descriptors],
+            headers: Vec::new(),
+            outcome: Outcome::NotUtf8,
+            shadow_refusals: Vec::new(),
+            rules: vec![None; descriptors],
+        }
     }
 
     /// Decides the counted rules' `budgets` all or nothing: from leases where

@@ -6,13 +6,19 @@
 //! 4 MiB message of 250,000 descriptors costs its bytes' arrival and a look at
 //! the first 1,025, never 250,000 decoded descriptors (each a few allocations)
 //! or their matching.
+//!
+//! A request is decoded as [`WireRequest`]: each descriptor entry's key and
+//! value as bytes, checked for UTF-8 as they become the engine's strings (see
+//! [`crate::call_of_wire`]), so that a request whose header bytes are not
+//! UTF-8 is answered, never failed.
 
 use prost::Message as _;
 use sluice_edge::descriptors::{MAX_DESCRIPTORS, MAX_ENTRIES};
 use tonic::Status;
 use tonic::codec::{Codec, DecodeBuf, Decoder};
 
-use crate::proto::{RateLimitRequest, RateLimitResponse};
+use crate::proto::RateLimitResponse;
+use crate::proto::rate_limit_descriptor::RateLimitOverride;
 
 /// Encodes answers as tonic's prost codec does; decodes requests within the
 /// bounds.
@@ -21,7 +27,7 @@ pub(crate) struct RlsCodec;
 
 impl Codec for RlsCodec {
     type Encode = RateLimitResponse;
-    type Decode = RateLimitRequest;
+    type Decode = WireRequest;
     type Encoder = tonic_prost::ProstEncoder<RateLimitResponse>;
     type Decoder = RequestDecoder;
 
@@ -39,10 +45,10 @@ impl Codec for RlsCodec {
 pub(crate) struct RequestDecoder;
 
 impl Decoder for RequestDecoder {
-    type Item = RateLimitRequest;
+    type Item = WireRequest;
     type Error = Status;
 
-    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<RateLimitRequest>, Status> {
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<WireRequest>, Status> {
         use bytes::Buf as _;
         // tonic hands a decoder the whole message in one contiguous buffer.
         if buf.chunk().len() < buf.remaining() {
@@ -52,10 +58,58 @@ impl Decoder for RequestDecoder {
             metrics::counter!("sluice_rls_refused_total", "reason" => past.reason()).increment(1);
             return Err(Status::resource_exhausted(past.to_string()));
         }
-        RateLimitRequest::decode(buf)
+        WireRequest::decode(buf)
             .map(Some)
             .map_err(|error| Status::internal(error.to_string()))
     }
+}
+
+/// `envoy.service.ratelimit.v3.RateLimitRequest` as the service decodes it:
+/// [`crate::proto::RateLimitRequest`]'s fields and numbers, but each
+/// descriptor entry's key and value read as bytes. Protobuf's `string` and
+/// `bytes` share one wire form, so this reads every message the generated type
+/// reads, and also one whose key or value is not UTF-8, which the generated
+/// type fails (`INTERNAL`: an error Envoy's `failure_mode_deny: false` lets
+/// through). The check prost made while decoding is made when the bytes become
+/// the engine's strings (`String::from_utf8`, which keeps the buffer): the same
+/// work, no copy.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct WireRequest {
+    /// `domain` (set by Envoy's configuration, never by a client's request).
+    #[prost(string, tag = "1")]
+    pub(crate) domain: String,
+    /// `descriptors`.
+    #[prost(message, repeated, tag = "2")]
+    pub(crate) descriptors: Vec<WireDescriptor>,
+    /// `hits_addend`.
+    #[prost(uint32, tag = "3")]
+    pub(crate) hits_addend: u32,
+}
+
+/// `envoy.extensions.common.ratelimit.v3.RateLimitDescriptor`, its entries
+/// read as bytes.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct WireDescriptor {
+    /// `entries`.
+    #[prost(message, repeated, tag = "1")]
+    pub(crate) entries: Vec<WireEntry>,
+    /// `limit`.
+    #[prost(message, optional, tag = "2")]
+    pub(crate) limit: Option<RateLimitOverride>,
+    /// `hits_addend` (a `google.protobuf.UInt64Value`).
+    #[prost(message, optional, tag = "3")]
+    pub(crate) hits_addend: Option<u64>,
+}
+
+/// `RateLimitDescriptor.Entry`: its key and value as the client's bytes.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub(crate) struct WireEntry {
+    /// `key`.
+    #[prost(bytes = "vec", tag = "1")]
+    pub(crate) key: Vec<u8>,
+    /// `value`.
+    #[prost(bytes = "vec", tag = "2")]
+    pub(crate) value: Vec<u8>,
 }
 
 /// Which bound a request passes.
@@ -190,8 +244,8 @@ impl<'m> Iterator for Fields<'m> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::RateLimitDescriptor;
     use crate::proto::rate_limit_descriptor::Entry;
+    use crate::proto::{RateLimitDescriptor, RateLimitRequest};
 
     fn request(descriptors: usize, entries: usize) -> Vec<u8> {
         let descriptor = RateLimitDescriptor {
@@ -224,6 +278,51 @@ mod tests {
             Some(PastBounds::Entries)
         );
         assert_eq!(past_bounds(&[]), None, "an empty request");
+    }
+
+    /// R1: the service's request type reads every message Envoy's generated
+    /// type reads, into the same call, and also one whose key or value is not
+    /// UTF-8, which the generated type fails (`INTERNAL`, let through by
+    /// Envoy's `failure_mode_deny: false`): that one is `NotUtf8`.
+    #[test]
+    fn r1_a_request_is_read_as_the_generated_type_reads_it_and_not_utf8_too() {
+        use crate::proto::rate_limit_descriptor::RateLimitOverride;
+        let mut generated = RateLimitRequest::decode(&request(2, 3)[..]).expect("decodes");
+        generated.descriptors[1].limit = Some(RateLimitOverride {
+            requests_per_unit: 5,
+            unit: 2,
+        });
+        let message = generated.encode_to_vec();
+        let wire = WireRequest::decode(&message[..]).expect("decodes");
+        let call = crate::call_of_wire(wire).expect("UTF-8");
+        assert_eq!(call, crate::call_of(generated));
+        assert_eq!(
+            call.descriptors[1].entries[2],
+            ("k2".to_owned(), "v".to_owned())
+        );
+
+        for (key, value) in [(&b"user"[..], &b"caf\xe9"[..]), (b"\xff", b"v")] {
+            let bad = WireRequest {
+                domain: "api".to_owned(),
+                descriptors: vec![WireDescriptor {
+                    entries: vec![WireEntry {
+                        key: key.to_vec(),
+                        value: value.to_vec(),
+                    }],
+                    limit: None,
+                    hits_addend: None,
+                }],
+                hits_addend: 0,
+            }
+            .encode_to_vec();
+            assert!(
+                RateLimitRequest::decode(&bad[..]).is_err(),
+                "prost's string fails it"
+            );
+            let wire = WireRequest::decode(&bad[..]).expect("read as bytes");
+            let refused = crate::call_of_wire(wire).expect_err("not UTF-8");
+            assert_eq!((refused.domain.as_str(), refused.descriptors), ("api", 1));
+        }
     }
 
     /// A group (wire types 3 and 4) around descriptor fields hides nothing:

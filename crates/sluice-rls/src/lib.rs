@@ -68,6 +68,7 @@ pub mod proto {
 
 use connection::ConnectionInfo;
 use message::{Message, Unfinished};
+use proto::rate_limit_descriptor::RateLimitOverride;
 use proto::rate_limit_response::rate_limit::Unit as ProtoUnit;
 use proto::rate_limit_response::{Code as ProtoCode, DescriptorStatus, RateLimit};
 use proto::{HeaderValue, RateLimitRequest, RateLimitResponse};
@@ -148,15 +149,65 @@ pub fn call_of(request: RateLimitRequest) -> RateLimitCall {
             .into_iter()
             .map(|d| DescriptorCall {
                 entries: d.entries.into_iter().map(|e| (e.key, e.value)).collect(),
-                // Envoy sends a u64; more hits than a u32 holds can never fit.
-                hits: d.hits_addend.map(|h| u32::try_from(h).unwrap_or(u32::MAX)),
-                limit_override: d.limit.and_then(|l| {
-                    let unit = ProtoUnit::try_from(l.unit).ok().and_then(unit_of)?;
-                    Some((l.requests_per_unit, unit))
-                }),
+                hits: hits_of(d.hits_addend),
+                limit_override: override_of(d.limit),
             })
             .collect(),
     }
+}
+
+/// A descriptor's hits: Envoy sends a u64; more than a u32 holds can never fit.
+fn hits_of(hits: Option<u64>) -> Option<u32> {
+    hits.map(|h| u32::try_from(h).unwrap_or(u32::MAX))
+}
+
+/// A descriptor's limit override, unless its unit is unknown.
+fn override_of(limit: Option<RateLimitOverride>) -> Option<(u32, Unit)> {
+    limit.and_then(|l| {
+        let unit = ProtoUnit::try_from(l.unit).ok().and_then(unit_of)?;
+        Some((l.requests_per_unit, unit))
+    })
+}
+
+/// A request a descriptor key or value of which is not UTF-8: its domain and
+/// how many descriptors it has.
+#[derive(Debug)]
+pub(crate) struct NotUtf8 {
+    domain: String,
+    descriptors: usize,
+}
+
+/// The engine's call from the request as the service decodes it (see
+/// [`codec::WireRequest`]), as [`call_of`]; a request with a key or value that
+/// is not UTF-8 is [`NotUtf8`]. Each key and value becomes a `String` in the
+/// buffer it was decoded into.
+pub(crate) fn call_of_wire(request: codec::WireRequest) -> Result<RateLimitCall, NotUtf8> {
+    let count = request.descriptors.len();
+    let mut descriptors = Vec::with_capacity(count);
+    for d in request.descriptors {
+        let mut entries = Vec::with_capacity(d.entries.len());
+        for e in d.entries {
+            match (String::from_utf8(e.key), String::from_utf8(e.value)) {
+                (Ok(key), Ok(value)) => entries.push((key, value)),
+                _ => {
+                    return Err(NotUtf8 {
+                        domain: request.domain,
+                        descriptors: count,
+                    });
+                }
+            }
+        }
+        descriptors.push(DescriptorCall {
+            entries,
+            hits: hits_of(d.hits_addend),
+            limit_override: override_of(d.limit),
+        });
+    }
+    Ok(RateLimitCall {
+        domain: request.domain,
+        hits_addend: request.hits_addend,
+        descriptors,
+    })
 }
 
 /// The wire answer from the engine's.
@@ -202,6 +253,7 @@ fn outcome_label(outcome: Outcome) -> &'static str {
         Outcome::UnknownDomain => "unknown_domain",
         Outcome::TooManyCounted => "too_many_counted",
         Outcome::Outage => "outage",
+        Outcome::NotUtf8 => "not_utf8",
     }
 }
 
@@ -210,13 +262,13 @@ fn outcome_label(outcome: Outcome) -> &'static str {
 /// fewest requests left), its limit and what is left, and how long deciding took.
 fn describe_call(
     span: &mut sluice_edge::trace::CallSpan,
-    call: &RateLimitCall,
+    domain: &str,
     answer: &RateLimitAnswer,
     took: Duration,
 ) {
     let over = answer.overall == Code::OverLimit;
     span.set("sluice.outcome", if over { "refused" } else { "admitted" });
-    span.set("sluice.rls.domain", call.domain.clone());
+    span.set("sluice.rls.domain", domain.to_owned());
     span.set("sluice.rls.outcome", outcome_label(answer.outcome));
     span.set("sluice.store.latency_ms", took.as_secs_f64() * 1000.0);
     let binding = answer
@@ -237,7 +289,7 @@ impl<S: BudgetStore + 'static> Rls<S> {
     /// Answers one call with the current limiter, and counts it.
     async fn answer(
         &self,
-        request: tonic::Request<RateLimitRequest>,
+        request: tonic::Request<codec::WireRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         // SPEC O1: with a tracer installed, a span per call (Envoy sends its
         // trace context as metadata).
@@ -249,19 +301,34 @@ impl<S: BudgetStore + 'static> Rls<S> {
                 .map(tonic::metadata::MetadataValue::as_bytes),
         );
         let began = span.as_ref().map(|_| std::time::Instant::now());
-        let call = call_of(request.into_inner());
         let limiter = self.limiter.load_full();
-        let answer = limiter.should_rate_limit(&call).await;
+        let (domain, answer) = match call_of_wire(request.into_inner()) {
+            Ok(call) => {
+                let answer = limiter.should_rate_limit(&call).await;
+                (call.domain, answer)
+            }
+            Err(NotUtf8 {
+                domain,
+                descriptors,
+            }) => {
+                // Fail closed: refused whole, counted and logged (an error
+                // would be let through by Envoy's `failure_mode_deny: false`).
+                metrics::counter!("sluice_rls_refused_total", "reason" => "not_utf8").increment(1);
+                let answer = limiter.refuse_not_utf8(&domain, descriptors);
+                (domain, answer)
+            }
+        };
         if let (Some(span), Some(began)) = (&mut span, began)
             && span.is_recording()
         {
-            describe_call(span, &call, &answer, began.elapsed());
+            describe_call(span, &domain, &answer, began.elapsed());
         }
-        let domain = if answer.outcome == Outcome::UnknownDomain {
-            "unknown"
-        } else {
-            call.domain.as_str()
+        let unknown = match answer.outcome {
+            Outcome::UnknownDomain => true,
+            Outcome::NotUtf8 => !limiter.policy().domains.iter().any(|d| d.name == domain),
+            _ => false,
         };
+        let domain = if unknown { "unknown" } else { domain.as_str() };
         let code = if answer.overall == Code::Ok {
             "ok"
         } else {
@@ -355,9 +422,9 @@ impl<S: BudgetStore + 'static> tonic::codegen::Service<http::Request<tonic::body
 /// unboxed, inside the call's).
 struct Unary<F>(F);
 
-impl<F, A> tonic::codegen::Service<tonic::Request<RateLimitRequest>> for Unary<F>
+impl<F, A> tonic::codegen::Service<tonic::Request<codec::WireRequest>> for Unary<F>
 where
-    F: FnMut(tonic::Request<RateLimitRequest>) -> A,
+    F: FnMut(tonic::Request<codec::WireRequest>) -> A,
     A: Future<Output = Result<Response<RateLimitResponse>, Status>>,
 {
     type Response = Response<RateLimitResponse>;
@@ -368,7 +435,7 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: tonic::Request<RateLimitRequest>) -> A {
+    fn call(&mut self, request: tonic::Request<codec::WireRequest>) -> A {
         (self.0)(request)
     }
 }

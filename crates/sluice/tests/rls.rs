@@ -727,6 +727,95 @@ async fn r1_bounds_a_request_past_a_bound_is_resource_exhausted() {
     }
 }
 
+/// R1: a descriptor key or value that is not UTF-8 (a header's Latin-1 bytes,
+/// which Envoy sends as they are) was a gRPC `INTERNAL` error, neither counted
+/// nor logged, which Envoy's default `failure_mode_deny: false` lets through:
+/// any rule could be skipped, a rule of 0 and a `fail_closed` domain too. Such
+/// a request is now answered `OVER_LIMIT` whole, whatever its domain and rules,
+/// spending nothing; each is counted and logged as a refusal.
+#[tokio::test]
+async fn r1_a_descriptor_key_or_value_not_utf8_is_refused_never_an_error() {
+    let dir = DataDir::new();
+    let domains = format!(
+        "{API}      - key: zero
+        rate_limit: {{ unit: year, requests_per_unit: 0 }}
+  - domain: closed
+    outage: fail_closed
+    descriptors:
+      - key: user
+        rate_limit: {{ unit: year, requests_per_unit: 5 }}
+"
+    );
+    let policy = policy(&dir.0, &domains);
+    let sluice = Sluice::spawn(&[
+        "--config",
+        &policy,
+        "--rls",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+        "--data-dir",
+        dir.arg(),
+    ]);
+    let addr = sluice.start.rls.expect("rls");
+    let mut conn = grpc::connect(addr).await;
+    let latin1: &[u8] = b"caf\xe9";
+    let one = |key: &'static [u8], value: &'static [u8]| vec![(key, value)];
+    let cases = [
+        ("api", vec![one(b"zero", latin1)]),
+        ("closed", vec![one(b"user", latin1)]),
+        ("api", vec![one(b"\xffuser", b"ada")]),
+        ("api", vec![one(b"user", b"ada"), one(b"user", latin1)]),
+        ("nowhere", vec![one(b"user", latin1)]),
+    ];
+    for (domain, descriptors) in cases {
+        let outcome = grpc::call(&mut conn, addr, grpc::request(domain, descriptors)).await;
+        assert_eq!(
+            outcome,
+            Ok(grpc::Outcome {
+                status: grpc::OK,
+                overall: Some(grpc::OVER_LIMIT)
+            }),
+            "domain {domain}"
+        );
+    }
+    // A valid request is decided as before; the refused one spent nothing.
+    let answers = ask(
+        &sluice,
+        json!([
+            request("api", &[&[("zero", "x")]]),
+            request("api", &[&[("user", "ada")]]),
+        ]),
+    )
+    .await;
+    assert_eq!(answers[0]["overall"], "OVER_LIMIT", "a rule of 0");
+    assert_eq!(answers[1]["overall"], "OK");
+    assert_eq!(answers[1]["statuses"][0]["remaining"], 4, "nothing spent");
+    assert_eq!(
+        metric(&sluice, "sluice_rls_refused_total{reason=\"not_utf8\"}").await,
+        Some(5.0)
+    );
+    let metrics = support::get(&sluice.admin_url("/metrics")).await.text();
+    for (domain, n) in [("api", 3), ("closed", 1), ("unknown", 1)] {
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l.starts_with("sluice_rls_requests_total")
+                    && l.contains(&format!("domain=\"{domain}\""))
+                    && l.contains("code=\"over_limit\"")
+                    && l.contains("outcome=\"not_utf8\"")
+                    && l.ends_with(&format!(" {n}"))),
+            "{domain}: {metrics}"
+        );
+    }
+    let refusal = |l: &str| {
+        serde_json::from_str::<Value>(l)
+            .is_ok_and(|l| l["target"] == "sluice::refusal" && l["reason"] == "not_utf8")
+    };
+    let log = sluice.stderr_with(5, refusal).await;
+    assert_eq!(log.lines().filter(|l| refusal(l)).count(), 5, "{log}");
+}
+
 /// gRPC over hyper's HTTP/2 client, by hand: what the Python client cannot do
 /// — send part of a message and then nothing, time one connection's calls
 /// against another's, or hold a connection open.
@@ -747,6 +836,8 @@ mod grpc {
     /// gRPC's status codes the tests read.
     pub(super) const OK: u32 = 0;
     pub(super) const DEADLINE_EXCEEDED: u32 = 4;
+    /// `overall_code` OVER_LIMIT.
+    pub(super) const OVER_LIMIT: u64 = 2;
     pub(super) const RESOURCE_EXHAUSTED: u32 = 8;
 
     /// A request body sent as the test says: what is sent on the channel,
@@ -875,7 +966,7 @@ mod grpc {
 
     /// A `RateLimitRequest` of `domain` and `descriptors` (each a list of
     /// key and value), framed as gRPC sends it.
-    pub(super) fn request<K: AsRef<str>, V: AsRef<str>>(
+    pub(super) fn request<K: AsRef<[u8]>, V: AsRef<[u8]>>(
         domain: &str,
         descriptors: impl IntoIterator<Item = Vec<(K, V)>>,
     ) -> Bytes {
@@ -886,8 +977,8 @@ mod grpc {
             descriptor.clear();
             for (key, value) in entries {
                 entry.clear();
-                field(&mut entry, 1, key.as_ref().as_bytes());
-                field(&mut entry, 2, value.as_ref().as_bytes());
+                field(&mut entry, 1, key.as_ref());
+                field(&mut entry, 2, value.as_ref());
                 field(&mut descriptor, 1, &entry);
             }
             field(&mut message, 2, &descriptor);
