@@ -14,6 +14,10 @@
 //! policy, the next ones are decided by the new one, and budgets keep their counts
 //! (the store is shared; see [`sluice_edge::Limiter::reloaded`]).
 //!
+//! The domain files of `--rls-config` are read again with every reload (SIGHUP, or
+//! the policy file's change), also when the policy file is unchanged: a changed,
+//! added or removed domain file is applied, checked as the policy is.
+//!
 //! What a reload cannot change (it is refused, the old policy keeps running):
 //! - `lanes:` — a lane's engine counts the calls running through it and its batch
 //!   queue was opened with its settings; lanes whose settings are unchanged are kept,
@@ -61,7 +65,9 @@ pub struct PolicyFile {
     /// [`policy_version`] of the text the running policy was parsed from.
     pub version: String,
     /// A directory of envoyproxy/ratelimit domain files (`--rls-config`), read
-    /// again with every version of the file.
+    /// again with every reload, whether the policy file changed or not (a
+    /// changed, added or removed domain file is applied; the policy's version
+    /// names the policy file alone).
     pub domain_dir: Option<PathBuf>,
 }
 
@@ -207,7 +213,7 @@ impl Reloader {
         };
         let version = policy_version(text);
         let running = self.version();
-        if version == running {
+        let unchanged = |version: String| -> Result<String, String> {
             if trigger == Trigger::Signal {
                 tracing::info!(
                     target: "sluice::reload",
@@ -216,12 +222,21 @@ impl Reloader {
                     "policy unchanged"
                 );
             }
-            return Ok(version);
+            Ok(version)
+        };
+        // The `--rls-config` files are read again with every reload, the same
+        // policy file's too: they are not in its version.
+        let same_file = version == running;
+        if same_file && file.domain_dir.is_none() {
+            return unchanged(version);
         }
         let policy = match parse(file, text) {
             Ok(policy) => policy,
             Err(error) => return Err(self.rejected(trigger, &version, error)),
         };
+        if same_file && policy.domains == self.limiter.load().policy().domains {
+            return unchanged(version);
+        }
         // No tenant change while the file is applied: each is made over the file
         // that runs.
         let _held = match &self.tenants {
@@ -264,6 +279,7 @@ impl Reloader {
             version,
             previous = running,
             file = %file.path.display(),
+            rls_config_only = same_file,
             "policy reloaded"
         );
         Ok(version)

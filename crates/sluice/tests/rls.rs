@@ -543,6 +543,95 @@ async fn r1_sluice_rls_runs_the_service_alone() {
     assert_eq!(status["upstream_kind"], "none");
 }
 
+/// R1: the `--rls-config` directory is read again with every reload, as the
+/// docs and `--help` say, also when the policy file is unchanged (its domain
+/// files were read again only with a changed policy file: SIGHUP logged
+/// `policy unchanged` and kept the old rules). A changed, an added and a
+/// removed domain file are applied; a broken one is rejected and the running
+/// rules stay; nothing changed is `policy unchanged`.
+#[tokio::test]
+async fn r1_a_reload_reads_the_rls_config_directory_again_with_the_policy_unchanged() {
+    let dir = DataDir::new();
+    let policy = policy(&dir.0, "");
+    let conf = dir.0.join("conf");
+    std::fs::create_dir_all(&conf).expect("conf");
+    let rule = |domain: &str, limit: u32| {
+        format!(
+            "domain: {domain}\ndescriptors:\n  - key: user\n    rate_limit: {{ unit: year, requests_per_unit: {limit} }}\n"
+        )
+    };
+    let write = |name: &str, text: &str| std::fs::write(conf.join(name), text).expect("write");
+    write("d.yaml", &rule("d", 5));
+    write("gone.yaml", &rule("gone", 7));
+    let sluice = Sluice::spawn(&[
+        "--config",
+        &policy,
+        "--rls",
+        "127.0.0.1:0",
+        "--rls-config",
+        conf.to_str().expect("utf-8"),
+        "--log-format",
+        "json",
+        "--data-dir",
+        dir.arg(),
+    ]);
+    // Each domain's limit, spending nothing (hits 0).
+    let limits = || async {
+        let look = |domain: &str| json!({ "domain": domain, "descriptors": [[["user", "u"]]], "descriptor_hits": [0] });
+        let answers = ask(&sluice, json!([look("d"), look("gone"), look("new")])).await;
+        answers
+            .iter()
+            .map(|a| a["statuses"][0]["limit"].clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(limits().await, [json!(5), json!(7), Value::Null]);
+    let logged = |message: &'static str| {
+        move |l: &str| serde_json::from_str::<Value>(l).is_ok_and(|l| l["message"] == message)
+    };
+
+    write("d.yaml", &rule("d", 500));
+    std::fs::remove_file(conf.join("gone.yaml")).expect("remove");
+    write("new.yaml", &rule("new", 9));
+    sluice.signal("HUP");
+    let log = sluice.stderr_with(1, logged("policy reloaded")).await;
+    assert_eq!(
+        log.lines().filter(|l| logged("policy reloaded")(l)).count(),
+        1,
+        "{log}"
+    );
+    assert_eq!(limits().await, [json!(500), Value::Null, json!(9)]);
+
+    write(
+        "bad.yaml",
+        "domain: bad\ndescriptors:\n  - key: user\n    rate_limit: { unit: fortnight, requests_per_unit: 1 }\n",
+    );
+    sluice.signal("HUP");
+    let rejected = |l: &str| {
+        serde_json::from_str::<Value>(l).is_ok_and(|l| {
+            l["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("policy reload rejected") && m.contains("fortnight"))
+        })
+    };
+    let log = sluice.stderr_with(1, rejected).await;
+    assert!(log.lines().any(rejected), "{log}");
+    assert_eq!(
+        limits().await,
+        [json!(500), Value::Null, json!(9)],
+        "the running rules stay"
+    );
+
+    std::fs::remove_file(conf.join("bad.yaml")).expect("remove");
+    sluice.signal("HUP");
+    let log = sluice.stderr_with(1, logged("policy unchanged")).await;
+    assert!(log.lines().any(logged("policy unchanged")), "{log}");
+    assert_eq!(
+        log.lines().filter(|l| logged("policy reloaded")(l)).count(),
+        1,
+        "nothing to apply: {log}"
+    );
+}
+
 /// `sluice rls <args> --rls 127.0.0.1:0 --admin 127.0.0.1:0`, alone: its
 /// addresses, killed when dropped.
 struct RlsAlone {
