@@ -760,6 +760,9 @@ fn rate_limit(
         ],
     )?;
     let unlimited = r.flag(map, at, "unlimited");
+    if unlimited && !unlimited_alone(r, map, at) {
+        return None;
+    }
     let unit = rate_limit_unit(r, map, at, unlimited)?;
     let limit = rate_limit_requests(r, map, at, unlimited)?;
     let name = r.text(map, at, "name").filter(|n| !n.is_empty());
@@ -787,6 +790,25 @@ fn rate_limit(
         replaces: Vec::new(),
     });
     Some(index)
+}
+
+/// Whether the `unlimited: true` rate limit at `at` names no `unit` and no
+/// `requests_per_unit` (a problem for each it names). envoyproxy/ratelimit
+/// refuses to load a unit with `unlimited` ("should not specify rate limit
+/// unit when unlimited"); a limit beside it would be as silently ignored, so
+/// it is refused too: a rule must not say a limit it does not keep.
+fn unlimited_alone(r: &mut Reader<'_>, map: &serde_json::Map<String, Value>, at: &str) -> bool {
+    let mut alone = true;
+    for key in ["unit", "requests_per_unit"] {
+        if map.contains_key(key) {
+            r.problem(
+                join(at, key),
+                "not with `unlimited: true`: an unlimited rule counts nothing; remove one or the other",
+            );
+            alone = false;
+        }
+    }
+    alone
 }
 
 /// The `unit:` of the rate limit at `at`: `None` within `Some` for an `unlimited`

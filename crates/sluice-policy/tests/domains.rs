@@ -197,3 +197,57 @@ fn r1_a_policys_domains_are_checked_with_their_key_paths_and_named_once() {
         "{bad}"
     );
 }
+
+/// R1: `unlimited: true` beside a `unit` or a `requests_per_unit` was read as
+/// unlimited, the limit it names silently dropped (envoyproxy/ratelimit refuses
+/// to load a unit with it: "should not specify rate limit unit when
+/// unlimited"). Each is a problem named by the rule's path, in a domain file
+/// and in a policy's `domains:`; `unlimited: false` beside them, or
+/// `unlimited: true` alone, loads.
+#[test]
+fn r1_unlimited_with_a_unit_or_a_limit_is_refused_by_its_path() {
+    let text = problems(
+        "domain: d
+descriptors:
+  - key: a
+    rate_limit: { unit: second, requests_per_unit: 10, unlimited: true }
+  - key: b
+    descriptors:
+      - key: c
+        rate_limit: { requests_per_unit: 10, unlimited: true }
+  - key: e
+    rate_limit: { unit: minute, unlimited: true }
+",
+    );
+    for expected in [
+        "descriptors[0].rate_limit.unit: not with `unlimited: true`",
+        "descriptors[0].rate_limit.requests_per_unit: not with `unlimited: true`",
+        "descriptors[1].descriptors[0].rate_limit.requests_per_unit: not with `unlimited: true`",
+        "descriptors[2].rate_limit.unit: not with `unlimited: true`",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
+    let d = domain(
+        "domain: d
+descriptors:
+  - key: a
+    rate_limit: { unit: second, requests_per_unit: 10, unlimited: false }
+  - key: b
+    rate_limit: { unlimited: true }
+",
+    );
+    assert_eq!((d.rules[0].limit, d.rules[0].unlimited), (10, false));
+    assert!(d.rules[1].unlimited);
+    let yaml = sluice_policy::DEFAULT_POLICY_YAML.replacen(
+        "headers:\n",
+        "domains:\n  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: { unit: day, unlimited: true }\nheaders:\n",
+        1,
+    );
+    let bad = parse_str(&yaml, Path::new("p.yaml"))
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        bad.contains("domains[0].descriptors[0].rate_limit.unit: not with `unlimited: true`"),
+        "{bad}"
+    );
+}

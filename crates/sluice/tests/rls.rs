@@ -525,6 +525,57 @@ descriptors:
     );
 }
 
+/// R1: `sluice check` refuses a rule with `unlimited: true` and a `unit` or
+/// `requests_per_unit` (it was loaded as unlimited), naming its file and path,
+/// as the service refuses to start with it.
+#[test]
+fn r1_sluice_check_refuses_unlimited_with_a_unit_by_its_path() {
+    let dir = DataDir::new();
+    std::fs::create_dir_all(&dir.0).expect("dir");
+    let file = dir.0.join("a.yaml");
+    std::fs::write(
+        &file,
+        "domain: d2\ndescriptors:\n  - key: user\n    rate_limit: { unit: second, requests_per_unit: 10, unlimited: true }\n",
+    )
+    .expect("write");
+    let out = Command::new(support::binary())
+        .arg("check")
+        .arg(&dir.0)
+        .output()
+        .expect("sluice check");
+    assert_eq!(out.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&out.stderr);
+    let shown = file.display();
+    for key in ["unit", "requests_per_unit"] {
+        let expected =
+            format!("{shown}: descriptors[0].rate_limit.{key}: not with `unlimited: true`");
+        assert!(text.contains(&expected), "missing {expected:?} in:\n{text}");
+    }
+    let data = DataDir::new();
+    let started = support::run_to_exit(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--rls",
+            "127.0.0.1:0",
+            "--rls-config",
+            dir.0.to_str().expect("utf-8"),
+            "--data-dir",
+            data.arg(),
+        ],
+        std::time::Duration::from_secs(20),
+    );
+    assert!(!started.status.success(), "{}", started.stderr);
+    assert!(
+        started.stderr.contains("not with `unlimited: true`"),
+        "{}",
+        started.stderr
+    );
+}
+
 #[tokio::test]
 async fn r1_sluice_rls_runs_the_service_alone() {
     let dir = DataDir::new();
