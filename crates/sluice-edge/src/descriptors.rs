@@ -148,6 +148,8 @@ struct Counted<'d> {
     limit: u32,
     unit: Unit,
     budget: Budget,
+    /// Decided in shadow mode: never refuses (its rule's, unless overridden, or a dry run).
+    shadow: bool,
 }
 
 fn ok_status() -> DescriptorStatus {
@@ -401,7 +403,7 @@ impl<S: BudgetStore> Limiter<S> {
             .counted
             .iter()
             .enumerate()
-            .filter(|(_, c)| self.in_shadow(c.rule))
+            .filter(|(_, c)| c.shadow)
             .fold(0_u16, |mask, (i, _)| mask | 1 << i);
         let waived = shadow_waived(&decision, shadow, || 0);
         let mut refused = None;
@@ -473,9 +475,11 @@ impl<S: BudgetStore> Limiter<S> {
     }
 
     /// True when `rule` decides in shadow mode: its own `shadow_mode`, or every
-    /// rule in a dry run (as every budget).
-    fn in_shadow(&self, rule: &DescriptorRule) -> bool {
-        rule.shadow || self.policy().dry_run
+    /// rule in a dry run (as every budget). A descriptor's `limit` override is
+    /// never in its rule's shadow mode (`overridden`): as in the reference
+    /// service, the override is the limit before any rule is looked at.
+    fn in_shadow(&self, rule: &DescriptorRule, overridden: bool) -> bool {
+        (rule.shadow && !overridden) || self.policy().dry_run
     }
 
     /// Plans `call`'s descriptors in `domain`: what each counts, one budget per
@@ -510,7 +514,13 @@ impl<S: BudgetStore> Limiter<S> {
             };
             answer.rules[i] = Some(rule_label(rule, d));
             let (limit, unit) = d.limit_override.unwrap_or((rule.limit, rule.unit));
-            if rule.unlimited {
+            // The reference service (config_impl.go, GetLimit) takes a
+            // descriptor's override as its limit before it looks for a rule: an
+            // override is enforced whatever the rule says, neither unlimited
+            // nor in the rule's shadow mode.
+            let overridden = d.limit_override.is_some();
+            let shadow = self.in_shadow(rule, overridden);
+            if rule.unlimited && !overridden {
                 answer.statuses[i] = DescriptorStatus {
                     code: Code::Ok,
                     current_limit: None,
@@ -521,7 +531,6 @@ impl<S: BudgetStore> Limiter<S> {
             }
             if limit == 0 {
                 // 0 per unit refuses every request, counted nowhere.
-                let shadow = self.in_shadow(rule);
                 answer.statuses[i] = DescriptorStatus {
                     code: if shadow { Code::Ok } else { Code::OverLimit },
                     current_limit: Some(current(rule, 0, unit)),
@@ -564,6 +573,7 @@ impl<S: BudgetStore> Limiter<S> {
                 limit,
                 unit,
                 budget,
+                shadow,
             });
         }
         plan
@@ -587,7 +597,7 @@ impl<S: BudgetStore> Limiter<S> {
         let mut tightest: Option<(u32, u32, u64)> = None;
         for (c, s) in counted.iter().zip(decision.statuses()) {
             let mut status = status_of(s, now, c.rule, c.limit, c.unit);
-            if self.in_shadow(c.rule) && status.code == Code::OverLimit {
+            if c.shadow && status.code == Code::OverLimit {
                 status.code = Code::Ok;
             }
             if status.code == Code::OverLimit {
@@ -802,6 +812,64 @@ mod tests {
                     .overall,
                 Code::Ok,
                 "an unknown domain"
+            );
+        }
+    }
+
+    /// R1, as envoyproxy/ratelimit (`GetLimit` takes a descriptor's `limit`
+    /// override before any rule): an override on an `unlimited` rule or one in
+    /// `shadow_mode` is enforced as its limit (it was ignored: always `OK`);
+    /// without one those rules answer as before; a dry run still refuses
+    /// nothing.
+    #[tokio::test]
+    async fn r1_a_limit_override_is_enforced_on_unlimited_and_shadow_rules() {
+        const RULES: &str = "domains:
+  - domain: api
+    descriptors:
+      - key: unl
+        rate_limit: { unlimited: true }
+      - key: sh
+        rate_limit: { unit: minute, requests_per_unit: 1 }
+        shadow_mode: true
+";
+        /// Three calls of `key` with `limit`: their codes.
+        async fn codes(
+            limiter: &Limiter<MemoryStore<FakeClock>>,
+            key: &str,
+            limit: Option<(u32, Unit)>,
+        ) -> Vec<Code> {
+            let mut c = call(&[&[(key, "probe")]]);
+            c.descriptors[0].limit_override = limit;
+            let mut codes = Vec::new();
+            for _ in 0..3 {
+                codes.push(limiter.should_rate_limit(&c).await.overall);
+            }
+            codes
+        }
+        let enforced = limiter(RULES, false);
+        for key in ["unl", "sh"] {
+            assert_eq!(
+                codes(&enforced, key, Some((2, Unit::Hour))).await,
+                [Code::Ok, Code::Ok, Code::OverLimit],
+                "{key}"
+            );
+            let mut c = call(&[&[(key, "probe")]]);
+            c.descriptors[0].limit_override = Some((2, Unit::Hour));
+            let answer = enforced.should_rate_limit(&c).await;
+            let limit = answer.statuses[0].current_limit.as_ref().expect("a limit");
+            assert_eq!((limit.requests_per_unit, limit.unit), (2, Unit::Hour));
+            assert!(
+                answer.shadow_refusals.is_empty(),
+                "{key}: enforced, not shadowed"
+            );
+            assert_eq!(codes(&enforced, key, None).await, [Code::Ok; 3], "{key}");
+        }
+        let dry = limiter(RULES, true);
+        for key in ["unl", "sh"] {
+            assert_eq!(
+                codes(&dry, key, Some((2, Unit::Hour))).await,
+                [Code::Ok; 3],
+                "{key} in a dry run"
             );
         }
     }

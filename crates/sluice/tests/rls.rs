@@ -735,6 +735,78 @@ async fn ask_at(addr: std::net::SocketAddr, requests: Value) -> Vec<Value> {
     answer.as_array().expect("a list").clone()
 }
 
+/// R1, as envoyproxy/ratelimit (`GetLimit` takes a descriptor's `limit`
+/// override before it looks for a rule): an override on a descriptor whose rule
+/// is `unlimited` or in `shadow_mode` is enforced as its limit, neither
+/// unlimited nor in shadow mode (it was ignored: such a descriptor was always
+/// `OK`). Without an override those rules answer as before.
+#[tokio::test]
+async fn r1_a_limit_override_on_an_unlimited_or_shadow_rule_is_enforced() {
+    use sluice_rls::proto::rate_limit_descriptor::{Entry, RateLimitOverride};
+    use sluice_rls::proto::rate_limit_response::rate_limit::Unit;
+    use sluice_rls::proto::rate_limit_service_client::RateLimitServiceClient;
+    use sluice_rls::proto::{RateLimitDescriptor, RateLimitRequest};
+
+    let dir = DataDir::new();
+    let policy = policy(
+        &dir.0,
+        "domains:
+  - domain: api
+    descriptors:
+      - key: unl
+        rate_limit: { unlimited: true }
+      - key: sh
+        rate_limit: { unit: year, requests_per_unit: 1 }
+        shadow_mode: true
+",
+    );
+    let sluice = rls_server(&policy, ["--data-dir", dir.arg()]);
+    let rls = sluice.start.rls.expect("rls");
+    let mut client = RateLimitServiceClient::connect(format!("http://{rls}"))
+        .await
+        .expect("connect");
+    let request = |key: &str, limit: Option<u32>| RateLimitRequest {
+        domain: "api".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: key.into(),
+                value: "probe".into(),
+            }],
+            limit: limit.map(|requests_per_unit| RateLimitOverride {
+                requests_per_unit,
+                unit: Unit::Year.into(),
+            }),
+            hits_addend: None,
+        }],
+        hits_addend: 0,
+    };
+    // overall_code: 1 OK, 2 OVER_LIMIT.
+    for key in ["unl", "sh", "no_rule"] {
+        let mut codes = Vec::new();
+        for _ in 0..3 {
+            let answer = client
+                .should_rate_limit(request(key, Some(2)))
+                .await
+                .expect("answered")
+                .into_inner();
+            let limit = answer.statuses[0].current_limit.as_ref();
+            assert_eq!(limit.map(|l| l.requests_per_unit), Some(2), "{key}");
+            codes.push(answer.overall_code);
+        }
+        assert_eq!(codes, [1, 1, 2], "{key}: the override's 2 a year");
+    }
+    for key in ["unl", "sh"] {
+        for _ in 0..3 {
+            let answer = client
+                .should_rate_limit(request(key, None))
+                .await
+                .expect("answered")
+                .into_inner();
+            assert_eq!(answer.overall_code, 1, "{key} without an override");
+        }
+    }
+}
+
 /// A rule of 5 (a year, so that no run straddles a window; the report of the
 /// defect used 5 a minute).
 const FIVE: &str = "domains:
