@@ -742,6 +742,19 @@ async fn p4_a_removal_made_again_at_restart_revokes_no_credential_given_since() 
     assert_eq!(listed["revoked"], serde_json::json!([file_key]), "{listed}");
 }
 
+/// Two policy files named after `name`: the test policy, and one that also has
+/// the plan `enterprise` (expensive 9), which the first lacks.
+fn plain_and_richer(name: &str) -> (String, String) {
+    let plain = policy(&format!("{name}-plain.yaml"));
+    let richer = policy(&format!("{name}-richer.yaml"));
+    let yaml = std::fs::read_to_string(&richer).expect("policy").edit(
+        "  pro:\n    classes: { expensive: 4 }\n",
+        "  pro:\n    classes: { expensive: 4 }\n  enterprise:\n    classes: { expensive: 9 }\n",
+    );
+    std::fs::write(&richer, yaml).expect("write policy");
+    (plain, richer)
+}
+
 /// Replicas whose policy files differ (one names a plan the other lacks): a
 /// change the second cannot take is left out there — listed by its `GET
 /// /tenants`, not applied — and the changes after it still reach it, a
@@ -750,13 +763,7 @@ async fn p4_a_removal_made_again_at_restart_revokes_no_credential_given_since() 
 #[tokio::test]
 async fn p4_d2_a_change_one_replica_cannot_take_never_holds_back_the_next() {
     let redis = RedisServer::start("tenants-unfit");
-    let plain = policy("unfit-plain.yaml");
-    let richer = policy("unfit-richer.yaml");
-    let yaml = std::fs::read_to_string(&richer).expect("policy").edit(
-        "  pro:\n    classes: { expensive: 4 }\n",
-        "  pro:\n    classes: { expensive: 4 }\n  enterprise:\n    classes: { expensive: 9 }\n",
-    );
-    std::fs::write(&richer, yaml).expect("write policy");
+    let (plain, richer) = plain_and_richer("unfit");
     let a = Sluice::spawn(&["--config", &richer, "--store", &redis.url()]);
     let b = Sluice::spawn(&["--config", &plain, "--store", &redis.url()]);
     let enterprise = admin(
@@ -807,13 +814,7 @@ async fn p4_d2_a_change_one_replica_cannot_take_never_holds_back_the_next() {
 #[tokio::test]
 async fn p4_d2_a_replica_leaves_out_only_the_entry_it_cannot_take_not_those_named_like_it() {
     let redis = RedisServer::start("tenants-dotted");
-    let plain = policy("dotted-plain.yaml");
-    let richer = policy("dotted-richer.yaml");
-    let yaml = std::fs::read_to_string(&richer).expect("policy").edit(
-        "  pro:\n    classes: { expensive: 4 }\n",
-        "  pro:\n    classes: { expensive: 4 }\n  enterprise:\n    classes: { expensive: 9 }\n",
-    );
-    std::fs::write(&richer, yaml).expect("write policy");
+    let (plain, richer) = plain_and_richer("dotted");
     let a = Sluice::spawn(&["--config", &richer, "--store", &redis.url()]);
     let b = Sluice::spawn(&["--config", &plain, "--store", &redis.url()]);
     let pro = admin(
