@@ -371,37 +371,6 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        // A submit a monthly quota refused (see sluice-edge's
-        // `RefusedUnlessRepeat`): answered here, never passed on.
-        if let Some(refused) = request
-            .extensions()
-            .get::<sluice_edge::RefusedUnlessRepeat>()
-            .cloned()
-        {
-            let lane = self.lanes.first().and_then(|l| {
-                match l
-                    .limiter
-                    .load()
-                    .route_for(request.method(), request.uri().path())
-                    .ok()
-                    .flatten()
-                    .and_then(|r| r.batch)
-                {
-                    Some(BatchEndpoint::Submit(i)) => self.lane(i),
-                    _ => None,
-                }
-            });
-            return Box::pin(async move {
-                let (parts, body) = request.into_parts();
-                let body = body.collect().await.map(|c| c.to_bytes()).ok();
-                Ok(match (lane, body) {
-                    (Some(lane), Some(body)) if parts.method == Method::POST => {
-                        lane.repeat(&parts, &body, refused).await
-                    }
-                    _ => boxed(refused.take()),
-                })
-            });
-        }
         let endpoint = if self.lanes.is_empty() {
             None
         } else {
@@ -417,6 +386,25 @@ where
         let lane = endpoint.and_then(|e| match e {
             BatchEndpoint::Submit(i) | BatchEndpoint::Status(i) => self.lane(i),
         });
+        // A submit a monthly quota refused (see sluice-edge's
+        // `RefusedUnlessRepeat`): answered here, never passed on.
+        if let Some(refused) = request
+            .extensions()
+            .get::<sluice_edge::RefusedUnlessRepeat>()
+            .cloned()
+        {
+            let lane = lane.filter(|_| matches!(endpoint, Some(BatchEndpoint::Submit(_))));
+            return Box::pin(async move {
+                let (parts, body) = request.into_parts();
+                let body = body.collect().await.map(|c| c.to_bytes()).ok();
+                Ok(match (lane, body) {
+                    (Some(lane), Some(body)) if parts.method == Method::POST => {
+                        lane.repeat(&parts, &body, refused).await
+                    }
+                    _ => boxed(refused.take()),
+                })
+            });
+        }
         let jsonrpc = self.lanes.first().is_some_and(|l| {
             let limiter = l.limiter.load();
             limiter.policy().lanes.iter().any(|lane| {
